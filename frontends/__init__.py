@@ -1,0 +1,1 @@
+"""Frontends: turn a training step written in a framework into an OpGraph."""

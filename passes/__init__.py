@@ -1,0 +1,4 @@
+"""Passes: pure functions from an OpGraph (+ mesh, costs, options) to planning data.
+
+Nothing here imports torch execution code; a pass never mutates its input.
+"""

@@ -1,0 +1,57 @@
+"""Alpa's cost model: alpha-beta collectives per mesh axis, a compute roofline.
+
+Collective costs for ``n`` devices on an axis with latency ``a`` and inverse bandwidth
+``b``, where ``B`` is the size of the whole tensor the collective produces or reduces:
+all-gather ``a + b(n-1)/n B``, all-reduce ``a + 2b(n-1)/n B``, reduce-scatter
+``a + b(n-1)/n B``, all-to-all ``a + b(n-1)/n^2 B n/2``. Steps record what each rank
+contributes, so for an all-gather or all-to-all ``B`` is that contribution times ``n``.
+
+Compute: ``max(flops / peak_flops, bytes / memory_bandwidth)`` of the local share of an
+op; zero when the mesh has no ``peak_flops`` (Alpa's communication-only setting).
+"""
+
+from __future__ import annotations
+
+from torchalpa.cluster import LogicalMesh
+from torchalpa.opgraph import OpNode
+from torchalpa.plan import ReshardStep
+
+__all__ = ["collective_cost", "steps_cost", "compute_cost", "all_reduce_cost"]
+
+
+def collective_cost(mesh: LogicalMesh, kind: str, axis: int, nbytes: float) -> float:
+    """Time of one collective on ``axis`` given the bytes each rank contributes."""
+    n = mesh.shape[axis]
+    if n == 1 or kind == "slice":
+        return 0.0
+    a, b = mesh.alpha[axis], mesh.beta[axis]
+    if kind == "all_reduce":
+        return a + 2 * b * (n - 1) / n * nbytes
+    if kind == "all_gather":
+        return a + b * (n - 1) / n * (nbytes * n)
+    if kind == "reduce_scatter":
+        return a + b * (n - 1) / n * nbytes
+    if kind == "all_to_all":
+        return a + b * (n - 1) / n ** 2 * (nbytes * n) * (n / 2)
+    if kind == "send_recv":
+        return a + b * nbytes
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def all_reduce_cost(mesh: LogicalMesh, nbytes: float, axis: int) -> float:
+    """Alpa's ``device_mesh.all_reduce_cost(bytes, axis)``, for tests and reports."""
+    return collective_cost(mesh, "all_reduce", axis, nbytes)
+
+
+def steps_cost(mesh: LogicalMesh, steps) -> float:
+    return sum(collective_cost(mesh, s.kind, s.axis, s.bytes) for s in steps)
+
+
+def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int) -> float:
+    """Roofline time of this device's share of ``node`` split ``shards`` ways."""
+    if mesh.peak_flops is None:
+        return 0.0
+    t = node.flops / shards / mesh.peak_flops
+    if mesh.memory_bandwidth:
+        t = max(t, node.bytes / shards / mesh.memory_bandwidth)
+    return t

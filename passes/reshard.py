@@ -1,0 +1,90 @@
+"""The one redistribution planner: which collectives turn one layout into another.
+
+Works axis by axis like DTensor's redistribute. Reductions and gathers run first, from
+the innermost mesh axis out (so a dim split over two axes is reassembled in the right
+order); then shards that a collective can produce directly (reduce-scatter, all-to-all);
+then local slices, outermost axis first. Replicate -> Partial and Shard -> Partial are
+impossible (None). Each step records the bytes each rank contributes.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from torchalpa.opgraph import TensorSpec
+from torchalpa.placement import Partial, Placements, Replicate, Shard
+from torchalpa.plan import ReshardStep
+
+__all__ = ["plan_reshard", "local_bytes"]
+
+
+def local_bytes(spec: TensorSpec, placements: Placements, mesh_shape) -> int:
+    n = spec.nbytes
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n //= mesh_shape[axis]
+    return n
+
+
+def _sharded_elsewhere(placements, dim: int, axis: int) -> bool:
+    return any(isinstance(p, Shard) and p.dim == dim and a != axis for a, p in enumerate(placements))
+
+
+@lru_cache(maxsize=1 << 16)
+def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
+                 mesh_shape: tuple[int, ...]) -> tuple[ReshardStep, ...] | None:
+    """Steps from ``src`` to ``dst`` (empty if equal), or None if no steps can do it."""
+    if src == dst:
+        return ()
+    if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
+        raise ValueError(f"placements {src} -> {dst} do not match mesh {mesh_shape}")
+    for s, d in zip(src, dst):
+        if isinstance(d, Partial) and s != d:
+            return None
+    steps: list[ReshardStep] = []
+    cur = list(src)
+
+    def emit(kind, axis, new, **kw):
+        before = tuple(cur)
+        nbytes = local_bytes(spec, before, mesh_shape)
+        cur[axis] = new
+        steps.append(ReshardStep(kind=kind, axis=axis, bytes=nbytes, src=before,
+                                 dst=tuple(cur), **kw))
+
+    def gather(axis):
+        # Reassemble inner axes that split the same dim first, so nesting order holds.
+        p = cur[axis]
+        for inner in range(len(cur) - 1, axis, -1):
+            if isinstance(cur[inner], Shard) and cur[inner].dim == p.dim:
+                gather(inner)
+        emit("all_gather", axis, Replicate(), dim=p.dim)
+
+    # 1. reductions and gathers, inner axes first
+    for axis in reversed(range(len(cur))):
+        s, d = cur[axis], dst[axis]
+        if s == d or isinstance(s, Replicate):
+            continue
+        if isinstance(s, Partial):
+            if isinstance(d, Shard) and not _sharded_elsewhere(cur, d.dim, axis) \
+                    and not _sharded_elsewhere(dst, d.dim, axis):
+                emit("reduce_scatter", axis, d, dim=d.dim, reduce_op=s.reduce_op)
+            else:
+                emit("all_reduce", axis, Replicate(), reduce_op=s.reduce_op)
+        elif isinstance(s, Shard):
+            if isinstance(d, Shard) and not _sharded_elsewhere(cur, s.dim, axis) \
+                    and not _sharded_elsewhere(cur, d.dim, axis) \
+                    and not _sharded_elsewhere(dst, d.dim, axis):
+                emit("all_to_all", axis, d, dim=d.dim, src_dim=s.dim)
+            else:
+                gather(axis)
+    # 2. local slices, outer axes first (matches the nesting order of a multi-axis split)
+    for axis in range(len(cur)):
+        if cur[axis] != dst[axis]:
+            if not isinstance(cur[axis], Replicate) or not isinstance(dst[axis], Shard):
+                return None
+            for inner in range(len(cur) - 1, axis, -1):  # an inner split of this dim must
+                if cur[inner] == dst[axis]:              # be undone before the outer one
+                    gather(inner)
+            emit("slice", axis, dst[axis], dim=dst[axis].dim)
+    assert tuple(cur) == tuple(dst), (src, dst, cur)
+    return tuple(steps)

@@ -1,0 +1,105 @@
+"""Factor-based sharding rules: one declarative rule per op kind.
+
+A rule names the *factors* of an op's iteration space (like einsum letters) and says
+which factors index each dim of each operand and result. Sharding a factor over a mesh
+axis shards every dim it indexes; operands it does not index stay replicated on that
+axis; a *reduction* factor (contracted, summed or averaged away) leaves the results
+``Partial``. A dim made of several factors (a reshape merged them) can be sharded only
+by its leading (major) factor. Strategies are derived from rules by shared code
+(``passes/strategies.py``); the ILP only selects among them.
+
+Rules are registered per op name with ``@register``; ``rule_for`` looks one up. An op
+without a rule gets ``None``, and the planner gives it a replicate-only strategy and
+lists it in the plan (never a wrong result).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from torchalpa.opgraph import OpGraph, OpNode, TensorSpec
+
+__all__ = ["FactorRule", "register", "rule_for", "RULES", "has_rule"]
+
+Dims = tuple  # tuple[tuple[str, ...], ...]: per tensor dim, its factors, major first
+
+
+@dataclass(frozen=True, slots=True)
+class FactorRule:
+    """How the dims of an op's operands and results map onto shared factors."""
+
+    operands: tuple[Dims, ...]
+    results: tuple[Dims, ...]
+    sizes: tuple[tuple[str, int], ...]
+    reductions: tuple[tuple[str, str], ...] = ()   # factor -> "sum" | "avg"
+    blocked: frozenset = frozenset()               # factors that must never be sharded
+    linear: tuple[frozenset, ...] = ()             # operand groups a Partial may pass through
+    ignored: frozenset = frozenset()               # operands read for shape/dtype only
+    heavy: bool = False                            # compute-bound (matmul, conv): never redundant
+
+    @property
+    def size_of(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    @property
+    def reduction_of(self) -> dict[str, str]:
+        return dict(self.reductions)
+
+    def factors(self) -> list[str]:
+        return [f for f, _ in self.sizes]
+
+
+RuleFn = Callable[[OpNode, list[TensorSpec]], FactorRule]
+RULES: dict[str, RuleFn] = {}
+
+
+def register(*ops: str) -> Callable[[RuleFn], RuleFn]:
+    """Register ``fn(node, operand_specs) -> FactorRule`` for each op name."""
+    def wrap(fn: RuleFn) -> RuleFn:
+        for op in ops:
+            if op in RULES:
+                raise ValueError(f"duplicate sharding rule for {op}")
+            RULES[op] = fn
+        return fn
+    return wrap
+
+
+def has_rule(op: str) -> bool:
+    return op in RULES
+
+
+def rule_for(node: OpNode, graph: OpGraph) -> FactorRule | None:
+    """The node's rule, or None if its op has none (replicate-only fallback)."""
+    fn = RULES.get(node.op)
+    if fn is None:
+        return None
+    return fn(node, [graph.spec(r) for r in node.operands])
+
+
+class FactorNamer:
+    """Hands out factor names and records their sizes while a rule is built."""
+
+    def __init__(self):
+        self.sizes: dict[str, int] = {}
+
+    def new(self, size: int) -> str:
+        name = f"f{len(self.sizes)}"
+        self.sizes[name] = int(size)
+        return name
+
+    def dims(self, shape) -> Dims:
+        """One fresh factor per dim (none for size-1 dims, which can't be split)."""
+        return tuple((self.new(s),) if s != 1 else () for s in shape)
+
+    def rule(self, operands, results, **kw) -> FactorRule:
+        return FactorRule(operands=tuple(operands), results=tuple(results),
+                          sizes=tuple(self.sizes.items()), **kw)
+
+
+def normalize_dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+# Populate the registry: one module per op family.
+from torchalpa.passes.rules import elementwise, factory, matmul, reduce, view  # noqa: E402,F401

@@ -1,0 +1,132 @@
+"""Shape ops: reshape (split and merged dims), permute/transpose, expand, (un)squeeze.
+
+A reshape is matched group by group: runs of input dims and output dims with equal
+products. A dim split into several keeps them as its factors (major first), a merge is
+the reverse; a group that is neither (e.g. 6x4 -> 4x6) gets factors that cannot be
+sharded. All are linear: a Partial passes through.
+"""
+
+from __future__ import annotations
+
+from torchalpa.passes.rules import FactorNamer, normalize_dim, register
+
+_LINEAR = (frozenset({0}),)
+
+
+def _prod(xs) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def _groups(src: tuple, dst: tuple):
+    """Split src and dst dims into consecutive groups of equal product (size-1 dims alone)."""
+    i = j = 0
+    groups = []
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1:
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1:
+            groups.append(([], [j]))
+            j += 1
+            continue
+        gi, gj = [i], [j]
+        ps, pd = src[i], dst[j]
+        i += 1
+        j += 1
+        while ps != pd:
+            if ps < pd:
+                gi.append(i)
+                ps *= src[i]
+                i += 1
+            else:
+                gj.append(j)
+                pd *= dst[j]
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+@register("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
+def reshape(node, specs):
+    src, dst = specs[0].shape, node.outputs[0].shape
+    f = FactorNamer()
+    in_dims: list = [()] * len(src)
+    out_dims: list = [()] * len(dst)
+    blocked = set()
+    for gi, gj in _groups(src, dst):
+        if not gi or not gj:
+            continue  # a size-1 dim on one side: no factor
+        if len(gi) == 1:            # one input dim -> one or more output dims (split)
+            factors = tuple(f.new(dst[j]) for j in gj)
+            in_dims[gi[0]] = factors
+            for j, fac in zip(gj, factors):
+                out_dims[j] = (fac,)
+        elif len(gj) == 1:          # several input dims merge into one output dim
+            factors = tuple(f.new(src[i]) for i in gi)
+            out_dims[gj[0]] = factors
+            for i, fac in zip(gi, factors):
+                in_dims[i] = (fac,)
+        else:                       # no clean factorization: keep these dims whole
+            for i in gi:
+                fac = f.new(src[i])
+                blocked.add(fac)
+                in_dims[i] = (fac,)
+            for j in gj:
+                fac = f.new(dst[j])
+                blocked.add(fac)
+                out_dims[j] = (fac,)
+    return f.rule([tuple(in_dims)], [tuple(out_dims)], blocked=frozenset(blocked), linear=_LINEAR)
+
+
+def _permuted(node, specs, perm):
+    f = FactorNamer()
+    dims = f.dims(specs[0].shape)
+    return f.rule([dims], [tuple(dims[p] for p in perm)], linear=_LINEAR)
+
+
+@register("aten.permute.default")
+def permute(node, specs):
+    rank = len(specs[0].shape)
+    return _permuted(node, specs, [normalize_dim(d, rank) for d in node.args[1]])
+
+
+@register("aten.t.default")
+def t(node, specs):
+    return _permuted(node, specs, list(reversed(range(len(specs[0].shape)))))
+
+
+@register("aten.transpose.int")
+def transpose(node, specs):
+    rank = len(specs[0].shape)
+    a, b = normalize_dim(node.args[1], rank), normalize_dim(node.args[2], rank)
+    perm = list(range(rank))
+    perm[a], perm[b] = perm[b], perm[a]
+    return _permuted(node, specs, perm)
+
+
+@register("aten.expand.default")
+def expand(node, specs):
+    src, dst = specs[0].shape, node.outputs[0].shape
+    f = FactorNamer()
+    out = f.dims(dst)
+    offset = len(dst) - len(src)
+    operand = tuple(out[j + offset] if size == dst[j + offset] else () for j, size in enumerate(src))
+    return f.rule([operand], [out], linear=_LINEAR)
+
+
+@register("aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
+          "aten.squeeze.default")
+def squeeze_like(node, specs):
+    # Only size-1 dims appear or vanish, so the non-unit dims line up in order.
+    src, dst = specs[0].shape, node.outputs[0].shape
+    f = FactorNamer()
+    factors = [f.new(s) for s in src if s != 1]
+    it = iter(factors)
+    operand = tuple((next(it),) if s != 1 else () for s in src)
+    it = iter(factors)
+    result = tuple((next(it),) if s != 1 else () for s in dst)
+    return f.rule([operand], [result], linear=_LINEAR)

@@ -1,0 +1,126 @@
+"""Every legal placement of each op on a logical mesh, derived from its factor rule.
+
+For each mesh axis a strategy picks one factor to shard over it (a factor may take both
+axes of a 2D mesh: Alpa's S01), or none (replicated work), or lets a Partial value flow
+through one of the rule's linear operand groups. Placements of every operand and result
+follow from the rule; assignments that split a factor unevenly, shard a blocked factor,
+or shard a dim by a minor factor are illegal and dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from torchalpa.cluster import LogicalMesh
+from torchalpa.opgraph import OpNode, TensorSpec
+from torchalpa.passes.rules import FactorRule
+from torchalpa.placement import Partial, Placements, Replicate, Shard, short
+
+__all__ = ["Strategy", "enumerate_strategies", "replicate_only", "leaf_strategies"]
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """One way to run an op: operand layouts it reads, result layouts it writes."""
+
+    inputs: tuple[Placements | None, ...]   # None: the operand is read for its shape only
+    outputs: tuple[Placements, ...]
+    shards: int = 1                          # ways the op's work is divided
+
+    @property
+    def name(self) -> str:
+        ins = ", ".join("*" if p is None else short(p) for p in self.inputs)
+        return f"({ins}) -> {', '.join(short(p) for p in self.outputs)}"
+
+
+def _placement_for(dims, factor: str, size_of: dict[str, int]) -> Shard | None | bool:
+    """Shard(dim) if ``factor`` leads one of ``dims``; None if absent; False if illegal."""
+    found = None
+    for d, factors in enumerate(dims):
+        if factor not in factors:
+            continue
+        lead = next((f for f in factors if size_of[f] != 1), None)
+        if lead != factor or found is not None:
+            return False  # a minor factor of a merged dim, or the factor indexes two dims
+        found = Shard(d)
+    return found
+
+
+def enumerate_strategies(rule: FactorRule, mesh: LogicalMesh) -> list[Strategy]:
+    """All legal strategies of an op with this rule on this mesh (deduplicated)."""
+    size_of = rule.size_of
+    reduction_of = rule.reduction_of
+    shardable = [f for f in rule.factors() if f not in rule.blocked and size_of[f] > 1]
+    choices: list[tuple] = [(None,)] + [("factor", f) for f in shardable] + \
+        [("linear", g) for g in rule.linear]
+    strategies: dict[tuple, Strategy] = {}
+    for assignment in itertools.product(choices, repeat=mesh.ndim):
+        s = _build(rule, mesh, assignment, size_of, reduction_of)
+        if s is not None:
+            strategies.setdefault((s.inputs, s.outputs), s)
+    result = list(strategies.values())
+    if rule.heavy and mesh.num_devices > 1:
+        # Alpa's policy: compute-bound ops are never run redundantly when a split exists.
+        full = [s for s in result if s.shards == mesh.num_devices]
+        if full:
+            result = full
+    return result
+
+
+def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
+    num_operands = len(rule.operands)
+    inputs = [[None] * mesh.ndim for _ in range(num_operands)]
+    outputs = [[None] * mesh.ndim for _ in rule.results]
+    split = {}  # factor -> product of axis sizes it is sharded over
+    shards = 1
+    for axis, choice in enumerate(assignment):
+        n = mesh.shape[axis]
+        if choice[0] is None or n == 1:
+            for ps in inputs + outputs:
+                ps[axis] = Replicate()
+            continue
+        if choice[0] == "linear":
+            group = choice[1]
+            for i in range(num_operands):
+                inputs[i][axis] = Partial("sum") if i in group else Replicate()
+            for ps in outputs:
+                ps[axis] = Partial("sum")
+            continue
+        factor = choice[1]
+        split[factor] = split.get(factor, 1) * n
+        if size_of[factor] % split[factor]:
+            return None
+        shards *= n
+        for i, dims in enumerate(rule.operands):
+            p = _placement_for(dims, factor, size_of)
+            if p is False:
+                return None
+            inputs[i][axis] = p if p is not None else Replicate()
+        for j, dims in enumerate(rule.results):
+            p = _placement_for(dims, factor, size_of)
+            if p is False:
+                return None
+            if p is None:
+                op = reduction_of.get(factor)
+                if op is None:
+                    return None  # a factor that vanishes without being reduced
+                p = Partial(op)
+            outputs[j][axis] = p
+    ins = tuple(None if i in rule.ignored else tuple(p) for i, p in enumerate(inputs))
+    return Strategy(inputs=ins, outputs=tuple(tuple(p) for p in outputs), shards=shards)
+
+
+def replicate_only(node: OpNode, mesh: LogicalMesh) -> list[Strategy]:
+    """The fallback for an op without a rule: everything whole on every device."""
+    r = tuple(Replicate() for _ in range(mesh.ndim))
+    return [Strategy(inputs=tuple(r for _ in node.operands),
+                     outputs=tuple(r for _ in node.outputs))]
+
+
+def leaf_strategies(spec: TensorSpec, mesh: LogicalMesh) -> list[Strategy]:
+    """Layouts a parameter, buffer or input may be stored in: any even split of its dims."""
+    from torchalpa.passes.rules import FactorNamer
+    f = FactorNamer()
+    dims = f.dims(spec.shape)
+    return enumerate_strategies(f.rule([], [dims]), mesh)

@@ -1,0 +1,1 @@
+"""Runtime: execute a Plan on torch.distributed (NCCL on CUDA, gloo on CPU)."""

@@ -1,0 +1,143 @@
+"""Lower a Plan over the source graph to this rank's local program.
+
+The source graph is the captured joint step ``(params, buffers, inputs) -> (loss, *grads)``
+on global shapes. Lowering rewrites it for one rank: every op runs on local blocks, with
+shape arguments localized (``runtime.localize``), and every resharding step the plan
+lists becomes a call in ``runtime.collectives`` right before the op that needs it. The
+result is split into a forward program (loss + the values backward needs) and a backward
+program (those values -> gradients in their parameters' layouts), so it can sit behind
+``loss.backward()``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from torchalpa.plan import Plan, ReshardStep
+from torchalpa.runtime import collectives as C
+from torchalpa.runtime.localize import localize
+
+__all__ = ["LocalProgram", "lower", "OUTPUT"]
+
+OUTPUT = "<output>"
+
+
+@dataclass
+class LocalProgram:
+    """One rank's forward and backward programs and what they expect."""
+
+    forward: fx.GraphModule    # (*params, *buffers, *inputs) -> (loss, *saved)
+    backward: fx.GraphModule   # (*saved) -> one gradient per trainable parameter (or None)
+
+    def code(self) -> str:
+        return ("# forward: (params, buffers, inputs) -> (loss, saved...)\n" + self.forward.code
+                + "\n# backward: (saved...) -> grads\n" + self.backward.code)
+
+
+class _Emitter:
+    """Appends the collective calls of plan steps to a graph."""
+
+    def __init__(self, graph: fx.Graph, mesh_shape, coords, group_names):
+        self.graph, self.mesh_shape = graph, tuple(mesh_shape)
+        self.coords, self.group_names = tuple(coords), tuple(group_names)
+
+    def steps(self, value: fx.Node, steps: tuple[ReshardStep, ...]) -> fx.Node:
+        for step in steps:
+            value = self.step(value, step)
+        return value
+
+    def step(self, value: fx.Node, step: ReshardStep) -> fx.Node:
+        n, group = self.mesh_shape[step.axis], self.group_names[step.axis]
+        call = self.graph.call_function
+        if step.kind == "all_reduce":
+            return call(C.all_reduce, (value, step.reduce_op, group))
+        if step.kind == "all_gather":
+            return call(C.all_gather, (value, step.dim, n, group))
+        if step.kind == "reduce_scatter":
+            return call(C.reduce_scatter, (value, step.dim, step.reduce_op, n, group))
+        if step.kind == "all_to_all":
+            return call(C.all_to_all, (value, step.src_dim, step.dim, n, group))
+        if step.kind == "slice":
+            return call(C.local_chunk, (value, step.dim, n, self.coords[step.axis]))
+        raise ValueError(f"the runtime cannot execute a {step.kind!r} step")
+
+
+def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, group_names,
+          device: torch.device) -> LocalProgram:
+    """This rank's local program for ``plan`` (``coords``: this rank's mesh coordinate)."""
+    strategies = {s.node: s for s in plan.strategies}
+    reshards = {(r.consumer, r.slot): r.steps for r in plan.reshards}
+    graph = fx.Graph()
+    emit = _Emitter(graph, plan.mesh_shape, coords, group_names)
+    env: dict[str, fx.Node] = {}
+    placeholders = []
+    loss_value, grad_values = None, []
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            value = graph.placeholder(node.name)
+            placeholders.append(value)
+            env[node.name] = emit.steps(value, reshards.get((node.name, "input"), ()))
+        elif node.op == "call_function" and node.target is operator.getitem:
+            producer, index = node.args
+            env[node.name] = graph.call_function(operator.getitem, (env[producer.name], index))
+        elif node.op == "call_function":
+            slots = itertools.count()
+
+            def local_arg(a, name=node.name):
+                if not isinstance(a, fx.Node):
+                    return a
+                return emit.steps(env[a.name], reshards.get((name, next(slots)), ()))
+
+            args = tree_map(local_arg, list(node.args))
+            kwargs = {k: tree_map(local_arg, v) for k, v in node.kwargs.items()}
+            target, args, kwargs = localize(node, args, kwargs, strategies[node.name],
+                                            plan.mesh_shape, device)
+            env[node.name] = graph.call_function(target, tuple(args), kwargs)
+        elif node.op == "output":
+            outs = node.args[0]
+            loss_value = emit.steps(env[outs[0].name], reshards.get((OUTPUT, "loss"), ()))
+            for fqn, g in zip(param_names, outs[1:]):
+                grad_values.append(None if g is None else emit.steps(
+                    env[g.name], reshards.get((OUTPUT, f"grad:{fqn}"), ())))
+    forward, backward = _split(graph, placeholders, loss_value, grad_values)
+    return LocalProgram(forward=forward, backward=backward)
+
+
+def _ancestors(value: fx.Node) -> set[fx.Node]:
+    seen, stack = set(), [value]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _split(graph: fx.Graph, placeholders, loss_value, grad_values):
+    """Forward = what the loss depends on; backward = the rest, fed by saved values."""
+    forward_nodes = _ancestors(loss_value) | set(placeholders)
+    fwd, fenv = fx.Graph(), {}
+    for n in graph.nodes:
+        if n in forward_nodes:
+            fenv[n] = fwd.node_copy(n, lambda x: fenv[x])
+    saved = [n for n in graph.nodes if n in forward_nodes
+             and (any(u not in forward_nodes for u in n.users) or n in grad_values)]
+    fwd.output((fenv[loss_value], *[fenv[n] for n in saved]))
+    bwd, benv = fx.Graph(), {}
+    for n in saved:
+        benv[n] = bwd.placeholder(f"saved_{n.name}")
+    for n in graph.nodes:
+        if n not in forward_nodes and n.op != "output":
+            benv[n] = bwd.node_copy(n, lambda x: benv[x])
+    bwd.output(tuple(None if g is None else benv[g] for g in grad_values))
+    root = torch.nn.Module()
+    fwd.lint()
+    bwd.lint()
+    return fx.GraphModule(root, fwd, "LocalForward"), fx.GraphModule(root, bwd, "LocalBackward")

@@ -1,0 +1,69 @@
+"""Process group and DeviceMesh from the launch environment (torchrun or a single process).
+
+NCCL when CUDA is present, gloo otherwise. Without torchrun the world is this one
+process, so the same code runs on a laptop with no launcher.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["default_backend", "default_device", "init_distributed", "build_mesh", "rank",
+           "world_size"]
+
+_TIMEOUT_ENV = "TORCHALPA_TIMEOUT_S"
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long a collective may wait for a peer before failing (``TORCHALPA_TIMEOUT_S``)."""
+    return datetime.timedelta(seconds=float(os.environ.get(_TIMEOUT_ENV, 600)))
+
+
+def init_distributed() -> None:
+    """Join the torchrun world, or make a world of one process if not launched by torchrun."""
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(default_device())
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(default_backend(), timeout=collective_timeout())
+    else:
+        dist.init_process_group(default_backend(), store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=collective_timeout())
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def build_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...]) -> DeviceMesh:
+    """A DeviceMesh of ``shape`` over the whole world (which must have that many ranks)."""
+    init_distributed()
+    n = 1
+    for s in shape:
+        n *= s
+    if n != world_size():
+        raise ValueError(
+            f"the mesh {tuple(shape)} needs {n} ranks but this job has {world_size()}; launch "
+            f"with torchrun --nproc_per_node={n} or pass a mesh/logical_mesh_shape that "
+            f"multiplies to {world_size()}")
+    return init_device_mesh(default_device().type, tuple(shape), mesh_dim_names=tuple(axis_names))

@@ -1,0 +1,20 @@
+"""torchalpa: Alpa's automatic parallelization for PyTorch.
+
+    pmodel = torchalpa.auto_parallel(model, example_inputs=(x, y), loss_fn=loss_fn)
+    loss = pmodel(x, y); loss.backward(); opt.step()
+
+See README.md and ../shared/DESIGN.md for the architecture.
+"""
+
+from torchalpa.cluster import Cluster, LogicalMesh
+from torchalpa.methods import AutoShardingOption, ShardParallel
+from torchalpa.placement import Partial, Replicate, Shard
+from torchalpa.plan import Plan
+from torchalpa.api import auto_parallel, plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "auto_parallel", "plan", "Plan", "Cluster", "LogicalMesh", "ShardParallel",
+    "AutoShardingOption", "Shard", "Replicate", "Partial",
+]

@@ -1,0 +1,164 @@
+"""The two entry points: ``plan`` (no processes) and ``auto_parallel`` (under torchrun)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from torchalpa.cluster import Cluster, LogicalMesh
+from torchalpa.methods import ShardParallel
+from torchalpa.opgraph import OpGraph
+from torchalpa.plan import Plan
+
+__all__ = ["plan", "auto_parallel", "default_cluster"]
+
+log = logging.getLogger("torchalpa")
+_INPUT_MODES = ("global", "local")
+
+
+def default_cluster(num_devices: int) -> Cluster:
+    """The hardware torchalpa assumes when none is given: what this job runs on."""
+    if torch.cuda.is_available():
+        return Cluster.a100(num_nodes=1, devices_per_node=num_devices)
+    return Cluster.local_cpu(num_devices)
+
+
+def _check_method(method) -> ShardParallel:
+    method = method if method is not None else ShardParallel()
+    if not isinstance(method, ShardParallel):
+        raise TypeError(f"method must be a torchalpa method such as ShardParallel(), "
+                        f"got {type(method).__name__}")
+    return method
+
+
+def _check_inputs_mode(inputs: str) -> None:
+    if inputs not in _INPUT_MODES:
+        raise ValueError(f"inputs must be one of {_INPUT_MODES}, got {inputs!r}")
+
+
+def _logical_mesh(cluster: Cluster, method: ShardParallel, shape=None, axis_names=None
+                  ) -> LogicalMesh:
+    shape = tuple(shape or method.logical_mesh_shape or (cluster.num_devices,))
+    return cluster.logical_mesh(shape, axis_names)
+
+
+def plan_graph(graph: OpGraph, *, method: ShardParallel, mesh: LogicalMesh,
+               inputs: str = "global") -> Plan:
+    from torchalpa.passes.intra_op import plan_intra_op
+    return plan_intra_op(graph, mesh, method, inputs=inputs)
+
+
+def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
+         loss_fn: Callable | None = None, *, method: ShardParallel | None = None,
+         cluster: Cluster | None = None, inputs: str = "global") -> Plan:
+    """Plan ``model`` for ``cluster`` without running it: no process group, no real weights.
+
+    ``model`` and ``example_inputs`` may live on the ``meta`` device. Without a cluster the
+    plan is for this job's world (one device outside torchrun).
+    """
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.runtime.mesh import world_size
+    method = _check_method(method)
+    _check_inputs_mode(inputs)
+    cluster = cluster or default_cluster(world_size())
+    captured = capture(model, example_inputs, loss_fn)
+    return plan_graph(captured.graph, method=method, mesh=_logical_mesh(cluster, method),
+                      inputs=inputs)
+
+
+def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
+                  loss_fn: Callable | None = None, *, method: ShardParallel | None = None,
+                  mesh=None, cluster: Cluster | None = None, inputs: str = "global",
+                  optimizer: Callable | None = None):
+    """Parallelize ``model``'s training step over every rank of this torchrun job.
+
+    ``example_inputs`` are the model inputs followed by the loss targets (when ``loss_fn``
+    is given); with ``inputs="global"`` every rank later passes the same global batch of
+    that shape, with ``inputs="local"`` its own shard of the batch dim. Rank 0 plans and
+    broadcasts the plan, so every rank runs the same one. ``optimizer``, if given, is
+    called with the parallel parameters and enables ``train_step``.
+    """
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.runtime import mesh as mesh_mod
+    from torchalpa.runtime.lower import lower
+    from torchalpa.runtime.module import ParallelModule, distribute_module_state
+
+    method = _check_method(method)
+    _check_inputs_mode(inputs)
+    mesh_mod.init_distributed()
+    world = mesh_mod.world_size()
+    if mesh is None:
+        shape = tuple(method.logical_mesh_shape or (world,))
+        names = tuple(f"axis{i}" for i in range(len(shape)))
+        device_mesh = mesh_mod.build_mesh(shape, names)
+    else:
+        device_mesh = mesh
+        if device_mesh.size() != world:
+            raise ValueError(f"the mesh has {device_mesh.size()} devices but this job has {world} "
+                             "ranks; torchalpa needs a mesh over all ranks")
+        if method.logical_mesh_shape and tuple(method.logical_mesh_shape) != tuple(device_mesh.shape):
+            raise ValueError(f"method.logical_mesh_shape {method.logical_mesh_shape} differs from "
+                             f"the mesh's shape {tuple(device_mesh.shape)}")
+    shape = tuple(device_mesh.shape)
+    names = tuple(device_mesh.mesh_dim_names or (f"axis{i}" for i in range(len(shape))))
+    cluster = cluster or default_cluster(world)
+    logical = cluster.logical_mesh(shape, names)
+
+    start = time.perf_counter()
+    captured = capture(model, example_inputs, loss_fn)
+    _same_step_on_every_rank(captured.graph.fingerprint())
+    the_plan = _plan_on_rank0(lambda: plan_graph(captured.graph, method=method, mesh=logical,
+                                                 inputs=inputs))
+    device = mesh_mod.default_device()
+    coords = device_mesh.get_coordinate()
+    groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
+    program = lower(captured.gm, the_plan, captured.param_names, coords=coords,
+                    group_names=groups, device=device)
+    distribute_module_state(model, the_plan, device_mesh)
+    input_specs = [(tuple(x.shape), x.dtype) for x in example_inputs]
+    if inputs == "local":
+        input_specs = [(tuple(s // device_mesh.size() if i == 0 else s
+                              for i, s in enumerate(shp)), dt) for shp, dt in input_specs]
+    log.info("auto_parallel ready in %.2fs: %s", time.perf_counter() - start,
+             captured.graph.summary())
+    return ParallelModule(model, the_plan, program, device_mesh,
+                          param_names=captured.param_names, buffer_names=captured.buffer_names,
+                          input_specs=input_specs, inputs=inputs, device=device,
+                          optimizer=optimizer)
+
+
+def _same_step_on_every_rank(fingerprint: str) -> None:
+    import torch.distributed as dist
+    if dist.get_world_size() == 1:
+        return
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, fingerprint)
+    differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
+    if differ:
+        raise RuntimeError(
+            f"ranks {differ} captured a different training step than rank 0 (a different "
+            "model, or example inputs of other shapes or dtypes); every rank must build the "
+            "same model and pass example inputs of the same shapes")
+
+
+def _plan_on_rank0(solve: Callable[[], Plan]) -> Plan:
+    """Rank 0 solves; every rank gets its plan, or its error (never a hang)."""
+    import torch.distributed as dist
+    if dist.get_world_size() == 1:
+        return solve()
+    payload = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload = [("ok", solve().to_json(indent=None))]
+        except Exception as e:  # sent to every rank, then raised everywhere
+            payload = [("error", f"{type(e).__name__}: {e}")]
+            dist.broadcast_object_list(payload, src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    status, text = payload[0]
+    if status == "error":
+        raise RuntimeError(f"planning failed on rank 0: {text}")
+    return Plan.from_json(text)

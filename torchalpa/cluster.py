@@ -1,0 +1,163 @@
+"""Clusters and logical meshes: the hardware the planner plans for.
+
+A ``Cluster`` describes real or virtual hardware (nodes x devices, memory, flops,
+bandwidths). ``Cluster.logical_mesh(shape)`` views its devices as a 1D or 2D logical mesh,
+as Alpa's ``get_logical_mesh`` does, giving each mesh axis its own latency (alpha, s) and
+inverse bandwidth (beta, s/byte): an axis whose devices share a node talks over the fast
+intra-node link, an axis that crosses nodes over the network. ``LogicalMesh`` is what the
+cost model reads; tests can build one directly (e.g. Alpa's alpha = beta = 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Cluster", "LogicalMesh"]
+
+GB = 1e9
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LogicalMesh:
+    """A logical device mesh with per-axis communication costs and per-device compute."""
+
+    shape: tuple[int, ...]
+    alpha: tuple[float, ...] | None = None
+    """Latency per collective on each axis, seconds (default 1.0 each, Alpa's unit costs)."""
+    beta: tuple[float, ...] | None = None
+    """Seconds per byte on each axis (default 1.0 each)."""
+    axis_names: tuple[str, ...] | None = None
+    peak_flops: float | None = None
+    """Per-device flop/s; None leaves compute out of the cost (Alpa's communication-only
+    setting, where matmuls are always fully sharded)."""
+    memory_bandwidth: float | None = None
+    """Per-device bytes/s for the roofline of memory-bound ops."""
+    memory_per_device: float | None = None
+    """Bytes each device may hold; None means no budget."""
+
+    def __post_init__(self):
+        shape = tuple(int(s) for s in self.shape)
+        if not shape or any(s < 1 for s in shape):
+            raise ValueError(f"LogicalMesh.shape must be positive ints, got {self.shape}")
+        if len(shape) > 2:
+            raise ValueError(f"LogicalMesh supports 1D and 2D meshes, got shape {shape}")
+        object.__setattr__(self, "shape", shape)
+        for name in ("alpha", "beta"):
+            value = getattr(self, name)
+            value = (1.0,) * len(shape) if value is None else tuple(float(v) for v in value)
+            if len(value) != len(shape):
+                raise ValueError(f"LogicalMesh.{name} needs one value per mesh axis "
+                                 f"({len(shape)}), got {value}")
+            object.__setattr__(self, name, value)
+        names = self.axis_names or tuple(f"axis{i}" for i in range(len(shape)))
+        if len(names) != len(shape):
+            raise ValueError(f"LogicalMesh.axis_names needs {len(shape)} names, got {names}")
+        object.__setattr__(self, "axis_names", tuple(names))
+
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cluster:
+    """Nodes x devices with their memory, compute and links (real or virtual)."""
+
+    num_nodes: int = 1
+    devices_per_node: int = 1
+    memory_per_device: float = 16 * GB
+    """Bytes of device memory."""
+    peak_flops: float = 100e12
+    """Per-device flop/s at the training precision, as reached by large matmuls."""
+    memory_bandwidth: float = 1e12
+    """Per-device memory bytes/s."""
+    intra_node_bandwidth: float = 100 * GB
+    """Bytes/s per device between devices of one node."""
+    intra_node_latency: float = 5e-6
+    inter_node_bandwidth: float = 12.5 * GB
+    """Bytes/s per device between nodes."""
+    inter_node_latency: float = 20e-6
+    name: str = "custom"
+
+    def __post_init__(self):
+        for f in ("num_nodes", "devices_per_node"):
+            if int(getattr(self, f)) < 1:
+                raise ValueError(f"Cluster.{f} must be >= 1, got {getattr(self, f)}")
+        for f in ("memory_per_device", "peak_flops", "memory_bandwidth", "intra_node_bandwidth",
+                  "inter_node_bandwidth"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"Cluster.{f} must be > 0, got {getattr(self, f)}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    # -- presets ------------------------------------------------------------------------
+    @classmethod
+    def h100(cls, num_nodes: int = 1, devices_per_node: int = 8) -> "Cluster":
+        """H100 SXM 80GB nodes: bf16 dense ~989 TF/s (we assume ~60% reachable), NVLink 4
+        (~450 GB/s per direction per GPU), 400 Gb/s InfiniBand per GPU between nodes."""
+        return cls(num_nodes=num_nodes, devices_per_node=devices_per_node,
+                   memory_per_device=80 * GB, peak_flops=600e12, memory_bandwidth=3.35e12,
+                   intra_node_bandwidth=450 * GB, intra_node_latency=5e-6,
+                   inter_node_bandwidth=50 * GB, inter_node_latency=10e-6, name="h100")
+
+    @classmethod
+    def a100(cls, num_nodes: int = 1, devices_per_node: int = 8) -> "Cluster":
+        """A100 SXM 40GB nodes: bf16 dense 312 TF/s (~60% reachable), NVLink 3 (~300 GB/s),
+        200 Gb/s InfiniBand per GPU between nodes."""
+        return cls(num_nodes=num_nodes, devices_per_node=devices_per_node,
+                   memory_per_device=40 * GB, peak_flops=190e12, memory_bandwidth=1.55e12,
+                   intra_node_bandwidth=300 * GB, intra_node_latency=5e-6,
+                   inter_node_bandwidth=25 * GB, inter_node_latency=10e-6, name="a100")
+
+    @classmethod
+    def local_cpu(cls, num_devices: int) -> "Cluster":
+        """CPU processes on one machine talking gloo over loopback (one thread each).
+
+        Rough figures of a 2-core VM: ~30 Gflop/s per rank in fp32 matmul, ~1 GB/s
+        effective gloo bandwidth and ~100 us per collective."""
+        return cls(num_nodes=1, devices_per_node=num_devices, memory_per_device=8 * GB,
+                   peak_flops=30e9, memory_bandwidth=5 * GB, intra_node_bandwidth=1 * GB,
+                   intra_node_latency=100e-6, inter_node_bandwidth=1 * GB,
+                   inter_node_latency=100e-6, name="local_cpu")
+
+    # -- logical meshes -----------------------------------------------------------------
+    def logical_mesh(self, shape: tuple[int, ...] | None = None,
+                     axis_names: tuple[str, ...] | None = None) -> LogicalMesh:
+        """View all devices as a logical mesh; devices are numbered node-major."""
+        shape = tuple(shape) if shape is not None else (self.num_devices,)
+        n = 1
+        for s in shape:
+            n *= s
+        if n != self.num_devices:
+            raise ValueError(f"logical mesh {shape} has {n} devices but the cluster has "
+                             f"{self.num_devices} ({self.num_nodes} x {self.devices_per_node})")
+        alpha, beta = [], []
+        stride = 1
+        for size in reversed(shape):  # inner axes hold consecutive device ids
+            span = stride * size       # consecutive ids touched by one group on this axis
+            within = size == 1 or span <= self.devices_per_node
+            alpha.append(self.intra_node_latency if within else self.inter_node_latency)
+            beta.append(1.0 / (self.intra_node_bandwidth if within else self.inter_node_bandwidth))
+            stride = span
+        return LogicalMesh(shape=shape, alpha=tuple(reversed(alpha)), beta=tuple(reversed(beta)),
+                           axis_names=axis_names, peak_flops=self.peak_flops,
+                           memory_bandwidth=self.memory_bandwidth,
+                           memory_per_device=self.memory_per_device)
+
+    def candidate_shapes(self) -> list[tuple[int, ...]]:
+        """Logical shapes worth trying: 1D, and 2D (n, m) for every factorization."""
+        n = self.num_devices
+        shapes = [(n,)]
+        for m in range(2, n):
+            if n % m == 0:
+                shapes.append((n // m, m))
+        return shapes

@@ -1,0 +1,92 @@
+"""Human-readable views of a Plan: ``summary()`` and ``explain(name)``."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from torchalpa.placement import short
+
+__all__ = ["plan_summary", "explain", "format_bytes"]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*header), fmt.format(*["-" * w for w in widths])] + \
+        [fmt.format(*[str(c) for c in r]) for r in rows]
+
+
+def plan_summary(plan) -> str:
+    est = plan.estimates
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape))
+    lines = [f"torchalpa plan  mesh [{mesh}]  method {plan.method.get('name', '?')}"]
+    if est:
+        lines.append(
+            f"estimated step {est.get('step_time_s', 0) * 1e3:.3f} ms "
+            f"(compute {est.get('compute_s', 0) * 1e3:.3f} ms, communication "
+            f"{est.get('communication_s', 0) * 1e3:.3f} ms); memory per device "
+            f"{format_bytes(est.get('memory_per_device_bytes', 0))} (model states "
+            f"{format_bytes(est.get('model_state_bytes_per_device', 0))}, activations "
+            f"{format_bytes(est.get('activation_bytes_per_device', 0))})")
+    lines.append("")
+    lines.append("parameters:")
+    rows = [[p.name, "x".join(map(str, p.shape)), short(p.placements)] for p in plan.parameters]
+    lines += ["  " + r for r in _table(rows, ["name", "shape", "placement"])]
+    if plan.inputs:
+        lines.append("")
+        lines.append("inputs:")
+        rows = [[p.name, "x".join(map(str, p.shape)), short(p.placements)] for p in plan.inputs]
+        lines += ["  " + r for r in _table(rows, ["name", "shape", "placement"])]
+    lines.append("")
+    total = sum(c.bytes for c in plan.collectives)
+    lines.append(f"collectives per step: {len(plan.collectives)} "
+                 f"({format_bytes(total)} contributed per rank)")
+    if plan.collectives:
+        rows = [[c.phase, c.kind + (f"({c.reduce_op})" if c.reduce_op not in (None, 'sum') else ""),
+                 plan.axis_names[c.axis], format_bytes(c.bytes), c.source or "<top>", c.tensor]
+                for c in plan.collectives]
+        lines += ["  " + r for r in _table(rows, ["phase", "kind", "axis", "bytes", "source",
+                                                  "tensor"])]
+        counts = Counter((c.phase, c.kind) for c in plan.collectives)
+        lines.append("  totals: " + ", ".join(f"{k[0]} {k[1]} x{v}" for k, v in sorted(counts.items())))
+    if plan.unsupported_ops:
+        lines.append("")
+        lines.append("ops without a sharding rule (run replicated):")
+        for u in plan.unsupported_ops:
+            lines.append(f"  {u['op']}  node {u['node']}" + (f"  module {u['module']}" if u.get("module") else ""))
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def explain(plan, name: str) -> str:
+    """Where a parameter, input or op lives, and the collectives that move it."""
+    value = next((p for p in plan.parameters + plan.inputs if p.name == name or p.node == name), None)
+    if value is not None:
+        node = value.node
+        head = f"{value.name}: shape {list(value.shape)}, placement {short(value.placements)} " \
+               f"({', '.join(repr(p) for p in value.placements)})"
+    else:
+        try:
+            strategy = plan.strategy(name)
+        except KeyError:
+            raise KeyError(f"{name!r} is neither a parameter, an input nor an op of this plan") from None
+        node = name
+        head = f"op {name}: strategy {strategy}"
+    moves = [c for c in plan.collectives if c.tensor == node]
+    lines = [head]
+    if moves:
+        lines.append("collectives moving it:")
+        lines += [f"  {c.phase} {c.kind} on {plan.axis_names[c.axis]}: {format_bytes(c.bytes)}"
+                  for c in moves]
+    else:
+        lines.append("no collective moves it directly")
+    return "\n".join(lines)
