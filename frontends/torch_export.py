@@ -32,7 +32,7 @@ from torch.utils.flop_counter import flop_registry
 
 from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, Operand, TensorSpec, ValueRef
 
-__all__ = ["Capture", "capture", "CaptureError", "split_inputs"]
+__all__ = ["Capture", "capture", "CaptureError", "split_inputs", "trace_ops"]
 
 log = logging.getLogger("torchalpa.capture")
 _MODULE_KEY = "torchalpa_module"
@@ -325,3 +325,26 @@ def _explain_trace_failure(e: Exception) -> str:
                 "torch.where / masking, or move the branch out of forward.")
     return ("could not trace the training step: " + text.splitlines()[0][:500]
             + (f"\nhint: {hint}" if hint else ""))
+
+
+def trace_ops(fn: Callable, example_args: Sequence[torch.Tensor]
+              ) -> tuple[fx.GraphModule, dict[str, OpNode]]:
+    """Trace a plain tensor function (no backward) and describe each op as an OpNode.
+
+    For tools and tests that look at single ops (the rule harness); leaves are inputs.
+    """
+    gm = make_fx(fn, tracing_mode="fake", decomposition_table=_decompositions())(*example_args)
+    refs: dict[str, ValueRef] = {}
+    by_name: dict[str, OpNode] = {}
+    for i, n in enumerate(gm.graph.nodes):
+        if n.op == "placeholder":
+            by_name[n.name] = OpNode(name=n.name, op="input", kind="input",
+                                     outputs=(_spec(n.meta["val"]),), target=f"input{i}")
+            refs[n.name] = ValueRef(n.name)
+        elif n.op == "call_function" and n.target is operator.getitem:
+            producer, index = n.args
+            refs[n.name] = ValueRef(refs[producer.name].node, index)
+        elif n.op == "call_function":
+            by_name[n.name] = _op_node(n, refs, by_name, "forward")
+            refs[n.name] = ValueRef(n.name)
+    return gm, by_name

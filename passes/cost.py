@@ -6,6 +6,8 @@ all-gather ``a + b(n-1)/n B``, all-reduce ``a + 2b(n-1)/n B``, reduce-scatter
 ``a + b(n-1)/n B``, all-to-all ``a + b(n-1)/n^2 B n/2``. Steps record what each rank
 contributes, so for an all-gather or all-to-all ``B`` is that contribution times ``n``.
 
+On gloo a reduce-scatter is an all-reduce underneath and costs as much.
+
 Compute: ``max(flops / peak_flops, bytes / memory_bandwidth)`` of the local share of an
 op; zero when the mesh has no ``peak_flops`` (Alpa's communication-only setting).
 """
@@ -16,7 +18,7 @@ from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpNode
 from torchalpa.plan import ReshardStep
 
-__all__ = ["collective_cost", "steps_cost", "compute_cost", "all_reduce_cost"]
+__all__ = ["collective_cost", "steps_cost", "compute_cost", "all_reduce_cost", "wire_bytes"]
 
 
 def collective_cost(mesh: LogicalMesh, kind: str, axis: int, nbytes: float) -> float:
@@ -30,11 +32,30 @@ def collective_cost(mesh: LogicalMesh, kind: str, axis: int, nbytes: float) -> f
     if kind == "all_gather":
         return a + b * (n - 1) / n * (nbytes * n)
     if kind == "reduce_scatter":
+        if mesh.backend == "gloo":  # gloo reduces everything everywhere, then keeps a block
+            return a + 2 * b * (n - 1) / n * nbytes
         return a + b * (n - 1) / n * nbytes
     if kind == "all_to_all":
         return a + b * (n - 1) / n ** 2 * (nbytes * n) * (n / 2)
     if kind == "send_recv":
         return a + b * nbytes
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
+def wire_bytes(kind: str, n: int, nbytes: float, backend: str = "nccl") -> float:
+    """Bytes one collective puts on the network, all ``n`` ranks together, for ring
+    algorithms (``nbytes``: each rank's contribution). Matches what gloo sends on
+    loopback (benchmarks/collective_bytes.py)."""
+    if n == 1 or kind == "slice":
+        return 0.0
+    if kind == "all_reduce" or (kind == "reduce_scatter" and backend == "gloo"):
+        return 2 * (n - 1) * nbytes
+    if kind == "all_gather":
+        return (n - 1) * n * nbytes
+    if kind in ("reduce_scatter", "all_to_all"):
+        return (n - 1) * nbytes
+    if kind == "send_recv":
+        return nbytes
     raise ValueError(f"unknown collective kind {kind!r}")
 
 

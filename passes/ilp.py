@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,9 +47,17 @@ class ILPSolution:
     num_constraints: int = 0
 
 
+def _cbc_path() -> str:
+    """The CBC binary that ships inside pulp (< 4.0)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD().path
+
+
 def _make_solver(solver: str, time_limit: float | None, gap: float | None):
     if solver == "cbc":
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=1)
+        return pulp.COIN_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=1,
+                             path=_cbc_path())
     if solver == "highs":
         if "HiGHS" not in pulp.listSolvers(onlyAvailable=True):
             raise ValueError("solver='highs' needs the highspy package: pip install highspy")
@@ -105,7 +114,7 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
         vars_ = []
         for a in range(len(c)):
             if allowed[k][a]:
-                var = pulp.LpVariable(f"s{idx}_{a}", cat="Binary")
+                var = prob.add_variable(f"s{idx}_{a}", cat="Binary")
                 num_vars += 1
                 if c[a] != 0:
                     objective.append(c[a] * scale * var)
@@ -123,7 +132,7 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
             for b in range(m.shape[1]):
                 if isinstance(s[v][b], int) or not math.isfinite(m[a, b]):
                     continue
-                e = pulp.LpVariable(f"e{eidx}_{a}_{b}", lowBound=0, upBound=1)
+                e = prob.add_variable(f"e{eidx}_{a}_{b}", lowBound=0, upBound=1)
                 num_vars += 1
                 if m[a, b] != 0:
                     objective.append(m[a, b] * scale * e)
@@ -163,4 +172,4 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
         total += m[choice[u], choice[v]]
     return ILPSolution(choice=choice, objective=float(total), status=status_name,
                        seconds=time.perf_counter() - start, num_variables=num_vars,
-                       num_constraints=len(prob.constraints))
+                       num_constraints=prob.numConstraints())

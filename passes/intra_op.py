@@ -22,7 +22,7 @@ import numpy as np
 from torchalpa.cluster import LogicalMesh
 from torchalpa.methods import ShardParallel
 from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
-from torchalpa.passes.cost import compute_cost, steps_cost
+from torchalpa.passes.cost import compute_cost, steps_cost, wire_bytes
 from torchalpa.passes.ilp import ILPProblem, solve_ilp
 from torchalpa.passes.memory import activation_peak_bytes, model_state_bytes
 from torchalpa.passes.reshard import plan_reshard
@@ -173,7 +173,6 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
               chosen: dict[str, Strategy], costs: _Costs, space: StrategySpace,
               inputs: str) -> Plan:
     R = replicated(mesh.ndim)
-    order = {n.name: i for i, n in enumerate(graph)}
     reshards: list[Reshard] = []
 
     def add(ref: ValueRef, consumer: str, slot, dst: Placements | None):
@@ -196,7 +195,7 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         add(ref, OUTPUT, f"grad:{fqn}", chosen[params[fqn]].outputs[0])
 
     collectives = []
-    comm_time = 0.0
+    comm_time = wire = 0.0
     for r in reshards:
         if r.consumer == OUTPUT:
             phase = "forward" if r.slot == "loss" else "backward"
@@ -209,6 +208,10 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                 collectives.append(Collective(kind=step.kind, axis=step.axis, bytes=step.bytes,
                                               phase=phase, source=source, tensor=r.producer,
                                               reduce_op=step.reduce_op))
+                # every group along the axis runs this collective
+                groups = mesh.num_devices // mesh.shape[step.axis]
+                wire += groups * wire_bytes(step.kind, mesh.shape[step.axis], step.bytes,
+                                            mesh.backend)
         comm_time += steps_cost(mesh, r.steps)
     compute_time = sum(compute_cost(mesh, n, chosen[n.name].shards) for n in graph.ops())
 
@@ -219,7 +222,8 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     estimates = {"step_time_s": comm_time + compute_time, "communication_s": comm_time,
                  "compute_s": compute_time, "model_state_bytes_per_device": state,
                  "activation_bytes_per_device": activations,
-                 "memory_per_device_bytes": state + activations}
+                 "memory_per_device_bytes": state + activations,
+                 "wire_bytes_per_step": wire}
     parameters = tuple(ValuePlacement(name=n.target, node=n.name, shape=n.output.shape,
                                       placements=leaf_placement[n.name])
                        for n in graph if n.kind in ("param", "buffer"))

@@ -39,8 +39,21 @@ def _check_inputs_mode(inputs: str) -> None:
         raise ValueError(f"inputs must be one of {_INPUT_MODES}, got {inputs!r}")
 
 
-def _logical_mesh(cluster: Cluster, method: ShardParallel, shape=None, axis_names=None
-                  ) -> LogicalMesh:
+def _logical_mesh(cluster: Cluster | LogicalMesh, method: ShardParallel, shape=None,
+                  axis_names=None) -> LogicalMesh:
+    """The mesh to plan on: ``cluster`` viewed in ``shape``, or a LogicalMesh as given."""
+    if isinstance(cluster, LogicalMesh):
+        want = tuple(shape or method.logical_mesh_shape or cluster.shape)
+        if want != cluster.shape:
+            raise ValueError(f"the LogicalMesh given as cluster has shape {cluster.shape}, but "
+                             f"the plan needs {want}")
+        if axis_names and tuple(axis_names) != cluster.axis_names:
+            from dataclasses import replace
+            cluster = replace(cluster, axis_names=tuple(axis_names))
+        return cluster
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a torchalpa.Cluster or LogicalMesh, "
+                        f"got {type(cluster).__name__}")
     shape = tuple(shape or method.logical_mesh_shape or (cluster.num_devices,))
     return cluster.logical_mesh(shape, axis_names)
 
@@ -53,33 +66,36 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, mesh: LogicalMesh,
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
          loss_fn: Callable | None = None, *, method: ShardParallel | None = None,
-         cluster: Cluster | None = None, inputs: str = "global") -> Plan:
+         cluster: Cluster | LogicalMesh | None = None, inputs: str = "global") -> Plan:
     """Plan ``model`` for ``cluster`` without running it: no process group, no real weights.
 
     ``model`` and ``example_inputs`` may live on the ``meta`` device. Without a cluster the
-    plan is for this job's world (one device outside torchrun).
+    plan is for this job's world (one device outside torchrun). A ``LogicalMesh`` instead
+    of a Cluster gives the exact per-axis costs to plan with.
     """
     from torchalpa.frontends.torch_export import capture
     from torchalpa.runtime.mesh import world_size
     method = _check_method(method)
     _check_inputs_mode(inputs)
     cluster = cluster or default_cluster(world_size())
+    mesh = _logical_mesh(cluster, method)
     captured = capture(model, example_inputs, loss_fn)
-    return plan_graph(captured.graph, method=method, mesh=_logical_mesh(cluster, method),
-                      inputs=inputs)
+    return plan_graph(captured.graph, method=method, mesh=mesh, inputs=inputs)
 
 
 def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
                   loss_fn: Callable | None = None, *, method: ShardParallel | None = None,
-                  mesh=None, cluster: Cluster | None = None, inputs: str = "global",
-                  optimizer: Callable | None = None):
+                  mesh=None, cluster: Cluster | LogicalMesh | None = None,
+                  inputs: str = "global", optimizer: Callable | None = None,
+                  plan: Plan | None = None):
     """Parallelize ``model``'s training step over every rank of this torchrun job.
 
     ``example_inputs`` are the model inputs followed by the loss targets (when ``loss_fn``
     is given); with ``inputs="global"`` every rank later passes the same global batch of
     that shape, with ``inputs="local"`` its own shard of the batch dim. Rank 0 plans and
     broadcasts the plan, so every rank runs the same one. ``optimizer``, if given, is
-    called with the parallel parameters and enables ``train_step``.
+    called with the parallel parameters and enables ``train_step``. ``plan`` reuses a plan
+    made earlier (``Plan.load``) for this model and mesh instead of solving again.
     """
     from torchalpa.frontends.torch_export import capture
     from torchalpa.runtime import mesh as mesh_mod
@@ -104,14 +120,18 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                              f"the mesh's shape {tuple(device_mesh.shape)}")
     shape = tuple(device_mesh.shape)
     names = tuple(device_mesh.mesh_dim_names or (f"axis{i}" for i in range(len(shape))))
-    cluster = cluster or default_cluster(world)
-    logical = cluster.logical_mesh(shape, names)
+    logical = _logical_mesh(cluster or default_cluster(world), method, shape, names)
 
     start = time.perf_counter()
     captured = capture(model, example_inputs, loss_fn)
-    _same_step_on_every_rank(captured.graph.fingerprint())
-    the_plan = _plan_on_rank0(lambda: plan_graph(captured.graph, method=method, mesh=logical,
-                                                 inputs=inputs))
+    fingerprint = captured.graph.fingerprint()
+    _same_step_on_every_rank(fingerprint)
+    if plan is not None:
+        _check_given_plan(plan, fingerprint, shape)
+        the_plan = plan
+    else:
+        the_plan = _plan_on_rank0(lambda: plan_graph(captured.graph, method=method,
+                                                     mesh=logical, inputs=inputs))
     device = mesh_mod.default_device()
     coords = device_mesh.get_coordinate()
     groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
@@ -128,6 +148,17 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                           param_names=captured.param_names, buffer_names=captured.buffer_names,
                           input_specs=input_specs, inputs=inputs, device=device,
                           optimizer=optimizer)
+
+
+def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape) -> None:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a torchalpa.Plan, got {type(plan).__name__}")
+    if plan.graph_fingerprint != fingerprint:
+        raise ValueError("the plan was made for a different training step (model, loss or input "
+                         "shapes differ); plan again, or pass plan=None to solve now")
+    if tuple(plan.mesh_shape) != tuple(mesh_shape):
+        raise ValueError(f"the plan is for a mesh of {tuple(plan.mesh_shape)}, this job's mesh is "
+                         f"{tuple(mesh_shape)}")
 
 
 def _same_step_on_every_rank(fingerprint: str) -> None:

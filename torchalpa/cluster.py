@@ -34,8 +34,13 @@ class LogicalMesh:
     """Per-device bytes/s for the roofline of memory-bound ops."""
     memory_per_device: float | None = None
     """Bytes each device may hold; None means no budget."""
+    backend: str = "nccl"
+    """Collective library: 'gloo' implements reduce-scatter as an all-reduce (measured by
+    benchmarks/collective_bytes.py), so it costs as much."""
 
     def __post_init__(self):
+        if self.backend not in ("nccl", "gloo"):
+            raise ValueError(f"LogicalMesh.backend must be 'nccl' or 'gloo', got {self.backend!r}")
         shape = tuple(int(s) for s in self.shape)
         if not shape or any(s < 1 for s in shape):
             raise ValueError(f"LogicalMesh.shape must be positive ints, got {self.shape}")
@@ -84,6 +89,8 @@ class Cluster:
     inter_node_bandwidth: float = 12.5 * GB
     """Bytes/s per device between nodes."""
     inter_node_latency: float = 20e-6
+    backend: str = "nccl"
+    """'nccl' on GPUs, 'gloo' on CPUs."""
     name: str = "custom"
 
     def __post_init__(self):
@@ -127,7 +134,7 @@ class Cluster:
         return cls(num_nodes=1, devices_per_node=num_devices, memory_per_device=8 * GB,
                    peak_flops=30e9, memory_bandwidth=5 * GB, intra_node_bandwidth=1 * GB,
                    intra_node_latency=100e-6, inter_node_bandwidth=1 * GB,
-                   inter_node_latency=100e-6, name="local_cpu")
+                   inter_node_latency=100e-6, backend="gloo", name="local_cpu")
 
     # -- logical meshes -----------------------------------------------------------------
     def logical_mesh(self, shape: tuple[int, ...] | None = None,
@@ -151,7 +158,7 @@ class Cluster:
         return LogicalMesh(shape=shape, alpha=tuple(reversed(alpha)), beta=tuple(reversed(beta)),
                            axis_names=axis_names, peak_flops=self.peak_flops,
                            memory_bandwidth=self.memory_bandwidth,
-                           memory_per_device=self.memory_per_device)
+                           memory_per_device=self.memory_per_device, backend=self.backend)
 
     def candidate_shapes(self) -> list[tuple[int, ...]]:
         """Logical shapes worth trying: 1D, and 2D (n, m) for every factorization."""

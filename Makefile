@@ -1,0 +1,35 @@
+# torchalpa: `make demo` and `make test` set everything up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
+NPROC  ?= 4
+NETNS  := ../shared/tools/netns_bytes.sh
+
+.PHONY: demo test test-all bench env clean
+
+$(STAMP): setup.cfg pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	@rm -f $(VENV)/.installed-* && touch $@
+
+env: $(STAMP)
+
+# The quickstart MLP on 4 gloo ranks (CPU), next to DDP.
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) \
+		examples/quickstart.py --compare ddp
+
+# The test suite (under 15 minutes on 2 cores).
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# Tests plus the slower checks: the issue-sized quickstart against DDP/FSDP2 with bytes
+# counted on loopback in a private network namespace.
+test-all: test bench
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/quickstart_vs_ddp.py --check
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

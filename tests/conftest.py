@@ -1,0 +1,15 @@
+import os
+import sys
+import warnings
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(autouse=True)
+def _quiet_torch_warnings():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
+        yield

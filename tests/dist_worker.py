@@ -1,0 +1,127 @@
+"""Run under torchrun by tests/test_distributed.py: real gloo ranks, several scenarios per
+launch (launches are the slow part). Rank 0 writes what it saw as JSON to argv[1].
+
+For each scenario: train 3 Adam steps with torchalpa and on a single device from the same
+init and data, record both losses, the largest parameter difference, and -- for every
+step -- the collectives counted at the dispatcher next to the plan's list.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import torchalpa  # noqa: E402
+from models import MLP, WithCustomOp, mlp_inputs  # noqa: E402
+from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
+from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+
+ALPA_UNIT = lambda n: torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,), beta=(1.0,))  # noqa: E731
+
+
+def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_train_step=False,
+                      **auto_kw):
+    torch.manual_seed(0)
+    model = make_model()
+    torch.manual_seed(0)
+    ref = make_model()
+    x, y = batch
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
+                                 optimizer=(lambda ps: torch.optim.Adam(ps, lr=lr)), **auto_kw)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=lr)
+    predicted = sorted([c.kind, c.axis, c.bytes] for c in pm.plan.collectives)
+    out = {"losses": [], "ref_losses": [], "executed": [], "predicted": predicted,
+           "kinds": sorted({c.kind for c in pm.plan.collectives}),
+           "unsupported": [u["op"] for u in pm.plan.unsupported_ops],
+           "mesh": list(pm.plan.mesh_shape)}
+    for _ in range(steps):
+        with CollectiveCounter.for_mesh(pm.mesh) as counter:
+            if use_train_step:
+                loss = pm.train_step(x, y)
+            else:
+                loss = pm(x, y)
+                (loss * scale).backward()
+        out["executed"].append(sorted([r.kind, r.axis, r.bytes] for r in counter.records))
+        ref_loss = F.mse_loss(ref(x), y)
+        (ref_loss * scale).backward()
+        if not use_train_step:   # gradients, compared before the optimizer touches them
+            rel = [((p.grad.full_tensor() - q.grad).abs().max() / q.grad.abs().max()).item()
+                   for p, q in zip(pm.module.parameters(), ref.parameters())]
+            out.setdefault("max_rel_grad_diff", []).append(max(rel))
+            pm.optimizer.step()
+            pm.optimizer.zero_grad(set_to_none=True)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        out["losses"].append(loss.item())
+        out["ref_losses"].append(ref_loss.item())
+    diffs = [(p.full_tensor() - q).abs().max().item()
+             for p, q in zip(pm.module.parameters(), ref.parameters())]
+    out["max_param_diff"] = max(diffs)
+    out["max_param"] = max(q.abs().max().item() for q in ref.parameters())
+    return out
+
+
+def scenario(name, fn, results):
+    try:
+        results[name] = fn()
+    except Exception as e:  # recorded for the test to show
+        results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+
+
+def main():
+    out_path, which = sys.argv[1], sys.argv[2].split(",")
+    init_distributed()
+    n = dist.get_world_size()
+    results: dict = {"world_size": n}
+    if "megatron" in which:   # Alpa's model-parallel oracle shape, planned with unit costs
+        scenario("megatron", lambda: train_and_compare(
+            lambda: MLP(256, 6), mlp_inputs(32, 256), cluster=ALPA_UNIT(n)), results)
+    if "data_parallel" in which:   # Alpa's data-parallel oracle shape
+        scenario("data_parallel", lambda: train_and_compare(
+            lambda: MLP(32, 6), mlp_inputs(256, 32), cluster=ALPA_UNIT(n)), results)
+    if "quickstart" in which:     # the default local cluster; plans with RS / AG
+        from quickstart import MLP as QuickstartMLP
+        scenario("quickstart", lambda: train_and_compare(
+            lambda: QuickstartMLP(64, 4), (torch.randn(64, 64), torch.randn(64, 64)),
+            use_train_step=True), results)
+    if "custom_op" in which:
+        scenario("custom_op", lambda: train_and_compare(
+            lambda: WithCustomOp(32), mlp_inputs(16, 32), cluster=ALPA_UNIT(n)), results)
+    if "scaled_loss" in which:    # backward from 2 * loss: gradients scale too
+        scenario("scaled_loss", lambda: train_and_compare(
+            lambda: MLP(64, 3), mlp_inputs(16, 64), scale=2.0, lr=1e-3, steps=2,
+            cluster=ALPA_UNIT(n)), results)
+    if "mesh_2d" in which and n == 4:
+        method = torchalpa.ShardParallel(logical_mesh_shape=(2, 2))
+        scenario("mesh_2d", lambda: train_and_compare(
+            lambda: MLP(32, 4), mlp_inputs(64, 32), method=method,
+            cluster=torchalpa.LogicalMesh(shape=(2, 2), alpha=(1.0, 1.0), beta=(1.0, 0.1))),
+            results)
+    if "bad_input_shape" in which:
+        def bad():
+            torch.manual_seed(0)
+            pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss)
+            try:
+                pm(*mlp_inputs(4, 16))
+            except ValueError as e:
+                return {"raised": str(e)}
+            return {"raised": None}
+        scenario("bad_input_shape", bad, results)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Single-process stand-ins for a mesh of ranks: cut a tensor into the block each rank
+holds under some placements, and put blocks back together, checking replicas agree."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from torchalpa.placement import Partial, Replicate, Shard
+
+
+def coords_of(mesh_shape):
+    return list(itertools.product(*[range(n) for n in mesh_shape]))
+
+
+def block(full: torch.Tensor, placements, mesh_shape, coord) -> torch.Tensor:
+    """The block of ``full`` a rank at ``coord`` holds; Partial axes get random pieces that
+    add up (or average) to the value, the same pieces whichever rank asks."""
+    x = full
+    for axis, p in enumerate(placements):
+        if isinstance(p, Partial):
+            n, k = mesh_shape[axis], coord[axis]
+            gen = torch.Generator().manual_seed(1000 + axis)
+            noise = [torch.randn(x.shape, generator=gen, dtype=x.dtype) for _ in range(n - 1)]
+            piece = noise[k] if k < n - 1 else x - sum(noise)
+            x = piece * n if p.reduce_op == "avg" else piece
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            x = x.chunk(mesh_shape[axis], p.dim)[coord[axis]]
+    return x.contiguous()
+
+
+def combine(blocks: dict, placements, mesh_shape) -> torch.Tensor:
+    """Inverse of ``block``: the global value from every rank's block (inner axes first)."""
+    current = dict(blocks)
+    for axis in reversed(range(len(mesh_shape))):
+        grouped: dict[tuple, list] = {}
+        for coord, t in current.items():
+            grouped.setdefault(coord[:axis], []).append((coord[axis], t))
+        merged = {}
+        for key, items in grouped.items():
+            ts = [t for _, t in sorted(items, key=lambda kv: kv[0])]
+            p = placements[axis]
+            if isinstance(p, Shard):
+                merged[key] = torch.cat(ts, dim=p.dim)
+            elif isinstance(p, Partial):
+                total = sum(ts[1:], ts[0].clone())
+                merged[key] = total / len(ts) if p.reduce_op == "avg" else total
+            else:
+                for t in ts[1:]:
+                    assert torch.equal(t, ts[0]), f"replicas differ on axis {axis}"
+                merged[key] = ts[0]
+        current = merged
+    return current[()]

@@ -1,0 +1,79 @@
+"""auto_parallel without torchrun (a world of one process) and its error messages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torchalpa
+from models import MLP, mlp_inputs
+
+
+@pytest.fixture
+def single_process_world():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_one_process_trains_like_eager(single_process_world):
+    torch.manual_seed(0)
+    model = MLP(32, 3)
+    torch.manual_seed(0)
+    ref = MLP(32, 3)
+    x, y = mlp_inputs(16, 32)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    assert pm.plan.mesh_shape == (1,) and pm.plan.collectives == ()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for _ in range(3):
+        loss = pm.train_step(x, y)
+        ref_loss = F.mse_loss(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    for p, q in zip(pm.parameters(), ref.parameters()):
+        assert torch.allclose(p.full_tensor(), q, atol=1e-6)
+    assert "aten.mm" in pm.local_program()
+
+
+def test_eval_and_no_grad_run_forward_only(single_process_world):
+    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss)
+    with torch.no_grad():
+        loss = pm(*mlp_inputs(8, 16))
+    assert loss.requires_grad is False and loss.numel() == 1
+
+
+def test_world_size_must_match_the_mesh(single_process_world):
+    method = torchalpa.ShardParallel(logical_mesh_shape=(4,))
+    with pytest.raises(ValueError, match=r"needs 4 ranks but this job has 1.*nproc_per_node=4"):
+        torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss, method=method)
+
+
+def test_train_step_without_optimizer_says_how(single_process_world):
+    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss)
+    with pytest.raises(ValueError, match="optimizer="):
+        pm.train_step(*mlp_inputs(8, 16))
+
+
+def test_a_saved_plan_is_reused_and_checked(single_process_world, tmp_path):
+    x, y = mlp_inputs(8, 16)
+    plan = torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss).plan
+    plan.save(tmp_path / "plan.json")
+    again = torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss,
+                                    plan=torchalpa.Plan.load(tmp_path / "plan.json"))
+    assert again.plan == plan
+    with pytest.raises(ValueError, match="different training step"):
+        torchalpa.auto_parallel(MLP(16, 3), (x, y), F.mse_loss, plan=plan)
+
+
+def test_bad_arguments(single_process_world):
+    with pytest.raises(ValueError, match="inputs must be"):
+        torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss, inputs="sharded")
+    with pytest.raises(TypeError, match="method"):
+        torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss, method="dp")
+    with pytest.raises(TypeError, match="example_inputs"):
+        torchalpa.auto_parallel(MLP(16, 2), ([1, 2], torch.zeros(2)), F.mse_loss)

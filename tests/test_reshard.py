@@ -1,0 +1,133 @@
+"""The redistribution planner's steps, run by the runtime's collective helpers, turn every
+layout into every reachable one -- checked on all ranks at once with LocalTensorMode."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from simulate import block, combine, coords_of
+from torchalpa.cluster import LogicalMesh
+from torchalpa.opgraph import TensorSpec
+from torchalpa.passes.cost import collective_cost, steps_cost
+from torchalpa.passes.reshard import plan_reshard
+from torchalpa.placement import Partial, Replicate, Shard
+from torchalpa.runtime import collectives as C
+
+PER_AXIS = [Replicate(), Shard(0), Shard(1), Partial("sum")]
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    yield
+    dist.destroy_process_group()
+
+
+def _run_steps(x, steps, mesh_shape, groups, coords):
+    for s in steps:
+        n, g = mesh_shape[s.axis], groups[s.axis]
+        if s.kind == "all_reduce":
+            x = C.all_reduce(x, s.reduce_op, g)
+        elif s.kind == "all_gather":
+            x = C.all_gather(x, s.dim, n, g)
+        elif s.kind == "reduce_scatter":
+            x = C.reduce_scatter(x, s.dim, s.reduce_op, n, g)
+        elif s.kind == "all_to_all":
+            x = C.all_to_all(x, s.src_dim, s.dim, n, g)
+        elif s.kind == "slice":
+            x = C.local_chunk(x, s.dim, n, coords[s.axis])
+    return x
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_every_transition(fake_world, mesh_shape):
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    full = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8) / 7
+    spec = TensorSpec((8, 8))
+    layouts = list(itertools.product(PER_AXIS, repeat=len(mesh_shape)))
+    rank_coords = coords_of(mesh_shape)  # rank r sits at rank_coords[r] (row-major)
+    checked = impossible = 0
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", mesh_shape)
+        groups = [mesh.get_group(i).group_name for i in range(len(mesh_shape))]
+        coords = mesh.get_coordinate()
+        for src, dst in itertools.product(layouts, layouts):
+            steps = plan_reshard(spec, src, dst, mesh_shape)
+            if steps is None:
+                assert any(isinstance(d, Partial) and s != d for s, d in zip(src, dst))
+                impossible += 1
+                continue
+            x = LocalTensor({r: block(full, src, mesh_shape, c) for r, c in enumerate(rank_coords)})
+            y = _run_steps(x, steps, mesh_shape, groups, coords)
+            blocks = {c: y._local_tensors[r] for r, c in enumerate(rank_coords)}
+            if any(isinstance(d, Partial) for d in dst):
+                assert torch.allclose(combine(blocks, dst, mesh_shape), full, atol=1e-5)
+            else:
+                for c, b in blocks.items():
+                    assert torch.allclose(b, block(full, dst, mesh_shape, c), atol=1e-5), \
+                        (src, dst, [s.kind for s in steps])
+            # each step records what a rank contributes: its local bytes before the step
+            for s in steps:
+                assert s.bytes == full[tuple(slice(0, n) for n in _local(s.src, mesh_shape))].numel() * 4
+            checked += 1
+    assert checked + impossible == len(layouts) ** 2 and checked > impossible > 0
+
+
+def _local(placements, mesh_shape):
+    shape = [8, 8]
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard):
+            shape[p.dim] //= mesh_shape[a]
+    return shape
+
+
+def test_our_blocks_are_dtensor_blocks(fake_world):
+    """A parameter distributed by DTensor holds exactly the block the local program assumes."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torchalpa.runtime.module import to_dtensor_placements
+    full = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8)
+    rank_coords = coords_of((2, 2))
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", (2, 2))
+        for layout in itertools.product([Replicate(), Shard(0), Shard(1)], repeat=2):
+            same_everywhere = LocalTensor({r: full.clone() for r in range(4)})
+            dt = distribute_tensor(same_everywhere, mesh, to_dtensor_placements(layout))
+            local = dt.to_local()
+            for r, c in enumerate(rank_coords):
+                assert torch.equal(local._local_tensors[r], block(full, layout, (2, 2), c)), layout
+
+
+def test_plans_use_direct_collectives():
+    spec = TensorSpec((8, 8))
+    m = (4,)
+    kinds = lambda a, b: [s.kind for s in plan_reshard(spec, (a,), (b,), m)]
+    assert kinds(Partial(), Replicate()) == ["all_reduce"]
+    assert kinds(Partial(), Shard(0)) == ["reduce_scatter"]
+    assert kinds(Shard(0), Replicate()) == ["all_gather"]
+    assert kinds(Shard(0), Shard(1)) == ["all_to_all"]
+    assert kinds(Replicate(), Shard(1)) == ["slice"]
+    assert plan_reshard(spec, (Replicate(),), (Partial(),), m) is None
+    # a dim split over both axes is reassembled inner axis first
+    steps = plan_reshard(spec, (Shard(0), Shard(0)), (Replicate(), Replicate()), (2, 2))
+    assert [(s.kind, s.axis) for s in steps] == [("all_gather", 1), ("all_gather", 0)]
+
+
+def test_alpha_beta_costs():
+    mesh = LogicalMesh(shape=(4, 2), alpha=(1.0, 2.0), beta=(1.0, 0.1))
+    B = 1000
+    assert collective_cost(mesh, "all_reduce", 0, B) == 1 + 2 * 3 / 4 * B
+    assert collective_cost(mesh, "all_gather", 1, B / 2) == pytest.approx(2 + 0.1 * 1 / 2 * B)
+    assert collective_cost(mesh, "reduce_scatter", 0, B) == 1 + 3 / 4 * B
+    assert collective_cost(mesh, "all_to_all", 0, B / 4) == pytest.approx(1 + 3 / 16 * B * 2)
+    gloo = LogicalMesh(shape=(4,), backend="gloo")
+    assert collective_cost(gloo, "reduce_scatter", 0, B) == collective_cost(gloo, "all_reduce", 0, B)
+    steps = plan_reshard(TensorSpec((8, 8)), (Partial(),), (Replicate(),), (4,))
+    assert steps_cost(LogicalMesh(shape=(4,)), steps) == 1 + 1.5 * 256
