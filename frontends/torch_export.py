@@ -18,7 +18,7 @@ import inspect
 import logging
 import operator
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -52,7 +52,6 @@ class Capture:
     buffer_names: list[str]         # buffers and frozen parameters, in placeholder order
     input_names: list[str]          # one per example input (model inputs, then targets)
     seconds: float = 0.0
-    info: dict = field(default_factory=dict)
 
 
 def split_inputs(example_inputs: Sequence, loss_fn: Callable | None) -> tuple[tuple, tuple]:

@@ -106,6 +106,9 @@ def main():
             lambda: MLP(32, 4), mlp_inputs(64, 32), method=method,
             cluster=torchalpa.LogicalMesh(shape=(2, 2), alpha=(1.0, 1.0), beta=(1.0, 0.1))),
             results)
+    if "odd_batch" in which:      # 30 rows on 4 ranks: planned without splitting the batch
+        scenario("odd_batch", lambda: train_and_compare(
+            lambda: MLP(32, 3), mlp_inputs(30, 32)), results)
     if "bad_input_shape" in which:
         def bad():
             torch.manual_seed(0)
