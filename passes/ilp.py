@@ -1,15 +1,18 @@
 """Alpa's intra-op ILP: pick one strategy per node, minimizing node plus edge costs.
 
-For node ``i`` a one-hot vector ``s_i`` over its strategies; for each edge ``(i, j)`` a
-vector ``e_ij`` over strategy pairs, linearized as in Alpa:
-``sum_b e_ij[a, b] = s_i[a]`` and ``sum_a e_ij[a, b] = s_j[b]`` (so ``e_ij`` is the outer
-product of the one-hots, and may be continuous). Objective: ``sum c_i . s_i +
-sum R_ij . e_ij``. An infinite entry forbids that pair. Optional memory constraints:
-``sum_i m_i . s_i <= budget`` for each group of nodes alive together.
+For node ``i`` a one-hot vector ``s_i`` over its strategies. An edge's cost depends only
+on the layout the producer writes and the layout the consumer reads, and many strategies
+share a layout, so each edge is a small table ``T[p, q]`` over distinct layouts with maps
+from strategies to rows (``row_of``) and columns (``col_of``). Alpa's linearization, on
+layouts: variables ``e[p, q] >= 0`` with ``sum_q e[p, q] = sum_{a: row_of[a] = p} s_u[a]``
+and ``sum_p e[p, q] = sum_{b: col_of[b] = q} s_v[b]`` -- with one-hot ``s`` this forces
+``e`` to the outer product, so it may be continuous. An infinite entry forbids that pair.
+Objective ``sum c_i . s_i + sum T . e``; optional memory constraints
+``sum_i m_i . s_i <= budget`` for groups of nodes alive together.
 
-Nodes with a single strategy are constants and edges touching them fold into the other
-end, which keeps the problem small. Solved with pulp: CBC by default, HiGHS on request;
-single-threaded, so the same input gives the same answer.
+Edges whose table does not depend on one side fold into the other side's node costs.
+Solved with pulp: CBC by default, HiGHS on request; single-threaded, so the same input
+gives the same answer.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pulp
 
-__all__ = ["ILPProblem", "ILPSolution", "solve_ilp", "InfeasibleError"]
+__all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "InfeasibleError"]
 
 
 class InfeasibleError(ValueError):
@@ -30,9 +33,23 @@ class InfeasibleError(ValueError):
 
 
 @dataclass
+class Edge:
+    """Cost ``table[row_of[a], col_of[b]]`` when ``u`` takes strategy a and ``v`` takes b."""
+
+    u: str
+    v: str
+    row_of: np.ndarray
+    col_of: np.ndarray
+    table: np.ndarray
+
+    def dense(self) -> np.ndarray:
+        return self.table[np.ix_(self.row_of, self.col_of)]
+
+
+@dataclass
 class ILPProblem:
     node_costs: dict[str, np.ndarray]
-    edge_costs: dict[tuple[str, str], np.ndarray] = field(default_factory=dict)
+    edges: list[Edge] = field(default_factory=list)
     memory_terms: list[dict[str, np.ndarray]] = field(default_factory=list)
     memory_budget: float | None = None
 
@@ -66,46 +83,55 @@ def _make_solver(solver: str, time_limit: float | None, gap: float | None):
     raise ValueError(f"solver must be 'cbc' or 'highs', got {solver!r}")
 
 
+def _fold_edges(costs: dict[str, np.ndarray], edges: list[Edge]) -> tuple[list[Edge], float]:
+    """Fold edges that a single side decides into node costs; merge parallel edges."""
+    free: dict[tuple, Edge] = {}
+    constant = 0.0
+    for e in edges:
+        t = e.table
+        if not np.isfinite(t).all() or t.size == 0:
+            pass
+        elif (t == 0).all():
+            continue
+        if len(costs[e.u]) == 1 and len(costs[e.v]) == 1:
+            constant += e.table[e.row_of[0], e.col_of[0]]
+        elif len(costs[e.u]) == 1:
+            costs[e.v] = costs[e.v] + t[e.row_of[0]][e.col_of]
+        elif len(costs[e.v]) == 1:
+            costs[e.u] = costs[e.u] + t[:, e.col_of[0]][e.row_of]
+        elif t.shape[0] == 1 or (np.isfinite(t).all() and (t == t[:1]).all()):
+            costs[e.v] = costs[e.v] + t[0][e.col_of]      # the producer's layout is irrelevant
+        elif t.shape[1] == 1 or (np.isfinite(t).all() and (t == t[:, :1]).all()):
+            costs[e.u] = costs[e.u] + t[:, 0][e.row_of]
+        else:
+            key = (e.u, e.v, e.row_of.tobytes(), e.col_of.tobytes())
+            if key in free:
+                free[key] = Edge(e.u, e.v, e.row_of, e.col_of, free[key].table + t)
+            else:
+                free[key] = e
+    return list(free.values()), constant
+
+
 def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | None = None,
               gap: float | None = None) -> ILPSolution:
     start = time.perf_counter()
     costs = {k: np.asarray(v, dtype=float).copy() for k, v in problem.node_costs.items()}
-    allowed = {k: np.isfinite(v) for k, v in costs.items()}
-    constant = 0.0
-
-    # Fold edges with a single-strategy end into the other end's node costs.
-    free_edges: dict[tuple[str, str], np.ndarray] = {}
-    for (u, v), m in problem.edge_costs.items():
-        m = np.asarray(m, dtype=float)
-        if m.shape != (len(costs[u]), len(costs[v])):
-            raise ValueError(f"edge {u}->{v}: cost matrix {m.shape} does not match "
-                             f"strategies ({len(costs[u])}, {len(costs[v])})")
-        if len(costs[u]) == 1 and len(costs[v]) == 1:
-            constant += m[0, 0]
-        elif len(costs[u]) == 1:
-            costs[v] = costs[v] + m[0, :]
-        elif len(costs[v]) == 1:
-            costs[u] = costs[u] + m[:, 0]
-        else:
-            key = (u, v)
-            free_edges[key] = free_edges[key] + m if key in free_edges else m
-    for k, c in costs.items():
-        allowed[k] = np.isfinite(c)
-        if not allowed[k].any():
+    edges, constant = _fold_edges(costs, problem.edges)
+    allowed = {k: np.isfinite(c) for k, c in costs.items()}
+    for k, ok in allowed.items():
+        if not ok.any():
             raise InfeasibleError(f"node {k!r}: every strategy needs an impossible resharding")
     if not math.isfinite(constant):
         raise InfeasibleError("two fixed layouts cannot be connected")
 
     # Scale costs so the largest finite coefficient is ~1e6 (solver tolerances are absolute).
-    finite = [np.abs(c[np.isfinite(c)]).max(initial=0) for c in costs.values()]
-    finite += [np.abs(m[np.isfinite(m)]).max(initial=0) for m in free_edges.values()]
-    top = max(finite, default=0.0)
+    top = max([np.abs(c[np.isfinite(c)]).max(initial=0) for c in costs.values()] +
+              [np.abs(e.table[np.isfinite(e.table)]).max(initial=0) for e in edges] + [0.0])
     scale = 1e6 / top if top > 0 else 1.0
 
     prob = pulp.LpProblem("torchalpa_intra_op", pulp.LpMinimize)
     s: dict[str, list] = {}
     objective = []
-    num_vars = 0
     for idx, (k, c) in enumerate(costs.items()):
         if len(c) == 1:
             s[k] = [1]
@@ -115,35 +141,42 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
         for a in range(len(c)):
             if allowed[k][a]:
                 var = prob.add_variable(f"s{idx}_{a}", cat="Binary")
-                num_vars += 1
                 if c[a] != 0:
-                    objective.append(c[a] * scale * var)
+                    objective.append((var, c[a] * scale))
                 vars_.append(var)
             else:
-                vars_.append(0)
-        prob += pulp.lpSum(x for x in vars_ if not isinstance(x, int)) == 1
+                vars_.append(None)
+        prob += pulp.lpSum(x for x in vars_ if x is not None) == 1
         s[k] = vars_
-    for eidx, ((u, v), m) in enumerate(free_edges.items()):
-        rows = [[] for _ in range(m.shape[0])]
-        cols = [[] for _ in range(m.shape[1])]
-        for a in range(m.shape[0]):
-            if isinstance(s[u][a], int):
+    for eidx, e in enumerate(edges):
+        P, Q = e.table.shape
+        rows = [[] for _ in range(P)]
+        cols = [[] for _ in range(Q)]
+        row_sources = [[] for _ in range(P)]
+        col_sources = [[] for _ in range(Q)]
+        for a, p in enumerate(e.row_of):
+            if s[e.u][a] is not None:
+                row_sources[p].append(s[e.u][a])
+        for b, q in enumerate(e.col_of):
+            if s[e.v][b] is not None:
+                col_sources[q].append(s[e.v][b])
+        for p in range(P):
+            if not row_sources[p]:
                 continue
-            for b in range(m.shape[1]):
-                if isinstance(s[v][b], int) or not math.isfinite(m[a, b]):
+            for q in range(Q):
+                if not col_sources[q] or not math.isfinite(e.table[p, q]):
                     continue
-                e = prob.add_variable(f"e{eidx}_{a}_{b}", lowBound=0, upBound=1)
-                num_vars += 1
-                if m[a, b] != 0:
-                    objective.append(m[a, b] * scale * e)
-                rows[a].append(e)
-                cols[b].append(e)
-        for a, row in enumerate(rows):
-            if not isinstance(s[u][a], int):
-                prob += pulp.lpSum(row) == s[u][a]
-        for b, col in enumerate(cols):
-            if not isinstance(s[v][b], int):
-                prob += pulp.lpSum(col) == s[v][b]
+                var = prob.add_variable(f"e{eidx}_{p}_{q}", lowBound=0, upBound=1)
+                if e.table[p, q] != 0:
+                    objective.append((var, e.table[p, q] * scale))
+                rows[p].append(var)
+                cols[q].append(var)
+        for p in range(P):
+            if row_sources[p]:
+                prob += pulp.lpSum(rows[p]) == pulp.lpSum(row_sources[p])
+        for q in range(Q):
+            if col_sources[q]:
+                prob += pulp.lpSum(cols[q]) == pulp.lpSum(col_sources[q])
     if problem.memory_budget is not None:
         for group in problem.memory_terms:
             terms, fixed = [], 0.0
@@ -151,10 +184,10 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
                 if len(s[k]) == 1:
                     fixed += float(mem[0])
                 else:
-                    terms += [float(mem[a]) * s[k][a] for a in range(len(mem))
-                              if not isinstance(s[k][a], int)]
-            prob += pulp.lpSum(terms) <= problem.memory_budget - fixed
-    prob += pulp.lpSum(objective) if objective else pulp.lpSum([])
+                    terms += [(s[k][a], float(mem[a])) for a in range(len(mem))
+                              if s[k][a] is not None and mem[a] != 0]
+            prob += pulp.LpAffineExpression(terms) <= problem.memory_budget - fixed
+    prob += pulp.LpAffineExpression(objective)
     status = prob.solve(_make_solver(solver, time_limit, gap))
     status_name = pulp.LpStatus[status]
     if status_name in ("Infeasible", "Not Solved", "Undefined") or prob.sol_status in (
@@ -162,14 +195,11 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
         raise InfeasibleError(f"the ILP has no feasible solution (solver status: {status_name})")
     choice = {}
     for k, vars_ in s.items():
-        if len(vars_) == 1:
-            choice[k] = 0
-            continue
-        values = [0.0 if isinstance(x, int) else (x.value() or 0.0) for x in vars_]
-        choice[k] = int(np.argmax(values))
+        values = [0.0 if x is None or isinstance(x, int) else (x.value() or 0.0) for x in vars_]
+        choice[k] = 0 if len(vars_) == 1 else int(np.argmax(values))
     total = constant + sum(costs[k][a] for k, a in choice.items() if len(costs[k]) > 1)
-    for (u, v), m in free_edges.items():
-        total += m[choice[u], choice[v]]
+    for e in edges:
+        total += e.table[e.row_of[choice[e.u]], e.col_of[choice[e.v]]]
     return ILPSolution(choice=choice, objective=float(total), status=status_name,
-                       seconds=time.perf_counter() - start, num_variables=num_vars,
-                       num_constraints=prob.numConstraints())
+                       seconds=time.perf_counter() - start,
+                       num_variables=prob.numVariables(), num_constraints=prob.numConstraints())

@@ -23,7 +23,9 @@ from torchalpa.cluster import LogicalMesh
 from torchalpa.methods import ShardParallel
 from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
 from torchalpa.passes.cost import compute_cost, steps_cost, wire_bytes
+from torchalpa.passes.costgraph import ReshardCosts, build_cost_graph
 from torchalpa.passes.ilp import ILPProblem, solve_ilp
+from torchalpa.passes.simplify import group_nodes
 from torchalpa.passes.memory import activation_peak_bytes, model_state_bytes
 from torchalpa.passes.reshard import plan_reshard
 from torchalpa.passes.rules import rule_for
@@ -67,12 +69,36 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global") 
                 unsupported.append({"op": node.op, "node": node.name, "module": node.module})
             options = replicate_only(node, mesh)
         strategies[node.name] = options
+    _prune_unreachable(graph, strategies, mesh)
     for item in unsupported:
         warnings.warn(f"no sharding rule for {item['op']} (node {item['node']}"
                       + (f", module '{item['module']}'" if item["module"] else "")
                       + "): it runs replicated on every device", UnsupportedOpWarning,
                       stacklevel=3)
     return StrategySpace(strategies, unsupported)
+
+
+def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
+                       mesh: LogicalMesh) -> None:
+    """Drop strategies that read an operand in a layout no producer strategy can be
+    resharded into (e.g. a Partial input downstream of ops that never make one)."""
+    for node in graph.ops():
+        keep = []
+        for s in strategies[node.name]:
+            ok = True
+            for slot, ref in enumerate(node.operands):
+                want = s.inputs[slot]
+                if want is None:
+                    continue
+                spec = graph.spec(ref)
+                if not any(plan_reshard(spec, p.outputs[ref.index], want, mesh.shape) is not None
+                           for p in strategies[ref.node]):
+                    ok = False
+                    break
+            if ok:
+                keep.append(s)
+        if keep:
+            strategies[node.name] = keep
 
 
 def _batch_sharded(spec: TensorSpec, mesh: LogicalMesh) -> Strategy:
@@ -83,84 +109,39 @@ def _batch_sharded(spec: TensorSpec, mesh: LogicalMesh) -> Strategy:
     return Strategy(inputs=(), outputs=(tuple(Shard(0) for _ in mesh.shape),))
 
 
-class _Costs:
-    """Memoized resharding steps and their alpha-beta cost on one mesh."""
-
-    def __init__(self, mesh: LogicalMesh):
-        self.mesh = mesh
-
-    def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
-        if dst is None:
-            return ()
-        return plan_reshard(spec, src, dst, self.mesh.shape)
-
-    def reshard(self, spec, src, dst) -> float:
-        steps = self.steps(spec, src, dst)
-        return math.inf if steps is None else steps_cost(self.mesh, steps)
-
-
-def _edge_matrix(costs: _Costs, spec, producer: list[Strategy], index: int, consumer,
-                 pick) -> np.ndarray:
-    m = np.empty((len(producer), len(consumer)))
-    for a, s in enumerate(producer):
-        for b, t in enumerate(consumer):
-            m[a, b] = costs.reshard(spec, s.outputs[index], pick(t))
-    return m
-
-
 def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | None = None, *,
-                  inputs: str = "global") -> Plan:
-    """Solve Alpa's intra-op ILP for ``graph`` on ``mesh`` and return the Plan."""
+                  inputs: str = "global", blocks: dict[str, tuple[str, int]] | None = None
+                  ) -> Plan:
+    """Solve Alpa's intra-op ILP for ``graph`` on ``mesh`` and return the Plan.
+
+    ``blocks`` (node -> (block kind, index)) lets identical layers share one decision.
+    """
     method = method or ShardParallel()
     if inputs not in ("global", "local"):
         raise ValueError(f"inputs must be 'global' or 'local', got {inputs!r}")
     start = time.perf_counter()
     space = build_strategies(graph, mesh, inputs)
     S = space.strategies
-    costs = _Costs(mesh)
-    R = replicated(mesh.ndim)
-
-    node_costs: dict[str, np.ndarray] = {}
-    for node in graph:
-        c = np.array([compute_cost(mesh, node, s.shards) if not node.is_leaf else 0.0
-                      for s in S[node.name]])
-        node_costs[node.name] = c
-    loss = graph.outputs.loss
-    loss_spec = graph.spec(loss)
-    node_costs[loss.node] = node_costs[loss.node] + np.array(
-        [costs.reshard(loss_spec, s.outputs[loss.index], R) for s in S[loss.node]])
-
-    edges: dict[tuple[str, str], np.ndarray] = {}
-
-    def add_edge(u, v, m):
-        edges[(u, v)] = edges[(u, v)] + m if (u, v) in edges else m
-
-    for node in graph.ops():
-        for slot, ref in enumerate(node.operands):
-            m = _edge_matrix(costs, graph.spec(ref), S[ref.node], ref.index, S[node.name],
-                             lambda t, slot=slot: t.inputs[slot])
-            add_edge(ref.node, node.name, m)
-    params = graph.params
-    for fqn, ref in graph.outputs.grads:
-        p = params[fqn]
-        m = _edge_matrix(costs, graph.spec(ref), S[ref.node], ref.index, S[p],
-                         lambda t: t.outputs[0])
-        add_edge(ref.node, p, m)
-
+    grouping = group_nodes(graph, S, blocks)
+    costs = ReshardCosts(mesh)
+    cg = build_cost_graph(graph, mesh, S, grouping, costs)
     option = method.auto_sharding_option
     built = time.perf_counter()
-    solution = solve_ilp(ILPProblem(node_costs=node_costs, edge_costs=edges),
+    solution = solve_ilp(ILPProblem(node_costs=cg.node_costs, edges=cg.edges),
                          solver=option.solver, time_limit=option.time_limit, gap=option.gap)
-    chosen = {k: S[k][i] for k, i in solution.choice.items()}
+    chosen = {n.name: S[n.name][grouping.index[n.name][solution.choice[grouping.rep[n.name]]]]
+              for n in graph}
     plan = _assemble(graph, mesh, method, chosen, costs, space, inputs)
     seconds = time.perf_counter() - start
     num_strategies = sum(len(v) for v in S.values())
-    log.info("intra-op plan on mesh %s: %d nodes, %d strategies, ILP %d vars, solved in %.2fs "
-             "(build %.2fs), objective %.6g", mesh.shape, len(graph), num_strategies,
-             solution.num_variables, solution.seconds, built - start, solution.objective)
+    log.info("intra-op plan on mesh %s: %d nodes (%d decide), %d strategies, %d/%d edges "
+             "priced, ILP %d vars, solved in %.2fs (build %.2fs), objective %.6g",
+             mesh.shape, len(graph), len(cg.node_costs), num_strategies, cg.num_priced,
+             cg.num_edges, solution.num_variables, solution.seconds, built - start,
+             solution.objective)
     estimates = dict(plan.estimates, objective=solution.objective, solve_seconds=seconds,
                      ilp_seconds=solution.seconds, ilp_variables=solution.num_variables,
-                     num_strategies=num_strategies)
+                     num_strategies=num_strategies, num_decisions=len(cg.node_costs))
     return _replace_estimates(plan, estimates)
 
 
@@ -170,7 +151,7 @@ def _replace_estimates(plan: Plan, estimates: dict) -> Plan:
 
 
 def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
-              chosen: dict[str, Strategy], costs: _Costs, space: StrategySpace,
+              chosen: dict[str, Strategy], costs: ReshardCosts, space: StrategySpace,
               inputs: str) -> Plan:
     R = replicated(mesh.ndim)
     reshards: list[Reshard] = []

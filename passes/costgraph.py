@@ -1,0 +1,126 @@
+"""The ILP's cost graph: cost vectors on representative nodes, matrices on their edges.
+
+Every op node costs its compute; every edge costs the resharding between the layout the
+producer writes and the layout the consumer reads; each parameter's gradient pays to
+reach its parameter's layout; the loss pays to become whole on every device. Costs of
+nodes that follow a representative (``passes/simplify.py``) fold onto it, so the ILP only
+sees representatives. Repeated layers produce the same edge many times: each distinct
+edge is priced once and multiplied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from torchalpa.cluster import LogicalMesh
+from torchalpa.opgraph import OpGraph, TensorSpec
+from torchalpa.passes.cost import compute_cost, steps_cost
+from torchalpa.passes.ilp import Edge
+from torchalpa.passes.reshard import plan_reshard
+from torchalpa.passes.simplify import Grouping
+from torchalpa.passes.strategies import Strategy
+from torchalpa.placement import Placements, replicated
+
+__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph"]
+
+
+class ReshardCosts:
+    """Memoized resharding steps and their alpha-beta cost on one mesh."""
+
+    def __init__(self, mesh: LogicalMesh):
+        self.mesh = mesh
+        self._cost: dict = {}
+
+    def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
+        if dst is None:
+            return ()
+        return plan_reshard(spec, src, dst, self.mesh.shape)
+
+    def cost(self, spec: TensorSpec, src: Placements, dst: Placements | None) -> float:
+        key = (spec, src, dst)
+        c = self._cost.get(key)
+        if c is None:
+            steps = self.steps(spec, src, dst)
+            c = math.inf if steps is None else steps_cost(self.mesh, steps)
+            self._cost[key] = c
+        return c
+
+    def edge(self, u: str, v: str, spec: TensorSpec, rows: list, cols: list) -> Edge:
+        """An ILP edge: the cost table over the distinct layouts on each side."""
+        urows, ri = _unique(rows)
+        ucols, ci = _unique(cols)
+        table = np.array([[self.cost(spec, r, c) for c in ucols] for r in urows])
+        return Edge(u, v, ri, ci, table)
+
+
+def _unique(items: list) -> tuple[list, np.ndarray]:
+    seen: dict = {}
+    idx = np.array([seen.setdefault(x, len(seen)) for x in items], dtype=np.int64)
+    return list(seen), idx
+
+
+@dataclass
+class CostGraph:
+    node_costs: dict[str, np.ndarray]
+    edges: list[Edge]
+    num_edges: int = 0            # edges of the full graph
+    num_priced: int = 0           # distinct edges actually priced
+    stats: dict = field(default_factory=dict)
+
+
+def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
+                     grouping: Grouping, costs: ReshardCosts) -> CostGraph:
+    rep, index = grouping.rep, grouping.index
+    node_costs = {r: np.zeros(len(S[r])) for r in grouping.representatives}
+
+    def fold(name: str, vec: np.ndarray) -> None:
+        node_costs[rep[name]] += vec[list(index[name])]
+
+    for node in graph:
+        if not node.is_leaf:
+            fold(node.name, np.array([compute_cost(mesh, node, s.shards) for s in S[node.name]]))
+    loss = graph.outputs.loss
+    R = replicated(mesh.ndim)
+    fold(loss.node, np.array([costs.cost(graph.spec(loss), s.outputs[loss.index], R)
+                              for s in S[loss.node]]))
+
+    # (producer, output index, consumer, how the consumer reads it)
+    links: list[tuple[str, int, str, object]] = []
+    for node in graph.ops():
+        for slot, ref in enumerate(node.operands):
+            links.append((ref.node, ref.index, node.name, slot))
+    params = graph.params
+    for fqn, ref in graph.outputs.grads:
+        links.append((ref.node, ref.index, params[fqn], "param"))
+
+    groups: dict[tuple, list] = defaultdict(list)
+    for u, idx, v, how in links:
+        key = (rep[u], rep[v], index[u], index[v], graph.node(u).outputs[idx], idx,
+               _read_layouts_key(S[v], how))
+        groups[key].append((u, idx, v, how))
+
+    edges: list[Edge] = []
+    for key, members in groups.items():
+        ru, rv = key[0], key[1]
+        u, idx, v, how = members[0]
+        rows = [S[u][a].outputs[idx] for a in index[u]]
+        cols = [_reads(S[v][b], how) for b in index[v]]
+        e = costs.edge(ru, rv, graph.node(u).outputs[idx], rows, cols)
+        e.table = e.table * len(members)
+        if ru == rv:   # both ends follow one node: only its diagonal can happen
+            node_costs[ru] += e.dense().diagonal()
+        else:
+            edges.append(e)
+    return CostGraph(node_costs, edges, num_edges=len(links), num_priced=len(groups))
+
+
+def _reads(s: Strategy, how) -> Placements | None:
+    return s.outputs[0] if how == "param" else s.inputs[how]
+
+
+def _read_layouts_key(strategies: list[Strategy], how) -> tuple:
+    return (how, tuple(_reads(s, how) for s in strategies))
