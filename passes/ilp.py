@@ -51,7 +51,10 @@ class ILPProblem:
     node_costs: dict[str, np.ndarray]
     edges: list[Edge] = field(default_factory=list)
     memory_terms: list[dict[str, np.ndarray]] = field(default_factory=list)
+    """Groups of per-strategy byte vectors alive together; each group <= the budget."""
     memory_budget: float | None = None
+    minimize_peak: bool = False
+    """Ignore costs; find the layouts with the smallest largest memory group."""
 
 
 @dataclass
@@ -177,17 +180,23 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
         for q in range(Q):
             if col_sources[q]:
                 prob += pulp.lpSum(cols[q]) == pulp.lpSum(col_sources[q])
-    if problem.memory_budget is not None:
+    peak = prob.add_variable("peak_bytes", lowBound=0) if problem.minimize_peak else None
+    if problem.memory_budget is not None or peak is not None:
+        mem_scale = 1.0 / max(1.0, max((float(np.max(m)) for g in problem.memory_terms
+                                        for m in g.values()), default=1.0))
         for group in problem.memory_terms:
             terms, fixed = [], 0.0
             for k, mem in group.items():
                 if len(s[k]) == 1:
-                    fixed += float(mem[0])
+                    fixed += float(mem[0]) * mem_scale
                 else:
-                    terms += [(s[k][a], float(mem[a])) for a in range(len(mem))
+                    terms += [(s[k][a], float(mem[a]) * mem_scale) for a in range(len(mem))
                               if s[k][a] is not None and mem[a] != 0]
-            prob += pulp.LpAffineExpression(terms) <= problem.memory_budget - fixed
-    prob += pulp.LpAffineExpression(objective)
+            if peak is not None:
+                prob += pulp.LpAffineExpression(terms + [(peak, -1.0)]) <= -fixed
+            else:
+                prob += pulp.LpAffineExpression(terms) <= problem.memory_budget * mem_scale - fixed
+    prob += pulp.LpAffineExpression([(peak, 1.0)] if peak is not None else objective)
     status = prob.solve(_make_solver(solver, time_limit, gap))
     status_name = pulp.LpStatus[status]
     if status_name in ("Infeasible", "Not Solved", "Undefined") or prob.sol_status in (
@@ -200,6 +209,8 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
     total = constant + sum(costs[k][a] for k, a in choice.items() if len(costs[k]) > 1)
     for e in edges:
         total += e.table[e.row_of[choice[e.u]], e.col_of[choice[e.v]]]
+    if peak is not None:
+        total = float(peak.value()) / mem_scale
     return ILPSolution(choice=choice, objective=float(total), status=status_name,
                        seconds=time.perf_counter() - start,
                        num_variables=prob.numVariables(), num_constraints=prob.numConstraints())

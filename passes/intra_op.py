@@ -20,18 +20,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchalpa.cluster import LogicalMesh
-from torchalpa.methods import ShardParallel
+from torchalpa.methods import AutoShardingOption, ShardParallel
+from torchalpa.passes.constraints import apply_constraints
 from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
 from torchalpa.passes.cost import compute_cost, steps_cost, wire_bytes
 from torchalpa.passes.costgraph import ReshardCosts, build_cost_graph
-from torchalpa.passes.ilp import ILPProblem, solve_ilp
+from torchalpa.passes.ilp import ILPProblem, InfeasibleError, solve_ilp
 from torchalpa.passes.simplify import group_nodes
-from torchalpa.passes.memory import activation_peak_bytes, model_state_bytes
-from torchalpa.passes.reshard import plan_reshard
+from torchalpa.passes.memory import MemoryModel, activation_peak_bytes, model_state_bytes
+from torchalpa.passes.reshard import local_bytes, plan_reshard
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.strategies import (Strategy, enumerate_strategies, leaf_strategies,
                                          replicate_only)
-from torchalpa.placement import Placements, Replicate, Shard, replicated
+from torchalpa.placement import Placements, Replicate, Shard, format_placements, replicated
+from torchalpa.report import format_bytes
 from torchalpa.plan import (Collective, NodeStrategy, Plan, Reshard, ReshardStep,
                             ValuePlacement)
 
@@ -49,9 +51,11 @@ class UnsupportedOpWarning(UserWarning):
 class StrategySpace:
     strategies: dict[str, list[Strategy]]
     unsupported: list[dict]
+    notes: list[str]
 
 
-def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global") -> StrategySpace:
+def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
+                     option: AutoShardingOption | None = None) -> StrategySpace:
     """Every node's candidate strategies; ops without a rule get replicate-only."""
     strategies: dict[str, list[Strategy]] = {}
     unsupported: list[dict] = []
@@ -69,13 +73,14 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global") 
                 unsupported.append({"op": node.op, "node": node.name, "module": node.module})
             options = replicate_only(node, mesh)
         strategies[node.name] = options
+    notes = apply_constraints(graph, strategies, mesh, option) if option is not None else []
     _prune_unreachable(graph, strategies, mesh)
     for item in unsupported:
         warnings.warn(f"no sharding rule for {item['op']} (node {item['node']}"
                       + (f", module '{item['module']}'" if item["module"] else "")
                       + "): it runs replicated on every device", UnsupportedOpWarning,
                       stacklevel=3)
-    return StrategySpace(strategies, unsupported)
+    return StrategySpace(strategies, unsupported, notes)
 
 
 def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
@@ -120,17 +125,17 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     if inputs not in ("global", "local"):
         raise ValueError(f"inputs must be 'global' or 'local', got {inputs!r}")
     start = time.perf_counter()
-    space = build_strategies(graph, mesh, inputs)
+    space = build_strategies(graph, mesh, inputs, method.auto_sharding_option)
     S = space.strategies
     grouping = group_nodes(graph, S, blocks)
     costs = ReshardCosts(mesh)
     cg = build_cost_graph(graph, mesh, S, grouping, costs)
     option = method.auto_sharding_option
     built = time.perf_counter()
-    solution = solve_ilp(ILPProblem(node_costs=cg.node_costs, edges=cg.edges),
-                         solver=option.solver, time_limit=option.time_limit, gap=option.gap)
-    chosen = {n.name: S[n.name][grouping.index[n.name][solution.choice[grouping.rep[n.name]]]]
-              for n in graph}
+    budget = option.memory_budget_per_device or mesh.memory_per_device
+    memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states)
+    solution, chosen = _solve_within_memory(graph, S, grouping, cg, memory, budget, option,
+                                            mesh)
     plan = _assemble(graph, mesh, method, chosen, costs, space, inputs)
     seconds = time.perf_counter() - start
     num_strategies = sum(len(v) for v in S.values())
@@ -143,6 +148,114 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
                      ilp_seconds=solution.seconds, ilp_variables=solution.num_variables,
                      num_strategies=num_strategies, num_decisions=len(cg.node_costs))
     return _replace_estimates(plan, estimates)
+
+
+def _describe(mesh: LogicalMesh) -> str:
+    if mesh.ndim == 1:
+        return f"1D mesh of {mesh.num_devices} devices"
+    return f"{'x'.join(map(str, mesh.shape))} mesh"
+
+
+def _expand(graph, S, grouping, choice) -> dict[str, Strategy]:
+    return {n.name: S[n.name][grouping.index[n.name][choice[grouping.rep[n.name]]]]
+            for n in graph}
+
+
+def _peak(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, optimizer_states
+          ) -> tuple[float, int]:
+    state = model_state_bytes(graph, {k: s.outputs[0] for k, s in chosen.items()
+                                      if graph.node(k).is_leaf}, mesh.shape, optimizer_states)
+    timeline = memory.timeline({k: s.outputs for k, s in chosen.items()}, state)
+    t = int(np.argmax(timeline))
+    return float(timeline[t]), t
+
+
+def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, option, mesh,
+                         max_rounds: int = 20):
+    """Solve; while the plan's true peak exceeds the budget, constrain memory there too."""
+    from dataclasses import replace as _replace
+    states = memory.optimizer_states
+    problem = ILPProblem(node_costs=cg.node_costs, edges=cg.edges)
+    points: list[int] = []
+    for _ in range(max_rounds):
+        try:
+            solution = solve_ilp(problem, solver=option.solver, time_limit=option.time_limit,
+                                 gap=option.gap)
+        except InfeasibleError:
+            if not points:
+                raise
+            need = _minimum_memory(graph, S, grouping, cg, memory, points, option, mesh, states)
+            raise InfeasibleError(
+                f"the model does not fit in {format_bytes(budget)} per device on a "
+                f"{_describe(mesh)}: it needs at least {format_bytes(need)} "
+                "per device (parameters, gradients, optimizer states and activations); use "
+                "more devices, a smaller batch, or a larger memory_budget_per_device") from None
+        chosen = _expand(graph, S, grouping, solution.choice)
+        if budget is None:
+            return solution, chosen
+        peak, t = _peak(graph, memory, chosen, mesh, states)
+        if peak <= budget * (1 + 1e-9):
+            return solution, chosen
+        new_points = [p for p in ([t] if points else memory.likely_peaks() + [t]) if p not in points]
+        if not new_points:
+            break
+        points += new_points
+        problem = _replace(problem, memory_terms=[memory.terms_at(p) for p in points],
+                           memory_budget=budget)
+    raise InfeasibleError(f"could not fit the plan in {format_bytes(budget)} per device after "
+                          f"{max_rounds} rounds of memory constraints")
+
+
+def _minimum_memory(graph, S, grouping, cg, memory: MemoryModel, points, option, mesh,
+                    states) -> float:
+    """The smallest peak any plan reaches (refining the checked points until exact)."""
+    from dataclasses import replace as _replace
+    points = list(points)
+    for _ in range(20):
+        problem = ILPProblem(node_costs=cg.node_costs, edges=cg.edges, minimize_peak=True,
+                             memory_terms=[memory.terms_at(p) for p in points])
+        solution = solve_ilp(problem, solver=option.solver, time_limit=option.time_limit)
+        peak, t = _peak(graph, memory, _expand(graph, S, grouping, solution.choice), mesh, states)
+        if t in points or peak <= solution.objective * (1 + 1e-9):
+            return peak
+        points.append(t)
+    return peak
+
+
+def _explain_parameters(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
+                        chosen: dict[str, Strategy], costs: ReshardCosts,
+                        space: StrategySpace) -> dict:
+    """Per parameter: what its layout costs (communication it causes, state it holds) and
+    what the best other layout would cost with every other decision unchanged."""
+    readers: dict[str, list[tuple[str, int]]] = {}
+    for node in graph.ops():
+        for slot, ref in enumerate(node.operands):
+            if graph.node(ref.node).kind in ("param", "buffer"):
+                readers.setdefault(ref.node, []).append((node.name, slot))
+    grads = {graph.params[fqn]: ref for fqn, ref in graph.outputs.grads}
+    out = {}
+    for node in graph:
+        if node.kind not in ("param", "buffer"):
+            continue
+
+        def price(layout):
+            t = sum(costs.cost(node.output, layout, chosen[v].inputs[slot])
+                    for v, slot in readers.get(node.name, []))
+            g = grads.get(node.name)
+            if g is not None:
+                t += costs.cost(graph.spec(g), chosen[g.node].outputs[g.index], layout)
+            copies = 2 + method.optimizer_states if g is not None else 1
+            return {"placements": format_placements(layout), "communication_s": t,
+                    "state_bytes": local_bytes(node.output, layout, mesh.shape) * copies}
+
+        mine = chosen[node.name].outputs[0]
+        others = [price(s.outputs[0]) for s in space.strategies[node.name]
+                  if s.outputs[0] != mine]
+        entry = price(mine)
+        if others:
+            entry["runner_up"] = min(others, key=lambda o: (o["communication_s"], o["state_bytes"]))
+        out[node.target] = entry
+    return out
 
 
 def _replace_estimates(plan: Plan, estimates: dict) -> Plan:
@@ -213,12 +326,14 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                          for n in graph if n.kind == "input")
     strategies = tuple(NodeStrategy(node=n.name, inputs=chosen[n.name].inputs,
                                     outputs=chosen[n.name].outputs) for n in graph.ops())
-    notes = []
+    notes = list(space.notes)
     for n in graph:
         if n.kind == "input" and n.output.shape and n.output.shape[0] % mesh.num_devices:
             notes.append(f"{n.target}: batch dim {n.output.shape[0]} does not divide by "
                          f"{mesh.num_devices} devices, so it cannot be fully data-parallel")
+    explanations = _explain_parameters(graph, mesh, method, chosen, costs, space)
     return Plan(
+        explanations=explanations,
         mesh_shape=mesh.shape, axis_names=mesh.axis_names, parameters=parameters,
         inputs=input_values, strategies=strategies, reshards=tuple(reshards),
         collectives=tuple(collectives), estimates=estimates,

@@ -1,53 +1,138 @@
-"""Per-device memory of a plan: model states plus activations alive at the peak.
+"""Per-device memory of a plan: model states plus activations alive at each point.
 
 Model states are each parameter's local shard, its gradient (same layout) and the
-optimizer's state tensors (same layout). Activations are op results held from the op
-that makes them to their last reader in the step's order (forward then backward).
+optimizer's state tensors (same layout), alive throughout. Activations are op results
+(and user inputs) held from the op that makes them to their last reader, in the step's
+order (forward then backward). Gradients count as model state, not as activations.
+
+``Liveness`` holds the intervals; the ILP adds one constraint per point it checks,
+``model states + activations alive there <= budget``, starting from the likely peaks and
+adding the actual peak of each solution until the plan fits (``passes/intra_op.py``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
 
 from torchalpa.opgraph import OpGraph
 from torchalpa.passes.reshard import local_bytes
 from torchalpa.placement import Placements
 
-__all__ = ["model_state_bytes", "activation_peak_bytes"]
+__all__ = ["Liveness", "liveness", "model_state_bytes", "activation_peak_bytes",
+           "state_copies"]
 
 
-def model_state_bytes(graph: OpGraph, placements: dict[str, Placements], mesh_shape,
-                      optimizer_states: int) -> int:
-    """Params + grads + optimizer states held by one device."""
-    total = 0
-    trainable = set(graph.grads)
-    for node in graph:
-        if node.kind not in ("param", "buffer"):
-            continue
-        shard = local_bytes(node.output, placements[node.name], mesh_shape)
-        copies = 1 + (1 + optimizer_states if node.target in trainable else 0)
-        total += shard * copies
-    return total
+@dataclass
+class Liveness:
+    """Op results as intervals ``[start, end]`` over the step's order of nodes."""
+
+    names: list[str]          # values that count as activations
+    start: np.ndarray
+    end: np.ndarray
+    length: int
+
+    def alive_at(self, t: int) -> list[str]:
+        mask = (self.start <= t) & (t <= self.end)
+        return [self.names[i] for i in np.flatnonzero(mask)]
 
 
-def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, ...]],
-                          mesh_shape) -> int:
-    """Peak bytes of op results alive at once on one device (inputs count too)."""
+def liveness(graph: OpGraph) -> Liveness:
     order = {n.name: i for i, n in enumerate(graph)}
     last_use: dict[str, int] = {}
     for node in graph:
         for ref in node.operands:
             last_use[ref.node] = max(last_use.get(ref.node, -1), order[node.name])
-    end = len(order)
+    end_of_step = len(order)
     for ref in [graph.outputs.loss] + [r for _, r in graph.outputs.grads]:
-        last_use[ref.node] = end
-    frees: dict[int, int] = {}
-    live = peak = 0
-    for node in graph:
-        i = order[node.name]
-        if node.kind in ("op", "input") and not node.is_grad:  # grads count as model state
-            size = sum(local_bytes(spec, outputs[node.name][k], mesh_shape)
-                       for k, spec in enumerate(node.outputs))
-            live += size
-            frees[last_use.get(node.name, i)] = frees.get(last_use.get(node.name, i), 0) + size
-        peak = max(peak, live)
-        live -= frees.pop(i, 0)
-    return peak
+        last_use[ref.node] = end_of_step
+    names = [n.name for n in graph if n.kind in ("op", "input") and not n.is_grad]
+    start = np.array([order[n] for n in names], dtype=np.int64)
+    end = np.array([last_use.get(n, order[n]) for n in names], dtype=np.int64)
+    return Liveness(names, start, end, end_of_step + 1)
+
+
+def state_copies(graph: OpGraph, node_name: str, optimizer_states: int) -> int:
+    """Tensors of a leaf's layout held for the whole step: itself, grad, optimizer states."""
+    node = graph.node(node_name)
+    if node.kind == "param" and node.target in dict(graph.outputs.grads):
+        return 2 + optimizer_states
+    return 1 if node.kind in ("param", "buffer") else 0
+
+
+def model_state_bytes(graph: OpGraph, placements: dict[str, Placements], mesh_shape,
+                      optimizer_states: int) -> int:
+    """Params + grads + optimizer states held by one device."""
+    return sum(local_bytes(n.output, placements[n.name], mesh_shape)
+               * state_copies(graph, n.name, optimizer_states)
+               for n in graph if n.kind in ("param", "buffer"))
+
+
+def activation_timeline(graph: OpGraph, live: Liveness,
+                        outputs: dict[str, tuple[Placements, ...]], mesh_shape) -> np.ndarray:
+    """Bytes of activations alive at each point of the step on one device."""
+    delta = np.zeros(live.length + 1)
+    for i, name in enumerate(live.names):
+        node = graph.node(name)
+        size = sum(local_bytes(spec, outputs[name][k], mesh_shape)
+                   for k, spec in enumerate(node.outputs))
+        delta[live.start[i]] += size
+        delta[live.end[i] + 1] -= size
+    return np.cumsum(delta)[:-1]
+
+
+def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, ...]],
+                          mesh_shape) -> int:
+    """Peak bytes of op results alive at once on one device (inputs count too)."""
+    timeline = activation_timeline(graph, liveness(graph), outputs, mesh_shape)
+    return int(timeline.max(initial=0))
+
+
+class MemoryModel:
+    """Per-strategy bytes of every node, folded onto the ILP's representatives."""
+
+    def __init__(self, graph: OpGraph, strategies, grouping, mesh_shape, optimizer_states: int):
+        self.graph, self.S, self.g, self.mesh_shape = graph, strategies, grouping, mesh_shape
+        self.optimizer_states = optimizer_states
+        self.live = liveness(graph)
+        reps = grouping.representatives
+        self.state = {r: np.zeros(len(strategies[r])) for r in reps}
+        for n in graph:
+            copies = state_copies(graph, n.name, optimizer_states)
+            if copies:
+                self._fold(self.state, n.name, self._bytes(n.name) * copies)
+        self._act = {name: self._bytes(name) for name in self.live.names}
+
+    def _bytes(self, name: str) -> np.ndarray:
+        node = self.graph.node(name)
+        return np.array([sum(local_bytes(spec, s.outputs[k], self.mesh_shape)
+                             for k, spec in enumerate(node.outputs)) for s in self.S[name]],
+                        dtype=float)
+
+    def _fold(self, into: dict, name: str, vec: np.ndarray) -> None:
+        rep = self.g.rep[name]
+        into[rep] = into.get(rep, np.zeros(len(self.S[rep]))) + vec[list(self.g.index[name])]
+
+    def terms_at(self, t: int) -> dict[str, np.ndarray]:
+        """Bytes alive at point ``t`` for each representative strategy."""
+        terms = {k: v.copy() for k, v in self.state.items() if v.any()}
+        for name in self.live.alive_at(t):
+            self._fold(terms, name, self._act[name])
+        return terms
+
+    def timeline(self, chosen_outputs: dict, state_bytes: float) -> np.ndarray:
+        return activation_timeline(self.graph, self.live, chosen_outputs, self.mesh_shape) \
+            + state_bytes
+
+    def likely_peaks(self) -> list[int]:
+        """Points where activations peak if every value takes its largest / smallest layout."""
+        points = []
+        for pick in (np.max, np.min):
+            delta = np.zeros(self.live.length + 1)
+            for i, name in enumerate(self.live.names):
+                size = pick(self._act[name])
+                delta[self.live.start[i]] += size
+                delta[self.live.end[i] + 1] -= size
+            points.append(int(np.argmax(np.cumsum(delta)[:-1])))
+        return sorted(set(points))

@@ -4,7 +4,9 @@ Two ways a node stops needing variables of its own (as in Alpa's auto-sharding):
 
 * **Followers.** A node with a single tensor operand (a view, an elementwise op with only
   scalars beside) that can read every layout its operand may produce, without
-  resharding, simply follows it: its strategy is a function of the operand's.
+  resharding, simply follows it: its strategy is a function of the operand's. Not when
+  the operand is a parameter or input: that is where layouts change (a gathered weight
+  read by forward and backward should be gathered once).
 * **Repeated blocks.** Layers that are the same ops on the same shapes (``blocks`` maps a
   node to its block kind and index) make the same decision: node ``j`` of every block
   follows node ``j`` of the first block of its kind.
@@ -106,6 +108,8 @@ def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
             if slot is None:
                 continue
             ref = n.operands[slot]
+            if graph.node(ref.node).is_leaf:
+                continue  # layouts change right after parameters/inputs (gathers, slices)
             if ref.node in fixed or blocks.get(ref.node, (None,))[0] != blocks.get(n.name, (None,))[0]:
                 continue
             mapping = _follow_map(strategies[ref.node], ref.index, strategies[n.name], slot)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["default_backend", "default_device", "init_distributed", "build_mesh", "rank",
-           "world_size"]
+           "world_size", "check_world_size"]
 
 _TIMEOUT_ENV = "TORCHALPA_TIMEOUT_S"
 
@@ -55,9 +55,8 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def build_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...]) -> DeviceMesh:
-    """A DeviceMesh of ``shape`` over the whole world (which must have that many ranks)."""
-    init_distributed()
+def check_world_size(shape: tuple[int, ...]) -> None:
+    """A mesh of ``shape`` must use every rank of the job."""
     n = 1
     for s in shape:
         n *= s
@@ -66,4 +65,10 @@ def build_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...]) -> DeviceMes
             f"the mesh {tuple(shape)} needs {n} ranks but this job has {world_size()}; launch "
             f"with torchrun --nproc_per_node={n} or pass a mesh/logical_mesh_shape that "
             f"multiplies to {world_size()}")
+
+
+def build_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...]) -> DeviceMesh:
+    """A DeviceMesh of ``shape`` over the whole world (which must have that many ranks)."""
+    init_distributed()
+    check_world_size(shape)
     return init_device_mesh(default_device().type, tuple(shape), mesh_dim_names=tuple(axis_names))

@@ -7,7 +7,8 @@ See README.md and ../shared/DESIGN.md for the architecture.
 """
 
 from torchalpa.cluster import Cluster, LogicalMesh
-from torchalpa.methods import AutoShardingOption, ShardParallel
+from torchalpa.methods import (AutoShardingOption, DataParallel, ShardParallel, Zero2Parallel,
+                               Zero3Parallel)
 from torchalpa.placement import Partial, Replicate, Shard
 from torchalpa.plan import Plan
 from torchalpa.api import auto_parallel, plan
@@ -15,6 +16,6 @@ from torchalpa.api import auto_parallel, plan
 __version__ = "0.1.0"
 
 __all__ = [
-    "auto_parallel", "plan", "Plan", "Cluster", "LogicalMesh", "ShardParallel",
-    "AutoShardingOption", "Shard", "Replicate", "Partial",
+    "auto_parallel", "plan", "Plan", "Cluster", "LogicalMesh", "ShardParallel", "DataParallel",
+    "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "Shard", "Replicate", "Partial",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
@@ -13,7 +14,7 @@ from torchalpa.methods import ShardParallel
 from torchalpa.opgraph import OpGraph
 from torchalpa.plan import Plan
 
-__all__ = ["plan", "auto_parallel", "default_cluster"]
+__all__ = ["plan", "auto_parallel", "default_cluster", "plan_graph"]
 
 log = logging.getLogger("torchalpa")
 _INPUT_MODES = ("global", "local")
@@ -39,29 +40,62 @@ def _check_inputs_mode(inputs: str) -> None:
         raise ValueError(f"inputs must be one of {_INPUT_MODES}, got {inputs!r}")
 
 
-def _logical_mesh(cluster: Cluster | LogicalMesh, method: ShardParallel, shape=None,
-                  axis_names=None) -> LogicalMesh:
-    """The mesh to plan on: ``cluster`` viewed in ``shape``, or a LogicalMesh as given."""
+def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
+                     shape: tuple[int, ...] | None = None,
+                     axis_names: tuple[str, ...] | None = None) -> list[LogicalMesh]:
+    """The logical meshes to plan on: the one asked for, or every 1D/2D view of the cluster."""
+    shape = tuple(shape or method.logical_mesh_shape or ()) or None
     if isinstance(cluster, LogicalMesh):
-        want = tuple(shape or method.logical_mesh_shape or cluster.shape)
-        if want != cluster.shape:
+        if shape and shape != cluster.shape:
             raise ValueError(f"the LogicalMesh given as cluster has shape {cluster.shape}, but "
-                             f"the plan needs {want}")
+                             f"the plan needs {shape}")
         if axis_names and tuple(axis_names) != cluster.axis_names:
-            from dataclasses import replace
             cluster = replace(cluster, axis_names=tuple(axis_names))
-        return cluster
+        return [cluster]
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster must be a torchalpa.Cluster or LogicalMesh, "
                         f"got {type(cluster).__name__}")
-    shape = tuple(shape or method.logical_mesh_shape or (cluster.num_devices,))
-    return cluster.logical_mesh(shape, axis_names)
+    shapes = [shape] if shape else cluster.candidate_shapes()
+    return [cluster.logical_mesh(s, axis_names if shape else None) for s in shapes]
 
 
-def plan_graph(graph: OpGraph, *, method: ShardParallel, mesh: LogicalMesh,
-               inputs: str = "global") -> Plan:
+def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
+               inputs: str = "global", blocks: dict | None = None) -> Plan:
+    """The best plan over ``meshes`` (by estimated step time), reusing cached plans."""
+    from torchalpa import cache
+    from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.passes.intra_op import plan_intra_op
-    return plan_intra_op(graph, mesh, method, inputs=inputs)
+    fingerprint = graph.fingerprint()
+    plans, failures = [], []
+    for mesh in meshes:
+        key = cache.plan_key(fingerprint, mesh, method, inputs)
+        found = cache.load_cached(key)
+        if found is None:
+            try:
+                found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks)
+            except InfeasibleError as e:
+                failures.append(e)
+                continue
+            cache.store(key, found)
+        plans.append(found)
+    if not plans:
+        raise failures[0] if len(failures) == 1 else InfeasibleError(
+            "no logical mesh fits the memory budget:\n" + "\n".join(f"  {e}" for e in failures))
+    best = min(plans, key=lambda p: p.estimates["step_time_s"])
+    if len(meshes) > 1:
+        tried = ", ".join(f"{'x'.join(map(str, p.mesh_shape))}: "
+                          f"{p.estimates['step_time_s'] * 1e3:.3g} ms" for p in plans)
+        best = replace(best, notes=best.notes + (f"logical meshes tried (estimated step): {tried}",))
+    return best
+
+
+def _blocks_of(graph: OpGraph) -> dict | None:
+    """Repeated layers found by the frontend, if it found any."""
+    try:
+        from torchalpa.frontends.repeated import block_membership
+    except ImportError:
+        return None
+    return block_membership(graph) or None
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -71,16 +105,17 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
 
     ``model`` and ``example_inputs`` may live on the ``meta`` device. Without a cluster the
     plan is for this job's world (one device outside torchrun). A ``LogicalMesh`` instead
-    of a Cluster gives the exact per-axis costs to plan with.
+    of a Cluster gives the exact per-axis costs to plan with. Unless the method fixes a
+    logical mesh shape, every 1D and 2D view of the cluster is tried and the fastest kept.
     """
     from torchalpa.frontends.torch_export import capture
     from torchalpa.runtime.mesh import world_size
     method = _check_method(method)
     _check_inputs_mode(inputs)
-    cluster = cluster or default_cluster(world_size())
-    mesh = _logical_mesh(cluster, method)
+    meshes = candidate_meshes(cluster or default_cluster(world_size()), method)
     captured = capture(model, example_inputs, loss_fn)
-    return plan_graph(captured.graph, method=method, mesh=mesh, inputs=inputs)
+    return plan_graph(captured.graph, method=method, meshes=meshes, inputs=inputs,
+                      blocks=_blocks_of(captured.graph))
 
 
 def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -106,21 +141,20 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     _check_inputs_mode(inputs)
     mesh_mod.init_distributed()
     world = mesh_mod.world_size()
-    if mesh is None:
-        shape = tuple(method.logical_mesh_shape or (world,))
-        names = tuple(f"axis{i}" for i in range(len(shape)))
-        device_mesh = mesh_mod.build_mesh(shape, names)
-    else:
-        device_mesh = mesh
-        if device_mesh.size() != world:
-            raise ValueError(f"the mesh has {device_mesh.size()} devices but this job has {world} "
+    shape = names = None
+    if mesh is not None:
+        if mesh.size() != world:
+            raise ValueError(f"the mesh has {mesh.size()} devices but this job has {world} "
                              "ranks; torchalpa needs a mesh over all ranks")
-        if method.logical_mesh_shape and tuple(method.logical_mesh_shape) != tuple(device_mesh.shape):
+        shape = tuple(mesh.shape)
+        names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(len(shape))))
+        if method.logical_mesh_shape and tuple(method.logical_mesh_shape) != shape:
             raise ValueError(f"method.logical_mesh_shape {method.logical_mesh_shape} differs from "
-                             f"the mesh's shape {tuple(device_mesh.shape)}")
-    shape = tuple(device_mesh.shape)
-    names = tuple(device_mesh.mesh_dim_names or (f"axis{i}" for i in range(len(shape))))
-    logical = _logical_mesh(cluster or default_cluster(world), method, shape, names)
+                             f"the mesh's shape {shape}")
+    elif method.logical_mesh_shape:
+        shape = tuple(method.logical_mesh_shape)
+        mesh_mod.check_world_size(shape)
+    meshes = candidate_meshes(cluster or default_cluster(world), method, shape, names)
 
     start = time.perf_counter()
     captured = capture(model, example_inputs, loss_fn)
@@ -130,8 +164,11 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
         _check_given_plan(plan, fingerprint, shape)
         the_plan = plan
     else:
-        the_plan = _plan_on_rank0(lambda: plan_graph(captured.graph, method=method,
-                                                     mesh=logical, inputs=inputs))
+        the_plan = _plan_on_rank0(lambda: plan_graph(
+            captured.graph, method=method, meshes=meshes, inputs=inputs,
+            blocks=_blocks_of(captured.graph)))
+    device_mesh = mesh if mesh is not None else mesh_mod.build_mesh(the_plan.mesh_shape,
+                                                                    the_plan.axis_names)
     device = mesh_mod.default_device()
     coords = device_mesh.get_coordinate()
     groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
@@ -156,7 +193,7 @@ def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape) -> None:
     if plan.graph_fingerprint != fingerprint:
         raise ValueError("the plan was made for a different training step (model, loss or input "
                          "shapes differ); plan again, or pass plan=None to solve now")
-    if tuple(plan.mesh_shape) != tuple(mesh_shape):
+    if mesh_shape is not None and tuple(plan.mesh_shape) != tuple(mesh_shape):
         raise ValueError(f"the plan is for a mesh of {tuple(plan.mesh_shape)}, this job's mesh is "
                          f"{tuple(mesh_shape)}")
 

@@ -6,9 +6,11 @@ The options mirror Alpa's ``AutoShardingOption`` where they mean the same thing.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["AutoShardingOption", "ShardParallel", "OPTIMIZER_STATES"]
+__all__ = ["AutoShardingOption", "ShardParallel", "DataParallel", "Zero2Parallel",
+           "Zero3Parallel", "OPTIMIZER_STATES"]
 
 # Optimizer state tensors kept per parameter element, for the memory model.
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1,
@@ -27,8 +29,32 @@ class AutoShardingOption:
     """Relative optimality gap at which the solver may stop (None: solver default)."""
     memory_budget_per_device: float | None = None
     """Bytes per device the plan must fit in (None: the cluster's device memory)."""
+    force_batch_dim_to_mesh_dim: int | None = None
+    """Shard dim 0 of every user input over this mesh axis (-1: over all axes)."""
+    parameters: str = "auto"
+    """Parameter layouts (gradients and optimizer states follow): 'auto' lets the ILP
+    choose, 'replicated' keeps them whole (DDP), 'sharded' splits each over every mesh
+    axis where it divides (ZeRO / FSDP)."""
+    rematerialize_parameters: bool = False
+    """Gather parameters again in backward instead of keeping forward's gathered copies
+    (FSDP's reshard-after-forward, ZeRO-3); trades communication for memory."""
+    pin: tuple = ()
+    """Fixed layouts: ``{regex: placements}`` (or pairs) matched against parameter names
+    and user inputs ('input0', ...), e.g. ``{"layers[.]0[.]wq[.]weight": ("R", "S(0)")}``."""
 
     def __post_init__(self):
+        if self.parameters not in ("auto", "replicated", "sharded"):
+            raise ValueError(f"AutoShardingOption.parameters must be 'auto', 'replicated' or "
+                             f"'sharded', got {self.parameters!r}")
+        pin = self.pin.items() if isinstance(self.pin, dict) else self.pin
+        normalized = []
+        for pattern, placements in pin:
+            if isinstance(placements, str):
+                placements = (placements,)
+            from torchalpa.placement import parse_placements
+            parse_placements(placements)  # validate early: the error names the bad string
+            normalized.append((str(pattern), tuple(str(p) for p in placements)))
+        object.__setattr__(self, "pin", tuple(normalized))
         if self.solver not in ("cbc", "highs"):
             raise ValueError(f"AutoShardingOption.solver must be 'cbc' or 'highs', "
                              f"got {self.solver!r}")
@@ -65,6 +91,40 @@ class ShardParallel:
         return OPTIMIZER_STATES[self.optimizer]
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        """Plain JSON data (tuples become lists), as stored in plans."""
+        d = json.loads(json.dumps(asdict(self)))
         d["name"] = type(self).__name__
         return d
+
+
+def _option(**kw):
+    return field(default_factory=lambda: AutoShardingOption(**kw))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallel(ShardParallel):
+    """DDP: the batch split over every device, parameters whole on each, gradients
+    all-reduced."""
+
+    auto_sharding_option: AutoShardingOption = _option(force_batch_dim_to_mesh_dim=-1,
+                                                       parameters="replicated")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Zero2Parallel(ShardParallel):
+    """ZeRO-2 / FSDP SHARD_GRAD_OP: the batch split over every device; parameters,
+    gradients and optimizer states sharded between steps; each parameter gathered once
+    per step and kept until backward is done with it; gradients reduce-scattered."""
+
+    auto_sharding_option: AutoShardingOption = _option(force_batch_dim_to_mesh_dim=-1,
+                                                       parameters="sharded")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Zero3Parallel(ShardParallel):
+    """ZeRO-3 / FSDP FULL_SHARD: like Zero2Parallel, but parameters are gathered again in
+    backward instead of being kept from forward."""
+
+    auto_sharding_option: AutoShardingOption = _option(force_batch_dim_to_mesh_dim=-1,
+                                                       parameters="sharded",
+                                                       rematerialize_parameters=True)

@@ -160,6 +160,8 @@ class Plan:
     method: dict = field(default_factory=dict)
     graph_fingerprint: str = ""
     notes: tuple[str, ...] = ()
+    explanations: dict = field(default_factory=dict)
+    """Per parameter: its layout's communication and state, and the runner-up's."""
     version: int = PLAN_VERSION
 
     # -- lookups ------------------------------------------------------------------------
@@ -199,6 +201,7 @@ class Plan:
             "notes": list(self.notes),
             "strategies": {s.node: s.to_dict() for s in self.strategies},
             "reshards": [r.to_dict() for r in self.reshards],
+            "explanations": self.explanations,
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -226,7 +229,7 @@ class Plan:
             unsupported_ops=tuple(d.get("unsupported_ops", ())),
             stages=tuple(d.get("stages", ())), method=dict(d.get("method", {})),
             graph_fingerprint=d.get("graph_fingerprint", ""), notes=tuple(d.get("notes", ())),
-            version=version)
+            explanations=dict(d.get("explanations", {})), version=version)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":

@@ -82,11 +82,24 @@ def explain(plan, name: str) -> str:
         node = name
         head = f"op {name}: strategy {strategy}"
     moves = [c for c in plan.collectives if c.tensor == node]
+    if value is not None:
+        grad_sources = {r.producer for r in plan.reshards if r.slot == f"grad:{value.name}"}
+        moves += [c for c in plan.collectives if c.tensor in grad_sources and c.phase == "backward"]
     lines = [head]
+    why = plan.explanations.get(value.name) if value is not None else None
+    if why:
+        lines.append(f"  it causes {why['communication_s'] * 1e3:.4g} ms of communication per step "
+                     f"(its readers and its gradient) and holds {format_bytes(why['state_bytes'])} "
+                     "of state per device")
+        other = why.get("runner_up")
+        if other:
+            lines.append(f"  runner-up {' '.join(other['placements'])}: "
+                         f"{other['communication_s'] * 1e3:.4g} ms, "
+                         f"{format_bytes(other['state_bytes'])} (every other decision unchanged)")
     if moves:
-        lines.append("collectives moving it:")
+        lines.append("collectives moving it (or its gradient):")
         lines += [f"  {c.phase} {c.kind} on {plan.axis_names[c.axis]}: {format_bytes(c.bytes)}"
                   for c in moves]
     else:
-        lines.append("no collective moves it directly")
+        lines.append("no collective moves it or its gradient")
     return "\n".join(lines)

@@ -1,0 +1,74 @@
+"""Restrict leaf layouts as a method asks: data-parallel inputs, replicated or sharded
+parameters, layouts pinned by name. The ILP then chooses everything else.
+
+Each restriction keeps the strategies that satisfy it; a request no layout satisfies is
+the user's mistake (a batch that does not divide, a pin that cannot be) and raises a
+ValueError naming the value, what was asked and what is possible. Parameters that cannot
+be split evenly stay whole under ``parameters='sharded'`` (as Alpa allows), with a note.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torchalpa.cluster import LogicalMesh
+from torchalpa.methods import AutoShardingOption
+from torchalpa.opgraph import OpGraph
+from torchalpa.passes.strategies import Strategy
+from torchalpa.placement import Partial, Replicate, Shard, parse_placements, short
+
+__all__ = ["apply_constraints"]
+
+
+def _batch_sharded(s: Strategy, axis: int) -> bool:
+    layout = s.outputs[0]
+    axes = range(len(layout)) if axis == -1 else [axis]
+    return all(layout[a] == Shard(0) for a in axes)
+
+
+def _fully_sharded(s: Strategy, mesh: LogicalMesh) -> bool:
+    return all(isinstance(p, Shard) or n == 1 for p, n in zip(s.outputs[0], mesh.shape))
+
+
+def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mesh: LogicalMesh,
+                      option: AutoShardingOption) -> list[str]:
+    """Filter leaf strategies in place; returns notes for the plan."""
+    notes: list[str] = []
+    pins = [(re.compile(p), parse_placements(pl)) for p, pl in option.pin]
+    axis = option.force_batch_dim_to_mesh_dim
+    if axis is not None and not -1 <= axis < mesh.ndim:
+        raise ValueError(f"force_batch_dim_to_mesh_dim={axis} but the mesh has {mesh.ndim} "
+                         f"axes (use -1 for all of them)")
+    for node in graph:
+        if not node.is_leaf:
+            continue
+        name = node.target or node.name
+        options = strategies[node.name]
+        if node.kind == "input" and axis is not None and node.output.shape:
+            kept = [s for s in options if _batch_sharded(s, axis)]
+            if not kept:
+                n = mesh.num_devices if axis == -1 else mesh.shape[axis]
+                raise ValueError(f"{name}: the batch dim ({node.output.shape[0]}) must divide "
+                                 f"by {n} devices to split the batch as asked (data parallel); "
+                                 "use a batch that divides, or ShardParallel()")
+            options = kept
+        if node.kind in ("param", "buffer"):
+            if option.parameters == "replicated":
+                options = [s for s in options if all(isinstance(p, Replicate) for p in s.outputs[0])]
+            elif option.parameters == "sharded":
+                kept = [s for s in options if _fully_sharded(s, mesh)]
+                if kept:
+                    options = kept
+                else:
+                    notes.append(f"{name} {list(node.output.shape)} cannot be split evenly over "
+                                 f"the mesh {mesh.shape}; it stays whole")
+        for pattern, layout in pins:
+            if pattern.fullmatch(name):
+                kept = [s for s in options if s.outputs[0] == layout]
+                if not kept:
+                    possible = ", ".join(short(s.outputs[0]) for s in strategies[node.name])
+                    raise ValueError(f"{name} {list(node.output.shape)} cannot be pinned to "
+                                     f"{short(layout)} on mesh {mesh.shape}; possible: {possible}")
+                options = kept
+        strategies[node.name] = options
+    return notes
