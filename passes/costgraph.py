@@ -31,14 +31,15 @@ __all__ = ["ReshardCosts", "CostGraph", "build_cost_graph"]
 class ReshardCosts:
     """Memoized resharding steps and their alpha-beta cost on one mesh."""
 
-    def __init__(self, mesh: LogicalMesh):
+    def __init__(self, mesh: LogicalMesh, allow_reduce_scatter: bool = True):
         self.mesh = mesh
+        self.allow_reduce_scatter = allow_reduce_scatter
         self._cost: dict = {}
 
     def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
         if dst is None:
             return ()
-        return plan_reshard(spec, src, dst, self.mesh.shape)
+        return plan_reshard(spec, src, dst, self.mesh.shape, self.allow_reduce_scatter)
 
     def cost(self, spec: TensorSpec, src: Placements, dst: Placements | None) -> float:
         key = (spec, src, dst)

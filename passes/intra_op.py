@@ -128,7 +128,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     space = build_strategies(graph, mesh, inputs, method.auto_sharding_option)
     S = space.strategies
     grouping = group_nodes(graph, S, blocks)
-    costs = ReshardCosts(mesh)
+    costs = ReshardCosts(mesh, method.auto_sharding_option.allow_reduce_scatter)
     cg = build_cost_graph(graph, mesh, S, grouping, costs)
     option = method.auto_sharding_option
     built = time.perf_counter()

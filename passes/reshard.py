@@ -32,8 +32,12 @@ def _sharded_elsewhere(placements, dim: int, axis: int) -> bool:
 
 @lru_cache(maxsize=1 << 16)
 def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
-                 mesh_shape: tuple[int, ...]) -> tuple[ReshardStep, ...] | None:
-    """Steps from ``src`` to ``dst`` (empty if equal), or None if no steps can do it."""
+                 mesh_shape: tuple[int, ...], allow_reduce_scatter: bool = True
+                 ) -> tuple[ReshardStep, ...] | None:
+    """Steps from ``src`` to ``dst`` (empty if equal), or None if no steps can do it.
+
+    Without ``allow_reduce_scatter`` a Partial becomes a Shard by all-reduce and slice
+    (Alpa's default search space, where only an option enables reduce-scatter)."""
     if src == dst:
         return ()
     if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
@@ -65,7 +69,8 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
         if s == d or isinstance(s, Replicate):
             continue
         if isinstance(s, Partial):
-            if isinstance(d, Shard) and not _sharded_elsewhere(cur, d.dim, axis) \
+            if isinstance(d, Shard) and allow_reduce_scatter \
+                    and not _sharded_elsewhere(cur, d.dim, axis) \
                     and not _sharded_elsewhere(dst, d.dim, axis):
                 emit("reduce_scatter", axis, d, dim=d.dim, reduce_op=s.reduce_op)
             else:

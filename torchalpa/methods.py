@@ -35,6 +35,9 @@ class AutoShardingOption:
     """Parameter layouts (gradients and optimizer states follow): 'auto' lets the ILP
     choose, 'replicated' keeps them whole (DDP), 'sharded' splits each over every mesh
     axis where it divides (ZeRO / FSDP)."""
+    allow_reduce_scatter: bool = True
+    """Let a partial sum become a shard by reduce-scatter. Off, it is all-reduced and sliced
+    (Alpa's default search space; its ZeRO presets turn reduce-scatter on)."""
     rematerialize_parameters: bool = False
     """Gather parameters again in backward instead of keeping forward's gathered copies
     (FSDP's reshard-after-forward, ZeRO-3); trades communication for memory."""
