@@ -1,0 +1,82 @@
+"""Alpa's stage-construction DP against brute force, and its expected behaviours."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from torchalpa.passes.stages import brute_force, stage_dp, submesh_shapes
+
+
+def test_submesh_shapes_are_alpas():
+    assert submesh_shapes(2, 4) == [(1, 1), (1, 2), (1, 4), (2, 4)]
+    assert submesh_shapes(1, 8) == [(1, 1), (1, 2), (1, 4), (1, 8)]
+    assert submesh_shapes(3, 2) == [(1, 1), (1, 2), (2, 2), (3, 2)]
+
+
+def random_costs(num_layers, shapes, seed, memory_limit=None):
+    rng = random.Random(seed)
+    work = [rng.uniform(1, 3) for _ in range(num_layers)]
+    eff = {j: rng.uniform(0.6, 1.0) for j in range(len(shapes))}
+
+    def cost(k, i, j, after):
+        n = shapes[j][0] * shapes[j][1]
+        if memory_limit is not None and (i - k + 1) * (after + 1) > memory_limit * n:
+            return math.inf
+        return sum(work[k:i + 1]) / (n * eff[j]) + 0.1 * (shapes[j][0] > 1)
+    return cost
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("layers,nodes,devices,micro", [(4, 1, 4, 4), (5, 2, 2, 8), (3, 2, 4, 2)])
+def test_dp_equals_brute_force(seed, layers, nodes, devices, micro):
+    shapes = submesh_shapes(nodes, devices)
+    cost = random_costs(layers, shapes, seed, memory_limit=2 if seed % 2 else None)
+    expected = brute_force(layers, nodes, devices, micro, cost)
+    if math.isinf(expected):
+        with pytest.raises(ValueError):
+            stage_dp(layers, nodes, devices, micro, cost)
+        return
+    got = stage_dp(layers, nodes, devices, micro, cost)
+    assert got.total == pytest.approx(expected)
+    # the stages tile the layers and the devices
+    assert got.stages[0].layers[0] == 0 and got.stages[-1].layers[1] == layers - 1
+    assert sum(s.submesh[0] * s.submesh[1] for s in got.stages) == nodes * devices
+
+
+def test_identical_layers_give_balanced_stages():
+    """8 identical layers on a (2, 4) cluster with many micro-batches: equal stages."""
+    shapes = submesh_shapes(2, 4)
+
+    def cost(k, i, j, after):
+        n = shapes[j][0] * shapes[j][1]
+        # a bit of intra-op overhead: splitting a layer more ways is less efficient
+        return (i - k + 1) * (1.0 / n + 0.02 * n)
+    got = stage_dp(8, 2, 4, 16, cost)
+    lengths = {s.layers[1] - s.layers[0] + 1 for s in got.stages}
+    latencies = [s.latency for s in got.stages]
+    assert len(lengths) == 1
+    assert max(latencies) == pytest.approx(min(latencies))
+
+
+def test_slow_links_keep_stages_inside_nodes():
+    """If a stage on a submesh spanning nodes pays a large penalty, no stage spans nodes."""
+    shapes = submesh_shapes(2, 4)
+
+    def cost(k, i, j, after):
+        n_nodes, m = shapes[j]
+        return (i - k + 1) / (n_nodes * m) + (100.0 if n_nodes > 1 else 0.0)
+    got = stage_dp(8, 2, 4, 8, cost)
+    assert all(s.submesh[0] == 1 for s in got.stages)
+
+
+def test_pruning_stops_early_without_changing_the_answer():
+    shapes = submesh_shapes(2, 4)
+    cost = random_costs(6, shapes, 3)
+    got = stage_dp(6, 2, 4, 64, cost)
+    assert got.total == pytest.approx(brute_force(6, 2, 4, 64, cost))
+    distinct = len({cost(k, i, j, s) for k in range(6) for i in range(k, 6)
+                    for j in range(len(shapes)) for s in range(6)})
+    assert got.num_t_max_tried < distinct
