@@ -3,7 +3,7 @@ deadlock, holding as many micro-batches as the schedule promises."""
 
 import pytest
 
-from torchalpa.runtime.schedules import check_schedule, gpipe, in_flight, one_f_one_b
+from torchalpa.schedules import check_schedule, gpipe, in_flight, one_f_one_b
 
 
 @pytest.mark.parametrize("stages,micro", [(1, 1), (2, 4), (4, 4), (4, 8), (3, 2), (8, 4)])
@@ -31,3 +31,14 @@ def test_a_bad_order_is_caught():
         check_schedule(bad, 1)
     with pytest.raises(ValueError, match="exactly once"):
         check_schedule([[("F", 0)]], 1)
+
+
+def test_simulated_1f1b_matches_the_pipeline_formula():
+    """Equal stages: a 1F1B step takes (B + S - 1) x (forward + backward) of one stage."""
+    from torchalpa.schedules import simulate
+    S, B, f, b = 4, 8, 1.0, 2.0
+    timeline = simulate(one_f_one_b(S, B), [f] * S, [b] * S)
+    makespan = max(e for stage in timeline for _, _, _, e in stage)
+    assert makespan == pytest.approx((B + S - 1) * (f + b))
+    gp = simulate(gpipe(S, B), [f] * S, [b] * S)
+    assert max(e for stage in gp for _, _, _, e in stage) == pytest.approx((B + S - 1) * (f + b))

@@ -10,7 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["AutoShardingOption", "ShardParallel", "DataParallel", "Zero2Parallel",
-           "Zero3Parallel", "OPTIMIZER_STATES"]
+           "Zero3Parallel", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
+           "UniformStageOption", "OPTIMIZER_STATES"]
 
 # Optimizer state tensors kept per parameter element, for the memory model.
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1,
@@ -131,3 +132,110 @@ class Zero3Parallel(ShardParallel):
     auto_sharding_option: AutoShardingOption = _option(force_batch_dim_to_mesh_dim=-1,
                                                        parameters="sharded",
                                                        rematerialize_parameters=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutoLayerOption:
+    """Cut the training step into layers automatically (Alpa's layer construction)."""
+
+    layer_num: int | str = "auto"
+    """How many layers; 'auto' uses the model's pipeline-boundary markers if it has any,
+    else min(2 x devices, 16)."""
+    eps: float = 0.6
+    """Each layer may have up to (1 + eps) times the average forward flops."""
+
+    def __post_init__(self):
+        if self.layer_num != "auto" and (not isinstance(self.layer_num, int) or self.layer_num < 1):
+            raise ValueError(f"AutoLayerOption.layer_num must be a positive int or 'auto', "
+                             f"got {self.layer_num!r}")
+        if self.eps < 0:
+            raise ValueError(f"AutoLayerOption.eps must be >= 0, got {self.eps}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ManualStageOption:
+    """Stages given by hand, as in Alpa: which layers, on which submesh, viewed how."""
+
+    forward_stage_layer_ids: tuple[tuple[int, ...], ...]
+    submesh_shapes: tuple[tuple[int, int], ...]
+    """Physical (nodes, devices per node) of each stage's submesh."""
+    logical_shapes: tuple[tuple[int, ...], ...] | None = None
+    """Logical mesh of each stage (default: the submesh as 1D)."""
+    options: tuple[AutoShardingOption, ...] | None = None
+
+    def __post_init__(self):
+        ids = tuple(tuple(int(i) for i in s) for s in self.forward_stage_layer_ids)
+        object.__setattr__(self, "forward_stage_layer_ids", ids)
+        flat = [i for s in ids for i in s]
+        if not ids or flat != list(range(len(flat))):
+            raise ValueError("ManualStageOption.forward_stage_layer_ids must cover layers 0..L-1 "
+                             f"in order, each once, got {ids}")
+        shapes = tuple(tuple(int(x) for x in s) for s in self.submesh_shapes)
+        object.__setattr__(self, "submesh_shapes", shapes)
+        if len(shapes) != len(ids):
+            raise ValueError(f"ManualStageOption has {len(ids)} stages but {len(shapes)} "
+                             "submesh_shapes")
+        for name in ("logical_shapes", "options"):
+            value = getattr(self, name)
+            if value is not None:
+                if len(value) != len(ids):
+                    raise ValueError(f"ManualStageOption.{name} needs one entry per stage "
+                                     f"({len(ids)}), got {len(value)}")
+                object.__setattr__(self, name, tuple(tuple(v) if name == "logical_shapes" else v
+                                                     for v in value))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UniformStageOption:
+    """Equal stages on equal submeshes: the simple baseline."""
+
+    num_stages: int | None = None
+    """Default: one stage per node, or 2 on a single node."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipeshardParallel:
+    """Alpa's inter- and intra-operator parallelism: the training step is cut into layers,
+    layers into pipeline stages on submeshes (a dynamic program), and each stage is
+    sharded on its submesh by the intra-op ILP; micro-batches flow through the stages."""
+
+    num_micro_batches: int = 1
+    layer_option: AutoLayerOption = field(default_factory=AutoLayerOption)
+    stage_option: object = "auto"
+    """'auto' (Alpa's DP on the cost model), 'uniform', UniformStageOption(...) or
+    ManualStageOption(...)."""
+    pipeline_schedule: str = "1f1b"
+    """'1f1b' or 'gpipe'."""
+    auto_sharding_option: AutoShardingOption = field(default_factory=AutoShardingOption)
+    optimizer: str = "adam"
+
+    def __post_init__(self):
+        if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
+            raise ValueError(f"PipeshardParallel.num_micro_batches must be a positive int, "
+                             f"got {self.num_micro_batches!r}")
+        if self.pipeline_schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"PipeshardParallel.pipeline_schedule must be '1f1b' or 'gpipe', "
+                             f"got {self.pipeline_schedule!r}")
+        if self.stage_option == "uniform":
+            object.__setattr__(self, "stage_option", UniformStageOption())
+        if not (self.stage_option == "auto" or
+                isinstance(self.stage_option, (ManualStageOption, UniformStageOption))):
+            raise ValueError("PipeshardParallel.stage_option must be 'auto', 'uniform', "
+                             f"UniformStageOption or ManualStageOption, got {self.stage_option!r}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"PipeshardParallel.optimizer must be one of "
+                             f"{sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+
+    @property
+    def optimizer_states(self) -> int:
+        return OPTIMIZER_STATES[self.optimizer]
+
+    def intra_op_method(self, option: AutoShardingOption | None = None) -> ShardParallel:
+        """The ShardParallel each stage is planned with."""
+        return ShardParallel(auto_sharding_option=option or self.auto_sharding_option,
+                             optimizer=self.optimizer)
+
+    def to_dict(self) -> dict:
+        d = json.loads(json.dumps(asdict(self), default=str))
+        d["name"] = type(self).__name__
+        return d

@@ -16,7 +16,8 @@ from pathlib import Path
 from torchalpa.placement import Placements, format_placements, parse_placements, short
 
 __all__ = ["Plan", "ReshardStep", "Reshard", "NodeStrategy", "ValuePlacement", "Collective",
-           "PLAN_VERSION", "COLLECTIVE_KINDS"]
+           "PipelinePlan", "StagePlan", "Transfer", "load_plan", "PLAN_VERSION",
+           "COLLECTIVE_KINDS"]
 
 PLAN_VERSION = 1
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -260,3 +261,170 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """A value one stage makes and another reads: sent point to point every micro-batch.
+
+    The sender holds it whole (its stage plan gathers it); each receiving rank takes the
+    block its own stage plan reads. ``bytes`` is the whole tensor.
+    """
+
+    producer: str
+    index: int
+    src_stage: int
+    dst_stage: int
+    phase: str          # forward (activations) or backward (gradients)
+    bytes: int
+
+    def to_dict(self) -> dict:
+        return {"producer": self.producer, "index": self.index, "src_stage": self.src_stage,
+                "dst_stage": self.dst_stage, "phase": self.phase, "bytes": self.bytes}
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: its layers, its submesh of the cluster and its intra-op plan."""
+
+    index: int
+    layers: tuple[int, ...]
+    submesh: tuple[int, int]          # physical (nodes, devices per node)
+    ranks: tuple[int, ...]            # global ranks, row-major over the logical shape
+    plan: Plan                        # the stage's own intra-op plan (its mesh = logical shape)
+
+    def to_dict(self) -> dict:
+        d = {"layers": list(self.layers), "submesh": list(self.submesh),
+             "logical_shape": list(self.plan.mesh_shape), "ranks": list(self.ranks)}
+        d["plan"] = self.plan.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, index: int, d: dict) -> "StagePlan":
+        return cls(index=index, layers=tuple(d["layers"]), submesh=tuple(d["submesh"]),
+                   ranks=tuple(d["ranks"]), plan=Plan.from_dict(d["plan"]))
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """Alpa's pipeshard plan: stages on submeshes, each sharded by its own intra-op plan."""
+
+    mesh_shape: tuple[int, ...]          # the cluster: (nodes, devices per node)
+    stages: tuple[StagePlan, ...]
+    transfers: tuple[Transfer, ...]
+    node_stage: dict                      # graph node -> stage index
+    num_micro_batches: int
+    schedule: str
+    estimates: dict = field(default_factory=dict)
+    method: dict = field(default_factory=dict)
+    graph_fingerprint: str = ""
+    notes: tuple[str, ...] = ()
+    version: int = PLAN_VERSION
+
+    @property
+    def forward_stage_layer_ids(self) -> list[list[int]]:
+        return [list(s.layers) for s in self.stages]
+
+    @property
+    def submesh_shapes(self) -> list[tuple[int, int]]:
+        return [s.submesh for s in self.stages]
+
+    @property
+    def logical_shapes(self) -> list[tuple[int, ...]]:
+        return [s.plan.mesh_shape for s in self.stages]
+
+    @property
+    def num_devices(self) -> int:
+        n = 1
+        for s in self.mesh_shape:
+            n *= s
+        return n
+
+    @property
+    def parameters(self) -> tuple[ValuePlacement, ...]:
+        return tuple(p for s in self.stages for p in s.plan.parameters)
+
+    @property
+    def collectives(self) -> tuple[Collective, ...]:
+        """Every stage's collectives (one micro-batch each), tagged with the stage."""
+        from dataclasses import replace
+        return tuple(replace(c, stage=s.index) for s in self.stages for c in s.plan.collectives)
+
+    def stage_of_rank(self, rank: int) -> StagePlan:
+        for s in self.stages:
+            if rank in s.ranks:
+                return s
+        raise ValueError(f"rank {rank} is in no stage of this plan")
+
+    def to_dict(self) -> dict:
+        return {
+            "version": self.version, "kind": "pipeline",
+            "mesh": {"shape": list(self.mesh_shape), "axis_names": ["node", "device"]},
+            "stages": [s.to_dict() for s in self.stages],
+            "forward_stage_layer_ids": self.forward_stage_layer_ids,
+            "submesh_shapes": [list(s) for s in self.submesh_shapes],
+            "logical_shapes": [list(s) for s in self.logical_shapes],
+            "parameters": {p.name: dict(p.to_dict(), stage=s.index)
+                           for s in self.stages for p in s.plan.parameters},
+            "collectives": [dict(c.to_dict(), stage=s.index)
+                            for s in self.stages for c in s.plan.collectives]
+                           + [dict(kind="send_recv", axis=None, bytes=t.bytes, phase=t.phase,
+                                   source="", stage=t.src_stage, tensor=t.producer,
+                                   dst_stage=t.dst_stage) for t in self.transfers],
+            "transfers": [t.to_dict() for t in self.transfers],
+            "node_stage": dict(self.node_stage),
+            "num_micro_batches": self.num_micro_batches, "schedule": self.schedule,
+            "estimates": dict(self.estimates), "method": dict(self.method),
+            "graph_fingerprint": self.graph_fingerprint, "notes": list(self.notes),
+            "unsupported_ops": [u for s in self.stages for u in s.plan.unsupported_ops],
+        }
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PipelinePlan":
+        if d.get("version") != PLAN_VERSION:
+            raise ValueError(f"plan version {d.get('version')} is not supported (this torchalpa "
+                             f"reads version {PLAN_VERSION}); re-plan with this version")
+        return cls(mesh_shape=tuple(d["mesh"]["shape"]),
+                   stages=tuple(StagePlan.from_dict(i, s) for i, s in enumerate(d["stages"])),
+                   transfers=tuple(Transfer(**t) for t in d["transfers"]),
+                   node_stage=dict(d["node_stage"]), num_micro_batches=d["num_micro_batches"],
+                   schedule=d["schedule"], estimates=dict(d.get("estimates", {})),
+                   method=dict(d.get("method", {})),
+                   graph_fingerprint=d.get("graph_fingerprint", ""),
+                   notes=tuple(d.get("notes", ())), version=d["version"])
+
+    @classmethod
+    def from_json(cls, text: str) -> "PipelinePlan":
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path) -> "PipelinePlan":
+        return cls.from_json(Path(path).read_text())
+
+    def summary(self) -> str:
+        from torchalpa.report import pipeline_summary
+        return pipeline_summary(self)
+
+    def explain(self, name: str) -> str:
+        for s in self.stages:
+            if any(p.name == name for p in s.plan.parameters) or name in s.plan._strategy_index():
+                return f"stage {s.index} (ranks {list(s.ranks)}):\n" + s.plan.explain(name)
+        raise KeyError(f"{name!r} is in no stage of this plan")
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def load_plan(path_or_text: str | Path) -> "Plan | PipelinePlan":
+    """A plan of either kind from a file path or JSON text."""
+    text = str(path_or_text)
+    if not text.lstrip().startswith("{"):
+        text = Path(path_or_text).read_text()
+    d = json.loads(text)
+    return PipelinePlan.from_dict(d) if d.get("kind") == "pipeline" else Plan.from_dict(d)

@@ -103,3 +103,58 @@ def explain(plan, name: str) -> str:
     else:
         lines.append("no collective moves it or its gradient")
     return "\n".join(lines)
+
+
+def pipeline_summary(plan) -> str:
+    est = plan.estimates
+    lines = [f"torchalpa pipeline plan  cluster {plan.mesh_shape[0]} node(s) x "
+             f"{plan.mesh_shape[1]} devices  {len(plan.stages)} stages  "
+             f"{plan.num_micro_batches} micro-batches  schedule {plan.schedule}"]
+    if "step_time_s" in est:
+        lines.append(f"estimated step {est['step_time_s'] * 1e3:.3f} ms "
+                     f"(slowest stage {est.get('max_stage_s', 0) * 1e3:.3f} ms per micro-batch)")
+    lines.append(f"forward_stage_layer_ids = {plan.forward_stage_layer_ids}")
+    lines.append(f"submesh_shapes = {[list(s) for s in plan.submesh_shapes]}")
+    lines.append(f"logical_mesh_shapes = {[list(s) for s in plan.logical_shapes]}")
+    lines.append("")
+    rows = []
+    for s in plan.stages:
+        e = s.plan.estimates
+        rows.append([str(s.index), f"{s.layers[0]}-{s.layers[-1]}", "x".join(map(str, s.submesh)),
+                     "x".join(map(str, s.plan.mesh_shape)), str(list(s.ranks)),
+                     f"{e.get('step_time_s', 0) * 1e3:.3f}",
+                     format_bytes(e.get('memory_per_device_bytes', 0)),
+                     str(len(s.plan.collectives))])
+    lines += _table(rows, ["stage", "layers", "submesh", "logical", "ranks", "ms/micro-batch",
+                           "memory/device", "collectives"])
+    if plan.transfers:
+        lines.append("")
+        lines.append(f"transfers per micro-batch: {len(plan.transfers)} "
+                     f"({format_bytes(sum(t.bytes for t in plan.transfers))})")
+        for t in plan.transfers:
+            lines.append(f"  {t.phase:<8} stage {t.src_stage} -> {t.dst_stage}  "
+                         f"{format_bytes(t.bytes):>10}  {t.producer}")
+    timeline = est.get("timeline")
+    if timeline:
+        lines.append("")
+        lines.append("estimated timeline (F/B = forward/backward of a micro-batch):")
+        lines += _gantt(timeline, est.get("step_time_s", 0))
+    for note in plan.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def _gantt(timeline, total, width: int = 64) -> list[str]:
+    out = []
+    scale = width / total if total else 0
+    for s, actions in enumerate(timeline):
+        row = [" "] * width
+        for kind, m, start, end in actions:
+            a, b = int(start * scale), max(int(start * scale) + 1, int(end * scale))
+            for x in range(a, min(b, width)):
+                row[x] = kind if kind == "F" else "b"
+            label = str(m % 10)
+            if a < width:
+                row[a] = label
+        out.append(f"  stage {s} |" + "".join(row) + "|")
+    return out

@@ -15,7 +15,7 @@ point-to-point transfers cannot deadlock.
 
 from __future__ import annotations
 
-__all__ = ["gpipe", "one_f_one_b", "SCHEDULES", "check_schedule", "in_flight"]
+__all__ = ["gpipe", "one_f_one_b", "SCHEDULES", "check_schedule", "in_flight", "simulate"]
 
 Action = tuple[str, int]
 
@@ -87,3 +87,37 @@ def check_schedule(schedule: list[list[Action]], num_micro_batches: int) -> None
         if not progressed:
             stuck = {s: schedule[s][pos[s]] for s in range(S) if pos[s] < len(schedule[s])}
             raise ValueError(f"the schedule deadlocks: stages wait on {stuck}")
+
+
+def simulate(schedule: list[list[Action]], forward_s: list[float], backward_s: list[float],
+             send_s: list[float] | None = None) -> list[list[tuple[str, int, float, float]]]:
+    """Start and end time of every action, each stage running its list in order and
+    waiting for its inputs (``send_s[s]``: time to move stage s's output to s+1)."""
+    S = len(schedule)
+    send_s = send_s or [0.0] * S
+    end: dict[tuple[int, str, int], float] = {}
+    out: list[list] = [[] for _ in range(S)]
+    pos = [0] * S
+    clock = [0.0] * S
+    while any(pos[s] < len(schedule[s]) for s in range(S)):
+        progressed = False
+        for s in range(S):
+            if pos[s] == len(schedule[s]):
+                continue
+            kind, m = schedule[s][pos[s]]
+            if kind == "F":
+                deps = [] if s == 0 else [(s - 1, "F", m)]
+                extra = send_s[s - 1] if s > 0 else 0.0
+            else:
+                deps = [(s, "F", m)] + ([] if s == S - 1 else [(s + 1, "B", m)])
+                extra = send_s[s] if s < S - 1 else 0.0
+            if all(d in end for d in deps):
+                start = max([clock[s]] + [end[d] + (extra if d[0] != s else 0.0) for d in deps])
+                t = forward_s[s] if kind == "F" else backward_s[s]
+                end[(s, kind, m)] = clock[s] = start + t
+                out[s].append((kind, m, start, start + t))
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the schedule deadlocks")
+    return out
