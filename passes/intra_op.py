@@ -52,6 +52,7 @@ class StrategySpace:
     strategies: dict[str, list[Strategy]]
     unsupported: list[dict]
     notes: list[str]
+    heavy: frozenset = frozenset()   # nodes whose rule says compute-bound
 
 
 def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
@@ -59,6 +60,8 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
     """Every node's candidate strategies; ops without a rule get replicate-only."""
     strategies: dict[str, list[Strategy]] = {}
     unsupported: list[dict] = []
+    heavy = set()
+    memo: dict = {}   # identical layers have identical rules: enumerate once
     for node in graph:
         if node.is_leaf:
             options = leaf_strategies(node.output, mesh)
@@ -67,7 +70,13 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
             strategies[node.name] = options
             continue
         rule = rule_for(node, graph)
-        options = enumerate_strategies(rule, mesh) if rule is not None else []
+        if rule is not None and rule.heavy:
+            heavy.add(node.name)
+        options = []
+        if rule is not None:
+            if rule not in memo:
+                memo[rule] = enumerate_strategies(rule, mesh)
+            options = list(memo[rule])
         if not options:
             if rule is None:
                 unsupported.append({"op": node.op, "node": node.name, "module": node.module})
@@ -80,28 +89,28 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
                       + (f", module '{item['module']}'" if item["module"] else "")
                       + "): it runs replicated on every device", UnsupportedOpWarning,
                       stacklevel=3)
-    return StrategySpace(strategies, unsupported, notes)
+    return StrategySpace(strategies, unsupported, notes, frozenset(heavy))
 
 
 def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
                        mesh: LogicalMesh) -> None:
     """Drop strategies that read an operand in a layout no producer strategy can be
     resharded into (e.g. a Partial input downstream of ops that never make one)."""
+    memo: dict = {}
+
+    def reachable(spec, sources: frozenset, want) -> bool:
+        key = (spec, sources, want)
+        if key not in memo:
+            memo[key] = any(plan_reshard(spec, src, want, mesh.shape) is not None
+                            for src in sources)
+        return memo[key]
+
     for node in graph.ops():
-        keep = []
-        for s in strategies[node.name]:
-            ok = True
-            for slot, ref in enumerate(node.operands):
-                want = s.inputs[slot]
-                if want is None:
-                    continue
-                spec = graph.spec(ref)
-                if not any(plan_reshard(spec, p.outputs[ref.index], want, mesh.shape) is not None
-                           for p in strategies[ref.node]):
-                    ok = False
-                    break
-            if ok:
-                keep.append(s)
+        sources = [frozenset(p.outputs[ref.index] for p in strategies[ref.node])
+                   for ref in node.operands]
+        keep = [s for s in strategies[node.name]
+                if all(s.inputs[k] is None or reachable(graph.spec(ref), sources[k], s.inputs[k])
+                       for k, ref in enumerate(node.operands))]
         if keep:
             strategies[node.name] = keep
 
@@ -127,8 +136,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     start = time.perf_counter()
     space = build_strategies(graph, mesh, inputs, method.auto_sharding_option)
     S = space.strategies
-    grouping = group_nodes(graph, S, blocks)
     costs = ReshardCosts(mesh, method.auto_sharding_option.allow_reduce_scatter)
+    grouping = group_nodes(graph, S, blocks, heavy=space.heavy)
     cg = build_cost_graph(graph, mesh, S, grouping, costs)
     option = method.auto_sharding_option
     built = time.perf_counter()
@@ -177,6 +186,11 @@ def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, op
     states = memory.optimizer_states
     problem = ILPProblem(node_costs=cg.node_costs, edges=cg.edges)
     points: list[int] = []
+    if budget is not None and memory.upper_bound() > budget:
+        # the budget may bind: constrain the likely peaks from the first solve on
+        points = memory.likely_peaks()
+        problem = _replace(problem, memory_terms=[memory.terms_at(p) for p in points],
+                           memory_budget=budget)
     for _ in range(max_rounds):
         try:
             solution = solve_ilp(problem, solver=option.solver, time_limit=option.time_limit,
@@ -194,9 +208,12 @@ def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, op
         if budget is None:
             return solution, chosen
         peak, t = _peak(graph, memory, chosen, mesh, states)
+        log.info("memory round %d: %d constrained points, ILP %.2fs, peak %s (budget %s)",
+                 len(points), len(points), solution.seconds, format_bytes(peak),
+                 format_bytes(budget))
         if peak <= budget * (1 + 1e-9):
             return solution, chosen
-        new_points = [p for p in ([t] if points else memory.likely_peaks() + [t]) if p not in points]
+        new_points = [p for p in memory.likely_peaks() + [t] if p not in points]
         if not new_points:
             break
         points += new_points

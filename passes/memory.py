@@ -125,6 +125,15 @@ class MemoryModel:
         return activation_timeline(self.graph, self.live, chosen_outputs, self.mesh_shape) \
             + state_bytes
 
+    def upper_bound(self) -> float:
+        """Peak bytes if every value took its largest layout (memory can't exceed this)."""
+        state = sum(v.max() for v in self.state.values())
+        delta = np.zeros(self.live.length + 1)
+        for i, name in enumerate(self.live.names):
+            delta[self.live.start[i]] += self._act[name].max()
+            delta[self.live.end[i] + 1] -= self._act[name].max()
+        return float(state + np.cumsum(delta)[:-1].max(initial=0))
+
     def likely_peaks(self) -> list[int]:
         """Points where activations peak if every value takes its largest / smallest layout."""
         points = []

@@ -2,11 +2,11 @@
 
 Two ways a node stops needing variables of its own (as in Alpa's auto-sharding):
 
-* **Followers.** A node with a single tensor operand (a view, an elementwise op with only
-  scalars beside) that can read every layout its operand may produce, without
-  resharding, simply follows it: its strategy is a function of the operand's. Not when
-  the operand is a parameter or input: that is where layouts change (a gathered weight
-  read by forward and backward should be gathered once).
+* **Followers.** A cheap op (elementwise, view, reduction: not a matmul or convolution)
+  that can read every layout of its largest operand without resharding it simply
+  follows that operand: its strategy is a function of the operand's, and its other
+  operands are resharded to match. Never a parameter or input: that is where layouts
+  change (a gathered weight read by forward and backward should be gathered once).
 * **Repeated blocks.** Layers that are the same ops on the same shapes (``blocks`` maps a
   node to its block kind and index) make the same decision: node ``j`` of every block
   follows node ``j`` of the first block of its kind.
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from torchalpa.opgraph import OpGraph
 from torchalpa.passes.strategies import Strategy
+from torchalpa.placement import Partial, Replicate
 
 __all__ = ["Grouping", "group_nodes"]
 
@@ -43,34 +44,47 @@ class Grouping:
         self.index[node] = tuple(mapping[i] for i in self.index[via])
 
 
-def _follow_map(producer: list[Strategy], index: int, follower: list[Strategy], slot: int
-                ) -> tuple[int, ...] | None:
-    """For each producer strategy, a follower strategy reading its output as is."""
+def _follow_map(producer: list[Strategy], index: int, follower: list[Strategy], slot: int,
+                reduce_partials: bool = True) -> tuple[int, ...] | None:
+    """For each producer strategy, a follower strategy reading its output as is -- or,
+    with ``reduce_partials``, reading a partial sum reduced (the all-reduce between them
+    is priced on their edge, as in Megatron's row-parallel layers: a partial can only
+    flow through an op whose other operands are partial too). None if some layout
+    cannot be read."""
     by_input: dict = {}
     for b, s in enumerate(follower):
         by_input.setdefault(s.inputs[slot], b)
     mapping = []
     for s in producer:
-        b = by_input.get(s.outputs[index])
+        layout = s.outputs[index]
+        reduced = tuple(Replicate() if isinstance(p, Partial) else p for p in layout)
+        b = by_input.get(reduced, by_input.get(layout)) if reduce_partials else \
+            by_input.get(layout, by_input.get(reduced))
         if b is None:
             return None
         mapping.append(b)
     return tuple(mapping)
 
 
-def _single_operand(graph: OpGraph, node) -> int | None:
-    """The slot of the node's only non-scalar tensor operand, if it has exactly one."""
-    slots = [k for k, r in enumerate(node.operands) if graph.spec(r).numel > 1]
-    return slots[0] if len(slots) == 1 else None
+def _operand_to_follow(graph: OpGraph, node, order: dict[str, int]) -> int | None:
+    """The slot of the operand a node follows: its largest tensor operand that is not a
+    parameter or input, the most recently made one on ties (Alpa follows the deepest)."""
+    slots = [k for k, r in enumerate(node.operands)
+             if graph.spec(r).numel > 1 and not graph.node(r.node).is_leaf]
+    if not slots:
+        return None
+    return max(slots, key=lambda k: (graph.spec(node.operands[k]).numel,
+                                     order[node.operands[k].node]))
 
 
 def _attach_untagged(graph: OpGraph, blocks: dict[str, tuple[str, int]]
                      ) -> dict[str, tuple[str, int]]:
-    """Ops autograd adds without a module (gradient accumulation) join the block of their
-    first operand that has one of its own, the same way in every block."""
+    """Backward ops outside every block (autograd's gradient accumulation, whose module tag
+    is unreliable) join the block of their first operand that has one of its own, the
+    same way in every block."""
     attached = dict(blocks)
     for n in graph.ops():
-        if n.name not in blocks and not n.module:
+        if n.name not in blocks and (not n.module or n.phase == "backward"):
             for ref in n.operands:
                 if ref.node in blocks:
                     attached[n.name] = blocks[ref.node]
@@ -80,8 +94,10 @@ def _attach_untagged(graph: OpGraph, blocks: dict[str, tuple[str, int]]
 
 def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
                 blocks: dict[str, tuple[str, int]] | None = None,
-                merge_followers: bool = True, fixed: frozenset = frozenset()) -> Grouping:
-    """Decide which nodes share decisions. ``fixed`` nodes always keep their own."""
+                merge_followers: bool = True, fixed: frozenset = frozenset(),
+                heavy: frozenset = frozenset()) -> Grouping:
+    """Decide which nodes share decisions. ``fixed`` nodes always keep their own, and
+    ``heavy`` ones (matmuls, convolutions: where layouts are decided) never follow."""
     g = Grouping(rep={n.name: n.name for n in graph},
                  index={n.name: tuple(range(len(strategies[n.name]))) for n in graph})
     blocks = _attach_untagged(graph, dict(blocks or {}))
@@ -101,18 +117,21 @@ def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
                 g.rep[b], g.index[b] = a, tuple(range(len(strategies[b])))
     # 2. followers (in topological order, so producers are grouped first)
     if merge_followers:
+        order = {n.name: i for i, n in enumerate(graph)}
         for n in graph.ops():
-            if n.name in fixed or g.rep[n.name] != n.name or len(strategies[n.name]) < 2:
+            if n.name in fixed or g.rep[n.name] != n.name or len(strategies[n.name]) < 2 \
+                    or n.name in heavy:
                 continue
-            slot = _single_operand(graph, n)
+            slot = _operand_to_follow(graph, n, order)
             if slot is None:
                 continue
             ref = n.operands[slot]
-            if graph.node(ref.node).is_leaf:
-                continue  # layouts change right after parameters/inputs (gathers, slices)
             if ref.node in fixed or blocks.get(ref.node, (None,))[0] != blocks.get(n.name, (None,))[0]:
                 continue
-            mapping = _follow_map(strategies[ref.node], ref.index, strategies[n.name], slot)
+            others = sum(1 for k, r in enumerate(n.operands)
+                         if k != slot and graph.spec(r).numel > 1)
+            mapping = _follow_map(strategies[ref.node], ref.index, strategies[n.name], slot,
+                                  reduce_partials=others > 0)
             if mapping is not None:
                 g.compose(n.name, ref.node, mapping)
         # block copies follow whatever their head now follows

@@ -92,10 +92,10 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
 def _blocks_of(graph: OpGraph) -> dict | None:
     """Repeated layers found by the frontend, if it found any."""
     try:
-        from torchalpa.frontends.repeated import block_membership
+        from torchalpa.frontends.repeated import find_repeated_blocks
     except ImportError:
         return None
-    return block_membership(graph) or None
+    return find_repeated_blocks(graph) or None
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -122,7 +122,9 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                   loss_fn: Callable | None = None, *, method: ShardParallel | None = None,
                   mesh=None, cluster: Cluster | LogicalMesh | None = None,
                   inputs: str = "global", optimizer: Callable | None = None,
-                  plan: Plan | None = None):
+                  plan: Plan | None = None, num_micro_batches: int = 1,
+                  mixed_precision=None, init_weights: Callable | None = None,
+                  compile: bool | dict = False):
     """Parallelize ``model``'s training step over every rank of this torchrun job.
 
     ``example_inputs`` are the model inputs followed by the loss targets (when ``loss_fn``
@@ -131,14 +133,30 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     broadcasts the plan, so every rank runs the same one. ``optimizer``, if given, is
     called with the parallel parameters and enables ``train_step``. ``plan`` reuses a plan
     made earlier (``Plan.load``) for this model and mesh instead of solving again.
+
+    - ``num_micro_batches=k``: gradient accumulation. The plan is made for one micro-batch
+      (dim 0 of every example input divided by ``k``); a step runs the ``k`` micro-batches
+      one after the other, sums their gradients and returns the mean of their losses, so a
+      mean-reduced loss gives the whole batch's loss and gradients.
+    - ``mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16)``: float32
+      parameters (the DTensors the optimizer updates), forward and backward in
+      ``param_dtype``, float32 gradients.
+    - ``init_weights=fn``: for a model built on the ``meta`` device, only this rank's blocks
+      are allocated, then ``fn(module)`` initializes them in place on the DTensors (default:
+      ``reset_parameters()`` of every submodule that has one). Given for a real model, it
+      re-initializes it.
+    - ``compile=True`` (or a dict of ``torch.compile`` options): the local programs run
+      under ``torch.compile``.
     """
     from torchalpa.frontends.torch_export import capture
     from torchalpa.runtime import mesh as mesh_mod
     from torchalpa.runtime.lower import lower
-    from torchalpa.runtime.module import ParallelModule, distribute_module_state
+    from torchalpa.runtime.materialize import distribute_module_state
+    from torchalpa.runtime.module import ParallelModule
 
     method = _check_method(method)
     _check_inputs_mode(inputs)
+    num_micro_batches = _check_micro_batches(num_micro_batches)
     mesh_mod.init_distributed()
     world = mesh_mod.world_size()
     shape = names = None
@@ -154,10 +172,13 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     elif method.logical_mesh_shape:
         shape = tuple(method.logical_mesh_shape)
         mesh_mod.check_world_size(shape)
-    meshes = candidate_meshes(cluster or default_cluster(world), method, shape, names)
+    cluster = cluster or default_cluster(world)
+    meshes = candidate_meshes(cluster, method, shape, names)
 
     start = time.perf_counter()
-    captured = capture(model, example_inputs, loss_fn)
+    traced = _with_precision(model, mixed_precision)
+    captured = capture(traced, _capture_examples(model, example_inputs, num_micro_batches),
+                       loss_fn)
     fingerprint = captured.graph.fingerprint()
     _same_step_on_every_rank(fingerprint)
     if plan is not None:
@@ -172,19 +193,31 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     device = mesh_mod.default_device()
     coords = device_mesh.get_coordinate()
     groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
-    program = lower(captured.gm, the_plan, captured.param_names, coords=coords,
-                    group_names=groups, device=device)
-    distribute_module_state(model, the_plan, device_mesh)
+
+    def lower_program(gm, a_plan, param_names):
+        return lower(gm, a_plan, param_names, coords=coords, group_names=groups, device=device)
+
+    program = lower_program(captured.gm, the_plan, captured.param_names)
+    if compile:
+        program = program.compiled(**(compile if isinstance(compile, dict) else {}))
+    distribute_module_state(model, the_plan, device_mesh, device, init_weights=init_weights)
+    _warn_ignored_buffer_updates(captured)
     input_specs = [(tuple(x.shape), x.dtype) for x in example_inputs]
     if inputs == "local":
         input_specs = [(tuple(s // device_mesh.size() if i == 0 else s
                               for i, s in enumerate(shp)), dt) for shp, dt in input_specs]
+    forward_programs = _forward_programs(
+        traced, loss_fn, the_plan, method, candidate_meshes(
+            cluster, method, tuple(the_plan.mesh_shape), tuple(the_plan.axis_names))[0],
+        inputs, lambda gm, p: lower_program(gm, p, []).forward)
     log.info("auto_parallel ready in %.2fs: %s", time.perf_counter() - start,
              captured.graph.summary())
     return ParallelModule(model, the_plan, program, device_mesh,
                           param_names=captured.param_names, buffer_names=captured.buffer_names,
                           input_specs=input_specs, inputs=inputs, device=device,
-                          optimizer=optimizer)
+                          optimizer=optimizer, num_micro_batches=num_micro_batches,
+                          forward_programs=forward_programs,
+                          timeout_s=mesh_mod.collective_timeout().total_seconds())
 
 
 def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape) -> None:
@@ -230,3 +263,69 @@ def _plan_on_rank0(solve: Callable[[], Plan]) -> Plan:
     if status == "error":
         raise RuntimeError(f"planning failed on rank 0: {text}")
     return Plan.from_json(text)
+
+
+# -- auto_parallel's runtime options ----------------------------------------------------
+
+def _check_micro_batches(num_micro_batches) -> int:
+    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) \
+            or num_micro_batches < 1:
+        raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
+    return num_micro_batches
+
+
+def _micro_batch_examples(example_inputs: Sequence[torch.Tensor], num_micro_batches: int):
+    """The example inputs of one micro-batch: dim 0 of each divided by ``num_micro_batches``."""
+    from torchalpa.runtime.step import split_micro_batches
+    example_inputs = tuple(example_inputs)
+    if num_micro_batches == 1:
+        return example_inputs
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(x).__name__}")
+    return tuple(split_micro_batches(example_inputs, num_micro_batches,
+                                     what="example_inputs")[0])
+
+
+def _capture_examples(model: torch.nn.Module, example_inputs, num_micro_batches: int):
+    """One micro-batch of example inputs, on ``meta`` if the model is (it lends shapes only)."""
+    examples = _micro_batch_examples(example_inputs, num_micro_batches)
+    on_meta = any(t.device.type == "meta" for t in
+                  list(model.parameters()) + list(model.buffers()))
+    if on_meta:
+        examples = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in examples)
+    return examples
+
+
+def _with_precision(model: torch.nn.Module, mixed_precision):
+    """What to capture: the model, or the model computing in a narrower dtype."""
+    if mixed_precision is None:
+        return model
+    from torchalpa.runtime.precision import CastForward
+    return CastForward(model, mixed_precision)
+
+
+def _warn_ignored_buffer_updates(captured) -> None:
+    updates = getattr(captured, "buffer_updates", None) or []
+    if updates:
+        import warnings
+        warnings.warn(f"the forward writes buffers ({', '.join(updates[:5])}"
+                      f"{' ...' if len(updates) > 5 else ''}, e.g. batch-norm running "
+                      "statistics); the plan does not place their new values yet, so torchalpa "
+                      "leaves these buffers unchanged", UserWarning, stacklevel=3)
+
+
+def _forward_programs(traced, loss_fn, training_plan: Plan, method: ShardParallel,
+                      logical_mesh: LogicalMesh, inputs: str, lower_forward):
+    """Forward-only programs (predict, eval mode) planned with the training layouts pinned."""
+    from torchalpa.runtime.inference import ForwardPrograms, pins_of
+    option = replace(method.auto_sharding_option,
+                     pin=tuple(method.auto_sharding_option.pin) + pins_of(training_plan))
+    pinned = replace(method, auto_sharding_option=option)
+
+    def plan_forward(graph: OpGraph) -> Plan:
+        _same_step_on_every_rank(graph.fingerprint())
+        return _plan_on_rank0(lambda: plan_graph(graph, method=pinned, meshes=[logical_mesh],
+                                                 inputs=inputs, blocks=_blocks_of(graph)))
+
+    return ForwardPrograms(traced, loss_fn, training_plan, plan_forward, lower_forward)
