@@ -2,40 +2,55 @@
 
 The step is traced once with ``make_fx`` on fake tensors, so no real weight is read or
 allocated: parameters, buffers and inputs only lend their shapes and dtypes. The trace is
-the joint ATen graph ``(params, buffers, inputs) -> (loss, *grads)`` after PyTorch's core
-ATen decompositions (plus ``addmm -> mm + add``, so a bias add can follow a partial matmul,
-as in Alpa's HLO).
+the joint ATen graph ``(params, buffers, inputs) -> (loss, *grads, *new buffer values)``
+in the op vocabulary of ``frontends/opset.py`` (core ATen, with attention, norms' and
+softmax's backward, dropout and batch norm kept as single ops).
 
-Each node keeps a link to the module the user wrote (``layers.3.mlp``): forward nodes via
-module hooks, backward nodes via autograd's sequence numbers, the mechanism AOTAutograd
-uses. The captured fx GraphModule is kept as the *source graph* the runtime lowers.
+- Tied weights (one ``nn.Parameter`` reachable under two names) are one parameter with
+  one gradient, the sum over its uses; frozen parameters (``requires_grad=False``) are
+  inputs like buffers, with no gradient.
+- Buffers the forward writes (batch-norm running statistics, ``num_batches_tracked``)
+  stay functional: their new values are extra graph outputs, listed in
+  ``GraphOutputs.buffer_updates`` / ``Capture.buffer_updates``.
+- Dropout is ``aten.native_dropout``, the only random op (``opset.RANDOM_OPS``).
+- A model whose forward returns a HuggingFace ``ModelOutput`` or a dict: ``loss_fn`` gets
+  that object; without ``loss_fn`` its ``"loss"`` entry is the loss.
+- Every node knows the module path (``layers.3.mlp``) and the "file:line" of the user
+  code that made it (``OpNode.module`` / ``OpNode.stack``), forward and backward alike;
+  ``graph.meta["repeated_blocks"]`` tags the ops of identical repeated layers.
+
+The captured fx GraphModule is kept as the *source graph* the runtime lowers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import operator
 import time
-from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
-import torch.fx.traceback as fx_traceback
-from torch._decomp import core_aten_decompositions
+from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
+from torch.utils._pytree import tree_map, tree_structure
 
-from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, Operand, TensorSpec, ValueRef
+from torchalpa.frontends.functionalize import (NeedsFunctionalization, functionalize,
+                                               retrace_functional)
+from torchalpa.frontends.opset import FusedCalls, decompositions, flop_count
+from torchalpa.frontends.provenance import (Provenance, copy_forward_tags_to_backward,
+                                            line_of, module_of)
+from torchalpa.frontends.repeated import find_repeated_blocks
+from torchalpa.opgraph import (ABSENT_DTYPE, GraphOutputs, OpGraph, OpNode, Operand, TensorSpec,
+                               ValueRef)
 
 __all__ = ["Capture", "capture", "CaptureError", "split_inputs", "trace_ops"]
 
 log = logging.getLogger("torchalpa.capture")
-_MODULE_KEY = "torchalpa_module"
 
 
 class CaptureError(RuntimeError):
@@ -44,7 +59,12 @@ class CaptureError(RuntimeError):
 
 @dataclass
 class Capture:
-    """The captured step: the OpGraph for passes, the fx graph for the runtime."""
+    """The captured step: the OpGraph for passes, the fx graph for the runtime.
+
+    The fx graph returns ``(loss, *grads, *buffer_updates)``: one gradient per name in
+    ``param_names`` (None if unused), then the new value of each buffer named in
+    ``buffer_updates``.
+    """
 
     graph: OpGraph
     gm: fx.GraphModule
@@ -52,6 +72,7 @@ class Capture:
     buffer_names: list[str]         # buffers and frozen parameters, in placeholder order
     input_names: list[str]          # one per example input (model inputs, then targets)
     seconds: float = 0.0
+    buffer_updates: list[str] = field(default_factory=list)   # buffers forward writes
 
 
 def split_inputs(example_inputs: Sequence, loss_fn: Callable | None) -> tuple[tuple, tuple]:
@@ -80,65 +101,219 @@ def split_inputs(example_inputs: Sequence, loss_fn: Callable | None) -> tuple[tu
     return example_inputs[:cut], example_inputs[cut:]
 
 
-def _decompositions() -> dict:
-    table = dict(core_aten_decompositions())
-
-    def addmm(bias, a, b, *, beta=1, alpha=1):
-        out = torch.mm(a, b)
-        if alpha != 1:
-            out = out * alpha
-        if beta == 0:
-            return out
-        return out + (bias if beta == 1 else bias * beta)
-
-    table[torch.ops.aten.addmm.default] = addmm
-    return table
-
-
-@contextlib.contextmanager
-def _annotate_modules(model: torch.nn.Module):
-    """Tag every traced node with the path of the innermost module that ran it."""
-    open_scopes: list[contextlib.AbstractContextManager] = []
-    handles = []
-
-    def enter(path):
-        def hook(module, args):
-            scope = fx_traceback.annotate({_MODULE_KEY: path})
-            scope.__enter__()
-            open_scopes.append(scope)
-        return hook
-
-    def leave(module, args, output):
-        open_scopes.pop().__exit__(None, None, None)
-
-    for path, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(enter(path)))
-        handles.append(module.register_forward_hook(leave, always_call=True))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        while open_scopes:
-            open_scopes.pop().__exit__(None, None, None)
+def _loss_of(out) -> torch.Tensor:
+    """The scalar loss in what ``loss_fn`` (or forward) returned."""
+    if isinstance(out, Mapping) and "loss" in out:
+        out = out["loss"]
+    elif isinstance(out, (tuple, list)) and len(out) > 0:
+        out = out[0]
+    if not isinstance(out, torch.Tensor) or out.numel() != 1:
+        what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) \
+            else type(out).__name__
+        raise CaptureError(
+            f"the training step must produce a scalar loss, got {what}; pass loss_fn= or "
+            "make forward return the loss (a tensor, the first item of a tuple, or the "
+            "'loss' entry of a dict / ModelOutput)")
+    return out
 
 
-def _copy_module_to_backward(gm: fx.GraphModule) -> None:
-    """Give each backward node the module of the forward op it differentiates.
+def capture(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None,
+            ) -> Capture:
+    """Trace ``loss_fn(model(*inputs), *targets)`` and its backward into an OpGraph.
 
-    Autograd tags both with the same sequence number (``seq_nr``); the first forward node
-    of a sequence number is the op that created the autograd node.
+    Runs on fake tensors: real weights are never read, so ``model`` may live on ``meta``.
     """
-    first_forward: dict[int, fx.Node] = {}
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inputs, targets = split_inputs(example_inputs, loss_fn)
+    for i, x in enumerate(tuple(inputs) + tuple(targets)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(x).__name__}")
+
+    _check_devices(model, tuple(inputs) + tuple(targets))
+    named = list(model.named_parameters())       # a tied parameter appears once
+    trainable = [(k, p) for k, p in named if p.requires_grad]
+    frozen = [(k, p) for k, p in named if not p.requires_grad] + list(model.named_buffers())
+    if not trainable:
+        raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
+    param_names = [k for k, _ in trainable]
+    buffer_names = [k for k, _ in frozen]
+    num_inputs = len(inputs)
+    input_names = [f"input{i}" for i in range(len(inputs) + len(targets))]
+
+    def joint(params, buffers, *batch):
+        state = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
+        out = functional_call(model, state, tuple(batch[:num_inputs]), strict=False)
+        provenance.in_loss = True
+        loss = _loss_of(loss_fn(out, *batch[num_inputs:]) if loss_fn is not None else out)
+        provenance.in_loss = False
+        setup_stacktrace_preservation_hooks([loss.grad_fn])   # tags backward nodes (seq_nr)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return [loss, *grads, *buffers]
+
+    params = [p.detach().requires_grad_(True) for _, p in trainable]
+    buffers = [b.detach() for _, b in frozen]
+    provenance = Provenance(model, stop=[joint.__code__, _loss_of.__code__, capture.__code__])
+    start = time.perf_counter()
+    try:
+        with provenance.tracing():
+            gm = make_fx(joint, tracing_mode="fake", decomposition_table=decompositions(),
+                         _allow_non_fake_inputs=True)(params, buffers, *inputs, *targets)
+    except CaptureError:
+        raise
+    except Exception as e:  # data-dependent control flow, unsupported Python, ...
+        raise CaptureError(_explain_trace_failure(e, provenance, num_inputs)) from e
+    traced = time.perf_counter()
+
+    kinds = ([("param", k) for k in param_names] + [("buffer", k) for k in buffer_names]
+             + [("input", name) for name in input_names])
+    _check_static(gm, provenance)
+    copy_forward_tags_to_backward(gm)
+    gm, updates = _make_functional(gm, kinds, provenance)
+    _drop_aliases(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    graph = _to_opgraph(gm, kinds, [k for k in buffer_names if k in updates])
+    graph.meta["repeated_blocks"] = find_repeated_blocks(graph)
+    graph.check()
+    seconds = time.perf_counter() - start
+    log.info("captured %s in %.2fs (trace %.2fs)", graph.summary(), seconds, traced - start)
+    return Capture(graph=graph, gm=gm, param_names=param_names, buffer_names=buffer_names,
+                   input_names=input_names, seconds=seconds,
+                   buffer_updates=[k for k, _ in graph.outputs.buffer_updates])
+
+
+def _check_devices(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> None:
+    """The model and the batch must live on one device (``meta`` for planning)."""
+    devices: dict[str, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        devices.setdefault(t.device.type, f"parameter/buffer {name!r}")
+    for i, t in enumerate(batch):
+        devices.setdefault(t.device.type, f"example_inputs[{i}]")
+    if len(devices) > 1:
+        found = ", ".join(f"{what} on {device}" for device, what in devices.items())
+        raise ValueError(f"the model and example_inputs must be on one device, found {found}; "
+                         "build both under the same `with torch.device(...)` (meta to plan "
+                         "without memory)")
+
+
+def _where(node: fx.Node, provenance: Provenance) -> str:
+    """"in module 'layers.3.mlp' (MLP) at model.py:42" for error messages."""
+    line = line_of(node)
+    return f"in {provenance.describe_module(module_of(node))}" + (f" at {line}" if line else "")
+
+
+def _make_functional(gm: fx.GraphModule, kinds: list[tuple[str, str]],
+                     provenance: Provenance) -> tuple[fx.GraphModule, set[str]]:
+    """In-place ops -> functional; the output's buffer slots get the written buffers' values.
+
+    The joint returned every buffer after the grads; a buffer nobody wrote is dropped
+    from the output again, so the output is ``(loss, *grads, *updated buffers)``. Returns
+    the graph module (a new one if writes into views needed a re-trace) and the FQNs of
+    the buffers written.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    leaf_kind = {ph.name: kt for ph, kt in zip(placeholders, kinds)}
+
+    def fail(node: fx.Node, why: str) -> CaptureError:
+        return CaptureError(f"could not capture the in-place op {node.target} "
+                            f"{_where(node, provenance)}: {why}")
+
+    gm.graph.eliminate_dead_code()              # views made only for autograd's bookkeeping
+    try:
+        updates = functionalize(gm, leaf_kind, fail)
+    except NeedsFunctionalization:               # a write into a view: the thorough way
+        signature = gm.graph._codegen
+        gm = retrace_functional(gm)
+        gm.graph._codegen = signature            # still called as (params, buffers, *batch)
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        leaf_kind = {ph.name: kt for ph, kt in zip(placeholders, kinds)}
+        try:
+            updates = functionalize(gm, leaf_kind, fail)
+        except NeedsFunctionalization as e:
+            raise fail(e.node, f"it writes storage that {e.alias.name} reads afterwards; "
+                               "compute a new tensor instead (torch.where, torch.cat, "
+                               "index_put, scatter)") from None
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    buffer_fqns = [fqn for kind, fqn in kinds if kind == "buffer"]
+    num_head = len(outs) - len(buffer_fqns)
+    kept = [updates[fqn] for fqn in buffer_fqns if fqn in updates]
+    output.args = (outs[:num_head] + kept,)
+    codegen = gm.graph._codegen
+    if isinstance(codegen, fx.graph._PyTreeCodeGen):   # the callable returns a list as long
+        codegen.pytree_info = codegen.pytree_info._replace(
+            out_spec=tree_structure([None] * (num_head + len(kept))))
+    gm.recompile()
+    return gm, set(updates)
+
+
+def _check_static(gm: fx.GraphModule, provenance: Provenance) -> None:
+    """Refuse values the trace could only follow symbolically: Python numbers read out of
+    tensors, and tensors whose shape depends on tensor values."""
     for n in gm.graph.nodes:
-        if "seq_nr" in n.meta and not n.meta.get("autograd_backward"):
-            first_forward.setdefault(n.meta["seq_nr"], n)
-    for n in gm.graph.nodes:
-        if n.meta.get("autograd_backward") and "seq_nr" in n.meta:
-            fwd = first_forward.get(n.meta["seq_nr"])
-            path = (fwd.meta.get("custom") or {}).get(_MODULE_KEY) if fwd is not None else None
-            if path is not None:
-                n.meta["custom"] = {**(n.meta.get("custom") or {}), _MODULE_KEY: path}
+        if n.op != "call_function":
+            continue
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else (val,)
+        where = _where(n, provenance)
+        if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in vals):
+            raise CaptureError(
+                f"could not capture the training step {where}: it reads a tensor's value into "
+                f"Python ({n.target}: `.item()`, `.tolist()`, `int(t)`, `float(t)`); torchalpa "
+                "captures one static graph.\nhint: keep the value a tensor (a 0-d tensor "
+                "broadcasts in arithmetic), or compute it outside forward and pass it in.")
+        if any(isinstance(v, torch.Tensor) and not all(isinstance(d, int) for d in v.shape)
+               for v in vals):
+            raise CaptureError(
+                f"could not capture the training step {where}: the shape of {n.target}'s "
+                "result depends on tensor values (nonzero, masked_select, unique, boolean-mask "
+                "indexing `x[mask]`).\nhint: keep shapes static, e.g. torch.where(mask, x, 0) "
+                "or a fixed-size topk.")
+
+
+def _drop_aliases(gm: fx.GraphModule) -> None:
+    """``aten.alias`` (autograd's saved outputs) is the identity on values: remove it."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.alias.default:
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
+
+
+def _explain_trace_failure(e: Exception, provenance: Provenance, num_inputs: int) -> str:
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException)
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    path, line, text = provenance.where(e)
+    message = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    if isinstance(e, (DataDependentOutputException, GuardOnDataDependentSymNode)) \
+            or "data-dependent" in message or "item()" in message:
+        hint = ("the model's control flow depends on tensor values (e.g. `if x.sum() > 0`, "
+                "`.item()`, `.tolist()`); torchalpa captures one static graph. Rewrite it with "
+                "torch.where / masking, or move the branch out of forward.")
+    elif isinstance(e, DynamicOutputShapeException):
+        hint = ("an op's output shape depends on tensor values (nonzero, masked_select, "
+                "unique, boolean-mask indexing `x[mask]`); keep shapes static, e.g. "
+                "torch.where(mask, x, 0) or a fixed-size top-k instead.")
+    elif isinstance(e, (AttributeError, TypeError)):
+        try:
+            signature = str(inspect.signature(provenance.model.forward))
+        except (TypeError, ValueError):
+            signature = "(...)"
+        hint = (f"check that the first {num_inputs} example input(s) match "
+                f"{type(provenance.model).__name__}.forward{signature[:200]} in order (the "
+                "rest go to loss_fn), and that forward only does tensor work on them.")
+    else:
+        hint = ("only tensor code that runs the same way on fake tensors (no real values, "
+                "no .numpy(), no data-dependent Python) can be captured; rewrite that line "
+                "with torch ops, or move it out of forward.")
+    where = provenance.describe_module(path)
+    at = f" at {line}" + (f": `{text}`" if text else "") if line else ""
+    return (f"could not trace the training step in {where}{at}\n  {message}\nhint: {hint}")
+
+
+_ABSENT = TensorSpec((), ABSENT_DTYPE)    # a None output: outputs stay positional
 
 
 def _spec(val) -> TensorSpec:
@@ -154,49 +329,32 @@ def _freeze(value):
     return value
 
 
-# Ops that only relabel or create memory: no arithmetic.
-_NO_FLOPS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "alias",
-             "detach", "unsqueeze", "squeeze", "slice", "select", "clone", "full", "full_like",
-             "zeros", "zeros_like", "ones", "ones_like", "empty", "empty_like", "scalar_tensor",
-             "new_zeros", "new_ones", "new_empty", "new_full", "cat", "split", "stack",
-             "_to_copy", "copy", "lift_fresh_copy", "arange", "as_strided"}
-
-
-def _flops(node: fx.Node) -> float:
-    packet = getattr(node.target, "overloadpacket", None)
-    if packet is not None and packet.__name__ in _NO_FLOPS:
-        return 0.0
-    out = node.meta.get("val")
-    if packet in flop_registry:
-        args, kwargs = tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a,
-                                (node.args, node.kwargs))
-        try:
-            return float(flop_registry[packet](*args, **kwargs, out_val=out))
-        except Exception:  # a formula that can't read these args: fall back to numel
-            pass
-    vals = out if isinstance(out, (list, tuple)) else [out]
-    return float(sum(v.numel() for v in vals if isinstance(v, torch.Tensor)))
-
-
-def _phases(gm: fx.GraphModule, loss_node: fx.Node) -> set[str]:
-    """Names of forward nodes: everything the loss depends on."""
-    forward, stack = set(), [loss_node]
+def _ancestors(roots: list[fx.Node]) -> set[str]:
+    """Names of the nodes ``roots`` depend on (themselves included)."""
+    seen, stack = set(), list(roots)
     while stack:
         n = stack.pop()
-        if n.name in forward:
+        if n.name in seen:
             continue
-        forward.add(n.name)
+        seen.add(n.name)
         stack.extend(n.all_input_nodes)
-    return forward
+    return seen
 
 
-def _to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]]) -> OpGraph:
-    """fx joint graph -> OpGraph. ``kinds`` gives (kind, target) for each placeholder."""
+def _to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
+                updated_buffers: list[str] = ()) -> OpGraph:
+    """fx joint graph -> OpGraph. ``kinds`` gives (kind, target) for each placeholder.
+
+    The graph returns (loss, *grads, *new values of ``updated_buffers``); the forward
+    phase is what the loss and the buffer updates depend on.
+    """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kind_of = {ph.name: kt for ph, kt in zip(placeholders, kinds)}
-    outs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    loss_node = outs[0]
-    forward = _phases(gm, loss_node)
+    outs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+    num_params = sum(1 for kind, _ in kinds if kind == "param")
+    loss_node, grad_outs = outs[0], outs[1:1 + num_params]
+    update_outs = outs[1 + num_params:]
+    forward = _ancestors([loss_node, *update_outs])
     refs: dict[str, ValueRef] = {}
     by_name: dict[str, OpNode] = {}
     for n in gm.graph.nodes:
@@ -214,13 +372,14 @@ def _to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]]) -> OpGraph:
             continue
         by_name[n.name] = node
         refs[n.name] = ValueRef(n.name)
-    param_placeholders = [ph for ph in placeholders if kind_of[ph.name][0] == "param"]
-    grads = tuple((kind_of[ph.name][1], refs[g.name])
-                  for ph, g in zip(param_placeholders, outs[1:]) if g is not None)
+    param_names = [target for kind, target in kinds if kind == "param"]
+    grads = tuple((fqn, refs[g.name]) for fqn, g in zip(param_names, grad_outs) if g is not None)
+    buffer_updates = tuple((fqn, refs[u.name]) for fqn, u in zip(updated_buffers, update_outs))
     grad_nodes = {ref.node for _, ref in grads}
     nodes = [replace(x, is_grad=True) if x.name in grad_nodes and x.kind == "op" else x
              for x in by_name.values()]
-    return OpGraph(nodes, GraphOutputs(loss=refs[loss_node.name], grads=grads))
+    return OpGraph(nodes, GraphOutputs(loss=refs[loss_node.name], grads=grads,
+                                       buffer_updates=buffer_updates))
 
 
 def _op_node(n: fx.Node, refs: dict[str, ValueRef], by_name: dict[str, OpNode],
@@ -237,93 +396,19 @@ def _op_node(n: fx.Node, refs: dict[str, ValueRef], by_name: dict[str, OpNode],
     kwargs = tuple(sorted((k, _freeze(tree_map(mark, v))) for k, v in n.kwargs.items()))
     val = n.meta.get("val")
     vals = list(val) if isinstance(val, (list, tuple)) else [val]
-    outputs = tuple(_spec(v) for v in vals if isinstance(v, torch.Tensor))
-    if not outputs:
-        raise CaptureError(f"op {n.target} ({n.name}) produced no tensor; "
-                           "torchalpa captures tensor programs only")
+    outputs = tuple(_spec(v) if isinstance(v, torch.Tensor) else _ABSENT for v in vals)
+    if all(o.is_absent for o in outputs):
+        raise CaptureError(f"op {n.target} ({n.name}) in module '{module_of(n)}' at "
+                           f"{line_of(n) or '?'} produced no tensor; torchalpa captures "
+                           "tensor programs only")
     in_bytes = sum(by_name[r.node].outputs[r.index].nbytes for r in operands)
-    custom = n.meta.get("custom") or {}
+    fake_args, fake_kwargs = tree_map(
+        lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
     return OpNode(
         name=n.name, op=str(n.target), kind="op", operands=tuple(operands), args=args,
-        kwargs=kwargs, outputs=outputs, flops=_flops(n),
+        kwargs=kwargs, outputs=outputs, flops=flop_count(n.target, fake_args, fake_kwargs, val),
         bytes=float(in_bytes + sum(o.nbytes for o in outputs)),
-        module=custom.get(_MODULE_KEY, ""), phase=phase, source=n.name)
-
-
-def capture(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None,
-            ) -> Capture:
-    """Trace ``loss_fn(model(*inputs), *targets)`` and its backward into an OpGraph.
-
-    Runs on fake tensors: real weights are never read, so ``model`` may live on ``meta``.
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inputs, targets = split_inputs(example_inputs, loss_fn)
-    for i, x in enumerate(tuple(inputs) + tuple(targets)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(x).__name__}")
-
-    named = list(model.named_parameters())
-    trainable = [(k, p) for k, p in named if p.requires_grad]
-    frozen = [(k, p) for k, p in named if not p.requires_grad] + list(model.named_buffers())
-    if not trainable:
-        raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
-    param_names = [k for k, _ in trainable]
-    buffer_names = [k for k, _ in frozen]
-    num_inputs = len(inputs)
-
-    def joint(params, buffers, *batch):
-        state = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
-        out = functional_call(model, state, tuple(batch[:num_inputs]), strict=False)
-        loss = loss_fn(out, *batch[num_inputs:]) if loss_fn is not None else out
-        if isinstance(loss, (tuple, list)) and len(loss) > 0:
-            loss = loss[0]
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else \
-                f"a tensor of shape {tuple(loss.shape)}"
-            raise CaptureError(
-                f"the training step must produce a scalar loss, got {what}; pass loss_fn= or "
-                "make forward return the loss")
-        from torch._functorch._aot_autograd.logging_utils import \
-            setup_stacktrace_preservation_hooks
-        setup_stacktrace_preservation_hooks([loss.grad_fn])
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        return [loss, *grads]
-
-    params = [p.detach().requires_grad_(True) for _, p in trainable]
-    buffers = [b.detach() for _, b in frozen]
-    start = time.perf_counter()
-    try:
-        with fx_traceback.preserve_node_meta(), _annotate_modules(model):
-            gm = make_fx(joint, tracing_mode="fake", decomposition_table=_decompositions(),
-                         _allow_non_fake_inputs=True)(params, buffers, *inputs, *targets)
-    except CaptureError:
-        raise
-    except Exception as e:  # data-dependent control flow, unsupported Python, ...
-        raise CaptureError(_explain_trace_failure(e)) from e
-    _copy_module_to_backward(gm)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    kinds = ([("param", k) for k in param_names] + [("buffer", k) for k in buffer_names]
-             + [("input", f"input{i}") for i in range(len(inputs) + len(targets))])
-    graph = _to_opgraph(gm, kinds)
-    graph.check()
-    seconds = time.perf_counter() - start
-    log.info("captured %s in %.2fs", graph.summary(), seconds)
-    return Capture(graph=graph, gm=gm, param_names=param_names, buffer_names=buffer_names,
-                   input_names=[f"input{i}" for i in range(len(inputs) + len(targets))],
-                   seconds=seconds)
-
-
-def _explain_trace_failure(e: Exception) -> str:
-    text = f"{type(e).__name__}: {e}"
-    hint = ""
-    if "data-dependent" in text or "GuardOnDataDependentSymNode" in text or "item()" in text:
-        hint = ("the model's control flow depends on tensor values (e.g. `if x.sum() > 0`, "
-                "`.item()`, `.tolist()`); torchalpa captures one static graph. Rewrite it with "
-                "torch.where / masking, or move the branch out of forward.")
-    return ("could not trace the training step: " + text.splitlines()[0][:500]
-            + (f"\nhint: {hint}" if hint else ""))
+        module=module_of(n), phase=phase, source=n.name, stack=line_of(n))
 
 
 def trace_ops(fn: Callable, example_args: Sequence[torch.Tensor]
@@ -331,8 +416,11 @@ def trace_ops(fn: Callable, example_args: Sequence[torch.Tensor]
     """Trace a plain tensor function (no backward) and describe each op as an OpNode.
 
     For tools and tests that look at single ops (the rule harness); leaves are inputs.
+    Uses the same op vocabulary as ``capture``.
     """
-    gm = make_fx(fn, tracing_mode="fake", decomposition_table=_decompositions())(*example_args)
+    with FusedCalls():
+        gm = make_fx(fn, tracing_mode="fake", decomposition_table=decompositions())(
+            *example_args)
     refs: dict[str, ValueRef] = {}
     by_name: dict[str, OpNode] = {}
     for i, n in enumerate(gm.graph.nodes):

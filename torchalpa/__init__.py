@@ -12,10 +12,12 @@ from torchalpa.methods import (AutoShardingOption, DataParallel, ShardParallel, 
 from torchalpa.placement import Partial, Replicate, Shard
 from torchalpa.plan import Plan
 from torchalpa.api import auto_parallel, plan
+from torchalpa.markers import mark_pipeline_boundary
 
 __version__ = "0.1.0"
 
 __all__ = [
     "auto_parallel", "plan", "Plan", "Cluster", "LogicalMesh", "ShardParallel", "DataParallel",
     "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "Shard", "Replicate", "Partial",
+    "mark_pipeline_boundary",
 ]

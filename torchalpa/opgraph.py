@@ -19,15 +19,17 @@ from typing import Any, Iterator
 
 import networkx as nx
 
-__all__ = ["TensorSpec", "ValueRef", "Operand", "OpNode", "OpGraph", "GraphError", "DTYPE_BYTES"]
+__all__ = ["TensorSpec", "ValueRef", "Operand", "OpNode", "OpGraph", "GraphError", "DTYPE_BYTES",
+           "ABSENT_DTYPE"]
 
 LEAF_KINDS = ("param", "buffer", "input")
 PHASES = ("forward", "backward")
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "none": 0,
 }
+ABSENT_DTYPE = "none"   # TensorSpec dtype of an output an op did not produce (None)
 
 
 class GraphError(ValueError):
@@ -56,8 +58,14 @@ class TensorSpec:
     def nbytes(self) -> int:
         return self.numel * self.itemsize
 
+    @property
+    def is_absent(self) -> bool:
+        """A placeholder for a ``None`` output (a backward op's ``output_mask`` said False):
+        outputs stay positional, so ``outputs[i]`` is ``getitem(op, i)``; it holds no bytes."""
+        return self.dtype == ABSENT_DTYPE
+
     def __str__(self) -> str:
-        return f"{self.dtype}{list(self.shape)}"
+        return "none" if self.is_absent else f"{self.dtype}{list(self.shape)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,10 +137,12 @@ class OpNode:
 
 @dataclass(frozen=True)
 class GraphOutputs:
-    """What the training step returns: the loss and each trainable parameter's gradient."""
+    """What the training step returns: the loss, each trainable parameter's gradient, and
+    the new value of each buffer the forward writes (batch-norm running statistics)."""
 
     loss: ValueRef
     grads: tuple[tuple[str, ValueRef], ...] = ()   # (parameter FQN, gradient value)
+    buffer_updates: tuple[tuple[str, ValueRef], ...] = ()   # (buffer FQN, its new value)
 
 
 class OpGraph:
@@ -189,6 +199,11 @@ class OpGraph:
     def grads(self) -> dict[str, ValueRef]:
         return dict(self.outputs.grads)
 
+    @property
+    def buffer_updates(self) -> dict[str, ValueRef]:
+        """Buffer FQN -> the value forward writes into it (empty for most models)."""
+        return dict(self.outputs.buffer_updates)
+
     def ops(self) -> Iterator[OpNode]:
         return (n for n in self if not n.is_leaf)
 
@@ -215,9 +230,31 @@ class OpGraph:
                     raise GraphError(
                         f"{node.where()}: operand {slot} reads output {ref.index} of "
                         f"{producer.where()}, which has {len(producer.outputs)} outputs")
+                if producer.outputs[ref.index].is_absent:
+                    raise GraphError(f"{node.where()}: operand {slot} reads output {ref.index} "
+                                     f"of {producer.where()}, which the op does not produce")
         for ref in [self.outputs.loss] + [r for _, r in self.outputs.grads]:
             if ref.node not in self._nodes:
                 raise GraphError(f"graph output {ref} is not a node")
+        outputs = [("the loss", self.outputs.loss)] + [
+            (f"the gradient of {fqn!r}", r) for fqn, r in self.outputs.grads] + [
+            (f"the update of buffer {fqn!r}", r) for fqn, r in self.outputs.buffer_updates]
+        for what, ref in outputs:
+            if ref.node in self._nodes and (
+                    ref.index >= len(self._nodes[ref.node].outputs)
+                    or self._nodes[ref.node].outputs[ref.index].is_absent):
+                raise GraphError(f"{what} reads output {ref.index} of "
+                                 f"{self._nodes[ref.node].where()}, which it does not produce")
+        buffers = {n.target: n for n in self if n.kind == "buffer"}
+        for fqn, ref in self.outputs.buffer_updates:
+            if ref.node not in self._nodes:
+                raise GraphError(f"the update of buffer {fqn!r} ({ref}) is not a node")
+            if fqn not in buffers:
+                raise GraphError(f"buffer update for {fqn!r}, which is not a buffer of the graph")
+            if self.spec(ref).shape != buffers[fqn].output.shape:
+                raise GraphError(f"the update of buffer {fqn!r} has shape "
+                                 f"{self.spec(ref).shape}, the buffer "
+                                 f"{buffers[fqn].output.shape}")
         if self.spec(self.outputs.loss).numel != 1:
             raise GraphError(f"the loss {self.outputs.loss} must be a scalar, "
                              f"got shape {self.spec(self.outputs.loss).shape}")

@@ -1,0 +1,211 @@
+"""Which ATen ops a captured training step is made of, and what each one costs.
+
+The captured graph is core ATen (``torch._decomp.core_aten_decompositions``), with a few
+ops kept whole because one node with one sharding rule plans better than the dozen
+elementwise ops they decompose into, and because their flops and memory are exact:
+
+- ``FUSED_KEPT``: the backward of layer norm, batch norm, softmax, log-softmax, embedding,
+  GELU and SiLU; ``silu`` itself; dropout's backward;
+- scaled dot-product attention: ``F.scaled_dot_product_attention`` becomes
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ its ``_backward``) whatever the
+  device it was traced on (on ``meta`` PyTorch would otherwise pick the unfused math
+  path). With ``dropout_p > 0`` (which that kernel lacks) it is the math path written out:
+  matmuls, masking, softmax, ``native_dropout`` on the probabilities;
+- dropout: ``F.dropout`` becomes ``aten.native_dropout`` (output, mask) and its backward
+  ``aten.native_dropout_backward``; so in models that use ``nn.Dropout`` / ``F.dropout`` /
+  SDPA's ``dropout_p``, ``native_dropout`` is the only random op. Random ops a model calls
+  directly (``torch.rand``, ``torch.bernoulli``, in-place dropout) keep their own names
+  (``RANDOM_OPS``);
+- training-mode batch norm: ``aten._native_batch_norm_legit_functional``, which returns
+  the new running statistics as values; the capture records them as buffer updates;
+- ``addmm`` becomes ``mm`` + ``add``, so a bias add can follow a partial matmul (Alpa's HLO).
+
+``FusedCalls`` is the ``TorchFunctionMode`` that makes the SDPA and dropout choices above
+(they are composite ops that PyTorch decomposes before a decomposition table can see them).
+``flop_count`` gives each op's flops: exact for matmuls, convolutions and attention
+(PyTorch's flop formulas: 2 flops per multiply-add; causal attention counted in full as
+PyTorch and Megatron do), the number of output elements for other arithmetic, 0 for ops
+that only move or create memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch._decomp import core_aten_decompositions
+from torch.overrides import TorchFunctionMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+__all__ = ["decompositions", "FusedCalls", "flop_count", "FUSED_KEPT", "RANDOM_OPS",
+           "NO_FLOP_OPS", "SDPA_OP", "SDPA_BACKWARD_OP"]
+
+aten = torch.ops.aten
+
+FUSED_KEPT = frozenset({
+    aten.native_layer_norm_backward.default,
+    aten.native_batch_norm_backward.default,
+    aten._softmax_backward_data.default,
+    aten._log_softmax_backward_data.default,
+    aten.embedding_dense_backward.default,
+    aten.gelu_backward.default,
+    aten.silu.default,
+    aten.silu_backward.default,
+    aten.native_dropout_backward.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
+SDPA_OP = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+SDPA_BACKWARD_OP = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+RANDOM_OPS = frozenset({"aten.native_dropout.default", "aten.bernoulli.p",
+                        "aten.bernoulli.default", "aten.rand.default", "aten.randn.default",
+                        "aten.rand_like.default", "aten.randn_like.default",
+                        "aten.randint.low", "aten.randint.default"})
+
+# Ops that only relabel, move or create memory: no arithmetic.
+NO_FLOP_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "alias",
+    "detach", "unsqueeze", "squeeze", "slice", "select", "clone", "full", "full_like",
+    "zeros", "zeros_like", "ones", "ones_like", "empty", "empty_like", "empty_permuted",
+    "scalar_tensor", "new_zeros", "new_ones", "new_empty", "new_full", "cat", "split",
+    "split_with_sizes", "stack", "_to_copy", "copy", "lift_fresh_copy", "arange",
+    "as_strided", "index_select", "gather", "embedding", "slice_scatter",
+    "select_scatter", "constant_pad_nd", "repeat", "iota", "pipeline_boundary",
+})
+
+
+def decompositions() -> dict:
+    """The decomposition table every trace uses (a fresh dict: callers may edit it)."""
+    return dict(_decompositions())
+
+
+@functools.cache
+def _decompositions() -> dict:
+    table = {op: fn for op, fn in core_aten_decompositions().items() if op not in FUSED_KEPT}
+    table[aten.addmm.default] = _addmm
+    table[aten.native_batch_norm.default] = _native_batch_norm
+    return table
+
+
+def _addmm(bias, a, b, *, beta=1, alpha=1):
+    out = torch.mm(a, b)
+    if alpha != 1:
+        out = out * alpha
+    if beta == 0:
+        return out
+    return out + (bias if beta == 1 else bias * beta)
+
+
+def _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum,
+                       eps):
+    """Training batch norm as a functional op, then the running stats written back.
+
+    The write-back (``copy_`` into the buffers) is what the capture turns into the
+    graph's buffer updates.
+    """
+    if not training or running_mean is None or running_var is None:
+        return NotImplemented
+    out, mean, rstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
+        input, weight, bias, running_mean, running_var, True, momentum, eps)
+    running_mean.copy_(new_mean)
+    running_var.copy_(new_var)
+    return out, mean, rstd
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        times = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(times, dim=-3)
+        value = value.repeat_interleave(times, dim=-3)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device
+                                ).masked_fill(attn_mask.logical_not(), float("-inf"))
+    out, _ = aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
+    return out
+
+
+def _sdpa_with_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                       scale=None, enable_gqa=False):
+    """PyTorch's math SDPA, with ``native_dropout`` on the attention probabilities."""
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        times = query.shape[-3] // key.shape[-3]
+        key = key.repeat_interleave(times, dim=-3)
+        value = value.repeat_interleave(times, dim=-3)
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    scores = (query @ key.transpose(-2, -1)) * scale                  # (..., L, S)
+    L, S = scores.shape[-2:]
+    if is_causal:
+        causal = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(causal.logical_not(), float("-inf"))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    probs = torch.native_dropout(torch.softmax(scores, dim=-1), dropout_p, True)[0]
+    return probs @ value
+
+
+def _bind(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    return dict(inspect.signature(fn).bind(*args, **kwargs).arguments)
+
+
+class FusedCalls(TorchFunctionMode):
+    """Route SDPA and dropout to the fused ATen ops the graph should contain.
+
+    ``on_call()`` (optional) runs before every torch call and may return a function to run
+    after it; the capture uses it to remember the user's source line for the call's ops.
+    """
+
+    def __init__(self, on_call: Callable[[], Any] | None = None):
+        super().__init__()
+        self.on_call = on_call
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        restore = self.on_call() if self.on_call is not None else None
+        try:
+            if func is F.scaled_dot_product_attention:
+                bound = _bind(_sdpa, args, kwargs)
+                return (_sdpa_with_dropout if bound.get("dropout_p") else _sdpa)(**bound)
+            elif func is F.dropout:
+                bound = _bind(F.dropout, args, kwargs)
+                p, training = bound.get("p", 0.5), bound.get("training", True)
+                if not bound.get("inplace") and training and 0.0 < p < 1.0:
+                    return torch.native_dropout(bound["input"], p, True)[0]
+            return func(*args, **kwargs)
+        finally:
+            if restore is not None:
+                restore()
+
+
+def _sdpa_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _sdpa_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+_EXTRA_FORMULAS = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flops,
+}
+
+
+def flop_count(target, args: tuple, kwargs: dict, out) -> float:
+    """Flops of one call of ``target`` with fake-tensor ``args`` and output ``out``."""
+    packet = getattr(target, "overloadpacket", None)
+    if packet is None or packet.__name__ in NO_FLOP_OPS:
+        return 0.0
+    formula = _EXTRA_FORMULAS.get(packet) or flop_registry.get(packet)
+    if formula is not None:
+        try:
+            return float(formula(*args, **kwargs, out_val=out))
+        except Exception:  # a formula that can't read these args: fall back to numel
+            pass
+    vals = out if isinstance(out, (list, tuple)) else (out,)
+    return float(sum(v.numel() for v in vals if isinstance(v, torch.Tensor)))
