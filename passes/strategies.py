@@ -96,16 +96,22 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
             p = _placement_for(dims, factor, size_of)
             if p is False:
                 return None
-            inputs[i][axis] = p if p is not None else Replicate()
+            if p is None:  # an accumulator holds its share of a sum; others are whole
+                accumulates = i in rule.accumulators and factor in reduction_of
+                p = Partial(reduction_of[factor]) if accumulates else Replicate()
+            inputs[i][axis] = p
         for j, dims in enumerate(rule.results):
             p = _placement_for(dims, factor, size_of)
             if p is False:
                 return None
             if p is None:
                 op = reduction_of.get(factor)
-                if op is None:
+                if j < len(rule.independent) and factor in rule.independent[j]:
+                    p = Replicate()  # the result does not depend on this factor
+                elif op is None:
                     return None  # a factor that vanishes without being reduced
-                p = Partial(op)
+                else:
+                    p = Partial(op)
             outputs[j][axis] = p
     ins = tuple(None if i in rule.ignored else tuple(p) for i, p in enumerate(inputs))
     return Strategy(inputs=ins, outputs=tuple(tuple(p) for p in outputs), shards=shards)

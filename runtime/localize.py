@@ -1,52 +1,149 @@
 """Rewrite one ATen call of the global program for the local blocks of this rank.
 
-Most ops work on blocks unchanged. Ops that carry a shape (view, expand, factories)
-get the local shape of their result instead, ``*_like`` factories become ``full`` of the
-local shape (their operand is read for shape only and is not resharded), and device
-arguments point at this rank's device (the graph may have been captured on ``meta``).
+Most ops work on blocks unchanged: their non-tensor arguments name dims, or positions
+along dims that their rule keeps whole (``passes/rules``: a cut, gathered, padded or
+normalized dim is blocked, so its sizes and indices stay valid on every block). The ops
+left are those whose arguments spell out sizes of dims that may be split; ``_REWRITES``
+maps each to a small function that puts in the local sizes:
+
+- shapes of views, expands and factories become the local shape of the result;
+- ``*_like`` factories become ``full`` of the local shape (their operand is read for shape
+  only and is not resharded, so it may not have the result's layout);
+- ``repeat`` repeats each local block as many times as fit its local result;
+- ``squeeze`` removes only the dims that are 1 globally (a split dim may be 1 locally);
+- grouped convolutions hold ``groups / k`` whole groups when channels are split k ways,
+  and ``convolution_backward``'s ``bias_sizes`` is the local channel count.
+
+Device arguments point at this rank's device (the graph may have been captured on
+``meta``).
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import Callable
 
-from torchalpa.placement import local_shape
+import torch
+from torch.utils._pytree import tree_flatten
+
+from torchalpa.placement import Shard, local_shape
 from torchalpa.plan import NodeStrategy
 
 __all__ = ["localize"]
 
 aten = torch.ops.aten
 
-# op -> index of its shape argument
-_SHAPE_ARG = {
-    "aten.view.default": 1, "aten._unsafe_view.default": 1, "aten.reshape.default": 1,
-    "aten.expand.default": 1, "aten.full.default": 0, "aten.zeros.default": 0,
-    "aten.ones.default": 0, "aten.empty.memory_format": 0,
-}
-# *_like op -> how to read the fill value from its args
-_LIKE = {
-    "aten.full_like.default": lambda args: args[1],
-    "aten.zeros_like.default": lambda args: 0,
-    "aten.ones_like.default": lambda args: 1,
-    "aten.empty_like.default": lambda args: 0,
+
+@dataclass
+class _Call:
+    """One call being localized: its fx node, arguments and chosen layouts."""
+
+    node: torch.fx.Node
+    args: list
+    kwargs: dict
+    strategy: NodeStrategy
+    mesh_shape: tuple
+    device: torch.device
+
+    def out_shape(self, i: int = 0) -> list[int]:
+        """Local shape of result ``i``."""
+        val = self.node.meta["val"]
+        val = val[i] if isinstance(val, (tuple, list)) else val
+        return list(local_shape(tuple(val.shape), self.strategy.outputs[i], self.mesh_shape))
+
+    def global_in_shape(self, k: int) -> tuple[int, ...]:
+        """Global shape of tensor operand ``k``."""
+        operands = [a for a in tree_flatten((list(self.node.args), dict(self.node.kwargs)))[0]
+                    if isinstance(a, torch.fx.Node)]
+        return tuple(operands[k].meta["val"].shape)
+
+    def in_shape(self, k: int) -> list[int]:
+        """Local shape of tensor operand ``k`` (as it is read: resharded to its placement)."""
+        return list(local_shape(self.global_in_shape(k), self.strategy.inputs[k], self.mesh_shape))
+
+    def splits(self, k: int, dim: int) -> int:
+        """Into how many blocks operand ``k`` is split along ``dim``."""
+        n = 1
+        for axis, p in enumerate(self.strategy.inputs[k] or ()):
+            if isinstance(p, Shard) and p.dim == dim:
+                n *= self.mesh_shape[axis]
+        return n
+
+    def with_arg(self, index: int, value):
+        args = list(self.args)
+        args[index] = value
+        return self.node.target, args, self.kwargs
+
+
+def _shape_arg(index: int) -> Callable[[_Call], tuple]:
+    return lambda c: c.with_arg(index, c.out_shape())
+
+
+def _like(fill: Callable[[list], object]) -> Callable[[_Call], tuple]:
+    def rewrite(c: _Call):
+        val = c.node.meta["val"]
+        return aten.full.default, [c.out_shape(), fill(c.args)], {"dtype": val.dtype,
+                                                                 "device": c.device}
+    return rewrite
+
+
+def _repeat(c: _Call):
+    out, src = c.out_shape(), c.in_shape(0)
+    lead = len(out) - len(src)
+    repeats = out[:lead] + [o // s if s else 1 for o, s in zip(out[lead:], src)]
+    return c.with_arg(1, repeats)
+
+
+def _conv(input_slot: int, groups_index: int) -> Callable[[_Call], tuple]:
+    def rewrite(c: _Call):
+        args = list(c.args)
+        if args[groups_index] > 1:  # whole groups per block: channels split k ways
+            args[groups_index] //= c.splits(input_slot, 1)
+        if c.node.target is aten.convolution_backward.default and args[3] is not None:
+            args[3] = [c.in_shape(0)[1]]  # bias_sizes: grad_output's local channels
+        return c.node.target, args, c.kwargs
+    return rewrite
+
+
+def _squeeze(c: _Call):
+    # squeeze only the dims that are 1 globally: a split dim may be 1 locally
+    shape = c.global_in_shape(0)
+    if c.node.target is aten.squeeze.default:
+        asked = range(len(shape))
+    else:
+        dims = c.args[1]
+        dims = dims if isinstance(dims, (list, tuple)) else [dims]
+        asked = [d % max(len(shape), 1) for d in dims]
+    return aten.squeeze.dims, [c.args[0], [d for d in asked if shape[d] == 1]], c.kwargs
+
+
+_REWRITES: dict[str, Callable[[_Call], tuple]] = {
+    **{op: _shape_arg(1) for op in (
+        "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+        "aten.expand.default", "aten.new_zeros.default", "aten.new_ones.default",
+        "aten.new_empty.default", "aten.new_full.default")},
+    **{op: _shape_arg(0) for op in (
+        "aten.full.default", "aten.zeros.default", "aten.ones.default",
+        "aten.empty.memory_format", "aten.empty_permuted.default")},
+    "aten.full_like.default": _like(lambda args: args[1]),
+    "aten.zeros_like.default": _like(lambda args: 0),
+    "aten.ones_like.default": _like(lambda args: 1),
+    "aten.empty_like.default": _like(lambda args: 0),
+    "aten.repeat.default": _repeat,
+    "aten.squeeze.default": _squeeze,
+    "aten.squeeze.dim": _squeeze,
+    "aten.squeeze.dims": _squeeze,
+    "aten.convolution.default": _conv(0, 8),
+    "aten.convolution_backward.default": _conv(1, 9),
 }
 
 
 def localize(node, args: list, kwargs: dict, strategy: NodeStrategy, mesh_shape,
              device: torch.device):
     """(target, args, kwargs) of the local call for fx ``node`` under ``strategy``."""
-    op = str(node.target)
-    target = node.target
     if "device" in kwargs:
         kwargs = dict(kwargs, device=device)
-    if op in _SHAPE_ARG or op in _LIKE:
-        val = node.meta["val"]
-        shape = list(local_shape(tuple(val.shape), strategy.outputs[0], mesh_shape))
-        if op in _SHAPE_ARG:
-            args = list(args)
-            args[_SHAPE_ARG[op]] = shape
-        else:
-            target = aten.full.default
-            args = [shape, _LIKE[op](args)]
-            kwargs = {"dtype": val.dtype, "device": device}
-    return target, args, kwargs
+    rewrite = _REWRITES.get(str(node.target))
+    if rewrite is None:
+        return node.target, args, kwargs
+    return rewrite(_Call(node, list(args), dict(kwargs), strategy, tuple(mesh_shape), device))

@@ -22,13 +22,25 @@ def block(full: torch.Tensor, placements, mesh_shape, coord) -> torch.Tensor:
         if isinstance(p, Partial):
             n, k = mesh_shape[axis], coord[axis]
             gen = torch.Generator().manual_seed(1000 + axis)
-            noise = [torch.randn(x.shape, generator=gen, dtype=x.dtype) for _ in range(n - 1)]
+            noise = [_noise(x, gen) for _ in range(n - 1)]
             piece = noise[k] if k < n - 1 else x - sum(noise)
             x = piece * n if p.reduce_op == "avg" else piece
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
             x = x.chunk(mesh_shape[axis], p.dim)[coord[axis]]
     return x.contiguous()
+
+
+def _noise(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A random piece of a Partial value, on the scale of the value so float rounding
+    stays within tolerance. Huge or infinite values (masks) can't be split: their pieces
+    are zeros and the last rank holds them whole. (Tensor ops only: under LocalTensorMode
+    a Python scalar would have to agree across ranks.)"""
+    if not x.is_floating_point():
+        return torch.randint(-3, 4, x.shape, generator=gen).to(x.dtype)
+    scale = x.abs().amax() if x.numel() else x.new_ones(())
+    scale = torch.where(scale < 1e6, scale, torch.zeros_like(scale))
+    return torch.randn(x.shape, generator=gen, dtype=x.dtype) * scale
 
 
 def combine(blocks: dict, placements, mesh_shape) -> torch.Tensor:
@@ -49,7 +61,8 @@ def combine(blocks: dict, placements, mesh_shape) -> torch.Tensor:
                 merged[key] = total / len(ts) if p.reduce_op == "avg" else total
             else:
                 for t in ts[1:]:
-                    assert torch.equal(t, ts[0]), f"replicas differ on axis {axis}"
+                    assert torch.equal(t, ts[0]) or (t.is_floating_point() and torch.allclose(
+                        t, ts[0], rtol=0, atol=0, equal_nan=True)), f"replicas differ on axis {axis}"
                 merged[key] = ts[0]
         current = merged
     return current[()]

@@ -8,6 +8,20 @@ axis; a *reduction* factor (contracted, summed or averaged away) leaves the resu
 by its leading (major) factor. Strategies are derived from rules by shared code
 (``passes/strategies.py``); the ILP only selects among them.
 
+Two optional refinements cover ops that are not pure einsums:
+
+- ``accumulators``: operands the op adds into (``index_put(accumulate=True)``'s and
+  ``scatter_add``'s ``self``). On a mesh axis that shards a reduction factor such an operand
+  does not index, it is read as ``Partial`` (each device adds its updates into its share)
+  instead of ``Replicate`` (which would add the operand once per device).
+- ``independent``: per result, the factors it does not depend on. On an axis sharding such a
+  factor the result is computed whole on every device (``Replicate``) rather than being
+  illegal. Results an op does not produce (``None`` outputs of backward ops with an
+  ``output_mask``) list every factor.
+
+A rule describes an op whose results are positional: one entry per output the op's schema
+returns, ``None`` outputs included, so ``results[i]`` matches ``getitem(op, i)``.
+
 Rules are registered per op name with ``@register``; ``rule_for`` looks one up. An op
 without a rule gets ``None``, and the planner gives it a replicate-only strategy and
 lists it in the plan (never a wrong result).
@@ -15,7 +29,8 @@ lists it in the plan (never a wrong result).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from torchalpa.opgraph import OpGraph, OpNode, TensorSpec
@@ -37,6 +52,8 @@ class FactorRule:
     linear: tuple[frozenset, ...] = ()             # operand groups a Partial may pass through
     ignored: frozenset = frozenset()               # operands read for shape/dtype only
     heavy: bool = False                            # compute-bound (matmul, conv): never redundant
+    accumulators: frozenset = frozenset()          # operands added into: Partial, not Replicate
+    independent: tuple[frozenset, ...] = ()        # per result: factors it does not depend on
 
     @property
     def size_of(self) -> dict[str, int]:
@@ -55,12 +72,24 @@ RULES: dict[str, RuleFn] = {}
 
 
 def register(*ops: str) -> Callable[[RuleFn], RuleFn]:
-    """Register ``fn(node, operand_specs) -> FactorRule`` for each op name."""
+    """Register ``fn(node, operand_specs) -> FactorRule`` for each op name.
+
+    A Partial value is a sum, which a bool tensor cannot be: every rule's ``linear``
+    groups that hold a bool operand are dropped here, once for all rules.
+    """
     def wrap(fn: RuleFn) -> RuleFn:
+        @functools.wraps(fn)
+        def rule(node: OpNode, specs: list[TensorSpec]) -> FactorRule | None:
+            built = fn(node, specs)
+            if built is None or not built.linear:
+                return built
+            numeric = tuple(g for g in built.linear if all(specs[i].dtype != "bool" for i in g))
+            return built if numeric == built.linear else replace(built, linear=numeric)
+
         for op in ops:
             if op in RULES:
                 raise ValueError(f"duplicate sharding rule for {op}")
-            RULES[op] = fn
+            RULES[op] = rule
         return fn
     return wrap
 
@@ -70,7 +99,8 @@ def has_rule(op: str) -> bool:
 
 
 def rule_for(node: OpNode, graph: OpGraph) -> FactorRule | None:
-    """The node's rule, or None if its op has none (replicate-only fallback)."""
+    """The node's rule, or None if its op has none, or its rule declines this call
+    (replicate-only fallback)."""
     fn = RULES.get(node.op)
     if fn is None:
         return None
@@ -82,19 +112,27 @@ class FactorNamer:
 
     def __init__(self):
         self.sizes: dict[str, int] = {}
+        self.blocked: set[str] = set()
 
-    def new(self, size: int) -> str:
+    def new(self, size: int, blocked: bool = False) -> str:
         name = f"f{len(self.sizes)}"
         self.sizes[name] = int(size)
+        if blocked:
+            self.blocked.add(name)
         return name
 
-    def dims(self, shape) -> Dims:
+    def dims(self, shape, blocked: bool = False) -> Dims:
         """One fresh factor per dim (none for size-1 dims, which can't be split)."""
-        return tuple((self.new(s),) if s != 1 else () for s in shape)
+        return tuple((self.new(s, blocked),) if s != 1 else () for s in shape)
+
+    def all(self) -> frozenset:
+        """Every factor named so far (for ``independent`` entries of absent results)."""
+        return frozenset(self.sizes)
 
     def rule(self, operands, results, **kw) -> FactorRule:
+        blocked = frozenset(kw.pop("blocked", ())) | frozenset(self.blocked)
         return FactorRule(operands=tuple(operands), results=tuple(results),
-                          sizes=tuple(self.sizes.items()), **kw)
+                          sizes=tuple(self.sizes.items()), blocked=blocked, **kw)
 
 
 def normalize_dim(dim: int, rank: int) -> int:
@@ -102,4 +140,6 @@ def normalize_dim(dim: int, rank: int) -> int:
 
 
 # Populate the registry: one module per op family.
-from torchalpa.passes.rules import elementwise, factory, matmul, reduce, view  # noqa: E402,F401
+from torchalpa.passes.rules import (  # noqa: E402,F401
+    attention, conv, elementwise, embedding, factory, index, loss, markers, matmul, norm, pool,
+    random, reduce, slicing, softmax, view)

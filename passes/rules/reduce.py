@@ -1,26 +1,48 @@
-"""Reductions: reduced dims are reduction factors (Partial sum / avg when sharded)."""
+"""Reductions and scans over some dims of one tensor.
+
+Sums and means are linear: a sharded reduced dim leaves a ``Partial`` (sum / avg) result,
+and a Partial operand passes through. Every other reduction (max, min, arg-max, any/all,
+var, std, prod, logsumexp, norms) is not a sum of per-device pieces, so its reduced dims
+are blocked; its kept dims shard freely. Scans (cumsum, cumprod) keep their shape but
+each element depends on the whole prefix, so the scanned dim is blocked.
+"""
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, normalize_dim, register
+from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.common import arg, dim_list, keepdim_of
 
-_KIND = {"aten.sum.dim_IntList": "sum", "aten.sum.default": "sum",
-         "aten.mean.dim": "avg", "aten.mean.default": "avg"}
+# op -> (index of its dim argument, index of keepdim, Partial kind or None, num results)
+_REDUCTIONS = {
+    "aten.sum.dim_IntList": (1, 2, "sum", 1), "aten.sum.default": (None, None, "sum", 1),
+    "aten.mean.dim": (1, 2, "avg", 1), "aten.mean.default": (None, None, "avg", 1),
+    "aten.amax.default": (1, 2, None, 1), "aten.amin.default": (1, 2, None, 1),
+    "aten.max.dim": (1, 2, None, 2), "aten.min.dim": (1, 2, None, 2),
+    "aten.max.default": (None, None, None, 1), "aten.min.default": (None, None, None, 1),
+    "aten.argmax.default": (1, 2, None, 1), "aten.argmin.default": (1, 2, None, 1),
+    "aten.any.dim": (1, 2, None, 1), "aten.any.dims": (1, 2, None, 1),
+    "aten.any.default": (None, None, None, 1), "aten.all.dim": (1, 2, None, 1),
+    "aten.all.default": (None, None, None, 1),
+    "aten.var.correction": (1, None, None, 1), "aten.std.correction": (1, None, None, 1),
+    "aten.var_mean.correction": (1, None, None, 2),
+    "aten.prod.dim_int": (1, 2, None, 1), "aten.prod.default": (None, None, None, 1),
+    "aten.logsumexp.default": (1, 2, None, 1),
+    "aten.linalg_vector_norm.default": (2, 3, None, 1),
+}
 
 
-@register(*_KIND)
+@register(*_REDUCTIONS)
 def reduction(node, specs):
     shape = specs[0].shape
     rank = len(shape)
-    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else None
-    if dims is None or dims == ():
-        reduced = set(range(rank))
-    else:
-        dims = dims if isinstance(dims, tuple) else (dims,)
-        reduced = {normalize_dim(d, rank) for d in dims}
-    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwarg_dict.get("keepdim", False))
+    dim_index, keep_index, kind, num_results = _REDUCTIONS[node.op]
+    dims = dim_list(arg(node, dim_index, "dim"), rank) if dim_index is not None else None
+    reduced = set(range(rank)) if dims is None else set(dims)
+    keepdim = keepdim_of(node, keep_index) if keep_index is not None \
+        else bool(node.kwarg_dict.get("keepdim", False))
     f = FactorNamer()
-    operand = f.dims(shape)
+    operand = tuple((f.new(s, blocked=kind is None and d in reduced),) if s != 1 else ()
+                    for d, s in enumerate(shape))
     result = []
     for d in range(rank):
         if d in reduced:
@@ -28,7 +50,17 @@ def reduction(node, specs):
                 result.append(())
         else:
             result.append(operand[d])
-    op = _KIND[node.op]
-    reductions = tuple((fac, op) for d in sorted(reduced) for fac in operand[d])
+    reductions = tuple((fac, kind) for d in sorted(reduced) for fac in operand[d]) if kind else ()
     # A Partial sum passes through sum and mean unchanged: both are linear.
-    return f.rule([operand], [tuple(result)], reductions=reductions, linear=(frozenset({0}),))
+    linear = (frozenset({0}),) if kind else ()
+    return f.rule([operand], [tuple(result)] * num_results, reductions=reductions, linear=linear)
+
+
+@register("aten.cumsum.default", "aten.cumprod.default")
+def scan(node, specs):
+    shape = specs[0].shape
+    (dim,) = dim_list(arg(node, 1, "dim"), len(shape)) or [0]
+    f = FactorNamer()
+    dims = tuple((f.new(s, blocked=d == dim),) if s != 1 else () for d, s in enumerate(shape))
+    linear = (frozenset({0}),) if node.op == "aten.cumsum.default" else ()
+    return f.rule([dims], [dims], linear=linear)

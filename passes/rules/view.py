@@ -1,4 +1,5 @@
-"""Shape ops: reshape (split and merged dims), permute/transpose, expand, (un)squeeze.
+"""Shape ops: reshape (split and merged dims), permute/transpose, expand, (un)squeeze,
+repeat.
 
 A reshape is matched group by group: runs of input dims and output dims with equal
 products. A dim split into several keeps them as its factors (major first), a merge is
@@ -130,3 +131,21 @@ def squeeze_like(node, specs):
     it = iter(factors)
     result = tuple((next(it),) if s != 1 else () for s in dst)
     return f.rule([operand], [result], linear=_LINEAR)
+
+
+@register("aten.repeat.default")
+def repeat(node, specs):
+    # Output dim d holds repeats[d] copies of input dim d: factors (copy, element), copy
+    # major. Sharding the copy factor gives each device whole copies of a replicated input
+    # (localize shrinks ``repeats``); the element factor is minor, so it can't shard the
+    # output. New leading dims are all copies.
+    src, dst = specs[0].shape, node.outputs[0].shape
+    lead = len(dst) - len(src)
+    f = FactorNamer()
+    operand, result = [], [(f.new(s),) if s != 1 else () for s in dst[:lead]]
+    for d, size in enumerate(src):
+        copies = dst[lead + d] // size if size else 1
+        element = (f.new(size),) if size != 1 else ()
+        operand.append(element)
+        result.append(((f.new(copies),) if copies != 1 else ()) + element)
+    return f.rule([tuple(operand)], [tuple(result)], linear=_LINEAR)

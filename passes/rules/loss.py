@@ -1,0 +1,54 @@
+"""Negative log-likelihood loss (what cross-entropy becomes after log_softmax).
+
+``nll_loss_forward(self (N, C), target (N), weight (C)?, reduction, ignore_index)
+-> (output, total_weight)``. The class dim ``C`` is blocked: targets are global class
+numbers. The batch dim ``N`` shards freely with ``reduction='none'``; with ``'sum'``
+both outputs are Partial sums; with ``'mean'`` (sum of losses / sum of weights, counting
+only targets that are not ``ignore_index``) a device's own mean is not a piece of the
+global one, so ``N`` is blocked.
+
+``nll_loss_backward(grad, self, target, weight?, reduction, ignore_index, total_weight)``
+writes ``-weight[t] * grad / total_weight`` into each row's target column: rows are
+independent given the global ``total_weight``, so ``N`` shards for every reduction, and
+the op is linear in ``grad``.
+"""
+
+from __future__ import annotations
+
+from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.common import arg, positions
+
+_NONE, _MEAN, _SUM = 0, 1, 2
+
+
+def _dims(f: FactorNamer, shape, block_batch: bool):
+    """(self dims, target dims, class dims) for self of shape (N, C) or (C,)."""
+    c = (f.new(shape[-1], blocked=True),) if shape[-1] != 1 else ()
+    if len(shape) == 1:
+        return (c,), (), (c,)
+    n = (f.new(shape[0], blocked=block_batch),) if shape[0] != 1 else ()
+    return (n, c), (n,), (c,)
+
+
+@register("aten.nll_loss_forward.default")
+def nll_loss_forward(node, specs):
+    reduction = arg(node, 3, "reduction", _MEAN)
+    f = FactorNamer()
+    x, target, classes = _dims(f, specs[0].shape, block_batch=reduction == _MEAN)
+    table = {0: x, 1: target, 2: classes}
+    operands = [table[key] for key in positions(node)]
+    if reduction == _NONE:
+        return f.rule(operands, [target, ()], independent=(frozenset(), f.all()))
+    reductions = tuple((fac, "sum") for fac in target[0]) if target else ()
+    return f.rule(operands, [(), ()], reductions=reductions)
+
+
+@register("aten.nll_loss_backward.default")
+def nll_loss_backward(node, specs):
+    reduction = arg(node, 4, "reduction", _MEAN)
+    f = FactorNamer()
+    x, target, classes = _dims(f, specs[1].shape, block_batch=False)
+    grad = target if reduction == _NONE else tuple(() for _ in specs[0].shape)
+    table = {0: grad, 1: x, 2: target, 3: classes, 6: ()}
+    operands = [table[key] for key in positions(node)]
+    return f.rule(operands, [x], linear=(frozenset({0}),))
