@@ -183,7 +183,8 @@ def copy_forward_tags_to_backward(gm: fx.GraphModule) -> None:
     The first forward node of a sequence number (``seq_nr``) is the op that created the
     autograd node; backward nodes carry the same number. Autograd's own gradient
     accumulation (a value read twice gets the sum of two gradients) belongs to no forward
-    op: it takes the tags of its first input, the gradient it adds to.
+    op and stays untagged: passes place it by the values it adds (tagging it like one of
+    them would drag, say, a residual stream's whole gradient chain into one layer).
     """
     first_forward: dict[int, fx.Node] = {}
     for n in gm.graph.nodes:
@@ -192,12 +193,11 @@ def copy_forward_tags_to_backward(gm: fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         if not n.meta.get("autograd_backward"):
             continue
-        if n.meta.get("is_gradient_acc"):
-            fwd = next((a for a in n.all_input_nodes if module_of(a) or line_of(a)), None)
-        else:
-            fwd = first_forward.get(n.meta.get("seq_nr"))
+        fwd = None if n.meta.get("is_gradient_acc") else first_forward.get(n.meta.get("seq_nr"))
         if fwd is None:
             n.meta.pop("stack_trace", None)
+            if n.meta.get("custom"):
+                n.meta["custom"] = {k: v for k, v in n.meta["custom"].items() if k != MODULE_KEY}
             continue
         path = module_of(fwd)
         n.meta["custom"] = {**(n.meta.get("custom") or {}), MODULE_KEY: path}

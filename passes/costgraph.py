@@ -84,10 +84,13 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
     for node in graph:
         if not node.is_leaf:
             fold(node.name, np.array([compute_cost(mesh, node, s.shards) for s in S[node.name]]))
-    loss = graph.outputs.loss
+    # the loss is returned whole, and values for other pipeline stages are sent whole
     R = replicated(mesh.ndim)
-    fold(loss.node, np.array([costs.cost(graph.spec(loss), s.outputs[loss.index], R)
-                              for s in S[loss.node]]))
+    whole = ([graph.outputs.loss] if graph.outputs.loss is not None else []) + \
+        list(graph.outputs.sends)
+    for ref in whole:
+        fold(ref.node, np.array([costs.cost(graph.spec(ref), s.outputs[ref.index], R)
+                                 for s in S[ref.node]]))
 
     # (producer, output index, consumer, how the consumer reads it)
     links: list[tuple[str, int, str, object]] = []
@@ -97,6 +100,9 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
     params = graph.params
     for fqn, ref in graph.outputs.grads:
         links.append((ref.node, ref.index, params[fqn], "param"))
+    buffers = {n.target: n.name for n in graph if n.kind == "buffer"}
+    for fqn, ref in graph.outputs.buffer_updates:   # new buffer values take its layout
+        links.append((ref.node, ref.index, buffers[fqn], "param"))
 
     groups: dict[tuple, list] = defaultdict(list)
     for u, idx, v, how in links:

@@ -137,14 +137,24 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     space = build_strategies(graph, mesh, inputs, method.auto_sharding_option)
     S = space.strategies
     costs = ReshardCosts(mesh, method.auto_sharding_option.allow_reduce_scatter)
-    grouping = group_nodes(graph, S, blocks, heavy=space.heavy)
-    cg = build_cost_graph(graph, mesh, S, grouping, costs)
     option = method.auto_sharding_option
-    built = time.perf_counter()
     budget = option.memory_budget_per_device or mesh.memory_per_device
-    memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states)
-    solution, chosen = _solve_within_memory(graph, S, grouping, cg, memory, budget, option,
-                                            mesh)
+
+    def solve(period: int):
+        grouping = group_nodes(graph, S, blocks, heavy=space.heavy, period=period)
+        cg = build_cost_graph(graph, mesh, S, grouping, costs)
+        memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states)
+        solution, chosen = _solve_within_memory(graph, S, grouping, cg, memory, budget,
+                                                option, mesh)
+        return grouping, cg, solution, chosen
+
+    built = time.perf_counter()
+    grouping, cg, solution, chosen = solve(1)
+    if blocks and _reshards_between_blocks(graph, blocks, chosen, costs):
+        # shared layers cannot alternate; let every other layer decide apart, keep the best
+        alternative = solve(2)
+        if alternative[2].objective < solution.objective:
+            grouping, cg, solution, chosen = alternative
     plan = _assemble(graph, mesh, method, chosen, costs, space, inputs)
     seconds = time.perf_counter() - start
     num_strategies = sum(len(v) for v in S.values())
@@ -159,10 +169,27 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     return _replace_estimates(plan, estimates)
 
 
+def _reshards_between_blocks(graph: OpGraph, blocks: dict, chosen: dict[str, Strategy],
+                             costs: ReshardCosts) -> bool:
+    """Does a value change layout on its way from one repeated block into the next?"""
+    for node in graph.ops():
+        mine = blocks.get(node.name)
+        if mine is None:
+            continue
+        for slot, ref in enumerate(node.operands):
+            theirs = blocks.get(ref.node)
+            if theirs is None or theirs == mine:
+                continue
+            src = chosen[ref.node].outputs[ref.index]
+            if costs.cost(graph.spec(ref), src, chosen[node.name].inputs[slot]) > 0:
+                return True
+    return False
+
+
 def _describe(mesh: LogicalMesh) -> str:
     if mesh.ndim == 1:
         return f"1D mesh of {mesh.num_devices} devices"
-    return f"{'x'.join(map(str, mesh.shape))} mesh"
+    return f"mesh of {'x'.join(map(str, mesh.shape))}"
 
 
 def _expand(graph, S, grouping, choice) -> dict[str, Strategy]:
@@ -170,13 +197,28 @@ def _expand(graph, S, grouping, choice) -> dict[str, Strategy]:
             for n in graph}
 
 
-def _peak(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, optimizer_states
-          ) -> tuple[float, int]:
+def _timeline(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, optimizer_states
+              ) -> np.ndarray:
     state = model_state_bytes(graph, {k: s.outputs[0] for k, s in chosen.items()
                                       if graph.node(k).is_leaf}, mesh.shape, optimizer_states)
-    timeline = memory.timeline({k: s.outputs for k, s in chosen.items()}, state)
+    return memory.timeline({k: s.outputs for k, s in chosen.items()}, state)
+
+
+def _peak(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, optimizer_states
+          ) -> tuple[float, int]:
+    timeline = _timeline(graph, memory, chosen, mesh, optimizer_states)
     t = int(np.argmax(timeline))
     return float(timeline[t]), t
+
+
+def _violations(timeline: np.ndarray, budget: float, most: int = 8) -> list[int]:
+    """Points to constrain next: the peak and others spread over where the plan is over."""
+    over = np.flatnonzero(timeline > budget)
+    if over.size == 0:
+        return []
+    picks = {int(np.argmax(timeline))}
+    picks |= {int(over[i]) for i in np.linspace(0, over.size - 1, min(most, over.size)).astype(int)}
+    return sorted(picks)
 
 
 def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, option, mesh,
@@ -207,13 +249,14 @@ def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, op
         chosen = _expand(graph, S, grouping, solution.choice)
         if budget is None:
             return solution, chosen
-        peak, t = _peak(graph, memory, chosen, mesh, states)
-        log.info("memory round %d: %d constrained points, ILP %.2fs, peak %s (budget %s)",
-                 len(points), len(points), solution.seconds, format_bytes(peak),
-                 format_bytes(budget))
+        timeline = _timeline(graph, memory, chosen, mesh, states)
+        peak = float(timeline.max(initial=0))
+        log.info("memory: %d points constrained, ILP %.2fs, peak %s (budget %s)", len(points),
+                 solution.seconds, format_bytes(peak), format_bytes(budget))
         if peak <= budget * (1 + 1e-9):
             return solution, chosen
-        new_points = [p for p in memory.likely_peaks() + [t] if p not in points]
+        new_points = [p for p in memory.likely_peaks() + _violations(timeline, budget)
+                      if p not in points]
         if not new_points:
             break
         points += new_points
@@ -300,16 +343,22 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                 reshards.append(Reshard(node.name, 0, node.name, "input", tuple(steps)))
         for slot, ref in enumerate(node.operands):
             add(ref, node.name, slot, chosen[node.name].inputs[slot])
-    add(graph.outputs.loss, OUTPUT, "loss", R)
+    if graph.outputs.loss is not None:
+        add(graph.outputs.loss, OUTPUT, "loss", R)
     params = graph.params
     for fqn, ref in graph.outputs.grads:
         add(ref, OUTPUT, f"grad:{fqn}", chosen[params[fqn]].outputs[0])
+    buffers = {n.target: n.name for n in graph if n.kind == "buffer"}
+    for fqn, ref in graph.outputs.buffer_updates:
+        add(ref, OUTPUT, f"buffer:{fqn}", chosen[buffers[fqn]].outputs[0])
+    for ref in graph.outputs.sends:
+        add(ref, OUTPUT, f"send:{ref}", R)
 
     collectives = []
     comm_time = wire = 0.0
     for r in reshards:
         if r.consumer == OUTPUT:
-            phase = "forward" if r.slot == "loss" else "backward"
+            phase = "backward" if r.slot.startswith("grad:") else graph.node(r.producer).phase
             source = graph.node(r.producer).module
         else:
             phase = graph.node(r.consumer).phase

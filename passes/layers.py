@@ -10,7 +10,8 @@ position, the cheapest way to reach it, and a sliding-window minimum makes it O(
 Everything else follows the forward ops: parameters join the layer of their first
 reader, inputs the layer of theirs, and each backward op the layer of the forward ops of
 its module (autograd tags it with them); ops autograd adds without a module join their
-operands' layer.
+operands' layer. A backward op never sits in a later layer than a backward op it reads:
+gradients must flow from later stages to earlier ones for a pipeline to run.
 """
 
 from __future__ import annotations
@@ -132,12 +133,18 @@ def assign_rest(graph: OpGraph, forward: dict[str, int]) -> dict[str, int]:
     for node in graph:
         if node.name in layer or node.is_leaf:
             continue
-        if node.module in module_layer and node.module:
-            layer[node.name] = module_layer[node.module]
-            continue
         known = [layer[r.node] for r in node.operands if r.node in layer]
         forward_known = [layer[r.node] for r in node.operands if r.node in forward]
-        layer[node.name] = max(forward_known) if forward_known else (min(known) if known else last)
+        if node.module in module_layer and node.module:
+            guess = module_layer[node.module]
+        else:
+            guess = max(forward_known) if forward_known else (min(known) if known else last)
+        # gradients flow from later layers to earlier ones: never after a backward operand
+        backward_known = [l for r, l in zip(node.operands, known) if r.node not in forward
+                          and not graph.node(r.node).is_leaf]
+        if backward_known:
+            guess = min(guess, min(backward_known))
+        layer[node.name] = guess
     for node in graph:
         if node.is_leaf:
             readers = [layer[c] for c in graph.consumers(node.name) if c in layer]

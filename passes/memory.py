@@ -45,7 +45,7 @@ def liveness(graph: OpGraph) -> Liveness:
         for ref in node.operands:
             last_use[ref.node] = max(last_use.get(ref.node, -1), order[node.name])
     end_of_step = len(order)
-    for ref in [graph.outputs.loss] + [r for _, r in graph.outputs.grads]:
+    for ref in graph.outputs.refs():
         last_use[ref.node] = end_of_step
     names = [n.name for n in graph if n.kind in ("op", "input") and not n.is_grad]
     start = np.array([order[n] for n in names], dtype=np.int64)

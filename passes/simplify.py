@@ -95,9 +95,12 @@ def _attach_untagged(graph: OpGraph, blocks: dict[str, tuple[str, int]]
 def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
                 blocks: dict[str, tuple[str, int]] | None = None,
                 merge_followers: bool = True, fixed: frozenset = frozenset(),
-                heavy: frozenset = frozenset()) -> Grouping:
+                heavy: frozenset = frozenset(), period: int = 1) -> Grouping:
     """Decide which nodes share decisions. ``fixed`` nodes always keep their own, and
-    ``heavy`` ones (matmuls, convolutions: where layouts are decided) never follow."""
+    ``heavy`` ones (matmuls, convolutions: where layouts are decided) never follow.
+    With ``period`` p, block k shares decisions with the first block of its kind whose
+    index is k mod p (p = 2 lets consecutive layers alternate, as Megatron's column- and
+    row-parallel Linear layers do when each Linear is its own block)."""
     g = Grouping(rep={n.name: n.name for n in graph},
                  index={n.name: tuple(range(len(strategies[n.name]))) for n in graph})
     blocks = _attach_untagged(graph, dict(blocks or {}))
@@ -108,9 +111,13 @@ def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
         if n.name in blocks and n.name not in fixed:
             members.setdefault(blocks[n.name], []).append(n.name)
     heads: dict[tuple, list[str]] = {}
-    for (kind, _), names in sorted(members.items(), key=lambda kv: kv[0][1]):
-        signature = (kind, tuple((graph.node(a).op, graph.node(a).outputs, len(strategies[a]))
-                                 for a in names))
+    seen_of_kind: dict[str, int] = {}
+    for (kind, idx), names in sorted(members.items(), key=lambda kv: kv[0][1]):
+        ordinal = seen_of_kind.get(kind, 0)      # k-th block of this kind, whatever its index
+        seen_of_kind[kind] = ordinal + 1
+        signature = (kind, ordinal % period,
+                     tuple((graph.node(a).op, graph.node(a).outputs, len(strategies[a]))
+                           for a in names))
         head = heads.setdefault(signature, names)
         if head is not names:
             for a, b in zip(head, names):

@@ -69,3 +69,15 @@ def test_bad_layer_counts(graph):
         cluster_layers(graph, 0)
     with pytest.raises(ValueError, match="only"):
         cluster_layers(graph, 10_000)
+
+
+def test_gradients_flow_to_earlier_layers(graph):
+    """A pipeline can only run if backward values never move to a later layer."""
+    layer = cluster_layers(graph, 4)
+    for node in graph.ops():
+        for ref in node.operands:
+            producer = graph.node(ref.node)
+            if node.phase == "backward" and producer.phase == "backward" and not producer.is_leaf:
+                assert layer[ref.node] >= layer[node.name], (ref.node, node.name)
+            if node.phase == "forward" and not producer.is_leaf:
+                assert layer[ref.node] <= layer[node.name]

@@ -82,3 +82,21 @@ def test_sharing_costs_little():
     free = plan_intra_op(g, MESH).estimates["objective"]
     assert free <= shared * (1 + 1e-9)
     assert shared <= free * 1.05
+
+
+def test_identical_linear_layers_can_still_alternate():
+    """When every Linear of an MLP is its own repeated block, sharing one decision would
+    forbid Megatron's column/row alternation; the planner notices and lets layers differ."""
+    from models import MLP
+    from torchalpa.cluster import LogicalMesh
+    from torchalpa.frontends.repeated import find_repeated_blocks
+    from torchalpa.passes.cost import all_reduce_cost
+    with torch.device("meta"):
+        model = MLP(256, 6)
+        x, y = torch.empty(32, 256), torch.empty(32, 256)
+    g = capture(model, (x, y), F.mse_loss).graph
+    mesh = LogicalMesh(shape=(4,))
+    blocks = find_repeated_blocks(g)
+    assert blocks, "the Linear layers are repeated blocks"
+    plan = plan_intra_op(g, mesh, blocks=blocks)
+    assert plan.estimates["objective"] == pytest.approx(5 * all_reduce_cost(mesh, 32 * 256 * 4, 0))

@@ -138,11 +138,20 @@ class OpNode:
 @dataclass(frozen=True)
 class GraphOutputs:
     """What the training step returns: the loss, each trainable parameter's gradient, and
-    the new value of each buffer the forward writes (batch-norm running statistics)."""
+    the new value of each buffer the forward writes (batch-norm running statistics).
 
-    loss: ValueRef
+    A pipeline stage's graph may have no loss (only the last stage computes it) and
+    ``sends``: values other stages read, which it must produce whole."""
+
+    loss: ValueRef | None
     grads: tuple[tuple[str, ValueRef], ...] = ()   # (parameter FQN, gradient value)
     buffer_updates: tuple[tuple[str, ValueRef], ...] = ()   # (buffer FQN, its new value)
+    sends: tuple[ValueRef, ...] = ()
+
+    def refs(self) -> list[ValueRef]:
+        """Every value the graph hands out."""
+        return ([self.loss] if self.loss is not None else []) + [r for _, r in self.grads] + \
+            [r for _, r in self.buffer_updates] + list(self.sends)
 
 
 class OpGraph:
@@ -233,12 +242,13 @@ class OpGraph:
                 if producer.outputs[ref.index].is_absent:
                     raise GraphError(f"{node.where()}: operand {slot} reads output {ref.index} "
                                      f"of {producer.where()}, which the op does not produce")
-        for ref in [self.outputs.loss] + [r for _, r in self.outputs.grads]:
+        for ref in self.outputs.refs():
             if ref.node not in self._nodes:
                 raise GraphError(f"graph output {ref} is not a node")
-        outputs = [("the loss", self.outputs.loss)] + [
+        outputs = ([("the loss", self.outputs.loss)] if self.outputs.loss is not None else []) + [
             (f"the gradient of {fqn!r}", r) for fqn, r in self.outputs.grads] + [
-            (f"the update of buffer {fqn!r}", r) for fqn, r in self.outputs.buffer_updates]
+            (f"the update of buffer {fqn!r}", r) for fqn, r in self.outputs.buffer_updates] + [
+            (f"the value sent to another stage ({r})", r) for r in self.outputs.sends]
         for what, ref in outputs:
             if ref.node in self._nodes and (
                     ref.index >= len(self._nodes[ref.node].outputs)
@@ -255,7 +265,7 @@ class OpGraph:
                 raise GraphError(f"the update of buffer {fqn!r} has shape "
                                  f"{self.spec(ref).shape}, the buffer "
                                  f"{buffers[fqn].output.shape}")
-        if self.spec(self.outputs.loss).numel != 1:
+        if self.outputs.loss is not None and self.spec(self.outputs.loss).numel != 1:
             raise GraphError(f"the loss {self.outputs.loss} must be a scalar, "
                              f"got shape {self.spec(self.outputs.loss).shape}")
 
