@@ -2,7 +2,9 @@
 
 Forward ops are cut into layers either where the model says
 (``torchalpa.mark_pipeline_boundary()``) or by Alpa's layer-construction DP: ``L`` layers,
-each with at most ``(1 + eps)`` times the average forward flops, minimizing the bytes of
+each with between ``(1 - eps)`` and ``(1 + eps)`` times the average forward flops (without
+the lower bound, cuts drift to the nearly free positions inside the loss and leave
+layers without work), minimizing the bytes of
 activations alive across the cuts (what a pipeline has to send between stages); ties go
 to the most balanced cuts. A cut's cost is separable, so the DP keeps, for each cut
 position, the cheapest way to reach it, and a sliding-window minimum makes it O(L x ops).
@@ -55,13 +57,15 @@ def cluster_layers(graph: OpGraph, num_layers: int, eps: float = 0.6) -> dict[st
     flops = np.array([graph.node(n).flops for n in order], dtype=float)
     prefix = np.concatenate([[0.0], np.cumsum(flops)])
     cut = _live_bytes_at_cuts(graph, order)
+    starts = _block_starts(graph, order)
     K = len(order)
     while True:
-        bound = (1 + eps) * prefix[-1] / num_layers
-        cuts = _segment(prefix, cut, K, num_layers, bound)
+        average = prefix[-1] / num_layers
+        cuts = _segment(prefix, cut, K, num_layers, (1 + eps) * average,
+                        max(0.0, 1 - eps) * average, starts)
         if cuts is not None:
             break
-        eps *= 2  # a single op above the bound: relax until the layers exist
+        eps = eps * 2 if eps > 0 else 0.1  # ops too coarse for the bounds: relax them
     forward = {}
     for layer, (a, b) in enumerate(zip([0, *cuts], [*cuts, K])):
         for name in order[a:b]:
@@ -69,36 +73,62 @@ def cluster_layers(graph: OpGraph, num_layers: int, eps: float = 0.6) -> dict[st
     return assign_rest(graph, forward)
 
 
-def _segment(prefix, cut, K, L, bound):
+def block_of(path: str) -> tuple[str, int] | None:
+    """(container, index) of the first numbered component of a module path, if any."""
+    parts = path.split(".")
+    for i in range(1, len(parts)):
+        if parts[i].isdigit():
+            return ".".join(parts[:i]), int(parts[i])
+    return None
+
+
+def _block_starts(graph: OpGraph, order: list[str]) -> np.ndarray:
+    """1.0 where op p begins another numbered block (``layers.3`` after ``layers.2``)."""
+    starts = np.zeros(len(order) + 1)
+    previous = None
+    for p, name in enumerate(order):
+        block = block_of(graph.node(name).module) if graph.node(name).module else None
+        if block is not None and block != previous:
+            starts[p] = 1.0
+        previous = block if block is not None else previous
+    return starts
+
+
+def _segment(prefix, cut, K, L, upper, lower=0.0, starts=None):
     """Cut positions 0 < c_1 < ... < c_{L-1} < K minimizing sum cut[c], each segment's
-    flops <= bound; None if impossible."""
+    flops within [lower, upper]; None if impossible."""
     INF = float("inf")
-    tie_weight = 0.5 / (max(prefix[K], 1.0) * L)
+    tie_weight = 0.1 / (max(prefix[K], 1.0) * L)
     f_prev = np.full(K + 1, INF)
     f_prev[0] = 0.0
     back = np.zeros((L + 1, K + 1), dtype=np.int64)
     for layer in range(1, L + 1):
         f = np.full(K + 1, INF)
         window: deque = deque()      # candidate starts q, f_prev increasing
-        q_lo = 0
+        q_lo = q_next = 0            # starts in [q_lo, q_next) have been considered
         for p in range(1, K + 1):
-            q_new = p - 1
-            if f_prev[q_new] < INF:
-                while window and f_prev[window[-1]] >= f_prev[q_new]:
-                    window.pop()
-                window.append(q_new)
-            while prefix[p] - prefix[q_lo] > bound and q_lo < p - 1:
+            # admit starts whose segment q..p-1 is now heavy enough
+            while q_next < p and prefix[p] - prefix[q_next] >= lower:
+                if f_prev[q_next] < INF:
+                    while window and f_prev[window[-1]] >= f_prev[q_next]:
+                        window.pop()
+                    window.append(q_next)
+                q_next += 1
+            # drop starts whose segment is now too heavy
+            while prefix[p] - prefix[q_lo] > upper and q_lo < p - 1:
                 q_lo += 1
             while window and window[0] < q_lo:
                 window.popleft()
-            if prefix[p] - prefix[p - 1] > bound:
+            if prefix[p] - prefix[p - 1] > upper or not window:
                 continue
-            if window:
-                q = window[0]
-                # ties in bytes go to the cut nearest the balanced position (< 1 byte in total)
-                tie = abs(prefix[p] - layer * prefix[K] / L) * tie_weight
-                f[p] = f_prev[q] + (cut[p] if p < K else 0.0) + tie
-                back[layer, p] = q
+            q = window[0]
+            # ties in bytes go to the start of a repeated block (a quarter byte), then to
+            # the cut nearest the balanced position (less than that in total)
+            tie = abs(prefix[p] - layer * prefix[K] / L) * tie_weight
+            if starts is not None and p < K and not starts[p]:
+                tie += 0.25
+            f[p] = f_prev[q] + (cut[p] if p < K else 0.0) + tie
+            back[layer, p] = q
         f_prev = f
     if f_prev[K] == INF:
         return None

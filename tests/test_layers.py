@@ -81,3 +81,14 @@ def test_gradients_flow_to_earlier_layers(graph):
                 assert layer[ref.node] >= layer[node.name], (ref.node, node.name)
             if node.phase == "forward" and not producer.is_leaf:
                 assert layer[ref.node] <= layer[node.name]
+
+
+def test_no_layer_is_left_without_work(graph):
+    """Cuts inside the loss cost almost no bytes; layers must still carry real flops."""
+    layer = cluster_layers(graph, 4)
+    flops = Counter()
+    for node in graph.ops():
+        if node.phase == "forward":
+            flops[layer[node.name]] += node.flops
+    total = sum(flops.values())
+    assert min(flops[l] for l in range(4)) >= 0.4 * total / 4

@@ -90,12 +90,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
 
 
 def _blocks_of(graph: OpGraph) -> dict | None:
-    """Repeated layers found by the frontend, if it found any."""
-    try:
-        from torchalpa.frontends.repeated import find_repeated_blocks
-    except ImportError:
-        return None
-    return find_repeated_blocks(graph) or None
+    """Repeated layers the frontend tagged, if it found any."""
+    return graph.meta.get("repeated_blocks") or None
 
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],

@@ -1,0 +1,377 @@
+"""The inter-op pass (Alpa's PipeshardParallel): layers -> stages on submeshes -> plans.
+
+1. Layers: the model's pipeline-boundary markers, or Alpa's layer construction.
+2. Stage costs: each layer's ops are planned by the intra-op ILP on every view of every
+   submesh (Alpa's submesh shapes, 1D and 2D logical shapes), once per distinct layer
+   (identical layers share one solve). A range of layers costs the sum of its layers'
+   step times, plus sending its boundary values to the next stage; its memory is the
+   layers' model states plus their activations times the micro-batches in flight
+   (1F1B keeps one per stage still ahead, GPipe all of them).
+3. Stages: Alpa's DP (``passes/stages.py``) on those costs, or stages given by hand, or
+   uniform stages.
+4. Each chosen stage's own graph is planned exactly on its submesh, and the stages,
+   their transfers and an estimated timeline form the PipelinePlan.
+
+The graph must be captured for one micro-batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+
+from torchalpa.cluster import Cluster, LogicalMesh
+from torchalpa.methods import (AutoShardingOption, ManualStageOption, PipeshardParallel,
+                               UniformStageOption)
+from torchalpa.opgraph import GraphOutputs, OpGraph
+from torchalpa.passes.intra_op import plan_intra_op
+from torchalpa.passes.ilp import InfeasibleError
+from torchalpa.passes.layers import cluster_layers, layers_from_markers
+from torchalpa.passes.stages import StageChoice, stage_dp, submesh_shapes
+from torchalpa.passes.subgraph import stage_subgraph
+from torchalpa.plan import PipelinePlan, StagePlan, Transfer
+from torchalpa.schedules import SCHEDULES, in_flight, simulate
+
+__all__ = ["plan_pipeline", "assign_layers", "logical_views"]
+
+log = logging.getLogger("torchalpa.planner")
+
+
+def assign_layers(graph: OpGraph, method: PipeshardParallel, num_devices: int) -> dict[str, int]:
+    """Every node's layer: markers if the model has them, else Alpa's construction."""
+    marked = layers_from_markers(graph)
+    option = method.layer_option
+    if marked is not None and option.layer_num == "auto":
+        return marked
+    forward_ops = sum(1 for n in graph.ops() if n.phase == "forward")
+    num = option.layer_num if option.layer_num != "auto" else min(2 * num_devices, 16, forward_ops)
+    return cluster_layers(graph, num, option.eps)
+
+
+def logical_views(submesh: tuple[int, int]) -> list[tuple[int, ...]]:
+    """Logical shapes a submesh is planned as: 1D, and 2D along nodes or within a node."""
+    n, m = submesh
+    views = [(n * m,)]
+    if n > 1:
+        views.append((n, m))
+    elif m >= 4:
+        views.append((2, m // 2))
+    return views
+
+
+def _submesh_cluster(cluster: Cluster, submesh: tuple[int, int]) -> Cluster:
+    return replace(cluster, num_nodes=submesh[0], devices_per_node=submesh[1])
+
+
+def _signature(graph: OpGraph, names: list[str]) -> str:
+    """Structural identity of a layer: its ops, shapes and arguments, not node names."""
+    pos = {n: i for i, n in enumerate(names)}
+    h = hashlib.sha256()
+    for name in names:
+        node = graph.node(name)
+        operands = [pos.get(r.node, -1) for r in node.operands]
+        h.update(repr((node.op, node.kind, [str(o) for o in node.outputs], node.args,
+                       node.kwargs, operands, node.phase)).encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class _Estimate:
+    seconds: float
+    state: float
+    activations: float
+
+
+_WORKER_COSTS = None
+
+
+def _solve_in_worker(args):
+    costs = _WORKER_COSTS
+    return costs._solve_layer(*args)
+
+
+class _StageCosts:
+    """Additive estimates of a range of layers on each submesh view (see module doc)."""
+
+    def __init__(self, graph: OpGraph, layer: dict[str, int], cluster: Cluster,
+                 method: PipeshardParallel, inputs: str):
+        self.graph, self.layer, self.cluster, self.method = graph, layer, cluster, method
+        self.num_layers = max(layer.values()) + 1
+        self.inputs = inputs
+        members: list[list[str]] = [[] for _ in range(self.num_layers)]
+        for node in graph:
+            members[layer[node.name]].append(node.name)
+        self.signature = [_signature(graph, names) for names in members]
+        self.send_bytes = self._boundary_bytes()
+        self.cache: dict[tuple, _Estimate | None] = {}
+        self.solves = 0
+
+    def _boundary_bytes(self) -> list[float]:
+        """Bytes crossing the cut after layer l (both directions, one micro-batch)."""
+        out = [0.0] * self.num_layers
+        seen = set()
+        for node in self.graph.ops():
+            for ref in node.operands:
+                a, b = self.layer[ref.node], self.layer[node.name]
+                if a != b and not self.graph.node(ref.node).kind == "input" and (ref, b) not in seen:
+                    seen.add((ref, b))
+                    for cut in range(min(a, b), max(a, b)):
+                        out[cut] += self.graph.spec(ref).nbytes
+        return out
+
+    def prefetch(self, submeshes: list[tuple[int, int]], workers: int) -> None:
+        """Solve every distinct layer on every view up front, ``workers`` at a time (the DP
+        asks for all of them; each solve is independent)."""
+        todo = {}
+        for submesh in submeshes:
+            for view in logical_views(submesh):
+                for l in range(self.num_layers):
+                    key = (self.signature[l], view, submesh, False)
+                    if key not in self.cache:
+                        todo.setdefault(key, (l, view, submesh, False))
+        if workers <= 1 or len(todo) < 2:
+            for key, args in todo.items():
+                self.cache[key] = self._solve_layer(*args)
+            return
+        import multiprocessing as mp
+        global _WORKER_COSTS
+        _WORKER_COSTS = self
+        # largest meshes first so the pool stays busy to the end
+        jobs = sorted(todo.items(), key=lambda kv: -math.prod(kv[1][1]))
+        with mp.get_context("fork").Pool(workers) as pool:
+            results = pool.map(_solve_in_worker, [args for _, args in jobs], chunksize=1)
+        for (key, _), result in zip(jobs, results):
+            self.cache[key] = result
+        self.solves += len(jobs)
+
+    def layer_estimate(self, l: int, view: tuple[int, ...], submesh, lean: bool
+                       ) -> _Estimate | None:
+        key = (self.signature[l], view, submesh, lean)
+        if key not in self.cache:
+            self.cache[key] = self._solve_layer(l, view, submesh, lean)
+        return self.cache[key]
+
+    def _solve_layer(self, l, view, submesh, lean) -> _Estimate | None:
+        stage_of = {n: (0 if v == l else 1) for n, v in self.layer.items()}
+        sub = stage_subgraph(self.graph, stage_of, 0).graph
+        # estimates: boundary values may stay in any layout (priced per stage instead)
+        sub = OpGraph(list(sub), GraphOutputs(loss=sub.outputs.loss, grads=sub.outputs.grads,
+                                              buffer_updates=sub.outputs.buffer_updates),
+                      sub.meta)
+        mesh = replace(_submesh_cluster(self.cluster, submesh).logical_mesh(view),
+                       memory_per_device=None)
+        self.solves += 1
+        option = replace(self.method.auto_sharding_option, parameters="sharded") if lean else None
+        try:
+            plan = plan_intra_op(sub, mesh, self.method.intra_op_method(option),
+                                 inputs=self.inputs, blocks=sub.meta.get("repeated_blocks") or None)
+        except InfeasibleError:
+            return None
+        e = plan.estimates
+        return _Estimate(e["step_time_s"], e["model_state_bytes_per_device"],
+                         e["activation_bytes_per_device"])
+
+    def cost(self, k: int, i: int, submesh: tuple[int, int], in_flight_batches: int
+             ) -> tuple[float, tuple[int, ...] | None]:
+        """(latency, best logical view) of layers k..i on ``submesh``, inf if none fits."""
+        budget = self.method.auto_sharding_option.memory_budget_per_device or \
+            self.cluster.memory_per_device
+        best = (math.inf, None)
+        link = self.cluster.inter_node_bandwidth if self.cluster.num_nodes > 1 else \
+            self.cluster.intra_node_bandwidth
+        sends = (self.send_bytes[i] if i < self.num_layers - 1 else 0.0) + \
+            (self.send_bytes[k - 1] if k > 0 else 0.0)
+        for view in logical_views(submesh):
+            for lean in (False, True):   # the fastest plan, else one with sharded states
+                parts = [self.layer_estimate(l, view, submesh, lean) for l in range(k, i + 1)]
+                if any(p is None for p in parts):
+                    continue
+                memory = sum(p.state for p in parts) + in_flight_batches * sum(
+                    p.activations for p in parts)
+                if memory > budget:
+                    continue
+                latency = sum(p.seconds for p in parts) + sends / link
+                if latency < best[0]:
+                    best = (latency, (view, lean))
+                break
+        return best
+
+
+def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
+                  inputs: str = "global") -> PipelinePlan:
+    """Alpa's PipeshardParallel plan of ``graph`` (one micro-batch) on ``cluster``."""
+    start = time.perf_counter()
+    layer = assign_layers(graph, method, cluster.num_devices)
+    L = max(layer.values()) + 1
+    B = method.num_micro_batches
+    costs = _StageCosts(graph, layer, cluster, method, inputs)
+    option = method.stage_option
+    if isinstance(option, ManualStageOption):
+        stages = _manual(option, L, cluster)
+    elif isinstance(option, UniformStageOption):
+        stages = _uniform(option, L, cluster, costs, B, method.pipeline_schedule)
+    else:
+        shapes = submesh_shapes(cluster.num_nodes, cluster.devices_per_node)
+        costs.prefetch(shapes, workers=_workers())
+        views: dict[tuple, tuple] = {}
+
+        def cost(k, i, j, after):
+            flight = min(B, after + 1) if method.pipeline_schedule == "1f1b" else B
+            latency, view = costs.cost(k, i, shapes[j], flight)
+            views[(k, i, j, after)] = view
+            return latency
+        solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
+        stages = []
+        for n, s in enumerate(solution.stages):
+            after = len(solution.stages) - 1 - n
+            j = shapes.index(s.submesh)
+            view, lean = views[(s.layers[0], s.layers[1], j, after)]
+            option = replace(method.auto_sharding_option, parameters="sharded") if lean else None
+            stages.append((s.layers, s.submesh, view, option))
+    searched = time.perf_counter()
+    plan = _assemble(graph, layer, stages, cluster, method, inputs)
+    log.info("pipeline plan: %d layers, %d stages, %d layer solves for the DP (%.1fs), "
+             "stage plans %.1fs", L, len(stages), costs.solves, searched - start,
+             time.perf_counter() - searched)
+    return replace(plan, estimates=dict(plan.estimates, search_seconds=searched - start,
+                                        layer_solves=costs.solves,
+                                        total_seconds=time.perf_counter() - start))
+
+
+def _workers() -> int:
+    """Processes for independent solves: the cores this process may use."""
+    import os
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def _manual(option: ManualStageOption, L: int, cluster: Cluster) -> list:
+    if option.forward_stage_layer_ids[-1][-1] != L - 1:
+        raise ValueError(f"ManualStageOption covers layers 0..{option.forward_stage_layer_ids[-1][-1]}"
+                         f" but the model has {L} layers (0..{L - 1})")
+    used = sum(n * m for n, m in option.submesh_shapes)
+    if used != cluster.num_devices:
+        raise ValueError(f"ManualStageOption's submeshes use {used} devices, the cluster has "
+                         f"{cluster.num_devices}")
+    out = []
+    for s, ids in enumerate(option.forward_stage_layer_ids):
+        submesh = option.submesh_shapes[s]
+        view = tuple(option.logical_shapes[s]) if option.logical_shapes else (submesh[0] * submesh[1],)
+        opt = option.options[s] if option.options else None
+        out.append(((ids[0], ids[-1]), submesh, view, opt))
+    return out
+
+
+def _uniform(option: UniformStageOption, L: int, cluster: Cluster, costs: _StageCosts,
+             B: int, schedule: str) -> list:
+    S = option.num_stages or (cluster.num_nodes if cluster.num_nodes > 1 else 2)
+    if cluster.num_devices % S or L < S:
+        raise ValueError(f"uniform stages: {S} stages need {S} <= {L} layers and a device "
+                         f"count ({cluster.num_devices}) they divide")
+    per = cluster.num_devices // S
+    submesh = (per // cluster.devices_per_node, cluster.devices_per_node) \
+        if per >= cluster.devices_per_node else (1, per)
+    bounds = [round(s * L / S) for s in range(S + 1)]
+    out = []
+    for s in range(S):
+        k, i = bounds[s], bounds[s + 1] - 1
+        flight = min(B, S - s) if schedule == "1f1b" else B
+        _, chosen = costs.cost(k, i, submesh, flight)
+        view, lean = chosen if chosen is not None else ((per,), False)
+        option = replace(costs.method.auto_sharding_option, parameters="sharded") if lean else None
+        out.append(((k, i), submesh, view, option))
+    return out
+
+
+def _place(submeshes: list[tuple[int, int]], cluster: Cluster) -> list[tuple[int, ...]]:
+    """Global ranks for each submesh: whole nodes first, then packed within nodes."""
+    free = {n: list(range(n * cluster.devices_per_node, (n + 1) * cluster.devices_per_node))
+            for n in range(cluster.num_nodes)}
+    order = sorted(range(len(submeshes)), key=lambda s: -submeshes[s][0] * submeshes[s][1])
+    ranks: dict[int, tuple[int, ...]] = {}
+    for s in order:
+        n, m = submeshes[s]
+        if n > 1 or m == cluster.devices_per_node:
+            nodes = [k for k in sorted(free) if len(free[k]) == cluster.devices_per_node][:n]
+            if len(nodes) < n:
+                raise ValueError(f"cannot place submesh {submeshes[s]} on the cluster")
+            ranks[s] = tuple(r for k in nodes for r in free.pop(k))
+        else:
+            node = next((k for k in sorted(free, key=lambda k: len(free[k]))
+                         if len(free[k]) >= m), None)
+            if node is None:
+                raise ValueError(f"cannot place submesh {submeshes[s]} on the cluster")
+            ranks[s] = tuple(free[node][:m])
+            free[node] = free[node][m:]
+    return [tuple(sorted(ranks[s])) for s in range(len(submeshes))]
+
+
+def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Cluster,
+              method: PipeshardParallel, inputs: str) -> PipelinePlan:
+    stage_of_layer = {}
+    for s, ((k, i), _, _, _) in enumerate(stages):
+        for l in range(k, i + 1):
+            stage_of_layer[l] = s
+    node_stage = {n: stage_of_layer[l] for n, l in layer.items()}
+    ranks = _place([st[1] for st in stages], cluster)
+    stage_plans, transfers = [], []
+    for s, ((k, i), submesh, view, option) in enumerate(stages):
+        sub = stage_subgraph(graph, node_stage, s)
+        mesh = _submesh_cluster(cluster, submesh).logical_mesh(view)
+        plan = plan_intra_op(sub.graph, mesh, method.intra_op_method(option), inputs=inputs,
+                             blocks=sub.graph.meta.get("repeated_blocks") or None)
+        stage_plans.append(StagePlan(index=s, layers=tuple(range(k, i + 1)), submesh=submesh,
+                                     ranks=ranks[s], plan=plan))
+        for ref in sub.sends:
+            for t in sorted({node_stage[c] for c in graph.consumers(ref.node)} - {s}):
+                transfers.append(Transfer(producer=ref.node, index=ref.index, src_stage=s,
+                                          dst_stage=t, phase=graph.node(ref.node).phase,
+                                          bytes=graph.spec(ref).nbytes))
+    transfers += _owner_transfers(graph, node_stage, transfers)
+    return PipelinePlan(mesh_shape=(cluster.num_nodes, cluster.devices_per_node),
+                        stages=tuple(stage_plans), transfers=tuple(transfers),
+                        node_stage=node_stage, num_micro_batches=method.num_micro_batches,
+                        schedule=method.pipeline_schedule,
+                        estimates=_estimates(stage_plans, transfers, method, cluster),
+                        method=method.to_dict(), graph_fingerprint=graph.fingerprint())
+
+
+def _owner_transfers(graph: OpGraph, node_stage: dict, have: list[Transfer]) -> list[Transfer]:
+    """Gradients (and buffer updates) made outside their owner's stage go to the owner."""
+    known = {(t.producer, t.index, t.dst_stage) for t in have}
+    params = graph.params
+    buffers = {n.target: n.name for n in graph if n.kind == "buffer"}
+    out = []
+    for leaf, ref in [(params[f], r) for f, r in graph.outputs.grads] + \
+            [(buffers[f], r) for f, r in graph.outputs.buffer_updates]:
+        src, dst = node_stage[ref.node], node_stage[leaf]
+        if src != dst and (ref.node, ref.index, dst) not in known:
+            known.add((ref.node, ref.index, dst))
+            out.append(Transfer(ref.node, ref.index, src, dst, graph.node(ref.node).phase,
+                                graph.spec(ref).nbytes))
+    return out
+
+
+def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, cluster) -> dict:
+    S, B = len(stages), method.num_micro_batches
+    link = cluster.inter_node_bandwidth if cluster.num_nodes > 1 else cluster.intra_node_bandwidth
+    step = [s.plan.estimates["step_time_s"] for s in stages]
+    forward = [t / 3 for t in step]            # backward is about twice forward's work
+    backward = [t - f for t, f in zip(step, forward)]
+    send = [sum(t.bytes for t in transfers if t.src_stage == s and t.phase == "forward") / link
+            for s in range(S)]
+    schedule = SCHEDULES[method.pipeline_schedule](S, B)
+    timeline = simulate(schedule, forward, backward, send)
+    total = max(e for stage in timeline for _, _, _, e in stage)
+    memory = [s.plan.estimates["model_state_bytes_per_device"]
+              + in_flight(schedule[n]) * s.plan.estimates["activation_bytes_per_device"]
+              for n, s in enumerate(stages)]
+    return {"step_time_s": total, "max_stage_s": max(step), "stage_step_s": step,
+            "alpa_objective_s": sum(step) + (B - 1) * max(step),
+            "memory_per_device_bytes": max(memory), "stage_memory_bytes": memory,
+            "timeline": timeline}
