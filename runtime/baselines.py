@@ -18,11 +18,21 @@ def wrap_ddp(model: nn.Module) -> nn.Module:
 
 
 def wrap_fsdp2(model: nn.Module, mesh=None) -> nn.Module:
-    """FSDP2: every child module with parameters sharded on its own, then the root."""
+    """FSDP2 as torchtitan applies it: each layer of a layer stack (the members of every
+    ``nn.ModuleList`` / ``nn.Sequential`` that hold parameters) sharded as one group, then
+    the root for the rest. A layer sharing a parameter with a module outside it (a tied
+    embedding) stays in the root's group, as FSDP2 requires."""
     from torch.distributed.fsdp import fully_shard
-    for child in model.modules():
-        if child is not model and any(True for _ in child.parameters(recurse=False)):
-            fully_shard(child, mesh=mesh)
+    owners: dict[int, set[int]] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(m))
+    for stack in [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]:
+        for layer in stack:
+            inside = {id(m) for m in layer.modules()}
+            params = list(layer.parameters())
+            if params and all(owners[id(p)] <= inside for p in params):
+                fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 

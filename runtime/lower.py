@@ -4,9 +4,16 @@ The source graph is the captured joint step ``(params, buffers, inputs) -> (loss
 on global shapes. Lowering rewrites it for one rank: every op runs on local blocks, with
 shape arguments localized (``runtime.localize``), and every resharding step the plan
 lists becomes a call in ``runtime.collectives`` right before the op that needs it. The
-result is split into a forward program (loss + the values backward needs) and a backward
-program (those values -> gradients in their parameters' layouts), so it can sit behind
-``loss.backward()``.
+result is split into three programs, so it can sit behind ``loss.backward()``:
+
+- ``forward``: the loss and the values backward needs;
+- ``backward``: those values -> each gradient as the last op left it (possibly a partial
+  sum, or a layout other than its parameter's);
+- ``reduce_grads``: the plan's final resharding of each gradient into its parameter's layout.
+
+Every resharding step is linear, so gradients of several micro-batches can be summed
+locally and reduced once (``reduce_grads`` runs once per optimizer step, not per
+micro-batch), which is how gradient accumulation saves communication.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from torch.utils._pytree import tree_map
 from torchalpa.plan import Plan, ReshardStep
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.localize import localize
+from torchalpa.runtime.overlap import overlap_collectives
 
 __all__ = ["LocalProgram", "lower", "OUTPUT"]
 
@@ -32,12 +40,32 @@ OUTPUT = "<output>"
 class LocalProgram:
     """One rank's forward and backward programs and what they expect."""
 
-    forward: fx.GraphModule    # (*params, *buffers, *inputs) -> (loss, *saved)
-    backward: fx.GraphModule   # (*saved) -> one gradient per trainable parameter (or None)
+    forward: fx.GraphModule       # (*params, *buffers, *inputs) -> (loss, *saved)
+    backward: fx.GraphModule      # (*saved) -> one raw gradient per trainable parameter (or None)
+    reduce_grads: fx.GraphModule  # (*raw gradients that are not None) -> gradients in layout
 
     def code(self) -> str:
         return ("# forward: (params, buffers, inputs) -> (loss, saved...)\n" + self.forward.code
-                + "\n# backward: (saved...) -> grads\n" + self.backward.code)
+                + "\n# backward: (saved...) -> raw grads\n" + self.backward.code
+                + "\n# reduce_grads: (raw grads...) -> grads in their parameters' layouts\n"
+                + self.reduce_grads.code)
+
+    def compiled(self, **options) -> "LocalProgram":
+        """The same programs under ``torch.compile(**options)`` (compiled on first call)."""
+        return _CompiledProgram(
+            forward=torch.compile(self.forward, **options),
+            backward=torch.compile(self.backward, **options),
+            reduce_grads=torch.compile(self.reduce_grads, **options), source=self)
+
+
+@dataclass
+class _CompiledProgram(LocalProgram):
+    """Compiled programs; ``code()`` prints the source programs they were compiled from."""
+
+    source: LocalProgram | None = None
+
+    def code(self) -> str:
+        return "# compiled with torch.compile from:\n" + self.source.code()
 
 
 class _Emitter:
@@ -69,15 +97,19 @@ class _Emitter:
 
 
 def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, group_names,
-          device: torch.device) -> LocalProgram:
-    """This rank's local program for ``plan`` (``coords``: this rank's mesh coordinate)."""
+          device: torch.device, overlap: bool = True) -> LocalProgram:
+    """This rank's local program for ``plan`` (``coords``: this rank's mesh coordinate).
+
+    ``overlap``: wait for each collective only where its result is first used
+    (``runtime.overlap``), so communication runs behind the computation that follows.
+    """
     strategies = {s.node: s for s in plan.strategies}
     reshards = {(r.consumer, r.slot): r.steps for r in plan.reshards}
     graph = fx.Graph()
     emit = _Emitter(graph, plan.mesh_shape, coords, group_names)
     env: dict[str, fx.Node] = {}
     placeholders = []
-    loss_value, grad_values = None, []
+    loss_value, grad_values, grad_steps = None, [], []
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -104,10 +136,26 @@ def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, gro
             outs = node.args[0]
             loss_value = emit.steps(env[outs[0].name], reshards.get((OUTPUT, "loss"), ()))
             for fqn, g in zip(param_names, outs[1:]):
-                grad_values.append(None if g is None else emit.steps(
-                    env[g.name], reshards.get((OUTPUT, f"grad:{fqn}"), ())))
+                grad_values.append(None if g is None else env[g.name])
+                grad_steps.append(reshards.get((OUTPUT, f"grad:{fqn}"), ()))
     forward, backward = _split(graph, placeholders, loss_value, grad_values)
-    return LocalProgram(forward=forward, backward=backward)
+    reduce_grads = _reduce_program(plan, coords, group_names,
+                                   [s for g, s in zip(grad_values, grad_steps) if g is not None])
+    if overlap:
+        for gm in (forward, backward, reduce_grads):
+            overlap_collectives(gm)
+    return LocalProgram(forward=forward, backward=backward, reduce_grads=reduce_grads)
+
+
+def _reduce_program(plan: Plan, coords, group_names, steps_per_grad) -> fx.GraphModule:
+    """(raw grads...) -> the same grads after the plan's output resharding steps."""
+    graph = fx.Graph()
+    emit = _Emitter(graph, plan.mesh_shape, coords, group_names)
+    outs = [emit.steps(graph.placeholder(f"grad_{i}"), steps)
+            for i, steps in enumerate(steps_per_grad)]
+    graph.output(tuple(outs))
+    graph.lint()
+    return fx.GraphModule(torch.nn.Module(), graph, "ReduceGrads")
 
 
 def _ancestors(value: fx.Node) -> set[fx.Node]:
@@ -123,6 +171,10 @@ def _ancestors(value: fx.Node) -> set[fx.Node]:
 def _split(graph: fx.Graph, placeholders, loss_value, grad_values):
     """Forward = what the loss depends on; backward = the rest, fed by saved values."""
     forward_nodes = _ancestors(loss_value) | set(placeholders)
+    # take a multi-output op's items in forward too (free), so backward saves tensors, not
+    # tuples (autograd's save_for_backward holds tensors only)
+    forward_nodes |= {u for n in forward_nodes for u in n.users
+                      if u.op == "call_function" and u.target is operator.getitem}
     fwd, fenv = fx.Graph(), {}
     for n in graph.nodes:
         if n in forward_nodes:

@@ -1,4 +1,5 @@
-"""Measurements for side-by-side runs: model-state bytes, loopback bytes, step time."""
+"""Measurements for side-by-side runs: model-state bytes, loopback bytes, step time, peak
+memory."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["local_nbytes", "model_state_bytes", "loopback_bytes", "timed_steps"]
+__all__ = ["local_nbytes", "model_state_bytes", "loopback_bytes", "timed_steps",
+           "reset_peak_memory", "peak_memory_bytes"]
 
 
 def local_nbytes(t: torch.Tensor | None) -> int:
@@ -65,3 +67,26 @@ def timed_steps(step: Callable[[], None], num_steps: int, warmup: int = 1) -> di
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return {"step_s": float(slowest.mean()), "loopback_bytes_per_step":
             (bytes_after - bytes_before) / max(num_steps, 1)}
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak-memory window (CUDA allocator peak, or this process's peak RSS)."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:   # Linux: writing 5 to clear_refs resets VmHWM, the peak resident set size
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory since ``reset_peak_memory``: allocated CUDA bytes, or peak RSS on CPU
+    (the whole process: libraries and allocator caches included)."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated()
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,10 +1,19 @@
-"""ParallelModule: the user's model, its parameters as DTensors, its step as a local program.
+"""ParallelModule: the user's model, its parameters as DTensors, its step as local programs.
 
 Parameters are swapped in place for DTensors with the planned placements (as FSDP2's
-``fully_shard`` does), so ``pmodel.parameters()`` feeds any ``torch.optim`` optimizer and
-its states are sharded like the parameters. Calling the module runs this rank's local
-forward program; ``loss.backward()`` runs the local backward program, which leaves each
-gradient in its parameter's layout.
+``fully_shard`` does, see ``runtime.materialize``), so ``pmodel.parameters()`` feeds any
+``torch.optim`` optimizer, ``clip_grad_norm_`` and LR schedulers, and optimizer states are
+sharded like the parameters. What a call runs depends on the model's mode:
+
+- the mode it was captured in (normally training), with autograd on: this rank's forward
+  program now, its backward program on ``loss.backward()``; gradients land on the
+  DTensor parameters in their planned layouts;
+- the same mode under ``torch.no_grad()``: the forward program only;
+- the other mode (``pmodel.eval()`` after training): a forward-only program of the
+  eval-mode step (``runtime.inference``), returning the loss without backward.
+
+``train_step`` runs forward and backward micro-batch by micro-batch without autograd and
+steps the optimizer once; ``predict`` returns the model's outputs, whole on every rank.
 """
 
 from __future__ import annotations
@@ -13,77 +22,43 @@ from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from torchalpa import placement as P
 from torchalpa.plan import Plan
+from torchalpa.runtime.faults import FaultMonitor, check_same_inputs, describe_specs
+from torchalpa.runtime.inference import ForwardPrograms
 from torchalpa.runtime.lower import LocalProgram
+from torchalpa.runtime.materialize import distribute_module_state, to_dtensor_placements
+from torchalpa.runtime.step import StepRunner
 
 __all__ = ["ParallelModule", "to_dtensor_placements", "distribute_module_state"]
 
 
-def to_dtensor_placements(placements) -> tuple:
-    out = []
-    for p in placements:
-        if isinstance(p, P.Shard):
-            out.append(Shard(p.dim))
-        elif isinstance(p, P.Replicate):
-            out.append(Replicate())
-        else:
-            out.append(Partial(p.reduce_op))
-    return tuple(out)
-
-
-def distribute_module_state(module: nn.Module, plan: Plan, mesh) -> None:
-    """Replace every parameter and buffer named in the plan by a DTensor, in place.
-
-    Values come from rank 0 (like DDP's initial broadcast), so all ranks start equal.
-    Tied parameters stay tied: every module attribute holding one gets the same DTensor.
-    """
-    placements = {v.name: to_dtensor_placements(v.placements) for v in plan.parameters}
-    named_params = dict(module.named_parameters())
-    named_buffers = dict(module.named_buffers())
-    new_by_id: dict[int, torch.Tensor] = {}
-    for name, place in placements.items():
-        old = named_params.get(name, named_buffers.get(name))
-        if old is None:
-            raise ValueError(f"the plan names {name!r}, which the model does not have; was the "
-                             "plan made for another model?")
-        if old.device.type == "meta":
-            raise ValueError(f"{name} is on the meta device; auto_parallel needs real weights "
-                             "(use torchalpa.plan(...) to plan without them)")
-        dt = distribute_tensor(old.detach(), mesh, place, src_data_rank=0)
-        new_by_id[id(old)] = nn.Parameter(dt, requires_grad=old.requires_grad) \
-            if isinstance(old, nn.Parameter) else dt
-    for mod in module.modules():
-        for key, p in list(mod._parameters.items()):
-            if p is not None and id(p) in new_by_id:
-                mod._parameters[key] = new_by_id[id(p)]
-        for key, b in list(mod._buffers.items()):
-            if b is not None and id(b) in new_by_id:
-                mod._buffers[key] = new_by_id[id(b)]
-
-
 class _TrainingStep(torch.autograd.Function):
-    """Forward program now, backward program on ``loss.backward()``."""
+    """Forward programs now (every micro-batch), backward programs on ``loss.backward()``."""
 
     @staticmethod
-    def forward(ctx, program: LocalProgram, num_params: int, *args):
-        outputs = program.forward(*args)
-        loss, saved = outputs[0], outputs[1:]
-        ctx.program = program
-        ctx.num_params = num_params
-        ctx.num_others = len(args) - num_params
-        ctx.save_for_backward(*saved)
+    def forward(ctx, pm: "ParallelModule", num_state: int, *args):
+        state, inputs = list(args[:num_state]), args[num_state:]
+        with pm._monitor.guard(f"the forward of step {pm._num_calls}"):
+            loss, saved = pm._runner.forward(state, inputs)
+        ctx.pm = pm
+        ctx.num_params = len(pm._param_names)
+        ctx.num_others = len(args) - ctx.num_params
+        ctx.counts = [len(s) for s in saved]
+        ctx.save_for_backward(*[t for s in saved for t in s])
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grads = list(ctx.program.backward(*ctx.saved_tensors))
-        # The program seeds backward with d(loss) = 1; gradients are linear in that seed.
+        flat, saved, start = ctx.saved_tensors, [], 0
+        for n in ctx.counts:
+            saved.append(flat[start:start + n])
+            start += n
+        # The programs seed backward with d(loss) = 1; gradients are linear in that seed.
         unit = grad_loss is None or (grad_loss.device.type == "cpu" and grad_loss.item() == 1.0)
-        if not unit:
-            grads = [None if g is None else g * grad_loss for g in grads]
+        with ctx.pm._monitor.guard(f"the backward of step {ctx.pm._num_calls}"):
+            grads = ctx.pm._runner.backward(saved, None if unit else grad_loss)
         return (None, None, *grads, *([None] * ctx.num_others))
 
 
@@ -94,71 +69,149 @@ class ParallelModule(nn.Module):
                  param_names: list[str], buffer_names: list[str],
                  input_specs: list[tuple[tuple[int, ...], torch.dtype]], inputs: str,
                  device: torch.device,
-                 optimizer: Callable[..., torch.optim.Optimizer] | None = None):
+                 optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+                 num_micro_batches: int = 1, forward_programs: ForwardPrograms | None = None,
+                 timeout_s: float = 600.0):
         super().__init__()
         self.module = module
         self.plan = plan
         self.mesh = mesh
+        self.num_micro_batches = num_micro_batches
         self._program = program
+        self._runner = StepRunner(program, num_micro_batches)
+        self._forward_programs = forward_programs
         self._param_names = list(param_names)
         self._buffer_names = list(buffer_names)
         self._input_specs = list(input_specs)
         self._inputs = inputs
         self._device = device
+        self._captured_training = module.training
+        self._monitor = FaultMonitor(timeout_s)
+        self._checked_across_ranks = False
+        self._num_calls = 0
         self.optimizer = optimizer(self.parameters()) if optimizer is not None else None
 
-    def _state(self) -> list[torch.Tensor]:
-        tensors = [self.module.get_parameter(n) for n in self._param_names]
-        tensors += [self._get_buffer_or_param(n) for n in self._buffer_names]
-        return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-
-    def _get_buffer_or_param(self, name: str) -> torch.Tensor:
-        try:
-            return self.module.get_buffer(name)
-        except AttributeError:
-            return self.module.get_parameter(name)
-
-    def _check_inputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        expected = ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}"
-                             for s, d in self._input_specs)
-        if len(inputs) != len(self._input_specs):
-            raise TypeError(f"expected {len(self._input_specs)} inputs (model inputs, then loss "
-                            f"targets) shaped [{expected}], got {len(inputs)}")
-        out = []
-        for i, (x, (shape, dtype)) in enumerate(zip(inputs, self._input_specs)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
-            if tuple(x.shape) != tuple(shape) or x.dtype != dtype:
-                kind = "global batch" if self._inputs == "global" else "local shard"
-                raise ValueError(
-                    f"input {i} is {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}, but the "
-                    f"plan was made for a {kind} of {tuple(shape)} "
-                    f"{str(dtype).removeprefix('torch.')} (all inputs: [{expected}]); call "
-                    "auto_parallel again with example inputs of the new shape")
-            out.append(x.to(self._device, non_blocking=True))
-        return out
-
+    # -- the step -----------------------------------------------------------------------
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """The loss of one step on the given batch (every rank returns the same value)."""
-        args = self._state() + self._check_inputs(inputs)
-        return _TrainingStep.apply(self._program, len(self._param_names), *args)
+        inputs = self._check_inputs(inputs)
+        self._num_calls += 1
+        if self.module.training != self._captured_training:
+            return self._forward_only(inputs, outputs=False)
+        if not torch.is_grad_enabled():
+            with self._monitor.guard(f"the forward of step {self._num_calls}"):
+                return self._runner.loss(self._state(self._param_names + self._buffer_names),
+                                         inputs)
+        state = self._state(self._param_names + self._buffer_names, differentiable=True)
+        return _TrainingStep.apply(self, len(state), *state, *inputs)
 
     def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """zero_grad, forward, backward and optimizer step; returns the loss."""
+        """zero_grad, forward and backward (micro-batch by micro-batch), optimizer step;
+        returns the loss (the mean over micro-batches)."""
         if self.optimizer is None:
             raise ValueError(
                 "train_step needs an optimizer: pass auto_parallel(..., optimizer=lambda ps: "
                 "torch.optim.Adam(ps, lr=1e-3)) or set pmodel.optimizer = "
                 "torch.optim.Adam(pmodel.parameters())")
+        if self.module.training != self._captured_training:
+            mode = "training" if self._captured_training else "eval"
+            raise ValueError(f"train_step runs the step captured in {mode} mode, but the model is "
+                             f"now in {'training' if self.module.training else 'eval'} mode; "
+                             f"call pmodel.{'train' if self._captured_training else 'eval'}() "
+                             "first")
+        inputs = self._check_inputs(inputs)
+        self._num_calls += 1
+        with self._monitor.guard(f"step {self._num_calls}"), torch.no_grad():
+            loss, grads = self._runner.run(
+                self._state(self._param_names + self._buffer_names), inputs)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self(*inputs)
-        loss.backward()
+        for name, g in zip(self._param_names, grads):
+            if g is not None:
+                p = self.module.get_parameter(name)
+                p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
         self.optimizer.step()
         return loss.detach()
 
+    @torch.no_grad()
+    def predict(self, *inputs: torch.Tensor):
+        """The model's outputs on ``inputs`` (model inputs only, no targets), whole on every
+        rank. Planned and lowered on first use per input shape, with the parameters in
+        their training layouts; dropout and the like follow the model's mode."""
+        if self._forward_programs is None:
+            raise ValueError("this ParallelModule was built without forward programs")
+        specs = self._tensor_specs(inputs)
+        check_same_inputs(specs, "input shapes to predict")
+        self._num_calls += 1
+        return self._forward_only([x.to(self._device) for x in inputs], outputs=True)
+
+    def _forward_only(self, inputs: list[torch.Tensor], *, outputs: bool):
+        specs = [(self._global_shape(x.shape), x.dtype) for x in inputs]
+        fp = self._forward_programs.get(specs, outputs=outputs, training=self.module.training)
+        with self._monitor.guard(f"forward-only call {self._num_calls}"), torch.no_grad():
+            result = fp.program(*self._state(fp.state_names), *inputs)[0]
+        return fp.unflatten(result)
+
+    # -- helpers ------------------------------------------------------------------------
+    def _state(self, names: Sequence[str], differentiable: bool = False) -> list[torch.Tensor]:
+        """This rank's blocks of the named parameters and buffers."""
+        out = []
+        for name in names:
+            t = self._tensor(name)
+            if isinstance(t, DTensor):
+                t = t.to_local() if differentiable else t._local_tensor
+            out.append(t)
+        return out
+
+    def _tensor(self, name: str) -> torch.Tensor:
+        try:
+            return self.module.get_parameter(name)
+        except AttributeError:
+            return self.module.get_buffer(name)
+
+    def _global_shape(self, shape) -> tuple[int, ...]:
+        if self._inputs == "global" or not len(shape):
+            return tuple(shape)
+        return (shape[0] * self.mesh.size(),) + tuple(shape[1:])
+
+    @staticmethod
+    def _tensor_specs(inputs) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        for i, x in enumerate(inputs):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+        return [(tuple(x.shape), x.dtype) for x in inputs]
+
+    def _check_inputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        expected = describe_specs(self._input_specs)
+        if len(inputs) != len(self._input_specs):
+            raise TypeError(f"expected {len(self._input_specs)} inputs (model inputs, then loss "
+                            f"targets) shaped {expected}, got {len(inputs)}")
+        specs = self._tensor_specs(inputs)
+        kind = "global batch" if self._inputs == "global" else "local shard"
+        if not self._checked_across_ranks:
+            check_same_inputs(specs, f"{kind} shaped {expected}")
+            self._checked_across_ranks = True
+        if self.module.training != self._captured_training:
+            return [x.to(self._device, non_blocking=True) for x in inputs]
+        out = []
+        for i, (x, (shape, dtype)) in enumerate(zip(inputs, self._input_specs)):
+            if tuple(x.shape) != tuple(shape) or x.dtype != dtype:
+                error = ValueError(
+                    f"input {i} is {tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}, but "
+                    f"the plan was made for a {kind} of {tuple(shape)} "
+                    f"{str(dtype).removeprefix('torch.')} (all inputs: {expected}); call "
+                    "auto_parallel again with example inputs of the new shape")
+                self._monitor.record(error)
+                raise error
+            out.append(x.to(self._device, non_blocking=True))
+        return out
+
+    # -- inspection ---------------------------------------------------------------------
     def local_program(self) -> str:
-        """This rank's forward and backward programs as Python code."""
+        """This rank's forward, backward and gradient-reduction programs as Python code."""
         return self._program.code()
 
     def extra_repr(self) -> str:
-        return f"mesh={tuple(self.plan.mesh_shape)}, plan={self.plan.graph_fingerprint}"
+        micro = f", num_micro_batches={self.num_micro_batches}" if self.num_micro_batches > 1 \
+            else ""
+        return f"mesh={tuple(self.plan.mesh_shape)}, plan={self.plan.graph_fingerprint}{micro}"

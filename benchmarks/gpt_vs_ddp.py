@@ -1,0 +1,211 @@
+"""A GPT-2-small-shaped model on 4 gloo ranks: torchalpa next to DDP and FSDP2, in one run.
+
+    python benchmarks/gpt_vs_ddp.py                       # 12 layers, hidden 768, seq 256, batch 16
+    python benchmarks/gpt_vs_ddp.py --layers 2 --steps 2  # a quick look
+
+Launches one torchrun job (inside shared/tools/netns_bytes.sh when run as root, so the
+loopback bytes per step are exactly what the ranks exchanged) that trains the zoo's GPT
+(torchalpa.models.GPT: learned positions, pre-LayerNorm, GELU MLP, tied head; dropout off so
+all methods compute the same thing) with Adam, once per method: torchalpa (the automatic
+plan, every rank passing the global batch), DDP and FSDP2 (each rank its quarter of the
+batch). For each: step time (slowest rank, mean of the timed steps after one warm-up),
+loopback bytes per step, peak resident memory per rank (the largest over ranks; the whole
+process, so it includes ~0.3 GiB of libraries) and model-state bytes per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NETNS = os.path.join(ROOT, "..", "shared", "tools", "netns_bytes.sh")
+METHODS = ("torchalpa", "ddp", "fsdp2")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=50257)
+    p.add_argument("--steps", type=int, default=3, help="steps per method, the first untimed")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the methods this many times, in alternating order (A B C, C B A, "
+                        "...), and average: load drifting on a shared machine hits all alike")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)   # JSON path, in torchrun
+    return p.parse_args(argv)
+
+
+# -- the launcher -------------------------------------------------------------------------
+
+def main():
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    out = os.path.join(tempfile.mkdtemp(), "gpt.json")
+    flags = [f"--{k}={getattr(args, k)}" for k in
+             ("layers", "hidden", "heads", "seq", "batch", "vocab", "steps", "rounds")]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+                "--master_addr=127.0.0.1", "--master_port=29541", os.path.abspath(__file__),
+                *flags, "--methods", *args.methods, "--worker", out]
+    in_netns = os.path.exists(NETNS) and os.geteuid() == 0
+    if not in_netns:
+        print("warning: shared/tools/netns_bytes.sh needs root; loopback bytes will include "
+              "other local traffic", file=sys.stderr)
+    cmd = ["bash", NETNS, *torchrun] if in_netns else torchrun
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S="1800")
+    proc = subprocess.run(cmd, env=env, text=True, capture_output=True)
+    if proc.returncode != 0:
+        sys.exit(f"the benchmark failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    result = json.load(open(out))
+    report(args, result)
+
+
+def report(args, result):
+    stats = result["stats"]
+    base = stats.get("ddp") or next(iter(stats.values()))
+    print(f"GPT: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
+          f"batch {args.batch}, vocab {args.vocab} ({result['num_params'] / 1e6:.1f} M "
+          f"parameters); {result['world_size']} gloo ranks, Adam, {args.steps} steps per "
+          f"method (first untimed), {args.rounds} round(s)")
+    ref = "DDP" if "ddp" in stats else "first"
+    print(f"{'method':<10}{'step s':>9}{'x ' + ref:>7}{'loopback/step MiB':>19}{'x ' + ref:>7}"
+          f"{'peak RSS/rank GiB':>19}{'x ' + ref:>7}{'state/rank MiB':>16}")
+    for name, s in stats.items():
+        print(f"{name:<10}{s['step_s']:>9.2f}{s['step_s'] / base['step_s']:>7.2f}"
+              f"{s['loopback_bytes_per_step'] / 2**20:>19.1f}"
+              f"{s['loopback_bytes_per_step'] / max(base['loopback_bytes_per_step'], 1):>7.2f}"
+              f"{s['peak_bytes'] / 2**30:>19.2f}{s['peak_bytes'] / base['peak_bytes']:>7.2f}"
+              f"{s['state'] / 2**20:>16.1f}")
+    if args.rounds > 1:
+        print("step s per round: " + "; ".join(
+            f"{k} " + ", ".join(f"{t:.2f}" for t in s["step_s_per_round"])
+            for k, s in stats.items()))
+    ta = stats.get("torchalpa")
+    if ta:
+        print(f"torchalpa: planned in {ta['setup_s']:.1f} s, {ta['plan']}; planned "
+              f"{ta['planned_wire_bytes_per_step'] / 2**20:.1f} MiB per step")
+        if ta.get("unsupported_ops"):
+            print(f"ops without a sharding rule (replicated): {ta['unsupported_ops']}")
+    print(f"losses after the last step: " + ", ".join(f"{k} {s['loss']:.4f}"
+                                                      for k, s in stats.items()))
+
+
+# -- the worker (one per rank, under torchrun) -----------------------------------------------
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+
+    import torchalpa
+    from torchalpa.models import GPT, GPTConfig, lm_loss
+    from torchalpa.runtime.baselines import batch_shard, wrap_ddp, wrap_fsdp2
+    from torchalpa.runtime.measure import (model_state_bytes, peak_memory_bytes,
+                                           reset_peak_memory, timed_steps)
+    from torchalpa.runtime.mesh import init_distributed
+
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = GPTConfig(vocab_size=args.vocab, max_seq_len=args.seq, num_layers=args.layers,
+                       num_heads=args.heads, hidden=args.hidden, dropout=0.0)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(args.vocab, (args.batch, args.seq + 1), generator=g)
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()       # (B, T) each
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(config)
+
+    def peak_over_ranks() -> int:
+        peak = torch.tensor([peak_memory_bytes()], dtype=torch.int64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return int(peak.item())
+
+    stats, extra = {}, {}
+    order = []
+    for r in range(args.rounds):
+        order += list(args.methods) if r % 2 == 0 else list(reversed(args.methods))
+    for name in order:
+        gc.collect()
+        dist.barrier()
+        reset_peak_memory()
+        import time
+        start = time.perf_counter()
+        if name == "torchalpa":
+            model = build()
+            pm = torchalpa.auto_parallel(model, (x, y), lm_loss,
+                                         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4))
+            setup = time.perf_counter() - start
+            opt, params = pm.optimizer, list(pm.parameters())
+
+            def step():
+                step.loss = pm.train_step(x, y).item()
+            extra = {"setup_s": setup, "plan": _describe(pm.plan),
+                     "planned_wire_bytes_per_step": pm.plan.estimates["wire_bytes_per_step"],
+                     "unsupported_ops": sorted({u["op"] for u in pm.plan.unsupported_ops})}
+        else:
+            model = build()
+            model = wrap_ddp(model) if name == "ddp" else wrap_fsdp2(model)
+            opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+            params = list(model.parameters())
+            xs, ys = batch_shard(x, rank, world), batch_shard(y, rank, world)
+
+            def step(model=model, opt=opt, xs=xs, ys=ys):
+                opt.zero_grad(set_to_none=True)
+                loss = lm_loss(model(xs), ys)
+                loss.backward()
+                opt.step()
+                mean = loss.detach().clone()          # the global batch's loss, as reported
+                dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+                step.loss = mean.item()
+            extra = {}
+        s = timed_steps(step, max(args.steps - 1, 1))
+        s["state"] = model_state_bytes(params, opt)
+        s["peak_bytes"] = peak_over_ranks()
+        s["loss"] = step.loss
+        s.update(extra)
+        stats.setdefault(name, []).append(s)
+        if rank == 0:
+            print(f"{name}: {s['step_s']:.2f} s/step, peak {s['peak_bytes'] / 2**30:.2f} GiB",
+                  flush=True)
+        num_params = sum(p.numel() for p in params)
+        del model, opt, params, step
+        pm = None  # noqa: F841
+    if rank == 0:
+        averaged = {}
+        for name, runs in stats.items():
+            averaged[name] = dict(runs[-1])
+            for key in ("step_s", "loopback_bytes_per_step"):
+                averaged[name][key] = sum(r[key] for r in runs) / len(runs)
+            averaged[name]["peak_bytes"] = max(r["peak_bytes"] for r in runs)
+            averaged[name]["step_s_per_round"] = [r["step_s"] for r in runs]
+        with open(args.worker, "w") as f:
+            json.dump({"world_size": world, "stats": averaged, "num_params": num_params}, f,
+                      indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _describe(plan) -> str:
+    layouts: dict[str, int] = {}
+    for v in plan.parameters:
+        key = "".join(str(p) for p in v.placements)
+        layouts[key] = layouts.get(key, 0) + 1
+    kinds: dict[str, int] = {}
+    for c in plan.collectives:
+        kinds[c.kind] = kinds.get(c.kind, 0) + 1
+    return (f"mesh {list(plan.mesh_shape)}, parameter layouts {layouts}, collectives {kinds}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""Runtime features in a world of one process: gradient accumulation, mixed precision,
+torch.compile, meta-device models, forward-only programs and their error messages.
+(The same features on real gloo ranks: tests/test_runtime_dist.py.)"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchalpa
+from models import MLP, mlp_inputs
+from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
+from torchalpa.runtime.materialize import MaterializeWarning
+from torchalpa.runtime.precision import CastForward, MixedPrecision
+
+
+@pytest.fixture(autouse=True)
+def single_process_world():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def twin(make):
+    torch.manual_seed(0)
+    a = make()
+    torch.manual_seed(0)
+    return a, make()
+
+
+def adam(ps):
+    return torch.optim.Adam(ps, lr=1e-3)
+
+
+# -- gradient accumulation ----------------------------------------------------------------
+
+def test_micro_batches_give_the_whole_batch_loss_and_gradients():
+    model, ref = twin(lambda: MLP(32, 3))
+    x, y = mlp_inputs(16, 32)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, num_micro_batches=4)
+    assert pm.plan.inputs[0].shape == (4, 32)
+    loss = pm(x, y)
+    loss.backward()
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    for p, q in zip(pm.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_micro_batches_reduce_gradients_once_per_step():
+    x, y = mlp_inputs(16, 32)
+    pm = torchalpa.auto_parallel(MLP(32, 2), (x, y), F.mse_loss, num_micro_batches=4,
+                                 optimizer=adam)
+    program = pm._runner.program
+    calls = {"forward": 0, "backward": 0, "reduce_grads": 0}
+    for part in calls:
+        gm = getattr(program, part)
+
+        def counted(*args, _gm=gm, _part=part):
+            calls[_part] += 1
+            return _gm(*args)
+        setattr(program, part, counted)
+    pm.train_step(x, y)
+    assert calls == {"forward": 4, "backward": 4, "reduce_grads": 1}
+
+
+def test_micro_batches_must_divide_the_batch():
+    with pytest.raises(ValueError, match=r"example_inputs 0 has dim 0 of size 10.*"
+                                         r"num_micro_batches=4"):
+        torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(10, 16), F.mse_loss,
+                                num_micro_batches=4)
+    with pytest.raises(ValueError, match="num_micro_batches must be an int >= 1"):
+        torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
+                                num_micro_batches=0)
+
+
+# -- mixed precision ----------------------------------------------------------------------
+
+def test_mixed_precision_computes_in_bf16_with_float32_state():
+    model, ref = twin(lambda: MLP(32, 3))
+    x, y = mlp_inputs(16, 32)
+    policy = MixedPrecision(param_dtype=torch.bfloat16)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, mixed_precision=policy)
+    loss = pm(x, y)
+    loss.backward()
+    ref_loss = F.mse_loss(ref(x), y)
+    assert loss.dtype == torch.float32                      # output_dtype: the loss in fp32
+    assert "torch.bfloat16" in pm.local_program()
+    assert {p.dtype for p in pm.parameters()} == {torch.float32}
+    assert {p.grad.dtype for p in pm.parameters()} == {torch.float32}
+    assert loss.item() != ref_loss.item()                   # bf16 did change the numbers
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-3)
+
+
+def test_cast_forward_keeps_the_model_names():
+    model = MLP(16, 2)
+    wrapped = CastForward(model, MixedPrecision())
+    assert list(wrapped.state_dict()) == list(model.state_dict())
+    assert wrapped(torch.randn(2, 16)).dtype == torch.float32
+
+
+def test_mixed_precision_options_are_validated():
+    with pytest.raises(ValueError, match="reduce_dtype must be torch.float32"):
+        MixedPrecision(reduce_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="param_dtype must be a floating torch.dtype"):
+        MixedPrecision(param_dtype=torch.int8)
+    with pytest.raises(TypeError, match="torchalpa.MixedPrecision"):
+        torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
+                                mixed_precision="bf16")
+
+
+# -- torch.compile ------------------------------------------------------------------------
+
+def test_local_programs_run_under_torch_compile():
+    from torch._dynamo.utils import counters
+    counters.clear()
+    x, y = mlp_inputs(16, 32)
+    runs = []
+    for compile in (False, True):
+        model, _ = twin(lambda: MLP(32, 2))
+        pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, optimizer=adam,
+                                     compile=compile)
+        runs.append([pm.train_step(x, y).item() for _ in range(2)])
+    assert "compiled with torch.compile" in pm.local_program()
+    assert counters["stats"]["unique_graphs"] >= 2     # forward, backward (reduce_grads is
+    #                                                   the identity on one rank)
+    assert runs[1] == pytest.approx(runs[0], rel=1e-5)
+
+
+# -- meta-device models -------------------------------------------------------------------
+
+class WithRawParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_meta_model_is_materialized_and_initialized():
+    with torch.device("meta"):
+        model = MLP(16, 2)
+    pm = torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss, optimizer=adam)
+    weight = pm.module.net[0].weight
+    assert weight.to_local().device.type == "cpu"
+    assert 0.05 < weight.to_local().std().item() < 0.3     # kaiming-uniform, fan_in 16
+    losses = [pm.train_step(*mlp_inputs(8, 16)).item() for _ in range(3)]
+    assert losses[-1] < losses[0]
+
+
+def test_meta_parameter_without_reset_parameters_warns_and_init_weights_sets_it():
+    with torch.device("meta"):
+        model = WithRawParameter()
+    with pytest.warns(MaterializeWarning, match=r"\bscale\b.*init_weights"):
+        torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss)
+
+    def init(module):
+        module.fc.reset_parameters()
+        nn.init.constant_(module.scale, 2.0)
+
+    with torch.device("meta"):
+        model = WithRawParameter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MaterializeWarning)
+        pm = torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss, init_weights=init)
+    assert torch.equal(pm.module.scale.full_tensor(), torch.full((16,), 2.0))
+
+
+# -- forward-only programs ----------------------------------------------------------------
+
+def test_predict_and_eval_loss_on_one_process():
+    model, ref = twin(lambda: MLP(16, 2))
+    x, y = mlp_inputs(8, 16)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss)
+    assert torch.allclose(pm.predict(x), ref(x), atol=1e-6)
+    assert pm.predict(x[:3]).shape == (3, 16)              # planned for that shape on use
+    pm.eval()
+    assert pm(x[:5], y[:5]).item() == pytest.approx(F.mse_loss(ref(x[:5]), y[:5]).item())
+
+
+def test_train_step_needs_the_captured_mode():
+    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss, optimizer=adam)
+    pm.eval()
+    with pytest.raises(ValueError, match=r"captured in training mode.*pmodel.train\(\)"):
+        pm.train_step(*mlp_inputs(8, 16))
+
+
+def test_local_program_shows_the_three_programs():
+    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss)
+    text = pm.local_program()
+    assert "# forward" in text and "# backward" in text and "# reduce_grads" in text
+
+
+# -- checkpoints --------------------------------------------------------------------------
+
+def test_checkpoint_round_trip_and_errors(tmp_path):
+    x, y = mlp_inputs(8, 16)
+    make = lambda: torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss,  # noqa: E731
+                                           optimizer=adam)
+    torch.manual_seed(0)
+    pm = make()
+    pm.train_step(x, y)
+    save_checkpoint(tmp_path / "ck", pm)
+    after = [pm.train_step(x, y).item() for _ in range(2)]
+    torch.manual_seed(1)
+    again = make()
+    load_checkpoint(tmp_path / "ck", again)
+    assert [again.train_step(x, y).item() for _ in range(2)] == after
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "missing", again)
+    with pytest.raises(TypeError, match="ParallelModule"):
+        save_checkpoint(tmp_path / "x", MLP(16, 2))
+
+
+# -- communication overlap ----------------------------------------------------------------
+
+def test_overlap_waits_for_a_collective_where_its_result_is_first_used():
+    from torchalpa.runtime import collectives as C
+    from torchalpa.runtime.overlap import overlap_collectives
+    graph = torch.fx.Graph()
+    grad, act = graph.placeholder("grad"), graph.placeholder("act")
+    reduced = graph.call_function(C.all_reduce, (grad, "sum", "g0"))
+    gathered = graph.call_function(C.all_gather, (act, 1, 4, "g0"))
+    more = graph.call_function(torch.relu, (act,))            # independent work
+    used = graph.call_function(torch.add, (gathered, 1))
+    graph.output((reduced, more, used))
+    gm = overlap_collectives(torch.fx.GraphModule(torch.nn.Module(), graph))
+    names = [n.target.__name__ if callable(n.target) else n.target for n in gm.graph.nodes
+             if n.op == "call_function"]
+    assert names == ["issue_all_reduce", "issue_all_gather", "relu", "finish_all_gather", "add",
+                     "finish_all_reduce"]
+    finish = next(n for n in gm.graph.nodes if n.name.startswith("finish_all_gather"))
+    assert finish.args[1:] == (1, 4)                      # dim and group size for the re-layout
+
+
+def test_autograd_path_saves_items_of_multi_output_ops():
+    """Layer norm returns (out, mean, rstd): backward saves the items, not the tuple."""
+    from torchalpa.models import GPT, GPTConfig, lm_loss
+    config = GPTConfig.tiny(dropout=0.0)
+    tokens = torch.randint(config.vocab_size, (2, config.max_seq_len + 1))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    model, ref = twin(lambda: GPT(config))
+    pm = torchalpa.auto_parallel(model, (x, y), lm_loss)
+    loss = pm(x, y)
+    loss.backward()
+    ref_loss = lm_loss(ref(x), y)
+    ref_loss.backward()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
+    for p, q in zip(pm.parameters(), ref.parameters()):
+        assert torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
