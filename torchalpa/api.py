@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from torchalpa.cluster import Cluster, LogicalMesh
-from torchalpa.methods import ShardParallel
+from torchalpa.methods import PipeshardParallel, ShardParallel
 from torchalpa.opgraph import OpGraph
 from torchalpa.plan import Plan
 
@@ -29,7 +29,7 @@ def default_cluster(num_devices: int) -> Cluster:
 
 def _check_method(method) -> ShardParallel:
     method = method if method is not None else ShardParallel()
-    if not isinstance(method, ShardParallel):
+    if not isinstance(method, (ShardParallel, PipeshardParallel)):
         raise TypeError(f"method must be a torchalpa method such as ShardParallel(), "
                         f"got {type(method).__name__}")
     return method
@@ -108,6 +108,10 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
     from torchalpa.runtime.mesh import world_size
     method = _check_method(method)
     _check_inputs_mode(inputs)
+    if isinstance(method, PipeshardParallel):
+        from torchalpa.pipeshard import plan_pipeshard
+        return plan_pipeshard(model, example_inputs, loss_fn, method=method,
+                              cluster=cluster or default_cluster(world_size()), inputs=inputs)
     meshes = candidate_meshes(cluster or default_cluster(world_size()), method)
     captured = capture(model, example_inputs, loss_fn)
     return plan_graph(captured.graph, method=method, meshes=meshes, inputs=inputs,
@@ -152,6 +156,15 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
 
     method = _check_method(method)
     _check_inputs_mode(inputs)
+    if isinstance(method, PipeshardParallel):
+        if mesh is not None or inputs != "global" or num_micro_batches != 1 or compile:
+            raise ValueError("PipeshardParallel takes the global batch on every rank and its own "
+                             "num_micro_batches; mesh=, inputs='local', num_micro_batches= and "
+                             "compile= are not supported with it")
+        from torchalpa.pipeshard import pipeshard_parallel
+        return pipeshard_parallel(model, example_inputs, loss_fn, method=method,
+                                  cluster=cluster, optimizer=optimizer, plan=plan,
+                                  mixed_precision=mixed_precision)
     num_micro_batches = _check_micro_batches(num_micro_batches)
     mesh_mod.init_distributed()
     world = mesh_mod.world_size()
@@ -258,7 +271,8 @@ def _plan_on_rank0(solve: Callable[[], Plan]) -> Plan:
     status, text = payload[0]
     if status == "error":
         raise RuntimeError(f"planning failed on rank 0: {text}")
-    return Plan.from_json(text)
+    from torchalpa.plan import load_plan
+    return load_plan(text)
 
 
 # -- auto_parallel's runtime options ----------------------------------------------------

@@ -1,0 +1,134 @@
+"""Run under torchrun by tests/test_pipeline.py: pipelined training on real gloo ranks
+against single-device training with the same global batch. Rank 0 writes JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+
+import torchalpa  # noqa: E402
+import torchalpa.models as zoo  # noqa: E402
+from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+
+
+def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-3,
+            use_backward=False):
+    torch.manual_seed(0)
+    model = make_model()
+    torch.manual_seed(0)
+    ref = make_model()
+    pm = torchalpa.auto_parallel(model, batch, loss_fn, method=method, cluster=cluster,
+                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=lr))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=lr)
+    out = {"losses": [], "ref_losses": [], "stages": pm.plan.forward_stage_layer_ids,
+           "submeshes": [list(s) for s in pm.plan.submesh_shapes],
+           "logical": [list(s) for s in pm.plan.logical_shapes]}
+    for _ in range(steps):
+        if use_backward:
+            loss = pm(*batch)
+            loss.backward()
+            pm.optimizer.step()
+            pm.optimizer.zero_grad(set_to_none=True)
+        else:
+            loss = pm.train_step(*batch)
+        ref_loss = loss_fn(ref(*batch[:-1]), batch[-1])
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        out["losses"].append(loss.item())
+        out["ref_losses"].append(ref_loss.item())
+    # every stage's parameters against the reference (gathered on their stage's ranks)
+    diffs = []
+    for (name, p), q in zip(pm.module.named_parameters(), ref.parameters()):
+        if p.to_local().numel() or dist.get_rank() in _stage_ranks(pm.plan, name):
+            full = p.full_tensor() if dist.get_rank() in _stage_ranks(pm.plan, name) else None
+            if full is not None:
+                diffs.append((full - q).abs().max().item())
+    worst = torch.tensor(max(diffs) if diffs else 0.0)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    out["max_param_diff"] = worst.item()
+    return out
+
+
+def _stage_ranks(plan, name):
+    for s in plan.stages:
+        if any(p.name == name for p in s.plan.parameters):
+            return s.ranks
+    return ()
+
+
+def mlp(dim=64, layers=4):
+    from quickstart import MLP
+    return lambda: MLP(dim, layers)
+
+
+def mlp_batch(batch=32, dim=64):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(batch, dim, generator=g), torch.randn(batch, dim, generator=g)
+
+
+def manual(ids, submeshes, logical=None):
+    return torchalpa.ManualStageOption(forward_stage_layer_ids=ids, submesh_shapes=submeshes,
+                                       logical_shapes=logical)
+
+
+def scenarios(n):
+    P, L = torchalpa.PipeshardParallel, torchalpa.AutoLayerOption
+    gpt = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=4)
+    torch.manual_seed(1234)                 # the same global batch on every rank
+    gpt_batch = gpt.example_inputs()
+    cpu = torchalpa.Cluster.local_cpu(n)
+    if n == 4:
+        yield "mlp_2x2_1f1b", lambda: compare(mlp(), mlp_batch(), F.mse_loss, P(
+            num_micro_batches=4, layer_option=L(layer_num=4),
+            stage_option=manual([[0, 1], [2, 3]], [(1, 2), (1, 2)])), cluster=cpu)
+        yield "mlp_4x1_gpipe_backward", lambda: compare(mlp(), mlp_batch(), F.mse_loss, P(
+            num_micro_batches=8, pipeline_schedule="gpipe", layer_option=L(layer_num=4),
+            stage_option=manual([[0], [1], [2], [3]], [(1, 1)] * 4)), cluster=cpu,
+            use_backward=True)
+        yield "gpt_2x2_1f1b", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
+            num_micro_batches=4, layer_option=L(layer_num=2),
+            stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu)
+        yield "gpt_auto", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
+            num_micro_batches=4, layer_option=L(layer_num=4)), cluster=cpu)
+    if n == 8:
+        yield "gpt_2x2x2_1f1b", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
+            num_micro_batches=8, layer_option=L(layer_num=2),
+            stage_option=manual([[0], [1]], [(1, 4), (1, 4)], [(2, 2), (2, 2)])),
+            cluster=torchalpa.Cluster.local_cpu(8))
+        yield "mlp_2x2x2_gpipe", lambda: compare(mlp(), mlp_batch(), F.mse_loss, P(
+            num_micro_batches=4, pipeline_schedule="gpipe", layer_option=L(layer_num=4),
+            stage_option=manual([[0, 1], [2, 3]], [(1, 4), (1, 4)], [(2, 2), (2, 2)])),
+            cluster=torchalpa.Cluster.local_cpu(8))
+
+
+def main():
+    out_path = sys.argv[1]
+    wanted = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
+    init_distributed()
+    results = {"world_size": dist.get_world_size()}
+    for name, run in scenarios(dist.get_world_size()):
+        if wanted and name not in wanted:
+            continue
+        try:
+            results[name] = run()
+        except Exception as e:
+            results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

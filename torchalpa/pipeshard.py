@@ -1,0 +1,143 @@
+"""``auto_parallel`` / ``plan`` for PipeshardParallel: pipeline stages on submeshes.
+
+The step is captured for one micro-batch (the global batch's dim 0 divided by
+``num_micro_batches``), rank 0 plans it (layers, stages, each stage's intra-op plan) and
+broadcasts the plan, every rank builds every stage's DeviceMesh (creating process groups
+takes all ranks), then lowers and runs its own stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from torchalpa.cluster import Cluster
+from torchalpa.methods import PipeshardParallel
+from torchalpa.plan import PipelinePlan
+
+__all__ = ["plan_pipeshard", "pipeshard_parallel"]
+
+log = logging.getLogger("torchalpa")
+
+
+def _micro_examples(example_inputs: Sequence[torch.Tensor], num_micro_batches: int) -> tuple:
+    out = []
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[0] % num_micro_batches:
+            raise ValueError(f"example_inputs[{i}] has batch dim {tuple(x.shape)[:1]}, which does "
+                             f"not divide into num_micro_batches={num_micro_batches}")
+        out.append(x[: x.shape[0] // num_micro_batches])
+    return tuple(out)
+
+
+def _check_cluster(cluster: Cluster) -> Cluster:
+    if not isinstance(cluster, Cluster):
+        raise TypeError("PipeshardParallel plans for a torchalpa.Cluster (nodes x devices), "
+                        f"got {type(cluster).__name__}")
+    return cluster
+
+
+def plan_pipeshard(model: nn.Module, example_inputs, loss_fn, *, method: PipeshardParallel,
+                   cluster: Cluster, inputs: str = "global") -> PipelinePlan:
+    """The pipeline plan, without processes or real weights."""
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.passes.inter_op import plan_pipeline
+    micro = _micro_examples(example_inputs, method.num_micro_batches)
+    captured = capture(model, micro, loss_fn)
+    return plan_pipeline(captured.graph, _check_cluster(cluster), method, inputs=inputs)
+
+
+def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: PipeshardParallel,
+                       cluster: Cluster | None, optimizer: Callable | None,
+                       plan: PipelinePlan | None, mixed_precision=None):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torchalpa import api
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.passes.inter_op import plan_pipeline
+    from torchalpa.runtime import mesh as mesh_mod
+    from torchalpa.runtime.pipeline import PipelineRunner, lower_stage
+    from torchalpa.runtime.pipeline_module import PipelineModule
+
+    mesh_mod.init_distributed()
+    world, rank = mesh_mod.world_size(), mesh_mod.rank()
+    cluster = _check_cluster(cluster or api.default_cluster(world))
+    if cluster.num_devices != world:
+        raise ValueError(f"the cluster has {cluster.num_devices} devices but this job has {world} "
+                         f"ranks; launch with torchrun --nproc_per_node={cluster.num_devices} or "
+                         "describe the cluster this job runs on")
+    start = time.perf_counter()
+    traced = api._with_precision(model, mixed_precision)
+    captured = capture(traced, _micro_examples(example_inputs, method.num_micro_batches), loss_fn)
+    fingerprint = captured.graph.fingerprint()
+    api._same_step_on_every_rank(fingerprint)
+    if plan is not None:
+        if not isinstance(plan, PipelinePlan) or plan.graph_fingerprint != fingerprint:
+            raise ValueError("the given plan is not a pipeline plan for this training step; "
+                             "plan again, or pass plan=None to solve now")
+        the_plan = plan
+    else:
+        the_plan = api._plan_on_rank0(lambda: plan_pipeline(captured.graph, cluster, method))
+    device = mesh_mod.default_device()
+    meshes = [DeviceMesh(device.type, torch.tensor(st.ranks).reshape(st.plan.mesh_shape),
+                         mesh_dim_names=tuple(st.plan.axis_names)) for st in the_plan.stages]
+    stage = the_plan.stage_of_rank(rank)
+    mesh = meshes[stage.index]
+    program = lower_stage(
+        captured.gm, the_plan, stage.index, param_names=captured.param_names,
+        buffer_names=captured.buffer_names, buffer_updates=captured.buffer_updates,
+        coords=mesh.get_coordinate(), group_names=[mesh.get_group(i).group_name
+                                                   for i in range(mesh.ndim)], device=device)
+    _distribute_stages(model, the_plan, meshes, device)
+    runner = PipelineRunner(program, the_plan, stage.index, rank,
+                            _transfer_specs(captured.gm, the_plan), device)
+    log.info("pipeline ready in %.2fs: stage %d of %d on ranks %s", time.perf_counter() - start,
+             stage.index, len(the_plan.stages), list(stage.ranks))
+    return PipelineModule(model, the_plan, program, runner, mesh,
+                          input_specs=[(tuple(x.shape), x.dtype) for x in example_inputs],
+                          device=device, optimizer=optimizer)
+
+
+def _distribute_stages(model: nn.Module, plan: PipelinePlan, meshes, device) -> None:
+    """Every parameter becomes a DTensor on its stage's mesh (from rank 0 of that mesh);
+    ranks outside a stage hold no data for its parameters. Tied tensors stay tied."""
+    from torch.distributed.tensor import distribute_tensor
+    from torchalpa.runtime.materialize import to_dtensor_placements
+    named = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    new_by_id: dict[int, torch.Tensor] = {}
+    for st in plan.stages:
+        for value in st.plan.parameters:
+            old = named.get(value.name)
+            if old is None:
+                raise ValueError(f"the plan names {value.name!r}, which the model does not have")
+            if old.device.type == "meta":
+                raise ValueError(f"{value.name} is on the meta device; pipelines need real "
+                                 "weights for now (build the model on CPU)")
+            dt = distribute_tensor(old.detach().to(device), meshes[st.index],
+                                   to_dtensor_placements(value.placements), src_data_rank=0)
+            new_by_id[id(old)] = nn.Parameter(dt, requires_grad=old.requires_grad) \
+                if isinstance(old, nn.Parameter) else dt
+    for mod in model.modules():
+        for key, p in list(mod._parameters.items()):
+            if p is not None and id(p) in new_by_id:
+                mod._parameters[key] = new_by_id[id(p)]
+        for key, b in list(mod._buffers.items()):
+            if b is not None and id(b) in new_by_id:
+                mod._buffers[key] = new_by_id[id(b)]
+
+
+def _transfer_specs(gm, plan: PipelinePlan) -> dict:
+    """(shape, dtype) of every value crossing stages, from the source graph."""
+    vals = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+    specs = {}
+    for t in plan.transfers:
+        val = vals[t.producer]
+        if isinstance(val, (list, tuple)):
+            val = val[t.index]
+        specs[(t.producer, t.index)] = (tuple(val.shape), val.dtype)
+    return specs
