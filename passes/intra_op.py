@@ -150,7 +150,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
 
     built = time.perf_counter()
     grouping, cg, solution, chosen = solve(1)
-    if blocks and _reshards_between_blocks(graph, blocks, chosen, costs):
+    if blocks and _reshards_between_blocks(graph, blocks, chosen, costs) > \
+            0.01 * solution.objective:
         # shared layers cannot alternate; let every other layer decide apart, keep the best
         alternative = solve(2)
         if alternative[2].objective < solution.objective:
@@ -170,8 +171,9 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
 
 
 def _reshards_between_blocks(graph: OpGraph, blocks: dict, chosen: dict[str, Strategy],
-                             costs: ReshardCosts) -> bool:
-    """Does a value change layout on its way from one repeated block into the next?"""
+                             costs: ReshardCosts) -> float:
+    """What values pay to change layout on their way from one repeated block into another."""
+    total = 0.0
     for node in graph.ops():
         mine = blocks.get(node.name)
         if mine is None:
@@ -181,9 +183,8 @@ def _reshards_between_blocks(graph: OpGraph, blocks: dict, chosen: dict[str, Str
             if theirs is None or theirs == mine:
                 continue
             src = chosen[ref.node].outputs[ref.index]
-            if costs.cost(graph.spec(ref), src, chosen[node.name].inputs[slot]) > 0:
-                return True
-    return False
+            total += costs.cost(graph.spec(ref), src, chosen[node.name].inputs[slot])
+    return total
 
 
 def _describe(mesh: LogicalMesh) -> str:

@@ -40,9 +40,10 @@ OUTPUT = "<output>"
 class LocalProgram:
     """One rank's forward and backward programs and what they expect."""
 
-    forward: fx.GraphModule       # (*params, *buffers, *inputs) -> (loss, *saved)
+    forward: fx.GraphModule       # (*params, *buffers, *inputs) -> (loss, *updates, *saved)
     backward: fx.GraphModule      # (*saved) -> one raw gradient per trainable parameter (or None)
     reduce_grads: fx.GraphModule  # (*raw gradients that are not None) -> gradients in layout
+    buffer_updates: tuple = ()    # buffers whose new values forward returns after the loss
 
     def code(self) -> str:
         return ("# forward: (params, buffers, inputs) -> (loss, saved...)\n" + self.forward.code
@@ -97,7 +98,8 @@ class _Emitter:
 
 
 def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, group_names,
-          device: torch.device, overlap: bool = True) -> LocalProgram:
+          device: torch.device, overlap: bool = True, buffer_updates: list[str] = ()
+          ) -> LocalProgram:
     """This rank's local program for ``plan`` (``coords``: this rank's mesh coordinate).
 
     ``overlap``: wait for each collective only where its result is first used
@@ -109,7 +111,7 @@ def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, gro
     emit = _Emitter(graph, plan.mesh_shape, coords, group_names)
     env: dict[str, fx.Node] = {}
     placeholders = []
-    loss_value, grad_values, grad_steps = None, [], []
+    loss_value, grad_values, grad_steps, update_values = None, [], [], []
 
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -138,13 +140,17 @@ def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, gro
             for fqn, g in zip(param_names, outs[1:]):
                 grad_values.append(None if g is None else env[g.name])
                 grad_steps.append(reshards.get((OUTPUT, f"grad:{fqn}"), ()))
-    forward, backward = _split(graph, placeholders, loss_value, grad_values)
+            for fqn, u in zip(buffer_updates, outs[1 + len(param_names):]):
+                update_values.append(emit.steps(env[u.name],
+                                                reshards.get((OUTPUT, f"buffer:{fqn}"), ())))
+    forward, backward = _split(graph, placeholders, loss_value, grad_values, update_values)
     reduce_grads = _reduce_program(plan, coords, group_names,
                                    [s for g, s in zip(grad_values, grad_steps) if g is not None])
     if overlap:
         for gm in (forward, backward, reduce_grads):
             overlap_collectives(gm)
-    return LocalProgram(forward=forward, backward=backward, reduce_grads=reduce_grads)
+    return LocalProgram(forward=forward, backward=backward, reduce_grads=reduce_grads,
+                        buffer_updates=tuple(buffer_updates))
 
 
 def _reduce_program(plan: Plan, coords, group_names, steps_per_grad) -> fx.GraphModule:
@@ -168,9 +174,12 @@ def _ancestors(value: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _split(graph: fx.Graph, placeholders, loss_value, grad_values):
-    """Forward = what the loss depends on; backward = the rest, fed by saved values."""
+def _split(graph: fx.Graph, placeholders, loss_value, grad_values, update_values=()):
+    """Forward = what the loss (and the buffers' new values) depend on; backward = the
+    rest, fed by saved values."""
     forward_nodes = _ancestors(loss_value) | set(placeholders)
+    for u in update_values:
+        forward_nodes |= _ancestors(u)
     # take a multi-output op's items in forward too (free), so backward saves tensors, not
     # tuples (autograd's save_for_backward holds tensors only)
     forward_nodes |= {u for n in forward_nodes for u in n.users
@@ -181,7 +190,7 @@ def _split(graph: fx.Graph, placeholders, loss_value, grad_values):
             fenv[n] = fwd.node_copy(n, lambda x: fenv[x])
     saved = [n for n in graph.nodes if n in forward_nodes
              and (any(u not in forward_nodes for u in n.users) or n in grad_values)]
-    fwd.output((fenv[loss_value], *[fenv[n] for n in saved]))
+    fwd.output((fenv[loss_value], *[fenv[n] for n in update_values], *[fenv[n] for n in saved]))
     bwd, benv = fx.Graph(), {}
     for n in saved:
         benv[n] = bwd.placeholder(f"saved_{n.name}")

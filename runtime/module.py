@@ -42,6 +42,7 @@ class _TrainingStep(torch.autograd.Function):
         state, inputs = list(args[:num_state]), args[num_state:]
         with pm._monitor.guard(f"the forward of step {pm._num_calls}"):
             loss, saved = pm._runner.forward(state, inputs)
+        pm._write_buffer_updates()
         ctx.pm = pm
         ctx.num_params = len(pm._param_names)
         ctx.num_others = len(args) - ctx.num_params
@@ -100,10 +101,24 @@ class ParallelModule(nn.Module):
             return self._forward_only(inputs, outputs=False)
         if not torch.is_grad_enabled():
             with self._monitor.guard(f"the forward of step {self._num_calls}"):
-                return self._runner.loss(self._state(self._param_names + self._buffer_names),
+                loss = self._runner.loss(self._state(self._param_names + self._buffer_names),
                                          inputs)
+            self._write_buffer_updates()
+            return loss
         state = self._state(self._param_names + self._buffer_names, differentiable=True)
         return _TrainingStep.apply(self, len(state), *state, *inputs)
+
+    def _write_buffer_updates(self) -> None:
+        """Store the new values the step computed for buffers (batch-norm running
+        statistics), in the buffers' own layouts; with micro-batches, the last one's."""
+        values = self._runner.last_buffer_updates
+        if not values:
+            return
+        with torch.no_grad():
+            for name, value in zip(self._runner.program.buffer_updates, values):
+                buf = self.module.get_buffer(name)
+                (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(value)
+        self._runner.last_buffer_updates = []
 
     def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
         """zero_grad, forward and backward (micro-batch by micro-batch), optimizer step;
@@ -124,6 +139,7 @@ class ParallelModule(nn.Module):
         with self._monitor.guard(f"step {self._num_calls}"), torch.no_grad():
             loss, grads = self._runner.run(
                 self._state(self._param_names + self._buffer_names), inputs)
+        self._write_buffer_updates()
         self.optimizer.zero_grad(set_to_none=True)
         for name, g in zip(self._param_names, grads):
             if g is not None:

@@ -41,6 +41,15 @@ class StepRunner:
     def __init__(self, program: LocalProgram, num_micro_batches: int = 1):
         self.program = program
         self.num_micro_batches = num_micro_batches
+        self.last_buffer_updates: list[torch.Tensor] = []   # of the step's last micro-batch
+
+    def _forward(self, state, micro):
+        """(loss, saved) of one micro-batch; its buffer updates are kept aside."""
+        loss, *rest = self.program.forward(*state, *micro)
+        n = len(self.program.buffer_updates)
+        if n:
+            self.last_buffer_updates, rest = rest[:n], rest[n:]
+        return loss, rest
 
     def forward(self, state: list[torch.Tensor], inputs: Sequence[torch.Tensor]
                 ) -> tuple[torch.Tensor, list[tuple]]:
@@ -48,14 +57,14 @@ class StepRunner:
         as autograd keeps them until ``backward``)."""
         losses, saved = [], []
         for micro in split_micro_batches(inputs, self.num_micro_batches):
-            loss, *rest = self.program.forward(*state, *micro)
+            loss, rest = self._forward(state, micro)
             losses.append(loss)
             saved.append(tuple(rest))
         return self._mean(losses), saved
 
     def loss(self, state: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> torch.Tensor:
         """Forward only: the mean loss, keeping nothing for backward."""
-        losses = [self.program.forward(*state, *micro)[0]
+        losses = [self._forward(state, micro)[0]
                   for micro in split_micro_batches(inputs, self.num_micro_batches)]
         return self._mean(losses)
 
@@ -73,7 +82,7 @@ class StepRunner:
         time), one gradient reduction: (mean loss, gradients in their layouts)."""
         losses, raw = [], None
         for micro in split_micro_batches(inputs, self.num_micro_batches):
-            loss, *saved = self.program.forward(*state, *micro)
+            loss, saved = self._forward(state, micro)
             losses.append(loss)
             grads = self.program.backward(*saved)
             del saved

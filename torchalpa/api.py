@@ -203,14 +203,15 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     coords = device_mesh.get_coordinate()
     groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
 
-    def lower_program(gm, a_plan, param_names):
-        return lower(gm, a_plan, param_names, coords=coords, group_names=groups, device=device)
+    def lower_program(gm, a_plan, param_names, buffer_updates=()):
+        return lower(gm, a_plan, param_names, coords=coords, group_names=groups, device=device,
+                     buffer_updates=buffer_updates)
 
-    program = lower_program(captured.gm, the_plan, captured.param_names)
+    program = lower_program(captured.gm, the_plan, captured.param_names,
+                            captured.buffer_updates)
     if compile:
         program = program.compiled(**(compile if isinstance(compile, dict) else {}))
     distribute_module_state(model, the_plan, device_mesh, device, init_weights=init_weights)
-    _warn_ignored_buffer_updates(captured)
     input_specs = [(tuple(x.shape), x.dtype) for x in example_inputs]
     if inputs == "local":
         input_specs = [(tuple(s // device_mesh.size() if i == 0 else s
@@ -313,16 +314,6 @@ def _with_precision(model: torch.nn.Module, mixed_precision):
         return model
     from torchalpa.runtime.precision import CastForward
     return CastForward(model, mixed_precision)
-
-
-def _warn_ignored_buffer_updates(captured) -> None:
-    updates = getattr(captured, "buffer_updates", None) or []
-    if updates:
-        import warnings
-        warnings.warn(f"the forward writes buffers ({', '.join(updates[:5])}"
-                      f"{' ...' if len(updates) > 5 else ''}, e.g. batch-norm running "
-                      "statistics); the plan does not place their new values yet, so torchalpa "
-                      "leaves these buffers unchanged", UserWarning, stacklevel=3)
 
 
 def _forward_programs(traced, loss_fn, training_plan: Plan, method: ShardParallel,
