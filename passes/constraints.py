@@ -1,5 +1,6 @@
-"""Restrict leaf layouts as a method asks: data-parallel inputs, replicated or sharded
-parameters, layouts pinned by name. The ILP then chooses everything else.
+"""Restrict layouts as a method asks: the batch kept on a mesh axis (Alpa's
+``force_batch_dim_to_mesh_dim``: every op that has the batch dim shards it there),
+replicated or sharded parameters, layouts pinned by name. The ILP chooses the rest.
 
 Each restriction keeps the strategies that satisfy it; a request no layout satisfies is
 the user's mistake (a batch that does not divide, a pin that cannot be) and raises a
@@ -30,9 +31,51 @@ def _fully_sharded(s: Strategy, mesh: LogicalMesh) -> bool:
     return all(isinstance(p, Shard) or n == 1 for p, n in zip(s.outputs[0], mesh.shape))
 
 
+def batch_dims(graph: OpGraph) -> dict[tuple[str, int], set[int]]:
+    """For every value, the dims that carry the batch: dim 0 of the user inputs, followed
+    through each op's factor rule (a result dim whose leading factor indexes a batch dim
+    of an operand carries it too), forward and backward."""
+    from torchalpa.passes.rules import rule_for
+    carries: dict[tuple[str, int], set[int]] = {}
+    for node in graph:
+        if node.kind == "input":
+            carries[(node.name, 0)] = {0} if node.output.shape else set()
+            continue
+        if node.is_leaf:
+            continue
+        rule = rule_for(node, graph)
+        if rule is None:
+            continue
+        size = rule.size_of
+        batch = set()
+        for ref, dims in zip(node.operands, rule.operands):
+            for d in carries.get((ref.node, ref.index), ()):
+                if d < len(dims) and dims[d]:
+                    lead = next((f for f in dims[d] if size[f] != 1), None)
+                    if lead is not None:
+                        batch.add(lead)
+        for j, dims in enumerate(rule.results):
+            found = set()
+            for d, factors in enumerate(dims):
+                lead = next((f for f in factors if size[f] != 1), None)
+                if lead in batch:
+                    found.add(d)
+            if found:
+                carries[(node.name, j)] = found
+    return carries
+
+
+def _keeps_batch(s: Strategy, node, carries, axes) -> bool:
+    for j, layout in enumerate(s.outputs):
+        for d in carries.get((node.name, j), ()):
+            if any(layout[a] != Shard(d) for a in axes):
+                return False
+    return True
+
+
 def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mesh: LogicalMesh,
                       option: AutoShardingOption) -> list[str]:
-    """Filter leaf strategies in place; returns notes for the plan."""
+    """Filter strategies in place; returns notes for the plan."""
     notes: list[str] = []
     pins = [(re.compile(p), parse_placements(pl)) for p, pl in option.pin]
     axis = option.force_batch_dim_to_mesh_dim
@@ -71,4 +114,12 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
                                      f"{short(layout)} on mesh {mesh.shape}; possible: {possible}")
                 options = kept
         strategies[node.name] = options
+    if axis is not None:
+        # Alpa's semantics: every op keeps the batch on that axis where it can
+        carries = batch_dims(graph)
+        axes = range(mesh.ndim) if axis == -1 else [axis]
+        for node in graph.ops():
+            kept = [s for s in strategies[node.name] if _keeps_batch(s, node, carries, axes)]
+            if kept:
+                strategies[node.name] = kept
     return notes

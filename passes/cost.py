@@ -24,7 +24,7 @@ __all__ = ["collective_cost", "steps_cost", "compute_cost", "all_reduce_cost", "
 def collective_cost(mesh: LogicalMesh, kind: str, axis: int, nbytes: float) -> float:
     """Time of one collective on ``axis`` given the bytes each rank contributes."""
     n = mesh.shape[axis]
-    if n == 1 or kind == "slice":
+    if n == 1 or kind in ("slice", "partition"):
         return 0.0
     a, b = mesh.alpha[axis], mesh.beta[axis]
     if kind == "all_reduce":
@@ -46,7 +46,7 @@ def wire_bytes(kind: str, n: int, nbytes: float, backend: str = "nccl") -> float
     """Bytes one collective puts on the network, all ``n`` ranks together, for ring
     algorithms (``nbytes``: each rank's contribution). Matches what gloo sends on
     loopback (benchmarks/collective_bytes.py)."""
-    if n == 1 or kind == "slice":
+    if n == 1 or kind in ("slice", "partition"):
         return 0.0
     if kind == "all_reduce" or (kind == "reduce_scatter" and backend == "gloo"):
         return 2 * (n - 1) * nbytes

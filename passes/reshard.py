@@ -3,8 +3,10 @@
 Works axis by axis like DTensor's redistribute. Reductions and gathers run first, from
 the innermost mesh axis out (so a dim split over two axes is reassembled in the right
 order); then shards that a collective can produce directly (reduce-scatter, all-to-all);
-then local slices, outermost axis first. Replicate -> Partial and Shard -> Partial are
-impossible (None). Each step records the bytes each rank contributes.
+then local steps: slices, outermost axis first, and Replicate -> Partial, where the rank
+at coordinate 0 keeps the value and the others hold zeros (exact, free: it lets a whole
+value join a sum of partial ones, reduced once). Shard -> Partial is impossible (None).
+Each step records the bytes each rank contributes.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
     if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
         raise ValueError(f"placements {src} -> {dst} do not match mesh {mesh_shape}")
     for s, d in zip(src, dst):
-        if isinstance(d, Partial) and s != d:
+        if isinstance(d, Partial) and s != d and not isinstance(s, Replicate):
             return None
     steps: list[ReshardStep] = []
     cur = list(src)
@@ -82,7 +84,12 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
                 emit("all_to_all", axis, d, dim=d.dim, src_dim=s.dim)
             else:
                 gather(axis)
-    # 2. local slices, outer axes first (matches the nesting order of a multi-axis split)
+    # 2. local steps: a whole value becomes a partial sum (coordinate 0 keeps it, the
+    #    others hold zeros: exact), and slices, outer axes first (the nesting order of a
+    #    multi-axis split)
+    for axis in range(len(cur)):
+        if isinstance(cur[axis], Replicate) and isinstance(dst[axis], Partial):
+            emit("partition", axis, dst[axis], reduce_op=dst[axis].reduce_op)
     for axis in range(len(cur)):
         if cur[axis] != dst[axis]:
             if not isinstance(cur[axis], Replicate) or not isinstance(dst[axis], Shard):

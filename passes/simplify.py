@@ -135,10 +135,14 @@ def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
             ref = n.operands[slot]
             if ref.node in fixed or blocks.get(ref.node, (None,))[0] != blocks.get(n.name, (None,))[0]:
                 continue
-            others = sum(1 for k, r in enumerate(n.operands)
-                         if k != slot and graph.spec(r).numel > 1)
+            # a partial flows through an op only if every other operand can be partial
+            # too (summing partial gradients); otherwise reduce it first (a bias add)
+            others = [r for k, r in enumerate(n.operands)
+                      if k != slot and graph.spec(r).numel > 1]
+            others_partial = all(any(isinstance(p, Partial) for s in strategies[r.node]
+                                     for p in s.outputs[r.index]) for r in others)
             mapping = _follow_map(strategies[ref.node], ref.index, strategies[n.name], slot,
-                                  reduce_partials=others > 0)
+                                  reduce_partials=bool(others) and not others_partial)
             if mapping is not None:
                 g.compose(n.name, ref.node, mapping)
         # block copies follow whatever their head now follows

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_chunk"]
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_chunk",
+           "local_partition"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -43,6 +44,14 @@ def all_to_all(x: torch.Tensor, src_dim: int, dim: int, group_size: int,
     splits = [send.shape[0] // group_size] * group_size
     recv = _c10d.wait_tensor(_c10d.all_to_all_single(send, splits, splits, group_name))
     return torch.cat(torch.chunk(recv, group_size, dim=0), dim=src_dim)
+
+
+def local_partition(x: torch.Tensor, index: int, reduce_op: str) -> torch.Tensor:
+    """A replicated value as a partial one: summing over the axis gives it back exactly
+    (the rank at coordinate 0 keeps it, the others hold zeros); an average is itself."""
+    if reduce_op == "avg" or index == 0:
+        return x
+    return torch.zeros_like(x)
 
 
 def local_chunk(x: torch.Tensor, dim: int, num_chunks: int, index: int) -> torch.Tensor:

@@ -94,6 +94,8 @@ class _Emitter:
             return call(C.all_to_all, (value, step.src_dim, step.dim, n, group))
         if step.kind == "slice":
             return call(C.local_chunk, (value, step.dim, n, self.coords[step.axis]))
+        if step.kind == "partition":
+            return call(C.local_partition, (value, self.coords[step.axis], step.reduce_op))
         raise ValueError(f"the runtime cannot execute a {step.kind!r} step")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 class MLP(nn.Module):
@@ -60,3 +61,40 @@ def mlp_inputs(batch: int, hidden: int, device="cpu"):
     x = torch.randn(batch, hidden, generator=g).to(device)
     y = torch.randn(batch, hidden, generator=g).to(device)
     return x, y
+
+
+class GroupedMoELayer(nn.Module):
+    """GShard's MoE layer (as in Alpa's MoE tests): self-attention, then a top-2 routed
+    mixture of experts whose dispatch keeps tokens in groups (one per sequence), so moving
+    tokens from their group's device to their expert's device is an all-to-all."""
+
+    def __init__(self, hidden: int, num_heads: int, num_experts: int, ffn: int,
+                 capacity_factor: float = 2.0):
+        super().__init__()
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = nn.Linear(hidden, hidden, bias=False)
+        self.num_heads = num_heads
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(num_experts, hidden, ffn) * hidden ** -0.5)
+        self.w_out = nn.Parameter(torch.randn(num_experts, ffn, hidden) * ffn ** -0.5)
+        self.num_experts, self.capacity_factor = num_experts, capacity_factor
+
+    def forward(self, x):                                                  # (G, S, M)
+        G, S, M = x.shape
+        E = self.num_experts
+        q, k, v = self.qkv(x).view(G, S, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v)                        # (G, heads, S, D)
+        x = x + self.out(a.transpose(1, 2).reshape(G, S, M))
+        probs = torch.softmax(self.gate(x), dim=-1)                        # (G, S, E)
+        cap = int(2 * S * self.capacity_factor / E)
+        weights, experts = probs.topk(2, dim=-1)                           # (G, S, 2)
+        choice = F.one_hot(experts, E).to(x.dtype)                         # (G, S, 2, E)
+        slot = (torch.cumsum(choice.flatten(1, 2), dim=1) - 1).view(G, S, 2, E)
+        in_slot = F.one_hot((slot * choice).sum(-1).long(), cap).to(x.dtype)   # (G, S, 2, C)
+        keep = (slot < cap).to(x.dtype) * choice
+        dispatch = torch.einsum("gske,gskc->gsec", keep, in_slot)           # (G, S, E, C)
+        combine = torch.einsum("gsk,gske,gskc->gsec", weights, keep, in_slot)
+        expert_in = torch.einsum("gsec,gsm->egcm", dispatch, x)            # (E, G, C, M)
+        h = F.gelu(torch.einsum("egcm,emf->egcf", expert_in, self.w_in))
+        expert_out = torch.einsum("egcf,efm->egcm", h, self.w_out)          # (E, G, C, M)
+        return x + torch.einsum("gsec,egcm->gsm", combine, expert_out)     # (G, S, M)

@@ -214,3 +214,86 @@ def test_2d_mesh_oracle():
     # with reduce-scatter allowed, torchalpa finds a cheaper plan under the same costs
     ours = plan_intra_op(graph, mesh)
     assert ours.estimates["objective"] < 0.8 * plan.estimates["objective"]
+
+
+class BertLayers(nn.Module):
+    """Alpa's BERT layer test model: encoder layers on given hidden states."""
+
+    def __init__(self, hidden=128, heads=8, layers=2):
+        super().__init__()
+        from torchalpa.models.bert import BertConfig, Encoder
+        self.encoder = Encoder(BertConfig(hidden=hidden, num_heads=heads, intermediate=4 * hidden,
+                                          num_layers=layers, dropout=0.0))
+
+    def forward(self, x, mask):
+        return self.encoder(x, mask)
+
+
+def bert_graph(B=8, S=8, H=128, L=2):
+    with torch.device("meta"):
+        model = BertLayers(H, 8, L)
+        x, mask, y = torch.empty(B, S, H), torch.zeros(B, 1, 1, S), torch.empty(B, S, H)
+    return model, capture(model, (x, mask, y), lambda out, y: F.mse_loss(out, y)).graph
+
+
+def test_bert_model_parallel_oracle():
+    """Alpa's BERT layers (B=8, S=8, H=128, 8 heads, L=2) on 4 devices."""
+    B, S, H, L = 8, 8, 128, 2
+    _, g = bert_graph(B, S, H, L)
+    plan = plan_intra_op(g, ALPA_MESH, blocks=g.meta.get("repeated_blocks"))
+    assert plan.estimates["objective"] == pytest.approx((4 * L - 1) * all_reduce_cost(ALPA_MESH, B * S * H * 4, 0))
+    assert [(c.kind, c.bytes) for c in plan.collectives] == [("all_reduce", B * S * H * 4)] * (4 * L - 1)
+    for l in range(L):
+        p = f"encoder.layer.{l}."
+        for column in ("attention.query", "attention.key", "attention.value", "feed_forward.intermediate"):
+            assert plan.parameter(p + column + ".weight").placements == (Shard(0),), column
+        for row in ("attention.output", "feed_forward.output"):
+            assert plan.parameter(p + row + ".weight").placements == (Shard(1),), row
+
+
+def test_bert_2d_mesh_oracle():
+    """The same on (2, 2) with alpha (2, 2), beta (1, 0.1) and the batch kept on axis 0
+    (Alpa's force_batch_dim_to_mesh_dim): Megatron on axis 1 with its 4L-1 activation
+    all-reduces there, weight gradients reduced on axis 0, at most Alpa's cost (its
+    formula: every parameter's gradient all-reduced on axis 0 + the activations on 1)."""
+    B, S, H, L = 8, 8, 128, 2
+    model, g = bert_graph(B, S, H, L)
+    mesh = LogicalMesh(shape=(2, 2), alpha=(2.0, 2.0), beta=(1.0, 0.1))
+    alpa_space = torchalpa.ShardParallel(auto_sharding_option=torchalpa.AutoShardingOption(
+        allow_reduce_scatter=False, force_batch_dim_to_mesh_dim=0))
+    plan = plan_intra_op(g, mesh, alpa_space, blocks=g.meta.get("repeated_blocks"))
+    AR = lambda nbytes, axis: all_reduce_cost(mesh, nbytes, axis)  # noqa: E731
+    alpa = sum(AR(4 * p.numel() / 2, 0) for p in model.parameters()) + \
+        (4 * L - 1) * AR(B * S * H * 4 / 2, 1)
+    assert plan.estimates["objective"] <= alpa * 1.01
+    on_1 = [c for c in plan.collectives if c.axis == 1]
+    assert [(c.kind, c.bytes) for c in on_1] == [("all_reduce", B * S * H * 4 // 2)] * (4 * L - 1)
+    for l in range(L):
+        p = f"encoder.layer.{l}."
+        for column in ("attention.query", "attention.key", "attention.value", "feed_forward.intermediate"):
+            assert plan.parameter(p + column + ".weight").placements == (Replicate(), Shard(0))
+        for row in ("attention.output", "feed_forward.output"):
+            assert plan.parameter(p + row + ".weight").placements == (Replicate(), Shard(1))
+    # weight gradients are reduced on axis 0 (the data-parallel axis)
+    assert any(c.axis == 0 and c.kind == "all_reduce" and c.phase == "backward"
+               and c.bytes == H * H * 4 // 2 for c in plan.collectives)
+    ours = plan_intra_op(g, mesh, blocks=g.meta.get("repeated_blocks"))
+    assert ours.estimates["objective"] <= plan.estimates["objective"] * (1 + 1e-9)
+
+
+def test_moe_layer_oracle():
+    """Alpa's MoE layer (B=64, S=16, H=64, 16 experts) on 4 devices: experts sharded on the
+    expert dim, attention and gate replicated, tokens moved by 4 all-to-alls."""
+    from models import GroupedMoELayer
+    B, S, H, E = 64, 16, 64, 16
+    with torch.device("meta"):
+        model = GroupedMoELayer(H, 8, E, 4 * H)
+        x, y = torch.empty(B, S, H), torch.empty(B, S, H)
+    plan = plan_intra_op(capture(model, (x, y), F.mse_loss).graph, ALPA_MESH)
+    assert plan.parameter("w_in").placements == (Shard(0),)
+    assert plan.parameter("w_out").placements == (Shard(0),)
+    for name in ("qkv.weight", "out.weight", "gate.weight"):
+        assert plan.parameter(name).placements == (Replicate(),), name
+    a2a = [c for c in plan.collectives if c.kind == "all_to_all"]
+    assert [c.phase for c in a2a].count("forward") == 2
+    assert [c.phase for c in a2a].count("backward") == 2

@@ -28,7 +28,7 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def _run_steps(x, steps, mesh_shape, groups, coords):
+def _run_steps(x, steps, mesh_shape, groups, coords, rank_coords=None):
     for s in steps:
         n, g = mesh_shape[s.axis], groups[s.axis]
         if s.kind == "all_reduce":
@@ -41,6 +41,10 @@ def _run_steps(x, steps, mesh_shape, groups, coords):
             x = C.all_to_all(x, s.src_dim, s.dim, n, g)
         elif s.kind == "slice":
             x = C.local_chunk(x, s.dim, n, coords[s.axis])
+        elif s.kind == "partition":   # coordinates are per-rank here: apply it rank by rank
+            from torch.distributed._local_tensor import LocalTensor
+            x = LocalTensor({r: C.local_partition(t, rank_coords[r][s.axis], s.reduce_op)
+                             for r, t in x._local_tensors.items()})
     return x
 
 
@@ -60,11 +64,12 @@ def test_every_transition(fake_world, mesh_shape):
         for src, dst in itertools.product(layouts, layouts):
             steps = plan_reshard(spec, src, dst, mesh_shape)
             if steps is None:
-                assert any(isinstance(d, Partial) and s != d for s, d in zip(src, dst))
+                assert any(isinstance(d, Partial) and s != d and isinstance(s, Shard)
+                           for s, d in zip(src, dst))
                 impossible += 1
                 continue
             x = LocalTensor({r: block(full, src, mesh_shape, c) for r, c in enumerate(rank_coords)})
-            y = _run_steps(x, steps, mesh_shape, groups, coords)
+            y = _run_steps(x, steps, mesh_shape, groups, coords, rank_coords)
             blocks = {c: y._local_tensors[r] for r, c in enumerate(rank_coords)}
             if any(isinstance(d, Partial) for d in dst):
                 assert torch.allclose(combine(blocks, dst, mesh_shape), full, atol=1e-5)
@@ -114,7 +119,8 @@ def test_plans_use_direct_collectives():
     assert kinds(Shard(0), Replicate()) == ["all_gather"]
     assert kinds(Shard(0), Shard(1)) == ["all_to_all"]
     assert kinds(Replicate(), Shard(1)) == ["slice"]
-    assert plan_reshard(spec, (Replicate(),), (Partial(),), m) is None
+    assert kinds(Replicate(), Partial()) == ["partition"]
+    assert plan_reshard(spec, (Shard(0),), (Partial(),), m) is None
     # a dim split over both axes is reassembled inner axis first
     steps = plan_reshard(spec, (Shard(0), Shard(0)), (Replicate(), Replicate()), (2, 2))
     assert [(s.kind, s.axis) for s in steps] == [("all_gather", 1), ("all_gather", 0)]

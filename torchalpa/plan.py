@@ -21,15 +21,16 @@ __all__ = ["Plan", "ReshardStep", "Reshard", "NodeStrategy", "ValuePlacement", "
 
 PLAN_VERSION = 1
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-STEP_KINDS = COLLECTIVE_KINDS + ("slice",)
+STEP_KINDS = COLLECTIVE_KINDS + ("slice", "partition")
 
 
 @dataclass(frozen=True, slots=True)
 class ReshardStep:
     """One move of a tensor from one layout to the next along one mesh axis.
 
-    ``slice`` keeps the local block of a replicated dim (no communication). For the
-    others ``bytes`` is what each participating rank contributes.
+    ``slice`` keeps the local block of a replicated dim, ``partition`` turns a replicated
+    value into a partial sum (kept at coordinate 0, zeros elsewhere): no communication.
+    For the others ``bytes`` is what each participating rank contributes.
     """
 
     kind: str
@@ -43,7 +44,7 @@ class ReshardStep:
 
     @property
     def is_collective(self) -> bool:
-        return self.kind != "slice"
+        return self.kind not in ("slice", "partition")
 
     def to_dict(self) -> dict:
         d = {"kind": self.kind, "axis": self.axis, "bytes": self.bytes,
