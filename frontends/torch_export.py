@@ -118,10 +118,12 @@ def _loss_of(out) -> torch.Tensor:
 
 
 def capture(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None,
-            ) -> Capture:
+            *, rematerialize_parameters: bool = False) -> Capture:
     """Trace ``loss_fn(model(*inputs), *targets)`` and its backward into an OpGraph.
 
     Runs on fake tensors: real weights are never read, so ``model`` may live on ``meta``.
+    ``rematerialize_parameters``: backward reads parameters through its own views
+    (``frontends/remat.py``: ZeRO-3 gathers them again instead of keeping forward's).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -171,6 +173,9 @@ def capture(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable 
     copy_forward_tags_to_backward(gm)
     gm, updates = _make_functional(gm, kinds, provenance)
     _drop_aliases(gm)
+    if rematerialize_parameters:
+        from torchalpa.frontends.remat import rematerialize_parameter_views
+        rematerialize_parameter_views(gm, len(param_names))
     gm.graph.eliminate_dead_code()
     gm.recompile()
     graph = _to_opgraph(gm, kinds, [k for k in buffer_names if k in updates])

@@ -106,6 +106,9 @@ def main():
             lambda: MLP(32, 4), mlp_inputs(64, 32), method=method,
             cluster=torchalpa.LogicalMesh(shape=(2, 2), alpha=(1.0, 1.0), beta=(1.0, 0.1))),
             results)
+    if "zero3" in which:          # parameters gathered again in backward
+        scenario("zero3", lambda: train_and_compare(
+            lambda: MLP(32, 4), mlp_inputs(64, 32), method=torchalpa.Zero3Parallel()), results)
     if "odd_batch" in which:      # 30 rows on 4 ranks: planned without splitting the batch
         scenario("odd_batch", lambda: train_and_compare(
             lambda: MLP(32, 3), mlp_inputs(30, 32)), results)

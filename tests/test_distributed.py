@@ -14,7 +14,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCENARIOS_4 = "megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,odd_batch,bad_input_shape"
+SCENARIOS_4 = "megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,zero3,odd_batch,bad_input_shape"
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
 

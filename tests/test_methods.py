@@ -53,6 +53,23 @@ def test_zero_presets_shard_states_and_never_all_reduce_gradients(dp_graph, meth
         assert len(gathers) == len(plan.parameters)
 
 
+def test_zero3_gathers_parameters_again_in_backward_and_keeps_fewer_activations():
+    with torch.device("meta"):
+        model = MLP(32, 6)
+        x, y = torch.empty(256, 32), torch.empty(256, 32)
+    zero2, zero3 = (torchalpa.plan(model, (x, y), F.mse_loss, method=m, cluster=MESH)
+                    for m in (torchalpa.Zero2Parallel(), torchalpa.Zero3Parallel()))
+    assert "all_gather" not in kinds(zero2, "backward")
+    backward_gathers = [c for c in zero3.collectives
+                        if c.phase == "backward" and c.kind == "all_gather"]
+    # every layer but the last (whose gathered weight backward uses at once) again
+    assert len(backward_gathers) >= 5
+    assert (zero3.estimates["activation_bytes_per_device"]
+            < zero2.estimates["activation_bytes_per_device"])
+    assert (zero3.estimates["model_state_bytes_per_device"]
+            == zero2.estimates["model_state_bytes_per_device"])
+
+
 def test_a_tight_budget_shards_state_instead_of_failing(dp_graph):
     free = plan_intra_op(dp_graph, MESH)
     replicated = free.estimates["memory_per_device_bytes"]

@@ -113,7 +113,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
         return plan_pipeshard(model, example_inputs, loss_fn, method=method,
                               cluster=cluster or default_cluster(world_size()), inputs=inputs)
     meshes = candidate_meshes(cluster or default_cluster(world_size()), method)
-    captured = capture(model, example_inputs, loss_fn)
+    captured = capture(model, example_inputs, loss_fn, rematerialize_parameters=(
+        method.auto_sharding_option.rematerialize_parameters))
     return plan_graph(captured.graph, method=method, meshes=meshes, inputs=inputs,
                       blocks=_blocks_of(captured.graph))
 
@@ -187,7 +188,8 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     start = time.perf_counter()
     traced = _with_precision(model, mixed_precision)
     captured = capture(traced, _capture_examples(model, example_inputs, num_micro_batches),
-                       loss_fn)
+                       loss_fn, rematerialize_parameters=(
+                           method.auto_sharding_option.rematerialize_parameters))
     fingerprint = captured.graph.fingerprint()
     _same_step_on_every_rank(fingerprint)
     if plan is not None:

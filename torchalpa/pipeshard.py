@@ -49,7 +49,8 @@ def plan_pipeshard(model: nn.Module, example_inputs, loss_fn, *, method: Pipesha
     from torchalpa.frontends.torch_export import capture
     from torchalpa.passes.inter_op import plan_pipeline
     micro = _micro_examples(example_inputs, method.num_micro_batches)
-    captured = capture(model, micro, loss_fn)
+    captured = capture(model, micro, loss_fn, rematerialize_parameters=(
+        method.auto_sharding_option.rematerialize_parameters))
     return plan_pipeline(captured.graph, _check_cluster(cluster), method, inputs=inputs)
 
 
@@ -73,7 +74,9 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
                          "describe the cluster this job runs on")
     start = time.perf_counter()
     traced = api._with_precision(model, mixed_precision)
-    captured = capture(traced, _micro_examples(example_inputs, method.num_micro_batches), loss_fn)
+    captured = capture(traced, _micro_examples(example_inputs, method.num_micro_batches), loss_fn,
+                       rematerialize_parameters=(
+                           method.auto_sharding_option.rematerialize_parameters))
     fingerprint = captured.graph.fingerprint()
     api._same_step_on_every_rank(fingerprint)
     if plan is not None:
