@@ -76,8 +76,10 @@ def _cbc_path() -> str:
 
 def _make_solver(solver: str, time_limit: float | None, gap: float | None):
     if solver == "cbc":
+        # The root LP dominates (it is usually integral already); CBC's dual simplex
+        # solves it about 3x faster than its default choice on these problems.
         return pulp.COIN_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=1,
-                             path=_cbc_path())
+                             path=_cbc_path(), options=["dualS"])
     if solver == "highs":
         if "HiGHS" not in pulp.listSolvers(onlyAvailable=True):
             raise ValueError("solver='highs' needs the highspy package: pip install highspy")

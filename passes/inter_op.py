@@ -122,16 +122,32 @@ class _StageCosts:
                         out[cut] += self.graph.spec(ref).nbytes
         return out
 
-    def prefetch(self, submeshes: list[tuple[int, int]], workers: int) -> None:
+    def prefetch(self, submeshes: list[tuple[int, int]], workers: int, max_in_flight: int
+                 ) -> None:
         """Solve every distinct layer on every view up front, ``workers`` at a time (the DP
-        asks for all of them; each solve is independent)."""
+        asks for all of them; each solve is independent). The lean (sharded-state) variants
+        follow for the views where the fastest plans may not fit."""
+        views = [(view, submesh) for submesh in submeshes for view in logical_views(submesh)]
+        self._solve_all([(l, view, submesh, False) for view, submesh in views
+                         for l in range(self.num_layers)], workers)
+        budget = self.method.auto_sharding_option.memory_budget_per_device or \
+            self.cluster.memory_per_device
+        tight = []
+        for view, submesh in views:
+            parts = [self.cache[(self.signature[l], view, submesh, False)]
+                     for l in range(self.num_layers)]
+            if any(p is None for p in parts) or sum(p.state for p in parts) + max_in_flight * \
+                    sum(p.activations for p in parts) > budget:
+                tight.append((view, submesh))
+        self._solve_all([(l, view, submesh, True) for view, submesh in tight
+                         for l in range(self.num_layers)], workers)
+
+    def _solve_all(self, requests: list[tuple], workers: int) -> None:
         todo = {}
-        for submesh in submeshes:
-            for view in logical_views(submesh):
-                for l in range(self.num_layers):
-                    key = (self.signature[l], view, submesh, False)
-                    if key not in self.cache:
-                        todo.setdefault(key, (l, view, submesh, False))
+        for l, view, submesh, lean in requests:
+            key = (self.signature[l], view, submesh, lean)
+            if key not in self.cache:
+                todo.setdefault(key, (l, view, submesh, lean))
         if workers <= 1 or len(todo) < 2:
             for key, args in todo.items():
                 self.cache[key] = self._solve_layer(*args)
@@ -215,7 +231,10 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
         stages = _uniform(option, L, cluster, costs, B, method.pipeline_schedule)
     else:
         shapes = submesh_shapes(cluster.num_nodes, cluster.devices_per_node)
-        costs.prefetch(shapes, workers=_workers())
+        costs.prefetch(shapes, workers=_workers(), max_in_flight=(
+            min(B, L) if method.pipeline_schedule == "1f1b" else B))
+        log.info("pipeline search: %d layer solves in %.1fs", costs.solves,
+                 time.perf_counter() - start)
         views: dict[tuple, tuple] = {}
 
         def cost(k, i, j, after):
@@ -319,12 +338,14 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
             stage_of_layer[l] = s
     node_stage = {n: stage_of_layer[l] for n, l in layer.items()}
     ranks = _place([st[1] for st in stages], cluster)
+    subs = [stage_subgraph(graph, node_stage, s) for s in range(len(stages))]
+    requests = [(sub.graph, _submesh_cluster(cluster, submesh).logical_mesh(view),
+                 method.intra_op_method(option), inputs)
+                for sub, (_, submesh, view, option) in zip(subs, stages)]
+    plans = _map(_plan_stage, requests, _workers())
     stage_plans, transfers = [], []
     for s, ((k, i), submesh, view, option) in enumerate(stages):
-        sub = stage_subgraph(graph, node_stage, s)
-        mesh = _submesh_cluster(cluster, submesh).logical_mesh(view)
-        plan = plan_intra_op(sub.graph, mesh, method.intra_op_method(option), inputs=inputs,
-                             blocks=sub.graph.meta.get("repeated_blocks") or None)
+        sub, plan = subs[s], plans[s]
         stage_plans.append(StagePlan(index=s, layers=tuple(range(k, i + 1)), submesh=submesh,
                                      ranks=ranks[s], plan=plan))
         for ref in sub.sends:
@@ -339,6 +360,21 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
                         schedule=method.pipeline_schedule,
                         estimates=_estimates(stage_plans, transfers, method, cluster),
                         method=method.to_dict(), graph_fingerprint=graph.fingerprint())
+
+
+def _plan_stage(request: tuple):
+    graph, mesh, method, inputs = request
+    return plan_intra_op(graph, mesh, method, inputs=inputs,
+                         blocks=graph.meta.get("repeated_blocks") or None)
+
+
+def _map(fn, items: list, workers: int) -> list:
+    """``[fn(x) for x in items]``, in forked processes when there are several of each."""
+    if workers <= 1 or len(items) < 2:
+        return [fn(x) for x in items]
+    import multiprocessing as mp
+    with mp.get_context("fork").Pool(min(workers, len(items))) as pool:
+        return pool.map(fn, items, chunksize=1)
 
 
 def _owner_transfers(graph: OpGraph, node_stage: dict, have: list[Transfer]) -> list[Transfer]:

@@ -268,12 +268,17 @@ def test_bert_2d_mesh_oracle():
     assert plan.estimates["objective"] <= alpa * 1.01
     on_1 = [c for c in plan.collectives if c.axis == 1]
     assert [(c.kind, c.bytes) for c in on_1] == [("all_reduce", B * S * H * 4 // 2)] * (4 * L - 1)
+    # Megatron on axis 1. On axis 0 a kernel is replicated (Alpa's answer) or, at exactly
+    # the same cost under this model, sharded ZeRO-style (gathered where it is read instead
+    # of its gradient all-reduced); which of the two ties the solver returns is its choice.
     for l in range(L):
         p = f"encoder.layer.{l}."
         for column in ("attention.query", "attention.key", "attention.value", "feed_forward.intermediate"):
-            assert plan.parameter(p + column + ".weight").placements == (Replicate(), Shard(0))
+            placements = plan.parameter(p + column + ".weight").placements
+            assert placements[1] == Shard(0) and placements[0] in (Replicate(), Shard(1))
         for row in ("attention.output", "feed_forward.output"):
-            assert plan.parameter(p + row + ".weight").placements == (Replicate(), Shard(1))
+            placements = plan.parameter(p + row + ".weight").placements
+            assert placements[1] == Shard(1) and placements[0] in (Replicate(), Shard(0))
     # weight gradients are reduced on axis 0 (the data-parallel axis)
     assert any(c.axis == 0 and c.kind == "all_reduce" and c.phase == "backward"
                and c.bytes == H * H * 4 // 2 for c in plan.collectives)
