@@ -96,20 +96,26 @@ def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
                        mesh: LogicalMesh) -> None:
     """Drop strategies that read an operand in a layout no producer strategy can be
     resharded into (e.g. a Partial input downstream of ops that never make one)."""
-    memo: dict = {}
+    shared: dict = {}        # (spec, producer layouts) -> {wanted layout: reachable?}
+    by_operand: dict = {}    # (producer, output index) -> (spec, its layouts, that dict)
 
-    def reachable(spec, sources: frozenset, want) -> bool:
-        key = (spec, sources, want)
-        if key not in memo:
-            memo[key] = any(plan_reshard(spec, src, want, mesh.shape) is not None
-                            for src in sources)
-        return memo[key]
+    def reachable(ref, want) -> bool:
+        entry = by_operand.get((ref.node, ref.index))
+        if entry is None:
+            spec = graph.spec(ref)
+            sources = frozenset(p.outputs[ref.index] for p in strategies[ref.node])
+            entry = by_operand[(ref.node, ref.index)] = (
+                spec, sources, shared.setdefault((spec, sources), {}))
+        spec, sources, answers = entry
+        answer = answers.get(want)
+        if answer is None:
+            answer = answers[want] = any(plan_reshard(spec, src, want, mesh.shape) is not None
+                                         for src in sources)
+        return answer
 
     for node in graph.ops():
-        sources = [frozenset(p.outputs[ref.index] for p in strategies[ref.node])
-                   for ref in node.operands]
         keep = [s for s in strategies[node.name]
-                if all(s.inputs[k] is None or reachable(graph.spec(ref), sources[k], s.inputs[k])
+                if all(s.inputs[k] is None or reachable(ref, s.inputs[k])
                        for k, ref in enumerate(node.operands))]
         if keep:
             strategies[node.name] = keep
