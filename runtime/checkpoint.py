@@ -23,7 +23,8 @@ __all__ = ["save_checkpoint", "load_checkpoint"]
 
 def _parts(pmodel, optimizer):
     from torchalpa.runtime.module import ParallelModule
-    if not isinstance(pmodel, ParallelModule):
+    from torchalpa.runtime.pipeline_module import PipelineModule
+    if not isinstance(pmodel, (ParallelModule, PipelineModule)):
         raise TypeError(f"expected the ParallelModule returned by auto_parallel, got "
                         f"{type(pmodel).__name__}")
     optimizer = optimizer if optimizer is not None else pmodel.optimizer

@@ -59,6 +59,26 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
     return out
 
 
+def checkpoint_round_trip(make_model, batch, loss_fn, method, *, cluster, path):
+    """Train, save, train on; a fresh pipelined model loads the checkpoint and must train
+    on with the very same losses (model and optimizer restored bit-identically)."""
+    def build(seed):
+        torch.manual_seed(seed)
+        return torchalpa.auto_parallel(make_model(), batch, loss_fn, method=method,
+                                       cluster=cluster,
+                                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    pm = build(0)
+    pm.train_step(*batch)
+    torchalpa.save_checkpoint(path, pm)
+    after = [pm.train_step(*batch).item() for _ in range(2)]
+    fresh = build(1)                     # other weights, until the checkpoint is loaded
+    different = fresh.train_step(*batch).item()
+    fresh = build(1)
+    torchalpa.load_checkpoint(path, fresh)
+    resumed = [fresh.train_step(*batch).item() for _ in range(2)]
+    return {"after": after, "resumed": resumed, "different": different}
+
+
 def _stage_ranks(plan, name):
     for s in plan.stages:
         if any(p.name == name for p in s.plan.parameters):
@@ -100,6 +120,10 @@ def scenarios(n):
             stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu)
         yield "gpt_auto", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=4)), cluster=cpu)
+        yield "gpt_checkpoint", lambda: checkpoint_round_trip(gpt.build, gpt_batch, gpt.loss_fn, P(
+            num_micro_batches=4, layer_option=L(layer_num=2),
+            stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu,
+            path=os.path.join(os.path.dirname(sys.argv[1]), "pipeline_ckpt"))
     if n == 8:
         yield "gpt_2x2x2_1f1b", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=8, layer_option=L(layer_num=2),

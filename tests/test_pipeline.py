@@ -53,6 +53,14 @@ def test_four_ranks(four, name):
     check(four[name])
 
 
+def test_checkpoint_resumes_identically(four):
+    """torch.distributed.checkpoint of a pipelined model (each stage's DTensors on its own
+    submesh) and its optimizer: a fresh model that loads it trains on with equal losses."""
+    r = four["gpt_checkpoint"]
+    assert r["resumed"] == r["after"]
+    assert r["different"] != r["after"][0]      # the fresh model really started elsewhere
+
+
 def test_stage_layouts_are_the_ones_asked_for(four, eight):
     assert four["mlp_2x2_1f1b"]["submeshes"] == [[1, 2], [1, 2]]
     assert four["mlp_4x1_gpipe_backward"]["stages"] == [[0], [1], [2], [3]]
