@@ -32,10 +32,11 @@ SIZES = {"350m": (1024, 24, 16), "1.3b": (2048, 24, 32), "2.7b": (2560, 32, 32),
          "6.7b": (4096, 32, 32), "13b": (5120, 40, 40)}
 
 
-def megatron_pins(tp_axis: int, ndim: int) -> dict:
-    """Column- and row-parallel Linear layers of the zoo GPT on ``tp_axis``."""
+def megatron_pins(tp_axis: int, ndim: int, other: str = "R") -> dict:
+    """Column- and row-parallel Linear layers of the zoo GPT on ``tp_axis``; ``other`` on
+    the other axes ("R": replicated there, "*": the ILP's choice)."""
     def on(p):
-        return tuple(p if a == tp_axis else "R" for a in range(ndim))
+        return tuple(p if a == tp_axis else other for a in range(ndim))
     col, row = on("S(0)"), on("S(1)")
     return {r"h\.\d+\.attn\.c_attn\.(weight|bias)": col, r"h\.\d+\.mlp\.c_fc\.(weight|bias)": col,
             r"h\.\d+\.attn\.c_proj\.weight": row, r"h\.\d+\.mlp\.c_proj\.weight": row}

@@ -1,6 +1,8 @@
 """Restrict layouts as a method asks: the batch kept on a mesh axis (Alpa's
 ``force_batch_dim_to_mesh_dim``: every op that has the batch dim shards it there),
-replicated or sharded parameters, layouts pinned by name. The ILP chooses the rest.
+replicated or sharded parameters, layouts pinned by name (``"*"`` on a mesh axis leaves
+that axis to the ILP; a pin overrides the method's parameter preset). The ILP chooses the
+rest.
 
 Each restriction keeps the strategies that satisfy it; a request no layout satisfies is
 the user's mistake (a batch that does not divide, a pin that cannot be) and raises a
@@ -73,11 +75,24 @@ def _keeps_batch(s: Strategy, node, carries, axes) -> bool:
     return True
 
 
+def _parse_pin(texts) -> tuple:
+    """Placements of a pin; ``None`` where it says ``"*"`` (any layout on that axis)."""
+    return tuple(None if t == "*" else parse_placements([t])[0] for t in texts)
+
+
+def _pin_matches(layout, pin) -> bool:
+    return len(layout) == len(pin) and all(p is None or p == q for q, p in zip(layout, pin))
+
+
+def _show_pin(pin) -> str:
+    return "".join("*" if p is None else str(p) for p in pin)
+
+
 def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mesh: LogicalMesh,
                       option: AutoShardingOption) -> list[str]:
     """Filter strategies in place; returns notes for the plan."""
     notes: list[str] = []
-    pins = [(re.compile(p), parse_placements(pl)) for p, pl in option.pin]
+    pins = [(re.compile(p), _parse_pin(pl)) for p, pl in option.pin]
     axis = option.force_batch_dim_to_mesh_dim
     if axis is not None and not -1 <= axis < mesh.ndim:
         raise ValueError(f"force_batch_dim_to_mesh_dim={axis} but the mesh has {mesh.ndim} "
@@ -107,11 +122,12 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
                                  f"the mesh {mesh.shape}; it stays whole")
         for pattern, layout in pins:
             if pattern.fullmatch(name):
-                kept = [s for s in options if s.outputs[0] == layout]
+                kept = [s for s in options if _pin_matches(s.outputs[0], layout)] or \
+                    [s for s in strategies[node.name] if _pin_matches(s.outputs[0], layout)]
                 if not kept:
                     possible = ", ".join(short(s.outputs[0]) for s in strategies[node.name])
                     raise ValueError(f"{name} {list(node.output.shape)} cannot be pinned to "
-                                     f"{short(layout)} on mesh {mesh.shape}; possible: {possible}")
+                                     f"{_show_pin(layout)} on mesh {mesh.shape}; possible: {possible}")
                 options = kept
         strategies[node.name] = options
     if axis is not None:

@@ -100,6 +100,24 @@ def test_pins_fix_layouts_and_bad_pins_say_what_is_possible(dp_graph):
         plan_intra_op(dp_graph, MESH, torchalpa.ShardParallel(auto_sharding_option=bad))
 
 
+def test_wildcard_pins_leave_an_axis_to_the_ilp_and_override_presets(dp_graph):
+    """Megatron on axis 1 by hand, axis 0 left open: with the ZeRO preset the ILP shards
+    the kernel there too (the pin wins over the preset where they disagree)."""
+    mesh = LogicalMesh(shape=(2, 2), alpha=(1.0, 1.0), beta=(1.0, 1.0))
+    open_axis = torchalpa.AutoShardingOption(parameters="sharded",
+                                             pin={r"net\.0\.weight": ("*", "S(0)")})
+    plan = plan_intra_op(dp_graph, mesh, torchalpa.ShardParallel(auto_sharding_option=open_axis))
+    dp_axis, tp_axis = plan.parameter("net.0.weight").placements
+    assert tp_axis == Shard(0) and isinstance(dp_axis, Shard)
+    whole = torchalpa.AutoShardingOption(parameters="sharded",
+                                         pin={r"net\.0\.weight": ("R", "S(0)")})
+    plan = plan_intra_op(dp_graph, mesh, torchalpa.ShardParallel(auto_sharding_option=whole))
+    assert plan.parameter("net.0.weight").placements == (Replicate(), Shard(0))
+    with pytest.raises(ValueError, match=r"cannot be pinned to \*S\(1\)"):
+        plan_intra_op(dp_graph, mesh, torchalpa.ShardParallel(
+            auto_sharding_option=torchalpa.AutoShardingOption(pin={r"net\.0\.bias": ("*", "S(1)")})))
+
+
 def test_data_parallel_needs_a_batch_that_divides():
     with torch.device("meta"):
         model = MLP(32, 2)

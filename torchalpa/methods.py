@@ -44,7 +44,8 @@ class AutoShardingOption:
     (FSDP's reshard-after-forward, ZeRO-3); trades communication for memory."""
     pin: tuple = ()
     """Fixed layouts: ``{regex: placements}`` (or pairs) matched against parameter names
-    and user inputs ('input0', ...), e.g. ``{"layers[.]0[.]wq[.]weight": ("R", "S(0)")}``."""
+    and user inputs ('input0', ...), e.g. ``{"layers[.]0[.]wq[.]weight": ("R", "S(0)")}``;
+    ``"*"`` on an axis leaves that axis to the ILP. Pins override ``parameters``."""
 
     def __post_init__(self):
         if self.parameters not in ("auto", "replicated", "sharded"):
@@ -56,7 +57,7 @@ class AutoShardingOption:
             if isinstance(placements, str):
                 placements = (placements,)
             from torchalpa.placement import parse_placements
-            parse_placements(placements)  # validate early: the error names the bad string
+            parse_placements([p for p in placements if p != "*"])  # the error names a bad one
             normalized.append((str(pattern), tuple(str(p) for p in placements)))
         object.__setattr__(self, "pin", tuple(normalized))
         if self.solver not in ("cbc", "highs"):
