@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.tx
 NPROC  ?= 4
 NETNS  := ../shared/tools/netns_bytes.sh
 
-.PHONY: demo test test-all bench env clean
+.PHONY: demo demo-pipeline test test-all bench env clean
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,10 +15,17 @@ $(STAMP): setup.cfg pyproject.toml constraints.txt
 
 env: $(STAMP)
 
-# The quickstart MLP on 4 gloo ranks (CPU), next to DDP.
+# The quickstart MLP on 4 gloo ranks (CPU), next to DDP; then a pipelined GPT.
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) \
 		examples/quickstart.py --compare ddp
+	@echo; echo "=== pipeline parallelism: examples/pipeline.py (make demo-pipeline) ==="
+	$(MAKE) --no-print-directory demo-pipeline
+
+# A GPT in pipeline stages on 4 gloo ranks (CPU), checked against single-device training.
+demo-pipeline: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) \
+		examples/pipeline.py
 
 # The test suite (under 15 minutes on 2 cores; about 5 here).
 test: $(STAMP)
