@@ -76,10 +76,12 @@ def _cbc_path() -> str:
 
 def _make_solver(solver: str, time_limit: float | None, gap: float | None):
     if solver == "cbc":
-        # The root LP dominates (it is usually integral already); CBC's dual simplex
-        # solves it about 3x faster than its default choice on these problems.
+        # The root LP is usually integral or nearly so. CBC's dual simplex solves it about
+        # 3x faster than its default choice here, and its feasibility pump, which only
+        # repeats the rounding the root already did, is what CBC spent most of its time
+        # on (LLaMA-3-8B on 8x8: 7.4 s -> 3.4 s, same optimum); branching finishes sooner.
         return pulp.COIN_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=1,
-                             path=_cbc_path(), options=["dualS"])
+                             path=_cbc_path(), options=["dualS", "feas off"])
     if solver == "highs":
         if "HiGHS" not in pulp.listSolvers(onlyAvailable=True):
             raise ValueError("solver='highs' needs the highspy package: pip install highspy")
