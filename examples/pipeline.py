@@ -3,9 +3,11 @@
     torchrun --nproc_per_node=4 examples/pipeline.py                  # search stages
     torchrun --nproc_per_node=4 examples/pipeline.py --stages 2       # 2 stages x 2 ranks
     torchrun --nproc_per_node=4 examples/pipeline.py --schedule gpipe --micro-batches 8
+    torchrun --nproc_per_node=4 examples/pipeline.py --profile       # time layers first
 
 torchalpa clusters the training step into layers, picks stages and submeshes with Alpa's
-dynamic program (or takes ``--stages N`` equal ones), shards each stage over its submesh
+dynamic program (or takes ``--stages N`` equal ones; ``--profile`` feeds the program layer
+times measured on these ranks instead of the cost model's), shards each stage over its submesh
 with the intra-op ILP, and runs the micro-batches with a 1F1B or GPipe schedule. Every rank
 builds the same model and passes the same global batch. The script prints the plan (stages,
 submeshes, estimated timeline), trains, and checks every step's loss and the final
@@ -31,6 +33,8 @@ def parse_args():
     p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     p.add_argument("--stages", type=int, default=None,
                    help="equal stages instead of the automatic search")
+    p.add_argument("--profile", action="store_true",
+                   help="search stages on layer times measured on these ranks")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--save-plan", default=None, help="write the plan JSON here")
@@ -53,7 +57,7 @@ def main():
         num_micro_batches=args.micro_batches, pipeline_schedule=args.schedule,
         layer_option=torchalpa.AutoLayerOption(layer_num=args.layers),
         stage_option=torchalpa.UniformStageOption(num_stages=args.stages) if args.stages
-        else "auto")
+        else "profile" if args.profile else "auto")
     pmodel = torchalpa.auto_parallel(model, batch, workload.loss_fn, method=method,
                                      optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
     rank = dist.get_rank()

@@ -8,7 +8,10 @@
    layers' model states plus their activations times the micro-batches in flight
    (1F1B keeps one per stage still ahead, GPipe all of them).
 3. Stages: Alpa's DP (``passes/stages.py``) on those costs, or stages given by hand, or
-   uniform stages.
+   uniform stages. With ``stage_option="profile"`` the DP uses layer times measured on
+   the devices instead of the cost model's: ``layer_probes`` gives, for every distinct
+   layer on every submesh view, an executable one-layer stage to time (the runtime times
+   it), and ``plan_pipeline(measured=...)`` takes the results.
 4. Each chosen stage's own graph is planned exactly on its submesh, and the stages,
    their transfers and an estimated timeline form the PipelinePlan.
 
@@ -35,7 +38,7 @@ from torchalpa.passes.subgraph import stage_subgraph
 from torchalpa.plan import PipelinePlan, StagePlan, Transfer
 from torchalpa.schedules import SCHEDULES, in_flight, simulate
 
-__all__ = ["plan_pipeline", "assign_layers", "logical_views"]
+__all__ = ["plan_pipeline", "assign_layers", "logical_views", "layer_probes", "LayerProbe"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -97,8 +100,9 @@ class _StageCosts:
     """Additive estimates of a range of layers on each submesh view (see module doc)."""
 
     def __init__(self, graph: OpGraph, layer: dict[str, int], cluster: Cluster,
-                 method: PipeshardParallel, inputs: str):
+                 method: PipeshardParallel, inputs: str, measured: dict | None = None):
         self.graph, self.layer, self.cluster, self.method = graph, layer, cluster, method
+        self.measured = measured   # (signature, view, submesh) -> seconds, when profiled
         self.num_layers = max(layer.values()) + 1
         self.inputs = inputs
         members: list[list[str]] = [[] for _ in range(self.num_layers)]
@@ -168,7 +172,25 @@ class _StageCosts:
         key = (self.signature[l], view, submesh, lean)
         if key not in self.cache:
             self.cache[key] = self._solve_layer(l, view, submesh, lean)
-        return self.cache[key]
+        estimate = self.cache[key]
+        timed = None if self.measured is None else \
+            self.measured.get((self.signature[l], view, submesh))
+        if estimate is None or timed is None:
+            return estimate
+        # measured time of the fastest plan; a lean plan adds what the model says its
+        # extra gathers cost
+        extra = 0.0
+        if lean:
+            fastest = self.layer_estimate(l, view, submesh, False)
+            extra = max(0.0, estimate.seconds - fastest.seconds) if fastest else 0.0
+        return replace(estimate, seconds=timed + extra)
+
+    def range_seconds(self, k: int, i: int, view, submesh) -> float | None:
+        """Measured seconds of layers k..i on a view, if every one was timed."""
+        if self.measured is None:
+            return None
+        parts = [self.measured.get((self.signature[l], view, submesh)) for l in range(k, i + 1)]
+        return None if any(p is None for p in parts) else sum(parts)
 
     def _solve_layer(self, l, view, submesh, lean) -> _Estimate | None:
         stage_of = {n: (0 if v == l else 1) for n, v in self.layer.items()}
@@ -217,14 +239,21 @@ class _StageCosts:
 
 
 def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
-                  inputs: str = "global") -> PipelinePlan:
-    """Alpa's PipeshardParallel plan of ``graph`` (one micro-batch) on ``cluster``."""
+                  inputs: str = "global", measured: dict | None = None) -> PipelinePlan:
+    """Alpa's PipeshardParallel plan of ``graph`` (one micro-batch) on ``cluster``.
+
+    ``measured``: seconds per micro-batch of each ``LayerProbe.key`` timed on the devices
+    (required by ``stage_option="profile"``, which otherwise plans like "auto")."""
     start = time.perf_counter()
     layer = assign_layers(graph, method, cluster.num_devices)
     L = max(layer.values()) + 1
     B = method.num_micro_batches
-    costs = _StageCosts(graph, layer, cluster, method, inputs)
     option = method.stage_option
+    if option == "profile" and measured is None:
+        raise ValueError("stage_option='profile' times layers on this job's devices: call "
+                         "torchalpa.auto_parallel under torchrun (torchalpa.plan has no "
+                         "devices to time on), or use stage_option='auto'")
+    costs = _StageCosts(graph, layer, cluster, method, inputs, measured)
     if isinstance(option, ManualStageOption):
         stages = _manual(option, L, cluster)
     elif isinstance(option, UniformStageOption):
@@ -251,13 +280,51 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
             option = replace(method.auto_sharding_option, parameters="sharded") if lean else None
             stages.append((s.layers, s.submesh, view, option))
     searched = time.perf_counter()
-    plan = _assemble(graph, layer, stages, cluster, method, inputs)
+    timed = [costs.range_seconds(k, i, view, submesh) for (k, i), submesh, view, _ in stages]
+    plan = _assemble(graph, layer, stages, cluster, method, inputs,
+                     stage_seconds=timed if all(t is not None for t in timed) else None)
     log.info("pipeline plan: %d layers, %d stages, %d layer solves for the DP (%.1fs), "
              "stage plans %.1fs", L, len(stages), costs.solves, searched - start,
              time.perf_counter() - searched)
     return replace(plan, estimates=dict(plan.estimates, search_seconds=searched - start,
                                         layer_solves=costs.solves,
                                         total_seconds=time.perf_counter() - start))
+
+
+@dataclass(frozen=True)
+class LayerProbe:
+    """One distinct layer on one submesh view, as an executable stage to time: stage
+    ``stage`` of ``plan`` runs exactly that layer on a mesh of shape ``view``."""
+
+    key: tuple          # (layer signature, view, submesh): what ``measured`` is keyed by
+    layer: int          # a layer with that signature
+    plan: PipelinePlan
+    stage: int
+
+
+def layer_probes(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
+                 inputs: str = "global") -> list[LayerProbe]:
+    """What ``stage_option="profile"`` times: every distinct layer on every view of every
+    submesh the DP considers, each as the middle stage of a plan whose other layers sit on
+    single devices of a cluster large enough to hold them (those stages never run)."""
+    layer = assign_layers(graph, method, cluster.num_devices)
+    L = max(layer.values()) + 1
+    costs = _StageCosts(graph, layer, cluster, method, inputs)
+    probes, seen = [], set()
+    room = replace(cluster, num_nodes=cluster.num_nodes + 2)
+    for submesh in submesh_shapes(cluster.num_nodes, cluster.devices_per_node):
+        for view in logical_views(submesh):
+            for l in range(L):
+                key = (costs.signature[l], view, submesh)
+                if key in seen:
+                    continue
+                seen.add(key)
+                stages = ([((0, l - 1), (1, 1), (1,), None)] if l > 0 else []) + \
+                    [((l, l), submesh, view, None)] + \
+                    ([((l + 1, L - 1), (1, 1), (1,), None)] if l < L - 1 else [])
+                plan = _assemble(graph, layer, stages, room, method, inputs)
+                probes.append(LayerProbe(key, l, plan, 1 if l > 0 else 0))
+    return probes
 
 
 def _workers() -> int:
@@ -331,7 +398,8 @@ def _place(submeshes: list[tuple[int, int]], cluster: Cluster) -> list[tuple[int
 
 
 def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Cluster,
-              method: PipeshardParallel, inputs: str) -> PipelinePlan:
+              method: PipeshardParallel, inputs: str, stage_seconds: list | None = None
+              ) -> PipelinePlan:
     stage_of_layer = {}
     for s, ((k, i), _, _, _) in enumerate(stages):
         for l in range(k, i + 1):
@@ -358,7 +426,8 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
                         stages=tuple(stage_plans), transfers=tuple(transfers),
                         node_stage=node_stage, num_micro_batches=method.num_micro_batches,
                         schedule=method.pipeline_schedule,
-                        estimates=_estimates(stage_plans, transfers, method, cluster),
+                        estimates=_estimates(stage_plans, transfers, method, cluster,
+                                             stage_seconds),
                         method=method.to_dict(), graph_fingerprint=graph.fingerprint())
 
 
@@ -393,10 +462,12 @@ def _owner_transfers(graph: OpGraph, node_stage: dict, have: list[Transfer]) -> 
     return out
 
 
-def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, cluster) -> dict:
+def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, cluster,
+               stage_seconds: list | None = None) -> dict:
     S, B = len(stages), method.num_micro_batches
     link = cluster.inter_node_bandwidth if cluster.num_nodes > 1 else cluster.intra_node_bandwidth
-    step = [s.plan.estimates["step_time_s"] for s in stages]
+    step = list(stage_seconds) if stage_seconds is not None else \
+        [s.plan.estimates["step_time_s"] for s in stages]
     forward = [t / 3 for t in step]            # backward is about twice forward's work
     backward = [t - f for t, f in zip(step, forward)]
     send = [sum(t.bytes for t in transfers if t.src_stage == s and t.phase == "forward") / link
@@ -408,6 +479,7 @@ def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, clust
               + in_flight(schedule[n]) * s.plan.estimates["activation_bytes_per_device"]
               for n, s in enumerate(stages)]
     return {"step_time_s": total, "max_stage_s": max(step), "stage_step_s": step,
+            "stage_times": "measured" if stage_seconds is not None else "cost model",
             "alpa_objective_s": sum(step) + (B - 1) * max(step),
             "memory_per_device_bytes": max(memory), "stage_memory_bytes": memory,
             "timeline": timeline}

@@ -319,3 +319,15 @@ class PipelineRunner:
                     self.send(k, v, m, pending)
         for work in pending:
             work.wait()
+
+
+def transfer_specs(gm: fx.GraphModule, plan: PipelinePlan) -> dict:
+    """(shape, dtype) of every value crossing stages, from the source graph."""
+    vals = {n.name: n.meta.get("val") for n in gm.graph.nodes}
+    specs = {}
+    for t in plan.transfers:
+        val = vals[t.producer]
+        if isinstance(val, (list, tuple)):
+            val = val[t.index]
+        specs[(t.producer, t.index)] = (tuple(val.shape), val.dtype)
+    return specs

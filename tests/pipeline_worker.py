@@ -31,7 +31,9 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
     ref_opt = torch.optim.Adam(ref.parameters(), lr=lr)
     out = {"losses": [], "ref_losses": [], "stages": pm.plan.forward_stage_layer_ids,
            "submeshes": [list(s) for s in pm.plan.submesh_shapes],
-           "logical": [list(s) for s in pm.plan.logical_shapes]}
+           "logical": [list(s) for s in pm.plan.logical_shapes],
+           "stage_times": pm.plan.estimates.get("stage_times"),
+           "stage_step_s": pm.plan.estimates.get("stage_step_s")}
     for _ in range(steps):
         if use_backward:
             loss = pm(*batch)
@@ -120,6 +122,9 @@ def scenarios(n):
             stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu)
         yield "gpt_auto", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=4)), cluster=cpu)
+        yield "gpt_profile", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
+            num_micro_batches=4, layer_option=L(layer_num=4), stage_option="profile"),
+            cluster=cpu)
         yield "gpt_checkpoint", lambda: checkpoint_round_trip(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=2),
             stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu,

@@ -48,9 +48,18 @@ def check(r):
 
 
 @pytest.mark.parametrize("name", ["mlp_2x2_1f1b", "mlp_4x1_gpipe_backward", "gpt_2x2_1f1b",
-                                  "gpt_auto"])
+                                  "gpt_auto", "gpt_profile"])
 def test_four_ranks(four, name):
     check(four[name])
+
+
+def test_profiled_search_plans_on_measured_times(four):
+    """stage_option="profile": every candidate layer was run and timed on the ranks, the
+    plan's stage times are those measurements, and it trains like one device (above)."""
+    r = four["gpt_profile"]
+    assert r["stage_times"] == "measured"
+    assert all(t > 0 for t in r["stage_step_s"])
+    assert sum(n * m for n, m in r["submeshes"]) == 4
 
 
 def test_checkpoint_resumes_identically(four):

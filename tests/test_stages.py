@@ -80,3 +80,61 @@ def test_pruning_stops_early_without_changing_the_answer():
     distinct = len({cost(k, i, j, s) for k in range(6) for i in range(k, 6)
                     for j in range(len(shapes)) for s in range(6)})
     assert got.num_t_max_tried < distinct
+
+
+# -- stage_option="profile": the DP on measured layer times --------------------------------
+
+@pytest.fixture(scope="module")
+def mlp_graph():
+    import torch
+    import torch.nn.functional as F
+    from models import MLP
+    from torchalpa.frontends.torch_export import capture
+    with torch.device("meta"):
+        model = MLP(64, 4)
+        x, y = torch.empty(32, 64), torch.empty(32, 64)
+    return capture(model, (x, y), F.mse_loss).graph
+
+
+def _profile_method():
+    import torchalpa
+    return torchalpa.PipeshardParallel(num_micro_batches=4, stage_option="profile",
+                                       layer_option=torchalpa.AutoLayerOption(layer_num=4))
+
+
+def test_profile_needs_measurements(mlp_graph):
+    import torchalpa
+    from torchalpa.passes.inter_op import plan_pipeline
+    with pytest.raises(ValueError, match="torchrun"):
+        plan_pipeline(mlp_graph, torchalpa.Cluster.local_cpu(4), _profile_method())
+
+
+def test_probes_cover_every_layer_on_every_view_once(mlp_graph):
+    import torchalpa
+    from torchalpa.passes.inter_op import layer_probes, logical_views
+    cluster = torchalpa.Cluster.local_cpu(4)
+    probes = layer_probes(mlp_graph, cluster, _profile_method())
+    keys = [p.key for p in probes]
+    assert len(keys) == len(set(keys))
+    views = {(view, sub) for sub in submesh_shapes(1, 4) for view in logical_views(sub)}
+    assert {(k[1], k[2]) for k in keys} == views
+    for p in probes:      # the probe's stage holds exactly its layer, on its view
+        stage = p.plan.stages[p.stage]
+        assert stage.layers == (p.layer,) and stage.plan.mesh_shape == p.key[1]
+
+
+@pytest.mark.parametrize("fast", [(1, 1), (1, 4)])
+def test_measured_times_decide_the_stages(mlp_graph, fast):
+    """Whatever the cost model says, measurements that make one submesh far faster than
+    the others make the DP use it: four 1-device stages, or one stage on all four."""
+    import torchalpa
+    from torchalpa.passes.inter_op import layer_probes, plan_pipeline
+    cluster = torchalpa.Cluster.local_cpu(4)
+    method = _profile_method()
+    measured = {p.key: (1e-3 if p.key[2] == fast else 1.0)
+                for p in layer_probes(mlp_graph, cluster, method)}
+    plan = plan_pipeline(mlp_graph, cluster, method, measured=measured)
+    assert set(plan.submesh_shapes) == {fast}
+    assert plan.estimates["stage_times"] == "measured"
+    per_stage = [len(s.layers) * 1e-3 for s in plan.stages]
+    assert plan.estimates["stage_step_s"] == pytest.approx(per_stage)

@@ -203,8 +203,9 @@ class PipeshardParallel:
     num_micro_batches: int = 1
     layer_option: AutoLayerOption = field(default_factory=AutoLayerOption)
     stage_option: object = "auto"
-    """'auto' (Alpa's DP on the cost model), 'uniform', UniformStageOption(...) or
-    ManualStageOption(...)."""
+    """'auto' (Alpa's DP on the cost model), 'profile' (the same DP on layer times measured
+    on this job's devices; needs ``auto_parallel`` under torchrun), 'uniform',
+    UniformStageOption(...) or ManualStageOption(...)."""
     pipeline_schedule: str = "1f1b"
     """'1f1b' or 'gpipe'."""
     auto_sharding_option: AutoShardingOption = field(default_factory=AutoShardingOption)
@@ -219,10 +220,11 @@ class PipeshardParallel:
                              f"got {self.pipeline_schedule!r}")
         if self.stage_option == "uniform":
             object.__setattr__(self, "stage_option", UniformStageOption())
-        if not (self.stage_option == "auto" or
+        if not (self.stage_option in ("auto", "profile") or
                 isinstance(self.stage_option, (ManualStageOption, UniformStageOption))):
-            raise ValueError("PipeshardParallel.stage_option must be 'auto', 'uniform', "
-                             f"UniformStageOption or ManualStageOption, got {self.stage_option!r}")
+            raise ValueError("PipeshardParallel.stage_option must be 'auto', 'profile', "
+                             "'uniform', UniformStageOption or ManualStageOption, got "
+                             f"{self.stage_option!r}")
         if self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"PipeshardParallel.optimizer must be one of "
                              f"{sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")

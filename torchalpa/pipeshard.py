@@ -62,7 +62,7 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
     from torchalpa.frontends.torch_export import capture
     from torchalpa.passes.inter_op import plan_pipeline
     from torchalpa.runtime import mesh as mesh_mod
-    from torchalpa.runtime.pipeline import PipelineRunner, lower_stage
+    from torchalpa.runtime.pipeline import PipelineRunner, lower_stage, transfer_specs
     from torchalpa.runtime.pipeline_module import PipelineModule
 
     mesh_mod.init_distributed()
@@ -85,7 +85,12 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
                              "plan again, or pass plan=None to solve now")
         the_plan = plan
     else:
-        the_plan = api._plan_on_rank0(lambda: plan_pipeline(captured.graph, cluster, method))
+        measured = None
+        if method.stage_option == "profile":
+            measured = _profile(captured, cluster, method, example_inputs, model,
+                                mesh_mod.default_device())
+        the_plan = api._plan_on_rank0(lambda: plan_pipeline(captured.graph, cluster, method,
+                                                            measured=measured))
     device = mesh_mod.default_device()
     meshes = [DeviceMesh(device.type, torch.tensor(st.ranks).reshape(st.plan.mesh_shape),
                          mesh_dim_names=tuple(st.plan.axis_names)) for st in the_plan.stages]
@@ -98,7 +103,7 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
                                                    for i in range(mesh.ndim)], device=device)
     _distribute_stages(model, the_plan, meshes, device)
     runner = PipelineRunner(program, the_plan, stage.index, rank,
-                            _transfer_specs(captured.gm, the_plan), device)
+                            transfer_specs(captured.gm, the_plan), device)
     log.info("pipeline ready in %.2fs: stage %d of %d on ranks %s", time.perf_counter() - start,
              stage.index, len(the_plan.stages), list(stage.ranks))
     return PipelineModule(model, the_plan, program, runner, mesh,
@@ -134,13 +139,27 @@ def _distribute_stages(model: nn.Module, plan: PipelinePlan, meshes, device) -> 
                 mod._buffers[key] = new_by_id[id(b)]
 
 
-def _transfer_specs(gm, plan: PipelinePlan) -> dict:
-    """(shape, dtype) of every value crossing stages, from the source graph."""
-    vals = {n.name: n.meta.get("val") for n in gm.graph.nodes}
-    specs = {}
-    for t in plan.transfers:
-        val = vals[t.producer]
-        if isinstance(val, (list, tuple)):
-            val = val[t.index]
-        specs[(t.producer, t.index)] = (tuple(val.shape), val.dtype)
-    return specs
+def _profile(captured, cluster: Cluster, method: PipeshardParallel, example_inputs, model,
+             device) -> dict:
+    """Rank 0 builds the layer probes; every rank takes part in timing them."""
+    import torch.distributed as dist
+    from torchalpa.passes.inter_op import LayerProbe, layer_probes
+    from torchalpa.plan import PipelinePlan
+    from torchalpa.runtime.profile import profile_layers
+    payload = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload = [("ok", [(p.key, p.layer, p.plan.to_json(indent=None), p.stage)
+                               for p in layer_probes(captured.graph, cluster, method)])]
+        except Exception as e:  # sent to every rank, then raised everywhere
+            payload = [("error", f"{type(e).__name__}: {e}")]
+            dist.broadcast_object_list(payload, src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    status, items = payload[0]
+    if status == "error":
+        raise RuntimeError(f"building the layer probes failed on rank 0: {items}")
+    probes = [LayerProbe(key, layer, PipelinePlan.from_json(text), stage)
+              for key, layer, text, stage in items]
+    micro = _micro_examples(example_inputs, method.num_micro_batches)
+    return profile_layers(captured, probes, micro, model, device)

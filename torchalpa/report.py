@@ -111,18 +111,23 @@ def pipeline_summary(plan) -> str:
              f"{plan.mesh_shape[1]} devices  {len(plan.stages)} stages  "
              f"{plan.num_micro_batches} micro-batches  schedule {plan.schedule}"]
     if "step_time_s" in est:
+        source = " from stage times measured on the devices" \
+            if est.get("stage_times") == "measured" else ""
         lines.append(f"estimated step {est['step_time_s'] * 1e3:.3f} ms "
-                     f"(slowest stage {est.get('max_stage_s', 0) * 1e3:.3f} ms per micro-batch)")
+                     f"(slowest stage {est.get('max_stage_s', 0) * 1e3:.3f} ms per micro-batch)"
+                     + source)
     lines.append(f"forward_stage_layer_ids = {plan.forward_stage_layer_ids}")
     lines.append(f"submesh_shapes = {[list(s) for s in plan.submesh_shapes]}")
     lines.append(f"logical_mesh_shapes = {[list(s) for s in plan.logical_shapes]}")
     lines.append("")
     rows = []
+    stage_seconds = est.get("stage_step_s") or [s.plan.estimates.get("step_time_s", 0)
+                                                 for s in plan.stages]
     for s in plan.stages:
         e = s.plan.estimates
         rows.append([str(s.index), f"{s.layers[0]}-{s.layers[-1]}", "x".join(map(str, s.submesh)),
                      "x".join(map(str, s.plan.mesh_shape)), str(list(s.ranks)),
-                     f"{e.get('step_time_s', 0) * 1e3:.3f}",
+                     f"{stage_seconds[s.index] * 1e3:.3f}",
                      format_bytes(e.get('memory_per_device_bytes', 0)),
                      str(len(s.plan.collectives))])
     lines += _table(rows, ["stage", "layers", "submesh", "logical", "ranks", "ms/micro-batch",
