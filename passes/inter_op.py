@@ -120,7 +120,10 @@ class _StageCosts:
         for node in self.graph.ops():
             for ref in node.operands:
                 a, b = self.layer[ref.node], self.layer[node.name]
-                if a != b and not self.graph.node(ref.node).kind == "input" and (ref, b) not in seen:
+                # the batch is on every stage; parameters cross once per step, not per
+                # micro-batch
+                if a != b and self.graph.node(ref.node).kind not in ("input", "param") \
+                        and (ref, b) not in seen:
                     seen.add((ref, b))
                     for cut in range(min(a, b), max(a, b)):
                         out[cut] += self.graph.spec(ref).nbytes
@@ -420,7 +423,8 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
             for t in sorted({node_stage[c] for c in graph.consumers(ref.node)} - {s}):
                 transfers.append(Transfer(producer=ref.node, index=ref.index, src_stage=s,
                                           dst_stage=t, phase=graph.node(ref.node).phase,
-                                          bytes=graph.spec(ref).nbytes))
+                                          bytes=graph.spec(ref).nbytes,
+                                          once_per_step=graph.node(ref.node).kind == "param"))
     transfers += _owner_transfers(graph, node_stage, transfers)
     return PipelinePlan(mesh_shape=(cluster.num_nodes, cluster.devices_per_node),
                         stages=tuple(stage_plans), transfers=tuple(transfers),
@@ -470,11 +474,13 @@ def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, clust
         [s.plan.estimates["step_time_s"] for s in stages]
     forward = [t / 3 for t in step]            # backward is about twice forward's work
     backward = [t - f for t, f in zip(step, forward)]
-    send = [sum(t.bytes for t in transfers if t.src_stage == s and t.phase == "forward") / link
-            for s in range(S)]
+    send = [sum(t.bytes for t in transfers if t.src_stage == s and t.phase == "forward"
+                and not t.once_per_step) / link for s in range(S)]
     schedule = SCHEDULES[method.pipeline_schedule](S, B)
     timeline = simulate(schedule, forward, backward, send)
-    total = max(e for stage in timeline for _, _, _, e in stage)
+    # parameters read by other stages are sent once, before the first micro-batch
+    once = sum(t.bytes for t in transfers if t.once_per_step) / link
+    total = max(e for stage in timeline for _, _, _, e in stage) + once
     memory = [s.plan.estimates["model_state_bytes_per_device"]
               + in_flight(schedule[n]) * s.plan.estimates["activation_bytes_per_device"]
               for n, s in enumerate(stages)]

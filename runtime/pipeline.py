@@ -263,6 +263,10 @@ class PipelineRunner:
         # (key, peer stage) -> transfer number, shared by both ends
         self.tag_of = {(t.producer, t.index, t.src_stage, t.dst_stage): i
                        for i, t in enumerate(pplan.transfers)}
+        # parameters another stage reads: sent with the first micro-batch of a step only
+        self.once = {(t.producer, t.index) for t in pplan.transfers if t.once_per_step}
+        self._step_values: dict = {}     # received this step
+        self._step_sent: set = set()
 
     def _peers_to(self, dst_stage: int) -> list[int]:
         mine = self.pplan.stages[self.stage].ranks
@@ -277,6 +281,10 @@ class PipelineRunner:
         return self.tag_of[(key[0], key[1], src, dst)] * 100_003 + micro
 
     def send(self, key, value: torch.Tensor, micro: int, pending: list) -> None:
+        if key in self.once:
+            if key in self._step_sent:
+                return
+            self._step_sent.add(key)
         value = value.contiguous()
         for t in self.pplan.transfers:
             if (t.producer, t.index) == key and t.src_stage == self.stage:
@@ -285,6 +293,13 @@ class PipelineRunner:
                                               tag=self._tag(key, self.stage, t.dst_stage, micro)))
 
     def recv(self, key, micro: int) -> torch.Tensor:
+        if key in self.once:
+            if key not in self._step_values:
+                self._step_values[key] = self._receive(key, micro)
+            return self._step_values[key]
+        return self._receive(key, micro)
+
+    def _receive(self, key, micro: int) -> torch.Tensor:
         src = next(t.src_stage for t in self.pplan.transfers
                    if (t.producer, t.index) == key and t.dst_stage == self.stage)
         shape, dtype = self.specs[key]
@@ -294,9 +309,10 @@ class PipelineRunner:
 
     def run(self, actions, state: list[torch.Tensor], micro_inputs: list[list[torch.Tensor]],
             saved: dict, grads_acc: list, losses: list, updates: list) -> None:
-        """Execute ``actions`` (("F", m) / ("B", m)) of this stage."""
+        """Execute ``actions`` (("F", m) / ("B", m)) of this stage: one training step."""
         p = self.program
         pending: list = []
+        self._step_values, self._step_sent = {}, set()
         for kind, m in actions:
             if kind == "F":
                 received = [self.recv(k, m) for k in p.forward_recvs]

@@ -34,7 +34,8 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
            "logical": [list(s) for s in pm.plan.logical_shapes],
            "stage_times": pm.plan.estimates.get("stage_times"),
            "stage_step_s": pm.plan.estimates.get("stage_step_s")}
-    for _ in range(steps):
+    for step in range(steps):
+        counting = _count_sends() if step == 0 else None
         if use_backward:
             loss = pm(*batch)
             loss.backward()
@@ -42,6 +43,12 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
             pm.optimizer.zero_grad(set_to_none=True)
         else:
             loss = pm.train_step(*batch)
+        if counting is not None:
+            out["sent_bytes"] = counting.stop()
+            out["planned_bytes"] = sum(
+                t.bytes * len(pm.plan.stages[t.dst_stage].ranks) *
+                (1 if t.once_per_step else pm.plan.num_micro_batches) for t in pm.plan.transfers)
+            out["once_per_step"] = sum(t.once_per_step for t in pm.plan.transfers)
         ref_loss = loss_fn(ref(*batch[:-1]), batch[-1])
         ref_loss.backward()
         ref_opt.step()
@@ -79,6 +86,24 @@ def checkpoint_round_trip(make_model, batch, loss_fn, method, *, cluster, path):
     torchalpa.load_checkpoint(path, fresh)
     resumed = [fresh.train_step(*batch).item() for _ in range(2)]
     return {"after": after, "resumed": resumed, "different": different}
+
+
+class _count_sends:
+    """Bytes every rank hands to dist.isend until stop() (summed over ranks)."""
+
+    def __init__(self):
+        self.original, self.sent = dist.isend, 0
+
+        def isend(tensor, *args, **kwargs):
+            self.sent += tensor.numel() * tensor.element_size()
+            return self.original(tensor, *args, **kwargs)
+        dist.isend = isend
+
+    def stop(self) -> int:
+        dist.isend = self.original
+        total = torch.tensor(self.sent, dtype=torch.int64)
+        dist.all_reduce(total)
+        return int(total.item())
 
 
 def _stage_ranks(plan, name):

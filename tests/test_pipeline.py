@@ -40,6 +40,8 @@ def eight(tmp_path_factory):
 
 
 def check(r):
+    # predicted equals executed: the bytes the stages sent each other in one step
+    assert r["sent_bytes"] == r["planned_bytes"]
     for got, want in zip(r["losses"], r["ref_losses"]):
         assert got == pytest.approx(want, rel=1e-5)
     # 3 Adam steps (lr 1e-3) move parameters by ~3e-3; they agree to 1e-4 (Adam divides
@@ -60,6 +62,12 @@ def test_profiled_search_plans_on_measured_times(four):
     assert r["stage_times"] == "measured"
     assert all(t > 0 for t in r["stage_step_s"])
     assert sum(n * m for n, m in r["submeshes"]) == 4
+
+
+def test_tied_weight_crosses_stages_once_per_step(four):
+    """The GPT's embedding is also its head: the head's stage receives it once per step,
+    not once per micro-batch (the byte count above includes this)."""
+    assert four["gpt_2x2_1f1b"]["once_per_step"] >= 1
 
 
 def test_checkpoint_resumes_identically(four):

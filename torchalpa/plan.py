@@ -266,7 +266,9 @@ class Plan:
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """A value one stage makes and another reads: sent point to point every micro-batch.
+    """A value one stage makes and another reads: sent point to point every micro-batch,
+    or once per step when it is a parameter (a tied weight read by a later stage does not
+    change between micro-batches).
 
     The sender holds it whole (its stage plan gathers it); each receiving rank takes the
     block its own stage plan reads. ``bytes`` is the whole tensor.
@@ -278,10 +280,12 @@ class Transfer:
     dst_stage: int
     phase: str          # forward (activations) or backward (gradients)
     bytes: int
+    once_per_step: bool = False
 
     def to_dict(self) -> dict:
         return {"producer": self.producer, "index": self.index, "src_stage": self.src_stage,
-                "dst_stage": self.dst_stage, "phase": self.phase, "bytes": self.bytes}
+                "dst_stage": self.dst_stage, "phase": self.phase, "bytes": self.bytes,
+                "once_per_step": self.once_per_step}
 
 
 @dataclass(frozen=True)

@@ -134,11 +134,15 @@ def pipeline_summary(plan) -> str:
                            "memory/device", "collectives"])
     if plan.transfers:
         lines.append("")
-        lines.append(f"transfers per micro-batch: {len(plan.transfers)} "
-                     f"({format_bytes(sum(t.bytes for t in plan.transfers))})")
+        each = [t for t in plan.transfers if not t.once_per_step]
+        lines.append(f"transfers per micro-batch: {len(each)} "
+                     f"({format_bytes(sum(t.bytes for t in each))}); once per step: "
+                     f"{len(plan.transfers) - len(each)} "
+                     f"({format_bytes(sum(t.bytes for t in plan.transfers if t.once_per_step))})")
         for t in plan.transfers:
             lines.append(f"  {t.phase:<8} stage {t.src_stage} -> {t.dst_stage}  "
-                         f"{format_bytes(t.bytes):>10}  {t.producer}")
+                         f"{format_bytes(t.bytes):>10}  {t.producer}"
+                         + ("  (parameter: once per step)" if t.once_per_step else ""))
     timeline = est.get("timeline")
     if timeline:
         lines.append("")
