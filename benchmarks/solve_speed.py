@@ -1,7 +1,7 @@
 """How fast the intra-op planner solves big models (the graph already captured).
 
     python benchmarks/solve_speed.py [--models llama3_8b gpt_39b] [--mesh 8x8]
-                                     [--solvers cbc highs]
+                                     [--solvers cbc highs] [--batch N]
 
 End to end after capture: strategies, follower/layer grouping, cost graph, ILP build and
 solve (with memory rounds), plan assembly. Targets on this 2-core machine: LLaMA-3-8B on
@@ -31,17 +31,19 @@ def main():
     p.add_argument("--models", nargs="+", default=["llama3_8b", "gpt_39b"])
     p.add_argument("--mesh", default="8x8")
     p.add_argument("--solvers", nargs="+", default=["cbc", "highs"])
+    p.add_argument("--batch", type=int, default=None, help="override every model's batch")
     args = p.parse_args()
     shape = tuple(int(s) for s in args.mesh.split("x"))
     cluster = torchalpa.Cluster.h100(num_nodes=max(1, shape[0] * shape[-1] // 8))
     mesh = cluster.logical_mesh(shape)
     print(f"mesh {shape} of H100s ({cluster.num_nodes} nodes x 8)")
-    print(f"{'model':<11}{'ops':>7}{'capture s':>10}{'solver':>7}{'plan s':>8}{'target':>8}"
+    print(f"{'model':<11}{'batch':>6}{'ops':>7}{'capture s':>10}{'solver':>7}{'plan s':>8}"
+          f"{'target':>8}"
           f"{'decisions':>10}{'ILP vars':>9}{'step ms':>9}{'mem/dev GB':>11}")
     for name in args.models:
         workload = getattr(zoo, name)()
-        if name in BATCH:
-            workload = workload.replace(batch_size=BATCH[name])
+        if args.batch or name in BATCH:
+            workload = workload.replace(batch_size=args.batch or BATCH[name])
         with torch.device("meta"):
             model, batch = workload.build(), workload.example_inputs()
         start = time.perf_counter()
@@ -54,7 +56,8 @@ def main():
             plan = plan_intra_op(graph, mesh, method, blocks=_blocks_of(graph))
             seconds = time.perf_counter() - start
             e = plan.estimates
-            print(f"{name:<11}{len(graph):>7}{captured:>10.1f}{solver:>7}{seconds:>8.2f}"
+            print(f"{name:<11}{workload.batch_size:>6}{len(graph):>7}{captured:>10.1f}"
+                  f"{solver:>7}{seconds:>8.2f}"
                   f"{TARGET_S.get(name, float('nan')):>8.0f}{e['num_decisions']:>10}"
                   f"{e['ilp_variables']:>9}{e['step_time_s'] * 1e3:>9.1f}"
                   f"{e['memory_per_device_bytes'] / 1e9:>11.1f}", flush=True)
