@@ -142,23 +142,13 @@ def _distribute_stages(model: nn.Module, plan: PipelinePlan, meshes, device) -> 
 def _profile(captured, cluster: Cluster, method: PipeshardParallel, example_inputs, model,
              device) -> dict:
     """Rank 0 builds the layer probes; every rank takes part in timing them."""
-    import torch.distributed as dist
+    from torchalpa import api
     from torchalpa.passes.inter_op import LayerProbe, layer_probes
     from torchalpa.plan import PipelinePlan
     from torchalpa.runtime.profile import profile_layers
-    payload = [None]
-    if dist.get_rank() == 0:
-        try:
-            payload = [("ok", [(p.key, p.layer, p.plan.to_json(indent=None), p.stage)
-                               for p in layer_probes(captured.graph, cluster, method)])]
-        except Exception as e:  # sent to every rank, then raised everywhere
-            payload = [("error", f"{type(e).__name__}: {e}")]
-            dist.broadcast_object_list(payload, src=0)
-            raise
-    dist.broadcast_object_list(payload, src=0)
-    status, items = payload[0]
-    if status == "error":
-        raise RuntimeError(f"building the layer probes failed on rank 0: {items}")
+    items = api._on_rank0(lambda: [(p.key, p.layer, p.plan.to_json(indent=None), p.stage)
+                                   for p in layer_probes(captured.graph, cluster, method)],
+                          "building the layer probes")
     probes = [LayerProbe(key, layer, PipelinePlan.from_json(text), stage)
               for key, layer, text, stage in items]
     micro = _micro_examples(example_inputs, method.num_micro_batches)
