@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from torchalpa.cluster import Cluster, LogicalMesh
 from torchalpa.methods import (AutoShardingOption, ManualStageOption, PipeshardParallel,
                                UniformStageOption)
-from torchalpa.opgraph import GraphOutputs, OpGraph
+from torchalpa.opgraph import GraphOutputs, OpGraph, ValueRef
 from torchalpa.passes.intra_op import plan_intra_op
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.layers import cluster_layers, layers_from_markers
@@ -424,7 +424,8 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
                 transfers.append(Transfer(producer=ref.node, index=ref.index, src_stage=s,
                                           dst_stage=t, phase=graph.node(ref.node).phase,
                                           bytes=graph.spec(ref).nbytes,
-                                          once_per_step=graph.node(ref.node).kind == "param"))
+                                          once_per_step=_once_per_step(graph, ref, node_stage,
+                                                                       t)))
     transfers += _owner_transfers(graph, node_stage, transfers)
     return PipelinePlan(mesh_shape=(cluster.num_nodes, cluster.devices_per_node),
                         stages=tuple(stage_plans), transfers=tuple(transfers),
@@ -433,6 +434,21 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
                         estimates=_estimates(stage_plans, transfers, method, cluster,
                                              stage_seconds),
                         method=method.to_dict(), graph_fingerprint=graph.fingerprint())
+
+
+def _once_per_step(graph: OpGraph, ref, node_stage: dict, dst: int) -> bool:
+    """Whether ``ref`` can cross to stage ``dst`` once per step instead of per micro-batch:
+    a parameter, or a gradient part ``dst`` only adds into a parameter's gradient (GPT's
+    head contributing to its tied embedding's gradient), which may be summed first."""
+    if graph.node(ref.node).kind == "param":
+        return True
+    readers = [c for c in graph.consumers(ref.node) if node_stage[c] == dst]
+    grads = {r for _, r in graph.outputs.grads}
+    return (graph.node(ref.node).phase == "backward" and len(readers) == 1
+            and graph.node(readers[0]).op == "aten.add.Tensor"
+            and len(graph.node(readers[0]).operands) == 2
+            and sum(1 for o in graph.node(readers[0]).operands if o == ref) == 1
+            and ValueRef(readers[0], 0) in grads and not graph.consumers(readers[0]))
 
 
 def _plan_stage(request: tuple):

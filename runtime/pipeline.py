@@ -54,6 +54,10 @@ class StageProgram:
     has_loss: bool
     buffer_updates: list[str] = field(default_factory=list)
     grad_present: list[bool] = field(default_factory=list)
+    # gradient parts received once per step, summed over the micro-batches by their
+    # sender: (key, index among the present gradients, program laying the sum out as
+    # that gradient's addend)
+    summed_recvs: list[tuple[tuple[str, int], int, fx.GraphModule]] = field(default_factory=list)
 
     def code(self) -> str:
         return ("# forward\n" + self.forward.code + "\n# backward\n" + self.backward.code +
@@ -90,6 +94,8 @@ def lower_stage(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *, param_na
 
     included = [n for n in nodes if n.op == "call_function" and stage_of(n.name) == stage]
     transfers_in = {(t.producer, t.index): t.phase for t in pplan.transfers if t.dst_stage == stage}
+    summed_in = {(t.producer, t.index) for t in pplan.transfers
+                 if t.dst_stage == stage and t.once_per_step and t.phase != "forward"}
     sends_out: dict[tuple[str, int], str] = {}
     for t in pplan.transfers:
         if t.src_stage == stage:
@@ -121,6 +127,8 @@ def lower_stage(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *, param_na
         forward_phs.append(value)
         env[ph.name] = emit.steps(value, reshards.get((ph.name, "input"), ()))
     for key, phase in transfers_in.items():
+        if key in summed_in:
+            continue           # added to its gradient once per step (below), not per micro-batch
         name = _received_name(*key)
         value = graph.placeholder(name)
         (forward_phs if phase == "forward" else backward_phs).append(value)
@@ -134,9 +142,18 @@ def lower_stage(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *, param_na
             return received[key]
         raise AssertionError(f"stage {stage} reads {a.name}, which it neither makes nor receives")
 
+    summed_into: dict[str, tuple[tuple[str, int], int]] = {}   # add node -> (key, its slot)
     for n in included:
         if n.target is operator.getitem:
             env[n.name] = graph.call_function(operator.getitem, (lookup(n.args[0]), n.args[1]))
+            continue
+        summed = [(i, producer_of[a.name]) for i, a in enumerate(n.args[:2])
+                  if isinstance(a, fx.Node) and producer_of[a.name] in summed_in]
+        if summed:             # gradient = own part + received part: emit the own part only
+            (slot, key), = summed
+            other = n.args[1 - slot]
+            env[n.name] = emit.steps(lookup(other), reshards.get((n.name, 1 - slot), ()))
+            summed_into[n.name] = (key, slot)
             continue
         slots = iter(range(10 ** 6))
 
@@ -172,6 +189,15 @@ def lower_stage(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *, param_na
                      for v, (_, fqn) in zip(update_values,
                                             [b for b in owned_buffers if b[1] in updates])]
 
+    present = [fqn for (_, fqn), g in zip(owned_params, raw_grads) if g is not None]
+    summed_recvs = []
+    for add_name, (key, slot) in summed_into.items():
+        fqn = next(f for f in present if grads[f].name == add_name)
+        summed_recvs.append((key, present.index(fqn),
+                             _addend(key, [reshards.get((_received_name(*key), "input"), ()),
+                                           reshards.get((add_name, slot), ())],
+                                     splan.mesh_shape, coords, group_names)))
+
     forward_sends = [k for k, ph in sends_out.items() if ph == "forward"]
     backward_sends = [k for k, ph in sends_out.items() if ph != "forward"]
     roots = ([loss_value] if loss_value is not None else []) + \
@@ -194,10 +220,22 @@ def lower_stage(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *, param_na
         params=[fqn for _, fqn in owned_params], buffers=[fqn for _, fqn in owned_buffers],
         user_inputs=[kinds[ph.name][1] for ph in user_inputs],
         forward_recvs=[k for k, ph in transfers_in.items() if ph == "forward"],
-        backward_recvs=[k for k, ph in transfers_in.items() if ph != "forward"],
+        backward_recvs=[k for k, ph in transfers_in.items()
+                        if ph != "forward" and k not in summed_in],
         forward_sends=forward_sends, backward_sends=backward_sends, has_loss=has_loss,
         buffer_updates=[fqn for _, fqn in owned_buffers if fqn in updates],
-        grad_present=[g is not None for g in raw_grads])
+        grad_present=[g is not None for g in raw_grads], summed_recvs=summed_recvs)
+
+
+def _addend(key, steps_list, mesh_shape, coords, group_names) -> fx.GraphModule:
+    """The received sum, laid out as the gradient it is added to."""
+    graph = fx.Graph()
+    emit = _Emitter(graph, mesh_shape, coords, group_names)
+    value = graph.placeholder(_received_name(*key))
+    for steps in steps_list:
+        value = emit.steps(value, steps)
+    graph.output((value,))
+    return fx.GraphModule(torch.nn.Module(), graph, "SummedGradient")
 
 
 def _ref(key: tuple[str, int]) -> str:
@@ -263,10 +301,15 @@ class PipelineRunner:
         # (key, peer stage) -> transfer number, shared by both ends
         self.tag_of = {(t.producer, t.index, t.src_stage, t.dst_stage): i
                        for i, t in enumerate(pplan.transfers)}
-        # parameters another stage reads: sent with the first micro-batch of a step only
-        self.once = {(t.producer, t.index) for t in pplan.transfers if t.once_per_step}
+        # parameters another stage reads: sent with the first micro-batch of a step only;
+        # gradient parts another stage only adds up: summed here, sent after the last
+        self.once = {(t.producer, t.index) for t in pplan.transfers
+                     if t.once_per_step and t.phase == "forward"}
+        self.summed = {(t.producer, t.index) for t in pplan.transfers
+                       if t.once_per_step and t.phase != "forward"}
         self._step_values: dict = {}     # received this step
         self._step_sent: set = set()
+        self._sums: dict = {}
 
     def _peers_to(self, dst_stage: int) -> list[int]:
         mine = self.pplan.stages[self.stage].ranks
@@ -281,6 +324,10 @@ class PipelineRunner:
         return self.tag_of[(key[0], key[1], src, dst)] * 100_003 + micro
 
     def send(self, key, value: torch.Tensor, micro: int, pending: list) -> None:
+        if key in self.summed and micro >= 0:
+            self._sums[key] = value.clone() if key not in self._sums else self._sums[key] + value
+            return
+        micro = max(micro, 0)
         if key in self.once:
             if key in self._step_sent:
                 return
@@ -312,7 +359,7 @@ class PipelineRunner:
         """Execute ``actions`` (("F", m) / ("B", m)) of this stage: one training step."""
         p = self.program
         pending: list = []
-        self._step_values, self._step_sent = {}, set()
+        self._step_values, self._step_sent, self._sums = {}, set(), {}
         for kind, m in actions:
             if kind == "F":
                 received = [self.recv(k, m) for k in p.forward_recvs]
@@ -333,6 +380,13 @@ class PipelineRunner:
                     grads_acc[i] = g if grads_acc[i] is None else grads_acc[i] + g
                 for k, v in zip(p.backward_sends, out[n:]):
                     self.send(k, v, m, pending)
+        if any(kind == "B" for kind, _ in actions):
+            for k, total in self._sums.items():     # micro -1: the step's one message
+                self.send(k, total, -1, pending)
+            for k, position, addend in p.summed_recvs:
+                part = addend(self._receive(k, 0))[0]
+                grads_acc[position] = part if grads_acc[position] is None else \
+                    grads_acc[position] + part
         for work in pending:
             work.wait()
 

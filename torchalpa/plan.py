@@ -267,8 +267,10 @@ class Plan:
 @dataclass(frozen=True, slots=True)
 class Transfer:
     """A value one stage makes and another reads: sent point to point every micro-batch,
-    or once per step when it is a parameter (a tied weight read by a later stage does not
-    change between micro-batches).
+    or once per step (``once_per_step``) when that gives the same result: a parameter (a
+    tied weight read by a later stage does not change between micro-batches), or a
+    gradient contribution the receiver only adds into a parameter's gradient (the sender
+    sums it over the micro-batches and sends the sum).
 
     The sender holds it whole (its stage plan gathers it); each receiving rank takes the
     block its own stage plan reads. ``bytes`` is the whole tensor.

@@ -142,7 +142,9 @@ def pipeline_summary(plan) -> str:
         for t in plan.transfers:
             lines.append(f"  {t.phase:<8} stage {t.src_stage} -> {t.dst_stage}  "
                          f"{format_bytes(t.bytes):>10}  {t.producer}"
-                         + ("  (parameter: once per step)" if t.once_per_step else ""))
+                         + (("  (parameter: once per step)" if t.phase == "forward" else
+                             "  (summed over micro-batches: once per step)")
+                            if t.once_per_step else ""))
     timeline = est.get("timeline")
     if timeline:
         lines.append("")
