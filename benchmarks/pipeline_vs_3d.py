@@ -109,7 +109,7 @@ def main():
     auto_step = _step(auto, cluster)
     print(f"auto: search {searched:.1f}s (target 60s); stages "
           f"{auto.forward_stage_layer_ids}, submeshes {auto.submesh_shapes}, logical "
-          f"{auto.logical_shapes}; est step {_ms(auto_step)} ms, "
+          f"{auto.logical_shapes}, options {auto.stage_options}; est step {_ms(auto_step)} ms, "
           f"{_throughput(auto_step)} samples/s", flush=True)
 
     print(f"{'pp':>3}{'dp':>4}{'tp':>4}{'ZeRO':>6}{'step ms':>10}{'samples/s':>11}{'mem GB':>8}"

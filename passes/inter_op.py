@@ -120,10 +120,10 @@ class _StageCosts:
         for node in self.graph.ops():
             for ref in node.operands:
                 a, b = self.layer[ref.node], self.layer[node.name]
-                # the batch is on every stage; parameters cross once per step, not per
-                # micro-batch
-                if a != b and self.graph.node(ref.node).kind not in ("input", "param") \
-                        and (ref, b) not in seen:
+                # the batch is on every stage; parameters (and gradient parts only summed
+                # into a parameter's gradient) cross once per step, not per micro-batch
+                if a != b and self.graph.node(ref.node).kind != "input" and (ref, b) not in seen \
+                        and not _once_per_step(self.graph, ref, self.layer, b):
                     seen.add((ref, b))
                     for cut in range(min(a, b), max(a, b)):
                         out[cut] += self.graph.spec(ref).nbytes
@@ -436,13 +436,14 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
                         method=method.to_dict(), graph_fingerprint=graph.fingerprint())
 
 
-def _once_per_step(graph: OpGraph, ref, node_stage: dict, dst: int) -> bool:
-    """Whether ``ref`` can cross to stage ``dst`` once per step instead of per micro-batch:
-    a parameter, or a gradient part ``dst`` only adds into a parameter's gradient (GPT's
-    head contributing to its tied embedding's gradient), which may be summed first."""
+def _once_per_step(graph: OpGraph, ref, part: dict, dst: int) -> bool:
+    """Whether ``ref`` can cross to stage (or layer) ``dst`` of ``part`` once per step
+    instead of per micro-batch: a parameter, or a gradient part ``dst`` only adds into a
+    parameter's gradient (GPT's head contributing to its tied embedding's gradient),
+    which may be summed over the micro-batches first."""
     if graph.node(ref.node).kind == "param":
         return True
-    readers = [c for c in graph.consumers(ref.node) if node_stage[c] == dst]
+    readers = [c for c in graph.consumers(ref.node) if part[c] == dst]
     grads = {r for _, r in graph.outputs.grads}
     return (graph.node(ref.node).phase == "backward" and len(readers) == 1
             and graph.node(readers[0]).op == "aten.add.Tensor"

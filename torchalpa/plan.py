@@ -341,6 +341,18 @@ class PipelinePlan:
         return [s.plan.mesh_shape for s in self.stages]
 
     @property
+    def stage_options(self) -> list[dict]:
+        """Each stage's intra-op options where they differ from the defaults (Alpa's
+        per-stage autosharding options), e.g. ``{"parameters": "sharded"}``."""
+        from torchalpa.methods import AutoShardingOption
+        default = json.loads(json.dumps(asdict(AutoShardingOption())))
+        out = []
+        for s in self.stages:
+            given = s.plan.method.get("auto_sharding_option", {})
+            out.append({k: v for k, v in given.items() if default.get(k) != v})
+        return out
+
+    @property
     def num_devices(self) -> int:
         n = 1
         for s in self.mesh_shape:
@@ -371,6 +383,7 @@ class PipelinePlan:
             "forward_stage_layer_ids": self.forward_stage_layer_ids,
             "submesh_shapes": [list(s) for s in self.submesh_shapes],
             "logical_shapes": [list(s) for s in self.logical_shapes],
+            "stage_options": self.stage_options,
             "parameters": {p.name: dict(p.to_dict(), stage=s.index)
                            for s in self.stages for p in s.plan.parameters},
             "collectives": [dict(c.to_dict(), stage=s.index)

@@ -119,6 +119,7 @@ def pipeline_summary(plan) -> str:
     lines.append(f"forward_stage_layer_ids = {plan.forward_stage_layer_ids}")
     lines.append(f"submesh_shapes = {[list(s) for s in plan.submesh_shapes]}")
     lines.append(f"logical_mesh_shapes = {[list(s) for s in plan.logical_shapes]}")
+    lines.append(f"stage_options = {plan.stage_options}")
     lines.append("")
     rows = []
     stage_seconds = est.get("stage_step_s") or [s.plan.estimates.get("step_time_s", 0)
