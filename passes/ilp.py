@@ -74,19 +74,20 @@ def _cbc_path() -> str:
         return pulp.PULP_CBC_CMD().path
 
 
-def _make_solver(solver: str, time_limit: float | None, gap: float | None):
+def _make_solver(solver: str, time_limit: float | None, gap: float | None,
+                 warm: bool = False):
     if solver == "cbc":
         # The root LP is usually integral or nearly so. CBC's dual simplex solves it about
         # 3x faster than its default choice here, and its feasibility pump, which only
         # repeats the rounding the root already did, is what CBC spent most of its time
         # on (LLaMA-3-8B on 8x8: 7.4 s -> 3.4 s, same optimum); branching finishes sooner.
         return pulp.COIN_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=1,
-                             path=_cbc_path(), options=["dualS", "feas off"])
+                             path=_cbc_path(), options=["dualS", "feas off"], warmStart=warm)
     if solver == "highs":
         if "HiGHS" not in pulp.listSolvers(onlyAvailable=True):
             raise ValueError("solver='highs' needs the highspy package: pip install highspy")
         return pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=1,
-                          random_seed=0)
+                          random_seed=0, warmStart=warm)
     raise ValueError(f"solver must be 'cbc' or 'highs', got {solver!r}")
 
 
@@ -120,7 +121,8 @@ def _fold_edges(costs: dict[str, np.ndarray], edges: list[Edge]) -> tuple[list[E
 
 
 def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | None = None,
-              gap: float | None = None) -> ILPSolution:
+              gap: float | None = None, initial: dict[str, int] | None = None) -> ILPSolution:
+    """Alpa's ILP; ``initial`` (node -> strategy index) is a feasible start for the solver."""
     start = time.perf_counter()
     costs = {k: np.asarray(v, dtype=float).copy() for k, v in problem.node_costs.items()}
     edges, constant = _fold_edges(costs, problem.edges)
@@ -155,6 +157,10 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
                 vars_.append(None)
         prob += pulp.lpSum(x for x in vars_ if x is not None) == 1
         s[k] = vars_
+        if initial is not None and k in initial:
+            for a, var in enumerate(vars_):
+                if var is not None:
+                    var.setInitialValue(1 if a == initial[k] else 0)
     for eidx, e in enumerate(edges):
         P, Q = e.table.shape
         rows = [[] for _ in range(P)]
@@ -201,7 +207,7 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
             else:
                 prob += pulp.LpAffineExpression(terms) <= problem.memory_budget * mem_scale - fixed
     prob += pulp.LpAffineExpression([(peak, 1.0)] if peak is not None else objective)
-    status = prob.solve(_make_solver(solver, time_limit, gap))
+    status = prob.solve(_make_solver(solver, time_limit, gap, warm=initial is not None))
     status_name = pulp.LpStatus[status]
     if status_name in ("Infeasible", "Not Solved", "Undefined") or prob.sol_status in (
             pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound):

@@ -146,12 +146,19 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     option = method.auto_sharding_option
     budget = option.memory_budget_per_device or mesh.memory_per_device
 
-    def solve(period: int):
+    def solve(period: int, start: dict[str, Strategy] | None = None):
         grouping = group_nodes(graph, S, blocks, heavy=space.heavy, period=period)
         cg = build_cost_graph(graph, mesh, S, grouping, costs)
         memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states)
+        initial = None
+        if start is not None:    # a plan of a coarser grouping is feasible here too
+            initial = {}
+            for k in cg.node_costs:
+                position = {id(S[k][i]): a for a, i in enumerate(grouping.index[k])}
+                if id(start[k]) in position:
+                    initial[k] = position[id(start[k])]
         solution, chosen = _solve_within_memory(graph, S, grouping, cg, memory, budget,
-                                                option, mesh)
+                                                option, mesh, initial=initial)
         return grouping, cg, solution, chosen
 
     built = time.perf_counter()
@@ -159,7 +166,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     if blocks and _reshards_between_blocks(graph, blocks, chosen, costs) > \
             0.01 * solution.objective:
         # shared layers cannot alternate; let every other layer decide apart, keep the best
-        alternative = solve(2)
+        alternative = solve(2, start=chosen)
         if alternative[2].objective < solution.objective:
             grouping, cg, solution, chosen = alternative
     plan = _assemble(graph, mesh, method, chosen, costs, space, inputs)
@@ -229,7 +236,7 @@ def _violations(timeline: np.ndarray, budget: float, most: int = 8) -> list[int]
 
 
 def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, option, mesh,
-                         max_rounds: int = 20):
+                         max_rounds: int = 20, initial: dict[str, int] | None = None):
     """Solve; while the plan's true peak exceeds the budget, constrain memory there too."""
     from dataclasses import replace as _replace
     states = memory.optimizer_states
@@ -243,7 +250,7 @@ def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, op
     for _ in range(max_rounds):
         try:
             solution = solve_ilp(problem, solver=option.solver, time_limit=option.time_limit,
-                                 gap=option.gap)
+                                 gap=option.gap, initial=initial)
         except InfeasibleError:
             if not points:
                 raise

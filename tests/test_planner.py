@@ -302,3 +302,23 @@ def test_moe_layer_oracle():
     a2a = [c for c in plan.collectives if c.kind == "all_to_all"]
     assert [c.phase for c in a2a].count("forward") == 2
     assert [c.phase for c in a2a].count("backward") == 2
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_a_warm_start_changes_nothing_but_time(solver):
+    """solve_ilp(initial=...) (how the period-2 solve starts from the period-1 plan) finds
+    the same optimum as a cold solve, from a feasible but poor start, with a memory row."""
+    import numpy as np
+    from torchalpa.passes.ilp import Edge, ILPProblem, solve_ilp
+    rng = np.random.default_rng(0)
+    names = [f"n{i}" for i in range(12)]
+    costs = {n: rng.uniform(1, 10, size=4) for n in names}
+    edges = [Edge(a, b, np.arange(4), np.arange(4), rng.uniform(0, 5, size=(4, 4)))
+             for a, b in zip(names, names[1:])]
+    memory = [{n: rng.uniform(1, 3, size=4) for n in names}]
+    problem = ILPProblem(node_costs=costs, edges=edges, memory_terms=memory,
+                         memory_budget=30.0)
+    cold = solve_ilp(problem, solver=solver)
+    light = {n: int(np.argmin(memory[0][n])) for n in names}       # fits, costs a lot
+    warm = solve_ilp(problem, solver=solver, initial=light)
+    assert warm.objective == pytest.approx(cold.objective, rel=1e-9)
