@@ -152,3 +152,25 @@ def test_cached_plans_are_reused_without_solving(tmp_path, monkeypatch):
     # another mesh is another key
     with pytest.raises(AssertionError, match="solved again"):
         torchalpa.plan(model, (x, y), F.mse_loss, cluster=LogicalMesh(shape=(2,)))
+
+
+def test_cached_pipeline_plans_are_reused_without_solving(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHALPA_CACHE_DIR", str(tmp_path))
+    with torch.device("meta"):
+        model = MLP(32, 4)
+        x, y = torch.empty(64, 32), torch.empty(64, 32)
+    method = torchalpa.PipeshardParallel(num_micro_batches=2,
+                                         layer_option=torchalpa.AutoLayerOption(layer_num=2))
+    cluster = torchalpa.Cluster.local_cpu(2)
+    first = torchalpa.plan(model, (x, y), F.mse_loss, method=method, cluster=cluster)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    import torchalpa.passes.inter_op as inter_op
+
+    def no_solving(*a, **k):
+        raise AssertionError("solved again")
+    monkeypatch.setattr(inter_op, "plan_pipeline", no_solving)
+    again = torchalpa.plan(model, (x, y), F.mse_loss, method=method, cluster=cluster)
+    assert again.to_json() == first.to_json()
+    with pytest.raises(AssertionError, match="solved again"):    # another cluster
+        torchalpa.plan(model, (x, y), F.mse_loss, method=method,
+                       cluster=torchalpa.Cluster.local_cpu(4))

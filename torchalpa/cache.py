@@ -17,7 +17,7 @@ from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
 
-from torchalpa.plan import Plan
+from torchalpa.plan import PipelinePlan, Plan, load_plan
 
 __all__ = ["plan_key", "load_cached", "store", "cache_dir"]
 
@@ -48,13 +48,14 @@ def _planner_source_hash() -> str:
 
 
 def plan_key(fingerprint: str, mesh, method, inputs: str) -> str:
+    """``mesh``: the LogicalMesh of an intra-op plan, or the Cluster of a pipeline plan."""
     payload = json.dumps({"graph": fingerprint, "mesh": asdict(mesh), "method": method.to_dict(),
                           "inputs": inputs, "code": _planner_source_hash()},
                          sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
-def load_cached(key: str) -> Plan | None:
+def load_cached(key: str) -> Plan | PipelinePlan | None:
     root = cache_dir()
     if root is None:
         return None
@@ -62,7 +63,7 @@ def load_cached(key: str) -> Plan | None:
     if not path.exists():
         return None
     try:
-        plan = Plan.load(path)
+        plan = load_plan(path)
     except (ValueError, KeyError, json.JSONDecodeError) as e:
         log.warning("ignoring unreadable cached plan %s: %s", path, e)
         return None
@@ -70,7 +71,7 @@ def load_cached(key: str) -> Plan | None:
     return plan
 
 
-def store(key: str, plan: Plan) -> None:
+def store(key: str, plan: Plan | PipelinePlan) -> None:
     root = cache_dir()
     if root is None:
         return

@@ -51,7 +51,23 @@ def plan_pipeshard(model: nn.Module, example_inputs, loss_fn, *, method: Pipesha
     micro = _micro_examples(example_inputs, method.num_micro_batches)
     captured = capture(model, micro, loss_fn, rematerialize_parameters=(
         method.auto_sharding_option.rematerialize_parameters))
-    return plan_pipeline(captured.graph, _check_cluster(cluster), method, inputs=inputs)
+    return _cached(captured.graph, _check_cluster(cluster), method, inputs,
+                   lambda: plan_pipeline(captured.graph, cluster, method, inputs=inputs))
+
+
+def _cached(graph, cluster: Cluster, method: PipeshardParallel, inputs: str, solve):
+    """The plan cached for this (graph, cluster, method), else ``solve()`` (then cached).
+    Profiled plans depend on measurements and are never cached."""
+    from torchalpa import cache
+    if method.stage_option == "profile":
+        return solve()
+    key = cache.plan_key(graph.fingerprint(), cluster, method, inputs)
+    found = cache.load_cached(key)
+    if isinstance(found, PipelinePlan):
+        return found
+    plan = solve()
+    cache.store(key, plan)
+    return plan
 
 
 def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: PipeshardParallel,
@@ -89,8 +105,9 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
         if method.stage_option == "profile":
             measured = _profile(captured, cluster, method, example_inputs, model,
                                 mesh_mod.default_device())
-        the_plan = api._plan_on_rank0(lambda: plan_pipeline(captured.graph, cluster, method,
-                                                            measured=measured))
+        the_plan = api._plan_on_rank0(lambda: _cached(
+            captured.graph, cluster, method, "global",
+            lambda: plan_pipeline(captured.graph, cluster, method, measured=measured)))
     device = mesh_mod.default_device()
     meshes = [DeviceMesh(device.type, torch.tensor(st.ranks).reshape(st.plan.mesh_shape),
                          mesh_dim_names=tuple(st.plan.axis_names)) for st in the_plan.stages]
