@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from torchalpa.frontends.torch_export import ancestor_names
+
 __all__ = ["rematerialize_parameter_views"]
 
 aten = torch.ops.aten
@@ -21,16 +23,6 @@ _VIEWS = {aten.permute.default, aten.t.default, aten.transpose.int, aten.view.de
           aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
           aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten._to_copy.default,
           aten.clone.default}
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [node]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def rematerialize_parameter_views(gm: fx.GraphModule, num_params: int) -> int:
@@ -41,14 +33,14 @@ def rematerialize_parameter_views(gm: fx.GraphModule, num_params: int) -> int:
     position = {n: i for i, n in enumerate(nodes)}
     params = [n for n in nodes if n.op == "placeholder"][:num_params]
     output = next(n for n in nodes if n.op == "output")
-    forward = _ancestors(output.args[0][0])
+    forward = ancestor_names([output.args[0][0]])
     derived: dict[fx.Node, bool] = {p: True for p in params}
     for n in nodes:
-        if n.op == "call_function" and n.target in _VIEWS and n in forward \
+        if n.op == "call_function" and n.target in _VIEWS and n.name in forward \
                 and isinstance(n.args[0], fx.Node) and n.args[0] in derived:
             derived[n] = True
     readers = sorted(((u, n) for n in derived if n not in params for u in n.users
-                      if u not in forward and u.op != "output"),
+                      if u.name not in forward and u.op != "output"),
                      key=lambda pair: position[pair[0]])
     copies: dict[fx.Node, fx.Node] = {}
 

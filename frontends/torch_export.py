@@ -334,7 +334,7 @@ def _freeze(value):
     return value
 
 
-def _ancestors(roots: list[fx.Node]) -> set[str]:
+def ancestor_names(roots: list[fx.Node]) -> set[str]:
     """Names of the nodes ``roots`` depend on (themselves included)."""
     seen, stack = set(), list(roots)
     while stack:
@@ -359,7 +359,7 @@ def _to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
     num_params = sum(1 for kind, _ in kinds if kind == "param")
     loss_node, grad_outs = outs[0], outs[1:1 + num_params]
     update_outs = outs[1 + num_params:]
-    forward = _ancestors([loss_node, *update_outs])
+    forward = ancestor_names([loss_node, *update_outs])
     refs: dict[str, ValueRef] = {}
     by_name: dict[str, OpNode] = {}
     for n in gm.graph.nodes:

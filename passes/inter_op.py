@@ -81,6 +81,13 @@ def _signature(graph: OpGraph, names: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def _layer_signatures(graph: OpGraph, layer: dict[str, int], num_layers: int) -> list[str]:
+    members: list[list[str]] = [[] for _ in range(num_layers)]
+    for node in graph:
+        members[layer[node.name]].append(node.name)
+    return [_signature(graph, names) for names in members]
+
+
 @dataclass
 class _Estimate:
     seconds: float
@@ -105,10 +112,7 @@ class _StageCosts:
         self.measured = measured   # (signature, view, submesh) -> seconds, when profiled
         self.num_layers = max(layer.values()) + 1
         self.inputs = inputs
-        members: list[list[str]] = [[] for _ in range(self.num_layers)]
-        for node in graph:
-            members[layer[node.name]].append(node.name)
-        self.signature = [_signature(graph, names) for names in members]
+        self.signature = _layer_signatures(graph, layer, self.num_layers)
         self.send_bytes = self._boundary_bytes()
         self.cache: dict[tuple, _Estimate | None] = {}
         self.solves = 0
@@ -155,20 +159,15 @@ class _StageCosts:
             key = (self.signature[l], view, submesh, lean)
             if key not in self.cache:
                 todo.setdefault(key, (l, view, submesh, lean))
-        if workers <= 1 or len(todo) < 2:
-            for key, args in todo.items():
-                self.cache[key] = self._solve_layer(*args)
-            return
-        import multiprocessing as mp
         global _WORKER_COSTS
-        _WORKER_COSTS = self
+        _WORKER_COSTS = self      # forked workers read it instead of unpickling the graph
         # largest meshes first so the pool stays busy to the end
         jobs = sorted(todo.items(), key=lambda kv: -math.prod(kv[1][1]))
-        with mp.get_context("fork").Pool(workers) as pool:
-            results = pool.map(_solve_in_worker, [args for _, args in jobs], chunksize=1)
+        solves = self.solves
+        results = _map(_solve_in_worker, [args for _, args in jobs], workers)
         for (key, _), result in zip(jobs, results):
             self.cache[key] = result
-        self.solves += len(jobs)
+        self.solves = solves + len(jobs)     # workers counted theirs in their own copies
 
     def layer_estimate(self, l: int, view: tuple[int, ...], submesh, lean: bool
                        ) -> _Estimate | None:
@@ -312,13 +311,13 @@ def layer_probes(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
     single devices of a cluster large enough to hold them (those stages never run)."""
     layer = assign_layers(graph, method, cluster.num_devices)
     L = max(layer.values()) + 1
-    costs = _StageCosts(graph, layer, cluster, method, inputs)
+    signature = _layer_signatures(graph, layer, L)
     probes, seen = [], set()
     room = replace(cluster, num_nodes=cluster.num_nodes + 2)
     for submesh in submesh_shapes(cluster.num_nodes, cluster.devices_per_node):
         for view in logical_views(submesh):
             for l in range(L):
-                key = (costs.signature[l], view, submesh)
+                key = (signature[l], view, submesh)
                 if key in seen:
                     continue
                 seen.add(key)
@@ -443,13 +442,16 @@ def _once_per_step(graph: OpGraph, ref, part: dict, dst: int) -> bool:
     which may be summed over the micro-batches first."""
     if graph.node(ref.node).kind == "param":
         return True
+    if graph.node(ref.node).phase != "backward":
+        return False
     readers = [c for c in graph.consumers(ref.node) if part[c] == dst]
-    grads = {r for _, r in graph.outputs.grads}
-    return (graph.node(ref.node).phase == "backward" and len(readers) == 1
-            and graph.node(readers[0]).op == "aten.add.Tensor"
-            and len(graph.node(readers[0]).operands) == 2
-            and sum(1 for o in graph.node(readers[0]).operands if o == ref) == 1
-            and ValueRef(readers[0], 0) in grads and not graph.consumers(readers[0]))
+    if len(readers) != 1:
+        return False
+    add = graph.node(readers[0])
+    return (add.op == "aten.add.Tensor" and len(add.operands) == 2
+            and sum(1 for o in add.operands if o == ref) == 1
+            and not graph.consumers(add.name)
+            and any(r == ValueRef(add.name, 0) for _, r in graph.outputs.grads))
 
 
 def _plan_stage(request: tuple):
@@ -495,7 +497,8 @@ def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, clust
                 and not t.once_per_step) / link for s in range(S)]
     schedule = SCHEDULES[method.pipeline_schedule](S, B)
     timeline = simulate(schedule, forward, backward, send)
-    # parameters read by other stages are sent once, before the first micro-batch
+    # once per step: parameters before the first micro-batch, summed gradient parts
+    # after the last
     once = sum(t.bytes for t in transfers if t.once_per_step) / link
     total = max(e for stage in timeline for _, _, _, e in stage) + once
     memory = [s.plan.estimates["model_state_bytes_per_device"]

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map
 from torchalpa.opgraph import ValueRef
 from torchalpa.plan import PipelinePlan
 from torchalpa.runtime.localize import localize
-from torchalpa.runtime.lower import OUTPUT, _Emitter
+from torchalpa.runtime.lower import OUTPUT, _ancestors, _Emitter
 from torchalpa.runtime.overlap import overlap_collectives
 
 __all__ = ["StageProgram", "lower_stage", "PipelineRunner"]
@@ -240,16 +240,6 @@ def _addend(key, steps_list, mesh_shape, coords, group_names) -> fx.GraphModule:
 
 def _ref(key: tuple[str, int]) -> str:
     return str(ValueRef(*key))
-
-
-def _ancestors(value: fx.Node) -> set[fx.Node]:
-    seen, stack = set(), [value]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
 
 
 def _split(graph: fx.Graph, forward_nodes: set, backward_phs: list, forward_out: list,

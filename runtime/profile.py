@@ -15,6 +15,7 @@ probe's process groups takes all ranks); ranks outside a probe's submesh wait fo
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 
@@ -37,16 +38,20 @@ def profile_layers(captured, probes, micro_inputs, model, device, *, repeats: in
     rank = dist.get_rank()
     tensors = {**dict(model.named_buffers()), **dict(model.named_parameters())}
     measured = {}
+    meshes: dict[tuple, DeviceMesh] = {}     # process groups are made once per view, not
+    groups: dict[int, object] = {}          # once per probe (every rank takes part)
     start = time.perf_counter()
     for probe in probes:
         view = probe.key[1]
-        size = 1
-        for n in view:
-            size *= n
+        size = math.prod(view)
         splan = probe.plan.stages[probe.stage].plan
-        mesh = DeviceMesh(device.type, torch.arange(size).reshape(view),
-                          mesh_dim_names=tuple(splan.axis_names))
-        together = dist.new_group(list(range(size))) if size > 1 else None
+        names = tuple(splan.axis_names)
+        if (view, names) not in meshes:
+            meshes[(view, names)] = DeviceMesh(device.type, torch.arange(size).reshape(view),
+                                               mesh_dim_names=names)
+        if size not in groups:
+            groups[size] = dist.new_group(list(range(size))) if size > 1 else None
+        mesh, together = meshes[(view, names)], groups[size]
         seconds = torch.zeros((), dtype=torch.float64, device=device)
         if rank < size:
             program = lower_stage(
