@@ -8,10 +8,8 @@ step -- the collectives counted at the dispatcher next to the plan's list.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -24,6 +22,7 @@ import torchalpa  # noqa: E402
 from models import MLP, WithCustomOp, mlp_inputs  # noqa: E402
 from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from worker_io import attempt, finish  # noqa: E402
 
 ALPA_UNIT = lambda n: torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,), beta=(1.0,))  # noqa: E731
 
@@ -71,10 +70,7 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
 
 
 def scenario(name, fn, results):
-    try:
-        results[name] = fn()
-    except Exception as e:  # recorded for the test to show
-        results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    results[name] = attempt(fn)
 
 
 def main():
@@ -122,11 +118,7 @@ def main():
                 return {"raised": str(e)}
             return {"raised": None}
         scenario("bad_input_shape", bad, results)
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(results, out_path)
 
 
 if __name__ == "__main__":

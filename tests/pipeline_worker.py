@@ -3,10 +3,8 @@ against single-device training with the same global batch. Rank 0 writes JSON.""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -18,6 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from worker_io import attempt, finish  # noqa: E402
 
 
 def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-3,
@@ -173,15 +172,8 @@ def main():
     for name, run in scenarios(dist.get_world_size()):
         if wanted and name not in wanted:
             continue
-        try:
-            results[name] = run()
-        except Exception as e:
-            results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+        results[name] = attempt(run)
+    finish(results, out_path)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,8 @@ from the same initial weights and data, and records both sides for the test to c
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -29,6 +27,7 @@ from quickstart import MLP as QuickstartMLP  # noqa: E402
 from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from worker_io import attempt, finish  # noqa: E402
 from torchalpa.runtime.precision import CastForward, MixedPrecision  # noqa: E402
 
 ALPA_UNIT = lambda n: torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,), beta=(1.0,))  # noqa: E731
@@ -411,15 +410,8 @@ def main():
     init_distributed()
     results: dict = {"world_size": dist.get_world_size()}
     for name in which:
-        try:
-            results[name] = SCENARIOS[name](shared)
-        except Exception as e:  # recorded for the test to show
-            results[name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+        results[name] = attempt(lambda: SCENARIOS[name](shared))
+    finish(results, out_path)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,8 @@ argv: output path, mesh ("1d", "2x2", "2x4"), comma-separated families.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -20,6 +18,7 @@ import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
 from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from worker_io import attempt, finish  # noqa: E402
 
 STEPS = 5
 
@@ -81,16 +80,8 @@ def main():
     shape = (n,) if mesh == "1d" else tuple(int(s) for s in mesh.split("x"))
     results = {"world_size": n}
     for family in families:
-        try:
-            results[family] = run(family, shape)
-        except Exception as e:
-            results[family] = {"error": f"{type(e).__name__}: {e}",
-                               "trace": traceback.format_exc()}
-    if dist.get_rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+        results[family] = attempt(lambda: run(family, shape))
+    finish(results, out_path)
 
 
 if __name__ == "__main__":
