@@ -39,7 +39,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.func import functional_call
 from torch.utils._pytree import tree_map, tree_structure
 
-from torchalpa.frontends.functionalize import (NeedsFunctionalization, functionalize,
+from torchalpa.frontends.functionalize import (NeedsFunctionalization, functionalize, is_view_op,
                                                retrace_functional)
 from torchalpa.frontends.opset import FusedCalls, decompositions, flop_count
 from torchalpa.frontends.provenance import (Provenance, copy_forward_tags_to_backward,
@@ -406,14 +406,16 @@ def _op_node(n: fx.Node, refs: dict[str, ValueRef], by_name: dict[str, OpNode],
         raise CaptureError(f"op {n.target} ({n.name}) in module '{module_of(n)}' at "
                            f"{line_of(n) or '?'} produced no tensor; torchalpa captures "
                            "tensor programs only")
+    # a view reads and writes nothing: it is free on the roofline and owns no memory
+    aliases = is_view_op(n.target)
     in_bytes = sum(by_name[r.node].outputs[r.index].nbytes for r in operands)
     fake_args, fake_kwargs = tree_map(
         lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
     return OpNode(
         name=n.name, op=str(n.target), kind="op", operands=tuple(operands), args=args,
         kwargs=kwargs, outputs=outputs, flops=flop_count(n.target, fake_args, fake_kwargs, val),
-        bytes=float(in_bytes + sum(o.nbytes for o in outputs)),
-        module=module_of(n), phase=phase, source=n.name, stack=line_of(n))
+        bytes=0.0 if aliases else float(in_bytes + sum(o.nbytes for o in outputs)),
+        aliases=aliases, module=module_of(n), phase=phase, source=n.name, stack=line_of(n))
 
 
 def trace_ops(fn: Callable, example_args: Sequence[torch.Tensor]

@@ -3,7 +3,8 @@
 Model states are each parameter's local shard, its gradient (same layout) and the
 optimizer's state tensors (same layout), alive throughout. Activations are op results
 (and user inputs) held from the op that makes them to their last reader, in the step's
-order (forward then backward). Gradients count as model state, not as activations.
+order (forward then backward); a view of one shares its storage and keeps it alive.
+Gradients count as model state, not as activations.
 
 ``Liveness`` holds the intervals; the ILP adds one constraint per point it checks,
 ``model states + activations alive there <= budget``, starting from the likely peaks and
@@ -39,6 +40,15 @@ class Liveness:
 
 
 def liveness(graph: OpGraph) -> Liveness:
+    """When each value is allocated and freed, in the step's order.
+
+    A view (``OpNode.aliases``) allocates nothing: it keeps the storage it views alive
+    until its own last reader, so it extends that tensor's interval instead of adding
+    one. Views of parameters and buffers are the exception: a layer often reads a
+    weight through a view (``permute``) in a layout other than the weight's own (gathered
+    under ZeRO), and forward keeps that copy for backward, so such views keep intervals
+    of their own. (A view that reads an activation resharded is priced in the
+    activation's layout: resharding temporaries are not modeled.)"""
     order = {n.name: i for i, n in enumerate(graph)}
     last_use: dict[str, int] = {}
     for node in graph:
@@ -47,10 +57,26 @@ def liveness(graph: OpGraph) -> Liveness:
     end_of_step = len(order)
     for ref in graph.outputs.refs():
         last_use[ref.node] = end_of_step
-    names = [n.name for n in graph if n.kind in ("op", "input") and not n.is_grad]
+    storage = _storage_roots(graph)
+    for view, root in storage.items():
+        last_use[root] = max(last_use.get(root, order[root]), last_use.get(view, order[view]))
+    names = [n.name for n in graph
+             if n.kind in ("op", "input") and not n.is_grad and n.name not in storage]
     start = np.array([order[n] for n in names], dtype=np.int64)
     end = np.array([last_use.get(n, order[n]) for n in names], dtype=np.int64)
     return Liveness(names, start, end, end_of_step + 1)
+
+
+def _storage_roots(graph: OpGraph) -> dict[str, str]:
+    """Each view of an activation -> the tensor whose storage it shares."""
+    roots: dict[str, str] = {}
+    for node in graph.ops():
+        if node.aliases:
+            base = node.operands[0].node
+            root = roots.get(base, base)
+            if graph.node(root).kind not in ("param", "buffer"):
+                roots[node.name] = root
+    return roots
 
 
 def state_copies(graph: OpGraph, node_name: str, optimizer_states: int) -> int:

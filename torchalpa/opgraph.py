@@ -110,6 +110,9 @@ class OpNode:
     is_param: bool = False
     is_grad: bool = False
     is_optimizer_state: bool = False
+    aliases: bool = False
+    """The results are views of operand 0's storage (``view``, ``permute``, ``expand``...):
+    they hold no bytes of their own and move none, and keep that storage alive."""
     layer: int | None = None
     stage: int | None = None
 
@@ -230,6 +233,8 @@ class OpGraph:
                 raise GraphError(f"{node.where()}: unknown phase {node.phase!r}")
             if not node.outputs:
                 raise GraphError(f"{node.where()}: produces no tensor")
+            if node.aliases and not node.operands:
+                raise GraphError(f"{node.where()}: a view needs the tensor it views (operand 0)")
             for spec in node.outputs:
                 if any((not isinstance(s, int)) or s < 0 for s in spec.shape):
                     raise GraphError(f"{node.where()}: bad shape {spec.shape}")
@@ -288,7 +293,7 @@ class OpGraph:
         for n in self:
             h.update(json.dumps([n.name, n.op, n.kind, [str(r) for r in n.operands], repr(n.args),
                                  repr(n.kwargs), [str(s) for s in n.outputs], n.target,
-                                 n.phase], sort_keys=True).encode())
+                                 n.phase, n.aliases], sort_keys=True).encode())
         h.update(repr(self.outputs).encode())
         return h.hexdigest()[:16]
 
