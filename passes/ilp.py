@@ -10,8 +10,9 @@ and ``sum_p e[p, q] = sum_{b: col_of[b] = q} s_v[b]`` -- with one-hot ``s`` this
 Objective ``sum c_i . s_i + sum T . e``; optional memory constraints
 ``sum_i m_i . s_i <= budget`` for groups of nodes alive together.
 
-Edges whose table does not depend on one side fold into the other side's node costs.
-Solved with pulp: CBC by default, HiGHS on request; single-threaded, so the same input
+Edges whose table does not depend on one side fold into the other side's node costs, and
+``passes/presolve.py`` removes dominated strategies and solves simple nodes in closed form
+(both exact) before the rest goes to the solver. Solved with pulp: CBC by default, HiGHS on request; single-threaded, so the same input
 gives the same answer.
 """
 
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pulp
+
+from torchalpa.passes.presolve import presolve
 
 __all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "InfeasibleError"]
 
@@ -124,14 +127,21 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
               gap: float | None = None, initial: dict[str, int] | None = None) -> ILPSolution:
     """Alpa's ILP; ``initial`` (node -> strategy index) is a feasible start for the solver."""
     start = time.perf_counter()
-    costs = {k: np.asarray(v, dtype=float).copy() for k, v in problem.node_costs.items()}
-    edges, constant = _fold_edges(costs, problem.edges)
-    allowed = {k: np.isfinite(c) for k, c in costs.items()}
-    for k, ok in allowed.items():
-        if not ok.any():
+    full_costs = {k: np.asarray(v, dtype=float).copy() for k, v in problem.node_costs.items()}
+    full_edges, constant = _fold_edges(full_costs, problem.edges)
+    for k, c in full_costs.items():
+        if not np.isfinite(c).any():
             raise InfeasibleError(f"node {k!r}: every strategy needs an impossible resharding")
     if not math.isfinite(constant):
         raise InfeasibleError("two fixed layouts cannot be connected")
+    reduced = presolve(full_costs, full_edges, problem.memory_terms)
+    costs, edges = reduced.costs, reduced.edges
+    allowed = {k: np.isfinite(c) for k, c in costs.items()}
+    for k, ok in allowed.items():
+        if not ok.any():    # a neighbour solved in closed form left it no way to connect
+            raise InfeasibleError(f"node {k!r}: every strategy needs an impossible resharding")
+    if initial is not None:
+        initial = reduced.start(initial)
 
     # Scale costs so the largest finite coefficient is ~1e6 (solver tolerances are absolute).
     top = max([np.abs(c[np.isfinite(c)]).max(initial=0) for c in costs.values()] +
@@ -144,7 +154,6 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
     for idx, (k, c) in enumerate(costs.items()):
         if len(c) == 1:
             s[k] = [1]
-            constant += c[0]
             continue
         vars_ = []
         for a in range(len(c)):
@@ -197,7 +206,9 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
         for group in problem.memory_terms:
             terms, fixed = [], 0.0
             for k, mem in group.items():
-                if len(s[k]) == 1:
+                if k not in s:
+                    fixed += reduced.fixed_bytes(k, mem) * mem_scale
+                elif len(s[k]) == 1:
                     fixed += float(mem[0]) * mem_scale
                 else:
                     terms += [(s[k][a], float(mem[a]) * mem_scale) for a in range(len(mem))
@@ -216,9 +227,13 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
     for k, vars_ in s.items():
         values = [0.0 if x is None or isinstance(x, int) else (x.value() or 0.0) for x in vars_]
         choice[k] = 0 if len(vars_) == 1 else int(np.argmax(values))
-    total = constant + sum(costs[k][a] for k, a in choice.items() if len(costs[k]) > 1)
-    for e in edges:
+    choice = reduced.complete(choice)
+    # the objective of the problem as given, not of its reduced form
+    total = constant + sum(full_costs[k][a] for k, a in choice.items())
+    for e in full_edges:
         total += e.table[e.row_of[choice[e.u]], e.col_of[choice[e.v]]]
+    if not math.isfinite(total):
+        raise InfeasibleError("no plan connects every node without an impossible resharding")
     if peak is not None:
         total = float(peak.value()) / mem_scale
     return ILPSolution(choice=choice, objective=float(total), status=status_name,

@@ -1,0 +1,131 @@
+"""The ILP presolve: exact reductions, checked against enumerating every plan."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from torchalpa.passes.ilp import Edge, ILPProblem, InfeasibleError, solve_ilp
+from torchalpa.passes.presolve import presolve
+
+
+def brute_force(problem: ILPProblem) -> float:
+    """The best objective over every combination of strategies (inf if none fits)."""
+    names = list(problem.node_costs)
+    best = np.inf
+    for pick in itertools.product(*(range(len(problem.node_costs[k])) for k in names)):
+        choice = dict(zip(names, pick))
+        if problem.memory_budget is not None and any(
+                sum(m[choice[k]] for k, m in group.items()) > problem.memory_budget + 1e-9
+                for group in problem.memory_terms):
+            continue
+        total = sum(problem.node_costs[k][choice[k]] for k in names)
+        total += sum(e.dense()[choice[e.u], choice[e.v]] for e in problem.edges)
+        best = min(best, total)
+    return best
+
+
+def objective_of(problem: ILPProblem, choice: dict[str, int]) -> float:
+    return (sum(problem.node_costs[k][a] for k, a in choice.items())
+            + sum(e.dense()[choice[e.u], choice[e.v]] for e in problem.edges))
+
+
+def random_problem(rng: np.random.Generator, memory: bool) -> ILPProblem:
+    """A small graph with repeated layouts, forbidden pairs, ties and memory groups."""
+    names = [f"n{i}" for i in range(int(rng.integers(4, 7)))]
+    sizes = {k: int(rng.integers(2, 5)) for k in names}
+    costs = {k: rng.integers(0, 4, size=n).astype(float) for k, n in sizes.items()}
+    edges = []
+    for _ in range(int(rng.integers(3, 8))):
+        u, v = rng.choice(len(names), size=2, replace=False)
+        u, v = names[min(u, v)], names[max(u, v)]
+        row_of = rng.integers(0, 3, size=sizes[u])
+        col_of = rng.integers(0, 3, size=sizes[v])
+        table = rng.integers(0, 5, size=(3, 3)).astype(float)
+        table[rng.random((3, 3)) < 0.15] = np.inf
+        edges.append(Edge(u, v, row_of, col_of, table))
+    groups, budget = [], None
+    if memory:
+        held = {k: rng.integers(1, 6, size=n).astype(float) for k, n in sizes.items()
+                if rng.random() < 0.5}
+        groups = [{k: m for k, m in held.items() if rng.random() < 0.7} for _ in range(2)]
+        budget = float(rng.integers(4, 14))
+    return ILPProblem(node_costs=costs, edges=edges, memory_terms=groups,
+                      memory_budget=budget)
+
+
+@pytest.mark.parametrize("memory", [False, True])
+def test_presolved_solutions_are_optimal_for_the_original_problem(memory):
+    rng = np.random.default_rng(0)
+    reductions = solved = 0
+    for _ in range(60):
+        problem = random_problem(rng, memory)
+        expected = brute_force(problem)
+        reduced = presolve(problem.node_costs, problem.edges, problem.memory_terms)
+        reductions += len(reduced.eliminated) + sum(len(d) for d in reduced.dominated_by.values())
+        if not np.isfinite(expected):
+            with pytest.raises(InfeasibleError):
+                solve_ilp(problem)
+            continue
+        solution = solve_ilp(problem)
+        solved += 1
+        assert solution.objective == pytest.approx(expected, abs=1e-6)
+        # the returned choice is a whole plan of the original problem, with that cost
+        assert set(solution.choice) == set(problem.node_costs)
+        assert objective_of(problem, solution.choice) == pytest.approx(expected, abs=1e-6)
+    assert solved > 30 and reductions > 50      # the cases exercised the rewrites
+
+
+def chain():
+    inf = np.inf
+    a = Edge("x", "v", np.arange(2), np.arange(3), np.array([[0., 5., inf], [5., 0., 1.]]))
+    b = Edge("v", "y", np.arange(3), np.arange(2), np.array([[0., 4.], [4., 0.], [2., 2.]]))
+    costs = {"x": np.array([0., 1.]), "v": np.array([1., 1., 0.]), "y": np.array([3., 0.])}
+    return costs, [a, b]
+
+
+def test_a_chain_node_is_solved_in_closed_form():
+    """x - v - y: v holds no memory and meets two nodes, so it leaves the ILP."""
+    costs, edges = chain()
+    memory = [{"x": np.array([1., 2.]), "y": np.array([2., 1.])}]   # x and y must stay
+    reduced = presolve(costs, edges, memory)
+    assert [e.node for e in reduced.eliminated] == ["v"] and set(reduced.costs) == {"x", "y"}
+    (edge,) = reduced.edges
+    # best v between x and y: x=0,y=0 -> v0 (0+1+0); x=1,y=1 -> v1 (0+1+0); x=1,y=0 -> v2
+    assert edge.table.tolist() == [[1., 5.], [3., 1.]]
+    problem = ILPProblem(node_costs=costs, edges=edges, memory_terms=memory, memory_budget=3)
+    solution = solve_ilp(problem)
+    assert solution.choice == {"x": 1, "v": 1, "y": 1}
+    assert solution.objective == pytest.approx(brute_force(problem)) == 2.0
+
+
+def test_a_tree_without_memory_is_solved_entirely_in_closed_form():
+    costs, edges = chain()
+    reduced = presolve(costs, edges, [])
+    assert not reduced.costs and len(reduced.eliminated) == 3
+    problem = ILPProblem(node_costs=costs, edges=edges)
+    assert solve_ilp(problem).objective == brute_force(problem) == 2.0
+
+
+def test_infeasibility_found_by_elimination_is_reported():
+    e = Edge("x", "v", np.arange(2), np.arange(2), np.array([[np.inf, 0.], [np.inf, np.inf]]))
+    f = Edge("v", "y", np.arange(2), np.arange(2), np.array([[0., 0.], [np.inf, np.inf]]))
+    problem = ILPProblem(node_costs={k: np.zeros(2) for k in "xvy"}, edges=[e, f])
+    with pytest.raises(InfeasibleError):
+        solve_ilp(problem)
+
+
+def test_dominated_strategies_go_and_warm_starts_follow_them():
+    """u's strategy 1 costs more than 0 and is no better on the edge or in memory."""
+    e = Edge("u", "w", np.array([0, 0, 1]), np.arange(2), np.array([[0., 3.], [1., 0.]]))
+    costs = {"u": np.array([1., 2., 1.]), "w": np.array([0., 0.])}
+    memory = [{"u": np.array([4., 4., 9.]), "w": np.array([1., 2.])}]
+    reduced = presolve(costs, [e], memory)
+    assert reduced.dominated_by == {"u": {1: 0}}
+    assert not np.isfinite(reduced.costs["u"][1]) and np.isfinite(reduced.costs["u"][2])
+    assert reduced.start({"u": 1, "w": 0}) == {"u": 0, "w": 0}
+    # memory keeps strategy 2 (more bytes, cheaper edge) and w in the problem
+    problem = ILPProblem(node_costs=costs, edges=[e], memory_terms=memory, memory_budget=10)
+    assert solve_ilp(problem, initial={"u": 1, "w": 0}).objective == brute_force(problem)
