@@ -242,9 +242,12 @@ def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, op
     states = memory.optimizer_states
     problem = ILPProblem(node_costs=cg.node_costs, edges=cg.edges)
     points: list[int] = []
-    if budget is not None and memory.upper_bound() > budget:
-        # the budget may bind: constrain the likely peaks from the first solve on
-        points = memory.likely_peaks()
+    worst = memory.upper_timeline() if budget is not None else None
+    if worst is not None and worst.max(initial=0) > budget:
+        # the budget may bind: from the first solve on, constrain the likely peaks and
+        # points spread over where memory could exceed it (constraints an optimal plan
+        # meets anyway; they spare the solver regions a later round would cut off)
+        points = sorted(set(memory.likely_peaks()) | set(_violations(worst, budget)))
         problem = _replace(problem, memory_terms=[memory.terms_at(p) for p in points],
                            memory_budget=budget)
     for _ in range(max_rounds):

@@ -151,23 +151,25 @@ class MemoryModel:
         return activation_timeline(self.graph, self.live, chosen_outputs, self.mesh_shape) \
             + state_bytes
 
+    def upper_timeline(self) -> np.ndarray:
+        """Bytes at each point if every value took its largest layout: memory can only be
+        over the budget where this is."""
+        state = sum(v.max() for v in self.state.values())
+        return state + self._timeline(np.max)
+
     def upper_bound(self) -> float:
         """Peak bytes if every value took its largest layout (memory can't exceed this)."""
-        state = sum(v.max() for v in self.state.values())
+        return float(self.upper_timeline().max(initial=0))
+
+    def _timeline(self, pick) -> np.ndarray:
+        """Activation bytes at each point with each value's layout chosen by ``pick``."""
         delta = np.zeros(self.live.length + 1)
         for i, name in enumerate(self.live.names):
-            delta[self.live.start[i]] += self._act[name].max()
-            delta[self.live.end[i] + 1] -= self._act[name].max()
-        return float(state + np.cumsum(delta)[:-1].max(initial=0))
+            size = pick(self._act[name])
+            delta[self.live.start[i]] += size
+            delta[self.live.end[i] + 1] -= size
+        return np.cumsum(delta)[:-1]
 
     def likely_peaks(self) -> list[int]:
         """Points where activations peak if every value takes its largest / smallest layout."""
-        points = []
-        for pick in (np.max, np.min):
-            delta = np.zeros(self.live.length + 1)
-            for i, name in enumerate(self.live.names):
-                size = pick(self._act[name])
-                delta[self.live.start[i]] += size
-                delta[self.live.end[i] + 1] -= size
-            points.append(int(np.argmax(np.cumsum(delta)[:-1])))
-        return sorted(set(points))
+        return sorted({int(np.argmax(self._timeline(pick))) for pick in (np.max, np.min)})
