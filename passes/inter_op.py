@@ -5,8 +5,8 @@
    submesh (Alpa's submesh shapes, 1D and 2D logical shapes), once per distinct layer
    (identical layers share one solve). A range of layers costs the sum of its layers'
    step times, plus sending its boundary values to the next stage; its memory is the
-   layers' model states plus their activations times the micro-batches in flight
-   (1F1B keeps one per stage still ahead, GPipe all of them).
+   layers' model states, one micro-batch at its peak and what forward saved for every
+   other micro-batch in flight (1F1B keeps one per stage still ahead, GPipe all).
 3. Stages: Alpa's DP (``passes/stages.py``) on those costs, or stages given by hand, or
    uniform stages. With ``stage_option="profile"`` the DP uses layer times measured on
    the devices instead of the cost model's: ``layer_probes`` gives, for every distinct
@@ -33,6 +33,7 @@ from torchalpa.opgraph import GraphOutputs, OpGraph, ValueRef
 from torchalpa.passes.intra_op import plan_intra_op
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.layers import cluster_layers, layers_from_markers
+from torchalpa.passes.memory import in_flight_bytes
 from torchalpa.passes.stages import StageChoice, stage_dp, submesh_shapes
 from torchalpa.passes.subgraph import stage_subgraph
 from torchalpa.plan import PipelinePlan, StagePlan, Transfer
@@ -92,7 +93,17 @@ def _layer_signatures(graph: OpGraph, layer: dict[str, int], num_layers: int) ->
 class _Estimate:
     seconds: float
     state: float
-    activations: float
+    activations: float     # peak of one micro-batch
+    saved: float           # what one micro-batch holds between its forward and backward
+
+
+def _stage_memory(parts: list[_Estimate], in_flight_batches: int) -> float:
+    """Bytes per device of layers run as one stage: each layer's saved activations, one
+    layer's working set above that, and the saved activations of every micro-batch in
+    flight (summing per-layer peaks would count every layer's working set at once)."""
+    saved = sum(p.saved for p in parts)
+    peak = saved + max(p.activations - p.saved for p in parts)
+    return in_flight_bytes(sum(p.state for p in parts), peak, saved, in_flight_batches)
 
 
 _WORKER_COSTS = None
@@ -147,8 +158,7 @@ class _StageCosts:
         for view, submesh in views:
             parts = [self.cache[(self.signature[l], view, submesh, False)]
                      for l in range(self.num_layers)]
-            if any(p is None for p in parts) or sum(p.state for p in parts) + max_in_flight * \
-                    sum(p.activations for p in parts) > budget:
+            if any(p is None for p in parts) or _stage_memory(parts, max_in_flight) > budget:
                 tight.append((view, submesh))
         self._solve_all([(l, view, submesh, True) for view, submesh in tight
                          for l in range(self.num_layers)], workers)
@@ -212,7 +222,7 @@ class _StageCosts:
             return None
         e = plan.estimates
         return _Estimate(e["step_time_s"], e["model_state_bytes_per_device"],
-                         e["activation_bytes_per_device"])
+                         e["activation_bytes_per_device"], e["saved_activation_bytes_per_device"])
 
     def cost(self, k: int, i: int, submesh: tuple[int, int], in_flight_batches: int
              ) -> tuple[float, tuple[int, ...] | None]:
@@ -229,9 +239,7 @@ class _StageCosts:
                 parts = [self.layer_estimate(l, view, submesh, lean) for l in range(k, i + 1)]
                 if any(p is None for p in parts):
                     continue
-                memory = sum(p.state for p in parts) + in_flight_batches * sum(
-                    p.activations for p in parts)
-                if memory > budget:
+                if _stage_memory(parts, in_flight_batches) > budget:
                     continue
                 latency = sum(p.seconds for p in parts) + sends / link
                 if latency < best[0]:
@@ -409,9 +417,12 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
     node_stage = {n: stage_of_layer[l] for n, l in layer.items()}
     ranks = _place([st[1] for st in stages], cluster)
     subs = [stage_subgraph(graph, node_stage, s) for s in range(len(stages))]
+    # each stage must fit with the micro-batches its schedule keeps in flight, as the DP
+    # and the estimates count them
+    schedule = SCHEDULES[method.pipeline_schedule](len(stages), method.num_micro_batches)
     requests = [(sub.graph, _submesh_cluster(cluster, submesh).logical_mesh(view),
-                 method.intra_op_method(option), inputs)
-                for sub, (_, submesh, view, option) in zip(subs, stages)]
+                 method.intra_op_method(option), inputs, in_flight(schedule[s]))
+                for s, (sub, (_, submesh, view, option)) in enumerate(zip(subs, stages))]
     plans = _map(_plan_stage, requests, _workers())
     stage_plans, transfers = [], []
     for s, ((k, i), submesh, view, option) in enumerate(stages):
@@ -455,8 +466,8 @@ def _once_per_step(graph: OpGraph, ref, part: dict, dst: int) -> bool:
 
 
 def _plan_stage(request: tuple):
-    graph, mesh, method, inputs = request
-    return plan_intra_op(graph, mesh, method, inputs=inputs,
+    graph, mesh, method, inputs, flight = request
+    return plan_intra_op(graph, mesh, method, inputs=inputs, in_flight=flight,
                          blocks=graph.meta.get("repeated_blocks") or None)
 
 
@@ -501,9 +512,10 @@ def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, clust
     # after the last
     once = sum(t.bytes for t in transfers if t.once_per_step) / link
     total = max(e for stage in timeline for _, _, _, e in stage) + once
-    memory = [s.plan.estimates["model_state_bytes_per_device"]
-              + in_flight(schedule[n]) * s.plan.estimates["activation_bytes_per_device"]
-              for n, s in enumerate(stages)]
+    memory = [in_flight_bytes(s.plan.estimates["model_state_bytes_per_device"],
+                              s.plan.estimates["activation_bytes_per_device"],
+                              s.plan.estimates["saved_activation_bytes_per_device"],
+                              in_flight(schedule[n])) for n, s in enumerate(stages)]
     return {"step_time_s": total, "max_stage_s": max(step), "stage_step_s": step,
             "stage_times": "measured" if stage_seconds is not None else "cost model",
             "alpa_objective_s": sum(step) + (B - 1) * max(step),

@@ -130,11 +130,13 @@ def _batch_sharded(spec: TensorSpec, mesh: LogicalMesh) -> Strategy:
 
 
 def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | None = None, *,
-                  inputs: str = "global", blocks: dict[str, tuple[str, int]] | None = None
-                  ) -> Plan:
+                  inputs: str = "global", blocks: dict[str, tuple[str, int]] | None = None,
+                  in_flight: int = 1) -> Plan:
     """Solve Alpa's intra-op ILP for ``graph`` on ``mesh`` and return the Plan.
 
     ``blocks`` (node -> (block kind, index)) lets identical layers share one decision.
+    ``in_flight``: micro-batches whose activations must fit in memory at once (a pipeline
+    stage's; the estimates still describe one micro-batch).
     """
     method = method or ShardParallel()
     if inputs not in ("global", "local"):
@@ -149,7 +151,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     def solve(period: int, start: dict[str, Strategy] | None = None):
         grouping = group_nodes(graph, S, blocks, heavy=space.heavy, period=period)
         cg = build_cost_graph(graph, mesh, S, grouping, costs)
-        memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states)
+        memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states, in_flight)
         initial = None
         if start is not None:    # a plan of a coarser grouping is feasible here too
             initial = {}
@@ -394,11 +396,12 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
 
     leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}
     state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states)
-    activations = activation_peak_bytes(graph, {k: s.outputs for k, s in chosen.items()},
-                                        mesh.shape)
+    activations, saved = activation_peak_bytes(
+        graph, {k: s.outputs for k, s in chosen.items()}, mesh.shape)
     estimates = {"step_time_s": comm_time + compute_time, "communication_s": comm_time,
                  "compute_s": compute_time, "model_state_bytes_per_device": state,
                  "activation_bytes_per_device": activations,
+                 "saved_activation_bytes_per_device": saved,
                  "memory_per_device_bytes": state + activations,
                  "wire_bytes_per_step": wire}
     parameters = tuple(ValuePlacement(name=n.target, node=n.name, shape=n.output.shape,

@@ -22,7 +22,7 @@ from torchalpa.passes.reshard import local_bytes
 from torchalpa.placement import Placements
 
 __all__ = ["Liveness", "liveness", "model_state_bytes", "activation_peak_bytes",
-           "state_copies"]
+           "state_copies", "forward_end", "in_flight_bytes"]
 
 
 @dataclass
@@ -108,20 +108,33 @@ def activation_timeline(graph: OpGraph, live: Liveness,
     return np.cumsum(delta)[:-1]
 
 
+def forward_end(graph: OpGraph) -> int:
+    """The point where forward ends: what is alive there is what backward will read."""
+    return max((i for i, n in enumerate(graph) if n.phase == "forward"), default=0)
+
+
 def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, ...]],
-                          mesh_shape) -> int:
-    """Peak bytes of op results alive at once on one device (inputs count too)."""
+                          mesh_shape) -> tuple[int, int]:
+    """(peak bytes of op results alive at once on one device, bytes alive where forward
+    ends: what a micro-batch holds while it waits for backward). Inputs count too."""
     timeline = activation_timeline(graph, liveness(graph), outputs, mesh_shape)
-    return int(timeline.max(initial=0))
+    if not timeline.size:
+        return 0, 0
+    return int(timeline.max()), int(timeline[forward_end(graph)])
 
 
 class MemoryModel:
     """Per-strategy bytes of every node, folded onto the ILP's representatives."""
 
-    def __init__(self, graph: OpGraph, strategies, grouping, mesh_shape, optimizer_states: int):
+    def __init__(self, graph: OpGraph, strategies, grouping, mesh_shape, optimizer_states: int,
+                 in_flight: int = 1):
         self.graph, self.S, self.g, self.mesh_shape = graph, strategies, grouping, mesh_shape
         self.optimizer_states = optimizer_states
+        self.in_flight = in_flight
+        """Micro-batches a device holds at once (a pipeline stage's): one at any point of
+        its step, the others waiting for backward with what forward saved."""
         self.live = liveness(graph)
+        self.forward_end = forward_end(graph)
         reps = grouping.representatives
         self.state = {r: np.zeros(len(strategies[r])) for r in reps}
         for n in graph:
@@ -145,17 +158,26 @@ class MemoryModel:
         terms = {k: v.copy() for k, v in self.state.items() if v.any()}
         for name in self.live.alive_at(t):
             self._fold(terms, name, self._act[name])
+        if self.in_flight > 1:
+            for name in self.live.alive_at(self.forward_end):
+                self._fold(terms, name, self._act[name] * (self.in_flight - 1))
         return terms
 
     def timeline(self, chosen_outputs: dict, state_bytes: float) -> np.ndarray:
-        return activation_timeline(self.graph, self.live, chosen_outputs, self.mesh_shape) \
-            + state_bytes
+        act = activation_timeline(self.graph, self.live, chosen_outputs, self.mesh_shape)
+        return self._with_waiting(act) + state_bytes
+
+    def _with_waiting(self, act: np.ndarray) -> np.ndarray:
+        """Add the saved activations of the other micro-batches in flight."""
+        if self.in_flight > 1 and act.size:
+            act = act + (self.in_flight - 1) * act[self.forward_end]
+        return act
 
     def upper_timeline(self) -> np.ndarray:
         """Bytes at each point if every value took its largest layout: memory can only be
         over the budget where this is."""
         state = sum(v.max() for v in self.state.values())
-        return state + self._timeline(np.max)
+        return state + self._with_waiting(self._timeline(np.max))
 
     def upper_bound(self) -> float:
         """Peak bytes if every value took its largest layout (memory can't exceed this)."""
@@ -173,3 +195,9 @@ class MemoryModel:
     def likely_peaks(self) -> list[int]:
         """Points where activations peak if every value takes its largest / smallest layout."""
         return sorted({int(np.argmax(self._timeline(pick))) for pick in (np.max, np.min)})
+
+
+def in_flight_bytes(state: float, peak: float, saved: float, in_flight: int) -> float:
+    """Bytes of a device holding ``in_flight`` micro-batches: model states, one
+    micro-batch at its activation peak and the others with what their forward saved."""
+    return state + peak + (in_flight - 1) * saved

@@ -154,16 +154,14 @@ def _eliminate(p: Presolved, memory: dict[str, list[np.ndarray]]) -> int:
         edges = at.get(k, [])
         if len(edges) > 2:
             continue
-        allowed = {n: np.isfinite(p.costs[n]) for e in edges for n in (e.u, e.v)}
-        sides = [_as_seen_from(e, k, allowed) for e in edges]
-        others = [s[0] for s in sides]
+        others = [e.u if e.v == k else e.v for e in edges]
         if len(others) == 2 and others[0] == others[1]:
             continue           # parallel edges to one node: left to the solver
         # total[i, j, s]: the node's strategy s next to layouts i (and j) of its neighbours
         tables = [e.table[:, e.col_of] if e.v == k else e.table[e.row_of, :].T
                   for e in edges]
         maps = tuple(e.row_of if e.v == k else e.col_of for e in edges)
-        total = c.copy()
+        total = c
         if len(tables) == 1:
             total = tables[0] + c
         elif len(tables) == 2:

@@ -45,3 +45,29 @@ def test_timeline_counts_the_viewed_storage_once():
     # at b (6): x, a (seen through its views), w_t and b itself; never a_view or a_view2
     assert timeline[6] == 4 * 64
     assert timeline.max() == 4 * 64
+
+
+def test_micro_batches_in_flight_hold_what_forward_saved():
+    """A pipeline stage with 3 micro-batches in flight: one at any point of its step, two
+    waiting for backward with what was alive where forward ended."""
+    from dataclasses import replace
+
+    from torchalpa.passes.memory import MemoryModel, forward_end
+    from torchalpa.passes.simplify import group_nodes
+    from torchalpa.passes.strategies import Strategy
+    g = graph()
+    g = OpGraph([replace(n, phase="backward") if n.name in ("b", "c") else n for n in g],
+                g.outputs)
+    R = (Replicate(),)
+    S = {n.name: [Strategy(inputs=(R,) * len(n.operands), outputs=(R,))] for n in g}
+    one = MemoryModel(g, S, group_nodes(g, S), (1,), 0)
+    three = MemoryModel(g, S, group_nodes(g, S), (1,), 0, in_flight=3)
+    outputs = {k: s[0].outputs for k, s in S.items()}
+    base = activation_timeline(g, liveness(g), outputs, (1,))
+    end = forward_end(g)
+    assert end == 5 and base[end] == 3 * 64           # x, a, w_t
+    assert list(three.timeline(outputs, 0)) == list(base + 2 * base[end])
+    assert list(one.timeline(outputs, 0)) == list(base)
+    # the ILP's memory rows say the same at every point, plus the model state (w: 64 bytes)
+    for t in range(len(base)):
+        assert sum(v[0] for v in three.terms_at(t).values()) == 64 + base[t] + 2 * base[end]
