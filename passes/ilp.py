@@ -12,8 +12,8 @@ Objective ``sum c_i . s_i + sum T . e``; optional memory constraints
 
 Edges whose table does not depend on one side fold into the other side's node costs, and
 ``passes/presolve.py`` removes dominated strategies and solves simple nodes in closed form
-(both exact) before the rest goes to the solver. Solved with pulp: CBC by default, HiGHS on request; single-threaded, so the same input
-gives the same answer.
+(both exact) before the rest goes to the solver. Solved with pulp: CBC by default, HiGHS
+on request; single-threaded, so the same input gives the same answer.
 """
 
 from __future__ import annotations

@@ -38,6 +38,13 @@ class Liveness:
         mask = (self.start <= t) & (t <= self.end)
         return [self.names[i] for i in np.flatnonzero(mask)]
 
+    def total(self, sizes) -> np.ndarray:
+        """Bytes alive at each point, value ``names[i]`` holding ``sizes[i]``."""
+        delta = np.zeros(self.length + 1)
+        np.add.at(delta, self.start, sizes)
+        np.add.at(delta, self.end + 1, -np.asarray(sizes, dtype=float))
+        return np.cumsum(delta)[:-1]
+
 
 def liveness(graph: OpGraph) -> Liveness:
     """When each value is allocated and freed, in the step's order.
@@ -98,14 +105,9 @@ def model_state_bytes(graph: OpGraph, placements: dict[str, Placements], mesh_sh
 def activation_timeline(graph: OpGraph, live: Liveness,
                         outputs: dict[str, tuple[Placements, ...]], mesh_shape) -> np.ndarray:
     """Bytes of activations alive at each point of the step on one device."""
-    delta = np.zeros(live.length + 1)
-    for i, name in enumerate(live.names):
-        node = graph.node(name)
-        size = sum(local_bytes(spec, outputs[name][k], mesh_shape)
-                   for k, spec in enumerate(node.outputs))
-        delta[live.start[i]] += size
-        delta[live.end[i] + 1] -= size
-    return np.cumsum(delta)[:-1]
+    return live.total([sum(local_bytes(spec, outputs[name][k], mesh_shape)
+                           for k, spec in enumerate(graph.node(name).outputs))
+                       for name in live.names])
 
 
 def forward_end(graph: OpGraph) -> int:
@@ -185,12 +187,7 @@ class MemoryModel:
 
     def _timeline(self, pick) -> np.ndarray:
         """Activation bytes at each point with each value's layout chosen by ``pick``."""
-        delta = np.zeros(self.live.length + 1)
-        for i, name in enumerate(self.live.names):
-            size = pick(self._act[name])
-            delta[self.live.start[i]] += size
-            delta[self.live.end[i] + 1] -= size
-        return np.cumsum(delta)[:-1]
+        return self.live.total([pick(self._act[name]) for name in self.live.names])
 
     def likely_peaks(self) -> list[int]:
         """Points where activations peak if every value takes its largest / smallest layout."""
