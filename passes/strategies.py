@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpNode, TensorSpec
-from torchalpa.passes.rules import FactorRule
+from torchalpa.passes.rules.registry import FactorNamer, FactorRule
 from torchalpa.placement import Partial, Placements, Replicate, Shard, short
 
 __all__ = ["Strategy", "enumerate_strategies", "replicate_only", "leaf_strategies"]
@@ -126,7 +126,6 @@ def replicate_only(node: OpNode, mesh: LogicalMesh) -> list[Strategy]:
 
 def leaf_strategies(spec: TensorSpec, mesh: LogicalMesh) -> list[Strategy]:
     """Layouts a parameter, buffer or input may be stored in: any even split of its dims."""
-    from torchalpa.passes.rules import FactorNamer
     f = FactorNamer()
     dims = f.dims(spec.shape)
     return enumerate_strategies(f.rule([], [dims]), mesh)

@@ -23,7 +23,7 @@ Without the fused kernel (meta tensors, other backends) attention traces as ``bm
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg, positions
 
 

@@ -21,7 +21,7 @@ the bias gradient does not depend on ``Cin``. All three are linear in ``grad_out
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg, positions
 
 

@@ -14,7 +14,7 @@ device adds its rows), unless ``scale_grad_by_freq`` divides by counts over all 
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg
 
 

@@ -13,7 +13,7 @@ made whole on every device and consumers take their slice.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg
 
 # op -> index of the fill value (None: always zeros; absent: values are not zeros).

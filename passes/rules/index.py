@@ -15,7 +15,7 @@ Other dims are shared by the operands when their sizes agree, else blocked.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, normalize_dim, register
+from torchalpa.passes.rules.registry import FactorNamer, normalize_dim, register
 from torchalpa.passes.rules.common import arg
 
 

@@ -15,7 +15,7 @@ the op is linear in ``grad``.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg, positions
 
 _NONE, _MEAN, _SUM = 0, 1, 2

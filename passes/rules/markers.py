@@ -6,7 +6,7 @@ through unchanged, and a Partial sum stays a Partial sum (the op is linear).
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.registry import FactorNamer, register
 
 PIPELINE_BOUNDARY_OP = "torchalpa.pipeline_boundary.default"   # torchalpa.markers
 

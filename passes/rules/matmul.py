@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.registry import FactorNamer, register
 
 
 @register("aten.mm.default")

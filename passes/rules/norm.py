@@ -18,7 +18,7 @@ so they shard with the channel dim.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg, by_position, positions
 
 _GRAD_LINEAR = (frozenset({0}),)

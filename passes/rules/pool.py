@@ -7,7 +7,7 @@ flat positions in the whole plane. The backward ops are linear in the incoming g
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.registry import FactorNamer, register
 
 # op -> number of trailing spatial dims
 _POOLS = {

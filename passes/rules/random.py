@@ -16,7 +16,7 @@ shards like an elementwise op.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg
 
 

@@ -9,7 +9,7 @@ each element depends on the whole prefix, so the scanned dim is blocked.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, register
+from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg, dim_list, keepdim_of
 
 # op -> (index of its dim argument, index of keepdim, Partial kind or None, num results)

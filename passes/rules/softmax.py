@@ -8,7 +8,7 @@ incoming gradient, so a Partial gradient passes through them.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, normalize_dim, register
+from torchalpa.passes.rules.registry import FactorNamer, normalize_dim, register
 from torchalpa.passes.rules.common import arg
 
 

@@ -9,16 +9,9 @@ sharded. All are linear: a Partial passes through.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules import FactorNamer, normalize_dim, register
+from torchalpa.passes.rules.registry import FactorNamer, normalize_dim, register
 
 _LINEAR = (frozenset({0}),)
-
-
-def _prod(xs) -> int:
-    p = 1
-    for x in xs:
-        p *= x
-    return p
 
 
 def _groups(src: tuple, dst: tuple):
