@@ -6,19 +6,48 @@
 See README.md and ../shared/DESIGN.md for the architecture.
 """
 
+import importlib
+from typing import TYPE_CHECKING
+
 from torchalpa.cluster import Cluster, LogicalMesh
 from torchalpa.methods import (AutoLayerOption, AutoShardingOption, DataParallel,
                                ManualStageOption, PipeshardParallel, ShardParallel,
                                UniformStageOption, Zero2Parallel, Zero3Parallel)
 from torchalpa.placement import Partial, Replicate, Shard
 from torchalpa.plan import PipelinePlan, Plan, load_plan
-from torchalpa.api import auto_parallel, plan
-from torchalpa.markers import mark_pipeline_boundary
-from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
-from torchalpa.runtime.faults import RankFailedError
-from torchalpa.runtime.precision import MixedPrecision
+
+if TYPE_CHECKING:
+    from torchalpa.api import auto_parallel, plan
+    from torchalpa.markers import mark_pipeline_boundary
+    from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from torchalpa.runtime.faults import RankFailedError
+    from torchalpa.runtime.precision import MixedPrecision
 
 __version__ = "0.1.0"
+
+# Names that need torch or the runtime are imported on first use (PEP 562), so that
+# `import torchalpa.passes.ilp` (or any pass) loads neither torch nor torch.distributed.
+_LAZY = {
+    "auto_parallel": "torchalpa.api", "plan": "torchalpa.api",
+    "mark_pipeline_boundary": "torchalpa.markers",
+    "save_checkpoint": "torchalpa.runtime.checkpoint",
+    "load_checkpoint": "torchalpa.runtime.checkpoint",
+    "RankFailedError": "torchalpa.runtime.faults",
+    "MixedPrecision": "torchalpa.runtime.precision",
+}
+# Importing the submodule torchalpa.plan above bound the name `plan` to it; the public
+# `torchalpa.plan` is the function (torchalpa.api.plan), served by __getattr__ below.
+if not TYPE_CHECKING:
+    del plan
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchalpa' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "auto_parallel", "plan", "Plan", "Cluster", "LogicalMesh", "ShardParallel", "DataParallel",
