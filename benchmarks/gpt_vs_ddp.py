@@ -97,7 +97,7 @@ def report(args, result):
               f"{ta['planned_wire_bytes_per_step'] / 2**20:.1f} MiB per step")
         if ta.get("unsupported_ops"):
             print(f"ops without a sharding rule (replicated): {ta['unsupported_ops']}")
-    print(f"losses after the last step: " + ", ".join(f"{k} {s['loss']:.4f}"
+    print("losses after the last step: " + ", ".join(f"{k} {s['loss']:.4f}"
                                                       for k, s in stats.items()))
 
 
@@ -149,7 +149,7 @@ def worker(args):
             opt, params = pm.optimizer, list(pm.parameters())
 
             def step():
-                step.loss = pm.train_step(x, y).item()
+                step.loss = pm.train_step(x, y).item()  # noqa: F821 (the closure names itself)
             extra = {"setup_s": setup, "plan": _describe(pm.plan),
                      "planned_wire_bytes_per_step": pm.plan.estimates["wire_bytes_per_step"],
                      "unsupported_ops": sorted({u["op"] for u in pm.plan.unsupported_ops})}
@@ -167,7 +167,7 @@ def worker(args):
                 opt.step()
                 mean = loss.detach().clone()          # the global batch's loss, as reported
                 dist.all_reduce(mean, op=dist.ReduceOp.AVG)
-                step.loss = mean.item()
+                step.loss = mean.item()  # noqa: F821 (the closure names itself)
             extra = {}
         s = timed_steps(step, max(args.steps - 1, 1))
         s["state"] = model_state_bytes(params, opt)

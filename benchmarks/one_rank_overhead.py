@@ -6,10 +6,11 @@ plain eager PyTorch on the same model, batch and optimizer.
 
 Each size is ``dim x batch x layers`` of Alpa's quickstart MLP (d -> 4d -> d, ReLU, MSE,
 Adam), or ``gpt:layers:batch`` for the zoo's GPT at GPT-2-small width (hidden 768, 12
-heads, seq 256, vocab 50257, dropout off) with ``layers`` blocks. Eager and torchalpa steps alternate (one of each per round) so drifting machine
-load hits both alike; the figure is the median over rounds. One thread, as torchrun gives
-each rank. torchalpa runs three ways: ``train_step`` (no autograd), ``loss.backward()``
-(the autograd path), and ``train_step`` under ``torch.compile`` (if ``--compile``).
+heads, seq 256, vocab 50257, dropout off) with ``layers`` blocks. Eager and torchalpa
+steps alternate (one of each per round) so drifting machine load hits both alike; the
+figure is the median over rounds. One thread, as torchrun gives each rank. torchalpa runs
+three ways: ``train_step`` (no autograd), ``loss.backward()`` (the autograd path), and
+``train_step`` under ``torch.compile`` (if ``--compile``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from torchalpa.cluster import LogicalMesh
 from torchalpa.methods import AutoShardingOption
 from torchalpa.opgraph import OpGraph
 from torchalpa.passes.strategies import Strategy
-from torchalpa.placement import Partial, Replicate, Shard, parse_placements, short
+from torchalpa.placement import Replicate, Shard, parse_placements, short
 
 __all__ = ["apply_constraints"]
 

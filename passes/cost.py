@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpNode
-from torchalpa.plan import ReshardStep
 
 __all__ = ["collective_cost", "steps_cost", "compute_cost", "all_reduce_cost", "wire_bytes"]
 

@@ -26,15 +26,15 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from torchalpa.cluster import Cluster, LogicalMesh
-from torchalpa.methods import (AutoShardingOption, ManualStageOption, PipeshardParallel,
+from torchalpa.cluster import Cluster
+from torchalpa.methods import (ManualStageOption, PipeshardParallel,
                                UniformStageOption)
 from torchalpa.opgraph import GraphOutputs, OpGraph, ValueRef
 from torchalpa.passes.intra_op import plan_intra_op
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.layers import cluster_layers, layers_from_markers
 from torchalpa.passes.memory import in_flight_bytes
-from torchalpa.passes.stages import StageChoice, stage_dp, submesh_shapes
+from torchalpa.passes.stages import stage_dp, submesh_shapes
 from torchalpa.passes.subgraph import stage_subgraph
 from torchalpa.plan import PipelinePlan, StagePlan, Transfer
 from torchalpa.schedules import SCHEDULES, in_flight, simulate

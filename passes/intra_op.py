@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -32,10 +31,9 @@ from torchalpa.passes.reshard import local_bytes, plan_reshard
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.strategies import (Strategy, enumerate_strategies, leaf_strategies,
                                          replicate_only)
-from torchalpa.placement import Placements, Replicate, Shard, format_placements, replicated
+from torchalpa.placement import Placements, Shard, format_placements, replicated
 from torchalpa.report import format_bytes
-from torchalpa.plan import (Collective, NodeStrategy, Plan, Reshard, ReshardStep,
-                            ValuePlacement)
+from torchalpa.plan import (Collective, NodeStrategy, Plan, Reshard, ValuePlacement)
 
 __all__ = ["plan_intra_op", "UnsupportedOpWarning", "build_strategies"]
 
@@ -288,7 +286,6 @@ def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, op
 def _minimum_memory(graph, S, grouping, cg, memory: MemoryModel, points, option, mesh,
                     states) -> float:
     """The smallest peak any plan reaches (refining the checked points until exact)."""
-    from dataclasses import replace as _replace
     points = list(points)
     for _ in range(20):
         problem = ILPProblem(node_costs=cg.node_costs, edges=cg.edges, minimize_peak=True,

@@ -15,6 +15,7 @@ The forward capture here reuses the frontend's building blocks; it belongs next 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -124,9 +125,7 @@ def _flatten_outputs(out, structure: dict) -> torch.Tensor:
     def unflatten(flat: torch.Tensor):
         parts, offset = list(leaves), 0
         for i, shape in shapes:
-            n = 1
-            for s in shape:
-                n *= s
+            n = math.prod(shape)
             parts[i] = flat[offset:offset + n].view(shape)
             offset += n
         return tree_unflatten(parts, spec)

@@ -7,6 +7,7 @@ process, so the same code runs on a laptop with no launcher.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 
 import torch
@@ -57,9 +58,7 @@ def world_size() -> int:
 
 def check_world_size(shape: tuple[int, ...]) -> None:
     """A mesh of ``shape`` must use every rank of the job."""
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     if n != world_size():
         raise ValueError(
             f"the mesh {tuple(shape)} needs {n} ranks but this job has {world_size()}; launch "

@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from torchalpa.placement import Partial, Replicate, Shard
+from torchalpa.placement import Partial, Shard
 
 
 def coords_of(mesh_shape):

@@ -7,7 +7,6 @@ from collections import Counter
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from test_simplify import Residual

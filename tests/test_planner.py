@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -11,12 +10,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from models import MLP, WithCustomOp, mlp_inputs
+from models import MLP, WithCustomOp
 from torchalpa.cluster import LogicalMesh
 from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.cost import all_reduce_cost
 from torchalpa.passes.intra_op import UnsupportedOpWarning, plan_intra_op
-from torchalpa.placement import Partial, Replicate, Shard
+from torchalpa.placement import Replicate, Shard
 from torchalpa.plan import Plan
 
 ALPA_MESH = LogicalMesh(shape=(4,), alpha=(1.0,), beta=(1.0,))  # Alpa's unit costs

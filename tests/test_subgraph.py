@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import torchalpa
 from test_simplify import Residual
 from torchalpa.cluster import LogicalMesh
 from torchalpa.frontends.torch_export import capture

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
-import sys
 from typing import Callable
 
 __all__ = ["main"]

@@ -10,7 +10,8 @@ cost model reads; tests can build one directly (e.g. Alpa's alpha = beta = 1).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 
 __all__ = ["Cluster", "LogicalMesh"]
 
@@ -61,10 +62,7 @@ class LogicalMesh:
 
     @property
     def num_devices(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def ndim(self) -> int:
@@ -141,9 +139,7 @@ class Cluster:
                      axis_names: tuple[str, ...] | None = None) -> LogicalMesh:
         """View all devices as a logical mesh; devices are numbered node-major."""
         shape = tuple(shape) if shape is not None else (self.num_devices,)
-        n = 1
-        for s in shape:
-            n *= s
+        n = math.prod(shape)
         if n != self.num_devices:
             raise ValueError(f"logical mesh {shape} has {n} devices but the cluster has "
                              f"{self.num_devices} ({self.num_nodes} x {self.devices_per_node})")

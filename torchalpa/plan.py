@@ -10,6 +10,7 @@ training step sends; the runtime issues exactly these (tests count them).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -182,10 +183,7 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        n = 1
-        for s in self.mesh_shape:
-            n *= s
-        return n
+        return math.prod(self.mesh_shape)
 
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -354,10 +352,7 @@ class PipelinePlan:
 
     @property
     def num_devices(self) -> int:
-        n = 1
-        for s in self.mesh_shape:
-            n *= s
-        return n
+        return math.prod(self.mesh_shape)
 
     @property
     def parameters(self) -> tuple[ValuePlacement, ...]:
