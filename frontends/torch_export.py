@@ -347,7 +347,7 @@ def ancestor_names(roots: list[fx.Node]) -> set[str]:
 
 
 def _to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
-                updated_buffers: list[str] = ()) -> OpGraph:
+                updated_buffers: Sequence[str] = ()) -> OpGraph:
     """fx joint graph -> OpGraph. ``kinds`` gives (kind, target) for each placeholder.
 
     The graph returns (loss, *grads, *new values of ``updated_buffers``); the forward

@@ -105,7 +105,7 @@ def _fold_edges(costs: dict[str, np.ndarray], edges: list[Edge]) -> tuple[list[E
         elif (t == 0).all():
             continue
         if len(costs[e.u]) == 1 and len(costs[e.v]) == 1:
-            constant += e.table[e.row_of[0], e.col_of[0]]
+            constant += float(e.table[e.row_of[0], e.col_of[0]])
         elif len(costs[e.u]) == 1:
             costs[e.v] = costs[e.v] + t[e.row_of[0]][e.col_of]
         elif len(costs[e.v]) == 1:
@@ -216,6 +216,7 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
             if peak is not None:
                 prob += pulp.LpAffineExpression(terms + [(peak, -1.0)]) <= -fixed
             else:
+                assert problem.memory_budget is not None
                 prob += pulp.LpAffineExpression(terms) <= problem.memory_budget * mem_scale - fixed
     prob += pulp.LpAffineExpression([(peak, 1.0)] if peak is not None else objective)
     status = prob.solve(_make_solver(solver, time_limit, gap, warm=initial is not None))
@@ -235,7 +236,7 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
     if not math.isfinite(total):
         raise InfeasibleError("no plan connects every node without an impossible resharding")
     if peak is not None:
-        total = float(peak.value()) / mem_scale
+        total = float(peak.value() or 0.0) / mem_scale
     return ILPSolution(choice=choice, objective=float(total), status=status_name,
                        seconds=time.perf_counter() - start,
                        num_variables=prob.numVariables(), num_constraints=prob.numConstraints())

@@ -51,14 +51,15 @@ def assign_layers(graph: OpGraph, method: PipeshardParallel, num_devices: int) -
     if marked is not None and option.layer_num == "auto":
         return marked
     forward_ops = sum(1 for n in graph.ops() if n.phase == "forward")
-    num = option.layer_num if option.layer_num != "auto" else min(2 * num_devices, 16, forward_ops)
+    num = option.layer_num if isinstance(option.layer_num, int) else \
+        min(2 * num_devices, 16, forward_ops)
     return cluster_layers(graph, num, option.eps)
 
 
 def logical_views(submesh: tuple[int, int]) -> list[tuple[int, ...]]:
     """Logical shapes a submesh is planned as: 1D, and 2D along nodes or within a node."""
     n, m = submesh
-    views = [(n * m,)]
+    views: list[tuple[int, ...]] = [(n * m,)]
     if n > 1:
         views.append((n, m))
     elif m >= 4:
@@ -225,11 +226,12 @@ class _StageCosts:
                          e["activation_bytes_per_device"], e["saved_activation_bytes_per_device"])
 
     def cost(self, k: int, i: int, submesh: tuple[int, int], in_flight_batches: int
-             ) -> tuple[float, tuple[int, ...] | None]:
-        """(latency, best logical view) of layers k..i on ``submesh``, inf if none fits."""
+             ) -> tuple[float, tuple[tuple[int, ...], bool] | None]:
+        """(latency, (best logical view, lean)) of layers k..i on ``submesh``, inf if none
+        fits."""
         budget = self.method.auto_sharding_option.memory_budget_per_device or \
             self.cluster.memory_per_device
-        best = (math.inf, None)
+        best: tuple[float, tuple[tuple[int, ...], bool] | None] = (math.inf, None)
         link = self.cluster.inter_node_bandwidth if self.cluster.num_nodes > 1 else \
             self.cluster.intra_node_bandwidth
         sends = (self.send_bytes[i] if i < self.num_layers - 1 else 0.0) + \
@@ -274,7 +276,7 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
             min(B, L) if method.pipeline_schedule == "1f1b" else B))
         log.info("pipeline search: %d layer solves in %.1fs", costs.solves,
                  time.perf_counter() - start)
-        views: dict[tuple, tuple] = {}
+        views: dict[tuple, tuple | None] = {}
 
         def cost(k, i, j, after):
             flight = min(B, after + 1) if method.pipeline_schedule == "1f1b" else B
@@ -379,8 +381,9 @@ def _uniform(option: UniformStageOption, L: int, cluster: Cluster, costs: _Stage
         flight = min(B, S - s) if schedule == "1f1b" else B
         _, chosen = costs.cost(k, i, submesh, flight)
         view, lean = chosen if chosen is not None else ((per,), False)
-        option = replace(costs.method.auto_sharding_option, parameters="sharded") if lean else None
-        out.append(((k, i), submesh, view, option))
+        sharding = replace(costs.method.auto_sharding_option, parameters="sharded") \
+            if lean else None
+        out.append(((k, i), submesh, view, sharding))
     return out
 
 

@@ -91,7 +91,7 @@ def capture_forward(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
     except te.CaptureError:
         raise
     except Exception as e:
-        raise te.CaptureError(te._explain_trace_failure(e, provenance)) from e
+        raise te.CaptureError(te._explain_trace_failure(e, provenance, num_inputs)) from e
     kinds = [("buffer", k) for k in names] + \
         [("input", f"input{i}") for i in range(len(inputs) + len(targets))]
     te._check_static(gm, provenance)

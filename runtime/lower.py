@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,7 +101,7 @@ class _Emitter:
 
 
 def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, group_names,
-          device: torch.device, overlap: bool = True, buffer_updates: list[str] = ()
+          device: torch.device, overlap: bool = True, buffer_updates: Sequence[str] = ()
           ) -> LocalProgram:
     """This rank's local program for ``plan`` (``coords``: this rank's mesh coordinate).
 

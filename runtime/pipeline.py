@@ -381,7 +381,8 @@ class PipelineRunner:
             work.wait()
 
 
-def transfer_specs(gm: fx.GraphModule, plan: PipelinePlan) -> dict:
+def transfer_specs(gm: fx.GraphModule, plan: PipelinePlan
+                   ) -> dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of every value crossing stages, from the source graph."""
     vals = {n.name: n.meta.get("val") for n in gm.graph.nodes}
     specs = {}

@@ -159,7 +159,7 @@ class Cluster:
     def candidate_shapes(self) -> list[tuple[int, ...]]:
         """Logical shapes worth trying: 1D, and 2D (n, m) for every factorization."""
         n = self.num_devices
-        shapes = [(n,)]
+        shapes: list[tuple[int, ...]] = [(n,)]
         for m in range(2, n):
             if n % m == 0:
                 shapes.append((n // m, m))
