@@ -6,11 +6,11 @@ STAMP  := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.tx
 NPROC  ?= 4
 NETNS  := ../shared/tools/netns_bytes.sh
 
-.PHONY: demo demo-pipeline test test-all bench env clean
+.PHONY: demo demo-pipeline test test-all bench env clean lint
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,lint]'
 	@rm -f $(VENV)/.installed-* && touch $@
 
 env: $(STAMP)
@@ -26,6 +26,16 @@ demo: $(STAMP)
 demo-pipeline: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) \
 		examples/pipeline.py
+
+# Lint: ruff (pyflakes + pycodestyle) over the tree, then basedpyright (basic mode) over the
+# package; both are configured in pyproject.toml. pyright cannot follow setup.cfg's
+# package_dir, so build/typecheck/torchalpa mirrors the installed layout with symlinks.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	@rm -rf build/typecheck && mkdir -p build/typecheck/torchalpa
+	@for p in torchalpa/*; do ln -s ../../../$$p build/typecheck/torchalpa/; done
+	@for d in frontends passes runtime; do ln -s ../../../$$d build/typecheck/torchalpa/$$d; done
+	$(BIN)/basedpyright
 
 # The test suite (under 15 minutes on 2 cores; about 5 here).
 test: $(STAMP)
