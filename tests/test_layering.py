@@ -104,4 +104,3 @@ def test_lazy_public_names():
     assert torchalpa.MixedPrecision.__module__ == "torchalpa.runtime.precision"
     for name in torchalpa.__all__:
         assert getattr(torchalpa, name) is not None
-

@@ -47,7 +47,7 @@ class FactorRule:
         return [f for f, _ in self.sizes]
 
 
-RuleFn = Callable[[OpNode, list[TensorSpec]], FactorRule]
+RuleFn = Callable[[OpNode, list[TensorSpec]], FactorRule | None]   # None: declines this call
 RULES: dict[str, RuleFn] = {}
 
 
