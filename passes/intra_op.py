@@ -15,7 +15,7 @@ import logging
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -70,6 +70,9 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
             strategies[node.name] = options
             continue
         rule = rule_for(node, graph)
+        if rule is not None and rule.random and option is not None \
+                and option.random == "replicated":
+            rule = replace(rule, blocked=frozenset(rule.factors()))   # drawn whole
         if rule is not None and rule.heavy:
             heavy.add(node.name)
         options = []
