@@ -28,6 +28,7 @@ the masks the uninterrupted run draws.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import warnings
 
@@ -75,11 +76,19 @@ def lower_random(node, args: list, kwargs: dict, out_shape: list[int], placement
     name = str(node.target)
     block = block_index(placements, coords)
     if name == "aten.native_dropout.default":
-        return dropout, [args[0], args[1], block], {}
+        return _eager(dropout), [args[0], args[1], block], {}
     args = list(args)
     if name in _SIZE_ARG:
         args[_SIZE_ARG[name]] = list(out_shape)
-    return draw, [name, block, *args], dict(kwargs)
+    return _eager(draw), [name, block, *args], dict(kwargs)
+
+
+@functools.cache
+def _eager(fn):
+    """``fn`` run eagerly under ``torch.compile`` (a graph break): traced, its draw from
+    the default generator would become the compiler's own random op, which draws other
+    numbers than eager runs (and checkpoints) expect."""
+    return torch.compiler.disable(fn)
 
 
 def block_seed(block: tuple[int, ...]) -> int:
