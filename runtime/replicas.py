@@ -71,7 +71,8 @@ def check_replicas(named: list[tuple[str, torch.Tensor]], mesh, *, check_rng: bo
             axes = list(range(mesh.ndim))
         entries.append((name, axes, bit_hash(t).to(comm)))
     if check_rng:
-        entries.append((RNG_STATE, list(range(mesh.ndim)), bit_hash(torch.get_rng_state()).to(comm)))
+        state = bit_hash(torch.get_rng_state()).to(comm)
+        entries.append((RNG_STATE, list(range(mesh.ndim)), state))
     problems = []
     for axis in range(mesh.ndim):
         if mesh.size(axis) == 1:

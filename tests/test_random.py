@@ -79,6 +79,8 @@ def test_dropout_does_not_gather_its_input(bert_plans):
     dropouts = [s for s in sharded.strategies if s.node.startswith("native_dropout")
                 and "backward" not in s.node]
     assert len(dropouts) == 4 and all(s.outputs[0] == (Shard(0), Replicate()) for s in dropouts)
+    assert any("4 random ops" in note for note in sharded.notes)
+    assert not any("random ops" in note for note in whole.notes)
     # the single-device-numerics option keeps its (honest) price
     assert Counter(c.kind for c in whole.collectives)["all_gather"] == 4
     assert whole.estimates["objective"] > 5 * sharded.estimates["objective"]
