@@ -186,7 +186,7 @@ class ParallelModule(nn.Module):
         named = [(n, self._tensor(n)) for n in self._param_names + self._buffer_names]
         with self._monitor.guard(f"the replica check of step {self._num_calls}"), \
                 torch.no_grad():
-            _check_replicas(named, self.mesh)
+            _check_replicas(named, self.mesh, device=self._device)
 
     # -- helpers ------------------------------------------------------------------------
     def _state(self, names: Sequence[str], differentiable: bool = False) -> list[torch.Tensor]:

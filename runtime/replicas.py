@@ -24,6 +24,7 @@ __all__ = ["ReplicaMismatchError", "bit_hash", "check_replicas", "enabled_by_env
            "RNG_STATE"]
 
 RNG_STATE = "the default random generator state (torch.get_rng_state())"
+CUDA_RNG_STATE = "the device's random generator state (torch.cuda.get_rng_state())"
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -50,13 +51,14 @@ def bit_hash(t: torch.Tensor) -> torch.Tensor:
     return (bits * weights).sum() + shape.sum() * 0x632BE5AB   # wraps on overflow: fine
 
 
-def check_replicas(named: list[tuple[str, torch.Tensor]], mesh, *, check_rng: bool = True
-                   ) -> None:
+def check_replicas(named: list[tuple[str, torch.Tensor]], mesh, *, check_rng: bool = True,
+                   device: torch.device | None = None) -> None:
     """Raise ``ReplicaMismatchError`` on every rank if a replicated value differs.
 
     ``named``: (name, tensor) pairs; a DTensor is checked over the mesh axes it is
     replicated on, a plain tensor over every axis. ``check_rng`` adds the default CPU
-    generator's state, which every rank must share (``runtime/random.py``).
+    generator's state, which every rank must share (``runtime/random.py``), and on a CUDA
+    ``device`` that device's generator state.
     """
     if mesh.size() == 1:
         return
@@ -73,6 +75,9 @@ def check_replicas(named: list[tuple[str, torch.Tensor]], mesh, *, check_rng: bo
     if check_rng:
         state = bit_hash(torch.get_rng_state()).to(comm)
         entries.append((RNG_STATE, list(range(mesh.ndim)), state))
+        if device is not None and device.type == "cuda":
+            state = bit_hash(torch.cuda.get_rng_state(device)).to(comm)
+            entries.append((CUDA_RNG_STATE, list(range(mesh.ndim)), state))
     problems = []
     for axis in range(mesh.ndim):
         if mesh.size(axis) == 1:
