@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -51,6 +51,7 @@ class StrategySpace:
     unsupported: list[dict]
     notes: list[str]
     heavy: frozenset = frozenset()   # nodes whose rule says compute-bound
+    random: frozenset = frozenset()  # nodes whose rule says they draw random numbers
 
 
 def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
@@ -58,7 +59,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
     """Every node's candidate strategies; ops without a rule get replicate-only."""
     strategies: dict[str, list[Strategy]] = {}
     unsupported: list[dict] = []
-    heavy = set()
+    heavy, random = set(), set()
     memo: dict = {}   # identical layers have identical rules: enumerate once
     for node in graph:
         if node.is_leaf:
@@ -68,6 +69,10 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
             strategies[node.name] = options
             continue
         rule = rule_for(node, graph)
+        if rule is not None and rule.random:
+            random.add(node.name)
+            if option is not None and option.random == "replicated":
+                rule = replace(rule, blocked=frozenset(rule.factors()))   # drawn whole
         if rule is not None and rule.heavy:
             heavy.add(node.name)
         options = []
@@ -87,7 +92,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
                       + (f", module '{item['module']}'" if item["module"] else "")
                       + "): it runs replicated on every device", UnsupportedOpWarning,
                       stacklevel=3)
-    return StrategySpace(strategies, unsupported, notes, frozenset(heavy))
+    return StrategySpace(strategies, unsupported, notes, frozenset(heavy), frozenset(random))
 
 
 def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
@@ -414,6 +419,12 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         if n.kind == "input" and n.output.shape and n.output.shape[0] % mesh.num_devices:
             notes.append(f"{n.target}: batch dim {n.output.shape[0]} does not divide by "
                          f"{mesh.num_devices} devices, so it cannot be fully data-parallel")
+    per_block = sorted(n for n in space.random
+                       if any(isinstance(p, Shard) for p in chosen[n].outputs[0]))
+    if per_block:
+        notes.append(f"{len(per_block)} random ops (dropout masks...) are drawn per block: "
+                     "the distribution one device draws, not its numbers; "
+                     "AutoShardingOption(random='replicated') draws them whole")
     explanations = _explain_parameters(graph, mesh, method, chosen, costs, space)
     return Plan(
         explanations=explanations,

@@ -15,7 +15,8 @@ maps each to a small function that puts in the local sizes:
   and ``convolution_backward``'s ``bias_sizes`` is the local channel count.
 
 Device arguments point at this rank's device (the graph may have been captured on
-``meta``).
+``meta``). A random op whose result is sharded becomes a draw of this rank's block from
+the block's own generator (``runtime.random``), which needs the rank's mesh ``coords``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from torchalpa.placement import Shard, local_shape
 from torchalpa.plan import NodeStrategy
+from torchalpa.runtime import random as R
 
 __all__ = ["localize"]
 
@@ -139,10 +141,17 @@ _REWRITES: dict[str, Callable[[_Call], tuple]] = {
 
 
 def localize(node, args: list, kwargs: dict, strategy: NodeStrategy, mesh_shape,
-             device: torch.device):
-    """(target, args, kwargs) of the local call for fx ``node`` under ``strategy``."""
+             device: torch.device, coords=None):
+    """(target, args, kwargs) of the local call for fx ``node`` under ``strategy``, on the
+    rank at mesh coordinate ``coords`` (needed for sharded random ops only)."""
     if "device" in kwargs:
         kwargs = dict(kwargs, device=device)
+    if str(node.target) in R.RANDOM_OPS and R.is_sharded(strategy.outputs[0]) \
+            and not (node.target is aten.native_dropout.default and args[2:3] == [False]):
+        assert coords is not None, f"localizing sharded random op {node.name} needs coords"
+        call = _Call(node, list(args), dict(kwargs), strategy, tuple(mesh_shape), device)
+        return R.lower_random(node, call.args, call.kwargs, call.out_shape(),
+                              strategy.outputs[0], coords)
     rewrite = _REWRITES.get(str(node.target))
     if rewrite is None:
         return node.target, args, kwargs

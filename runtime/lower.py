@@ -135,7 +135,7 @@ def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, gro
             args = tree_map(local_arg, list(node.args))
             kwargs = {k: tree_map(local_arg, v) for k, v in node.kwargs.items()}
             target, args, kwargs = localize(node, args, kwargs, strategies[node.name],
-                                            plan.mesh_shape, device)
+                                            plan.mesh_shape, device, coords)
             env[node.name] = graph.call_function(target, tuple(args), kwargs)
         elif node.op == "output":
             outs = node.args[0]

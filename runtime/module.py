@@ -14,6 +14,11 @@ sharded like the parameters. What a call runs depends on the model's mode:
 
 ``train_step`` runs forward and backward micro-batch by micro-batch without autograd and
 steps the optimizer once; ``predict`` returns the model's outputs, whole on every rank.
+
+Random ops (dropout) draw from each rank's default generator, which ``auto_parallel``
+synchronizes across ranks (``runtime/random.py``); ``check_replicas`` verifies before each
+step that replicated parameters, buffers and the generator state still agree across ranks
+(``runtime/replicas.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torchalpa.runtime.faults import FaultMonitor, check_same_inputs, describe_s
 from torchalpa.runtime.inference import ForwardPrograms
 from torchalpa.runtime.lower import LocalProgram
 from torchalpa.runtime.materialize import distribute_module_state, to_dtensor_placements
+from torchalpa.runtime.replicas import check_replicas as _check_replicas
 from torchalpa.runtime.step import StepRunner
 
 __all__ = ["ParallelModule", "to_dtensor_placements", "distribute_module_state"]
@@ -72,7 +78,7 @@ class ParallelModule(nn.Module):
                  device: torch.device,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  num_micro_batches: int = 1, forward_programs: ForwardPrograms | None = None,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, check_replicas: bool = False):
         super().__init__()
         self.module = module
         self.plan = plan
@@ -90,6 +96,7 @@ class ParallelModule(nn.Module):
         self._monitor = FaultMonitor(timeout_s)
         self._checked_across_ranks = False
         self._num_calls = 0
+        self._check_every_step = bool(check_replicas)
         self.optimizer = optimizer(self.parameters()) if optimizer is not None else None
 
     # -- the step -----------------------------------------------------------------------
@@ -97,6 +104,8 @@ class ParallelModule(nn.Module):
         """The loss of one step on the given batch (every rank returns the same value)."""
         inputs = self._check_inputs(inputs)
         self._num_calls += 1
+        if self._check_every_step:
+            self.check_replicas()
         if self.module.training != self._captured_training:
             return self._forward_only(inputs, outputs=False)
         if not torch.is_grad_enabled():
@@ -136,6 +145,8 @@ class ParallelModule(nn.Module):
                              "first")
         inputs = self._check_inputs(inputs)
         self._num_calls += 1
+        if self._check_every_step:
+            self.check_replicas()
         with self._monitor.guard(f"step {self._num_calls}"), torch.no_grad():
             loss, grads = self._runner.run(
                 self._state(self._param_names + self._buffer_names), inputs)
@@ -167,6 +178,15 @@ class ParallelModule(nn.Module):
         with self._monitor.guard(f"forward-only call {self._num_calls}"), torch.no_grad():
             result = fp.program(*self._state(fp.state_names), *inputs)[0]
         return fp.unflatten(result)
+
+    def check_replicas(self) -> None:
+        """Raise ``ReplicaMismatchError`` (on every rank) if a replicated parameter or
+        buffer, or the default random generator, differs across ranks. Costs a hash of
+        each local block and one small all-gather per mesh axis."""
+        named = [(n, self._tensor(n)) for n in self._param_names + self._buffer_names]
+        with self._monitor.guard(f"the replica check of step {self._num_calls}"), \
+                torch.no_grad():
+            _check_replicas(named, self.mesh, device=self._device)
 
     # -- helpers ------------------------------------------------------------------------
     def _state(self, names: Sequence[str], differentiable: bool = False) -> list[torch.Tensor]:

@@ -165,7 +165,7 @@ def lower_stage(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *, param_na
         args = tree_map(local_arg, list(n.args))
         kwargs = {k: tree_map(local_arg, v) for k, v in n.kwargs.items()}
         target, args, kwargs = localize(n, args, kwargs, strategies[n.name], splan.mesh_shape,
-                                        device)
+                                        device, coords)
         env[n.name] = graph.call_function(target, tuple(args), kwargs)
 
     def value_of(key: tuple[str, int]) -> fx.Node:

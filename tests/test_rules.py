@@ -4,7 +4,10 @@ For each op and each strategy its rule yields on a 2- and 4-device 1D mesh and a
 mesh: cut the operands into the blocks each rank holds, run the (localized) op on the
 blocks, put the results back together by the result placements, and compare with the
 op on whole tensors. Random ops run with the same seed on every rank and in the
-reference, as ranks of a real run start from the same generator state.
+reference, as ranks of a real run start from the same generator state: drawn whole they
+equal the reference; drawn per block (``runtime/random.py``) only shapes, dtypes and what
+holds for any draw are compared (``_check_draw``; their statistics are tested in
+``test_random.py``).
 
 The cases (``rule_cases.py``) are small functions traced like a training step (forward
 and backward through torchalpa's decompositions), plus direct calls of the fused ops the
@@ -95,7 +98,8 @@ def _run_op_sharded(node_fx, op_node, values, strategy, mesh_shape):
 
         args = torch.utils._pytree.tree_map(local, list(node_fx.args))
         kwargs = {k: torch.utils._pytree.tree_map(local, v) for k, v in node_fx.kwargs.items()}
-        target, args, kwargs = localize(node_fx, args, kwargs, ns, mesh_shape, torch.device("cpu"))
+        target, args, kwargs = localize(node_fx, args, kwargs, ns, mesh_shape, torch.device("cpu"),
+                                        coord)
         outs[coord] = _call(target, args, kwargs)
     return [None if outs[coords_of(mesh_shape)[0]][i] is None else
             combine({c: o[i] for c, o in outs.items()}, strategy.outputs[i], mesh_shape)
@@ -139,6 +143,10 @@ def check_all_strategies(gm, nodes, args, meshes=MESHES, atol=1e-4, rtol=1e-4,
                     got = _run_op_sharded(n, op_node, values, strategy, mesh_shape)
                 except Exception as e:
                     raise AssertionError(f"{where}: {type(e).__name__}: {e}") from e
+                if rule.random and any(isinstance(p, Shard) for p in strategy.outputs[0]):
+                    _check_draw(n, full, got, refs, where)
+                    checked += 1
+                    continue
                 for g, r in zip(got, refs):
                     if r is None:
                         continue
@@ -147,6 +155,17 @@ def check_all_strategies(gm, nodes, args, meshes=MESHES, atol=1e-4, rtol=1e-4,
                                           equal_nan=True), where
                 checked += 1
     return checked
+
+
+def _check_draw(n, full, got, refs, where) -> None:
+    """A random result drawn per block: its shape and dtype, and for dropout, that the
+    output is the input masked and scaled by the mask it returns."""
+    for g, r in zip(got, refs):
+        assert g.shape == r.shape and g.dtype == r.dtype, where
+    if n.target is aten.native_dropout.default:
+        (x, p, _), _ = full
+        out, mask = got
+        assert torch.allclose(out, x * mask / (1 - p)), where
 
 
 def check_fn(fn, args, meshes=MESHES, keep=(), **kw) -> int:
@@ -185,8 +204,6 @@ def _unblocked(target):
     ("conv2d", "aten.convolution.default"),
     ("slice_select", "aten.slice.Tensor"),
     ("flash_attention", "aten._scaled_dot_product_flash_attention_for_cpu.default"),
-    ("dropout", "aten.native_dropout.default"),
-    ("random", "aten.rand.default"),
     ("reductions", "aten.cumsum.default"),
     ("flip_pad", "aten.flip.default"),
     ("factories", "aten.arange.start_step"),
@@ -241,22 +258,45 @@ def test_matmul_strategies_are_the_megatron_set():
         ["(S(0), R) -> S(0)", "(R, S(1)) -> S(1)", "(S(1), S(0)) -> P"])
 
 
-def test_random_ops_are_drawn_whole():
-    """Random ops never shard their draw (see rules/random.py)."""
-    random_ops = {op for op, fn in RULES.items() if fn.__module__.endswith(".random")}
-    assert len(random_ops) >= 10
-    seen = set()
-    for name in CASES:
+def _random_rules(mesh_shape, option=None):
+    """{op: strategies} of every random op in the cases (eval-mode dropout excluded)."""
+    from torchalpa.methods import AutoShardingOption
+    from torchalpa.passes.intra_op import build_strategies
+    from torchalpa.opgraph import GraphOutputs, OpGraph, ValueRef
+    found = {}
+    for name in ("random", "dropout", "undecomposed"):
         (gm, nodes), _ = traced(name)
-        for node in nodes.values():
-            eval_dropout = node.op == "aten.native_dropout.default" and node.args[2] is False
-            if node.op not in random_ops or eval_dropout:  # eval dropout is the identity
-                continue
-            seen.add(node.op)
-            rule = RULES[node.op](node, [nodes[r.node].outputs[r.index] for r in node.operands])
-            for s in enumerate_strategies(rule, LogicalMesh(shape=(2, 2))):
-                assert all(p == Replicate() for out in s.outputs for p in out), s.name
-    assert seen == random_ops
+        ops = list(nodes.values())
+        graph = OpGraph(ops, GraphOutputs(loss=ValueRef(ops[-1].name)))
+        space = build_strategies(graph, LogicalMesh(shape=mesh_shape), option=option
+                                 or AutoShardingOption())
+        for node in graph.ops():
+            rule = RULES[node.op](node, [graph.spec(r) for r in node.operands]) \
+                if node.op in RULES else None
+            if rule is not None and rule.random:
+                found.setdefault(node.op, []).append(space.strategies[node.name])
+    return found
+
+
+def test_random_ops_shard_their_draw_by_default():
+    """Each device draws its own block of a random result (rules/random.py): every random
+    op but randperm has a strategy with a sharded result."""
+    found = _random_rules((2, 2))
+    random_ops = {op for op, fn in RULES.items() if fn.__module__.endswith(".random")}
+    assert set(found) == random_ops
+    for op, per_node in found.items():
+        sharded = [any(isinstance(p, Shard) for p in s.outputs[0]) for ss in per_node for s in ss]
+        assert any(sharded) == (op != "aten.randperm.default"), op
+
+
+def test_random_ops_are_drawn_whole_with_random_replicated():
+    """AutoShardingOption(random="replicated"): one-device numerics, every draw whole."""
+    from torchalpa.methods import AutoShardingOption
+    found = _random_rules((2, 2), AutoShardingOption(random="replicated"))
+    assert len(found) >= 10
+    for op, per_node in found.items():
+        for ss in per_node:
+            assert all(p == Replicate() for s in ss for out in s.outputs for p in out), op
 
 
 def test_softmax_keeps_its_dim_whole():

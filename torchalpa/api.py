@@ -125,7 +125,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                   inputs: str = "global", optimizer: Callable | None = None,
                   plan: Plan | None = None, num_micro_batches: int = 1,
                   mixed_precision=None, init_weights: Callable | None = None,
-                  compile: bool | dict = False):
+                  compile: bool | dict = False, check_replicas: bool | None = None):
     """Parallelize ``model``'s training step over every rank of this torchrun job.
 
     ``example_inputs`` are the model inputs followed by the loss targets (when ``loss_fn``
@@ -148,12 +148,23 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
       re-initializes it.
     - ``compile=True`` (or a dict of ``torch.compile`` options): the local programs run
       under ``torch.compile``.
+    - Random numbers (dropout): every rank continues from rank 0's default generator state
+      once the model is wrapped (a ``RandomStateWarning`` says when ranks' states differed,
+      e.g. after ``torch.manual_seed(seed + rank)``), so replicas draw alike; sharded
+      random results draw one independent block per device (``runtime/random.py``;
+      ``AutoShardingOption(random="replicated")`` for single-device numerics).
+      ``check_replicas=True`` (default: the ``TORCHALPA_CHECK_REPLICAS`` environment
+      variable) checks before every step that replicated parameters, buffers and the
+      generator state agree on every rank, and raises ``ReplicaMismatchError`` naming the
+      value that differs instead of training on it.
     """
     from torchalpa.frontends.torch_export import capture
     from torchalpa.runtime import mesh as mesh_mod
     from torchalpa.runtime.lower import lower
     from torchalpa.runtime.materialize import distribute_module_state
     from torchalpa.runtime.module import ParallelModule
+    from torchalpa.runtime.random import sync_random_state
+    from torchalpa.runtime.replicas import enabled_by_env
 
     method = _check_method(method)
     _check_inputs_mode(inputs)
@@ -222,6 +233,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
         traced, loss_fn, the_plan, method, candidate_meshes(
             cluster, method, tuple(the_plan.mesh_shape), tuple(the_plan.axis_names))[0],
         inputs, lambda gm, p: lower_program(gm, p, []).forward)
+    sync_random_state(device)    # last: planning or initialization may have drawn on rank 0
     log.info("auto_parallel ready in %.2fs: %s", time.perf_counter() - start,
              captured.graph.summary())
     return ParallelModule(model, the_plan, program, device_mesh,
@@ -229,7 +241,9 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                           input_specs=input_specs, inputs=inputs, device=device,
                           optimizer=optimizer, num_micro_batches=num_micro_batches,
                           forward_programs=forward_programs,
-                          timeout_s=mesh_mod.collective_timeout().total_seconds())
+                          timeout_s=mesh_mod.collective_timeout().total_seconds(),
+                          check_replicas=enabled_by_env() if check_replicas is None
+                          else check_replicas)
 
 
 def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape) -> None:

@@ -46,8 +46,17 @@ class AutoShardingOption:
     """Fixed layouts: ``{regex: placements}`` (or pairs) matched against parameter names
     and user inputs ('input0', ...), e.g. ``{"layers[.]0[.]wq[.]weight": ("R", "S(0)")}``;
     ``"*"`` on an axis leaves that axis to the ILP. Pins override ``parameters``."""
+    random: str = "sharded"
+    """Random ops (dropout masks, ``rand``): 'sharded' lets each device draw its own block
+    (replicas draw alike, blocks independently; same distribution as one device, other
+    numbers; dropout's input is never gathered for its mask), 'replicated' has every
+    device draw whole tensors as one device does (bitwise single-device numerics, at the
+    cost of gathering what random ops read). See ``passes/rules/random.py``."""
 
     def __post_init__(self):
+        if self.random not in ("sharded", "replicated"):
+            raise ValueError(f"AutoShardingOption.random must be 'sharded' or 'replicated', "
+                             f"got {self.random!r}")
         if self.parameters not in ("auto", "replicated", "sharded"):
             raise ValueError(f"AutoShardingOption.parameters must be 'auto', 'replicated' or "
                              f"'sharded', got {self.parameters!r}")

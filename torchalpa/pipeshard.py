@@ -121,6 +121,8 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
     _distribute_stages(model, the_plan, meshes, device)
     runner = PipelineRunner(program, the_plan, stage.index, rank,
                             transfer_specs(captured.gm, the_plan), device)
+    from torchalpa.runtime.random import sync_random_state
+    sync_random_state(device)    # replicas of a stage draw alike (runtime/random.py)
     log.info("pipeline ready in %.2fs: stage %d of %d on ranks %s", time.perf_counter() - start,
              stage.index, len(the_plan.stages), list(stage.ranks))
     return PipelineModule(model, the_plan, program, runner, mesh,

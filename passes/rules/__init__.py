@@ -18,6 +18,9 @@ Two optional refinements cover ops that are not pure einsums:
   factor the result is computed whole on every device (``Replicate``) rather than being
   illegal. Results an op does not produce (``None`` outputs of backward ops with an
   ``output_mask``) list every factor.
+- ``random``: the op draws random numbers (``rules/random.py``): each block of a sharded
+  result is its own draw. ``AutoShardingOption(random="replicated")`` blocks every factor
+  of such ops, for single-device numerics.
 
 A rule describes an op whose results are positional: one entry per output the op's schema
 returns, ``None`` outputs included, so ``results[i]`` matches ``getitem(op, i)``.

@@ -34,6 +34,7 @@ class FactorRule:
     heavy: bool = False                            # compute-bound (matmul, conv): never redundant
     accumulators: frozenset = frozenset()          # operands added into: Partial, not Replicate
     independent: tuple[frozenset, ...] = ()        # per result: factors it does not depend on
+    random: bool = False                           # results are random draws, per block
 
     @property
     def size_of(self) -> dict[str, int]:
