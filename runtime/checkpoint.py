@@ -37,6 +37,7 @@ Both functions are collective: every rank calls them with the same path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -89,6 +90,13 @@ def _parts(pmodel, optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     return pmodel.module, optimizer
+
+
+def _guard(pmodel, what: str):
+    """The module's fault monitor around collective work: a peer that dies mid-save is
+    named (``RankFailedError``) instead of surfacing as a bare timeout."""
+    monitor = getattr(pmodel, "_monitor", None)
+    return monitor.guard(what) if monitor is not None else contextlib.nullcontext()
 
 
 def _rank_world() -> tuple[int, int]:
@@ -349,7 +357,11 @@ def save_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
     """
     module, optimizer = _parts(pmodel, optimizer)
     keep = _check_keep(keep)
-    root = Path(path)
+    with _guard(pmodel, f"save_checkpoint({os.fspath(path)!r})"):
+        return _save(Path(path), module, optimizer, keep)
+
+
+def _save(root: Path, module, optimizer, keep: int | None) -> Path:
     rank, world = _rank_world()
 
     def begin():
