@@ -65,11 +65,15 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     from torchalpa import cache
     from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.passes.intra_op import plan_intra_op
+    from torchalpa.plan_check import check_plan
     fingerprint = graph.fingerprint()
     plans, failures = [], []
     for mesh in meshes:
         key = cache.plan_key(fingerprint, mesh, method, inputs)
-        found = cache.load_cached(key)
+        found = cache.load_cached(key, lambda p, source, shape=tuple(mesh.shape): check_plan(
+            p, fingerprint=fingerprint, source=source, mesh_shape=shape, graph=graph))
+        if found is not None and not isinstance(found, Plan):
+            found = None
         if found is None:
             try:
                 found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks)
@@ -193,7 +197,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     fingerprint = captured.graph.fingerprint()
     _same_step_on_every_rank(fingerprint)
     if plan is not None:
-        _check_given_plan(plan, fingerprint, shape)
+        _check_given_plan(plan, fingerprint, shape, captured.graph)
         the_plan = plan
     else:
         the_plan = _plan_on_rank0(lambda: plan_graph(
@@ -232,15 +236,13 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                           timeout_s=mesh_mod.collective_timeout().total_seconds())
 
 
-def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape) -> None:
+def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape, graph=None) -> None:
+    """A ``plan=`` is checked like a cached one: step, mesh, shapes and layouts."""
+    from torchalpa.plan_check import check_plan
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a torchalpa.Plan, got {type(plan).__name__}")
-    if plan.graph_fingerprint != fingerprint:
-        raise ValueError("the plan was made for a different training step (model, loss or input "
-                         "shapes differ); plan again, or pass plan=None to solve now")
-    if mesh_shape is not None and tuple(plan.mesh_shape) != tuple(mesh_shape):
-        raise ValueError(f"the plan is for a mesh of {tuple(plan.mesh_shape)}, this job's mesh is "
-                         f"{tuple(mesh_shape)}")
+    check_plan(plan, fingerprint=fingerprint, source="the plan passed as plan=",
+               mesh_shape=mesh_shape, graph=graph)
 
 
 def _same_step_on_every_rank(fingerprint: str) -> None:
