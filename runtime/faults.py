@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import sys
 import threading
 import time
@@ -38,7 +39,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFailedError", "FaultMonitor", "check_same_inputs", "describe_specs"]
+__all__ = ["RankFailedError", "FaultMonitor", "check_same_inputs", "check_same_values",
+           "describe_specs"]
 
 _PREFIX = "torchalpa/"
 HEARTBEAT_S = 0.5
@@ -254,3 +256,29 @@ def check_same_inputs(specs: list[tuple[tuple[int, ...], torch.dtype]], expected
     listing = "; ".join(f"rank(s) {', '.join(map(str, rs))}: {text}" for text, rs in groups.items())
     raise ValueError(f"the ranks passed inputs of different shapes or dtypes ({listing}); every "
                      f"rank must pass the same {expected}")
+
+
+def batch_digest(inputs: Sequence[torch.Tensor]) -> str:
+    """A hash of the inputs' values (bytes, shapes and dtypes)."""
+    h = hashlib.blake2b(digest_size=16)
+    for x in inputs:
+        t = x.detach()
+        h.update(f"{tuple(t.shape)} {t.dtype};".encode())
+        h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_same_values(inputs: Sequence[torch.Tensor], what: str = "batch") -> None:
+    """Every rank passes the same global batch (the same values), or every rank raises a
+    ValueError naming the ranks whose batch differs from rank 0's (one all-gather)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, batch_digest(inputs))
+    differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
+    if differ:
+        raise ValueError(
+            f"rank(s) {', '.join(map(str, differ))} passed a different {what} than rank 0 "
+            "(same shapes, other values); with inputs='global' every rank must pass the same "
+            "global batch -- check the data loader's seed and sampler, or use inputs='local' "
+            "with a DistributedSampler (check_inputs='never' turns this check off)")

@@ -13,11 +13,13 @@ from torchalpa.cluster import Cluster, LogicalMesh
 from torchalpa.methods import PipeshardParallel, ShardParallel
 from torchalpa.opgraph import OpGraph
 from torchalpa.plan import Plan
+from torchalpa.plan_check import check_step_dtypes
 
 __all__ = ["plan", "auto_parallel", "default_cluster", "plan_graph"]
 
 log = logging.getLogger("torchalpa")
 _INPUT_MODES = ("global", "local")
+_CHECK_INPUTS = ("first", "always", "never")
 
 
 def default_cluster(num_devices: int) -> Cluster:
@@ -119,6 +121,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
     meshes = candidate_meshes(cluster or default_cluster(world_size()), method)
     captured = capture(model, example_inputs, loss_fn, rematerialize_parameters=(
         method.auto_sharding_option.rematerialize_parameters))
+    check_step_dtypes(captured.graph)
     return plan_graph(captured.graph, method=method, meshes=meshes, inputs=inputs,
                       blocks=_blocks_of(captured.graph))
 
@@ -129,7 +132,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                   inputs: str = "global", optimizer: Callable | None = None,
                   plan: Plan | None = None, num_micro_batches: int = 1,
                   mixed_precision=None, init_weights: Callable | None = None,
-                  compile: bool | dict = False):
+                  compile: bool | dict = False, check_inputs: str = "first"):
     """Parallelize ``model``'s training step over every rank of this torchrun job.
 
     ``example_inputs`` are the model inputs followed by the loss targets (when ``loss_fn``
@@ -152,6 +155,10 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
       re-initializes it.
     - ``compile=True`` (or a dict of ``torch.compile`` options): the local programs run
       under ``torch.compile``.
+    - ``check_inputs="first"`` (default) | ``"always"`` | ``"never"``: with
+      ``inputs="global"``, compare a hash of each rank's batch across ranks on the first
+      call, on every call (one small all-gather and a pass over the batch each step), or
+      never; ranks given different data (a data-loader bug) raise a ValueError naming them.
     """
     from torchalpa.frontends.torch_export import capture
     from torchalpa.runtime import mesh as mesh_mod
@@ -161,6 +168,8 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
 
     method = _check_method(method)
     _check_inputs_mode(inputs)
+    if check_inputs not in _CHECK_INPUTS:
+        raise ValueError(f"check_inputs must be one of {_CHECK_INPUTS}, got {check_inputs!r}")
     if isinstance(method, PipeshardParallel):
         if mesh is not None or inputs != "global" or num_micro_batches != 1 or compile:
             raise ValueError("PipeshardParallel takes the global batch on every rank and its own "
@@ -194,6 +203,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     captured = capture(traced, _capture_examples(model, example_inputs, num_micro_batches),
                        loss_fn, rematerialize_parameters=(
                            method.auto_sharding_option.rematerialize_parameters))
+    check_step_dtypes(captured.graph)
     fingerprint = captured.graph.fingerprint()
     _same_step_on_every_rank(fingerprint)
     if plan is not None:
@@ -233,7 +243,8 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                           input_specs=input_specs, inputs=inputs, device=device,
                           optimizer=optimizer, num_micro_batches=num_micro_batches,
                           forward_programs=forward_programs,
-                          timeout_s=mesh_mod.collective_timeout().total_seconds())
+                          timeout_s=mesh_mod.collective_timeout().total_seconds(),
+                          check_inputs=check_inputs)
 
 
 def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape, graph=None) -> None:

@@ -145,3 +145,25 @@ def _check_against_graph(plan: Plan, graph, source: str) -> None:
                                 f"{slot} as {short(want)}, but {ref} arrives as "
                                 f"{short(arriving)}; the plan was edited inconsistently -- "
                                 "plan again")
+
+
+_SAME_DTYPE_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.matmul.",
+                   "aten.dot.", "aten.linear.", "aten.convolution.")
+
+
+def check_step_dtypes(graph) -> None:
+    """Matrix products and convolutions whose operands have different dtypes (integer
+    features fed to a Linear, say) fail on the first step, not when captured on fake
+    tensors: refuse them at plan time, naming the module and the operand."""
+    for node in graph.ops():
+        if not node.op.startswith(_SAME_DTYPE_OPS):
+            continue
+        dtypes = [graph.spec(ref).dtype for ref in node.operands]
+        if len(set(dtypes)) > 1:
+            names = ", ".join(f"{ref} {str(d).removeprefix('torch.')}"
+                              for ref, d in zip(node.operands, dtypes))
+            raise TypeError(f"{node.module or 'the model'}: {node.op} multiplies operands of "
+                            f"different dtypes ({names}); the step would fail on its first "
+                            "call. Give example inputs (and real batches) of the dtype the "
+                            "model computes in -- e.g. float features (x.float()); integer "
+                            "tensors only as indices or targets")
