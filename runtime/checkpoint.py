@@ -55,7 +55,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "latest_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "latest_checkpoint",
+           "checkpoint_extra"]
 
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
@@ -224,6 +225,15 @@ def latest_checkpoint(path: str | os.PathLike) -> Path:
     raise CheckpointError(f"no complete checkpoint in {root}: {what}")
 
 
+def checkpoint_extra(path: str | os.PathLike) -> dict:
+    """The ``extra`` data saved with the checkpoint ``load_checkpoint(path)`` loads."""
+    directory = latest_checkpoint(path)
+    if not (directory / MANIFEST).exists():
+        return {}
+    extra = _read_manifest(directory).get("extra", {})
+    return extra if isinstance(extra, dict) else {}
+
+
 # -- reading DCP metadata without running code ------------------------------------------
 
 _SAFE_GLOBALS = {
@@ -347,21 +357,28 @@ def _check_keep(keep) -> int | None:
 # -- the two entry points -----------------------------------------------------------------
 
 def save_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
-                    keep: int | None = 2) -> Path:
+                    keep: int | None = 2, extra: dict | None = None) -> Path:
     """Save the model's parameters and buffers, the optimizer's state and every rank's
     random-number state as a new version under the directory ``path``; return it.
 
     ``optimizer`` defaults to ``pmodel.optimizer`` (the one given to ``auto_parallel``).
     The newest ``keep`` versions are kept (``None``: all). A crash at any point leaves
-    the previous version complete and loadable (see the module docstring).
+    the previous version complete and loadable (see the module docstring). ``extra``:
+    plain JSON data (the step, the epoch...) committed with the version, read back by
+    ``checkpoint_extra``.
     """
     module, optimizer = _parts(pmodel, optimizer)
     keep = _check_keep(keep)
+    try:
+        extra_json = json.loads(json.dumps(extra if extra is not None else {}))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"extra must be plain JSON data (dict of str, numbers, lists), "
+                        f"got {extra!r}: {e}") from e
     with _guard(pmodel, f"save_checkpoint({os.fspath(path)!r})"):
-        return _save(Path(path), module, optimizer, keep)
+        return _save(Path(path), module, optimizer, keep, extra_json)
 
 
-def _save(root: Path, module, optimizer, keep: int | None) -> Path:
+def _save(root: Path, module, optimizer, keep: int | None, extra: dict) -> Path:
     rank, world = _rank_world()
 
     def begin():
@@ -397,7 +414,7 @@ def _save(root: Path, module, optimizer, keep: int | None) -> Path:
                                   f"({', '.join(missing)}); every rank must save to one "
                                   "shared filesystem")
         manifest = {"format": FORMAT, "version": FORMAT_VERSION, "world_size": world,
-                    "files": files}
+                    "files": files, "extra": extra}
         _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         _fsync_dir(tmp)
         _reached("before_rename")

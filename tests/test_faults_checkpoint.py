@@ -64,10 +64,11 @@ def test_versions_latest_pointer_and_keep(tmp_path):
     saved = []
     for _ in range(4):
         pm.train_step(x, y)
-        saved.append(save_checkpoint(tmp_path, pm, keep=2).name)
+        saved.append(save_checkpoint(tmp_path, pm, keep=2, extra={"step": len(saved)}).name)
     assert saved == ["ckpt-000001", "ckpt-000002", "ckpt-000003", "ckpt-000004"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000003", "ckpt-000004", "latest"]
     assert (tmp_path / "latest").read_text().strip() == "ckpt-000004"
+    assert ck.checkpoint_extra(tmp_path) == {"step": 3}
     fresh = make(seed=1)
     assert load_checkpoint(tmp_path, fresh).name == "ckpt-000004"
     assert same(weights(fresh), weights(pm))
