@@ -9,7 +9,6 @@ multi-process kills are in tests/test_faults_dist.py).
 
 from __future__ import annotations
 
-import os
 import pickle
 import warnings
 
@@ -20,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from models import MLP, mlp_inputs
+from models import mlp_inputs
 from torchalpa.runtime import checkpoint as ck
 from torchalpa.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -114,7 +113,8 @@ def test_a_first_save_stopped_early_is_named_and_never_loaded(tmp_path):
     with pytest.raises(Killed):
         save_checkpoint(tmp_path, pm)
     ck._fault_hook = None
-    with pytest.raises(CheckpointError, match=r"no complete checkpoint .*only partial.*\.tmp-ckpt-000001"):
+    with pytest.raises(CheckpointError,
+                       match=r"no complete checkpoint .*only partial.*\.tmp-ckpt-000001"):
         load_checkpoint(tmp_path, make(seed=1))
 
 

@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 import torchalpa
 from models import MLP, mlp_inputs
-from torchalpa import cache
 from torchalpa.frontends.torch_export import capture
 from torchalpa.plan_check import PlanError, check_plan
 

@@ -8,8 +8,9 @@
 ``meta`` device -- no weights are allocated -- and prints which of its ATen ops have a
 sharding rule and which do not (those run replicated on every device), with how many
 nodes of the graph run each op. A model is a zoo family name (its tiny config) or
-``module:callable`` (or ``path/to/file.py:callable``), where the callable returns a ``torchalpa.models.Workload`` or a tuple
-``(model, example_inputs, loss_fn)``; it is called under ``torch.device("meta")``.
+``module:callable`` (or ``path/to/file.py:callable``), where the callable returns a
+``torchalpa.models.Workload`` or a tuple ``(model, example_inputs, loss_fn)``; it is
+called under ``torch.device("meta")``.
 The exit status is 1 if an op has no rule or a model fails to capture.
 """
 
