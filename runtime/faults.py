@@ -126,10 +126,10 @@ class FaultMonitor:
                 f"{first_line})")
         try:
             failed = self._failures()
-            dead = [r for r in _Heartbeat.stopped(self.store, self.world_size, self.rank)
-                    if r not in failed]
+            dead = [r for r in _Heartbeat.stopped(self.world_size, self.rank) if r not in failed]
             self._leaving(failed, dead)
-            self._wait_for_survivors(set(failed) | set(dead))
+            if failed or dead:
+                self._wait_for_survivors(set(failed) | set(dead))
             if failed:
                 who = "; ".join(f"rank {r} failed with {text}" for r, text in failed.items())
                 if dead:
@@ -156,7 +156,7 @@ class FaultMonitor:
         do not take its silent heartbeat for a death."""
         culprits = sorted(set(failed) | set(dead))
         why = f"stopped after rank(s) {', '.join(map(str, culprits))}" if culprits else "stopped"
-        self.store.set(f"{_PREFIX}left/{self.rank}", why)
+        _Heartbeat.left(self.rank, why)
 
     def _wait_for_survivors(self, gone: set[int]) -> None:
         """On rank 0, which hosts the store in a plain launch: stay until every other
@@ -165,11 +165,7 @@ class FaultMonitor:
         if self.rank != 0:
             return
         others = [r for r in range(1, self.world_size) if r not in gone]
-        deadline = time.monotonic() + self.timeout_s + 10.0
-        while time.monotonic() < deadline:
-            if all(self.store.check([f"{_PREFIX}left/{r}"]) for r in others):
-                return
-            time.sleep(0.2)
+        _Heartbeat.wait_until_left(others, time.monotonic() + self.timeout_s + 10.0)
 
     def _failures(self) -> dict[int, str]:
         out = {}
@@ -195,44 +191,83 @@ class FaultMonitor:
 
 
 class _Heartbeat:
-    """One daemon thread per process: ``torchalpa/beat/<rank>`` counts up in the store."""
+    """One daemon thread per process: ``torchalpa/beat/<rank>`` counts up in the job's
+    TCPStore, over a client connection of its own (a store client must not be shared
+    between threads)."""
 
     _thread: threading.Thread | None = None
+    _address: tuple[str, int] | None = None
+
+    @staticmethod
+    def _client(address: tuple[str, int]):
+        import datetime
+        return dist.TCPStore(address[0], address[1], is_master=False,
+                             timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
 
     @classmethod
     def start(cls, store, rank: int) -> None:
         if cls._thread is not None and cls._thread.is_alive():
             return
+        base = store
+        while hasattr(base, "underlying_store"):
+            base = base.underlying_store
+        if not isinstance(base, dist.TCPStore):
+            return                      # no heartbeats: dead ranks are found by roll call
+        cls._address = (base.host, base.port)
         key = f"{_PREFIX}beat/{rank}"
+        try:
+            client = cls._client(cls._address)
+            client.add(key, 1)
+        except Exception:  # the store is not reachable this way: no heartbeats
+            cls._address = None
+            return
 
         def beat():
             while True:
                 try:
-                    store.add(key, 1)
+                    client.add(key, 1)
                 except Exception:  # the store is gone: the job is over
                     return
                 time.sleep(HEARTBEAT_S)
 
         def leave():
             try:
-                store.set(f"{_PREFIX}left/{rank}", "exited")
+                client.set(f"{_PREFIX}left/{rank}", "exited")
             except Exception:  # the store may be gone already
                 pass
 
-        store.add(key, 1)
         cls._thread = threading.Thread(target=beat, name="torchalpa-heartbeat", daemon=True)
         cls._thread.start()
         atexit.register(leave)
 
-    @staticmethod
-    def stopped(store, world_size: int, me: int) -> list[int]:
+    @classmethod
+    def left(cls, rank: int, why: str) -> None:
+        if cls._address is not None:
+            cls._client(cls._address).set(f"{_PREFIX}left/{rank}", why)
+
+    @classmethod
+    def stopped(cls, world_size: int, me: int) -> list[int]:
         """Ranks whose heartbeat does not move for a few beats and that did not leave."""
+        if cls._address is None:
+            return []
+        client = cls._client(cls._address)
         others = [r for r in range(world_size) if r != me]
-        before = {r: store.add(f"{_PREFIX}beat/{r}", 0) for r in others}
+        before = {r: client.add(f"{_PREFIX}beat/{r}", 0) for r in others}
         time.sleep(5 * HEARTBEAT_S)
-        after = {r: store.add(f"{_PREFIX}beat/{r}", 0) for r in others}
+        after = {r: client.add(f"{_PREFIX}beat/{r}", 0) for r in others}
         return [r for r in others if after[r] == before[r]
-                and not store.check([f"{_PREFIX}left/{r}"])]
+                and not client.check([f"{_PREFIX}left/{r}"])]
+
+    @classmethod
+    def wait_until_left(cls, ranks: list[int], deadline: float) -> None:
+        """Until every rank of ``ranks`` has left, or ``deadline`` (time.monotonic)."""
+        if cls._address is None:
+            return
+        client = cls._client(cls._address)
+        while time.monotonic() < deadline:
+            if all(client.check([f"{_PREFIX}left/{r}"]) for r in ranks):
+                return
+            time.sleep(0.2)
 
 
 def describe_specs(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> str:

@@ -103,7 +103,11 @@ ENTRY_DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("damage", list(ENTRY_DAMAGE))
+FAST_DAMAGE = ("null", "truncated", "another model's plan", "edited layout")
+
+
+@pytest.mark.parametrize("damage", [
+    d if d in FAST_DAMAGE else pytest.param(d, marks=pytest.mark.slow) for d in ENTRY_DAMAGE])
 def test_a_bad_cache_entry_is_a_named_miss_and_is_replaced(cache_dir, fresh, seeded, damage):
     good, other = fresh
     entry = seed(cache_dir, seeded)
@@ -168,7 +172,8 @@ def test_a_plan_that_fits_passes(step):
 
 @pytest.mark.parametrize("edit,message", [
     (edited_layout, r"reads operand 0 as S\(0\), but arg0_1 arrives as R"),
-    (lambda t: t.replace('"shape": [\n    16,\n    16\n   ]', '"shape": [\n    18,\n    16\n   ]', 1),
+    (lambda t: t.replace('"shape": [\n    16,\n    16\n   ]',
+                         '"shape": [\n    18,\n    16\n   ]', 1),
      r"splits dim 0 of \(18, 16\).*unevenly"),
     (lambda t: t.replace('"graph_fingerprint": "', '"graph_fingerprint": "x', 1),
      "different training step"),
@@ -198,3 +203,19 @@ def test_a_truncated_plan_file_is_named(step, tmp_path):
     path.write_text(step[1].to_json().replace('"version": 1', '"version": 7', 1))
     with pytest.raises(ValueError, match=f"{path} is a plan of version 7"):
         torchalpa.load_plan(path)
+
+
+def test_auto_parallel_refuses_an_edited_plan_by_name():
+    import torch.distributed as dist
+    x, y = mlp_inputs(32, 16)
+    plan = torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss)          # this world: one device
+    d = json.loads(plan.to_json())
+    name = next(iter(d["parameters"]))
+    d["parameters"][name]["placements"] = ["Shard(0)"]
+    try:
+        with pytest.raises(PlanError, match=r"the plan passed as plan=: .* arrives as S\(0\)"):
+            torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss,
+                                    plan=torchalpa.Plan.from_dict(d))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
