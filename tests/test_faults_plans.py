@@ -219,3 +219,11 @@ def test_auto_parallel_refuses_an_edited_plan_by_name():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_integer_features_are_refused_when_planning():
+    import torch
+    x, y = torch.randint(0, 5, (32, 16)), torch.randn(32, 16)
+    with pytest.raises(TypeError, match=r"net\.0: aten\.mm\.default multiplies operands of "
+                                        r"different dtypes .*int64.*x\.float\(\)"):
+        torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, method=METHOD, cluster=CLUSTER)
