@@ -1,24 +1,83 @@
-"""Checkpoints of a ParallelModule and its optimizer with ``torch.distributed.checkpoint``.
+"""Crash-safe checkpoints of a ParallelModule, its optimizer and each rank's random state.
 
-Thin wrappers over DCP: the state dicts come from ``get_state_dict`` (parameter FQNs as
-the user's model names them, optimizer state keyed by those FQNs) and hold DTensors, so
-every rank writes only its own blocks, and a checkpoint loads into any mesh or plan --
-another mesh shape, another world size, another layout per parameter -- with DCP
-resharding on load. The same model and plan resume bit-identically.
+The tensors go through ``torch.distributed.checkpoint`` (DCP): the state dicts come from
+``get_state_dict`` (parameter FQNs as the user's model names them, optimizer state keyed
+by those FQNs) and hold DTensors, so every rank writes only its own blocks, and a
+checkpoint loads into any mesh or plan -- another mesh shape, another world size, another
+layout per parameter -- with DCP resharding on load.
+
+``save_checkpoint(path, ...)`` never touches a checkpoint it has finished. ``path`` is a
+directory of versions::
+
+    path/latest                  the name of the newest complete version ("ckpt-000003")
+    path/ckpt-000003/            DCP's files, rng-<rank>.pt, MANIFEST.json (written last)
+    path/ckpt-000002/            the previous one (``keep`` versions are kept)
+    path/.tmp-ckpt-000004-<id>/  a save in progress, or one that was interrupted
+
+A save writes everything into a fresh ``.tmp-*`` directory and fsyncs it; rank 0 then
+writes the manifest (every file with its size), renames the directory to its version
+name and switches ``latest`` by an atomic rename. A rank killed at any point leaves the
+previous version loadable and complete; ``load_checkpoint`` never loads a directory
+without a manifest that matches its files, and names what it skipped. The next
+successful save removes interrupted ``.tmp-*`` directories and versions beyond ``keep``.
+Every rank must see the same ``path`` (one shared filesystem), as for DCP itself.
+
+Loading runs no code from the checkpoint: DCP's metadata is unpickled by an unpickler
+that only builds DCP's own metadata records (``_SafeReader``), DCP reads non-tensor
+entries with ``torch.load(weights_only=True)``, the manifest and ``latest`` are plain
+JSON / text, and the random states are read with ``weights_only=True``.
+
+Random state: each rank's default CPU generator (and every CUDA generator, when CUDA is
+available) is saved with the checkpoint and restored on load when the world size is the
+same, so training with dropout resumes bit-identically. Loaded into another world size,
+the random state is not restored (a warning says so).
 
 Both functions are collective: every rank calls them with the same path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import pickle
+import re
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "latest_checkpoint",
+           "checkpoint_extra"]
+
+MANIFEST = "MANIFEST.json"
+LATEST = "latest"
+FORMAT = "torchalpa-checkpoint"
+FORMAT_VERSION = 1
+_VERSION_RE = re.compile(r"^ckpt-(\d{6,})$")
+_TMP_RE = re.compile(r"^\.tmp-ckpt-(\d{6,})-[0-9a-f]+$")
+
+# Tests set this to ``fn(point)`` to stop a rank at a named point of a save
+# ("started", "data_written", "before_manifest", "before_rename", "before_latest",
+# "before_prune"), e.g. by SIGKILL; nothing else uses it.
+_fault_hook: Callable[[str], None] | None = None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is missing, partial or damaged; the message names it."""
+
+
+def _reached(point: str) -> None:
+    if _fault_hook is not None:
+        _fault_hook(point)
 
 
 def _parts(pmodel, optimizer):
@@ -34,38 +93,381 @@ def _parts(pmodel, optimizer):
     return pmodel.module, optimizer
 
 
-def save_checkpoint(path: str | os.PathLike, pmodel, optimizer=None) -> None:
-    """Save the model's parameters and buffers (and the optimizer's state) under ``path``.
+def _guard(pmodel, what: str):
+    """The module's fault monitor around collective work: a peer that dies mid-save is
+    named (``RankFailedError``) instead of surfacing as a bare timeout."""
+    monitor = getattr(pmodel, "_monitor", None)
+    return monitor.guard(what) if monitor is not None else contextlib.nullcontext()
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# -- small filesystem helpers -----------------------------------------------------------
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new file ``path`` (no symlink followed) and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
+                 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_durably(path: Path, data: bytes) -> None:
+    """Atomically make ``path`` hold ``data``: a fsynced temporary file renamed over it."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    _write_durably(tmp, data)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# -- what a checkpoint directory holds --------------------------------------------------
+
+def _versions(root: Path) -> list[str]:
+    """Committed version names under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    names = [p.name for p in root.iterdir() if _VERSION_RE.match(p.name) and p.is_dir()]
+    return sorted(names, key=lambda n: int(_VERSION_RE.match(n).group(1)))
+
+
+def _partials(root: Path) -> list[str]:
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if _TMP_RE.match(p.name))
+
+
+def _next_version(root: Path) -> str:
+    numbers = [int(_VERSION_RE.match(n).group(1)) for n in _versions(root)]
+    numbers += [int(_TMP_RE.match(n).group(1)) for n in _partials(root)]
+    return f"ckpt-{max(numbers, default=0) + 1:06d}"
+
+
+def _read_manifest(version_dir: Path) -> dict:
+    """The manifest of a committed version, checked against the files it lists."""
+    path = version_dir / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{version_dir} has no {MANIFEST}: it is not a complete "
+                              "torchalpa checkpoint (a save that was interrupted?)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} is unreadable ({e}); the checkpoint is damaged") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
+            or not isinstance(manifest.get("files"), dict):
+        raise CheckpointError(f"{path} is not a torchalpa checkpoint manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint format version "
+                              f"{manifest.get('version')!r}; this torchalpa reads "
+                              f"version {FORMAT_VERSION}")
+    for name, size in manifest["files"].items():
+        if not isinstance(name, str) or "/" in name or name.startswith(".."):
+            raise CheckpointError(f"{path} lists a file outside its directory: {name!r}")
+        file = version_dir / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {version_dir} is damaged: {name} is missing")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {version_dir} is damaged: {name} has "
+                                  f"{file.stat().st_size} bytes, the manifest says {size}")
+    return manifest
+
+
+def latest_checkpoint(path: str | os.PathLike) -> Path:
+    """The complete version ``load_checkpoint(path)`` would load; ``CheckpointError`` if
+    there is none. ``path`` may also name one version directory."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"no checkpoint at {os.fspath(path)!r} (save_checkpoint "
+                              "writes a directory)")
+    if (root / MANIFEST).exists():
+        _read_manifest(root)
+        return root
+    partial = _partials(root)
+    if partial:
+        warnings.warn(f"{root} holds {len(partial)} partial checkpoint(s) from interrupted "
+                      f"saves, not loaded: {', '.join(partial)} (the next save removes them)",
+                      stacklevel=3)
+    pointer = root / LATEST
+    if pointer.exists():
+        name = pointer.read_text().strip() if pointer.is_file() else ""
+        if not _VERSION_RE.match(name):
+            raise CheckpointError(f"{pointer} does not name a checkpoint version ({name[:80]!r});"
+                                  " point it at one of " + (", ".join(_versions(root)) or "none"))
+        _read_manifest(root / name)
+        return root / name
+    versions = _versions(root)            # the first save was stopped before `latest`
+    for name in reversed(versions):
+        try:
+            _read_manifest(root / name)
+            return root / name
+        except CheckpointError:
+            continue
+    if (root / ".metadata").is_file():    # a DCP directory from an older torchalpa
+        warnings.warn(f"{root} is a checkpoint from an older torchalpa (no {MANIFEST}); it "
+                      "cannot be checked for completeness and holds no random state",
+                      stacklevel=3)
+        return root
+    what = f"only partial ones ({', '.join(partial)})" if partial else "none"
+    raise CheckpointError(f"no complete checkpoint in {root}: {what}")
+
+
+def checkpoint_extra(path: str | os.PathLike) -> dict:
+    """The ``extra`` data saved with the checkpoint ``load_checkpoint(path)`` loads."""
+    directory = latest_checkpoint(path)
+    if not (directory / MANIFEST).exists():
+        return {}
+    extra = _read_manifest(directory).get("extra", {})
+    return extra if isinstance(extra, dict) else {}
+
+
+# -- reading DCP metadata without running code ------------------------------------------
+
+_SAFE_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "StorageMeta", "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+     ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+     ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata records and nothing else: any other global is refused."""
+
+    def __init__(self, file, source: str):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(f"{self.source} refers to {module}.{name}, which is not part of "
+                              "a checkpoint's metadata; refusing to load it (the file was "
+                              "altered or is not a torchalpa/DCP checkpoint)")
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's filesystem reader with a metadata unpickler that cannot run code."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f, str(path)).load()
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e}); the "
+                                  "checkpoint is damaged") from e
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} does not hold DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# -- random state ------------------------------------------------------------------------
+
+def _rng_file(rank: int) -> str:
+    return f"rng-{rank}.pt"
+
+
+def _save_rng(directory: Path, rank: int) -> None:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    path = directory / _rng_file(rank)
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _load_rng(directory: Path, manifest: dict | None, rank: int, world: int) -> None:
+    if manifest is None:
+        return
+    saved_world = manifest.get("world_size")
+    if saved_world != world:
+        warnings.warn(f"checkpoint {directory} was saved by {saved_world} ranks and is loaded "
+                      f"by {world}: parameters and optimizer state are resharded, but the "
+                      "random-number state is not restored (resume is not bit-identical "
+                      "with dropout)", stacklevel=3)
+        return
+    path = directory / _rng_file(rank)
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e})") from e
+    if not isinstance(state, dict) or not isinstance(state.get("cpu"), torch.Tensor):
+        raise CheckpointError(f"{path} does not hold a random-number state")
+    torch.set_rng_state(state["cpu"])
+    if torch.cuda.is_available() and state.get("cuda") is not None:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# -- collective helpers ------------------------------------------------------------------
+
+def _on_rank0(compute: Callable[[], object], what: str):
+    """``compute()`` on rank 0; its result, or its error, on every rank."""
+    rank, world = _rank_world()
+    if world == 1:
+        return compute()
+    payload: list = [None]
+    if rank == 0:
+        try:
+            payload = [("ok", compute())]
+        except Exception as e:  # sent to every rank, then raised everywhere
+            dist.broadcast_object_list([("error", f"{type(e).__name__}: {e}")], src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    status, value = payload[0]
+    if status == "error":
+        raise RuntimeError(f"{what} failed on rank 0: {value}")
+    return value
+
+
+def _check_keep(keep) -> int | None:
+    if keep is None:
+        return None
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep) or None "
+                         f"(keep all), got {keep!r}")
+    return keep
+
+
+# -- the two entry points -----------------------------------------------------------------
+
+def save_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
+                    keep: int | None = 2, extra: dict | None = None) -> Path:
+    """Save the model's parameters and buffers, the optimizer's state and every rank's
+    random-number state as a new version under the directory ``path``; return it.
 
     ``optimizer`` defaults to ``pmodel.optimizer`` (the one given to ``auto_parallel``).
+    The newest ``keep`` versions are kept (``None``: all). A crash at any point leaves
+    the previous version complete and loadable (see the module docstring). ``extra``:
+    plain JSON data (the step, the epoch...) committed with the version, read back by
+    ``checkpoint_extra``.
     """
     module, optimizer = _parts(pmodel, optimizer)
+    keep = _check_keep(keep)
+    try:
+        extra_json = json.loads(json.dumps(extra if extra is not None else {}))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"extra must be plain JSON data (dict of str, numbers, lists), "
+                        f"got {extra!r}: {e}") from e
+    with _guard(pmodel, f"save_checkpoint({os.fspath(path)!r})"):
+        return _save(Path(path), module, optimizer, keep, extra_json)
+
+
+def _save(root: Path, module, optimizer, keep: int | None, extra: dict) -> Path:
+    rank, world = _rank_world()
+
+    def begin():
+        if root.exists() and not root.is_dir():
+            raise CheckpointError(f"{root} exists and is not a directory; save_checkpoint "
+                                  "writes a directory of versions there")
+        root.mkdir(parents=True, exist_ok=True)
+        name = _next_version(root)
+        tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        return name, str(tmp)
+
+    name, tmp = _on_rank0(begin, "starting the checkpoint")
+    tmp = Path(tmp)
+    _reached("started")
     if optimizer is None:
         state = {"model": get_model_state_dict(module)}
     else:
         model_sd, optim_sd = get_state_dict(module, optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.save(state, checkpoint_id=os.fspath(path))
+    dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    _save_rng(tmp, rank)
+    _reached("data_written")
+    if world > 1:
+        dist.barrier()           # every rank's files are on disk before rank 0 commits
+
+    def commit():
+        _reached("before_manifest")
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        missing = [_rng_file(r) for r in range(world) if _rng_file(r) not in files]
+        if missing:
+            raise CheckpointError(f"{tmp}: files of other ranks are not visible here "
+                                  f"({', '.join(missing)}); every rank must save to one "
+                                  "shared filesystem")
+        manifest = {"format": FORMAT, "version": FORMAT_VERSION, "world_size": world,
+                    "files": files, "extra": extra}
+        _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        _fsync_dir(tmp)
+        _reached("before_rename")
+        os.rename(tmp, root / name)
+        _fsync_dir(root)
+        _reached("before_latest")
+        _replace_durably(root / LATEST, (name + "\n").encode())
+        _reached("before_prune")
+        _prune(root, keep, current=name)
+        return str(root / name)
+
+    return Path(_on_rank0(commit, "committing the checkpoint"))
 
 
-def load_checkpoint(path: str | os.PathLike, pmodel, optimizer=None) -> None:
-    """Load a checkpoint made by ``save_checkpoint`` into ``pmodel`` (and the optimizer),
-    whatever mesh and plan it was saved with.
+def _prune(root: Path, keep: int | None, current: str) -> None:
+    """Remove interrupted saves and the versions beyond ``keep`` (best effort)."""
+    for name in _partials(root):
+        shutil.rmtree(root / name, ignore_errors=True)
+    if keep is None:
+        return
+    versions = [v for v in _versions(root) if v != current]
+    for name in versions[:max(0, len(versions) - (keep - 1))]:
+        shutil.rmtree(root / name, ignore_errors=True)
 
-    The optimizer's state is created first if it has none (a zero-learning-rate step, as
-    ``torch.distributed.checkpoint.state_dict`` does), then overwritten by the saved one.
+
+def load_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
+                    rng: bool = True) -> Path:
+    """Load the newest complete checkpoint under ``path`` (or the version directory
+    ``path`` names) into ``pmodel`` (and the optimizer), whatever mesh and plan it was
+    saved with; return the version directory loaded.
+
+    Partial checkpoints (interrupted saves) are never loaded; a damaged one raises
+    ``CheckpointError`` naming the file. ``rng=True`` restores this rank's random-number
+    state when the world size matches. The optimizer's state is created first if it has
+    none (a zero-learning-rate step, as ``torch.distributed.checkpoint.state_dict``
+    does), then overwritten by the saved one.
     """
     module, optimizer = _parts(pmodel, optimizer)
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"no checkpoint at {path!r} (save_checkpoint writes a directory)")
+    directory = latest_checkpoint(path)
+    manifest = _read_manifest(directory) if (directory / MANIFEST).exists() else None
+    reader = _SafeReader(directory)
+    reader.read_metadata()                # our error naming the file, before DCP wraps it
     if optimizer is None:
         state = {"model": get_model_state_dict(module)}
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, storage_reader=reader)
         set_model_state_dict(module, state["model"])
-        return
-    model_sd, optim_sd = get_state_dict(module, optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(module, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])
+    else:
+        model_sd, optim_sd = get_state_dict(module, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, storage_reader=reader)
+        set_state_dict(module, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+    if rng:
+        rank, world = _rank_world()
+        _load_rng(directory, manifest, rank, world)
+    return directory

@@ -11,6 +11,16 @@ turns that into an error on every rank that names the rank at fault:
   ``RankFailedError`` naming the failed rank and its error. Without a record (a rank killed
   by a signal, or one stuck outside torchalpa) the waiting ranks take a roll call in the
   store; ranks that do not answer within a grace period are named as not responding.
+- every rank beats a heartbeat counter in the store from a daemon thread (every
+  ``HEARTBEAT_S``), and marks itself as gone when it exits normally. A rank whose
+  counter stopped and that left no such mark is named as dead (killed by a signal, the
+  out-of-memory killer, a crashed interpreter) -- and only it: healthy ranks still blocked
+  in a collective keep beating, so they are never blamed for the dead one.
+
+Under torchrun the agent stops the whole job as soon as one worker dies (its own report
+names the failed rank and exit code), so ``RankFailedError`` reaches the survivors only
+for a rank that raised; launch with ``--max-restarts=N`` and resume from
+``load_checkpoint`` (``examples/resume.py``) to survive a dead rank.
 
 Input shapes are compared across ranks on the first call (one small all-gather), so a rank
 fed a different batch shape is named on every rank at once instead of after a timeout.
@@ -18,17 +28,22 @@ fed a different batch shape is named on every rank at once instead of after a ti
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import hashlib
 import sys
+import threading
 import time
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["RankFailedError", "FaultMonitor", "check_same_inputs", "describe_specs"]
+__all__ = ["RankFailedError", "FaultMonitor", "check_same_inputs", "check_same_values",
+           "describe_specs"]
 
 _PREFIX = "torchalpa/"
+HEARTBEAT_S = 0.5
 _COMM_ERROR_HINTS = ("gloo", "Connection closed", "Connection reset", "Timed out", "timed out",
                      "NCCL", "Broken pipe", "Socket", "socket")
 
@@ -63,6 +78,7 @@ class FaultMonitor:
         self.store = _default_store() if self.world_size > 1 else None
         if self.store is not None:
             self._install_excepthook()
+            _Heartbeat.start(self.store, self.rank)
 
     # -- this rank ----------------------------------------------------------------------
     def record(self, error: BaseException) -> None:
@@ -110,9 +126,19 @@ class FaultMonitor:
                 f"{first_line})")
         try:
             failed = self._failures()
+            dead = [r for r in _Heartbeat.stopped(self.world_size, self.rank) if r not in failed]
+            self._leaving(failed, dead)
+            if failed or dead:
+                self._wait_for_survivors(set(failed) | set(dead))
             if failed:
                 who = "; ".join(f"rank {r} failed with {text}" for r, text in failed.items())
+                if dead:
+                    who += f"; rank(s) {', '.join(map(str, dead))} died"
                 return me + who + tail
+            if dead:
+                return (me + f"rank(s) {', '.join(map(str, dead))} died (the process stopped "
+                        "without an error: killed by a signal, the out-of-memory killer, or "
+                        "a crash of the interpreter)" + tail)
             missing = self._roll_call()
         except Exception as e:  # the store lives on rank 0 or in the launcher
             return (me + "a peer stopped responding and the job's store is unreachable "
@@ -124,6 +150,22 @@ class FaultMonitor:
                     f"the model; collective timeout {self.timeout_s:g} s, set by "
                     "TORCHALPA_TIMEOUT_S)" + tail)
         return me + "a collective failed on every rank; see the error below" + tail
+
+    def _leaving(self, failed, dead) -> None:
+        """Mark this rank as stopping because of others, so that ranks diagnosing later
+        do not take its silent heartbeat for a death."""
+        culprits = sorted(set(failed) | set(dead))
+        why = f"stopped after rank(s) {', '.join(map(str, culprits))}" if culprits else "stopped"
+        _Heartbeat.left(self.rank, why)
+
+    def _wait_for_survivors(self, gone: set[int]) -> None:
+        """On rank 0, which hosts the store in a plain launch: stay until every other
+        survivor has diagnosed the failure too (bounded by the collective timeout), so
+        that this rank's exit does not take the store away from their diagnosis."""
+        if self.rank != 0:
+            return
+        others = [r for r in range(1, self.world_size) if r not in gone]
+        _Heartbeat.wait_until_left(others, time.monotonic() + self.timeout_s + 10.0)
 
     def _failures(self) -> dict[int, str]:
         out = {}
@@ -148,6 +190,86 @@ class FaultMonitor:
             time.sleep(0.2)
 
 
+class _Heartbeat:
+    """One daemon thread per process: ``torchalpa/beat/<rank>`` counts up in the job's
+    TCPStore, over a client connection of its own (a store client must not be shared
+    between threads)."""
+
+    _thread: threading.Thread | None = None
+    _address: tuple[str, int] | None = None
+
+    @staticmethod
+    def _client(address: tuple[str, int]):
+        import datetime
+        return dist.TCPStore(address[0], address[1], is_master=False,
+                             timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+
+    @classmethod
+    def start(cls, store, rank: int) -> None:
+        if cls._thread is not None and cls._thread.is_alive():
+            return
+        base = store
+        while hasattr(base, "underlying_store"):
+            base = base.underlying_store
+        if not isinstance(base, dist.TCPStore):
+            return                      # no heartbeats: dead ranks are found by roll call
+        cls._address = (base.host, base.port)
+        key = f"{_PREFIX}beat/{rank}"
+        try:
+            client = cls._client(cls._address)
+            client.add(key, 1)
+        except Exception:  # the store is not reachable this way: no heartbeats
+            cls._address = None
+            return
+
+        def beat():
+            while True:
+                try:
+                    client.add(key, 1)
+                except Exception:  # the store is gone: the job is over
+                    return
+                time.sleep(HEARTBEAT_S)
+
+        def leave():
+            try:
+                client.set(f"{_PREFIX}left/{rank}", "exited")
+            except Exception:  # the store may be gone already
+                pass
+
+        cls._thread = threading.Thread(target=beat, name="torchalpa-heartbeat", daemon=True)
+        cls._thread.start()
+        atexit.register(leave)
+
+    @classmethod
+    def left(cls, rank: int, why: str) -> None:
+        if cls._address is not None:
+            cls._client(cls._address).set(f"{_PREFIX}left/{rank}", why)
+
+    @classmethod
+    def stopped(cls, world_size: int, me: int) -> list[int]:
+        """Ranks whose heartbeat does not move for a few beats and that did not leave."""
+        if cls._address is None:
+            return []
+        client = cls._client(cls._address)
+        others = [r for r in range(world_size) if r != me]
+        before = {r: client.add(f"{_PREFIX}beat/{r}", 0) for r in others}
+        time.sleep(5 * HEARTBEAT_S)
+        after = {r: client.add(f"{_PREFIX}beat/{r}", 0) for r in others}
+        return [r for r in others if after[r] == before[r]
+                and not client.check([f"{_PREFIX}left/{r}"])]
+
+    @classmethod
+    def wait_until_left(cls, ranks: list[int], deadline: float) -> None:
+        """Until every rank of ``ranks`` has left, or ``deadline`` (time.monotonic)."""
+        if cls._address is None:
+            return
+        client = cls._client(cls._address)
+        while time.monotonic() < deadline:
+            if all(client.check([f"{_PREFIX}left/{r}"]) for r in ranks):
+                return
+            time.sleep(0.2)
+
+
 def describe_specs(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> str:
     return "[" + ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d in specs) + "]"
 
@@ -169,3 +291,29 @@ def check_same_inputs(specs: list[tuple[tuple[int, ...], torch.dtype]], expected
     listing = "; ".join(f"rank(s) {', '.join(map(str, rs))}: {text}" for text, rs in groups.items())
     raise ValueError(f"the ranks passed inputs of different shapes or dtypes ({listing}); every "
                      f"rank must pass the same {expected}")
+
+
+def batch_digest(inputs: Sequence[torch.Tensor]) -> str:
+    """A hash of the inputs' values (bytes, shapes and dtypes)."""
+    h = hashlib.blake2b(digest_size=16)
+    for x in inputs:
+        t = x.detach()
+        h.update(f"{tuple(t.shape)} {t.dtype};".encode())
+        h.update(t.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def check_same_values(inputs: Sequence[torch.Tensor], what: str = "batch") -> None:
+    """Every rank passes the same global batch (the same values), or every rank raises a
+    ValueError naming the ranks whose batch differs from rank 0's (one all-gather)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, batch_digest(inputs))
+    differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
+    if differ:
+        raise ValueError(
+            f"rank(s) {', '.join(map(str, differ))} passed a different {what} than rank 0 "
+            "(same shapes, other values); with inputs='global' every rank must pass the same "
+            "global batch -- check the data loader's seed and sampler, or use inputs='local' "
+            "with a DistributedSampler (check_inputs='never' turns this check off)")

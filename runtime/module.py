@@ -30,7 +30,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from torchalpa.plan import Plan
-from torchalpa.runtime.faults import FaultMonitor, check_same_inputs, describe_specs
+from torchalpa.runtime.faults import (FaultMonitor, check_same_inputs, check_same_values,
+                                      describe_specs)
 from torchalpa.runtime.inference import ForwardPrograms
 from torchalpa.runtime.lower import LocalProgram
 from torchalpa.runtime.materialize import distribute_module_state, to_dtensor_placements
@@ -78,7 +79,8 @@ class ParallelModule(nn.Module):
                  device: torch.device,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  num_micro_batches: int = 1, forward_programs: ForwardPrograms | None = None,
-                 timeout_s: float = 600.0, check_replicas: bool = False):
+                 timeout_s: float = 600.0, check_replicas: bool = False,
+                 check_inputs: str = "first"):
         super().__init__()
         self.module = module
         self.plan = plan
@@ -95,6 +97,7 @@ class ParallelModule(nn.Module):
         self._captured_training = module.training
         self._monitor = FaultMonitor(timeout_s)
         self._checked_across_ranks = False
+        self._check_values = check_inputs if inputs == "global" else "never"
         self._num_calls = 0
         self._check_every_step = bool(check_replicas)
         self.optimizer = optimizer(self.parameters()) if optimizer is not None else None
@@ -224,9 +227,12 @@ class ParallelModule(nn.Module):
                             f"targets) shaped {expected}, got {len(inputs)}")
         specs = self._tensor_specs(inputs)
         kind = "global batch" if self._inputs == "global" else "local shard"
-        if not self._checked_across_ranks:
+        first = not self._checked_across_ranks
+        if first:
             check_same_inputs(specs, f"{kind} shaped {expected}")
             self._checked_across_ranks = True
+        if self._check_values == "always" or (first and self._check_values == "first"):
+            check_same_values(inputs, "batch")
         if self.module.training != self._captured_training:
             return [x.to(self._device, non_blocking=True) for x in inputs]
         out = []

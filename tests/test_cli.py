@@ -50,3 +50,17 @@ def test_coverage_reports_models_it_cannot_load(capsys):
 def test_a_command_is_required():
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_a_model_from_a_file_path_and_bad_callables_are_named(capsys, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch, torch.nn as nn, torch.nn.functional as F\n"
+                      "def make():\n"
+                      "    return nn.Linear(4, 4), (torch.empty(2, 4), torch.empty(2, 4)), F.mse_loss\n")
+    assert main(["coverage", "--model", f"{script}:make"]) == 0
+    assert main(["coverage", "--model", "os:getcwd", "--model", f"{tmp_path}/none.py:make",
+                 "--model", f"{script}:missing"]) == 1
+    out = capsys.readouterr().out
+    assert "os:getcwd returned str" in out and "must return a torchalpa.models.Workload" in out
+    assert f"no file {tmp_path}/none.py" in out
+    assert "has no callable 'missing'" in out

@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "runtime_worker.py")
 SCENARIOS_4 = ("micro_dp,micro_default,mixed_precision,inference,conventions,meta_init,"
                "checkpoint,input_mismatch")
-SCENARIOS_2 = "checkpoint_other_world,micro_default,conventions,input_mismatch"
+SCENARIOS_2 = "checkpoint_other_world,micro_default,conventions,input_mismatch,input_values"
 
 
 def launch(nproc: int, scenarios: str, shared, tmp_path) -> dict:
@@ -220,6 +220,15 @@ def test_different_input_shapes_across_ranks_are_named_on_every_rank(world, requ
     message = get(request.getfixturevalue(world), "input_mismatch")["raised"]
     assert message and re.search(r"rank\(s\) 1: \[\(4, 16\)", message)
     assert "(8, 16)" in message
+
+
+def test_ranks_given_different_values_are_named(two):
+    r = get(two, "input_values")
+    # "first": the first call (rank 1's batch differs) raises; the second is not checked
+    assert r["first"][0] and "rank(s) 1 passed a different batch" in r["first"][0]
+    assert r["first"][1] is None
+    assert all(m and "rank(s) 1 passed a different batch" in m for m in r["always"])
+    assert r["never"] == [None, None]
 
 
 def _free_port() -> int:

@@ -13,11 +13,13 @@ from torchalpa.cluster import Cluster, LogicalMesh
 from torchalpa.methods import PipeshardParallel, ShardParallel
 from torchalpa.opgraph import OpGraph
 from torchalpa.plan import Plan
+from torchalpa.plan_check import check_step_dtypes
 
 __all__ = ["plan", "auto_parallel", "default_cluster", "plan_graph"]
 
 log = logging.getLogger("torchalpa")
 _INPUT_MODES = ("global", "local")
+_CHECK_INPUTS = ("first", "always", "never")
 
 
 def default_cluster(num_devices: int) -> Cluster:
@@ -65,11 +67,15 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     from torchalpa import cache
     from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.passes.intra_op import plan_intra_op
+    from torchalpa.plan_check import check_plan
     fingerprint = graph.fingerprint()
     plans, failures = [], []
     for mesh in meshes:
         key = cache.plan_key(fingerprint, mesh, method, inputs)
-        found = cache.load_cached(key)
+        found = cache.load_cached(key, lambda p, source, shape=tuple(mesh.shape): check_plan(
+            p, fingerprint=fingerprint, source=source, mesh_shape=shape, graph=graph))
+        if found is not None and not isinstance(found, Plan):
+            found = None
         if found is None:
             try:
                 found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks)
@@ -115,6 +121,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
     meshes = candidate_meshes(cluster or default_cluster(world_size()), method)
     captured = capture(model, example_inputs, loss_fn, rematerialize_parameters=(
         method.auto_sharding_option.rematerialize_parameters))
+    check_step_dtypes(captured.graph)
     return plan_graph(captured.graph, method=method, meshes=meshes, inputs=inputs,
                       blocks=_blocks_of(captured.graph))
 
@@ -125,7 +132,8 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                   inputs: str = "global", optimizer: Callable | None = None,
                   plan: Plan | None = None, num_micro_batches: int = 1,
                   mixed_precision=None, init_weights: Callable | None = None,
-                  compile: bool | dict = False, check_replicas: bool | None = None):
+                  compile: bool | dict = False, check_replicas: bool | None = None,
+                  check_inputs: str = "first"):
     """Parallelize ``model``'s training step over every rank of this torchrun job.
 
     ``example_inputs`` are the model inputs followed by the loss targets (when ``loss_fn``
@@ -157,6 +165,10 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
       variable) checks before every step that replicated parameters, buffers and the
       generator state agree on every rank, and raises ``ReplicaMismatchError`` naming the
       value that differs instead of training on it.
+    - ``check_inputs="first"`` (default) | ``"always"`` | ``"never"``: with
+      ``inputs="global"``, compare a hash of each rank's batch across ranks on the first
+      call, on every call (one small all-gather and a pass over the batch each step), or
+      never; ranks given different data (a data-loader bug) raise a ValueError naming them.
     """
     from torchalpa.frontends.torch_export import capture
     from torchalpa.runtime import mesh as mesh_mod
@@ -168,6 +180,8 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
 
     method = _check_method(method)
     _check_inputs_mode(inputs)
+    if check_inputs not in _CHECK_INPUTS:
+        raise ValueError(f"check_inputs must be one of {_CHECK_INPUTS}, got {check_inputs!r}")
     if isinstance(method, PipeshardParallel):
         if mesh is not None or inputs != "global" or num_micro_batches != 1 or compile:
             raise ValueError("PipeshardParallel takes the global batch on every rank and its own "
@@ -201,10 +215,11 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     captured = capture(traced, _capture_examples(model, example_inputs, num_micro_batches),
                        loss_fn, rematerialize_parameters=(
                            method.auto_sharding_option.rematerialize_parameters))
+    check_step_dtypes(captured.graph)
     fingerprint = captured.graph.fingerprint()
     _same_step_on_every_rank(fingerprint)
     if plan is not None:
-        _check_given_plan(plan, fingerprint, shape)
+        _check_given_plan(plan, fingerprint, shape, captured.graph)
         the_plan = plan
     else:
         the_plan = _plan_on_rank0(lambda: plan_graph(
@@ -243,18 +258,17 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                           forward_programs=forward_programs,
                           timeout_s=mesh_mod.collective_timeout().total_seconds(),
                           check_replicas=enabled_by_env() if check_replicas is None
-                          else check_replicas)
+                          else check_replicas,
+                          check_inputs=check_inputs)
 
 
-def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape) -> None:
+def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape, graph=None) -> None:
+    """A ``plan=`` is checked like a cached one: step, mesh, shapes and layouts."""
+    from torchalpa.plan_check import check_plan
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a torchalpa.Plan, got {type(plan).__name__}")
-    if plan.graph_fingerprint != fingerprint:
-        raise ValueError("the plan was made for a different training step (model, loss or input "
-                         "shapes differ); plan again, or pass plan=None to solve now")
-    if mesh_shape is not None and tuple(plan.mesh_shape) != tuple(mesh_shape):
-        raise ValueError(f"the plan is for a mesh of {tuple(plan.mesh_shape)}, this job's mesh is "
-                         f"{tuple(mesh_shape)}")
+    check_plan(plan, fingerprint=fingerprint, source="the plan passed as plan=",
+               mesh_shape=mesh_shape, graph=graph)
 
 
 def _same_step_on_every_rank(fingerprint: str) -> None:

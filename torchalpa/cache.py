@@ -5,6 +5,15 @@ method and its options, the input mode, and the planner's own source code, so a 
 plan is reused only when solving again would give the same answer. Directory:
 ``$TORCHALPA_CACHE_DIR``, else ``$XDG_CACHE_HOME/torchalpa``, else ``~/.cache/torchalpa``;
 ``TORCHALPA_CACHE=0`` turns caching off.
+
+Nothing in the cache is trusted. The directory must be this user's and is kept at mode
+0700 (one owned by another user is refused with a warning, and the cache is off); an
+entry is opened without following symlinks and must be a regular file of this user;
+every entry is parsed and checked against the step being planned (``validate``, see
+``torchalpa.plan_check``) before it is returned. Anything else -- unreadable, truncated,
+edited, another model's plan, a directory -- is a miss with a warning naming the file,
+and the fresh plan overwrites it. New entries are written to an ``O_EXCL`` temporary
+file (``mkstemp``) and renamed into place.
 """
 
 from __future__ import annotations
@@ -13,11 +22,16 @@ import hashlib
 import json
 import logging
 import os
+import stat
+import tempfile
+import warnings
 from dataclasses import asdict
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
-from torchalpa.plan import PipelinePlan, Plan, load_plan
+from torchalpa.plan import PipelinePlan, Plan
+from torchalpa.plan_check import PlanError, parse_plan
 
 __all__ = ["plan_key", "load_cached", "store", "cache_dir"]
 
@@ -55,30 +69,108 @@ def plan_key(fingerprint: str, mesh, method, inputs: str) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:24]
 
 
-def load_cached(key: str) -> Plan | PipelinePlan | None:
+def _warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)
+    log.warning(message)
+
+
+def _my_uid() -> int | None:
+    return os.getuid() if hasattr(os, "getuid") else None
+
+
+def _usable_root(create: bool) -> Path | None:
+    """The cache directory if it is safe to use (this user's, mode 0700), else None."""
     root = cache_dir()
     if root is None:
         return None
-    path = root / f"{key}.json"
-    if not path.exists():
+    try:
+        if create and not os.path.lexists(root):
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        st = os.lstat(root)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        _warn(f"the plan cache {root} is not usable ({e}); plans are not cached")
+        return None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        _warn(f"the plan cache {root} is a symlink or not a directory; plans are not cached "
+              "(point TORCHALPA_CACHE_DIR at a directory of your own)")
+        return None
+    uid = _my_uid()
+    if uid is not None and st.st_uid != uid:
+        _warn(f"the plan cache {root} belongs to uid {st.st_uid}, not to you (uid {uid}); plans "
+              "are not cached (point TORCHALPA_CACHE_DIR at a directory of your own)")
+        return None
+    if uid is not None and stat.S_IMODE(st.st_mode) != 0o700:
+        try:
+            os.chmod(root, 0o700)
+        except OSError as e:
+            _warn(f"the plan cache {root} has mode {stat.S_IMODE(st.st_mode):o} and cannot be "
+                  f"made private ({e}); plans are not cached")
+            return None
+    return root
+
+
+def _read_entry(path: Path) -> str | None:
+    """The text of a cache entry: a regular file of this user, opened without following
+    a symlink; None (with a warning) for anything else."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        _warn(f"ignoring the cached plan {path}: cannot open it without following links ({e}); "
+              "planning again")
         return None
     try:
-        plan = load_plan(path)
-    except (ValueError, KeyError, json.JSONDecodeError) as e:
-        log.warning("ignoring unreadable cached plan %s: %s", path, e)
+        st = os.fstat(fd)
+        uid = _my_uid()
+        if not stat.S_ISREG(st.st_mode) or (uid is not None and st.st_uid != uid):
+            _warn(f"ignoring the cached plan {path}: not a regular file of yours; planning again")
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read().decode("utf-8", errors="replace")
+    finally:
+        os.close(fd)
+
+
+def load_cached(key: str, validate: Callable[[Plan | PipelinePlan, str], None] | None = None
+                ) -> Plan | PipelinePlan | None:
+    """The plan cached under ``key``, or None. ``validate(plan, path)`` raises
+    ``PlanError`` for a plan that does not fit the step being planned: a miss."""
+    root = _usable_root(create=False)
+    if root is None:
+        return None
+    path = root / f"{key}.json"
+    text = _read_entry(path)
+    if text is None:
+        return None
+    try:
+        plan = parse_plan(text, str(path))
+        if validate is not None:
+            validate(plan, str(path))
+    except PlanError as e:
+        _warn(f"ignoring the cached plan: {e}; planning again (the new plan replaces it)")
         return None
     log.info("reusing cached plan %s", path)
     return plan
 
 
 def store(key: str, plan: Plan | PipelinePlan) -> None:
-    root = cache_dir()
+    root = _usable_root(create=True)
     if root is None:
         return
+    target = root / f"{key}.json"
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".{key}.{os.getpid()}.tmp"
-        plan.save(tmp)
-        os.replace(tmp, root / f"{key}.json")     # atomic: readers never see half a file
+        if target.is_dir() and not target.is_symlink():
+            target.rmdir()                  # an empty directory in the entry's place
+        fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".tmp", dir=root)  # O_EXCL, 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(plan.to_json())
+            os.replace(tmp, target)         # atomic; replaces a symlink, never follows it
+        except BaseException:
+            os.unlink(tmp)
+            raise
     except OSError as e:
-        log.warning("could not cache the plan in %s: %s", root, e)
+        _warn(f"could not cache the plan as {target}: {e}")

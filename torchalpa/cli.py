@@ -8,8 +8,9 @@
 ``meta`` device -- no weights are allocated -- and prints which of its ATen ops have a
 sharding rule and which do not (those run replicated on every device), with how many
 nodes of the graph run each op. A model is a zoo family name (its tiny config) or
-``module:callable``, where the callable returns a ``torchalpa.models.Workload`` or a tuple
-``(model, example_inputs, loss_fn)``; it is called under ``torch.device("meta")``.
+``module:callable`` (or ``path/to/file.py:callable``), where the callable returns a
+``torchalpa.models.Workload`` or a tuple ``(model, example_inputs, loss_fn)``; it is
+called under ``torch.device("meta")``.
 The exit status is 1 if an op has no rule or a model fails to capture.
 """
 
@@ -50,11 +51,10 @@ def _zoo():
 def _loader(spec: str) -> Callable[[], tuple]:
     """``() -> (model, example_inputs, loss_fn)`` for a zoo name or ``module:callable``."""
     if ":" in spec:
-        module_name, _, attr = spec.partition(":")
-        try:
-            make = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"cannot load {spec!r}: {e}") from e
+        module_name, _, attr = spec.rpartition(":")
+        make = getattr(_import(module_name, spec), attr, None)
+        if make is None or not callable(make):
+            raise ValueError(f"cannot load {spec!r}: {module_name} has no callable {attr!r}")
     else:
         zoo = _zoo()
         if spec not in zoo.FAMILIES:
@@ -68,9 +68,35 @@ def _loader(spec: str) -> Callable[[], tuple]:
         made = make()
         if hasattr(made, "build") and hasattr(made, "example_inputs"):
             return made.build(), made.example_inputs(), made.loss_fn
-        model, example_inputs, loss_fn = made
-        return model, example_inputs, loss_fn
+        import torch
+        if not (isinstance(made, tuple) and len(made) == 3
+                and isinstance(made[0], torch.nn.Module)
+                and isinstance(made[1], (tuple, list))
+                and (made[2] is None or callable(made[2]))):
+            raise ValueError(f"{spec} returned {type(made).__name__} {str(made)[:60]!r}; it must "
+                             "return a torchalpa.models.Workload or a tuple (model: nn.Module, "
+                             "example_inputs: tuple of tensors, loss_fn or None)")
+        return made
     return load
+
+
+def _import(module_name: str, spec: str):
+    """A module by dotted name, or a ``.py`` file by path (``./train.py:make``)."""
+    import importlib.util
+    import os
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        if not os.path.isfile(module_name):
+            raise ValueError(f"cannot load {spec!r}: no file {module_name}")
+        name = os.path.splitext(os.path.basename(module_name))[0]
+        file_spec = importlib.util.spec_from_file_location(name, module_name)
+        module = importlib.util.module_from_spec(file_spec)
+        file_spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot load {spec!r}: {e} (give module:callable, or path/to/file.py:"
+                         "callable)") from e
 
 
 def _coverage(args) -> int:

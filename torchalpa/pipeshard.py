@@ -61,8 +61,11 @@ def _cached(graph, cluster: Cluster, method: PipeshardParallel, inputs: str, sol
     from torchalpa import cache
     if method.stage_option == "profile":
         return solve()
-    key = cache.plan_key(graph.fingerprint(), cluster, method, inputs)
-    found = cache.load_cached(key)
+    from torchalpa.plan_check import check_plan
+    fingerprint = graph.fingerprint()
+    key = cache.plan_key(fingerprint, cluster, method, inputs)
+    found = cache.load_cached(key, lambda p, source: check_plan(
+        p, fingerprint=fingerprint, source=source))
     if isinstance(found, PipelinePlan):
         return found
     plan = solve()

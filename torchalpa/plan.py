@@ -240,7 +240,10 @@ class Plan:
 
     @classmethod
     def load(cls, path) -> "Plan":
-        return cls.from_json(Path(path).read_text())
+        plan = load_plan(Path(path))
+        if not isinstance(plan, cls):
+            raise ValueError(f"{path} holds a {type(plan).__name__}, not a {cls.__name__}")
+        return plan
 
     # -- reports ------------------------------------------------------------------------
     def collective_counts(self) -> dict[tuple[str, str], int]:
@@ -420,7 +423,10 @@ class PipelinePlan:
 
     @classmethod
     def load(cls, path) -> "PipelinePlan":
-        return cls.from_json(Path(path).read_text())
+        plan = load_plan(Path(path))
+        if not isinstance(plan, cls):
+            raise ValueError(f"{path} holds a {type(plan).__name__}, not a {cls.__name__}")
+        return plan
 
     def summary(self) -> str:
         from torchalpa.report import pipeline_summary
@@ -437,9 +443,9 @@ class PipelinePlan:
 
 
 def load_plan(path_or_text: str | Path) -> "Plan | PipelinePlan":
-    """A plan of either kind from a file path or JSON text."""
-    text = str(path_or_text)
-    if not text.lstrip().startswith("{"):
-        text = Path(path_or_text).read_text()
-    d = json.loads(text)
-    return PipelinePlan.from_dict(d) if d.get("kind") == "pipeline" else Plan.from_dict(d)
+    """A plan of either kind from a file path or JSON text; a ``PlanError`` (a
+    ValueError) naming the file for anything that is not a readable plan."""
+    from torchalpa.plan_check import parse_plan, read_plan_file
+    if isinstance(path_or_text, Path) or not str(path_or_text).lstrip().startswith("{"):
+        return read_plan_file(path_or_text)
+    return parse_plan(str(path_or_text), "the plan JSON text")

@@ -1,0 +1,90 @@
+"""Launched as plain processes by tests/test_faults_dist.py (no torchrun agent to stop the
+survivors): one rank is SIGKILLed at a chosen moment, and every survivor writes what it
+saw to ``<out>/rank<r>.json``.
+
+    fault_worker.py OUT step  VICTIM             # killed before its second training step
+    fault_worker.py OUT save  VICTIM POINT       # killed at POINT of the second save
+
+``save`` first saves a good checkpoint under ``OUT/ckpt`` after one step and writes the
+full weights it holds (``OUT/old.pt``) and those after the second step (``OUT/new.pt``),
+so the test can check which one a later load finds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchalpa  # noqa: E402
+from torchalpa.runtime import checkpoint as ck  # noqa: E402
+from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+
+
+def build():
+    """The model the test loads into as well (same names and shapes)."""
+    return nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+
+
+def die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+    out, mode, victim = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    init_distributed()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    n = dist.get_world_size()
+    pm = torchalpa.auto_parallel(build(), batch(), F.mse_loss,
+                                 cluster=torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,),
+                                                               beta=(1.0,)),
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    pm.train_step(*batch())
+    seen: dict = {"rank": rank}
+    start = time.monotonic()
+    try:
+        if mode == "step":
+            if rank == victim:
+                die()
+            pm.train_step(*batch())
+        else:
+            point = sys.argv[4]
+            path = os.path.join(out, "ckpt")
+            ck.save_checkpoint(path, pm)
+            old = [p.full_tensor().clone() for p in pm.parameters()]
+            pm.train_step(*batch())
+            new = [p.full_tensor().clone() for p in pm.parameters()]
+            if rank == 0:
+                torch.save({"old": old, "new": new}, os.path.join(out, "weights.pt"))
+            dist.barrier()
+            if rank == victim:
+                ck._fault_hook = lambda reached: die() if reached == point else None
+            ck.save_checkpoint(path, pm)
+        seen["error"] = None
+    except Exception as e:  # what the test checks
+        seen["error"] = f"{type(e).__name__}: {e}"
+    seen["seconds"] = time.monotonic() - start
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Checkpoints under faults, in one process: a save stopped at every point of its commit
+leaves the previous version loadable; damaged or planted files are named, never loaded
+or run; dropout resumes bit-identically (the random state is saved).
+
+A save "killed" here raises from the fault hook at the named point: with no cleanup on
+the way out, the files left behind are those a SIGKILL at that point leaves (the
+multi-process kills are in tests/test_faults_dist.py).
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchalpa
+from models import mlp_inputs
+from torchalpa.runtime import checkpoint as ck
+from torchalpa.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+POINTS = ("started", "data_written", "before_manifest", "before_rename", "before_latest",
+          "before_prune")
+# what `load_checkpoint` finds after a save stopped there: the old version or the new
+LOADS_AFTER_KILL = {"started": "old", "data_written": "old", "before_manifest": "old",
+                    "before_rename": "old", "before_latest": "old", "before_prune": "new"}
+
+
+@pytest.fixture(autouse=True)
+def single_process_world():
+    yield
+    ck._fault_hook = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing catches it on the way out."""
+
+
+def make(seed=0, dropout=0.0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 16))
+    return torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss,
+                                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+
+
+def weights(pm) -> list[torch.Tensor]:
+    return [p.full_tensor().clone() for p in pm.parameters()]
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_versions_latest_pointer_and_keep(tmp_path):
+    pm = make()
+    x, y = mlp_inputs(8, 16)
+    saved = []
+    for _ in range(4):
+        pm.train_step(x, y)
+        saved.append(save_checkpoint(tmp_path, pm, keep=2, extra={"step": len(saved)}).name)
+    assert saved == ["ckpt-000001", "ckpt-000002", "ckpt-000003", "ckpt-000004"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000003", "ckpt-000004", "latest"]
+    assert (tmp_path / "latest").read_text().strip() == "ckpt-000004"
+    assert ck.checkpoint_extra(tmp_path) == {"step": 3}
+    fresh = make(seed=1)
+    assert load_checkpoint(tmp_path, fresh).name == "ckpt-000004"
+    assert same(weights(fresh), weights(pm))
+    load_checkpoint(tmp_path / "ckpt-000003", fresh)          # one version by name
+    assert not same(weights(fresh), weights(pm))
+    with pytest.raises(ValueError, match="keep must be an int >= 1"):
+        save_checkpoint(tmp_path, pm, keep=0)
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_save_stopped_anywhere_leaves_a_complete_checkpoint(tmp_path, point):
+    pm = make()
+    x, y = mlp_inputs(8, 16)
+    pm.train_step(x, y)
+    save_checkpoint(tmp_path, pm)
+    old = weights(pm)
+    pm.train_step(x, y)
+    new = weights(pm)
+
+    def hook(reached):
+        if reached == point:
+            raise Killed(point)
+    ck._fault_hook = hook
+    with pytest.raises(Killed):
+        save_checkpoint(tmp_path, pm)
+    ck._fault_hook = None
+    fresh = make(seed=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_checkpoint(tmp_path, fresh)
+    assert same(weights(fresh), old if LOADS_AFTER_KILL[point] == "old" else new)
+    partial = [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    if partial:           # named when loading, removed by the next save
+        assert any(partial[0] in str(w.message) for w in caught)
+    save_checkpoint(tmp_path, pm)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert same(weights(fresh), old if LOADS_AFTER_KILL[point] == "old" else new)
+
+
+def test_a_first_save_stopped_early_is_named_and_never_loaded(tmp_path):
+    pm = make()
+    ck._fault_hook = lambda p: (_ for _ in ()).throw(Killed(p)) if p == "data_written" else None
+    with pytest.raises(Killed):
+        save_checkpoint(tmp_path, pm)
+    ck._fault_hook = None
+    with pytest.raises(CheckpointError,
+                       match=r"no complete checkpoint .*only partial.*\.tmp-ckpt-000001"):
+        load_checkpoint(tmp_path, make(seed=1))
+
+
+def test_damaged_files_are_named(tmp_path):
+    pm = make()
+    version = save_checkpoint(tmp_path, pm)
+    data = next(p for p in version.iterdir() if p.suffix == ".distcp")
+    data.write_bytes(data.read_bytes()[:100])                 # truncated
+    with pytest.raises(CheckpointError, match=f"{data.name} has 100 bytes"):
+        load_checkpoint(tmp_path, make(seed=1))
+    data.unlink()
+    with pytest.raises(CheckpointError, match=f"{data.name} is missing"):
+        load_checkpoint(tmp_path, make(seed=1))
+    (tmp_path / "latest").write_text("../../etc\n")
+    with pytest.raises(CheckpointError, match="does not name a checkpoint version"):
+        load_checkpoint(tmp_path, make(seed=1))
+
+
+class _Payload:
+    """Unpickling this runs ``os.system``-like code: it creates a marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_loading_runs_no_code_planted_in_the_checkpoint(tmp_path):
+    pm = make()
+    version = save_checkpoint(tmp_path, pm)
+    marker = tmp_path / "PWNED"
+    planted = pickle.dumps(_Payload(str(marker)))
+    metadata = version / ".metadata"
+    good_metadata = metadata.read_bytes()
+    for victim in (".metadata", "rng-0.pt"):
+        target = version / victim
+        original = target.read_bytes()
+        target.write_bytes(planted.ljust(len(original), b"\n"))   # sizes still match
+        with pytest.raises(CheckpointError, match=victim.replace(".", r"\.")):
+            load_checkpoint(tmp_path, make(seed=1))
+        assert not marker.exists(), f"code planted in {victim} ran on load"
+        target.write_bytes(original)
+    assert metadata.read_bytes() == good_metadata
+    load_checkpoint(tmp_path, make(seed=1))                       # intact again: loads
+
+
+def test_dropout_resumes_bit_identically(tmp_path):
+    x, y = mlp_inputs(8, 16)
+    pm = make(dropout=0.3)
+    pm.train_step(x, y)
+    save_checkpoint(tmp_path, pm)
+    uninterrupted = [pm.train_step(x, y).item() for _ in range(3)]
+    torch.manual_seed(12345)                 # another random state: the checkpoint restores it
+    fresh = make(seed=1, dropout=0.3)
+    load_checkpoint(tmp_path, fresh)
+    resumed = [fresh.train_step(x, y).item() for _ in range(3)]
+    assert resumed == uninterrupted
+    torch.manual_seed(12345)
+    again = make(seed=1, dropout=0.3)
+    load_checkpoint(tmp_path, again, rng=False)          # without it, dropout draws others
+    assert [again.train_step(x, y).item() for _ in range(3)] != uninterrupted
