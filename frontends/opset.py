@@ -30,6 +30,7 @@ that only move or create memory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Callable
@@ -40,7 +41,7 @@ from torch._decomp import core_aten_decompositions
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["decompositions", "FusedCalls", "flop_count", "FUSED_KEPT", "RANDOM_OPS",
+__all__ = ["decompositions", "device_neutral_kernels", "FusedCalls", "flop_count", "FUSED_KEPT", "RANDOM_OPS",
            "NO_FLOP_OPS", "SDPA_OP", "SDPA_BACKWARD_OP"]
 
 aten = torch.ops.aten
@@ -72,7 +73,7 @@ NO_FLOP_OPS = frozenset({
     "scalar_tensor", "new_zeros", "new_ones", "new_empty", "new_full", "cat", "split",
     "split_with_sizes", "stack", "_to_copy", "copy", "lift_fresh_copy", "arange",
     "as_strided", "index_select", "gather", "embedding", "slice_scatter",
-    "select_scatter", "constant_pad_nd", "repeat", "iota", "pipeline_boundary",
+    "select_scatter", "constant_pad_nd", "repeat", "iota", "pipeline_boundary", "constant",
 })
 
 
@@ -87,6 +88,23 @@ def _decompositions() -> dict:
     table[aten.addmm.default] = _addmm
     table[aten.native_batch_norm.default] = _native_batch_norm
     return table
+
+
+@contextlib.contextmanager
+def device_neutral_kernels():
+    """Trace with the kernels every device has: oneDNN (mkldnn) off.
+
+    On CPU, ``nn.LSTM``/``nn.GRU``/``nn.RNN`` otherwise become ``mkldnn_rnn_layer`` ops whose
+    backward needs a workspace only the oneDNN forward makes (and which CUDA lacks); with
+    it off they are traced as the generic cell arithmetic (matmuls and pointwise ops),
+    which every device runs and the planner can shard.
+    """
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def _addmm(bias, a, b, *, beta=1, alpha=1):

@@ -36,12 +36,14 @@ import torch
 import torch.fx as fx
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map, tree_structure
 
+from torchalpa.frontends.constants import LargeConstant, inline_constants
 from torchalpa.frontends.functionalize import (NeedsFunctionalization, functionalize, is_view_op,
                                                retrace_functional)
-from torchalpa.frontends.opset import FusedCalls, decompositions, flop_count
+from torchalpa.frontends.opset import (FusedCalls, decompositions, device_neutral_kernels,
+                                       flop_count)
 from torchalpa.frontends.provenance import (Provenance, copy_forward_tags_to_backward,
                                             line_of, module_of)
 from torchalpa.frontends.repeated import find_repeated_blocks
@@ -145,27 +147,37 @@ def capture(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable 
 
     def joint(params, buffers, *batch):
         state = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
-        out = functional_call(model, state, tuple(batch[:num_inputs]), strict=False)
-        provenance.in_loss = True
-        loss = _loss_of(loss_fn(out, *batch[num_inputs:]) if loss_fn is not None else out)
-        provenance.in_loss = False
-        setup_stacktrace_preservation_hooks([loss.grad_fn])   # tags backward nodes (seq_nr)
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        # backward runs with the traced state in place too: activation checkpointing
+        # recomputes forward there, and must read the traced parameters, not the real ones
+        with _reparametrize_module(model, state, tie_weights=True):
+            out = model(*batch[:num_inputs])
+            provenance.in_loss = True
+            loss = _loss_of(loss_fn(out, *batch[num_inputs:]) if loss_fn is not None else out)
+            provenance.in_loss = False
+            setup_stacktrace_preservation_hooks([loss.grad_fn])   # tags backward (seq_nr)
+            grads = _gradients(loss, params, through_backward)
         return [loss, *grads, *buffers]
 
-    params = [p.detach().requires_grad_(True) for _, p in trainable]
-    buffers = [b.detach() for _, b in frozen]
     provenance = Provenance(model, stop=[joint.__code__, _loss_of.__code__, capture.__code__])
     start = time.perf_counter()
-    try:
-        with provenance.tracing():
-            gm = make_fx(joint, tracing_mode="fake", decomposition_table=decompositions(),
-                         _allow_non_fake_inputs=True)(params, buffers, *inputs, *targets)
-    except CaptureError:
-        raise
-    except Exception as e:  # data-dependent control flow, unsupported Python, ...
-        raise CaptureError(_explain_trace_failure(e, provenance, num_inputs)) from e
+    through_backward = False
+    while True:
+        params = [p.detach().requires_grad_(True) for _, p in trainable]
+        buffers = [b.detach() for _, b in frozen]
+        try:
+            with provenance.tracing(), device_neutral_kernels():
+                gm = make_fx(joint, tracing_mode="fake", decomposition_table=decompositions(),
+                             _allow_non_fake_inputs=True)(params, buffers, *inputs, *targets)
+            break
+        except CaptureError:
+            raise
+        except Exception as e:  # data-dependent control flow, unsupported Python, ...
+            if not through_backward and _needs_backward(e):
+                through_backward = True          # torch.utils.checkpoint(use_reentrant=True)
+                continue
+            raise CaptureError(_explain_trace_failure(e, provenance, num_inputs)) from e
     traced = time.perf_counter()
+    _inline_constants(gm, provenance)
 
     kinds = ([("param", k) for k in param_names] + [("buffer", k) for k in buffer_names]
              + [("input", name) for name in input_names])
@@ -186,6 +198,36 @@ def capture(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable 
     return Capture(graph=graph, gm=gm, param_names=param_names, buffer_names=buffer_names,
                    input_names=input_names, seconds=seconds,
                    buffer_updates=[k for k, _ in graph.outputs.buffer_updates])
+
+
+def _needs_backward(e: Exception) -> bool:
+    """What torch.autograd.grad raises when forward used reentrant checkpointing."""
+    return "checkpoint" in str(e).lower() and ".grad()" in str(e)
+
+
+def _gradients(loss: torch.Tensor, params: list[torch.Tensor], through_backward: bool):
+    """d loss / d params (None where unused).
+
+    ``through_backward``: by ``loss.backward()`` into the leaves' ``.grad``, which reentrant
+    checkpointing (``use_reentrant=True``) needs, as it runs its own backward inside.
+    """
+    if not through_backward:
+        return torch.autograd.grad(loss, params, allow_unused=True)
+    loss.backward()
+    return [p.grad for p in params]
+
+
+def _inline_constants(gm: fx.GraphModule, provenance: Provenance) -> None:
+    """Tensors forward made from Python values become ops (``frontends/constants.py``)."""
+    try:
+        inline_constants(gm)
+    except LargeConstant as e:
+        raise CaptureError(
+            f"could not capture the training step {_where(e.node, provenance)}: forward builds "
+            f"a constant tensor of {e.numel} elements from Python values (torch.tensor(...) "
+            "or a tensor made outside the traced inputs).\nhint: register it once as a buffer "
+            "(self.register_buffer(name, tensor, persistent=False)) and read it in forward, "
+            "so it is planned and kept on device.") from None
 
 
 def _check_devices(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> None:

@@ -16,7 +16,7 @@ The forward capture here reuses the frontend's building blocks; it belongs next 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -39,6 +39,7 @@ class ForwardCapture:
     gm: fx.GraphModule
     state_names: list[str]          # parameters (trainable or not), then buffers
     unflatten: Callable[[torch.Tensor], object]   # result -> what the step returned
+    buffer_updates: list[str] = field(default_factory=list)   # buffers forward writes
 
 
 def capture_forward(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -51,7 +52,7 @@ def capture_forward(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
     ``unflatten`` rebuilds the returned structure.
     """
     from torchalpa.frontends import torch_export as te
-    from torchalpa.frontends.opset import decompositions
+    from torchalpa.frontends.opset import decompositions, device_neutral_kernels
     from torchalpa.frontends.provenance import Provenance
     from torchalpa.frontends.repeated import find_repeated_blocks
 
@@ -84,25 +85,28 @@ def capture_forward(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
     provenance = Provenance(model, stop=[step.__code__, capture_forward.__code__])
     start = time.perf_counter()
     try:
-        with provenance.tracing(), torch.no_grad():
+        with provenance.tracing(), torch.no_grad(), device_neutral_kernels():
             gm = make_fx(step, tracing_mode="fake", decomposition_table=decompositions(),
                          _allow_non_fake_inputs=True)(state, *inputs, *targets)
     except te.CaptureError:
         raise
     except Exception as e:
-        raise te.CaptureError(te._explain_trace_failure(e, provenance)) from e
+        raise te.CaptureError(te._explain_trace_failure(e, provenance, num_inputs)) from e
+    te._inline_constants(gm, provenance)
     kinds = [("buffer", k) for k in names] + \
         [("input", f"input{i}") for i in range(len(inputs) + len(targets))]
     te._check_static(gm, provenance)
-    updates = te._make_functional(gm, kinds, provenance)
+    gm, updates = te._make_functional(gm, kinds, provenance)
     te._drop_aliases(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    graph = te._to_opgraph(gm, kinds, [k for k in names if k in updates])
+    updated = [k for k in names if k in updates]
+    graph = te._to_opgraph(gm, kinds, updated)
     graph.meta["repeated_blocks"] = find_repeated_blocks(graph)
     graph.meta["capture_seconds"] = time.perf_counter() - start
     return ForwardCapture(graph=graph, gm=gm, state_names=names,
-                          unflatten=structure.get("unflatten", lambda t: t))
+                          unflatten=structure.get("unflatten", lambda t: t),
+                          buffer_updates=updated)
 
 
 def _flatten_outputs(out, structure: dict) -> torch.Tensor:
@@ -151,6 +155,7 @@ class ForwardProgram:
     state_names: list[str]
     unflatten: Callable[[torch.Tensor], object]
     plan: Plan
+    buffer_updates: list[str] = field(default_factory=list)   # after the result, in order
 
 
 class ForwardPrograms:
@@ -158,12 +163,14 @@ class ForwardPrograms:
     input shapes).
 
     ``plan_forward(graph)`` plans a forward graph on the training mesh with the training
-    layouts pinned (every rank gets the same plan); ``lower_forward(gm, plan)`` lowers it.
+    layouts pinned (every rank gets the same plan); ``lower_forward(gm, plan, updates)``
+    lowers it, returning ``(result, *new values of the buffers named in updates, ...)``:
+    a train-mode forward (batch-norm statistics) writes its buffers as training does.
     """
 
     def __init__(self, module: torch.nn.Module, loss_fn: Callable | None, training_plan: Plan,
                  plan_forward: Callable[[OpGraph], Plan],
-                 lower_forward: Callable[[fx.GraphModule, Plan], fx.GraphModule]):
+                 lower_forward: Callable[[fx.GraphModule, Plan, list[str]], fx.GraphModule]):
         self.module = module
         self.loss_fn = loss_fn
         self.training_plan = training_plan
@@ -188,6 +195,7 @@ class ForwardPrograms:
         moved = [v.name for v in plan.parameters
                  if v.name in expected and v.placements != expected[v.name]]
         assert not moved, f"forward plan moved pinned parameters: {moved}"
-        program = self.lower_forward(captured.gm, plan)
+        program = self.lower_forward(captured.gm, plan, captured.buffer_updates)
         return ForwardProgram(program=program, state_names=captured.state_names,
-                              unflatten=captured.unflatten, plan=plan)
+                              unflatten=captured.unflatten, plan=plan,
+                              buffer_updates=captured.buffer_updates)

@@ -165,8 +165,11 @@ class ParallelModule(nn.Module):
         specs = [(self._global_shape(x.shape), x.dtype) for x in inputs]
         fp = self._forward_programs.get(specs, outputs=outputs, training=self.module.training)
         with self._monitor.guard(f"forward-only call {self._num_calls}"), torch.no_grad():
-            result = fp.program(*self._state(fp.state_names), *inputs)[0]
-        return fp.unflatten(result)
+            outs = fp.program(*self._state(fp.state_names), *inputs)
+            for name, value in zip(fp.buffer_updates, outs[1:1 + len(fp.buffer_updates)]):
+                buf = self.module.get_buffer(name)      # batch-norm statistics in train mode
+                (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(value)
+        return fp.unflatten(outs[0])
 
     # -- helpers ------------------------------------------------------------------------
     def _state(self, names: Sequence[str], differentiable: bool = False) -> list[torch.Tensor]:

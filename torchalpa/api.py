@@ -221,7 +221,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     forward_programs = _forward_programs(
         traced, loss_fn, the_plan, method, candidate_meshes(
             cluster, method, tuple(the_plan.mesh_shape), tuple(the_plan.axis_names))[0],
-        inputs, lambda gm, p: lower_program(gm, p, []).forward)
+        inputs, lambda gm, p, updates: lower_program(gm, p, [], updates).forward)
     log.info("auto_parallel ready in %.2fs: %s", time.perf_counter() - start,
              captured.graph.summary())
     return ParallelModule(model, the_plan, program, device_mesh,
