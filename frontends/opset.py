@@ -87,7 +87,47 @@ def _decompositions() -> dict:
     table = {op: fn for op, fn in core_aten_decompositions().items() if op not in FUSED_KEPT}
     table[aten.addmm.default] = _addmm
     table[aten.native_batch_norm.default] = _native_batch_norm
+    table[aten._grouped_mm.default] = _grouped_mm
     return table
+
+
+def _group_masks(offs: torch.Tensor, length: int, num_groups: int) -> torch.Tensor:
+    """(G, length) bool: position i belongs to group g (``offs`` are the groups' ends)."""
+    ends = offs.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    positions = torch.arange(length, device=offs.device)
+    return (positions[None, :] >= starts[:, None]) & (positions[None, :] < ends[:, None])
+
+
+def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """``torch._grouped_mm`` (MoE experts) as static dense math where its fake kernel is
+    stricter than the real one.
+
+    The meta kernel accepts bfloat16 only, while the CPU kernel also runs float32; so a
+    float32 MoE (transformers' default ``grouped_mm`` experts) could not be traced. Here
+    each group's product is computed for every row and masked to the rows ``offs`` gives
+    the group (group sizes depend on routing, i.e. on tensor values; shapes must not):
+    exact values, ``G`` times the flops of the fused kernel. bfloat16 keeps the fused op.
+    Rows past ``offs[-1]`` (which the kernel leaves unwritten) are zeros.
+    """
+    if mat_a.dtype == torch.bfloat16 or bias is not None or (
+            out_dtype is not None and out_dtype != mat_a.dtype):
+        return NotImplemented
+    if offs is None:                                        # (G, M, K) @ (G, K, N)
+        return torch.bmm(mat_a, mat_b)
+    G = offs.shape[0]
+    if mat_a.dim() == 2 and mat_b.dim() == 3:               # rows of a split by offs
+        masks = _group_masks(offs, mat_a.shape[0], G).to(mat_a.dtype)       # (G, M)
+        every = torch.matmul(mat_a[None], mat_b)                            # (G, M, N)
+        return (every * masks[:, :, None]).sum(0)                           # (M, N)
+    if mat_a.dim() == 3 and mat_b.dim() == 2:               # columns of b split by offs
+        masks = _group_masks(offs, mat_b.shape[1], G).to(mat_a.dtype)       # (G, N)
+        every = torch.matmul(mat_a, mat_b[None])                            # (G, M, N)
+        return (every * masks[:, None, :]).sum(0)                           # (M, N)
+    if mat_a.dim() == 2 and mat_b.dim() == 2:               # the shared K split by offs
+        masks = _group_masks(offs, mat_a.shape[1], G).to(mat_a.dtype)       # (G, K)
+        return torch.matmul(mat_a[None] * masks[:, None, :], mat_b[None])   # (G, M, N)
+    return NotImplemented
 
 
 @contextlib.contextmanager

@@ -43,20 +43,25 @@ class ForwardCapture:
 
 
 def capture_forward(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
-                    loss_fn: Callable | None = None, *, outputs: bool) -> ForwardCapture:
+                    loss_fn: Callable | None = None, *, outputs: bool,
+                    signature=None) -> ForwardCapture:
     """Trace ``model(*inputs)`` (``outputs=True``) or its loss (``outputs=False``: the inputs
     end with the targets, as for training) without backward.
 
     The model's outputs are returned as one tensor: itself if the model returns one
     tensor, else its tensors flattened and concatenated (they must share a dtype);
-    ``unflatten`` rebuilds the returned structure.
+    ``unflatten`` rebuilds the returned structure. ``signature``: how the model is called
+    (``frontends/calls.CallSignature``; keyword inputs carry no loss targets).
     """
     from torchalpa.frontends import torch_export as te
     from torchalpa.frontends.opset import decompositions, device_neutral_kernels
     from torchalpa.frontends.provenance import Provenance
     from torchalpa.frontends.repeated import find_repeated_blocks
 
-    if outputs:
+    from torchalpa.calls import CallSignature
+    if signature is None:
+        signature = CallSignature(len(example_inputs) if outputs else 0)
+    if outputs or signature.by_keyword:
         inputs, targets = tuple(example_inputs), ()
     else:
         inputs, targets = te.split_inputs(example_inputs, loss_fn)
@@ -70,7 +75,10 @@ def capture_forward(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
 
     def step(state, *batch):
         out = functional_call(model, dict(zip(names, state)), tuple(batch[:num_inputs]),
-                              strict=False)
+                              strict=False) if not signature.by_keyword else \
+            functional_call(model, dict(zip(names, state)), (),
+                            {**dict(zip(signature.keywords, batch[:num_inputs])),
+                             **dict(signature.static)}, strict=False)
         provenance.in_loss = True
         if outputs:
             result = _flatten_outputs(out, structure)
@@ -170,26 +178,37 @@ class ForwardPrograms:
 
     def __init__(self, module: torch.nn.Module, loss_fn: Callable | None, training_plan: Plan,
                  plan_forward: Callable[[OpGraph], Plan],
-                 lower_forward: Callable[[fx.GraphModule, Plan, list[str]], fx.GraphModule]):
+                 lower_forward: Callable[[fx.GraphModule, Plan, list[str]], fx.GraphModule],
+                 signature=None):
         self.module = module
         self.loss_fn = loss_fn
         self.training_plan = training_plan
         self.plan_forward = plan_forward
         self.lower_forward = lower_forward
+        self.signature = signature
         self._cache: dict[tuple, ForwardProgram] = {}
 
     def get(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], *, outputs: bool,
-            training: bool) -> ForwardProgram:
-        """The program for global input ``specs`` (shape, dtype) in the given mode."""
-        key = (outputs, training, tuple((tuple(s), d) for s, d in specs))
+            training: bool, keywords: tuple[str, ...] = ()) -> ForwardProgram:
+        """The program for global input ``specs`` (shape, dtype) in the given mode;
+        ``keywords``: predict's tensors were given by these names."""
+        key = (outputs, training, tuple((tuple(s), d) for s, d in specs), tuple(keywords))
         found = self._cache.get(key)
         if found is None:
-            found = self._cache[key] = self._make(specs, outputs)
+            found = self._cache[key] = self._make(specs, outputs, tuple(keywords))
         return found
 
-    def _make(self, specs, outputs: bool) -> ForwardProgram:
+    def _make(self, specs, outputs: bool, keywords: tuple[str, ...]) -> ForwardProgram:
+        from torchalpa.calls import CallSignature
         examples = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]
-        captured = capture_forward(self.module, examples, self.loss_fn, outputs=outputs)
+        signature = self.signature
+        if outputs and keywords:
+            static = self.signature.static if self.signature is not None else ()
+            signature = CallSignature(0, keywords, static)
+        elif outputs:
+            signature = None
+        captured = capture_forward(self.module, examples, self.loss_fn, outputs=outputs,
+                                   signature=signature)
         plan = self.plan_forward(captured.graph)
         expected = {v.name: v.placements for v in self.training_plan.parameters}
         moved = [v.name for v in plan.parameters

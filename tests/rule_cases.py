@@ -267,6 +267,9 @@ CASES: dict[str, Case] = {
         lambda: (rnd(4, 8),),
         keep=("aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
               "aten.new_empty.default")),
+    # counts per bin: a fixed range adds up over devices, the data's own range does not
+    "histc": Case(lambda a: (torch.histc(a, bins=4, min=-1.0, max=1.0), torch.histc(a, bins=3)),
+                  lambda: (rnd(4, 8),)),
     # a small constant a forward built from Python values (frontends/constants.py)
     "constant": Case(lambda a: (a * aten_constant([8], floats=[float(i) for i in range(8)], ints=[],
                                                   dtype=torch.float32, device=a.device),
