@@ -363,7 +363,11 @@ def _explain_trace_failure(e: Exception, provenance: Provenance, num_inputs: int
 
     path, line, text = provenance.where(e)
     message = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    if isinstance(e, (DataDependentOutputException, GuardOnDataDependentSymNode)) \
+    if _in_traceback(e, "_detect_is_causal_mask"):
+        hint = ("nn.Transformer* compares the attention mask's values with a causal mask "
+                "(torch.equal) to decide whether it is causal; pass is_causal=True with a "
+                "causal mask (or is_causal=False) so nothing reads mask values.")
+    elif isinstance(e, (DataDependentOutputException, GuardOnDataDependentSymNode)) \
             or "data-dependent" in message or "item()" in message:
         hint = ("the model's control flow depends on tensor values (e.g. `if x.sum() > 0`, "
                 "`.item()`, `.tolist()`); torchalpa captures one static graph. Rewrite it with "
@@ -393,6 +397,16 @@ def _explain_trace_failure(e: Exception, provenance: Provenance, num_inputs: int
     where = provenance.describe_module(path)
     at = f" at {line}" + (f": `{text}`" if text else "") if line else ""
     return (f"could not trace the training step in {where}{at}\n  {message}\nhint: {hint}")
+
+
+def _in_traceback(e: Exception, function: str) -> bool:
+    """Whether ``function`` is on the stack where ``e`` was raised."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 _META_KERNEL_FILES = ("_meta_registrations.py", "fake_impls.py")

@@ -113,8 +113,6 @@ def run(name: str) -> dict:
     pairs = [(p.full_tensor() if isinstance(p, DTensor) else p, q)
              for p, q in zip(pm.module.parameters(), ref.parameters())]
     out["max_param_diff"] = max((p - q).abs().max().item() for p, q in pairs)
-    out["max_rel_param_diff"] = max(((p - q).abs().max() / q.abs().max().clamp_min(1e-12)).item()
-                                    for p, q in pairs)
     out["replicated_differ"] = replicated_blocks_agree(pm)
     buffers = [(b.full_tensor() if isinstance(b, DTensor) else b, r) for b, r in
                zip(pm.module.buffers(), ref.buffers()) if b.is_floating_point()]
