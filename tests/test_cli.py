@@ -50,3 +50,14 @@ def test_coverage_reports_models_it_cannot_load(capsys):
 def test_a_command_is_required():
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_coverage_of_suite_cases_prints_the_table(capsys):
+    """``--hf`` runs every case of torchalpa.models.suite; ``suite:NAME`` picks some."""
+    pytest.importorskip("transformers")
+    assert main(["coverage", "--model", "suite:checkpoint", "--model", "suite:swin"]) == 1
+    out = capsys.readouterr().out
+    rows = out.split("model                  family")[1].splitlines()
+    assert rows[1].split()[:3] == ["checkpoint", "idiom", "captures"]
+    assert rows[2].split()[:3] == ["swin", "vision", "FAILS"] and "known:" in rows[2]
+    assert "1 of 2 capture" in out

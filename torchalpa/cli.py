@@ -117,8 +117,8 @@ def _coverage(args) -> int:
             without[op].append(name)
         table.append((name, "captures", f"{sum(nodes.values())} nodes" + (
             f", replicated: {', '.join(missing)}" if missing else "")))
-    if args.hf:
-        _print_suite_table(table)
+    if any(name.startswith("suite:") for name in names):
+        _print_suite_table([row for row in table if row[0].startswith("suite:")])
     print(f"\nops without a sharding rule (run replicated): {len(without) or 'none'}")
     for op in sorted(without):
         print(f"  {op}: {', '.join(without[op])}")

@@ -178,6 +178,16 @@ def _idiom(build: Callable[[], nn.Module], batch: Callable[[], tuple], loss_fn):
     return make
 
 
+def _checkpointed(make_lm):
+    """An HF model after ``gradient_checkpointing_enable()`` (as Trainer's
+    ``gradient_checkpointing=True`` calls it)."""
+    def make():
+        model, batch, loss_fn = make_lm()
+        model.gradient_checkpointing_enable()
+        return model, batch, loss_fn
+    return make
+
+
 def _padding():
     pad = torch.zeros(BATCH, SEQ, dtype=torch.bool)
     pad[:, -2:] = True
@@ -280,6 +290,8 @@ _CASES = [
         lambda: CheckpointedMLP(use_reentrant=True),
         lambda: (torch.randn(BATCH, 16), torch.randn(BATCH, 16)),
         F.mse_loss)),
+    SuiteCase("hf_gradient_checkpointing", "idiom", _checkpointed(
+        _causal_lm("LlamaConfig", "LlamaForCausalLM"))),
     SuiteCase("masked_attention", "idiom", _idiom(
         MaskedAttention, lambda: (torch.randn(BATCH, SEQ, 16), _padding(),
                                   torch.randint(4, (BATCH,))),
