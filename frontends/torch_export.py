@@ -15,6 +15,12 @@ softmax's backward, dropout and batch norm kept as single ops).
 - Dropout is ``aten.native_dropout``, the only random op (``opset.RANDOM_OPS``).
 - A model whose forward returns a HuggingFace ``ModelOutput`` or a dict: ``loss_fn`` gets
   that object; without ``loss_fn`` its ``"loss"`` entry is the loss.
+- Tensors forward builds from Python values (``torch.tensor(2.0)``, a KV cache's empty
+  tensors) become ops (``frontends/constants.py``); backward runs with the traced state
+  in place, so activation checkpointing recomputes in backward where the planner sees it
+  (reentrant checkpointing is traced through ``loss.backward()``); RNNs are traced
+  without oneDNN-only kernels (``opset.device_neutral_kernels``).
+- ``example_inputs`` may be a dict of keyword arguments (``torchalpa/calls.py``).
 - Every node knows the module path (``layers.3.mlp``) and the "file:line" of the user
   code that made it (``OpNode.module`` / ``OpNode.stack``), forward and backward alike;
   ``graph.meta["repeated_blocks"]`` tags the ops of identical repeated layers.
