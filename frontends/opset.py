@@ -30,6 +30,7 @@ that only move or create memory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any, Callable
@@ -40,7 +41,7 @@ from torch._decomp import core_aten_decompositions
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["decompositions", "FusedCalls", "flop_count", "FUSED_KEPT", "RANDOM_OPS",
+__all__ = ["decompositions", "device_neutral_kernels", "FusedCalls", "flop_count", "FUSED_KEPT", "RANDOM_OPS",
            "NO_FLOP_OPS", "SDPA_OP", "SDPA_BACKWARD_OP"]
 
 aten = torch.ops.aten
@@ -72,7 +73,7 @@ NO_FLOP_OPS = frozenset({
     "scalar_tensor", "new_zeros", "new_ones", "new_empty", "new_full", "cat", "split",
     "split_with_sizes", "stack", "_to_copy", "copy", "lift_fresh_copy", "arange",
     "as_strided", "index_select", "gather", "embedding", "slice_scatter",
-    "select_scatter", "constant_pad_nd", "repeat", "iota", "pipeline_boundary",
+    "select_scatter", "constant_pad_nd", "repeat", "iota", "pipeline_boundary", "constant",
 })
 
 
@@ -86,7 +87,64 @@ def _decompositions() -> dict:
     table = {op: fn for op, fn in core_aten_decompositions().items() if op not in FUSED_KEPT}
     table[aten.addmm.default] = _addmm
     table[aten.native_batch_norm.default] = _native_batch_norm
+    table[aten._grouped_mm.default] = _grouped_mm
     return table
+
+
+def _group_masks(offs: torch.Tensor, length: int, num_groups: int) -> torch.Tensor:
+    """(G, length) bool: position i belongs to group g (``offs`` are the groups' ends)."""
+    ends = offs.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    positions = torch.arange(length, device=offs.device)
+    return (positions[None, :] >= starts[:, None]) & (positions[None, :] < ends[:, None])
+
+
+def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """``torch._grouped_mm`` (MoE experts) as static dense math where its fake kernel is
+    stricter than the real one.
+
+    The meta kernel accepts bfloat16 only, while the CPU kernel also runs float32; so a
+    float32 MoE (transformers' default ``grouped_mm`` experts) could not be traced. Here
+    each group's product is computed for every row and masked to the rows ``offs`` gives
+    the group (group sizes depend on routing, i.e. on tensor values; shapes must not):
+    exact values, ``G`` times the flops of the fused kernel. bfloat16 keeps the fused op.
+    Rows past ``offs[-1]`` (which the kernel leaves unwritten) are zeros.
+    """
+    if mat_a.dtype == torch.bfloat16 or bias is not None or (
+            out_dtype is not None and out_dtype != mat_a.dtype):
+        return NotImplemented
+    if offs is None:                                        # (G, M, K) @ (G, K, N)
+        return torch.bmm(mat_a, mat_b)
+    G = offs.shape[0]
+    if mat_a.dim() == 2 and mat_b.dim() == 3:               # rows of a split by offs
+        masks = _group_masks(offs, mat_a.shape[0], G).to(mat_a.dtype)       # (G, M)
+        every = torch.matmul(mat_a[None], mat_b)                            # (G, M, N)
+        return (every * masks[:, :, None]).sum(0)                           # (M, N)
+    if mat_a.dim() == 3 and mat_b.dim() == 2:               # columns of b split by offs
+        masks = _group_masks(offs, mat_b.shape[1], G).to(mat_a.dtype)       # (G, N)
+        every = torch.matmul(mat_a, mat_b[None])                            # (G, M, N)
+        return (every * masks[:, None, :]).sum(0)                           # (M, N)
+    if mat_a.dim() == 2 and mat_b.dim() == 2:               # the shared K split by offs
+        masks = _group_masks(offs, mat_a.shape[1], G).to(mat_a.dtype)       # (G, K)
+        return torch.matmul(mat_a[None] * masks[:, None, :], mat_b[None])   # (G, M, N)
+    return NotImplemented
+
+
+@contextlib.contextmanager
+def device_neutral_kernels():
+    """Trace with the kernels every device has: oneDNN (mkldnn) off.
+
+    On CPU, ``nn.LSTM``/``nn.GRU``/``nn.RNN`` otherwise become ``mkldnn_rnn_layer`` ops whose
+    backward needs a workspace only the oneDNN forward makes (and which CUDA lacks); with
+    it off they are traced as the generic cell arithmetic (matmuls and pointwise ops),
+    which every device runs and the planner can shard.
+    """
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def _addmm(bias, a, b, *, beta=1, alpha=1):

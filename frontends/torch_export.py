@@ -15,6 +15,12 @@ softmax's backward, dropout and batch norm kept as single ops).
 - Dropout is ``aten.native_dropout``, the only random op (``opset.RANDOM_OPS``).
 - A model whose forward returns a HuggingFace ``ModelOutput`` or a dict: ``loss_fn`` gets
   that object; without ``loss_fn`` its ``"loss"`` entry is the loss.
+- Tensors forward builds from Python values (``torch.tensor(2.0)``, a KV cache's empty
+  tensors) become ops (``frontends/constants.py``); backward runs with the traced state
+  in place, so activation checkpointing recomputes in backward where the planner sees it
+  (reentrant checkpointing is traced through ``loss.backward()``); RNNs are traced
+  without oneDNN-only kernels (``opset.device_neutral_kernels``).
+- ``example_inputs`` may be a dict of keyword arguments (``torchalpa/calls.py``).
 - Every node knows the module path (``layers.3.mlp``) and the "file:line" of the user
   code that made it (``OpNode.module`` / ``OpNode.stack``), forward and backward alike;
   ``graph.meta["repeated_blocks"]`` tags the ops of identical repeated layers.
@@ -24,9 +30,11 @@ The captured fx GraphModule is kept as the *source graph* the runtime lowers.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import operator
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -36,12 +44,15 @@ import torch
 import torch.fx as fx
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.func import functional_call
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map, tree_structure
 
+from torchalpa.calls import CallSignature, positional_binding, record_output_type
+from torchalpa.frontends.constants import LargeConstant, inline_constants
 from torchalpa.frontends.functionalize import (NeedsFunctionalization, functionalize, is_view_op,
                                                retrace_functional)
-from torchalpa.frontends.opset import FusedCalls, decompositions, flop_count
+from torchalpa.frontends.opset import (FusedCalls, decompositions, device_neutral_kernels,
+                                       flop_count)
 from torchalpa.frontends.provenance import (Provenance, copy_forward_tags_to_backward,
                                             line_of, module_of)
 from torchalpa.frontends.repeated import find_repeated_blocks
@@ -73,6 +84,7 @@ class Capture:
     input_names: list[str]          # one per example input (model inputs, then targets)
     seconds: float = 0.0
     buffer_updates: list[str] = field(default_factory=list)   # buffers forward writes
+    signature: CallSignature | None = None  # how the model was called (positional, keywords)
 
 
 def split_inputs(example_inputs: Sequence, loss_fn: Callable | None) -> tuple[tuple, tuple]:
@@ -101,33 +113,51 @@ def split_inputs(example_inputs: Sequence, loss_fn: Callable | None) -> tuple[tu
     return example_inputs[:cut], example_inputs[cut:]
 
 
-def _loss_of(out) -> torch.Tensor:
-    """The scalar loss in what ``loss_fn`` (or forward) returned."""
+def _loss_of(out, binding: str = "") -> torch.Tensor:
+    """The scalar loss in what ``loss_fn`` (or forward) returned.
+
+    ``binding``: how positional example inputs bound to forward's parameters, shown when
+    no loss came back (labels given by position often land in another parameter)."""
     if isinstance(out, Mapping) and "loss" in out:
         out = out["loss"]
+    elif dataclasses.is_dataclass(out) and isinstance(getattr(out, "loss", None), torch.Tensor):
+        out = out.loss
     elif isinstance(out, (tuple, list)) and len(out) > 0:
         out = out[0]
     if not isinstance(out, torch.Tensor) or out.numel() != 1:
         what = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) \
             else type(out).__name__
+        bound = (f"\nThe example inputs were bound by position: {binding}; to pass labels "
+                 "(HuggingFace models), give example_inputs as a dict of keyword arguments, "
+                 "e.g. {'input_ids': ids, 'labels': ids}.") if binding else ""
         raise CaptureError(
             f"the training step must produce a scalar loss, got {what}; pass loss_fn= or "
             "make forward return the loss (a tensor, the first item of a tuple, or the "
-            "'loss' entry of a dict / ModelOutput)")
+            f"'loss' entry of a dict / ModelOutput / dataclass){bound}")
     return out
 
 
-def capture(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable | None = None,
-            *, rematerialize_parameters: bool = False) -> Capture:
+def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
+            loss_fn: Callable | None = None, *, rematerialize_parameters: bool = False,
+            signature: CallSignature | None = None) -> Capture:
     """Trace ``loss_fn(model(*inputs), *targets)`` and its backward into an OpGraph.
 
     Runs on fake tensors: real weights are never read, so ``model`` may live on ``meta``.
+    ``example_inputs`` may be a dict of keyword arguments (``torchalpa/calls.py``): then
+    the model is called ``model(**example_inputs)`` and the loss is its own (or
+    ``loss_fn(outputs)``). ``signature``: the call's shape when ``example_inputs`` is the
+    already flattened tensor list of ``CallSignature.of``.
     ``rematerialize_parameters``: backward reads parameters through its own views
     (``frontends/remat.py``: ZeRO-3 gathers them again instead of keeping forward's).
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inputs, targets = split_inputs(example_inputs, loss_fn)
+    if signature is None:
+        signature, example_inputs = CallSignature.of(example_inputs)
+    if signature.by_keyword:
+        inputs, targets = tuple(example_inputs), ()
+    else:
+        inputs, targets = split_inputs(example_inputs, loss_fn)
     for i, x in enumerate(tuple(inputs) + tuple(targets)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(x).__name__}")
@@ -141,31 +171,47 @@ def capture(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable 
     param_names = [k for k, _ in trainable]
     buffer_names = [k for k, _ in frozen]
     num_inputs = len(inputs)
-    input_names = [f"input{i}" for i in range(len(inputs) + len(targets))]
+    input_names = signature.names(len(inputs)) + [
+        f"input{i}" for i in range(len(inputs), len(inputs) + len(targets))]
+    binding = "" if signature.by_keyword or loss_fn is not None else \
+        positional_binding(model, num_inputs)
 
     def joint(params, buffers, *batch):
         state = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
-        out = functional_call(model, state, tuple(batch[:num_inputs]), strict=False)
-        provenance.in_loss = True
-        loss = _loss_of(loss_fn(out, *batch[num_inputs:]) if loss_fn is not None else out)
-        provenance.in_loss = False
-        setup_stacktrace_preservation_hooks([loss.grad_fn])   # tags backward nodes (seq_nr)
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        # backward runs with the traced state in place too: activation checkpointing
+        # recomputes forward there, and must read the traced parameters, not the real ones
+        with _reparametrize_module(model, state, tie_weights=True):
+            out = signature.call(model, batch[:num_inputs])
+            if loss_fn is None:
+                record_output_type(signature, out)
+            provenance.in_loss = True
+            loss = _loss_of(loss_fn(out, *batch[num_inputs:]) if loss_fn is not None else out,
+                            binding)
+            provenance.in_loss = False
+            setup_stacktrace_preservation_hooks([loss.grad_fn])   # tags backward (seq_nr)
+            grads = _gradients(loss, params, through_backward)
         return [loss, *grads, *buffers]
 
-    params = [p.detach().requires_grad_(True) for _, p in trainable]
-    buffers = [b.detach() for _, b in frozen]
     provenance = Provenance(model, stop=[joint.__code__, _loss_of.__code__, capture.__code__])
     start = time.perf_counter()
-    try:
-        with provenance.tracing():
-            gm = make_fx(joint, tracing_mode="fake", decomposition_table=decompositions(),
-                         _allow_non_fake_inputs=True)(params, buffers, *inputs, *targets)
-    except CaptureError:
-        raise
-    except Exception as e:  # data-dependent control flow, unsupported Python, ...
-        raise CaptureError(_explain_trace_failure(e, provenance, num_inputs)) from e
+    through_backward = False
+    while True:
+        params = [p.detach().requires_grad_(True) for _, p in trainable]
+        buffers = [b.detach() for _, b in frozen]
+        try:
+            with provenance.tracing(), device_neutral_kernels():
+                gm = make_fx(joint, tracing_mode="fake", decomposition_table=decompositions(),
+                             _allow_non_fake_inputs=True)(params, buffers, *inputs, *targets)
+            break
+        except CaptureError:
+            raise
+        except Exception as e:  # data-dependent control flow, unsupported Python, ...
+            if not through_backward and _needs_backward(e):
+                through_backward = True          # torch.utils.checkpoint(use_reentrant=True)
+                continue
+            raise CaptureError(_explain_trace_failure(e, provenance, num_inputs)) from e
     traced = time.perf_counter()
+    _inline_constants(gm, provenance)
 
     kinds = ([("param", k) for k in param_names] + [("buffer", k) for k in buffer_names]
              + [("input", name) for name in input_names])
@@ -185,7 +231,38 @@ def capture(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable 
     log.info("captured %s in %.2fs (trace %.2fs)", graph.summary(), seconds, traced - start)
     return Capture(graph=graph, gm=gm, param_names=param_names, buffer_names=buffer_names,
                    input_names=input_names, seconds=seconds,
-                   buffer_updates=[k for k, _ in graph.outputs.buffer_updates])
+                   buffer_updates=[k for k, _ in graph.outputs.buffer_updates],
+                   signature=signature)
+
+
+def _needs_backward(e: Exception) -> bool:
+    """What torch.autograd.grad raises when forward used reentrant checkpointing."""
+    return "checkpoint" in str(e).lower() and ".grad()" in str(e)
+
+
+def _gradients(loss: torch.Tensor, params: list[torch.Tensor], through_backward: bool):
+    """d loss / d params (None where unused).
+
+    ``through_backward``: by ``loss.backward()`` into the leaves' ``.grad``, which reentrant
+    checkpointing (``use_reentrant=True``) needs, as it runs its own backward inside.
+    """
+    if not through_backward:
+        return torch.autograd.grad(loss, params, allow_unused=True)
+    loss.backward()
+    return [p.grad for p in params]
+
+
+def _inline_constants(gm: fx.GraphModule, provenance: Provenance) -> None:
+    """Tensors forward made from Python values become ops (``frontends/constants.py``)."""
+    try:
+        inline_constants(gm)
+    except LargeConstant as e:
+        raise CaptureError(
+            f"could not capture the training step {_where(e.node, provenance)}: forward builds "
+            f"a constant tensor of {e.numel} elements from Python values (torch.tensor(...) "
+            "or a tensor made outside the traced inputs).\nhint: register it once as a buffer "
+            "(self.register_buffer(name, tensor, persistent=False)) and read it in forward, "
+            "so it is planned and kept on device.") from None
 
 
 def _check_devices(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> None:
@@ -292,11 +369,21 @@ def _explain_trace_failure(e: Exception, provenance: Provenance, num_inputs: int
 
     path, line, text = provenance.where(e)
     message = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-    if isinstance(e, (DataDependentOutputException, GuardOnDataDependentSymNode)) \
+    if _in_traceback(e, "_detect_is_causal_mask"):
+        hint = ("nn.Transformer* compares the attention mask's values with a causal mask "
+                "(torch.equal) to decide whether it is causal; pass is_causal=True with a "
+                "causal mask (or is_causal=False) so nothing reads mask values.")
+    elif isinstance(e, (DataDependentOutputException, GuardOnDataDependentSymNode)) \
             or "data-dependent" in message or "item()" in message:
         hint = ("the model's control flow depends on tensor values (e.g. `if x.sum() > 0`, "
                 "`.item()`, `.tolist()`); torchalpa captures one static graph. Rewrite it with "
                 "torch.where / masking, or move the branch out of forward.")
+    elif (op := _refusing_meta_kernel(e)) is not None:
+        hint = (f"the fake (meta) kernel of {op}, which tracing runs instead of the real "
+                "kernel, refused these inputs; the real kernel may accept them (fake kernels "
+                "can be stricter, e.g. about dtypes). Give the op inputs its fake kernel "
+                "accepts (cast them), call an equivalent op, or register a decomposition "
+                "for it in frontends/opset.py; this is not a problem of the model's Python.")
     elif isinstance(e, DynamicOutputShapeException):
         hint = ("an op's output shape depends on tensor values (nonzero, masked_select, "
                 "unique, boolean-mask indexing `x[mask]`); keep shapes static, e.g. "
@@ -316,6 +403,35 @@ def _explain_trace_failure(e: Exception, provenance: Provenance, num_inputs: int
     where = provenance.describe_module(path)
     at = f" at {line}" + (f": `{text}`" if text else "") if line else ""
     return (f"could not trace the training step in {where}{at}\n  {message}\nhint: {hint}")
+
+
+def _in_traceback(e: Exception, function: str) -> bool:
+    """Whether ``function`` is on the stack where ``e`` was raised."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == function:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+_META_KERNEL_FILES = ("_meta_registrations.py", "fake_impls.py")
+
+
+def _refusing_meta_kernel(e: Exception) -> str | None:
+    """The op whose fake/meta kernel raised ``e``, if that is where it came from."""
+    tb, in_meta, op = e.__traceback__, False, None
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        in_meta = in_meta or filename.endswith(_META_KERNEL_FILES) or \
+            (os.sep + "_refs" + os.sep) in filename
+        func = tb.tb_frame.f_locals.get("func")
+        if isinstance(func, torch._ops.OpOverload):
+            op = func                                # the innermost dispatched op
+        tb = tb.tb_next
+    if not in_meta:
+        return None
+    return str(op) if op is not None else "an ATen op"
 
 
 _ABSENT = TensorSpec((), ABSENT_DTYPE)    # a None output: outputs stay positional

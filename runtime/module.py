@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from torchalpa.calls import CallSignature
 from torchalpa.plan import Plan
 from torchalpa.runtime.faults import (FaultMonitor, check_same_inputs, check_same_values,
                                       describe_specs)
@@ -79,8 +80,8 @@ class ParallelModule(nn.Module):
                  device: torch.device,
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  num_micro_batches: int = 1, forward_programs: ForwardPrograms | None = None,
-                 timeout_s: float = 600.0, check_replicas: bool = False,
-                 check_inputs: str = "first"):
+                 signature: CallSignature | None = None, timeout_s: float = 600.0,
+                 check_replicas: bool = False, check_inputs: str = "first"):
         super().__init__()
         self.module = module
         self.plan = plan
@@ -100,25 +101,30 @@ class ParallelModule(nn.Module):
         self._check_values = check_inputs if inputs == "global" else "never"
         self._num_calls = 0
         self._check_every_step = bool(check_replicas)
+        self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self.optimizer = optimizer(self.parameters()) if optimizer is not None else None
 
     # -- the step -----------------------------------------------------------------------
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """The loss of one step on the given batch (every rank returns the same value)."""
-        inputs = self._check_inputs(inputs)
+    def forward(self, *inputs: torch.Tensor, **kwargs: torch.Tensor):
+        """The loss of one step on the given batch (every rank returns the same value).
+
+        Called as the example inputs were given: positionally, or by keyword
+        (``pmodel(input_ids=ids, labels=labels)``); then the loss comes in the forward's own
+        output type (``outputs.loss``, ``outputs["loss"]``), its other fields unset."""
+        inputs = self._check_inputs(self._signature.flatten(inputs, kwargs))
         self._num_calls += 1
         if self._check_every_step:
             self.check_replicas()
         if self.module.training != self._captured_training:
-            return self._forward_only(inputs, outputs=False)
+            return self._signature.wrap_loss(self._forward_only(inputs, outputs=False))
         if not torch.is_grad_enabled():
             with self._monitor.guard(f"the forward of step {self._num_calls}"):
                 loss = self._runner.loss(self._state(self._param_names + self._buffer_names),
                                          inputs)
             self._write_buffer_updates()
-            return loss
+            return self._signature.wrap_loss(loss)
         state = self._state(self._param_names + self._buffer_names, differentiable=True)
-        return _TrainingStep.apply(self, len(state), *state, *inputs)
+        return self._signature.wrap_loss(_TrainingStep.apply(self, len(state), *state, *inputs))
 
     def _write_buffer_updates(self) -> None:
         """Store the new values the step computed for buffers (batch-norm running
@@ -132,9 +138,9 @@ class ParallelModule(nn.Module):
                 (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(value)
         self._runner.last_buffer_updates = []
 
-    def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def train_step(self, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """zero_grad, forward and backward (micro-batch by micro-batch), optimizer step;
-        returns the loss (the mean over micro-batches)."""
+        returns the loss (the mean over micro-batches). Inputs as for ``forward``."""
         if self.optimizer is None:
             raise ValueError(
                 "train_step needs an optimizer: pass auto_parallel(..., optimizer=lambda ps: "
@@ -146,7 +152,7 @@ class ParallelModule(nn.Module):
                              f"now in {'training' if self.module.training else 'eval'} mode; "
                              f"call pmodel.{'train' if self._captured_training else 'eval'}() "
                              "first")
-        inputs = self._check_inputs(inputs)
+        inputs = self._check_inputs(self._signature.flatten(inputs, kwargs))
         self._num_calls += 1
         if self._check_every_step:
             self.check_replicas()
@@ -164,23 +170,34 @@ class ParallelModule(nn.Module):
         return loss.detach()
 
     @torch.no_grad()
-    def predict(self, *inputs: torch.Tensor):
-        """The model's outputs on ``inputs`` (model inputs only, no targets), whole on every
-        rank. Planned and lowered on first use per input shape, with the parameters in
-        their training layouts; dropout and the like follow the model's mode."""
+    def predict(self, *inputs: torch.Tensor, **kwargs: torch.Tensor):
+        """The model's outputs on ``inputs`` (model inputs only, no targets; by position or
+        by keyword), whole on every rank. Planned and lowered on first use per input shape,
+        with the parameters in their training layouts; dropout and the like follow the
+        model's mode."""
         if self._forward_programs is None:
             raise ValueError("this ParallelModule was built without forward programs")
+        if inputs and kwargs:
+            raise TypeError("predict takes the model inputs by position or by keyword, not both")
+        keywords = tuple(kwargs)
+        inputs = tuple(kwargs.values()) if kwargs else inputs
         specs = self._tensor_specs(inputs)
         check_same_inputs(specs, "input shapes to predict")
         self._num_calls += 1
-        return self._forward_only([x.to(self._device) for x in inputs], outputs=True)
+        return self._forward_only([x.to(self._device) for x in inputs], outputs=True,
+                                  keywords=keywords)
 
-    def _forward_only(self, inputs: list[torch.Tensor], *, outputs: bool):
+    def _forward_only(self, inputs: list[torch.Tensor], *, outputs: bool,
+                      keywords: tuple[str, ...] = ()):
         specs = [(self._global_shape(x.shape), x.dtype) for x in inputs]
-        fp = self._forward_programs.get(specs, outputs=outputs, training=self.module.training)
+        fp = self._forward_programs.get(specs, outputs=outputs, training=self.module.training,
+                                        keywords=keywords)
         with self._monitor.guard(f"forward-only call {self._num_calls}"), torch.no_grad():
-            result = fp.program(*self._state(fp.state_names), *inputs)[0]
-        return fp.unflatten(result)
+            outs = fp.program(*self._state(fp.state_names), *inputs)
+            for name, value in zip(fp.buffer_updates, outs[1:1 + len(fp.buffer_updates)]):
+                buf = self.module.get_buffer(name)      # batch-norm statistics in train mode
+                (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(value)
+        return fp.unflatten(outs[0])
 
     def check_replicas(self) -> None:
         """Raise ``ReplicaMismatchError`` (on every rank) if a replicated parameter or

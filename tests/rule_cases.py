@@ -16,9 +16,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from torchalpa.frontends import constants  # noqa: F401  (registers torchalpa::constant)
 from torchalpa.markers import mark_pipeline_boundary
 
 aten = torch.ops.aten
+aten_constant = torch.ops.torchalpa.constant.default
 
 
 @dataclass(frozen=True)
@@ -265,6 +267,15 @@ CASES: dict[str, Case] = {
         lambda: (rnd(4, 8),),
         keep=("aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
               "aten.new_empty.default")),
+    # counts per bin: a fixed range adds up over devices, the data's own range does not
+    "histc": Case(lambda a: (torch.histc(a, bins=4, min=-1.0, max=1.0), torch.histc(a, bins=3)),
+                  lambda: (rnd(4, 8),)),
+    # a small constant a forward built from Python values (frontends/constants.py)
+    "constant": Case(lambda a: (a * aten_constant([8], floats=[float(i) for i in range(8)], ints=[],
+                                                  dtype=torch.float32, device=a.device),
+                                aten_constant([2, 3], floats=[], ints=[1, 2, 3, 4, 5, 6], dtype=torch.int64,
+                                              device=a.device)),
+                     lambda: (rnd(4, 8),)),
     # the pipeline-stage marker (identity), forward and backward
     "pipeline_boundary": Case(fwd_bwd(lambda x: mark_pipeline_boundary(x * 2), [0]), lambda: (rnd(4, 8),)),
     # ops the decompositions rewrite (t -> permute, ones -> full...), kept whole

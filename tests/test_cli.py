@@ -64,3 +64,14 @@ def test_a_model_from_a_file_path_and_bad_callables_are_named(capsys, tmp_path):
     assert "os:getcwd returned str" in out and "must return a torchalpa.models.Workload" in out
     assert f"no file {tmp_path}/none.py" in out
     assert "has no callable 'missing'" in out
+
+
+def test_coverage_of_suite_cases_prints_the_table(capsys):
+    """``--hf`` runs every case of torchalpa.models.suite; ``suite:NAME`` picks some."""
+    pytest.importorskip("transformers")
+    assert main(["coverage", "--model", "suite:checkpoint", "--model", "suite:swin"]) == 1
+    out = capsys.readouterr().out
+    rows = out.split("model                  family")[1].splitlines()
+    assert rows[1].split()[:3] == ["checkpoint", "idiom", "captures"]
+    assert rows[2].split()[:3] == ["swin", "vision", "FAILS"] and "known:" in rows[2]
+    assert "1 of 2 capture" in out

@@ -137,7 +137,10 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     """Parallelize ``model``'s training step over every rank of this torchrun job.
 
     ``example_inputs`` are the model inputs followed by the loss targets (when ``loss_fn``
-    is given); with ``inputs="global"`` every rank later passes the same global batch of
+    is given), or a dict of keyword arguments for ``model(**example_inputs)`` (the loss is
+    the model's own, ``outputs["loss"]``, or ``loss_fn(outputs)``; the module is then called
+    by keyword too, ``pmodel(input_ids=..., labels=...)``, and returns the forward's output
+    type with its ``loss`` set); with ``inputs="global"`` every rank later passes the same global batch of
     that shape, with ``inputs="local"`` its own shard of the batch dim. Rank 0 plans and
     broadcasts the plan, so every rank runs the same one. ``optimizer``, if given, is
     called with the parallel parameters and enables ``train_step``. ``plan`` reuses a plan
@@ -178,11 +181,17 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     from torchalpa.runtime.random import sync_random_state
     from torchalpa.runtime.replicas import enabled_by_env
 
+    from torchalpa.calls import CallSignature
+
     method = _check_method(method)
     _check_inputs_mode(inputs)
     if check_inputs not in _CHECK_INPUTS:
         raise ValueError(f"check_inputs must be one of {_CHECK_INPUTS}, got {check_inputs!r}")
+    signature, example_inputs = CallSignature.of(example_inputs)
     if isinstance(method, PipeshardParallel):
+        if signature.by_keyword:
+            raise ValueError("PipeshardParallel takes positional example inputs; pass a tuple "
+                             "of tensors (or wrap the model to call it by keyword)")
         if mesh is not None or inputs != "global" or num_micro_batches != 1 or compile:
             raise ValueError("PipeshardParallel takes the global batch on every rank and its own "
                              "num_micro_batches; mesh=, inputs='local', num_micro_batches= and "
@@ -214,7 +223,8 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     traced = _with_precision(model, mixed_precision)
     captured = capture(traced, _capture_examples(model, example_inputs, num_micro_batches),
                        loss_fn, rematerialize_parameters=(
-                           method.auto_sharding_option.rematerialize_parameters))
+                           method.auto_sharding_option.rematerialize_parameters),
+                       signature=signature)
     check_step_dtypes(captured.graph)
     fingerprint = captured.graph.fingerprint()
     _same_step_on_every_rank(fingerprint)
@@ -247,7 +257,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     forward_programs = _forward_programs(
         traced, loss_fn, the_plan, method, candidate_meshes(
             cluster, method, tuple(the_plan.mesh_shape), tuple(the_plan.axis_names))[0],
-        inputs, lambda gm, p: lower_program(gm, p, []).forward)
+        inputs, lambda gm, p, updates: lower_program(gm, p, [], updates).forward, signature)
     sync_random_state(device)    # last: planning or initialization may have drawn on rank 0
     log.info("auto_parallel ready in %.2fs: %s", time.perf_counter() - start,
              captured.graph.summary())
@@ -255,7 +265,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                           param_names=captured.param_names, buffer_names=captured.buffer_names,
                           input_specs=input_specs, inputs=inputs, device=device,
                           optimizer=optimizer, num_micro_batches=num_micro_batches,
-                          forward_programs=forward_programs,
+                          forward_programs=forward_programs, signature=signature,
                           timeout_s=mesh_mod.collective_timeout().total_seconds(),
                           check_replicas=enabled_by_env() if check_replicas is None
                           else check_replicas,
@@ -353,7 +363,7 @@ def _with_precision(model: torch.nn.Module, mixed_precision):
 
 
 def _forward_programs(traced, loss_fn, training_plan: Plan, method: ShardParallel,
-                      logical_mesh: LogicalMesh, inputs: str, lower_forward):
+                      logical_mesh: LogicalMesh, inputs: str, lower_forward, signature=None):
     """Forward-only programs (predict, eval mode) planned with the training layouts pinned."""
     from torchalpa.runtime.inference import ForwardPrograms, pins_of
     option = replace(method.auto_sharding_option,
@@ -365,4 +375,5 @@ def _forward_programs(traced, loss_fn, training_plan: Plan, method: ShardParalle
         return _plan_on_rank0(lambda: plan_graph(graph, method=pinned, meshes=[logical_mesh],
                                                  inputs=inputs, blocks=_blocks_of(graph)))
 
-    return ForwardPrograms(traced, loss_fn, training_plan, plan_forward, lower_forward)
+    return ForwardPrograms(traced, loss_fn, training_plan, plan_forward, lower_forward,
+                           signature=signature)

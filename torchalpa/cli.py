@@ -3,6 +3,7 @@
     torchalpa coverage                          # every model of the zoo (torchalpa.models)
     torchalpa coverage --model llama --model resnet
     torchalpa coverage --model mypkg.train:workload
+    torchalpa coverage --hf                     # the suite of models torchalpa was not written for
 
 ``coverage`` captures each model's training step (forward, loss and backward) on the
 ``meta`` device -- no weights are allocated -- and prints which of its ATen ops have a
@@ -35,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
                     "(model, example_inputs, loss_fn).")
     coverage.add_argument("--model", action="append", metavar="NAME",
                           help="a zoo family or module:callable (repeatable; default: the zoo)")
+    coverage.add_argument("--hf", action="store_true",
+                          help="the suite of transformers architectures and PyTorch idioms "
+                               "(torchalpa.models.suite), with a summary table")
     coverage.set_defaults(run=_coverage)
     args = parser.parse_args(argv)
     return args.run(args)
@@ -49,7 +53,12 @@ def _zoo():
 
 
 def _loader(spec: str) -> Callable[[], tuple]:
-    """``() -> (model, example_inputs, loss_fn)`` for a zoo name or ``module:callable``."""
+    """``() -> (model, example_inputs, loss_fn)`` for a zoo name, ``suite:NAME`` (a case of
+    ``torchalpa.models.suite``) or ``module:callable``."""
+    if spec.startswith("suite:"):
+        from torchalpa.models.suite import build_case
+        name = spec.partition(":")[2]
+        return lambda: build_case(name)
     if ":" in spec:
         module_name, _, attr = spec.rpartition(":")
         make = getattr(_import(module_name, spec), attr, None)
@@ -105,9 +114,14 @@ def _coverage(args) -> int:
     from torchalpa.frontends.torch_export import capture
     from torchalpa.passes.rules import rule_for
 
-    names = args.model or sorted(_zoo().FAMILIES)
+    names = list(args.model or ())
+    if args.hf:
+        from torchalpa.models.suite import SUITE
+        names += [f"suite:{name}" for name in SUITE]
+    names = names or sorted(_zoo().FAMILIES)
     failed = False
     without: dict[str, list[str]] = collections.defaultdict(list)
+    table: list[tuple[str, str, str]] = []
     for name in names:
         try:
             with torch.device("meta"):
@@ -115,6 +129,7 @@ def _coverage(args) -> int:
             graph = capture(model, example_inputs, loss_fn).graph
         except Exception as e:  # report every model, then fail
             print(f"\n{name}: could not capture: {type(e).__name__}: {e}")
+            table.append((name, "FAILS", f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"))
             failed = True
             continue
         nodes = collections.Counter(n.op for n in graph.ops())
@@ -125,10 +140,26 @@ def _coverage(args) -> int:
             print(f"  {'----' if op in missing else 'rule'}  {op:64s} x{nodes[op]}")
         for op in missing:
             without[op].append(name)
+        table.append((name, "captures", f"{sum(nodes.values())} nodes" + (
+            f", replicated: {', '.join(missing)}" if missing else "")))
+    if any(name.startswith("suite:") for name in names):
+        _print_suite_table([row for row in table if row[0].startswith("suite:")])
     print(f"\nops without a sharding rule (run replicated): {len(without) or 'none'}")
     for op in sorted(without):
         print(f"  {op}: {', '.join(without[op])}")
     return 1 if failed or without else 0
+
+
+def _print_suite_table(rows: list[tuple[str, str, str]]) -> None:
+    from torchalpa.models.suite import SUITE
+    print("\nmodel                  family           capture   notes")
+    for name, status, notes in rows:
+        case = SUITE.get(name.partition(":")[2])
+        family = case.family if case else "-"
+        known = f" (known: {case.known_failure[:60]}...)" if case and case.known_failure \
+            and status == "FAILS" else ""
+        print(f"{name.partition(':')[2] or name:22s} {family:16s} {status:9s} {notes}{known}")
+    print(f"{sum(s == 'captures' for _, s, _ in rows)} of {len(rows)} capture")
 
 
 if __name__ == "__main__":

@@ -67,3 +67,11 @@ def factory_like(node, specs):
 def arange(node, specs):
     f = FactorNamer()
     return f.rule([], [f.dims(node.outputs[0].shape, blocked=True)])
+
+
+@register("torchalpa.constant.default")
+def constant(node, specs):
+    """A small constant the forward built from Python values (``frontends/constants.py``):
+    like ``arange`` its values depend on position, so it is made whole on every device."""
+    f = FactorNamer()
+    return f.rule([], [f.dims(node.outputs[0].shape, blocked=True)])

@@ -64,3 +64,18 @@ def scan(node, specs):
     dims = tuple((f.new(s, blocked=d == dim),) if s != 1 else () for d, s in enumerate(shape))
     linear = (frozenset({0}),) if node.op == "aten.cumsum.default" else ()
     return f.rule([dims], [dims], linear=linear)
+
+
+@register("aten.histc.default")
+def histc(node, specs):
+    """Counts per bin (MoE routers count tokens per expert): with a fixed range
+    (``min < max``) every device counts its own elements and the counts add up, so a
+    sharded operand gives a Partial sum; with ``min == max`` the range is the data's own
+    min and max, which no device knows alone, so the operand stays whole."""
+    low, high = arg(node, 2, "min"), arg(node, 3, "max")
+    fixed_range = low is not None and high is not None and low < high
+    f = FactorNamer()
+    operand = tuple((f.new(s, blocked=not fixed_range),) if s != 1 else () for s in specs[0].shape)
+    result = (f.new(node.outputs[0].shape[0], blocked=True),)
+    reductions = tuple((fac, "sum") for dims in operand for fac in dims) if fixed_range else ()
+    return f.rule([operand], [result], reductions=reductions)

@@ -1,0 +1,84 @@
+"""Models torchalpa was not written for (``torchalpa.models.suite``: transformers
+architectures with their default configs, plain PyTorch idioms) train on 4 gloo ranks like
+on one device: 3 AdamW steps, losses within 1e-5 relative, first gradients within 1e-5 of
+their scale, parameters within 1e-5 (where gradients are above rounding noise, which AdamW
+amplifies to ``lr`` per step; see tests/suite_worker.py), and every rank holding bitwise
+the same block of each replicated value.
+
+``FAST`` cases run in ``make test`` (one launch); the rest in ``make test-all`` (``-m slow``),
+a few launches of several cases each. Cases with a ``known_failure`` are xfail (not strict):
+they turn green once the work that owns them lands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchalpa.models.suite import FAST, SUITE
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SLOW = [name for name in SUITE if name not in FAST]
+NUM_LAUNCHES = 4                      # slow cases are split into this many launches
+
+
+def launch(names, tmp_path, nproc: int = 4) -> dict:
+    out = tmp_path / "suite.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", os.path.join(HERE, "suite_worker.py"), str(out),
+           ",".join(names)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S="600")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(out.read_text())
+
+
+def check(results: dict, name: str) -> None:
+    case = SUITE[name]
+    r = results[name]
+    if case.known_failure and "error" in r:
+        pytest.xfail(case.known_failure)
+    assert "error" not in r, f"{name}:\n{r.get('trace')}"
+    for got, want in zip(r["losses"], r["ref_losses"]):
+        assert got == pytest.approx(want, rel=1e-5), (name, r["losses"], r["ref_losses"])
+    # gradients relative to their scale; parameters where AdamW is not fed pure rounding
+    # noise, and anywhere within what AdamW can move an entry (suite_worker.py explains)
+    assert r["max_rel_grad_diff"] < 1e-5, (name, r["max_rel_grad_diff"])
+    assert r["max_param_diff"] < 1e-5, (name, r["max_param_diff"])
+    assert r["max_param_diff_anywhere"] <= r["param_bound_anywhere"] * 1.01
+    assert all(r["loss_bits_agree"]), f"{name}: ranks returned different losses"
+    assert r["replicated_differ"] == [], f"{name}: ranks differ on {r['replicated_differ']}"
+    if "returns" in r:                         # keyword calls return the model's own output
+        assert r["returns"] == r["ref_returns"]
+    if "max_buffer_diff" in r:                 # batch-norm statistics, train step and predict
+        assert r["max_buffer_diff"] < 1e-5
+
+
+@pytest.fixture(scope="module")
+def fast(tmp_path_factory):
+    return launch(FAST, tmp_path_factory.mktemp("suite"))
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_fast_cases_train_like_one_device(fast, name):
+    check(fast, name)
+
+
+_slow_results: dict[int, dict] = {}
+
+
+def _slow_batch(index: int, tmp_path_factory) -> dict:
+    if index not in _slow_results:
+        names = SLOW[index::NUM_LAUNCHES]
+        _slow_results[index] = launch(names, tmp_path_factory.mktemp(f"suite{index}"))
+    return _slow_results[index]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW)
+def test_suite_case_trains_like_one_device(tmp_path_factory, name):
+    check(_slow_batch(SLOW.index(name) % NUM_LAUNCHES, tmp_path_factory), name)

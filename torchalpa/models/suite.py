@@ -1,0 +1,311 @@
+"""Models torchalpa was not written for: transformers architectures and plain PyTorch idioms.
+
+Each case builds a model with random weights (no download) and the batch it is trained
+on, called the way its own documentation calls it: HuggingFace models by keyword
+(``model(input_ids=ids, labels=ids)``, ``model(pixel_values=x, labels=y)``) with the loss
+computed by the model, plain modules positionally with a ``loss_fn``. HuggingFace configs
+keep their defaults (``use_cache`` included) except sizes, shrunk to a few thousand
+parameters, and randomness (dropout, stochastic depth, SpecAugment masks), switched off so
+runs on several devices can be compared with one device exactly.
+
+``SUITE`` maps a case name to a ``SuiteCase``; ``tests/test_suite.py`` trains each on 4
+gloo ranks next to one device, and ``torchalpa coverage --hf`` prints what each captures.
+``known_failure`` says why a case is expected to fail today (the test marks it xfail).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["SuiteCase", "SUITE", "FAST", "build_case"]
+
+VOCAB, SEQ, BATCH = 128, 8, 4
+SDPA_OWNED = ("SDPA with a learned attention bias (T5's position bias, Swin's relative "
+              "position bias): _scaled_dot_product_flash_attention_for_cpu has no gradient "
+              "for attn_mask; SDPA handling is being reworked on branch gpu")
+
+
+@dataclass(frozen=True)
+class SuiteCase:
+    """One model of the suite: ``make()`` -> (model, example_inputs, loss_fn)."""
+
+    name: str
+    family: str                     # decoder, encoder, encoder-decoder, vision, moe, idiom
+    make: Callable[[], tuple[nn.Module, Any, Callable | None]]
+    known_failure: str | None = None
+
+
+def _no_randomness(config) -> None:
+    """Dropout, stochastic depth and random masking off: runs must be comparable exactly."""
+    for key, value in config.to_dict().items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key
+                                         or "drop_path" in key or key.startswith("mask_")
+                                         or key == "layerdrop"):
+            setattr(config, key, 0.0)
+
+
+def _hf(config_cls: str, model_cls: str, **fields):
+    import transformers
+    config = getattr(transformers, config_cls)(**fields)
+    _no_randomness(config)
+    return getattr(transformers, model_cls)(config)
+
+
+def _tokens(*shape) -> torch.Tensor:
+    return torch.randint(3, VOCAB, shape)
+
+
+def _causal_lm(config_cls: str, model_cls: str, **fields):
+    """A decoder LM with its default config but small sizes, trained on its own labels."""
+    def make():
+        sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=64)
+        model = _hf(config_cls, model_cls, **{**sizes, **fields})
+        ids = _tokens(BATCH, SEQ)
+        return model, {"input_ids": ids, "labels": ids}, None
+    return make
+
+
+def _encoder(config_cls: str, model_cls: str, **fields):
+    """A text encoder with a sequence-classification head."""
+    def make():
+        sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                     num_labels=3)
+        model = _hf(config_cls, model_cls, **{**sizes, **fields})
+        ids = _tokens(BATCH, SEQ)
+        return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                       "labels": torch.randint(3, (BATCH,))}, None
+    return make
+
+
+def _seq2seq(config_cls: str, model_cls: str, **fields):
+    """An encoder-decoder trained on labels (the model shifts them into decoder inputs)."""
+    def make():
+        model = _hf(config_cls, model_cls, **fields)
+        ids = _tokens(BATCH, SEQ)
+        return model, {"input_ids": ids, "labels": _tokens(BATCH, SEQ)}, None
+    return make
+
+
+def _vision(config_cls: str, model_cls: str, *, image: int = 32, **fields):
+    """An image classifier on (B, 3, H, W) pixels."""
+    def make():
+        model = _hf(config_cls, model_cls, num_labels=3, **fields)
+        return model, {"pixel_values": torch.randn(BATCH, 3, image, image),
+                       "labels": torch.randint(3, (BATCH,))}, None
+    return make
+
+
+# -- plain PyTorch idioms ------------------------------------------------------------------
+
+class ConvBatchNorm(nn.Module):
+    """Conv + BatchNorm2d (running statistics are buffer updates) + pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8),
+                                      nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):                                   # (B, 3, 8, 8)
+        return self.head(self.features(x).flatten(1))       # (B, 5)
+
+
+class Recurrent(nn.Module):
+    """An embedding, a 2-layer recurrent layer and a per-step classifier."""
+
+    def __init__(self, cell: type[nn.Module]):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.rnn = cell(16, 16, num_layers=2, batch_first=True)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids):                                 # (B, T)
+        out, _ = self.rnn(self.embed(ids))                  # (B, T, 16)
+        return self.head(out)                               # (B, T, V)
+
+
+class CheckpointedMLP(nn.Module):
+    """Residual blocks under ``torch.utils.checkpoint``: recomputed in backward."""
+
+    def __init__(self, use_reentrant: bool):
+        super().__init__()
+        self.embed = nn.Linear(16, 16)        # reentrant checkpoints need an input with grad
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(),
+                                                  nn.Linear(32, 16)) for _ in range(2))
+        self.norm = nn.LayerNorm(16)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=self.use_reentrant)
+        return self.norm(x)
+
+
+class MaskedAttention(nn.Module):
+    """nn.TransformerEncoder with a causal mask and a padding mask."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, padding):                          # (B, T, 16), (B, T) bool
+        T = x.shape[1]
+        causal = torch.triu(torch.full((T, T), float("-inf")), diagonal=1)
+        # is_causal=True: without it PyTorch compares the mask's values with a causal one
+        h = self.encoder(x, mask=causal, src_key_padding_mask=padding, is_causal=True)
+        return self.head(h.masked_fill(padding[..., None], 0.0).mean(1))
+
+
+def _lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _idiom(build: Callable[[], nn.Module], batch: Callable[[], tuple], loss_fn):
+    def make():
+        return build(), batch(), loss_fn
+    return make
+
+
+def _checkpointed(make_lm):
+    """An HF model after ``gradient_checkpointing_enable()`` (as Trainer's
+    ``gradient_checkpointing=True`` calls it)."""
+    def make():
+        model, batch, loss_fn = make_lm()
+        model.gradient_checkpointing_enable()
+        return model, batch, loss_fn
+    return make
+
+
+def _padding():
+    pad = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    pad[:, -2:] = True
+    return pad
+
+
+_CASES = [
+    # decoder LMs, default configs (use_cache=True) with small sizes
+    SuiteCase("gpt2", "decoder", _causal_lm(
+        "GPT2Config", "GPT2LMHeadModel", n_embd=32, n_layer=2, n_head=4, n_positions=64,
+        bos_token_id=0, eos_token_id=0)),
+    SuiteCase("llama", "decoder", _causal_lm("LlamaConfig", "LlamaForCausalLM")),
+    SuiteCase("mistral", "decoder", _causal_lm("MistralConfig", "MistralForCausalLM")),
+    SuiteCase("qwen2", "decoder", _causal_lm("Qwen2Config", "Qwen2ForCausalLM")),
+    SuiteCase("qwen3", "decoder", _causal_lm("Qwen3Config", "Qwen3ForCausalLM", head_dim=8)),
+    SuiteCase("phi", "decoder", _causal_lm("PhiConfig", "PhiForCausalLM")),
+    SuiteCase("phi3", "decoder", _causal_lm("Phi3Config", "Phi3ForCausalLM",
+                                            pad_token_id=0)),
+    SuiteCase("gemma", "decoder", _causal_lm("GemmaConfig", "GemmaForCausalLM", head_dim=8)),
+    SuiteCase("gemma2", "decoder", _causal_lm("Gemma2Config", "Gemma2ForCausalLM",
+                                              head_dim=8)),
+    SuiteCase("gpt_neox", "decoder", _causal_lm("GPTNeoXConfig", "GPTNeoXForCausalLM")),
+    SuiteCase("opt", "decoder", _causal_lm(
+        "OPTConfig", "OPTForCausalLM", ffn_dim=64, word_embed_proj_dim=32,
+        pad_token_id=1)),
+    SuiteCase("falcon", "decoder", _causal_lm("FalconConfig", "FalconForCausalLM")),
+    SuiteCase("bloom", "decoder", _causal_lm("BloomConfig", "BloomForCausalLM", n_head=4,
+                                             n_layer=2)),
+    SuiteCase("gptj", "decoder", _causal_lm("GPTJConfig", "GPTJForCausalLM", n_embd=32,
+                                            n_layer=2, n_head=4, rotary_dim=4,
+                                            n_positions=64)),
+    SuiteCase("stablelm", "decoder", _causal_lm("StableLmConfig", "StableLmForCausalLM")),
+    SuiteCase("olmo2", "decoder", _causal_lm("Olmo2Config", "Olmo2ForCausalLM")),
+    SuiteCase("granite", "decoder", _causal_lm("GraniteConfig", "GraniteForCausalLM")),
+    # mixture of experts
+    SuiteCase("mixtral", "moe", _causal_lm("MixtralConfig", "MixtralForCausalLM",
+                                           num_local_experts=4, num_experts_per_tok=2)),
+    SuiteCase("qwen2_moe", "moe", _causal_lm(
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    SuiteCase("olmoe", "moe", _causal_lm("OlmoeConfig", "OlmoeForCausalLM", num_experts=4,
+                                         num_experts_per_tok=2)),
+    # encoders
+    SuiteCase("bert", "encoder", _encoder("BertConfig", "BertForSequenceClassification")),
+    SuiteCase("roberta", "encoder", _encoder("RobertaConfig",
+                                             "RobertaForSequenceClassification",
+                                             pad_token_id=1)),
+    SuiteCase("distilbert", "encoder", _encoder(
+        "DistilBertConfig", "DistilBertForSequenceClassification", dim=32, hidden_dim=64,
+        n_layers=2, n_heads=4)),
+    SuiteCase("albert", "encoder", _encoder("AlbertConfig", "AlbertForSequenceClassification",
+                                            embedding_size=16)),
+    SuiteCase("electra", "encoder", _encoder("ElectraConfig",
+                                             "ElectraForSequenceClassification",
+                                             embedding_size=16)),
+    # problem_type set: otherwise its loss picks labels >= 0 with nonzero() (value-dependent)
+    SuiteCase("deberta_v2", "encoder", _encoder("DebertaV2Config",
+                                                "DebertaV2ForSequenceClassification",
+                                                problem_type="single_label_classification")),
+    # encoder-decoders
+    SuiteCase("bart", "encoder-decoder", _seq2seq(
+        "BartConfig", "BartForConditionalGeneration", vocab_size=VOCAB, d_model=32,
+        encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_position_embeddings=64)),
+    SuiteCase("t5", "encoder-decoder", _seq2seq(
+        "T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=32, d_kv=8,
+        d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4), known_failure=SDPA_OWNED),
+    # vision
+    SuiteCase("vit", "vision", _vision(
+        "ViTConfig", "ViTForImageClassification", image_size=32, patch_size=8, hidden_size=32,
+        num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)),
+    SuiteCase("convnext", "vision", _vision(
+        "ConvNextConfig", "ConvNextForImageClassification", hidden_sizes=[8, 16],
+        depths=[1, 1], num_stages=2)),
+    SuiteCase("resnet", "vision", _vision(
+        "ResNetConfig", "ResNetForImageClassification", embedding_size=8,
+        hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")),
+    SuiteCase("swin", "vision", _vision(
+        "SwinConfig", "SwinForImageClassification", image_size=32, patch_size=4,
+        embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4),
+        known_failure=SDPA_OWNED),
+    # plain PyTorch idioms
+    SuiteCase("batchnorm_cnn", "idiom", _idiom(
+        ConvBatchNorm, lambda: (torch.randn(BATCH, 3, 8, 8), torch.randint(5, (BATCH,))),
+        F.cross_entropy)),
+    SuiteCase("lstm", "idiom", _idiom(lambda: Recurrent(nn.LSTM),
+                                      lambda: (_tokens(BATCH, SEQ), _tokens(BATCH, SEQ)),
+                                      _lm_loss)),
+    SuiteCase("gru", "idiom", _idiom(lambda: Recurrent(nn.GRU),
+                                     lambda: (_tokens(BATCH, SEQ), _tokens(BATCH, SEQ)),
+                                     _lm_loss)),
+    SuiteCase("rnn", "idiom", _idiom(lambda: Recurrent(nn.RNN),
+                                     lambda: (_tokens(BATCH, SEQ), _tokens(BATCH, SEQ)),
+                                     _lm_loss)),
+    SuiteCase("checkpoint", "idiom", _idiom(
+        lambda: CheckpointedMLP(use_reentrant=False),
+        lambda: (torch.randn(BATCH, 16), torch.randn(BATCH, 16)), F.mse_loss)),
+    SuiteCase("checkpoint_reentrant", "idiom", _idiom(
+        lambda: CheckpointedMLP(use_reentrant=True),
+        lambda: (torch.randn(BATCH, 16), torch.randn(BATCH, 16)),
+        F.mse_loss)),
+    SuiteCase("hf_gradient_checkpointing", "idiom", _checkpointed(
+        _causal_lm("LlamaConfig", "LlamaForCausalLM"))),
+    SuiteCase("masked_attention", "idiom", _idiom(
+        MaskedAttention, lambda: (torch.randn(BATCH, SEQ, 16), _padding(),
+                                  torch.randint(4, (BATCH,))),
+        F.cross_entropy)),
+]
+
+SUITE: dict[str, SuiteCase] = {c.name: c for c in _CASES}
+# a few quick ones for `make test`: one decoder with a default config, one idiom each kind
+FAST = ("llama", "bert", "rnn", "checkpoint")
+
+
+def build_case(name: str, seed: int = 0):
+    """(model, example_inputs, loss_fn) of case ``name``, weights and batch from ``seed``."""
+    if name not in SUITE:
+        raise ValueError(f"unknown suite case {name!r}; choose from {sorted(SUITE)}")
+    torch.manual_seed(seed)
+    return SUITE[name].make()
