@@ -56,9 +56,11 @@ class AutoShardingOption:
         for pattern, placements in pin:
             if isinstance(placements, str):
                 placements = (placements,)
-            from torchalpa.placement import parse_placements
+            from torchalpa.placement import check_placement, parse_placements, short_form
+            placements = tuple(p if isinstance(p, str) else short_form(check_placement(p))
+                               for p in placements)   # torch's Shard(0) or "S(0)"
             parse_placements([p for p in placements if p != "*"])  # the error names a bad one
-            normalized.append((str(pattern), tuple(str(p) for p in placements)))
+            normalized.append((str(pattern), placements))
         object.__setattr__(self, "pin", tuple(normalized))
         if self.solver not in ("cbc", "highs"):
             raise ValueError(f"AutoShardingOption.solver must be 'cbc' or 'highs', "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from torchalpa.placement import short
+from torchalpa.placement import long_form, short
 
 __all__ = ["plan_summary", "explain", "format_bytes"]
 
@@ -73,7 +73,7 @@ def explain(plan, name: str) -> str:
     if value is not None:
         node = value.node
         head = f"{value.name}: shape {list(value.shape)}, placement {short(value.placements)} " \
-               f"({', '.join(repr(p) for p in value.placements)})"
+               f"({', '.join(long_form(p) for p in value.placements)})"
     else:
         try:
             strategy = plan.strategy(name)
