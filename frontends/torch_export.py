@@ -44,6 +44,7 @@ from torchalpa.frontends.functionalize import (NeedsFunctionalization, functiona
 from torchalpa.frontends.opset import FusedCalls, decompositions, flop_count
 from torchalpa.frontends.provenance import (Provenance, copy_forward_tags_to_backward,
                                             line_of, module_of)
+from torchalpa.frontends.naming import argument_names
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.opgraph import (ABSENT_DTYPE, GraphOutputs, OpGraph, OpNode, Operand, TensorSpec,
                                ValueRef)
@@ -141,7 +142,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence, loss_fn: Callable 
     param_names = [k for k, _ in trainable]
     buffer_names = [k for k, _ in frozen]
     num_inputs = len(inputs)
-    input_names = [f"input{i}" for i in range(len(inputs) + len(targets))]
+    input_names = argument_names(model, loss_fn, len(inputs), len(targets))
 
     def joint(params, buffers, *batch):
         state = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}

@@ -252,9 +252,12 @@ class Plan:
             counts[(c.phase, c.kind)] = counts.get((c.phase, c.kind), 0) + 1
         return counts
 
-    def summary(self) -> str:
+    def summary(self, *, detail: str = "short", filter: str | None = None) -> str:
+        """One screen: repeated layers folded, communication by module, the ten costliest
+        collectives. ``detail="full"`` lists every row; ``filter`` is a glob over
+        parameter names and module paths (``"layers.0.*"``)."""
         from torchalpa.report import plan_summary
-        return plan_summary(self)
+        return plan_summary(self, detail=detail, filter=filter)
 
     def explain(self, name: str) -> str:
         from torchalpa.report import explain
@@ -427,15 +430,22 @@ class PipelinePlan:
     def load(cls, path) -> "PipelinePlan":
         return cls.from_json(Path(path).read_text())
 
-    def summary(self) -> str:
+    def summary(self, *, detail: str = "short", filter: str | None = None) -> str:
+        """The stages, transfers and timeline; ``detail="full"`` (or a ``filter``) adds
+        each stage's own plan summary."""
         from torchalpa.report import pipeline_summary
-        return pipeline_summary(self)
+        text = pipeline_summary(self)
+        if detail != "short" or filter is not None:
+            for s in self.stages:
+                text += f"\n\nstage {s.index}:\n" + s.plan.summary(detail=detail, filter=filter)
+        return text
 
     def explain(self, name: str) -> str:
         for s in self.stages:
             if any(p.name == name for p in s.plan.parameters) or name in s.plan._strategy_index():
                 return f"stage {s.index} (ranks {list(s.ranks)}):\n" + s.plan.explain(name)
-        raise KeyError(f"{name!r} is in no stage of this plan")
+        from torchalpa.report import NameNotInPlan, _names
+        raise NameNotInPlan(name, [n for s in self.stages for n in _names(s.plan)])
 
     def __str__(self) -> str:
         return self.summary()
