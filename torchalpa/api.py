@@ -83,6 +83,11 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 failures.append(e)
                 progress.done = f"does not fit: {e}"
                 continue
+            budget = method.auto_sharding_option.memory_budget_per_device or \
+                mesh.memory_per_device
+            if budget:      # recorded for reports and pictures
+                found = replace(found, estimates={**found.estimates,
+                                                  "memory_budget_per_device_bytes": budget})
             progress.done = _estimate_text(found, mesh)
         cache.store(key, found)
         cache.trim()
@@ -108,8 +113,9 @@ def _estimate_text(plan: Plan, mesh: LogicalMesh) -> str:
     if memory is not None:
         from torchalpa.report import format_bytes
         text += f", {format_bytes(memory)}"
-        if mesh.memory_per_device:
-            text += f" of {format_bytes(mesh.memory_per_device)}"
+        budget = est.get("memory_budget_per_device_bytes") or mesh.memory_per_device
+        if budget:
+            text += f" of {format_bytes(budget)}"
     return text
 
 

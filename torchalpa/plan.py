@@ -263,6 +263,16 @@ class Plan:
         from torchalpa.report import explain
         return explain(self, name)
 
+    def to_html(self, path) -> None:
+        """Write one self-contained HTML page picturing the plan (``torchalpa.pictures``)."""
+        from torchalpa.pictures import plan_html
+        Path(path).write_text(plan_html(self), encoding="utf-8")
+
+    def to_chrome_trace(self, path) -> None:
+        """Write the estimated step as a Chrome / Perfetto trace (JSON)."""
+        from torchalpa.pictures import write_chrome_trace
+        write_chrome_trace(self, path)
+
     def __str__(self) -> str:
         return self.summary()
 
@@ -446,6 +456,16 @@ class PipelinePlan:
                 return f"stage {s.index} (ranks {list(s.ranks)}):\n" + s.plan.explain(name)
         from torchalpa.report import NameNotInPlan, _names
         raise NameNotInPlan(name, [n for s in self.stages for n in _names(s.plan)])
+
+    def to_html(self, path) -> None:
+        """Write one self-contained HTML page picturing the plan (``torchalpa.pictures``)."""
+        from torchalpa.pictures import plan_html
+        Path(path).write_text(plan_html(self), encoding="utf-8")
+
+    def to_chrome_trace(self, path) -> None:
+        """Write the estimated step as a Chrome / Perfetto trace (JSON)."""
+        from torchalpa.pictures import write_chrome_trace
+        write_chrome_trace(self, path)
 
     def __str__(self) -> str:
         return self.summary()

@@ -10,7 +10,7 @@ from torchalpa.fold import fold, op_label, template
 from torchalpa.placement import long_form, short
 
 __all__ = ["plan_summary", "explain", "format_bytes", "NameNotInPlan", "wire_bytes",
-           "tensor_labels", "DETAILS"]
+           "tensor_labels", "DETAILS", "rollup_by_module"]
 
 
 def format_bytes(n: float) -> str:
@@ -167,8 +167,9 @@ def _collective_lines(plan, collectives, detail: str) -> list[str]:
     return lines
 
 
-def _by_module(plan, collectives, wire_total: float) -> list[str]:
-    """Communication rolled up by (folded) module, costliest first."""
+def rollup_by_module(plan, collectives) -> list[tuple[float, str, tuple, int, list]]:
+    """Collectives grouped by folded module, costliest first: rows of (bytes sent per
+    rank, folded module name, ((kind, count per module), ...), modules, collectives)."""
     by: dict[str, list] = {}
     for c in collectives:
         by.setdefault(c.source or "<top>", []).append(c)
@@ -182,7 +183,12 @@ def _by_module(plan, collectives, wire_total: float) -> list[str]:
         name = fold((src, 0) for src, _ in modules)[0][0]
         rows.append((sum(wire_bytes(plan, c) for c in members), name, kinds, len(modules),
                      members))
-    rows.sort(key=lambda r: -r[0])
+    return sorted(rows, key=lambda r: -r[0])
+
+
+def _by_module(plan, collectives, wire_total: float) -> list[str]:
+    """Communication rolled up by (folded) module, costliest first."""
+    rows = rollup_by_module(plan, collectives)
     out = [f"  by module ({len(rows)} rows, costliest first):"]
     table = [[name + (f"  x{n}" if n > 1 else ""), str(len(members)),
               ", ".join(f"{k} x{v}" for k, v in kinds), format_bytes(sent),
