@@ -15,6 +15,7 @@ from torchalpa.plan import PipelinePlan, Plan, load_plan
 from torchalpa.api import auto_parallel, plan
 from torchalpa.markers import mark_pipeline_boundary
 from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
+from torchalpa.runtime.export import save_pretrained
 from torchalpa.runtime.faults import RankFailedError
 from torchalpa.runtime.precision import MixedPrecision
 
@@ -25,5 +26,5 @@ __all__ = [
     "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "Shard", "Replicate", "Partial",
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
-    "load_checkpoint", "RankFailedError",
+    "load_checkpoint", "RankFailedError", "save_pretrained",
 ]
