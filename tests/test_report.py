@@ -47,7 +47,7 @@ def test_summary_fits_a_screen_whatever_the_depth():
     small, deep = synthetic_plan(4).summary(), synthetic_plan(32).summary()
     assert len(deep.splitlines()) == len(small.splitlines()) <= 50
     assert "layers.{0..31}.mlp.up_proj.weight" in deep and "x32" in deep
-    assert "grad layers.{0..31}.mlp.down_proj.weight" in deep      # tensors by their names
+    assert "grad weight" in deep                   # gradients named, not permute_424
     assert "input_ids" in deep
     assert "permute" not in deep
 

@@ -30,6 +30,7 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
 
 DETAILS = ("short", "full")
 _TOP = 10
+_TOP_MODULES = 8
 
 
 def plan_summary(plan, *, detail: str = "short", filter: str | None = None) -> str:
@@ -74,13 +75,15 @@ def _header(plan) -> list[str]:
     lines = [f"torchalpa plan  mesh [{mesh}] ({plan.num_devices} devices)  "
              f"method {plan.method.get('name', '?')}"]
     if est:
+        budget = est.get("memory_budget_per_device_bytes")
         lines.append(
-            f"estimated step {est.get('step_time_s', 0) * 1e3:.3f} ms "
-            f"(compute {est.get('compute_s', 0) * 1e3:.3f} ms, communication "
-            f"{est.get('communication_s', 0) * 1e3:.3f} ms); memory per device "
-            f"{format_bytes(est.get('memory_per_device_bytes', 0))} (model states "
-            f"{format_bytes(est.get('model_state_bytes_per_device', 0))}, activations "
-            f"{format_bytes(est.get('activation_bytes_per_device', 0))})")
+            f"estimated step {est.get('step_time_s', 0) * 1e3:.4g} ms "
+            f"(compute {est.get('compute_s', 0) * 1e3:.4g}, communication "
+            f"{est.get('communication_s', 0) * 1e3:.4g}); memory per device "
+            f"{format_bytes(est.get('memory_per_device_bytes', 0))}"
+            + (f" of {format_bytes(budget)}" if budget else "")
+            + f" (states {format_bytes(est.get('model_state_bytes_per_device', 0))}, "
+            f"activations {format_bytes(est.get('activation_bytes_per_device', 0))})")
     return lines
 
 
@@ -156,6 +159,8 @@ def _collective_lines(plan, collectives, detail: str) -> list[str]:
         for (tmpl, _, phase, kind, ax, nbytes), members in ranked[:_TOP]:
             source = fold((c.source or "<top>", 0) for c, _ in members)[0][0]
             tensor = fold((label(c), 0) for c, _ in members)[0][0]
+            if tensor.startswith(f"grad {source}."):       # the module is in its own column
+                tensor = "grad " + tensor[len(f"grad {source}."):]
             rows.append([phase, kind, ax, format_bytes(nbytes),
                          f"x{len(members)}" if len(members) > 1 else "",
                          format_bytes(sum(wire_bytes(plan, c) for c, _ in members)),
@@ -163,7 +168,10 @@ def _collective_lines(plan, collectives, detail: str) -> list[str]:
         lines += ["    " + r for r in _table(rows, ["phase", "kind", "axis", "bytes", "count",
                                                     "sent", "module", "tensor"])]
     counts = Counter((c.phase, c.kind) for c in collectives)
-    lines.append("  totals: " + ", ".join(f"{k[0]} {k[1]} x{v}" for k, v in sorted(counts.items())))
+    phases = dict.fromkeys(phase for phase, _ in sorted(counts, key=lambda k: k[0] != "forward"))
+    lines.append("  totals: " + "; ".join(
+        phase + " " + ", ".join(f"{kind} x{n}" for (p, kind), n in sorted(counts.items())
+                                if p == phase) for phase in phases))
     return lines
 
 
@@ -191,13 +199,13 @@ def _by_module(plan, collectives, wire_total: float) -> list[str]:
     rows = rollup_by_module(plan, collectives)
     out = [f"  by module ({len(rows)} rows, costliest first):"]
     table = [[name + (f"  x{n}" if n > 1 else ""), str(len(members)),
-              ", ".join(f"{k} x{v}" for k, v in kinds), format_bytes(sent),
+              ", ".join(k + (f" x{v}" if v > 1 else "") for k, v in kinds), format_bytes(sent),
               f"{100 * sent / wire_total:.0f}%" if wire_total else "-"]
-             for sent, name, kinds, n, members in rows[:_TOP]]
+             for sent, name, kinds, n, members in rows[:_TOP_MODULES]]
     out += ["    " + r for r in _table(table, ["module", "collectives", "kinds (per module)",
                                               "sent", "share"])]
-    if len(rows) > _TOP:
-        rest = rows[_TOP:]
+    if len(rows) > _TOP_MODULES:
+        rest = rows[_TOP_MODULES:]
         out.append(f"    ... {len(rest)} more modules, {format_bytes(sum(r[0] for r in rest))} "
                    "sent")
     return out
