@@ -28,6 +28,7 @@ LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNI
           "error": logging.ERROR}
 _verbose = contextvars.ContextVar("torchalpa_solver_verbose", default=False)
 _handler: logging.Handler | None = None
+_set_level: int | None = None        # the level setup_logging last gave the logger
 
 
 def _rank() -> int:
@@ -70,10 +71,11 @@ class _WhenUnconfigured(logging.Filter):
 
 def setup_logging() -> None:
     """Install torchalpa's stderr handler once (idempotent; honours ``TORCHALPA_LOG``)."""
-    global _handler
+    global _handler, _set_level
     level = _level()
-    if log.level == logging.NOTSET or _handler is not None:
+    if log.level in (logging.NOTSET, _set_level):     # never override the application's
         log.setLevel(level)
+        _set_level = level
     if _handler is not None:
         _handler.setLevel(level)
         return

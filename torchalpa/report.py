@@ -142,8 +142,9 @@ def _collective_lines(plan, collectives, detail: str) -> list[str]:
         return labels.get(c.tensor) or op_label(c.tensor)
 
     if detail == "full":
+        # every row: a value without a name keeps its graph node's, which explain() takes
         rows = [[c.phase, _kind(c), axis(c), format_bytes(c.bytes), c.source or "<top>",
-                 label(c)] for c in collectives]
+                 labels.get(c.tensor, c.tensor)] for c in collectives]
         lines += ["  " + r for r in _table(rows, ["phase", "kind", "axis", "bytes", "source",
                                                   "tensor"])]
     else:
