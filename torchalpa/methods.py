@@ -44,7 +44,8 @@ class AutoShardingOption:
     (FSDP's reshard-after-forward, ZeRO-3); trades communication for memory."""
     pin: tuple = ()
     """Fixed layouts: ``{regex: placements}`` (or pairs) matched against parameter names
-    and user inputs (named after forward's arguments, e.g. 'input_ids'), e.g. ``{"layers[.]0[.]wq[.]weight": ("R", "S(0)")}``;
+    and user inputs (named after forward's arguments, e.g. 'input_ids'), e.g.
+    ``{"layers[.]0[.]wq[.]weight": ("R", "S(0)")}``;
     ``"*"`` on an axis leaves that axis to the ILP. Pins override ``parameters``."""
 
     def __post_init__(self):
