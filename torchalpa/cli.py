@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan how to parallelize a PyTorch training step over many devices "
                     "(Alpa's intra- and inter-operator parallelism), and inspect plans.",
         epilog="examples:\n" + examples)
-    parser.add_argument("--version", action="version", version=f"torchalpa {_version()}")
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print torchalpa's version and exit")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(commands)
@@ -57,6 +58,14 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"torchalpa {args.command}: {e}", file=sys.stderr)
         return 2
+
+
+class _Version(argparse.Action):
+    """``--version``, looked up only when asked (package metadata is slow to scan)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"torchalpa {_version()}")
+        parser.exit()
 
 
 def _version() -> str:
