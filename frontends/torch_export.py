@@ -55,6 +55,7 @@ from torchalpa.frontends.opset import (FusedCalls, decompositions, device_neutra
                                        flop_count)
 from torchalpa.frontends.provenance import (Provenance, copy_forward_tags_to_backward,
                                             line_of, module_of)
+from torchalpa.frontends.naming import argument_names
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.opgraph import (ABSENT_DTYPE, GraphOutputs, OpGraph, OpNode, Operand, TensorSpec,
                                ValueRef)
@@ -171,8 +172,9 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
     param_names = [k for k, _ in trainable]
     buffer_names = [k for k, _ in frozen]
     num_inputs = len(inputs)
-    input_names = signature.names(len(inputs)) + [
-        f"input{i}" for i in range(len(inputs), len(inputs) + len(targets))]
+    input_names = argument_names(model, loss_fn, len(inputs), len(targets))
+    num_positional = len(inputs) - len(signature.keywords)   # keywords name themselves
+    input_names[num_positional:len(inputs)] = list(signature.keywords)
     binding = "" if signature.by_keyword or loss_fn is not None else \
         positional_binding(model, num_inputs)
 

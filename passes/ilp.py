@@ -27,6 +27,7 @@ import numpy as np
 import pulp
 
 from torchalpa.passes.presolve import presolve
+from torchalpa.progress import solver_verbose
 
 __all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "InfeasibleError"]
 
@@ -84,12 +85,12 @@ def _make_solver(solver: str, time_limit: float | None, gap: float | None,
         # 3x faster than its default choice here, and its feasibility pump, which only
         # repeats the rounding the root already did, is what CBC spent most of its time
         # on (LLaMA-3-8B on 8x8: 7.4 s -> 3.4 s, same optimum); branching finishes sooner.
-        return pulp.COIN_CMD(msg=False, timeLimit=time_limit, gapRel=gap, threads=1,
+        return pulp.COIN_CMD(msg=solver_verbose(), timeLimit=time_limit, gapRel=gap, threads=1,
                              path=_cbc_path(), options=["dualS", "feas off"], warmStart=warm)
     if solver == "highs":
         if "HiGHS" not in pulp.listSolvers(onlyAvailable=True):
             raise ValueError("solver='highs' needs the highspy package: pip install highspy")
-        return pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, threads=1,
+        return pulp.HiGHS(msg=solver_verbose(), timeLimit=time_limit, gapRel=gap, threads=1,
                           random_seed=0, warmStart=warm)
     raise ValueError(f"solver must be 'cbc' or 'highs', got {solver!r}")
 

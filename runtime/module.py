@@ -37,6 +37,7 @@ from torchalpa.runtime.inference import ForwardPrograms
 from torchalpa.runtime.lower import LocalProgram
 from torchalpa.runtime.materialize import distribute_module_state, to_dtensor_placements
 from torchalpa.runtime.replicas import check_replicas as _check_replicas
+from torchalpa.runtime.stats import StepClock, StepStats
 from torchalpa.runtime.step import StepRunner
 
 __all__ = ["ParallelModule", "to_dtensor_placements", "distribute_module_state"]
@@ -68,6 +69,7 @@ class _TrainingStep(torch.autograd.Function):
         unit = grad_loss is None or (grad_loss.device.type == "cpu" and grad_loss.item() == 1.0)
         with ctx.pm._monitor.guard(f"the backward of step {ctx.pm._num_calls}"):
             grads = ctx.pm._runner.backward(saved, None if unit else grad_loss)
+        ctx.pm._clock.stop("forward+backward")
         return (None, None, *grads, *([None] * ctx.num_others))
 
 
@@ -102,6 +104,7 @@ class ParallelModule(nn.Module):
         self._num_calls = 0
         self._check_every_step = bool(check_replicas)
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
+        self._clock = StepClock(device)
         self.optimizer = optimizer(self.parameters()) if optimizer is not None else None
 
     # -- the step -----------------------------------------------------------------------
@@ -117,11 +120,13 @@ class ParallelModule(nn.Module):
             self.check_replicas()
         if self.module.training != self._captured_training:
             return self._signature.wrap_loss(self._forward_only(inputs, outputs=False))
+        self._clock.start(inputs)
         if not torch.is_grad_enabled():
             with self._monitor.guard(f"the forward of step {self._num_calls}"):
                 loss = self._runner.loss(self._state(self._param_names + self._buffer_names),
                                          inputs)
             self._write_buffer_updates()
+            self._clock.stop("forward")
             return self._signature.wrap_loss(loss)
         state = self._state(self._param_names + self._buffer_names, differentiable=True)
         return self._signature.wrap_loss(_TrainingStep.apply(self, len(state), *state, *inputs))
@@ -156,6 +161,7 @@ class ParallelModule(nn.Module):
         self._num_calls += 1
         if self._check_every_step:
             self.check_replicas()
+        self._clock.start(inputs)
         with self._monitor.guard(f"step {self._num_calls}"), torch.no_grad():
             loss, grads = self._runner.run(
                 self._state(self._param_names + self._buffer_names), inputs)
@@ -167,6 +173,7 @@ class ParallelModule(nn.Module):
                 p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
                                             shape=p.shape, stride=p.stride())
         self.optimizer.step()
+        self._clock.stop("forward+backward+optimizer")
         return loss.detach()
 
     @torch.no_grad()
@@ -265,7 +272,19 @@ class ParallelModule(nn.Module):
             out.append(x.to(self._device, non_blocking=True))
         return out
 
-    # -- inspection ---------------------------------------------------------------------
+    # -- inspection and export -----------------------------------------------------------
+    def last_step_stats(self) -> StepStats:
+        """The last complete step: time, tokens/s, peak memory and the bytes the plan says
+        it sent, each next to the plan's estimate (``print(pm.last_step_stats())``)."""
+        return self._clock.stats(self.plan, self.num_micro_batches)
+
+    def unwrap(self) -> nn.Module:
+        """A plain copy of the model with full, gathered tensors (no DTensors): for
+        ``generate()``, ``torch.save`` or single-device evaluation. Every rank must call it
+        (it gathers); ``torchalpa.save_pretrained(pm, dir)`` writes it from rank 0."""
+        from torchalpa.runtime.export import gathered_module
+        return gathered_module(self)
+
     def local_program(self) -> str:
         """This rank's forward, backward and gradient-reduction programs as Python code."""
         return self._program.code()

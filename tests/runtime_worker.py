@@ -388,7 +388,37 @@ def input_values():
     return out
 
 
+def export(shared: str):
+    """unwrap() gathers the trained shards; save_pretrained writes them once from rank 0;
+    last_step_stats reads the last step."""
+    model, ref = twin(lambda: QuickstartMLP(64, 2))
+    x, y = batch(0, 64, 64)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    pm.train_step(x, y)
+    F.mse_loss(ref(x), y).backward()
+    ref_opt.step()
+    plain = pm.unwrap()
+    out = {"sharded": sum(1 for v in pm.plan.parameters
+                          if any(type(q).__name__ == "Shard" for q in v.placements)),
+           "plain_is_dtensor": any(hasattr(p, "placements") for p in plain.parameters()),
+           "unwrap_rel_diff": max_rel_diff(list(plain.parameters()), list(ref.parameters()))}
+    path = os.path.join(shared, "export")
+    torchalpa.save_pretrained(pm, path)
+    from safetensors.torch import load_file
+    saved = load_file(os.path.join(path, "model.safetensors"))
+    out["saved_rel_diff"] = max_rel_diff([saved[k] for k, _ in ref.named_parameters()],
+                                         [p for _, p in ref.named_parameters()])
+    stats = pm.last_step_stats()
+    out["stats"] = {"step_time_s": stats.step_time_s, "includes": stats.includes,
+                    "planned_collectives": stats.planned_collectives,
+                    "num_collectives": len(pm.plan.collectives)}
+    return out
+
+
 SCENARIOS = {
+    "export": export,
     "micro_dp": lambda shared: micro_batches(lambda: MLP(32, 3), 64, 32, 4,
                                              cluster=ALPA_UNIT(dist.get_world_size())),
     "micro_default": lambda shared: micro_batches(lambda: QuickstartMLP(64, 2), 64, 64, 2),

@@ -75,3 +75,65 @@ def test_coverage_of_suite_cases_prints_the_table(capsys):
     assert rows[1].split()[:3] == ["checkpoint", "idiom", "captures"]
     assert rows[2].split()[:3] == ["swin", "vision", "FAILS"] and "known:" in rows[2]
     assert "1 of 2 capture" in out
+
+
+# -- plan / show / explain / estimate / cache / --version -----------------------------------
+
+def test_plan_show_explain(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHALPA_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "test_cli:mlp_step", "--cluster", "cpu:2", "--mesh", "2",
+                 "--out", str(out)]) == 0
+    assert "parameters:" in capsys.readouterr().out and out.exists()
+    assert main(["show", str(out), "--module", "net.0*", "--detail", "full"]) == 0
+    shown = capsys.readouterr().out
+    assert "net.0.weight" in shown and "net.2.weight" not in shown
+    assert main(["explain", str(out), "net.0.weight"]) == 0
+    assert "net.0.weight: shape [8, 8]" in capsys.readouterr().out
+    assert main(["explain", str(out), "net.0.wieght"]) == 2
+    assert "did you mean 'net.0.weight'" in capsys.readouterr().err
+    assert main(["cache", "ls"]) == 0
+    assert "1 plan(s)" in capsys.readouterr().out
+    assert main(["cache", "clear"]) == 0
+    assert "removed 1 cached plan(s)" in capsys.readouterr().out
+
+
+def test_estimate_fits_or_names_the_devices_needed(capsys):
+    assert main(["estimate", "test_cli:mlp_step", "--cluster", "h100:1x8"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("fits:")
+    # an MLP of 2 layers of 8x8 cannot need more than one H100; a wrong cluster is named
+    assert main(["estimate", "test_cli:mlp_step", "--cluster", "tpu:2x2"]) == 2
+    assert "unknown cluster kind 'tpu'" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("torchalpa ")
+
+
+_NO_TORCH = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("cli_alone", sys.argv[1])
+cli = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cli)
+cli.build_parser().format_help()
+assert "torch" not in sys.modules, "the CLI imported torch to build its parser"
+"""
+
+
+def test_help_imports_no_torch():
+    """``--help`` and ``--version`` must not pay for importing torch (seconds)."""
+    import subprocess
+    import sys
+
+    import torchalpa.cli as cli
+    subprocess.run([sys.executable, "-c", _NO_TORCH, cli.__file__], check=True)
+
+
+def test_console_script_imports_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys, torchalpa.cli as c; c.build_parser().format_help(); "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)

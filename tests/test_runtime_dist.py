@@ -19,7 +19,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "runtime_worker.py")
 SCENARIOS_4 = ("micro_dp,micro_default,mixed_precision,inference,conventions,meta_init,"
-               "checkpoint,input_mismatch")
+               "checkpoint,input_mismatch,export")
 SCENARIOS_2 = "checkpoint_other_world,micro_default,conventions,input_mismatch,input_values"
 
 
@@ -170,6 +170,15 @@ def test_adamw(four):
 
 
 # -- large models -------------------------------------------------------------------------
+
+def test_unwrap_and_save_pretrained_gather_the_trained_shards(four):
+    r = get(four, "export")
+    assert r["sharded"] > 0 and not r["plain_is_dtensor"]
+    assert r["unwrap_rel_diff"] < 1e-5 and r["saved_rel_diff"] < 1e-5
+    assert r["stats"]["step_time_s"] > 0
+    assert r["stats"]["includes"] == "forward+backward+optimizer"
+    assert r["stats"]["planned_collectives"] == r["stats"]["num_collectives"]
+
 
 def test_meta_model_holds_only_local_blocks(four):
     r = get(four, "meta_init")

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torchalpa.api import auto_parallel, plan
     from torchalpa.markers import mark_pipeline_boundary
     from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
+    from torchalpa.runtime.export import save_pretrained
     from torchalpa.runtime.faults import RankFailedError
     from torchalpa.runtime.precision import MixedPrecision
 
@@ -33,6 +34,7 @@ _LAZY = {
     "save_checkpoint": "torchalpa.runtime.checkpoint",
     "load_checkpoint": "torchalpa.runtime.checkpoint",
     "RankFailedError": "torchalpa.runtime.faults",
+    "save_pretrained": "torchalpa.runtime.export",
     "MixedPrecision": "torchalpa.runtime.precision",
 }
 # Importing the submodule torchalpa.plan above bound the name `plan` to it; the public
@@ -54,5 +56,5 @@ __all__ = [
     "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "Shard", "Replicate", "Partial",
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
-    "load_checkpoint", "RankFailedError",
+    "load_checkpoint", "RankFailedError", "save_pretrained",
 ]

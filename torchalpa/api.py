@@ -68,31 +68,88 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.passes.intra_op import plan_intra_op
     from torchalpa.plan_check import check_plan
+    from torchalpa.progress import step
     fingerprint = graph.fingerprint()
     plans, failures = [], []
-    for mesh in meshes:
+    for i, mesh in enumerate(meshes):
         key = cache.plan_key(fingerprint, mesh, method, inputs)
-        found = cache.load_cached(key, lambda p, source, shape=tuple(mesh.shape): check_plan(
-            p, fingerprint=fingerprint, source=source, mesh_shape=shape, graph=graph))
-        if found is not None and not isinstance(found, Plan):
-            found = None
-        if found is None:
+        shape = "x".join(map(str, mesh.shape))
+        with step(f"mesh {i + 1}/{len(meshes)} ({shape}) solving") as progress:
+            found = cache.load_cached(key, lambda p, source, shape=tuple(mesh.shape): check_plan(
+                p, fingerprint=fingerprint, source=source, mesh_shape=shape, graph=graph))
+            if found is not None and not isinstance(found, Plan):
+                found = None
+            if found is not None:
+                progress.done = "cached, " + _estimate_text(found, mesh)
+                plans.append(found)
+                continue
             try:
                 found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks)
             except InfeasibleError as e:
                 failures.append(e)
+                progress.done = f"does not fit: {e}"
                 continue
-            cache.store(key, found)
+            budget = method.auto_sharding_option.memory_budget_per_device or \
+                mesh.memory_per_device
+            if budget:      # recorded for reports and pictures
+                found = replace(found, estimates={**found.estimates,
+                                                  "memory_budget_per_device_bytes": budget})
+            progress.done = _estimate_text(found, mesh)
+        cache.store(key, found)
+        cache.trim()
         plans.append(found)
     if not plans:
         raise failures[0] if len(failures) == 1 else InfeasibleError(
             "no logical mesh fits the memory budget:\n" + "\n".join(f"  {e}" for e in failures))
     best = min(plans, key=lambda p: p.estimates["step_time_s"])
+    log.info("chose mesh %s: %s", "x".join(map(str, best.mesh_shape)),
+             _estimate_text(best, meshes[0]))
     if len(meshes) > 1:
         tried = ", ".join(f"{'x'.join(map(str, p.mesh_shape))}: "
                           f"{p.estimates['step_time_s'] * 1e3:.3g} ms" for p in plans)
         best = replace(best, notes=best.notes + (f"logical meshes tried (estimated step): {tried}",))
     return best
+
+
+def _estimate_text(plan: Plan, mesh: LogicalMesh) -> str:
+    """``est 630 ms/step, 45.5 GiB of 74.5``: a plan's estimates against the budget."""
+    est = plan.estimates
+    text = f"est {est.get('step_time_s', 0) * 1e3:.3g} ms/step"
+    memory = est.get("memory_per_device_bytes")
+    if memory is not None:
+        from torchalpa.report import format_bytes
+        text += f", {format_bytes(memory)}"
+        budget = est.get("memory_budget_per_device_bytes") or mesh.memory_per_device
+        if budget:
+            text += f" of {format_bytes(budget)}"
+    return text
+
+
+def _count(n: float) -> str:
+    """``8.03 B``, ``124 M``, ``3.1 K``."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f}"
+
+
+def _capture_step(model, example_inputs, loss_fn, **options):
+    """``capture`` with a progress line: ops, parameters, seconds.
+
+    Captures are not cached on disk: a key that is safe to reuse would have to cover the
+    model's code and everything it reads (config objects, globals, closures, the torch
+    version), which only tracing sees; and the captured fx graph with its fake-tensor
+    metadata does not serialize cheaply. Planning is what the cache saves.
+    """
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.progress import step
+    with step("capturing the training step") as progress:
+        captured = capture(model, example_inputs, loss_fn, **options)
+        graph = captured.graph
+        numel = sum(graph.node(n).output.numel for n in graph.params.values())
+        progress.done = (f"{sum(1 for _ in graph.ops())} ops, {len(graph.params)} parameters "
+                         f"({_count(numel)} elements)")
+    return captured
 
 
 def _blocks_of(graph: OpGraph) -> dict | None:
@@ -102,15 +159,26 @@ def _blocks_of(graph: OpGraph) -> dict | None:
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
          loss_fn: Callable | None = None, *, method: ShardParallel | None = None,
-         cluster: Cluster | LogicalMesh | None = None, inputs: str = "global") -> Plan:
+         cluster: Cluster | LogicalMesh | None = None, inputs: str = "global",
+         verbose: bool = False) -> Plan:
     """Plan ``model`` for ``cluster`` without running it: no process group, no real weights.
 
     ``model`` and ``example_inputs`` may live on the ``meta`` device. Without a cluster the
     plan is for this job's world (one device outside torchrun). A ``LogicalMesh`` instead
     of a Cluster gives the exact per-axis costs to plan with. Unless the method fixes a
     logical mesh shape, every 1D and 2D view of the cluster is tried and the fastest kept.
+    Progress goes to the ``torchalpa`` logger (``TORCHALPA_LOG=debug|info|warning``);
+    ``verbose=True`` also streams the ILP solver's own log.
     """
-    from torchalpa.frontends.torch_export import capture
+    from torchalpa.progress import setup_logging
+    from torchalpa.progress import verbose as solver_log
+    setup_logging()
+    with solver_log(verbose):
+        return _plan(model, example_inputs, loss_fn, method=method, cluster=cluster,
+                     inputs=inputs)
+
+
+def _plan(model, example_inputs, loss_fn, *, method, cluster, inputs) -> Plan:
     from torchalpa.runtime.mesh import world_size
     method = _check_method(method)
     _check_inputs_mode(inputs)
@@ -119,7 +187,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
         return plan_pipeshard(model, example_inputs, loss_fn, method=method,
                               cluster=cluster or default_cluster(world_size()), inputs=inputs)
     meshes = candidate_meshes(cluster or default_cluster(world_size()), method)
-    captured = capture(model, example_inputs, loss_fn, rematerialize_parameters=(
+    captured = _capture_step(model, example_inputs, loss_fn, rematerialize_parameters=(
         method.auto_sharding_option.rematerialize_parameters))
     check_step_dtypes(captured.graph)
     return plan_graph(captured.graph, method=method, meshes=meshes, inputs=inputs,
@@ -133,7 +201,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                   plan: Plan | None = None, num_micro_batches: int = 1,
                   mixed_precision=None, init_weights: Callable | None = None,
                   compile: bool | dict = False, check_replicas: bool | None = None,
-                  check_inputs: str = "first"):
+                  check_inputs: str = "first", verbose: bool = False):
     """Parallelize ``model``'s training step over every rank of this torchrun job.
 
     ``example_inputs`` are the model inputs followed by the loss targets (when ``loss_fn``
@@ -172,8 +240,22 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
       ``inputs="global"``, compare a hash of each rank's batch across ranks on the first
       call, on every call (one small all-gather and a pass over the batch each step), or
       never; ranks given different data (a data-loader bug) raise a ValueError naming them.
+    - ``verbose=True``: rank 0 streams the ILP solver's log too (progress lines are shown
+      by default; ``TORCHALPA_LOG=warning`` silences them).
     """
-    from torchalpa.frontends.torch_export import capture
+    from torchalpa.progress import setup_logging
+    from torchalpa.progress import verbose as solver_log
+    setup_logging()
+    with solver_log(verbose):
+        return _auto_parallel(model, example_inputs, loss_fn, method=method, mesh=mesh,
+                              cluster=cluster, inputs=inputs, optimizer=optimizer, plan=plan,
+                              num_micro_batches=num_micro_batches,
+                              mixed_precision=mixed_precision, init_weights=init_weights,
+                              compile=compile)
+
+
+def _auto_parallel(model, example_inputs, loss_fn, *, method, mesh, cluster, inputs, optimizer,
+                   plan, num_micro_batches, mixed_precision, init_weights, compile):
     from torchalpa.runtime import mesh as mesh_mod
     from torchalpa.runtime.lower import lower
     from torchalpa.runtime.materialize import distribute_module_state
@@ -221,7 +303,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
 
     start = time.perf_counter()
     traced = _with_precision(model, mixed_precision)
-    captured = capture(traced, _capture_examples(model, example_inputs, num_micro_batches),
+    captured = _capture_step(traced, _capture_examples(model, example_inputs, num_micro_batches),
                        loss_fn, rematerialize_parameters=(
                            method.auto_sharding_option.rematerialize_parameters),
                        signature=signature)

@@ -25,7 +25,7 @@ import os
 import stat
 import tempfile
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable
@@ -33,7 +33,8 @@ from typing import Callable
 from torchalpa.plan import PipelinePlan, Plan
 from torchalpa.plan_check import PlanError, parse_plan
 
-__all__ = ["plan_key", "load_cached", "store", "cache_dir"]
+__all__ = ["plan_key", "load_cached", "store", "cache_dir", "entries", "clear", "trim", "max_bytes",
+           "CacheEntry"]
 
 log = logging.getLogger("torchalpa.cache")
 
@@ -174,3 +175,84 @@ def store(key: str, plan: Plan | PipelinePlan) -> None:
             raise
     except OSError as e:
         _warn(f"could not cache the plan as {target}: {e}")
+
+
+# -- listing, clearing and the size cap (``torchalpa cache ls | clear``) ---------------------
+
+DEFAULT_MAX_MB = 1024
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One cached plan file: its key, size, age and what the plan says about itself."""
+
+    key: str
+    path: Path
+    bytes: int
+    mtime: float
+    description: str
+
+
+def max_bytes() -> int:
+    """The cache's size cap: ``$TORCHALPA_CACHE_MAX_MB`` megabytes (default 1024)."""
+    text = os.environ.get("TORCHALPA_CACHE_MAX_MB", str(DEFAULT_MAX_MB))
+    try:
+        mb = float(text)
+    except ValueError:
+        raise ValueError(f"TORCHALPA_CACHE_MAX_MB must be a number of megabytes, got {text!r}") \
+            from None
+    return int(mb * 2**20)
+
+
+def _files(root: Path | None) -> list[Path]:
+    if root is None or not root.is_dir():
+        return []
+    return [p for p in root.glob("*.json") if p.is_file() and not p.is_symlink()]
+
+
+def _describe(path: Path) -> str:
+    try:
+        d = json.loads(path.read_text())
+        shape = "x".join(map(str, d.get("mesh", {}).get("shape", [])))
+        step = d.get("estimates", {}).get("step_time_s")
+        kind = "pipeline" if d.get("kind") == "pipeline" else d.get("method", {}).get("name", "?")
+        return f"{kind} mesh {shape}" + (f", est {step * 1e3:.3g} ms/step" if step else "")
+    except (OSError, ValueError, AttributeError, TypeError):
+        return "unreadable"
+
+
+def entries() -> list[CacheEntry]:
+    """The cached plans, newest first."""
+    out = []
+    for path in _files(cache_dir()):
+        st = path.stat()
+        out.append(CacheEntry(path.stem, path, st.st_size, st.st_mtime, _describe(path)))
+    return sorted(out, key=lambda e: -e.mtime)
+
+
+def clear() -> tuple[int, int]:
+    """Delete every cached plan; returns (files, bytes) removed."""
+    files = _files(cache_dir())
+    total = 0
+    for path in files:
+        total += path.stat().st_size
+        path.unlink(missing_ok=True)
+    return len(files), total
+
+
+def trim(limit: int | None = None) -> int:
+    """Delete the oldest cached plans until the cache holds at most ``limit`` bytes
+    (default ``max_bytes()``); returns how many were deleted."""
+    limit = max_bytes() if limit is None else limit
+    files = sorted(_files(cache_dir()), key=lambda p: p.stat().st_mtime)
+    total = sum(p.stat().st_size for p in files)
+    removed = 0
+    for path in files:
+        if total <= limit:
+            break
+        total -= path.stat().st_size
+        path.unlink(missing_ok=True)
+        removed += 1
+    if removed:
+        log.info("plan cache over %.0f MiB: removed the %d oldest plan(s)", limit / 2**20, removed)
+    return removed

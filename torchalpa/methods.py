@@ -44,7 +44,8 @@ class AutoShardingOption:
     (FSDP's reshard-after-forward, ZeRO-3); trades communication for memory."""
     pin: tuple = ()
     """Fixed layouts: ``{regex: placements}`` (or pairs) matched against parameter names
-    and user inputs ('input0', ...), e.g. ``{"layers[.]0[.]wq[.]weight": ("R", "S(0)")}``;
+    and user inputs (named after forward's arguments, e.g. 'input_ids'), e.g.
+    ``{"layers[.]0[.]wq[.]weight": ("R", "S(0)")}``;
     ``"*"`` on an axis leaves that axis to the ILP. Pins override ``parameters``."""
     random: str = "sharded"
     """Random ops (dropout masks, ``rand``): 'sharded' lets each device draw its own block
@@ -65,9 +66,11 @@ class AutoShardingOption:
         for pattern, placements in pin:
             if isinstance(placements, str):
                 placements = (placements,)
-            from torchalpa.placement import parse_placements
+            from torchalpa.placement import check_placement, parse_placements, short_form
+            placements = tuple(p if isinstance(p, str) else short_form(check_placement(p))
+                               for p in placements)   # torch's Shard(0) or "S(0)"
             parse_placements([p for p in placements if p != "*"])  # the error names a bad one
-            normalized.append((str(pattern), tuple(str(p) for p in placements)))
+            normalized.append((str(pattern), placements))
         object.__setattr__(self, "pin", tuple(normalized))
         if self.solver not in ("cbc", "highs"):
             raise ValueError(f"AutoShardingOption.solver must be 'cbc' or 'highs', "

@@ -46,10 +46,10 @@ def _check_cluster(cluster: Cluster) -> Cluster:
 def plan_pipeshard(model: nn.Module, example_inputs, loss_fn, *, method: PipeshardParallel,
                    cluster: Cluster, inputs: str = "global") -> PipelinePlan:
     """The pipeline plan, without processes or real weights."""
-    from torchalpa.frontends.torch_export import capture
+    from torchalpa.api import _capture_step
     from torchalpa.passes.inter_op import plan_pipeline
     micro = _micro_examples(example_inputs, method.num_micro_batches)
-    captured = capture(model, micro, loss_fn, rematerialize_parameters=(
+    captured = _capture_step(model, micro, loss_fn, rematerialize_parameters=(
         method.auto_sharding_option.rematerialize_parameters))
     return _cached(captured.graph, _check_cluster(cluster), method, inputs,
                    lambda: plan_pipeline(captured.graph, cluster, method, inputs=inputs))
@@ -59,17 +59,30 @@ def _cached(graph, cluster: Cluster, method: PipeshardParallel, inputs: str, sol
     """The plan cached for this (graph, cluster, method), else ``solve()`` (then cached).
     Profiled plans depend on measurements and are never cached."""
     from torchalpa import cache
+    from torchalpa.progress import step
+
+    def solve_and_say():
+        with step(f"pipeline stages for {cluster.num_nodes}x{cluster.devices_per_node} "
+                  "devices solving") as progress:
+            plan = solve()
+            progress.done = (f"{len(plan.stages)} stages, est "
+                             f"{plan.estimates.get('step_time_s', 0) * 1e3:.3g} ms/step")
+        return plan
+
     if method.stage_option == "profile":
-        return solve()
+        return solve_and_say()
     from torchalpa.plan_check import check_plan
     fingerprint = graph.fingerprint()
     key = cache.plan_key(fingerprint, cluster, method, inputs)
     found = cache.load_cached(key, lambda p, source: check_plan(
         p, fingerprint=fingerprint, source=source))
     if isinstance(found, PipelinePlan):
+        log.info("pipeline plan from the cache: %d stages, est %.3g ms/step", len(found.stages),
+                 found.estimates.get("step_time_s", 0) * 1e3)
         return found
-    plan = solve()
+    plan = solve_and_say()
     cache.store(key, plan)
+    cache.trim()
     return plan
 
 
@@ -78,7 +91,6 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
                        plan: PipelinePlan | None, mixed_precision=None):
     from torch.distributed.device_mesh import DeviceMesh
     from torchalpa import api
-    from torchalpa.frontends.torch_export import capture
     from torchalpa.passes.inter_op import plan_pipeline
     from torchalpa.runtime import mesh as mesh_mod
     from torchalpa.runtime.pipeline import PipelineRunner, lower_stage, transfer_specs
@@ -93,7 +105,8 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
                          "describe the cluster this job runs on")
     start = time.perf_counter()
     traced = api._with_precision(model, mixed_precision)
-    captured = capture(traced, _micro_examples(example_inputs, method.num_micro_batches), loss_fn,
+    captured = api._capture_step(traced, _micro_examples(example_inputs,
+                                                         method.num_micro_batches), loss_fn,
                        rematerialize_parameters=(
                            method.auto_sharding_option.rematerialize_parameters))
     fingerprint = captured.graph.fingerprint()

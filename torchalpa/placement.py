@@ -1,66 +1,62 @@
 """Placement types: how one tensor is laid out along one mesh axis.
 
-DTensor's vocabulary, as small frozen values that the planner can use without importing
-torch: ``Shard(dim)``, ``Replicate()``, ``Partial(op)``. A tensor's layout on an N-D mesh
-is a tuple with one placement per mesh axis (``Placements``). ``repr`` prints the form
-DTensor prints and the plan JSON stores (``Shard(0)``); ``str`` the short form used in
-logs and summaries (``S(0)``, ``R``, ``P``).
+DTensor's own vocabulary, re-exported: ``Shard(dim)``, ``Replicate()`` and ``Partial(op)``
+*are* ``torch.distributed.tensor.Shard`` / ``Replicate`` / ``Partial`` (frozen, hashable
+values), so a placement from a plan can be handed to ``distribute_tensor`` as it is, and
+one written by hand with torch's classes is understood by torchalpa. The planner supports
+``Partial`` with ``sum`` or ``avg`` (``check_placement``). A tensor's layout on an N-D
+mesh is a tuple with one placement per mesh axis (``Placements``).
+
+Text forms are torchalpa's own and stable across torch versions: ``format_placements``
+writes what the plan JSON stores (``Shard(0)``, ``Replicate()``, ``Partial(sum)``), and
+``short`` the compact form used in logs and summaries (``S(0)R``, ``P``).
+``parse_placement`` reads both, and torch's ``Shard(dim=0)`` as well (old plans too).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Union
+
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 __all__ = [
     "Shard", "Replicate", "Partial", "Placement", "Placements",
     "parse_placement", "format_placements", "parse_placements", "replicated", "short",
-    "local_shape",
+    "local_shape", "check_placement", "long_form", "short_form",
 ]
 
 _REDUCE_OPS = ("sum", "avg")
 
 
-@dataclass(frozen=True, slots=True)
-class Shard:
-    """The tensor is split evenly along ``dim`` across the devices of the axis."""
-
-    dim: int
-
-    def __repr__(self) -> str:
-        return f"Shard({self.dim})"
-
-    def __str__(self) -> str:
-        return f"S({self.dim})"
-
-
-@dataclass(frozen=True, slots=True)
-class Replicate:
-    """Every device of the axis holds the whole tensor."""
-
-    def __repr__(self) -> str:
-        return "Replicate()"
-
-    def __str__(self) -> str:
-        return "R"
+def check_placement(p) -> "Placement":
+    """``p`` if the planner supports it, else a ``ValueError`` naming what it accepts."""
+    if isinstance(p, Partial):
+        if p.reduce_op not in _REDUCE_OPS:
+            raise ValueError(f"Partial reduce_op must be one of {_REDUCE_OPS}, got "
+                             f"{p.reduce_op!r}")
+    elif not isinstance(p, (Shard, Replicate)):
+        raise TypeError(f"a placement must be torch.distributed.tensor Shard(dim), Replicate() "
+                        f"or Partial(op), got {p!r} ({type(p).__name__})")
+    return p
 
 
-@dataclass(frozen=True, slots=True)
-class Partial:
-    """Every device holds a partial value; the true value is their ``reduce_op``."""
+def long_form(p) -> str:
+    """``Shard(0)`` / ``Replicate()`` / ``Partial(sum)``: the plan JSON's form."""
+    if isinstance(p, Shard):
+        return f"Shard({p.dim})"
+    if isinstance(p, Partial):
+        return f"Partial({p.reduce_op})"
+    return "Replicate()"
 
-    reduce_op: str = "sum"
 
-    def __post_init__(self):
-        if self.reduce_op not in _REDUCE_OPS:
-            raise ValueError(f"Partial reduce_op must be one of {_REDUCE_OPS}, got {self.reduce_op!r}")
-
-    def __repr__(self) -> str:
-        return f"Partial({self.reduce_op})"
-
-    def __str__(self) -> str:
-        return "P" if self.reduce_op == "sum" else f"P({self.reduce_op})"
+def short_form(p) -> str:
+    """``S(0)`` / ``R`` / ``P`` (``P(avg)`` for a mean)."""
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Partial):
+        return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
+    return "R"
 
 
 Placement = Union[Shard, Replicate, Partial]
@@ -69,7 +65,8 @@ Placements = tuple  # tuple[Placement, ...], one per mesh axis
 _PATTERNS = [
     (re.compile(r"^(?:Shard\((?:dim=)?(-?\d+)\)|S\((-?\d+)\))$"), lambda m: Shard(int(m.group(1) or m.group(2)))),
     (re.compile(r"^(?:Replicate\(\)|R)$"), lambda m: Replicate()),
-    (re.compile(r"^(?:Partial\((?:reduce_op=)?'?(\w+)'?\)|P\((\w+)\))$"), lambda m: Partial(m.group(1) or m.group(2))),
+    (re.compile(r"^(?:Partial\((?:reduce_op=)?'?(\w+)'?\)|P\((\w+)\))$"),
+     lambda m: check_placement(Partial(m.group(1) or m.group(2)))),
     (re.compile(r"^(?:Partial\(\)|P)$"), lambda m: Partial()),
 ]
 
@@ -90,12 +87,12 @@ def parse_placements(texts) -> Placements:
 
 def format_placements(placements: Placements) -> list[str]:
     """The JSON form: one DTensor-style string per mesh axis."""
-    return [repr(p) for p in placements]
+    return [long_form(p) for p in placements]
 
 
 def short(placements: Placements) -> str:
     """Compact form for logs: ``S(0)R`` for (Shard(0), Replicate())."""
-    return "".join(str(p) for p in placements)
+    return "".join(short_form(p) for p in placements)
 
 
 def replicated(num_axes: int) -> Placements:

@@ -253,13 +253,26 @@ class Plan:
             counts[(c.phase, c.kind)] = counts.get((c.phase, c.kind), 0) + 1
         return counts
 
-    def summary(self) -> str:
+    def summary(self, *, detail: str = "short", filter: str | None = None) -> str:
+        """One screen: repeated layers folded, communication by module, the ten costliest
+        collectives. ``detail="full"`` lists every row; ``filter`` is a glob over
+        parameter names and module paths (``"layers.0.*"``)."""
         from torchalpa.report import plan_summary
-        return plan_summary(self)
+        return plan_summary(self, detail=detail, filter=filter)
 
     def explain(self, name: str) -> str:
         from torchalpa.report import explain
         return explain(self, name)
+
+    def to_html(self, path) -> None:
+        """Write one self-contained HTML page picturing the plan (``torchalpa.pictures``)."""
+        from torchalpa.pictures import plan_html
+        Path(path).write_text(plan_html(self), encoding="utf-8")
+
+    def to_chrome_trace(self, path) -> None:
+        """Write the estimated step as a Chrome / Perfetto trace (JSON)."""
+        from torchalpa.pictures import write_chrome_trace
+        write_chrome_trace(self, path)
 
     def __str__(self) -> str:
         return self.summary()
@@ -428,15 +441,32 @@ class PipelinePlan:
             raise ValueError(f"{path} holds a {type(plan).__name__}, not a {cls.__name__}")
         return plan
 
-    def summary(self) -> str:
+    def summary(self, *, detail: str = "short", filter: str | None = None) -> str:
+        """The stages, transfers and timeline; ``detail="full"`` (or a ``filter``) adds
+        each stage's own plan summary."""
         from torchalpa.report import pipeline_summary
-        return pipeline_summary(self)
+        text = pipeline_summary(self)
+        if detail != "short" or filter is not None:
+            for s in self.stages:
+                text += f"\n\nstage {s.index}:\n" + s.plan.summary(detail=detail, filter=filter)
+        return text
 
     def explain(self, name: str) -> str:
         for s in self.stages:
             if any(p.name == name for p in s.plan.parameters) or name in s.plan._strategy_index():
                 return f"stage {s.index} (ranks {list(s.ranks)}):\n" + s.plan.explain(name)
-        raise KeyError(f"{name!r} is in no stage of this plan")
+        from torchalpa.report import NameNotInPlan, _names
+        raise NameNotInPlan(name, [n for s in self.stages for n in _names(s.plan)])
+
+    def to_html(self, path) -> None:
+        """Write one self-contained HTML page picturing the plan (``torchalpa.pictures``)."""
+        from torchalpa.pictures import plan_html
+        Path(path).write_text(plan_html(self), encoding="utf-8")
+
+    def to_chrome_trace(self, path) -> None:
+        """Write the estimated step as a Chrome / Perfetto trace (JSON)."""
+        from torchalpa.pictures import write_chrome_trace
+        write_chrome_trace(self, path)
 
     def __str__(self) -> str:
         return self.summary()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+import fnmatch
 from collections import Counter
 
-from torchalpa.placement import short
+from torchalpa.fold import fold, op_label, template
+from torchalpa.placement import long_form, short
 
-__all__ = ["plan_summary", "explain", "format_bytes"]
+__all__ = ["plan_summary", "explain", "format_bytes", "NameNotInPlan", "wire_bytes",
+           "tensor_labels", "DETAILS", "rollup_by_module"]
 
 
 def format_bytes(n: float) -> str:
@@ -20,43 +24,34 @@ def format_bytes(n: float) -> str:
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*header), fmt.format(*["-" * w for w in widths])] + \
-        [fmt.format(*[str(c) for c in r]) for r in rows]
+    return [fmt.format(*header).rstrip(), fmt.format(*["-" * w for w in widths])] + \
+        [fmt.format(*[str(c) for c in r]).rstrip() for r in rows]
 
 
-def plan_summary(plan) -> str:
-    est = plan.estimates
-    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape))
-    lines = [f"torchalpa plan  mesh [{mesh}]  method {plan.method.get('name', '?')}"]
-    if est:
-        lines.append(
-            f"estimated step {est.get('step_time_s', 0) * 1e3:.3f} ms "
-            f"(compute {est.get('compute_s', 0) * 1e3:.3f} ms, communication "
-            f"{est.get('communication_s', 0) * 1e3:.3f} ms); memory per device "
-            f"{format_bytes(est.get('memory_per_device_bytes', 0))} (model states "
-            f"{format_bytes(est.get('model_state_bytes_per_device', 0))}, activations "
-            f"{format_bytes(est.get('activation_bytes_per_device', 0))})")
+DETAILS = ("short", "full")
+_TOP = 10
+_TOP_MODULES = 8
+
+
+def plan_summary(plan, *, detail: str = "short", filter: str | None = None) -> str:
+    """The plan on one screen (``detail="short"``: repeated layers folded, communication
+    rolled up by module, the ten costliest collectives) or every row (``"full"``).
+    ``filter``: a glob over parameter names and collective module paths
+    (``"layers.0.*"``, ``"*mlp*"``)."""
+    if detail not in DETAILS:
+        raise ValueError(f"detail must be one of {DETAILS}, got {detail!r}")
+    params = [p for p in plan.parameters if _selected(p.name, filter)]
+    collectives = [c for c in plan.collectives if _selected(c.source or "<top>", filter)]
+    lines = _header(plan)
     lines.append("")
-    lines.append("parameters:")
-    rows = [[p.name, "x".join(map(str, p.shape)), short(p.placements)] for p in plan.parameters]
-    lines += ["  " + r for r in _table(rows, ["name", "shape", "placement"])]
+    lines += _parameter_lines(params, detail, filter)
     if plan.inputs:
         lines.append("")
         lines.append("inputs:")
         rows = [[p.name, "x".join(map(str, p.shape)), short(p.placements)] for p in plan.inputs]
         lines += ["  " + r for r in _table(rows, ["name", "shape", "placement"])]
     lines.append("")
-    total = sum(c.bytes for c in plan.collectives)
-    lines.append(f"collectives per step: {len(plan.collectives)} "
-                 f"({format_bytes(total)} contributed per rank)")
-    if plan.collectives:
-        rows = [[c.phase, c.kind + (f"({c.reduce_op})" if c.reduce_op not in (None, 'sum') else ""),
-                 plan.axis_names[c.axis], format_bytes(c.bytes), c.source or "<top>", c.tensor]
-                for c in plan.collectives]
-        lines += ["  " + r for r in _table(rows, ["phase", "kind", "axis", "bytes", "source",
-                                                  "tensor"])]
-        counts = Counter((c.phase, c.kind) for c in plan.collectives)
-        lines.append("  totals: " + ", ".join(f"{k[0]} {k[1]} x{v}" for k, v in sorted(counts.items())))
+    lines += _collective_lines(plan, collectives, detail)
     if plan.unsupported_ops:
         lines.append("")
         lines.append("ops without a sharding rule (run replicated):")
@@ -64,7 +59,176 @@ def plan_summary(plan) -> str:
             lines.append(f"  {u['op']}  node {u['node']}" + (f"  module {u['module']}" if u.get("module") else ""))
     for note in plan.notes:
         lines.append(f"note: {note}")
+    if detail == "short":
+        lines.append("(summary(detail='full') lists every parameter and collective; "
+                     "filter='layers.0.*' narrows it)")
     return "\n".join(lines)
+
+
+def _selected(name: str, pattern: str | None) -> bool:
+    return pattern is None or fnmatch.fnmatchcase(name, pattern)
+
+
+def _header(plan) -> list[str]:
+    est = plan.estimates
+    mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.axis_names, plan.mesh_shape))
+    lines = [f"torchalpa plan  mesh [{mesh}] ({plan.num_devices} devices)  "
+             f"method {plan.method.get('name', '?')}"]
+    if est:
+        budget = est.get("memory_budget_per_device_bytes")
+        lines.append(
+            f"estimated step {est.get('step_time_s', 0) * 1e3:.4g} ms "
+            f"(compute {est.get('compute_s', 0) * 1e3:.4g}, communication "
+            f"{est.get('communication_s', 0) * 1e3:.4g}); memory per device "
+            f"{format_bytes(est.get('memory_per_device_bytes', 0))}"
+            + (f" of {format_bytes(budget)}" if budget else "")
+            + f" (states {format_bytes(est.get('model_state_bytes_per_device', 0))}, "
+            f"activations {format_bytes(est.get('activation_bytes_per_device', 0))})")
+    return lines
+
+
+def _parameter_lines(params, detail: str, filter: str | None) -> list[str]:
+    shown = f" matching {filter!r}" if filter else ""
+    if detail == "full":
+        rows = [[p.name, "x".join(map(str, p.shape)), short(p.placements)] for p in params]
+        return [f"parameters{shown}: {len(params)}"] + \
+            ["  " + r for r in _table(rows, ["name", "shape", "placement"])]
+    folded = fold((p.name, ("x".join(map(str, p.shape)), short(p.placements))) for p in params)
+    rows = [[name, shape, layout, f"x{n}" if n > 1 else ""]
+            for name, (shape, layout), n in folded]
+    head = f"parameters{shown}: {len(params)}"
+    if len(folded) < len(params):
+        head += f" ({len(folded)} rows, repeated layers folded)"
+    return [head] + ["  " + r for r in _table(rows, ["name", "shape", "placement", "count"])]
+
+
+def wire_bytes(plan, c) -> float:
+    """Bytes one rank sends for collective ``c`` (the alpha-beta traffic factors)."""
+    n = plan.mesh_shape[c.axis] if c.axis is not None and c.axis < len(plan.mesh_shape) else 2
+    if n <= 1:
+        return 0.0
+    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
+              "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / (2 * n)}
+    return c.bytes * factor.get(c.kind, 1.0)
+
+
+def tensor_labels(plan) -> dict[str, str]:
+    """Graph node -> what a person calls it: ``grad layers.3.mlp.up_proj.weight``, a
+    parameter or input name; nodes not here are shown as their op (``permute``)."""
+    labels = {v.node: v.name for v in tuple(plan.parameters) + tuple(plan.inputs)}
+    for r in plan.reshards:
+        if isinstance(r.slot, str) and r.slot.startswith("grad:"):
+            labels.setdefault(r.producer, "grad " + r.slot[len("grad:"):])
+    return labels
+
+
+def _kind(c) -> str:
+    return c.kind + (f"({c.reduce_op})" if c.reduce_op not in (None, "sum") else "")
+
+
+def _collective_lines(plan, collectives, detail: str) -> list[str]:
+    total = sum(c.bytes for c in collectives)
+    wire = sum(wire_bytes(plan, c) for c in collectives)
+    lines = [f"collectives per step: {len(collectives)} ({format_bytes(total)} contributed, "
+             f"{format_bytes(wire)} sent per rank)"]
+    if not collectives:
+        return lines
+    labels = tensor_labels(plan)
+
+    def axis(c):
+        return plan.axis_names[c.axis] if c.axis is not None else "-"
+
+    def label(c):
+        return labels.get(c.tensor) or op_label(c.tensor)
+
+    if detail == "full":
+        # every row: a value without a name keeps its graph node's, which explain() takes
+        rows = [[c.phase, _kind(c), axis(c), format_bytes(c.bytes), c.source or "<top>",
+                 labels.get(c.tensor, c.tensor)] for c in collectives]
+        lines += ["  " + r for r in _table(rows, ["phase", "kind", "axis", "bytes", "source",
+                                                  "tensor"])]
+    else:
+        lines += _by_module(plan, collectives, wire)
+        lines.append(f"  costliest {_TOP} (bytes sent per rank; identical layers folded):")
+        groups: dict = {}
+        for c in collectives:
+            tmpl, idx = template(c.source or "<top>")
+            key = (tmpl, template(label(c))[0], c.phase, _kind(c), axis(c), c.bytes)
+            groups.setdefault(key, []).append((c, idx))
+        ranked = sorted(groups.items(), key=lambda kv: -sum(wire_bytes(plan, c) for c, _ in kv[1]))
+        rows = []
+        for (tmpl, _, phase, kind, ax, nbytes), members in ranked[:_TOP]:
+            source = fold((c.source or "<top>", 0) for c, _ in members)[0][0]
+            tensor = fold((label(c), 0) for c, _ in members)[0][0]
+            if tensor.startswith(f"grad {source}."):       # the module is in its own column
+                tensor = "grad " + tensor[len(f"grad {source}."):]
+            rows.append([phase, kind, ax, format_bytes(nbytes),
+                         f"x{len(members)}" if len(members) > 1 else "",
+                         format_bytes(sum(wire_bytes(plan, c) for c, _ in members)),
+                         source, tensor])
+        lines += ["    " + r for r in _table(rows, ["phase", "kind", "axis", "bytes", "count",
+                                                    "sent", "module", "tensor"])]
+    counts = Counter((c.phase, c.kind) for c in collectives)
+    phases = dict.fromkeys(phase for phase, _ in sorted(counts, key=lambda k: k[0] != "forward"))
+    lines.append("  totals: " + "; ".join(
+        phase + " " + ", ".join(f"{kind} x{n}" for (p, kind), n in sorted(counts.items())
+                                if p == phase) for phase in phases))
+    return lines
+
+
+def rollup_by_module(plan, collectives) -> list[tuple[float, str, tuple, int, list]]:
+    """Collectives grouped by folded module, costliest first: rows of (bytes sent per
+    rank, folded module name, ((kind, count per module), ...), modules, collectives)."""
+    by: dict[str, list] = {}
+    for c in collectives:
+        by.setdefault(c.source or "<top>", []).append(c)
+    groups: dict[tuple, list[tuple[str, list]]] = {}
+    for src, cs in by.items():
+        kinds = tuple(sorted(Counter(_kind(c) for c in cs).items()))
+        groups.setdefault((template(src)[0], kinds), []).append((src, cs))
+    rows = []
+    for (_, kinds), modules in groups.items():
+        members = [c for _, cs in modules for c in cs]
+        name = fold((src, 0) for src, _ in modules)[0][0]
+        rows.append((sum(wire_bytes(plan, c) for c in members), name, kinds, len(modules),
+                     members))
+    return sorted(rows, key=lambda r: -r[0])
+
+
+def _by_module(plan, collectives, wire_total: float) -> list[str]:
+    """Communication rolled up by (folded) module, costliest first."""
+    rows = rollup_by_module(plan, collectives)
+    out = [f"  by module ({len(rows)} rows, costliest first):"]
+    table = [[name + (f"  x{n}" if n > 1 else ""), str(len(members)),
+              ", ".join(k + (f" x{v}" if v > 1 else "") for k, v in kinds), format_bytes(sent),
+              f"{100 * sent / wire_total:.0f}%" if wire_total else "-"]
+             for sent, name, kinds, n, members in rows[:_TOP_MODULES]]
+    out += ["    " + r for r in _table(table, ["module", "collectives", "kinds (per module)",
+                                              "sent", "share"])]
+    if len(rows) > _TOP_MODULES:
+        rest = rows[_TOP_MODULES:]
+        out.append(f"    ... {len(rest)} more modules, {format_bytes(sum(r[0] for r in rest))} "
+                   "sent")
+    return out
+
+
+class NameNotInPlan(KeyError):
+    """``explain`` of a name the plan does not have; the message suggests close ones."""
+
+    def __init__(self, name: str, known: list[str]):
+        close = difflib.get_close_matches(name, known, n=5, cutoff=0.6)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else \
+            f"; it has {len(known)} names, e.g. {', '.join(known[:4])} (plan.summary() lists them)"
+        super().__init__(f"{name!r} is neither a parameter, an input nor an op of this plan"
+                         + hint)
+
+    def __str__(self) -> str:      # KeyError would print the message quoted
+        return self.args[0]
+
+
+def _names(plan) -> list[str]:
+    params = [p.name for p in tuple(plan.parameters) + tuple(plan.inputs)]
+    return params + [s.node for s in plan.strategies]
 
 
 def explain(plan, name: str) -> str:
@@ -73,12 +237,12 @@ def explain(plan, name: str) -> str:
     if value is not None:
         node = value.node
         head = f"{value.name}: shape {list(value.shape)}, placement {short(value.placements)} " \
-               f"({', '.join(repr(p) for p in value.placements)})"
+               f"({', '.join(long_form(p) for p in value.placements)})"
     else:
         try:
             strategy = plan.strategy(name)
         except KeyError:
-            raise KeyError(f"{name!r} is neither a parameter, an input nor an op of this plan") from None
+            raise NameNotInPlan(name, _names(plan)) from None
         node = name
         head = f"op {name}: strategy {strategy}"
     moves = [c for c in plan.collectives if c.tensor == node]

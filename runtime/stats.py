@@ -1,0 +1,108 @@
+"""``pm.last_step_stats()``: what the last step measured, next to what the plan said.
+
+The clock starts when a step starts (a call of the module, or ``train_step``) and stops
+when its last part ends (backward for ``loss.backward()``, the optimizer step for
+``train_step``). On CUDA it records events instead of synchronizing, so timing costs the
+step nothing; ``last_step_stats()`` waits for the end event. Peak memory is the device's
+``max_memory_allocated`` on CUDA, the process's peak resident set on a CPU.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["StepClock", "StepStats"]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step, measured and as the plan estimated it (``None`` where unknown)."""
+
+    step_time_s: float
+    tokens: int
+    tokens_per_s: float
+    peak_memory_bytes: int
+    peak_memory_kind: str              # "device (max_memory_allocated)" or "host RSS"
+    planned_bytes_sent: int            # what the plan's collectives contribute per rank
+    planned_collectives: int
+    estimated_step_time_s: float | None
+    estimated_memory_bytes: float | None
+    includes: str                      # "forward+backward" or "forward+backward+optimizer"
+
+    def __str__(self) -> str:
+        from torchalpa.report import format_bytes
+
+        def est(v, f):
+            return f"(plan: {f(v)})" if v is not None else "(plan: -)"
+        return "\n".join([
+            f"step ({self.includes}): {self.step_time_s * 1e3:.2f} ms "
+            + est(self.estimated_step_time_s, lambda v: f"{v * 1e3:.2f} ms"),
+            f"tokens/s: {self.tokens_per_s:,.0f} ({self.tokens} tokens)",
+            f"peak memory, {self.peak_memory_kind}: {format_bytes(self.peak_memory_bytes)} "
+            + est(self.estimated_memory_bytes, format_bytes),
+            f"sent per rank as planned: {format_bytes(self.planned_bytes_sent)} in "
+            f"{self.planned_collectives} collectives"])
+
+
+def _tokens(inputs) -> int:
+    """Tokens of the batch: the elements of the first integer input (token ids), else the
+    batch size of the first input."""
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dim() >= 1:
+            return int(x.numel())
+    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() >= 1), None)
+    return int(first.shape[0]) if first is not None else 0
+
+
+class StepClock:
+    """Start/stop around a step; ``stats`` reads the last complete one."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self._start = self._last = None
+        self._tokens = 0
+
+    def _mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self, inputs) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self._start = self._mark()
+        self._tokens = _tokens(inputs)
+
+    def stop(self, includes: str) -> None:
+        if self._start is None:
+            return
+        self._last = (self._start, self._mark(), self._tokens, includes)
+        self._start = None
+
+    def stats(self, plan, num_micro_batches: int = 1) -> StepStats:
+        if self._last is None:
+            raise ValueError("no step has completed yet: call the module and loss.backward(), "
+                             "or train_step, before last_step_stats()")
+        start, end, tokens, includes = self._last
+        if self.cuda:
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+            peak, kind = torch.cuda.max_memory_allocated(), "device (max_memory_allocated)"
+        else:
+            seconds = end - start
+            peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host RSS"
+        est = plan.estimates
+        return StepStats(
+            step_time_s=seconds, tokens=tokens,
+            tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
+            peak_memory_bytes=int(peak), peak_memory_kind=kind,
+            planned_bytes_sent=sum(c.bytes for c in plan.collectives) * num_micro_batches,
+            planned_collectives=len(plan.collectives) * num_micro_batches,
+            estimated_step_time_s=est.get("step_time_s"),
+            estimated_memory_bytes=est.get("memory_per_device_bytes"), includes=includes)

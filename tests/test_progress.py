@@ -1,0 +1,78 @@
+"""What a person sees while torchalpa works: progress lines, log levels, the plan cache."""
+
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchalpa
+from torchalpa import cache, progress
+
+
+def test_plan_reports_capture_and_each_mesh(caplog, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHALPA_CACHE_DIR", str(tmp_path))
+    caplog.set_level(logging.INFO, logger="torchalpa")
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+        x, y = torch.empty(8, 32), torch.empty(8, 32)
+    method = torchalpa.ShardParallel(logical_mesh_shape=(2,))
+    torchalpa.plan(model, (x, y), F.mse_loss, method=method,
+                   cluster=torchalpa.Cluster.local_cpu(2))
+    text = caplog.text
+    assert "capturing the training step: " in text and "4 parameters" in text
+    assert "mesh 1/1 (2) solving: " in text and "ms/step" in text
+    # the second time the plan comes from the cache, and says so
+    caplog.clear()
+    torchalpa.plan(model, (x, y), F.mse_loss, method=method,
+                   cluster=torchalpa.Cluster.local_cpu(2))
+    assert "mesh 1/1 (2) solving: " in caplog.text and "cached" in caplog.text
+
+
+def test_log_level_from_environment(monkeypatch):
+    monkeypatch.setenv("TORCHALPA_LOG", "warning")
+    progress.setup_logging()
+    assert not progress.log.isEnabledFor(logging.INFO)
+    monkeypatch.setenv("TORCHALPA_LOG", "debug")
+    progress.setup_logging()
+    assert progress.log.isEnabledFor(logging.DEBUG)
+    monkeypatch.setenv("TORCHALPA_LOG", "loud")
+    with pytest.raises(ValueError, match="TORCHALPA_LOG must be one of"):
+        progress.setup_logging()
+    monkeypatch.setenv("TORCHALPA_LOG", "info")
+    progress.setup_logging()
+
+
+def test_step_logs_failure(caplog):
+    caplog.set_level(logging.INFO, logger="torchalpa")
+    with pytest.raises(RuntimeError):
+        with progress.step("solving"):
+            raise RuntimeError("boom")
+    assert "solving: failed after" in caplog.text and "boom" in caplog.text
+
+
+def _plan_file(root, key, size, mtime):
+    path = root / f"{key}.json"
+    path.write_text(json.dumps({"version": 1, "mesh": {"shape": [2, 4]},
+                                "method": {"name": "ShardParallel"},
+                                "estimates": {"step_time_s": 0.012}, "pad": "x" * size}))
+    import os
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_cache_list_trim_clear(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHALPA_CACHE_DIR", str(tmp_path))
+    for i in range(4):
+        _plan_file(tmp_path, f"k{i}", 1000, 1_000_000 + i)
+    listed = cache.entries()
+    assert [e.key for e in listed] == ["k3", "k2", "k1", "k0"]          # newest first
+    assert listed[0].description == "ShardParallel mesh 2x4, est 12 ms/step"
+    assert cache.trim(limit=2500) == 2                                   # the two oldest go
+    assert [e.key for e in cache.entries()] == ["k3", "k2"]
+    assert cache.clear()[0] == 2 and cache.entries() == []
+    monkeypatch.setenv("TORCHALPA_CACHE_MAX_MB", "lots")
+    with pytest.raises(ValueError, match="TORCHALPA_CACHE_MAX_MB"):
+        cache.max_bytes()

@@ -1,0 +1,79 @@
+"""Readable plans: folded layers, communication by module, explain's suggestions."""
+
+import pytest
+
+from torchalpa.fold import fold, fold_indices, template
+from torchalpa.placement import Replicate, Shard
+from torchalpa.plan import Collective, Plan, Reshard, ValuePlacement
+
+LAYER = {"input_layernorm.weight": (64,), "self_attn.q_proj.weight": (64, 64),
+         "self_attn.o_proj.weight": (64, 64), "mlp.up_proj.weight": (256, 64),
+         "mlp.down_proj.weight": (64, 256)}
+
+
+def synthetic_plan(num_layers: int, odd_layer: int | None = None) -> Plan:
+    """A plan shaped like a decoder's: the same parameters and collectives per layer."""
+    params, collectives, reshards = [], [], []
+    for i in range(num_layers):
+        for j, (name, shape) in enumerate(LAYER.items()):
+            full = f"layers.{i}.{name}"
+            dim = 1 if (i == odd_layer and "up_proj" in name) else 0
+            node = f"arg{i * 10 + j}_1"
+            params.append(ValuePlacement(full, node, shape, (Replicate(), Shard(dim))))
+            module = full.rsplit(".", 1)[0]
+            grad = f"permute_{i * 10 + j}"
+            collectives.append(Collective("all_reduce", 0, 4 * shape[0] * shape[-1], "backward",
+                                          module, grad))
+            reshards.append(Reshard(grad, 0, "<output>", f"grad:{full}", ()))
+        collectives.append(Collective("all_reduce", 1, 1 << 20, "forward",
+                                      f"layers.{i}.mlp.down_proj", f"mm_{i}"))
+    params.append(ValuePlacement("lm_head.weight", "arg_lm", (1000, 64), (Shard(0), Shard(1))))
+    return Plan(mesh_shape=(2, 4), axis_names=("dp", "tp"), parameters=tuple(params),
+                inputs=(ValuePlacement("input_ids", "arg_in", (8, 128), (Shard(0), Replicate())),),
+                strategies=(), reshards=tuple(reshards), collectives=tuple(collectives),
+                estimates={"step_time_s": 0.1, "memory_per_device_bytes": 1 << 30},
+                method={"name": "ShardParallel"})
+
+
+def test_fold_helpers():
+    assert template("model.layers.12.mlp.w") == ("model.layers.{}.mlp.w", (12,))
+    assert template("net.x12.w") == ("net.x12.w", ())
+    assert fold_indices([5, 0, 1, 2, 3, 7]) == "0..3,5,7"
+    rows = fold([("b.0.w", "R"), ("b.1.w", "R"), ("b.2.w", "S")])
+    assert rows == [("b.{0..1}.w", "R", 2), ("b.2.w", "S", 1)]
+
+
+def test_summary_fits_a_screen_whatever_the_depth():
+    small, deep = synthetic_plan(4).summary(), synthetic_plan(32).summary()
+    assert len(deep.splitlines()) == len(small.splitlines()) <= 50
+    assert "layers.{0..31}.mlp.up_proj.weight" in deep and "x32" in deep
+    assert "grad weight" in deep                   # gradients named, not permute_424
+    assert "input_ids" in deep
+    assert "permute" not in deep
+
+
+def test_a_layer_planned_differently_keeps_its_row():
+    text = synthetic_plan(8, odd_layer=5).summary()
+    assert "layers.{0..4,6..7}.mlp.up_proj.weight" in text
+    assert "layers.5.mlp.up_proj.weight" in text
+
+
+def test_full_detail_and_filter():
+    plan = synthetic_plan(4)
+    full = plan.summary(detail="full")
+    assert all(p.name in full for p in plan.parameters)
+    one = plan.summary(filter="layers.2.*")
+    assert "layers.2.mlp.up_proj.weight" in one and "layers.1." not in one
+    assert "collectives per step: 6 " in one
+    with pytest.raises(ValueError, match="detail must be one of"):
+        plan.summary(detail="everything")
+
+
+def test_explain_suggests_close_names():
+    plan = synthetic_plan(4)
+    assert "S(0)" in plan.explain("layers.1.mlp.up_proj.weight")
+    with pytest.raises(KeyError) as info:
+        plan.explain("layers.1.mlp.up_prj.weight")
+    message = str(info.value)
+    assert "did you mean 'layers.1.mlp.up_proj.weight'" in message
+    assert not message.startswith('"')          # not KeyError's quoted repr
