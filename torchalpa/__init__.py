@@ -13,10 +13,11 @@ from torchalpa.cluster import Cluster, LogicalMesh
 from torchalpa.methods import (AutoLayerOption, AutoShardingOption, DataParallel,
                                ManualStageOption, PipeshardParallel, ShardParallel,
                                UniformStageOption, Zero2Parallel, Zero3Parallel)
-from torchalpa.placement import Partial, Replicate, Shard
 from torchalpa.plan import PipelinePlan, Plan, load_plan
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
     from torchalpa.api import auto_parallel, plan
     from torchalpa.markers import mark_pipeline_boundary
     from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
@@ -36,6 +37,9 @@ _LAZY = {
     "RankFailedError": "torchalpa.runtime.faults",
     "save_pretrained": "torchalpa.runtime.export",
     "MixedPrecision": "torchalpa.runtime.precision",
+    # torch's own classes: torchalpa.Shard is torch.distributed.tensor.Shard
+    "Shard": "torchalpa.placement", "Replicate": "torchalpa.placement",
+    "Partial": "torchalpa.placement",
 }
 # Importing the submodule torchalpa.plan above bound the name `plan` to it; the public
 # `torchalpa.plan` is the function (torchalpa.api.plan), served by __getattr__ below.

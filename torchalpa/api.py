@@ -251,11 +251,13 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                               cluster=cluster, inputs=inputs, optimizer=optimizer, plan=plan,
                               num_micro_batches=num_micro_batches,
                               mixed_precision=mixed_precision, init_weights=init_weights,
-                              compile=compile)
+                              compile=compile, check_replicas=check_replicas,
+                              check_inputs=check_inputs)
 
 
 def _auto_parallel(model, example_inputs, loss_fn, *, method, mesh, cluster, inputs, optimizer,
-                   plan, num_micro_batches, mixed_precision, init_weights, compile):
+                   plan, num_micro_batches, mixed_precision, init_weights, compile,
+                   check_replicas, check_inputs):
     from torchalpa.runtime import mesh as mesh_mod
     from torchalpa.runtime.lower import lower
     from torchalpa.runtime.materialize import distribute_module_state

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
+import sys
 from typing import Callable
 
 __all__ = ["main", "build_parser", "parse_cluster"]

@@ -16,9 +16,11 @@ writes what the plan JSON stores (``Shard(0)``, ``Replicate()``, ``Partial(sum)`
 from __future__ import annotations
 
 import re
-from typing import Union
+from functools import cache
+from typing import TYPE_CHECKING, Union
 
-from torch.distributed.tensor import Partial, Replicate, Shard
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
 __all__ = [
     "Shard", "Replicate", "Partial", "Placement", "Placements",
@@ -29,8 +31,23 @@ __all__ = [
 _REDUCE_OPS = ("sum", "avg")
 
 
+@cache
+def _classes():
+    """torch's placement classes, imported on first use: importing torchalpa (its CLI's
+    ``--help``, a plan read for display) must not pay for importing torch."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    return Shard, Replicate, Partial
+
+
+def __getattr__(name: str):
+    if name in ("Shard", "Replicate", "Partial"):
+        return _classes()[("Shard", "Replicate", "Partial").index(name)]
+    raise AttributeError(f"module 'torchalpa.placement' has no attribute {name!r}")
+
+
 def check_placement(p) -> "Placement":
     """``p`` if the planner supports it, else a ``ValueError`` naming what it accepts."""
+    Shard, Replicate, Partial = _classes()
     if isinstance(p, Partial):
         if p.reduce_op not in _REDUCE_OPS:
             raise ValueError(f"Partial reduce_op must be one of {_REDUCE_OPS}, got "
@@ -43,6 +60,7 @@ def check_placement(p) -> "Placement":
 
 def long_form(p) -> str:
     """``Shard(0)`` / ``Replicate()`` / ``Partial(sum)``: the plan JSON's form."""
+    Shard, Replicate, Partial = _classes()
     if isinstance(p, Shard):
         return f"Shard({p.dim})"
     if isinstance(p, Partial):
@@ -52,6 +70,7 @@ def long_form(p) -> str:
 
 def short_form(p) -> str:
     """``S(0)`` / ``R`` / ``P`` (``P(avg)`` for a mean)."""
+    Shard, Replicate, Partial = _classes()
     if isinstance(p, Shard):
         return f"S({p.dim})"
     if isinstance(p, Partial):
@@ -59,15 +78,16 @@ def short_form(p) -> str:
     return "R"
 
 
-Placement = Union[Shard, Replicate, Partial]
+Placement = Union["Shard", "Replicate", "Partial"]
 Placements = tuple  # tuple[Placement, ...], one per mesh axis
 
 _PATTERNS = [
-    (re.compile(r"^(?:Shard\((?:dim=)?(-?\d+)\)|S\((-?\d+)\))$"), lambda m: Shard(int(m.group(1) or m.group(2)))),
-    (re.compile(r"^(?:Replicate\(\)|R)$"), lambda m: Replicate()),
+    (re.compile(r"^(?:Shard\((?:dim=)?(-?\d+)\)|S\((-?\d+)\))$"),
+     lambda m: _classes()[0](int(m.group(1) or m.group(2)))),
+    (re.compile(r"^(?:Replicate\(\)|R)$"), lambda m: _classes()[1]()),
     (re.compile(r"^(?:Partial\((?:reduce_op=)?'?(\w+)'?\)|P\((\w+)\))$"),
-     lambda m: check_placement(Partial(m.group(1) or m.group(2)))),
-    (re.compile(r"^(?:Partial\(\)|P)$"), lambda m: Partial()),
+     lambda m: check_placement(_classes()[2](m.group(1) or m.group(2)))),
+    (re.compile(r"^(?:Partial\(\)|P)$"), lambda m: _classes()[2]()),
 ]
 
 
@@ -96,11 +116,13 @@ def short(placements: Placements) -> str:
 
 
 def replicated(num_axes: int) -> Placements:
+    Shard, Replicate, Partial = _classes()
     return tuple(Replicate() for _ in range(num_axes))
 
 
 def local_shape(shape: tuple[int, ...], placements: Placements, mesh_shape) -> tuple[int, ...]:
     """The block of a tensor of global ``shape`` that one device holds."""
+    Shard, Replicate, Partial = _classes()
     out = list(shape)
     for axis, p in enumerate(placements):
         if isinstance(p, Shard):
