@@ -15,7 +15,9 @@ maps each to a small function that puts in the local sizes:
   and ``convolution_backward``'s ``bias_sizes`` is the local channel count.
 
 Device arguments point at this rank's device (the graph may have been captured on
-``meta``).
+``meta``), and every op is checked to have a kernel for that device type
+(``runtime.device_ops``): a CPU-only kernel in a program for CUDA fails here, on any
+machine, with the op and the model line that made it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from torchalpa.placement import Shard, local_shape
 from torchalpa.plan import NodeStrategy
+from torchalpa.runtime.device_ops import check_op
 
 __all__ = ["localize"]
 
@@ -145,5 +148,8 @@ def localize(node, args: list, kwargs: dict, strategy: NodeStrategy, mesh_shape,
         kwargs = dict(kwargs, device=device)
     rewrite = _REWRITES.get(str(node.target))
     if rewrite is None:
-        return node.target, args, kwargs
-    return rewrite(_Call(node, list(args), dict(kwargs), strategy, tuple(mesh_shape), device))
+        call = node.target, args, kwargs
+    else:
+        call = rewrite(_Call(node, list(args), dict(kwargs), strategy, tuple(mesh_shape), device))
+    check_op(node, call[0], torch.device(device).type)
+    return call

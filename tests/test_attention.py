@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchalpa
 from torchalpa.attention import sdpa
@@ -60,6 +61,34 @@ def test_op_matches_pytorch_forward_and_backward(kind):
         if b.requires_grad:
             assert a.grad is not None and a.grad.shape == b.shape
             torch.testing.assert_close(a.grad, b.grad)
+
+
+class _Passthrough(TorchDispatchMode):
+    """Like the runtime's collective counter: sees every op, changes nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_backward_op_runs_under_a_dispatch_mode():
+    """The backward recomputes attention under autograd inside the op's body; that must
+    work where a dispatch mode watches the ops (the runtime counts collectives so)."""
+    torch.manual_seed(0)
+    q, k, v, bias = torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8), \
+        torch.randn(2, 4, 4)
+    grad = torch.randn(2, 2, 4, 8)
+    with _Passthrough() as mode:
+        got = torch.ops.torchalpa.sdpa_bias_backward(grad, q, k, v, bias, False, None, False)
+    assert mode.ops == ["torchalpa.sdpa_bias_backward.default"]
+    ref = _leaves(q, k, v, bias)
+    F.scaled_dot_product_attention(*ref[:3], attn_mask=ref[3]).backward(grad)
+    for g, r in zip(got, ref):
+        torch.testing.assert_close(g, r.grad)
 
 
 class BiasedAttention(nn.Module):

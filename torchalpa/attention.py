@@ -17,7 +17,7 @@ does not apply):
 - ``torchalpa::sdpa_bias_backward(...)`` the same plus ``grad_attn_mask``, used when the
   additive mask requires a gradient (a learned attention bias: T5, ALiBi-style slopes).
 
-The backward recomputes the attention forward and differentiates it (``torch.func.vjp``; the
+The backward recomputes the attention forward under autograd and differentiates it (the
 fused kernels' saved statistics differ by backend and cannot be named device-neutrally).
 That costs one more attention forward in backward, which ``ATTENTION_RECOMPUTE`` tells
 the flop count. Eager autograd picks the kernel as it would for the user's own code
@@ -31,6 +31,7 @@ produce, gradients like their inputs), so ``torch.compile`` can trust the fake s
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -84,17 +85,37 @@ def _(query, key, value, attn_mask, is_causal, scale, enable_gqa):
     return query.new_empty_strided(shape, strides)
 
 
+_AUTOGRAD_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
+    "AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView")
+    if hasattr(torch._C.DispatchKey, name))
+
+
+@contextlib.contextmanager
+def _autograd_recording():
+    """Record autograd again inside a custom op's body.
+
+    The body runs below the Autograd dispatch keys (excluded in this thread), where
+    ``torch.autograd.grad`` sees no graph. ``torch.func.vjp`` would re-enable it, but its
+    wrapper tensors break under dispatch modes (collective counting, LocalTensorMode).
+    """
+    include = torch._C._dispatch_tls_local_include_set()
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _AUTOGRAD_KEYS:
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+        yield
+
+
 def _grads(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa,
            mask_grad: bool) -> tuple[torch.Tensor, ...]:
-    """Gradients of attention by recomputing it under ``torch.func.vjp`` (a custom op's
-    body runs below autograd, where ``torch.autograd.grad`` records nothing)."""
-    def attend(q, k, v, mask=attn_mask):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
-                                              scale=scale, enable_gqa=enable_gqa)
-
+    """Gradients of attention: recompute it under autograd and differentiate."""
     primals = (query, key, value, attn_mask) if mask_grad else (query, key, value)
-    _, pullback = torch.func.vjp(attend, *primals)
-    grads = pullback(grad_out)
+    with _autograd_recording():
+        leaves = [t.detach().requires_grad_(True) for t in primals]
+        mask = leaves[3] if mask_grad else attn_mask
+        out = F.scaled_dot_product_attention(*leaves[:3], attn_mask=mask, is_causal=is_causal,
+                                             scale=scale, enable_gqa=enable_gqa)
+        grads = torch.autograd.grad(out, leaves, grad_out)
     return tuple(_restride(g, ref.shape, _like_strides(ref)) for g, ref in zip(grads, primals))
 
 
