@@ -142,21 +142,42 @@ class Cluster:
     # -- presets ------------------------------------------------------------------------
     @classmethod
     def h100(cls, num_nodes: int = 1, devices_per_node: int = 8) -> "Cluster":
-        """H100 SXM 80GB nodes: bf16 dense ~989 TF/s (we assume ~60% reachable), NVLink 4
-        (~450 GB/s per direction per GPU), 400 Gb/s InfiniBand per GPU between nodes."""
-        return cls(num_nodes=num_nodes, devices_per_node=devices_per_node,
-                   memory_per_device=80 * GB, peak_flops=600e12, memory_bandwidth=3.35e12,
-                   intra_node_bandwidth=450 * GB, intra_node_latency=5e-6,
-                   inter_node_bandwidth=50 * GB, inter_node_latency=10e-6, name="h100")
+        """H100 SXM 80GB nodes: bf16 dense ~989 TF/s and fp32 67 TF/s (we assume ~60%
+        reachable, ``gpu_specs``), NVLink 4 (~450 GB/s per direction per GPU), 400 Gb/s
+        InfiniBand per GPU between nodes, 5 us per kernel launch."""
+        return cls._gpu_preset("H100", num_nodes, devices_per_node, memory_per_device=80 * GB,
+                               inter_node_bandwidth=50 * GB, name="h100")
+
+    @classmethod
+    def h200(cls, num_nodes: int = 1, devices_per_node: int = 8) -> "Cluster":
+        """H200 141GB nodes: H100 compute with 4.8 TB/s HBM3e, NVLink 4, 400 Gb/s between
+        nodes."""
+        return cls._gpu_preset("H200", num_nodes, devices_per_node, memory_per_device=141 * GB,
+                               inter_node_bandwidth=50 * GB, name="h200")
 
     @classmethod
     def a100(cls, num_nodes: int = 1, devices_per_node: int = 8) -> "Cluster":
-        """A100 SXM 40GB nodes: bf16 dense 312 TF/s (~60% reachable), NVLink 3 (~300 GB/s),
-        200 Gb/s InfiniBand per GPU between nodes."""
+        """A100 SXM 40GB nodes: bf16 dense 312 TF/s and fp32 19.5 TF/s (~60% reachable),
+        NVLink 3 (~300 GB/s), 200 Gb/s InfiniBand per GPU between nodes."""
+        return cls._gpu_preset("A100-SXM4-40GB", num_nodes, devices_per_node,
+                               memory_per_device=40 * GB, inter_node_bandwidth=25 * GB,
+                               name="a100")
+
+    @classmethod
+    def _gpu_preset(cls, model: str, num_nodes: int, devices_per_node: int, *,
+                    memory_per_device: float, inter_node_bandwidth: float,
+                    name: str) -> "Cluster":
+        """Nodes of one ``gpu_specs`` GPU model, TF32 off (PyTorch's default)."""
+        from torchalpa import gpu_specs
+        spec = gpu_specs.lookup(model)
+        peaks = gpu_specs.peaks_by_dtype(spec, allow_tf32=False)
         return cls(num_nodes=num_nodes, devices_per_node=devices_per_node,
-                   memory_per_device=40 * GB, peak_flops=190e12, memory_bandwidth=1.55e12,
-                   intra_node_bandwidth=300 * GB, intra_node_latency=5e-6,
-                   inter_node_bandwidth=25 * GB, inter_node_latency=10e-6, name="a100")
+                   memory_per_device=memory_per_device, peak_flops=dict(peaks)["bfloat16"],
+                   peak_flops_by_dtype=peaks, memory_bandwidth=spec.memory_bandwidth,
+                   intra_node_bandwidth=spec.link_bandwidth, intra_node_latency=5e-6,
+                   inter_node_bandwidth=inter_node_bandwidth, inter_node_latency=10e-6,
+                   kernel_launch_s=gpu_specs.KERNEL_LAUNCH_S, name=name,
+                   device_name=f"{spec.name} (preset)")
 
     @classmethod
     def local_cpu(cls, num_devices: int) -> "Cluster":
