@@ -177,7 +177,7 @@ class Cluster:
                    intra_node_bandwidth=spec.link_bandwidth, intra_node_latency=5e-6,
                    inter_node_bandwidth=inter_node_bandwidth, inter_node_latency=10e-6,
                    kernel_launch_s=gpu_specs.KERNEL_LAUNCH_S, name=name,
-                   device_name=f"{spec.name} (preset)")
+                   device_name=f"{spec.name} preset")
 
     @classmethod
     def local_cpu(cls, num_devices: int) -> "Cluster":
