@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.tx
 NPROC  ?= 4
 NETNS  := ../shared/tools/netns_bytes.sh
 
-.PHONY: demo demo-pipeline test test-all bench env clean lint
+.PHONY: demo demo-pipeline test test-all test-gpu bench bench-gpu env clean lint
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,7 +39,7 @@ lint: $(STAMP)
 
 # The test suite (under 15 minutes on 2 cores; about 5 here).
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not gpu" tests
 
 # Everything: the slow multi-process runs (2 and 8 ranks) and the checked benchmarks
 # (the issue-sized quickstart against DDP/FSDP2, bytes counted on loopback in a private
@@ -51,6 +51,16 @@ test-all: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/quickstart_vs_ddp.py --check
 	$(BIN)/python benchmarks/one_rank_overhead.py --check
+
+# On a CUDA machine: the tests marked gpu and the one-GPU benchmark. Such a machine has
+# PyTorch but may lack a package registry: prepare the checkout with
+# ../shared/tools/gpu_wheels.sh, install as it says, then `make test-gpu GPU_PYTHON="python3 -P"`.
+GPU_PYTHON ?= $(BIN)/python
+test-gpu:
+	$(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests
+
+bench-gpu:
+	$(GPU_PYTHON) benchmarks/one_gpu.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

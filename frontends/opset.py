@@ -6,11 +6,12 @@ elementwise ops they decompose into, and because their flops and memory are exac
 
 - ``FUSED_KEPT``: the backward of layer norm, batch norm, softmax, log-softmax, embedding,
   GELU and SiLU; ``silu`` itself; dropout's backward;
-- scaled dot-product attention: ``F.scaled_dot_product_attention`` becomes
-  ``aten._scaled_dot_product_flash_attention_for_cpu`` (+ its ``_backward``) whatever the
-  device it was traced on (on ``meta`` PyTorch would otherwise pick the unfused math
-  path). With ``dropout_p > 0`` (which that kernel lacks) it is the math path written out:
-  matmuls, masking, softmax, ``native_dropout`` on the probabilities;
+- scaled dot-product attention: ``F.scaled_dot_product_attention`` becomes the
+  device-neutral ``torchalpa::sdpa`` (+ ``sdpa_backward``, or ``sdpa_bias_backward`` when
+  the mask needs a gradient; ``torchalpa/attention.py``), whatever the device it was
+  traced on: the kernel is chosen when the program runs, on the device it runs on. With
+  ``dropout_p > 0`` it is the math path written out: matmuls, masking, softmax,
+  ``native_dropout`` on the probabilities;
 - dropout: ``F.dropout`` becomes ``aten.native_dropout`` (output, mask) and its backward
   ``aten.native_dropout_backward``; so in models that use ``nn.Dropout`` / ``F.dropout`` /
   SDPA's ``dropout_p``, ``native_dropout`` is the only random op. Random ops a model calls
@@ -41,6 +42,8 @@ from torch._decomp import core_aten_decompositions
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from torchalpa import attention
+
 __all__ = ["decompositions", "device_neutral_kernels", "FusedCalls", "flop_count", "FUSED_KEPT", "RANDOM_OPS",
            "NO_FLOP_OPS", "SDPA_OP", "SDPA_BACKWARD_OP"]
 
@@ -58,8 +61,8 @@ FUSED_KEPT = frozenset({
     aten.native_dropout_backward.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
 })
-SDPA_OP = "aten._scaled_dot_product_flash_attention_for_cpu.default"
-SDPA_BACKWARD_OP = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+SDPA_OP = attention.SDPA_OP
+SDPA_BACKWARD_OP = attention.SDPA_BACKWARD_OP
 RANDOM_OPS = frozenset({"aten.native_dropout.default", "aten.bernoulli.p",
                         "aten.bernoulli.default", "aten.rand.default", "aten.randn.default",
                         "aten.rand_like.default", "aten.randn_like.default",
@@ -174,16 +177,7 @@ def _native_batch_norm(input, weight, bias, running_mean, running_var, training,
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False):
-    if enable_gqa and key.shape[-3] != query.shape[-3]:
-        times = query.shape[-3] // key.shape[-3]
-        key = key.repeat_interleave(times, dim=-3)
-        value = value.repeat_interleave(times, dim=-3)
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device
-                                ).masked_fill(attn_mask.logical_not(), float("-inf"))
-    out, _ = aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)
-    return out
+    return attention.sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa)
 
 
 def _sdpa_with_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -248,9 +242,31 @@ def _sdpa_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwa
     return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
 
 
+def _neutral_sdpa_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, _gqa(query, key), _gqa(query, value))
+
+
+def _neutral_sdpa_backward_flops(grad_out, query, key, value, *args, out_val=None,
+                                 **kwargs) -> int:
+    """The backward recomputes the forward (``attention.ATTENTION_RECOMPUTE``)."""
+    k, v = _gqa(query, key), _gqa(query, value)
+    recompute = sdpa_flop_count(query.shape, k, v) if attention.ATTENTION_RECOMPUTE else 0
+    return recompute + sdpa_backward_flop_count(grad_out.shape, query.shape, k, v)
+
+
+def _gqa(query, kv) -> tuple[int, ...]:
+    """``kv``'s shape with its heads repeated to the query heads (grouped-query attention)."""
+    shape = list(kv.shape)
+    shape[-3] = query.shape[-3]
+    return tuple(shape)
+
+
 _EXTRA_FORMULAS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flops,
+    torch.ops.torchalpa.sdpa: _neutral_sdpa_flops,
+    torch.ops.torchalpa.sdpa_backward: _neutral_sdpa_backward_flops,
+    torch.ops.torchalpa.sdpa_bias_backward: _neutral_sdpa_backward_flops,
 }
 
 

@@ -279,6 +279,11 @@ def _check_devices(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> N
         raise ValueError(f"the model and example_inputs must be on one device, found {found}; "
                          "build both under the same `with torch.device(...)` (meta to plan "
                          "without memory)")
+    if "cuda" in devices and not torch.backends.cuda.is_built():
+        # autograd would abort the process asking for a CUDA device guard
+        raise ValueError(f"{devices['cuda']} is a (fake) CUDA tensor, but this PyTorch build "
+                         "has no CUDA: build the model and inputs on the meta device to "
+                         "capture and plan for GPUs here")
 
 
 def _where(node: fx.Node, provenance: Provenance) -> str:

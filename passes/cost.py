@@ -8,8 +8,12 @@ contributes, so for an all-gather or all-to-all ``B`` is that contribution times
 
 On gloo a reduce-scatter is an all-reduce underneath and costs as much.
 
-Compute: ``max(flops / peak_flops, bytes / memory_bandwidth)`` of the local share of an
-op; zero when the mesh has no ``peak_flops`` (Alpa's communication-only setting).
+Compute: ``launch + max(flops / peak, bytes / memory_bandwidth)`` of the local share of
+an op; zero when the mesh has no ``peak_flops`` (Alpa's communication-only setting). The
+peak is the mesh's rate for the dtype the op computes in (its first result's: bf16 matmuls
+at the tensor-core rate, fp32 ones at the fp32 or TF32 rate), and ``launch`` the mesh's
+``kernel_launch_s``, paid once by every op that launches a kernel (views launch none), so
+splitting small ops further stops paying off.
 """
 
 from __future__ import annotations
@@ -68,10 +72,21 @@ def steps_cost(mesh: LogicalMesh, steps) -> float:
 
 
 def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int) -> float:
-    """Roofline time of this device's share of ``node`` split ``shards`` ways."""
+    """Roofline time of this device's share of ``node`` split ``shards`` ways, plus its
+    kernel launch."""
     if mesh.peak_flops is None:
         return 0.0
-    t = node.flops / shards / mesh.peak_flops
+    t = node.flops / shards / mesh.peak_flops_for(_compute_dtype(node))
     if mesh.memory_bandwidth:
         t = max(t, node.bytes / shards / mesh.memory_bandwidth)
+    if mesh.kernel_launch_s and not node.aliases:
+        t += mesh.kernel_launch_s
     return t
+
+
+def _compute_dtype(node: OpNode) -> str:
+    """The dtype an op computes in: its first floating result's (else its first result's)."""
+    for spec in node.outputs:
+        if spec.dtype.startswith(("float", "bfloat", "complex")):
+            return spec.dtype
+    return node.outputs[0].dtype if node.outputs else ""

@@ -185,7 +185,20 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     estimates = dict(plan.estimates, objective=solution.objective, solve_seconds=seconds,
                      ilp_seconds=solution.seconds, ilp_variables=solution.num_variables,
                      num_strategies=num_strategies, num_decisions=len(cg.node_costs))
-    return _replace_estimates(plan, estimates)
+    if budget:
+        estimates["memory_budget_bytes"] = float(budget)
+    plan = _replace_estimates(plan, estimates)
+    target = _planned_for(mesh, budget)
+    return replace(plan, notes=plan.notes + (target,)) if target else plan
+
+
+def _planned_for(mesh: LogicalMesh, budget: float | None) -> str | None:
+    """"planned for NVIDIA H100 80GB HBM3 (nccl), memory budget 77.0 GiB per device"."""
+    if not mesh.device_name and not budget:
+        return None
+    device = mesh.device_name or "unnamed devices"
+    limit = f"memory budget {format_bytes(budget)} per device" if budget else "no memory budget"
+    return f"planned for {device} ({mesh.backend}), {limit}"
 
 
 def _reshards_between_blocks(graph: OpGraph, blocks: dict, chosen: dict[str, Strategy],

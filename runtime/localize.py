@@ -17,6 +17,9 @@ maps each to a small function that puts in the local sizes:
 Device arguments point at this rank's device (the graph may have been captured on
 ``meta``). A random op whose result is sharded becomes a draw of this rank's block from
 the block's own generator (``runtime.random``), which needs the rank's mesh ``coords``.
+Every op is checked to have a kernel for the target device type
+(``runtime.device_ops``): a CPU-only kernel in a program for CUDA fails here, on any
+machine, with the op and the model line that made it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from torchalpa.placement import Shard, local_shape
 from torchalpa.plan import NodeStrategy
 from torchalpa.runtime import random as R
+from torchalpa.runtime.device_ops import check_op
 
 __all__ = ["localize"]
 
@@ -154,5 +158,8 @@ def localize(node, args: list, kwargs: dict, strategy: NodeStrategy, mesh_shape,
                               strategy.outputs[0], coords)
     rewrite = _REWRITES.get(str(node.target))
     if rewrite is None:
-        return node.target, args, kwargs
-    return rewrite(_Call(node, list(args), dict(kwargs), strategy, tuple(mesh_shape), device))
+        call = node.target, args, kwargs
+    else:
+        call = rewrite(_Call(node, list(args), dict(kwargs), strategy, tuple(mesh_shape), device))
+    check_op(node, call[0], torch.device(device).type)
+    return call

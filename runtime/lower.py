@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
+import torchalpa.attention  # noqa: F401  (registers torchalpa::sdpa, which programs call)
 from torchalpa.plan import Plan, ReshardStep
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.localize import localize

@@ -11,6 +11,17 @@ import tempfile  # noqa: E402
 os.environ["TORCHALPA_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchalpa-test-cache-")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA: skipped on CPU-only machines (``make test-gpu``)."""
+    import torch
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (make test-gpu on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _quiet_torch_warnings():
     with warnings.catch_warnings():

@@ -180,6 +180,19 @@ CASES: dict[str, Case] = {
                                                               rnd(2, 2, 6, 8)), keep=_FLASH, atol=1e-3),
     "flash_attention_mask": Case(_flash(False, mask=True), lambda: (
         rnd(2, 2, 4, 8), rnd(2, 2, 6, 8), rnd(2, 2, 6, 8), rnd(2, 1, 4, 6)), keep=_FLASH, atol=1e-3),
+    # the device-neutral attention op (torchalpa::sdpa) the capture records
+    "sdpa_causal_gqa": Case(fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True), [0, 1, 2]),
+        lambda: (rnd(2, 4, 4, 8), rnd(2, 2, 4, 8), rnd(2, 2, 4, 8)), atol=1e-3),
+    "sdpa_cross_value_dim": Case(fwd_bwd(F.scaled_dot_product_attention, [0, 1, 2]),
+                                 lambda: (rnd(2, 2, 4, 8), rnd(2, 2, 6, 8), rnd(2, 2, 6, 4)),
+                                 atol=1e-3),
+    "sdpa_bool_mask": Case(fwd_bwd(lambda q, k, v, m: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=m), [0, 1, 2]), lambda: (
+        rnd(2, 2, 4, 8), rnd(2, 2, 6, 8), rnd(2, 2, 6, 8), rnd(2, 1, 1, 6) > -1), atol=1e-3),
+    "sdpa_learned_bias": Case(fwd_bwd(lambda q, k, v, m: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=m), [0, 1, 2, 3]), lambda: (
+        rnd(2, 2, 4, 8), rnd(2, 2, 6, 8), rnd(2, 2, 6, 8), rnd(2, 4, 6)), atol=1e-3),
     # embedding, rotary embeddings
     "embedding": Case(fwd_bwd(lambda w, i: F.embedding(i, w), [0]), lambda: (rnd(10, 8), ints(10, 2, 4))),
     "embedding_dense_backward": Case(fwd_bwd(lambda w, i: F.embedding(i, w, padding_idx=0), [0]),

@@ -39,7 +39,7 @@ def test_coverage_names_ops_without_a_rule(capsys):
 def test_coverage_of_a_zoo_model(capsys):
     pytest.importorskip("torchalpa.models")
     assert main(["coverage", "--model", "llama"]) == 0
-    assert "rule  aten._scaled_dot_product_flash_attention_for_cpu.default" in capsys.readouterr().out
+    assert "rule  torchalpa.sdpa.default" in capsys.readouterr().out
 
 
 def test_coverage_reports_models_it_cannot_load(capsys):

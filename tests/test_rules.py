@@ -204,6 +204,7 @@ def _unblocked(target):
     ("conv2d", "aten.convolution.default"),
     ("slice_select", "aten.slice.Tensor"),
     ("flash_attention", "aten._scaled_dot_product_flash_attention_for_cpu.default"),
+    ("sdpa_causal_gqa", "torchalpa.sdpa.default"),
     ("reductions", "aten.cumsum.default"),
     ("flip_pad", "aten.flip.default"),
     ("factories", "aten.arange.start_step"),
@@ -330,6 +331,22 @@ def test_causal_attention_keeps_queries_whole_noncausal_splits_them():
     free = _strategies("flash_attention_noncausal",
                        "aten._scaled_dot_product_flash_attention_for_cpu_backward.default")
     assert "(S(2), S(2), R, R, S(2), S(2)) -> S(2), P, P" in free
+
+
+def test_neutral_attention_keeps_causal_queries_whole():
+    causal = _strategies("sdpa_causal_gqa", "torchalpa.sdpa.default")
+    assert causal and not any("S(2)" in n for n in causal)
+    assert "(S(1), S(1), S(1)) -> S(1)" in causal          # heads: kv and query heads agree
+    backward = _strategies("sdpa_cross_value_dim", "torchalpa.sdpa_backward.default")
+    assert "(S(2), S(2), R, R) -> S(2), P, P" in backward  # queries split: dK, dV summed
+
+
+def test_learned_bias_gradient_sums_over_its_broadcast_dims():
+    """A (H, L, S) bias broadcast over the batch: its gradient is a Partial sum when the
+    batch is split, a Shard when the heads are."""
+    names = _strategies("sdpa_learned_bias", "torchalpa.sdpa_bias_backward.default")
+    assert "(S(0), S(0), S(0), S(0), R) -> S(0), S(0), S(0), P" in names
+    assert "(S(1), S(1), S(1), S(1), S(0)) -> S(1), S(1), S(1), S(0)" in names
 
 
 def test_batch_norm_training_splits_only_channels():

@@ -23,10 +23,19 @@ _CHECK_INPUTS = ("first", "always", "never")
 
 
 def default_cluster(num_devices: int) -> Cluster:
-    """The hardware torchalpa assumes when none is given: what this job runs on."""
-    if torch.cuda.is_available():
-        return Cluster.a100(num_nodes=1, devices_per_node=num_devices)
-    return Cluster.local_cpu(num_devices)
+    """The hardware torchalpa assumes when none is given: what this job runs on.
+
+    On GPUs ``Cluster.detect()`` (this GPU's model, memory and rates; torchrun's node
+    layout when it covers ``num_devices``, else one node); on CPUs ``local_cpu``.
+    """
+    if not torch.cuda.is_available():
+        return Cluster.local_cpu(num_devices)
+    import os
+    world = int(os.environ.get("WORLD_SIZE", 0))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    if world == num_devices and local and world % local == 0:
+        return Cluster.detect(world // local, local)
+    return Cluster.detect(1, num_devices)
 
 
 def _check_method(method) -> ShardParallel:

@@ -6,12 +6,19 @@ as Alpa's ``get_logical_mesh`` does, giving each mesh axis its own latency (alph
 inverse bandwidth (beta, s/byte): an axis whose devices share a node talks over the fast
 intra-node link, an axis that crosses nodes over the network. ``LogicalMesh`` is what the
 cost model reads; tests can build one directly (e.g. Alpa's alpha = beta = 1).
+
+``Cluster.detect()`` describes the hardware this process runs on: the GPU's name, the
+memory its caching allocator can use, peak flop/s per dtype from a table of known GPUs
+(``torchalpa/gpu_specs.py``), the node and device counts torchrun gives (``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``), and NCCL; without CUDA it is ``local_cpu``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+import warnings
+from dataclasses import dataclass, field
 
 __all__ = ["Cluster", "LogicalMesh"]
 
@@ -38,10 +45,21 @@ class LogicalMesh:
     backend: str = "nccl"
     """Collective library: 'gloo' implements reduce-scatter as an all-reduce (measured by
     benchmarks/collective_bytes.py), so it costs as much."""
+    peak_flops_by_dtype: tuple[tuple[str, float], ...] = ()
+    """Per-device flop/s of ops computing in a dtype ("bfloat16", "float32", ...); a dtype
+    not listed uses ``peak_flops``."""
+    kernel_launch_s: float = 0.0
+    """Time every op pays to launch, whatever its size (GPU kernel launch latency)."""
+    device_name: str = ""
+    """The device planned for ("NVIDIA H100 80GB HBM3"), for the plan's summary."""
 
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"LogicalMesh.backend must be 'nccl' or 'gloo', got {self.backend!r}")
+        if self.kernel_launch_s < 0:
+            raise ValueError(f"LogicalMesh.kernel_launch_s must be >= 0, got {self.kernel_launch_s}")
+        object.__setattr__(self, "peak_flops_by_dtype", _dtype_peaks(self.peak_flops_by_dtype,
+                                                                     "LogicalMesh"))
         shape = tuple(int(s) for s in self.shape)
         if not shape or any(s < 1 for s in shape):
             raise ValueError(f"LogicalMesh.shape must be positive ints, got {self.shape}")
@@ -63,6 +81,10 @@ class LogicalMesh:
     @property
     def num_devices(self) -> int:
         return math.prod(self.shape)
+
+    def peak_flops_for(self, dtype: str) -> float | None:
+        """Flop/s of an op computing in ``dtype`` ("bfloat16", "float32", ...)."""
+        return dict(self.peak_flops_by_dtype).get(dtype, self.peak_flops)
 
     @property
     def ndim(self) -> int:
@@ -90,6 +112,13 @@ class Cluster:
     backend: str = "nccl"
     """'nccl' on GPUs, 'gloo' on CPUs."""
     name: str = "custom"
+    peak_flops_by_dtype: tuple[tuple[str, float], ...] = ()
+    """Per-device flop/s of matmuls in each dtype, e.g. (("bfloat16", 590e12),
+    ("float32", 40e12)); a dtype not listed uses ``peak_flops``."""
+    kernel_launch_s: float = 0.0
+    """Seconds every op pays to launch (GPU kernel launch latency; 0 leaves it out)."""
+    device_name: str = ""
+    """The device model ("NVIDIA H100 80GB HBM3"), shown in plan summaries."""
 
     def __post_init__(self):
         for f in ("num_nodes", "devices_per_node"):
@@ -99,6 +128,10 @@ class Cluster:
                   "inter_node_bandwidth"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"Cluster.{f} must be > 0, got {getattr(self, f)}")
+        if self.kernel_launch_s < 0:
+            raise ValueError(f"Cluster.kernel_launch_s must be >= 0, got {self.kernel_launch_s}")
+        object.__setattr__(self, "peak_flops_by_dtype", _dtype_peaks(self.peak_flops_by_dtype,
+                                                                     "Cluster"))
 
     @property
     def num_devices(self) -> int:
@@ -107,21 +140,42 @@ class Cluster:
     # -- presets ------------------------------------------------------------------------
     @classmethod
     def h100(cls, num_nodes: int = 1, devices_per_node: int = 8) -> "Cluster":
-        """H100 SXM 80GB nodes: bf16 dense ~989 TF/s (we assume ~60% reachable), NVLink 4
-        (~450 GB/s per direction per GPU), 400 Gb/s InfiniBand per GPU between nodes."""
-        return cls(num_nodes=num_nodes, devices_per_node=devices_per_node,
-                   memory_per_device=80 * GB, peak_flops=600e12, memory_bandwidth=3.35e12,
-                   intra_node_bandwidth=450 * GB, intra_node_latency=5e-6,
-                   inter_node_bandwidth=50 * GB, inter_node_latency=10e-6, name="h100")
+        """H100 SXM 80GB nodes: bf16 dense ~989 TF/s and fp32 67 TF/s (we assume ~60%
+        reachable, ``gpu_specs``), NVLink 4 (~450 GB/s per direction per GPU), 400 Gb/s
+        InfiniBand per GPU between nodes, 5 us per kernel launch."""
+        return cls._gpu_preset("H100", num_nodes, devices_per_node, memory_per_device=80 * GB,
+                               inter_node_bandwidth=50 * GB, name="h100")
+
+    @classmethod
+    def h200(cls, num_nodes: int = 1, devices_per_node: int = 8) -> "Cluster":
+        """H200 141GB nodes: H100 compute with 4.8 TB/s HBM3e, NVLink 4, 400 Gb/s between
+        nodes."""
+        return cls._gpu_preset("H200", num_nodes, devices_per_node, memory_per_device=141 * GB,
+                               inter_node_bandwidth=50 * GB, name="h200")
 
     @classmethod
     def a100(cls, num_nodes: int = 1, devices_per_node: int = 8) -> "Cluster":
-        """A100 SXM 40GB nodes: bf16 dense 312 TF/s (~60% reachable), NVLink 3 (~300 GB/s),
-        200 Gb/s InfiniBand per GPU between nodes."""
+        """A100 SXM 40GB nodes: bf16 dense 312 TF/s and fp32 19.5 TF/s (~60% reachable),
+        NVLink 3 (~300 GB/s), 200 Gb/s InfiniBand per GPU between nodes."""
+        return cls._gpu_preset("A100-SXM4-40GB", num_nodes, devices_per_node,
+                               memory_per_device=40 * GB, inter_node_bandwidth=25 * GB,
+                               name="a100")
+
+    @classmethod
+    def _gpu_preset(cls, model: str, num_nodes: int, devices_per_node: int, *,
+                    memory_per_device: float, inter_node_bandwidth: float,
+                    name: str) -> "Cluster":
+        """Nodes of one ``gpu_specs`` GPU model, TF32 off (PyTorch's default)."""
+        from torchalpa import gpu_specs
+        spec = gpu_specs.lookup(model)
+        peaks = gpu_specs.peaks_by_dtype(spec, allow_tf32=False)
         return cls(num_nodes=num_nodes, devices_per_node=devices_per_node,
-                   memory_per_device=40 * GB, peak_flops=190e12, memory_bandwidth=1.55e12,
-                   intra_node_bandwidth=300 * GB, intra_node_latency=5e-6,
-                   inter_node_bandwidth=25 * GB, inter_node_latency=10e-6, name="a100")
+                   memory_per_device=memory_per_device, peak_flops=dict(peaks)["bfloat16"],
+                   peak_flops_by_dtype=peaks, memory_bandwidth=spec.memory_bandwidth,
+                   intra_node_bandwidth=spec.link_bandwidth, intra_node_latency=5e-6,
+                   inter_node_bandwidth=inter_node_bandwidth, inter_node_latency=10e-6,
+                   kernel_launch_s=gpu_specs.KERNEL_LAUNCH_S, name=name,
+                   device_name=f"{spec.name} preset")
 
     @classmethod
     def local_cpu(cls, num_devices: int) -> "Cluster":
@@ -133,6 +187,50 @@ class Cluster:
                    peak_flops=30e9, memory_bandwidth=5 * GB, intra_node_bandwidth=1 * GB,
                    intra_node_latency=100e-6, inter_node_bandwidth=1 * GB,
                    inter_node_latency=100e-6, backend="gloo", name="local_cpu")
+
+    @classmethod
+    def detect(cls, num_nodes: int | None = None, devices_per_node: int | None = None,
+               *, memory_reserve: float = 1.5 * GB) -> "Cluster":
+        """The hardware this process runs on.
+
+        On CUDA: the name of this rank's GPU, the memory its caching allocator can use
+        (free + already reserved by this process, capped by the per-process memory
+        fraction, less ``memory_reserve`` for the CUDA context's growth, cuBLAS workspaces
+        and NCCL buffers), per-dtype peak flop/s and bandwidths of the model from
+        ``gpu_specs`` (float32 at the TF32 rate when ``torch.get_float32_matmul_precision()``
+        allows it), a kernel launch cost, and NCCL. Nodes and devices per node come from
+        torchrun (``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``), else one node of every visible
+        GPU; arguments override them. An unknown GPU warns and gets A100-like rates.
+        Without CUDA: ``local_cpu`` for the same number of devices.
+        """
+        import torch
+        from torchalpa import gpu_specs
+        nodes, per_node = _launch_shape(num_nodes, devices_per_node)
+        if not torch.cuda.is_available():
+            return cls.local_cpu(per_node if nodes == 1 else nodes * per_node)
+        index = int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
+        name = torch.cuda.get_device_name(index)
+        free, total = torch.cuda.mem_get_info(index)
+        usable = min(total, free + torch.cuda.memory_reserved(index))
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # newer torch
+        if fraction is not None:
+            usable = min(usable, total * fraction(index))
+        usable = max(usable - memory_reserve, 0.1 * total)
+        spec = gpu_specs.lookup(name)
+        if spec is None:
+            warnings.warn(f"Cluster.detect(): unknown GPU {name!r}: planning with A100-like "
+                          "flop/s and bandwidths; pass Cluster(peak_flops=..., "
+                          "memory_bandwidth=...) for exact figures", stacklevel=2)
+            spec = gpu_specs.lookup("A100")
+        peaks = gpu_specs.peaks_by_dtype(
+            spec, allow_tf32=torch.get_float32_matmul_precision() != "highest")
+        return cls(num_nodes=nodes, devices_per_node=per_node, memory_per_device=float(usable),
+                   peak_flops=dict(peaks)["bfloat16"], peak_flops_by_dtype=peaks,
+                   memory_bandwidth=spec.memory_bandwidth,
+                   intra_node_bandwidth=spec.link_bandwidth, intra_node_latency=5e-6,
+                   inter_node_bandwidth=25 * GB, inter_node_latency=10e-6, backend="nccl",
+                   name=f"detected {spec.name}", kernel_launch_s=gpu_specs.KERNEL_LAUNCH_S,
+                   device_name=name)
 
     # -- logical meshes -----------------------------------------------------------------
     def logical_mesh(self, shape: tuple[int, ...] | None = None,
@@ -154,7 +252,10 @@ class Cluster:
         return LogicalMesh(shape=shape, alpha=tuple(reversed(alpha)), beta=tuple(reversed(beta)),
                            axis_names=axis_names, peak_flops=self.peak_flops,
                            memory_bandwidth=self.memory_bandwidth,
-                           memory_per_device=self.memory_per_device, backend=self.backend)
+                           memory_per_device=self.memory_per_device, backend=self.backend,
+                           peak_flops_by_dtype=self.peak_flops_by_dtype,
+                           kernel_launch_s=self.kernel_launch_s,
+                           device_name=self.device_name or self.name)
 
     def candidate_shapes(self) -> list[tuple[int, ...]]:
         """Logical shapes worth trying: 1D, and 2D (n, m) for every factorization."""
@@ -164,3 +265,30 @@ class Cluster:
             if n % m == 0:
                 shapes.append((n // m, m))
         return shapes
+
+
+def _dtype_peaks(value, owner: str) -> tuple[tuple[str, float], ...]:
+    """Validated ((dtype, flop/s), ...), given as such pairs or a dict."""
+    items = value.items() if isinstance(value, dict) else value
+    peaks = []
+    for item in items:
+        dtype, flops = item
+        dtype = str(dtype).removeprefix("torch.")
+        if not flops > 0:
+            raise ValueError(f"{owner}.peak_flops_by_dtype[{dtype!r}] must be > 0, got {flops}")
+        peaks.append((dtype, float(flops)))
+    return tuple(sorted(peaks))
+
+
+def _launch_shape(num_nodes: int | None, devices_per_node: int | None) -> tuple[int, int]:
+    """(nodes, devices per node): the arguments, else torchrun's environment, else one node
+    of every visible GPU (one device without CUDA)."""
+    import torch
+    world = int(os.environ.get("WORLD_SIZE", 0))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    if devices_per_node is None:
+        devices_per_node = local or (world if world and num_nodes in (None, 1) else 0) or \
+            (torch.cuda.device_count() if torch.cuda.is_available() else 1) or 1
+    if num_nodes is None:
+        num_nodes = max(1, world // devices_per_node) if world else 1
+    return int(num_nodes), int(devices_per_node)
