@@ -77,8 +77,9 @@ def replica_diffs(pm) -> dict:
 
 
 def dropout_placements(pm) -> list[str]:
-    return [f"{s.outputs[0]}" for s in pm.plan.strategies if "dropout" in s.node
-            and "backward" not in s.node]
+    from torchalpa.placement import format_placements
+    return [f"({', '.join(format_placements(s.outputs[0]))},)" for s in pm.plan.strategies
+            if "dropout" in s.node and "backward" not in s.node]
 
 
 # -- scenarios ----------------------------------------------------------------------------
