@@ -96,14 +96,31 @@ def _blocks_of(graph: OpGraph) -> dict | None:
 
 def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
          loss_fn: Callable | None = None, *, method: ShardParallel | None = None,
-         cluster: Cluster | LogicalMesh | None = None, inputs: str = "global") -> Plan:
+         cluster: Cluster | LogicalMesh | None = None, inputs: str = "global",
+         param_argnums=0, num_params: int | None = None) -> Plan:
     """Plan ``model`` for ``cluster`` without running it: no process group, no real weights.
 
     ``model`` and ``example_inputs`` may live on the ``meta`` device. Without a cluster the
     plan is for this job's world (one device outside torchrun). A ``LogicalMesh`` instead
     of a Cluster gives the exact per-axis costs to plan with. Unless the method fixes a
     logical mesh shape, every 1D and 2D view of the cluster is tried and the fastest kept.
+
+    ``model`` may also be a JAX function (its loss, differentiated over the arguments at
+    ``param_argnums``) or StableHLO text / a ``.mlir`` path (the first ``num_params``
+    arguments of ``@main`` are parameters): see ``torchalpa/programs.py``.
     """
+    from torchalpa.programs import is_program, program_graph
+    if is_program(model):
+        if loss_fn is not None or isinstance(_check_method(method), PipeshardParallel):
+            raise ValueError("a JAX function or StableHLO program is planned whole with "
+                             "ShardParallel and carries its own loss: pass neither loss_fn "
+                             "nor PipeshardParallel")
+        _check_inputs_mode(inputs)
+        graph = program_graph(model, example_inputs, param_argnums=param_argnums,
+                              num_params=num_params)
+        return plan_graph(graph, method=_check_method(method),
+                          meshes=candidate_meshes(cluster or default_cluster(1),
+                                                  _check_method(method)), inputs=inputs)
     from torchalpa.frontends.torch_export import capture
     from torchalpa.runtime.mesh import world_size
     method = _check_method(method)
