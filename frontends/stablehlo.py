@@ -14,14 +14,18 @@ two frontends share one set of sharding rules (``passes/rules``) and one cost mo
 - elementwise ops, ``compare``, ``select``, ``convert`` -> their ATen pointwise op;
 - ``transpose`` -> ``aten.permute``, ``reshape`` -> ``aten.view``;
 - ``broadcast_in_dim`` -> ``aten.permute``/``aten.view`` (insert the new unit dims) then
-  ``aten.expand``; a broadcast constant becomes one ``aten.full`` of the result shape;
+  ``aten.expand``;
+- ``constant`` -> ``aten.full`` (its splat value, ``nan`` for other constants); shape ops
+  and casts of a constant stay constants; a constant operand of an elementwise op becomes
+  a 0-d ``aten.full`` that broadcasts, as ATen's ``scalar_tensor``; arithmetic on
+  constants is folded, and ``x * 1``, ``x / 1``, ``x ** 1``, ``x + 0``, ``x - 0`` are ``x``;
 - ``dot_general`` -> ``aten.mm`` (no batch dims) or ``aten.bmm``, with the permutes and
   views that bring its operands to (batch, rows, contracted) x (batch, contracted, cols),
   as ``torch.matmul`` does for N-d tensors;
 - ``reduce`` whose body is an add / max / min -> ``aten.sum.dim_IntList`` /
   ``aten.amax`` / ``aten.amin`` (the init value must be the identity, as JAX writes it);
 - ``slice`` along one dim -> ``aten.slice.Tensor``; ``concatenate`` -> ``aten.cat``;
-  ``iota`` -> ``aten.arange`` (made whole: every dim blocked); ``constant`` -> ``aten.full``;
+  ``iota`` -> ``aten.arange`` (made whole: every dim blocked);
 - ``func.call`` is inlined.
 
 Any other op keeps its StableHLO name (``stablehlo.gather``...): it has no rule, so the
@@ -74,6 +78,15 @@ _COMPARE = {"EQ": "aten.eq.Tensor", "NE": "aten.ne.Tensor", "LT": "aten.lt.Tenso
 _REDUCE = {"stablehlo.add": "aten.sum.dim_IntList", "stablehlo.maximum": "aten.amax.default",
            "stablehlo.minimum": "aten.amin.default"}
 _CONSTANTS = ("stablehlo.constant", "arith.constant")
+_SHAPE_OPS = ("stablehlo.convert", "stablehlo.reshape", "stablehlo.broadcast_in_dim",
+              "stablehlo.transpose")
+_FOLD = {"stablehlo.add": lambda a, b: a + b, "stablehlo.subtract": lambda a, b: a - b,
+         "stablehlo.multiply": lambda a, b: a * b, "stablehlo.divide": lambda a, b: a / b,
+         "stablehlo.maximum": max, "stablehlo.minimum": min, "stablehlo.negate": lambda a: -a,
+         "stablehlo.power": lambda a, b: a ** b}
+_IDENTITY_WITH = {"stablehlo.multiply": 1.0, "stablehlo.divide": 1.0, "stablehlo.power": 1.0,
+                  "stablehlo.add": 0.0, "stablehlo.subtract": 0.0}
+_FLOATS = ("float64", "float32", "float16", "bfloat16")
 _VIEWS = ("aten.view.default", "aten.permute.default", "aten.expand.default")
 
 
@@ -211,15 +224,17 @@ class _Reader:
         main = self.funcs["main"]
         block = main.regions[0].blocks[0]
         args = list(block.arguments)
+        names, marked = self._arg_names(main, args)
         num_params = len(param_names) if num_params is None and param_names is not None \
             else num_params
+        if num_params is None and "param" in marked:
+            num_params = marked.count("param")
         if num_params is None:
             raise StableHLOError("say which arguments of @main are parameters: num_params= "
                                  "(the first num_params arguments) or param_names=")
         if not 0 < num_params <= len(args):
             raise StableHLOError(f"num_params={num_params}, but @main has {len(args)} "
                                  "arguments; the parameters come first")
-        names = self._arg_names(main, args)
         if param_names is not None:
             if len(param_names) != num_params:
                 raise StableHLOError(f"{len(param_names)} param_names for {num_params} "
@@ -228,7 +243,8 @@ class _Reader:
         if input_names is not None:
             names[num_params:num_params + len(input_names)] = list(input_names)
         for i, (arg, name) in enumerate(zip(args, names)):
-            kind = "param" if i < num_params else "input"
+            kind = "param" if i < num_params else "buffer" if marked[i] == "buffer" \
+                else "input"
             name = name or (f"param{i}" if kind == "param" else f"input{i - num_params}")
             node = OpNode(name=f"arg{i}", op=kind, kind=kind, outputs=(_spec(arg.type),),
                           target=name, is_param=kind == "param", source=f"%arg{i}")
@@ -250,15 +266,18 @@ class _Reader:
                                      "*grads) in parameter order")
         return self._finish(loss, list(zip(targets, grads)))
 
-    def _arg_names(self, main, args) -> list[str]:
-        names = [""] * len(args)
+    def _arg_names(self, main, args) -> tuple[list[str], list[str]]:
+        """Per argument: its name and its ``torchalpa.kind`` mark ("" when unmarked)."""
+        names, kinds = [""] * len(args), [""] * len(args)
         arg_attrs = main.attributes["arg_attrs"] if "arg_attrs" in main.attributes else None
         for i, arg in enumerate(args):
             attrs = str(arg_attrs[i]) if arg_attrs is not None else ""
             m = re.search(r'torchalpa.name = "([^"]*)"', attrs)
+            kind = re.search(r'torchalpa.kind = "([^"]*)"', attrs)
             loc = re.fullmatch(r'loc\("([^"]*)"\)', str(arg.location))
             names[i] = m.group(1) if m else (_pytree_name(loc.group(1)) if loc else "")
-        return names
+            kinds[i] = kind.group(1) if kind else ""
+        return names, kinds
 
     def _finish(self, loss: ValueRef, grads: list[tuple[str, ValueRef]]) -> OpGraph:
         by_name = {n.name: n for n in self.nodes}
@@ -322,8 +341,37 @@ class _Reader:
             for i, v in enumerate(ins):
                 set_result(self.refs[v], i)
             return
+        if ins and ins[0] in self.constants and name in _SHAPE_OPS:    # still a constant
+            value = self.constants[ins[0]]
+            if name == "stablehlo.convert" and outs[0].dtype not in _FLOATS and value == value:
+                value = float(int(value))
+            self.constants[op.results[0]] = value
+            set_result(self.emit("aten.full.default", [], outs[0], (outs[0].shape, value),
+                                 source=source, stack=stack))
+            return
+        if name in _FOLD and ins and all(v in self.constants for v in ins):   # constant math
+            try:
+                value = float(_FOLD[name](*(self.constants[v] for v in ins)))
+            except (ArithmeticError, ValueError):
+                value = float("nan")
+            self.constants[op.results[0]] = value
+            set_result(self.emit("aten.full.default", [], outs[0], (outs[0].shape, value),
+                                 source=source, stack=stack))
+            return
         refs = [self.refs[v] for v in ins]
+        if name in _IDENTITY_WITH and len(ins) == 2 and \
+                self.constants.get(ins[1]) == _IDENTITY_WITH[name] and ins[0] not in self.constants:
+            set_result(refs[0])                          # x * 1, x / 1, x ** 1, x + 0, x - 0
+            return
+        if name == "stablehlo.multiply" and self.constants.get(ins[0]) == 1.0:
+            set_result(refs[1])
+            return
         if name in ELEMENTWISE or name == "stablehlo.compare":
+            # a constant operand is a scalar broadcast, as in ATen (``scalar_tensor``)
+            refs = [self.emit("aten.full.default", [], TensorSpec((), self.spec(r).dtype),
+                              ((), self.constants[v]), source=source, stack=stack)
+                    if v in self.constants and self.spec(r).shape else r
+                    for v, r in zip(ins, refs)]
             target = ELEMENTWISE.get(name)
             if name == "stablehlo.compare":
                 direction = re.search(r"comparison_direction (\w+)",
@@ -346,14 +394,7 @@ class _Reader:
             set_result(self._permute(refs[0], perm, source, stack))
         elif name == "stablehlo.broadcast_in_dim":
             dims = _ints(str(op.attributes["broadcast_dimensions"]))
-            if ins[0] in self.constants:
-                value = self.constants[ins[0]]
-                ref = self.emit("aten.full.default", [], outs[0], (outs[0].shape, value),
-                                source=source, stack=stack)
-                self.constants[op.results[0]] = value
-            else:
-                ref = self._broadcast(refs[0], dims, outs[0].shape, source, stack)
-            set_result(ref)
+            set_result(self._broadcast(refs[0], dims, outs[0].shape, source, stack))
         elif name == "stablehlo.dot_general":
             set_result(self._dot(refs, _dot_dims(str(op.attributes["dot_dimension_numbers"])),
                                  outs[0], source, stack))
