@@ -107,4 +107,31 @@ def lower_jax(fn: Callable, example_args: Sequence, param_argnums=0) -> LoweredS
     text = jax.jit(flat, keep_unused=True).lower(*shapes).as_text(debug_info=True)
     param_names = [n for i in argnums for n in leaf_names(example_args[i], names[i])]
     input_names = [n for i in rest for n in leaf_names(example_args[i], names[i])]
+    text = mark_arguments(text, [("param", n) for n in param_names]
+                          + [("input", n) for n in input_names])
     return LoweredStep(text, tuple(param_names), tuple(input_names))
+
+
+def mark_arguments(text: str, marks: Sequence[tuple[str, str]]) -> str:
+    """``text`` with ``torchalpa.kind`` / ``torchalpa.name`` on each argument of ``@main``
+    (kept beside the attributes it has), so the program names its parameters itself."""
+    from jax._src.lib.mlir import ir
+
+    from torchalpa.frontends.stablehlo import parse_module
+    module, context = parse_module(text)
+    with context:
+        main = next(op.operation for op in module.body.operations
+                    if op.operation.name == "func.func"
+                    and str(op.operation.attributes["sym_name"]).strip('"') == "main")
+        old = main.attributes["arg_attrs"] if "arg_attrs" in main.attributes else None
+        dicts = []
+        for i, (kind, name) in enumerate(marks):
+            attrs = {}
+            if old is not None:
+                existing = ir.DictAttr(old[i])
+                attrs = {existing[j].name: existing[j].attr for j in range(len(existing))}
+            attrs["torchalpa.kind"] = ir.StringAttr.get(kind)
+            attrs["torchalpa.name"] = ir.StringAttr.get(name)
+            dicts.append(ir.DictAttr.get(attrs))
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get(dicts)
+        return module.operation.get_asm(enable_debug_info=True)

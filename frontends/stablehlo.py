@@ -12,8 +12,8 @@ Every StableHLO op becomes ops of the ATen vocabulary the torch frontend produce
 two frontends share one set of sharding rules (``passes/rules``) and one cost model:
 
 - elementwise ops, ``compare``, ``select``, ``convert`` -> their ATen pointwise op;
-- ``transpose`` -> ``aten.permute``, ``reshape`` -> ``aten.view``;
-- ``broadcast_in_dim`` -> ``aten.permute``/``aten.view`` (insert the new unit dims) then
+- ``transpose`` -> ``aten.permute``, ``reshape`` -> ``aten.reshape`` (as a view: no bytes moved);
+- ``broadcast_in_dim`` -> ``aten.permute``/``aten.reshape`` (insert the new unit dims) then
   ``aten.expand``;
 - ``constant`` -> ``aten.full`` (its splat value, ``nan`` for other constants); shape ops
   and casts of a constant stay constants; a constant operand of an elementwise op becomes
@@ -22,8 +22,9 @@ two frontends share one set of sharding rules (``passes/rules``) and one cost mo
 - ``dot_general`` -> ``aten.mm`` (no batch dims) or ``aten.bmm``, with the permutes and
   views that bring its operands to (batch, rows, contracted) x (batch, contracted, cols),
   as ``torch.matmul`` does for N-d tensors;
-- ``reduce`` whose body is an add / max / min -> ``aten.sum.dim_IntList`` /
-  ``aten.amax`` / ``aten.amin`` (the init value must be the identity, as JAX writes it);
+- ``reduce`` whose body is an add / max / min / and / or -> ``aten.sum.dim_IntList`` /
+  ``aten.amax`` / ``aten.amin`` / ``aten.all`` / ``aten.any`` (the init value is taken to be
+  the identity, as JAX and torch-mlir write it);
 - ``slice`` along one dim -> ``aten.slice.Tensor``; ``concatenate`` -> ``aten.cat``;
   ``iota`` -> ``aten.arange`` (made whole: every dim blocked);
 - ``func.call`` is inlined.
@@ -37,6 +38,7 @@ planner runs it replicated and lists it in the plan's ``unsupported_ops``, as fo
 from __future__ import annotations
 
 import re
+import struct
 from dataclasses import replace
 from typing import Sequence
 
@@ -76,7 +78,8 @@ ELEMENTWISE = {
 _COMPARE = {"EQ": "aten.eq.Tensor", "NE": "aten.ne.Tensor", "LT": "aten.lt.Tensor",
             "LE": "aten.le.Tensor", "GT": "aten.gt.Tensor", "GE": "aten.ge.Tensor"}
 _REDUCE = {"stablehlo.add": "aten.sum.dim_IntList", "stablehlo.maximum": "aten.amax.default",
-           "stablehlo.minimum": "aten.amin.default"}
+           "stablehlo.minimum": "aten.amin.default", "stablehlo.and": "aten.all.dim",
+           "stablehlo.or": "aten.any.dims"}
 _CONSTANTS = ("stablehlo.constant", "arith.constant")
 _SHAPE_OPS = ("stablehlo.convert", "stablehlo.reshape", "stablehlo.broadcast_in_dim",
               "stablehlo.transpose")
@@ -87,7 +90,7 @@ _FOLD = {"stablehlo.add": lambda a, b: a + b, "stablehlo.subtract": lambda a, b:
 _IDENTITY_WITH = {"stablehlo.multiply": 1.0, "stablehlo.divide": 1.0, "stablehlo.power": 1.0,
                   "stablehlo.add": 0.0, "stablehlo.subtract": 0.0}
 _FLOATS = ("float64", "float32", "float16", "bfloat16")
-_VIEWS = ("aten.view.default", "aten.permute.default", "aten.expand.default")
+_VIEWS = ("aten.reshape.default", "aten.permute.default", "aten.expand.default")
 
 
 def parse_module(text: str):
@@ -158,8 +161,18 @@ def _splat(text: str) -> float:
     value = m.group(1).strip()
     if value in ("true", "false"):
         return float(value == "true")
+    if value.startswith("0x"):                 # raw bits: -inf is 0xFF800000 in f32
+        elem = re.search(r"x?(f64|f32|f16|bf16)>\s*$", text.strip())
+        bits = int(value, 16).to_bytes(len(value[2:]) // 2, "big")
+        formats = {"f64": ">d", "f32": ">f", "f16": ">e"}
+        if elem and elem.group(1) == "bf16" and len(bits) == 2:
+            return struct.unpack(">f", bits + b"\0\0")[0]
+        if elem and elem.group(1) in formats and \
+                len(bits) == struct.calcsize(formats[elem.group(1)]):
+            return struct.unpack(formats[elem.group(1)], bits)[0]
+        return float("nan")
     try:
-        return float("nan") if value.startswith("0x") else float(value)   # hex: raw bits
+        return float(value)
     except ValueError:
         return float("nan")
 
@@ -442,7 +455,7 @@ class _Reader:
         spec = self.spec(ref)
         if tuple(shape) == spec.shape:
             return ref
-        return self.emit("aten.view.default", [ref], TensorSpec(tuple(shape), spec.dtype),
+        return self.emit("aten.reshape.default", [ref], TensorSpec(tuple(shape), spec.dtype),
                          (Operand(0), tuple(shape)), source=source, stack=stack)
 
     def _permute(self, ref: ValueRef, perm, source, stack) -> ValueRef:

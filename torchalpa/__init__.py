@@ -13,6 +13,7 @@ from torchalpa.methods import (AutoLayerOption, AutoShardingOption, DataParallel
 from torchalpa.placement import Partial, Replicate, Shard
 from torchalpa.plan import PipelinePlan, Plan, load_plan
 from torchalpa.api import auto_parallel, plan
+from torchalpa.export import export_stablehlo
 from torchalpa.markers import mark_pipeline_boundary
 from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
 from torchalpa.runtime.faults import RankFailedError
@@ -25,5 +26,5 @@ __all__ = [
     "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "Shard", "Replicate", "Partial",
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
-    "load_checkpoint", "RankFailedError",
+    "load_checkpoint", "RankFailedError", "export_stablehlo",
 ]

@@ -62,9 +62,10 @@ def hlo_sharding(placements, rank: int, mesh_shape: Sequence[int]) -> str:
     num_replicas = math.prod(mesh_shape[a] for a in replicated)
     dims = tiles + ([num_replicas] if num_replicas > 1 else [])
     perm = order + replicated
-    iota = f"<=[{','.join(map(str, mesh_shape))}]"
-    if perm != sorted(perm):
-        iota += f"T({','.join(map(str, perm))})"
+    if perm == sorted(perm):                   # devices in mesh order: XLA's short form
+        iota = f"<=[{math.prod(mesh_shape)}]"
+    else:
+        iota = f"<=[{','.join(map(str, mesh_shape))}]T({','.join(map(str, perm))})"
     tail = " last_tile_dim_replicate" if num_replicas > 1 else ""
     return f"{{devices=[{','.join(map(str, dims))}]{iota}{tail}}}"
 
@@ -83,6 +84,7 @@ def export_stablehlo(model: torch.nn.Module, example_inputs: Sequence[torch.Tens
                           "'torchalpa[stablehlo]'") from e
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    _refuse_tied_parameters(model)
     inputs, _ = split_inputs(example_inputs, loss_fn)
     step = _StepWithLoss(model, loss_fn, len(inputs))
     try:
@@ -92,7 +94,17 @@ def export_stablehlo(model: torch.nn.Module, example_inputs: Sequence[torch.Tens
         raise RuntimeError(f"torch.export could not capture the training step of "
                            f"{type(model).__name__}: {type(e).__name__}: {str(e)[:300]}") from e
     args = _argument_names(joint)
-    module = mlir_fx.stateless_fx_import(joint.graph_module, output_type="stablehlo")
+    _rewrite_for_torch_mlir(joint.graph_module)
+    try:
+        module = mlir_fx.stateless_fx_import(joint.graph_module, output_type="stablehlo")
+    except Exception as e:   # TorchMlirCompilerError: an op torch-mlir cannot lower
+        ops = sorted({str(n.target) for n in joint.graph_module.graph.nodes
+                      if n.op == "call_function"})
+        raise RuntimeError(
+            f"torch-mlir could not lower the training step of {type(model).__name__} to "
+            f"StableHLO ({str(e).strip().splitlines()[0][:200]}); its ATen ops are "
+            f"{', '.join(ops)[:1500]}. Plan the module itself with torchalpa.plan, which "
+            "needs no StableHLO") from e
     placed = {} if plan is None else {p.name: p for p in plan.parameters + plan.inputs}
     with module.context:
         main = next(op.operation for op in module.body.operations
@@ -109,6 +121,33 @@ def export_stablehlo(model: torch.nn.Module, example_inputs: Sequence[torch.Tens
             dicts.append(ir.DictAttr.get(attrs))
         main.attributes["arg_attrs"] = ir.ArrayAttr.get(dicts)
     return str(module)
+
+
+def _rewrite_for_torch_mlir(gm: torch.fx.GraphModule) -> None:
+    """Ops torch-mlir 20261001 cannot lower, as equivalent ones it can: ``squeeze.dims``
+    (what ``squeeze(-1)`` decomposes to) is a ``view`` to its result's shape."""
+    aten = torch.ops.aten
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is aten.squeeze.dims:
+            shape = list(node.meta["val"].shape)
+            node.target = aten.view.default
+            node.args = (node.args[0], shape)
+    gm.recompile()
+
+
+def _refuse_tied_parameters(model: torch.nn.Module) -> None:
+    """torch.export routes every use of a tied parameter to one of its names and leaves
+    the other without a gradient, which the joint export rejects: say so up front."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    tied = [group for group in names.values() if len(group) > 1]
+    if tied:
+        raise NotImplementedError(
+            f"export_stablehlo does not support tied parameters ({', '.join(map(str, tied))}):"
+            " torch.export gives the second name no gradient. Untie them for the export "
+            "(e.g. model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone()))"
+            ", or plan the module with torchalpa.plan")
 
 
 def _argument_names(joint) -> list[tuple[str, str]]:
