@@ -250,8 +250,12 @@ def test_export_and_cross_check_with_the_aten_plan():
     weights = [p.name for p in from_aten.parameters if p.name.endswith("weight")]
     assert {n: from_text.parameter(n).placements for n in weights} == \
         {n: from_aten.parameter(n).placements for n in weights}
-    for key in ("step_time_s", "memory_per_device_bytes"):
-        assert from_text.estimates[key] == pytest.approx(from_aten.estimates[key], rel=0.05)
+    assert from_text.estimates["step_time_s"] == pytest.approx(
+        from_aten.estimates["step_time_s"], rel=0.05)
+    # ATen's mse_loss backward computes (x - y) a second time: one more live (B, d)
+    # activation than torch.export's decomposition (6.5% of this small step's memory)
+    assert from_text.estimates["memory_per_device_bytes"] == pytest.approx(
+        from_aten.estimates["memory_per_device_bytes"], rel=0.10)
 
     annotated = torchalpa.export_stablehlo(model, (x, y), loss_fn, plan=from_aten)
     from torchalpa.export import hlo_sharding
