@@ -274,3 +274,22 @@ def test_export_refuses_tied_parameters():
     with pytest.raises(NotImplementedError, match="tied parameters"):
         torchalpa.export_stablehlo(model, (torch.randn(4, 8), torch.randn(4, 8)),
                                    torch.nn.functional.mse_loss)
+
+
+def test_cli_plans_a_stablehlo_file(tmp_path, capsys):
+    from torchalpa.cli import main
+
+    def loss(params, x):
+        return jnp.mean(jnp.tanh(x @ params["w1"]) @ params["w2"])
+    params, x = {"w1": jnp.ones((16, 32)), "w2": jnp.ones((32, 8))}, jnp.ones((64, 16))
+    path = tmp_path / "step.mlir"
+    path.write_text(lower_jax(loss, (params, x)).text)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--stablehlo", str(path), "--mesh", "2x2", "--preset", "local_cpu",
+                 "--json", str(out)]) == 0
+    assert "params.w1" in capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["mesh"]["shape"] == [2, 2] and set(saved["parameters"]) == {
+        "params.w1", "params.w2"}
+    with pytest.raises(SystemExit, match="--mesh must look like"):
+        main(["plan", "--stablehlo", str(path), "--mesh", "2by2"])

@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     coverage.add_argument("--model", action="append", metavar="NAME",
                           help="a zoo family or module:callable (repeatable; default: the zoo)")
     coverage.set_defaults(run=_coverage)
+    from torchalpa.cli_stablehlo import add_commands
+    add_commands(commands)       # plan --stablehlo, export
     args = parser.parse_args(argv)
     return args.run(args)
 
