@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     from torchalpa.api import auto_parallel, plan
+    from torchalpa.export import export_stablehlo
     from torchalpa.markers import mark_pipeline_boundary
     from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
     from torchalpa.runtime.export import save_pretrained
@@ -36,6 +37,7 @@ _LAZY = {
     "load_checkpoint": "torchalpa.runtime.checkpoint",
     "RankFailedError": "torchalpa.runtime.faults",
     "save_pretrained": "torchalpa.runtime.export",
+    "export_stablehlo": "torchalpa.export",
     "MixedPrecision": "torchalpa.runtime.precision",
     # torch's own classes: torchalpa.Shard is torch.distributed.tensor.Shard
     "Shard": "torchalpa.placement", "Replicate": "torchalpa.placement",
@@ -60,5 +62,5 @@ __all__ = [
     "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "Shard", "Replicate", "Partial",
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
-    "load_checkpoint", "RankFailedError", "save_pretrained",
+    "load_checkpoint", "RankFailedError", "save_pretrained", "export_stablehlo",
 ]

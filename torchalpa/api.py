@@ -169,7 +169,7 @@ def _blocks_of(graph: OpGraph) -> dict | None:
 def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
          loss_fn: Callable | None = None, *, method: ShardParallel | None = None,
          cluster: Cluster | LogicalMesh | None = None, inputs: str = "global",
-         verbose: bool = False) -> Plan:
+         verbose: bool = False, param_argnums=0, num_params: int | None = None) -> Plan:
     """Plan ``model`` for ``cluster`` without running it: no process group, no real weights.
 
     ``model`` and ``example_inputs`` may live on the ``meta`` device. Without a cluster the
@@ -178,16 +178,33 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
     logical mesh shape, every 1D and 2D view of the cluster is tried and the fastest kept.
     Progress goes to the ``torchalpa`` logger (``TORCHALPA_LOG=debug|info|warning``);
     ``verbose=True`` also streams the ILP solver's own log.
+
+    ``model`` may also be a JAX function (its loss, differentiated over the arguments at
+    ``param_argnums``) or StableHLO text / a ``.mlir`` path (the first ``num_params``
+    arguments of ``@main`` are parameters): see ``torchalpa/programs.py``.
     """
     from torchalpa.progress import setup_logging
     from torchalpa.progress import verbose as solver_log
     setup_logging()
     with solver_log(verbose):
         return _plan(model, example_inputs, loss_fn, method=method, cluster=cluster,
-                     inputs=inputs)
+                     inputs=inputs, param_argnums=param_argnums, num_params=num_params)
 
 
-def _plan(model, example_inputs, loss_fn, *, method, cluster, inputs) -> Plan:
+def _plan(model, example_inputs, loss_fn, *, method, cluster, inputs, param_argnums,
+          num_params) -> Plan:
+    from torchalpa.programs import is_program, program_graph
+    if is_program(model):
+        if loss_fn is not None or isinstance(_check_method(method), PipeshardParallel):
+            raise ValueError("a JAX function or StableHLO program is planned whole with "
+                             "ShardParallel and carries its own loss: pass neither loss_fn "
+                             "nor PipeshardParallel")
+        _check_inputs_mode(inputs)
+        graph = program_graph(model, example_inputs, param_argnums=param_argnums,
+                              num_params=num_params)
+        return plan_graph(graph, method=_check_method(method),
+                          meshes=candidate_meshes(cluster or default_cluster(1),
+                                                  _check_method(method)), inputs=inputs)
     from torchalpa.runtime.mesh import world_size
     method = _check_method(method)
     _check_inputs_mode(inputs)

@@ -83,10 +83,13 @@ def _add_plan(commands) -> None:
     p = commands.add_parser("plan", help="plan a model's training step for a cluster",
                             description="Capture MODEL's training step on the meta device and "
                                         "plan it for CLUSTER; write the plan as JSON.")
-    p.add_argument("model", metavar="MODEL", help="a zoo family or module:callable")
+    p.add_argument("model", metavar="MODEL", nargs="?",
+                   help="a zoo family or module:callable")
     _cluster_argument(p)
     p.add_argument("--mesh", metavar="AxB", help="a fixed logical mesh shape (default: try each)")
-    p.add_argument("--out", metavar="PLAN.json", required=True, help="where to write the plan")
+    p.add_argument("--out", metavar="PLAN.json", help="where to write the plan")
+    from torchalpa.cli_stablehlo import add_plan_options
+    add_plan_options(p)
     p.add_argument("--html", metavar="PLAN.html", help="also write a picture of the plan")
     p.add_argument("--trace", metavar="TRACE.json",
                    help="also write the estimated timeline (Chrome trace / Perfetto)")
@@ -95,6 +98,11 @@ def _add_plan(commands) -> None:
 
 
 def _plan(args) -> int:
+    if args.stablehlo:
+        from torchalpa.cli_stablehlo import plan_stablehlo
+        return plan_stablehlo(args)
+    if not args.model or not args.out:
+        raise ValueError("plan needs MODEL and --out PLAN.json (or --stablehlo FILE)")
     import torch
 
     import torchalpa
@@ -402,8 +410,13 @@ def _print_suite_table(rows: list[tuple[str, str, str]]) -> None:
     print(f"{sum(s == 'captures' for _, s, _ in rows)} of {len(rows)} capture")
 
 
+def _add_export(commands) -> None:
+    from torchalpa.cli_stablehlo import add_export
+    add_export(commands)
+
+
 SUBCOMMANDS: list[Callable] = [_add_plan, _add_show, _add_explain, _add_estimate, _add_cache,
-                               _add_coverage]
+                               _add_coverage, _add_export]
 
 
 if __name__ == "__main__":

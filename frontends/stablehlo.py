@@ -1,0 +1,514 @@
+"""Read a training step written in StableHLO (from JAX or torch-mlir) as an OpGraph.
+
+The step is a ``func.func @main`` whose arguments are the parameters first, then the
+batch (inputs, targets), and whose results are the loss followed by one gradient per
+parameter, in parameter order: what ``jax.value_and_grad`` of a loss function returns
+once flattened, and what ``torchalpa.export_stablehlo`` writes. ``num_params`` says how
+many leading arguments are parameters and ``param_names`` names them; without names, an
+argument attribute ``torchalpa.name`` or its location (JAX writes ``loc("params['w1']")``)
+is used, else ``param<i>`` / ``input<i>``.
+
+Every StableHLO op becomes ops of the ATen vocabulary the torch frontend produces, so the
+two frontends share one set of sharding rules (``passes/rules``) and one cost model:
+
+- elementwise ops, ``compare``, ``select``, ``convert`` -> their ATen pointwise op;
+- ``transpose`` -> ``aten.permute``, ``reshape`` -> ``aten.reshape`` (as a view: no bytes moved);
+- ``broadcast_in_dim`` -> ``aten.permute``/``aten.reshape`` (insert the new unit dims) then
+  ``aten.expand``;
+- ``constant`` -> ``aten.full`` (its splat value, ``nan`` for other constants); shape ops
+  and casts of a constant stay constants; a constant operand of an elementwise op becomes
+  a 0-d ``aten.full`` that broadcasts, as ATen's ``scalar_tensor``; arithmetic on
+  constants is folded, and ``x * 1``, ``x / 1``, ``x ** 1``, ``x + 0``, ``x - 0`` are ``x``;
+- ``dot_general`` -> ``aten.mm`` (no batch dims) or ``aten.bmm``, with the permutes and
+  views that bring its operands to (batch, rows, contracted) x (batch, contracted, cols),
+  as ``torch.matmul`` does for N-d tensors;
+- ``reduce`` whose body is an add / max / min / and / or -> ``aten.sum.dim_IntList`` /
+  ``aten.amax`` / ``aten.amin`` / ``aten.all`` / ``aten.any`` (the init value is taken to be
+  the identity, as JAX and torch-mlir write it);
+- ``slice`` along one dim -> ``aten.slice.Tensor``; ``concatenate`` -> ``aten.cat``;
+  ``iota`` -> ``aten.arange`` (made whole: every dim blocked);
+- ``func.call`` is inlined.
+
+Any other op keeps its StableHLO name (``stablehlo.gather``...): it has no rule, so the
+planner runs it replicated and lists it in the plan's ``unsupported_ops``, as for torch.
+``OpNode.source`` holds the op's name and location in the StableHLO text; ``stack`` the
+"file:line" JAX recorded, when there is one.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import replace
+from typing import Sequence
+
+from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, Operand, TensorSpec, ValueRef
+
+__all__ = ["from_stablehlo", "parse_module", "StableHLOError", "ELEMENTWISE"]
+
+
+class StableHLOError(ValueError):
+    """The StableHLO program is not a training step torchalpa can read; says why."""
+
+
+_DTYPES = {"f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16",
+           "i64": "int64", "i32": "int32", "i16": "int16", "i8": "int8", "ui8": "uint8",
+           "i1": "bool", "complex<f32>": "complex64"}
+
+# StableHLO elementwise op -> the ATen op with the same sharding rule.
+ELEMENTWISE = {
+    "stablehlo.add": "aten.add.Tensor", "stablehlo.subtract": "aten.sub.Tensor",
+    "stablehlo.multiply": "aten.mul.Tensor", "stablehlo.divide": "aten.div.Tensor",
+    "stablehlo.maximum": "aten.maximum.default", "stablehlo.minimum": "aten.minimum.default",
+    "stablehlo.negate": "aten.neg.default", "stablehlo.exponential": "aten.exp.default",
+    "stablehlo.log": "aten.log.default", "stablehlo.sqrt": "aten.sqrt.default",
+    "stablehlo.rsqrt": "aten.rsqrt.default", "stablehlo.tanh": "aten.tanh.default",
+    "stablehlo.logistic": "aten.sigmoid.default", "stablehlo.abs": "aten.abs.default",
+    "stablehlo.power": "aten.pow.Tensor_Tensor", "stablehlo.sine": "aten.sin.default",
+    "stablehlo.cosine": "aten.cos.default", "chlo.erf": "aten.erf.default",
+    "stablehlo.log_plus_one": "aten.log1p.default",
+    "stablehlo.exponential_minus_one": "aten.expm1.default",
+    "stablehlo.sign": "aten.sign.default", "stablehlo.floor": "aten.floor.default",
+    "stablehlo.ceil": "aten.ceil.default", "stablehlo.remainder": "aten.remainder.Tensor",
+    "stablehlo.select": "aten.where.self", "stablehlo.clamp": "aten.clamp.Tensor",
+    "stablehlo.and": "aten.logical_and.default", "stablehlo.or": "aten.logical_or.default",
+    "stablehlo.xor": "aten.logical_xor.default", "stablehlo.not": "aten.logical_not.default",
+    "stablehlo.round_nearest_even": "aten.round.default",
+}
+_COMPARE = {"EQ": "aten.eq.Tensor", "NE": "aten.ne.Tensor", "LT": "aten.lt.Tensor",
+            "LE": "aten.le.Tensor", "GT": "aten.gt.Tensor", "GE": "aten.ge.Tensor"}
+_REDUCE = {"stablehlo.add": "aten.sum.dim_IntList", "stablehlo.maximum": "aten.amax.default",
+           "stablehlo.minimum": "aten.amin.default", "stablehlo.and": "aten.all.dim",
+           "stablehlo.or": "aten.any.dims"}
+_CONSTANTS = ("stablehlo.constant", "arith.constant")
+_SHAPE_OPS = ("stablehlo.convert", "stablehlo.reshape", "stablehlo.broadcast_in_dim",
+              "stablehlo.transpose")
+_FOLD = {"stablehlo.add": lambda a, b: a + b, "stablehlo.subtract": lambda a, b: a - b,
+         "stablehlo.multiply": lambda a, b: a * b, "stablehlo.divide": lambda a, b: a / b,
+         "stablehlo.maximum": max, "stablehlo.minimum": min, "stablehlo.negate": lambda a: -a,
+         "stablehlo.power": lambda a, b: a ** b}
+_IDENTITY_WITH = {"stablehlo.multiply": 1.0, "stablehlo.divide": 1.0, "stablehlo.power": 1.0,
+                  "stablehlo.add": 0.0, "stablehlo.subtract": 0.0}
+_FLOATS = ("float64", "float32", "float16", "bfloat16")
+_VIEWS = ("aten.reshape.default", "aten.permute.default", "aten.expand.default")
+
+
+def parse_module(text: str):
+    """StableHLO text -> an MLIR module (jaxlib's bindings); the caller keeps its context."""
+    try:
+        from jax._src.interpreters import mlir as jax_mlir
+        from jax._src.lib.mlir import ir
+    except ImportError as e:
+        raise ImportError("reading StableHLO needs jaxlib's MLIR bindings: "
+                          "pip install 'torchalpa[stablehlo]' (jax, jaxlib)") from e
+    context = jax_mlir.make_ir_context()
+    context.allow_unregistered_dialects = True
+    with context:
+        try:
+            return ir.Module.parse(text), context
+        except Exception as e:  # MLIRError: the message has the diagnostics
+            raise StableHLOError(f"could not parse the StableHLO text: {e}") from e
+
+
+def from_stablehlo(text: str, *, num_params: int | None = None,
+                   param_names: Sequence[str] | None = None,
+                   input_names: Sequence[str] | None = None) -> OpGraph:
+    """The training step in ``text`` (``@main``: params, batch -> loss, grads) as an OpGraph."""
+    module, context = parse_module(text)
+    with context:
+        return _Reader(module).graph(num_params, param_names, input_names)
+
+
+# -- attribute text -------------------------------------------------------------------
+
+def _ints(text: str) -> list[int]:
+    """Integers of ``array<i64: 1, 0>``, ``dense<[1, 0]> : tensor<2xi64>`` or ``[1, 0]``."""
+    text = text.split(">", 1)[0] if text.startswith("array<") else text
+    text = text.split(":", 1)[1] if text.startswith("array<") and ":" in text else \
+        ("" if text.startswith("array<") else text.split(" : ")[0])
+    return [int(v) for v in re.findall(r"-?\d+", text)]
+
+
+def _dot_dims(text: str) -> dict[str, list[int]]:
+    out = {}
+    for key in ("lhs_batching_dimensions", "rhs_batching_dimensions",
+                "lhs_contracting_dimensions", "rhs_contracting_dimensions"):
+        m = re.search(key + r"\s*=\s*\[([^\]]*)\]", text)
+        out[key] = [int(v) for v in re.findall(r"-?\d+", m.group(1))] if m else []
+    return out
+
+
+def _spec(ir_type) -> TensorSpec:
+    text = str(ir_type)
+    m = re.fullmatch(r"tensor<(.*)>", text)
+    if not m:
+        raise StableHLOError(f"only ranked tensors are supported, got {text}")
+    *dims, elem = re.split(r"x(?![^<]*>)", m.group(1))   # 4x16xf32; complex<f32> stays whole
+    if any(not d.isdigit() for d in dims):
+        raise StableHLOError(f"dynamic shape {text}: torchalpa plans static shapes; lower the "
+                             "step with concrete example shapes")
+    if elem not in _DTYPES:
+        raise StableHLOError(f"element type {elem!r} of {text} is not supported")
+    return TensorSpec(tuple(int(d) for d in dims), _DTYPES[elem])
+
+
+def _splat(text: str) -> float:
+    """The fill value of a splat constant (``dense<2.0> : tensor<4xf32>``); ``nan`` for one
+    that holds different values (read as a non-zero fill: never a Partial sum)."""
+    m = re.fullmatch(r"dense<([^\[\]<>\"]*)>\s*:.*", text.strip())
+    if not m:
+        return float("nan")
+    value = m.group(1).strip()
+    if value in ("true", "false"):
+        return float(value == "true")
+    if value.startswith("0x"):                 # raw bits: -inf is 0xFF800000 in f32
+        elem = re.search(r"x?(f64|f32|f16|bf16)>\s*$", text.strip())
+        bits = int(value, 16).to_bytes(len(value[2:]) // 2, "big")
+        formats = {"f64": ">d", "f32": ">f", "f16": ">e"}
+        if elem and elem.group(1) == "bf16" and len(bits) == 2:
+            return struct.unpack(">f", bits + b"\0\0")[0]
+        if elem and elem.group(1) in formats and \
+                len(bits) == struct.calcsize(formats[elem.group(1)]):
+            return struct.unpack(formats[elem.group(1)], bits)[0]
+        return float("nan")
+    try:
+        return float(value)
+    except ValueError:
+        return float("nan")
+
+
+def _location(op) -> tuple[str, str]:
+    """(short location, "file:line") of an op, from JAX's or torch-mlir's loc()."""
+    text = str(op.location)
+    name = re.match(r'loc\("([^"]*)"', text)
+    line = re.search(r'"([^"]+\.py)":(\d+)', text)
+    return (name.group(1) if name else ""), (f"{line.group(1)}:{line.group(2)}" if line else "")
+
+
+class _Reader:
+    """Walks ``@main`` (inlining calls) and emits OpNodes in the ATen vocabulary."""
+
+    def __init__(self, module):
+        self.funcs = {}
+        for op in module.body.operations:
+            op = op.operation
+            if op.name == "func.func":
+                self.funcs[str(op.attributes["sym_name"]).strip('"')] = op
+        if "main" not in self.funcs:
+            raise StableHLOError(f"the module has no func.func @main (found "
+                                 f"{sorted(self.funcs) or 'none'}); torchalpa reads the step "
+                                 "from @main")
+        self.nodes: list[OpNode] = []
+        self.by_name: dict[str, OpNode] = {}
+        self.refs: dict = {}          # ir.Value -> ValueRef
+        self.constants: dict = {}     # value made by a constant (or its broadcast) -> fill
+        self.count = 0
+
+    # -- emitting ------------------------------------------------------------------------
+    def _name(self, what: str) -> str:
+        self.count += 1
+        return f"{what}_{self.count}"
+
+    def emit(self, op: str, operands: list[ValueRef], out: TensorSpec | Sequence[TensorSpec],
+             args: tuple = (), kwargs: tuple = (), *, source, stack="", flops=None) -> ValueRef:
+        outs = (out,) if isinstance(out, TensorSpec) else tuple(out)
+        aliases = op in _VIEWS
+        if flops is None:
+            flops = 0.0 if aliases or op in ("aten.full.default", "aten.arange.default",
+                                             "aten.cat.default", "aten.slice.Tensor") \
+                else float(sum(o.numel for o in outs))
+        in_bytes = sum(self.spec(r).nbytes for r in operands)
+        node = OpNode(name=self._name(op.split(".")[1]), op=op, operands=tuple(operands),
+                      args=args, kwargs=kwargs, outputs=outs, flops=float(flops),
+                      bytes=0.0 if aliases else float(in_bytes + sum(o.nbytes for o in outs)),
+                      aliases=aliases, source=source, stack=stack)
+        self.add(node)
+        return ValueRef(node.name)
+
+    def add(self, node: OpNode) -> None:
+        self.nodes.append(node)
+        self.by_name[node.name] = node
+
+    def spec(self, ref: ValueRef) -> TensorSpec:
+        return self.by_name[ref.node].outputs[ref.index]
+
+    # -- the step ------------------------------------------------------------------------
+    def graph(self, num_params, param_names, input_names) -> OpGraph:
+        main = self.funcs["main"]
+        block = main.regions[0].blocks[0]
+        args = list(block.arguments)
+        names, marked = self._arg_names(main, args)
+        num_params = len(param_names) if num_params is None and param_names is not None \
+            else num_params
+        if num_params is None and "param" in marked:
+            num_params = marked.count("param")
+        if num_params is None:
+            raise StableHLOError("say which arguments of @main are parameters: num_params= "
+                                 "(the first num_params arguments) or param_names=")
+        if not 0 < num_params <= len(args):
+            raise StableHLOError(f"num_params={num_params}, but @main has {len(args)} "
+                                 "arguments; the parameters come first")
+        if param_names is not None:
+            if len(param_names) != num_params:
+                raise StableHLOError(f"{len(param_names)} param_names for {num_params} "
+                                     "parameters")
+            names[:num_params] = list(param_names)
+        if input_names is not None:
+            names[num_params:num_params + len(input_names)] = list(input_names)
+        for i, (arg, name) in enumerate(zip(args, names)):
+            kind = "param" if i < num_params else "buffer" if marked[i] == "buffer" \
+                else "input"
+            name = name or (f"param{i}" if kind == "param" else f"input{i - num_params}")
+            node = OpNode(name=f"arg{i}", op=kind, kind=kind, outputs=(_spec(arg.type),),
+                          target=name, is_param=kind == "param", source=f"%arg{i}")
+            self.add(node)
+            self.refs[arg] = ValueRef(node.name)
+        results = self._body(block)
+        if len(results) != 1 + num_params:
+            raise StableHLOError(
+                f"@main returns {len(results)} values; a training step returns the loss and "
+                f"one gradient per parameter ({1 + num_params}): lower "
+                "jax.value_and_grad(loss_fn) of the parameters, not the loss alone")
+        loss, grads = results[0], results[1:]
+        targets = [n.target for n in self.nodes[:num_params]]
+        for (fqn, g), arg in zip(zip(targets, grads), args):
+            if self.spec(g).shape != _spec(arg.type).shape:
+                raise StableHLOError(f"result for the gradient of {fqn!r} has shape "
+                                     f"{self.spec(g).shape}, the parameter "
+                                     f"{_spec(arg.type).shape}; results must be (loss, "
+                                     "*grads) in parameter order")
+        return self._finish(loss, list(zip(targets, grads)))
+
+    def _arg_names(self, main, args) -> tuple[list[str], list[str]]:
+        """Per argument: its name and its ``torchalpa.kind`` mark ("" when unmarked)."""
+        names, kinds = [""] * len(args), [""] * len(args)
+        arg_attrs = main.attributes["arg_attrs"] if "arg_attrs" in main.attributes else None
+        for i, arg in enumerate(args):
+            attrs = str(arg_attrs[i]) if arg_attrs is not None else ""
+            m = re.search(r'torchalpa.name = "([^"]*)"', attrs)
+            kind = re.search(r'torchalpa.kind = "([^"]*)"', attrs)
+            loc = re.fullmatch(r'loc\("([^"]*)"\)', str(arg.location))
+            names[i] = m.group(1) if m else (_pytree_name(loc.group(1)) if loc else "")
+            kinds[i] = kind.group(1) if kind else ""
+        return names, kinds
+
+    def _finish(self, loss: ValueRef, grads: list[tuple[str, ValueRef]]) -> OpGraph:
+        by_name = {n.name: n for n in self.nodes}
+        forward, stack = set(), [loss.node]
+        while stack:
+            name = stack.pop()
+            if name not in forward:
+                forward.add(name)
+                stack.extend(r.node for r in by_name[name].operands)
+        grad_nodes = {r.node for _, r in grads}
+        live, stack = set(), [loss.node] + [r.node for _, r in grads]
+        while stack:                      # drop what no output needs (dead constants)
+            name = stack.pop()
+            if name not in live:
+                live.add(name)
+                stack.extend(r.node for r in by_name[name].operands)
+        nodes = [replace(n, phase="forward" if n.name in forward else "backward",
+                         is_grad=n.name in grad_nodes and n.kind == "op")
+                 for n in self.nodes if n.is_leaf or n.name in live]
+        graph = OpGraph(nodes, GraphOutputs(loss=loss, grads=tuple(grads)),
+                        meta={"frontend": "stablehlo"})
+        graph.check()
+        return graph
+
+    def _body(self, block) -> list[ValueRef]:
+        """Emit the ops of a function body; the values it returns."""
+        for op in block.operations:
+            op = op.operation
+            if op.name in ("func.return", "stablehlo.return"):
+                return [self.refs[v] for v in op.operands]
+            self._op(op)
+        raise StableHLOError("a function body without a return")
+
+    def _op(self, op) -> None:
+        name = op.name
+        where, stack = _location(op)
+        source = f"{name} {where}".strip()
+        outs = [_spec(r.type) for r in op.results]
+        ins = list(op.operands)
+
+        def set_result(ref: ValueRef, index=0):
+            self.refs[op.results[index]] = ref
+
+        if name == "func.call":
+            callee = self.funcs[str(op.attributes["callee"]).lstrip("@").strip('"')]
+            body = callee.regions[0].blocks[0]
+            for formal, actual in zip(body.arguments, ins):
+                self.refs[formal] = self.refs[actual]
+                if actual in self.constants:
+                    self.constants[formal] = self.constants[actual]
+            for i, ref in enumerate(self._body(body)):
+                set_result(ref, i)
+            return
+        if name in _CONSTANTS:
+            value = _splat(str(op.attributes["value"]))
+            self.constants[op.results[0]] = value
+            set_result(self.emit("aten.full.default", [], outs[0], (outs[0].shape, value),
+                                 source=source, stack=stack))
+            return
+        if name == "stablehlo.optimization_barrier":
+            for i, v in enumerate(ins):
+                set_result(self.refs[v], i)
+            return
+        if ins and ins[0] in self.constants and name in _SHAPE_OPS:    # still a constant
+            value = self.constants[ins[0]]
+            if name == "stablehlo.convert" and outs[0].dtype not in _FLOATS and value == value:
+                value = float(int(value))
+            self.constants[op.results[0]] = value
+            set_result(self.emit("aten.full.default", [], outs[0], (outs[0].shape, value),
+                                 source=source, stack=stack))
+            return
+        if name in _FOLD and ins and all(v in self.constants for v in ins):   # constant math
+            try:
+                value = float(_FOLD[name](*(self.constants[v] for v in ins)))
+            except (ArithmeticError, ValueError):
+                value = float("nan")
+            self.constants[op.results[0]] = value
+            set_result(self.emit("aten.full.default", [], outs[0], (outs[0].shape, value),
+                                 source=source, stack=stack))
+            return
+        refs = [self.refs[v] for v in ins]
+        if name in _IDENTITY_WITH and len(ins) == 2 and \
+                self.constants.get(ins[1]) == _IDENTITY_WITH[name] and ins[0] not in self.constants:
+            set_result(refs[0])                          # x * 1, x / 1, x ** 1, x + 0, x - 0
+            return
+        if name == "stablehlo.multiply" and self.constants.get(ins[0]) == 1.0:
+            set_result(refs[1])
+            return
+        if name in ELEMENTWISE or name == "stablehlo.compare":
+            # a constant operand is a scalar broadcast, as in ATen (``scalar_tensor``)
+            refs = [self.emit("aten.full.default", [], TensorSpec((), self.spec(r).dtype),
+                              ((), self.constants[v]), source=source, stack=stack)
+                    if v in self.constants and self.spec(r).shape else r
+                    for v, r in zip(ins, refs)]
+            target = ELEMENTWISE.get(name)
+            if name == "stablehlo.compare":
+                direction = re.search(r"comparison_direction (\w+)",
+                                      str(op.attributes["comparison_direction"])).group(1)
+                target = _COMPARE[direction]
+            if name == "stablehlo.clamp":        # clamp(min, x, max) -> clamp(x, min, max)
+                refs = [refs[1], refs[0], refs[2]]
+            if name == "stablehlo.not" and outs[0].dtype != "bool":
+                target = "aten.bitwise_not.default"
+            args = tuple(Operand(k) for k in range(len(refs)))
+            set_result(self.emit(target, refs, outs[0], args, source=source, stack=stack))
+        elif name == "stablehlo.convert":
+            set_result(self.emit("aten._to_copy.default", refs, outs[0], (Operand(0),),
+                                 (("dtype", f"torch.{outs[0].dtype}"),), source=source,
+                                 stack=stack))
+        elif name == "stablehlo.reshape":
+            set_result(self._view(refs[0], outs[0].shape, source, stack))
+        elif name == "stablehlo.transpose":
+            perm = _ints(str(op.attributes["permutation"]))
+            set_result(self._permute(refs[0], perm, source, stack))
+        elif name == "stablehlo.broadcast_in_dim":
+            dims = _ints(str(op.attributes["broadcast_dimensions"]))
+            set_result(self._broadcast(refs[0], dims, outs[0].shape, source, stack))
+        elif name == "stablehlo.dot_general":
+            set_result(self._dot(refs, _dot_dims(str(op.attributes["dot_dimension_numbers"])),
+                                 outs[0], source, stack))
+        elif name == "stablehlo.reduce" and len(ins) == 2 and self._reduce_body(op) in _REDUCE:
+            dims = _ints(str(op.attributes["dimensions"]))
+            set_result(self.emit(_REDUCE[self._reduce_body(op)], refs[:1], outs[0],
+                                 (Operand(0), tuple(dims), False), source=source, stack=stack))
+        elif name == "stablehlo.slice" and self._one_dim_slice(op, refs[0]) is not None:
+            dim, start, end, step = self._one_dim_slice(op, refs[0])
+            set_result(self.emit("aten.slice.Tensor", refs, outs[0],
+                                 (Operand(0), dim, start, end, step), source=source, stack=stack))
+        elif name == "stablehlo.concatenate":
+            dim = int(_ints(str(op.attributes["dimension"]))[0])
+            set_result(self.emit("aten.cat.default", refs, outs[0],
+                                 (tuple(Operand(k) for k in range(len(refs))), dim),
+                                 source=source, stack=stack))
+        elif name == "stablehlo.iota":
+            set_result(self.emit("aten.arange.default", [], outs[0], (outs[0].numel,),
+                                 source=source, stack=stack))
+        else:   # no rule: replicated, and listed in the plan
+            ref = self.emit(name, refs, outs, tuple(Operand(k) for k in range(len(refs))),
+                            source=source, stack=stack)
+            for i in range(len(outs)):
+                set_result(ValueRef(ref.node, i), i)
+
+    @staticmethod
+    def _reduce_body(op) -> str:
+        body = list(op.regions[0].blocks[0].operations)
+        return body[0].operation.name if len(body) == 2 else ""
+
+    def _one_dim_slice(self, op, ref):
+        shape = self.spec(ref).shape
+        starts = _ints(str(op.attributes["start_indices"]))
+        limits = _ints(str(op.attributes["limit_indices"]))
+        strides = _ints(str(op.attributes["strides"]))
+        cut = [d for d in range(len(shape))
+               if (starts[d], limits[d], strides[d]) != (0, shape[d], 1)]
+        if len(cut) > 1:
+            return None
+        d = cut[0] if cut else 0
+        return d, starts[d], limits[d], strides[d]
+
+    # -- shape ops in ATen terms -----------------------------------------------------------
+    def _view(self, ref: ValueRef, shape, source, stack) -> ValueRef:
+        spec = self.spec(ref)
+        if tuple(shape) == spec.shape:
+            return ref
+        return self.emit("aten.reshape.default", [ref], TensorSpec(tuple(shape), spec.dtype),
+                         (Operand(0), tuple(shape)), source=source, stack=stack)
+
+    def _permute(self, ref: ValueRef, perm, source, stack) -> ValueRef:
+        spec = self.spec(ref)
+        if list(perm) == list(range(len(perm))):
+            return ref
+        shape = tuple(spec.shape[p] for p in perm)
+        return self.emit("aten.permute.default", [ref], TensorSpec(shape, spec.dtype),
+                         (Operand(0), tuple(perm)), source=source, stack=stack)
+
+    def _broadcast(self, ref: ValueRef, dims, shape, source, stack) -> ValueRef:
+        """``broadcast_in_dim``: operand dim i becomes result dim ``dims[i]``."""
+        spec = self.spec(ref)
+        order = sorted(range(len(dims)), key=lambda i: dims[i])
+        ref = self._permute(ref, order, source, stack)          # operand dims in result order
+        placed = {dims[i]: spec.shape[i] for i in range(len(dims))}
+        unit = tuple(placed.get(d, 1) for d in range(len(shape)))
+        ref = self._view(ref, unit, source, stack)              # the new dims, of size 1
+        if unit == tuple(shape):
+            return ref
+        return self.emit("aten.expand.default", [ref], TensorSpec(tuple(shape), spec.dtype),
+                         (Operand(0), tuple(shape)), source=source, stack=stack)
+
+    def _dot(self, refs, dims, out: TensorSpec, source, stack) -> ValueRef:
+        """``dot_general`` as torch.matmul does it: (B, M, K) @ (B, K, N) -> view."""
+        lhs, rhs = refs
+        ls, rs = self.spec(lhs).shape, self.spec(rhs).shape
+        lb, rb = dims["lhs_batching_dimensions"], dims["rhs_batching_dimensions"]
+        lc, rc = dims["lhs_contracting_dimensions"], dims["rhs_contracting_dimensions"]
+        lf = [d for d in range(len(ls)) if d not in lb + lc]
+        rf = [d for d in range(len(rs)) if d not in rb + rc]
+
+        def size(shape, ds):
+            n = 1
+            for d in ds:
+                n *= shape[d]
+            return n
+
+        b, m, k, n = size(ls, lb), size(ls, lf), size(ls, lc), size(rs, rf)
+        batch = (b,) if lb else ()
+        a = self._view(self._permute(lhs, lb + lf + lc, source, stack), batch + (m, k),
+                       source, stack)
+        w = self._view(self._permute(rhs, rb + rc + rf, source, stack), batch + (k, n),
+                       source, stack)
+        product = TensorSpec(batch + (m, n), out.dtype)
+        ref = self.emit("aten.bmm.default" if lb else "aten.mm.default", [a, w], product,
+                        (Operand(0), Operand(1)), source=source, stack=stack,
+                        flops=2.0 * b * m * k * n)
+        return self._view(ref, out.shape, source, stack)
+
+
+def _pytree_name(path: str) -> str:
+    """``params['w1'][0]`` -> ``params.w1.0`` (how plans name JAX parameters)."""
+    parts = re.findall(r"\[\'([^\']*)\'\]|\[(\d+)\]|\.(\w+)|^(\w+)", path)
+    names = [next(p for p in groups if p) for groups in parts]
+    return ".".join(names) if names else path

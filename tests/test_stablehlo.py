@@ -1,0 +1,295 @@
+"""StableHLO in and out: the StableHLO frontend, XLA running a plan, export via torch-mlir.
+
+Needs jax/jaxlib (and torch-mlir for the export tests): ``make test`` installs them with
+the test extra; without them these tests skip and say which package is missing. The
+multi-device XLA run happens in one subprocess (``XLA_FLAGS`` must be set before jax is
+imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+jax = pytest.importorskip("jax", reason="jax/jaxlib are not installed: "
+                                        "pip install 'torchalpa[stablehlo]'")
+import jax.numpy as jnp  # noqa: E402
+
+import torchalpa  # noqa: E402
+from torchalpa.cluster import Cluster  # noqa: E402
+from torchalpa.frontends.stablehlo import StableHLOError, from_stablehlo  # noqa: E402
+from torchalpa.frontends.jax_lower import lower_jax  # noqa: E402
+from torchalpa.opgraph import Operand  # noqa: E402
+from torchalpa.placement import Replicate, Shard  # noqa: E402
+from torchalpa.passes.rules import rule_for  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _has(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except ImportError:
+        return False
+
+
+needs_torch_mlir = pytest.mark.skipif(not _has("torch_mlir"), reason=(
+    "torch-mlir is not installed: pip install 'torchalpa[stablehlo]'"))
+
+
+# -- a JAX model with matmuls of every layout, attention, layer norm, softmax ------------
+
+def _block_loss(params, x, y):
+    """One pre-norm transformer block and a linear head; x: (B, T, C), y: (B, T, C)."""
+    h = x - jnp.mean(x, axis=-1, keepdims=True)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-5) * params["ln"]
+    q = jnp.einsum("btc,hcd->bhtd", h, params["wq"])                  # (B, H, T, D)
+    k = jnp.einsum("btc,hcd->bhtd", h, params["wk"])
+    att = jnp.einsum("bhtd,bhsd->bhts", q, k) / 2.0                    # (B, H, T, T)
+    att = jax.nn.softmax(att, axis=-1)
+    v = jnp.einsum("bhts,bhsd->bhtd", att, q)
+    out = jnp.einsum("bhtd,hdc->btc", v, params["wo"]) + x             # (B, T, C)
+    out = jnp.tanh(out @ params["w"] + params["b"])
+    return jnp.mean((out - y) ** 2)
+
+
+def _block_example(seed=0):
+    rng = np.random.default_rng(seed)
+    B, T, C, H, D = 2, 4, 8, 2, 4
+
+    def r(*shape):
+        return jnp.asarray(rng.normal(size=shape) * 0.5, jnp.float32)
+    params = {"ln": r(C), "wq": r(H, C, D), "wk": r(H, C, D), "wo": r(H, D, C), "w": r(C, C),
+              "b": r(C)}
+    return params, r(B, T, C), r(B, T, C)
+
+
+def _run_graph(graph, leaves: dict[str, torch.Tensor]):
+    """Evaluate an OpGraph with the ATen ops it names: (loss, {param: grad})."""
+    values = {}
+    for node in graph:
+        if node.is_leaf:
+            values[node.name] = leaves[node.target]
+            continue
+        ins = [values[r.node] if r.index == 0 and not isinstance(values[r.node], tuple)
+               else values[r.node][r.index] for r in node.operands]
+
+        def sub(a):
+            if isinstance(a, Operand):
+                return ins[a.k]
+            if isinstance(a, tuple):
+                return type(a)(sub(x) for x in a)
+            return a
+        args = sub(node.args)
+        kwargs = {k: getattr(torch, v.removeprefix("torch.")) if k == "dtype" else v
+                  for k, v in node.kwargs}
+        packet, overload = node.op.split(".")[1:]
+        fn = getattr(getattr(torch.ops.aten, packet), overload)
+        if node.op == "aten.full.default":
+            kwargs["dtype"] = getattr(torch, node.output.dtype)
+        values[node.name] = fn(*args, **kwargs)
+    loss = values[graph.outputs.loss.node]
+    return loss, {fqn: values[r.node] for fqn, r in graph.outputs.grads}
+
+
+def test_graph_computes_what_jax_computes():
+    """The OpGraph, run op by op with ATen, gives JAX's loss and gradients: every
+    StableHLO op was translated into ATen ops (and shapes) that mean the same thing."""
+    params, x, y = _block_example()
+    lowered = lower_jax(_block_loss, (params, x, y))
+    graph = from_stablehlo(lowered.text, param_names=lowered.param_names,
+                           input_names=lowered.input_names)
+    ops = {n.op for n in graph.ops()}
+    assert {"aten.bmm.default", "aten.mm.default", "aten.amax.default",
+            "aten.sum.dim_IntList", "aten.permute.default"} <= ops
+    assert not [n.op for n in graph.ops() if rule_for(n, graph) is None]
+    leaves = {name: torch.from_numpy(np.array(v)) for name, v in zip(
+        lowered.param_names + lowered.input_names,
+        jax.tree_util.tree_leaves(params) + [x, y])}
+    loss, grads = _run_graph(graph, leaves)
+    ref_loss, ref_grads = jax.value_and_grad(_block_loss)(params, x, y)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    for name, g in zip(lowered.param_names, jax.tree_util.tree_leaves(ref_grads)):
+        np.testing.assert_allclose(grads[name].numpy(), np.asarray(g), rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
+
+
+def test_plan_a_jax_step():
+    params, x, y = _block_example()
+    plan = torchalpa.plan(_block_loss, (params, x, y), cluster=Cluster.local_cpu(2))
+    assert sorted(p.name for p in plan.parameters) == sorted(
+        f"params.{k}" for k in params)
+    assert [p.name for p in plan.inputs] == ["x", "y"]
+    assert plan.unsupported_ops == ()
+    assert plan.estimates["step_time_s"] > 0
+
+
+def test_ops_without_a_rule_are_listed():
+    def loss(params, idx):
+        return jnp.sum(jnp.take(params["emb"], idx, axis=0) ** 2)   # a gather
+    params = {"emb": jnp.ones((16, 8))}
+    plan = torchalpa.plan(loss, (params, jnp.arange(4)), cluster=Cluster.local_cpu(2))
+    assert "stablehlo.gather" in {u["op"] for u in plan.unsupported_ops}
+
+
+def test_stablehlo_text_needs_to_say_which_arguments_are_parameters():
+    params, x, y = _block_example()
+    text = jax.jit(jax.value_and_grad(_block_loss)).lower(params, x, y).as_text()
+    with pytest.raises(StableHLOError, match="num_params"):
+        from_stablehlo(text)
+    graph = from_stablehlo(text, num_params=len(params))
+    assert len(graph.params) == len(params) and len(graph.grads) == len(params)
+    loss_only = jax.jit(_block_loss).lower(params, x, y).as_text()
+    with pytest.raises(StableHLOError, match="value_and_grad"):
+        from_stablehlo(loss_only, num_params=len(params))
+
+
+def test_plan_from_a_file(tmp_path):
+    def loss(params, x):
+        return jnp.mean((x @ params["w"]) ** 2)
+    params, x = {"w": jnp.ones((8, 16))}, jnp.ones((32, 8))
+    lowered = lower_jax(loss, (params, x))
+    path = tmp_path / "step.mlir"
+    path.write_text(lowered.text)
+    mesh = Cluster.local_cpu(4).logical_mesh((4,))
+    plan = torchalpa.plan(str(path), (), cluster=mesh, num_params=1)
+    assert [p.name for p in plan.parameters] == ["params.w"]
+    with pytest.raises(ValueError, match="neither StableHLO text nor a file"):
+        torchalpa.plan(str(tmp_path / "missing.mlir"), (), cluster=mesh, num_params=1)
+
+
+@pytest.mark.parametrize("placements,mesh_shape", [
+    ((Shard(0), Replicate()), (2, 4)), ((Replicate(), Shard(1)), (2, 4)),
+    ((Shard(1), Shard(0)), (2, 2)), ((Shard(0), Shard(0)), (2, 4)),
+    ((Replicate(), Replicate()), (2, 2)), ((Shard(1),), (4,))])
+def test_hlo_sharding_strings_match_jax(placements, mesh_shape):
+    """Our ``mhlo.sharding`` strings are the ones JAX writes for the same NamedSharding."""
+    from jax.sharding import AbstractMesh, NamedSharding
+
+    from torchalpa.export import hlo_sharding
+    from torchalpa.xla import partition_spec
+    names = tuple(f"a{i}" for i in range(len(mesh_shape)))
+    mesh = AbstractMesh(mesh_shape, names)
+    spec = partition_spec(placements, 2, names)
+    expected = NamedSharding(mesh, spec)._to_xla_hlo_sharding(2)
+    ours = hlo_sharding(placements, 2, mesh_shape)
+    from jax._src.lib import xla_client
+    assert xla_client.HloSharding.from_proto(expected.to_proto()) == expected
+    assert str(expected) == ours or expected.is_replicated() and ours == "{replicated}", \
+        (str(expected), ours)
+
+
+def test_hlo_collectives_read_merged_ops():
+    from torchalpa.xla import hlo_collectives
+    text = """
+  %all-reduce.5 = (f32[256]{0}, f32[256,64]{1,0}, f32[]) all-reduce(%a, %b, %c), channel_id=1, replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, to_apply=%add
+  %ag = f32[64,16]{1,0} all-gather(%d), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}
+  %rs = f32[8]{0} reduce-scatter(%e), channel_id=3, replica_groups={{0,1},{2,3}}, dimensions={0}
+"""
+    found = hlo_collectives(text)
+    assert [(c["kind"], c["tensors"], c["bytes"]) for c in found] == [
+        ("all_reduce", 3, (256 + 256 * 64 + 1) * 4), ("all_gather", 1, 64 * 16 * 4 // 4),
+        ("reduce_scatter", 1, 8 * 4 * 2)]
+
+
+def test_xla_runs_the_plan_on_four_devices(tmp_path):
+    """examples/jax_quickstart.py in a subprocess with 4 host devices: losses and
+    parameters match one device; XLA's collectives are read next to the plan's."""
+    out = tmp_path / "report.json"
+    env = dict(os.environ, TORCHALPA_XLA_DEVICES="4", OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "jax_quickstart.py"),
+                           "--dim", "64", "--batch", "64", "--layers", "2", "--steps", "2",
+                           "--json", str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["max_param_diff"] < 1e-5
+    np.testing.assert_allclose(report["losses"], report["reference_losses"], rtol=1e-5)
+    # the plan shards something over the 4 devices, and XLA communicates for it
+    assert any(p != ["R"] for p in report["placements"].values()) or \
+        report["mesh"] != {"axis0": 4}
+    assert sum(r["xla_ops"] for r in report["collectives"].values()) >= 1
+    # data parallelism: XLA all-reduces every gradient (merged or not) and the loss
+    param_bytes = (64 * 256 + 256 + 256 * 64 + 64) * 4
+    dp = report["dp_collectives"]
+    assert dp["all_reduce"]["xla_tensors"] >= 2
+    assert dp["all_reduce"]["xla_bytes"] == param_bytes + 4
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, dim=32):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.ReLU(),
+                                       torch.nn.Linear(4 * dim, dim), torch.nn.ReLU())
+
+    def forward(self, x):
+        return self.net(x)
+
+
+@needs_torch_mlir
+def test_export_and_cross_check_with_the_aten_plan():
+    """The torch MLP planned from its ATen graph and from its StableHLO export: the same
+    weight placements, estimates within 5%; with a plan, arguments carry mhlo.sharding."""
+    torch.manual_seed(0)
+    model, x, y = _MLP(64), torch.randn(64, 64), torch.randn(64, 64)
+    loss_fn = torch.nn.functional.mse_loss
+    text = torchalpa.export_stablehlo(model, (x, y), loss_fn)
+    assert 'torchalpa.name = "net.0.weight"' in text
+    mesh = Cluster.local_cpu(4).logical_mesh((4,))
+    from_aten = torchalpa.plan(model, (x, y), loss_fn, cluster=mesh)
+    from_text = torchalpa.plan(text, (), cluster=mesh)
+    assert from_text.unsupported_ops == ()
+    weights = [p.name for p in from_aten.parameters if p.name.endswith("weight")]
+    assert {n: from_text.parameter(n).placements for n in weights} == \
+        {n: from_aten.parameter(n).placements for n in weights}
+    assert from_text.estimates["step_time_s"] == pytest.approx(
+        from_aten.estimates["step_time_s"], rel=0.05)
+    # ATen's mse_loss backward computes (x - y) a second time: one more live (B, d)
+    # activation than torch.export's decomposition (6.5% of this small step's memory)
+    assert from_text.estimates["memory_per_device_bytes"] == pytest.approx(
+        from_aten.estimates["memory_per_device_bytes"], rel=0.10)
+
+    annotated = torchalpa.export_stablehlo(model, (x, y), loss_fn, plan=from_aten)
+    from torchalpa.export import hlo_sharding
+    w = from_aten.parameter("net.0.weight")
+    assert f'mhlo.sharding = "{hlo_sharding(w.placements, 2, (4,))}"' in annotated
+    again = torchalpa.plan(annotated, (), cluster=mesh)      # still reads as a step
+    assert [p.name for p in again.parameters] == [p.name for p in from_text.parameters]
+
+
+@needs_torch_mlir
+def test_export_refuses_tied_parameters():
+    model = _MLP(8)
+    model.net[2].weight = model.net[0].weight.__class__(torch.randn(8, 32))
+    model.extra = torch.nn.Linear(32, 8)
+    model.extra.weight = model.net[2].weight
+    with pytest.raises(NotImplementedError, match="tied parameters"):
+        torchalpa.export_stablehlo(model, (torch.randn(4, 8), torch.randn(4, 8)),
+                                   torch.nn.functional.mse_loss)
+
+
+def test_cli_plans_a_stablehlo_file(tmp_path, capsys):
+    from torchalpa.cli import main
+
+    def loss(params, x):
+        return jnp.mean(jnp.tanh(x @ params["w1"]) @ params["w2"])
+    params, x = {"w1": jnp.ones((16, 32)), "w2": jnp.ones((32, 8))}, jnp.ones((64, 16))
+    path = tmp_path / "step.mlir"
+    path.write_text(lower_jax(loss, (params, x)).text)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--stablehlo", str(path), "--mesh", "2x2", "--preset", "local_cpu",
+                 "--json", str(out)]) == 0
+    assert "params.w1" in capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["mesh"]["shape"] == [2, 2] and set(saved["parameters"]) == {
+        "params.w1", "params.w2"}
+    with pytest.raises(SystemExit, match="--mesh must look like"):
+        main(["plan", "--stablehlo", str(path), "--mesh", "2by2"])
