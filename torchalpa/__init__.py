@@ -8,6 +8,7 @@ See README.md and ../shared/DESIGN.md for the architecture.
 
 from torchalpa.cluster import Cluster, LogicalMesh
 from torchalpa.methods import (AutoLayerOption, AutoShardingOption, DataParallel,
+                               ManualShardingOption,
                                ManualStageOption, PipeshardParallel, ShardParallel,
                                UniformStageOption, Zero2Parallel, Zero3Parallel)
 from torchalpa.placement import Partial, Replicate, Shard
@@ -22,7 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "auto_parallel", "plan", "Plan", "Cluster", "LogicalMesh", "ShardParallel", "DataParallel",
-    "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "Shard", "Replicate", "Partial",
+    "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "ManualShardingOption", "Shard", "Replicate", "Partial",
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
     "load_checkpoint", "RankFailedError",

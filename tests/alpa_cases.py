@@ -1,0 +1,141 @@
+"""Models of Alpa's ``tests/shard_parallel`` written the ways PyTorch users write them,
+and helpers that read a Plan the way Alpa's assertions read an executable.
+
+Alpa's cost units: a LogicalMesh with alpha = beta = 1 per axis (or as the test says);
+fp32 tensors, so bytes = 4 x elements. Alpa's own ``all_reduce_cost`` adds 0.01 and its
+all-gather 0.1 as tie-breakers; ours does not, far inside Alpa's 1% tolerance.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchalpa
+from torchalpa import LogicalMesh, Replicate, Shard, ShardParallel
+
+__all__ = ["assert_close", "plan_of", "mse", "MLP_SPELLINGS", "communication",
+           "weights", "all_reduce_cost"]
+
+
+def assert_close(x, y, rtol=0.01):
+    """Alpa's ``assert_close``: within 1% (of the ratio)."""
+    assert abs((x + 1e-9) / (y + 1e-9) - 1) <= rtol, f"{x} vs. {y}"
+
+
+def all_reduce_cost(mesh: LogicalMesh, nbytes: float, axis: int) -> float:
+    n = mesh.shape[axis]
+    return mesh.alpha[axis] + mesh.beta[axis] * 2 * (n - 1) / n * nbytes
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def plan_of(model, inputs, loss_fn=mse, *, shape, alpha=None, beta=None,
+            method=ShardParallel, **options):
+    """Plan on Alpa's logical mesh; ``options`` go to AutoShardingOption."""
+    mesh = LogicalMesh(shape=shape, alpha=alpha, beta=beta)
+    base = method().auto_sharding_option
+    from dataclasses import replace
+    option = replace(base, **options)
+    with torch.device("meta"):
+        model = model() if callable(model) and not isinstance(model, nn.Module) else model
+    model = model.to("meta")
+    inputs = tuple(t.to("meta") for t in inputs)
+    plan = torchalpa.plan(model, inputs, loss_fn,
+                          method=method(logical_mesh_shape=shape, auto_sharding_option=option),
+                          cluster=mesh)
+    return plan, mesh
+
+
+def weights(plan) -> dict[str, tuple]:
+    """Parameter name -> placements."""
+    return {p.name: tuple(p.placements) for p in plan.parameters}
+
+
+def communication(plan, *, ignore_scalar_all_reduce=False, merged_gradients=True) -> Counter:
+    """Collectives per kind as Alpa counts them in the compiled HLO: with
+    ``merged_gradients``, the gradient all-reduces of one bucket count once (XLA's
+    all-reduce combiner; the plan's ``gradient_buckets``); collectives on a mesh axis of
+    size 1 move nothing and are not counted."""
+    buckets = plan.estimates.get("gradient_buckets") if merged_gradients else None
+    in_bucket = {t for b in buckets or () for t in b["tensors"]}
+    counts: Counter = Counter()
+    for c in plan.collectives:
+        if plan.mesh_shape[c.axis] == 1:
+            continue
+        if ignore_scalar_all_reduce and c.kind == "all_reduce" and c.bytes <= 4:
+            continue
+        if c.kind == "all_reduce" and c.tensor in in_bucket:
+            continue
+        counts[c.kind] += 1
+    counts["all_reduce"] += len(buckets or ())
+    counts["total"] = sum(v for k, v in counts.items() if k != "total")
+    return counts
+
+
+# -- Alpa's MLP: (num_layers - 1) x (Dense, relu), then Dense -------------------------------
+
+class MLPModuleList(nn.Module):
+    """nn.ModuleList of Linear layers, relu applied by the parent (functional)."""
+
+    def __init__(self, num_layers, in_dim, hidden_dim, out_dim, bias=True):
+        super().__init__()
+        dims = [in_dim] + [hidden_dim] * (num_layers - 1) + [out_dim]
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b in zip(dims, dims[1:]))
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = F.relu(layer(x))
+        return self.layers[-1](x)
+
+
+class MLPSequential(nn.Module):
+    """nn.Sequential of Linear and nn.ReLU modules."""
+
+    def __init__(self, num_layers, in_dim, hidden_dim, out_dim, bias=True):
+        super().__init__()
+        dims = [in_dim] + [hidden_dim] * (num_layers - 1) + [out_dim]
+        mods = []
+        for k, (a, b) in enumerate(zip(dims, dims[1:])):
+            mods.append(nn.Linear(a, b, bias=bias))
+            if k < num_layers - 1:
+                mods.append(nn.ReLU())
+        self.net = nn.Sequential(*mods)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class MLPAttributes(nn.Module):
+    """One attribute per layer (dense_0, dense_1, ...), torch.relu between them."""
+
+    def __init__(self, num_layers, in_dim, hidden_dim, out_dim, bias=True):
+        super().__init__()
+        dims = [in_dim] + [hidden_dim] * (num_layers - 1) + [out_dim]
+        self.num_layers = num_layers
+        for k, (a, b) in enumerate(zip(dims, dims[1:])):
+            setattr(self, f"dense_{k}", nn.Linear(a, b, bias=bias))
+
+    def forward(self, x):
+        for k in range(self.num_layers):
+            x = getattr(self, f"dense_{k}")(x)
+            if k < self.num_layers - 1:
+                x = torch.relu(x)
+        return x
+
+
+MLP_SPELLINGS = {"modulelist": MLPModuleList, "sequential": MLPSequential,
+                 "attributes": MLPAttributes}
+
+
+def mlp_weight_names(model: nn.Module) -> list[str]:
+    """Names of the Linear weights in layer order."""
+    return [n for n, p in model.named_parameters() if p.ndim == 2]
+
+
+R = Replicate()
