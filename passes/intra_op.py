@@ -166,8 +166,9 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         return _replace_estimates(plan, dict(plan.estimates, objective=plan.estimates[
             "step_time_s"], solve_seconds=time.perf_counter() - start))
 
-    def solve(period: int, start: dict[str, Strategy] | None = None):
-        grouping = group_nodes(graph, S, blocks, heavy=space.heavy, period=period)
+    def solve(period: int, start: dict[str, Strategy] | None = None, exact: bool = False):
+        grouping = group_nodes(graph, S, None if exact else blocks, heavy=space.heavy,
+                               period=period, merge_followers=not exact)
         cg = build_cost_graph(graph, mesh, S, grouping, costs)
         memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states, in_flight)
         initial = None
@@ -189,6 +190,14 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         alternative = solve(2, start=chosen)
         if alternative[2].objective < solution.objective:
             grouping, cg, solution, chosen = alternative
+    if len(graph) <= option.exact_below and len(cg.node_costs) < len(graph):
+        # shared decisions and followers restrict the problem; on a graph this small,
+        # solve the full problem too (from the plan found) so they never cost optimality
+        full = solve(1, start=chosen, exact=True)
+        if full[2].objective < solution.objective * (1 - 1e-9):
+            log.info("the unsimplified ILP improved the plan: %.6g -> %.6g",
+                     solution.objective, full[2].objective)
+            grouping, cg, solution, chosen = full
     plan = _merge_gradient_all_reduces(_assemble(graph, mesh, method, chosen, costs, space,
                                                  inputs), graph, mesh, option)
     seconds = time.perf_counter() - start

@@ -73,6 +73,11 @@ class AutoShardingOption:
     """Off: no search. Parameters and inputs keep the layouts ``pin`` gives them (Alpa's
     ``ManualShardingOption``) and are otherwise whole; each op takes the cheapest layout
     reachable from its operands' (layouts propagate, as in XLA's sharding propagation)."""
+    exact_below: int = 2000
+    """Graphs of at most this many nodes are also solved without simplification (shared
+    decisions of repeated layers, followers), starting from the simplified plan, and the
+    better plan is kept: there, simplification never costs optimality. Larger graphs keep
+    the simplified plan (a restriction of the full problem). 0 turns the check off."""
     pin: tuple = ()
     """Fixed layouts: ``{regex: placements}`` (or pairs) matched against parameter names
     and user inputs ('input0', ...), e.g. ``{"layers[.]0[.]wq[.]weight": ("R", "S(0)")}``;
