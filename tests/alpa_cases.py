@@ -40,6 +40,8 @@ def plan_of(model, inputs, loss_fn=mse, *, shape, alpha=None, beta=None,
     """Plan on Alpa's logical mesh; ``options`` go to AutoShardingOption."""
     mesh = LogicalMesh(shape=shape, alpha=alpha, beta=beta)
     base = method().auto_sharding_option
+    if method is ShardParallel:   # Alpa's default space: no reduce-scatter strategies
+        options.setdefault("allow_reduce_scatter", False)
     from dataclasses import replace
     option = replace(base, **options)
     with torch.device("meta"):
@@ -139,3 +141,118 @@ def mlp_weight_names(model: nn.Module) -> list[str]:
 
 
 R = Replicate()
+
+
+# -- Alpa's BERT layers (FlaxBertLayerCollection): post-LN, gelu MLP of 4 x hidden ----------
+
+class BertSelfAttention(nn.Module):
+    """``qkv``: 'fused_minor' is Alpa's layout (one Linear to 3H, viewed as (H, 3) and
+    split on the last dim: q, v, k interleaved per feature); 'fused_major' is the
+    nanoGPT / GPT-2 spelling (viewed as (3, H)); 'separate' has three Linear layers."""
+
+    def __init__(self, hidden, heads, qkv):
+        super().__init__()
+        self.heads, self.qkv_kind = heads, qkv
+        if qkv == "separate":
+            self.query, self.key, self.value = (nn.Linear(hidden, hidden) for _ in range(3))
+        else:
+            self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+        self.norm = nn.LayerNorm(hidden, eps=1e-12)
+
+    def forward(self, x, bias):
+        B, S, H = x.shape
+        if self.qkv_kind == "separate":
+            q, k, v = self.query(x), self.key(x), self.value(x)
+        elif self.qkv_kind == "fused_minor":
+            q, v, k = self.qkv(x).view(B, S, H, 3).unbind(-1)            # (B, S, H) each
+        else:
+            q, k, v = self.qkv(x).split(H, dim=-1)
+        q, k, v = (t.reshape(B, S, self.heads, H // self.heads).transpose(1, 2)
+                   for t in (q, k, v))                                    # (B, nh, S, hd)
+        scores = q @ k.transpose(-1, -2) / (H // self.heads) ** 0.5 + bias
+        ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, S, H)
+        return self.norm(self.out(ctx) + x)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, hidden, heads, qkv):
+        super().__init__()
+        self.attention = BertSelfAttention(hidden, heads, qkv)
+        self.intermediate = nn.Linear(hidden, 4 * hidden)
+        self.output = nn.Linear(4 * hidden, hidden)
+        self.norm = nn.LayerNorm(hidden, eps=1e-12)
+
+    def forward(self, x, bias):
+        x = self.attention(x, bias)
+        return self.norm(self.output(F.gelu(self.intermediate(x))) + x)
+
+
+class BertLayers(nn.Module):
+    """Takes (hidden_states, attention_mask) as Alpa's test does; the mask (B, S) of 0/1
+    becomes an additive bias."""
+
+    def __init__(self, num_layers, hidden, heads, qkv="fused_minor"):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(hidden, heads, qkv) for _ in range(num_layers))
+
+    def forward(self, x, mask):
+        bias = torch.where(mask[:, None, None, :] > 0, 0.0, -1e10)      # (B, 1, 1, S)
+        for layer in self.layer:
+            x = layer(x, bias)
+        return x
+
+
+def bert_inputs(batch, seq, hidden):
+    return (torch.empty(batch, seq, hidden), torch.ones(batch, seq, dtype=torch.int64),
+            torch.empty(batch, seq, hidden))
+
+
+def bert_matmul_weights(model: BertLayers, k: int) -> list[str]:
+    """Alpa's four checked kernels of layer k: qkv, attention output, intermediate, output
+    (with separate q/k/v, the three stand in for qkv)."""
+    a = model.layer[k].attention
+    first = ["query", "key", "value"] if hasattr(a, "query") else ["qkv"]
+    return ([f"layer.{k}.attention.{n}.weight" for n in first]
+            + [f"layer.{k}.attention.out.weight", f"layer.{k}.intermediate.weight",
+               f"layer.{k}.output.weight"])
+
+
+class TiedEmbedding(nn.Module):
+    """Alpa's test_embedding_2d_mesh: logits = embed(x) @ embed.weight.T."""
+
+    def __init__(self, vocab, hidden):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+
+    def forward(self, x):
+        return self.embed(x) @ self.embed.weight.T                     # (B, S, V)
+
+
+def summed_cross_entropy(logits, y):
+    """Alpa's loss there: -sum(one_hot(y) * log_softmax(logits))."""
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+# -- Alpa's conv net: num_layers x (3x3 stride-2 conv, BatchNorm, relu, 2x2 max pool) --------
+
+class ConvNet(nn.Module):
+    """NCHW; Flax's 'SAME' padding: the conv pads 1, the stride-1 pool pads right and
+    bottom with -inf so the size is kept."""
+
+    def __init__(self, num_layers, channel):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(channel, channel, 3, stride=2, padding=1, bias=False),
+                          nn.BatchNorm2d(channel), nn.ReLU())
+            for _ in range(num_layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = F.max_pool2d(F.pad(layer(x), (0, 1, 0, 1), value=float("-inf")), 2, stride=1)
+        return x
+
+
+def conv_inputs(num_layers, batch, image, channel):
+    out = image // 2 ** num_layers
+    return torch.empty(batch, channel, image, image), torch.empty(batch, channel, out, out)
