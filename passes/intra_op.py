@@ -225,8 +225,9 @@ def effective_option(option: AutoShardingOption, mesh: LogicalMesh
                            beta=(min(mesh.beta),), axis_names=None)
         option = replace(option, force_batch_dim_to_mesh_dim=-1, allow_all_gather=False,
                          allow_all_to_all=False)
-    if not option.enable_auto_sharding and option.parameters == "auto":
-        option = replace(option, parameters="replicated")
+    if not option.enable_auto_sharding:   # whole unless pinned, and whole work allowed
+        option = replace(option, allow_recompute_heavy_op=True, parameters=(
+            "replicated" if option.parameters == "auto" else option.parameters))
     return option, mesh
 
 

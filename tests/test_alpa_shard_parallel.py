@@ -108,6 +108,7 @@ def test_mlp_2d_mesh(spelling):
         assert layouts[name] == want, (name, layouts[name])
 
 
+@pytest.mark.slow
 def test_mlp_2d_mesh_unrestricted_is_no_worse(spelling="modulelist"):
     """Without Alpa's 2D restrictions the plan may only get cheaper (here it does: the
     batch split over both axes for some layers)."""
