@@ -27,6 +27,9 @@ from torchalpa import (DataParallel, Replicate, Shard, ShardParallel, Zero2Paral
                        Zero3Parallel)
 
 MERGE_ALL = 1 << 60     # Alpa's default all_reduce_threshold: one bucket
+# every spelling of Alpa's MLP; the third runs with the slow tests
+SPELLINGS = [pytest.param(name, marks=[pytest.mark.slow] if name == "attributes" else [])
+             for name in sorted(MLP_SPELLINGS)]
 
 
 def _mlp(spelling, num_layers, batch, hidden):
@@ -48,7 +51,7 @@ def _loss_all_reduce(mesh, axis):
 
 # -- test_mlp.py ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spelling", sorted(MLP_SPELLINGS))
+@pytest.mark.parametrize("spelling", SPELLINGS)
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
 def test_mlp_data_parallel(spelling, axis, shape):
     model, batch = _mlp(spelling, 6, 256, 32)
@@ -63,7 +66,7 @@ def test_mlp_data_parallel(spelling, axis, shape):
         assert all(p == Replicate() for p in placements)
 
 
-@pytest.mark.parametrize("spelling", sorted(MLP_SPELLINGS))
+@pytest.mark.parametrize("spelling", SPELLINGS)
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
 def test_mlp_model_parallel(spelling, axis, shape):
     num_layers, batch_size, hidden = 6, 32, 256
@@ -80,7 +83,7 @@ def test_mlp_model_parallel(spelling, axis, shape):
         assert layouts[name][axis] == want, (name, layouts[name])
 
 
-@pytest.mark.parametrize("spelling", sorted(MLP_SPELLINGS))
+@pytest.mark.parametrize("spelling", SPELLINGS)
 def test_mlp_2d_mesh(spelling):
     num_layers, batch_size, hidden = 6, 256, 32
     model, batch = _mlp(spelling, num_layers, batch_size, hidden)
@@ -255,6 +258,7 @@ def test_bert_layer_model_parallel(qkv, axis, shape):
             assert layouts[name][axis] == want, (name, layouts[name])
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="embeddings are not yet sharded by vocabulary: "
                    "49,678 vs Alpa's 18,693: vocab-parallel lookup needs each rank's row "
                    "offset at run time, and softmax over a split vocabulary (issue 14, item 5)")
@@ -270,6 +274,7 @@ def test_embedding_2d_mesh():
     assert communication(plan)["total"] == communication(plan)["all_reduce"]
 
 
+@pytest.mark.slow
 # -- test_conv.py ---------------------------------------------------------------------------
 
 @pytest.mark.xfail(strict=False, reason="BatchNorm's rule keeps the batch whole (a split "
@@ -290,6 +295,7 @@ def test_conv_data_parallel(axis, shape):
         assert all(p == Replicate() for p in placements)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="5 activation all-reduces where Alpa has 3 "
                    "(614,405): two more in backward around BatchNorm (issue 14, item 7)")
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
