@@ -265,25 +265,28 @@ def _propagate(graph: OpGraph, S: dict[str, list[Strategy]], costs: ReshardCosts
     return chosen
 
 
-def _gradient_values(graph: OpGraph) -> set[str]:
-    """Parameter gradients and the values they are views of (same size, every use
-    leading only to gradient outputs): what an all-reduce combiner may merge."""
-    returned = {ref.node for _, ref in graph.outputs.grads}
-    other = {ref.node for ref in ([graph.outputs.loss] if graph.outputs.loss else [])}
-    other |= {ref.node for _, ref in graph.outputs.buffer_updates}
-    other |= {ref.node for ref in graph.outputs.sends}
-    users: dict[str, list[str]] = {}
+def _gradient_values(graph: OpGraph) -> set[tuple[str, int]]:
+    """Parameter gradients and the values they are views of (same size, single-result
+    ops whose every use leads only to gradient outputs): what an all-reduce combiner may
+    merge. Values as (node, result index)."""
+    found = {(ref.node, ref.index) for _, ref in graph.outputs.grads}
+    other = {(ref.node, ref.index) for ref in
+             ([graph.outputs.loss] if graph.outputs.loss else [])}
+    other |= {(ref.node, ref.index) for _, ref in graph.outputs.buffer_updates}
+    other |= {(ref.node, ref.index) for ref in graph.outputs.sends}
+    found -= other
+    users: dict[tuple[str, int], list[str]] = {}
     for n in graph.ops():
         for ref in n.operands:
-            users.setdefault(ref.node, []).append(n.name)
-    found: set[str] = set()
+            users.setdefault((ref.node, ref.index), []).append(n.name)
     for n in reversed(list(graph.ops())):
-        used = users.get(n.name, [])
-        if n.name in other or not (n.name in returned or used):
+        key = (n.name, 0)
+        used = users.get(key, [])
+        if len(n.outputs) != 1 or key in other or key in found or not used:
             continue
-        if n.name in returned or (all(u in found for u in used) and all(
-                graph.node(u).outputs[0].numel == n.outputs[0].numel for u in used)):
-            found.add(n.name)
+        if all(len(graph.node(u).outputs) == 1 and (u, 0) in found
+               and graph.node(u).outputs[0].numel == n.outputs[0].numel for u in used):
+            found.add(key)
     return found
 
 
@@ -292,22 +295,32 @@ def _merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
     """Alpa's all-reduce combiner on the plan: gradient all-reduces on one mesh axis are
     packed, in order, into buckets of at most ``all_reduce_threshold`` bytes; each bucket
     pays one latency instead of one per gradient. The buckets are listed in
-    ``estimates['gradient_buckets']``; the collectives stay listed one per gradient."""
+    ``estimates['gradient_buckets']`` (their tensors, and the positions of their
+    collectives in ``plan.collectives``); the collectives stay listed one per gradient."""
     threshold = option.all_reduce_threshold
     if threshold is None:
         return plan
     grads = _gradient_values(graph)
     buckets: list[dict] = []
     open_bucket: dict[int, dict] = {}
-    for c in plan.collectives:
-        if c.kind != "all_reduce" or c.tensor not in grads or mesh.shape[c.axis] == 1:
-            continue
-        bucket = open_bucket.get(c.axis)
-        if bucket is None or bucket["bytes"] + c.bytes > threshold:
-            bucket = open_bucket[c.axis] = {"axis": c.axis, "bytes": 0, "tensors": []}
-            buckets.append(bucket)
-        bucket["bytes"] += c.bytes
-        bucket["tensors"].append(c.tensor)
+    position = -1                   # plan.collectives lists the reshards' steps in order
+    for r in plan.reshards:
+        for step in r.steps:
+            if not step.is_collective:
+                continue
+            position += 1
+            if step.kind != "all_reduce" or (r.producer, r.index) not in grads \
+                    or mesh.shape[step.axis] == 1:
+                continue
+            bucket = open_bucket.get(step.axis)
+            if bucket is None or bucket["bytes"] + step.bytes > threshold:
+                bucket = open_bucket[step.axis] = {"axis": step.axis, "bytes": 0,
+                                                   "tensors": [], "collectives": []}
+                buckets.append(bucket)
+            bucket["bytes"] += step.bytes
+            bucket["tensors"].append(r.producer)
+            bucket["collectives"].append(position)
+    assert position == len(plan.collectives) - 1
     saved = sum((len(b["tensors"]) - 1) * mesh.alpha[b["axis"]] for b in buckets)
     e = plan.estimates
     return _replace_estimates(plan, dict(e, gradient_buckets=buckets,

@@ -65,14 +65,14 @@ def communication(plan, *, ignore_scalar_all_reduce=False, merged_gradients=True
     all-reduce combiner; the plan's ``gradient_buckets``); collectives on a mesh axis of
     size 1 move nothing and are not counted."""
     buckets = plan.estimates.get("gradient_buckets") if merged_gradients else None
-    in_bucket = {t for b in buckets or () for t in b["tensors"]}
+    in_bucket = {k for b in buckets or () for k in b["collectives"]}
     counts: Counter = Counter()
-    for c in plan.collectives:
+    for k, c in enumerate(plan.collectives):
         if plan.mesh_shape[c.axis] == 1:
             continue
         if ignore_scalar_all_reduce and c.kind == "all_reduce" and c.bytes <= 4:
             continue
-        if c.kind == "all_reduce" and c.tensor in in_bucket:
+        if k in in_bucket:
             continue
         counts[c.kind] += 1
     counts["all_reduce"] += len(buckets or ())
@@ -150,9 +150,9 @@ class BertSelfAttention(nn.Module):
     split on the last dim: q, v, k interleaved per feature); 'fused_major' is the
     nanoGPT / GPT-2 spelling (viewed as (3, H)); 'separate' has three Linear layers."""
 
-    def __init__(self, hidden, heads, qkv):
+    def __init__(self, hidden, heads, qkv, attention="matmul"):
         super().__init__()
-        self.heads, self.qkv_kind = heads, qkv
+        self.heads, self.qkv_kind, self.attention = heads, qkv, attention
         if qkv == "separate":
             self.query, self.key, self.value = (nn.Linear(hidden, hidden) for _ in range(3))
         else:
@@ -170,15 +170,19 @@ class BertSelfAttention(nn.Module):
             q, k, v = self.qkv(x).split(H, dim=-1)
         q, k, v = (t.reshape(B, S, self.heads, H // self.heads).transpose(1, 2)
                    for t in (q, k, v))                                    # (B, nh, S, hd)
-        scores = q @ k.transpose(-1, -2) / (H // self.heads) ** 0.5 + bias
-        ctx = (scores.softmax(-1) @ v).transpose(1, 2).reshape(B, S, H)
+        if self.attention == "sdpa":
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        else:
+            scores = q @ k.transpose(-1, -2) / (H // self.heads) ** 0.5 + bias
+            ctx = scores.softmax(-1) @ v                                    # (B, nh, S, hd)
+        ctx = ctx.transpose(1, 2).reshape(B, S, H)
         return self.norm(self.out(ctx) + x)
 
 
 class BertLayer(nn.Module):
-    def __init__(self, hidden, heads, qkv):
+    def __init__(self, hidden, heads, qkv, attention):
         super().__init__()
-        self.attention = BertSelfAttention(hidden, heads, qkv)
+        self.attention = BertSelfAttention(hidden, heads, qkv, attention)
         self.intermediate = nn.Linear(hidden, 4 * hidden)
         self.output = nn.Linear(4 * hidden, hidden)
         self.norm = nn.LayerNorm(hidden, eps=1e-12)
@@ -192,9 +196,10 @@ class BertLayers(nn.Module):
     """Takes (hidden_states, attention_mask) as Alpa's test does; the mask (B, S) of 0/1
     becomes an additive bias."""
 
-    def __init__(self, num_layers, hidden, heads, qkv="fused_minor"):
+    def __init__(self, num_layers, hidden, heads, qkv="fused_minor", attention="matmul"):
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(hidden, heads, qkv) for _ in range(num_layers))
+        self.layer = nn.ModuleList(BertLayer(hidden, heads, qkv, attention)
+                                   for _ in range(num_layers))
 
     def forward(self, x, mask):
         bias = torch.where(mask[:, None, None, :] > 0, 0.0, -1e10)      # (B, 1, 1, S)
