@@ -23,10 +23,12 @@ from torchalpa.placement import Replicate, Shard, parse_placements, short
 __all__ = ["apply_constraints"]
 
 
-def _batch_sharded(s: Strategy, axis: int) -> bool:
+def _batch_sharded(s: Strategy, axis: int, mesh: LogicalMesh) -> bool:
+    """Dim 0 split over ``axis`` (-1: every axis); an axis of size 1 splits nothing, so
+    any layout satisfies it there."""
     layout = s.outputs[0]
     axes = range(len(layout)) if axis == -1 else [axis]
-    return all(layout[a] == Shard(0) for a in axes)
+    return all(layout[a] == Shard(0) or mesh.shape[a] == 1 for a in axes)
 
 
 def _fully_sharded(s: Strategy, mesh: LogicalMesh) -> bool:
@@ -67,10 +69,16 @@ def batch_dims(graph: OpGraph) -> dict[tuple[str, int], set[int]]:
     return carries
 
 
-def _keeps_batch(s: Strategy, node, carries, axes) -> bool:
-    for j, layout in enumerate(s.outputs):
-        for d in carries.get((node.name, j), ()):
-            if any(layout[a] != Shard(d) for a in axes):
+def _keeps_batch(s: Strategy, node, carries, axes, mesh: LogicalMesh) -> bool:
+    """Every operand and result that carries the batch has it split over ``axes`` (an
+    operand too: a weight gradient contracts the batch, and reads it split, so it sums
+    partial gradients rather than regathering activations)."""
+    layouts = [(layout, carries.get((ref.node, ref.index), ()))
+               for layout, ref in zip(s.inputs, node.operands) if layout is not None]
+    layouts += [(layout, carries.get((node.name, j), ())) for j, layout in enumerate(s.outputs)]
+    for layout, dims in layouts:
+        for d in dims:
+            if any(layout[a] != Shard(d) and mesh.shape[a] > 1 for a in axes):
                 return False
     return True
 
@@ -103,14 +111,20 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
         name = node.target or node.name
         options = strategies[node.name]
         if node.kind == "input" and axis is not None and node.output.shape:
-            kept = [s for s in options if _batch_sharded(s, axis)]
+            kept = [s for s in options if _batch_sharded(s, axis, mesh)]
             if not kept:
                 n = mesh.num_devices if axis == -1 else mesh.shape[axis]
                 raise ValueError(f"{name}: the batch dim ({node.output.shape[0]}) must divide "
                                  f"by {n} devices to split the batch as asked (data parallel); "
                                  "use a batch that divides, or ShardParallel()")
             options = kept
+        if node.kind == "input" and not option.enable_auto_sharding:
+            options = [s for s in options if all(isinstance(p, Replicate) for p in s.outputs[0])]
         if node.kind in ("param", "buffer"):
+            if not option.allow_replicated_parameters and node.kind == "param":
+                kept = [s for s in options
+                        if not all(isinstance(p, Replicate) for p in s.outputs[0])]
+                options = kept or options
             if option.parameters == "replicated":
                 options = [s for s in options if all(isinstance(p, Replicate) for p in s.outputs[0])]
             elif option.parameters == "sharded":
@@ -135,7 +149,7 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
         carries = batch_dims(graph)
         axes = range(mesh.ndim) if axis == -1 else [axis]
         for node in graph.ops():
-            kept = [s for s in strategies[node.name] if _keeps_batch(s, node, carries, axes)]
+            kept = [s for s in strategies[node.name] if _keeps_batch(s, node, carries, axes, mesh)]
             if kept:
                 strategies[node.name] = kept
     return notes

@@ -31,15 +31,23 @@ __all__ = ["ReshardCosts", "CostGraph", "build_cost_graph"]
 class ReshardCosts:
     """Memoized resharding steps and their alpha-beta cost on one mesh."""
 
-    def __init__(self, mesh: LogicalMesh, allow_reduce_scatter: bool = True):
+    def __init__(self, mesh: LogicalMesh, allow_reduce_scatter: bool = True,
+                 forbidden: frozenset = frozenset()):
         self.mesh = mesh
         self.allow_reduce_scatter = allow_reduce_scatter
+        self.forbidden = frozenset(forbidden)   # collective kinds resharding may not use
         self._cost: dict = {}
 
     def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
+        """The resharding steps, or None if impossible or if they need a forbidden kind
+        of collective on an axis with more than one device."""
         if dst is None:
             return ()
-        return plan_reshard(spec, src, dst, self.mesh.shape, self.allow_reduce_scatter)
+        steps = plan_reshard(spec, src, dst, self.mesh.shape, self.allow_reduce_scatter)
+        if steps and self.forbidden and any(
+                s.kind in self.forbidden and self.mesh.shape[s.axis] > 1 for s in steps):
+            return None
+        return steps
 
     def cost(self, spec: TensorSpec, src: Placements, dst: Placements | None) -> float:
         key = (spec, src, dst)

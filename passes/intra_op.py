@@ -30,8 +30,8 @@ from torchalpa.passes.memory import MemoryModel, activation_peak_bytes, model_st
 from torchalpa.passes.reshard import local_bytes, plan_reshard
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.strategies import (Strategy, enumerate_strategies, leaf_strategies,
-                                         replicate_only)
-from torchalpa.placement import Placements, Shard, format_placements, replicated
+                                         replicate_only, splits_over_both_axes)
+from torchalpa.placement import Placements, Replicate, Shard, format_placements, replicated
 from torchalpa.report import format_bytes
 from torchalpa.plan import (Collective, NodeStrategy, Plan, Reshard, ValuePlacement)
 
@@ -78,13 +78,19 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
         options = []
         if rule is not None:
             if rule not in memo:
-                memo[rule] = enumerate_strategies(rule, mesh)
+                memo[rule] = enumerate_strategies(
+                    rule, mesh, option is not None and option.allow_recompute_heavy_op)
             options = list(memo[rule])
         if not options:
             if rule is None:
                 unsupported.append({"op": node.op, "node": node.name, "module": node.module})
             options = replicate_only(node, mesh)
         strategies[node.name] = options
+    if option is not None and not option.allow_mixed_mesh_shape and mesh.ndim > 1:
+        for name, options in strategies.items():
+            kept = [s for s in options if not splits_over_both_axes(s, mesh)]
+            if kept:
+                strategies[name] = kept
     notes = apply_constraints(graph, strategies, mesh, option) if option is not None else []
     _prune_unreachable(graph, strategies, mesh)
     for item in unsupported:
@@ -145,14 +151,27 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     if inputs not in ("global", "local"):
         raise ValueError(f"inputs must be 'global' or 'local', got {inputs!r}")
     start = time.perf_counter()
-    space = build_strategies(graph, mesh, inputs, method.auto_sharding_option)
-    S = space.strategies
-    costs = ReshardCosts(mesh, method.auto_sharding_option.allow_reduce_scatter)
     option = method.auto_sharding_option
+    manual = getattr(method, "manual_sharding_option", None)
+    if manual is not None:
+        from dataclasses import replace
+        option = replace(option, pin=option.pin + manual.pin)
+    option, mesh = effective_option(option, mesh)
+    space = build_strategies(graph, mesh, inputs, option)
+    S = space.strategies
+    costs = ReshardCosts(mesh, option.allow_reduce_scatter, forbidden_collectives(option))
     budget = option.memory_budget_per_device or mesh.memory_per_device
+    if option.force_simple_heuristic or not option.enable_auto_sharding:
+        chosen = _propagate(graph, S, costs, mesh,
+                            by_size=option.force_simple_heuristic == "shard-largest")
+        plan = _merge_gradient_all_reduces(
+            _assemble(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
+        return _replace_estimates(plan, dict(plan.estimates, objective=plan.estimates[
+            "step_time_s"], solve_seconds=time.perf_counter() - start))
 
-    def solve(period: int, start: dict[str, Strategy] | None = None):
-        grouping = group_nodes(graph, S, blocks, heavy=space.heavy, period=period)
+    def solve(period: int, start: dict[str, Strategy] | None = None, exact: bool = False):
+        grouping = group_nodes(graph, S, None if exact else blocks, heavy=space.heavy,
+                               period=period, merge_followers=not exact)
         cg = build_cost_graph(graph, mesh, S, grouping, costs)
         memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states, in_flight)
         initial = None
@@ -174,7 +193,16 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         alternative = solve(2, start=chosen)
         if alternative[2].objective < solution.objective:
             grouping, cg, solution, chosen = alternative
-    plan = _assemble(graph, mesh, method, chosen, costs, space, inputs)
+    if len(graph) <= option.exact_below and len(cg.node_costs) < len(graph):
+        # shared decisions and followers restrict the problem; on a graph this small,
+        # solve the full problem too (from the plan found) so they never cost optimality
+        full = solve(1, start=chosen, exact=True)
+        if full[2].objective < solution.objective * (1 - 1e-9):
+            log.info("the unsimplified ILP improved the plan: %.6g -> %.6g",
+                     solution.objective, full[2].objective)
+            grouping, cg, solution, chosen = full
+    plan = _merge_gradient_all_reduces(_assemble(graph, mesh, method, chosen, costs, space,
+                                                 inputs), graph, mesh, option)
     seconds = time.perf_counter() - start
     num_strategies = sum(len(v) for v in S.values())
     log.info("intra-op plan on mesh %s: %d nodes (%d decide), %d strategies, %d/%d edges "
@@ -201,17 +229,132 @@ def _planned_for(mesh: LogicalMesh, budget: float | None) -> str | None:
     return f"planned for {device} ({mesh.backend}), {limit}"
 
 
+def effective_option(option: AutoShardingOption, mesh: LogicalMesh
+                     ) -> tuple[AutoShardingOption, LogicalMesh]:
+    """What the options amount to on this mesh. ``force_data_parallel`` plans on the mesh
+    flattened to one axis (its largest latency and smallest inverse bandwidth, as Alpa's
+    ``LogicalDeviceMesh.flatten``), the batch split over it, no all-gather, no all-to-all."""
+    from dataclasses import replace
+    if option.force_data_parallel:
+        if mesh.ndim > 1:
+            mesh = replace(mesh, shape=(mesh.num_devices,), alpha=(max(mesh.alpha),),
+                           beta=(min(mesh.beta),), axis_names=None)
+        option = replace(option, force_batch_dim_to_mesh_dim=-1, allow_all_gather=False,
+                         allow_all_to_all=False)
+    if not option.enable_auto_sharding:   # whole unless pinned, and whole work allowed
+        option = replace(option, allow_recompute_heavy_op=True, parameters=(
+            "replicated" if option.parameters == "auto" else option.parameters))
+    return option, mesh
+
+
+def forbidden_collectives(option: AutoShardingOption) -> frozenset:
+    """Collective kinds resharding may not use under ``option``."""
+    return frozenset(k for k, allowed in (("all_gather", option.allow_all_gather),
+                                          ("all_to_all", option.allow_all_to_all))
+                     if not allowed)
+
+
+def _propagate(graph: OpGraph, S: dict[str, list[Strategy]], costs: ReshardCosts,
+               mesh: LogicalMesh, by_size: bool) -> dict[str, Strategy]:
+    """No search: every node, in order, takes a strategy its operands' chosen layouts can
+    reach -- the one holding the fewest bytes per device (``by_size``, Alpa's
+    'shard-largest'), or else the cheapest to reach, whole results on ties (layouts
+    spread from the pinned ones, as sharding propagation does)."""
+    chosen: dict[str, Strategy] = {}
+    for node in graph:
+        best, best_key = None, None
+        for s in S[node.name]:
+            cost = sum(costs.cost(graph.spec(ref), chosen[ref.node].outputs[ref.index],
+                                  s.inputs[k]) for k, ref in enumerate(node.operands))
+            if math.isinf(cost):
+                continue
+            held = sum(local_bytes(spec, p, mesh.shape) for spec, p in zip(node.outputs,
+                                                                           s.outputs))
+            key = (held, cost) if by_size else (cost, -held)
+            if best_key is None or key < best_key:
+                best, best_key = s, key
+        if best is None:
+            raise ValueError(f"no layout of {node.name} ({node.op}) can be reached from its "
+                             "operands' layouts under the given options; allow all-gather "
+                             "and all-to-all, or pin fewer layouts")
+        chosen[node.name] = best
+    return chosen
+
+
+def _gradient_values(graph: OpGraph) -> set[tuple[str, int]]:
+    """Parameter gradients and the values they are views of (same size, single-result
+    ops whose every use leads only to gradient outputs): what an all-reduce combiner may
+    merge. Values as (node, result index)."""
+    found = {(ref.node, ref.index) for _, ref in graph.outputs.grads}
+    other = {(ref.node, ref.index) for ref in
+             ([graph.outputs.loss] if graph.outputs.loss else [])}
+    other |= {(ref.node, ref.index) for _, ref in graph.outputs.buffer_updates}
+    other |= {(ref.node, ref.index) for ref in graph.outputs.sends}
+    found -= other
+    users: dict[tuple[str, int], list[str]] = {}
+    for n in graph.ops():
+        for ref in n.operands:
+            users.setdefault((ref.node, ref.index), []).append(n.name)
+    for n in reversed(list(graph.ops())):
+        key = (n.name, 0)
+        used = users.get(key, [])
+        if len(n.outputs) != 1 or key in other or key in found or not used:
+            continue
+        if all(len(graph.node(u).outputs) == 1 and (u, 0) in found
+               and graph.node(u).outputs[0].numel == n.outputs[0].numel for u in used):
+            found.add(key)
+    return found
+
+
+def _merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
+                                option: AutoShardingOption) -> Plan:
+    """Alpa's all-reduce combiner on the plan: gradient all-reduces on one mesh axis are
+    packed, in order, into buckets of at most ``all_reduce_threshold`` bytes; each bucket
+    pays one latency instead of one per gradient. The buckets are listed in
+    ``estimates['gradient_buckets']`` (their tensors, and the positions of their
+    collectives in ``plan.collectives``); the collectives stay listed one per gradient."""
+    threshold = option.all_reduce_threshold
+    if threshold is None:
+        return plan
+    grads = _gradient_values(graph)
+    buckets: list[dict] = []
+    open_bucket: dict[int, dict] = {}
+    position = -1                   # plan.collectives lists the reshards' steps in order
+    for r in plan.reshards:
+        for step in r.steps:
+            if not step.is_collective:
+                continue
+            position += 1
+            if step.kind != "all_reduce" or (r.producer, r.index) not in grads \
+                    or mesh.shape[step.axis] == 1:
+                continue
+            bucket = open_bucket.get(step.axis)
+            if bucket is None or bucket["bytes"] + step.bytes > threshold:
+                bucket = open_bucket[step.axis] = {"axis": step.axis, "bytes": 0,
+                                                   "tensors": [], "collectives": []}
+                buckets.append(bucket)
+            bucket["bytes"] += step.bytes
+            bucket["tensors"].append(r.producer)
+            bucket["collectives"].append(position)
+    assert position == len(plan.collectives) - 1
+    saved = sum((len(b["tensors"]) - 1) * mesh.alpha[b["axis"]] for b in buckets)
+    e = plan.estimates
+    return _replace_estimates(plan, dict(e, gradient_buckets=buckets,
+                                         step_time_s=e["step_time_s"] - saved,
+                                         communication_s=e["communication_s"] - saved))
+
+
 def _reshards_between_blocks(graph: OpGraph, blocks: dict, chosen: dict[str, Strategy],
                              costs: ReshardCosts) -> float:
-    """What values pay to change layout on their way from one repeated block into another."""
+    """What values pay to change layout where they enter or leave a repeated block (from
+    another block, or from ops between blocks, such as an activation the parent module
+    applies between ``ModuleList`` layers)."""
     total = 0.0
     for node in graph.ops():
         mine = blocks.get(node.name)
-        if mine is None:
-            continue
         for slot, ref in enumerate(node.operands):
             theirs = blocks.get(ref.node)
-            if theirs is None or theirs == mine:
+            if theirs == mine or graph.node(ref.node).is_leaf:
                 continue
             src = chosen[ref.node].outputs[ref.index]
             total += costs.cost(graph.spec(ref), src, chosen[node.name].inputs[slot])

@@ -17,7 +17,8 @@ from torchalpa.opgraph import OpNode, TensorSpec
 from torchalpa.passes.rules.registry import FactorNamer, FactorRule
 from torchalpa.placement import Partial, Placements, Replicate, Shard, short
 
-__all__ = ["Strategy", "enumerate_strategies", "replicate_only", "leaf_strategies"]
+__all__ = ["Strategy", "enumerate_strategies", "replicate_only", "leaf_strategies",
+           "splits_over_both_axes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,8 +48,10 @@ def _placement_for(dims, factor: str, size_of: dict[str, int]) -> Shard | None |
     return found
 
 
-def enumerate_strategies(rule: FactorRule, mesh: LogicalMesh) -> list[Strategy]:
-    """All legal strategies of an op with this rule on this mesh (deduplicated)."""
+def enumerate_strategies(rule: FactorRule, mesh: LogicalMesh,
+                         recompute_heavy: bool = False) -> list[Strategy]:
+    """All legal strategies of an op with this rule on this mesh (deduplicated).
+    ``recompute_heavy`` keeps the strategies that run a compute-bound op redundantly."""
     size_of = rule.size_of
     reduction_of = rule.reduction_of
     shardable = [f for f in rule.factors() if f not in rule.blocked and size_of[f] > 1]
@@ -60,7 +63,7 @@ def enumerate_strategies(rule: FactorRule, mesh: LogicalMesh) -> list[Strategy]:
         if s is not None:
             strategies.setdefault((s.inputs, s.outputs), s)
     result = list(strategies.values())
-    if rule.heavy and mesh.num_devices > 1:
+    if rule.heavy and mesh.num_devices > 1 and not recompute_heavy:
         # Alpa's policy: compute-bound ops are never run redundantly when a split exists.
         full = [s for s in result if s.shards == mesh.num_devices]
         if full:
@@ -115,6 +118,18 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
             outputs[j][axis] = p
     ins = tuple(None if i in rule.ignored else tuple(p) for i, p in enumerate(inputs))
     return Strategy(inputs=ins, outputs=tuple(tuple(p) for p in outputs), shards=shards)
+
+
+def splits_over_both_axes(s: Strategy, mesh: LogicalMesh) -> bool:
+    """Whether some operand or result has one dim split over two mesh axes (Alpa's S01,
+    a "mixed mesh shape")."""
+    for layout in s.inputs + s.outputs:
+        if layout is None:
+            continue
+        dims = [p.dim for p, n in zip(layout, mesh.shape) if isinstance(p, Shard) and n > 1]
+        if len(dims) != len(set(dims)):
+            return True
+    return False
 
 
 def replicate_only(node: OpNode, mesh: LogicalMesh) -> list[Strategy]:

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from torchalpa import AutoShardingOption, ShardParallel
 from torchalpa.cluster import Cluster
 from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.intra_op import build_strategies, plan_intra_op
@@ -64,7 +65,9 @@ def test_decisions_do_not_grow_with_depth():
     counts = []
     for depth in (3, 6):
         g, blocks = graph_and_blocks(depth)
-        plan = plan_intra_op(g, MESH, blocks=blocks)
+        # the simplified problem alone (small graphs are otherwise also solved in full)
+        simplified = ShardParallel(auto_sharding_option=AutoShardingOption(exact_below=0))
+        plan = plan_intra_op(g, MESH, simplified, blocks=blocks)
         counts.append(plan.estimates["num_decisions"])
         # every repeated layer got the same layouts
         layouts = {}

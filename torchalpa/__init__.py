@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from torchalpa.cluster import Cluster, LogicalMesh
 from torchalpa.methods import (AutoLayerOption, AutoShardingOption, DataParallel,
+                               ManualShardingOption,
                                ManualStageOption, PipeshardParallel, ShardParallel,
                                UniformStageOption, Zero2Parallel, Zero3Parallel)
 from torchalpa.plan import PipelinePlan, Plan, load_plan
@@ -59,7 +60,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "auto_parallel", "plan", "Plan", "Cluster", "LogicalMesh", "ShardParallel", "DataParallel",
-    "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "Shard", "Replicate", "Partial",
+    "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "ManualShardingOption", "Shard", "Replicate", "Partial",
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
     "load_checkpoint", "RankFailedError", "save_pretrained", "export_stablehlo",

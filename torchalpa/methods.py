@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["AutoShardingOption", "ShardParallel", "DataParallel", "Zero2Parallel",
+__all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataParallel", "Zero2Parallel",
            "Zero3Parallel", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
            "UniformStageOption", "OPTIMIZER_STATES"]
 
@@ -42,6 +42,42 @@ class AutoShardingOption:
     rematerialize_parameters: bool = False
     """Gather parameters again in backward instead of keeping forward's gathered copies
     (FSDP's reshard-after-forward, ZeRO-3); trades communication for memory."""
+    force_data_parallel: bool = False
+    """Alpa's data parallelism: the mesh flattened to one axis (its largest latency, its
+    smallest inverse bandwidth, as Alpa's ``LogicalDeviceMesh.flatten``), the batch split
+    over it, parameters whole, no all-gather and no all-to-all: gradients are all-reduced
+    over all devices and nothing else is communicated."""
+    allow_all_gather: bool = True
+    """Let resharding use all-gather (off: any layout change that needs one is forbidden)."""
+    allow_all_to_all: bool = True
+    """Let resharding use all-to-all."""
+    allow_replicated_parameters: bool = True
+    """Let a parameter be whole on every device; off, each is split over some mesh axis
+    wherever one of its dims divides."""
+    allow_mixed_mesh_shape: bool = True
+    """Let one tensor dim be split over both axes of a 2D mesh (Alpa's S01). Alpa's
+    default is False; ours keeps these layouts, since ZeRO-style plans on 2D meshes need
+    them."""
+    allow_recompute_heavy_op: bool = False
+    """Let compute-bound ops (matmuls, convolutions) run redundantly on several devices;
+    off (Alpa's default), they are always split over every device when they can be."""
+    force_simple_heuristic: str = ""
+    """'' solves the ILP; 'shard-largest' (Alpa's) picks for each op, in order, the
+    strategy holding the fewest bytes per device among those its operands can reach."""
+    all_reduce_threshold: int | None = None
+    """Merge gradient all-reduces on the same mesh axis into buckets of at most this many
+    bytes (Alpa's ``all_reduce_threshold``, whose default 2**60 merges them all): the plan
+    lists the buckets in ``estimates['gradient_buckets']`` and prices one latency per
+    bucket. None keeps one collective per gradient (the runtime issues them one by one)."""
+    enable_auto_sharding: bool = True
+    """Off: no search. Parameters and inputs keep the layouts ``pin`` gives them (Alpa's
+    ``ManualShardingOption``) and are otherwise whole; each op takes the cheapest layout
+    reachable from its operands' (layouts propagate, as in XLA's sharding propagation)."""
+    exact_below: int = 2000
+    """Graphs of at most this many nodes are also solved without simplification (shared
+    decisions of repeated layers, followers), starting from the simplified plan, and the
+    better plan is kept: there, simplification never costs optimality. Larger graphs keep
+    the simplified plan (a restriction of the full problem). 0 turns the check off."""
     pin: tuple = ()
     """Fixed layouts: ``{regex: placements}`` (or pairs) matched against parameter names
     and user inputs (named after forward's arguments, e.g. 'input_ids'), e.g.
@@ -78,8 +114,27 @@ class AutoShardingOption:
         if self.time_limit is not None and self.time_limit <= 0:
             raise ValueError(f"AutoShardingOption.time_limit must be > 0 seconds, "
                              f"got {self.time_limit}")
+        if self.force_simple_heuristic not in ("", "shard-largest"):
+            raise ValueError(f"AutoShardingOption.force_simple_heuristic must be '' or "
+                             f"'shard-largest', got {self.force_simple_heuristic!r}")
+        if self.all_reduce_threshold is not None and self.all_reduce_threshold < 0:
+            raise ValueError(f"AutoShardingOption.all_reduce_threshold must be >= 0 bytes or "
+                             f"None, got {self.all_reduce_threshold}")
         if self.gap is not None and not 0 <= self.gap < 1:
             raise ValueError(f"AutoShardingOption.gap must be in [0, 1), got {self.gap}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ManualShardingOption:
+    """Layouts given by hand (Alpa's ``ManualShardingOption``): ``pin`` maps regexes over
+    parameter names and user inputs ('input0', ...) to placements, as
+    ``AutoShardingOption.pin`` does. With ``enable_auto_sharding=False`` these layouts
+    propagate to the ops and nothing is searched; otherwise the ILP plans around them."""
+
+    pin: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "pin", AutoShardingOption(pin=self.pin).pin)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,6 +146,8 @@ class ShardParallel:
     auto_sharding_option: AutoShardingOption = field(default_factory=AutoShardingOption)
     optimizer: str = "adam"
     """Optimizer whose states the memory model counts (see OPTIMIZER_STATES)."""
+    manual_sharding_option: ManualShardingOption | None = None
+    """Layouts fixed by hand; they join ``auto_sharding_option.pin``."""
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZER_STATES:
@@ -120,10 +177,11 @@ def _option(**kw):
 
 @dataclass(frozen=True, kw_only=True)
 class DataParallel(ShardParallel):
-    """DDP: the batch split over every device, parameters whole on each, gradients
-    all-reduced."""
+    """DDP: the batch split over every device (the mesh flattened to one axis),
+    parameters whole on each, gradients all-reduced; nothing else communicated."""
 
-    auto_sharding_option: AutoShardingOption = _option(force_batch_dim_to_mesh_dim=-1,
+    auto_sharding_option: AutoShardingOption = _option(force_data_parallel=True,
+                                                       force_batch_dim_to_mesh_dim=-1,
                                                        parameters="replicated")
 
 

@@ -1,0 +1,263 @@
+"""Models of Alpa's ``tests/shard_parallel`` written the ways PyTorch users write them,
+and helpers that read a Plan the way Alpa's assertions read an executable.
+
+Alpa's cost units: a LogicalMesh with alpha = beta = 1 per axis (or as the test says);
+fp32 tensors, so bytes = 4 x elements. Alpa's own ``all_reduce_cost`` adds 0.01 and its
+all-gather 0.1 as tie-breakers; ours does not, far inside Alpa's 1% tolerance.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchalpa
+from torchalpa import LogicalMesh, Replicate, Shard, ShardParallel
+
+__all__ = ["assert_close", "plan_of", "mse", "MLP_SPELLINGS", "communication",
+           "weights", "all_reduce_cost"]
+
+
+def assert_close(x, y, rtol=0.01):
+    """Alpa's ``assert_close``: within 1% (of the ratio)."""
+    assert abs((x + 1e-9) / (y + 1e-9) - 1) <= rtol, f"{x} vs. {y}"
+
+
+def all_reduce_cost(mesh: LogicalMesh, nbytes: float, axis: int) -> float:
+    n = mesh.shape[axis]
+    return mesh.alpha[axis] + mesh.beta[axis] * 2 * (n - 1) / n * nbytes
+
+
+def mse(out, y):
+    return ((out - y) ** 2).mean()
+
+
+def plan_of(model, inputs, loss_fn=mse, *, shape, alpha=None, beta=None,
+            method=ShardParallel, **options):
+    """Plan on Alpa's logical mesh; ``options`` go to AutoShardingOption."""
+    mesh = LogicalMesh(shape=shape, alpha=alpha, beta=beta)
+    base = method().auto_sharding_option
+    if method is ShardParallel:   # Alpa's default space: no reduce-scatter strategies
+        options.setdefault("allow_reduce_scatter", False)
+    from dataclasses import replace
+    option = replace(base, **options)
+    with torch.device("meta"):
+        model = model() if callable(model) and not isinstance(model, nn.Module) else model
+    model = model.to("meta")
+    inputs = tuple(t.to("meta") for t in inputs)
+    plan = torchalpa.plan(model, inputs, loss_fn,
+                          method=method(logical_mesh_shape=shape, auto_sharding_option=option),
+                          cluster=mesh)
+    return plan, mesh
+
+
+def weights(plan) -> dict[str, tuple]:
+    """Parameter name -> placements."""
+    return {p.name: tuple(p.placements) for p in plan.parameters}
+
+
+def communication(plan, *, ignore_scalar_all_reduce=False, merged_gradients=True) -> Counter:
+    """Collectives per kind as Alpa counts them in the compiled HLO: with
+    ``merged_gradients``, the gradient all-reduces of one bucket count once (XLA's
+    all-reduce combiner; the plan's ``gradient_buckets``); collectives on a mesh axis of
+    size 1 move nothing and are not counted."""
+    buckets = plan.estimates.get("gradient_buckets") if merged_gradients else None
+    in_bucket = {k for b in buckets or () for k in b["collectives"]}
+    counts: Counter = Counter()
+    for k, c in enumerate(plan.collectives):
+        if plan.mesh_shape[c.axis] == 1:
+            continue
+        if ignore_scalar_all_reduce and c.kind == "all_reduce" and c.bytes <= 4:
+            continue
+        if k in in_bucket:
+            continue
+        counts[c.kind] += 1
+    counts["all_reduce"] += len(buckets or ())
+    counts["total"] = sum(v for k, v in counts.items() if k != "total")
+    return counts
+
+
+# -- Alpa's MLP: (num_layers - 1) x (Dense, relu), then Dense -------------------------------
+
+class MLPModuleList(nn.Module):
+    """nn.ModuleList of Linear layers, relu applied by the parent (functional)."""
+
+    def __init__(self, num_layers, in_dim, hidden_dim, out_dim, bias=True):
+        super().__init__()
+        dims = [in_dim] + [hidden_dim] * (num_layers - 1) + [out_dim]
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=bias) for a, b in zip(dims, dims[1:]))
+
+    def forward(self, x):
+        for layer in self.layers[:-1]:
+            x = F.relu(layer(x))
+        return self.layers[-1](x)
+
+
+class MLPSequential(nn.Module):
+    """nn.Sequential of Linear and nn.ReLU modules."""
+
+    def __init__(self, num_layers, in_dim, hidden_dim, out_dim, bias=True):
+        super().__init__()
+        dims = [in_dim] + [hidden_dim] * (num_layers - 1) + [out_dim]
+        mods = []
+        for k, (a, b) in enumerate(zip(dims, dims[1:])):
+            mods.append(nn.Linear(a, b, bias=bias))
+            if k < num_layers - 1:
+                mods.append(nn.ReLU())
+        self.net = nn.Sequential(*mods)
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class MLPAttributes(nn.Module):
+    """One attribute per layer (dense_0, dense_1, ...), torch.relu between them."""
+
+    def __init__(self, num_layers, in_dim, hidden_dim, out_dim, bias=True):
+        super().__init__()
+        dims = [in_dim] + [hidden_dim] * (num_layers - 1) + [out_dim]
+        self.num_layers = num_layers
+        for k, (a, b) in enumerate(zip(dims, dims[1:])):
+            setattr(self, f"dense_{k}", nn.Linear(a, b, bias=bias))
+
+    def forward(self, x):
+        for k in range(self.num_layers):
+            x = getattr(self, f"dense_{k}")(x)
+            if k < self.num_layers - 1:
+                x = torch.relu(x)
+        return x
+
+
+MLP_SPELLINGS = {"modulelist": MLPModuleList, "sequential": MLPSequential,
+                 "attributes": MLPAttributes}
+
+
+def mlp_weight_names(model: nn.Module) -> list[str]:
+    """Names of the Linear weights in layer order."""
+    return [n for n, p in model.named_parameters() if p.ndim == 2]
+
+
+R = Replicate()
+
+
+# -- Alpa's BERT layers (FlaxBertLayerCollection): post-LN, gelu MLP of 4 x hidden ----------
+
+class BertSelfAttention(nn.Module):
+    """``qkv``: 'fused_minor' is Alpa's layout (one Linear to 3H, viewed as (H, 3) and
+    split on the last dim: q, v, k interleaved per feature); 'fused_major' is the
+    nanoGPT / GPT-2 spelling (viewed as (3, H)); 'separate' has three Linear layers."""
+
+    def __init__(self, hidden, heads, qkv, attention="matmul"):
+        super().__init__()
+        self.heads, self.qkv_kind, self.attention = heads, qkv, attention
+        if qkv == "separate":
+            self.query, self.key, self.value = (nn.Linear(hidden, hidden) for _ in range(3))
+        else:
+            self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+        self.norm = nn.LayerNorm(hidden, eps=1e-12)
+
+    def forward(self, x, bias):
+        B, S, H = x.shape
+        if self.qkv_kind == "separate":
+            q, k, v = self.query(x), self.key(x), self.value(x)
+        elif self.qkv_kind == "fused_minor":
+            q, v, k = self.qkv(x).view(B, S, H, 3).unbind(-1)            # (B, S, H) each
+        else:
+            q, k, v = self.qkv(x).split(H, dim=-1)
+        q, k, v = (t.reshape(B, S, self.heads, H // self.heads).transpose(1, 2)
+                   for t in (q, k, v))                                    # (B, nh, S, hd)
+        if self.attention == "sdpa":
+            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        else:
+            scores = q @ k.transpose(-1, -2) / (H // self.heads) ** 0.5 + bias
+            ctx = scores.softmax(-1) @ v                                    # (B, nh, S, hd)
+        ctx = ctx.transpose(1, 2).reshape(B, S, H)
+        return self.norm(self.out(ctx) + x)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, hidden, heads, qkv, attention):
+        super().__init__()
+        self.attention = BertSelfAttention(hidden, heads, qkv, attention)
+        self.intermediate = nn.Linear(hidden, 4 * hidden)
+        self.output = nn.Linear(4 * hidden, hidden)
+        self.norm = nn.LayerNorm(hidden, eps=1e-12)
+
+    def forward(self, x, bias):
+        x = self.attention(x, bias)
+        return self.norm(self.output(F.gelu(self.intermediate(x))) + x)
+
+
+class BertLayers(nn.Module):
+    """Takes (hidden_states, attention_mask) as Alpa's test does; the mask (B, S) of 0/1
+    becomes an additive bias."""
+
+    def __init__(self, num_layers, hidden, heads, qkv="fused_minor", attention="matmul"):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(hidden, heads, qkv, attention)
+                                   for _ in range(num_layers))
+
+    def forward(self, x, mask):
+        bias = torch.where(mask[:, None, None, :] > 0, 0.0, -1e10)      # (B, 1, 1, S)
+        for layer in self.layer:
+            x = layer(x, bias)
+        return x
+
+
+def bert_inputs(batch, seq, hidden):
+    return (torch.empty(batch, seq, hidden), torch.ones(batch, seq, dtype=torch.int64),
+            torch.empty(batch, seq, hidden))
+
+
+def bert_matmul_weights(model: BertLayers, k: int) -> list[str]:
+    """Alpa's four checked kernels of layer k: qkv, attention output, intermediate, output
+    (with separate q/k/v, the three stand in for qkv)."""
+    a = model.layer[k].attention
+    first = ["query", "key", "value"] if hasattr(a, "query") else ["qkv"]
+    return ([f"layer.{k}.attention.{n}.weight" for n in first]
+            + [f"layer.{k}.attention.out.weight", f"layer.{k}.intermediate.weight",
+               f"layer.{k}.output.weight"])
+
+
+class TiedEmbedding(nn.Module):
+    """Alpa's test_embedding_2d_mesh: logits = embed(x) @ embed.weight.T."""
+
+    def __init__(self, vocab, hidden):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+
+    def forward(self, x):
+        return self.embed(x) @ self.embed.weight.T                     # (B, S, V)
+
+
+def summed_cross_entropy(logits, y):
+    """Alpa's loss there: -sum(one_hot(y) * log_softmax(logits))."""
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+# -- Alpa's conv net: num_layers x (3x3 stride-2 conv, BatchNorm, relu, 2x2 max pool) --------
+
+class ConvNet(nn.Module):
+    """NCHW; Flax's 'SAME' padding: the conv pads 1, the stride-1 pool pads right and
+    bottom with -inf so the size is kept."""
+
+    def __init__(self, num_layers, channel):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(channel, channel, 3, stride=2, padding=1, bias=False),
+                          nn.BatchNorm2d(channel), nn.ReLU())
+            for _ in range(num_layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = F.max_pool2d(F.pad(layer(x), (0, 1, 0, 1), value=float("-inf")), 2, stride=1)
+        return x
+
+
+def conv_inputs(num_layers, batch, image, channel):
+    out = image // 2 ** num_layers
+    return torch.empty(batch, channel, image, image), torch.empty(batch, channel, out, out)

@@ -1,0 +1,313 @@
+"""Alpa's ``tests/shard_parallel`` assertions, ported to the public planning API.
+
+Each case plans the model Alpa's test builds (written here in PyTorch, several ways a
+user would write it) on Alpa's logical mesh and cost units, and checks Alpa's objective
+(1% tolerance), its collective counts and its parameter layouts. Where our accounting
+differs from Alpa's by construction the test says so and asserts our exact figure:
+
+* the loss: our plan gathers the scalar loss on every device (an all-reduce of 4 bytes
+  when the batch is split), which Alpa's objective leaves out;
+* Alpa adds a tie-breaking penalty per replicated parameter and optimizer state
+  (``replicated_penalty``), and 0.01 / 0.1 per collective; we add neither;
+* XLA merges gradient all-reduces after the ILP: our plans list the merged buckets when
+  ``all_reduce_threshold`` is set, and the counts below read them.
+
+Planning only (no processes); Alpa's counts assume its default search space, so the
+cases set ``allow_reduce_scatter`` as Alpa's ``prefer_reduce_scatter`` would.
+"""
+
+import pytest
+import torch
+
+from alpa_cases import (MLP_SPELLINGS, R, BertLayers, all_reduce_cost, assert_close,
+                        TiedEmbedding, bert_inputs, bert_matmul_weights, communication,
+                        summed_cross_entropy, ConvNet, conv_inputs,
+                        mlp_weight_names, plan_of, weights)
+from torchalpa import (DataParallel, Replicate, Shard, ShardParallel, Zero2Parallel,
+                       Zero3Parallel)
+
+MERGE_ALL = 1 << 60     # Alpa's default all_reduce_threshold: one bucket
+# every spelling of Alpa's MLP; the third runs with the slow tests
+SPELLINGS = [pytest.param(name, marks=[pytest.mark.slow] if name == "attributes" else [])
+             for name in sorted(MLP_SPELLINGS)]
+
+
+def _mlp(spelling, num_layers, batch, hidden):
+    cls = MLP_SPELLINGS[spelling]
+    model = cls(num_layers, hidden, hidden, hidden)
+    x, y = torch.empty(batch, hidden), torch.empty(batch, hidden)
+    return model, (x, y)
+
+
+def _data_parallel_objective(model, mesh, axis):
+    """Alpa's ``assert_data_parallel_cost`` expectation, without its replicated-parameter
+    tie-break penalty: one all-reduce per gradient over ``axis``."""
+    return sum(all_reduce_cost(mesh, p.numel() * 4, axis) for p in model.parameters())
+
+
+def _loss_all_reduce(mesh, axis):
+    return all_reduce_cost(mesh, 4, axis)
+
+
+# -- test_mlp.py ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_mlp_data_parallel(spelling, axis, shape):
+    model, batch = _mlp(spelling, 6, 256, 32)
+    plan, mesh = plan_of(model, batch, shape=shape, all_reduce_threshold=MERGE_ALL)
+    expected = _data_parallel_objective(model, mesh, axis)
+    assert_close(plan.estimates["objective"], expected)
+    # our exact figure: the same plus the scalar loss's all-reduce
+    assert plan.estimates["objective"] == pytest.approx(expected + _loss_all_reduce(mesh, axis))
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
+    for placements in weights(plan).values():
+        assert all(p == Replicate() for p in placements)
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_mlp_model_parallel(spelling, axis, shape):
+    num_layers, batch_size, hidden = 6, 32, 256
+    model, batch = _mlp(spelling, num_layers, batch_size, hidden)
+    plan, mesh = plan_of(model, batch, shape=shape, all_reduce_threshold=MERGE_ALL)
+    expected = (num_layers - 1) * all_reduce_cost(mesh, batch_size * hidden * 4, axis)
+    assert_close(plan.estimates["objective"], expected)
+    counts = communication(plan)
+    assert counts["all_reduce"] == num_layers - 1 and counts["total"] == num_layers - 1, counts
+    # kernels alternate column- and row-partitioned (torch weights are (out, in))
+    layouts = weights(plan)
+    for k, name in enumerate(mlp_weight_names(model)):
+        want = Shard(0) if k % 2 == 0 else Shard(1)
+        assert layouts[name][axis] == want, (name, layouts[name])
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_mlp_2d_mesh(spelling):
+    num_layers, batch_size, hidden = 6, 256, 32
+    model, batch = _mlp(spelling, num_layers, batch_size, hidden)
+    # Alpa's search space on a 2D mesh: the batch on mesh axis 0 (set automatically when
+    # both axes have devices) and no dim split over both axes (allow_mixed_mesh_shape)
+    plan, mesh = plan_of(model, batch, shape=(2, 2), beta=(1, 0.1),
+                         all_reduce_threshold=MERGE_ALL, force_batch_dim_to_mesh_dim=0,
+                         allow_mixed_mesh_shape=False)
+    expected = (num_layers * (all_reduce_cost(mesh, hidden * hidden * 4 / 2, 0)
+                              + all_reduce_cost(mesh, hidden * 4, 0))
+                + (num_layers - 1) * all_reduce_cost(mesh, batch_size * hidden * 4 / 2, 1))
+    # Alpa's formula: 5 activation all-reduces on axis 1. Ours is 1.8% cheaper, a plan in
+    # Alpa's search space too: the last layer stays column-partitioned and its output is
+    # all-gathered (half an all-reduce's bytes) before the loss, whose gradient is
+    # gathered back in backward; the Alpa assertion (within 1%) holds as an upper bound
+    assert plan.estimates["objective"] <= expected * 1.01
+    assert plan.estimates["objective"] >= expected * 0.97
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    # gradients: one bucket on axis 0 (XLA: one merged all-reduce)
+    assert len(plan.estimates["gradient_buckets"]) == 1
+    assert counts["all_reduce"] <= num_layers, counts
+    layouts = weights(plan)
+    for k, name in enumerate(mlp_weight_names(model)):
+        want = (Replicate(), Shard(0) if k % 2 == 0 else Shard(1))
+        assert layouts[name] == want, (name, layouts[name])
+
+
+@pytest.mark.slow
+def test_mlp_2d_mesh_unrestricted_is_no_worse(spelling="modulelist"):
+    """Without Alpa's 2D restrictions the plan may only get cheaper (here it does: the
+    batch split over both axes for some layers)."""
+    model, batch = _mlp(spelling, 6, 256, 32)
+    free, _ = plan_of(model, batch, shape=(2, 2), beta=(1, 0.1))
+    alpa, _ = plan_of(model, batch, shape=(2, 2), beta=(1, 0.1), force_batch_dim_to_mesh_dim=0,
+                      allow_mixed_mesh_shape=False)
+    assert free.estimates["objective"] <= alpa.estimates["objective"] + 1e-6
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (2, 2)])
+def test_mlp_force_data_parallel(shape):
+    model, batch = _mlp("modulelist", 6, 32, 256)
+    plan, mesh = plan_of(model, batch, shape=shape, force_data_parallel=True,
+                         all_reduce_threshold=MERGE_ALL)
+    flat = mesh.__class__(shape=(4,), alpha=(max(mesh.alpha),), beta=(min(mesh.beta),))
+    assert plan.mesh_shape == (4,)
+    expected = _data_parallel_objective(model, flat, 0)
+    assert_close(plan.estimates["objective"], expected)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
+    for placements in weights(plan).values():
+        assert placements == (Replicate(),)
+
+
+@pytest.mark.parametrize("shape", [(4, 1), (2, 2), (1, 4)])
+def test_data_parallel_method_is_ddp(shape):
+    """DataParallel: gradients all-reduced over the flattened mesh, nothing else."""
+    model, batch = _mlp("modulelist", 6, 32, 256)
+    plan, mesh = plan_of(model, batch, shape=shape, method=DataParallel)
+    kinds = {c.kind for c in plan.collectives}
+    assert kinds == {"all_reduce"}
+    assert plan.mesh_shape == (4,)
+    assert len(plan.collectives) == sum(1 for _ in model.parameters()) + 1   # + the loss
+
+
+def test_mlp_force_batch_dim_mapping():
+    num_layers, batch_size, hidden = 6, 32, 256
+    model, batch = _mlp("modulelist", num_layers, batch_size, hidden)
+    # data parallel on (4, 1)
+    plan, mesh = plan_of(model, batch, shape=(4, 1), force_batch_dim_to_mesh_dim=0,
+                         all_reduce_threshold=MERGE_ALL)
+    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, 0))
+    assert communication(plan, ignore_scalar_all_reduce=True)["total"] == 1
+    # model parallel on (1, 4): the batch "split" over an axis of one device
+    plan, mesh = plan_of(model, batch, shape=(1, 4), force_batch_dim_to_mesh_dim=0)
+    expected = (num_layers - 1) * all_reduce_cost(mesh, batch_size * hidden * 4, 1)
+    assert_close(plan.estimates["objective"], expected)
+
+
+@pytest.mark.parametrize("method", [DataParallel, Zero2Parallel, Zero3Parallel])
+@pytest.mark.parametrize("shape", [(4, 1), (1, 4)])
+def test_presets_on_meshes_with_a_size_one_axis(method, shape):
+    model, batch = _mlp("modulelist", 6, 256, 32)
+    plan, _ = plan_of(model, batch, shape=shape, method=method)
+    assert plan.estimates["objective"] > 0
+
+
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_mlp_data_parallel_reduce_scatter(axis, shape):
+    """Alpa's Zero2Parallel case: reduce-scatter of gradients, all-gather of parameters;
+    the same objective as the all-reduce (plus one latency each)."""
+    model, batch = _mlp("modulelist", 6, 256, 32)
+    plan, mesh = plan_of(model, batch, shape=shape, method=Zero2Parallel)
+    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, axis))
+    kinds = {c.kind for c in plan.collectives if not (c.kind == "all_reduce" and c.bytes <= 4)}
+    assert kinds == {"reduce_scatter", "all_gather"}
+    for name, placements in weights(plan).items():
+        if name.endswith("weight"):
+            assert placements[axis] == Shard(0), (name, placements)
+
+
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_mlp_data_parallel_zero_stage_3(axis, shape):
+    """Accounting difference: Alpa's ZeRO-3 objective is the data-parallel one, because
+    XLA adds the second all-gather of each parameter (in backward) after the ILP. Ours
+    prices that gather in the plan: each weight is gathered in forward and again for the
+    backward matmul that needs it (not the first layer's, which computes no input
+    gradient); biases once; gradients reduce-scattered."""
+    model, batch = _mlp("modulelist", 6, 256, 32)
+    plan, mesh = plan_of(model, batch, shape=shape, method=Zero3Parallel)
+    n = mesh.shape[axis]
+
+    def gather(p):
+        return mesh.alpha[axis] + mesh.beta[axis] * (n - 1) / n * p.numel() * 4
+
+    regather = sum(gather(p) for name, p in model.named_parameters()
+                   if name.endswith("weight") and not name.startswith("layers.0."))
+    data_parallel = _data_parallel_objective(model, mesh, axis)
+    # a reduce-scatter and an all-gather cost one latency more than an all-reduce
+    expected = data_parallel + len(list(model.parameters())) * mesh.alpha[axis] + regather
+    assert plan.estimates["objective"] == pytest.approx(expected + _loss_all_reduce(mesh, axis))
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert (counts["all_gather"], counts["reduce_scatter"], counts["total"]) == (17, 12, 29)
+    for name, placements in weights(plan).items():
+        assert placements[axis] == Shard(0), (name, placements)
+
+
+# -- test_bert.py ---------------------------------------------------------------------------
+
+BERT_QKV = ["fused_minor", "separate", pytest.param("fused_major", marks=pytest.mark.xfail(
+    strict=False, reason="540,687 vs 344,071: a (3, H)-major fused qkv (nanoGPT's spelling) "
+    "is split by heads only through all-to-alls, since 4 contiguous blocks of 3H do not "
+    "separate q, k and v and a permuted parameter layout is no DTensor placement "
+    "(issue 14, item 6)"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qkv", ["fused_minor", "separate"])
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_bert_layer_data_parallel(qkv, axis, shape):
+    model = BertLayers(2, 32, 8, qkv)
+    plan, mesh = plan_of(model, bert_inputs(64, 64, 32), shape=shape,
+                         all_reduce_threshold=MERGE_ALL)
+    expected = _data_parallel_objective(model, mesh, axis)
+    assert_close(plan.estimates["objective"], expected)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
+
+
+MATMUL_ATTENTION = pytest.mark.xfail(
+    strict=False, reason="494,619 vs Alpa's 344,071: attention written with 4D matmuls is "
+    "captured as bmm over (batch x heads) merged into one dim, and a merged dim can only be "
+    "split by its leading factor (batch), so heads cannot be split through them "
+    "(issue 14, item 6); with F.scaled_dot_product_attention the plan is Alpa's")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", [pytest.param("matmul", marks=MATMUL_ATTENTION), "sdpa"])
+@pytest.mark.parametrize("qkv", BERT_QKV)
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_bert_layer_model_parallel(qkv, attention, axis, shape):
+    num_layers, batch_size, seq_len, hidden = 2, 8, 8, 128
+    model = BertLayers(num_layers, hidden, 8, qkv, attention)
+    plan, mesh = plan_of(model, bert_inputs(batch_size, seq_len, hidden), shape=shape,
+                         all_reduce_threshold=MERGE_ALL)
+    expected = (num_layers * 4 - 1) * all_reduce_cost(
+        mesh, batch_size * seq_len * hidden * 4, axis)
+    assert_close(plan.estimates["objective"], expected)
+    counts = communication(plan)
+    assert counts["all_reduce"] == num_layers * 4 - 1 and counts["total"] == num_layers * 4 - 1, \
+        counts
+    layouts = weights(plan)
+    for k in range(num_layers):
+        names = bert_matmul_weights(model, k)
+        pattern = [0] * (len(names) - 3) + [1, 0, 1]     # column, row, column, row
+        for name, j in zip(names, pattern):
+            want = Shard(0) if j == 0 else Shard(1)
+            assert layouts[name][axis] == want, (name, layouts[name])
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="embeddings are not yet sharded by vocabulary: "
+                   "49,678 vs Alpa's 18,693: vocab-parallel lookup needs each rank's row "
+                   "offset at run time, and softmax over a split vocabulary (issue 14, item 5)")
+def test_embedding_2d_mesh():
+    vocab, hidden, batch_size, seq_len = 1024, 8, 8, 8
+    x = torch.zeros(batch_size, seq_len, dtype=torch.int64)
+    plan, mesh = plan_of(TiedEmbedding(vocab, hidden), (x, x), summed_cross_entropy,
+                         shape=(2, 2))
+    expected = (all_reduce_cost(mesh, vocab * hidden * 4 / 2, 0)
+                + 2 * all_reduce_cost(mesh, batch_size * seq_len * hidden * 4 / 2, 1)
+                + 2 * all_reduce_cost(mesh, batch_size * seq_len * 4 / 2, 1))
+    assert_close(plan.estimates["objective"], expected)
+    assert communication(plan)["total"] == communication(plan)["all_reduce"]
+
+
+@pytest.mark.slow
+# -- test_conv.py ---------------------------------------------------------------------------
+
+@pytest.mark.xfail(strict=False, reason="BatchNorm's rule keeps the batch whole (a split "
+                   "batch needs synchronized statistics at run time): 15,280 vs Alpa's "
+                   "3,045 (issue 14, item 7)")
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_conv_data_parallel(axis, shape):
+    num_layers, batch_size, image, channel = 3, 16, 16, 4
+    model = ConvNet(num_layers, channel)
+    plan, mesh = plan_of(model, conv_inputs(num_layers, batch_size, image, channel),
+                         shape=shape, all_reduce_threshold=MERGE_ALL)
+    # Alpa: every parameter's gradient all-reduced once, and each BatchNorm's two batch
+    # statistics (mean, variance: one value per channel) all-reduced twice
+    weight_sync = _data_parallel_objective(model, mesh, axis)
+    batch_norm_sync = 2 * 2 * num_layers * all_reduce_cost(mesh, channel * 4, axis)
+    assert_close(plan.estimates["objective"], weight_sync + batch_norm_sync, rtol=0.05)
+    for placements in weights(plan).values():
+        assert all(p == Replicate() for p in placements)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="5 activation all-reduces where Alpa has 3 "
+                   "(614,405): two more in backward around BatchNorm (issue 14, item 7)")
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_conv_model_parallel(axis, shape):
+    num_layers, batch_size, image, channel = 4, 8, 16, 256
+    model = ConvNet(num_layers, channel)
+    plan, _ = plan_of(model, conv_inputs(num_layers, batch_size, image, channel),
+                      shape=shape, all_reduce_threshold=MERGE_ALL)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == num_layers - 1 and counts["total"] == num_layers - 1, counts
