@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -31,7 +32,7 @@ from torchalpa.passes.reshard import local_bytes, plan_reshard
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.strategies import (Strategy, enumerate_strategies, leaf_strategies,
                                          replicate_only, splits_over_both_axes)
-from torchalpa.placement import Placements, Replicate, Shard, format_placements, replicated
+from torchalpa.placement import Placements, Shard, format_placements, replicated
 from torchalpa.report import format_bytes
 from torchalpa.plan import (Collective, NodeStrategy, Plan, Reshard, ValuePlacement)
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa import LogicalMesh, Replicate, Shard, ShardParallel
+from torchalpa import LogicalMesh, Replicate, ShardParallel
 
 __all__ = ["assert_close", "plan_of", "mse", "MLP_SPELLINGS", "communication",
            "weights", "all_reduce_cost"]

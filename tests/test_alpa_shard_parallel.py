@@ -19,11 +19,11 @@ cases set ``allow_reduce_scatter`` as Alpa's ``prefer_reduce_scatter`` would.
 import pytest
 import torch
 
-from alpa_cases import (MLP_SPELLINGS, R, BertLayers, all_reduce_cost, assert_close,
+from alpa_cases import (MLP_SPELLINGS, BertLayers, all_reduce_cost, assert_close,
                         TiedEmbedding, bert_inputs, bert_matmul_weights, communication,
                         summed_cross_entropy, ConvNet, conv_inputs,
                         mlp_weight_names, plan_of, weights)
-from torchalpa import (DataParallel, Replicate, Shard, ShardParallel, Zero2Parallel,
+from torchalpa import (DataParallel, Replicate, Shard, Zero2Parallel,
                        Zero3Parallel)
 
 MERGE_ALL = 1 << 60     # Alpa's default all_reduce_threshold: one bucket

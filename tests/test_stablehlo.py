@@ -189,7 +189,8 @@ def test_hlo_sharding_strings_match_jax(placements, mesh_shape):
 def test_hlo_collectives_read_merged_ops():
     from torchalpa.xla import hlo_collectives
     text = """
-  %all-reduce.5 = (f32[256]{0}, f32[256,64]{1,0}, f32[]) all-reduce(%a, %b, %c), channel_id=1, replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, to_apply=%add
+  %all-reduce.5 = (f32[256]{0}, f32[256,64]{1,0}, f32[]) all-reduce(%a, %b, %c), channel_id=1, \
+replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, to_apply=%add
   %ag = f32[64,16]{1,0} all-gather(%d), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}
   %rs = f32[8]{0} reduce-scatter(%e), channel_id=3, replica_groups={{0,1},{2,3}}, dimensions={0}
 """

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["Cluster", "LogicalMesh"]
 
