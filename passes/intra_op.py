@@ -155,7 +155,6 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     option = method.auto_sharding_option
     manual = getattr(method, "manual_sharding_option", None)
     if manual is not None:
-        from dataclasses import replace
         option = replace(option, pin=option.pin + manual.pin)
     option, mesh = effective_option(option, mesh)
     space = build_strategies(graph, mesh, inputs, option)
@@ -235,7 +234,6 @@ def effective_option(option: AutoShardingOption, mesh: LogicalMesh
     """What the options amount to on this mesh. ``force_data_parallel`` plans on the mesh
     flattened to one axis (its largest latency and smallest inverse bandwidth, as Alpa's
     ``LogicalDeviceMesh.flatten``), the batch split over it, no all-gather, no all-to-all."""
-    from dataclasses import replace
     if option.force_data_parallel:
         if mesh.ndim > 1:
             mesh = replace(mesh, shape=(mesh.num_devices,), alpha=(max(mesh.alpha),),
