@@ -196,8 +196,13 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     if len(graph) <= option.exact_below and len(cg.node_costs) < len(graph):
         # shared decisions and followers restrict the problem; on a graph this small,
         # solve the full problem too (from the plan found) so they never cost optimality
-        full = solve(1, start=chosen, exact=True)
-        if full[2].objective < solution.objective * (1 - 1e-9):
+        try:
+            full = solve(1, start=chosen, exact=True)
+        except InfeasibleError as e:    # a time limit without a solution: keep what we have
+            log.warning("the unsimplified ILP found no plan (%s); keeping the simplified "
+                        "problem's plan, which may not be optimal", e)
+            full = None
+        if full is not None and full[2].objective < solution.objective * (1 - 1e-9):
             log.info("the unsimplified ILP improved the plan: %.6g -> %.6g",
                      solution.objective, full[2].objective)
             grouping, cg, solution, chosen = full

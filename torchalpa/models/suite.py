@@ -26,9 +26,6 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["SuiteCase", "SUITE", "FAST", "build_case"]
 
 VOCAB, SEQ, BATCH = 128, 8, 4
-SDPA_OWNED = ("SDPA with a learned attention bias (T5's position bias, Swin's relative "
-              "position bias): _scaled_dot_product_flash_attention_for_cpu has no gradient "
-              "for attn_mask; SDPA handling is being reworked on branch gpu")
 
 
 @dataclass(frozen=True)
@@ -255,7 +252,8 @@ _CASES = [
         max_position_embeddings=64)),
     SuiteCase("t5", "encoder-decoder", _seq2seq(
         "T5Config", "T5ForConditionalGeneration", vocab_size=VOCAB, d_model=32, d_kv=8,
-        d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4), known_failure=SDPA_OWNED),
+        d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
+        decoder_start_token_id=0, pad_token_id=0)),     # as T5's released configs set them
     # vision
     SuiteCase("vit", "vision", _vision(
         "ViTConfig", "ViTForImageClassification", image_size=32, patch_size=8, hidden_size=32,
@@ -268,8 +266,7 @@ _CASES = [
         hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")),
     SuiteCase("swin", "vision", _vision(
         "SwinConfig", "SwinForImageClassification", image_size=32, patch_size=4,
-        embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4),
-        known_failure=SDPA_OWNED),
+        embed_dim=16, depths=[1, 1], num_heads=[2, 4], window_size=4)),
     # plain PyTorch idioms
     SuiteCase("batchnorm_cnn", "idiom", _idiom(
         ConvBatchNorm, lambda: (torch.randn(BATCH, 3, 8, 8), torch.randint(5, (BATCH,))),
