@@ -155,7 +155,6 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     option = method.auto_sharding_option
     manual = getattr(method, "manual_sharding_option", None)
     if manual is not None:
-        from dataclasses import replace
         option = replace(option, pin=option.pin + manual.pin)
     option, mesh = effective_option(option, mesh)
     space = build_strategies(graph, mesh, inputs, option)
