@@ -46,7 +46,7 @@ import shutil
 import uuid
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -333,7 +333,10 @@ def _load_rng(directory: Path, manifest: dict | None, rank: int, world: int) -> 
 
 # -- collective helpers ------------------------------------------------------------------
 
-def _on_rank0(compute: Callable[[], object], what: str):
+_T = TypeVar("_T")
+
+
+def _on_rank0(compute: Callable[[], _T], what: str) -> _T:
     """``compute()`` on rank 0; its result, or its error, on every rank."""
     rank, world = _rank_world()
     if world == 1:
