@@ -76,7 +76,9 @@ def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int) -> float:
     kernel launch."""
     if mesh.peak_flops is None:
         return 0.0
-    t = node.flops / shards / mesh.peak_flops_for(_compute_dtype(node))
+    peak = mesh.peak_flops_for(_compute_dtype(node))
+    assert peak is not None  # peak_flops is set, so every dtype has a figure
+    t = node.flops / shards / peak
     if mesh.memory_bandwidth:
         t = max(t, node.bytes / shards / mesh.memory_bandwidth)
     if mesh.kernel_launch_s and not node.aliases:

@@ -241,6 +241,7 @@ def effective_option(option: AutoShardingOption, mesh: LogicalMesh
     ``LogicalDeviceMesh.flatten``), the batch split over it, no all-gather, no all-to-all."""
     if option.force_data_parallel:
         if mesh.ndim > 1:
+            assert mesh.alpha is not None and mesh.beta is not None  # __post_init__ fills them
             mesh = replace(mesh, shape=(mesh.num_devices,), alpha=(max(mesh.alpha),),
                            beta=(min(mesh.beta),), axis_names=None)
         option = replace(option, force_batch_dim_to_mesh_dim=-1, allow_all_gather=False,
@@ -341,6 +342,7 @@ def _merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
             bucket["tensors"].append(r.producer)
             bucket["collectives"].append(position)
     assert position == len(plan.collectives) - 1
+    assert mesh.alpha is not None  # LogicalMesh.__post_init__ fills it
     saved = sum((len(b["tensors"]) - 1) * mesh.alpha[b["axis"]] for b in buckets)
     e = plan.estimates
     return _replace_estimates(plan, dict(e, gradient_buckets=buckets,

@@ -46,7 +46,7 @@ import shutil
 import uuid
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -137,12 +137,18 @@ def _replace_durably(path: Path, data: bytes) -> None:
 
 # -- what a checkpoint directory holds --------------------------------------------------
 
+def _number(pattern: re.Pattern[str], name: str) -> int:
+    match = pattern.match(name)
+    assert match is not None, name  # callers pass names the pattern already matched
+    return int(match.group(1))
+
+
 def _versions(root: Path) -> list[str]:
     """Committed version names under ``root``, oldest first."""
     if not root.is_dir():
         return []
     names = [p.name for p in root.iterdir() if _VERSION_RE.match(p.name) and p.is_dir()]
-    return sorted(names, key=lambda n: int(_VERSION_RE.match(n).group(1)))
+    return sorted(names, key=lambda n: _number(_VERSION_RE, n))
 
 
 def _partials(root: Path) -> list[str]:
@@ -152,8 +158,8 @@ def _partials(root: Path) -> list[str]:
 
 
 def _next_version(root: Path) -> str:
-    numbers = [int(_VERSION_RE.match(n).group(1)) for n in _versions(root)]
-    numbers += [int(_TMP_RE.match(n).group(1)) for n in _partials(root)]
+    numbers = [_number(_VERSION_RE, n) for n in _versions(root)]
+    numbers += [_number(_TMP_RE, n) for n in _partials(root)]
     return f"ckpt-{max(numbers, default=0) + 1:06d}"
 
 
@@ -279,9 +285,10 @@ class _SafeReader(FileSystemReader):
                                   "checkpoint is damaged") from e
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} does not hold DCP metadata")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -292,7 +299,7 @@ def _rng_file(rank: int) -> str:
 
 
 def _save_rng(directory: Path, rank: int) -> None:
-    state = {"cpu": torch.get_rng_state()}
+    state: dict[str, torch.Tensor | list[torch.Tensor]] = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     path = directory / _rng_file(rank)
@@ -326,7 +333,10 @@ def _load_rng(directory: Path, manifest: dict | None, rank: int, world: int) -> 
 
 # -- collective helpers ------------------------------------------------------------------
 
-def _on_rank0(compute: Callable[[], object], what: str):
+_T = TypeVar("_T")
+
+
+def _on_rank0(compute: Callable[[], _T], what: str) -> _T:
     """``compute()`` on rank 0; its result, or its error, on every rank."""
     rank, world = _rank_world()
     if world == 1:

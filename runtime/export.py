@@ -64,8 +64,9 @@ def save_pretrained(pm, directory: str | os.PathLike, **kwargs) -> None:
     if _rank() == 0:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        if callable(getattr(plain, "save_pretrained", None)):
-            plain.save_pretrained(directory, safe_serialization=True, **kwargs)
+        save_pretrained = getattr(plain, "save_pretrained", None)
+        if callable(save_pretrained):
+            save_pretrained(directory, safe_serialization=True, **kwargs)
         else:
             if kwargs:
                 raise TypeError(f"{type(plain).__name__} has no save_pretrained; options "

@@ -114,22 +114,22 @@ class ParallelModule(nn.Module):
         Called as the example inputs were given: positionally, or by keyword
         (``pmodel(input_ids=ids, labels=labels)``); then the loss comes in the forward's own
         output type (``outputs.loss``, ``outputs["loss"]``), its other fields unset."""
-        inputs = self._check_inputs(self._signature.flatten(inputs, kwargs))
+        flat = self._check_inputs(self._signature.flatten(inputs, kwargs))
         self._num_calls += 1
         if self._check_every_step:
             self.check_replicas()
         if self.module.training != self._captured_training:
-            return self._signature.wrap_loss(self._forward_only(inputs, outputs=False))
-        self._clock.start(inputs)
+            return self._signature.wrap_loss(self._forward_only(flat, outputs=False))
+        self._clock.start(flat)
         if not torch.is_grad_enabled():
             with self._monitor.guard(f"the forward of step {self._num_calls}"):
                 loss = self._runner.loss(self._state(self._param_names + self._buffer_names),
-                                         inputs)
+                                         flat)
             self._write_buffer_updates()
             self._clock.stop("forward")
             return self._signature.wrap_loss(loss)
         state = self._state(self._param_names + self._buffer_names, differentiable=True)
-        return self._signature.wrap_loss(_TrainingStep.apply(self, len(state), *state, *inputs))
+        return self._signature.wrap_loss(_TrainingStep.apply(self, len(state), *state, *flat))
 
     def _write_buffer_updates(self) -> None:
         """Store the new values the step computed for buffers (batch-norm running
@@ -157,14 +157,14 @@ class ParallelModule(nn.Module):
                              f"now in {'training' if self.module.training else 'eval'} mode; "
                              f"call pmodel.{'train' if self._captured_training else 'eval'}() "
                              "first")
-        inputs = self._check_inputs(self._signature.flatten(inputs, kwargs))
+        flat = self._check_inputs(self._signature.flatten(inputs, kwargs))
         self._num_calls += 1
         if self._check_every_step:
             self.check_replicas()
-        self._clock.start(inputs)
+        self._clock.start(flat)
         with self._monitor.guard(f"step {self._num_calls}"), torch.no_grad():
             loss, grads = self._runner.run(
-                self._state(self._param_names + self._buffer_names), inputs)
+                self._state(self._param_names + self._buffer_names), flat)
         self._write_buffer_updates()
         self.optimizer.zero_grad(set_to_none=True)
         for name, g in zip(self._param_names, grads):

@@ -91,10 +91,12 @@ class StepClock:
                              "or train_step, before last_step_stats()")
         start, end, tokens, includes = self._last
         if self.cuda:
+            assert isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event)
             end.synchronize()
             seconds = start.elapsed_time(end) / 1e3
             peak, kind = torch.cuda.max_memory_allocated(), "device (max_memory_allocated)"
         else:
+            assert isinstance(start, float) and isinstance(end, float)
             seconds = end - start
             peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host RSS"
         est = plan.estimates

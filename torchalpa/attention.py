@@ -32,7 +32,7 @@ produce, gradients like their inputs), so ``torch.compile`` can trust the fake s
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +129,8 @@ def _sdpa_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tenso
                    value: torch.Tensor, attn_mask: Optional[torch.Tensor], is_causal: bool,
                    scale: Optional[float], enable_gqa: bool
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _grads(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa, False)
+    return cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                _grads(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa, False))
 
 
 @_sdpa_backward.register_fake
@@ -142,7 +143,8 @@ def _sdpa_bias_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.
                         value: torch.Tensor, attn_mask: torch.Tensor, is_causal: bool,
                         scale: Optional[float], enable_gqa: bool
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _grads(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa, True)
+    return cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                _grads(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa, True))
 
 
 @_sdpa_bias_backward.register_fake

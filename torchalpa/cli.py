@@ -38,7 +38,7 @@ __all__ = ["main", "build_parser", "parse_cluster"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, every subcommand included (imports no torch)."""
-    examples = __doc__.split("\n\n")[1]
+    examples = (__doc__ or "").split("\n\n")[1]
     parser = argparse.ArgumentParser(
         prog="torchalpa", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Plan how to parallelize a PyTorch training step over many devices "
@@ -309,9 +309,10 @@ def _loader(spec: str) -> Callable[[], tuple]:
         return lambda: build_case(name)
     if ":" in spec:
         module_name, _, attr = spec.rpartition(":")
-        make = getattr(_import(module_name, spec), attr, None)
-        if make is None or not callable(make):
+        found = getattr(_import(module_name, spec), attr, None)
+        if found is None or not callable(found):
             raise ValueError(f"cannot load {spec!r}: {module_name} has no callable {attr!r}")
+        make = found
     else:
         zoo = _zoo()
         if spec not in zoo.FAMILIES:
@@ -346,6 +347,8 @@ def _import(module_name: str, spec: str):
             raise ValueError(f"cannot load {spec!r}: no file {module_name}")
         name = os.path.splitext(os.path.basename(module_name))[0]
         file_spec = importlib.util.spec_from_file_location(name, module_name)
+        if file_spec is None or file_spec.loader is None:
+            raise ValueError(f"cannot load {spec!r}: {module_name} is not importable")
         module = importlib.util.module_from_spec(file_spec)
         file_spec.loader.exec_module(module)
         return module

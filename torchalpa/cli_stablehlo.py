@@ -97,6 +97,8 @@ def _export(args: argparse.Namespace) -> int:
     from torchalpa.cli import _loader
     model, example_inputs, loss_fn = _loader(args.model)()
     plan = torchalpa.load_plan(args.plan) if args.plan else None
+    if plan is not None and not isinstance(plan, torchalpa.Plan):
+        raise ValueError(f"{args.plan}: export_stablehlo takes an intra-op plan, not a pipeline plan")
     text = torchalpa.export_stablehlo(model, example_inputs, loss_fn, plan=plan)
     with open(args.out, "w") as f:
         f.write(text)

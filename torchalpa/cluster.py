@@ -168,6 +168,8 @@ class Cluster:
         """Nodes of one ``gpu_specs`` GPU model, TF32 off (PyTorch's default)."""
         from torchalpa import gpu_specs
         spec = gpu_specs.lookup(model)
+        if spec is None:
+            raise ValueError(f"unknown GPU model {model!r}")
         peaks = gpu_specs.peaks_by_dtype(spec, allow_tf32=False)
         return cls(num_nodes=num_nodes, devices_per_node=devices_per_node,
                    memory_per_device=memory_per_device, peak_flops=dict(peaks)["bfloat16"],
@@ -222,6 +224,7 @@ class Cluster:
                           "flop/s and bandwidths; pass Cluster(peak_flops=..., "
                           "memory_bandwidth=...) for exact figures", stacklevel=2)
             spec = gpu_specs.lookup("A100")
+            assert spec is not None, "gpu_specs has no A100 entry"
         peaks = gpu_specs.peaks_by_dtype(
             spec, allow_tf32=torch.get_float32_matmul_precision() != "highest")
         return cls(num_nodes=nodes, devices_per_node=per_node, memory_per_device=float(usable),

@@ -10,7 +10,7 @@ apart) keep their own rows, so folding never hides a difference.
 from __future__ import annotations
 
 import re
-from typing import Hashable, Iterable, Sequence
+from typing import Hashable, Iterable, Sequence, TypeVar
 
 __all__ = ["template", "fold_indices", "fold", "op_label"]
 
@@ -53,10 +53,13 @@ def _render(tmpl: str, members: Sequence[tuple[int, ...]]) -> str:
     return tmpl.format(*shown)
 
 
-def fold(items: Iterable[tuple[str, Hashable]]) -> list[tuple[str, Hashable, int]]:
+_Attrs = TypeVar("_Attrs", bound=Hashable)
+
+
+def fold(items: Iterable[tuple[str, _Attrs]]) -> list[tuple[str, _Attrs, int]]:
     """``(name, attributes)`` pairs -> ``(folded name, attributes, count)`` rows, in the
     order each row first appears. Names fold only when their attributes are equal."""
-    groups: dict[tuple[str, Hashable], list[tuple[int, ...]]] = {}
+    groups: dict[tuple[str, _Attrs], list[tuple[int, ...]]] = {}
     for name, attrs in items:
         tmpl, indices = template(name)
         groups.setdefault((tmpl, attrs), []).append(indices)

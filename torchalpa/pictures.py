@@ -19,10 +19,14 @@ from __future__ import annotations
 import html
 import json
 from collections import defaultdict
+from typing import TYPE_CHECKING, Hashable
 
 from torchalpa.fold import template
 from torchalpa.placement import short
 from torchalpa.report import format_bytes, rollup_by_module, tensor_labels, wire_bytes
+
+if TYPE_CHECKING:
+    from torchalpa.plan import ValuePlacement
 
 __all__ = ["plan_html", "chrome_trace"]
 
@@ -42,7 +46,7 @@ def _esc(x) -> str:
     return html.escape(str(x), quote=True)
 
 
-def _colors(keys) -> dict[str, str]:
+def _colors(keys) -> dict[Hashable, str]:
     return {k: _PALETTE[i % len(_PALETTE)] for i, k in enumerate(dict.fromkeys(keys))}
 
 
@@ -103,7 +107,7 @@ def _placement_grid(plan) -> str:
     the parameter's placement. Parameters outside repeated layers get a row each."""
     out = []
     for index, p, _ in _stages(plan):
-        rows: dict[str, dict[int, object]] = defaultdict(dict)
+        rows: dict[str, dict[int, ValuePlacement]] = defaultdict(dict)
         single = []
         for v in p.parameters:
             tmpl, idx = template(v.name)
