@@ -68,7 +68,7 @@ def lower_jax(fn: Callable, example_args: Sequence, param_argnums=0) -> LoweredS
     example_args = tuple(example_args)
     argnums = normalize_argnums(param_argnums, len(example_args))
     names = _arg_names(fn, len(example_args))
-    params = tuple(example_args[i] for i in argnums)
+    params: tuple = tuple(example_args[i] for i in argnums)
     rest = [i for i in range(len(example_args)) if i not in argnums]
     batch = tuple(example_args[i] for i in rest)
 
@@ -85,7 +85,7 @@ def lower_jax(fn: Callable, example_args: Sequence, param_argnums=0) -> LoweredS
         step = jax.value_and_grad(call)
     elif isinstance(out, (tuple, list)) and len(out) == 2 and getattr(out[0], "shape", 1) == () \
             and jax.tree_util.tree_structure(out[1]) == jax.tree_util.tree_structure(
-                params if len(params) > 1 else params[0]):
+                params if len(params) != 1 else params[0]):    # argnums is never empty
         def step(params, batch):
             loss, grads = call(params, batch)
             return loss, (grads if len(params) > 1 else (grads,))
@@ -128,10 +128,12 @@ def mark_arguments(text: str, marks: Sequence[tuple[str, str]]) -> str:
         for i, (kind, name) in enumerate(marks):
             attrs = {}
             if old is not None:
-                existing = ir.DictAttr(old[i])
-                attrs = {existing[j].name: existing[j].attr for j in range(len(existing))}
+                # jaxlib's mlir stubs declare no __getitem__ on attributes
+                existing = ir.DictAttr(old[i])  # pyright: ignore[reportIndexIssue]
+                attrs = {existing[j].name: existing[j].attr  # pyright: ignore[reportIndexIssue]
+                         for j in range(len(existing))}
             attrs["torchalpa.kind"] = ir.StringAttr.get(kind)
             attrs["torchalpa.name"] = ir.StringAttr.get(name)
             dicts.append(ir.DictAttr.get(attrs))
         main.attributes["arg_attrs"] = ir.ArrayAttr.get(dicts)
-        return module.operation.get_asm(enable_debug_info=True)
+        return str(module.operation.get_asm(enable_debug_info=True))

@@ -270,7 +270,7 @@ class _Reader:
                 f"one gradient per parameter ({1 + num_params}): lower "
                 "jax.value_and_grad(loss_fn) of the parameters, not the loss alone")
         loss, grads = results[0], results[1:]
-        targets = [n.target for n in self.nodes[:num_params]]
+        targets = [n.target or n.name for n in self.nodes[:num_params]]
         for (fqn, g), arg in zip(zip(targets, grads), args):
             if self.spec(g).shape != _spec(arg.type).shape:
                 raise StableHLOError(f"result for the gradient of {fqn!r} has shape "
@@ -387,13 +387,16 @@ class _Reader:
                     for v, r in zip(ins, refs)]
             target = ELEMENTWISE.get(name)
             if name == "stablehlo.compare":
-                direction = re.search(r"comparison_direction (\w+)",
-                                      str(op.attributes["comparison_direction"])).group(1)
-                target = _COMPARE[direction]
+                found = re.search(r"comparison_direction (\w+)",
+                                  str(op.attributes["comparison_direction"]))
+                if found is None:
+                    raise StableHLOError(f"cannot read the comparison of {op}")
+                target = _COMPARE[found.group(1)]
             if name == "stablehlo.clamp":        # clamp(min, x, max) -> clamp(x, min, max)
                 refs = [refs[1], refs[0], refs[2]]
             if name == "stablehlo.not" and outs[0].dtype != "bool":
                 target = "aten.bitwise_not.default"
+            assert target is not None, f"{name} is elementwise"
             args = tuple(Operand(k) for k in range(len(refs)))
             set_result(self.emit(target, refs, outs[0], args, source=source, stack=stack))
         elif name == "stablehlo.convert":
@@ -415,8 +418,8 @@ class _Reader:
             dims = _ints(str(op.attributes["dimensions"]))
             set_result(self.emit(_REDUCE[self._reduce_body(op)], refs[:1], outs[0],
                                  (Operand(0), tuple(dims), False), source=source, stack=stack))
-        elif name == "stablehlo.slice" and self._one_dim_slice(op, refs[0]) is not None:
-            dim, start, end, step = self._one_dim_slice(op, refs[0])
+        elif name == "stablehlo.slice" and (sliced := self._one_dim_slice(op, refs[0])):
+            dim, start, end, step = sliced
             set_result(self.emit("aten.slice.Tensor", refs, outs[0],
                                  (Operand(0), dim, start, end, step), source=source, stack=stack))
         elif name == "stablehlo.concatenate":

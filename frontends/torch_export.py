@@ -122,7 +122,7 @@ def _loss_of(out, binding: str = "") -> torch.Tensor:
     if isinstance(out, Mapping) and "loss" in out:
         out = out["loss"]
     elif dataclasses.is_dataclass(out) and isinstance(getattr(out, "loss", None), torch.Tensor):
-        out = out.loss
+        out = getattr(out, "loss")
     elif isinstance(out, (tuple, list)) and len(out) > 0:
         out = out[0]
     if not isinstance(out, torch.Tensor) or out.numel() != 1:
@@ -158,6 +158,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
     if signature.by_keyword:
         inputs, targets = tuple(example_inputs), ()
     else:
+        assert not isinstance(example_inputs, Mapping), "keyword inputs are flattened above"
         inputs, targets = split_inputs(example_inputs, loss_fn)
     for i, x in enumerate(tuple(inputs) + tuple(targets)):
         if not isinstance(x, torch.Tensor):
@@ -190,7 +191,8 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
             loss = _loss_of(loss_fn(out, *batch[num_inputs:]) if loss_fn is not None else out,
                             binding)
             provenance.in_loss = False
-            setup_stacktrace_preservation_hooks([loss.grad_fn])   # tags backward (seq_nr)
+            if loss.grad_fn is not None:     # tags backward (seq_nr)
+                setup_stacktrace_preservation_hooks([loss.grad_fn])
             grads = _gradients(loss, params, through_backward)
         return [loss, *grads, *buffers]
 

@@ -23,7 +23,7 @@ step that replicated parameters, buffers and the generator state still agree acr
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -195,7 +195,7 @@ class ParallelModule(nn.Module):
                                   keywords=keywords)
 
     def _forward_only(self, inputs: list[torch.Tensor], *, outputs: bool,
-                      keywords: tuple[str, ...] = ()):
+                      keywords: tuple[str, ...] = ()) -> Any:
         specs = [(self._global_shape(x.shape), x.dtype) for x in inputs]
         fp = self._forward_programs.get(specs, outputs=outputs, training=self.module.training,
                                         keywords=keywords)

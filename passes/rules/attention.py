@@ -135,7 +135,7 @@ def sdpa_backward(node, specs):
     #   -> (grad_query, grad_key, grad_value[, grad_attn_mask])
     f, d = _neutral_dims(node, specs, 1)
     operands = _operands(node, specs, d, {0: d.out(), 1: d.q(), 2: d.kv(), 3: d.v()})
-    results = [d.q(), d.kv(), d.v()]
+    results: list = [d.q(), d.kv(), d.v()]
     summed = list(d.l + d.group)
     if node.op == "torchalpa.sdpa_bias_backward.default":
         mask = specs[4].shape
