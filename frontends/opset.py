@@ -44,8 +44,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from torchalpa import attention
 
-__all__ = ["decompositions", "device_neutral_kernels", "FusedCalls", "flop_count", "FUSED_KEPT", "RANDOM_OPS",
-           "NO_FLOP_OPS", "SDPA_OP", "SDPA_BACKWARD_OP"]
+__all__ = ["decompositions", "device_neutral_kernels", "FusedCalls", "routed_sdpa", "flop_count",
+           "FUSED_KEPT", "RANDOM_OPS", "NO_FLOP_OPS", "SDPA_OP", "SDPA_BACKWARD_OP"]
 
 aten = torch.ops.aten
 
@@ -201,6 +201,27 @@ def _sdpa_with_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
     return probs @ value
 
 
+_TORCH_SDPA = F.scaled_dot_product_attention
+
+
+@contextlib.contextmanager
+def routed_sdpa():
+    """While a capture traces, ``torch.nn.functional.scaled_dot_product_attention`` itself
+    routes to the device-neutral op. ``FusedCalls`` does the same through a torch-function
+    mode, but torch-function modes are off while ``torch.utils.checkpoint`` recomputes a
+    region in backward, so HF's ``gradient_checkpointing_enable()`` would record the
+    recompute with another kernel (and fail its metadata check) without this."""
+    def routed(*args, **kwargs):
+        bound = _bind(_sdpa, args, kwargs)
+        return (_sdpa_with_dropout if bound.get("dropout_p") else _sdpa)(**bound)
+
+    F.scaled_dot_product_attention = routed
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _TORCH_SDPA
+
+
 def _bind(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     return dict(inspect.signature(fn).bind(*args, **kwargs).arguments)
 
@@ -220,7 +241,7 @@ class FusedCalls(TorchFunctionMode):
         kwargs = kwargs or {}
         restore = self.on_call() if self.on_call is not None else None
         try:
-            if func is F.scaled_dot_product_attention:
+            if func is _TORCH_SDPA:
                 bound = _bind(_sdpa, args, kwargs)
                 return (_sdpa_with_dropout if bound.get("dropout_p") else _sdpa)(**bound)
             elif func is F.dropout:

@@ -118,6 +118,26 @@ def test_learned_bias_is_captured_with_its_gradient():
     assert dict(step.graph.outputs.grads).keys() >= {"bias"}
 
 
+class CheckpointedAttention(BiasedAttention):
+    """The same layer run under ``torch.utils.checkpoint`` (as HF's
+    ``gradient_checkpointing_enable()`` runs its decoder layers)."""
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(super().forward, x, use_reentrant=False)
+
+
+def test_attention_recomputed_by_checkpoint_is_the_neutral_op_too():
+    """Torch-function modes are off while checkpoint recomputes in backward; the recompute
+    must still record ``torchalpa::sdpa`` (else its metadata check fails, or a CPU kernel
+    lands in the program)."""
+    with torch.device("meta"):
+        model, x, y = CheckpointedAttention(), torch.empty(4, 8, 16), torch.empty(4, 8, 16)
+    ops = [n.op for n in capture(model, (x, y), F.mse_loss).graph.ops()]
+    assert ops.count("torchalpa.sdpa.default") == 2          # forward, and its recompute
+    assert not any("scaled_dot_product" in op for op in ops)
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+
+
 def test_learned_bias_trains_like_pytorch():
     torch.manual_seed(0)
     model = BiasedAttention()

@@ -37,6 +37,10 @@ from typing import Optional, cast
 import torch
 import torch.nn.functional as F
 
+# torch's own function, bound at import: the capture reroutes the module attribute while it
+# traces (frontends/opset.py::routed_sdpa), and these bodies must reach the real kernels
+_TORCH_SDPA = F.scaled_dot_product_attention
+
 __all__ = ["sdpa", "SDPA_OP", "SDPA_BACKWARD_OP", "SDPA_BIAS_BACKWARD_OP",
            "ATTENTION_RECOMPUTE"]
 
@@ -73,7 +77,7 @@ def _restride(t: torch.Tensor, shape, strides) -> torch.Tensor:
 def _sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
           attn_mask: Optional[torch.Tensor], is_causal: bool, scale: Optional[float],
           enable_gqa: bool) -> torch.Tensor:
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+    out = _TORCH_SDPA(query, key, value, attn_mask=attn_mask,
                                          is_causal=is_causal, scale=scale,
                                          enable_gqa=enable_gqa)
     return _restride(out, *_out_strides(query, value))
@@ -113,7 +117,7 @@ def _grads(grad_out, query, key, value, attn_mask, is_causal, scale, enable_gqa,
     with _autograd_recording():
         leaves = [t.detach().requires_grad_(True) for t in primals]
         mask = leaves[3] if mask_grad else attn_mask
-        out = F.scaled_dot_product_attention(*leaves[:3], attn_mask=mask, is_causal=is_causal,
+        out = _TORCH_SDPA(*leaves[:3], attn_mask=mask, is_causal=is_causal,
                                              scale=scale, enable_gqa=enable_gqa)
         grads = torch.autograd.grad(out, leaves, grad_out)
     return tuple(_restride(g, ref.shape, _like_strides(ref)) for g, ref in zip(grads, primals))

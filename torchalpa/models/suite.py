@@ -288,11 +288,7 @@ _CASES = [
         lambda: (torch.randn(BATCH, 16), torch.randn(BATCH, 16)),
         F.mse_loss)),
     SuiteCase("hf_gradient_checkpointing", "idiom", _checkpointed(
-        _causal_lm("LlamaConfig", "LlamaForCausalLM")),
-        known_failure="the recompute inside HF's checkpointed layers records attention "
-                      "differently from the first forward (mask (4,1,8,8) vs (4,4,8,8)) since "
-                      "SDPA is captured as torchalpa::sdpa: torch.utils.checkpoint's metadata "
-                      "check fails at capture; plain torch.utils.checkpoint cases pass"),
+        _causal_lm("LlamaConfig", "LlamaForCausalLM"))),
     SuiteCase("masked_attention", "idiom", _idiom(
         MaskedAttention, lambda: (torch.randn(BATCH, SEQ, 16), _padding(),
                                   torch.randint(4, (BATCH,))),
