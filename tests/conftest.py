@@ -12,7 +12,10 @@ os.environ["TORCHALPA_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchalpa-test-cach
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA: skipped on CPU-only machines (``make test-gpu``)."""
+    """Tests marked ``gpu`` need CUDA: skipped on CPU-only machines (``make test-gpu``).
+    Tests that run JAX go last: once XLA's backend has started its threads, forking (the
+    multi-rank tests' workers) risks a deadlock in the child."""
+    items.sort(key=lambda item: item.path.name == "test_stablehlo.py")   # stable sort
     import torch
     if torch.cuda.is_available():
         return
