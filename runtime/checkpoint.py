@@ -46,7 +46,7 @@ import shutil
 import uuid
 import warnings
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
+
+from torchalpa.runtime.mesh import on_rank0
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "latest_checkpoint",
            "checkpoint_extra"]
@@ -333,28 +335,6 @@ def _load_rng(directory: Path, manifest: dict | None, rank: int, world: int) -> 
 
 # -- collective helpers ------------------------------------------------------------------
 
-_T = TypeVar("_T")
-
-
-def _on_rank0(compute: Callable[[], _T], what: str) -> _T:
-    """``compute()`` on rank 0; its result, or its error, on every rank."""
-    rank, world = _rank_world()
-    if world == 1:
-        return compute()
-    payload: list = [None]
-    if rank == 0:
-        try:
-            payload = [("ok", compute())]
-        except Exception as e:  # sent to every rank, then raised everywhere
-            dist.broadcast_object_list([("error", f"{type(e).__name__}: {e}")], src=0)
-            raise
-    dist.broadcast_object_list(payload, src=0)
-    status, value = payload[0]
-    if status == "error":
-        raise RuntimeError(f"{what} failed on rank 0: {value}")
-    return value
-
-
 def _check_keep(keep) -> int | None:
     if keep is None:
         return None
@@ -401,7 +381,7 @@ def _save(root: Path, module, optimizer, keep: int | None, extra: dict) -> Path:
         tmp.mkdir()
         return name, str(tmp)
 
-    name, tmp = _on_rank0(begin, "starting the checkpoint")
+    name, tmp = on_rank0(begin, "starting the checkpoint")
     tmp = Path(tmp)
     _reached("started")
     if optimizer is None:
@@ -436,7 +416,7 @@ def _save(root: Path, module, optimizer, keep: int | None, extra: dict) -> Path:
         _prune(root, keep, current=name)
         return str(root / name)
 
-    return Path(_on_rank0(commit, "committing the checkpoint"))
+    return Path(on_rank0(commit, "committing the checkpoint"))
 
 
 def _prune(root: Path, keep: int | None, current: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import math
 import os
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -71,3 +72,26 @@ def build_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...]) -> DeviceMes
     init_distributed()
     check_world_size(shape)
     return init_device_mesh(default_device().type, tuple(shape), mesh_dim_names=tuple(axis_names))
+
+
+_T = TypeVar("_T")
+
+
+def on_rank0(compute: Callable[[], _T], what: str) -> _T:
+    """``compute()`` on rank 0, its result (picklable) on every rank; an error there is
+    raised on every rank (naming ``what``), so none waits forever for the others. Without
+    a process group, or alone in it, ``compute()`` simply runs."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return compute()
+    payload: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload = [("ok", compute())]
+        except Exception as e:  # sent to every rank, then raised everywhere
+            dist.broadcast_object_list([("error", f"{type(e).__name__}: {e}")], src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    status, value = payload[0]
+    if status == "error":
+        raise RuntimeError(f"{what} failed on rank 0: {value}")
+    return value

@@ -408,28 +408,8 @@ def _same_step_on_every_rank(fingerprint: str) -> None:
 def _plan_on_rank0(solve: Callable[[], Plan]) -> Plan:
     """Rank 0 solves; every rank gets its plan, or its error (never a hang)."""
     from torchalpa.plan import load_plan
+    from torchalpa.runtime.mesh import on_rank0 as _on_rank0
     return load_plan(_on_rank0(lambda: solve().to_json(indent=None), "planning"))
-
-
-def _on_rank0(compute: Callable[[], object], what: str):
-    """``compute()`` on rank 0, its result (picklable) on every rank; an error there is
-    raised on every rank, so none waits forever for the others."""
-    import torch.distributed as dist
-    if dist.get_world_size() == 1:
-        return compute()
-    payload = [None]
-    if dist.get_rank() == 0:
-        try:
-            payload = [("ok", compute())]
-        except Exception as e:  # sent to every rank, then raised everywhere
-            payload = [("error", f"{type(e).__name__}: {e}")]
-            dist.broadcast_object_list(payload, src=0)
-            raise
-    dist.broadcast_object_list(payload, src=0)
-    status, value = payload[0]
-    if status == "error":
-        raise RuntimeError(f"{what} failed on rank 0: {value}")
-    return value
 
 
 # -- auto_parallel's runtime options ----------------------------------------------------

@@ -177,11 +177,11 @@ def _distribute_stages(model: nn.Module, plan: PipelinePlan, meshes, device) -> 
 def _profile(captured, cluster: Cluster, method: PipeshardParallel, example_inputs, model,
              device) -> dict:
     """Rank 0 builds the layer probes; every rank takes part in timing them."""
-    from torchalpa import api
     from torchalpa.passes.inter_op import LayerProbe, layer_probes
     from torchalpa.plan import PipelinePlan
+    from torchalpa.runtime.mesh import on_rank0
     from torchalpa.runtime.profile import profile_layers
-    items = api._on_rank0(lambda: [(p.key, p.layer, p.plan.to_json(indent=None), p.stage)
+    items = on_rank0(lambda: [(p.key, p.layer, p.plan.to_json(indent=None), p.stage)
                                    for p in layer_probes(captured.graph, cluster, method)],
                           "building the layer probes")
     probes = [LayerProbe(key, layer, PipelinePlan.from_json(text), stage)
