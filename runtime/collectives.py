@@ -1,50 +1,128 @@
 """The collectives a local program calls, one small function per plan step kind.
 
-Each wraps a functional collective of ``torch.distributed`` (``_c10d_functional``) and
-waits for it, so a local program is plain ATen ops plus these calls: printable,
-traceable, and counted by ``runtime.comm_count``. Inputs are made contiguous first,
-as the collectives require.
+Each collective is defined once, as an *issue* half (start the functional collective of
+``torch.distributed`` (``_c10d_functional``), which the process group runs in the
+background) and a *finish* half (wait for it and lay the result out). The blocking
+version a lowered program calls is ``finish(issue(...))``; ``runtime.overlap`` splits it
+into its two halves so the wait moves to the first use. A local program is thus plain
+ATen ops plus these calls: printable, traceable, and counted by ``runtime.comm_count``.
+Inputs are made contiguous first, as the collectives require.
+
+``step_call`` maps one plan step (``plan.ReshardStep``) to its function and arguments;
+``apply_step`` runs it eagerly. The lowering emits the same calls into a graph.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
 import torch
 
+from torchalpa.plan import ReshardStep
+
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_chunk",
-           "local_partition"]
+           "local_partition", "issue_all_reduce", "finish_all_reduce", "issue_all_gather",
+           "finish_all_gather", "issue_reduce_scatter", "finish_reduce_scatter",
+           "issue_all_to_all", "finish_all_to_all", "SPLIT", "Split", "step_call",
+           "apply_step"]
 
 _c10d = torch.ops._c10d_functional
 
 
+# -- issue / finish halves ----------------------------------------------------------------
+
+def issue_all_reduce(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+    return _c10d.all_reduce(x.contiguous(), reduce_op, group_name)
+
+
+def finish_all_reduce(handle: torch.Tensor) -> torch.Tensor:
+    return _c10d.wait_tensor(handle)
+
+
+def issue_all_gather(x: torch.Tensor, dim: int, group_size: int, group_name: str
+                     ) -> torch.Tensor:
+    """Start gathering every rank's block (stacked along dim 0 by the collective)."""
+    del dim   # the blocks are moved to ``dim`` by the finish half
+    return _c10d.all_gather_into_tensor(x.contiguous(), group_size, group_name)
+
+
+def finish_all_gather(handle: torch.Tensor, dim: int, group_size: int) -> torch.Tensor:
+    """Wait, then concatenate the ranks' blocks along ``dim``."""
+    out = _c10d.wait_tensor(handle)
+    return out if dim == 0 else torch.cat(torch.chunk(out, group_size, dim=0), dim=dim)
+
+
+def issue_reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group_size: int,
+                         group_name: str) -> torch.Tensor:
+    """Start reducing across ranks, each keeping its block of ``dim``."""
+    if dim != 0:
+        x = torch.cat(torch.chunk(x, group_size, dim=dim), dim=0)
+    return _c10d.reduce_scatter_tensor(x.contiguous(), reduce_op, group_size, group_name)
+
+
+def finish_reduce_scatter(handle: torch.Tensor) -> torch.Tensor:
+    return _c10d.wait_tensor(handle)
+
+
+def issue_all_to_all(x: torch.Tensor, src_dim: int, dim: int, group_size: int,
+                     group_name: str) -> torch.Tensor:
+    """Start moving from blocks of ``src_dim`` to blocks of ``dim``: split ``dim``, exchange."""
+    del src_dim   # the received blocks are joined along it by the finish half
+    send = torch.cat(torch.chunk(x, group_size, dim=dim), dim=0).contiguous()
+    splits = [send.shape[0] // group_size] * group_size
+    return _c10d.all_to_all_single(send, splits, splits, group_name)
+
+
+def finish_all_to_all(handle: torch.Tensor, src_dim: int, group_size: int) -> torch.Tensor:
+    """Wait, then join the received blocks along ``src_dim``."""
+    recv = _c10d.wait_tensor(handle)
+    return torch.cat(torch.chunk(recv, group_size, dim=0), dim=src_dim)
+
+
+# -- blocking versions: finish(issue(...)) -------------------------------------------------
+
 def all_reduce(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
-    return _c10d.wait_tensor(_c10d.all_reduce(x.contiguous(), reduce_op, group_name))
+    return finish_all_reduce(issue_all_reduce(x, reduce_op, group_name))
 
 
 def all_gather(x: torch.Tensor, dim: int, group_size: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's block along ``dim``."""
-    out = _c10d.wait_tensor(_c10d.all_gather_into_tensor(x.contiguous(), group_size, group_name))
-    if dim == 0:
-        return out
-    return torch.cat(torch.chunk(out, group_size, dim=0), dim=dim)
+    return finish_all_gather(issue_all_gather(x, dim, group_size, group_name), dim, group_size)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group_size: int,
                    group_name: str) -> torch.Tensor:
     """Reduce across ranks and keep this rank's block of ``dim``."""
-    if dim != 0:
-        x = torch.cat(torch.chunk(x, group_size, dim=dim), dim=0)
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(x.contiguous(), reduce_op, group_size,
-                                                         group_name))
+    return finish_reduce_scatter(
+        issue_reduce_scatter(x, dim, reduce_op, group_size, group_name))
 
 
 def all_to_all(x: torch.Tensor, src_dim: int, dim: int, group_size: int,
                group_name: str) -> torch.Tensor:
     """From blocks of ``src_dim`` to blocks of ``dim``: split ``dim``, exchange, join ``src_dim``."""
-    send = torch.cat(torch.chunk(x, group_size, dim=dim), dim=0).contiguous()
-    splits = [send.shape[0] // group_size] * group_size
-    recv = _c10d.wait_tensor(_c10d.all_to_all_single(send, splits, splits, group_name))
-    return torch.cat(torch.chunk(recv, group_size, dim=0), dim=src_dim)
+    return finish_all_to_all(issue_all_to_all(x, src_dim, dim, group_size, group_name),
+                             src_dim, group_size)
 
+
+class Split(NamedTuple):
+    """A blocking collective's halves and which of its arguments the finish half takes
+    after the handle (by position in the blocking call's arguments, input first)."""
+
+    issue: Callable[..., torch.Tensor]
+    finish: Callable[..., torch.Tensor]
+    finish_args: tuple[int, ...]
+
+
+SPLIT: dict[Callable[..., torch.Tensor], Split] = {
+    all_reduce: Split(issue_all_reduce, finish_all_reduce, ()),
+    all_gather: Split(issue_all_gather, finish_all_gather, (1, 2)),
+    reduce_scatter: Split(issue_reduce_scatter, finish_reduce_scatter, ()),
+    all_to_all: Split(issue_all_to_all, finish_all_to_all, (1, 3)),
+}
+
+
+# -- local steps (no communication) ---------------------------------------------------------
 
 def local_partition(x: torch.Tensor, index: int, reduce_op: str) -> torch.Tensor:
     """A replicated value as a partial one: summing over the axis gives it back exactly
@@ -58,3 +136,34 @@ def local_chunk(x: torch.Tensor, dim: int, num_chunks: int, index: int) -> torch
     """This rank's block of a replicated tensor (no communication)."""
     size = x.shape[dim] // num_chunks
     return x.narrow(dim, index * size, size)
+
+
+# -- plan steps ------------------------------------------------------------------------------
+
+def step_call(step: ReshardStep, mesh_shape: Sequence[int], coords: Sequence[int],
+              group_names: Sequence[str]) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
+    """The function that runs ``step`` on this rank (at mesh coordinate ``coords``) and
+    its arguments after the tensor: what the lowering emits and ``apply_step`` calls."""
+    n, group = mesh_shape[step.axis], group_names[step.axis]
+    if step.kind == "all_reduce":
+        return all_reduce, (step.reduce_op, group)
+    if step.kind == "all_gather":
+        return all_gather, (step.dim, n, group)
+    if step.kind == "reduce_scatter":
+        return reduce_scatter, (step.dim, step.reduce_op, n, group)
+    if step.kind == "all_to_all":
+        return all_to_all, (step.src_dim, step.dim, n, group)
+    if step.kind == "slice":
+        return local_chunk, (step.dim, n, coords[step.axis])
+    if step.kind == "partition":
+        return local_partition, (coords[step.axis], step.reduce_op)
+    raise ValueError(f"the runtime cannot execute a {step.kind!r} step; the plan's steps must "
+                     "be collectives or local slice / partition steps (re-plan with this "
+                     "version of torchalpa)")
+
+
+def apply_step(x: torch.Tensor, step: ReshardStep, mesh_shape: Sequence[int],
+               coords: Sequence[int], group_names: Sequence[str]) -> torch.Tensor:
+    """Run one plan step on ``x`` now (blocking)."""
+    fn, args = step_call(step, mesh_shape, coords, group_names)
+    return fn(x, *args)

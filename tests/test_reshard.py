@@ -30,21 +30,12 @@ def fake_world():
 
 def _run_steps(x, steps, mesh_shape, groups, coords, rank_coords=None):
     for s in steps:
-        n, g = mesh_shape[s.axis], groups[s.axis]
-        if s.kind == "all_reduce":
-            x = C.all_reduce(x, s.reduce_op, g)
-        elif s.kind == "all_gather":
-            x = C.all_gather(x, s.dim, n, g)
-        elif s.kind == "reduce_scatter":
-            x = C.reduce_scatter(x, s.dim, s.reduce_op, n, g)
-        elif s.kind == "all_to_all":
-            x = C.all_to_all(x, s.src_dim, s.dim, n, g)
-        elif s.kind == "slice":
-            x = C.local_chunk(x, s.dim, n, coords[s.axis])
-        elif s.kind == "partition":   # coordinates are per-rank here: apply it rank by rank
+        if s.kind == "partition":   # coordinates are per-rank here: apply it rank by rank
             from torch.distributed._local_tensor import LocalTensor
             x = LocalTensor({r: C.local_partition(t, rank_coords[r][s.axis], s.reduce_op)
                              for r, t in x._local_tensors.items()})
+        else:
+            x = C.apply_step(x, s, mesh_shape, coords, groups)
     return x
 
 
