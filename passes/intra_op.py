@@ -34,12 +34,12 @@ from torchalpa.passes.strategies import (Strategy, enumerate_strategies, leaf_st
                                          replicate_only, splits_over_both_axes)
 from torchalpa.placement import Placements, Shard, format_placements, replicated
 from torchalpa.report import format_bytes
-from torchalpa.plan import (Collective, NodeStrategy, Plan, Reshard, ValuePlacement)
+from torchalpa.plan import (INPUT_SLOT, OUTPUT, Collective, MeshStage, NodeStrategy,
+                            OutputSlot, Plan, Reshard, ValuePlacement)
 
 __all__ = ["plan_intra_op", "UnsupportedOpWarning", "build_strategies"]
 
 log = logging.getLogger("torchalpa.planner")
-OUTPUT = "<output>"
 
 
 class UnsupportedOpWarning(UserWarning):
@@ -523,25 +523,25 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         if node.kind == "input" and inputs == "global":
             steps = costs.steps(node.output, R, chosen[node.name].outputs[0])
             if steps:
-                reshards.append(Reshard(node.name, 0, node.name, "input", tuple(steps)))
+                reshards.append(Reshard(node.name, 0, node.name, INPUT_SLOT, tuple(steps)))
         for slot, ref in enumerate(node.operands):
             add(ref, node.name, slot, chosen[node.name].inputs[slot])
     if graph.outputs.loss is not None:
-        add(graph.outputs.loss, OUTPUT, "loss", R)
+        add(graph.outputs.loss, OUTPUT, OutputSlot.loss(), R)
     params = graph.params
     for fqn, ref in graph.outputs.grads:
-        add(ref, OUTPUT, f"grad:{fqn}", chosen[params[fqn]].outputs[0])
+        add(ref, OUTPUT, OutputSlot.grad(fqn), chosen[params[fqn]].outputs[0])
     buffers = {n.target: n.name for n in graph if n.kind == "buffer"}
     for fqn, ref in graph.outputs.buffer_updates:
-        add(ref, OUTPUT, f"buffer:{fqn}", chosen[buffers[fqn]].outputs[0])
+        add(ref, OUTPUT, OutputSlot.buffer(fqn), chosen[buffers[fqn]].outputs[0])
     for ref in graph.outputs.sends:
-        add(ref, OUTPUT, f"send:{ref}", R)
+        add(ref, OUTPUT, OutputSlot.send(str(ref)), R)
 
     collectives = []
     comm_time = wire = 0.0
     for r in reshards:
-        if r.consumer == OUTPUT:
-            phase = "backward" if r.slot.startswith("grad:") else graph.node(r.producer).phase
+        if isinstance(r.slot, OutputSlot):
+            phase = "backward" if r.slot.kind == "grad" else graph.node(r.producer).phase
             source = graph.node(r.producer).module
         else:
             phase = graph.node(r.consumer).phase
@@ -594,6 +594,6 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         inputs=input_values, strategies=strategies, reshards=tuple(reshards),
         collectives=tuple(collectives), estimates=estimates,
         unsupported_ops=tuple(space.unsupported),
-        stages=({"layers": [0], "logical_shape": list(mesh.shape),
-                 "num_devices": mesh.num_devices},),
+        stages=(MeshStage(layers=(0,), logical_shape=tuple(mesh.shape),
+                          num_devices=mesh.num_devices),),
         method=method.to_dict(), graph_fingerprint=graph.fingerprint(), notes=tuple(notes))

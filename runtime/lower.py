@@ -1,15 +1,24 @@
-"""Lower a Plan over the source graph to this rank's local program.
+"""Lower a Plan over the source graph to this rank's local programs: ONE lowering.
 
-The source graph is the captured joint step ``(params, buffers, inputs) -> (loss, *grads)``
-on global shapes. Lowering rewrites it for one rank: every op runs on local blocks, with
-shape arguments localized (``runtime.localize``), and every resharding step the plan
-lists becomes a call in ``runtime.collectives`` right before the op that needs it. The
-result is split into three programs, so it can sit behind ``loss.backward()``:
+The source graph is the captured joint step ``(params, buffers, inputs) -> (loss, *grads,
+*buffer updates)`` on global shapes. Lowering rewrites part of it for one rank: every op
+runs on local blocks, with shape arguments localized (``runtime.localize``), and every
+resharding step the plan lists becomes a call in ``runtime.collectives`` right before the
+op that needs it. The result is split into three programs, so it can sit behind
+``loss.backward()`` or a pipeline schedule:
 
-- ``forward``: the loss and the values backward needs;
-- ``backward``: those values -> each gradient as the last op left it (possibly a partial
-  sum, or a layout other than its parameter's);
+- ``forward``: the loss, values sent to later stages, buffer updates, and what backward
+  needs;
+- ``backward``: those values (and gradients received from later stages) -> each gradient
+  as the last op left it (possibly a partial sum, or a layout other than its parameter's),
+  and gradients sent to earlier stages;
 - ``reduce_grads``: the plan's final resharding of each gradient into its parameter's layout.
+
+Which part of the graph a rank lowers is a ``GraphSlice``: an intra-op plan is a
+one-stage pipeline whose slice is the whole graph (``lower``); a pipeline stage's slice is
+its nodes plus the values it receives (``runtime.pipeline.lower_stage``). One builder
+(``build_programs``), one per-node hook, one emitter, one split and one reduce program
+serve both.
 
 Every resharding step is linear, so gradients of several micro-batches can be summed
 locally and reduced once (``reduce_grads`` runs once per optimizer step, not per
@@ -18,29 +27,31 @@ micro-batch), which is how gradient accumulation saves communication.
 
 from __future__ import annotations
 
-import itertools
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 import torchalpa.attention  # noqa: F401  (registers torchalpa::sdpa, which programs call)
-from torchalpa.plan import Plan, ReshardStep
+from torchalpa.opgraph import ValueRef
+from torchalpa.plan import OutputSlot, Plan, ReshardStep
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.overlap import overlap_collectives
 
-__all__ = ["LocalProgram", "lower", "OUTPUT"]
+__all__ = ["LocalProgram", "StageProgram", "GraphSlice", "ValueKey", "lower", "build_programs",
+           "producers", "received_name"]
 
-OUTPUT = "<output>"
+ValueKey = tuple[str, int]
+"""Output ``index`` of source node ``producer``: a value that may cross stages."""
 
 
 @dataclass
 class LocalProgram:
-    """One rank's forward and backward programs and what they expect."""
+    """One rank's forward, backward and gradient-reduce programs and what they expect."""
 
     forward: fx.GraphModule       # (*params, *buffers, *inputs) -> (loss, *updates, *saved)
     backward: fx.GraphModule      # (*saved) -> one raw gradient per trainable parameter (or None)
@@ -56,9 +67,10 @@ class LocalProgram:
     def compiled(self, **options) -> "LocalProgram":
         """The same programs under ``torch.compile(**options)`` (compiled on first call)."""
         return _CompiledProgram(
-            forward=torch.compile(self.forward, **options),
-            backward=torch.compile(self.backward, **options),
-            reduce_grads=torch.compile(self.reduce_grads, **options), source=self)
+            forward=torch.compile(self.forward, **options),  # pyright: ignore
+            backward=torch.compile(self.backward, **options),  # pyright: ignore
+            reduce_grads=torch.compile(self.reduce_grads, **options),  # pyright: ignore
+            buffer_updates=self.buffer_updates, source=self)
 
 
 @dataclass
@@ -68,104 +80,246 @@ class _CompiledProgram(LocalProgram):
     source: LocalProgram | None = None
 
     def code(self) -> str:
+        assert self.source is not None
         return "# compiled with torch.compile from:\n" + self.source.code()
 
 
-class _Emitter:
-    """Appends the collective calls of plan steps to a graph."""
+@dataclass
+class StageProgram(LocalProgram):
+    """A pipeline stage's programs and how they are wired to the other stages.
 
-    def __init__(self, graph: fx.Graph, mesh_shape, coords, group_names):
-        self.graph, self.mesh_shape = graph, tuple(mesh_shape)
-        self.coords, self.group_names = tuple(coords), tuple(group_names)
+    ``forward(*params, *buffers, *user inputs, *forward_recvs)`` -> (loss if ``has_loss``,
+    *forward sends, *buffer updates, *saved); ``backward(*saved, *backward_recvs)`` -> (one
+    raw gradient per parameter of ``params`` or None, *backward sends).
+    """
 
-    def steps(self, value: fx.Node, steps: tuple[ReshardStep, ...]) -> fx.Node:
-        for step in steps:
-            value = self.step(value, step)
-        return value
+    params: list[str] = field(default_factory=list)    # FQNs of this stage's trainable params
+    buffers: list[str] = field(default_factory=list)   # FQNs of its buffers / frozen params
+    user_inputs: list[int] = field(default_factory=list)   # the user inputs this stage reads
+    forward_recvs: list[ValueKey] = field(default_factory=list)   # received before forward
+    backward_recvs: list[ValueKey] = field(default_factory=list)  # received before backward
+    forward_sends: list[ValueKey] = field(default_factory=list)
+    backward_sends: list[ValueKey] = field(default_factory=list)
+    has_loss: bool = False
+    grad_present: list[bool] = field(default_factory=list)
+    # gradient parts received once per step, summed over the micro-batches by their
+    # sender: (key, index among the present gradients, program laying the sum out as
+    # that gradient's addend)
+    summed_recvs: list[tuple[ValueKey, int, fx.GraphModule]] = field(default_factory=list)
 
-    def step(self, value: fx.Node, step: ReshardStep) -> fx.Node:
-        n, group = self.mesh_shape[step.axis], self.group_names[step.axis]
-        call = self.graph.call_function
-        if step.kind == "all_reduce":
-            return call(C.all_reduce, (value, step.reduce_op, group))
-        if step.kind == "all_gather":
-            return call(C.all_gather, (value, step.dim, n, group))
-        if step.kind == "reduce_scatter":
-            return call(C.reduce_scatter, (value, step.dim, step.reduce_op, n, group))
-        if step.kind == "all_to_all":
-            return call(C.all_to_all, (value, step.src_dim, step.dim, n, group))
-        if step.kind == "slice":
-            return call(C.local_chunk, (value, step.dim, n, self.coords[step.axis]))
-        if step.kind == "partition":
-            return call(C.local_partition, (value, self.coords[step.axis], step.reduce_op))
-        raise ValueError(f"the runtime cannot execute a {step.kind!r} step")
+
+@dataclass(frozen=True)
+class GraphSlice:
+    """The part of the source graph one rank's programs compute, and their wiring.
+
+    ``placeholders``: source placeholders forward takes, in order. ``nodes``: the source
+    ops computed, in graph order. ``received``: values another stage sends, each with its
+    phase, taken as placeholders (forward ones after ``placeholders``, backward ones after
+    the saved values). ``summed``: gradient parts another stage sends once per step; the
+    add that joins them into a gradient is emitted without them (see ``summed_recvs``).
+    ``grads`` / ``updates``: (FQN, source value) of each trainable parameter's gradient
+    (None: unused) and each buffer's new value. ``sends``: values this slice sends, with
+    their phase.
+    """
+
+    placeholders: tuple[fx.Node, ...]
+    nodes: tuple[fx.Node, ...]
+    loss: fx.Node | None
+    grads: tuple[tuple[str, fx.Node | None], ...]
+    updates: tuple[tuple[str, fx.Node], ...]
+    received: tuple[tuple[ValueKey, str], ...] = ()
+    summed: frozenset[ValueKey] = frozenset()
+    sends: tuple[tuple[ValueKey, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class BuiltPrograms:
+    """What ``build_programs`` makes of a slice."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    reduce_grads: fx.GraphModule
+    summed_recvs: list[tuple[ValueKey, int, fx.GraphModule]]
+
+
+def received_name(key: ValueKey) -> str:
+    """The placeholder name (and reshard consumer) of a value received from another stage."""
+    return f"recv_{key[0]}_{key[1]}"
+
+
+def producers(gm: fx.GraphModule) -> dict[str, ValueKey]:
+    """Source node name -> the (producer, index) value it is: a getitem names its
+    multi-output producer's item, anything else its own output 0."""
+    producer_of: dict[str, ValueKey] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is operator.getitem:
+            producer_of[n.name] = (producer_of[n.args[0].name][0], n.args[1])
+        elif n.op != "output":
+            producer_of[n.name] = (n.name, 0)
+    return producer_of
 
 
 def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, group_names,
           device: torch.device, overlap: bool = True, buffer_updates: Sequence[str] = ()
           ) -> LocalProgram:
-    """This rank's local program for ``plan`` (``coords``: this rank's mesh coordinate).
+    """This rank's local program for the intra-op ``plan`` (``coords``: this rank's mesh
+    coordinate): a one-stage pipeline whose stage is the whole graph.
 
     ``overlap``: wait for each collective only where its result is first used
     (``runtime.overlap``), so communication runs behind the computation that follows.
     """
+    nodes = list(gm.graph.nodes)
+    outs = nodes[-1].args[0]
+    assert nodes[-1].op == "output", "an fx graph ends with its output node"
+    P = len(param_names)
+    whole = GraphSlice(
+        placeholders=tuple(n for n in nodes if n.op == "placeholder"),
+        nodes=tuple(n for n in nodes if n.op == "call_function"),
+        loss=outs[0], grads=tuple(zip(param_names, outs[1:1 + P])),
+        updates=tuple(zip(buffer_updates, outs[1 + P:])))
+    built = build_programs(gm, whole, plan, coords=coords, group_names=group_names,
+                           device=device, overlap=overlap)
+    return LocalProgram(forward=built.forward, backward=built.backward,
+                        reduce_grads=built.reduce_grads, buffer_updates=tuple(buffer_updates))
+
+
+class _Emitter:
+    """Appends the calls of plan steps (``runtime.collectives.step_call``) to a graph."""
+
+    def __init__(self, graph: fx.Graph, mesh_shape, coords, group_names):
+        self.graph, self.mesh_shape = graph, tuple(mesh_shape)
+        self.coords, self.group_names = tuple(coords), tuple(group_names)
+
+    def steps(self, value: fx.Node, steps: Sequence[ReshardStep]) -> fx.Node:
+        for step in steps:
+            fn, args = C.step_call(step, self.mesh_shape, self.coords, self.group_names)
+            value = self.graph.call_function(fn, (value, *args))
+        return value
+
+
+def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, group_names,
+                   device: torch.device, overlap: bool = True) -> BuiltPrograms:
+    """Lower ``part`` of the source graph ``gm`` under ``plan`` (the slice's intra-op
+    plan) for the rank at mesh coordinate ``coords``: interpret the slice node by node
+    (``_lower_node``), then split the local graph into forward and backward programs."""
     strategies = {s.node: s for s in plan.strategies}
     reshards = {(r.consumer, r.slot): r.steps for r in plan.reshards}
+    producer_of = producers(gm)
     graph = fx.Graph()
     emit = _Emitter(graph, plan.mesh_shape, coords, group_names)
     env: dict[str, fx.Node] = {}
-    placeholders = []
-    loss_value, grad_values, grad_steps, update_values = None, [], [], []
+    received: dict[ValueKey, fx.Node] = {}
+    forward_phs: list[fx.Node] = []
+    backward_phs: list[fx.Node] = []
 
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            value = graph.placeholder(node.name)
-            placeholders.append(value)
-            env[node.name] = emit.steps(value, reshards.get((node.name, "input"), ()))
-        elif node.op == "call_function" and node.target is operator.getitem:
-            producer, index = node.args
-            env[node.name] = graph.call_function(operator.getitem, (env[producer.name], index))
-        elif node.op == "call_function":
-            slots = itertools.count()
+    def input_steps(name: str) -> tuple[ReshardStep, ...]:
+        return reshards.get((name, "input"), ())
 
-            def local_arg(a, name=node.name):
-                if not isinstance(a, fx.Node):
-                    return a
-                return emit.steps(env[a.name], reshards.get((name, next(slots)), ()))
+    for ph in part.placeholders:
+        value = graph.placeholder(ph.name)
+        forward_phs.append(value)
+        env[ph.name] = emit.steps(value, input_steps(ph.name))
+    for key, phase in part.received:
+        value = graph.placeholder(received_name(key))
+        (forward_phs if phase == "forward" else backward_phs).append(value)
+        received[key] = emit.steps(value, input_steps(received_name(key)))
 
-            args = tree_map(local_arg, list(node.args))
-            kwargs = {k: tree_map(local_arg, v) for k, v in node.kwargs.items()}
-            target, args, kwargs = localize(node, args, kwargs, strategies[node.name],
-                                            plan.mesh_shape, device, coords)
-            env[node.name] = graph.call_function(target, tuple(args), kwargs)
-        elif node.op == "output":
-            outs = node.args[0]
-            loss_value = emit.steps(env[outs[0].name], reshards.get((OUTPUT, "loss"), ()))
-            for fqn, g in zip(param_names, outs[1:]):
-                grad_values.append(None if g is None else env[g.name])
-                grad_steps.append(reshards.get((OUTPUT, f"grad:{fqn}"), ()))
-            for fqn, u in zip(buffer_updates, outs[1 + len(param_names):]):
-                update_values.append(emit.steps(env[u.name],
-                                                reshards.get((OUTPUT, f"buffer:{fqn}"), ())))
-    forward, backward = _split(graph, placeholders, loss_value, grad_values, update_values)
-    reduce_grads = _reduce_program(plan, coords, group_names,
-                                   [s for g, s in zip(grad_values, grad_steps) if g is not None])
+    def lookup(a: fx.Node) -> fx.Node:
+        if a.name in env:
+            return env[a.name]
+        key = producer_of[a.name]
+        if key in received:
+            return received[key]
+        raise AssertionError(f"the slice reads {a.name}, which it neither makes nor receives")
+
+    def operand_steps(consumer: str, slot: int) -> tuple[ReshardStep, ...]:
+        return reshards.get((consumer, slot), ())
+
+    summed_into: dict[str, tuple[ValueKey, int]] = {}   # add node -> (key, its operand slot)
+    for n in part.nodes:
+        summed = [] if n.target is operator.getitem else \
+            [(i, producer_of[a.name]) for i, a in enumerate(n.args[:2])
+             if isinstance(a, fx.Node) and producer_of[a.name] in part.summed]
+        if summed:             # gradient = own part + received part: emit the own part only
+            (slot, key), = summed
+            other = n.args[1 - slot]
+            assert isinstance(other, fx.Node)
+            env[n.name] = emit.steps(lookup(other), operand_steps(n.name, 1 - slot))
+            summed_into[n.name] = (key, slot)
+        else:
+            env[n.name] = _lower_node(n, graph, emit, lookup, operand_steps, strategies,
+                                      plan.mesh_shape, device, coords)
+
+    def value_of(key: ValueKey) -> fx.Node:
+        if key in received:
+            return received[key]
+        producer, index = key
+        getter = next((n for n in gm.graph.nodes if n.op == "call_function" and
+                       n.target is operator.getitem and n.args[0].name == producer
+                       and n.args[1] == index), None)
+        return env[getter.name] if getter is not None else env[producer]
+
+    def output_steps(slot: OutputSlot) -> tuple[ReshardStep, ...]:
+        return reshards.get(slot.reshard_key(), ())
+
+    loss_value = None if part.loss is None else \
+        emit.steps(lookup(part.loss), output_steps(OutputSlot.loss()))
+    send_values = {key: emit.steps(value_of(key), output_steps(OutputSlot.send(str(ValueRef(*key)))))
+                   for key, _ in part.sends}
+    raw_grads = [None if g is None else lookup(g) for _, g in part.grads]
+    update_values = [emit.steps(lookup(u), output_steps(OutputSlot.buffer(fqn)))
+                     for fqn, u in part.updates]
+
+    present = [(fqn, g) for fqn, g in part.grads if g is not None]
+    summed_recvs = []
+    for add_name, (key, slot) in summed_into.items():
+        position = next(i for i, (_, g) in enumerate(present) if g.name == add_name)
+        summed_recvs.append((key, position, _addend(
+            key, [input_steps(received_name(key)), operand_steps(add_name, slot)],
+            plan.mesh_shape, coords, group_names)))
+
+    forward_sends = [send_values[k] for k, phase in part.sends if phase == "forward"]
+    backward_sends = [send_values[k] for k, phase in part.sends if phase != "forward"]
+    roots = ([] if loss_value is None else [loss_value]) + forward_sends + update_values
+    forward, backward = _split(graph, forward_phs, backward_phs, forward_out=roots,
+                               backward_out=raw_grads + backward_sends)
+    reduce_grads = _reduce(plan, coords, group_names,
+                           [output_steps(OutputSlot.grad(fqn)) for fqn, _ in present])
     if overlap:
-        for gm in (forward, backward, reduce_grads):
-            overlap_collectives(gm)
-    return LocalProgram(forward=forward, backward=backward, reduce_grads=reduce_grads,
-                        buffer_updates=tuple(buffer_updates))
+        for program in (forward, backward, reduce_grads):
+            overlap_collectives(program)
+    return BuiltPrograms(forward, backward, reduce_grads, summed_recvs)
 
 
-def _reduce_program(plan: Plan, coords, group_names, steps_per_grad) -> fx.GraphModule:
-    """(raw grads...) -> the same grads after the plan's output resharding steps."""
+def _lower_node(n: fx.Node, graph: fx.Graph, emit: _Emitter, lookup, operand_steps,
+                strategies, mesh_shape, device: torch.device, coords) -> fx.Node:
+    """The per-node hook: one source op as local ops, each tensor operand first brought
+    to the layout the op's strategy reads (its reshard steps), shapes localized."""
+    if n.target is operator.getitem:
+        return graph.call_function(operator.getitem, (lookup(n.args[0]), n.args[1]))
+    slots = iter(range(1 << 30))
+
+    def local_arg(a):
+        if not isinstance(a, fx.Node):
+            return a
+        return emit.steps(lookup(a), operand_steps(n.name, next(slots)))
+
+    args = tree_map(local_arg, list(n.args))
+    kwargs = {k: tree_map(local_arg, v) for k, v in n.kwargs.items()}
+    target, args, kwargs = localize(n, args, kwargs, strategies[n.name], mesh_shape, device,
+                                    coords)
+    return graph.call_function(target, tuple(args), kwargs)
+
+
+def _addend(key: ValueKey, steps_list, mesh_shape, coords, group_names) -> fx.GraphModule:
+    """The received sum, laid out as the gradient it is added to."""
     graph = fx.Graph()
-    emit = _Emitter(graph, plan.mesh_shape, coords, group_names)
-    outs = [emit.steps(graph.placeholder(f"grad_{i}"), steps)
-            for i, steps in enumerate(steps_per_grad)]
-    graph.output(tuple(outs))
-    graph.lint()
-    return fx.GraphModule(torch.nn.Module(), graph, "ReduceGrads")
+    emit = _Emitter(graph, mesh_shape, coords, group_names)
+    value = graph.placeholder(received_name(key))
+    for steps in steps_list:
+        value = emit.steps(value, steps)
+    graph.output((value,))
+    return fx.GraphModule(torch.nn.Module(), graph, "SummedGradient")
 
 
 def _ancestors(value: fx.Node) -> set[fx.Node]:
@@ -178,12 +332,15 @@ def _ancestors(value: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _split(graph: fx.Graph, placeholders, loss_value, grad_values, update_values=()):
-    """Forward = what the loss (and the buffers' new values) depend on; backward = the
-    rest, fed by saved values."""
-    forward_nodes = _ancestors(loss_value) | set(placeholders)
-    for u in update_values:
-        forward_nodes |= _ancestors(u)
+def _split(graph: fx.Graph, forward_phs: list[fx.Node], backward_phs: list[fx.Node],
+           forward_out: list[fx.Node], backward_out: Sequence[fx.Node | None]
+           ) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Forward = what ``forward_out`` (loss, sends, buffer updates) depends on, returning
+    those then the values backward needs; backward = the rest, fed by the saved values
+    and ``backward_phs``, returning ``backward_out`` (None where a gradient is absent)."""
+    forward_nodes = set(forward_phs)
+    for r in forward_out:
+        forward_nodes |= _ancestors(r)
     # take a multi-output op's items in forward too (free), so backward saves tensors, not
     # tuples (autograd's save_for_backward holds tensors only)
     forward_nodes |= {u for n in forward_nodes for u in n.users
@@ -193,16 +350,29 @@ def _split(graph: fx.Graph, placeholders, loss_value, grad_values, update_values
         if n in forward_nodes:
             fenv[n] = fwd.node_copy(n, lambda x: fenv[x])
     saved = [n for n in graph.nodes if n in forward_nodes
-             and (any(u not in forward_nodes for u in n.users) or n in grad_values)]
-    fwd.output((fenv[loss_value], *[fenv[n] for n in update_values], *[fenv[n] for n in saved]))
+             and (any(u not in forward_nodes for u in n.users) or n in backward_out)]
+    fwd.output((*[fenv[n] for n in forward_out], *[fenv[n] for n in saved]))
     bwd, benv = fx.Graph(), {}
     for n in saved:
         benv[n] = bwd.placeholder(f"saved_{n.name}")
+    for n in backward_phs:
+        benv[n] = bwd.placeholder(n.name)
     for n in graph.nodes:
-        if n not in forward_nodes and n.op != "output":
+        if n not in forward_nodes and n.op != "output" and n not in benv:
             benv[n] = bwd.node_copy(n, lambda x: benv[x])
-    bwd.output(tuple(None if g is None else benv[g] for g in grad_values))
-    root = torch.nn.Module()
+    bwd.output(tuple(None if n is None else benv[n] for n in backward_out))
     fwd.lint()
     bwd.lint()
+    root = torch.nn.Module()
     return fx.GraphModule(root, fwd, "LocalForward"), fx.GraphModule(root, bwd, "LocalBackward")
+
+
+def _reduce(plan: Plan, coords, group_names, steps_per_grad) -> fx.GraphModule:
+    """(raw grads...) -> the same grads after the plan's output resharding steps."""
+    graph = fx.Graph()
+    emit = _Emitter(graph, plan.mesh_shape, coords, group_names)
+    outs = [emit.steps(graph.placeholder(f"grad_{i}"), steps)
+            for i, steps in enumerate(steps_per_grad)]
+    graph.output(tuple(outs))
+    graph.lint()
+    return fx.GraphModule(torch.nn.Module(), graph, "ReduceGrads")

@@ -5,8 +5,8 @@ values made by other stages as placeholders it receives, and splits them into
 
 - ``forward(params, buffers, user inputs, received activations)`` -> the loss (last
   stage), activations to send, buffer updates, and what backward needs;
-- ``backward(saved, received gradients)`` -> raw gradients of this stage's parameters and
-  gradients to send to earlier stages;
+- ``backward(saved, received gradients)`` -> raw gradients of this stage's parameters
+  (None: unused) and gradients to send to earlier stages;
 - ``reduce_grads(raw gradients)`` -> gradients in their parameters' layouts, once per
   step after summing the micro-batches (every resharding step is linear).
 
@@ -14,63 +14,45 @@ Values cross stages point to point: the sender holds them whole (its plan gather
 receiving rank j of a stage takes them from rank ``j mod n`` of the sending stage, and
 slices what it needs. A schedule (GPipe, 1F1B) orders the forward and backward work of
 the micro-batches; sends are non-blocking, so a valid schedule cannot deadlock.
+
+The lowering itself is ``runtime.lower``'s, shared with intra-op plans: this module only
+says which slice of the graph a stage computes and how it is wired to the others.
 """
 
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.utils._pytree import tree_map
 
-from torchalpa.opgraph import ValueRef
 from torchalpa.plan import PipelinePlan
-from torchalpa.runtime.localize import localize
-from torchalpa.runtime.lower import OUTPUT, _ancestors, _Emitter
-from torchalpa.runtime.overlap import overlap_collectives
+from torchalpa.runtime.lower import GraphSlice, StageProgram, build_programs, producers
 
-__all__ = ["StageProgram", "lower_stage", "PipelineRunner"]
-
-
-def _received_name(producer: str, index: int) -> str:
-    return f"recv_{producer}_{index}"
-
-
-@dataclass
-class StageProgram:
-    forward: fx.GraphModule
-    backward: fx.GraphModule
-    reduce_grads: fx.GraphModule
-    params: list[str]                  # FQNs of this stage's trainable params (program order)
-    buffers: list[str]                 # FQNs of this stage's buffers / frozen params
-    user_inputs: list[int]             # indices of the user inputs this stage reads
-    forward_recvs: list[tuple[str, int]]   # (producer, index) received before forward
-    backward_recvs: list[tuple[str, int]]  # received before backward
-    forward_sends: list[tuple[str, int]]
-    backward_sends: list[tuple[str, int]]
-    has_loss: bool
-    buffer_updates: list[str] = field(default_factory=list)
-    grad_present: list[bool] = field(default_factory=list)
-    # gradient parts received once per step, summed over the micro-batches by their
-    # sender: (key, index among the present gradients, program laying the sum out as
-    # that gradient's addend)
-    summed_recvs: list[tuple[tuple[str, int], int, fx.GraphModule]] = field(default_factory=list)
-
-    def code(self) -> str:
-        return ("# forward\n" + self.forward.code + "\n# backward\n" + self.backward.code +
-                "\n# reduce_grads\n" + self.reduce_grads.code)
+__all__ = ["StageProgram", "lower_stage", "stage_slice", "PipelineRunner"]
 
 
 def lower_stage(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *, param_names: list[str],
                 buffer_names: list[str], buffer_updates: list[str], coords, group_names,
                 device: torch.device) -> StageProgram:
-    """This rank's programs for ``stage`` of ``pplan`` (``coords`` in the stage mesh)."""
-    splan = pplan.stages[stage].plan
-    strategies = {s.node: s for s in splan.strategies}
-    reshards = {(r.consumer, r.slot): r.steps for r in splan.reshards}
+    """This rank's programs for ``stage`` of ``pplan`` (``coords`` in the stage mesh): the
+    stage's slice of the graph through the one lowering (``runtime.lower``)."""
+    part, wiring = stage_slice(gm, pplan, stage, param_names=param_names,
+                               buffer_names=buffer_names, buffer_updates=buffer_updates)
+    built = build_programs(gm, part, pplan.stages[stage].plan, coords=coords,
+                           group_names=group_names, device=device)
+    return StageProgram(forward=built.forward, backward=built.backward,
+                        reduce_grads=built.reduce_grads,
+                        buffer_updates=tuple(fqn for fqn, _ in part.updates),
+                        summed_recvs=built.summed_recvs, **wiring)
+
+
+def stage_slice(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *,
+                param_names: Sequence[str], buffer_names: Sequence[str],
+                buffer_updates: Sequence[str]) -> tuple[GraphSlice, dict]:
+    """The part of the source graph ``stage`` computes, and the stage's wiring (the
+    ``StageProgram`` fields naming its parameters, inputs, receives and sends)."""
     node_stage = pplan.node_stage
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -78,21 +60,9 @@ def lower_stage(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *, param_na
     kinds = {ph.name: ("param", param_names[i]) if i < P else
              ("buffer", buffer_names[i - P]) if i < P + Bf else ("input", i - P - Bf)
              for i, ph in enumerate(placeholders)}
-    producer_of = {}
-    for n in nodes:   # getitem -> (producer, index); everything else -> (itself, 0)
-        if n.op == "call_function" and n.target is operator.getitem:
-            producer_of[n.name] = (producer_of[n.args[0].name][0], n.args[1])
-        elif n.op != "output":
-            producer_of[n.name] = (n.name, 0)
-
-    def stage_of(name: str) -> int | None:
-        p = producer_of[name][0]
-        return node_stage.get(p)
-
-    def is_user_input(name: str) -> bool:
-        return kinds.get(producer_of[name][0], ("",))[0] == "input"
-
-    included = [n for n in nodes if n.op == "call_function" and stage_of(n.name) == stage]
+    producer_of = producers(gm)
+    included = [n for n in nodes if n.op == "call_function"
+                and node_stage.get(producer_of[n.name][0]) == stage]
     transfers_in = {(t.producer, t.index): t.phase for t in pplan.transfers if t.dst_stage == stage}
     summed_in = {(t.producer, t.index) for t in pplan.transfers
                  if t.dst_stage == stage and t.once_per_step and t.phase != "forward"}
@@ -101,180 +71,38 @@ def lower_stage(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *, param_na
         if t.src_stage == stage:
             sends_out.setdefault((t.producer, t.index), t.phase)
 
-    graph = fx.Graph()
-    emit = _Emitter(graph, splan.mesh_shape, coords, group_names)
-    env: dict[str, fx.Node] = {}
-    owned_params = [(ph, kinds[ph.name][1]) for ph in placeholders
-                    if kinds[ph.name][0] == "param" and node_stage.get(ph.name) == stage]
-    owned_buffers = [(ph, kinds[ph.name][1]) for ph in placeholders
-                     if kinds[ph.name][0] == "buffer" and node_stage.get(ph.name) == stage]
-    # user inputs this stage reads, and values it receives
-    reads = {a.name for n in included for a in n.all_input_nodes}
-    outs = next(n for n in nodes if n.op == "output").args[0]
-    loss_node = outs[0]
+    def owned(kind: str) -> list[tuple[fx.Node, str]]:
+        return [(ph, str(kinds[ph.name][1])) for ph in placeholders
+                if kinds[ph.name][0] == kind and node_stage.get(ph.name) == stage]
+
+    owned_params, owned_buffers = owned("param"), owned("buffer")
+    outs = nodes[-1].args[0]
     grads = dict(zip(param_names, outs[1:1 + P]))
     updates = dict(zip(buffer_updates, outs[1 + P:]))
-    reads |= {g.name for ph, fqn in owned_params if (g := grads.get(fqn)) is not None}
-    reads |= {u.name for ph, fqn in owned_buffers if (u := updates.get(fqn)) is not None}
+    # the user inputs this stage reads
+    reads = {a.name for n in included for a in n.all_input_nodes}
+    reads |= {g.name for _, fqn in owned_params if (g := grads.get(fqn)) is not None}
+    reads |= {u.name for _, fqn in owned_buffers if (u := updates.get(fqn)) is not None}
     user_inputs = [ph for ph in placeholders if kinds[ph.name][0] == "input" and ph.name in reads]
-    received: dict[tuple[str, int], fx.Node] = {}
-    forward_phs, backward_phs = [], []
-    for ph, _ in owned_params + owned_buffers:
-        env[ph.name] = graph.placeholder(ph.name)
-        forward_phs.append(env[ph.name])
-    for ph in user_inputs:
-        value = graph.placeholder(ph.name)
-        forward_phs.append(value)
-        env[ph.name] = emit.steps(value, reshards.get((ph.name, "input"), ()))
-    for key, phase in transfers_in.items():
-        if key in summed_in:
-            continue           # added to its gradient once per step (below), not per micro-batch
-        name = _received_name(*key)
-        value = graph.placeholder(name)
-        (forward_phs if phase == "forward" else backward_phs).append(value)
-        received[key] = emit.steps(value, reshards.get((name, "input"), ()))
-
-    def lookup(a: fx.Node) -> fx.Node:
-        if a.name in env:
-            return env[a.name]
-        key = producer_of[a.name]
-        if key in received:
-            return received[key]
-        raise AssertionError(f"stage {stage} reads {a.name}, which it neither makes nor receives")
-
-    summed_into: dict[str, tuple[tuple[str, int], int]] = {}   # add node -> (key, its slot)
-    for n in included:
-        if n.target is operator.getitem:
-            env[n.name] = graph.call_function(operator.getitem, (lookup(n.args[0]), n.args[1]))
-            continue
-        summed = [(i, producer_of[a.name]) for i, a in enumerate(n.args[:2])
-                  if isinstance(a, fx.Node) and producer_of[a.name] in summed_in]
-        if summed:             # gradient = own part + received part: emit the own part only
-            (slot, key), = summed
-            other = n.args[1 - slot]
-            env[n.name] = emit.steps(lookup(other), reshards.get((n.name, 1 - slot), ()))
-            summed_into[n.name] = (key, slot)
-            continue
-        slots = iter(range(10 ** 6))
-
-        def local_arg(a, name=n.name):
-            if not isinstance(a, fx.Node):
-                return a
-            return emit.steps(lookup(a), reshards.get((name, next(slots)), ()))
-
-        args = tree_map(local_arg, list(n.args))
-        kwargs = {k: tree_map(local_arg, v) for k, v in n.kwargs.items()}
-        target, args, kwargs = localize(n, args, kwargs, strategies[n.name], splan.mesh_shape,
-                                        device, coords)
-        env[n.name] = graph.call_function(target, tuple(args), kwargs)
-
-    def value_of(key: tuple[str, int]) -> fx.Node:
-        if key in received:
-            return received[key]
-        producer, index = key
-        getter = next((n for n in nodes if n.op == "call_function" and
-                       n.target is operator.getitem and n.args[0].name == producer
-                       and n.args[1] == index), None)
-        return env[getter.name] if getter is not None else env[producer]
-
-    has_loss = stage_of(loss_node.name) == stage
-    loss_value = emit.steps(lookup(loss_node), reshards.get((OUTPUT, "loss"), ())) \
-        if has_loss else None
-    send_values = {key: emit.steps(value_of(key),
-                                   reshards.get((OUTPUT, f"send:{_ref(key)}"), ()))
-                   for key in sends_out}
-    raw_grads = [None if grads.get(fqn) is None else lookup(grads[fqn]) for _, fqn in owned_params]
-    update_values = [lookup(updates[fqn]) for _, fqn in owned_buffers if fqn in updates]
-    update_values = [emit.steps(v, reshards.get((OUTPUT, f"buffer:{fqn}"), ()))
-                     for v, (_, fqn) in zip(update_values,
-                                            [b for b in owned_buffers if b[1] in updates])]
-
-    present = [fqn for (_, fqn), g in zip(owned_params, raw_grads) if g is not None]
-    summed_recvs = []
-    for add_name, (key, slot) in summed_into.items():
-        fqn = next(f for f in present if grads[f].name == add_name)
-        summed_recvs.append((key, present.index(fqn),
-                             _addend(key, [reshards.get((_received_name(*key), "input"), ()),
-                                           reshards.get((add_name, slot), ())],
-                                     splan.mesh_shape, coords, group_names)))
-
-    forward_sends = [k for k, ph in sends_out.items() if ph == "forward"]
-    backward_sends = [k for k, ph in sends_out.items() if ph != "forward"]
-    roots = ([loss_value] if loss_value is not None else []) + \
-        [send_values[k] for k in forward_sends] + update_values
-    forward_nodes = set(forward_phs)
-    for r in roots:
-        forward_nodes |= _ancestors(r)
-    forward_nodes |= {u for n in forward_nodes for u in n.users
-                      if u.op == "call_function" and u.target is operator.getitem}
-    fwd, bwd = _split(graph, forward_nodes, backward_phs,
-                      forward_out=roots, backward_out=[g for g in raw_grads if g is not None] +
-                      [send_values[k] for k in backward_sends])
-    reduce = _reduce(splan, coords, group_names,
-                     [reshards.get((OUTPUT, f"grad:{fqn}"), ())
-                      for (_, fqn), g in zip(owned_params, raw_grads) if g is not None])
-    for m in (fwd, bwd, reduce):
-        overlap_collectives(m)
-    return StageProgram(
-        forward=fwd, backward=bwd, reduce_grads=reduce,
+    part = GraphSlice(
+        placeholders=tuple(ph for ph, _ in owned_params + owned_buffers) + tuple(user_inputs),
+        nodes=tuple(included),
+        loss=outs[0] if node_stage.get(producer_of[outs[0].name][0]) == stage else None,
+        grads=tuple((fqn, grads.get(fqn)) for _, fqn in owned_params),
+        updates=tuple((fqn, updates[fqn]) for _, fqn in owned_buffers if fqn in updates),
+        received=tuple((k, phase) for k, phase in transfers_in.items() if k not in summed_in),
+        summed=frozenset(summed_in), sends=tuple(sends_out.items()))
+    wiring = dict(
         params=[fqn for _, fqn in owned_params], buffers=[fqn for _, fqn in owned_buffers],
         user_inputs=[kinds[ph.name][1] for ph in user_inputs],
-        forward_recvs=[k for k, ph in transfers_in.items() if ph == "forward"],
-        backward_recvs=[k for k, ph in transfers_in.items()
-                        if ph != "forward" and k not in summed_in],
-        forward_sends=forward_sends, backward_sends=backward_sends, has_loss=has_loss,
-        buffer_updates=[fqn for _, fqn in owned_buffers if fqn in updates],
-        grad_present=[g is not None for g in raw_grads], summed_recvs=summed_recvs)
-
-
-def _addend(key, steps_list, mesh_shape, coords, group_names) -> fx.GraphModule:
-    """The received sum, laid out as the gradient it is added to."""
-    graph = fx.Graph()
-    emit = _Emitter(graph, mesh_shape, coords, group_names)
-    value = graph.placeholder(_received_name(*key))
-    for steps in steps_list:
-        value = emit.steps(value, steps)
-    graph.output((value,))
-    return fx.GraphModule(torch.nn.Module(), graph, "SummedGradient")
-
-
-def _ref(key: tuple[str, int]) -> str:
-    return str(ValueRef(*key))
-
-
-def _split(graph: fx.Graph, forward_nodes: set, backward_phs: list, forward_out: list,
-           backward_out: list) -> tuple[fx.GraphModule, fx.GraphModule]:
-    """Forward program (outputs ``forward_out`` + saved), backward program (``backward_out``)."""
-    fwd, fenv = fx.Graph(), {}
-    for n in graph.nodes:
-        if n in forward_nodes:
-            fenv[n] = fwd.node_copy(n, lambda x: fenv[x])
-    saved = [n for n in graph.nodes if n in forward_nodes
-             and (any(u not in forward_nodes for u in n.users) or n in backward_out)]
-    fwd.output((*[fenv[n] for n in forward_out], *[fenv[n] for n in saved]))
-    bwd, benv = fx.Graph(), {}
-    for n in saved:
-        benv[n] = bwd.placeholder(f"saved_{n.name}")
-    for n in backward_phs:
-        benv[n] = bwd.placeholder(n.name)
-    for n in graph.nodes:
-        if n not in forward_nodes and n.op != "output" and n not in benv:
-            benv[n] = bwd.node_copy(n, lambda x: benv[x])
-    bwd.output(tuple(benv[n] for n in backward_out))
-    fwd.lint()
-    bwd.lint()
-    root = torch.nn.Module()
-    return fx.GraphModule(root, fwd, "StageForward"), fx.GraphModule(root, bwd, "StageBackward")
-
-
-def _reduce(splan, coords, group_names, steps_per_grad) -> fx.GraphModule:
-    graph = fx.Graph()
-    emit = _Emitter(graph, splan.mesh_shape, coords, group_names)
-    outs = [emit.steps(graph.placeholder(f"grad_{i}"), steps)
-            for i, steps in enumerate(steps_per_grad)]
-    graph.output(tuple(outs))
-    graph.lint()
-    return fx.GraphModule(torch.nn.Module(), graph, "StageReduceGrads")
+        forward_recvs=[k for k, phase in transfers_in.items() if phase == "forward"],
+        backward_recvs=[k for k, phase in transfers_in.items()
+                        if phase != "forward" and k not in summed_in],
+        forward_sends=[k for k, phase in sends_out.items() if phase == "forward"],
+        backward_sends=[k for k, phase in sends_out.items() if phase != "forward"],
+        has_loss=part.loss is not None,
+        grad_present=[g is not None for _, g in part.grads])
+    return part, wiring
 
 
 class PipelineRunner:
@@ -365,8 +193,8 @@ class PipelineRunner:
             else:
                 received = [self.recv(k, m) for k in p.backward_recvs]
                 out = list(p.backward(*saved.pop(m), *received))
-                n = sum(p.grad_present)
-                for i, g in enumerate(out[:n]):
+                n = len(p.grad_present)      # one raw gradient per parameter, None: unused
+                for i, g in enumerate(g for g in out[:n] if g is not None):
                     grads_acc[i] = g if grads_acc[i] is None else grads_acc[i] + g
                 for k, v in zip(p.backward_sends, out[n:]):
                     self.send(k, v, m, pending)

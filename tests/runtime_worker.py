@@ -26,6 +26,7 @@ from models import MLP, mlp_inputs  # noqa: E402
 from quickstart import MLP as QuickstartMLP  # noqa: E402
 from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
+from torchalpa.plan import OutputSlot  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 from worker_io import attempt, finish  # noqa: E402
 from torchalpa.runtime.precision import CastForward, MixedPrecision  # noqa: E402
@@ -56,7 +57,7 @@ def expected_collectives(plan, k: int) -> list:
     gradient once, everything else once per micro-batch."""
     out = []
     for r in plan.reshards:
-        once = r.consumer == "<output>" and str(r.slot).startswith("grad:")
+        once = isinstance(r.slot, OutputSlot) and r.slot.kind == "grad"
         for s in r.steps:
             if s.is_collective:
                 out += [[s.kind, s.axis, s.bytes]] * (1 if once else k)

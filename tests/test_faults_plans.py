@@ -9,6 +9,7 @@ import json
 import os
 import stat
 import warnings
+from pathlib import Path
 
 import pytest
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 import torchalpa
 from models import MLP, mlp_inputs
 from torchalpa.frontends.torch_export import capture
+from torchalpa.plan import OUTPUT, PLAN_VERSION, OutputSlot
 from torchalpa.plan_check import PlanError, check_plan
 
 METHOD = torchalpa.ShardParallel(logical_mesh_shape=(4,))
@@ -93,11 +95,12 @@ ENTRY_DAMAGE = {
     "empty list": lambda text, other: "[]",
     "null": lambda text, other: "null",
     "empty object": lambda text, other: "{}",
-    "unknown keys": lambda text, other: json.dumps({"version": 1, "what": 3}),
+    "unknown keys": lambda text, other: json.dumps({"version": PLAN_VERSION, "what": 3}),
     "wrong type": lambda text, other: text.replace('"shape": [', '"shape": "x", "s": [', 1),
     "truncated": lambda text, other: text[:len(text) // 2],
     "binary garbage": lambda text, other: "\x00\xff" * 40,
-    "old version": lambda text, other: text.replace('"version": 1', '"version": 0', 1),
+    "old version": lambda text, other: text.replace(f'"version": {PLAN_VERSION}', '"version": 0',
+                                                    1),
     "another model's plan": lambda text, other: other.to_json(),
     "edited layout": lambda text, other: edited_layout(text),
 }
@@ -200,7 +203,9 @@ def test_a_truncated_plan_file_is_named(step, tmp_path):
     path.write_text(step[1].to_json()[:200])
     with pytest.raises(ValueError, match=f"{path} is not valid JSON.*truncated"):
         torchalpa.Plan.load(path)
-    path.write_text(step[1].to_json().replace('"version": 1', '"version": 7', 1))
+    text = step[1].to_json()
+    assert f'"version": {PLAN_VERSION}' in text
+    path.write_text(text.replace(f'"version": {PLAN_VERSION}', '"version": 7', 1))
     with pytest.raises(ValueError, match=f"{path} is a plan of version 7"):
         torchalpa.load_plan(path)
 
@@ -227,3 +232,49 @@ def test_integer_features_are_refused_when_planning():
     with pytest.raises(TypeError, match=r"net\.0: aten\.mm\.default multiplies operands of "
                                         r"different dtypes .*int64.*x\.float\(\)"):
         torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, method=METHOD, cluster=CLUSTER)
+
+
+V1_PLAN = Path(__file__).parent / "data" / "plan_v1_gpt_tiny.json"
+"""A GPT's plan on a 2x2 mesh as version 1 wrote it (output slots as "grad:<parameter>")."""
+
+
+def test_version_1_plan_files_load_into_the_typed_records():
+    old = json.loads(V1_PLAN.read_text())
+    assert old["version"] == 1
+    plan = torchalpa.load_plan(V1_PLAN)
+    assert isinstance(plan, torchalpa.Plan) and plan.version == PLAN_VERSION
+    outputs = [r for r in plan.reshards if r.consumer == OUTPUT]
+    old_outputs = [r for r in old["reshards"] if r["consumer"] == "<output>"]
+    assert outputs and len(outputs) == len(old_outputs)
+    for r, o in zip(outputs, old_outputs):
+        assert r.slot == OutputSlot.parse(o["slot"]) and r.slot.kind == "grad"
+        assert r.slot.name in {p.name for p in plan.parameters}
+    # every other decision reads back as it was written, and writes as version 2
+    again = json.loads(plan.to_json())
+    assert again["version"] == PLAN_VERSION
+    for key in ("mesh", "parameters", "strategies", "collectives", "stages", "estimates"):
+        assert again[key] == old[key], key
+    assert [r for r in again["reshards"] if r["consumer"] != OUTPUT] == \
+        [r for r in old["reshards"] if r["consumer"] != "<output>"]
+    assert [r["slot"] for r in again["reshards"] if r["consumer"] == OUTPUT] == \
+        [{"output": "grad", "name": r.slot.name} for r in outputs]
+    assert torchalpa.Plan.from_json(plan.to_json()) == plan
+
+
+def test_a_version_1_cache_entry_is_a_hit(cache_dir):
+    from torchalpa import cache
+    cache_dir.mkdir(mode=0o700)
+    (cache_dir / "somekey.json").write_text(V1_PLAN.read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # no "ignoring the cached plan" warning
+        plan = cache.load_cached("somekey")
+    assert plan == torchalpa.load_plan(V1_PLAN)
+
+
+def test_output_slots_refuse_what_they_cannot_mean():
+    with pytest.raises(ValueError, match="none of"):
+        OutputSlot("gradient", "w")
+    with pytest.raises(ValueError, match="the loss has no name"):
+        OutputSlot("grad")
+    assert str(OutputSlot.grad("net.0.weight")) == "grad:net.0.weight"
+    assert OutputSlot.parse("send:mm_3[1]") == OutputSlot.send("mm_3[1]")

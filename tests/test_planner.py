@@ -16,7 +16,7 @@ from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.cost import all_reduce_cost
 from torchalpa.passes.intra_op import UnsupportedOpWarning, plan_intra_op
 from torchalpa.placement import Replicate, Shard
-from torchalpa.plan import Plan
+from torchalpa.plan import PLAN_VERSION, Plan
 
 ALPA_MESH = LogicalMesh(shape=(4,), alpha=(1.0,), beta=(1.0,))  # Alpa's unit costs
 
@@ -76,7 +76,7 @@ def test_plan_json_round_trip(tmp_path):
     assert Plan.load(tmp_path / "plan.json") == plan
     d = json.loads(plan.to_json())
     # the contract DESIGN.md promises
-    assert d["version"] == 1 and d["mesh"] == {"shape": [4], "axis_names": ["axis0"]}
+    assert d["version"] == PLAN_VERSION and d["mesh"] == {"shape": [4], "axis_names": ["axis0"]}
     assert d["parameters"]["net.0.weight"]["placements"] == ["Shard(0)"]
     assert d["parameters"]["net.0.weight"]["shape"] == [256, 256]
     c = d["collectives"][0]

@@ -4,7 +4,7 @@ import pytest
 
 from torchalpa.fold import fold, fold_indices, template
 from torchalpa.placement import Replicate, Shard
-from torchalpa.plan import Collective, Plan, Reshard, ValuePlacement
+from torchalpa.plan import OUTPUT, Collective, OutputSlot, Plan, Reshard, ValuePlacement
 
 LAYER = {"input_layernorm.weight": (64,), "self_attn.q_proj.weight": (64, 64),
          "self_attn.o_proj.weight": (64, 64), "mlp.up_proj.weight": (256, 64),
@@ -24,7 +24,7 @@ def synthetic_plan(num_layers: int, odd_layer: int | None = None) -> Plan:
             grad = f"permute_{i * 10 + j}"
             collectives.append(Collective("all_reduce", 0, 4 * shape[0] * shape[-1], "backward",
                                           module, grad))
-            reshards.append(Reshard(grad, 0, "<output>", f"grad:{full}", ()))
+            reshards.append(Reshard(grad, 0, OUTPUT, OutputSlot.grad(full), ()))
         collectives.append(Collective("all_reduce", 1, 1 << 20, "forward",
                                       f"layers.{i}.mlp.down_proj", f"mm_{i}"))
     params.append(ValuePlacement("lm_head.weight", "arg_lm", (1000, 64), (Shard(0), Shard(1))))

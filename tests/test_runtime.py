@@ -256,3 +256,40 @@ def test_autograd_path_saves_items_of_multi_output_ops():
     assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-6)
     for p, q in zip(pm.parameters(), ref.parameters()):
         assert torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
+
+
+# -- one lowering -------------------------------------------------------------------------
+
+def test_an_intra_op_plan_lowers_as_a_one_stage_pipeline():
+    """``lower`` (intra-op) and ``lower_stage`` on the same plan as the only stage of a
+    pipeline build the same programs: there is one lowering, not two."""
+    from torchalpa.cluster import LogicalMesh
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.passes.intra_op import plan_intra_op
+    from torchalpa.plan import PipelinePlan, StagePlan
+    from torchalpa.runtime.lower import lower
+    from torchalpa.runtime.pipeline import lower_stage
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    x, y = torch.randn(512, 16), torch.randn(512, 4)      # batch-split: batch norm reduces
+    captured = capture(model, (x, y), F.mse_loss)
+    plan = plan_intra_op(captured.graph, LogicalMesh(shape=(2,)))
+    assert plan.collectives                                # something to lower
+    every_node = {n.name: 0 for n in captured.gm.graph.nodes if n.op != "output"}
+    one_stage = PipelinePlan(mesh_shape=(1, 2), stages=(StagePlan(0, (0,), (1, 2), (0, 1), plan),),
+                             transfers=(), node_stage=every_node, num_micro_batches=1,
+                             schedule="1f1b")
+    where = dict(coords=(1,), group_names=["g0"], device=torch.device("cpu"))
+    whole = lower(captured.gm, plan, captured.param_names,
+                  buffer_updates=captured.buffer_updates, **where)
+    stage = lower_stage(captured.gm, one_stage, 0, param_names=captured.param_names,
+                        buffer_names=captured.buffer_names,
+                        buffer_updates=captured.buffer_updates, **where)
+    assert captured.buffer_updates and list(stage.buffer_updates) == captured.buffer_updates
+    assert stage.params == captured.param_names and stage.has_loss
+    assert not (stage.forward_recvs or stage.backward_recvs or stage.forward_sends
+                or stage.backward_sends)
+    for a, b in ((whole.forward, stage.forward), (whole.backward, stage.backward),
+                 (whole.reduce_grads, stage.reduce_grads)):
+        assert a.code == b.code
+    assert "issue_all_reduce" in whole.code()

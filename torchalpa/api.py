@@ -14,6 +14,8 @@ from torchalpa.methods import PipeshardParallel, ShardParallel
 from torchalpa.opgraph import OpGraph
 from torchalpa.plan import Plan
 from torchalpa.plan_check import check_step_dtypes
+from torchalpa.workflow import (capture_examples, capture_step, plan_on_rank0,
+                                same_step_on_every_rank, with_precision)
 
 __all__ = ["plan", "auto_parallel", "default_cluster", "plan_graph"]
 
@@ -134,33 +136,6 @@ def _estimate_text(plan: Plan, mesh: LogicalMesh) -> str:
     return text
 
 
-def _count(n: float) -> str:
-    """``8.03 B``, ``124 M``, ``3.1 K``."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f}"
-
-
-def _capture_step(model, example_inputs, loss_fn, **options):
-    """``capture`` with a progress line: ops, parameters, seconds.
-
-    Captures are not cached on disk: a key that is safe to reuse would have to cover the
-    model's code and everything it reads (config objects, globals, closures, the torch
-    version), which only tracing sees; and the captured fx graph with its fake-tensor
-    metadata does not serialize cheaply. Planning is what the cache saves.
-    """
-    from torchalpa.frontends.torch_export import capture
-    from torchalpa.progress import step
-    with step("capturing the training step") as progress:
-        captured = capture(model, example_inputs, loss_fn, **options)
-        graph = captured.graph
-        numel = sum(graph.node(n).output.numel for n in graph.params.values())
-        progress.done = (f"{sum(1 for _ in graph.ops())} ops, {len(graph.params)} parameters "
-                         f"({_count(numel)} elements)")
-    return captured
-
-
 def _blocks_of(graph: OpGraph) -> dict | None:
     """Repeated layers the frontend tagged, if it found any."""
     return graph.meta.get("repeated_blocks") or None
@@ -213,7 +188,7 @@ def _plan(model, example_inputs, loss_fn, *, method, cluster, inputs, param_argn
         return plan_pipeshard(model, example_inputs, loss_fn, method=method,
                               cluster=cluster or default_cluster(world_size()), inputs=inputs)
     meshes = candidate_meshes(cluster or default_cluster(world_size()), method)
-    captured = _capture_step(model, example_inputs, loss_fn, rematerialize_parameters=(
+    captured = capture_step(model, example_inputs, loss_fn, rematerialize_parameters=(
         method.auto_sharding_option.rematerialize_parameters))
     check_step_dtypes(captured.graph)
     return plan_graph(captured.graph, method=method, meshes=meshes, inputs=inputs,
@@ -330,19 +305,19 @@ def _auto_parallel(model, example_inputs, loss_fn, *, method, mesh, cluster, inp
     meshes = candidate_meshes(cluster, method, shape, names)
 
     start = time.perf_counter()
-    traced = _with_precision(model, mixed_precision)
-    captured = _capture_step(traced, _capture_examples(model, example_inputs, num_micro_batches),
+    traced = with_precision(model, mixed_precision)
+    captured = capture_step(traced, capture_examples(model, example_inputs, num_micro_batches),
                        loss_fn, rematerialize_parameters=(
                            method.auto_sharding_option.rematerialize_parameters),
                        signature=signature)
     check_step_dtypes(captured.graph)
     fingerprint = captured.graph.fingerprint()
-    _same_step_on_every_rank(fingerprint)
+    same_step_on_every_rank(fingerprint)
     if plan is not None:
         _check_given_plan(plan, fingerprint, shape, captured.graph)
         the_plan = plan
     else:
-        the_plan = _plan_on_rank0(lambda: plan_graph(
+        the_plan = plan_on_rank0(lambda: plan_graph(
             captured.graph, method=method, meshes=meshes, inputs=inputs,
             blocks=_blocks_of(captured.graph)))
     device_mesh = mesh if mesh is not None else mesh_mod.build_mesh(the_plan.mesh_shape,
@@ -391,27 +366,6 @@ def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape, graph=None) -> N
                mesh_shape=mesh_shape, graph=graph)
 
 
-def _same_step_on_every_rank(fingerprint: str) -> None:
-    import torch.distributed as dist
-    if dist.get_world_size() == 1:
-        return
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, fingerprint)
-    differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
-    if differ:
-        raise RuntimeError(
-            f"ranks {differ} captured a different training step than rank 0 (a different "
-            "model, or example inputs of other shapes or dtypes); every rank must build the "
-            "same model and pass example inputs of the same shapes")
-
-
-def _plan_on_rank0(solve: Callable[[], Plan]) -> Plan:
-    """Rank 0 solves; every rank gets its plan, or its error (never a hang)."""
-    from torchalpa.plan import load_plan
-    from torchalpa.runtime.mesh import on_rank0 as _on_rank0
-    return load_plan(_on_rank0(lambda: solve().to_json(indent=None), "planning"))
-
-
 # -- auto_parallel's runtime options ----------------------------------------------------
 
 def _check_micro_batches(num_micro_batches) -> int:
@@ -419,37 +373,6 @@ def _check_micro_batches(num_micro_batches) -> int:
             or num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
     return num_micro_batches
-
-
-def _micro_batch_examples(example_inputs: Sequence[torch.Tensor], num_micro_batches: int):
-    """The example inputs of one micro-batch: dim 0 of each divided by ``num_micro_batches``."""
-    from torchalpa.runtime.step import split_micro_batches
-    example_inputs = tuple(example_inputs)
-    if num_micro_batches == 1:
-        return example_inputs
-    for i, x in enumerate(example_inputs):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(x).__name__}")
-    return tuple(split_micro_batches(example_inputs, num_micro_batches,
-                                     what="example_inputs")[0])
-
-
-def _capture_examples(model: torch.nn.Module, example_inputs, num_micro_batches: int):
-    """One micro-batch of example inputs, on ``meta`` if the model is (it lends shapes only)."""
-    examples = _micro_batch_examples(example_inputs, num_micro_batches)
-    on_meta = any(t.device.type == "meta" for t in
-                  list(model.parameters()) + list(model.buffers()))
-    if on_meta:
-        examples = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in examples)
-    return examples
-
-
-def _with_precision(model: torch.nn.Module, mixed_precision):
-    """What to capture: the model, or the model computing in a narrower dtype."""
-    if mixed_precision is None:
-        return model
-    from torchalpa.runtime.precision import CastForward
-    return CastForward(model, mixed_precision)
 
 
 def _forward_programs(traced, loss_fn, training_plan: Plan, method: ShardParallel,
@@ -461,8 +384,8 @@ def _forward_programs(traced, loss_fn, training_plan: Plan, method: ShardParalle
     pinned = replace(method, auto_sharding_option=option)
 
     def plan_forward(graph: OpGraph) -> Plan:
-        _same_step_on_every_rank(graph.fingerprint())
-        return _plan_on_rank0(lambda: plan_graph(graph, method=pinned, meshes=[logical_mesh],
+        same_step_on_every_rank(graph.fingerprint())
+        return plan_on_rank0(lambda: plan_graph(graph, method=pinned, meshes=[logical_mesh],
                                                  inputs=inputs, blocks=_blocks_of(graph)))
 
     return ForwardPrograms(traced, loss_fn, training_plan, plan_forward, lower_forward,

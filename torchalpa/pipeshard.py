@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -18,22 +18,12 @@ import torch.nn as nn
 from torchalpa.cluster import Cluster
 from torchalpa.methods import PipeshardParallel
 from torchalpa.plan import PipelinePlan
+from torchalpa.workflow import (capture_step, micro_batch_examples, plan_on_rank0,
+                                same_step_on_every_rank, with_precision)
 
 __all__ = ["plan_pipeshard", "pipeshard_parallel"]
 
 log = logging.getLogger("torchalpa")
-
-
-def _micro_examples(example_inputs: Sequence[torch.Tensor], num_micro_batches: int) -> tuple:
-    out = []
-    for i, x in enumerate(example_inputs):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(x).__name__}")
-        if x.dim() == 0 or x.shape[0] % num_micro_batches:
-            raise ValueError(f"example_inputs[{i}] has batch dim {tuple(x.shape)[:1]}, which does "
-                             f"not divide into num_micro_batches={num_micro_batches}")
-        out.append(x[: x.shape[0] // num_micro_batches])
-    return tuple(out)
 
 
 def _check_cluster(cluster: Cluster) -> Cluster:
@@ -46,10 +36,9 @@ def _check_cluster(cluster: Cluster) -> Cluster:
 def plan_pipeshard(model: nn.Module, example_inputs, loss_fn, *, method: PipeshardParallel,
                    cluster: Cluster, inputs: str = "global") -> PipelinePlan:
     """The pipeline plan, without processes or real weights."""
-    from torchalpa.api import _capture_step
     from torchalpa.passes.inter_op import plan_pipeline
-    micro = _micro_examples(example_inputs, method.num_micro_batches)
-    captured = _capture_step(model, micro, loss_fn, rematerialize_parameters=(
+    micro = micro_batch_examples(example_inputs, method.num_micro_batches)
+    captured = capture_step(model, micro, loss_fn, rematerialize_parameters=(
         method.auto_sharding_option.rematerialize_parameters))
     return _cached(captured.graph, _check_cluster(cluster), method, inputs,
                    lambda: plan_pipeline(captured.graph, cluster, method, inputs=inputs))
@@ -104,13 +93,13 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
                          f"ranks; launch with torchrun --nproc_per_node={cluster.num_devices} or "
                          "describe the cluster this job runs on")
     start = time.perf_counter()
-    traced = api._with_precision(model, mixed_precision)
-    captured = api._capture_step(traced, _micro_examples(example_inputs,
+    traced = with_precision(model, mixed_precision)
+    captured = capture_step(traced, micro_batch_examples(example_inputs,
                                                          method.num_micro_batches), loss_fn,
                        rematerialize_parameters=(
                            method.auto_sharding_option.rematerialize_parameters))
     fingerprint = captured.graph.fingerprint()
-    api._same_step_on_every_rank(fingerprint)
+    same_step_on_every_rank(fingerprint)
     if plan is not None:
         if not isinstance(plan, PipelinePlan) or plan.graph_fingerprint != fingerprint:
             raise ValueError("the given plan is not a pipeline plan for this training step; "
@@ -121,7 +110,7 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
         if method.stage_option == "profile":
             measured = _profile(captured, cluster, method, example_inputs, model,
                                 mesh_mod.default_device())
-        the_plan = api._plan_on_rank0(lambda: _cached(
+        the_plan = plan_on_rank0(lambda: _cached(
             captured.graph, cluster, method, "global",
             lambda: plan_pipeline(captured.graph, cluster, method, measured=measured)))
     device = mesh_mod.default_device()
@@ -186,5 +175,5 @@ def _profile(captured, cluster: Cluster, method: PipeshardParallel, example_inpu
                           "building the layer probes")
     probes = [LayerProbe(key, layer, PipelinePlan.from_json(text), stage)
               for key, layer, text, stage in items]
-    micro = _micro_examples(example_inputs, method.num_micro_batches)
+    micro = micro_batch_examples(example_inputs, method.num_micro_batches)
     return profile_layers(captured, probes, micro, model, device)

@@ -16,11 +16,15 @@ from pathlib import Path
 
 from torchalpa.placement import Placements, format_placements, parse_placements, short
 
-__all__ = ["Plan", "ReshardStep", "Reshard", "NodeStrategy", "ValuePlacement", "Collective",
+__all__ = ["Plan", "ReshardStep", "Reshard", "OutputSlot", "OUTPUT", "INPUT_SLOT", "Slot",
+           "MeshStage", "READABLE_PLAN_VERSIONS", "check_version", "NodeStrategy", "ValuePlacement", "Collective",
            "PipelinePlan", "StagePlan", "Transfer", "load_plan", "PLAN_VERSION",
            "COLLECTIVE_KINDS"]
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+READABLE_PLAN_VERSIONS = (1, 2)
+"""Version 2 writes output slots and stages as typed records; version-1 files (slot
+strings such as ``"grad:<parameter>"``) are still read, into the same records."""
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 STEP_KINDS = COLLECTIVE_KINDS + ("slice", "partition")
 
@@ -62,30 +66,110 @@ class ReshardStep:
                    dim=d.get("dim"), src_dim=d.get("src_dim"), reduce_op=d.get("reduce_op"))
 
 
+OUTPUT = "<output>"
+"""The consumer of a reshard that lays out a value the step returns or sends."""
+
+OUTPUT_SLOT_KINDS = ("loss", "grad", "buffer", "send")
+
+
+@dataclass(frozen=True, slots=True)
+class OutputSlot:
+    """What the step does with a value it hands out: the ``loss``, the gradient of the
+    parameter ``name`` (``grad``), the new value of the buffer ``name`` (``buffer``), or
+    the value ``name`` (a ``ValueRef`` string) sent to another pipeline stage (``send``)."""
+
+    kind: str
+    name: str = ""
+
+    def __post_init__(self):
+        if self.kind not in OUTPUT_SLOT_KINDS:
+            raise ValueError(f"output slot kind {self.kind!r} is none of {OUTPUT_SLOT_KINDS}")
+        if (self.kind == "loss") != (self.name == ""):
+            raise ValueError(f"output slot {self.kind!r}: the loss has no name, every other "
+                             f"slot names its parameter, buffer or value (got {self.name!r})")
+
+    @classmethod
+    def loss(cls) -> "OutputSlot":
+        return cls("loss")
+
+    @classmethod
+    def grad(cls, fqn: str) -> "OutputSlot":
+        return cls("grad", fqn)
+
+    @classmethod
+    def buffer(cls, fqn: str) -> "OutputSlot":
+        return cls("buffer", fqn)
+
+    @classmethod
+    def send(cls, ref: str) -> "OutputSlot":
+        return cls("send", ref)
+
+    def reshard_key(self) -> tuple[str, "OutputSlot"]:
+        """The (consumer, slot) under which ``Plan.reshards`` holds this slot's steps."""
+        return (OUTPUT, self)
+
+    def __str__(self) -> str:
+        return self.kind if self.kind == "loss" else f"{self.kind}:{self.name}"
+
+    @classmethod
+    def parse(cls, text: str) -> "OutputSlot":
+        """Read ``str(slot)`` back (the slot strings of version-1 plans)."""
+        kind, _, name = text.partition(":")
+        return cls(kind, name)
+
+
+INPUT_SLOT = "input"
+"""The slot of a user input's own reshard (sliced out of the global batch)."""
+
+Slot = int | str | OutputSlot
+"""Where a reshard delivers: an op's operand index, ``INPUT_SLOT``, or an ``OutputSlot``."""
+
+
+def slot_to_json(slot: Slot) -> int | str | dict:
+    """The one place a reshard slot is written: operand indices and ``"input"`` as they
+    are, an output slot as ``{"output": kind, "name": name}``."""
+    if isinstance(slot, OutputSlot):
+        return {"output": slot.kind, "name": slot.name}
+    return slot
+
+
+def slot_from_json(consumer: str, value, version: int) -> Slot:
+    """Read a slot written by ``slot_to_json`` (or a version-1 slot string)."""
+    if isinstance(value, dict):
+        return OutputSlot(value["output"], value.get("name", ""))
+    if version == 1 and consumer == OUTPUT and isinstance(value, str):
+        return OutputSlot.parse(value)
+    if isinstance(value, int) or value == INPUT_SLOT:
+        return value
+    raise ValueError(f"reshard slot {value!r} of consumer {consumer!r} is neither an operand "
+                     f"index, {INPUT_SLOT!r} nor an output slot")
+
+
 @dataclass(frozen=True, slots=True)
 class Reshard:
     """The steps that bring value ``producer[index]`` to the layout ``consumer`` reads.
 
-    ``slot`` is the operand index for an op; for graph outputs the consumer is
-    ``"<output>"`` and the slot ``"loss"`` or ``"grad:<parameter>"``; for a user input
-    sliced out of the global batch the consumer is the input itself and the slot
-    ``"input"``.
+    ``slot`` is the operand index for an op; for what the step hands out the consumer is
+    ``OUTPUT`` and the slot an ``OutputSlot`` (the loss, a parameter's gradient, a
+    buffer's new value, a value sent to another stage); for a user input sliced out of
+    the global batch the consumer is the input itself and the slot ``INPUT_SLOT``.
     """
 
     producer: str
     index: int
     consumer: str
-    slot: int | str
+    slot: Slot
     steps: tuple[ReshardStep, ...]
 
     def to_dict(self) -> dict:
         return {"producer": self.producer, "index": self.index, "consumer": self.consumer,
-                "slot": self.slot, "steps": [s.to_dict() for s in self.steps]}
+                "slot": slot_to_json(self.slot), "steps": [s.to_dict() for s in self.steps]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Reshard":
+    def from_dict(cls, d: dict, version: int = PLAN_VERSION) -> "Reshard":
         return cls(producer=d["producer"], index=d["index"], consumer=d["consumer"],
-                   slot=d["slot"], steps=tuple(ReshardStep.from_dict(s) for s in d["steps"]))
+                   slot=slot_from_json(d["consumer"], d["slot"], version),
+                   steps=tuple(ReshardStep.from_dict(s) for s in d["steps"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +230,34 @@ class Collective:
         return d
 
 
+@dataclass(frozen=True, slots=True)
+class MeshStage:
+    """The one stage of an intra-op plan: its layers and the mesh it runs on (a pipeline
+    plan's stages are ``StagePlan``s)."""
+
+    layers: tuple[int, ...]
+    logical_shape: tuple[int, ...]
+    num_devices: int
+
+    def to_dict(self) -> dict:
+        return {"layers": list(self.layers), "logical_shape": list(self.logical_shape),
+                "num_devices": self.num_devices}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MeshStage":
+        return cls(layers=tuple(d["layers"]), logical_shape=tuple(d["logical_shape"]),
+                   num_devices=int(d["num_devices"]))
+
+
+def check_version(version) -> int:
+    """``version`` if this torchalpa reads plans of it, else a ValueError saying so."""
+    if version not in READABLE_PLAN_VERSIONS:
+        raise ValueError(f"plan version {version} is not supported (this torchalpa reads "
+                         f"versions {', '.join(map(str, READABLE_PLAN_VERSIONS))}); re-plan "
+                         "with this version")
+    return version
+
+
 @dataclass(frozen=True)
 class Plan:
     """A complete, executable parallel plan (pure data; JSON round-trip, versioned)."""
@@ -159,7 +271,7 @@ class Plan:
     collectives: tuple[Collective, ...]
     estimates: dict = field(default_factory=dict)
     unsupported_ops: tuple[dict, ...] = ()
-    stages: tuple[dict, ...] = ()
+    stages: tuple[MeshStage, ...] = ()
     method: dict = field(default_factory=dict)
     graph_fingerprint: str = ""
     notes: tuple[str, ...] = ()
@@ -190,7 +302,7 @@ class Plan:
         return {
             "version": self.version,
             "mesh": {"shape": list(self.mesh_shape), "axis_names": list(self.axis_names)},
-            "stages": list(self.stages),
+            "stages": [s.to_dict() for s in self.stages],
             "parameters": {p.name: p.to_dict() for p in self.parameters},
             "inputs": {p.name: p.to_dict() for p in self.inputs},
             "collectives": [c.to_dict() for c in self.collectives],
@@ -209,10 +321,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
-        version = d.get("version")
-        if version != PLAN_VERSION:
-            raise ValueError(f"plan version {version} is not supported (this torchalpa reads "
-                             f"version {PLAN_VERSION}); re-plan with this version")
+        version = check_version(d.get("version"))
 
         def values(section):
             return tuple(ValuePlacement(name=k, node=v["node"], shape=tuple(v["shape"]),
@@ -223,13 +332,14 @@ class Plan:
             mesh_shape=tuple(d["mesh"]["shape"]), axis_names=tuple(d["mesh"]["axis_names"]),
             parameters=values(d["parameters"]), inputs=values(d.get("inputs", {})),
             strategies=tuple(NodeStrategy.from_dict(k, v) for k, v in d["strategies"].items()),
-            reshards=tuple(Reshard.from_dict(r) for r in d["reshards"]),
+            reshards=tuple(Reshard.from_dict(r, version) for r in d["reshards"]),
             collectives=tuple(Collective(**c) for c in d["collectives"]),
             estimates=dict(d.get("estimates", {})),
             unsupported_ops=tuple(d.get("unsupported_ops", ())),
-            stages=tuple(d.get("stages", ())), method=dict(d.get("method", {})),
+            stages=tuple(MeshStage.from_dict(s) for s in d.get("stages", ())),
+            method=dict(d.get("method", {})),
             graph_fingerprint=d.get("graph_fingerprint", ""), notes=tuple(d.get("notes", ())),
-            explanations=dict(d.get("explanations", {})), version=version)
+            explanations=dict(d.get("explanations", {})))   # read into this version's records
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -415,9 +525,7 @@ class PipelinePlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "PipelinePlan":
-        if d.get("version") != PLAN_VERSION:
-            raise ValueError(f"plan version {d.get('version')} is not supported (this torchalpa "
-                             f"reads version {PLAN_VERSION}); re-plan with this version")
+        check_version(d.get("version"))
         return cls(mesh_shape=tuple(d["mesh"]["shape"]),
                    stages=tuple(StagePlan.from_dict(i, s) for i, s in enumerate(d["stages"])),
                    transfers=tuple(Transfer(**t) for t in d["transfers"]),
@@ -425,7 +533,7 @@ class PipelinePlan:
                    schedule=d["schedule"], estimates=dict(d.get("estimates", {})),
                    method=dict(d.get("method", {})),
                    graph_fingerprint=d.get("graph_fingerprint", ""),
-                   notes=tuple(d.get("notes", ())), version=d["version"])
+                   notes=tuple(d.get("notes", ())))   # read into this version's records
 
     @classmethod
     def from_json(cls, text: str) -> "PipelinePlan":

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from torchalpa.placement import Placements, short
-from torchalpa.plan import PLAN_VERSION, PipelinePlan, Plan
+from torchalpa.plan import INPUT_SLOT, PLAN_VERSION, READABLE_PLAN_VERSIONS, PipelinePlan, Plan
 
 __all__ = ["PlanError", "read_plan_file", "check_plan"]
 
@@ -42,9 +42,10 @@ def parse_plan(text: str, source: str) -> Plan | PipelinePlan:
                         "file -- plan again (torchalpa.plan(...).save(path))") from e
     if not isinstance(data, dict):
         raise PlanError(f"{source} holds a JSON {type(data).__name__}, not a plan object")
-    if data.get("version") != PLAN_VERSION:
+    if data.get("version") not in READABLE_PLAN_VERSIONS:
         raise PlanError(f"{source} is a plan of version {data.get('version')!r}; this torchalpa "
-                        f"reads version {PLAN_VERSION} -- plan again with this version")
+                        f"reads versions {', '.join(map(str, READABLE_PLAN_VERSIONS))} -- plan "
+                        "again with this version")
     try:
         if data.get("kind") == "pipeline":
             return PipelinePlan.from_dict(data)
@@ -125,7 +126,7 @@ def _check_against_graph(plan: Plan, graph, source: str) -> None:
                 raise PlanError(f"{source}: the reshard of {r.producer} for {r.consumer} jumps "
                                 f"from {short(a.dst)} to {short(b.src)}")
         # a user input's reshard starts from the global batch (replicated), not its layout
-        src = None if r.slot == "input" else layout.get((r.producer, r.index))
+        src = None if r.slot == INPUT_SLOT else layout.get((r.producer, r.index))
         if r.steps and src is not None and r.steps[0].src != src:
             raise PlanError(f"{source}: the reshard of {r.producer} for {r.consumer} starts "
                             f"from {short(r.steps[0].src)}, but {r.producer} is "

@@ -8,6 +8,7 @@ from collections import Counter
 
 from torchalpa.fold import fold, op_label, template
 from torchalpa.placement import long_form, short
+from torchalpa.plan import OutputSlot
 
 __all__ = ["plan_summary", "explain", "format_bytes", "NameNotInPlan", "wire_bytes",
            "tensor_labels", "DETAILS", "rollup_by_module"]
@@ -117,8 +118,8 @@ def tensor_labels(plan) -> dict[str, str]:
     parameter or input name; nodes not here are shown as their op (``permute``)."""
     labels = {v.node: v.name for v in tuple(plan.parameters) + tuple(plan.inputs)}
     for r in plan.reshards:
-        if isinstance(r.slot, str) and r.slot.startswith("grad:"):
-            labels.setdefault(r.producer, "grad " + r.slot[len("grad:"):])
+        if isinstance(r.slot, OutputSlot) and r.slot.kind == "grad":
+            labels.setdefault(r.producer, "grad " + r.slot.name)
     return labels
 
 
@@ -247,7 +248,8 @@ def explain(plan, name: str) -> str:
         head = f"op {name}: strategy {strategy}"
     moves = [c for c in plan.collectives if c.tensor == node]
     if value is not None:
-        grad_sources = {r.producer for r in plan.reshards if r.slot == f"grad:{value.name}"}
+        grad_sources = {r.producer for r in plan.reshards
+                        if r.slot == OutputSlot.grad(value.name)}
         moves += [c for c in plan.collectives if c.tensor in grad_sources and c.phase == "backward"]
     lines = [head]
     why = plan.explanations.get(value.name) if value is not None else None

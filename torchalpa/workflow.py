@@ -1,0 +1,103 @@
+"""The public steps every parallel method takes from a model to a parallel module.
+
+``capture_step`` (the training step as a graph, for one micro-batch) ->
+``same_step_on_every_rank`` -> ``plan_on_rank0`` (rank 0 solves, every rank gets the
+plan) -> the method's runtime. ``api`` (intra-op plans) and ``pipeshard`` (pipeline plans)
+both call these, so micro-batch splitting, capture and planning on rank 0 exist once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import torch
+
+from torchalpa.plan import PipelinePlan, Plan
+
+__all__ = ["capture_step", "micro_batch_examples", "capture_examples", "with_precision",
+           "same_step_on_every_rank", "plan_on_rank0"]
+
+log = logging.getLogger("torchalpa")
+
+
+def _count(n: float) -> str:
+    """``8.03 B``, ``124 M``, ``3.1 K``."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f}"
+
+
+def capture_step(model, example_inputs, loss_fn, **options):
+    """``capture`` with a progress line: ops, parameters, seconds.
+
+    Captures are not cached on disk: a key that is safe to reuse would have to cover the
+    model's code and everything it reads (config objects, globals, closures, the torch
+    version), which only tracing sees; and the captured fx graph with its fake-tensor
+    metadata does not serialize cheaply. Planning is what the cache saves.
+    """
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.progress import step
+    with step("capturing the training step") as progress:
+        captured = capture(model, example_inputs, loss_fn, **options)
+        graph = captured.graph
+        numel = sum(graph.node(n).output.numel for n in graph.params.values())
+        progress.done = (f"{sum(1 for _ in graph.ops())} ops, {len(graph.params)} parameters "
+                         f"({_count(numel)} elements)")
+    return captured
+
+
+def micro_batch_examples(example_inputs: Sequence[torch.Tensor], num_micro_batches: int
+                         ) -> tuple:
+    """The example inputs of one micro-batch: dim 0 of each divided by ``num_micro_batches``
+    (the step is planned for one micro-batch)."""
+    from torchalpa.runtime.step import split_micro_batches
+    example_inputs = tuple(example_inputs)
+    if num_micro_batches == 1:
+        return example_inputs
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(x).__name__}")
+    return tuple(split_micro_batches(example_inputs, num_micro_batches,
+                                     what="example_inputs")[0])
+
+
+def capture_examples(model: torch.nn.Module, example_inputs, num_micro_batches: int) -> tuple:
+    """One micro-batch of example inputs, on ``meta`` if the model is (it lends shapes only)."""
+    examples = micro_batch_examples(example_inputs, num_micro_batches)
+    on_meta = any(t.device.type == "meta" for t in
+                  list(model.parameters()) + list(model.buffers()))
+    if on_meta:
+        examples = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in examples)
+    return examples
+
+
+def with_precision(model: torch.nn.Module, mixed_precision):
+    """What to capture: the model, or the model computing in a narrower dtype."""
+    if mixed_precision is None:
+        return model
+    from torchalpa.runtime.precision import CastForward
+    return CastForward(model, mixed_precision)
+
+
+def same_step_on_every_rank(fingerprint: str) -> None:
+    """Raise unless every rank captured the step rank 0 did (same model and shapes)."""
+    import torch.distributed as dist
+    if dist.get_world_size() == 1:
+        return
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, fingerprint)
+    differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
+    if differ:
+        raise RuntimeError(
+            f"ranks {differ} captured a different training step than rank 0 (a different "
+            "model, or example inputs of other shapes or dtypes); every rank must build the "
+            "same model and pass example inputs of the same shapes")
+
+
+def plan_on_rank0(solve: Callable[[], Plan | PipelinePlan]) -> Plan | PipelinePlan:
+    """Rank 0 solves; every rank gets its plan, or its error (never a hang)."""
+    from torchalpa.plan import load_plan
+    from torchalpa.runtime.mesh import on_rank0
+    return load_plan(on_rank0(lambda: solve().to_json(indent=None), "planning"))
