@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from torchalpa.plan import PipelinePlan
 from torchalpa.runtime.pipeline import PipelineRunner, StageProgram
+from torchalpa.runtime.step import split_micro_batches
 from torchalpa.schedules import SCHEDULES
 
 __all__ = ["PipelineModule"]
@@ -84,9 +85,8 @@ class PipelineModule(nn.Module):
                 raise ValueError(f"input {i} is {tuple(x.shape)} {x.dtype}, but the pipeline "
                                  f"was planned for {tuple(shape)} {dtype}; call auto_parallel "
                                  "again with example inputs of the new shape")
-        B = self.plan.num_micro_batches
-        chunks = [torch.chunk(x.to(self._device), B, dim=0) for x in inputs]
-        return [[c[m] for c in chunks] for m in range(B)]
+        return split_micro_batches([x.to(self._device) for x in inputs],
+                                   self.plan.num_micro_batches)
 
     def _run(self, inputs, backward: bool):
         """One step: (loss on every rank, this stage's gradients or None)."""

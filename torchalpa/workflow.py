@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from typing import TypeVar, cast
 
 import torch
 
@@ -19,6 +20,8 @@ __all__ = ["capture_step", "micro_batch_examples", "capture_examples", "with_pre
            "same_step_on_every_rank", "plan_on_rank0"]
 
 log = logging.getLogger("torchalpa")
+
+AnyPlan = TypeVar("AnyPlan", Plan, PipelinePlan)
 
 
 def _count(n: float) -> str:
@@ -96,8 +99,9 @@ def same_step_on_every_rank(fingerprint: str) -> None:
             "same model and pass example inputs of the same shapes")
 
 
-def plan_on_rank0(solve: Callable[[], Plan | PipelinePlan]) -> Plan | PipelinePlan:
-    """Rank 0 solves; every rank gets its plan, or its error (never a hang)."""
+def plan_on_rank0(solve: Callable[[], AnyPlan]) -> AnyPlan:
+    """Rank 0 solves; every rank gets its plan (of the kind ``solve`` makes), or its error
+    (never a hang)."""
     from torchalpa.plan import load_plan
     from torchalpa.runtime.mesh import on_rank0
-    return load_plan(on_rank0(lambda: solve().to_json(indent=None), "planning"))
+    return cast(AnyPlan, load_plan(on_rank0(lambda: solve().to_json(indent=None), "planning")))
