@@ -335,15 +335,39 @@ def test_gpt_from_stablehlo_moves_the_bytes_aten_does():
     assert sum(n.op == "aten.embedding.default" for n in from_text.ops()) == 2
 
 
+class _TiedMLP(torch.nn.Module):
+    """An MLP whose output layer reuses the input layer's weight, transposed (a tied head)."""
+
+    def __init__(self, dim=8, hidden=16):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+        self.tied = torch.nn.Linear(dim, hidden, bias=False)
+        self.tied.weight = self.up.weight
+
+    def forward(self, x):
+        return self.tied(self.down(torch.relu(self.up(x))))
+
+
 @needs_torch_mlir
-def test_export_refuses_tied_parameters():
-    model = _MLP(8)
-    model.net[2].weight = model.net[0].weight.__class__(torch.randn(8, 32))
-    model.extra = torch.nn.Linear(32, 8)
-    model.extra.weight = model.net[2].weight
-    with pytest.raises(NotImplementedError, match="tied parameters"):
-        torchalpa.export_stablehlo(model, (torch.randn(4, 8), torch.randn(4, 8)),
-                                   torch.nn.functional.mse_loss)
+def test_export_passes_a_tied_parameter_once_with_both_uses_in_its_gradient():
+    """A tied parameter is one argument (its first name) whose gradient sums both uses:
+    the StableHLO graph, run op by op, gives torch's loss and gradients."""
+    torch.manual_seed(0)
+    model, x, y = _TiedMLP(), torch.randn(4, 8), torch.randn(4, 16)
+    loss_fn = torch.nn.functional.mse_loss
+    text = torchalpa.export_stablehlo(model, (x, y), loss_fn)
+    graph = from_stablehlo(text)
+    assert sorted(graph.params) == ["down.weight", "up.bias", "up.weight"]
+    leaves = {name: p.detach() for name, p in model.named_parameters()}
+    leaves.update(input0=x, input1=y)
+    loss, grads = _run_graph(graph, leaves)
+    model.zero_grad()
+    ref = loss_fn(model(x), y)
+    ref.backward()
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_cli_plans_a_stablehlo_file(tmp_path, capsys):
