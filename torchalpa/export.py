@@ -157,6 +157,8 @@ class _SharedParameters(torch.nn.Module):
     it is tied to: one argument and one gradient (the sum over both uses) per parameter.
     """
 
+    step: torch.nn.Module
+
     def __init__(self, step: torch.nn.Module):
         super().__init__()
         object.__setattr__(self, "step", step)          # not a submodule: its names stay out
