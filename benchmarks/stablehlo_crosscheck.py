@@ -2,12 +2,18 @@
 
     python benchmarks/stablehlo_crosscheck.py                     # mlp and gpt, 4 CPU devices
     python benchmarks/stablehlo_crosscheck.py --models mlp gpt bert llama --devices 8 --preset h100
+    python benchmarks/stablehlo_crosscheck.py --models gpt --mesh 4 --detail   # one mesh, why
+
+``--mesh 2x2`` plans one logical mesh instead of trying every view of the cluster (the 2D
+solve is minutes on a loaded 2-core machine); ``--detail`` prints where the two plans
+differ: per op kind the ops, flops and bytes of each graph, and per (phase, kind) the
+collectives and their bytes.
 
 The StableHLO comes from ``torchalpa.export_stablehlo`` (torch.export's joint graph through
 torch-mlir). Both graphs are planned for the same cluster; the script prints how many
-parameter placements agree and the ratio of the estimates (StableHLO / ATen). GPT's tied
-output head is untied for both, since the export does not support tied parameters;
-dropout is off (the two frontends would draw differently).
+parameter placements agree and the ratio of the estimates (StableHLO / ATen). GPT keeps its
+tied output head (the export passes a tied parameter once, under its first name); dropout
+is off (the two frontends would draw differently).
 """
 
 import argparse
@@ -30,13 +36,41 @@ def workload(name: str):
         return MLP(512, 4), (torch.randn(512, 512), torch.randn(512, 512)), F.mse_loss
     from torchalpa import models
     w = models.tiny(name, **({"dropout": 0.0} if name in ("gpt", "bert") else {}))
-    model = w.build()
-    if name == "gpt":
-        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
-    return model, w.example_inputs(), w.loss_fn
+    return w.build(), w.example_inputs(), w.loss_fn
 
 
-def compare(name: str, cluster) -> dict:
+def _op_table(graph) -> dict[str, list[float]]:
+    """Per op kind: [ops, flops, bytes] of an OpGraph (views move no bytes)."""
+    table: dict[str, list[float]] = {}
+    for node in graph.ops():
+        row = table.setdefault(node.op, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += node.flops
+        row[2] += node.bytes
+    return table
+
+
+def _collective_table(plan) -> dict[str, list[int]]:
+    """Per "phase kind axis": [collectives, bytes] of a plan."""
+    table: dict[str, list[int]] = {}
+    for c in plan.collectives:
+        row = table.setdefault(f"{c.phase} {c.kind} axis{c.axis}", [0, 0])
+        row[0] += 1
+        row[1] += c.bytes
+    return table
+
+
+def detail(graph_aten, graph_text, from_aten, from_text) -> dict:
+    """Where the two plans differ: op kinds (count, flops, bytes) and collectives."""
+    ops_a, ops_t = _op_table(graph_aten), _op_table(graph_text)
+    coll_a, coll_t = _collective_table(from_aten), _collective_table(from_text)
+    return {"ops": {k: [ops_a.get(k, [0, 0.0, 0.0]), ops_t.get(k, [0, 0.0, 0.0])]
+                    for k in sorted(set(ops_a) | set(ops_t))},
+            "collectives": {k: [coll_a.get(k, [0, 0]), coll_t.get(k, [0, 0])]
+                            for k in sorted(set(coll_a) | set(coll_t))}}
+
+
+def compare(name: str, cluster, want_detail: bool = False) -> dict:
     model, batch, loss_fn = workload(name)
     start = time.perf_counter()
     try:
@@ -46,16 +80,37 @@ def compare(name: str, cluster) -> dict:
     exported = time.perf_counter() - start
     from_aten = torchalpa.plan(model, batch, loss_fn, cluster=cluster)
     from_text = torchalpa.plan(text, (), cluster=cluster)
-    differ = {p.name: [str(p.placements), str(from_text.parameter(p.name).placements)]
+    extra = {}
+    if want_detail:
+        from torchalpa.api import _capture_step
+        from torchalpa.programs import program_graph
+        extra["detail"] = detail(_capture_step(model, batch, loss_fn).graph,
+                                 program_graph(text, ()), from_aten, from_text)
+    text_params = {p.name: p for p in from_text.parameters}
+    differ = {p.name: [str(p.placements), str(text_params[p.name].placements)
+                       if p.name in text_params else "absent"]
               for p in from_aten.parameters
-              if p.placements != from_text.parameter(p.name).placements}
+              if p.name not in text_params or p.placements != text_params[p.name].placements}
     keys = ("step_time_s", "compute_s", "communication_s", "memory_per_device_bytes")
     return {"model": name, "export_s": round(exported, 2),
             "mesh": [list(from_aten.mesh_shape), list(from_text.mesh_shape)],
             "parameters": len(from_aten.parameters),
             "same_placements": len(from_aten.parameters) - len(differ), "differ": differ,
             "ratio": {k: from_text.estimates[k] / from_aten.estimates[k] for k in keys},
-            "unsupported_in_stablehlo": sorted({u["op"] for u in from_text.unsupported_ops})}
+            "unsupported_in_stablehlo": sorted({u["op"] for u in from_text.unsupported_ops}),
+            **extra}
+
+
+def _print_detail(d: dict) -> None:
+    print("    op kind: ATen ops/flops/bytes | StableHLO ops/flops/bytes (differing only)")
+    for op, (a, t) in d["ops"].items():
+        if a != t:
+            print(f"      {op:42s} {a[0]:4.0f} {a[1]:9.3g} {a[2]:9.3g} | "
+                  f"{t[0]:4.0f} {t[1]:9.3g} {t[2]:9.3g}")
+    print("    collectives: ATen count/bytes | StableHLO count/bytes")
+    for key, (a, t) in d["collectives"].items():
+        mark = "" if a == t else "   <- differs"
+        print(f"      {key:36s} {a[0]:4d} {a[1]:10d} | {t[0]:4d} {t[1]:10d}{mark}")
 
 
 def main():
@@ -63,11 +118,15 @@ def main():
     p.add_argument("--models", nargs="+", default=["mlp", "gpt"])
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--preset", choices=["local_cpu", "h100"], default="local_cpu")
+    p.add_argument("--mesh", default=None, help="one logical mesh, e.g. 4 or 2x2")
+    p.add_argument("--detail", action="store_true", help="print per op kind and collective")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     cluster = Cluster.local_cpu(args.devices) if args.preset == "local_cpu" else \
         Cluster.h100(num_nodes=max(1, args.devices // 8), devices_per_node=min(8, args.devices))
-    rows = [compare(name, cluster) for name in args.models]
+    if args.mesh:
+        cluster = cluster.logical_mesh(tuple(int(n) for n in args.mesh.split("x")))
+    rows = [compare(name, cluster, args.detail) for name in args.models]
     for r in rows:
         if "error" in r:
             print(f"{r['model']}: no StableHLO export: {r['error']}")
@@ -79,6 +138,8 @@ def main():
             print(f"    {fqn}: ATen {a}, StableHLO {b}")
         if r["unsupported_in_stablehlo"]:
             print(f"    replicated (no rule) in StableHLO: {r['unsupported_in_stablehlo']}")
+        if "detail" in r:
+            _print_detail(r["detail"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -26,8 +26,14 @@ two frontends share one set of sharding rules (``passes/rules``) and one cost mo
   ``aten.amax`` / ``aten.amin`` / ``aten.all`` / ``aten.any`` (the init value is taken to be
   the identity, as JAX and torch-mlir write it);
 - ``slice`` along one dim -> ``aten.slice.Tensor``; ``concatenate`` -> ``aten.cat``;
-  ``iota`` -> ``aten.arange`` (made whole: every dim blocked);
+  ``iota`` (and a 1-D ``dynamic_iota``) -> ``aten.arange`` (made whole: every dim blocked);
+- ``gather`` of whole rows of a 2-D table -> ``aten.embedding``; ``scatter``-add of rows
+  into a zero table (its gradient) -> ``aten.embedding_dense_backward``;
 - ``func.call`` is inlined.
+
+Op bytes are what XLA's fusion moves: values passed between elementwise ops (and into
+reductions) are never written to memory (``frontends/hlo_fusion.py``), so a softmax spelled
+as five ops costs what ATen's one ``_softmax`` does.
 
 Any other op keeps its StableHLO name (``stablehlo.gather``...): it has no rule, so the
 planner runs it replicated and lists it in the plan's ``unsupported_ops``, as for torch.
@@ -42,6 +48,7 @@ import struct
 from dataclasses import replace
 from typing import Sequence
 
+from torchalpa.frontends.hlo_fusion import fuse_elementwise_bytes
 from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, Operand, TensorSpec, ValueRef
 
 __all__ = ["from_stablehlo", "parse_module", "StableHLOError", "ELEMENTWISE"]
@@ -134,6 +141,17 @@ def _dot_dims(text: str) -> dict[str, list[int]]:
     for key in ("lhs_batching_dimensions", "rhs_batching_dimensions",
                 "lhs_contracting_dimensions", "rhs_contracting_dimensions"):
         m = re.search(key + r"\s*=\s*\[([^\]]*)\]", text)
+        out[key] = [int(v) for v in re.findall(r"-?\d+", m.group(1))] if m else []
+    return out
+
+
+def _gather_dims(text: str) -> dict[str, list[int]]:
+    """The fields of ``#stablehlo.gather<...>`` / ``#stablehlo.scatter<...>`` (absent: [])."""
+    out = {}
+    for key in ("offset_dims", "collapsed_slice_dims", "start_index_map", "index_vector_dim",
+                "operand_batching_dims", "start_indices_batching_dims", "update_window_dims",
+                "inserted_window_dims", "scatter_dims_to_operand_dims", "input_batching_dims"):
+        m = re.search(r"\b" + key + r"\s*=\s*(\[[^\]]*\]|-?\d+)", text)
         out[key] = [int(v) for v in re.findall(r"-?\d+", m.group(1))] if m else []
     return out
 
@@ -310,7 +328,8 @@ class _Reader:
         nodes = [replace(n, phase="forward" if n.name in forward else "backward",
                          is_grad=n.name in grad_nodes and n.kind == "op")
                  for n in self.nodes if n.is_leaf or n.name in live]
-        graph = OpGraph(nodes, GraphOutputs(loss=loss, grads=tuple(grads)),
+        outputs = GraphOutputs(loss=loss, grads=tuple(grads))
+        graph = OpGraph(fuse_elementwise_bytes(nodes, outputs), outputs,
                         meta={"frontend": "stablehlo"})
         graph.check()
         return graph
@@ -427,7 +446,19 @@ class _Reader:
             set_result(self.emit("aten.cat.default", refs, outs[0],
                                  (tuple(Operand(k) for k in range(len(refs))), dim),
                                  source=source, stack=stack))
-        elif name == "stablehlo.iota":
+        elif name == "stablehlo.gather" and (found := self._embedding_lookup(op, refs)):
+            weight, indices = found
+            set_result(self.emit("aten.embedding.default", [weight, indices], outs[0],
+                                 (Operand(0), Operand(1)), source=source, stack=stack,
+                                 flops=0.0))
+        elif name == "stablehlo.scatter" and (found := self._embedding_grad(op, ins, refs)):
+            grad, indices = found
+            vocab = outs[0].shape[0]
+            set_result(self.emit("aten.embedding_dense_backward.default", [grad, indices],
+                                 outs[0], (Operand(0), Operand(1), vocab, -1, False),
+                                 source=source, stack=stack))
+        elif name == "stablehlo.iota" or (name == "stablehlo.dynamic_iota"
+                                          and len(outs[0].shape) == 1):
             set_result(self.emit("aten.arange.default", [], outs[0], (outs[0].numel,),
                                  source=source, stack=stack))
         else:   # no rule: replicated, and listed in the plan
@@ -435,6 +466,53 @@ class _Reader:
                             source=source, stack=stack)
             for i in range(len(outs)):
                 set_result(ValueRef(ref.node, i), i)
+
+    def _row_indices(self, ref: ValueRef, index_vector_dim: int, source, stack):
+        """Indices of one row each: ``(*I)``, or ``(*I, 1)`` with the index vector last,
+        as the ``(*I)`` tensor ``aten.embedding`` takes; None for other index layouts."""
+        shape = self.spec(ref).shape
+        if index_vector_dim == len(shape):
+            return ref
+        if index_vector_dim == len(shape) - 1 and shape[-1] == 1:
+            return self._view(ref, shape[:-1], source, stack)
+        return None
+
+    def _embedding_lookup(self, op, refs):
+        """A ``gather`` that takes whole rows of a 2-D table (``jnp.take(w, ids, axis=0)``,
+        torch's ``embedding``): (weight, indices) for ``aten.embedding``, else None."""
+        dims = _gather_dims(str(op.attributes["dimension_numbers"]))
+        table = self.spec(refs[0]).shape
+        sizes = _ints(str(op.attributes["slice_sizes"]))
+        if len(table) != 2 or dims["collapsed_slice_dims"] != [0] or \
+                dims["start_index_map"] != [0] or sizes != [1, table[1]] or \
+                dims["operand_batching_dims"]:
+            return None
+        where, stack = _location(op)
+        indices = self._row_indices(refs[1], (dims["index_vector_dim"] or [0])[0],
+                                    f"{op.name} {where}".strip(), stack)
+        if indices is None or dims["offset_dims"] != [len(self.spec(indices).shape)]:
+            return None
+        return refs[0], indices
+
+    def _embedding_grad(self, op, ins, refs):
+        """A ``scatter`` that adds rows into a zero table (the backward of an embedding
+        lookup): (grad, indices) for ``aten.embedding_dense_backward``, else None."""
+        dims = _gather_dims(str(op.attributes["scatter_dimension_numbers"]))
+        table = self.spec(refs[0]).shape
+        if len(ins) != 3 or len(table) != 2 or self._reduce_body(op) != "stablehlo.add" or \
+                self.constants.get(ins[0]) != 0.0 or dims["inserted_window_dims"] != [0] or \
+                dims["scatter_dims_to_operand_dims"] != [0] or dims["input_batching_dims"]:
+            return None
+        where, stack = _location(op)
+        indices = self._row_indices(refs[1], (dims["index_vector_dim"] or [0])[0],
+                                    f"{op.name} {where}".strip(), stack)
+        if indices is None:
+            return None
+        rows = self.spec(indices).shape
+        if dims["update_window_dims"] != [len(rows)] or \
+                self.spec(refs[2]).shape != rows + (table[1],):
+            return None
+        return refs[2], indices
 
     @staticmethod
     def _reduce_body(op) -> str:

@@ -132,11 +132,56 @@ def test_plan_a_jax_step():
 
 
 def test_ops_without_a_rule_are_listed():
+    def loss(params, x):
+        return jnp.sum(jnp.flip(x @ params["w"], axis=0) * x)      # a stablehlo.reverse
+    params = {"w": jnp.ones((8, 8))}
+    plan = torchalpa.plan(loss, (params, jnp.ones((4, 8))), cluster=Cluster.local_cpu(2))
+    assert "stablehlo.reverse" in {u["op"] for u in plan.unsupported_ops}
+
+
+def test_embedding_gather_and_scatter_read_as_aten_embedding():
+    """A row lookup (gather) and its gradient (scatter-add into zeros) are ATen's
+    embedding and embedding_dense_backward, with their rules: the batch shards, and the
+    graph still computes JAX's loss and gradient."""
     def loss(params, idx):
-        return jnp.sum(jnp.take(params["emb"], idx, axis=0) ** 2)   # a gather
-    params = {"emb": jnp.ones((16, 8))}
-    plan = torchalpa.plan(loss, (params, jnp.arange(4)), cluster=Cluster.local_cpu(2))
-    assert "stablehlo.gather" in {u["op"] for u in plan.unsupported_ops}
+        return jnp.sum(jnp.tanh(jnp.take(params["emb"], idx, axis=0, mode="clip")) ** 2)
+    params, idx = {"emb": jnp.asarray(np.random.default_rng(0).normal(size=(16, 8)),
+                                      jnp.float32)}, jnp.array([[1, 3, 3], [0, 15, 2]])
+    lowered = lower_jax(loss, (params, idx))
+    graph = from_stablehlo(lowered.text, param_names=lowered.param_names,
+                           input_names=lowered.input_names)
+    ops = [n.op for n in graph.ops()]
+    assert "aten.embedding.default" in ops and "aten.embedding_dense_backward.default" in ops
+    assert not [op for op in ops if op.startswith("stablehlo.")]
+    got_loss, grads = _run_graph(graph, {"params.emb": torch.from_numpy(
+        np.array(params["emb"])), "idx": torch.from_numpy(np.array(idx))})
+    ref_loss, ref_grads = jax.value_and_grad(loss)(params, idx)
+    assert float(got_loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    np.testing.assert_allclose(grads["params.emb"].numpy(), np.asarray(ref_grads["emb"]),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_fused_elementwise_chains_move_only_their_inputs_and_outputs():
+    """A softmax spelled in StableHLO (max, sub, exp, sum, div) is charged what XLA's
+    fusion moves: x read, the row max and row sum written and read, the result written;
+    not one write and read per link."""
+    def loss(params, x):
+        y = x @ params["w"]                                      # (64, 32)
+        return jnp.sum(jax.nn.softmax(y, axis=-1) * x[:, :32])
+    params, x = {"w": jnp.ones((48, 32))}, jnp.ones((64, 48))
+    lowered = lower_jax(loss, (params, x))
+    graph = from_stablehlo(lowered.text, param_names=lowered.param_names,
+                           input_names=lowered.input_names)
+    matrix = 64 * 32 * 4
+    elementwise = [n for n in graph.ops() if n.phase == "forward" and not n.aliases
+                   and n.op not in ("aten.mm.default", "aten.slice.Tensor")]
+    unfused = sum(sum(graph.spec(r).nbytes for r in n.operands) +
+                  sum(o.nbytes for o in n.outputs) for n in elementwise)
+    fused = sum(n.bytes for n in elementwise)
+    assert unfused > 8 * matrix
+    assert fused <= 5 * matrix, [(n.op, n.bytes) for n in elementwise if n.bytes]
+    mm = next(n for n in graph.ops() if n.op == "aten.mm.default")
+    assert mm.bytes == (64 * 48 + 48 * 32 + 64 * 32) * 4     # a matmul is never fused
 
 
 def test_stablehlo_text_needs_to_say_which_arguments_are_parameters():
@@ -251,8 +296,11 @@ def test_export_and_cross_check_with_the_aten_plan():
     weights = [p.name for p in from_aten.parameters if p.name.endswith("weight")]
     assert {n: from_text.parameter(n).placements for n in weights} == \
         {n: from_aten.parameter(n).placements for n in weights}
-    assert from_text.estimates["step_time_s"] == pytest.approx(
-        from_aten.estimates["step_time_s"], rel=0.05)
+    # XLA fuses the bias add into the ReLU and mse's sub/square/mean into one kernel
+    # (frontends/hlo_fusion.py), eager ATen runs each op alone: on this memory-bound step
+    # the StableHLO estimate is lower (0.81x here), never higher
+    assert 0.7 * from_aten.estimates["step_time_s"] <= from_text.estimates["step_time_s"] \
+        <= from_aten.estimates["step_time_s"]
     # ATen's mse_loss backward computes (x - y) a second time: one more live (B, d)
     # activation than torch.export's decomposition (6.5% of this small step's memory)
     assert from_text.estimates["memory_per_device_bytes"] == pytest.approx(
@@ -267,14 +315,59 @@ def test_export_and_cross_check_with_the_aten_plan():
 
 
 @needs_torch_mlir
-def test_export_refuses_tied_parameters():
-    model = _MLP(8)
-    model.net[2].weight = model.net[0].weight.__class__(torch.randn(8, 32))
-    model.extra = torch.nn.Linear(32, 8)
-    model.extra.weight = model.net[2].weight
-    with pytest.raises(NotImplementedError, match="tied parameters"):
-        torchalpa.export_stablehlo(model, (torch.randn(4, 8), torch.randn(4, 8)),
-                                   torch.nn.functional.mse_loss)
+def test_gpt_from_stablehlo_moves_the_bytes_aten_does():
+    """The tiny GPT (untied head, no dropout): with XLA's fusion and embeddings read as
+    embeddings, its StableHLO graph moves within 5% of the bytes its ATen graph does, and
+    has no op without a rule but the loss's target pick (a gather of (row, target) pairs)."""
+    from torchalpa import models
+    from torchalpa.api import _capture_step
+    from torchalpa.programs import program_graph
+    w = models.tiny("gpt", dropout=0.0)
+    model = w.build()
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    batch = w.example_inputs()
+    from_aten = _capture_step(model, batch, w.loss_fn).graph
+    from_text = program_graph(torchalpa.export_stablehlo(model, batch, w.loss_fn), ())
+    moved = [sum(n.bytes for n in g.ops()) for g in (from_aten, from_text)]
+    assert moved[1] == pytest.approx(moved[0], rel=0.05), moved
+    assert {n.op for n in from_text.ops() if n.op.startswith("stablehlo.")} <= {
+        "stablehlo.gather", "stablehlo.scatter"}
+    assert sum(n.op == "aten.embedding.default" for n in from_text.ops()) == 2
+
+
+class _TiedMLP(torch.nn.Module):
+    """An MLP whose output layer reuses the input layer's weight, transposed (a tied head)."""
+
+    def __init__(self, dim=8, hidden=16):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden)
+        self.down = torch.nn.Linear(hidden, dim, bias=False)
+        self.tied = torch.nn.Linear(dim, hidden, bias=False)
+        self.tied.weight = self.up.weight
+
+    def forward(self, x):
+        return self.tied(self.down(torch.relu(self.up(x))))
+
+
+@needs_torch_mlir
+def test_export_passes_a_tied_parameter_once_with_both_uses_in_its_gradient():
+    """A tied parameter is one argument (its first name) whose gradient sums both uses:
+    the StableHLO graph, run op by op, gives torch's loss and gradients."""
+    torch.manual_seed(0)
+    model, x, y = _TiedMLP(), torch.randn(4, 8), torch.randn(4, 16)
+    loss_fn = torch.nn.functional.mse_loss
+    text = torchalpa.export_stablehlo(model, (x, y), loss_fn)
+    graph = from_stablehlo(text)
+    assert sorted(graph.params) == ["down.weight", "up.bias", "up.weight"]
+    leaves = {name: p.detach() for name, p in model.named_parameters()}
+    leaves.update(input0=x, input1=y)
+    loss, grads = _run_graph(graph, leaves)
+    model.zero_grad()
+    ref = loss_fn(model(x), y)
+    ref.backward()
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_cli_plans_a_stablehlo_file(tmp_path, capsys):

@@ -84,16 +84,17 @@ def export_stablehlo(model: torch.nn.Module, example_inputs: Sequence[torch.Tens
                           "'torchalpa[stablehlo]'") from e
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    _refuse_tied_parameters(model)
     inputs, _ = split_inputs(example_inputs, loss_fn)
-    step = _StepWithLoss(model, loss_fn, len(inputs))
+    step: torch.nn.Module = _StepWithLoss(model, loss_fn, len(inputs))
+    if _tied_groups(model):
+        step = _SharedParameters(step)
     try:
         exported = torch.export.export(step, tuple(example_inputs))
         joint = _export_forward_backward(exported.run_decompositions())
     except Exception as e:
         raise RuntimeError(f"torch.export could not capture the training step of "
                            f"{type(model).__name__}: {type(e).__name__}: {str(e)[:300]}") from e
-    args = _argument_names(joint)
+    args = _argument_names(joint, getattr(step, "fqns", None))
     _rewrite_for_torch_mlir(joint.graph_module)
     try:
         module = mlir_fx.stateless_fx_import(joint.graph_module, output_type="stablehlo")
@@ -138,39 +139,59 @@ def _rewrite_for_torch_mlir(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _refuse_tied_parameters(model: torch.nn.Module) -> None:
-    """torch.export routes every use of a tied parameter to one of its names and leaves
-    the other without a gradient, which the joint export rejects: say so up front."""
+def _tied_groups(model: torch.nn.Module) -> list[list[str]]:
+    """Names sharing one parameter (GPT's tied embedding and output head), first name first."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    tied = [group for group in names.values() if len(group) > 1]
-    if tied:
-        raise NotImplementedError(
-            f"export_stablehlo does not support tied parameters ({', '.join(map(str, tied))}):"
-            " torch.export gives the second name no gradient. Untie them for the export "
-            "(e.g. model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone()))"
-            ", or plan the module with torchalpa.plan")
+    return [group for group in names.values() if len(group) > 1]
 
 
-def _argument_names(joint) -> list[tuple[str, str]]:
+class _SharedParameters(torch.nn.Module):
+    """The step with each tied parameter passed once, under its first name.
+
+    ``torch.export`` lists a tied parameter under both names but routes every use to one
+    of them, and the joint export then refuses the other for having no gradient. Here the
+    step's parameters (deduplicated, as ``named_parameters`` gives them) are this module's
+    own ``p<i>``, and ``functional_call(..., tie_weights=True)`` feeds each to every name
+    it is tied to: one argument and one gradient (the sum over both uses) per parameter.
+    """
+
+    step: torch.nn.Module
+
+    def __init__(self, step: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "step", step)          # not a submodule: its names stay out
+        self.fqns = {f"p{i}": name.removeprefix("model.")
+                     for i, (name, _) in enumerate(step.named_parameters())}
+        for i, (_, p) in enumerate(step.named_parameters()):
+            self.register_parameter(f"p{i}", p)
+
+    def forward(self, *batch):
+        params = {f"model.{fqn}": getattr(self, key) for key, fqn in self.fqns.items()}
+        return torch.func.functional_call(self.step, params, batch, tie_weights=True)
+
+
+def _argument_names(joint, fqns: dict[str, str] | None = None) -> list[tuple[str, str]]:
     """(kind, name) per argument of the joint graph: parameters (by FQN), buffers, inputs.
 
     The wrapper module prefixes FQNs with ``model.``; plans name parameters as the user's
-    model does, so the prefix is dropped. Inputs are named ``input<i>`` as in ``capture``.
+    model does, so the prefix is dropped (``fqns`` maps ``_SharedParameters``' own names
+    back). Inputs are named ``input<i>`` as in ``capture``.
     """
     from torch.export.graph_signature import InputKind, OutputKind
     spec = joint.graph_signature
+    fqns = fqns or {}
     kinds, num_inputs = [], 0
     for s in spec.input_specs:
         if s.kind == InputKind.PARAMETER:
-            kinds.append(("param", s.target.removeprefix("model.")))
+            kinds.append(("param", fqns.get(s.target, s.target.removeprefix("model."))))
         elif s.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             kinds.append(("buffer", s.target.removeprefix("model.")))
         else:
             kinds.append(("input", f"input{num_inputs}"))
             num_inputs += 1
-    grads = [s.target.removeprefix("model.") for s in spec.output_specs
+    grads = [fqns.get(s.target, s.target.removeprefix("model.")) for s in spec.output_specs
              if s.kind == OutputKind.GRADIENT_TO_PARAMETER]
     params = [name for kind, name in kinds if kind == "param"]
     if [k for k, _ in kinds[:len(params)]] != ["param"] * len(params) or grads != params:
