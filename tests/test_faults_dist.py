@@ -149,3 +149,16 @@ def test_under_torchrun_the_survivors_name_the_dead_rank_before_the_agent_stops_
     for r, message in said.items():
         assert blamed(message) == {victim}, f"rank {r}: {message}"
     assert seconds < 240 < collective_timeout_s, f"the job took {seconds:.0f} s to stop"
+
+
+def test_a_flipped_byte_in_one_ranks_shard_stops_every_rank_and_fallback_loads_the_previous(
+        tmp_path):
+    """Each rank checks a share of the files: the damage is found by one and told to all."""
+    seen = run_job(tmp_path, 2, "flip", -1)
+    assert sorted(seen) == [0, 1]
+    for r, s in seen.items():
+        assert s["error"] is None, f"rank {r}: {s['error']}"
+        assert re.search(r"ckpt-000002 is damaged: __1_0\.distcp does not match its checksum"
+                         r".*ckpt-000001 is intact", s["refused"] or ""), f"rank {r}: {s}"
+        assert s["loaded"] == "ckpt-000001" and s["old_weights"], f"rank {r}: {s}"
+        assert any("__1_0.distcp does not match" in w for w in s["warned"]), f"rank {r}: {s}"
