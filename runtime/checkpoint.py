@@ -15,12 +15,23 @@ directory of versions::
     path/.tmp-ckpt-000004-<id>/  a save in progress, or one that was interrupted
 
 A save writes everything into a fresh ``.tmp-*`` directory and fsyncs it; rank 0 then
-writes the manifest (every file with its size), renames the directory to its version
+writes the manifest (every file with its size and SHA-256), renames the directory to its version
 name and switches ``latest`` by an atomic rename. A rank killed at any point leaves the
 previous version loadable and complete; ``load_checkpoint`` never loads a directory
 without a manifest that matches its files, and names what it skipped. The next
 successful save removes interrupted ``.tmp-*`` directories and versions beyond ``keep``.
 Every rank must see the same ``path`` (one shared filesystem), as for DCP itself.
+
+Checksums: each rank hashes the files it wrote (its DCP shard ``__<rank>_*.distcp`` and
+``rng-<rank>.pt``; rank 0 also ``.metadata``), and the manifest holds every file's
+SHA-256 (``sha256sum`` checks one by hand). ``load_checkpoint`` verifies them before
+reading any tensor, the ranks sharing the work (one small all-gather of the findings), so
+a flipped byte anywhere stops every rank with a ``CheckpointError`` naming the file.
+What then: by default the error says which previous version is intact and how to load
+it; ``load_checkpoint(..., fallback=True)`` loads the newest intact version itself, with
+a warning naming the damaged one. Falling back is not the default because it silently
+rewinds training by one or more saves -- a decision for the user (an automatic-restart
+script that prefers losing steps over stopping passes ``fallback=True``).
 
 Loading runs no code from the checkpoint: DCP's metadata is unpickled by an unpickler
 that only builds DCP's own metadata records (``_SafeReader``), DCP reads non-tensor
@@ -38,6 +49,7 @@ Both functions are collective: every rank calls them with the same path.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import pickle
@@ -63,7 +75,8 @@ __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "latest_chec
 MANIFEST = "MANIFEST.json"
 LATEST = "latest"
 FORMAT = "torchalpa-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2               # 2: files hold {"bytes", "sha256"}; 1: sizes only
+_READABLE_VERSIONS = (1, 2)
 _VERSION_RE = re.compile(r"^ckpt-(\d{6,})$")
 _TMP_RE = re.compile(r"^\.tmp-ckpt-(\d{6,})-[0-9a-f]+$")
 
@@ -166,7 +179,9 @@ def _next_version(root: Path) -> str:
 
 
 def _read_manifest(version_dir: Path) -> dict:
-    """The manifest of a committed version, checked against the files it lists."""
+    """The manifest of a committed version, checked against the files it lists (that
+    each is there with its size; the checksums are verified by ``_verify_checksums``).
+    ``files`` is returned as ``{name: {"bytes": n, "sha256": hex or None}}``."""
     path = version_dir / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{version_dir} has no {MANIFEST}: it is not a complete "
@@ -178,20 +193,84 @@ def _read_manifest(version_dir: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT \
             or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{path} is not a torchalpa checkpoint manifest")
-    if manifest.get("version") != FORMAT_VERSION:
+    if manifest.get("version") not in _READABLE_VERSIONS:
         raise CheckpointError(f"{path} has checkpoint format version "
                               f"{manifest.get('version')!r}; this torchalpa reads "
-                              f"version {FORMAT_VERSION}")
-    for name, size in manifest["files"].items():
+                              f"versions {', '.join(map(str, _READABLE_VERSIONS))}")
+    files = {}
+    for name, entry in manifest["files"].items():
         if not isinstance(name, str) or "/" in name or name.startswith(".."):
             raise CheckpointError(f"{path} lists a file outside its directory: {name!r}")
+        entry = {"bytes": entry, "sha256": None} if manifest["version"] == 1 else entry
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int) \
+                or not isinstance(entry.get("sha256"), str):
+            raise CheckpointError(f"{path}: the entry of {name} is not "
+                                  '{"bytes": int, "sha256": str}; the manifest is damaged')
         file = version_dir / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {version_dir} is damaged: {name} is missing")
-        if file.stat().st_size != size:
+        if file.stat().st_size != entry["bytes"]:
             raise CheckpointError(f"checkpoint {version_dir} is damaged: {name} has "
-                                  f"{file.stat().st_size} bytes, the manifest says {size}")
+                                  f"{file.stat().st_size} bytes, the manifest says "
+                                  f"{entry['bytes']}")
+        files[name] = entry
+    manifest["files"] = files
     return manifest
+
+
+# -- checksums -----------------------------------------------------------------------------
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _written_by(name: str, rank: int) -> bool:
+    """Whether rank ``rank`` wrote (and so hashes) the file ``name`` of a save: its DCP
+    shard files and its random state; rank 0 also DCP's ``.metadata`` and any other."""
+    if name == _rng_file(rank) or re.fullmatch(rf"__{rank}_\d+\.distcp", name):
+        return True
+    if rank != 0:
+        return False
+    return not (re.fullmatch(r"__\d+_\d+\.distcp", name) or re.fullmatch(r"rng-\d+\.pt", name))
+
+
+def _hash_own_files(directory: Path, rank: int, world: int) -> dict[str, str]:
+    """SHA-256 of the files this rank wrote, then every rank's (one all-gather)."""
+    mine = {p.name: _sha256(p) for p in sorted(directory.iterdir())
+            if p.is_file() and _written_by(p.name, rank)}
+    if world == 1:
+        return mine
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    return {name: digest for part in everyone for name, digest in part.items()}
+
+
+def _verify_checksums(directory: Path, manifest: dict) -> list[str]:
+    """The files of ``directory`` whose SHA-256 differs from the manifest's, as messages.
+    Collective when a process group is up: rank r hashes every world-th file, and the
+    findings are all-gathered, so every rank gets the same answer."""
+    rank, world = _rank_world()
+    names = sorted(n for n, e in manifest["files"].items() if e["sha256"] is not None)
+    bad = []
+    for name in names[rank::world]:
+        expected = manifest["files"][name]["sha256"]
+        try:
+            actual = _sha256(directory / name)
+        except OSError as e:
+            bad.append(f"{name} is unreadable ({e})")
+            continue
+        if actual != expected:
+            bad.append(f"{name} does not match its checksum (sha256 {actual[:16]}..., the "
+                       f"manifest says {expected[:16]}...)")
+    if world == 1:
+        return bad
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, bad)
+    return sorted(m for part in everyone for m in part)
 
 
 def latest_checkpoint(path: str | os.PathLike) -> Path:
@@ -392,12 +471,15 @@ def _save(root: Path, module, optimizer, keep: int | None, extra: dict) -> Path:
     dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
     _save_rng(tmp, rank)
     _reached("data_written")
-    if world > 1:
-        dist.barrier()           # every rank's files are on disk before rank 0 commits
+    # every rank hashes its own files; the all-gather also means that every rank's
+    # files are on disk before rank 0 commits
+    digests = _hash_own_files(tmp, rank, world)
 
     def commit():
         _reached("before_manifest")
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {p.name: {"bytes": p.stat().st_size,
+                          "sha256": digests.get(p.name) or _sha256(p)}
+                 for p in sorted(tmp.iterdir()) if p.is_file()}
         missing = [_rng_file(r) for r in range(world) if _rng_file(r) not in files]
         if missing:
             raise CheckpointError(f"{tmp}: files of other ranks are not visible here "
@@ -431,20 +513,22 @@ def _prune(root: Path, keep: int | None, current: str) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
-                    rng: bool = True) -> Path:
+                    rng: bool = True, fallback: bool = False) -> Path:
     """Load the newest complete checkpoint under ``path`` (or the version directory
     ``path`` names) into ``pmodel`` (and the optimizer), whatever mesh and plan it was
     saved with; return the version directory loaded.
 
-    Partial checkpoints (interrupted saves) are never loaded; a damaged one raises
-    ``CheckpointError`` naming the file. ``rng=True`` restores this rank's random-number
-    state when the world size matches. The optimizer's state is created first if it has
-    none (a zero-learning-rate step, as ``torch.distributed.checkpoint.state_dict``
-    does), then overwritten by the saved one.
+    Partial checkpoints (interrupted saves) are never loaded. Every file is checked
+    against the manifest's size and SHA-256 first; a damaged one raises
+    ``CheckpointError`` naming the file and the intact version to load instead, or, with
+    ``fallback=True``, the newest intact version is loaded with a warning naming the
+    damaged ones. ``rng=True`` restores this rank's random-number state when the world
+    size matches. The optimizer's state is created first if it has none (a
+    zero-learning-rate step, as ``torch.distributed.checkpoint.state_dict`` does), then
+    overwritten by the saved one.
     """
     module, optimizer = _parts(pmodel, optimizer)
-    directory = latest_checkpoint(path)
-    manifest = _read_manifest(directory) if (directory / MANIFEST).exists() else None
+    directory, manifest = _intact_version(Path(path), fallback)
     reader = _SafeReader(directory)
     reader.read_metadata()                # our error naming the file, before DCP wraps it
     if optimizer is None:
@@ -461,3 +545,56 @@ def load_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
         rank, world = _rank_world()
         _load_rng(directory, manifest, rank, world)
     return directory
+
+
+def _check_version(directory: Path) -> dict | None:
+    """The manifest of ``directory`` once its files are all there with their sizes and
+    checksums (None for an old DCP directory without one); ``CheckpointError`` if not."""
+    if not (directory / MANIFEST).exists():
+        return None
+    manifest = _read_manifest(directory)
+    bad = _verify_checksums(directory, manifest)
+    if bad:
+        raise CheckpointError(f"checkpoint {directory} is damaged: " + "; ".join(bad))
+    return manifest
+
+
+def _intact_version(path: Path, fallback: bool) -> tuple[Path, dict | None]:
+    """The version to load and its manifest: the newest one (``latest_checkpoint``), or,
+    when it is damaged, the newest intact older one if ``fallback`` is set (else an
+    error naming it)."""
+    newest: Path | None = None
+    try:
+        newest = latest_checkpoint(path)
+        return newest, _check_version(newest)
+    except CheckpointError as damage:
+        error = damage
+    if newest is not None and _VERSION_RE.match(newest.name):
+        root, below = newest.parent, _number(_VERSION_RE, newest.name)
+    elif (path / LATEST).is_file():      # `latest` names a damaged or no version
+        name = (path / LATEST).read_text().strip()
+        root, below = path, _number(_VERSION_RE, name) if _VERSION_RE.match(name) else None
+    else:
+        raise error
+    older = [root / v for v in reversed(_versions(root))
+             if below is None or _number(_VERSION_RE, v) < below]
+    damaged = [str(error)]
+    for candidate in older:
+        try:
+            manifest = _check_version(candidate)
+        except CheckpointError as e:
+            if str(e) not in damaged:
+                damaged.append(str(e))
+            continue
+        if not fallback:
+            raise CheckpointError(
+                f"{error}. The file was altered or corrupted on disk; the previous version "
+                f"{candidate} is intact: load it with load_checkpoint({os.fspath(root)!r}, "
+                f"..., fallback=True) or load_checkpoint({os.fspath(candidate)!r}, ...), or "
+                "restore the damaged file from a copy") from error
+        warnings.warn(f"{'; '.join(damaged)}; loading the newest intact version, "
+                      f"{candidate}, instead (fallback=True): training resumes from an "
+                      "earlier save", stacklevel=3)
+        return candidate, manifest
+    raise CheckpointError(f"{'; '.join(damaged)}. No intact earlier version to fall back "
+                          "to; restore the damaged file from a copy") from error

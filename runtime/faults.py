@@ -17,10 +17,11 @@ turns that into an error on every rank that names the rank at fault:
   out-of-memory killer, a crashed interpreter) -- and only it: healthy ranks still blocked
   in a collective keep beating, so they are never blamed for the dead one.
 
-Under torchrun the agent stops the whole job as soon as one worker dies (its own report
-names the failed rank and exit code), so ``RankFailedError`` reaches the survivors only
-for a rank that raised; launch with ``--max-restarts=N`` and resume from
-``load_checkpoint`` (``examples/resume.py``) to survive a dead rank.
+Under torchrun the agent stops the whole job with SIGTERM as soon as one worker dies;
+``launcher_stop`` catches that signal (even while the main thread is blocked in a
+collective) and makes every survivor end with ``RankFailedError`` naming the rank at
+fault, from the same records and heartbeats. Launch with ``--max-restarts=N`` and resume
+from ``load_checkpoint`` (``examples/resume.py``) to survive a dead rank.
 
 Input shapes are compared across ranks on the first call (one small all-gather), so a rank
 fed a different batch shape is named on every rank at once instead of after a timeout.
@@ -79,6 +80,8 @@ class FaultMonitor:
         if self.store is not None:
             self._install_excepthook()
             _Heartbeat.start(self.store, self.rank)
+            from torchalpa.runtime import launcher_stop
+            launcher_stop.install(self)
 
     # -- this rank ----------------------------------------------------------------------
     def record(self, error: BaseException) -> None:
@@ -125,9 +128,8 @@ class FaultMonitor:
         tail = (f"\n(the collective error on rank {self.rank}: {type(error).__name__}: "
                 f"{first_line})")
         try:
-            failed = self._failures()
-            dead = [r for r in _Heartbeat.stopped(self.world_size, self.rank) if r not in failed]
-            self._leaving(failed, dead)
+            failed, dead = self.culprits()
+            self.leaving(failed, dead)
             if failed or dead:
                 self._wait_for_survivors(set(failed) | set(dead))
             if failed:
@@ -140,6 +142,8 @@ class FaultMonitor:
                         "without an error: killed by a signal, the out-of-memory killer, or "
                         "a crash of the interpreter)" + tail)
             missing = self._roll_call()
+        except RankFailedError:  # torchrun stopped this rank meanwhile: launcher_stop's word
+            raise
         except Exception as e:  # the store lives on rank 0 or in the launcher
             return (me + "a peer stopped responding and the job's store is unreachable "
                     f"({type(e).__name__}); the store's host (rank 0 or the launcher) has "
@@ -151,7 +155,14 @@ class FaultMonitor:
                     "TORCHALPA_TIMEOUT_S)" + tail)
         return me + "a collective failed on every rank; see the error below" + tail
 
-    def _leaving(self, failed, dead) -> None:
+    def culprits(self) -> tuple[dict[int, str], list[int]]:
+        """The ranks that recorded an error (with it), and the other ranks whose
+        heartbeat stopped without leaving (dead). Takes a few heartbeats."""
+        failed = self._failures()
+        dead = [r for r in _Heartbeat.stopped(self.world_size, self.rank) if r not in failed]
+        return failed, dead
+
+    def leaving(self, failed, dead) -> None:
         """Mark this rank as stopping because of others, so that ranks diagnosing later
         do not take its silent heartbeat for a death."""
         culprits = sorted(set(failed) | set(dead))

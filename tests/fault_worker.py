@@ -4,6 +4,7 @@ saw to ``<out>/rank<r>.json``.
 
     fault_worker.py OUT step  VICTIM             # killed before its second training step
     fault_worker.py OUT save  VICTIM POINT       # killed at POINT of the second save
+    fault_worker.py OUT flip  -1                 # a flipped byte, found by every rank
 
 ``save`` first saves a good checkpoint under ``OUT/ckpt`` after one step and writes the
 full weights it holds (``OUT/old.pt``) and those after the second step (``OUT/new.pt``),
@@ -45,6 +46,36 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def flip_and_load(out: str, pm, rank: int) -> dict:
+    """Two saves; rank 0 flips one byte of rank 1's shard of the newer; every rank loads:
+    all must refuse it naming the file, then fall back to the older one when asked."""
+    import warnings
+    path = os.path.join(out, "ckpt")
+    ck.save_checkpoint(path, pm)
+    old = [p.full_tensor().clone() for p in pm.parameters()]
+    pm.train_step(*batch())
+    newest = ck.save_checkpoint(path, pm)
+    if rank == 0:
+        shard = newest / "__1_0.distcp"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    result: dict = {}
+    try:
+        ck.load_checkpoint(path, pm)
+        result["refused"] = None
+    except ck.CheckpointError as e:
+        result["refused"] = str(e)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result["loaded"] = ck.load_checkpoint(path, pm, fallback=True).name
+    result["warned"] = [str(w.message) for w in caught]
+    result["old_weights"] = all(torch.equal(a, p.full_tensor()) for a, p in
+                                zip(old, pm.parameters()))
+    return result
+
+
 def main():
     out, mode, victim = sys.argv[1], sys.argv[2], int(sys.argv[3])
     init_distributed()
@@ -63,6 +94,8 @@ def main():
             if rank == victim:
                 die()
             pm.train_step(*batch())
+        elif mode == "flip":
+            seen.update(flip_and_load(out, pm, rank))
         else:
             point = sys.argv[4]
             path = os.path.join(out, "ckpt")

@@ -1,6 +1,7 @@
 """Checkpoints under faults, in one process: a save stopped at every point of its commit
 leaves the previous version loadable; damaged or planted files are named, never loaded
-or run; dropout resumes bit-identically (the random state is saved).
+or run; a flipped byte fails its checksum; dropout resumes bit-identically (the random
+state is saved).
 
 A save "killed" here raises from the fault hook at the named point: with no cleanup on
 the way out, the files left behind are those a SIGKILL at that point leaves (the
@@ -9,6 +10,8 @@ multi-process kills are in tests/test_faults_dist.py).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import pickle
 import warnings
 
@@ -133,6 +136,69 @@ def test_damaged_files_are_named(tmp_path):
         load_checkpoint(tmp_path, make(seed=1))
 
 
+def flip_one_byte(path) -> None:
+    """A bit rot: one byte in the middle of ``path`` changes, its size does not."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def reseal(version) -> None:
+    """Rewrite the manifest's checksums to match the files (an attacker who can write the
+    checkpoint can do this too: the checksums catch damage, not malice)."""
+    manifest = json.loads((version / ck.MANIFEST).read_text())
+    for name, entry in manifest["files"].items():
+        entry["sha256"] = hashlib.sha256((version / name).read_bytes()).hexdigest()
+    (version / ck.MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_every_file_has_a_checksum_in_the_manifest(tmp_path):
+    version = save_checkpoint(tmp_path, make())
+    manifest = json.loads((version / ck.MANIFEST).read_text())
+    on_disk = sorted(p.name for p in version.iterdir() if p.name != ck.MANIFEST)
+    assert sorted(manifest["files"]) == on_disk
+    assert {".metadata", "rng-0.pt"} <= set(on_disk)
+    for name in on_disk:
+        data = (version / name).read_bytes()
+        assert manifest["files"][name] == {"bytes": len(data),
+                                           "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@pytest.mark.parametrize("victim", ["distcp", ".metadata", "rng-0.pt"])
+def test_a_flipped_byte_is_named_and_the_previous_version_offered(tmp_path, victim):
+    pm = make()
+    x, y = mlp_inputs(8, 16)
+    save_checkpoint(tmp_path, pm)
+    old = weights(pm)
+    pm.train_step(x, y)
+    version = save_checkpoint(tmp_path, pm)
+    damaged = next(p for p in version.iterdir()
+                   if p.name == victim or (victim == "distcp" and p.suffix == ".distcp"))
+    flip_one_byte(damaged)
+    fresh = make(seed=1)
+    before = weights(fresh)
+    with pytest.raises(CheckpointError, match=rf"ckpt-000002 is damaged: {damaged.name} does "
+                       r"not match its checksum.*ckpt-000001 is intact.*fallback=True"):
+        load_checkpoint(tmp_path, fresh)
+    assert same(weights(fresh), before), "a damaged checkpoint was partly loaded"
+    with pytest.warns(UserWarning, match=rf"{damaged.name} does not match.*loading the newest "
+                      r"intact version, .*ckpt-000001"):
+        assert load_checkpoint(tmp_path, fresh, fallback=True).name == "ckpt-000001"
+    assert same(weights(fresh), old)
+    with pytest.raises(CheckpointError, match=rf"{damaged.name} does not match its checksum"):
+        load_checkpoint(version, fresh)            # that version by name: nothing older
+
+
+def test_with_every_version_damaged_nothing_loads(tmp_path):
+    pm = make()
+    for _ in range(2):
+        version = save_checkpoint(tmp_path, pm)
+        flip_one_byte(next(p for p in version.iterdir() if p.suffix == ".distcp"))
+    with pytest.raises(CheckpointError, match=r"ckpt-000002 is damaged.*ckpt-000001 is damaged"
+                       r".*No intact earlier version"):
+        load_checkpoint(tmp_path, make(seed=1), fallback=True)
+
+
 class _Payload:
     """Unpickling this runs ``os.system``-like code: it creates a marker file."""
 
@@ -154,10 +220,14 @@ def test_loading_runs_no_code_planted_in_the_checkpoint(tmp_path):
         target = version / victim
         original = target.read_bytes()
         target.write_bytes(planted.ljust(len(original), b"\n"))   # sizes still match
+        with pytest.raises(CheckpointError, match=rf"{victim} does not match its checksum"):
+            load_checkpoint(tmp_path, make(seed=1))
+        reseal(version)                                # past the checksums: not unpickled
         with pytest.raises(CheckpointError, match=victim.replace(".", r"\.")):
             load_checkpoint(tmp_path, make(seed=1))
         assert not marker.exists(), f"code planted in {victim} ran on load"
         target.write_bytes(original)
+        reseal(version)
     assert metadata.read_bytes() == good_metadata
     load_checkpoint(tmp_path, make(seed=1))                       # intact again: loads
 

@@ -13,6 +13,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -119,3 +120,45 @@ def test_a_save_killed_at_each_point(tmp_path, victim, point, loads):
 @pytest.mark.parametrize("victim", [1, 2, 3])
 def test_a_rank_killed_between_steps_is_the_only_one_named(tmp_path, victim):
     check_survivors_name(run_job(tmp_path, 4, "step", victim), victim, 4)
+
+
+def test_under_torchrun_the_survivors_name_the_dead_rank_before_the_agent_stops_them(tmp_path):
+    """torchrun's agent SIGTERMs the survivors as soon as rank 2 is SIGKILLed; each still
+    ends with an error naming exactly rank 2 (the collective timeout is set far longer
+    than the test may take, so it is the SIGTERM path that speaks, not a timeout)."""
+    world, victim, collective_timeout_s = 4, 2, 600   # 4: the step has collectives
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S=str(collective_timeout_s))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world}", "--monitor-interval=0.2",
+           os.path.join(HERE, "fault_worker.py"), str(tmp_path), "step", str(victim)]
+    start = time.monotonic()
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+    seconds = time.monotonic() - start
+    output = job.stdout + job.stderr
+    assert job.returncode != 0, output[-3000:]
+    said: dict[int, str] = {}
+    for m in re.finditer(r"RankFailedError: (rank (\d+): torchrun stopped the job.*)", output):
+        said[int(m.group(2))] = m.group(1)
+    for r in range(world):                 # or caught by the script, which wrote it down
+        path = tmp_path / f"rank{r}.json"
+        if path.exists() and json.loads(path.read_text())["error"]:
+            seen = json.loads(path.read_text())
+            said.setdefault(r, seen["error"])
+            assert seen["seconds"] < 60, f"rank {r} took {seen['seconds']:.0f} s to stop"
+    assert sorted(said) == [0, 1, 3], output[-3000:]
+    for r, message in said.items():
+        assert blamed(message) == {victim}, f"rank {r}: {message}"
+    assert seconds < 240 < collective_timeout_s, f"the job took {seconds:.0f} s to stop"
+
+
+def test_a_flipped_byte_in_one_ranks_shard_stops_every_rank_and_fallback_loads_the_previous(
+        tmp_path):
+    """Each rank checks a share of the files: the damage is found by one and told to all."""
+    seen = run_job(tmp_path, 2, "flip", -1)
+    assert sorted(seen) == [0, 1]
+    for r, s in seen.items():
+        assert s["error"] is None, f"rank {r}: {s['error']}"
+        assert re.search(r"ckpt-000002 is damaged: __1_0\.distcp does not match its checksum"
+                         r".*ckpt-000001 is intact", s["refused"] or ""), f"rank {r}: {s}"
+        assert s["loaded"] == "ckpt-000001" and s["old_weights"], f"rank {r}: {s}"
+        assert any("__1_0.distcp does not match" in w for w in s["warned"]), f"rank {r}: {s}"

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torchalpa.markers import mark_pipeline_boundary
     from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
     from torchalpa.runtime.export import save_pretrained
+    from torchalpa.runtime.pretrained import load_pretrained
     from torchalpa.runtime.faults import RankFailedError
     from torchalpa.runtime.precision import MixedPrecision
 
@@ -38,6 +39,7 @@ _LAZY = {
     "load_checkpoint": "torchalpa.runtime.checkpoint",
     "RankFailedError": "torchalpa.runtime.faults",
     "save_pretrained": "torchalpa.runtime.export",
+    "load_pretrained": "torchalpa.runtime.pretrained",
     "export_stablehlo": "torchalpa.export",
     "MixedPrecision": "torchalpa.runtime.precision",
     # torch's own classes: torchalpa.Shard is torch.distributed.tensor.Shard
@@ -63,5 +65,6 @@ __all__ = [
     "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "ManualShardingOption", "Shard", "Replicate", "Partial",
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
-    "load_checkpoint", "RankFailedError", "save_pretrained", "export_stablehlo",
+    "load_checkpoint", "RankFailedError", "save_pretrained", "load_pretrained",
+    "export_stablehlo",
 ]

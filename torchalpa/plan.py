@@ -384,6 +384,13 @@ class Plan:
         from torchalpa.pictures import write_chrome_trace
         write_chrome_trace(self, path)
 
+    def to_tp_plan(self, model=None, *, axis: int | str | None = None) -> dict:
+        """The plan as torch's ``parallelize_module`` plan ``{module: ColwiseParallel() |
+        RowwiseParallel()}`` for mesh axis ``axis``, where the plan is expressible that
+        way; ``NotExpressibleError`` naming the layer otherwise (``torchalpa.tp_plan``)."""
+        from torchalpa.tp_plan import tp_plan
+        return tp_plan(self, model, axis)
+
     def __str__(self) -> str:
         return self.summary()
 

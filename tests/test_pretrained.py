@@ -1,0 +1,136 @@
+"""Into torchalpa: ``load_pretrained`` reads a safetensors snapshot into the shards.
+
+A randomly initialized MLP is saved as ``torchalpa.save_pretrained`` saves a non-HF
+model (``model.safetensors``) and as a sharded HF snapshot (index json + two files); two
+plain ranks with another initialization load it into a ZeRO-3 plan (every parameter
+sharded) and get the loss one device gets with the saved model, each reading only its
+half. In one process: HF's own GPT-2 snapshot (tied ``lm_head``) loads into a planned
+GPT-2, and the key checks name what is missing, unexpected or of another shape.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import save_file, save_model
+
+import torchalpa
+from models import MLP, mlp_inputs
+from test_faults_dist import _free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(autouse=True)
+def single_process_world():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def saved_mlp(directory, sharded: bool):
+    """MLP(16, 3) with seed 0, written as one model.safetensors or as a sharded HF
+    snapshot; the model itself is returned for the one-device reference."""
+    torch.manual_seed(0)
+    model = MLP(16, 3)
+    directory.mkdir()
+    if not sharded:
+        save_model(model, str(directory / "model.safetensors"))
+        return model
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    names = sorted(state)
+    parts = {"model-00001-of-00002.safetensors": names[:3],
+             "model-00002-of-00002.safetensors": names[3:]}
+    for file, keys in parts.items():
+        save_file({k: state[k] for k in keys}, str(directory / file))
+    weight_map = {k: file for file, keys in parts.items() for k in keys}
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return model
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded-index"])
+def test_two_ranks_load_their_shards_and_match_one_device(tmp_path, sharded):
+    reference = saved_mlp(tmp_path / "snapshot", sharded)
+    x, y = mlp_inputs(8, 16)
+    with torch.no_grad():
+        want = F.mse_loss(reference(x), y).item()
+    world = 2
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "pretrained_worker.py"),
+                               str(tmp_path / "snapshot"), str(tmp_path)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    logs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for _, e in logs)
+    for r in range(world):
+        seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert seen["loss"] == pytest.approx(want, rel=1e-6, abs=1e-7), f"rank {r}"
+        assert seen["missing_keys"] == [] and seen["unexpected_keys"] == []
+        # ZeRO-3 shards every parameter in two: a rank reads half of the model
+        assert seen["read"] == seen["total"] // world, f"rank {r} read {seen['read']}"
+
+
+def planned_mlp(seed=1):
+    torch.manual_seed(seed)
+    return torchalpa.auto_parallel(MLP(16, 3), mlp_inputs(8, 16), F.mse_loss)
+
+
+def test_missing_unexpected_and_mismatched_keys_are_named(tmp_path):
+    reference = saved_mlp(tmp_path / "snapshot", sharded=False)
+    state = {k: v.contiguous() for k, v in reference.state_dict().items()}
+    pm = planned_mlp()
+    before = [p.full_tensor().clone() for p in pm.parameters()]
+
+    partial = dict(state)
+    del partial["net.2.bias"]
+    partial["net.9.weight"] = torch.zeros(2)
+    save_file(partial, str(tmp_path / "partial.safetensors"))
+    with pytest.raises(ValueError, match=r"missing keys .*: net\.2\.bias; unexpected keys .*: "
+                       r"net\.9\.weight; pass strict=False"):
+        torchalpa.load_pretrained(pm, tmp_path / "partial.safetensors")
+    assert all(torch.equal(a, p.full_tensor()) for a, p in zip(before, pm.parameters()))
+    with pytest.warns(UserWarning, match=r"missing keys .*net\.2\.bias"):
+        info = torchalpa.load_pretrained(pm, tmp_path / "partial.safetensors", strict=False)
+    assert info == {"missing_keys": ["net.2.bias"], "unexpected_keys": ["net.9.weight"]}
+    loaded = dict(pm.module.named_parameters())
+    assert torch.equal(loaded["net.0.weight"].full_tensor(), state["net.0.weight"])
+    assert torch.equal(loaded["net.2.bias"].full_tensor(), before[3])   # kept its value
+
+    wrong = dict(state, **{"net.0.weight": torch.zeros(16, 8)})
+    save_file(wrong, str(tmp_path / "wrong.safetensors"))
+    with pytest.raises(ValueError, match=r"size mismatch for net\.0\.weight: the snapshot has "
+                       r"shape \[16, 8\], the model \[16, 16\]"):
+        torchalpa.load_pretrained(pm, tmp_path / "wrong.safetensors", strict=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors nor"):
+        torchalpa.load_pretrained(pm, tmp_path / "empty")
+
+
+def test_an_hf_snapshot_with_tied_weights_loads_into_a_planned_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from torchalpa.models.hf import hf_config, hf_loss_fn
+    config = hf_config("gpt2")
+    torch.manual_seed(0)
+    original = transformers.GPT2LMHeadModel(config).eval()
+    original.save_pretrained(tmp_path / "gpt2")                 # lm_head stored once, tied
+    ids = torch.randint(config.vocab_size, (2, 8))
+    loss_fn = hf_loss_fn("gpt2")
+    with torch.no_grad():
+        want = loss_fn(original(ids), ids).item()
+    torch.manual_seed(1)
+    pm = torchalpa.auto_parallel(transformers.GPT2LMHeadModel(config).eval(),
+                                 (ids, ids.clone()), loss_fn)
+    info = torchalpa.load_pretrained(pm, tmp_path / "gpt2")
+    assert info == {"missing_keys": [], "unexpected_keys": []}
+    with torch.no_grad():
+        assert pm(ids, ids.clone()).item() == pytest.approx(want, rel=1e-5)
