@@ -23,6 +23,8 @@ step that replicated parameters, buffers and the generator state still agree acr
 
 from __future__ import annotations
 
+import inspect
+
 from typing import Any, Callable, Sequence
 
 import torch
@@ -73,6 +75,18 @@ class _TrainingStep(torch.autograd.Function):
         return (None, None, *grads, *([None] * ctx.num_others))
 
 
+def _signed_like(call: Callable, model_forward: Callable) -> Callable:
+    """``call`` advertising ``model_forward``'s signature to ``inspect.signature``."""
+    def forward(*args, **kwargs):
+        return call(*args, **kwargs)
+    forward.__doc__ = call.__doc__
+    try:
+        forward.__signature__ = inspect.signature(model_forward)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):     # a builtin without one: keep the generic signature
+        pass
+    return forward
+
+
 class ParallelModule(nn.Module):
     """A model parallelized by torchalpa: call it like the single-device model."""
 
@@ -106,6 +120,12 @@ class ParallelModule(nn.Module):
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self._clock = StepClock(device)
         self.optimizer = optimizer(self.parameters()) if optimizer is not None else None
+        # tools that read the forward's parameters to pick batch fields (HF Trainer drops
+        # the columns ``model.forward`` does not name) see the wrapped model's
+        self.forward = _signed_like(self.forward, module.forward)
+        # the captured step computes the loss as it was captured (a mean over the batch); it
+        # takes no loss keywords such as HF's ``num_items_in_batch``, so Trainer must not send them
+        self.accepts_loss_kwargs = False
 
     # -- the step -----------------------------------------------------------------------
     def forward(self, *inputs: torch.Tensor, **kwargs: torch.Tensor):
