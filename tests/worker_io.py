@@ -66,10 +66,11 @@ def launch(worker: str, out, *args: str, nproc: int, timeout: float = 600,
            timeout_env: str = "120", real: bool = False) -> dict:
     """Run ``tests/<worker>`` on ``nproc`` ranks with argv ``[out, *args]``; the JSON rank 0
     wrote to ``out``. ``real``: under a fresh torchrun (``timeout_env`` is then its
-    TORCHALPA_TIMEOUT_S), else on the pool of ``nproc`` ranks."""
+    TORCHALPA_TIMEOUT_S), else on the pool of ``nproc`` ranks. TORCHALPA_TEST_TORCHRUN=1
+    makes every launch a fresh torchrun (to compare timings, or to rule the pool out)."""
     path = os.path.join(HERE, worker)
     argv = [str(out), *map(str, args)]
-    if real:
+    if real or os.environ.get("TORCHALPA_TEST_TORCHRUN") == "1":   # every launch its own
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", path, *argv]
         env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S=timeout_env)
