@@ -1,31 +1,22 @@
-"""Real multi-process gloo runs (torchrun): numerics against single-device training,
-the collectives each step issues against the plan, and errors that reach every rank.
+"""Real multi-process gloo runs: numerics against single-device training, the collectives
+each step issues against the plan, and errors that reach every rank.
 
-One launch runs several scenarios (tests/dist_worker.py); launches are the slow part.
+One launch runs several scenarios (tests/dist_worker.py): 4 ranks on the session's rank
+pool, 2 ranks under a fresh torchrun (tests/worker_io.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+import worker_io
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS_4 = "megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,zero3,odd_batch,bad_input_shape"
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
 
-def launch(nproc: int, scenarios: str, tmp_path) -> dict:
-    out = tmp_path / f"result_{nproc}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", os.path.join(HERE, "dist_worker.py"), str(out), scenarios]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S="120")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    results = json.loads(out.read_text())
+def launch(nproc: int, scenarios: str, tmp_path, real: bool = False) -> dict:
+    results = worker_io.launch("dist_worker.py", tmp_path / f"result_{nproc}.json", scenarios,
+                               nproc=nproc, real=real)
     assert results["world_size"] == nproc
     for name, r in results.items():
         if isinstance(r, dict) and "error" in r:
@@ -40,7 +31,8 @@ def four_ranks(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return launch(2, SCENARIOS_2, tmp_path_factory.mktemp("two"))
+    """Under a fresh torchrun: the launcher path users take stays covered."""
+    return launch(2, SCENARIOS_2, tmp_path_factory.mktemp("two"), real=True)
 
 
 def check_matches_single_device(r):

@@ -5,24 +5,13 @@ micro-batches, the quickstart MLP and a GPT."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+import worker_io
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
-
-def launch(nproc: int, tmp_path) -> dict:
-    out = tmp_path / f"pipeline_{nproc}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", os.path.join(HERE, "pipeline_worker.py"), str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S="120")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    results = json.loads(out.read_text())
+def launch(nproc: int, tmp_path, real: bool = False) -> dict:
+    results = worker_io.launch("pipeline_worker.py", tmp_path / f"pipeline_{nproc}.json",
+                               nproc=nproc, timeout=900, real=real)
     for name, r in results.items():
         if isinstance(r, dict) and "error" in r:
             pytest.fail(f"{name} on {nproc} ranks:\n{r['trace']}")
@@ -36,7 +25,9 @@ def four(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def eight(tmp_path_factory):
-    return launch(8, tmp_path_factory.mktemp("pipe8"))
+    """Under a fresh torchrun (8 ranks are launched once anyway): the pipeline's smoke test
+    of the launcher path users take."""
+    return launch(8, tmp_path_factory.mktemp("pipe8"), real=True)
 
 
 def check(r):

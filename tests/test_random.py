@@ -11,15 +11,12 @@ drift (runtime/replicas.py, the generator sync in auto_parallel).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 import torch
 import torch.nn as nn
+import worker_io
 
 import torchalpa
 from torchalpa.methods import AutoShardingOption
@@ -29,7 +26,6 @@ from torchalpa.runtime import random as R
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.replicas import bit_hash
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 aten = torch.ops.aten
 
 
@@ -210,14 +206,8 @@ def test_bit_hash_sees_one_bit():
 # -- on 4 gloo ranks --------------------------------------------------------------------------
 
 def launch(nproc: int, scenarios: str, tmp_path) -> dict:
-    out = tmp_path / "random.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", os.path.join(HERE, "random_worker.py"), str(out),
-           scenarios]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S="120")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    results = json.loads(out.read_text())
+    results = worker_io.launch("random_worker.py", tmp_path / "random.json", scenarios,
+                               nproc=nproc)
     assert results["world_size"] == nproc
     return results
 

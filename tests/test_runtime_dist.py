@@ -1,20 +1,20 @@
 """The runtime's training-loop features on real gloo ranks (tests/runtime_worker.py):
 gradient accumulation, mixed precision, inference, clip_grad_norm_ / optimizers / LR
 schedulers, meta-device models, checkpoints across meshes and world sizes, and failures
-that reach every rank. Each launch runs several scenarios; launches are the slow part.
+that reach every rank. Each launch runs several scenarios, on the session's rank pools
+(tests/worker_io.py); the failures run as plain processes of their own (a rank dies).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+import worker_io
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "runtime_worker.py")
@@ -24,13 +24,8 @@ SCENARIOS_2 = "checkpoint_other_world,micro_default,conventions,input_mismatch,i
 
 
 def launch(nproc: int, scenarios: str, shared, tmp_path) -> dict:
-    out = tmp_path / f"runtime_{nproc}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", WORKER, str(out), scenarios, str(shared)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S="120")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    results = json.loads(out.read_text())
+    results = worker_io.launch("runtime_worker.py", tmp_path / f"runtime_{nproc}.json",
+                               scenarios, shared, nproc=nproc)
     assert results["world_size"] == nproc
     return results
 
@@ -240,12 +235,6 @@ def test_ranks_given_different_values_are_named(two):
     assert r["never"] == [None, None]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def faults():
     """Two 2-rank jobs at once, launched as plain processes (no torchrun agent to kill the
@@ -253,7 +242,7 @@ def faults():
     timeout_s = 10
     jobs = {}
     for kind in ("raise", "hang"):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(worker_io.free_port()),
                    WORLD_SIZE="2", OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S=str(timeout_s))
         procs = [subprocess.Popen([sys.executable, WORKER, "--fault", kind],
                                   env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),

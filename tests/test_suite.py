@@ -12,29 +12,18 @@ they turn green once the work that owns them lands.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+import worker_io
 
 from torchalpa.models.suite import FAST, SUITE
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SLOW = [name for name in SUITE if name not in FAST]
 NUM_LAUNCHES = 4                      # slow cases are split into this many launches
 
 
 def launch(names, tmp_path, nproc: int = 4) -> dict:
-    out = tmp_path / "suite.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", os.path.join(HERE, "suite_worker.py"), str(out),
-           ",".join(names)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S="600")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(out.read_text())
+    return worker_io.launch("suite_worker.py", tmp_path / "suite.json", ",".join(names),
+                            nproc=nproc, timeout=3600, timeout_env="600")
 
 
 def check(results: dict, name: str) -> None:

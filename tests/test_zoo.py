@@ -8,26 +8,15 @@ slower and run in ``make test-all`` (``-m slow``).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+import worker_io
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 FAMILIES = ["gpt", "llama", "bert", "vit", "resnet", "moe", "hf_gpt2", "hf_llama", "hf_bert"]
 
 
 def launch(nproc: int, mesh: str, tmp_path) -> dict:
-    out = tmp_path / f"zoo_{nproc}_{mesh}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", os.path.join(HERE, "zoo_worker.py"), str(out), mesh,
-           ",".join(FAMILIES)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S="300")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(out.read_text())
+    return worker_io.launch("zoo_worker.py", tmp_path / f"zoo_{nproc}_{mesh}.json", mesh,
+                            ",".join(FAMILIES), nproc=nproc, timeout=1800, timeout_env="300")
 
 
 def check(r, family):

@@ -1,15 +1,38 @@
-"""What every torchrun test worker does around its scenarios: record each one's result
-or its error (so the test shows the trace instead of a hang or a bare exit code), then
-have rank 0 write them all as JSON, leave the process group together and exit."""
+"""How the multi-rank tests run their workers, on both sides.
+
+Worker side (tests/*_worker.py): record each scenario's result or its error (so the test
+shows the trace instead of a hang or a bare exit code), then have rank 0 write them all
+as JSON and leave the process group together.
+
+Test side: ``launch`` runs a worker's ``main()`` on ``nproc`` gloo ranks, either on a
+persistent pool of rank processes (tests/rank_pool.py; started once per world size and
+reused, so a session pays torch's import and the rendezvous once instead of per launch),
+or, with ``real=True``, under a fresh ``torchrun`` as a user would (the smoke tests that
+keep the launcher path itself covered). Both are real processes exchanging real data
+over gloo: numerics and counted collectives are the same either way.
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
+import socket
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
 
 import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+POOLED = False        # set by tests/rank_pool.py: finish() then keeps the group for the next job
+# The pool's ranks serve every worker, so they take the longest collective timeout any
+# launch asked for (the suite's: rank 0 plans while the others wait); it only matters when
+# a job hangs, and then the launch's own time limit (below) ends it first.
+POOL_TIMEOUT_S = "600"
 
 
 def attempt(run) -> dict:
@@ -25,6 +48,8 @@ def finish(results: dict, out_path: str) -> None:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
     dist.barrier()
+    if POOLED:
+        return
     dist.destroy_process_group()
     # Results are written and every rank has left the group: skip interpreter teardown.
     # Gloo threads still holding work objects can abort a process there ("terminate
@@ -33,3 +58,130 @@ def finish(results: dict, out_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# -- test side ----------------------------------------------------------------------------
+
+def launch(worker: str, out, *args: str, nproc: int, timeout: float = 600,
+           timeout_env: str = "120", real: bool = False) -> dict:
+    """Run ``tests/<worker>`` on ``nproc`` ranks with argv ``[out, *args]``; the JSON rank 0
+    wrote to ``out``. ``real``: under a fresh torchrun (``timeout_env`` is then its
+    TORCHALPA_TIMEOUT_S), else on the pool of ``nproc`` ranks. TORCHALPA_TEST_TORCHRUN=1
+    makes every launch a fresh torchrun (to compare timings, or to rule the pool out)."""
+    path = os.path.join(HERE, worker)
+    argv = [str(out), *map(str, args)]
+    if real or os.environ.get("TORCHALPA_TEST_TORCHRUN") == "1":   # every launch its own
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", path, *argv]
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S=timeout_env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    else:
+        _pool(nproc).run(path, argv, timeout)
+    with open(out) as f:
+        return json.load(f)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankPool:
+    """``nproc`` processes of tests/rank_pool.py in one gloo group, fed jobs on stdin."""
+
+    def __init__(self, nproc: int):
+        self.nproc = nproc
+        self.logs = [tempfile.NamedTemporaryFile("w+", prefix=f"rank_pool{nproc}_{r}_",
+                                                 suffix=".log", delete=False)
+                     for r in range(nproc)]
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), OMP_NUM_THREADS="1",
+                   TORCHALPA_TIMEOUT_S=POOL_TIMEOUT_S)
+        self.procs = [subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "rank_pool.py")],
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=self.logs[r]) for r in range(nproc)]
+
+    def run(self, path: str, argv: list, timeout: float) -> None:
+        """One job on every rank; a failure (or a rank that does not answer in time)
+        closes the pool, so the next launch starts a fresh one, and fails with the logs."""
+        job = (json.dumps({"worker": path, "args": argv}) + "\n").encode()
+        try:
+            for p in self.procs:
+                assert p.stdin is not None
+                p.stdin.write(job)
+                p.stdin.flush()
+            replies = self._replies(time.monotonic() + timeout)
+        except OSError as e:                     # a rank had died before the job
+            replies = [f"unreachable ({e})"] * self.nproc
+        if replies != ["ok"] * self.nproc:
+            logs = self._log_tails()
+            self.close(kill=True)
+            raise AssertionError(f"{os.path.basename(path)} on the {self.nproc}-rank pool: "
+                                 f"replies {replies}\n{logs}")
+
+    def _replies(self, deadline: float) -> list:
+        """Each rank's reply, read as they come; the first rank that fails or dies ends the
+        wait (the others are then stuck in a collective with it), as does the deadline."""
+        replies: list = [None] * self.nproc
+        pending = {p.stdout: r for r, p in enumerate(self.procs)}
+        while pending:
+            ready, _, _ = select.select(list(pending), [], [],
+                                        max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for pipe in ready:
+                r = pending.pop(pipe)
+                replies[r] = pipe.readline().decode().strip() or \
+                    f"died (exit {self.procs[r].wait()})"
+            if any(x not in (None, "ok") for x in replies):
+                break
+        return [x or "no answer" for x in replies]
+
+    def _log_tails(self) -> str:
+        tails = []
+        for r, log in enumerate(self.logs):
+            log.flush()
+            with open(log.name) as f:
+                tails.append(f"--- rank {r} ---\n" + f.read()[-4000:])
+        return "\n".join(tails)
+
+    def close(self, kill: bool = False) -> None:
+        if _POOLS.get(self.nproc) is self:
+            del _POOLS[self.nproc]
+        for p in self.procs:
+            if not kill and p.poll() is None:
+                try:
+                    assert p.stdin is not None
+                    p.stdin.write(b'{"exit": true}\n')
+                    p.stdin.close()
+                except OSError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=0 if kill else 30)
+            except subprocess.TimeoutExpired:
+                pass
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in self.logs:
+            log.close()
+            os.unlink(log.name)
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def _pool(nproc: int) -> RankPool:
+    if nproc not in _POOLS:
+        _POOLS[nproc] = RankPool(nproc)
+    return _POOLS[nproc]
+
+
+@atexit.register
+def _close_pools() -> None:
+    for pool in list(_POOLS.values()):
+        pool.close()

@@ -1,0 +1,27 @@
+"""The multi-rank tests' launcher (tests/worker_io.py): the rank pool reuses its processes
+across launches, exchanges real data between them, and a job that fails shows its trace
+and leaves the next launch a fresh pool. (``real=True``, under torchrun, is what
+tests/test_distributed.py's two-rank launch and tests/test_pipeline.py's eight take.)"""
+
+from __future__ import annotations
+
+import pytest
+import worker_io
+
+
+def test_pool_reuses_its_ranks_and_exchanges_real_data(tmp_path):
+    first = worker_io.launch("probe_worker.py", tmp_path / "a.json", -1, nproc=2)
+    second = worker_io.launch("probe_worker.py", tmp_path / "b.json", -1, nproc=2)
+    assert first["rank_sum"] == 1.0 and first["world_size"] == 2
+    assert len(set(first["pids"])) == 2              # two processes,
+    assert second["pids"] == first["pids"]           # started once
+
+
+def test_a_failed_job_shows_its_trace_and_the_next_gets_a_fresh_pool(tmp_path):
+    before = worker_io.launch("probe_worker.py", tmp_path / "a.json", -1, nproc=2)
+    with pytest.raises(AssertionError, match="probe failure on rank 1"):
+        worker_io.launch("probe_worker.py", tmp_path / "b.json", 1, nproc=2, timeout=60)
+    after = worker_io.launch("probe_worker.py", tmp_path / "c.json", -1, nproc=2)
+    assert after["rank_sum"] == 1.0
+    assert set(after["pids"]).isdisjoint(before["pids"])
+
