@@ -161,6 +161,17 @@ def _capture_step(model, example_inputs, loss_fn, **options):
     return captured
 
 
+def _capture_variants(model, example_inputs, loss_fn, option, **options) -> dict:
+    """Captures of the step, one per activation-checkpointing mode ``option.remat`` plans
+    (``passes/remat_choice.py``); the checkpointed one is derived without tracing again."""
+    from torchalpa.frontends.checkpoint import checkpointed_capture
+    from torchalpa.passes.remat_choice import capture_modes
+    modes = capture_modes(option.remat)
+    plain = _capture_step(model, example_inputs, loss_fn, **options,
+                          rematerialize_parameters=option.rematerialize_parameters)
+    return {m: checkpointed_capture(plain) if m == "full" else plain for m in modes}
+
+
 def _blocks_of(graph: OpGraph) -> dict | None:
     """Repeated layers the frontend tagged, if it found any."""
     return graph.meta.get("repeated_blocks") or None
@@ -213,11 +224,12 @@ def _plan(model, example_inputs, loss_fn, *, method, cluster, inputs, param_argn
         return plan_pipeshard(model, example_inputs, loss_fn, method=method,
                               cluster=cluster or default_cluster(world_size()), inputs=inputs)
     meshes = candidate_meshes(cluster or default_cluster(world_size()), method)
-    captured = _capture_step(model, example_inputs, loss_fn, rematerialize_parameters=(
-        method.auto_sharding_option.rematerialize_parameters))
-    check_step_dtypes(captured.graph)
-    return plan_graph(captured.graph, method=method, meshes=meshes, inputs=inputs,
-                      blocks=_blocks_of(captured.graph))
+    from torchalpa.passes.remat_choice import plan_with_remat
+    variants = _capture_variants(model, example_inputs, loss_fn, method.auto_sharding_option)
+    check_step_dtypes(next(iter(variants.values())).graph)
+    return plan_with_remat(variants, lambda c: plan_graph(
+        c.graph, method=method, meshes=meshes, inputs=inputs, blocks=_blocks_of(c.graph)),
+        lambda c: c.graph)
 
 
 def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -331,20 +343,27 @@ def _auto_parallel(model, example_inputs, loss_fn, *, method, mesh, cluster, inp
 
     start = time.perf_counter()
     traced = _with_precision(model, mixed_precision)
-    captured = _capture_step(traced, _capture_examples(model, example_inputs, num_micro_batches),
-                       loss_fn, rematerialize_parameters=(
-                           method.auto_sharding_option.rematerialize_parameters),
-                       signature=signature)
+    from torchalpa.passes.remat_choice import chosen_remat, plan_with_remat
+    variants = _capture_variants(traced, _capture_examples(model, example_inputs,
+                                                           num_micro_batches),
+                                 loss_fn, method.auto_sharding_option, signature=signature)
+    captured = next(iter(variants.values()))
     check_step_dtypes(captured.graph)
     fingerprint = captured.graph.fingerprint()
     _same_step_on_every_rank(fingerprint)
     if plan is not None:
-        _check_given_plan(plan, fingerprint, shape, captured.graph)
+        if chosen_remat(plan) not in variants:      # a plan made with another remat setting
+            variants = _capture_variants(traced, _capture_examples(
+                model, example_inputs, num_micro_batches), loss_fn, replace(
+                method.auto_sharding_option, remat=chosen_remat(plan)), signature=signature)
+        captured = variants[chosen_remat(plan)]
+        _check_given_plan(plan, captured.graph.fingerprint(), shape, captured.graph)
         the_plan = plan
     else:
-        the_plan = _plan_on_rank0(lambda: plan_graph(
-            captured.graph, method=method, meshes=meshes, inputs=inputs,
-            blocks=_blocks_of(captured.graph)))
+        the_plan = _plan_on_rank0(lambda: plan_with_remat(variants, lambda c: plan_graph(
+            c.graph, method=method, meshes=meshes, inputs=inputs, blocks=_blocks_of(c.graph)),
+            lambda c: c.graph))
+        captured = variants[chosen_remat(the_plan)]
     device_mesh = mesh if mesh is not None else mesh_mod.build_mesh(the_plan.mesh_shape,
                                                                     the_plan.axis_names)
     device = mesh_mod.default_device()
