@@ -82,9 +82,9 @@ def compare(name: str, cluster, want_detail: bool = False) -> dict:
     from_text = torchalpa.plan(text, (), cluster=cluster)
     extra = {}
     if want_detail:
-        from torchalpa.api import _capture_step
+        from torchalpa.workflow import capture_step
         from torchalpa.programs import program_graph
-        extra["detail"] = detail(_capture_step(model, batch, loss_fn).graph,
+        extra["detail"] = detail(capture_step(model, batch, loss_fn).graph,
                                  program_graph(text, ()), from_aten, from_text)
     text_params = {p.name: p for p in from_text.parameters}
     differ = {p.name: [str(p.placements), str(text_params[p.name].placements)

@@ -150,6 +150,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
     already flattened tensor list of ``CallSignature.of``.
     ``rematerialize_parameters``: backward reads parameters through its own views
     (``frontends/remat.py``: ZeRO-3 gathers them again instead of keeping forward's).
+    Activation checkpointing rewrites a capture: ``frontends/checkpoint.py``.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

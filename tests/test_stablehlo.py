@@ -320,13 +320,13 @@ def test_gpt_from_stablehlo_moves_the_bytes_aten_does():
     embeddings, its StableHLO graph moves within 5% of the bytes its ATen graph does, and
     has no op without a rule but the loss's target pick (a gather of (row, target) pairs)."""
     from torchalpa import models
-    from torchalpa.api import _capture_step
+    from torchalpa.workflow import capture_step
     from torchalpa.programs import program_graph
     w = models.tiny("gpt", dropout=0.0)
     model = w.build()
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
     batch = w.example_inputs()
-    from_aten = _capture_step(model, batch, w.loss_fn).graph
+    from_aten = capture_step(model, batch, w.loss_fn).graph
     from_text = program_graph(torchalpa.export_stablehlo(model, batch, w.loss_fn), ())
     moved = [sum(n.bytes for n in g.ops()) for g in (from_aten, from_text)]
     assert moved[1] == pytest.approx(moved[0], rel=0.05), moved

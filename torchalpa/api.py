@@ -14,7 +14,7 @@ from torchalpa.methods import PipeshardParallel, ShardParallel
 from torchalpa.opgraph import OpGraph
 from torchalpa.plan import Plan
 from torchalpa.plan_check import check_step_dtypes
-from torchalpa.workflow import (capture_examples, capture_step, plan_on_rank0,
+from torchalpa.workflow import (capture_examples, capture_variants, plan_on_rank0,
                                 same_step_on_every_rank, with_precision)
 
 __all__ = ["plan", "auto_parallel", "default_cluster", "plan_graph"]
@@ -188,11 +188,12 @@ def _plan(model, example_inputs, loss_fn, *, method, cluster, inputs, param_argn
         return plan_pipeshard(model, example_inputs, loss_fn, method=method,
                               cluster=cluster or default_cluster(world_size()), inputs=inputs)
     meshes = candidate_meshes(cluster or default_cluster(world_size()), method)
-    captured = capture_step(model, example_inputs, loss_fn, rematerialize_parameters=(
-        method.auto_sharding_option.rematerialize_parameters))
-    check_step_dtypes(captured.graph)
-    return plan_graph(captured.graph, method=method, meshes=meshes, inputs=inputs,
-                      blocks=_blocks_of(captured.graph))
+    from torchalpa.passes.remat_choice import plan_with_remat
+    variants = capture_variants(model, example_inputs, loss_fn, method.auto_sharding_option)
+    check_step_dtypes(next(iter(variants.values())).graph)
+    return plan_with_remat(variants, lambda c: plan_graph(
+        c.graph, method=method, meshes=meshes, inputs=inputs, blocks=_blocks_of(c.graph)),
+        lambda c: c.graph)
 
 
 def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -306,20 +307,27 @@ def _auto_parallel(model, example_inputs, loss_fn, *, method, mesh, cluster, inp
 
     start = time.perf_counter()
     traced = with_precision(model, mixed_precision)
-    captured = capture_step(traced, capture_examples(model, example_inputs, num_micro_batches),
-                       loss_fn, rematerialize_parameters=(
-                           method.auto_sharding_option.rematerialize_parameters),
-                       signature=signature)
+    from torchalpa.passes.remat_choice import chosen_remat, plan_with_remat
+    variants = capture_variants(traced, capture_examples(model, example_inputs,
+                                                           num_micro_batches),
+                                 loss_fn, method.auto_sharding_option, signature=signature)
+    captured = next(iter(variants.values()))
     check_step_dtypes(captured.graph)
     fingerprint = captured.graph.fingerprint()
     same_step_on_every_rank(fingerprint)
     if plan is not None:
-        _check_given_plan(plan, fingerprint, shape, captured.graph)
+        if chosen_remat(plan) not in variants:      # a plan made with another remat setting
+            variants = capture_variants(traced, capture_examples(
+                model, example_inputs, num_micro_batches), loss_fn, replace(
+                method.auto_sharding_option, remat=chosen_remat(plan)), signature=signature)
+        captured = variants[chosen_remat(plan)]
+        _check_given_plan(plan, captured.graph.fingerprint(), shape, captured.graph)
         the_plan = plan
     else:
-        the_plan = plan_on_rank0(lambda: plan_graph(
-            captured.graph, method=method, meshes=meshes, inputs=inputs,
-            blocks=_blocks_of(captured.graph)))
+        the_plan = plan_on_rank0(lambda: plan_with_remat(variants, lambda c: plan_graph(
+            c.graph, method=method, meshes=meshes, inputs=inputs, blocks=_blocks_of(c.graph)),
+            lambda c: c.graph))
+        captured = variants[chosen_remat(the_plan)]
     device_mesh = mesh if mesh is not None else mesh_mod.build_mesh(the_plan.mesh_shape,
                                                                     the_plan.axis_names)
     device = mesh_mod.default_device()

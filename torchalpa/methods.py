@@ -42,6 +42,11 @@ class AutoShardingOption:
     rematerialize_parameters: bool = False
     """Gather parameters again in backward instead of keeping forward's gathered copies
     (FSDP's reshard-after-forward, ZeRO-3); trades communication for memory."""
+    remat: str = "none"
+    """Activation checkpointing: 'none' keeps forward's activations for backward, 'full'
+    recomputes each block's forward (``layers.3``) in its backward, keeping only block
+    inputs (``frontends/checkpoint.py``), 'auto' plans both and keeps the faster plan that
+    fits (``passes/remat_choice.py``). The plan records its choice (``method['remat']``)."""
     force_data_parallel: bool = False
     """Alpa's data parallelism: the mesh flattened to one axis (its largest latency, its
     smallest inverse bandwidth, as Alpa's ``LogicalDeviceMesh.flatten``), the batch split
@@ -91,6 +96,9 @@ class AutoShardingOption:
     cost of gathering what random ops read). See ``passes/rules/random.py``."""
 
     def __post_init__(self):
+        if self.remat not in ("none", "full", "auto"):
+            raise ValueError(f"AutoShardingOption.remat must be 'none', 'full' or 'auto', "
+                             f"got {self.remat!r}")
         if self.random not in ("sharded", "replicated"):
             raise ValueError(f"AutoShardingOption.random must be 'sharded' or 'replicated', "
                              f"got {self.random!r}")

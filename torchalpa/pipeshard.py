@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn as nn
 from torchalpa.cluster import Cluster
 from torchalpa.methods import PipeshardParallel
 from torchalpa.plan import PipelinePlan
-from torchalpa.workflow import (capture_step, micro_batch_examples, plan_on_rank0,
+from torchalpa.workflow import (capture_variants, micro_batch_examples, plan_on_rank0,
                                 same_step_on_every_rank, with_precision)
 
 __all__ = ["plan_pipeshard", "pipeshard_parallel"]
@@ -37,11 +38,12 @@ def plan_pipeshard(model: nn.Module, example_inputs, loss_fn, *, method: Pipesha
                    cluster: Cluster, inputs: str = "global") -> PipelinePlan:
     """The pipeline plan, without processes or real weights."""
     from torchalpa.passes.inter_op import plan_pipeline
+    from torchalpa.passes.remat_choice import plan_with_remat
     micro = micro_batch_examples(example_inputs, method.num_micro_batches)
-    captured = capture_step(model, micro, loss_fn, rematerialize_parameters=(
-        method.auto_sharding_option.rematerialize_parameters))
-    return _cached(captured.graph, _check_cluster(cluster), method, inputs,
-                   lambda: plan_pipeline(captured.graph, cluster, method, inputs=inputs))
+    variants = capture_variants(model, micro, loss_fn, method.auto_sharding_option)
+    return plan_with_remat(variants, lambda c: _cached(
+        c.graph, _check_cluster(cluster), method, inputs,
+        lambda: plan_pipeline(c.graph, cluster, method, inputs=inputs)), lambda c: c.graph)
 
 
 def _cached(graph, cluster: Cluster, method: PipeshardParallel, inputs: str, solve):
@@ -94,10 +96,13 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
                          "describe the cluster this job runs on")
     start = time.perf_counter()
     traced = with_precision(model, mixed_precision)
-    captured = capture_step(traced, micro_batch_examples(example_inputs,
-                                                         method.num_micro_batches), loss_fn,
-                       rematerialize_parameters=(
-                           method.auto_sharding_option.rematerialize_parameters))
+    from torchalpa.passes.remat_choice import chosen_remat, plan_with_remat
+    option = method.auto_sharding_option
+    if plan is not None and isinstance(plan, PipelinePlan):
+        option = replace(option, remat=chosen_remat(plan))   # capture what the plan was made for
+    variants = capture_variants(traced, micro_batch_examples(
+        example_inputs, method.num_micro_batches), loss_fn, option)
+    captured = next(iter(variants.values()))
     fingerprint = captured.graph.fingerprint()
     same_step_on_every_rank(fingerprint)
     if plan is not None:
@@ -110,9 +115,11 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
         if method.stage_option == "profile":
             measured = _profile(captured, cluster, method, example_inputs, model,
                                 mesh_mod.default_device())
-        the_plan = plan_on_rank0(lambda: _cached(
-            captured.graph, cluster, method, "global",
-            lambda: plan_pipeline(captured.graph, cluster, method, measured=measured)))
+        the_plan = plan_on_rank0(lambda: plan_with_remat(variants, lambda c: _cached(
+            c.graph, cluster, method, "global",
+            lambda: plan_pipeline(c.graph, cluster, method, measured=measured)),
+            lambda c: c.graph))
+        captured = variants[chosen_remat(the_plan)]
     device = mesh_mod.default_device()
     meshes = [DeviceMesh(device.type, torch.tensor(st.ranks).reshape(st.plan.mesh_shape),
                          mesh_dim_names=tuple(st.plan.axis_names)) for st in the_plan.stages]

@@ -16,7 +16,7 @@ import torch
 
 from torchalpa.plan import PipelinePlan, Plan
 
-__all__ = ["capture_step", "micro_batch_examples", "capture_examples", "with_precision",
+__all__ = ["capture_step", "capture_variants", "micro_batch_examples", "capture_examples", "with_precision",
            "same_step_on_every_rank", "plan_on_rank0"]
 
 log = logging.getLogger("torchalpa")
@@ -49,6 +49,17 @@ def capture_step(model, example_inputs, loss_fn, **options):
         progress.done = (f"{sum(1 for _ in graph.ops())} ops, {len(graph.params)} parameters "
                          f"({_count(numel)} elements)")
     return captured
+
+
+def capture_variants(model, example_inputs, loss_fn, option, **options) -> dict:
+    """Captures of the step, one per activation-checkpointing mode ``option.remat`` plans
+    (``passes/remat_choice.py``); the checkpointed one is derived without tracing again."""
+    from torchalpa.frontends.checkpoint import checkpointed_capture
+    from torchalpa.passes.remat_choice import capture_modes
+    modes = capture_modes(option.remat)
+    plain = capture_step(model, example_inputs, loss_fn, **options,
+                         rematerialize_parameters=option.rematerialize_parameters)
+    return {m: checkpointed_capture(plain) if m == "full" else plain for m in modes}
 
 
 def micro_batch_examples(example_inputs: Sequence[torch.Tensor], num_micro_batches: int

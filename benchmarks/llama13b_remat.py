@@ -1,0 +1,78 @@
+"""LLaMA-2-13B on 50 nodes x 4 devices of 32 GB, global batch 200, with activation
+checkpointing: does the pipeline search find a plan that fits, and how long does it take?
+
+    python benchmarks/llama13b_remat.py [--remat full|auto|none] [--micro-batches 25]
+                                        [--layers 10] [--nodes 50]
+
+The simulation of the project's origin (issue 15): seq 4096, 32 GB per device, links with
+alpha (1, 1) and beta (1, 0.01) as there: equal latencies, the link within a node 100x
+the bandwidth of the one between nodes (100 GB/s and 1 GB/s here; V100-like compute).
+Without checkpointing no logical view fits (activations of a 4096-token micro-batch of
+a 40-layer model); with it each block keeps only its input. Prints the search time (this
+machine is shared: loaded-machine figures), the stages, the estimated step and memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import torch
+
+import torchalpa
+import torchalpa.models as zoo
+from torchalpa.methods import AutoLayerOption, AutoShardingOption, PipeshardParallel
+
+GB = 1024 ** 3
+GLOBAL_BATCH = 200
+
+
+def v100_like(nodes: int) -> torchalpa.Cluster:
+    """4 devices of 32 GB per node, links of the origin simulation (see above)."""
+    return torchalpa.Cluster(num_nodes=nodes, devices_per_node=4, memory_per_device=32 * GB,
+                             peak_flops=112e12, memory_bandwidth=900e9,
+                             intra_node_bandwidth=100e9, intra_node_latency=1e-6,
+                             inter_node_bandwidth=1e9, inter_node_latency=1e-6,
+                             name="v100-like 32GB")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--remat", default="full", choices=("none", "full", "auto"))
+    parser.add_argument("--micro-batches", type=int, default=25)
+    parser.add_argument("--layers", type=int, default=10)
+    parser.add_argument("--nodes", type=int, default=50)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    workload = zoo.llama2_13b(batch_size=GLOBAL_BATCH)
+    with torch.device("meta"):
+        model = workload.build()
+    batch = workload.example_inputs(device="meta")
+    method = PipeshardParallel(num_micro_batches=args.micro_batches,
+                               layer_option=AutoLayerOption(layer_num=args.layers),
+                               auto_sharding_option=AutoShardingOption(remat=args.remat))
+    start = time.perf_counter()
+    try:
+        plan = torchalpa.plan(model, batch, workload.loss_fn, method=method,
+                              cluster=v100_like(args.nodes))
+    except Exception as e:   # report, don't hide: the point is whether a plan exists
+        print(f"no plan after {time.perf_counter() - start:.1f} s: {type(e).__name__}: {e}")
+        return 1
+    seconds = time.perf_counter() - start
+    est = plan.estimates
+    print(f"LLaMA-2-13B, {args.nodes}x4 devices of 32 GB, batch {GLOBAL_BATCH} in "
+          f"{args.micro_batches} micro-batches, remat={args.remat} -> "
+          f"{plan.method.get('remat')}: plan in {seconds:.1f} s (loaded machine)")
+    print(f"  {len(plan.stages)} stages, submeshes {plan.submesh_shapes}, "
+          f"logical {plan.logical_shapes}")
+    print(f"  est step {est.get('step_time_s', 0):.3f} s, peak memory per device "
+          f"{max(s.plan.estimates.get('memory_per_device_bytes', 0) for s in plan.stages) / GB:.1f}"
+          f" GiB")
+    for note in plan.notes:
+        print("  note:", note)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

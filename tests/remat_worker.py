@@ -1,0 +1,82 @@
+"""Run under torchrun by tests/test_checkpoint.py: training with activation checkpointing
+(remat="full") against plain training of the same model on one device, intra-op on 2
+ranks and pipelined on 4. Rank 0 writes JSON."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchalpa  # noqa: E402
+import torchalpa.models as zoo  # noqa: E402
+from pipeline_worker import compare, manual  # noqa: E402
+from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from worker_io import attempt, finish  # noqa: E402
+
+
+def intra_op(gpt, batch, remat: str, steps: int = 3) -> dict:
+    """ShardParallel with ``remat``: losses and parameters after ``steps`` Adam steps,
+    against the model trained on this process alone."""
+    torch.manual_seed(0)
+    model = gpt.build()
+    torch.manual_seed(0)
+    ref = gpt.build()
+    option = torchalpa.AutoShardingOption(remat=remat)
+    pm = torchalpa.auto_parallel(model, batch, gpt.loss_fn,
+                                 method=torchalpa.ShardParallel(auto_sharding_option=option),
+                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    out = {"losses": [], "ref_losses": [], "remat": pm.plan.method.get("remat"),
+           "notes": list(pm.plan.notes)}
+    for _ in range(steps):
+        out["losses"].append(pm.train_step(*batch).item())
+        ref_loss = gpt.loss_fn(ref(*batch[:-1]), batch[-1])
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        out["ref_losses"].append(ref_loss.item())
+    diffs = [(p.full_tensor() - q).abs().max().item()
+             for p, q in zip(pm.module.parameters(), ref.parameters())]
+    out["max_param_diff"] = max(diffs)
+    return out
+
+
+def scenarios(n):
+    gpt = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=4)
+    torch.manual_seed(1234)                 # the same global batch on every rank
+    batch = gpt.example_inputs()
+    if n == 2:
+        for remat in ("full", "none"):
+            yield f"intra_{remat}", lambda remat=remat: intra_op(gpt, batch, remat)
+    if n == 4:
+        P, L = torchalpa.PipeshardParallel, torchalpa.AutoLayerOption
+        option = torchalpa.AutoShardingOption(remat="full")
+
+        def pipeline():
+            method = P(num_micro_batches=4, layer_option=L(layer_num=2),
+                       stage_option=manual([[0], [1]], [(1, 2), (1, 2)]),
+                       auto_sharding_option=option)
+            out = compare(gpt.build, batch, gpt.loss_fn, method,
+                          cluster=torchalpa.Cluster.local_cpu(4))
+            plan = torchalpa.plan(gpt.build(), batch, gpt.loss_fn, method=method,
+                                  cluster=torchalpa.Cluster.local_cpu(4))
+            return {**out, "remat": plan.method.get("remat"), "notes": list(plan.notes)}
+        yield "pipeline_full", pipeline
+
+
+def main():
+    out_path = sys.argv[1]
+    init_distributed()
+    results = {"world_size": dist.get_world_size()}
+    for name, run in scenarios(dist.get_world_size()):
+        results[name] = attempt(run)
+    finish(results, out_path)
+
+
+if __name__ == "__main__":
+    main()
