@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map
 import torchalpa.attention  # noqa: F401  (registers torchalpa::sdpa, which programs call)
 from torchalpa.plan import Plan, ReshardStep
 from torchalpa.runtime import collectives as C
+from torchalpa.runtime.buckets import fuse_gradient_buckets, gradient_buckets
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.overlap import overlap_collectives
 
@@ -150,6 +151,8 @@ def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, gro
     forward, backward = _split(graph, placeholders, loss_value, grad_values, update_values)
     reduce_grads = _reduce_program(plan, coords, group_names,
                                    [s for g, s in zip(grad_values, grad_steps) if g is not None])
+    fuse_gradient_buckets(reduce_grads, gradient_buckets(plan), group_sizes=plan.mesh_shape,
+                          grad_names=[f for f, g in zip(param_names, grad_values) if g is not None])
     if overlap:
         for gm in (forward, backward, reduce_grads):
             overlap_collectives(gm)
