@@ -30,7 +30,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NETNS = os.path.join(ROOT, "..", "shared", "tools", "netns_bytes.sh")
+# shared/ sits beside the checkout (/work/main) or two levels up (a worktree, /work/wt/x)
+NETNS = next((p for p in (os.path.join(ROOT, *[".."] * up, "shared", "tools", "netns_bytes.sh")
+                          for up in (1, 2)) if os.path.exists(p)), "netns_bytes.sh")
 METHODS = ("torchalpa", "ddp", "fsdp2")
 ZOO = ("gpt", "llama", "bert", "vit", "resnet", "moe")
 MODELS = ZOO + ("mlp",)
@@ -64,8 +66,8 @@ def main():
                 *flags, "--models", *args.models, "--methods", *args.methods, "--worker", out]
     in_netns = os.path.exists(NETNS) and os.geteuid() == 0
     if not in_netns:
-        print("warning: shared/tools/netns_bytes.sh needs root; loopback bytes will include "
-              "other local traffic", file=sys.stderr)
+        print("warning: not inside shared/tools/netns_bytes.sh (missing, or not root); "
+              "loopback bytes will include other local traffic", file=sys.stderr)
     cmd = ["bash", NETNS, *torchrun] if in_netns else torchrun
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S="1800",
                TORCHALPA_LOG="warning")

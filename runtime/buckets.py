@@ -8,8 +8,9 @@ GPT-2 small, where DDP issues a handful). DDP packs gradients into buckets of ab
 - ``gradient_buckets(plan)`` groups the gradients whose final resharding starts with an
   all-reduce or a reduce-scatter, by mesh axis, reduce op, element size (and scattered
   dim), in the order backward produces them (the reverse of the parameters'), into
-  buckets of at most ``all_reduce_threshold`` bytes (the plan's option; DDP's 25 MiB when
-  unset, 0 for no buckets). Only buckets of two or more gradients are formed.
+  buckets of at most ``all_reduce_threshold`` bytes (the plan's option; when unset, DDP's
+  sizes: 1 MiB for the first bucket of each kind, so reduction starts early in backward,
+  25 MiB for the others; 0 for no buckets). Only buckets of two or more gradients form.
 - ``fuse_gradient_buckets(gm, buckets, grad_names)`` rewrites a ``reduce_grads`` program:
   the members of a bucket are flattened and concatenated, reduced by one collective and
   split back into views of their shapes. It is a pass over the program, so intra-op and
@@ -36,11 +37,12 @@ from torchalpa.placement import local_shape
 from torchalpa.plan import Collective, Plan
 from torchalpa.runtime import collectives as C
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "GradientBucket", "bucket_threshold", "gradient_buckets",
+__all__ = ["DEFAULT_BUCKET_BYTES", "FIRST_BUCKET_BYTES", "GradientBucket", "bucket_threshold", "gradient_buckets",
            "fuse_gradient_buckets", "issued_collectives", "flatten_concat", "split_flat",
            "interleave_chunks", "split_chunks"]
 
 DEFAULT_BUCKET_BYTES = 25 * 2 ** 20   # torch DDP's bucket_cap_mb default
+FIRST_BUCKET_BYTES = 2 ** 20          # torch DDP's first bucket (_DEFAULT_FIRST_BUCKET_BYTES)
 OUTPUT = "<output>"
 _FUSIBLE = ("all_reduce", "reduce_scatter")
 
@@ -60,9 +62,14 @@ class GradientBucket:
 
 def bucket_threshold(plan: Plan) -> int:
     """Bytes per bucket: the plan's ``all_reduce_threshold``, DDP's 25 MiB when unset."""
+    threshold = _option_threshold(plan)
+    return DEFAULT_BUCKET_BYTES if threshold is None else threshold
+
+
+def _option_threshold(plan: Plan) -> int | None:
     option = (plan.method or {}).get("auto_sharding_option") or {}
     threshold = option.get("all_reduce_threshold")
-    return DEFAULT_BUCKET_BYTES if threshold is None else int(threshold)
+    return None if threshold is None else int(threshold)
 
 
 def _grad_reshards(plan: Plan):
@@ -95,11 +102,17 @@ def _itemsize(plan: Plan, param: str, step) -> int | None:
 
 def gradient_buckets(plan: Plan, threshold: int | None = None) -> tuple[GradientBucket, ...]:
     """The plan's gradient collectives packed into buckets of at most ``threshold`` bytes
-    (default: ``bucket_threshold(plan)``); gradients that share no bucket are left out."""
-    threshold = bucket_threshold(plan) if threshold is None else threshold
+    (default: the plan's option, else DDP's 1 MiB first bucket and 25 MiB ones after it);
+    gradients that share no bucket are left out."""
+    first_threshold = threshold
+    if threshold is None:
+        threshold = bucket_threshold(plan)
+        first_threshold = FIRST_BUCKET_BYTES if _option_threshold(plan) is None else threshold
+    assert first_threshold is not None
     if threshold < 0:
         raise ValueError(f"bucket threshold must be >= 0 bytes, got {threshold}")
     open_buckets: dict[tuple, list] = {}
+    first_of: dict[tuple, list] = {}
     closed: list[list] = []
     for param, step, position in reversed(_grad_reshards(plan)):   # backward's order
         size = _itemsize(plan, param, step)
@@ -108,8 +121,10 @@ def gradient_buckets(plan: Plan, threshold: int | None = None) -> tuple[Gradient
         key = (step.kind, step.axis, step.reduce_op, step.dim if step.kind != "all_reduce"
                else None, size)
         members = open_buckets.get(key)
-        if members is None or sum(s.bytes for _, s, _ in members) + step.bytes > threshold:
+        cap = first_threshold if members is first_of.get(key) else threshold
+        if members is None or sum(s.bytes for _, s, _ in members) + step.bytes > cap:
             members = open_buckets[key] = []
+            first_of.setdefault(key, members)
             closed.append(members)
         members.append((param, step, position))
     return tuple(GradientBucket(kind=m[0][1].kind, axis=m[0][1].axis,

@@ -65,6 +65,17 @@ def test_buckets_group_by_axis_op_and_dtype_in_backward_order():
     assert buckets[0].positions == (6, 2, 1)
 
 
+def test_unset_threshold_caps_the_first_bucket_like_ddp():
+    # 300 KiB gradients: 1 MiB holds 3 of them, then 25 MiB buckets take the rest
+    grads = [(f"w{i}", (300, 256), grad_step("all_reduce", 0, 300 * 256)) for i in range(8)]
+    buckets = gradient_buckets(make_plan(grads))
+    assert [len(b.params) for b in buckets] == [3, 5]
+    assert buckets[0].params == ("w7", "w6", "w5")      # the last layers, ready first
+    # a threshold the user set is used for every bucket
+    assert [len(b.params) for b in gradient_buckets(make_plan(grads, threshold=2 ** 20))] == \
+        [3, 3, 2]
+
+
 def test_threshold_splits_buckets_and_singletons_stay_alone():
     grads = [(n, (8, 8), grad_step("all_reduce", 0, 64)) for n in "abcde"]
     buckets = gradient_buckets(make_plan(grads, threshold=2 * 256))
@@ -151,3 +162,44 @@ def test_shard_source_layouts_count_local_elements():
                        dst=(R, Shard(0)), reduce_op="sum")
     grads = [("a", (8, 8), step), ("b", (8, 8), step)]
     assert gradient_buckets(make_plan(grads))[0].params == ("b", "a")
+
+
+# -- issuing gradient collectives inside backward (runtime/early_reduce.py) -----------------
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of one rank in this process (collectives are identities)."""
+    import torch.distributed as dist
+
+    from torchalpa.runtime.mesh import init_distributed
+    init_distributed()
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def test_backward_with_reduce_issues_each_collective_once_its_gradients_exist(one_rank_group):
+    from torchalpa.runtime.early_reduce import EARLY, backward_with_reduce
+    from torchalpa.runtime.overlap import overlap_collectives
+
+    def backward(s):                       # the last layer's gradient first, as backward does
+        g_last = s * 2
+        h = torch.cos(torch.sin(g_last) * 3)
+        return h + 1, None, g_last
+
+    bwd = fx.symbolic_trace(backward)
+    graph = fx.Graph()
+    outs = [graph.call_function(C.all_reduce, (graph.placeholder(f"grad_{i}"), "sum",
+                                               one_rank_group)) for i in range(2)]
+    graph.output(tuple(outs))
+    reduce = overlap_collectives(fx.GraphModule(torch.nn.Module(), graph))
+    fused = backward_with_reduce(bwd, reduce)
+    order = [n.target for n in fused.graph.nodes if n.op == "call_function"]
+    names = [getattr(t, "__name__", str(t)) for t in order]
+    # g_last's all-reduce is issued before backward computes the rest; waits come last
+    assert names.index("issue_all_reduce") < names.index("sin")
+    assert names.count("issue_all_reduce") == 2 and names[-2:] == ["finish_all_reduce"] * 2
+    assert sum(t in EARLY for t in order) == 2
+    s = torch.randn(5)
+    got = fused(s)
+    want = backward(s)
+    assert got[1] is None and torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
