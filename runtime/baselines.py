@@ -27,12 +27,15 @@ def wrap_fsdp2(model: nn.Module, mesh=None) -> nn.Module:
     for m in model.modules():
         for p in m.parameters(recurse=False):
             owners.setdefault(id(p), set()).add(id(m))
+    layers = []     # chosen before any is sharded (sharding replaces the parameters)
     for stack in [m for m in model.modules() if isinstance(m, (nn.ModuleList, nn.Sequential))]:
         for layer in stack:
             inside = {id(m) for m in layer.modules()}
             params = list(layer.parameters())
             if params and all(owners[id(p)] <= inside for p in params):
-                fully_shard(layer, mesh=mesh)
+                layers.append(layer)
+    for layer in reversed(layers):      # nested stacks: the inner layers first
+        fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 

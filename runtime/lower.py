@@ -39,6 +39,7 @@ import torchalpa.attention  # noqa: F401  (registers torchalpa::sdpa, which prog
 from torchalpa.opgraph import ValueRef
 from torchalpa.plan import OutputSlot, Plan, ReshardStep
 from torchalpa.runtime import collectives as C
+from torchalpa.runtime.buckets import fuse_gradient_buckets, gradient_buckets
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.overlap import overlap_collectives
 
@@ -198,10 +199,13 @@ class _Emitter:
 
 
 def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, group_names,
-                   device: torch.device, overlap: bool = True) -> BuiltPrograms:
+                   device: torch.device, overlap: bool = True,
+                   bucketed: bool = True) -> BuiltPrograms:
     """Lower ``part`` of the source graph ``gm`` under ``plan`` (the slice's intra-op
     plan) for the rank at mesh coordinate ``coords``: interpret the slice node by node
-    (``_lower_node``), then split the local graph into forward and backward programs."""
+    (``_lower_node``), then split the local graph into forward and backward programs.
+
+    ``bucketed``: gradients' final collectives go out in buckets (``runtime.buckets``)."""
     strategies = {s.node: s for s in plan.strategies}
     reshards = {(r.consumer, r.slot): r.steps for r in plan.reshards}
     producer_of = producers(gm)
@@ -285,6 +289,9 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
                                backward_out=raw_grads + backward_sends)
     reduce_grads = _reduce(plan, coords, group_names,
                            [output_steps(OutputSlot.grad(fqn)) for fqn, _ in present])
+    if bucketed:
+        fuse_gradient_buckets(reduce_grads, gradient_buckets(plan), group_sizes=plan.mesh_shape,
+                              grad_names=[fqn for fqn, _ in present])
     if overlap:
         for program in (forward, backward, reduce_grads):
             overlap_collectives(program)

@@ -38,6 +38,7 @@ from torchalpa.runtime.faults import (FaultMonitor, check_same_inputs, check_sam
 from torchalpa.runtime.inference import ForwardPrograms
 from torchalpa.runtime.lower import LocalProgram
 from torchalpa.runtime.materialize import distribute_module_state, to_dtensor_placements
+from torchalpa.runtime.optim import lean_optimizer_steps
 from torchalpa.runtime.replicas import check_replicas as _check_replicas
 from torchalpa.runtime.stats import StepClock, StepStats
 from torchalpa.runtime.step import StepRunner
@@ -119,6 +120,7 @@ class ParallelModule(nn.Module):
         self._check_every_step = bool(check_replicas)
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self._clock = StepClock(device)
+        lean_optimizer_steps(self.parameters())      # Adam & co. step on the local shards
         self.optimizer = optimizer(self.parameters()) if optimizer is not None else None
         # tools that read the forward's parameters to pick batch fields (HF Trainer drops
         # the columns ``model.forward`` does not name) see the wrapped model's

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from torchalpa.runtime.early_reduce import early_reduce_program
 from torchalpa.runtime.lower import LocalProgram
 
 __all__ = ["StepRunner", "split_micro_batches"]
@@ -42,6 +43,10 @@ class StepRunner:
         self.program = program
         self.num_micro_batches = num_micro_batches
         self.last_buffer_updates: list[torch.Tensor] = []   # of the step's last micro-batch
+        # one micro-batch: backward and the gradients' collectives as one program, each
+        # collective issued as soon as its gradients exist (runtime.early_reduce)
+        self._backward_reduce = early_reduce_program(program.backward, program.reduce_grads,
+                                                     num_micro_batches)
 
     def _forward(self, state, micro):
         """(loss, saved) of one micro-batch; its buffer updates are kept aside."""
@@ -71,6 +76,8 @@ class StepRunner:
     def backward(self, saved: list[tuple], scale: torch.Tensor | float | None = None
                  ) -> list[torch.Tensor | None]:
         """Gradients of ``scale * mean loss`` in their parameters' layouts (None: unused)."""
+        if self._backward_reduce is not None and len(saved) == 1:
+            return self._scale(self._backward_reduce(*saved[0]), scale)
         raw = None
         for values in saved:
             raw = self._accumulate(raw, self.program.backward(*values))
@@ -84,6 +91,8 @@ class StepRunner:
         for micro in split_micro_batches(inputs, self.num_micro_batches):
             loss, saved = self._forward(state, micro)
             losses.append(loss)
+            if self._backward_reduce is not None:
+                return loss, self._scale(self._backward_reduce(*saved), None)
             grads = self.program.backward(*saved)
             del saved
             raw = self._accumulate(raw, grads)
@@ -106,13 +115,16 @@ class StepRunner:
         """Apply the plan's gradient resharding once, then the 1/k and ``scale`` factors."""
         present = [g for g in raw if g is not None]
         reduced = iter(self.program.reduce_grads(*present))
+        return self._scale([None if g is None else next(reduced) for g in raw], scale)
+
+    def _scale(self, grads, scale) -> list[torch.Tensor | None]:
+        """The 1/k and ``scale`` factors on reduced gradients."""
         factor = 1.0 / self.num_micro_batches
         out = []
-        for g in raw:
+        for g in grads:
             if g is None:
                 out.append(None)
                 continue
-            g = next(reduced)
             if scale is not None:
                 g = g * scale
             if factor != 1.0:

@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import torchalpa  # noqa: E402
 from models import MLP, WithCustomOp, mlp_inputs  # noqa: E402
+from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
 from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 from worker_io import attempt, finish  # noqa: E402
@@ -37,8 +38,10 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
     pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
                                  optimizer=(lambda ps: torch.optim.Adam(ps, lr=lr)), **auto_kw)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=lr)
-    predicted = sorted([c.kind, c.axis, c.bytes] for c in pm.plan.collectives)
+    # what a step issues: the plan's collectives, gradient all-reduces merged into buckets
+    predicted = sorted([c.kind, c.axis, c.bytes] for c in issued_collectives(pm.plan))
     out = {"losses": [], "ref_losses": [], "executed": [], "predicted": predicted,
+           "per_gradient": sorted([c.kind, c.axis, c.bytes] for c in pm.plan.collectives),
            "kinds": sorted({c.kind for c in pm.plan.collectives}),
            "unsupported": [u["op"] for u in pm.plan.unsupported_ops],
            "mesh": list(pm.plan.mesh_shape)}

@@ -25,6 +25,7 @@ import torchalpa  # noqa: E402
 from models import MLP, mlp_inputs  # noqa: E402
 from quickstart import MLP as QuickstartMLP  # noqa: E402
 from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from torchalpa.runtime.buckets import gradient_buckets, issued_collectives  # noqa: E402
 from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
 from torchalpa.plan import OutputSlot  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
@@ -54,7 +55,13 @@ def max_rel_diff(ours, refs) -> float:
 
 def expected_collectives(plan, k: int) -> list:
     """The plan's collectives for a step of k micro-batches: the final resharding of each
-    gradient once, everything else once per micro-batch."""
+    gradient once (gradient all-reduces merged into buckets), everything else once per
+    micro-batch."""
+    return sorted([c.kind, c.axis, c.bytes] for c in issued_collectives(plan, k))
+
+
+def per_gradient_collectives(plan, k: int) -> list:
+    """As ``expected_collectives`` with one collective per gradient (no buckets)."""
     out = []
     for r in plan.reshards:
         once = isinstance(r.slot, OutputSlot) and r.slot.kind == "grad"
@@ -76,6 +83,8 @@ def micro_batches(make, batch_size, dim, k, **auto_kw):
     out = {"losses": [], "ref_losses": [], "executed": [],
            "expected": expected_collectives(pm.plan, k),
            "planned_once": expected_collectives(pm.plan, 1),
+           "per_gradient": per_gradient_collectives(pm.plan, k),
+           "bucket_sizes": [len(b.params) for b in gradient_buckets(pm.plan)],
            "input_shape": list(pm.plan.inputs[0].shape)}
     for step in range(3):
         x, y = batch(step, batch_size, dim)

@@ -75,6 +75,10 @@ def test_micro_batches_issue_the_planned_collectives_per_micro_batch(four, name)
     assert len(r["expected"]) >= k * (len(r["planned_once"]) - 1)
     for executed in r["executed"]:          # both loss.backward() and train_step
         assert executed == r["expected"]
+    # buckets merge the gradients' final collectives: the same bytes in fewer collectives
+    assert sum(c[2] for c in r["expected"]) == sum(c[2] for c in r["per_gradient"])
+    merged = sum(n - 1 for n in r["bucket_sizes"])
+    assert len(r["expected"]) == len(r["per_gradient"]) - merged
 
 
 def test_micro_batches_on_two_ranks(two):

@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
+from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
 from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 from worker_io import attempt, finish  # noqa: E402
@@ -37,7 +38,7 @@ def run(family: str, mesh_shape) -> dict:
     pm = torchalpa.auto_parallel(model, batch, workload.loss_fn, method=method,
                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    predicted = sorted([c.kind, c.axis, c.bytes] for c in pm.plan.collectives)
+    predicted = sorted([c.kind, c.axis, c.bytes] for c in issued_collectives(pm.plan))
     out = {"losses": [], "ref_losses": [], "executed_equal_predicted": [],
            "num_collectives": len(predicted), "mesh": list(pm.plan.mesh_shape),
            "unsupported": sorted({u["op"] for u in pm.plan.unsupported_ops}),

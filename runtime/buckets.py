@@ -1,0 +1,271 @@
+"""Bucketed gradient collectives: one all-reduce (or reduce-scatter) per bucket of gradients.
+
+A lowered ``reduce_grads`` program reshards each gradient on its own: a plan that is DDP's
+issues one all-reduce per parameter, and on a network each pays a latency (150 for
+GPT-2 small, where DDP issues a handful). DDP packs gradients into buckets of about
+25 MiB; this module does the same to the plan's gradient collectives:
+
+- ``gradient_buckets(plan)`` groups the gradients whose final resharding starts with an
+  all-reduce or a reduce-scatter, by mesh axis, reduce op, element size (and scattered
+  dim), in the order backward produces them (the reverse of the parameters'), into
+  buckets of at most ``all_reduce_threshold`` bytes (the plan's option; when unset, DDP's
+  sizes: 1 MiB for the first bucket of each kind, so reduction starts early in backward,
+  25 MiB for the others; 0 for no buckets). Only buckets of two or more gradients form.
+- ``fuse_gradient_buckets(gm, buckets, grad_names)`` rewrites a ``reduce_grads`` program:
+  the members of a bucket are flattened and concatenated, reduced by one collective and
+  split back into views of their shapes. It is a pass over the program, so intra-op and
+  pipeline-stage programs alike get it.
+- ``issued_collectives(plan, num_micro_batches)`` is the list a step really issues (the
+  plan's collectives with each bucket's members replaced by the bucket): what
+  ``runtime.comm_count`` must count.
+
+Reduction is elementwise, so reducing a concatenation equals concatenating the reductions:
+the gradients are the same as one collective each, bit for bit on gloo's sum.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from torchalpa.placement import local_shape
+from torchalpa.plan import OUTPUT, Collective, OutputSlot, Plan
+from torchalpa.runtime import collectives as C
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "FIRST_BUCKET_BYTES", "GradientBucket", "bucket_threshold", "gradient_buckets",
+           "fuse_gradient_buckets", "issued_collectives", "flatten_concat", "split_flat",
+           "interleave_chunks", "split_chunks"]
+
+DEFAULT_BUCKET_BYTES = 25 * 2 ** 20   # torch DDP's bucket_cap_mb default
+FIRST_BUCKET_BYTES = 2 ** 20          # torch DDP's first bucket (_DEFAULT_FIRST_BUCKET_BYTES)
+_FUSIBLE = ("all_reduce", "reduce_scatter")
+
+
+@dataclass(frozen=True, slots=True)
+class GradientBucket:
+    """Gradients reduced by one collective, in the order they are packed."""
+
+    kind: str                    # "all_reduce" | "reduce_scatter"
+    axis: int
+    reduce_op: str
+    dim: int | None              # reduce_scatter: the scattered dim of every member
+    params: tuple[str, ...]      # parameter names of the member gradients
+    positions: tuple[int, ...]   # the members' collectives in ``plan.collectives``
+    bytes: int                   # what this rank contributes (sum of the members)
+
+
+def bucket_threshold(plan: Plan) -> int:
+    """Bytes per bucket: the plan's ``all_reduce_threshold``, DDP's 25 MiB when unset."""
+    threshold = _option_threshold(plan)
+    return DEFAULT_BUCKET_BYTES if threshold is None else threshold
+
+
+def _option_threshold(plan: Plan) -> int | None:
+    option = (plan.method or {}).get("auto_sharding_option") or {}
+    threshold = option.get("all_reduce_threshold")
+    return None if threshold is None else int(threshold)
+
+
+def _is_gradient(consumer, slot) -> bool:
+    """Whether a reshard is a gradient's final resharding (an output slot of kind grad)."""
+    return consumer == OUTPUT and isinstance(slot, OutputSlot) and slot.kind == "grad"
+
+
+def _grad_reshards(plan: Plan):
+    """(parameter name, first step, its position in plan.collectives) for every gradient
+    whose final resharding starts with a fusible collective, in plan order."""
+    position = -1                 # plan.collectives lists the reshards' collective steps in order
+    out = []
+    for r in plan.reshards:
+        first = position + 1
+        position += sum(1 for s in r.steps if s.is_collective)
+        if not (_is_gradient(r.consumer, r.slot) and r.steps):
+            continue
+        step = r.steps[0]
+        if step.kind in _FUSIBLE and plan.mesh_shape[step.axis] > 1:
+            assert isinstance(r.slot, OutputSlot)
+            out.append((r.slot.name, step, first))
+    return out
+
+
+def _itemsize(plan: Plan, param: str, step) -> int | None:
+    """Bytes per element of the gradient entering ``step`` (None if it does not divide)."""
+    try:
+        shape = plan.parameter(param).shape
+    except KeyError:
+        return None
+    numel = math.prod(local_shape(shape, step.src, plan.mesh_shape))
+    if numel == 0 or step.bytes % numel:
+        return None
+    return step.bytes // numel
+
+
+def gradient_buckets(plan: Plan, threshold: int | None = None) -> tuple[GradientBucket, ...]:
+    """The plan's gradient collectives packed into buckets of at most ``threshold`` bytes
+    (default: the plan's option, else DDP's 1 MiB first bucket and 25 MiB ones after it);
+    gradients that share no bucket are left out."""
+    first_threshold = threshold
+    if threshold is None:
+        threshold = bucket_threshold(plan)
+        first_threshold = FIRST_BUCKET_BYTES if _option_threshold(plan) is None else threshold
+    assert first_threshold is not None
+    if threshold < 0:
+        raise ValueError(f"bucket threshold must be >= 0 bytes, got {threshold}")
+    open_buckets: dict[tuple, list] = {}
+    first_of: dict[tuple, list] = {}
+    closed: list[list] = []
+    for param, step, position in reversed(_grad_reshards(plan)):   # backward's order
+        size = _itemsize(plan, param, step)
+        if size is None:
+            continue
+        key = (step.kind, step.axis, step.reduce_op, step.dim if step.kind != "all_reduce"
+               else None, size)
+        members = open_buckets.get(key)
+        cap = first_threshold if members is first_of.get(key) else threshold
+        if members is None or sum(s.bytes for _, s, _ in members) + step.bytes > cap:
+            members = open_buckets[key] = []
+            first_of.setdefault(key, members)
+            closed.append(members)
+        members.append((param, step, position))
+    return tuple(GradientBucket(kind=m[0][1].kind, axis=m[0][1].axis,
+                                reduce_op=m[0][1].reduce_op or "sum",
+                                dim=m[0][1].dim if m[0][1].kind == "reduce_scatter" else None,
+                                params=tuple(p for p, _, _ in m),
+                                positions=tuple(i for _, _, i in m),
+                                bytes=sum(s.bytes for _, s, _ in m))
+                 for m in closed if len(m) > 1)
+
+
+def issued_collectives(plan: Plan, num_micro_batches: int = 1,
+                       buckets: Sequence[GradientBucket] | None = None) -> list[Collective]:
+    """Every collective one step issues: the final resharding of each gradient once (with
+    each bucket's members as one collective), everything else once per micro-batch."""
+    buckets = gradient_buckets(plan) if buckets is None else buckets
+    in_bucket = {i for b in buckets for i in b.positions}
+    once = set()
+    position = -1
+    for r in plan.reshards:
+        for s in r.steps:
+            if s.is_collective:
+                position += 1
+                if _is_gradient(r.consumer, r.slot):
+                    once.add(position)
+    out: list[Collective] = []
+    for i, c in enumerate(plan.collectives):
+        if i not in in_bucket:
+            out += [c] * (1 if i in once else num_micro_batches)
+    for b in buckets:
+        first = plan.collectives[b.positions[0]]
+        out.append(replace(first, bytes=b.bytes, source="",
+                           tensor=f"bucket of {len(b.params)} gradients"))
+    return out
+
+
+# -- the run-time halves of a bucket (plain torch ops: printable, compilable) ---------------
+
+def flatten_concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One flat buffer holding every tensor, in order."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        raise TypeError(f"a gradient bucket mixes dtypes {sorted(map(str, dtypes))}; set "
+                        "AutoShardingOption(all_reduce_threshold=0) to reduce each on its own")
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def split_flat(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``flat`` cut back into tensors shaped like ``like`` (views of ``flat``)."""
+    parts = torch.split(flat, [t.numel() for t in like])
+    return [p.view(t.shape) for p, t in zip(parts, like)]
+
+
+def interleave_chunks(tensors: Sequence[torch.Tensor], dim: int, group_size: int
+                      ) -> torch.Tensor:
+    """One flat buffer whose ``i``-th of ``group_size`` equal parts holds block ``i`` (of
+    ``dim``) of every tensor: reduce-scattering it leaves each rank its blocks."""
+    rows = [torch.stack(torch.chunk(t, group_size, dim=dim)).reshape(group_size, -1)
+            for t in tensors]
+    flat_dtypes = {r.dtype for r in rows}
+    if len(flat_dtypes) != 1:
+        raise TypeError(f"a gradient bucket mixes dtypes {sorted(map(str, flat_dtypes))}; set "
+                        "AutoShardingOption(all_reduce_threshold=0) to reduce each on its own")
+    return torch.cat(rows, dim=1).reshape(-1)
+
+
+def split_chunks(flat: torch.Tensor, like: Sequence[torch.Tensor], dim: int, group_size: int
+                 ) -> list[torch.Tensor]:
+    """This rank's block of each tensor shaped like ``like`` from a reduce-scattered buffer."""
+    shapes = []
+    for t in like:
+        shape = list(t.shape)
+        shape[dim] //= group_size
+        shapes.append(shape)
+    parts = torch.split(flat, [math.prod(s) for s in shapes])
+    return [p.view(s) for p, s in zip(parts, shapes)]
+
+
+# -- the pass -----------------------------------------------------------------------------
+
+def _placeholders_first(graph: fx.Graph, placeholders: list[fx.Node]) -> None:
+    """Move every placeholder before the first other node (their order kept), so a bucket
+    can be inserted where its first member was reduced, after all its members exist."""
+    anchor = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    if anchor is None:
+        return
+    for p in placeholders:
+        anchor.prepend(p)
+
+
+def fuse_gradient_buckets(gm: fx.GraphModule, buckets: Sequence[GradientBucket],
+                          grad_names: Sequence[str], *, group_sizes: Sequence[int]
+                          ) -> fx.GraphModule:
+    """Rewrite ``gm`` (in place), a program whose placeholders are the gradients of
+    ``grad_names`` in order: the first collective applied to the members of each bucket
+    becomes one collective over their concatenation.
+
+    ``group_sizes``: the mesh shape (reduce-scatter splits by it)."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(grad_names), (len(placeholders), len(grad_names))
+    by_name = dict(zip(grad_names, placeholders))
+    _placeholders_first(graph, placeholders)
+    target = {"all_reduce": C.all_reduce, "reduce_scatter": C.reduce_scatter}
+    changed = False
+    for bucket in buckets:
+        if any(p not in by_name for p in bucket.params):
+            continue              # a gradient the program does not take (not produced)
+        members = [by_name[p] for p in bucket.params]
+        collectives = []
+        for m in members:
+            users = [u for u in m.users if u.op == "call_function"
+                     and u.target is target[bucket.kind]]
+            assert len(users) == 1, f"gradient {m.name}: expected one {bucket.kind}, got {users}"
+            collectives.append(users[0])
+        group = collectives[0].args[-1]
+        assert all(c.args[-1] == group for c in collectives), "a bucket spans process groups"
+        first = min(collectives, key=lambda n: list(graph.nodes).index(n))
+        n = group_sizes[bucket.axis]
+        with graph.inserting_before(first):
+            if bucket.kind == "all_reduce":
+                flat = graph.call_function(flatten_concat, (members,))
+                reduced = graph.call_function(C.all_reduce, (flat, bucket.reduce_op, group))
+                parts = graph.call_function(split_flat, (reduced, members))
+            else:
+                flat = graph.call_function(interleave_chunks, (members, bucket.dim, n))
+                reduced = graph.call_function(C.reduce_scatter,
+                                              (flat, 0, bucket.reduce_op, n, group))
+                parts = graph.call_function(split_chunks, (reduced, members, bucket.dim, n))
+            outs = [graph.call_function(operator.getitem, (parts, i))
+                    for i in range(len(members))]
+        for c, out in zip(collectives, outs):
+            c.replace_all_uses_with(out)
+            graph.erase_node(c)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return gm

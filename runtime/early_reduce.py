@@ -1,0 +1,87 @@
+"""Issue gradient collectives during backward, as soon as their gradients exist.
+
+With one micro-batch, nothing is accumulated between backward and the gradients' final
+resharding, so the two programs can run as one: ``backward_with_reduce`` inlines
+``reduce_grads`` after ``backward`` and moves the part of it that *starts* each collective
+(packing a bucket, issuing the functional collective) right after the last gradient it
+reads. The waits stay at the end (where ``runtime.overlap`` put them, before the first
+use), so a bucket of the last layers' gradients is summed across ranks while backward
+computes the earlier layers' -- DDP's overlap, from its reducer's hooks.
+
+Every rank runs the same program, so all issue the collectives in the same order; which
+collectives run, and their bytes, do not change (``runtime.comm_count`` still counts the
+plan's list). With several micro-batches the gradients are summed over micro-batches
+first, and the programs stay apart (``runtime.step``).
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from torchalpa.runtime import overlap as O
+from torchalpa.runtime.buckets import flatten_concat, interleave_chunks
+
+__all__ = ["backward_with_reduce", "early_reduce_program", "EARLY"]
+
+# what may run as soon as its inputs exist: packing and issuing, never a wait
+EARLY = frozenset({flatten_concat, interleave_chunks, O.issue_all_reduce,
+                   O.issue_reduce_scatter, O.issue_all_gather, O.issue_all_to_all})
+
+
+def backward_with_reduce(backward: fx.GraphModule, reduce_grads: fx.GraphModule
+                         ) -> fx.GraphModule:
+    """One program ``(*saved) -> gradients in their layouts`` (None where ``backward``
+    gives None), with each collective of ``reduce_grads`` issued where its inputs are
+    ready. The inputs are left untouched."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    grads = None
+    for n in backward.graph.nodes:
+        if n.op == "output":
+            grads = n.args[0]
+        else:
+            env[n] = graph.node_copy(n, lambda x: env[x])
+    assert grads is not None
+    raw = [None if g is None else env[g] for g in grads]
+    present = iter([g for g in raw if g is not None])
+    reduced_env: dict[fx.Node, fx.Node] = {}
+    outs = None
+    for n in reduce_grads.graph.nodes:
+        if n.op == "placeholder":
+            reduced_env[n] = next(present)
+        elif n.op == "output":
+            outs = list(n.args[0])
+        else:
+            reduced_env[n] = graph.node_copy(n, lambda x: reduced_env[x])
+    assert outs is not None and next(present, None) is None
+    reduced = iter(outs)
+    graph.output(tuple(None if g is None else reduced_env[next(reduced)] for g in raw))
+    _issue_early(graph, [reduced_env[n] for n in reduce_grads.graph.nodes
+                         if n.op == "call_function"])
+    graph.lint()
+    return fx.GraphModule(backward, graph, "BackwardWithReduce")
+
+
+def _issue_early(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Move each node of ``nodes`` that only packs or issues right after the latest of its
+    inputs (in order, so a bucket's issue follows its packing)."""
+    for node in nodes:
+        if node.target not in EARLY:
+            continue
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        inputs = node.all_input_nodes
+        if not inputs:
+            continue
+        latest = max(inputs, key=position.__getitem__)
+        if position[latest] + 1 < position[node]:
+            latest.append(node)
+
+
+def early_reduce_program(backward, reduce_grads, num_micro_batches: int
+                         ) -> fx.GraphModule | None:
+    """``backward_with_reduce`` where it applies: one micro-batch, and both programs plain
+    FX programs (a ``torch.compile``d pair is left as it is). None otherwise."""
+    if num_micro_batches != 1 or not isinstance(backward, fx.GraphModule) \
+            or not isinstance(reduce_grads, fx.GraphModule):
+        return None
+    return backward_with_reduce(backward, reduce_grads)
