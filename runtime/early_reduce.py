@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from torchalpa.runtime import overlap as O
+from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import flatten_concat, interleave_chunks
 
 __all__ = ["backward_with_reduce", "early_reduce_program", "EARLY"]
 
 # what may run as soon as its inputs exist: packing and issuing, never a wait
-EARLY = frozenset({flatten_concat, interleave_chunks, O.issue_all_reduce,
-                   O.issue_reduce_scatter, O.issue_all_gather, O.issue_all_to_all})
+EARLY = frozenset({flatten_concat, interleave_chunks, C.issue_all_reduce,
+                   C.issue_reduce_scatter, C.issue_all_gather, C.issue_all_to_all})
 
 
 def backward_with_reduce(backward: fx.GraphModule, reduce_grads: fx.GraphModule

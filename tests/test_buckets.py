@@ -12,7 +12,8 @@ import torch
 import torch.fx as fx
 
 from torchalpa.placement import Partial, Replicate, Shard
-from torchalpa.plan import Collective, Plan, Reshard, ReshardStep, ValuePlacement
+from torchalpa.plan import (OUTPUT, Collective, OutputSlot, Plan, Reshard, ReshardStep,
+                            ValuePlacement)
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import (DEFAULT_BUCKET_BYTES, bucket_threshold,
                                        flatten_concat, fuse_gradient_buckets, gradient_buckets,
@@ -33,7 +34,7 @@ def make_plan(grads, *, threshold=None, activation_steps=1) -> Plan:
     resharding per gradient; grads: (name, shape, step)."""
     reshards = [Reshard("mm", 0, "relu", 0, (grad_step("all_reduce", 0, 16),))
                 for _ in range(activation_steps)]
-    reshards += [Reshard(f"g_{name}", 0, "<output>", f"grad:{name}", (step,))
+    reshards += [Reshard(f"g_{name}", 0, OUTPUT, OutputSlot.grad(name), (step,))
                  for name, _, step in grads]
     collectives = tuple(Collective(kind=s.kind, axis=s.axis, bytes=s.bytes, phase="backward",
                                    source="", tensor=r.producer, reduce_op=s.reduce_op)
