@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torchalpa.runtime.buckets import issued_collectives
+
 __all__ = ["StepClock", "StepStats"]
 
 
@@ -100,11 +102,12 @@ class StepClock:
             seconds = end - start
             peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host RSS"
         est = plan.estimates
+        issued = issued_collectives(plan, num_micro_batches)   # buckets once, as they run
         return StepStats(
             step_time_s=seconds, tokens=tokens,
             tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
             peak_memory_bytes=int(peak), peak_memory_kind=kind,
-            planned_bytes_sent=sum(c.bytes for c in plan.collectives) * num_micro_batches,
-            planned_collectives=len(plan.collectives) * num_micro_batches,
+            planned_bytes_sent=sum(c.bytes for c in issued),
+            planned_collectives=len(issued),
             estimated_step_time_s=est.get("step_time_s"),
             estimated_memory_bytes=est.get("memory_per_device_bytes"), includes=includes)
