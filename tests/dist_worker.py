@@ -41,7 +41,10 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
     out = {"losses": [], "ref_losses": [], "executed": [], "predicted": predicted,
            "kinds": sorted({c.kind for c in pm.plan.collectives}),
            "unsupported": [u["op"] for u in pm.plan.unsupported_ops],
-           "mesh": list(pm.plan.mesh_shape)}
+           "mesh": list(pm.plan.mesh_shape),
+           "placements": {p.name: [str(q) for q in p.placements] for p in pm.plan.parameters},
+           "lookups": [[str(q) for q in s.inputs[0]] for s in pm.plan.strategies
+                       if s.node.startswith("embedding") and "backward" not in s.node]}
     for _ in range(steps):
         with CollectiveCounter.for_mesh(pm.mesh) as counter:
             if use_train_step:
@@ -100,6 +103,26 @@ def main():
         method = torchalpa.ShardParallel(logical_mesh_shape=(2, 2))
         scenario("mesh_2d", lambda: train_and_compare(
             lambda: MLP(32, 4), mlp_inputs(64, 32), method=method,
+            cluster=torchalpa.LogicalMesh(shape=(2, 2), alpha=(1.0, 1.0), beta=(1.0, 0.1))),
+            results)
+    if "vocab_parallel" in which and n == 4:   # Megatron's embedding: rows split over axis 1
+        class Lookup(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Embedding(64, 16, padding_idx=3)
+                self.proj = torch.nn.Linear(16, 16)
+
+            def forward(self, x):                          # (B, S) -> (B, S, 16)
+                return self.proj(self.embed(x))
+
+        tokens = torch.randint(0, 64, (8, 6), generator=torch.Generator().manual_seed(1))
+        tokens[0, :2] = 3                                  # the padding row gets no gradient
+        pin = (("embed.weight", (torchalpa.Replicate(), torchalpa.Shard(0))),)
+        method = torchalpa.ShardParallel(logical_mesh_shape=(2, 2),
+                                         auto_sharding_option=torchalpa.AutoShardingOption(pin=pin))
+        scenario("vocab_parallel", lambda: train_and_compare(
+            Lookup, (tokens, torch.randn(8, 6, 16, generator=torch.Generator().manual_seed(2))),
+            method=method,
             cluster=torchalpa.LogicalMesh(shape=(2, 2), alpha=(1.0, 1.0), beta=(1.0, 0.1))),
             results)
     if "zero3" in which:          # parameters gathered again in backward

@@ -14,7 +14,8 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCENARIOS_4 = "megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,zero3,odd_batch,bad_input_shape"
+SCENARIOS_4 = ("megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,vocab_parallel,"
+               "zero3,odd_batch,bad_input_shape")
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
 
@@ -88,6 +89,14 @@ def test_op_without_rule_trains_correctly_replicated(four_ranks):
 def test_2d_mesh_runs(four_ranks):
     assert four_ranks["mesh_2d"]["mesh"] == [2, 2]
     assert {c[1] for c in four_ranks["mesh_2d"]["predicted"]} <= {0, 1}
+
+
+def test_vocab_parallel_embedding_looks_up_its_own_rows(four_ranks):
+    """A table split by rows over axis 1 is read in place (no all-gather of its half)."""
+    r = four_ranks["vocab_parallel"]
+    assert r["placements"]["embed.weight"] == ["R", "S(0)"]
+    assert r["lookups"] == [["R", "S(0)"]]
+    assert ["all_gather", 1, 64 * 16 * 4 // 2] not in r["predicted"]
 
 
 def test_wrong_input_shape_is_a_clear_error_on_every_rank(four_ranks):
