@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
+import torchalpa.batched_matmul  # noqa: F401  (registers torchalpa::batched_matmul, which programs call)
 from torchalpa.placement import Shard, local_shape
 from torchalpa.plan import NodeStrategy
 from torchalpa.runtime import random as R

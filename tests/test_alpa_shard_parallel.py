@@ -232,15 +232,8 @@ def test_bert_layer_data_parallel(qkv, axis, shape):
     assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
 
 
-MATMUL_ATTENTION = pytest.mark.xfail(
-    strict=False, reason="494,619 vs Alpa's 344,071: attention written with 4D matmuls is "
-    "captured as bmm over (batch x heads) merged into one dim, and a merged dim can only be "
-    "split by its leading factor (batch), so heads cannot be split through them "
-    "(issue 14, item 6); with F.scaled_dot_product_attention the plan is Alpa's")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", [pytest.param("matmul", marks=MATMUL_ATTENTION), "sdpa"])
+@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
 @pytest.mark.parametrize("qkv", BERT_QKV)
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
 def test_bert_layer_model_parallel(qkv, attention, axis, shape):

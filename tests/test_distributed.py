@@ -15,7 +15,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS_4 = ("megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,vocab_parallel,"
-               "zero3,odd_batch,bad_input_shape")
+               "attention_heads,zero3,odd_batch,bad_input_shape")
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
 
@@ -97,6 +97,14 @@ def test_vocab_parallel_embedding_looks_up_its_own_rows(four_ranks):
     assert r["placements"]["embed.weight"] == ["R", "S(0)"]
     assert r["lookups"] == [["R", "S(0)"]]
     assert ["all_gather", 1, 64 * 16 * 4 // 2] not in r["predicted"]
+
+
+def test_attention_written_with_matmuls_splits_heads(four_ranks):
+    """q @ k^T and p @ v on (B, heads, S, hd) run split by heads (torchalpa::batched_matmul):
+    Megatron's attention, one all-reduce of the output projection, nothing around it."""
+    r = four_ranks["attention_heads"]
+    assert r["products"] and all(p == ["S(1)"] for p in r["products"])
+    assert r["predicted"] == [["all_reduce", 0, 4 * 8 * 32 * 4]]
 
 
 def test_wrong_input_shape_is_a_clear_error_on_every_rank(four_ranks):
