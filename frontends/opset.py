@@ -19,7 +19,11 @@ elementwise ops they decompose into, and because their flops and memory are exac
   (``RANDOM_OPS``);
 - training-mode batch norm: ``aten._native_batch_norm_legit_functional``, which returns
   the new running statistics as values; the capture records them as buffer updates;
-- ``addmm`` becomes ``mm`` + ``add``, so a bias add can follow a partial matmul (Alpa's HLO).
+- ``addmm`` becomes ``mm`` + ``add``, so a bias add can follow a partial matmul (Alpa's HLO);
+- a matmul with two or more batch dims (``q @ k.transpose(-1, -2)`` on ``(B, heads, S, hd)``)
+  becomes ``torchalpa::batched_matmul`` (``torchalpa/batched_matmul.py``) instead of ATen's
+  ``view -> bmm -> view``, whose merged ``B * heads`` dim could not be split by heads
+  (``routed_matmul``).
 
 ``FusedCalls`` is the ``TorchFunctionMode`` that makes the SDPA and dropout choices above
 (they are composite ops that PyTorch decomposes before a decomposition table can see them).
@@ -43,8 +47,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from torchalpa import attention
+from torchalpa import batched_matmul as bm
 
-__all__ = ["decompositions", "device_neutral_kernels", "FusedCalls", "routed_sdpa", "flop_count",
+__all__ = ["decompositions", "device_neutral_kernels", "FusedCalls", "routed_sdpa",
+           "routed_matmul", "flop_count",
            "FUSED_KEPT", "RANDOM_OPS", "NO_FLOP_OPS", "SDPA_OP", "SDPA_BACKWARD_OP"]
 
 aten = torch.ops.aten
@@ -222,6 +228,33 @@ def routed_sdpa():
         F.scaled_dot_product_attention = _TORCH_SDPA
 
 
+_MATMULS = ((torch, "matmul"), (torch.Tensor, "matmul"), (torch.Tensor, "__matmul__"))
+
+
+@contextlib.contextmanager
+def routed_matmul():
+    """While a capture traces, ``torch.matmul`` / ``Tensor.matmul`` / ``@`` of operands with
+    the same two or more batch dims record ``torchalpa::batched_matmul``; other products
+    are torch's own. Attributes are patched rather than routed by ``FusedCalls`` so that a
+    ``torch.utils.checkpoint`` recompute (torch-function modes off) records the same ops."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name in _MATMULS]
+
+    def routed(original):
+        def matmul(a, b, *args, **kwargs):
+            if not args and not kwargs and bm.applies(a, b):
+                return bm.batched_matmul(a, b)
+            return original(a, b, *args, **kwargs)
+        return matmul
+
+    for owner, name, original in originals:
+        setattr(owner, name, routed(original))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
 def _bind(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     return dict(inspect.signature(fn).bind(*args, **kwargs).arguments)
 
@@ -288,6 +321,7 @@ _EXTRA_FORMULAS = {
     torch.ops.torchalpa.sdpa: _neutral_sdpa_flops,
     torch.ops.torchalpa.sdpa_backward: _neutral_sdpa_backward_flops,
     torch.ops.torchalpa.sdpa_bias_backward: _neutral_sdpa_backward_flops,
+    torch.ops.torchalpa.batched_matmul: bm.flops,
 }
 
 

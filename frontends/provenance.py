@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
-from torchalpa.frontends.opset import FusedCalls, routed_sdpa
+from torchalpa.frontends.opset import FusedCalls, routed_matmul, routed_sdpa
 
 __all__ = ["MODULE_KEY", "Provenance", "copy_forward_tags_to_backward", "short_path",
            "module_of", "line_of"]
@@ -92,7 +92,7 @@ class Provenance:
     def tracing(self):
         """Module hooks + the torch-function mode, for the duration of one trace."""
         with fx_traceback.preserve_node_meta(), self._module_hooks(), \
-                FusedCalls(on_call=self._on_call), routed_sdpa():
+                FusedCalls(on_call=self._on_call), routed_sdpa(), routed_matmul():
             yield
 
     def _on_call(self):

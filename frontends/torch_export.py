@@ -52,7 +52,7 @@ from torchalpa.frontends.constants import LargeConstant, inline_constants
 from torchalpa.frontends.functionalize import (NeedsFunctionalization, functionalize, is_view_op,
                                                retrace_functional)
 from torchalpa.frontends.opset import (FusedCalls, decompositions, device_neutral_kernels,
-                                       flop_count)
+                                       flop_count, routed_matmul)
 from torchalpa.frontends.provenance import (Provenance, copy_forward_tags_to_backward,
                                             line_of, module_of)
 from torchalpa.frontends.naming import argument_names
@@ -551,7 +551,7 @@ def trace_ops(fn: Callable, example_args: Sequence[torch.Tensor]
     For tools and tests that look at single ops (the rule harness); leaves are inputs.
     Uses the same op vocabulary as ``capture``.
     """
-    with FusedCalls():
+    with FusedCalls(), routed_matmul():
         gm = make_fx(fn, tracing_mode="fake", decomposition_table=decompositions())(
             *example_args)
     refs: dict[str, ValueRef] = {}

@@ -12,7 +12,9 @@ maps each to a small function that puts in the local sizes:
 - ``repeat`` repeats each local block as many times as fit its local result;
 - ``squeeze`` removes only the dims that are 1 globally (a split dim may be 1 locally);
 - grouped convolutions hold ``groups / k`` whole groups when channels are split k ways,
-  and ``convolution_backward``'s ``bias_sizes`` is the local channel count.
+  and ``convolution_backward``'s ``bias_sizes`` is the local channel count;
+- an embedding table split by rows (the vocabulary) looks up and accumulates gradients
+  for its own rows only, at this rank's row offset (``runtime.vocab``).
 
 Device arguments point at this rank's device (the graph may have been captured on
 ``meta``). A random op whose result is sharded becomes a draw of this rank's block from
@@ -30,9 +32,11 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
+import torchalpa.batched_matmul  # noqa: F401  (registers torchalpa::batched_matmul, which programs call)
 from torchalpa.placement import Shard, local_shape
 from torchalpa.plan import NodeStrategy
 from torchalpa.runtime import random as R
+from torchalpa.runtime import vocab as V
 from torchalpa.runtime.device_ops import check_op
 
 __all__ = ["localize"]
@@ -50,6 +54,7 @@ class _Call:
     strategy: NodeStrategy
     mesh_shape: tuple
     device: torch.device
+    coords: tuple | None = None
 
     def out_shape(self, i: int = 0) -> list[int]:
         """Local shape of result ``i``."""
@@ -123,6 +128,29 @@ def _squeeze(c: _Call):
     return aten.squeeze.dims, [c.args[0], [d for d in asked if shape[d] == 1]], c.kwargs
 
 
+def _vocab(c: _Call):
+    # a table split by rows: global indices become this block's rows, others look up zeros
+    backward = c.node.target is aten.embedding_dense_backward.default
+    names = ("grad_output" if backward else "weight", "indices",
+             "num_weights" if backward else "padding_idx",
+             "padding_idx" if backward else "scale_grad_by_freq",
+             "scale_grad_by_freq" if backward else "sparse")
+    values = [c.args[i] if i < len(c.args) else c.kwargs.get(name, -1 if "padding" in name
+                                                              else False)
+              for i, name in enumerate(names)]
+    table = c.strategy.outputs[0] if backward else c.strategy.inputs[0]
+    if not any(isinstance(p, Shard) and p.dim == 0 for p in table or ()):
+        return c.node.target, c.args, c.kwargs
+    assert c.coords is not None, f"localizing vocab-parallel {c.node.name} needs coords"
+    rows = values[2] if backward else c.global_in_shape(0)[0]
+    offset, local_rows = V.row_offset(rows, 0, table, c.mesh_shape, c.coords)
+    if backward:
+        grad, indices, _, padding, by_freq = values
+        return V.dense_backward, [grad, indices, local_rows, offset, padding, bool(by_freq)], {}
+    weight, indices, padding, by_freq, sparse = values
+    return V.lookup, [weight, indices, offset, padding, bool(by_freq), bool(sparse)], {}
+
+
 _REWRITES: dict[str, Callable[[_Call], tuple]] = {
     **{op: _shape_arg(1) for op in (
         "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
@@ -141,6 +169,8 @@ _REWRITES: dict[str, Callable[[_Call], tuple]] = {
     "aten.squeeze.dims": _squeeze,
     "aten.convolution.default": _conv(0, 8),
     "aten.convolution_backward.default": _conv(1, 9),
+    "aten.embedding.default": _vocab,
+    "aten.embedding_dense_backward.default": _vocab,
 }
 
 
@@ -160,6 +190,7 @@ def localize(node, args: list, kwargs: dict, strategy: NodeStrategy, mesh_shape,
     if rewrite is None:
         call = node.target, args, kwargs
     else:
-        call = rewrite(_Call(node, list(args), dict(kwargs), strategy, tuple(mesh_shape), device))
+        call = rewrite(_Call(node, list(args), dict(kwargs), strategy, tuple(mesh_shape), device,
+                             coords))
     check_op(node, call[0], torch.device(device).type)
     return call

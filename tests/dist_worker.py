@@ -44,7 +44,12 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
            "per_gradient": sorted([c.kind, c.axis, c.bytes] for c in pm.plan.collectives),
            "kinds": sorted({c.kind for c in pm.plan.collectives}),
            "unsupported": [u["op"] for u in pm.plan.unsupported_ops],
-           "mesh": list(pm.plan.mesh_shape)}
+           "mesh": list(pm.plan.mesh_shape),
+           "placements": {p.name: [str(q) for q in p.placements] for p in pm.plan.parameters},
+           "lookups": [[str(q) for q in s.inputs[0]] for s in pm.plan.strategies
+                       if s.node.startswith("embedding") and "backward" not in s.node],
+           "products": [[str(q) for q in s.outputs[0]] for s in pm.plan.strategies
+                        if s.node.startswith("batched_matmul")]}
     for _ in range(steps):
         with CollectiveCounter.for_mesh(pm.mesh) as counter:
             if use_train_step:
@@ -105,6 +110,54 @@ def main():
             lambda: MLP(32, 4), mlp_inputs(64, 32), method=method,
             cluster=torchalpa.LogicalMesh(shape=(2, 2), alpha=(1.0, 1.0), beta=(1.0, 0.1))),
             results)
+    if "vocab_parallel" in which and n == 4:   # Megatron's embedding: rows split over axis 1
+        class Lookup(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Embedding(64, 16, padding_idx=3)
+                self.proj = torch.nn.Linear(16, 16)
+
+            def forward(self, x):                          # (B, S) -> (B, S, 16)
+                return self.proj(self.embed(x))
+
+        tokens = torch.randint(0, 64, (8, 6), generator=torch.Generator().manual_seed(1))
+        tokens[0, :2] = 3                                  # the padding row gets no gradient
+        pin = (("embed.weight", (torchalpa.Replicate(), torchalpa.Shard(0))),)
+        method = torchalpa.ShardParallel(logical_mesh_shape=(2, 2),
+                                         auto_sharding_option=torchalpa.AutoShardingOption(pin=pin))
+        scenario("vocab_parallel", lambda: train_and_compare(
+            Lookup, (tokens, torch.randn(8, 6, 16, generator=torch.Generator().manual_seed(2))),
+            method=method,
+            cluster=torchalpa.LogicalMesh(shape=(2, 2), alpha=(1.0, 1.0), beta=(1.0, 0.1))),
+            results)
+    if "attention_heads" in which:   # attention written with matmuls, split by heads
+        class HeadAttention(torch.nn.Module):
+            def __init__(self, hidden=32, heads=4):
+                super().__init__()
+                self.heads = heads
+                # no key bias: softmax cancels it, so its gradient is rounding noise
+                self.q, self.k, self.v = (torch.nn.Linear(hidden, hidden, bias=name != "k")
+                                          for name in "qkv")
+                self.out = torch.nn.Linear(hidden, hidden)
+
+            def forward(self, x):                          # (B, S, H)
+                b, s, h = x.shape
+
+                def split(t):                              # (B, heads, S, H / heads)
+                    return t.view(b, s, self.heads, h // self.heads).transpose(1, 2)
+
+                q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+                scores = q @ k.transpose(-1, -2) / (h // self.heads) ** 0.5   # (B, nh, S, S)
+                mixed = torch.softmax(scores, -1) @ v                       # (B, nh, S, hd)
+                return self.out(mixed.transpose(1, 2).reshape(b, s, h))
+
+        pin = tuple((f"{name}.weight", (torchalpa.Shard(0),)) for name in "qkv") + \
+            (("out.weight", (torchalpa.Shard(1),)),)
+        method = torchalpa.ShardParallel(auto_sharding_option=torchalpa.AutoShardingOption(pin=pin))
+        gen = torch.Generator().manual_seed(3)
+        scenario("attention_heads", lambda: train_and_compare(
+            HeadAttention, (torch.randn(4, 8, 32, generator=gen), torch.randn(4, 8, 32, generator=gen)),
+            method=method, cluster=ALPA_UNIT(n)), results)
     if "zero3" in which:          # parameters gathered again in backward
         scenario("zero3", lambda: train_and_compare(
             lambda: MLP(32, 4), mlp_inputs(64, 32), method=torchalpa.Zero3Parallel()), results)

@@ -120,6 +120,9 @@ CASES: dict[str, Case] = {
     # matmul, elementwise, reductions, views (the first end-to-end path)
     "mm": Case(lambda a, b: torch.mm(a, b), lambda: (rnd(8, 4), rnd(4, 8))),
     "bmm": Case(lambda a, b: torch.bmm(a, b), lambda: (rnd(4, 4, 8), rnd(4, 8, 4))),
+    # two or more batch dims: torchalpa::batched_matmul (forward and both gradients)
+    "batched_matmul": Case(fwd_bwd(lambda a, b: a @ b, [0, 1]),
+                           lambda: (rnd(2, 4, 2, 4, 8), rnd(2, 4, 2, 8, 4))),
     "linear": Case(fwd_bwd(F.linear, [0, 1, 2]), lambda: (rnd(2, 4, 4), rnd(8, 4), rnd(8))),
     "add_broadcast": Case(lambda a, b: a + b, lambda: (rnd(4, 8), rnd(8))),
     "sub_mul_div": Case(lambda a, b: (a - b) * b / 3.0, lambda: (rnd(4, 8), rnd(4, 8))),
@@ -201,6 +204,11 @@ CASES: dict[str, Case] = {
     "embedding_by_freq": Case(lambda g, i: aten.embedding_dense_backward(g, i, 10, -1, True),
                               lambda: (rnd(2, 4, 4), ints(10, 2, 4)),
                               keep=("aten.embedding_dense_backward.default",)),
+    # vocab-parallel: 16 rows split 2 or 4 ways, padding row 5 owned by one block, and rows
+    # looked up several times (frequency scaling counts each block's own rows)
+    "embedding_vocab_parallel": Case(
+        fwd_bwd(lambda w, i: F.embedding(i, w, padding_idx=5, scale_grad_by_freq=True), [0]),
+        lambda: (rnd(16, 4), ints(16, 3, 8)), keep=("aten.embedding_dense_backward.default",)),
     "rope": Case(fwd_bwd(_rope, [0]), lambda: (rnd(2, 4, 8), rnd(4, 8), rnd(4, 8))),
     # convolution, pooling
     "conv2d": Case(fwd_bwd(lambda x, w, b: F.conv2d(x, w, b, padding=1), [0, 1, 2]),

@@ -288,9 +288,34 @@ def test_sdpa_with_dropout_is_the_math_path_with_native_dropout():
         model, x, y = Attention(0.1), torch.empty(2, 8, 16), torch.empty(2, 8, 16)
     ops = [n.op for n in capture(model, (x, y), F.mse_loss).graph.ops()]
     assert not any("sdpa" in op or "flash_attention" in op for op in ops)
-    assert {"aten._softmax.default", "aten.bmm.default"} <= set(ops)
+    assert {"aten._softmax.default", "torchalpa.batched_matmul.default"} <= set(ops)
     assert ops.count("aten.native_dropout.default") == 1
     assert not any("bernoulli" in op for op in ops)
+
+
+def test_matmuls_with_batch_and_heads_keep_both_dims():
+    """``q @ k^T`` on (B, heads, S, hd) is one torchalpa::batched_matmul (no merged
+    B * heads dim), its gradients too, with bmm's flops; products with one batch dim or
+    broadcast batch dims stay ATen's, and a checkpointed recompute records the same op."""
+    class Scores(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(2, 4, 8, 8))
+            self.v = torch.nn.Parameter(torch.empty(8, 8))
+
+        def forward(self, x):                                   # (2, 4, 8, 8)
+            scores = torch.utils.checkpoint.checkpoint(
+                lambda t: t @ self.w.transpose(-1, -2), x, use_reentrant=False)
+            return scores @ self.v                               # broadcast: ATen's
+
+    with torch.device("meta"):
+        model, x, y = Scores(), torch.empty(2, 4, 8, 8), torch.empty(2, 4, 8, 8)
+    ops = list(capture(model, (x, y), F.mse_loss).graph.ops())
+    products = [n for n in ops if n.op == "torchalpa.batched_matmul.default"]
+    assert [n.phase for n in products] == ["forward", "backward"]   # x needs no gradient
+    assert products[0].flops == 2 * 2 * 4 * 8 * 8 * 8
+    assert all(len(n.outputs[0].shape) == 4 for n in products)
+    assert any(n.op in ("aten.mm.default", "aten.bmm.default") for n in ops)  # scores @ v
 
 
 def test_sdpa_math_path_matches_pytorch():

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import worker_io
 
-SCENARIOS_4 = "megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,zero3,odd_batch,bad_input_shape"
+SCENARIOS_4 = ("megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,vocab_parallel,"
+               "attention_heads,zero3,odd_batch,bad_input_shape")
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
 
@@ -84,6 +85,22 @@ def test_op_without_rule_trains_correctly_replicated(four_ranks):
 def test_2d_mesh_runs(four_ranks):
     assert four_ranks["mesh_2d"]["mesh"] == [2, 2]
     assert {c[1] for c in four_ranks["mesh_2d"]["predicted"]} <= {0, 1}
+
+
+def test_vocab_parallel_embedding_looks_up_its_own_rows(four_ranks):
+    """A table split by rows over axis 1 is read in place (no all-gather of its half)."""
+    r = four_ranks["vocab_parallel"]
+    assert r["placements"]["embed.weight"] == ["R", "S(0)"]
+    assert r["lookups"] == [["R", "S(0)"]]
+    assert ["all_gather", 1, 64 * 16 * 4 // 2] not in r["predicted"]
+
+
+def test_attention_written_with_matmuls_splits_heads(four_ranks):
+    """q @ k^T and p @ v on (B, heads, S, hd) run split by heads (torchalpa::batched_matmul):
+    Megatron's attention, one all-reduce of the output projection, nothing around it."""
+    r = four_ranks["attention_heads"]
+    assert r["products"] and all(p == ["S(1)"] for p in r["products"])
+    assert r["predicted"] == [["all_reduce", 0, 4 * 8 * 32 * 4]]
 
 
 def test_wrong_input_shape_is_a_clear_error_on_every_rank(four_ranks):

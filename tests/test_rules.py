@@ -310,7 +310,27 @@ def test_embedding_backward_is_data_parallel():
     names = _strategies("embedding_dense_backward", "aten.embedding_dense_backward.default")
     assert "(S(0), S(0)) -> P" in names
     assert "(S(2), R) -> S(1)" in names
-    assert not any(name.endswith("S(0)") for name in names)   # vocab rows stay whole
+
+
+def test_embedding_splits_the_vocabulary():
+    """Vocab-parallel embedding: a table split by rows looks up a Partial sum, and its
+    gradient keeps each device's rows."""
+    forward = _strategies("embedding", "aten.embedding.default")
+    assert "(S(0), R) -> P" in forward
+    backward = _strategies("embedding_dense_backward", "aten.embedding_dense_backward.default")
+    assert "(R, R) -> S(0)" in backward
+
+
+def test_harness_catches_a_vocab_split_without_row_offsets():
+    """Run on global indices without the runtime's row translation, a split table looks up
+    the wrong rows (or none), and the harness says so."""
+    from torchalpa.runtime import localize as L
+    (gm, nodes), args = traced("embedding_vocab_parallel")
+    for op in ("aten.embedding.default", "aten.embedding_dense_backward.default"):
+        rewrites = {k: v for k, v in L._REWRITES.items() if k != op}
+        with mock.patch.object(L, "_REWRITES", rewrites), \
+                pytest.raises(AssertionError, match=op.replace(".", r"\.")):
+            check_all_strategies(gm, nodes, args)
 
 
 def test_index_put_accumulates_into_a_partial():
