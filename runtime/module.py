@@ -129,6 +129,13 @@ class ParallelModule(nn.Module):
         # takes no loss keywords such as HF's ``num_items_in_batch``, so Trainer must not send them
         self.accepts_loss_kwargs = False
 
+    def _apply(self, fn, recurse=True):
+        """``Module.to()`` / ``float()`` and the like; converted parameters are marked again
+        for the local-shard optimizer step (a swap may replace their attributes)."""
+        out = super()._apply(fn, recurse)
+        lean_optimizer_steps(self.parameters())
+        return out
+
     # -- the step -----------------------------------------------------------------------
     def forward(self, *inputs: torch.Tensor, **kwargs: torch.Tensor):
         """The loss of one step on the given batch (every rank returns the same value).

@@ -21,7 +21,6 @@ once per step. Other optimizers (and FSDP2's or the user's own DTensors) are unt
 
 from __future__ import annotations
 
-import weakref
 from typing import Iterable
 
 import torch
@@ -36,8 +35,9 @@ ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
                           torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adamax,
                           torch.optim.NAdam, torch.optim.RAdam)
 
-# id -> weak reference of each marked parameter (tensors compare elementwise, so no WeakSet)
-_OURS: dict[int, weakref.ref] = {}
+# set on each marked parameter: an attribute, not a weak reference, since a weakly
+# referenced tensor cannot be swapped (Module.to() swaps DTensor parameters' contents)
+_MARK = "_torchalpa_local_step"
 _SWAPPED = "_torchalpa_local_swap"     # on an optimizer while its step runs on local tensors
 _installed = False
 
@@ -47,7 +47,7 @@ def lean_optimizer_steps(params: Iterable[torch.Tensor]) -> None:
     global _installed
     for p in params:
         if isinstance(p, DTensor):
-            _OURS[id(p)] = weakref.ref(p, lambda _, key=id(p): _OURS.pop(key, None))
+            setattr(p, _MARK, True)
     if not _installed:
         register_optimizer_step_pre_hook(_to_local)
         register_optimizer_step_post_hook(_to_dtensor)
@@ -55,8 +55,7 @@ def lean_optimizer_steps(params: Iterable[torch.Tensor]) -> None:
 
 
 def _is_ours(p: torch.Tensor) -> bool:
-    ref = _OURS.get(id(p))
-    return ref is not None and ref() is p
+    return isinstance(p, DTensor) and getattr(p, _MARK, False)
 
 
 def _applies(opt: torch.optim.Optimizer) -> bool:

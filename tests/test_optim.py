@@ -86,3 +86,17 @@ def test_a_step_that_raised_is_undone_by_the_next():
     opt.step()
     assert all(isinstance(p, DTensor) for p in opt.param_groups[0]["params"])
     assert set(map(id, opt.state)) == set(map(id, pm.parameters()))
+
+
+def test_module_to_keeps_working_and_keeps_the_lean_step():
+    """``pm.to(...)`` swaps DTensor parameters' contents (Module._apply), which a weakly
+    referenced tensor refuses (HF Trainer moves every model this way)."""
+    pm, _, _ = train(lambda ps: torch.optim.Adam(ps, lr=1e-2), steps=1)
+    torch.__future__.set_swap_module_params_on_conversion(True)   # what DTensors get anyway
+    try:
+        pm.to(torch.float32)
+        pm.to("cpu")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert all(isinstance(p, DTensor) for p in pm.parameters())
+    assert lean._applies(pm.optimizer)
