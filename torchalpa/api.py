@@ -184,7 +184,8 @@ def _plan(model, example_inputs, loss_fn, *, method, cluster, inputs, param_argn
     method = _check_method(method)
     _check_inputs_mode(inputs)
     if isinstance(method, PipeshardParallel):
-        from torchalpa.pipeshard import plan_pipeshard
+        from torchalpa.pipeshard import pipeline_options, plan_pipeshard
+        method = pipeline_options(method, inputs=inputs)
         return plan_pipeshard(model, example_inputs, loss_fn, method=method,
                               cluster=cluster or default_cluster(world_size()), inputs=inputs)
     meshes = candidate_meshes(cluster or default_cluster(world_size()), method)
@@ -200,7 +201,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                   loss_fn: Callable | None = None, *, method: ShardParallel | None = None,
                   mesh=None, cluster: Cluster | LogicalMesh | None = None,
                   inputs: str = "global", optimizer: Callable | None = None,
-                  plan: Plan | None = None, num_micro_batches: int = 1,
+                  plan: Plan | None = None, num_micro_batches: int | None = None,
                   mixed_precision=None, init_weights: Callable | None = None,
                   compile: bool | dict = False, check_replicas: bool | None = None,
                   check_inputs: str = "first", verbose: bool = False):
@@ -219,7 +220,9 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     - ``num_micro_batches=k``: gradient accumulation. The plan is made for one micro-batch
       (dim 0 of every example input divided by ``k``); a step runs the ``k`` micro-batches
       one after the other, sums their gradients and returns the mean of their losses, so a
-      mean-reduced loss gives the whole batch's loss and gradients.
+      mean-reduced loss gives the whole batch's loss and gradients. With
+      ``PipeshardParallel`` the micro-batches flow through the stages: the option sets the
+      method's ``num_micro_batches`` (or must equal it).
     - ``mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16)``: float32
       parameters (the DTensors the optimizer updates), forward and backward in
       ``param_dtype``, float32 gradients.
@@ -227,8 +230,11 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
       are allocated, then ``fn(module)`` initializes them in place on the DTensors (default:
       ``reset_parameters()`` of every submodule that has one). Given for a real model, it
       re-initializes it.
-    - ``compile=True`` (or a dict of ``torch.compile`` options): the local programs run
-      under ``torch.compile``.
+    - ``compile=True`` (or a dict of ``torch.compile`` options): the local programs (each
+      pipeline stage's, with ``PipeshardParallel``) run under ``torch.compile``.
+    - ``PipeshardParallel`` builds its stages' meshes itself and needs the global batch on
+      every rank: ``mesh=``, ``inputs="local"`` and ``init_weights=`` raise a ValueError
+      saying why (``pipeshard.pipeline_options``).
     - Random numbers (dropout): every rank continues from rank 0's default generator state
       once the model is wrapped (a ``RandomStateWarning`` says when ranks' states differed,
       e.g. after ``torch.manual_seed(seed + rank)``), so replicas draw alike; sharded
@@ -275,17 +281,16 @@ def _auto_parallel(model, example_inputs, loss_fn, *, method, mesh, cluster, inp
         raise ValueError(f"check_inputs must be one of {_CHECK_INPUTS}, got {check_inputs!r}")
     signature, example_inputs = CallSignature.of(example_inputs)
     if isinstance(method, PipeshardParallel):
-        if signature.by_keyword:
-            raise ValueError("PipeshardParallel takes positional example inputs; pass a tuple "
-                             "of tensors (or wrap the model to call it by keyword)")
-        if mesh is not None or inputs != "global" or num_micro_batches != 1 or compile:
-            raise ValueError("PipeshardParallel takes the global batch on every rank and its own "
-                             "num_micro_batches; mesh=, inputs='local', num_micro_batches= and "
-                             "compile= are not supported with it")
-        from torchalpa.pipeshard import pipeshard_parallel
+        from torchalpa.pipeshard import pipeline_options, pipeshard_parallel
+        if num_micro_batches is not None:
+            num_micro_batches = _check_micro_batches(num_micro_batches)
+        method = pipeline_options(method, by_keyword=signature.by_keyword, mesh=mesh,
+                                  inputs=inputs, num_micro_batches=num_micro_batches,
+                                  init_weights=init_weights, check_replicas=check_replicas,
+                                  check_inputs=check_inputs)
         return pipeshard_parallel(model, example_inputs, loss_fn, method=method,
                                   cluster=cluster, optimizer=optimizer, plan=plan,
-                                  mixed_precision=mixed_precision)
+                                  mixed_precision=mixed_precision, compile=compile)
     num_micro_batches = _check_micro_batches(num_micro_batches)
     mesh_mod.init_distributed()
     world = mesh_mod.world_size()
@@ -377,6 +382,8 @@ def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape, graph=None) -> N
 # -- auto_parallel's runtime options ----------------------------------------------------
 
 def _check_micro_batches(num_micro_batches) -> int:
+    if num_micro_batches is None:
+        return 1
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) \
             or num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
