@@ -112,3 +112,27 @@ def test_pipeline_num_micro_batches_set_once():
     four = torchalpa.PipeshardParallel(num_micro_batches=4)
     assert pipeline_options(four, num_micro_batches=4) == four
     assert pipeline_options(four) == four
+
+
+def test_entry_points_dispatch_through_the_method(single_process_world):
+    """plan / auto_parallel check the common arguments, then hand over to the method's own
+    plan / build: a method subclass sees every option, and no branch in api skips it."""
+    seen = {}
+
+    class Recording(torchalpa.PipeshardParallel):
+        def plan(self, model, example_inputs, loss_fn=None, **options):
+            seen["plan"] = sorted(options)
+            return "a plan"
+
+        def build(self, model, example_inputs, loss_fn=None, **options):
+            seen["build"] = sorted(options)
+            return "a module"
+    x, y = mlp_inputs(8, 16)
+    assert torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, method=Recording()) == "a plan"
+    assert torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss,
+                                   method=Recording()) == "a module"
+    assert seen["plan"] == ["cluster", "inputs", "num_params", "param_argnums"]
+    assert seen["build"] == sorted(
+        ["signature", "mesh", "cluster", "inputs", "optimizer", "plan", "num_micro_batches",
+         "mixed_precision", "init_weights", "compile", "check_replicas", "check_inputs"])
+    assert not dist.is_initialized()

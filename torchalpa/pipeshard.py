@@ -19,8 +19,8 @@ import torch.nn as nn
 from torchalpa.cluster import Cluster
 from torchalpa.methods import PipeshardParallel
 from torchalpa.plan import PipelinePlan
-from torchalpa.workflow import (capture_variants, micro_batch_examples, plan_on_rank0,
-                                same_step_on_every_rank, with_precision)
+from torchalpa.workflow import (capture_variants, default_cluster, micro_batch_examples,
+                                plan_on_rank0, same_step_on_every_rank, with_precision)
 
 __all__ = ["plan_pipeshard", "pipeshard_parallel", "pipeline_options"]
 
@@ -77,8 +77,16 @@ def pipeline_options(method: PipeshardParallel, *, by_keyword: bool = False, mes
 
 
 def plan_pipeshard(model: nn.Module, example_inputs, loss_fn, *, method: PipeshardParallel,
-                   cluster: Cluster, inputs: str = "global") -> PipelinePlan:
+                   cluster: Cluster | None, inputs: str = "global") -> PipelinePlan:
     """The pipeline plan, without processes or real weights."""
+    from torchalpa.programs import is_program
+    if is_program(model):
+        raise ValueError("a JAX function or StableHLO program is planned whole with "
+                         "ShardParallel: PipeshardParallel cuts a torch model's step into stages")
+    method = pipeline_options(method, inputs=inputs)
+    if cluster is None:
+        from torchalpa.runtime.mesh import world_size
+        cluster = default_cluster(world_size())
     from torchalpa.passes.inter_op import plan_pipeline
     from torchalpa.passes.remat_choice import plan_with_remat
     micro = micro_batch_examples(example_inputs, method.num_micro_batches)
@@ -120,21 +128,23 @@ def _cached(graph, cluster: Cluster, method: PipeshardParallel, inputs: str, sol
 
 
 def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: PipeshardParallel,
-                       cluster: Cluster | None, optimizer: Callable | None,
-                       plan: PipelinePlan | None, mixed_precision=None,
-                       compile: bool | dict = False):
+                       cluster: Cluster | None = None, optimizer: Callable | None = None,
+                       plan: PipelinePlan | None = None, mixed_precision=None,
+                       compile: bool | dict = False, signature=None, **options):
     """Each rank's stage of ``method``'s pipeline plan, as a ``PipelineModule``.
-    ``compile``: the stage's programs run under ``torch.compile`` (a dict: its options)."""
+    ``compile``: the stage's programs run under ``torch.compile`` (a dict: its options);
+    ``options``: the rest of ``auto_parallel``'s, applied by ``pipeline_options``."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torchalpa import api
     from torchalpa.passes.inter_op import plan_pipeline
     from torchalpa.runtime import mesh as mesh_mod
     from torchalpa.runtime.pipeline import PipelineRunner, lower_stage, transfer_specs
     from torchalpa.runtime.pipeline_module import PipelineModule
 
+    method = pipeline_options(method, by_keyword=signature is not None and signature.by_keyword,
+                              **options)
     mesh_mod.init_distributed()
     world, rank = mesh_mod.world_size(), mesh_mod.rank()
-    cluster = _check_cluster(cluster or api.default_cluster(world))
+    cluster = _check_cluster(cluster or default_cluster(world))
     if cluster.num_devices != world:
         raise ValueError(f"the cluster has {cluster.num_devices} devices but this job has {world} "
                          f"ranks; launch with torchrun --nproc_per_node={cluster.num_devices} or "
