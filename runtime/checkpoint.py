@@ -96,9 +96,8 @@ def _reached(point: str) -> None:
 
 
 def _parts(pmodel, optimizer):
-    from torchalpa.runtime.module import ParallelModule
-    from torchalpa.runtime.pipeline_module import PipelineModule
-    if not isinstance(pmodel, (ParallelModule, PipelineModule)):
+    from torchalpa.runtime.step_module import StepModule
+    if not isinstance(pmodel, StepModule):
         raise TypeError(f"expected the ParallelModule returned by auto_parallel, got "
                         f"{type(pmodel).__name__}")
     optimizer = optimizer if optimizer is not None else pmodel.optimizer

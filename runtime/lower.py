@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import torch
 import torch.fx as fx
@@ -46,6 +47,7 @@ from torchalpa.runtime.overlap import overlap_collectives
 __all__ = ["LocalProgram", "StageProgram", "GraphSlice", "ValueKey", "lower", "build_programs",
            "producers", "received_name"]
 
+_Program = TypeVar("_Program", bound="LocalProgram")
 ValueKey = tuple[str, int]
 """Output ``index`` of source node ``producer``: a value that may cross stages."""
 
@@ -58,31 +60,26 @@ class LocalProgram:
     backward: fx.GraphModule      # (*saved) -> one raw gradient per trainable parameter (or None)
     reduce_grads: fx.GraphModule  # (*raw gradients that are not None) -> gradients in layout
     buffer_updates: tuple = ()    # buffers whose new values forward returns after the loss
+    compiled_from: LocalProgram | None = field(default=None, repr=False)
+    """The eager programs these were compiled from (``compiled``), else None."""
 
     def code(self) -> str:
+        if self.compiled_from is not None:
+            return "# compiled with torch.compile from:\n" + self.compiled_from.code()
         return ("# forward: (params, buffers, inputs) -> (loss, saved...)\n" + self.forward.code
                 + "\n# backward: (saved...) -> raw grads\n" + self.backward.code
                 + "\n# reduce_grads: (raw grads...) -> grads in their parameters' layouts\n"
                 + self.reduce_grads.code)
 
-    def compiled(self, **options) -> "LocalProgram":
-        """The same programs under ``torch.compile(**options)`` (compiled on first call)."""
-        return _CompiledProgram(
-            forward=torch.compile(self.forward, **options),  # pyright: ignore
-            backward=torch.compile(self.backward, **options),  # pyright: ignore
-            reduce_grads=torch.compile(self.reduce_grads, **options),  # pyright: ignore
-            buffer_updates=self.buffer_updates, source=self)
-
-
-@dataclass
-class _CompiledProgram(LocalProgram):
-    """Compiled programs; ``code()`` prints the source programs they were compiled from."""
-
-    source: LocalProgram | None = None
-
-    def code(self) -> str:
-        assert self.source is not None
-        return "# compiled with torch.compile from:\n" + self.source.code()
+    def compiled(self: _Program, **options) -> _Program:
+        """The same programs under ``torch.compile(**options)`` (compiled on first call),
+        with the same wiring (a ``StageProgram`` stays one); ``code()`` prints the source
+        programs. A stage's ``summed_recvs`` addends run once per step and stay eager."""
+        return replace(self,
+                       forward=torch.compile(self.forward, **options),  # pyright: ignore
+                       backward=torch.compile(self.backward, **options),  # pyright: ignore
+                       reduce_grads=torch.compile(self.reduce_grads, **options),  # pyright: ignore
+                       compiled_from=self)
 
 
 @dataclass

@@ -42,6 +42,7 @@ from torchalpa.runtime.optim import lean_optimizer_steps
 from torchalpa.runtime.replicas import check_replicas as _check_replicas
 from torchalpa.runtime.stats import StepClock, StepStats
 from torchalpa.runtime.step import StepRunner
+from torchalpa.runtime.step_module import StepModule
 
 __all__ = ["ParallelModule", "to_dtensor_placements", "distribute_module_state"]
 
@@ -88,8 +89,10 @@ def _signed_like(call: Callable, model_forward: Callable) -> Callable:
     return forward
 
 
-class ParallelModule(nn.Module):
+class ParallelModule(StepModule):
     """A model parallelized by torchalpa: call it like the single-device model."""
+
+    plan: Plan
 
     def __init__(self, module: nn.Module, plan: Plan, program: LocalProgram, mesh, *,
                  param_names: list[str], buffer_names: list[str],
@@ -99,10 +102,7 @@ class ParallelModule(nn.Module):
                  num_micro_batches: int = 1, forward_programs: ForwardPrograms | None = None,
                  signature: CallSignature | None = None, timeout_s: float = 600.0,
                  check_replicas: bool = False, check_inputs: str = "first"):
-        super().__init__()
-        self.module = module
-        self.plan = plan
-        self.mesh = mesh
+        super().__init__(module, plan, mesh, device=device)
         self.num_micro_batches = num_micro_batches
         self._program = program
         self._runner = StepRunner(program, num_micro_batches)
@@ -111,7 +111,6 @@ class ParallelModule(nn.Module):
         self._buffer_names = list(buffer_names)
         self._input_specs = list(input_specs)
         self._inputs = inputs
-        self._device = device
         self._captured_training = module.training
         self._monitor = FaultMonitor(timeout_s)
         self._checked_across_ranks = False
@@ -121,7 +120,7 @@ class ParallelModule(nn.Module):
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self._clock = StepClock(device)
         lean_optimizer_steps(self.parameters())      # Adam & co. step on the local shards
-        self.optimizer = optimizer(self.parameters()) if optimizer is not None else None
+        self._make_optimizer(optimizer)
         # tools that read the forward's parameters to pick batch fields (HF Trainer drops
         # the columns ``model.forward`` does not name) see the wrapped model's
         self.forward = _signed_like(self.forward, module.forward)
@@ -166,20 +165,13 @@ class ParallelModule(nn.Module):
         values = self._runner.last_buffer_updates
         if not values:
             return
-        with torch.no_grad():
-            for name, value in zip(self._runner.program.buffer_updates, values):
-                buf = self.module.get_buffer(name)
-                (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(value)
+        self._store_buffer_updates(self._runner.program.buffer_updates, values)
         self._runner.last_buffer_updates = []
 
     def train_step(self, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """zero_grad, forward and backward (micro-batch by micro-batch), optimizer step;
         returns the loss (the mean over micro-batches). Inputs as for ``forward``."""
-        if self.optimizer is None:
-            raise ValueError(
-                "train_step needs an optimizer: pass auto_parallel(..., optimizer=lambda ps: "
-                "torch.optim.Adam(ps, lr=1e-3)) or set pmodel.optimizer = "
-                "torch.optim.Adam(pmodel.parameters())")
+        optimizer = self._require_optimizer()
         if self.module.training != self._captured_training:
             mode = "training" if self._captured_training else "eval"
             raise ValueError(f"train_step runs the step captured in {mode} mode, but the model is "
@@ -195,13 +187,13 @@ class ParallelModule(nn.Module):
             loss, grads = self._runner.run(
                 self._state(self._param_names + self._buffer_names), flat)
         self._write_buffer_updates()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         for name, g in zip(self._param_names, grads):
             if g is not None:
                 p = self.module.get_parameter(name)
                 p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
                                             shape=p.shape, stride=p.stride())
-        self.optimizer.step()
+        optimizer.step()
         self._clock.stop("forward+backward+optimizer")
         return loss.detach()
 

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torchalpa.plan import PipelinePlan
 from torchalpa.runtime.pipeline import PipelineRunner, StageProgram
 from torchalpa.runtime.step import split_micro_batches
+from torchalpa.runtime.step_module import StepModule
 from torchalpa.schedules import SCHEDULES
 
 __all__ = ["PipelineModule"]
@@ -43,23 +44,21 @@ class _Step(torch.autograd.Function):
         return (None, None, *grads)
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(StepModule):
     """A model parallelized as torchalpa pipeline stages."""
+
+    plan: PipelinePlan
 
     def __init__(self, module: nn.Module, plan: PipelinePlan, program: StageProgram,
                  runner: PipelineRunner, stage_mesh, *, input_specs, device,
                  optimizer: Callable | None = None):
-        super().__init__()
-        self.module = module
-        self.plan = plan
-        self.mesh = stage_mesh
+        super().__init__(module, plan, stage_mesh, device=device)
         self.stage = runner.stage
         self._program = program
         self._runner = runner
         self._input_specs = list(input_specs)
-        self._device = device
         self._last_stage_rank = plan.stages[-1].ranks[0]
-        self.optimizer = optimizer(self.parameters()) if optimizer is not None else None
+        self._make_optimizer(optimizer)
 
     def local_program(self) -> str:
         return f"# stage {self.stage} of {len(self.plan.stages)}\n" + self._program.code()
@@ -115,11 +114,8 @@ class PipelineModule(nn.Module):
         n = len(self._program.buffer_updates)
         if not n or not updates:
             return
-        latest = updates[-n:]      # the last micro-batch's running statistics
-        with torch.no_grad():
-            for name, value in zip(self._program.buffer_updates, latest):
-                buf = self.module.get_buffer(name)
-                (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(value)
+        # the last micro-batch's running statistics
+        self._store_buffer_updates(self._program.buffer_updates, updates[-n:])
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         """Run the pipelined step and return the loss (mean over micro-batches)."""
@@ -130,11 +126,9 @@ class PipelineModule(nn.Module):
         return _Step.apply(self, inputs, *locals_)
 
     def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
-        if self.optimizer is None:
-            raise ValueError("train_step needs an optimizer: pass auto_parallel(..., optimizer="
-                             "lambda ps: torch.optim.Adam(ps, lr=1e-3))")
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer = self._require_optimizer()
+        optimizer.zero_grad(set_to_none=True)
         loss = self(*inputs)
         loss.backward()
-        self.optimizer.step()
+        optimizer.step()
         return loss.detach()

@@ -20,13 +20,16 @@ from worker_io import attempt, finish  # noqa: E402
 
 
 def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-3,
-            use_backward=False):
+            use_backward=False, options=None):
+    from torch._dynamo.utils import counters
+    counters.clear()
     torch.manual_seed(0)
     model = make_model()
     torch.manual_seed(0)
     ref = make_model()
     pm = torchalpa.auto_parallel(model, batch, loss_fn, method=method, cluster=cluster,
-                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=lr))
+                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=lr),
+                                 **(options or {}))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=lr)
     out = {"losses": [], "ref_losses": [], "stages": pm.plan.forward_stage_layer_ids,
            "submeshes": [list(s) for s in pm.plan.submesh_shapes],
@@ -64,6 +67,11 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
     worst = torch.tensor(max(diffs) if diffs else 0.0)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     out["max_param_diff"] = worst.item()
+    out["num_micro_batches"] = pm.plan.num_micro_batches
+    out["compiled"] = "compiled with torch.compile" in pm.local_program()
+    graphs = torch.tensor(counters["stats"]["unique_graphs"])   # dynamo's, on each rank
+    dist.all_reduce(graphs, op=dist.ReduceOp.MIN)
+    out["fewest_compiled_graphs"] = int(graphs.item())
     return out
 
 
@@ -137,6 +145,10 @@ def scenarios(n):
         yield "mlp_2x2_1f1b", lambda: compare(mlp(), mlp_batch(), F.mse_loss, P(
             num_micro_batches=4, layer_option=L(layer_num=4),
             stage_option=manual([[0, 1], [2, 3]], [(1, 2), (1, 2)])), cluster=cpu)
+        # auto_parallel's own options: the micro-batch count given there, compiled stages
+        yield "mlp_2x2_options", lambda: compare(mlp(), mlp_batch(), F.mse_loss, P(
+            layer_option=L(layer_num=4), stage_option=manual([[0, 1], [2, 3]], [(1, 2)] * 2)),
+            cluster=cpu, options=dict(num_micro_batches=4, compile={"backend": "aot_eager"}))
         yield "mlp_4x1_gpipe_backward", lambda: compare(mlp(), mlp_batch(), F.mse_loss, P(
             num_micro_batches=8, pipeline_schedule="gpipe", layer_option=L(layer_num=4),
             stage_option=manual([[0], [1], [2], [3]], [(1, 1)] * 4)), cluster=cpu,

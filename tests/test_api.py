@@ -77,3 +77,62 @@ def test_bad_arguments(single_process_world):
         torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss, method="dp")
     with pytest.raises(TypeError, match="example_inputs"):
         torchalpa.auto_parallel(MLP(16, 2), ([1, 2], torch.zeros(2)), F.mse_loss)
+
+
+def test_pipeline_options_that_cannot_be_honoured_say_why(single_process_world):
+    """Under PipeshardParallel, auto_parallel's options either mean what they mean for
+    ShardParallel or raise before any process group is made, naming the fix."""
+    method = torchalpa.PipeshardParallel(num_micro_batches=2)
+    x, y = mlp_inputs(8, 16)
+
+    def wrap(**options):
+        torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss, method=method, **options)
+    with pytest.raises(ValueError, match=r"num_micro_batches=4 disagrees .*num_micro_batches=2"):
+        wrap(num_micro_batches=4)
+    with pytest.raises(ValueError, match="num_micro_batches must be an int >= 1"):
+        wrap(num_micro_batches=0)
+    with pytest.raises(ValueError, match="one DeviceMesh per stage .* cluster="):
+        wrap(mesh=object())
+    with pytest.raises(ValueError, match="needs inputs='global'"):
+        wrap(inputs="local")
+    with pytest.raises(ValueError, match="needs inputs='global'"):
+        torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, method=method, inputs="local")
+    with pytest.raises(ValueError, match="init_weights= is not supported"):
+        wrap(init_weights=lambda m: None)
+    with pytest.raises(ValueError, match="not supported with PipeshardParallel yet"):
+        wrap(check_replicas=True)
+    assert not dist.is_initialized()
+
+
+def test_pipeline_num_micro_batches_set_once():
+    from torchalpa.pipeshard import pipeline_options
+    default = torchalpa.PipeshardParallel()
+    assert pipeline_options(default, num_micro_batches=4).num_micro_batches == 4
+    assert pipeline_options(default).num_micro_batches == 1
+    four = torchalpa.PipeshardParallel(num_micro_batches=4)
+    assert pipeline_options(four, num_micro_batches=4) == four
+    assert pipeline_options(four) == four
+
+
+def test_entry_points_dispatch_through_the_method(single_process_world):
+    """plan / auto_parallel check the common arguments, then hand over to the method's own
+    plan / build: a method subclass sees every option, and no branch in api skips it."""
+    seen = {}
+
+    class Recording(torchalpa.PipeshardParallel):
+        def plan(self, model, example_inputs, loss_fn=None, **options):
+            seen["plan"] = sorted(options)
+            return "a plan"
+
+        def build(self, model, example_inputs, loss_fn=None, **options):
+            seen["build"] = sorted(options)
+            return "a module"
+    x, y = mlp_inputs(8, 16)
+    assert torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, method=Recording()) == "a plan"
+    assert torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss,
+                                   method=Recording()) == "a module"
+    assert seen["plan"] == ["cluster", "inputs", "num_params", "param_argnums"]
+    assert seen["build"] == sorted(
+        ["signature", "mesh", "cluster", "inputs", "optimizer", "plan", "num_micro_batches",
+         "mixed_precision", "init_weights", "compile", "check_replicas", "check_inputs"])
+    assert not dist.is_initialized()

@@ -90,6 +90,16 @@ def test_planning_passes_load_no_runtime():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def test_api_loads_no_method_runtime():
+    """api dispatches through the method object: importing it loads neither the pipeline's
+    orchestration (``pipeshard``) nor the runtime (``shard``'s names are re-exported)."""
+    code = ("import sys, torchalpa.api\n"
+            "bad = sorted(m for m in sys.modules if m in ('torchalpa.pipeshard',) or "
+            "m.startswith('torchalpa.runtime'))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
 def test_ilp_loads_no_torch():
     code = "import sys, torchalpa.passes.ilp; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

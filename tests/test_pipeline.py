@@ -40,10 +40,21 @@ def check(r):
     assert r["max_param_diff"] < 1e-4
 
 
-@pytest.mark.parametrize("name", ["mlp_2x2_1f1b", "mlp_4x1_gpipe_backward", "gpt_2x2_1f1b",
-                                  "gpt_auto", "gpt_profile"])
+@pytest.mark.parametrize("name", ["mlp_2x2_1f1b", "mlp_2x2_options", "mlp_4x1_gpipe_backward",
+                                  "gpt_2x2_1f1b", "gpt_auto", "gpt_profile"])
 def test_four_ranks(four, name):
     check(four[name])
+
+
+def test_auto_parallel_options_apply_to_pipelines(four):
+    """auto_parallel(num_micro_batches=4, compile=...) under PipeshardParallel: the step
+    runs 4 micro-batches (and bytes, losses and parameters match, above), every rank's
+    stage runs programs torch.compile traced (forward and backward at least)."""
+    r = four["mlp_2x2_options"]
+    assert r["num_micro_batches"] == 4
+    assert r["compiled"]
+    assert r["fewest_compiled_graphs"] >= 2
+    assert four["mlp_2x2_1f1b"]["fewest_compiled_graphs"] == 0
 
 
 def test_profiled_search_plans_on_measured_times(four):

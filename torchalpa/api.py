@@ -1,46 +1,32 @@
-"""The two entry points: ``plan`` (no processes) and ``auto_parallel`` (under torchrun)."""
+"""The two entry points: ``plan`` (no processes) and ``auto_parallel`` (under torchrun).
+
+Both check what any method is given, then dispatch through the method object:
+``method.plan(...)`` / ``method.build(...)`` (``ShardParallel`` and its presets in
+``torchalpa/shard.py``, ``PipeshardParallel`` in ``torchalpa/pipeshard.py``).
+"""
 
 from __future__ import annotations
 
-import logging
-import time
-from dataclasses import replace
 from typing import Callable, Sequence
 
 import torch
 
 from torchalpa.cluster import Cluster, LogicalMesh
 from torchalpa.methods import PipeshardParallel, ShardParallel
-from torchalpa.opgraph import OpGraph
-from torchalpa.plan import Plan
-from torchalpa.plan_check import check_step_dtypes
-from torchalpa.workflow import (capture_examples, capture_variants, plan_on_rank0,
-                                same_step_on_every_rank, with_precision)
+from torchalpa.plan import PipelinePlan, Plan
+# re-exported: earlier homes of the intra-op steps (scripts and tests import them here)
+from torchalpa.shard import blocks_of as _blocks_of  # noqa: F401
+from torchalpa.shard import candidate_meshes, plan_graph  # noqa: F401
+from torchalpa.workflow import default_cluster  # noqa: F401
 
 __all__ = ["plan", "auto_parallel", "default_cluster", "plan_graph"]
 
-log = logging.getLogger("torchalpa")
+Method = ShardParallel | PipeshardParallel
 _INPUT_MODES = ("global", "local")
 _CHECK_INPUTS = ("first", "always", "never")
 
 
-def default_cluster(num_devices: int) -> Cluster:
-    """The hardware torchalpa assumes when none is given: what this job runs on.
-
-    On GPUs ``Cluster.detect()`` (this GPU's model, memory and rates; torchrun's node
-    layout when it covers ``num_devices``, else one node); on CPUs ``local_cpu``.
-    """
-    if not torch.cuda.is_available():
-        return Cluster.local_cpu(num_devices)
-    import os
-    world = int(os.environ.get("WORLD_SIZE", 0))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
-    if world == num_devices and local and world % local == 0:
-        return Cluster.detect(world // local, local)
-    return Cluster.detect(1, num_devices)
-
-
-def _check_method(method) -> ShardParallel:
+def _check_method(method) -> Method:
     method = method if method is not None else ShardParallel()
     if not isinstance(method, (ShardParallel, PipeshardParallel)):
         raise TypeError(f"method must be a torchalpa method such as ShardParallel(), "
@@ -53,98 +39,11 @@ def _check_inputs_mode(inputs: str) -> None:
         raise ValueError(f"inputs must be one of {_INPUT_MODES}, got {inputs!r}")
 
 
-def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
-                     shape: tuple[int, ...] | None = None,
-                     axis_names: tuple[str, ...] | None = None) -> list[LogicalMesh]:
-    """The logical meshes to plan on: the one asked for, or every 1D/2D view of the cluster."""
-    shape = tuple(shape or method.logical_mesh_shape or ()) or None
-    if isinstance(cluster, LogicalMesh):
-        if shape and shape != cluster.shape:
-            raise ValueError(f"the LogicalMesh given as cluster has shape {cluster.shape}, but "
-                             f"the plan needs {shape}")
-        if axis_names and tuple(axis_names) != cluster.axis_names:
-            cluster = replace(cluster, axis_names=tuple(axis_names))
-        return [cluster]
-    if not isinstance(cluster, Cluster):
-        raise TypeError(f"cluster must be a torchalpa.Cluster or LogicalMesh, "
-                        f"got {type(cluster).__name__}")
-    shapes = [shape] if shape else cluster.candidate_shapes()
-    return [cluster.logical_mesh(s, axis_names if shape else None) for s in shapes]
-
-
-def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
-               inputs: str = "global", blocks: dict | None = None) -> Plan:
-    """The best plan over ``meshes`` (by estimated step time), reusing cached plans."""
-    from torchalpa import cache
-    from torchalpa.passes.ilp import InfeasibleError
-    from torchalpa.passes.intra_op import plan_intra_op
-    from torchalpa.plan_check import check_plan
-    from torchalpa.progress import step
-    fingerprint = graph.fingerprint()
-    plans, failures = [], []
-    for i, mesh in enumerate(meshes):
-        key = cache.plan_key(fingerprint, mesh, method, inputs)
-        shape = "x".join(map(str, mesh.shape))
-        with step(f"mesh {i + 1}/{len(meshes)} ({shape}) solving") as progress:
-            found = cache.load_cached(key, lambda p, source, shape=tuple(mesh.shape): check_plan(
-                p, fingerprint=fingerprint, source=source, mesh_shape=shape, graph=graph))
-            if found is not None and not isinstance(found, Plan):
-                found = None
-            if found is not None:
-                progress.done = "cached, " + _estimate_text(found, mesh)
-                plans.append(found)
-                continue
-            try:
-                found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks)
-            except InfeasibleError as e:
-                failures.append(e)
-                progress.done = f"does not fit: {e}"
-                continue
-            budget = method.auto_sharding_option.memory_budget_per_device or \
-                mesh.memory_per_device
-            if budget:      # recorded for reports and pictures
-                found = replace(found, estimates={**found.estimates,
-                                                  "memory_budget_per_device_bytes": budget})
-            progress.done = _estimate_text(found, mesh)
-        cache.store(key, found)
-        cache.trim()
-        plans.append(found)
-    if not plans:
-        raise failures[0] if len(failures) == 1 else InfeasibleError(
-            "no logical mesh fits the memory budget:\n" + "\n".join(f"  {e}" for e in failures))
-    best = min(plans, key=lambda p: p.estimates["step_time_s"])
-    log.info("chose mesh %s: %s", "x".join(map(str, best.mesh_shape)),
-             _estimate_text(best, meshes[0]))
-    if len(meshes) > 1:
-        tried = ", ".join(f"{'x'.join(map(str, p.mesh_shape))}: "
-                          f"{p.estimates['step_time_s'] * 1e3:.3g} ms" for p in plans)
-        best = replace(best, notes=best.notes + (f"logical meshes tried (estimated step): {tried}",))
-    return best
-
-
-def _estimate_text(plan: Plan, mesh: LogicalMesh) -> str:
-    """``est 630 ms/step, 45.5 GiB of 74.5``: a plan's estimates against the budget."""
-    est = plan.estimates
-    text = f"est {est.get('step_time_s', 0) * 1e3:.3g} ms/step"
-    memory = est.get("memory_per_device_bytes")
-    if memory is not None:
-        from torchalpa.report import format_bytes
-        text += f", {format_bytes(memory)}"
-        budget = est.get("memory_budget_per_device_bytes") or mesh.memory_per_device
-        if budget:
-            text += f" of {format_bytes(budget)}"
-    return text
-
-
-def _blocks_of(graph: OpGraph) -> dict | None:
-    """Repeated layers the frontend tagged, if it found any."""
-    return graph.meta.get("repeated_blocks") or None
-
-
 def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
-         loss_fn: Callable | None = None, *, method: ShardParallel | None = None,
+         loss_fn: Callable | None = None, *, method: Method | None = None,
          cluster: Cluster | LogicalMesh | None = None, inputs: str = "global",
-         verbose: bool = False, param_argnums=0, num_params: int | None = None) -> Plan:
+         verbose: bool = False, param_argnums=0, num_params: int | None = None
+         ) -> Plan | PipelinePlan:
     """Plan ``model`` for ``cluster`` without running it: no process group, no real weights.
 
     ``model`` and ``example_inputs`` may live on the ``meta`` device. Without a cluster the
@@ -167,40 +66,18 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
 
 
 def _plan(model, example_inputs, loss_fn, *, method, cluster, inputs, param_argnums,
-          num_params) -> Plan:
-    from torchalpa.programs import is_program, program_graph
-    if is_program(model):
-        if loss_fn is not None or isinstance(_check_method(method), PipeshardParallel):
-            raise ValueError("a JAX function or StableHLO program is planned whole with "
-                             "ShardParallel and carries its own loss: pass neither loss_fn "
-                             "nor PipeshardParallel")
-        _check_inputs_mode(inputs)
-        graph = program_graph(model, example_inputs, param_argnums=param_argnums,
-                              num_params=num_params)
-        return plan_graph(graph, method=_check_method(method),
-                          meshes=candidate_meshes(cluster or default_cluster(1),
-                                                  _check_method(method)), inputs=inputs)
-    from torchalpa.runtime.mesh import world_size
+          num_params) -> Plan | PipelinePlan:
     method = _check_method(method)
     _check_inputs_mode(inputs)
-    if isinstance(method, PipeshardParallel):
-        from torchalpa.pipeshard import plan_pipeshard
-        return plan_pipeshard(model, example_inputs, loss_fn, method=method,
-                              cluster=cluster or default_cluster(world_size()), inputs=inputs)
-    meshes = candidate_meshes(cluster or default_cluster(world_size()), method)
-    from torchalpa.passes.remat_choice import plan_with_remat
-    variants = capture_variants(model, example_inputs, loss_fn, method.auto_sharding_option)
-    check_step_dtypes(next(iter(variants.values())).graph)
-    return plan_with_remat(variants, lambda c: plan_graph(
-        c.graph, method=method, meshes=meshes, inputs=inputs, blocks=_blocks_of(c.graph)),
-        lambda c: c.graph)
+    return method.plan(model, example_inputs, loss_fn, cluster=cluster, inputs=inputs,
+                       param_argnums=param_argnums, num_params=num_params)
 
 
 def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
-                  loss_fn: Callable | None = None, *, method: ShardParallel | None = None,
+                  loss_fn: Callable | None = None, *, method: Method | None = None,
                   mesh=None, cluster: Cluster | LogicalMesh | None = None,
                   inputs: str = "global", optimizer: Callable | None = None,
-                  plan: Plan | None = None, num_micro_batches: int = 1,
+                  plan: Plan | None = None, num_micro_batches: int | None = None,
                   mixed_precision=None, init_weights: Callable | None = None,
                   compile: bool | dict = False, check_replicas: bool | None = None,
                   check_inputs: str = "first", verbose: bool = False):
@@ -219,7 +96,9 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     - ``num_micro_batches=k``: gradient accumulation. The plan is made for one micro-batch
       (dim 0 of every example input divided by ``k``); a step runs the ``k`` micro-batches
       one after the other, sums their gradients and returns the mean of their losses, so a
-      mean-reduced loss gives the whole batch's loss and gradients.
+      mean-reduced loss gives the whole batch's loss and gradients. With
+      ``PipeshardParallel`` the micro-batches flow through the stages: the option sets the
+      method's ``num_micro_batches`` (or must equal it).
     - ``mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16)``: float32
       parameters (the DTensors the optimizer updates), forward and backward in
       ``param_dtype``, float32 gradients.
@@ -227,8 +106,11 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
       are allocated, then ``fn(module)`` initializes them in place on the DTensors (default:
       ``reset_parameters()`` of every submodule that has one). Given for a real model, it
       re-initializes it.
-    - ``compile=True`` (or a dict of ``torch.compile`` options): the local programs run
-      under ``torch.compile``.
+    - ``compile=True`` (or a dict of ``torch.compile`` options): the local programs (each
+      pipeline stage's, with ``PipeshardParallel``) run under ``torch.compile``.
+    - ``PipeshardParallel`` builds its stages' meshes itself and needs the global batch on
+      every rank: ``mesh=``, ``inputs="local"`` and ``init_weights=`` raise a ValueError
+      saying why (``pipeshard.pipeline_options``).
     - Random numbers (dropout): every rank continues from rank 0's default generator state
       once the model is wrapped (a ``RandomStateWarning`` says when ranks' states differed,
       e.g. after ``torch.manual_seed(seed + rank)``), so replicas draw alike; sharded
@@ -257,144 +139,25 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                               check_inputs=check_inputs)
 
 
-def _auto_parallel(model, example_inputs, loss_fn, *, method, mesh, cluster, inputs, optimizer,
-                   plan, num_micro_batches, mixed_precision, init_weights, compile,
-                   check_replicas, check_inputs):
-    from torchalpa.runtime import mesh as mesh_mod
-    from torchalpa.runtime.lower import lower
-    from torchalpa.runtime.materialize import distribute_module_state
-    from torchalpa.runtime.module import ParallelModule
-    from torchalpa.runtime.random import sync_random_state
-    from torchalpa.runtime.replicas import enabled_by_env
-
+def _auto_parallel(model, example_inputs, loss_fn, *, method, check_inputs, num_micro_batches,
+                   inputs, **options):
     from torchalpa.calls import CallSignature
-
     method = _check_method(method)
     _check_inputs_mode(inputs)
     if check_inputs not in _CHECK_INPUTS:
         raise ValueError(f"check_inputs must be one of {_CHECK_INPUTS}, got {check_inputs!r}")
+    if num_micro_batches is not None:
+        _check_micro_batches(num_micro_batches)
     signature, example_inputs = CallSignature.of(example_inputs)
-    if isinstance(method, PipeshardParallel):
-        if signature.by_keyword:
-            raise ValueError("PipeshardParallel takes positional example inputs; pass a tuple "
-                             "of tensors (or wrap the model to call it by keyword)")
-        if mesh is not None or inputs != "global" or num_micro_batches != 1 or compile:
-            raise ValueError("PipeshardParallel takes the global batch on every rank and its own "
-                             "num_micro_batches; mesh=, inputs='local', num_micro_batches= and "
-                             "compile= are not supported with it")
-        from torchalpa.pipeshard import pipeshard_parallel
-        return pipeshard_parallel(model, example_inputs, loss_fn, method=method,
-                                  cluster=cluster, optimizer=optimizer, plan=plan,
-                                  mixed_precision=mixed_precision)
-    num_micro_batches = _check_micro_batches(num_micro_batches)
-    mesh_mod.init_distributed()
-    world = mesh_mod.world_size()
-    shape = names = None
-    if mesh is not None:
-        if mesh.size() != world:
-            raise ValueError(f"the mesh has {mesh.size()} devices but this job has {world} "
-                             "ranks; torchalpa needs a mesh over all ranks")
-        shape = tuple(mesh.shape)
-        names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(len(shape))))
-        if method.logical_mesh_shape and tuple(method.logical_mesh_shape) != shape:
-            raise ValueError(f"method.logical_mesh_shape {method.logical_mesh_shape} differs from "
-                             f"the mesh's shape {shape}")
-    elif method.logical_mesh_shape:
-        shape = tuple(method.logical_mesh_shape)
-        mesh_mod.check_world_size(shape)
-    cluster = cluster or default_cluster(world)
-    meshes = candidate_meshes(cluster, method, shape, names)
+    return method.build(model, example_inputs, loss_fn, signature=signature, inputs=inputs,
+                        check_inputs=check_inputs, num_micro_batches=num_micro_batches,
+                        **options)
 
-    start = time.perf_counter()
-    traced = with_precision(model, mixed_precision)
-    from torchalpa.passes.remat_choice import chosen_remat, plan_with_remat
-    variants = capture_variants(traced, capture_examples(model, example_inputs,
-                                                           num_micro_batches),
-                                 loss_fn, method.auto_sharding_option, signature=signature)
-    captured = next(iter(variants.values()))
-    check_step_dtypes(captured.graph)
-    fingerprint = captured.graph.fingerprint()
-    same_step_on_every_rank(fingerprint)
-    if plan is not None:
-        if chosen_remat(plan) not in variants:      # a plan made with another remat setting
-            variants = capture_variants(traced, capture_examples(
-                model, example_inputs, num_micro_batches), loss_fn, replace(
-                method.auto_sharding_option, remat=chosen_remat(plan)), signature=signature)
-        captured = variants[chosen_remat(plan)]
-        _check_given_plan(plan, captured.graph.fingerprint(), shape, captured.graph)
-        the_plan = plan
-    else:
-        the_plan = plan_on_rank0(lambda: plan_with_remat(variants, lambda c: plan_graph(
-            c.graph, method=method, meshes=meshes, inputs=inputs, blocks=_blocks_of(c.graph)),
-            lambda c: c.graph))
-        captured = variants[chosen_remat(the_plan)]
-    device_mesh = mesh if mesh is not None else mesh_mod.build_mesh(the_plan.mesh_shape,
-                                                                    the_plan.axis_names)
-    device = mesh_mod.default_device()
-    coords = device_mesh.get_coordinate()
-    groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
-
-    def lower_program(gm, a_plan, param_names, buffer_updates=()):
-        return lower(gm, a_plan, param_names, coords=coords, group_names=groups, device=device,
-                     buffer_updates=buffer_updates)
-
-    program = lower_program(captured.gm, the_plan, captured.param_names,
-                            captured.buffer_updates)
-    if compile:
-        program = program.compiled(**(compile if isinstance(compile, dict) else {}))
-    distribute_module_state(model, the_plan, device_mesh, device, init_weights=init_weights)
-    input_specs = [(tuple(x.shape), x.dtype) for x in example_inputs]
-    if inputs == "local":
-        input_specs = [(tuple(s // device_mesh.size() if i == 0 else s
-                              for i, s in enumerate(shp)), dt) for shp, dt in input_specs]
-    forward_programs = _forward_programs(
-        traced, loss_fn, the_plan, method, candidate_meshes(
-            cluster, method, tuple(the_plan.mesh_shape), tuple(the_plan.axis_names))[0],
-        inputs, lambda gm, p, updates: lower_program(gm, p, [], updates).forward, signature)
-    sync_random_state(device)    # last: planning or initialization may have drawn on rank 0
-    log.info("auto_parallel ready in %.2fs: %s", time.perf_counter() - start,
-             captured.graph.summary())
-    return ParallelModule(model, the_plan, program, device_mesh,
-                          param_names=captured.param_names, buffer_names=captured.buffer_names,
-                          input_specs=input_specs, inputs=inputs, device=device,
-                          optimizer=optimizer, num_micro_batches=num_micro_batches,
-                          forward_programs=forward_programs, signature=signature,
-                          timeout_s=mesh_mod.collective_timeout().total_seconds(),
-                          check_replicas=enabled_by_env() if check_replicas is None
-                          else check_replicas,
-                          check_inputs=check_inputs)
-
-
-def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape, graph=None) -> None:
-    """A ``plan=`` is checked like a cached one: step, mesh, shapes and layouts."""
-    from torchalpa.plan_check import check_plan
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a torchalpa.Plan, got {type(plan).__name__}")
-    check_plan(plan, fingerprint=fingerprint, source="the plan passed as plan=",
-               mesh_shape=mesh_shape, graph=graph)
-
-
-# -- auto_parallel's runtime options ----------------------------------------------------
 
 def _check_micro_batches(num_micro_batches) -> int:
+    if num_micro_batches is None:
+        return 1
     if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) \
             or num_micro_batches < 1:
         raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
     return num_micro_batches
-
-
-def _forward_programs(traced, loss_fn, training_plan: Plan, method: ShardParallel,
-                      logical_mesh: LogicalMesh, inputs: str, lower_forward, signature=None):
-    """Forward-only programs (predict, eval mode) planned with the training layouts pinned."""
-    from torchalpa.runtime.inference import ForwardPrograms, pins_of
-    option = replace(method.auto_sharding_option,
-                     pin=tuple(method.auto_sharding_option.pin) + pins_of(training_plan))
-    pinned = replace(method, auto_sharding_option=option)
-
-    def plan_forward(graph: OpGraph) -> Plan:
-        same_step_on_every_rank(graph.fingerprint())
-        return plan_on_rank0(lambda: plan_graph(graph, method=pinned, meshes=[logical_mesh],
-                                                 inputs=inputs, blocks=_blocks_of(graph)))
-
-    return ForwardPrograms(traced, loss_fn, training_plan, plan_forward, lower_forward,
-                           signature=signature)

@@ -1,6 +1,9 @@
 """Parallelization methods and their options (validated, frozen dataclasses).
 
 ``ShardParallel`` is Alpa's intra-op auto-sharding: the ILP decides every layout.
+Each method knows how to plan and build a model (``method.plan`` / ``method.build``,
+which ``torchalpa.plan`` / ``torchalpa.auto_parallel`` dispatch to), importing its
+orchestration module only when called, so the methods stay plain data to import.
 The options mirror Alpa's ``AutoShardingOption`` where they mean the same thing.
 """
 
@@ -174,6 +177,20 @@ class ShardParallel:
     def optimizer_states(self) -> int:
         return OPTIMIZER_STATES[self.optimizer]
 
+    def plan(self, model, example_inputs, loss_fn=None, *, cluster=None, inputs="global",
+             param_argnums=0, num_params=None):
+        """This method's plan for ``model`` (what ``torchalpa.plan`` returns): one intra-op
+        plan over the fastest logical mesh (``torchalpa/shard.py``)."""
+        from torchalpa.shard import plan_shard
+        return plan_shard(model, example_inputs, loss_fn, method=self, cluster=cluster,
+                          inputs=inputs, param_argnums=param_argnums, num_params=num_params)
+
+    def build(self, model, example_inputs, loss_fn=None, **options):
+        """The parallel module ``torchalpa.auto_parallel`` returns, given its options
+        (checked there): a ``ParallelModule`` (``torchalpa/shard.py``)."""
+        from torchalpa.shard import shard_parallel
+        return shard_parallel(model, example_inputs, loss_fn, method=self, **options)
+
     def to_dict(self) -> dict:
         """Plain JSON data (tuples become lists), as stored in plans."""
         d = json.loads(json.dumps(asdict(self)))
@@ -317,6 +334,22 @@ class PipeshardParallel:
         """The ShardParallel each stage is planned with."""
         return ShardParallel(auto_sharding_option=option or self.auto_sharding_option,
                              optimizer=self.optimizer)
+
+    def plan(self, model, example_inputs, loss_fn=None, *, cluster=None, inputs="global",
+             param_argnums=0, num_params=None):
+        """This method's plan for ``model`` (what ``torchalpa.plan`` returns): stages on
+        submeshes, each with its intra-op plan (``torchalpa/pipeshard.py``)."""
+        from torchalpa.pipeshard import plan_pipeshard
+        del param_argnums, num_params       # programs are refused there, with the reason
+        return plan_pipeshard(model, example_inputs, loss_fn, method=self, cluster=cluster,
+                              inputs=inputs)
+
+    def build(self, model, example_inputs, loss_fn=None, **options):
+        """The parallel module ``torchalpa.auto_parallel`` returns, given its options (the
+        ones a pipeline cannot honour raise, saying why): a ``PipelineModule``
+        (``torchalpa/pipeshard.py``)."""
+        from torchalpa.pipeshard import pipeshard_parallel
+        return pipeshard_parallel(model, example_inputs, loss_fn, method=self, **options)
 
     def to_dict(self) -> dict:
         d = json.loads(json.dumps(asdict(self), default=str))

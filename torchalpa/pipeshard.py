@@ -19,10 +19,10 @@ import torch.nn as nn
 from torchalpa.cluster import Cluster
 from torchalpa.methods import PipeshardParallel
 from torchalpa.plan import PipelinePlan
-from torchalpa.workflow import (capture_variants, micro_batch_examples, plan_on_rank0,
-                                same_step_on_every_rank, with_precision)
+from torchalpa.workflow import (capture_variants, default_cluster, micro_batch_examples,
+                                plan_on_rank0, same_step_on_every_rank, with_precision)
 
-__all__ = ["plan_pipeshard", "pipeshard_parallel"]
+__all__ = ["plan_pipeshard", "pipeshard_parallel", "pipeline_options"]
 
 log = logging.getLogger("torchalpa")
 
@@ -34,9 +34,59 @@ def _check_cluster(cluster: Cluster) -> Cluster:
     return cluster
 
 
+def pipeline_options(method: PipeshardParallel, *, by_keyword: bool = False, mesh=None,
+                     inputs: str = "global", num_micro_batches: int | None = None,
+                     init_weights=None, check_replicas: bool | None = None,
+                     check_inputs: str = "first") -> PipeshardParallel:
+    """``method`` with ``auto_parallel``'s options applied, or a ValueError naming an option
+    a pipeline cannot honour and what to do instead.
+
+    ``num_micro_batches`` means what it means for ShardParallel (a step's micro-batches,
+    their gradients summed, their losses averaged): given, it sets the method's (when that
+    is the default 1) or must equal it.
+    """
+    if by_keyword:
+        raise ValueError("PipeshardParallel takes positional example inputs; pass a tuple "
+                         "of tensors (or wrap the model to call it by keyword)")
+    if mesh is not None:
+        raise ValueError("PipeshardParallel builds one DeviceMesh per stage from the plan's "
+                         "submeshes, so it takes no mesh=; describe the hardware with "
+                         "cluster=torchalpa.Cluster(...), or fix stages and their meshes with "
+                         "stage_option=ManualStageOption(submesh_shapes=..., logical_shapes=...)")
+    if inputs != "global":
+        raise ValueError("PipeshardParallel needs inputs='global': the first stage's ranks read "
+                         "every micro-batch's inputs and the last stage's ranks its targets, so "
+                         "each rank's own shard (inputs='local', a DistributedSampler) would "
+                         "leave them without the data other ranks hold; pass the same global "
+                         "batch on every rank")
+    if init_weights is not None:
+        raise ValueError("init_weights= is not supported with PipeshardParallel: pipeline "
+                         "stages take the model's real weights (build the model on CPU and "
+                         "initialize it before auto_parallel)")
+    if check_replicas or check_inputs == "always":
+        raise ValueError("check_replicas=True and check_inputs='always' are not supported with "
+                         "PipeshardParallel yet (its runtime does not run these checks); leave "
+                         "them at their defaults")
+    if num_micro_batches is None or num_micro_batches == method.num_micro_batches:
+        return method
+    if method.num_micro_batches != 1:
+        raise ValueError(f"num_micro_batches={num_micro_batches} disagrees with the method's "
+                         f"PipeshardParallel(num_micro_batches={method.num_micro_batches}); "
+                         "give it in one place")
+    return replace(method, num_micro_batches=num_micro_batches)
+
+
 def plan_pipeshard(model: nn.Module, example_inputs, loss_fn, *, method: PipeshardParallel,
-                   cluster: Cluster, inputs: str = "global") -> PipelinePlan:
+                   cluster: Cluster | None, inputs: str = "global") -> PipelinePlan:
     """The pipeline plan, without processes or real weights."""
+    from torchalpa.programs import is_program
+    if is_program(model):
+        raise ValueError("a JAX function or StableHLO program is planned whole with "
+                         "ShardParallel: PipeshardParallel cuts a torch model's step into stages")
+    method = pipeline_options(method, inputs=inputs)
+    if cluster is None:
+        from torchalpa.runtime.mesh import world_size
+        cluster = default_cluster(world_size())
     from torchalpa.passes.inter_op import plan_pipeline
     from torchalpa.passes.remat_choice import plan_with_remat
     micro = micro_batch_examples(example_inputs, method.num_micro_batches)
@@ -78,18 +128,23 @@ def _cached(graph, cluster: Cluster, method: PipeshardParallel, inputs: str, sol
 
 
 def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: PipeshardParallel,
-                       cluster: Cluster | None, optimizer: Callable | None,
-                       plan: PipelinePlan | None, mixed_precision=None):
+                       cluster: Cluster | None = None, optimizer: Callable | None = None,
+                       plan: PipelinePlan | None = None, mixed_precision=None,
+                       compile: bool | dict = False, signature=None, **options):
+    """Each rank's stage of ``method``'s pipeline plan, as a ``PipelineModule``.
+    ``compile``: the stage's programs run under ``torch.compile`` (a dict: its options);
+    ``options``: the rest of ``auto_parallel``'s, applied by ``pipeline_options``."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torchalpa import api
     from torchalpa.passes.inter_op import plan_pipeline
     from torchalpa.runtime import mesh as mesh_mod
     from torchalpa.runtime.pipeline import PipelineRunner, lower_stage, transfer_specs
     from torchalpa.runtime.pipeline_module import PipelineModule
 
+    method = pipeline_options(method, by_keyword=signature is not None and signature.by_keyword,
+                              **options)
     mesh_mod.init_distributed()
     world, rank = mesh_mod.world_size(), mesh_mod.rank()
-    cluster = _check_cluster(cluster or api.default_cluster(world))
+    cluster = _check_cluster(cluster or default_cluster(world))
     if cluster.num_devices != world:
         raise ValueError(f"the cluster has {cluster.num_devices} devices but this job has {world} "
                          f"ranks; launch with torchrun --nproc_per_node={cluster.num_devices} or "
@@ -130,6 +185,8 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
         buffer_names=captured.buffer_names, buffer_updates=captured.buffer_updates,
         coords=mesh.get_coordinate(), group_names=[mesh.get_group(i).group_name
                                                    for i in range(mesh.ndim)], device=device)
+    if compile:
+        program = program.compiled(**(compile if isinstance(compile, dict) else {}))
     _distribute_stages(model, the_plan, meshes, device)
     runner = PipelineRunner(program, the_plan, stage.index, rank,
                             transfer_specs(captured.gm, the_plan), device)

@@ -2,8 +2,8 @@
 
 ``capture_step`` (the training step as a graph, for one micro-batch) ->
 ``same_step_on_every_rank`` -> ``plan_on_rank0`` (rank 0 solves, every rank gets the
-plan) -> the method's runtime. ``api`` (intra-op plans) and ``pipeshard`` (pipeline plans)
-both call these, so micro-batch splitting, capture and planning on rank 0 exist once.
+plan) -> the method's runtime. ``shard`` (intra-op plans) and ``pipeshard`` (pipeline
+plans) both call these, so micro-batch splitting, capture and planning on rank 0 exist once.
 """
 
 from __future__ import annotations
@@ -14,14 +14,31 @@ from typing import TypeVar, cast
 
 import torch
 
+from torchalpa.cluster import Cluster
 from torchalpa.plan import PipelinePlan, Plan
 
-__all__ = ["capture_step", "capture_variants", "micro_batch_examples", "capture_examples", "with_precision",
-           "same_step_on_every_rank", "plan_on_rank0"]
+__all__ = ["default_cluster", "capture_step", "capture_variants", "micro_batch_examples",
+           "capture_examples", "with_precision", "same_step_on_every_rank", "plan_on_rank0"]
 
 log = logging.getLogger("torchalpa")
 
 AnyPlan = TypeVar("AnyPlan", Plan, PipelinePlan)
+
+
+def default_cluster(num_devices: int) -> Cluster:
+    """The hardware torchalpa assumes when none is given: what this job runs on.
+
+    On GPUs ``Cluster.detect()`` (this GPU's model, memory and rates; torchrun's node
+    layout when it covers ``num_devices``, else one node); on CPUs ``local_cpu``.
+    """
+    if not torch.cuda.is_available():
+        return Cluster.local_cpu(num_devices)
+    import os
+    world = int(os.environ.get("WORLD_SIZE", 0))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    if world == num_devices and local and world % local == 0:
+        return Cluster.detect(world // local, local)
+    return Cluster.detect(1, num_devices)
 
 
 def _count(n: float) -> str:
