@@ -39,7 +39,8 @@ from torchalpa.passes.subgraph import stage_subgraph
 from torchalpa.plan import PipelinePlan, StagePlan, Transfer
 from torchalpa.schedules import SCHEDULES, in_flight, simulate
 
-__all__ = ["plan_pipeline", "assign_layers", "logical_views", "layer_probes", "LayerProbe"]
+__all__ = ["plan_pipeline", "assign_layers", "logical_views", "shardable_views", "layer_probes",
+           "LayerProbe"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -65,6 +66,25 @@ def logical_views(submesh: tuple[int, int]) -> list[tuple[int, ...]]:
     elif m >= 4:
         views.append((2, m // 2))
     return views
+
+
+def tensor_dims(graph: OpGraph) -> frozenset[int]:
+    """Every dim size of every value in the graph."""
+    return frozenset(d for node in graph for spec in node.outputs for d in spec.shape)
+
+
+def shardable_views(submesh: tuple[int, int], dims: frozenset[int]) -> list[tuple[int, ...]]:
+    """The submesh's ``logical_views`` on which every mesh axis can shard some dim.
+
+    Shardings split a dim evenly or not at all (``passes/strategies.py`` drops uneven
+    splits; there is no padding), so an axis whose size divides no dim of any value in the
+    graph (49 devices for a batch of 8, hidden 5120, ...) keeps everything replicated along
+    it: every device on the axis repeats the same work, and the view costs what the view
+    without that axis costs while holding more devices. Such views are skipped without a
+    solve; on a 50-node cluster they are most of the node counts the DP would otherwise
+    plan every distinct layer on (issue 15, item 4)."""
+    return [view for view in logical_views(submesh)
+            if all(size == 1 or any(d % size == 0 for d in dims) for size in view)]
 
 
 def _submesh_cluster(cluster: Cluster, submesh: tuple[int, int]) -> Cluster:
@@ -126,6 +146,7 @@ class _StageCosts:
         self.inputs = inputs
         self.signature = _layer_signatures(graph, layer, self.num_layers)
         self.send_bytes = self._boundary_bytes()
+        self.dims = tensor_dims(graph)
         self.cache: dict[tuple, _Estimate | None] = {}
         self.solves = 0
 
@@ -150,7 +171,8 @@ class _StageCosts:
         """Solve every distinct layer on every view up front, ``workers`` at a time (the DP
         asks for all of them; each solve is independent). The lean (sharded-state) variants
         follow for the views where the fastest plans may not fit."""
-        views = [(view, submesh) for submesh in submeshes for view in logical_views(submesh)]
+        views = [(view, submesh) for submesh in submeshes
+                 for view in shardable_views(submesh, self.dims)]
         self._solve_all([(l, view, submesh, False) for view, submesh in views
                          for l in range(self.num_layers)], workers)
         budget = self.method.auto_sharding_option.memory_budget_per_device or \
@@ -236,7 +258,7 @@ class _StageCosts:
             self.cluster.intra_node_bandwidth
         sends = (self.send_bytes[i] if i < self.num_layers - 1 else 0.0) + \
             (self.send_bytes[k - 1] if k > 0 else 0.0)
-        for view in logical_views(submesh):
+        for view in shardable_views(submesh, self.dims):
             for lean in (False, True):   # the fastest plan, else one with sharded states
                 parts = [self.layer_estimate(l, view, submesh, lean) for l in range(k, i + 1)]
                 if any(p is None for p in parts):
@@ -283,7 +305,12 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
             latency, view = costs.cost(k, i, shapes[j], flight)
             views[(k, i, j, after)] = view
             return latency
-        solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
+        try:
+            solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
+        except ValueError as e:    # no stage fits: infeasible, like an ILP that finds none
+            raise InfeasibleError(f"pipeline search on {cluster.num_nodes}x"
+                                  f"{cluster.devices_per_node} devices with {B} micro-batches:"
+                                  f" {e}") from e
         stages = []
         for n, s in enumerate(solution.stages):
             after = len(solution.stages) - 1 - n
@@ -323,9 +350,10 @@ def layer_probes(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
     L = max(layer.values()) + 1
     signature = _layer_signatures(graph, layer, L)
     probes, seen = [], set()
+    dims = tensor_dims(graph)
     room = replace(cluster, num_nodes=cluster.num_nodes + 2)
     for submesh in submesh_shapes(cluster.num_nodes, cluster.devices_per_node):
-        for view in logical_views(submesh):
+        for view in shardable_views(submesh, dims):
             for l in range(L):
                 key = (signature[l], view, submesh)
                 if key in seen:

@@ -140,3 +140,16 @@ def test_measured_times_decide_the_stages(mlp_graph, fast):
     assert "stage_options = " in plan.summary() and "stage_options" in plan.to_dict()
     per_stage = [len(s.layers) * 1e-3 for s in plan.stages]
     assert plan.estimates["stage_step_s"] == pytest.approx(per_stage)
+
+
+def test_views_whose_axis_divides_no_dim_are_skipped():
+    """An axis that can shard nothing (49 devices, dims 8 and 5120) only repeats work: the
+    pipeline search does not solve it; views with a usable axis stay."""
+    from torchalpa.passes.inter_op import logical_views, shardable_views
+    dims = frozenset({8, 4096, 5120})
+    assert logical_views((49, 4)) == [(196,), (49, 4)]
+    assert shardable_views((49, 4), dims) == []
+    assert shardable_views((5, 4), dims) == [(20,), (5, 4)]  # 20 and 5 divide 5120
+    assert shardable_views((5, 4), frozenset({8, 15})) == [(5, 4)]   # 20 divides no dim
+    assert shardable_views((2, 4), dims) == [(8,), (2, 4)]
+    assert shardable_views((1, 1), dims) == [(1,)]
