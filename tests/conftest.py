@@ -30,3 +30,12 @@ def _quiet_torch_warnings():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*autograd kernel was not registered.*")
         yield
+
+
+@pytest.fixture
+def single_process_world():
+    """Tear down the one-rank process group a test's auto_parallel call started."""
+    yield
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()

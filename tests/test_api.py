@@ -11,13 +11,6 @@ import torchalpa
 from models import MLP, mlp_inputs
 
 
-@pytest.fixture
-def single_process_world():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def test_one_process_trains_like_eager(single_process_world):
     torch.manual_seed(0)
     model = MLP(32, 3)

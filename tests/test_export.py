@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
@@ -14,11 +13,7 @@ from models import MLP, mlp_inputs
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def single_process_world():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 
 
 def tiny_gpt2():

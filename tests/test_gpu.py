@@ -12,24 +12,17 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import torchalpa
 import torchalpa.models as zoo
 from torchalpa.cluster import Cluster
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.usefixtures("single_process_world")]   # conftest.py
 
 FAMILIES = ["gpt", "llama", "bert", "vit", "resnet", "moe", "hf_gpt2", "hf_llama", "hf_bert"]
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def single_process_world():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _without_dropout(model: nn.Module) -> nn.Module:

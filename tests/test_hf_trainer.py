@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import torchalpa
 
@@ -23,11 +22,7 @@ transformers = pytest.importorskip("transformers")
 import accelerate  # noqa: E402,F401  (Trainer needs it; a missing one fails here, not skips)
 
 
-@pytest.fixture(autouse=True)
-def single_process_world():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 
 
 def trainer_losses(model, data, out_dir) -> list[float]:

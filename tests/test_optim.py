@@ -8,7 +8,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
@@ -20,11 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: E402
 from torchalpa.runtime import optim as lean  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def single_process_world():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 
 
 def train(make_opt, steps=3):

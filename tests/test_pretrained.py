@@ -17,7 +17,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file, save_model
 
@@ -28,11 +27,7 @@ from test_faults_dist import _free_port
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.fixture(autouse=True)
-def single_process_world():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 
 
 def saved_mlp(directory, sharded: bool):

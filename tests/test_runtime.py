@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -19,11 +18,7 @@ from torchalpa.runtime.materialize import MaterializeWarning
 from torchalpa.runtime.precision import CastForward, MixedPrecision
 
 
-@pytest.fixture(autouse=True)
-def single_process_world():
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 
 
 def twin(make):
