@@ -36,6 +36,7 @@ from torchalpa.placement import Placements, Shard, format_placements, replicated
 from torchalpa.report import format_bytes
 from torchalpa.plan import (INPUT_SLOT, OUTPUT, Collective, MeshStage, NodeStrategy,
                             OutputSlot, Plan, Reshard, ValuePlacement)
+from torchalpa.plan_records import Explanation, LayoutCost
 
 __all__ = ["plan_intra_op", "UnsupportedOpWarning", "build_strategies"]
 
@@ -467,7 +468,7 @@ def _minimum_memory(graph, S, grouping, cg, memory: MemoryModel, points, option,
 
 def _explain_parameters(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                         chosen: dict[str, Strategy], costs: ReshardCosts,
-                        space: StrategySpace) -> dict:
+                        space: StrategySpace) -> dict[str, Explanation]:
     """Per parameter: what its layout costs (communication it causes, state it holds) and
     what the best other layout would cost with every other decision unchanged."""
     readers: dict[str, list[tuple[str, int]]] = {}
@@ -488,16 +489,14 @@ def _explain_parameters(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel
             if g is not None:
                 t += costs.cost(graph.spec(g), chosen[g.node].outputs[g.index], layout)
             copies = 2 + method.optimizer_states if g is not None else 1
-            return {"placements": format_placements(layout), "communication_s": t,
-                    "state_bytes": local_bytes(node.output, layout, mesh.shape) * copies}
+            return LayoutCost(placements=tuple(format_placements(layout)), communication_s=t,
+                              state_bytes=local_bytes(node.output, layout, mesh.shape) * copies)
 
         mine = chosen[node.name].outputs[0]
         others = [price(s.outputs[0]) for s in space.strategies[node.name]
                   if s.outputs[0] != mine]
-        entry = price(mine)
-        if others:
-            entry["runner_up"] = min(others, key=lambda o: (o["communication_s"], o["state_bytes"]))
-        out[node.target] = entry
+        out[node.target] = Explanation(price(mine), min(
+            others, key=lambda o: (o.communication_s, o.state_bytes)) if others else None)
     return out
 
 

@@ -158,10 +158,12 @@ def producers(gm: fx.GraphModule) -> dict[str, ValueKey]:
 
 
 def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, group_names,
-          device: torch.device, overlap: bool = True, buffer_updates: Sequence[str] = ()
-          ) -> LocalProgram:
+          device: torch.device, overlap: bool = True, buffer_updates: Sequence[str] = (),
+          buffer_names: Sequence[str] = ()) -> StageProgram:
     """This rank's local program for the intra-op ``plan`` (``coords``: this rank's mesh
-    coordinate): a one-stage pipeline whose stage is the whole graph.
+    coordinate): a one-stage pipeline whose stage is the whole graph, wired as a stage
+    that receives and sends nothing (``buffer_names``: the placeholders after the
+    parameters that are buffers or frozen parameters; the rest are user inputs).
 
     ``overlap``: wait for each collective only where its result is first used
     (``runtime.overlap``), so communication runs behind the computation that follows.
@@ -177,8 +179,12 @@ def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, gro
         updates=tuple(zip(buffer_updates, outs[1 + P:])))
     built = build_programs(gm, whole, plan, coords=coords, group_names=group_names,
                            device=device, overlap=overlap)
-    return LocalProgram(forward=built.forward, backward=built.backward,
-                        reduce_grads=built.reduce_grads, buffer_updates=tuple(buffer_updates))
+    num_inputs = len(whole.placeholders) - P - len(buffer_names)
+    return StageProgram(forward=built.forward, backward=built.backward,
+                        reduce_grads=built.reduce_grads, buffer_updates=tuple(buffer_updates),
+                        params=list(param_names), buffers=list(buffer_names),
+                        user_inputs=list(range(num_inputs)), has_loss=True,
+                        grad_present=[g is not None for _, g in whole.grads])
 
 
 class _Emitter:

@@ -19,18 +19,19 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchalpa import placement as P
 from torchalpa.plan import Plan
 
-__all__ = ["to_dtensor_placements", "distribute_module_state", "reset_parameters",
-           "MaterializeWarning"]
+__all__ = ["to_dtensor_placements", "distribute_module_state", "distribute_stages",
+           "reset_parameters", "MaterializeWarning"]
 
 
 class MaterializeWarning(UserWarning):
@@ -58,30 +59,61 @@ def reset_parameters(module: nn.Module) -> None:
 
 def distribute_module_state(module: nn.Module, plan: Plan, mesh, device: torch.device, *,
                             init_weights: Callable[[nn.Module], None] | None = None) -> None:
-    """Replace every parameter and buffer named in the plan by a DTensor, in place.
+    """Replace every parameter and buffer named in the plan by a DTensor on ``mesh``, in
+    place: an intra-op plan is the one-stage case of ``distribute_stages``.
 
     Real tensors are taken from rank 0; meta tensors become this rank's blocks, zeroed and
     then initialized by ``init_weights`` (default: ``reset_parameters``). ``init_weights``
-    given for a real model re-initializes it on the DTensors. Tied parameters stay tied:
-    every module attribute holding one gets the same DTensor.
+    given for a real model re-initializes it on the DTensors.
     """
-    placements = {v.name: to_dtensor_placements(v.placements) for v in plan.parameters}
-    named_params = dict(module.named_parameters())
-    named_buffers = dict(module.named_buffers())
+    distribute_stages(module, [(plan, mesh)], device, init_weights=init_weights)
+
+
+def distribute_stages(module: nn.Module, stages: Sequence[tuple[Plan, DeviceMesh]],
+                      device: torch.device, *,
+                      init_weights: Callable[[nn.Module], None] | None = None) -> None:
+    """Every parameter and buffer a stage's plan names becomes a DTensor on that stage's
+    mesh, in place (``stages``: (intra-op plan, DeviceMesh) per stage). Ranks outside a
+    stage's mesh hold no data for its tensors. Tied parameters stay tied: every module
+    attribute holding one gets the same DTensor. Meta tensors are materialized on the
+    single mesh of a one-stage plan only (see ``distribute_module_state``)."""
     new_by_id: dict[int, torch.Tensor] = {}
     materialized: list[str] = []
-    for name, place in placements.items():
-        old = named_params.get(name, named_buffers.get(name))
-        if old is None:
-            raise ValueError(f"the plan names {name!r}, which the model does not have; was the "
-                             "plan made for another model?")
-        if old.device.type == "meta":
-            dt = _local_zeros(old, mesh, place, device)
-            materialized.append(name)
-        else:
-            dt = distribute_tensor(old.detach().to(device), mesh, place, src_data_rank=0)
-        new_by_id[id(old)] = nn.Parameter(dt, requires_grad=old.requires_grad) \
-            if isinstance(old, nn.Parameter) else dt
+    named = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+    for plan, mesh in stages:
+        for value in plan.parameters:
+            old = named.get(value.name)
+            if old is None:
+                raise ValueError(f"the plan names {value.name!r}, which the model does not "
+                                 "have; was the plan made for another model?")
+            place = to_dtensor_placements(value.placements)
+            if old.device.type == "meta":
+                if len(stages) > 1:
+                    raise ValueError(f"{value.name} is on the meta device; pipelines need real "
+                                     "weights for now (build the model on CPU)")
+                dt = _local_zeros(old, mesh, place, device)
+                materialized.append(value.name)
+            else:
+                dt = distribute_tensor(old.detach().to(device), mesh, place, src_data_rank=0)
+            new_by_id[id(old)] = nn.Parameter(dt, requires_grad=old.requires_grad) \
+                if isinstance(old, nn.Parameter) else dt
+    _swap(module, new_by_id)
+    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers())
+            if t.device.type == "meta"]
+    if left:
+        raise ValueError(f"{', '.join(left[:5])} stay on the meta device: the plan does not name "
+                         "them (was it made for another model?)")
+    if materialized or init_weights is not None:
+        if len(stages) != 1:
+            raise ValueError("init_weights= initializes the DTensors of one mesh; a pipeline's "
+                             "stages take the model's real weights")
+        if init_weights is None:
+            _warn_uninitialized(module, set(materialized))
+        initialize(module, stages[0][1], init_weights or reset_parameters)
+
+
+def _swap(module: nn.Module, new_by_id: dict[int, torch.Tensor]) -> None:
+    """Every module attribute holding a tensor of ``new_by_id`` holds its replacement."""
     for mod in module.modules():
         for key, p in list(mod._parameters.items()):
             if p is not None and id(p) in new_by_id:
@@ -89,15 +121,6 @@ def distribute_module_state(module: nn.Module, plan: Plan, mesh, device: torch.d
         for key, b in list(mod._buffers.items()):
             if b is not None and id(b) in new_by_id:
                 mod._buffers[key] = new_by_id[id(b)]
-    left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers())
-            if t.device.type == "meta"]
-    if left:
-        raise ValueError(f"{', '.join(left[:5])} stay on the meta device: the plan does not name "
-                         "them (was it made for another model?)")
-    if materialized or init_weights is not None:
-        if init_weights is None:
-            _warn_uninitialized(module, set(materialized))
-        initialize(module, mesh, init_weights or reset_parameters)
 
 
 def _warn_uninitialized(module: nn.Module, materialized: set[str]) -> None:

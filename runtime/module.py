@@ -1,5 +1,11 @@
 """ParallelModule: the user's model, its parameters as DTensors, its step as local programs.
 
+One class for every method: an intra-op plan is a one-stage pipeline, and a pipeline
+stage's rank holds only its stage's parameters, as DTensors on its stage's submesh (the
+other stages' parameters are DTensors on meshes it is not part of: no local data, no
+gradient, skipped by the optimizer). One runner (``runtime.step.StepRunner``) splits the
+global batch into micro-batches and runs the stage's programs through the schedule.
+
 Parameters are swapped in place for DTensors with the planned placements (as FSDP2's
 ``fully_shard`` does, see ``runtime.materialize``), so ``pmodel.parameters()`` feeds any
 ``torch.optim`` optimizer, ``clip_grad_norm_`` and LR schedulers, and optimizer states are
@@ -11,6 +17,12 @@ sharded like the parameters. What a call runs depends on the model's mode:
 - the same mode under ``torch.no_grad()``: the forward program only;
 - the other mode (``pmodel.eval()`` after training): a forward-only program of the
   eval-mode step (``runtime.inference``), returning the loss without backward.
+
+A stage of a longer pipeline cannot wait for ``loss.backward()`` (1F1B interleaves the
+stages' forward and backward work), so there a call with autograd on runs the whole step
+and ``loss.backward()`` hands each parameter its gradient (times the loss's gradient):
+the same ``loss = pmodel(x, y); loss.backward(); opt.step()`` loop works. The loss comes
+from the last stage, broadcast to every rank.
 
 ``train_step`` runs forward and backward micro-batch by micro-batch without autograd and
 steps the optimizer once; ``predict`` returns the model's outputs, whole on every rank.
@@ -28,17 +40,18 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from torchalpa.calls import CallSignature
-from torchalpa.plan import Plan
+from torchalpa.plan import PipelinePlan, Plan
 from torchalpa.runtime.faults import (FaultMonitor, check_same_inputs, check_same_values,
                                       describe_specs)
 from torchalpa.runtime.inference import ForwardPrograms
-from torchalpa.runtime.lower import LocalProgram
 from torchalpa.runtime.materialize import distribute_module_state, to_dtensor_placements
 from torchalpa.runtime.optim import lean_optimizer_steps
+from torchalpa.runtime.replicas import ReplicaMismatchError, raise_on_every_rank
 from torchalpa.runtime.replicas import check_replicas as _check_replicas
 from torchalpa.runtime.stats import StepClock, StepStats
 from torchalpa.runtime.step import StepRunner
@@ -48,32 +61,41 @@ __all__ = ["ParallelModule", "to_dtensor_placements", "distribute_module_state"]
 
 
 class _TrainingStep(torch.autograd.Function):
-    """Forward programs now (every micro-batch), backward programs on ``loss.backward()``."""
+    """One stage (intra-op): the forward actions now, the backward ones on
+    ``loss.backward()``. A stage of a longer pipeline: the whole step now, its gradients
+    handed out on ``loss.backward()``."""
 
     @staticmethod
     def forward(ctx, pm: "ParallelModule", num_state: int, *args):
         state, inputs = list(args[:num_state]), args[num_state:]
+        runner = pm._runner
         with pm._monitor.guard(f"the forward of step {pm._num_calls}"):
-            loss, saved = pm._runner.forward(state, inputs)
+            step = runner.begin(inputs)
+            if runner.defers_backward:
+                runner.run(step, state, runner.forward_actions())
+                ctx.step, ctx.grads = step, None
+            else:
+                runner.run(step, state, runner.actions)
+                ctx.step, ctx.grads = None, runner.gradients(step)
+            loss = pm._loss(step)
         pm._write_buffer_updates()
         ctx.pm = pm
-        ctx.num_params = len(pm._param_names)
-        ctx.num_others = len(args) - ctx.num_params
-        ctx.counts = [len(s) for s in saved]
-        ctx.save_for_backward(*[t for s in saved for t in s])
+        ctx.num_others = len(args) - len(pm._param_names)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        flat, saved, start = ctx.saved_tensors, [], 0
-        for n in ctx.counts:
-            saved.append(flat[start:start + n])
-            start += n
-        # The programs seed backward with d(loss) = 1; gradients are linear in that seed.
+        # the programs seed backward with d(loss) = 1; gradients are linear in that seed
         unit = grad_loss is None or (grad_loss.device.type == "cpu" and grad_loss.item() == 1.0)
-        with ctx.pm._monitor.guard(f"the backward of step {ctx.pm._num_calls}"):
-            grads = ctx.pm._runner.backward(saved, None if unit else grad_loss)
-        ctx.pm._clock.stop("forward+backward")
+        pm, step = ctx.pm, ctx.step
+        if step is not None:
+            ctx.step = None
+            with pm._monitor.guard(f"the backward of step {pm._num_calls}"):
+                pm._runner.run(step, [], pm._runner.backward_actions())
+                grads = pm._runner.gradients(step, None if unit else grad_loss)
+        else:
+            grads = [g if unit or g is None else g * grad_loss for g in ctx.grads]
+        pm._clock.stop("forward+backward")
         return (None, None, *grads, *([None] * ctx.num_others))
 
 
@@ -94,21 +116,28 @@ class ParallelModule(StepModule):
 
     plan: Plan
 
-    def __init__(self, module: nn.Module, plan: Plan, program: LocalProgram, mesh, *,
-                 param_names: list[str], buffer_names: list[str],
-                 input_specs: list[tuple[tuple[int, ...], torch.dtype]], inputs: str,
-                 device: torch.device,
+    def __init__(self, module: nn.Module, plan: Plan | PipelinePlan, runner: StepRunner,
+                 mesh, *, input_specs: list[tuple[tuple[int, ...], torch.dtype]],
+                 device: torch.device, inputs: str = "global",
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
-                 num_micro_batches: int = 1, forward_programs: ForwardPrograms | None = None,
+                 forward_programs: ForwardPrograms | None = None,
                  signature: CallSignature | None = None, timeout_s: float = 600.0,
-                 check_replicas: bool = False, check_inputs: str = "first"):
+                 check_replicas: bool = False, check_inputs: str = "first",
+                 stage: int = 0):
+        """``runner``: this rank's stage's programs (the whole graph for an intra-op
+        plan); ``mesh``: its stage's DeviceMesh; ``stage``: its index in a PipelinePlan."""
         super().__init__(module, plan, mesh, device=device)
-        self.num_micro_batches = num_micro_batches
-        self._program = program
-        self._runner = StepRunner(program, num_micro_batches)
+        self.stage = stage
+        self.num_micro_batches = runner.num_micro_batches
+        self._program = runner.program
+        self._runner = runner
+        self._stage_plan = plan.stages[stage].plan if isinstance(plan, PipelinePlan) else plan
+        # where the loss is computed when another stage computes it: broadcast from there
+        self._loss_rank = plan.stages[-1].ranks[0] if isinstance(plan, PipelinePlan) \
+            and len(plan.stages) > 1 else None
         self._forward_programs = forward_programs
-        self._param_names = list(param_names)
-        self._buffer_names = list(buffer_names)
+        self._param_names = list(runner.program.params)
+        self._buffer_names = list(runner.program.buffers)
         self._input_specs = list(input_specs)
         self._inputs = inputs
         self._captured_training = module.training
@@ -119,7 +148,11 @@ class ParallelModule(StepModule):
         self._check_every_step = bool(check_replicas)
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self._clock = StepClock(device)
-        lean_optimizer_steps(self.parameters())      # Adam & co. step on the local shards
+        # Adam & co. step on the local shards; a stage's optimizer also holds the other
+        # stages' parameters (no local data here), so pipelines keep the plain step
+        self._lean_step = self._loss_rank is None
+        if self._lean_step:
+            lean_optimizer_steps(self.parameters())
         self._make_optimizer(optimizer)
         # tools that read the forward's parameters to pick batch fields (HF Trainer drops
         # the columns ``model.forward`` does not name) see the wrapped model's
@@ -132,7 +165,8 @@ class ParallelModule(StepModule):
         """``Module.to()`` / ``float()`` and the like; converted parameters are marked again
         for the local-shard optimizer step (a swap may replace their attributes)."""
         out = super()._apply(fn, recurse)
-        lean_optimizer_steps(self.parameters())
+        if self._lean_step:
+            lean_optimizer_steps(self.parameters())
         return out
 
     # -- the step -----------------------------------------------------------------------
@@ -146,18 +180,37 @@ class ParallelModule(StepModule):
         self._num_calls += 1
         if self._check_every_step:
             self.check_replicas()
-        if self.module.training != self._captured_training:
+        if self._other_mode():
             return self._signature.wrap_loss(self._forward_only(flat, outputs=False))
         self._clock.start(flat)
         if not torch.is_grad_enabled():
             with self._monitor.guard(f"the forward of step {self._num_calls}"):
-                loss = self._runner.loss(self._state(self._param_names + self._buffer_names),
-                                         flat)
+                step = self._runner.begin(flat)
+                self._runner.run(step, self._state(self._param_names + self._buffer_names),
+                                 self._runner.forward_actions(), keep_saved=False)
+                loss = self._loss(step)
             self._write_buffer_updates()
             self._clock.stop("forward")
             return self._signature.wrap_loss(loss)
         state = self._state(self._param_names + self._buffer_names, differentiable=True)
         return self._signature.wrap_loss(_TrainingStep.apply(self, len(state), *state, *flat))
+
+    def _other_mode(self) -> bool:
+        """Called in the mode the step was not captured in, with eval programs to run
+        (a pipeline has none: its stages run the captured step in either mode)."""
+        return self._forward_programs is not None and \
+            self.module.training != self._captured_training
+
+    def _loss(self, step) -> torch.Tensor:
+        """The step's mean loss, on every rank (broadcast from the last stage's first rank
+        when this rank's stage computes none)."""
+        loss = self._runner.loss(step)
+        if self._loss_rank is None:
+            assert loss is not None, "a one-stage step computes the loss"
+            return loss
+        loss = torch.zeros((), device=self._device) if loss is None else loss.detach().clone()
+        dist.broadcast(loss, src=self._loss_rank)
+        return loss
 
     def _write_buffer_updates(self) -> None:
         """Store the new values the step computed for buffers (batch-norm running
@@ -172,7 +225,7 @@ class ParallelModule(StepModule):
         """zero_grad, forward and backward (micro-batch by micro-batch), optimizer step;
         returns the loss (the mean over micro-batches). Inputs as for ``forward``."""
         optimizer = self._require_optimizer()
-        if self.module.training != self._captured_training:
+        if self._other_mode():
             mode = "training" if self._captured_training else "eval"
             raise ValueError(f"train_step runs the step captured in {mode} mode, but the model is "
                              f"now in {'training' if self.module.training else 'eval'} mode; "
@@ -184,8 +237,11 @@ class ParallelModule(StepModule):
             self.check_replicas()
         self._clock.start(flat)
         with self._monitor.guard(f"step {self._num_calls}"), torch.no_grad():
-            loss, grads = self._runner.run(
-                self._state(self._param_names + self._buffer_names), flat)
+            step = self._runner.begin(flat)
+            self._runner.run(step, self._state(self._param_names + self._buffer_names),
+                             self._runner.actions)
+            grads = self._runner.gradients(step)
+            loss = self._loss(step)
         self._write_buffer_updates()
         optimizer.zero_grad(set_to_none=True)
         for name, g in zip(self._param_names, grads):
@@ -204,7 +260,9 @@ class ParallelModule(StepModule):
         with the parameters in their training layouts; dropout and the like follow the
         model's mode."""
         if self._forward_programs is None:
-            raise ValueError("this ParallelModule was built without forward programs")
+            raise ValueError("predict needs forward-only programs, which pipelines "
+                             "(PipeshardParallel) do not build; parallelize the model with "
+                             "ShardParallel to predict, or call pmodel.unwrap()")
         if inputs and kwargs:
             raise TypeError("predict takes the model inputs by position or by keyword, not both")
         keywords = tuple(kwargs)
@@ -218,6 +276,7 @@ class ParallelModule(StepModule):
     def _forward_only(self, inputs: list[torch.Tensor], *, outputs: bool,
                       keywords: tuple[str, ...] = ()) -> Any:
         specs = [(self._global_shape(x.shape), x.dtype) for x in inputs]
+        assert self._forward_programs is not None
         fp = self._forward_programs.get(specs, outputs=outputs, training=self.module.training,
                                         keywords=keywords)
         with self._monitor.guard(f"forward-only call {self._num_calls}"), torch.no_grad():
@@ -229,12 +288,21 @@ class ParallelModule(StepModule):
 
     def check_replicas(self) -> None:
         """Raise ``ReplicaMismatchError`` (on every rank) if a replicated parameter or
-        buffer, or the default random generator, differs across ranks. Costs a hash of
-        each local block and one small all-gather per mesh axis."""
+        buffer, or the default random generator, differs across ranks (of this rank's
+        stage, for a pipeline). Costs a hash of each local block and one small all-gather
+        per mesh axis (and one across all ranks, for a pipeline)."""
         named = [(n, self._tensor(n)) for n in self._param_names + self._buffer_names]
         with self._monitor.guard(f"the replica check of step {self._num_calls}"), \
                 torch.no_grad():
-            _check_replicas(named, self.mesh, device=self._device)
+            if self._loss_rank is None:
+                _check_replicas(named, self.mesh, device=self._device)
+                return
+            error = None      # a pipeline: this stage's replicas, then every rank agrees
+            try:
+                _check_replicas(named, self.mesh, device=self._device)
+            except ReplicaMismatchError as e:
+                error = e
+            raise_on_every_rank(error)
 
     # -- helpers ------------------------------------------------------------------------
     def _state(self, names: Sequence[str], differentiable: bool = False) -> list[torch.Tensor]:
@@ -278,7 +346,7 @@ class ParallelModule(StepModule):
             self._checked_across_ranks = True
         if self._check_values == "always" or (first and self._check_values == "first"):
             check_same_values(inputs, "batch")
-        if self.module.training != self._captured_training:
+        if self._other_mode():
             return [x.to(self._device, non_blocking=True) for x in inputs]
         out = []
         for i, (x, (shape, dtype)) in enumerate(zip(inputs, self._input_specs)):
@@ -297,7 +365,7 @@ class ParallelModule(StepModule):
     def last_step_stats(self) -> StepStats:
         """The last complete step: time, tokens/s, peak memory and the bytes the plan says
         it sent, each next to the plan's estimate (``print(pm.last_step_stats())``)."""
-        return self._clock.stats(self.plan, self.num_micro_batches)
+        return self._clock.stats(self._stage_plan, self.num_micro_batches)
 
     def unwrap(self) -> nn.Module:
         """A plain copy of the model with full, gathered tensors (no DTensors): for
@@ -308,6 +376,8 @@ class ParallelModule(StepModule):
 
     def local_program(self) -> str:
         """This rank's forward, backward and gradient-reduction programs as Python code."""
+        if isinstance(self.plan, PipelinePlan):
+            return f"# stage {self.stage} of {len(self.plan.stages)}\n" + self._program.code()
         return self._program.code()
 
     def extra_repr(self) -> str:

@@ -12,8 +12,9 @@ values made by other stages as placeholders it receives, and splits them into
 
 Values cross stages point to point: the sender holds them whole (its plan gathers them),
 receiving rank j of a stage takes them from rank ``j mod n`` of the sending stage, and
-slices what it needs. A schedule (GPipe, 1F1B) orders the forward and backward work of
-the micro-batches; sends are non-blocking, so a valid schedule cannot deadlock.
+slices what it needs (``StageExchange``). A schedule (GPipe, 1F1B) orders the forward and
+backward work of the micro-batches (``runtime.step.StepRunner``, the runner of every
+step); sends are non-blocking, so a valid schedule cannot deadlock.
 
 The lowering itself is ``runtime.lower``'s, shared with intra-op plans: this module only
 says which slice of the graph a stage computes and how it is wired to the others.
@@ -30,7 +31,7 @@ import torch.fx as fx
 from torchalpa.plan import PipelinePlan
 from torchalpa.runtime.lower import GraphSlice, StageProgram, build_programs, producers
 
-__all__ = ["StageProgram", "lower_stage", "stage_slice", "PipelineRunner"]
+__all__ = ["StageProgram", "lower_stage", "stage_slice", "StageExchange", "transfer_specs"]
 
 
 def lower_stage(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *, param_names: list[str],
@@ -105,13 +106,14 @@ def stage_slice(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *,
     return part, wiring
 
 
-class PipelineRunner:
-    """Runs one rank's stage through a schedule and exchanges values with other stages."""
+class StageExchange:
+    """How one rank's stage trades values with the other stages during a step
+    (``runtime.step.StepRunner`` calls it around the stage's programs)."""
 
-    def __init__(self, program: StageProgram, pplan: PipelinePlan, stage: int, rank: int,
+    def __init__(self, pplan: PipelinePlan, stage: int, rank: int,
                  specs: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]],
                  device: torch.device):
-        self.program, self.pplan, self.stage, self.rank = program, pplan, stage, rank
+        self.pplan, self.stage, self.rank = pplan, stage, rank
         self.device = device
         self.specs = specs
         mine = pplan.stages[stage].ranks
@@ -125,9 +127,14 @@ class PipelineRunner:
                      if t.once_per_step and t.phase == "forward"}
         self.summed = {(t.producer, t.index) for t in pplan.transfers
                        if t.once_per_step and t.phase != "forward"}
-        self._step_values: dict = {}     # received this step
+        self.begin()
+
+    def begin(self) -> None:
+        """A new step: nothing received, sent or summed yet."""
+        self._step_values: dict = {}
         self._step_sent: set = set()
         self._sums: dict = {}
+        self._pending: list = []
 
     def _peers_to(self, dst_stage: int) -> list[int]:
         mine = self.pplan.stages[self.stage].ranks
@@ -141,7 +148,7 @@ class PipelineRunner:
     def _tag(self, key, src, dst, micro):
         return self.tag_of[(key[0], key[1], src, dst)] * 100_003 + micro
 
-    def send(self, key, value: torch.Tensor, micro: int, pending: list) -> None:
+    def send(self, key, value: torch.Tensor, micro: int) -> None:
         if key in self.summed and micro >= 0:
             self._sums[key] = value.clone() if key not in self._sums else self._sums[key] + value
             return
@@ -154,8 +161,8 @@ class PipelineRunner:
         for t in self.pplan.transfers:
             if (t.producer, t.index) == key and t.src_stage == self.stage:
                 for peer in self._peers_to(t.dst_stage):
-                    pending.append(dist.isend(value, peer,
-                                              tag=self._tag(key, self.stage, t.dst_stage, micro)))
+                    self._pending.append(dist.isend(
+                        value, peer, tag=self._tag(key, self.stage, t.dst_stage, micro)))
 
     def recv(self, key, micro: int) -> torch.Tensor:
         if key in self.once:
@@ -172,41 +179,18 @@ class PipelineRunner:
         dist.irecv(buf, self._peer_from(src), tag=self._tag(key, src, self.stage, micro)).wait()
         return buf
 
-    def run(self, actions, state: list[torch.Tensor], micro_inputs: list[list[torch.Tensor]],
-            saved: dict, grads_acc: list, losses: list, updates: list) -> None:
-        """Execute ``actions`` (("F", m) / ("B", m)) of this stage: one training step."""
-        p = self.program
-        pending: list = []
-        self._step_values, self._step_sent, self._sums = {}, set(), {}
-        for kind, m in actions:
-            if kind == "F":
-                received = [self.recv(k, m) for k in p.forward_recvs]
-                out = p.forward(*state, *[micro_inputs[m][i] for i in p.user_inputs], *received)
-                out = list(out)
-                if p.has_loss:
-                    losses.append(out.pop(0))
-                for k in p.forward_sends:
-                    self.send(k, out.pop(0), m, pending)
-                for _ in p.buffer_updates:
-                    updates.append(out.pop(0))
-                saved[m] = out
-            else:
-                received = [self.recv(k, m) for k in p.backward_recvs]
-                out = list(p.backward(*saved.pop(m), *received))
-                n = len(p.grad_present)      # one raw gradient per parameter, None: unused
-                for i, g in enumerate(g for g in out[:n] if g is not None):
-                    grads_acc[i] = g if grads_acc[i] is None else grads_acc[i] + g
-                for k, v in zip(p.backward_sends, out[n:]):
-                    self.send(k, v, m, pending)
-        if any(kind == "B" for kind, _ in actions):
+    def finish(self, program: StageProgram, raw: list, backward: bool) -> None:
+        """End of the step's actions: after a backward, send the summed gradient parts
+        (one message each) and add the received ones into ``raw``; wait for every send."""
+        if backward:
             for k, total in self._sums.items():     # micro -1: the step's one message
-                self.send(k, total, -1, pending)
-            for k, position, addend in p.summed_recvs:
+                self.send(k, total, -1)
+            for k, position, addend in program.summed_recvs:
                 part = addend(self._receive(k, 0))[0]
-                grads_acc[position] = part if grads_acc[position] is None else \
-                    grads_acc[position] + part
-        for work in pending:
+                raw[position] = part if raw[position] is None else raw[position] + part
+        for work in self._pending:
             work.wait()
+        self._pending = []
 
 
 def transfer_specs(gm: fx.GraphModule, plan: PipelinePlan

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 __all__ = ["ReplicaMismatchError", "bit_hash", "check_replicas", "enabled_by_env",
-           "RNG_STATE"]
+           "raise_on_every_rank", "RNG_STATE"]
 
 RNG_STATE = "the default random generator state (torch.get_rng_state())"
 CUDA_RNG_STATE = "the device's random generator state (torch.cuda.get_rng_state())"
@@ -107,3 +107,20 @@ def check_replicas(named: list[tuple[str, torch.Tensor]], mesh, *, check_rng: bo
             "model or optimizer is changed on some ranks only. Training on would diverge "
             "silently; restore from a checkpoint, or re-wrap with auto_parallel, which "
             "synchronizes the ranks again.")
+
+
+def raise_on_every_rank(error: ReplicaMismatchError | None) -> None:
+    """Raise ``error``, or the first error another rank found, on every rank (one small
+    all-gather of the messages). A pipeline's stages check replicas on their own meshes; a
+    stage that stopped alone would leave the others waiting for its activations."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, None if error is None else str(error))
+    if error is not None:
+        raise error
+    found = next(((r, m) for r, m in enumerate(everyone) if m is not None), None)
+    if found is not None:
+        raise ReplicaMismatchError(f"on rank {found[0]}'s pipeline stage: {found[1]}")

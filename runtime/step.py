@@ -1,24 +1,39 @@
-"""Run one rank's local programs for a step, over one or several micro-batches.
+"""Run one rank's programs for a step: the micro-batches through a pipeline schedule.
 
-A step on ``k`` micro-batches splits every input along dim 0 into ``k`` equal chunks
-(the plan was made for one chunk), runs the forward and backward programs per chunk and
-sums the gradients locally as the backward program leaves them; the plan's final
-resharding of the gradients (``LocalProgram.reduce_grads``) then runs once for the whole
-step. The loss is the mean of the micro-batch losses, and the gradients are those of that
-mean: for a loss that averages over the batch (the usual ``reduction="mean"``) both equal
-what one device computes on the whole batch.
+An intra-op plan is the one-stage case of a pipeline: its programs are a stage that
+receives and sends nothing, and its step is that stage's part of the schedule. So one
+runner serves both:
+
+- the global batch is split along dim 0 into ``k`` micro-batches, once (the plan was made
+  for one);
+- the schedule's actions run in order: ``("F", m)`` the forward program on micro-batch
+  ``m`` (receiving and sending activations when other stages exist), ``("B", m)`` its
+  backward, summing the raw gradients locally;
+- the plan's final resharding of the gradients (``reduce_grads``) runs once for the step,
+  then the ``1/k`` factor: the loss is the mean of the micro-batch losses and the gradients
+  are those of that mean, so for a loss that averages over the batch (the usual
+  ``reduction="mean"``) both equal what one device computes on the whole batch.
+
+A one-stage step can stop after its forward actions and run its backward actions later
+(behind ``loss.backward()``); a stage of a longer pipeline interleaves them with the
+other stages' (1F1B cannot wait), so its module runs the whole step at once. With one
+micro-batch and one stage, backward and the gradients' collectives run as one program,
+each collective issued as soon as its gradients exist (``runtime.early_reduce``).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from torchalpa.runtime.early_reduce import early_reduce_program
-from torchalpa.runtime.lower import LocalProgram
+from torchalpa.runtime.lower import StageProgram, ValueKey
+from torchalpa.schedules import SCHEDULES, Action
 
-__all__ = ["StepRunner", "split_micro_batches"]
+__all__ = ["StepRunner", "StepInFlight", "Exchange", "split_micro_batches"]
 
 
 def split_micro_batches(inputs: Sequence[torch.Tensor], num_micro_batches: int,
@@ -36,98 +51,128 @@ def split_micro_batches(inputs: Sequence[torch.Tensor], num_micro_batches: int,
     return [[c[m] for c in chunks] for m in range(num_micro_batches)]
 
 
-class StepRunner:
-    """Forward, backward and gradient reduction of one step, micro-batch by micro-batch."""
+class Exchange(Protocol):
+    """How a stage trades values with the other stages (``runtime.pipeline.StageExchange``)."""
 
-    def __init__(self, program: LocalProgram, num_micro_batches: int = 1):
+    def begin(self) -> None: ...
+    def send(self, key: ValueKey, value: torch.Tensor, micro: int) -> None: ...
+    def recv(self, key: ValueKey, micro: int) -> torch.Tensor: ...
+    def finish(self, program: StageProgram, raw: list, backward: bool) -> None: ...
+
+
+@dataclass
+class StepInFlight:
+    """One step between its forward and backward actions: the micro-batches, what each
+    forward saved for its backward, the losses and the raw gradients so far."""
+
+    micro_inputs: list[list[torch.Tensor]]
+    saved: dict[int, list] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    raw: list[torch.Tensor | None] = field(default_factory=list)   # one per present gradient
+    reduced: list[torch.Tensor | None] | None = None     # set when backward also reduced
+
+
+class StepRunner:
+    """Forward, backward and gradient reduction of one rank's stage, micro-batch by
+    micro-batch, in the order a schedule gives (one stage: the intra-op step)."""
+
+    def __init__(self, program: StageProgram, num_micro_batches: int = 1, *,
+                 schedule: str = "1f1b", num_stages: int = 1, stage: int = 0,
+                 exchange: Exchange | None = None):
+        if (num_stages > 1) != (exchange is not None):
+            raise ValueError("a stage of a multi-stage pipeline needs an exchange, and a "
+                             "one-stage step has nobody to exchange with")
         self.program = program
         self.num_micro_batches = num_micro_batches
+        self.exchange = exchange
+        self.actions: list[Action] = SCHEDULES[schedule](num_stages, num_micro_batches)[stage]
         self.last_buffer_updates: list[torch.Tensor] = []   # of the step's last micro-batch
-        # one micro-batch: backward and the gradients' collectives as one program, each
-        # collective issued as soon as its gradients exist (runtime.early_reduce)
-        self._backward_reduce = early_reduce_program(program.backward, program.reduce_grads,
-                                                     num_micro_batches)
+        self._backward_reduce = None if exchange is not None else early_reduce_program(
+            program.backward, program.reduce_grads, num_micro_batches)
 
-    def _forward(self, state, micro):
-        """(loss, saved) of one micro-batch; its buffer updates are kept aside."""
-        loss, *rest = self.program.forward(*state, *micro)
-        n = len(self.program.buffer_updates)
-        if n:
-            self.last_buffer_updates, rest = rest[:n], rest[n:]
-        return loss, rest
+    @property
+    def defers_backward(self) -> bool:
+        """Whether the step's backward actions can wait for ``loss.backward()``: one stage."""
+        return self.exchange is None
 
-    def forward(self, state: list[torch.Tensor], inputs: Sequence[torch.Tensor]
-                ) -> tuple[torch.Tensor, list[tuple]]:
-        """Mean loss over the micro-batches and each micro-batch's saved values (all kept,
-        as autograd keeps them until ``backward``)."""
-        losses, saved = [], []
-        for micro in split_micro_batches(inputs, self.num_micro_batches):
-            loss, rest = self._forward(state, micro)
-            losses.append(loss)
-            saved.append(tuple(rest))
-        return self._mean(losses), saved
+    def forward_actions(self) -> list[Action]:
+        return [("F", m) for m in range(self.num_micro_batches)]
 
-    def loss(self, state: list[torch.Tensor], inputs: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Forward only: the mean loss, keeping nothing for backward."""
-        losses = [self._forward(state, micro)[0]
-                  for micro in split_micro_batches(inputs, self.num_micro_batches)]
-        return self._mean(losses)
+    def backward_actions(self) -> list[Action]:
+        return [("B", m) for m in range(self.num_micro_batches)]
 
-    def backward(self, saved: list[tuple], scale: torch.Tensor | float | None = None
-                 ) -> list[torch.Tensor | None]:
-        """Gradients of ``scale * mean loss`` in their parameters' layouts (None: unused)."""
-        if self._backward_reduce is not None and len(saved) == 1:
-            return self._scale(self._backward_reduce(*saved[0]), scale)
-        raw = None
-        for values in saved:
-            raw = self._accumulate(raw, self.program.backward(*values))
-        return self._reduce(raw, scale)
+    def begin(self, inputs: Sequence[torch.Tensor]) -> StepInFlight:
+        """A step on the global batch ``inputs``, split into micro-batches (the one split)."""
+        present = sum(self.program.grad_present)
+        return StepInFlight(split_micro_batches(inputs, self.num_micro_batches),
+                            raw=[None] * present)
 
-    def run(self, state: list[torch.Tensor], inputs: Sequence[torch.Tensor]
-            ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        """Forward and backward per micro-batch (one micro-batch's activations alive at a
-        time), one gradient reduction: (mean loss, gradients in their layouts)."""
-        losses, raw = [], None
-        for micro in split_micro_batches(inputs, self.num_micro_batches):
-            loss, saved = self._forward(state, micro)
-            losses.append(loss)
-            if self._backward_reduce is not None:
-                return loss, self._scale(self._backward_reduce(*saved), None)
-            grads = self.program.backward(*saved)
-            del saved
-            raw = self._accumulate(raw, grads)
-        return self._mean(losses), self._reduce(raw, None)
+    def run(self, step: StepInFlight, state: list[torch.Tensor], actions: list[Action], *,
+            keep_saved: bool = True) -> None:
+        """Execute ``actions`` of ``step``; ``keep_saved=False``: forward only, nothing
+        kept for backward."""
+        p, exchange = self.program, self.exchange
+        if exchange is not None:
+            exchange.begin()
+        for kind, m in actions:
+            if kind == "F":
+                received = [exchange.recv(k, m) for k in p.forward_recvs] if exchange else []
+                out = list(p.forward(*state, *[step.micro_inputs[m][i] for i in p.user_inputs],
+                                     *received))
+                if p.has_loss:
+                    step.losses.append(out.pop(0))
+                for k in p.forward_sends:
+                    assert exchange is not None
+                    exchange.send(k, out.pop(0), m)
+                n = len(p.buffer_updates)
+                if n:
+                    self.last_buffer_updates, out = out[:n], out[n:]
+                if keep_saved:
+                    step.saved[m] = out
+            else:
+                self._backward(step, m)
+        if exchange is not None:
+            exchange.finish(p, step.raw, any(kind == "B" for kind, _ in actions))
 
-    # -- helpers ------------------------------------------------------------------------
-    def _mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        if len(losses) == 1:
-            return losses[0]
-        return torch.stack(losses).mean()
+    def _backward(self, step: StepInFlight, m: int) -> None:
+        p, exchange = self.program, self.exchange
+        saved = step.saved.pop(m)
+        if self._backward_reduce is not None:       # one micro-batch, one stage
+            step.reduced = list(self._backward_reduce(*saved))
+            return
+        received = [exchange.recv(k, m) for k in p.backward_recvs] if exchange else []
+        out = list(p.backward(*saved, *received))
+        del saved
+        n = len(p.grad_present)      # one raw gradient per parameter, None: unused
+        for i, g in enumerate(g for g in out[:n] if g is not None):
+            # out of place: a raw gradient may alias a value the caller still holds
+            step.raw[i] = g if step.raw[i] is None else step.raw[i] + g
+        for k, v in zip(p.backward_sends, out[n:]):
+            assert exchange is not None
+            exchange.send(k, v, m)
 
-    @staticmethod
-    def _accumulate(total, grads):
-        if total is None:
-            return list(grads)
-        # out of place: a raw gradient may alias a value the caller still holds
-        return [g if t is None else t if g is None else t + g for t, g in zip(total, grads)]
+    def loss(self, step: StepInFlight) -> torch.Tensor | None:
+        """The mean of the step's micro-batch losses (None: this stage computes none)."""
+        if not step.losses:
+            return None
+        return step.losses[0] if len(step.losses) == 1 else torch.stack(step.losses).mean()
 
-    def _reduce(self, raw, scale) -> list[torch.Tensor | None]:
-        """Apply the plan's gradient resharding once, then the 1/k and ``scale`` factors."""
-        present = [g for g in raw if g is not None]
-        reduced = iter(self.program.reduce_grads(*present))
-        return self._scale([None if g is None else next(reduced) for g in raw], scale)
-
-    def _scale(self, grads, scale) -> list[torch.Tensor | None]:
-        """The 1/k and ``scale`` factors on reduced gradients."""
+    def gradients(self, step: StepInFlight, scale: torch.Tensor | float | None = None
+                  ) -> list[torch.Tensor | None]:
+        """Gradients of ``scale * mean loss`` in their parameters' layouts, one per
+        parameter of the stage (None: unused): the plan's resharding runs once here."""
+        if step.reduced is not None:
+            grads = step.reduced
+        else:
+            reduced = iter(self.program.reduce_grads(*step.raw))
+            grads = [next(reduced) if present else None for present in self.program.grad_present]
         factor = 1.0 / self.num_micro_batches
         out = []
         for g in grads:
-            if g is None:
-                out.append(None)
-                continue
-            if scale is not None:
-                g = g * scale
-            if factor != 1.0:
-                g = g * factor
+            if g is not None:
+                if scale is not None:
+                    g = g * scale
+                if factor != 1.0:
+                    g = g * factor
             out.append(g)
         return out

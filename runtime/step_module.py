@@ -1,10 +1,11 @@
 """StepModule: what every torchalpa module shares, whichever method built it.
 
-An intra-op ``ParallelModule`` is the one-stage case of a pipeline's ``PipelineModule``;
-both hold the user's model (its parameters swapped for DTensors), the plan, this rank's
-mesh, the optimizer over the parallel parameters, and write the step's new buffer
-values (batch-norm statistics) back into the buffers' local shards. Checkpoints,
-``isinstance`` checks and tools read this common surface.
+``ParallelModule`` (``runtime/module.py``) is the one module class of every method (an
+intra-op plan is a one-stage pipeline); this base holds what needs no runner: the user's
+model (its parameters swapped for DTensors), the plan, this rank's mesh, the optimizer
+over the parallel parameters, and writing the step's new buffer values (batch-norm
+statistics) back into the buffers' local shards. Checkpoints, ``isinstance`` checks and
+tools read this common surface.
 """
 
 from __future__ import annotations

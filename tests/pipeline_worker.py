@@ -113,6 +113,47 @@ class _count_sends:
         return int(total.item())
 
 
+def checks(method, cluster):
+    """check_inputs / check_replicas under PipeshardParallel, as for ShardParallel: rank 3
+    (the last stage) passes a batch of the right shape but other values, named on the
+    first call by default, on every call with "always", never with "never"; a random call
+    on rank 1 only drifts its stage's generator, named on every rank by check_replicas."""
+    from torchalpa.runtime.replicas import ReplicaMismatchError
+    out = {}
+    for mode in ("first", "always", "never"):
+        torch.manual_seed(0)
+        pm = torchalpa.auto_parallel(mlp()(), mlp_batch(), F.mse_loss, method=method,
+                                     cluster=cluster, check_inputs=mode,
+                                     check_replicas=mode == "always")
+        raised = []
+        for _ in range(2):
+            x, y = mlp_batch()
+            if dist.get_rank() == 3:          # a data-loader bug: its own values
+                y = y + 1.0
+            try:
+                pm(x, y)
+                raised.append(None)
+            except ValueError as e:
+                raised.append(str(e))
+        out[mode] = raised
+        if mode == "always":                 # agree, step, then drift rank 1's generator
+            torch.manual_seed(0)
+            with torch.no_grad():
+                pm(*mlp_batch())
+            if dist.get_rank() == 1:
+                torch.rand(3)
+            try:
+                with torch.no_grad():
+                    pm(*mlp_batch())
+                out["replicas"] = None
+            except ReplicaMismatchError as e:
+                out["replicas"] = str(e)
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, out["replicas"] is not None)
+            out["replica_error_on"] = [r for r, raised in enumerate(everyone) if raised]
+    return out
+
+
 def _stage_ranks(plan, name):
     for s in plan.stages:
         if any(p.name == name for p in s.plan.parameters):
@@ -149,6 +190,9 @@ def scenarios(n):
         yield "mlp_2x2_options", lambda: compare(mlp(), mlp_batch(), F.mse_loss, P(
             layer_option=L(layer_num=4), stage_option=manual([[0, 1], [2, 3]], [(1, 2)] * 2)),
             cluster=cpu, options=dict(num_micro_batches=4, compile={"backend": "aot_eager"}))
+        yield "mlp_2x2_checks", lambda: checks(P(
+            num_micro_batches=2, layer_option=L(layer_num=4),
+            stage_option=manual([[0, 1], [2, 3]], [(1, 2), (1, 2)])), cpu)
         yield "mlp_4x1_gpipe_backward", lambda: compare(mlp(), mlp_batch(), F.mse_loss, P(
             num_micro_batches=8, pipeline_schedule="gpipe", layer_option=L(layer_num=4),
             stage_option=manual([[0], [1], [2], [3]], [(1, 1)] * 4)), cluster=cpu,

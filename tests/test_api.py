@@ -92,8 +92,6 @@ def test_pipeline_options_that_cannot_be_honoured_say_why(single_process_world):
         torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, method=method, inputs="local")
     with pytest.raises(ValueError, match="init_weights= is not supported"):
         wrap(init_weights=lambda m: None)
-    with pytest.raises(ValueError, match="not supported with PipeshardParallel yet"):
-        wrap(check_replicas=True)
     assert not dist.is_initialized()
 
 

@@ -132,8 +132,9 @@ def test_explain_gives_the_runner_up(dp_graph):
     text = plan.explain("net.2.weight")
     assert "runner-up" in text and "all_reduce" in text
     why = plan.explanations["net.2.weight"]
-    assert why["communication_s"] <= why["runner_up"]["communication_s"] or \
-        why["state_bytes"] < why["runner_up"]["state_bytes"]
+    assert why.runner_up is not None
+    assert why.chosen.communication_s <= why.runner_up.communication_s or \
+        why.chosen.state_bytes < why.runner_up.state_bytes
 
 
 def test_cached_plans_are_reused_without_solving(tmp_path, monkeypatch):

@@ -57,6 +57,23 @@ def test_auto_parallel_options_apply_to_pipelines(four):
     assert four["mlp_2x2_1f1b"]["fewest_compiled_graphs"] == 0
 
 
+def test_input_and_replica_checks_apply_to_pipelines(four):
+    """check_inputs and check_replicas under PipeshardParallel (issue 16): rank 3's batch
+    differs from rank 0's and is named on the first call ("first"), every call
+    ("always"), or never; a generator drawn on rank 1 only is named on every rank,
+    including the other stage's, which would otherwise wait for its activations."""
+    r = four["mlp_2x2_checks"]
+    if "error" in r:
+        pytest.fail(r["trace"])
+    assert "rank(s) 3 passed a different batch" in (r["first"][0] or "")
+    assert r["first"][1] is None
+    assert all(m and "rank(s) 3 passed a different batch" in m for m in r["always"])
+    assert r["never"] == [None, None]
+    assert r["replicas"] and "random generator state" in r["replicas"]
+    assert "ranks [1] differ from rank 0" in r["replicas"]
+    assert r["replica_error_on"] == [0, 1, 2, 3]
+
+
 def test_profiled_search_plans_on_measured_times(four):
     """stage_option="profile": every candidate layer was run and timed on the ranks, the
     plan's stage times are those measurements, and it trains like one device (above)."""

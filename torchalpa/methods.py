@@ -346,8 +346,8 @@ class PipeshardParallel:
 
     def build(self, model, example_inputs, loss_fn=None, **options):
         """The parallel module ``torchalpa.auto_parallel`` returns, given its options (the
-        ones a pipeline cannot honour raise, saying why): a ``PipelineModule``
-        (``torchalpa/pipeshard.py``)."""
+        ones a pipeline cannot honour raise, saying why): a ``ParallelModule`` running
+        this rank's stage (``torchalpa/pipeshard.py``)."""
         from torchalpa.pipeshard import pipeshard_parallel
         return pipeshard_parallel(model, example_inputs, loss_fn, method=self, **options)
 

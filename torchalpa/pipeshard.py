@@ -36,8 +36,7 @@ def _check_cluster(cluster: Cluster) -> Cluster:
 
 def pipeline_options(method: PipeshardParallel, *, by_keyword: bool = False, mesh=None,
                      inputs: str = "global", num_micro_batches: int | None = None,
-                     init_weights=None, check_replicas: bool | None = None,
-                     check_inputs: str = "first") -> PipeshardParallel:
+                     init_weights=None) -> PipeshardParallel:
     """``method`` with ``auto_parallel``'s options applied, or a ValueError naming an option
     a pipeline cannot honour and what to do instead.
 
@@ -63,10 +62,6 @@ def pipeline_options(method: PipeshardParallel, *, by_keyword: bool = False, mes
         raise ValueError("init_weights= is not supported with PipeshardParallel: pipeline "
                          "stages take the model's real weights (build the model on CPU and "
                          "initialize it before auto_parallel)")
-    if check_replicas or check_inputs == "always":
-        raise ValueError("check_replicas=True and check_inputs='always' are not supported with "
-                         "PipeshardParallel yet (its runtime does not run these checks); leave "
-                         "them at their defaults")
     if num_micro_batches is None or num_micro_batches == method.num_micro_batches:
         return method
     if method.num_micro_batches != 1:
@@ -130,15 +125,21 @@ def _cached(graph, cluster: Cluster, method: PipeshardParallel, inputs: str, sol
 def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: PipeshardParallel,
                        cluster: Cluster | None = None, optimizer: Callable | None = None,
                        plan: PipelinePlan | None = None, mixed_precision=None,
-                       compile: bool | dict = False, signature=None, **options):
-    """Each rank's stage of ``method``'s pipeline plan, as a ``PipelineModule``.
+                       compile: bool | dict = False, signature=None,
+                       check_replicas: bool | None = None, check_inputs: str = "first",
+                       **options):
+    """Each rank's stage of ``method``'s pipeline plan, as a ``ParallelModule``.
     ``compile``: the stage's programs run under ``torch.compile`` (a dict: its options);
-    ``options``: the rest of ``auto_parallel``'s, applied by ``pipeline_options``."""
+    ``check_replicas`` / ``check_inputs``: as for ShardParallel (replicas compared over
+    the stage's mesh, every rank's global batch against rank 0's); ``options``: the rest
+    of ``auto_parallel``'s, applied by ``pipeline_options``."""
     from torch.distributed.device_mesh import DeviceMesh
     from torchalpa.passes.inter_op import plan_pipeline
     from torchalpa.runtime import mesh as mesh_mod
-    from torchalpa.runtime.pipeline import PipelineRunner, lower_stage, transfer_specs
-    from torchalpa.runtime.pipeline_module import PipelineModule
+    from torchalpa.runtime.module import ParallelModule
+    from torchalpa.runtime.pipeline import StageExchange, lower_stage, transfer_specs
+    from torchalpa.runtime.replicas import enabled_by_env
+    from torchalpa.runtime.step import StepRunner
 
     method = pipeline_options(method, by_keyword=signature is not None and signature.by_keyword,
                               **options)
@@ -187,44 +188,22 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
                                                    for i in range(mesh.ndim)], device=device)
     if compile:
         program = program.compiled(**(compile if isinstance(compile, dict) else {}))
-    _distribute_stages(model, the_plan, meshes, device)
-    runner = PipelineRunner(program, the_plan, stage.index, rank,
-                            transfer_specs(captured.gm, the_plan), device)
+    from torchalpa.runtime.materialize import distribute_stages
+    distribute_stages(model, [(st.plan, meshes[st.index]) for st in the_plan.stages], device)
+    exchange = StageExchange(the_plan, stage.index, rank, transfer_specs(captured.gm, the_plan),
+                             device) if len(the_plan.stages) > 1 else None
+    runner = StepRunner(program, the_plan.num_micro_batches, schedule=the_plan.schedule,
+                        num_stages=len(the_plan.stages), stage=stage.index, exchange=exchange)
     from torchalpa.runtime.random import sync_random_state
     sync_random_state(device)    # replicas of a stage draw alike (runtime/random.py)
     log.info("pipeline ready in %.2fs: stage %d of %d on ranks %s", time.perf_counter() - start,
              stage.index, len(the_plan.stages), list(stage.ranks))
-    return PipelineModule(model, the_plan, program, runner, mesh,
+    return ParallelModule(model, the_plan, runner, mesh, stage=stage.index,
                           input_specs=[(tuple(x.shape), x.dtype) for x in example_inputs],
-                          device=device, optimizer=optimizer)
-
-
-def _distribute_stages(model: nn.Module, plan: PipelinePlan, meshes, device) -> None:
-    """Every parameter becomes a DTensor on its stage's mesh (from rank 0 of that mesh);
-    ranks outside a stage hold no data for its parameters. Tied tensors stay tied."""
-    from torch.distributed.tensor import distribute_tensor
-    from torchalpa.runtime.materialize import to_dtensor_placements
-    named = {**dict(model.named_buffers()), **dict(model.named_parameters())}
-    new_by_id: dict[int, torch.Tensor] = {}
-    for st in plan.stages:
-        for value in st.plan.parameters:
-            old = named.get(value.name)
-            if old is None:
-                raise ValueError(f"the plan names {value.name!r}, which the model does not have")
-            if old.device.type == "meta":
-                raise ValueError(f"{value.name} is on the meta device; pipelines need real "
-                                 "weights for now (build the model on CPU)")
-            dt = distribute_tensor(old.detach().to(device), meshes[st.index],
-                                   to_dtensor_placements(value.placements), src_data_rank=0)
-            new_by_id[id(old)] = nn.Parameter(dt, requires_grad=old.requires_grad) \
-                if isinstance(old, nn.Parameter) else dt
-    for mod in model.modules():
-        for key, p in list(mod._parameters.items()):
-            if p is not None and id(p) in new_by_id:
-                mod._parameters[key] = new_by_id[id(p)]
-        for key, b in list(mod._buffers.items()):
-            if b is not None and id(b) in new_by_id:
-                mod._buffers[key] = new_by_id[id(b)]
+                          device=device, optimizer=optimizer,
+                          timeout_s=mesh_mod.collective_timeout().total_seconds(),
+                          check_replicas=enabled_by_env() if check_replicas is None
+                          else check_replicas, check_inputs=check_inputs)
 
 
 def _profile(captured, cluster: Cluster, method: PipeshardParallel, example_inputs, model,

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from torchalpa.placement import Placements, format_placements, parse_placements, short
+from torchalpa.plan_records import (Estimates, Explanation, explanations_from_dict,
+                                    explanations_to_dict)
 
 __all__ = ["Plan", "ReshardStep", "Reshard", "OutputSlot", "OUTPUT", "INPUT_SLOT", "Slot",
            "MeshStage", "READABLE_PLAN_VERSIONS", "check_version", "NodeStrategy", "ValuePlacement", "Collective",
@@ -269,15 +271,21 @@ class Plan:
     strategies: tuple[NodeStrategy, ...]
     reshards: tuple[Reshard, ...]
     collectives: tuple[Collective, ...]
-    estimates: dict = field(default_factory=dict)
+    estimates: Estimates = field(default_factory=Estimates)
+    """The planner's predictions (a dict given here becomes the record)."""
     unsupported_ops: tuple[dict, ...] = ()
     stages: tuple[MeshStage, ...] = ()
     method: dict = field(default_factory=dict)
     graph_fingerprint: str = ""
     notes: tuple[str, ...] = ()
-    explanations: dict = field(default_factory=dict)
+    explanations: dict[str, Explanation] = field(default_factory=dict)
     """Per parameter: its layout's communication and state, and the runner-up's."""
     version: int = PLAN_VERSION
+
+    def __post_init__(self):
+        # records however they were given (dicts from passes, tests or older code)
+        object.__setattr__(self, "estimates", Estimates.from_dict(self.estimates))
+        object.__setattr__(self, "explanations", explanations_from_dict(self.explanations))
 
     # -- lookups ------------------------------------------------------------------------
     def strategy(self, node: str) -> NodeStrategy:
@@ -306,14 +314,14 @@ class Plan:
             "parameters": {p.name: p.to_dict() for p in self.parameters},
             "inputs": {p.name: p.to_dict() for p in self.inputs},
             "collectives": [c.to_dict() for c in self.collectives],
-            "estimates": dict(self.estimates),
+            "estimates": self.estimates.to_dict(),
             "unsupported_ops": list(self.unsupported_ops),
             "method": dict(self.method),
             "graph_fingerprint": self.graph_fingerprint,
             "notes": list(self.notes),
             "strategies": {s.node: s.to_dict() for s in self.strategies},
             "reshards": [r.to_dict() for r in self.reshards],
-            "explanations": self.explanations,
+            "explanations": explanations_to_dict(self.explanations),
         }
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -334,12 +342,12 @@ class Plan:
             strategies=tuple(NodeStrategy.from_dict(k, v) for k, v in d["strategies"].items()),
             reshards=tuple(Reshard.from_dict(r, version) for r in d["reshards"]),
             collectives=tuple(Collective(**c) for c in d["collectives"]),
-            estimates=dict(d.get("estimates", {})),
+            estimates=Estimates.from_dict(d.get("estimates")),
             unsupported_ops=tuple(d.get("unsupported_ops", ())),
             stages=tuple(MeshStage.from_dict(s) for s in d.get("stages", ())),
             method=dict(d.get("method", {})),
             graph_fingerprint=d.get("graph_fingerprint", ""), notes=tuple(d.get("notes", ())),
-            explanations=dict(d.get("explanations", {})))   # read into this version's records
+            explanations=explanations_from_dict(d.get("explanations")))
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -453,11 +461,14 @@ class PipelinePlan:
     node_stage: dict                      # graph node -> stage index
     num_micro_batches: int
     schedule: str
-    estimates: dict = field(default_factory=dict)
+    estimates: Estimates = field(default_factory=Estimates)
     method: dict = field(default_factory=dict)
     graph_fingerprint: str = ""
     notes: tuple[str, ...] = ()
     version: int = PLAN_VERSION
+
+    def __post_init__(self):
+        object.__setattr__(self, "estimates", Estimates.from_dict(self.estimates))
 
     @property
     def forward_stage_layer_ids(self) -> list[list[int]]:
@@ -522,7 +533,7 @@ class PipelinePlan:
             "transfers": [t.to_dict() for t in self.transfers],
             "node_stage": dict(self.node_stage),
             "num_micro_batches": self.num_micro_batches, "schedule": self.schedule,
-            "estimates": dict(self.estimates), "method": dict(self.method),
+            "estimates": self.estimates.to_dict(), "method": dict(self.method),
             "graph_fingerprint": self.graph_fingerprint, "notes": list(self.notes),
             "unsupported_ops": [u for s in self.stages for u in s.plan.unsupported_ops],
         }
@@ -537,7 +548,7 @@ class PipelinePlan:
                    stages=tuple(StagePlan.from_dict(i, s) for i, s in enumerate(d["stages"])),
                    transfers=tuple(Transfer(**t) for t in d["transfers"]),
                    node_stage=dict(d["node_stage"]), num_micro_batches=d["num_micro_batches"],
-                   schedule=d["schedule"], estimates=dict(d.get("estimates", {})),
+                   schedule=d["schedule"], estimates=Estimates.from_dict(d.get("estimates")),
                    method=dict(d.get("method", {})),
                    graph_fingerprint=d.get("graph_fingerprint", ""),
                    notes=tuple(d.get("notes", ())))   # read into this version's records

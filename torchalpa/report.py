@@ -254,14 +254,14 @@ def explain(plan, name: str) -> str:
     lines = [head]
     why = plan.explanations.get(value.name) if value is not None else None
     if why:
-        lines.append(f"  it causes {why['communication_s'] * 1e3:.4g} ms of communication per step "
-                     f"(its readers and its gradient) and holds {format_bytes(why['state_bytes'])} "
-                     "of state per device")
-        other = why.get("runner_up")
+        lines.append(f"  it causes {why.chosen.communication_s * 1e3:.4g} ms of communication "
+                     f"per step (its readers and its gradient) and holds "
+                     f"{format_bytes(why.chosen.state_bytes)} of state per device")
+        other = why.runner_up
         if other:
-            lines.append(f"  runner-up {' '.join(other['placements'])}: "
-                         f"{other['communication_s'] * 1e3:.4g} ms, "
-                         f"{format_bytes(other['state_bytes'])} (every other decision unchanged)")
+            lines.append(f"  runner-up {' '.join(other.placements)}: "
+                         f"{other.communication_s * 1e3:.4g} ms, "
+                         f"{format_bytes(other.state_bytes)} (every other decision unchanged)")
     if moves:
         lines.append("collectives moving it (or its gradient):")
         lines += [f"  {c.phase} {c.kind} on {plan.axis_names[c.axis]}: {format_bytes(c.bytes)}"

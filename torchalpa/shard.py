@@ -149,6 +149,7 @@ def shard_parallel(model, example_inputs, loss_fn, *, method: ShardParallel, sig
     from torchalpa.runtime.module import ParallelModule
     from torchalpa.runtime.random import sync_random_state
     from torchalpa.runtime.replicas import enabled_by_env
+    from torchalpa.runtime.step import StepRunner
 
     num_micro_batches = num_micro_batches or 1
     mesh_mod.init_distributed()
@@ -198,12 +199,12 @@ def shard_parallel(model, example_inputs, loss_fn, *, method: ShardParallel, sig
     coords = device_mesh.get_coordinate()
     groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
 
-    def lower_program(gm, a_plan, param_names, buffer_updates=()):
+    def lower_program(gm, a_plan, param_names, buffer_updates=(), buffer_names=()):
         return lower(gm, a_plan, param_names, coords=coords, group_names=groups, device=device,
-                     buffer_updates=buffer_updates)
+                     buffer_updates=buffer_updates, buffer_names=buffer_names)
 
     program = lower_program(captured.gm, the_plan, captured.param_names,
-                            captured.buffer_updates)
+                            captured.buffer_updates, captured.buffer_names)
     if compile:
         program = program.compiled(**(compile if isinstance(compile, dict) else {}))
     distribute_module_state(model, the_plan, device_mesh, device, init_weights=init_weights)
@@ -218,11 +219,10 @@ def shard_parallel(model, example_inputs, loss_fn, *, method: ShardParallel, sig
     sync_random_state(device)    # last: planning or initialization may have drawn on rank 0
     log.info("auto_parallel ready in %.2fs: %s", time.perf_counter() - start,
              captured.graph.summary())
-    return ParallelModule(model, the_plan, program, device_mesh,
-                          param_names=captured.param_names, buffer_names=captured.buffer_names,
+    return ParallelModule(model, the_plan, StepRunner(program, num_micro_batches), device_mesh,
                           input_specs=input_specs, inputs=inputs, device=device,
-                          optimizer=optimizer, num_micro_batches=num_micro_batches,
-                          forward_programs=forward_programs, signature=signature,
+                          optimizer=optimizer, forward_programs=forward_programs,
+                          signature=signature,
                           timeout_s=mesh_mod.collective_timeout().total_seconds(),
                           check_replicas=enabled_by_env() if check_replicas is None
                           else check_replicas,

@@ -1,0 +1,145 @@
+"""Typed records for what a plan predicts and why it chose each layout.
+
+``Estimates`` holds the planner's predictions for one step (seconds, bytes per device)
+and how the search went; ``Explanation`` says, per parameter, what its chosen layout
+costs and what the runner-up would. Both are frozen, name every field they may hold, and
+are written to and read from the plan's JSON here only (``to_dict`` / ``from_dict``), in
+the same form plan files of versions 1 and 2 already use: an unknown key in a file or a
+misspelled one in code is an error naming it, not a value nobody reads.
+
+``Estimates`` is also a read-only mapping of its set fields (``est["step_time_s"]``,
+``est.get("timeline")``, ``dict(est, objective=...)``), so a pass that adds a figure
+builds a new record from the old one's items and the new key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["Estimates", "Explanation", "LayoutCost", "explanations_from_dict",
+           "explanations_to_dict"]
+
+
+@dataclass(frozen=True, eq=False)
+class Estimates(Mapping[str, Any]):
+    """A plan's predictions; a field is None when the planner that made it does not set it."""
+
+    # one step of an intra-op plan (one micro-batch), from the cost model
+    step_time_s: float | None = None
+    communication_s: float | None = None
+    compute_s: float | None = None
+    model_state_bytes_per_device: float | None = None
+    activation_bytes_per_device: float | None = None
+    saved_activation_bytes_per_device: float | None = None
+    memory_per_device_bytes: float | None = None
+    wire_bytes_per_step: float | None = None
+    gradient_buckets: list | None = None
+    """Gradient collectives issued together: axis, bytes, tensors, collective positions."""
+    # the search
+    objective: float | None = None
+    solve_seconds: float | None = None
+    ilp_seconds: float | None = None
+    ilp_variables: int | None = None
+    num_strategies: int | None = None
+    num_decisions: int | None = None
+    memory_budget_bytes: float | None = None
+    memory_budget_per_device_bytes: float | None = None
+    # a pipeline (PipelinePlan): per stage, the schedule's timeline, the stage search
+    max_stage_s: float | None = None
+    stage_step_s: list | None = None
+    stage_times: str | None = None
+    """"measured" (stage_option="profile") or "cost model"."""
+    alpa_objective_s: float | None = None
+    stage_memory_bytes: list | None = None
+    timeline: list | None = None
+    search_seconds: float | None = None
+    layer_solves: int | None = None
+    total_seconds: float | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Estimates:
+        """The record of a plan file's ``estimates`` (or of a dict built in code)."""
+        if isinstance(d, Estimates):
+            return d
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown plan estimate(s) {', '.join(map(repr, unknown))}; "
+                             f"an Estimates record holds {', '.join(sorted(known))}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The set fields, as the plan's JSON holds them."""
+        return dict(self.items())
+
+    # -- a read-only mapping of the set fields ------------------------------------------
+    def __getitem__(self, key: str) -> Any:
+        value = getattr(self, key, None) if isinstance(key, str) and not key.startswith("_") \
+            else None
+        if value is None or key not in _FIELD_NAMES:
+            raise KeyError(key)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name in _FIELD_NAMES if getattr(self, name) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return f"Estimates({', '.join(f'{k}={v!r}' for k, v in self.items())})"
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(Estimates))
+
+
+@dataclass(frozen=True)
+class LayoutCost:
+    """What one layout of a parameter costs per step, every other decision unchanged."""
+
+    placements: tuple[str, ...]      # per mesh axis, e.g. ("Replicate()", "Shard(0)")
+    communication_s: float           # its readers' and its gradient's resharding
+    state_bytes: float               # parameter, gradient and optimizer states per device
+
+    def to_dict(self) -> dict:
+        return {"placements": list(self.placements), "communication_s": self.communication_s,
+                "state_bytes": self.state_bytes}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LayoutCost:
+        return cls(placements=tuple(d["placements"]), communication_s=d["communication_s"],
+                   state_bytes=d["state_bytes"])
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why a parameter has its layout: its cost, and the best other layout's."""
+
+    chosen: LayoutCost
+    runner_up: LayoutCost | None = None
+
+    def to_dict(self) -> dict:
+        d = self.chosen.to_dict()
+        if self.runner_up is not None:
+            d["runner_up"] = self.runner_up.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Explanation:
+        if isinstance(d, Explanation):
+            return d
+        other = d.get("runner_up")
+        return cls(chosen=LayoutCost.from_dict(d),
+                   runner_up=None if other is None else LayoutCost.from_dict(other))
+
+
+def explanations_from_dict(d: Mapping[str, Any] | None) -> dict[str, Explanation]:
+    """Per parameter name, its ``Explanation`` (from a plan file or a dict built in code)."""
+    return {name: Explanation.from_dict(e) for name, e in (d or {}).items()}
+
+
+def explanations_to_dict(explanations: Mapping[str, Explanation]) -> dict[str, dict]:
+    return {name: e.to_dict() for name, e in explanations.items()}
