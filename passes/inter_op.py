@@ -37,6 +37,7 @@ from torchalpa.passes.memory import in_flight_bytes
 from torchalpa.passes.stages import stage_dp, submesh_shapes
 from torchalpa.passes.subgraph import stage_subgraph
 from torchalpa.plan import PipelinePlan, StagePlan, Transfer
+from torchalpa.plan_records import Estimates
 from torchalpa.schedules import SCHEDULES, in_flight, simulate
 
 __all__ = ["plan_pipeline", "assign_layers", "logical_views", "shardable_views", "layer_probes",
@@ -325,9 +326,9 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
     log.info("pipeline plan: %d layers, %d stages, %d layer solves for the DP (%.1fs), "
              "stage plans %.1fs", L, len(stages), costs.solves, searched - start,
              time.perf_counter() - searched)
-    return replace(plan, estimates=dict(plan.estimates, search_seconds=searched - start,
-                                        layer_solves=costs.solves,
-                                        total_seconds=time.perf_counter() - start))
+    return replace(plan, estimates=Estimates.from_dict(dict(
+        plan.estimates, search_seconds=searched - start, layer_solves=costs.solves,
+        total_seconds=time.perf_counter() - start)))
 
 
 @dataclass(frozen=True)
@@ -528,7 +529,7 @@ def _owner_transfers(graph: OpGraph, node_stage: dict, have: list[Transfer]) -> 
 
 
 def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, cluster,
-               stage_seconds: list | None = None) -> dict:
+               stage_seconds: list | None = None) -> Estimates:
     S, B = len(stages), method.num_micro_batches
     link = cluster.inter_node_bandwidth if cluster.num_nodes > 1 else cluster.intra_node_bandwidth
     step = list(stage_seconds) if stage_seconds is not None else \
@@ -547,8 +548,8 @@ def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, clust
                               s.plan.estimates["activation_bytes_per_device"],
                               s.plan.estimates["saved_activation_bytes_per_device"],
                               in_flight(schedule[n])) for n, s in enumerate(stages)]
-    return {"step_time_s": total, "max_stage_s": max(step), "stage_step_s": step,
-            "stage_times": "measured" if stage_seconds is not None else "cost model",
-            "alpa_objective_s": sum(step) + (B - 1) * max(step),
-            "memory_per_device_bytes": max(memory), "stage_memory_bytes": memory,
-            "timeline": timeline}
+    return Estimates(step_time_s=total, max_stage_s=max(step), stage_step_s=step,
+                     stage_times="measured" if stage_seconds is not None else "cost model",
+                     alpa_objective_s=sum(step) + (B - 1) * max(step),
+                     memory_per_device_bytes=max(memory), stage_memory_bytes=memory,
+                     timeline=timeline)

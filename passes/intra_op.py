@@ -36,7 +36,7 @@ from torchalpa.placement import Placements, Shard, format_placements, replicated
 from torchalpa.report import format_bytes
 from torchalpa.plan import (INPUT_SLOT, OUTPUT, Collective, MeshStage, NodeStrategy,
                             OutputSlot, Plan, Reshard, ValuePlacement)
-from torchalpa.plan_records import Explanation, LayoutCost
+from torchalpa.plan_records import Estimates, Explanation, LayoutCost
 
 __all__ = ["plan_intra_op", "UnsupportedOpWarning", "build_strategies"]
 
@@ -502,7 +502,7 @@ def _explain_parameters(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel
 
 def _replace_estimates(plan: Plan, estimates: dict) -> Plan:
     from dataclasses import replace
-    return replace(plan, estimates=estimates)
+    return replace(plan, estimates=Estimates.from_dict(estimates))
 
 
 def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
@@ -561,12 +561,12 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states)
     activations, saved = activation_peak_bytes(
         graph, {k: s.outputs for k, s in chosen.items()}, mesh.shape)
-    estimates = {"step_time_s": comm_time + compute_time, "communication_s": comm_time,
-                 "compute_s": compute_time, "model_state_bytes_per_device": state,
-                 "activation_bytes_per_device": activations,
-                 "saved_activation_bytes_per_device": saved,
-                 "memory_per_device_bytes": state + activations,
-                 "wire_bytes_per_step": wire}
+    estimates = Estimates(step_time_s=comm_time + compute_time, communication_s=comm_time,
+                          compute_s=compute_time, model_state_bytes_per_device=state,
+                          activation_bytes_per_device=activations,
+                          saved_activation_bytes_per_device=saved,
+                          memory_per_device_bytes=state + activations,
+                          wire_bytes_per_step=wire)
     parameters = tuple(ValuePlacement(name=n.target, node=n.name, shape=n.output.shape,
                                       placements=leaf_placement[n.name])
                        for n in graph if n.kind in ("param", "buffer"))

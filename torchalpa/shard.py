@@ -18,6 +18,7 @@ from torchalpa.methods import ShardParallel
 from torchalpa.opgraph import OpGraph
 from torchalpa.plan import Plan
 from torchalpa.plan_check import check_step_dtypes
+from torchalpa.plan_records import Estimates
 from torchalpa.workflow import (capture_examples, capture_variants, default_cluster,
                                 plan_on_rank0, same_step_on_every_rank, with_precision)
 
@@ -76,8 +77,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
             budget = method.auto_sharding_option.memory_budget_per_device or \
                 mesh.memory_per_device
             if budget:      # recorded for reports and pictures
-                found = replace(found, estimates={**found.estimates,
-                                                  "memory_budget_per_device_bytes": budget})
+                found = replace(found, estimates=Estimates.from_dict(
+                    dict(found.estimates, memory_budget_per_device_bytes=budget)))
             progress.done = _estimate_text(found, mesh)
         cache.store(key, found)
         cache.trim()
