@@ -16,7 +16,7 @@ from torchalpa.calibrate import Calibration, calibration_enabled, fit_alpha_beta
 from torchalpa.cluster import GRADIENT_BUCKET_BYTES, Cluster, LogicalMesh
 from torchalpa.passes.cost import collective_cost, gradient_steps_cost, steps_cost
 from torchalpa.placement import Partial, Replicate
-from torchalpa.plan import ReshardStep
+from torchalpa.plan import OUTPUT, OutputSlot, ReshardStep
 from torchalpa.runtime.buckets import DEFAULT_BUCKET_BYTES
 from torchalpa.workflow import default_cluster
 
@@ -123,8 +123,23 @@ def test_a_gloo_like_cluster_gets_ddps_plan():
     torch.manual_seed(0)
     batch = (torch.randn(32, 32), torch.randn(32, 32))
     auto = torchalpa.plan(normed_mlp(), batch, F.mse_loss, cluster=gloo_like_cluster())
-    ddp = torchalpa.plan(normed_mlp(), batch, F.mse_loss, cluster=gloo_like_cluster(),
-                         method=torchalpa.DataParallel())
-    assert [p.placements for p in auto.parameters] == [p.placements for p in ddp.parameters]
+    # DDP's plan: every parameter whole, the only collectives the gradients' (and the
+    # scalar loss's) all-reduces
     assert all(p.placements == (Replicate(),) for p in auto.parameters)
-    assert auto.estimates["step_time_s"] == pytest.approx(ddp.estimates["step_time_s"])
+    assert {c.kind for c in auto.collectives} == {"all_reduce"}
+    assert {c.tensor for c in auto.collectives if c.phase == "forward"} <= {
+        r.producer for r in auto.reshards if r.consumer == OUTPUT and r.slot == OutputSlot.loss()}
+
+
+@pytest.mark.slow
+def test_the_zoo_gpt_gets_ddps_plan_on_a_gloo_like_cluster():
+    """The zoo's tiny GPT on 4 gloo ranks: DDP ran 2-6x faster than the plan local_cpu's
+    guesses chose (layers split, activation collectives in forward and backward); with
+    measured-like figures and bucketed gradients the search picks DDP's layouts."""
+    import torchalpa.models as zoo
+    w = zoo.tiny("gpt", batch_size=16).replace(dropout=0.0)
+    torch.manual_seed(1)
+    batch = tuple(w.example_inputs())
+    plan = torchalpa.plan(w.build(), batch, w.loss_fn, cluster=gloo_like_cluster())
+    assert all(p.placements == (Replicate(),) for p in plan.parameters)
+    assert {c.kind for c in plan.collectives} == {"all_reduce"}
