@@ -18,13 +18,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import subprocess
-import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NETNS = os.path.join(ROOT, "..", "shared", "tools", "netns_bytes.sh")
+from _launch import (add_run_args, average_runs, describe_plan, launch, method_order,
+                     peak_over_ranks)
+
 METHODS = ("torchalpa", "ddp", "fsdp2")
 
 
@@ -36,13 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=50257)
-    p.add_argument("--steps", type=int, default=3, help="steps per method, the first untimed")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run the methods this many times, in alternating order (A B C, C B A, "
-                        "...), and average: load drifting on a shared machine hits all alike")
-    p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)   # JSON path, in torchrun
+    add_run_args(p, steps=3)
     return p.parse_args(argv)
 
 
@@ -52,23 +44,10 @@ def main():
     args = parse_args()
     if args.worker:
         return worker(args)
-    out = os.path.join(tempfile.mkdtemp(), "gpt.json")
     flags = [f"--{k}={getattr(args, k)}" for k in
              ("layers", "hidden", "heads", "seq", "batch", "vocab", "steps", "rounds")]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-                "--master_addr=127.0.0.1", "--master_port=29541", os.path.abspath(__file__),
-                *flags, "--methods", *args.methods, "--worker", out]
-    in_netns = os.path.exists(NETNS) and os.geteuid() == 0
-    if not in_netns:
-        print("warning: shared/tools/netns_bytes.sh needs root; loopback bytes will include "
-              "other local traffic", file=sys.stderr)
-    cmd = ["bash", NETNS, *torchrun] if in_netns else torchrun
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S="1800")
-    proc = subprocess.run(cmd, env=env, text=True, capture_output=True)
-    if proc.returncode != 0:
-        sys.exit(f"the benchmark failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    result = json.load(open(out))
-    report(args, result)
+    report(args, launch(__file__, [*flags, "--methods", *args.methods], nproc=args.nproc,
+                        port=29541))
 
 
 def report(args, result):
@@ -110,8 +89,7 @@ def worker(args):
     import torchalpa
     from torchalpa.models import GPT, GPTConfig, lm_loss
     from torchalpa.runtime.baselines import batch_shard, wrap_ddp, wrap_fsdp2
-    from torchalpa.runtime.measure import (model_state_bytes, peak_memory_bytes,
-                                           reset_peak_memory, timed_steps)
+    from torchalpa.runtime.measure import model_state_bytes, reset_peak_memory, timed_steps
     from torchalpa.runtime.mesh import init_distributed
 
     init_distributed()
@@ -126,15 +104,8 @@ def worker(args):
         torch.manual_seed(0)
         return GPT(config)
 
-    def peak_over_ranks() -> int:
-        peak = torch.tensor([peak_memory_bytes()], dtype=torch.int64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return int(peak.item())
-
     stats, extra = {}, {}
-    order = []
-    for r in range(args.rounds):
-        order += list(args.methods) if r % 2 == 0 else list(reversed(args.methods))
+    order = [name for r in range(args.rounds) for name in method_order(args.methods, r)]
     for name in order:
         gc.collect()
         dist.barrier()
@@ -150,7 +121,7 @@ def worker(args):
 
             def step():
                 step.loss = pm.train_step(x, y).item()  # noqa: F821 (the closure names itself)
-            extra = {"setup_s": setup, "plan": _describe(pm.plan),
+            extra = {"setup_s": setup, "plan": describe_plan(pm.plan),
                      "planned_wire_bytes_per_step": pm.plan.estimates["wire_bytes_per_step"],
                      "unsupported_ops": sorted({u["op"] for u in pm.plan.unsupported_ops})}
         else:
@@ -182,29 +153,12 @@ def worker(args):
         del model, opt, params, step
         pm = None  # noqa: F841
     if rank == 0:
-        averaged = {}
-        for name, runs in stats.items():
-            averaged[name] = dict(runs[-1])
-            for key in ("step_s", "loopback_bytes_per_step"):
-                averaged[name][key] = sum(r[key] for r in runs) / len(runs)
-            averaged[name]["peak_bytes"] = max(r["peak_bytes"] for r in runs)
-            averaged[name]["step_s_per_round"] = [r["step_s"] for r in runs]
+        averaged = average_runs(stats)
         with open(args.worker, "w") as f:
             json.dump({"world_size": world, "stats": averaged, "num_params": num_params}, f,
                       indent=1)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _describe(plan) -> str:
-    layouts: dict[str, int] = {}
-    for v in plan.parameters:
-        key = "".join(str(p) for p in v.placements)
-        layouts[key] = layouts.get(key, 0) + 1
-    kinds: dict[str, int] = {}
-    for c in plan.collectives:
-        kinds[c.kind] = kinds.get(c.kind, 0) + 1
-    return (f"mesh {list(plan.mesh_shape)}, parameter layouts {layouts}, collectives {kinds}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ each of the zoo's families (``torchalpa.models.tiny``: gpt, llama, bert, vit, re
 dropout off) and a deep, narrow MLP (64 Linear layers alternating 64 -> 256 -> 64, ReLU,
 where the plan is DDP's and per-collective latency dominates) with Adam, once per method:
 torchalpa (``auto_parallel``, every rank passing the global batch), DDP and FSDP2
-(``fully_shard`` per layer, as torchtitan applies it; each rank its share of the batch).
+(``fully_shard`` per layer, as torchtitan applies it; each rank its share of the batch);
+``--methods ... torchalpa-dp`` adds torchalpa with ``method=DataParallel()`` (DDP's plan).
+Each torchalpa row shows its plan with the estimated step time, and the header the cluster
+auto_parallel planned for (on gloo, measured on the live group: ``Cluster.measure()``).
 
 For each: step time (slowest rank, mean of the timed steps after one warm-up), loopback
 bytes per step, peak resident memory per rank (the largest over ranks; the whole process),
@@ -23,17 +26,13 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# shared/ sits beside the checkout (/work/main) or two levels up (a worktree, /work/wt/x)
-NETNS = next((p for p in (os.path.join(ROOT, *[".."] * up, "shared", "tools", "netns_bytes.sh")
-                          for up in (1, 2)) if os.path.exists(p)), "netns_bytes.sh")
+from _launch import (add_run_args, average_runs, describe_plan, launch, method_order,
+                     peak_over_ranks)
+
 METHODS = ("torchalpa", "ddp", "fsdp2")
+EXTRA_METHODS = ("torchalpa-dp",)   # torchalpa with method=DataParallel(): DDP's plan
 ZOO = ("gpt", "llama", "bert", "vit", "resnet", "moe")
 MODELS = ZOO + ("mlp",)
 
@@ -41,14 +40,11 @@ MODELS = ZOO + ("mlp",)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
-    p.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="*", default=list(METHODS),
+                   choices=METHODS + EXTRA_METHODS)
     p.add_argument("--batch", type=int, default=16, help="global batch of the zoo models")
     p.add_argument("--mlp-batch", type=int, default=2048, help="global batch of the MLP")
-    p.add_argument("--steps", type=int, default=4, help="steps per method, the first untimed")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run the methods this many times in alternating order and average")
-    p.add_argument("--nproc", type=int, default=4)
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)   # JSON path, in torchrun
+    add_run_args(p, steps=4)
     return p.parse_args(argv)
 
 
@@ -58,44 +54,33 @@ def main():
     args = parse_args()
     if args.worker:
         return worker(args)
-    out = os.path.join(tempfile.mkdtemp(), "zoo.json")
     flags = [f"--batch={args.batch}", f"--mlp-batch={args.mlp_batch}",
-             f"--steps={args.steps}", f"--rounds={args.rounds}"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-                "--master_addr=127.0.0.1", "--master_port=29543", os.path.abspath(__file__),
-                *flags, "--models", *args.models, "--methods", *args.methods, "--worker", out]
-    in_netns = os.path.exists(NETNS) and os.geteuid() == 0
-    if not in_netns:
-        print("warning: not inside shared/tools/netns_bytes.sh (missing, or not root); "
-              "loopback bytes will include other local traffic", file=sys.stderr)
-    cmd = ["bash", NETNS, *torchrun] if in_netns else torchrun
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S="1800",
-               TORCHALPA_LOG="warning")
-    proc = subprocess.run(cmd, env=env, text=True, capture_output=True)
-    if proc.returncode != 0:
-        sys.exit(f"the benchmark failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    report(args, json.load(open(out)))
+             f"--steps={args.steps}", f"--rounds={args.rounds}",
+             "--models", *args.models, "--methods", *args.methods]
+    report(args, launch(__file__, flags, nproc=args.nproc, port=29543))
 
 
 def report(args, result):
     print(f"{result['world_size']} gloo ranks, Adam, {args.steps} steps per method (first "
           f"untimed), {args.rounds} round(s); zoo batch {args.batch}, MLP batch "
           f"{args.mlp_batch}; ratios: torchalpa / the faster of DDP and FSDP2")
-    head = (f"{'model':<8}{'params':>8}{'method':>11}{'step ms':>10}{'loopback MiB':>14}"
+    if result.get("cluster"):
+        print(f"torchalpa planned for: {result['cluster']}")
+    head = (f"{'model':<8}{'params':>8}{'method':>14}{'step ms':>10}{'loopback MiB':>14}"
             f"{'peak RSS GiB':>14}")
     print(head)
     for model, row in result["models"].items():
         for name, s in row["stats"].items():
-            print(f"{model:<8}{row['num_params'] / 1e6:>7.2f}M{name:>11}{s['step_s'] * 1e3:>10.1f}"
-                  f"{s['loopback_bytes_per_step'] / 2**20:>14.2f}{s['peak_bytes'] / 2**30:>14.2f}")
+            print(f"{model:<8}{row['num_params'] / 1e6:>7.2f}M{name:>14}{s['step_s'] * 1e3:>10.1f}"
+                  f"{s['loopback_bytes_per_step'] / 2**20:>14.2f}{s['peak_bytes'] / 2**30:>14.2f}"
+                  + (f"   plan: {s['plan']}" if "plan" in s else ""))
         ours = row["stats"].get("torchalpa")
-        others = [s for k, s in row["stats"].items() if k != "torchalpa"]
+        others = [s for k, s in row["stats"].items() if k in ("ddp", "fsdp2")]
         if ours and others:
             best = min(others, key=lambda s: s["step_s"])
-            print(f"{model:<8}{'':>8}{'ratio':>11}{ours['step_s'] / best['step_s']:>10.2f}"
+            print(f"{model:<8}{'':>8}{'ratio':>14}{ours['step_s'] / best['step_s']:>10.2f}"
                   f"{ours['loopback_bytes_per_step'] / max(best['loopback_bytes_per_step'], 1):>14.2f}"
-                  f"{ours['peak_bytes'] / best['peak_bytes']:>14.2f}"
-                  f"   plan: {ours['plan']}")
+                  f"{ours['peak_bytes'] / best['peak_bytes']:>14.2f}")
 
 
 # -- the worker (one per rank, under torchrun) -----------------------------------------------
@@ -133,29 +118,35 @@ def workload(name: str, args):
 def worker(args):
     import torch.distributed as dist
 
+    from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.runtime.mesh import init_distributed
+    from torchalpa.workflow import default_cluster
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    result = {"world_size": world, "models": {}}
+    cluster = default_cluster(world, measure=True)      # what auto_parallel will plan for
+    result = {"world_size": world, "models": {}, "cluster": (
+        f"{cluster.device_name or cluster.name}: {cluster.peak_flops / 1e9:.3g} Gflop/s per "
+        f"rank, collective latency {cluster.intra_node_latency * 1e3:.3g} ms, "
+        f"{cluster.intra_node_bandwidth / 1e9:.3g} GB/s")}
     for model_name in args.models:
         build, batch, loss_fn = workload(model_name, args)
         runs: dict[str, list] = {}
         num_params = 0
         for r in range(args.rounds):
-            order = list(args.methods) if r % 2 == 0 else list(reversed(args.methods))
-            for name in order:
-                s, num_params = measure(name, build, batch, loss_fn, args, rank, world)
+            for name in method_order(args.methods, r):
+                try:
+                    s, num_params = measure(name, build, batch, loss_fn, args, rank, world)
+                except InfeasibleError as e:      # every rank gets rank 0's planning error
+                    if name != "torchalpa-dp":
+                        raise
+                    if rank == 0:
+                        print(f"{model_name} {name}: no DataParallel plan ({e})", flush=True)
+                    continue
                 runs.setdefault(name, []).append(s)
                 if rank == 0:
                     print(f"{model_name} {name}: {s['step_s'] * 1e3:.1f} ms/step", flush=True)
-        stats = {}
-        for name, rs in runs.items():
-            stats[name] = dict(rs[-1])
-            for key in ("step_s", "loopback_bytes_per_step"):
-                stats[name][key] = sum(x[key] for x in rs) / len(rs)
-            stats[name]["peak_bytes"] = max(x["peak_bytes"] for x in rs)
-        result["models"][model_name] = {"stats": stats, "num_params": num_params}
+        result["models"][model_name] = {"stats": average_runs(runs), "num_params": num_params}
     if rank == 0:
         with open(args.worker, "w") as f:
             json.dump(result, f, indent=1)
@@ -170,7 +161,7 @@ def measure(name, build, batch, loss_fn, args, rank, world):
 
     import torchalpa
     from torchalpa.runtime.baselines import batch_shard, wrap_ddp, wrap_fsdp2
-    from torchalpa.runtime.measure import peak_memory_bytes, reset_peak_memory, timed_steps
+    from torchalpa.runtime.measure import reset_peak_memory, timed_steps
 
     gc.collect()
     dist.barrier()
@@ -178,11 +169,12 @@ def measure(name, build, batch, loss_fn, args, rank, world):
     torch.manual_seed(0)
     model = build()
     extra = {}
-    if name == "torchalpa":
+    if name.startswith("torchalpa"):
         start = time.perf_counter()
-        pm = torchalpa.auto_parallel(model, batch, loss_fn,
+        method = torchalpa.DataParallel() if name == "torchalpa-dp" else None
+        pm = torchalpa.auto_parallel(model, batch, loss_fn, method=method,
                                      optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4))
-        extra = {"setup_s": time.perf_counter() - start, "plan": describe(pm.plan)}
+        extra = {"setup_s": time.perf_counter() - start, "plan": describe_plan(pm.plan)}
         params = list(pm.parameters())
 
         def step():
@@ -199,25 +191,10 @@ def measure(name, build, batch, loss_fn, args, rank, world):
             loss.backward()
             opt.step()
     s = timed_steps(step, max(args.steps - 1, 1))
-    peak = torch.tensor([peak_memory_bytes()], dtype=torch.int64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    s["peak_bytes"] = int(peak.item())
+    s["peak_bytes"] = peak_over_ranks()
     s.update(extra)
     num_params = sum(p.numel() for p in params)
     return s, num_params
-
-
-def describe(plan) -> str:
-    """Mesh, parameter layouts and the collectives one step issues (buckets counted once)."""
-    from torchalpa.runtime.buckets import issued_collectives
-    layouts: dict[str, int] = {}
-    for v in plan.parameters:
-        key = "".join(str(p) for p in v.placements)
-        layouts[key] = layouts.get(key, 0) + 1
-    kinds: dict[str, int] = {}
-    for c in issued_collectives(plan):
-        kinds[c.kind] = kinds.get(c.kind, 0) + 1
-    return f"mesh {list(plan.mesh_shape)}, layouts {layouts}, collectives {kinds}"
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ contributes, so for an all-gather or all-to-all ``B`` is that contribution times
 
 On gloo a reduce-scatter is an all-reduce underneath and costs as much.
 
+Gradient reductions are bucketed by the runtime (``runtime/buckets.py``, as DDP and FSDP2
+do): when the mesh says so (``gradient_bucket_bytes``), a gradient's all-reduce or
+reduce-scatter pays the latency in proportion to its share of a bucket, not a whole one
+(``gradient_steps_cost``). Without it every collective pays its own (Alpa's accounting).
+
 Compute: ``launch + max(flops / peak, bytes / memory_bandwidth)`` of the local share of
 an op; zero when the mesh has no ``peak_flops`` (Alpa's communication-only setting). The
 peak is the mesh's rate for the dtype the op computes in (its first result's: bf16 matmuls
@@ -21,7 +26,7 @@ from __future__ import annotations
 from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpNode
 
-__all__ = ["collective_cost", "steps_cost", "compute_cost", "all_reduce_cost", "wire_bytes"]
+__all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost", "all_reduce_cost", "wire_bytes"]
 
 
 def collective_cost(mesh: LogicalMesh, kind: str, axis: int, nbytes: float) -> float:
@@ -69,6 +74,20 @@ def all_reduce_cost(mesh: LogicalMesh, nbytes: float, axis: int) -> float:
 
 def steps_cost(mesh: LogicalMesh, steps) -> float:
     return sum(collective_cost(mesh, s.kind, s.axis, s.bytes) for s in steps)
+
+
+def gradient_steps_cost(mesh: LogicalMesh, steps) -> float:
+    """``steps_cost`` of a gradient's final resharding: its first step, when an all-reduce
+    or reduce-scatter the runtime packs into a bucket of ``mesh.gradient_bucket_bytes``,
+    pays the latency of its share of the bucket (at most one whole latency)."""
+    total = steps_cost(mesh, steps)
+    bucket = mesh.gradient_bucket_bytes
+    if bucket > 0 and steps:
+        first = steps[0]
+        if first.kind in ("all_reduce", "reduce_scatter") and mesh.shape[first.axis] > 1:
+            assert mesh.alpha is not None  # LogicalMesh.__post_init__ fills it
+            total -= mesh.alpha[first.axis] * (1 - min(1.0, first.bytes / bucket))
+    return total
 
 
 def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int) -> float:

@@ -18,7 +18,7 @@ import numpy as np
 
 from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpGraph, TensorSpec
-from torchalpa.passes.cost import compute_cost, steps_cost
+from torchalpa.passes.cost import compute_cost, gradient_steps_cost, steps_cost
 from torchalpa.passes.ilp import Edge
 from torchalpa.passes.reshard import plan_reshard
 from torchalpa.passes.simplify import Grouping
@@ -49,20 +49,25 @@ class ReshardCosts:
             return None
         return steps
 
-    def cost(self, spec: TensorSpec, src: Placements, dst: Placements | None) -> float:
-        key = (spec, src, dst)
+    def cost(self, spec: TensorSpec, src: Placements, dst: Placements | None,
+             gradient: bool = False) -> float:
+        """Seconds to reshard; ``gradient``: a gradient's final resharding, whose reduction
+        the runtime buckets (``gradient_steps_cost``)."""
+        key = (spec, src, dst, gradient)
         c = self._cost.get(key)
         if c is None:
             steps = self.steps(spec, src, dst)
-            c = math.inf if steps is None else steps_cost(self.mesh, steps)
+            price = gradient_steps_cost if gradient else steps_cost
+            c = math.inf if steps is None else price(self.mesh, steps)
             self._cost[key] = c
         return c
 
-    def edge(self, u: str, v: str, spec: TensorSpec, rows: list, cols: list) -> Edge:
+    def edge(self, u: str, v: str, spec: TensorSpec, rows: list, cols: list,
+             gradient: bool = False) -> Edge:
         """An ILP edge: the cost table over the distinct layouts on each side."""
         urows, ri = _unique(rows)
         ucols, ci = _unique(cols)
-        table = np.array([[self.cost(spec, r, c) for c in ucols] for r in urows])
+        table = np.array([[self.cost(spec, r, c, gradient) for c in ucols] for r in urows])
         return Edge(u, v, ri, ci, table)
 
 
@@ -107,7 +112,7 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
             links.append((ref.node, ref.index, node.name, slot))
     params = graph.params
     for fqn, ref in graph.outputs.grads:
-        links.append((ref.node, ref.index, params[fqn], "param"))
+        links.append((ref.node, ref.index, params[fqn], "grad"))
     buffers = {n.target: n.name for n in graph if n.kind == "buffer"}
     for fqn, ref in graph.outputs.buffer_updates:   # new buffer values take its layout
         links.append((ref.node, ref.index, buffers[fqn], "param"))
@@ -124,7 +129,7 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
         u, idx, v, how = members[0]
         rows = [S[u][a].outputs[idx] for a in index[u]]
         cols = [_reads(S[v][b], how) for b in index[v]]
-        e = costs.edge(ru, rv, graph.node(u).outputs[idx], rows, cols)
+        e = costs.edge(ru, rv, graph.node(u).outputs[idx], rows, cols, gradient=how == "grad")
         e.table = e.table * len(members)
         if ru == rv:   # both ends follow one node: only its diagonal can happen
             node_costs[ru] += e.dense().diagonal()
@@ -134,7 +139,7 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
 
 
 def _reads(s: Strategy, how) -> Placements | None:
-    return s.outputs[0] if how == "param" else s.inputs[how]
+    return s.outputs[0] if how in ("param", "grad") else s.inputs[how]
 
 
 def _read_layouts_key(strategies: list[Strategy], how) -> tuple:

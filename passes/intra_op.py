@@ -23,7 +23,7 @@ from torchalpa.cluster import LogicalMesh
 from torchalpa.methods import AutoShardingOption, ShardParallel
 from torchalpa.passes.constraints import apply_constraints
 from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
-from torchalpa.passes.cost import compute_cost, steps_cost, wire_bytes
+from torchalpa.passes.cost import compute_cost, gradient_steps_cost, steps_cost, wire_bytes
 from torchalpa.passes.costgraph import ReshardCosts, build_cost_graph
 from torchalpa.passes.ilp import ILPProblem, InfeasibleError, solve_ilp
 from torchalpa.passes.simplify import group_nodes
@@ -158,6 +158,9 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     if manual is not None:
         option = replace(option, pin=option.pin + manual.pin)
     option, mesh = effective_option(option, mesh)
+    if mesh.gradient_bucket_bytes > 0 and option.all_reduce_threshold is not None:
+        # the runtime packs gradients into buckets of the plan's threshold: price those
+        mesh = replace(mesh, gradient_bucket_bytes=float(option.all_reduce_threshold))
     space = build_strategies(graph, mesh, inputs, option)
     S = space.strategies
     costs = ReshardCosts(mesh, option.allow_reduce_scatter, forbidden_collectives(option))
@@ -344,7 +347,10 @@ def _merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
             bucket["collectives"].append(position)
     assert position == len(plan.collectives) - 1
     assert mesh.alpha is not None  # LogicalMesh.__post_init__ fills it
-    saved = sum((len(b["tensors"]) - 1) * mesh.alpha[b["axis"]] for b in buckets)
+    # a mesh that prices buckets (gradient_bucket_bytes) already charged each gradient its
+    # share of a bucket's latency; Alpa's accounting charged one each, merged here
+    saved = 0.0 if mesh.gradient_bucket_bytes > 0 else \
+        sum((len(b["tensors"]) - 1) * mesh.alpha[b["axis"]] for b in buckets)
     e = plan.estimates
     return _replace_estimates(plan, dict(e, gradient_buckets=buckets,
                                          step_time_s=e["step_time_s"] - saved,
@@ -487,7 +493,8 @@ def _explain_parameters(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel
                     for v, slot in readers.get(node.name, []))
             g = grads.get(node.name)
             if g is not None:
-                t += costs.cost(graph.spec(g), chosen[g.node].outputs[g.index], layout)
+                t += costs.cost(graph.spec(g), chosen[g.node].outputs[g.index], layout,
+                                gradient=True)
             copies = 2 + method.optimizer_states if g is not None else 1
             return LayoutCost(placements=tuple(format_placements(layout)), communication_s=t,
                               state_bytes=local_bytes(node.output, layout, mesh.shape) * copies)
@@ -554,7 +561,8 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                 groups = mesh.num_devices // mesh.shape[step.axis]
                 wire += groups * wire_bytes(step.kind, mesh.shape[step.axis], step.bytes,
                                             mesh.backend)
-        comm_time += steps_cost(mesh, r.steps)
+        is_gradient = isinstance(r.slot, OutputSlot) and r.slot.kind == "grad"
+        comm_time += (gradient_steps_cost if is_gradient else steps_cost)(mesh, r.steps)
     compute_time = sum(compute_cost(mesh, n, chosen[n.name].shards) for n in graph.ops())
 
     leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}

@@ -10,7 +10,8 @@ cost model reads; tests can build one directly (e.g. Alpa's alpha = beta = 1).
 ``Cluster.detect()`` describes the hardware this process runs on: the GPU's name, the
 memory its caching allocator can use, peak flop/s per dtype from a table of known GPUs
 (``torchalpa/gpu_specs.py``), the node and device counts torchrun gives (``WORLD_SIZE``,
-``LOCAL_WORLD_SIZE``), and NCCL; without CUDA it is ``local_cpu``.
+``LOCAL_WORLD_SIZE``), and NCCL; without CUDA it is ``local_cpu``. ``Cluster.measure()``
+times the CPU machine a gloo process group runs on instead of guessing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 __all__ = ["Cluster", "LogicalMesh"]
 
 GB = 1e9
+GRADIENT_BUCKET_BYTES = 25 * 2 ** 20
+"""DDP's bucket size, the runtime's default (``runtime.buckets.DEFAULT_BUCKET_BYTES``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,12 +55,19 @@ class LogicalMesh:
     """Time every op pays to launch, whatever its size (GPU kernel launch latency)."""
     device_name: str = ""
     """The device planned for ("NVIDIA H100 80GB HBM3"), for the plan's summary."""
+    gradient_bucket_bytes: float = 0.0
+    """Bytes per bucket the runtime packs gradient reductions into, one latency each: a
+    gradient's all-reduce pays the latency of its share of a bucket. 0: each gradient's
+    collective pays a whole latency (Alpa's accounting, and these tests' default)."""
 
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"LogicalMesh.backend must be 'nccl' or 'gloo', got {self.backend!r}")
         if self.kernel_launch_s < 0:
             raise ValueError(f"LogicalMesh.kernel_launch_s must be >= 0, got {self.kernel_launch_s}")
+        if self.gradient_bucket_bytes < 0:
+            raise ValueError("LogicalMesh.gradient_bucket_bytes must be >= 0, got "
+                             f"{self.gradient_bucket_bytes}")
         object.__setattr__(self, "peak_flops_by_dtype", _dtype_peaks(self.peak_flops_by_dtype,
                                                                      "LogicalMesh"))
         shape = tuple(int(s) for s in self.shape)
@@ -119,6 +129,10 @@ class Cluster:
     """Seconds every op pays to launch (GPU kernel launch latency; 0 leaves it out)."""
     device_name: str = ""
     """The device model ("NVIDIA H100 80GB HBM3"), shown in plan summaries."""
+    gradient_bucket_bytes: float = GRADIENT_BUCKET_BYTES
+    """Bytes per gradient bucket the runtime issues (DDP's 25 MiB; the plan's
+    ``all_reduce_threshold`` overrides it): gradient reductions share one latency per
+    bucket in the cost model, as they do at run time. 0: one latency per gradient."""
 
     def __post_init__(self):
         for f in ("num_nodes", "devices_per_node"):
@@ -130,6 +144,9 @@ class Cluster:
                 raise ValueError(f"Cluster.{f} must be > 0, got {getattr(self, f)}")
         if self.kernel_launch_s < 0:
             raise ValueError(f"Cluster.kernel_launch_s must be >= 0, got {self.kernel_launch_s}")
+        if self.gradient_bucket_bytes < 0:
+            raise ValueError("Cluster.gradient_bucket_bytes must be >= 0, got "
+                             f"{self.gradient_bucket_bytes}")
         object.__setattr__(self, "peak_flops_by_dtype", _dtype_peaks(self.peak_flops_by_dtype,
                                                                      "Cluster"))
 
@@ -189,6 +206,15 @@ class Cluster:
                    peak_flops=30e9, memory_bandwidth=5 * GB, intra_node_bandwidth=1 * GB,
                    intra_node_latency=100e-6, inter_node_bandwidth=1 * GB,
                    inter_node_latency=100e-6, backend="gloo", name="local_cpu")
+
+    @classmethod
+    def measure(cls) -> "Cluster":
+        """The CPU machine this gloo process group runs on, measured: matmul flop/s per
+        rank, the fixed cost of an op, memory bandwidth, and all-reduce latency and
+        bandwidth fitted to timings of a few sizes (``torchalpa.calibrate``; collective,
+        a second or two, cached per host and world size)."""
+        from torchalpa.calibrate import measure_cluster
+        return measure_cluster()
 
     @classmethod
     def detect(cls, num_nodes: int | None = None, devices_per_node: int | None = None,
@@ -258,7 +284,8 @@ class Cluster:
                            memory_per_device=self.memory_per_device, backend=self.backend,
                            peak_flops_by_dtype=self.peak_flops_by_dtype,
                            kernel_launch_s=self.kernel_launch_s,
-                           device_name=self.device_name or self.name)
+                           device_name=self.device_name or self.name,
+                           gradient_bucket_bytes=self.gradient_bucket_bytes)
 
     def candidate_shapes(self) -> list[tuple[int, ...]]:
         """Logical shapes worth trying: 1D, and 2D (n, m) for every factorization."""

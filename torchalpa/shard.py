@@ -168,7 +168,7 @@ def shard_parallel(model, example_inputs, loss_fn, *, method: ShardParallel, sig
     elif method.logical_mesh_shape:
         shape = tuple(method.logical_mesh_shape)
         mesh_mod.check_world_size(shape)
-    cluster = cluster or default_cluster(world)
+    cluster = cluster or default_cluster(world, measure=True)
     meshes = candidate_meshes(cluster, method, shape, names)
 
     start = time.perf_counter()

@@ -25,13 +25,22 @@ log = logging.getLogger("torchalpa")
 AnyPlan = TypeVar("AnyPlan", Plan, PipelinePlan)
 
 
-def default_cluster(num_devices: int) -> Cluster:
+def default_cluster(num_devices: int, *, measure: bool = False) -> Cluster:
     """The hardware torchalpa assumes when none is given: what this job runs on.
 
     On GPUs ``Cluster.detect()`` (this GPU's model, memory and rates; torchrun's node
-    layout when it covers ``num_devices``, else one node); on CPUs ``local_cpu``.
+    layout when it covers ``num_devices``, else one node). On CPUs ``local_cpu``'s fixed
+    figures, unless ``measure`` is set and a gloo process group of ``num_devices`` > 1 ranks
+    is up: then ``Cluster.measure()`` (flop/s, op cost and all-reduce latency and bandwidth
+    timed on the live group, cached per machine; ``TORCHALPA_CALIBRATE=0`` turns it off).
+    ``measure`` is collective, so only ``auto_parallel`` (where every rank gets here) sets
+    it; planning without ranks stays deterministic.
     """
     if not torch.cuda.is_available():
+        if measure and _gloo_group_of(num_devices):
+            from torchalpa.calibrate import calibration_enabled
+            if calibration_enabled():
+                return Cluster.measure()
         return Cluster.local_cpu(num_devices)
     import os
     world = int(os.environ.get("WORLD_SIZE", 0))
@@ -39,6 +48,13 @@ def default_cluster(num_devices: int) -> Cluster:
     if world == num_devices and local and world % local == 0:
         return Cluster.detect(world // local, local)
     return Cluster.detect(1, num_devices)
+
+
+def _gloo_group_of(num_devices: int) -> bool:
+    """Whether a gloo process group of ``num_devices`` > 1 ranks is up."""
+    import torch.distributed as dist
+    return (num_devices > 1 and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() == num_devices and dist.get_backend() == "gloo")
 
 
 def _count(n: float) -> str:
