@@ -1,6 +1,7 @@
 """The ILP's cost graph: cost vectors on representative nodes, matrices on their edges.
 
-Every op node costs its compute; every edge costs the resharding between the layout the
+Every op node costs its compute (and the all-reduces of its statistics, for a strategy
+that splits a synced dim); every edge costs the resharding between the layout the
 producer writes and the layout the consumer reads; each parameter's gradient pays to
 reach its parameter's layout; the loss pays to become whole on every device. Costs of
 nodes that follow a representative (``passes/simplify.py``) fold onto it, so the ILP only
@@ -22,7 +23,7 @@ from torchalpa.passes.cost import compute_cost, gradient_steps_cost, steps_cost
 from torchalpa.passes.ilp import Edge
 from torchalpa.passes.reshard import plan_reshard
 from torchalpa.passes.simplify import Grouping
-from torchalpa.passes.strategies import Strategy
+from torchalpa.passes.strategies import Strategy, sync_steps
 from torchalpa.placement import Placements, replicated
 
 __all__ = ["ReshardCosts", "CostGraph", "build_cost_graph"]
@@ -96,7 +97,8 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
 
     for node in graph:
         if not node.is_leaf:
-            fold(node.name, np.array([compute_cost(mesh, node, s.shards) for s in S[node.name]]))
+            fold(node.name, np.array([compute_cost(mesh, node, s.shards) + steps_cost(
+                mesh, sync_steps(s, node.outputs[0], mesh.shape)) for s in S[node.name]]))
     # the loss is returned whole, and values for other pipeline stages are sent whole
     R = replicated(mesh.ndim)
     whole = ([graph.outputs.loss] if graph.outputs.loss is not None else []) + \

@@ -31,7 +31,7 @@ from torchalpa.passes.memory import MemoryModel, activation_peak_bytes, model_st
 from torchalpa.passes.reshard import local_bytes, plan_reshard
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.strategies import (Strategy, enumerate_strategies, leaf_strategies,
-                                         replicate_only, splits_over_both_axes)
+                                         replicate_only, splits_over_both_axes, sync_steps)
 from torchalpa.placement import Placements, Shard, format_placements, replicated
 from torchalpa.report import format_bytes
 from torchalpa.plan import (INPUT_SLOT, OUTPUT, Collective, MeshStage, NodeStrategy,
@@ -328,7 +328,7 @@ def _merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
     grads = _gradient_values(graph)
     buckets: list[dict] = []
     open_bucket: dict[int, dict] = {}
-    position = -1                   # plan.collectives lists the reshards' steps in order
+    position = -1                   # plan.collectives lists the reshards' steps first, in order
     for r in plan.reshards:
         for step in r.steps:
             if not step.is_collective:
@@ -345,7 +345,7 @@ def _merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
             bucket["bytes"] += step.bytes
             bucket["tensors"].append(r.producer)
             bucket["collectives"].append(position)
-    assert position == len(plan.collectives) - 1
+    assert position == sum(1 for r in plan.reshards for st in r.steps if st.is_collective) - 1
     assert mesh.alpha is not None  # LogicalMesh.__post_init__ fills it
     # a mesh that prices buckets (gradient_bucket_bytes) already charged each gradient its
     # share of a bucket's latency; Alpa's accounting charged one each, merged here
@@ -563,6 +563,18 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                                             mesh.backend)
         is_gradient = isinstance(r.slot, OutputSlot) and r.slot.kind == "grad"
         comm_time += (gradient_steps_cost if is_gradient else steps_cost)(mesh, r.steps)
+    # then the all-reduces ops make inside themselves (statistics of a split softmax dim),
+    # after every reshard's, so positions of reshard collectives stay as the reshards list them
+    for n in graph.ops():
+        steps = sync_steps(chosen[n.name], n.outputs[0], mesh.shape)
+        for step in steps:
+            collectives.append(Collective(kind=step.kind, axis=step.axis, bytes=step.bytes,
+                                          phase=n.phase, source=n.module, tensor=n.name,
+                                          reduce_op=step.reduce_op))
+            groups = mesh.num_devices // mesh.shape[step.axis]
+            wire += groups * wire_bytes(step.kind, mesh.shape[step.axis], step.bytes,
+                                        mesh.backend)
+        comm_time += steps_cost(mesh, steps)
     compute_time = sum(compute_cost(mesh, n, chosen[n.name].shards) for n in graph.ops())
 
     leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}

@@ -5,6 +5,10 @@ axes of a 2D mesh: Alpa's S01), or none (replicated work), or lets a Partial val
 through one of the rule's linear operand groups. Placements of every operand and result
 follow from the rule; assignments that split a factor unevenly, shard a blocked factor,
 or shard a dim by a minor factor are illegal and dropped.
+
+A rule's ``synced`` factor (a softmax over a split vocabulary) may be split although the
+results depend on all of it: the strategy then lists the all-reduces of the op's per-row
+statistics (``Strategy.syncs``), which ``sync_steps`` turns into priced plan steps.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpNode, TensorSpec
 from torchalpa.passes.rules.registry import FactorNamer, FactorRule
 from torchalpa.placement import Partial, Placements, Replicate, Shard, short
+from torchalpa.plan import ReshardStep
 
 __all__ = ["Strategy", "enumerate_strategies", "replicate_only", "leaf_strategies",
-           "splits_over_both_axes"]
+           "splits_over_both_axes", "sync_steps"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +33,38 @@ class Strategy:
     inputs: tuple[Placements | None, ...]   # None: the operand is read for its shape only
     outputs: tuple[Placements, ...]
     shards: int = 1                          # ways the op's work is divided
+    syncs: tuple[tuple[str, int], ...] = ()  # (reduce op, mesh axis) of each statistic's
+    sync_dim: int | None = None              # all-reduce, in order; the result dim they span
 
     @property
     def name(self) -> str:
         ins = ", ".join("*" if p is None else short(p) for p in self.inputs)
-        return f"({ins}) -> {', '.join(short(p) for p in self.outputs)}"
+        synced = f" syncing dim {self.sync_dim}" if self.syncs else ""
+        return f"({ins}) -> {', '.join(short(p) for p in self.outputs)}{synced}"
+
+
+def sync_steps(s: Strategy, result: TensorSpec, mesh_shape) -> tuple[ReshardStep, ...]:
+    """The all-reduces of ``s``'s statistics (``()`` for most strategies): each statistic
+    has the shape of the first result (``result``) with the synced dim reduced to 1, laid
+    out like it, and is a partial max or sum over the axes that split that dim."""
+    if not s.syncs:
+        return ()
+    assert s.sync_dim is not None
+    shape = list(result.shape)
+    shape[s.sync_dim] = 1
+    stat = TensorSpec(tuple(shape), result.dtype)
+    layout = tuple(Replicate() if isinstance(p, Shard) and p.dim == s.sync_dim else p
+                   for p in s.outputs[0])
+    nbytes = stat.nbytes
+    for axis, p in enumerate(layout):
+        if isinstance(p, Shard):
+            nbytes //= mesh_shape[axis]
+    steps = []
+    for op, axis in s.syncs:
+        src = layout[:axis] + (Partial(op),) + layout[axis + 1:]
+        steps.append(ReshardStep(kind="all_reduce", axis=axis, bytes=nbytes, src=src,
+                                 dst=layout, reduce_op=op))
+    return tuple(steps)
 
 
 def _placement_for(dims, factor: str, size_of: dict[str, int]) -> Shard | None | bool:
@@ -61,7 +93,7 @@ def enumerate_strategies(rule: FactorRule, mesh: LogicalMesh,
     for assignment in itertools.product(choices, repeat=mesh.ndim):
         s = _build(rule, mesh, assignment, size_of, reduction_of)
         if s is not None:
-            strategies.setdefault((s.inputs, s.outputs), s)
+            strategies.setdefault((s.inputs, s.outputs, s.syncs), s)
     result = list(strategies.values())
     if rule.heavy and mesh.num_devices > 1 and not recompute_heavy:
         # Alpa's policy: compute-bound ops are never run redundantly when a split exists.
@@ -77,6 +109,8 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
     outputs = [[None] * mesh.ndim for _ in rule.results]
     split = {}  # factor -> product of axis sizes it is sharded over
     shards = 1
+    synced = dict(rule.synced)
+    sync_axes: dict[str, list[int]] = {}   # synced factor -> the axes that split it
     for axis, choice in enumerate(assignment):
         n = mesh.shape[axis]
         if choice[0] is None or n == 1:
@@ -95,6 +129,8 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
         if size_of[factor] % split[factor]:
             return None
         shards *= n
+        if factor in synced:
+            sync_axes.setdefault(factor, []).append(axis)
         for i, dims in enumerate(rule.operands):
             p = _placement_for(dims, factor, size_of)
             if p is False:
@@ -107,6 +143,8 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
             p = _placement_for(dims, factor, size_of)
             if p is False:
                 return None
+            if p is None and factor in synced:
+                return None  # a synced factor leaves the results it indexes whole
             if p is None:
                 op = reduction_of.get(factor)
                 if j < len(rule.independent) and factor in rule.independent[j]:
@@ -117,7 +155,15 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
                     p = Partial(op)
             outputs[j][axis] = p
     ins = tuple(None if i in rule.ignored else tuple(p) for i, p in enumerate(inputs))
-    return Strategy(inputs=ins, outputs=tuple(tuple(p) for p in outputs), shards=shards)
+    syncs, sync_dim = (), None
+    if sync_axes:
+        if len(sync_axes) > 1:
+            return None  # one synced dim per op: its statistics are reduced in one pass
+        (factor, axes), = sync_axes.items()
+        sync_dim = next(d for d, fs in enumerate(rule.results[0]) if factor in fs)
+        syncs = tuple((op, axis) for op in synced[factor] for axis in axes)
+    return Strategy(inputs=ins, outputs=tuple(tuple(p) for p in outputs), shards=shards,
+                    syncs=syncs, sync_dim=sync_dim)
 
 
 def splits_over_both_axes(s: Strategy, mesh: LogicalMesh) -> bool:

@@ -14,7 +14,8 @@ maps each to a small function that puts in the local sizes:
 - grouped convolutions hold ``groups / k`` whole groups when channels are split k ways,
   and ``convolution_backward``'s ``bias_sizes`` is the local channel count;
 - an embedding table split by rows (the vocabulary) looks up and accumulates gradients
-  for its own rows only, at this rank's row offset (``runtime.vocab``).
+  for its own rows only, at this rank's row offset (``runtime.vocab``), and so do a gather
+  or scatter along a split dim (positions are translated, others' positions skipped).
 
 Device arguments point at this rank's device (the graph may have been captured on
 ``meta``). A random op whose result is sharded becomes a draw of this rank's block from
@@ -151,6 +152,25 @@ def _vocab(c: _Call):
     return V.lookup, [weight, indices, offset, padding, bool(by_freq), bool(sparse)], {}
 
 
+def _addressed(c: _Call):
+    # gather / scatter along a split dim: global positions become this block's, the
+    # positions other blocks own pick zeros (gather) or are not written (scatter)
+    dim = c.args[1]
+    placements = c.strategy.inputs[0]
+    rank = len(c.global_in_shape(0))
+    dim = dim + rank if dim < 0 else dim
+    if not any(isinstance(p, Shard) and p.dim == dim for p in placements or ()):
+        return c.node.target, c.args, c.kwargs
+    assert c.coords is not None, f"localizing {c.node.name} along a split dim needs coords"
+    offset, _ = V.row_offset(c.global_in_shape(0)[dim], dim, placements, c.mesh_shape,
+                             c.coords)
+    if c.node.target is aten.gather.default:
+        sparse = c.args[3] if len(c.args) > 3 else c.kwargs.get("sparse_grad", False)
+        return V.gather_block, [c.args[0], dim, c.args[2], offset, bool(sparse)], {}
+    op = str(c.node.target).removeprefix("aten.")
+    return V.scatter_block, [op, c.args[0], dim, c.args[2], offset, *c.args[3:]], c.kwargs
+
+
 _REWRITES: dict[str, Callable[[_Call], tuple]] = {
     **{op: _shape_arg(1) for op in (
         "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
@@ -171,6 +191,9 @@ _REWRITES: dict[str, Callable[[_Call], tuple]] = {
     "aten.convolution_backward.default": _conv(1, 9),
     "aten.embedding.default": _vocab,
     "aten.embedding_dense_backward.default": _vocab,
+    **{op: _addressed for op in (
+        "aten.gather.default", "aten.scatter.src", "aten.scatter.value",
+        "aten.scatter_add.default", "aten.scatter_reduce.two")},
 }
 
 

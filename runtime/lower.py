@@ -4,8 +4,9 @@ The source graph is the captured joint step ``(params, buffers, inputs) -> (loss
 *buffer updates)`` on global shapes. Lowering rewrites part of it for one rank: every op
 runs on local blocks, with shape arguments localized (``runtime.localize``), and every
 resharding step the plan lists becomes a call in ``runtime.collectives`` right before the
-op that needs it. The result is split into three programs, so it can sit behind
-``loss.backward()`` or a pipeline schedule:
+op that needs it (an op splitting a synced dim, ``runtime.synced``, becomes its local
+phases with the all-reduces of its statistics between them). The result is split into
+three programs, so it can sit behind ``loss.backward()`` or a pipeline schedule:
 
 - ``forward``: the loss, values sent to later stages, buffer updates, and what backward
   needs;
@@ -43,6 +44,7 @@ from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import fuse_gradient_buckets, gradient_buckets
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.overlap import overlap_collectives
+from torchalpa.runtime.synced import run_synced, synced_axes
 
 __all__ = ["LocalProgram", "StageProgram", "GraphSlice", "ValueKey", "lower", "build_programs",
            "producers", "received_name"]
@@ -316,6 +318,14 @@ def _lower_node(n: fx.Node, graph: fx.Graph, emit: _Emitter, lookup, operand_ste
 
     args = tree_map(local_arg, list(n.args))
     kwargs = {k: tree_map(local_arg, v) for k, v in n.kwargs.items()}
+    axes = synced_axes(n, args, strategies[n.name].inputs)
+    if axes:   # a split softmax dim: local phases joined by all-reduces of statistics
+        assert not kwargs, f"{n.name}: a synced op takes positional arguments only"
+        return run_synced(
+            str(n.target), tuple(args), axes,
+            lambda stat, op, axis: graph.call_function(
+                C.all_reduce, (stat, op, emit.group_names[axis])),
+            call=lambda fn, a: graph.call_function(fn, a))
     target, args, kwargs = localize(n, args, kwargs, strategies[n.name], mesh_shape, device,
                                     coords)
     return graph.call_function(target, tuple(args), kwargs)

@@ -13,8 +13,17 @@ nothing there:
   ``scale_grad_by_freq`` still counts each row's own lookups, and ``padding_idx`` is
   translated like an index (-1 when another device owns it).
 
+The same translation serves ``gather`` and ``scatter*`` along a split dim (the target pick
+of a vocab-parallel cross entropy, and its backward's scatter of the target gradient):
+
+- ``gather_block`` picks where this block owns the position and writes zeros elsewhere
+  (a Partial sum of the global gather);
+- ``scatter_block`` writes (or adds, or reduces) only the positions this block owns;
+  the others go to one spare slot past the block, dropped afterwards.
+
 ``runtime.localize`` rewrites ``aten.embedding`` / ``aten.embedding_dense_backward`` calls
-whose table is split into calls of ``lookup`` / ``dense_backward`` with this rank's row
+whose table is split into calls of ``lookup`` / ``dense_backward``, and gathers / scatters
+whose addressed dim is split into ``gather_block`` / ``scatter_block``, with this rank's
 ``offset`` baked in (``row_offset``).
 """
 
@@ -24,7 +33,7 @@ import torch
 
 from torchalpa.placement import Shard
 
-__all__ = ["row_offset", "lookup", "dense_backward"]
+__all__ = ["row_offset", "lookup", "dense_backward", "gather_block", "scatter_block"]
 
 aten = torch.ops.aten
 
@@ -66,3 +75,27 @@ def dense_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, 
     full = aten.embedding_dense_backward.default(grad, local, num_weights + 1, local_padding,
                                                  scale_grad_by_freq)
     return full[:num_weights]
+
+
+def gather_block(block: torch.Tensor, dim: int, index: torch.Tensor, offset: int,
+                 sparse_grad: bool = False) -> torch.Tensor:
+    """``aten.gather`` of global positions from the block ``[offset, offset + size)`` of
+    ``dim``: zeros where another device owns the position (a Partial sum)."""
+    local, owned = _local_indices(index, offset, block.shape[dim], 0)
+    picked = aten.gather.default(block, dim, local, sparse_grad=sparse_grad)
+    return torch.where(owned, picked, torch.zeros_like(picked))
+
+
+def scatter_block(op: str, block: torch.Tensor, dim: int, index: torch.Tensor, offset: int,
+                  *rest, **kwargs) -> torch.Tensor:
+    """``aten.<op>`` (a scatter overload, ``"scatter.value"``) of global positions into the
+    block ``[offset, offset + size)`` of ``dim``: positions owned elsewhere land in a
+    spare slot past the block, which is dropped."""
+    packet, overload = op.split(".")
+    size = block.shape[dim]
+    spare_shape = list(block.shape)
+    spare_shape[dim] = 1
+    padded = torch.cat([block, block.new_zeros(spare_shape)], dim=dim)
+    local, _ = _local_indices(index, offset, size, size)
+    out = getattr(getattr(aten, packet), overload)(padded, dim, local, *rest, **kwargs)
+    return out.narrow(dim, 0, size)

@@ -224,19 +224,31 @@ def bert_matmul_weights(model: BertLayers, k: int) -> list[str]:
 
 
 class TiedEmbedding(nn.Module):
-    """Alpa's test_embedding_2d_mesh: logits = embed(x) @ embed.weight.T."""
+    """Alpa's test_embedding_2d_mesh: logits = embed(x) @ embed.weight.T. ``head``:
+    'matmul' (Alpa's spelling) or 'linear' (an ``nn.Linear`` head whose weight is the
+    embedding's, as GPT-2 ties them)."""
 
-    def __init__(self, vocab, hidden):
+    def __init__(self, vocab, hidden, head="matmul"):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
+        self.head = None
+        if head == "linear":
+            self.head = nn.Linear(hidden, vocab, bias=False)
+            self.head.weight = self.embed.weight
 
     def forward(self, x):
-        return self.embed(x) @ self.embed.weight.T                     # (B, S, V)
+        h = self.embed(x)                                              # (B, S, H)
+        return h @ self.embed.weight.T if self.head is None else self.head(h)   # (B, S, V)
 
 
 def summed_cross_entropy(logits, y):
     """Alpa's loss there: -sum(one_hot(y) * log_softmax(logits))."""
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+def summed_nll_of_log_softmax(logits, y):
+    """The same loss spelled as log_softmax then nll_loss."""
+    return F.nll_loss(F.log_softmax(logits, -1).flatten(0, 1), y.flatten(), reduction="sum")
 
 
 # -- Alpa's conv net: num_layers x (3x3 stride-2 conv, BatchNorm, relu, 2x2 max pool) --------

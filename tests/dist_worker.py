@@ -29,13 +29,13 @@ ALPA_UNIT = lambda n: torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,), beta=(1.0,
 
 
 def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_train_step=False,
-                      **auto_kw):
+                      loss_fn=F.mse_loss, **auto_kw):
     torch.manual_seed(0)
     model = make_model()
     torch.manual_seed(0)
     ref = make_model()
     x, y = batch
-    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
+    pm = torchalpa.auto_parallel(model, (x, y), loss_fn,
                                  optimizer=(lambda ps: torch.optim.Adam(ps, lr=lr)), **auto_kw)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=lr)
     # what a step issues: the plan's collectives, gradient all-reduces merged into buckets
@@ -49,7 +49,9 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
            "lookups": [[str(q) for q in s.inputs[0]] for s in pm.plan.strategies
                        if s.node.startswith("embedding") and "backward" not in s.node],
            "products": [[str(q) for q in s.outputs[0]] for s in pm.plan.strategies
-                        if s.node.startswith("batched_matmul")]}
+                        if s.node.startswith("batched_matmul")],
+           "synced": sorted([c.tensor, c.reduce_op, c.axis] for c in pm.plan.collectives
+                            if c.tensor.startswith("_log_softmax"))}
     for _ in range(steps):
         with CollectiveCounter.for_mesh(pm.mesh) as counter:
             if use_train_step:
@@ -58,7 +60,7 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
                 loss = pm(x, y)
                 (loss * scale).backward()
         out["executed"].append(sorted([r.kind, r.axis, r.bytes] for r in counter.records))
-        ref_loss = F.mse_loss(ref(x), y)
+        ref_loss = loss_fn(ref(x), y)
         (ref_loss * scale).backward()
         if not use_train_step:   # gradients, compared before the optimizer touches them
             rel = [((p.grad.full_tensor() - q.grad).abs().max() / q.grad.abs().max()).item()
@@ -130,6 +132,29 @@ def main():
             method=method,
             cluster=torchalpa.LogicalMesh(shape=(2, 2), alpha=(1.0, 1.0), beta=(1.0, 0.1))),
             results)
+    if "vocab_parallel_loss" in which and n == 4:   # Megatron's vocab-parallel cross entropy
+        class TiedLM(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = torch.nn.Embedding(64, 16)
+                self.mix = torch.nn.Linear(16, 16)
+
+            def forward(self, x):                          # (B, S) -> logits (B, S, 64)
+                return torch.tanh(self.mix(self.embed(x))) @ self.embed.weight.T
+
+        def cross_entropy(logits, y):
+            return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+        gen = torch.Generator().manual_seed(4)
+        tokens, targets = (torch.randint(0, 64, (8, 6), generator=gen) for _ in range(2))
+        # Alpa's 2D search space: the batch on axis 0, the vocabulary on axis 1
+        pin = (("embed.weight", (torchalpa.Replicate(), torchalpa.Shard(0))),)
+        option = torchalpa.AutoShardingOption(pin=pin, force_batch_dim_to_mesh_dim=0,
+                                              allow_mixed_mesh_shape=False)
+        scenario("vocab_parallel_loss", lambda: train_and_compare(
+            TiedLM, (tokens, targets), loss_fn=cross_entropy,
+            method=torchalpa.ShardParallel(logical_mesh_shape=(2, 2), auto_sharding_option=option),
+            cluster=torchalpa.LogicalMesh(shape=(2, 2))), results)
     if "attention_heads" in which:   # attention written with matmuls, split by heads
         class HeadAttention(torch.nn.Module):
             def __init__(self, hidden=32, heads=4):

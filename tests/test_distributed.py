@@ -11,7 +11,7 @@ import pytest
 import worker_io
 
 SCENARIOS_4 = ("megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,vocab_parallel,"
-               "attention_heads,zero3,odd_batch,bad_input_shape")
+               "vocab_parallel_loss,attention_heads,zero3,odd_batch,bad_input_shape")
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
 
@@ -93,6 +93,20 @@ def test_vocab_parallel_embedding_looks_up_its_own_rows(four_ranks):
     assert r["placements"]["embed.weight"] == ["R", "S(0)"]
     assert r["lookups"] == [["R", "S(0)"]]
     assert ["all_gather", 1, 64 * 16 * 4 // 2] not in r["predicted"]
+
+
+def test_vocab_parallel_cross_entropy_keeps_logits_split(four_ranks):
+    """Logits of a vocabulary-split tied head stay split through log-softmax: its row max
+    and sum of exponentials are all-reduced over the vocabulary axis (and the row sum of
+    the incoming gradient in backward), never the logits themselves; training matches one
+    device (checked with every scenario)."""
+    r = four_ranks["vocab_parallel_loss"]
+    assert r["placements"]["embed.weight"] == ["R", "S(0)"]
+    rows = 8 * 6 // 2          # the batch is split over axis 0
+    assert r["synced"] == [["_log_softmax", "max", 1], ["_log_softmax", "sum", 1],
+                           ["_log_softmax_backward_data", "sum", 1]]
+    assert ["all_reduce", 1, rows * 4] in r["predicted"]
+    assert not any(c[0] == "all_gather" and c[2] >= rows * 64 * 4 // 2 for c in r["predicted"])
 
 
 def test_attention_written_with_matmuls_splits_heads(four_ranks):

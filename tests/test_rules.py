@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import threading
 from dataclasses import replace
 from unittest import mock
 
@@ -38,6 +39,7 @@ from torchalpa.passes.strategies import enumerate_strategies
 from torchalpa.placement import Replicate, Shard
 from torchalpa.plan import NodeStrategy
 from torchalpa.runtime.localize import localize
+from torchalpa.runtime.synced import run_synced, synced_axes
 
 MESHES = [(2,), (4,), (2, 2)]
 SEED = 1234
@@ -82,10 +84,55 @@ def _call(target, args, kwargs):
     return out
 
 
+class _SimulatedAllReduce:
+    """All-reduces between simulated ranks running in threads, one thread per mesh
+    coordinate: each call waits for every rank's contribution, then reduces over the ranks
+    that differ from the caller only along ``axis``."""
+
+    def __init__(self, mesh_shape):
+        self.coords = coords_of(mesh_shape)
+        self.barrier = threading.Barrier(len(self.coords))
+        self.posted: dict = {}
+
+    def __call__(self, coord, t, op, axis):
+        self.posted[coord] = t
+        self.barrier.wait()
+        peers = [self.posted[c] for c in self.coords
+                 if c[:axis] + c[axis + 1:] == coord[:axis] + coord[axis + 1:]]
+        out = functools.reduce(torch.maximum if op == "max" else torch.add, peers)
+        self.barrier.wait()   # everyone has read before the next call posts
+        return out
+
+
+def _run_synced(node_fx, strategy, mesh_shape, local_args, axes):
+    """A synced op's phases (``runtime.synced``) on every rank at once, the statistics'
+    all-reduces simulated across the ranks."""
+    all_reduce = _SimulatedAllReduce(mesh_shape)
+    outs, errors = {}, []
+
+    def rank(coord):
+        try:
+            outs[coord] = (run_synced(str(node_fx.target), local_args[coord], axes,
+                                      lambda t, op, axis: all_reduce(coord, t, op, axis)),)
+        except Exception as e:   # noqa: BLE001  (re-raised in the caller's thread)
+            errors.append(e)
+            all_reduce.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(c,)) for c in local_args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return outs
+
+
 def _run_op_sharded(node_fx, op_node, values, strategy, mesh_shape):
     """Run one fx node on every rank's blocks and combine its results."""
     ns = NodeStrategy(op_node.name, strategy.inputs, strategy.outputs)
     outs = {}
+    synced_args = {}
     for coord in coords_of(mesh_shape):
         slot = iter(range(len(op_node.operands)))
 
@@ -98,9 +145,15 @@ def _run_op_sharded(node_fx, op_node, values, strategy, mesh_shape):
 
         args = torch.utils._pytree.tree_map(local, list(node_fx.args))
         kwargs = {k: torch.utils._pytree.tree_map(local, v) for k, v in node_fx.kwargs.items()}
+        axes = synced_axes(node_fx, args, strategy.inputs)
+        if axes:
+            synced_args[coord] = tuple(args)
+            continue
         target, args, kwargs = localize(node_fx, args, kwargs, ns, mesh_shape, torch.device("cpu"),
                                         coord)
         outs[coord] = _call(target, args, kwargs)
+    if synced_args:
+        outs = _run_synced(node_fx, strategy, mesh_shape, synced_args, axes)
     return [None if outs[coords_of(mesh_shape)[0]][i] is None else
             combine({c: o[i] for c, o in outs.items()}, strategy.outputs[i], mesh_shape)
             for i in range(len(strategy.outputs))]
@@ -200,7 +253,6 @@ def _unblocked(target):
 
 @pytest.mark.parametrize("name, op", [
     ("softmax", "aten._softmax.default"),
-    ("log_softmax", "aten._log_softmax_backward_data.default"),
     ("conv2d", "aten.convolution.default"),
     ("slice_select", "aten.slice.Tensor"),
     ("flash_attention", "aten._scaled_dot_product_flash_attention_for_cpu.default"),
@@ -216,6 +268,64 @@ def test_harness_catches_a_factor_that_must_stay_whole(name, op):
     (gm, nodes), args = traced(name)
     with pytest.raises(AssertionError, match=op.replace(".", r"\.")):
         check_all_strategies(gm, nodes, args, transform=_unblocked(op))
+
+
+@pytest.mark.parametrize("op", ["aten._log_softmax.default",
+                                "aten._log_softmax_backward_data.default"])
+def test_harness_catches_a_split_softmax_without_its_all_reduces(op):
+    """Log-softmax split along its dim is right only with its statistics all-reduced
+    (``runtime.synced``): run on blocks alone, it normalizes each block by itself."""
+    from torchalpa.runtime import synced as S
+    (gm, nodes), args = traced("log_softmax")
+    with mock.patch.dict(S.SYNCED):
+        del S.SYNCED[op]
+        with pytest.raises(AssertionError, match=op.replace(".", r"\.")):
+            check_all_strategies(gm, nodes, args)
+
+
+def test_synced_rules_and_runtime_agree():
+    """The statistics a rule prices are those the runtime all-reduces, in order."""
+    from torchalpa.runtime.synced import SYNCED
+    (gm, nodes), _ = traced("log_softmax")
+    seen = set()
+    for node in nodes.values():
+        if node.op in SYNCED:
+            specs = [nodes[r.node].outputs[r.index] for r in node.operands]
+            (_, ops), = RULES[node.op](node, specs).synced
+            assert ops == SYNCED[node.op].reduce_ops, node.op
+            seen.add(node.op)
+    assert seen == set(SYNCED)
+
+
+def test_log_softmax_splits_its_dim_with_synced_statistics():
+    """The split dim's strategies all-reduce a max then a sum forward, a sum backward."""
+    mesh = LogicalMesh(shape=(2, 2))
+    (gm, nodes), _ = traced("log_softmax")
+    found = {}
+    for node in nodes.values():
+        if node.op in ("aten._log_softmax.default", "aten._log_softmax_backward_data.default"):
+            specs = [nodes[r.node].outputs[r.index] for r in node.operands]
+            for s in enumerate_strategies(RULES[node.op](node, specs), mesh):
+                found.setdefault(node.op, {})[s.name] = s.syncs
+    forward = found["aten._log_softmax.default"]
+    assert forward["(RS(1)) -> RS(1) syncing dim 1"] == (("max", 1), ("sum", 1))
+    assert forward["(S(1)S(1)) -> S(1)S(1) syncing dim 1"] == (
+        ("max", 0), ("max", 1), ("sum", 0), ("sum", 1))
+    assert forward["(S(0)R) -> S(0)R"] == ()
+    backward = found["aten._log_softmax_backward_data.default"]
+    assert backward["(S(1)R, S(1)R) -> S(1)R syncing dim 1"] == (("sum", 0),)
+
+
+def test_harness_catches_a_split_gather_without_offsets():
+    """A gather or scatter along a split dim must translate positions to its block
+    (``runtime.vocab``); on global positions it picks or writes the wrong ones."""
+    from torchalpa.runtime import localize as L
+    (gm, nodes), args = traced("gather_scatter")
+    for op in ("aten.gather.default", "aten.scatter.value"):
+        rewrites = {k: v for k, v in L._REWRITES.items() if k != op}
+        with mock.patch.object(L, "_REWRITES", rewrites), \
+                pytest.raises(AssertionError, match=op.replace(".", r"\.")):
+            check_all_strategies(gm, nodes, args)
 
 
 def test_harness_catches_a_missing_accumulator():

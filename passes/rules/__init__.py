@@ -21,6 +21,14 @@ Two optional refinements cover ops that are not pure einsums:
 - ``random``: the op draws random numbers (``rules/random.py``): each block of a sharded
   result is its own draw. ``AutoShardingOption(random="replicated")`` blocks every factor
   of such ops, for single-device numerics.
+- ``synced``: factors the op may split although every result element depends on all of
+  them, by computing per-row statistics in phases joined by all-reduces (Megatron's
+  vocab-parallel softmax: the local max, all-reduced with max; the local sum of
+  exponentials, all-reduced with sum). Each entry names the factor and the reduce op of
+  each statistic, in order; a strategy splitting that factor over mesh axes lists those
+  all-reduces (``Strategy.syncs``), the cost model prices them and the runtime issues them
+  (``runtime/synced.py``). A statistic has the shape of the op's first result with that
+  factor's dim reduced to 1.
 
 A rule describes an op whose results are positional: one entry per output the op's schema
 returns, ``None`` outputs included, so ``results[i]`` matches ``getitem(op, i)``.

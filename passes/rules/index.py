@@ -1,8 +1,13 @@
 """Ops driven by index tensors (gather, scatter, index_select, advanced indexing,
 index_put, index_add) and by order (topk, sort).
 
-Index values are global positions along the dim they address, so that dim of the indexed
-tensor is blocked: a device holding a block of it would read or write the wrong rows. The
+Index values are global positions along the dim they address. ``gather`` and ``scatter*``
+may still split that dim of the indexed tensor (Megatron's vocab-parallel cross entropy
+picks each row's target log-probability from vocabulary-split logits): a device holding
+a block translates the global positions with its block's offset and touches only the
+positions it owns (``runtime/vocab.py``), so a gather leaves a Partial sum (zeros where
+another device owns the position) and a scatter writes its own block. For the other ops
+that dim is blocked: a device holding a block of it would read or write the wrong rows. The
 index tensor's own dims shard freely: each device gathers (or scatters) its share of the
 positions from a whole copy of the addressed dim. Scattering *adds* (scatter_add,
 index_put with ``accumulate=True``, index_add) over a sharded index dim leave a Partial
@@ -34,15 +39,18 @@ def gather(node, specs):
     dim = normalize_dim(arg(node, 1, "dim"), max(len(shape), 1))
     f = FactorNamer()
     self_dims, index_dims = [], []
+    addressed = ()
     for d, (s, i) in enumerate(zip(shape, index)):
         if d == dim:
-            self_dims.append((f.new(s, blocked=True),) if s != 1 else ())
+            addressed = (f.new(s),) if s != 1 else ()   # split: each device picks its own
+            self_dims.append(addressed)
             index_dims.append((f.new(i),) if i != 1 else ())
         else:
             a, b = _shared_or_blocked(f, [s, i])
             self_dims.append(a)
             index_dims.append(b)
     return f.rule([tuple(self_dims), tuple(index_dims)], [tuple(index_dims)],
+                  reductions=tuple((fac, "sum") for fac in addressed),
                   linear=(frozenset({0}),))
 
 
@@ -63,7 +71,7 @@ def scatter(node, specs):
     self_dims, index_dims, src_dims = [], [], []
     for d, s in enumerate(shape):
         if d == dim:
-            self_dims.append((f.new(s, blocked=True),) if s != 1 else ())
+            self_dims.append((f.new(s),) if s != 1 else ())   # split: each writes its own
             if adds:
                 a, b = _shared_or_blocked(f, [index[d], src[d]])
             else:  # overwriting: which device's write wins is not a sum

@@ -35,6 +35,7 @@ class FactorRule:
     accumulators: frozenset = frozenset()          # operands added into: Partial, not Replicate
     independent: tuple[frozenset, ...] = ()        # per result: factors it does not depend on
     random: bool = False                           # results are random draws, per block
+    synced: tuple[tuple[str, tuple[str, ...]], ...] = ()   # factor -> its statistics' reductions
 
     @property
     def size_of(self) -> dict[str, int]:
