@@ -90,8 +90,8 @@ def _run_graph(graph, leaves: dict[str, torch.Tensor]):
         args = sub(node.args)
         kwargs = {k: getattr(torch, v.removeprefix("torch.")) if k == "dtype" else v
                   for k, v in node.kwargs}
-        packet, overload = node.op.split(".")[1:]
-        fn = getattr(getattr(torch.ops.aten, packet), overload)
+        namespace, packet, overload = node.op.split(".")
+        fn = getattr(getattr(getattr(torch.ops, namespace), packet), overload)
         if node.op == "aten.full.default":
             kwargs["dtype"] = getattr(torch, node.output.dtype)
         values[node.name] = fn(*args, **kwargs)
@@ -107,7 +107,7 @@ def test_graph_computes_what_jax_computes():
     graph = from_stablehlo(lowered.text, param_names=lowered.param_names,
                            input_names=lowered.input_names)
     ops = {n.op for n in graph.ops()}
-    assert {"aten.bmm.default", "aten.mm.default", "aten.amax.default",
+    assert {"torchalpa.batched_matmul.default", "aten.mm.default", "aten.amax.default",
             "aten.sum.dim_IntList", "aten.permute.default"} <= ops
     assert not [n.op for n in graph.ops() if rule_for(n, graph) is None]
     leaves = {name: torch.from_numpy(np.array(v)) for name, v in zip(
@@ -119,6 +119,50 @@ def test_graph_computes_what_jax_computes():
     for name, g in zip(lowered.param_names, jax.tree_util.tree_leaves(ref_grads)):
         np.testing.assert_allclose(grads[name].numpy(), np.asarray(g), rtol=1e-4, atol=1e-6,
                                    err_msg=name)
+
+
+def _merged_heads_loss(params, x):
+    """Attention as torch-mlir writes it: heads merged into the batch (B * H) around each
+    product, grouped-query k/v repeated, the output projection a broadcast weight."""
+    B, T, C = x.shape
+    H, Hkv, D = 4, 2, C // 4
+    q = (x @ params["wq"]).reshape(B, T, H, D).transpose(0, 2, 1, 3)         # (B, H, T, D)
+    k = (x @ params["wk"]).reshape(B, T, Hkv, D).transpose(0, 2, 1, 3)       # (B, Hkv, T, D)
+    k = jnp.broadcast_to(k[:, :, None], (B, Hkv, H // Hkv, T, D)).reshape(B, H, T, D)
+    s = jnp.matmul(q.reshape(B * H, T, D), k.reshape(B * H, T, D).transpose(0, 2, 1))
+    p = jax.nn.softmax(s.reshape(B, H, T, T), axis=-1)                       # (B, H, T, T)
+    y = jnp.matmul(p.reshape(B * H, T, T), q.reshape(B * H, T, D)).reshape(B, H, T, D)
+    y = y.transpose(0, 2, 1, 3).reshape(B, T, C)
+    out = jnp.matmul(y, jnp.broadcast_to(params["wo"], (B, C, C)))          # (B, T, C)
+    return jnp.mean(out ** 2)
+
+
+def test_merged_head_products_read_as_batched_matmul():
+    """Products over a merged B * H dim (and grouped-query k) read as
+    torchalpa::batched_matmul on (B, H, ...), so heads can shard as in the ATen plan; a
+    broadcast weight's product and its gradient's batch sum read as mm; the graph still
+    computes JAX's loss and gradients."""
+    rng = np.random.default_rng(0)
+    params = {n: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for n, s in
+              (("wq", (16, 16)), ("wk", (16, 8)), ("wo", (16, 16)))}
+    x = jnp.asarray(rng.normal(size=(2, 4, 16)), jnp.float32)
+    lowered = lower_jax(_merged_heads_loss, (params, x))
+    graph = from_stablehlo(lowered.text, param_names=lowered.param_names,
+                           input_names=lowered.input_names)
+    products = [n for n in graph.ops() if n.op == "torchalpa.batched_matmul.default"]
+    assert len(products) == 6                       # 2 forward, 4 in backward
+    for n in products:
+        assert [graph.spec(r).shape[:2] for r in n.operands] == [(2, 4), (2, 4)], n
+    assert not [n for n in graph.ops() if n.op == "aten.bmm.default"]
+    leaves = {"params.wk": params["wk"], "params.wo": params["wo"], "params.wq": params["wq"],
+              "x": x}
+    loss, grads = _run_graph(graph, {k: torch.from_numpy(np.array(v)) for k, v in
+                                     leaves.items()})
+    ref_loss, ref_grads = jax.value_and_grad(_merged_heads_loss)(params, x)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    for name, g in ref_grads.items():
+        np.testing.assert_allclose(grads[f"params.{name}"].numpy(), np.asarray(g),
+                                   rtol=1e-4, atol=1e-6, err_msg=name)
 
 
 def test_plan_a_jax_step():
