@@ -52,6 +52,7 @@ from typing import Sequence
 
 from torchalpa.frontends.hlo_dot import emit_batch_sum, emit_dot
 from torchalpa.frontends.hlo_fusion import fuse_elementwise_bytes
+from torchalpa.frontends.hlo_sums import sum_products_first
 from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, Operand, TensorSpec, ValueRef
 
 __all__ = ["from_stablehlo", "parse_module", "StableHLOError", "ELEMENTWISE"]
@@ -332,7 +333,7 @@ class _Reader:
                          is_grad=n.name in grad_nodes and n.kind == "op")
                  for n in self.nodes if n.is_leaf or n.name in live]
         outputs = GraphOutputs(loss=loss, grads=tuple(grads))
-        graph = OpGraph(fuse_elementwise_bytes(nodes, outputs), outputs,
+        graph = OpGraph(fuse_elementwise_bytes(sum_products_first(nodes), outputs), outputs,
                         meta={"frontend": "stablehlo"})
         graph.check()
         return graph

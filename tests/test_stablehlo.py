@@ -165,6 +165,28 @@ def test_merged_head_products_read_as_batched_matmul():
                                    rtol=1e-4, atol=1e-6, err_msg=name)
 
 
+def test_products_are_summed_before_the_residual():
+    """``(r + x @ w1) + x @ w2`` reads as ``r + (x @ w1 + x @ w2)``: two partial sums are
+    added before anything replicated joins them (one reduction, as autograd's order gives
+    the ATen plan), and the graph still computes JAX's loss."""
+    def loss(params, x):
+        return jnp.sum(jnp.tanh((jnp.tanh(x) + x @ params["w1"]) + x @ params["w2"]))
+    params = {"w1": jnp.full((8, 8), 0.1), "w2": jnp.full((8, 8), -0.2)}
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, 8)), jnp.float32)
+    lowered = lower_jax(loss, (params, x))
+    graph = from_stablehlo(lowered.text, param_names=lowered.param_names,
+                           input_names=lowered.input_names)
+    by_name = {n.name: n for n in graph}
+    forward_adds = [n for n in graph.ops() if n.op == "aten.add.Tensor"
+                    and n.phase == "forward"]
+    assert [[by_name[r.node].op for r in n.operands] for n in forward_adds] == [
+        ["aten.mm.default", "aten.mm.default"], ["aten.tanh.default", "aten.add.Tensor"]]
+    got, _ = _run_graph(graph, {"params.w1": torch.from_numpy(np.array(params["w1"])),
+                                "params.w2": torch.from_numpy(np.array(params["w2"])),
+                                "x": torch.from_numpy(np.array(x))})
+    assert float(got) == pytest.approx(float(loss(params, x)), rel=1e-5)
+
+
 def test_plan_a_jax_step():
     params, x, y = _block_example()
     plan = torchalpa.plan(_block_loss, (params, x, y), cluster=Cluster.local_cpu(2))
