@@ -66,7 +66,7 @@ def emit_dot(reader: _Emitter, refs: Sequence[ValueRef], dims: dict[str, list[in
     rf = [d for d in range(len(rs)) if d not in rb + rc]
     m, k, n = (math.prod(ls[d] for d in lf), math.prod(ls[d] for d in lc),
                math.prod(rs[d] for d in rf))
-    batch = tuple(ls[d] for d in lb)
+    batch: tuple[int, ...] = tuple(ls[d] for d in lb)
     flops = 2.0 * math.prod(batch) * m * k * n
     if len(batch) > 1:                             # one dim per batch dim
         a = reader.view(reader.permute(lhs, lb + lf + lc, source, stack), batch + (m, k),
@@ -83,9 +83,9 @@ def emit_dot(reader: _Emitter, refs: Sequence[ValueRef], dims: dict[str, list[in
         op = "aten.bmm.default" if lb else "aten.mm.default"
         matrix = _unbatched(reader, w, source, stack) if lb else None
         if matrix is not None:                      # x (B, M, K) @ a broadcast weight
-            rows = reader.view(a, (batch[0] * m, k), source, stack)
+            rows = reader.view(a, (math.prod(batch) * m, k), source, stack)
             ref = reader.emit("aten.mm.default", [rows, matrix],
-                              TensorSpec((batch[0] * m, n), out.dtype),
+                              TensorSpec((math.prod(batch) * m, n), out.dtype),
                               (Operand(0), Operand(1)), source=source, stack=stack, flops=flops)
             return reader.view(ref, out.shape, source, stack)
         if lb:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from torchalpa.frontends.hlo_dot import emit_batch_sum, emit_dot
@@ -55,7 +55,7 @@ from torchalpa.frontends.hlo_fusion import fuse_elementwise_bytes
 from torchalpa.frontends.hlo_sums import sum_products_first
 from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, Operand, TensorSpec, ValueRef
 
-__all__ = ["from_stablehlo", "parse_module", "StableHLOError", "ELEMENTWISE"]
+__all__ = ["from_stablehlo", "read_program", "ReadProgram", "parse_module", "StableHLOError", "ELEMENTWISE"]
 
 
 class StableHLOError(ValueError):
@@ -128,6 +128,35 @@ def from_stablehlo(text: str, *, num_params: int | None = None,
     module, context = parse_module(text)
     with context:
         return _Reader(module).graph(num_params, param_names, input_names)
+
+
+@dataclass(frozen=True)
+class ReadProgram:
+    """A StableHLO step read as an OpGraph, with the way back from the graph to the text:
+    ``values`` maps a graph value to the MLIR value it stands for (where one does: views
+    the reader inserts stand for none), ``ops`` a node to the MLIR op it was read from.
+    Used to annotate the program with a plan made from it (``torchalpa/hlo_annotate.py``);
+    ``module`` lives in ``context``."""
+
+    graph: OpGraph
+    module: object
+    context: object
+    values: dict
+    ops: dict
+
+
+def read_program(text: str, *, num_params: int | None = None,
+                 param_names: Sequence[str] | None = None,
+                 input_names: Sequence[str] | None = None) -> ReadProgram:
+    """``from_stablehlo`` that keeps the parsed module and the graph-to-MLIR maps."""
+    module, context = parse_module(text)
+    with context:
+        reader = _Reader(module)
+        graph = reader.graph(num_params, param_names, input_names)
+    values: dict = {}
+    for value, ref in reader.refs.items():
+        values.setdefault(ref, value)
+    return ReadProgram(graph, module, context, values, dict(reader.op_of))
 
 
 # -- attribute text -------------------------------------------------------------------
@@ -225,6 +254,8 @@ class _Reader:
         self.refs: dict = {}          # ir.Value -> ValueRef
         self.constants: dict = {}     # value made by a constant (or its broadcast) -> fill
         self.count = 0
+        self.op_of: dict[str, object] = {}   # node name -> the MLIR op it was read from
+        self._reading = None                  # the MLIR op being read
 
     # -- emitting ------------------------------------------------------------------------
     def _name(self, what: str) -> str:
@@ -250,6 +281,8 @@ class _Reader:
     def add(self, node: OpNode) -> None:
         self.nodes.append(node)
         self.by_name[node.name] = node
+        if self._reading is not None:
+            self.op_of[node.name] = self._reading
 
     def spec(self, ref: ValueRef) -> TensorSpec:
         return self.by_name[ref.node].outputs[ref.index]
@@ -348,6 +381,7 @@ class _Reader:
         raise StableHLOError("a function body without a return")
 
     def _op(self, op) -> None:
+        self._reading = op
         name = op.name
         where, stack = _location(op)
         source = f"{name} {where}".strip()
