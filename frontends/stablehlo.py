@@ -12,16 +12,18 @@ Every StableHLO op becomes ops of the ATen vocabulary the torch frontend produce
 two frontends share one set of sharding rules (``passes/rules``) and one cost model:
 
 - elementwise ops, ``compare``, ``select``, ``convert`` -> their ATen pointwise op;
-- ``transpose`` -> ``aten.permute``, ``reshape`` -> ``aten.reshape`` (as a view: no bytes moved);
+- ``transpose`` -> ``aten.permute``, ``reshape`` -> ``aten.reshape`` (as a view: no bytes moved;
+  a reshape of a reshape is one);
 - ``broadcast_in_dim`` -> ``aten.permute``/``aten.reshape`` (insert the new unit dims) then
   ``aten.expand``;
 - ``constant`` -> ``aten.full`` (its splat value, ``nan`` for other constants); shape ops
   and casts of a constant stay constants; a constant operand of an elementwise op becomes
   a 0-d ``aten.full`` that broadcasts, as ATen's ``scalar_tensor``; arithmetic on
   constants is folded, and ``x * 1``, ``x / 1``, ``x ** 1``, ``x + 0``, ``x - 0`` are ``x``;
-- ``dot_general`` -> ``aten.mm`` (no batch dims) or ``aten.bmm``, with the permutes and
-  views that bring its operands to (batch, rows, contracted) x (batch, contracted, cols),
-  as ``torch.matmul`` does for N-d tensors;
+- ``dot_general`` -> ``aten.mm`` (no batch dims), ``aten.bmm`` (one) or
+  ``torchalpa::batched_matmul`` (several, or one that merges several: attention's
+  ``B * H``), with the permutes and views that bring its operands to (batch, rows,
+  contracted) x (batch, contracted, cols), as ``torch.matmul`` does (``frontends/hlo_dot.py``);
 - ``reduce`` whose body is an add / max / min / and / or -> ``aten.sum.dim_IntList`` /
   ``aten.amax`` / ``aten.amin`` / ``aten.all`` / ``aten.any`` (the init value is taken to be
   the identity, as JAX and torch-mlir write it);
@@ -45,13 +47,15 @@ from __future__ import annotations
 
 import re
 import struct
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
+from torchalpa.frontends.hlo_dot import emit_batch_sum, emit_dot
 from torchalpa.frontends.hlo_fusion import fuse_elementwise_bytes
+from torchalpa.frontends.hlo_sums import sum_products_first
 from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, Operand, TensorSpec, ValueRef
 
-__all__ = ["from_stablehlo", "parse_module", "StableHLOError", "ELEMENTWISE"]
+__all__ = ["from_stablehlo", "read_program", "ReadProgram", "parse_module", "StableHLOError", "ELEMENTWISE"]
 
 
 class StableHLOError(ValueError):
@@ -124,6 +128,35 @@ def from_stablehlo(text: str, *, num_params: int | None = None,
     module, context = parse_module(text)
     with context:
         return _Reader(module).graph(num_params, param_names, input_names)
+
+
+@dataclass(frozen=True)
+class ReadProgram:
+    """A StableHLO step read as an OpGraph, with the way back from the graph to the text:
+    ``values`` maps a graph value to the MLIR value it stands for (where one does: views
+    the reader inserts stand for none), ``ops`` a node to the MLIR op it was read from.
+    Used to annotate the program with a plan made from it (``torchalpa/hlo_annotate.py``);
+    ``module`` lives in ``context``."""
+
+    graph: OpGraph
+    module: object
+    context: object
+    values: dict
+    ops: dict
+
+
+def read_program(text: str, *, num_params: int | None = None,
+                 param_names: Sequence[str] | None = None,
+                 input_names: Sequence[str] | None = None) -> ReadProgram:
+    """``from_stablehlo`` that keeps the parsed module and the graph-to-MLIR maps."""
+    module, context = parse_module(text)
+    with context:
+        reader = _Reader(module)
+        graph = reader.graph(num_params, param_names, input_names)
+    values: dict = {}
+    for value, ref in reader.refs.items():
+        values.setdefault(ref, value)
+    return ReadProgram(graph, module, context, values, dict(reader.op_of))
 
 
 # -- attribute text -------------------------------------------------------------------
@@ -221,6 +254,8 @@ class _Reader:
         self.refs: dict = {}          # ir.Value -> ValueRef
         self.constants: dict = {}     # value made by a constant (or its broadcast) -> fill
         self.count = 0
+        self.op_of: dict[str, object] = {}   # node name -> the MLIR op it was read from
+        self._reading = None                  # the MLIR op being read
 
     # -- emitting ------------------------------------------------------------------------
     def _name(self, what: str) -> str:
@@ -246,6 +281,8 @@ class _Reader:
     def add(self, node: OpNode) -> None:
         self.nodes.append(node)
         self.by_name[node.name] = node
+        if self._reading is not None:
+            self.op_of[node.name] = self._reading
 
     def spec(self, ref: ValueRef) -> TensorSpec:
         return self.by_name[ref.node].outputs[ref.index]
@@ -329,7 +366,7 @@ class _Reader:
                          is_grad=n.name in grad_nodes and n.kind == "op")
                  for n in self.nodes if n.is_leaf or n.name in live]
         outputs = GraphOutputs(loss=loss, grads=tuple(grads))
-        graph = OpGraph(fuse_elementwise_bytes(nodes, outputs), outputs,
+        graph = OpGraph(fuse_elementwise_bytes(sum_products_first(nodes), outputs), outputs,
                         meta={"frontend": "stablehlo"})
         graph.check()
         return graph
@@ -344,6 +381,7 @@ class _Reader:
         raise StableHLOError("a function body without a return")
 
     def _op(self, op) -> None:
+        self._reading = op
         name = op.name
         where, stack = _location(op)
         source = f"{name} {where}".strip()
@@ -423,18 +461,24 @@ class _Reader:
                                  (("dtype", f"torch.{outs[0].dtype}"),), source=source,
                                  stack=stack))
         elif name == "stablehlo.reshape":
-            set_result(self._view(refs[0], outs[0].shape, source, stack))
+            set_result(self.view(refs[0], outs[0].shape, source, stack))
         elif name == "stablehlo.transpose":
             perm = _ints(str(op.attributes["permutation"]))
-            set_result(self._permute(refs[0], perm, source, stack))
+            set_result(self.permute(refs[0], perm, source, stack))
         elif name == "stablehlo.broadcast_in_dim":
             dims = _ints(str(op.attributes["broadcast_dimensions"]))
             set_result(self._broadcast(refs[0], dims, outs[0].shape, source, stack))
         elif name == "stablehlo.dot_general":
-            set_result(self._dot(refs, _dot_dims(str(op.attributes["dot_dimension_numbers"])),
-                                 outs[0], source, stack))
+            set_result(emit_dot(self, refs,
+                                _dot_dims(str(op.attributes["dot_dimension_numbers"])),
+                                outs[0], source, stack))
         elif name == "stablehlo.reduce" and len(ins) == 2 and self._reduce_body(op) in _REDUCE:
             dims = _ints(str(op.attributes["dimensions"]))
+            summed = emit_batch_sum(self, refs[0], dims, source, stack) \
+                if _REDUCE[self._reduce_body(op)] == "aten.sum.dim_IntList" else None
+            if summed is not None:
+                set_result(summed)
+                return
             set_result(self.emit(_REDUCE[self._reduce_body(op)], refs[:1], outs[0],
                                  (Operand(0), tuple(dims), False), source=source, stack=stack))
         elif name == "stablehlo.slice" and (sliced := self._one_dim_slice(op, refs[0])):
@@ -474,7 +518,7 @@ class _Reader:
         if index_vector_dim == len(shape):
             return ref
         if index_vector_dim == len(shape) - 1 and shape[-1] == 1:
-            return self._view(ref, shape[:-1], source, stack)
+            return self.view(ref, shape[:-1], source, stack)
         return None
 
     def _embedding_lookup(self, op, refs):
@@ -532,14 +576,19 @@ class _Reader:
         return d, starts[d], limits[d], strides[d]
 
     # -- shape ops in ATen terms -----------------------------------------------------------
-    def _view(self, ref: ValueRef, shape, source, stack) -> ValueRef:
+    def view(self, ref: ValueRef, shape, source, stack) -> ValueRef:
+        """``ref`` reshaped; a reshape of a reshape is one reshape of the first's operand
+        (so ``(B, H, S, S) -> (B * H, S, S) -> (B, H, S, S)`` leaves the heads a dim)."""
         spec = self.spec(ref)
         if tuple(shape) == spec.shape:
             return ref
+        producer = self.by_name[ref.node]
+        if producer.op == "aten.reshape.default":
+            return self.view(producer.operands[0], shape, source, stack)
         return self.emit("aten.reshape.default", [ref], TensorSpec(tuple(shape), spec.dtype),
                          (Operand(0), tuple(shape)), source=source, stack=stack)
 
-    def _permute(self, ref: ValueRef, perm, source, stack) -> ValueRef:
+    def permute(self, ref: ValueRef, perm, source, stack) -> ValueRef:
         spec = self.spec(ref)
         if list(perm) == list(range(len(perm))):
             return ref
@@ -551,41 +600,14 @@ class _Reader:
         """``broadcast_in_dim``: operand dim i becomes result dim ``dims[i]``."""
         spec = self.spec(ref)
         order = sorted(range(len(dims)), key=lambda i: dims[i])
-        ref = self._permute(ref, order, source, stack)          # operand dims in result order
+        ref = self.permute(ref, order, source, stack)          # operand dims in result order
         placed = {dims[i]: spec.shape[i] for i in range(len(dims))}
         unit = tuple(placed.get(d, 1) for d in range(len(shape)))
-        ref = self._view(ref, unit, source, stack)              # the new dims, of size 1
+        ref = self.view(ref, unit, source, stack)              # the new dims, of size 1
         if unit == tuple(shape):
             return ref
         return self.emit("aten.expand.default", [ref], TensorSpec(tuple(shape), spec.dtype),
                          (Operand(0), tuple(shape)), source=source, stack=stack)
-
-    def _dot(self, refs, dims, out: TensorSpec, source, stack) -> ValueRef:
-        """``dot_general`` as torch.matmul does it: (B, M, K) @ (B, K, N) -> view."""
-        lhs, rhs = refs
-        ls, rs = self.spec(lhs).shape, self.spec(rhs).shape
-        lb, rb = dims["lhs_batching_dimensions"], dims["rhs_batching_dimensions"]
-        lc, rc = dims["lhs_contracting_dimensions"], dims["rhs_contracting_dimensions"]
-        lf = [d for d in range(len(ls)) if d not in lb + lc]
-        rf = [d for d in range(len(rs)) if d not in rb + rc]
-
-        def size(shape, ds):
-            n = 1
-            for d in ds:
-                n *= shape[d]
-            return n
-
-        b, m, k, n = size(ls, lb), size(ls, lf), size(ls, lc), size(rs, rf)
-        batch = (b,) if lb else ()
-        a = self._view(self._permute(lhs, lb + lf + lc, source, stack), batch + (m, k),
-                       source, stack)
-        w = self._view(self._permute(rhs, rb + rc + rf, source, stack), batch + (k, n),
-                       source, stack)
-        product = TensorSpec(batch + (m, n), out.dtype)
-        ref = self.emit("aten.bmm.default" if lb else "aten.mm.default", [a, w], product,
-                        (Operand(0), Operand(1)), source=source, stack=stack,
-                        flops=2.0 * b * m * k * n)
-        return self._view(ref, out.shape, source, stack)
 
 
 def _pytree_name(path: str) -> str:

@@ -47,6 +47,8 @@ def add_export(commands) -> None:
     export.add_argument("--out", required=True, metavar="FILE", help="where to write the .mlir")
     export.add_argument("--plan", default=None, metavar="FILE",
                         help="a plan JSON whose shardings annotate the arguments")
+    export.add_argument("--sharding", choices=["mhlo", "sdy"], default="mhlo",
+                        help="annotation dialect: GSPMD's mhlo.sharding or Shardy's sdy.sharding")
     export.set_defaults(run=_export)
 
 
@@ -99,7 +101,8 @@ def _export(args: argparse.Namespace) -> int:
     plan = torchalpa.load_plan(args.plan) if args.plan else None
     if plan is not None and not isinstance(plan, torchalpa.Plan):
         raise ValueError(f"{args.plan}: export_stablehlo takes an intra-op plan, not a pipeline plan")
-    text = torchalpa.export_stablehlo(model, example_inputs, loss_fn, plan=plan)
+    text = torchalpa.export_stablehlo(model, example_inputs, loss_fn, plan=plan,
+                                      sharding=args.sharding)
     with open(args.out, "w") as f:
         f.write(text)
     print(f"wrote {args.out}: {len(text.splitlines())} lines of StableHLO")

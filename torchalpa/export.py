@@ -7,9 +7,12 @@ trainable parameters, the buffers, then the example inputs (model inputs, then t
 and returns ``(loss, *grads)`` in parameter order: the convention
 ``frontends/stablehlo.py`` reads, so ``torchalpa.plan(export_stablehlo(...), ())``
 plans it. Each argument carries ``torchalpa.kind`` (param, buffer, input) and
-``torchalpa.name`` (the parameter's FQN); with ``plan=`` the parameters and inputs also
-carry ``mhlo.sharding`` annotations (GSPMD's HLO sharding strings, devices in the plan's
-mesh order), which XLA honours when it compiles the program for the plan's mesh.
+``torchalpa.name`` (the parameter's FQN); with ``plan=`` the parameters, inputs and
+gradients also carry sharding annotations, which XLA honours when it compiles the program
+for the plan's mesh: ``sharding="mhlo"`` (GSPMD's HLO sharding strings, devices in the
+plan's mesh order) or ``"sdy"`` (Shardy). ``torchalpa/hlo_annotate.py`` writes them; the
+plan's resharding points get sharding constraints too when the plan was made from this
+StableHLO (``torchalpa.plan(text, ())``), not from the model's ATen graph.
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ def hlo_sharding(placements, rank: int, mesh_shape: Sequence[int]) -> str:
 
 
 def export_stablehlo(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
-                     loss_fn: Callable | None = None, plan: Plan | None = None) -> str:
+                     loss_fn: Callable | None = None, plan: Plan | None = None, *,
+                     sharding: str = "mhlo") -> str:
     """The training step of ``model`` (+ ``loss_fn``) as StableHLO text (see module doc)."""
     from torch.export.experimental import _export_forward_backward
 
@@ -106,25 +110,20 @@ def export_stablehlo(model: torch.nn.Module, example_inputs: Sequence[torch.Tens
             f"StableHLO ({str(e).strip().splitlines()[0][:200]}); its ATen ops are "
             f"{', '.join(ops)[:1500]}. Plan the module itself with torchalpa.plan, which "
             "needs no StableHLO") from e
-    placed = {} if plan is None else {p.name: p for p in plan.parameters + plan.inputs}
     with module.context:
         main = next(op.operation for op in module.body.operations
                     if op.operation.name == "func.func"
                     and str(op.operation.attributes["sym_name"]).strip('"') == "main")
-        dicts = []
         # torch_mlir.ir re-exports StringAttr/DictAttr/ArrayAttr from a native module the
         # checker cannot see: the ignores below are for that stub gap only
-        for kind, name in args:
-            attrs = {"torchalpa.kind": ir.StringAttr.get(kind),  # pyright: ignore[reportAttributeAccessIssue]
-                     "torchalpa.name": ir.StringAttr.get(name)}  # pyright: ignore[reportAttributeAccessIssue]
-            if name in placed:
-                assert plan is not None  # placed is empty without a plan
-                p = placed[name]
-                attrs["mhlo.sharding"] = ir.StringAttr.get(  # pyright: ignore[reportAttributeAccessIssue]
-                    hlo_sharding(p.placements, len(p.shape), plan.mesh_shape))
-            dicts.append(ir.DictAttr.get(attrs))  # pyright: ignore[reportAttributeAccessIssue]
-        main.attributes["arg_attrs"] = ir.ArrayAttr.get(dicts)  # pyright: ignore[reportAttributeAccessIssue]
-    return str(module)
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get([  # pyright: ignore[reportAttributeAccessIssue]
+            ir.DictAttr.get({"torchalpa.kind": ir.StringAttr.get(kind),  # pyright: ignore[reportAttributeAccessIssue]
+                             "torchalpa.name": ir.StringAttr.get(name)})  # pyright: ignore[reportAttributeAccessIssue]
+            for kind, name in args])
+    if plan is None:
+        return str(module)
+    from torchalpa.hlo_annotate import annotate_stablehlo
+    return annotate_stablehlo(str(module), plan, dialect=sharding).text
 
 
 def _rewrite_for_torch_mlir(gm: torch.fx.GraphModule) -> None:

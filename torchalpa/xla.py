@@ -19,7 +19,7 @@ from torchalpa.placement import Partial, Shard
 from torchalpa.plan import Plan
 
 __all__ = ["partition_spec", "shardings", "hlo_collectives", "compare_collectives",
-           "HLO_KINDS"]
+           "compile_annotated", "HLO_KINDS"]
 
 HLO_KINDS = {"all-reduce": "all_reduce", "all-gather": "all_gather",
              "reduce-scatter": "reduce_scatter", "all-to-all": "all_to_all",
@@ -147,3 +147,32 @@ def compare_collectives(plan: Plan, hlo_text: str) -> dict:
         row["xla_tensors"] += c["tensors"]
         row["xla_bytes"] += c["bytes"]
     return table
+
+
+def compile_annotated(text: str, plan: Plan, *, dialect: str = "mhlo") -> str:
+    """XLA's compiled HLO (text) of a StableHLO step annotated for ``plan``
+    (``torchalpa.hlo_annotate``), partitioned over the first devices of this process
+    (``plan``'s device count; host CPUs need ``XLA_FLAGS=--xla_force_host_platform_device_count``
+    set before jax is imported). ``dialect="sdy"`` compiles with the Shardy partitioner."""
+    import math
+
+    import jax
+    import numpy as np
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+
+    num_devices = math.prod(plan.mesh_shape)
+    devices = jax.devices()[:num_devices]
+    if len(devices) < num_devices:
+        raise ValueError(f"the plan needs {num_devices} devices, this process has "
+                         f"{len(devices)}: on CPU set XLA_FLAGS=--xla_force_host_platform_"
+                         f"device_count={num_devices} before importing jax")
+    options = compiler.get_compile_options(
+        num_replicas=1, num_partitions=num_devices,
+        device_assignment=np.arange(num_devices).reshape(1, num_devices))
+    options.executable_build_options.use_spmd_partitioning = True
+    options.executable_build_options.use_shardy_partitioner = dialect == "sdy"
+    client = devices[0].client
+    executable = client.compile_and_load(text, xla_client.DeviceList(tuple(devices)),
+                                         options)
+    return executable.hlo_modules()[0].to_string()

@@ -1,0 +1,189 @@
+"""A StableHLO step annotated with its plan, so XLA's partitioner runs the plan.
+
+``annotate_stablehlo(text, plan)`` takes the step a plan was made from (the plan of
+``torchalpa.plan(text, ...)`` or of a JAX function's lowering) and marks:
+
+- every parameter and input argument with its placement, and every gradient result with
+  its parameter's placement (the loss replicated);
+- every resharding point of the plan: where an op reads a value in another layout than
+  its producer wrote it (``plan.reshards`` with a collective), the operand goes through a
+  sharding constraint with the layout the op reads. Without these XLA propagates the
+  argument shardings by its own heuristics and may choose other collectives; with them
+  its partitioner reproduces the plan's layouts between ops as well.
+
+Two spellings (``dialect=``): ``"mhlo"`` (GSPMD: ``mhlo.sharding`` attributes and
+``stablehlo.custom_call @Sharding`` constraints, HLO sharding strings from
+``torchalpa.export.hlo_sharding``) and ``"sdy"`` (Shardy: a ``sdy.mesh`` named ``mesh``
+with the plan's axes, ``sdy.sharding`` attributes, ``sdy.sharding_constraint`` ops).
+
+Resharding points are named by graph nodes, so they are annotated only when the plan was
+made from this very program (same graph fingerprint); a plan of another graph of the step
+(the ATen plan of an exported torch model) places the arguments and results only.
+A reshard is annotated when its value is an MLIR value of ``@main`` (not a view the
+reader inserted) read by an op of ``@main``, and the layout read is not a Partial sum
+(neither spelling can say "partial" at an op boundary; XLA places the reduction itself).
+``AnnotatedProgram.skipped`` counts the reshards left to XLA, and says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from torchalpa.export import hlo_sharding
+from torchalpa.opgraph import ValueRef
+from torchalpa.placement import Partial, Shard
+from torchalpa.plan import Plan
+
+__all__ = ["annotate_stablehlo", "AnnotatedProgram", "sdy_sharding", "DIALECTS"]
+
+DIALECTS = ("mhlo", "sdy")
+
+
+@dataclass
+class AnnotatedProgram:
+    """The annotated text, the constraints placed and the reshards left to XLA."""
+
+    text: str
+    constraints: list[str] = field(default_factory=list)    # "producer -> consumer: layout"
+    skipped: dict[str, int] = field(default_factory=dict)   # why -> count
+
+
+def sdy_sharding(placements, rank: int, axis_names: Sequence[str], mesh: str = "mesh") -> str:
+    """A Shardy tensor sharding (``#sdy.sharding<@mesh, [{"a0"}, {}]>``) for placements;
+    a dim sharded over several mesh axes lists them major first, as DTensor applies them."""
+    if any(isinstance(p, Partial) for p in placements):
+        raise ValueError(f"{placements}: a Partial value has no Shardy sharding")
+    dims: list[list[str]] = [[] for _ in range(rank)]
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            dims[p.dim].append(f'"{axis_names[axis]}"')
+    return f"#sdy.sharding<@{mesh}, [{', '.join('{' + ', '.join(d) + '}' for d in dims)}]>"
+
+
+def annotate_stablehlo(text: str, plan: Plan, *, dialect: str = "mhlo",
+                       num_params: int | None = None,
+                       param_names: Sequence[str] | None = None,
+                       input_names: Sequence[str] | None = None) -> AnnotatedProgram:
+    """``text`` with the plan's argument, result and resharding-point shardings."""
+    from torchalpa.frontends.stablehlo import read_program
+    if dialect not in DIALECTS:
+        raise ValueError(f"dialect={dialect!r}: choose one of {DIALECTS}")
+    read = read_program(text, num_params=num_params, param_names=param_names,
+                        input_names=input_names)
+    missing = sorted(p.name for p in plan.parameters if p.name not in read.graph.params)
+    if missing:
+        raise ValueError(f"the plan places {missing[:4]}, which this program does not take: "
+                         "plan the same StableHLO text, then annotate it")
+    from jax._src.lib.mlir import ir
+    out = AnnotatedProgram(text="")
+    with read.context:   # pyright: ignore[reportGeneralTypeIssues]
+        module = read.module
+        main = next(op.operation for op in module.body.operations   # pyright: ignore
+                    if op.operation.name == "func.func"
+                    and str(op.operation.attributes["sym_name"]).strip('"') == "main")
+        spell = _Speller(plan, dialect, ir)
+        if dialect == "sdy":
+            _add_sdy_mesh(module, plan, ir)
+        _annotate_signature(main, read.graph, plan, spell, ir)
+        in_main = {op.operation for op in main.regions[0].blocks[0].operations}
+        if plan.graph_fingerprint == read.graph.fingerprint():
+            for reshard in plan.reshards:
+                _constrain(reshard, read, in_main, spell, ir, out)
+        elif plan.reshards:           # e.g. the ATen plan of an exported torch step
+            out.skipped["the plan was made from another graph of the step"] = \
+                len(plan.reshards)
+        out.text = str(module)
+    return out
+
+
+class _Speller:
+    """Sharding attributes and constraint ops in the chosen dialect."""
+
+    def __init__(self, plan: Plan, dialect: str, ir):
+        self.plan, self.dialect, self.ir = plan, dialect, ir
+
+    def attr_name(self) -> str:
+        return "mhlo.sharding" if self.dialect == "mhlo" else "sdy.sharding"
+
+    def attr(self, placements, rank: int):
+        if self.dialect == "mhlo":
+            return self.ir.StringAttr.get(hlo_sharding(placements, rank, self.plan.mesh_shape))
+        return self.ir.Attribute.parse(sdy_sharding(placements, rank, self.plan.axis_names))
+
+    def constraint(self, value, placements, rank: int):
+        """An op that constrains ``value`` to ``placements`` (inserted at the insertion
+        point); its result."""
+        ir = self.ir
+        if self.dialect == "mhlo":
+            op = ir.Operation.create(
+                "stablehlo.custom_call", results=[value.type], operands=[value],
+                loc=ir.Location.unknown(),
+                attributes={"call_target_name": ir.StringAttr.get("Sharding"),
+                            "mhlo.sharding": self.attr(placements, rank)})
+        else:
+            op = ir.Operation.create(
+                "sdy.sharding_constraint", results=[value.type], operands=[value],
+                loc=ir.Location.unknown(),
+                attributes={"sharding": self.attr(placements, rank)})
+        return op.results[0]
+
+
+def _add_sdy_mesh(module, plan: Plan, ir) -> None:
+    axes = ", ".join(f'"{name}"={size}' for name, size in zip(plan.axis_names,
+                                                                 plan.mesh_shape))
+    mesh = ir.Operation.parse(f"sdy.mesh @mesh = <[{axes}]>")
+    ir.InsertionPoint(module.body.operations[0]).insert(mesh)
+
+
+def _annotate_signature(main, graph, plan: Plan, spell: _Speller, ir) -> None:
+    """Arguments: their plan placement; results: loss replicated, gradients as their
+    parameters."""
+    placed = {p.name: p for p in plan.parameters + plan.inputs}
+    leaves = [n for n in graph if n.is_leaf]
+    old = main.attributes["arg_attrs"] if "arg_attrs" in main.attributes else None
+    arg_dicts = []
+    for i, node in enumerate(leaves):
+        attrs = {} if old is None else {a.name: a.attr for a in ir.DictAttr(old[i])}
+        p = placed.get(node.target or "")
+        if p is not None:
+            attrs[spell.attr_name()] = spell.attr(p.placements, len(p.shape))
+        arg_dicts.append(ir.DictAttr.get(attrs))
+    main.attributes["arg_attrs"] = ir.ArrayAttr.get(arg_dicts)
+    results = [ir.DictAttr.get({spell.attr_name(): spell.attr((), 0)})]
+    for name, _ in graph.outputs.grads:
+        p = placed.get(name)
+        results.append(ir.DictAttr.get({} if p is None else {
+            spell.attr_name(): spell.attr(p.placements, len(p.shape))}))
+    main.attributes["res_attrs"] = ir.ArrayAttr.get(results)
+
+
+def _constrain(reshard, read, in_main, spell: _Speller, ir, out: AnnotatedProgram) -> None:
+    """One sharding constraint on the operand a resharding point names, if it can be put."""
+    steps = [s for s in reshard.steps if s.is_collective]
+    if not steps or not isinstance(reshard.slot, int):
+        return
+    dst = reshard.steps[-1].dst
+    value = read.values.get(ValueRef(reshard.producer, reshard.index))
+    op = read.ops.get(reshard.consumer)
+    if value is None:
+        why = "value is a view the reader inserted"
+    elif op is None or op not in in_main:
+        why = "consumer is not an op of @main"
+    elif any(isinstance(p, Partial) for p in dst):
+        why = "read as a Partial sum"
+    else:
+        why = ""
+    uses = [] if why or op is None else [i for i, v in enumerate(op.operands) if v == value]
+    if not why and not uses:
+        why = "consumer reads it through a view"
+    if why or op is None:
+        out.skipped[why] = out.skipped.get(why, 0) + 1
+        return
+    rank = len(read.graph.spec(ValueRef(reshard.producer, reshard.index)).shape)
+    with ir.InsertionPoint(op):
+        constrained = spell.constraint(value, dst, rank)
+    for i in uses:
+        op.operands[i] = constrained
+    out.constraints.append(f"{reshard.producer} -> {reshard.consumer}: "
+                           f"{', '.join(str(p) for p in dst)}")
