@@ -127,6 +127,9 @@ class ParallelModule(StepModule):
         # the captured step computes the loss as it was captured (a mean over the batch); it
         # takes no loss keywords such as HF's ``num_items_in_batch``, so Trainer must not send them
         self.accepts_loss_kwargs = False
+        # HF Trainer's flag for a model that owns its placement and gradient reduction:
+        # under torchrun it then neither wraps it in DDP nor moves it (see test_hf_trainer)
+        self.is_distributed_loading_by_transformers = True
 
     def _apply(self, fn, recurse=True):
         """``Module.to()`` / ``float()`` and the like; converted parameters are marked again
