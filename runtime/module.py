@@ -70,7 +70,9 @@ class _TrainingStep(torch.autograd.Function):
             saved.append(flat[start:start + n])
             start += n
         # The programs seed backward with d(loss) = 1; gradients are linear in that seed.
-        unit = grad_loss is None or (grad_loss.device.type == "cpu" and grad_loss.item() == 1.0)
+        # (.item() would break a torch.compile graph: traced, the seed is always passed)
+        unit = grad_loss is None or (not torch.compiler.is_compiling()
+                                     and grad_loss.device.type == "cpu" and grad_loss.item() == 1.0)
         with ctx.pm._monitor.guard(f"the backward of step {ctx.pm._num_calls}"):
             grads = ctx.pm._runner.backward(saved, None if unit else grad_loss)
         ctx.pm._clock.stop("forward+backward")

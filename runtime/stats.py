@@ -11,6 +11,9 @@ and optimizer of the global batch, recomputation included when the plan checkpoi
 device per second, over the device's peak the plan was made for
 (``peak_flops_per_device``: the cluster's default, bf16 tensor cores on an H100). It is
 ``None`` for plans without these figures (pipeline plans, plans cached before them).
+
+Under ``torch.compile(pm)`` the clock stands still (reading a host clock inside a traced
+step would break the graph): time the compiled call from outside instead.
 """
 
 from __future__ import annotations
@@ -84,13 +87,15 @@ class StepClock:
         return time.perf_counter()
 
     def start(self, inputs) -> None:
+        if torch.compiler.is_compiling():   # under torch.compile(pm): no clock, no graph break
+            return
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self._start = self._mark()
         self._tokens = _tokens(inputs)
 
     def stop(self, includes: str) -> None:
-        if self._start is None:
+        if torch.compiler.is_compiling() or self._start is None:
             return
         self._last = (self._start, self._mark(), self._tokens, includes)
         self._start = None
