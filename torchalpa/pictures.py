@@ -185,8 +185,13 @@ def _memory(plan) -> str:
             e.get("activation_bytes_per_device", 0)
         rows.append((f"{label}: model states", states, "#4e79a7"))
         rows.append((f"{label}: activations", acts, "#f28e2b"))
-        rows.append((f"{label}: total (each device)", e.get("memory_per_device_bytes",
-                                                             states + acts), "#59a14f"))
+        in_flight = plan.estimates.get("stage_memory_bytes")
+        if in_flight and len(_stages(plan)) > 1:   # a pipeline stage holds several micro-batches
+            rows.append((f"{label}: total, micro-batches in flight", in_flight[index],
+                         "#59a14f"))
+        else:
+            rows.append((f"{label}: total (each device)", e.get("memory_per_device_bytes",
+                                                                 states + acts), "#59a14f"))
     note = "" if budget else '<p class="note">the plan does not record its memory budget</p>'
     return _bars(rows, budget) + note
 
