@@ -187,7 +187,7 @@ def _memory(plan) -> str:
         rows.append((f"{label}: activations", acts, "#f28e2b"))
         in_flight = plan.estimates.get("stage_memory_bytes")
         if in_flight and len(_stages(plan)) > 1:   # a pipeline stage holds several micro-batches
-            rows.append((f"{label}: total, micro-batches in flight", in_flight[index],
+            rows.append((f"{label}: total in flight", in_flight[index],
                          "#59a14f"))
         else:
             rows.append((f"{label}: total (each device)", e.get("memory_per_device_bytes",
