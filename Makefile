@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed-$(shell cat setup.cfg pyproject.toml constraints.tx
 NPROC  ?= 4
 NETNS  := ../shared/tools/netns_bytes.sh
 
-.PHONY: demo demo-pipeline test test-all test-gpu bench bench-gpu env clean lint
+.PHONY: demo demo-pipeline test test-all test-browser test-gpu bench bench-gpu env clean lint
 
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,14 +39,22 @@ lint: $(STAMP)
 
 # The test suite (under 15 minutes on 2 cores; about 5 here).
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not gpu" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not gpu and not browser" tests
 
 # Everything: the slow multi-process runs (2 and 8 ranks) and the checked benchmarks
 # (the issue-sized quickstart against DDP/FSDP2, bytes counted on loopback in a private
 # network namespace; one-rank overhead against eager PyTorch).
 test-all: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m slow tests
+	$(MAKE) test-browser
 	$(MAKE) bench
+
+# plan.to_html as headless Chromium renders it (tests marked browser): installs Debian's
+# chromium first when it is missing (needs root, as on CI and the development machines).
+test-browser: $(STAMP)
+	@command -v chromium >/dev/null || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium)
+	TORCHALPA_REQUIRE_BROWSER=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m browser tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/quickstart_vs_ddp.py --check

@@ -548,8 +548,11 @@ def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, clust
                               s.plan.estimates["activation_bytes_per_device"],
                               s.plan.estimates["saved_activation_bytes_per_device"],
                               in_flight(schedule[n])) for n, s in enumerate(stages)]
+    budget = method.auto_sharding_option.memory_budget_per_device or cluster.memory_per_device
     return Estimates(step_time_s=total, max_stage_s=max(step), stage_step_s=step,
                      stage_times="measured" if stage_seconds is not None else "cost model",
                      alpa_objective_s=sum(step) + (B - 1) * max(step),
                      memory_per_device_bytes=max(memory), stage_memory_bytes=memory,
-                     timeline=timeline)
+                     timeline=timeline,
+                     # recorded for reports and pictures
+                     memory_budget_per_device_bytes=float(budget) if budget else None)

@@ -221,7 +221,10 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
              solution.objective)
     estimates = dict(plan.estimates, objective=solution.objective, solve_seconds=seconds,
                      ilp_seconds=solution.seconds, ilp_variables=solution.num_variables,
-                     num_strategies=num_strategies, num_decisions=len(cg.node_costs))
+                     num_strategies=num_strategies, num_decisions=len(cg.node_costs),
+                     flops_per_step=float(sum(node.flops for node in graph)))
+    if mesh.peak_flops is not None:      # with flops_per_step: the MFU of a measured step
+        estimates["peak_flops_per_device"] = float(mesh.peak_flops)
     if budget:
         estimates["memory_budget_bytes"] = float(budget)
     plan = _replace_estimates(plan, estimates)

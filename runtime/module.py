@@ -85,8 +85,10 @@ class _TrainingStep(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # the programs seed backward with d(loss) = 1; gradients are linear in that seed
-        unit = grad_loss is None or (grad_loss.device.type == "cpu" and grad_loss.item() == 1.0)
+        # The programs seed backward with d(loss) = 1; gradients are linear in that seed.
+        # (.item() would break a torch.compile graph: traced, the seed is always passed)
+        unit = grad_loss is None or (not torch.compiler.is_compiling()
+                                     and grad_loss.device.type == "cpu" and grad_loss.item() == 1.0)
         pm, step = ctx.pm, ctx.step
         if step is not None:
             ctx.step = None
@@ -160,6 +162,9 @@ class ParallelModule(StepModule):
         # the captured step computes the loss as it was captured (a mean over the batch); it
         # takes no loss keywords such as HF's ``num_items_in_batch``, so Trainer must not send them
         self.accepts_loss_kwargs = False
+        # HF Trainer's flag for a model that owns its placement and gradient reduction:
+        # under torchrun it then neither wraps it in DDP nor moves it (see test_hf_trainer)
+        self.is_distributed_loading_by_transformers = True
 
     def _apply(self, fn, recurse=True):
         """``Module.to()`` / ``float()`` and the like; converted parameters are marked again

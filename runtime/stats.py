@@ -5,6 +5,15 @@ when its last part ends (backward for ``loss.backward()``, the optimizer step fo
 ``train_step``). On CUDA it records events instead of synchronizing, so timing costs the
 step nothing; ``last_step_stats()`` waits for the end event. Peak memory is the device's
 ``max_memory_allocated`` on CUDA, the process's peak resident set on a CPU.
+
+MFU is the captured step's flops (``plan.estimates["flops_per_step"]``: forward, backward
+and optimizer of the global batch, recomputation included when the plan checkpoints) per
+device per second, over the device's peak the plan was made for
+(``peak_flops_per_device``: the cluster's default, bf16 tensor cores on an H100). It is
+``None`` for plans without these figures (pipeline plans, plans cached before them).
+
+Under ``torch.compile(pm)`` the clock stands still (reading a host clock inside a traced
+step would break the graph): time the compiled call from outside instead.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ class StepStats:
     estimated_step_time_s: float | None
     estimated_memory_bytes: float | None
     includes: str                      # "forward+backward" or "forward+backward+optimizer"
+    mfu: float | None = None           # flops_per_step / devices / step time / peak flop/s
 
     def __str__(self) -> str:
         from torchalpa.report import format_bytes
@@ -43,7 +53,8 @@ class StepStats:
         return "\n".join([
             f"step ({self.includes}): {self.step_time_s * 1e3:.2f} ms "
             + est(self.estimated_step_time_s, lambda v: f"{v * 1e3:.2f} ms"),
-            f"tokens/s: {self.tokens_per_s:,.0f} ({self.tokens} tokens)",
+            f"tokens/s: {self.tokens_per_s:,.0f} ({self.tokens} tokens)"
+            + (f", MFU {self.mfu:.1%}" if self.mfu is not None else ""),
             f"peak memory, {self.peak_memory_kind}: {format_bytes(self.peak_memory_bytes)} "
             + est(self.estimated_memory_bytes, format_bytes),
             f"sent per rank as planned: {format_bytes(self.planned_bytes_sent)} in "
@@ -76,13 +87,15 @@ class StepClock:
         return time.perf_counter()
 
     def start(self, inputs) -> None:
+        if torch.compiler.is_compiling():   # under torch.compile(pm): no clock, no graph break
+            return
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         self._start = self._mark()
         self._tokens = _tokens(inputs)
 
     def stop(self, includes: str) -> None:
-        if self._start is None:
+        if torch.compiler.is_compiling() or self._start is None:
             return
         self._last = (self._start, self._mark(), self._tokens, includes)
         self._start = None
@@ -110,4 +123,12 @@ class StepClock:
             planned_bytes_sent=sum(c.bytes for c in issued),
             planned_collectives=len(issued),
             estimated_step_time_s=est.get("step_time_s"),
-            estimated_memory_bytes=est.get("memory_per_device_bytes"), includes=includes)
+            estimated_memory_bytes=est.get("memory_per_device_bytes"), includes=includes,
+            mfu=_mfu(est, plan.num_devices, seconds))
+
+
+def _mfu(estimates: dict, num_devices: int, seconds: float) -> float | None:
+    flops, peak = estimates.get("flops_per_step"), estimates.get("peak_flops_per_device")
+    if not flops or not peak or seconds <= 0:
+        return None
+    return flops / num_devices / seconds / peak

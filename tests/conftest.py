@@ -16,12 +16,27 @@ def pytest_collection_modifyitems(config, items):
     Tests that run JAX go last: once XLA's backend has started its threads, forking (the
     multi-rank tests' workers) risks a deadlock in the child."""
     items.sort(key=lambda item: item.path.name == "test_stablehlo.py")   # stable sort
+    _skip_browser_tests_without_chromium(items)
     import torch
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (make test-gpu on a GPU machine)")
     for item in items:
         if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+def _skip_browser_tests_without_chromium(items):
+    """Tests marked ``browser`` need headless Chromium: skipped where it is missing, with the
+    command that installs it, except under ``make test-browser``
+    (``TORCHALPA_REQUIRE_BROWSER=1``), where a missing browser fails them."""
+    from headless import chromium
+    if chromium() is not None or os.environ.get("TORCHALPA_REQUIRE_BROWSER") == "1":
+        return
+    skip = pytest.mark.skip(reason="needs chromium: `make test-browser` installs it "
+                                   "(apt-get install -y chromium)")
+    for item in items:
+        if item.get_closest_marker("browser") is not None:
             item.add_marker(skip)
 
 

@@ -175,3 +175,10 @@ def test_cached_pipeline_plans_are_reused_without_solving(tmp_path, monkeypatch)
     with pytest.raises(AssertionError, match="solved again"):    # another cluster
         torchalpa.plan(model, (x, y), F.mse_loss, method=method,
                        cluster=torchalpa.Cluster.local_cpu(4))
+
+
+def test_a_torch_parallel_style_as_pin_says_how_to_write_it():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    with pytest.raises(ValueError, match=r"pin\['layers.\*.wq'\] is a torch tensor-parallel "
+                                         r"style \(ColwiseParallel\).*'S\(0\)'"):
+        torchalpa.AutoShardingOption(pin={"layers.*.wq": ColwiseParallel()})

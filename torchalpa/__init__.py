@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from torchalpa.runtime.pretrained import load_pretrained
     from torchalpa.runtime.faults import RankFailedError
     from torchalpa.runtime.precision import MixedPrecision
+    from torchalpa.runtime.tensorboard import TensorBoardHook
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ _LAZY = {
     "load_pretrained": "torchalpa.runtime.pretrained",
     "export_stablehlo": "torchalpa.export",
     "MixedPrecision": "torchalpa.runtime.precision",
+    "TensorBoardHook": "torchalpa.runtime.tensorboard",
     # torch's own classes: torchalpa.Shard is torch.distributed.tensor.Shard
     "Shard": "torchalpa.placement", "Replicate": "torchalpa.placement",
     "Partial": "torchalpa.placement",
@@ -66,5 +68,5 @@ __all__ = [
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
     "load_checkpoint", "RankFailedError", "save_pretrained", "load_pretrained",
-    "export_stablehlo",
+    "export_stablehlo", "TensorBoardHook",
 ]

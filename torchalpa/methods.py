@@ -113,6 +113,13 @@ class AutoShardingOption:
         pin = self.pin.items() if isinstance(self.pin, dict) else self.pin
         normalized = []
         for pattern, placements in pin:
+            if type(placements).__module__.startswith("torch.distributed.tensor.parallel"):
+                raise ValueError(
+                    f"AutoShardingOption.pin[{pattern!r}] is a torch tensor-parallel style "
+                    f"({type(placements).__name__}); pin takes placements per mesh axis of "
+                    "parameter names, e.g. on a (dp, tp) mesh ColwiseParallel of a Linear as "
+                    "{'layers[.].*[.]wq[.]weight': ('*', 'S(0)')} and RowwiseParallel as "
+                    "('*', 'S(1)'); plan.to_tp_plan() goes the other way")
             if isinstance(placements, str):
                 placements = (placements,)
             from torchalpa.placement import check_placement, parse_placements, short_form

@@ -106,6 +106,8 @@ def _placement_grid(plan) -> str:
     """One row per parameter of a layer, one column per layer index; the cell's color is
     the parameter's placement. Parameters outside repeated layers get a row each."""
     out = []
+    # one colour per placement across all stages, so a colour means the same everywhere
+    colors = _colors(short(v.placements) for _, p, _ in _stages(plan) for v in p.parameters)
     for index, p, _ in _stages(plan):
         rows: dict[str, dict[int, ValuePlacement]] = defaultdict(dict)
         single = []
@@ -115,10 +117,10 @@ def _placement_grid(plan) -> str:
                 rows[tmpl][idx[0]] = v
             else:
                 single.append(v)
-        colors = _colors(short(v.placements) for v in p.parameters)
+        here = dict.fromkeys(short(v.placements) for v in p.parameters)
         title = f"<h3>stage {index}</h3>" if len(_stages(plan)) > 1 else ""
         out.append(title + '<div class="legend">' + "".join(
-            f'<span style="background:{c}">{_esc(k)}</span>' for k, c in colors.items())
+            f'<span style="background:{colors[k]}">{_esc(k)}</span>' for k in here)
             + "</div>")
         for tmpl, cells in rows.items():
             if len(cells) == 1:          # a lone numbered module is not a layer
@@ -183,8 +185,13 @@ def _memory(plan) -> str:
             e.get("activation_bytes_per_device", 0)
         rows.append((f"{label}: model states", states, "#4e79a7"))
         rows.append((f"{label}: activations", acts, "#f28e2b"))
-        rows.append((f"{label}: total (each device)", e.get("memory_per_device_bytes",
-                                                             states + acts), "#59a14f"))
+        in_flight = plan.estimates.get("stage_memory_bytes")
+        if in_flight and len(_stages(plan)) > 1:   # a pipeline stage holds several micro-batches
+            rows.append((f"{label}: total in flight", in_flight[index],
+                         "#59a14f"))
+        else:
+            rows.append((f"{label}: total (each device)", e.get("memory_per_device_bytes",
+                                                                 states + acts), "#59a14f"))
     note = "" if budget else '<p class="note">the plan does not record its memory budget</p>'
     return _bars(rows, budget) + note
 
@@ -214,9 +221,12 @@ def _timeline(plan) -> str:
     total = plan.estimates.get("step_time_s")
     if not timeline or not total:
         return ""
-    width, row_h = 900, 22
+    width, row_h = 860, 22          # + 70 for the labels: fits a 1000-pixel window
     h = len(timeline) * (row_h + 6) + 20
-    parts = [f'<h2>estimated pipeline timeline</h2><svg width="{width + 80}" height="{h}">']
+    legend = ('<div class="legend"><span style="background:#4e79a7">forward</span>'
+              '<span style="background:#f28e2b">backward</span></div>')
+    parts = [f'<h2>estimated pipeline timeline</h2>{legend}'
+             f'<svg width="{width + 70}" height="{h}">']
     for s, actions in enumerate(timeline):
         y = 4 + s * (row_h + 6)
         parts.append(f'<text x="0" y="{y + 15}">stage {s}</text>')

@@ -35,6 +35,9 @@ class Estimates(Mapping[str, Any]):
     saved_activation_bytes_per_device: float | None = None
     memory_per_device_bytes: float | None = None
     wire_bytes_per_step: float | None = None
+    flops_per_step: float | None = None
+    """Flops of one step over all devices; with ``peak_flops_per_device``, a measured MFU."""
+    peak_flops_per_device: float | None = None
     gradient_buckets: list | None = None
     """Gradient collectives issued together: axis, bytes, tensors, collective positions."""
     # the search
