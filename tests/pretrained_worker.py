@@ -89,6 +89,11 @@ def main():
         json.dump(seen, f)
     dist.barrier()
     dist.destroy_process_group()
+    # Written and left the group: skip interpreter teardown, where gloo threads can abort
+    # the process ("terminate called without an active exception"; see worker_io.finish)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
