@@ -1,8 +1,10 @@
-"""Launched on 2 plain ranks by tests/test_pretrained.py: a freshly initialized MLP, planned
-with ZeRO-3 (every parameter sharded), loads the snapshot with ``load_pretrained``; each
-rank writes its loss and how many elements it read to ``<out>/rank<r>.json``.
+"""Launched on 2 plain ranks by tests/test_pretrained.py: for each snapshot, a freshly
+initialized MLP, planned with ZeRO-3 (every parameter sharded), loads it with
+``load_pretrained``; each rank writes, per snapshot, its loss and how many elements it read
+to ``<out>/rank<r>.json``. Several snapshots share one launch (the processes' start-up is
+most of its time).
 
-    pretrained_worker.py SNAPSHOT OUT
+    pretrained_worker.py OUT SNAPSHOT [SNAPSHOT ...]
 """
 
 from __future__ import annotations
@@ -66,9 +68,9 @@ _real_safe_open = safetensors.safe_open
 safetensors.safe_open = _CountingFile
 
 
-def main():
-    snapshot, out = sys.argv[1], sys.argv[2]
-    init_distributed()
+def load_one(snapshot: str) -> dict:
+    """A fresh ZeRO-3 plan of the MLP loads ``snapshot``: its loss, the elements read."""
+    READ["elements"] = 0
     torch.manual_seed(1)                       # not the snapshot's weights
     x, y = mlp_inputs(8, 16)
     pm = torchalpa.auto_parallel(MLP(16, 3), (x, y), F.mse_loss,
@@ -76,10 +78,22 @@ def main():
     info = torchalpa.load_pretrained(pm, snapshot)
     loss = pm(x, y).item()
     total = sum(p.numel() for p in pm.parameters())
+    return {"loss": loss, "read": READ["elements"], "total": total, **info}
+
+
+def main():
+    out, snapshots = sys.argv[1], sys.argv[2:]
+    init_distributed()
+    seen = {snapshot: load_one(snapshot) for snapshot in snapshots}
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
-        json.dump({"loss": loss, "read": READ["elements"], "total": total, **info}, f)
+        json.dump(seen, f)
     dist.barrier()
     dist.destroy_process_group()
+    # Written and left the group: skip interpreter teardown, where gloo threads can abort
+    # the process ("terminate called without an active exception"; see worker_io.finish)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

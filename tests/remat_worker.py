@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_checkpoint.py: training with activation checkpointing
+"""Run on the rank pool by tests/test_checkpoint.py: training with activation checkpointing
 (remat="full") against plain training of the same model on one device, intra-op on 2
 ranks and pipelined on 4. Rank 0 writes JSON."""
 

@@ -6,12 +6,10 @@ it on real gloo ranks (tests/remat_worker.py) equals training on one device."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+import worker_io
 
 import torchalpa
 import torchalpa.models as zoo
@@ -19,8 +17,6 @@ from torchalpa.frontends.checkpoint import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.memory import activation_peak_bytes
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -133,13 +129,10 @@ def test_a_bad_remat_setting_names_the_choices():
 
 
 def launch(nproc: int, tmp_path) -> dict:
-    out = tmp_path / f"remat_{nproc}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", os.path.join(HERE, "remat_worker.py"), str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S="120")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    results = json.loads(out.read_text())
+    """remat_worker.py on the session's ``nproc``-rank pool (tests/worker_io.py): real gloo
+    ranks, without paying a fresh torchrun's imports and rendezvous per test."""
+    results = worker_io.launch("remat_worker.py", tmp_path / f"remat_{nproc}.json",
+                               nproc=nproc, timeout=900)
     for name, r in results.items():
         if isinstance(r, dict) and "error" in r:
             pytest.fail(f"{name} on {nproc} ranks:\n{r['trace']}")

@@ -51,24 +51,38 @@ def saved_mlp(directory, sharded: bool):
     return model
 
 
-@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded-index"])
-def test_two_ranks_load_their_shards_and_match_one_device(tmp_path, sharded):
-    reference = saved_mlp(tmp_path / "snapshot", sharded)
-    x, y = mlp_inputs(8, 16)
-    with torch.no_grad():
-        want = F.mse_loss(reference(x), y).item()
+@pytest.fixture(scope="module")
+def two_ranks_loaded(tmp_path_factory):
+    """Both snapshots (single file, sharded index) loaded by one launch of two plain ranks:
+    by ``sharded``, the loss one device gets with the saved model and what each rank saw."""
+    root = tmp_path_factory.mktemp("pretrained")
+    want, dirs = {}, {}
+    for sharded in (False, True):
+        dirs[sharded] = root / f"snapshot_{'sharded' if sharded else 'single'}"
+        reference = saved_mlp(dirs[sharded], sharded)
+        x, y = mlp_inputs(8, 16)
+        with torch.no_grad():
+            want[sharded] = F.mse_loss(reference(x), y).item()
     world = 2
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "pretrained_worker.py"),
-                               str(tmp_path / "snapshot"), str(tmp_path)],
+                               str(root), *(str(d) for d in dirs.values())],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     logs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(e[-3000:] for _, e in logs)
-    for r in range(world):
-        seen = json.loads((tmp_path / f"rank{r}.json").read_text())
+    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in range(world)]
+    return {sharded: (want[sharded], [seen[str(d)] for seen in ranks])
+            for sharded, d in dirs.items()}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single-file", "sharded-index"])
+def test_two_ranks_load_their_shards_and_match_one_device(two_ranks_loaded, sharded):
+    want, ranks = two_ranks_loaded[sharded]
+    world = len(ranks)
+    for r, seen in enumerate(ranks):
         assert seen["loss"] == pytest.approx(want, rel=1e-6, abs=1e-7), f"rank {r}"
         assert seen["missing_keys"] == [] and seen["unexpected_keys"] == []
         # ZeRO-3 shards every parameter in two: a rank reads half of the model

@@ -112,12 +112,18 @@ def test_mixed_precision_options_are_validated():
 
 # -- torch.compile ------------------------------------------------------------------------
 
-def test_local_programs_run_under_torch_compile():
+# Dynamo traces the local programs with either backend (the torchalpa side under test);
+# inductor's C++ code generation takes most of a minute on a 2-core machine, so make test
+# runs aot_eager and make test-all the default (inductor).
+@pytest.mark.parametrize("compile_option", [
+    pytest.param({"backend": "aot_eager"}, id="aot_eager"),
+    pytest.param(True, id="inductor", marks=pytest.mark.slow)])
+def test_local_programs_run_under_torch_compile(compile_option):
     from torch._dynamo.utils import counters
     counters.clear()
     x, y = mlp_inputs(16, 32)
     runs = []
-    for compile in (False, True):
+    for compile in (False, compile_option):
         model, _ = twin(lambda: MLP(32, 2))
         pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, optimizer=adam,
                                      compile=compile)

@@ -109,11 +109,18 @@ def test_profile_needs_measurements(mlp_graph):
         plan_pipeline(mlp_graph, torchalpa.Cluster.local_cpu(4), _profile_method())
 
 
-def test_probes_cover_every_layer_on_every_view_once(mlp_graph):
+@pytest.fixture(scope="module")
+def mlp_probes(mlp_graph):
+    """The layer probes of ``mlp_graph`` on 4 CPU devices (an ILP per layer and view),
+    built once for the tests below: they only read them."""
     import torchalpa
-    from torchalpa.passes.inter_op import layer_probes, logical_views
-    cluster = torchalpa.Cluster.local_cpu(4)
-    probes = layer_probes(mlp_graph, cluster, _profile_method())
+    from torchalpa.passes.inter_op import layer_probes
+    return layer_probes(mlp_graph, torchalpa.Cluster.local_cpu(4), _profile_method())
+
+
+def test_probes_cover_every_layer_on_every_view_once(mlp_probes):
+    from torchalpa.passes.inter_op import logical_views
+    probes = mlp_probes
     keys = [p.key for p in probes]
     assert len(keys) == len(set(keys))
     views = {(view, sub) for sub in submesh_shapes(1, 4) for view in logical_views(sub)}
@@ -124,15 +131,14 @@ def test_probes_cover_every_layer_on_every_view_once(mlp_graph):
 
 
 @pytest.mark.parametrize("fast", [(1, 1), (1, 4)])
-def test_measured_times_decide_the_stages(mlp_graph, fast):
+def test_measured_times_decide_the_stages(mlp_graph, mlp_probes, fast):
     """Whatever the cost model says, measurements that make one submesh far faster than
     the others make the DP use it: four 1-device stages, or one stage on all four."""
     import torchalpa
-    from torchalpa.passes.inter_op import layer_probes, plan_pipeline
+    from torchalpa.passes.inter_op import plan_pipeline
     cluster = torchalpa.Cluster.local_cpu(4)
     method = _profile_method()
-    measured = {p.key: (1e-3 if p.key[2] == fast else 1.0)
-                for p in layer_probes(mlp_graph, cluster, method)}
+    measured = {p.key: (1e-3 if p.key[2] == fast else 1.0) for p in mlp_probes}
     plan = plan_pipeline(mlp_graph, cluster, method, measured=measured)
     assert set(plan.submesh_shapes) == {fast}
     assert plan.estimates["stage_times"] == "measured"
