@@ -7,9 +7,11 @@
    step times, plus sending its boundary values to the next stage; its memory is the
    layers' model states, one micro-batch at its peak and what forward saved for every
    other micro-batch in flight (1F1B keeps one per stage still ahead, GPipe all).
-3. Stages: Alpa's DP (``passes/stages.py``) on those costs, or stages given by hand, or
-   uniform stages. With ``stage_option="profile"`` the DP uses layer times measured on
-   the devices instead of the cost model's: ``layer_probes`` gives, for every distinct
+   Solves are cached by structure (``passes/layer_cache.py``), within and across searches.
+3. Stages: Alpa's DP (``passes/stages.py``) on those costs, with every stage it chooses
+   priced again by the stage's own memory-constrained ILP until all chosen stages are
+   exact (``_exact_search``), or stages given by hand, or uniform stages. With
+   ``stage_option="profile"`` the DP uses layer times measured on the devices instead of the cost model's: ``layer_probes`` gives, for every distinct
    layer on every submesh view, an executable one-layer stage to time (the runtime times
    it), and ``plan_pipeline(measured=...)`` takes the results.
 4. Each chosen stage's own graph is planned exactly on its submesh, and the stages,
@@ -347,9 +349,11 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
     latency (optimistic). Each round runs the DP, then prices each stage of its answer
     not yet priced with the stage's own memory-constrained ILP and replaces the estimate
     by that (inf if no plan fits). When every stage of an answer is exact, no estimate it
-    beat is lower than what was priced, so the answer stands. Returns the solution and, per
-    stage, (view, option)."""
+    beat is lower than what was priced, so the answer stands. With measured layer times
+    (``stage_option="profile"``) the DP runs once on them. Returns the solution, per
+    stage (view, option), and how many candidates were priced exactly."""
     exact: dict[tuple, tuple[float, tuple | None]] = {}
+    measured = costs.measured is not None
     choice: dict[tuple, tuple | None] = {}
 
     def flight_of(after: int) -> int:
@@ -361,7 +365,8 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
             latency, chosen = exact[key]
         else:
             latency, chosen = costs.cost(k, i, shapes[j], key[3])
-            near, near_chosen = costs.optimistic(k, i, shapes[j], key[3])
+            near, near_chosen = (math.inf, None) if measured else \
+                costs.optimistic(k, i, shapes[j], key[3])
             if near < latency:
                 latency, chosen = near, near_chosen
         choice[key] = chosen
@@ -376,7 +381,7 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
                    flight_of(len(solution.stages) - 1 - n))
             if key not in exact:
                 todo.append(key)
-        if not todo:
+        if not todo or measured:    # measured times are not repriced by the cost model
             break
         for key in todo:
             k, i, j, flight = key
