@@ -11,9 +11,10 @@
 3. Stages: Alpa's DP (``passes/stages.py``) on those costs, with every stage it chooses
    priced again by the stage's own memory-constrained ILP until all chosen stages are
    exact (``_exact_search``), or stages given by hand, or uniform stages. With
-   ``stage_option="profile"`` the DP uses layer times measured on the devices instead of the cost model's: ``layer_probes`` gives, for every distinct
-   layer on every submesh view, an executable one-layer stage to time (the runtime times
-   it), and ``plan_pipeline(measured=...)`` takes the results.
+   ``stage_option="profile"`` the DP uses layer times measured on the devices instead of
+   the cost model's: ``layer_probes`` gives, for every distinct layer on every submesh
+   view, an executable one-layer stage to time (the runtime times it), and
+   ``plan_pipeline(measured=...)`` takes the results.
 4. Each chosen stage's own graph is planned exactly on its submesh, and the stages,
    their transfers and an estimated timeline form the PipelinePlan.
 
