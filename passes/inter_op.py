@@ -7,11 +7,14 @@
    step times, plus sending its boundary values to the next stage; its memory is the
    layers' model states, one micro-batch at its peak and what forward saved for every
    other micro-batch in flight (1F1B keeps one per stage still ahead, GPipe all).
-3. Stages: Alpa's DP (``passes/stages.py``) on those costs, or stages given by hand, or
-   uniform stages. With ``stage_option="profile"`` the DP uses layer times measured on
-   the devices instead of the cost model's: ``layer_probes`` gives, for every distinct
-   layer on every submesh view, an executable one-layer stage to time (the runtime times
-   it), and ``plan_pipeline(measured=...)`` takes the results.
+   Solves are cached by structure (``passes/layer_cache.py``), within and across searches.
+3. Stages: Alpa's DP (``passes/stages.py``) on those costs, with every stage it chooses
+   priced again by the stage's own memory-constrained ILP until all chosen stages are
+   exact (``_exact_search``), or stages given by hand, or uniform stages. With
+   ``stage_option="profile"`` the DP uses layer times measured on the devices instead of
+   the cost model's: ``layer_probes`` gives, for every distinct layer on every submesh
+   view, an executable one-layer stage to time (the runtime times it), and
+   ``plan_pipeline(measured=...)`` takes the results.
 4. Each chosen stage's own graph is planned exactly on its submesh, and the stages,
    their transfers and an estimated timeline form the PipelinePlan.
 
@@ -20,18 +23,18 @@ The graph must be captured for one micro-batch.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
 from dataclasses import dataclass, replace
 
 from torchalpa.cluster import Cluster
-from torchalpa.methods import (ManualStageOption, PipeshardParallel,
+from torchalpa.methods import (AutoShardingOption, ManualStageOption, PipeshardParallel,
                                UniformStageOption)
 from torchalpa.opgraph import GraphOutputs, OpGraph, ValueRef
 from torchalpa.passes.intra_op import plan_intra_op
 from torchalpa.passes.ilp import InfeasibleError
+from torchalpa.passes.layer_cache import SOLVES, layer_signature, range_signature
 from torchalpa.passes.layers import cluster_layers, layers_from_markers
 from torchalpa.passes.memory import in_flight_bytes
 from torchalpa.passes.stages import stage_dp, submesh_shapes
@@ -59,13 +62,16 @@ def assign_layers(graph: OpGraph, method: PipeshardParallel, num_devices: int) -
 
 
 def logical_views(submesh: tuple[int, int]) -> list[tuple[int, ...]]:
-    """Logical shapes a submesh is planned as: 1D, and 2D along nodes or within a node."""
+    """Logical shapes a submesh is planned as (Alpa enumerates them per submesh): 1D, and
+    every 2D ``(devices / inner, inner)`` whose inner axis stays within a node (``inner``
+    divides the node's devices), so (1, 8) is tried as (8,), (4, 2), (2, 4) and (2, 8) as
+    (16,), (8, 2), (4, 4), (2, 8): every (dp, tp) grid with tp within a node is a view."""
     n, m = submesh
-    views: list[tuple[int, ...]] = [(n * m,)]
-    if n > 1:
-        views.append((n, m))
-    elif m >= 4:
-        views.append((2, m // 2))
+    devices = n * m
+    views: list[tuple[int, ...]] = [(devices,)]
+    for inner in range(2, m + 1):
+        if m % inner == 0 and devices // inner > 1:
+            views.append((devices // inner, inner))
     return views
 
 
@@ -92,23 +98,11 @@ def _submesh_cluster(cluster: Cluster, submesh: tuple[int, int]) -> Cluster:
     return replace(cluster, num_nodes=submesh[0], devices_per_node=submesh[1])
 
 
-def _signature(graph: OpGraph, names: list[str]) -> str:
-    """Structural identity of a layer: its ops, shapes and arguments, not node names."""
-    pos = {n: i for i, n in enumerate(names)}
-    h = hashlib.sha256()
-    for name in names:
-        node = graph.node(name)
-        operands = [pos.get(r.node, -1) for r in node.operands]
-        h.update(repr((node.op, node.kind, [str(o) for o in node.outputs], node.args,
-                       node.kwargs, operands, node.phase)).encode())
-    return h.hexdigest()[:16]
-
-
 def _layer_signatures(graph: OpGraph, layer: dict[str, int], num_layers: int) -> list[str]:
     members: list[list[str]] = [[] for _ in range(num_layers)]
     for node in graph:
         members[layer[node.name]].append(node.name)
-    return [_signature(graph, names) for names in members]
+    return [layer_signature(graph, names) for names in members]
 
 
 @dataclass
@@ -148,8 +142,15 @@ class _StageCosts:
         self.signature = _layer_signatures(graph, layer, self.num_layers)
         self.send_bytes = self._boundary_bytes()
         self.dims = tensor_dims(graph)
-        self.cache: dict[tuple, _Estimate | None] = {}
+        # everything besides the layer's structure and the view that decides a solve
+        self.context = (repr(cluster), repr(method.intra_op_method(None)), inputs)
         self.solves = 0
+        self.exact_solves = 0
+        self.exact_plans: dict[tuple, object] = {}   # this graph's stage plans
+
+    def _key(self, l: int, view: tuple[int, ...], submesh: tuple[int, int], lean: bool
+             ) -> tuple:
+        return ("layer", self.signature[l], view, submesh, lean, self.context)
 
     def _boundary_bytes(self) -> list[float]:
         """Bytes crossing the cut after layer l (both directions, one micro-batch)."""
@@ -180,7 +181,7 @@ class _StageCosts:
             self.cluster.memory_per_device
         tight = []
         for view, submesh in views:
-            parts = [self.cache[(self.signature[l], view, submesh, False)]
+            parts = [SOLVES.peek(self._key(l, view, submesh, False))
                      for l in range(self.num_layers)]
             if any(p is None for p in parts) or _stage_memory(parts, max_in_flight) > budget:
                 tight.append((view, submesh))
@@ -190,8 +191,8 @@ class _StageCosts:
     def _solve_all(self, requests: list[tuple], workers: int) -> None:
         todo = {}
         for l, view, submesh, lean in requests:
-            key = (self.signature[l], view, submesh, lean)
-            if key not in self.cache:
+            key = self._key(l, view, submesh, lean)
+            if key not in SOLVES:
                 todo.setdefault(key, (l, view, submesh, lean))
         global _WORKER_COSTS
         _WORKER_COSTS = self      # forked workers read it instead of unpickling the graph
@@ -200,15 +201,13 @@ class _StageCosts:
         solves = self.solves
         results = _map(_solve_in_worker, [args for _, args in jobs], workers)
         for (key, _), result in zip(jobs, results):
-            self.cache[key] = result
+            SOLVES.put(key, result)
         self.solves = solves + len(jobs)     # workers counted theirs in their own copies
 
     def layer_estimate(self, l: int, view: tuple[int, ...], submesh, lean: bool
                        ) -> _Estimate | None:
-        key = (self.signature[l], view, submesh, lean)
-        if key not in self.cache:
-            self.cache[key] = self._solve_layer(l, view, submesh, lean)
-        estimate = self.cache[key]
+        estimate = SOLVES.get(self._key(l, view, submesh, lean),
+                              lambda: self._solve_layer(l, view, submesh, lean))
         timed = None if self.measured is None else \
             self.measured.get((self.signature[l], view, submesh))
         if estimate is None or timed is None:
@@ -238,7 +237,10 @@ class _StageCosts:
         mesh = replace(_submesh_cluster(self.cluster, submesh).logical_mesh(view),
                        memory_per_device=None)
         self.solves += 1
-        option = replace(self.method.auto_sharding_option, parameters="sharded") if lean else None
+        # an estimate: the simplified ILP (shared block decisions, merged followers) is
+        # within a fraction of a percent of the unsimplified one at a fifth of the time
+        option = replace(self.method.auto_sharding_option, exact_below=0,
+                         **({"parameters": "sharded"} if lean else {}))
         try:
             plan = plan_intra_op(sub, mesh, self.method.intra_op_method(option),
                                  inputs=self.inputs, blocks=sub.meta.get("repeated_blocks") or None)
@@ -248,29 +250,171 @@ class _StageCosts:
         return _Estimate(e["step_time_s"], e["model_state_bytes_per_device"],
                          e["activation_bytes_per_device"], e["saved_activation_bytes_per_device"])
 
-    def cost(self, k: int, i: int, submesh: tuple[int, int], in_flight_batches: int
-             ) -> tuple[float, tuple[tuple[int, ...], bool] | None]:
-        """(latency, (best logical view, lean)) of layers k..i on ``submesh``, inf if none
-        fits."""
-        budget = self.method.auto_sharding_option.memory_budget_per_device or \
+    def budget(self) -> float:
+        return self.method.auto_sharding_option.memory_budget_per_device or \
             self.cluster.memory_per_device
-        best: tuple[float, tuple[tuple[int, ...], bool] | None] = (math.inf, None)
+
+    def send_seconds(self, k: int, i: int) -> float:
+        """Seconds to send layers k..i's boundary values (one micro-batch, both ways)."""
         link = self.cluster.inter_node_bandwidth if self.cluster.num_nodes > 1 else \
             self.cluster.intra_node_bandwidth
         sends = (self.send_bytes[i] if i < self.num_layers - 1 else 0.0) + \
             (self.send_bytes[k - 1] if k > 0 else 0.0)
+        return sends / link
+
+    def candidates(self, k: int, i: int, submesh: tuple[int, int], in_flight_batches: int
+                   ) -> list[tuple[float, float, tuple[int, ...], bool]]:
+        """(latency, additive memory, view, lean) of layers k..i on each view of
+        ``submesh``: the fastest plan, and the lean one where the fastest does not fit."""
+        out = []
+        sends = self.send_seconds(k, i)
         for view in shardable_views(submesh, self.dims):
-            for lean in (False, True):   # the fastest plan, else one with sharded states
-                parts = [self.layer_estimate(l, view, submesh, lean) for l in range(k, i + 1)]
-                if any(p is None for p in parts):
+            for lean in (False, True):
+                found = [self.layer_estimate(l, view, submesh, lean) for l in range(k, i + 1)]
+                parts = [p for p in found if p is not None]
+                if len(parts) < len(found):
                     continue
-                if _stage_memory(parts, in_flight_batches) > budget:
-                    continue
-                latency = sum(p.seconds for p in parts) + sends / link
-                if latency < best[0]:
-                    best = (latency, (view, lean))
-                break
-        return best
+                memory = _stage_memory(parts, in_flight_batches)
+                out.append((sum(p.seconds for p in parts) + sends, memory, view, lean))
+                if memory <= self.budget():
+                    break
+        return out
+
+    def cost(self, k: int, i: int, submesh: tuple[int, int], in_flight_batches: int
+             ) -> tuple[float, tuple[tuple[int, ...], bool] | None]:
+        """(latency, (best logical view, lean)) of layers k..i on ``submesh``, inf if none
+        fits by the additive estimate."""
+        fits = [(t, (view, lean)) for t, memory, view, lean in
+                self.candidates(k, i, submesh, in_flight_batches) if memory <= self.budget()]
+        return min(fits, key=lambda c: c[0]) if fits else (math.inf, None)
+
+    def optimistic(self, k: int, i: int, submesh: tuple[int, int], in_flight_batches: int
+                   ) -> tuple[float, tuple[tuple[int, ...], bool] | None]:
+        """Like ``cost``, but a plan the additive estimate calls too big counts as fitting
+        while its estimate is within ``MEMORY_SLACK`` x the budget: the additive sum over
+        layers overstates a stage's peak (the exact stage ILP places every layer's working
+        set and the micro-batches in flight together, and may shard more)."""
+        near = [(t, (view, lean)) for t, memory, view, lean in
+                self.candidates(k, i, submesh, in_flight_batches)
+                if memory <= MEMORY_SLACK * self.budget()]
+        return min(near, key=lambda c: c[0]) if near else (math.inf, None)
+
+    def exact(self, k: int, i: int, submesh: tuple[int, int], view: tuple[int, ...],
+              in_flight_batches: int) -> tuple[float, AutoShardingOption | None]:
+        """Latency of layers k..i as one stage by its own memory-constrained ILP (with its
+        micro-batches in flight) on ``view``, and the option that fits (None: the method's
+        own; else sharded states); inf if neither fits. Cached by the range's structure, so
+        ranges of identical layers are solved once."""
+        key = ("stage", range_signature(self.signature, k, i), k == 0,
+               i == self.num_layers - 1, view, submesh, in_flight_batches, self.context)
+        seconds, lean = SOLVES.get(key, lambda: self._solve_stage(k, i, submesh, view,
+                                                                  in_flight_batches))
+        if seconds is None:
+            return math.inf, None
+        option = replace(self.method.auto_sharding_option, parameters="sharded") if lean \
+            else None
+        return seconds + self.send_seconds(k, i), option
+
+    def _solve_stage(self, k, i, submesh, view, in_flight_batches) -> tuple[float | None, bool]:
+        stage_of = {n: (0 if k <= v <= i else 1) for n, v in self.layer.items()}
+        sub = stage_subgraph(self.graph, stage_of, 0).graph
+        mesh = _submesh_cluster(self.cluster, submesh).logical_mesh(view)
+        for lean in (False, True):
+            option = replace(self.method.auto_sharding_option, parameters="sharded") \
+                if lean else None
+            self.exact_solves += 1
+            try:
+                plan = _plan_stage((sub, mesh, self.method.intra_op_method(option),
+                                    self.inputs, in_flight_batches))
+            except InfeasibleError:
+                continue
+            self.exact_plans[(k, i, submesh, view, lean, in_flight_batches)] = plan
+            return plan.estimates["step_time_s"], lean
+        return None, False
+
+
+MEMORY_SLACK = 2.0
+"""How far over the budget an additive memory estimate may be for the exact stage ILP to
+be asked (GPT-39B, 2 layers, 8 micro-batches in flight: additive 126-140 GB, exact 79 GB
+of 80)."""
+
+MAX_EXACT_ROUNDS = 8
+"""Rounds of (stage DP, exact pricing of the stages it chose that were not yet exact)."""
+
+
+def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule: str,
+                  shapes: list[tuple[int, int]]):
+    """Alpa's stage DP with the stages that decide it priced exactly.
+
+    Every (layer range, submesh, micro-batches in flight) starts at its additive estimate,
+    or, where that says "does not fit" but is near fitting, at the fastest additive plan's
+    latency (optimistic). Each round runs the DP, then prices each stage of its answer
+    not yet priced with the stage's own memory-constrained ILP and replaces the estimate
+    by that (inf if no plan fits). When every stage of an answer is exact, no estimate it
+    beat is lower than what was priced, so the answer stands. With measured layer times
+    (``stage_option="profile"``) the DP runs once on them. Returns the solution, per
+    stage (view, option), and how many candidates were priced exactly."""
+    exact: dict[tuple, tuple[float, tuple | None]] = {}
+    measured = costs.measured is not None
+    choice: dict[tuple, tuple | None] = {}
+
+    def flight_of(after: int) -> int:
+        return min(B, after + 1) if schedule == "1f1b" else B
+
+    def cost(k, i, j, after):
+        key = (k, i, j, flight_of(after))
+        if key in exact:
+            latency, chosen = exact[key]
+        else:
+            latency, chosen = costs.cost(k, i, shapes[j], key[3])
+            near, near_chosen = (math.inf, None) if measured else \
+                costs.optimistic(k, i, shapes[j], key[3])
+            if near < latency:
+                latency, chosen = near, near_chosen
+        choice[key] = chosen
+        return latency
+
+    solution = None
+    for _ in range(MAX_EXACT_ROUNDS):
+        solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
+        todo = []
+        for n, st in enumerate(solution.stages):
+            key = (st.layers[0], st.layers[1], shapes.index(st.submesh),
+                   flight_of(len(solution.stages) - 1 - n))
+            if key not in exact:
+                todo.append(key)
+        if not todo or measured:    # measured times are not repriced by the cost model
+            break
+        for key in todo:
+            k, i, j, flight = key
+            picked = choice[key]
+            assert picked is not None, "the DP chose a stage with no plan"
+            view = picked[0]
+            latency, option = costs.exact(k, i, shapes[j], view, flight)
+            exact[key] = (latency, (view, option) if math.isfinite(latency) else None)
+    else:    # rounds spent: keep what was priced exactly, drop the optimistic guesses
+        def settled(k, i, j, after):
+            key = (k, i, j, flight_of(after))
+            if key in exact:
+                latency, chosen = exact[key]
+            else:
+                latency, chosen = costs.cost(k, i, shapes[j], key[3])
+            choice[key] = chosen
+            return latency
+        solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, settled)
+    stages = []
+    for n, st in enumerate(solution.stages):
+        key = (st.layers[0], st.layers[1], shapes.index(st.submesh),
+               flight_of(len(solution.stages) - 1 - n))
+        picked = exact[key][1] if key in exact else choice[key]
+        assert picked is not None, "the DP chose a stage with no plan"
+        if key in exact:
+            stages.append(picked)
+        else:
+            view, lean = picked
+            stages.append((view, replace(costs.method.auto_sharding_option,
+                                         parameters="sharded") if lean else None))
+    return solution, stages, len(exact)
 
 
 def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
@@ -299,36 +443,28 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
             min(B, L) if method.pipeline_schedule == "1f1b" else B))
         log.info("pipeline search: %d layer solves in %.1fs", costs.solves,
                  time.perf_counter() - start)
-        views: dict[tuple, tuple | None] = {}
-
-        def cost(k, i, j, after):
-            flight = min(B, after + 1) if method.pipeline_schedule == "1f1b" else B
-            latency, view = costs.cost(k, i, shapes[j], flight)
-            views[(k, i, j, after)] = view
-            return latency
         try:
-            solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
+            solution, chosen, priced = _exact_search(costs, L, cluster, B,
+                                                     method.pipeline_schedule, shapes)
         except ValueError as e:    # no stage fits: infeasible, like an ILP that finds none
             raise InfeasibleError(f"pipeline search on {cluster.num_nodes}x"
                                   f"{cluster.devices_per_node} devices with {B} micro-batches:"
                                   f" {e}") from e
-        stages = []
-        for n, s in enumerate(solution.stages):
-            after = len(solution.stages) - 1 - n
-            j = shapes.index(s.submesh)
-            view, lean = views[(s.layers[0], s.layers[1], j, after)]
-            option = replace(method.auto_sharding_option, parameters="sharded") if lean else None
-            stages.append((s.layers, s.submesh, view, option))
+        log.info("pipeline search: %d stage candidates priced exactly (%d stage solves)",
+                 priced, costs.exact_solves)
+        stages = [(s.layers, s.submesh, view, option)
+                  for s, (view, option) in zip(solution.stages, chosen)]
     searched = time.perf_counter()
     timed = [costs.range_seconds(k, i, view, submesh) for (k, i), submesh, view, _ in stages]
     plan = _assemble(graph, layer, stages, cluster, method, inputs,
-                     stage_seconds=timed if all(t is not None for t in timed) else None)
+                     stage_seconds=timed if all(t is not None for t in timed) else None,
+                     known=costs.exact_plans)
     log.info("pipeline plan: %d layers, %d stages, %d layer solves for the DP (%.1fs), "
              "stage plans %.1fs", L, len(stages), costs.solves, searched - start,
              time.perf_counter() - searched)
     return replace(plan, estimates=Estimates.from_dict(dict(
         plan.estimates, search_seconds=searched - start, layer_solves=costs.solves,
-        total_seconds=time.perf_counter() - start)))
+        stage_solves=costs.exact_solves, total_seconds=time.perf_counter() - start)))
 
 
 @dataclass(frozen=True)
@@ -440,8 +576,11 @@ def _place(submeshes: list[tuple[int, int]], cluster: Cluster) -> list[tuple[int
 
 
 def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Cluster,
-              method: PipeshardParallel, inputs: str, stage_seconds: list | None = None
-              ) -> PipelinePlan:
+              method: PipeshardParallel, inputs: str, stage_seconds: list | None = None,
+              known: dict | None = None) -> PipelinePlan:
+    """The PipelinePlan of ``stages`` ((first, last layer), submesh, view, option), each
+    stage planned exactly; ``known`` holds stage plans the search already solved, keyed
+    (first, last, submesh, view, lean, in flight), reused when made for the same graph."""
     stage_of_layer = {}
     for s, ((k, i), _, _, _) in enumerate(stages):
         for l in range(k, i + 1):
@@ -455,7 +594,16 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
     requests = [(sub.graph, _submesh_cluster(cluster, submesh).logical_mesh(view),
                  method.intra_op_method(option), inputs, in_flight(schedule[s]))
                 for s, (sub, (_, submesh, view, option)) in enumerate(zip(subs, stages))]
-    plans = _map(_plan_stage, requests, _workers())
+    plans: list = [None] * len(stages)
+    for s, ((k, i), submesh, view, option) in enumerate(stages):
+        lean = option is not None and option.parameters == "sharded"
+        plan = (known or {}).get((k, i, submesh, view, lean, in_flight(schedule[s])))
+        if plan is not None and (option is None or lean) and \
+                plan.graph_fingerprint == subs[s].graph.fingerprint():
+            plans[s] = plan
+    todo = [s for s in range(len(stages)) if plans[s] is None]
+    for s, plan in zip(todo, _map(_plan_stage, [requests[s] for s in todo], _workers())):
+        plans[s] = plan
     stage_plans, transfers = [], []
     for s, ((k, i), submesh, view, option) in enumerate(stages):
         sub, plan = subs[s], plans[s]

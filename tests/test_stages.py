@@ -148,14 +148,24 @@ def test_measured_times_decide_the_stages(mlp_graph, mlp_probes, fast):
     assert plan.estimates["stage_step_s"] == pytest.approx(per_stage)
 
 
+def test_every_view_with_a_tensor_parallel_axis_within_a_node():
+    """A submesh is tried as 1D and as (devices / tp, tp) for every tp dividing a node's
+    devices, so each hand (dp, tp) grid's layout is among the views the search plans."""
+    from torchalpa.passes.inter_op import logical_views
+    assert logical_views((1, 1)) == [(1,)]
+    assert logical_views((1, 2)) == [(2,)]
+    assert logical_views((1, 8)) == [(8,), (4, 2), (2, 4)]
+    assert logical_views((2, 8)) == [(16,), (8, 2), (4, 4), (2, 8)]
+
+
 def test_views_whose_axis_divides_no_dim_are_skipped():
     """An axis that can shard nothing (49 devices, dims 8 and 5120) only repeats work: the
     pipeline search does not solve it; views with a usable axis stay."""
     from torchalpa.passes.inter_op import logical_views, shardable_views
     dims = frozenset({8, 4096, 5120})
-    assert logical_views((49, 4)) == [(196,), (49, 4)]
+    assert logical_views((49, 4)) == [(196,), (98, 2), (49, 4)]
     assert shardable_views((49, 4), dims) == []
-    assert shardable_views((5, 4), dims) == [(20,), (5, 4)]  # 20 and 5 divide 5120
-    assert shardable_views((5, 4), frozenset({8, 15})) == [(5, 4)]   # 20 divides no dim
-    assert shardable_views((2, 4), dims) == [(8,), (2, 4)]
+    assert shardable_views((5, 4), dims) == [(20,), (10, 2), (5, 4)]  # 20, 10, 5 divide 5120
+    assert shardable_views((5, 4), frozenset({8, 15})) == [(5, 4)]   # 20, 10 divide no dim
+    assert shardable_views((2, 4), dims) == [(8,), (4, 2), (2, 4)]
     assert shardable_views((1, 1), dims) == [(1,)]

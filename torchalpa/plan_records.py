@@ -59,6 +59,8 @@ class Estimates(Mapping[str, Any]):
     timeline: list | None = None
     search_seconds: float | None = None
     layer_solves: int | None = None
+    stage_solves: int | None = None
+    """Stages the DP picked, priced with their own memory-limited ILP (cached)."""
     total_seconds: float | None = None
 
     @classmethod
