@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from torchalpa.calls import CallSignature
 from torchalpa.plan import PipelinePlan, Plan
+from torchalpa.runtime.grads import attach_gradients
 from torchalpa.runtime.faults import (FaultMonitor, check_same_inputs, check_same_values,
                                       describe_specs)
 from torchalpa.runtime.inference import ForwardPrograms
@@ -242,18 +243,14 @@ class ParallelModule(StepModule):
             self.check_replicas()
         self._clock.start(flat)
         with self._monitor.guard(f"step {self._num_calls}"), torch.no_grad():
+            tensors = self._tensors(self._param_names + self._buffer_names)
             step = self._runner.begin(flat)
-            self._runner.run(step, self._state(self._param_names + self._buffer_names),
-                             self._runner.actions)
+            self._runner.run(step, self._local_blocks(tensors), self._runner.actions)
             grads = self._runner.gradients(step)
-            loss = self._loss(step)
+            loss = self._loss(step)     # after backward: its all-reduce overlapped with it
         self._write_buffer_updates()
         optimizer.zero_grad(set_to_none=True)
-        for name, g in zip(self._param_names, grads):
-            if g is not None:
-                p = self.module.get_parameter(name)
-                p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
-                                            shape=p.shape, stride=p.stride())
+        attach_gradients(tensors[:len(self._param_names)], grads)
         optimizer.step()
         self._clock.stop("forward+backward+optimizer")
         return loss.detach()
@@ -312,13 +309,20 @@ class ParallelModule(StepModule):
     # -- helpers ------------------------------------------------------------------------
     def _state(self, names: Sequence[str], differentiable: bool = False) -> list[torch.Tensor]:
         """This rank's blocks of the named parameters and buffers."""
-        out = []
-        for name in names:
-            t = self._tensor(name)
-            if isinstance(t, DTensor):
-                t = t.to_local() if differentiable else t._local_tensor
-            out.append(t)
-        return out
+        return self._local_blocks(self._tensors(names), differentiable)
+
+    def _tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """The named parameters and buffers (DTensors where distributed), looked up now:
+        a swap (``.to()``, loading a checkpoint) may have replaced them since the last step."""
+        return [self._tensor(name) for name in names]
+
+    @staticmethod
+    def _local_blocks(tensors: Sequence[torch.Tensor], differentiable: bool = False
+                      ) -> list[torch.Tensor]:
+        """This rank's block of each tensor (``to_local`` keeps autograd's link)."""
+        if differentiable:
+            return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        return [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
 
     def _tensor(self, name: str) -> torch.Tensor:
         try:

@@ -29,6 +29,7 @@ from typing import Protocol
 
 import torch
 
+from torchalpa.runtime.deferred_loss import defer_loss_wait
 from torchalpa.runtime.early_reduce import early_reduce_program
 from torchalpa.runtime.lower import StageProgram, ValueKey
 from torchalpa.schedules import SCHEDULES, Action
@@ -70,6 +71,7 @@ class StepInFlight:
     losses: list[torch.Tensor] = field(default_factory=list)
     raw: list[torch.Tensor | None] = field(default_factory=list)   # one per present gradient
     reduced: list[torch.Tensor | None] | None = None     # set when backward also reduced
+    losses_waited: bool = False      # the losses' all-reduce, left in flight, is finished
 
 
 class StepRunner:
@@ -89,6 +91,7 @@ class StepRunner:
         self.last_buffer_updates: list[torch.Tensor] = []   # of the step's last micro-batch
         self._backward_reduce = None if exchange is not None else early_reduce_program(
             program.backward, program.reduce_grads, num_micro_batches)
+        self._deferred: tuple = (None, None, None)   # (program.forward, its copy, the wait)
 
     @property
     def defers_backward(self) -> bool:
@@ -117,7 +120,7 @@ class StepRunner:
         for kind, m in actions:
             if kind == "F":
                 received = [exchange.recv(k, m) for k in p.forward_recvs] if exchange else []
-                out = list(p.forward(*state, *[step.micro_inputs[m][i] for i in p.user_inputs],
+                out = list(self._forward()(*state, *[step.micro_inputs[m][i] for i in p.user_inputs],
                                      *received))
                 if p.has_loss:
                     step.losses.append(out.pop(0))
@@ -133,6 +136,17 @@ class StepRunner:
                 self._backward(step, m)
         if exchange is not None:
             exchange.finish(p, step.raw, any(kind == "B" for kind, _ in actions))
+
+    def _forward(self):
+        """The forward program to run: one stage's leaves the loss's all-reduce in flight
+        (``runtime.deferred_loss``) and ``loss()`` waits for it. Derived from the
+        program's current ``forward`` (and again if that is replaced)."""
+        source = self.program.forward
+        if self._deferred[0] is not source:
+            deferred = defer_loss_wait(source) if self.exchange is None and \
+                self.program.has_loss else None
+            self._deferred = (source, *(deferred if deferred is not None else (source, None)))
+        return self._deferred[1]
 
     def _backward(self, step: StepInFlight, m: int) -> None:
         p, exchange = self.program, self.exchange
@@ -152,9 +166,15 @@ class StepRunner:
             exchange.send(k, v, m)
 
     def loss(self, step: StepInFlight) -> torch.Tensor | None:
-        """The mean of the step's micro-batch losses (None: this stage computes none)."""
+        """The mean of the step's micro-batch losses (None: this stage computes none).
+        Waits for the losses' all-reduce, which forward left in flight: call it as late as
+        the loss is needed (after backward, in ``train_step``) to overlap the two."""
         if not step.losses:
             return None
+        finish = self._deferred[2]
+        if finish is not None and not step.losses_waited:
+            step.losses = [finish(x) for x in step.losses]
+            step.losses_waited = True
         return step.losses[0] if len(step.losses) == 1 else torch.stack(step.losses).mean()
 
     def gradients(self, step: StepInFlight, scale: torch.Tensor | float | None = None

@@ -1,0 +1,64 @@
+"""The loss's all-reduce left in flight after forward (runtime/deferred_loss.py), in one
+process with a one-rank gloo group. Real ranks: tests/test_distributed.py checks that the
+losses a data-parallel step returns still equal one device's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+
+from torchalpa.runtime import collectives as C
+from torchalpa.runtime.deferred_loss import defer_loss_wait
+from torchalpa.runtime.overlap import overlap_collectives
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of one rank in this process (collectives are identities)."""
+    import torch.distributed as dist
+
+    from torchalpa.runtime.mesh import init_distributed
+    init_distributed()
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def forward_program(group: str, *, reduce_loss: bool) -> fx.GraphModule:
+    """(x) -> (mean loss, all-reduced when ``reduce_loss``; a saved value), overlapped as
+    the lowering does."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    loss = graph.call_function(torch.mean, (graph.call_function(torch.square, (x,)),))
+    if reduce_loss:
+        loss = graph.call_function(C.all_reduce, (loss, "sum", group))
+    saved = graph.call_function(torch.sin, (x,))
+    graph.output((loss, saved))
+    return overlap_collectives(fx.GraphModule(torch.nn.Module(), graph))
+
+
+def names(gm: fx.GraphModule) -> list[str]:
+    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+            if n.op == "call_function"]
+
+
+def test_the_loss_comes_back_issued_and_its_wait_gives_the_same_value(one_rank_group):
+    forward = forward_program(one_rank_group, reduce_loss=True)
+    deferred = defer_loss_wait(forward)
+    assert deferred is not None
+    program, wait = deferred
+    assert names(program).count("issue_all_reduce") == 1
+    assert "finish_all_reduce" not in names(program)
+    assert "finish_all_reduce" in names(forward)      # the source program keeps its wait
+    x = torch.randn(6)
+    handle, saved = program(x)
+    want_loss, want_saved = forward(x)
+    assert torch.equal(wait(handle), want_loss) and torch.equal(saved, want_saved)
+
+
+def test_a_loss_without_a_collective_is_left_alone(one_rank_group):
+    assert defer_loss_wait(forward_program(one_rank_group, reduce_loss=False)) is None
+
+
+def test_a_program_that_is_not_a_graph_is_left_alone():
+    assert defer_loss_wait(lambda x: (x.sum(),)) is None      # pyright: ignore[reportArgumentType]
