@@ -64,7 +64,14 @@ __all__ = ["ParallelModule", "to_dtensor_placements", "distribute_module_state"]
 class _TrainingStep(torch.autograd.Function):
     """One stage (intra-op): the forward actions now, the backward ones on
     ``loss.backward()``. A stage of a longer pipeline: the whole step now, its gradients
-    handed out on ``loss.backward()``."""
+    handed out on ``loss.backward()``. Returns the loss, then the step's new buffer
+    values (not differentiable), which the caller stores.
+
+    ``torch.compile`` traces forward and backward as separate scopes that may not mutate
+    anything made outside them. So the forward's step stays in the forward: what each
+    micro-batch saved goes to backward through ``ctx.save_for_backward``, and backward
+    resumes on a step of its own (``StepRunner.resume``); buffer write-backs happen after
+    ``apply``, outside both."""
 
     @staticmethod
     def forward(ctx, pm: "ParallelModule", num_state: int, *args):
@@ -74,25 +81,32 @@ class _TrainingStep(torch.autograd.Function):
             step = runner.begin(inputs)
             if runner.defers_backward:
                 runner.run(step, state, runner.forward_actions())
-                ctx.step, ctx.grads = step, None
+                saved = [step.saved[m] for _, m in runner.forward_actions()]
+                ctx.counts = [len(s) for s in saved]
+                ctx.save_for_backward(*[t for s in saved for t in s])
+                ctx.grads = None
             else:
                 runner.run(step, state, runner.actions)
-                ctx.step, ctx.grads = None, runner.gradients(step)
+                ctx.counts, ctx.grads = None, runner.gradients(step)
             loss = pm._loss(step)
-        pm._write_buffer_updates()
         ctx.pm = pm
         ctx.num_others = len(args) - len(pm._param_names)
-        return loss
+        ctx.mark_non_differentiable(*step.buffer_updates)
+        return (loss, *step.buffer_updates)
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *_grad_buffer_updates):
         # The programs seed backward with d(loss) = 1; gradients are linear in that seed.
         # (.item() would break a torch.compile graph: traced, the seed is always passed)
         unit = grad_loss is None or (not torch.compiler.is_compiling()
                                      and grad_loss.device.type == "cpu" and grad_loss.item() == 1.0)
-        pm, step = ctx.pm, ctx.step
-        if step is not None:
-            ctx.step = None
+        pm = ctx.pm
+        if ctx.counts is not None:
+            flat, saved, start = ctx.saved_tensors, [], 0
+            for n in ctx.counts:
+                saved.append(flat[start:start + n])
+                start += n
+            step = pm._runner.resume(saved)
             with pm._monitor.guard(f"the backward of step {pm._num_calls}"):
                 pm._runner.run(step, [], pm._runner.backward_actions())
                 grads = pm._runner.gradients(step, None if unit else grad_loss)
@@ -195,11 +209,13 @@ class ParallelModule(StepModule):
                 self._runner.run(step, self._state(self._param_names + self._buffer_names),
                                  self._runner.forward_actions(), keep_saved=False)
                 loss = self._loss(step)
-            self._write_buffer_updates()
+            self._write_buffer_updates(step.buffer_updates)
             self._clock.stop("forward")
             return self._signature.wrap_loss(loss)
         state = self._state(self._param_names + self._buffer_names, differentiable=True)
-        return self._signature.wrap_loss(_TrainingStep.apply(self, len(state), *state, *flat))
+        loss, *buffer_updates = _TrainingStep.apply(self, len(state), *state, *flat)
+        self._write_buffer_updates(buffer_updates)
+        return self._signature.wrap_loss(loss)
 
     def _other_mode(self) -> bool:
         """Called in the mode the step was not captured in, with eval programs to run
@@ -218,14 +234,11 @@ class ParallelModule(StepModule):
         dist.broadcast(loss, src=self._loss_rank)
         return loss
 
-    def _write_buffer_updates(self) -> None:
-        """Store the new values the step computed for buffers (batch-norm running
+    def _write_buffer_updates(self, values: Sequence[torch.Tensor]) -> None:
+        """Store the new values a step computed for buffers (batch-norm running
         statistics), in the buffers' own layouts; with micro-batches, the last one's."""
-        values = self._runner.last_buffer_updates
-        if not values:
-            return
-        self._store_buffer_updates(self._runner.program.buffer_updates, values)
-        self._runner.last_buffer_updates = []
+        if values:
+            self._store_buffer_updates(self._runner.program.buffer_updates, values)
 
     def train_step(self, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """zero_grad, forward and backward (micro-batch by micro-batch), optimizer step;
@@ -248,7 +261,7 @@ class ParallelModule(StepModule):
             self._runner.run(step, self._local_blocks(tensors), self._runner.actions)
             grads = self._runner.gradients(step)
             loss = self._loss(step)     # after backward: its all-reduce overlapped with it
-        self._write_buffer_updates()
+        self._write_buffer_updates(step.buffer_updates)
         optimizer.zero_grad(set_to_none=True)
         attach_gradients(tensors[:len(self._param_names)], grads)
         optimizer.step()

@@ -64,11 +64,18 @@ class Exchange(Protocol):
 @dataclass
 class StepInFlight:
     """One step between its forward and backward actions: the micro-batches, what each
-    forward saved for its backward, the losses and the raw gradients so far."""
+    forward saved for its backward, the losses, the new buffer values (of the last
+    micro-batch) and the raw gradients so far.
+
+    All of a step's state lives here, never on the runner, so a step is created and
+    changed by the code that runs it: under ``torch.compile`` an autograd.Function's
+    forward and backward are traced as separate scopes, neither of which may mutate an
+    object the other made (``StepRunner.resume`` gives the backward its own step)."""
 
     micro_inputs: list[list[torch.Tensor]]
     saved: dict[int, list] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
+    buffer_updates: list[torch.Tensor] = field(default_factory=list)
     raw: list[torch.Tensor | None] = field(default_factory=list)   # one per present gradient
     reduced: list[torch.Tensor | None] | None = None     # set when backward also reduced
     losses_waited: bool = False      # the losses' all-reduce, left in flight, is finished
@@ -88,7 +95,6 @@ class StepRunner:
         self.num_micro_batches = num_micro_batches
         self.exchange = exchange
         self.actions: list[Action] = SCHEDULES[schedule](num_stages, num_micro_batches)[stage]
-        self.last_buffer_updates: list[torch.Tensor] = []   # of the step's last micro-batch
         self._backward_reduce = None if exchange is not None else early_reduce_program(
             program.backward, program.reduce_grads, num_micro_batches)
         self._deferred: tuple = (None, None, None)   # (program.forward, its copy, the wait)
@@ -110,6 +116,14 @@ class StepRunner:
         return StepInFlight(split_micro_batches(inputs, self.num_micro_batches),
                             raw=[None] * present)
 
+    def resume(self, saved: Sequence[Sequence[torch.Tensor]]) -> StepInFlight:
+        """A new step holding only what each micro-batch's forward saved (``saved[m]``),
+        ready for the backward actions: what a deferred backward runs on, built from
+        the tensors the forward handed over instead of the forward's own step."""
+        present = sum(self.program.grad_present)
+        return StepInFlight([], saved={m: list(s) for m, s in enumerate(saved)},
+                            raw=[None] * present)
+
     def run(self, step: StepInFlight, state: list[torch.Tensor], actions: list[Action], *,
             keep_saved: bool = True) -> None:
         """Execute ``actions`` of ``step``; ``keep_saved=False``: forward only, nothing
@@ -129,7 +143,7 @@ class StepRunner:
                     exchange.send(k, out.pop(0), m)
                 n = len(p.buffer_updates)
                 if n:
-                    self.last_buffer_updates, out = out[:n], out[n:]
+                    step.buffer_updates, out = out[:n], out[n:]
                 if keep_saved:
                     step.saved[m] = out
             else:
