@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -79,6 +79,7 @@ class StepInFlight:
     raw: list[torch.Tensor | None] = field(default_factory=list)   # one per present gradient
     reduced: list[torch.Tensor | None] | None = None     # set when backward also reduced
     losses_waited: bool = False      # the losses' all-reduce, left in flight, is finished
+    finish_loss: Callable | None = None   # waits for that all-reduce (None: forward waited)
 
 
 class StepRunner:
@@ -98,6 +99,8 @@ class StepRunner:
         self._backward_reduce = None if exchange is not None else early_reduce_program(
             program.backward, program.reduce_grads, num_micro_batches)
         self._deferred: tuple = (None, None, None)   # (program.forward, its copy, the wait)
+        self._forward()        # built now: building a program inside torch.compile's trace
+                               # would break its graph
 
     @property
     def defers_backward(self) -> bool:
@@ -134,8 +137,9 @@ class StepRunner:
         for kind, m in actions:
             if kind == "F":
                 received = [exchange.recv(k, m) for k in p.forward_recvs] if exchange else []
-                out = list(self._forward()(*state, *[step.micro_inputs[m][i] for i in p.user_inputs],
-                                     *received))
+                forward, step.finish_loss = self._forward()
+                out = list(forward(*state, *[step.micro_inputs[m][i] for i in p.user_inputs],
+                                   *received))
                 if p.has_loss:
                     step.losses.append(out.pop(0))
                 for k in p.forward_sends:
@@ -151,16 +155,19 @@ class StepRunner:
         if exchange is not None:
             exchange.finish(p, step.raw, any(kind == "B" for kind, _ in actions))
 
-    def _forward(self):
-        """The forward program to run: one stage's leaves the loss's all-reduce in flight
-        (``runtime.deferred_loss``) and ``loss()`` waits for it. Derived from the
-        program's current ``forward`` (and again if that is replaced)."""
+    def _forward(self) -> tuple[Callable, Callable | None]:
+        """The forward program to run and what waits for its loss: one stage's leaves the
+        loss's all-reduce in flight (``runtime.deferred_loss``) and ``loss()`` waits for it.
+        Derived from the program's current ``forward`` (and again if that is replaced,
+        except while torch.compile traces: then the replacement runs as it is)."""
         source = self.program.forward
         if self._deferred[0] is not source:
+            if torch.compiler.is_compiling():
+                return source, None
             deferred = defer_loss_wait(source) if self.exchange is None and \
                 self.program.has_loss else None
             self._deferred = (source, *(deferred if deferred is not None else (source, None)))
-        return self._deferred[1]
+        return self._deferred[1], self._deferred[2]
 
     def _backward(self, step: StepInFlight, m: int) -> None:
         p, exchange = self.program, self.exchange
@@ -185,7 +192,7 @@ class StepRunner:
         the loss is needed (after backward, in ``train_step``) to overlap the two."""
         if not step.losses:
             return None
-        finish = self._deferred[2]
+        finish = step.finish_loss
         if finish is not None and not step.losses_waited:
             step.losses = [finish(x) for x in step.losses]
             step.losses_waited = True
