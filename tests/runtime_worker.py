@@ -10,6 +10,8 @@ from the same initial weights and data, and records both sides for the test to c
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import sys
 
@@ -31,6 +33,11 @@ from torchalpa.plan import OutputSlot  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 from worker_io import attempt, finish  # noqa: E402
 from torchalpa.runtime.precision import CastForward, MixedPrecision  # noqa: E402
+
+# Scenarios that need sharded layouts (not DDP's) plan for a CPU cluster that prices each
+# gradient all-reduce on its own, as Alpa does: the default (measured, bucket-priced) gloo
+# cluster rightly makes these small MLPs data parallel, which would test nothing here.
+PER_GRADIENT_CPU = dataclasses.replace(torchalpa.Cluster.local_cpu(4), gradient_bucket_bytes=0)
 
 ALPA_UNIT = lambda n: torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,), beta=(1.0,))  # noqa: E731
 
@@ -210,7 +217,8 @@ def inference():
 
     model, ref = twin(lambda: MLP(64, 3))
     pm = torchalpa.auto_parallel(model, (x.repeat(1, 2), y.repeat(1, 2)), F.mse_loss,
-                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                                 cluster=PER_GRADIENT_CPU)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     for step in range(2):
         xs, ys = batch(step, 32, 64)
@@ -328,7 +336,8 @@ def checkpoint(shared: str):
     x, y = batch(0, 64, 32)
     adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
     torch.manual_seed(0)
-    pm = torchalpa.auto_parallel(make(), (x, y), F.mse_loss, optimizer=adam)
+    pm = torchalpa.auto_parallel(make(), (x, y), F.mse_loss, optimizer=adam,
+                                 cluster=PER_GRADIENT_CPU)
     path = os.path.join(shared, "ckpt")
     out = {"uninterrupted": [], "mesh": list(pm.plan.mesh_shape),
            "placements_1d": {v.name: [repr(p) for p in v.placements] for v in pm.plan.parameters}}
@@ -339,7 +348,8 @@ def checkpoint(shared: str):
 
     def resume(**kw):
         torch.manual_seed(123)                     # other initial weights: all must be loaded
-        fresh = torchalpa.auto_parallel(make(), (x, y), F.mse_loss, optimizer=adam, **kw)
+        fresh = torchalpa.auto_parallel(make(), (x, y), F.mse_loss, optimizer=adam,
+                                        cluster=PER_GRADIENT_CPU, **kw)
         load_checkpoint(path, fresh)
         return fresh, [fresh.train_step(*batch(step, 64, 32)).item() for step in (2, 3)]
 

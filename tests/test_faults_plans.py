@@ -5,6 +5,7 @@ is private, and a plan given or loaded that does not fit the step is refused by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -21,7 +22,10 @@ from torchalpa.plan import OUTPUT, PLAN_VERSION, OutputSlot
 from torchalpa.plan_check import PlanError, check_plan
 
 METHOD = torchalpa.ShardParallel(logical_mesh_shape=(4,))
-CLUSTER = torchalpa.Cluster.local_cpu(4)
+# gradients priced one all-reduce each (Alpa's accounting): this small MLP's plan is then
+# sharded, which the edited-layout and uneven-split cases below need (bucket-priced, the
+# plan is DDP's, all replicated)
+CLUSTER = dataclasses.replace(torchalpa.Cluster.local_cpu(4), gradient_bucket_bytes=0)
 
 
 def make_plan(hidden=16):
