@@ -21,7 +21,8 @@ from __future__ import annotations
 from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpNode
 
-__all__ = ["collective_cost", "steps_cost", "compute_cost", "all_reduce_cost", "wire_bytes"]
+__all__ = ["collective_cost", "steps_cost", "compute_cost", "all_reduce_cost", "wire_bytes",
+           "sync_cost"]
 
 
 def collective_cost(mesh: LogicalMesh, kind: str, axis: int, nbytes: float) -> float:
@@ -69,6 +70,12 @@ def all_reduce_cost(mesh: LogicalMesh, nbytes: float, axis: int) -> float:
 
 def steps_cost(mesh: LogicalMesh, steps) -> float:
     return sum(collective_cost(mesh, s.kind, s.axis, s.bytes) for s in steps)
+
+
+def sync_cost(mesh: LogicalMesh, synced) -> float:
+    """The all-reduces an op runs inside itself (``Strategy.synced``: (axis, bytes) pairs,
+    synchronized batch norm's statistics)."""
+    return sum(collective_cost(mesh, "all_reduce", axis, nbytes) for axis, nbytes in synced)
 
 
 def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int) -> float:

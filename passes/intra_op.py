@@ -23,7 +23,7 @@ from torchalpa.cluster import LogicalMesh
 from torchalpa.methods import AutoShardingOption, ShardParallel
 from torchalpa.passes.constraints import apply_constraints
 from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
-from torchalpa.passes.cost import compute_cost, steps_cost, wire_bytes
+from torchalpa.passes.cost import compute_cost, steps_cost, sync_cost, wire_bytes
 from torchalpa.passes.costgraph import ReshardCosts, build_cost_graph
 from torchalpa.passes.ilp import ILPProblem, InfeasibleError, solve_ilp
 from torchalpa.passes.simplify import group_nodes
@@ -341,7 +341,7 @@ def _merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
             bucket["bytes"] += step.bytes
             bucket["tensors"].append(r.producer)
             bucket["collectives"].append(position)
-    assert position == len(plan.collectives) - 1
+    assert position == sum(s.is_collective for r in plan.reshards for s in r.steps) - 1
     assert mesh.alpha is not None  # LogicalMesh.__post_init__ fills it
     saved = sum((len(b["tensors"]) - 1) * mesh.alpha[b["axis"]] for b in buckets)
     e = plan.estimates
@@ -556,6 +556,14 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                 wire += groups * wire_bytes(step.kind, mesh.shape[step.axis], step.bytes,
                                             mesh.backend)
         comm_time += steps_cost(mesh, r.steps)
+    for n in graph.ops():     # synced ops' own all-reduces, after every reshard's collectives
+        for axis, nbytes in chosen[n.name].synced:
+            collectives.append(Collective(kind="all_reduce", axis=axis, bytes=nbytes,
+                                          phase=n.phase, source=n.module, tensor=n.name,
+                                          reduce_op="sum"))
+            wire += mesh.num_devices // mesh.shape[axis] * wire_bytes(
+                "all_reduce", mesh.shape[axis], nbytes, mesh.backend)
+        comm_time += sync_cost(mesh, chosen[n.name].synced)
     compute_time = sum(compute_cost(mesh, n, chosen[n.name].shards) for n in graph.ops())
 
     leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}
@@ -575,7 +583,8 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                                         placements=leaf_placement[n.name])
                          for n in graph if n.kind == "input")
     strategies = tuple(NodeStrategy(node=n.name, inputs=chosen[n.name].inputs,
-                                    outputs=chosen[n.name].outputs) for n in graph.ops())
+                                    outputs=chosen[n.name].outputs,
+                                    synced=chosen[n.name].synced) for n in graph.ops())
     notes = list(space.notes)
     for n in graph:
         if n.kind == "input" and n.output.shape and n.output.shape[0] % mesh.num_devices:

@@ -28,6 +28,7 @@ class Strategy:
     inputs: tuple[Placements | None, ...]   # None: the operand is read for its shape only
     outputs: tuple[Placements, ...]
     shards: int = 1                          # ways the op's work is divided
+    synced: tuple[tuple[int, int], ...] = ()  # (mesh axis, bytes): all-reduces inside the op
 
     @property
     def name(self) -> str:
@@ -61,7 +62,7 @@ def enumerate_strategies(rule: FactorRule, mesh: LogicalMesh,
     for assignment in itertools.product(choices, repeat=mesh.ndim):
         s = _build(rule, mesh, assignment, size_of, reduction_of)
         if s is not None:
-            strategies.setdefault((s.inputs, s.outputs), s)
+            strategies.setdefault((s.inputs, s.outputs, s.synced), s)
     result = list(strategies.values())
     if rule.heavy and mesh.num_devices > 1 and not recompute_heavy:
         # Alpa's policy: compute-bound ops are never run redundantly when a split exists.
@@ -77,6 +78,7 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
     outputs = [[None] * mesh.ndim for _ in rule.results]
     split = {}  # factor -> product of axis sizes it is sharded over
     shards = 1
+    sync_axes = []
     for axis, choice in enumerate(assignment):
         n = mesh.shape[axis]
         if choice[0] is None or n == 1:
@@ -95,6 +97,8 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
         if size_of[factor] % split[factor]:
             return None
         shards *= n
+        if factor in rule.synced:
+            sync_axes.append(axis)
         for i, dims in enumerate(rule.operands):
             p = _placement_for(dims, factor, size_of)
             if p is False:
@@ -109,7 +113,9 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
                 return None
             if p is None:
                 op = reduction_of.get(factor)
-                if j < len(rule.independent) and factor in rule.independent[j]:
+                if factor in rule.synced:
+                    p = Replicate()  # synchronized inside the op: whole on every device
+                elif j < len(rule.independent) and factor in rule.independent[j]:
                     p = Replicate()  # the result does not depend on this factor
                 elif op is None:
                     return None  # a factor that vanishes without being reduced
@@ -117,7 +123,21 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
                     p = Partial(op)
             outputs[j][axis] = p
     ins = tuple(None if i in rule.ignored else tuple(p) for i, p in enumerate(inputs))
-    return Strategy(inputs=ins, outputs=tuple(tuple(p) for p in outputs), shards=shards)
+    return Strategy(inputs=ins, outputs=tuple(tuple(p) for p in outputs), shards=shards,
+                    synced=_sync_steps(rule, sync_axes, split, size_of))
+
+
+def _sync_steps(rule: FactorRule, axes: list[int], split: dict[str, int],
+                size_of: dict[str, int]) -> tuple[tuple[int, int], ...]:
+    """(axis, bytes per device) of the all-reduce a synced op runs on each axis that
+    splits one of its synced factors: the statistics as this device holds them."""
+    if not axes:
+        return ()
+    per_entry, factors = rule.sync_stats
+    entries = 1
+    for f in factors:
+        entries *= size_of[f] // split.get(f, 1)
+    return tuple((axis, per_entry * entries) for axis in axes)
 
 
 def splits_over_both_axes(s: Strategy, mesh: LogicalMesh) -> bool:

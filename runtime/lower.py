@@ -4,8 +4,9 @@ The source graph is the captured joint step ``(params, buffers, inputs) -> (loss
 *buffer updates)`` on global shapes. Lowering rewrites part of it for one rank: every op
 runs on local blocks, with shape arguments localized (``runtime.localize``), and every
 resharding step the plan lists becomes a call in ``runtime.collectives`` right before the
-op that needs it. The result is split into three programs, so it can sit behind
-``loss.backward()`` or a pipeline schedule:
+op that needs it; an op the plan synchronizes (batch norm over a split batch) runs its own
+all-reduces (``runtime.sync_norm``). The result is split into three programs, so it can
+sit behind ``loss.backward()`` or a pipeline schedule:
 
 - ``forward``: the loss, values sent to later stages, buffer updates, and what backward
   needs;
@@ -40,6 +41,7 @@ import torchalpa.attention  # noqa: F401  (registers torchalpa::sdpa, which prog
 from torchalpa.opgraph import ValueRef
 from torchalpa.plan import OutputSlot, Plan, ReshardStep
 from torchalpa.runtime import collectives as C
+from torchalpa.runtime import sync_norm
 from torchalpa.runtime.buckets import fuse_gradient_buckets, gradient_buckets
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.overlap import overlap_collectives
@@ -310,8 +312,16 @@ def _lower_node(n: fx.Node, graph: fx.Graph, emit: _Emitter, lookup, operand_ste
 
     args = tree_map(local_arg, list(n.args))
     kwargs = {k: tree_map(local_arg, v) for k, v in n.kwargs.items()}
-    target, args, kwargs = localize(n, args, kwargs, strategies[n.name], mesh_shape, device,
-                                    coords)
+    strategy = strategies[n.name]
+    target, args, kwargs = localize(n, args, kwargs, strategy, mesh_shape, device, coords)
+    if strategy.synced:    # batch norm over a split batch: statistics all-reduced inside
+        op = str(n.target)
+        position = sync_norm.SYNCED[op].names.index("input")
+        source = n.args[position] if position < len(n.args) else n.kwargs["input"]
+        assert isinstance(source, fx.Node)
+        target, args, kwargs = sync_norm.synced_call(
+            op, args, kwargs, input_shape=tuple(source.meta["val"].shape),
+            groups=[emit.group_names[axis] for axis, _ in strategy.synced])
     return graph.call_function(target, tuple(args), kwargs)
 
 

@@ -37,7 +37,9 @@ from torchalpa.passes.rules import RULES
 from torchalpa.passes.strategies import enumerate_strategies
 from torchalpa.placement import Replicate, Shard
 from torchalpa.plan import NodeStrategy
+from torchalpa.runtime import sync_norm
 from torchalpa.runtime.localize import localize
+from torchalpa.runtime.sync_norm import SYNCED
 
 MESHES = [(2,), (4,), (2, 2)]
 SEED = 1234
@@ -82,10 +84,24 @@ def _call(target, args, kwargs):
     return out
 
 
+def _synced_sums(sums: dict, synced, mesh_shape) -> dict:
+    """Each rank's per-channel sums after the all-reduces over the ``synced`` axes."""
+    axes = {axis for axis, _ in synced}
+    total = {}
+    for coord in sums:
+        peers = [c for c in sums if all(c[a] == coord[a] for a in range(len(mesh_shape))
+                                        if a not in axes)]
+        total[coord] = sum(sums[c] for c in peers)
+    return total
+
+
 def _run_op_sharded(node_fx, op_node, values, strategy, mesh_shape):
-    """Run one fx node on every rank's blocks and combine its results."""
-    ns = NodeStrategy(op_node.name, strategy.inputs, strategy.outputs)
+    """Run one fx node on every rank's blocks and combine its results. A synced op (batch
+    norm over a split batch) runs as ``runtime.sync_norm`` does: local sums, their sum over
+    the synced axes' peers (the all-reduce), then the results."""
+    ns = NodeStrategy(op_node.name, strategy.inputs, strategy.outputs, strategy.synced)
     outs = {}
+    local_calls = {}
     for coord in coords_of(mesh_shape):
         slot = iter(range(len(op_node.operands)))
 
@@ -100,7 +116,22 @@ def _run_op_sharded(node_fx, op_node, values, strategy, mesh_shape):
         kwargs = {k: torch.utils._pytree.tree_map(local, v) for k, v in node_fx.kwargs.items()}
         target, args, kwargs = localize(node_fx, args, kwargs, ns, mesh_shape, torch.device("cpu"),
                                         coord)
-        outs[coord] = _call(target, args, kwargs)
+        if strategy.synced:
+            local_calls[coord] = args, kwargs
+        else:
+            outs[coord] = _call(target, args, kwargs)
+    if strategy.synced:
+        op = str(node_fx.target)
+        synced = SYNCED[op]
+        shape = values[node_fx.args[synced.names.index("input")].name].shape
+        calls = {c: sync_norm.synced_call(op, a, k, input_shape=shape, groups=())[1]
+                 for c, (a, k) in local_calls.items()}
+        sums = _synced_sums({c: synced.sums(*a) for c, a in calls.items()}, strategy.synced,
+                            mesh_shape)
+        outs = {c: _call(lambda *a, c=c: synced.finish(sums[c], *a,
+                                                       count=sync_norm.per_channel_count(shape)),
+                         a, {})
+                for c, a in calls.items()}
     return [None if outs[coords_of(mesh_shape)[0]][i] is None else
             combine({c: o[i] for c, o in outs.items()}, strategy.outputs[i], mesh_shape)
             for i in range(len(strategy.outputs))]
@@ -369,12 +400,18 @@ def test_learned_bias_gradient_sums_over_its_broadcast_dims():
     assert "(S(1), S(1), S(1), S(1), S(0)) -> S(1), S(1), S(1), S(0)" in names
 
 
-def test_batch_norm_training_splits_only_channels():
-    (gm, nodes), _ = traced("batch_norm_train")
-    node = next(n for n in nodes.values() if n.op == "aten._native_batch_norm_legit_functional.default")
-    rule = RULES[node.op](node, [nodes[r.node].outputs[r.index] for r in node.operands])
-    layouts = {s.inputs[0] for s in enumerate_strategies(rule, LogicalMesh(shape=(2,)))}
-    assert layouts == {(Replicate(),), (Shard(1),)}
+def test_batch_norm_training_splits_the_batch_only_where_synced():
+    """The functional op splits its batch with synced statistics; the in-place variant,
+    which has no synchronized version at run time, splits only channels."""
+    (gm, nodes), _ = traced("batch_norm_variants")
+    for op, want in [("aten._native_batch_norm_legit_functional.default",
+                      {(Replicate(),), (Shard(1),), (Shard(0),)}),
+                     ("aten._native_batch_norm_legit.default", {(Replicate(),), (Shard(1),)})]:
+        node = next(n for n in nodes.values() if n.op == op)
+        rule = RULES[node.op](node, [nodes[r.node].outputs[r.index] for r in node.operands])
+        strategies = enumerate_strategies(rule, LogicalMesh(shape=(2,)))
+        assert {s.inputs[0] for s in strategies} == want, op
+        assert all(bool(s.synced) == (s.inputs[0] == (Shard(0),)) for s in strategies), op
 
 
 # -- shapes vary -----------------------------------------------------------------------
@@ -477,3 +514,29 @@ def test_attention_any_grouping(kv_heads, causal, flash):
     else:
         fn = fwd_bwd(lambda q, k, v: math_attention(q, k, v, causal), [0, 1, 2])
     check_fn(fn, (q, k, v), meshes=[(2,), (2, 2)], atol=1e-3)
+
+
+def test_training_batch_norm_splits_its_batch_with_synced_statistics():
+    """Training batch norm may split its batch: the strategy records one all-reduce of
+    (2 sums x local channels x 4 bytes) per mesh axis splitting it, statistics and
+    parameter gradients come out whole (synchronized batch norm, as Alpa's plan)."""
+    (gm, nodes), _ = traced("batch_norm_train")
+    found = {}
+    for name, node in nodes.items():
+        if node.op in SYNCED:
+            specs = [nodes[r.node].outputs[r.index] for r in node.operands]
+            rule = RULES[node.op](node, specs)
+            found[node.op] = enumerate_strategies(rule, LogicalMesh(shape=(2, 2)))
+    assert set(found) == {"aten._native_batch_norm_legit_functional.default",
+                          "aten.native_batch_norm_backward.default"}
+    for op, strategies in found.items():
+        x_slot = 1 if "backward" in op else 0
+        batch_split = [s for s in strategies if s.inputs[x_slot][0] == Shard(0)
+                       and s.inputs[x_slot][1] == Shard(1)]
+        assert batch_split, op
+        for s in batch_split:     # batch on axis 0, channels (4) on axis 1: 2 local channels
+            assert s.synced == ((0, 2 * 2 * 4),), (op, s)
+            assert all(p == (Replicate(), Shard(0)) for p in s.outputs[1:] if len(p)), (op, s)
+        whole = [s for s in strategies if not any(isinstance(p, Shard) and p.dim != 1
+                                                  for p in s.inputs[x_slot])]
+        assert all(not s.synced for s in whole), op

@@ -179,16 +179,23 @@ class NodeStrategy:
     node: str
     inputs: tuple[Placements | None, ...]
     outputs: tuple[Placements, ...]
+    synced: tuple[tuple[int, int], ...] = ()
+    """(mesh axis, bytes): all-reduces the op runs inside itself (synchronized batch norm
+    over a split batch); each is also listed in the plan's ``collectives``."""
 
     def to_dict(self) -> dict:
-        return {"in": [None if p is None else format_placements(p) for p in self.inputs],
-                "out": [format_placements(p) for p in self.outputs]}
+        d = {"in": [None if p is None else format_placements(p) for p in self.inputs],
+             "out": [format_placements(p) for p in self.outputs]}
+        if self.synced:
+            d["synced"] = [list(s) for s in self.synced]
+        return d
 
     @classmethod
     def from_dict(cls, node: str, d: dict) -> "NodeStrategy":
         return cls(node=node,
                    inputs=tuple(None if p is None else parse_placements(p) for p in d["in"]),
-                   outputs=tuple(parse_placements(p) for p in d["out"]))
+                   outputs=tuple(parse_placements(p) for p in d["out"]),
+                   synced=tuple((int(a), int(b)) for a, b in d.get("synced", ())))
 
     def __str__(self) -> str:
         ins = ", ".join("*" if p is None else short(p) for p in self.inputs)

@@ -21,6 +21,12 @@ Two optional refinements cover ops that are not pure einsums:
 - ``random``: the op draws random numbers (``rules/random.py``): each block of a sharded
   result is its own draw. ``AutoShardingOption(random="replicated")`` blocks every factor
   of such ops, for single-device numerics.
+- ``synced``: factors the op may split only by synchronizing statistics across the devices
+  that split them (training batch norm: per-channel sums over a split batch). Operands and
+  results a synced factor does not index stay whole (``Replicate``) on its axis, and the
+  strategy records one all-reduce per such axis inside the op (``Strategy.synced``), of
+  ``sync_stats``: bytes per entry times the local size of the factors indexing the
+  statistics. The runtime runs the op with those all-reduces (``runtime/sync_norm.py``).
 
 A rule describes an op whose results are positional: one entry per output the op's schema
 returns, ``None`` outputs included, so ``results[i]`` matches ``getitem(op, i)``.

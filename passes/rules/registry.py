@@ -35,6 +35,8 @@ class FactorRule:
     accumulators: frozenset = frozenset()          # operands added into: Partial, not Replicate
     independent: tuple[frozenset, ...] = ()        # per result: factors it does not depend on
     random: bool = False                           # results are random draws, per block
+    synced: frozenset = frozenset()                # factors split at the price of a sync
+    sync_stats: tuple = (0, ())                    # (bytes per entry, factors indexing them)
 
     @property
     def size_of(self) -> dict[str, int]:
