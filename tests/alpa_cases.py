@@ -346,3 +346,43 @@ def all_to_all_cost(mesh: LogicalMesh, nbytes: float, axis: int) -> float:
     """Alpa's ``all_to_all_cost``: ``nbytes`` the whole tensor, a penalty of n / 2."""
     n = mesh.shape[axis]
     return mesh.alpha[axis] + mesh.beta[axis] * (n - 1) / n / n * nbytes * n / 2
+
+
+# -- Alpa's test_basic models --------------------------------------------------------------
+
+class DenseDropoutDense(nn.Module):
+    """test_dropout: Dense(16, no bias), Dropout(0.1), Dense(16, no bias)."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.dense_0 = nn.Linear(dim, 16, bias=False)
+        self.dropout = nn.Dropout(0.1)
+        self.dense_1 = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return self.dense_1(self.dropout(self.dense_0(x)))
+
+
+class DenseGatherDense(nn.Module):
+    """test_gather: Dense(32, no bias), the first 16 features picked by an index array,
+    Dense(16, no bias)."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.dense_0 = nn.Linear(dim, 32, bias=False)
+        self.dense_1 = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        idx = torch.arange(16, device=x.device)
+        return self.dense_1(self.dense_0(x)[:, idx])
+
+
+class Gemv(nn.Module):
+    """test_gemv: a vector (128,) times a (128, 256) matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(128, 256))
+
+    def forward(self, a):
+        return a @ self.b

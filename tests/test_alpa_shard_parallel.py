@@ -21,7 +21,8 @@ import functools
 import pytest
 import torch
 
-from alpa_cases import (MLP_SPELLINGS, BertLayers, MoELayer, all_reduce_cost, all_to_all_cost,
+from alpa_cases import (MLP_SPELLINGS, BertLayers, DenseDropoutDense, DenseGatherDense, Gemv,
+                        MoELayer, all_reduce_cost, all_to_all_cost,
                         assert_close, TiedEmbedding, bert_inputs, bert_matmul_weights, communication,
                         summed_cross_entropy, ConvNet, conv_inputs,
                         mlp_weight_names, plan_of, weights)
@@ -393,3 +394,49 @@ def test_moe_layer_2d():
 def test_moe_layer_2d_all_reduces():
     plan, _ = _moe_layer_plan((2, 2), **MOE_2D)
     assert communication(plan)["all_reduce"] == 2
+
+
+# -- test_basic.py --------------------------------------------------------------------------
+# Ported: the cases that are training steps. Not portable to a plan of a training step:
+# test_donate_buffer, test_dot_reshape_transpose, test_reshape_uneven_partition,
+# test_argmax and test_sort parallelize plain functions without a loss or gradients.
+
+@pytest.mark.slow
+def test_dropout():
+    """Data parallel with the dropout mask drawn per shard (Alpa's HLO draws 1/16 of it per
+    device), one all-reduce (the merged gradients; our 4-byte loss all-reduce left out)."""
+    x = torch.empty(32, 32, 16)
+    plan, _ = plan_of(DenseDropoutDense(), (x, x), shape=(4,), all_reduce_threshold=MERGE_ALL)
+    assert plan.estimates["objective"] < 1e6
+    dropout = next(s for s in plan.strategies if s.node == "native_dropout")
+    assert dropout.outputs[0] == (Shard(0),), str(dropout)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["total"] == counts["all_reduce"] == 1, counts
+
+
+@pytest.mark.slow
+def test_gather():
+    """The index pick runs on the batch split 4 ways (Alpa: gather of f32[64, 32]), and
+    its backward scatter too; one all-reduce."""
+    plan, _ = plan_of(DenseGatherDense(), (torch.empty(256, 32), torch.empty(256, 16)),
+                      shape=(4,), all_reduce_threshold=MERGE_ALL)
+    assert plan.estimates["objective"] < 1e6
+    strategies = {s.node: s for s in plan.strategies}
+    assert strategies["index"].inputs[0] == (Shard(0),), str(strategies["index"])
+    assert strategies["index_put"].outputs[0] == (Shard(0),), str(strategies["index_put"])
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["total"] == counts["all_reduce"] == 1, counts
+
+
+@pytest.mark.slow
+def test_gemv():
+    """The matrix of a vector-matrix product split by columns (Alpa: f32[128, 64])."""
+    plan, _ = plan_of(Gemv(), (torch.empty(128), torch.empty(256)), shape=(4,))
+    assert weights(plan)["b"] == (Shard(1),)
+
+
+def test_one_by_one_mesh():
+    """One device: a plan with nothing to communicate."""
+    plan, _ = plan_of(Gemv(), (torch.empty(128), torch.empty(256)), shape=(1,))
+    assert plan.collectives == () and plan.estimates["objective"] == 0
+    assert weights(plan)["b"] == (Replicate(),)
