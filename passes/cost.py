@@ -26,7 +26,8 @@ from __future__ import annotations
 from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpNode
 
-__all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost", "all_reduce_cost", "wire_bytes"]
+__all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost",
+           "all_reduce_cost", "wire_bytes", "batch_sync_cost"]
 
 
 def collective_cost(mesh: LogicalMesh, kind: str, axis: int, nbytes: float) -> float:
@@ -88,6 +89,13 @@ def gradient_steps_cost(mesh: LogicalMesh, steps) -> float:
             assert mesh.alpha is not None  # LogicalMesh.__post_init__ fills it
             total -= mesh.alpha[first.axis] * (1 - min(1.0, first.bytes / bucket))
     return total
+
+
+def batch_sync_cost(mesh: LogicalMesh, batch_syncs) -> float:
+    """The sum all-reduces a batch-synced op runs inside itself (``Strategy.batch_syncs``:
+    (axis, bytes) pairs, synchronized batch norm's statistics)."""
+    return sum(collective_cost(mesh, "all_reduce", axis, nbytes)
+               for axis, nbytes in batch_syncs)
 
 
 def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int) -> float:

@@ -1,12 +1,13 @@
 """The ILP's cost graph: cost vectors on representative nodes, matrices on their edges.
 
-Every op node costs its compute (and the all-reduces of its statistics, for a strategy
-that splits a synced dim); every edge costs the resharding between the layout the
-producer writes and the layout the consumer reads; each parameter's gradient pays to
-reach its parameter's layout; the loss pays to become whole on every device. Costs of
-nodes that follow a representative (``passes/simplify.py``) fold onto it, so the ILP only
-sees representatives. Repeated layers produce the same edge many times: each distinct
-edge is priced once and multiplied.
+Every op node costs its compute and the all-reduces it runs inside itself: those of its
+statistics, for a strategy that splits a synced dim (a phased softmax), or the sum
+all-reduces of a batch-synced op (batch norm over a split batch); every edge costs the
+resharding between the layout the producer writes and the layout the consumer reads; each
+parameter's gradient pays to reach its parameter's layout; the loss pays to become whole
+on every device. Costs of nodes that follow a representative (``passes/simplify.py``) fold
+onto it, so the ILP only sees representatives. Repeated layers produce the same edge many
+times: each distinct edge is priced once and multiplied.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpGraph, TensorSpec
-from torchalpa.passes.cost import compute_cost, gradient_steps_cost, steps_cost
+from torchalpa.passes.cost import batch_sync_cost, compute_cost, gradient_steps_cost, steps_cost
 from torchalpa.passes.ilp import Edge
 from torchalpa.passes.reshard import plan_reshard
 from torchalpa.passes.simplify import Grouping
@@ -97,8 +98,10 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
 
     for node in graph:
         if not node.is_leaf:
-            fold(node.name, np.array([compute_cost(mesh, node, s.shards) + steps_cost(
-                mesh, sync_steps(s, node.outputs[0], mesh.shape)) for s in S[node.name]]))
+            fold(node.name, np.array([
+                compute_cost(mesh, node, s.shards)
+                + steps_cost(mesh, sync_steps(s, node.outputs[0], mesh.shape))
+                + batch_sync_cost(mesh, s.batch_syncs) for s in S[node.name]]))
     # the loss is returned whole, and values for other pipeline stages are sent whole
     R = replicated(mesh.ndim)
     whole = ([graph.outputs.loss] if graph.outputs.loss is not None else []) + \

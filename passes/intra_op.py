@@ -23,7 +23,8 @@ from torchalpa.cluster import LogicalMesh
 from torchalpa.methods import AutoShardingOption, ShardParallel
 from torchalpa.passes.constraints import apply_constraints
 from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
-from torchalpa.passes.cost import compute_cost, gradient_steps_cost, steps_cost, wire_bytes
+from torchalpa.passes.cost import (batch_sync_cost, compute_cost, gradient_steps_cost,
+                                   steps_cost, wire_bytes)
 from torchalpa.passes.costgraph import ReshardCosts, build_cost_graph
 from torchalpa.passes.ilp import ILPProblem, InfeasibleError, solve_ilp
 from torchalpa.passes.simplify import group_nodes
@@ -566,18 +567,22 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                                             mesh.backend)
         is_gradient = isinstance(r.slot, OutputSlot) and r.slot.kind == "grad"
         comm_time += (gradient_steps_cost if is_gradient else steps_cost)(mesh, r.steps)
-    # then the all-reduces ops make inside themselves (statistics of a split softmax dim),
-    # after every reshard's, so positions of reshard collectives stay as the reshards list them
+    # then the all-reduces ops make inside themselves, after every reshard's, so positions of
+    # reshard collectives stay as the reshards list them: the statistics of a split softmax
+    # dim (phased, max then sum) or a batch-synced op's sums (one pass); never both
     for n in graph.ops():
-        steps = sync_steps(chosen[n.name], n.outputs[0], mesh.shape)
-        for step in steps:
-            collectives.append(Collective(kind=step.kind, axis=step.axis, bytes=step.bytes,
+        s = chosen[n.name]
+        phased = sync_steps(s, n.outputs[0], mesh.shape)
+        assert not (phased and s.batch_syncs), f"{n.name}: both phased and batch-synced"
+        internal = [(st.axis, st.bytes, st.reduce_op) for st in phased] + \
+            [(axis, nbytes, "sum") for axis, nbytes in s.batch_syncs]
+        for axis, nbytes, reduce_op in internal:
+            collectives.append(Collective(kind="all_reduce", axis=axis, bytes=nbytes,
                                           phase=n.phase, source=n.module, tensor=n.name,
-                                          reduce_op=step.reduce_op))
-            groups = mesh.num_devices // mesh.shape[step.axis]
-            wire += groups * wire_bytes(step.kind, mesh.shape[step.axis], step.bytes,
-                                        mesh.backend)
-        comm_time += steps_cost(mesh, steps)
+                                          reduce_op=reduce_op))
+            groups = mesh.num_devices // mesh.shape[axis]
+            wire += groups * wire_bytes("all_reduce", mesh.shape[axis], nbytes, mesh.backend)
+        comm_time += steps_cost(mesh, phased) + batch_sync_cost(mesh, s.batch_syncs)
     compute_time = sum(compute_cost(mesh, n, chosen[n.name].shards) for n in graph.ops())
 
     leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}
@@ -597,7 +602,9 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                                         placements=leaf_placement[n.name])
                          for n in graph if n.kind == "input")
     strategies = tuple(NodeStrategy(node=n.name, inputs=chosen[n.name].inputs,
-                                    outputs=chosen[n.name].outputs) for n in graph.ops())
+                                    outputs=chosen[n.name].outputs,
+                                    batch_syncs=chosen[n.name].batch_syncs)
+                       for n in graph.ops())
     notes = list(space.notes)
     for n in graph:
         if n.kind == "input" and n.output.shape and n.output.shape[0] % mesh.num_devices:

@@ -8,7 +8,9 @@ or shard a dim by a minor factor are illegal and dropped.
 
 A rule's ``synced`` factor (a softmax over a split vocabulary) may be split although the
 results depend on all of it: the strategy then lists the all-reduces of the op's per-row
-statistics (``Strategy.syncs``), which ``sync_steps`` turns into priced plan steps.
+statistics (``Strategy.syncs``), which ``sync_steps`` turns into priced plan steps. A
+rule's ``batch_synced`` factor (training batch norm's split batch) lists instead one sum
+all-reduce of the op's statistics per axis that splits it (``Strategy.batch_syncs``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class Strategy:
     shards: int = 1                          # ways the op's work is divided
     syncs: tuple[tuple[str, int], ...] = ()  # (reduce op, mesh axis) of each statistic's
     sync_dim: int | None = None              # all-reduce, in order; the result dim they span
+    batch_syncs: tuple[tuple[int, int], ...] = ()  # (mesh axis, bytes): sum all-reduces of
+                                                   # a batch-synced op's statistics
 
     @property
     def name(self) -> str:
@@ -93,7 +97,7 @@ def enumerate_strategies(rule: FactorRule, mesh: LogicalMesh,
     for assignment in itertools.product(choices, repeat=mesh.ndim):
         s = _build(rule, mesh, assignment, size_of, reduction_of)
         if s is not None:
-            strategies.setdefault((s.inputs, s.outputs, s.syncs), s)
+            strategies.setdefault((s.inputs, s.outputs, s.syncs, s.batch_syncs), s)
     result = list(strategies.values())
     if rule.heavy and mesh.num_devices > 1 and not recompute_heavy:
         # Alpa's policy: compute-bound ops are never run redundantly when a split exists.
@@ -111,6 +115,7 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
     shards = 1
     synced = dict(rule.synced)
     sync_axes: dict[str, list[int]] = {}   # synced factor -> the axes that split it
+    batch_sync_axes: list[int] = []        # the axes that split a batch-synced factor
     for axis, choice in enumerate(assignment):
         n = mesh.shape[axis]
         if choice[0] is None or n == 1:
@@ -131,6 +136,8 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
         shards *= n
         if factor in synced:
             sync_axes.setdefault(factor, []).append(axis)
+        if factor in rule.batch_synced:
+            batch_sync_axes.append(axis)
         for i, dims in enumerate(rule.operands):
             p = _placement_for(dims, factor, size_of)
             if p is False:
@@ -147,7 +154,9 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
                 return None  # a synced factor leaves the results it indexes whole
             if p is None:
                 op = reduction_of.get(factor)
-                if j < len(rule.independent) and factor in rule.independent[j]:
+                if factor in rule.batch_synced:
+                    p = Replicate()  # summed inside the op: whole on every device
+                elif j < len(rule.independent) and factor in rule.independent[j]:
                     p = Replicate()  # the result does not depend on this factor
                 elif op is None:
                     return None  # a factor that vanishes without being reduced
@@ -163,7 +172,21 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
         sync_dim = next(d for d, fs in enumerate(rule.results[0]) if factor in fs)
         syncs = tuple((op, axis) for op in synced[factor] for axis in axes)
     return Strategy(inputs=ins, outputs=tuple(tuple(p) for p in outputs), shards=shards,
-                    syncs=syncs, sync_dim=sync_dim)
+                    syncs=syncs, sync_dim=sync_dim,
+                    batch_syncs=_batch_sync_all_reduces(rule, batch_sync_axes, split, size_of))
+
+
+def _batch_sync_all_reduces(rule: FactorRule, axes: list[int], split: dict[str, int],
+                            size_of: dict[str, int]) -> tuple[tuple[int, int], ...]:
+    """(axis, bytes per device) of the all-reduce a batch-synced op runs on each axis that
+    splits one of its batch-synced factors: the statistics as this device holds them."""
+    if not axes:
+        return ()
+    per_entry, factors = rule.batch_sync_stats
+    entries = 1
+    for f in factors:
+        entries *= size_of[f] // split.get(f, 1)
+    return tuple((axis, per_entry * entries) for axis in axes)
 
 
 def splits_over_both_axes(s: Strategy, mesh: LogicalMesh) -> bool:

@@ -4,9 +4,12 @@ The source graph is the captured joint step ``(params, buffers, inputs) -> (loss
 *buffer updates)`` on global shapes. Lowering rewrites part of it for one rank: every op
 runs on local blocks, with shape arguments localized (``runtime.localize``), and every
 resharding step the plan lists becomes a call in ``runtime.collectives`` right before the
-op that needs it (an op splitting a synced dim, ``runtime.synced``, becomes its local
-phases with the all-reduces of its statistics between them). The result is split into
-three programs, so it can sit behind ``loss.backward()`` or a pipeline schedule:
+op that needs it. Two kinds of op run all-reduces inside themselves: an op splitting a
+synced dim (a softmax over a split vocabulary, ``runtime.synced``) becomes its local
+phases with the all-reduces of its statistics between them, and an op the plan
+batch-synchronizes (batch norm over a split batch, ``runtime.sync_norm``) sums its
+statistics before its local pass. The result is split into three programs, so it can sit
+behind ``loss.backward()`` or a pipeline schedule:
 
 - ``forward``: the loss, values sent to later stages, buffer updates, and what backward
   needs;
@@ -41,6 +44,7 @@ import torchalpa.attention  # noqa: F401  (registers torchalpa::sdpa, which prog
 from torchalpa.opgraph import ValueRef
 from torchalpa.plan import OutputSlot, Plan, ReshardStep
 from torchalpa.runtime import collectives as C
+from torchalpa.runtime import sync_norm
 from torchalpa.runtime.buckets import fuse_gradient_buckets, gradient_buckets
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.overlap import overlap_collectives
@@ -318,7 +322,8 @@ def _lower_node(n: fx.Node, graph: fx.Graph, emit: _Emitter, lookup, operand_ste
 
     args = tree_map(local_arg, list(n.args))
     kwargs = {k: tree_map(local_arg, v) for k, v in n.kwargs.items()}
-    axes = synced_axes(n, args, strategies[n.name].inputs)
+    strategy = strategies[n.name]
+    axes = synced_axes(n, args, strategy.inputs)
     if axes:   # a split softmax dim: local phases joined by all-reduces of statistics
         assert not kwargs, f"{n.name}: a synced op takes positional arguments only"
         return run_synced(
@@ -326,8 +331,15 @@ def _lower_node(n: fx.Node, graph: fx.Graph, emit: _Emitter, lookup, operand_ste
             lambda stat, op, axis: graph.call_function(
                 C.all_reduce, (stat, op, emit.group_names[axis])),
             call=lambda fn, a: graph.call_function(fn, a))
-    target, args, kwargs = localize(n, args, kwargs, strategies[n.name], mesh_shape, device,
-                                    coords)
+    target, args, kwargs = localize(n, args, kwargs, strategy, mesh_shape, device, coords)
+    if strategy.batch_syncs:    # batch norm over a split batch: sums all-reduced inside
+        op = str(n.target)
+        position = sync_norm.SYNCED[op].names.index("input")
+        source = n.args[position] if position < len(n.args) else n.kwargs["input"]
+        assert isinstance(source, fx.Node)
+        target, args, kwargs = sync_norm.synced_call(
+            op, args, kwargs, input_shape=tuple(source.meta["val"].shape),
+            groups=[emit.group_names[axis] for axis, _ in strategy.batch_syncs])
     return graph.call_function(target, tuple(args), kwargs)
 
 

@@ -273,3 +273,128 @@ class ConvNet(nn.Module):
 def conv_inputs(num_layers, batch, image, channel):
     out = image // 2 ** num_layers
     return torch.empty(batch, channel, image, image), torch.empty(batch, channel, out, out)
+
+
+# -- Alpa's MoE layer (alpa/model/moe.py): BERT attention, then a top-2 gated MoE MLP ------
+
+def top2_gating(gates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Alpa's ``top2_gating`` (GShard's), op for op: gates (G, S, E) -> combine weights and
+    dispatch mask (G, S, E, C), capacity C = 2S/E per expert and group."""
+    G, S, E = gates.shape
+    C = 2 * S // E
+    index_1 = gates.argmax(-1)                                           # (G, S)
+    mask_1 = F.one_hot(index_1, E).to(torch.int32)                       # (G, S, E)
+    gate_1 = torch.einsum("gse,gse->gs", gates, mask_1.to(gates.dtype))
+    gates_without_top_1 = gates * (1 - mask_1)
+    index_2 = gates_without_top_1.argmax(-1)
+    mask_2 = F.one_hot(index_2, E).to(torch.int32)
+    gate_2 = torch.einsum("gse,gse->gs", gates_without_top_1, mask_2.to(gates.dtype))
+    pos_1 = torch.cumsum(mask_1, dim=-2) - mask_1
+    mask_1 = mask_1 * (pos_1 < C)
+    pos_1 = (pos_1 * mask_1).sum(-1)                                     # (G, S)
+    mask_1_count = mask_1.sum(-2)                                        # (G, E)
+    mask_1_flat = mask_1.sum(-1)                                         # (G, S)
+    pos_2 = torch.cumsum(mask_2, dim=-2) - mask_2 + mask_1_count.unsqueeze(-2)
+    mask_2 = mask_2 * (pos_2 < C)
+    pos_2 = (pos_2 * mask_2).sum(-1)
+    mask_2_flat = mask_2.sum(-1)
+    gate_1 = gate_1 * mask_1_flat
+    gate_2 = gate_2 * mask_2_flat
+    denom = gate_1 + gate_2
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    gate_1 = gate_1 / denom
+    gate_2 = gate_2 / denom
+    a = (gate_1 * mask_1_flat).unsqueeze(-1) * F.one_hot(index_1, E).to(gates.dtype)
+    b = F.one_hot(pos_1.long(), C).to(gates.dtype)
+    first = torch.einsum("gse,gsc->gsec", a, b)
+    a = (gate_2 * mask_2_flat).unsqueeze(-1) * F.one_hot(index_2, E).to(gates.dtype)
+    b = F.one_hot(pos_2.long(), C).to(gates.dtype)
+    second = torch.einsum("gse,gsc->gsec", a, b)
+    combined = first + second
+    return combined, combined.bool()
+
+
+class PositionWiseMoE(nn.Module):
+    """Alpa's ``FlaxPositionWiseMoELayer``: gate ``wg`` (M, E), experts ``wi`` (E, M, H) and
+    ``wo`` (E, H, M), tokens in groups of S."""
+
+    def __init__(self, hidden, intermediate, group_size, num_experts):
+        super().__init__()
+        self.group_size = group_size
+        self.wg = nn.Parameter(torch.randn(hidden, num_experts) / hidden ** 0.5)
+        self.wi = nn.Parameter(torch.randn(num_experts, hidden, intermediate) / hidden ** 0.5)
+        self.wo = nn.Parameter(torch.randn(num_experts, intermediate, hidden)
+                               / intermediate ** 0.5)
+
+    def forward(self, x):
+        M = x.shape[-1]
+        tokens = x.reshape(-1, self.group_size, M)                           # (G, S, M)
+        gates = torch.einsum("gsm,me->gse", tokens, self.wg).softmax(-1)
+        combined, dispatch = top2_gating(gates)
+        dispatched = torch.einsum("gsec,gsm->egcm", dispatch.to(x.dtype), tokens)
+        h = F.relu(torch.einsum("egcm,emh->egch", dispatched, self.wi))
+        expert_out = torch.einsum("egch,ehm->gecm", h, self.wo)
+        return torch.einsum("gsec,gecm->gsm", combined, expert_out).reshape(x.shape)
+
+
+class MoELayer(nn.Module):
+    """Alpa's ``FlaxMoELayer`` (deterministic: no dropout): BERT self-attention with its
+    output dense and post-LN (Alpa's fused ``qvk_combined``), then the MoE MLP and post-LN.
+    Takes (hidden_states, attention_mask) like Alpa's test."""
+
+    def __init__(self, hidden, heads, group_size, num_experts):
+        super().__init__()
+        self.attention = BertSelfAttention(hidden, heads, "fused_minor")
+        self.moe = PositionWiseMoE(hidden, 4 * hidden, group_size, num_experts)
+        self.norm = nn.LayerNorm(hidden, eps=1e-12)
+
+    def forward(self, x, mask):
+        bias = torch.where(mask[:, None, None, :] > 0, 0.0, -1e10)        # (B, 1, 1, S)
+        attention_output = self.attention(x, bias)
+        return self.norm(self.moe(attention_output) + attention_output)
+
+
+def all_to_all_cost(mesh: LogicalMesh, nbytes: float, axis: int) -> float:
+    """Alpa's ``all_to_all_cost``: ``nbytes`` the whole tensor, a penalty of n / 2."""
+    n = mesh.shape[axis]
+    return mesh.alpha[axis] + mesh.beta[axis] * (n - 1) / n / n * nbytes * n / 2
+
+
+# -- Alpa's test_basic models --------------------------------------------------------------
+
+class DenseDropoutDense(nn.Module):
+    """test_dropout: Dense(16, no bias), Dropout(0.1), Dense(16, no bias)."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.dense_0 = nn.Linear(dim, 16, bias=False)
+        self.dropout = nn.Dropout(0.1)
+        self.dense_1 = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return self.dense_1(self.dropout(self.dense_0(x)))
+
+
+class DenseGatherDense(nn.Module):
+    """test_gather: Dense(32, no bias), the first 16 features picked by an index array,
+    Dense(16, no bias)."""
+
+    def __init__(self, dim=32):
+        super().__init__()
+        self.dense_0 = nn.Linear(dim, 32, bias=False)
+        self.dense_1 = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        idx = torch.arange(16, device=x.device)
+        return self.dense_1(self.dense_0(x)[:, idx])
+
+
+class Gemv(nn.Module):
+    """test_gemv: a vector (128,) times a (128, 256) matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(128, 256))
+
+    def forward(self, a):
+        return a @ self.b

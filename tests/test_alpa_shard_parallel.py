@@ -16,10 +16,13 @@ Planning only (no processes); Alpa's counts assume its default search space, so 
 cases set ``allow_reduce_scatter`` as Alpa's ``prefer_reduce_scatter`` would.
 """
 
+import functools
+
 import pytest
 import torch
 
-from alpa_cases import (MLP_SPELLINGS, BertLayers, all_reduce_cost, assert_close,
+from alpa_cases import (MLP_SPELLINGS, BertLayers, DenseDropoutDense, DenseGatherDense, Gemv,
+                        MoELayer, all_reduce_cost, all_to_all_cost, assert_close,
                         TiedEmbedding, bert_inputs, bert_matmul_weights, communication,
                         summed_cross_entropy, summed_nll_of_log_softmax, ConvNet, conv_inputs,
                         mlp_weight_names, plan_of, weights)
@@ -310,35 +313,172 @@ def test_embedding_2d_mesh_unrestricted_is_no_worse():
     assert free.estimates["objective"] <= alpa.estimates["objective"] + 1e-6
 
 
-@pytest.mark.slow
 # -- test_conv.py ---------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=False, reason="BatchNorm's rule keeps the batch whole (a split "
-                   "batch needs synchronized statistics at run time): 15,280 vs Alpa's "
-                   "3,045 (issue 14, item 7)")
+@pytest.mark.slow
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
 def test_conv_data_parallel(axis, shape):
+    """Synchronized batch norm (rules/norm.py, runtime/sync_norm.py): the batch splits and
+    each BatchNorm all-reduces its per-channel sums, (sum x, sum x^2) in forward and
+    (sum dy, sum dy x_hat) in backward. Accounting difference: Alpa's formula prices every
+    parameter's gradient all-reduce plus 4 statistics all-reduces of C values per
+    BatchNorm; ours reduces 2C values twice, and those backward sums are the BatchNorm
+    weight and bias gradients, so they need no all-reduce of their own (4.9% cheaper,
+    inside Alpa's 5% tolerance)."""
     num_layers, batch_size, image, channel = 3, 16, 16, 4
     model = ConvNet(num_layers, channel)
     plan, mesh = plan_of(model, conv_inputs(num_layers, batch_size, image, channel),
                          shape=shape, all_reduce_threshold=MERGE_ALL)
-    # Alpa: every parameter's gradient all-reduced once, and each BatchNorm's two batch
-    # statistics (mean, variance: one value per channel) all-reduced twice
     weight_sync = _data_parallel_objective(model, mesh, axis)
     batch_norm_sync = 2 * 2 * num_layers * all_reduce_cost(mesh, channel * 4, axis)
     assert_close(plan.estimates["objective"], weight_sync + batch_norm_sync, rtol=0.05)
+    # our exact figure: conv weight gradients, 2 all-reduces of 2C per BatchNorm, the loss
+    conv_sync = sum(all_reduce_cost(mesh, p.numel() * 4, axis)
+                    for name, p in model.named_parameters() if p.ndim == 4)
+    ours = conv_sync + 2 * num_layers * all_reduce_cost(mesh, 2 * channel * 4, axis)
+    assert plan.estimates["objective"] == pytest.approx(ours + _loss_all_reduce(mesh, axis))
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 1 + 2 * num_layers and counts["total"] == counts["all_reduce"]
+    assert sum(1 for s in plan.strategies if s.batch_syncs) == 2 * num_layers
     for placements in weights(plan).values():
         assert all(p == Replicate() for p in placements)
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="5 activation all-reduces where Alpa has 3 "
-                   "(614,405): two more in backward around BatchNorm (issue 14, item 7)")
+@pytest.mark.xfail(strict=False, reason="5 activation all-reduces where Alpa has 3, with "
+                   "Alpa's objective exactly (614,405): two partial conv outputs are read "
+                   "by BatchNorm in forward and again by its backward, and each read is "
+                   "all-reduced; XLA's CSE merges the second of each into the first, the "
+                   "plan and runtime do not yet share one resharded value between "
+                   "consumers (issue 14, item 7)")
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
 def test_conv_model_parallel(axis, shape):
     num_layers, batch_size, image, channel = 4, 8, 16, 256
     model = ConvNet(num_layers, channel)
     plan, _ = plan_of(model, conv_inputs(num_layers, batch_size, image, channel),
                       shape=shape, all_reduce_threshold=MERGE_ALL)
+    assert plan.estimates["objective"] == pytest.approx(614_405)   # Alpa's, exactly
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["all_reduce"] == num_layers - 1 and counts["total"] == num_layers - 1, counts
+
+
+# -- test_moe.py ----------------------------------------------------------------------------
+
+MOE = dict(batch_size=64, seq_len=16, hidden=64, heads=16, group_size=32, num_experts=16)
+
+
+@functools.lru_cache(maxsize=None)
+def _moe_layer_plan(shape, **options):
+    """One plan per case, shared by the tests that read it (planning takes minutes here)."""
+    m = MOE
+    model = MoELayer(m["hidden"], m["heads"], m["group_size"], m["num_experts"])
+    return plan_of(model, bert_inputs(m["batch_size"], m["seq_len"], m["hidden"]),
+                   shape=shape, all_reduce_threshold=MERGE_ALL, **options)
+
+
+def _alpa_moe_layer_objective(mesh, axis):
+    """Alpa's expectation: 4 all-to-alls of the dispatched tokens, and data parallel on the
+    attention weights, the layer norms and the gate ``wg`` (experts stay partitioned)."""
+    m = MOE
+    B, S, H, E = m["batch_size"], m["seq_len"], m["hidden"], m["num_experts"]
+    return (4 * all_to_all_cost(mesh, B * S * H * 2 * 4, axis)
+            + all_reduce_cost(mesh, H * H * 3 * 4, axis) + all_reduce_cost(mesh, H * 3 * 4, axis)
+            + all_reduce_cost(mesh, H * H * 4, axis) + all_reduce_cost(mesh, H * 4, axis)
+            + 4 * all_reduce_cost(mesh, H * 4, axis) + all_reduce_cost(mesh, H * E * 4, axis))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_moe_layer_layouts_and_collective_kinds(axis, shape):
+    """The assertions of Alpa's test_moe_layer that hold: the attention kernels and the
+    gate ``wg`` replicated, the experts ``wi`` / ``wo`` partitioned by expert, 4
+    all-to-alls, and every gradient all-reduce in one bucket."""
+    plan, _ = _moe_layer_plan(shape)
+    layouts = weights(plan)
+    for name in ("attention.out.weight", "attention.qkv.weight", "moe.wg"):
+        assert all(p == Replicate() for p in layouts[name]), (name, layouts[name])
+    for name in ("moe.wi", "moe.wo"):
+        assert layouts[name][axis] == Shard(0), (name, layouts[name])
+    counts = communication(plan)
+    assert counts["all_reduce"] == 1 and counts["all_to_all"] == 4, counts
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="1,258,772 vs Alpa's 893,965 on (4, 1): the top-2 "
+                   "gating's small (G, S) values (argmax, one-hot masks, gates) and two "
+                   "activations are all-gathered (10 all-gathers), so the total is not "
+                   "all-reduce + all-to-all (issue 14, item 8)")
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_moe_layer(axis, shape):
+    plan, mesh = _moe_layer_plan(shape)
+    assert_close(plan.estimates["objective"], _alpa_moe_layer_objective(mesh, axis))
+    counts = communication(plan)
+    assert counts["total"] == counts["all_reduce"] + counts["all_to_all"], counts
+
+
+MOE_2D = dict(allow_mixed_mesh_shape=True, allow_all_gather=False)
+
+
+@pytest.mark.slow
+def test_moe_layer_2d():
+    """Alpa's test_moe_layer_2d, the assertions that hold: mixed mesh shapes allowed, no
+    all-gather: some all-to-alls, and nothing but all-to-alls and all-reduces."""
+    plan, _ = _moe_layer_plan((2, 2), **MOE_2D)
+    counts = communication(plan)
+    assert counts["all_to_all"] > 0, counts
+    assert counts["total"] == counts["all_reduce"] + counts["all_to_all"], counts
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason="10 all-reduces (and 14 all-to-alls) where Alpa has "
+                   "2 all-reduces, one per gradient group: activations are all-reduced "
+                   "too, as in test_moe_layer's 1D plans (issue 14, item 8)")
+def test_moe_layer_2d_all_reduces():
+    plan, _ = _moe_layer_plan((2, 2), **MOE_2D)
+    assert communication(plan)["all_reduce"] == 2
+
+
+# -- test_basic.py --------------------------------------------------------------------------
+# Ported: the cases that are training steps. Not portable to a plan of a training step:
+# test_donate_buffer, test_dot_reshape_transpose, test_reshape_uneven_partition,
+# test_argmax and test_sort parallelize plain functions without a loss or gradients.
+
+@pytest.mark.slow
+def test_dropout():
+    """Data parallel with the dropout mask drawn per shard (Alpa's HLO draws 1/16 of it per
+    device), one all-reduce (the merged gradients; our 4-byte loss all-reduce left out)."""
+    x = torch.empty(32, 32, 16)
+    plan, _ = plan_of(DenseDropoutDense(), (x, x), shape=(4,), all_reduce_threshold=MERGE_ALL)
+    assert plan.estimates["objective"] < 1e6
+    dropout = next(s for s in plan.strategies if s.node == "native_dropout")
+    assert dropout.outputs[0] == (Shard(0),), str(dropout)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["total"] == counts["all_reduce"] == 1, counts
+
+
+@pytest.mark.slow
+def test_gather():
+    """The index pick runs on the batch split 4 ways (Alpa: gather of f32[64, 32]), and
+    its backward scatter too; one all-reduce."""
+    plan, _ = plan_of(DenseGatherDense(), (torch.empty(256, 32), torch.empty(256, 16)),
+                      shape=(4,), all_reduce_threshold=MERGE_ALL)
+    assert plan.estimates["objective"] < 1e6
+    strategies = {s.node: s for s in plan.strategies}
+    assert strategies["index"].inputs[0] == (Shard(0),), str(strategies["index"])
+    assert strategies["index_put"].outputs[0] == (Shard(0),), str(strategies["index_put"])
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["total"] == counts["all_reduce"] == 1, counts
+
+
+@pytest.mark.slow
+def test_gemv():
+    """The matrix of a vector-matrix product split by columns (Alpa: f32[128, 64])."""
+    plan, _ = plan_of(Gemv(), (torch.empty(128), torch.empty(256)), shape=(4,))
+    assert weights(plan)["b"] == (Shard(1),)
+
+
+def test_one_by_one_mesh():
+    """One device: a plan with nothing to communicate."""
+    plan, _ = plan_of(Gemv(), (torch.empty(128), torch.empty(256)), shape=(1,))
+    assert plan.collectives == () and plan.estimates["objective"] == 0
+    assert weights(plan)["b"] == (Replicate(),)

@@ -38,6 +38,7 @@ from torchalpa.passes.rules import RULES
 from torchalpa.passes.strategies import enumerate_strategies
 from torchalpa.placement import Replicate, Shard
 from torchalpa.plan import NodeStrategy
+from torchalpa.runtime import sync_norm
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.synced import run_synced, synced_axes
 
@@ -128,11 +129,43 @@ def _run_synced(node_fx, strategy, mesh_shape, local_args, axes):
     return outs
 
 
+def _batch_synced_sums(sums: dict, batch_syncs, mesh_shape) -> dict:
+    """Each rank's per-channel sums after the all-reduces over the ``batch_syncs`` axes."""
+    axes = {axis for axis, _ in batch_syncs}
+    total = {}
+    for coord in sums:
+        peers = [c for c in sums if all(c[a] == coord[a] for a in range(len(mesh_shape))
+                                        if a not in axes)]
+        total[coord] = sum(sums[c] for c in peers)
+    return total
+
+
+def _run_batch_synced(node_fx, values, strategy, mesh_shape, local_calls):
+    """A batch-synced op (batch norm over a split batch) as ``runtime.sync_norm`` runs it,
+    on every rank's localized call: local sums, their sum over the batch-synced axes' peers
+    (the all-reduce), then the results."""
+    op = str(node_fx.target)
+    norm = sync_norm.SYNCED[op]
+    shape = values[node_fx.args[norm.names.index("input")].name].shape
+    calls = {c: sync_norm.synced_call(op, a, k, input_shape=shape, groups=())[1]
+             for c, (a, k) in local_calls.items()}
+    sums = _batch_synced_sums({c: norm.sums(*a) for c, a in calls.items()},
+                              strategy.batch_syncs, mesh_shape)
+    return {c: _call(lambda *a, c=c: norm.finish(sums[c], *a,
+                                                 count=sync_norm.per_channel_count(shape)),
+                     a, {})
+            for c, a in calls.items()}
+
+
 def _run_op_sharded(node_fx, op_node, values, strategy, mesh_shape):
-    """Run one fx node on every rank's blocks and combine its results."""
-    ns = NodeStrategy(op_node.name, strategy.inputs, strategy.outputs)
+    """Run one fx node on every rank's blocks and combine its results. An op with
+    all-reduces inside runs as the runtime runs it: a split softmax dim in phases
+    (``_run_synced``), a batch norm over a split batch with its sums all-reduced
+    (``_run_batch_synced``)."""
+    ns = NodeStrategy(op_node.name, strategy.inputs, strategy.outputs, strategy.batch_syncs)
     outs = {}
-    synced_args = {}
+    synced_args = {}         # phased softmax: each rank's local arguments
+    batch_synced_calls = {}  # batch-synced norm: each rank's localized (args, kwargs)
     for coord in coords_of(mesh_shape):
         slot = iter(range(len(op_node.operands)))
 
@@ -151,9 +184,14 @@ def _run_op_sharded(node_fx, op_node, values, strategy, mesh_shape):
             continue
         target, args, kwargs = localize(node_fx, args, kwargs, ns, mesh_shape, torch.device("cpu"),
                                         coord)
-        outs[coord] = _call(target, args, kwargs)
+        if strategy.batch_syncs:
+            batch_synced_calls[coord] = args, kwargs
+        else:
+            outs[coord] = _call(target, args, kwargs)
     if synced_args:
         outs = _run_synced(node_fx, strategy, mesh_shape, synced_args, axes)
+    if batch_synced_calls:
+        outs = _run_batch_synced(node_fx, values, strategy, mesh_shape, batch_synced_calls)
     return [None if outs[coords_of(mesh_shape)[0]][i] is None else
             combine({c: o[i] for c, o in outs.items()}, strategy.outputs[i], mesh_shape)
             for i in range(len(strategy.outputs))]
@@ -479,12 +517,18 @@ def test_learned_bias_gradient_sums_over_its_broadcast_dims():
     assert "(S(1), S(1), S(1), S(1), S(0)) -> S(1), S(1), S(1), S(0)" in names
 
 
-def test_batch_norm_training_splits_only_channels():
-    (gm, nodes), _ = traced("batch_norm_train")
-    node = next(n for n in nodes.values() if n.op == "aten._native_batch_norm_legit_functional.default")
-    rule = RULES[node.op](node, [nodes[r.node].outputs[r.index] for r in node.operands])
-    layouts = {s.inputs[0] for s in enumerate_strategies(rule, LogicalMesh(shape=(2,)))}
-    assert layouts == {(Replicate(),), (Shard(1),)}
+def test_batch_norm_training_splits_the_batch_only_where_synced():
+    """The functional op splits its batch with batch-synced statistics; the in-place variant,
+    which has no synchronized version at run time, splits only channels."""
+    (gm, nodes), _ = traced("batch_norm_variants")
+    for op, want in [("aten._native_batch_norm_legit_functional.default",
+                      {(Replicate(),), (Shard(1),), (Shard(0),)}),
+                     ("aten._native_batch_norm_legit.default", {(Replicate(),), (Shard(1),)})]:
+        node = next(n for n in nodes.values() if n.op == op)
+        rule = RULES[node.op](node, [nodes[r.node].outputs[r.index] for r in node.operands])
+        strategies = enumerate_strategies(rule, LogicalMesh(shape=(2,)))
+        assert {s.inputs[0] for s in strategies} == want, op
+        assert all(bool(s.batch_syncs) == (s.inputs[0] == (Shard(0),)) for s in strategies), op
 
 
 # -- shapes vary -----------------------------------------------------------------------
@@ -587,3 +631,29 @@ def test_attention_any_grouping(kv_heads, causal, flash):
     else:
         fn = fwd_bwd(lambda q, k, v: math_attention(q, k, v, causal), [0, 1, 2])
     check_fn(fn, (q, k, v), meshes=[(2,), (2, 2)], atol=1e-3)
+
+
+def test_training_batch_norm_splits_its_batch_with_synced_statistics():
+    """Training batch norm may split its batch: the strategy records one all-reduce of
+    (2 sums x local channels x 4 bytes) per mesh axis splitting it, statistics and
+    parameter gradients come out whole (synchronized batch norm, as Alpa's plan)."""
+    (gm, nodes), _ = traced("batch_norm_train")
+    found = {}
+    for name, node in nodes.items():
+        if node.op in sync_norm.SYNCED:
+            specs = [nodes[r.node].outputs[r.index] for r in node.operands]
+            rule = RULES[node.op](node, specs)
+            found[node.op] = enumerate_strategies(rule, LogicalMesh(shape=(2, 2)))
+    assert set(found) == {"aten._native_batch_norm_legit_functional.default",
+                          "aten.native_batch_norm_backward.default"}
+    for op, strategies in found.items():
+        x_slot = 1 if "backward" in op else 0
+        batch_split = [s for s in strategies if s.inputs[x_slot][0] == Shard(0)
+                       and s.inputs[x_slot][1] == Shard(1)]
+        assert batch_split, op
+        for s in batch_split:     # batch on axis 0, channels (4) on axis 1: 2 local channels
+            assert s.batch_syncs == ((0, 2 * 2 * 4),), (op, s)
+            assert all(p == (Replicate(), Shard(0)) for p in s.outputs[1:] if len(p)), (op, s)
+        whole = [s for s in strategies if not any(isinstance(p, Shard) and p.dim != 1
+                                                  for p in s.inputs[x_slot])]
+        assert all(not s.batch_syncs for s in whole), op

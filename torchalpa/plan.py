@@ -181,16 +181,26 @@ class NodeStrategy:
     node: str
     inputs: tuple[Placements | None, ...]
     outputs: tuple[Placements, ...]
+    batch_syncs: tuple[tuple[int, int], ...] = ()
+    """(mesh axis, bytes): sum all-reduces a batch-synced op runs inside itself
+    (synchronized batch norm over a split batch); each is also listed in the plan's
+    ``collectives``. A phased softmax's all-reduces are not recorded here: the runtime
+    derives them from the op's input placements (``runtime/synced.py``)."""
 
     def to_dict(self) -> dict:
-        return {"in": [None if p is None else format_placements(p) for p in self.inputs],
-                "out": [format_placements(p) for p in self.outputs]}
+        d = {"in": [None if p is None else format_placements(p) for p in self.inputs],
+             "out": [format_placements(p) for p in self.outputs]}
+        if self.batch_syncs:
+            d["batch_syncs"] = [list(s) for s in self.batch_syncs]
+        return d
 
     @classmethod
     def from_dict(cls, node: str, d: dict) -> "NodeStrategy":
         return cls(node=node,
                    inputs=tuple(None if p is None else parse_placements(p) for p in d["in"]),
-                   outputs=tuple(parse_placements(p) for p in d["out"]))
+                   outputs=tuple(parse_placements(p) for p in d["out"]),
+                   batch_syncs=tuple((int(a), int(b))
+                                     for a, b in d.get("batch_syncs", ())))
 
     def __str__(self) -> str:
         ins = ", ".join("*" if p is None else short(p) for p in self.inputs)

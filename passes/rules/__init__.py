@@ -8,7 +8,7 @@ axis; a *reduction* factor (contracted, summed or averaged away) leaves the resu
 by its leading (major) factor. Strategies are derived from rules by shared code
 (``passes/strategies.py``); the ILP only selects among them.
 
-Two optional refinements cover ops that are not pure einsums:
+Optional refinements cover ops that are not pure einsums:
 
 - ``accumulators``: operands the op adds into (``index_put(accumulate=True)``'s and
   ``scatter_add``'s ``self``). On a mesh axis that shards a reduction factor such an operand
@@ -29,6 +29,14 @@ Two optional refinements cover ops that are not pure einsums:
   all-reduces (``Strategy.syncs``), the cost model prices them and the runtime issues them
   (``runtime/synced.py``). A statistic has the shape of the op's first result with that
   factor's dim reduced to 1.
+- ``batch_synced``: factors the op may split only by summing statistics across the devices
+  that split them, in one all-reduce before the op's single local pass (training batch
+  norm: per-channel sums over a split batch). Unlike ``synced`` there are no phases and
+  the results the factors do not index are whole (``Replicate``) on their axes; the
+  strategy records one sum all-reduce per such axis (``Strategy.batch_syncs``), of
+  ``batch_sync_stats``: bytes per entry times the local size of the factors indexing the
+  statistics. The runtime runs the op with those all-reduces (``runtime/sync_norm.py``).
+  A rule has at most one of ``synced`` and ``batch_synced``.
 
 A rule describes an op whose results are positional: one entry per output the op's schema
 returns, ``None`` outputs included, so ``results[i]`` matches ``getitem(op, i)``.

@@ -9,11 +9,16 @@ shard freely. In the backward, the weight and bias gradients sum over the rows, 
 sharded row dim leaves them ``Partial``.
 
 Batch norm in training mode computes statistics per channel over the batch and spatial
-dims: only the channel dim (1) shards; batch and spatial dims are blocked (splitting the
-batch would give each device its own statistics, i.e. a different model). In eval mode
-(running statistics) every dim shards, and the backward's weight / bias gradients are
-Partial over a sharded batch. Running statistics updated in training are per channel,
-so they shard with the channel dim.
+dims. The channel dim (1) shards freely. The batch and spatial dims shard as
+*batch-synced* factors (synchronized batch norm, as XLA partitions Alpa's BatchNorm): the
+devices that split them all-reduce their per-channel sums inside the op -- (sum x, sum x^2) in forward,
+(sum dy, sum dy * x_hat) in backward, 2 values per local channel -- so every device
+normalizes with the statistics of the whole batch, and the backward's weight and bias
+gradients (those very sums) come out whole. The runtime runs the op that way
+(``runtime/sync_norm.py``) for the ops it knows (``SYNCED_OPS``); other training variants
+keep the batch whole. In eval mode (running statistics) every dim shards, and the
+backward's weight / bias gradients are Partial over a sharded batch. Running statistics
+updated in training are per channel, so they shard with the channel dim.
 """
 
 from __future__ import annotations
@@ -21,7 +26,15 @@ from __future__ import annotations
 from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg, by_position, positions
 
+__all__ = ["SYNCED_OPS", "layer_norm", "layer_norm_backward", "batch_norm",
+           "batch_norm_backward"]
+
 _GRAD_LINEAR = (frozenset({0}),)
+
+# training batch norm ops the runtime can run with a split batch (runtime/sync_norm.py)
+SYNCED_OPS = frozenset({"aten._native_batch_norm_legit_functional.default",
+                        "aten._native_batch_norm_legit.no_stats",
+                        "aten.native_batch_norm_backward.default"})
 
 
 def _row_dims(f: FactorNamer, shape, num_normalized: int):
@@ -66,11 +79,21 @@ def layer_norm_backward(node, specs):
                   independent=_absent(f, mask))
 
 
-def _batch_norm_dims(f: FactorNamer, shape, training: bool):
-    """(input dims, channel dims): batch and spatial dims blocked when ``training``."""
-    x = tuple((f.new(s, blocked=training and d != 1),) if s != 1 else ()
+def _batch_norm_dims(f: FactorNamer, shape, blocked: bool):
+    """(input dims, channel dims): batch and spatial dims blocked when ``blocked``."""
+    x = tuple((f.new(s, blocked=blocked and d != 1),) if s != 1 else ()
               for d, s in enumerate(shape))
     return x, (x[1] if len(shape) > 1 else (),)
+
+
+def _sync(node, specs, x, channel, training: bool) -> dict:
+    """The rule's ``batch_synced`` fields: the batch and spatial factors of a training op the
+    runtime can synchronize, 2 statistics per channel in the dtype it accumulates in."""
+    if not training or node.op not in SYNCED_OPS:
+        return {}
+    itemsize = 8 if specs[0].dtype == "float64" else 4    # half types accumulate in fp32
+    others = frozenset(fac for d, dims in enumerate(x) if d != 1 for fac in dims)
+    return {"batch_synced": others, "batch_sync_stats": (2 * itemsize, channel[0])}
 
 
 def _batch_norm_operands(node, specs, x, channel, num_like_input: int):
@@ -104,7 +127,8 @@ def batch_norm(node, specs):
     train_index, num_results = _BATCH_NORM[node.op]
     training = bool(arg(node, train_index, "training")) if train_index is not None else False
     f = FactorNamer()
-    x, channel = _batch_norm_dims(f, node.outputs[0].shape, training)
+    syncable = training and node.op in SYNCED_OPS
+    x, channel = _batch_norm_dims(f, node.outputs[0].shape, training and not syncable)
     operands = _batch_norm_operands(node, specs, x, channel, 1)
     results = [x]
     independent = [frozenset()]
@@ -114,7 +138,8 @@ def batch_norm(node, specs):
         results.append(channel if per_channel else tuple(() for _ in spec.shape))
         # eval-mode statistics outputs are empty: they depend on nothing
         independent.append(frozenset() if per_channel else f.all())
-    return f.rule(operands, results, independent=tuple(independent))
+    return f.rule(operands, results, independent=tuple(independent),
+                  **_sync(node, specs, x, channel, training))
 
 
 @register("aten.native_batch_norm_backward.default")
@@ -123,10 +148,11 @@ def batch_norm_backward(node, specs):
     #  train, eps, output_mask) -> (grad_input, grad_weight, grad_bias)
     training = bool(arg(node, 7, "train"))
     f = FactorNamer()
-    x, channel = _batch_norm_dims(f, specs[0].shape, training)
+    syncable = training and node.op in SYNCED_OPS
+    x, channel = _batch_norm_dims(f, specs[0].shape, training and not syncable)
     operands = _batch_norm_operands(node, specs, x, channel, 2)
     others = [fac for d, dims in enumerate(x) if d != 1 for fac in dims]
     reductions = () if training else tuple((fac, "sum") for fac in others)
     mask = arg(node, 9, "output_mask", (True, True, True))
     return f.rule(operands, [x, channel, channel], reductions=reductions, linear=_GRAD_LINEAR,
-                  independent=_absent(f, mask))
+                  independent=_absent(f, mask), **_sync(node, specs, x, channel, training))

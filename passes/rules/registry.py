@@ -36,6 +36,8 @@ class FactorRule:
     independent: tuple[frozenset, ...] = ()        # per result: factors it does not depend on
     random: bool = False                           # results are random draws, per block
     synced: tuple[tuple[str, tuple[str, ...]], ...] = ()   # factor -> its statistics' reductions
+    batch_synced: frozenset = frozenset()          # factors split at the price of a batch sync
+    batch_sync_stats: tuple = (0, ())              # (bytes per entry, factors indexing them)
 
     @property
     def size_of(self) -> dict[str, int]:

@@ -1,0 +1,102 @@
+"""Run on gloo ranks by tests/test_sync_norm.py: Alpa's conv net (conv, BatchNorm, relu,
+max pool) trained data parallel with synchronized batch norm, next to the same model on
+one device. Rank 0 writes what it saw as JSON to argv[1]; argv[2] lists the scenarios
+(``<name>:<mesh shape>``, e.g. ``conv:4`` or ``conv:2x2``).
+
+Each scenario plans with Alpa's unit costs (alpha = beta = 1), which split the batch, then
+records: the batch norm ops the plan synchronizes, the loss of 3 SGD steps on both sides,
+the gradients of the first step, the parameters and running statistics after the last,
+and the collectives each step issued next to the plan's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchalpa  # noqa: E402
+from alpa_cases import ConvNet  # noqa: E402
+from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
+from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
+from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from worker_io import attempt, finish  # noqa: E402
+
+NUM_LAYERS, BATCH, IMAGE, CHANNEL = 3, 16, 16, 4
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(200 + step)
+    out = IMAGE // 2 ** NUM_LAYERS
+    return (torch.randn(BATCH, CHANNEL, IMAGE, IMAGE, generator=g) * 2 + 1,
+            torch.randn(BATCH, CHANNEL, out, out, generator=g))
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def conv(shape: tuple[int, ...]) -> dict:
+    torch.manual_seed(0)
+    model = ConvNet(NUM_LAYERS, CHANNEL)
+    torch.manual_seed(0)
+    ref = ConvNet(NUM_LAYERS, CHANNEL)
+    mesh = torchalpa.LogicalMesh(shape=shape, alpha=(1.0,) * len(shape),
+                                 beta=(1.0,) * len(shape))
+    pm = torchalpa.auto_parallel(
+        model, batch(0), F.mse_loss, cluster=mesh,
+        method=torchalpa.ShardParallel(logical_mesh_shape=shape),
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    out = {"batch_synced": sorted(s.node for s in pm.plan.strategies if s.batch_syncs),
+           "planned": sorted([c.kind, c.axis, c.bytes] for c in issued_collectives(pm.plan)),
+           "executed": [], "losses": [], "ref_losses": []}
+    for step in range(3):
+        x, y = batch(step)
+        with CollectiveCounter.for_mesh(pm.mesh) as counter:
+            if step == 0:
+                loss = pm(x, y)
+                loss.backward()
+            else:
+                loss = pm.train_step(x, y)
+        out["executed"].append(sorted([r.kind, r.axis, r.bytes] for r in counter.records))
+        ref_loss = F.mse_loss(ref(x), y)
+        ref_loss.backward()
+        if step == 0:
+            out["grad_rel_diff"] = max(rel_diff(full(p.grad), q.grad) for p, q in
+                                       zip(pm.parameters(), ref.parameters()))
+            pm.optimizer.step()
+            pm.optimizer.zero_grad(set_to_none=True)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        out["losses"].append(loss.item())
+        out["ref_losses"].append(ref_loss.item())
+    trained = pm.unwrap().state_dict()
+    expected = ref.state_dict()
+    out["state_rel_diff"] = {k: rel_diff(trained[k].double(), v.double())
+                             for k, v in expected.items()}
+    return out
+
+
+def main():
+    out_path, which = sys.argv[1], sys.argv[2].split(",")
+    init_distributed()
+    results: dict = {"world_size": dist.get_world_size()}
+    for scenario in which:
+        name, shape = scenario.split(":")
+        assert name == "conv", name
+        results[scenario] = attempt(lambda: conv(tuple(int(n) for n in shape.split("x"))))
+    finish(results, out_path)
+
+
+if __name__ == "__main__":
+    main()
