@@ -361,16 +361,19 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
     def flight_of(after: int) -> int:
         return min(B, after + 1) if schedule == "1f1b" else B
 
-    def cost(k, i, j, after):
+    def cost(k, i, j, after, guess=True):
+        """A stage's latency: exact where it was priced so, else the per-layer sum or, with
+        ``guess``, the optimistic estimate where that is lower (a stage the sum calls too
+        big, to be priced exactly if the DP picks it)."""
         key = (k, i, j, flight_of(after))
         if key in exact:
             latency, chosen = exact[key]
         else:
             latency, chosen = costs.cost(k, i, shapes[j], key[3])
-            near, near_chosen = (math.inf, None) if measured else \
-                costs.optimistic(k, i, shapes[j], key[3])
-            if near < latency:
-                latency, chosen = near, near_chosen
+            if guess and not measured:
+                near, near_chosen = costs.optimistic(k, i, shapes[j], key[3])
+                if near < latency:
+                    latency, chosen = near, near_chosen
         choice[key] = chosen
         return latency
 
@@ -393,15 +396,8 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
             latency, option = costs.exact(k, i, shapes[j], view, flight)
             exact[key] = (latency, (view, option) if math.isfinite(latency) else None)
     else:    # rounds spent: keep what was priced exactly, drop the optimistic guesses
-        def settled(k, i, j, after):
-            key = (k, i, j, flight_of(after))
-            if key in exact:
-                latency, chosen = exact[key]
-            else:
-                latency, chosen = costs.cost(k, i, shapes[j], key[3])
-            choice[key] = chosen
-            return latency
-        solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, settled)
+        solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B,
+                            lambda k, i, j, after: cost(k, i, j, after, guess=False))
     stages = []
     for n, st in enumerate(solution.stages):
         key = (st.layers[0], st.layers[1], shapes.index(st.submesh),
