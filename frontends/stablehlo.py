@@ -31,6 +31,8 @@ two frontends share one set of sharding rules (``passes/rules``) and one cost mo
   ``iota`` (and a 1-D ``dynamic_iota``) -> ``aten.arange`` (made whole: every dim blocked);
 - ``gather`` of whole rows of a 2-D table -> ``aten.embedding``; ``scatter``-add of rows
   into a zero table (its gradient) -> ``aten.embedding_dense_backward``;
+- ``gather`` of one element per position (cross entropy's target pick) ->
+  ``aten.gather``, and its gradient -> ``aten.scatter_add`` (``frontends/hlo_gather.py``);
 - ``func.call`` is inlined.
 
 Op bytes are what XLA's fusion moves: values passed between elementwise ops (and into
@@ -52,6 +54,7 @@ from typing import Sequence
 
 from torchalpa.frontends.hlo_dot import emit_batch_sum, emit_dot
 from torchalpa.frontends.hlo_fusion import fuse_elementwise_bytes
+from torchalpa.frontends.hlo_gather import add_along_dim, pick_along_dim
 from torchalpa.frontends.hlo_sums import sum_products_first
 from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, Operand, TensorSpec, ValueRef
 
@@ -495,12 +498,18 @@ class _Reader:
             set_result(self.emit("aten.embedding.default", [weight, indices], outs[0],
                                  (Operand(0), Operand(1)), source=source, stack=stack,
                                  flops=0.0))
+        elif name == "stablehlo.gather" and \
+                (picked := pick_along_dim(self, op, refs, source, stack)):
+            set_result(picked)
         elif name == "stablehlo.scatter" and (found := self._embedding_grad(op, ins, refs)):
             grad, indices = found
             vocab = outs[0].shape[0]
             set_result(self.emit("aten.embedding_dense_backward.default", [grad, indices],
                                  outs[0], (Operand(0), Operand(1), vocab, -1, False),
                                  source=source, stack=stack))
+        elif name == "stablehlo.scatter" and (added := add_along_dim(
+                self, op, ins, refs, source, stack, self._reduce_body(op))):
+            set_result(added)
         elif name == "stablehlo.iota" or (name == "stablehlo.dynamic_iota"
                                           and len(outs[0].shape) == 1):
             set_result(self.emit("aten.arange.default", [], outs[0], (outs[0].numel,),
