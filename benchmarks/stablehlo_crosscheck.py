@@ -7,7 +7,8 @@
 ``--mesh 2x2`` plans one logical mesh instead of trying every view of the cluster (the 2D
 solve is minutes on a loaded 2-core machine); ``--detail`` prints where the two plans
 differ: per op kind the ops, flops and bytes of each graph, and per (phase, kind) the
-collectives and their bytes.
+collectives and their bytes. ``--why`` plans each graph again with every parameter pinned
+to the other frontend's placement: a tie costs the same, a real preference more.
 
 The StableHLO comes from ``torchalpa.export_stablehlo`` (torch.export's joint graph through
 torch-mlir). Both graphs are planned for the same cluster; the script prints how many
@@ -18,6 +19,7 @@ is off (the two frontends would draw differently).
 
 import argparse
 import json
+import re
 import sys
 import time
 
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 
 import torchalpa
 from torchalpa.cluster import Cluster
+from torchalpa.methods import AutoShardingOption, ShardParallel
 
 
 def workload(name: str):
@@ -70,7 +73,25 @@ def detail(graph_aten, graph_text, from_aten, from_text) -> dict:
                             for k in sorted(set(coll_a) | set(coll_t))}}
 
 
-def compare(name: str, cluster, want_detail: bool = False) -> dict:
+def pinned_to(plan) -> ShardParallel:
+    """A method that plans with every parameter held at ``plan``'s placement."""
+    pins = tuple(("^" + re.escape(p.name) + "$", tuple(p.placements)) for p in plan.parameters)
+    return ShardParallel(auto_sharding_option=AutoShardingOption(pin=pins))
+
+
+def preferences(model, batch, loss_fn, text, from_aten, from_text, cluster) -> dict:
+    """Whether differing placements are a tie or a real preference: each frontend's plan
+    objective with its own placements and with the other frontend's (every parameter
+    pinned there, the rest planned again). Own < other's in both: each cost model really
+    prefers its own layout; equal in one: a tie that frontend broke the other way."""
+    aten_other = torchalpa.plan(model, batch, loss_fn, cluster=cluster,
+                                method=pinned_to(from_text))
+    text_other = torchalpa.plan(text, (), cluster=cluster, method=pinned_to(from_aten))
+    return {"aten": [from_aten.estimates["objective"], aten_other.estimates["objective"]],
+            "stablehlo": [from_text.estimates["objective"], text_other.estimates["objective"]]}
+
+
+def compare(name: str, cluster, want_detail: bool = False, why: bool = False) -> dict:
     model, batch, loss_fn = workload(name)
     start = time.perf_counter()
     try:
@@ -92,6 +113,9 @@ def compare(name: str, cluster, want_detail: bool = False) -> dict:
               for p in from_aten.parameters
               if p.name not in text_params or p.placements != text_params[p.name].placements}
     keys = ("step_time_s", "compute_s", "communication_s", "memory_per_device_bytes")
+    if why and differ:
+        extra["preferences"] = preferences(model, batch, loss_fn, text, from_aten, from_text,
+                                           cluster)
     return {"model": name, "export_s": round(exported, 2),
             "mesh": [list(from_aten.mesh_shape), list(from_text.mesh_shape)],
             "parameters": len(from_aten.parameters),
@@ -120,13 +144,15 @@ def main():
     p.add_argument("--preset", choices=["local_cpu", "h100"], default="local_cpu")
     p.add_argument("--mesh", default=None, help="one logical mesh, e.g. 4 or 2x2")
     p.add_argument("--detail", action="store_true", help="print per op kind and collective")
+    p.add_argument("--why", action="store_true",
+                   help="where placements differ, plan each graph pinned to the other's")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     cluster = Cluster.local_cpu(args.devices) if args.preset == "local_cpu" else \
         Cluster.h100(num_nodes=max(1, args.devices // 8), devices_per_node=min(8, args.devices))
     if args.mesh:
         cluster = cluster.logical_mesh(tuple(int(n) for n in args.mesh.split("x")))
-    rows = [compare(name, cluster, args.detail) for name in args.models]
+    rows = [compare(name, cluster, args.detail, args.why) for name in args.models]
     for r in rows:
         if "error" in r:
             print(f"{r['model']}: no StableHLO export: {r['error']}")
@@ -136,6 +162,9 @@ def main():
               f"(mesh {r['mesh'][0]} vs {r['mesh'][1]}); StableHLO/ATen: {ratios}")
         for fqn, (a, b) in r["differ"].items():
             print(f"    {fqn}: ATen {a}, StableHLO {b}")
+        for side, (own, other) in r.get("preferences", {}).items():
+            print(f"    {side} objective: own placements {own * 1e3:.4f} ms, the other "
+                  f"frontend's {other * 1e3:.4f} ms ({(other / own - 1) * 100:+.3f}%)")
         if r["unsupported_in_stablehlo"]:
             print(f"    replicated (no rule) in StableHLO: {r['unsupported_in_stablehlo']}")
         if "detail" in r:

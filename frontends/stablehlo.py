@@ -42,11 +42,14 @@ as five ops costs what ATen's one ``_softmax`` does.
 Any other op keeps its StableHLO name (``stablehlo.gather``...): it has no rule, so the
 planner runs it replicated and lists it in the plan's ``unsupported_ops``, as for torch.
 ``OpNode.source`` holds the op's name and location in the StableHLO text; ``stack`` the
-"file:line" JAX recorded, when there is one.
+"file:line" of the user's code JAX or ``export_stablehlo`` recorded, and ``module`` the
+module path an exported torch step names (``loc("net.0"("model.py":40:0))``), so errors and
+the plan's list of ops without a rule point at the model's code.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 from dataclasses import dataclass, replace
@@ -232,11 +235,19 @@ def _splat(text: str) -> float:
 
 
 def _location(op) -> tuple[str, str]:
-    """(short location, "file:line") of an op, from JAX's or torch-mlir's loc()."""
+    """(location name, "file:line") of an op, from JAX's or torch-mlir's loc(): the name is
+    JAX's op path or the module path ``torchalpa.export_stablehlo`` writes; the line is the
+    innermost frame outside installed packages (JAX and torch-mlir list callers after)."""
     text = str(op.location)
     name = re.match(r'loc\("([^"]*)"', text)
-    line = re.search(r'"([^"]+\.py)":(\d+)', text)
-    return (name.group(1) if name else ""), (f"{line.group(1)}:{line.group(2)}" if line else "")
+    lines = re.findall(r'"([^"]+\.py)":(\d+)', text)
+    user = [f"{f}:{n}" for f, n in lines if f"{os.sep}site-packages{os.sep}" not in f]
+    line = user[0] if user else (f"{lines[0][0]}:{lines[0][1]}" if lines else "")
+    return (name.group(1) if name else ""), line
+
+
+# a location name that is a torch module path ("h.0.attn.c_proj"), not JAX's op path
+_MODULE_PATH = re.compile(r"[A-Za-z_]\w*(\.\w+)*")
 
 
 class _Reader:
@@ -259,6 +270,7 @@ class _Reader:
         self.count = 0
         self.op_of: dict[str, object] = {}   # node name -> the MLIR op it was read from
         self._reading = None                  # the MLIR op being read
+        self._module = ""                     # its module path, when its location names one
 
     # -- emitting ------------------------------------------------------------------------
     def _name(self, what: str) -> str:
@@ -277,7 +289,7 @@ class _Reader:
         node = OpNode(name=self._name(op.split(".")[1]), op=op, operands=tuple(operands),
                       args=args, kwargs=kwargs, outputs=outs, flops=float(flops),
                       bytes=0.0 if aliases else float(in_bytes + sum(o.nbytes for o in outs)),
-                      aliases=aliases, source=source, stack=stack)
+                      aliases=aliases, source=source, stack=stack, module=self._module)
         self.add(node)
         return ValueRef(node.name)
 
@@ -387,6 +399,7 @@ class _Reader:
         self._reading = op
         name = op.name
         where, stack = _location(op)
+        self._module = where if _MODULE_PATH.fullmatch(where) else ""
         source = f"{name} {where}".strip()
         outs = [_spec(r.type) for r in op.results]
         ins = list(op.operands)

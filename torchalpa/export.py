@@ -12,7 +12,8 @@ gradients also carry sharding annotations, which XLA honours when it compiles th
 for the plan's mesh: ``sharding="mhlo"`` (GSPMD's HLO sharding strings, devices in the
 plan's mesh order) or ``"sdy"`` (Shardy). ``torchalpa/hlo_annotate.py`` writes them; the
 plan's resharding points get sharding constraints too when the plan was made from this
-StableHLO (``torchalpa.plan(text, ())``), not from the model's ATen graph.
+StableHLO (``torchalpa.plan(text, ())``), not from the model's ATen graph. Forward ops carry
+the location of the model code they come from (``torchalpa/export_locations.py``).
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ def export_stablehlo(model: torch.nn.Module, example_inputs: Sequence[torch.Tens
     """The training step of ``model`` (+ ``loss_fn``) as StableHLO text (see module doc)."""
     from torch.export.experimental import _export_forward_backward
 
+    from torchalpa.export_locations import import_with_locations, source_of
     from torchalpa.frontends.torch_export import split_inputs
     try:
-        from torch_mlir import fx as mlir_fx
         from torch_mlir import ir
     except ImportError as e:
         raise ImportError("export_stablehlo needs torch-mlir: pip install "
@@ -94,14 +95,16 @@ def export_stablehlo(model: torch.nn.Module, example_inputs: Sequence[torch.Tens
         step = _SharedParameters(step)
     try:
         exported = torch.export.export(step, tuple(example_inputs))
-        joint = _export_forward_backward(exported.run_decompositions())
+        forward = exported.run_decompositions()
+        joint = _export_forward_backward(forward)
     except Exception as e:
         raise RuntimeError(f"torch.export could not capture the training step of "
                            f"{type(model).__name__}: {type(e).__name__}: {str(e)[:300]}") from e
     args = _argument_names(joint, getattr(step, "fqns", None))
     _rewrite_for_torch_mlir(joint.graph_module)
     try:
-        module = mlir_fx.stateless_fx_import(joint.graph_module, output_type="stablehlo")
+        module = import_with_locations(joint.graph_module,
+                                       source_of(forward.graph, joint.graph_module.graph))
     except Exception as e:   # TorchMlirCompilerError: an op torch-mlir cannot lower
         ops = sorted({str(n.target) for n in joint.graph_module.graph.nodes
                       if n.op == "call_function"})
@@ -120,10 +123,11 @@ def export_stablehlo(model: torch.nn.Module, example_inputs: Sequence[torch.Tens
             ir.DictAttr.get({"torchalpa.kind": ir.StringAttr.get(kind),  # pyright: ignore[reportAttributeAccessIssue]
                              "torchalpa.name": ir.StringAttr.get(name)})  # pyright: ignore[reportAttributeAccessIssue]
             for kind, name in args])
+        text = module.operation.get_asm(enable_debug_info=True)
     if plan is None:
-        return str(module)
+        return text
     from torchalpa.hlo_annotate import annotate_stablehlo
-    return annotate_stablehlo(str(module), plan, dialect=sharding).text
+    return annotate_stablehlo(text, plan, dialect=sharding).text
 
 
 def _rewrite_for_torch_mlir(gm: torch.fx.GraphModule) -> None:

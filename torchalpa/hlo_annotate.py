@@ -93,7 +93,8 @@ def annotate_stablehlo(text: str, plan: Plan, *, dialect: str = "mhlo",
         elif plan.reshards:           # e.g. the ATen plan of an exported torch step
             out.skipped["the plan was made from another graph of the step"] = \
                 len(plan.reshards)
-        out.text = str(module)
+        out.text = module.operation.get_asm(  # pyright: ignore[reportAttributeAccessIssue]
+            enable_debug_info=True)              # source locations kept
     return out
 
 
