@@ -3,11 +3,15 @@
     python examples/jax_quickstart.py                       # 4 host devices, dim 256
     python examples/jax_quickstart.py --dim 512 --batch 512 --layers 4 --json out.json
 
-torchalpa plans the step from its StableHLO (``torchalpa.plan(loss_fn, (params, x, y))``);
-XLA then runs it with ``jax.jit`` whose in/out shardings (and the gradients' sharding
-constraints) come from the plan, next to plain data parallelism (parameters replicated,
-batch split). The script checks losses and parameters against one device, and sets the
-collectives in XLA's compiled program beside the plan's list.
+torchalpa plans the step from its StableHLO (``torchalpa.plan(loss_fn, (params, x, y))``).
+The same StableHLO is annotated with the plan (``annotate_stablehlo``: argument and
+gradient shardings, and a sharding constraint at every point where the plan reshards a
+value between two ops), and XLA's SPMD partitioner compiles it for 4 CPU devices, so the
+program XLA runs is the plan's layouts, not XLA's own propagation from the arguments. The
+SGD update is a ``jax.jit`` with the parameters' shardings. Plain data parallelism
+(parameters replicated, batch split) runs beside it. The script checks losses and
+parameters against one device, and sets the collectives in XLA's compiled program beside
+the plan's list.
 """
 
 import argparse
@@ -27,6 +31,8 @@ import numpy as np                                  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec   # noqa: E402
 
 import torchalpa                                    # noqa: E402
+from torchalpa.frontends.jax_lower import lower_jax  # noqa: E402
+from torchalpa.hlo_annotate import annotate_stablehlo, load_annotated   # noqa: E402
 from torchalpa.xla import compare_collectives, shardings   # noqa: E402
 
 
@@ -48,11 +54,9 @@ def loss_fn(params, x, y):
     return jnp.mean((h - y) ** 2)
 
 
-def make_train_step(lr: float, grad_shardings=None):
+def make_train_step(lr: float):
     def train_step(params, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        if grad_shardings is not None:               # gradients land where the plan puts them
-            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         params = jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads)
         return params, loss
     return train_step
@@ -86,16 +90,25 @@ def run(args) -> dict:
     # 2. one device: the reference
     ref_params, ref_losses = train(jax.jit(make_train_step(args.lr)), params, x, y, args.steps)
 
-    # 3. the plan on NUM_DEVICES devices: jit with its shardings
+    # 3. the plan on NUM_DEVICES devices: its annotated StableHLO, compiled by XLA
     devices = np.array(jax.devices()[:NUM_DEVICES]).reshape(plan.mesh_shape)
     mesh = Mesh(devices, plan.axis_names)
+    lowered = lower_jax(loss_fn, (params, x, y))     # the program the plan was made from
+    annotated = annotate_stablehlo(lowered.text, plan, param_names=lowered.param_names,
+                                   input_names=lowered.input_names)
+    print(f"\nsharding constraints between ops: {len(annotated.constraints)}"
+          + (f" (left to XLA: {annotated.skipped})" if annotated.skipped else ""))
+    loss_and_grads, hlo = load_annotated(annotated.text, plan, mesh,
+                                         lowered.param_names + lowered.input_names)
     p_sh, x_sh, y_sh = shardings(plan, mesh, loss_fn, (params, x, y))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    step = jax.jit(make_train_step(args.lr, p_sh), in_shardings=(p_sh, x_sh, y_sh),
-                   out_shardings=(p_sh, replicated))
-    compiled = step.lower(params, x, y).compile()
-    placed = jax.device_put((params, x, y), (p_sh, x_sh, y_sh))
-    new_params, losses = train(compiled, *placed, args.steps)
+    sgd = jax.jit(lambda p, g: jax.tree_util.tree_map(lambda a, b: a - args.lr * b, p, g),
+                  in_shardings=(p_sh, p_sh), out_shardings=p_sh)
+    new_params, losses = jax.device_put(params, p_sh), []
+    tree = jax.tree_util.tree_structure(params)
+    for _ in range(args.steps):
+        loss, *grads = loss_and_grads(*jax.tree_util.tree_leaves(new_params), x, y)
+        new_params = sgd(new_params, jax.tree_util.tree_unflatten(tree, grads))
+        losses.append(float(loss))
 
     # 4. plain data parallelism beside it: parameters replicated, the batch split
     dp_mesh = Mesh(np.array(jax.devices()[:NUM_DEVICES]), ("dp",))
@@ -114,7 +127,10 @@ def run(args) -> dict:
         "losses": losses, "reference_losses": ref_losses, "dp_losses": dp_losses,
         "max_param_diff": max_diff(new_params, ref_params),
         "dp_max_param_diff": max_diff(dp_params, ref_params),
-        "collectives": compare_collectives(plan, compiled.as_text()),
+        "constraints": annotated.constraints, "skipped": annotated.skipped,
+        "plan_collectives": [{"kind": c.kind, "bytes": c.bytes, "phase": c.phase,
+                              "tensor": c.tensor} for c in plan.collectives],
+        "collectives": compare_collectives(plan, hlo),
         "dp_collectives": compare_collectives(plan, dp_compiled.as_text()),
         "estimated_step_s": plan.estimates["step_time_s"],
     }

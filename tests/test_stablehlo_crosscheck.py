@@ -1,10 +1,11 @@
 """The zoo's gpt, llama, bert and the quickstart MLP planned from their ATen graph and from
 their StableHLO export (``benchmarks/stablehlo_crosscheck.py``) on a 4-device CPU mesh.
 
-Estimates agree within 5% (issue #18; LLaMA within 8%, see ``STEP_TOLERANCE``). Placements agree for every parameter but those
-``REAL_PREFERENCES`` names, and each of those is a real preference, not a tie broken the
-other way: planned again with every parameter pinned to the other frontend's placements,
-each frontend's objective is higher than with its own. Why they differ (see README):
+Estimates agree within 5% (issue #18; LLaMA within 8%, see ``STEP_TOLERANCE``).
+Placements agree for every parameter but those ``REAL_PREFERENCES`` names, and each of
+those is a real preference, not a tie broken the other way: planned again with every
+parameter pinned to the other frontend's placements, each frontend's objective is higher
+than with its own. Why they differ (see README):
 
 - mlp ``net.6.bias``: ATen shards the tail after the last matmul (a reduce-scatter, then
   relu and mse_loss on a quarter of the rows' features each, two small all-gathers in

@@ -1,3 +1,5 @@
+# torch_mlir.ir re-exports Context/Location from a native module the checker cannot see
+# pyright: reportAttributeAccessIssue=false
 """Source locations for an exported torch step: each StableHLO op says which line of the
 user's model it came from, as ``loc("net.0"("model.py":40:0))`` (module path, then file
 and line).
@@ -104,6 +106,5 @@ def import_with_locations(gm: torch.fx.GraphModule, sources: dict[str, SourceLin
                 if source.module else where
 
     importer = FxImporter(context=context)
-    importer._cc = _Locations(context,  # pyright: ignore[reportAttributeAccessIssue]
-                              py_attr_tracker=importer._py_attr_tracker)  # pyright: ignore
+    importer._cc = _Locations(context, py_attr_tracker=importer._py_attr_tracker)
     return mlir_fx.stateless_fx_import(gm, output_type="stablehlo", fx_importer=importer)

@@ -7,7 +7,10 @@
   its parameter's placement (the loss replicated);
 - every resharding point of the plan: where an op reads a value in another layout than
   its producer wrote it (``plan.reshards`` with a collective), the operand goes through a
-  sharding constraint with the layout the op reads. Without these XLA propagates the
+  sharding constraint with the layout the op reads. (A local slice of a whole value gets
+  none: constraining those made XLA gather elsewhere; it may then compute such an op
+  whole, e.g. a bias gradient summed over the whole batch where the plan sums its slice
+  and all-reduces.) Without these XLA propagates the
   argument shardings by its own heuristics and may choose other collectives; with them
   its partitioner reproduces the plan's layouts between ops as well.
 
@@ -35,7 +38,7 @@ from torchalpa.opgraph import ValueRef
 from torchalpa.placement import Partial, Shard
 from torchalpa.plan import Plan
 
-__all__ = ["annotate_stablehlo", "AnnotatedProgram", "sdy_sharding", "DIALECTS"]
+__all__ = ["annotate_stablehlo", "AnnotatedProgram", "sdy_sharding", "load_annotated", "DIALECTS"]
 
 DIALECTS = ("mhlo", "sdy")
 
@@ -188,3 +191,50 @@ def _constrain(reshard, read, in_main, spell: _Speller, ir, out: AnnotatedProgra
         op.operands[i] = constrained
     out.constraints.append(f"{reshard.producer} -> {reshard.consumer}: "
                            f"{', '.join(str(p) for p in dst)}")
+
+
+def load_annotated(text: str, plan: Plan, mesh, arg_names: Sequence[str]):
+    """The annotated step compiled by XLA's SPMD partitioner for ``mesh`` (a
+    ``jax.sharding.Mesh`` of the plan's shape and axes), as a function of global
+    ``jax.Array``s -> ``(loss, *grads)`` global arrays, and XLA's compiled HLO text.
+
+    ``arg_names`` name ``@main``'s arguments as the plan does (parameters, then inputs):
+    each argument is placed with its plan placement before the call, and each gradient
+    is reassembled with its parameter's. Unlike ``jax.jit`` of the Python function, this
+    runs the program with the plan's sharding constraints between ops as well."""
+    import jax
+    import numpy as np
+    from jax._src import compiler
+    from jax._src.lib import xla_client
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from torchalpa.xla import partition_spec
+    placed = {p.name: p for p in plan.parameters + plan.inputs}
+    missing = [n for n in arg_names if n not in placed]
+    if missing:
+        raise ValueError(f"the plan places no {missing[:4]}: name the arguments as the plan "
+                         "does (lower_jax's param_names + input_names)")
+    devices = list(mesh.devices.flat)
+    options = compiler.get_compile_options(
+        num_replicas=1, num_partitions=len(devices),
+        device_assignment=np.arange(len(devices)).reshape(1, len(devices)))
+    options.executable_build_options.use_spmd_partitioning = True
+    options.executable_build_options.use_shardy_partitioner = "sdy.mesh" in text
+    executable = devices[0].client.compile_and_load(
+        text, xla_client.DeviceList(tuple(devices)), options)
+
+    def sharding(name: str):
+        p = placed[name]
+        return NamedSharding(mesh, partition_spec(p.placements, len(p.shape), plan.axis_names))
+    in_shardings = [sharding(n) for n in arg_names]
+    params = {p.name for p in plan.parameters}
+    grad_names = [n for n in arg_names if n in params]     # @main's order: its results'
+    out_shardings = [NamedSharding(mesh, PartitionSpec())] + [sharding(n) for n in grad_names]
+
+    def run(*args):
+        placed_args = [jax.device_put(a, s) for a, s in zip(args, in_shardings)]
+        shards = executable.execute_sharded(placed_args).disassemble_into_single_device_arrays()
+        shapes = [()] + [tuple(placed[n].shape) for n in grad_names]
+        return tuple(jax.make_array_from_single_device_arrays(shape, s, list(pieces))
+                     for shape, s, pieces in zip(shapes, out_shardings, shards))
+    return run, executable.hlo_modules()[0].to_string()
