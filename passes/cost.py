@@ -29,7 +29,7 @@ from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpNode
 
 __all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost",
-           "all_reduce_cost", "wire_bytes", "batch_sync_cost", "op_family"]
+           "all_reduce_cost", "wire_bytes", "batch_sync_cost", "op_family", "optimizer_cost"]
 
 
 def collective_cost(mesh: LogicalMesh, kind: str, axis: int, nbytes: float) -> float:
@@ -113,6 +113,22 @@ def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int) -> float:
     if mesh.kernel_launch_s and not node.aliases:
         t += mesh.kernel_launch_s
     return t
+
+
+def optimizer_cost(mesh: LogicalMesh, local_param_bytes: dict[str, float],
+                   optimizer_states: int) -> float:
+    """Seconds of the optimizer's step on this device: ``mesh.optimizer_tensor_s`` per
+    parameter tensor, plus reading and writing the local shard of each parameter, its
+    gradient and its ``optimizer_states`` states once at memory bandwidth. Zero when the
+    mesh has no ``optimizer_tensor_s`` (Alpa's accounting: compute and collectives only).
+    ``local_param_bytes``: each parameter node's bytes on this device."""
+    if not mesh.optimizer_tensor_s:
+        return 0.0
+    per_tensor = mesh.optimizer_tensor_s * len(local_param_bytes)
+    if not mesh.memory_bandwidth:
+        return per_tensor
+    moved = 2 * (2 + optimizer_states) * sum(local_param_bytes.values())
+    return per_tensor + moved / mesh.memory_bandwidth
 
 
 def op_family(op: str) -> str:

@@ -18,7 +18,7 @@ from torchalpa.calibrate import Calibration, conv_flops, in_step_latency
 from torchalpa.cluster import Cluster
 from torchalpa.frontends.opset import flop_count
 from torchalpa.opgraph import OpNode, TensorSpec
-from torchalpa.passes.cost import compute_cost, op_family
+from torchalpa.passes.cost import compute_cost, op_family, optimizer_cost
 from torchalpa.placement import Replicate
 
 
@@ -97,9 +97,21 @@ def test_convolutions_compute_at_their_measured_rate_and_matmuls_at_theirs():
         assert compute_cost(mesh, node(op, flops), 4) == pytest.approx(25e-6 + flops / 4 / rate)
 
 
+def test_the_optimizer_pays_per_tensor_and_moves_its_shards_once():
+    mesh = measured(optimizer_tensor_s=4e-4, memory_bandwidth=1e9).cluster().logical_mesh((4,))
+    shards = {"w1": 4096.0, "w2": 1024.0}           # bytes of each parameter on this device
+    # Adam: parameter, gradient and 2 states read and written once
+    expected = 2 * 4e-4 + 2 * (2 + 2) * 5120 / 1e9
+    assert optimizer_cost(mesh, shards, optimizer_states=2) == pytest.approx(expected)
+    alpa = measured().cluster().logical_mesh((4,))   # no optimizer figure: left out
+    assert optimizer_cost(alpa, shards, optimizer_states=2) == 0.0
+
+
 def test_a_mesh_rejects_a_rate_that_is_not_positive():
     with pytest.raises(ValueError, match=r"peak_flops_by_op\['convolution'\]"):
         Cluster(peak_flops_by_op=(("convolution", 0.0),))
+    with pytest.raises(ValueError, match="optimizer_tensor_s must be >= 0"):
+        Cluster(optimizer_tensor_s=-1.0)
 
 
 def test_a_calibration_of_the_previous_version_is_measured_again(tmp_path):

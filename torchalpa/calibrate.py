@@ -15,6 +15,8 @@ windows: the time a rank waits for a core counts, as it does in a step):
 - a small convolution's forward and backward (``conv_flops``: on CPUs several times slower
   per flop than a matmul; ``peak_flops_by_op["convolution"]`` prices convolutions with it),
 - a large elementwise add (memory bytes/s) and a tiny ATen add (the fixed cost of any op),
+- an Adam step over a few small parameters (``optimizer_tensor_s``, the optimizer's cost
+  per parameter tensor: ~18 tiny ops' worth, 11 ms for the zoo GPT's 28 tensors here),
 - all-reduces of a few sizes; ``fit_alpha_beta`` fits ``t = alpha + beta * 2(n-1)/n * B``
   by least squares (the ring all-reduce's time for ``B`` bytes per rank, the cost model's
   formula, so the fitted alpha and beta mean what the cost model means by them),
@@ -57,6 +59,8 @@ CONV_SHAPE = (8, 16, 16, 3)
 """(batch, channels, image size, kernel) of the convolution timed: a small CNN's layer."""
 WINDOW_S = 0.04
 """Seconds per timing window of a compute figure (three windows each)."""
+OPTIMIZER_TENSORS = 8
+"""Small parameters of the Adam step timed (``optimizer_tensor_s``: its time / this)."""
 IN_STEP_PAIRS = 10
 """(compute, 4-byte all-reduce) pairs per window of the in-step latency."""
 _VERSION = 2
@@ -120,26 +124,28 @@ class Calibration(dict):
                        kernel_launch_s=float(self["op_s"]), name="measured",
                        peak_flops_by_op=(("convolution", float(self["conv_flops"])),)
                        if "conv_flops" in self else (),
+                       optimizer_tensor_s=float(self.get("optimizer_tensor_s", 0.0)),
                        device_name=f"{self['cores']} CPU cores, {self['backend']}, measured")
 
 
 def _window_time(fn: Callable[[], object], window_s: float = WINDOW_S, rounds: int = 3
                  ) -> float:
-    """Seconds per call of ``fn``: calls are timed in windows of about ``window_s`` and the
-    median window's time is divided by its calls. Whole windows, not single calls: with
-    more ranks than cores a rank waits for a core between its calls, and a training step
-    pays that wait, which the median of single calls leaves out (it read 75 Gflop/s for a
-    matmul where windows of 4 ranks on 2 cores read 13)."""
-    start = time.perf_counter()
+    """Seconds per call of ``fn``: calls are repeated until a window of ``window_s`` has
+    passed, and the median window's time is divided by its calls (after one untimed call:
+    lazy set-up). Whole windows, not single calls: with more ranks than cores a rank waits
+    for a core between its calls, and a training step pays that wait, which the median of
+    single calls leaves out (it read 75 Gflop/s for a matmul where windows of 4 ranks on 2
+    cores read 13)."""
     fn()
-    first = max(time.perf_counter() - start, 1e-7)
-    calls = max(1, min(10_000, round(window_s / first)))
     times = []
     for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
+        calls = 0
+        start = now = time.perf_counter()
+        while now - start < window_s:
             fn()
-        times.append((time.perf_counter() - start) / calls)
+            calls += 1
+            now = time.perf_counter()
+        times.append((now - start) / calls)
     return statistics.median(times)
 
 
@@ -165,6 +171,17 @@ def _conv_step(batch: int, channels: int, size: int, kernel: int) -> Callable[[]
     return step
 
 
+def _adam_step(num_tensors: int) -> Callable[[], object]:
+    """One ``torch.optim.Adam`` step over ``num_tensors`` small parameters with gradients:
+    what the optimizer pays per tensor beyond its arithmetic. (Its first construction in a
+    process imports ``torch._dynamo``, seconds, which capturing the step imports anyway.)"""
+    params = [torch.nn.Parameter(torch.randn(16, 16)) for _ in range(num_tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.Adam(params, lr=1e-4)
+    return optimizer.step
+
+
 def in_step_latency(with_collective_s: float, compute_only_s: float) -> float:
     """What one small collective adds to a step where compute runs between collectives:
     the time per (compute, collective) pair less the compute's own (never negative)."""
@@ -179,9 +196,11 @@ def _measure_here(world: int, backend: str) -> Calibration:
     tiny = torch.randn(16)
     conv = _conv_step(*CONV_SHAPE)
     add = torch.ops.aten.add.Tensor
+    adam = _adam_step(OPTIMIZER_TENSORS)
     dist.barrier()
     matmul_s = _window_time(lambda: a @ b)
     conv_s = _window_time(conv)
+    optimizer_s = _window_time(adam) / OPTIMIZER_TENSORS
     add_s = _window_time(lambda: big + big)
     op_s = _window_time(lambda: add(tiny, tiny))
     buffers = [torch.zeros(max(size // 4, 1)) for size in ALL_REDUCE_SIZES]
@@ -214,17 +233,18 @@ def _measure_here(world: int, backend: str) -> Calibration:
         pairs.append(_fixed_window(compute_then_reduce, IN_STEP_PAIRS))
         alone.append(_fixed_window(compute, IN_STEP_PAIRS))
     step_latency = in_step_latency(statistics.median(pairs), statistics.median(alone))
-    figures = torch.tensor([matmul_s, conv_s, add_s, op_s, step_latency, *reduce_s],
-                           dtype=torch.float64)
+    figures = torch.tensor([matmul_s, conv_s, add_s, op_s, optimizer_s, step_latency,
+                            *reduce_s], dtype=torch.float64)
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)   # the slowest rank's, the same everywhere
-    matmul_s, conv_s, add_s, op_s, step_latency, *reduce_s = figures.tolist()
+    matmul_s, conv_s, add_s, op_s, optimizer_s, step_latency, *reduce_s = figures.tolist()
     alpha, beta = fit_alpha_beta(ALL_REDUCE_SIZES, reduce_s, world)
     return Calibration(version=_VERSION, host=socket.gethostname(), backend=backend,
                        world_size=world, cores=os.cpu_count() or 1, torch=torch.__version__,
                        flops=2 * 256 ** 3 / matmul_s,
                        conv_flops=conv_flops(*CONV_SHAPE) / conv_s,
                        memory_bandwidth=3 * big.numel() * 4 / max(add_s - op_s, 1e-9),
-                       op_s=op_s, alpha=max(alpha, step_latency), beta=beta,
+                       op_s=op_s, optimizer_tensor_s=optimizer_s,
+                       alpha=max(alpha, step_latency), beta=beta,
                        fitted_alpha=alpha, in_step_latency=step_latency,
                        all_reduce=dict(zip(map(str, ALL_REDUCE_SIZES), reduce_s)),
                        measured_at=time.time())

@@ -63,12 +63,19 @@ class LogicalMesh:
     """Per-device flop/s of op families that run far from the matmul peak, by family
     (``passes/cost.py::op_family``: "convolution" covers its backward too); a family not
     listed uses the dtype's peak."""
+    optimizer_tensor_s: float = 0.0
+    """Seconds the optimizer's step pays per parameter tensor whatever its size (its loop
+    and element-wise launches; ``Cluster.measure()`` times Adam). 0 leaves the optimizer
+    out of the step's estimate (Alpa's accounting, and the presets')."""
 
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"LogicalMesh.backend must be 'nccl' or 'gloo', got {self.backend!r}")
         if self.kernel_launch_s < 0:
             raise ValueError(f"LogicalMesh.kernel_launch_s must be >= 0, got {self.kernel_launch_s}")
+        if self.optimizer_tensor_s < 0:
+            raise ValueError("LogicalMesh.optimizer_tensor_s must be >= 0, got "
+                             f"{self.optimizer_tensor_s}")
         if self.gradient_bucket_bytes < 0:
             raise ValueError("LogicalMesh.gradient_bucket_bytes must be >= 0, got "
                              f"{self.gradient_bucket_bytes}")
@@ -147,6 +154,9 @@ class Cluster:
     """Per-device flop/s of op families far from the matmul peak, e.g.
     (("convolution", 6e9),) for CPU convolutions (``Cluster.measure()`` times them); a
     family not listed uses the dtype's peak."""
+    optimizer_tensor_s: float = 0.0
+    """Seconds the optimizer's step pays per parameter tensor whatever its size (measured
+    for Adam by ``Cluster.measure()``); 0 leaves the optimizer out of step estimates."""
 
     def __post_init__(self):
         for f in ("num_nodes", "devices_per_node"):
@@ -158,6 +168,9 @@ class Cluster:
                 raise ValueError(f"Cluster.{f} must be > 0, got {getattr(self, f)}")
         if self.kernel_launch_s < 0:
             raise ValueError(f"Cluster.kernel_launch_s must be >= 0, got {self.kernel_launch_s}")
+        if self.optimizer_tensor_s < 0:
+            raise ValueError("Cluster.optimizer_tensor_s must be >= 0, got "
+                             f"{self.optimizer_tensor_s}")
         if self.gradient_bucket_bytes < 0:
             raise ValueError("Cluster.gradient_bucket_bytes must be >= 0, got "
                              f"{self.gradient_bucket_bytes}")
@@ -300,6 +313,7 @@ class Cluster:
                            memory_per_device=self.memory_per_device, backend=self.backend,
                            peak_flops_by_dtype=self.peak_flops_by_dtype,
                            peak_flops_by_op=self.peak_flops_by_op,
+                           optimizer_tensor_s=self.optimizer_tensor_s,
                            kernel_launch_s=self.kernel_launch_s,
                            device_name=self.device_name or self.name,
                            gradient_bucket_bytes=self.gradient_bucket_bytes)
