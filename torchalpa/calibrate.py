@@ -223,7 +223,7 @@ def _measure_here(world: int, backend: str) -> Calibration:
 
     def compute():
         for _ in range(8):
-            burst[0] @ burst[1]
+            torch.mm(burst[0], burst[1])
 
     def compute_then_reduce():
         compute()
