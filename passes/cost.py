@@ -18,7 +18,9 @@ an op; zero when the mesh has no ``peak_flops`` (Alpa's communication-only setti
 peak is the mesh's rate for the dtype the op computes in (its first result's: bf16 matmuls
 at the tensor-core rate, fp32 ones at the fp32 or TF32 rate), and ``launch`` the mesh's
 ``kernel_launch_s``, paid once by every op that launches a kernel (views launch none), so
-splitting small ops further stops paying off.
+splitting small ops further stops paying off. An op family the mesh lists in
+``peak_flops_by_op`` (``op_family``: convolutions and their backward, on CPUs several
+times slower per flop than matmuls) computes at that rate instead.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpNode
 
 __all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost",
-           "all_reduce_cost", "wire_bytes", "batch_sync_cost"]
+           "all_reduce_cost", "wire_bytes", "batch_sync_cost", "op_family", "optimizer_cost"]
 
 
 def collective_cost(mesh: LogicalMesh, kind: str, axis: int, nbytes: float) -> float:
@@ -103,7 +105,7 @@ def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int) -> float:
     kernel launch."""
     if mesh.peak_flops is None:
         return 0.0
-    peak = mesh.peak_flops_for(_compute_dtype(node))
+    peak = mesh.peak_flops_for(_compute_dtype(node), op_family(node.op))
     assert peak is not None  # peak_flops is set, so every dtype has a figure
     t = node.flops / shards / peak
     if mesh.memory_bandwidth:
@@ -111,6 +113,31 @@ def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int) -> float:
     if mesh.kernel_launch_s and not node.aliases:
         t += mesh.kernel_launch_s
     return t
+
+
+def optimizer_cost(mesh: LogicalMesh, local_param_bytes: dict[str, float],
+                   optimizer_states: int) -> float:
+    """Seconds of the optimizer's step on this device: ``mesh.optimizer_tensor_s`` per
+    parameter tensor, plus reading and writing the local shard of each parameter, its
+    gradient and its ``optimizer_states`` states once at memory bandwidth. Zero when the
+    mesh has no ``optimizer_tensor_s`` (Alpa's accounting: compute and collectives only).
+    ``local_param_bytes``: each parameter node's bytes on this device."""
+    if not mesh.optimizer_tensor_s:
+        return 0.0
+    per_tensor = mesh.optimizer_tensor_s * len(local_param_bytes)
+    if not mesh.memory_bandwidth:
+        return per_tensor
+    moved = 2 * (2 + optimizer_states) * sum(local_param_bytes.values())
+    return per_tensor + moved / mesh.memory_bandwidth
+
+
+def op_family(op: str) -> str:
+    """The family an op's compute rate is looked up by: its name without namespace,
+    overload and ``_backward`` (``aten.convolution_backward.default`` -> ``convolution``,
+    ``stablehlo.convolution`` -> ``convolution``)."""
+    parts = op.split(".")
+    name = parts[1] if len(parts) > 1 else parts[0]
+    return name.lstrip("_").removesuffix("_backward")
 
 
 def _compute_dtype(node: OpNode) -> str:

@@ -24,7 +24,7 @@ from torchalpa.methods import AutoShardingOption, ShardParallel
 from torchalpa.passes.constraints import apply_constraints
 from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
 from torchalpa.passes.cost import (batch_sync_cost, compute_cost, gradient_steps_cost,
-                                   steps_cost, wire_bytes)
+                                   optimizer_cost, steps_cost, wire_bytes)
 from torchalpa.passes.costgraph import ReshardCosts, build_cost_graph
 from torchalpa.passes.ilp import ILPProblem, InfeasibleError, solve_ilp
 from torchalpa.passes.simplify import group_nodes
@@ -587,6 +587,9 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
 
     leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}
     state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states)
+    compute_time += optimizer_cost(mesh, {
+        n.name: local_bytes(n.output, leaf_placement[n.name], mesh.shape)
+        for n in graph if n.kind == "param"}, method.optimizer_states)
     activations, saved = activation_peak_bytes(
         graph, {k: s.outputs for k, s in chosen.items()}, mesh.shape)
     estimates = Estimates(step_time_s=comm_time + compute_time, communication_s=comm_time,

@@ -59,17 +59,30 @@ class LogicalMesh:
     """Bytes per bucket the runtime packs gradient reductions into, one latency each: a
     gradient's all-reduce pays the latency of its share of a bucket. 0: each gradient's
     collective pays a whole latency (Alpa's accounting, and these tests' default)."""
+    peak_flops_by_op: tuple[tuple[str, float], ...] = ()
+    """Per-device flop/s of op families that run far from the matmul peak, by family
+    (``passes/cost.py::op_family``: "convolution" covers its backward too); a family not
+    listed uses the dtype's peak."""
+    optimizer_tensor_s: float = 0.0
+    """Seconds the optimizer's step pays per parameter tensor whatever its size (its loop
+    and element-wise launches; ``Cluster.measure()`` times Adam). 0 leaves the optimizer
+    out of the step's estimate (Alpa's accounting, and the presets')."""
 
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"LogicalMesh.backend must be 'nccl' or 'gloo', got {self.backend!r}")
         if self.kernel_launch_s < 0:
             raise ValueError(f"LogicalMesh.kernel_launch_s must be >= 0, got {self.kernel_launch_s}")
+        if self.optimizer_tensor_s < 0:
+            raise ValueError("LogicalMesh.optimizer_tensor_s must be >= 0, got "
+                             f"{self.optimizer_tensor_s}")
         if self.gradient_bucket_bytes < 0:
             raise ValueError("LogicalMesh.gradient_bucket_bytes must be >= 0, got "
                              f"{self.gradient_bucket_bytes}")
         object.__setattr__(self, "peak_flops_by_dtype", _dtype_peaks(self.peak_flops_by_dtype,
                                                                      "LogicalMesh"))
+        object.__setattr__(self, "peak_flops_by_op", _dtype_peaks(
+            self.peak_flops_by_op, "LogicalMesh", "peak_flops_by_op"))
         shape = tuple(int(s) for s in self.shape)
         if not shape or any(s < 1 for s in shape):
             raise ValueError(f"LogicalMesh.shape must be positive ints, got {self.shape}")
@@ -92,8 +105,12 @@ class LogicalMesh:
     def num_devices(self) -> int:
         return math.prod(self.shape)
 
-    def peak_flops_for(self, dtype: str) -> float | None:
-        """Flop/s of an op computing in ``dtype`` ("bfloat16", "float32", ...)."""
+    def peak_flops_for(self, dtype: str, family: str = "") -> float | None:
+        """Flop/s of an op computing in ``dtype`` ("bfloat16", "float32", ...): its op
+        family's measured rate when ``peak_flops_by_op`` lists ``family``."""
+        by_op = dict(self.peak_flops_by_op)
+        if family in by_op:
+            return by_op[family]
         return dict(self.peak_flops_by_dtype).get(dtype, self.peak_flops)
 
     @property
@@ -133,6 +150,13 @@ class Cluster:
     """Bytes per gradient bucket the runtime issues (DDP's 25 MiB; the plan's
     ``all_reduce_threshold`` overrides it): gradient reductions share one latency per
     bucket in the cost model, as they do at run time. 0: one latency per gradient."""
+    peak_flops_by_op: tuple[tuple[str, float], ...] = ()
+    """Per-device flop/s of op families far from the matmul peak, e.g.
+    (("convolution", 6e9),) for CPU convolutions (``Cluster.measure()`` times them); a
+    family not listed uses the dtype's peak."""
+    optimizer_tensor_s: float = 0.0
+    """Seconds the optimizer's step pays per parameter tensor whatever its size (measured
+    for Adam by ``Cluster.measure()``); 0 leaves the optimizer out of step estimates."""
 
     def __post_init__(self):
         for f in ("num_nodes", "devices_per_node"):
@@ -144,11 +168,16 @@ class Cluster:
                 raise ValueError(f"Cluster.{f} must be > 0, got {getattr(self, f)}")
         if self.kernel_launch_s < 0:
             raise ValueError(f"Cluster.kernel_launch_s must be >= 0, got {self.kernel_launch_s}")
+        if self.optimizer_tensor_s < 0:
+            raise ValueError("Cluster.optimizer_tensor_s must be >= 0, got "
+                             f"{self.optimizer_tensor_s}")
         if self.gradient_bucket_bytes < 0:
             raise ValueError("Cluster.gradient_bucket_bytes must be >= 0, got "
                              f"{self.gradient_bucket_bytes}")
         object.__setattr__(self, "peak_flops_by_dtype", _dtype_peaks(self.peak_flops_by_dtype,
                                                                      "Cluster"))
+        object.__setattr__(self, "peak_flops_by_op", _dtype_peaks(
+            self.peak_flops_by_op, "Cluster", "peak_flops_by_op"))
 
     @property
     def num_devices(self) -> int:
@@ -283,6 +312,8 @@ class Cluster:
                            memory_bandwidth=self.memory_bandwidth,
                            memory_per_device=self.memory_per_device, backend=self.backend,
                            peak_flops_by_dtype=self.peak_flops_by_dtype,
+                           peak_flops_by_op=self.peak_flops_by_op,
+                           optimizer_tensor_s=self.optimizer_tensor_s,
                            kernel_launch_s=self.kernel_launch_s,
                            device_name=self.device_name or self.name,
                            gradient_bucket_bytes=self.gradient_bucket_bytes)
@@ -297,15 +328,16 @@ class Cluster:
         return shapes
 
 
-def _dtype_peaks(value, owner: str) -> tuple[tuple[str, float], ...]:
-    """Validated ((dtype, flop/s), ...), given as such pairs or a dict."""
+def _dtype_peaks(value, owner: str, field: str = "peak_flops_by_dtype"
+                 ) -> tuple[tuple[str, float], ...]:
+    """Validated ((dtype or op family, flop/s), ...), given as such pairs or a dict."""
     items = value.items() if isinstance(value, dict) else value
     peaks = []
     for item in items:
         dtype, flops = item
         dtype = str(dtype).removeprefix("torch.")
         if not flops > 0:
-            raise ValueError(f"{owner}.peak_flops_by_dtype[{dtype!r}] must be > 0, got {flops}")
+            raise ValueError(f"{owner}.{field}[{dtype!r}] must be > 0, got {flops}")
         peaks.append((dtype, float(flops)))
     return tuple(sorted(peaks))
 
