@@ -10,8 +10,8 @@ Bytes: ``planned_*`` come from the plan's list of the collectives one step issue
 (gradient buckets once, as they run); ``measured_*`` are what this rank's collectives
 were really handed during the step (``runtime.traffic``: the sizes of the tensors passed
 to each collective, per kind, and of what came back), so the two can be compared kind by
-kind. ``measured_by_kind`` is ``{kind: (count, bytes sent)}``, as is ``planned_by_kind``.
-Pipeline sends and receives are not counted there.
+kind. ``measured_by_kind`` is ``{kind: (count, bytes sent)}``, as is ``planned_by_kind``;
+a pipeline stage's sends to other stages count as ``send_recv``.
 
 MFU is the captured step's flops (``plan.estimates["flops_per_step"]``: forward, backward
 and optimizer of the global batch, recomputation included when the plan checkpoints) per

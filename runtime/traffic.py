@@ -18,8 +18,10 @@ batch norms included), and each of them calls ``issued`` here with the tensor it
   ``"torchalpa::wait <kind>"``, so a Perfetto timeline tells the plan's communication from
   compute. ``label_axes`` names the mesh axes of the process groups (else ``group <name>``).
 
-Pipeline sends and receives go through ``torch.distributed``'s point-to-point calls, not
-here: they are not counted (a pipeline plan's ``send_recv`` rows have no measured twin).
+Pipeline stages exchange activations with ``torch.distributed``'s point-to-point calls
+(``runtime.pipeline``), which report here too (``point_to_point``): a send counts as one
+``send_recv`` with its bytes sent, a receive adds its bytes received; labels
+``torchalpa::send <bytes> B to rank <r>`` / ``torchalpa::recv <bytes> B from rank <r>``.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.profiler import record_function
 
-__all__ = ["Traffic", "TALLY", "issued", "wait_label", "label_axes", "stage_label"]
+__all__ = ["Traffic", "TALLY", "issued", "wait_label", "label_axes", "point_to_point"]
 
 
 @dataclass
@@ -92,10 +94,17 @@ def wait_label(kind: str):
     return record_function(f"torchalpa::wait {kind}")
 
 
-def stage_label(action: str, micro_batch: int):
-    """A context for one action of a step (``F`` forward, ``B`` backward) of micro-batch
-    ``micro_batch``, labelled while a profiler records."""
-    if torch.compiler.is_compiling() or not _profiling():
+def point_to_point(direction: str, x: torch.Tensor, peer: int):
+    """Count one pipeline ``"send"`` or ``"recv"`` of ``x`` with rank ``peer``; a context to
+    run it in (a profiler label while one records)."""
+    assert direction in ("send", "recv"), direction
+    nbytes = x.numel() * x.element_size()
+    if direction == "send":
+        TALLY.count["send_recv"] += 1
+        TALLY.sent["send_recv"] += nbytes
+    else:
+        TALLY.received["send_recv"] += nbytes
+    if not _profiling():
         return contextlib.nullcontext()
-    name = {"F": "forward", "B": "backward"}.get(action, action)
-    return record_function(f"torchalpa::{name} micro-batch {micro_batch}")
+    where = "to" if direction == "send" else "from"
+    return record_function(f"torchalpa::{direction} {nbytes} B {where} rank {peer}")
