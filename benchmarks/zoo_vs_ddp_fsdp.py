@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
-import time
 
-from _launch import (add_run_args, average_runs, describe_plan, launch, method_order,
-                     peak_over_ranks)
+from _launch import (add_run_args, average_runs, launch, method_order)
 
 METHODS = ("torchalpa", "ddp", "fsdp2")
 EXTRA_METHODS = ("torchalpa-dp",)   # torchalpa with method=DataParallel(): DDP's plan
@@ -155,46 +152,13 @@ def worker(args):
 
 
 def measure(name, build, batch, loss_fn, args, rank, world):
-    """One method on one model: timed steps, loopback bytes, peak memory over ranks."""
-    import torch
-    import torch.distributed as dist
-
+    """One method on one model (``torchalpa.bench.measure_method``); torchalpa-dp is
+    torchalpa with ``method=DataParallel()``."""
     import torchalpa
-    from torchalpa.runtime.baselines import batch_shard, wrap_ddp, wrap_fsdp2
-    from torchalpa.runtime.measure import reset_peak_memory, timed_steps
-
-    gc.collect()
-    dist.barrier()
-    reset_peak_memory()
-    torch.manual_seed(0)
-    model = build()
-    extra = {}
-    if name.startswith("torchalpa"):
-        start = time.perf_counter()
-        method = torchalpa.DataParallel() if name == "torchalpa-dp" else None
-        pm = torchalpa.auto_parallel(model, batch, loss_fn, method=method,
-                                     optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4))
-        extra = {"setup_s": time.perf_counter() - start, "plan": describe_plan(pm.plan)}
-        params = list(pm.parameters())
-
-        def step():
-            pm.train_step(*batch)
-    else:
-        model = wrap_ddp(model) if name == "ddp" else wrap_fsdp2(model)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-        params = list(model.parameters())
-        local = [batch_shard(x, rank, world) for x in batch]
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(*local[:-1]), local[-1])
-            loss.backward()
-            opt.step()
-    s = timed_steps(step, max(args.steps - 1, 1))
-    s["peak_bytes"] = peak_over_ranks()
-    s.update(extra)
-    num_params = sum(p.numel() for p in params)
-    return s, num_params
+    from torchalpa.bench import measure_method
+    method = torchalpa.DataParallel() if name == "torchalpa-dp" else None
+    return measure_method("torchalpa" if name == "torchalpa-dp" else name, build, batch,
+                          loss_fn, steps=args.steps, rank=rank, world=world, method=method)
 
 
 if __name__ == "__main__":

@@ -83,24 +83,36 @@ def _keeps_batch(s: Strategy, node, carries, axes, mesh: LogicalMesh) -> bool:
     return True
 
 
-def _parse_pin(texts) -> tuple:
-    """Placements of a pin; ``None`` where it says ``"*"`` (any layout on that axis)."""
-    return tuple(None if t == "*" else parse_placements([t])[0] for t in texts)
+def _parse_pin(pattern: str, texts) -> tuple:
+    """Placements of a pin; ``None`` where it says ``"*"`` (any layout on that axis),
+    ``Ellipsis`` first for ``"..."`` (any layout on every leading axis)."""
+    if isinstance(texts, tuple) and all(isinstance(t, str) for t in texts):
+        return tuple(None if t == "*" else ... if t == "..." else parse_placements([t])[0]
+                     for t in texts)
+    raise ValueError(f"pin[{pattern!r}] = {type(texts).__name__}: tensor-parallel styles are "
+                     "translated into placements by torchalpa.plan / auto_parallel, which see "
+                     "the model's module types; when calling a method's plan() directly, pin "
+                     "placements (e.g. ('...', 'S(0)') for ColwiseParallel's Linear weight)")
 
 
 def _pin_matches(layout, pin) -> bool:
+    if pin and pin[0] is ...:            # "...": the pin's axes are the mesh's last ones
+        pin = pin[1:]
+        if len(pin) > len(layout):
+            return False
+        layout = layout[len(layout) - len(pin):]
     return len(layout) == len(pin) and all(p is None or p == q for q, p in zip(layout, pin))
 
 
 def _show_pin(pin) -> str:
-    return "".join("*" if p is None else str(p) for p in pin)
+    return "".join("*" if p is None else "..." if p is ... else str(p) for p in pin)
 
 
 def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mesh: LogicalMesh,
                       option: AutoShardingOption) -> list[str]:
     """Filter strategies in place; returns notes for the plan."""
     notes: list[str] = []
-    pins = [(re.compile(p), _parse_pin(pl)) for p, pl in option.pin]
+    pins = [(re.compile(p), _parse_pin(p, pl)) for p, pl in option.pin]
     axis = option.force_batch_dim_to_mesh_dim
     if axis is not None and not -1 <= axis < mesh.ndim:
         raise ValueError(f"force_batch_dim_to_mesh_dim={axis} but the mesh has {mesh.ndim} "

@@ -6,6 +6,8 @@ background) and a *finish* half (wait for it and lay the result out). The blocki
 version a lowered program calls is ``finish(issue(...))``; ``runtime.overlap`` splits it
 into its two halves so the wait moves to the first use. A local program is thus plain
 ATen ops plus these calls: printable, traceable, and counted by ``runtime.comm_count``.
+Each issue half also reports to ``runtime.traffic`` (the bytes ``pm.last_step_stats()``
+measures, and the labels of a profiler's timeline).
 Inputs are made contiguous first, as the collectives require.
 
 ``step_call`` maps one plan step (``plan.ReshardStep``) to its function and arguments;
@@ -20,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from torchalpa.plan import ReshardStep
+from torchalpa.runtime.traffic import issued, wait_label
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_chunk",
            "local_partition", "issue_all_reduce", "finish_all_reduce", "issue_all_gather",
@@ -33,23 +36,27 @@ _c10d = torch.ops._c10d_functional
 # -- issue / finish halves ----------------------------------------------------------------
 
 def issue_all_reduce(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
-    return _c10d.all_reduce(x.contiguous(), reduce_op, group_name)
+    with issued("all_reduce", x, group_name):
+        return _c10d.all_reduce(x.contiguous(), reduce_op, group_name)
 
 
 def finish_all_reduce(handle: torch.Tensor) -> torch.Tensor:
-    return _c10d.wait_tensor(handle)
+    with wait_label("all_reduce"):
+        return _c10d.wait_tensor(handle)
 
 
 def issue_all_gather(x: torch.Tensor, dim: int, group_size: int, group_name: str
                      ) -> torch.Tensor:
     """Start gathering every rank's block (stacked along dim 0 by the collective)."""
     del dim   # the blocks are moved to ``dim`` by the finish half
-    return _c10d.all_gather_into_tensor(x.contiguous(), group_size, group_name)
+    with issued("all_gather", x, group_name, received_factor=group_size):
+        return _c10d.all_gather_into_tensor(x.contiguous(), group_size, group_name)
 
 
 def finish_all_gather(handle: torch.Tensor, dim: int, group_size: int) -> torch.Tensor:
     """Wait, then concatenate the ranks' blocks along ``dim``."""
-    out = _c10d.wait_tensor(handle)
+    with wait_label("all_gather"):
+        out = _c10d.wait_tensor(handle)
     return out if dim == 0 else torch.cat(torch.chunk(out, group_size, dim=0), dim=dim)
 
 
@@ -58,11 +65,13 @@ def issue_reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group_size: 
     """Start reducing across ranks, each keeping its block of ``dim``."""
     if dim != 0:
         x = torch.cat(torch.chunk(x, group_size, dim=dim), dim=0)
-    return _c10d.reduce_scatter_tensor(x.contiguous(), reduce_op, group_size, group_name)
+    with issued("reduce_scatter", x, group_name, received_factor=1 / group_size):
+        return _c10d.reduce_scatter_tensor(x.contiguous(), reduce_op, group_size, group_name)
 
 
 def finish_reduce_scatter(handle: torch.Tensor) -> torch.Tensor:
-    return _c10d.wait_tensor(handle)
+    with wait_label("reduce_scatter"):
+        return _c10d.wait_tensor(handle)
 
 
 def issue_all_to_all(x: torch.Tensor, src_dim: int, dim: int, group_size: int,
@@ -71,12 +80,14 @@ def issue_all_to_all(x: torch.Tensor, src_dim: int, dim: int, group_size: int,
     del src_dim   # the received blocks are joined along it by the finish half
     send = torch.cat(torch.chunk(x, group_size, dim=dim), dim=0).contiguous()
     splits = [send.shape[0] // group_size] * group_size
-    return _c10d.all_to_all_single(send, splits, splits, group_name)
+    with issued("all_to_all", send, group_name):
+        return _c10d.all_to_all_single(send, splits, splits, group_name)
 
 
 def finish_all_to_all(handle: torch.Tensor, src_dim: int, group_size: int) -> torch.Tensor:
     """Wait, then join the received blocks along ``src_dim``."""
-    recv = _c10d.wait_tensor(handle)
+    with wait_label("all_to_all"):
+        recv = _c10d.wait_tensor(handle)
     return torch.cat(torch.chunk(recv, group_size, dim=0), dim=src_dim)
 
 

@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from torchalpa.plan import PipelinePlan
 from torchalpa.runtime.lower import GraphSlice, StageProgram, build_programs, producers
+from torchalpa.runtime.traffic import point_to_point, wait_label
 
 __all__ = ["StageProgram", "lower_stage", "stage_slice", "StageExchange", "transfer_specs"]
 
@@ -161,8 +162,9 @@ class StageExchange:
         for t in self.pplan.transfers:
             if (t.producer, t.index) == key and t.src_stage == self.stage:
                 for peer in self._peers_to(t.dst_stage):
-                    self._pending.append(dist.isend(
-                        value, peer, tag=self._tag(key, self.stage, t.dst_stage, micro)))
+                    with point_to_point("send", value, peer):
+                        self._pending.append(dist.isend(
+                            value, peer, tag=self._tag(key, self.stage, t.dst_stage, micro)))
 
     def recv(self, key, micro: int) -> torch.Tensor:
         if key in self.once:
@@ -176,7 +178,11 @@ class StageExchange:
                    if (t.producer, t.index) == key and t.dst_stage == self.stage)
         shape, dtype = self.specs[key]
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.irecv(buf, self._peer_from(src), tag=self._tag(key, src, self.stage, micro)).wait()
+        peer = self._peer_from(src)
+        with point_to_point("recv", buf, peer):
+            work = dist.irecv(buf, peer, tag=self._tag(key, src, self.stage, micro))
+            assert work is not None, "irecv in a process group returns its work"
+            work.wait()
         return buf
 
     def finish(self, program: StageProgram, raw: list, backward: bool) -> None:
@@ -188,8 +194,9 @@ class StageExchange:
             for k, position, addend in program.summed_recvs:
                 part = addend(self._receive(k, 0))[0]
                 raw[position] = part if raw[position] is None else raw[position] + part
-        for work in self._pending:
-            work.wait()
+        with wait_label("sends"):
+            for work in self._pending:
+                work.wait()
         self._pending = []
 
 

@@ -6,6 +6,13 @@ when its last part ends (backward for ``loss.backward()``, the optimizer step fo
 step nothing; ``last_step_stats()`` waits for the end event. Peak memory is the device's
 ``max_memory_allocated`` on CUDA, the process's peak resident set on a CPU.
 
+Bytes: ``planned_*`` come from the plan's list of the collectives one step issues
+(gradient buckets once, as they run); ``measured_*`` are what this rank's collectives
+were really handed during the step (``runtime.traffic``: the sizes of the tensors passed
+to each collective, per kind, and of what came back), so the two can be compared kind by
+kind. ``measured_by_kind`` is ``{kind: (count, bytes sent)}``, as is ``planned_by_kind``;
+a pipeline stage's sends to other stages count as ``send_recv``.
+
 MFU is the captured step's flops (``plan.estimates["flops_per_step"]``: forward, backward
 and optimizer of the global batch, recomputation included when the plan checkpoints) per
 device per second, over the device's peak the plan was made for
@@ -20,11 +27,12 @@ from __future__ import annotations
 
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from torchalpa.runtime.buckets import issued_collectives
+from torchalpa.runtime.traffic import TALLY, Traffic
 
 __all__ = ["StepClock", "StepStats"]
 
@@ -44,6 +52,11 @@ class StepStats:
     estimated_memory_bytes: float | None
     includes: str                      # "forward+backward" or "forward+backward+optimizer"
     mfu: float | None = None           # flops_per_step / devices / step time / peak flop/s
+    measured_bytes_sent: int = 0       # handed to this rank's collectives during the step
+    measured_bytes_received: int = 0   # what those collectives gave back
+    measured_collectives: int = 0
+    measured_by_kind: dict = field(default_factory=dict)   # kind -> (count, bytes sent)
+    planned_by_kind: dict = field(default_factory=dict)    # kind -> (count, bytes sent)
 
     def __str__(self) -> str:
         from torchalpa.report import format_bytes
@@ -57,8 +70,14 @@ class StepStats:
             + (f", MFU {self.mfu:.1%}" if self.mfu is not None else ""),
             f"peak memory, {self.peak_memory_kind}: {format_bytes(self.peak_memory_bytes)} "
             + est(self.estimated_memory_bytes, format_bytes),
-            f"sent per rank as planned: {format_bytes(self.planned_bytes_sent)} in "
-            f"{self.planned_collectives} collectives"])
+            f"sent per rank: {format_bytes(self.measured_bytes_sent)} in "
+            f"{self.measured_collectives} collectives, received "
+            f"{format_bytes(self.measured_bytes_received)} (plan: "
+            f"{format_bytes(self.planned_bytes_sent)} in {self.planned_collectives})"]
+            + [f"  {kind}: {n} x, {format_bytes(b)} (plan: {pn} x, {format_bytes(pb)})"
+               for kind in sorted(set(self.measured_by_kind) | set(self.planned_by_kind))
+               for (n, b), (pn, pb) in [(self.measured_by_kind.get(kind, (0, 0)),
+                                         self.planned_by_kind.get(kind, (0, 0)))]])
 
 
 def _tokens(inputs) -> int:
@@ -78,6 +97,7 @@ class StepClock:
         self.cuda = torch.device(device).type == "cuda"
         self._start = self._last = None
         self._tokens = 0
+        self._traffic_start = Traffic()
 
     def _mark(self):
         if self.cuda:
@@ -93,18 +113,20 @@ class StepClock:
             torch.cuda.reset_peak_memory_stats()
         self._start = self._mark()
         self._tokens = _tokens(inputs)
+        self._traffic_start = TALLY.copy()
 
     def stop(self, includes: str) -> None:
         if torch.compiler.is_compiling() or self._start is None:
             return
-        self._last = (self._start, self._mark(), self._tokens, includes)
+        self._last = (self._start, self._mark(), self._tokens, includes,
+                      TALLY.since(self._traffic_start))
         self._start = None
 
     def stats(self, plan, num_micro_batches: int = 1) -> StepStats:
         if self._last is None:
             raise ValueError("no step has completed yet: call the module and loss.backward(), "
                              "or train_step, before last_step_stats()")
-        start, end, tokens, includes = self._last
+        start, end, tokens, includes, traffic = self._last
         if self.cuda:
             assert isinstance(start, torch.cuda.Event) and isinstance(end, torch.cuda.Event)
             end.synchronize()
@@ -116,6 +138,10 @@ class StepClock:
             peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host RSS"
         est = plan.estimates
         issued = issued_collectives(plan, num_micro_batches)   # buckets once, as they run
+        planned: dict[str, tuple[int, int]] = {}
+        for c in issued:
+            n, b = planned.get(c.kind, (0, 0))
+            planned[c.kind] = (n + 1, b + c.bytes)
         return StepStats(
             step_time_s=seconds, tokens=tokens,
             tokens_per_s=tokens / seconds if seconds > 0 else 0.0,
@@ -124,7 +150,12 @@ class StepClock:
             planned_collectives=len(issued),
             estimated_step_time_s=est.get("step_time_s"),
             estimated_memory_bytes=est.get("memory_per_device_bytes"), includes=includes,
-            mfu=_mfu(est, plan.num_devices, seconds))
+            mfu=_mfu(est, plan.num_devices, seconds),
+            measured_bytes_sent=sum(traffic.sent.values()),
+            measured_bytes_received=sum(traffic.received.values()),
+            measured_collectives=sum(traffic.count.values()),
+            measured_by_kind={k: (traffic.count[k], traffic.sent[k]) for k in traffic.count},
+            planned_by_kind=planned)
 
 
 def _mfu(estimates: dict, num_devices: int, seconds: float) -> float | None:

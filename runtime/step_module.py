@@ -51,3 +51,11 @@ class StepModule(nn.Module):
             for name, value in zip(names, values):
                 buf = self.module.get_buffer(name)
                 (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(value)
+
+    def profile(self, steps: int, path, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> str:
+        """Record ``steps`` training steps on the batch ``inputs`` (as ``train_step`` takes
+        it) with ``torch.profiler`` and write this rank's Chrome trace to ``path`` (Perfetto),
+        the plan's collectives labelled by kind, mesh axis and bytes; returns the file
+        written (``runtime/timeline.py``). The steps are real: parameters change."""
+        from torchalpa.runtime.timeline import profile_steps
+        return profile_steps(self, steps, path, inputs, kwargs)

@@ -8,7 +8,8 @@
 
 Each call reads the last complete step and writes, under ``torchalpa/``: ``step_time_s``,
 ``tokens_per_s``, ``mfu`` (when the plan knows its flops and peak), ``peak_memory_bytes``,
-``planned_bytes_sent``, ``planned_collectives``, and the plan's estimates beside them as
+``planned_bytes_sent``, ``planned_collectives``, ``bytes_sent`` and ``collectives`` (measured
+at the collective wrappers), and the plan's estimates beside them as
 ``plan/step_time_s`` and ``plan/memory_bytes`` (so measured and estimated curves share a
 chart group); ``loss=`` adds ``loss``. Writing uses ``torch.utils.tensorboard`` (the
 ``tensorboard`` package, an optional extra: ``pip install 'torchalpa[tensorboard]'``).
@@ -33,7 +34,9 @@ def step_scalars(stats: StepStats) -> dict[str, float]:
     scalars = {"step_time_s": stats.step_time_s, "tokens_per_s": stats.tokens_per_s,
                "peak_memory_bytes": float(stats.peak_memory_bytes),
                "planned_bytes_sent": float(stats.planned_bytes_sent),
-               "planned_collectives": float(stats.planned_collectives)}
+               "planned_collectives": float(stats.planned_collectives),
+               "bytes_sent": float(stats.measured_bytes_sent),
+               "collectives": float(stats.measured_collectives)}
     if stats.mfu is not None:
         scalars["mfu"] = stats.mfu
     if stats.estimated_step_time_s is not None:

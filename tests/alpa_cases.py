@@ -46,7 +46,7 @@ def plan_of(model, inputs, loss_fn=mse, *, shape, alpha=None, beta=None,
     option = replace(base, **options)
     with torch.device("meta"):
         model = model() if callable(model) and not isinstance(model, nn.Module) else model
-    model = model.to("meta")
+    model = torchalpa.to_meta(model)     # Module.to("meta") would untie shared weights
     inputs = tuple(t.to("meta") for t in inputs)
     plan = torchalpa.plan(model, inputs, loss_fn,
                           method=method(logical_mesh_shape=shape, auto_sharding_option=option),

@@ -39,6 +39,7 @@ def test_each_step_is_written_with_the_stats_it_measured(tmp_path):
     assert [s for s, _ in scalars["torchalpa/step_time_s"]] == [0, 1, 2]
     for tag, field in [("step_time_s", "step_time_s"), ("tokens_per_s", "tokens_per_s"),
                        ("planned_bytes_sent", "planned_bytes_sent"),
+                       ("bytes_sent", "measured_bytes_sent"),
                        ("plan/step_time_s", "estimated_step_time_s"), ("mfu", "mfu")]:
         got = [v for _, v in scalars[f"torchalpa/{tag}"]]
         assert got == pytest.approx([getattr(s, field) for s in written], rel=1e-6), tag

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from torchalpa.runtime.faults import RankFailedError
     from torchalpa.runtime.precision import MixedPrecision
     from torchalpa.runtime.tensorboard import TensorBoardHook
+    from torchalpa.meta_model import to_meta
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ _LAZY = {
     "export_stablehlo": "torchalpa.export",
     "MixedPrecision": "torchalpa.runtime.precision",
     "TensorBoardHook": "torchalpa.runtime.tensorboard",
+    "to_meta": "torchalpa.meta_model",
     # torch's own classes: torchalpa.Shard is torch.distributed.tensor.Shard
     "Shard": "torchalpa.placement", "Replicate": "torchalpa.placement",
     "Partial": "torchalpa.placement",
@@ -68,5 +70,5 @@ __all__ = [
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
     "load_checkpoint", "RankFailedError", "save_pretrained", "load_pretrained",
-    "export_stablehlo", "TensorBoardHook",
+    "export_stablehlo", "TensorBoardHook", "to_meta",
 ]

@@ -17,6 +17,7 @@ from torchalpa.plan import PipelinePlan, Plan
 # re-exported: earlier homes of the intra-op steps (scripts and tests import them here)
 from torchalpa.shard import blocks_of as _blocks_of  # noqa: F401
 from torchalpa.shard import candidate_meshes, plan_graph  # noqa: F401
+from torchalpa.tp_pins import resolve_style_pins
 from torchalpa.workflow import default_cluster  # noqa: F401
 
 __all__ = ["plan", "auto_parallel", "default_cluster", "plan_graph"]
@@ -67,7 +68,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
 
 def _plan(model, example_inputs, loss_fn, *, method, cluster, inputs, param_argnums,
           num_params) -> Plan | PipelinePlan:
-    method = _check_method(method)
+    method = resolve_style_pins(_check_method(method), model)
     _check_inputs_mode(inputs)
     return method.plan(model, example_inputs, loss_fn, cluster=cluster, inputs=inputs,
                        param_argnums=param_argnums, num_params=num_params)
@@ -142,7 +143,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
 def _auto_parallel(model, example_inputs, loss_fn, *, method, check_inputs, num_micro_batches,
                    inputs, **options):
     from torchalpa.calls import CallSignature
-    method = _check_method(method)
+    method = resolve_style_pins(_check_method(method), model)
     _check_inputs_mode(inputs)
     if check_inputs not in _CHECK_INPUTS:
         raise ValueError(f"check_inputs must be one of {_CHECK_INPUTS}, got {check_inputs!r}")

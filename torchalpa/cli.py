@@ -5,6 +5,7 @@
     torchalpa explain plan.json layers.0.mlp.up_proj.weight
     torchalpa estimate llama --cluster h100:1x8      # fits, or how many devices it needs
     torchalpa cache ls | clear
+    torchalpa bench mypkg.train:workload --nproc 4 --steps 3   # vs DDP and FSDP2, torchrun
     torchalpa coverage [--model llama --model mypkg.train:workload]
     torchalpa coverage --hf                     # the suite of models torchalpa was not written for
     torchalpa --version
@@ -33,7 +34,7 @@ import importlib
 import sys
 from typing import Callable
 
-__all__ = ["main", "build_parser", "parse_cluster"]
+__all__ = ["main", "build_parser", "parse_cluster", "load_workload"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +108,7 @@ def _plan(args) -> int:
 
     import torchalpa
     with torch.device("meta"):
-        model, example_inputs, loss_fn = _loader(args.model)()
+        model, example_inputs, loss_fn = load_workload(args.model)()
     method = torchalpa.ShardParallel(logical_mesh_shape=_shape(args.mesh)) if args.mesh \
         else None
     plan = torchalpa.plan(model, example_inputs, loss_fn, method=method,
@@ -180,7 +181,7 @@ def _estimate(args) -> int:
 
     from torchalpa.report import format_bytes
     with torch.device("meta"):
-        model, _, _ = _loader(args.model)()
+        model, _, _ = load_workload(args.model)()
     cluster = parse_cluster(args.cluster)
     params = [p for p in model.parameters()]
     num = sum(p.numel() for p in params)
@@ -234,6 +235,43 @@ def _cache(args) -> int:
         age = time.time() - e.mtime
         when = f"{age / 3600:.1f} h" if age >= 3600 else f"{age / 60:.0f} min"
         print(f"  {e.key}  {format_bytes(e.bytes):>10}  {when:>8} ago  {e.description}")
+    return 0
+
+
+def _add_bench(commands) -> None:
+    p = commands.add_parser(
+        "bench", help="the automatic plan vs DDP vs FSDP2, under torchrun",
+        description="Train MODEL with Adam on NPROC local ranks under torchrun (NCCL on GPUs, "
+                    "gloo on CPUs) with torchalpa's automatic plan, DDP and FSDP2, one after "
+                    "the other, and print one table: step time, ratio to the faster baseline, "
+                    "bytes sent per step where measurable, peak memory (torchalpa/bench.py).")
+    p.add_argument("model", metavar="MODEL", help="a zoo family or module:callable")
+    p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="steps per method, the first untimed (default 3)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the methods this many times, alternating their order, and average")
+    p.add_argument("--json", metavar="RESULT.json", help="also write the raw result")
+    p.set_defaults(run=_bench)
+
+
+def _bench(args) -> int:
+    import json
+
+    from rich.console import Console
+
+    from torchalpa.bench import format_table, run_bench
+    load_workload(args.model)        # a bad name fails here, before torchrun starts
+    try:
+        result = run_bench(args.model, nproc=args.nproc, steps=args.steps, rounds=args.rounds)
+    except RuntimeError as e:
+        print(f"torchalpa bench: {e}", file=sys.stderr)
+        return 1
+    Console(width=120).print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
     return 0
 
 
@@ -300,7 +338,7 @@ def _zoo():
                          f"available ({e}); name models as module:callable instead") from e
 
 
-def _loader(spec: str) -> Callable[[], tuple]:
+def load_workload(spec: str) -> Callable[[], tuple]:
     """``() -> (model, example_inputs, loss_fn)`` for a zoo name, ``suite:NAME`` (a case of
     ``torchalpa.models.suite``) or ``module:callable``."""
     if spec.startswith("suite:"):
@@ -376,7 +414,7 @@ def _coverage(args) -> int:
     for name in names:
         try:
             with torch.device("meta"):
-                model, example_inputs, loss_fn = _loader(name)()
+                model, example_inputs, loss_fn = load_workload(name)()
             graph = capture(model, example_inputs, loss_fn).graph
         except Exception as e:  # report every model, then fail
             print(f"\n{name}: could not capture: {type(e).__name__}: {e}")
@@ -419,7 +457,7 @@ def _add_export(commands) -> None:
 
 
 SUBCOMMANDS: list[Callable] = [_add_plan, _add_show, _add_explain, _add_estimate, _add_cache,
-                               _add_coverage, _add_export]
+                               _add_bench, _add_coverage, _add_export]
 
 
 if __name__ == "__main__":

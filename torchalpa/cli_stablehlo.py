@@ -96,7 +96,7 @@ def plan_stablehlo(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     import torchalpa
-    from torchalpa.cli import _loader
+    from torchalpa.cli import load_workload as _loader
     model, example_inputs, loss_fn = _loader(args.model)()
     plan = torchalpa.load_plan(args.plan) if args.plan else None
     if plan is not None and not isinstance(plan, torchalpa.Plan):

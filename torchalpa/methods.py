@@ -92,7 +92,13 @@ class AutoShardingOption:
     """Fixed layouts: ``{regex: placements}`` (or pairs) matched against parameter names
     and user inputs (named after forward's arguments, e.g. 'input_ids'), e.g.
     ``{"layers[.]0[.]wq[.]weight": ("R", "S(0)")}``;
-    ``"*"`` on an axis leaves that axis to the ILP. Pins override ``parameters``."""
+    ``"*"`` on an axis leaves that axis to the ILP; ``"..."`` first leaves every leading
+    axis to it, whatever the mesh's number of axes (``("...", "S(0)")``: the last axis).
+    Pins override ``parameters``. A value may also be one of torch's tensor-parallel
+    styles keyed by module path, as ``parallelize_module`` takes them:
+    ``{"layers.*.attn.wq": ColwiseParallel(), "layers.*.attn.wo": RowwiseParallel()}``
+    pins those modules' parameters on the last mesh axis as the style lays them out
+    (``torchalpa/tp_pins.py``; ``plan.to_tp_plan()`` goes the other way)."""
     random: str = "sharded"
     """Random ops (dropout masks, ``rand``): 'sharded' lets each device draw its own block
     (replicas draw alike, blocks independently; same distribution as one device, other
@@ -113,19 +119,19 @@ class AutoShardingOption:
         pin = self.pin.items() if isinstance(self.pin, dict) else self.pin
         normalized = []
         for pattern, placements in pin:
-            if type(placements).__module__.startswith("torch.distributed.tensor.parallel"):
-                raise ValueError(
-                    f"AutoShardingOption.pin[{pattern!r}] is a torch tensor-parallel style "
-                    f"({type(placements).__name__}); pin takes placements per mesh axis of "
-                    "parameter names, e.g. on a (dp, tp) mesh ColwiseParallel of a Linear as "
-                    "{'layers[.].*[.]wq[.]weight': ('*', 'S(0)')} and RowwiseParallel as "
-                    "('*', 'S(1)'); plan.to_tp_plan() goes the other way")
+            from torchalpa.tp_pins import is_style
+            if is_style(placements):   # translated for the model by plan / auto_parallel
+                normalized.append((str(pattern), placements))
+                continue
             if isinstance(placements, str):
                 placements = (placements,)
             from torchalpa.placement import check_placement, parse_placements, short_form
             placements = tuple(p if isinstance(p, str) else short_form(check_placement(p))
                                for p in placements)   # torch's Shard(0) or "S(0)"
-            parse_placements([p for p in placements if p != "*"])  # the error names a bad one
+            if "..." in placements[1:]:
+                raise ValueError(f"AutoShardingOption.pin[{pattern!r}] = {placements}: '...' "
+                                 "may only come first (the leading mesh axes left free)")
+            parse_placements([p for p in placements if p not in ("*", "...")])  # names a bad one
             normalized.append((str(pattern), placements))
         object.__setattr__(self, "pin", tuple(normalized))
         if self.solver not in ("cbc", "highs"):
