@@ -200,17 +200,11 @@ def scenarios(n):
         yield "gpt_2x2_1f1b", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=2),
             stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu)
-        # Alpa's stage DP over the GPT's layers, stage times estimated or measured on the
-        # ranks: over 2 layers (3 layer ranges to plan) in make test, over 4 (10 ranges,
-        # most of this launch's time) in the slow launch of ``LAYERS_4``
-        for layers, suffix in ((2, ""), (4, "_4_layers")):
-            yield f"gpt_auto{suffix}", lambda layers=layers: compare(
-                gpt.build, gpt_batch, gpt.loss_fn, P(
-                    num_micro_batches=4, layer_option=L(layer_num=layers)), cluster=cpu)
-            yield f"gpt_profile{suffix}", lambda layers=layers: compare(
-                gpt.build, gpt_batch, gpt.loss_fn, P(
-                    num_micro_batches=4, layer_option=L(layer_num=layers),
-                    stage_option="profile"), cluster=cpu)
+        yield "gpt_auto", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
+            num_micro_batches=4, layer_option=L(layer_num=4)), cluster=cpu)
+        yield "gpt_profile", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
+            num_micro_batches=4, layer_option=L(layer_num=4), stage_option="profile"),
+            cluster=cpu)
         yield "gpt_checkpoint", lambda: checkpoint_round_trip(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=2),
             stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu,
