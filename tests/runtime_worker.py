@@ -36,7 +36,11 @@ from torchalpa.runtime.precision import CastForward, MixedPrecision  # noqa: E40
 # Scenarios that need sharded layouts (not DDP's) plan for a CPU cluster that prices each
 # gradient all-reduce on its own, as Alpa does: the default (measured, bucket-priced) gloo
 # cluster rightly makes these small MLPs data parallel, which would test nothing here.
-PER_GRADIENT_CPU = dataclasses.replace(torchalpa.Cluster.local_cpu(4), gradient_bucket_bytes=0)
+def per_gradient_cpu(num_devices: int) -> torchalpa.Cluster:
+    return dataclasses.replace(torchalpa.Cluster.local_cpu(num_devices), gradient_bucket_bytes=0)
+
+
+PER_GRADIENT_CPU = per_gradient_cpu(4)
 
 ALPA_UNIT = lambda n: torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,), beta=(1.0,))  # noqa: E731
 
@@ -227,7 +231,10 @@ def conventions():
     make = lambda: QuickstartMLP(64, 2)  # noqa: E731
     model, ref = twin(make)
     x, y = batch(0, 64, 64)
-    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss)
+    # sharded and replicated parameters whatever gloo measures on a loaded machine (the
+    # measured default cluster made this MLP all-replicated there)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
+                                 cluster=per_gradient_cpu(dist.get_world_size()))
     out["placements"] = sorted({str([repr(p) for p in v.placements]) for v in pm.plan.parameters})
     opt = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -394,8 +401,9 @@ def export(shared: str):
     last_step_stats reads the last step."""
     model, ref = twin(lambda: QuickstartMLP(64, 2))
     x, y = batch(0, 64, 64)
-    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,   # sharded parameters to gather
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 cluster=per_gradient_cpu(dist.get_world_size()))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     pm.train_step(x, y)
     F.mse_loss(ref(x), y).backward()
