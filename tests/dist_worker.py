@@ -21,9 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import torchalpa  # noqa: E402
 from models import MLP, WithCustomOp, mlp_inputs  # noqa: E402
 from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
-from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from worker_io import attempt, finish  # noqa: E402
+from worker_io import attempt, finish, max_rel, train_beside_one_device  # noqa: E402
 
 ALPA_UNIT = lambda n: torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,), beta=(1.0,))  # noqa: E731
 
@@ -37,10 +36,9 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
     x, y = batch
     pm = torchalpa.auto_parallel(model, (x, y), loss_fn,
                                  optimizer=(lambda ps: torch.optim.Adam(ps, lr=lr)), **auto_kw)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=lr)
     # what a step issues: the plan's collectives, gradient all-reduces merged into buckets
     predicted = sorted([c.kind, c.axis, c.bytes] for c in issued_collectives(pm.plan))
-    out = {"losses": [], "ref_losses": [], "executed": [], "predicted": predicted,
+    out = {"predicted": predicted,
            "per_gradient": sorted([c.kind, c.axis, c.bytes] for c in pm.plan.collectives),
            "kinds": sorted({c.kind for c in pm.plan.collectives}),
            "unsupported": [u["op"] for u in pm.plan.unsupported_ops],
@@ -52,30 +50,14 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
                         if s.node.startswith("batched_matmul")],
            "synced": sorted([c.tensor, c.reduce_op, c.axis] for c in pm.plan.collectives
                             if c.tensor.startswith("_log_softmax"))}
-    for _ in range(steps):
-        with CollectiveCounter.for_mesh(pm.mesh) as counter:
-            if use_train_step:
-                loss = pm.train_step(x, y)
-            else:
-                loss = pm(x, y)
-                (loss * scale).backward()
-        out["executed"].append(sorted([r.kind, r.axis, r.bytes] for r in counter.records))
-        ref_loss = loss_fn(ref(x), y)
-        (ref_loss * scale).backward()
-        if not use_train_step:   # gradients, compared before the optimizer touches them
-            rel = [((p.grad.full_tensor() - q.grad).abs().max() / q.grad.abs().max()).item()
-                   for p, q in zip(pm.module.parameters(), ref.parameters())]
-            out.setdefault("max_rel_grad_diff", []).append(max(rel))
-            pm.optimizer.step()
-            pm.optimizer.zero_grad(set_to_none=True)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
-        out["ref_losses"].append(ref_loss.item())
-    diffs = [(p.full_tensor() - q).abs().max().item()
-             for p, q in zip(pm.module.parameters(), ref.parameters())]
-    out["max_param_diff"] = max(diffs)
-    out["max_param"] = max(q.abs().max().item() for q in ref.parameters())
+    run = train_beside_one_device(
+        pm, ref, torch.optim.Adam(ref.parameters(), lr=lr), lambda step: batch, loss_fn,
+        steps=steps, scale=scale, backward_steps=() if use_train_step else range(steps))
+    out.update(losses=run["losses"], ref_losses=run["ref_losses"], executed=run["executed"],
+               max_param_diff=max(d for d, _ in run["params"]),
+               max_param=max(s for _, s in run["params"]))
+    if not use_train_step:   # gradients, compared before the optimizer touches them
+        out["max_rel_grad_diff"] = [max_rel(pairs) for pairs in run["grads"]]
     return out
 
 

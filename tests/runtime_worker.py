@@ -28,16 +28,19 @@ from models import MLP, mlp_inputs  # noqa: E402
 from quickstart import MLP as QuickstartMLP  # noqa: E402
 from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from torchalpa.runtime.buckets import gradient_buckets, issued_collectives  # noqa: E402
-from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
 from torchalpa.plan import OutputSlot  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from worker_io import attempt, finish  # noqa: E402
+from worker_io import attempt, finish, max_rel, train_beside_one_device  # noqa: E402
 from torchalpa.runtime.precision import CastForward, MixedPrecision  # noqa: E402
 
 # Scenarios that need sharded layouts (not DDP's) plan for a CPU cluster that prices each
 # gradient all-reduce on its own, as Alpa does: the default (measured, bucket-priced) gloo
 # cluster rightly makes these small MLPs data parallel, which would test nothing here.
-PER_GRADIENT_CPU = dataclasses.replace(torchalpa.Cluster.local_cpu(4), gradient_bucket_bytes=0)
+def per_gradient_cpu(num_devices: int) -> torchalpa.Cluster:
+    return dataclasses.replace(torchalpa.Cluster.local_cpu(num_devices), gradient_bucket_bytes=0)
+
+
+PER_GRADIENT_CPU = per_gradient_cpu(4)
 
 ALPA_UNIT = lambda n: torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,), beta=(1.0,))  # noqa: E731
 
@@ -86,35 +89,17 @@ def micro_batches(make, batch_size, dim, k, **auto_kw):
     x, y = batch(0, batch_size, dim)
     pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, num_micro_batches=k,
                                  optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), **auto_kw)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
-    out = {"losses": [], "ref_losses": [], "executed": [],
-           "expected": expected_collectives(pm.plan, k),
-           "planned_once": expected_collectives(pm.plan, 1),
-           "per_gradient": per_gradient_collectives(pm.plan, k),
-           "bucket_sizes": [len(b.params) for b in gradient_buckets(pm.plan)],
-           "input_shape": list(pm.plan.inputs[0].shape)}
-    for step in range(3):
-        x, y = batch(step, batch_size, dim)
-        with CollectiveCounter.for_mesh(pm.mesh) as counter:
-            if step == 0:
-                loss = pm(x, y)
-                loss.backward()
-            else:
-                loss = pm.train_step(x, y)
-        out["executed"].append(sorted([r.kind, r.axis, r.bytes] for r in counter.records))
-        ref_loss = F.mse_loss(ref(x), y)
-        ref_loss.backward()
-        if step == 0:
-            out["grad_rel_diff"] = max_rel_diff([p.grad for p in pm.parameters()],
-                                                [q.grad for q in ref.parameters()])
-            pm.optimizer.step()
-            pm.optimizer.zero_grad(set_to_none=True)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
-        out["ref_losses"].append(ref_loss.item())
-    out["param_rel_diff"] = max_rel_diff(list(pm.parameters()), list(ref.parameters()))
-    return out
+    run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=1e-3),
+                                  lambda step: batch(step, batch_size, dim), F.mse_loss, steps=3)
+    return {"losses": run["losses"], "ref_losses": run["ref_losses"],
+            "executed": run["executed"],
+            "grad_rel_diff": max_rel(run["grads"][0]),
+            "param_rel_diff": max_rel(run["params"]),
+            "expected": expected_collectives(pm.plan, k),
+            "planned_once": expected_collectives(pm.plan, 1),
+            "per_gradient": per_gradient_collectives(pm.plan, k),
+            "bucket_sizes": [len(b.params) for b in gradient_buckets(pm.plan)],
+            "input_shape": list(pm.plan.inputs[0].shape)}
 
 
 def captured_step(model: nn.Module, example, loss_fn):
@@ -246,7 +231,10 @@ def conventions():
     make = lambda: QuickstartMLP(64, 2)  # noqa: E731
     model, ref = twin(make)
     x, y = batch(0, 64, 64)
-    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss)
+    # sharded and replicated parameters whatever gloo measures on a loaded machine (the
+    # measured default cluster made this MLP all-replicated there)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
+                                 cluster=per_gradient_cpu(dist.get_world_size()))
     out["placements"] = sorted({str([repr(p) for p in v.placements]) for v in pm.plan.parameters})
     opt = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -413,8 +401,9 @@ def export(shared: str):
     last_step_stats reads the last step."""
     model, ref = twin(lambda: QuickstartMLP(64, 2))
     x, y = batch(0, 64, 64)
-    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,   # sharded parameters to gather
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 cluster=per_gradient_cpu(dist.get_world_size()))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     pm.train_step(x, y)
     F.mse_loss(ref(x), y).backward()

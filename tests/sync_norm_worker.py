@@ -23,9 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torchalpa  # noqa: E402
 from alpa_cases import ConvNet  # noqa: E402
 from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
-from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from worker_io import attempt, finish  # noqa: E402
+from worker_io import attempt, finish, max_rel, train_beside_one_device  # noqa: E402
 
 NUM_LAYERS, BATCH, IMAGE, CHANNEL = 3, 16, 16, 4
 
@@ -41,10 +40,6 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def conv(shape: tuple[int, ...]) -> dict:
     torch.manual_seed(0)
     model = ConvNet(NUM_LAYERS, CHANNEL)
@@ -56,30 +51,12 @@ def conv(shape: tuple[int, ...]) -> dict:
         model, batch(0), F.mse_loss, cluster=mesh,
         method=torchalpa.ShardParallel(logical_mesh_shape=shape),
         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    run = train_beside_one_device(pm, ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
+                                  batch, F.mse_loss, steps=3)
     out = {"batch_synced": sorted(s.node for s in pm.plan.strategies if s.batch_syncs),
            "planned": sorted([c.kind, c.axis, c.bytes] for c in issued_collectives(pm.plan)),
-           "executed": [], "losses": [], "ref_losses": []}
-    for step in range(3):
-        x, y = batch(step)
-        with CollectiveCounter.for_mesh(pm.mesh) as counter:
-            if step == 0:
-                loss = pm(x, y)
-                loss.backward()
-            else:
-                loss = pm.train_step(x, y)
-        out["executed"].append(sorted([r.kind, r.axis, r.bytes] for r in counter.records))
-        ref_loss = F.mse_loss(ref(x), y)
-        ref_loss.backward()
-        if step == 0:
-            out["grad_rel_diff"] = max(rel_diff(full(p.grad), q.grad) for p, q in
-                                       zip(pm.parameters(), ref.parameters()))
-            pm.optimizer.step()
-            pm.optimizer.zero_grad(set_to_none=True)
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        out["losses"].append(loss.item())
-        out["ref_losses"].append(ref_loss.item())
+           "executed": run["executed"], "losses": run["losses"],
+           "ref_losses": run["ref_losses"], "grad_rel_diff": max_rel(run["grads"][0])}
     trained = pm.unwrap().state_dict()
     expected = ref.state_dict()
     out["state_rel_diff"] = {k: rel_diff(trained[k].double(), v.double())

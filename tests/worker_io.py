@@ -60,6 +60,85 @@ def finish(results: dict, out_path: str) -> None:
     os._exit(0)
 
 
+# -- worker side: training beside one device ------------------------------------------------
+
+def train_beside_one_device(pm, ref, ref_opt, batch_of_step, loss_fn, *, steps: int,
+                            backward_steps=(0,), scale: float = 1.0,
+                            seed_of_step=None) -> dict:
+    """Train ``pm`` (with its optimizer) and ``ref`` (the same model on one device, with
+    ``ref_opt``) side by side for ``steps`` steps on ``batch_of_step(step)`` (its last item
+    is the target) and record what the tests compare.
+
+    A step in ``backward_steps`` runs ``pm(*batch)``, ``(loss * scale).backward()``, then
+    ``pm.optimizer.step()``, with both sides' gradients recorded before the optimizer
+    touches them; any other step runs ``pm.train_step(*batch)`` (which has no ``scale``:
+    keep it 1 then). ``seed_of_step(step)``, when given, seeds torch before each side of
+    the step, so random ops (dropout) draw the same on both. Every step's collectives are
+    counted at the dispatcher.
+
+    Returns ``losses`` / ``ref_losses`` (floats per step), ``executed`` (per step, sorted
+    ``[kind, mesh axis, bytes]``), ``grads`` (per backward step, ``[max |ours - ref|,
+    max |ref|]`` per parameter whose reference gradient exists) and ``params`` (the same
+    pairs for the parameters after the last step); ``max_rel`` and ``rel_to_scale`` reduce
+    such pairs.
+    """
+    import torch
+
+    from torchalpa.runtime.comm_count import CollectiveCounter
+    if scale != 1.0 and set(range(steps)) - set(backward_steps):
+        raise ValueError("train_step cannot scale the loss: with scale != 1, every step must "
+                         "be in backward_steps")
+    out: dict = {"losses": [], "ref_losses": [], "executed": [], "grads": []}
+    for step in range(steps):
+        batch = batch_of_step(step)
+        if seed_of_step is not None:
+            torch.manual_seed(seed_of_step(step))
+        with CollectiveCounter.for_mesh(pm.mesh) as counter:
+            if step in backward_steps:
+                loss = pm(*batch)
+                (loss * scale).backward()
+            else:
+                loss = pm.train_step(*batch)
+        out["executed"].append(sorted([r.kind, r.axis, r.bytes] for r in counter.records))
+        if seed_of_step is not None:
+            torch.manual_seed(seed_of_step(step))
+        ref_loss = loss_fn(ref(*batch[:-1]), batch[-1])
+        (ref_loss * scale).backward()
+        if step in backward_steps:
+            out["grads"].append(_diffs([p.grad for p in pm.parameters()],
+                                       [q.grad for q in ref.parameters()]))
+            pm.optimizer.step()
+            pm.optimizer.zero_grad(set_to_none=True)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        out["losses"].append(loss.item())
+        out["ref_losses"].append(ref_loss.item())
+    out["params"] = _diffs(list(pm.parameters()), list(ref.parameters()))
+    return out
+
+
+def _diffs(ours, refs) -> list:
+    """``[max |ours - ref|, max |ref|]`` per pair whose reference exists (DTensors gathered)."""
+    pairs = []
+    for p, q in zip(ours, refs):
+        if q is None:
+            continue
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        pairs.append([(p - q).abs().max().item(), q.abs().max().item()])
+    return pairs
+
+
+def max_rel(pairs) -> float:
+    """The largest difference relative to its own tensor's magnitude."""
+    return max(d / max(s, 1e-12) for d, s in pairs)
+
+
+def rel_to_scale(pairs) -> float:
+    """The largest difference relative to the largest magnitude of all tensors (for
+    gradients that are zero in exact arithmetic and float noise on both sides)."""
+    return max(d for d, _ in pairs) / max(s for _, s in pairs)
+
+
 # -- test side ----------------------------------------------------------------------------
 
 def launch(worker: str, out, *args: str, nproc: int, timeout: float = 600,
