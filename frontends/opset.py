@@ -19,6 +19,10 @@ elementwise ops they decompose into, and because their flops and memory are exac
   (``RANDOM_OPS``);
 - training-mode batch norm: ``aten._native_batch_norm_legit_functional``, which returns
   the new running statistics as values; the capture records them as buffer updates;
+- ``stack`` stays one op: core ATen writes it as ``cat`` along the stacked dim + ``view``,
+  which merges the new dim into the next one (unbind's backward in ViT attention:
+  ``(3, B, ...)`` became ``(3 * B, ...)``), so the batch could no longer be split and
+  data parallelism was infeasible;
 - ``addmm`` becomes ``mm`` + ``add``, so a bias add can follow a partial matmul (Alpa's HLO);
 - a matmul with two or more batch dims (``q @ k.transpose(-1, -2)`` on ``(B, heads, S, hd)``)
   becomes ``torchalpa::batched_matmul`` (``torchalpa/batched_matmul.py``) instead of ATen's
@@ -56,6 +60,7 @@ __all__ = ["decompositions", "device_neutral_kernels", "FusedCalls", "routed_sdp
 aten = torch.ops.aten
 
 FUSED_KEPT = frozenset({
+    aten.stack.default,
     aten.native_layer_norm_backward.default,
     aten.native_batch_norm_backward.default,
     aten._softmax_backward_data.default,
