@@ -45,9 +45,11 @@ from torchalpa.opgraph import ValueRef
 from torchalpa.plan import OutputSlot, Plan, ReshardStep
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime import sync_norm
+from torchalpa.runtime.attention_saved import save_attention_statistics
 from torchalpa.runtime.buckets import fuse_gradient_buckets, gradient_buckets
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.overlap import overlap_collectives
+from torchalpa.runtime.peephole import fold_relu_backward
 from torchalpa.runtime.synced import run_synced, synced_axes
 
 __all__ = ["LocalProgram", "StageProgram", "GraphSlice", "ValueKey", "lower", "build_programs",
@@ -294,6 +296,8 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
     forward_sends = [send_values[k] for k, phase in part.sends if phase == "forward"]
     backward_sends = [send_values[k] for k, phase in part.sends if phase != "forward"]
     roots = ([] if loss_value is None else [loss_value]) + forward_sends + update_values
+    save_attention_statistics(graph, device)
+    fold_relu_backward(graph)
     forward, backward = _split(graph, forward_phs, backward_phs, forward_out=roots,
                                backward_out=raw_grads + backward_sends)
     reduce_grads = _reduce(plan, coords, group_names,

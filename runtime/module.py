@@ -165,6 +165,7 @@ class ParallelModule(StepModule):
         self._check_every_step = bool(check_replicas)
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self._clock = StepClock(device)
+        self._slots: dict[str, tuple[dict, str]] = {}   # name -> (owner's entries, key)
         # Adam & co. step on the local shards; a stage's optimizer also holds the other
         # stages' parameters (no local data here), so pipelines keep the plain step
         self._lean_step = self._loss_rank is None
@@ -325,9 +326,22 @@ class ParallelModule(StepModule):
         return self._local_blocks(self._tensors(names), differentiable)
 
     def _tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
-        """The named parameters and buffers (DTensors where distributed), looked up now:
-        a swap (``.to()``, loading a checkpoint) may have replaced them since the last step."""
-        return [self._tensor(name) for name in names]
+        """The named parameters and buffers (DTensors where distributed), read now from
+        their owning modules: a swap (``.to()``, loading a checkpoint) may have replaced
+        them since the last step. Each owner is found once (``get_parameter`` walks the
+        module tree: some microseconds per name, every step) and its entry read each time."""
+        out = []
+        for name in names:
+            slot = self._slots.get(name)
+            value = None if slot is None else slot[0].get(slot[1])
+            if value is None:          # first use, or the owner no longer holds it
+                value = self._tensor(name)
+                module_path, _, attr = name.rpartition(".")
+                owner = self.module.get_submodule(module_path)
+                entries = owner._parameters if attr in owner._parameters else owner._buffers
+                self._slots[name] = (entries, attr)
+            out.append(value)
+        return out
 
     @staticmethod
     def _local_blocks(tensors: Sequence[torch.Tensor], differentiable: bool = False

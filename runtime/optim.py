@@ -17,6 +17,16 @@ parameter. Outside ``step()`` nothing changes: parameters, gradients and optimiz
 are DTensors, so ``state_dict()``, DCP checkpoints, ``clip_grad_norm_`` and LR schedulers
 see what they saw before. The Python work is a few attribute swaps per parameter, paid
 once per step. Other optimizers (and FSDP2's or the user's own DTensors) are untouched.
+
+On CPU, PyTorch's default (``foreach=None``) is the per-parameter Python loop. Where the
+user left that choice open, a CPU group whose tensors are all at most
+``FOREACH_MAX_NUMEL`` elements steps with the foreach implementation instead, for the
+classes whose foreach and per-parameter updates are bit for bit the same on CPU
+(``FOREACH_IDENTICAL``; NAdam and RAdam round differently and keep the loop). Measured on
+one core: Adam over a 2.1 M-element MLP of 16 tensors 20 -> 14 ms, over BERT-tiny's 41
+small tensors 2.0 -> 1.2 ms; but over 4 M-element tensors it is slower (75 -> 107 ms: the
+foreach temporaries of all tensors are alive at once), hence the bound. ``foreach`` is
+None again after the step, so ``state_dict()`` is unchanged.
 """
 
 from __future__ import annotations
@@ -28,12 +38,19 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
-__all__ = ["lean_optimizer_steps", "ELEMENTWISE_OPTIMIZERS"]
+__all__ = ["lean_optimizer_steps", "ELEMENTWISE_OPTIMIZERS", "FOREACH_IDENTICAL",
+           "FOREACH_MAX_NUMEL"]
 
 # update of each element depends only on that element's parameter, gradient and state
 ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
                           torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adamax,
                           torch.optim.NAdam, torch.optim.RAdam)
+
+# foreach update == per-parameter update, bit for bit, on CPU (tests/test_lean_optim.py)
+FOREACH_IDENTICAL = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                     torch.optim.RMSprop, torch.optim.Adamax)
+FOREACH_MAX_NUMEL = 2 ** 20      # larger tensors step faster one by one (module doc)
+_FOREACH_SET = "_torchalpa_foreach_set"   # on a param group whose foreach this module set
 
 # set on each marked parameter: an attribute, not a weak reference, since a weakly
 # referenced tensor cannot be swapped (Module.to() swaps DTensor parameters' contents)
@@ -86,7 +103,21 @@ def _to_local(opt: torch.optim.Optimizer, args, kwargs) -> None:
             locals_.append(local)
             swapped.append((p, local, state))
         group["params"] = locals_
+        if _foreach_pays(opt, group):
+            group["foreach"] = True
+            group[_FOREACH_SET] = True
     setattr(opt, _SWAPPED, swapped)
+
+
+def _foreach_pays(opt: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether ``group`` (its local tensors in place) steps faster, and identically, with
+    the foreach implementation than with the CPU default the user left it at."""
+    if not isinstance(opt, FOREACH_IDENTICAL) or "foreach" not in group \
+            or group["foreach"] is not None or group.get("fused"):
+        return False
+    params = group["params"]
+    return bool(params) and all(p.device.type == "cpu" and p.numel() <= FOREACH_MAX_NUMEL
+                                for p in params)
 
 
 def _to_dtensor(opt: torch.optim.Optimizer, args, kwargs) -> None:
@@ -98,6 +129,8 @@ def _to_dtensor(opt: torch.optim.Optimizer, args, kwargs) -> None:
     it = iter(swapped)
     for group in opt.param_groups:
         group["params"] = [next(it)[0] for _ in group["params"]]
+        if group.pop(_FOREACH_SET, False):
+            group["foreach"] = None
     for p, local, old in swapped:
         local.grad = None
         new = opt.state.pop(local, None)

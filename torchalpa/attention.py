@@ -23,6 +23,14 @@ That costs one more attention forward in backward, which ``ATTENTION_RECOMPUTE``
 the flop count. Eager autograd picks the kernel as it would for the user's own code
 (on CPU a mask that needs a gradient takes the math path, as in eager PyTorch).
 
+When the program runs on CPU, the lowering saves what the fused kernel's backward needs
+instead (``runtime/attention_saved.py``): the forward calls ``sdpa_forward_saving``, which
+returns the output and the kernel's log-sum-exp of each query row, and the backward calls
+``sdpa_backward_saved`` with both, so it does not run the forward again (as eager
+autograd does not). Where the CPU kernel does not apply (grouped-query heads, a mask of
+another dtype, another device) the forward saves an empty statistic and the backward
+recomputes as above. ``ATTENTION_RECOMPUTE`` describes the captured op, not this lowering.
+
 Dropout inside attention is not one of these ops: the capture writes it out as matmuls,
 softmax and ``native_dropout`` (``frontends/opset.py``), so the random draw stays visible.
 Outputs have fixed layouts (``out`` in the ``(B, L, H, Ev)`` memory order fused kernels
@@ -42,7 +50,7 @@ import torch.nn.functional as F
 _TORCH_SDPA = F.scaled_dot_product_attention
 
 __all__ = ["sdpa", "SDPA_OP", "SDPA_BACKWARD_OP", "SDPA_BIAS_BACKWARD_OP",
-           "ATTENTION_RECOMPUTE"]
+           "ATTENTION_RECOMPUTE", "sdpa_forward_saving", "sdpa_backward_saved"]
 
 SDPA_OP = "torchalpa.sdpa.default"
 SDPA_BACKWARD_OP = "torchalpa.sdpa_backward.default"
@@ -183,3 +191,60 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         enable_gqa = False                   # the same call: one spelling in the graph
     return _sdpa(query, key, value, attn_mask, bool(is_causal),
                  None if scale is None else float(scale), bool(enable_gqa))
+
+
+# -- run time on CPU: the forward's statistics saved for backward (runtime/attention_saved.py)
+
+_aten = torch.ops.aten
+_CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _cpu_flash_mask(query: torch.Tensor, key: torch.Tensor,
+                    attn_mask: Optional[torch.Tensor]) -> tuple[bool, Optional[torch.Tensor]]:
+    """Whether the fused CPU kernel computes this call, and the additive mask it takes
+    (a boolean mask becomes 0 / -inf, as ``F.scaled_dot_product_attention`` converts it)."""
+    if query.device.type != "cpu" or query.dim() != 4 or query.dtype not in _CPU_FLASH_DTYPES \
+            or key.shape[-3] != query.shape[-3]:
+        return False, None
+    if attn_mask is None or attn_mask.dtype == query.dtype:
+        return True, attn_mask
+    if attn_mask.dtype == torch.bool:
+        additive = torch.zeros_like(attn_mask, dtype=query.dtype)
+        return True, additive.masked_fill_(attn_mask.logical_not(), float("-inf"))
+    return False, None
+
+
+def sdpa_forward_saving(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attn_mask: Optional[torch.Tensor], is_causal: bool,
+                        scale: Optional[float], enable_gqa: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torchalpa::sdpa``'s output and the statistic its backward needs: the fused CPU
+    kernel's log-sum-exp per query row ``(B, Hq, L)``, or an empty tensor where that
+    kernel does not apply (then ``sdpa_backward_saved`` recomputes)."""
+    fused, mask = _cpu_flash_mask(query, key, attn_mask)
+    if not fused:
+        out = _sdpa(query, key, value, attn_mask, is_causal, scale, enable_gqa)
+        return out, query.new_empty((0,), dtype=torch.float32)
+    out, logsumexp = _aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=mask, scale=scale)
+    return _restride(out, *_out_strides(query, value)), logsumexp
+
+
+def sdpa_backward_saved(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                        value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                        out: torch.Tensor, logsumexp: torch.Tensor, is_causal: bool,
+                        scale: Optional[float], enable_gqa: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torchalpa::sdpa_backward`` from the forward's ``out`` and ``logsumexp``
+    (``sdpa_forward_saving``): the fused CPU kernel's backward, no recompute. An empty
+    ``logsumexp`` (the kernel did not run in forward): the recomputing backward."""
+    if logsumexp.numel() == 0:
+        return _sdpa_backward(grad_out, query, key, value, attn_mask, is_causal, scale,
+                              enable_gqa)
+    _, mask = _cpu_flash_mask(query, key, attn_mask)
+    grads = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, logsumexp, 0.0, is_causal, attn_mask=mask,
+        scale=scale)
+    dq, dk, dv = (_restride(g, ref.shape, _like_strides(ref))
+                  for g, ref in zip(grads, (query, key, value)))
+    return dq, dk, dv

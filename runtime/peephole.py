@@ -1,0 +1,53 @@
+"""Fold decomposed patterns of a local program back into the one kernel eager PyTorch runs.
+
+The capture records core ATen, where some fused kernels come out as several elementwise
+ops over the same tensor. The planner wants them apart (one sharding rule per op), but at
+run time each is one more pass over memory and one more dispatch. After lowering, where
+sharding is settled, this pass puts the kernel back where the result is the same bit for
+bit:
+
+- ReLU's backward: ``where(le(x, t), scalar_tensor(0), grad)`` is
+  ``threshold_backward(grad, x, t)`` (eager autograd's kernel; both pick ``grad`` where
+  ``x > t`` or is NaN, and zero elsewhere).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+__all__ = ["fold_relu_backward"]
+
+aten = torch.ops.aten
+
+
+def _zero_scalar(n: object) -> bool:
+    """Whether ``n`` is ``scalar_tensor(0)`` of a floating dtype."""
+    if not (isinstance(n, fx.Node) and n.op == "call_function"
+            and n.target is aten.scalar_tensor.default and n.args[:1] == (0,)):
+        return False
+    dtype = n.kwargs.get("dtype")
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+
+def fold_relu_backward(graph: fx.Graph) -> int:
+    """Rewrite ``where(le(x, t), scalar_tensor(0), grad)`` into ``threshold_backward(grad,
+    x, t)`` in place; returns how many were folded."""
+    folded = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not aten.where.self or n.kwargs:
+            continue
+        cond, zero, grad = n.args
+        if not (isinstance(cond, fx.Node) and cond.op == "call_function"
+                and cond.target is aten.le.Scalar and not cond.kwargs and _zero_scalar(zero)):
+            continue
+        x, threshold = cond.args
+        with graph.inserting_before(n):
+            fused = graph.call_function(aten.threshold_backward.default, (grad, x, threshold))
+        n.replace_all_uses_with(fused)
+        graph.erase_node(n)
+        for dead in (cond, zero):
+            if isinstance(dead, fx.Node) and not dead.users:
+                graph.erase_node(dead)
+        folded += 1
+    return folded
