@@ -437,3 +437,32 @@ def test_graph_check_rejects_outputs_that_read_absent_values():
     for bad in (ValueRef("bwd", 0), ValueRef("bwd", 2)):
         with pytest.raises(GraphError, match="gradient of 'w'.*does not produce"):
             OpGraph(nodes, GraphOutputs(ValueRef("loss"), grads=(("w", bad),))).check()
+
+
+class _UnbindHeads(nn.Module):
+    """Attention's ``qkv.unbind(0)`` spelling (ViT, timm): its backward is a ``stack``."""
+
+    def __init__(self, hidden=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(x).view(B, N, 3, self.heads, C // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        return (q * k + v).transpose(1, 2).reshape(B, N, C)
+
+
+def test_stack_stays_whole_so_the_batch_stays_splittable():
+    import torchalpa
+    model, x, y = _UnbindHeads(), torch.randn(8, 4, 16), torch.randn(8, 4, 16)
+    g = capture(model, (x, y), F.mse_loss).graph
+    stacks = [n for n in g.ops() if n.op == "aten.stack.default"]
+    assert [n.phase for n in stacks] == ["backward"]
+    assert not [n for n in g.ops() if n.op == "aten.cat.default"]
+    # core ATen's cat + view spelling made DataParallel infeasible ("impossible resharding")
+    plan = torchalpa.plan(model, (x, y), F.mse_loss, cluster=torchalpa.Cluster.local_cpu(4),
+                          method=torchalpa.DataParallel())
+    from torch.distributed.tensor import Replicate
+    assert plan.parameter("qkv.weight").placements == (Replicate(),)
