@@ -23,6 +23,7 @@ from torchalpa.opgraph import OpGraph, TensorSpec
 from torchalpa.passes.cost import batch_sync_cost, compute_cost, gradient_steps_cost, steps_cost
 from torchalpa.passes.ilp import Edge
 from torchalpa.passes.reshard import plan_reshard
+from torchalpa.passes.shared_reshard import SharedReads, shared_groups
 from torchalpa.passes.simplify import Grouping
 from torchalpa.passes.strategies import Strategy, sync_steps
 from torchalpa.placement import Placements, replicated
@@ -86,10 +87,14 @@ class CostGraph:
     num_edges: int = 0            # edges of the full graph
     num_priced: int = 0           # distinct edges actually priced
     stats: dict = field(default_factory=dict)
+    shared: list[SharedReads] = field(default_factory=list)   # reads priced once per layout
 
 
 def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
-                     grouping: Grouping, costs: ReshardCosts) -> CostGraph:
+                     grouping: Grouping, costs: ReshardCosts,
+                     shared: frozenset = frozenset()) -> CostGraph:
+    """``shared``: values (producer, index) whose operand reads are priced once per target
+    layout (``passes/shared_reshard.py``) instead of once per read."""
     rep, index = grouping.rep, grouping.index
     node_costs = {r: np.zeros(len(S[r])) for r in grouping.representatives}
 
@@ -114,7 +119,8 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
     links: list[tuple[str, int, str, object]] = []
     for node in graph.ops():
         for slot, ref in enumerate(node.operands):
-            links.append((ref.node, ref.index, node.name, slot))
+            if (ref.node, ref.index) not in shared:
+                links.append((ref.node, ref.index, node.name, slot))
     params = graph.params
     for fqn, ref in graph.outputs.grads:
         links.append((ref.node, ref.index, params[fqn], "grad"))
@@ -140,7 +146,8 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
             node_costs[ru] += e.dense().diagonal()
         else:
             edges.append(e)
-    return CostGraph(node_costs, edges, num_edges=len(links), num_priced=len(groups))
+    return CostGraph(node_costs, edges, num_edges=len(links), num_priced=len(groups),
+                     shared=shared_groups(graph, S, grouping, costs, set(shared)))
 
 
 def _reads(s: Strategy, how) -> Placements | None:

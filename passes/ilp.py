@@ -27,6 +27,7 @@ import numpy as np
 import pulp
 
 from torchalpa.passes.presolve import presolve
+from torchalpa.passes.shared_reshard import SharedReads, add_shared_reads, shared_reads_cost
 from torchalpa.progress import solver_verbose
 
 __all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "InfeasibleError"]
@@ -59,6 +60,9 @@ class ILPProblem:
     memory_budget: float | None = None
     minimize_peak: bool = False
     """Ignore costs; find the layouts with the smallest largest memory group."""
+    shared: list[SharedReads] = field(default_factory=list)
+    """Values whose reads pay once per target layout (``passes/shared_reshard.py``); their
+    nodes are left out of presolve's rewrites, which assume additive edge costs."""
 
 
 @dataclass
@@ -135,7 +139,8 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
             raise InfeasibleError(f"node {k!r}: every strategy needs an impossible resharding")
     if not math.isfinite(constant):
         raise InfeasibleError("two fixed layouts cannot be connected")
-    reduced = presolve(full_costs, full_edges, problem.memory_terms)
+    protected = set().union(*(g.nodes for g in problem.shared))
+    reduced = presolve(full_costs, full_edges, problem.memory_terms, protected=protected)
     costs, edges = reduced.costs, reduced.edges
     allowed = {k: np.isfinite(c) for k, c in costs.items()}
     for k, ok in allowed.items():
@@ -146,7 +151,9 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
 
     # Scale costs so the largest finite coefficient is ~1e6 (solver tolerances are absolute).
     top = max([np.abs(c[np.isfinite(c)]).max(initial=0) for c in costs.values()] +
-              [np.abs(e.table[np.isfinite(e.table)]).max(initial=0) for e in edges] + [0.0])
+              [np.abs(e.table[np.isfinite(e.table)]).max(initial=0) for e in edges] +
+              [np.abs(g.table[np.isfinite(g.table)]).max(initial=0) for g in problem.shared] +
+              [0.0])
     scale = 1e6 / top if top > 0 else 1.0
 
     prob = pulp.LpProblem("torchalpa_intra_op", pulp.LpMinimize)
@@ -200,6 +207,8 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
         for q in range(Q):
             if col_sources[q]:
                 prob += pulp.lpSum(cols[q]) == pulp.lpSum(col_sources[q])
+    for gidx, group in enumerate(problem.shared):
+        objective += add_shared_reads(prob, s, group, f"g{gidx}", scale)
     peak = prob.add_variable("peak_bytes", lowBound=0) if problem.minimize_peak else None
     if problem.memory_budget is not None or peak is not None:
         mem_scale = 1.0 / max(1.0, max((float(np.max(m)) for g in problem.memory_terms
@@ -234,6 +243,7 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
     total = constant + sum(full_costs[k][a] for k, a in choice.items())
     for e in full_edges:
         total += e.table[e.row_of[choice[e.u]], e.col_of[choice[e.v]]]
+    total += sum(shared_reads_cost(g, choice) for g in problem.shared)
     if not math.isfinite(total):
         raise InfeasibleError("no plan connects every node without an impossible resharding")
     if peak is not None:

@@ -25,11 +25,12 @@ from torchalpa.passes.constraints import apply_constraints
 from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
 from torchalpa.passes.cost import (batch_sync_cost, compute_cost, gradient_steps_cost,
                                    optimizer_cost, steps_cost, wire_bytes)
-from torchalpa.passes.costgraph import ReshardCosts, build_cost_graph
+from torchalpa.passes.costgraph import ReshardCosts
 from torchalpa.passes.ilp import ILPProblem, InfeasibleError, solve_ilp
 from torchalpa.passes.simplify import group_nodes
 from torchalpa.passes.memory import MemoryModel, activation_peak_bytes, model_state_bytes
 from torchalpa.passes.reshard import local_bytes, plan_reshard
+from torchalpa.passes.shared_reshard import read_key, solve_sharing_reads
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.strategies import (Strategy, enumerate_strategies, leaf_strategies,
                                          replicate_only, splits_over_both_axes, sync_steps)
@@ -177,17 +178,19 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     def solve(period: int, start: dict[str, Strategy] | None = None, exact: bool = False):
         grouping = group_nodes(graph, S, None if exact else blocks, heavy=space.heavy,
                                period=period, merge_followers=not exact)
-        cg = build_cost_graph(graph, mesh, S, grouping, costs)
         memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states, in_flight)
         initial = None
         if start is not None:    # a plan of a coarser grouping is feasible here too
             initial = {}
-            for k in cg.node_costs:
+            for k in grouping.representatives:
                 position = {id(S[k][i]): a for a, i in enumerate(grouping.index[k])}
                 if id(start[k]) in position:
                     initial[k] = position[id(start[k])]
-        solution, chosen = _solve_within_memory(graph, S, grouping, cg, memory, budget,
-                                                option, mesh, initial=initial)
+        cg, solution, chosen = solve_sharing_reads(
+            graph, S, grouping, costs,
+            lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory, budget,
+                                                     option, mesh, initial=initial),
+            initial)
         return grouping, cg, solution, chosen
 
     built = time.perf_counter()
@@ -418,7 +421,7 @@ def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, op
     """Solve; while the plan's true peak exceeds the budget, constrain memory there too."""
     from dataclasses import replace as _replace
     states = memory.optimizer_states
-    problem = ILPProblem(node_costs=cg.node_costs, edges=cg.edges)
+    problem = ILPProblem(node_costs=cg.node_costs, edges=cg.edges, shared=cg.shared)
     points: list[int] = []
     worst = memory.upper_timeline() if budget is not None else None
     if worst is not None and worst.max(initial=0) > budget:
@@ -521,11 +524,20 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
               inputs: str) -> Plan:
     R = replicated(mesh.ndim)
     reshards: list[Reshard] = []
+    first_read: dict = {}     # (value, steps) -> the operand read that reshards it first
 
     def add(ref: ValueRef, consumer: str, slot, dst: Placements | None):
         src = chosen[ref.node].outputs[ref.index]
         steps = costs.steps(graph.spec(ref), src, dst)
         assert steps is not None, (ref, consumer, slot, src, dst)
+        if isinstance(slot, int):    # operand reads alike share one resharded copy
+            key = read_key(graph, chosen, costs.steps, ref, dst)
+            if key is not None and key in first_read:
+                reshards.append(Reshard(ref.node, ref.index, consumer, slot, (),
+                                        same_as=first_read[key]))
+                return
+            if key is not None:
+                first_read[key] = (consumer, slot)
         if steps:
             reshards.append(Reshard(ref.node, ref.index, consumer, slot, tuple(steps)))
 

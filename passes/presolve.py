@@ -73,9 +73,11 @@ class Presolved:
 
 
 def presolve(costs: dict[str, np.ndarray], edges: list,
-             memory_terms: list[dict[str, np.ndarray]], max_passes: int = 10) -> Presolved:
+             memory_terms: list[dict[str, np.ndarray]], max_passes: int = 10,
+             protected: set[str] | frozenset = frozenset()) -> Presolved:
     """Reduce ``costs`` (node -> cost per strategy, inf = forbidden) and ``edges``; nodes in
-    ``memory_terms`` with bytes that depend on their strategy are never eliminated."""
+    ``memory_terms`` with bytes that depend on their strategy are never eliminated, and
+    ``protected`` nodes (with costs outside ``edges``) are neither reduced nor eliminated."""
     out = Presolved({k: np.asarray(c, dtype=float).copy() for k, c in costs.items()},
                     list(edges))
     memory: dict[str, list[np.ndarray]] = defaultdict(list)
@@ -83,8 +85,8 @@ def presolve(costs: dict[str, np.ndarray], edges: list,
         for k, m in group.items():
             memory[k].append(np.asarray(m, dtype=float))
     for _ in range(max_passes):
-        removed = _remove_dominated(out, memory)
-        eliminated = _eliminate(out, memory)
+        removed = _remove_dominated(out, memory, protected)
+        eliminated = _eliminate(out, memory, protected)
         if not removed and not eliminated:
             break
     return out
@@ -110,13 +112,14 @@ def _as_seen_from(e, k: str, allowed: dict[str, np.ndarray]
     return other, table[live], other_of
 
 
-def _remove_dominated(p: Presolved, memory: dict[str, list[np.ndarray]]) -> int:
+def _remove_dominated(p: Presolved, memory: dict[str, list[np.ndarray]],
+                      protected) -> int:
     allowed = {k: np.isfinite(c) for k, c in p.costs.items()}
     at = _incident(p.edges)
     removed = 0
     for k, c in p.costs.items():
         idx = np.flatnonzero(allowed[k])
-        if len(idx) < 2:
+        if len(idx) < 2 or k in protected:
             continue
         # one row per allowed strategy: everything it adds to the objective or to memory
         profile = np.concatenate(
@@ -144,12 +147,12 @@ def _memory_free(k: str, c: np.ndarray, memory: dict[str, list[np.ndarray]]) -> 
     return all(np.ptp(m[ok]) == 0 for m in memory.get(k, ()))
 
 
-def _eliminate(p: Presolved, memory: dict[str, list[np.ndarray]]) -> int:
+def _eliminate(p: Presolved, memory: dict[str, list[np.ndarray]], protected) -> int:
     count = 0
     at = _incident(p.edges)
     for k in list(p.costs):
         c = p.costs[k]
-        if len(c) < 2 or not _memory_free(k, c, memory):
+        if len(c) < 2 or k in protected or not _memory_free(k, c, memory):
             continue
         edges = at.get(k, [])
         if len(edges) > 2:

@@ -247,8 +247,17 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
             return received[key]
         raise AssertionError(f"the slice reads {a.name}, which it neither makes nor receives")
 
-    def operand_steps(consumer: str, slot: int) -> tuple[ReshardStep, ...]:
-        return reshards.get((consumer, slot), ())
+    same_as = {(r.consumer, r.slot): r.same_as for r in plan.reshards if r.same_as}
+    copies: dict[tuple[str, int], fx.Node] = {}    # operand read -> its resharded value
+
+    def read_operand(value: fx.Node, consumer: str, slot: int) -> fx.Node:
+        """``value`` as ``consumer`` reads it in operand ``slot``: resharded by the plan's
+        steps, or the copy an earlier read made (``Reshard.same_as``)."""
+        source = same_as.get((consumer, slot))
+        if source is not None:
+            return copies[source]
+        copies[(consumer, slot)] = emit.steps(value, reshards.get((consumer, slot), ()))
+        return copies[(consumer, slot)]
 
     summed_into: dict[str, tuple[ValueKey, int]] = {}   # add node -> (key, its operand slot)
     for n in part.nodes:
@@ -259,11 +268,11 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
             (slot, key), = summed
             other = n.args[1 - slot]
             assert isinstance(other, fx.Node)
-            env[n.name] = emit.steps(lookup(other), operand_steps(n.name, 1 - slot))
+            env[n.name] = read_operand(lookup(other), n.name, 1 - slot)
             summed_into[n.name] = (key, slot)
         else:
-            env[n.name] = _lower_node(n, graph, emit, lookup, operand_steps, strategies,
-                                      plan.mesh_shape, device, coords)
+            env[n.name] = _lower_node(n, graph, lookup, read_operand, strategies,
+                                      plan.mesh_shape, device, coords, emit.group_names)
 
     def value_of(key: ValueKey) -> fx.Node:
         if key in received:
@@ -290,7 +299,7 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
     for add_name, (key, slot) in summed_into.items():
         position = next(i for i, (_, g) in enumerate(present) if g.name == add_name)
         summed_recvs.append((key, position, _addend(
-            key, [input_steps(received_name(key)), operand_steps(add_name, slot)],
+            key, [input_steps(received_name(key)), reshards.get((add_name, slot), ())],
             plan.mesh_shape, coords, group_names)))
 
     forward_sends = [send_values[k] for k, phase in part.sends if phase == "forward"]
@@ -311,10 +320,10 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
     return BuiltPrograms(forward, backward, reduce_grads, summed_recvs)
 
 
-def _lower_node(n: fx.Node, graph: fx.Graph, emit: _Emitter, lookup, operand_steps,
-                strategies, mesh_shape, device: torch.device, coords) -> fx.Node:
+def _lower_node(n: fx.Node, graph: fx.Graph, lookup, read_operand, strategies, mesh_shape,
+                device: torch.device, coords, group_names) -> fx.Node:
     """The per-node hook: one source op as local ops, each tensor operand first brought
-    to the layout the op's strategy reads (its reshard steps), shapes localized."""
+    to the layout the op's strategy reads (``read_operand``), shapes localized."""
     if n.target is operator.getitem:
         return graph.call_function(operator.getitem, (lookup(n.args[0]), n.args[1]))
     slots = iter(range(1 << 30))
@@ -322,7 +331,7 @@ def _lower_node(n: fx.Node, graph: fx.Graph, emit: _Emitter, lookup, operand_ste
     def local_arg(a):
         if not isinstance(a, fx.Node):
             return a
-        return emit.steps(lookup(a), operand_steps(n.name, next(slots)))
+        return read_operand(lookup(a), n.name, next(slots))
 
     args = tree_map(local_arg, list(n.args))
     kwargs = {k: tree_map(local_arg, v) for k, v in n.kwargs.items()}
@@ -333,7 +342,7 @@ def _lower_node(n: fx.Node, graph: fx.Graph, emit: _Emitter, lookup, operand_ste
         return run_synced(
             str(n.target), tuple(args), axes,
             lambda stat, op, axis: graph.call_function(
-                C.all_reduce, (stat, op, emit.group_names[axis])),
+                C.all_reduce, (stat, op, group_names[axis])),
             call=lambda fn, a: graph.call_function(fn, a))
     target, args, kwargs = localize(n, args, kwargs, strategy, mesh_shape, device, coords)
     if strategy.batch_syncs:    # batch norm over a split batch: sums all-reduced inside
@@ -343,7 +352,7 @@ def _lower_node(n: fx.Node, graph: fx.Graph, emit: _Emitter, lookup, operand_ste
         assert isinstance(source, fx.Node)
         target, args, kwargs = sync_norm.synced_call(
             op, args, kwargs, input_shape=tuple(source.meta["val"].shape),
-            groups=[emit.group_names[axis] for axis, _ in strategy.batch_syncs])
+            groups=[group_names[axis] for axis, _ in strategy.batch_syncs])
     return graph.call_function(target, tuple(args), kwargs)
 
 

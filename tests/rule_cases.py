@@ -131,6 +131,7 @@ CASES: dict[str, Case] = {
                      lambda: (rnd(4, 8, 4),)),
     "view_split_merge": Case(lambda a: a.view(4, 2, 8).reshape(8, 8), lambda: (rnd(8, 8),)),
     "view_general": Case(lambda a: a.reshape(4, 6), lambda: (rnd(6, 4),)),
+    "view_regroup": Case(lambda a: a.reshape(4, 4, 8).relu(), lambda: (rnd(4, 8, 4),)),
     "reshape_composite": Case(lambda a: aten.reshape.default(a, [4, 2, 8]) * 2,
                               lambda: (rnd(8, 8),), pre_dispatch=True),
     "permute_t_transpose": Case(lambda a: a.permute(2, 0, 1).transpose(0, 1).reshape(8, 16).t(),

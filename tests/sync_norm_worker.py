@@ -1,7 +1,9 @@
 """Run on gloo ranks by tests/test_sync_norm.py: Alpa's conv net (conv, BatchNorm, relu,
 max pool) trained data parallel with synchronized batch norm, next to the same model on
 one device. Rank 0 writes what it saw as JSON to argv[1]; argv[2] lists the scenarios
-(``<name>:<mesh shape>``, e.g. ``conv:4`` or ``conv:2x2``).
+(``<name>:<mesh shape>``, e.g. ``conv:4`` or ``conv:2x2``; ``wide:4`` is a wide, small
+batch net planned model parallel, where batch norm's forward and backward read one
+all-reduced convolution output: ``Reshard.same_as``).
 
 Each scenario plans with Alpa's unit costs (alpha = beta = 1), which split the batch, then
 records: the batch norm ops the plan synchronizes, the loss of 3 SGD steps on both sides,
@@ -26,35 +28,38 @@ from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 from worker_io import attempt, finish, max_rel, train_beside_one_device  # noqa: E402
 
-NUM_LAYERS, BATCH, IMAGE, CHANNEL = 3, 16, 16, 4
+# (layers, batch, image size, channels) per net
+NETS = {"conv": (3, 16, 16, 4), "wide": (2, 2, 4, 16)}
 
 
-def batch(step: int):
+def batch(step: int, num_layers: int, size: int, image: int, channel: int):
     g = torch.Generator().manual_seed(200 + step)
-    out = IMAGE // 2 ** NUM_LAYERS
-    return (torch.randn(BATCH, CHANNEL, IMAGE, IMAGE, generator=g) * 2 + 1,
-            torch.randn(BATCH, CHANNEL, out, out, generator=g))
+    out = image // 2 ** num_layers
+    return (torch.randn(size, channel, image, image, generator=g) * 2 + 1,
+            torch.randn(size, channel, out, out, generator=g))
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
 
 
-def conv(shape: tuple[int, ...]) -> dict:
+def conv(net: str, shape: tuple[int, ...]) -> dict:
+    num_layers, _, _, channel = NETS[net]
     torch.manual_seed(0)
-    model = ConvNet(NUM_LAYERS, CHANNEL)
+    model = ConvNet(num_layers, channel)
     torch.manual_seed(0)
-    ref = ConvNet(NUM_LAYERS, CHANNEL)
+    ref = ConvNet(num_layers, channel)
     mesh = torchalpa.LogicalMesh(shape=shape, alpha=(1.0,) * len(shape),
                                  beta=(1.0,) * len(shape))
     pm = torchalpa.auto_parallel(
-        model, batch(0), F.mse_loss, cluster=mesh,
+        model, batch(0, *NETS[net]), F.mse_loss, cluster=mesh,
         method=torchalpa.ShardParallel(logical_mesh_shape=shape),
         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
     run = train_beside_one_device(pm, ref, torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9),
-                                  batch, F.mse_loss, steps=3)
+                                  lambda step: batch(step, *NETS[net]), F.mse_loss, steps=3)
     out = {"batch_synced": sorted(s.node for s in pm.plan.strategies if s.batch_syncs),
            "planned": sorted([c.kind, c.axis, c.bytes] for c in issued_collectives(pm.plan)),
+           "shared_reads": sum(1 for r in pm.plan.reshards if r.same_as is not None),
            "executed": run["executed"], "losses": run["losses"],
            "ref_losses": run["ref_losses"], "grad_rel_diff": max_rel(run["grads"][0])}
     trained = pm.unwrap().state_dict()
@@ -70,8 +75,8 @@ def main():
     results: dict = {"world_size": dist.get_world_size()}
     for scenario in which:
         name, shape = scenario.split(":")
-        assert name == "conv", name
-        results[scenario] = attempt(lambda: conv(tuple(int(n) for n in shape.split("x"))))
+        assert name in NETS, name
+        results[scenario] = attempt(lambda: conv(name, tuple(int(n) for n in shape.split("x"))))
     finish(results, out_path)
 
 

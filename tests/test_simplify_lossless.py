@@ -15,20 +15,27 @@ import torchalpa.models as zoo
 from torchalpa import AutoShardingOption, LogicalMesh, ShardParallel
 from torchalpa.api import _blocks_of
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes.costgraph import ReshardCosts, build_cost_graph
+from torchalpa.passes.costgraph import ReshardCosts
 from torchalpa.passes.ilp import ILPProblem, solve_ilp
 from torchalpa.passes.intra_op import build_strategies, plan_intra_op
+from torchalpa.passes.shared_reshard import solve_sharing_reads
 from torchalpa.passes.simplify import group_nodes
 
 
 def full_ilp_objective(graph, mesh, option) -> float:
-    """The unsimplified problem: one decision per node, nothing shared or followed."""
+    """The unsimplified problem: one decision per node, nothing shared or followed (values
+    two reads reshard alike priced once per layout, as the planner does)."""
     space = build_strategies(graph, mesh, "global", option)
-    grouping = group_nodes(graph, space.strategies, None, merge_followers=False)
+    S = space.strategies
+    grouping = group_nodes(graph, S, None, merge_followers=False)
     costs = ReshardCosts(mesh, option.allow_reduce_scatter)
-    cg = build_cost_graph(graph, mesh, space.strategies, grouping, costs)
-    return solve_ilp(ILPProblem(node_costs=cg.node_costs, edges=cg.edges),
-                     solver=option.solver).objective
+
+    def solve(cg, initial):
+        solution = solve_ilp(ILPProblem(node_costs=cg.node_costs, edges=cg.edges,
+                                        shared=cg.shared), solver=option.solver, initial=initial)
+        return solution, {k: S[k][a] for k, a in solution.choice.items()}
+
+    return solve_sharing_reads(graph, S, grouping, costs, solve)[1].objective
 
 
 class RandomNet(nn.Module):

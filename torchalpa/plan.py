@@ -155,6 +155,10 @@ class Reshard:
     ``OUTPUT`` and the slot an ``OutputSlot`` (the loss, a parameter's gradient, a
     buffer's new value, a value sent to another stage); for a user input sliced out of
     the global batch the consumer is the input itself and the slot ``INPUT_SLOT``.
+
+    ``same_as``: another operand read (consumer, slot), earlier in the step, that reshards
+    this value with the same steps; this read takes that resharded copy and has no steps
+    of its own (one collective, however many ops read the result: XLA's CSE).
     """
 
     producer: str
@@ -162,16 +166,22 @@ class Reshard:
     consumer: str
     slot: Slot
     steps: tuple[ReshardStep, ...]
+    same_as: tuple[str, int] | None = None
 
     def to_dict(self) -> dict:
-        return {"producer": self.producer, "index": self.index, "consumer": self.consumer,
-                "slot": slot_to_json(self.slot), "steps": [s.to_dict() for s in self.steps]}
+        d = {"producer": self.producer, "index": self.index, "consumer": self.consumer,
+             "slot": slot_to_json(self.slot), "steps": [s.to_dict() for s in self.steps]}
+        if self.same_as is not None:
+            d["same_as"] = list(self.same_as)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict, version: int = PLAN_VERSION) -> "Reshard":
+        same_as = d.get("same_as")
         return cls(producer=d["producer"], index=d["index"], consumer=d["consumer"],
                    slot=slot_from_json(d["consumer"], d["slot"], version),
-                   steps=tuple(ReshardStep.from_dict(s) for s in d["steps"]))
+                   steps=tuple(ReshardStep.from_dict(s) for s in d["steps"]),
+                   same_as=None if same_as is None else (same_as[0], int(same_as[1])))
 
 
 @dataclass(frozen=True, slots=True)

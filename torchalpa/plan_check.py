@@ -139,6 +139,8 @@ def _check_against_graph(plan: Plan, graph, source: str) -> None:
             if want is None:
                 continue
             r = reshards.get((ref.node, ref.index, s.node, slot))
+            if r is not None and r.same_as is not None:     # reads another read's copy
+                r = reshards.get((ref.node, ref.index, *r.same_as))
             arriving = r.steps[-1].dst if r is not None and r.steps else \
                 layout.get((ref.node, ref.index))
             if arriving is not None and arriving != want:

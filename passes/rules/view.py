@@ -3,8 +3,11 @@ repeat.
 
 A reshape is matched group by group: runs of input dims and output dims with equal
 products. A dim split into several keeps them as its factors (major first), a merge is
-the reverse; a group that is neither (e.g. 6x4 -> 4x6) gets factors that cannot be
-sharded. All are linear: a Partial passes through.
+the reverse; a regrouping (64x16 -> 32x32, tokens of a batch regrouped as MoE groups) gets
+the common refinement of both sides, when it exists: 32x2x16 here, so the batch dim and
+the group dim share their major factor and either can stay split. A group with no common
+refinement (6x4 -> 4x6) gets factors that cannot be sharded. All are linear: a Partial
+passes through.
 """
 
 from __future__ import annotations
@@ -44,6 +47,29 @@ def _groups(src: tuple, dst: tuple):
     return groups
 
 
+def _refinement(a: list[int], b: list[int]) -> list[int] | None:
+    """Sizes (major first) of the coarsest factors both dim runs ``a`` and ``b`` (equal
+    products) are made of, or None when a dim boundary of one side cuts a factor of the
+    other unevenly (6x4 vs 4x6)."""
+    total = 1
+    for n in a:
+        total *= n
+    bounds = set()
+    for run in (a, b):
+        prefix = 1
+        for n in run:
+            prefix *= n
+            bounds.add(prefix)
+    atoms, previous = [], 1
+    for bound in sorted(bounds):
+        if bound % previous:
+            return None
+        atoms.append(bound // previous)
+        previous = bound
+    assert previous == total
+    return atoms
+
+
 @register("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
 def reshape(node, specs):
     src, dst = specs[0].shape, node.outputs[0].shape
@@ -64,6 +90,17 @@ def reshape(node, specs):
             out_dims[gj[0]] = factors
             for i, fac in zip(gi, factors):
                 in_dims[i] = (fac,)
+        elif (atoms := _refinement([src[i] for i in gi], [dst[j] for j in gj])) is not None:
+            factors = [f.new(size) for size in atoms]
+            for dims, sizes, idx in ((in_dims, src, gi), (out_dims, dst, gj)):
+                k = 0
+                for i in idx:       # each dim is a run of consecutive atoms
+                    run, prod = [], 1
+                    while prod < sizes[i]:
+                        run.append(factors[k])
+                        prod *= atoms[k]
+                        k += 1
+                    dims[i] = tuple(run)
         else:                       # no clean factorization: keep these dims whole
             for i in gi:
                 fac = f.new(src[i])
