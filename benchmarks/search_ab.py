@@ -47,7 +47,7 @@ def switch_off_fast_paths() -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description="the weak-scaling auto search, fast paths on or off")
     p.add_argument("--row", default="1.3b", choices=list(ws.ROWS))
     p.add_argument("--micro-batches", type=int, default=64)
     p.add_argument("--before", action="store_true", help="switch the fast paths off")
