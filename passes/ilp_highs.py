@@ -128,7 +128,10 @@ def solve_with_highs(costs: dict[str, np.ndarray], edges: list, reduced, memory_
     if peak is not None:    # the objective is the peak alone
         model.cost = [0.0] * len(model.cost)
         model.cost[peak] = 1.0
-    status, values = _solve(model, time_limit=time_limit, gap=gap, verbose=verbose)
+    if model.names:
+        status, values = _solve(model, time_limit=time_limit, gap=gap, verbose=verbose)
+    else:   # presolve decided every node (HiGHS calls an empty model an error; PuLP pads it)
+        status, values = "Optimal", np.zeros(0)
     choice = {k: int(np.argmax([0.0 if c is None else values[c] for c in cols]))
               for k, cols in s.items()}
     return HighsResult(choice=choice, status=status,

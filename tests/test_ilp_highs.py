@@ -58,3 +58,18 @@ def test_direct_highs_under_a_memory_budget_and_when_nothing_fits(gpt_graph, mon
     with pytest.raises(InfeasibleError) as slow_error:
         _plan(gpt_graph, monkeypatch, False, 1e3, (4,))
     assert str(fast_error.value) == str(slow_error.value)
+
+
+def test_direct_highs_when_presolve_decides_every_node():
+    """A problem left with no columns (every node closed by presolve) is solved, not
+    'Not Solved' (a data-parallel grid with the batch pinned reaches it)."""
+    import numpy as np
+
+    from torchalpa.passes.ilp import Edge, ILPProblem, solve_ilp
+    problem = ILPProblem(node_costs={"a": np.array([1.0, 3.0]), "b": np.array([2.0])},
+                         edges=[Edge("a", "b", np.array([0, 1]), np.array([0]),
+                                     np.array([[0.5], [0.0]]))])
+    solution = solve_ilp(problem, solver="highs")
+    assert solution.choice == {"a": 0, "b": 0}
+    assert solution.objective == 3.5
+    assert solution.num_variables == 0      # nothing was left for the solver
