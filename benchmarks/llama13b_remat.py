@@ -2,7 +2,7 @@
 checkpointing: does the pipeline search find a plan that fits, and how long does it take?
 
     python benchmarks/llama13b_remat.py [--remat full|auto|none] [--micro-batches 25]
-                                        [--layers 10] [--nodes 50]
+                                        [--layers 10] [--nodes 50] [--solver highs]
 
 The simulation of the project's origin (issue 15): seq 4096, 32 GB per device, links with
 alpha (1, 1) and beta (1, 0.01) as there: equal latencies, the link within a node 100x
@@ -43,6 +43,8 @@ def main() -> int:
     parser.add_argument("--micro-batches", type=int, default=25)
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--nodes", type=int, default=50)
+    parser.add_argument("--solver", default="highs", choices=("highs", "cbc"),
+                        help="ILP solver (highs: the model is passed to HiGHS as arrays)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     workload = zoo.llama2_13b(batch_size=GLOBAL_BATCH)
@@ -51,7 +53,8 @@ def main() -> int:
     batch = workload.example_inputs(device="meta")
     method = PipeshardParallel(num_micro_batches=args.micro_batches,
                                layer_option=AutoLayerOption(layer_num=args.layers),
-                               auto_sharding_option=AutoShardingOption(remat=args.remat))
+                               auto_sharding_option=AutoShardingOption(remat=args.remat,
+                                                                       solver=args.solver))
     start = time.perf_counter()
     try:
         plan = torchalpa.plan(model, batch, workload.loss_fn, method=method,

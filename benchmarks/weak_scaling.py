@@ -34,7 +34,7 @@ from torchalpa.frontends.torch_export import capture
 from torchalpa.methods import AutoLayerOption, PipeshardParallel
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.inter_op import plan_pipeline
-from torchalpa.passes.remat_choice import plan_with_remat
+from torchalpa.passes.remat_choice import compute_lower_bound, plan_with_remat
 
 from pipeline_vs_3d import _step, grid_method, grids
 
@@ -80,7 +80,8 @@ def auto_step(variants: dict, cluster, base: PipeshardParallel) -> tuple[float, 
     """The automatic plan's step time (remat chosen by the planner) and a description."""
     try:
         plan = plan_with_remat(variants, lambda c: plan_pipeline(c.graph, cluster, base),
-                               lambda c: c.graph)
+                               lambda c: c.graph, lambda c: compute_lower_bound(
+                                   c.graph, cluster, base.num_micro_batches))
     except InfeasibleError:
         return float("inf"), "no plan"
     return _step(plan, cluster), (f"stages {[len(s) for s in plan.forward_stage_layer_ids]} "

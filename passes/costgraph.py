@@ -13,8 +13,8 @@ times: each distinct edge is priced once and multiplied.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from dataclasses import dataclass, field
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from torchalpa.passes.simplify import Grouping
 from torchalpa.passes.strategies import Strategy, sync_steps
 from torchalpa.placement import Placements, replicated
 
-__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph"]
+__all__ = ["ReshardCosts", "shared_reshard_costs", "CostGraph", "build_cost_graph"]
 
 
 class ReshardCosts:
@@ -72,6 +72,28 @@ class ReshardCosts:
         ucols, ci = _unique(cols)
         table = np.array([[self.cost(spec, r, c, gradient) for c in ucols] for r in urows])
         return Edge(u, v, ri, ci, table)
+
+
+_SHARED: OrderedDict[tuple, ReshardCosts] = OrderedDict()
+_SHARED_MESHES = 64
+
+
+def shared_reshard_costs(mesh: LogicalMesh, allow_reduce_scatter: bool = True,
+                         forbidden: frozenset = frozenset()) -> ReshardCosts:
+    """One ``ReshardCosts`` per (mesh, options) for the whole process: a resharding's
+    price depends only on the tensor, the two layouts and the mesh's links, so every
+    solve on the same view (each distinct layer, its lean variant, the remat captures,
+    the exact stage solves) reuses the prices the others computed. Pricing them again
+    per solve was a fifth of the GPT-1.3B pipeline search (536k lookups, profiled).
+    The memory budget does not change a price and is left out of the key."""
+    key = (replace(mesh, memory_per_device=None), allow_reduce_scatter, frozenset(forbidden))
+    costs = _SHARED.get(key)
+    if costs is None:
+        costs = _SHARED[key] = ReshardCosts(*key)
+        while len(_SHARED) > _SHARED_MESHES:
+            _SHARED.popitem(last=False)
+    _SHARED.move_to_end(key)
+    return costs
 
 
 def _unique(items: list) -> tuple[list, np.ndarray]:

@@ -33,6 +33,11 @@ from torchalpa.progress import solver_verbose
 __all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "InfeasibleError"]
 
 
+DIRECT_HIGHS = True
+"""Write HiGHS's model as arrays (``passes/ilp_highs.py``) instead of through PuLP: the same
+model and answer, built several times faster; False takes the PuLP path (tests compare)."""
+
+
 class InfeasibleError(ValueError):
     """No choice of strategies satisfies the constraints."""
 
@@ -155,6 +160,11 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
               [np.abs(g.table[np.isfinite(g.table)]).max(initial=0) for g in problem.shared] +
               [0.0])
     scale = 1e6 / top if top > 0 else 1.0
+    # the same model, written into HiGHS as arrays (no PuLP objects); values whose reads
+    # share one resharded copy (``problem.shared``) have extra variables only PuLP writes
+    if solver == "highs" and DIRECT_HIGHS and not problem.shared:
+        return _finish(problem, reduced, full_costs, full_edges, constant, start,
+                       _solve_highs(problem, reduced, costs, edges, scale, time_limit, gap))
 
     prob = pulp.LpProblem("torchalpa_intra_op", pulp.LpMinimize)
     s: dict[str, list] = {}
@@ -251,3 +261,34 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
     return ILPSolution(choice=choice, objective=float(total), status=status_name,
                        seconds=time.perf_counter() - start,
                        num_variables=prob.numVariables(), num_constraints=prob.numConstraints())
+
+
+def _solve_highs(problem: ILPProblem, reduced, costs, edges, scale: float,
+                 time_limit: float | None, gap: float | None):
+    from torchalpa.passes.ilp_highs import solve_with_highs
+    _make_solver("highs", time_limit, gap)     # the same error when highspy is missing
+    return solve_with_highs(costs, edges, reduced, problem.memory_terms, problem.memory_budget,
+                            problem.minimize_peak, scale, time_limit=time_limit, gap=gap,
+                            verbose=bool(solver_verbose()))
+
+
+def _finish(problem: ILPProblem, reduced, full_costs, full_edges, constant: float,
+            start: float, result) -> ILPSolution:
+    """The solution of a solve done by ``passes/ilp_highs.py`` (see the PuLP path above)."""
+    if result.status in ("Infeasible", "Not Solved", "Undefined"):
+        raise InfeasibleError(f"the ILP has no feasible solution (solver status: "
+                              f"{result.status})")
+    choice = reduced.complete({k: result.choice.get(k, 0) for k in reduced.costs})
+    total = constant + sum(full_costs[k][a] for k, a in choice.items())
+    for e in full_edges:
+        total += e.table[e.row_of[choice[e.u]], e.col_of[choice[e.v]]]
+    if not math.isfinite(total):
+        raise InfeasibleError("no plan connects every node without an impossible resharding")
+    if problem.minimize_peak:
+        mem_scale = 1.0 / max(1.0, max((float(np.max(m)) for g in problem.memory_terms
+                                        for m in g.values()), default=1.0))
+        total = float(result.peak or 0.0) / mem_scale
+    return ILPSolution(choice=choice, objective=float(total), status=result.status,
+                       seconds=time.perf_counter() - start,
+                       num_variables=result.num_variables,
+                       num_constraints=result.num_constraints)

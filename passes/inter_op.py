@@ -147,6 +147,7 @@ class _StageCosts:
         self.solves = 0
         self.exact_solves = 0
         self.exact_plans: dict[tuple, object] = {}   # this graph's stage plans
+        self._layer_graphs: dict[int, OpGraph] = {}
 
     def _key(self, l: int, view: tuple[int, ...], submesh: tuple[int, int], lean: bool
              ) -> tuple:
@@ -194,6 +195,8 @@ class _StageCosts:
             key = self._key(l, view, submesh, lean)
             if key not in SOLVES:
                 todo.setdefault(key, (l, view, submesh, lean))
+        for l in {args[0] for args in todo.values()}:
+            self._layer_graph(l)  # made here, so that forked workers inherit them
         global _WORKER_COSTS
         _WORKER_COSTS = self      # forked workers read it instead of unpickling the graph
         # largest meshes first so the pool stays busy to the end
@@ -227,13 +230,20 @@ class _StageCosts:
         parts = [self.measured.get((self.signature[l], view, submesh)) for l in range(k, i + 1)]
         return None if any(p is None for p in parts) else sum(parts)
 
+    def _layer_graph(self, l: int) -> OpGraph:
+        """Layer ``l`` alone as a graph, its boundary values free to stay in any layout
+        (priced per stage instead); made once per layer and reused on every view."""
+        sub = self._layer_graphs.get(l)
+        if sub is None:
+            stage_of = {n: (0 if v == l else 1) for n, v in self.layer.items()}
+            sub = stage_subgraph(self.graph, stage_of, 0).graph
+            sub = self._layer_graphs[l] = OpGraph(
+                list(sub), GraphOutputs(loss=sub.outputs.loss, grads=sub.outputs.grads,
+                                        buffer_updates=sub.outputs.buffer_updates), sub.meta)
+        return sub
+
     def _solve_layer(self, l, view, submesh, lean) -> _Estimate | None:
-        stage_of = {n: (0 if v == l else 1) for n, v in self.layer.items()}
-        sub = stage_subgraph(self.graph, stage_of, 0).graph
-        # estimates: boundary values may stay in any layout (priced per stage instead)
-        sub = OpGraph(list(sub), GraphOutputs(loss=sub.outputs.loss, grads=sub.outputs.grads,
-                                              buffer_updates=sub.outputs.buffer_updates),
-                      sub.meta)
+        sub = self._layer_graph(l)
         mesh = replace(_submesh_cluster(self.cluster, submesh).logical_mesh(view),
                        memory_per_device=None)
         self.solves += 1

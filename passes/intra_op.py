@@ -25,7 +25,7 @@ from torchalpa.passes.constraints import apply_constraints
 from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
 from torchalpa.passes.cost import (batch_sync_cost, compute_cost, gradient_steps_cost,
                                    optimizer_cost, steps_cost, wire_bytes)
-from torchalpa.passes.costgraph import ReshardCosts
+from torchalpa.passes.costgraph import ReshardCosts, shared_reshard_costs
 from torchalpa.passes.ilp import ILPProblem, InfeasibleError, solve_ilp
 from torchalpa.passes.simplify import group_nodes
 from torchalpa.passes.memory import MemoryModel, activation_peak_bytes, model_state_bytes
@@ -64,7 +64,6 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
     strategies: dict[str, list[Strategy]] = {}
     unsupported: list[dict] = []
     heavy, random = set(), set()
-    memo: dict = {}   # identical layers have identical rules: enumerate once
     for node in graph:
         if node.is_leaf:
             options = leaf_strategies(node.output, mesh)
@@ -81,10 +80,8 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
             heavy.add(node.name)
         options = []
         if rule is not None:
-            if rule not in memo:
-                memo[rule] = enumerate_strategies(
-                    rule, mesh, option is not None and option.allow_recompute_heavy_op)
-            options = list(memo[rule])
+            options = list(_rule_strategies(
+                rule, mesh, option is not None and option.allow_recompute_heavy_op))
         if not options:
             if rule is None:
                 unsupported.append({"op": node.op, "node": node.name, "module": node.module})
@@ -105,11 +102,36 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
     return StrategySpace(strategies, unsupported, notes, frozenset(heavy), frozenset(random))
 
 
+_RULE_STRATEGIES: dict[tuple, list[Strategy]] = {}
+_REACHABLE: dict[tuple, dict] = {}
+_MEMO_ENTRIES = 200_000
+"""Bound on each process-wide memo below (cleared when full)."""
+
+
+def _rule_strategies(rule, mesh: LogicalMesh, recompute_heavy: bool) -> list[Strategy]:
+    """``enumerate_strategies``, memoized for the process: it depends on the rule, the
+    mesh's shape and the flag only, and the pipeline search asks for the same rules on the
+    same views many times (every layer, lean variant, remat capture and stage solve);
+    enumerating them again was an eighth of GPT-1.3B's search (profiled). Strategies
+    are frozen, so the lists' items may be shared."""
+    key = (rule, mesh.shape, recompute_heavy)
+    found = _RULE_STRATEGIES.get(key)
+    if found is None:
+        if len(_RULE_STRATEGIES) >= _MEMO_ENTRIES:
+            _RULE_STRATEGIES.clear()
+        found = _RULE_STRATEGIES[key] = enumerate_strategies(rule, mesh, recompute_heavy)
+    return found
+
+
 def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
                        mesh: LogicalMesh) -> None:
     """Drop strategies that read an operand in a layout no producer strategy can be
-    resharded into (e.g. a Partial input downstream of ops that never make one)."""
-    shared: dict = {}        # (spec, producer layouts) -> {wanted layout: reachable?}
+    resharded into (e.g. a Partial input downstream of ops that never make one). The
+    answers depend on the tensor, the layouts and the mesh's shape only: kept for the
+    process, per mesh shape."""
+    if len(_REACHABLE) >= 64 or sum(len(v) for v in _REACHABLE.values()) >= _MEMO_ENTRIES:
+        _REACHABLE.clear()
+    shared = _REACHABLE.setdefault(mesh.shape, {})   # (spec, sources) -> {want: reachable?}
     by_operand: dict = {}    # (producer, output index) -> (spec, its layouts, that dict)
 
     def reachable(ref, want) -> bool:
@@ -165,7 +187,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         mesh = replace(mesh, gradient_bucket_bytes=float(option.all_reduce_threshold))
     space = build_strategies(graph, mesh, inputs, option)
     S = space.strategies
-    costs = ReshardCosts(mesh, option.allow_reduce_scatter, forbidden_collectives(option))
+    costs = shared_reshard_costs(mesh, option.allow_reduce_scatter, forbidden_collectives(option))
     budget = option.memory_budget_per_device or mesh.memory_per_device
     if option.force_simple_heuristic or not option.enable_auto_sharding:
         chosen = _propagate(graph, S, costs, mesh,

@@ -1,0 +1,77 @@
+"""The weak-scaling automatic search with and without the search's fast paths, same process setup.
+
+    python benchmarks/search_ab.py --row 1.3b [--before] [--micro-batches 64]
+
+Plans one row of ``weak_scaling.py`` automatically (``remat`` chosen between both
+captures) in one process without a worker pool, and prints the plan, wall and CPU seconds.
+``--before`` switches off what branch s4-search added, to measure it on the same machine
+under the same load: the ILP through PuLP instead of straight into HiGHS
+(``ilp.DIRECT_HIGHS``), resharding prices, rule strategies, reachability and layer
+subgraphs made again for every solve instead of kept, and every capture planned even when
+its compute bound cannot win. Both settings must print the same plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torchalpa
+from torchalpa.methods import AutoLayerOption, PipeshardParallel
+from torchalpa.passes import costgraph, ilp, inter_op, intra_op
+from torchalpa.passes.remat_choice import compute_lower_bound, plan_with_remat
+
+import weak_scaling as ws
+
+
+def switch_off_fast_paths() -> None:
+    """Restore the per-solve behaviour of the search before branch s4-search."""
+    ilp.DIRECT_HIGHS = False
+    intra_op.shared_reshard_costs = lambda mesh, rs=True, forbidden=frozenset(): \
+        costgraph.ReshardCosts(mesh, rs, forbidden)
+    build = intra_op.build_strategies
+
+    def per_solve_memos(*args, **kwargs):
+        intra_op._RULE_STRATEGIES.clear()
+        intra_op._REACHABLE.clear()
+        return build(*args, **kwargs)
+
+    intra_op.build_strategies = per_solve_memos
+    layer_graph = inter_op._StageCosts._layer_graph
+
+    def per_solve_subgraph(self, l):
+        self._layer_graphs.clear()
+        return layer_graph(self, l)
+
+    inter_op._StageCosts._layer_graph = per_solve_subgraph
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="the weak-scaling auto search, fast paths on or off")
+    p.add_argument("--row", default="1.3b", choices=list(ws.ROWS))
+    p.add_argument("--micro-batches", type=int, default=64)
+    p.add_argument("--before", action="store_true", help="switch the fast paths off")
+    args = p.parse_args()
+    if args.before:
+        switch_off_fast_paths()
+    inter_op._workers = lambda: 1      # one process: CPU seconds are comparable
+    row = ws.ROWS[args.row]
+    cluster = torchalpa.Cluster.h100(num_nodes=max(1, row.devices // 8),
+                                     devices_per_node=min(8, row.devices))
+    B = args.micro_batches
+    variants = ws.captures(row, ws.GLOBAL_BATCH // B)
+    base = PipeshardParallel(num_micro_batches=B, layer_option=AutoLayerOption(layer_num=8),
+                             auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
+    bound = None if args.before else (lambda v: compute_lower_bound(v.graph, cluster, B))
+    wall, cpu = time.perf_counter(), time.process_time()
+    plan = plan_with_remat(variants, lambda v: inter_op.plan_pipeline(v.graph, cluster, base),
+                           lambda v: v.graph, bound)
+    print(f"{'before' if args.before else 'after'} {args.row}: step "
+          f"{ws._step(plan, cluster):.6g} s, stages {plan.forward_stage_layer_ids} on "
+          f"{plan.submesh_shapes} as {plan.logical_shapes}, remat {plan.method['remat']}; "
+          f"search wall {time.perf_counter() - wall:.1f} s, CPU {time.process_time() - cpu:.1f} s")
+    print(" ", plan.notes[-1])
+
+
+if __name__ == "__main__":
+    main()
