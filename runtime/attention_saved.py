@@ -33,10 +33,12 @@ _FORWARD = torch.ops.torchalpa.sdpa.default
 _BACKWARD = torch.ops.torchalpa.sdpa_backward.default
 
 
-def save_attention_statistics(graph: fx.Graph, device: torch.device) -> int:
+def save_attention_statistics(graph: fx.Graph, device: torch.device,
+                              keep: frozenset[fx.Node] = frozenset()) -> int:
     """Rewrite, in place, each attention forward/backward pair of the joint local
     ``graph`` that shares its inputs to save the forward's statistics (CPU only: other
-    devices' kernels are chosen at run time). Returns the number of pairs rewritten."""
+    devices' kernels are chosen at run time). Returns the number of pairs rewritten.
+    Nodes in ``keep`` stay (the lowering holds them as a stage's sends or outputs)."""
     if device.type != "cpu":
         return 0
     forwards: dict[tuple, fx.Node] = {}
@@ -48,7 +50,7 @@ def save_attention_statistics(graph: fx.Graph, device: torch.device) -> int:
         if b.op != "call_function" or b.target is not _BACKWARD or b.kwargs:
             continue
         f = forwards.get(tuple(b.args[1:]))
-        if f is None:
+        if f is None or f in keep or b in keep:
             continue
         query, key, value, mask, is_causal, scale, enable_gqa = f.args
         with graph.inserting_after(f):

@@ -305,8 +305,11 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
     forward_sends = [send_values[k] for k, phase in part.sends if phase == "forward"]
     backward_sends = [send_values[k] for k, phase in part.sends if phase != "forward"]
     roots = ([] if loss_value is None else [loss_value]) + forward_sends + update_values
-    save_attention_statistics(graph, device)
-    fold_relu_backward(graph)
+    # the peephole passes replace nodes; those held below by reference (a pipeline stage's
+    # sends, the gradients, the roots) stay as they are
+    held = frozenset(n for n in roots + raw_grads + backward_sends if isinstance(n, fx.Node))
+    save_attention_statistics(graph, device, keep=held)
+    fold_relu_backward(graph, keep=held)
     forward, backward = _split(graph, forward_phs, backward_phs, forward_out=roots,
                                backward_out=raw_grads + backward_sends)
     reduce_grads = _reduce(plan, coords, group_names,

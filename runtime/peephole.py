@@ -30,12 +30,13 @@ def _zero_scalar(n: object) -> bool:
     return isinstance(dtype, torch.dtype) and dtype.is_floating_point
 
 
-def fold_relu_backward(graph: fx.Graph) -> int:
+def fold_relu_backward(graph: fx.Graph, keep: frozenset[fx.Node] = frozenset()) -> int:
     """Rewrite ``where(le(x, t), scalar_tensor(0), grad)`` into ``threshold_backward(grad,
-    x, t)`` in place; returns how many were folded."""
+    x, t)`` in place; returns how many were folded. Nodes in ``keep`` stay (the lowering
+    holds them as a stage's sends or gradients)."""
     folded = 0
     for n in list(graph.nodes):
-        if n.op != "call_function" or n.target is not aten.where.self or n.kwargs:
+        if n.op != "call_function" or n.target is not aten.where.self or n.kwargs or n in keep:
             continue
         cond, zero, grad = n.args
         if not (isinstance(cond, fx.Node) and cond.op == "call_function"
