@@ -27,7 +27,7 @@ import weak_scaling as ws
 def switch_off_fast_paths() -> None:
     """Restore the per-solve behaviour of the search before branch s4-search."""
     ilp.DIRECT_HIGHS = False
-    intra_op.shared_reshard_costs = lambda mesh, rs=True, forbidden=frozenset(): \
+    intra_op.cached_reshard_costs = lambda mesh, rs=True, forbidden=frozenset(): \
         costgraph.ReshardCosts(mesh, rs, forbidden)
     build = intra_op.build_strategies
 

@@ -28,7 +28,7 @@ from torchalpa.passes.simplify import Grouping
 from torchalpa.passes.strategies import Strategy, sync_steps
 from torchalpa.placement import Placements, replicated
 
-__all__ = ["ReshardCosts", "shared_reshard_costs", "CostGraph", "build_cost_graph"]
+__all__ = ["ReshardCosts", "cached_reshard_costs", "CostGraph", "build_cost_graph"]
 
 
 class ReshardCosts:
@@ -74,11 +74,11 @@ class ReshardCosts:
         return Edge(u, v, ri, ci, table)
 
 
-_SHARED: OrderedDict[tuple, ReshardCosts] = OrderedDict()
-_SHARED_MESHES = 64
+_CACHED: OrderedDict[tuple, ReshardCosts] = OrderedDict()
+_CACHED_MESHES = 64
 
 
-def shared_reshard_costs(mesh: LogicalMesh, allow_reduce_scatter: bool = True,
+def cached_reshard_costs(mesh: LogicalMesh, allow_reduce_scatter: bool = True,
                          forbidden: frozenset = frozenset()) -> ReshardCosts:
     """One ``ReshardCosts`` per (mesh, options) for the whole process: a resharding's
     price depends only on the tensor, the two layouts and the mesh's links, so every
@@ -87,12 +87,12 @@ def shared_reshard_costs(mesh: LogicalMesh, allow_reduce_scatter: bool = True,
     per solve was a fifth of the GPT-1.3B pipeline search (536k lookups, profiled).
     The memory budget does not change a price and is left out of the key."""
     key = (replace(mesh, memory_per_device=None), allow_reduce_scatter, frozenset(forbidden))
-    costs = _SHARED.get(key)
+    costs = _CACHED.get(key)
     if costs is None:
-        costs = _SHARED[key] = ReshardCosts(*key)
-        while len(_SHARED) > _SHARED_MESHES:
-            _SHARED.popitem(last=False)
-    _SHARED.move_to_end(key)
+        costs = _CACHED[key] = ReshardCosts(*key)
+        while len(_CACHED) > _CACHED_MESHES:
+            _CACHED.popitem(last=False)
+    _CACHED.move_to_end(key)
     return costs
 
 

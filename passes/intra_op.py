@@ -25,7 +25,7 @@ from torchalpa.passes.constraints import apply_constraints
 from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
 from torchalpa.passes.cost import (batch_sync_cost, compute_cost, gradient_steps_cost,
                                    optimizer_cost, steps_cost, wire_bytes)
-from torchalpa.passes.costgraph import ReshardCosts, shared_reshard_costs
+from torchalpa.passes.costgraph import ReshardCosts, cached_reshard_costs
 from torchalpa.passes.ilp import ILPProblem, InfeasibleError, solve_ilp
 from torchalpa.passes.simplify import group_nodes
 from torchalpa.passes.memory import MemoryModel, activation_peak_bytes, model_state_bytes
@@ -187,7 +187,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         mesh = replace(mesh, gradient_bucket_bytes=float(option.all_reduce_threshold))
     space = build_strategies(graph, mesh, inputs, option)
     S = space.strategies
-    costs = shared_reshard_costs(mesh, option.allow_reduce_scatter, forbidden_collectives(option))
+    costs = cached_reshard_costs(mesh, option.allow_reduce_scatter, forbidden_collectives(option))
     budget = option.memory_budget_per_device or mesh.memory_per_device
     if option.force_simple_heuristic or not option.enable_auto_sharding:
         chosen = _propagate(graph, S, costs, mesh,
@@ -209,7 +209,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
                 if id(start[k]) in position:
                     initial[k] = position[id(start[k])]
         cg, solution, chosen = solve_sharing_reads(
-            graph, S, grouping, costs,
+            graph, mesh, S, grouping, costs,
             lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory, budget,
                                                      option, mesh, initial=initial),
             initial)

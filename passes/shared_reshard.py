@@ -186,7 +186,8 @@ def shared_reads_cost(group: SharedReads, choice: dict[str, int]) -> float:
     return float(sum(group.table[p, d] for d in wanted))
 
 
-def solve_sharing_reads(graph: OpGraph, S: dict, grouping, costs, solve, initial=None):
+def solve_sharing_reads(graph: OpGraph, mesh, S: dict, grouping, costs, solve,
+                        initial=None):
     """Solve, then price the values the plan reshards alike for two reads once per layout
     and solve again from that plan, until no such value is priced per read.
     ``solve(cost_graph, initial) -> (ILPSolution, node -> Strategy)``; returns the last
@@ -195,7 +196,7 @@ def solve_sharing_reads(graph: OpGraph, S: dict, grouping, costs, solve, initial
 
     shared: frozenset = frozenset()
     for _ in range(SHARING_ROUNDS):
-        cg = build_cost_graph(graph, costs.mesh, S, grouping, costs, shared)
+        cg = build_cost_graph(graph, mesh, S, grouping, costs, shared)
         solution, chosen = solve(cg, initial)
         more = duplicated_reads(graph, chosen, costs.steps) - shared
         if not more:

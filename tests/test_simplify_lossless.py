@@ -35,7 +35,7 @@ def full_ilp_objective(graph, mesh, option) -> float:
                                         shared=cg.shared), solver=option.solver, initial=initial)
         return solution, {k: S[k][a] for k, a in solution.choice.items()}
 
-    return solve_sharing_reads(graph, S, grouping, costs, solve)[1].objective
+    return solve_sharing_reads(graph, mesh, S, grouping, costs, solve)[1].objective
 
 
 class RandomNet(nn.Module):

@@ -71,14 +71,8 @@ class LogicalMesh:
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"LogicalMesh.backend must be 'nccl' or 'gloo', got {self.backend!r}")
-        if self.kernel_launch_s < 0:
-            raise ValueError(f"LogicalMesh.kernel_launch_s must be >= 0, got {self.kernel_launch_s}")
-        if self.optimizer_tensor_s < 0:
-            raise ValueError("LogicalMesh.optimizer_tensor_s must be >= 0, got "
-                             f"{self.optimizer_tensor_s}")
-        if self.gradient_bucket_bytes < 0:
-            raise ValueError("LogicalMesh.gradient_bucket_bytes must be >= 0, got "
-                             f"{self.gradient_bucket_bytes}")
+        _check_non_negative(self, "LogicalMesh", ("kernel_launch_s", "optimizer_tensor_s",
+                                               "gradient_bucket_bytes"))
         object.__setattr__(self, "peak_flops_by_dtype", _dtype_peaks(self.peak_flops_by_dtype,
                                                                      "LogicalMesh"))
         object.__setattr__(self, "peak_flops_by_op", _dtype_peaks(
@@ -166,14 +160,8 @@ class Cluster:
                   "inter_node_bandwidth"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"Cluster.{f} must be > 0, got {getattr(self, f)}")
-        if self.kernel_launch_s < 0:
-            raise ValueError(f"Cluster.kernel_launch_s must be >= 0, got {self.kernel_launch_s}")
-        if self.optimizer_tensor_s < 0:
-            raise ValueError("Cluster.optimizer_tensor_s must be >= 0, got "
-                             f"{self.optimizer_tensor_s}")
-        if self.gradient_bucket_bytes < 0:
-            raise ValueError("Cluster.gradient_bucket_bytes must be >= 0, got "
-                             f"{self.gradient_bucket_bytes}")
+        _check_non_negative(self, "Cluster", ("kernel_launch_s", "optimizer_tensor_s",
+                                               "gradient_bucket_bytes"))
         object.__setattr__(self, "peak_flops_by_dtype", _dtype_peaks(self.peak_flops_by_dtype,
                                                                      "Cluster"))
         object.__setattr__(self, "peak_flops_by_op", _dtype_peaks(
@@ -326,6 +314,13 @@ class Cluster:
             if n % m == 0:
                 shapes.append((n // m, m))
         return shapes
+
+
+def _check_non_negative(obj, owner: str, fields: tuple[str, ...]) -> None:
+    """Raise naming the first of ``fields`` of ``obj`` that is negative."""
+    for f in fields:
+        if getattr(obj, f) < 0:
+            raise ValueError(f"{owner}.{f} must be >= 0, got {getattr(obj, f)}")
 
 
 def _dtype_peaks(value, owner: str, field: str = "peak_flops_by_dtype"
