@@ -153,7 +153,9 @@ def ddps_plan(plan) -> bool:
 def test_a_small_resnet_gets_ddps_plan_under_measured_figures():
     """Convolutions at the measured CPU rate and the in-step collective latency: splitting
     the batch and reducing the gradients in one bucket is cheapest, and the search finds
-    it, at no more than the DataParallel method's estimate."""
+    it, at no more than the DataParallel method's estimate. This guards the choice; the
+    same net also gets it with convolutions at the matmul rate (the next test shows the
+    convolution rate reaching the estimate)."""
     torch.manual_seed(0)
     batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 8, (16,)))
     plan = torchalpa.plan(SmallResNet(), batch, F.cross_entropy, cluster=measured().cluster())
@@ -161,3 +163,24 @@ def test_a_small_resnet_gets_ddps_plan_under_measured_figures():
     dp = torchalpa.plan(SmallResNet(), batch, F.cross_entropy, cluster=measured().cluster(),
                         method=torchalpa.DataParallel())
     assert plan.estimates["step_time_s"] <= dp.estimates["step_time_s"] * (1 + 1e-9)
+
+
+def test_a_small_resnets_estimate_pays_its_convolutions_at_the_measured_rate():
+    """Slowing convolutions from the matmul rate to the measured one adds, per device, the
+    four block convolutions' flops (forward and both gradients) at the difference of the
+    two rates, plus at most the stem's (forward and weight gradient): the whole-model
+    estimate prices each convolution at the convolution rate, not one average rate."""
+    torch.manual_seed(0)
+    batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 8, (16,)))
+    fast, slow = 13e9, 4e9
+    steps = []
+    for rate in (fast, slow):
+        plan = torchalpa.plan(SmallResNet(), batch, F.cross_entropy,
+                              cluster=measured(conv_flops=rate).cluster())
+        assert ddps_plan(plan), plan.collectives
+        steps.append(plan.estimates["step_time_s"])
+    per_flop = 1 / slow - 1 / fast
+    local_batch, channels, size, kernel = 16 // 4, 8, 16, 3
+    blocks = 4 * conv_flops(local_batch, channels, size, kernel) * per_flop
+    stem = 2 * 2 * local_batch * 3 * channels * kernel * kernel * size * size * per_flop
+    assert blocks <= steps[1] - steps[0] <= blocks + stem
