@@ -35,7 +35,8 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
            "submeshes": [list(s) for s in pm.plan.submesh_shapes],
            "logical": [list(s) for s in pm.plan.logical_shapes],
            "stage_times": pm.plan.estimates.get("stage_times"),
-           "stage_step_s": pm.plan.estimates.get("stage_step_s")}
+           "stage_step_s": pm.plan.estimates.get("stage_step_s"),
+           "remat": pm.plan.method.get("remat"), "notes": list(pm.plan.notes)}
     for step in range(steps):
         counting = _count_sends() if step == 0 else None
         if use_backward:

@@ -42,5 +42,4 @@ def test_a_scenario_that_raises_on_one_rank_stops_every_rank_with_its_trace(tmp_
     first = message.split("--- rank 1 (failed first) ---")[1]
     assert "probe failure in a scenario on rank 1" in first
     assert "ScenarioDivergedError" in first and "rank(s) [0] were still inside it" in first
-    after = worker_io.launch("probe_worker.py", tmp_path / "b.json", -1, "scenario", nproc=2)
-    assert after["first"] == after["second"] == {"rank_sum": 1.0}   # a fresh pool
+    # (the next launch gets a fresh pool: the test above)
