@@ -4,11 +4,13 @@ saw to ``<out>/rank<r>.json``.
 
     fault_worker.py OUT step  VICTIM             # killed before its second training step
     fault_worker.py OUT save  VICTIM POINT       # killed at POINT of the second save
-    fault_worker.py OUT flip  -1                 # a flipped byte, found by every rank
+    fault_worker.py OUT.json flip -1             # a flipped byte, found by every rank
 
 ``save`` first saves a good checkpoint under ``OUT/ckpt`` after one step and writes the
 full weights it holds (``OUT/old.pt``) and those after the second step (``OUT/new.pt``),
-so the test can check which one a later load finds.
+so the test can check which one a later load finds. ``flip`` kills no rank: it runs on the
+rank pool (``worker_io.launch``), its checkpoints beside ``OUT.json``, where rank 0 writes
+every rank's report.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torchalpa  # noqa: E402
 from torchalpa.runtime import checkpoint as ck  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from worker_io import finish  # noqa: E402
 
 
 def build():
@@ -76,6 +79,19 @@ def flip_and_load(out: str, pm, rank: int) -> dict:
     return result
 
 
+def flip_on_every_rank(out_json: str, pm, rank: int) -> None:
+    """``flip_and_load`` (or the error it raised) on each rank; rank 0 writes them all."""
+    seen: dict = {"rank": rank}
+    try:
+        seen.update(flip_and_load(os.path.dirname(out_json), pm, rank))
+        seen["error"] = None
+    except Exception as e:  # what the test checks
+        seen["error"] = f"{type(e).__name__}: {e}"
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    finish({"ranks": everyone}, out_json)
+
+
 def main():
     out, mode, victim = sys.argv[1], sys.argv[2], int(sys.argv[3])
     init_distributed()
@@ -87,6 +103,8 @@ def main():
                                                                beta=(1.0,)),
                                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     pm.train_step(*batch())
+    if mode == "flip":
+        return flip_on_every_rank(out, pm, rank)
     seen: dict = {"rank": rank}
     start = time.monotonic()
     try:
@@ -94,8 +112,6 @@ def main():
             if rank == victim:
                 die()
             pm.train_step(*batch())
-        elif mode == "flip":
-            seen.update(flip_and_load(out, pm, rank))
         else:
             point = sys.argv[4]
             path = os.path.join(out, "ckpt")

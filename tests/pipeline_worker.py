@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from worker_io import attempt, finish  # noqa: E402
+from worker_io import attempt, finish, named_input_faults  # noqa: E402
 
 
 def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-3,
@@ -35,7 +35,8 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
            "submeshes": [list(s) for s in pm.plan.submesh_shapes],
            "logical": [list(s) for s in pm.plan.logical_shapes],
            "stage_times": pm.plan.estimates.get("stage_times"),
-           "stage_step_s": pm.plan.estimates.get("stage_step_s")}
+           "stage_step_s": pm.plan.estimates.get("stage_step_s"),
+           "remat": pm.plan.method.get("remat"), "notes": list(pm.plan.notes)}
     for step in range(steps):
         counting = _count_sends() if step == 0 else None
         if use_backward:
@@ -119,38 +120,29 @@ def checks(method, cluster):
     first call by default, on every call with "always", never with "never"; a random call
     on rank 1 only drifts its stage's generator, named on every rank by check_replicas."""
     from torchalpa.runtime.replicas import ReplicaMismatchError
-    out = {}
-    for mode in ("first", "always", "never"):
+
+    def build(mode):
         torch.manual_seed(0)
-        pm = torchalpa.auto_parallel(mlp()(), mlp_batch(), F.mse_loss, method=method,
-                                     cluster=cluster, check_inputs=mode,
-                                     check_replicas=mode == "always")
-        raised = []
-        for _ in range(2):
-            x, y = mlp_batch()
-            if dist.get_rank() == 3:          # a data-loader bug: its own values
-                y = y + 1.0
-            try:
-                pm(x, y)
-                raised.append(None)
-            except ValueError as e:
-                raised.append(str(e))
-        out[mode] = raised
-        if mode == "always":                 # agree, step, then drift rank 1's generator
-            torch.manual_seed(0)
-            with torch.no_grad():
-                pm(*mlp_batch())
-            if dist.get_rank() == 1:
-                torch.rand(3)
-            try:
-                with torch.no_grad():
-                    pm(*mlp_batch())
-                out["replicas"] = None
-            except ReplicaMismatchError as e:
-                out["replicas"] = str(e)
-            everyone: list = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, out["replicas"] is not None)
-            out["replica_error_on"] = [r for r, raised in enumerate(everyone) if raised]
+        return torchalpa.auto_parallel(mlp()(), mlp_batch(), F.mse_loss, method=method,
+                                       cluster=cluster, check_inputs=mode,
+                                       check_replicas=mode == "always")
+    out, modules = named_input_faults(build, mlp_batch, bad_rank=3,
+                                      corrupt=lambda xy: (xy[0], xy[1] + 1.0))
+    pm = modules["always"]                   # agree, step, then drift rank 1's generator
+    torch.manual_seed(0)
+    with torch.no_grad():
+        pm(*mlp_batch())
+    if dist.get_rank() == 1:
+        torch.rand(3)
+    try:
+        with torch.no_grad():
+            pm(*mlp_batch())
+        out["replicas"] = None
+    except ReplicaMismatchError as e:
+        out["replicas"] = str(e)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, out["replicas"] is not None)
+    out["replica_error_on"] = [r for r, raised in enumerate(everyone) if raised]
     return out
 
 

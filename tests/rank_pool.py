@@ -6,9 +6,11 @@ gloo, each with its own RNG, default group and dispatcher state, exactly as unde
 
 Protocol: one JSON line per job on stdin, ``{"worker": path, "args": [...]}`` (or
 ``{"exit": true}``); one line on the private reply pipe (the original stdout) per job,
-``ok`` or ``failed``. Everything the worker prints goes to stderr (a log file the launcher
-shows when a job fails). A job that fails leaves the group in an unknown state: this rank
-replies and exits, and the launcher starts a fresh pool for the next job.
+``ok`` or ``failed at <time.time()>`` (so the launcher can tell which rank failed first:
+the others usually fail only because it left their collectives). Everything the worker
+prints goes to stderr (a log file the launcher shows when a job fails). A job that fails
+leaves the group in an unknown state: this rank replies and exits, and the launcher starts
+a fresh pool for the next job.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,7 +62,7 @@ def serve() -> None:
         except BaseException:          # SystemExit too: the job did not finish
             traceback.print_exc()
             sys.stderr.flush()
-            reply.write("failed\n")
+            reply.write(f"failed at {time.time():.3f}\n")   # the launcher names the first
             os._exit(1)
         sys.stderr.flush()
         reply.write("ok\n")

@@ -30,7 +30,8 @@ from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint  # noq
 from torchalpa.runtime.buckets import gradient_buckets, issued_collectives  # noqa: E402
 from torchalpa.plan import OutputSlot  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from worker_io import attempt, finish, max_rel, train_beside_one_device  # noqa: E402
+from worker_io import (attempt, finish, max_rel, named_input_faults,  # noqa: E402
+                       train_beside_one_device)
 from torchalpa.runtime.precision import CastForward, MixedPrecision  # noqa: E402
 
 # Scenarios that need sharded layouts (not DDP's) plan for a CPU cluster that prices each
@@ -378,22 +379,11 @@ def input_values():
     """Rank 1's batches have the right shape but other values: named on the first call
     by default, on every call with check_inputs="always", never with "never"."""
     torch.manual_seed(0)
-    out = {}
-    for mode in ("first", "always", "never"):
-        pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss, check_inputs=mode)
-        same = mlp_inputs(8, 16)
-        raised = []
-        for call in range(2):
-            x, y = (t.clone() for t in same)
-            if dist.get_rank() == 1:          # a data-loader bug: its own values
-                x += 1.0
-            try:
-                pm(x, y)
-                raised.append(None)
-            except ValueError as e:
-                raised.append(str(e))
-        out[mode] = raised
-    return out
+    raised, _ = named_input_faults(
+        lambda mode: torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
+                                             check_inputs=mode),
+        lambda: mlp_inputs(8, 16), bad_rank=1, corrupt=lambda xy: (xy[0] + 1.0, xy[1]))
+    return raised
 
 
 def export(shared: str):

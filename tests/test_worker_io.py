@@ -5,6 +5,8 @@ tests/test_distributed.py's two-rank launch and tests/test_pipeline.py's eight t
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import worker_io
 
@@ -25,3 +27,19 @@ def test_a_failed_job_shows_its_trace_and_the_next_gets_a_fresh_pool(tmp_path):
     assert after["rank_sum"] == 1.0
     assert set(after["pids"]).isdisjoint(before["pids"])
 
+
+
+def test_a_scenario_that_raises_on_one_rank_stops_every_rank_with_its_trace(tmp_path):
+    # rank 1 raises inside a scenario while rank 0 waits for it in an all-reduce: the job
+    # must stop in seconds (not at the pool's timeout) and show rank 1's own trace first
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        worker_io.launch("probe_worker.py", tmp_path / "a.json", 1, "scenario", nproc=2,
+                         timeout=120)
+    assert time.monotonic() - start < 30            # probe_worker waits 3 s, then stops
+    message = str(failed.value)
+    assert "--- rank 1 (failed first) ---" in message
+    first = message.split("--- rank 1 (failed first) ---")[1]
+    assert "probe failure in a scenario on rank 1" in first
+    assert "ScenarioDivergedError" in first and "rank(s) [0] were still inside it" in first
+    # (the next launch gets a fresh pool: the test above)

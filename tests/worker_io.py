@@ -35,12 +35,83 @@ POOLED = False        # set by tests/rank_pool.py: finish() then keeps the group
 POOL_TIMEOUT_S = "600"
 
 
-def attempt(run) -> dict:
-    """``run()``, or the error it raised with its trace."""
+# How long a rank whose scenario raised waits for the other ranks to finish that scenario
+# too before it stops the job (they are then stuck in a collective it will never join).
+SCENARIO_WAIT_S = float(os.environ.get("TORCHALPA_TEST_SCENARIO_WAIT_S", "10"))
+_attempted: dict[int, int] = {}     # per rank: scenarios begun so far (equal on every rank)
+
+
+class ScenarioDivergedError(RuntimeError):
+    """A scenario raised on this rank while other ranks were still inside it."""
+
+
+def attempt(run, *, wait_s: float | None = None) -> dict:
+    """``run()``, or the error it raised with its trace.
+
+    A recorded error lets the next scenario run, which is right only when every rank left
+    this one (all raised alike, or the others finished). Otherwise the others are waiting
+    in a collective this rank will never join, and the job would hang until the pool's
+    timeout and then show another rank's "Connection closed". So each rank marks each
+    scenario done in the process group's store, and a rank that raised waits up to
+    ``wait_s`` (default ``SCENARIO_WAIT_S``) for the others' marks; missing ones stop the
+    job with this rank's trace (its process exits, which ends the others' collectives).
+    """
+    wait_s = SCENARIO_WAIT_S if wait_s is None else wait_s
+    index = _begin_scenario()
+    start = time.monotonic()
     try:
-        return run()
+        result = run()
     except Exception as e:  # recorded for the test to show
-        return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        recorded = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        stuck = _mark_scenario_done(index, failed=True, wait_s=wait_s)
+        if stuck:
+            raise ScenarioDivergedError(
+                f"rank {dist.get_rank()}: scenario #{index} raised {recorded['error']}; "
+                f"rank(s) {stuck} were still inside it after {wait_s:g} s "
+                f"(waiting in a collective with this rank): stopping the job") from e
+        return recorded
+    _mark_scenario_done(index, failed=False, wait_s=0)
+    _log_scenario_time(index, time.monotonic() - start)
+    return result
+
+
+def _log_scenario_time(index: int, seconds: float) -> None:
+    """With TORCHALPA_TEST_SCENARIO_TIMES=<file>, rank 0 appends each scenario's seconds
+    (worker, argv, index): how the suite's time is profiled per scenario of a launch."""
+    path = os.environ.get("TORCHALPA_TEST_SCENARIO_TIMES")
+    if path and (not _multi_rank() or dist.get_rank() == 0):
+        with open(path, "a") as f:
+            f.write(f"{seconds:8.2f}s  {os.path.basename(sys.argv[0])} #{index} "
+                    f"{' '.join(sys.argv[2:])[:80]}\n")
+
+
+def _multi_rank() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _begin_scenario() -> int:
+    rank = dist.get_rank() if _multi_rank() else 0
+    _attempted[rank] = _attempted.get(rank, 0) + 1
+    return _attempted[rank]
+
+
+def _mark_scenario_done(index: int, *, failed: bool, wait_s: float) -> list[int]:
+    """Mark scenario ``index`` done on this rank; after a failure, the ranks that did not
+    mark it within ``wait_s`` (none when every rank left it)."""
+    if not _multi_rank():
+        return []
+    store = dist.distributed_c10d._get_default_store()
+    key = f"torchalpa_test/scenario/{index}/"
+    store.set(key + str(dist.get_rank()), "failed" if failed else "ok")
+    if not failed:
+        return []
+    others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+    deadline = time.monotonic() + wait_s
+    while True:
+        stuck = [r for r in others if not store.check([key + str(r)])]
+        if not stuck or time.monotonic() > deadline:
+            return stuck
+        time.sleep(0.05)
 
 
 def finish(results: dict, out_path: str) -> None:
@@ -115,6 +186,34 @@ def train_beside_one_device(pm, ref, ref_opt, batch_of_step, loss_fn, *, steps: 
         out["ref_losses"].append(ref_loss.item())
     out["params"] = _diffs(list(pm.parameters()), list(ref.parameters()))
     return out
+
+
+def named_input_faults(build, batch_of_call, *, bad_rank: int, corrupt,
+                       calls: int = 2) -> tuple[dict, dict]:
+    """A data-loader bug on one rank, under each ``check_inputs`` mode.
+
+    For each mode of "first", "always", "never": ``pm = build(mode)``, then ``calls`` calls
+    ``pm(*batch)`` with ``batch = batch_of_call()``, which rank ``bad_rank`` replaces by
+    ``corrupt(batch)`` (same shapes, other values). Returns the ``ValueError`` message
+    each call raised (or None) per mode, and the module built per mode (for checks that
+    continue on one, such as check_replicas).
+    """
+    raised_by_mode: dict = {}
+    modules: dict = {}
+    for mode in ("first", "always", "never"):
+        pm = build(mode)
+        raised = []
+        for _ in range(calls):
+            args = batch_of_call()
+            if dist.get_rank() == bad_rank:
+                args = corrupt(args)
+            try:
+                pm(*args)
+                raised.append(None)
+            except ValueError as e:
+                raised.append(str(e))
+        raised_by_mode[mode], modules[mode] = raised, pm
+    return raised_by_mode, modules
 
 
 def _diffs(ours, refs) -> list:
@@ -196,7 +295,7 @@ class RankPool:
         except OSError as e:                     # a rank had died before the job
             replies = [f"unreachable ({e})"] * self.nproc
         if replies != ["ok"] * self.nproc:
-            logs = self._log_tails()
+            logs = self._log_tails(_first_failed(replies))
             self.close(kill=True)
             raise AssertionError(f"{os.path.basename(path)} on the {self.nproc}-rank pool: "
                                  f"replies {replies}\n{logs}")
@@ -219,12 +318,15 @@ class RankPool:
                 break
         return [x or "no answer" for x in replies]
 
-    def _log_tails(self) -> str:
+    def _log_tails(self, first: int | None) -> str:
+        """Each rank's log tail, the rank that failed first (its trace is the cause) first."""
         tails = []
-        for r, log in enumerate(self.logs):
-            log.flush()
-            with open(log.name) as f:
-                tails.append(f"--- rank {r} ---\n" + f.read()[-4000:])
+        order = sorted(range(self.nproc), key=lambda r: r != first)
+        for r in order:
+            self.logs[r].flush()
+            with open(self.logs[r].name) as f:
+                header = f"--- rank {r}{' (failed first)' if r == first else ''} ---\n"
+                tails.append(header + f.read()[-4000:])
         return "\n".join(tails)
 
     def close(self, kill: bool = False) -> None:
@@ -249,6 +351,13 @@ class RankPool:
         for log in self.logs:
             log.close()
             os.unlink(log.name)
+
+
+def _first_failed(replies: list) -> int | None:
+    """The rank whose ``failed at <time>`` reply is the earliest, if any."""
+    times = {r: float(x.rsplit(" ", 1)[1]) for r, x in enumerate(replies)
+             if isinstance(x, str) and x.startswith("failed at ")}
+    return min(times, key=lambda r: times[r]) if times else None
 
 
 _POOLS: dict[int, RankPool] = {}
