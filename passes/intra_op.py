@@ -84,7 +84,8 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
                 rule, mesh, option is not None and option.allow_recompute_heavy_op))
         if not options:
             if rule is None:
-                unsupported.append({"op": node.op, "node": node.name, "module": node.module})
+                unsupported.append({"op": node.op, "node": node.name, "module": node.module,
+                                    "stack": node.stack})
             options = replicate_only(node, mesh)
         strategies[node.name] = options
     if option is not None and not option.allow_mixed_mesh_shape and mesh.ndim > 1:
@@ -97,6 +98,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
     for item in unsupported:
         warnings.warn(f"no sharding rule for {item['op']} (node {item['node']}"
                       + (f", module '{item['module']}'" if item["module"] else "")
+                      + (f", at {item['stack']}" if item["stack"] else "")
                       + "): it runs replicated on every device", UnsupportedOpWarning,
                       stacklevel=3)
     return StrategySpace(strategies, unsupported, notes, frozenset(heavy), frozenset(random))
@@ -586,15 +588,15 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     for r in reshards:
         if isinstance(r.slot, OutputSlot):
             phase = "backward" if r.slot.kind == "grad" else graph.node(r.producer).phase
-            source = graph.node(r.producer).module
+            at = graph.node(r.producer)
         else:
             phase = graph.node(r.consumer).phase
-            source = graph.node(r.consumer).module
+            at = graph.node(r.consumer)
         for step in r.steps:
             if step.is_collective:
                 collectives.append(Collective(kind=step.kind, axis=step.axis, bytes=step.bytes,
-                                              phase=phase, source=source, tensor=r.producer,
-                                              reduce_op=step.reduce_op))
+                                              phase=phase, source=at.module, tensor=r.producer,
+                                              reduce_op=step.reduce_op, stack=at.stack))
                 # every group along the axis runs this collective
                 groups = mesh.num_devices // mesh.shape[step.axis]
                 wire += groups * wire_bytes(step.kind, mesh.shape[step.axis], step.bytes,
@@ -613,7 +615,7 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         for axis, nbytes, reduce_op in internal:
             collectives.append(Collective(kind="all_reduce", axis=axis, bytes=nbytes,
                                           phase=n.phase, source=n.module, tensor=n.name,
-                                          reduce_op=reduce_op))
+                                          reduce_op=reduce_op, stack=n.stack))
             groups = mesh.num_devices // mesh.shape[axis]
             wire += groups * wire_bytes("all_reduce", mesh.shape[axis], nbytes, mesh.backend)
         comm_time += steps_cost(mesh, phased) + batch_sync_cost(mesh, s.batch_syncs)
