@@ -21,7 +21,9 @@ import numpy as np
 
 from torchalpa.cluster import LogicalMesh
 from torchalpa.methods import AutoShardingOption, ShardParallel
+from torchalpa.passes.attention_price import saved_statistics
 from torchalpa.passes.constraints import apply_constraints
+from torchalpa.passes.fused_pricing import priced_as
 from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
 from torchalpa.passes.cost import (batch_sync_cost, compute_cost, gradient_steps_cost,
                                    optimizer_cost, steps_cost, wire_bytes)
@@ -184,6 +186,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     if manual is not None:
         option = replace(option, pin=option.pin + manual.pin)
     option, mesh = effective_option(option, mesh)
+    graph = priced_as(graph, option.elementwise)
     if mesh.gradient_bucket_bytes > 0 and option.all_reduce_threshold is not None:
         # the runtime packs gradients into buckets of the plan's threshold: price those
         mesh = replace(mesh, gradient_bucket_bytes=float(option.all_reduce_threshold))
@@ -202,7 +205,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     def solve(period: int, start: dict[str, Strategy] | None = None, exact: bool = False):
         grouping = group_nodes(graph, S, None if exact else blocks, heavy=space.heavy,
                                period=period, merge_followers=not exact)
-        memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states, in_flight)
+        memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states, in_flight,
+                             saved_statistics(graph, mesh))
         initial = None
         if start is not None:    # a plan of a coarser grouping is feasible here too
             initial = {}
@@ -627,7 +631,8 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         n.name: local_bytes(n.output, leaf_placement[n.name], mesh.shape)
         for n in graph if n.kind == "param"}, method.optimizer_states)
     activations, saved = activation_peak_bytes(
-        graph, {k: s.outputs for k, s in chosen.items()}, mesh.shape)
+        graph, {k: s.outputs for k, s in chosen.items()}, mesh.shape,
+        saved_statistics(graph, mesh))
     estimates = Estimates(step_time_s=comm_time + compute_time, communication_s=comm_time,
                           compute_s=compute_time, model_state_bytes_per_device=state,
                           activation_bytes_per_device=activations,
