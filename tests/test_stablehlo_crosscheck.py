@@ -5,26 +5,25 @@ XLA fuses the StableHLO program's elementwise chains, so the ATen graph is plann
 ``torch.compile`` runs it (``AutoShardingOption(elementwise="fused")``,
 ``passes/fused_pricing.py``). Estimates agree within 5% (issue #18) for all four. Priced op
 by op (eager, the runtime without ``compile``), LLaMA's ATen step is x1.08 of its
-StableHLO one: every byte of that is RMSNorm's, SiLU's, rotary's and the residuals'
-elementwise ops, which eager PyTorch runs one kernel each (``EAGER_LLAMA``).
+StableHLO one, all of it elementwise bytes (mul, add, pow first: RMSNorm, SiLU, rotary,
+residuals), which eager PyTorch runs one kernel each (``EAGER_LLAMA``).
 
 Placements agree for every parameter but those ``REAL_PREFERENCES`` names, and each of
 those is a real preference, not a tie broken the other way: planned again with every
 parameter pinned to the other frontend's placements, each frontend's objective is higher
-than with its own. Why they differ (see README):
+than with its own. Where they differ (see README):
 
 - gpt ``c_proj`` (attention output projection, both blocks): ATen splits its weight by
-  input features (the heads' outputs, Megatron's row-parallel layout), StableHLO by output
-  features. ATen's attention is one ``torchalpa::sdpa`` op whose output stays split by
-  heads into ``c_proj``; torch-mlir writes it as two ``batched_matmul`` around a softmax
-  chain whose pieces (max, exp, sum, divide and their backward) each choose a layout and
-  pay for their reshards: +0.2% / +0.13%.
-- llama ``lm_head.weight``: ATen splits the head by vocab and runs ``_log_softmax`` as one
-  op with a phased (max, then sum) statistic over the split vocab; StableHLO keeps the head
-  whole and splits the loss by batch: its log-softmax is a chain of reductions, each over
-  a split vocab a collective of its own (+1.1% / +5.7%).
+  input features (Megatron's row-parallel layout) after one head-split ``torchalpa::sdpa``
+  op, StableHLO by output features after torch-mlir's two ``batched_matmul`` and the
+  softmax chain between them (+0.2% / +0.13%).
+- llama ``lm_head.weight``: ATen splits the head by vocab, all-gathers the logits, runs
+  the loss whole and all-reduces the input gradient; StableHLO keeps the head whole and
+  splits the loss by batch, all-reducing the head's gradient. Pinned to ATen's
+  placements, the StableHLO plan gathers the weight instead of the logits (the same
+  bytes) and its layers re-plan (+1.1% / +5.7%).
 
-Slow (four torch-mlir exports and twelve ILP solves): ``make test-all``.
+Slow (four torch-mlir exports and thirteen ILP solves, 7 min here): ``make test-all``.
 """
 
 from __future__ import annotations
