@@ -23,7 +23,8 @@ on the devices:
 ``attention_backward_flops`` prices the three cases from the shapes of the
 backward's results (``grad_query``, ``grad_key``, ``grad_value`` have the shapes of
 ``q``, ``k``, ``v``); ``saved_statistics`` pairs each forward with the backward the
-lowering would rewrite, for the memory model. A mask of a dtype other than the query's
+lowering rewrites, for the memory model (the output is kept until then whether or not the
+fused kernel applies; the statistic where it does). A mask of a dtype other than the query's
 or bool also takes the math path on CPU; the node does not carry the mask's dtype, so
 such a call is priced as fused (rare: masks are bool or the query's dtype).
 """
@@ -34,7 +35,7 @@ from torchalpa.attention import SDPA_BACKWARD_OP, SDPA_BIAS_BACKWARD_OP, SDPA_OP
 from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import Operand, OpGraph, OpNode, TensorSpec
 
-__all__ = ["runs_on_cpu", "attention_backward_flops", "saved_statistics",
+__all__ = ["runs_on_cpu", "attention_backward_flops", "saved_statistics", "saves_statistic",
            "statistic_spec", "ATTENTION_BACKWARDS"]
 
 ATTENTION_BACKWARDS = frozenset({SDPA_BACKWARD_OP, SDPA_BIAS_BACKWARD_OP})
@@ -85,8 +86,9 @@ def statistic_spec(forward: OpNode) -> TensorSpec:
 
 def saved_statistics(graph: OpGraph, mesh: LogicalMesh) -> dict[str, str]:
     """Attention forward -> the backward that reads what it saves, for each pair the CPU
-    lowering rewrites (same operands and options, no keyword arguments, the fused
-    kernel applies); empty on other devices."""
+    lowering rewrites (same operands and options, no keyword arguments): the backward
+    reads the forward's output, and its statistic where ``saves_statistic``; empty on
+    other devices."""
     if not runs_on_cpu(mesh):
         return {}
     forwards: dict[tuple, str] = {}
@@ -99,9 +101,16 @@ def saved_statistics(graph: OpGraph, mesh: LogicalMesh) -> dict[str, str]:
             continue
         key = (node.operands[1:], _shifted(node.args))
         name = forwards.pop(key, None)
-        if name is not None and _cpu_fused(node.op, node.outputs[0], node.outputs[1]):
+        if name is not None:
             pairs[name] = node.name
     return pairs
+
+
+def saves_statistic(graph: OpGraph, forward: OpNode) -> bool:
+    """Whether the fused CPU kernel computes this attention forward, so its rewritten
+    form keeps a log-sum-exp (else an empty one, and the backward recomputes)."""
+    query, key = (graph.spec(ref) for ref in forward.operands[:2])
+    return _cpu_fused(SDPA_BACKWARD_OP, query, key)
 
 
 def _shifted(args: tuple) -> tuple:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchalpa.opgraph import OpGraph
-from torchalpa.passes.attention_price import statistic_spec
+from torchalpa.passes.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.reshard import local_bytes
 from torchalpa.placement import Placements, Replicate, Shard
 
@@ -112,12 +112,13 @@ def model_state_bytes(graph: OpGraph, placements: dict[str, Placements], mesh_sh
 def value_bytes(graph: OpGraph, name: str, placements: tuple[Placements, ...], mesh_shape,
                 statistics: frozenset[str] | dict = frozenset()) -> int:
     """Bytes one device holds for op ``name``'s results in ``placements``, plus the
-    attention statistic it saves when ``name`` is in ``statistics`` (split like the
+    attention statistic it saves when ``name`` is in ``statistics`` and the fused kernel
+    computes it (split like the
     output's batch, heads and rows; whole where the output splits its features)."""
     node = graph.node(name)
     total = sum(local_bytes(spec, placements[k], mesh_shape)
                 for k, spec in enumerate(node.outputs))
-    if name in statistics:
+    if name in statistics and saves_statistic(graph, node):
         spec = statistic_spec(node)
         rows = tuple(p if not isinstance(p, Shard) or p.dim < len(spec.shape) else Replicate()
                      for p in placements[0])

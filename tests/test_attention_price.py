@@ -5,15 +5,20 @@ recomputes; and the memory model holds the saved output and log-sum-exp until ba
 
 from __future__ import annotations
 
+import copy
+import functools
+
+import pytest
 import torch
 import torch.nn.functional as F
 
 from torchalpa import attention
 from torchalpa.cluster import Cluster
 from torchalpa.passes.attention_price import (attention_backward_flops, saved_statistics,
-                                              statistic_spec)
+                                              saves_statistic, statistic_spec)
 from torchalpa.passes.memory import activation_peak_bytes, liveness
 from torchalpa.placement import Replicate, Shard
+from torchalpa.runtime.attention_saved import save_attention_statistics
 from torchalpa.workflow import capture_step
 
 B, H, L, E = 2, 4, 8, 16
@@ -34,10 +39,15 @@ class SelfAttention(torch.nn.Module):
         return out.transpose(1, 2).reshape(B, L, H * E)
 
 
-def _graph(kv_heads: int = H):
+@functools.lru_cache(maxsize=2)
+def _captured(kv_heads: int = H):
     torch.manual_seed(0)
     return capture_step(SelfAttention(kv_heads), (torch.randn(B, L, E), torch.randn(B, L, H * E)),
-                        F.mse_loss).graph
+                        F.mse_loss)
+
+
+def _graph(kv_heads: int = H):
+    return _captured(kv_heads).graph
 
 
 def _nodes(graph, op):
@@ -59,10 +69,22 @@ def test_backward_flops_follow_the_device():
 
 
 def test_grouped_heads_take_the_math_path_on_cpu():
-    backward, = _nodes(_graph(kv_heads=2), attention.SDPA_BACKWARD_OP)
+    graph = _graph(kv_heads=2)
+    forward, = _nodes(graph, attention.SDPA_OP)
+    backward, = _nodes(graph, attention.SDPA_BACKWARD_OP)
     assert attention_backward_flops(CPU, backward) == 6 * PRODUCT  # forward, 4 products
     assert attention_backward_flops(GPU, backward) == backward.flops == 7 * PRODUCT
-    assert saved_statistics(_graph(kv_heads=2), CPU) == {}
+    # the lowering still hands the output to the backward, with an empty statistic
+    assert saved_statistics(graph, CPU) == {forward.name: backward.name}
+    assert not saves_statistic(graph, forward)
+
+
+@pytest.mark.parametrize("kv_heads", [H, 2])
+def test_the_pairs_are_the_ones_the_cpu_lowering_rewrites(kv_heads):
+    captured = _captured(kv_heads)
+    rewritten = save_attention_statistics(copy.deepcopy(captured.gm).graph,
+                                          torch.device("cpu"))
+    assert rewritten == len(saved_statistics(captured.graph, CPU)) == 1
 
 
 def test_cpu_forward_keeps_output_and_statistic_until_backward():
