@@ -15,6 +15,12 @@ torch-mlir). Both graphs are planned for the same cluster; the script prints how
 parameter placements agree and the ratio of the estimates (StableHLO / ATen). GPT keeps its
 tied output head (the export passes a tied parameter once, under its first name); dropout
 is off (the two frontends would draw differently).
+
+XLA fuses the StableHLO program's elementwise chains, so by default the ATen graph is
+priced as ``torch.compile`` runs it (``AutoShardingOption(elementwise="fused")``,
+``passes/fused_pricing.py``): the same executions compared. ``--elementwise eager``
+prices ATen op by op (the runtime without ``compile``); each row also gives the eager
+step ratio.
 """
 
 import argparse
@@ -73,25 +79,33 @@ def detail(graph_aten, graph_text, from_aten, from_text) -> dict:
                             for k in sorted(set(coll_a) | set(coll_t))}}
 
 
-def pinned_to(plan) -> ShardParallel:
+def aten_method(elementwise: str = "fused", pin: tuple = ()) -> ShardParallel:
+    """The method the ATen graph is planned with: elementwise chains priced ``elementwise``."""
+    return ShardParallel(auto_sharding_option=AutoShardingOption(elementwise=elementwise,
+                                                                 pin=pin))
+
+
+def pinned_to(plan, elementwise: str = "fused") -> ShardParallel:
     """A method that plans with every parameter held at ``plan``'s placement."""
     pins = tuple(("^" + re.escape(p.name) + "$", tuple(p.placements)) for p in plan.parameters)
-    return ShardParallel(auto_sharding_option=AutoShardingOption(pin=pins))
+    return aten_method(elementwise, pins)
 
 
-def preferences(model, batch, loss_fn, text, from_aten, from_text, cluster) -> dict:
+def preferences(model, batch, loss_fn, text, from_aten, from_text, cluster,
+                elementwise: str = "fused") -> dict:
     """Whether differing placements are a tie or a real preference: each frontend's plan
     objective with its own placements and with the other frontend's (every parameter
     pinned there, the rest planned again). Own < other's in both: each cost model really
     prefers its own layout; equal in one: a tie that frontend broke the other way."""
     aten_other = torchalpa.plan(model, batch, loss_fn, cluster=cluster,
-                                method=pinned_to(from_text))
+                                method=pinned_to(from_text, elementwise))
     text_other = torchalpa.plan(text, (), cluster=cluster, method=pinned_to(from_aten))
     return {"aten": [from_aten.estimates["objective"], aten_other.estimates["objective"]],
             "stablehlo": [from_text.estimates["objective"], text_other.estimates["objective"]]}
 
 
-def compare(name: str, cluster, want_detail: bool = False, why: bool = False) -> dict:
+def compare(name: str, cluster, want_detail: bool = False, why: bool = False,
+            elementwise: str = "fused") -> dict:
     model, batch, loss_fn = workload(name)
     start = time.perf_counter()
     try:
@@ -99,13 +113,18 @@ def compare(name: str, cluster, want_detail: bool = False, why: bool = False) ->
     except Exception as e:  # reported, then the next model
         return {"model": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     exported = time.perf_counter() - start
-    from_aten = torchalpa.plan(model, batch, loss_fn, cluster=cluster)
+    from_aten = torchalpa.plan(model, batch, loss_fn, cluster=cluster,
+                               method=aten_method(elementwise))
+    eager = from_aten if elementwise == "eager" else torchalpa.plan(
+        model, batch, loss_fn, cluster=cluster, method=aten_method("eager"))
     from_text = torchalpa.plan(text, (), cluster=cluster)
     extra = {}
     if want_detail:
-        from torchalpa.workflow import capture_step
+        from torchalpa.passes.fused_pricing import priced_as
         from torchalpa.programs import program_graph
-        extra["detail"] = detail(capture_step(model, batch, loss_fn).graph,
+        from torchalpa.workflow import capture_step
+        extra["detail"] = detail(priced_as(capture_step(model, batch, loss_fn).graph,
+                                           elementwise),
                                  program_graph(text, ()), from_aten, from_text)
     text_params = {p.name: p for p in from_text.parameters}
     differ = {p.name: [str(p.placements), str(text_params[p.name].placements)
@@ -115,12 +134,14 @@ def compare(name: str, cluster, want_detail: bool = False, why: bool = False) ->
     keys = ("step_time_s", "compute_s", "communication_s", "memory_per_device_bytes")
     if why and differ:
         extra["preferences"] = preferences(model, batch, loss_fn, text, from_aten, from_text,
-                                           cluster)
+                                           cluster, elementwise)
     return {"model": name, "export_s": round(exported, 2),
             "mesh": [list(from_aten.mesh_shape), list(from_text.mesh_shape)],
             "parameters": len(from_aten.parameters),
             "same_placements": len(from_aten.parameters) - len(differ), "differ": differ,
             "ratio": {k: from_text.estimates[k] / from_aten.estimates[k] for k in keys},
+            "eager_step_ratio": from_text.estimates["step_time_s"]
+            / eager.estimates["step_time_s"],
             "unsupported_in_stablehlo": sorted({u["op"] for u in from_text.unsupported_ops}),
             **extra}
 
@@ -146,20 +167,24 @@ def main():
     p.add_argument("--detail", action="store_true", help="print per op kind and collective")
     p.add_argument("--why", action="store_true",
                    help="where placements differ, plan each graph pinned to the other's")
+    p.add_argument("--elementwise", choices=["fused", "eager"], default="fused",
+                   help="how the ATen graph's elementwise chains are priced")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     cluster = Cluster.local_cpu(args.devices) if args.preset == "local_cpu" else \
         Cluster.h100(num_nodes=max(1, args.devices // 8), devices_per_node=min(8, args.devices))
     if args.mesh:
         cluster = cluster.logical_mesh(tuple(int(n) for n in args.mesh.split("x")))
-    rows = [compare(name, cluster, args.detail, args.why) for name in args.models]
+    rows = [compare(name, cluster, args.detail, args.why, args.elementwise)
+            for name in args.models]
     for r in rows:
         if "error" in r:
             print(f"{r['model']}: no StableHLO export: {r['error']}")
             continue
         ratios = ", ".join(f"{k} x{v:.3f}" for k, v in r["ratio"].items())
         print(f"{r['model']}: {r['same_placements']}/{r['parameters']} placements agree "
-              f"(mesh {r['mesh'][0]} vs {r['mesh'][1]}); StableHLO/ATen: {ratios}")
+              f"(mesh {r['mesh'][0]} vs {r['mesh'][1]}); StableHLO/ATen ({args.elementwise}): "
+              f"{ratios}; step vs eager ATen x{r['eager_step_ratio']:.3f}")
         for fqn, (a, b) in r["differ"].items():
             print(f"    {fqn}: ATen {a}, StableHLO {b}")
         for side, (own, other) in r.get("preferences", {}).items():

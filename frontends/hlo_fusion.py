@@ -21,6 +21,7 @@ everything a sharding rule reads: only ``OpNode.bytes`` changes.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 from torchalpa.opgraph import GraphOutputs, OpNode, ValueRef
 
@@ -44,14 +45,19 @@ REDUCTIONS = frozenset({"aten.sum.dim_IntList", "aten.amax.default", "aten.amin.
 _OUTPUT = "<step result>"
 
 
-def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs) -> list[OpNode]:
-    """``nodes`` with the bytes of fused values taken off their producers and readers."""
+def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs,
+                           fusible: Callable[[str], bool] = FUSIBLE.__contains__,
+                           reduces: Callable[[str], bool] = REDUCTIONS.__contains__
+                           ) -> list[OpNode]:
+    """``nodes`` with the bytes of fused values taken off their producers and readers.
+    ``fusible`` / ``reduces``: which ops are elementwise / reductions (StableHLO's
+    spellings by default; ``passes/fused_pricing.py`` passes ATen's)."""
     by_name = {n.name: n for n in nodes}
     readers: dict[ValueRef, list[str]] = {}
     for n in nodes:
         for ref in n.operands:
             readers.setdefault(ref, []).append(n.name)
-    results = {outputs.loss} | {ref for _, ref in outputs.grads}
+    results = set(outputs.refs())
 
     def final_readers(ref: ValueRef) -> list[str]:
         """The non-view ops that read ``ref``, through views; ``_OUTPUT`` for a result."""
@@ -71,8 +77,8 @@ def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs) -> list[O
     def is_fused(ref: ValueRef) -> bool:
         if ref not in fused:
             reads = final_readers(ref)
-            fused[ref] = by_name[ref.node].op in FUSIBLE and bool(reads) and all(
-                r != _OUTPUT and (by_name[r].op in FUSIBLE or by_name[r].op in REDUCTIONS)
+            fused[ref] = fusible(by_name[ref.node].op) and bool(reads) and all(
+                r != _OUTPUT and (fusible(by_name[r].op) or reduces(by_name[r].op))
                 for r in reads)
         return fused[ref]
 

@@ -33,13 +33,16 @@ MODULE_KEY = "torchalpa_module"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FRONTENDS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _MARKERS_FILE = os.path.join("torchalpa", "markers.py")
+# attention's custom-op wrapper: the user's line is the scaled_dot_product_attention call
+_ATTENTION_FILE = os.path.join("torchalpa", "attention.py")
 
 
 @functools.lru_cache(maxsize=4096)
 def _is_internal(filename: str) -> bool:
     """torch's own files and the frontend's: frames that are never the user's line."""
     return (filename.startswith((_TORCH_DIR, _FRONTENDS_DIR)) or filename.startswith("<")
-            or filename.endswith(_MARKERS_FILE) or os.path.basename(filename) == "contextlib.py")
+            or filename.endswith((_MARKERS_FILE, _ATTENTION_FILE))
+            or os.path.basename(filename) == "contextlib.py")
 
 
 @functools.lru_cache(maxsize=4096)

@@ -20,16 +20,19 @@ at the tensor-core rate, fp32 ones at the fp32 or TF32 rate), and ``launch`` the
 ``kernel_launch_s``, paid once by every op that launches a kernel (views launch none), so
 splitting small ops further stops paying off. An op family the mesh lists in
 ``peak_flops_by_op`` (``op_family``: convolutions and their backward, on CPUs several
-times slower per flop than matmuls) computes at that rate instead.
+times slower per flop than matmuls) computes at that rate instead. Attention's backward
+costs what it runs on the mesh's devices (``op_flops``: the fused CPU backward reads the
+forward's saved statistic, a CUDA one runs the forward again).
 """
 
 from __future__ import annotations
 
 from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpNode
+from torchalpa.passes.attention_price import ATTENTION_BACKWARDS, attention_backward_flops
 
 __all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost",
-           "all_reduce_cost", "wire_bytes", "batch_sync_cost", "op_family", "optimizer_cost"]
+           "all_reduce_cost", "wire_bytes", "batch_sync_cost", "op_family", "optimizer_cost", "op_flops"]
 
 
 def collective_cost(mesh: LogicalMesh, kind: str, axis: int, nbytes: float) -> float:
@@ -107,12 +110,21 @@ def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int) -> float:
         return 0.0
     peak = mesh.peak_flops_for(_compute_dtype(node), op_family(node.op))
     assert peak is not None  # peak_flops is set, so every dtype has a figure
-    t = node.flops / shards / peak
+    t = op_flops(mesh, node) / shards / peak
     if mesh.memory_bandwidth:
         t = max(t, node.bytes / shards / mesh.memory_bandwidth)
     if mesh.kernel_launch_s and not node.aliases:
         t += mesh.kernel_launch_s
     return t
+
+
+def op_flops(mesh: LogicalMesh, node: OpNode) -> float:
+    """The flops ``node`` runs on ``mesh``'s devices: what the capture recorded, except
+    attention's backward, whose recompute depends on the device
+    (``passes/attention_price.py``)."""
+    if node.op in ATTENTION_BACKWARDS and len(node.outputs) >= 3:
+        return attention_backward_flops(mesh, node)
+    return node.flops
 
 
 def optimizer_cost(mesh: LogicalMesh, local_param_bytes: dict[str, float],

@@ -21,7 +21,9 @@ import numpy as np
 
 from torchalpa.cluster import LogicalMesh
 from torchalpa.methods import AutoShardingOption, ShardParallel
+from torchalpa.passes.attention_price import saved_statistics
 from torchalpa.passes.constraints import apply_constraints
+from torchalpa.passes.fused_pricing import priced_as
 from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
 from torchalpa.passes.cost import (batch_sync_cost, compute_cost, gradient_steps_cost,
                                    optimizer_cost, steps_cost, wire_bytes)
@@ -84,7 +86,8 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
                 rule, mesh, option is not None and option.allow_recompute_heavy_op))
         if not options:
             if rule is None:
-                unsupported.append({"op": node.op, "node": node.name, "module": node.module})
+                unsupported.append({"op": node.op, "node": node.name, "module": node.module,
+                                    "stack": node.stack})
             options = replicate_only(node, mesh)
         strategies[node.name] = options
     if option is not None and not option.allow_mixed_mesh_shape and mesh.ndim > 1:
@@ -97,6 +100,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
     for item in unsupported:
         warnings.warn(f"no sharding rule for {item['op']} (node {item['node']}"
                       + (f", module '{item['module']}'" if item["module"] else "")
+                      + (f", at {item['stack']}" if item["stack"] else "")
                       + "): it runs replicated on every device", UnsupportedOpWarning,
                       stacklevel=3)
     return StrategySpace(strategies, unsupported, notes, frozenset(heavy), frozenset(random))
@@ -182,6 +186,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     if manual is not None:
         option = replace(option, pin=option.pin + manual.pin)
     option, mesh = effective_option(option, mesh)
+    graph = priced_as(graph, option.elementwise)
     if mesh.gradient_bucket_bytes > 0 and option.all_reduce_threshold is not None:
         # the runtime packs gradients into buckets of the plan's threshold: price those
         mesh = replace(mesh, gradient_bucket_bytes=float(option.all_reduce_threshold))
@@ -200,7 +205,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     def solve(period: int, start: dict[str, Strategy] | None = None, exact: bool = False):
         grouping = group_nodes(graph, S, None if exact else blocks, heavy=space.heavy,
                                period=period, merge_followers=not exact)
-        memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states, in_flight)
+        memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states, in_flight,
+                             saved_statistics(graph, mesh))
         initial = None
         if start is not None:    # a plan of a coarser grouping is feasible here too
             initial = {}
@@ -586,15 +592,15 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     for r in reshards:
         if isinstance(r.slot, OutputSlot):
             phase = "backward" if r.slot.kind == "grad" else graph.node(r.producer).phase
-            source = graph.node(r.producer).module
+            at = graph.node(r.producer)
         else:
             phase = graph.node(r.consumer).phase
-            source = graph.node(r.consumer).module
+            at = graph.node(r.consumer)
         for step in r.steps:
             if step.is_collective:
                 collectives.append(Collective(kind=step.kind, axis=step.axis, bytes=step.bytes,
-                                              phase=phase, source=source, tensor=r.producer,
-                                              reduce_op=step.reduce_op))
+                                              phase=phase, source=at.module, tensor=r.producer,
+                                              reduce_op=step.reduce_op, stack=at.stack))
                 # every group along the axis runs this collective
                 groups = mesh.num_devices // mesh.shape[step.axis]
                 wire += groups * wire_bytes(step.kind, mesh.shape[step.axis], step.bytes,
@@ -613,7 +619,7 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         for axis, nbytes, reduce_op in internal:
             collectives.append(Collective(kind="all_reduce", axis=axis, bytes=nbytes,
                                           phase=n.phase, source=n.module, tensor=n.name,
-                                          reduce_op=reduce_op))
+                                          reduce_op=reduce_op, stack=n.stack))
             groups = mesh.num_devices // mesh.shape[axis]
             wire += groups * wire_bytes("all_reduce", mesh.shape[axis], nbytes, mesh.backend)
         comm_time += steps_cost(mesh, phased) + batch_sync_cost(mesh, s.batch_syncs)
@@ -625,7 +631,8 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         n.name: local_bytes(n.output, leaf_placement[n.name], mesh.shape)
         for n in graph if n.kind == "param"}, method.optimizer_states)
     activations, saved = activation_peak_bytes(
-        graph, {k: s.outputs for k, s in chosen.items()}, mesh.shape)
+        graph, {k: s.outputs for k, s in chosen.items()}, mesh.shape,
+        saved_statistics(graph, mesh))
     estimates = Estimates(step_time_s=comm_time + compute_time, communication_s=comm_time,
                           compute_s=compute_time, model_state_bytes_per_device=state,
                           activation_bytes_per_device=activations,

@@ -4,7 +4,10 @@ Model states are each parameter's local shard, its gradient (same layout) and th
 optimizer's state tensors (same layout), alive throughout. Activations are op results
 (and user inputs) held from the op that makes them to their last reader, in the step's
 order (forward then backward); a view of one shares its storage and keeps it alive.
-Gradients count as model state, not as activations.
+Gradients count as model state, not as activations. On CPU ranks an attention forward
+whose backward the lowering rewrites to read saved statistics (``saved_statistics``,
+``passes/attention_price.py``) holds its output and its float32 log-sum-exp per query row
+until that backward.
 
 ``Liveness`` holds the intervals; the ILP adds one constraint per point it checks,
 ``model states + activations alive there <= budget``, starting from the likely peaks and
@@ -18,11 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from torchalpa.opgraph import OpGraph
+from torchalpa.passes.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.reshard import local_bytes
-from torchalpa.placement import Placements
+from torchalpa.placement import Placements, Replicate, Shard
 
 __all__ = ["Liveness", "liveness", "model_state_bytes", "activation_peak_bytes",
-           "state_copies", "forward_end", "in_flight_bytes"]
+           "state_copies", "forward_end", "in_flight_bytes", "value_bytes"]
 
 
 @dataclass
@@ -46,7 +50,7 @@ class Liveness:
         return np.cumsum(delta)[:-1]
 
 
-def liveness(graph: OpGraph) -> Liveness:
+def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None) -> Liveness:
     """When each value is allocated and freed, in the step's order.
 
     A view (``OpNode.aliases``) allocates nothing: it keeps the storage it views alive
@@ -55,12 +59,15 @@ def liveness(graph: OpGraph) -> Liveness:
     weight through a view (``permute``) in a layout other than the weight's own (gathered
     under ZeRO), and forward keeps that copy for backward, so such views keep intervals
     of their own. (A view that reads an activation resharded is priced in the
-    activation's layout: resharding temporaries are not modeled.)"""
+    activation's layout: resharding temporaries are not modeled.) ``kept_for``: value ->
+    a later op that reads it outside the graph's edges (attention's saved output)."""
     order = {n.name: i for i, n in enumerate(graph)}
     last_use: dict[str, int] = {}
     for node in graph:
         for ref in node.operands:
             last_use[ref.node] = max(last_use.get(ref.node, -1), order[node.name])
+    for value, reader in (kept_for or {}).items():
+        last_use[value] = max(last_use.get(value, -1), order[reader])
     end_of_step = len(order)
     for ref in graph.outputs.refs():
         last_use[ref.node] = end_of_step
@@ -102,11 +109,28 @@ def model_state_bytes(graph: OpGraph, placements: dict[str, Placements], mesh_sh
                for n in graph if n.kind in ("param", "buffer"))
 
 
+def value_bytes(graph: OpGraph, name: str, placements: tuple[Placements, ...], mesh_shape,
+                statistics: frozenset[str] | dict = frozenset()) -> int:
+    """Bytes one device holds for op ``name``'s results in ``placements``, plus the
+    attention statistic it saves when ``name`` is in ``statistics`` and the fused kernel
+    computes it (split like the
+    output's batch, heads and rows; whole where the output splits its features)."""
+    node = graph.node(name)
+    total = sum(local_bytes(spec, placements[k], mesh_shape)
+                for k, spec in enumerate(node.outputs))
+    if name in statistics and saves_statistic(graph, node):
+        spec = statistic_spec(node)
+        rows = tuple(p if not isinstance(p, Shard) or p.dim < len(spec.shape) else Replicate()
+                     for p in placements[0])
+        total += local_bytes(spec, rows, mesh_shape)
+    return total
+
+
 def activation_timeline(graph: OpGraph, live: Liveness,
-                        outputs: dict[str, tuple[Placements, ...]], mesh_shape) -> np.ndarray:
+                        outputs: dict[str, tuple[Placements, ...]], mesh_shape,
+                        statistics: frozenset[str] | dict = frozenset()) -> np.ndarray:
     """Bytes of activations alive at each point of the step on one device."""
-    return live.total([sum(local_bytes(spec, outputs[name][k], mesh_shape)
-                           for k, spec in enumerate(graph.node(name).outputs))
+    return live.total([value_bytes(graph, name, outputs[name], mesh_shape, statistics)
                        for name in live.names])
 
 
@@ -116,10 +140,14 @@ def forward_end(graph: OpGraph) -> int:
 
 
 def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, ...]],
-                          mesh_shape) -> tuple[int, int]:
+                          mesh_shape, statistics: dict[str, str] | None = None
+                          ) -> tuple[int, int]:
     """(peak bytes of op results alive at once on one device, bytes alive where forward
-    ends: what a micro-batch holds while it waits for backward). Inputs count too."""
-    timeline = activation_timeline(graph, liveness(graph), outputs, mesh_shape)
+    ends: what a micro-batch holds while it waits for backward). Inputs count too.
+    ``statistics``: attention forward -> the backward that reads what it saved."""
+    statistics = statistics or {}
+    timeline = activation_timeline(graph, liveness(graph, statistics), outputs, mesh_shape,
+                                   statistics)
     if not timeline.size:
         return 0, 0
     return int(timeline.max()), int(timeline[forward_end(graph)])
@@ -129,13 +157,15 @@ class MemoryModel:
     """Per-strategy bytes of every node, folded onto the ILP's representatives."""
 
     def __init__(self, graph: OpGraph, strategies, grouping, mesh_shape, optimizer_states: int,
-                 in_flight: int = 1):
+                 in_flight: int = 1, statistics: dict[str, str] | None = None):
         self.graph, self.S, self.g, self.mesh_shape = graph, strategies, grouping, mesh_shape
+        self.statistics = statistics or {}
+        """Attention forward -> the backward that reads the output and statistic it saved."""
         self.optimizer_states = optimizer_states
         self.in_flight = in_flight
         """Micro-batches a device holds at once (a pipeline stage's): one at any point of
         its step, the others waiting for backward with what forward saved."""
-        self.live = liveness(graph)
+        self.live = liveness(graph, self.statistics)
         self.forward_end = forward_end(graph)
         reps = grouping.representatives
         self.state = {r: np.zeros(len(strategies[r])) for r in reps}
@@ -146,10 +176,8 @@ class MemoryModel:
         self._act = {name: self._bytes(name) for name in self.live.names}
 
     def _bytes(self, name: str) -> np.ndarray:
-        node = self.graph.node(name)
-        return np.array([sum(local_bytes(spec, s.outputs[k], self.mesh_shape)
-                             for k, spec in enumerate(node.outputs)) for s in self.S[name]],
-                        dtype=float)
+        return np.array([value_bytes(self.graph, name, s.outputs, self.mesh_shape,
+                                     self.statistics) for s in self.S[name]], dtype=float)
 
     def _fold(self, into: dict, name: str, vec: np.ndarray) -> None:
         rep = self.g.rep[name]
@@ -166,7 +194,8 @@ class MemoryModel:
         return terms
 
     def timeline(self, chosen_outputs: dict, state_bytes: float) -> np.ndarray:
-        act = activation_timeline(self.graph, self.live, chosen_outputs, self.mesh_shape)
+        act = activation_timeline(self.graph, self.live, chosen_outputs, self.mesh_shape,
+                                  self.statistics)
         return self._with_waiting(act) + state_bytes
 
     def _with_waiting(self, act: np.ndarray) -> np.ndarray:

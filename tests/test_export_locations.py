@@ -68,4 +68,5 @@ def test_plan_names_the_module_of_an_op_without_a_rule(text):
     forward = [u for u in plan.unsupported_ops if u["module"]]
     assert {(u["op"], u["module"]) for u in forward} == {("stablehlo.reverse", "mirror")}
     assert "stablehlo.reverse" in plan.summary() and "module mirror" in plan.summary()
+    assert f"module mirror  at {FLIP_LINE}" in plan.summary()
     assert any("module 'mirror'" in str(w.message) for w in caught)

@@ -105,6 +105,11 @@ class AutoShardingOption:
     numbers; dropout's input is never gathered for its mask), 'replicated' has every
     device draw whole tensors as one device does (bitwise single-device numerics, at the
     cost of gathering what random ops read). See ``passes/rules/random.py``."""
+    elementwise: str = "eager"
+    """How a torch graph's elementwise chains are priced: 'eager' (each ATen op its own
+    kernel, moving its inputs and outputs: the runtime without ``compile``) or 'fused'
+    (chains fused as ``torch.compile`` and XLA run them, ``passes/fused_pricing.py``).
+    StableHLO programs are always priced as XLA fuses them."""
 
     def __post_init__(self):
         if self.remat not in ("none", "full", "auto"):
@@ -113,6 +118,9 @@ class AutoShardingOption:
         if self.random not in ("sharded", "replicated"):
             raise ValueError(f"AutoShardingOption.random must be 'sharded' or 'replicated', "
                              f"got {self.random!r}")
+        if self.elementwise not in ("eager", "fused"):
+            raise ValueError(f"AutoShardingOption.elementwise must be 'eager' or 'fused', "
+                             f"got {self.elementwise!r}")
         if self.parameters not in ("auto", "replicated", "sharded"):
             raise ValueError(f"AutoShardingOption.parameters must be 'auto', 'replicated' or "
                              f"'sharded', got {self.parameters!r}")

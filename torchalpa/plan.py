@@ -243,12 +243,15 @@ class Collective:
     tensor: str       # the value being moved (graph node name)
     stage: int = 0
     reduce_op: str | None = None
+    stack: str = ""   # "file:line" of the op it serves, where the capture knows it
 
     def to_dict(self) -> dict:
         d = {"kind": self.kind, "axis": self.axis, "bytes": self.bytes, "phase": self.phase,
              "source": self.source, "stage": self.stage, "tensor": self.tensor}
         if self.reduce_op is not None:
             d["reduce_op"] = self.reduce_op
+        if self.stack:
+            d["stack"] = self.stack
         return d
 
 

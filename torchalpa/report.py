@@ -57,7 +57,9 @@ def plan_summary(plan, *, detail: str = "short", filter: str | None = None) -> s
         lines.append("")
         lines.append("ops without a sharding rule (run replicated):")
         for u in plan.unsupported_ops:
-            lines.append(f"  {u['op']}  node {u['node']}" + (f"  module {u['module']}" if u.get("module") else ""))
+            lines.append(f"  {u['op']}  node {u['node']}"
+                         + (f"  module {u['module']}" if u.get("module") else "")
+                         + (f"  at {u['stack']}" if u.get("stack") else ""))
     for note in plan.notes:
         lines.append(f"note: {note}")
     if detail == "short":
@@ -145,20 +147,20 @@ def _collective_lines(plan, collectives, detail: str) -> list[str]:
     if detail == "full":
         # every row: a value without a name keeps its graph node's, which explain() takes
         rows = [[c.phase, _kind(c), axis(c), format_bytes(c.bytes), c.source or "<top>",
-                 labels.get(c.tensor, c.tensor)] for c in collectives]
+                 c.stack or "-", labels.get(c.tensor, c.tensor)] for c in collectives]
         lines += ["  " + r for r in _table(rows, ["phase", "kind", "axis", "bytes", "source",
-                                                  "tensor"])]
+                                                  "at", "tensor"])]
     else:
         lines += _by_module(plan, collectives, wire)
         lines.append(f"  costliest {_TOP} (bytes sent per rank; identical layers folded):")
         groups: dict = {}
         for c in collectives:
             tmpl, idx = template(c.source or "<top>")
-            key = (tmpl, template(label(c))[0], c.phase, _kind(c), axis(c), c.bytes)
+            key = (tmpl, template(label(c))[0], c.phase, _kind(c), axis(c), c.bytes, c.stack)
             groups.setdefault(key, []).append((c, idx))
         ranked = sorted(groups.items(), key=lambda kv: -sum(wire_bytes(plan, c) for c, _ in kv[1]))
         rows = []
-        for (tmpl, _, phase, kind, ax, nbytes), members in ranked[:_TOP]:
+        for (tmpl, _, phase, kind, ax, nbytes, at), members in ranked[:_TOP]:
             source = fold((c.source or "<top>", 0) for c, _ in members)[0][0]
             tensor = fold((label(c), 0) for c, _ in members)[0][0]
             if tensor.startswith(f"grad {source}."):       # the module is in its own column
@@ -166,9 +168,9 @@ def _collective_lines(plan, collectives, detail: str) -> list[str]:
             rows.append([phase, kind, ax, format_bytes(nbytes),
                          f"x{len(members)}" if len(members) > 1 else "",
                          format_bytes(sum(wire_bytes(plan, c) for c, _ in members)),
-                         source, tensor])
+                         source, at or "-", tensor])
         lines += ["    " + r for r in _table(rows, ["phase", "kind", "axis", "bytes", "count",
-                                                    "sent", "module", "tensor"])]
+                                                    "sent", "module", "at", "tensor"])]
     counts = Counter((c.phase, c.kind) for c in collectives)
     phases = dict.fromkeys(phase for phase, _ in sorted(counts, key=lambda k: k[0] != "forward"))
     lines.append("  totals: " + "; ".join(

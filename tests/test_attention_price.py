@@ -1,0 +1,114 @@
+"""Attention's backward is priced as it runs (``passes/attention_price.py``): on CPU ranks
+the fused backward reads the forward's saved statistic (the four products and ``q k^T``
+again), on CUDA it runs the forward again first, with grouped heads on CPU the math path
+recomputes; and the memory model holds the saved output and log-sum-exp until backward."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchalpa import attention
+from torchalpa.cluster import Cluster
+from torchalpa.passes.attention_price import (attention_backward_flops, saved_statistics,
+                                              saves_statistic, statistic_spec)
+from torchalpa.passes.memory import activation_peak_bytes, liveness
+from torchalpa.placement import Replicate, Shard
+from torchalpa.runtime.attention_saved import save_attention_statistics
+from torchalpa.workflow import capture_step
+
+B, H, L, E = 2, 4, 8, 16
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(self, kv_heads: int = H):
+        super().__init__()
+        self.q = torch.nn.Linear(E, H * E)
+        self.kv = torch.nn.Linear(E, 2 * kv_heads * E)
+        self.kv_heads = kv_heads
+
+    def forward(self, x):
+        q = self.q(x).view(B, L, H, E).transpose(1, 2)
+        k, v = self.kv(x).view(B, L, 2, self.kv_heads, E).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=self.kv_heads != H)
+        return out.transpose(1, 2).reshape(B, L, H * E)
+
+
+@functools.lru_cache(maxsize=2)
+def _captured(kv_heads: int = H):
+    torch.manual_seed(0)
+    return capture_step(SelfAttention(kv_heads), (torch.randn(B, L, E), torch.randn(B, L, H * E)),
+                        F.mse_loss)
+
+
+def _graph(kv_heads: int = H):
+    return _captured(kv_heads).graph
+
+
+def _nodes(graph, op):
+    return [n for n in graph.ops() if n.op == op]
+
+
+CPU = Cluster.local_cpu(2).logical_mesh((2,))
+GPU = Cluster.h100(num_nodes=1, devices_per_node=2).logical_mesh((2,))
+PRODUCT = 2.0 * B * H * L * L * E          # one of q k^T, p v, or a backward product
+
+
+def test_backward_flops_follow_the_device():
+    graph = _graph()
+    backward, = _nodes(graph, attention.SDPA_BACKWARD_OP)
+    # as captured: the forward again (2) + a fused backward (4 products + q k^T again)
+    assert backward.flops == 7 * PRODUCT
+    assert attention_backward_flops(CPU, backward) == 5 * PRODUCT
+    assert attention_backward_flops(GPU, backward) == 7 * PRODUCT
+
+
+def test_grouped_heads_take_the_math_path_on_cpu():
+    graph = _graph(kv_heads=2)
+    forward, = _nodes(graph, attention.SDPA_OP)
+    backward, = _nodes(graph, attention.SDPA_BACKWARD_OP)
+    assert attention_backward_flops(CPU, backward) == 6 * PRODUCT  # forward, 4 products
+    assert attention_backward_flops(GPU, backward) == backward.flops == 7 * PRODUCT
+    # the lowering still hands the output to the backward, with an empty statistic
+    assert saved_statistics(graph, CPU) == {forward.name: backward.name}
+    assert not saves_statistic(graph, forward)
+
+
+@pytest.mark.parametrize("kv_heads", [H, 2])
+def test_the_pairs_are_the_ones_the_cpu_lowering_rewrites(kv_heads):
+    captured = _captured(kv_heads)
+    rewritten = save_attention_statistics(copy.deepcopy(captured.gm).graph,
+                                          torch.device("cpu"))
+    assert rewritten == len(saved_statistics(captured.graph, CPU)) == 1
+
+
+def test_cpu_forward_keeps_output_and_statistic_until_backward():
+    graph = _graph()
+    forward, = _nodes(graph, attention.SDPA_OP)
+    backward, = _nodes(graph, attention.SDPA_BACKWARD_OP)
+    assert saved_statistics(graph, CPU) == {forward.name: backward.name}
+    assert saved_statistics(graph, GPU) == {}
+    order = [n.name for n in graph]
+    live = liveness(graph, saved_statistics(graph, CPU))
+    assert live.end[live.names.index(forward.name)] == order.index(backward.name)
+    # the statistic is the one the fused CPU kernel saves
+    q, k, v = (torch.randn(B, H, L, E) for _ in range(3))
+    _, logsumexp = attention.sdpa_forward_saving(q, k, v, None, True, None, False)
+    spec = statistic_spec(forward)
+    assert (tuple(logsumexp.shape), str(logsumexp.dtype).removeprefix("torch.")) == \
+        (spec.shape, spec.dtype)
+    # held from forward to backward: the peak grows by at most its bytes, split by heads
+    # like the output (and whole when the output splits its features)
+    outputs = {n.name: (tuple(Replicate() for _ in range(1)),) * len(n.outputs)
+               for n in graph}
+    plain, _ = activation_peak_bytes(graph, outputs, (2,))
+    kept, _ = activation_peak_bytes(graph, outputs, (2,), saved_statistics(graph, CPU))
+    assert plain < kept <= plain + forward.output.nbytes + spec.nbytes
+    heads = dict(outputs, **{forward.name: ((Shard(1),),)})
+    split, _ = activation_peak_bytes(graph, heads, (2,), saved_statistics(graph, CPU))
+    assert split < kept

@@ -1,0 +1,74 @@
+"""``AutoShardingOption(elementwise="fused")`` prices a torch graph's elementwise chains as
+``torch.compile`` / XLA run them (``passes/fused_pricing.py``): a value made by a pointwise
+op and read only by pointwise ops and reductions moves no bytes; flops stay."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchalpa
+from torchalpa.cluster import Cluster
+from torchalpa.methods import AutoShardingOption, ShardParallel
+from torchalpa.passes.fused_pricing import is_elementwise, is_reduction, priced_as
+from torchalpa.workflow import capture_step
+
+
+class RMSNormMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(64))
+        self.proj = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+        return self.proj(F.silu(normed))
+
+
+@functools.lru_cache(maxsize=1)
+def _capture():
+    torch.manual_seed(0)
+    return capture_step(RMSNormMLP(), (torch.randn(32, 64), torch.randn(32, 64)),
+                        F.mse_loss).graph
+
+
+def test_torch_tags_sort_aten_ops():
+    assert is_elementwise("aten.pow.Tensor_Scalar") and is_elementwise("aten.silu.default")
+    assert is_elementwise("aten.mul.Tensor") and not is_elementwise("aten.mm.default")
+    assert is_reduction("aten.mean.dim") and is_reduction("aten._softmax.default")
+    assert not is_elementwise("torchalpa.sdpa.default") and not is_reduction("aten.bogus")
+
+
+def test_fused_chains_move_fewer_bytes_with_the_same_flops():
+    graph = _capture()
+    assert priced_as(graph, "eager") is graph
+    fused = priced_as(graph, "fused")
+    assert [n.name for n in fused] == [n.name for n in graph]
+    assert [n.flops for n in fused] == [n.flops for n in graph]
+    eager_bytes = {n.name: n.bytes for n in graph}
+    # the pow -> mean -> add -> rsqrt -> mul chain: pow's result is never written
+    power = next(n for n in fused if n.op == "aten.pow.Tensor_Scalar")
+    assert power.bytes == eager_bytes[power.name] - power.output.nbytes
+    assert sum(n.bytes for n in fused) < 0.8 * sum(eager_bytes.values())
+    for n in fused:
+        if n.op in ("aten.mm.default", "aten.addmm.default"):
+            assert n.bytes == eager_bytes[n.name]     # matmuls read and write everything
+    with pytest.raises(ValueError, match="elementwise"):
+        priced_as(graph, "compiled")
+    with pytest.raises(ValueError, match="elementwise"):
+        AutoShardingOption(elementwise="compiled")
+
+
+def test_the_planner_prices_the_fused_step_cheaper():
+    torch.manual_seed(0)
+    mesh = Cluster.local_cpu(2).logical_mesh((2,))
+    batch = (torch.randn(32, 64), torch.randn(32, 64))
+
+    def plan(mode):
+        method = ShardParallel(auto_sharding_option=AutoShardingOption(elementwise=mode))
+        return torchalpa.plan(RMSNormMLP(), batch, F.mse_loss, cluster=mesh, method=method)
+    eager, fused = plan("eager"), plan("fused")
+    assert fused.estimates["compute_s"] < eager.estimates["compute_s"]
