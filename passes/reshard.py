@@ -32,6 +32,25 @@ def _sharded_elsewhere(placements, dim: int, axis: int) -> bool:
     return any(isinstance(p, Shard) and p.dim == dim and a != axis for a, p in enumerate(placements))
 
 
+def _all_to_all_direct(cur, dst, axis: int, src_dim: int, dim: int) -> bool:
+    """Whether one all-to-all on ``axis`` turns blocks of ``src_dim`` into blocks of ``dim``
+    although other axes split those dims too: ``axis`` must be the innermost split of
+    ``src_dim`` (joining the received blocks then rebuilds the outer axes' block), and every
+    other split of ``dim`` an outer one that stays (this axis's chunks of the local block
+    are then the innermost split, as the nesting order wants). Tokens split over both axes
+    of a 2D mesh reach experts split over the inner one this way (Alpa's MoE on (2, 2)),
+    where gathering and slicing would cost an all-gather."""
+    if any(isinstance(p, Shard) and p.dim == src_dim for p in cur[axis + 1:]):
+        return False
+    for b in range(len(cur)):
+        if b == axis:
+            continue
+        splits = any(isinstance(p, Shard) and p.dim == dim for p in (cur[b], dst[b]))
+        if splits and (b > axis or cur[b] != dst[b]):
+            return False
+    return True
+
+
 @lru_cache(maxsize=1 << 16)
 def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
                  mesh_shape: tuple[int, ...], allow_reduce_scatter: bool = True
@@ -78,9 +97,7 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
             else:
                 emit("all_reduce", axis, Replicate(), reduce_op=s.reduce_op)
         elif isinstance(s, Shard):
-            if isinstance(d, Shard) and not _sharded_elsewhere(cur, s.dim, axis) \
-                    and not _sharded_elsewhere(cur, d.dim, axis) \
-                    and not _sharded_elsewhere(dst, d.dim, axis):
+            if isinstance(d, Shard) and _all_to_all_direct(cur, dst, axis, s.dim, d.dim):
                 emit("all_to_all", axis, d, dim=d.dim, src_dim=s.dim)
             else:
                 gather(axis)
