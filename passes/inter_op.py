@@ -117,20 +117,23 @@ def searched_views(submesh: tuple[int, int], dims: frozenset[int],
 def view_notes(submeshes: list[tuple[int, int]], dims: frozenset[int],
                allow_mixed_mesh_shape: bool = True) -> list[str]:
     """Plan notes naming the logical views the pipeline search skipped, and why."""
-    unshardable, flat = [], []
+    unshardable, flat, unused = [], [], []
     for submesh in submeshes:
         shardable = shardable_views(submesh, dims)
         searched = searched_views(submesh, dims, allow_mixed_mesh_shape)
         unshardable += [v for v in logical_views(submesh) if v not in shardable]
         flat += [v for v in shardable if v not in searched]
+        if not shardable:
+            unused.append(submesh)
     notes = []
     if unshardable:
+        left_out = f", so no stage is placed on submesh {_views_text(unused)}" if unused else ""
         notes.append(
             f"pipeline search: {len(unshardable)} logical views skipped because a mesh axis "
-            f"divides no dim of any value in the step ({_views_text(unshardable)}): a split "
-            "must divide a dim evenly (no padding), so such an axis could only replicate, "
-            "every device on it repeating the same work; give such a submesh by hand "
-            "(ManualStageOption) to use it anyway")
+            f"divides no dim of any value in the step ({_views_text(unshardable)}){left_out}:"
+            " a split must divide a dim evenly (no padding), so such an axis could only "
+            "replicate, every device on it repeating the same work; give such a submesh by "
+            "hand (ManualStageOption) to use it anyway")
     if flat:
         notes.append(
             f"pipeline search: {len(flat)} 1D views of multi-node submeshes skipped "

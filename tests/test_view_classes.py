@@ -61,6 +61,7 @@ def test_the_search_skips_1d_views_of_multi_node_submeshes():
     assert len(notes) == 2
     assert "3 logical views skipped because a mesh axis divides no dim" in notes[0]
     assert "(196,), (98, 2), (49, 4)" in notes[0] and "no padding" in notes[0]
+    assert "no stage is placed on submesh (49, 4)" in notes[0]
     assert "1 1D views of multi-node submeshes skipped ((20,))" in notes[1]
     assert view_notes([(1, 4)], dims) == []
 
