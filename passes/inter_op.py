@@ -106,8 +106,8 @@ def searched_views(submesh: tuple[int, int], dims: frozenset[int],
     axes (legal where the 1D one is: the same device count divides the dim) and prices
     it as a collective between nodes over ``nodes`` devices plus one within each node,
     which is cheaper unless the bytes are so few that the second latency outweighs the
-    saving. On LLaMA-2-13B on 50 x 4 the 1D views' layers were 3-60x slower than the 2D
-    view's of the same submesh (measured), and they were a third of the solves."""
+    saving. On LLaMA-2-13B on 50 x 4 the 1D views' layers were 2-8x slower than on a 2D
+    view of the same submesh (measured), and they were a third of the solves."""
     views = shardable_views(submesh, dims)
     if allow_mixed_mesh_shape and submesh[0] > 1 and submesh[1] > 1:
         views = [v for v in views if len(v) > 1]
