@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import resource
 import time
 
 import torch
@@ -23,6 +25,7 @@ import torch
 import torchalpa
 import torchalpa.models as zoo
 from torchalpa.methods import AutoLayerOption, AutoShardingOption, PipeshardParallel
+from torchalpa.plan import PipelinePlan
 
 GB = 1024 ** 3
 GLOBAL_BATCH = 200
@@ -38,7 +41,7 @@ def v100_like(nodes: int) -> torchalpa.Cluster:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--remat", default="full", choices=("none", "full", "auto"))
     parser.add_argument("--micro-batches", type=int, default=25)
     parser.add_argument("--layers", type=int, default=10)
@@ -56,6 +59,7 @@ def main() -> int:
                                auto_sharding_option=AutoShardingOption(remat=args.remat,
                                                                        solver=args.solver))
     start = time.perf_counter()
+    cpu_start = _cpu_seconds()
     try:
         plan = torchalpa.plan(model, batch, workload.loss_fn, method=method,
                               cluster=v100_like(args.nodes))
@@ -63,18 +67,37 @@ def main() -> int:
         print(f"no plan after {time.perf_counter() - start:.1f} s: {type(e).__name__}: {e}")
         return 1
     seconds = time.perf_counter() - start
+    cpu = _cpu_seconds() - cpu_start
+    assert isinstance(plan, PipelinePlan), "PipeshardParallel plans a pipeline"
     est = plan.estimates
     print(f"LLaMA-2-13B, {args.nodes}x4 devices of 32 GB, batch {GLOBAL_BATCH} in "
           f"{args.micro_batches} micro-batches, remat={args.remat} -> "
-          f"{plan.method.get('remat')}: plan in {seconds:.1f} s (loaded machine)")
-    print(f"  {len(plan.stages)} stages, submeshes {plan.submesh_shapes}, "
-          f"logical {plan.logical_shapes}")
-    print(f"  est step {est.get('step_time_s', 0):.3f} s, peak memory per device "
-          f"{max(s.plan.estimates.get('memory_per_device_bytes', 0) for s in plan.stages) / GB:.1f}"
-          f" GiB")
+          f"{plan.method.get('remat')}: plan in {seconds:.1f} s wall (capture included; "
+          f"pipeline search {est.get('search_seconds', 0):.1f} s), {cpu:.1f} s CPU "
+          f"(this process and its workers), load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
+    print(f"  {est.get('layer_solves', 0)} layer solves, {est.get('layers_repriced', 0)} views "
+          f"priced with their class's plan, {est.get('stage_solves', 0)} stage solves")
+    print(f"  {len(plan.stages)} stages, est step {est.get('step_time_s', 0):.2f} s, memory "
+          f"per device {est.get('memory_per_device_bytes', 0) / GB:.1f} GiB (budget 32)")
+    memory = est.get("stage_memory_bytes") or []
+    options = plan.stage_options
+    for n, stage in enumerate(plan.stages):
+        lean = " sharded states" if n < len(options) and options[n] else ""
+        print(f"    stage {n}: layers {stage.layers[0]}-{stage.layers[-1]} on submesh "
+              f"{stage.submesh} viewed as {stage.plan.mesh_shape}{lean}, "
+              f"{stage.plan.estimates['step_time_s']:.2f} s per micro-batch, "
+              f"{memory[n] / GB if n < len(memory) else 0:.1f} GiB")
     for note in plan.notes:
         print("  note:", note)
     return 0
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its finished children (the solve workers)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 if __name__ == "__main__":

@@ -39,12 +39,13 @@ from torchalpa.passes.layers import cluster_layers, layers_from_markers
 from torchalpa.passes.memory import in_flight_bytes
 from torchalpa.passes.stages import stage_dp, submesh_shapes
 from torchalpa.passes.subgraph import stage_subgraph
+from torchalpa.passes.view_classes import reprice, view_class
 from torchalpa.plan import PipelinePlan, StagePlan, Transfer
 from torchalpa.plan_records import Estimates
 from torchalpa.schedules import SCHEDULES, in_flight, simulate
 
-__all__ = ["plan_pipeline", "assign_layers", "logical_views", "shardable_views", "layer_probes",
-           "LayerProbe"]
+__all__ = ["plan_pipeline", "assign_layers", "logical_views", "shardable_views",
+           "searched_views", "layer_probes", "LayerProbe"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -94,6 +95,58 @@ def shardable_views(submesh: tuple[int, int], dims: frozenset[int]) -> list[tupl
             if all(size == 1 or any(d % size == 0 for d in dims) for size in view)]
 
 
+def searched_views(submesh: tuple[int, int], dims: frozenset[int],
+                   allow_mixed_mesh_shape: bool = True) -> list[tuple[int, ...]]:
+    """The ``shardable_views`` of ``submesh`` the pipeline search plans layers on: all but
+    the 1D view of a submesh of several nodes, when dims may be split over both axes of a
+    2D view (``allow_mixed_mesh_shape``).
+
+    That 1D view prices every collective on the link between nodes, over all its devices;
+    the (nodes, devices per node) view offers each of its splits as a split over both
+    axes (legal where the 1D one is: the same device count divides the dim) and prices
+    it as a collective between nodes over ``nodes`` devices plus one within each node,
+    which is cheaper unless the bytes are so few that the second latency outweighs the
+    saving. On LLaMA-2-13B on 50 x 4 the 1D views' layers were 2-8x slower than on a 2D
+    view of the same submesh (measured), and they were a third of the solves."""
+    views = shardable_views(submesh, dims)
+    if allow_mixed_mesh_shape and submesh[0] > 1 and submesh[1] > 1:
+        views = [v for v in views if len(v) > 1]
+    return views
+
+
+def view_notes(submeshes: list[tuple[int, int]], dims: frozenset[int],
+               allow_mixed_mesh_shape: bool = True) -> list[str]:
+    """Plan notes naming the logical views the pipeline search skipped, and why."""
+    unshardable, flat, unused = [], [], []
+    for submesh in submeshes:
+        shardable = shardable_views(submesh, dims)
+        searched = searched_views(submesh, dims, allow_mixed_mesh_shape)
+        unshardable += [v for v in logical_views(submesh) if v not in shardable]
+        flat += [v for v in shardable if v not in searched]
+        if not shardable:
+            unused.append(submesh)
+    notes = []
+    if unshardable:
+        left_out = f", so no stage is placed on submesh {_views_text(unused)}" if unused else ""
+        notes.append(
+            f"pipeline search: {len(unshardable)} logical views skipped because a mesh axis "
+            f"divides no dim of any value in the step ({_views_text(unshardable)}){left_out}:"
+            " a split must divide a dim evenly (no padding), so such an axis could only "
+            "replicate, every device on it repeating the same work; give such a submesh by "
+            "hand (ManualStageOption) to use it anyway")
+    if flat:
+        notes.append(
+            f"pipeline search: {len(flat)} 1D views of multi-node submeshes skipped "
+            f"({_views_text(flat)}): the (nodes, devices per node) view of the same submesh "
+            "offers each of their splits over both axes, priced more cheaply")
+    return notes
+
+
+def _views_text(views: list[tuple[int, ...]], most: int = 6) -> str:
+    shown = ", ".join(str(v) for v in views[:most])
+    return shown + (f", ... {len(views) - most} more" if len(views) > most else "")
+
+
 def _submesh_cluster(cluster: Cluster, submesh: tuple[int, int]) -> Cluster:
     return replace(cluster, num_nodes=submesh[0], devices_per_node=submesh[1])
 
@@ -127,14 +180,25 @@ _WORKER_COSTS = None
 
 def _solve_in_worker(args):
     costs = _WORKER_COSTS
-    return costs._solve_layer(*args)
+    assert costs is not None, "set before the workers fork"
+    return costs._solve_members(*args)
+
+
+def _estimate_of(plan) -> _Estimate | None:
+    if plan is None:
+        return None
+    e = plan.estimates
+    return _Estimate(e["step_time_s"], e["model_state_bytes_per_device"],
+                     e["activation_bytes_per_device"], e["saved_activation_bytes_per_device"])
 
 
 class _StageCosts:
     """Additive estimates of a range of layers on each submesh view (see module doc)."""
 
     def __init__(self, graph: OpGraph, layer: dict[str, int], cluster: Cluster,
-                 method: PipeshardParallel, inputs: str, measured: dict | None = None):
+                 method: PipeshardParallel, inputs: str, measured: dict | None = None,
+                 share_views: bool = True):
+        self.share_views = share_views
         self.graph, self.layer, self.cluster, self.method = graph, layer, cluster, method
         self.measured = measured   # (signature, view, submesh) -> seconds, when profiled
         self.num_layers = max(layer.values()) + 1
@@ -145,13 +209,16 @@ class _StageCosts:
         # everything besides the layer's structure and the view that decides a solve
         self.context = (repr(cluster), repr(method.intra_op_method(None)), inputs)
         self.solves = 0
+        self.repriced = 0     # views priced with their class's plan
         self.exact_solves = 0
         self.exact_plans: dict[tuple, object] = {}   # this graph's stage plans
         self._layer_graphs: dict[int, OpGraph] = {}
+        self._layer_rules: dict[int, dict] = {}     # per layer: node -> its sharding rule
 
     def _key(self, l: int, view: tuple[int, ...], submesh: tuple[int, int], lean: bool
              ) -> tuple:
-        return ("layer", self.signature[l], view, submesh, lean, self.context)
+        return ("layer", self.signature[l], view, submesh, lean, self.share_views,
+                self.context)
 
     def _boundary_bytes(self) -> list[float]:
         """Bytes crossing the cut after layer l (both directions, one micro-batch)."""
@@ -171,12 +238,18 @@ class _StageCosts:
 
     def prefetch(self, submeshes: list[tuple[int, int]], workers: int, max_in_flight: int
                  ) -> None:
-        """Solve every distinct layer on every view up front, ``workers`` at a time (the DP
-        asks for all of them; each solve is independent). The lean (sharded-state) variants
-        follow for the views where the fastest plans may not fit."""
-        views = [(view, submesh) for submesh in submeshes
-                 for view in shardable_views(submesh, self.dims)]
-        self._solve_all([(l, view, submesh, False) for view, submesh in views
+        """Price every distinct layer on every searched view up front, ``workers`` at a
+        time (the DP asks for all of them; each job is independent). With ``share_views``,
+        views of one ``view_class`` share one ILP solve: the class's first view is solved,
+        the others price that plan, and the lean (sharded-state) variants price it with
+        its parameters sharded (``passes/view_classes.py``). Without it, every view is
+        solved, and the lean variants follow by ILP for the views where the fastest plans
+        may not fit."""
+        views = [(view, submesh) for submesh in submeshes for view in self.views(submesh)]
+        if self.share_views:
+            self._solve_classes(views, workers)
+            return
+        self._solve_all([(l, ((view, submesh),), False) for view, submesh in views
                          for l in range(self.num_layers)], workers)
         budget = self.method.auto_sharding_option.memory_budget_per_device or \
             self.cluster.memory_per_device
@@ -186,26 +259,89 @@ class _StageCosts:
                      for l in range(self.num_layers)]
             if any(p is None for p in parts) or _stage_memory(parts, max_in_flight) > budget:
                 tight.append((view, submesh))
-        self._solve_all([(l, view, submesh, True) for view, submesh in tight
+        self._solve_all([(l, ((view, submesh),), True) for view, submesh in tight
                          for l in range(self.num_layers)], workers)
 
+    def views(self, submesh: tuple[int, int]) -> list[tuple[int, ...]]:
+        """The logical views of ``submesh`` the search plans layers on: ``searched_views``
+        (``shardable_views`` when ``share_views`` is off)."""
+        if not self.share_views:
+            return shardable_views(submesh, self.dims)
+        return searched_views(submesh, self.dims,
+                              self.method.auto_sharding_option.allow_mixed_mesh_shape)
+
+    def _solve_classes(self, views: list[tuple], workers: int) -> None:
+        """Every distinct layer on ``views`` ((view, submesh) pairs): one job per (layer,
+        class of views), the class's first view solved and its plan priced on the rest."""
+        classes: dict[object, list[tuple]] = {}
+        for view, submesh in views:
+            classes.setdefault(self.view_class(view, submesh), []).append((view, submesh))
+        requests = []
+        for l in range(self.num_layers):
+            for members in classes.values():
+                todo = tuple((view, submesh) for view, submesh in members
+                             if self._key(l, view, submesh, False) not in SOLVES
+                             or self._key(l, view, submesh, True) not in SOLVES)
+                if todo:
+                    requests.append((l, todo, None))
+        self._solve_all(requests, workers)
+
+    def view_class(self, view: tuple[int, ...], submesh: tuple[int, int]):
+        """The ``view_class`` of ``view`` on ``submesh`` for this graph's dims."""
+        return view_class(_submesh_cluster(self.cluster, submesh).logical_mesh(view), self.dims)
+
     def _solve_all(self, requests: list[tuple], workers: int) -> None:
+        """Run ``_solve_members`` jobs (layer, (view, submesh) members, lean) and store
+        each member's estimates."""
         todo = {}
-        for l, view, submesh, lean in requests:
-            key = self._key(l, view, submesh, lean)
-            if key not in SOLVES:
-                todo.setdefault(key, (l, view, submesh, lean))
+        for l, members, lean in requests:
+            key = (self.signature[l], members, lean)
+            todo.setdefault(key, (l, members, lean))
         for l in {args[0] for args in todo.values()}:
             self._layer_graph(l)  # made here, so that forked workers inherit them
         global _WORKER_COSTS
         _WORKER_COSTS = self      # forked workers read it instead of unpickling the graph
         # largest meshes first so the pool stays busy to the end
-        jobs = sorted(todo.items(), key=lambda kv: -math.prod(kv[1][1]))
-        solves = self.solves
-        results = _map(_solve_in_worker, [args for _, args in jobs], workers)
-        for (key, _), result in zip(jobs, results):
-            SOLVES.put(key, result)
-        self.solves = solves + len(jobs)     # workers counted theirs in their own copies
+        jobs = sorted(todo.values(), key=lambda args: -math.prod(args[1][0][0]))
+        solves, repriced = self.solves, self.repriced
+        results = _map(_solve_in_worker, jobs, workers)
+        for (l, members, _), (estimates, counts) in zip(jobs, results):
+            for (view, submesh, lean), estimate in estimates.items():
+                SOLVES.put(self._key(l, view, submesh, lean), estimate)
+            solves += counts[0]    # workers counted theirs in their own copies
+            repriced += counts[1]
+        self.solves, self.repriced = solves, repriced
+
+    def _solve_members(self, l: int, members: tuple, lean: bool | None
+                       ) -> tuple[dict[tuple, _Estimate | None], tuple[int, int]]:
+        """Layer ``l`` on the first of ``members`` (views of one class) by the ILP, and
+        on each other one by pricing that plan there; a member the plan does not carry
+        over to (not expected within a class) is solved by its own ILP. ``lean`` None:
+        both variants, the lean ones priced from the fastest plan. Returns the estimates
+        by (view, submesh, lean) and (ILP solves, views priced without one)."""
+        solves, repriced = self.solves, self.repriced
+        out: dict[tuple, _Estimate | None] = {}
+        (first_view, first_submesh) = members[0]
+        first = self._layer_plan(l, first_view, first_submesh, bool(lean))
+        variants = (False, True) if lean is None else (lean,)
+        for view, submesh in members:
+            for variant in variants:
+                plan = first if (view, submesh) == members[0] and variant == bool(lean) \
+                    else self._priced(l, first, view, submesh, variant)
+                out[(view, submesh, variant)] = _estimate_of(plan)
+        return out, (self.solves - solves, self.repriced - repriced)
+
+    def _priced(self, l: int, plan, view, submesh, lean: bool):
+        """``plan`` of layer ``l`` priced on ``view`` (made lean if ``lean``), or solved
+        there if it does not carry over."""
+        found = None if plan is None else reprice(
+            self._layer_graph(l), plan, self._layer_mesh(view, submesh),
+            self._layer_method(lean), self.inputs, relayout_parameters=lean,
+            rules=self._layer_rules.setdefault(l, {}))
+        if found is None:
+            return self._layer_plan(l, view, submesh, lean)
+        self.repriced += 1
+        return found
 
     def layer_estimate(self, l: int, view: tuple[int, ...], submesh, lean: bool
                        ) -> _Estimate | None:
@@ -243,22 +379,29 @@ class _StageCosts:
         return sub
 
     def _solve_layer(self, l, view, submesh, lean) -> _Estimate | None:
-        sub = self._layer_graph(l)
-        mesh = replace(_submesh_cluster(self.cluster, submesh).logical_mesh(view),
+        return _estimate_of(self._layer_plan(l, view, submesh, lean))
+
+    def _layer_mesh(self, view: tuple[int, ...], submesh: tuple[int, int]):
+        return replace(_submesh_cluster(self.cluster, submesh).logical_mesh(view),
                        memory_per_device=None)
-        self.solves += 1
+
+    def _layer_method(self, lean: bool):
         # an estimate: the simplified ILP (shared block decisions, merged followers) is
         # within a fraction of a percent of the unsimplified one at a fifth of the time
         option = replace(self.method.auto_sharding_option, exact_below=0,
                          **({"parameters": "sharded"} if lean else {}))
+        return self.method.intra_op_method(option)
+
+    def _layer_plan(self, l, view, submesh, lean):
+        """Layer ``l``'s own intra-op plan on ``view`` (None if none exists)."""
+        sub = self._layer_graph(l)
+        self.solves += 1
         try:
-            plan = plan_intra_op(sub, mesh, self.method.intra_op_method(option),
-                                 inputs=self.inputs, blocks=sub.meta.get("repeated_blocks") or None)
+            return plan_intra_op(sub, self._layer_mesh(view, submesh), self._layer_method(lean),
+                                 inputs=self.inputs,
+                                 blocks=sub.meta.get("repeated_blocks") or None)
         except InfeasibleError:
             return None
-        e = plan.estimates
-        return _Estimate(e["step_time_s"], e["model_state_bytes_per_device"],
-                         e["activation_bytes_per_device"], e["saved_activation_bytes_per_device"])
 
     def budget(self) -> float:
         return self.method.auto_sharding_option.memory_budget_per_device or \
@@ -278,7 +421,7 @@ class _StageCosts:
         ``submesh``: the fastest plan, and the lean one where the fastest does not fit."""
         out = []
         sends = self.send_seconds(k, i)
-        for view in shardable_views(submesh, self.dims):
+        for view in self.views(submesh):
             for lean in (False, True):
                 found = [self.layer_estimate(l, view, submesh, lean) for l in range(k, i + 1)]
                 parts = [p for p in found if p is not None]
@@ -424,11 +567,15 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
 
 
 def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
-                  inputs: str = "global", measured: dict | None = None) -> PipelinePlan:
+                  inputs: str = "global", measured: dict | None = None,
+                  share_views: bool = True) -> PipelinePlan:
     """Alpa's PipeshardParallel plan of ``graph`` (one micro-batch) on ``cluster``.
 
     ``measured``: seconds per micro-batch of each ``LayerProbe.key`` timed on the devices
-    (required by ``stage_option="profile"``, which otherwise plans like "auto")."""
+    (required by ``stage_option="profile"``, which otherwise plans like "auto").
+    ``share_views``: views of one class share a layer's solve, and dominated views are
+    skipped (``_StageCosts.prefetch``, ``searched_views``); off, every shardable view is
+    solved (slow: the reference the sharing is tested against)."""
     start = time.perf_counter()
     layer = assign_layers(graph, method, cluster.num_devices)
     L = max(layer.values()) + 1
@@ -438,7 +585,8 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
         raise ValueError("stage_option='profile' times layers on this job's devices: call "
                          "torchalpa.auto_parallel under torchrun (torchalpa.plan has no "
                          "devices to time on), or use stage_option='auto'")
-    costs = _StageCosts(graph, layer, cluster, method, inputs, measured)
+    costs = _StageCosts(graph, layer, cluster, method, inputs, measured, share_views)
+    notes: list[str] = []
     if isinstance(option, ManualStageOption):
         stages = _manual(option, L, cluster)
     elif isinstance(option, UniformStageOption):
@@ -447,7 +595,8 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
         shapes = submesh_shapes(cluster.num_nodes, cluster.devices_per_node)
         costs.prefetch(shapes, workers=_workers(), max_in_flight=(
             min(B, L) if method.pipeline_schedule == "1f1b" else B))
-        log.info("pipeline search: %d layer solves in %.1fs", costs.solves,
+        log.info("pipeline search: %d layer solves, %d more views priced with their "
+                 "class's plan, in %.1fs", costs.solves, costs.repriced,
                  time.perf_counter() - start)
         try:
             solution, chosen, priced = _exact_search(costs, L, cluster, B,
@@ -460,6 +609,8 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
                  priced, costs.exact_solves)
         stages = [(s.layers, s.submesh, view, option)
                   for s, (view, option) in zip(solution.stages, chosen)]
+        notes += view_notes(shapes, costs.dims, share_views and
+                            method.auto_sharding_option.allow_mixed_mesh_shape)
     searched = time.perf_counter()
     timed = [costs.range_seconds(k, i, view, submesh) for (k, i), submesh, view, _ in stages]
     plan = _assemble(graph, layer, stages, cluster, method, inputs,
@@ -468,9 +619,10 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
     log.info("pipeline plan: %d layers, %d stages, %d layer solves for the DP (%.1fs), "
              "stage plans %.1fs", L, len(stages), costs.solves, searched - start,
              time.perf_counter() - searched)
-    return replace(plan, estimates=Estimates.from_dict(dict(
+    return replace(plan, notes=plan.notes + tuple(notes), estimates=Estimates.from_dict(dict(
         plan.estimates, search_seconds=searched - start, layer_solves=costs.solves,
-        stage_solves=costs.exact_solves, total_seconds=time.perf_counter() - start)))
+        layers_repriced=costs.repriced, stage_solves=costs.exact_solves,
+        total_seconds=time.perf_counter() - start)))
 
 
 @dataclass(frozen=True)

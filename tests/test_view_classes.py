@@ -1,0 +1,149 @@
+"""View classes of the pipeline search: which views share a layer's solve, pricing a plan on
+another view of its class, the views skipped and the notes that say so, and (slow) that the
+shared search plans what the search solving every view plans."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchalpa
+
+GB = 1024 ** 3
+
+
+def _cluster(nodes: int) -> torchalpa.Cluster:
+    """Nodes of 4 devices, links between nodes 100x slower than within (issue 15)."""
+    return torchalpa.Cluster(num_nodes=nodes, devices_per_node=4, memory_per_device=32 * GB,
+                             peak_flops=112e12, memory_bandwidth=900e9,
+                             intra_node_bandwidth=100e9, intra_node_latency=1e-6,
+                             inter_node_bandwidth=1e9, inter_node_latency=1e-6)
+
+
+def _view_mesh(cluster: torchalpa.Cluster, view: tuple[int, ...]):
+    devices = 1
+    for size in view:
+        devices *= size
+    nodes = max(1, devices // cluster.devices_per_node)
+    return replace(cluster, num_nodes=nodes,
+                   devices_per_node=min(devices, cluster.devices_per_node)).logical_mesh(view)
+
+
+def test_views_that_shard_the_same_dims_over_the_same_links_share_a_class():
+    from torchalpa.passes.view_classes import view_class
+    cluster = _cluster(8)
+    dims = frozenset({8, 5120, 13824})
+    cls = {v: view_class(_view_mesh(cluster, v), dims) for v in
+           [(6, 2), (3, 4), (12, 4), (4, 2), (2, 4), (8, 4), (4, 4), (12,), (24,)]}
+    # an axis between nodes dividing 13824 only, one within nodes dividing all three
+    assert cls[(6, 2)] == cls[(3, 4)] == cls[(12, 4)]
+    assert cls[(4, 2)] == cls[(2, 4)]          # both axes divide every dim, so does 8
+    assert cls[(4, 4)] == cls[(8, 4)]          # 16 and 32 divide 5120 and 13824, not 8
+    assert cls[(4, 2)] != cls[(4, 4)]          # 8 divides the batch over both axes, 16 not
+    assert cls[(12,)] == cls[(24,)] != cls[(3, 4)]
+    # the same sizes within one node: other links, another class
+    assert view_class(_view_mesh(cluster, (2, 2)), dims) != cls[(4, 2)]
+
+
+def test_the_search_skips_1d_views_of_multi_node_submeshes():
+    """Their splits are the 2D view's over both axes (priced cheaper); a node's own 1D view,
+    and every 1D view when splits over both axes are not allowed, stay."""
+    from torchalpa.passes.inter_op import searched_views, view_notes
+    dims = frozenset({8, 4096, 5120})
+    assert searched_views((5, 4), dims) == [(10, 2), (5, 4)]
+    assert searched_views((1, 4), dims) == [(4,), (2, 2)]
+    assert searched_views((5, 4), dims, allow_mixed_mesh_shape=False) == [(20,), (10, 2), (5, 4)]
+    notes = view_notes([(1, 4), (5, 4), (49, 4)], dims)
+    assert len(notes) == 2
+    assert "3 logical views skipped because a mesh axis divides no dim" in notes[0]
+    assert "(196,), (98, 2), (49, 4)" in notes[0] and "no padding" in notes[0]
+    assert "no stage is placed on submesh (49, 4)" in notes[0]
+    assert "1 1D views of multi-node submeshes skipped ((20,))" in notes[1]
+    assert view_notes([(1, 4)], dims) == []
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+        self.up = nn.Linear(hidden, 4 * hidden)
+        self.down = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return self.down(F.relu(self.up(x)))
+
+
+def _mlp_graph():
+    from torchalpa.frontends.torch_export import capture
+    with torch.device("meta"):
+        model = _MLP()
+        x, y = torch.empty(48, 64), torch.empty(48, 64)
+    return capture(model, (x, y), F.mse_loss).graph
+
+
+def test_a_plan_priced_on_its_own_view_keeps_its_estimates():
+    """Pricing without the ILP reproduces what the ILP's plan says of itself, and on
+    another view of the class gives a whole plan whose lean variant shards every
+    parameter and holds less state."""
+    from torchalpa.passes.intra_op import plan_intra_op
+    from torchalpa.passes.view_classes import reprice, view_class
+    graph = _mlp_graph()
+    cluster = _cluster(8)
+    method = torchalpa.ShardParallel()
+    small, large = _view_mesh(cluster, (2, 4)), _view_mesh(cluster, (4, 4))
+    dims = frozenset(d for node in graph for spec in node.outputs for d in spec.shape)
+    assert view_class(small, dims) == view_class(large, dims)
+    plan = plan_intra_op(graph, small, method)
+    same = reprice(graph, plan, small, method)
+    assert same is not None
+    for key in ("step_time_s", "model_state_bytes_per_device", "activation_bytes_per_device",
+                "saved_activation_bytes_per_device"):
+        assert same.estimates[key] == pytest.approx(plan.estimates[key])
+    moved = reprice(graph, plan, large, method)
+    assert moved is not None and moved.mesh_shape == (4, 4)
+    assert [s.outputs for s in moved.strategies] == [s.outputs for s in plan.strategies]
+    lean_method = torchalpa.ShardParallel(
+        auto_sharding_option=torchalpa.AutoShardingOption(parameters="sharded"))
+    lean = reprice(graph, plan, large, lean_method, relayout_parameters=True)
+    assert lean is not None
+    assert all(all(type(p).__name__ == "Shard" for p in v.placements) for v in lean.parameters)
+    assert lean.estimates["model_state_bytes_per_device"] <= \
+        moved.estimates["model_state_bytes_per_device"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes", [4])
+def test_shared_views_plan_what_solving_every_view_plans(nodes):
+    """LLaMA-2-13B cut to 2 blocks (its dims: hidden 5120, 40 heads, seq 4096), batch 8 in
+    4 micro-batches on ``nodes`` x 4 devices of 32 GB, checkpointed: the search that
+    solves one view per class (pricing the plan on the others, lean variants priced from
+    the fastest plan) and skips 1D multi-node views chooses the same stages, submeshes and
+    views, with the same estimates, as the search that solves every view by ILP."""
+    import torchalpa.models as zoo
+    from torchalpa.passes.inter_op import plan_pipeline
+    from torchalpa.passes.layer_cache import SOLVES
+    from torchalpa.workflow import capture_variants, micro_batch_examples
+    workload = zoo.llama2_13b(batch_size=8).replace(num_layers=2)
+    with torch.device("meta"):
+        model = workload.build()
+    method = torchalpa.PipeshardParallel(
+        num_micro_batches=4, layer_option=torchalpa.AutoLayerOption(layer_num=2),
+        auto_sharding_option=torchalpa.AutoShardingOption(remat="full"))
+    batch = micro_batch_examples(workload.example_inputs(device="meta"), 4)
+    graph = capture_variants(model, batch, workload.loss_fn,
+                             method.auto_sharding_option)["full"].graph
+    SOLVES.clear()
+    shared = plan_pipeline(graph, _cluster(nodes), method)
+    every = plan_pipeline(graph, _cluster(nodes), method, share_views=False)
+    assert shared.estimates["layers_repriced"] > 0
+    assert shared.estimates["layer_solves"] < every.estimates["layer_solves"]
+    assert shared.forward_stage_layer_ids == every.forward_stage_layer_ids
+    assert shared.submesh_shapes == every.submesh_shapes
+    assert shared.logical_shapes == every.logical_shapes
+    assert shared.estimates["step_time_s"] == pytest.approx(every.estimates["step_time_s"])
+    assert shared.estimates["memory_per_device_bytes"] == pytest.approx(
+        every.estimates["memory_per_device_bytes"])
+    assert any("1D views of multi-node submeshes skipped" in n for n in shared.notes)
