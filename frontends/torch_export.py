@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 import operator
 import os
 import time
@@ -45,7 +46,8 @@ import torch.fx as fx
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_map, tree_structure
+from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_map, tree_structure, tree_unflatten
 
 from torchalpa.calls import CallSignature, positional_binding, record_output_type
 from torchalpa.frontends.constants import LargeConstant, inline_constants
@@ -60,7 +62,8 @@ from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.opgraph import (ABSENT_DTYPE, GraphOutputs, OpGraph, OpNode, Operand, TensorSpec,
                                ValueRef)
 
-__all__ = ["Capture", "capture", "CaptureError", "split_inputs", "trace_ops"]
+__all__ = ["Capture", "capture", "CaptureError", "split_inputs", "trace_ops", "ForwardCapture",
+           "capture_forward"]
 
 log = logging.getLogger("torchalpa.capture")
 
@@ -216,21 +219,13 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
                 continue
             raise CaptureError(_explain_trace_failure(e, provenance, num_inputs)) from e
     traced = time.perf_counter()
-    _inline_constants(gm, provenance)
-
     kinds = ([("param", k) for k in param_names] + [("buffer", k) for k in buffer_names]
              + [("input", name) for name in input_names])
-    _check_static(gm, provenance)
-    copy_forward_tags_to_backward(gm)
-    gm, updates = _make_functional(gm, kinds, provenance)
-    _drop_aliases(gm)
+    gm, updates = _functional(gm, kinds, provenance)
     if rematerialize_parameters:
         from torchalpa.frontends.remat import rematerialize_parameter_views
         rematerialize_parameter_views(gm, len(param_names))
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    graph = _to_opgraph(gm, kinds, [k for k in buffer_names if k in updates])
-    graph.meta["repeated_blocks"] = find_repeated_blocks(graph)
+    graph = _opgraph(gm, kinds, [k for k in buffer_names if k in updates])
     graph.check()
     seconds = time.perf_counter() - start
     log.info("captured %s in %.2fs (trace %.2fs)", graph.summary(), seconds, traced - start)
@@ -238,6 +233,131 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
                    input_names=input_names, seconds=seconds,
                    buffer_updates=[k for k, _ in graph.outputs.buffer_updates],
                    signature=signature)
+
+
+@dataclass
+class ForwardCapture:
+    """A captured forward step: ``(*state, *inputs) -> (result, *buffer updates)``."""
+
+    graph: OpGraph
+    gm: fx.GraphModule
+    state_names: list[str]          # parameters (trainable or not), then buffers
+    unflatten: Callable[[torch.Tensor], object]   # result -> what the step returned
+    buffer_updates: list[str] = field(default_factory=list)   # buffers forward writes
+
+
+def capture_forward(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
+                    loss_fn: Callable | None = None, *, outputs: bool,
+                    signature: CallSignature | None = None) -> ForwardCapture:
+    """Trace ``model(*inputs)`` (``outputs=True``) or its loss (``outputs=False``: the inputs
+    end with the targets, as for training) without backward: predictions and eval-mode
+    losses (``runtime/inference.py``), with the tracer, op vocabulary and provenance of
+    ``capture``.
+
+    The model's outputs are returned as one tensor: itself if the model returns one
+    tensor, else its tensors flattened and concatenated (they must share a dtype);
+    ``unflatten`` rebuilds the returned structure. ``signature``: how the model is called
+    (``torchalpa/calls.py``; keyword inputs carry no loss targets).
+    """
+    if signature is None:
+        signature = CallSignature(len(example_inputs) if outputs else 0)
+    if outputs or signature.by_keyword:
+        inputs, targets = tuple(example_inputs), ()
+    else:
+        inputs, targets = split_inputs(example_inputs, loss_fn)
+    for i, x in enumerate(inputs + targets):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    names = [k for k, _ in named]
+    num_inputs = len(inputs)
+    structure: dict = {}
+
+    def step(state, *batch):
+        out = functional_call(model, dict(zip(names, state)), tuple(batch[:num_inputs]),
+                              strict=False) if not signature.by_keyword else \
+            functional_call(model, dict(zip(names, state)), (),
+                            {**dict(zip(signature.keywords, batch[:num_inputs])),
+                             **dict(signature.static)}, strict=False)
+        provenance.in_loss = True
+        if outputs:
+            result = _flatten_outputs(out, structure)
+        else:
+            result = _loss_of(loss_fn(out, *batch[num_inputs:]) if loss_fn is not None else out)
+        provenance.in_loss = False
+        return [result, *state]
+
+    # stand-ins of the global shapes: the module may already hold DTensors
+    state = [torch.empty(tuple(t.shape), dtype=t.dtype, device="meta") for _, t in named]
+    provenance = Provenance(model, stop=[step.__code__, capture_forward.__code__])
+    start = time.perf_counter()
+    try:
+        with provenance.tracing(), torch.no_grad(), device_neutral_kernels():
+            gm = make_fx(step, tracing_mode="fake", decomposition_table=decompositions(),
+                         _allow_non_fake_inputs=True)(state, *inputs, *targets)
+    except CaptureError:
+        raise
+    except Exception as e:
+        raise CaptureError(_explain_trace_failure(e, provenance, num_inputs)) from e
+    kinds = [("buffer", k) for k in names] + \
+        [("input", f"input{i}") for i in range(len(inputs) + len(targets))]
+    gm, updates = _functional(gm, kinds, provenance)
+    updated = [k for k in names if k in updates]
+    graph = _opgraph(gm, kinds, updated)
+    graph.meta["capture_seconds"] = time.perf_counter() - start
+    return ForwardCapture(graph=graph, gm=gm, state_names=names,
+                          unflatten=structure.get("unflatten", lambda t: t),
+                          buffer_updates=updated)
+
+
+def _flatten_outputs(out, structure: dict) -> torch.Tensor:
+    """One tensor holding every tensor the model returned; records how to undo it."""
+    if isinstance(out, torch.Tensor):
+        return out
+    leaves, spec = tree_flatten(out)
+    tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    if not tensors:
+        raise TypeError(f"the model returned {type(out).__name__} with no tensor in it; "
+                        "predict returns tensors")
+    dtypes = {x.dtype for _, x in tensors}
+    if len(dtypes) > 1:
+        raise NotImplementedError(
+            f"predict gathers the model's outputs as one tensor, but they have several dtypes "
+            f"({', '.join(sorted(str(d) for d in dtypes))}); return tensors of one dtype")
+    shapes = [(i, tuple(x.shape)) for i, x in tensors]
+
+    def unflatten(flat: torch.Tensor):
+        parts, offset = list(leaves), 0
+        for i, shape in shapes:
+            n = math.prod(shape)
+            parts[i] = flat[offset:offset + n].view(shape)
+            offset += n
+        return tree_unflatten(parts, spec)
+
+    structure["unflatten"] = unflatten
+    return torch.cat([x.reshape(-1) for _, x in tensors])
+
+
+def _functional(gm: fx.GraphModule, kinds: list[tuple[str, str]], provenance: Provenance
+                ) -> tuple[fx.GraphModule, set[str]]:
+    """A traced step made ready for the passes: constants inlined, checked for
+    data-dependent shapes, backward tagged like its forward, buffer writes turned into
+    outputs, aliases dropped; returns it with ``_make_functional``'s buffer updates."""
+    _inline_constants(gm, provenance)
+    _check_static(gm, provenance)
+    copy_forward_tags_to_backward(gm)
+    gm, updates = _make_functional(gm, kinds, provenance)
+    _drop_aliases(gm)
+    return gm, updates
+
+
+def _opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]], updated: list[str]) -> OpGraph:
+    """The OpGraph of a functional step (dead code removed), its repeated blocks tagged."""
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    graph = _to_opgraph(gm, kinds, updated)
+    graph.meta["repeated_blocks"] = find_repeated_blocks(graph)
+    return graph
 
 
 def _needs_backward(e: Exception) -> bool:

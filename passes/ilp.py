@@ -12,8 +12,10 @@ Objective ``sum c_i . s_i + sum T . e``; optional memory constraints
 
 Edges whose table does not depend on one side fold into the other side's node costs, and
 ``passes/presolve.py`` removes dominated strategies and solves simple nodes in closed form
-(both exact) before the rest goes to the solver. Solved with pulp: CBC by default, HiGHS
-on request; single-threaded, so the same input gives the same answer.
+(both exact) before the rest goes to the solver. The rest is written once as arrays
+(``passes/ilp_model.py``) and solved by CBC (through PuLP, by default) or HiGHS (the
+arrays directly, ``passes/ilp_highs.py``); single-threaded, so the same input gives the
+same answer.
 """
 
 from __future__ import annotations
@@ -22,20 +24,23 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pulp
 
 from torchalpa.passes.presolve import presolve
-from torchalpa.passes.shared_reshard import SharedReads, add_shared_reads, shared_reads_cost
+from torchalpa.passes.ilp_model import LinearModel, build_model
+from torchalpa.passes.shared_reshard import SharedReads, shared_reads_cost
 from torchalpa.progress import solver_verbose
 
 __all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "InfeasibleError"]
 
 
 DIRECT_HIGHS = True
-"""Write HiGHS's model as arrays (``passes/ilp_highs.py``) instead of through PuLP: the same
-model and answer, built several times faster; False takes the PuLP path (tests compare)."""
+"""Hand HiGHS the model's arrays (``passes/ilp_highs.py``) instead of writing them through
+PuLP: the same model and answer, loaded several times faster; False takes the PuLP path
+(tests compare)."""
 
 
 class InfeasibleError(ValueError):
@@ -147,9 +152,8 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
     protected = set().union(*(g.nodes for g in problem.shared))
     reduced = presolve(full_costs, full_edges, problem.memory_terms, protected=protected)
     costs, edges = reduced.costs, reduced.edges
-    allowed = {k: np.isfinite(c) for k, c in costs.items()}
-    for k, ok in allowed.items():
-        if not ok.any():    # a neighbour solved in closed form left it no way to connect
+    for k, c in costs.items():
+        if not np.isfinite(c).any():   # a neighbour solved in closed form left it no way to connect
             raise InfeasibleError(f"node {k!r}: every strategy needs an impossible resharding")
     if initial is not None:
         initial = reduced.start(initial)
@@ -160,95 +164,16 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
               [np.abs(g.table[np.isfinite(g.table)]).max(initial=0) for g in problem.shared] +
               [0.0])
     scale = 1e6 / top if top > 0 else 1.0
-    # the same model, written into HiGHS as arrays (no PuLP objects); values whose reads
-    # share one resharded copy (``problem.shared``) have extra variables only PuLP writes
-    if solver == "highs" and DIRECT_HIGHS and not problem.shared:
-        return _finish(problem, reduced, full_costs, full_edges, constant, start,
-                       _solve_highs(problem, reduced, costs, edges, scale, time_limit, gap))
-
-    prob = pulp.LpProblem("torchalpa_intra_op", pulp.LpMinimize)
-    s: dict[str, list] = {}
-    objective = []
-    for idx, (k, c) in enumerate(costs.items()):
-        if len(c) == 1:
-            s[k] = [1]
-            continue
-        vars_ = []
-        for a in range(len(c)):
-            if allowed[k][a]:
-                var = prob.add_variable(f"s{idx}_{a}", cat="Binary")
-                if c[a] != 0:
-                    objective.append((var, c[a] * scale))
-                vars_.append(var)
-            else:
-                vars_.append(None)
-        prob += pulp.lpSum(x for x in vars_ if x is not None) == 1
-        s[k] = vars_
-        if initial is not None and k in initial:
-            for a, var in enumerate(vars_):
-                if var is not None:
-                    var.setInitialValue(1 if a == initial[k] else 0)
-    for eidx, e in enumerate(edges):
-        P, Q = e.table.shape
-        rows = [[] for _ in range(P)]
-        cols = [[] for _ in range(Q)]
-        row_sources = [[] for _ in range(P)]
-        col_sources = [[] for _ in range(Q)]
-        for a, p in enumerate(e.row_of):
-            if s[e.u][a] is not None:
-                row_sources[p].append(s[e.u][a])
-        for b, q in enumerate(e.col_of):
-            if s[e.v][b] is not None:
-                col_sources[q].append(s[e.v][b])
-        for p in range(P):
-            if not row_sources[p]:
-                continue
-            for q in range(Q):
-                if not col_sources[q] or not math.isfinite(e.table[p, q]):
-                    continue
-                var = prob.add_variable(f"e{eidx}_{p}_{q}", lowBound=0, upBound=1)
-                if e.table[p, q] != 0:
-                    objective.append((var, e.table[p, q] * scale))
-                rows[p].append(var)
-                cols[q].append(var)
-        for p in range(P):
-            if row_sources[p]:
-                prob += pulp.lpSum(rows[p]) == pulp.lpSum(row_sources[p])
-        for q in range(Q):
-            if col_sources[q]:
-                prob += pulp.lpSum(cols[q]) == pulp.lpSum(col_sources[q])
-    for gidx, group in enumerate(problem.shared):
-        objective += add_shared_reads(prob, s, group, f"g{gidx}", scale)
-    peak = prob.add_variable("peak_bytes", lowBound=0) if problem.minimize_peak else None
-    if problem.memory_budget is not None or peak is not None:
-        mem_scale = 1.0 / max(1.0, max((float(np.max(m)) for g in problem.memory_terms
-                                        for m in g.values()), default=1.0))
-        for group in problem.memory_terms:
-            terms, fixed = [], 0.0
-            for k, mem in group.items():
-                if k not in s:
-                    fixed += reduced.fixed_bytes(k, mem) * mem_scale
-                elif len(s[k]) == 1:
-                    fixed += float(mem[0]) * mem_scale
-                else:
-                    terms += [(s[k][a], float(mem[a]) * mem_scale) for a in range(len(mem))
-                              if s[k][a] is not None and mem[a] != 0]
-            if peak is not None:
-                prob += pulp.LpAffineExpression(terms + [(peak, -1.0)]) <= -fixed
-            else:
-                assert problem.memory_budget is not None
-                prob += pulp.LpAffineExpression(terms) <= problem.memory_budget * mem_scale - fixed
-    prob += pulp.LpAffineExpression([(peak, 1.0)] if peak is not None else objective)
-    status = prob.solve(_make_solver(solver, time_limit, gap, warm=initial is not None))
-    status_name = pulp.LpStatus[status]
-    if status_name in ("Infeasible", "Not Solved", "Undefined") or prob.sol_status in (
-            pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound):
-        raise InfeasibleError(f"the ILP has no feasible solution (solver status: {status_name})")
-    choice = {}
-    for k, vars_ in s.items():
-        values = [0.0 if x is None or isinstance(x, int) else (x.value() or 0.0) for x in vars_]
-        choice[k] = 0 if len(vars_) == 1 else int(np.argmax(values))
-    choice = reduced.complete(choice)
+    built = build_model(costs, edges, problem.shared, reduced, problem.memory_terms,
+                        problem.memory_budget, problem.minimize_peak, scale, initial)
+    if solver == "highs" and DIRECT_HIGHS:
+        run = _solve_with_highs(built.model, time_limit, gap)
+    else:
+        run = _solve_with_pulp(built.model, _make_solver(solver, time_limit, gap,
+                                                         warm=initial is not None))
+    if not run.solved:
+        raise InfeasibleError(f"the ILP has no feasible solution (solver status: {run.status})")
+    choice = reduced.complete(built.choice(run.values))
     # the objective of the problem as given, not of its reduced form
     total = constant + sum(full_costs[k][a] for k, a in choice.items())
     for e in full_edges:
@@ -256,39 +181,56 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | N
     total += sum(shared_reads_cost(g, choice) for g in problem.shared)
     if not math.isfinite(total):
         raise InfeasibleError("no plan connects every node without an impossible resharding")
-    if peak is not None:
-        total = float(peak.value() or 0.0) / mem_scale
-    return ILPSolution(choice=choice, objective=float(total), status=status_name,
+    if built.peak is not None:
+        total = float(run.values[built.peak]) / built.mem_scale
+    return ILPSolution(choice=choice, objective=float(total), status=run.status,
                        seconds=time.perf_counter() - start,
-                       num_variables=prob.numVariables(), num_constraints=prob.numConstraints())
+                       num_variables=run.num_variables, num_constraints=run.num_constraints)
 
 
-def _solve_highs(problem: ILPProblem, reduced, costs, edges, scale: float,
-                 time_limit: float | None, gap: float | None):
+class _SolverRun(NamedTuple):
+    status: str
+    """PuLP's status name."""
+    solved: bool
+    values: np.ndarray
+    """Column values in the model's order."""
+    num_variables: int
+    num_constraints: int
+
+
+def _solve_with_highs(model: LinearModel, time_limit: float | None, gap: float | None
+                      ) -> _SolverRun:
+    """Hand ``model``'s arrays straight to HiGHS (``passes/ilp_highs.py``)."""
     from torchalpa.passes.ilp_highs import solve_with_highs
     _make_solver("highs", time_limit, gap)     # the same error when highspy is missing
-    return solve_with_highs(costs, edges, reduced, problem.memory_terms, problem.memory_budget,
-                            problem.minimize_peak, scale, time_limit=time_limit, gap=gap,
-                            verbose=bool(solver_verbose()))
+    status, values = solve_with_highs(model, time_limit=time_limit, gap=gap,
+                                      verbose=bool(solver_verbose()))
+    return _SolverRun(status, status not in ("Infeasible", "Not Solved", "Undefined"), values,
+                      len(model.names), len(model.row_lower))
 
 
-def _finish(problem: ILPProblem, reduced, full_costs, full_edges, constant: float,
-            start: float, result) -> ILPSolution:
-    """The solution of a solve done by ``passes/ilp_highs.py`` (see the PuLP path above)."""
-    if result.status in ("Infeasible", "Not Solved", "Undefined"):
-        raise InfeasibleError(f"the ILP has no feasible solution (solver status: "
-                              f"{result.status})")
-    choice = reduced.complete({k: result.choice.get(k, 0) for k in reduced.costs})
-    total = constant + sum(full_costs[k][a] for k, a in choice.items())
-    for e in full_edges:
-        total += e.table[e.row_of[choice[e.u]], e.col_of[choice[e.v]]]
-    if not math.isfinite(total):
-        raise InfeasibleError("no plan connects every node without an impossible resharding")
-    if problem.minimize_peak:
-        mem_scale = 1.0 / max(1.0, max((float(np.max(m)) for g in problem.memory_terms
-                                        for m in g.values()), default=1.0))
-        total = float(result.peak or 0.0) / mem_scale
-    return ILPSolution(choice=choice, objective=float(total), status=result.status,
-                       seconds=time.perf_counter() - start,
-                       num_variables=result.num_variables,
-                       num_constraints=result.num_constraints)
+def _solve_with_pulp(model: LinearModel, solver) -> _SolverRun:
+    """Write ``model`` through PuLP (which hands CBC an MPS file) and solve it with
+    ``solver``, a PuLP solver object."""
+    prob = pulp.LpProblem("torchalpa_intra_op", pulp.LpMinimize)
+    columns = [prob.add_variable(name, lowBound=0,
+                                 upBound=upper if math.isfinite(upper) else None,
+                                 cat=pulp.LpBinary if integer else pulp.LpContinuous)
+               for name, upper, integer in zip(model.names, model.upper, model.integer)]
+    for lower, upper, index, value in model.rows():
+        expression = pulp.LpAffineExpression([(columns[c], v) for c, v in zip(index, value)])
+        if lower == upper:
+            prob += pulp.LpConstraint(expression, pulp.LpConstraintEQ, rhs=lower)
+        elif math.isinf(lower):
+            prob += pulp.LpConstraint(expression, pulp.LpConstraintLE, rhs=upper)
+        else:
+            assert math.isinf(upper), "a row with two finite bounds"
+            prob += pulp.LpConstraint(expression, pulp.LpConstraintGE, rhs=lower)
+    prob += pulp.LpAffineExpression([(x, c) for x, c in zip(columns, model.cost) if c != 0])
+    for col, value in model.initial.items():
+        columns[col].setInitialValue(value)
+    status = pulp.LpStatus[prob.solve(solver)]
+    solved = status not in ("Infeasible", "Not Solved", "Undefined") and prob.sol_status not in (
+        pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound)
+    values = np.array([x.value() or 0.0 for x in columns], dtype=float)
+    return _SolverRun(status, solved, values, prob.numVariables(), prob.numConstraints())

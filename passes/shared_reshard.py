@@ -11,7 +11,8 @@ So a value whose reads are priced this way is a ``SharedReads`` group, kept out 
 ordinary edges: per read ``k`` an indicator ``e_k[p, d]`` (the producer writes ``p``, the
 read wants ``d``; linked to both sides' strategy variables as an ordinary edge is), and per
 pair a ``w[p, d] >= e_k[p, d]`` for every read, priced ``cost(p -> d)``. Minimizing drives
-``w`` to the largest indicator: paid once when any read wants ``d``.
+``w`` to the largest indicator: paid once when any read wants ``d``. The ILP's builder
+(``passes/ilp_model.py::add_shared_reads``) writes these for both solvers.
 
 Which values: those the plan found reads twice in one layout. Pricing every value with
 several readers this way would keep ``passes/presolve.py`` from reducing any of their
@@ -25,7 +26,6 @@ be missed.
 from __future__ import annotations
 
 import logging
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -33,8 +33,8 @@ import numpy as np
 
 from torchalpa.opgraph import OpGraph, ValueRef
 
-__all__ = ["SharedReads", "duplicated_reads", "shared_groups", "add_shared_reads",
-           "shared_reads_cost", "multi_read_values", "solve_sharing_reads", "ValueKey"]
+__all__ = ["SharedReads", "duplicated_reads", "shared_groups", "shared_reads_cost",
+           "multi_read_values", "solve_sharing_reads", "ValueKey"]
 
 log = logging.getLogger("torchalpa.planner")
 SHARING_ROUNDS = 6    # solves that may add values whose reads share one resharded copy
@@ -123,60 +123,6 @@ def shared_groups(graph: OpGraph, S: dict, grouping, costs, values: set[ValueKey
         table = np.array([[costs.cost(spec, src, dst) for dst in targets] for src in sources])
         groups.append(SharedReads((u, idx), rep[u], rows, per_read, table))
     return groups
-
-
-def add_shared_reads(prob, s: dict, group: SharedReads, tag: str, scale: float) -> list:
-    """Add ``group``'s variables and constraints to the pulp problem ``prob`` (``s``: node
-    -> strategy variables, 1 for a fixed node, None for a forbidden strategy); return its
-    objective terms."""
-    import pulp
-
-    P, D = group.table.shape
-    w: dict[tuple[int, int], object] = {}
-    terms = []
-
-    def charge(p: int, d: int):
-        var = w.get((p, d))
-        if var is None:
-            var = w[(p, d)] = prob.add_variable(f"{tag}_w{p}_{d}", lowBound=0, upBound=1)
-            terms.append((var, group.table[p, d] * scale))
-        return var
-
-    sources = [[x for a, x in enumerate(s[group.producer]) if x is not None and
-                group.rows[a] == p] for p in range(P)]
-    for k, (v, targets) in enumerate(group.reads):
-        if v == group.producer:        # the reader follows the producer: its own choice
-            for p in range(P):
-                for d in range(D):
-                    chosen = [x for a, x in enumerate(s[v]) if x is not None and
-                              group.rows[a] == p and targets[a] == d]
-                    if not chosen or group.table[p, d] == 0:
-                        continue
-                    if math.isfinite(group.table[p, d]):
-                        prob += charge(p, d) >= pulp.lpSum(chosen)
-                    else:              # a layout it cannot read this value in
-                        prob += pulp.lpSum(chosen) == 0
-            continue
-        wanted = [[x for b, x in enumerate(s[v]) if x is not None and targets[b] == d]
-                  for d in range(D)]
-        rows: list[list] = [[] for _ in range(P)]
-        cols: list[list] = [[] for _ in range(D)]
-        for p in range(P):
-            for d in range(D):
-                if not sources[p] or not wanted[d] or not math.isfinite(group.table[p, d]):
-                    continue
-                e = prob.add_variable(f"{tag}_e{k}_{p}_{d}", lowBound=0, upBound=1)
-                rows[p].append(e)
-                cols[d].append(e)
-                if group.table[p, d] != 0:
-                    prob += charge(p, d) >= e
-        for p in range(P):
-            if sources[p]:
-                prob += pulp.lpSum(rows[p]) == pulp.lpSum(sources[p])
-        for d in range(D):
-            if wanted[d]:
-                prob += pulp.lpSum(cols[d]) == pulp.lpSum(wanted[d])
-    return terms
 
 
 def shared_reads_cost(group: SharedReads, choice: dict[str, int]) -> float:

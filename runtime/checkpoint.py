@@ -61,13 +61,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
-from torchalpa.runtime.mesh import on_rank0
+from torchalpa.runtime import mesh
+from torchalpa.runtime.mesh import gather_objects, on_rank0
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "latest_checkpoint",
            "checkpoint_extra"]
@@ -112,12 +112,6 @@ def _guard(pmodel, what: str):
     named (``RankFailedError``) instead of surfacing as a bare timeout."""
     monitor = getattr(pmodel, "_monitor", None)
     return monitor.guard(what) if monitor is not None else contextlib.nullcontext()
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 # -- small filesystem helpers -----------------------------------------------------------
@@ -237,22 +231,18 @@ def _written_by(name: str, rank: int) -> bool:
     return not (re.fullmatch(r"__\d+_\d+\.distcp", name) or re.fullmatch(r"rng-\d+\.pt", name))
 
 
-def _hash_own_files(directory: Path, rank: int, world: int) -> dict[str, str]:
+def _hash_own_files(directory: Path, rank: int) -> dict[str, str]:
     """SHA-256 of the files this rank wrote, then every rank's (one all-gather)."""
     mine = {p.name: _sha256(p) for p in sorted(directory.iterdir())
             if p.is_file() and _written_by(p.name, rank)}
-    if world == 1:
-        return mine
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
-    return {name: digest for part in everyone for name, digest in part.items()}
+    return {name: digest for part in gather_objects(mine) for name, digest in part.items()}
 
 
 def _verify_checksums(directory: Path, manifest: dict) -> list[str]:
     """The files of ``directory`` whose SHA-256 differs from the manifest's, as messages.
     Collective when a process group is up: rank r hashes every world-th file, and the
     findings are all-gathered, so every rank gets the same answer."""
-    rank, world = _rank_world()
+    rank, world = mesh.rank(), mesh.world_size()
     names = sorted(n for n, e in manifest["files"].items() if e["sha256"] is not None)
     bad = []
     for name in names[rank::world]:
@@ -265,11 +255,7 @@ def _verify_checksums(directory: Path, manifest: dict) -> list[str]:
         if actual != expected:
             bad.append(f"{name} does not match its checksum (sha256 {actual[:16]}..., the "
                        f"manifest says {expected[:16]}...)")
-    if world == 1:
-        return bad
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, bad)
-    return sorted(m for part in everyone for m in part)
+    return sorted(m for part in gather_objects(bad) for m in part)
 
 
 def latest_checkpoint(path: str | os.PathLike) -> Path:
@@ -447,7 +433,7 @@ def save_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
 
 
 def _save(root: Path, module, optimizer, keep: int | None, extra: dict) -> Path:
-    rank, world = _rank_world()
+    rank, world = mesh.rank(), mesh.world_size()
 
     def begin():
         if root.exists() and not root.is_dir():
@@ -462,17 +448,12 @@ def _save(root: Path, module, optimizer, keep: int | None, extra: dict) -> Path:
     name, tmp = on_rank0(begin, "starting the checkpoint")
     tmp = Path(tmp)
     _reached("started")
-    if optimizer is None:
-        state = {"model": get_model_state_dict(module)}
-    else:
-        model_sd, optim_sd = get_state_dict(module, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
+    dcp.save(_state_dicts(module, optimizer), storage_writer=FileSystemWriter(tmp, sync_files=True))
     _save_rng(tmp, rank)
     _reached("data_written")
     # every rank hashes its own files; the all-gather also means that every rank's
     # files are on disk before rank 0 commits
-    digests = _hash_own_files(tmp, rank, world)
+    digests = _hash_own_files(tmp, rank)
 
     def commit():
         _reached("before_manifest")
@@ -498,6 +479,14 @@ def _save(root: Path, module, optimizer, keep: int | None, extra: dict) -> Path:
         return str(root / name)
 
     return Path(on_rank0(commit, "committing the checkpoint"))
+
+
+def _state_dicts(module, optimizer) -> dict:
+    """What DCP saves and loads: the model's state dict, and the optimizer's if any."""
+    if optimizer is None:
+        return {"model": get_model_state_dict(module)}
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
 
 
 def _prune(root: Path, keep: int | None, current: str) -> None:
@@ -530,19 +519,15 @@ def load_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
     directory, manifest = _intact_version(Path(path), fallback)
     reader = _SafeReader(directory)
     reader.read_metadata()                # our error naming the file, before DCP wraps it
+    state = _state_dicts(module, optimizer)
+    dcp.load(state, storage_reader=reader)
     if optimizer is None:
-        state = {"model": get_model_state_dict(module)}
-        dcp.load(state, storage_reader=reader)
         set_model_state_dict(module, state["model"])
     else:
-        model_sd, optim_sd = get_state_dict(module, optimizer)
-        state = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(state, storage_reader=reader)
         set_state_dict(module, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
     if rng:
-        rank, world = _rank_world()
-        _load_rng(directory, manifest, rank, world)
+        _load_rng(directory, manifest, mesh.rank(), mesh.world_size())
     return directory
 
 

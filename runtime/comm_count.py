@@ -50,8 +50,7 @@ class CollectiveCounter(TorchDispatchMode):
         if kind is not None:
             tensor = args[0]
             group = args[_GROUP_ARG[kind]] if len(args) > _GROUP_ARG[kind] else None
-            self.records.append(CollectiveRecord(kind, self.group_axes.get(group),
-                                                 tensor.numel() * tensor.element_size()))
+            self.records.append(CollectiveRecord(kind, self.group_axes.get(group), tensor.nbytes))
         return func(*args, **(kwargs or {}))
 
     def counts(self) -> Counter:

@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from torchalpa.runtime.mesh import rank, world_size
+
 __all__ = ["gathered_module", "save_pretrained"]
 
 
@@ -51,17 +53,13 @@ def gathered_module(pm) -> nn.Module:
     return plain
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def save_pretrained(pm, directory: str | os.PathLike, **kwargs) -> None:
     """Gather ``pm`` (every rank calls this) and write it to ``directory`` from rank 0.
 
     ``kwargs`` go to the model's own ``save_pretrained`` (HuggingFace models).
     """
     plain = gathered_module(pm)
-    if _rank() == 0:
+    if rank() == 0:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         save_pretrained = getattr(plain, "save_pretrained", None)
@@ -73,5 +71,5 @@ def save_pretrained(pm, directory: str | os.PathLike, **kwargs) -> None:
                                 f"{sorted(kwargs)} cannot be honoured")
             from safetensors.torch import save_model
             save_model(plain, str(directory / "model.safetensors"))
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         dist.barrier()          # nobody reads the directory before rank 0 has written it

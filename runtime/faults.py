@@ -40,8 +40,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from torchalpa.runtime.mesh import gather_objects, world_size
+
 __all__ = ["RankFailedError", "FaultMonitor", "check_same_inputs", "check_same_values",
-           "describe_specs"]
+           "describe_specs", "describe_culprits"]
 
 _PREFIX = "torchalpa/"
 HEARTBEAT_S = 0.5
@@ -132,15 +134,7 @@ class FaultMonitor:
             self.leaving(failed, dead)
             if failed or dead:
                 self._wait_for_survivors(set(failed) | set(dead))
-            if failed:
-                who = "; ".join(f"rank {r} failed with {text}" for r, text in failed.items())
-                if dead:
-                    who += f"; rank(s) {', '.join(map(str, dead))} died"
-                return me + who + tail
-            if dead:
-                return (me + f"rank(s) {', '.join(map(str, dead))} died (the process stopped "
-                        "without an error: killed by a signal, the out-of-memory killer, or "
-                        "a crash of the interpreter)" + tail)
+                return me + describe_culprits(failed, dead) + tail
             missing = self._roll_call()
         except RankFailedError:  # torchrun stopped this rank meanwhile: launcher_stop's word
             raise
@@ -199,6 +193,16 @@ class FaultMonitor:
             if self._failures():
                 return missing
             time.sleep(0.2)
+
+
+def describe_culprits(failed: dict[int, str], dead: list[int]) -> str:
+    """The ranks ``FaultMonitor.culprits`` found, as a message (at least one is given)."""
+    parts = [f"rank {r} failed with {text}" for r, text in failed.items()]
+    if dead:
+        parts.append(f"rank(s) {', '.join(map(str, dead))} died (the process stopped without "
+                     "an error: killed by a signal, the out-of-memory killer, or a crash of "
+                     "the interpreter)")
+    return "; ".join(parts)
 
 
 class _Heartbeat:
@@ -281,24 +285,21 @@ class _Heartbeat:
             time.sleep(0.2)
 
 
-def describe_specs(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> str:
+def describe_specs(specs: Sequence[tuple[tuple[int, ...], torch.dtype | str]]) -> str:
     return "[" + ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d in specs) + "]"
 
 
 def check_same_inputs(specs: list[tuple[tuple[int, ...], torch.dtype]], expected: str) -> None:
     """Every rank passes inputs of the same shapes and dtypes, or every rank raises a
     ValueError naming the ranks that differ (one all-gather of the shapes)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return
-    mine = [(tuple(s), str(d)) for s, d in specs]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = gather_objects([(tuple(s), str(d)) for s, d in specs])
     if all(e == everyone[0] for e in everyone):
         return
     groups: dict[str, list[int]] = {}
     for r, e in enumerate(everyone):
-        text = "[" + ", ".join(f"{s} {d.removeprefix('torch.')}" for s, d in e) + "]"
-        groups.setdefault(text, []).append(r)
+        groups.setdefault(describe_specs(e), []).append(r)
     listing = "; ".join(f"rank(s) {', '.join(map(str, rs))}: {text}" for text, rs in groups.items())
     raise ValueError(f"the ranks passed inputs of different shapes or dtypes ({listing}); every "
                      f"rank must pass the same {expected}")
@@ -317,10 +318,9 @@ def batch_digest(inputs: Sequence[torch.Tensor]) -> str:
 def check_same_values(inputs: Sequence[torch.Tensor], what: str = "batch") -> None:
     """Every rank passes the same global batch (the same values), or every rank raises a
     ValueError naming the ranks whose batch differs from rank 0's (one all-gather)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, batch_digest(inputs))
+    everyone = gather_objects(batch_digest(inputs))
     differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
     if differ:
         raise ValueError(

@@ -56,14 +56,10 @@ class _Stop:
                             f"store is unreachable ({type(e).__name__}); see the agent's "
                             "report for the rank that failed")
         monitor.leaving(failed, dead)
-        parts = [f"rank {r} failed with {text}" for r, text in failed.items()]
-        if dead:
-            parts.append(f"rank(s) {', '.join(map(str, dead))} died (the process stopped "
-                         "without an error: killed by a signal, the out-of-memory killer, "
-                         "or a crash of the interpreter)")
-        if parts:
+        if failed or dead:
+            from torchalpa.runtime.faults import describe_culprits
             self.message = (f"rank {monitor.rank}: torchrun stopped the job (SIGTERM) "
-                            f"because {'; '.join(parts)}")
+                            f"because {describe_culprits(failed, dead)}")
         self.diagnosed.set()
 
     def on_signal(self, signum, frame) -> None:

@@ -148,16 +148,9 @@ def _local_zeros(meta: torch.Tensor, mesh, placements, device) -> DTensor:
                                  f"over {mesh.size(axis)} devices")
             shape[p.dim] //= mesh.size(axis)
     local = torch.zeros(shape, dtype=meta.dtype, device=device)
+    contiguous = torch.empty(meta.shape, device="meta").stride()
     return DTensor.from_local(local, mesh, placements, run_check=False,
-                              shape=meta.shape, stride=_contiguous_stride(meta.shape))
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, out = 1, []
-    for s in reversed(tuple(shape)):
-        out.append(stride)
-        stride *= max(s, 1)
-    return tuple(reversed(out))
+                              shape=meta.shape, stride=contiguous)
 
 
 def initialize(module: nn.Module, mesh, init_weights: Callable[[nn.Module], None]) -> None:
@@ -190,8 +183,10 @@ def _state(module: nn.Module):
 def _shared_seed() -> int:
     """A seed every rank agrees on (rank 0's next random number)."""
     import torch.distributed as dist
+
+    from torchalpa.runtime.mesh import world_size
     seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world_size() > 1:
         dist.broadcast(seed, src=0)
     return int(seed.item())
 

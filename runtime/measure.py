@@ -19,9 +19,7 @@ def local_nbytes(t: torch.Tensor | None) -> int:
     """Bytes this rank holds for ``t`` (its shard if ``t`` is a DTensor)."""
     if t is None:
         return 0
-    if isinstance(t, DTensor):
-        t = t.to_local()
-    return t.numel() * t.element_size()
+    return t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes
 
 
 def model_state_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:

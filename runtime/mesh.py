@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["default_backend", "default_device", "init_distributed", "build_mesh", "rank",
-           "world_size", "check_world_size"]
+           "world_size", "check_world_size", "on_rank0", "gather_objects", "comm_device"]
 
 _TIMEOUT_ENV = "TORCHALPA_TIMEOUT_S"
 
@@ -77,11 +77,29 @@ def build_mesh(shape: tuple[int, ...], axis_names: tuple[str, ...]) -> DeviceMes
 _T = TypeVar("_T")
 
 
+def gather_objects(obj: _T) -> list[_T]:
+    """Every rank's ``obj`` (picklable) in rank order, on every rank (one all-gather);
+    ``[obj]`` without a process group or alone in it."""
+    if world_size() == 1:
+        return [obj]
+    everyone: list = [None] * world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+def comm_device() -> torch.device:
+    """Where the default process group's collectives take tensors: this rank's GPU under
+    NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def on_rank0(compute: Callable[[], _T], what: str) -> _T:
     """``compute()`` on rank 0, its result (picklable) on every rank; an error there is
     raised on every rank (naming ``what``), so none waits forever for the others. Without
     a process group, or alone in it, ``compute()`` simply runs."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if world_size() == 1:
         return compute()
     payload: list = [None]
     if dist.get_rank() == 0:

@@ -133,11 +133,12 @@ def sync_random_state(device: torch.device) -> bool:
     """Give every rank rank 0's default generator state(s); True if some rank's differed
     (then a ``RandomStateWarning`` says so). Call on every rank."""
     import torch.distributed as dist
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+
+    from torchalpa.runtime.mesh import comm_device, world_size
+    if world_size() == 1:
         return False
     differed = False
-    comm = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    comm = comm_device()
     for i, state in enumerate(_states(device)):
         mine = state.to(comm)
         theirs = mine.clone()

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from torchalpa.runtime.mesh import comm_device, gather_objects
+
 __all__ = ["ReplicaMismatchError", "bit_hash", "check_replicas", "enabled_by_env",
            "raise_on_every_rank", "RNG_STATE"]
 
@@ -62,8 +64,7 @@ def check_replicas(named: list[tuple[str, torch.Tensor]], mesh, *, check_rng: bo
     """
     if mesh.size() == 1:
         return
-    comm = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    comm = comm_device()
     entries = []   # (name, axes it is replicated over, hash)
     for name, t in named:
         if isinstance(t, DTensor):
@@ -113,12 +114,7 @@ def raise_on_every_rank(error: ReplicaMismatchError | None) -> None:
     """Raise ``error``, or the first error another rank found, on every rank (one small
     all-gather of the messages). A pipeline's stages check replicas on their own meshes; a
     stage that stopped alone would leave the others waiting for its activations."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, None if error is None else str(error))
+    everyone = gather_objects(None if error is None else str(error))
     if error is not None:
         raise error
     found = next(((r, m) for r, m in enumerate(everyone) if m is not None), None)

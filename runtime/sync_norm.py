@@ -28,6 +28,7 @@ batch-synced op's local call with ``synced_call(...)``, a call of ``run``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -166,11 +167,7 @@ def run(*args, op: str, count: int, groups: Sequence[str]):
 
 def per_channel_count(input_shape: Sequence[int]) -> int:
     """Elements per channel in an (N, C, ...) input: what the statistics average over."""
-    count = 1
-    for d, size in enumerate(input_shape):
-        if d != 1:
-            count *= int(size)
-    return count
+    return math.prod(int(size) for d, size in enumerate(input_shape) if d != 1)
 
 
 def synced_call(op: str, args: Sequence, kwargs: dict, *, input_shape: Sequence[int],

@@ -70,9 +70,8 @@ class TensorBoardHook:
             self.writer = writer if writer is not None else _summary_writer(log_dir)
 
     def _writes(self) -> bool:
-        dist = torch.distributed
-        here = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return here == self.rank
+        from torchalpa.runtime.mesh import rank
+        return rank() == self.rank
 
     def __call__(self, pm, step: int, *, loss=None) -> StepStats:
         """Write the last complete step of ``pm`` at ``step``; returns its stats."""

@@ -24,9 +24,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
+from torchalpa.runtime.mesh import rank, world_size
 from torchalpa.runtime.traffic import label_axes
 
 __all__ = ["profile_steps", "trace_path"]
@@ -53,8 +53,7 @@ def profile_steps(pm, steps: int, path, inputs: tuple, kwargs: dict) -> str:
     if not inputs and not kwargs:
         raise ValueError("pm.profile(steps, path, *batch) needs the batch to train on, as "
                          "train_step takes it: pm.profile(3, 'trace.json', x, y)")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    out = trace_path(path, rank, world)
+    out = trace_path(path, rank(), world_size())
     if os.path.dirname(out):
         os.makedirs(os.path.dirname(out), exist_ok=True)
     label_axes(pm.mesh)

@@ -77,7 +77,7 @@ def issued(kind: str, x: torch.Tensor, group_name: str, received_factor: float =
     while one records)."""
     if torch.compiler.is_compiling():
         return contextlib.nullcontext()
-    nbytes = x.numel() * x.element_size()
+    nbytes = x.nbytes
     TALLY.count[kind] += 1
     TALLY.sent[kind] += nbytes
     TALLY.received[kind] += int(nbytes * received_factor)
@@ -98,7 +98,7 @@ def point_to_point(direction: str, x: torch.Tensor, peer: int):
     """Count one pipeline ``"send"`` or ``"recv"`` of ``x`` with rank ``peer``; a context to
     run it in (a profiler label while one records)."""
     assert direction in ("send", "recv"), direction
-    nbytes = x.numel() * x.element_size()
+    nbytes = x.nbytes
     if direction == "send":
         TALLY.count["send_recv"] += 1
         TALLY.sent["send_recv"] += nbytes
