@@ -184,3 +184,20 @@ def test_a_small_resnets_estimate_pays_its_convolutions_at_the_measured_rate():
     blocks = 4 * conv_flops(local_batch, channels, size, kernel) * per_flop
     stem = 2 * 2 * local_batch * 3 * channels * kernel * kernel * size * size * per_flop
     assert blocks <= steps[1] - steps[0] <= blocks + stem
+
+
+def test_measuring_leaves_the_callers_random_state_as_it_was(monkeypatch):
+    """The first ``auto_parallel`` on a machine measures it; that must not reseed the
+    user's generator (it made every rank's state equal, hiding per-rank seeds). One rank
+    times everything as many do; only the alpha-beta fit, which needs two, is stubbed."""
+    import torch.distributed as dist
+    monkeypatch.setattr(calibrate, "fit_alpha_beta", lambda sizes, times, world: (1e-5, 1e-9))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(1234)
+        expected = torch.rand(4)
+        torch.manual_seed(1234)
+        calibrate._measure_here(1, "gloo")
+        assert torch.equal(torch.rand(4), expected)
+    finally:
+        dist.destroy_process_group()

@@ -189,8 +189,17 @@ def in_step_latency(with_collective_s: float, compute_only_s: float) -> float:
 
 
 def _measure_here(world: int, backend: str) -> Calibration:
-    """Time compute and all-reduces on this rank, every rank doing the same at once."""
-    torch.manual_seed(0)
+    """Time compute and all-reduces on this rank, every rank doing the same at once.
+
+    The timing tensors come from a forked generator: measuring leaves the caller's random
+    state as it was (a user's per-rank seeds included), whether or not the cache held a
+    calibration already."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return _measure_timings(world, backend)
+
+
+def _measure_timings(world: int, backend: str) -> Calibration:
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     big = torch.randn(4 * 1024 * 1024)
     tiny = torch.randn(16)
