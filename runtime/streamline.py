@@ -24,6 +24,7 @@ import functools
 
 import torch
 import torch.fx as fx
+from torch.fx.node import map_arg
 
 __all__ = ["streamline", "streamlined_copy", "fold_permute_pairs", "fold_constants", "direct_calls",
            "MAX_CONSTANT_NUMEL"]
@@ -62,7 +63,7 @@ def _returned(graph: fx.Graph, read_only_from: int | None) -> set[fx.Node]:
     if read_only_from is None or not isinstance(values, (tuple, list)):
         return set(out.all_input_nodes)
     found: list[fx.Node] = []
-    fx.node.map_arg(values[:read_only_from], found.append)
+    map_arg(values[:read_only_from], found.append)
     return set(found)
 
 
@@ -78,7 +79,9 @@ def fold_permute_pairs(graph: fx.Graph) -> int:
         if not (isinstance(inner, fx.Node) and inner.op == "call_function"
                 and inner.target is aten.permute.default and not inner.kwargs):
             continue
-        p, q = list(inner.args[1]), list(n.args[1])
+        p, q = inner.args[1], n.args[1]
+        if not isinstance(p, (list, tuple)) or not isinstance(q, (list, tuple)):
+            continue
         if len(p) != len(q) or any(p[q[i]] != i for i in range(len(q))):
             continue
         n.replace_all_uses_with(inner.args[0])
@@ -110,8 +113,8 @@ def fold_constants(gm: fx.GraphModule, read_only_from: int | None = None) -> int
     for n in graph.nodes:
         if not _foldable(n) or not all(i in values for i in n.all_input_nodes):
             continue
-        value = n.target(*fx.node.map_arg(n.args, values.__getitem__),
-                         **fx.node.map_arg(n.kwargs, values.__getitem__))
+        value = n.target(*map_arg(n.args, values.__getitem__),
+                         **map_arg(n.kwargs, values.__getitem__))
         if isinstance(value, torch.Tensor) and value.numel() <= MAX_CONSTANT_NUMEL:
             values[n] = value
     returned = _returned(graph, read_only_from)

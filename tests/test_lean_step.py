@@ -23,7 +23,7 @@ def one_rank_group():
 
     from torchalpa.runtime.mesh import init_distributed
     init_distributed()
-    yield dist.group.WORLD.group_name
+    yield dist.group.WORLD.group_name  # pyright: ignore[reportOptionalMemberAccess]
     dist.destroy_process_group()
 
 

@@ -119,4 +119,5 @@ def test_a_causal_attention_step_matches_eager():
         ref_opt.step()
         torch.testing.assert_close(loss, want.detach(), rtol=1e-6, atol=1e-6)
     for p, q in zip(pm.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.full_tensor(), q.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p.full_tensor(), q.detach(),  # pyright: ignore[reportAttributeAccessIssue]
+                                   rtol=1e-5, atol=1e-6)
