@@ -149,6 +149,14 @@ def worker(args):
             json.dump(result, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+    # written, and every rank has left the group: skip interpreter teardown, where gloo
+    # threads can abort the process ("terminate called without an active exception") and
+    # fail a job whose work is done (as torchalpa.bench's worker does)
+    import os
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def measure(name, build, batch, loss_fn, args, rank, world):

@@ -17,12 +17,15 @@ from torch.distributed.tensor import DTensor
 __all__ = ["attach_gradients"]
 
 
-def attach_gradients(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
-                     ) -> None:
+def attach_gradients(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                     *, clear_missing: bool = False) -> None:
     """Set ``p.grad`` for each parameter with a gradient (its local block, in the
-    parameter's layout); a None gradient leaves ``p.grad`` as it is."""
+    parameter's layout); a None gradient leaves ``p.grad`` as it is, or sets it to None
+    with ``clear_missing``."""
     for p, g in zip(params, grads):
         if g is None:
+            if clear_missing:
+                p.grad = None
             continue
         if not isinstance(p, DTensor):
             p.grad = g

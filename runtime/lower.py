@@ -49,7 +49,7 @@ from torchalpa.runtime.attention_saved import save_attention_statistics
 from torchalpa.runtime.buckets import fuse_gradient_buckets, gradient_buckets
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.overlap import overlap_collectives
-from torchalpa.runtime.peephole import fold_relu_backward
+from torchalpa.runtime.peephole import fold_relu_backward, inline_batched_matmul
 from torchalpa.runtime.synced import run_synced, synced_axes
 
 __all__ = ["LocalProgram", "StageProgram", "GraphSlice", "ValueKey", "lower", "build_programs",
@@ -310,6 +310,7 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
     held = frozenset(n for n in roots + raw_grads + backward_sends if isinstance(n, fx.Node))
     save_attention_statistics(graph, device, keep=held)
     fold_relu_backward(graph, keep=held)
+    inline_batched_matmul(graph, keep=held)
     forward, backward = _split(graph, forward_phs, backward_phs, forward_out=roots,
                                backward_out=raw_grads + backward_sends)
     reduce_grads = _reduce(plan, coords, group_names,

@@ -166,6 +166,7 @@ class ParallelModule(StepModule):
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self._clock = StepClock(device)
         self._slots: dict[str, tuple[dict, str]] = {}   # name -> (owner's entries, key)
+        self._exact_optimizer: tuple = (None, False)     # (its key, holds exactly our params)
         # Adam & co. step on the local shards; a stage's optimizer also holds the other
         # stages' parameters (no local data here), so pipelines keep the plain step
         self._lean_step = self._loss_rank is None
@@ -263,11 +264,28 @@ class ParallelModule(StepModule):
             grads = self._runner.gradients(step)
             loss = self._loss(step)     # after backward: its all-reduce overlapped with it
         self._write_buffer_updates(step.buffer_updates)
-        optimizer.zero_grad(set_to_none=True)
-        attach_gradients(tensors[:len(self._param_names)], grads)
+        params = tensors[:len(self._param_names)]
+        if self._steps_exactly(optimizer, params):    # every gradient set below: no zero_grad
+            attach_gradients(params, grads, clear_missing=True)
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            attach_gradients(params, grads)
         optimizer.step()
         self._clock.stop("forward+backward+optimizer")
         return loss.detach()
+
+    def _steps_exactly(self, optimizer: torch.optim.Optimizer,
+                       params: Sequence[torch.Tensor]) -> bool:
+        """Whether ``optimizer`` holds exactly ``params``: then setting each one's gradient
+        (None where it has none) is ``zero_grad(set_to_none=True)`` plus the gradients,
+        without a second walk over the parameters (remembered per optimizer and groups)."""
+        groups = optimizer.param_groups
+        key = (id(optimizer), len(groups), sum(len(g["params"]) for g in groups),
+               tuple(map(id, params)))
+        if self._exact_optimizer[0] != key:
+            held = {id(p) for g in groups for p in g["params"]}
+            self._exact_optimizer = (key, held == {id(p) for p in params})
+        return self._exact_optimizer[1]
 
     @torch.no_grad()
     def predict(self, *inputs: torch.Tensor, **kwargs: torch.Tensor):

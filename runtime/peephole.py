@@ -9,6 +9,11 @@ bit:
 - ReLU's backward: ``where(le(x, t), scalar_tensor(0), grad)`` is
   ``threshold_backward(grad, x, t)`` (eager autograd's kernel; both pick ``grad`` where
   ``x > t`` or is NaN, and zero elsewhere).
+- ``torchalpa::batched_matmul`` (the capture's one op for a product over several batch
+  dims, so the planner gets one rule for it) runs as its body, ``matmul`` then
+  ``contiguous``: a ``torch.library`` custom op goes through Python autograd and dispatch
+  plumbing on every call (about 30 us on CPU, some ten calls per layer and step), which a
+  lowered program, run without autograd, does not need.
 """
 
 from __future__ import annotations
@@ -16,9 +21,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["fold_relu_backward"]
+import torchalpa.batched_matmul  # noqa: F401  (registers torchalpa::batched_matmul)
+
+__all__ = ["fold_relu_backward", "inline_batched_matmul"]
 
 aten = torch.ops.aten
+_BATCHED_MATMUL = torch.ops.torchalpa.batched_matmul.default
 
 
 def _zero_scalar(n: object) -> bool:
@@ -52,3 +60,20 @@ def fold_relu_backward(graph: fx.Graph, keep: frozenset[fx.Node] = frozenset()) 
                 graph.erase_node(dead)
         folded += 1
     return folded
+
+
+def inline_batched_matmul(graph: fx.Graph, keep: frozenset[fx.Node] = frozenset()) -> int:
+    """Rewrite each ``torchalpa::batched_matmul(a, b)`` into ``matmul(a, b).contiguous()``
+    (the op's own body, so the same kernels on the same values) in place; returns how many.
+    Nodes in ``keep`` stay (the lowering holds them by reference)."""
+    inlined = 0
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not _BATCHED_MATMUL or n.kwargs or n in keep:
+            continue
+        with graph.inserting_before(n):
+            product = graph.call_function(torch.matmul, tuple(n.args))
+            dense = graph.call_method("contiguous", (product,))
+        n.replace_all_uses_with(dense)
+        graph.erase_node(n)
+        inlined += 1
+    return inlined

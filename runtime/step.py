@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
+import torch.fx as fx
 
 from torchalpa.runtime.deferred_loss import defer_loss_wait
 from torchalpa.runtime.early_reduce import early_reduce_program
 from torchalpa.runtime.lower import StageProgram, ValueKey
+from torchalpa.runtime.streamline import streamlined_copy
 from torchalpa.schedules import SCHEDULES, Action
 
 __all__ = ["StepRunner", "StepInFlight", "Exchange", "split_micro_batches"]
@@ -96,9 +98,12 @@ class StepRunner:
         self.num_micro_batches = num_micro_batches
         self.exchange = exchange
         self.actions: list[Action] = SCHEDULES[schedule](num_stages, num_micro_batches)[stage]
+        # (traced by torch.compile, plain; run eagerly, streamlined: ``runtime.streamline``)
         self._backward_reduce = None if exchange is not None else early_reduce_program(
             program.backward, program.reduce_grads, num_micro_batches)
-        self._deferred: tuple = (None, None, None)   # (program.forward, its copy, the wait)
+        self._backward_reduce_eager = None if self._backward_reduce is None else \
+            streamlined_copy(self._backward_reduce)
+        self._deferred: tuple = (None,) * 4  # (program.forward, its copy, streamlined, wait)
         self._forward()        # built now: building a program inside torch.compile's trace
                                # would break its graph
 
@@ -157,23 +162,33 @@ class StepRunner:
 
     def _forward(self) -> tuple[Callable, Callable | None]:
         """The forward program to run and what waits for its loss: one stage's leaves the
-        loss's all-reduce in flight (``runtime.deferred_loss``) and ``loss()`` waits for it.
-        Derived from the program's current ``forward`` (and again if that is replaced,
-        except while torch.compile traces: then the replacement runs as it is)."""
+        loss's all-reduce in flight (``runtime.deferred_loss``) and ``loss()`` waits for it;
+        run eagerly, a streamlined copy (``runtime.streamline``). Derived from the program's
+        current ``forward`` (and again if that is replaced, except while torch.compile
+        traces: then the replacement runs as it is)."""
         source = self.program.forward
         if self._deferred[0] is not source:
             if torch.compiler.is_compiling():
                 return source, None
             deferred = defer_loss_wait(source) if self.exchange is None and \
                 self.program.has_loss else None
-            self._deferred = (source, *(deferred if deferred is not None else (source, None)))
-        return self._deferred[1], self._deferred[2]
+            traced, wait = deferred if deferred is not None else (source, None)
+            p = self.program        # after the loss, sends and buffer updates: saved values
+            saved_from = int(p.has_loss) + len(p.forward_sends) + len(p.buffer_updates)
+            eager = streamlined_copy(traced, saved_from) if isinstance(traced, fx.GraphModule) \
+                and self.exchange is None else traced
+            self._deferred = (source, traced, eager, wait)
+        program = self._deferred[1] if torch.compiler.is_compiling() else self._deferred[2]
+        return program, self._deferred[3]
 
     def _backward(self, step: StepInFlight, m: int) -> None:
         p, exchange = self.program, self.exchange
         saved = step.saved.pop(m)
         if self._backward_reduce is not None:       # one micro-batch, one stage
-            step.reduced = list(self._backward_reduce(*saved))
+            program = self._backward_reduce if torch.compiler.is_compiling() \
+                else self._backward_reduce_eager
+            assert program is not None
+            step.reduced = list(program(*saved))
             return
         received = [exchange.recv(k, m) for k in p.backward_recvs] if exchange else []
         out = list(p.backward(*saved, *received))
