@@ -53,6 +53,16 @@ def test_four_ranks(four, name):
     check(four[name])
 
 
+def test_one_stage_checkpointed_trains_like_one_device(four):
+    """Stage 0 recomputes its forward before each backward (StagePlan.recompute), stage 1
+    keeps its activations: losses, sent bytes and parameters as on one device."""
+    r = four["gpt_2x2_recompute"]
+    assert r["recompute"] == [True, False]
+    # stage 0's 2 ranks ran each of 4 micro-batches' forward again, in each of 3 steps
+    assert r["replays"] == 2 * 4 * 3
+    check(r)
+
+
 def test_auto_parallel_options_apply_to_pipelines(four):
     """auto_parallel(num_micro_batches=4, compile=...) under PipeshardParallel: the step
     runs 4 micro-batches (and bytes, losses and parameters match, above), every rank's
