@@ -327,17 +327,6 @@ class _StageCosts:
                 self.candidates(k, i, submesh, in_flight_batches) if memory <= self.budget()]
         return min(fits, key=lambda c: c[0]) if fits else (math.inf, None)
 
-    def optimistic(self, k: int, i: int, submesh: tuple[int, int], in_flight_batches: int
-                   ) -> tuple[float, tuple[tuple[int, ...], bool, bool] | None]:
-        """Like ``cost``, but a plan the additive estimate calls too big counts as fitting
-        while its estimate is within ``MEMORY_SLACK`` x the budget: the additive sum over
-        layers overstates a stage's peak (the exact stage ILP places every layer's working
-        set and the micro-batches in flight together, and may shard more)."""
-        near = [(t, (view, lean, recompute)) for t, memory, view, lean, recompute in
-                self.candidates(k, i, submesh, in_flight_batches)
-                if memory <= MEMORY_SLACK * self.budget()]
-        return min(near, key=lambda c: c[0]) if near else (math.inf, None)
-
     def exact(self, k: int, i: int, submesh: tuple[int, int], view: tuple[int, ...],
               in_flight_batches: int, recompute: bool = False
               ) -> tuple[float, AutoShardingOption | None]:
@@ -400,72 +389,91 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
                   shapes: list[tuple[int, int]]):
     """Alpa's stage DP with the stages that decide it priced exactly.
 
-    Every (layer range, submesh, micro-batches in flight) starts at its additive estimate,
-    or, where that says "does not fit" but is near fitting, at the fastest additive plan's
-    latency (optimistic). Each round runs the DP, then prices each stage of its answer
-    not yet priced with the stage's own memory-constrained ILP and replaces the estimate
-    by that (inf if no plan fits). When every stage of an answer is exact, no estimate it
-    beat is lower than what was priced, so the answer stands. With measured layer times
-    (``stage_option="profile"``) the DP runs once on them. Returns the solution, per
-    stage (view, option, recompute), and how many candidates were priced exactly."""
-    exact: dict[tuple, tuple[float, tuple | None]] = {}
+    A (layer range, submesh, micro-batches in flight) has variants: each logical view,
+    kept or recomputed (``passes/stage_remat.py``). Each variant starts at its additive
+    estimate, or, where that says "does not fit" but is near fitting, at the fastest
+    additive plan's latency (optimistic); the candidate costs its cheapest variant. Each
+    round runs the DP, then prices the variant each stage of its answer took, if not yet
+    priced, with the stage's own memory-constrained ILP and replaces that variant's
+    estimate by it (inf if no plan fits), so the candidate falls back to its next variant
+    (another view, recomputation) when the exact plan is slower or does not fit. When
+    every stage of an answer is exact, no estimate it beat is lower than what was
+    priced, so the answer stands. With measured layer times (``stage_option="profile"``)
+    the DP runs once on them. Returns the solution, per stage (view, option, recompute),
+    and how many variants were priced exactly."""
+    exact: dict[tuple, dict[tuple, tuple[float, tuple | None]]] = {}
     measured = costs.measured is not None
-    choice: dict[tuple, tuple | None] = {}
+    choice: dict[tuple, tuple[tuple, bool] | None] = {}    # key -> (picked, exact?)
 
     def flight_of(after: int) -> int:
         return min(B, after + 1) if schedule == "1f1b" else B
 
     def cost(k, i, j, after, guess=True):
-        """A stage's latency: exact where it was priced so, else the per-layer sum or, with
-        ``guess``, the optimistic estimate where that is lower (a stage the sum calls too
-        big, to be priced exactly if the DP picks it)."""
+        """A stage's latency: its cheapest variant, exact where it was priced so, else the
+        per-layer sum or, with ``guess``, the optimistic estimate (a stage the sum calls
+        too big, to be priced exactly if the DP picks it)."""
         key = (k, i, j, flight_of(after))
-        if key in exact:
-            latency, chosen = exact[key]
-        else:
-            latency, chosen = costs.cost(k, i, shapes[j], key[3])
-            if guess and not measured:
-                near, near_chosen = costs.optimistic(k, i, shapes[j], key[3])
-                if near < latency:
-                    latency, chosen = near, near_chosen
-        choice[key] = chosen
-        return latency
+        best: tuple[float, tuple[tuple, bool] | None] = (math.inf, None)
+        priced = exact.get(key, {})
+        for variant, (latency, chosen) in _variants(costs, k, i, shapes[j], key[3],
+                                                    guess and not measured).items():
+            if variant not in priced and latency < best[0]:
+                best = (latency, (chosen, False))
+        for latency, chosen in priced.values():
+            if chosen is not None and latency < best[0]:
+                best = (latency, (chosen, True))
+        choice[key] = best[1]
+        return best[0]
+
+    def keys(solution):
+        return [(st.layers[0], st.layers[1], shapes.index(st.submesh),
+                 flight_of(len(solution.stages) - 1 - n)) for n, st in enumerate(solution.stages)]
 
     solution = None
     for _ in range(MAX_EXACT_ROUNDS):
         solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
-        todo = []
-        for n, st in enumerate(solution.stages):
-            key = (st.layers[0], st.layers[1], shapes.index(st.submesh),
-                   flight_of(len(solution.stages) - 1 - n))
-            if key not in exact:
-                todo.append(key)
+        todo = [key for key in keys(solution) if not _picked(choice, key)[1]]
         if not todo or measured:    # measured times are not repriced by the cost model
             break
         for key in todo:
             k, i, j, flight = key
-            picked = choice[key]
-            assert picked is not None, "the DP chose a stage with no plan"
-            view, _, recompute = picked
+            view, _, recompute = _picked(choice, key)[0]
             latency, option = costs.exact(k, i, shapes[j], view, flight, recompute)
-            exact[key] = (latency, (view, option, recompute) if math.isfinite(latency)
-                          else None)
+            exact.setdefault(key, {})[view, recompute] = (
+                latency, (view, option, recompute) if math.isfinite(latency) else None)
     else:    # rounds spent: keep what was priced exactly, drop the optimistic guesses
         solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B,
                             lambda k, i, j, after: cost(k, i, j, after, guess=False))
     stages = []
-    for n, st in enumerate(solution.stages):
-        key = (st.layers[0], st.layers[1], shapes.index(st.submesh),
-               flight_of(len(solution.stages) - 1 - n))
-        picked = exact[key][1] if key in exact else choice[key]
-        assert picked is not None, "the DP chose a stage with no plan"
-        if key in exact:
+    for key in keys(solution):
+        picked, is_exact = _picked(choice, key)
+        if is_exact:
             stages.append(picked)
         else:
             view, lean, recompute = picked
             stages.append((view, replace(costs.method.auto_sharding_option,
                                          parameters="sharded") if lean else None, recompute))
-    return solution, stages, len(exact)
+    return solution, stages, sum(len(v) for v in exact.values())
+
+
+def _picked(choice: dict, key: tuple) -> tuple[tuple, bool]:
+    picked = choice[key]
+    assert picked is not None, "the DP chose a stage with no plan"
+    return picked
+
+
+def _variants(costs: _StageCosts, k: int, i: int, submesh: tuple[int, int], flight: int,
+              guess: bool) -> dict[tuple, tuple[float, tuple]]:
+    """(view, recompute) -> (latency, (view, lean, recompute)) of the variants of layers
+    k..i on ``submesh`` that fit by the additive estimate, or, with ``guess``, are within
+    ``MEMORY_SLACK`` x the budget of fitting: the fastest such plan per variant."""
+    limit = (MEMORY_SLACK if guess else 1.0) * costs.budget()
+    out: dict[tuple, tuple[float, tuple]] = {}
+    for latency, memory, view, lean, recompute in costs.candidates(k, i, submesh, flight):
+        if memory <= limit and ((view, recompute) not in out or
+                                latency < out[view, recompute][0]):
+            out[view, recompute] = (latency, (view, lean, recompute))
+    return out
 
 
 def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
