@@ -464,8 +464,8 @@ class StagePlan:
     recompute: bool = False
 
     def to_dict(self) -> dict:
-        d = {"layers": list(self.layers), "submesh": list(self.submesh),
-             "logical_shape": list(self.plan.mesh_shape), "ranks": list(self.ranks)}
+        d: dict = {"layers": list(self.layers), "submesh": list(self.submesh),
+                   "logical_shape": list(self.plan.mesh_shape), "ranks": list(self.ranks)}
         if self.recompute:
             d["recompute"] = True
         d["plan"] = self.plan.to_dict()
