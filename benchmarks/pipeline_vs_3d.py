@@ -90,7 +90,9 @@ def main():
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     cluster = torchalpa.Cluster.h100(num_nodes=args.nodes)
-    option = torchalpa.AutoShardingOption(solver=args.solver)
+    # the automatic search also chooses activation checkpointing per stage (the grids
+    # keep their activations)
+    option = torchalpa.AutoShardingOption(solver=args.solver, remat="auto")
     B = GLOBAL_BATCH // args.micro_batch
     workload = zoo.gpt_39b().replace(batch_size=args.micro_batch)
     with torch.device("meta"):
@@ -109,7 +111,8 @@ def main():
     auto_step = _step(auto, cluster)
     print(f"auto: search {searched:.1f}s (target 60s); stages "
           f"{auto.forward_stage_layer_ids}, submeshes {auto.submesh_shapes}, logical "
-          f"{auto.logical_shapes}, options {auto.stage_options}; est step {_ms(auto_step)} ms, "
+          f"{auto.logical_shapes}, options {auto.stage_options}, recomputed "
+          f"{[s.recompute for s in auto.stages]}; est step {_ms(auto_step)} ms, "
           f"{_throughput(auto_step)} samples/s", flush=True)
 
     print(f"{'pp':>3}{'dp':>4}{'tp':>4}{'ZeRO':>6}{'step ms':>10}{'samples/s':>11}{'mem GB':>8}"

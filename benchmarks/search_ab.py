@@ -61,7 +61,8 @@ def main() -> None:
     B = args.micro_batches
     variants = ws.captures(row, ws.GLOBAL_BATCH // B)
     base = PipeshardParallel(num_micro_batches=B, layer_option=AutoLayerOption(layer_num=8),
-                             auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
+                             auto_sharding_option=torchalpa.AutoShardingOption(solver="highs",
+                                                                               remat="auto"))
     bound = None if args.before else (lambda v: compute_lower_bound(v.graph, cluster, B))
     wall, cpu = time.perf_counter(), time.process_time()
     plan = plan_with_remat(variants, lambda v: inter_op.plan_pipeline(v.graph, cluster, base),

@@ -86,7 +86,8 @@ def auto_step(variants: dict, cluster, base: PipeshardParallel) -> tuple[float, 
         return float("inf"), "no plan"
     return _step(plan, cluster), (f"stages {[len(s) for s in plan.forward_stage_layer_ids]} "
                                   f"submeshes {plan.submesh_shapes} logical "
-                                  f"{plan.logical_shapes} remat {plan.method['remat']}")
+                                  f"{plan.logical_shapes} remat {plan.method['remat']}, "
+                                  f"stages recomputed {[s.recompute for s in plan.stages]}")
 
 
 def grid_step(graph, cluster, pp: int, dp: int, tp: int, layers: int,
@@ -109,7 +110,8 @@ def run_row(name: str, args) -> None:
     row = ROWS[name]
     cluster = torchalpa.Cluster.h100(num_nodes=max(1, row.devices // 8),
                                      devices_per_node=min(8, row.devices))
-    option = torchalpa.AutoShardingOption(solver=args.solver)
+    # the automatic search also chooses activation checkpointing per stage
+    option = torchalpa.AutoShardingOption(solver=args.solver, remat="auto")
     auto_best, auto_text, auto_seconds = float("inf"), "no plan", 0.0
     grid_best, grid_text, grid_seconds, capture_seconds = float("inf"), "none fits", 0.0, 0.0
     for num_micro in args.micro_batches:

@@ -37,6 +37,9 @@ from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.layer_cache import SOLVES, layer_signature, range_signature
 from torchalpa.passes.layers import cluster_layers, layers_from_markers
 from torchalpa.passes.memory import in_flight_bytes
+from torchalpa.passes.stage_remat import (FORWARD_SHARE, received_bytes, recompute_memory,
+                                          recompute_option, recompute_seconds,
+                                          stage_recompute_allowed)
 from torchalpa.passes.stages import stage_dp, submesh_shapes
 from torchalpa.passes.subgraph import stage_subgraph
 from torchalpa.passes.view_classes import reprice, view_class
@@ -214,6 +217,16 @@ class _StageCosts:
         self.exact_plans: dict[tuple, object] = {}   # this graph's stage plans
         self._layer_graphs: dict[int, OpGraph] = {}
         self._layer_rules: dict[int, dict] = {}     # per layer: node -> its sharding rule
+        # each stage also priced with its activations recomputed (passes/stage_remat.py)
+        self.stage_recompute = stage_recompute_allowed(method, graph)
+        self._received: dict[tuple[int, int], float] = {}
+
+    def received(self, k: int, i: int) -> float:
+        """Forward bytes layers k..i receive from earlier layers per micro-batch."""
+        if (k, i) not in self._received:
+            self._received[k, i] = received_bytes(
+                self.graph, lambda name: k <= self.layer[name] <= i)
+        return self._received[k, i]
 
     def _key(self, l: int, view: tuple[int, ...], submesh: tuple[int, int], lean: bool
              ) -> tuple:
@@ -416,9 +429,10 @@ class _StageCosts:
         return sends / link
 
     def candidates(self, k: int, i: int, submesh: tuple[int, int], in_flight_batches: int
-                   ) -> list[tuple[float, float, tuple[int, ...], bool]]:
-        """(latency, additive memory, view, lean) of layers k..i on each view of
-        ``submesh``: the fastest plan, and the lean one where the fastest does not fit."""
+                   ) -> list[tuple[float, float, tuple[int, ...], bool, bool]]:
+        """(latency, additive memory, view, lean, recompute) of layers k..i on each view of
+        ``submesh``: the fastest plan, and the lean one where the fastest does not fit;
+        each also with its activations recomputed where the search may choose that."""
         out = []
         sends = self.send_seconds(k, i)
         for view in self.views(submesh):
@@ -428,60 +442,79 @@ class _StageCosts:
                 if len(parts) < len(found):
                     continue
                 memory = _stage_memory(parts, in_flight_batches)
-                out.append((sum(p.seconds for p in parts) + sends, memory, view, lean))
+                seconds = sum(p.seconds for p in parts)
+                out.append((seconds + sends, memory, view, lean, False))
+                if self.stage_recompute:
+                    out.append(self._recomputed(k, i, parts, seconds + sends, view, lean,
+                                                in_flight_batches))
                 if memory <= self.budget():
                     break
         return out
 
+    def _recomputed(self, k, i, parts: list[_Estimate], seconds: float, view, lean,
+                    in_flight_batches: int) -> tuple[float, float, tuple[int, ...], bool, bool]:
+        """The recomputed variant of a candidate: one more forward of its layers, and
+        only the received activations kept for the micro-batches not at their peak."""
+        compute = sum(p.seconds for p in parts)
+        saved = sum(p.saved for p in parts)
+        peak = saved + max(p.activations - p.saved for p in parts)
+        memory = recompute_memory(sum(p.state for p in parts), peak, self.received(k, i),
+                                  in_flight_batches)
+        return seconds + compute * FORWARD_SHARE, memory, view, lean, True
+
     def cost(self, k: int, i: int, submesh: tuple[int, int], in_flight_batches: int
-             ) -> tuple[float, tuple[tuple[int, ...], bool] | None]:
-        """(latency, (best logical view, lean)) of layers k..i on ``submesh``, inf if none
-        fits by the additive estimate."""
-        fits = [(t, (view, lean)) for t, memory, view, lean in
+             ) -> tuple[float, tuple[tuple[int, ...], bool, bool] | None]:
+        """(latency, (best logical view, lean, recompute)) of layers k..i on ``submesh``,
+        inf if none fits by the additive estimate."""
+        fits = [(t, (view, lean, recompute)) for t, memory, view, lean, recompute in
                 self.candidates(k, i, submesh, in_flight_batches) if memory <= self.budget()]
         return min(fits, key=lambda c: c[0]) if fits else (math.inf, None)
 
-    def optimistic(self, k: int, i: int, submesh: tuple[int, int], in_flight_batches: int
-                   ) -> tuple[float, tuple[tuple[int, ...], bool] | None]:
-        """Like ``cost``, but a plan the additive estimate calls too big counts as fitting
-        while its estimate is within ``MEMORY_SLACK`` x the budget: the additive sum over
-        layers overstates a stage's peak (the exact stage ILP places every layer's working
-        set and the micro-batches in flight together, and may shard more)."""
-        near = [(t, (view, lean)) for t, memory, view, lean in
-                self.candidates(k, i, submesh, in_flight_batches)
-                if memory <= MEMORY_SLACK * self.budget()]
-        return min(near, key=lambda c: c[0]) if near else (math.inf, None)
-
     def exact(self, k: int, i: int, submesh: tuple[int, int], view: tuple[int, ...],
-              in_flight_batches: int) -> tuple[float, AutoShardingOption | None]:
+              in_flight_batches: int, recompute: bool = False
+              ) -> tuple[float, AutoShardingOption | None]:
         """Latency of layers k..i as one stage by its own memory-constrained ILP (with its
         micro-batches in flight) on ``view``, and the option that fits (None: the method's
-        own; else sharded states); inf if neither fits. Cached by the range's structure, so
+        own; else sharded states); inf if neither fits. ``recompute``: the stage
+        checkpointed (``passes/stage_remat.py``). Cached by the range's structure, so
         ranges of identical layers are solved once."""
+        received = self.received(k, i) if recompute else 0.0
         key = ("stage", range_signature(self.signature, k, i), k == 0,
-               i == self.num_layers - 1, view, submesh, in_flight_batches, self.context)
-        seconds, lean = SOLVES.get(key, lambda: self._solve_stage(k, i, submesh, view,
-                                                                  in_flight_batches))
+               i == self.num_layers - 1, view, submesh, in_flight_batches, self.context) + \
+            ((("recompute", received),) if recompute else ())
+        seconds, lean = SOLVES.get(key, lambda: self._solve_stage(
+            k, i, submesh, view, in_flight_batches, received if recompute else None))
         if seconds is None:
             return math.inf, None
         option = replace(self.method.auto_sharding_option, parameters="sharded") if lean \
             else None
+        if recompute:
+            seconds = recompute_seconds(seconds)
         return seconds + self.send_seconds(k, i), option
 
-    def _solve_stage(self, k, i, submesh, view, in_flight_batches) -> tuple[float | None, bool]:
+    def _solve_stage(self, k, i, submesh, view, in_flight_batches, received: float | None
+                     ) -> tuple[float | None, bool]:
+        """The stage's exact plan, kept (``received`` None) or recomputed: then planned
+        with one micro-batch in flight within the budget the others' inputs leave."""
         stage_of = {n: (0 if k <= v <= i else 1) for n, v in self.layer.items()}
         sub = stage_subgraph(self.graph, stage_of, 0).graph
         mesh = _submesh_cluster(self.cluster, submesh).logical_mesh(view)
         for lean in (False, True):
             option = replace(self.method.auto_sharding_option, parameters="sharded") \
                 if lean else None
+            if received is not None:
+                option = recompute_option(option or self.method.auto_sharding_option,
+                                          self.budget(), received, in_flight_batches)
+                if option is None:
+                    return None, False
             self.exact_solves += 1
             try:
                 plan = _plan_stage((sub, mesh, self.method.intra_op_method(option),
-                                    self.inputs, in_flight_batches))
+                                    self.inputs, 1 if received is not None else in_flight_batches))
             except InfeasibleError:
                 continue
-            self.exact_plans[(k, i, submesh, view, lean, in_flight_batches)] = plan
+            self.exact_plans[(k, i, submesh, view, lean, in_flight_batches,
+                              received is not None)] = plan
             return plan.estimates["step_time_s"], lean
         return None, False
 
@@ -499,71 +532,91 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
                   shapes: list[tuple[int, int]]):
     """Alpa's stage DP with the stages that decide it priced exactly.
 
-    Every (layer range, submesh, micro-batches in flight) starts at its additive estimate,
-    or, where that says "does not fit" but is near fitting, at the fastest additive plan's
-    latency (optimistic). Each round runs the DP, then prices each stage of its answer
-    not yet priced with the stage's own memory-constrained ILP and replaces the estimate
-    by that (inf if no plan fits). When every stage of an answer is exact, no estimate it
-    beat is lower than what was priced, so the answer stands. With measured layer times
-    (``stage_option="profile"``) the DP runs once on them. Returns the solution, per
-    stage (view, option), and how many candidates were priced exactly."""
-    exact: dict[tuple, tuple[float, tuple | None]] = {}
+    A (layer range, submesh, micro-batches in flight) has variants: each logical view,
+    kept or recomputed (``passes/stage_remat.py``). Each variant starts at its additive
+    estimate, or, where that says "does not fit" but is near fitting, at the fastest
+    additive plan's latency (optimistic); the candidate costs its cheapest variant. Each
+    round runs the DP, then prices the variant each stage of its answer took, if not yet
+    priced, with the stage's own memory-constrained ILP and replaces that variant's
+    estimate by it (inf if no plan fits), so the candidate falls back to its next variant
+    (another view, recomputation) when the exact plan is slower or does not fit. When
+    every stage of an answer is exact, no estimate it beat is lower than what was
+    priced, so the answer stands. With measured layer times (``stage_option="profile"``)
+    the DP runs once on them. Returns the solution, per stage (view, option, recompute),
+    and how many variants were priced exactly."""
+    exact: dict[tuple, dict[tuple, tuple[float, tuple | None]]] = {}
     measured = costs.measured is not None
-    choice: dict[tuple, tuple | None] = {}
+    choice: dict[tuple, tuple[tuple, bool] | None] = {}    # key -> (picked, exact?)
 
     def flight_of(after: int) -> int:
         return min(B, after + 1) if schedule == "1f1b" else B
 
     def cost(k, i, j, after, guess=True):
-        """A stage's latency: exact where it was priced so, else the per-layer sum or, with
-        ``guess``, the optimistic estimate where that is lower (a stage the sum calls too
-        big, to be priced exactly if the DP picks it)."""
+        """A stage's latency: its cheapest variant, exact where it was priced so, else the
+        per-layer sum or, with ``guess``, the optimistic estimate (a stage the sum calls
+        too big, to be priced exactly if the DP picks it)."""
         key = (k, i, j, flight_of(after))
-        if key in exact:
-            latency, chosen = exact[key]
-        else:
-            latency, chosen = costs.cost(k, i, shapes[j], key[3])
-            if guess and not measured:
-                near, near_chosen = costs.optimistic(k, i, shapes[j], key[3])
-                if near < latency:
-                    latency, chosen = near, near_chosen
-        choice[key] = chosen
-        return latency
+        best: tuple[float, tuple[tuple, bool] | None] = (math.inf, None)
+        priced = exact.get(key, {})
+        for variant, (latency, chosen) in _variants(costs, k, i, shapes[j], key[3],
+                                                    guess and not measured).items():
+            if variant not in priced and latency < best[0]:
+                best = (latency, (chosen, False))
+        for latency, chosen in priced.values():
+            if chosen is not None and latency < best[0]:
+                best = (latency, (chosen, True))
+        choice[key] = best[1]
+        return best[0]
+
+    def keys(solution):
+        return [(st.layers[0], st.layers[1], shapes.index(st.submesh),
+                 flight_of(len(solution.stages) - 1 - n)) for n, st in enumerate(solution.stages)]
 
     solution = None
     for _ in range(MAX_EXACT_ROUNDS):
         solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
-        todo = []
-        for n, st in enumerate(solution.stages):
-            key = (st.layers[0], st.layers[1], shapes.index(st.submesh),
-                   flight_of(len(solution.stages) - 1 - n))
-            if key not in exact:
-                todo.append(key)
+        todo = [key for key in keys(solution) if not _picked(choice, key)[1]]
         if not todo or measured:    # measured times are not repriced by the cost model
             break
         for key in todo:
             k, i, j, flight = key
-            picked = choice[key]
-            assert picked is not None, "the DP chose a stage with no plan"
-            view = picked[0]
-            latency, option = costs.exact(k, i, shapes[j], view, flight)
-            exact[key] = (latency, (view, option) if math.isfinite(latency) else None)
+            view, _, recompute = _picked(choice, key)[0]
+            latency, option = costs.exact(k, i, shapes[j], view, flight, recompute)
+            exact.setdefault(key, {})[view, recompute] = (
+                latency, (view, option, recompute) if math.isfinite(latency) else None)
     else:    # rounds spent: keep what was priced exactly, drop the optimistic guesses
         solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B,
                             lambda k, i, j, after: cost(k, i, j, after, guess=False))
     stages = []
-    for n, st in enumerate(solution.stages):
-        key = (st.layers[0], st.layers[1], shapes.index(st.submesh),
-               flight_of(len(solution.stages) - 1 - n))
-        picked = exact[key][1] if key in exact else choice[key]
-        assert picked is not None, "the DP chose a stage with no plan"
-        if key in exact:
+    for key in keys(solution):
+        picked, is_exact = _picked(choice, key)
+        if is_exact:
             stages.append(picked)
         else:
-            view, lean = picked
+            view, lean, recompute = picked
             stages.append((view, replace(costs.method.auto_sharding_option,
-                                         parameters="sharded") if lean else None))
-    return solution, stages, len(exact)
+                                         parameters="sharded") if lean else None, recompute))
+    return solution, stages, sum(len(v) for v in exact.values())
+
+
+def _picked(choice: dict, key: tuple) -> tuple[tuple, bool]:
+    picked = choice[key]
+    assert picked is not None, "the DP chose a stage with no plan"
+    return picked
+
+
+def _variants(costs: _StageCosts, k: int, i: int, submesh: tuple[int, int], flight: int,
+              guess: bool) -> dict[tuple, tuple[float, tuple]]:
+    """(view, recompute) -> (latency, (view, lean, recompute)) of the variants of layers
+    k..i on ``submesh`` that fit by the additive estimate, or, with ``guess``, are within
+    ``MEMORY_SLACK`` x the budget of fitting: the fastest such plan per variant."""
+    limit = (MEMORY_SLACK if guess else 1.0) * costs.budget()
+    out: dict[tuple, tuple[float, tuple]] = {}
+    for latency, memory, view, lean, recompute in costs.candidates(k, i, submesh, flight):
+        if memory <= limit and ((view, recompute) not in out or
+                                latency < out[view, recompute][0]):
+            out[view, recompute] = (latency, (view, lean, recompute))
+    return out
 
 
 def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
@@ -587,10 +640,12 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
                          "devices to time on), or use stage_option='auto'")
     costs = _StageCosts(graph, layer, cluster, method, inputs, measured, share_views)
     notes: list[str] = []
+    recompute: list[bool] | None = None
     if isinstance(option, ManualStageOption):
         stages = _manual(option, L, cluster)
+        recompute = list(option.recompute) if option.recompute else None
     elif isinstance(option, UniformStageOption):
-        stages = _uniform(option, L, cluster, costs, B, method.pipeline_schedule)
+        stages, recompute = _uniform(option, L, cluster, costs, B, method.pipeline_schedule)
     else:
         shapes = submesh_shapes(cluster.num_nodes, cluster.devices_per_node)
         costs.prefetch(shapes, workers=_workers(), max_in_flight=(
@@ -608,14 +663,15 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
         log.info("pipeline search: %d stage candidates priced exactly (%d stage solves)",
                  priced, costs.exact_solves)
         stages = [(s.layers, s.submesh, view, option)
-                  for s, (view, option) in zip(solution.stages, chosen)]
+                  for s, (view, option, _) in zip(solution.stages, chosen)]
+        recompute = [r for _, _, r in chosen]
         notes += view_notes(shapes, costs.dims, share_views and
                             method.auto_sharding_option.allow_mixed_mesh_shape)
     searched = time.perf_counter()
     timed = [costs.range_seconds(k, i, view, submesh) for (k, i), submesh, view, _ in stages]
     plan = _assemble(graph, layer, stages, cluster, method, inputs,
                      stage_seconds=timed if all(t is not None for t in timed) else None,
-                     known=costs.exact_plans)
+                     known=costs.exact_plans, recompute=recompute)
     log.info("pipeline plan: %d layers, %d stages, %d layer solves for the DP (%.1fs), "
              "stage plans %.1fs", L, len(stages), costs.solves, searched - start,
              time.perf_counter() - searched)
@@ -689,7 +745,7 @@ def _manual(option: ManualStageOption, L: int, cluster: Cluster) -> list:
 
 
 def _uniform(option: UniformStageOption, L: int, cluster: Cluster, costs: _StageCosts,
-             B: int, schedule: str) -> list:
+             B: int, schedule: str) -> tuple[list, list[bool]]:
     S = option.num_stages or (cluster.num_nodes if cluster.num_nodes > 1 else 2)
     if cluster.num_devices % S or L < S:
         raise ValueError(f"uniform stages: {S} stages need {S} <= {L} layers and a device "
@@ -698,16 +754,17 @@ def _uniform(option: UniformStageOption, L: int, cluster: Cluster, costs: _Stage
     submesh = (per // cluster.devices_per_node, cluster.devices_per_node) \
         if per >= cluster.devices_per_node else (1, per)
     bounds = [round(s * L / S) for s in range(S + 1)]
-    out = []
+    out, recompute = [], []
     for s in range(S):
         k, i = bounds[s], bounds[s + 1] - 1
         flight = min(B, S - s) if schedule == "1f1b" else B
         _, chosen = costs.cost(k, i, submesh, flight)
-        view, lean = chosen if chosen is not None else ((per,), False)
+        view, lean, again = chosen if chosen is not None else ((per,), False, False)
         sharding = replace(costs.method.auto_sharding_option, parameters="sharded") \
             if lean else None
         out.append(((k, i), submesh, view, sharding))
-    return out
+        recompute.append(again)
+    return out, recompute
 
 
 def _place(submeshes: list[tuple[int, int]], cluster: Cluster) -> list[tuple[int, ...]]:
@@ -735,10 +792,14 @@ def _place(submeshes: list[tuple[int, int]], cluster: Cluster) -> list[tuple[int
 
 def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Cluster,
               method: PipeshardParallel, inputs: str, stage_seconds: list | None = None,
-              known: dict | None = None) -> PipelinePlan:
+              known: dict | None = None, recompute: list[bool] | None = None
+              ) -> PipelinePlan:
     """The PipelinePlan of ``stages`` ((first, last layer), submesh, view, option), each
     stage planned exactly; ``known`` holds stage plans the search already solved, keyed
-    (first, last, submesh, view, lean, in flight), reused when made for the same graph."""
+    (first, last, submesh, view, lean, in flight, recompute), reused when made for the
+    same graph. ``recompute``: per stage, whether it checkpoints its activations (planned
+    with one micro-batch in flight in what the others' inputs leave of the budget)."""
+    recompute = list(recompute) if recompute else [False] * len(stages)
     stage_of_layer = {}
     for s, ((k, i), _, _, _) in enumerate(stages):
         for l in range(k, i + 1):
@@ -749,13 +810,17 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
     # each stage must fit with the micro-batches its schedule keeps in flight, as the DP
     # and the estimates count them
     schedule = SCHEDULES[method.pipeline_schedule](len(stages), method.num_micro_batches)
-    requests = [(sub.graph, _submesh_cluster(cluster, submesh).logical_mesh(view),
-                 method.intra_op_method(option), inputs, in_flight(schedule[s]))
+    received = [received_bytes(graph, lambda name, s=s: node_stage[name] == s)
+                if recompute[s] else 0.0 for s in range(len(stages))]
+    requests = [_stage_request(sub.graph, _submesh_cluster(cluster, submesh).logical_mesh(view),
+                               method, option, inputs, in_flight(schedule[s]),
+                               received[s] if recompute[s] else None)
                 for s, (sub, (_, submesh, view, option)) in enumerate(zip(subs, stages))]
     plans: list = [None] * len(stages)
     for s, ((k, i), submesh, view, option) in enumerate(stages):
         lean = option is not None and option.parameters == "sharded"
-        plan = (known or {}).get((k, i, submesh, view, lean, in_flight(schedule[s])))
+        plan = (known or {}).get((k, i, submesh, view, lean, in_flight(schedule[s]),
+                                  recompute[s]))
         if plan is not None and (option is None or lean) and \
                 plan.graph_fingerprint == subs[s].graph.fingerprint():
             plans[s] = plan
@@ -766,7 +831,7 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
     for s, ((k, i), submesh, view, option) in enumerate(stages):
         sub, plan = subs[s], plans[s]
         stage_plans.append(StagePlan(index=s, layers=tuple(range(k, i + 1)), submesh=submesh,
-                                     ranks=ranks[s], plan=plan))
+                                     ranks=ranks[s], plan=plan, recompute=recompute[s]))
         for ref in sub.sends:
             for t in sorted({node_stage[c] for c in graph.consumers(ref.node)} - {s}):
                 transfers.append(Transfer(producer=ref.node, index=ref.index, src_stage=s,
@@ -780,7 +845,7 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
                         node_stage=node_stage, num_micro_batches=method.num_micro_batches,
                         schedule=method.pipeline_schedule,
                         estimates=_estimates(stage_plans, transfers, method, cluster,
-                                             stage_seconds),
+                                             stage_seconds, received),
                         method=method.to_dict(), graph_fingerprint=graph.fingerprint())
 
 
@@ -801,6 +866,22 @@ def _once_per_step(graph: OpGraph, ref, part: dict, dst: int) -> bool:
             and sum(1 for o in add.operands if o == ref) == 1
             and not graph.consumers(add.name)
             and any(r == ValueRef(add.name, 0) for _, r in graph.outputs.grads))
+
+
+def _stage_request(graph: OpGraph, mesh, method: PipeshardParallel, option, inputs: str,
+                   flight: int, received: float | None) -> tuple:
+    """What ``_plan_stage`` plans a stage from; a recomputed stage (``received``: the
+    bytes each other micro-batch in flight keeps) with one micro-batch in flight and the
+    budget the others leave (``passes/stage_remat.py``)."""
+    if received is None:
+        return graph, mesh, method.intra_op_method(option), inputs, flight
+    budget = method.auto_sharding_option.memory_budget_per_device or mesh.memory_per_device
+    lowered = recompute_option(option or method.auto_sharding_option, budget, received, flight)
+    if lowered is None:
+        raise InfeasibleError(f"a recomputed stage keeps {flight - 1} micro-batches' inputs "
+                              f"of {received / 2**30:.2f} GiB each, more than the "
+                              f"{budget / 2**30:.1f} GiB budget per device")
+    return graph, mesh, method.intra_op_method(lowered), inputs, 1
 
 
 def _plan_stage(request: tuple):
@@ -835,13 +916,16 @@ def _owner_transfers(graph: OpGraph, node_stage: dict, have: list[Transfer]) -> 
 
 
 def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, cluster,
-               stage_seconds: list | None = None) -> Estimates:
+               stage_seconds: list | None = None, received: list[float] | None = None
+               ) -> Estimates:
     S, B = len(stages), method.num_micro_batches
     link = cluster.inter_node_bandwidth if cluster.num_nodes > 1 else cluster.intra_node_bandwidth
     step = list(stage_seconds) if stage_seconds is not None else \
         [s.plan.estimates["step_time_s"] for s in stages]
-    forward = [t / 3 for t in step]            # backward is about twice forward's work
-    backward = [t - f for t, f in zip(step, forward)]
+    forward = [t * FORWARD_SHARE for t in step]   # backward is about twice forward's work
+    # a recomputed stage runs its forward again in backward
+    backward = [t - f + (f if s.recompute else 0.0) for t, f, s in zip(step, forward, stages)]
+    step = [recompute_seconds(t) if s.recompute else t for t, s in zip(step, stages)]
     send = [sum(t.bytes for t in transfers if t.src_stage == s and t.phase == "forward"
                 and not t.once_per_step) / link for s in range(S)]
     schedule = SCHEDULES[method.pipeline_schedule](S, B)
@@ -850,10 +934,12 @@ def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, clust
     # after the last
     once = sum(t.bytes for t in transfers if t.once_per_step) / link
     total = max(e for stage in timeline for _, _, _, e in stage) + once
-    memory = [in_flight_bytes(s.plan.estimates["model_state_bytes_per_device"],
-                              s.plan.estimates["activation_bytes_per_device"],
-                              s.plan.estimates["saved_activation_bytes_per_device"],
-                              in_flight(schedule[n])) for n, s in enumerate(stages)]
+    memory = [(recompute_memory if s.recompute else in_flight_bytes)(
+        s.plan.estimates["model_state_bytes_per_device"],
+        s.plan.estimates["activation_bytes_per_device"],
+        (received or [0.0] * S)[n] if s.recompute else
+        s.plan.estimates["saved_activation_bytes_per_device"],
+        in_flight(schedule[n])) for n, s in enumerate(stages)]
     budget = method.auto_sharding_option.memory_budget_per_device or cluster.memory_per_device
     return Estimates(step_time_s=total, max_stage_s=max(step), stage_step_s=step,
                      stage_times="measured" if stage_seconds is not None else "cost model",

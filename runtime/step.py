@@ -33,6 +33,7 @@ import torch.fx as fx
 from torchalpa.runtime.deferred_loss import defer_loss_wait
 from torchalpa.runtime.early_reduce import early_reduce_program
 from torchalpa.runtime.lower import StageProgram, ValueKey
+from torchalpa.runtime.stage_recompute import Replay, random_state, replaying
 from torchalpa.runtime.streamline import streamlined_copy
 from torchalpa.schedules import SCHEDULES, Action
 
@@ -90,10 +91,16 @@ class StepRunner:
 
     def __init__(self, program: StageProgram, num_micro_batches: int = 1, *,
                  schedule: str = "1f1b", num_stages: int = 1, stage: int = 0,
-                 exchange: Exchange | None = None):
+                 exchange: Exchange | None = None, recompute: bool = False):
         if (num_stages > 1) != (exchange is not None):
             raise ValueError("a stage of a multi-stage pipeline needs an exchange, and a "
                              "one-stage step has nobody to exchange with")
+        if recompute and exchange is None:
+            raise ValueError("recompute=True checkpoints a stage of a multi-stage pipeline; "
+                             "a one-stage step checkpoints its layers with remat='full'")
+        # keep only each micro-batch's inputs and run its forward again before its backward
+        # (runtime/stage_recompute.py)
+        self.recompute = recompute
         self.program = program
         self.num_micro_batches = num_micro_batches
         self.exchange = exchange
@@ -143,6 +150,7 @@ class StepRunner:
             if kind == "F":
                 received = [exchange.recv(k, m) for k in p.forward_recvs] if exchange else []
                 forward, step.finish_loss = self._forward()
+                rng = random_state(_device_of(state, received)) if self.recompute else None
                 out = list(forward(*state, *[step.micro_inputs[m][i] for i in p.user_inputs],
                                    *received))
                 if p.has_loss:
@@ -154,9 +162,10 @@ class StepRunner:
                 if n:
                     step.buffer_updates, out = out[:n], out[n:]
                 if keep_saved:
-                    step.saved[m] = out
+                    step.saved[m] = out if rng is None else [Replay(m, received, rng)]
+                del out
             else:
-                self._backward(step, m)
+                self._backward(step, m, state)
         if exchange is not None:
             exchange.finish(p, step.raw, any(kind == "B" for kind, _ in actions))
 
@@ -181,9 +190,22 @@ class StepRunner:
         program = self._deferred[1] if torch.compiler.is_compiling() else self._deferred[2]
         return program, self._deferred[3]
 
-    def _backward(self, step: StepInFlight, m: int) -> None:
+    def _replay(self, step: StepInFlight, state: list[torch.Tensor], replay: Replay) -> list:
+        """What micro-batch ``replay.micro``'s forward saved, by running that forward again
+        on its inputs from its random state (its loss, sends and buffer updates were
+        delivered by the first run and are dropped)."""
+        p = self.program
+        with replaying(replay.rng, _device_of(state, replay.received)):
+            out = list(p.forward(*state, *[step.micro_inputs[replay.micro][i]
+                                            for i in p.user_inputs], *replay.received))
+        drop = int(p.has_loss) + len(p.forward_sends) + len(p.buffer_updates)
+        return out[drop:]
+
+    def _backward(self, step: StepInFlight, m: int, state: list[torch.Tensor]) -> None:
         p, exchange = self.program, self.exchange
         saved = step.saved.pop(m)
+        if saved and isinstance(saved[0], Replay):
+            saved = self._replay(step, state, saved[0])
         if self._backward_reduce is not None:       # one micro-batch, one stage
             program = self._backward_reduce if torch.compiler.is_compiling() \
                 else self._backward_reduce_eager
@@ -232,3 +254,12 @@ class StepRunner:
                     g = g * factor
             out.append(g)
         return out
+
+
+def _device_of(*groups: Sequence[torch.Tensor]) -> torch.device | None:
+    """The device of the first tensor in ``groups`` (whose random state a replay keeps)."""
+    for group in groups:
+        for t in group:
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return None

@@ -31,12 +31,14 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
                                  optimizer=lambda ps: torch.optim.Adam(ps, lr=lr),
                                  **(options or {}))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=lr)
+    replays = _count_replays(pm._runner)
     out = {"losses": [], "ref_losses": [], "stages": pm.plan.forward_stage_layer_ids,
            "submeshes": [list(s) for s in pm.plan.submesh_shapes],
            "logical": [list(s) for s in pm.plan.logical_shapes],
            "stage_times": pm.plan.estimates.get("stage_times"),
            "stage_step_s": pm.plan.estimates.get("stage_step_s"),
-           "remat": pm.plan.method.get("remat"), "notes": list(pm.plan.notes)}
+           "remat": pm.plan.method.get("remat"), "notes": list(pm.plan.notes),
+           "recompute": [st.recompute for st in pm.plan.stages]}
     for step in range(steps):
         counting = _count_sends() if step == 0 else None
         if use_backward:
@@ -68,12 +70,26 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
     worst = torch.tensor(max(diffs) if diffs else 0.0)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     out["max_param_diff"] = worst.item()
+    ran = torch.tensor(replays[0])
+    dist.all_reduce(ran)
+    out["replays"] = int(ran.item())    # forwards run again by recomputed stages, all ranks
     out["num_micro_batches"] = pm.plan.num_micro_batches
     out["compiled"] = "compiled with torch.compile" in pm.local_program()
     graphs = torch.tensor(counters["stats"]["unique_graphs"])   # dynamo's, on each rank
     dist.all_reduce(graphs, op=dist.ReduceOp.MIN)
     out["fewest_compiled_graphs"] = int(graphs.item())
     return out
+
+
+def _count_replays(runner) -> list[int]:
+    """Counts the forwards a recomputed stage runs again (``StepRunner._replay``)."""
+    count, replay = [0], runner._replay
+
+    def counted(*args):
+        count[0] += 1
+        return replay(*args)
+    runner._replay = counted
+    return count
 
 
 def checkpoint_round_trip(make_model, batch, loss_fn, method, *, cluster, path):
@@ -163,9 +179,9 @@ def mlp_batch(batch=32, dim=64):
     return torch.randn(batch, dim, generator=g), torch.randn(batch, dim, generator=g)
 
 
-def manual(ids, submeshes, logical=None):
+def manual(ids, submeshes, logical=None, recompute=None):
     return torchalpa.ManualStageOption(forward_stage_layer_ids=ids, submesh_shapes=submeshes,
-                                       logical_shapes=logical)
+                                       logical_shapes=logical, recompute=recompute)
 
 
 def scenarios(n):
@@ -192,6 +208,12 @@ def scenarios(n):
         yield "gpt_2x2_1f1b", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=2),
             stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu)
+        # stage 0 checkpointed (keeps only its inputs, runs forward again before backward),
+        # stage 1 not: trains like one device all the same
+        yield "gpt_2x2_recompute", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
+            num_micro_batches=4, layer_option=L(layer_num=2),
+            stage_option=manual([[0], [1]], [(1, 2), (1, 2)], recompute=[True, False])),
+            cluster=cpu)
         yield "gpt_auto", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=4)), cluster=cpu)
         yield "gpt_profile", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(

@@ -22,7 +22,7 @@ import worker_io
 # make test by tests/test_api.py and tests/test_layer_cache.py (and checked against brute
 # force in tests/test_stages.py); the runtime cannot tell which costs chose its stages.
 FOUR = ("mlp_2x2_1f1b", "mlp_2x2_options", "mlp_2x2_checks", "mlp_4x1_gpipe_backward",
-        "gpt_2x2_1f1b", "gpt_profile", "gpt_checkpoint")
+        "gpt_2x2_1f1b", "gpt_profile", "gpt_checkpoint", "gpt_2x2_recompute")
 FOUR_SLOW = ("gpt_auto",)
 
 
@@ -74,6 +74,16 @@ def test_stages_the_dp_picks_on_estimated_costs_train_like_one_device(four_slow)
     auto = four_slow["gpt_auto"]
     check(auto)
     assert sum(n * m for n, m in auto["submeshes"]) == 4    # the DP's stages tile 4 devices
+
+
+def test_one_stage_checkpointed_trains_like_one_device(four):
+    """Stage 0 recomputes its forward before each backward (StagePlan.recompute), stage 1
+    keeps its activations: losses, sent bytes and parameters as on one device."""
+    r = four["gpt_2x2_recompute"]
+    assert r["recompute"] == [True, False]
+    # stage 0's 2 ranks ran each of 4 micro-batches' forward again, in each of 3 steps
+    assert r["replays"] == 2 * 4 * 3
+    check(r)
 
 
 def test_auto_parallel_options_apply_to_pipelines(four):

@@ -281,6 +281,9 @@ class ManualStageOption:
     logical_shapes: tuple[tuple[int, ...], ...] | None = None
     """Logical mesh of each stage (default: the submesh as 1D)."""
     options: tuple[AutoShardingOption, ...] | None = None
+    recompute: tuple[bool, ...] | None = None
+    """Per stage, whether it checkpoints its activations (keeps only each micro-batch's
+    inputs and runs its forward again before its backward; default: none does)."""
 
     def __post_init__(self):
         ids = tuple(tuple(int(i) for i in s) for s in self.forward_stage_layer_ids)
@@ -294,13 +297,14 @@ class ManualStageOption:
         if len(shapes) != len(ids):
             raise ValueError(f"ManualStageOption has {len(ids)} stages but {len(shapes)} "
                              "submesh_shapes")
-        for name in ("logical_shapes", "options"):
+        for name in ("logical_shapes", "options", "recompute"):
             value = getattr(self, name)
             if value is not None:
                 if len(value) != len(ids):
                     raise ValueError(f"ManualStageOption.{name} needs one entry per stage "
                                      f"({len(ids)}), got {len(value)}")
-                object.__setattr__(self, name, tuple(tuple(v) if name == "logical_shapes" else v
+                object.__setattr__(self, name, tuple(tuple(v) if name == "logical_shapes" else
+                                                     bool(v) if name == "recompute" else v
                                                      for v in value))
 
 

@@ -193,7 +193,8 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
     exchange = StageExchange(the_plan, stage.index, rank, transfer_specs(captured.gm, the_plan),
                              device) if len(the_plan.stages) > 1 else None
     runner = StepRunner(program, the_plan.num_micro_batches, schedule=the_plan.schedule,
-                        num_stages=len(the_plan.stages), stage=stage.index, exchange=exchange)
+                        num_stages=len(the_plan.stages), stage=stage.index, exchange=exchange,
+                        recompute=stage.recompute)
     from torchalpa.runtime.random import sync_random_state
     sync_random_state(device)    # replicas of a stage draw alike (runtime/random.py)
     log.info("pipeline ready in %.2fs: stage %d of %d on ranks %s", time.perf_counter() - start,

@@ -461,17 +461,24 @@ class StagePlan:
     submesh: tuple[int, int]          # physical (nodes, devices per node)
     ranks: tuple[int, ...]            # global ranks, row-major over the logical shape
     plan: Plan                        # the stage's own intra-op plan (its mesh = logical shape)
+    # activation checkpointing of the whole stage: each micro-batch keeps only its inputs
+    # from forward, and its forward runs again right before its backward
+    # (``passes/stage_remat.py`` prices it, ``runtime/step.StepRunner`` runs it)
+    recompute: bool = False
 
     def to_dict(self) -> dict:
-        d = {"layers": list(self.layers), "submesh": list(self.submesh),
-             "logical_shape": list(self.plan.mesh_shape), "ranks": list(self.ranks)}
+        d: dict = {"layers": list(self.layers), "submesh": list(self.submesh),
+                   "logical_shape": list(self.plan.mesh_shape), "ranks": list(self.ranks)}
+        if self.recompute:
+            d["recompute"] = True
         d["plan"] = self.plan.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, index: int, d: dict) -> "StagePlan":
         return cls(index=index, layers=tuple(d["layers"]), submesh=tuple(d["submesh"]),
-                   ranks=tuple(d["ranks"]), plan=Plan.from_dict(d["plan"]))
+                   ranks=tuple(d["ranks"]), plan=Plan.from_dict(d["plan"]),
+                   recompute=bool(d.get("recompute", False)))
 
 
 @dataclass(frozen=True)

@@ -298,9 +298,9 @@ def pipeline_summary(plan) -> str:
                      "x".join(map(str, s.plan.mesh_shape)), str(list(s.ranks)),
                      f"{stage_seconds[s.index] * 1e3:.3f}",
                      format_bytes(e.get('memory_per_device_bytes', 0)),
-                     str(len(s.plan.collectives))])
+                     str(len(s.plan.collectives)), "recompute" if s.recompute else "keep"])
     lines += _table(rows, ["stage", "layers", "submesh", "logical", "ranks", "ms/micro-batch",
-                           "memory/device", "collectives"])
+                           "memory/device", "collectives", "activations"])
     if plan.transfers:
         lines.append("")
         each = [t for t in plan.transfers if not t.once_per_step]
