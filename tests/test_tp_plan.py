@@ -92,7 +92,10 @@ def test_layouts_without_a_parallel_style_are_named():
     with pytest.raises(NotExpressibleError, match=r"module 'up' \(Linear\) is placed bias R, "
                        r"weight S\(0\)"):
         plan_for(model, odd_bias).to_tp_plan(model)
-    zero = {r"up\.weight": ("S(0)", "R"), r"down\.weight": ("R", "S(1)")}
+    # the embedding pinned to a style's layout on axis 1, so up.weight is the one layout
+    # off that axis (left free, the planner may shard it over axis 0 too, ZeRO-like)
+    zero = {r"up\.weight": ("S(0)", "R"), r"down\.weight": ("R", "S(1)"),
+            r"embed\.weight": ("R", "S(1)")}
     plan = plan_for(model, zero, shape=(2, 2))
     with pytest.raises(NotExpressibleError, match=r"over mesh axes \[0, 1\].*pass axis="):
         plan.to_tp_plan(model)
