@@ -54,3 +54,14 @@ def single_process_world():
     import torch.distributed as dist
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo group of one rank in this process (collectives are identities)."""
+    import torch.distributed as dist
+
+    from torchalpa.runtime.mesh import init_distributed
+    init_distributed()
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()

@@ -167,17 +167,6 @@ def test_shard_source_layouts_count_local_elements():
 
 # -- issuing gradient collectives inside backward (runtime/early_reduce.py) -----------------
 
-@pytest.fixture
-def one_rank_group():
-    """A gloo group of one rank in this process (collectives are identities)."""
-    import torch.distributed as dist
-
-    from torchalpa.runtime.mesh import init_distributed
-    init_distributed()
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
-
-
 def test_backward_with_reduce_issues_each_collective_once_its_gradients_exist(one_rank_group):
     from torchalpa.runtime.early_reduce import EARLY, backward_with_reduce
     from torchalpa.runtime.overlap import overlap_collectives
