@@ -228,6 +228,13 @@ def scenarios(n):
             num_micro_batches=8, layer_option=L(layer_num=2),
             stage_option=manual([[0], [1]], [(1, 4), (1, 4)], [(2, 2), (2, 2)])),
             cluster=torchalpa.Cluster.local_cpu(8))
+        # checkpointing on stages of 2x2 logical meshes: stage 0 recomputes its forward
+        # before each backward, stage 1 keeps its activations (issue 15, item 5)
+        yield "gpt_2x2x2_recompute", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
+            num_micro_batches=4, layer_option=L(layer_num=2),
+            stage_option=manual([[0], [1]], [(1, 4), (1, 4)], [(2, 2), (2, 2)],
+                                recompute=[True, False])),
+            cluster=torchalpa.Cluster.local_cpu(8))
         yield "mlp_2x2x2_gpipe", lambda: compare(mlp(), mlp_batch(), F.mse_loss, P(
             num_micro_batches=4, pipeline_schedule="gpipe", layer_option=L(layer_num=4),
             stage_option=manual([[0, 1], [2, 3]], [(1, 4), (1, 4)], [(2, 2), (2, 2)])),

@@ -150,6 +150,18 @@ def test_eight_ranks(eight, name):
 
 
 @pytest.mark.slow
+def test_eight_ranks_checkpointed_stage_on_a_2d_mesh_trains_like_one_device(eight):
+    """Stage 0 (a 2x2 logical mesh of 4 ranks) recomputes its forward before each backward,
+    stage 1 keeps its activations: losses, sent bytes and parameters as on one device."""
+    r = eight["gpt_2x2x2_recompute"]
+    assert r["recompute"] == [True, False]
+    assert r["logical"] == [[2, 2], [2, 2]]
+    # stage 0's 4 ranks ran each of 4 micro-batches' forward again, in each of 3 steps
+    assert r["replays"] == 4 * 4 * 3
+    check(r)
+
+
+@pytest.mark.slow
 def test_eight_ranks_stages_on_2d_meshes_send_the_tied_weight_once(eight):
     """Each stage on a 2x2 logical mesh of its 4 ranks; the tied embedding still crosses
     once per step each way (the 4-rank siblings above check the same on 1x2 submeshes)."""
