@@ -472,6 +472,8 @@ class _Reader:
             assert target is not None, f"{name} is elementwise"
             args = tuple(Operand(k) for k in range(len(refs)))
             set_result(self.emit(target, refs, outs[0], args, source=source, stack=stack))
+        elif name == "stablehlo.convert" and self.spec(refs[0]).dtype == outs[0].dtype:
+            set_result(refs[0])        # a convert to its own element type is the identity
         elif name == "stablehlo.convert":
             set_result(self.emit("aten._to_copy.default", refs, outs[0], (Operand(0),),
                                  (("dtype", f"torch.{outs[0].dtype}"),), source=source,
@@ -578,7 +580,59 @@ class _Reader:
         if dims["update_window_dims"] != [len(rows)] or \
                 self.spec(refs[2]).shape != rows + (table[1],):
             return None
-        return refs[2], indices
+        return self._rows_kept_by_bounds(refs[2], indices), self._unclamped(indices, table[0])
+
+    # An embedding's gradient lowered to StableHLO (torch-mlir) checks its indices before the
+    # scatter: ``clamp(ids, -V, V - 1)`` and ``where(0 <= ids < V and ids != -1, grad, 0)``.
+    # ATen's ``embedding_dense_backward`` does both inside the op, so the two frontends read
+    # the same step only if these become part of it: otherwise the mask is one more
+    # elementwise pass over the gradient rows that sharding the table's columns makes 4x
+    # cheaper, a preference the ATen graph does not have (issue 18, item 3).
+    def _unclamped(self, indices: ValueRef, vocab: int) -> ValueRef:
+        """``ids`` for ``clamp(ids, lo, V - 1)`` with ``-V <= lo <= 0``; else ``indices``."""
+        node = self.by_name[indices.node]
+        if node.op != "aten.clamp.Tensor" or len(node.operands) != 3:
+            return indices
+        low, high = (self._fill(r) for r in node.operands[1:])
+        if low is None or high is None or not (-vocab <= low <= 0) or high != vocab - 1:
+            return indices
+        return node.operands[0]
+
+    def _rows_kept_by_bounds(self, grad: ValueRef, indices: ValueRef) -> ValueRef:
+        """The gradient rows before ``where(mask, grad, 0)`` (either branch order), when the
+        mask is computed from integer tensors only and reads the scattered indices (or
+        their unclamped source); else ``grad``."""
+        node = self.by_name[grad.node]
+        if node.op != "aten.where.self" or len(node.operands) != 3:
+            return grad
+        cond, a, b = node.operands
+        kept = b if self._fill(a) == 0.0 else a if self._fill(b) == 0.0 else None
+        if kept is None or self.spec(kept).shape != self.spec(grad).shape:
+            return grad
+        clamp = self.by_name[indices.node]
+        sources = {indices.node} | ({clamp.operands[0].node}
+                                    if clamp.op == "aten.clamp.Tensor" else set())
+        seen, stack, reads_indices = set(), [cond.node], False
+        while stack:
+            name = stack.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            reads_indices |= name in sources
+            upstream = self.by_name[name]
+            if upstream.op != "aten.full.default" and \
+                    any(o.dtype in _FLOATS for o in upstream.outputs):
+                return grad          # a mask that reads values, not only indices: keep it
+            if name not in sources:
+                stack.extend(r.node for r in upstream.operands)
+        return kept if reads_indices else grad
+
+    def _fill(self, ref: ValueRef) -> float | None:
+        """The value a scalar constant (``aten.full``) holds, else None."""
+        node = self.by_name[ref.node]
+        if node.op != "aten.full.default" or len(node.args) < 2:
+            return None
+        return float(node.args[1])
 
     @staticmethod
     def _reduce_body(op) -> str:

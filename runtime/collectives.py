@@ -137,8 +137,9 @@ SPLIT: dict[Callable[..., torch.Tensor], Split] = {
 
 def local_partition(x: torch.Tensor, index: int, reduce_op: str) -> torch.Tensor:
     """A replicated value as a partial one: summing over the axis gives it back exactly
-    (the rank at coordinate 0 keeps it, the others hold zeros); an average is itself."""
-    if reduce_op == "avg" or index == 0:
+    (the rank at coordinate 0 keeps it, the others hold zeros); an average, a max or a
+    min of copies is the value itself."""
+    if reduce_op in ("avg", "max", "min") or index == 0:
         return x
     return torch.zeros_like(x)
 

@@ -3,6 +3,7 @@ holds under some placements, and put blocks back together, checking replicas agr
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
@@ -16,10 +17,16 @@ def coords_of(mesh_shape):
 
 def block(full: torch.Tensor, placements, mesh_shape, coord) -> torch.Tensor:
     """The block of ``full`` a rank at ``coord`` holds; Partial axes get random pieces that
-    add up (or average) to the value, the same pieces whichever rank asks."""
+    add up (or average) to the value, the same pieces whichever rank asks; a Partial max
+    (min) axis gives the last rank the value and the others values at most (least) it."""
     x = full
     for axis, p in enumerate(placements):
-        if isinstance(p, Partial):
+        if isinstance(p, Partial) and p.reduce_op in ("max", "min"):
+            n, k = mesh_shape[axis], coord[axis]
+            gen = torch.Generator().manual_seed(1000 + axis)
+            below = [_noise(x, gen).abs() for _ in range(n - 1)]
+            x = x if k == n - 1 else x - below[k] if p.reduce_op == "max" else x + below[k]
+        elif isinstance(p, Partial):
             n, k = mesh_shape[axis], coord[axis]
             gen = torch.Generator().manual_seed(1000 + axis)
             noise = [_noise(x, gen) for _ in range(n - 1)]
@@ -57,6 +64,10 @@ def combine(blocks: dict, placements, mesh_shape) -> torch.Tensor:
             if isinstance(p, Shard):
                 merged[key] = torch.cat(ts, dim=p.dim)
             elif isinstance(p, Partial):
+                if p.reduce_op in ("max", "min"):
+                    pick = torch.maximum if p.reduce_op == "max" else torch.minimum
+                    merged[key] = functools.reduce(pick, ts[1:], ts[0])
+                    continue
                 total = sum(ts[1:], ts[0].clone())
                 merged[key] = total / len(ts) if p.reduce_op == "avg" else total
             else:

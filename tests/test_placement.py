@@ -25,8 +25,11 @@ def test_text_forms_round_trip():
 
 
 def test_unsupported_partial_is_named():
-    with pytest.raises(ValueError, match="sum.*avg"):
-        parse_placement("Partial(max)")
+    with pytest.raises(ValueError, match="sum.*avg.*max.*min"):
+        parse_placement("Partial(product)")
+    # a max or min over a split dim (amax/amin) is a Partial the plan JSON holds
+    assert parse_placement("Partial(max)") == dt.Partial("max")
+    assert short((dt.Partial("min"),)) == "P(min)"
 
 
 def test_pins_accept_torch_placements():

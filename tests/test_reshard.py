@@ -18,6 +18,9 @@ from torchalpa.placement import Partial, Replicate, Shard
 from torchalpa.runtime import collectives as C
 
 PER_AXIS = [Replicate(), Shard(0), Shard(1), Partial("sum")]
+# a Partial max or min (amax/amin over a split dim) is made whole or split the same way
+PARTIAL_EXTREMES = [(Partial("max"), Replicate()), (Partial("max"), Shard(1)),
+                    (Partial("min"), Replicate()), (Replicate(), Partial("max"))]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +76,31 @@ def test_every_transition(fake_world, mesh_shape):
                 assert s.bytes == full[tuple(slice(0, n) for n in _local(s.src, mesh_shape))].numel() * 4
             checked += 1
     assert checked + impossible == len(layouts) ** 2 and checked > impossible > 0
+
+
+@pytest.mark.parametrize("src,dst", PARTIAL_EXTREMES)
+def test_partial_max_and_min_transitions(fake_world, src, dst):
+    """An all-reduce (or reduce-scatter) with the Partial's own op on 4 ranks gives the
+    whole max (min); a replicated value taken as a Partial max stays itself on every rank."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    full = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    rank_coords = coords_of((4,))
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", (4,))
+        groups = [mesh.get_group(0).group_name]
+        steps = plan_reshard(TensorSpec((8, 8)), (src,), (dst,), (4,))
+        assert steps is not None and all(s.reduce_op == src.reduce_op for s in steps
+                                         if s.kind != "partition")
+        x = LocalTensor({r: block(full, (src,), (4,), c) for r, c in enumerate(rank_coords)})
+        y = _run_steps(x, steps, (4,), groups, mesh.get_coordinate(), rank_coords)
+        blocks = {c: y._local_tensors[r] for r, c in enumerate(rank_coords)}
+    assert not torch.equal(block(full, (src,), (4,), (0,)), full) or src == Replicate()
+    if isinstance(dst, Partial):
+        assert torch.equal(combine(blocks, (dst,), (4,)), full)
+    else:
+        for c, b in blocks.items():
+            assert torch.equal(b, block(full, (dst,), (4,), c)), (src, dst)
 
 
 def _local(placements, mesh_shape):

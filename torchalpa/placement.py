@@ -4,7 +4,7 @@ DTensor's own vocabulary, re-exported: ``Shard(dim)``, ``Replicate()`` and ``Par
 *are* ``torch.distributed.tensor.Shard`` / ``Replicate`` / ``Partial`` (frozen, hashable
 values), so a placement from a plan can be handed to ``distribute_tensor`` as it is, and
 one written by hand with torch's classes is understood by torchalpa. The planner supports
-``Partial`` with ``sum`` or ``avg`` (``check_placement``). A tensor's layout on an N-D
+``Partial`` with ``sum``, ``avg``, ``max`` or ``min`` (``check_placement``). A tensor's layout on an N-D
 mesh is a tuple with one placement per mesh axis (``Placements``).
 
 Text forms are torchalpa's own and stable across torch versions: ``format_placements``
@@ -28,7 +28,7 @@ __all__ = [
     "local_shape", "check_placement", "long_form", "short_form",
 ]
 
-_REDUCE_OPS = ("sum", "avg")
+_REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
 @cache

@@ -47,7 +47,7 @@ class ReshardStep:
     dst: Placements
     dim: int | None = None        # gathered / scattered / sliced dim; all_to_all: new shard dim
     src_dim: int | None = None    # all_to_all: the dim that was sharded before
-    reduce_op: str | None = None  # all_reduce / reduce_scatter: "sum" | "avg"
+    reduce_op: str | None = None  # all_reduce / reduce_scatter: "sum" | "avg" | "max" | "min"
 
     @property
     def is_collective(self) -> bool:

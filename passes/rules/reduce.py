@@ -1,9 +1,13 @@
 """Reductions and scans over some dims of one tensor.
 
 Sums and means are linear: a sharded reduced dim leaves a ``Partial`` (sum / avg) result,
-and a Partial operand passes through. Every other reduction (max, min, arg-max, any/all,
-var, std, prod, logsumexp, norms) is not a sum of per-device pieces, so its reduced dims
-are blocked; its kept dims shard freely. Scans (cumsum, cumprod) keep their shape but
+and a Partial operand passes through. The value-only max and min (``amax``, ``amin``, the
+global ``max``/``min``) are each the max (min) of the devices' own: a sharded reduced dim
+leaves a ``Partial`` max (min), made whole by one all-reduce with that op -- a softmax
+written as its steps (JAX's, or a hand-written one) splits its dim as ``_softmax`` does.
+Every other reduction (max/min with indices, arg-max, any/all, var, std, prod, logsumexp,
+norms) is not combined that simply, so its reduced dims are blocked; its kept dims shard
+freely. Scans (cumsum, cumprod) keep their shape but
 each element depends on the whole prefix, so the scanned dim is blocked.
 """
 
@@ -16,9 +20,9 @@ from torchalpa.passes.rules.common import arg, dim_list, keepdim_of
 _REDUCTIONS = {
     "aten.sum.dim_IntList": (1, 2, "sum", 1), "aten.sum.default": (None, None, "sum", 1),
     "aten.mean.dim": (1, 2, "avg", 1), "aten.mean.default": (None, None, "avg", 1),
-    "aten.amax.default": (1, 2, None, 1), "aten.amin.default": (1, 2, None, 1),
+    "aten.amax.default": (1, 2, "max", 1), "aten.amin.default": (1, 2, "min", 1),
     "aten.max.dim": (1, 2, None, 2), "aten.min.dim": (1, 2, None, 2),
-    "aten.max.default": (None, None, None, 1), "aten.min.default": (None, None, None, 1),
+    "aten.max.default": (None, None, "max", 1), "aten.min.default": (None, None, "min", 1),
     "aten.argmax.default": (1, 2, None, 1), "aten.argmin.default": (1, 2, None, 1),
     "aten.any.dim": (1, 2, None, 1), "aten.any.dims": (1, 2, None, 1),
     "aten.any.default": (None, None, None, 1), "aten.all.dim": (1, 2, None, 1),
@@ -52,7 +56,7 @@ def reduction(node, specs):
             result.append(operand[d])
     reductions = tuple((fac, kind) for d in sorted(reduced) for fac in operand[d]) if kind else ()
     # A Partial sum passes through sum and mean unchanged: both are linear.
-    linear = (frozenset({0}),) if kind else ()
+    linear = (frozenset({0}),) if kind in ("sum", "avg") else ()
     return f.rule([operand], [tuple(result)] * num_results, reductions=reductions, linear=linear)
 
 
