@@ -540,3 +540,71 @@ def test_a_pick_of_one_element_per_row_reads_as_aten_gather():
     assert float(got_loss) == pytest.approx(float(ref_loss), rel=1e-5)
     np.testing.assert_allclose(grads["params.w"].numpy(), np.asarray(ref_grads["w"]),
                                rtol=1e-5, atol=1e-6)
+
+
+class _Embedder(torch.nn.Module):
+    """Token and position tables added, then a linear head: a BERT/LLaMA embedding stem."""
+
+    def __init__(self, vocab=32, positions=6, dim=8):
+        super().__init__()
+        self.tokens = torch.nn.Embedding(vocab, dim)
+        self.positions = torch.nn.Embedding(positions, dim)
+        self.head = torch.nn.Linear(dim, 4)
+
+    def forward(self, ids):
+        where = torch.arange(ids.shape[1])
+        return self.head(torch.tanh(self.tokens(ids) + self.positions(where)).to(torch.float32))
+
+
+@needs_torch_mlir
+def test_embedding_gradients_read_as_aten_with_their_index_checks_inside():
+    """torch-mlir clamps an embedding gradient's indices and masks rows out of range
+    before its scatter; ATen's embedding_dense_backward does both inside the op. Read as
+    ATen reads it: the gradient op takes the indices the lookup took and the rows
+    unmasked, no same-type convert is left as a copy, and the graph still computes
+    torch's loss and gradients."""
+    torch.manual_seed(0)
+    model, ids, y = _Embedder(), torch.randint(0, 32, (3, 6)), torch.randn(3, 6, 4)
+    loss_fn = torch.nn.functional.mse_loss
+    graph = from_stablehlo(torchalpa.export_stablehlo(model, (ids, y), loss_fn))
+    backward = [n for n in graph.ops() if n.op == "aten.embedding_dense_backward.default"]
+    lookups = [n for n in graph.ops() if n.op == "aten.embedding.default"]
+    assert len(backward) == 2 and len(lookups) == 2
+    for n in backward:
+        grad, indices = (graph.node(r.node) for r in n.operands)
+        assert grad.op != "aten.where.self" and indices.op != "aten.clamp.Tensor", n.name
+        assert indices.name in {graph.node(m.operands[1].node).name for m in lookups}
+    assert not [n for n in graph.ops() if n.op == "aten._to_copy.default"
+                and graph.node(n.operands[0].node).outputs[0].dtype == n.outputs[0].dtype]
+    leaves = {name: p.detach() for name, p in model.named_parameters()}
+    leaves.update(input0=ids, input1=y)
+    loss, grads = _run_graph(graph, leaves)
+    model.zero_grad()
+    ref = loss_fn(model(ids), y)
+    ref.backward()
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_softmax_written_as_its_steps_splits_its_dim_with_a_max_all_reduce():
+    """JAX's log-softmax is max, subtract, exp, sum, log: with the head split by vocabulary
+    the max over the split dim is a Partial max made whole by one all-reduce(max) and the
+    sum by one all-reduce(sum) -- the (batch, vocab) logits are never gathered."""
+    def loss(params, x, onehot):
+        logits = x @ params["head"]
+        return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits, axis=-1) * onehot, axis=-1))
+    rng = np.random.default_rng(0)
+    params = {"head": jnp.asarray(rng.normal(size=(32, 4096)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
+    onehot = jax.nn.one_hot(jnp.asarray(rng.integers(0, 4096, 64)), 4096)
+    method = torchalpa.ShardParallel(auto_sharding_option=torchalpa.AutoShardingOption(
+        pin={"params.head": ("S(1)",)}))
+    plan = torchalpa.plan(loss, (params, x, onehot), cluster=Cluster.local_cpu(4).logical_mesh((4,)),
+                          method=method)
+    maxes = [c for c in plan.collectives if c.reduce_op == "max"]
+    assert [(c.kind, c.phase) for c in maxes] == [("all_reduce", "forward")]
+    assert maxes[0].bytes == 64 * 4                      # one max per row
+    logits_bytes = 64 * 4096 * 4
+    assert not [c for c in plan.collectives if c.kind == "all_gather"
+                and c.bytes * 4 >= logits_bytes], plan.summary()
