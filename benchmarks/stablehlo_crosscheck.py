@@ -3,6 +3,7 @@
     python benchmarks/stablehlo_crosscheck.py                     # mlp and gpt, 4 CPU devices
     python benchmarks/stablehlo_crosscheck.py --models mlp gpt bert llama --devices 8 --preset h100
     python benchmarks/stablehlo_crosscheck.py --models gpt --mesh 4 --detail   # one mesh, why
+    python benchmarks/stablehlo_crosscheck.py --models mlp gpt bert llama --mesh 4 --size small
 
 ``--mesh 2x2`` plans one logical mesh instead of trying every view of the cluster (the 2D
 solve is minutes on a loaded 2-core machine); ``--detail`` prints where the two plans
@@ -37,14 +38,31 @@ from torchalpa.cluster import Cluster
 from torchalpa.methods import AutoShardingOption, ShardParallel
 
 
-def workload(name: str):
-    if name == "mlp":
+# ``--size small``: the zoo's configs at width 256, batch 8 x 128 tokens, where a layout is
+# a decision (megabytes moved) rather than a few kilobytes whose collectives cost their
+# latency alone, so two plans within 0.2% of each other are real ties (see README)
+SMALL = {
+    "gpt": dict(hidden=256, num_heads=8, num_layers=2, vocab_size=1024, max_seq_len=128),
+    "llama": dict(hidden=256, num_heads=8, num_kv_heads=4, intermediate=512, num_layers=2,
+                  vocab_size=1024, max_seq_len=128),
+    "bert": dict(hidden=256, num_heads=8, intermediate=1024, num_layers=2, vocab_size=1024,
+                 max_seq_len=128),
+}
+
+
+def workload(name: str, size: str = "tiny"):
+    if name == "mlp":       # the quickstart's own sizes at either setting
         sys.path.insert(0, "examples")
         from quickstart import MLP
         torch.manual_seed(0)
         return MLP(512, 4), (torch.randn(512, 512), torch.randn(512, 512)), F.mse_loss
     from torchalpa import models
-    w = models.tiny(name, **({"dropout": 0.0} if name in ("gpt", "bert") else {}))
+    config = {"dropout": 0.0} if name in ("gpt", "bert") else {}
+    if size == "small":
+        config.update(SMALL[name])
+    w = models.tiny(name, **config)
+    if size == "small":
+        w = w.replace(batch_size=8, seq_len=128)
     return w.build(), w.example_inputs(), w.loss_fn
 
 
@@ -105,8 +123,8 @@ def preferences(model, batch, loss_fn, text, from_aten, from_text, cluster,
 
 
 def compare(name: str, cluster, want_detail: bool = False, why: bool = False,
-            elementwise: str = "fused") -> dict:
-    model, batch, loss_fn = workload(name)
+            elementwise: str = "fused", size: str = "tiny") -> dict:
+    model, batch, loss_fn = workload(name, size)
     start = time.perf_counter()
     try:
         text = torchalpa.export_stablehlo(model, batch, loss_fn)
@@ -169,13 +187,15 @@ def main():
                    help="where placements differ, plan each graph pinned to the other's")
     p.add_argument("--elementwise", choices=["fused", "eager"], default="fused",
                    help="how the ATen graph's elementwise chains are priced")
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny",
+                   help="the zoo's tiny configs, or width 256 at batch 8 x 128 (SMALL)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     cluster = Cluster.local_cpu(args.devices) if args.preset == "local_cpu" else \
         Cluster.h100(num_nodes=max(1, args.devices // 8), devices_per_node=min(8, args.devices))
     if args.mesh:
         cluster = cluster.logical_mesh(tuple(int(n) for n in args.mesh.split("x")))
-    rows = [compare(name, cluster, args.detail, args.why, args.elementwise)
+    rows = [compare(name, cluster, args.detail, args.why, args.elementwise, args.size)
             for name in args.models]
     for r in rows:
         if "error" in r:
