@@ -1,0 +1,65 @@
+"""Lines of the runtime then and now: the modules issue 12 measured, per module, from git.
+
+    python benchmarks/runtime_lines.py                # against 90d3f98, issue 12's 4396 lines
+    python benchmarks/runtime_lines.py --before REV --after HEAD
+
+Counts every line (``wc -l``) of ``runtime/*.py``, ``torchalpa/api.py`` and
+``torchalpa/pipeshard.py`` -- what the issue counted when it was filed -- at two
+revisions, and splits the total three ways: modules in both (the runtime that existed,
+before and after), modules gone, and modules added since (features that landed after the
+issue, each with the commit subject that created it), so "the runtime shrank" is measured
+on the code that existed and the new features are shown, not hidden in one total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+
+COUNTED = ("runtime/", "torchalpa/api.py", "torchalpa/pipeshard.py")
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], check=True, capture_output=True, text=True).stdout
+
+
+def lines_at(rev: str) -> dict[str, int]:
+    """Line count of each counted Python file at ``rev``."""
+    files = [f for f in _git("ls-tree", "-r", "--name-only", rev, "--", *COUNTED).split()
+             if f.endswith(".py")]
+    return {f: _git("show", f"{rev}:{f}").count("\n") for f in files}
+
+
+def created_by(path: str, after: str) -> str:
+    """The subject of the commit that added ``path`` (up to ``after``)."""
+    out = _git("log", "--diff-filter=A", "--format=%h %s", after, "--", path).splitlines()
+    return out[-1][:70] if out else ""
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--before", default="90d3f98", help="issue 12's revision (4396 lines)")
+    p.add_argument("--after", default="HEAD")
+    args = p.parse_args(argv)
+    before, after = lines_at(args.before), lines_at(args.after)
+    kept = sorted(set(before) & set(after))
+    gone = sorted(set(before) - set(after))
+    new = sorted(set(after) - set(before), key=lambda f: -after[f])
+    print(f"{'module':34s} {args.before:>9s} {args.after:>9s}")
+    for f in kept:
+        print(f"{f:34s} {before[f]:9d} {after[f]:9d} {after[f] - before[f]:+6d}")
+    for f in gone:
+        print(f"{f:34s} {before[f]:9d} {'gone':>9s} {-before[f]:+6d}")
+    for f in new:
+        print(f"{f:34s} {'new':>9s} {after[f]:9d}   {created_by(f, args.after)}")
+    then = sum(before.values())
+    kept_before, kept_after = sum(before[f] for f in kept), sum(after[f] for f in kept)
+    print(f"\ntotal: {then} -> {sum(after.values())} lines")
+    print(f"modules that existed, still here: {kept_before} -> {kept_after} "
+          f"({kept_after - kept_before:+d}); gone: {sum(before[f] for f in gone)} lines "
+          f"in {len(gone)} modules; added since: {sum(after[f] for f in new)} lines "
+          f"in {len(new)} modules")
+
+
+if __name__ == "__main__":
+    main()
