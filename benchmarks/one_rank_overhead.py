@@ -6,7 +6,8 @@ plain eager PyTorch on the same model, batch and optimizer.
 
 Each size is ``dim x batch x layers`` of Alpa's quickstart MLP (d -> 4d -> d, ReLU, MSE,
 Adam), or ``gpt:layers:batch`` for the zoo's GPT at GPT-2-small width (hidden 768, 12
-heads, seq 256, vocab 50257, dropout off) with ``layers`` blocks. Eager and torchalpa
+heads, seq 256, vocab 50257, dropout off) with ``layers`` blocks, or ``zoo:family:batch``
+for a zoo model's tiny config (``zoo:vit:16``: what the 4-rank zoo benchmark trains). Eager and torchalpa
 steps alternate (one of each per round) so drifting machine load hits both alike; the
 figure is the median over rounds. One thread, as torchrun gives each rank. torchalpa runs
 three ways: ``train_step`` (no autograd), ``loss.backward()`` (the autograd path), and
@@ -59,6 +60,16 @@ def autograd_step(pm, opt, x, y):
 
 def workload(size: str):
     """(make_model, (x, y), loss_fn) for a size string."""
+    if size.startswith("zoo:"):           # zoo:<family>:<batch>, the tiny config (dropout off)
+        from torchalpa import models
+        _, family, batch = size.split(":")
+        w = models.tiny(family, batch_size=int(batch),
+                        **({"dropout": 0.0} if family in ("gpt", "bert") else {}))
+        batch = w.example_inputs()
+        if len(batch) != 2:
+            raise SystemExit(f"{size}: this benchmark times (input, target) batches; "
+                             f"{family}'s has {len(batch)} tensors (use vit, gpt, llama...)")
+        return w.build, batch, w.loss_fn
     if size.startswith("gpt:"):
         from torchalpa.models import GPT, GPTConfig, lm_loss
         _, layers, batch = size.split(":")
@@ -110,7 +121,9 @@ def main():
         t = measure(size, args.steps, args.compile)
         first = first or t
         what = (f"GPT, {size.split(':')[1]} layers, batch {size.split(':')[2]}, seq 256"
-                if size.startswith("gpt:") else f"quickstart MLP {size} (dim x batch x layers)")
+                if size.startswith("gpt:") else
+                f"zoo {size.split(':')[1]} (tiny), batch {size.split(':')[2]}"
+                if size.startswith("zoo:") else f"quickstart MLP {size} (dim x batch x layers)")
         print(f"\n{what}")
         for name, s in t.items():
             ratio = "" if name == "eager" else f"  ({s / t['eager']:.3f}x eager)"

@@ -48,7 +48,7 @@ from torchalpa.runtime import sync_norm
 from torchalpa.runtime.attention_saved import save_attention_statistics
 from torchalpa.runtime.buckets import fuse_gradient_buckets, gradient_buckets
 from torchalpa.runtime.localize import localize
-from torchalpa.runtime.overlap import overlap_collectives
+from torchalpa.runtime.overlap import overlap_collectives, prefetch_parameter_gathers
 from torchalpa.runtime.peephole import fold_relu_backward, inline_batched_matmul
 from torchalpa.runtime.synced import run_synced, synced_axes
 
@@ -321,6 +321,8 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
     if overlap:
         for program in (forward, backward, reduce_grads):
             overlap_collectives(program)
+        for program in (forward, backward):
+            prefetch_parameter_gathers(program)
     return BuiltPrograms(forward, backward, reduce_grads, summed_recvs)
 
 

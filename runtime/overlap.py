@@ -10,6 +10,12 @@ collectives (all the gradients of ``reduce_grads``) are in flight together.
 The collectives issued, their order and their bytes are unchanged (every rank issues
 them in program order), so the plan's list still equals what runs. The halves are
 ``runtime.collectives``' own: each collective's layout arithmetic is written once.
+
+``prefetch_parameter_gathers`` then starts each gather of a sharded parameter (ZeRO-3's
+all-gathers of a program input) as soon as the previous one has been waited for, so it
+is in flight while the computation that reads the previous parameter runs -- FSDP2's
+prefetch, one parameter ahead: at most one more gathered parameter is alive at a time.
+The same collectives are issued in the same order; only their issue moves earlier.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch.fx as fx
 
 from torchalpa.runtime import collectives as C
 
-__all__ = ["overlap_collectives"]
+__all__ = ["overlap_collectives", "prefetch_parameter_gathers"]
 
 
 def overlap_collectives(gm: fx.GraphModule) -> fx.GraphModule:
@@ -43,3 +49,25 @@ def overlap_collectives(gm: fx.GraphModule) -> fx.GraphModule:
         graph.lint()
         gm.recompile()
     return gm
+
+
+def prefetch_parameter_gathers(gm: fx.GraphModule) -> int:
+    """Move each all-gather of a program input (a sharded parameter) to right after the
+    wait of the previous one, when it was issued later (in place, after
+    ``overlap_collectives``); returns how many issues moved."""
+    graph = gm.graph
+    issues = [n for n in graph.nodes if n.op == "call_function"
+              and n.target is C.issue_all_gather
+              and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    moved = 0
+    for previous, current in zip(issues, issues[1:]):
+        waits = [u for u in previous.users if u.target is C.finish_all_gather]
+        if len(waits) != 1 or order[current] <= order[waits[0]] + 1:
+            continue                    # issued before that wait already, or right after it
+        waits[0].append(current)        # issued right after the previous wait
+        moved += 1
+    if moved:
+        graph.lint()
+        gm.recompile()
+    return moved

@@ -242,6 +242,30 @@ def test_overlap_waits_for_a_collective_where_its_result_is_first_used():
     assert finish.args[1:] == (1, 4)                      # dim and group size for the re-layout
 
 
+def test_parameter_gathers_are_issued_one_parameter_ahead():
+    """ZeRO-3: the second parameter's all-gather starts once the first has been waited
+    for, before the matmul that reads the first runs; an activation's gather stays put,
+    and the collectives keep their order."""
+    from torchalpa.runtime import collectives as C
+    from torchalpa.runtime.overlap import overlap_collectives, prefetch_parameter_gathers
+    graph = torch.fx.Graph()
+    x, w1, w2 = (graph.placeholder(n) for n in ("x", "w1", "w2"))
+    full1 = graph.call_function(C.all_gather, (w1, 0, 4, "g0"))
+    h = graph.call_function(torch.matmul, (x, full1))
+    act = graph.call_function(C.all_gather, (h, 1, 4, "g0"))     # an activation: not moved
+    full2 = graph.call_function(C.all_gather, (w2, 0, 4, "g0"))
+    graph.output(graph.call_function(torch.matmul, (act, full2)))
+    gm = overlap_collectives(torch.fx.GraphModule(torch.nn.Module(), graph))
+    assert prefetch_parameter_gathers(gm) == 1
+    names = [n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"]
+    assert names == ["issue_all_gather", "finish_all_gather", "issue_all_gather", "matmul",
+                     "issue_all_gather", "finish_all_gather", "finish_all_gather", "matmul"]
+    issued = [n.args[0].name for n in gm.graph.nodes if n.op == "call_function"
+              and n.target is C.issue_all_gather]
+    assert issued == ["w1", "w2", "matmul"]
+    assert prefetch_parameter_gathers(gm) == 0                    # already ahead
+
+
 def test_autograd_path_saves_items_of_multi_output_ops():
     """Layer norm returns (out, mean, rstd): backward saves the items, not the tuple."""
     from torchalpa.models import GPT, GPTConfig, lm_loss
