@@ -38,8 +38,11 @@ lint: $(STAMP)
 	$(BIN)/basedpyright
 
 # The test suite (under 15 minutes on 2 cores; about 5 here).
+# Two pytest workers (pytest-xdist), a test file each at a time: most tests are one
+# single-threaded process (OMP_NUM_THREADS=1), so one worker alone leaves a core idle.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -m "not slow and not gpu and not browser" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile \
+		-m "not slow and not gpu and not browser" tests
 
 # Everything: the slow multi-process runs (2 and 8 ranks) and the checked benchmarks
 # (the issue-sized quickstart against DDP/FSDP2, bytes counted on loopback in a private

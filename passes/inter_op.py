@@ -891,8 +891,14 @@ def _plan_stage(request: tuple):
 
 
 def _map(fn, items: list, workers: int) -> list:
-    """``[fn(x) for x in items]``, in forked processes when there are several of each."""
-    if workers <= 1 or len(items) < 2:
+    """``[fn(x) for x in items]``, in forked processes when there are several of each.
+
+    Forking a process that runs JAX (a JAX program planned through the StableHLO
+    frontend) can deadlock the child on a lock one of XLA's threads held, and the
+    workers read state the fork hands them (``_WORKER_COSTS``): with JAX loaded the
+    items are solved here, one after another (slower, same results)."""
+    import sys
+    if workers <= 1 or len(items) < 2 or "jax" in sys.modules:
         return [fn(x) for x in items]
     import multiprocessing as mp
     with mp.get_context("fork").Pool(min(workers, len(items))) as pool:

@@ -608,3 +608,27 @@ def test_a_softmax_written_as_its_steps_splits_its_dim_with_a_max_all_reduce():
     logits_bytes = 64 * 4096 * 4
     assert not [c for c in plan.collectives if c.kind == "all_gather"
                 and c.bytes * 4 >= logits_bytes], plan.summary()
+
+
+def test_with_jax_loaded_the_pipeline_search_forks_no_workers(monkeypatch):
+    """Forking a process that runs XLA's threads can deadlock the child: with JAX
+    imported (as here), the stage solves that would run in forked workers run in this
+    process, and give the plan they give forked."""
+    import multiprocessing
+
+    import torch.nn.functional as F
+
+    from torchalpa.passes import inter_op
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from quickstart import MLP
+    monkeypatch.setattr(inter_op, "_workers", lambda: 2)     # as on a 2-core machine
+    with torch.device("meta"):
+        model, x, y = MLP(32, 4), torch.empty(64, 32), torch.empty(64, 32)
+    method = torchalpa.PipeshardParallel(num_micro_batches=2,
+                                         layer_option=torchalpa.AutoLayerOption(layer_num=2))
+    forked = []
+    monkeypatch.setattr(multiprocessing, "get_context", lambda *a: forked.append(a))
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")
+    plan = torchalpa.plan(model, (x, y), F.mse_loss, method=method,
+                          cluster=Cluster.local_cpu(2))
+    assert forked == [] and plan.stages
