@@ -49,7 +49,9 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
            "products": [[str(q) for q in s.outputs[0]] for s in pm.plan.strategies
                         if s.node.startswith("batched_matmul")],
            "synced": sorted([c.tensor, c.reduce_op, c.axis] for c in pm.plan.collectives
-                            if c.tensor.startswith("_log_softmax"))}
+                            if c.tensor.startswith("_log_softmax")),
+           "extremes": sorted([c.kind, c.reduce_op, c.bytes] for c in pm.plan.collectives
+                              if c.reduce_op in ("max", "min"))}
     run = train_beside_one_device(
         pm, ref, torch.optim.Adam(ref.parameters(), lr=lr), lambda step: batch, loss_fn,
         steps=steps, scale=scale, backward_steps=() if use_train_step else range(steps))
@@ -137,6 +139,29 @@ def main():
             TiedLM, (tokens, targets), loss_fn=cross_entropy,
             method=torchalpa.ShardParallel(logical_mesh_shape=(2, 2), auto_sharding_option=option),
             cluster=torchalpa.LogicalMesh(shape=(2, 2))), results)
+    if "softmax_in_steps" in which and n == 4:   # a log-softmax written as max, exp, sum, log
+        class Head(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.mix = torch.nn.Linear(16, 16)
+                self.head = torch.nn.Linear(16, 256, bias=False)
+
+            def forward(self, x):                          # (B, 16) -> logits (B, 256)
+                return self.head(torch.tanh(self.mix(x)))
+
+        def soft_targets_loss(logits, onehot):
+            shifted = logits - logits.amax(-1, keepdim=True).detach()
+            log_probs = shifted - shifted.exp().sum(-1, keepdim=True).log()
+            return -(log_probs * onehot).sum(-1).mean()
+
+        gen = torch.Generator().manual_seed(5)
+        x = torch.randn(8, 16, generator=gen)
+        onehot = F.one_hot(torch.randint(0, 256, (8,), generator=gen), 256).float()
+        method = torchalpa.ShardParallel(auto_sharding_option=torchalpa.AutoShardingOption(
+            pin=(("head.weight", (torchalpa.Shard(0),)),)))
+        scenario("softmax_in_steps", lambda: train_and_compare(
+            Head, (x, onehot), loss_fn=soft_targets_loss, method=method,
+            cluster=torchalpa.LogicalMesh(shape=(4,))), results)
     if "attention_heads" in which:   # attention written with matmuls, split by heads
         class HeadAttention(torch.nn.Module):
             def __init__(self, hidden=32, heads=4):

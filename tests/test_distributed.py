@@ -11,7 +11,8 @@ import pytest
 import worker_io
 
 SCENARIOS_4 = ("megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,vocab_parallel,"
-               "vocab_parallel_loss,attention_heads,zero3,odd_batch,bad_input_shape")
+               "vocab_parallel_loss,softmax_in_steps,attention_heads,zero3,odd_batch,"
+               "bad_input_shape")
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
 
@@ -107,6 +108,16 @@ def test_vocab_parallel_cross_entropy_keeps_logits_split(four_ranks):
                            ["_log_softmax_backward_data", "sum", 1]]
     assert ["all_reduce", 1, rows * 4] in r["predicted"]
     assert not any(c[0] == "all_gather" and c[2] >= rows * 64 * 4 // 2 for c in r["predicted"])
+
+
+def test_a_softmax_written_as_its_steps_trains_split_by_vocabulary(four_ranks):
+    """A log-softmax spelled max, subtract, exp, sum, log over a head split by vocabulary
+    on 4 ranks: the row max is a Partial max made whole by one all-reduce(max), the logits
+    are never gathered, and it trains like one device (checked with the other scenarios)."""
+    r = four_ranks["softmax_in_steps"]
+    assert r["placements"]["head.weight"] == ["S(0)"]
+    assert r["extremes"] == [["all_reduce", "max", 8 * 4]]          # one max per row
+    assert not any(c[0] == "all_gather" and c[2] >= 8 * 256 * 4 // 4 for c in r["predicted"])
 
 
 def test_attention_written_with_matmuls_splits_heads(four_ranks):
