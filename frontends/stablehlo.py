@@ -587,7 +587,10 @@ class _Reader:
     # ATen's ``embedding_dense_backward`` does both inside the op, so the two frontends read
     # the same step only if these become part of it: otherwise the mask is one more
     # elementwise pass over the gradient rows that sharding the table's columns makes 4x
-    # cheaper, a preference the ATen graph does not have (issue 18, item 3).
+    # cheaper, a preference the ATen graph does not have (issue 18, item 3). A mask a
+    # program writes itself from the same indices (padding rows) reads the same way: the
+    # graph is what the planner prices -- same shapes, same strategies -- while XLA runs
+    # the program as written.
     def _unclamped(self, indices: ValueRef, vocab: int) -> ValueRef:
         """``ids`` for ``clamp(ids, lo, V - 1)`` with ``-V <= lo <= 0``; else ``indices``."""
         node = self.by_name[indices.node]

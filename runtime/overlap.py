@@ -15,7 +15,9 @@ them in program order), so the plan's list still equals what runs. The halves ar
 all-gathers of a program input) as soon as the previous one has been waited for, so it
 is in flight while the computation that reads the previous parameter runs -- FSDP2's
 prefetch, one parameter ahead: at most one more gathered parameter is alive at a time.
-The same collectives are issued in the same order; only their issue moves earlier.
+The same collectives are issued, a parameter's gather now possibly before an activation's
+collective that preceded it; every rank of the group runs the same program, so the ranks
+still issue them in one agreed order.
 """
 
 from __future__ import annotations

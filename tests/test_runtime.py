@@ -244,8 +244,8 @@ def test_overlap_waits_for_a_collective_where_its_result_is_first_used():
 
 def test_parameter_gathers_are_issued_one_parameter_ahead():
     """ZeRO-3: the second parameter's all-gather starts once the first has been waited
-    for, before the matmul that reads the first runs; an activation's gather stays put,
-    and the collectives keep their order."""
+    for, before the matmul that reads the first runs (and before the activation's gather
+    that preceded it); the activation's gather itself stays put."""
     from torchalpa.runtime import collectives as C
     from torchalpa.runtime.overlap import overlap_collectives, prefetch_parameter_gathers
     graph = torch.fx.Graph()
