@@ -30,6 +30,9 @@ def test_unsupported_partial_is_named():
     # a max or min over a split dim (amax/amin) is a Partial the plan JSON holds
     assert parse_placement("Partial(max)") == dt.Partial("max")
     assert short((dt.Partial("min"),)) == "P(min)"
+    # ... which no value is pinned to: it only arises inside a step
+    with pytest.raises(ValueError, match="Partial max or min only arises inside a step"):
+        torchalpa.AutoShardingOption(pin={"w": (dt.Partial("max"),)})
 
 
 def test_pins_accept_torch_placements():

@@ -139,7 +139,11 @@ class AutoShardingOption:
             if "..." in placements[1:]:
                 raise ValueError(f"AutoShardingOption.pin[{pattern!r}] = {placements}: '...' "
                                  "may only come first (the leading mesh axes left free)")
-            parse_placements([p for p in placements if p not in ("*", "...")])  # names a bad one
+            parsed = parse_placements([p for p in placements if p not in ("*", "...")])
+            if any(getattr(p, "reduce_op", None) in ("max", "min") for p in parsed):
+                raise ValueError(f"AutoShardingOption.pin[{pattern!r}] = {placements}: a "
+                                 "Partial max or min only arises inside a step (a max over "
+                                 "a split dim); pin Shard, Replicate or Partial(sum|avg)")
             normalized.append((str(pattern), placements))
         object.__setattr__(self, "pin", tuple(normalized))
         if self.solver not in ("cbc", "highs"):
