@@ -18,7 +18,7 @@ from torchalpa.cluster import LogicalMesh
 from torchalpa.methods import AutoShardingOption
 from torchalpa.opgraph import OpGraph
 from torchalpa.passes.strategies import Strategy
-from torchalpa.placement import Replicate, Shard, parse_placements, short
+from torchalpa.placement import Replicate, Shard, parse_placements, short, is_shard
 
 __all__ = ["apply_constraints"]
 
@@ -32,7 +32,7 @@ def _batch_sharded(s: Strategy, axis: int, mesh: LogicalMesh) -> bool:
 
 
 def _fully_sharded(s: Strategy, mesh: LogicalMesh) -> bool:
-    return all(isinstance(p, Shard) or n == 1 for p, n in zip(s.outputs[0], mesh.shape))
+    return all(is_shard(p) or n == 1 for p, n in zip(s.outputs[0], mesh.shape))
 
 
 def batch_dims(graph: OpGraph) -> dict[tuple[str, int], set[int]]:

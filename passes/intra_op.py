@@ -34,9 +34,10 @@ from torchalpa.passes.memory import MemoryModel, activation_peak_bytes, model_st
 from torchalpa.passes.reshard import local_bytes, plan_reshard
 from torchalpa.passes.shared_reshard import read_key, solve_sharing_reads
 from torchalpa.passes.rules import rule_for
+from torchalpa.passes.strides import strided_regions
 from torchalpa.passes.strategies import (Strategy, enumerate_strategies, leaf_strategies,
                                          replicate_only, splits_over_both_axes, sync_steps)
-from torchalpa.placement import Placements, Shard, format_placements, replicated
+from torchalpa.placement import Placements, Shard, format_placements, replicated, is_shard
 from torchalpa.report import format_bytes
 from torchalpa.plan import (INPUT_SLOT, OUTPUT, Collective, MeshStage, NodeStrategy,
                             OutputSlot, Plan, Reshard, ValuePlacement)
@@ -66,9 +67,11 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
     strategies: dict[str, list[Strategy]] = {}
     unsupported: list[dict] = []
     heavy, random = set(), set()
+    regions = strided_regions(graph)
     for node in graph:
+        strides = regions.get(node.name, ())
         if node.is_leaf:
-            options = leaf_strategies(node.output, mesh)
+            options = leaf_strategies(node.output, mesh, strides)
             if node.kind == "input" and inputs == "local":
                 options = [_batch_sharded(node.output, mesh)]
             strategies[node.name] = options
@@ -83,7 +86,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
         options = []
         if rule is not None:
             options = list(_rule_strategies(
-                rule, mesh, option is not None and option.allow_recompute_heavy_op))
+                rule, mesh, option is not None and option.allow_recompute_heavy_op, strides))
         if not options:
             if rule is None:
                 unsupported.append({"op": node.op, "node": node.name, "module": node.module,
@@ -112,18 +115,20 @@ _MEMO_ENTRIES = 200_000
 """Bound on each process-wide memo below (cleared when full)."""
 
 
-def _rule_strategies(rule, mesh: LogicalMesh, recompute_heavy: bool) -> list[Strategy]:
+def _rule_strategies(rule, mesh: LogicalMesh, recompute_heavy: bool,
+                     strides: tuple[tuple[int, int], ...] = ()) -> list[Strategy]:
     """``enumerate_strategies``, memoized for the process: it depends on the rule, the
     mesh's shape and the flag only, and the pipeline search asks for the same rules on the
     same views many times (every layer, lean variant, remat capture and stage solve);
     enumerating them again was an eighth of GPT-1.3B's search (profiled). Strategies
     are frozen, so the lists' items may be shared."""
-    key = (rule, mesh.shape, recompute_heavy)
+    key = (rule, mesh.shape, recompute_heavy, strides)
     found = _RULE_STRATEGIES.get(key)
     if found is None:
         if len(_RULE_STRATEGIES) >= _MEMO_ENTRIES:
             _RULE_STRATEGIES.clear()
-        found = _RULE_STRATEGIES[key] = enumerate_strategies(rule, mesh, recompute_heavy)
+        found = _RULE_STRATEGIES[key] = enumerate_strategies(rule, mesh, recompute_heavy,
+                                                             strides)
     return found
 
 
@@ -655,7 +660,7 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
             notes.append(f"{n.target}: batch dim {n.output.shape[0]} does not divide by "
                          f"{mesh.num_devices} devices, so it cannot be fully data-parallel")
     per_block = sorted(n for n in space.random
-                       if any(isinstance(p, Shard) for p in chosen[n].outputs[0]))
+                       if any(is_shard(p) for p in chosen[n].outputs[0]))
     if per_block:
         notes.append(f"{len(per_block)} random ops (dropout masks...) are drawn per block: "
                      "the distribution one device draws, not its numbers; "

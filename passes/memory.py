@@ -23,7 +23,7 @@ import numpy as np
 from torchalpa.opgraph import OpGraph
 from torchalpa.passes.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.reshard import local_bytes
-from torchalpa.placement import Placements, Replicate, Shard
+from torchalpa.placement import Placements, Replicate, is_shard
 
 __all__ = ["Liveness", "liveness", "model_state_bytes", "activation_peak_bytes",
            "state_copies", "forward_end", "in_flight_bytes", "value_bytes"]
@@ -120,7 +120,7 @@ def value_bytes(graph: OpGraph, name: str, placements: tuple[Placements, ...], m
                 for k, spec in enumerate(node.outputs))
     if name in statistics and saves_statistic(graph, node):
         spec = statistic_spec(node)
-        rows = tuple(p if not isinstance(p, Shard) or p.dim < len(spec.shape) else Replicate()
+        rows = tuple(p if not is_shard(p) or p.dim < len(spec.shape) else Replicate()
                      for p in placements[0])
         total += local_bytes(spec, rows, mesh_shape)
     return total

@@ -7,6 +7,11 @@ then local steps: slices, outermost axis first, and Replicate -> Partial, where 
 at coordinate 0 keeps the value and the others hold zeros (exact, free: it lets a whole
 value join a sum of partial ones, reduced once). Shard -> Partial is impossible (None).
 Each step records the bytes each rank contributes.
+
+A strided shard (``placement.strided``: a device's block of each of k pieces of the dim)
+is gathered, reduce-scattered into and sliced to like a shard of the same dim (the
+runtime reorders the pieces locally); it never takes part in an all-to-all, so moving
+between it and another split goes through a gather.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from torchalpa.opgraph import TensorSpec
-from torchalpa.placement import Partial, Placements, Replicate, Shard
+from torchalpa.placement import Partial, Placements, Replicate, is_shard, split_factor_of
 from torchalpa.plan import ReshardStep
 
 __all__ = ["plan_reshard", "local_bytes"]
@@ -23,13 +28,13 @@ __all__ = ["plan_reshard", "local_bytes"]
 def local_bytes(spec: TensorSpec, placements: Placements, mesh_shape) -> int:
     n = spec.nbytes
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if is_shard(p):
             n //= mesh_shape[axis]
     return n
 
 
 def _sharded_elsewhere(placements, dim: int, axis: int) -> bool:
-    return any(isinstance(p, Shard) and p.dim == dim and a != axis for a, p in enumerate(placements))
+    return any(is_shard(p) and p.dim == dim and a != axis for a, p in enumerate(placements))
 
 
 def _all_to_all_direct(cur, dst, axis: int, src_dim: int, dim: int) -> bool:
@@ -40,12 +45,12 @@ def _all_to_all_direct(cur, dst, axis: int, src_dim: int, dim: int) -> bool:
     are then the innermost split, as the nesting order wants). Tokens split over both axes
     of a 2D mesh reach experts split over the inner one this way (Alpa's MoE on (2, 2)),
     where gathering and slicing would cost an all-gather."""
-    if any(isinstance(p, Shard) and p.dim == src_dim for p in cur[axis + 1:]):
+    if any(is_shard(p) and p.dim == src_dim for p in cur[axis + 1:]):
         return False
     for b in range(len(cur)):
         if b == axis:
             continue
-        splits = any(isinstance(p, Shard) and p.dim == dim for p in (cur[b], dst[b]))
+        splits = any(is_shard(p) and p.dim == dim for p in (cur[b], dst[b]))
         if splits and (b > axis or cur[b] != dst[b]):
             return False
     return True
@@ -80,7 +85,7 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
         # Reassemble inner axes that split the same dim first, so nesting order holds.
         p = cur[axis]
         for inner in range(len(cur) - 1, axis, -1):
-            if isinstance(cur[inner], Shard) and cur[inner].dim == p.dim:
+            if is_shard(cur[inner]) and cur[inner].dim == p.dim:
                 gather(inner)
         emit("all_gather", axis, Replicate(), dim=p.dim)
 
@@ -90,14 +95,15 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
         if s == d or isinstance(s, Replicate):
             continue
         if isinstance(s, Partial):
-            if isinstance(d, Shard) and allow_reduce_scatter \
+            if is_shard(d) and allow_reduce_scatter \
                     and not _sharded_elsewhere(cur, d.dim, axis) \
                     and not _sharded_elsewhere(dst, d.dim, axis):
                 emit("reduce_scatter", axis, d, dim=d.dim, reduce_op=s.reduce_op)
             else:
                 emit("all_reduce", axis, Replicate(), reduce_op=s.reduce_op)
-        elif isinstance(s, Shard):
-            if isinstance(d, Shard) and _all_to_all_direct(cur, dst, axis, s.dim, d.dim):
+        elif is_shard(s):
+            if is_shard(d) and split_factor_of(s) == split_factor_of(d) == 1 \
+                    and _all_to_all_direct(cur, dst, axis, s.dim, d.dim):
                 emit("all_to_all", axis, d, dim=d.dim, src_dim=s.dim)
             else:
                 gather(axis)
@@ -109,7 +115,7 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
             emit("partition", axis, dst[axis], reduce_op=dst[axis].reduce_op)
     for axis in range(len(cur)):
         if cur[axis] != dst[axis]:
-            if not isinstance(cur[axis], Replicate) or not isinstance(dst[axis], Shard):
+            if not isinstance(cur[axis], Replicate) or not is_shard(dst[axis]):
                 return None
             for inner in range(len(cur) - 1, axis, -1):  # an inner split of this dim must
                 if cur[inner] == dst[axis]:              # be undone before the outer one

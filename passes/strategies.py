@@ -16,12 +16,14 @@ all-reduce of the op's statistics per axis that splits it (``Strategy.batch_sync
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpNode, TensorSpec
 from torchalpa.passes.rules.registry import FactorNamer, FactorRule
-from torchalpa.placement import Partial, Placements, Replicate, Shard, short
+from torchalpa.placement import (Partial, Placements, Replicate, Shard, is_shard, short,
+                                 split_factor_of, strided)
 from torchalpa.plan import ReshardStep
 
 __all__ = ["Strategy", "enumerate_strategies", "replicate_only", "leaf_strategies",
@@ -57,11 +59,11 @@ def sync_steps(s: Strategy, result: TensorSpec, mesh_shape) -> tuple[ReshardStep
     shape = list(result.shape)
     shape[s.sync_dim] = 1
     stat = TensorSpec(tuple(shape), result.dtype)
-    layout = tuple(Replicate() if isinstance(p, Shard) and p.dim == s.sync_dim else p
+    layout = tuple(Replicate() if is_shard(p) and p.dim == s.sync_dim else p
                    for p in s.outputs[0])
     nbytes = stat.nbytes
     for axis, p in enumerate(layout):
-        if isinstance(p, Shard):
+        if is_shard(p):
             nbytes //= mesh_shape[axis]
     steps = []
     for op, axis in s.syncs:
@@ -71,27 +73,43 @@ def sync_steps(s: Strategy, result: TensorSpec, mesh_shape) -> tuple[ReshardStep
     return tuple(steps)
 
 
-def _placement_for(dims, factor: str, size_of: dict[str, int]) -> Shard | None | bool:
-    """Shard(dim) if ``factor`` leads one of ``dims``; None if absent; False if illegal."""
+def _placement_for(dims, factor: str, size_of: dict[str, int], stride: int = 1,
+                   minor_ok: frozenset = frozenset()):
+    """Where sharding ``factor`` puts an operand or result with these ``dims``: Shard(dim)
+    if it leads a dim; None if absent; False if illegal (a minor factor of a merged dim, or
+    a factor indexing two dims). ``stride`` > 1 reads the factor's positions as ``stride``
+    pieces (a strided shard, only of a dim the factor spans alone); a factor in
+    ``minor_ok`` may be the last factor of a merged dim, a strided shard of it."""
     found = None
     for d, factors in enumerate(dims):
         if factor not in factors:
             continue
-        lead = next((f for f in factors if size_of[f] != 1), None)
-        if lead != factor or found is not None:
-            return False  # a minor factor of a merged dim, or the factor indexes two dims
-        found = Shard(d)
+        if found is not None:
+            return False   # the factor indexes two dims
+        real = [f for f in factors if size_of[f] != 1]
+        if real == [factor]:
+            found = Shard(d) if stride == 1 else strided(d, stride)
+        elif real[0] == factor and stride == 1:
+            found = Shard(d)
+        elif real[-1] == factor and factor in minor_ok:
+            found = strided(d, stride * math.prod(size_of[f] for f in real[:-1]))
+        else:
+            return False
     return found
 
 
 def enumerate_strategies(rule: FactorRule, mesh: LogicalMesh,
-                         recompute_heavy: bool = False) -> list[Strategy]:
+                         recompute_heavy: bool = False,
+                         strides: tuple[tuple[int, int], ...] = ()) -> list[Strategy]:
     """All legal strategies of an op with this rule on this mesh (deduplicated).
-    ``recompute_heavy`` keeps the strategies that run a compute-bound op redundantly."""
+    ``recompute_heavy`` keeps the strategies that run a compute-bound op redundantly.
+    ``strides``: (k, size) pairs: a factor of that size may also be split as k pieces (a
+    strided shard), for an op that does not care which positions of it a device holds."""
     size_of = rule.size_of
     reduction_of = rule.reduction_of
     shardable = [f for f in rule.factors() if f not in rule.blocked and size_of[f] > 1]
-    choices: list[tuple] = [(None,)] + [("factor", f) for f in shardable] + \
+    choices: list[tuple] = [(None,)] + [("factor", f, 1) for f in shardable] + \
+        [("factor", f, k) for f in shardable for k, size in strides if size_of[f] == size] + \
         [("linear", g) for g in rule.linear]
     strategies: dict[tuple, Strategy] = {}
     for assignment in itertools.product(choices, repeat=mesh.ndim):
@@ -129,9 +147,9 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
             for ps in outputs:
                 ps[axis] = Partial("sum")
             continue
-        factor = choice[1]
+        factor, stride = choice[1], choice[2]
         split[factor] = split.get(factor, 1) * n
-        if size_of[factor] % split[factor]:
+        if size_of[factor] % (split[factor] * stride):
             return None
         shards *= n
         if factor in synced:
@@ -139,7 +157,7 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
         if factor in rule.batch_synced:
             batch_sync_axes.append(axis)
         for i, dims in enumerate(rule.operands):
-            p = _placement_for(dims, factor, size_of)
+            p = _placement_for(dims, factor, size_of, stride, rule.strided)
             if p is False:
                 return None
             if p is None:  # an accumulator holds its share of a sum; others are whole
@@ -147,7 +165,7 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
                 p = Partial(reduction_of[factor]) if accumulates else Replicate()
             inputs[i][axis] = p
         for j, dims in enumerate(rule.results):
-            p = _placement_for(dims, factor, size_of)
+            p = _placement_for(dims, factor, size_of, stride, rule.strided)
             if p is False:
                 return None
             if p is None and factor in synced:
@@ -163,6 +181,8 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
                 else:
                     p = Partial(op)
             outputs[j][axis] = p
+    if not _strided_alone(inputs + outputs, mesh):
+        return None
     ins = tuple(None if i in rule.ignored else tuple(p) for i, p in enumerate(inputs))
     syncs, sync_dim = (), None
     if sync_axes:
@@ -174,6 +194,18 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
     return Strategy(inputs=ins, outputs=tuple(tuple(p) for p in outputs), shards=shards,
                     syncs=syncs, sync_dim=sync_dim,
                     batch_syncs=_batch_sync_all_reduces(rule, batch_sync_axes, split, size_of))
+
+
+def _strided_alone(layouts, mesh: LogicalMesh) -> bool:
+    """A strided shard is the only split of its dim (over one axis): pieces nested inside
+    another axis's blocks are a layout the runtime does not lay out."""
+    for layout in layouts:
+        dims = [(p.dim, split_factor_of(p)) for p, n in zip(layout, mesh.shape)
+                if is_shard(p) and n > 1]
+        for d, k in dims:
+            if k > 1 and sum(1 for dd, _ in dims if dd == d) > 1:
+                return False
+    return True
 
 
 def _batch_sync_all_reduces(rule: FactorRule, axes: list[int], split: dict[str, int],
@@ -195,7 +227,7 @@ def splits_over_both_axes(s: Strategy, mesh: LogicalMesh) -> bool:
     for layout in s.inputs + s.outputs:
         if layout is None:
             continue
-        dims = [p.dim for p, n in zip(layout, mesh.shape) if isinstance(p, Shard) and n > 1]
+        dims = [p.dim for p, n in zip(layout, mesh.shape) if is_shard(p) and n > 1]
         if len(dims) != len(set(dims)):
             return True
     return False
@@ -208,8 +240,10 @@ def replicate_only(node: OpNode, mesh: LogicalMesh) -> list[Strategy]:
                      outputs=tuple(r for _ in node.outputs))]
 
 
-def leaf_strategies(spec: TensorSpec, mesh: LogicalMesh) -> list[Strategy]:
-    """Layouts a parameter, buffer or input may be stored in: any even split of its dims."""
+def leaf_strategies(spec: TensorSpec, mesh: LogicalMesh,
+                    strides: tuple[tuple[int, int], ...] = ()) -> list[Strategy]:
+    """Layouts a parameter, buffer or input may be stored in: any even split of its dims
+    (and the strided splits ``strides`` allows: ``passes/strides.py``)."""
     f = FactorNamer()
     dims = f.dims(spec.shape)
-    return enumerate_strategies(f.rule([], [dims]), mesh)
+    return enumerate_strategies(f.rule([], [dims]), mesh, strides=strides)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpGraph
 from torchalpa.passes.strategies import Strategy
-from torchalpa.placement import Shard
+from torchalpa.placement import is_shard
 from torchalpa.plan import Plan
 
 __all__ = ["ViewClass", "view_class", "reprice"]
@@ -143,4 +143,4 @@ def _offered(node, graph: OpGraph, mesh: LogicalMesh, option, rules: dict
 
 
 def _fully_sharded(layout, shape) -> bool:
-    return all(isinstance(p, Shard) or n == 1 for p, n in zip(layout, shape))
+    return all(is_shard(p) or n == 1 for p, n in zip(layout, shape))

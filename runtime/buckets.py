@@ -33,7 +33,7 @@ from typing import Sequence
 import torch
 import torch.fx as fx
 
-from torchalpa.placement import local_shape
+from torchalpa.placement import local_shape, split_factor_of
 from torchalpa.plan import OUTPUT, Collective, OutputSlot, Plan
 from torchalpa.runtime import collectives as C
 
@@ -121,8 +121,8 @@ def gradient_buckets(plan: Plan, threshold: int | None = None) -> tuple[Gradient
     closed: list[list] = []
     for param, step, position in reversed(_grad_reshards(plan)):   # backward's order
         size = _itemsize(plan, param, step)
-        if size is None:
-            continue
+        if size is None or split_factor_of(step.dst[step.axis]) > 1:
+            continue   # a strided shard's pieces are reordered around its own collective
         key = (step.kind, step.axis, step.reduce_op, step.dim if step.kind != "all_reduce"
                else None, size)
         members = open_buckets.get(key)

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from torchalpa.placement import split_factor_of
 from torchalpa.plan import ReshardStep
 from torchalpa.runtime.traffic import issued, wait_label
 
@@ -28,7 +29,8 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_ch
            "local_partition", "issue_all_reduce", "finish_all_reduce", "issue_all_gather",
            "finish_all_gather", "issue_reduce_scatter", "finish_reduce_scatter",
            "issue_all_to_all", "finish_all_to_all", "SPLIT", "Split", "step_call",
-           "apply_step"]
+           "apply_step", "all_gather_strided", "reduce_scatter_strided",
+           "finish_all_gather_strided", "issue_reduce_scatter_strided"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -91,6 +93,54 @@ def finish_all_to_all(handle: torch.Tensor, src_dim: int, group_size: int) -> to
     return torch.cat(torch.chunk(recv, group_size, dim=0), dim=src_dim)
 
 
+# -- strided shards: the same collectives, the pieces reordered locally ---------------------
+# A strided shard (``placement.strided(dim, k)``) holds this rank's block of each of the
+# dim's ``k`` pieces. Read the dim as (k, n, m): the rank at coordinate r holds [:, r, :].
+
+def _pieces_to_ranks(x: torch.Tensor, dim: int, group_size: int, split_factor: int
+                     ) -> torch.Tensor:
+    """A whole dim (k, n, m) reordered as (n, k, m): each rank's strided block contiguous."""
+    m = x.shape[dim] // (split_factor * group_size)
+    return x.unflatten(dim, (split_factor, group_size, m)).transpose(dim, dim + 1).flatten(
+        dim, dim + 2)
+
+
+def _ranks_to_pieces(x: torch.Tensor, dim: int, group_size: int, split_factor: int
+                     ) -> torch.Tensor:
+    """The ranks' strided blocks gathered in rank order (n, k, m), back in order (k, n, m)."""
+    m = x.shape[dim] // (split_factor * group_size)
+    return x.unflatten(dim, (group_size, split_factor, m)).transpose(dim, dim + 1).flatten(
+        dim, dim + 2)
+
+
+def finish_all_gather_strided(handle: torch.Tensor, dim: int, group_size: int,
+                              split_factor: int) -> torch.Tensor:
+    """Wait, then put every rank's block of each piece in its place."""
+    return _ranks_to_pieces(finish_all_gather(handle, dim, group_size), dim, group_size,
+                            split_factor)
+
+
+def issue_reduce_scatter_strided(x: torch.Tensor, dim: int, reduce_op: str, group_size: int,
+                                 group_name: str, split_factor: int) -> torch.Tensor:
+    """Start reducing, each rank keeping its block of each piece of ``dim``."""
+    return issue_reduce_scatter(_pieces_to_ranks(x, dim, group_size, split_factor), dim,
+                                reduce_op, group_size, group_name)
+
+
+def all_gather_strided(x: torch.Tensor, dim: int, group_size: int, group_name: str,
+                       split_factor: int) -> torch.Tensor:
+    """A strided shard's ``all_gather``: the whole dim, pieces in order."""
+    return finish_all_gather_strided(issue_all_gather(x, dim, group_size, group_name), dim,
+                                     group_size, split_factor)
+
+
+def reduce_scatter_strided(x: torch.Tensor, dim: int, reduce_op: str, group_size: int,
+                           group_name: str, split_factor: int) -> torch.Tensor:
+    """``reduce_scatter`` into a strided shard of ``dim``."""
+    return finish_reduce_scatter(
+        issue_reduce_scatter_strided(x, dim, reduce_op, group_size, group_name, split_factor))
+
+
 # -- blocking versions: finish(issue(...)) -------------------------------------------------
 
 def all_reduce(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
@@ -130,6 +180,8 @@ SPLIT: dict[Callable[..., torch.Tensor], Split] = {
     all_gather: Split(issue_all_gather, finish_all_gather, (1, 2)),
     reduce_scatter: Split(issue_reduce_scatter, finish_reduce_scatter, ()),
     all_to_all: Split(issue_all_to_all, finish_all_to_all, (1, 3)),
+    all_gather_strided: Split(issue_all_gather, finish_all_gather_strided, (1, 2, 4)),
+    reduce_scatter_strided: Split(issue_reduce_scatter_strided, finish_reduce_scatter, ()),
 }
 
 
@@ -144,8 +196,14 @@ def local_partition(x: torch.Tensor, index: int, reduce_op: str) -> torch.Tensor
     return torch.zeros_like(x)
 
 
-def local_chunk(x: torch.Tensor, dim: int, num_chunks: int, index: int) -> torch.Tensor:
-    """This rank's block of a replicated tensor (no communication)."""
+def local_chunk(x: torch.Tensor, dim: int, num_chunks: int, index: int,
+                split_factor: int = 1) -> torch.Tensor:
+    """This rank's block of a replicated tensor (no communication); with a
+    ``split_factor``, its block of each of that many pieces (a strided shard)."""
+    if split_factor > 1:
+        m = x.shape[dim] // (split_factor * num_chunks)
+        return x.unflatten(dim, (split_factor, num_chunks, m)).select(dim + 1, index).flatten(
+            dim, dim + 1)
     size = x.shape[dim] // num_chunks
     return x.narrow(dim, index * size, size)
 
@@ -157,15 +215,23 @@ def step_call(step: ReshardStep, mesh_shape: Sequence[int], coords: Sequence[int
     """The function that runs ``step`` on this rank (at mesh coordinate ``coords``) and
     its arguments after the tensor: what the lowering emits and ``apply_step`` calls."""
     n, group = mesh_shape[step.axis], group_names[step.axis]
+    pieces = split_factor_of(step.src[step.axis] if step.kind == "all_gather"
+                             else step.dst[step.axis])
     if step.kind == "all_reduce":
         return all_reduce, (step.reduce_op, group)
     if step.kind == "all_gather":
+        if pieces > 1:
+            return all_gather_strided, (step.dim, n, group, pieces)
         return all_gather, (step.dim, n, group)
     if step.kind == "reduce_scatter":
+        if pieces > 1:
+            return reduce_scatter_strided, (step.dim, step.reduce_op, n, group, pieces)
         return reduce_scatter, (step.dim, step.reduce_op, n, group)
     if step.kind == "all_to_all":
         return all_to_all, (step.src_dim, step.dim, n, group)
     if step.kind == "slice":
+        if pieces > 1:
+            return local_chunk, (step.dim, n, coords[step.axis], pieces)
         return local_chunk, (step.dim, n, coords[step.axis])
     if step.kind == "partition":
         return local_partition, (coords[step.axis], step.reduce_op)

@@ -11,6 +11,7 @@ maps each to a small function that puts in the local sizes:
   only and is not resharded, so it may not have the result's layout);
 - ``repeat`` repeats each local block as many times as fit its local result;
 - ``squeeze`` removes only the dims that are 1 globally (a split dim may be 1 locally);
+- a split into equal pieces of a dim held strided splits into the pieces' local blocks;
 - grouped convolutions hold ``groups / k`` whole groups when channels are split k ways,
   and ``convolution_backward``'s ``bias_sizes`` is the local channel count;
 - an embedding table split by rows (the vocabulary) looks up and accumulates gradients
@@ -34,7 +35,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import torchalpa.batched_matmul  # noqa: F401  (registers torchalpa::batched_matmul, which programs call)
-from torchalpa.placement import Shard, local_shape
+from torchalpa.placement import Shard, is_shard, local_shape
 from torchalpa.plan import NodeStrategy
 from torchalpa.runtime import random as R
 from torchalpa.runtime import vocab as V
@@ -77,7 +78,7 @@ class _Call:
         """Into how many blocks operand ``k`` is split along ``dim``."""
         n = 1
         for axis, p in enumerate(self.strategy.inputs[k] or ()):
-            if isinstance(p, Shard) and p.dim == dim:
+            if is_shard(p) and p.dim == dim:
                 n *= self.mesh_shape[axis]
         return n
 
@@ -127,6 +128,19 @@ def _squeeze(c: _Call):
         dims = dims if isinstance(dims, (list, tuple)) else [dims]
         asked = [d % max(len(shape), 1) for d in dims]
     return aten.squeeze.dims, [c.args[0], [d for d in asked if shape[d] == 1]], c.kwargs
+
+
+def _split_pieces(c: _Call):
+    # a dim cut into equal pieces and held strided: each piece's local block is the
+    # piece's size over the splits (the pieces themselves stay whole in number)
+    dim = c.args[2] if len(c.args) > 2 else c.kwargs.get("dim", 0)
+    dim = dim % len(c.global_in_shape(0))
+    n = c.splits(0, dim)
+    if n == 1:
+        return c.node.target, c.args, c.kwargs
+    sizes = c.args[1]
+    local = [s // n for s in sizes] if isinstance(sizes, (list, tuple)) else sizes // n
+    return c.with_arg(1, local)
 
 
 def _vocab(c: _Call):
@@ -189,6 +203,8 @@ _REWRITES: dict[str, Callable[[_Call], tuple]] = {
     "aten.squeeze.dims": _squeeze,
     "aten.convolution.default": _conv(0, 8),
     "aten.convolution_backward.default": _conv(1, 9),
+    "aten.split.Tensor": _split_pieces,
+    "aten.split_with_sizes.default": _split_pieces,
     "aten.embedding.default": _vocab,
     "aten.embedding_dense_backward.default": _vocab,
     **{op: _addressed for op in (

@@ -41,7 +41,9 @@ class MaterializeWarning(UserWarning):
 def to_dtensor_placements(placements) -> tuple:
     out = []
     for p in placements:
-        if isinstance(p, P.Shard):
+        if P.split_factor_of(p) > 1:
+            out.append(p)   # torch's _StridedShard already
+        elif isinstance(p, P.Shard):
             out.append(Shard(p.dim))
         elif isinstance(p, P.Replicate):
             out.append(Replicate())
@@ -142,7 +144,7 @@ def _local_zeros(meta: torch.Tensor, mesh, placements, device) -> DTensor:
     """A DTensor of ``meta``'s global shape holding only this rank's block, zeroed."""
     shape = list(meta.shape)
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if P.is_shard(p):
             if shape[p.dim] % mesh.size(axis):
                 raise ValueError(f"cannot shard dim {p.dim} of a {tuple(meta.shape)} tensor evenly "
                                  f"over {mesh.size(axis)} devices")
@@ -225,7 +227,7 @@ class _ShardedRandom(TorchDispatchMode):
         if func.overloadpacket.__name__ not in _RANDOM_FILLS or not isinstance(target, DTensor):
             return func(*args, **kwargs)
         self.calls += 1
-        if not any(isinstance(p, Shard) for p in target.placements):
+        if not any(P.is_shard(p) for p in target.placements):
             return func(*args, **kwargs)   # replicated: the default stream (synced afterwards)
         block = _block_index(target)
         digest = hashlib.sha256(f"{self.seed}/{self.calls}/{block}".encode()).digest()
@@ -238,4 +240,4 @@ class _ShardedRandom(TorchDispatchMode):
 def _block_index(t: DTensor) -> tuple[int, ...]:
     """Which block of the global tensor this rank holds: its coordinate on sharded axes."""
     coords = t.device_mesh.get_coordinate()
-    return tuple(c if isinstance(p, Shard) else 0 for c, p in zip(coords, t.placements))
+    return tuple(c if P.is_shard(p) else 0 for c, p in zip(coords, t.placements))

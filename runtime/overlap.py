@@ -64,7 +64,8 @@ def prefetch_parameter_gathers(gm: fx.GraphModule) -> int:
     order = {n: i for i, n in enumerate(graph.nodes)}
     moved = 0
     for previous, current in zip(issues, issues[1:]):
-        waits = [u for u in previous.users if u.target is C.finish_all_gather]
+        waits = [u for u in previous.users
+                 if u.target in (C.finish_all_gather, C.finish_all_gather_strided)]
         if len(waits) != 1 or order[current] <= order[waits[0]] + 1:
             continue                    # issued before that wait already, or right after it
         waits[0].append(current)        # issued right after the previous wait

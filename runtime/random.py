@@ -34,7 +34,7 @@ import warnings
 
 import torch
 
-from torchalpa.placement import Shard
+from torchalpa.placement import is_shard
 
 __all__ = ["RANDOM_OPS", "is_sharded", "block_index", "lower_random", "dropout", "draw",
            "block_seed", "sync_random_state", "RandomStateWarning"]
@@ -61,13 +61,13 @@ class RandomStateWarning(UserWarning):
 
 
 def is_sharded(placements) -> bool:
-    return any(isinstance(p, Shard) for p in placements)
+    return any(is_shard(p) for p in placements)
 
 
 def block_index(placements, coords) -> tuple[int, ...]:
     """Which block of a result with ``placements`` this rank holds: its coordinate on
     each axis that shards it, 0 on the others (replicas share the index)."""
-    return tuple(int(c) if isinstance(p, Shard) else 0 for p, c in zip(placements, coords))
+    return tuple(int(c) if is_shard(p) else 0 for p, c in zip(placements, coords))
 
 
 def lower_random(node, args: list, kwargs: dict, out_shape: list[int], placements, coords):

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torchalpa.placement import Shard
+from torchalpa.placement import is_shard
 
 __all__ = ["SyncedOp", "SYNCED", "synced_axes", "run_synced"]
 
@@ -84,7 +84,7 @@ def synced_axes(node: torch.fx.Node, args, inputs) -> list[int]:
     rank = node.meta["val"].dim()
     dim = args[spec.dim_arg]
     dim = dim + rank if dim < 0 else dim
-    return [axis for axis, p in enumerate(inputs[0] or ()) if isinstance(p, Shard) and p.dim == dim]
+    return [axis for axis, p in enumerate(inputs[0] or ()) if is_shard(p) and p.dim == dim]
 
 
 def _eager(fn: Callable, args: tuple):

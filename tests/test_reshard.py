@@ -14,7 +14,8 @@ from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import TensorSpec
 from torchalpa.passes.cost import collective_cost, steps_cost
 from torchalpa.passes.reshard import plan_reshard
-from torchalpa.placement import Partial, Replicate, Shard
+from torchalpa.placement import (Partial, Replicate, Shard, long_form, parse_placement, short_form,
+                                 split_factor_of, strided)
 from torchalpa.runtime import collectives as C
 
 PER_AXIS = [Replicate(), Shard(0), Shard(1), Partial("sum")]
@@ -156,3 +157,67 @@ def test_alpha_beta_costs():
     assert collective_cost(gloo, "reduce_scatter", 0, B) == collective_cost(gloo, "all_reduce", 0, B)
     steps = plan_reshard(TensorSpec((8, 8)), (Partial(),), (Replicate(),), (4,))
     assert steps_cost(LogicalMesh(shape=(4,)), steps) == 1 + 1.5 * 256
+
+
+STRIDED_1D = [(Replicate(),), (Shard(0),), (Shard(1),), (strided(0, 2),), (strided(1, 2),),
+              (Partial("sum"),)]
+STRIDED_2D = [(Replicate(), strided(0, 2)), (Shard(1), strided(0, 2)),
+              (strided(0, 2), Shard(1)), (Shard(0), Replicate()), (Replicate(), Replicate()),
+              (Partial("sum"), strided(0, 2)), (Replicate(), Shard(0))]
+
+
+@pytest.mark.parametrize("mesh_shape,layouts", [((4,), STRIDED_1D), ((2, 2), STRIDED_2D)])
+def test_strided_shard_transitions_give_dtensor_blocks(fake_world, mesh_shape, layouts):
+    """A strided shard (a block of each of k pieces of a dim: a fused q/k/v split by heads)
+    is gathered, reduce-scattered into, sliced to and left for another split by the
+    planner's steps and the runtime's collectives; every rank ends with the block DTensor's
+    own ``_StridedShard`` gives it (``distribute_tensor`` is the oracle here)."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    full = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8) / 7
+    rank_coords = coords_of(mesh_shape)
+    checked = 0
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", mesh_shape)
+        groups = [mesh.get_group(i).group_name for i in range(len(mesh_shape))]
+
+        def dtensor_blocks(layout):
+            same = LocalTensor({r: full.clone() for r in range(4)})
+            local = distribute_tensor(same, mesh, list(layout)).to_local()
+            return {r: local._local_tensors[r] for r in range(4)}
+
+        for src, dst in itertools.product(layouts, layouts):
+            if any(isinstance(d, Partial) for d in dst):
+                continue
+            steps = plan_reshard(TensorSpec((8, 8)), src, dst, mesh_shape)
+            assert steps is not None, (src, dst)
+            if src == (Partial("sum"),):
+                start = {r: block(full, src, mesh_shape, c) for r, c in enumerate(rank_coords)}
+            elif any(isinstance(s, Partial) for s in src):
+                # the Partial axis's pieces, then the other axis's strided block of each
+                pieces = {c: block(full, src[:1] + (Replicate(),), mesh_shape, c)
+                          for c in rank_coords}
+                start = {r: C.local_chunk(pieces[c], src[1].dim, 2, c[1],
+                                          split_factor_of(src[1]))
+                         for r, c in enumerate(rank_coords)}
+            else:
+                start = dtensor_blocks(src)
+            y = _run_steps(LocalTensor(start), steps, mesh_shape, groups, mesh.get_coordinate(),
+                           rank_coords)
+            want = dtensor_blocks(dst)
+            for r in range(4):
+                assert torch.allclose(y._local_tensors[r], want[r], atol=1e-5), \
+                    (src, dst, [s.kind for s in steps])
+            if any(split_factor_of(p) > 1 for p in src + dst) and src != dst:
+                assert not any(s.kind == "all_to_all" and split_factor_of(s.src[s.axis]) +
+                               split_factor_of(s.dst[s.axis]) > 2 for s in steps)
+                checked += 1
+    assert checked >= 10
+
+
+def test_strided_placements_read_and_write_as_text():
+    p = strided(0, 3)
+    assert (long_form(p), short_form(p)) == ("StridedShard(0, 3)", "S(0)/3")
+    assert parse_placement("StridedShard(0, 3)") == p == parse_placement("S(0)/3")
+    assert parse_placement("S(0)/3") != Shard(0)

@@ -38,6 +38,8 @@ class FactorRule:
     synced: tuple[tuple[str, tuple[str, ...]], ...] = ()   # factor -> its statistics' reductions
     batch_synced: frozenset = frozenset()          # factors split at the price of a batch sync
     batch_sync_stats: tuple = (0, ())              # (bytes per entry, factors indexing them)
+    strided: frozenset = frozenset()               # factors splittable as the minor factor of
+                                                   # a merged dim: a strided shard of it
 
     @property
     def size_of(self) -> dict[str, int]:

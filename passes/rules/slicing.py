@@ -56,12 +56,31 @@ def select(node, specs):
     return f.rule([operand], [operand[:dim] + operand[dim + 1:]], linear=_LINEAR)
 
 
+def _pieces(f: FactorNamer, shape, dim: int, sizes) -> tuple | None:
+    """For a dim cut into equal pieces (``k`` of size ``p``): the dims of ``shape`` with that
+    dim read as ``(k, p)``: ``k`` blocked, ``p`` the position inside a piece, shared with the
+    pieces; and ``p``'s dim entry. Splitting ``p`` gives every device its block of every
+    piece: a strided shard of the whole dim (``placement.strided``), which is how a fused
+    q/k/v projection splits by heads. None when the pieces differ in size."""
+    if len(sizes) < 2 or len(set(sizes)) != 1 or sizes[0] < 2:
+        return None
+    dims = tuple((f.new(s),) if s != 1 and d != dim else () for d, s in enumerate(shape))
+    count, piece = f.new(len(sizes), blocked=True), f.new(sizes[0])
+    return _with_dim(dims, dim, (count, piece)), (piece,)
+
+
 @register("aten.split.Tensor", "aten.split_with_sizes.default", "aten.unbind.int")
 def split(node, specs):
     shape = specs[0].shape
     unbind = node.op == "aten.unbind.int"
     dim = normalize_dim(arg(node, 1 if unbind else 2, "dim", 0), len(shape))
     f = FactorNamer()
+    if not unbind:
+        pieces = _pieces(f, shape, dim, [spec.shape[dim] for spec in node.outputs])
+        if pieces is not None:
+            operand, piece = pieces
+            results = [_with_dim(operand, dim, piece) for _ in node.outputs]
+            return f.rule([operand], results, linear=_LINEAR, strided=frozenset(piece))
     operand = _along(f, shape, dim, cut=True)
     results = []
     for spec in node.outputs:
@@ -79,6 +98,12 @@ def cat(node, specs):
     out = node.outputs[0].shape
     dim = normalize_dim(arg(node, 1, "dim", 0), len(out))
     f = FactorNamer()
+    if all(len(spec.shape) == len(out) for spec in specs):
+        pieces = _pieces(f, out, dim, [spec.shape[dim] for spec in specs])
+        if pieces is not None:   # equal pieces: the backward of a fused projection's split
+            result, piece = pieces
+            return f.rule([_with_dim(result, dim, piece)] * len(specs), [result],
+                          linear=(frozenset(range(len(specs))),), strided=frozenset(piece))
     result = _along(f, out, dim, cut=True)
     operands = []
     for spec in specs:

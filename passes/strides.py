@@ -1,0 +1,93 @@
+"""Where a strided shard may travel: the ops around a dim cut into equal pieces.
+
+A fused projection whose output is cut into ``k`` equal pieces (nanoGPT's and GPT-2's
+``q, k, v = c_attn(x).split(H, dim=-1)``) splits by heads only if every device holds its
+block of every piece: a strided shard (``placement.strided(dim, k)``) of the projection's
+output, its weight, its bias and their gradients. The split's rule offers it; the ops
+between the split (or, in backward, the ``cat`` of the pieces' gradients) and the
+parameter must offer it too. Any op that treats each position of a dim alike (matmuls,
+views, transposes, elementwise arithmetic, sums over other dims) computes the same
+thing whichever positions a device holds, so it may read and write that dim strided;
+ops that address positions (embedding lookups, gathers, slices, masks built from
+positions) may not.
+
+``strided_regions`` walks from each equal split or cat through such ops, along tensors
+that have a dim of the cut dim's size, and gives every op it reaches the ``(k, size)``
+pairs its strategies may use. Everything else is enumerated as before: the extra
+strategies stay where they can pay off, and graphs without an equal cut are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from torchalpa.opgraph import OpGraph
+
+__all__ = ["strided_regions", "POSITION_FREE_OPS"]
+
+_MAX_PIECES = 8   # a fused q/k/v has 3, a fused gate/up 2; more pieces are no projection
+
+POSITION_FREE_OPS = frozenset({
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+    "aten.t.default", "aten.permute.default", "aten.transpose.int",
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+    "aten.clone.default", "aten._to_copy.default", "aten.alias.default",
+    "aten.detach.default", "aten.contiguous.default",
+    "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor",
+    "aten.mul.Scalar", "aten.div.Scalar", "aten.add.Scalar", "aten.neg.default",
+    "aten.sum.dim_IntList",
+    "aten.split.Tensor", "aten.split_with_sizes.default", "aten.cat.default",
+})
+"""Ops whose result at a position of a dim depends only on the operands at that position
+(or sums over all of them): a consistent reordering of the dim's positions on every
+operand and result gives the same reordering of the result."""
+
+_CUTS = ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.cat.default")
+
+
+def _equal_cut(node, graph: OpGraph) -> tuple[int, int] | None:
+    """(pieces, whole size) of a split or cat into 2-8 equal pieces, else None."""
+    if node.op not in _CUTS:
+        return None
+    if node.op == "aten.cat.default":
+        pieces = [graph.spec(r).shape for r in node.operands]
+        whole = node.outputs[0].shape
+    else:
+        pieces = [spec.shape for spec in node.outputs]
+        whole = graph.spec(node.operands[0]).shape
+    if not 2 <= len(pieces) <= _MAX_PIECES or any(len(p) != len(whole) for p in pieces):
+        return None
+    cut = [d for d in range(len(whole)) if any(p[d] != whole[d] for p in pieces)]
+    if len(cut) != 1:
+        return None
+    sizes = {p[cut[0]] for p in pieces}
+    if len(sizes) != 1 or sizes.pop() < 2:
+        return None
+    return len(pieces), whole[cut[0]]
+
+
+def strided_regions(graph: OpGraph) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Node name -> the (pieces, size) strided splits its strategies may use."""
+    found: dict[str, set[tuple[int, int]]] = {}
+    for start in graph:
+        cut = _equal_cut(start, graph)
+        if cut is None:
+            continue
+        _, size = cut
+        queue, seen = deque([start.name]), {start.name}
+        while queue:
+            name = queue.popleft()
+            found.setdefault(name, set()).add(cut)
+            node = graph.node(name)
+            # the tensor on each edge must have a dim of the cut dim's size to carry it
+            neighbours = [r.node for r in node.operands if size in graph.spec(r).shape]
+            if any(size in out.shape for out in node.outputs):
+                neighbours += graph.consumers(name)
+            for other in neighbours:
+                if other in seen:
+                    continue
+                peer = graph.node(other)
+                if peer.is_leaf or peer.op in POSITION_FREE_OPS:
+                    seen.add(other)
+                    queue.append(other)
+    return {name: tuple(sorted(cuts)) for name, cuts in found.items()}
