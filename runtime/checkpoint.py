@@ -63,9 +63,12 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils._pytree import tree_map
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 
+from torchalpa import placement as P
 from torchalpa.runtime import mesh
 from torchalpa.runtime.mesh import gather_objects, on_rank0
 
@@ -448,7 +451,8 @@ def _save(root: Path, module, optimizer, keep: int | None, extra: dict) -> Path:
     name, tmp = on_rank0(begin, "starting the checkpoint")
     tmp = Path(tmp)
     _reached("started")
-    dcp.save(_state_dicts(module, optimizer), storage_writer=FileSystemWriter(tmp, sync_files=True))
+    dcp.save(_strided_as_shards(_state_dicts(module, optimizer)),
+             storage_writer=FileSystemWriter(tmp, sync_files=True))
     _save_rng(tmp, rank)
     _reached("data_written")
     # every rank hashes its own files; the all-gather also means that every rank's
@@ -489,6 +493,30 @@ def _state_dicts(module, optimizer) -> dict:
     return {"model": model_sd, "optimizer": optim_sd}
 
 
+def _strided_as_shards(state: dict) -> dict:
+    """``state`` with every DTensor held as a strided shard (a fused q/k/v split by heads)
+    moved to the plain shard of the same dim. DCP describes a rank's block by one offset
+    and size, which a block of each of k pieces is not: it refuses to save one ("overlapping
+    chunks") and loads into one wrongly. Plain shards save and load as any other, and the
+    checkpoint reads the same whatever layout wrote it."""
+    def plain(t):
+        if isinstance(t, DTensor) and any(P.split_factor_of(p) > 1 for p in t.placements):
+            return t.redistribute(t.device_mesh, [Shard(p.dim) if P.split_factor_of(p) > 1
+                                                  else p for p in t.placements])
+        return t
+    return tree_map(plain, state)
+
+
+def _restore_strided(loaded: dict, like: dict) -> dict:
+    """``loaded`` (from ``_strided_as_shards``) with each tensor back in the layout it has in
+    ``like``."""
+    def back(t, want):
+        if isinstance(want, DTensor) and isinstance(t, DTensor) and t.placements != want.placements:
+            return t.redistribute(want.device_mesh, want.placements)
+        return t
+    return tree_map(back, loaded, like)
+
+
 def _prune(root: Path, keep: int | None, current: str) -> None:
     """Remove interrupted saves and the versions beyond ``keep`` (best effort)."""
     for name in _partials(root):
@@ -519,8 +547,10 @@ def load_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
     directory, manifest = _intact_version(Path(path), fallback)
     reader = _SafeReader(directory)
     reader.read_metadata()                # our error naming the file, before DCP wraps it
-    state = _state_dicts(module, optimizer)
+    layouts = _state_dicts(module, optimizer)
+    state = _strided_as_shards(layouts)
     dcp.load(state, storage_reader=reader)
+    state = _restore_strided(state, layouts)
     if optimizer is None:
         set_model_state_dict(module, state["model"])
     else:

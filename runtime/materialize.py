@@ -240,4 +240,5 @@ class _ShardedRandom(TorchDispatchMode):
 def _block_index(t: DTensor) -> tuple[int, ...]:
     """Which block of the global tensor this rank holds: its coordinate on sharded axes."""
     coords = t.device_mesh.get_coordinate()
+    assert coords is not None, "this rank is not on the parameter's mesh"
     return tuple(c if P.is_shard(p) else 0 for c, p in zip(coords, t.placements))

@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import torchalpa  # noqa: E402
-from models import MLP, WithCustomOp, mlp_inputs  # noqa: E402
+from models import (MLP, FusedAttention, WithCustomOp, fused_attention_by_heads,  # noqa: E402
+                    mlp_inputs)
 from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 from worker_io import attempt, finish, max_rel, train_beside_one_device  # noqa: E402
@@ -190,6 +191,12 @@ def main():
         scenario("attention_heads", lambda: train_and_compare(
             HeadAttention, (torch.randn(4, 8, 32, generator=gen), torch.randn(4, 8, 32, generator=gen)),
             method=method, cluster=ALPA_UNIT(n)), results)
+    if "fused_qkv" in which:      # nanoGPT's attention: one c_attn, split into q, k, v
+        gen = torch.Generator().manual_seed(4)
+        scenario("fused_qkv", lambda: train_and_compare(
+            FusedAttention, (torch.randn(4, 8, 32, generator=gen),
+                             torch.randn(4, 8, 32, generator=gen)),
+            method=fused_attention_by_heads(), cluster=ALPA_UNIT(n)), results)
     if "zero3" in which:          # parameters gathered again in backward
         scenario("zero3", lambda: train_and_compare(
             lambda: MLP(32, 4), mlp_inputs(64, 32), method=torchalpa.Zero3Parallel()), results)

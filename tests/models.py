@@ -56,6 +56,35 @@ class WithCustomOp(nn.Module):
         return self.fc2(scaled_tanh(self.fc1(x)))
 
 
+class FusedAttention(nn.Module):
+    """nanoGPT's attention: one ``c_attn`` to 3H split into q, k and v (causal SDPA)."""
+
+    def __init__(self, hidden=32, heads=4):
+        super().__init__()
+        self.heads, self.hidden = heads, hidden
+        self.c_attn = nn.Linear(hidden, 3 * hidden)
+        self.c_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x):                          # (B, S, H)
+        b, s, h = x.shape
+        q, k, v = self.c_attn(x).split(self.hidden, dim=2)
+        k = torch.tanh(k)   # else softmax cancels k's bias: its gradient would be noise
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        mixed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(mixed.transpose(1, 2).reshape(b, s, h))
+
+
+def fused_attention_by_heads(num_devices: int = 4):
+    """A method that holds ``FusedAttention`` split by heads (Megatron's layout) over
+    ``num_devices`` in a row: c_attn a strided shard (each device its heads of q, of k and
+    of v), c_proj split by rows."""
+    import torchalpa
+    from torchalpa.placement import strided
+    pin = (("c_attn.weight", (strided(0, 3),)), ("c_proj.weight", (torchalpa.Shard(1),)))
+    return torchalpa.ShardParallel(logical_mesh_shape=(num_devices,),
+                                   auto_sharding_option=torchalpa.AutoShardingOption(pin=pin))
+
+
 def mlp_inputs(batch: int, hidden: int, device="cpu"):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, hidden, generator=g).to(device)

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
 import torchalpa  # noqa: E402
-from models import MLP, mlp_inputs  # noqa: E402
+from models import MLP, FusedAttention, fused_attention_by_heads, mlp_inputs  # noqa: E402
 from quickstart import MLP as QuickstartMLP  # noqa: E402
 from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from torchalpa.runtime.buckets import gradient_buckets, issued_collectives  # noqa: E402
@@ -351,6 +351,40 @@ def checkpoint(shared: str):
     return out
 
 
+def checkpoint_strided(shared: str):
+    """A fused q/k/v split by heads (a strided shard, which DCP cannot describe) saves and
+    resumes bit-identically, and its checkpoint loads into data parallelism and back."""
+    gen = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(4, 8, 32, generator=gen), torch.randn(4, 8, 32, generator=gen))
+               for _ in range(4)]
+    adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
+
+    def wrap(seed, method):
+        torch.manual_seed(seed)
+        return torchalpa.auto_parallel(FusedAttention(), batches[0], F.mse_loss, optimizer=adam,
+                                       method=method)
+
+    path, dp_path = os.path.join(shared, "ckpt_strided"), os.path.join(shared, "ckpt_dp")
+    pm = wrap(0, fused_attention_by_heads())
+    out = {"placements": {v.name: [str(p) for p in v.placements] for v in pm.plan.parameters},
+           "uninterrupted": []}
+    for step in range(4):
+        if step == 2:
+            save_checkpoint(path, pm)
+        out["uninterrupted"].append(pm.train_step(*batches[step]).item())
+    fresh = wrap(123, fused_attention_by_heads())
+    load_checkpoint(path, fresh)
+    out["resumed"] = [fresh.train_step(*batches[step]).item() for step in (2, 3)]
+    dp = wrap(123, torchalpa.DataParallel())
+    load_checkpoint(path, dp)
+    out["resumed_dp"] = [dp.train_step(*batches[2]).item()]
+    save_checkpoint(dp_path, dp)                      # and from plain layouts into strided
+    back = wrap(7, fused_attention_by_heads())
+    load_checkpoint(dp_path, back)
+    out["resumed_back"] = [back.train_step(*batches[3]).item()]
+    return out
+
+
 def checkpoint_other_world(shared: str):
     """Load the 4-rank checkpoint on this world size and continue."""
     make = lambda: QuickstartMLP(32, 4)  # noqa: E731
@@ -426,6 +460,7 @@ SCENARIOS = {
     "conventions": lambda shared: conventions(),
     "meta_init": lambda shared: meta_init(),
     "checkpoint": checkpoint,
+    "checkpoint_strided": checkpoint_strided,
     "checkpoint_other_world": checkpoint_other_world,
     "input_mismatch": lambda shared: input_mismatch(),
     "input_values": lambda shared: input_values(),

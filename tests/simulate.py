@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from torchalpa.placement import Partial, Shard
+from torchalpa.placement import Partial, Shard, is_shard, split_factor_of
 
 
 def coords_of(mesh_shape):
@@ -33,7 +33,12 @@ def block(full: torch.Tensor, placements, mesh_shape, coord) -> torch.Tensor:
             piece = noise[k] if k < n - 1 else x - sum(noise)
             x = piece * n if p.reduce_op == "avg" else piece
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        k = split_factor_of(p)
+        if k > 1:   # a strided shard: this rank's block of each of k pieces
+            n = mesh_shape[axis]
+            x = x.unflatten(p.dim, (k, n, x.shape[p.dim] // (k * n))).select(
+                p.dim + 1, coord[axis]).flatten(p.dim, p.dim + 1)
+        elif isinstance(p, Shard):
             x = x.chunk(mesh_shape[axis], p.dim)[coord[axis]]
     return x.contiguous()
 
@@ -61,7 +66,11 @@ def combine(blocks: dict, placements, mesh_shape) -> torch.Tensor:
         for key, items in grouped.items():
             ts = [t for _, t in sorted(items, key=lambda kv: kv[0])]
             p = placements[axis]
-            if isinstance(p, Shard):
+            k = split_factor_of(p)
+            if k > 1:   # each block holds a block of each piece: interleave them back
+                pieces = [t.unflatten(p.dim, (k, t.shape[p.dim] // k)) for t in ts]
+                merged[key] = torch.stack(pieces, p.dim + 1).flatten(p.dim, p.dim + 2)
+            elif is_shard(p):
                 merged[key] = torch.cat(ts, dim=p.dim)
             elif isinstance(p, Partial):
                 if p.reduce_op in ("max", "min"):

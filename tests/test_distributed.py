@@ -11,7 +11,7 @@ import pytest
 import worker_io
 
 SCENARIOS_4 = ("megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,vocab_parallel,"
-               "vocab_parallel_loss,softmax_in_steps,attention_heads,zero3,odd_batch,"
+               "vocab_parallel_loss,softmax_in_steps,attention_heads,fused_qkv,zero3,odd_batch,"
                "bad_input_shape")
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
@@ -118,6 +118,16 @@ def test_a_softmax_written_as_its_steps_trains_split_by_vocabulary(four_ranks):
     assert r["placements"]["head.weight"] == ["S(0)"]
     assert r["extremes"] == [["all_reduce", "max", 8 * 4]]          # one max per row
     assert not any(c[0] == "all_gather" and c[2] >= 8 * 256 * 4 // 4 for c in r["predicted"])
+
+
+def test_fused_qkv_projection_trains_split_by_heads(four_ranks):
+    """nanoGPT's attention (one c_attn, split into q, k, v) with c_attn held as a strided
+    shard: each rank its heads of q, of k and of v, so attention runs split by heads with
+    one all-reduce (the output projection's) and nothing around the split; trains like one
+    device (checked with the other scenarios)."""
+    r = four_ranks["fused_qkv"]
+    assert r["placements"]["c_attn.weight"] == r["placements"]["c_attn.bias"] == ["_S(0, 3)"]
+    assert r["predicted"] == [["all_reduce", 0, 4 * 8 * 32 * 4]]
 
 
 def test_attention_written_with_matmuls_splits_heads(four_ranks):

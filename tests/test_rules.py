@@ -36,6 +36,7 @@ from torchalpa.frontends import torch_export
 from torchalpa.frontends.torch_export import capture, trace_ops
 from torchalpa.passes.rules import RULES
 from torchalpa.passes.strategies import enumerate_strategies
+from torchalpa.passes.strides import POSITION_FREE_OPS
 from torchalpa.placement import Replicate, Shard
 from torchalpa.plan import NodeStrategy
 from torchalpa.runtime import sync_norm
@@ -226,8 +227,14 @@ def check_all_strategies(gm, nodes, args, meshes=MESHES, atol=1e-4, rtol=1e-4,
         assert rule is not None, f"{op_node.op}: the rule declined a graph it should describe"
         if transform is not None:
             rule = transform(op_node.op, rule)
+        # an op that may carry a strided shard (passes/strides.py) is checked with every
+        # dim of a size 2 pieces can split offered so
+        sizes = {d for spec in specs + list(op_node.outputs) for d in spec.shape}
+        strides = tuple((2, d) for d in sorted(sizes) if d % 4 == 0) \
+            if op_node.op in POSITION_FREE_OPS else ()
         for mesh_shape in meshes:
-            for strategy in enumerate_strategies(rule, LogicalMesh(shape=mesh_shape)):
+            for strategy in enumerate_strategies(rule, LogicalMesh(shape=mesh_shape),
+                                                 strides=strides):
                 where = f"{op_node.op} ({n.name}) strategy {strategy.name} on mesh {mesh_shape}"
                 assert len(strategy.outputs) == len(refs), where
                 try:
