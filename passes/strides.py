@@ -12,9 +12,11 @@ ops that address positions (embedding lookups, gathers, slices, masks built from
 positions) may not.
 
 ``strided_regions`` walks from each equal split or cat through such ops, along tensors
-that have a dim of the cut dim's size, and gives every op it reaches the ``(k, size)``
-pairs its strategies may use. Everything else is enumerated as before: the extra
-strategies stay where they can pay off, and graphs without an equal cut are unchanged.
+that have a dim of the cut dim's size, and, where the walk reaches a parameter, gives
+every op it reached the ``(k, size)`` pairs its strategies may use (a cut with no
+parameter (or gradient) in reach, such as rotary embedding's half swap, has nothing to
+hold strided). Everything else is enumerated as before: the extra strategies stay where
+they can pay off, and graphs without such a cut are unchanged.
 """
 
 from __future__ import annotations
@@ -77,7 +79,6 @@ def strided_regions(graph: OpGraph) -> dict[str, tuple[tuple[int, int], ...]]:
         queue, seen = deque([start.name]), {start.name}
         while queue:
             name = queue.popleft()
-            found.setdefault(name, set()).add(cut)
             node = graph.node(name)
             # the tensor on each edge must have a dim of the cut dim's size to carry it
             neighbours = [r.node for r in node.operands if size in graph.spec(r).shape]
@@ -90,4 +91,8 @@ def strided_regions(graph: OpGraph) -> dict[str, tuple[tuple[int, int], ...]]:
                 if peer.is_leaf or peer.op in POSITION_FREE_OPS:
                     seen.add(other)
                     queue.append(other)
+        if not any(graph.node(name).is_param or graph.node(name).is_grad for name in seen):
+            continue    # no parameter to hold strided (a rotary half-swap): nothing to gain
+        for name in seen:
+            found.setdefault(name, set()).add(cut)
     return {name: tuple(sorted(cuts)) for name, cuts in found.items()}

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from torchalpa.placement import Partial, Shard
+from torchalpa.placement import Partial, Shard, split_factor_of
 from torchalpa.plan import Plan
 
 __all__ = ["export_stablehlo", "hlo_sharding"]
@@ -53,6 +53,12 @@ def hlo_sharding(placements, rank: int, mesh_shape: Sequence[int]) -> str:
     """An HLO sharding string (``{devices=[1,4]<=[4]}``) for DTensor placements."""
     if any(isinstance(p, Partial) for p in placements):
         raise ValueError(f"{placements}: a Partial value has no HLO sharding annotation")
+    for axis, p in enumerate(placements):
+        if split_factor_of(p) > 1:
+            raise ValueError(f"{placements}: a strided shard on mesh axis {axis} (a block of "
+                             "each of its dim's pieces, as a fused q/k/v split by heads) has "
+                             "no HLO sharding annotation; pin that parameter to Shard or "
+                             "Replicate (AutoShardingOption(pin=...)) to export this plan")
     tiles = [1] * rank
     order: list[int] = []                      # mesh axes in tile order
     for dim in range(rank):

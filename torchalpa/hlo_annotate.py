@@ -35,7 +35,7 @@ from typing import Sequence
 
 from torchalpa.export import hlo_sharding
 from torchalpa.opgraph import ValueRef
-from torchalpa.placement import Partial, Shard
+from torchalpa.placement import Partial, Shard, split_factor_of
 from torchalpa.plan import Plan
 
 __all__ = ["annotate_stablehlo", "AnnotatedProgram", "sdy_sharding", "load_annotated", "DIALECTS"]
@@ -59,6 +59,11 @@ def sdy_sharding(placements, rank: int, axis_names: Sequence[str], mesh: str = "
         raise ValueError(f"{placements}: a Partial value has no Shardy sharding")
     dims: list[list[str]] = [[] for _ in range(rank)]
     for axis, p in enumerate(placements):
+        if split_factor_of(p) > 1:
+            raise ValueError(f"{placements}: a strided shard on mesh axis {axis} (a block of "
+                             "each of its dim's pieces, as a fused q/k/v split by heads) has "
+                             "no Shardy sharding; pin that parameter to Shard or Replicate "
+                             "(AutoShardingOption(pin=...)) to export this plan")
         if isinstance(p, Shard):
             dims[p.dim].append(f'"{axis_names[axis]}"')
     return f"#sdy.sharding<@{mesh}, [{', '.join('{' + ', '.join(d) + '}' for d in dims)}]>"

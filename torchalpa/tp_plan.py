@@ -31,6 +31,7 @@ has sharded embeddings.
 from __future__ import annotations
 
 from torch.distributed.tensor import Replicate, Shard
+from torchalpa.placement import split_factor_of
 
 __all__ = ["tp_plan", "NotExpressibleError"]
 
@@ -104,6 +105,11 @@ def tp_plan(plan, model=None, axis: int | str | None = None) -> dict:
             continue
         where = f"module {module!r}" if module else "the top-level module"
         for leaf, pl in layouts.items():
+            if split_factor_of(pl) > 1:
+                raise NotExpressibleError(f"{params[leaf].name} is {_short(pl)} on axis {tp}: "
+                                          "a strided shard (its heads of each of q, k and v) "
+                                          "has no ParallelStyle (ColwiseParallel splits "
+                                          "contiguous rows)")
             if not isinstance(pl, (Shard, Replicate)):
                 raise NotExpressibleError(f"{params[leaf].name} is {_short(pl)} on axis {tp}: "
                                           "a partial parameter has no ParallelStyle")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from torchalpa.placement import Partial, Shard
+from torchalpa.placement import Partial, Shard, split_factor_of
 from torchalpa.plan import Plan
 
 __all__ = ["partition_spec", "shardings", "hlo_collectives", "compare_collectives",
@@ -36,6 +36,11 @@ def partition_spec(placements, rank: int, axis_names: Sequence[str]):
         if isinstance(p, Partial):
             raise ValueError(f"a Partial placement ({p!r} on mesh axis {axis}) has no "
                              "NamedSharding; only parameters and inputs are placed with XLA")
+        if split_factor_of(p) > 1:
+            raise ValueError(f"a strided shard ({p!r} on mesh axis {axis}: a block of each of "
+                             "its dim's pieces, as a fused q/k/v split by heads) has no "
+                             "NamedSharding; pin that parameter to Shard or Replicate "
+                             "(AutoShardingOption(pin=...)) to run this plan with XLA")
         if isinstance(p, Shard):
             per_dim[p.dim].append(axis_names[axis])      # mesh axes major first, as DTensor
     return PartitionSpec(*[None if not a else a[0] if len(a) == 1 else tuple(a)

@@ -1,0 +1,80 @@
+"""Strided shards (``placement.strided``): a fused q/k/v projection split by heads.
+
+Where the planner offers them (``passes/strides.py``), that a plan does not depend on how
+q, k and v are spelled, and that the exporters which cannot express one say so. Training,
+transitions and checkpoints: ``test_distributed.py::test_fused_qkv_projection_trains_split_by_heads``,
+``test_reshard.py::test_strided_shard_transitions_give_dtensor_blocks``,
+``test_runtime_dist.py::test_checkpoint_of_a_fused_qkv_split_by_heads``; every strided
+strategy of every position-free op against the unsharded op: ``test_rules.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchalpa.models as zoo
+from alpa_cases import (BertLayers, all_reduce_cost, assert_close, bert_inputs, plan_of,
+                        weights)
+from torchalpa.export import hlo_sharding
+from torchalpa.frontends.torch_export import capture
+from torchalpa.hlo_annotate import sdy_sharding
+from torchalpa.passes.strides import strided_regions
+from torchalpa.placement import Replicate, Shard, strided
+
+
+def _graph(model, inputs, loss_fn=F.mse_loss):
+    with torch.device("meta"):
+        model = model()
+    return capture(model, tuple(t.to("meta") for t in inputs), loss_fn).graph
+
+
+def test_the_region_runs_from_the_split_to_the_projection_and_its_gradients():
+    graph = _graph(lambda: BertLayers(1, 32, 4, "fused_major"), bert_inputs(4, 8, 32))
+    regions = strided_regions(graph)
+    ops = {graph.node(n).op for n in regions}
+    assert "aten.split_with_sizes.default" in ops and "aten.cat.default" in ops
+    assert {graph.node(n).target for n in regions if graph.node(n).is_param} == {
+        "layer.0.attention.qkv.weight", "layer.0.attention.qkv.bias"}
+    assert all(cuts == ((3, 96),) for cuts in regions.values())
+    # nothing beyond tensors with a (3H)-sized dim: the other projections are untouched
+    assert not any("intermediate" in graph.node(n).module for n in regions)
+
+
+@pytest.mark.parametrize("make,inputs", [
+    (lambda: BertLayers(1, 32, 4, "separate"), bert_inputs(4, 8, 32)),
+    (lambda: BertLayers(1, 32, 4, "fused_minor"), bert_inputs(4, 8, 32)),
+])
+def test_no_equal_cut_no_strided_strategies(make, inputs):
+    assert strided_regions(_graph(make, inputs)) == {}
+
+
+def test_rotary_half_swap_is_no_region():
+    """LLaMA's rotary cats two equal halves, but no parameter is in reach of them."""
+    llama = zoo.tiny("llama")
+    torch.manual_seed(0)
+    graph = capture(llama.build(), llama.example_inputs(), llama.loss_fn).graph
+    assert any(n.op == "aten.cat.default" for n in graph.ops())
+    assert strided_regions(graph) == {}
+
+
+@pytest.mark.parametrize("qkv", ["fused_major", "fused_minor", "separate"])
+def test_a_plan_does_not_depend_on_how_qkv_is_spelled(qkv):
+    """Alpa's BERT model-parallel case (test_bert.py, B8 S8 H128 on (4, 1)): the same
+    objective however q, k and v are written; the (3, H)-major fused weight as a strided
+    shard, which is Megatron's layout for that spelling (1.57x the cost before)."""
+    plan, mesh = plan_of(BertLayers(1, 128, 8, qkv), bert_inputs(8, 8, 128), shape=(4, 1),
+                         all_reduce_threshold=1 << 60)
+    # Alpa's count: 4 all-reduces of the (B, S, H) activations per layer, less one
+    assert_close(plan.estimates["objective"], 3 * all_reduce_cost(mesh, 8 * 8 * 128 * 4, 0))
+    if qkv == "fused_major":
+        assert weights(plan)["layer.0.attention.qkv.weight"][0] == strided(0, 3)
+
+
+def test_exporters_that_cannot_express_a_strided_shard_say_what_to_do():
+    with pytest.raises(ValueError, match="strided shard.*pin that parameter"):
+        hlo_sharding((strided(0, 3),), 2, (4,))
+    with pytest.raises(ValueError, match="strided shard.*pin that parameter"):
+        sdy_sharding((Replicate(), strided(0, 3)), 2, ("a0", "a1"))
+    assert hlo_sharding((Shard(0),), 2, (4,)) == "{devices=[4,1]<=[4]}"
