@@ -58,6 +58,7 @@ from typing import Sequence
 from torchalpa.frontends.hlo_dot import emit_batch_sum, emit_dot
 from torchalpa.frontends.hlo_fusion import fuse_elementwise_bytes
 from torchalpa.frontends.hlo_gather import add_along_dim, pick_along_dim
+from torchalpa.frontends.hlo_slices import equal_slices_as_split
 from torchalpa.frontends.hlo_sums import sum_products_first
 from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, Operand, TensorSpec, ValueRef
 
@@ -381,6 +382,9 @@ class _Reader:
                          is_grad=n.name in grad_nodes and n.kind == "op")
                  for n in self.nodes if n.is_leaf or n.name in live]
         outputs = GraphOutputs(loss=loss, grads=tuple(grads))
+        by_name = {n.name: n for n in nodes}
+        nodes = equal_slices_as_split(nodes, lambda r: by_name[r.node].outputs[r.index],
+                                      {r.node for r in outputs.refs()})
         graph = OpGraph(fuse_elementwise_bytes(sum_products_first(nodes), outputs), outputs,
                         meta={"frontend": "stablehlo"})
         graph.check()

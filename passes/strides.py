@@ -33,7 +33,7 @@ POSITION_FREE_OPS = frozenset({
     "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
     "aten.t.default", "aten.permute.default", "aten.transpose.int",
     "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
-    "aten.clone.default", "aten._to_copy.default", "aten.alias.default",
+    "aten.expand.default", "aten.clone.default", "aten._to_copy.default", "aten.alias.default",
     "aten.detach.default", "aten.contiguous.default",
     "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor",
     "aten.mul.Scalar", "aten.div.Scalar", "aten.add.Scalar", "aten.neg.default",

@@ -632,3 +632,29 @@ def test_with_jax_loaded_the_pipeline_search_forks_no_workers(monkeypatch):
     plan = torchalpa.plan(model, (x, y), F.mse_loss, method=method,
                           cluster=Cluster.local_cpu(2))
     assert forked == [] and plan.stages
+
+
+def test_a_fused_qkv_written_in_jax_splits_by_heads():
+    """``jnp.split(x @ w_qkv, 3)`` lowers to three slices; read together as one split, the
+    fused weight is held as a strided shard (each device its heads of q, of k and of v),
+    so attention runs split by heads with one all-reduce (the output projection's): Alpa's
+    layout, whichever way q, k and v are spelled (``frontends/hlo_slices.py``)."""
+    from torchalpa.cluster import LogicalMesh
+    from torchalpa.placement import strided
+    B, S, H, NH = 8, 16, 64, 4
+
+    def loss(params, x):
+        q, k, v = jnp.split(x @ params["qkv"], 3, axis=-1)
+        heads = lambda t: t.reshape(B, S, NH, H // NH).transpose(0, 2, 1, 3)  # noqa: E731
+        q, k, v = heads(q), heads(k), heads(v)
+        ctx = jax.nn.softmax(q @ k.transpose(0, 1, 3, 2), axis=-1) @ v
+        return jnp.mean((ctx.transpose(0, 2, 1, 3).reshape(B, S, H) @ params["out"]) ** 2)
+    rng = np.random.default_rng(0)
+    params = {"qkv": jnp.asarray(rng.normal(size=(H, 3 * H)), jnp.float32),
+              "out": jnp.asarray(rng.normal(size=(H, H)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(B, S, H)), jnp.float32)
+    plan = torchalpa.plan(loss, (params, x), cluster=LogicalMesh(shape=(4,)))
+    placements = {p.name: p.placements for p in plan.parameters}
+    assert placements == {"params.qkv": (strided(1, 3),), "params.out": (Shard(0),)}
+    assert [(c.kind, c.phase, c.bytes) for c in plan.collectives] == [
+        ("all_reduce", "forward", B * S * H * 4)]
