@@ -37,8 +37,12 @@ def megatron_pins(tp_axis: int, ndim: int, other: str = "R") -> dict:
     the other axes ("R": replicated there, "*": the ILP's choice)."""
     def on(p):
         return tuple(p if a == tp_axis else other for a in range(ndim))
-    col, row = on("S(0)"), on("S(1)")
-    return {r"h\.\d+\.attn\.c_attn\.(weight|bias)": col, r"h\.\d+\.mlp\.c_fc\.(weight|bias)": col,
+    # c_attn's output is split into q, k and v: Megatron's columns are each device's heads
+    # of each of them, a strided shard of the fused weight (a contiguous quarter of 3H
+    # would hold all of q and part of k: all-to-alls around attention)
+    col, row, heads = on("S(0)"), on("S(1)"), on("S(0)/3")
+    return {r"h\.\d+\.attn\.c_attn\.(weight|bias)": heads,
+            r"h\.\d+\.mlp\.c_fc\.(weight|bias)": col,
             r"h\.\d+\.attn\.c_proj\.weight": row, r"h\.\d+\.mlp\.c_proj\.weight": row}
 
 
