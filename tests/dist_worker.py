@@ -197,6 +197,16 @@ def main():
             FusedAttention, (torch.randn(4, 8, 32, generator=gen),
                              torch.randn(4, 8, 32, generator=gen)),
             method=fused_attention_by_heads(), cluster=ALPA_UNIT(n)), results)
+    if "hf_gpt2_heads" in which and n == 4:   # transformers' GPT-2: Conv1D c_attn, split
+        from torchalpa.models.hf import hf_config, hf_example_batch, hf_loss_fn, hf_model
+        config = hf_config("gpt2", n_embd=64, n_head=4, n_layer=2, vocab_size=128,
+                           n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        torch.manual_seed(2)
+        tokens = hf_example_batch("gpt2", config, 1)
+        # latency-cheap, bandwidth-dear links: tensor parallelism beats data parallelism
+        scenario("hf_gpt2_heads", lambda: train_and_compare(
+            lambda: hf_model("gpt2", config), tokens, loss_fn=hf_loss_fn("gpt2"),
+            cluster=torchalpa.LogicalMesh(shape=(4,), alpha=(1e-3,), beta=(1e-7,))), results)
     if "zero3" in which:          # parameters gathered again in backward
         scenario("zero3", lambda: train_and_compare(
             lambda: MLP(32, 4), mlp_inputs(64, 32), method=torchalpa.Zero3Parallel()), results)

@@ -11,8 +11,8 @@ import pytest
 import worker_io
 
 SCENARIOS_4 = ("megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,vocab_parallel,"
-               "vocab_parallel_loss,softmax_in_steps,attention_heads,fused_qkv,zero3,odd_batch,"
-               "bad_input_shape")
+               "vocab_parallel_loss,softmax_in_steps,attention_heads,fused_qkv,hf_gpt2_heads,"
+               "zero3,odd_batch,bad_input_shape")
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
 
@@ -128,6 +128,22 @@ def test_fused_qkv_projection_trains_split_by_heads(four_ranks):
     r = four_ranks["fused_qkv"]
     assert r["placements"]["c_attn.weight"] == r["placements"]["c_attn.bias"] == ["_S(0, 3)"]
     assert r["predicted"] == [["all_reduce", 0, 4 * 8 * 32 * 4]]
+
+
+def test_transformers_gpt2_plans_megatron_with_its_conv1d_c_attn_by_heads(four_ranks):
+    """transformers' GPT2LMHeadModel (Conv1D: c_attn's weight is (H, 3H)) built from its
+    config, planned unpinned where tensor parallelism pays: c_attn a strided shard of its
+    columns, c_proj and mlp.c_proj split by rows, mlp.c_fc by columns; only all-reduces and
+    the embedding's gathers, and it trains like one device (checked with the others)."""
+    r = four_ranks["hf_gpt2_heads"]
+    layouts = r["placements"]
+    for k in range(2):
+        h = f"transformer.h.{k}."
+        assert layouts[h + "attn.c_attn.weight"] == ["_S(1, 3)"], layouts
+        assert layouts[h + "attn.c_attn.bias"] == ["_S(0, 3)"]
+        assert layouts[h + "attn.c_proj.weight"] == layouts[h + "mlp.c_proj.weight"] == ["S(0)"]
+        assert layouts[h + "mlp.c_fc.weight"] == ["S(1)"]
+    assert {c[0] for c in r["predicted"]} <= {"all_reduce", "all_gather"}
 
 
 def test_attention_written_with_matmuls_splits_heads(four_ranks):
