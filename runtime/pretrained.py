@@ -29,7 +29,10 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+
+from torchalpa import placement as P
+from torchalpa.runtime.collectives import local_chunk
 
 __all__ = ["load_pretrained", "snapshot_files"]
 
@@ -93,13 +96,29 @@ def _targets(module: nn.Module) -> dict[str, list[str]]:
 
 
 def _block(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The global offset and the shape of the block of ``tensor`` this rank holds."""
+    """The global offset and the shape of the block of ``tensor`` this rank reads: its
+    own block, or for a strided shard (a block of each piece of a dim, which no one offset
+    describes) the whole range of that dim, cut by ``_strided_part`` after reading."""
     if not isinstance(tensor, DTensor):
         return (0,) * tensor.dim(), tuple(tensor.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    placements = [Replicate() if P.split_factor_of(p) > 1 else p for p in tensor.placements]
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh,
-                                                          tensor.placements)
+                                                          placements)
     return tuple(offset), tuple(shape)
+
+
+def _strided_part(tensor: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a block ``_block`` read whole along strided dims."""
+    if not isinstance(tensor, DTensor):
+        return block
+    coords = tensor.device_mesh.get_coordinate()
+    assert coords is not None, "this rank is not on the tensor's mesh"
+    for axis, p in enumerate(tensor.placements):
+        if P.split_factor_of(p) > 1:
+            block = local_chunk(block, p.dim, tensor.device_mesh.size(axis), coords[axis],
+                                P.split_factor_of(p))
+    return block
 
 
 @torch.no_grad()
@@ -145,6 +164,7 @@ def load_pretrained(pm, path: str | os.PathLike, *, strict: bool = True) -> dict
         offset, shape = _block(tensor)
         block = (view[tuple(slice(o, o + s) for o, s in zip(offset, shape))] if shape
                  else handle.get_tensor(key))
+        block = _strided_part(tensor, block)
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         assert tuple(block.shape) == tuple(local.shape), (key, block.shape, local.shape)
         local.copy_(block)

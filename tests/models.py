@@ -74,6 +74,12 @@ class FusedAttention(nn.Module):
         return self.c_proj(mixed.transpose(1, 2).reshape(b, s, h))
 
 
+def fused_inputs(batch: int = 4):
+    """(x, y) for ``FusedAttention``: (batch, 8, 32) each, the same every call."""
+    gen = torch.Generator().manual_seed(4)
+    return torch.randn(batch, 8, 32, generator=gen), torch.randn(batch, 8, 32, generator=gen)
+
+
 def fused_attention_by_heads(num_devices: int = 4):
     """A method that holds ``FusedAttention`` split by heads (Megatron's layout) over
     ``num_devices`` in a row: c_attn a strided shard (each device its heads of q, of k and

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torchalpa  # noqa: E402
-from models import MLP, mlp_inputs  # noqa: E402
+from models import MLP, FusedAttention, fused_attention_by_heads, fused_inputs, mlp_inputs  # noqa: E402,E501
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 
 READ = {"elements": 0}
@@ -72,9 +72,14 @@ def load_one(snapshot: str) -> dict:
     """A fresh ZeRO-3 plan of the MLP loads ``snapshot``: its loss, the elements read."""
     READ["elements"] = 0
     torch.manual_seed(1)                       # not the snapshot's weights
-    x, y = mlp_inputs(8, 16)
-    pm = torchalpa.auto_parallel(MLP(16, 3), (x, y), F.mse_loss,
-                                 method=torchalpa.Zero3Parallel())
+    if "fused" in os.path.basename(snapshot):   # c_attn a strided shard: heads of q, k, v
+        x, y = fused_inputs()
+        pm = torchalpa.auto_parallel(FusedAttention(), (x, y), F.mse_loss,
+                                     method=fused_attention_by_heads(dist.get_world_size()))
+    else:
+        x, y = mlp_inputs(8, 16)
+        pm = torchalpa.auto_parallel(MLP(16, 3), (x, y), F.mse_loss,
+                                     method=torchalpa.Zero3Parallel())
     info = torchalpa.load_pretrained(pm, snapshot)
     loss = pm(x, y).item()
     total = sum(p.numel() for p in pm.parameters())

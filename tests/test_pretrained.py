@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file, save_model
 
 import torchalpa
-from models import MLP, mlp_inputs
+from models import MLP, FusedAttention, fused_inputs, mlp_inputs
 from test_faults_dist import _free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,6 +63,13 @@ def two_ranks_loaded(tmp_path_factory):
         x, y = mlp_inputs(8, 16)
         with torch.no_grad():
             want[sharded] = F.mse_loss(reference(x), y).item()
+    dirs["fused"] = root / "snapshot_fused"       # a strided shard reads a block per piece
+    dirs["fused"].mkdir()
+    torch.manual_seed(0)
+    reference = FusedAttention()
+    save_model(reference, str(dirs["fused"] / "model.safetensors"))
+    with torch.no_grad():
+        want["fused"] = F.mse_loss(reference(fused_inputs()[0]), fused_inputs()[1]).item()
     world = 2
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
@@ -87,6 +94,16 @@ def test_two_ranks_load_their_shards_and_match_one_device(two_ranks_loaded, shar
         assert seen["missing_keys"] == [] and seen["unexpected_keys"] == []
         # ZeRO-3 shards every parameter in two: a rank reads half of the model
         assert seen["read"] == seen["total"] // world, f"rank {r} read {seen['read']}"
+
+
+def test_a_strided_shard_loads_its_heads_of_q_k_and_v(two_ranks_loaded):
+    """A nanoGPT attention with c_attn held by heads (a block of each of q, k and v, which
+    no one offset describes) loads the snapshot's values into its blocks: the loss one
+    device gets with the saved model, on both ranks."""
+    want, ranks = two_ranks_loaded["fused"]
+    for r, seen in enumerate(ranks):
+        assert seen["loss"] == pytest.approx(want, rel=1e-5), f"rank {r}"
+        assert seen["missing_keys"] == [] and seen["unexpected_keys"] == []
 
 
 def planned_mlp(seed=1):
