@@ -78,3 +78,20 @@ def test_exporters_that_cannot_express_a_strided_shard_say_what_to_do():
     with pytest.raises(ValueError, match="strided shard.*pin that parameter"):
         sdy_sharding((Replicate(), strided(0, 3)), 2, ("a0", "a1"))
     assert hlo_sharding((Shard(0),), 2, (4,)) == "{devices=[4,1]<=[4]}"
+
+
+def test_a_strided_plan_reads_back_shows_and_refuses_a_tp_plan(tmp_path):
+    """The plan JSON keeps a strided shard (``StridedShard(0, 3)``), the summary shows it
+    (``S(0)/3``), and ``to_tp_plan`` says no ParallelStyle holds one."""
+    import torchalpa
+    from torchalpa.tp_plan import NotExpressibleError
+    make = lambda: BertLayers(1, 128, 8, "fused_major")  # noqa: E731
+    plan, _ = plan_of(make(), bert_inputs(8, 8, 128), shape=(4, 1))
+    path = tmp_path / "plan.json"
+    plan.save(str(path))
+    assert "StridedShard(0, 3)" in path.read_text()
+    again = torchalpa.Plan.load(str(path))
+    assert [p.placements for p in again.parameters] == [p.placements for p in plan.parameters]
+    assert any("qkv.weight" in line and "S(0)/3" in line for line in plan.summary().splitlines())
+    with pytest.raises(NotExpressibleError, match="strided shard"):
+        plan.to_tp_plan(make())
