@@ -30,7 +30,8 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_ch
            "finish_all_gather", "issue_reduce_scatter", "finish_reduce_scatter",
            "issue_all_to_all", "finish_all_to_all", "SPLIT", "Split", "step_call",
            "apply_step", "all_gather_strided", "reduce_scatter_strided",
-           "finish_all_gather_strided", "issue_reduce_scatter_strided"]
+           "finish_all_gather_strided", "issue_reduce_scatter_strided",
+           "issue_all_gather_strided"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -113,6 +114,13 @@ def _ranks_to_pieces(x: torch.Tensor, dim: int, group_size: int, split_factor: i
         dim, dim + 2)
 
 
+def issue_all_gather_strided(x: torch.Tensor, dim: int, group_size: int, group_name: str,
+                             split_factor: int) -> torch.Tensor:
+    """Start a strided shard's gather: the blocks travel as a shard's do."""
+    del split_factor   # the finish half puts the pieces in order
+    return issue_all_gather(x, dim, group_size, group_name)
+
+
 def finish_all_gather_strided(handle: torch.Tensor, dim: int, group_size: int,
                               split_factor: int) -> torch.Tensor:
     """Wait, then put every rank's block of each piece in its place."""
@@ -130,8 +138,9 @@ def issue_reduce_scatter_strided(x: torch.Tensor, dim: int, reduce_op: str, grou
 def all_gather_strided(x: torch.Tensor, dim: int, group_size: int, group_name: str,
                        split_factor: int) -> torch.Tensor:
     """A strided shard's ``all_gather``: the whole dim, pieces in order."""
-    return finish_all_gather_strided(issue_all_gather(x, dim, group_size, group_name), dim,
-                                     group_size, split_factor)
+    return finish_all_gather_strided(
+        issue_all_gather_strided(x, dim, group_size, group_name, split_factor), dim,
+        group_size, split_factor)
 
 
 def reduce_scatter_strided(x: torch.Tensor, dim: int, reduce_op: str, group_size: int,
@@ -180,7 +189,7 @@ SPLIT: dict[Callable[..., torch.Tensor], Split] = {
     all_gather: Split(issue_all_gather, finish_all_gather, (1, 2)),
     reduce_scatter: Split(issue_reduce_scatter, finish_reduce_scatter, ()),
     all_to_all: Split(issue_all_to_all, finish_all_to_all, (1, 3)),
-    all_gather_strided: Split(issue_all_gather, finish_all_gather_strided, (1, 2, 4)),
+    all_gather_strided: Split(issue_all_gather_strided, finish_all_gather_strided, (1, 2, 4)),
     reduce_scatter_strided: Split(issue_reduce_scatter_strided, finish_reduce_scatter, ()),
 }
 

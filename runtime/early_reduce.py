@@ -26,7 +26,7 @@ __all__ = ["backward_with_reduce", "early_reduce_program", "EARLY"]
 # what may run as soon as its inputs exist: packing and issuing, never a wait
 EARLY = frozenset({flatten_concat, interleave_chunks, C.issue_all_reduce,
                    C.issue_reduce_scatter, C.issue_reduce_scatter_strided, C.issue_all_gather,
-                   C.issue_all_to_all})
+                   C.issue_all_gather_strided, C.issue_all_to_all})
 
 
 def backward_with_reduce(backward: fx.GraphModule, reduce_grads: fx.GraphModule

@@ -59,7 +59,7 @@ def prefetch_parameter_gathers(gm: fx.GraphModule) -> int:
     ``overlap_collectives``); returns how many issues moved."""
     graph = gm.graph
     issues = [n for n in graph.nodes if n.op == "call_function"
-              and n.target is C.issue_all_gather
+              and n.target in (C.issue_all_gather, C.issue_all_gather_strided)
               and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"]
     order = {n: i for i, n in enumerate(graph.nodes)}
     moved = 0

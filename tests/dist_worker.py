@@ -197,6 +197,18 @@ def main():
             FusedAttention, (torch.randn(4, 8, 32, generator=gen),
                              torch.randn(4, 8, 32, generator=gen)),
             method=fused_attention_by_heads(), cluster=ALPA_UNIT(n)), results)
+    if "fused_qkv_2d" in which and n == 4:   # heads over axis 1, c_attn's columns over 0
+        from torchalpa.placement import strided
+        pin = (("c_attn.weight", (torchalpa.Shard(1), strided(0, 3))),
+               ("c_proj.weight", ("*", torchalpa.Shard(1))))
+        method = torchalpa.ShardParallel(
+            logical_mesh_shape=(2, 2),
+            auto_sharding_option=torchalpa.AutoShardingOption(pin=pin, parameters="sharded"))
+        gen = torch.Generator().manual_seed(4)
+        scenario("fused_qkv_2d", lambda: train_and_compare(
+            FusedAttention, (torch.randn(4, 8, 32, generator=gen),
+                             torch.randn(4, 8, 32, generator=gen)),
+            method=method, cluster=torchalpa.LogicalMesh(shape=(2, 2))), results)
     if "hf_gpt2_heads" in which and n == 4:   # transformers' GPT-2: Conv1D c_attn, split
         from torchalpa.models.hf import hf_config, hf_example_batch, hf_loss_fn, hf_model
         config = hf_config("gpt2", n_embd=64, n_head=4, n_layer=2, vocab_size=128,

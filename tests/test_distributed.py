@@ -11,8 +11,8 @@ import pytest
 import worker_io
 
 SCENARIOS_4 = ("megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,vocab_parallel,"
-               "vocab_parallel_loss,softmax_in_steps,attention_heads,fused_qkv,hf_gpt2_heads,"
-               "zero3,odd_batch,bad_input_shape")
+               "vocab_parallel_loss,softmax_in_steps,attention_heads,fused_qkv,fused_qkv_2d,"
+               "hf_gpt2_heads,zero3,odd_batch,bad_input_shape")
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
 
@@ -128,6 +128,16 @@ def test_fused_qkv_projection_trains_split_by_heads(four_ranks):
     r = four_ranks["fused_qkv"]
     assert r["placements"]["c_attn.weight"] == r["placements"]["c_attn.bias"] == ["_S(0, 3)"]
     assert r["predicted"] == [["all_reduce", 0, 4 * 8 * 32 * 4]]
+
+
+def test_fused_qkv_by_heads_on_a_2d_mesh_with_sharded_states(four_ranks):
+    """On (2, 2): c_attn split by heads over axis 1 and by its columns over axis 0 (states
+    sharded, gathered over axis 0 for use): strided and plain splits of one weight on two
+    axes, through the overlapped programs' issue / finish halves (which crashed on a
+    strided gather before); trains like one device (checked with the others)."""
+    r = four_ranks["fused_qkv_2d"]
+    assert r["placements"]["c_attn.weight"] == ["S(1)", "_S(0, 3)"]
+    assert any(c[0] == "all_gather" for c in r["predicted"])
 
 
 def test_transformers_gpt2_plans_megatron_with_its_conv1d_c_attn_by_heads(four_ranks):
