@@ -79,7 +79,8 @@ def _placement_for(dims, factor: str, size_of: dict[str, int], stride: int = 1,
     if it leads a dim; None if absent; False if illegal (a minor factor of a merged dim, or
     a factor indexing two dims). ``stride`` > 1 reads the factor's positions as ``stride``
     pieces (a strided shard, only of a dim the factor spans alone); a factor in
-    ``minor_ok`` may be the last factor of a merged dim, a strided shard of it."""
+    ``minor_ok`` may be a minor factor of a merged dim (the factors before it read as
+    pieces, those after it whole): a strided shard of it."""
     found = None
     for d, factors in enumerate(dims):
         if factor not in factors:
@@ -91,8 +92,8 @@ def _placement_for(dims, factor: str, size_of: dict[str, int], stride: int = 1,
             found = Shard(d) if stride == 1 else strided(d, stride)
         elif real[0] == factor and stride == 1:
             found = Shard(d)
-        elif real[-1] == factor and factor in minor_ok:
-            found = strided(d, stride * math.prod(size_of[f] for f in real[:-1]))
+        elif factor in minor_ok:   # pieces of the dim lead; the factors after it stay whole
+            found = strided(d, stride * math.prod(size_of[f] for f in real[:real.index(factor)]))
         else:
             return False
     return found

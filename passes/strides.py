@@ -21,9 +21,11 @@ they can pay off, and graphs without such a cut are unchanged.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from torchalpa.opgraph import OpGraph
+from torchalpa.passes.rules import rule_for
 
 __all__ = ["strided_regions", "POSITION_FREE_OPS"]
 
@@ -44,28 +46,24 @@ POSITION_FREE_OPS = frozenset({
 (or sums over all of them): a consistent reordering of the dim's positions on every
 operand and result gives the same reordering of the result."""
 
-_CUTS = ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.cat.default")
-
-
 def _equal_cut(node, graph: OpGraph) -> tuple[int, int] | None:
-    """(pieces, whole size) of a split or cat into 2-8 equal pieces, else None."""
-    if node.op not in _CUTS:
+    """(pieces, whole size) where ``node``'s rule lets a factor be split as a strided shard
+    of a dim (an equal split or cat, a view as (pieces, heads, head dim)), else None."""
+    if node.is_leaf or node.op not in POSITION_FREE_OPS:
         return None
-    if node.op == "aten.cat.default":
-        pieces = [graph.spec(r).shape for r in node.operands]
-        whole = node.outputs[0].shape
-    else:
-        pieces = [spec.shape for spec in node.outputs]
-        whole = graph.spec(node.operands[0]).shape
-    if not 2 <= len(pieces) <= _MAX_PIECES or any(len(p) != len(whole) for p in pieces):
+    rule = rule_for(node, graph)
+    if rule is None or not rule.strided:
         return None
-    cut = [d for d in range(len(whole)) if any(p[d] != whole[d] for p in pieces)]
-    if len(cut) != 1:
-        return None
-    sizes = {p[cut[0]] for p in pieces}
-    if len(sizes) != 1 or sizes.pop() < 2:
-        return None
-    return len(pieces), whole[cut[0]]
+    size_of = rule.size_of
+    for dims in rule.operands + rule.results:
+        for factors in dims:
+            real = [f for f in factors if size_of[f] != 1]
+            for j, f in enumerate(real):
+                if j and f in rule.strided:
+                    pieces = math.prod(size_of[g] for g in real[:j])
+                    if 2 <= pieces <= _MAX_PIECES:
+                        return pieces, math.prod(size_of[g] for g in real)
+    return None
 
 
 def strided_regions(graph: OpGraph) -> dict[str, tuple[tuple[int, int], ...]]:

@@ -29,14 +29,14 @@ ALPA_UNIT = lambda n: torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,), beta=(1.0,
 
 
 def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_train_step=False,
-                      loss_fn=F.mse_loss, **auto_kw):
+                      loss_fn=F.mse_loss, optimizer=torch.optim.Adam, **auto_kw):
     torch.manual_seed(0)
     model = make_model()
     torch.manual_seed(0)
     ref = make_model()
     x, y = batch
     pm = torchalpa.auto_parallel(model, (x, y), loss_fn,
-                                 optimizer=(lambda ps: torch.optim.Adam(ps, lr=lr)), **auto_kw)
+                                 optimizer=(lambda ps: optimizer(ps, lr=lr)), **auto_kw)
     # what a step issues: the plan's collectives, gradient all-reduces merged into buckets
     predicted = sorted([c.kind, c.axis, c.bytes] for c in issued_collectives(pm.plan))
     out = {"predicted": predicted,
@@ -54,7 +54,7 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
            "extremes": sorted([c.kind, c.reduce_op, c.bytes] for c in pm.plan.collectives
                               if c.reduce_op in ("max", "min"))}
     run = train_beside_one_device(
-        pm, ref, torch.optim.Adam(ref.parameters(), lr=lr), lambda step: batch, loss_fn,
+        pm, ref, optimizer(ref.parameters(), lr=lr), lambda step: batch, loss_fn,
         steps=steps, scale=scale, backward_steps=() if use_train_step else range(steps))
     out.update(losses=run["losses"], ref_losses=run["ref_losses"], executed=run["executed"],
                max_param_diff=max(d for d, _ in run["params"]),
@@ -209,6 +209,16 @@ def main():
             FusedAttention, (torch.randn(4, 8, 32, generator=gen),
                              torch.randn(4, 8, 32, generator=gen)),
             method=method, cluster=torchalpa.LogicalMesh(shape=(2, 2))), results)
+    if "vit_heads" in which and n == 4:   # timm's qkv.view(B, N, 3, H, D): heads of each
+        import torchalpa.models as zoo
+        vit = zoo.tiny("vit", batch_size=2, dropout=0.0)
+        torch.manual_seed(3)
+        # SGD: softmax cancels the key bias, whose gradient is rounding noise that Adam
+        # would scale up to a full step
+        scenario("vit_heads", lambda: train_and_compare(
+            vit.build, vit.example_inputs(), loss_fn=vit.loss_fn, optimizer=torch.optim.SGD,
+            lr=1e-2,
+            cluster=torchalpa.LogicalMesh(shape=(4,), alpha=(1e-3,), beta=(1e-7,))), results)
     if "hf_gpt2_heads" in which and n == 4:   # transformers' GPT-2: Conv1D c_attn, split
         from torchalpa.models.hf import hf_config, hf_example_batch, hf_loss_fn, hf_model
         config = hf_config("gpt2", n_embd=64, n_head=4, n_layer=2, vocab_size=128,

@@ -132,6 +132,10 @@ CASES: dict[str, Case] = {
     "view_split_merge": Case(lambda a: a.view(4, 2, 8).reshape(8, 8), lambda: (rnd(8, 8),)),
     "view_general": Case(lambda a: a.reshape(4, 6), lambda: (rnd(6, 4),)),
     "view_regroup": Case(lambda a: a.reshape(4, 4, 8).relu(), lambda: (rnd(4, 8, 4),)),
+    # a fused q/k/v viewed as (pieces, heads, head dim) and back: heads split as a strided
+    # shard of the fused dim
+    "view_pieces_heads": Case(lambda a: a.view(2, 3, 4, 2).relu().reshape(2, 24),
+                              lambda: (rnd(2, 24),)),
     "reshape_composite": Case(lambda a: aten.reshape.default(a, [4, 2, 8]) * 2,
                               lambda: (rnd(8, 8),), pre_dispatch=True),
     "permute_t_transpose": Case(lambda a: a.permute(2, 0, 1).transpose(0, 1).reshape(8, 16).t(),

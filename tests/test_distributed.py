@@ -12,7 +12,7 @@ import worker_io
 
 SCENARIOS_4 = ("megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,vocab_parallel,"
                "vocab_parallel_loss,softmax_in_steps,attention_heads,fused_qkv,fused_qkv_2d,"
-               "hf_gpt2_heads,zero3,odd_batch,bad_input_shape")
+               "hf_gpt2_heads,vit_heads,zero3,odd_batch,bad_input_shape")
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
 
@@ -138,6 +138,17 @@ def test_fused_qkv_by_heads_on_a_2d_mesh_with_sharded_states(four_ranks):
     r = four_ranks["fused_qkv_2d"]
     assert r["placements"]["c_attn.weight"] == ["S(1)", "_S(0, 3)"]
     assert any(c[0] == "all_gather" for c in r["predicted"])
+
+
+def test_vit_viewing_qkv_as_pieces_heads_and_head_dim_splits_by_heads(four_ranks):
+    """The zoo ViT (timm's spelling: qkv(x).view(B, N, 3, H, D), permuted and unbound),
+    planned unpinned where tensor parallelism pays: qkv a strided shard, proj split by
+    rows, only all-reduces and gathers; trains like one device (checked with the others)."""
+    r = four_ranks["vit_heads"]
+    for k in range(2):
+        assert r["placements"][f"blocks.{k}.attn.qkv.weight"] == ["_S(0, 3)"]
+        assert r["placements"][f"blocks.{k}.attn.proj.weight"] == ["S(1)"]
+    assert {c[0] for c in r["predicted"]} <= {"all_reduce", "all_gather"}
 
 
 def test_transformers_gpt2_plans_megatron_with_its_conv1d_c_attn_by_heads(four_ranks):

@@ -50,6 +50,20 @@ def test_no_equal_cut_no_strided_strategies(make, inputs):
     assert strided_regions(_graph(make, inputs)) == {}
 
 
+def test_a_view_as_pieces_heads_and_head_dim_starts_a_region():
+    """timm's attention views its fused projection as (B, N, 3, H, D): the view's rule lets
+    the heads factor split as a strided shard of 3H, so the projection's weight, bias and
+    gradients may be held by heads (the zoo ViT, forward and backward views)."""
+    vit = zoo.tiny("vit", dropout=0.0)
+    torch.manual_seed(0)
+    graph = capture(vit.build(), vit.example_inputs(), vit.loss_fn).graph
+    regions = strided_regions(graph)
+    assert {graph.node(n).target for n in regions if graph.node(n).is_param} == {
+        f"blocks.{k}.attn.qkv.{w}" for k in range(2) for w in ("weight", "bias")}
+    hidden = 3 * vit.build().blocks[0].attn.qkv.in_features
+    assert {cuts for cuts in regions.values()} == {((3, hidden),)}
+
+
 def test_rotary_half_swap_is_no_region():
     """LLaMA's rotary cats two equal halves, but no parameter is in reach of them."""
     llama = zoo.tiny("llama")

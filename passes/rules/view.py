@@ -76,7 +76,7 @@ def reshape(node, specs):
     f = FactorNamer()
     in_dims: list = [()] * len(src)
     out_dims: list = [()] * len(dst)
-    blocked = set()
+    blocked, strided = set(), set()
     for gi, gj in _groups(src, dst):
         if not gi or not gj:
             continue  # a size-1 dim on one side: no factor
@@ -85,11 +85,13 @@ def reshape(node, specs):
             in_dims[gi[0]] = factors
             for j, fac in zip(gj, factors):
                 out_dims[j] = (fac,)
+            strided |= _pieces_split(factors, [dst[j] for j in gj])
         elif len(gj) == 1:          # several input dims merge into one output dim
             factors = tuple(f.new(src[i]) for i in gi)
             out_dims[gj[0]] = factors
             for i, fac in zip(gi, factors):
                 in_dims[i] = (fac,)
+            strided |= _pieces_split(factors, [src[i] for i in gi])
         elif (atoms := _refinement([src[i] for i in gi], [dst[j] for j in gj])) is not None:
             factors = [f.new(size) for size in atoms]
             for dims, sizes, idx in ((in_dims, src, gi), (out_dims, dst, gj)):
@@ -110,7 +112,18 @@ def reshape(node, specs):
                 fac = f.new(dst[j])
                 blocked.add(fac)
                 out_dims[j] = (fac,)
-    return f.rule([tuple(in_dims)], [tuple(out_dims)], blocked=frozenset(blocked), linear=_LINEAR)
+    return f.rule([tuple(in_dims)], [tuple(out_dims)], blocked=frozenset(blocked), linear=_LINEAR,
+                  strided=frozenset(strided))
+
+
+def _pieces_split(factors: tuple, sizes: list[int]) -> set:
+    """A dim read as (pieces, heads, head dim), as timm's and many fused attentions view
+    their q/k/v projection (``qkv.view(B, N, 3, H, D)``): the heads factor may be split as
+    a strided shard of the whole dim (each device its heads of every piece). Two-factor
+    views (heads, head dim) are left alone: splitting the head dim gains nothing."""
+    if len(factors) >= 3 and 2 <= sizes[0] <= 8:
+        return {factors[1]}
+    return set()
 
 
 def _permuted(node, specs, perm):
