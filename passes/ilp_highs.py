@@ -24,7 +24,11 @@ def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float
     """Run HiGHS on ``model``; return (PuLP's status name, column values in the model's
     own order). ``model.initial`` is not used (this path never warm-started)."""
     if not model.names:     # presolve decided every node (HiGHS calls an empty model an error)
-        return "Optimal", np.zeros(0)
+        # each row is then a constant 0 between its bounds (a memory budget that what was
+        # decided already exceeds has lower <= 0 <= upper broken): infeasible, not optimal
+        feasible = all(lo <= 1e-9 and up >= -1e-9
+                       for lo, up in zip(model.row_lower, model.row_upper))
+        return ("Optimal" if feasible else "Infeasible"), np.zeros(0)
     order = sorted(range(len(model.names)), key=model.names.__getitem__)
     position = np.empty(len(order), dtype=np.int32)
     position[order] = np.arange(len(order), dtype=np.int32)
