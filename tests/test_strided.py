@@ -109,3 +109,32 @@ def test_a_strided_plan_reads_back_shows_and_refuses_a_tp_plan(tmp_path):
     assert any("qkv.weight" in line and "S(0)/3" in line for line in plan.summary().splitlines())
     with pytest.raises(NotExpressibleError, match="strided shard"):
         plan.to_tp_plan(make())
+
+
+class FusedSwiGLU(torch.nn.Module):
+    """A LLaMA MLP with gate and up fused into one projection, cut by ``chunk(2)``."""
+
+    def __init__(self, hidden=64, inner=128):
+        super().__init__()
+        self.gate_up = torch.nn.Linear(hidden, 2 * inner, bias=False)
+        self.down = torch.nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+def test_a_fused_gate_up_projection_splits_as_megatron_does():
+    """gate and up fused and chunked: each device its block of each (a strided shard with 2
+    pieces), down split by rows: one all-reduce, of the output in forward (the input needs
+    no gradient), as with two separate projections."""
+    from torchalpa.cluster import LogicalMesh
+    import torchalpa
+    with torch.device("meta"):
+        model = FusedSwiGLU()
+    x = torch.empty(4, 16, 64, device="meta")
+    plan = torchalpa.plan(model, (x, torch.empty_like(x)), F.mse_loss,
+                          cluster=LogicalMesh(shape=(4,), alpha=(1e-3,), beta=(1e-7,)))
+    placements = {p.name: p.placements for p in plan.parameters}
+    assert placements == {"gate_up.weight": (strided(0, 2),), "down.weight": (Shard(1),)}
+    assert [(c.kind, c.phase) for c in plan.collectives] == [("all_reduce", "forward")]
