@@ -658,3 +658,20 @@ def test_a_fused_qkv_written_in_jax_splits_by_heads():
     assert placements == {"params.qkv": (strided(1, 3),), "params.out": (Shard(0),)}
     assert [(c.kind, c.phase, c.bytes) for c in plan.collectives] == [
         ("all_reduce", "forward", B * S * H * 4)]
+
+
+def test_only_slices_tiling_a_dim_into_equal_pieces_read_as_a_split():
+    """Unequal pieces, or pieces that leave part of the dim out, stay slices: a split of
+    them would not be one strided layout."""
+    def loss(w, x):
+        y = x @ w                                             # (8, 96)
+        return (jnp.sum(y[:, :40] ** 2) + jnp.sum(y[:, 40:] ** 2)     # unequal pieces
+                + jnp.sum(y[:, 0:32] * y[:, 32:64]))                   # part of the dim
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(16, 96)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(8, 16)), jnp.float32)
+    lowered = lower_jax(loss, (w, x))
+    graph = from_stablehlo(lowered.text, param_names=lowered.param_names,
+                           input_names=lowered.input_names)
+    ops = [n.op for n in graph.ops()]
+    assert "aten.split_with_sizes.default" not in ops and ops.count("aten.slice.Tensor") >= 4
