@@ -127,7 +127,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "world_size": dist.get_world_size(), "stats": stats},
                       f, indent=1)
-    dist.destroy_process_group()
+    torchalpa.shutdown()   # leaves the group; no interpreter teardown, where gloo can abort
 
 
 def run_baseline(name, args, x, y) -> dict:

@@ -501,8 +501,9 @@ def _strided_as_shards(state: dict) -> dict:
     checkpoint reads the same whatever layout wrote it."""
     def plain(t):
         if isinstance(t, DTensor) and any(P.split_factor_of(p) > 1 for p in t.placements):
-            return t.redistribute(t.device_mesh, [Shard(p.dim) if P.split_factor_of(p) > 1
-                                                  else p for p in t.placements])
+            return t.redistribute(t.device_mesh, [Shard(p.dim) if P.is_shard(p)
+                                                  and P.split_factor_of(p) > 1 else p
+                                                  for p in t.placements])
         return t
     return tree_map(plain, state)
 

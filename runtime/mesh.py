@@ -9,14 +9,15 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from typing import Callable, TypeVar
+from typing import Callable, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["default_backend", "default_device", "init_distributed", "build_mesh", "rank",
-           "world_size", "check_world_size", "on_rank0", "gather_objects", "comm_device"]
+           "world_size", "check_world_size", "on_rank0", "gather_objects", "comm_device",
+           "shutdown"]
 
 _TIMEOUT_ENV = "TORCHALPA_TIMEOUT_S"
 
@@ -47,6 +48,28 @@ def init_distributed() -> None:
     else:
         dist.init_process_group(default_backend(), store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=collective_timeout())
+
+
+def shutdown(exit_code: int = 0) -> NoReturn:
+    """End a distributed job's process cleanly: leave the process group, run the
+    ``atexit`` handlers and flush, then exit without the interpreter's teardown.
+
+    There, gloo's worker threads can still hold collective work objects whose tensors
+    reference Python; destroying them while the interpreter finalizes aborts the process
+    ("terminate called without an active exception", SIGABRT) after the job's work is
+    done, and torchrun reports the job failed (seen in ``make demo`` about one launch in
+    three on a loaded 2-core machine; pytorch/pytorch#179291 describes the cause). Call
+    it last, on every rank; it does not return."""
+    import atexit
+    import logging
+    import sys
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 def rank() -> int:

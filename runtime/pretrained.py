@@ -115,7 +115,7 @@ def _strided_part(tensor: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     coords = tensor.device_mesh.get_coordinate()
     assert coords is not None, "this rank is not on the tensor's mesh"
     for axis, p in enumerate(tensor.placements):
-        if P.split_factor_of(p) > 1:
+        if P.is_shard(p) and P.split_factor_of(p) > 1:
             block = local_chunk(block, p.dim, tensor.device_mesh.size(axis), coords[axis],
                                 P.split_factor_of(p))
     return block

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from torchalpa.runtime.faults import RankFailedError
     from torchalpa.runtime.precision import MixedPrecision
     from torchalpa.runtime.tensorboard import TensorBoardHook
+    from torchalpa.runtime.mesh import shutdown
     from torchalpa.meta_model import to_meta
 
 __version__ = "0.1.0"
@@ -46,6 +47,7 @@ _LAZY = {
     "MixedPrecision": "torchalpa.runtime.precision",
     "TensorBoardHook": "torchalpa.runtime.tensorboard",
     "to_meta": "torchalpa.meta_model",
+    "shutdown": "torchalpa.runtime.mesh",
     # torch's own classes: torchalpa.Shard is torch.distributed.tensor.Shard
     "Shard": "torchalpa.placement", "Replicate": "torchalpa.placement",
     "Partial": "torchalpa.placement",
@@ -70,5 +72,5 @@ __all__ = [
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
     "load_checkpoint", "RankFailedError", "save_pretrained", "load_pretrained",
-    "export_stablehlo", "TensorBoardHook", "to_meta",
+    "export_stablehlo", "TensorBoardHook", "to_meta", "shutdown",
 ]
