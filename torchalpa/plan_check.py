@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torchalpa.placement import Placements, short
+from torchalpa.placement import Placements, long_form, short, split_factor_of
 from torchalpa.plan import INPUT_SLOT, PLAN_VERSION, READABLE_PLAN_VERSIONS, PipelinePlan, Plan
 
 __all__ = ["PlanError", "read_plan_file", "check_plan"]
@@ -93,9 +93,11 @@ def _check_layout(placements: Placements, tensor_shape, mesh_shape, what: str) -
         if not 0 <= dim < len(local):
             raise PlanError(f"{what}: Shard({dim}) on mesh axis {axis}, but the tensor has "
                             f"{len(local)} dims {tuple(tensor_shape)}")
-        if local[dim] % mesh_shape[axis]:
-            raise PlanError(f"{what}: Shard({dim}) splits dim {dim} of {tuple(tensor_shape)} "
-                            f"({local[dim]} here) over {mesh_shape[axis]} devices unevenly")
+        pieces = split_factor_of(p)    # a strided shard splits each of its pieces
+        if local[dim] % (mesh_shape[axis] * pieces):
+            raise PlanError(f"{what}: {long_form(p)} splits dim {dim} of {tuple(tensor_shape)} "
+                            f"({local[dim]} here) over {mesh_shape[axis]} devices unevenly"
+                            + (f" in {pieces} pieces" if pieces > 1 else ""))
         local[dim] //= mesh_shape[axis]
 
 
