@@ -11,7 +11,8 @@ thing whichever positions a device holds, so it may read and write that dim stri
 ops that address positions (embedding lookups, gathers, slices, masks built from
 positions) may not.
 
-``strided_regions`` walks from each equal split or cat through such ops, along tensors
+``strided_regions`` walks from each such cut (an equal split or cat, or a view as
+(pieces, heads, head dim), as timm writes attention) through such ops, along tensors
 that have a dim of the cut dim's size, and, where the walk reaches a parameter, gives
 every op it reached the ``(k, size)`` pairs its strategies may use (a cut with no
 parameter (or gradient) in reach, such as rotary embedding's half swap, has nothing to
@@ -46,10 +47,15 @@ POSITION_FREE_OPS = frozenset({
 (or sums over all of them): a consistent reordering of the dim's positions on every
 operand and result gives the same reordering of the result."""
 
+_CUTS = frozenset({"aten.split.Tensor", "aten.split_with_sizes.default", "aten.cat.default",
+                   "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default"})
+"""Ops whose rules may read a dim as pieces (``FactorRule.strided``)."""
+
+
 def _equal_cut(node, graph: OpGraph) -> tuple[int, int] | None:
     """(pieces, whole size) where ``node``'s rule lets a factor be split as a strided shard
     of a dim (an equal split or cat, a view as (pieces, heads, head dim)), else None."""
-    if node.is_leaf or node.op not in POSITION_FREE_OPS:
+    if node.op not in _CUTS:
         return None
     rule = rule_for(node, graph)
     if rule is None or not rule.strided:
