@@ -11,11 +11,49 @@ import tempfile  # noqa: E402
 os.environ["TORCHALPA_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchalpa-test-cache-")
 
 
+# Summed seconds of each file's tests in `make test` (setup included: a module fixture's
+# launch counts), from `--junitxml` and benchmarks/test_times.py on 2 cores (22:24 UTC,
+# 11-24, load 1 to 7); files not listed took under 3 s. Only the order of files comes
+# from these figures, never a result: stale ones cost time, not correctness.
+FILE_SECONDS = {
+    "test_runtime_dist.py": 89, "test_zoo.py": 56, "test_pipeline.py": 50,
+    "test_distributed.py": 42, "test_stablehlo.py": 36, "test_rules.py": 34,
+    "test_faults_dist.py": 25, "test_models.py": 24, "test_checkpoint.py": 22,
+    "test_planner.py": 18, "test_presolve.py": 12, "test_random.py": 9, "test_suite.py": 9,
+    "test_capture.py": 8, "test_alpa_shard_parallel.py": 7, "test_devices.py": 7,
+    "test_cli.py": 6, "test_calibrate_compute.py": 6, "test_faults_checkpoint.py": 6,
+    "test_layering.py": 5, "test_simplify.py": 5, "test_methods.py": 4,
+    "test_pretrained.py": 4, "test_worker_io.py": 4, "test_ilp_highs.py": 4,
+    "test_faults_plans.py": 4,
+}
+
+
+def _file_order(item) -> tuple:
+    """In one process: JAX's tests last (once XLA's backend has started its threads,
+    forking, as the multi-rank tests' workers do, risks a deadlock in the child). Under
+    pytest-xdist (``make test``; ``pytest_configure`` makes this the order files are
+    handed out in): the longest files first, so that the last file a
+    worker takes is a short one and the other worker is not left idle meanwhile (the
+    longest-first rule for scheduling jobs on two machines)."""
+    name = item.path.name
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return (name == "test_stablehlo.py",)
+    return (-FILE_SECONDS.get(name, 0),)
+
+
+def pytest_configure(config):
+    """pytest-xdist's --dist loadfile hands out files with the most tests first by default
+    (``--loadscope-reorder``); a test's count says little of its time here (test_rules.py:
+    214 tests, 34 s; test_zoo.py: 10 tests, 56 s), so ``make test`` keeps the collection
+    order ``_file_order`` gives, as --no-loadscope-reorder would."""
+    if getattr(config.option, "loadscopereorder", None):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA: skipped on CPU-only machines (``make test-gpu``).
-    Tests that run JAX go last: once XLA's backend has started its threads, forking (the
-    multi-rank tests' workers) risks a deadlock in the child."""
-    items.sort(key=lambda item: item.path.name == "test_stablehlo.py")   # stable sort
+    """Files in the order ``_file_order`` gives (tests within a file keep theirs). Tests
+    marked ``gpu`` need CUDA: skipped on CPU-only machines (``make test-gpu``)."""
+    items.sort(key=_file_order)                                           # stable sort
     _skip_browser_tests_without_chromium(items)
     import torch
     if torch.cuda.is_available():

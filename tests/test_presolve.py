@@ -56,26 +56,55 @@ def random_problem(rng: np.random.Generator, memory: bool) -> ILPProblem:
                       memory_budget=budget)
 
 
+# The presolve is the same whichever solver finishes the reduced problem. HiGHS runs in
+# this process (a few ms a problem); CBC, the default, is a process of its own per solve
+# (about 0.2 s on 2 loaded cores, 11 s of make test for 60 problems), so without memory
+# terms it solves every CBC_EVERY-th problem, and both must reach the brute-force optimum.
+# With memory terms CBC solves them all: the direct HiGHS path accepts a problem the
+# presolve decided whole even when its memory rows are broken (the xfail below).
+CBC_EVERY = 6
+
+
 @pytest.mark.parametrize("memory", [False, True])
 def test_presolved_solutions_are_optimal_for_the_original_problem(memory):
     rng = np.random.default_rng(0)
-    reductions = solved = 0
-    for _ in range(60):
+    reductions = solved = by_cbc = 0
+    for i in range(60):
         problem = random_problem(rng, memory)
         expected = brute_force(problem)
         reduced = presolve(problem.node_costs, problem.edges, problem.memory_terms)
         reductions += len(reduced.eliminated) + sum(len(d) for d in reduced.dominated_by.values())
-        if not np.isfinite(expected):
-            with pytest.raises(InfeasibleError):
-                solve_ilp(problem)
-            continue
-        solution = solve_ilp(problem)
-        solved += 1
-        assert solution.objective == pytest.approx(expected, abs=1e-6)
-        # the returned choice is a whole plan of the original problem, with that cost
-        assert set(solution.choice) == set(problem.node_costs)
-        assert objective_of(problem, solution.choice) == pytest.approx(expected, abs=1e-6)
+        solvers = ["cbc"] if memory else ["highs", "cbc"] if i % CBC_EVERY == 0 else ["highs"]
+        for solver in solvers:
+            if not np.isfinite(expected):
+                with pytest.raises(InfeasibleError):
+                    solve_ilp(problem, solver=solver)
+                continue
+            solution = solve_ilp(problem, solver=solver)
+            assert solution.objective == pytest.approx(expected, abs=1e-6), solver
+            # the returned choice is a whole plan of the original problem, with that cost
+            assert set(solution.choice) == set(problem.node_costs)
+            assert objective_of(problem, solution.choice) == pytest.approx(expected, abs=1e-6)
+        solved += np.isfinite(expected)
+        by_cbc += np.isfinite(expected) and "cbc" in solvers
     assert solved > 30 and reductions > 50      # the cases exercised the rewrites
+    assert by_cbc >= 5
+
+
+@pytest.mark.xfail(strict=True, reason="passes/ilp_highs.py returns 'Optimal' for a model "
+                   "without columns without checking its rows")
+def test_direct_highs_refuses_a_budget_broken_by_nodes_the_presolve_decided():
+    """The 28th random problem with memory terms (seed 0): the presolve decides every node,
+    and the plan left holds 5 units under a budget of 4. CBC (and PuLP's HiGHS) call it
+    infeasible; the direct HiGHS path returns that plan."""
+    rng = np.random.default_rng(0)
+    for _ in range(28):
+        problem = random_problem(rng, True)
+    assert brute_force(problem) == np.inf
+    with pytest.raises(InfeasibleError):
+        solve_ilp(problem, solver="cbc")
+    with pytest.raises(InfeasibleError):
+        solve_ilp(problem, solver="highs")
 
 
 def chain():
