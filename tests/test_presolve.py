@@ -60,8 +60,6 @@ def random_problem(rng: np.random.Generator, memory: bool) -> ILPProblem:
 # this process (a few ms a problem); CBC, the default, is a process of its own per solve
 # (about 0.2 s on 2 loaded cores, 11 s of make test for 60 problems), so without memory
 # terms it solves every CBC_EVERY-th problem, and both must reach the brute-force optimum.
-# With memory terms CBC solves them all: the direct HiGHS path accepts a problem the
-# presolve decided whole even when its memory rows are broken (the xfail below).
 CBC_EVERY = 6
 
 
@@ -74,7 +72,7 @@ def test_presolved_solutions_are_optimal_for_the_original_problem(memory):
         expected = brute_force(problem)
         reduced = presolve(problem.node_costs, problem.edges, problem.memory_terms)
         reductions += len(reduced.eliminated) + sum(len(d) for d in reduced.dominated_by.values())
-        solvers = ["cbc"] if memory else ["highs", "cbc"] if i % CBC_EVERY == 0 else ["highs"]
+        solvers = ["highs", "cbc"] if i % CBC_EVERY == 0 else ["highs"]
         for solver in solvers:
             if not np.isfinite(expected):
                 with pytest.raises(InfeasibleError):
@@ -91,12 +89,10 @@ def test_presolved_solutions_are_optimal_for_the_original_problem(memory):
     assert by_cbc >= 5
 
 
-@pytest.mark.xfail(strict=True, reason="passes/ilp_highs.py returns 'Optimal' for a model "
-                   "without columns without checking its rows")
 def test_direct_highs_refuses_a_budget_broken_by_nodes_the_presolve_decided():
     """The 28th random problem with memory terms (seed 0): the presolve decides every node,
-    and the plan left holds 5 units under a budget of 4. CBC (and PuLP's HiGHS) call it
-    infeasible; the direct HiGHS path returns that plan."""
+    and the plan left holds 5 units under a budget of 4. CBC and PuLP's HiGHS call it
+    infeasible, and so does the direct HiGHS path (it returned that plan as optimal)."""
     rng = np.random.default_rng(0)
     for _ in range(28):
         problem = random_problem(rng, True)
