@@ -24,7 +24,7 @@ FILE_SECONDS = {
     "test_cli.py": 6, "test_calibrate_compute.py": 6, "test_faults_checkpoint.py": 6,
     "test_layering.py": 5, "test_simplify.py": 5, "test_methods.py": 4,
     "test_pretrained.py": 4, "test_worker_io.py": 4, "test_ilp_highs.py": 4,
-    "test_faults_plans.py": 4,
+    "test_faults_plans.py": 4, "test_strided.py": 10, "test_shutdown.py": 4,
 }
 
 
