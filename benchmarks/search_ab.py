@@ -1,6 +1,6 @@
 """The weak-scaling automatic search with and without the search's fast paths, same process setup.
 
-    python benchmarks/search_ab.py --row 1.3b [--before] [--micro-batches 64]
+    python benchmarks/search_ab.py --row 1.3b [--before] [--micro-batches 64] [--workers 1]
 
 Plans one row of ``weak_scaling.py`` automatically (``remat`` chosen between both
 captures) in one process without a worker pool, and prints the plan, wall and CPU seconds.
@@ -14,6 +14,7 @@ its compute bound cannot win. Both settings must print the same plan.
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import torchalpa
@@ -46,15 +47,24 @@ def switch_off_fast_paths() -> None:
     inter_op._StageCosts._layer_graph = per_solve_subgraph
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and of its finished worker processes."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description="the weak-scaling auto search, fast paths on or off")
     p.add_argument("--row", default="1.3b", choices=list(ws.ROWS))
     p.add_argument("--micro-batches", type=int, default=64)
     p.add_argument("--before", action="store_true", help="switch the fast paths off")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes for independent solves (1: all in this one, so its CPU "
+                        "seconds are the search's; more: CPU counts the workers too)")
     args = p.parse_args()
     if args.before:
         switch_off_fast_paths()
-    inter_op._workers = lambda: 1      # one process: CPU seconds are comparable
+    inter_op._workers = lambda: args.workers
     row = ws.ROWS[args.row]
     cluster = torchalpa.Cluster.h100(num_nodes=max(1, row.devices // 8),
                                      devices_per_node=min(8, row.devices))
@@ -64,13 +74,14 @@ def main() -> None:
                              auto_sharding_option=torchalpa.AutoShardingOption(solver="highs",
                                                                                remat="auto"))
     bound = None if args.before else (lambda v: compute_lower_bound(v.graph, cluster, B))
-    wall, cpu = time.perf_counter(), time.process_time()
+    wall, cpu = time.perf_counter(), _cpu()
     plan = plan_with_remat(variants, lambda v: inter_op.plan_pipeline(v.graph, cluster, base),
                            lambda v: v.graph, bound)
     print(f"{'before' if args.before else 'after'} {args.row}: step "
           f"{ws._step(plan, cluster):.6g} s, stages {plan.forward_stage_layer_ids} on "
           f"{plan.submesh_shapes} as {plan.logical_shapes}, remat {plan.method['remat']}; "
-          f"search wall {time.perf_counter() - wall:.1f} s, CPU {time.process_time() - cpu:.1f} s")
+          f"search wall {time.perf_counter() - wall:.1f} s, CPU {_cpu() - cpu:.1f} s "
+          f"({args.workers} worker{'s' if args.workers > 1 else ''})")
     print(" ", plan.notes[-1])
 
 

@@ -187,6 +187,17 @@ def _solve_in_worker(args):
     return costs._solve_members(*args)
 
 
+def _stage_in_worker(args):
+    """``_solve_stage`` in a forked worker: its result, the stage plans it made and its
+    solve count (the worker's own copy of the costs is dropped with it)."""
+    costs = _WORKER_COSTS
+    assert costs is not None, "set before the workers fork"
+    had, solves = set(costs.exact_plans), costs.exact_solves
+    result = costs._solve_stage(*args)
+    made = {key: plan for key, plan in costs.exact_plans.items() if key not in had}
+    return result, made, costs.exact_solves - solves
+
+
 def _estimate_of(plan) -> _Estimate | None:
     if plan is None:
         return None
@@ -479,9 +490,7 @@ class _StageCosts:
         checkpointed (``passes/stage_remat.py``). Cached by the range's structure, so
         ranges of identical layers are solved once."""
         received = self.received(k, i) if recompute else 0.0
-        key = ("stage", range_signature(self.signature, k, i), k == 0,
-               i == self.num_layers - 1, view, submesh, in_flight_batches, self.context) + \
-            ((("recompute", received),) if recompute else ())
+        key = self._stage_key(k, i, submesh, view, in_flight_batches, recompute)
         seconds, lean = SOLVES.get(key, lambda: self._solve_stage(
             k, i, submesh, view, in_flight_batches, received if recompute else None))
         if seconds is None:
@@ -491,6 +500,35 @@ class _StageCosts:
         if recompute:
             seconds = recompute_seconds(seconds)
         return seconds + self.send_seconds(k, i), option
+
+    def _stage_key(self, k: int, i: int, submesh, view, in_flight_batches: int,
+                   recompute: bool) -> tuple:
+        """What ``exact`` caches a stage's solve under: its layers' structure, where it sits,
+        its view and micro-batches in flight."""
+        return ("stage", range_signature(self.signature, k, i), k == 0,
+                i == self.num_layers - 1, view, submesh, in_flight_batches, self.context) + \
+            ((("recompute", self.received(k, i)),) if recompute else ())
+
+    def solve_stages(self, stages: list[tuple], workers: int) -> None:
+        """Solve the stages (k, i, submesh, view, in flight, recompute) that ``exact`` has
+        not yet, ``workers`` at a time, and keep them where ``exact`` finds them: the DP's
+        stages of one round are independent solves (one to two minutes each for GPT-15B's
+        two-layer stages), run one after another before."""
+        todo: dict[tuple, tuple] = {}
+        for k, i, submesh, view, flight, recompute in stages:
+            key = self._stage_key(k, i, submesh, view, flight, recompute)
+            if key not in SOLVES and key not in todo:
+                todo[key] = (k, i, submesh, view, flight,
+                             self.received(k, i) if recompute else None)
+        if len(todo) < 2 or workers <= 1:
+            return      # ``exact`` solves it here, as it would in a worker
+        global _WORKER_COSTS
+        _WORKER_COSTS = self      # forked workers read it instead of unpickling the graph
+        for key, (result, plans, solves) in zip(todo, _map(_stage_in_worker,
+                                                           list(todo.values()), workers)):
+            SOLVES.put(key, result)
+            self.exact_plans.update(plans)
+            self.exact_solves += solves
 
     def _solve_stage(self, k, i, submesh, view, in_flight_batches, received: float | None
                      ) -> tuple[float | None, bool]:
@@ -546,6 +584,8 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
     and how many variants were priced exactly."""
     exact: dict[tuple, dict[tuple, tuple[float, tuple | None]]] = {}
     measured = costs.measured is not None
+    # a variant's additive estimate does not change between rounds (only ``exact`` does)
+    variants: dict[tuple, dict] = {}
     choice: dict[tuple, tuple[tuple, bool] | None] = {}    # key -> (picked, exact?)
 
     def flight_of(after: int) -> int:
@@ -558,8 +598,11 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
         key = (k, i, j, flight_of(after))
         best: tuple[float, tuple[tuple, bool] | None] = (math.inf, None)
         priced = exact.get(key, {})
-        for variant, (latency, chosen) in _variants(costs, k, i, shapes[j], key[3],
-                                                    guess and not measured).items():
+        shown = variants.get((key, guess))
+        if shown is None:
+            shown = variants[key, guess] = _variants(costs, k, i, shapes[j], key[3],
+                                                     guess and not measured)
+        for variant, (latency, chosen) in shown.items():
             if variant not in priced and latency < best[0]:
                 best = (latency, (chosen, False))
         for latency, chosen in priced.values():
@@ -578,6 +621,9 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
         todo = [key for key in keys(solution) if not _picked(choice, key)[1]]
         if not todo or measured:    # measured times are not repriced by the cost model
             break
+        picks = [(key, _picked(choice, key)[0]) for key in todo]
+        costs.solve_stages([(k, i, shapes[j], view, flight, recompute)
+                            for (k, i, j, flight), (view, _, recompute) in picks], _workers())
         for key in todo:
             k, i, j, flight = key
             view, _, recompute = _picked(choice, key)[0]

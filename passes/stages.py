@@ -90,61 +90,135 @@ def stage_dp(num_layers: int, num_nodes: int, devices_per_node: int, num_micro_b
     L, J = num_layers, len(shapes)
     S = min(max_stages or L, L, D)
     C = _cost_table(L, J, S, cost)
-    candidates = np.unique(C[np.isfinite(C)])
-    if candidates.size == 0:
+    values = np.unique(C[np.isfinite(C)])
+    if values.size == 0:
         raise ValueError("no layer range fits on any submesh (every stage cost is infinite)")
-    B = num_micro_batches
-    best: PipelineSolution | None = None
-    tried = 0
-    last = -math.inf
-    for t_max in candidates:
-        if best is not None and (B - 1) * t_max >= best.total:
-            break
-        if t_max - last <= epsilon * max(1.0, abs(t_max)):
-            continue
-        last = t_max
-        tried += 1
-        found = _dp_for_bound(C, sizes, D, S, t_max)
-        if found is None:
-            continue
-        total, stages = found
-        total += (B - 1) * max(st[3] for st in stages)
-        if best is None or total < best.total:
-            best = PipelineSolution(
-                stages=tuple(StageChoice((k, i), shapes[j], lat) for k, i, j, lat in stages),
-                total=float(total), t_max=float(max(st[3] for st in stages)))
+    bounds, dropped_low = _spaced_bounds(values, epsilon)
+    best = _BoundSearch(C, sizes, D, S, num_micro_batches, bounds, dropped_low).run()
     if best is None:
         raise ValueError("no pipeline fits: every assignment of layers to submeshes exceeds "
                          "memory or cannot run")
-    return PipelineSolution(best.stages, best.total, best.t_max, tried)
+    total, stages, runs = best
+    return PipelineSolution(
+        stages=tuple(StageChoice((k, i), shapes[j], lat) for k, i, j, lat in stages),
+        total=float(total), t_max=float(max(st[3] for st in stages)), num_t_max_tried=runs)
+
+
+def _spaced_bounds(values: np.ndarray, epsilon: float) -> tuple[list[float], float]:
+    """The stage-latency bounds the DP is run for: the distinct ``values`` ascending, each
+    one more than ``epsilon`` (relative) above the last one kept; and the smallest value
+    left out that way (inf if none)."""
+    kept: list[float] = []
+    dropped_low = math.inf
+    last = -math.inf
+    for t in values.tolist():
+        if t - last <= epsilon * max(1.0, abs(t)):
+            dropped_low = min(dropped_low, t)
+            continue
+        kept.append(t)
+        last = t
+    return kept, dropped_low
+
+
+class _BoundSearch:
+    """Alpa's scan over the bounds t_max, ascending, keeping the first pipeline with the
+    least ``sum + (B - 1) * max``, with the DP run for far fewer bounds.
+
+    The plain scan runs the DP for every bound until ``(B - 1) * t_max`` alone reaches the
+    best total (GPT-39B, 16 layers on 8 x 8: thousands of bounds, a minute per search
+    round). Here the bounds are visited as intervals, lowest first, and an interval
+    [a, b] is passed over without running the DP inside it when no bound in it can
+    improve on the best found below it (the plain scan changes its answer only on a
+    strict improvement, so the answer, stages included, is the plain scan's):
+
+    * the DP finds no pipeline at b: then none at any lower bound either (a lower bound
+      allows a subset of the stages);
+    * ``F(b) + (B - 1) * a >= best``, where ``F(t)`` is the least sum of stage latencies
+      under bound t (``F`` never increases with t, each pipeline's sum is added up in
+      the same order whatever the bound). A pipeline found at t in [a, b] with its
+      largest stage m >= a totals at least that. One with m < a was found with the same
+      sum at bound m already (run or passed over for the same reason), with at most that
+      total; unless m was left out as within epsilon of a smaller bound, so the bound
+      uses ``min(a, smallest value left out)``.
+
+    ``run`` returns (total, stages, DP runs) of the answer, or None."""
+
+    def __init__(self, C, sizes, D, S, B, bounds, dropped_low):
+        self.C, self.sizes, self.D, self.S, self.B = C, sizes, D, S, B
+        self.bounds, self.dropped_low = bounds, dropped_low
+        self.found: dict[int, tuple | None] = {}
+        self.best: tuple[float, float, list] | None = None     # (total, sum, stages)
+        self.stopped = False
+
+    def _dp(self, n: int):
+        if n not in self.found:
+            self.found[n] = _dp_for_bound(self.C, self.sizes, self.D, self.S, self.bounds[n])
+        return self.found[n]
+
+    def run(self):
+        self._visit(0, len(self.bounds) - 1)
+        if self.best is None:
+            return None
+        return self.best[0], self.best[2], len(self.found)
+
+    def _visit(self, lo: int, hi: int) -> None:
+        """Bounds lo..hi in the plain scan's order, skipping what cannot improve."""
+        if self.stopped:
+            return
+        best = self.best
+        if best is not None and (self.B - 1) * self.bounds[lo] >= best[0]:
+            self.stopped = True     # the plain scan stops here: no later bound can win
+            return
+        found = self._dp(hi)
+        if found is None:
+            return
+        if best is not None and \
+                found[0] + (self.B - 1) * min(self.bounds[lo], self.dropped_low) >= best[0]:
+            return
+        if lo == hi:
+            total = found[0] + (self.B - 1) * max(st[3] for st in found[1])
+            if best is None or total < best[0]:
+                self.best = (total, found[0], found[1])
+            return
+        mid = (lo + hi) // 2
+        self._visit(lo, mid)
+        self._visit(mid + 1, hi)
+
+
+_CHUNK = 1 << 22
+"""Most candidate entries (layer ranges x submeshes x device counts) made at once by the DP."""
 
 
 def _dp_for_bound(C: np.ndarray, sizes: np.ndarray, D: int, S: int, t_max: float):
-    """Min total latency under the bound, with the stages that reach it (or None)."""
+    """Min total latency under the bound, with the stages that reach it (or None).
+
+    ``F[s, k, d] = min over (i, j) of C[k, i, j, s-1] + F[s-1, i+1, d - size_j]``, for all
+    k and d at once per s; ``argmin`` keeps the first (i, j) in (i, j) order among equal
+    values, as a scan updating only on a strict improvement would."""
     L, _, J, _ = C.shape
     F = np.full((S + 1, L + 1, D + 1), np.inf)
     choice = np.full((S + 1, L + 1, D + 1, 2), -1, dtype=np.int64)   # (i, j)
     F[0, L, 0] = 0.0
     allowed = np.where(C <= t_max, C, np.inf)
+    src = np.arange(D + 1)[None, :] - sizes[:, None]     # (J, D+1): d - size_j
+    reach = src >= 0
+    src = np.where(reach, src, 0)
+    step = max(1, _CHUNK // max(1, L * J * (D + 1)))
     for s in range(1, S + 1):
-        for k in range(L - 1, -1, -1):
-            row = F[s, k]
-            for i in range(k, L):
-                rest = F[s - 1, i + 1]
-                if not np.isfinite(rest).any():
-                    continue
-                for j in range(J):
-                    c = allowed[k, i, j, s - 1]
-                    if not math.isfinite(c):
-                        continue
-                    sz = sizes[j]
-                    cand = c + rest[: D + 1 - sz]
-                    better = cand < row[sz:]
-                    if better.any():
-                        row[sz:] = np.where(better, cand, row[sz:])
-                        idx = np.flatnonzero(better) + sz
-                        choice[s, k, idx, 0] = i
-                        choice[s, k, idx, 1] = j
+        rest = F[s - 1, 1:]                               # rest[i] = F[s-1, i+1]
+        if not np.isfinite(rest).any():
+            continue
+        shifted = np.where(reach[None], rest[:, src], np.inf)        # (i, j, d)
+        for k0 in range(0, L, step):
+            k1 = min(L, k0 + step)
+            cand = (allowed[k0:k1, :, :, s - 1, None] + shifted[None]).reshape(
+                k1 - k0, L * J, D + 1)
+            arg = cand.argmin(axis=1)
+            val = np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :]
+            ok = np.isfinite(val)
+            F[s, k0:k1] = val
+            choice[s, k0:k1, :, 0] = np.where(ok, arg // J, -1)
+            choice[s, k0:k1, :, 1] = np.where(ok, arg % J, -1)
     totals = F[1:, 0, D]
     if not np.isfinite(totals).any():
         return None

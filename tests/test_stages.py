@@ -169,3 +169,88 @@ def test_views_whose_axis_divides_no_dim_are_skipped():
     assert shardable_views((5, 4), frozenset({8, 15})) == [(5, 4)]   # 20, 10 divide no dim
     assert shardable_views((2, 4), dims) == [(8,), (4, 2), (2, 4)]
     assert shardable_views((1, 1), dims) == [(1,)]
+
+
+# -- the bound scan and the vectorized DP against the plain scan ----------------------------
+
+def _plain_scan(num_layers, num_nodes, devices_per_node, micro, cost, epsilon=1e-9):
+    """Alpa's scan as written before: the DP by explicit loops, run for every spaced bound
+    in ascending order until (B - 1) * t_max reaches the best total."""
+    import numpy as np
+
+    from torchalpa.passes import stages as st
+    shapes = submesh_shapes(num_nodes, devices_per_node)
+    sizes = np.array([n * m for n, m in shapes])
+    D, L, J = num_nodes * devices_per_node, num_layers, len(shapes)
+    S = min(L, D)
+    C = st._cost_table(L, J, S, cost)
+    best, last = None, -math.inf
+    for t_max in np.unique(C[np.isfinite(C)]):
+        if best is not None and (micro - 1) * t_max >= best[0]:
+            break
+        if t_max - last <= epsilon * max(1.0, abs(t_max)):
+            continue
+        last = t_max
+        F = np.full((S + 1, L + 1, D + 1), np.inf)
+        choice = np.full((S + 1, L + 1, D + 1, 2), -1, dtype=np.int64)
+        F[0, L, 0] = 0.0
+        allowed = np.where(C <= t_max, C, np.inf)
+        for s in range(1, S + 1):
+            for k in range(L - 1, -1, -1):
+                row = F[s, k]
+                for i in range(k, L):
+                    for j in range(J):
+                        c = allowed[k, i, j, s - 1]
+                        if not math.isfinite(c):
+                            continue
+                        cand = c + F[s - 1, i + 1][: D + 1 - sizes[j]]
+                        better = cand < row[sizes[j]:]
+                        row[sizes[j]:] = np.where(better, cand, row[sizes[j]:])
+                        idx = np.flatnonzero(better) + sizes[j]
+                        choice[s, k, idx] = (i, j)
+        totals = F[1:, 0, D]
+        if not np.isfinite(totals).any():
+            continue
+        s, k, d, stages = int(np.argmin(totals)) + 1, 0, D, []
+        while s > 0:
+            i, j = choice[s, k, d]
+            stages.append(((k, int(i)), shapes[j], float(allowed[k, i, j, s - 1])))
+            k, d, s = int(i) + 1, d - int(sizes[j]), s - 1
+        total = float(F[len(stages), 0, D]) + (micro - 1) * max(x[2] for x in stages)
+        if best is None or total < best[0]:
+            best = (total, stages)
+    return best
+
+
+def _tied_costs(num_layers, shapes, seed, memory_limit):
+    """Costs on a coarse grid (many exact ties between pipelines), some pairs of values a
+    hair apart (within the scan's epsilon), some ranges too big to fit."""
+    rng = random.Random(seed)
+    work = [rng.choice([1.0, 1.0, 2.0]) for _ in range(num_layers)]
+
+    def cost(k, i, j, after):
+        n = shapes[j][0] * shapes[j][1]
+        if (i - k + 1) * (after + 1) > memory_limit * n:
+            return math.inf
+        value = round(sum(work[k:i + 1]) / n, 1) + 0.25 * (shapes[j][0] > 1)
+        return value + (1e-12 if (k + j) % 3 == 0 else 0.0)
+    return cost
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("layers,nodes,devices,micro",
+                         [(6, 2, 4, 16), (7, 1, 8, 64), (5, 3, 2, 4), (8, 2, 2, 32)])
+def test_bound_scan_gives_the_plain_scans_pipeline(seed, layers, nodes, devices, micro):
+    """Same total and the very same stages (ties included) as the plain scan, with no
+    more DP runs than bounds the plain scan ran."""
+    shapes = submesh_shapes(nodes, devices)
+    for cost in (random_costs(layers, shapes, seed, memory_limit=2 if seed % 2 else None),
+                 _tied_costs(layers, shapes, seed, memory_limit=1 + seed % 3)):
+        expected = _plain_scan(layers, nodes, devices, micro, cost)
+        if expected is None:
+            with pytest.raises(ValueError):
+                stage_dp(layers, nodes, devices, micro, cost)
+            continue
+        got = stage_dp(layers, nodes, devices, micro, cost)
+        assert got.total == expected[0]
+        assert [(s.layers, s.submesh, s.latency) for s in got.stages] == expected[1]

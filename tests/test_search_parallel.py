@@ -1,0 +1,62 @@
+"""The pipeline search's exact stage solves run in worker processes plan what the search
+solving them one after another in this process plans."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchalpa
+import torchalpa.models as zoo
+from torchalpa.frontends.torch_export import capture
+from torchalpa.passes import inter_op
+from torchalpa.passes.layer_cache import SOLVES
+
+GB = 1024 ** 3
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    config = zoo.GPTConfig(vocab_size=512, max_seq_len=64, num_layers=4, num_heads=4,
+                           hidden=256, dropout=0.0)
+    workload = zoo.Workload("gpt", config, 8, 64)
+    with torch.device("meta"):
+        model, batch = workload.build(), workload.example_inputs()
+    return capture(model, batch, workload.loss_fn).graph
+
+
+def _plan(graph, workers: int, monkeypatch):
+    monkeypatch.setattr(inter_op, "_workers", lambda: workers)
+    SOLVES.clear()
+    # small devices, so that the search pipelines the layers over several stages
+    cluster = torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=0.05 * GB,
+                                peak_flops=112e12, memory_bandwidth=900e9,
+                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
+                                inter_node_bandwidth=10e9, inter_node_latency=1e-5)
+    method = torchalpa.PipeshardParallel(
+        num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4),
+        auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
+    return inter_op.plan_pipeline(graph, cluster, method)
+
+
+def test_stage_solves_in_workers_plan_the_same(gpt_graph, monkeypatch):
+    pooled = []
+    real_map = inter_op._map
+
+    def counting_map(fn, items, workers):
+        if fn is inter_op._stage_in_worker:
+            pooled.append(len(items))
+        return real_map(fn, items, workers)
+
+    monkeypatch.setattr(inter_op, "_map", counting_map)
+    alone = _plan(gpt_graph, 1, monkeypatch)
+    assert not pooled
+    together = _plan(gpt_graph, 2, monkeypatch)
+    assert pooled and max(pooled) >= 2, "no round had two stages to solve at once"
+    assert together.forward_stage_layer_ids == alone.forward_stage_layer_ids
+    assert together.submesh_shapes == alone.submesh_shapes
+    assert together.logical_shapes == alone.logical_shapes
+    assert together.estimates["step_time_s"] == alone.estimates["step_time_s"]
+    assert together.estimates["stage_solves"] == alone.estimates["stage_solves"]
+    assert [s.plan.estimates["step_time_s"] for s in together.stages] == \
+        [s.plan.estimates["step_time_s"] for s in alone.stages]
