@@ -195,7 +195,11 @@ def _stage_in_worker(args):
     had, solves = set(costs.exact_plans), costs.exact_solves
     result = costs._solve_stage(*args)
     made = {key: plan for key, plan in costs.exact_plans.items() if key not in had}
-    return result, made, costs.exact_solves - solves
+    counted = costs.exact_solves - solves
+    # the caller adds ``counted``: undo it here, where ``_map`` ran this in the searching
+    # process itself (JAX loaded) and ``costs`` is the caller's own object, not a copy
+    costs.exact_solves = solves
+    return result, made, counted
 
 
 def _estimate_of(plan) -> _Estimate | None:

@@ -60,3 +60,13 @@ def test_stage_solves_in_workers_plan_the_same(gpt_graph, monkeypatch):
     assert together.estimates["stage_solves"] == alone.estimates["stage_solves"]
     assert [s.plan.estimates["step_time_s"] for s in together.stages] == \
         [s.plan.estimates["step_time_s"] for s in alone.stages]
+
+
+def test_stage_solves_counted_once_when_the_pool_runs_in_this_process(gpt_graph, monkeypatch):
+    """With JAX loaded, ``_map`` solves the pooled stages here, one after another: each is
+    counted once, as forked workers count them (it was counted twice)."""
+    alone = _plan(gpt_graph, 1, monkeypatch)
+    monkeypatch.setattr(inter_op, "_map", lambda fn, items, workers: [fn(x) for x in items])
+    in_process = _plan(gpt_graph, 2, monkeypatch)
+    assert in_process.estimates["stage_solves"] == alone.estimates["stage_solves"]
+    assert in_process.estimates["step_time_s"] == alone.estimates["step_time_s"]
