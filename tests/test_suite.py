@@ -1,5 +1,5 @@
 """Models torchalpa was not written for (``torchalpa.models.suite``: transformers
-architectures with their default configs, plain PyTorch idioms) train on 4 gloo ranks like
+architectures with their default configs, torchvision classifiers, plain PyTorch idioms) train on 4 gloo ranks like
 on one device: 3 AdamW steps, losses within 1e-5 relative, first gradients within 1e-5 of
 their scale, parameters within 1e-5 (where gradients are above rounding noise, which AdamW
 amplifies to ``lr`` per step; see tests/suite_worker.py), and every rank holding bitwise

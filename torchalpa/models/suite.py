@@ -1,4 +1,5 @@
-"""Models torchalpa was not written for: transformers architectures and plain PyTorch idioms.
+"""Models torchalpa was not written for: transformers and torchvision architectures, and
+plain PyTorch idioms.
 
 Each case builds a model with random weights (no download) and the batch it is trained
 on, called the way its own documentation calls it: HuggingFace models by keyword
@@ -6,7 +7,9 @@ on, called the way its own documentation calls it: HuggingFace models by keyword
 computed by the model, plain modules positionally with a ``loss_fn``. HuggingFace configs
 keep their defaults (``use_cache`` included) except sizes, shrunk to a few thousand
 parameters, and randomness (dropout, stochastic depth, SpecAugment masks), switched off so
-runs on several devices can be compared with one device exactly.
+runs on several devices can be compared with one device exactly. torchvision classifiers
+are built from torchvision's own classes (ResNet, MobileNet, EfficientNet, ConvNeXt, Swin,
+MaxViT, ...) with small widths, dropout and stochastic depth off.
 
 ``SUITE`` maps a case name to a ``SuiteCase``; ``tests/test_suite.py`` trains each on 4
 gloo ranks next to one device, and ``torchalpa coverage --hf`` prints what each captures.
@@ -36,6 +39,9 @@ class SuiteCase:
     family: str                     # decoder, encoder, encoder-decoder, vision, moe, idiom
     make: Callable[[], tuple[nn.Module, Any, Callable | None]]
     known_failure: str | None = None
+    dtype: torch.dtype = torch.float32
+    """Weights and floating inputs (``build_case`` casts them). float64 where float32
+    rounding, amplified by the model itself, makes one device disagree with itself."""
 
 
 def _no_randomness(config) -> None:
@@ -191,6 +197,162 @@ def _padding():
     return pad
 
 
+# -- torchvision classifiers ---------------------------------------------------------------
+
+def _torchvision():
+    """``torchvision.models``, also beside the CPU build of torch.
+
+    PyPI's torchvision wheel is built against torch's CUDA build: beside the CPU build its
+    C extension (detection ops: nms, roi_align, ...) does not load, and ``import
+    torchvision`` then fails registering fake kernels for ``torchvision::nms`` / ``qnms``,
+    which that extension would have defined -- and so does every ``import transformers``
+    that finds torchvision installed. ``make env`` therefore puts torchvision in
+    ``.venv/torchvision``, off the path, and this function imports it from there: the
+    classifiers are pure Python and call none of the extension's ops, so the two schemas
+    are declared first (never run). An importable torchvision (a matching build) is used
+    as it is.
+    """
+    global _TORCHVISION_OPS
+    try:
+        import torchvision.models as models
+        return models
+    except ModuleNotFoundError:
+        import os
+        import sys
+        beside = os.path.join(sys.prefix, "torchvision")
+        if not os.path.isdir(os.path.join(beside, "torchvision")):
+            raise ModuleNotFoundError(
+                "the torchvision cases need torchvision: pip install torchvision (a build "
+                "matching this torch), or `make env`, which puts it in .venv/torchvision"
+            ) from None
+        sys.path.append(beside)
+    except RuntimeError as e:          # installed, extension missing: declare and retry
+        if "torchvision::nms" not in str(e):
+            raise
+        import sys
+        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
+            del sys.modules[name]
+    if _TORCHVISION_OPS is None and not hasattr(torch.ops.torchvision, "nms"):
+        _TORCHVISION_OPS = torch.library.Library("torchvision", "DEF")
+        for schema in ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+                       "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"):
+            _TORCHVISION_OPS.define(schema)
+    import torchvision.models as models
+    return models
+
+
+_TORCHVISION_OPS = None
+IMAGE_CLASSES = 5
+_WIDE = torch.float64
+"""The CNNs below batch-normalize 1x1 maps of 4 images (32x32 inputs, BATCH 4): a
+channel's variance over 4 values can be tiny, and dividing by it amplifies float32's
+rounding. Summing the 4 images' statistics in another order (per rank, then across
+ranks) then moves the first gradients by up to 1e-2 relative, and one device in float32
+itself ends 10% away from float64 after 3 steps (MnasNet). Without batch norm, a ReLU
+input within rounding of 0 (SqueezeNet) passes a gradient on one side and not on the
+other, and AdamW then moves that entry by ``lr`` on one side only. In float64 the 4-rank
+runs equal one device to 1e-9 or closer: the same arithmetic, which is what the suite
+checks."""
+
+
+def _classifier(build: Callable[[Any], nn.Module], image: int = 32):
+    """A torchvision classifier built by ``build(torchvision.models)`` with small widths,
+    randomness (dropout, stochastic depth) off, trained with cross entropy on (B, 3, H, W)."""
+    def make():
+        model = build(_torchvision())
+        return (model, (torch.randn(BATCH, 3, image, image),
+                        torch.randint(IMAGE_CLASSES, (BATCH,))), F.cross_entropy)
+    return make
+
+
+def _tv_resnet(m):
+    return m.resnet.ResNet(m.resnet.BasicBlock, [1, 1, 1, 1], num_classes=IMAGE_CLASSES)
+
+
+def _tv_resnext(m):
+    return m.resnet.ResNet(m.resnet.Bottleneck, [1, 1, 1, 1], groups=4, width_per_group=4,
+                           num_classes=IMAGE_CLASSES)
+
+
+def _tv_convnext(m):
+    config = m.convnext.CNBlockConfig
+    return m.convnext.ConvNeXt([config(16, 32, 1), config(32, None, 1)],
+                               stochastic_depth_prob=0.0, num_classes=IMAGE_CLASSES)
+
+
+def _tv_efficientnet(m):
+    conv = m.efficientnet.MBConvConfig
+    return m.efficientnet.EfficientNet(
+        [conv(1, 3, 1, 16, 8, 1), conv(4, 3, 2, 8, 16, 2), conv(4, 5, 2, 16, 24, 1)],
+        dropout=0.0, stochastic_depth_prob=0.0, num_classes=IMAGE_CLASSES, last_channel=64)
+
+
+def _tv_regnet(m):
+    params = m.regnet.BlockParams.from_init_params(depth=3, w_0=16, w_a=8.0, w_m=2.0,
+                                                   group_width=8, se_ratio=0.25)
+    return m.regnet.RegNet(params, num_classes=IMAGE_CLASSES, stem_width=8)
+
+
+def _tv_vit(m):
+    return m.vision_transformer.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32, mlp_dim=64,
+        num_classes=IMAGE_CLASSES)
+
+
+def _tv_swin(m):
+    return m.swin_transformer.SwinTransformer(
+        patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=[4, 4],
+        stochastic_depth_prob=0.0, num_classes=IMAGE_CLASSES)
+
+
+def _tv_swin_v2(m):
+    swin = m.swin_transformer
+    return swin.SwinTransformer(
+        patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=[4, 4],
+        stochastic_depth_prob=0.0, num_classes=IMAGE_CLASSES,
+        block=swin.SwinTransformerBlockV2, downsample_layer=swin.PatchMergingV2)
+
+
+def _tv_maxvit(m):
+    return m.maxvit.MaxVit(input_size=(32, 32), stem_channels=8, partition_size=2,
+                           block_channels=[16, 32], block_layers=[1, 1], head_dim=8,
+                           stochastic_depth_prob=0.0, num_classes=IMAGE_CLASSES)
+
+
+_TORCHVISION_CASES = [
+    SuiteCase("tv_resnet", "torchvision", _classifier(_tv_resnet), dtype=_WIDE),
+    SuiteCase("tv_resnext", "torchvision", _classifier(_tv_resnext), dtype=_WIDE),
+    SuiteCase("tv_mobilenet_v2", "torchvision", _classifier(
+        lambda m: m.mobilenet_v2(width_mult=0.25, dropout=0.0, num_classes=IMAGE_CLASSES)),
+        dtype=_WIDE),
+    SuiteCase("tv_mobilenet_v3", "torchvision", _classifier(
+        lambda m: m.mobilenet_v3_small(width_mult=0.25, dropout=0.0,
+                                       num_classes=IMAGE_CLASSES)), dtype=_WIDE),
+    SuiteCase("tv_efficientnet", "torchvision", _classifier(_tv_efficientnet), dtype=_WIDE),
+    SuiteCase("tv_mnasnet", "torchvision", _classifier(
+        lambda m: m.mnasnet0_5(dropout=0.0, num_classes=IMAGE_CLASSES)), dtype=_WIDE),
+    SuiteCase("tv_shufflenet", "torchvision", _classifier(
+        lambda m: m.shufflenetv2.ShuffleNetV2([1, 1, 1], [8, 16, 32, 64, 128],
+                                              num_classes=IMAGE_CLASSES)),
+        dtype=_WIDE),
+    SuiteCase("tv_squeezenet", "torchvision", _classifier(
+        lambda m: m.squeezenet1_1(dropout=0.0, num_classes=IMAGE_CLASSES)), dtype=_WIDE),
+    SuiteCase("tv_densenet", "torchvision", _classifier(
+        lambda m: m.densenet.DenseNet(growth_rate=8, block_config=(2, 2),
+                                      num_init_features=16, num_classes=IMAGE_CLASSES))),
+    SuiteCase("tv_regnet", "torchvision", _classifier(_tv_regnet)),
+    SuiteCase("tv_convnext", "torchvision", _classifier(_tv_convnext)),
+    SuiteCase("tv_googlenet", "torchvision", _classifier(
+        lambda m: m.googlenet(aux_logits=False, init_weights=False, dropout=0.0,
+                              num_classes=IMAGE_CLASSES), image=64),
+        dtype=_WIDE),
+    SuiteCase("tv_vit", "torchvision", _classifier(_tv_vit)),
+    SuiteCase("tv_swin", "torchvision", _classifier(_tv_swin)),
+    SuiteCase("tv_swin_v2", "torchvision", _classifier(_tv_swin_v2)),
+    SuiteCase("tv_maxvit", "torchvision", _classifier(_tv_maxvit)),
+]
+
+
 _CASES = [
     # decoder LMs, default configs (use_cache=True) with small sizes
     SuiteCase("gpt2", "decoder", _causal_lm(
@@ -295,9 +457,10 @@ _CASES = [
         F.cross_entropy)),
 ]
 
-SUITE: dict[str, SuiteCase] = {c.name: c for c in _CASES}
-# a few quick ones for `make test`: one decoder with a default config, one idiom each kind
-FAST = ("llama", "bert", "rnn", "checkpoint")
+SUITE: dict[str, SuiteCase] = {c.name: c for c in _CASES + _TORCHVISION_CASES}
+# a few quick ones for `make test`: one decoder with a default config, one idiom each
+# kind, one torchvision CNN
+FAST = ("llama", "bert", "rnn", "checkpoint", "tv_resnet")
 
 
 def build_case(name: str, seed: int = 0):
@@ -305,4 +468,11 @@ def build_case(name: str, seed: int = 0):
     if name not in SUITE:
         raise ValueError(f"unknown suite case {name!r}; choose from {sorted(SUITE)}")
     torch.manual_seed(seed)
-    return SUITE[name].make()
+    case = SUITE[name]
+    model, batch, loss_fn = case.make()
+    if case.dtype != torch.float32:
+        model = model.to(case.dtype)
+        cast = lambda t: t.to(case.dtype) if t.is_floating_point() else t  # noqa: E731
+        batch = ({k: cast(v) for k, v in batch.items()} if isinstance(batch, dict)
+                 else tuple(cast(t) for t in batch))
+    return model, batch, loss_fn
