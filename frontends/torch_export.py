@@ -57,6 +57,7 @@ from torchalpa.frontends.opset import (FusedCalls, decompositions, device_neutra
                                        flop_count, routed_matmul)
 from torchalpa.frontends.provenance import (Provenance, copy_forward_tags_to_backward,
                                             line_of, module_of)
+from torchalpa.frontends.restride import reshape_plain_restrides
 from torchalpa.frontends.naming import argument_names
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.opgraph import (ABSENT_DTYPE, GraphOutputs, OpGraph, OpNode, Operand, TensorSpec,
@@ -348,6 +349,7 @@ def _functional(gm: fx.GraphModule, kinds: list[tuple[str, str]], provenance: Pr
     copy_forward_tags_to_backward(gm)
     gm, updates = _make_functional(gm, kinds, provenance)
     _drop_aliases(gm)
+    reshape_plain_restrides(gm)
     return gm, updates
 
 
