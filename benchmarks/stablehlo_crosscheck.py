@@ -21,10 +21,16 @@ XLA fuses the StableHLO program's elementwise chains, so by default the ATen gra
 priced as ``torch.compile`` runs it (``AutoShardingOption(elementwise="fused")``,
 ``passes/fused_pricing.py``): the same executions compared. ``--elementwise eager``
 prices ATen op by op (the runtime without ``compile``); each row also gives the eager
-step ratio.
+step ratio. Likewise attention: torch-mlir's export writes it as two batched matmuls
+around a softmax, whose (B, heads, L, L) scores XLA on a CPU writes, while the ATen capture
+records one fused op that never stores them. ``--attention products`` (default) captures
+the ATen side's attention as PyTorch's math SDPA writes it (``attention_as_products`` in
+``frontends/opset.py``), the execution the StableHLO program describes; ``--attention
+fused`` keeps the fused op (then BERT's estimates differ by that execution difference).
 """
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -35,6 +41,7 @@ import torch.nn.functional as F
 
 import torchalpa
 from torchalpa.cluster import Cluster
+from torchalpa.frontends.opset import attention_as_products
 from torchalpa.methods import AutoShardingOption, ShardParallel
 
 
@@ -123,7 +130,14 @@ def preferences(model, batch, loss_fn, text, from_aten, from_text, cluster,
 
 
 def compare(name: str, cluster, want_detail: bool = False, why: bool = False,
-            elementwise: str = "fused", size: str = "tiny") -> dict:
+            elementwise: str = "fused", size: str = "tiny", attention: str = "products"
+            ) -> dict:
+    with (attention_as_products() if attention == "products" else contextlib.nullcontext()):
+        return _compare(name, cluster, want_detail, why, elementwise, size)
+
+
+def _compare(name: str, cluster, want_detail: bool, why: bool, elementwise: str,
+             size: str) -> dict:
     model, batch, loss_fn = workload(name, size)
     start = time.perf_counter()
     try:
@@ -187,6 +201,9 @@ def main():
                    help="where placements differ, plan each graph pinned to the other's")
     p.add_argument("--elementwise", choices=["fused", "eager"], default="fused",
                    help="how the ATen graph's elementwise chains are priced")
+    p.add_argument("--attention", choices=["products", "fused"], default="products",
+                   help="how the ATen side captures attention (the StableHLO export has "
+                   "two batched matmuls around a softmax)")
     p.add_argument("--size", choices=["tiny", "small"], default="tiny",
                    help="the zoo's tiny configs, or width 256 at batch 8 x 128 (SMALL)")
     p.add_argument("--json", default=None)
@@ -195,7 +212,8 @@ def main():
         Cluster.h100(num_nodes=max(1, args.devices // 8), devices_per_node=min(8, args.devices))
     if args.mesh:
         cluster = cluster.logical_mesh(tuple(int(n) for n in args.mesh.split("x")))
-    rows = [compare(name, cluster, args.detail, args.why, args.elementwise, args.size)
+    rows = [compare(name, cluster, args.detail, args.why, args.elementwise, args.size,
+                    args.attention)
             for name in args.models]
     for r in rows:
         if "error" in r:

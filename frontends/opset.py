@@ -54,6 +54,7 @@ from torchalpa import attention
 from torchalpa import batched_matmul as bm
 
 __all__ = ["decompositions", "device_neutral_kernels", "FusedCalls", "routed_sdpa",
+           "attention_as_products",
            "routed_matmul", "flop_count",
            "FUSED_KEPT", "RANDOM_OPS", "NO_FLOP_OPS", "SDPA_OP", "SDPA_BACKWARD_OP"]
 
@@ -208,11 +209,34 @@ def _sdpa_with_dropout(query, key, value, attn_mask=None, dropout_p=0.0, is_caus
         scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
     elif attn_mask is not None:
         scores = scores + attn_mask
-    probs = torch.native_dropout(torch.softmax(scores, dim=-1), dropout_p, True)[0]
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p:
+        probs = torch.native_dropout(probs, dropout_p, True)[0]
     return probs @ value
 
 
 _TORCH_SDPA = F.scaled_dot_product_attention
+_AS_PRODUCTS = False
+
+
+@contextlib.contextmanager
+def attention_as_products():
+    """Captures inside record attention as PyTorch's math SDPA writes it (two batched
+    matmuls around a softmax, the (..., L, S) scores a value of the graph) instead of the
+    fused op: the execution a program without fused attention runs (XLA on a CPU, a
+    torch-mlir export), for comparing plans of the same execution."""
+    global _AS_PRODUCTS
+    before, _AS_PRODUCTS = _AS_PRODUCTS, True
+    try:
+        yield
+    finally:
+        _AS_PRODUCTS = before
+
+
+def _routed_sdpa_call(args, kwargs):
+    bound = _bind(_sdpa, args, kwargs)
+    unfused = bound.get("dropout_p") or _AS_PRODUCTS
+    return (_sdpa_with_dropout if unfused else _sdpa)(**bound)
 
 
 @contextlib.contextmanager
@@ -223,8 +247,7 @@ def routed_sdpa():
     region in backward, so HF's ``gradient_checkpointing_enable()`` would record the
     recompute with another kernel (and fail its metadata check) without this."""
     def routed(*args, **kwargs):
-        bound = _bind(_sdpa, args, kwargs)
-        return (_sdpa_with_dropout if bound.get("dropout_p") else _sdpa)(**bound)
+        return _routed_sdpa_call(args, kwargs)
 
     F.scaled_dot_product_attention = routed
     try:
@@ -280,8 +303,7 @@ class FusedCalls(TorchFunctionMode):
         restore = self.on_call() if self.on_call is not None else None
         try:
             if func is _TORCH_SDPA:
-                bound = _bind(_sdpa, args, kwargs)
-                return (_sdpa_with_dropout if bound.get("dropout_p") else _sdpa)(**bound)
+                return _routed_sdpa_call(args, kwargs)
             elif func is F.dropout:
                 bound = _bind(F.dropout, args, kwargs)
                 p, training = bound.get("p", 0.5), bound.get("training", True)

@@ -293,6 +293,22 @@ def test_sdpa_with_dropout_is_the_math_path_with_native_dropout():
     assert not any("bernoulli" in op for op in ops)
 
 
+def test_attention_as_products_records_the_math_path_without_dropout():
+    """Inside ``attention_as_products`` (the StableHLO cross-check's ATen side), attention
+    is two batched matmuls around a softmax, as torch-mlir's export writes it; outside, one
+    fused op. No dropout op is added where the module has none."""
+    from torchalpa.frontends.opset import attention_as_products
+    with torch.device("meta"):
+        model, x, y = Attention(0.0), torch.empty(2, 8, 16), torch.empty(2, 8, 16)
+    with attention_as_products():
+        inside = [n.op for n in capture(model, (x, y), F.mse_loss).graph.ops()]
+    outside = [n.op for n in capture(model, (x, y), F.mse_loss).graph.ops()]
+    assert not any("sdpa" in op for op in inside)
+    assert inside.count("torchalpa.batched_matmul.default") >= 2
+    assert "aten._softmax.default" in inside and "aten.native_dropout.default" not in inside
+    assert any("sdpa" in op for op in outside) and "aten._softmax.default" not in outside
+
+
 def test_matmuls_with_batch_and_heads_keep_both_dims():
     """``q @ k^T`` on (B, heads, S, hd) is one torchalpa::batched_matmul (no merged
     B * heads dim), its gradients too, with bmm's flops; products with one batch dim or
