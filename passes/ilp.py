@@ -92,6 +92,14 @@ def _cbc_path() -> str:
         return pulp.PULP_CBC_CMD().path
 
 
+def resolve_solver(solver: str) -> str:
+    """The solver ``'auto'`` means here: HiGHS when highspy imports, else CBC."""
+    if solver != "auto":
+        return solver
+    import importlib.util
+    return "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
+
+
 def _make_solver(solver: str, time_limit: float | None, gap: float | None,
                  warm: bool = False):
     if solver == "cbc":
@@ -138,10 +146,11 @@ def _fold_edges(costs: dict[str, np.ndarray], edges: list[Edge]) -> tuple[list[E
     return list(free.values()), constant
 
 
-def solve_ilp(problem: ILPProblem, *, solver: str = "cbc", time_limit: float | None = None,
+def solve_ilp(problem: ILPProblem, *, solver: str = "auto", time_limit: float | None = None,
               gap: float | None = None, initial: dict[str, int] | None = None) -> ILPSolution:
     """Alpa's ILP; ``initial`` (node -> strategy index) is a feasible start for the solver."""
     start = time.perf_counter()
+    solver = resolve_solver(solver)
     full_costs = {k: np.asarray(v, dtype=float).copy() for k, v in problem.node_costs.items()}
     full_edges, constant = _fold_edges(full_costs, problem.edges)
     for k, c in full_costs.items():

@@ -22,7 +22,10 @@ __all__ = ["solve_with_highs"]
 def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float | None,
                      verbose: bool) -> tuple[str, np.ndarray]:
     """Run HiGHS on ``model``; return (PuLP's status name, column values in the model's
-    own order). ``model.initial`` is not used (this path never warm-started)."""
+    own order). ``model.initial`` (strategy columns of a feasible plan) is handed to HiGHS
+    as a partial start, which it completes (the edge columns follow from the strategies)
+    and keeps as its incumbent: a solve stopped by ``time_limit`` returns at least that
+    plan."""
     if not model.names:     # presolve decided every node (HiGHS calls an empty model an error)
         # each row is then a constant 0 between its bounds (a memory budget that what was
         # decided already exceeds has lower <= 0 <= upper broken): infeasible, not optimal
@@ -56,6 +59,11 @@ def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float
                   np.asarray(model.starts, dtype=np.int32),
                   position[np.asarray(model.index, dtype=np.int64)].astype(np.int32),
                   np.asarray(model.value, dtype=np.float64))
+    if model.initial:
+        columns = np.fromiter(model.initial.keys(), dtype=np.int64, count=len(model.initial))
+        h.setSolution(len(columns), position[columns].astype(np.int32),
+                      np.fromiter(model.initial.values(), dtype=np.float64,
+                                  count=len(columns)))
     h.run()
     status, values = _read(h)
     return status, values[position] if values.size == n else np.zeros(n)

@@ -25,8 +25,11 @@ OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad
 class AutoShardingOption:
     """Knobs of the intra-op ILP."""
 
-    solver: str = "cbc"
-    """'cbc' (ships with pulp) or 'highs' (needs highspy)."""
+    solver: str = "auto"
+    """'highs' (HiGHS, given the model's arrays directly), 'cbc' (CBC through PuLP, which
+    ships it), or 'auto': HiGHS when highspy is importable (a dependency of torchalpa),
+    else CBC. On the convolutional nets of torchvision HiGHS is several times faster and
+    CBC can stop without a plan on the unsimplified problem (README, "Solver")."""
     time_limit: float | None = 60.0
     """Seconds the solver may take; the best plan found by then is used."""
     gap: float | None = None
@@ -146,8 +149,8 @@ class AutoShardingOption:
                                  "a split dim); pin Shard, Replicate or Partial(sum|avg)")
             normalized.append((str(pattern), placements))
         object.__setattr__(self, "pin", tuple(normalized))
-        if self.solver not in ("cbc", "highs"):
-            raise ValueError(f"AutoShardingOption.solver must be 'cbc' or 'highs', "
+        if self.solver not in ("auto", "cbc", "highs"):
+            raise ValueError(f"AutoShardingOption.solver must be 'auto', 'cbc' or 'highs', "
                              f"got {self.solver!r}")
         if self.time_limit is not None and self.time_limit <= 0:
             raise ValueError(f"AutoShardingOption.time_limit must be > 0 seconds, "

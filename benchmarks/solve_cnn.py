@@ -1,0 +1,71 @@
+"""How long planning torchvision's CNNs takes with each ILP solver, and what it finds.
+
+    python benchmarks/solve_cnn.py [--models resnet18 mobilenet_v3_small ...]
+                                   [--solvers cbc highs] [--devices 4] [--image 64]
+
+Each model (full size, torchvision's own builder, random weights, 10 classes, batch 4 of
+``--image`` pixels) is captured once, then planned by ``torchalpa.plan`` for
+``Cluster.local_cpu(devices)`` with each solver in turn, one after the other in this
+process (no plan cache): every 1D and 2D view of the devices is solved, each simplified
+and, below ``exact_below`` nodes, unsimplified too. Printed per model and solver: wall
+seconds of the whole plan, the chosen view and its estimated step, and the objective on
+the 2 x 2 view (where the two solvers differ most); the last column is the ratio of
+seconds to the first solver's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+import torchalpa
+from torchalpa.models.suite import _torchvision
+
+MODELS = ["resnet18", "mobilenet_v3_small", "mnasnet0_5", "googlenet"]
+
+
+def plan_seconds(model, batch, solver: str, devices: int, shape=None):
+    option = torchalpa.AutoShardingOption(solver=solver)
+    method = torchalpa.ShardParallel(auto_sharding_option=option, logical_mesh_shape=shape)
+    start = time.perf_counter()
+    plan = torchalpa.plan(model, batch, F.cross_entropy, method=method,
+                          cluster=torchalpa.Cluster.local_cpu(devices))
+    return time.perf_counter() - start, plan
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=MODELS)
+    p.add_argument("--solvers", nargs="+", default=["cbc", "highs"])
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--image", type=int, default=64)
+    args = p.parse_args(argv)
+    os.environ["TORCHALPA_CACHE"] = "0"
+    os.environ.setdefault("TORCHALPA_LOG", "warning")
+    models = _torchvision()
+    print(f"{'model':20s} {'solver':6s} {'plan s':>7s} {'view':>7s} {'est ms':>8s} "
+          f"{'2x2 objective':>14s} {'s / first':>9s}", flush=True)
+    for name in args.models:
+        kwargs = {"aux_logits": False, "init_weights": False} if name == "googlenet" else {}
+        torch.manual_seed(0)
+        model = models.get_model(name, num_classes=10, **kwargs)
+        batch = (torch.randn(4, 3, args.image, args.image), torch.randint(10, (4,)))
+        first = None
+        for solver in args.solvers:
+            seconds, plan = plan_seconds(model, batch, solver, args.devices)
+            _, square = plan_seconds(model, batch, solver, args.devices, (2, 2)) \
+                if args.devices == 4 else (0.0, None)
+            first = first or seconds
+            view = "x".join(map(str, plan.mesh_shape))
+            objective = f"{square.estimates.objective:.6g}" if square is not None else "-"
+            print(f"{name:20s} {solver:6s} {seconds:7.1f} {view:>7s} "
+                  f"{plan.estimates.step_time_s * 1e3:8.3f} {objective:>14s} "
+                  f"{seconds / first:9.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
