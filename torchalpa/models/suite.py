@@ -212,13 +212,12 @@ def _torchvision():
     are declared first (never run). An importable torchvision (a matching build) is used
     as it is.
     """
-    global _TORCHVISION_OPS
-    try:
-        import torchvision.models as models
-        return models
+    import importlib
+    import sys
+    try:        # by name: torchvision is optional, and off the type checker's path
+        return _import_declaring_extension_ops(importlib)
     except ModuleNotFoundError:
         import os
-        import sys
         beside = os.path.join(sys.prefix, "torchvision")
         if not os.path.isdir(os.path.join(beside, "torchvision")):
             raise ModuleNotFoundError(
@@ -226,19 +225,26 @@ def _torchvision():
                 "matching this torch), or `make env`, which puts it in .venv/torchvision"
             ) from None
         sys.path.append(beside)
-    except RuntimeError as e:          # installed, extension missing: declare and retry
-        if "torchvision::nms" not in str(e):
+    return _import_declaring_extension_ops(importlib)
+
+
+def _import_declaring_extension_ops(importlib):
+    """``import torchvision.models``; if that fails for want of the extension's ops, declare
+    them and import again."""
+    import sys
+    global _TORCHVISION_OPS
+    try:
+        return importlib.import_module("torchvision.models")
+    except RuntimeError as e:
+        if "torchvision::nms" not in str(e) or _TORCHVISION_OPS is not None:
             raise
-        import sys
-        for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
-            del sys.modules[name]
-    if _TORCHVISION_OPS is None and not hasattr(torch.ops.torchvision, "nms"):
-        _TORCHVISION_OPS = torch.library.Library("torchvision", "DEF")
-        for schema in ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-                       "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"):
-            _TORCHVISION_OPS.define(schema)
-    import torchvision.models as models
-    return models
+    for name in [m for m in sys.modules if m.split(".")[0] == "torchvision"]:
+        del sys.modules[name]
+    _TORCHVISION_OPS = torch.library.Library("torchvision", "DEF")
+    for schema in ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+                   "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"):
+        _TORCHVISION_OPS.define(schema)
+    return importlib.import_module("torchvision.models")
 
 
 _TORCHVISION_OPS = None
