@@ -228,13 +228,16 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
 
     built = time.perf_counter()
     grouping, cg, solution, chosen = solve(1)
-    if blocks and _reshards_between_blocks(graph, blocks, chosen, costs) > \
+    exact_next = len(graph) <= option.exact_below and len(cg.node_costs) < len(graph)
+    # the unsimplified problem contains the alternating one (and starts from this plan):
+    # where it is solved next, the alternating solve would only repeat part of its work
+    if not exact_next and blocks and _reshards_between_blocks(graph, blocks, chosen, costs) > \
             0.01 * solution.objective:
         # shared layers cannot alternate; let every other layer decide apart, keep the best
         alternative = solve(2, start=chosen)
         if alternative[2].objective < solution.objective:
             grouping, cg, solution, chosen = alternative
-    if len(graph) <= option.exact_below and len(cg.node_costs) < len(graph):
+    if exact_next:
         # shared decisions and followers restrict the problem; on a graph this small,
         # solve the full problem too (from the plan found) so they never cost optimality
         try:
