@@ -207,7 +207,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         return _replace_estimates(plan, dict(plan.estimates, objective=plan.estimates[
             "step_time_s"], solve_seconds=time.perf_counter() - start))
 
-    def solve(period: int, start: dict[str, Strategy] | None = None, exact: bool = False):
+    def solve(period: int, start: dict[str, Strategy] | None = None, exact: bool = False,
+              shared: frozenset = frozenset()):
         grouping = group_nodes(graph, S, None if exact else blocks, heavy=space.heavy,
                                period=period, merge_followers=not exact)
         memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states, in_flight,
@@ -219,29 +220,29 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
                 position = {id(S[k][i]): a for a, i in enumerate(grouping.index[k])}
                 if id(start[k]) in position:
                     initial[k] = position[id(start[k])]
-        cg, solution, chosen = solve_sharing_reads(
+        cg, solution, chosen, shared = solve_sharing_reads(
             graph, mesh, S, grouping, costs,
             lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory, budget,
                                                      option, mesh, initial=initial),
-            initial)
-        return grouping, cg, solution, chosen
+            initial, shared)
+        return grouping, cg, solution, chosen, shared
 
     built = time.perf_counter()
-    grouping, cg, solution, chosen = solve(1)
+    grouping, cg, solution, chosen, shared = solve(1)
     exact_next = len(graph) <= option.exact_below and len(cg.node_costs) < len(graph)
     # the unsimplified problem contains the alternating one (and starts from this plan):
     # where it is solved next, the alternating solve would only repeat part of its work
     if not exact_next and blocks and _reshards_between_blocks(graph, blocks, chosen, costs) > \
             0.01 * solution.objective:
         # shared layers cannot alternate; let every other layer decide apart, keep the best
-        alternative = solve(2, start=chosen)
+        alternative = solve(2, start=chosen, shared=shared)
         if alternative[2].objective < solution.objective:
-            grouping, cg, solution, chosen = alternative
+            grouping, cg, solution, chosen, shared = alternative
     if exact_next:
         # shared decisions and followers restrict the problem; on a graph this small,
         # solve the full problem too (from the plan found) so they never cost optimality
         try:
-            full = solve(1, start=chosen, exact=True)
+            full = solve(1, start=chosen, exact=True, shared=shared)
         except InfeasibleError as e:    # a time limit without a solution: keep what we have
             log.warning("the unsimplified ILP found no plan (%s); keeping the simplified "
                         "problem's plan, which may not be optimal", e)
@@ -249,7 +250,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         if full is not None and full[2].objective < solution.objective * (1 - 1e-9):
             log.info("the unsimplified ILP improved the plan: %.6g -> %.6g",
                      solution.objective, full[2].objective)
-            grouping, cg, solution, chosen = full
+            grouping, cg, solution, chosen, shared = full
     plan = _merge_gradient_all_reduces(_assemble(graph, mesh, method, chosen, costs, space,
                                                  inputs), graph, mesh, option)
     seconds = time.perf_counter() - start

@@ -133,14 +133,15 @@ def shared_reads_cost(group: SharedReads, choice: dict[str, int]) -> float:
 
 
 def solve_sharing_reads(graph: OpGraph, mesh, S: dict, grouping, costs, solve,
-                        initial=None):
+                        initial=None, shared: frozenset = frozenset()):
     """Solve, then price the values the plan reshards alike for two reads once per layout
     and solve again from that plan, until no such value is priced per read.
-    ``solve(cost_graph, initial) -> (ILPSolution, node -> Strategy)``; returns the last
-    (cost graph, solution, chosen strategies)."""
+    ``solve(cost_graph, initial) -> (ILPSolution, node -> Strategy)``; ``shared``: values
+    priced so from the first solve (those an earlier solve of the same graph found: each
+    round found again costs a whole solve). Returns the last (cost graph, solution, chosen
+    strategies, values priced once per layout)."""
     from torchalpa.passes.costgraph import build_cost_graph
 
-    shared: frozenset = frozenset()
     for _ in range(SHARING_ROUNDS):
         cg = build_cost_graph(graph, mesh, S, grouping, costs, shared)
         solution, chosen = solve(cg, initial)
@@ -151,4 +152,4 @@ def solve_sharing_reads(graph: OpGraph, mesh, S: dict, grouping, costs, solve,
     else:
         log.warning("the plan reshards some values alike for two reads after %d solves; its "
                     "objective prices those reads once each", SHARING_ROUNDS)
-    return cg, solution, chosen
+    return cg, solution, chosen, shared

@@ -1,8 +1,12 @@
 """Simplification must never cost optimality: on random small models and zoo models at
 small size, the planner's objective (followers, shared repeated layers, presolve, then the
-exact re-solve of ``AutoShardingOption.exact_below``) equals the full ILP's, solved with no
-simplification at all (every node its own decision, no presolve shortcuts beyond exact
-ones)."""
+exact re-solve of ``AutoShardingOption.exact_below``) is never above the full ILP's, solved
+with no simplification at all (every node its own decision, no presolve shortcuts beyond
+exact ones). It may be below: both price values two reads reshard alike once per layout
+only once a plan has read them so (``solve_sharing_reads``), and the planner's exact
+re-solve starts with the values its simplified solve found, so it can reach plans that
+share reads which the full ILP, starting with none, stops short of (random model 2:
+4138 against 4238)."""
 
 import random
 
@@ -87,7 +91,7 @@ def test_random_models_lose_nothing(seed):
     method = ShardParallel()
     planned = plan_intra_op(graph, mesh, method, blocks=_blocks_of(graph))
     full = full_ilp_objective(graph, mesh, method.auto_sharding_option)
-    assert planned.estimates["objective"] == pytest.approx(full, rel=1e-6, abs=1e-6)
+    assert planned.estimates["objective"] <= full * (1 + 1e-6) + 1e-6
 
 
 @pytest.mark.slow
@@ -101,7 +105,7 @@ def test_zoo_models_at_small_size_lose_nothing(family):
     method = ShardParallel()
     planned = plan_intra_op(graph, mesh, method, blocks=_blocks_of(graph))
     full = full_ilp_objective(graph, mesh, method.auto_sharding_option)
-    assert planned.estimates["objective"] == pytest.approx(full, rel=1e-6, abs=1e-6)
+    assert planned.estimates["objective"] <= full * (1 + 1e-6) + 1e-6
 
 
 def test_without_the_exact_check_simplification_may_lose():
