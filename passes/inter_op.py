@@ -569,6 +569,13 @@ of 80)."""
 MAX_EXACT_ROUNDS = 8
 """Rounds of (stage DP, exact pricing of the stages it chose that were not yet exact)."""
 
+UNIFORM_MARGIN = 0.02
+"""How far above the search's exact answer a uniform partition's additive estimate may be
+for its stages to be priced exactly too (``_uniform_layouts``). The per-layer sums miss
+what a stage's own ILP saves across its layers (GPT-15B's two-layer stages on (1, 8) as
+(2, 4): dearer by the sums, cheaper exactly), so a uniform partition the sums rank just
+behind the answer may beat it; ``math.inf`` prices every uniform partition."""
+
 
 def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule: str,
                   shapes: list[tuple[int, int]]):
@@ -619,18 +626,42 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
         return [(st.layers[0], st.layers[1], shapes.index(st.submesh),
                  flight_of(len(solution.stages) - 1 - n)) for n, st in enumerate(solution.stages)]
 
+    def uniform_picks(bound: float) -> list[tuple[tuple, tuple]]:
+        """(key, (view, lean, recompute)) of the stages of every uniform partition whose
+        cheapest stage variants on one view, exact where priced, total at most ``bound``
+        by the DP's objective, and not yet priced exactly."""
+        out = []
+        for pp, j in _uniform_layouts(L, cluster, shapes):
+            per = L // pp
+            stage_keys = [(s * per, (s + 1) * per - 1, j, flight_of(pp - 1 - s))
+                          for s in range(pp)]
+            for view in costs.views(shapes[j]):
+                best = [_view_best(costs, key, shapes[j], view, exact.get(key, {}))
+                        for key in stage_keys]
+                if any(b is None for b in best):
+                    continue
+                latencies = [b[0] for b in best]
+                if sum(latencies) + (B - 1) * max(latencies) <= bound:
+                    out += [(key, b[1]) for key, b in zip(stage_keys, best) if not b[2]]
+        return out
+
     solution = None
-    for _ in range(MAX_EXACT_ROUNDS):
+    uniform_done = measured     # measured times are not repriced by the cost model
+    for _ in range(MAX_EXACT_ROUNDS + 1):
         solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
         todo = [key for key in keys(solution) if not _picked(choice, key)[1]]
-        if not todo or measured:    # measured times are not repriced by the cost model
-            break
         picks = [(key, _picked(choice, key)[0]) for key in todo]
+        if not todo and not uniform_done:
+            # the answer is exact: price the uniform partitions that might beat it
+            uniform_done = True
+            picks = uniform_picks(solution.total * (1 + UNIFORM_MARGIN))
+            todo = [key for key, _ in picks]
+        if not todo or measured:
+            break
         costs.solve_stages([(k, i, shapes[j], view, flight, recompute)
                             for (k, i, j, flight), (view, _, recompute) in picks], _workers())
-        for key in todo:
+        for key, (view, _, recompute) in picks:
             k, i, j, flight = key
-            view, _, recompute = _picked(choice, key)[0]
             latency, option = costs.exact(k, i, shapes[j], view, flight, recompute)
             exact.setdefault(key, {})[view, recompute] = (
                 latency, (view, option, recompute) if math.isfinite(latency) else None)
@@ -647,6 +678,38 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
             stages.append((view, replace(costs.method.auto_sharding_option,
                                          parameters="sharded") if lean else None, recompute))
     return solution, stages, sum(len(v) for v in exact.values())
+
+
+def _uniform_layouts(L: int, cluster: Cluster, shapes: list[tuple[int, int]]
+                     ) -> list[tuple[int, int]]:
+    """(stages, submesh index) of every uniform partition: ``stages`` dividing the
+    layer count, each stage on the same submesh shape, ``stages`` of them tiling the
+    cluster (a hand grid's pp and dp x tp devices per stage)."""
+    return [(pp, j) for pp in range(1, L + 1) if L % pp == 0
+            for j, (n, m) in enumerate(shapes) if n * m * pp == cluster.num_devices]
+
+
+def _view_best(costs: _StageCosts, key: tuple, submesh: tuple[int, int], view: tuple,
+               priced: dict) -> tuple[float, tuple, bool] | None:
+    """The cheapest variant (kept or recomputed) of stage ``key`` on ``view``: (latency,
+    (view, lean, recompute), exact?), exact where ``priced`` has it, else the additive
+    estimate (optimistic where near fitting); None if no variant on ``view`` may fit."""
+    k, i, _, flight = key
+    best = None
+    for (v, recompute), (latency, chosen) in _variants(costs, k, i, submesh, flight,
+                                                       True).items():
+        if v != view:
+            continue
+        if (v, recompute) in priced:
+            latency, found = priced[v, recompute]
+            if found is None:
+                continue
+            candidate = (latency, chosen, True)
+        else:
+            candidate = (latency, chosen, False)
+        if best is None or candidate[0] < best[0]:
+            best = candidate
+    return best
 
 
 def _picked(choice: dict, key: tuple) -> tuple[tuple, bool]:
