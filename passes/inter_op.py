@@ -589,10 +589,14 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
     priced, with the stage's own memory-constrained ILP and replaces that variant's
     estimate by it (inf if no plan fits), so the candidate falls back to its next variant
     (another view, recomputation) when the exact plan is slower or does not fit. When
-    every stage of an answer is exact, no estimate it beat is lower than what was
-    priced, so the answer stands. With measured layer times (``stage_option="profile"``)
-    the DP runs once on them. Returns the solution, per stage (view, option, recompute),
-    and how many variants were priced exactly."""
+    every stage of an answer is exact, the uniform partitions (``_uniform_layouts``: a
+    hand grid's stage split) whose estimates come within ``UNIFORM_MARGIN`` of it are
+    priced exactly too, once, and the rounds go on until an answer is exact again: the
+    per-layer sums miss a stage's cross-layer savings, and this way the answer is never
+    slower than such a uniform partition planned by the same stage ILP. With measured
+    layer times (``stage_option="profile"``) the DP runs once on them. Returns the
+    solution, per stage (view, option, recompute), and how many variants were priced
+    exactly."""
     exact: dict[tuple, dict[tuple, tuple[float, tuple | None]]] = {}
     measured = costs.measured is not None
     # a variant's additive estimate does not change between rounds (only ``exact`` does)
@@ -641,7 +645,11 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
                 if any(b is None for b in best):
                     continue
                 latencies = [b[0] for b in best]
-                if sum(latencies) + (B - 1) * max(latencies) <= bound:
+                total = sum(latencies) + (B - 1) * max(latencies)
+                log.info("pipeline search: uniform %d stages on %s as %s: %.6g s by the DP's"
+                         " objective (%d of %d stages exact), bound %.6g s", pp, shapes[j],
+                         view, total, sum(b[2] for b in best), pp, bound)
+                if total <= bound:
                     out += [(key, b[1]) for key, b in zip(stage_keys, best) if not b[2]]
         return out
 
