@@ -569,6 +569,13 @@ of 80)."""
 MAX_EXACT_ROUNDS = 8
 """Rounds of (stage DP, exact pricing of the stages it chose that were not yet exact)."""
 
+UNIFORM_MARGIN = 0.02
+"""How far above the search's exact answer a uniform partition's additive estimate may be
+for its stages to be priced exactly too (``_uniform_layouts``). The per-layer sums miss
+what a stage's own ILP saves across its layers (GPT-15B's two-layer stages on (1, 8) as
+(2, 4): dearer by the sums, cheaper exactly), so a uniform partition the sums rank just
+behind the answer may beat it; ``math.inf`` prices every uniform partition."""
+
 
 def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule: str,
                   shapes: list[tuple[int, int]]):
@@ -582,10 +589,14 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
     priced, with the stage's own memory-constrained ILP and replaces that variant's
     estimate by it (inf if no plan fits), so the candidate falls back to its next variant
     (another view, recomputation) when the exact plan is slower or does not fit. When
-    every stage of an answer is exact, no estimate it beat is lower than what was
-    priced, so the answer stands. With measured layer times (``stage_option="profile"``)
-    the DP runs once on them. Returns the solution, per stage (view, option, recompute),
-    and how many variants were priced exactly."""
+    every stage of an answer is exact, the uniform partitions (``_uniform_layouts``: a
+    hand grid's stage split) whose estimates come within ``UNIFORM_MARGIN`` of it are
+    priced exactly too, once, and the rounds go on until an answer is exact again: the
+    per-layer sums miss a stage's cross-layer savings, and this way the answer is never
+    slower than such a uniform partition planned by the same stage ILP. With measured
+    layer times (``stage_option="profile"``) the DP runs once on them. Returns the
+    solution, per stage (view, option, recompute), and how many variants were priced
+    exactly."""
     exact: dict[tuple, dict[tuple, tuple[float, tuple | None]]] = {}
     measured = costs.measured is not None
     # a variant's additive estimate does not change between rounds (only ``exact`` does)
@@ -619,18 +630,66 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
         return [(st.layers[0], st.layers[1], shapes.index(st.submesh),
                  flight_of(len(solution.stages) - 1 - n)) for n, st in enumerate(solution.stages)]
 
+    def uniform_picks(bound: float) -> list[tuple[tuple, tuple]]:
+        """(key, (view, lean, recompute)) of the stages of every uniform partition whose
+        cheapest stage variants on one view, exact where priced, total at most ``bound``
+        by the DP's objective, and not yet priced exactly."""
+        out = []
+        for pp, j in _uniform_layouts(L, cluster, shapes):
+            per = L // pp
+            stage_keys = [(s * per, (s + 1) * per - 1, j, flight_of(pp - 1 - s))
+                          for s in range(pp)]
+            for view in costs.views(shapes[j]):
+                best = [_view_best(costs, key, shapes[j], view, exact.get(key, {}))
+                        for key in stage_keys]
+                if any(b is None for b in best):
+                    continue
+                latencies = [b[0] for b in best]
+                total = sum(latencies) + (B - 1) * max(latencies)
+                log.info("pipeline search: uniform %d stages on %s as %s: %.6g s by the DP's"
+                         " objective (%d of %d stages exact), bound %.6g s", pp, shapes[j],
+                         view, total, sum(b[2] for b in best), pp, bound)
+                if total <= bound:
+                    out += [(key, b[1]) for key, b in zip(stage_keys, best) if not b[2]]
+        return out
+
+    def uniform_exact() -> list[list[tuple]]:
+        """Every uniform partition whose stages on one view were all priced exactly and
+        fit, as stages ((first, last), submesh, view, option, recompute)."""
+        out = []
+        for pp, j in _uniform_layouts(L, cluster, shapes):
+            per = L // pp
+            for view in costs.views(shapes[j]):
+                stages = []
+                for s in range(pp):
+                    key = (s * per, (s + 1) * per - 1, j, flight_of(pp - 1 - s))
+                    found = [(latency, chosen) for (v, _), (latency, chosen)
+                             in exact.get(key, {}).items() if v == view and chosen is not None]
+                    if not found:
+                        break
+                    _, (_, option, recompute) = min(found, key=lambda f: f[0])
+                    stages.append((key[:2], shapes[j], view, option, recompute))
+                else:
+                    out.append(stages)
+        return out
+
     solution = None
-    for _ in range(MAX_EXACT_ROUNDS):
+    uniform_done = measured     # measured times are not repriced by the cost model
+    for _ in range(MAX_EXACT_ROUNDS + 1):
         solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
         todo = [key for key in keys(solution) if not _picked(choice, key)[1]]
-        if not todo or measured:    # measured times are not repriced by the cost model
-            break
         picks = [(key, _picked(choice, key)[0]) for key in todo]
+        if not todo and not uniform_done:
+            # the answer is exact: price the uniform partitions that might beat it
+            uniform_done = True
+            picks = uniform_picks(solution.total * (1 + UNIFORM_MARGIN))
+            todo = [key for key, _ in picks]
+        if not todo or measured:
+            break
         costs.solve_stages([(k, i, shapes[j], view, flight, recompute)
                             for (k, i, j, flight), (view, _, recompute) in picks], _workers())
-        for key in todo:
+        for key, (view, _, recompute) in picks:
             k, i, j, flight = key
-            view, _, recompute = _picked(choice, key)[0]
             latency, option = costs.exact(k, i, shapes[j], view, flight, recompute)
             exact.setdefault(key, {})[view, recompute] = (
                 latency, (view, option, recompute) if math.isfinite(latency) else None)
@@ -646,7 +705,39 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
             view, lean, recompute = picked
             stages.append((view, replace(costs.method.auto_sharding_option,
                                          parameters="sharded") if lean else None, recompute))
-    return solution, stages, sum(len(v) for v in exact.values())
+    return solution, stages, sum(len(v) for v in exact.values()), uniform_exact()
+
+
+def _uniform_layouts(L: int, cluster: Cluster, shapes: list[tuple[int, int]]
+                     ) -> list[tuple[int, int]]:
+    """(stages, submesh index) of every uniform partition: ``stages`` dividing the
+    layer count, each stage on the same submesh shape, ``stages`` of them tiling the
+    cluster (a hand grid's pp and dp x tp devices per stage)."""
+    return [(pp, j) for pp in range(1, L + 1) if L % pp == 0
+            for j, (n, m) in enumerate(shapes) if n * m * pp == cluster.num_devices]
+
+
+def _view_best(costs: _StageCosts, key: tuple, submesh: tuple[int, int], view: tuple,
+               priced: dict) -> tuple[float, tuple, bool] | None:
+    """The cheapest variant (kept or recomputed) of stage ``key`` on ``view``: (latency,
+    (view, lean, recompute), exact?), exact where ``priced`` has it, else the additive
+    estimate (optimistic where near fitting); None if no variant on ``view`` may fit."""
+    k, i, _, flight = key
+    best = None
+    for (v, recompute), (latency, chosen) in _variants(costs, k, i, submesh, flight,
+                                                       True).items():
+        if v != view:
+            continue
+        if (v, recompute) in priced:
+            latency, found = priced[v, recompute]
+            if found is None:
+                continue
+            candidate = (latency, chosen, True)
+        else:
+            candidate = (latency, chosen, False)
+        if best is None or candidate[0] < best[0]:
+            best = candidate
+    return best
 
 
 def _picked(choice: dict, key: tuple) -> tuple[tuple, bool]:
@@ -690,6 +781,7 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
                          "devices to time on), or use stage_option='auto'")
     costs = _StageCosts(graph, layer, cluster, method, inputs, measured, share_views)
     notes: list[str] = []
+    uniform: list[list[tuple]] = []
     recompute: list[bool] | None = None
     if isinstance(option, ManualStageOption):
         stages = _manual(option, L, cluster)
@@ -704,7 +796,7 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
                  "class's plan, in %.1fs", costs.solves, costs.repriced,
                  time.perf_counter() - start)
         try:
-            solution, chosen, priced = _exact_search(costs, L, cluster, B,
+            solution, chosen, priced, uniform = _exact_search(costs, L, cluster, B,
                                                      method.pipeline_schedule, shapes)
         except ValueError as e:    # no stage fits: infeasible, like an ILP that finds none
             raise InfeasibleError(f"pipeline search on {cluster.num_nodes}x"
@@ -722,6 +814,9 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
     plan = _assemble(graph, layer, stages, cluster, method, inputs,
                      stage_seconds=timed if all(t is not None for t in timed) else None,
                      known=costs.exact_plans, recompute=recompute)
+    plan = _fastest_of(plan, uniform, lambda alternative: _assemble(
+        graph, layer, [st[:4] for st in alternative], cluster, method, inputs,
+        known=costs.exact_plans, recompute=[st[4] for st in alternative]))
     log.info("pipeline plan: %d layers, %d stages, %d layer solves for the DP (%.1fs), "
              "stage plans %.1fs", L, len(stages), costs.solves, searched - start,
              time.perf_counter() - searched)
@@ -729,6 +824,28 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
         plan.estimates, search_seconds=searched - start, layer_solves=costs.solves,
         layers_repriced=costs.repriced, stage_solves=costs.exact_solves,
         total_seconds=time.perf_counter() - start)))
+
+
+def _fastest_of(plan: PipelinePlan, alternatives: list[list[tuple]], assemble
+                ) -> PipelinePlan:
+    """``plan``, or the alternative (a uniform partition whose stages the search priced
+    exactly) whose estimated step is shorter. The DP ranks by its objective, sum + (B - 1)
+    x max of the stage latencies; the plan's step comes from simulating the schedule, and
+    the two can order near-equal pipelines differently (GPT-15B: 3 uneven stages against
+    4 even ones, within 0.2 %). The alternatives' stage plans are already solved."""
+    best = plan
+    for alternative in alternatives:
+        try:
+            candidate = assemble(alternative)
+        except (InfeasibleError, ValueError):
+            continue
+        if candidate.estimates["step_time_s"] < best.estimates["step_time_s"]:
+            best = candidate
+    if best is not plan:
+        log.info("pipeline search: a uniform partition priced exactly simulates faster "
+                 "(%.6g s) than the DP's answer (%.6g s): taken", best.estimates["step_time_s"],
+                 plan.estimates["step_time_s"])
+    return best
 
 
 @dataclass(frozen=True)
