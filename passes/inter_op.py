@@ -640,9 +640,10 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
             stage_keys = [(s * per, (s + 1) * per - 1, j, flight_of(pp - 1 - s))
                           for s in range(pp)]
             for view in costs.views(shapes[j]):
-                best = [_view_best(costs, key, shapes[j], view, exact.get(key, {}))
-                        for key in stage_keys]
-                if any(b is None for b in best):
+                found = [_view_best(costs, key, shapes[j], view, exact.get(key, {}))
+                         for key in stage_keys]
+                best = [b for b in found if b is not None]
+                if len(best) < len(found):      # a stage of it has no variant that may fit
                     continue
                 latencies = [b[0] for b in best]
                 total = sum(latencies) + (B - 1) * max(latencies)
