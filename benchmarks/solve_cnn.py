@@ -2,6 +2,7 @@
 
     python benchmarks/solve_cnn.py [--models resnet18 mobilenet_v3_small ...]
                                    [--solvers cbc highs] [--devices 4] [--image 64]
+    python benchmarks/solve_cnn.py --bound [--models ...]
 
 Each model (full size, torchvision's own builder, random weights, 10 classes, batch 4 of
 ``--image`` pixels) is captured once, then planned by ``torchalpa.plan`` for
@@ -11,18 +12,26 @@ and, below ``exact_below`` nodes, unsimplified too. Printed per model and solver
 seconds of the whole plan, the chosen view and its estimated step, and the objective on
 the 2 x 2 view (where the two solvers differ most); the last column is the ratio of
 seconds to the first solver's.
+
+``--bound`` instead plans each model with HiGHS twice, without and then with skipping a
+view whose step-time bound (the linear relaxation of its ILP) is above the fastest plan
+found so far (``torchalpa.shard.SKIP_BY_BOUND``): seconds, view and estimate of each, and
+the ratio of seconds. The skip must not change the view or the estimate.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 import torch.nn.functional as F
 
 import torchalpa
+from torchalpa import shard
 from torchalpa.models.suite import _torchvision
 
 MODELS = ["resnet18", "mobilenet_v3_small", "mnasnet0_5", "googlenet"]
@@ -37,23 +46,58 @@ def plan_seconds(model, batch, solver: str, devices: int, shape=None):
     return time.perf_counter() - start, plan
 
 
+def _bound_run(name: str, image: int, devices: int, skip: bool) -> tuple[float, str, float]:
+    """Plan one model in this (fresh) process, skipping views by their bound or not."""
+    os.environ["TORCHALPA_CACHE"] = "0"
+    os.environ.setdefault("TORCHALPA_LOG", "warning")
+    shard.SKIP_BY_BOUND = skip
+    model, batch = _build(_torchvision(), name, image)
+    seconds, plan = plan_seconds(model, batch, "highs", devices)
+    return seconds, "x".join(map(str, plan.mesh_shape)), plan.estimates.step_time_s * 1e3
+
+
+def bound_ab(name: str, image: int, devices: int) -> None:
+    """One model planned without, then with, skipping views by their bound, each in a
+    fresh process (a second plan in the same process would find warm caches)."""
+    rows = []
+    for skip in (False, True):
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows.append(pool.submit(_bound_run, name, image, devices, skip).result())
+    (s0, v0, e0), (s1, v1, e1) = rows
+    print(f"{name:20s} {s0:9.1f} {v0:>5s} {e0:8.3f} {s1:9.1f} {v1:>5s} {e1:8.3f} "
+          f"{s1 / s0:7.2f}", flush=True)
+
+
+def _build(models, name: str, image: int):
+    """torchvision's ``name`` with 10 classes and a batch of 4 ``image``-pixel images."""
+    kwargs = {"aux_logits": False, "init_weights": False} if name == "googlenet" else {}
+    torch.manual_seed(0)
+    model = models.get_model(name, num_classes=10, **kwargs)
+    return model, (torch.randn(4, 3, image, image), torch.randint(10, (4,)))
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=MODELS)
     p.add_argument("--solvers", nargs="+", default=["cbc", "highs"])
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--image", type=int, default=64)
+    p.add_argument("--bound", action="store_true",
+                   help="compare planning without and with skipping views by their bound")
     args = p.parse_args(argv)
     os.environ["TORCHALPA_CACHE"] = "0"
     os.environ.setdefault("TORCHALPA_LOG", "warning")
     models = _torchvision()
+    if args.bound:
+        print(f"{'model':20s} {'no skip s':>9s} {'view':>5s} {'est ms':>8s} "
+              f"{'skip s':>9s} {'view':>5s} {'est ms':>8s} {'ratio':>7s}", flush=True)
+        for name in args.models:
+            bound_ab(name, args.image, args.devices)
+        return
     print(f"{'model':20s} {'solver':6s} {'plan s':>7s} {'view':>7s} {'est ms':>8s} "
           f"{'2x2 objective':>14s} {'s / first':>9s}", flush=True)
     for name in args.models:
-        kwargs = {"aux_logits": False, "init_weights": False} if name == "googlenet" else {}
-        torch.manual_seed(0)
-        model = models.get_model(name, num_classes=10, **kwargs)
-        batch = (torch.randn(4, 3, args.image, args.image), torch.randint(10, (4,)))
+        model, batch = _build(models, name, args.image)
         first = None
         for solver in args.solvers:
             seconds, plan = plan_seconds(model, batch, solver, args.devices)

@@ -114,9 +114,13 @@ class CostGraph:
 
 def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
                      grouping: Grouping, costs: ReshardCosts,
-                     shared: frozenset = frozenset()) -> CostGraph:
+                     shared: frozenset = frozenset(),
+                     read_weights: dict[tuple[str, int], float] | None = None) -> CostGraph:
     """``shared``: values (producer, index) whose operand reads are priced once per target
-    layout (``passes/shared_reshard.py``) instead of once per read."""
+    layout (``passes/shared_reshard.py``) instead of once per read. ``read_weights``:
+    values whose every operand read is priced at this fraction of its resharding (a
+    relaxation for bounds: a value read ``k`` times costs at least ``1/k`` of what its
+    reads would cost apart, however many of them share a copy)."""
     rep, index = grouping.rep, grouping.index
     node_costs = {r: np.zeros(len(S[r])) for r in grouping.representatives}
 
@@ -156,6 +160,7 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
                _read_layouts_key(S[v], how))
         groups[key].append((u, idx, v, how))
 
+    weights = read_weights or {}
     edges: list[Edge] = []
     for key, members in groups.items():
         ru, rv = key[0], key[1]
@@ -163,7 +168,8 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
         rows = [S[u][a].outputs[idx] for a in index[u]]
         cols = [_reads(S[v][b], how) for b in index[v]]
         e = costs.edge(ru, rv, graph.node(u).outputs[idx], rows, cols, gradient=how == "grad")
-        e.table = e.table * len(members)
+        e.table = e.table * sum(weights.get((m[0], m[1]), 1.0) if isinstance(m[3], int) else 1.0
+                                for m in members)
         if ru == rv:   # both ends follow one node: only its diagonal can happen
             node_costs[ru] += e.dense().diagonal()
         else:

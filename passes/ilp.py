@@ -20,6 +20,7 @@ same answer.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 import warnings
@@ -29,12 +30,12 @@ from typing import NamedTuple
 import numpy as np
 import pulp
 
-from torchalpa.passes.presolve import presolve
-from torchalpa.passes.ilp_model import LinearModel, build_model
+from torchalpa.passes.presolve import Presolved, presolve
+from torchalpa.passes.ilp_model import BuiltModel, LinearModel, build_model
 from torchalpa.passes.shared_reshard import SharedReads, shared_reads_cost
 from torchalpa.progress import solver_verbose
 
-__all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "InfeasibleError"]
+__all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "lower_bound", "InfeasibleError"]
 
 
 DIRECT_HIGHS = True
@@ -96,7 +97,6 @@ def resolve_solver(solver: str) -> str:
     """The solver ``'auto'`` means here: HiGHS when highspy imports, else CBC."""
     if solver != "auto":
         return solver
-    import importlib.util
     return "highs" if importlib.util.find_spec("highspy") is not None else "cbc"
 
 
@@ -146,11 +146,19 @@ def _fold_edges(costs: dict[str, np.ndarray], edges: list[Edge]) -> tuple[list[E
     return list(free.values()), constant
 
 
-def solve_ilp(problem: ILPProblem, *, solver: str = "auto", time_limit: float | None = None,
-              gap: float | None = None, initial: dict[str, int] | None = None) -> ILPSolution:
-    """Alpa's ILP; ``initial`` (node -> strategy index) is a feasible start for the solver."""
-    start = time.perf_counter()
-    solver = resolve_solver(solver)
+class _Prepared(NamedTuple):
+    """A problem reduced and written for the solver, with what reads a solution back."""
+    full_costs: dict[str, np.ndarray]
+    full_edges: list[Edge]
+    constant: float
+    reduced: Presolved
+    built: BuiltModel
+    scale: float
+
+
+def _prepare(problem: ILPProblem, initial: dict[str, int] | None) -> _Prepared:
+    """Fold edges, presolve and write ``problem`` as a linear model (costs scaled so the
+    largest finite coefficient is about 1e6: solver tolerances are absolute)."""
     full_costs = {k: np.asarray(v, dtype=float).copy() for k, v in problem.node_costs.items()}
     full_edges, constant = _fold_edges(full_costs, problem.edges)
     for k, c in full_costs.items():
@@ -166,8 +174,6 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "auto", time_limit: float | 
             raise InfeasibleError(f"node {k!r}: every strategy needs an impossible resharding")
     if initial is not None:
         initial = reduced.start(initial)
-
-    # Scale costs so the largest finite coefficient is ~1e6 (solver tolerances are absolute).
     top = max([np.abs(c[np.isfinite(c)]).max(initial=0) for c in costs.values()] +
               [np.abs(e.table[np.isfinite(e.table)]).max(initial=0) for e in edges] +
               [np.abs(g.table[np.isfinite(g.table)]).max(initial=0) for g in problem.shared] +
@@ -175,6 +181,15 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "auto", time_limit: float | 
     scale = 1e6 / top if top > 0 else 1.0
     built = build_model(costs, edges, problem.shared, reduced, problem.memory_terms,
                         problem.memory_budget, problem.minimize_peak, scale, initial)
+    return _Prepared(full_costs, full_edges, constant, reduced, built, scale)
+
+
+def solve_ilp(problem: ILPProblem, *, solver: str = "auto", time_limit: float | None = None,
+              gap: float | None = None, initial: dict[str, int] | None = None) -> ILPSolution:
+    """Alpa's ILP; ``initial`` (node -> strategy index) is a feasible start for the solver."""
+    start = time.perf_counter()
+    solver = resolve_solver(solver)
+    full_costs, full_edges, constant, reduced, built, _ = _prepare(problem, initial)
     if solver == "highs" and DIRECT_HIGHS:
         run = _solve_with_highs(built.model, time_limit, gap)
     else:
@@ -195,6 +210,30 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "auto", time_limit: float | 
     return ILPSolution(choice=choice, objective=float(total), status=run.status,
                        seconds=time.perf_counter() - start,
                        num_variables=run.num_variables, num_constraints=run.num_constraints)
+
+
+def lower_bound(problem: ILPProblem, *, integral: bool = False) -> float | None:
+    """A number no plan of ``problem`` costs less than: the optimum of its linear
+    relaxation (every one-hot strategy vector allowed to be fractional), in the objective's
+    own units. A few LP iterations where the ILP may branch for minutes, so a caller can
+    skip a problem whose bound already exceeds a plan it has. ``integral=True`` solves the
+    ILP itself the same way (the bound is then its optimum: what tests compare with
+    ``solve_ilp``). None when HiGHS is not installed or the problem minimizes memory.
+
+    The linear model holds the reduced problem's costs, scaled; what it leaves out is
+    constant: the edges between fixed layouts, the nodes the presolve solved with no
+    neighbour left, and the cost of every node left with one strategy, added back here."""
+    if problem.minimize_peak or importlib.util.find_spec("highspy") is None:
+        return None
+    from torchalpa.passes.ilp_highs import linear_optimum
+    prepared = _prepare(problem, None)
+    optimum = linear_optimum(prepared.built.model, integral=integral)
+    fixed = sum(float(c[0]) for c in prepared.reduced.costs.values() if len(c) == 1)
+    bound = None if optimum is None else \
+        optimum / prepared.scale + prepared.constant + prepared.reduced.constant + fixed
+    if bound is None or not math.isfinite(bound):
+        raise InfeasibleError("the ILP's relaxation has no feasible solution")
+    return bound
 
 
 class _SolverRun(NamedTuple):

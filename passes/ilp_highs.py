@@ -16,7 +16,7 @@ import numpy as np
 
 from torchalpa.passes.ilp_model import LinearModel
 
-__all__ = ["solve_with_highs"]
+__all__ = ["solve_with_highs", "linear_optimum"]
 
 
 def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float | None,
@@ -27,11 +27,42 @@ def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float
     and keeps as its incumbent: a solve stopped by ``time_limit`` returns at least that
     plan."""
     if not model.names:     # presolve decided every node (HiGHS calls an empty model an error)
-        # each row is then a constant 0 between its bounds (a memory budget that what was
-        # decided already exceeds has lower <= 0 <= upper broken): infeasible, not optimal
-        feasible = all(lo <= 1e-9 and up >= -1e-9
-                       for lo, up in zip(model.row_lower, model.row_upper))
-        return ("Optimal" if feasible else "Infeasible"), np.zeros(0)
+        return ("Optimal" if _empty_feasible(model) else "Infeasible"), np.zeros(0)
+    h, position = _load(model, time_limit=time_limit, gap=gap, verbose=verbose)
+    if model.initial:
+        columns = np.fromiter(model.initial.keys(), dtype=np.int64, count=len(model.initial))
+        h.setSolution(len(columns), position[columns].astype(np.int32),
+                      np.fromiter(model.initial.values(), dtype=np.float64,
+                                  count=len(columns)))
+    h.run()
+    status, values = _read(h)
+    n = len(model.names)
+    return status, values[position] if values.size == n else np.zeros(n)
+
+
+def linear_optimum(model: LinearModel, *, integral: bool = False) -> float | None:
+    """The optimum of ``model`` with every column continuous (its linear relaxation; with
+    ``integral=True`` the model as it is), in the model's scaled units; None when it has
+    no feasible point."""
+    if not model.names:
+        return 0.0 if _empty_feasible(model) else None
+    h, _ = _load(model, time_limit=None, gap=None, verbose=False, integral=integral)
+    h.run()
+    if h.getModelStatus().name != "kOptimal":
+        return None
+    return float(h.getInfo().objective_function_value)
+
+
+def _empty_feasible(model: LinearModel) -> bool:
+    """Whether a model without columns is feasible: each row is then a constant 0 between
+    its bounds (a memory budget that what was decided already exceeds breaks one)."""
+    return all(lo <= 1e-9 and up >= -1e-9 for lo, up in zip(model.row_lower, model.row_upper))
+
+
+def _load(model: LinearModel, *, time_limit: float | None, gap: float | None, verbose: bool,
+          integral: bool = True) -> tuple[highspy.Highs, np.ndarray]:
+    """A HiGHS instance holding ``model`` (columns in PuLP's order: sorted by name), and
+    each model column's position there."""
     order = sorted(range(len(model.names)), key=model.names.__getitem__)
     position = np.empty(len(order), dtype=np.int32)
     position[order] = np.arange(len(order), dtype=np.int32)
@@ -50,7 +81,7 @@ def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float
     h.addCols(n, cost, np.zeros(n), upper, 0, np.zeros(0, dtype=np.int32),
               np.zeros(0, dtype=np.int32), np.zeros(0))
     integer = np.flatnonzero(np.asarray(model.integer, dtype=bool)[order]).astype(np.int32)
-    if integer.size:
+    if integral and integer.size:
         h.changeColsIntegrality(integer.size, integer,
                                 np.full(integer.size, highspy.HighsVarType.kInteger))
     if model.row_lower:
@@ -59,14 +90,7 @@ def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float
                   np.asarray(model.starts, dtype=np.int32),
                   position[np.asarray(model.index, dtype=np.int64)].astype(np.int32),
                   np.asarray(model.value, dtype=np.float64))
-    if model.initial:
-        columns = np.fromiter(model.initial.keys(), dtype=np.int64, count=len(model.initial))
-        h.setSolution(len(columns), position[columns].astype(np.int32),
-                      np.fromiter(model.initial.values(), dtype=np.float64,
-                                  count=len(columns)))
-    h.run()
-    status, values = _read(h)
-    return status, values[position] if values.size == n else np.zeros(n)
+    return h, position
 
 
 _STATUS = {

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 import math
 import time
 import warnings
@@ -43,7 +44,7 @@ from torchalpa.plan import (INPUT_SLOT, OUTPUT, Collective, MeshStage, NodeStrat
                             OutputSlot, Plan, Reshard, ValuePlacement)
 from torchalpa.plan_records import Estimates, Explanation, LayoutCost
 
-__all__ = ["plan_intra_op", "UnsupportedOpWarning", "build_strategies"]
+__all__ = ["plan_intra_op", "step_time_lower_bound", "UnsupportedOpWarning", "build_strategies"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -183,21 +184,9 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     stage's; the estimates still describe one micro-batch).
     """
     method = method or ShardParallel()
-    if inputs not in ("global", "local"):
-        raise ValueError(f"inputs must be 'global' or 'local', got {inputs!r}")
     start = time.perf_counter()
-    option = method.auto_sharding_option
-    manual = getattr(method, "manual_sharding_option", None)
-    if manual is not None:
-        option = replace(option, pin=option.pin + manual.pin)
-    option, mesh = effective_option(option, mesh)
-    graph = priced_as(graph, option.elementwise)
-    if mesh.gradient_bucket_bytes > 0 and option.all_reduce_threshold is not None:
-        # the runtime packs gradients into buckets of the plan's threshold: price those
-        mesh = replace(mesh, gradient_bucket_bytes=float(option.all_reduce_threshold))
-    space = build_strategies(graph, mesh, inputs, option)
+    option, mesh, graph, space, costs = _problem(graph, mesh, method, inputs)
     S = space.strategies
-    costs = cached_reshard_costs(mesh, option.allow_reduce_scatter, forbidden_collectives(option))
     budget = option.memory_budget_per_device or mesh.memory_per_device
     if option.force_simple_heuristic or not option.enable_auto_sharding:
         chosen = _propagate(graph, S, costs, mesh,
@@ -271,6 +260,60 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     plan = _replace_estimates(plan, estimates)
     target = _planned_for(mesh, budget)
     return replace(plan, notes=plan.notes + (target,)) if target else plan
+
+
+def _problem(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str):
+    """What the ILP is built from: the option in effect (pins of a manual option added),
+    the mesh as priced (gradients in the runtime's buckets), the graph as priced, every
+    node's strategies and the resharding costs."""
+    if inputs not in ("global", "local"):
+        raise ValueError(f"inputs must be 'global' or 'local', got {inputs!r}")
+    option = method.auto_sharding_option
+    manual = getattr(method, "manual_sharding_option", None)
+    if manual is not None:
+        option = replace(option, pin=option.pin + manual.pin)
+    option, mesh = effective_option(option, mesh)
+    graph = priced_as(graph, option.elementwise)
+    if mesh.gradient_bucket_bytes > 0 and option.all_reduce_threshold is not None:
+        # the runtime packs gradients into buckets of the plan's threshold: price those
+        mesh = replace(mesh, gradient_bucket_bytes=float(option.all_reduce_threshold))
+    space = build_strategies(graph, mesh, inputs, option)
+    costs = cached_reshard_costs(mesh, option.allow_reduce_scatter, forbidden_collectives(option))
+    return option, mesh, graph, space, costs
+
+
+def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | None = None,
+                          *, inputs: str = "global") -> float | None:
+    """Seconds that no plan ``plan_intra_op`` could return for ``graph`` on ``mesh`` has an
+    estimated step below: the linear relaxation of the unsimplified problem (every node
+    deciding on its own, which the simplified problems, the memory constraints and the
+    every-other-layer alternative only restrict), with every value read twice priced
+    at ``1/k`` of each of its ``k`` reads (however many share one resharded copy, the
+    dearest read is paid, and it is at least their mean). An LP of a second or two where the
+    ILP it bounds may run for minutes: ``plan_graph`` skips a logical mesh whose bound is
+    above a plan it already has.
+
+    None where there is no such bound: no ILP (the heuristics), no HiGHS, or a plan whose
+    estimated step the all-reduce combiner lowers after the solve (Alpa's accounting on a
+    hand-built mesh, where the step is below the objective)."""
+    from torchalpa.passes.costgraph import build_cost_graph
+    from torchalpa.passes.ilp import lower_bound
+    method = method or ShardParallel()
+    option, mesh, graph, space, costs = _problem(graph, mesh, method, inputs)
+    if option.force_simple_heuristic or not option.enable_auto_sharding:
+        return None
+    if option.all_reduce_threshold and mesh.gradient_bucket_bytes <= 0:
+        return None                     # _merge_gradient_all_reduces may subtract latencies
+    S = space.strategies
+    grouping = group_nodes(graph, S, None, heavy=space.heavy, period=1, merge_followers=False)
+    reads: dict[tuple[str, int], int] = defaultdict(int)
+    for node in graph.ops():
+        for ref in node.operands:
+            reads[(ref.node, ref.index)] += 1
+    cg = build_cost_graph(graph, mesh, S, grouping, costs, read_weights={
+        v: 1.0 / k for v, k in reads.items()
+        if k > 1 and graph.node(v[0]).kind not in ("param", "buffer")})
+    return lower_bound(ILPProblem(node_costs=cg.node_costs, edges=cg.edges))
 
 
 def _planned_for(mesh: LogicalMesh, budget: float | None) -> str | None:

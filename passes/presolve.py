@@ -46,6 +46,9 @@ class Presolved:
     eliminated: list[_Eliminated] = field(default_factory=list)
     left: dict[str, np.ndarray] = field(default_factory=dict)
     """Per eliminated node, the strategies it still had (its bytes are the same in each)."""
+    constant: float = 0.0
+    """The cost of nodes eliminated with no neighbour left: a part of every plan's cost
+    that the reduced problem no longer holds."""
 
     def start(self, initial: dict[str, int]) -> dict[str, int]:
         """A plan of the original problem as a plan of this one (as cheap and as small)."""
@@ -177,9 +180,11 @@ def _eliminate(p: Presolved, memory: dict[str, list[np.ndarray]], protected) -> 
             for n in (e.u, e.v):
                 at[n] = [x for x in at[n] if x is not e]
         p.edges = [e for e in p.edges if e.u != k and e.v != k]
-        if len(others) == 1:
+        if not others:
+            p.constant += float(best)
+        elif len(others) == 1:
             p.costs[others[0]] = p.costs[others[0]] + best[maps[0]]
-        elif len(others) == 2:
+        else:
             new = replace(edges[0], u=others[0], v=others[1], row_of=maps[0], col_of=maps[1],
                           table=best)
             p.edges.append(new)

@@ -26,6 +26,10 @@ __all__ = ["candidate_meshes", "plan_graph", "blocks_of", "plan_shard", "shard_p
 
 log = logging.getLogger("torchalpa")
 
+SKIP_BY_BOUND = True
+"""Skip a logical mesh whose step-time bound is above a plan already found (``plan_graph``);
+False solves every mesh (benchmarks and tests compare)."""
+
 
 def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
                      shape: tuple[int, ...] | None = None,
@@ -48,14 +52,19 @@ def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
 
 def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
                inputs: str = "global", blocks: dict | None = None) -> Plan:
-    """The best plan over ``meshes`` (by estimated step time), reusing cached plans."""
+    """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
+
+    Once a plan is in hand, a mesh whose step-time bound (``step_time_lower_bound``: the
+    linear relaxation of its unsimplified ILP, a second or two) is above that plan's
+    estimate is skipped: no plan the ILP could find there would be chosen. The note lists
+    it with its bound."""
     from torchalpa import cache
     from torchalpa.passes.ilp import InfeasibleError
-    from torchalpa.passes.intra_op import plan_intra_op
+    from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
     from torchalpa.plan_check import check_plan
     from torchalpa.progress import step
     fingerprint = graph.fingerprint()
-    plans, failures = [], []
+    plans, failures, skipped = [], [], []
     for i, mesh in enumerate(meshes):
         key = cache.plan_key(fingerprint, mesh, method, inputs)
         shape = "x".join(map(str, mesh.shape))
@@ -68,6 +77,14 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 progress.done = "cached, " + _estimate_text(found, mesh)
                 plans.append(found)
                 continue
+            fastest = min(plans, key=lambda p: p.estimates["step_time_s"], default=None)
+            if fastest is not None and SKIP_BY_BOUND:
+                bound = step_time_lower_bound(graph, mesh, method, inputs=inputs)
+                if bound is not None and bound > fastest.estimates["step_time_s"] * (1 + 1e-9):
+                    skipped.append((mesh, bound))
+                    progress.done = (f"skipped: no plan here beats {bound * 1e3:.3g} ms/step "
+                                     "(a bound), slower than one found")
+                    continue
             try:
                 found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks)
             except InfeasibleError as e:
@@ -92,6 +109,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     if len(meshes) > 1:
         tried = ", ".join(f"{'x'.join(map(str, p.mesh_shape))}: "
                           f"{p.estimates['step_time_s'] * 1e3:.3g} ms" for p in plans)
+        tried += "".join(f", {'x'.join(map(str, m.shape))}: >= {bound * 1e3:.3g} ms "
+                         "(bound, not solved)" for m, bound in skipped)
         best = replace(best, notes=best.notes + (f"logical meshes tried (estimated step): {tried}",))
     return best
 

@@ -1,0 +1,68 @@
+"""Skipping a logical mesh by a bound: the bound is below every plan, the skip changes no plan.
+
+``torchalpa.plan`` on a ``Cluster`` solves every 1D and 2D view of the devices and keeps
+the fastest. Once it has a plan, a view whose step-time bound (the linear relaxation of
+its unsimplified ILP, ``passes/intra_op.step_time_lower_bound``) is above that plan's
+estimate is skipped (ResNet-18 for 4 devices: the 2 x 2 view's ILPs took 98 of 110 s, its
+bound 6 s). A bound above a plan the ILP finds would skip the best mesh silently: checked
+here on the zoo's models and both views of 4 devices.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import torchalpa
+import torchalpa.models as zoo
+from torchalpa import shard
+from torchalpa.frontends.torch_export import capture
+from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
+
+FAMILIES = ["gpt", "llama", "bert", "resnet", "moe"]
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    out = {}
+    for family in FAMILIES:
+        w = zoo.tiny(family)
+        out[family] = capture(w.build(), w.example_inputs(), w.loss_fn).graph
+    return out
+
+
+@pytest.mark.parametrize("family", [
+    pytest.param(f, marks=pytest.mark.slow) if f == "moe" else f for f in FAMILIES])
+@pytest.mark.parametrize("shape", [(4,), (2, 2)])
+def test_the_bound_is_below_the_plan_the_ilp_finds(graphs, family, shape):
+    graph = graphs[family]
+    mesh = torchalpa.Cluster.local_cpu(4).logical_mesh(shape)
+    bound = step_time_lower_bound(graph, mesh)
+    plan = plan_intra_op(graph, mesh)
+    assert bound is not None and bound > 0
+    assert bound <= plan.estimates["step_time_s"] * (1 + 1e-9), (bound, plan.estimates)
+
+
+def test_no_bound_where_the_combiner_lowers_the_step_after_the_solve(graphs):
+    # a hand-built mesh with Alpa's accounting: merged all-reduces are subtracted afterwards
+    mesh = torchalpa.LogicalMesh(shape=(4,), alpha=(1e-3,), beta=(1e-9,))
+    option = torchalpa.AutoShardingOption(all_reduce_threshold=2 ** 20)
+    method = torchalpa.ShardParallel(auto_sharding_option=option)
+    assert step_time_lower_bound(graphs["gpt"], mesh, method) is None
+
+
+def test_skipping_by_the_bound_keeps_the_plan(monkeypatch):
+    """A CNN for 4 devices: the 2 x 2 view is skipped, and the plan is the one that solving
+    it too gives."""
+    w = zoo.tiny("resnet", batch_size=8)
+    model, batch = w.build(), w.example_inputs()
+    cluster = torchalpa.Cluster.local_cpu(4)
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")
+    skipped = torchalpa.plan(model, batch, w.loss_fn, cluster=cluster)
+    monkeypatch.setattr(shard, "SKIP_BY_BOUND", False)
+    solved = torchalpa.plan(model, batch, w.loss_fn, cluster=cluster)
+    tried = next(n for n in skipped.notes if n.startswith("logical meshes tried"))
+    assert "(bound, not solved)" in tried, tried
+    assert not any("(bound, not solved)" in n for n in solved.notes)
+    assert skipped.mesh_shape == solved.mesh_shape
+    assert skipped.estimates["step_time_s"] == pytest.approx(solved.estimates["step_time_s"])
+    assert [p.placements for p in skipped.parameters] == [p.placements for p in solved.parameters]
