@@ -208,13 +208,18 @@ def local_partition(x: torch.Tensor, index: int, reduce_op: str) -> torch.Tensor
 def local_chunk(x: torch.Tensor, dim: int, num_chunks: int, index: int,
                 split_factor: int = 1) -> torch.Tensor:
     """This rank's block of a replicated tensor (no communication); with a
-    ``split_factor``, its block of each of that many pieces (a strided shard)."""
+    ``split_factor``, its block of each of that many pieces (a strided shard).
+
+    The block is contiguous, as DTensor's local shards are: a view of a dim after the
+    first is not, and some kernels compute wrong results on such views without saying so
+    (torch 2.13's CPU ``native_layer_norm_backward`` with a sliced ``mean``/``rstd`` gives
+    a wrong weight gradient; ``tests/test_local_chunk.py``)."""
     if split_factor > 1:
         m = x.shape[dim] // (split_factor * num_chunks)
         return x.unflatten(dim, (split_factor, num_chunks, m)).select(dim + 1, index).flatten(
-            dim, dim + 1)
+            dim, dim + 1).contiguous()
     size = x.shape[dim] // num_chunks
-    return x.narrow(dim, index * size, size)
+    return x.narrow(dim, index * size, size).contiguous()
 
 
 # -- plan steps ------------------------------------------------------------------------------

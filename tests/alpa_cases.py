@@ -398,3 +398,25 @@ class Gemv(nn.Module):
 
     def forward(self, a):
         return a @ self.b
+
+
+class DotAllToAll(nn.Module):
+    """test_mixed_2d's model: two Dense(16), the batch regrouped as (B, E, M/E) through
+    per-expert weights ``wi`` (E, M/E, H) and ``wo`` (E, H, M/E) by einsum, then two
+    Dense(16); no biases."""
+
+    B, E, M, H = 256, 4, 16, 128
+
+    def __init__(self):
+        super().__init__()
+        M, E, H = self.M, self.E, self.H
+        self.dense0, self.dense1 = nn.Linear(M, M, bias=False), nn.Linear(M, M, bias=False)
+        self.wi = nn.Parameter(torch.zeros(E, M // E, H))
+        self.wo = nn.Parameter(torch.zeros(E, H, M // E))
+        self.dense2, self.dense3 = nn.Linear(M, M, bias=False), nn.Linear(M, M, bias=False)
+
+    def forward(self, x):
+        x = self.dense1(self.dense0(x)).reshape(self.B, self.E, self.M // self.E)
+        x = torch.einsum("BEM,EMH->EBH", x, self.wi)
+        x = torch.einsum("EBH,EHM->BEM", x, self.wo)
+        return self.dense3(self.dense2(x.reshape(self.B, self.M)))

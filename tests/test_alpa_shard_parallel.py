@@ -21,7 +21,8 @@ import functools
 import pytest
 import torch
 
-from alpa_cases import (MLP_SPELLINGS, BertLayers, DenseDropoutDense, DenseGatherDense, Gemv,
+from alpa_cases import (MLP_SPELLINGS, BertLayers, DenseDropoutDense, DenseGatherDense,
+                        DotAllToAll, Gemv,
                         MoELayer, all_reduce_cost, all_to_all_cost, assert_close,
                         TiedEmbedding, bert_inputs, bert_matmul_weights, communication,
                         summed_cross_entropy, summed_nll_of_log_softmax, ConvNet, conv_inputs,
@@ -447,6 +448,20 @@ def test_moe_layer_2d():
 def test_moe_layer_2d_all_reduces():
     plan, _ = _moe_layer_plan((2, 2), **MOE_2D)
     assert communication(plan)["all_reduce"] == 2
+
+
+# -- test_mixed_2d.py -----------------------------------------------------------------------
+
+def test_dot_all_to_all():
+    """Alpa's test_dot_all_to_all: mixed mesh shapes allowed, no all-gather, on (2, 2) with
+    beta (1, 0.1): some all-to-alls (the regrouped batch meeting the per-expert weights),
+    and nothing but all-to-alls and all-reduces."""
+    B, M = DotAllToAll.B, DotAllToAll.M
+    plan, _ = plan_of(DotAllToAll, (torch.empty(B, M), torch.empty(B, M)), shape=(2, 2),
+                      alpha=(1, 1), beta=(1, 0.1), **MOE_2D)
+    counts = communication(plan)
+    assert counts["all_to_all"] > 0, counts
+    assert counts["total"] == counts["all_reduce"] + counts["all_to_all"], counts
 
 
 # -- test_basic.py --------------------------------------------------------------------------

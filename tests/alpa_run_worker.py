@@ -1,0 +1,131 @@
+"""Run on gloo ranks by tests/test_alpa_runs.py: Alpa's tests of shard parallelism that
+*execute* a step and compare with one device, ported to ``torchalpa.auto_parallel``.
+
+Scenarios (argv[2], comma separated):
+
+- ``accum:1x4``, ``accum:2x2``, ``accum_rs:1x4``: Alpa's ``test_gradient_accumulation``.
+  Two Dense(16) layers with bias, batch 256 whose row i is all i, target ones, mean squared
+  error, 2 micro-batches, momentum SGD (lr 1e-2), all-to-all not allowed, Alpa's unit costs;
+  ``accum_rs`` prefers reduce-scatter (Alpa's ``prefer_reduce_scatter``; here
+  ``Zero2Parallel``, the method whose plans reduce-scatter gradients).
+- ``bert:2x2``: Alpa's ``test_numerical_correctness``: two BERT layers (hidden 256, 8 heads)
+  on Alpa's (2, 2) mesh (alpha 2, beta (1, 0.1)), batch 16 x 8, Adam (lr 1e-2), one step.
+
+Each records the plan's collectives (kind, axis, bytes) as a step issues them, the
+collectives each step really issued, losses on both sides, and per parameter whether
+``torch.allclose(ours, one device's, rtol, atol)`` holds after the step with Alpa's
+tolerances (``assert_allclose``'s defaults, 1e-4, for the accumulation test; 5e-4 for
+BERT), with the largest difference seen. Rank 0 writes JSON to argv[1].
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torchalpa  # noqa: E402
+from alpa_cases import BertLayers, mse  # noqa: E402
+from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
+from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from worker_io import attempt, finish, train_beside_one_device  # noqa: E402
+
+
+class TwoDense(nn.Module):
+    """Alpa's gradient-accumulation model: Dense(hidden) twice, with bias."""
+
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.first, self.second = nn.Linear(hidden, hidden), nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return self.second(self.first(x))
+
+
+def _compare(pm, ref, rtol: float, atol: float) -> dict:
+    """Per parameter: allclose with Alpa's tolerances, and the largest difference."""
+    out = {}
+    for (name, p), q in zip(pm.named_parameters(), ref.parameters()):
+        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name] = {"allclose": bool(torch.allclose(p.detach(), q.detach(), rtol=rtol,
+                                                     atol=atol)),
+                     "max_diff": (p - q).abs().max().item(), "max_ref": q.abs().max().item()}
+    return out
+
+
+def _record(pm, run, micro: int, compared: dict) -> dict:
+    planned = issued_collectives(pm.plan, micro)
+    return {"planned": sorted([c.kind, c.axis, c.bytes] for c in planned),
+            "mesh_shape": list(pm.plan.mesh_shape), "executed": run["executed"],
+            "losses": run["losses"], "ref_losses": run["ref_losses"], "params": compared}
+
+
+def accumulation(shape: tuple[int, ...], reduce_scatter: bool) -> dict:
+    batch_size, hidden, micro = 256, 16, 2
+    x = torch.ones(batch_size, hidden) * torch.arange(batch_size, dtype=torch.float32)[:, None]
+    batch = (x, torch.ones(batch_size, hidden))
+    torch.manual_seed(0)
+    model = TwoDense(hidden)
+    ref = TwoDense(hidden)
+    ref.load_state_dict(model.state_dict())
+    kind = torchalpa.Zero2Parallel if reduce_scatter else torchalpa.ShardParallel
+    option = replace(kind().auto_sharding_option, allow_all_to_all=False)
+    if not reduce_scatter:      # Alpa's default space has no reduce-scatter (as plan_of)
+        option = replace(option, allow_reduce_scatter=False)
+    mesh = torchalpa.LogicalMesh(shape=shape, alpha=(1.0,) * len(shape),
+                                 beta=(1.0,) * len(shape))
+    pm = torchalpa.auto_parallel(
+        model, batch, mse, cluster=mesh, num_micro_batches=micro,
+        method=kind(logical_mesh_shape=shape, auto_sharding_option=option),
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
+    run = train_beside_one_device(pm, ref, torch.optim.SGD(ref.parameters(), lr=1e-2,
+                                                           momentum=0.9),
+                                  lambda step: batch, mse, steps=1, backward_steps=())
+    return _record(pm, run, micro, _compare(pm, ref, rtol=1e-4, atol=1e-4))
+
+
+def bert(shape: tuple[int, ...]) -> dict:
+    batch_size, seq, hidden, heads = 16, 8, 256, 8
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(batch_size, seq, hidden, generator=g),
+             torch.ones(batch_size, seq, dtype=torch.int64),
+             torch.randn(batch_size, seq, hidden, generator=g))
+    torch.manual_seed(0)
+    model = BertLayers(2, hidden, heads)
+    ref = BertLayers(2, hidden, heads)
+    ref.load_state_dict(model.state_dict())
+    mesh = torchalpa.LogicalMesh(shape=shape, alpha=(2.0,) * len(shape), beta=(1.0, 0.1))
+    pm = torchalpa.auto_parallel(
+        model, batch, mse, cluster=mesh,
+        method=torchalpa.ShardParallel(logical_mesh_shape=shape),
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=1e-2),
+                                  lambda step: batch, mse, steps=1, backward_steps=())
+    out = _record(pm, run, 1, _compare(pm, ref, rtol=5e-4, atol=5e-4))
+    out["placements"] = {p.name: [str(x) for x in p.placements] for p in pm.plan.parameters}
+    return out
+
+
+SCENARIOS = {"accum": lambda s: accumulation(s, False),
+             "accum_rs": lambda s: accumulation(s, True), "bert": bert}
+
+
+def main():
+    out_path, which = sys.argv[1], sys.argv[2].split(",")
+    init_distributed()
+    results: dict = {"world_size": dist.get_world_size()}
+    for scenario in which:
+        name, shape = scenario.split(":")
+        run = SCENARIOS[name]
+        results[scenario] = attempt(lambda: run(tuple(int(n) for n in shape.split("x"))))
+    finish(results, out_path)
+
+
+if __name__ == "__main__":
+    main()

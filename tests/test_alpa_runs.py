@@ -1,0 +1,105 @@
+"""Alpa's shard-parallel tests that run a step and compare it with one device, on 4 gloo
+ranks (tests/alpa_run_worker.py): ``test_gradient_accumulation`` and
+``test_numerical_correctness`` from Alpa's ``tests/shard_parallel``.
+
+Alpa counts collectives per compiled HLO module (accumulate-gradients and apply-gradients);
+ours are counted at the dispatcher per step, each micro-batch's own, and must equal the
+plan's list (``issued_collectives``). Alpa's train steps return no loss; ours all-reduce
+the scalar loss of each micro-batch (4 bytes), left out of the counts below as Alpa has no
+such collective.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import worker_io
+
+SCENARIOS = ("accum:1x4", "accum:2x2", "accum_rs:1x4", "bert:2x2")     # about 10 s in all
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("alpa_runs") / "runs.json"
+    return worker_io.launch("alpa_run_worker.py", out, ",".join(SCENARIOS), nproc=4)
+
+
+def _scenario(results, name):
+    assert results["world_size"] == 4
+    r = results[name]
+    if "error" in r:
+        pytest.fail(f"scenario {name} failed:\n{r['trace']}")
+    for executed in r["executed"]:
+        assert executed == r["planned"]          # what ran is what was planned
+    return r
+
+
+def _not_close(r):
+    return {name: (p["max_diff"], p["max_ref"]) for name, p in r["params"].items()
+            if not p["allclose"]}
+
+
+def _counts(r):
+    """Collectives of one step by kind, the loss's 4-byte all-reduces left out."""
+    return Counter(kind for kind, _, nbytes in r["planned"]
+                   if not (kind == "all_reduce" and nbytes == 4))
+
+
+# -- test_gradient_accumulation.py ------------------------------------------------------------
+
+def test_gradient_accumulation_single_host(runs):
+    """Alpa: parameters equal one device's (assert_allclose, 1e-4); one all-reduce in the
+    accumulation, none in the update: the gradients' bucket, issued once for the two
+    micro-batches."""
+    r = _scenario(runs, "accum:1x4")
+    assert _not_close(r) == {}
+    assert r["losses"][0] == pytest.approx(r["ref_losses"][0], rel=1e-5)
+    assert _counts(r) == Counter(all_reduce=1), r["planned"]
+
+
+def test_gradient_accumulation_2d_mesh_numerics(runs):
+    r = _scenario(runs, "accum:2x2")
+    assert _not_close(r) == {}
+    assert r["losses"][0] == pytest.approx(r["ref_losses"][0], rel=1e-5)
+    assert set(_counts(r)) == {"all_reduce"}, r["planned"]     # Alpa: only all-reduces
+
+
+@pytest.mark.xfail(strict=True, reason="the plan is made for one micro-batch: a gradient "
+                   "reduced inside backward over axis 0 is reduced once per micro-batch "
+                   "(2 x 2 all-reduces of 64 and 1024 bytes) besides the bucket on axis 1; "
+                   "Alpa's runtime holds every gradient all-reduce to the last micro-batch")
+def test_gradient_accumulation_2d_mesh_counts(runs):
+    r = _scenario(runs, "accum:2x2")
+    assert _counts(r) == Counter(all_reduce=2), r["planned"]
+
+
+def test_gradient_accumulation_reduce_scatter(runs):
+    """Alpa's prefer_reduce_scatter: the accumulation's one collective is a reduce-scatter
+    (here the gradients' bucket, once per step); parameters equal one device's."""
+    r = _scenario(runs, "accum_rs:1x4")
+    assert _not_close(r) == {}
+    assert _counts(r)["reduce_scatter"] == 1 and _counts(r)["all_reduce"] == 0, r["planned"]
+
+
+@pytest.mark.xfail(strict=True, reason="ZeRO-2 gathers each parameter for each micro-batch "
+                   "(4 parameters x 2 micro-batches = 8 all-gathers); Alpa gathers the "
+                   "updated parameters once, merged, in its apply-gradients module")
+def test_gradient_accumulation_reduce_scatter_one_all_gather(runs):
+    r = _scenario(runs, "accum_rs:1x4")
+    assert _counts(r)["all_gather"] == 1, r["planned"]
+
+
+# -- test_numerical_correctness.py ------------------------------------------------------------
+
+def test_2_layer_bert_shard_parallel(runs):
+    """Two BERT layers on Alpa's (2, 2) mesh, one Adam step: every parameter within
+    Alpa's rtol = atol = 5e-4 of one device's. Adam's first step moves each element by
+    the learning rate times the sign of its gradient, so this fails on any gradient
+    whose sign is wrong (before the fix of ``local_chunk``, layer 0's attention
+    parameters were off by 2 x lr: ``tests/test_local_chunk.py``)."""
+    r = _scenario(runs, "bert:2x2")
+    assert _not_close(r) == {}
+    assert r["losses"][0] == pytest.approx(r["ref_losses"][0], rel=1e-5)
+    # the plan is not data parallel: some weight is split on the model axis
+    assert any("S(" in p[1] for p in r["placements"].values()), r["placements"]
