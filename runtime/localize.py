@@ -6,7 +6,8 @@ normalized dim is blocked, so its sizes and indices stay valid on every block). 
 left are those whose arguments spell out sizes of dims that may be split; ``_REWRITES``
 maps each to a small function that puts in the local sizes:
 
-- shapes of views, expands and factories become the local shape of the result;
+- shapes of views, expands and factories become the local shape of the result (a view
+  becomes a reshape: the local block may not have the strides the view assumed);
 - ``*_like`` factories become ``full`` of the local shape (their operand is read for shape
   only and is not resharded, so it may not have the result's layout);
 - ``repeat`` repeats each local block as many times as fit its local result;
@@ -185,9 +186,21 @@ def _addressed(c: _Call):
     return V.scatter_block, [op, c.args[0], dim, c.args[2], offset, *c.args[3:]], c.kwargs
 
 
+def _reshape(c: _Call):
+    """A view as a reshape of the local block: a view where the block's strides allow
+    one, a copy where they do not. The source graph's view was valid for the strides one
+    device had (CPU attention writes its (B, H, S, D) output as (B, S, H, D) in memory,
+    so the model's transpose-then-view is free there); the block a rank holds may come
+    from a collective, contiguous in the logical order, which such a view cannot read.
+    The traced step is functional (nothing writes through a view), so a copy changes
+    no result."""
+    return aten.reshape.default, [c.args[0], c.out_shape()], {}
+
+
 _REWRITES: dict[str, Callable[[_Call], tuple]] = {
+    **{op: _reshape for op in ("aten.view.default", "aten._unsafe_view.default",
+                               "aten.reshape.default")},
     **{op: _shape_arg(1) for op in (
-        "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
         "aten.expand.default", "aten.new_zeros.default", "aten.new_ones.default",
         "aten.new_empty.default", "aten.new_full.default")},
     **{op: _shape_arg(0) for op in (

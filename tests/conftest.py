@@ -25,6 +25,8 @@ FILE_SECONDS = {
     "test_layering.py": 5, "test_simplify.py": 5, "test_methods.py": 4,
     "test_pretrained.py": 4, "test_worker_io.py": 4, "test_ilp_highs.py": 4,
     "test_faults_plans.py": 4, "test_strided.py": 10, "test_shutdown.py": 4,
+    # added after that measurement, from their own runs at load 1-3
+    "test_mesh_bound.py": 55, "test_plan_variety.py": 21, "test_alpa_runs.py": 10,
 }
 
 
