@@ -72,9 +72,17 @@ def _equal_cut(node, graph: OpGraph) -> tuple[int, int] | None:
     return None
 
 
+def _holds_state(node, forward_only: bool) -> bool:
+    """A parameter or its gradient; in a forward-only capture (no parameters: they are
+    state like buffers there, and ``predict``'s program pins them to the layouts training
+    holds them in, strided ones included), any state it reads."""
+    return node.is_param or node.is_grad or (forward_only and node.kind == "buffer")
+
+
 def strided_regions(graph: OpGraph) -> dict[str, tuple[tuple[int, int], ...]]:
     """Node name -> the (pieces, size) strided splits its strategies may use."""
     found: dict[str, set[tuple[int, int]]] = {}
+    forward_only = not graph.params
     for start in graph:
         cut = _equal_cut(start, graph)
         if cut is None:
@@ -95,7 +103,7 @@ def strided_regions(graph: OpGraph) -> dict[str, tuple[tuple[int, int], ...]]:
                 if peer.is_leaf or peer.op in POSITION_FREE_OPS:
                     seen.add(other)
                     queue.append(other)
-        if not any(graph.node(name).is_param or graph.node(name).is_grad for name in seen):
+        if not any(_holds_state(graph.node(name), forward_only) for name in seen):
             continue    # no parameter to hold strided (a rotary half-swap): nothing to gain
         for name in seen:
             found.setdefault(name, set()).add(cut)

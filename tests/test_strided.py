@@ -42,6 +42,22 @@ def test_the_region_runs_from_the_split_to_the_projection_and_its_gradients():
     assert not any("intermediate" in graph.node(n).module for n in regions)
 
 
+def test_a_forward_only_capture_holds_the_projection_strided_too():
+    """``predict`` plans the forward alone with the training layouts pinned; there the
+    parameters are captured as state, not parameters, and the region must still reach
+    them, or a weight trained as a strided shard cannot be pinned (torchvision's SwinV2 on
+    a 2 x 2 mesh raised "cannot be pinned to _S(0, 3)R")."""
+    from torchalpa.runtime.inference import capture_forward
+    with torch.device("meta"):
+        model = BertLayers(1, 32, 4, "fused_major")
+    x, mask, _ = (t.to("meta") for t in bert_inputs(4, 8, 32))
+    graph = capture_forward(model, [x, mask], None, outputs=True).graph
+    assert not graph.params
+    regions = strided_regions(graph)
+    assert {graph.node(n).target for n in regions if graph.node(n).is_leaf} >= {
+        "layer.0.attention.qkv.weight", "layer.0.attention.qkv.bias"}
+
+
 @pytest.mark.parametrize("make,inputs", [
     (lambda: BertLayers(1, 32, 4, "separate"), bert_inputs(4, 8, 32)),
     (lambda: BertLayers(1, 32, 4, "fused_minor"), bert_inputs(4, 8, 32)),

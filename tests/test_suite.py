@@ -28,11 +28,7 @@ NUM_LAUNCHES = 4                      # slow cases are split into this many laun
 ON_2X2 = [f"{name}@2x2" for name in SUITE]
 FAST_2X2 = ("llama@2x2",)
 SLOW_2X2 = [name for name in ON_2X2 if name not in FAST_2X2]
-FAILS_ON_2X2 = {
-    "tv_swin_v2@2x2": "predict(): the training plan holds attn.qkv.weight as a strided shard "
-                      "(_S(0, 3)R) and the forward-only graph offers that parameter no strided "
-                      "layout, so pinning it raises ValueError",
-}
+FAILS_ON_2X2: dict[str, str] = {}   # none now (SwinV2's predict was: tests/test_strided.py)
 
 
 def launch(names, tmp_path, nproc: int = 4) -> dict:
