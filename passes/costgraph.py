@@ -115,12 +115,16 @@ class CostGraph:
 def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
                      grouping: Grouping, costs: ReshardCosts,
                      shared: frozenset = frozenset(),
-                     read_weights: dict[tuple[str, int], float] | None = None) -> CostGraph:
+                     read_weights: dict[tuple[str, int], float] | None = None,
+                     micro_batches: int = 1) -> CostGraph:
     """``shared``: values (producer, index) whose operand reads are priced once per target
     layout (``passes/shared_reshard.py``) instead of once per read. ``read_weights``:
     values whose every operand read is priced at this fraction of its resharding (a
     relaxation for bounds: a value read ``k`` times costs at least ``1/k`` of what its
-    reads would cost apart, however many of them share a copy)."""
+    reads would cost apart, however many of them share a copy). ``micro_batches``: the
+    step runs the graph this many times and reduces the gradients once (gradient
+    accumulation): every cost but the gradients' final resharding counts that many times."""
+    k = float(micro_batches)
     rep, index = grouping.rep, grouping.index
     node_costs = {r: np.zeros(len(S[r])) for r in grouping.representatives}
 
@@ -129,7 +133,7 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
 
     for node in graph:
         if not node.is_leaf:
-            fold(node.name, np.array([
+            fold(node.name, k * np.array([
                 compute_cost(mesh, node, s.shards)
                 + steps_cost(mesh, sync_steps(s, node.outputs[0], mesh.shape))
                 + batch_sync_cost(mesh, s.batch_syncs) for s in S[node.name]]))
@@ -138,8 +142,8 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
     whole = ([graph.outputs.loss] if graph.outputs.loss is not None else []) + \
         list(graph.outputs.sends)
     for ref in whole:
-        fold(ref.node, np.array([costs.cost(graph.spec(ref), s.outputs[ref.index], R)
-                                 for s in S[ref.node]]))
+        fold(ref.node, k * np.array([costs.cost(graph.spec(ref), s.outputs[ref.index], R)
+                                     for s in S[ref.node]]))
 
     # (producer, output index, consumer, how the consumer reads it)
     links: list[tuple[str, int, str, object]] = []
@@ -169,13 +173,16 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
         cols = [_reads(S[v][b], how) for b in index[v]]
         e = costs.edge(ru, rv, graph.node(u).outputs[idx], rows, cols, gradient=how == "grad")
         e.table = e.table * sum(weights.get((m[0], m[1]), 1.0) if isinstance(m[3], int) else 1.0
-                                for m in members)
+                                for m in members) * (1.0 if how == "grad" else k)
         if ru == rv:   # both ends follow one node: only its diagonal can happen
             node_costs[ru] += e.dense().diagonal()
         else:
             edges.append(e)
+    groups_shared = shared_groups(graph, S, grouping, costs, set(shared))
+    for g in groups_shared:          # operand reads: once per micro-batch
+        g.table = g.table * k
     return CostGraph(node_costs, edges, num_edges=len(links), num_priced=len(groups),
-                     shared=shared_groups(graph, S, grouping, costs, set(shared)))
+                     shared=groups_shared)
 
 
 def _reads(s: Strategy, how) -> Placements | None:

@@ -213,7 +213,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
             graph, mesh, S, grouping, costs,
             lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory, budget,
                                                      option, mesh, initial=initial),
-            initial, shared)
+            initial, shared, micro_batches=method.num_micro_batches)
         return grouping, cg, solution, chosen, shared
 
     built = time.perf_counter()
@@ -312,7 +312,8 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
             reads[(ref.node, ref.index)] += 1
     cg = build_cost_graph(graph, mesh, S, grouping, costs, read_weights={
         v: 1.0 / k for v, k in reads.items()
-        if k > 1 and graph.node(v[0]).kind not in ("param", "buffer")})
+        if k > 1 and graph.node(v[0]).kind not in ("param", "buffer")},
+        micro_batches=method.num_micro_batches)
     return lower_bound(ILPProblem(node_costs=cg.node_costs, edges=cg.edges))
 
 
@@ -641,6 +642,7 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
 
     collectives = []
     comm_time = wire = 0.0
+    k = method.num_micro_batches      # gradient accumulation: all but the final reductions
     for r in reshards:
         if isinstance(r.slot, OutputSlot):
             phase = "backward" if r.slot.kind == "grad" else graph.node(r.producer).phase
@@ -653,12 +655,14 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                 collectives.append(Collective(kind=step.kind, axis=step.axis, bytes=step.bytes,
                                               phase=phase, source=at.module, tensor=r.producer,
                                               reduce_op=step.reduce_op, stack=at.stack))
-                # every group along the axis runs this collective
-                groups = mesh.num_devices // mesh.shape[step.axis]
-                wire += groups * wire_bytes(step.kind, mesh.shape[step.axis], step.bytes,
-                                            mesh.backend)
         is_gradient = isinstance(r.slot, OutputSlot) and r.slot.kind == "grad"
-        comm_time += (gradient_steps_cost if is_gradient else steps_cost)(mesh, r.steps)
+        times = 1 if is_gradient else k
+        for step in r.steps:
+            if step.is_collective:     # every group along the axis runs this collective
+                groups = mesh.num_devices // mesh.shape[step.axis]
+                wire += times * groups * wire_bytes(step.kind, mesh.shape[step.axis], step.bytes,
+                                                    mesh.backend)
+        comm_time += times * (gradient_steps_cost if is_gradient else steps_cost)(mesh, r.steps)
     # then the all-reduces ops make inside themselves, after every reshard's, so positions of
     # reshard collectives stay as the reshards list them: the statistics of a split softmax
     # dim (phased, max then sum) or a batch-synced op's sums (one pass); never both
@@ -673,9 +677,9 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                                           phase=n.phase, source=n.module, tensor=n.name,
                                           reduce_op=reduce_op, stack=n.stack))
             groups = mesh.num_devices // mesh.shape[axis]
-            wire += groups * wire_bytes("all_reduce", mesh.shape[axis], nbytes, mesh.backend)
-        comm_time += steps_cost(mesh, phased) + batch_sync_cost(mesh, s.batch_syncs)
-    compute_time = sum(compute_cost(mesh, n, chosen[n.name].shards) for n in graph.ops())
+            wire += k * groups * wire_bytes("all_reduce", mesh.shape[axis], nbytes, mesh.backend)
+        comm_time += k * (steps_cost(mesh, phased) + batch_sync_cost(mesh, s.batch_syncs))
+    compute_time = k * sum(compute_cost(mesh, n, chosen[n.name].shards) for n in graph.ops())
 
     leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}
     state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states)

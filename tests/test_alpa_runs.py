@@ -65,10 +65,10 @@ def test_gradient_accumulation_2d_mesh_numerics(runs):
     assert set(_counts(r)) == {"all_reduce"}, r["planned"]     # Alpa: only all-reduces
 
 
-@pytest.mark.xfail(strict=True, reason="the plan is made for one micro-batch: a gradient "
-                   "reduced inside backward over axis 0 is reduced once per micro-batch "
-                   "(2 x 2 all-reduces of 64 and 1024 bytes) besides the bucket on axis 1; "
-                   "Alpa's runtime holds every gradient all-reduce to the last micro-batch")
+@pytest.mark.xfail(strict=True, reason="the gradients are reduced once, at the end, as "
+                   "Alpa's are, but over each mesh axis in turn: the bucket packs the first "
+                   "step (axis 1) and the second (axis 0) runs per gradient, 1 + 4 all-reduces "
+                   "where Alpa's combiner makes 2")
 def test_gradient_accumulation_2d_mesh_counts(runs):
     r = _scenario(runs, "accum:2x2")
     assert _counts(r) == Counter(all_reduce=2), r["planned"]

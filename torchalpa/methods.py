@@ -189,8 +189,20 @@ class ShardParallel:
     """Optimizer whose states the memory model counts (see OPTIMIZER_STATES)."""
     manual_sharding_option: ManualShardingOption | None = None
     """Layouts fixed by hand; they join ``auto_sharding_option.pin``."""
+    num_micro_batches: int = 1
+    """Gradient accumulation (Alpa's ``ShardParallel(num_micro_batches=)``): a step runs
+    this many micro-batches (dim 0 of the example inputs divided by it) one after the
+    other and reduces the summed gradients once. The plan is made for one micro-batch and
+    priced as the step runs it: everything a micro-batch does counts this many times, the
+    gradients' final reductions once (so a gradient is not reduced inside backward, per
+    micro-batch, where it could be reduced once at the end). ``auto_parallel``'s
+    ``num_micro_batches=`` sets it (or must equal it)."""
 
     def __post_init__(self):
+        if isinstance(self.num_micro_batches, bool) or not isinstance(self.num_micro_batches, int) \
+                or self.num_micro_batches < 1:
+            raise ValueError(f"ShardParallel.num_micro_batches must be a positive int, "
+                             f"got {self.num_micro_batches!r}")
         if self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"ShardParallel.optimizer must be one of "
                              f"{sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")

@@ -151,6 +151,8 @@ def plan_shard(model, example_inputs, loss_fn, *, method: ShardParallel,
     from torchalpa.passes.remat_choice import plan_with_remat
     from torchalpa.runtime.mesh import world_size
     meshes = candidate_meshes(cluster or default_cluster(world_size()), method)
+    if method.num_micro_batches > 1:      # the plan is made for one micro-batch
+        example_inputs = capture_examples(model, example_inputs, method.num_micro_batches)
     variants = capture_variants(model, example_inputs, loss_fn, method.auto_sharding_option)
     check_step_dtypes(next(iter(variants.values())).graph)
     return plan_with_remat(variants, lambda c: plan_graph(
@@ -171,7 +173,11 @@ def shard_parallel(model, example_inputs, loss_fn, *, method: ShardParallel, sig
     from torchalpa.runtime.replicas import enabled_by_env
     from torchalpa.runtime.step import StepRunner
 
-    num_micro_batches = num_micro_batches or 1
+    if num_micro_batches and method.num_micro_batches not in (1, num_micro_batches):
+        raise ValueError(f"num_micro_batches={num_micro_batches} disagrees with the method's "
+                         f"num_micro_batches={method.num_micro_batches}; give one of them")
+    num_micro_batches = num_micro_batches or method.num_micro_batches
+    method = replace(method, num_micro_batches=num_micro_batches)   # priced as it runs
     mesh_mod.init_distributed()
     world = mesh_mod.world_size()
     shape = names = None
