@@ -13,13 +13,18 @@ can travel in one of them:
   whatever else the loss's tail reads, as ``defer_loss_wait`` does);
 - the backward-and-reduce program (``runtime.early_reduce``) takes that part as one more
   input, appends it to the flat buffer of the last bucket all-reduced over the same group
-  with the same reduce op, and returns the reduced part after the gradients;
+  with the same reduce op (or a sum's, for a loss averaged over the ranks), and returns
+  the reduced part after the gradients;
 - a small *finish* program runs the loss's tail (e.g. the division by the count of
-  targets) on the reduced part.
+  targets) on the reduced part, an average first divided by the group's size (what gloo's
+  ``avg`` does: bit for bit the same, checked on 4 ranks).
 
-Reduction is elementwise, so the loss's sum is the same as with its own all-reduce, bit
-for bit on gloo's sum: the same ops run on the same values, one collective fewer. The
-plan lists the ride with ``buckets.LossRide`` (``issued_collectives(..., loss_ride=)``):
+Reduction is elementwise, so the loss is the same sum of the ranks' parts. Not always bit
+for bit: gloo's ring all-reduce adds an element's parts in an order that depends on where
+it sits in the buffer, so the last bit may differ from the loss's own all-reduce's (as
+either may from one device's). Every rank still gets the same value.
+
+The plan lists the ride with ``buckets.LossRide`` (``issued_collectives(..., loss_ride=)``):
 the loss's collective is named by the plan step the lowering tagged it with
 (``lower.PLAN_STEP``), the bucket by its index (``buckets.BUCKET``).
 
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import BUCKET, flatten_concat, split_flat
@@ -91,7 +97,9 @@ def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule
     reduce = _ride(backward_reduce, reduce_op, group)
     if reduce is None or not isinstance(local, fx.Node):
         return None
-    backward, bucket = reduce
+    backward, bucket, bucket_op = reduce
+    # an average rides a sum: divided by the group's size after (as gloo's avg does)
+    divisor = _resolve_process_group(group).size() if bucket_op != reduce_op else None
 
     order = [n for n in graph.nodes if n in tail]
     boundary: list[fx.Node] = []        # what the tail reads from the rest of the program
@@ -100,7 +108,7 @@ def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule
             if i not in tail and i not in boundary:
                 boundary.append(i)
     others = [b for b in boundary if b is not issue]
-    finish = _finish_program(forward, order, others, wait, loss)
+    finish = _finish_program(forward, order, others, wait, loss, divisor)
     new_outs = list(outs)
     new_outs[index] = (local, tuple(others))
     graph.output(type(outs)(new_outs))
@@ -116,10 +124,12 @@ def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule
                           tuple(issue.meta[PLAN_STEP]), bucket)
 
 
-def _ride(program: fx.GraphModule, reduce_op, group) -> tuple[fx.GraphModule, int] | None:
+def _ride(program: fx.GraphModule, reduce_op, group
+          ) -> tuple[fx.GraphModule, int, str] | None:
     """A copy of ``program`` taking one more input, packed into its last bucket
-    all-reduced with ``reduce_op`` over ``group`` and returned reduced after its outputs;
-    and that bucket's index (None: no such bucket)."""
+    all-reduced with ``reduce_op`` (a sum, for an ``avg``) over ``group`` and returned
+    reduced after its outputs; that bucket's index and reduce op (None: no such bucket)."""
+    ops = (reduce_op, "sum") if reduce_op == "avg" else (reduce_op,)
     graph = fx.Graph()
     outs = graph.graph_copy(program.graph, {})
     chosen = None
@@ -127,17 +137,17 @@ def _ride(program: fx.GraphModule, reduce_op, group) -> tuple[fx.GraphModule, in
         if flat.target is not flatten_concat or BUCKET not in flat.meta or len(flat.users) != 1:
             continue
         issue = next(iter(flat.users))
-        if issue.target is not C.issue_all_reduce or tuple(issue.args[1:]) != (reduce_op, group) \
-                or len(issue.users) != 1:
+        if issue.target is not C.issue_all_reduce or issue.args[1] not in ops \
+                or issue.args[2] != group or len(issue.users) != 1:
             continue
         wait = next(iter(issue.users))
         splits = list(wait.users)
         if wait.target is C.finish_all_reduce and len(splits) == 1 \
                 and splits[0].target is split_flat:
-            chosen = (flat, splits[0])
+            chosen = (flat, splits[0], issue.args[1])
     if chosen is None:
         return None
-    flat, split = chosen
+    flat, split, bucket_op = chosen
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     with graph.inserting_after(placeholders[-1]) if placeholders else \
             graph.inserting_before(next(iter(graph.nodes))):
@@ -149,15 +159,17 @@ def _ride(program: fx.GraphModule, reduce_op, group) -> tuple[fx.GraphModule, in
         reduced = graph.call_function(operator.getitem, (split, len(members)))
     graph.output((*outs, reduced))
     graph.lint()
-    return fx.GraphModule(program, graph, "BackwardWithReduceAndLoss"), flat.meta[BUCKET]
+    return fx.GraphModule(program, graph, "BackwardWithReduceAndLoss"), flat.meta[BUCKET], bucket_op
 
 
 def _finish_program(owner: fx.GraphModule, order: list[fx.Node], others: list[fx.Node],
-                    wait: fx.Node, loss: fx.Node) -> fx.GraphModule:
+                    wait: fx.Node, loss: fx.Node, divisor: int | None) -> fx.GraphModule:
     """``(reduced, *others) -> loss``: the tail's ops in program order, the wait replaced
-    by the reduced value."""
+    by the reduced value (divided by ``divisor``, when given: a sum made an average)."""
     graph = fx.Graph()
     reduced = graph.placeholder("reduced")
+    if divisor is not None:
+        reduced = graph.call_function(torch.ops.aten.div.Tensor, (reduced, divisor))
     env: dict[fx.Node, fx.Node] = {b: graph.placeholder(b.name) for b in others}
     for n in order:
         env[n] = reduced if n is wait else graph.node_copy(n, lambda x: env[x])

@@ -74,6 +74,18 @@ def test_the_loss_rides_the_last_bucket_and_comes_out_the_same(one_rank_group):
         assert torch.equal(got, want)
 
 
+def test_a_loss_averaged_over_the_ranks_rides_a_sum_and_is_divided_after(one_rank_group):
+    forward, reduce = forward_program(one_rank_group, reduce_op="avg"), \
+        reduce_program(one_rank_group)
+    ride = ride_loss_on_bucket(forward, reduce)
+    assert ride is not None and "issue_all_reduce" not in names(ride.forward)
+    x, y = torch.randn(6), torch.randn(6)
+    grads = [torch.randn(3, 2), torch.randn(4), torch.randn(5), torch.randn(2, 2)]
+    (local, others), _ = ride.forward(x, y)
+    *_, reduced_loss = ride.backward_reduce(*grads, local)
+    assert torch.equal(ride.finish(reduced_loss, others), forward(x, y)[0])
+
+
 def test_without_a_bucket_of_that_reduce_op_the_loss_keeps_its_all_reduce(one_rank_group):
     assert ride_loss_on_bucket(forward_program(one_rank_group, reduce_op="max"),
                                reduce_program(one_rank_group)) is None
