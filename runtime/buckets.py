@@ -17,10 +17,15 @@ GPT-2 small, where DDP issues a handful). DDP packs gradients into buckets of ab
   pipeline-stage programs alike get it.
 - ``issued_collectives(plan, num_micro_batches)`` is the list a step really issues (the
   plan's collectives with each bucket's members replaced by the bucket): what
-  ``runtime.comm_count`` must count.
+  ``runtime.comm_count`` must count. With ``loss_ride`` (``runtime.loss_ride``: a
+  ``train_step`` whose loss all-reduce rides a bucket), that collective's bytes are listed
+  in its bucket's and it is not listed on its own.
 
 Reduction is elementwise, so reducing a concatenation equals concatenating the reductions:
-the gradients are the same as one collective each, bit for bit on gloo's sum.
+the gradients are the same sums as with one collective each, up to the order the ranks'
+parts are added in (gloo's ring all-reduce picks it by an element's place in the buffer: on
+4 ranks a scalar summed alone and at the end of a 30001-element buffer differed in the last
+bit 86 times in 200).
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ from torchalpa.runtime import collectives as C
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "FIRST_BUCKET_BYTES", "GradientBucket", "bucket_threshold", "gradient_buckets",
            "fuse_gradient_buckets", "issued_collectives", "flatten_concat", "split_flat",
-           "interleave_chunks", "split_chunks"]
+           "interleave_chunks", "split_chunks", "BUCKET", "collective_position", "LossRide"]
+
+BUCKET = "torchalpa_bucket"     # ``node.meta`` key of a bucket's packing: its index
 
 DEFAULT_BUCKET_BYTES = 25 * 2 ** 20   # torch DDP's bucket_cap_mb default
 FIRST_BUCKET_BYTES = 2 ** 20          # torch DDP's first bucket (_DEFAULT_FIRST_BUCKET_BYTES)
@@ -57,6 +64,7 @@ class GradientBucket:
     params: tuple[str, ...]      # parameter names of the member gradients
     positions: tuple[int, ...]   # the members' collectives in ``plan.collectives``
     bytes: int                   # what this rank contributes (sum of the members)
+    itemsize: int = 0            # bytes per element of every member
 
 
 def bucket_threshold(plan: Plan) -> int:
@@ -137,16 +145,47 @@ def gradient_buckets(plan: Plan, threshold: int | None = None) -> tuple[Gradient
                                 dim=m[0][1].dim if m[0][1].kind == "reduce_scatter" else None,
                                 params=tuple(p for p, _, _ in m),
                                 positions=tuple(i for _, _, i in m),
-                                bytes=sum(s.bytes for _, s, _ in m))
+                                bytes=sum(s.bytes for _, s, _ in m),
+                                itemsize=_itemsize(plan, m[0][0], m[0][1]) or 0)
                  for m in closed if len(m) > 1)
 
 
+@dataclass(frozen=True, slots=True)
+class LossRide:
+    """A ``train_step``'s loss all-reduce sent inside a gradient bucket's all-reduce
+    (``runtime.loss_ride``): the collective at ``position`` of ``plan.collectives`` rides
+    bucket ``bucket`` of ``gradient_buckets(plan)``."""
+
+    position: int
+    bucket: int
+
+
+def collective_position(plan: Plan, consumer, slot, index: int) -> int | None:
+    """The position in ``plan.collectives`` of step ``index`` of the reshard
+    ``(consumer, slot)`` (None: no such reshard, or that step is no collective)."""
+    position = 0
+    for r in plan.reshards:
+        if (r.consumer, r.slot) == (consumer, slot):
+            if index >= len(r.steps) or not r.steps[index].is_collective:
+                return None
+            return position + sum(1 for s in r.steps[:index] if s.is_collective)
+        position += sum(1 for s in r.steps if s.is_collective)
+    return None
+
+
 def issued_collectives(plan: Plan, num_micro_batches: int = 1,
-                       buckets: Sequence[GradientBucket] | None = None) -> list[Collective]:
+                       buckets: Sequence[GradientBucket] | None = None, *,
+                       loss_ride: LossRide | None = None) -> list[Collective]:
     """Every collective one step issues: the final resharding of each gradient once (with
-    each bucket's members as one collective), everything else once per micro-batch."""
+    each bucket's members as one collective), everything else once per micro-batch;
+    ``loss_ride``: the loss's all-reduce inside its bucket (one micro-batch only)."""
     buckets = gradient_buckets(plan) if buckets is None else buckets
     in_bucket = {i for b in buckets for i in b.positions}
+    riders: dict[int, int] = {}         # bucket -> bytes of the loss riding it
+    if loss_ride is not None:
+        assert num_micro_batches == 1, "a loss rides a bucket in one-micro-batch steps only"
+        in_bucket.add(loss_ride.position)
+        riders[loss_ride.bucket] = plan.collectives[loss_ride.position].bytes
     once = set()
     position = -1
     for r in plan.reshards:
@@ -159,10 +198,11 @@ def issued_collectives(plan: Plan, num_micro_batches: int = 1,
     for i, c in enumerate(plan.collectives):
         if i not in in_bucket:
             out += [c] * (1 if i in once else num_micro_batches)
-    for b in buckets:
+    for i, b in enumerate(buckets):
         first = plan.collectives[b.positions[0]]
-        out.append(replace(first, bytes=b.bytes, source="",
-                           tensor=f"bucket of {len(b.params)} gradients"))
+        out.append(replace(first, bytes=b.bytes + riders.get(i, 0), source="",
+                           tensor=f"bucket of {len(b.params)} gradients"
+                           + (" and the loss" if i in riders else "")))
     return out
 
 
@@ -235,7 +275,7 @@ def fuse_gradient_buckets(gm: fx.GraphModule, buckets: Sequence[GradientBucket],
     _placeholders_first(graph, placeholders)
     target = {"all_reduce": C.all_reduce, "reduce_scatter": C.reduce_scatter}
     changed = False
-    for bucket in buckets:
+    for index, bucket in enumerate(buckets):
         if any(p not in by_name for p in bucket.params):
             continue              # a gradient the program does not take (not produced)
         members = [by_name[p] for p in bucket.params]
@@ -252,6 +292,7 @@ def fuse_gradient_buckets(gm: fx.GraphModule, buckets: Sequence[GradientBucket],
         with graph.inserting_before(first):
             if bucket.kind == "all_reduce":
                 flat = graph.call_function(flatten_concat, (members,))
+                flat.meta[BUCKET] = index     # a loss may ride it (runtime.loss_ride)
                 reduced = graph.call_function(C.all_reduce, (flat, bucket.reduce_op, group))
                 parts = graph.call_function(split_flat, (reduced, members))
             else:

@@ -53,7 +53,10 @@ from torchalpa.runtime.peephole import fold_relu_backward, inline_batched_matmul
 from torchalpa.runtime.synced import run_synced, synced_axes
 
 __all__ = ["LocalProgram", "StageProgram", "GraphSlice", "ValueKey", "lower", "build_programs",
-           "producers", "received_name"]
+           "producers", "received_name", "PLAN_STEP"]
+
+PLAN_STEP = "torchalpa_plan_step"
+"""``node.meta`` key of a collective call: (consumer, slot, index) of its plan step."""
 
 _Program = TypeVar("_Program", bound="LocalProgram")
 ValueKey = tuple[str, int]
@@ -202,10 +205,15 @@ class _Emitter:
         self.graph, self.mesh_shape = graph, tuple(mesh_shape)
         self.coords, self.group_names = tuple(coords), tuple(group_names)
 
-    def steps(self, value: fx.Node, steps: Sequence[ReshardStep]) -> fx.Node:
-        for step in steps:
+    def steps(self, value: fx.Node, steps: Sequence[ReshardStep], reshard=None) -> fx.Node:
+        """``steps`` applied to ``value``; with ``reshard`` (the plan's (consumer, slot)
+        key of these steps), each call is tagged ``meta[PLAN_STEP] = (consumer, slot, i)``
+        so a later pass can name the plan collective a call runs (``runtime.loss_ride``)."""
+        for i, step in enumerate(steps):
             fn, args = C.step_call(step, self.mesh_shape, self.coords, self.group_names)
             value = self.graph.call_function(fn, (value, *args))
+            if reshard is not None:
+                value.meta[PLAN_STEP] = (*reshard, i)
         return value
 
 
@@ -256,7 +264,8 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
         source = same_as.get((consumer, slot))
         if source is not None:
             return copies[source]
-        copies[(consumer, slot)] = emit.steps(value, reshards.get((consumer, slot), ()))
+        copies[(consumer, slot)] = emit.steps(value, reshards.get((consumer, slot), ()),
+                                              (consumer, slot))
         return copies[(consumer, slot)]
 
     summed_into: dict[str, tuple[ValueKey, int]] = {}   # add node -> (key, its operand slot)
@@ -287,7 +296,8 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
         return reshards.get(slot.reshard_key(), ())
 
     loss_value = None if part.loss is None else \
-        emit.steps(lookup(part.loss), output_steps(OutputSlot.loss()))
+        emit.steps(lookup(part.loss), output_steps(OutputSlot.loss()),
+                   OutputSlot.loss().reshard_key())
     send_values = {key: emit.steps(value_of(key), output_steps(OutputSlot.send(str(ValueRef(*key)))))
                    for key, _ in part.sends}
     raw_grads = [None if g is None else lookup(g) for _, g in part.grads]

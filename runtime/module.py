@@ -45,7 +45,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from torchalpa.calls import CallSignature
-from torchalpa.plan import PipelinePlan, Plan
+from torchalpa.plan import Collective, PipelinePlan, Plan
+from torchalpa.runtime.buckets import (LossRide, collective_position, gradient_buckets,
+                                       issued_collectives)
 from torchalpa.runtime.grads import attach_gradients
 from torchalpa.runtime.faults import (FaultMonitor, check_same_inputs, check_same_values,
                                       describe_specs)
@@ -165,6 +167,8 @@ class ParallelModule(StepModule):
         self._check_every_step = bool(check_replicas)
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self._clock = StepClock(device)
+        self._loss_ride = self._plan_loss_ride()
+        self._last_ride: LossRide | None = None       # what the last step's loss rode
         self._slots: dict[str, tuple[dict, str]] = {}   # name -> (owner's entries, key)
         self._exact_optimizer: tuple = (None, False)     # (its key, holds exactly our params)
         # Adam & co. step on the local shards; a stage's optimizer also holds the other
@@ -205,6 +209,7 @@ class ParallelModule(StepModule):
         if self._other_mode():
             return self._signature.wrap_loss(self._forward_only(flat, outputs=False))
         self._clock.start(flat)
+        self._last_ride = None          # the loss is returned before backward: its own collective
         if not torch.is_grad_enabled():
             with self._monitor.guard(f"the forward of step {self._num_calls}"):
                 step = self._runner.begin(flat)
@@ -260,9 +265,11 @@ class ParallelModule(StepModule):
         with self._monitor.guard(f"step {self._num_calls}"), torch.no_grad():
             tensors = self._tensors(self._param_names + self._buffer_names)
             step = self._runner.begin(flat)
-            self._runner.run(step, self._local_blocks(tensors), self._runner.actions)
+            self._runner.run(step, self._local_blocks(tensors), self._runner.actions,
+                             ride_loss=self._loss_ride is not None)
             grads = self._runner.gradients(step)
-            loss = self._loss(step)     # after backward: its all-reduce overlapped with it
+            loss = self._loss(step)     # after backward: its all-reduce overlapped with it,
+            self._last_ride = self._loss_ride if step.rides else None   # or inside a bucket
         self._write_buffer_updates(step.buffer_updates)
         params = tensors[:len(self._param_names)]
         if self._steps_exactly(optimizer, params):    # every gradient set below: no zero_grad
@@ -419,7 +426,34 @@ class ParallelModule(StepModule):
     def last_step_stats(self) -> StepStats:
         """The last complete step: time, tokens/s, peak memory and the bytes the plan says
         it sent, each next to the plan's estimate (``print(pm.last_step_stats())``)."""
-        return self._clock.stats(self._stage_plan, self.num_micro_batches)
+        return self._clock.stats(self._stage_plan, self.num_micro_batches,
+                                 loss_ride=self._last_ride)
+
+    def collectives_per_step(self, *, train_step: bool) -> list[Collective]:
+        """The collectives one step of this rank's stage issues, as the plan lists them
+        (gradient buckets once, ``runtime.buckets.issued_collectives``): by ``train_step``,
+        whose loss may ride a gradient bucket (``runtime.loss_ride``), or by a call of the
+        module and ``loss.backward()``, which returns the loss before backward and so
+        all-reduces it on its own."""
+        return issued_collectives(self._stage_plan, self.num_micro_batches,
+                                  loss_ride=self._loss_ride if train_step else None)
+
+    def _plan_loss_ride(self) -> LossRide | None:
+        """Where the plan lists the loss's all-reduce when ``train_step`` sends it inside a
+        bucket (None: it does not). A ride the plan cannot name, or whose loss part is not
+        one element of the bucket's size, is given up (the loss keeps its collective)."""
+        ride = self._runner.loss_ride
+        if ride is None:
+            return None
+        (consumer, slot, index), bucket = ride
+        plan = self._stage_plan
+        position = collective_position(plan, consumer, slot, index)
+        buckets = gradient_buckets(plan)
+        if position is None or bucket >= len(buckets) \
+                or plan.collectives[position].bytes != buckets[bucket].itemsize:
+            self._runner.forgo_loss_ride()
+            return None
+        return LossRide(position, bucket)
 
     def unwrap(self) -> nn.Module:
         """A plain copy of the model with full, gathered tensors (no DTensors): for

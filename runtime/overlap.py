@@ -40,6 +40,7 @@ def overlap_collectives(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         with graph.inserting_before(node):
             issue = graph.call_function(split.issue, node.args, node.kwargs)
+        issue.meta.update(node.meta)      # e.g. which plan step it runs (lower.PLAN_STEP)
         first_user = min(node.users, key=order.__getitem__)
         with graph.inserting_before(first_user):
             finish = graph.call_function(split.finish,

@@ -18,7 +18,9 @@ A one-stage step can stop after its forward actions and run its backward actions
 (behind ``loss.backward()``); a stage of a longer pipeline interleaves them with the
 other stages' (1F1B cannot wait), so its module runs the whole step at once. With one
 micro-batch and one stage, backward and the gradients' collectives run as one program,
-each collective issued as soon as its gradients exist (``runtime.early_reduce``).
+each collective issued as soon as its gradients exist (``runtime.early_reduce``); then
+``train_step``, which reads the loss after backward, sends the loss's all-reduce inside a
+gradient bucket's (``runtime.loss_ride``), where the plan's collectives allow it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.fx as fx
 
 from torchalpa.runtime.deferred_loss import defer_loss_wait
 from torchalpa.runtime.early_reduce import early_reduce_program
+from torchalpa.runtime.loss_ride import RiddenPrograms, ride_loss_on_bucket
 from torchalpa.runtime.lower import StageProgram, ValueKey
 from torchalpa.runtime.stage_recompute import Replay, random_state, replaying
 from torchalpa.runtime.streamline import streamlined_copy
@@ -83,6 +86,7 @@ class StepInFlight:
     reduced: list[torch.Tensor | None] | None = None     # set when backward also reduced
     losses_waited: bool = False      # the losses' all-reduce, left in flight, is finished
     finish_loss: Callable | None = None   # waits for that all-reduce (None: forward waited)
+    rides: bool = False              # the loss's all-reduce rides a gradient bucket
 
 
 class StepRunner:
@@ -111,6 +115,14 @@ class StepRunner:
         self._backward_reduce_eager = None if self._backward_reduce is None else \
             streamlined_copy(self._backward_reduce)
         self._deferred: tuple = (None,) * 4  # (program.forward, its copy, streamlined, wait)
+        # train_step's programs with the loss riding a bucket, and their streamlined copies
+        self._ride: RiddenPrograms | None = None if self._backward_reduce is None \
+            or not program.has_loss else ride_loss_on_bucket(program.forward,
+                                                             self._backward_reduce)
+        self._ride_source = program.forward
+        self._ride_eager: tuple = () if self._ride is None else (
+            streamlined_copy(self._ride.forward, self._saved_from()),
+            streamlined_copy(self._ride.backward_reduce))
         self._forward()        # built now: building a program inside torch.compile's trace
                                # would break its graph
 
@@ -118,6 +130,28 @@ class StepRunner:
     def defers_backward(self) -> bool:
         """Whether the step's backward actions can wait for ``loss.backward()``: one stage."""
         return self.exchange is None
+
+    @property
+    def loss_ride(self) -> tuple[tuple, int] | None:
+        """When ``run(..., ride_loss=True)`` sends the loss inside a bucket: the plan step
+        ((consumer, slot, index)) of the loss's all-reduce and the bucket's index."""
+        return None if self._ride is None else (self._ride.plan_step, self._ride.bucket)
+
+    def forgo_loss_ride(self) -> None:
+        """Keep the loss's own all-reduce in every step (the plan cannot list the ride)."""
+        self._ride, self._ride_eager = None, ()
+
+    def _rides(self) -> bool:
+        """Whether a step asking for it can send its loss inside a bucket now: the ride's
+        programs were derived from the current forward, and nothing is being traced."""
+        return self._ride is not None and self.program.forward is self._ride_source \
+            and not torch.compiler.is_compiling()
+
+    def _saved_from(self) -> int:
+        """The forward's first output that backward reads (after the loss, the sends and
+        the buffer updates)."""
+        p = self.program
+        return int(p.has_loss) + len(p.forward_sends) + len(p.buffer_updates)
 
     def forward_actions(self) -> list[Action]:
         return [("F", m) for m in range(self.num_micro_batches)]
@@ -140,16 +174,23 @@ class StepRunner:
                             raw=[None] * present)
 
     def run(self, step: StepInFlight, state: list[torch.Tensor], actions: list[Action], *,
-            keep_saved: bool = True) -> None:
+            keep_saved: bool = True, ride_loss: bool = False) -> None:
         """Execute ``actions`` of ``step``; ``keep_saved=False``: forward only, nothing
-        kept for backward."""
+        kept for backward. ``ride_loss``: the loss is read only after these actions, which
+        run the backward too: send it inside a gradient bucket where the programs allow
+        (``step.rides`` tells)."""
         p, exchange = self.program, self.exchange
         if exchange is not None:
             exchange.begin()
+        step.rides = ride_loss and keep_saved and self._rides() \
+            and any(kind == "B" for kind, _ in actions)
         for kind, m in actions:
             if kind == "F":
                 received = [exchange.recv(k, m) for k in p.forward_recvs] if exchange else []
-                forward, step.finish_loss = self._forward()
+                if step.rides:
+                    forward, step.finish_loss = self._ride_eager[0], None
+                else:
+                    forward, step.finish_loss = self._forward()
                 rng = random_state(_device_of(state, received)) if self.recompute else None
                 out = list(forward(*state, *[step.micro_inputs[m][i] for i in p.user_inputs],
                                    *received))
@@ -182,10 +223,8 @@ class StepRunner:
             deferred = defer_loss_wait(source) if self.exchange is None and \
                 self.program.has_loss else None
             traced, wait = deferred if deferred is not None else (source, None)
-            p = self.program        # after the loss, sends and buffer updates: saved values
-            saved_from = int(p.has_loss) + len(p.forward_sends) + len(p.buffer_updates)
-            eager = streamlined_copy(traced, saved_from) if isinstance(traced, fx.GraphModule) \
-                and self.exchange is None else traced
+            eager = streamlined_copy(traced, self._saved_from()) \
+                if isinstance(traced, fx.GraphModule) and self.exchange is None else traced
             self._deferred = (source, traced, eager, wait)
         program = self._deferred[1] if torch.compiler.is_compiling() else self._deferred[2]
         return program, self._deferred[3]
@@ -206,6 +245,13 @@ class StepRunner:
         saved = step.saved.pop(m)
         if saved and isinstance(saved[0], Replay):
             saved = self._replay(step, state, saved[0])
+        if step.rides:             # one micro-batch, one stage; the loss in a bucket
+            assert self._ride is not None and len(step.losses) == 1
+            local, others = step.losses[0]
+            *step.reduced, reduced_loss = self._ride_eager[1](*saved, local)
+            step.losses = [self._ride.finish(reduced_loss, others)]
+            step.losses_waited = True
+            return
         if self._backward_reduce is not None:       # one micro-batch, one stage
             program = self._backward_reduce if torch.compiler.is_compiling() \
                 else self._backward_reduce_eager
@@ -229,6 +275,8 @@ class StepRunner:
         the loss is needed (after backward, in ``train_step``) to overlap the two."""
         if not step.losses:
             return None
+        assert not step.rides or step.losses_waited, \
+            "a loss riding a gradient bucket is read after the step's backward"
         finish = step.finish_loss
         if finish is not None and not step.losses_waited:
             step.losses = [finish(x) for x in step.losses]

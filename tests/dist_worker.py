@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import torchalpa  # noqa: E402
 from models import (MLP, FusedAttention, WithCustomOp, fused_attention_by_heads,  # noqa: E402
                     mlp_inputs)
-from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 from worker_io import attempt, finish, max_rel, train_beside_one_device  # noqa: E402
 
@@ -38,7 +37,9 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
     pm = torchalpa.auto_parallel(model, (x, y), loss_fn,
                                  optimizer=(lambda ps: optimizer(ps, lr=lr)), **auto_kw)
     # what a step issues: the plan's collectives, gradient all-reduces merged into buckets
-    predicted = sorted([c.kind, c.axis, c.bytes] for c in issued_collectives(pm.plan))
+    # (and by train_step, the loss's all-reduce inside one of them)
+    predicted = sorted([c.kind, c.axis, c.bytes]
+                       for c in pm.collectives_per_step(train_step=use_train_step))
     out = {"predicted": predicted,
            "per_gradient": sorted([c.kind, c.axis, c.bytes] for c in pm.plan.collectives),
            "kinds": sorted({c.kind for c in pm.plan.collectives}),
@@ -57,6 +58,7 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
         pm, ref, optimizer(ref.parameters(), lr=lr), lambda step: batch, loss_fn,
         steps=steps, scale=scale, backward_steps=() if use_train_step else range(steps))
     out.update(losses=run["losses"], ref_losses=run["ref_losses"], executed=run["executed"],
+               planned=run["planned"],
                max_param_diff=max(d for d, _ in run["params"]),
                max_param=max(s for _, s in run["params"]))
     if not use_train_step:   # gradients, compared before the optimizer touches them
@@ -79,6 +81,10 @@ def main():
     if "data_parallel" in which:   # Alpa's data-parallel oracle shape
         scenario("data_parallel", lambda: train_and_compare(
             lambda: MLP(32, 6), mlp_inputs(256, 32), cluster=ALPA_UNIT(n)), results)
+    if "data_parallel_train_step" in which:   # the same, by train_step: the loss in the bucket
+        scenario("data_parallel_train_step", lambda: train_and_compare(
+            lambda: MLP(32, 6), mlp_inputs(256, 32), cluster=ALPA_UNIT(n), use_train_step=True),
+            results)
     if "quickstart" in which:     # the default local cluster; plans with RS / AG
         from quickstart import MLP as QuickstartMLP
         scenario("quickstart", lambda: train_and_compare(

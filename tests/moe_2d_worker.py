@@ -66,7 +66,8 @@ def moe_2d() -> dict:
                                   batch, mse, steps=3)
     return {"planned": sorted([c.kind, c.axis, c.bytes] for c in issued_collectives(pm.plan)),
             "nested_all_to_alls": nested_all_to_alls(pm.plan),
-            "executed": run["executed"], "losses": run["losses"],
+            "executed": run["executed"], "planned_per_step": run["planned"],
+            "losses": run["losses"],
             "ref_losses": run["ref_losses"], "grad_rel_diff": max_rel(run["grads"][0]),
             "param_rel_diff": max_rel(run["params"])}
 

@@ -60,7 +60,8 @@ def conv(net: str, shape: tuple[int, ...]) -> dict:
     out = {"batch_synced": sorted(s.node for s in pm.plan.strategies if s.batch_syncs),
            "planned": sorted([c.kind, c.axis, c.bytes] for c in issued_collectives(pm.plan)),
            "shared_reads": sum(1 for r in pm.plan.reshards if r.same_as is not None),
-           "executed": run["executed"], "losses": run["losses"],
+           "executed": run["executed"], "planned_per_step": run["planned"],
+           "losses": run["losses"],
            "ref_losses": run["ref_losses"], "grad_rel_diff": max_rel(run["grads"][0])}
     trained = pm.unwrap().state_dict()
     expected = ref.state_dict()

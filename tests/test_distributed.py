@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import worker_io
 
-SCENARIOS_4 = ("megatron,data_parallel,quickstart,custom_op,scaled_loss,mesh_2d,vocab_parallel,"
-               "vocab_parallel_loss,softmax_in_steps,attention_heads,fused_qkv,fused_qkv_2d,"
+SCENARIOS_4 = ("megatron,data_parallel,data_parallel_train_step,quickstart,custom_op,scaled_loss,"
+               "mesh_2d,vocab_parallel,vocab_parallel_loss,softmax_in_steps,attention_heads,fused_qkv,fused_qkv_2d,"
                "hf_gpt2_heads,vit_heads,zero3,odd_batch,bad_input_shape")
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
@@ -48,8 +48,8 @@ def check_matches_single_device(r):
 
 def check_predicted_equals_executed(r):
     assert r["executed"], "no step ran"
-    for step in r["executed"]:
-        assert step == r["predicted"]
+    for step, planned in zip(r["executed"], r["planned"], strict=True):
+        assert step == r["predicted"] == planned
 
 
 @pytest.mark.parametrize("name", SCENARIOS_4.split(",")[:-1])
@@ -77,6 +77,16 @@ def test_oracle_plans_run_as_planned(four_ranks):
     # the gradient all-reduces of reduce_grads run as one bucket (DDP's 25 MiB), counted as
     # such; the first bias's gradient is reduced inside backward (before a view), on its own
     assert sorted(b for _, _, b in dp["predicted"]) == [4, 32 * 4, sum(grads) - 32 * 4]
+
+
+def test_a_data_parallel_train_step_sends_its_loss_inside_the_gradient_bucket(four_ranks):
+    """Issue 19: one collective per gradient all-reduce, as DDP issues, none for the loss
+    (its 4 bytes travel in the bucket), and every rank's loss is still one device's."""
+    r = four_ranks["data_parallel_train_step"]
+    grads = [32 * 32 * 4] * 6 + [32 * 4] * 6
+    for executed in r["executed"]:       # counted at the dispatcher, whatever the plan says
+        assert sorted(b for _, _, b in executed) == [32 * 4, sum(grads) - 32 * 4 + 4]
+    check_matches_single_device(r)
 
 
 def test_op_without_rule_trains_correctly_replicated(four_ranks):

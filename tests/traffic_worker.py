@@ -56,6 +56,8 @@ def measured_bytes(method) -> dict:
             "measured": {k: list(v) for k, v in stats.measured_by_kind.items()},
             "stats_planned": {k: list(v) for k, v in stats.planned_by_kind.items()},
             "dispatched": by_kind((r.kind, r.bytes) for r in counter.records),
+            "planned": by_kind((c.kind, c.bytes) for c in pm.collectives_per_step(
+                train_step=step < 2)),
             "sent": stats.measured_bytes_sent, "received": stats.measured_bytes_received,
             "count": stats.measured_collectives, "text": str(stats)})
     return out

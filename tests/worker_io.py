@@ -148,7 +148,8 @@ def train_beside_one_device(pm, ref, ref_opt, batch_of_step, loss_fn, *, steps: 
     counted at the dispatcher.
 
     Returns ``losses`` / ``ref_losses`` (floats per step), ``executed`` (per step, sorted
-    ``[kind, mesh axis, bytes]``), ``grads`` (per backward step, ``[max |ours - ref|,
+    ``[kind, mesh axis, bytes]``), ``planned`` (the same, as ``pm.collectives_per_step``
+    lists that step: a train_step's loss may ride a gradient bucket), ``grads`` (per backward step, ``[max |ours - ref|,
     max |ref|]`` per parameter whose reference gradient exists) and ``params`` (the same
     pairs for the parameters after the last step); ``max_rel`` and ``rel_to_scale`` reduce
     such pairs.
@@ -159,7 +160,7 @@ def train_beside_one_device(pm, ref, ref_opt, batch_of_step, loss_fn, *, steps: 
     if scale != 1.0 and set(range(steps)) - set(backward_steps):
         raise ValueError("train_step cannot scale the loss: with scale != 1, every step must "
                          "be in backward_steps")
-    out: dict = {"losses": [], "ref_losses": [], "executed": [], "grads": []}
+    out: dict = {"losses": [], "ref_losses": [], "executed": [], "planned": [], "grads": []}
     for step in range(steps):
         batch = batch_of_step(step)
         if seed_of_step is not None:
@@ -171,6 +172,8 @@ def train_beside_one_device(pm, ref, ref_opt, batch_of_step, loss_fn, *, steps: 
             else:
                 loss = pm.train_step(*batch)
         out["executed"].append(sorted([r.kind, r.axis, r.bytes] for r in counter.records))
+        out["planned"].append(sorted([c.kind, c.axis, c.bytes] for c in pm.collectives_per_step(
+            train_step=step not in backward_steps)))
         if seed_of_step is not None:
             torch.manual_seed(seed_of_step(step))
         ref_loss = loss_fn(ref(*batch[:-1]), batch[-1])

@@ -42,7 +42,10 @@ def run(family: str, mesh_shape) -> dict:
                                       lambda step: batch, workload.loss_fn, steps=STEPS,
                                       seed_of_step=lambda step: 7 + step)
     return {"losses": trained["losses"], "ref_losses": trained["ref_losses"],
-            "executed_equal_predicted": [e == predicted for e in trained["executed"]],
+            # step 0 by loss.backward(), the others by train_step (the loss may ride a bucket)
+            "executed_equal_predicted": [e == p for e, p in zip(trained["executed"],
+                                                                trained["planned"])]
+            + [trained["planned"][0] == predicted],
             "num_collectives": len(predicted), "mesh": list(pm.plan.mesh_shape),
             "unsupported": sorted({u["op"] for u in pm.plan.unsupported_ops}),
             "sharded_params": sum(any(str(p) != "R" for p in v.placements)

@@ -122,16 +122,18 @@ def _device_for(dist):
     return default_device() if dist.get_backend() == "nccl" else "cpu"
 
 
-def describe_plan(plan) -> str:
-    """Mesh, parameter layouts, the collectives one step issues (buckets counted once) and
-    the estimated step time."""
+def describe_plan(plan, collectives=None) -> str:
+    """Mesh, parameter layouts, the collectives one step issues (buckets counted once;
+    ``collectives``: that list, e.g. ``pm.collectives_per_step(train_step=True)``, where
+    the loss may ride a bucket; default: a step by ``loss.backward()``) and the estimated
+    step time."""
     from torchalpa.runtime.buckets import issued_collectives
     layouts: dict[str, int] = {}
     for v in plan.parameters:
         key = "".join(str(p) for p in v.placements)
         layouts[key] = layouts.get(key, 0) + 1
     kinds: dict[str, int] = {}
-    for c in issued_collectives(plan):
+    for c in issued_collectives(plan) if collectives is None else collectives:
         kinds[c.kind] = kinds.get(c.kind, 0) + 1
     return (f"mesh {list(plan.mesh_shape)}, layouts {layouts}, collectives {kinds}, "
             f"est {plan.estimates['step_time_s'] * 1e3:.3g} ms")
@@ -161,7 +163,8 @@ def measure_method(name: str, build: Callable, batch: tuple, loss_fn, *, steps: 
         start = time.perf_counter()
         pm = torchalpa.auto_parallel(model, batch, loss_fn, method=method,
                                      optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4))
-        extra = {"setup_s": time.perf_counter() - start, "plan": describe_plan(pm.plan)}
+        extra = {"setup_s": time.perf_counter() - start, "plan": describe_plan(
+            pm.plan, pm.collectives_per_step(train_step=True))}
         params = list(pm.parameters())
 
         def step():

@@ -1,0 +1,143 @@
+"""What the loss's own all-reduce costs a data-parallel step (issue 19), A/B in one job.
+
+    python benchmarks/loss_ride_ab.py --models vit gpt mlp --steps 30 --rounds 4
+
+On gloo ranks (4 by default), for each model of ``zoo_vs_ddp_fsdp.py`` (its workloads),
+four steps, run in alternating order over the rounds and averaged (slowest rank, mean of
+the timed steps):
+
+- ``ddp``: DDP, each rank its share of the batch;
+- ``ddp+loss``: the same plus one all-reduce of the loss (4 bytes), what torchalpa did to
+  return one device's loss on every rank;
+- ``torchalpa``: ``train_step``, the loss riding the last gradient bucket
+  (``runtime.loss_ride``);
+- ``torchalpa-own``: the same module with the ride given up, the loss all-reduced on
+  its own (the step before issue 19).
+
+Each torchalpa row also shows the collectives its step issued (counted at the
+dispatcher, on rank 0, in the last step) next to the plan's list for that step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from _launch import add_run_args, average_runs, launch, method_order
+
+METHODS = ("ddp", "ddp+loss", "torchalpa", "torchalpa-own")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="*", default=["vit", "gpt", "mlp"],
+                   choices=("gpt", "llama", "bert", "vit", "resnet", "moe", "mlp"))
+    p.add_argument("--batch", type=int, default=16, help="global batch of the zoo models")
+    p.add_argument("--mlp-batch", type=int, default=2048, help="global batch of the MLP")
+    add_run_args(p, steps=30)
+    return p.parse_args(argv)
+
+
+def main():
+    args = parse_args()
+    if args.worker:
+        return worker(args)
+    flags = [f"--batch={args.batch}", f"--mlp-batch={args.mlp_batch}", f"--steps={args.steps}",
+             f"--rounds={args.rounds}", "--models", *args.models]
+    result = launch(__file__, flags, nproc=args.nproc, port=29547)
+    print(f"{result['world_size']} gloo ranks, Adam, {args.steps} steps per method (first "
+          f"untimed), {args.rounds} round(s); ratios to ddp")
+    for model, stats in result["models"].items():
+        base = stats["ddp"]["step_s"]
+        for name in METHODS:
+            s = stats[name]
+            print(f"{model:<6}{name:>15}{s['step_s'] * 1e3:>9.2f} ms{s['step_s'] / base:>7.3f}"
+                  + (f"   issued {s['issued']}, planned {s['planned']}" if "issued" in s else ""))
+
+
+def worker(args):
+    import torch.distributed as dist
+
+    from torchalpa.runtime.mesh import init_distributed
+    from zoo_vs_ddp_fsdp import workload
+
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    result: dict = {"world_size": world, "models": {}}
+    for model_name in args.models:
+        build, batch, loss_fn = workload(model_name, args)
+        runs: dict[str, list] = {}
+        for r in range(args.rounds):
+            for name in method_order(list(METHODS), r):
+                runs.setdefault(name, []).append(
+                    measure(name, build, batch, loss_fn, args.steps, rank, world))
+        averaged = average_runs(runs)
+        for name in ("torchalpa", "torchalpa-own"):
+            averaged[name].update(issued=runs[name][-1]["issued"],
+                                  planned=runs[name][-1]["planned"])
+        result["models"][model_name] = averaged
+    if rank == 0:
+        with open(args.worker, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+    import os
+    import sys
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)        # as zoo_vs_ddp_fsdp.py: skip a teardown where gloo threads can abort
+
+
+def measure(name, build, batch, loss_fn, steps, rank, world) -> dict:
+    """One method's timed steps (``runtime.measure.timed_steps``)."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    import torchalpa
+    from torchalpa.runtime.baselines import batch_shard, wrap_ddp
+    from torchalpa.runtime.comm_count import CollectiveCounter
+    from torchalpa.runtime.measure import timed_steps
+
+    gc.collect()
+    dist.barrier()
+    torch.manual_seed(0)
+    model = build()
+    extra: dict = {}
+    if name.startswith("torchalpa"):
+        pm = torchalpa.auto_parallel(model, batch, loss_fn,
+                                     optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4))
+        if name == "torchalpa-own":       # A/B only: the step as it was before issue 19
+            pm._runner.forgo_loss_ride()
+            pm._loss_ride = None
+
+        def step():
+            pm.train_step(*batch)
+        s = timed_steps(step, max(steps - 1, 1))
+        with CollectiveCounter.for_mesh(pm.mesh) as counter:
+            step()
+        extra = {"issued": sorted(r.bytes for r in counter.records),
+                 "planned": sorted(c.bytes for c in pm.collectives_per_step(train_step=True))}
+    else:
+        ddp = wrap_ddp(model)
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
+        local = [batch_shard(x, rank, world) for x in batch]
+        with_loss = name == "ddp+loss"
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp(*local[:-1]), local[-1])
+            if with_loss:          # torchalpa's loss before issue 19: issued after forward
+                handle = dist.all_reduce(loss.detach().clone(), async_op=True)
+            loss.backward()
+            if with_loss:
+                handle.wait()      # pyright: ignore[reportPossiblyUnbound]
+            opt.step()
+        s = timed_steps(step, max(steps - 1, 1))
+    s.update(extra, peak_bytes=0)       # memory is not what this compares
+    return s
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Send a ``train_step``'s loss all-reduce inside a gradient bucket's: no collective of its own.
+
+In a data-parallel step each rank computes its batch shard's part of the loss and one
+all-reduce makes it the global value, so that every rank returns one device's loss. DDP
+has no such collective. ``runtime.deferred_loss`` already leaves it in flight during
+backward, but on a network (gloo on CPU ranks, most of all) each collective still costs a
+latency and a rendezvous of the ranks: on the zoo's ViT, whose gradients fit one bucket,
+that 4-byte all-reduce made the step 1.06x DDP's. ``train_step`` reads the loss only
+after backward, when the gradients' buckets have been reduced, so the loss's local part
+can travel in one of them:
+
+- the forward program stops before the loss's all-reduce and returns the local part (and
+  whatever else the loss's tail reads, as ``defer_loss_wait`` does);
+- the backward-and-reduce program (``runtime.early_reduce``) takes that part as one more
+  input, appends it to the flat buffer of the last bucket all-reduced over the same group
+  with the same reduce op (or a sum's, for a loss averaged over the ranks), and returns
+  the reduced part after the gradients;
+- a small *finish* program runs the loss's tail (e.g. the division by the count of
+  targets) on the reduced part, an average first divided by the group's size (what gloo's
+  ``avg`` does: bit for bit the same, checked on 4 ranks).
+
+Reduction is elementwise, so the loss is the same sum of the ranks' parts. Not always bit
+for bit: gloo's ring all-reduce adds an element's parts in an order that depends on where
+it sits in the buffer, so the last bit may differ from the loss's own all-reduce's (as
+either may from one device's). Every rank still gets the same value.
+
+The plan lists the ride with ``buckets.LossRide`` (``issued_collectives(..., loss_ride=)``):
+the loss's collective is named by the plan step the lowering tagged it with
+(``lower.PLAN_STEP``), the bucket by its index (``buckets.BUCKET``).
+
+A step called as ``loss = pm(x, y); loss.backward()`` returns the loss before backward
+runs, so it keeps the loss's own all-reduce.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from torchalpa.runtime import collectives as C
+from torchalpa.runtime.buckets import BUCKET, flatten_concat, split_flat
+from torchalpa.runtime.deferred_loss import _FINISH, _tail
+from torchalpa.runtime.lower import PLAN_STEP
+
+__all__ = ["RiddenPrograms", "ride_loss_on_bucket"]
+
+
+@dataclass(frozen=True)
+class RiddenPrograms:
+    """The programs of a step whose loss rides a bucket.
+
+    ``forward``: as the source forward, its loss output replaced by a tuple (the loss's
+    local part first, then the other values its tail reads); ``backward_reduce``: takes
+    that local part after its own inputs and returns it reduced after the gradients;
+    ``finish(reduced, others)``: the loss. ``plan_step``: (consumer, slot, index) of the
+    loss's collective in the plan; ``bucket``: the bucket it rides."""
+
+    forward: fx.GraphModule
+    backward_reduce: fx.GraphModule
+    finish: Callable[[torch.Tensor, tuple], torch.Tensor]
+    plan_step: tuple
+    bucket: int
+
+
+def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule,
+                        index: int = 0) -> RiddenPrograms | None:
+    """The programs with the loss (output ``index`` of ``forward``) riding a bucket of
+    ``backward_reduce``; None when the loss's tail waits for anything but one all-reduce,
+    or no bucket is all-reduced over that all-reduce's group with its reduce op. The
+    inputs are left untouched."""
+    if not isinstance(forward, fx.GraphModule) or not isinstance(backward_reduce, fx.GraphModule):
+        return None
+    graph = fx.Graph()
+    outs = graph.graph_copy(forward.graph, {})
+    if not isinstance(outs, (tuple, list)) or index >= len(outs):
+        return None
+    loss = outs[index]
+    if not isinstance(loss, fx.Node) or sum(o is loss for o in outs) != 1:
+        return None
+    tail = _tail(loss)
+    if tail is None or any(isinstance(o, fx.Node) and o in tail and o is not loss for o in outs):
+        return None
+    waits = [n for n in tail if n.target in _FINISH]
+    if len(waits) != 1 or waits[0].target is not C.finish_all_reduce:
+        return None
+    wait = waits[0]
+    issue = wait.args[0]
+    if not isinstance(issue, fx.Node) or issue.target is not C.issue_all_reduce \
+            or set(issue.users) != {wait} or PLAN_STEP not in issue.meta:
+        return None
+    local, reduce_op, group = issue.args
+    reduce = _ride(backward_reduce, reduce_op, group)
+    if reduce is None or not isinstance(local, fx.Node):
+        return None
+    backward, bucket, bucket_op = reduce
+    # an average rides a sum: divided by the group's size after (as gloo's avg does)
+    divisor = _resolve_process_group(group).size() if bucket_op != reduce_op else None
+
+    order = [n for n in graph.nodes if n in tail]
+    boundary: list[fx.Node] = []        # what the tail reads from the rest of the program
+    for n in order:
+        for i in n.all_input_nodes:
+            if i not in tail and i not in boundary:
+                boundary.append(i)
+    others = [b for b in boundary if b is not issue]
+    finish = _finish_program(forward, order, others, wait, loss, divisor)
+    new_outs = list(outs)
+    new_outs[index] = (local, tuple(others))
+    graph.output(type(outs)(new_outs))
+    for n in reversed(order):
+        graph.erase_node(n)
+    graph.erase_node(issue)
+    graph.lint()
+
+    def finish_loss(reduced: torch.Tensor, values: tuple) -> torch.Tensor:
+        return finish(reduced, *values)
+
+    return RiddenPrograms(fx.GraphModule(forward, graph), backward, finish_loss,
+                          tuple(issue.meta[PLAN_STEP]), bucket)
+
+
+def _ride(program: fx.GraphModule, reduce_op, group
+          ) -> tuple[fx.GraphModule, int, str] | None:
+    """A copy of ``program`` taking one more input, packed into its last bucket
+    all-reduced with ``reduce_op`` (a sum, for an ``avg``) over ``group`` and returned
+    reduced after its outputs; that bucket's index and reduce op (None: no such bucket)."""
+    ops = (reduce_op, "sum") if reduce_op == "avg" else (reduce_op,)
+    graph = fx.Graph()
+    outs = graph.graph_copy(program.graph, {})
+    chosen = None
+    for flat in graph.nodes:
+        if flat.target is not flatten_concat or BUCKET not in flat.meta or len(flat.users) != 1:
+            continue
+        issue = next(iter(flat.users))
+        if issue.target is not C.issue_all_reduce or issue.args[1] not in ops \
+                or issue.args[2] != group or len(issue.users) != 1:
+            continue
+        wait = next(iter(issue.users))
+        splits = list(wait.users)
+        if wait.target is C.finish_all_reduce and len(splits) == 1 \
+                and splits[0].target is split_flat:
+            chosen = (flat, splits[0], issue.args[1])
+    if chosen is None:
+        return None
+    flat, split, bucket_op = chosen
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    with graph.inserting_after(placeholders[-1]) if placeholders else \
+            graph.inserting_before(next(iter(graph.nodes))):
+        part = graph.placeholder("loss_local_part")
+    members = list(flat.args[0])
+    flat.args = (members + [part],)
+    split.args = (split.args[0], members + [part])
+    with graph.inserting_after(split):
+        reduced = graph.call_function(operator.getitem, (split, len(members)))
+    graph.output((*outs, reduced))
+    graph.lint()
+    return fx.GraphModule(program, graph, "BackwardWithReduceAndLoss"), flat.meta[BUCKET], bucket_op
+
+
+def _finish_program(owner: fx.GraphModule, order: list[fx.Node], others: list[fx.Node],
+                    wait: fx.Node, loss: fx.Node, divisor: int | None) -> fx.GraphModule:
+    """``(reduced, *others) -> loss``: the tail's ops in program order, the wait replaced
+    by the reduced value (divided by ``divisor``, when given: a sum made an average)."""
+    graph = fx.Graph()
+    reduced = graph.placeholder("reduced")
+    if divisor is not None:
+        reduced = graph.call_function(torch.ops.aten.div.Tensor, (reduced, divisor))
+    env: dict[fx.Node, fx.Node] = {b: graph.placeholder(b.name) for b in others}
+    for n in order:
+        env[n] = reduced if n is wait else graph.node_copy(n, lambda x: env[x])
+    graph.output(env[loss])
+    graph.lint()
+    return fx.GraphModule(owner, graph, "FinishRiddenLoss")
