@@ -48,7 +48,11 @@ _HEAD_DIM = {"head_dim", "d_kv", "d_head", "kv_channels", "attention_head_dim",
 _SMALL = {   # name -> the value it gets (when the default is larger)
     "kv_lora_rank": 16, "q_lora_rank": 16, "num_experts": 4, "num_local_experts": 4,
     "n_routed_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
-    "num_experts_per_token": 2, "moe_topk": 2, "n_shared_experts": 1,
+    "num_experts_per_token": 2, "moe_topk": 2, "moe_k": 2, "moe_layer_start_index": 0,
+    "moe_layer_end_index": 1, "moe_layer_interval": 1, "expert_layer_period": 1,
+    "expert_layer_offset": 0, "interleave_moe_layer_step": 1, "zero_expert_num": 1,
+    "expert_ffn_hidden_size": FFN, "moe_shared_expert_intermediate_size": 32,
+    "shared_experts_intermediate_size": 32, "n_shared_experts": 1,
     "num_shared_experts": 1, "moe_num_shared_experts": 1, "n_group": 1, "topk_group": 1,
     "num_expert_group": 1, "first_k_dense_replace": 1, "embedding_size": 16,
     "max_position_embeddings": 128, "n_positions": 128, "n_ctx": 128, "max_seq_len": 128,
@@ -85,10 +89,17 @@ def shrink(d: dict, model_type: str = "") -> dict:
     keep = _kept_layers(d, layers) if layers else []
     vocab = d.get("vocab_size")
     for key, value in d.items():
-        if isinstance(value, dict) and (key.endswith("_config") or "model_type" in value):
+        if isinstance(value, dict) and value and layers and all(
+                str(k).isdigit() for k in value):        # per layer: the kept ones, renumbered
+            out[key] = {type(k)(keep.index(int(k))): v for k, v in value.items()
+                        if int(k) in keep}
+        elif isinstance(value, dict) and (key.endswith("_config") or "model_type" in value):
             out[key] = {**value, **shrink(value)}
         elif isinstance(value, bool) or value is None:
             continue
+        elif isinstance(value, int) and key in _KV_HEADS and any(
+                d.get(h) == value for h in _HEADS):  # as many as the queries: stays so
+            out[key] = HEADS
         elif isinstance(value, int):
             new = _shrink_int(key, value)
             if new is not None and new != value:
@@ -100,6 +111,11 @@ def shrink(d: dict, model_type: str = "") -> dict:
         out.update(_token_ids_inside(d, VOCAB))
     if isinstance(d.get("depths"), list):                # vision stages: one block each
         out.update(_vision_stages(d))
+    if isinstance(d.get("mamba_d_head"), int) and isinstance(d.get("mamba_expand"), int):
+        # Mamba2 heads tile the expanded width: n_heads * d_head == expand * hidden
+        heads = out.get("mamba_n_heads", d.get("mamba_n_heads")) or 1
+        hidden = out.get("hidden_size", d.get("hidden_size"))
+        out["mamba_d_head"] = d["mamba_expand"] * hidden // heads
     return out
 
 
@@ -164,6 +180,8 @@ def _vision_stages(d: dict) -> dict:
 
 OVERRIDES: dict[str, dict] = {
     # per-model values the generic names cannot say (model_type -> config fields)
+    "dots3_note_text": {"qk_nope_head_dim": 4, "qk_rope_head_dim": 4},   # swa heads: 4 + 4
+    "blt": {"encoder_hash_byte_group_vocab": 64, "hidden_size_global": HIDDEN},
 }
 
 
@@ -193,11 +211,27 @@ def build_model(task: str, model_type: str, cls_name: str) -> torch.nn.Module:
     import transformers
     cls = getattr(transformers, cls_name)
     config = shrunk_config(model_type, task)
-    with torch.device("meta"):
-        size = sum(p.numel() for p in cls(config).parameters())
+    try:
+        with torch.device("meta"):
+            size = sum(p.numel() for p in cls(config).parameters())
+    except Exception as e:
+        _check_default_builds(cls, model_type, e)
+        raise
     if size > MAX_PARAMS:
         raise ValueError(f"skip: shrinker left {size / 1e6:.0f}M parameters")
     return cls(config)
+
+
+def _check_default_builds(cls, model_type: str, error: Exception) -> None:
+    """Raise a 'skip: default config does not build' error if the unshrunk default config
+    fails too (on the meta device): then the shrinker is not to blame."""
+    from transformers import AutoConfig
+    try:
+        with torch.device("meta"):
+            cls(AutoConfig.for_model(model_type))
+    except Exception as e:
+        raise ValueError(f"skip: default config does not build "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:120]})") from error
 
 
 def example_batch(task: str, model: torch.nn.Module) -> dict:
