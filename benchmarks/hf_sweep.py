@@ -69,20 +69,35 @@ def _try_one(task: str, model_type: str, cls_name: str, report) -> dict:
     rec["build_s"] = round(time.perf_counter() - start, 2)
     report("built", rec)
 
-    start = time.perf_counter()
-    graph = capture(model, batch).graph
-    ops = [n.op for n in graph.ops()]
-    rec["nodes"] = len(ops)
-    rec["no_rule"] = sorted({n.op for n in graph.ops() if rule_for(n, graph) is None})
-    rec["capture_s"] = round(time.perf_counter() - start, 2)
-    report("captured", rec)
+    try:
+        start = time.perf_counter()
+        graph = capture(model, batch).graph
+        ops = [n.op for n in graph.ops()]
+        rec["nodes"] = len(ops)
+        rec["no_rule"] = sorted({n.op for n in graph.ops() if rule_for(n, graph) is None})
+        rec["capture_s"] = round(time.perf_counter() - start, 2)
+        report("captured", rec)
 
-    start = time.perf_counter()
-    plan = torchalpa.plan(model, batch, cluster=torchalpa.Cluster.local_cpu(4))
-    rec["mesh"] = list(getattr(plan, "mesh_shape", ()) or ())
-    rec["plan_s"] = round(time.perf_counter() - start, 2)
-    report("planned", rec)
+        start = time.perf_counter()
+        torchalpa.plan(model, batch, cluster=torchalpa.Cluster.local_cpu(4))
+        rec["plan_s"] = round(time.perf_counter() - start, 2)
+        report("planned", rec)
+    except Exception:
+        report("eager", {**rec, "eager": _eager(model, batch)})
+        raise
     return rec
+
+
+def _eager(model, batch) -> str:
+    """'ok' if one device runs the step eagerly (forward, loss, backward), else the error:
+    tells a torchalpa failure from a model or batch the model itself rejects."""
+    try:
+        out = model(**batch)
+        loss = out["loss"] if isinstance(out, dict) else out[0]
+        loss.backward()
+        return "ok"
+    except Exception as e:  # noqa: BLE001 -- reported, not handled
+        return f"{type(e).__name__}: {_first_line(e)}"
 
 
 def _worker(conn) -> None:
@@ -152,7 +167,8 @@ class Runner:
                 self.stop()
                 break
             if kind == "stage":
-                row["stage"] = a
+                if a != "eager":
+                    row["stage"] = a
                 row.update(b)
             elif kind == "error":
                 row["error"], row["trace"] = a, b
@@ -182,7 +198,9 @@ def classify(row: dict) -> str:
     if err.startswith("timeout"):
         return f"timeout ({row['stage'] if row['stage'] != 'none' else 'building'})"
     stage = {"none": "build", "built": "capture", "captured": "plan"}.get(row["stage"], "?")
-    return f"{stage} error"
+    if row.get("eager", "ok") != "ok":
+        return f"{stage} error; eager fails too"
+    return f"{stage} error" + ("; eager runs" if "eager" in row else "")
 
 
 def _needed(err: str) -> str:
@@ -209,7 +227,8 @@ def print_table(rows: list[dict]) -> None:
     def reached(row, stage):
         ok = row["stage"] in STAGES and STAGES.index(stage) <= STAGES.index(row["stage"])
         return "yes" if ok else "-"
-    for r in rows:
+    order = list(TASKS)
+    for r in sorted(rows, key=lambda r: (order.index(r["task"]), r["model_type"])):
         no_rule = r.get("no_rule")
         table.add_row(r["task"], r["model_type"], *(reached(r, s) for s in STAGES),
                       "" if no_rule is None else f"{len(no_rule)} {' '.join(no_rule)}",
@@ -249,6 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="hf_sweep.json")
     ap.add_argument("--resume", action="store_true",
                     help="keep the rows already in --out and skip their architectures")
+    ap.add_argument("--rerun-failed", action="store_true",
+                    help="run again the architectures of --out that failed (and any not in it "
+                         "yet), replacing their rows (after a fix)")
     ap.add_argument("--report", metavar="JSON", help="print the table of a finished sweep")
     args = ap.parse_args(argv)
     if args.report:
@@ -260,11 +282,14 @@ def main(argv=None) -> int:
         only = set(args.only.split(","))
         jobs = [j for j in jobs if j[1] in only]
     rows: list[dict] = []
-    if args.resume and os.path.exists(args.out):
+    if (args.resume or args.rerun_failed) and os.path.exists(args.out):
         with open(args.out) as f:
             rows = json.load(f)
-        done = {(r["task"], r["model_type"]) for r in rows}
+        done = {(r["task"], r["model_type"]) for r in rows
+                if not (args.rerun_failed and "error" in r)}
         jobs = [j for j in jobs if (j[0], j[1]) not in done]
+        if args.rerun_failed:
+            rows = [r for r in rows if (r["task"], r["model_type"]) in done]
     runner = Runner()
     try:
         for i, job in enumerate(jobs):
