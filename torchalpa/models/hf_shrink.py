@@ -61,6 +61,7 @@ _SMALL = {   # name -> the value it gets (when the default is larger)
     "index_n_heads": 2, "index_topk": 8, "num_nextn_predict_layers": 0,
     "projection_dim": 32, "vocab_size_per_layer_input": VOCAB, "rotary_dim": 4,
     "image_size": IMAGE, "num_dense_layers": 1, "num_kv_shared_layers": 0,
+    "attn_layer_period": 2, "attn_layer_offset": 1,  # Jamba: layer 1 of 2 is attention
 }
 _TOKEN_ID_SUFFIXES = ("_token_id", "_token_index", "_index", "_id")
 
@@ -106,6 +107,12 @@ def shrink(d: dict, model_type: str = "") -> dict:
                 out[key] = new
         elif isinstance(value, list) and layers and len(value) == layers and layers > LAYERS:
             out[key] = [value[i] for i in keep]          # one entry per layer
+    out.update(_layer_lists(d, layers, keep))
+    if all(isinstance(d.get(k), int) for k in ("qk_head_dim", "qk_nope_head_dim",
+                                                "qk_rope_head_dim")):
+        # MLA: the query/key head is its no-position part and its rotary part, side by side
+        out["qk_head_dim"] = sum(out.get(k, d[k]) for k in ("qk_nope_head_dim",
+                                                            "qk_rope_head_dim"))
     if isinstance(vocab, int) and vocab > VOCAB:
         out["vocab_size"] = VOCAB
         out.update(_token_ids_inside(d, VOCAB))
@@ -116,6 +123,23 @@ def shrink(d: dict, model_type: str = "") -> dict:
         heads = out.get("mamba_n_heads", d.get("mamba_n_heads")) or 1
         hidden = out.get("hidden_size", d.get("hidden_size"))
         out["mamba_d_head"] = d["mamba_expand"] * hidden // heads
+    return out
+
+
+def _layer_lists(d: dict, layers: int | None, keep: list[int]) -> dict:
+    """Layer lists that are not one entry per layer: a repeating pattern of block kinds
+    (``block_types``) becomes each kind once, so the kept layers still hold every kind;
+    lists of layer indices (``hybrid_layer_ids``) keep the kept layers, renumbered."""
+    out: dict[str, Any] = {}
+    if not layers or layers <= LAYERS:
+        return out
+    kinds = d.get("block_types")
+    if isinstance(kinds, list) and kinds and len(kinds) != layers \
+            and all(isinstance(k, str) for k in kinds):
+        out["block_types"] = list(dict.fromkeys(kinds))[:LAYERS]
+    ids = d.get("hybrid_layer_ids")
+    if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+        out["hybrid_layer_ids"] = [keep.index(i) for i in ids if i in keep]
     return out
 
 
