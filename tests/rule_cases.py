@@ -249,6 +249,7 @@ CASES: dict[str, Case] = {
         aten.bernoulli.p(x, 0.3), aten.bernoulli_.float(x.clone(), 0.3),
         aten.bernoulli_.Tensor(x.clone(), x.sigmoid()), x.clone().uniform_(), x.clone().normal_(),
         x.clone().exponential_(), aten.native_dropout(x, 0.5, True),
+        aten.uniform(x, 0.5, 1.5), aten.exponential(x), aten.normal_functional(x),
         aten.native_dropout(x, 0.5, False)), lambda: (rnd(4, 8),)),
     # ordering and indexing
     "topk_sort": Case(lambda x: (torch.topk(x, 3, dim=1), torch.sort(x, 0), torch.sort(x, dim=-1, stable=True)),
@@ -324,6 +325,7 @@ _BOOL_ROW = lambda: rnd(8) > 0         # noqa: E731
 _INT = lambda: ints(7, 4, 8)           # noqa: E731
 _INT_ROW = lambda: ints(7, 8) + 1      # noqa: E731
 _SAME = lambda: rnd(4, 8)              # noqa: E731
+_UNIT = lambda: rnd(4, 8).tanh() * 0.9  # noqa: E731   inside (-1, 1)
 
 # Every elementwise op called directly: (call(a, b), make (a, b)); b broadcasts over a.
 POINTWISE_CALLS = {
@@ -373,6 +375,14 @@ POINTWISE_CALLS = {
     "aten.sin.default": _pointwise(lambda a, b: aten.sin(a)),
     "aten.cos.default": _pointwise(lambda a, b: aten.cos(a)),
     "aten.erf.default": _pointwise(lambda a, b: aten.erf(a)),
+    "aten.acos.default": _pointwise(lambda a, b: aten.acos(a), a=_UNIT),
+    "aten.asin.default": _pointwise(lambda a, b: aten.asin(a), a=_UNIT),
+    "aten.atan.default": _pointwise(lambda a, b: aten.atan(a)),
+    "aten.tan.default": _pointwise(lambda a, b: aten.tan(a), a=_UNIT),
+    "aten.sinh.default": _pointwise(lambda a, b: aten.sinh(a)),
+    "aten.cosh.default": _pointwise(lambda a, b: aten.cosh(a)),
+    "aten.log10.default": _pointwise(lambda a, b: aten.log10(a), a=_POS),
+    "aten.erfinv.default": _pointwise(lambda a, b: aten.erfinv(a), a=_UNIT),
     "aten.floor.default": _pointwise(lambda a, b: aten.floor(a)),
     "aten.ceil.default": _pointwise(lambda a, b: aten.ceil(a)),
     "aten.round.default": _pointwise(lambda a, b: aten.round(a)),
