@@ -120,6 +120,11 @@ CASES: dict[str, Case] = {
     # matmul, elementwise, reductions, views (the first end-to-end path)
     "mm": Case(lambda a, b: torch.mm(a, b), lambda: (rnd(8, 4), rnd(4, 8))),
     "bmm": Case(lambda a, b: torch.bmm(a, b), lambda: (rnd(4, 4, 8), rnd(4, 8, 4))),
+    "solve_triangular": Case(fwd_bwd(lambda a, b, c: (
+        torch.linalg.solve_triangular(a, b, upper=False),
+        torch.linalg.solve_triangular(a, c, upper=False, left=False, unitriangular=True)),
+        [0, 1, 2]),
+        lambda: (rnd(2, 4, 4).tril() + 4 * torch.eye(4), rnd(2, 4, 8), rnd(2, 8, 4))),
     # two or more batch dims: torchalpa::batched_matmul (forward and both gradients)
     "batched_matmul": Case(fwd_bwd(lambda a, b: a @ b, [0, 1]),
                            lambda: (rnd(2, 4, 2, 4, 8), rnd(2, 4, 2, 8, 4))),
