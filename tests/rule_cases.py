@@ -295,10 +295,12 @@ CASES: dict[str, Case] = {
         torch.full_like(a, 0.0), torch.zeros_like(a), torch.ones_like(a), a.new_zeros(4, 8),
         a.new_ones(4, 2), a.new_full((2, 8), 3.0), torch.arange(8), torch.arange(2, 8),
         torch.arange(0, 8, 2), torch.empty(4, 8), torch.empty_like(a), a.new_empty(4, 8),
-        aten.empty_permuted([4, 8], [1, 0])),
+        aten.empty_permuted([4, 8], [1, 0]),
+        # what functionalization makes of a copy into a column-major buffer
+        aten.copy(aten.new_empty_strided(a, (4, 8), (1, 4)), a * 2)),
         lambda: (rnd(4, 8),),
         keep=("aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
-              "aten.new_empty.default")),
+              "aten.new_empty.default", "aten.new_empty_strided.default")),
     # counts per bin: a fixed range adds up over devices, the data's own range does not
     "histc": Case(lambda a: (torch.histc(a, bins=4, min=-1.0, max=1.0), torch.histc(a, bins=3)),
                   lambda: (rnd(4, 8),)),
