@@ -243,6 +243,42 @@ def print_table(rows: list[dict]) -> None:
                       else f"{r['reason']}: {r.get('error', '')[:160]}")
     Console(width=200).print(table)
     print(summary(rows))
+    print("failures by kind: " + ", ".join(
+        f"{kind} {count}" for kind, count in failure_kinds(rows).most_common()))
+
+
+_VALUE_DEPENDENT = ("reads a tensor's value", "depends on tensor values", "data-dependent",
+                    "`if ", "`assert ", "`raise ")
+
+
+def failure_kind(row: dict) -> str | None:
+    """Whose failure a row is, from its signals alone (None: planned): 'needs package',
+    'default config' (transformers' own default config does not build), 'shrinker'
+    (the shrunk config does not build or stays too large), 'model rejects the batch'
+    (eager fails too), 'value-dependent' (eager runs, but forward branches on, asserts
+    on or sizes by tensor values: torchalpa captures one static graph and says so),
+    'timeout', or 'torchalpa' (eager runs and the capture or plan failed otherwise)."""
+    if row["stage"] == "planned" and "error" not in row:
+        return None
+    reason, err = row["reason"], row.get("error", "")
+    if reason.startswith("needs"):
+        return "needs package"
+    if "default config does not build" in err:
+        return "default config"
+    if err.startswith("timeout"):
+        return "timeout"
+    if row["stage"] == "none":
+        return "shrinker"
+    if row.get("eager", "ok") != "ok":
+        return "model rejects the batch"
+    if any(marker in err for marker in _VALUE_DEPENDENT):
+        return "value-dependent"
+    return "torchalpa"
+
+
+def failure_kinds(rows: list[dict]):
+    import collections
+    return collections.Counter(k for r in rows if (k := failure_kind(r)) is not None)
 
 
 def summary(rows: list[dict]) -> str:
