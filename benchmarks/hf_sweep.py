@@ -315,6 +315,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rerun-failed", action="store_true",
                     help="run again the architectures of --out that failed (and any not in it "
                          "yet), replacing their rows (after a fix)")
+    ap.add_argument("--redo", default="",
+                    help="comma-separated model types whose rows in --out are run again "
+                         "(with --resume or --rerun-failed), e.g. after a rule was added")
     ap.add_argument("--report", metavar="JSON", help="print the table of a finished sweep")
     args = ap.parse_args(argv)
     if args.report:
@@ -329,11 +332,11 @@ def main(argv=None) -> int:
     if (args.resume or args.rerun_failed) and os.path.exists(args.out):
         with open(args.out) as f:
             rows = json.load(f)
+        redo = set(filter(None, args.redo.split(",")))
         done = {(r["task"], r["model_type"]) for r in rows
-                if not (args.rerun_failed and "error" in r)}
+                if not (args.rerun_failed and "error" in r) and r["model_type"] not in redo}
         jobs = [j for j in jobs if (j[0], j[1]) not in done]
-        if args.rerun_failed:
-            rows = [r for r in rows if (r["task"], r["model_type"]) in done]
+        rows = [r for r in rows if (r["task"], r["model_type"]) in done]
     runner = Runner()
     try:
         for i, job in enumerate(jobs):
