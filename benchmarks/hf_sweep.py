@@ -336,7 +336,8 @@ def main(argv=None) -> int:
         done = {(r["task"], r["model_type"]) for r in rows
                 if not (args.rerun_failed and "error" in r) and r["model_type"] not in redo}
         jobs = [j for j in jobs if (j[0], j[1]) not in done]
-        rows = [r for r in rows if (r["task"], r["model_type"]) in done]
+        todo = {(j[0], j[1]) for j in jobs}
+        rows = [r for r in rows if (r["task"], r["model_type"]) not in todo]
     runner = Runner()
     try:
         for i, job in enumerate(jobs):
