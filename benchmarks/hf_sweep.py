@@ -248,7 +248,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 _VALUE_DEPENDENT = ("reads a tensor's value", "depends on tensor values", "data-dependent",
-                    "`if ", "`assert ", "`raise ")
+                    "`if ", "`assert ", "`raise ", "`for ")
 
 
 def failure_kind(row: dict) -> str | None:
