@@ -37,3 +37,24 @@ def test_hybrid_layer_ids_follow_the_kept_layers():
     out = shrink(d)
     assert out["layers_block_type"] == ["mamba", "hybrid"]
     assert out["hybrid_layer_ids"] == [1]
+
+
+def test_a_missing_package_is_not_blamed_on_the_config():
+    """DiNAT needs natten: the sweep must see the ImportError (and say 'needs natten'),
+    not 'default config does not build'."""
+    import importlib.util
+    import sys
+
+    import pytest
+    if importlib.util.find_spec("natten") is not None:
+        pytest.skip("natten is installed")
+    from torchalpa.models.hf_shrink import build_model
+    with pytest.raises(ImportError) as info:
+        build_model("imgcls", "dinat", "DinatForImageClassification")
+    sys.path.insert(0, "benchmarks")
+    try:
+        import hf_sweep
+    finally:
+        sys.path.remove("benchmarks")
+    row = {"stage": "none", "error": f"ImportError: {hf_sweep._first_line(info.value)}"}
+    assert hf_sweep.classify(row) == "needs natten"

@@ -238,6 +238,8 @@ def build_model(task: str, model_type: str, cls_name: str) -> torch.nn.Module:
     try:
         with torch.device("meta"):
             size = sum(p.numel() for p in cls(config).parameters())
+    except ImportError:
+        raise                 # a package the model wants: no config is to blame
     except Exception as e:
         _check_default_builds(cls, model_type, e)
         raise
