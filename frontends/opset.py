@@ -78,7 +78,9 @@ SDPA_BACKWARD_OP = attention.SDPA_BACKWARD_OP
 RANDOM_OPS = frozenset({"aten.native_dropout.default", "aten.bernoulli.p",
                         "aten.bernoulli.default", "aten.rand.default", "aten.randn.default",
                         "aten.rand_like.default", "aten.randn_like.default",
-                        "aten.randint.low", "aten.randint.default"})
+                        "aten.randint.low", "aten.randint.default",
+                        "aten.uniform.default", "aten.exponential.default",
+                        "aten.normal_functional.default"})
 
 # Ops that only relabel, move or create memory: no arithmetic.
 NO_FLOP_OPS = frozenset({

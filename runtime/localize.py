@@ -101,6 +101,19 @@ def _like(fill: Callable[[list], object]) -> Callable[[_Call], tuple]:
     return rewrite
 
 
+def _strided(c: _Call):
+    """``new_empty_strided(x, size, stride)`` (functionalization's buffer for a copy into a
+    strided view) on a block: the block's shape, strides of the same dim order (dims by
+    falling global stride) packed for that shape, so the block keeps the buffer's layout."""
+    shape, stride = c.out_shape(), list(c.args[2])
+    order = sorted(range(len(shape)), key=lambda d: -stride[d])
+    local, step = [0] * len(shape), 1
+    for d in reversed(order):
+        local[d] = step
+        step *= max(shape[d], 1)
+    return aten.new_empty_strided.default, [c.args[0], shape, local], c.kwargs
+
+
 def _repeat(c: _Call):
     out, src = c.out_shape(), c.in_shape(0)
     lead = len(out) - len(src)
@@ -211,6 +224,7 @@ _REWRITES: dict[str, Callable[[_Call], tuple]] = {
     "aten.ones_like.default": _like(lambda args: 1),
     "aten.empty_like.default": _like(lambda args: 0),
     "aten.repeat.default": _repeat,
+    "aten.new_empty_strided.default": _strided,
     "aten.squeeze.default": _squeeze,
     "aten.squeeze.dim": _squeeze,
     "aten.squeeze.dims": _squeeze,

@@ -51,7 +51,8 @@ _OPS = {str(op): op for op in (
     aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
     aten.randint_like.low_dtype, aten.bernoulli.default, aten.bernoulli.p,
     aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.uniform_.default,
-    aten.normal_.default, aten.exponential_.default)}
+    aten.normal_.default, aten.exponential_.default, aten.uniform.default,
+    aten.exponential.default, aten.normal_functional.default)}
 RANDOM_OPS = frozenset(_OPS) | {"aten.native_dropout.default"}
 """Random ops this module draws per block (``randperm`` is always drawn whole)."""
 

@@ -120,6 +120,11 @@ CASES: dict[str, Case] = {
     # matmul, elementwise, reductions, views (the first end-to-end path)
     "mm": Case(lambda a, b: torch.mm(a, b), lambda: (rnd(8, 4), rnd(4, 8))),
     "bmm": Case(lambda a, b: torch.bmm(a, b), lambda: (rnd(4, 4, 8), rnd(4, 8, 4))),
+    "solve_triangular": Case(fwd_bwd(lambda a, b, c: (
+        torch.linalg.solve_triangular(a, b, upper=False),
+        torch.linalg.solve_triangular(a, c, upper=False, left=False, unitriangular=True)),
+        [0, 1, 2]),
+        lambda: (rnd(2, 4, 4).tril() + 4 * torch.eye(4), rnd(2, 4, 8), rnd(2, 8, 4))),
     # two or more batch dims: torchalpa::batched_matmul (forward and both gradients)
     "batched_matmul": Case(fwd_bwd(lambda a, b: a @ b, [0, 1]),
                            lambda: (rnd(2, 4, 2, 4, 8), rnd(2, 4, 2, 8, 4))),
@@ -249,6 +254,7 @@ CASES: dict[str, Case] = {
         aten.bernoulli.p(x, 0.3), aten.bernoulli_.float(x.clone(), 0.3),
         aten.bernoulli_.Tensor(x.clone(), x.sigmoid()), x.clone().uniform_(), x.clone().normal_(),
         x.clone().exponential_(), aten.native_dropout(x, 0.5, True),
+        aten.uniform(x, 0.5, 1.5), aten.exponential(x), aten.normal_functional(x),
         aten.native_dropout(x, 0.5, False)), lambda: (rnd(4, 8),)),
     # ordering and indexing
     "topk_sort": Case(lambda x: (torch.topk(x, 3, dim=1), torch.sort(x, 0), torch.sort(x, dim=-1, stable=True)),
@@ -289,10 +295,12 @@ CASES: dict[str, Case] = {
         torch.full_like(a, 0.0), torch.zeros_like(a), torch.ones_like(a), a.new_zeros(4, 8),
         a.new_ones(4, 2), a.new_full((2, 8), 3.0), torch.arange(8), torch.arange(2, 8),
         torch.arange(0, 8, 2), torch.empty(4, 8), torch.empty_like(a), a.new_empty(4, 8),
-        aten.empty_permuted([4, 8], [1, 0])),
+        aten.empty_permuted([4, 8], [1, 0]),
+        # what functionalization makes of a copy into a column-major buffer
+        aten.copy(aten.new_empty_strided(a, (4, 8), (1, 4)), a * 2)),
         lambda: (rnd(4, 8),),
         keep=("aten.new_zeros.default", "aten.new_ones.default", "aten.new_full.default",
-              "aten.new_empty.default")),
+              "aten.new_empty.default", "aten.new_empty_strided.default")),
     # counts per bin: a fixed range adds up over devices, the data's own range does not
     "histc": Case(lambda a: (torch.histc(a, bins=4, min=-1.0, max=1.0), torch.histc(a, bins=3)),
                   lambda: (rnd(4, 8),)),
@@ -324,6 +332,7 @@ _BOOL_ROW = lambda: rnd(8) > 0         # noqa: E731
 _INT = lambda: ints(7, 4, 8)           # noqa: E731
 _INT_ROW = lambda: ints(7, 8) + 1      # noqa: E731
 _SAME = lambda: rnd(4, 8)              # noqa: E731
+_UNIT = lambda: rnd(4, 8).tanh() * 0.9  # noqa: E731   inside (-1, 1)
 
 # Every elementwise op called directly: (call(a, b), make (a, b)); b broadcasts over a.
 POINTWISE_CALLS = {
@@ -373,6 +382,14 @@ POINTWISE_CALLS = {
     "aten.sin.default": _pointwise(lambda a, b: aten.sin(a)),
     "aten.cos.default": _pointwise(lambda a, b: aten.cos(a)),
     "aten.erf.default": _pointwise(lambda a, b: aten.erf(a)),
+    "aten.acos.default": _pointwise(lambda a, b: aten.acos(a), a=_UNIT),
+    "aten.asin.default": _pointwise(lambda a, b: aten.asin(a), a=_UNIT),
+    "aten.atan.default": _pointwise(lambda a, b: aten.atan(a)),
+    "aten.tan.default": _pointwise(lambda a, b: aten.tan(a), a=_UNIT),
+    "aten.sinh.default": _pointwise(lambda a, b: aten.sinh(a)),
+    "aten.cosh.default": _pointwise(lambda a, b: aten.cosh(a)),
+    "aten.log10.default": _pointwise(lambda a, b: aten.log10(a), a=_POS),
+    "aten.erfinv.default": _pointwise(lambda a, b: aten.erfinv(a), a=_UNIT),
     "aten.floor.default": _pointwise(lambda a, b: aten.floor(a)),
     "aten.ceil.default": _pointwise(lambda a, b: aten.ceil(a)),
     "aten.round.default": _pointwise(lambda a, b: aten.round(a)),

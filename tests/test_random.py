@@ -140,7 +140,9 @@ def test_dropout_edge_rates():
 def _traced_random_nodes():
     def fn(x):
         return (torch.rand(8, 6), aten.native_dropout(x, 0.25, True), torch.randint(3, 9, (8, 6)),
-                x.clone().uniform_(), torch.randn_like(x))
+                x.clone().uniform_(), torch.randn_like(x),
+                # the functional forms a functionalized training step holds
+                aten.uniform(x, 0.5, 1.5), aten.exponential(x))
     from torchalpa.frontends.torch_export import trace_ops
     gm, _ = trace_ops(fn, (torch.randn(8, 6),))
     return [n for n in gm.graph.nodes if n.op == "call_function"
@@ -156,7 +158,7 @@ def test_localized_random_ops_draw_blocks_and_replicas_agree(mesh_shape, placeme
     """Lowered on each rank of a mesh: blocks have the local shape; ranks holding the same
     block (a replicated axis) draw the same numbers, different blocks different ones."""
     nodes = _traced_random_nodes()
-    assert len(nodes) == 5
+    assert len(nodes) == 7
     x = torch.randn(8, 6)
     for node in nodes:
         num_in = sum(isinstance(a, torch.fx.Node) for a in node.args)
@@ -179,6 +181,31 @@ def test_localized_random_ops_draw_blocks_and_replicas_agree(mesh_shape, placeme
             for b in coords_list:
                 same_block = a[0] == b[0]
                 assert torch.equal(drawn[a], drawn[b]) == same_block, (node.name, a, b)
+
+
+def test_functional_random_fills_have_rules():
+    """``empty_like(h).exponential_()`` and ``.uniform_(a, b)`` (PhiMoE's sparsemixer
+    router) reach a captured training step as ``aten.exponential`` / ``aten.uniform``:
+    each has a rule, so the planner may shard them like the other random ops."""
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.passes.rules import rule_for
+
+    class Noisy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            h = self.lin(x)
+            noise = torch.empty_like(h).exponential_().log()
+            return ((h - noise) * torch.empty_like(h).uniform_(0.5, 1.5)).sum()
+    graph = capture(Noisy(), (torch.randn(8, 6),)).graph
+    random = [n for n in graph.ops() if n.op in ("aten.exponential.default",
+                                                  "aten.uniform.default")]
+    assert len(random) == 2
+    for n in random:
+        assert rule_for(n, graph) is not None, n.op
+        assert n.op in R.RANDOM_OPS
 
 
 def test_replicated_random_ops_are_not_rewritten():

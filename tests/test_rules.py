@@ -305,6 +305,7 @@ def _unblocked(target):
     ("reductions", "aten.cumsum.default"),
     ("flip_pad", "aten.flip.default"),
     ("factories", "aten.arange.start_step"),
+    ("solve_triangular", "aten.linalg_solve_triangular.default"),
 ])
 def test_harness_catches_a_factor_that_must_stay_whole(name, op):
     """Sharding what a rule blocks gives a wrong result, and the harness says so. (Many

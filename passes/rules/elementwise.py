@@ -64,6 +64,9 @@ POINTWISE = sorted(_JOINTLY_LINEAR | _LINEAR_EACH | _LINEAR_FIRST | _LINEAR_AFTE
     "aten.div.Tensor_mode", "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor",
     "aten.logical_xor.default", "aten.square.default", "aten.hardtanh.default",
     "aten.elu.default",
+    # inverse and hyperbolic trigonometry (YOSO's LSH collision probability uses acos)
+    "aten.acos.default", "aten.asin.default", "aten.atan.default", "aten.tan.default",
+    "aten.sinh.default", "aten.cosh.default", "aten.log10.default", "aten.erfinv.default",
 })
 
 

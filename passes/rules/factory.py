@@ -56,7 +56,7 @@ def _permuted(node) -> bool:
 
 @register("aten.full_like.default", "aten.zeros_like.default", "aten.ones_like.default",
           "aten.empty_like.default", "aten.new_zeros.default", "aten.new_ones.default",
-          "aten.new_empty.default", "aten.new_full.default")
+          "aten.new_empty.default", "aten.new_full.default", "aten.new_empty_strided.default")
 def factory_like(node, specs):
     f = FactorNamer()
     return f.rule([tuple(() for _ in specs[0].shape)], [f.dims(node.outputs[0].shape)],

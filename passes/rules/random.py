@@ -1,10 +1,12 @@
 """Random ops (dropout masks, ``rand``, ``bernoulli``): each device draws its own block.
 
 A random op's result is a draw, not a function of its operands, so any layout of it is as
-good as any other: the rules below shard random results like elementwise results, and
-the runtime (``runtime/random.py``) makes a sharded draw well defined. Each op draws one
-number from the default generator (the same on every rank: ``auto_parallel`` synchronizes
-the ranks' generators) and every device seeds its block from that number and the block's
+good as any other (in-place fills such as ``exponential_`` reach the graph as their
+functional forms, ``aten.exponential``, once a training step is functionalized): the
+rules below shard random results like elementwise results, and the runtime
+(``runtime/random.py``) makes a sharded draw well defined. Each op draws one number from
+the default generator (the same on every rank: ``auto_parallel`` synchronizes the ranks'
+generators) and every device seeds its block from that number and the block's
 index on the mesh axes the result is sharded over:
 
 - replicas of a block (devices along an axis the result is replicated over) draw the same
@@ -55,7 +57,8 @@ def random_like(node, specs):
 
 @register("aten.bernoulli.default", "aten.bernoulli.p", "aten.bernoulli_.float",
           "aten.bernoulli_.Tensor", "aten.uniform_.default", "aten.normal_.default",
-          "aten.exponential_.default")
+          "aten.exponential_.default", "aten.uniform.default", "aten.exponential.default",
+          "aten.normal_functional.default")
 def random_fill(node, specs):
     # Probabilities (bernoulli) apply elementwise; a filled tensor lends its shape. A
     # probability tensor that broadcasts is read whole.

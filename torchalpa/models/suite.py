@@ -76,6 +76,16 @@ def _causal_lm(config_cls: str, model_cls: str, **fields):
     return make
 
 
+def _swept(task: str, model_type: str, cls_name: str):
+    """An architecture as the HF sweep (``benchmarks/hf_sweep.py``) builds it: the default
+    config through the generic shrinker (``torchalpa/models/hf_shrink.py``), its batch."""
+    def make():
+        from torchalpa.models.hf_shrink import build_model, example_batch
+        model = build_model(task, model_type, cls_name)
+        return model, example_batch(task, model), None
+    return make
+
+
 def _encoder(config_cls: str, model_cls: str, **fields):
     """A text encoder with a sequence-classification head."""
     def make():
@@ -387,6 +397,10 @@ _CASES = [
     SuiteCase("stablelm", "decoder", _causal_lm("StableLmConfig", "StableLmForCausalLM")),
     SuiteCase("olmo2", "decoder", _causal_lm("Olmo2Config", "Olmo2ForCausalLM")),
     SuiteCase("granite", "decoder", _causal_lm("GraniteConfig", "GraniteForCausalLM")),
+    # found by the HF sweep, built by its shrinker: gated delta-rule attention (a
+    # triangular solve, a strided copy buffer) and YOSO's hashed attention (acos)
+    SuiteCase("qwen3_next", "decoder", _swept("causal", "qwen3_next", "Qwen3NextForCausalLM")),
+    SuiteCase("yoso", "encoder", _swept("masked", "yoso", "YosoForMaskedLM")),
     # mixture of experts
     SuiteCase("mixtral", "moe", _causal_lm("MixtralConfig", "MixtralForCausalLM",
                                            num_local_experts=4, num_experts_per_tok=2)),
