@@ -35,6 +35,7 @@ runs, so it keeps the loss's own all-reduce.
 from __future__ import annotations
 
 import operator
+from typing import Any, cast
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -94,12 +95,13 @@ def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule
             or set(issue.users) != {wait} or PLAN_STEP not in issue.meta:
         return None
     local, reduce_op, group = issue.args
+    assert isinstance(group, str), f"a collective's group is named by a string, got {group!r}"
     reduce = _ride(backward_reduce, reduce_op, group)
     if reduce is None or not isinstance(local, fx.Node):
         return None
     backward, bucket, bucket_op = reduce
     # an average rides a sum: divided by the group's size after (as gloo's avg does)
-    divisor = _resolve_process_group(group).size() if bucket_op != reduce_op else None
+    divisor = _resolve_process_group(cast(Any, group)).size() if bucket_op != reduce_op else None
 
     order = [n for n in graph.nodes if n in tail]
     boundary: list[fx.Node] = []        # what the tail reads from the rest of the program
@@ -132,6 +134,7 @@ def _ride(program: fx.GraphModule, reduce_op, group
     ops = (reduce_op, "sum") if reduce_op == "avg" else (reduce_op,)
     graph = fx.Graph()
     outs = graph.graph_copy(program.graph, {})
+    assert isinstance(outs, (tuple, list)), "a backward program returns a tuple"
     chosen = None
     for flat in graph.nodes:
         if flat.target is not flatten_concat or BUCKET not in flat.meta or len(flat.users) != 1:
@@ -152,6 +155,7 @@ def _ride(program: fx.GraphModule, reduce_op, group
     with graph.inserting_after(placeholders[-1]) if placeholders else \
             graph.inserting_before(next(iter(graph.nodes))):
         part = graph.placeholder("loss_local_part")
+    assert isinstance(flat.args[0], (list, tuple)), "a bucket flattens a list of gradients"
     members = list(flat.args[0])
     flat.args = (members + [part],)
     split.args = (split.args[0], members + [part])

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, cast
 
 import torch
 import torch.fx as fx
@@ -247,7 +247,7 @@ class StepRunner:
             saved = self._replay(step, state, saved[0])
         if step.rides:             # one micro-batch, one stage; the loss in a bucket
             assert self._ride is not None and len(step.losses) == 1
-            local, others = step.losses[0]
+            local, others = cast(tuple, step.losses[0])     # (local part, tail's values)
             *step.reduced, reduced_loss = self._ride_eager[1](*saved, local)
             step.losses = [self._ride.finish(reduced_loss, others)]
             step.losses_waited = True

@@ -18,7 +18,7 @@ __all__ = ["arg", "positions", "by_position", "dim_list", "keepdim_of"]
 _MISSING = object()
 
 
-def arg(node: OpNode, index: int, name: str | None = None, default: Any = None) -> Any:
+def arg(node: OpNode, index: int | None, name: str | None = None, default: Any = None) -> Any:
     """Argument ``index`` of the call (or keyword ``name``), else ``default``."""
     if index is not None and index < len(node.args):
         return node.args[index]
