@@ -30,11 +30,12 @@ def _say(text: str) -> None:
 def _probe_stage_solves() -> None:
     solve_stage = inter_op._StageCosts._solve_stage
 
-    def timed(self, k, i, submesh, view, flight, received):
+    def timed(self, k, i, submesh, view, flight, received, *budget):
         start = time.perf_counter()
-        seconds, lean = solve_stage(self, k, i, submesh, view, flight, received)
+        seconds, lean = solve_stage(self, k, i, submesh, view, flight, received, *budget)
         _say(f"stage solve layers {k}..{i} on {submesh} as {view}, {flight} in flight"
-             f"{', recomputed' if received is not None else ''}: "
+             f"{', recomputed' if received is not None else ''}"
+             f"{f', budget {budget[0]} s' if budget and budget[0] else ''}: "
              f"{time.perf_counter() - start:.1f} s -> latency {seconds}, lean {lean}")
         return seconds, lean
 
