@@ -542,7 +542,8 @@ class _StageCosts:
                      budget: float | None = None) -> tuple[float | None, bool]:
         """The stage's exact plan, kept (``received`` None) or recomputed: then planned
         with one micro-batch in flight within the budget the others' inputs leave.
-        ``budget``: seconds each ILP solve may take at most (``_budgeted``)."""
+        ``budget``: seconds each ILP solve may take at most, re-solved unsimplified
+        only when small (``_budgeted``)."""
         stage_of = {n: (0 if k <= v <= i else 1) for n, v in self.layer.items()}
         sub = stage_subgraph(self.graph, stage_of, 0).graph
         mesh = _submesh_cluster(self.cluster, submesh).logical_mesh(view)
@@ -575,12 +576,19 @@ of 80)."""
 UNIFORM_TIME_LIMIT: float | None = 10.0
 """Seconds each ILP solve of a uniform partition's stage may take (``_exact_search``), in
 place of the method's ``time_limit`` where that is longer; None: no budget of its own.
-Those stages are priced only to offer the search an alternative, and most of their time
-went to the unsimplified re-solve (``AutoShardingOption.exact_below``), which starts from
-the simplified plan: stopped at the budget, it returns that plan or a better one, a
-feasible plan whose time is an upper bound of the stage's optimum. On GPT-15B (32 H100s)
-those re-solves took 20-85 s each (several at the 60 s limit) for 0.1-0.75 % better
-stages; the simplified solves took 1-5 s."""
+Those stages are priced only to offer the search an alternative, so their solves stop
+early: any feasible plan's time is an upper bound of the stage's optimum."""
+
+UNIFORM_RESOLVE_BELOW = 1000
+"""A uniform partition's stage is also re-solved unsimplified
+(``AutoShardingOption.exact_below``) only when its graph has at most this many nodes (and
+at most the method's ``exact_below``). On GPT-15B's 2-layer stages (32 H100s, 1586-1718
+nodes; benchmarks/search_profile.py) those re-solves were nearly all of the uniform
+pricing: 400k-column ILPs, 20-85 s each at the 60 s limit, still 47-113 s per stage with a
+10 s limit (HiGHS overran it 1.3-3x, building the model took the rest), for stages
+0-0.75 % faster; the simplified solves took 1-6 s. On small stages (the tests' 2-layer GPT,
+a few hundred nodes) the re-solve is cheap and found a 5 % faster stage. Skipped, the
+simplified plan, itself feasible, is the price."""
 
 MAX_EXACT_ROUNDS = 8
 """Rounds of (stage DP, exact pricing of the stages it chose that were not yet exact)."""
@@ -730,10 +738,13 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
 
 
 def _budgeted(option: AutoShardingOption, budget: float | None) -> AutoShardingOption:
-    """``option`` with its ILP time limit at most ``budget`` seconds (None: unchanged)."""
-    if budget is None or (option.time_limit is not None and option.time_limit <= budget):
+    """``option`` for a solve within ``budget`` seconds: its ILP time limit at most that,
+    and no unsimplified re-solve above ``UNIFORM_RESOLVE_BELOW`` nodes. None: unchanged."""
+    if budget is None:
         return option
-    return replace(option, time_limit=budget)
+    limit = budget if option.time_limit is None else min(option.time_limit, budget)
+    return replace(option, time_limit=limit,
+                   exact_below=min(option.exact_below, UNIFORM_RESOLVE_BELOW))
 
 
 def _uniform_layouts(L: int, cluster: Cluster, shapes: list[tuple[int, int]]

@@ -1,9 +1,10 @@
 """The uniform partitions' stage solves run within their own time budget
-(``inter_op.UNIFORM_TIME_LIMIT``); the stages the DP picks keep the method's time limit.
+(``inter_op.UNIFORM_TIME_LIMIT``) and skip the unsimplified re-solve on large stages
+(``inter_op.UNIFORM_RESOLVE_BELOW``); the stages the DP picks keep the method's time limit
+and re-solve below its ``exact_below``.
 
 On GPT-15B the uniform partitions' unsimplified stage re-solves took most of the search
-(20-85 s each, several at the 60 s limit); the budget stops them sooner, with the plan
-they start from or a better one."""
+(20-85 s each, several at the 60 s limit) for stages at most 0.75 % faster."""
 
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ def _search(graph):
 
 
 def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(gpt_graph, monkeypatch):
-    """Every stage solve asked for with a budget plans with that time limit; every other
-    one with the method's (60 s); with every uniform partition priced, some are budgeted."""
+    """Every stage solve asked for with a budget plans with that time limit and re-solves
+    unsimplified below 1000 nodes; every other one with the method's (60 s, below 2000
+    nodes); with every uniform partition priced, some are budgeted."""
     monkeypatch.setattr(inter_op, "UNIFORM_MARGIN", math.inf)
     monkeypatch.setattr(inter_op, "UNIFORM_TIME_LIMIT", BUDGET)
     monkeypatch.setattr(inter_op, "_workers", lambda: 1)     # solves in this process
@@ -59,7 +61,8 @@ def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(gpt_graph,
         return solve_stage(self, k, i, submesh, view, flight, received, budget)
 
     def recording_plan(request):
-        limits.append((asked[-1], request[2].auto_sharding_option.time_limit))
+        option = request[2].auto_sharding_option
+        limits.append((asked[-1], option.time_limit, option.exact_below))
         return plan_stage(request)
 
     monkeypatch.setattr(inter_op._StageCosts, "_solve_stage", recording_solve)
@@ -68,11 +71,11 @@ def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(gpt_graph,
     assert plan.estimates["memory_per_device_bytes"] <= 0.05 * GB
     assert BUDGET in asked, "no uniform partition's stage was priced under the budget"
     assert None in asked, "the DP priced no stage of its own"
-    assert limits and all(limit == (BUDGET if budget is not None else 60.0)
-                          for budget, limit in limits), limits
+    assert limits and all((limit, below) == ((BUDGET, 1000) if budget is not None else (60.0, 2000))
+                          for budget, limit, below in limits), limits
 
 
-def test_a_budget_bounds_the_time_limit_it_never_raises_it():
+def test_a_budget_bounds_the_time_limit_it_never_raises_it(monkeypatch):
     option = torchalpa.AutoShardingOption(solver="highs")          # time_limit 60 s
     assert inter_op._budgeted(option, None) is option
     assert inter_op._budgeted(option, 10.0).time_limit == 10.0
@@ -80,6 +83,13 @@ def test_a_budget_bounds_the_time_limit_it_never_raises_it():
     unlimited = torchalpa.AutoShardingOption(solver="highs", time_limit=None)
     assert inter_op._budgeted(unlimited, 10.0).time_limit == 10.0
     assert inter_op._budgeted(option, 10.0).solver == "highs"
+    assert option.exact_below == 2000
+    assert inter_op._budgeted(option, 10.0).exact_below == inter_op.UNIFORM_RESOLVE_BELOW
+    monkeypatch.setattr(inter_op, "UNIFORM_RESOLVE_BELOW", 0)
+    assert inter_op._budgeted(option, 10.0).exact_below == 0
+    small = torchalpa.AutoShardingOption(solver="highs", exact_below=300)
+    monkeypatch.setattr(inter_op, "UNIFORM_RESOLVE_BELOW", 1000)
+    assert inter_op._budgeted(small, 10.0).exact_below == 300
 
 
 def test_budgeted_and_full_stage_solves_are_cached_apart(gpt_graph, monkeypatch):
