@@ -486,17 +486,18 @@ class _StageCosts:
         return min(fits, key=lambda c: c[0]) if fits else (math.inf, None)
 
     def exact(self, k: int, i: int, submesh: tuple[int, int], view: tuple[int, ...],
-              in_flight_batches: int, recompute: bool = False
+              in_flight_batches: int, recompute: bool = False, budget: float | None = None
               ) -> tuple[float, AutoShardingOption | None]:
         """Latency of layers k..i as one stage by its own memory-constrained ILP (with its
         micro-batches in flight) on ``view``, and the option that fits (None: the method's
         own; else sharded states); inf if neither fits. ``recompute``: the stage
-        checkpointed (``passes/stage_remat.py``). Cached by the range's structure, so
+        checkpointed (``passes/stage_remat.py``). ``budget``: seconds each of the stage's
+        ILP solves may take at most (``_budgeted``). Cached by the range's structure, so
         ranges of identical layers are solved once."""
         received = self.received(k, i) if recompute else 0.0
-        key = self._stage_key(k, i, submesh, view, in_flight_batches, recompute)
+        key = self._stage_key(k, i, submesh, view, in_flight_batches, recompute, budget)
         seconds, lean = SOLVES.get(key, lambda: self._solve_stage(
-            k, i, submesh, view, in_flight_batches, received if recompute else None))
+            k, i, submesh, view, in_flight_batches, received if recompute else None, budget))
         if seconds is None:
             return math.inf, None
         option = replace(self.method.auto_sharding_option, parameters="sharded") if lean \
@@ -506,24 +507,27 @@ class _StageCosts:
         return seconds + self.send_seconds(k, i), option
 
     def _stage_key(self, k: int, i: int, submesh, view, in_flight_batches: int,
-                   recompute: bool) -> tuple:
+                   recompute: bool, budget: float | None = None) -> tuple:
         """What ``exact`` caches a stage's solve under: its layers' structure, where it sits,
-        its view and micro-batches in flight."""
+        its view, micro-batches in flight, and the time budget its solves ran under (a
+        budgeted solve may stop short of the optimum a full one finds)."""
         return ("stage", range_signature(self.signature, k, i), k == 0,
                 i == self.num_layers - 1, view, submesh, in_flight_batches, self.context) + \
-            ((("recompute", self.received(k, i)),) if recompute else ())
+            ((("recompute", self.received(k, i)),) if recompute else ()) + \
+            ((("budget", budget),) if budget is not None else ())
 
-    def solve_stages(self, stages: list[tuple], workers: int) -> None:
+    def solve_stages(self, stages: list[tuple], workers: int, budget: float | None = None
+                     ) -> None:
         """Solve the stages (k, i, submesh, view, in flight, recompute) that ``exact`` has
         not yet, ``workers`` at a time, and keep them where ``exact`` finds them: the DP's
         stages of one round are independent solves (one to two minutes each for GPT-15B's
-        two-layer stages), run one after another before."""
+        two-layer stages), run one after another before. ``budget``: as in ``exact``."""
         todo: dict[tuple, tuple] = {}
         for k, i, submesh, view, flight, recompute in stages:
-            key = self._stage_key(k, i, submesh, view, flight, recompute)
+            key = self._stage_key(k, i, submesh, view, flight, recompute, budget)
             if key not in SOLVES and key not in todo:
                 todo[key] = (k, i, submesh, view, flight,
-                             self.received(k, i) if recompute else None)
+                             self.received(k, i) if recompute else None, budget)
         if len(todo) < 2 or workers <= 1:
             return      # ``exact`` solves it here, as it would in a worker
         global _WORKER_COSTS
@@ -534,10 +538,12 @@ class _StageCosts:
             self.exact_plans.update(plans)
             self.exact_solves += solves
 
-    def _solve_stage(self, k, i, submesh, view, in_flight_batches, received: float | None
-                     ) -> tuple[float | None, bool]:
+    def _solve_stage(self, k, i, submesh, view, in_flight_batches, received: float | None,
+                     budget: float | None = None) -> tuple[float | None, bool]:
         """The stage's exact plan, kept (``received`` None) or recomputed: then planned
-        with one micro-batch in flight within the budget the others' inputs leave."""
+        with one micro-batch in flight within the budget the others' inputs leave.
+        ``budget``: seconds each ILP solve may take at most, re-solved unsimplified
+        only when small (``_budgeted``)."""
         stage_of = {n: (0 if k <= v <= i else 1) for n, v in self.layer.items()}
         sub = stage_subgraph(self.graph, stage_of, 0).graph
         mesh = _submesh_cluster(self.cluster, submesh).logical_mesh(view)
@@ -549,6 +555,7 @@ class _StageCosts:
                                           self.budget(), received, in_flight_batches)
                 if option is None:
                     return None, False
+            option = _budgeted(option or self.method.auto_sharding_option, budget)
             self.exact_solves += 1
             try:
                 plan = _plan_stage((sub, mesh, self.method.intra_op_method(option),
@@ -565,6 +572,23 @@ MEMORY_SLACK = 2.0
 """How far over the budget an additive memory estimate may be for the exact stage ILP to
 be asked (GPT-39B, 2 layers, 8 micro-batches in flight: additive 126-140 GB, exact 79 GB
 of 80)."""
+
+UNIFORM_TIME_LIMIT: float | None = 10.0
+"""Seconds each ILP solve of a uniform partition's stage may take (``_exact_search``), in
+place of the method's ``time_limit`` where that is longer; None: no budget of its own.
+Those stages are priced only to offer the search an alternative, so their solves stop
+early: any feasible plan's time is an upper bound of the stage's optimum."""
+
+UNIFORM_RESOLVE_BELOW = 1000
+"""A uniform partition's stage is also re-solved unsimplified
+(``AutoShardingOption.exact_below``) only when its graph has at most this many nodes (and
+at most the method's ``exact_below``). On GPT-15B's 2-layer stages (32 H100s, 1586-1718
+nodes; benchmarks/search_profile.py) those re-solves were nearly all of the uniform
+pricing: 400k-column ILPs, 20-85 s each at the 60 s limit, still 47-113 s per stage with a
+10 s limit (HiGHS overran it 1.3-3x, building the model took the rest), for stages
+0-0.75 % faster; the simplified solves took 1-6 s. On small stages (the tests' 2-layer GPT,
+a few hundred nodes) the re-solve is cheap and found a 5 % faster stage. Skipped, the
+simplified plan, itself feasible, is the price."""
 
 MAX_EXACT_ROUNDS = 8
 """Rounds of (stage DP, exact pricing of the stages it chose that were not yet exact)."""
@@ -680,18 +704,22 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
         solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
         todo = [key for key in keys(solution) if not _picked(choice, key)[1]]
         picks = [(key, _picked(choice, key)[0]) for key in todo]
+        budget = None
         if not todo and not uniform_done:
-            # the answer is exact: price the uniform partitions that might beat it
+            # the answer is exact: price the uniform partitions that might beat it, each
+            # solve within ``UNIFORM_TIME_LIMIT``
             uniform_done = True
             picks = uniform_picks(solution.total * (1 + UNIFORM_MARGIN))
             todo = [key for key, _ in picks]
+            budget = UNIFORM_TIME_LIMIT
         if not todo or measured:
             break
         costs.solve_stages([(k, i, shapes[j], view, flight, recompute)
-                            for (k, i, j, flight), (view, _, recompute) in picks], _workers())
+                            for (k, i, j, flight), (view, _, recompute) in picks], _workers(),
+                           budget)
         for key, (view, _, recompute) in picks:
             k, i, j, flight = key
-            latency, option = costs.exact(k, i, shapes[j], view, flight, recompute)
+            latency, option = costs.exact(k, i, shapes[j], view, flight, recompute, budget)
             exact.setdefault(key, {})[view, recompute] = (
                 latency, (view, option, recompute) if math.isfinite(latency) else None)
     else:    # rounds spent: keep what was priced exactly, drop the optimistic guesses
@@ -707,6 +735,16 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
             stages.append((view, replace(costs.method.auto_sharding_option,
                                          parameters="sharded") if lean else None, recompute))
     return solution, stages, sum(len(v) for v in exact.values()), uniform_exact()
+
+
+def _budgeted(option: AutoShardingOption, budget: float | None) -> AutoShardingOption:
+    """``option`` for a solve within ``budget`` seconds: its ILP time limit at most that,
+    and no unsimplified re-solve above ``UNIFORM_RESOLVE_BELOW`` nodes. None: unchanged."""
+    if budget is None:
+        return option
+    limit = budget if option.time_limit is None else min(option.time_limit, budget)
+    return replace(option, time_limit=limit,
+                   exact_below=min(option.exact_below, UNIFORM_RESOLVE_BELOW))
 
 
 def _uniform_layouts(L: int, cluster: Cluster, shapes: list[tuple[int, int]]
