@@ -42,6 +42,30 @@ def defer_loss_wait(forward: fx.GraphModule, index: int = 0
     ``forward`` is left unchanged (other callers, e.g. the profiler, get the finished loss)."""
     if not isinstance(forward, fx.GraphModule):      # compiled programs keep their waits
         return None
+    split = split_loss_tail(forward, index)
+    if split is None:
+        return None
+    graph, outs, loss, order, boundary = split
+    finish = _finish_program(forward, order, boundary, loss)
+    new_outs = list(outs)
+    new_outs[index] = boundary[0] if len(boundary) == 1 else tuple(boundary)
+    graph.output(type(outs)(new_outs))
+    for n in reversed(order):
+        graph.erase_node(n)
+    graph.lint()
+
+    def wait(value) -> torch.Tensor:
+        return finish(*(value if isinstance(value, tuple) else (value,)))
+
+    return fx.GraphModule(forward, graph), wait
+
+
+def split_loss_tail(forward: fx.GraphModule, index: int):
+    """A copy of ``forward``'s graph (no output node yet) with its loss (output ``index``)
+    and the loss's tail in it: ``(graph, outs, loss, order, boundary)``, ``order`` the
+    tail's ops in program order, ``boundary`` the values they read from the rest of the
+    program; None when the loss has no movable tail (``_tail``) or the program returns
+    a value of the tail besides the loss."""
     graph = fx.Graph()
     outs = graph.graph_copy(forward.graph, {})      # the output's value, no output node
     if not isinstance(outs, (tuple, list)) or index >= len(outs):
@@ -59,18 +83,7 @@ def defer_loss_wait(forward: fx.GraphModule, index: int = 0
         for i in n.all_input_nodes:
             if i not in tail and i not in boundary:
                 boundary.append(i)
-    finish = _finish_program(forward, order, boundary, loss)
-    new_outs = list(outs)
-    new_outs[index] = boundary[0] if len(boundary) == 1 else tuple(boundary)
-    graph.output(type(outs)(new_outs))
-    for n in reversed(order):
-        graph.erase_node(n)
-    graph.lint()
-
-    def wait(value) -> torch.Tensor:
-        return finish(*(value if isinstance(value, tuple) else (value,)))
-
-    return fx.GraphModule(forward, graph), wait
+    return graph, outs, loss, order, boundary
 
 
 def _tail(loss: fx.Node) -> set[fx.Node] | None:

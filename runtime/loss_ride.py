@@ -45,7 +45,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import BUCKET, flatten_concat, split_flat
-from torchalpa.runtime.deferred_loss import _FINISH, _tail
+from torchalpa.runtime.deferred_loss import _FINISH, split_loss_tail
 from torchalpa.runtime.lower import PLAN_STEP
 
 __all__ = ["RiddenPrograms", "ride_loss_on_bucket"]
@@ -76,17 +76,11 @@ def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule
     inputs are left untouched."""
     if not isinstance(forward, fx.GraphModule) or not isinstance(backward_reduce, fx.GraphModule):
         return None
-    graph = fx.Graph()
-    outs = graph.graph_copy(forward.graph, {})
-    if not isinstance(outs, (tuple, list)) or index >= len(outs):
+    split = split_loss_tail(forward, index)
+    if split is None:
         return None
-    loss = outs[index]
-    if not isinstance(loss, fx.Node) or sum(o is loss for o in outs) != 1:
-        return None
-    tail = _tail(loss)
-    if tail is None or any(isinstance(o, fx.Node) and o in tail and o is not loss for o in outs):
-        return None
-    waits = [n for n in tail if n.target in _FINISH]
+    graph, outs, loss, order, boundary = split
+    waits = [n for n in order if n.target in _FINISH]
     if len(waits) != 1 or waits[0].target is not C.finish_all_reduce:
         return None
     wait = waits[0]
@@ -103,12 +97,6 @@ def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule
     # an average rides a sum: divided by the group's size after (as gloo's avg does)
     divisor = _resolve_process_group(cast(Any, group)).size() if bucket_op != reduce_op else None
 
-    order = [n for n in graph.nodes if n in tail]
-    boundary: list[fx.Node] = []        # what the tail reads from the rest of the program
-    for n in order:
-        for i in n.all_input_nodes:
-            if i not in tail and i not in boundary:
-                boundary.append(i)
     others = [b for b in boundary if b is not issue]
     finish = _finish_program(forward, order, others, wait, loss, divisor)
     new_outs = list(outs)
