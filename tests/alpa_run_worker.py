@@ -25,7 +25,6 @@ import sys
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -33,8 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torchalpa  # noqa: E402
 from alpa_cases import BertLayers, mse  # noqa: E402
 from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from worker_io import attempt, finish, train_beside_one_device  # noqa: E402
+from worker_io import mesh_shape, run_scenarios, train_beside_one_device  # noqa: E402
 
 
 class TwoDense(nn.Module):
@@ -119,14 +117,7 @@ SCENARIOS = {"accum": lambda s: accumulation(s, False),
 
 
 def main():
-    out_path, which = sys.argv[1], sys.argv[2].split(",")
-    init_distributed()
-    results: dict = {"world_size": dist.get_world_size()}
-    for scenario in which:
-        name, shape = scenario.split(":")
-        run = SCENARIOS[name]
-        results[scenario] = attempt(lambda: run(tuple(int(n) for n in shape.split("x"))))
-    finish(results, out_path)
+    run_scenarios(lambda name, shape: SCENARIOS[name](mesh_shape(shape)))
 
 
 if __name__ == "__main__":

@@ -19,17 +19,16 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
 from alpa_cases import BertLayers, mse  # noqa: E402
+from torchalpa.placement import Replicate  # noqa: E402
 from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
 from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from worker_io import attempt, finish  # noqa: E402
+from worker_io import run_scenarios  # noqa: E402
 
 COSTS = {   # (alpha, beta) per mesh axis
     "alpa": ((2.0, 2.0), (1.0, 0.1)),       # Alpa's test mesh: axis 1 ten times faster
@@ -81,19 +80,13 @@ def run(name: str, costs: str) -> dict:
     return {"loss": loss.item(), "ref_loss": ref_loss.item(), "grad_diff": worst,
             "worst": worst_name,
             "split": sorted(p.name for p in pm.plan.parameters
-                            if any(type(x).__name__ != "Replicate" for x in p.placements)),
+                            if any(not isinstance(x, Replicate) for x in p.placements)),
             "executed": sorted([r.kind, r.axis, r.bytes] for r in counter.records),
             "planned": sorted([c.kind, c.axis, c.bytes] for c in issued_collectives(pm.plan))}
 
 
 def main():
-    out_path, which = sys.argv[1], sys.argv[2].split(",")
-    init_distributed()
-    results: dict = {"world_size": dist.get_world_size()}
-    for scenario in which:
-        name, costs = scenario.split(":")
-        results[scenario] = attempt(lambda: run(name, costs))
-    finish(results, out_path)
+    run_scenarios(run)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -25,8 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torchalpa  # noqa: E402
 from alpa_cases import ConvNet  # noqa: E402
 from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from worker_io import attempt, finish, max_rel, train_beside_one_device  # noqa: E402
+from worker_io import max_rel, mesh_shape, run_scenarios, train_beside_one_device  # noqa: E402
 
 # (layers, batch, image size, channels) per net
 NETS = {"conv": (3, 16, 16, 4), "wide": (2, 2, 4, 16)}
@@ -71,14 +69,7 @@ def conv(net: str, shape: tuple[int, ...]) -> dict:
 
 
 def main():
-    out_path, which = sys.argv[1], sys.argv[2].split(",")
-    init_distributed()
-    results: dict = {"world_size": dist.get_world_size()}
-    for scenario in which:
-        name, shape = scenario.split(":")
-        assert name in NETS, name
-        results[scenario] = attempt(lambda: conv(name, tuple(int(n) for n in shape.split("x"))))
-    finish(results, out_path)
+    run_scenarios(lambda name, shape: conv(name, mesh_shape(shape)))
 
 
 if __name__ == "__main__":

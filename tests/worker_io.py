@@ -131,6 +131,26 @@ def finish(results: dict, out_path: str) -> None:
     os._exit(0)
 
 
+def run_scenarios(run, argv=None) -> None:
+    """A worker's main: ``argv[1]`` is the JSON path rank 0 writes, ``argv[2]`` the
+    scenarios, ``name:arg`` comma separated; ``run(name, arg)`` gives each one's result
+    (an error is recorded by ``attempt`` and the next scenario runs)."""
+    from torchalpa.runtime.mesh import init_distributed
+    argv = sys.argv if argv is None else argv
+    out_path, which = argv[1], argv[2].split(",")
+    init_distributed()
+    results: dict = {"world_size": dist.get_world_size()}
+    for scenario in which:
+        name, arg = scenario.split(":")
+        results[scenario] = attempt(lambda: run(name, arg))
+    finish(results, out_path)
+
+
+def mesh_shape(text: str) -> tuple[int, ...]:
+    """``"2x2"`` -> ``(2, 2)``."""
+    return tuple(int(n) for n in text.split("x"))
+
+
 # -- worker side: training beside one device ------------------------------------------------
 
 def train_beside_one_device(pm, ref, ref_opt, batch_of_step, loss_fn, *, steps: int,
