@@ -4,11 +4,9 @@ solving them one after another in this process plans."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import torchalpa
-import torchalpa.models as zoo
-from torchalpa.frontends.torch_export import capture
+from search_models import small_gpt_graph
 from torchalpa.passes import inter_op
 from torchalpa.passes.layer_cache import SOLVES
 
@@ -17,12 +15,7 @@ GB = 1024 ** 3
 
 @pytest.fixture(scope="module")
 def gpt_graph():
-    config = zoo.GPTConfig(vocab_size=512, max_seq_len=64, num_layers=4, num_heads=4,
-                           hidden=256, dropout=0.0)
-    workload = zoo.Workload("gpt", config, 8, 64)
-    with torch.device("meta"):
-        model, batch = workload.build(), workload.example_inputs()
-    return capture(model, batch, workload.loss_fn).graph
+    return small_gpt_graph()
 
 
 def _plan(graph, workers: int, monkeypatch):

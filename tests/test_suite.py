@@ -28,7 +28,6 @@ NUM_LAUNCHES = 4                      # slow cases are split into this many laun
 ON_2X2 = [f"{name}@2x2" for name in SUITE]
 FAST_2X2 = ("llama@2x2",)
 SLOW_2X2 = [name for name in ON_2X2 if name not in FAST_2X2]
-FAILS_ON_2X2: dict[str, str] = {}   # none now (SwinV2's predict was: tests/test_strided.py)
 
 
 def launch(names, tmp_path, nproc: int = 4) -> dict:
@@ -87,9 +86,7 @@ _slow_2x2_results: dict[int, dict] = {}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=FAILS_ON_2X2[n]))
-    if n in FAILS_ON_2X2 else n for n in SLOW_2X2])
+@pytest.mark.parametrize("name", SLOW_2X2)
 def test_suite_case_trains_like_one_device_on_a_2x2_mesh(tmp_path_factory, name):
     index = SLOW_2X2.index(name) % NUM_LAUNCHES
     if index not in _slow_2x2_results:

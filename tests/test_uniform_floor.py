@@ -12,11 +12,9 @@ import dataclasses
 import math
 
 import pytest
-import torch
 
 import torchalpa
-import torchalpa.models as zoo
-from torchalpa.frontends.torch_export import capture
+from search_models import small_gpt_graph
 from torchalpa.passes import inter_op
 from torchalpa.passes.layer_cache import SOLVES
 from torchalpa.passes.stages import submesh_shapes
@@ -27,12 +25,7 @@ LAYERS = 4
 
 @pytest.fixture(scope="module")
 def gpt_graph():
-    config = zoo.GPTConfig(vocab_size=512, max_seq_len=64, num_layers=LAYERS, num_heads=4,
-                           hidden=256, dropout=0.0)
-    workload = zoo.Workload("gpt", config, 8, 64)
-    with torch.device("meta"):
-        model, batch = workload.build(), workload.example_inputs()
-    return capture(model, batch, workload.loss_fn).graph
+    return small_gpt_graph(LAYERS)
 
 
 def _cluster():
