@@ -10,7 +10,7 @@ The options mirror Alpa's ``AutoShardingOption`` where they mean the same thing.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 __all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataParallel", "Zero2Parallel",
            "Zero3Parallel", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
@@ -236,6 +236,19 @@ class ShardParallel:
         d = json.loads(json.dumps(asdict(self)))
         d["name"] = type(self).__name__
         return d
+
+
+def with_micro_batches(method, num_micro_batches: int | None):
+    """``method`` with ``auto_parallel``'s ``num_micro_batches=`` (a ShardParallel or
+    PipeshardParallel): set where the method leaves it at 1, a ValueError where the two
+    disagree."""
+    if num_micro_batches is None or num_micro_batches == method.num_micro_batches:
+        return method
+    if method.num_micro_batches != 1:
+        raise ValueError(f"num_micro_batches={num_micro_batches} disagrees with the method's "
+                         f"{type(method).__name__}(num_micro_batches={method.num_micro_batches}); "
+                         "give it in one place")
+    return replace(method, num_micro_batches=num_micro_batches)
 
 
 def _option(**kw):

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from torchalpa.cluster import Cluster
-from torchalpa.methods import PipeshardParallel
+from torchalpa.methods import PipeshardParallel, with_micro_batches
 from torchalpa.plan import PipelinePlan
 from torchalpa.workflow import (capture_variants, default_cluster, micro_batch_examples,
                                 plan_on_rank0, same_step_on_every_rank, with_precision)
@@ -62,13 +62,7 @@ def pipeline_options(method: PipeshardParallel, *, by_keyword: bool = False, mes
         raise ValueError("init_weights= is not supported with PipeshardParallel: pipeline "
                          "stages take the model's real weights (build the model on CPU and "
                          "initialize it before auto_parallel)")
-    if num_micro_batches is None or num_micro_batches == method.num_micro_batches:
-        return method
-    if method.num_micro_batches != 1:
-        raise ValueError(f"num_micro_batches={num_micro_batches} disagrees with the method's "
-                         f"PipeshardParallel(num_micro_batches={method.num_micro_batches}); "
-                         "give it in one place")
-    return replace(method, num_micro_batches=num_micro_batches)
+    return with_micro_batches(method, num_micro_batches)
 
 
 def plan_pipeshard(model: nn.Module, example_inputs, loss_fn, *, method: PipeshardParallel,

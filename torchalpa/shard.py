@@ -14,7 +14,7 @@ import time
 from dataclasses import replace
 
 from torchalpa.cluster import Cluster, LogicalMesh
-from torchalpa.methods import ShardParallel
+from torchalpa.methods import ShardParallel, with_micro_batches
 from torchalpa.opgraph import OpGraph
 from torchalpa.plan import Plan
 from torchalpa.plan_check import check_step_dtypes
@@ -179,11 +179,8 @@ def shard_parallel(model, example_inputs, loss_fn, *, method: ShardParallel, sig
     from torchalpa.runtime.replicas import enabled_by_env
     from torchalpa.runtime.step import StepRunner
 
-    if num_micro_batches and method.num_micro_batches not in (1, num_micro_batches):
-        raise ValueError(f"num_micro_batches={num_micro_batches} disagrees with the method's "
-                         f"num_micro_batches={method.num_micro_batches}; give one of them")
-    num_micro_batches = num_micro_batches or method.num_micro_batches
-    method = replace(method, num_micro_batches=num_micro_batches)   # priced as it runs
+    method = with_micro_batches(method, num_micro_batches)     # priced as it runs
+    num_micro_batches = method.num_micro_batches
     mesh_mod.init_distributed()
     world = mesh_mod.world_size()
     shape = names = None
