@@ -40,6 +40,11 @@ class ReshardCosts:
         self.allow_reduce_scatter = allow_reduce_scatter
         self.forbidden = frozenset(forbidden)   # collective kinds resharding may not use
         self._cost: dict = {}
+        # tensors and layouts as small ints, and edge tables by them: an edge's table is
+        # looked up by one tuple of ints instead of a (spec, layout, layout) key per cell,
+        # whose hashing (placements hash in Python) was most of building a cost graph
+        self._ids: dict = {}
+        self._tables: dict[tuple, np.ndarray] = {}
 
     def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
         """The resharding steps, or None if impossible or if they need a forbidden kind
@@ -70,8 +75,20 @@ class ReshardCosts:
         """An ILP edge: the cost table over the distinct layouts on each side."""
         urows, ri = _unique(rows)
         ucols, ci = _unique(cols)
-        table = np.array([[self.cost(spec, r, c, gradient) for c in ucols] for r in urows])
-        return Edge(u, v, ri, ci, table)
+        key = (self._id(spec), tuple(map(self._id, urows)), tuple(map(self._id, ucols)),
+               gradient)
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = np.array(
+                [[self.cost(spec, r, c, gradient) for c in ucols] for r in urows])
+        return Edge(u, v, ri, ci, table.copy())
+
+    def _id(self, item) -> int:
+        """A small int standing for a tensor spec or a layout in this object's keys."""
+        found = self._ids.get(item)
+        if found is None:
+            found = self._ids[item] = len(self._ids)
+        return found
 
 
 _CACHED: OrderedDict[tuple, ReshardCosts] = OrderedDict()
