@@ -32,12 +32,13 @@ def _probe_stage_solves() -> None:
 
     def timed(self, k, i, submesh, view, flight, received, *budget):
         start = time.perf_counter()
-        seconds, lean = solve_stage(self, k, i, submesh, view, flight, received, *budget)
+        found = solve_stage(self, k, i, submesh, view, flight, received, *budget)
+        seconds, lean, _ = found
         _say(f"stage solve layers {k}..{i} on {submesh} as {view}, {flight} in flight"
              f"{', recomputed' if received is not None else ''}"
              f"{f', budget {budget[0]} s' if budget and budget[0] else ''}: "
              f"{time.perf_counter() - start:.1f} s -> latency {seconds}, lean {lean}")
-        return seconds, lean
+        return found
 
     inter_op._StageCosts._solve_stage = timed
 

@@ -229,6 +229,7 @@ class _StageCosts:
         self.solves = 0
         self.repriced = 0     # views priced with their class's plan
         self.exact_solves = 0
+        self.reused_in_flight = 0     # exact solves answered from fewer in flight
         self.exact_plans: dict[tuple, object] = {}   # this graph's stage plans
         self._layer_graphs: dict[int, OpGraph] = {}
         self._layer_rules: dict[int, dict] = {}     # per layer: node -> its sharding rule
@@ -493,10 +494,14 @@ class _StageCosts:
         own; else sharded states); inf if neither fits. ``recompute``: the stage
         checkpointed (``passes/stage_remat.py``). ``budget``: seconds each of the stage's
         ILP solves may take at most (``_budgeted``). Cached by the range's structure, so
-        ranges of identical layers are solved once."""
+        ranges of identical layers are solved once, and reused from fewer micro-batches in
+        flight where that plan still fits (``_reuse_fewer_in_flight``)."""
         received = self.received(k, i) if recompute else 0.0
         key = self._stage_key(k, i, submesh, view, in_flight_batches, recompute, budget)
-        seconds, lean = SOLVES.get(key, lambda: self._solve_stage(
+        if key not in SOLVES:
+            self._reuse_fewer_in_flight(k, i, submesh, view, in_flight_batches, recompute,
+                                        budget)
+        seconds, lean, _ = SOLVES.get(key, lambda: self._solve_stage(
             k, i, submesh, view, in_flight_batches, received if recompute else None, budget))
         if seconds is None:
             return math.inf, None
@@ -516,34 +521,86 @@ class _StageCosts:
             ((("recompute", self.received(k, i)),) if recompute else ()) + \
             ((("budget", budget),) if budget is not None else ())
 
+    def _fits(self, memory: tuple[float, float, float], k: int, i: int, flight: int,
+              recompute: bool) -> bool:
+        """Whether a stage plan of layers k..i with ``memory`` (model states, one
+        micro-batch's activation peak, what it saves for backward) fits the budget with
+        ``flight`` micro-batches in flight, as ``plan_intra_op`` counts them (recomputed:
+        one micro-batch planned in what the others' received inputs leave)."""
+        state, peak, saved = memory
+        if recompute:
+            return in_flight_bytes(state, peak, saved, 1) <= \
+                self.budget() - (flight - 1) * self.received(k, i)
+        return in_flight_bytes(state, peak, saved, flight) <= self.budget()
+
+    def _reuse_fewer_in_flight(self, k: int, i: int, submesh, view, flight: int,
+                               recompute: bool, budget: float | None) -> bool:
+        """Answer the stage's exact solve with ``flight`` micro-batches in flight from a
+        solve of the same range with fewer, where one exists and decides it, without an
+        ILP. Exact by monotonicity: more micro-batches in flight only add memory, so the
+        best plan with fewer is at least as fast as any with more; when it also fits with
+        ``flight``, it is the best there too. And when nothing fit with fewer, nothing
+        fits with more. (1F1B's stages keep 1..B micro-batches in flight, so the DP asks
+        for the same range at several counts; GPT-39B's two-layer stages gave the same
+        0.7898 s plan at six of them, 8-60 s each.) Returns whether it answered."""
+        for fewer in range(flight - 1, 0, -1):
+            key = self._stage_key(k, i, submesh, view, fewer, recompute, budget)
+            if key not in SOLVES:
+                continue
+            found = SOLVES.peek(key)
+            seconds, lean, memory = found
+            if seconds is not None and not self._fits(memory, k, i, flight, recompute):
+                continue
+            SOLVES.put(self._stage_key(k, i, submesh, view, flight, recompute, budget), found)
+            plan = self.exact_plans.get((k, i, submesh, view, lean, fewer, recompute))
+            if plan is not None:
+                self.exact_plans[(k, i, submesh, view, lean, flight, recompute)] = plan
+            self.reused_in_flight += 1
+            return True
+        return False
+
     def solve_stages(self, stages: list[tuple], workers: int, budget: float | None = None
                      ) -> None:
         """Solve the stages (k, i, submesh, view, in flight, recompute) that ``exact`` has
         not yet, ``workers`` at a time, and keep them where ``exact`` finds them: the DP's
         stages of one round are independent solves (one to two minutes each for GPT-15B's
-        two-layer stages), run one after another before. ``budget``: as in ``exact``."""
+        two-layer stages), run one after another before. A range asked for at several
+        micro-batches in flight is solved at the fewest first, in waves, so that the
+        others may follow from it (``_reuse_fewer_in_flight``). ``budget``: as in
+        ``exact``."""
         todo: dict[tuple, tuple] = {}
         for k, i, submesh, view, flight, recompute in stages:
             key = self._stage_key(k, i, submesh, view, flight, recompute, budget)
             if key not in SOLVES and key not in todo:
-                todo[key] = (k, i, submesh, view, flight,
-                             self.received(k, i) if recompute else None, budget)
-        if len(todo) < 2 or workers <= 1:
-            return      # ``exact`` solves it here, as it would in a worker
+                todo[key] = (k, i, submesh, view, flight, recompute)
         global _WORKER_COSTS
         _WORKER_COSTS = self      # forked workers read it instead of unpickling the graph
-        for key, (result, plans, solves) in zip(todo, _map(_stage_in_worker,
-                                                           list(todo.values()), workers)):
-            SOLVES.put(key, result)
-            self.exact_plans.update(plans)
-            self.exact_solves += solves
+        while todo:
+            todo = {key: args for key, args in todo.items()
+                    if not self._reuse_fewer_in_flight(*args, budget)}
+            fewest: dict[tuple, tuple[tuple, tuple]] = {}
+            for key, args in sorted(todo.items(), key=lambda item: item[1][4]):
+                k, i, submesh, view, _, recompute = args
+                fewest.setdefault(self._stage_key(k, i, submesh, view, 0, recompute, budget),
+                                  (key, args))
+            wave = list(fewest.values())
+            jobs = [(k, i, submesh, view, flight, self.received(k, i) if recompute else None,
+                     budget) for _, (k, i, submesh, view, flight, recompute) in wave]
+            for (key, _), (result, plans, solves) in zip(wave, _map(_stage_in_worker, jobs,
+                                                                    workers)):
+                SOLVES.put(key, result)
+                self.exact_plans.update(plans)
+                self.exact_solves += solves
+                del todo[key]
 
     def _solve_stage(self, k, i, submesh, view, in_flight_batches, received: float | None,
-                     budget: float | None = None) -> tuple[float | None, bool]:
+                     budget: float | None = None
+                     ) -> tuple[float | None, bool, tuple[float, float, float] | None]:
         """The stage's exact plan, kept (``received`` None) or recomputed: then planned
         with one micro-batch in flight within the budget the others' inputs leave.
         ``budget``: seconds each ILP solve may take at most, re-solved unsimplified
-        only when small (``_budgeted``)."""
+        only when small (``_budgeted``). Returns (latency, lean, (model states, activation
+        peak, saved activations) per device), latency None where nothing fits."""
         stage_of = {n: (0 if k <= v <= i else 1) for n, v in self.layer.items()}
         sub = stage_subgraph(self.graph, stage_of, 0).graph
         mesh = _submesh_cluster(self.cluster, submesh).logical_mesh(view)
@@ -554,7 +611,7 @@ class _StageCosts:
                 option = recompute_option(option or self.method.auto_sharding_option,
                                           self.budget(), received, in_flight_batches)
                 if option is None:
-                    return None, False
+                    return None, False, None
             option = _budgeted(option or self.method.auto_sharding_option, budget)
             self.exact_solves += 1
             try:
@@ -564,8 +621,11 @@ class _StageCosts:
                 continue
             self.exact_plans[(k, i, submesh, view, lean, in_flight_batches,
                               received is not None)] = plan
-            return plan.estimates["step_time_s"], lean
-        return None, False
+            e = plan.estimates
+            return e["step_time_s"], lean, (e["model_state_bytes_per_device"],
+                                            e["activation_bytes_per_device"],
+                                            e["saved_activation_bytes_per_device"])
+        return None, False, None
 
 
 MEMORY_SLACK = 2.0
