@@ -24,7 +24,6 @@ from dataclasses import dataclass, replace
 from torchalpa.cluster import LogicalMesh
 from torchalpa.opgraph import OpGraph
 from torchalpa.passes.strategies import Strategy
-from torchalpa.passes.strides import strided_regions
 from torchalpa.placement import is_shard
 from torchalpa.plan import Plan
 
@@ -61,10 +60,6 @@ def _overlap(layout, wanted) -> int:
     return sum(1 for a, b in zip(layout, wanted) if a == b)
 
 
-_REGIONS = ("strided regions",)
-"""Where ``reprice``'s memo keeps the graph's strided regions, beside each node's rule."""
-
-
 def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str = "global",
             *, relayout_parameters: bool = False, rules: dict | None = None) -> Plan | None:
     """``plan`` (solved for ``graph`` on a view of ``mesh``'s class) with the same
@@ -79,8 +74,7 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
     Only the chosen strategies are looked up (the class guarantees the rest of the space
     is the same), so pricing costs a fraction of the ILP's build; the plan's per-parameter
     explanations list no alternatives. ``rules``: a memo of each node's sharding rule
-    and the graph's strided regions (they do not depend on the mesh), filled here, for
-    pricing one graph many times."""
+    (they do not depend on the mesh), filled here, for pricing one graph many times."""
     from torchalpa.passes.costgraph import cached_reshard_costs
     from torchalpa.passes.intra_op import (StrategySpace, _assemble,
                                            _merge_gradient_all_reduces, effective_option,
@@ -95,15 +89,12 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
         wanted[v.node] = ((), (v.placements,), ())
     chosen: dict[str, Strategy] = {}
     random = set()
-    rules = {} if rules is None else rules
-    if _REGIONS not in rules:
-        rules[_REGIONS] = strided_regions(graph)
     for node in graph:
         key = wanted.get(node.name)
         if key is None:
             return None
-        options, is_random = _offered(node, graph, mesh, option, rules,
-                                      rules[_REGIONS].get(node.name, ()))
+        options, is_random = _offered(node, graph, mesh, option,
+                                      {} if rules is None else rules)
         if is_random:
             random.add(node.name)
         if node.kind == "param" and relayout_parameters:
@@ -130,18 +121,16 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
     return _merge_gradient_all_reduces(priced, graph, mesh, option)
 
 
-def _offered(node, graph: OpGraph, mesh: LogicalMesh, option, rules: dict,
-             strides: tuple[tuple[int, int], ...] = ()) -> tuple[list[Strategy], bool]:
+def _offered(node, graph: OpGraph, mesh: LogicalMesh, option, rules: dict
+             ) -> tuple[list[Strategy], bool]:
     """The strategies ``build_strategies`` starts from for ``node`` (before constraints
     and pruning, which keep or drop the same ones on every view of a class), and whether
-    its rule draws random numbers. ``strides``: the node's strided region
-    (``passes/strides.py``), whose strided shards ``build_strategies`` offers too (a fused
-    qkv weight held by heads)."""
+    its rule draws random numbers."""
     from torchalpa.passes.intra_op import _rule_strategies
     from torchalpa.passes.rules import rule_for
     from torchalpa.passes.strategies import leaf_strategies, replicate_only
     if node.is_leaf:
-        return leaf_strategies(node.output, mesh, strides), False
+        return leaf_strategies(node.output, mesh), False
     if node.name not in rules:
         rules[node.name] = rule_for(node, graph)
     rule = rules[node.name]
@@ -149,7 +138,7 @@ def _offered(node, graph: OpGraph, mesh: LogicalMesh, option, rules: dict,
         return replicate_only(node, mesh), False
     if rule.random and option.random == "replicated":
         rule = replace(rule, blocked=frozenset(rule.factors()))
-    options = list(_rule_strategies(rule, mesh, option.allow_recompute_heavy_op, strides))
+    options = list(_rule_strategies(rule, mesh, option.allow_recompute_heavy_op))
     return options or replicate_only(node, mesh), bool(rule.random)
 
 

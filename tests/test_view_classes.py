@@ -147,24 +147,3 @@ def test_shared_views_plan_what_solving_every_view_plans(nodes):
     assert shared.estimates["memory_per_device_bytes"] == pytest.approx(
         every.estimates["memory_per_device_bytes"])
     assert any("1D views of multi-node submeshes skipped" in n for n in shared.notes)
-
-
-def test_a_plan_holding_a_fused_qkv_weight_by_heads_is_priced_on_its_class():
-    """GPT's fused c_attn weight held by heads is a strided shard, offered only inside a
-    strided region (``passes/strides.py``): pricing must offer it too, or no GPT layer's
-    plan carries over to another view of its class (every view of one was solved by its
-    own ILP: GPT-39B's 8 x 8 search made 114 layer solves and priced 36 views)."""
-    from search_models import small_gpt_graph
-    from torchalpa.passes.intra_op import plan_intra_op
-    from torchalpa.passes.view_classes import reprice
-    graph = small_gpt_graph(num_layers=1)
-    cluster = _cluster(8)
-    method = torchalpa.ShardParallel()
-    small, large = _view_mesh(cluster, (4, 2)), _view_mesh(cluster, (2, 4))
-    plan = plan_intra_op(graph, small, method)
-    strided = [v.name for v in plan.parameters
-               if any(type(p).__name__ == "_StridedShard" for p in v.placements)]
-    assert strided, "the plan holds no weight by a strided shard: nothing to price"
-    moved = reprice(graph, plan, large, method)
-    assert moved is not None
-    assert [s.outputs for s in moved.strategies] == [s.outputs for s in plan.strategies]
