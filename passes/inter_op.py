@@ -542,17 +542,21 @@ class _StageCosts:
         ``flight``, it is the best there too. And when nothing fit with fewer, nothing
         fits with more. (1F1B's stages keep 1..B micro-batches in flight, so the DP asks
         for the same range at several counts; GPT-39B's two-layer stages gave the same
-        0.7898 s plan at six of them, 8-60 s each.) Returns whether it answered."""
+        0.7898 s plan at six of them, 8-60 s each.) Only the same layers' plan answers:
+        the stage's plan object is what the pipeline is assembled from, and a plan of
+        identical layers elsewhere names other nodes (a copy with the same structure at
+        another depth is solved again). Returns whether it answered."""
         for fewer in range(flight - 1, 0, -1):
             key = self._stage_key(k, i, submesh, view, fewer, recompute, budget)
             if key not in SOLVES:
                 continue
             found = SOLVES.peek(key)
             seconds, lean, memory = found
-            if seconds is not None and not self._fits(memory, k, i, flight, recompute):
+            plan = self.exact_plans.get((k, i, submesh, view, lean, fewer, recompute))
+            if seconds is not None and (plan is None or
+                                        not self._fits(memory, k, i, flight, recompute)):
                 continue
             SOLVES.put(self._stage_key(k, i, submesh, view, flight, recompute, budget), found)
-            plan = self.exact_plans.get((k, i, submesh, view, lean, fewer, recompute))
             if plan is not None:
                 self.exact_plans[(k, i, submesh, view, lean, flight, recompute)] = plan
             self.reused_in_flight += 1
