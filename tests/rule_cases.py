@@ -68,6 +68,15 @@ def _rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def _complex_rope(x, theta):
+    """Llama 4's rotary embedding: pairs of features as complex numbers times e^(i theta)
+    (plus a complex built from real and imaginary parts, for ``aten.complex``)."""
+    freqs = torch.polar(torch.ones_like(theta), theta)                       # (T, D/2)
+    freqs = freqs + torch.complex(theta, theta * 0.5) * 0.1                  # (T, D/2)
+    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))          # (B, T, D/2)
+    return torch.view_as_real(pairs * freqs).flatten(-2)                    # (B, T, D)
+
+
 def _moe(x, gate_w, expert_w):
     """Top-2 gating, dense dispatch/combine (GShard) and sparse dispatch by token index
     (gather the routed tokens, index_add them back), with a load-balancing loss."""
@@ -253,6 +262,13 @@ CASES: dict[str, Case] = {
         fwd_bwd(lambda w, i: F.embedding(i, w, padding_idx=5, scale_grad_by_freq=True), [0]),
         lambda: (rnd(16, 4), ints(16, 3, 8)), keep=("aten.embedding_dense_backward.default",)),
     "rope": Case(fwd_bwd(_rope, [0]), lambda: (rnd(2, 4, 8), rnd(4, 8), rnd(4, 8))),
+    "rope_complex": Case(fwd_bwd(_complex_rope, [0, 1]), lambda: (rnd(4, 4, 8), rnd(4, 4))),
+    # Fourier transforms: FNet's token mixing (the real part of a 2-d FFT), and a real
+    # round trip through rfft / irfft of another length
+    "fft_mixing": Case(fwd_bwd(lambda x: torch.fft.fftn(x, dim=(1, 2)).real, [0]),
+                       lambda: (rnd(4, 6, 4),)),
+    "fft_real": Case(fwd_bwd(lambda x: torch.fft.irfft(torch.fft.rfft(x, dim=1), n=6, dim=1),
+                             [0]), lambda: (rnd(4, 7, 2),)),
     # convolution, pooling
     "conv2d": Case(fwd_bwd(lambda x, w, b: F.conv2d(x, w, b, padding=1), [0, 1, 2]),
                    lambda: (rnd(2, 4, 6, 6), rnd(4, 4, 3, 3), rnd(4)), atol=1e-3),

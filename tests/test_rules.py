@@ -249,10 +249,15 @@ def check_all_strategies(gm, nodes, args, meshes=MESHES, atol=1e-4, rtol=1e-4,
                     if r is None:
                         continue
                     assert g.shape == r.shape, where
-                    assert torch.allclose(g.double(), r.double(), atol=atol, rtol=rtol,
+                    assert torch.allclose(_wide(g), _wide(r), atol=atol, rtol=rtol,
                                           equal_nan=True), where
                 checked += 1
     return checked
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64 to compare; a complex tensor as its (real, imaginary) pairs."""
+    return torch.view_as_real(t.resolve_conj()).double() if t.is_complex() else t.double()
 
 
 def _check_draw(n, full, got, refs, where) -> None:

@@ -436,6 +436,10 @@ _CASES = [
     # triangular solve, a strided copy buffer) and YOSO's hashed attention (acos)
     SuiteCase("qwen3_next", "decoder", _swept("causal", "qwen3_next", "Qwen3NextForCausalLM")),
     SuiteCase("yoso", "encoder", _swept("masked", "yoso", "YosoForMaskedLM")),
+    # complex numbers: Llama 4's rotary embedding (view_as_complex, a complex product,
+    # view_as_real) and FNet's Fourier token mixing (fftn)
+    SuiteCase("llama4_text", "decoder", _swept("causal", "llama4_text", "Llama4ForCausalLM")),
+    SuiteCase("fnet", "encoder", _swept("masked", "fnet", "FNetForMaskedLM")),
     # mixture of experts
     SuiteCase("mixtral", "moe", _causal_lm("MixtralConfig", "MixtralForCausalLM",
                                            num_local_experts=4, num_experts_per_tok=2)),
