@@ -440,6 +440,14 @@ _CASES = [
     # view_as_real) and FNet's Fourier token mixing (fftn)
     SuiteCase("llama4_text", "decoder", _swept("causal", "llama4_text", "Llama4ForCausalLM")),
     SuiteCase("fnet", "encoder", _swept("masked", "fnet", "FNetForMaskedLM")),
+    # group norm (PoolFormer), bilinear upsampling (MobileViT, PVT), Tensor.unfold (Inkling2)
+    SuiteCase("poolformer", "vision", _swept("imgcls", "poolformer",
+                                             "PoolFormerForImageClassification")),
+    SuiteCase("mobilevit", "vision", _swept("imgcls", "mobilevit",
+                                            "MobileViTForImageClassification"), dtype=_WIDE),
+    SuiteCase("pvt", "vision", _swept("imgcls", "pvt", "PvtForImageClassification")),
+    SuiteCase("inkling2_text", "decoder", _swept("causal", "inkling2_text",
+                                                 "Inkling2ForCausalLM")),
     # mixture of experts
     SuiteCase("mixtral", "moe", _causal_lm("MixtralConfig", "MixtralForCausalLM",
                                            num_local_experts=4, num_experts_per_tok=2)),
