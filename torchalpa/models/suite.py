@@ -440,9 +440,10 @@ _CASES = [
     # view_as_real) and FNet's Fourier token mixing (fftn)
     SuiteCase("llama4_text", "decoder", _swept("causal", "llama4_text", "Llama4ForCausalLM")),
     SuiteCase("fnet", "encoder", _swept("masked", "fnet", "FNetForMaskedLM")),
-    # group norm (PoolFormer), bilinear upsampling (MobileViT, PVT), Tensor.unfold (Inkling2)
+    # group norm (PoolFormer, BiT), bilinear upsampling (MobileViT, PVT), Tensor.unfold (Inkling2)
     SuiteCase("poolformer", "vision", _swept("imgcls", "poolformer",
                                              "PoolFormerForImageClassification")),
+    SuiteCase("bit", "vision", _swept("imgcls", "bit", "BitForImageClassification")),
     SuiteCase("mobilevit", "vision", _swept("imgcls", "mobilevit",
                                             "MobileViTForImageClassification"), dtype=_WIDE),
     SuiteCase("pvt", "vision", _swept("imgcls", "pvt", "PvtForImageClassification")),
