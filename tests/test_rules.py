@@ -617,6 +617,16 @@ def test_group_norm_any_groups(shape, groups, affine):
 
 
 @_PROPERTY
+@given(mode=st.sampled_from(["nearest", "bilinear", "bicubic", "nearest-exact"]),
+       size=st.sampled_from([(6, 6), (5, 7), (2, 3)]), corners=st.booleans())
+def test_upsample_any_size(mode, size, corners):
+    """Up- and down-sampling to any size, batch and channels split (2 and 4 ways)."""
+    align = {"align_corners": corners} if mode in ("bilinear", "bicubic") else {}
+    fn = fwd_bwd(lambda x: F.interpolate(x, size=size, mode=mode, **align), [0])
+    check_fn(fn, (rnd(4, 4, 3, 4),), meshes=[(2,), (4,), (2, 2)], atol=1e-3)
+
+
+@_PROPERTY
 @given(kernel=st.sampled_from([1, 3]), stride=st.sampled_from([1, 2]), padding=st.sampled_from([0, 1]),
        groups=st.sampled_from([1, 2]), bias=st.booleans())
 def test_conv2d_any_geometry(kernel, stride, padding, groups, bias):
