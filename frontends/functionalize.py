@@ -97,14 +97,36 @@ def functionalize(gm: fx.GraphModule, leaf_kind: dict[str, tuple[str, str]],
         base = root.get(dest, dest)
         if base.op == "placeholder":
             kind, fqn = leaf_kind[base.name]
+            if kind == "param":
+                raise fail(_written_value(n), _PARAM_WRITE.format(fqn=fqn))
             if kind != "buffer":
-                what = "trainable parameter" if kind == "param" else kind
-                raise fail(n, f"forward writes in place into the {what} {fqn!r}; only buffers "
+                raise fail(n, f"forward writes in place into the {kind} {fqn!r}; only buffers "
                               "(and frozen parameters) may be updated by forward")
             updates[fqn] = n
         n.target = functional
         root[n] = base
     return updates
+
+
+_PARAM_WRITE = (
+    "forward writes in place into the trainable parameter {fqn!r} (e.g. "
+    "`weight.data.clamp_()`); only buffers (and frozen parameters) may be updated by "
+    "forward, as a parallelized step changes trainable parameters only by the optimizer. "
+    "Constrain the parameter outside forward instead (after each optimizer step), or "
+    "switch the write off for training (a model option)")
+
+
+def _written_value(write: fx.Node) -> fx.Node:
+    """The node that computed what ``write`` stores: for functionalization's
+    ``copy_(param, value)`` the op the user called (``clamp`` of ``w.data.clamp_()``),
+    which carries the user's line; else the write itself."""
+    if write.target is not torch.ops.aten.copy_.default or len(write.args) < 2:
+        return write
+    value = write.args[1]
+    while isinstance(value, fx.Node) and is_view_op(value.target) \
+            and isinstance(value.args[0], fx.Node) and value.args[0].op == "call_function":
+        value = value.args[0]              # through functionalization's aliases of the result
+    return value if isinstance(value, fx.Node) and value.op == "call_function" else write
 
 
 def _stale_alias(dest: fx.Node, write: fx.Node, order: dict) -> fx.Node | None:

@@ -4,7 +4,7 @@ The captured graph is core ATen (``torch._decomp.core_aten_decompositions``), wi
 ops kept whole because one node with one sharding rule plans better than the dozen
 elementwise ops they decompose into, and because their flops and memory are exact:
 
-- ``FUSED_KEPT``: the backward of layer norm, batch norm, softmax, log-softmax, embedding,
+- ``FUSED_KEPT``: the backward of layer norm, group norm, batch norm, softmax, log-softmax, embedding,
   GELU and SiLU; ``silu`` itself; dropout's backward;
 - scaled dot-product attention: ``F.scaled_dot_product_attention`` becomes the
   device-neutral ``torchalpa::sdpa`` (+ ``sdpa_backward``, or ``sdpa_bias_backward`` when
@@ -64,6 +64,7 @@ FUSED_KEPT = frozenset({
     aten.stack.default,
     aten.native_layer_norm_backward.default,
     aten.native_batch_norm_backward.default,
+    aten.native_group_norm_backward.default,
     aten._softmax_backward_data.default,
     aten._log_softmax_backward_data.default,
     aten.embedding_dense_backward.default,

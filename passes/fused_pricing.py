@@ -37,7 +37,8 @@ _FILLS = frozenset({"aten.full_like.default", "aten.zeros_like.default",
 _NORMALIZATIONS = frozenset({
     "aten._softmax.default", "aten._softmax_backward_data.default",
     "aten._log_softmax.default", "aten._log_softmax_backward_data.default",
-    "aten.native_layer_norm.default", "aten.native_layer_norm_backward.default"})
+    "aten.native_layer_norm.default", "aten.native_layer_norm_backward.default",
+    "aten.native_group_norm.default", "aten.native_group_norm_backward.default"})
 
 
 def _tags(op: str) -> tuple:

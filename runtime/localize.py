@@ -15,6 +15,9 @@ maps each to a small function that puts in the local sizes:
 - a split into equal pieces of a dim held strided splits into the pieces' local blocks;
 - grouped convolutions hold ``groups / k`` whole groups when channels are split k ways,
   and ``convolution_backward``'s ``bias_sizes`` is the local channel count;
+- group norm's ``N`` and ``C`` are the block's, and it holds ``group / k`` whole groups
+  when channels are split k ways;
+- an upsampling backward's ``input_size`` is the local shape of its result;
 - an embedding table split by rows (the vocabulary) looks up and accumulates gradients
   for its own rows only, at this rank's row offset (``runtime.vocab``), and so do a gather
   or scatter along a split dim (positions are translated, others' positions skipped).
@@ -36,6 +39,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import torchalpa.batched_matmul  # noqa: F401  (registers torchalpa::batched_matmul, which programs call)
+from torchalpa.passes.rules.resize import UPSAMPLE_BACKWARDS
 from torchalpa.placement import Shard, is_shard, local_shape
 from torchalpa.plan import NodeStrategy
 from torchalpa.runtime import random as R
@@ -128,6 +132,16 @@ def _conv(input_slot: int, groups_index: int) -> Callable[[_Call], tuple]:
             args[groups_index] //= c.splits(input_slot, 1)
         if c.node.target is aten.convolution_backward.default and args[3] is not None:
             args[3] = [c.in_shape(0)[1]]  # bias_sizes: grad_output's local channels
+        return c.node.target, args, c.kwargs
+    return rewrite
+
+
+def _group_norm(first_int: int) -> Callable[[_Call], tuple]:
+    """``native_group_norm[_backward]``: (N, C, HxW, group) start at ``first_int``."""
+    def rewrite(c: _Call):
+        args = list(c.args)
+        args[first_int], args[first_int + 1] = c.in_shape(0)[:2]
+        args[first_int + 3] //= c.splits(0, 1)
         return c.node.target, args, c.kwargs
     return rewrite
 
@@ -230,6 +244,9 @@ _REWRITES: dict[str, Callable[[_Call], tuple]] = {
     "aten.squeeze.dims": _squeeze,
     "aten.convolution.default": _conv(0, 8),
     "aten.convolution_backward.default": _conv(1, 9),
+    "aten.native_group_norm.default": _group_norm(3),
+    "aten.native_group_norm_backward.default": _group_norm(5),
+    **{op: _shape_arg(2) for op in UPSAMPLE_BACKWARDS},     # input_size
     "aten.split.Tensor": _split_pieces,
     "aten.split_with_sizes.default": _split_pieces,
     "aten.embedding.default": _vocab,

@@ -68,6 +68,15 @@ def _rope(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def _complex_rope(x, theta):
+    """Llama 4's rotary embedding: pairs of features as complex numbers times e^(i theta)
+    (plus a complex built from real and imaginary parts, for ``aten.complex``)."""
+    freqs = torch.polar(torch.ones_like(theta), theta)                       # (T, D/2)
+    freqs = freqs + torch.complex(theta, theta * 0.5) * 0.1                  # (T, D/2)
+    pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))          # (B, T, D/2)
+    return torch.view_as_real(pairs * freqs).flatten(-2)                    # (B, T, D)
+
+
 def _moe(x, gate_w, expert_w):
     """Top-2 gating, dense dispatch/combine (GShard) and sparse dispatch by token index
     (gather the routed tokens, index_add them back), with a load-balancing loss."""
@@ -92,6 +101,7 @@ _UNDECOMPOSED = tuple(f"aten.{op}" for op in (
     "bernoulli.default"))
 _NORM_KEEP = ("aten.native_layer_norm_backward.default",)
 _BN_KEEP = ("aten.native_batch_norm_backward.default",)
+_GN_KEEP = ("aten.native_group_norm_backward.default",)
 _SOFTMAX_KEEP = ("aten._softmax_backward_data.default", "aten._log_softmax_backward_data.default")
 _FLASH = ("aten._scaled_dot_product_flash_attention_for_cpu.default",)
 
@@ -104,6 +114,27 @@ def _bn(training):
 
 def _bn_args():
     return rnd(2, 4, 3, 3), rnd(4), rnd(4), rnd(4), rnd(4).abs() + 0.5
+
+
+def _upsample_every_mode(x1, x2, x3):
+    """Every upsampling op the resize rules cover, forward then backward, called directly
+    (core ATen decomposes some forwards into index arithmetic; the frontend may keep them)."""
+    from torchalpa.passes.rules.resize import UPSAMPLES
+    outs = []
+    for op, spatial in UPSAMPLES.items():
+        x = (x1, x2, x3)[spatial - 1]
+        size = [2 * d + 1 for d in x.shape[2:]]                   # not a whole multiple
+        corners = [] if "nearest" in op else [op.endswith("aa.default")]
+        forward = getattr(aten, op.split(".")[1])
+        backward = getattr(aten, op.split(".")[1] + "_backward")
+        y = forward(x, size, *corners)
+        outs += [y, backward(y * 2, size, list(x.shape), *corners)]
+    return tuple(outs)
+
+
+def _upsample_keep():
+    from torchalpa.passes.rules.resize import UPSAMPLE_BACKWARDS, UPSAMPLES
+    return tuple(UPSAMPLES) + tuple(UPSAMPLE_BACKWARDS)
 
 
 def _flash(causal, mask=False):
@@ -184,6 +215,17 @@ CASES: dict[str, Case] = {
         aten._native_batch_norm_legit(x, w, b, rm.clone(), rv.clone(), True, 0.1, 1e-5),
         aten._native_batch_norm_legit.no_stats(x, w, b, True, 0.1, 1e-5),
         aten._native_batch_norm_legit_no_training(x, w, b, rm, rv, 0.1, 1e-5)), _bn_args),
+    # group norm: 4 groups of 2 channels split by the batch and by whole groups; one group
+    # (PoolFormer's GroupNorm(1, C)) over a 1-d map; the backward as the frontend keeps it
+    "group_norm": Case(fwd_bwd(lambda x, w, b: F.group_norm(x, 4, w, b), [0, 1, 2]),
+                       lambda: (rnd(4, 8, 3, 3), rnd(8), rnd(8)), keep=_GN_KEEP),
+    "group_norm_one_group": Case(fwd_bwd(lambda x: F.group_norm(x, 1), [0]),
+                                 lambda: (rnd(4, 6, 5),), keep=_GN_KEEP),
+    "group_norm_weight_only": Case(fwd_bwd(lambda x, w: F.group_norm(x, 2, w), [0, 1]),
+                                   lambda: (rnd(2, 4, 3), rnd(4)), atol=1e-3),
+    "group_norm_masked_backward": Case(lambda g, x: aten.native_group_norm_backward(
+        g, x, *aten.native_group_norm(x, None, None, 4, 8, 6, 4, 1e-5)[1:], None, 4, 8, 6, 4,
+        [True, False, False]), lambda: (rnd(4, 8, 6), rnd(4, 8, 6)), keep=_GN_KEEP),
     # attention
     "attention_math": Case(fwd_bwd(lambda q, k, v: math_attention(q, k, v, True), [0, 1, 2]),
                            lambda: (rnd(2, 4, 4, 8), rnd(2, 2, 4, 8), rnd(2, 2, 4, 8)), atol=1e-3),
@@ -220,6 +262,13 @@ CASES: dict[str, Case] = {
         fwd_bwd(lambda w, i: F.embedding(i, w, padding_idx=5, scale_grad_by_freq=True), [0]),
         lambda: (rnd(16, 4), ints(16, 3, 8)), keep=("aten.embedding_dense_backward.default",)),
     "rope": Case(fwd_bwd(_rope, [0]), lambda: (rnd(2, 4, 8), rnd(4, 8), rnd(4, 8))),
+    "rope_complex": Case(fwd_bwd(_complex_rope, [0, 1]), lambda: (rnd(4, 4, 8), rnd(4, 4))),
+    # Fourier transforms: FNet's token mixing (the real part of a 2-d FFT), and a real
+    # round trip through rfft / irfft of another length
+    "fft_mixing": Case(fwd_bwd(lambda x: torch.fft.fftn(x, dim=(1, 2)).real, [0]),
+                       lambda: (rnd(4, 6, 4),)),
+    "fft_real": Case(fwd_bwd(lambda x: torch.fft.irfft(torch.fft.rfft(x, dim=1), n=6, dim=1),
+                             [0]), lambda: (rnd(4, 7, 2),)),
     # convolution, pooling
     "conv2d": Case(fwd_bwd(lambda x, w, b: F.conv2d(x, w, b, padding=1), [0, 1, 2]),
                    lambda: (rnd(2, 4, 6, 6), rnd(4, 4, 3, 3), rnd(4)), atol=1e-3),
@@ -233,6 +282,19 @@ CASES: dict[str, Case] = {
     "avg_pool": Case(fwd_bwd(lambda x: F.avg_pool2d(x, 2), [0]), lambda: (rnd(2, 4, 4, 4),)),
     "adaptive_avg_pool": Case(fwd_bwd(lambda x: F.adaptive_avg_pool2d(x, 2), [0]),
                               lambda: (rnd(2, 4, 6, 6),)),
+    # resizing: upsampling as models call it (bilinear traces whole, nearest's forward as
+    # index arithmetic), every upsampling op directly, sliding windows (Tensor.unfold)
+    "upsample_bilinear": Case(fwd_bwd(lambda x: F.interpolate(
+        x, scale_factor=2, mode="bilinear", align_corners=False), [0]), lambda: (rnd(4, 4, 3, 5),)),
+    "upsample_bilinear_to_size": Case(fwd_bwd(lambda x: F.interpolate(
+        x, size=(7, 4), mode="bilinear", align_corners=True), [0]), lambda: (rnd(2, 4, 3, 3),)),
+    "upsample_nearest": Case(fwd_bwd(lambda x: F.interpolate(x, scale_factor=2), [0]),
+                             lambda: (rnd(4, 4, 3, 3),)),
+    "upsample_every_mode": Case(_upsample_every_mode, lambda: (
+        rnd(2, 4, 5), rnd(2, 4, 3, 4), rnd(2, 4, 2, 3, 2)), keep=_upsample_keep(), atol=1e-3),
+    # overlapping windows of dim 1, summed (a whole-tensor view of them would be overlapping)
+    "unfold_windows": Case(fwd_bwd(lambda x: x.unfold(1, 3, 2).sum(-1), [0]),
+                           lambda: (rnd(4, 7, 4),)),
     # losses
     "cross_entropy": Case(fwd_bwd(lambda x, t: F.cross_entropy(x, t, ignore_index=-100), [0]),
                           lambda: (rnd(8, 6), torch.tensor([1, 2, -100, 3, 4, 5, 0, -100]))),

@@ -139,6 +139,8 @@ class Gate(nn.Module):
         elif self.mode == "param_write":
             with torch.no_grad():
                 self.fc.bias.add_(1)
+        elif self.mode == "param_data_clamp":          # gemma3n's AltUp coefficients
+            self.fc.weight.data.clamp_(-0.1, 0.1)
         return h
 
 
@@ -152,6 +154,8 @@ def _nested(mode):
     ("mask", "h[h > 0]", "depends on tensor values"),
     ("numpy", ".numpy()", "rewrite that line with torch ops"),
     ("param_write", "self.fc.bias.add_(1)", "only buffers (and frozen parameters)"),
+    ("param_data_clamp", "self.fc.weight.data.clamp_(-0.1, 0.1)",
+     "outside forward instead (after each optimizer step)"),
 ])
 def test_capture_errors_name_module_line_and_fix(mode, source, hint):
     with torch.device("meta"):

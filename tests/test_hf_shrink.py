@@ -22,6 +22,16 @@ def test_mla_query_head_is_its_two_parts():
     assert out["qk_head_dim"] < 192
 
 
+def test_group_norm_groups_divide_the_narrowed_bottlenecks():
+    # BiT: GroupNorm(32, ...) over stages shrunk to 16 * 2**i channels, bottlenecks a quarter
+    # of that; 32 groups divided none of them and the model did not build.
+    d = {"hidden_sizes": [256, 512, 1024, 2048], "depths": [3, 4, 6, 3], "num_groups": 32,
+         "embedding_size": 64}
+    out = shrink(d, "bit")
+    widths = [out["embedding_size"]] + [w // 4 for w in out["hidden_sizes"]]
+    assert all(w % out["num_groups"] == 0 for w in widths), (out, widths)
+
+
 def test_block_pattern_keeps_every_kind():
     # RecurrentGemma cycles block_types over its layers.
     d = {"num_hidden_layers": 26, "block_types": ["recurrent", "recurrent", "attention"]}

@@ -249,10 +249,15 @@ def check_all_strategies(gm, nodes, args, meshes=MESHES, atol=1e-4, rtol=1e-4,
                     if r is None:
                         continue
                     assert g.shape == r.shape, where
-                    assert torch.allclose(g.double(), r.double(), atol=atol, rtol=rtol,
+                    assert torch.allclose(_wide(g), _wide(r), atol=atol, rtol=rtol,
                                           equal_nan=True), where
                 checked += 1
     return checked
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64 to compare; a complex tensor as its (real, imaginary) pairs."""
+    return torch.view_as_real(t.resolve_conj()).double() if t.is_complex() else t.double()
 
 
 def _check_draw(n, full, got, refs, where) -> None:
@@ -539,6 +544,20 @@ def test_batch_norm_training_splits_the_batch_only_where_synced():
         assert all(bool(s.batch_syncs) == (s.inputs[0] == (Shard(0),)) for s in strategies), op
 
 
+def test_group_norm_splits_the_batch_and_whole_groups_only():
+    """Group norm splits its batch and its channels by whole groups, never within a group or
+    the spatial dims; with one group the channels stay whole."""
+    for name, want in [("group_norm", {(Replicate(),), (Shard(0),), (Shard(1),)}),
+                       ("group_norm_one_group", {(Replicate(),), (Shard(0),)})]:
+        (gm, nodes), _ = traced(name)
+        for op, x in (("aten.native_group_norm.default", 0),
+                      ("aten.native_group_norm_backward.default", 1)):    # the input
+            node = next(n for n in nodes.values() if n.op == op)
+            rule = RULES[op](node, [nodes[r.node].outputs[r.index] for r in node.operands])
+            got = {s.inputs[x] for s in enumerate_strategies(rule, LogicalMesh(shape=(2,)))}
+            assert got == want, (name, op)
+
+
 # -- shapes vary -----------------------------------------------------------------------
 
 _PROPERTY = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -583,6 +602,28 @@ def test_layer_norm_any_normalized_shape(shape, num, affine):
     fn = fwd_bwd(lambda x, *wb: F.layer_norm(x, normalized, *wb), list(range(1 + len(weights))))
     check_fn(fn, (rnd(*shape), *weights), meshes=[(2,), (2, 2)],
              keep=("aten.native_layer_norm_backward.default",))
+
+
+@_PROPERTY
+@given(shape=st.sampled_from([(4, 8, 4), (2, 8, 2, 3), (4, 8)]),
+       groups=st.sampled_from([1, 2, 4, 8]), affine=st.booleans())
+def test_group_norm_any_groups(shape, groups, affine):
+    """In float64: a group of 2 values has a tiny variance, and float32's rounding of a
+    partial gradient, divided by it, would exceed any useful tolerance."""
+    weights = (rnd(shape[1]).double(), rnd(shape[1]).double()) if affine else ()
+    fn = fwd_bwd(lambda x, *wb: F.group_norm(x, groups, *wb), list(range(1 + len(weights))))
+    check_fn(fn, (rnd(*shape).double(), *weights), meshes=[(2,), (4,), (2, 2)],
+             keep=("aten.native_group_norm_backward.default",))
+
+
+@_PROPERTY
+@given(mode=st.sampled_from(["nearest", "bilinear", "bicubic", "nearest-exact"]),
+       size=st.sampled_from([(6, 6), (5, 7), (2, 3)]), corners=st.booleans())
+def test_upsample_any_size(mode, size, corners):
+    """Up- and down-sampling to any size, batch and channels split (2 and 4 ways)."""
+    align = {"align_corners": corners} if mode in ("bilinear", "bicubic") else {}
+    fn = fwd_bwd(lambda x: F.interpolate(x, size=size, mode=mode, **align), [0])
+    check_fn(fn, (rnd(4, 4, 3, 4),), meshes=[(2,), (4,), (2, 2)], atol=1e-3)
 
 
 @_PROPERTY

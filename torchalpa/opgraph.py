@@ -28,7 +28,7 @@ PHASES = ("forward", "backward")
 
 DTYPE_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "none": 0,
+    "int16": 2, "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "none": 0,
 }
 ABSENT_DTYPE = "none"   # TensorSpec dtype of an output an op did not produce (None)
 

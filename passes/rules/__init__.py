@@ -54,5 +54,5 @@ __all__ = ["FactorRule", "FactorNamer", "register", "rule_for", "RULES", "has_ru
 
 # Populate the registry: one module per op family.
 from torchalpa.passes.rules import (  # noqa: E402,F401
-    attention, conv, elementwise, embedding, factory, index, loss, markers, matmul, norm, pool,
-    random, reduce, slicing, softmax, view)
+    attention, complex_ops, conv, elementwise, embedding, factory, index, loss, markers, matmul,
+    norm, pool, random, reduce, resize, slicing, softmax, view)

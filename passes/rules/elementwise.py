@@ -22,6 +22,7 @@ _JOINTLY_LINEAR = {
     "aten.detach.default", "aten.clone.default", "aten.mul.Scalar", "aten.div.Scalar",
     "aten._to_copy.default", "aten.add_.Tensor", "aten.mul_.Scalar", "aten.div_.Scalar",
     "aten.lift_fresh_copy.default", "aten.copy_.default", "aten.copy.default",
+    "aten._conj.default",
 }
 # Binary ops that are only affine when one side is a Python scalar.
 _AFFINE_WITH_SCALAR = {"aten.add.Tensor", "aten.sub.Tensor", "aten.add_.Tensor"}
@@ -40,7 +41,7 @@ _LINEAR_AFTER_FIRST = {"aten.where.self"}
 # Linear in the first operand when the value they write is zero.
 _LINEAR_IF_ZERO_FILL = {"aten.masked_fill.Scalar": 2, "aten.masked_fill_.Scalar": 2}
 
-_FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16"}
+_FLOAT_DTYPES = {"float64", "float32", "float16", "bfloat16", "complex64", "complex128"}
 
 POINTWISE = sorted(_JOINTLY_LINEAR | _LINEAR_EACH | _LINEAR_FIRST | _LINEAR_AFTER_FIRST
                    | set(_LINEAR_IF_ZERO_FILL) | {
@@ -67,6 +68,8 @@ POINTWISE = sorted(_JOINTLY_LINEAR | _LINEAR_EACH | _LINEAR_FIRST | _LINEAR_AFTE
     # inverse and hyperbolic trigonometry (YOSO's LSH collision probability uses acos)
     "aten.acos.default", "aten.asin.default", "aten.atan.default", "aten.tan.default",
     "aten.sinh.default", "aten.cosh.default", "aten.log10.default", "aten.erfinv.default",
+    # complex numbers (rotary embeddings written with them: rules/complex_ops.py)
+    "aten.polar.default", "aten.complex.default",
 })
 
 

@@ -19,6 +19,14 @@ gradients (those very sums) come out whole. The runtime runs the op that way
 keep the batch whole. In eval mode (running statistics) every dim shards, and the
 backward's weight / bias gradients are Partial over a sharded batch. Running statistics
 updated in training are per channel, so they shard with the channel dim.
+
+Group norm computes statistics per (sample, group) over the group's channels and the
+spatial dims. The batch shards freely; the channel dim is read as (group, channel within
+group), major first, so it shards by whole groups (the group factor), and the statistics
+``(N, G)`` shard with it; the channels within a group and the spatial dims are blocked. In
+the backward, the weight and bias gradients sum over the batch (``Partial`` when it is
+split). The runtime passes each block its local ``N``, ``C`` and number of groups
+(``runtime/localize.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg, by_position, positions
 
 __all__ = ["SYNCED_OPS", "layer_norm", "layer_norm_backward", "batch_norm",
-           "batch_norm_backward"]
+           "batch_norm_backward", "group_norm", "group_norm_backward"]
 
 _GRAD_LINEAR = (frozenset({0}),)
 
@@ -156,3 +164,38 @@ def batch_norm_backward(node, specs):
     mask = arg(node, 9, "output_mask", (True, True, True))
     return f.rule(operands, [x, channel, channel], reductions=reductions, linear=_GRAD_LINEAR,
                   independent=_absent(f, mask), **_sync(node, specs, x, channel, training))
+
+
+def _group_norm_dims(f: FactorNamer, shape, num_groups: int):
+    """(input dims, channel dims, statistics dims) of a group norm over ``shape``
+    (N, C, *spatial): the channel dim is (group, channel within group), the second blocked."""
+    batch = f.dims(shape[:1])
+    group = (f.new(num_groups),) if num_groups != 1 else ()
+    within = shape[1] // num_groups
+    channel = (group + ((f.new(within, blocked=True),) if within != 1 else ()),)
+    x = batch + channel + f.dims(shape[2:], blocked=True)
+    return x, channel, batch + (group,)
+
+
+@register("aten.native_group_norm.default")
+def group_norm(node, specs):
+    # (input, weight?, bias?, N, C, HxW, group, eps) -> (out, mean (N, G), rstd (N, G))
+    f = FactorNamer()
+    x, channel, stats = _group_norm_dims(f, specs[0].shape, int(arg(node, 6, "group")))
+    operands = by_position(node, lambda key: x if key == 0 else channel)  # weight, bias
+    return f.rule(operands, [x, stats, stats])
+
+
+@register("aten.native_group_norm_backward.default")
+def group_norm_backward(node, specs):
+    # (grad_out, input, mean, rstd, weight?, N, C, HxW, group, output_mask)
+    #   -> (grad_input, grad_weight, grad_bias)
+    f = FactorNamer()
+    x, channel, stats = _group_norm_dims(f, specs[0].shape, int(arg(node, 8, "group")))
+    dims = {0: x, 1: x, 2: stats, 3: stats, 4: channel}
+    operands = by_position(node, dims.__getitem__)
+    # the weight and bias gradients sum over the batch and the (blocked) spatial dims
+    reductions = tuple((fac, "sum") for fac in x[0])
+    mask = arg(node, 9, "output_mask", (True, True, True))
+    return f.rule(operands, [x, channel, channel], reductions=reductions,
+                  linear=_GRAD_LINEAR, independent=_absent(f, mask))

@@ -62,6 +62,7 @@ _SMALL = {   # name -> the value it gets (when the default is larger)
     "projection_dim": 32, "vocab_size_per_layer_input": VOCAB, "rotary_dim": 4,
     "image_size": IMAGE, "num_dense_layers": 1, "num_kv_shared_layers": 0,
     "attn_layer_period": 2, "attn_layer_offset": 1,  # Jamba: layer 1 of 2 is attention
+    "num_groups": 2,            # group norm (BiT): must divide the narrowed bottlenecks' 4
 }
 _TOKEN_ID_SUFFIXES = ("_token_id", "_token_index", "_index", "_id")
 

@@ -9,7 +9,8 @@ keep their defaults (``use_cache`` included) except sizes, shrunk to a few thous
 parameters, and randomness (dropout, stochastic depth, SpecAugment masks), switched off so
 runs on several devices can be compared with one device exactly. torchvision classifiers
 are built from torchvision's own classes (ResNet, MobileNet, EfficientNet, ConvNeXt, Swin,
-MaxViT, ...) with small widths, dropout and stochastic depth off.
+MaxViT, ...) with small widths, dropout and stochastic depth off; torchvision's
+segmentation models (FCN, DeepLabV3, LR-ASPP) by their public builders at 64 x 64.
 
 ``SUITE`` maps a case name to a ``SuiteCase``; ``tests/test_suite.py`` trains each on 4
 gloo ranks next to one device, and ``torchalpa coverage --hf`` prints what each captures.
@@ -281,6 +282,26 @@ def _classifier(build: Callable[[Any], nn.Module], image: int = 32):
     return make
 
 
+def _segmenter(build: Callable[[Any], nn.Module], image: int = 64):
+    """A torchvision segmentation model by its public builder (random weights, no auxiliary
+    head), trained with per-pixel cross entropy on its ``out`` logits, upsampled bilinearly
+    to the (B, 3, H, W) input by the model itself. The builders take no dropout argument:
+    the heads' ``nn.Dropout`` are set to ``p=0`` (randomness off, as for every case)."""
+    def make():
+        model = build(_torchvision())
+        for module in model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+        return (model, (torch.randn(BATCH, 3, image, image),
+                        torch.randint(IMAGE_CLASSES, (BATCH, image, image))),
+                _segmentation_loss)
+    return make
+
+
+def _segmentation_loss(outputs: dict, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs["out"], target)
+
+
 def _tv_resnet(m):
     return m.resnet.ResNet(m.resnet.BasicBlock, [1, 1, 1, 1], num_classes=IMAGE_CLASSES)
 
@@ -366,6 +387,20 @@ _TORCHVISION_CASES = [
     SuiteCase("tv_swin", "torchvision", _classifier(_tv_swin)),
     SuiteCase("tv_swin_v2", "torchvision", _classifier(_tv_swin_v2)),
     SuiteCase("tv_maxvit", "torchvision", _classifier(_tv_maxvit)),
+    # segmentation: bilinear upsampling of the logits to the input size; float64 for the
+    # same reason as the CNNs above (batch norm over 4 pooled 1x1 maps in LR-ASPP's and
+    # DeepLabV3's heads)
+    SuiteCase("tv_lraspp", "torchvision", _segmenter(
+        lambda m: m.segmentation.lraspp_mobilenet_v3_large(
+            weights=None, weights_backbone=None, num_classes=IMAGE_CLASSES)), dtype=_WIDE),
+    SuiteCase("tv_deeplabv3", "torchvision", _segmenter(
+        lambda m: m.segmentation.deeplabv3_mobilenet_v3_large(
+            weights=None, weights_backbone=None, num_classes=IMAGE_CLASSES, aux_loss=False)),
+        dtype=_WIDE),
+    SuiteCase("tv_fcn", "torchvision", _segmenter(
+        lambda m: m.segmentation.fcn_resnet50(
+            weights=None, weights_backbone=None, num_classes=IMAGE_CLASSES, aux_loss=False)),
+        dtype=_WIDE),
 ]
 
 
@@ -401,6 +436,19 @@ _CASES = [
     # triangular solve, a strided copy buffer) and YOSO's hashed attention (acos)
     SuiteCase("qwen3_next", "decoder", _swept("causal", "qwen3_next", "Qwen3NextForCausalLM")),
     SuiteCase("yoso", "encoder", _swept("masked", "yoso", "YosoForMaskedLM")),
+    # complex numbers: Llama 4's rotary embedding (view_as_complex, a complex product,
+    # view_as_real) and FNet's Fourier token mixing (fftn)
+    SuiteCase("llama4_text", "decoder", _swept("causal", "llama4_text", "Llama4ForCausalLM")),
+    SuiteCase("fnet", "encoder", _swept("masked", "fnet", "FNetForMaskedLM")),
+    # group norm (PoolFormer, BiT), bilinear upsampling (MobileViT, PVT), Tensor.unfold (Inkling2)
+    SuiteCase("poolformer", "vision", _swept("imgcls", "poolformer",
+                                             "PoolFormerForImageClassification")),
+    SuiteCase("bit", "vision", _swept("imgcls", "bit", "BitForImageClassification")),
+    SuiteCase("mobilevit", "vision", _swept("imgcls", "mobilevit",
+                                            "MobileViTForImageClassification"), dtype=_WIDE),
+    SuiteCase("pvt", "vision", _swept("imgcls", "pvt", "PvtForImageClassification")),
+    SuiteCase("inkling2_text", "decoder", _swept("causal", "inkling2_text",
+                                                 "Inkling2ForCausalLM")),
     # mixture of experts
     SuiteCase("mixtral", "moe", _causal_lm("MixtralConfig", "MixtralForCausalLM",
                                            num_local_experts=4, num_experts_per_tok=2)),
