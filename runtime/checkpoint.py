@@ -48,7 +48,6 @@ Both functions are collective: every rank calls them with the same path.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -99,8 +98,8 @@ def _reached(point: str) -> None:
 
 
 def _parts(pmodel, optimizer):
-    from torchalpa.runtime.step_module import StepModule
-    if not isinstance(pmodel, StepModule):
+    from torchalpa.runtime.module import ParallelModule
+    if not isinstance(pmodel, ParallelModule):
         raise TypeError(f"expected the ParallelModule returned by auto_parallel, got "
                         f"{type(pmodel).__name__}")
     optimizer = optimizer if optimizer is not None else pmodel.optimizer
@@ -108,13 +107,6 @@ def _parts(pmodel, optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     return pmodel.module, optimizer
-
-
-def _guard(pmodel, what: str):
-    """The module's fault monitor around collective work: a peer that dies mid-save is
-    named (``RankFailedError``) instead of surfacing as a bare timeout."""
-    monitor = getattr(pmodel, "_monitor", None)
-    return monitor.guard(what) if monitor is not None else contextlib.nullcontext()
 
 
 # -- small filesystem helpers -----------------------------------------------------------
@@ -431,7 +423,9 @@ def save_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
     except (TypeError, ValueError) as e:
         raise TypeError(f"extra must be plain JSON data (dict of str, numbers, lists), "
                         f"got {extra!r}: {e}") from e
-    with _guard(pmodel, f"save_checkpoint({os.fspath(path)!r})"):
+    # the module's fault monitor names a peer that dies mid-save (``RankFailedError``)
+    # instead of letting it surface as a bare timeout
+    with pmodel._monitor.guard(f"save_checkpoint({os.fspath(path)!r})"):
         return _save(Path(path), module, optimizer, keep, extra_json)
 
 

@@ -58,9 +58,12 @@ from torchalpa.runtime.replicas import ReplicaMismatchError, raise_on_every_rank
 from torchalpa.runtime.replicas import check_replicas as _check_replicas
 from torchalpa.runtime.stats import StepClock, StepStats
 from torchalpa.runtime.step import StepRunner
-from torchalpa.runtime.step_module import StepModule
 
 __all__ = ["ParallelModule", "to_dtensor_placements", "distribute_module_state"]
+
+NEEDS_OPTIMIZER = ("train_step needs an optimizer: pass auto_parallel(..., optimizer=lambda ps: "
+                   "torch.optim.Adam(ps, lr=1e-3)) or set pmodel.optimizer = "
+                   "torch.optim.Adam(pmodel.parameters())")
 
 
 class _TrainingStep(torch.autograd.Function):
@@ -130,8 +133,12 @@ def _signed_like(call: Callable, model_forward: Callable) -> Callable:
     return forward
 
 
-class ParallelModule(StepModule):
-    """A model parallelized by torchalpa: call it like the single-device model."""
+class ParallelModule(nn.Module):
+    """A model parallelized by torchalpa: call it like the single-device model.
+
+    ``module``: the user's model, its parameters swapped for DTensors; ``plan``; ``mesh``:
+    this rank's (its stage's) DeviceMesh; ``optimizer``: over the parallel parameters, or
+    None. Checkpoints, ``isinstance`` checks and tools read this surface."""
 
     plan: Plan
 
@@ -145,7 +152,11 @@ class ParallelModule(StepModule):
                  stage: int = 0):
         """``runner``: this rank's stage's programs (the whole graph for an intra-op
         plan); ``mesh``: its stage's DeviceMesh; ``stage``: its index in a PipelinePlan."""
-        super().__init__(module, plan, mesh, device=device)
+        super().__init__()
+        self.module = module
+        self.plan = plan
+        self.mesh = mesh
+        self._device = device
         self.stage = stage
         self.num_micro_batches = runner.num_micro_batches
         self._program = runner.program
@@ -176,7 +187,9 @@ class ParallelModule(StepModule):
         self._lean_step = self._loss_rank is None
         if self._lean_step:
             lean_optimizer_steps(self.parameters())
-        self._make_optimizer(optimizer)
+        # the optimizer over the parallel parameters (DTensors), if one is given
+        self.optimizer: torch.optim.Optimizer | None = \
+            optimizer(self.parameters()) if optimizer is not None else None
         # tools that read the forward's parameters to pick batch fields (HF Trainer drops
         # the columns ``model.forward`` does not name) see the wrapped model's
         self.forward = _signed_like(self.forward, module.forward)
@@ -244,13 +257,23 @@ class ParallelModule(StepModule):
     def _write_buffer_updates(self, values: Sequence[torch.Tensor]) -> None:
         """Store the new values a step computed for buffers (batch-norm running
         statistics), in the buffers' own layouts; with micro-batches, the last one's."""
-        if values:
-            self._store_buffer_updates(self._runner.program.buffer_updates, values)
+        self._store_buffer_updates(self._runner.program.buffer_updates, values)
+
+    def _store_buffer_updates(self, names: Sequence[str], values: Sequence[torch.Tensor]
+                              ) -> None:
+        """Copy new buffer ``values`` into the buffers ``names`` (their local shards when
+        they are DTensors)."""
+        with torch.no_grad():
+            for name, value in zip(names, values):
+                buf = self.module.get_buffer(name)
+                (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(value)
 
     def train_step(self, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """zero_grad, forward and backward (micro-batch by micro-batch), optimizer step;
         returns the loss (the mean over micro-batches). Inputs as for ``forward``."""
-        optimizer = self._require_optimizer()
+        optimizer = self.optimizer
+        if optimizer is None:
+            raise ValueError(NEEDS_OPTIMIZER)
         if self._other_mode():
             mode = "training" if self._captured_training else "eval"
             raise ValueError(f"train_step runs the step captured in {mode} mode, but the model is "
@@ -322,9 +345,8 @@ class ParallelModule(StepModule):
                                         keywords=keywords)
         with self._monitor.guard(f"forward-only call {self._num_calls}"), torch.no_grad():
             outs = fp.program(*self._state(fp.state_names), *inputs)
-            for name, value in zip(fp.buffer_updates, outs[1:1 + len(fp.buffer_updates)]):
-                buf = self.module.get_buffer(name)      # batch-norm statistics in train mode
-                (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(value)
+            # batch-norm statistics in train mode
+            self._store_buffer_updates(fp.buffer_updates, outs[1:1 + len(fp.buffer_updates)])
         return fp.unflatten(outs[0])
 
     def check_replicas(self) -> None:
@@ -454,6 +476,14 @@ class ParallelModule(StepModule):
             self._runner.forgo_loss_ride()
             return None
         return LossRide(position, bucket)
+
+    def profile(self, steps: int, path, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> str:
+        """Record ``steps`` training steps on the batch ``inputs`` (as ``train_step`` takes
+        it) with ``torch.profiler`` and write this rank's Chrome trace to ``path`` (Perfetto),
+        the plan's collectives labelled by kind, mesh axis and bytes; returns the file
+        written (``runtime/timeline.py``). The steps are real: parameters change."""
+        from torchalpa.runtime.timeline import profile_steps
+        return profile_steps(self, steps, path, inputs, kwargs)
 
     def unwrap(self) -> nn.Module:
         """A plain copy of the model with full, gathered tensors (no DTensors): for
