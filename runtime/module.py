@@ -54,7 +54,8 @@ from torchalpa.runtime.faults import (FaultMonitor, check_same_inputs, check_sam
 from torchalpa.runtime.inference import ForwardPrograms
 from torchalpa.runtime.materialize import distribute_module_state, to_dtensor_placements
 from torchalpa.runtime.optim import lean_optimizer_steps
-from torchalpa.runtime.replicas import ReplicaMismatchError, raise_on_every_rank
+from torchalpa.runtime.mesh import collective_timeout
+from torchalpa.runtime.replicas import ReplicaMismatchError, enabled_by_env, raise_on_every_rank
 from torchalpa.runtime.replicas import check_replicas as _check_replicas
 from torchalpa.runtime.stats import StepClock, StepStats
 from torchalpa.runtime.step import StepRunner
@@ -147,11 +148,12 @@ class ParallelModule(nn.Module):
                  device: torch.device, inputs: str = "global",
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  forward_programs: ForwardPrograms | None = None,
-                 signature: CallSignature | None = None, timeout_s: float = 600.0,
-                 check_replicas: bool = False, check_inputs: str = "first",
-                 stage: int = 0):
+                 signature: CallSignature | None = None, check_replicas: bool | None = None,
+                 check_inputs: str = "first", stage: int = 0):
         """``runner``: this rank's stage's programs (the whole graph for an intra-op
-        plan); ``mesh``: its stage's DeviceMesh; ``stage``: its index in a PipelinePlan."""
+        plan); ``mesh``: its stage's DeviceMesh; ``stage``: its index in a PipelinePlan;
+        ``check_replicas``: None reads ``TORCHALPA_CHECK_REPLICAS``. A peer is declared
+        failed after the collective timeout (``TORCHALPA_TIMEOUT_S``)."""
         super().__init__()
         self.module = module
         self.plan = plan
@@ -171,11 +173,12 @@ class ParallelModule(nn.Module):
         self._input_specs = list(input_specs)
         self._inputs = inputs
         self._captured_training = module.training
-        self._monitor = FaultMonitor(timeout_s)
+        self._monitor = FaultMonitor(collective_timeout().total_seconds())
         self._checked_across_ranks = False
         self._check_values = check_inputs if inputs == "global" else "never"
         self._num_calls = 0
-        self._check_every_step = bool(check_replicas)
+        self._check_every_step = enabled_by_env() if check_replicas is None \
+            else bool(check_replicas)
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self._clock = StepClock(device)
         self._loss_ride = self._plan_loss_ride()

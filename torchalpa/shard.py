@@ -176,7 +176,6 @@ def shard_parallel(model, example_inputs, loss_fn, *, method: ShardParallel, sig
     from torchalpa.runtime.materialize import distribute_module_state
     from torchalpa.runtime.module import ParallelModule
     from torchalpa.runtime.random import sync_random_state
-    from torchalpa.runtime.replicas import enabled_by_env
     from torchalpa.runtime.step import StepRunner
 
     method = with_micro_batches(method, num_micro_batches)     # priced as it runs
@@ -252,10 +251,7 @@ def shard_parallel(model, example_inputs, loss_fn, *, method: ShardParallel, sig
                           input_specs=input_specs, inputs=inputs, device=device,
                           optimizer=optimizer, forward_programs=forward_programs,
                           signature=signature,
-                          timeout_s=mesh_mod.collective_timeout().total_seconds(),
-                          check_replicas=enabled_by_env() if check_replicas is None
-                          else check_replicas,
-                          check_inputs=check_inputs)
+                          check_replicas=check_replicas, check_inputs=check_inputs)
 
 
 def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape, graph=None) -> None:
