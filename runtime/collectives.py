@@ -98,20 +98,12 @@ def finish_all_to_all(handle: torch.Tensor, src_dim: int, group_size: int) -> to
 # A strided shard (``placement.strided(dim, k)``) holds this rank's block of each of the
 # dim's ``k`` pieces. Read the dim as (k, n, m): the rank at coordinate r holds [:, r, :].
 
-def _pieces_to_ranks(x: torch.Tensor, dim: int, group_size: int, split_factor: int
-                     ) -> torch.Tensor:
-    """A whole dim (k, n, m) reordered as (n, k, m): each rank's strided block contiguous."""
-    m = x.shape[dim] // (split_factor * group_size)
-    return x.unflatten(dim, (split_factor, group_size, m)).transpose(dim, dim + 1).flatten(
-        dim, dim + 2)
-
-
-def _ranks_to_pieces(x: torch.Tensor, dim: int, group_size: int, split_factor: int
-                     ) -> torch.Tensor:
-    """The ranks' strided blocks gathered in rank order (n, k, m), back in order (k, n, m)."""
-    m = x.shape[dim] // (split_factor * group_size)
-    return x.unflatten(dim, (group_size, split_factor, m)).transpose(dim, dim + 1).flatten(
-        dim, dim + 2)
+def _swap_blocks(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Tensor:
+    """Dim ``dim`` read as (outer, inner, m), reordered as (inner, outer, m): a whole dim
+    (k, n, m) to each rank's strided block contiguous (n, k, m), or the ranks' gathered
+    blocks (n, k, m) back in piece order (k, n, m)."""
+    m = x.shape[dim] // (outer * inner)
+    return x.unflatten(dim, (outer, inner, m)).transpose(dim, dim + 1).flatten(dim, dim + 2)
 
 
 def issue_all_gather_strided(x: torch.Tensor, dim: int, group_size: int, group_name: str,
@@ -124,14 +116,14 @@ def issue_all_gather_strided(x: torch.Tensor, dim: int, group_size: int, group_n
 def finish_all_gather_strided(handle: torch.Tensor, dim: int, group_size: int,
                               split_factor: int) -> torch.Tensor:
     """Wait, then put every rank's block of each piece in its place."""
-    return _ranks_to_pieces(finish_all_gather(handle, dim, group_size), dim, group_size,
-                            split_factor)
+    return _swap_blocks(finish_all_gather(handle, dim, group_size), dim, group_size,
+                        split_factor)
 
 
 def issue_reduce_scatter_strided(x: torch.Tensor, dim: int, reduce_op: str, group_size: int,
                                  group_name: str, split_factor: int) -> torch.Tensor:
     """Start reducing, each rank keeping its block of each piece of ``dim``."""
-    return issue_reduce_scatter(_pieces_to_ranks(x, dim, group_size, split_factor), dim,
+    return issue_reduce_scatter(_swap_blocks(x, dim, split_factor, group_size), dim,
                                 reduce_op, group_size, group_name)
 
 
