@@ -130,11 +130,8 @@ def with_precision(model: torch.nn.Module, mixed_precision):
 
 def same_step_on_every_rank(fingerprint: str) -> None:
     """Raise unless every rank captured the step rank 0 did (same model and shapes)."""
-    import torch.distributed as dist
-    if dist.get_world_size() == 1:
-        return
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, fingerprint)
+    from torchalpa.runtime.mesh import gather_objects
+    everyone = gather_objects(fingerprint)
     differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
     if differ:
         raise RuntimeError(
