@@ -308,9 +308,10 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
     summed_recvs = []
     for add_name, (key, slot) in summed_into.items():
         position = next(i for i, (_, g) in enumerate(present) if g.name == add_name)
-        summed_recvs.append((key, position, _addend(
-            key, [input_steps(received_name(key)), reshards.get((add_name, slot), ())],
-            plan.mesh_shape, coords, group_names)))
+        steps = (*input_steps(received_name(key)), *reshards.get((add_name, slot), ()))
+        summed_recvs.append((key, position, _steps_program(
+            [(received_name(key), steps)], plan.mesh_shape, coords, group_names,
+            "SummedGradient")))
 
     forward_sends = [send_values[k] for k, phase in part.sends if phase == "forward"]
     backward_sends = [send_values[k] for k, phase in part.sends if phase != "forward"]
@@ -323,8 +324,9 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
     inline_batched_matmul(graph, keep=held)
     forward, backward = _split(graph, forward_phs, backward_phs, forward_out=roots,
                                backward_out=raw_grads + backward_sends)
-    reduce_grads = _reduce(plan, coords, group_names,
-                           [output_steps(OutputSlot.grad(fqn)) for fqn, _ in present])
+    reduce_grads = _steps_program(
+        [(f"grad_{i}", output_steps(OutputSlot.grad(fqn))) for i, (fqn, _) in enumerate(present)],
+        plan.mesh_shape, coords, group_names, "ReduceGrads")
     if bucketed:
         fuse_gradient_buckets(reduce_grads, gradient_buckets(plan), group_sizes=plan.mesh_shape,
                               grad_names=[fqn for fqn, _ in present])
@@ -372,17 +374,6 @@ def _lower_node(n: fx.Node, graph: fx.Graph, lookup, read_operand, strategies, m
     return graph.call_function(target, tuple(args), kwargs)
 
 
-def _addend(key: ValueKey, steps_list, mesh_shape, coords, group_names) -> fx.GraphModule:
-    """The received sum, laid out as the gradient it is added to."""
-    graph = fx.Graph()
-    emit = _Emitter(graph, mesh_shape, coords, group_names)
-    value = graph.placeholder(received_name(key))
-    for steps in steps_list:
-        value = emit.steps(value, steps)
-    graph.output((value,))
-    return fx.GraphModule(torch.nn.Module(), graph, "SummedGradient")
-
-
 def _ancestors(value: fx.Node) -> set[fx.Node]:
     seen, stack = set(), [value]
     while stack:
@@ -428,12 +419,12 @@ def _split(graph: fx.Graph, forward_phs: list[fx.Node], backward_phs: list[fx.No
     return fx.GraphModule(root, fwd, "LocalForward"), fx.GraphModule(root, bwd, "LocalBackward")
 
 
-def _reduce(plan: Plan, coords, group_names, steps_per_grad) -> fx.GraphModule:
-    """(raw grads...) -> the same grads after the plan's output resharding steps."""
+def _steps_program(inputs: Sequence[tuple[str, Sequence[ReshardStep]]], mesh_shape, coords,
+                   group_names, name: str) -> fx.GraphModule:
+    """``(*inputs) -> each input after its plan steps``: the gradients' final resharding
+    (``reduce_grads``), or a received gradient sum laid out as the gradient it is added to."""
     graph = fx.Graph()
-    emit = _Emitter(graph, plan.mesh_shape, coords, group_names)
-    outs = [emit.steps(graph.placeholder(f"grad_{i}"), steps)
-            for i, steps in enumerate(steps_per_grad)]
-    graph.output(tuple(outs))
+    emit = _Emitter(graph, mesh_shape, coords, group_names)
+    graph.output(tuple(emit.steps(graph.placeholder(n), steps) for n, steps in inputs))
     graph.lint()
-    return fx.GraphModule(torch.nn.Module(), graph, "ReduceGrads")
+    return fx.GraphModule(torch.nn.Module(), graph, name)
