@@ -10,8 +10,8 @@ Each issue half also reports to ``runtime.traffic`` (the bytes ``pm.last_step_st
 measures, and the labels of a profiler's timeline).
 Inputs are made contiguous first, as the collectives require.
 
-``step_call`` maps one plan step (``plan.ReshardStep``) to its function and arguments;
-``apply_step`` runs it eagerly. The lowering emits the same calls into a graph.
+``step_call`` maps one plan step (``plan.ReshardStep``) to its function and arguments,
+which the lowering emits into a graph (and tests call eagerly).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_ch
            "local_partition", "issue_all_reduce", "finish_all_reduce", "issue_all_gather",
            "finish_all_gather", "issue_reduce_scatter", "finish_reduce_scatter",
            "issue_all_to_all", "finish_all_to_all", "SPLIT", "Split", "step_call",
-           "apply_step", "all_gather_strided", "reduce_scatter_strided",
+           "all_gather_strided", "reduce_scatter_strided",
            "finish_all_gather_strided", "issue_reduce_scatter_strided",
            "issue_all_gather_strided"]
 
@@ -219,7 +219,7 @@ def local_chunk(x: torch.Tensor, dim: int, num_chunks: int, index: int,
 def step_call(step: ReshardStep, mesh_shape: Sequence[int], coords: Sequence[int],
               group_names: Sequence[str]) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
     """The function that runs ``step`` on this rank (at mesh coordinate ``coords``) and
-    its arguments after the tensor: what the lowering emits and ``apply_step`` calls."""
+    its arguments after the tensor: what the lowering emits."""
     n, group = mesh_shape[step.axis], group_names[step.axis]
     pieces = split_factor_of(step.src[step.axis] if step.kind == "all_gather"
                              else step.dst[step.axis])
@@ -245,9 +245,3 @@ def step_call(step: ReshardStep, mesh_shape: Sequence[int], coords: Sequence[int
                      "be collectives or local slice / partition steps (re-plan with this "
                      "version of torchalpa)")
 
-
-def apply_step(x: torch.Tensor, step: ReshardStep, mesh_shape: Sequence[int],
-               coords: Sequence[int], group_names: Sequence[str]) -> torch.Tensor:
-    """Run one plan step on ``x`` now (blocking)."""
-    fn, args = step_call(step, mesh_shape, coords, group_names)
-    return fn(x, *args)
