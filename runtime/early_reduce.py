@@ -36,10 +36,14 @@ def backward_with_reduce(backward: fx.GraphModule, reduce_grads: fx.GraphModule
     ready. The inputs are left untouched."""
     graph = fx.Graph()
     raw = graph.graph_copy(backward.graph, {})       # the gradients, no output node yet
+    assert isinstance(raw, (tuple, list)), "a backward program returns a tuple"
     # reduce_grads's inputs are the gradients that are not None, in order
-    env = dict(zip((n for n in reduce_grads.graph.nodes if n.op == "placeholder"),
-                   (g for g in raw if g is not None), strict=True))
-    reduced = iter(graph.graph_copy(reduce_grads.graph, env))
+    env: dict[fx.Node, fx.Node] = dict(zip(
+        (n for n in reduce_grads.graph.nodes if n.op == "placeholder"),
+        (g for g in raw if isinstance(g, fx.Node)), strict=True))
+    outs = graph.graph_copy(reduce_grads.graph, env)
+    assert isinstance(outs, (tuple, list)), "reduce_grads returns a tuple"
+    reduced = iter(outs)
     graph.output(tuple(None if g is None else next(reduced) for g in raw))
     _issue_early(graph, [env[n] for n in reduce_grads.graph.nodes
                          if n.op == "call_function"])

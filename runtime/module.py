@@ -141,7 +141,7 @@ class ParallelModule(nn.Module):
     this rank's (its stage's) DeviceMesh; ``optimizer``: over the parallel parameters, or
     None. Checkpoints, ``isinstance`` checks and tools read this surface."""
 
-    plan: Plan
+    plan: Plan | PipelinePlan
 
     def __init__(self, module: nn.Module, plan: Plan | PipelinePlan, runner: StepRunner,
                  mesh, *, input_specs: list[tuple[tuple[int, ...], torch.dtype]],
