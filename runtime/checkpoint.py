@@ -392,17 +392,6 @@ def _load_rng(directory: Path, manifest: dict | None, rank: int, world: int) -> 
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# -- collective helpers ------------------------------------------------------------------
-
-def _check_keep(keep) -> int | None:
-    if keep is None:
-        return None
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep) or None "
-                         f"(keep all), got {keep!r}")
-    return keep
-
-
 # -- the two entry points -----------------------------------------------------------------
 
 def save_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
@@ -417,7 +406,9 @@ def save_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
     ``checkpoint_extra``.
     """
     module, optimizer = _parts(pmodel, optimizer)
-    keep = _check_keep(keep)
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep) or None "
+                         f"(keep all), got {keep!r}")
     try:
         extra_json = json.loads(json.dumps(extra if extra is not None else {}))
     except (TypeError, ValueError) as e:
