@@ -48,7 +48,6 @@ from torchalpa.calls import CallSignature
 from torchalpa.plan import Collective, PipelinePlan, Plan
 from torchalpa.runtime.buckets import (LossRide, collective_position, gradient_buckets,
                                        issued_collectives)
-from torchalpa.runtime.grads import attach_gradients
 from torchalpa.runtime.faults import (FaultMonitor, check_same_inputs, check_same_values,
                                       describe_specs)
 from torchalpa.runtime.inference import ForwardPrograms
@@ -120,6 +119,30 @@ class _TrainingStep(torch.autograd.Function):
             grads = [g if unit or g is None else g * grad_loss for g in ctx.grads]
         pm._clock.stop("forward+backward")
         return (None, None, *grads, *([None] * ctx.num_others))
+
+
+def _attach_gradients(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                      *, clear_missing: bool = False) -> None:
+    """Set ``p.grad`` for each parameter with a gradient (its local block, in the
+    parameter's layout); a None gradient leaves ``p.grad`` as it is, or sets it to None
+    with ``clear_missing``.
+
+    ``DTensor.from_local`` builds a new layout spec each call: some tens of microseconds
+    per parameter, every step. A gradient with its parameter's dtype and local shape has
+    its parameter's layout, so it shares the parameter's spec and is wrapped directly;
+    ``from_local`` remains for the others."""
+    for p, g in zip(params, grads):
+        if g is None:
+            if clear_missing:
+                p.grad = None
+            continue
+        if not isinstance(p, DTensor):
+            p.grad = g
+        elif g.dtype == p.dtype and g.shape == p._local_tensor.shape:
+            p.grad = DTensor(g, p._spec, requires_grad=False)  # pyright: ignore[reportCallIssue]
+        else:
+            p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
 
 
 def _signed_like(call: Callable, model_forward: Callable) -> Callable:
@@ -299,10 +322,10 @@ class ParallelModule(nn.Module):
         self._write_buffer_updates(step.buffer_updates)
         params = tensors[:len(self._param_names)]
         if self._steps_exactly(optimizer, params):    # every gradient set below: no zero_grad
-            attach_gradients(params, grads, clear_missing=True)
+            _attach_gradients(params, grads, clear_missing=True)
         else:
             optimizer.zero_grad(set_to_none=True)
-            attach_gradients(params, grads)
+            _attach_gradients(params, grads)
         optimizer.step()
         self._clock.stop("forward+backward+optimizer")
         return loss.detach()
