@@ -280,15 +280,13 @@ class ParallelModule(nn.Module):
         dist.broadcast(loss, src=self._loss_rank)
         return loss
 
-    def _write_buffer_updates(self, values: Sequence[torch.Tensor]) -> None:
+    def _write_buffer_updates(self, values: Sequence[torch.Tensor],
+                              names: Sequence[str] | None = None) -> None:
         """Store the new values a step computed for buffers (batch-norm running
-        statistics), in the buffers' own layouts; with micro-batches, the last one's."""
-        self._store_buffer_updates(self._runner.program.buffer_updates, values)
-
-    def _store_buffer_updates(self, names: Sequence[str], values: Sequence[torch.Tensor]
-                              ) -> None:
-        """Copy new buffer ``values`` into the buffers ``names`` (their local shards when
-        they are DTensors)."""
+        statistics) in the buffers' own layouts (their local shards when they are
+        DTensors); with micro-batches, the last one's. ``names``: the step program's
+        buffer updates unless given."""
+        names = self._program.buffer_updates if names is None else names
         with torch.no_grad():
             for name, value in zip(names, values):
                 buf = self.module.get_buffer(name)
@@ -372,7 +370,7 @@ class ParallelModule(nn.Module):
         with self._monitor.guard(f"forward-only call {self._num_calls}"), torch.no_grad():
             outs = fp.program(*self._state(fp.state_names), *inputs)
             # batch-norm statistics in train mode
-            self._store_buffer_updates(fp.buffer_updates, outs[1:1 + len(fp.buffer_updates)])
+            self._write_buffer_updates(outs[1:1 + len(fp.buffer_updates)], fp.buffer_updates)
         return fp.unflatten(outs[0])
 
     def check_replicas(self) -> None:
