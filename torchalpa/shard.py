@@ -74,9 +74,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
         with step(f"mesh {i + 1}/{len(meshes)} ({shape}) solving") as progress:
             found = cache.load_cached(key, lambda p, source, shape=tuple(mesh.shape): check_plan(
                 p, fingerprint=fingerprint, source=source, mesh_shape=shape, graph=graph))
-            if found is not None and not isinstance(found, Plan):
-                found = None
-            if found is not None:
+            if isinstance(found, Plan):
                 progress.done = "cached, " + _estimate_text(found, mesh)
                 plans.append(found)
                 continue
