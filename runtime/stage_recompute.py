@@ -47,6 +47,6 @@ def replaying(rng: tuple, device: torch.device | None):
     cpu, cuda = rng
     with torch.random.fork_rng(devices=[device] if cuda is not None else []):
         torch.set_rng_state(cpu)
-        if cuda is not None:
+        if cuda is not None and device is not None:
             torch.cuda.set_rng_state(cuda, device)
         yield
