@@ -48,7 +48,6 @@ Both functions are collective: every rank calls them with the same path.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -99,8 +98,8 @@ def _reached(point: str) -> None:
 
 
 def _parts(pmodel, optimizer):
-    from torchalpa.runtime.step_module import StepModule
-    if not isinstance(pmodel, StepModule):
+    from torchalpa.runtime.module import ParallelModule
+    if not isinstance(pmodel, ParallelModule):
         raise TypeError(f"expected the ParallelModule returned by auto_parallel, got "
                         f"{type(pmodel).__name__}")
     optimizer = optimizer if optimizer is not None else pmodel.optimizer
@@ -108,13 +107,6 @@ def _parts(pmodel, optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     return pmodel.module, optimizer
-
-
-def _guard(pmodel, what: str):
-    """The module's fault monitor around collective work: a peer that dies mid-save is
-    named (``RankFailedError``) instead of surfacing as a bare timeout."""
-    monitor = getattr(pmodel, "_monitor", None)
-    return monitor.guard(what) if monitor is not None else contextlib.nullcontext()
 
 
 # -- small filesystem helpers -----------------------------------------------------------
@@ -400,17 +392,6 @@ def _load_rng(directory: Path, manifest: dict | None, rank: int, world: int) -> 
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# -- collective helpers ------------------------------------------------------------------
-
-def _check_keep(keep) -> int | None:
-    if keep is None:
-        return None
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep) or None "
-                         f"(keep all), got {keep!r}")
-    return keep
-
-
 # -- the two entry points -----------------------------------------------------------------
 
 def save_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
@@ -425,13 +406,17 @@ def save_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
     ``checkpoint_extra``.
     """
     module, optimizer = _parts(pmodel, optimizer)
-    keep = _check_keep(keep)
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep) or None "
+                         f"(keep all), got {keep!r}")
     try:
         extra_json = json.loads(json.dumps(extra if extra is not None else {}))
     except (TypeError, ValueError) as e:
         raise TypeError(f"extra must be plain JSON data (dict of str, numbers, lists), "
                         f"got {extra!r}: {e}") from e
-    with _guard(pmodel, f"save_checkpoint({os.fspath(path)!r})"):
+    # the module's fault monitor names a peer that dies mid-save (``RankFailedError``)
+    # instead of letting it surface as a bare timeout
+    with pmodel._monitor.guard(f"save_checkpoint({os.fspath(path)!r})"):
         return _save(Path(path), module, optimizer, keep, extra_json)
 
 

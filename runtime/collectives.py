@@ -10,8 +10,8 @@ Each issue half also reports to ``runtime.traffic`` (the bytes ``pm.last_step_st
 measures, and the labels of a profiler's timeline).
 Inputs are made contiguous first, as the collectives require.
 
-``step_call`` maps one plan step (``plan.ReshardStep``) to its function and arguments;
-``apply_step`` runs it eagerly. The lowering emits the same calls into a graph.
+``step_call`` maps one plan step (``plan.ReshardStep``) to its function and arguments,
+which the lowering emits into a graph (and tests call eagerly).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_ch
            "local_partition", "issue_all_reduce", "finish_all_reduce", "issue_all_gather",
            "finish_all_gather", "issue_reduce_scatter", "finish_reduce_scatter",
            "issue_all_to_all", "finish_all_to_all", "SPLIT", "Split", "step_call",
-           "apply_step", "all_gather_strided", "reduce_scatter_strided",
+           "all_gather_strided", "reduce_scatter_strided",
            "finish_all_gather_strided", "issue_reduce_scatter_strided",
            "issue_all_gather_strided"]
 
@@ -98,20 +98,12 @@ def finish_all_to_all(handle: torch.Tensor, src_dim: int, group_size: int) -> to
 # A strided shard (``placement.strided(dim, k)``) holds this rank's block of each of the
 # dim's ``k`` pieces. Read the dim as (k, n, m): the rank at coordinate r holds [:, r, :].
 
-def _pieces_to_ranks(x: torch.Tensor, dim: int, group_size: int, split_factor: int
-                     ) -> torch.Tensor:
-    """A whole dim (k, n, m) reordered as (n, k, m): each rank's strided block contiguous."""
-    m = x.shape[dim] // (split_factor * group_size)
-    return x.unflatten(dim, (split_factor, group_size, m)).transpose(dim, dim + 1).flatten(
-        dim, dim + 2)
-
-
-def _ranks_to_pieces(x: torch.Tensor, dim: int, group_size: int, split_factor: int
-                     ) -> torch.Tensor:
-    """The ranks' strided blocks gathered in rank order (n, k, m), back in order (k, n, m)."""
-    m = x.shape[dim] // (split_factor * group_size)
-    return x.unflatten(dim, (group_size, split_factor, m)).transpose(dim, dim + 1).flatten(
-        dim, dim + 2)
+def _swap_blocks(x: torch.Tensor, dim: int, outer: int, inner: int) -> torch.Tensor:
+    """Dim ``dim`` read as (outer, inner, m), reordered as (inner, outer, m): a whole dim
+    (k, n, m) to each rank's strided block contiguous (n, k, m), or the ranks' gathered
+    blocks (n, k, m) back in piece order (k, n, m)."""
+    m = x.shape[dim] // (outer * inner)
+    return x.unflatten(dim, (outer, inner, m)).transpose(dim, dim + 1).flatten(dim, dim + 2)
 
 
 def issue_all_gather_strided(x: torch.Tensor, dim: int, group_size: int, group_name: str,
@@ -124,14 +116,14 @@ def issue_all_gather_strided(x: torch.Tensor, dim: int, group_size: int, group_n
 def finish_all_gather_strided(handle: torch.Tensor, dim: int, group_size: int,
                               split_factor: int) -> torch.Tensor:
     """Wait, then put every rank's block of each piece in its place."""
-    return _ranks_to_pieces(finish_all_gather(handle, dim, group_size), dim, group_size,
-                            split_factor)
+    return _swap_blocks(finish_all_gather(handle, dim, group_size), dim, group_size,
+                        split_factor)
 
 
 def issue_reduce_scatter_strided(x: torch.Tensor, dim: int, reduce_op: str, group_size: int,
                                  group_name: str, split_factor: int) -> torch.Tensor:
     """Start reducing, each rank keeping its block of each piece of ``dim``."""
-    return issue_reduce_scatter(_pieces_to_ranks(x, dim, group_size, split_factor), dim,
+    return issue_reduce_scatter(_swap_blocks(x, dim, split_factor, group_size), dim,
                                 reduce_op, group_size, group_name)
 
 
@@ -227,7 +219,7 @@ def local_chunk(x: torch.Tensor, dim: int, num_chunks: int, index: int,
 def step_call(step: ReshardStep, mesh_shape: Sequence[int], coords: Sequence[int],
               group_names: Sequence[str]) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
     """The function that runs ``step`` on this rank (at mesh coordinate ``coords``) and
-    its arguments after the tensor: what the lowering emits and ``apply_step`` calls."""
+    its arguments after the tensor: what the lowering emits."""
     n, group = mesh_shape[step.axis], group_names[step.axis]
     pieces = split_factor_of(step.src[step.axis] if step.kind == "all_gather"
                              else step.dst[step.axis])
@@ -253,9 +245,3 @@ def step_call(step: ReshardStep, mesh_shape: Sequence[int], coords: Sequence[int
                      "be collectives or local slice / partition steps (re-plan with this "
                      "version of torchalpa)")
 
-
-def apply_step(x: torch.Tensor, step: ReshardStep, mesh_shape: Sequence[int],
-               coords: Sequence[int], group_names: Sequence[str]) -> torch.Tensor:
-    """Run one plan step on ``x`` now (blocking)."""
-    fn, args = step_call(step, mesh_shape, coords, group_names)
-    return fn(x, *args)

@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from torchalpa.runtime import collectives as C
 
-__all__ = ["defer_loss_wait", "MAX_TAIL_OPS"]
+__all__ = ["defer_loss_wait", "finish_program", "split_loss_tail", "MAX_TAIL_OPS"]
 
 _FINISH = {split.finish: split for split in C.SPLIT.values()}
 MAX_TAIL_OPS = 16      # a loss's tail is a handful of scalar ops; more is not a loss's tail
@@ -46,7 +46,7 @@ def defer_loss_wait(forward: fx.GraphModule, index: int = 0
     if split is None:
         return None
     graph, outs, loss, order, boundary = split
-    finish = _finish_program(forward, order, boundary, loss)
+    finish = finish_program(forward, order, boundary, loss)
     new_outs = list(outs)
     new_outs[index] = boundary[0] if len(boundary) == 1 else tuple(boundary)
     graph.output(type(outs)(new_outs))
@@ -121,9 +121,10 @@ def _tail(loss: fx.Node) -> set[fx.Node] | None:
     return tail
 
 
-def _finish_program(owner: fx.GraphModule, order: list[fx.Node], boundary: list[fx.Node],
-                    loss: fx.Node) -> fx.GraphModule:
-    """``(*boundary) -> loss``: the tail's ops, copied in program order."""
+def finish_program(owner: fx.GraphModule, order: list[fx.Node], boundary: list[fx.Node],
+                   loss: fx.Node) -> fx.GraphModule:
+    """``(*boundary) -> loss``: the tail's ops, copied in program order (also the finish of
+    a loss riding a bucket, ``runtime.loss_ride``, whose boundary starts with the wait)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {b: graph.placeholder(b.name) for b in boundary}
     for n in order:

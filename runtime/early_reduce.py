@@ -35,29 +35,17 @@ def backward_with_reduce(backward: fx.GraphModule, reduce_grads: fx.GraphModule
     gives None), with each collective of ``reduce_grads`` issued where its inputs are
     ready. The inputs are left untouched."""
     graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    grads = None
-    for n in backward.graph.nodes:
-        if n.op == "output":
-            grads = n.args[0]
-        else:
-            env[n] = graph.node_copy(n, lambda x: env[x])
-    assert grads is not None
-    raw = [None if g is None else env[g] for g in grads]
-    present = iter([g for g in raw if g is not None])
-    reduced_env: dict[fx.Node, fx.Node] = {}
-    outs = None
-    for n in reduce_grads.graph.nodes:
-        if n.op == "placeholder":
-            reduced_env[n] = next(present)
-        elif n.op == "output":
-            outs = list(n.args[0])
-        else:
-            reduced_env[n] = graph.node_copy(n, lambda x: reduced_env[x])
-    assert outs is not None and next(present, None) is None
+    raw = graph.graph_copy(backward.graph, {})       # the gradients, no output node yet
+    assert isinstance(raw, (tuple, list)), "a backward program returns a tuple"
+    # reduce_grads's inputs are the gradients that are not None, in order
+    env: dict[fx.Node, fx.Node] = dict(zip(
+        (n for n in reduce_grads.graph.nodes if n.op == "placeholder"),
+        (g for g in raw if isinstance(g, fx.Node)), strict=True))
+    outs = graph.graph_copy(reduce_grads.graph, env)
+    assert isinstance(outs, (tuple, list)), "reduce_grads returns a tuple"
     reduced = iter(outs)
-    graph.output(tuple(None if g is None else reduced_env[next(reduced)] for g in raw))
-    _issue_early(graph, [reduced_env[n] for n in reduce_grads.graph.nodes
+    graph.output(tuple(None if g is None else next(reduced) for g in raw))
+    _issue_early(graph, [env[n] for n in reduce_grads.graph.nodes
                          if n.op == "call_function"])
     graph.lint()
     return fx.GraphModule(backward, graph, "BackwardWithReduce")

@@ -56,10 +56,8 @@ class RankFailedError(RuntimeError):
 
 
 def _is_comm_error(e: BaseException) -> bool:
-    kinds = tuple(k for k in (getattr(dist, "DistError", None),) if k is not None)
-    if kinds and isinstance(e, kinds):
-        return True
-    return isinstance(e, RuntimeError) and any(h in str(e) for h in _COMM_ERROR_HINTS)
+    return isinstance(e, dist.DistError) or (
+        isinstance(e, RuntimeError) and any(h in str(e) for h in _COMM_ERROR_HINTS))
 
 
 def _default_store():

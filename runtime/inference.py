@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from torchalpa.calls import CallSignature
 from torchalpa.frontends.torch_export import ForwardCapture, capture_forward
 from torchalpa.opgraph import OpGraph
 from torchalpa.plan import Plan
@@ -44,6 +45,7 @@ class ForwardProgram:
     buffer_updates: list[str] = field(default_factory=list)   # after the result, in order
 
 
+@dataclass
 class ForwardPrograms:
     """Forward-only programs of one ParallelModule, made on first use per (kind, mode,
     input shapes).
@@ -54,17 +56,13 @@ class ForwardPrograms:
     a train-mode forward (batch-norm statistics) writes its buffers as training does.
     """
 
-    def __init__(self, module: torch.nn.Module, loss_fn: Callable | None, training_plan: Plan,
-                 plan_forward: Callable[[OpGraph], Plan],
-                 lower_forward: Callable[[fx.GraphModule, Plan, list[str]], fx.GraphModule],
-                 signature=None):
-        self.module = module
-        self.loss_fn = loss_fn
-        self.training_plan = training_plan
-        self.plan_forward = plan_forward
-        self.lower_forward = lower_forward
-        self.signature = signature
-        self._cache: dict[tuple, ForwardProgram] = {}
+    module: torch.nn.Module
+    loss_fn: Callable | None
+    training_plan: Plan
+    plan_forward: Callable[[OpGraph], Plan]
+    lower_forward: Callable[[fx.GraphModule, Plan, list[str]], fx.GraphModule]
+    signature: CallSignature | None = None
+    _cache: dict[tuple, ForwardProgram] = field(default_factory=dict, repr=False)
 
     def get(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]], *, outputs: bool,
             training: bool, keywords: tuple[str, ...] = ()) -> ForwardProgram:
@@ -77,7 +75,6 @@ class ForwardPrograms:
         return found
 
     def _make(self, specs, outputs: bool, keywords: tuple[str, ...]) -> ForwardProgram:
-        from torchalpa.calls import CallSignature
         examples = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]
         signature = self.signature
         if outputs and keywords:

@@ -32,6 +32,7 @@ machine, with the op and the model line that made it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -81,11 +82,8 @@ class _Call:
 
     def splits(self, k: int, dim: int) -> int:
         """Into how many blocks operand ``k`` is split along ``dim``."""
-        n = 1
-        for axis, p in enumerate(self.strategy.inputs[k] or ()):
-            if is_shard(p) and p.dim == dim:
-                n *= self.mesh_shape[axis]
-        return n
+        return math.prod(self.mesh_shape[axis] for axis, p in enumerate(self.strategy.inputs[k] or ())
+                         if is_shard(p) and p.dim == dim)
 
     def with_arg(self, index: int, value):
         args = list(self.args)

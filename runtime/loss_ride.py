@@ -45,7 +45,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import BUCKET, flatten_concat, split_flat
-from torchalpa.runtime.deferred_loss import _FINISH, split_loss_tail
+from torchalpa.runtime.deferred_loss import _FINISH, finish_program, split_loss_tail
 from torchalpa.runtime.lower import PLAN_STEP
 
 __all__ = ["RiddenPrograms", "ride_loss_on_bucket"]
@@ -97,8 +97,9 @@ def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule
     # an average rides a sum: divided by the group's size after (as gloo's avg does)
     divisor = _resolve_process_group(cast(Any, group)).size() if bucket_op != reduce_op else None
 
+    # the tail with the wait's value as its first input: the reduced part comes in there
     others = [b for b in boundary if b is not issue]
-    finish = _finish_program(forward, order, others, wait, loss, divisor)
+    finish = finish_program(forward, [n for n in order if n is not wait], [wait, *others], loss)
     new_outs = list(outs)
     new_outs[index] = (local, tuple(others))
     graph.output(type(outs)(new_outs))
@@ -108,6 +109,8 @@ def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule
     graph.lint()
 
     def finish_loss(reduced: torch.Tensor, values: tuple) -> torch.Tensor:
+        if divisor is not None:
+            reduced = torch.ops.aten.div.Tensor(reduced, divisor)
         return finish(reduced, *values)
 
     return RiddenPrograms(fx.GraphModule(forward, graph), backward, finish_loss,
@@ -152,19 +155,3 @@ def _ride(program: fx.GraphModule, reduce_op, group
     graph.output((*outs, reduced))
     graph.lint()
     return fx.GraphModule(program, graph, "BackwardWithReduceAndLoss"), flat.meta[BUCKET], bucket_op
-
-
-def _finish_program(owner: fx.GraphModule, order: list[fx.Node], others: list[fx.Node],
-                    wait: fx.Node, loss: fx.Node, divisor: int | None) -> fx.GraphModule:
-    """``(reduced, *others) -> loss``: the tail's ops in program order, the wait replaced
-    by the reduced value (divided by ``divisor``, when given: a sum made an average)."""
-    graph = fx.Graph()
-    reduced = graph.placeholder("reduced")
-    if divisor is not None:
-        reduced = graph.call_function(torch.ops.aten.div.Tensor, (reduced, divisor))
-    env: dict[fx.Node, fx.Node] = {b: graph.placeholder(b.name) for b in others}
-    for n in order:
-        env[n] = reduced if n is wait else graph.node_copy(n, lambda x: env[x])
-    graph.output(env[loss])
-    graph.lint()
-    return fx.GraphModule(owner, graph, "FinishRiddenLoss")

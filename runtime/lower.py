@@ -34,7 +34,6 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
 import torch
 import torch.fx as fx
@@ -52,56 +51,31 @@ from torchalpa.runtime.overlap import overlap_collectives, prefetch_parameter_ga
 from torchalpa.runtime.peephole import fold_relu_backward, inline_batched_matmul
 from torchalpa.runtime.synced import run_synced, synced_axes
 
-__all__ = ["LocalProgram", "StageProgram", "GraphSlice", "ValueKey", "lower", "build_programs",
+__all__ = ["StageProgram", "GraphSlice", "ValueKey", "lower", "build_programs",
            "producers", "received_name", "PLAN_STEP"]
 
 PLAN_STEP = "torchalpa_plan_step"
 """``node.meta`` key of a collective call: (consumer, slot, index) of its plan step."""
 
-_Program = TypeVar("_Program", bound="LocalProgram")
 ValueKey = tuple[str, int]
 """Output ``index`` of source node ``producer``: a value that may cross stages."""
 
 
 @dataclass
-class LocalProgram:
-    """One rank's forward, backward and gradient-reduce programs and what they expect."""
-
-    forward: fx.GraphModule       # (*params, *buffers, *inputs) -> (loss, *updates, *saved)
-    backward: fx.GraphModule      # (*saved) -> one raw gradient per trainable parameter (or None)
-    reduce_grads: fx.GraphModule  # (*raw gradients that are not None) -> gradients in layout
-    buffer_updates: tuple = ()    # buffers whose new values forward returns after the loss
-    compiled_from: LocalProgram | None = field(default=None, repr=False)
-    """The eager programs these were compiled from (``compiled``), else None."""
-
-    def code(self) -> str:
-        if self.compiled_from is not None:
-            return "# compiled with torch.compile from:\n" + self.compiled_from.code()
-        return ("# forward: (params, buffers, inputs) -> (loss, saved...)\n" + self.forward.code
-                + "\n# backward: (saved...) -> raw grads\n" + self.backward.code
-                + "\n# reduce_grads: (raw grads...) -> grads in their parameters' layouts\n"
-                + self.reduce_grads.code)
-
-    def compiled(self: _Program, **options) -> _Program:
-        """The same programs under ``torch.compile(**options)`` (compiled on first call),
-        with the same wiring (a ``StageProgram`` stays one); ``code()`` prints the source
-        programs. A stage's ``summed_recvs`` addends run once per step and stay eager."""
-        return replace(self,
-                       forward=torch.compile(self.forward, **options),  # pyright: ignore
-                       backward=torch.compile(self.backward, **options),  # pyright: ignore
-                       reduce_grads=torch.compile(self.reduce_grads, **options),  # pyright: ignore
-                       compiled_from=self)
-
-
-@dataclass
-class StageProgram(LocalProgram):
-    """A pipeline stage's programs and how they are wired to the other stages.
+class StageProgram:
+    """One rank's programs and how they are wired to the other stages of a pipeline (an
+    intra-op plan's are a stage that receives and sends nothing).
 
     ``forward(*params, *buffers, *user inputs, *forward_recvs)`` -> (loss if ``has_loss``,
     *forward sends, *buffer updates, *saved); ``backward(*saved, *backward_recvs)`` -> (one
-    raw gradient per parameter of ``params`` or None, *backward sends).
+    raw gradient per parameter of ``params`` or None, *backward sends); ``reduce_grads(*raw
+    gradients that are not None)`` -> those gradients in their parameters' layouts.
     """
 
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    reduce_grads: fx.GraphModule
+    buffer_updates: tuple = ()    # buffers whose new values forward returns, in order
     params: list[str] = field(default_factory=list)    # FQNs of this stage's trainable params
     buffers: list[str] = field(default_factory=list)   # FQNs of its buffers / frozen params
     user_inputs: list[int] = field(default_factory=list)   # the user inputs this stage reads
@@ -115,6 +89,26 @@ class StageProgram(LocalProgram):
     # sender: (key, index among the present gradients, program laying the sum out as
     # that gradient's addend)
     summed_recvs: list[tuple[ValueKey, int, fx.GraphModule]] = field(default_factory=list)
+    compiled_from: StageProgram | None = field(default=None, repr=False)
+    """The eager programs these were compiled from (``compiled``), else None."""
+
+    def code(self) -> str:
+        if self.compiled_from is not None:
+            return "# compiled with torch.compile from:\n" + self.compiled_from.code()
+        return ("# forward: (params, buffers, inputs) -> (loss, saved...)\n" + self.forward.code
+                + "\n# backward: (saved...) -> raw grads\n" + self.backward.code
+                + "\n# reduce_grads: (raw grads...) -> grads in their parameters' layouts\n"
+                + self.reduce_grads.code)
+
+    def compiled(self, **options) -> StageProgram:
+        """The same programs under ``torch.compile(**options)`` (compiled on first call),
+        with the same wiring; ``code()`` prints the source programs. A stage's
+        ``summed_recvs`` addends run once per step and stay eager."""
+        return replace(self,
+                       forward=torch.compile(self.forward, **options),  # pyright: ignore
+                       backward=torch.compile(self.backward, **options),  # pyright: ignore
+                       reduce_grads=torch.compile(self.reduce_grads, **options),  # pyright: ignore
+                       compiled_from=self)
 
 
 @dataclass(frozen=True)
@@ -139,16 +133,6 @@ class GraphSlice:
     received: tuple[tuple[ValueKey, str], ...] = ()
     summed: frozenset[ValueKey] = frozenset()
     sends: tuple[tuple[ValueKey, str], ...] = ()
-
-
-@dataclass(frozen=True)
-class BuiltPrograms:
-    """What ``build_programs`` makes of a slice."""
-
-    forward: fx.GraphModule
-    backward: fx.GraphModule
-    reduce_grads: fx.GraphModule
-    summed_recvs: list[tuple[ValueKey, int, fx.GraphModule]]
 
 
 def received_name(key: ValueKey) -> str:
@@ -191,11 +175,8 @@ def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, gro
     built = build_programs(gm, whole, plan, coords=coords, group_names=group_names,
                            device=device, overlap=overlap)
     num_inputs = len(whole.placeholders) - P - len(buffer_names)
-    return StageProgram(forward=built.forward, backward=built.backward,
-                        reduce_grads=built.reduce_grads, buffer_updates=tuple(buffer_updates),
-                        params=list(param_names), buffers=list(buffer_names),
-                        user_inputs=list(range(num_inputs)), has_loss=True,
-                        grad_present=[g is not None for _, g in whole.grads])
+    return replace(built, params=list(param_names), buffers=list(buffer_names),
+                   user_inputs=list(range(num_inputs)))
 
 
 class _Emitter:
@@ -219,10 +200,12 @@ class _Emitter:
 
 def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, group_names,
                    device: torch.device, overlap: bool = True,
-                   bucketed: bool = True) -> BuiltPrograms:
+                   bucketed: bool = True) -> StageProgram:
     """Lower ``part`` of the source graph ``gm`` under ``plan`` (the slice's intra-op
     plan) for the rank at mesh coordinate ``coords``: interpret the slice node by node
     (``_lower_node``), then split the local graph into forward and backward programs.
+    The caller adds the wiring the slice does not know (parameter and buffer names,
+    inputs, receives and sends).
 
     ``bucketed``: gradients' final collectives go out in buckets (``runtime.buckets``)."""
     strategies = {s.node: s for s in plan.strategies}
@@ -308,9 +291,10 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
     summed_recvs = []
     for add_name, (key, slot) in summed_into.items():
         position = next(i for i, (_, g) in enumerate(present) if g.name == add_name)
-        summed_recvs.append((key, position, _addend(
-            key, [input_steps(received_name(key)), reshards.get((add_name, slot), ())],
-            plan.mesh_shape, coords, group_names)))
+        steps = (*input_steps(received_name(key)), *reshards.get((add_name, slot), ()))
+        summed_recvs.append((key, position, _steps_program(
+            [(received_name(key), steps)], plan.mesh_shape, coords, group_names,
+            "SummedGradient")))
 
     forward_sends = [send_values[k] for k, phase in part.sends if phase == "forward"]
     backward_sends = [send_values[k] for k, phase in part.sends if phase != "forward"]
@@ -323,8 +307,9 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
     inline_batched_matmul(graph, keep=held)
     forward, backward = _split(graph, forward_phs, backward_phs, forward_out=roots,
                                backward_out=raw_grads + backward_sends)
-    reduce_grads = _reduce(plan, coords, group_names,
-                           [output_steps(OutputSlot.grad(fqn)) for fqn, _ in present])
+    reduce_grads = _steps_program(
+        [(f"grad_{i}", output_steps(OutputSlot.grad(fqn))) for i, (fqn, _) in enumerate(present)],
+        plan.mesh_shape, coords, group_names, "ReduceGrads")
     if bucketed:
         fuse_gradient_buckets(reduce_grads, gradient_buckets(plan), group_sizes=plan.mesh_shape,
                               grad_names=[fqn for fqn, _ in present])
@@ -333,7 +318,11 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
             overlap_collectives(program)
         for program in (forward, backward):
             prefetch_parameter_gathers(program)
-    return BuiltPrograms(forward, backward, reduce_grads, summed_recvs)
+    return StageProgram(forward, backward, reduce_grads,
+                        buffer_updates=tuple(fqn for fqn, _ in part.updates),
+                        has_loss=part.loss is not None,
+                        grad_present=[g is not None for _, g in part.grads],
+                        summed_recvs=summed_recvs)
 
 
 def _lower_node(n: fx.Node, graph: fx.Graph, lookup, read_operand, strategies, mesh_shape,
@@ -370,17 +359,6 @@ def _lower_node(n: fx.Node, graph: fx.Graph, lookup, read_operand, strategies, m
             op, args, kwargs, input_shape=tuple(source.meta["val"].shape),
             groups=[group_names[axis] for axis, _ in strategy.batch_syncs])
     return graph.call_function(target, tuple(args), kwargs)
-
-
-def _addend(key: ValueKey, steps_list, mesh_shape, coords, group_names) -> fx.GraphModule:
-    """The received sum, laid out as the gradient it is added to."""
-    graph = fx.Graph()
-    emit = _Emitter(graph, mesh_shape, coords, group_names)
-    value = graph.placeholder(received_name(key))
-    for steps in steps_list:
-        value = emit.steps(value, steps)
-    graph.output((value,))
-    return fx.GraphModule(torch.nn.Module(), graph, "SummedGradient")
 
 
 def _ancestors(value: fx.Node) -> set[fx.Node]:
@@ -428,12 +406,12 @@ def _split(graph: fx.Graph, forward_phs: list[fx.Node], backward_phs: list[fx.No
     return fx.GraphModule(root, fwd, "LocalForward"), fx.GraphModule(root, bwd, "LocalBackward")
 
 
-def _reduce(plan: Plan, coords, group_names, steps_per_grad) -> fx.GraphModule:
-    """(raw grads...) -> the same grads after the plan's output resharding steps."""
+def _steps_program(inputs: Sequence[tuple[str, Sequence[ReshardStep]]], mesh_shape, coords,
+                   group_names, name: str) -> fx.GraphModule:
+    """``(*inputs) -> each input after its plan steps``: the gradients' final resharding
+    (``reduce_grads``), or a received gradient sum laid out as the gradient it is added to."""
     graph = fx.Graph()
-    emit = _Emitter(graph, plan.mesh_shape, coords, group_names)
-    outs = [emit.steps(graph.placeholder(f"grad_{i}"), steps)
-            for i, steps in enumerate(steps_per_grad)]
-    graph.output(tuple(outs))
+    emit = _Emitter(graph, mesh_shape, coords, group_names)
+    graph.output(tuple(emit.steps(graph.placeholder(n), steps) for n, steps in inputs))
     graph.lint()
-    return fx.GraphModule(torch.nn.Module(), graph, "ReduceGrads")
+    return fx.GraphModule(torch.nn.Module(), graph, name)

@@ -170,16 +170,10 @@ def initialize(module: nn.Module, mesh, init_weights: Callable[[nn.Module], None
                 init_weights(module)
         else:
             init_weights(module)
-        for _, t in _state(module):
-            _sync_replicas(t)
-
-
-def _state(module: nn.Module):
-    seen = set()
-    for n, t in list(module.named_parameters()) + list(module.named_buffers()):
-        if isinstance(t, DTensor) and id(t) not in seen:
-            seen.add(id(t))
-            yield n, t
+        # named_* skip the second name of a tied tensor: each is synchronized once
+        for _, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if isinstance(t, DTensor):
+                _sync_replicas(t)
 
 
 def _shared_seed() -> int:

@@ -48,19 +48,22 @@ from torchalpa.calls import CallSignature
 from torchalpa.plan import Collective, PipelinePlan, Plan
 from torchalpa.runtime.buckets import (LossRide, collective_position, gradient_buckets,
                                        issued_collectives)
-from torchalpa.runtime.grads import attach_gradients
 from torchalpa.runtime.faults import (FaultMonitor, check_same_inputs, check_same_values,
                                       describe_specs)
 from torchalpa.runtime.inference import ForwardPrograms
 from torchalpa.runtime.materialize import distribute_module_state, to_dtensor_placements
 from torchalpa.runtime.optim import lean_optimizer_steps
-from torchalpa.runtime.replicas import ReplicaMismatchError, raise_on_every_rank
+from torchalpa.runtime.mesh import collective_timeout
+from torchalpa.runtime.replicas import ReplicaMismatchError, enabled_by_env, raise_on_every_rank
 from torchalpa.runtime.replicas import check_replicas as _check_replicas
 from torchalpa.runtime.stats import StepClock, StepStats
 from torchalpa.runtime.step import StepRunner
-from torchalpa.runtime.step_module import StepModule
 
 __all__ = ["ParallelModule", "to_dtensor_placements", "distribute_module_state"]
+
+NEEDS_OPTIMIZER = ("train_step needs an optimizer: pass auto_parallel(..., optimizer=lambda ps: "
+                   "torch.optim.Adam(ps, lr=1e-3)) or set pmodel.optimizer = "
+                   "torch.optim.Adam(pmodel.parameters())")
 
 
 class _TrainingStep(torch.autograd.Function):
@@ -118,6 +121,30 @@ class _TrainingStep(torch.autograd.Function):
         return (None, None, *grads, *([None] * ctx.num_others))
 
 
+def _attach_gradients(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                      *, clear_missing: bool = False) -> None:
+    """Set ``p.grad`` for each parameter with a gradient (its local block, in the
+    parameter's layout); a None gradient leaves ``p.grad`` as it is, or sets it to None
+    with ``clear_missing``.
+
+    ``DTensor.from_local`` builds a new layout spec each call: some tens of microseconds
+    per parameter, every step. A gradient with its parameter's dtype and local shape has
+    its parameter's layout, so it shares the parameter's spec and is wrapped directly;
+    ``from_local`` remains for the others."""
+    for p, g in zip(params, grads):
+        if g is None:
+            if clear_missing:
+                p.grad = None
+            continue
+        if not isinstance(p, DTensor):
+            p.grad = g
+        elif g.dtype == p.dtype and g.shape == p._local_tensor.shape:
+            p.grad = DTensor(g, p._spec, requires_grad=False)  # pyright: ignore[reportCallIssue]
+        else:
+            p.grad = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+
+
 def _signed_like(call: Callable, model_forward: Callable) -> Callable:
     """``call`` advertising ``model_forward``'s signature to ``inspect.signature``."""
     def forward(*args, **kwargs):
@@ -130,22 +157,31 @@ def _signed_like(call: Callable, model_forward: Callable) -> Callable:
     return forward
 
 
-class ParallelModule(StepModule):
-    """A model parallelized by torchalpa: call it like the single-device model."""
+class ParallelModule(nn.Module):
+    """A model parallelized by torchalpa: call it like the single-device model.
 
-    plan: Plan
+    ``module``: the user's model, its parameters swapped for DTensors; ``plan``; ``mesh``:
+    this rank's (its stage's) DeviceMesh; ``optimizer``: over the parallel parameters, or
+    None. Checkpoints, ``isinstance`` checks and tools read this surface."""
+
+    plan: Plan | PipelinePlan
 
     def __init__(self, module: nn.Module, plan: Plan | PipelinePlan, runner: StepRunner,
                  mesh, *, input_specs: list[tuple[tuple[int, ...], torch.dtype]],
                  device: torch.device, inputs: str = "global",
                  optimizer: Callable[..., torch.optim.Optimizer] | None = None,
                  forward_programs: ForwardPrograms | None = None,
-                 signature: CallSignature | None = None, timeout_s: float = 600.0,
-                 check_replicas: bool = False, check_inputs: str = "first",
-                 stage: int = 0):
+                 signature: CallSignature | None = None, check_replicas: bool | None = None,
+                 check_inputs: str = "first", stage: int = 0):
         """``runner``: this rank's stage's programs (the whole graph for an intra-op
-        plan); ``mesh``: its stage's DeviceMesh; ``stage``: its index in a PipelinePlan."""
-        super().__init__(module, plan, mesh, device=device)
+        plan); ``mesh``: its stage's DeviceMesh; ``stage``: its index in a PipelinePlan;
+        ``check_replicas``: None reads ``TORCHALPA_CHECK_REPLICAS``. A peer is declared
+        failed after the collective timeout (``TORCHALPA_TIMEOUT_S``)."""
+        super().__init__()
+        self.module = module
+        self.plan = plan
+        self.mesh = mesh
+        self._device = device
         self.stage = stage
         self.num_micro_batches = runner.num_micro_batches
         self._program = runner.program
@@ -160,11 +196,12 @@ class ParallelModule(StepModule):
         self._input_specs = list(input_specs)
         self._inputs = inputs
         self._captured_training = module.training
-        self._monitor = FaultMonitor(timeout_s)
+        self._monitor = FaultMonitor(collective_timeout().total_seconds())
         self._checked_across_ranks = False
         self._check_values = check_inputs if inputs == "global" else "never"
         self._num_calls = 0
-        self._check_every_step = bool(check_replicas)
+        self._check_every_step = enabled_by_env() if check_replicas is None \
+            else bool(check_replicas)
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self._clock = StepClock(device)
         self._loss_ride = self._plan_loss_ride()
@@ -176,7 +213,9 @@ class ParallelModule(StepModule):
         self._lean_step = self._loss_rank is None
         if self._lean_step:
             lean_optimizer_steps(self.parameters())
-        self._make_optimizer(optimizer)
+        # the optimizer over the parallel parameters (DTensors), if one is given
+        self.optimizer: torch.optim.Optimizer | None = \
+            optimizer(self.parameters()) if optimizer is not None else None
         # tools that read the forward's parameters to pick batch fields (HF Trainer drops
         # the columns ``model.forward`` does not name) see the wrapped model's
         self.forward = _signed_like(self.forward, module.forward)
@@ -241,16 +280,24 @@ class ParallelModule(StepModule):
         dist.broadcast(loss, src=self._loss_rank)
         return loss
 
-    def _write_buffer_updates(self, values: Sequence[torch.Tensor]) -> None:
+    def _write_buffer_updates(self, values: Sequence[torch.Tensor],
+                              names: Sequence[str] | None = None) -> None:
         """Store the new values a step computed for buffers (batch-norm running
-        statistics), in the buffers' own layouts; with micro-batches, the last one's."""
-        if values:
-            self._store_buffer_updates(self._runner.program.buffer_updates, values)
+        statistics) in the buffers' own layouts (their local shards when they are
+        DTensors); with micro-batches, the last one's. ``names``: the step program's
+        buffer updates unless given."""
+        names = self._program.buffer_updates if names is None else names
+        with torch.no_grad():
+            for name, value in zip(names, values):
+                buf = self.module.get_buffer(name)
+                (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(value)
 
     def train_step(self, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """zero_grad, forward and backward (micro-batch by micro-batch), optimizer step;
         returns the loss (the mean over micro-batches). Inputs as for ``forward``."""
-        optimizer = self._require_optimizer()
+        optimizer = self.optimizer
+        if optimizer is None:
+            raise ValueError(NEEDS_OPTIMIZER)
         if self._other_mode():
             mode = "training" if self._captured_training else "eval"
             raise ValueError(f"train_step runs the step captured in {mode} mode, but the model is "
@@ -273,10 +320,10 @@ class ParallelModule(StepModule):
         self._write_buffer_updates(step.buffer_updates)
         params = tensors[:len(self._param_names)]
         if self._steps_exactly(optimizer, params):    # every gradient set below: no zero_grad
-            attach_gradients(params, grads, clear_missing=True)
+            _attach_gradients(params, grads, clear_missing=True)
         else:
             optimizer.zero_grad(set_to_none=True)
-            attach_gradients(params, grads)
+            _attach_gradients(params, grads)
         optimizer.step()
         self._clock.stop("forward+backward+optimizer")
         return loss.detach()
@@ -322,9 +369,8 @@ class ParallelModule(StepModule):
                                         keywords=keywords)
         with self._monitor.guard(f"forward-only call {self._num_calls}"), torch.no_grad():
             outs = fp.program(*self._state(fp.state_names), *inputs)
-            for name, value in zip(fp.buffer_updates, outs[1:1 + len(fp.buffer_updates)]):
-                buf = self.module.get_buffer(name)      # batch-norm statistics in train mode
-                (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(value)
+            # batch-norm statistics in train mode
+            self._write_buffer_updates(outs[1:1 + len(fp.buffer_updates)], fp.buffer_updates)
         return fp.unflatten(outs[0])
 
     def check_replicas(self) -> None:
@@ -454,6 +500,14 @@ class ParallelModule(StepModule):
             self._runner.forgo_loss_ride()
             return None
         return LossRide(position, bucket)
+
+    def profile(self, steps: int, path, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> str:
+        """Record ``steps`` training steps on the batch ``inputs`` (as ``train_step`` takes
+        it) with ``torch.profiler`` and write this rank's Chrome trace to ``path`` (Perfetto),
+        the plan's collectives labelled by kind, mesh axis and bytes; returns the file
+        written (``runtime/timeline.py``). The steps are real: parameters change."""
+        from torchalpa.runtime.timeline import profile_steps
+        return profile_steps(self, steps, path, inputs, kwargs)
 
     def unwrap(self) -> nn.Module:
         """A plain copy of the model with full, gathered tensors (no DTensors): for

@@ -23,6 +23,7 @@ says which slice of the graph a stage computes and how it is wired to the others
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -44,17 +45,14 @@ def lower_stage(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *, param_na
                                buffer_names=buffer_names, buffer_updates=buffer_updates)
     built = build_programs(gm, part, pplan.stages[stage].plan, coords=coords,
                            group_names=group_names, device=device)
-    return StageProgram(forward=built.forward, backward=built.backward,
-                        reduce_grads=built.reduce_grads,
-                        buffer_updates=tuple(fqn for fqn, _ in part.updates),
-                        summed_recvs=built.summed_recvs, **wiring)
+    return replace(built, **wiring)
 
 
 def stage_slice(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *,
                 param_names: Sequence[str], buffer_names: Sequence[str],
                 buffer_updates: Sequence[str]) -> tuple[GraphSlice, dict]:
     """The part of the source graph ``stage`` computes, and the stage's wiring (the
-    ``StageProgram`` fields naming its parameters, inputs, receives and sends)."""
+    ``StageProgram`` fields naming its parameters, buffers, inputs, receives and sends)."""
     node_stage = pplan.node_stage
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -101,9 +99,7 @@ def stage_slice(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *,
         backward_recvs=[k for k, phase in transfers_in.items()
                         if phase != "forward" and k not in summed_in],
         forward_sends=[k for k, phase in sends_out.items() if phase == "forward"],
-        backward_sends=[k for k, phase in sends_out.items() if phase != "forward"],
-        has_loss=part.loss is not None,
-        grad_present=[g is not None for _, g in part.grads])
+        backward_sends=[k for k, phase in sends_out.items() if phase != "forward"])
     return part, wiring
 
 

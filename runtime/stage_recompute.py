@@ -13,6 +13,7 @@ numbers as plain training, at the price of one more forward per micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -37,25 +38,15 @@ def random_state(device: torch.device | None) -> tuple:
     return torch.get_rng_state(), cuda
 
 
-class replaying:
+@contextlib.contextmanager
+def replaying(rng: tuple, device: torch.device | None):
     """``with replaying(rng, device):`` runs its body from the random state ``rng``
-    (``random_state``) and then puts back the state it found, so the recompute draws what
-    the forward drew (dropout masks alike) and the later draws are not shifted."""
-
-    def __init__(self, rng: tuple, device: torch.device | None):
-        self.rng, self.device = rng, device
-
-    def __enter__(self):
-        self.found = random_state(self.device)
-        _set(self.rng, self.device)
-
-    def __exit__(self, *exc):
-        _set(self.found, self.device)
-        return False
-
-
-def _set(state: tuple, device: torch.device | None) -> None:
-    cpu, cuda = state
-    torch.set_rng_state(cpu)
-    if cuda is not None and device is not None:
-        torch.cuda.set_rng_state(cuda, device)
+    (``random_state``) and then puts back the state it found (``torch.random.fork_rng``),
+    so the recompute draws what the forward drew (dropout masks alike) and the later
+    draws are not shifted."""
+    cpu, cuda = rng
+    with torch.random.fork_rng(devices=[device] if cuda is not None else []):
+        torch.set_rng_state(cpu)
+        if cuda is not None and device is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield

@@ -237,8 +237,7 @@ class StepRunner:
         with replaying(replay.rng, _device_of(state, replay.received)):
             out = list(p.forward(*state, *[step.micro_inputs[replay.micro][i]
                                             for i in p.user_inputs], *replay.received))
-        drop = int(p.has_loss) + len(p.forward_sends) + len(p.buffer_updates)
-        return out[drop:]
+        return out[self._saved_from():]
 
     def _backward(self, step: StepInFlight, m: int, state: list[torch.Tensor]) -> None:
         p, exchange = self.program, self.exchange

@@ -138,17 +138,14 @@ def fold_constants(gm: fx.GraphModule, read_only_from: int | None = None) -> int
     return made
 
 
+@functools.cache
 def _direct(op: torch._ops.OpOverload):
-    """``op``'s C++ entry, callable without a Python frame, under a name FX can print."""
+    """``op``'s C++ entry, callable without a Python frame, under a name FX can print
+    (one per operator)."""
     call = functools.partial(op._op)
     call.__name__ = f"{op._opname}_{op._overloadname}"      # type: ignore[attr-defined]
     call.__module__ = _DIRECT                                # type: ignore[attr-defined]
     return call
-
-
-@functools.cache
-def _direct_of(op: torch._ops.OpOverload):
-    return _direct(op)
 
 
 def direct_calls(graph: fx.Graph) -> int:
@@ -157,6 +154,6 @@ def direct_calls(graph: fx.Graph) -> int:
     for n in graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
                 and n.target.namespace == "aten":
-            n.target = _direct_of(n.target)
+            n.target = _direct(n.target)
             changed += 1
     return changed

@@ -61,10 +61,9 @@ _AXES: dict[str, str] = {}     # process-group name -> "axis 0 (dp)", for labels
 
 def label_axes(mesh) -> None:
     """Name ``mesh``'s process groups after its axes in the profiler labels."""
-    names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
     for i in range(mesh.ndim):
-        _AXES[mesh.get_group(i).group_name] = f"axis {i} ({names[i]})" if mesh.mesh_dim_names \
-            else f"axis {i}"
+        name = f" ({mesh.mesh_dim_names[i]})" if mesh.mesh_dim_names else ""
+        _AXES[mesh.get_group(i).group_name] = f"axis {i}{name}"
 
 
 def _profiling() -> bool:

@@ -69,9 +69,8 @@ def dense_backward(grad: torch.Tensor, indices: torch.Tensor, num_weights: int, 
                    padding_idx: int = -1, scale_grad_by_freq: bool = False) -> torch.Tensor:
     """``aten.embedding_dense_backward`` for the ``num_weights`` rows from ``offset``."""
     local, _ = _local_indices(indices, offset, num_weights, num_weights)
-    local_padding = padding_idx - offset if 0 <= padding_idx - offset < num_weights else -1
-    if padding_idx < 0:
-        local_padding = -1
+    local_padding = padding_idx - offset \
+        if padding_idx >= 0 and 0 <= padding_idx - offset < num_weights else -1
     full = aten.embedding_dense_backward.default(grad, local, num_weights + 1, local_padding,
                                                  scale_grad_by_freq)
     return full[:num_weights]

@@ -39,7 +39,8 @@ def _run_steps(x, steps, mesh_shape, groups, coords, rank_coords=None):
             x = LocalTensor({r: C.local_partition(t, rank_coords[r][s.axis], s.reduce_op)
                              for r, t in x._local_tensors.items()})
         else:
-            x = C.apply_step(x, s, mesh_shape, coords, groups)
+            fn, args = C.step_call(s, mesh_shape, coords, groups)
+            x = fn(x, *args)
     return x
 
 

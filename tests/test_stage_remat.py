@@ -68,3 +68,16 @@ def test_tight_budget_makes_the_dp_recompute_a_stage(gpt_graph):
     # remat="none" never recomputes
     assert not any(s.recompute for s in _plan(gpt_graph, stage_option=torchalpa.ManualStageOption(
         forward_stage_layer_ids=[[0], [1]], submesh_shapes=[(1, 1), (1, 1)])).stages)
+
+
+def test_replaying_draws_the_forwards_numbers_and_leaves_later_draws_unshifted():
+    """A recompute replays the random state its forward began with (the same dropout
+    masks), and the generator afterwards is where it was before the replay."""
+    from torchalpa.runtime.stage_recompute import random_state, replaying
+    rng = random_state(torch.device("cpu"))
+    first = torch.rand(8)
+    after = torch.get_rng_state()
+    with replaying(rng, torch.device("cpu")):
+        again = torch.rand(8)
+    assert torch.equal(first, again)
+    assert torch.equal(torch.get_rng_state(), after)

@@ -62,16 +62,10 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
     from torchalpa.progress import verbose as solver_log
     setup_logging()
     with solver_log(verbose):
-        return _plan(model, example_inputs, loss_fn, method=method, cluster=cluster,
-                     inputs=inputs, param_argnums=param_argnums, num_params=num_params)
-
-
-def _plan(model, example_inputs, loss_fn, *, method, cluster, inputs, param_argnums,
-          num_params) -> Plan | PipelinePlan:
-    method = resolve_style_pins(_check_method(method), model)
-    _check_inputs_mode(inputs)
-    return method.plan(model, example_inputs, loss_fn, cluster=cluster, inputs=inputs,
-                       param_argnums=param_argnums, num_params=num_params)
+        method = resolve_style_pins(_check_method(method), model)
+        _check_inputs_mode(inputs)
+        return method.plan(model, example_inputs, loss_fn, cluster=cluster, inputs=inputs,
+                           param_argnums=param_argnums, num_params=num_params)
 
 
 def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -128,37 +122,23 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     - ``verbose=True``: rank 0 streams the ILP solver's log too (progress lines are shown
       by default; ``TORCHALPA_LOG=warning`` silences them).
     """
+    from torchalpa.calls import CallSignature
     from torchalpa.progress import setup_logging
     from torchalpa.progress import verbose as solver_log
     setup_logging()
     with solver_log(verbose):
-        return _auto_parallel(model, example_inputs, loss_fn, method=method, mesh=mesh,
-                              cluster=cluster, inputs=inputs, optimizer=optimizer, plan=plan,
-                              num_micro_batches=num_micro_batches,
-                              mixed_precision=mixed_precision, init_weights=init_weights,
-                              compile=compile, check_replicas=check_replicas,
-                              check_inputs=check_inputs)
-
-
-def _auto_parallel(model, example_inputs, loss_fn, *, method, check_inputs, num_micro_batches,
-                   inputs, **options):
-    from torchalpa.calls import CallSignature
-    method = resolve_style_pins(_check_method(method), model)
-    _check_inputs_mode(inputs)
-    if check_inputs not in _CHECK_INPUTS:
-        raise ValueError(f"check_inputs must be one of {_CHECK_INPUTS}, got {check_inputs!r}")
-    if num_micro_batches is not None:
-        _check_micro_batches(num_micro_batches)
-    signature, example_inputs = CallSignature.of(example_inputs)
-    return method.build(model, example_inputs, loss_fn, signature=signature, inputs=inputs,
-                        check_inputs=check_inputs, num_micro_batches=num_micro_batches,
-                        **options)
-
-
-def _check_micro_batches(num_micro_batches) -> int:
-    if num_micro_batches is None:
-        return 1
-    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) \
-            or num_micro_batches < 1:
-        raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
-    return num_micro_batches
+        method = resolve_style_pins(_check_method(method), model)
+        _check_inputs_mode(inputs)
+        if check_inputs not in _CHECK_INPUTS:
+            raise ValueError(f"check_inputs must be one of {_CHECK_INPUTS}, got {check_inputs!r}")
+        if num_micro_batches is not None:
+            if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) \
+                    or num_micro_batches < 1:
+                raise ValueError(f"num_micro_batches must be an int >= 1, got "
+                                 f"{num_micro_batches!r}")
+        signature, example_inputs = CallSignature.of(example_inputs)
+        return method.build(model, example_inputs, loss_fn, signature=signature, inputs=inputs,
+                            check_inputs=check_inputs, num_micro_batches=num_micro_batches,
+                            mesh=mesh, cluster=cluster, optimizer=optimizer, plan=plan,
+                            mixed_precision=mixed_precision, init_weights=init_weights,
+                            compile=compile, check_replicas=check_replicas)

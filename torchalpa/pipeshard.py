@@ -132,7 +132,6 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
     from torchalpa.runtime import mesh as mesh_mod
     from torchalpa.runtime.module import ParallelModule
     from torchalpa.runtime.pipeline import StageExchange, lower_stage, transfer_specs
-    from torchalpa.runtime.replicas import enabled_by_env
     from torchalpa.runtime.step import StepRunner
 
     method = pipeline_options(method, by_keyword=signature is not None and signature.by_keyword,
@@ -196,9 +195,7 @@ def pipeshard_parallel(model: nn.Module, example_inputs, loss_fn, *, method: Pip
     return ParallelModule(model, the_plan, runner, mesh, stage=stage.index,
                           input_specs=[(tuple(x.shape), x.dtype) for x in example_inputs],
                           device=device, optimizer=optimizer,
-                          timeout_s=mesh_mod.collective_timeout().total_seconds(),
-                          check_replicas=enabled_by_env() if check_replicas is None
-                          else check_replicas, check_inputs=check_inputs)
+                          check_replicas=check_replicas, check_inputs=check_inputs)
 
 
 def _profile(captured, cluster: Cluster, method: PipeshardParallel, example_inputs, model,

@@ -74,9 +74,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
         with step(f"mesh {i + 1}/{len(meshes)} ({shape}) solving") as progress:
             found = cache.load_cached(key, lambda p, source, shape=tuple(mesh.shape): check_plan(
                 p, fingerprint=fingerprint, source=source, mesh_shape=shape, graph=graph))
-            if found is not None and not isinstance(found, Plan):
-                found = None
-            if found is not None:
+            if isinstance(found, Plan):
                 progress.done = "cached, " + _estimate_text(found, mesh)
                 plans.append(found)
                 continue
@@ -176,7 +174,6 @@ def shard_parallel(model, example_inputs, loss_fn, *, method: ShardParallel, sig
     from torchalpa.runtime.materialize import distribute_module_state
     from torchalpa.runtime.module import ParallelModule
     from torchalpa.runtime.random import sync_random_state
-    from torchalpa.runtime.replicas import enabled_by_env
     from torchalpa.runtime.step import StepRunner
 
     method = with_micro_batches(method, num_micro_batches)     # priced as it runs
@@ -252,10 +249,7 @@ def shard_parallel(model, example_inputs, loss_fn, *, method: ShardParallel, sig
                           input_specs=input_specs, inputs=inputs, device=device,
                           optimizer=optimizer, forward_programs=forward_programs,
                           signature=signature,
-                          timeout_s=mesh_mod.collective_timeout().total_seconds(),
-                          check_replicas=enabled_by_env() if check_replicas is None
-                          else check_replicas,
-                          check_inputs=check_inputs)
+                          check_replicas=check_replicas, check_inputs=check_inputs)
 
 
 def _check_given_plan(plan: Plan, fingerprint: str, mesh_shape, graph=None) -> None:

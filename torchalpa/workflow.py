@@ -37,7 +37,9 @@ def default_cluster(num_devices: int, *, measure: bool = False) -> Cluster:
     it; planning without ranks stays deterministic.
     """
     if not torch.cuda.is_available():
-        if measure and _gloo_group_of(num_devices):
+        import torch.distributed as dist
+        if measure and num_devices > 1 and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() == num_devices and dist.get_backend() == "gloo":
             from torchalpa.calibrate import calibration_enabled
             if calibration_enabled():
                 return Cluster.measure()
@@ -48,13 +50,6 @@ def default_cluster(num_devices: int, *, measure: bool = False) -> Cluster:
     if world == num_devices and local and world % local == 0:
         return Cluster.detect(world // local, local)
     return Cluster.detect(1, num_devices)
-
-
-def _gloo_group_of(num_devices: int) -> bool:
-    """Whether a gloo process group of ``num_devices`` > 1 ranks is up."""
-    import torch.distributed as dist
-    return (num_devices > 1 and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() == num_devices and dist.get_backend() == "gloo")
 
 
 def _count(n: float) -> str:
@@ -130,11 +125,8 @@ def with_precision(model: torch.nn.Module, mixed_precision):
 
 def same_step_on_every_rank(fingerprint: str) -> None:
     """Raise unless every rank captured the step rank 0 did (same model and shapes)."""
-    import torch.distributed as dist
-    if dist.get_world_size() == 1:
-        return
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, fingerprint)
+    from torchalpa.runtime.mesh import gather_objects
+    everyone = gather_objects(fingerprint)
     differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
     if differ:
         raise RuntimeError(
