@@ -580,8 +580,10 @@ class _StageCosts:
         global _WORKER_COSTS
         _WORKER_COSTS = self      # forked workers read it instead of unpickling the graph
         while todo:
-            todo = {key: args for key, args in todo.items()
-                    if not self._reuse_fewer_in_flight(*args, budget)}
+            todo = {key: (k, i, submesh, view, flight, recompute)
+                    for key, (k, i, submesh, view, flight, recompute) in todo.items()
+                    if not self._reuse_fewer_in_flight(k, i, submesh, view, flight, recompute,
+                                                       budget)}
             fewest: dict[tuple, tuple[tuple, tuple]] = {}
             for key, args in sorted(todo.items(), key=lambda item: item[1][4]):
                 k, i, submesh, view, _, recompute = args
