@@ -65,11 +65,10 @@ def test_gradient_accumulation_2d_mesh_numerics(runs):
     assert set(_counts(r)) == {"all_reduce"}, r["planned"]     # Alpa: only all-reduces
 
 
-@pytest.mark.xfail(strict=True, reason="the gradients are reduced once, at the end, as "
-                   "Alpa's are, but over each mesh axis in turn: the bucket packs the first "
-                   "step (axis 1) and the second (axis 0) runs per gradient, 1 + 4 all-reduces "
-                   "where Alpa's combiner makes 2")
 def test_gradient_accumulation_2d_mesh_counts(runs):
+    """Alpa's combiner makes 2 all-reduces of the gradients on (2, 2): each gradient is
+    summed over both axes, and the bucket's buffer goes through both (one all-reduce per
+    axis for all four gradients, ``plan.bucketed_prefix``), not the second per gradient."""
     r = _scenario(runs, "accum:2x2")
     assert _counts(r) == Counter(all_reduce=2), r["planned"]
 
