@@ -207,19 +207,28 @@ def collective_position(plan: Plan, consumer, slot, index: int) -> int | None:
 
 def issued_collectives(plan: Plan, num_micro_batches: int = 1,
                        buckets: Sequence[GradientBucket] | None = None, *,
-                       loss_ride: LossRide | None = None) -> list[Collective]:
+                       loss_ride: LossRide | None = None, one_stage: bool = True
+                       ) -> list[Collective]:
     """Every collective one step issues: the final resharding of each gradient once (with
     each bucket's members as one collective), everything else once per micro-batch;
-    ``loss_ride``: the loss's all-reduce inside its bucket (one micro-batch only)."""
+    ``loss_ride``: the loss's all-reduce inside its bucket (one micro-batch only).
+    ``one_stage``: the plan runs as a one-stage step (``runtime.lower.lower``), whose
+    parameters' forward gathers run once per step, bucketed (``runtime.param_gather``);
+    False for a stage of a pipeline, which gathers per micro-batch."""
+    # imported here: runtime.param_gather packs with this module's helpers
+    from torchalpa.runtime.param_gather import gather_buckets, gathered_once
     buckets = gradient_buckets(plan) if buckets is None else buckets
     in_bucket = {i for b in buckets for i in b.positions}
     in_bucket |= {i for b in buckets for stage in b.then for i in stage.positions}
+    hoisted = gathered_once(plan, num_micro_batches) if one_stage else {}
+    gathers = gather_buckets(plan, num_micro_batches) if one_stage else ()
+    in_bucket |= {i for b in gathers for i in b.positions}
     riders: dict[int, int] = {}         # bucket -> bytes of the loss riding it
     if loss_ride is not None:
         assert num_micro_batches == 1, "a loss rides a bucket in one-micro-batch steps only"
         in_bucket.add(loss_ride.position)
         riders[loss_ride.bucket] = plan.collectives[loss_ride.position].bytes
-    once = set()
+    once = {i for positions in hoisted.values() for i in positions}
     position = -1
     for r in plan.reshards:
         for s in r.steps:
@@ -239,6 +248,9 @@ def issued_collectives(plan: Plan, num_micro_batches: int = 1,
         for stage in b.then:
             out.append(replace(plan.collectives[stage.positions[0]], bytes=stage.bytes,
                                source="", tensor=f"bucket of {len(b.params)} gradients"))
+    for g in gathers:
+        out.append(replace(plan.collectives[g.positions[0]], bytes=g.bytes, source="",
+                           tensor=f"bucket of {len(g.readers)} parameters"))
     return out
 
 

@@ -18,7 +18,7 @@ from torchalpa.placement import Placements, format_placements, parse_placements,
 from torchalpa.plan_records import (Estimates, Explanation, explanations_from_dict,
                                     explanations_to_dict)
 
-__all__ = ["bucketed_prefix", "BUCKETED_FIRST",
+__all__ = ["bucketed_prefix", "BUCKETED_FIRST", "state_read_once",
            "Plan", "ReshardStep", "Reshard", "OutputSlot", "OUTPUT", "INPUT_SLOT", "Slot",
            "MeshStage", "READABLE_PLAN_VERSIONS", "check_version", "NodeStrategy", "ValuePlacement", "Collective",
            "PipelinePlan", "StagePlan", "Transfer", "load_plan", "PLAN_VERSION",
@@ -92,6 +92,16 @@ def bucketed_prefix(steps, mesh_shape) -> int:
         axes.add(step.axis)
         count += 1
     return count
+
+
+def state_read_once(num_micro_batches: int, rematerialize_parameters: bool) -> bool:
+    """Whether a step reshards each forward read of a parameter or buffer once, before its
+    first micro-batch, instead of once per micro-batch (``runtime/param_gather.py``; the
+    cost model prices such a read once, ``passes/costgraph.py``, ``passes/intra_op.py``):
+    with gradient accumulation, unless the method gathers parameters again in backward to
+    hold less (ZeRO-3's ``rematerialize_parameters``), whose gathers stay per micro-batch.
+    The copy lives for the step (until the last backward that reads it)."""
+    return num_micro_batches > 1 and not rematerialize_parameters
 
 
 OUTPUT = "<output>"
