@@ -38,6 +38,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -102,9 +103,9 @@ def gather_buckets(plan: Plan, num_micro_batches: int, threshold: int | None = N
     open_buckets: dict[tuple[int, int], list] = {}
     closed: list[tuple[int, list]] = []       # (itemsize, members)
     for r in plan.reshards:
-        key = (r.consumer, r.slot)
-        if key not in once or len(r.steps) != 1:
+        if not isinstance(r.slot, int) or (r.consumer, r.slot) not in once or len(r.steps) != 1:
             continue
+        key = (r.consumer, r.slot)
         step = r.steps[0]
         if step.kind != "all_gather" or split_factor_of(step.src[step.axis]) > 1:
             continue
@@ -163,7 +164,7 @@ def hoist_parameter_gathers(forward: fx.GraphModule, chains: dict[ReaderKey, lis
         assert all(c.target is C.all_gather for c in calls), [c.target for c in calls]
         group = calls[0].args[3]
         assert all(c.args[3] == group for c in calls), "a bucket spans process groups"
-        members = [env[c.args[0]] for c in calls]
+        members = [env[cast(fx.Node, c.args[0])] for c in calls]
         flat = gathers.call_function(flatten_concat, (members,))
         n = group_sizes[bucket.axis]
         gathered = gathers.call_function(C.all_gather, (flat, 0, n, group))
