@@ -10,8 +10,9 @@ On gloo a reduce-scatter is an all-reduce underneath and costs as much.
 
 Gradient reductions are bucketed by the runtime (``runtime/buckets.py``, as DDP and FSDP2
 do): when the mesh says so (``gradient_bucket_bytes``), a gradient's all-reduce or
-reduce-scatter pays the latency in proportion to its share of a bucket, not a whole one
-(``gradient_steps_cost``). Without it every collective pays its own (Alpa's accounting).
+reduce-scatter (and the all-reduces over other axes right after it, which the bucket's
+buffer goes through too) pays the latency in proportion to its share of a bucket, not a
+whole one (``gradient_steps_cost``). Without it every collective pays its own (Alpa's accounting).
 
 Compute: ``launch + max(flops / peak, bytes / memory_bandwidth)`` of the local share of
 an op; zero when the mesh has no ``peak_flops`` (Alpa's communication-only setting). The
@@ -28,6 +29,7 @@ forward's saved statistic, a CUDA one runs the forward again).
 from __future__ import annotations
 
 from torchalpa.cluster import LogicalMesh
+from torchalpa.plan import bucketed_prefix
 from torchalpa.opgraph import OpNode
 from torchalpa.passes.attention_price import ATTENTION_BACKWARDS, attention_backward_flops
 
@@ -83,16 +85,16 @@ def steps_cost(mesh: LogicalMesh, steps) -> float:
 
 
 def gradient_steps_cost(mesh: LogicalMesh, steps) -> float:
-    """``steps_cost`` of a gradient's final resharding: its first step, when an all-reduce
-    or reduce-scatter the runtime packs into a bucket of ``mesh.gradient_bucket_bytes``,
-    pays the latency of its share of the bucket (at most one whole latency)."""
+    """``steps_cost`` of a gradient's final resharding: each step the runtime carries in a
+    bucket of ``mesh.gradient_bucket_bytes`` (``plan.bucketed_prefix``: a first all-reduce
+    or reduce-scatter, then all-reduces over the other axes) pays the latency of its share
+    of the bucket (at most one whole latency)."""
     total = steps_cost(mesh, steps)
     bucket = mesh.gradient_bucket_bytes
-    if bucket > 0 and steps:
-        first = steps[0]
-        if first.kind in ("all_reduce", "reduce_scatter") and mesh.shape[first.axis] > 1:
+    if bucket > 0:
+        for step in steps[:bucketed_prefix(steps, mesh.shape)]:
             assert mesh.alpha is not None  # LogicalMesh.__post_init__ fills it
-            total -= mesh.alpha[first.axis] * (1 - min(1.0, first.bytes / bucket))
+            total -= mesh.alpha[step.axis] * (1 - min(1.0, step.bytes / bucket))
     return total
 
 

@@ -133,16 +133,27 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
                      grouping: Grouping, costs: ReshardCosts,
                      shared: frozenset = frozenset(),
                      read_weights: dict[tuple[str, int], float] | None = None,
-                     micro_batches: int = 1) -> CostGraph:
+                     micro_batches: int = 1, state_once: bool = False) -> CostGraph:
     """``shared``: values (producer, index) whose operand reads are priced once per target
     layout (``passes/shared_reshard.py``) instead of once per read. ``read_weights``:
     values whose every operand read is priced at this fraction of its resharding (a
     relaxation for bounds: a value read ``k`` times costs at least ``1/k`` of what its
     reads would cost apart, however many of them share a copy). ``micro_batches``: the
     step runs the graph this many times and reduces the gradients once (gradient
-    accumulation): every cost but the gradients' final resharding counts that many times."""
+    accumulation): every cost but the gradients' final resharding counts that many times.
+    ``state_once`` (``plan.state_read_once``): a forward op's read of a parameter or buffer
+    is resharded once per step too (``runtime/param_gather.py``)."""
     k = float(micro_batches)
+
+    def times(u: str, v: str, how) -> float:
+        """How many times a step pays the link ``u -> v`` (read as ``how``)."""
+        if how == "grad" or (state_once and isinstance(how, int)
+                             and _state_read_in_forward(graph, u, v)):
+            return 1.0
+        return k
+
     rep, index = grouping.rep, grouping.index
+    order = {n.name: i for i, n in enumerate(graph)}
     node_costs = {r: np.zeros(len(S[r])) for r in grouping.representatives}
 
     def fold(name: str, vec: np.ndarray) -> None:
@@ -189,17 +200,25 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
         rows = [S[u][a].outputs[idx] for a in index[u]]
         cols = [_reads(S[v][b], how) for b in index[v]]
         e = costs.edge(ru, rv, graph.node(u).outputs[idx], rows, cols, gradient=how == "grad")
-        e.table = e.table * sum(weights.get((m[0], m[1]), 1.0) if isinstance(m[3], int) else 1.0
-                                for m in members) * (1.0 if how == "grad" else k)
+        e.table = e.table * sum((weights.get((m[0], m[1]), 1.0) if isinstance(m[3], int) else 1.0)
+                                * times(m[0], m[2], m[3]) for m in members)
         if ru == rv:   # both ends follow one node: only its diagonal can happen
             node_costs[ru] += e.dense().diagonal()
         else:
             edges.append(e)
     groups_shared = shared_groups(graph, S, grouping, costs, set(shared))
-    for g in groups_shared:          # operand reads: once per micro-batch
-        g.table = g.table * k
+    for g in groups_shared:          # operand reads: once per micro-batch (or step)
+        first = min((n for n in graph.ops() if any(r.node == g.value[0] for r in n.operands)),
+                    key=lambda n: order[n.name])      # the read that makes the shared copy
+        g.table = g.table * times(g.value[0], first.name, 0)
     return CostGraph(node_costs, edges, num_edges=len(links), num_priced=len(groups),
                      shared=groups_shared)
+
+
+def _state_read_in_forward(graph: OpGraph, producer: str, consumer: str) -> bool:
+    """Whether ``consumer`` is a forward op reading a parameter or buffer."""
+    return graph.node(producer).kind in ("param", "buffer") and \
+        graph.node(consumer).phase == "forward"
 
 
 def _reads(s: Strategy, how) -> Placements | None:

@@ -41,7 +41,7 @@ from torchalpa.passes.strategies import (Strategy, enumerate_strategies, leaf_st
 from torchalpa.placement import Placements, Shard, format_placements, replicated, is_shard
 from torchalpa.report import format_bytes
 from torchalpa.plan import (INPUT_SLOT, OUTPUT, Collective, MeshStage, NodeStrategy,
-                            OutputSlot, Plan, Reshard, ValuePlacement)
+                            OutputSlot, Plan, Reshard, ValuePlacement, state_read_once)
 from torchalpa.plan_records import Estimates, Explanation, LayoutCost
 
 __all__ = ["plan_intra_op", "step_time_lower_bound", "UnsupportedOpWarning", "build_strategies"]
@@ -188,6 +188,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     option, mesh, graph, space, costs = _problem(graph, mesh, method, inputs)
     S = space.strategies
     budget = option.memory_budget_per_device or mesh.memory_per_device
+    # a parameter's forward reshards run once per step (runtime/param_gather.py)
+    state_once = state_read_once(method.num_micro_batches, option.rematerialize_parameters)
     if option.force_simple_heuristic or not option.enable_auto_sharding:
         chosen = _propagate(graph, S, costs, mesh,
                             by_size=option.force_simple_heuristic == "shard-largest")
@@ -201,7 +203,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         grouping = group_nodes(graph, S, None if exact else blocks, heavy=space.heavy,
                                period=period, merge_followers=not exact)
         memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states, in_flight,
-                             saved_statistics(graph, mesh))
+                             saved_statistics(graph, mesh), state_at_start=state_once)
         initial = None
         if start is not None:    # a plan of a coarser grouping is feasible here too
             initial = {}
@@ -213,7 +215,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
             graph, mesh, S, grouping, costs,
             lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory, budget,
                                                      option, mesh, initial=initial),
-            initial, shared, micro_batches=method.num_micro_batches)
+            initial, shared, micro_batches=method.num_micro_batches, state_once=state_once)
         return grouping, cg, solution, chosen, shared
 
     built = time.perf_counter()
@@ -313,7 +315,8 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
     cg = build_cost_graph(graph, mesh, S, grouping, costs, read_weights={
         v: 1.0 / k for v, k in reads.items()
         if k > 1 and graph.node(v[0]).kind not in ("param", "buffer")},
-        micro_batches=method.num_micro_batches)
+        micro_batches=method.num_micro_batches,
+        state_once=state_read_once(method.num_micro_batches, option.rematerialize_parameters))
     return lower_bound(ILPProblem(node_costs=cg.node_costs, edges=cg.edges))
 
 
@@ -643,6 +646,7 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     collectives = []
     comm_time = wire = 0.0
     k = method.num_micro_batches      # gradient accumulation: all but the final reductions
+    state_once = state_read_once(k, method.auto_sharding_option.rematerialize_parameters)
     for r in reshards:
         if isinstance(r.slot, OutputSlot):
             phase = "backward" if r.slot.kind == "grad" else graph.node(r.producer).phase
@@ -656,7 +660,11 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                                               phase=phase, source=at.module, tensor=r.producer,
                                               reduce_op=step.reduce_op, stack=at.stack))
         is_gradient = isinstance(r.slot, OutputSlot) and r.slot.kind == "grad"
-        times = 1 if is_gradient else k
+        # a forward read of a parameter or buffer: resharded once per step (runtime's
+        # param_gather), as a gradient's final resharding is
+        once = state_once and isinstance(r.slot, int) and phase == "forward" \
+            and graph.node(r.producer).kind in ("param", "buffer")
+        times = 1 if is_gradient or once else k
         for step in r.steps:
             if step.is_collective:     # every group along the axis runs this collective
                 groups = mesh.num_devices // mesh.shape[step.axis]
@@ -688,7 +696,7 @@ def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         for n in graph if n.kind == "param"}, method.optimizer_states)
     activations, saved = activation_peak_bytes(
         graph, {k: s.outputs for k, s in chosen.items()}, mesh.shape,
-        saved_statistics(graph, mesh))
+        saved_statistics(graph, mesh), state_at_start=state_once)
     estimates = Estimates(step_time_s=comm_time + compute_time, communication_s=comm_time,
                           compute_s=compute_time, model_state_bytes_per_device=state,
                           activation_bytes_per_device=activations,

@@ -50,7 +50,8 @@ class Liveness:
         return np.cumsum(delta)[:-1]
 
 
-def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None) -> Liveness:
+def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
+             state_at_start: bool = False) -> Liveness:
     """When each value is allocated and freed, in the step's order.
 
     A view (``OpNode.aliases``) allocates nothing: it keeps the storage it views alive
@@ -60,7 +61,10 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None) -> Liveness
     under ZeRO), and forward keeps that copy for backward, so such views keep intervals
     of their own. (A view that reads an activation resharded is priced in the
     activation's layout: resharding temporaries are not modeled.) ``kept_for``: value ->
-    a later op that reads it outside the graph's edges (attention's saved output)."""
+    a later op that reads it outside the graph's edges (attention's saved output).
+    ``state_at_start`` (``plan.state_read_once``): the step reshards parameters for forward
+    once, before its first micro-batch, so a forward view of a parameter holds its copy
+    from the start of the step."""
     order = {n.name: i for i, n in enumerate(graph)}
     last_use: dict[str, int] = {}
     for node in graph:
@@ -76,9 +80,17 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None) -> Liveness
         last_use[root] = max(last_use.get(root, order[root]), last_use.get(view, order[view]))
     names = [n.name for n in graph
              if n.kind in ("op", "input") and not n.is_grad and n.name not in storage]
-    start = np.array([order[n] for n in names], dtype=np.int64)
+    start = np.array([0 if state_at_start and _views_state(graph, n) else order[n]
+                      for n in names], dtype=np.int64)
     end = np.array([last_use.get(n, order[n]) for n in names], dtype=np.int64)
     return Liveness(names, start, end, end_of_step + 1)
+
+
+def _views_state(graph: OpGraph, name: str) -> bool:
+    """Whether ``name`` is a forward view of a parameter or buffer."""
+    node = graph.node(name)
+    return node.aliases and node.phase == "forward" and bool(node.operands) and \
+        graph.node(node.operands[0].node).kind in ("param", "buffer")
 
 
 def _storage_roots(graph: OpGraph) -> dict[str, str]:
@@ -140,14 +152,15 @@ def forward_end(graph: OpGraph) -> int:
 
 
 def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, ...]],
-                          mesh_shape, statistics: dict[str, str] | None = None
-                          ) -> tuple[int, int]:
+                          mesh_shape, statistics: dict[str, str] | None = None,
+                          state_at_start: bool = False) -> tuple[int, int]:
     """(peak bytes of op results alive at once on one device, bytes alive where forward
     ends: what a micro-batch holds while it waits for backward). Inputs count too.
-    ``statistics``: attention forward -> the backward that reads what it saved."""
+    ``statistics``: attention forward -> the backward that reads what it saved;
+    ``state_at_start``: as ``liveness`` takes it."""
     statistics = statistics or {}
-    timeline = activation_timeline(graph, liveness(graph, statistics), outputs, mesh_shape,
-                                   statistics)
+    timeline = activation_timeline(graph, liveness(graph, statistics, state_at_start), outputs,
+                                   mesh_shape, statistics)
     if not timeline.size:
         return 0, 0
     return int(timeline.max()), int(timeline[forward_end(graph)])
@@ -157,7 +170,8 @@ class MemoryModel:
     """Per-strategy bytes of every node, folded onto the ILP's representatives."""
 
     def __init__(self, graph: OpGraph, strategies, grouping, mesh_shape, optimizer_states: int,
-                 in_flight: int = 1, statistics: dict[str, str] | None = None):
+                 in_flight: int = 1, statistics: dict[str, str] | None = None,
+                 state_at_start: bool = False):
         self.graph, self.S, self.g, self.mesh_shape = graph, strategies, grouping, mesh_shape
         self.statistics = statistics or {}
         """Attention forward -> the backward that reads the output and statistic it saved."""
@@ -165,7 +179,7 @@ class MemoryModel:
         self.in_flight = in_flight
         """Micro-batches a device holds at once (a pipeline stage's): one at any point of
         its step, the others waiting for backward with what forward saved."""
-        self.live = liveness(graph, self.statistics)
+        self.live = liveness(graph, self.statistics, state_at_start)
         self.forward_end = forward_end(graph)
         reps = grouping.representatives
         self.state = {r: np.zeros(len(strategies[r])) for r in reps}

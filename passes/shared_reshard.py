@@ -133,7 +133,8 @@ def shared_reads_cost(group: SharedReads, choice: dict[str, int]) -> float:
 
 
 def solve_sharing_reads(graph: OpGraph, mesh, S: dict, grouping, costs, solve,
-                        initial=None, shared: frozenset = frozenset(), micro_batches: int = 1):
+                        initial=None, shared: frozenset = frozenset(), micro_batches: int = 1,
+                        state_once: bool = False):
     """Solve, then price the values the plan reshards alike for two reads once per layout
     and solve again from that plan, until no such value is priced per read.
     ``solve(cost_graph, initial) -> (ILPSolution, node -> Strategy)``; ``shared``: values
@@ -144,7 +145,7 @@ def solve_sharing_reads(graph: OpGraph, mesh, S: dict, grouping, costs, solve,
 
     for _ in range(SHARING_ROUNDS):
         cg = build_cost_graph(graph, mesh, S, grouping, costs, shared,
-                              micro_batches=micro_batches)
+                              micro_batches=micro_batches, state_once=state_once)
         solution, chosen = solve(cg, initial)
         more = duplicated_reads(graph, chosen, costs.steps) - shared
         if not more:

@@ -7,14 +7,17 @@ GPT-2 small, where DDP issues a handful). DDP packs gradients into buckets of ab
 
 - ``gradient_buckets(plan)`` groups the gradients whose final resharding starts with an
   all-reduce or a reduce-scatter, by mesh axis, reduce op, element size (and scattered
-  dim), in the order backward produces them (the reverse of the parameters'), into
-  buckets of at most ``all_reduce_threshold`` bytes (the plan's option; when unset, DDP's
-  sizes: 1 MiB for the first bucket of each kind, so reduction starts early in backward,
-  25 MiB for the others; 0 for no buckets). Only buckets of two or more gradients form.
+  dim) and by the all-reduces over other axes that follow it (``plan.bucketed_prefix``: a
+  gradient summed over both axes of a 2-D mesh goes through two bucketed all-reduces, one
+  per axis, as Alpa's all-reduce combiner makes them), in the order backward produces them
+  (the reverse of the parameters'), into buckets of at most ``all_reduce_threshold`` bytes
+  (the plan's option; when unset, DDP's sizes: 1 MiB for the first bucket of each kind, so
+  reduction starts early in backward, 25 MiB for the others; 0 for no buckets).
+  Only buckets of two or more gradients form.
 - ``fuse_gradient_buckets(gm, buckets, grad_names)`` rewrites a ``reduce_grads`` program:
-  the members of a bucket are flattened and concatenated, reduced by one collective and
-  split back into views of their shapes. It is a pass over the program, so intra-op and
-  pipeline-stage programs alike get it.
+  the members of a bucket are flattened and concatenated, reduced by one collective per
+  bucketed step and split back into views of their shapes. It is a pass over the program,
+  so intra-op and pipeline-stage programs alike get it.
 - ``issued_collectives(plan, num_micro_batches)`` is the list a step really issues (the
   plan's collectives with each bucket's members replaced by the bucket): what
   ``runtime.comm_count`` must count. With ``loss_ride`` (``runtime.loss_ride``: a
@@ -39,10 +42,11 @@ import torch
 import torch.fx as fx
 
 from torchalpa.placement import local_shape, split_factor_of
-from torchalpa.plan import OUTPUT, Collective, OutputSlot, Plan
+from torchalpa.plan import OUTPUT, Collective, OutputSlot, Plan, bucketed_prefix
 from torchalpa.runtime import collectives as C
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "FIRST_BUCKET_BYTES", "GradientBucket", "bucket_threshold", "gradient_buckets",
+__all__ = ["DEFAULT_BUCKET_BYTES", "FIRST_BUCKET_BYTES", "GradientBucket", "BucketStage",
+           "bucket_threshold", "gradient_buckets",
            "fuse_gradient_buckets", "issued_collectives", "flatten_concat", "split_flat",
            "interleave_chunks", "split_chunks", "BUCKET", "collective_position", "LossRide"]
 
@@ -50,7 +54,17 @@ BUCKET = "torchalpa_bucket"     # ``node.meta`` key of a bucket's packing: its i
 
 DEFAULT_BUCKET_BYTES = 25 * 2 ** 20   # torch DDP's bucket_cap_mb default
 FIRST_BUCKET_BYTES = 2 ** 20          # torch DDP's first bucket (_DEFAULT_FIRST_BUCKET_BYTES)
-_FUSIBLE = ("all_reduce", "reduce_scatter")
+
+
+@dataclass(frozen=True, slots=True)
+class BucketStage:
+    """An all-reduce over another mesh axis that a bucket's reduced buffer goes through
+    next (every member's gradient has it right after the bucket's previous step)."""
+
+    axis: int
+    reduce_op: str
+    positions: tuple[int, ...]   # the members' collectives of this step in ``plan.collectives``
+    bytes: int                   # what this rank contributes (sum of the members)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +79,7 @@ class GradientBucket:
     positions: tuple[int, ...]   # the members' collectives in ``plan.collectives``
     bytes: int                   # what this rank contributes (sum of the members)
     itemsize: int = 0            # bytes per element of every member
+    then: tuple[BucketStage, ...] = ()   # later all-reduces of the whole buffer, in order
 
 
 def bucket_threshold(plan: Plan) -> int:
@@ -85,20 +100,28 @@ def _is_gradient(consumer, slot) -> bool:
 
 
 def _grad_reshards(plan: Plan):
-    """(parameter name, first step, its position in plan.collectives) for every gradient
-    whose final resharding starts with a fusible collective, in plan order."""
+    """(parameter name, bucketed steps, their positions in plan.collectives) for every
+    gradient whose final resharding starts with steps a bucket carries
+    (``plan.bucketed_prefix``), in plan order."""
     position = -1                 # plan.collectives lists the reshards' collective steps in order
     out = []
     for r in plan.reshards:
         first = position + 1
         position += sum(1 for s in r.steps if s.is_collective)
-        if not (_is_gradient(r.consumer, r.slot) and r.steps):
+        if not _is_gradient(r.consumer, r.slot):
             continue
-        step = r.steps[0]
-        if step.kind in _FUSIBLE and plan.mesh_shape[step.axis] > 1:
+        count = bucketed_prefix(r.steps, plan.mesh_shape)
+        if count:                 # every bucketed step is a collective: positions follow
             assert isinstance(r.slot, OutputSlot)
-            out.append((r.slot.name, step, first))
+            out.append((r.slot.name, r.steps[:count], tuple(range(first, first + count))))
     return out
+
+
+def _signature(steps) -> tuple:
+    """What the members of one bucket share: each bucketed step's kind, axis, reduce op
+    (and a reduce-scatter's dim)."""
+    return tuple((s.kind, s.axis, s.reduce_op, s.dim if s.kind != "all_reduce" else None)
+                 for s in steps)
 
 
 def _itemsize(plan: Plan, param: str, step) -> int | None:
@@ -127,27 +150,36 @@ def gradient_buckets(plan: Plan, threshold: int | None = None) -> tuple[Gradient
     open_buckets: dict[tuple, list] = {}
     first_of: dict[tuple, list] = {}
     closed: list[list] = []
-    for param, step, position in reversed(_grad_reshards(plan)):   # backward's order
+    for param, steps, positions in reversed(_grad_reshards(plan)):   # backward's order
+        step = steps[0]
         size = _itemsize(plan, param, step)
         if size is None or split_factor_of(step.dst[step.axis]) > 1:
             continue   # a strided shard's pieces are reordered around its own collective
-        key = (step.kind, step.axis, step.reduce_op, step.dim if step.kind != "all_reduce"
-               else None, size)
+        key = (_signature(steps), size)
         members = open_buckets.get(key)
         cap = first_threshold if members is first_of.get(key) else threshold
-        if members is None or sum(s.bytes for _, s, _ in members) + step.bytes > cap:
+        if members is None or sum(s[0].bytes for _, s, _ in members) + step.bytes > cap:
             members = open_buckets[key] = []
             first_of.setdefault(key, members)
             closed.append(members)
-        members.append((param, step, position))
-    return tuple(GradientBucket(kind=m[0][1].kind, axis=m[0][1].axis,
-                                reduce_op=m[0][1].reduce_op or "sum",
-                                dim=m[0][1].dim if m[0][1].kind == "reduce_scatter" else None,
-                                params=tuple(p for p, _, _ in m),
-                                positions=tuple(i for _, _, i in m),
-                                bytes=sum(s.bytes for _, s, _ in m),
-                                itemsize=_itemsize(plan, m[0][0], m[0][1]) or 0)
-                 for m in closed if len(m) > 1)
+        members.append((param, steps, positions))
+    return tuple(_bucket(plan, m) for m in closed if len(m) > 1)
+
+
+def _bucket(plan: Plan, members: list) -> GradientBucket:
+    """The bucket of ``members``: (parameter, bucketed steps, their positions) each."""
+    param, steps, _ = members[0]
+    first = steps[0]
+    return GradientBucket(
+        kind=first.kind, axis=first.axis, reduce_op=first.reduce_op or "sum",
+        dim=first.dim if first.kind == "reduce_scatter" else None,
+        params=tuple(p for p, _, _ in members), positions=tuple(i[0] for _, _, i in members),
+        bytes=sum(s[0].bytes for _, s, _ in members),
+        itemsize=_itemsize(plan, param, first) or 0,
+        then=tuple(BucketStage(axis=later.axis, reduce_op=later.reduce_op or "sum",
+                               positions=tuple(i[k] for _, _, i in members),
+                               bytes=sum(s[k].bytes for _, s, _ in members))
+                   for k, later in enumerate(steps[1:], start=1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,18 +207,28 @@ def collective_position(plan: Plan, consumer, slot, index: int) -> int | None:
 
 def issued_collectives(plan: Plan, num_micro_batches: int = 1,
                        buckets: Sequence[GradientBucket] | None = None, *,
-                       loss_ride: LossRide | None = None) -> list[Collective]:
+                       loss_ride: LossRide | None = None, one_stage: bool = True
+                       ) -> list[Collective]:
     """Every collective one step issues: the final resharding of each gradient once (with
     each bucket's members as one collective), everything else once per micro-batch;
-    ``loss_ride``: the loss's all-reduce inside its bucket (one micro-batch only)."""
+    ``loss_ride``: the loss's all-reduce inside its bucket (one micro-batch only).
+    ``one_stage``: the plan runs as a one-stage step (``runtime.lower.lower``), whose
+    parameters' forward gathers run once per step, bucketed (``runtime.param_gather``);
+    False for a stage of a pipeline, which gathers per micro-batch."""
+    # imported here: runtime.param_gather packs with this module's helpers
+    from torchalpa.runtime.param_gather import gather_buckets, gathered_once
     buckets = gradient_buckets(plan) if buckets is None else buckets
     in_bucket = {i for b in buckets for i in b.positions}
+    in_bucket |= {i for b in buckets for stage in b.then for i in stage.positions}
+    hoisted = gathered_once(plan, num_micro_batches) if one_stage else {}
+    gathers = gather_buckets(plan, num_micro_batches) if one_stage else ()
+    in_bucket |= {i for b in gathers for i in b.positions}
     riders: dict[int, int] = {}         # bucket -> bytes of the loss riding it
     if loss_ride is not None:
         assert num_micro_batches == 1, "a loss rides a bucket in one-micro-batch steps only"
         in_bucket.add(loss_ride.position)
         riders[loss_ride.bucket] = plan.collectives[loss_ride.position].bytes
-    once = set()
+    once = {i for positions in hoisted.values() for i in positions}
     position = -1
     for r in plan.reshards:
         for s in r.steps:
@@ -203,6 +245,12 @@ def issued_collectives(plan: Plan, num_micro_batches: int = 1,
         out.append(replace(first, bytes=b.bytes + riders.get(i, 0), source="",
                            tensor=f"bucket of {len(b.params)} gradients"
                            + (" and the loss" if i in riders else "")))
+        for stage in b.then:
+            out.append(replace(plan.collectives[stage.positions[0]], bytes=stage.bytes,
+                               source="", tensor=f"bucket of {len(b.params)} gradients"))
+    for g in gathers:
+        out.append(replace(plan.collectives[g.positions[0]], bytes=g.bytes, source="",
+                           tensor=f"bucket of {len(g.readers)} parameters"))
     return out
 
 
@@ -250,6 +298,20 @@ def split_chunks(flat: torch.Tensor, like: Sequence[torch.Tensor], dim: int, gro
 
 # -- the pass -----------------------------------------------------------------------------
 
+def _chain(member: fx.Node, first_target, later: int) -> list[fx.Node]:
+    """The collective calls a gradient goes through in a bucket: its one ``first_target``
+    call, then ``later`` all-reduces, each the only user of the one before."""
+    users = [u for u in member.users if u.op == "call_function" and u.target is first_target]
+    assert len(users) == 1, f"gradient {member.name}: expected one {first_target}, got {users}"
+    chain = users
+    for _ in range(later):
+        nxt = list(chain[-1].users)
+        assert len(nxt) == 1 and nxt[0].target is C.all_reduce, \
+            f"gradient {member.name}: expected an all-reduce after {chain[-1]}, got {nxt}"
+        chain.append(nxt[0])
+    return chain
+
+
 def _placeholders_first(graph: fx.Graph, placeholders: list[fx.Node]) -> None:
     """Move every placeholder before the first other node (their order kept), so a bucket
     can be inserted where its first member was reduced, after all its members exist."""
@@ -279,14 +341,12 @@ def fuse_gradient_buckets(gm: fx.GraphModule, buckets: Sequence[GradientBucket],
         if any(p not in by_name for p in bucket.params):
             continue              # a gradient the program does not take (not produced)
         members = [by_name[p] for p in bucket.params]
-        collectives = []
-        for m in members:
-            users = [u for u in m.users if u.op == "call_function"
-                     and u.target is target[bucket.kind]]
-            assert len(users) == 1, f"gradient {m.name}: expected one {bucket.kind}, got {users}"
-            collectives.append(users[0])
+        chains = [_chain(m, target[bucket.kind], len(bucket.then)) for m in members]
+        collectives = [c[0] for c in chains]
         group = collectives[0].args[-1]
-        assert all(c.args[-1] == group for c in collectives), "a bucket spans process groups"
+        groups = [c.args[-1] for c in chains[0]]
+        assert all([c.args[-1] for c in chain] == groups for chain in chains), \
+            "a bucket spans process groups"
         first = min(collectives, key=lambda n: list(graph.nodes).index(n))
         n = group_sizes[bucket.axis]
         with graph.inserting_before(first):
@@ -294,17 +354,23 @@ def fuse_gradient_buckets(gm: fx.GraphModule, buckets: Sequence[GradientBucket],
                 flat = graph.call_function(flatten_concat, (members,))
                 flat.meta[BUCKET] = index     # a loss may ride it (runtime.loss_ride)
                 reduced = graph.call_function(C.all_reduce, (flat, bucket.reduce_op, group))
-                parts = graph.call_function(split_flat, (reduced, members))
             else:
                 flat = graph.call_function(interleave_chunks, (members, bucket.dim, n))
                 reduced = graph.call_function(C.reduce_scatter,
                                               (flat, 0, bucket.reduce_op, n, group))
+            for stage, stage_group in zip(bucket.then, groups[1:]):
+                reduced = graph.call_function(C.all_reduce,
+                                              (reduced, stage.reduce_op, stage_group))
+            if bucket.kind == "all_reduce":
+                parts = graph.call_function(split_flat, (reduced, members))
+            else:
                 parts = graph.call_function(split_chunks, (reduced, members, bucket.dim, n))
             outs = [graph.call_function(operator.getitem, (parts, i))
                     for i in range(len(members))]
-        for c, out in zip(collectives, outs):
-            c.replace_all_uses_with(out)
-            graph.erase_node(c)
+        for chain, out in zip(chains, outs):
+            chain[-1].replace_all_uses_with(out)
+            for c in reversed(chain):
+                graph.erase_node(c)
         changed = True
     if changed:
         graph.lint()

@@ -48,6 +48,7 @@ from torchalpa.runtime.attention_saved import save_attention_statistics
 from torchalpa.runtime.buckets import fuse_gradient_buckets, gradient_buckets
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.overlap import overlap_collectives, prefetch_parameter_gathers
+from torchalpa.runtime.param_gather import gather_buckets, gathered_once, hoist_parameter_gathers
 from torchalpa.runtime.peephole import fold_relu_backward, inline_batched_matmul
 from torchalpa.runtime.synced import run_synced, synced_axes
 
@@ -89,13 +90,19 @@ class StageProgram:
     # sender: (key, index among the present gradients, program laying the sum out as
     # that gradient's addend)
     summed_recvs: list[tuple[ValueKey, int, fx.GraphModule]] = field(default_factory=list)
+    # (*params, *buffers) -> the parameters' gathered copies forward takes after its other
+    # inputs, run once per step before the first micro-batch (``runtime.param_gather``)
+    param_gathers: fx.GraphModule | None = None
     compiled_from: StageProgram | None = field(default=None, repr=False)
     """The eager programs these were compiled from (``compiled``), else None."""
 
     def code(self) -> str:
         if self.compiled_from is not None:
             return "# compiled with torch.compile from:\n" + self.compiled_from.code()
-        return ("# forward: (params, buffers, inputs) -> (loss, saved...)\n" + self.forward.code
+        gathers = self.param_gathers
+        once = "" if gathers is None else ("# param_gathers, once per step: (params, buffers) -> "
+                                           "gathered copies\n" + gathers.code + "\n")
+        return (once + "# forward: (params, buffers, inputs) -> (loss, saved...)\n" + self.forward.code
                 + "\n# backward: (saved...) -> raw grads\n" + self.backward.code
                 + "\n# reduce_grads: (raw grads...) -> grads in their parameters' layouts\n"
                 + self.reduce_grads.code)
@@ -103,7 +110,7 @@ class StageProgram:
     def compiled(self, **options) -> StageProgram:
         """The same programs under ``torch.compile(**options)`` (compiled on first call),
         with the same wiring; ``code()`` prints the source programs. A stage's
-        ``summed_recvs`` addends run once per step and stay eager."""
+        ``summed_recvs`` addends and ``param_gathers`` run once per step and stay eager."""
         return replace(self,
                        forward=torch.compile(self.forward, **options),  # pyright: ignore
                        backward=torch.compile(self.backward, **options),  # pyright: ignore
@@ -154,7 +161,7 @@ def producers(gm: fx.GraphModule) -> dict[str, ValueKey]:
 
 def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, group_names,
           device: torch.device, overlap: bool = True, buffer_updates: Sequence[str] = (),
-          buffer_names: Sequence[str] = ()) -> StageProgram:
+          buffer_names: Sequence[str] = (), num_micro_batches: int = 1) -> StageProgram:
     """This rank's local program for the intra-op ``plan`` (``coords``: this rank's mesh
     coordinate): a one-stage pipeline whose stage is the whole graph, wired as a stage
     that receives and sends nothing (``buffer_names``: the placeholders after the
@@ -162,6 +169,8 @@ def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, gro
 
     ``overlap``: wait for each collective only where its result is first used
     (``runtime.overlap``), so communication runs behind the computation that follows.
+    ``num_micro_batches``: the step's; with more than one, the parameters' forward
+    gathers run once per step, in buckets, as their own program (``runtime.param_gather``).
     """
     nodes = list(gm.graph.nodes)
     outs = nodes[-1].args[0]
@@ -173,7 +182,8 @@ def lower(gm: fx.GraphModule, plan: Plan, param_names: list[str], *, coords, gro
         loss=outs[0], grads=tuple(zip(param_names, outs[1:1 + P])),
         updates=tuple(zip(buffer_updates, outs[1 + P:])))
     built = build_programs(gm, whole, plan, coords=coords, group_names=group_names,
-                           device=device, overlap=overlap)
+                           device=device, overlap=overlap,
+                           gathers_once=(num_micro_batches, P + len(buffer_names)))
     num_inputs = len(whole.placeholders) - P - len(buffer_names)
     return replace(built, params=list(param_names), buffers=list(buffer_names),
                    user_inputs=list(range(num_inputs)))
@@ -200,14 +210,18 @@ class _Emitter:
 
 def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, group_names,
                    device: torch.device, overlap: bool = True,
-                   bucketed: bool = True) -> StageProgram:
+                   bucketed: bool = True, gathers_once: tuple[int, int] = (1, 0)
+                   ) -> StageProgram:
     """Lower ``part`` of the source graph ``gm`` under ``plan`` (the slice's intra-op
     plan) for the rank at mesh coordinate ``coords``: interpret the slice node by node
     (``_lower_node``), then split the local graph into forward and backward programs.
     The caller adds the wiring the slice does not know (parameter and buffer names,
     inputs, receives and sends).
 
-    ``bucketed``: gradients' final collectives go out in buckets (``runtime.buckets``)."""
+    ``bucketed``: gradients' final collectives go out in buckets (``runtime.buckets``).
+    ``gathers_once``: (the step's micro-batches, how many placeholders are parameters and
+    buffers): the reads ``param_gather.gathered_once`` names move to a program run once
+    per step (a one-stage step's, whose state placeholders come first)."""
     strategies = {s.node: s for s in plan.strategies}
     reshards = {(r.consumer, r.slot): r.steps for r in plan.reshards}
     producer_of = producers(gm)
@@ -307,6 +321,18 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
     inline_batched_matmul(graph, keep=held)
     forward, backward = _split(graph, forward_phs, backward_phs, forward_out=roots,
                                backward_out=raw_grads + backward_sends)
+    num_micro_batches, num_state = gathers_once
+    hoisted = gathered_once(plan, num_micro_batches)
+    chains: dict = {}
+    for n in forward.graph.nodes:
+        key = tuple(n.meta.get(PLAN_STEP, ())[:2])
+        if key in hoisted:
+            chains.setdefault(key, []).append(n)
+    assert set(chains) == set(hoisted), \
+        f"parameter reads the plan lists in forward but not lowered there: {set(hoisted) - set(chains)}"
+    param_gathers = hoist_parameter_gathers(
+        forward, chains, gather_buckets(plan, num_micro_batches) if bucketed else (),
+        num_state=num_state, group_sizes=plan.mesh_shape)
     reduce_grads = _steps_program(
         [(f"grad_{i}", output_steps(OutputSlot.grad(fqn))) for i, (fqn, _) in enumerate(present)],
         plan.mesh_shape, coords, group_names, "ReduceGrads")
@@ -314,15 +340,16 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
         fuse_gradient_buckets(reduce_grads, gradient_buckets(plan), group_sizes=plan.mesh_shape,
                               grad_names=[fqn for fqn, _ in present])
     if overlap:
-        for program in (forward, backward, reduce_grads):
-            overlap_collectives(program)
+        for program in (forward, backward, reduce_grads, param_gathers):
+            if program is not None:
+                overlap_collectives(program)
         for program in (forward, backward):
             prefetch_parameter_gathers(program)
     return StageProgram(forward, backward, reduce_grads,
                         buffer_updates=tuple(fqn for fqn, _ in part.updates),
                         has_loss=part.loss is not None,
                         grad_present=[g is not None for _, g in part.grads],
-                        summed_recvs=summed_recvs)
+                        summed_recvs=summed_recvs, param_gathers=param_gathers)
 
 
 def _lower_node(n: fx.Node, graph: fx.Graph, lookup, read_operand, strategies, mesh_shape,

@@ -187,6 +187,8 @@ class ParallelModule(nn.Module):
         self._program = runner.program
         self._runner = runner
         self._stage_plan = plan.stages[stage].plan if isinstance(plan, PipelinePlan) else plan
+        # an intra-op step gathers its parameters once per step (runtime.param_gather)
+        self._one_stage = not isinstance(plan, PipelinePlan)
         # where the loss is computed when another stage computes it: broadcast from there
         self._loss_rank = plan.stages[-1].ranks[0] if isinstance(plan, PipelinePlan) \
             and len(plan.stages) > 1 else None
@@ -473,7 +475,7 @@ class ParallelModule(nn.Module):
         """The last complete step: time, tokens/s, peak memory and the bytes the plan says
         it sent, each next to the plan's estimate (``print(pm.last_step_stats())``)."""
         return self._clock.stats(self._stage_plan, self.num_micro_batches,
-                                 loss_ride=self._last_ride)
+                                 loss_ride=self._last_ride, one_stage=self._one_stage)
 
     def collectives_per_step(self, *, train_step: bool) -> list[Collective]:
         """The collectives one step of this rank's stage issues, as the plan lists them
@@ -482,7 +484,8 @@ class ParallelModule(nn.Module):
         module and ``loss.backward()``, which returns the loss before backward and so
         all-reduces it on its own."""
         return issued_collectives(self._stage_plan, self.num_micro_batches,
-                                  loss_ride=self._loss_ride if train_step else None)
+                                  loss_ride=self._loss_ride if train_step else None,
+                                  one_stage=self._one_stage)
 
     def _plan_loss_ride(self) -> LossRide | None:
         """Where the plan lists the loss's all-reduce when ``train_step`` sends it inside a

@@ -6,6 +6,10 @@ runner serves both:
 
 - the global batch is split along dim 0 into ``k`` micro-batches, once (the plan was made
   for one);
+- with ``k > 1``, the parameters' gathered copies forward reads are made once, before the
+  first micro-batch (``program.param_gathers``, ``runtime.param_gather``), and every
+  micro-batch's forward reads them; the runner drops them after the last forward (what
+  backward reads, each micro-batch's saved values hold);
 - the schedule's actions run in order: ``("F", m)`` the forward program on micro-batch
   ``m`` (receiving and sending activations when other stages exist), ``("B", m)`` its
   backward, summing the raw gradients locally;
@@ -87,6 +91,7 @@ class StepInFlight:
     losses_waited: bool = False      # the losses' all-reduce, left in flight, is finished
     finish_loss: Callable | None = None   # waits for that all-reduce (None: forward waited)
     rides: bool = False              # the loss's all-reduce rides a gradient bucket
+    gathered: list[torch.Tensor] | None = None   # the parameters' copies made once per step
 
 
 class StepRunner:
@@ -193,7 +198,7 @@ class StepRunner:
                     forward, step.finish_loss = self._forward()
                 rng = random_state(_device_of(state, received)) if self.recompute else None
                 out = list(forward(*state, *[step.micro_inputs[m][i] for i in p.user_inputs],
-                                   *received))
+                                   *received, *self._gathered(step, state, m)))
                 if p.has_loss:
                     step.losses.append(out.pop(0))
                 for k in p.forward_sends:
@@ -209,6 +214,21 @@ class StepRunner:
                 self._backward(step, m, state)
         if exchange is not None:
             exchange.finish(p, step.raw, any(kind == "B" for kind, _ in actions))
+
+    def _gathered(self, step: StepInFlight, state: list[torch.Tensor], m: int
+                  ) -> list[torch.Tensor]:
+        """The gathered parameters micro-batch ``m``'s forward reads: made at the step's
+        first forward, released from the step at its last (saved values keep what backward
+        reads)."""
+        gathers = self.program.param_gathers
+        if gathers is None:
+            return []
+        if step.gathered is None:
+            step.gathered = list(gathers(*state))
+        gathered = step.gathered
+        if m == self.num_micro_batches - 1:
+            step.gathered = None
+        return gathered
 
     def _forward(self) -> tuple[Callable, Callable | None]:
         """The forward program to run and what waits for its loss: one stage's leaves the

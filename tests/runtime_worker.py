@@ -455,6 +455,10 @@ SCENARIOS = {
     "micro_dp": lambda shared: micro_batches(lambda: MLP(32, 3), 64, 32, 4,
                                              cluster=ALPA_UNIT(dist.get_world_size())),
     "micro_default": lambda shared: micro_batches(lambda: QuickstartMLP(64, 2), 64, 64, 2),
+    # ZeRO-2: parameters sharded, gathered once per step for both micro-batches
+    "micro_zero2": lambda shared: micro_batches(
+        lambda: MLP(32, 3), 64, 32, 2, cluster=ALPA_UNIT(dist.get_world_size()),
+        method=torchalpa.Zero2Parallel(logical_mesh_shape=(dist.get_world_size(),))),
     "mixed_precision": lambda shared: mixed_precision(),
     "inference": lambda shared: inference(),
     "conventions": lambda shared: conventions(),

@@ -65,11 +65,10 @@ def test_gradient_accumulation_2d_mesh_numerics(runs):
     assert set(_counts(r)) == {"all_reduce"}, r["planned"]     # Alpa: only all-reduces
 
 
-@pytest.mark.xfail(strict=True, reason="the gradients are reduced once, at the end, as "
-                   "Alpa's are, but over each mesh axis in turn: the bucket packs the first "
-                   "step (axis 1) and the second (axis 0) runs per gradient, 1 + 4 all-reduces "
-                   "where Alpa's combiner makes 2")
 def test_gradient_accumulation_2d_mesh_counts(runs):
+    """Alpa's combiner makes 2 all-reduces of the gradients on (2, 2): each gradient is
+    summed over both axes, and the bucket's buffer goes through both (one all-reduce per
+    axis for all four gradients, ``plan.bucketed_prefix``), not the second per gradient."""
     r = _scenario(runs, "accum:2x2")
     assert _counts(r) == Counter(all_reduce=2), r["planned"]
 
@@ -82,10 +81,10 @@ def test_gradient_accumulation_reduce_scatter(runs):
     assert _counts(r)["reduce_scatter"] == 1 and _counts(r)["all_reduce"] == 0, r["planned"]
 
 
-@pytest.mark.xfail(strict=True, reason="ZeRO-2 gathers each parameter for each micro-batch "
-                   "(4 parameters x 2 micro-batches = 8 all-gathers); Alpa gathers the "
-                   "updated parameters once, merged, in its apply-gradients module")
 def test_gradient_accumulation_reduce_scatter_one_all_gather(runs):
+    """Alpa gathers the updated parameters once, merged, in its apply-gradients module;
+    ours are gathered once per step before the first micro-batch, as one bucket
+    (``runtime/param_gather.py``), not per parameter and micro-batch (4 x 2 = 8)."""
     r = _scenario(runs, "accum_rs:1x4")
     assert _counts(r)["all_gather"] == 1, r["planned"]
 

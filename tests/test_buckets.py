@@ -193,3 +193,60 @@ def test_backward_with_reduce_issues_each_collective_once_its_gradients_exist(on
     got = fused(s)
     want = backward(s)
     assert got[1] is None and torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+
+
+# -- a gradient reduced over two mesh axes: both steps bucketed ------------------------------
+
+def two_axis_plan(names, shape=(8, 8)) -> Plan:
+    """Gradients partial on both axes of MESH, each summed over axis 1 then axis 0."""
+    numel = shape[0] * shape[1]
+    reshards = [Reshard(f"g_{n}", 0, OUTPUT, OutputSlot.grad(n), (
+        ReshardStep("all_reduce", 1, numel * 4, src=(P, P), dst=(P, R), reduce_op="sum"),
+        ReshardStep("all_reduce", 0, numel * 4, src=(P, R), dst=(R, R), reduce_op="sum")))
+        for n in names]
+    collectives = tuple(Collective(kind=s.kind, axis=s.axis, bytes=s.bytes, phase="backward",
+                                   source="", tensor=r.producer, reduce_op=s.reduce_op)
+                        for r in reshards for s in r.steps)
+    return Plan(mesh_shape=MESH, axis_names=("dp", "tp"),
+                parameters=tuple(ValuePlacement(n, f"p_{n}", shape, (R, R)) for n in names),
+                inputs=(), strategies=(), reshards=tuple(reshards), collectives=collectives,
+                method={"auto_sharding_option": {"all_reduce_threshold": None}})
+
+
+def test_a_gradient_summed_over_two_axes_is_bucketed_on_both():
+    plan = two_axis_plan("abc")
+    bucket, = gradient_buckets(plan)
+    assert (bucket.axis, bucket.params, [s.axis for s in bucket.then]) == (1, ("c", "b", "a"), [0])
+    assert bucket.then[0].positions == (5, 3, 1) and bucket.positions == (4, 2, 0)
+    issued = issued_collectives(plan, num_micro_batches=2)
+    # one all-reduce per axis for the three gradients, not one per gradient on axis 0
+    assert sorted((c.kind, c.axis, c.bytes) for c in issued) == [
+        ("all_reduce", 0, 3 * 256), ("all_reduce", 1, 3 * 256)]
+
+
+def test_the_pass_reduces_a_two_axis_bucket_twice():
+    calls = []
+
+    class Ranks(fx.Interpreter):          # every rank of both groups holds the same part
+        def call_function(self, target, args, kwargs):
+            if target is C.all_reduce:
+                calls.append(args[2])
+                return args[0] * 2
+            return super().call_function(target, args, kwargs)
+
+    graph = fx.Graph()
+    outs = []
+    for i in range(3):
+        g = graph.placeholder(f"grad_{i}")
+        once = graph.call_function(C.all_reduce, (g, "sum", "tp"))
+        outs.append(graph.call_function(C.all_reduce, (once, "sum", "dp")))
+    graph.output(tuple(outs))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    fuse_gradient_buckets(gm, gradient_buckets(two_axis_plan("abc")), ["a", "b", "c"],
+                          group_sizes=MESH)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(C.all_reduce) == 2 and targets.count(flatten_concat) == 1
+    grads = [torch.randn(8, 8) for _ in range(3)]
+    got = Ranks(gm).run(*grads)
+    assert calls == ["tp", "dp"]                 # axis 1's group first, as the plan lists
+    assert all(torch.equal(g, 4 * x) for g, x in zip(got, grads))

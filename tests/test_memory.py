@@ -71,3 +71,12 @@ def test_micro_batches_in_flight_hold_what_forward_saved():
     # the ILP's memory rows say the same at every point, plus the model state (w: 64 bytes)
     for t in range(len(base)):
         assert sum(v[0] for v in three.terms_at(t).values()) == 64 + base[t] + 2 * base[end]
+
+
+def test_a_parameter_gathered_once_per_step_holds_its_copy_from_the_start():
+    """With micro-batches a one-stage step gathers parameters before its first forward
+    (runtime/param_gather.py): a forward view of a weight is alive from point 0."""
+    live = liveness(graph(), state_at_start=True)
+    intervals = {n: (int(s), int(e)) for n, s, e in zip(live.names, live.start, live.end)}
+    assert intervals["w_t"] == (0, 7)
+    assert intervals["a"] == (2, 7)          # activations are unchanged

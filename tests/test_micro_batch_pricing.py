@@ -63,3 +63,29 @@ def test_auto_parallel_and_the_method_must_agree_on_micro_batches():
 def test_a_bad_count_is_refused():
     with pytest.raises(ValueError, match="positive int"):
         torchalpa.ShardParallel(num_micro_batches=0)
+
+
+def _zero2_plan(k: int, rematerialize: bool = False):
+    rows = 32 * k                                    # a micro-batch of 32 rows either way
+    batch = (torch.randn(rows, 16), torch.randn(rows, 16))
+    kind = torchalpa.Zero3Parallel if rematerialize else torchalpa.Zero2Parallel
+    method = kind(logical_mesh_shape=(4,), num_micro_batches=k)
+    return torchalpa.plan(TwoDense(), batch, F.mse_loss, method=method, cluster=MESH)
+
+
+@pytest.mark.parametrize("rematerialize", [False, True])
+def test_zero2_prices_its_parameter_gathers_once_per_step(rematerialize):
+    """ZeRO-2 with micro-batches gathers each parameter once per step (the runtime's
+    param_gather), so the plan prices the gathers once, as it does the gradients'
+    reduce-scatters; only the loss's all-reduce counts per micro-batch. ZeRO-3 gathers
+    again per micro-batch (to hold less) and is priced so."""
+    one, two = _zero2_plan(1, rematerialize), _zero2_plan(2, rematerialize)
+    forward_gathers = [s for r in one.reshards for s in r.steps if s.kind == "all_gather"
+                       and any(p.node == r.producer for p in one.parameters)]
+    assert len(forward_gathers) >= 4
+    loss_cost = steps_cost(MESH, [s for r in two.reshards for s in r.steps if s.bytes == 4])
+    extra = loss_cost
+    if rematerialize:        # every gather of a parameter twice
+        extra += steps_cost(MESH, forward_gathers)
+    assert two.estimates.communication_s == pytest.approx(
+        one.estimates.communication_s + extra, rel=1e-9)

@@ -18,7 +18,7 @@ import worker_io
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "runtime_worker.py")
-SCENARIOS_4 = ("micro_dp,micro_default,mixed_precision,inference,conventions,meta_init,"
+SCENARIOS_4 = ("micro_dp,micro_default,micro_zero2,mixed_precision,inference,conventions,meta_init,"
                "checkpoint,checkpoint_strided,input_mismatch,export")
 SCENARIOS_2 = "checkpoint_other_world,micro_default,conventions,input_mismatch,input_values"
 
@@ -85,6 +85,23 @@ def test_micro_batches_issue_the_planned_collectives_per_micro_batch(four, name)
     assert sum(c[2] for c in r["expected"]) == sum(c[2] for c in r["per_gradient"])
     merged = sum(n - 1 for n in r["bucket_sizes"])
     assert len(r["expected"]) == len(r["per_gradient"]) - merged
+
+
+def test_zero2_micro_batches_gather_the_parameters_once_per_step(four):
+    """ZeRO-2 with 2 micro-batches: the parameters forward reads are gathered once per
+    step, in one bucket, before the first micro-batch (runtime/param_gather.py), and the
+    step still equals one device's, by loss.backward() and by train_step."""
+    r = get(four, "micro_zero2")
+    for got, want in zip(r["losses"], r["ref_losses"]):
+        assert rel(got, want) < 1e-5
+    assert r["grad_rel_diff"] < 1e-5 and r["param_rel_diff"] < 1e-4
+    for executed in r["executed"]:
+        assert executed == r["expected"]
+    gathers = [c for c in r["expected"] if c[0] == "all_gather"]
+    one_micro_batch = [c for c in r["planned_once"] if c[0] == "all_gather"]
+    assert len(one_micro_batch) >= 6         # each of the MLP's 6 parameters on its own
+    assert len(gathers) == 1                 # all of them, once, for both micro-batches
+    assert gathers[0][2] == sum(c[2] for c in one_micro_batch)
 
 
 def test_micro_batches_on_two_ranks(two):

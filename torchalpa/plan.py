@@ -18,7 +18,8 @@ from torchalpa.placement import Placements, format_placements, parse_placements,
 from torchalpa.plan_records import (Estimates, Explanation, explanations_from_dict,
                                     explanations_to_dict)
 
-__all__ = ["Plan", "ReshardStep", "Reshard", "OutputSlot", "OUTPUT", "INPUT_SLOT", "Slot",
+__all__ = ["bucketed_prefix", "BUCKETED_FIRST", "state_read_once",
+           "Plan", "ReshardStep", "Reshard", "OutputSlot", "OUTPUT", "INPUT_SLOT", "Slot",
            "MeshStage", "READABLE_PLAN_VERSIONS", "check_version", "NodeStrategy", "ValuePlacement", "Collective",
            "PipelinePlan", "StagePlan", "Transfer", "load_plan", "PLAN_VERSION",
            "COLLECTIVE_KINDS"]
@@ -66,6 +67,41 @@ class ReshardStep:
         return cls(kind=d["kind"], axis=d["axis"], bytes=d["bytes"],
                    src=parse_placements(d["src"]), dst=parse_placements(d["dst"]),
                    dim=d.get("dim"), src_dim=d.get("src_dim"), reduce_op=d.get("reduce_op"))
+
+
+BUCKETED_FIRST = ("all_reduce", "reduce_scatter")
+"""The step kinds that may start a gradient's bucketed reduction."""
+
+
+def bucketed_prefix(steps, mesh_shape) -> int:
+    """How many leading steps of a gradient's final resharding travel in a gradient bucket
+    (``runtime/buckets.py``; ``passes/cost.py`` prices them so): a first all-reduce or
+    reduce-scatter over an axis of more than one device, then each all-reduce that follows
+    over another such axis. A bucket's buffer goes through them all, one collective per
+    step for the whole bucket: on a 2-D mesh, a gradient summed over both axes is two
+    bucketed all-reduces, not one per gradient on the second axis. Reduction is
+    elementwise, so reducing the packed buffer twice equals reducing each gradient twice.
+    0: the first step is neither (the gradient is not bucketed)."""
+    if not steps or steps[0].kind not in BUCKETED_FIRST or mesh_shape[steps[0].axis] <= 1:
+        return 0
+    axes = {steps[0].axis}
+    count = 1
+    for step in steps[1:]:
+        if step.kind != "all_reduce" or mesh_shape[step.axis] <= 1 or step.axis in axes:
+            break
+        axes.add(step.axis)
+        count += 1
+    return count
+
+
+def state_read_once(num_micro_batches: int, rematerialize_parameters: bool) -> bool:
+    """Whether a step reshards each forward read of a parameter or buffer once, before its
+    first micro-batch, instead of once per micro-batch (``runtime/param_gather.py``; the
+    cost model prices such a read once, ``passes/costgraph.py``, ``passes/intra_op.py``):
+    with gradient accumulation, unless the method gathers parameters again in backward to
+    hold less (ZeRO-3's ``rematerialize_parameters``), whose gathers stay per micro-batch.
+    The copy lives for the step (until the last backward that reads it)."""
+    return num_micro_batches > 1 and not rematerialize_parameters
 
 
 OUTPUT = "<output>"

@@ -225,12 +225,13 @@ def shard_parallel(model, example_inputs, loss_fn, *, method: ShardParallel, sig
     coords = device_mesh.get_coordinate()
     groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
 
-    def lower_program(gm, a_plan, param_names, buffer_updates=(), buffer_names=()):
+    def lower_program(gm, a_plan, param_names, buffer_updates=(), buffer_names=(), micro=1):
         return lower(gm, a_plan, param_names, coords=coords, group_names=groups, device=device,
-                     buffer_updates=buffer_updates, buffer_names=buffer_names)
+                     buffer_updates=buffer_updates, buffer_names=buffer_names,
+                     num_micro_batches=micro)
 
     program = lower_program(captured.gm, the_plan, captured.param_names,
-                            captured.buffer_updates, captured.buffer_names)
+                            captured.buffer_updates, captured.buffer_names, num_micro_batches)
     if compile:
         program = program.compiled(**(compile if isinstance(compile, dict) else {}))
     distribute_module_state(model, the_plan, device_mesh, device, init_weights=init_weights)
