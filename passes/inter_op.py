@@ -42,8 +42,9 @@ from torchalpa.passes.stage_remat import (FORWARD_SHARE, received_bytes, recompu
                                           stage_recompute_allowed)
 from torchalpa.passes.stages import stage_dp, submesh_shapes
 from torchalpa.passes.subgraph import stage_subgraph
+from torchalpa.passes.transplant import transplant
 from torchalpa.passes.view_classes import reprice, view_class
-from torchalpa.plan import PipelinePlan, StagePlan, Transfer
+from torchalpa.plan import Plan, PipelinePlan, StagePlan, Transfer
 from torchalpa.plan_records import Estimates
 from torchalpa.schedules import SCHEDULES, in_flight, simulate
 
@@ -230,7 +231,8 @@ class _StageCosts:
         self.repriced = 0     # views priced with their class's plan
         self.exact_solves = 0
         self.reused_in_flight = 0     # exact solves answered from fewer in flight
-        self.exact_plans: dict[tuple, object] = {}   # this graph's stage plans
+        self.transplanted = 0         # stage plans moved from identical layers elsewhere
+        self.exact_plans: dict[tuple, Plan] = {}   # this graph's stage plans
         self._layer_graphs: dict[int, OpGraph] = {}
         self._layer_rules: dict[int, dict] = {}     # per layer: node -> its sharding rule
         # each stage also priced with its activations recomputed (passes/stage_remat.py)
@@ -542,26 +544,54 @@ class _StageCosts:
         ``flight``, it is the best there too. And when nothing fit with fewer, nothing
         fits with more. (1F1B's stages keep 1..B micro-batches in flight, so the DP asks
         for the same range at several counts; GPT-39B's two-layer stages gave the same
-        0.7898 s plan at six of them, 8-60 s each.) Only the same layers' plan answers:
-        the stage's plan object is what the pipeline is assembled from, and a plan of
-        identical layers elsewhere names other nodes (a copy with the same structure at
-        another depth is solved again). Returns whether it answered."""
+        0.7898 s plan at six of them, 8-60 s each.) The solve may be of identical layers
+        at another depth: the pipeline's assembly moves that plan onto these layers
+        (``donated``). Returns whether it answered."""
         for fewer in range(flight - 1, 0, -1):
             key = self._stage_key(k, i, submesh, view, fewer, recompute, budget)
             if key not in SOLVES:
                 continue
             found = SOLVES.peek(key)
             seconds, lean, memory = found
-            plan = self.exact_plans.get((k, i, submesh, view, lean, fewer, recompute))
-            if seconds is not None and (plan is None or
-                                        not self._fits(memory, k, i, flight, recompute)):
+            if seconds is not None and not self._fits(memory, k, i, flight, recompute):
                 continue
+            plan = self.exact_plans.get((k, i, submesh, view, lean, fewer, recompute))
             SOLVES.put(self._stage_key(k, i, submesh, view, flight, recompute, budget), found)
             if plan is not None:
                 self.exact_plans[(k, i, submesh, view, lean, flight, recompute)] = plan
             self.reused_in_flight += 1
             return True
         return False
+
+    def donated(self, k: int, i: int, submesh, view, lean: bool, flight: int,
+                recompute: bool, request: tuple) -> Plan | None:
+        """A plan for layers k..i as a stage (``request``: what ``_plan_stage`` would
+        solve it from) moved from a solved plan of identical layers elsewhere
+        (``passes/transplant.py``) that is also this stage's best: one solved with as many
+        micro-batches in flight, or with fewer and still fitting (the argument of
+        ``_reuse_fewer_in_flight``). None if there is none."""
+        shape = (range_signature(self.signature, k, i), k == 0, i == self.num_layers - 1)
+        graph, mesh, method, inputs, _ = request
+        for (k2, i2, sm, v, ln, f2, rc), plan in list(self.exact_plans.items()):
+            if (sm, v, ln, rc) != (submesh, view, lean, recompute) or (k2, i2) == (k, i) \
+                    or f2 > flight:
+                continue
+            if (range_signature(self.signature, k2, i2), k2 == 0,
+                    i2 == self.num_layers - 1) != shape:
+                continue
+            e = plan.estimates
+            memory = (e["model_state_bytes_per_device"], e["activation_bytes_per_device"],
+                      e["saved_activation_bytes_per_device"])
+            if f2 < flight and not self._fits(memory, k, i, flight, recompute):
+                continue
+            stage_of = {n: (0 if k2 <= at <= i2 else 1) for n, at in self.layer.items()}
+            donor = stage_subgraph(self.graph, stage_of, 0).graph
+            moved = transplant(plan, donor, graph, mesh, method, inputs)
+            if moved is not None:
+                self.exact_plans[(k, i, submesh, view, lean, flight, recompute)] = moved
+                self.transplanted += 1
+                return moved
+        return None
 
     def solve_stages(self, stages: list[tuple], workers: int, budget: float | None = None
                      ) -> None:
@@ -918,13 +948,15 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
     timed = [costs.range_seconds(k, i, view, submesh) for (k, i), submesh, view, _ in stages]
     plan = _assemble(graph, layer, stages, cluster, method, inputs,
                      stage_seconds=timed if all(t is not None for t in timed) else None,
-                     known=costs.exact_plans, recompute=recompute)
+                     known=costs.exact_plans, recompute=recompute, donor=costs.donated)
     plan = _fastest_of(plan, uniform, lambda alternative: _assemble(
         graph, layer, [st[:4] for st in alternative], cluster, method, inputs,
-        known=costs.exact_plans, recompute=[st[4] for st in alternative]))
+        known=costs.exact_plans, recompute=[st[4] for st in alternative],
+        donor=costs.donated))
     log.info("pipeline plan: %d layers, %d stages, %d layer solves for the DP (%.1fs), "
-             "stage plans %.1fs", L, len(stages), costs.solves, searched - start,
-             time.perf_counter() - searched)
+             "stage plans %.1fs (%d moved from identical layers, %d exact solves answered "
+             "from fewer in flight)", L, len(stages), costs.solves, searched - start,
+             time.perf_counter() - searched, costs.transplanted, costs.reused_in_flight)
     return replace(plan, notes=plan.notes + tuple(notes), estimates=Estimates.from_dict(dict(
         plan.estimates, search_seconds=searched - start, layer_solves=costs.solves,
         layers_repriced=costs.repriced, stage_solves=costs.exact_solves,
@@ -1064,8 +1096,8 @@ def _place(submeshes: list[tuple[int, int]], cluster: Cluster) -> list[tuple[int
 
 def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Cluster,
               method: PipeshardParallel, inputs: str, stage_seconds: list | None = None,
-              known: dict | None = None, recompute: list[bool] | None = None
-              ) -> PipelinePlan:
+              known: dict | None = None, recompute: list[bool] | None = None,
+              donor=None) -> PipelinePlan:
     """The PipelinePlan of ``stages`` ((first, last layer), submesh, view, option), each
     stage planned exactly; ``known`` holds stage plans the search already solved, keyed
     (first, last, submesh, view, lean, in flight, recompute), reused when made for the
@@ -1096,6 +1128,9 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
         if plan is not None and (option is None or lean) and \
                 plan.graph_fingerprint == subs[s].graph.fingerprint():
             plans[s] = plan
+        elif donor is not None and (option is None or lean):
+            plans[s] = donor(k, i, submesh, view, lean, in_flight(schedule[s]), recompute[s],
+                             requests[s])
     todo = [s for s in range(len(stages)) if plans[s] is None]
     for s, plan in zip(todo, _map(_plan_stage, [requests[s] for s in todo], _workers())):
         plans[s] = plan
