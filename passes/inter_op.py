@@ -600,7 +600,8 @@ class _StageCosts:
         stages of one round are independent solves (one to two minutes each for GPT-15B's
         two-layer stages), run one after another before. A range asked for at several
         micro-batches in flight is solved at the fewest first, in waves, so that the
-        others may follow from it (``_reuse_fewer_in_flight``). ``budget``: as in
+        others may follow from it (``_reuse_fewer_in_flight``); a wave with fewer ranges
+        than workers also solves the most-in-flight of them. ``budget``: as in
         ``exact``."""
         todo: dict[tuple, tuple] = {}
         for k, i, submesh, view, flight, recompute in stages:
@@ -620,6 +621,11 @@ class _StageCosts:
                 fewest.setdefault(self._stage_key(k, i, submesh, view, 0, recompute, budget),
                                   (key, args))
             wave = list(fewest.values())
+            # idle workers take the most micro-batches in flight of a range, the solve the
+            # fewest one is least likely to answer
+            spare = sorted((item for item in todo.items() if item not in wave),
+                           key=lambda item: -item[1][4])
+            wave += spare[:max(0, workers - len(wave))]
             jobs = [(k, i, submesh, view, flight, self.received(k, i) if recompute else None,
                      budget) for _, (k, i, submesh, view, flight, recompute) in wave]
             for (key, _), (result, plans, solves) in zip(wave, _map(_stage_in_worker, jobs,
