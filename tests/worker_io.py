@@ -274,8 +274,7 @@ def launch(worker: str, out, *args: str, nproc: int, timeout: float = 600,
     if real or os.environ.get("TORCHALPA_TEST_TORCHRUN") == "1":   # every launch its own
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", path, *argv]
-        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S=timeout_env,
-                   PYTHONHASHSEED="0")     # as the pool's (``RankPool``)
+        env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S=timeout_env)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     else:
@@ -298,13 +297,9 @@ class RankPool:
         self.logs = [tempfile.NamedTemporaryFile("w+", prefix=f"rank_pool{nproc}_{r}_",
                                                  suffix=".log", delete=False)
                      for r in range(nproc)]
-        # PYTHONHASHSEED pinned: among equal-cost plans, which one rank 0's ILP returns
-        # still depends on Python's hash seed (a 2 x 2 MLP came out batch-only, or with
-        # either axis holding the features; README Known gaps), and scenarios assert
-        # which layout they exercise
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                    WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), OMP_NUM_THREADS="1",
-                   TORCHALPA_TIMEOUT_S=POOL_TIMEOUT_S, PYTHONHASHSEED="0")
+                   TORCHALPA_TIMEOUT_S=POOL_TIMEOUT_S)
         self.procs = [subprocess.Popen(
             [sys.executable, os.path.join(HERE, "rank_pool.py")],
             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdin=subprocess.PIPE,
