@@ -128,16 +128,17 @@ def _remove_dominated(p: Presolved, memory: dict[str, list[np.ndarray]],
         profile = np.concatenate(
             [c[idx, None]] + [m[idx, None] for m in memory.get(k, ())] +
             [_as_seen_from(e, k, allowed)[1][:, idx].T for e in at.get(k, ())], axis=1)
+        # strategy i goes when a kept j is no worse everywhere and, where the two are
+        # equal, comes first: the first such j in order is the one it is mapped to
         keep = np.ones(len(idx), dtype=bool)
+        order = np.arange(len(idx))
         for i in range(len(idx)):
-            for j in range(len(idx)):
-                if i == j or not keep[j]:
-                    continue
-                no_worse = (profile[j] <= profile[i]).all()
-                if no_worse and (j < i or not (profile[i] <= profile[j]).all()):
-                    keep[i] = False
-                    p.dominated_by.setdefault(k, {})[int(idx[i])] = int(idx[j])
-                    break
+            no_worse = (profile <= profile[i]).all(axis=1)
+            equal = no_worse & (profile[i] <= profile).all(axis=1)
+            by = np.flatnonzero(no_worse & keep & (order != i) & ((order < i) | ~equal))
+            if len(by):
+                keep[i] = False
+                p.dominated_by.setdefault(k, {})[int(idx[i])] = int(idx[by[0]])
         if not keep.all():
             c[idx[~keep]] = np.inf
             allowed[k] = np.isfinite(c)
