@@ -418,8 +418,9 @@ class _StageCosts:
 
     def _layer_method(self, lean: bool):
         # an estimate: the simplified ILP (shared block decisions, merged followers) is
-        # within a fraction of a percent of the unsimplified one at a fifth of the time
-        option = replace(self.method.auto_sharding_option, exact_below=0,
+        # within a few percent of the unsimplified one at a fifth of the time; the
+        # stages the DP picks are priced by their own ILP, followers freed
+        option = replace(self.method.auto_sharding_option, exact_below=0, free_followers=False,
                          **({"parameters": "sharded"} if lean else {}))
         return self.method.intra_op_method(option)
 
@@ -495,7 +496,7 @@ class _StageCosts:
         micro-batches in flight) on ``view``, and the option that fits (None: the method's
         own; else sharded states); inf if neither fits. ``recompute``: the stage
         checkpointed (``passes/stage_remat.py``). ``budget``: seconds each of the stage's
-        ILP solves may take at most (``_budgeted``). Cached by the range's structure, so
+        ILP solves may take at most (``_search_option``). Cached by the range's structure, so
         ranges of identical layers are solved once, and reused from fewer micro-batches in
         flight where that plan still fits (``_reuse_fewer_in_flight``)."""
         received = self.received(k, i) if recompute else 0.0
@@ -640,9 +641,9 @@ class _StageCosts:
                      ) -> tuple[float | None, bool, tuple[float, float, float] | None]:
         """The stage's exact plan, kept (``received`` None) or recomputed: then planned
         with one micro-batch in flight within the budget the others' inputs leave.
-        ``budget``: seconds each ILP solve may take at most, re-solved unsimplified
-        only when small (``_budgeted``). Returns (latency, lean, (model states, activation
-        peak, saved activations) per device), latency None where nothing fits."""
+        ``budget``: seconds each ILP solve may take at most (``_search_option``).
+        Returns (latency, lean, (model states, activation peak, saved activations) per
+        device), latency None where nothing fits."""
         stage_of = {n: (0 if k <= v <= i else 1) for n, v in self.layer.items()}
         sub = stage_subgraph(self.graph, stage_of, 0).graph
         mesh = _submesh_cluster(self.cluster, submesh).logical_mesh(view)
@@ -654,7 +655,7 @@ class _StageCosts:
                                           self.budget(), received, in_flight_batches)
                 if option is None:
                     return None, False, None
-            option = _budgeted(option or self.method.auto_sharding_option, budget)
+            option = _search_option(option or self.method.auto_sharding_option, budget)
             self.exact_solves += 1
             try:
                 plan = _plan_stage((sub, mesh, self.method.intra_op_method(option),
@@ -681,16 +682,17 @@ place of the method's ``time_limit`` where that is longer; None: no budget of it
 Those stages are priced only to offer the search an alternative, so their solves stop
 early: any feasible plan's time is an upper bound of the stage's optimum."""
 
-UNIFORM_RESOLVE_BELOW = 1000
-"""A uniform partition's stage is also re-solved unsimplified
-(``AutoShardingOption.exact_below``) only when its graph has at most this many nodes (and
-at most the method's ``exact_below``). On GPT-15B's 2-layer stages (32 H100s, 1586-1718
-nodes; benchmarks/search_profile.py) those re-solves were nearly all of the uniform
-pricing: 400k-column ILPs, 20-85 s each at the 60 s limit, still 47-113 s per stage with a
-10 s limit (HiGHS overran it 1.3-3x, building the model took the rest), for stages
-0-0.75 % faster; the simplified solves took 1-6 s. On small stages (the tests' 2-layer GPT,
-a few hundred nodes) the re-solve is cheap and found a 5 % faster stage. Skipped, the
-simplified plan, itself feasible, is the price."""
+SEARCH_RESOLVE_BELOW = 600
+"""A stage the search prices exactly (the DP's picks and the uniform partitions') is also
+re-solved unsimplified (``AutoShardingOption.exact_below``) only when its graph has at
+most this many nodes (and at most the method's ``exact_below``); every stage solve still
+lets its followers decide on their own (``AutoShardingOption.free_followers``). On
+GPT-39B (8 x 8 H100) the unsimplified re-solves were most of the search: 11-62 s for a
+2-layer stage (794-843 nodes, ~205k columns), 23-102 s for a 4-layer one (1586-1598 nodes,
+~380k columns, some stopped by the 60 s limit), where freeing the followers alone took
+1-13 s and came within 0.27 % of them (4 stages, ``tests/test_free_followers.py`` has the
+small case). The tests' small GPT stages (134-589 nodes) are still re-solved: there the
+re-solve is cheap and once found a 5 % faster stage."""
 
 MAX_EXACT_ROUNDS = 8
 """Rounds of (stage DP, exact pricing of the stages it chose that were not yet exact)."""
@@ -839,14 +841,15 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
     return solution, stages, sum(len(v) for v in exact.values()), uniform_exact()
 
 
-def _budgeted(option: AutoShardingOption, budget: float | None) -> AutoShardingOption:
-    """``option`` for a solve within ``budget`` seconds: its ILP time limit at most that,
-    and no unsimplified re-solve above ``UNIFORM_RESOLVE_BELOW`` nodes. None: unchanged."""
+def _search_option(option: AutoShardingOption, budget: float | None) -> AutoShardingOption:
+    """``option`` for a stage solve of the search: no unsimplified re-solve above
+    ``SEARCH_RESOLVE_BELOW`` nodes and, with ``budget`` seconds, its ILP time limit at
+    most that."""
+    below = min(option.exact_below, SEARCH_RESOLVE_BELOW)
     if budget is None:
-        return option
+        return option if below == option.exact_below else replace(option, exact_below=below)
     limit = budget if option.time_limit is None else min(option.time_limit, budget)
-    return replace(option, time_limit=limit,
-                   exact_below=min(option.exact_below, UNIFORM_RESOLVE_BELOW))
+    return replace(option, time_limit=limit, exact_below=below)
 
 
 def _uniform_layouts(L: int, cluster: Cluster, shapes: list[tuple[int, int]]

@@ -199,9 +199,9 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
             "step_time_s"], solve_seconds=time.perf_counter() - start))
 
     def solve(period: int, start: dict[str, Strategy] | None = None, exact: bool = False,
-              shared: frozenset = frozenset()):
+              shared: frozenset = frozenset(), followers: bool = True):
         grouping = group_nodes(graph, S, None if exact else blocks, heavy=space.heavy,
-                               period=period, merge_followers=not exact)
+                               period=period, merge_followers=followers and not exact)
         memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states, in_flight,
                              saved_statistics(graph, mesh), state_at_start=state_once)
         initial = None
@@ -220,6 +220,21 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
 
     built = time.perf_counter()
     grouping, cg, solution, chosen, shared = solve(1)
+    if option.free_followers and len(group_nodes(
+            graph, S, blocks, heavy=space.heavy, merge_followers=False).representatives) > \
+            len(grouping.representatives):
+        # a follower takes its operand's layout; deciding on its own it may avoid a
+        # reshard the merge forces (GPT's stages: the gain of the unsimplified re-solve)
+        try:
+            freed = solve(1, start=chosen, shared=shared, followers=False)
+        except InfeasibleError as e:    # a time limit without a solution
+            log.warning("the ILP with free followers found no plan (%s); keeping the "
+                        "simplified problem's plan", e)
+            freed = None
+        if freed is not None and freed[2].objective < solution.objective * (1 - 1e-9):
+            log.info("letting followers decide improved the plan: %.6g -> %.6g",
+                     solution.objective, freed[2].objective)
+            grouping, cg, solution, chosen, shared = freed
     exact_next = len(graph) <= option.exact_below and len(cg.node_costs) < len(graph)
     # the unsimplified problem contains the alternating one (and starts from this plan):
     # where it is solved next, the alternating solve would only repeat part of its work

@@ -1,7 +1,7 @@
 """The uniform partitions' stage solves run within their own time budget
-(``inter_op.UNIFORM_TIME_LIMIT``) and skip the unsimplified re-solve on large stages
-(``inter_op.UNIFORM_RESOLVE_BELOW``); the stages the DP picks keep the method's time limit
-and re-solve below its ``exact_below``.
+(``inter_op.UNIFORM_TIME_LIMIT``); the stages the DP picks keep the method's time limit.
+Every stage solve of the search skips the unsimplified re-solve on large stages
+(``inter_op.SEARCH_RESOLVE_BELOW``).
 
 On GPT-15B the uniform partitions' unsimplified stage re-solves took most of the search
 (20-85 s each, several at the 60 s limit) for stages at most 0.75 % faster."""
@@ -39,9 +39,10 @@ def _search(graph):
 
 
 def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(gpt_graph, monkeypatch):
-    """Every stage solve asked for with a budget plans with that time limit and re-solves
-    unsimplified below 1000 nodes; every other one with the method's (60 s, below 2000
-    nodes); with every uniform partition priced, some are budgeted."""
+    """Every stage solve asked for with a budget plans with that time limit, every other
+    one with the method's 60 s; all re-solve unsimplified below ``SEARCH_RESOLVE_BELOW``
+    nodes, not the method's 2000; with every uniform partition priced, some are
+    budgeted."""
     monkeypatch.setattr(inter_op, "UNIFORM_MARGIN", math.inf)
     monkeypatch.setattr(inter_op, "UNIFORM_TIME_LIMIT", BUDGET)
     monkeypatch.setattr(inter_op, "_workers", lambda: 1)     # solves in this process
@@ -64,25 +65,32 @@ def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(gpt_graph,
     assert plan.estimates["memory_per_device_bytes"] <= 0.05 * GB
     assert BUDGET in asked, "no uniform partition's stage was priced under the budget"
     assert None in asked, "the DP priced no stage of its own"
-    assert limits and all((limit, below) == ((BUDGET, 1000) if budget is not None else (60.0, 2000))
+    below = inter_op.SEARCH_RESOLVE_BELOW
+    assert below < 2000
+    assert limits and all((limit, below) == ((BUDGET, below) if budget is not None else
+                                             (60.0, below))
                           for budget, limit, below in limits), limits
 
 
 def test_a_budget_bounds_the_time_limit_it_never_raises_it(monkeypatch):
     option = torchalpa.AutoShardingOption(solver="highs")          # time_limit 60 s
-    assert inter_op._budgeted(option, None) is option
-    assert inter_op._budgeted(option, 10.0).time_limit == 10.0
-    assert inter_op._budgeted(option, 90.0).time_limit == 60.0
+    monkeypatch.setattr(inter_op, "SEARCH_RESOLVE_BELOW", 2000)
+    assert inter_op._search_option(option, None) is option
+    assert inter_op._search_option(option, 10.0).time_limit == 10.0
+    assert inter_op._search_option(option, 90.0).time_limit == 60.0
     unlimited = torchalpa.AutoShardingOption(solver="highs", time_limit=None)
-    assert inter_op._budgeted(unlimited, 10.0).time_limit == 10.0
-    assert inter_op._budgeted(option, 10.0).solver == "highs"
+    assert inter_op._search_option(unlimited, 10.0).time_limit == 10.0
+    assert inter_op._search_option(option, 10.0).solver == "highs"
     assert option.exact_below == 2000
-    assert inter_op._budgeted(option, 10.0).exact_below == inter_op.UNIFORM_RESOLVE_BELOW
-    monkeypatch.setattr(inter_op, "UNIFORM_RESOLVE_BELOW", 0)
-    assert inter_op._budgeted(option, 10.0).exact_below == 0
+    monkeypatch.setattr(inter_op, "SEARCH_RESOLVE_BELOW", 600)
+    assert inter_op._search_option(option, None).exact_below == 600
+    assert inter_op._search_option(option, None).time_limit == 60.0
+    assert inter_op._search_option(option, 10.0).exact_below == 600
+    monkeypatch.setattr(inter_op, "SEARCH_RESOLVE_BELOW", 0)
+    assert inter_op._search_option(option, 10.0).exact_below == 0
     small = torchalpa.AutoShardingOption(solver="highs", exact_below=300)
-    monkeypatch.setattr(inter_op, "UNIFORM_RESOLVE_BELOW", 1000)
-    assert inter_op._budgeted(small, 10.0).exact_below == 300
+    monkeypatch.setattr(inter_op, "SEARCH_RESOLVE_BELOW", 1000)
+    assert inter_op._search_option(small, 10.0).exact_below == 300
 
 
 def test_budgeted_and_full_stage_solves_are_cached_apart(gpt_graph, monkeypatch):

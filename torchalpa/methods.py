@@ -86,11 +86,18 @@ class AutoShardingOption:
     """Off: no search. Parameters and inputs keep the layouts ``pin`` gives them (Alpa's
     ``ManualShardingOption``) and are otherwise whole; each op takes the cheapest layout
     reachable from its operands' (layouts propagate, as in XLA's sharding propagation)."""
+    free_followers: bool = True
+    """Solve once more with the followers (ops that take their operand's layout in the
+    simplified ILP) deciding on their own, repeated layers still sharing decisions,
+    starting from the simplified plan, and keep the better plan. On GPT-39B's pipeline
+    stages this finds nearly all that the unsimplified re-solve (``exact_below``) finds,
+    from a problem a tenth its size (``tests/test_free_followers.py``)."""
     exact_below: int = 2000
     """Graphs of at most this many nodes are also solved without simplification (shared
-    decisions of repeated layers, followers), starting from the simplified plan, and the
-    better plan is kept: there, simplification never costs optimality. Larger graphs keep
-    the simplified plan (a restriction of the full problem). 0 turns the check off."""
+    decisions of repeated layers, followers), starting from the best plan found so far,
+    and the better plan is kept: there, simplification never costs optimality. Larger
+    graphs keep the simplified plan (a restriction of the full problem). 0 turns the
+    check off."""
     pin: tuple = ()
     """Fixed layouts: ``{regex: placements}`` (or pairs) matched against parameter names
     and user inputs (named after forward's arguments, e.g. 'input_ids'), e.g.
