@@ -420,7 +420,7 @@ class _StageCosts:
         # an estimate: the simplified ILP (shared block decisions, merged followers) is
         # within a few percent of the unsimplified one at a fifth of the time; the
         # stages the DP picks are priced by their own ILP, followers freed
-        option = replace(self.method.auto_sharding_option, exact_below=0, free_followers=False,
+        option = replace(self.method.auto_sharding_option, exact_below=0, free_followers_below=0,
                          **({"parameters": "sharded"} if lean else {}))
         return self.method.intra_op_method(option)
 
@@ -686,7 +686,7 @@ SEARCH_RESOLVE_BELOW = 600
 """A stage the search prices exactly (the DP's picks and the uniform partitions') is also
 re-solved unsimplified (``AutoShardingOption.exact_below``) only when its graph has at
 most this many nodes (and at most the method's ``exact_below``); every stage solve still
-lets its followers decide on their own (``AutoShardingOption.free_followers``). On
+lets its followers decide on their own (``AutoShardingOption.free_followers_below``). On
 GPT-39B (8 x 8 H100) the unsimplified re-solves were most of the search: 11-62 s for a
 2-layer stage (794-843 nodes, ~205k columns), 23-102 s for a 4-layer one (1586-1598 nodes,
 ~380k columns, some stopped by the 60 s limit), where freeing the followers alone took

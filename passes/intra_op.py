@@ -220,7 +220,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
 
     built = time.perf_counter()
     grouping, cg, solution, chosen, shared = solve(1)
-    if option.free_followers and len(group_nodes(
+    if len(graph) <= option.free_followers_below and len(group_nodes(
             graph, S, blocks, heavy=space.heavy, merge_followers=False).representatives) > \
             len(grouping.representatives):
         # a follower takes its operand's layout; deciding on its own it may avoid a

@@ -1,4 +1,4 @@
-"""The re-solve with free followers (``AutoShardingOption.free_followers``): the simplified
+"""The re-solve with free followers (``AutoShardingOption.free_followers_below``): the simplified
 ILP makes an op that only follows its operand (a view, an elementwise op) take the
 operand's layout; solved again with those followers deciding on their own, repeated
 layers still sharing decisions, the plan gets what the merge forced it to give up.
@@ -45,9 +45,9 @@ def _step(stage, **option) -> float:
 
 
 def test_freeing_the_followers_finds_what_the_unsimplified_ilp_finds(stage):
-    simplified = _step(stage, exact_below=0, free_followers=False)
+    simplified = _step(stage, exact_below=0, free_followers_below=0)
     freed = _step(stage, exact_below=0)
-    unsimplified = _step(stage, free_followers=False)
+    unsimplified = _step(stage, free_followers_below=0)
     assert freed < simplified * 0.98, (simplified, freed)
     # the unsimplified problem contains the freed one: never above it, here equal
     assert unsimplified <= freed * (1 + 1e-9)
@@ -58,3 +58,8 @@ def test_the_freed_plan_starts_the_unsimplified_re_solve(stage):
     """Both re-solves on: the plan is the unsimplified optimum, never worse than freed."""
     both = _step(stage)
     assert both <= _step(stage, exact_below=0) * (1 + 1e-9)
+
+
+def test_a_negative_bound_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="free_followers_below must be >= 0"):
+        torchalpa.AutoShardingOption(free_followers_below=-1)
