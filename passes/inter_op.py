@@ -690,8 +690,8 @@ lets its followers decide on their own (``AutoShardingOption.free_followers_belo
 GPT-39B (8 x 8 H100) the unsimplified re-solves were most of the search: 11-62 s for a
 2-layer stage (794-843 nodes, ~205k columns), 23-102 s for a 4-layer one (1586-1598 nodes,
 ~380k columns, some stopped by the 60 s limit), where freeing the followers alone took
-1-13 s and came within 0.27 % of them (4 stages, ``tests/test_free_followers.py`` has the
-small case). The tests' small GPT stages (134-589 nodes) are still re-solved: there the
+1-13 s and came within 0.27 % of them (``benchmarks/stage_resolve.py``; the small case is
+``tests/test_free_followers.py``). The tests' small GPT stages (134-589 nodes) are still re-solved: there the
 re-solve is cheap and once found a 5 % faster stage."""
 
 MAX_EXACT_ROUNDS = 8
