@@ -63,6 +63,11 @@ def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(gpt_graph,
     monkeypatch.setattr(inter_op, "_plan_stage", recording_plan)
     plan = _search(gpt_graph)
     assert plan.estimates["memory_per_device_bytes"] <= 0.05 * GB
+    # the stages record the capped re-solve they were planned with; stage_options, what
+    # a user would pass per stage, leaves how hard the ILP worked out
+    assert {s.plan.method["auto_sharding_option"]["exact_below"] for s in plan.stages} == \
+        {inter_op.SEARCH_RESOLVE_BELOW}
+    assert not any("exact_below" in o or "time_limit" in o for o in plan.stage_options)
     assert BUDGET in asked, "no uniform partition's stage was priced under the budget"
     assert None in asked, "the DP priced no stage of its own"
     below = inter_op.SEARCH_RESOLVE_BELOW

@@ -24,6 +24,10 @@ __all__ = ["bucketed_prefix", "BUCKETED_FIRST", "state_read_once",
            "PipelinePlan", "StagePlan", "Transfer", "load_plan", "PLAN_VERSION",
            "COLLECTIVE_KINDS"]
 
+SOLVER_EFFORT = frozenset({"time_limit", "gap", "exact_below", "free_followers_below"})
+"""``AutoShardingOption`` fields that decide how long the ILP works on a plan, not which
+layouts it may choose."""
+
 PLAN_VERSION = 2
 READABLE_PLAN_VERSIONS = (1, 2)
 """Version 2 writes output slots and stages as typed records; version-1 files (slot
@@ -551,13 +555,17 @@ class PipelinePlan:
     @property
     def stage_options(self) -> list[dict]:
         """Each stage's intra-op options where they differ from the defaults (Alpa's
-        per-stage autosharding options), e.g. ``{"parameters": "sharded"}``."""
+        per-stage autosharding options), e.g. ``{"parameters": "sharded"}``. How hard its
+        ILP was worked (``SOLVER_EFFORT``: the pipeline search caps the re-solves of the
+        stages it prices) is left out: it shapes no layout a user could ask for; each
+        stage's ``plan.method`` still records it."""
         from torchalpa.methods import AutoShardingOption
         default = json.loads(json.dumps(asdict(AutoShardingOption())))
         out = []
         for s in self.stages:
             given = s.plan.method.get("auto_sharding_option", {})
-            out.append({k: v for k, v in given.items() if default.get(k) != v})
+            out.append({k: v for k, v in given.items()
+                        if default.get(k) != v and k not in SOLVER_EFFORT})
         return out
 
     @property
