@@ -218,6 +218,21 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
             initial, shared, micro_batches=method.num_micro_batches, state_once=state_once)
         return grouping, cg, solution, chosen, shared
 
+    def resolve(what: str, **less_simplified) -> None:
+        """Solve again, from the plan found, with ``less_simplified`` letting more nodes
+        decide apart; keep the better plan."""
+        nonlocal grouping, cg, solution, chosen, shared
+        try:
+            found = solve(1, start=chosen, shared=shared, **less_simplified)
+        except InfeasibleError as e:    # a time limit without a solution: keep what we have
+            log.warning("the ILP with %s found no plan (%s); keeping the plan found, which "
+                        "may not be optimal", what, e)
+            return
+        if found[2].objective < solution.objective * (1 - 1e-9):
+            log.info("the ILP with %s improved the plan: %.6g -> %.6g", what,
+                     solution.objective, found[2].objective)
+            grouping, cg, solution, chosen, shared = found
+
     built = time.perf_counter()
     grouping, cg, solution, chosen, shared = solve(1)
     if len(graph) <= option.free_followers_below and len(group_nodes(
@@ -225,16 +240,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
             len(grouping.representatives):
         # a follower takes its operand's layout; deciding on its own it may avoid a
         # reshard the merge forces (GPT's stages: the gain of the unsimplified re-solve)
-        try:
-            freed = solve(1, start=chosen, shared=shared, followers=False)
-        except InfeasibleError as e:    # a time limit without a solution
-            log.warning("the ILP with free followers found no plan (%s); keeping the "
-                        "simplified problem's plan", e)
-            freed = None
-        if freed is not None and freed[2].objective < solution.objective * (1 - 1e-9):
-            log.info("letting followers decide improved the plan: %.6g -> %.6g",
-                     solution.objective, freed[2].objective)
-            grouping, cg, solution, chosen, shared = freed
+        resolve("free followers", followers=False)
     exact_next = len(graph) <= option.exact_below and len(cg.node_costs) < len(graph)
     # the unsimplified problem contains the alternating one (and starts from this plan):
     # where it is solved next, the alternating solve would only repeat part of its work
@@ -247,16 +253,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     if exact_next:
         # shared decisions and followers restrict the problem; on a graph this small,
         # solve the full problem too (from the plan found) so they never cost optimality
-        try:
-            full = solve(1, start=chosen, exact=True, shared=shared)
-        except InfeasibleError as e:    # a time limit without a solution: keep what we have
-            log.warning("the unsimplified ILP found no plan (%s); keeping the simplified "
-                        "problem's plan, which may not be optimal", e)
-            full = None
-        if full is not None and full[2].objective < solution.objective * (1 - 1e-9):
-            log.info("the unsimplified ILP improved the plan: %.6g -> %.6g",
-                     solution.objective, full[2].objective)
-            grouping, cg, solution, chosen, shared = full
+        resolve("nothing simplified", exact=True)
     plan = _merge_gradient_all_reduces(_assemble(graph, mesh, method, chosen, costs, space,
                                                  inputs), graph, mesh, option)
     seconds = time.perf_counter() - start
