@@ -2,19 +2,30 @@
 
 The pipeline search plans every distinct layer on every logical view of every submesh
 (``passes/inter_op.py``). On a cluster of many nodes most of those views differ only in
-their sizes: on 50 x 4 devices, (6, 2), (3, 4), (12, 2), ..., (48, 4) all have an
-inter-node axis that divides the intermediate dim 13824 and nothing else, and an
-intra-node axis that divides the same dims. Such views have the same strategies (a
+their sizes: on 50 x 4 devices, (6, 2), (12, 2), ..., (48, 2) all have an inter-node
+axis that divides the intermediate dim 13824 and nothing else, and an intra-node axis
+of 2 that divides the same dims. Such views have the same strategies (a
 strategy names placements, ``Shard(dim)``, not sizes, and a split is legal when the
 axis divides the dim), so a plan solved on one of them is a legal plan on every other:
 only its price changes with the sizes.
 
 ``view_class`` is that equivalence: per axis, its link (latency, inverse bandwidth) and
-the dims it divides, and for a 2D view the dims both axes together divide (Alpa's S01).
+the dims it divides, and for a 2D view the dims both axes together divide (Alpa's S01);
+and one size is kept whole: the last axis's, the devices of a node a tensor-parallel op
+spans. Views that differ there are legal for each other's plans but rarely share an
+optimum (GPT-39B on 8 x 8: (8, 2), (4, 4) and (2, 8) of a 2-node submesh were one class,
+and the search that priced one's plan on the others chose 8 stages estimated 1.6 %
+slower than the 5 it chooses with them apart, ``benchmarks/search_39b.py``); views that
+differ only in how many nodes (or node groups) the first axis spans do share one (the
+same 39B search then solves 51 layers instead of 114, same plan).
+
 ``reprice`` takes a solved plan to another view of its class and prices its very
 strategies there with the cost model (collectives, compute, model states, activations),
 no ILP: a plan that is feasible there, so its time is an upper bound of that view's
-optimum (the chosen stages are priced again by their own ILP in any case).
+optimum (the chosen stages are priced again by their own ILP in any case). It offers
+each node the strategies ``build_strategies`` does, strided shards included (a fused
+q/k/v weight split by heads, ``passes/strides.py``): without them no GPT plan that split
+attention by heads carried over, and every view was solved.
 """
 
 from __future__ import annotations
@@ -34,10 +45,11 @@ __all__ = ["ViewClass", "view_class", "reprice"]
 class ViewClass:
     """What decides which strategies a logical view offers, and how each axis's links
     are priced: per axis (latency, inverse bandwidth, dims it divides); for two axes
-    also the dims their product divides."""
+    also the dims their product divides; and the last axis's size (see module doc)."""
 
     axes: tuple[tuple[float, float, frozenset[int]], ...]
     both: frozenset[int]
+    inner: int
 
 
 def view_class(mesh: LogicalMesh, dims: frozenset[int]) -> ViewClass:
@@ -47,7 +59,7 @@ def view_class(mesh: LogicalMesh, dims: frozenset[int]) -> ViewClass:
                  for a, size in enumerate(mesh.shape))
     both = frozenset(d for d in dims if len(mesh.shape) == 2
                      and d % (mesh.shape[0] * mesh.shape[1]) == 0)
-    return ViewClass(axes, both)
+    return ViewClass(axes, both, mesh.shape[-1])
 
 
 def _strategy_key(s: Strategy) -> tuple:
@@ -129,8 +141,12 @@ def _offered(node, graph: OpGraph, mesh: LogicalMesh, option, rules: dict
     from torchalpa.passes.intra_op import _rule_strategies
     from torchalpa.passes.rules import rule_for
     from torchalpa.passes.strategies import leaf_strategies, replicate_only
+    from torchalpa.passes.strides import strided_regions
+    if _STRIDES not in rules:
+        rules[_STRIDES] = strided_regions(graph)
+    strides = rules[_STRIDES].get(node.name, ())
     if node.is_leaf:
-        return leaf_strategies(node.output, mesh), False
+        return leaf_strategies(node.output, mesh, strides), False
     if node.name not in rules:
         rules[node.name] = rule_for(node, graph)
     rule = rules[node.name]
@@ -138,8 +154,12 @@ def _offered(node, graph: OpGraph, mesh: LogicalMesh, option, rules: dict
         return replicate_only(node, mesh), False
     if rule.random and option.random == "replicated":
         rule = replace(rule, blocked=frozenset(rule.factors()))
-    options = list(_rule_strategies(rule, mesh, option.allow_recompute_heavy_op))
+    options = list(_rule_strategies(rule, mesh, option.allow_recompute_heavy_op, strides))
     return options or replicate_only(node, mesh), bool(rule.random)
+
+
+_STRIDES = ("strided regions",)
+"""Where ``_offered``'s memo keeps the graph's ``strided_regions`` (no node is named so)."""
 
 
 def _fully_sharded(layout, shape) -> bool:

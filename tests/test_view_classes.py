@@ -38,13 +38,17 @@ def test_views_that_shard_the_same_dims_over_the_same_links_share_a_class():
     cluster = _cluster(8)
     dims = frozenset({8, 5120, 13824})
     cls = {v: view_class(_view_mesh(cluster, v), dims) for v in
-           [(6, 2), (3, 4), (12, 4), (4, 2), (2, 4), (8, 4), (4, 4), (12,), (24,)]}
+           [(6, 2), (3, 4), (12, 4), (24, 2), (4, 2), (2, 4), (8, 4), (4, 4), (12,), (24,)]}
     # an axis between nodes dividing 13824 only, one within nodes dividing all three
-    assert cls[(6, 2)] == cls[(3, 4)] == cls[(12, 4)]
-    assert cls[(4, 2)] == cls[(2, 4)]          # both axes divide every dim, so does 8
+    assert cls[(3, 4)] == cls[(12, 4)]
+    assert cls[(6, 2)] == cls[(24, 2)]
     assert cls[(4, 4)] == cls[(8, 4)]          # 16 and 32 divide 5120 and 13824, not 8
     assert cls[(4, 2)] != cls[(4, 4)]          # 8 divides the batch over both axes, 16 not
-    assert cls[(12,)] == cls[(24,)] != cls[(3, 4)]
+    assert cls[(12,)] != cls[(3, 4)]
+    # the same dims divided, but a node's devices split otherwise: rarely the same optimum
+    assert cls[(6, 2)] != cls[(3, 4)]
+    assert cls[(4, 2)] != cls[(2, 4)]
+    assert cls[(12,)] != cls[(24,)]
     # the same sizes within one node: other links, another class
     assert view_class(_view_mesh(cluster, (2, 2)), dims) != cls[(4, 2)]
 
@@ -112,6 +116,37 @@ def test_a_plan_priced_on_its_own_view_keeps_its_estimates():
     assert all(all(type(p).__name__ == "Shard" for p in v.placements) for v in lean.parameters)
     assert lean.estimates["model_state_bytes_per_device"] <= \
         moved.estimates["model_state_bytes_per_device"]
+
+
+def test_a_plan_with_a_strided_qkv_weight_carries_over():
+    """A fused q/k/v projection split by heads holds its weight as a strided shard
+    (``passes/strides.py``); pricing offers those strategies too, so the plan is priced
+    on its own view as the ILP priced it, and moves to another view of its class with its
+    weight still strided (without them nothing of GPT's attention carried over)."""
+    from models import FusedAttention, fused_inputs
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.passes.intra_op import plan_intra_op
+    from torchalpa.passes.view_classes import reprice, view_class
+    from torchalpa.placement import Replicate, Shard, strided
+    torch.manual_seed(0)
+    graph = capture(FusedAttention(), fused_inputs(), F.mse_loss).graph
+    pin = (("c_attn.weight", (Replicate(), strided(0, 3))),
+           ("c_proj.weight", (Replicate(), Shard(1))))
+    method = torchalpa.ShardParallel(auto_sharding_option=torchalpa.AutoShardingOption(pin=pin))
+    cluster = _cluster(8)
+    small, large = _view_mesh(cluster, (3, 4)), _view_mesh(cluster, (6, 4))
+    dims = frozenset(d for node in graph for spec in node.outputs for d in spec.shape)
+    assert view_class(small, dims) == view_class(large, dims)
+    plan = plan_intra_op(graph, small, method)
+    held = {v.name: v.placements for v in plan.parameters}
+    assert held["c_attn.weight"] == (Replicate(), strided(0, 3))
+    same = reprice(graph, plan, small, method)
+    assert same is not None
+    assert same.estimates["step_time_s"] == pytest.approx(plan.estimates["step_time_s"])
+    moved = reprice(graph, plan, large, method)
+    assert moved is not None
+    assert {v.name: v.placements for v in moved.parameters}["c_attn.weight"] == \
+        (Replicate(), strided(0, 3))
 
 
 @pytest.mark.slow
