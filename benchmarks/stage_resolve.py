@@ -8,8 +8,8 @@ submesh of 8 x 8 H100s, ``--in-flight`` micro-batches of 8 x 128 in flight) is p
 the intra-op ILP
 
 - simplified: repeated layers share decisions, followers take their operand's layout;
-- followers freed: solved again from that plan with the followers deciding on their own
-  (``AutoShardingOption.free_followers_below``), layers still shared;
+- followers freed: the followers deciding on their own, layers still shared
+  (``AutoShardingOption.free_followers_below``; solved in place of the simplified ILP);
 - unsimplified: solved again from the simplified plan with nothing shared
   (``exact_below``; its HiGHS run stops at the 60 s ``time_limit``),
 

@@ -48,6 +48,11 @@ class InfeasibleError(ValueError):
     """No choice of strategies satisfies the constraints."""
 
 
+class SolverStopped(InfeasibleError):
+    """The solver stopped (its time limit) before it found any plan: not a proof that
+    none exists."""
+
+
 @dataclass
 class Edge:
     """Cost ``table[row_of[a], col_of[b]]`` when ``u`` takes strategy a and ``v`` takes b."""
@@ -196,6 +201,9 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "auto", time_limit: float | 
         run = _solve_with_pulp(built.model, _make_solver(solver, time_limit, gap,
                                                          warm=initial is not None))
     if not run.solved:
+        if run.status == "Not Solved":
+            raise SolverStopped(f"the ILP solver stopped before it found a plan (time limit "
+                                f"{time_limit} s); a longer time_limit may find one")
         raise InfeasibleError(f"the ILP has no feasible solution (solver status: {run.status})")
     choice = reduced.complete(built.choice(run.values))
     # the objective of the problem as given, not of its reduced form

@@ -417,11 +417,12 @@ class _StageCosts:
                        memory_per_device=None)
 
     def _layer_method(self, lean: bool):
-        # an estimate: the simplified ILP (shared block decisions, merged followers) is
-        # within a few percent of the unsimplified one at a fifth of the time; the
-        # stages the DP picks are priced by their own ILP, followers freed
+        # an estimate: the simplified ILP (shared block decisions, merged followers, no
+        # alternating layers) is within a few percent of the unsimplified one at a fifth
+        # of the time; the stages the DP picks are priced by their own ILP, followers
+        # freed and layers alternating where that pays
         option = replace(self.method.auto_sharding_option, exact_below=0, free_followers_below=0,
-                         **({"parameters": "sharded"} if lean else {}))
+                         alternate_blocks=False, **({"parameters": "sharded"} if lean else {}))
         return self.method.intra_op_method(option)
 
     def _layer_plan(self, l, view, submesh, lean):

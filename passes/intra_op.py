@@ -29,7 +29,7 @@ from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
 from torchalpa.passes.cost import (batch_sync_cost, compute_cost, gradient_steps_cost,
                                    optimizer_cost, steps_cost, wire_bytes)
 from torchalpa.passes.costgraph import ReshardCosts, cached_reshard_costs
-from torchalpa.passes.ilp import ILPProblem, InfeasibleError, solve_ilp
+from torchalpa.passes.ilp import ILPProblem, InfeasibleError, SolverStopped, solve_ilp
 from torchalpa.passes.simplify import group_nodes
 from torchalpa.passes.memory import MemoryModel, activation_peak_bytes, model_state_bytes
 from torchalpa.passes.reshard import local_bytes, plan_reshard
@@ -234,18 +234,28 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
             grouping, cg, solution, chosen, shared = found
 
     built = time.perf_counter()
-    grouping, cg, solution, chosen, shared = solve(1)
-    if len(graph) <= option.free_followers_below and len(group_nodes(
+    found = None
+    if option.exact_below < len(graph) <= option.free_followers_below and len(group_nodes(
             graph, S, blocks, heavy=space.heavy, merge_followers=False).representatives) > \
-            len(grouping.representatives):
+            len(group_nodes(graph, S, blocks, heavy=space.heavy).representatives):
         # a follower takes its operand's layout; deciding on its own it may avoid a
-        # reshard the merge forces (GPT's stages: the gain of the unsimplified re-solve)
-        resolve("free followers", followers=False)
+        # reshard the merge forces (GPT's stages: the gain of the unsimplified re-solve).
+        # Its problem contains the simplified one, so it is solved instead of it: on
+        # GPT-39B's memory-bound stages solving the simplified ILP first and this one
+        # from its plan took 2-4x as long, for a plan no better. (A graph re-solved
+        # unsimplified below starts from the simplified plan: that problem contains this
+        # one, and equal plans stay the simplified ILP's.)
+        try:
+            found = solve(1, followers=False)
+        except SolverStopped as e:
+            log.warning("the ILP with free followers found no plan in time (%s); solving "
+                        "the simplified one", e)
+    grouping, cg, solution, chosen, shared = found or solve(1)
     exact_next = len(graph) <= option.exact_below and len(cg.node_costs) < len(graph)
     # the unsimplified problem contains the alternating one (and starts from this plan):
     # where it is solved next, the alternating solve would only repeat part of its work
-    if not exact_next and blocks and _reshards_between_blocks(graph, blocks, chosen, costs) > \
-            0.01 * solution.objective:
+    if not exact_next and blocks and option.alternate_blocks and \
+            _reshards_between_blocks(graph, blocks, chosen, costs) > 0.01 * solution.objective:
         # shared layers cannot alternate; let every other layer decide apart, keep the best
         alternative = solve(2, start=chosen, shared=shared)
         if alternative[2].objective < solution.objective:
@@ -531,6 +541,8 @@ def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, op
         try:
             solution = solve_ilp(problem, solver=option.solver, time_limit=option.time_limit,
                                  gap=option.gap, initial=initial)
+        except SolverStopped:
+            raise
         except InfeasibleError:
             if not points:
                 raise

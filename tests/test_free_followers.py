@@ -1,6 +1,6 @@
-"""The re-solve with free followers (``AutoShardingOption.free_followers_below``): the simplified
+"""The ILP with free followers (``AutoShardingOption.free_followers_below``): the simplified
 ILP makes an op that only follows its operand (a view, an elementwise op) take the
-operand's layout; solved again with those followers deciding on their own, repeated
+operand's layout; solved instead with those followers deciding on their own, repeated
 layers still sharing decisions, the plan gets what the merge forced it to give up.
 
 On GPT-39B's pipeline stages this recovered nearly all that the unsimplified re-solve
@@ -54,8 +54,9 @@ def test_freeing_the_followers_finds_what_the_unsimplified_ilp_finds(stage):
     assert freed == pytest.approx(unsimplified, rel=1e-6)
 
 
-def test_the_freed_plan_starts_the_unsimplified_re_solve(stage):
-    """Both re-solves on: the plan is the unsimplified optimum, never worse than freed."""
+def test_with_the_unsimplified_re_solve_on_the_plan_is_its_optimum(stage):
+    """The graph re-solved unsimplified too (``exact_below``): the plan is that problem's
+    optimum (it contains the freed one), never worse than the freed plan."""
     both = _step(stage)
     assert both <= _step(stage, exact_below=0) * (1 + 1e-9)
 

@@ -103,3 +103,26 @@ def test_identical_linear_layers_can_still_alternate():
     assert blocks, "the Linear layers are repeated blocks"
     plan = plan_intra_op(g, mesh, blocks=blocks)
     assert plan.estimates["objective"] == pytest.approx(5 * all_reduce_cost(mesh, 32 * 256 * 4, 0))
+
+
+def test_alternating_solve_can_be_turned_off():
+    """``alternate_blocks=False`` (the pipeline search's per-layer estimates) keeps the
+    shared decision: every Linear of the MLP takes one layout, so the plan pays more than
+    the alternating one above."""
+    from models import MLP
+    from torchalpa.cluster import LogicalMesh
+    from torchalpa.frontends.repeated import find_repeated_blocks
+    from torchalpa.methods import AutoShardingOption, ShardParallel
+    with torch.device("meta"):
+        model = MLP(256, 6)
+        x, y = torch.empty(32, 256), torch.empty(32, 256)
+    g = capture(model, (x, y), F.mse_loss).graph
+    mesh = LogicalMesh(shape=(4,))
+    blocks = find_repeated_blocks(g)
+
+    def objective(**option):    # no unsimplified re-solve, which would find it anyway
+        method = ShardParallel(auto_sharding_option=AutoShardingOption(
+            exact_below=0, free_followers_below=0, **option))
+        return plan_intra_op(g, mesh, method, blocks=blocks).estimates["objective"]
+
+    assert objective(alternate_blocks=False) > objective() * 1.01

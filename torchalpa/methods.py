@@ -87,14 +87,23 @@ class AutoShardingOption:
     ``ManualShardingOption``) and are otherwise whole; each op takes the cheapest layout
     reachable from its operands' (layouts propagate, as in XLA's sharding propagation)."""
     free_followers_below: int = 4000
-    """Graphs of at most this many nodes are solved once more with the followers (ops
-    that take their operand's layout in the simplified ILP) deciding on their own,
-    repeated layers still sharing decisions, starting from the simplified plan; the
-    better plan is kept. On GPT-39B's pipeline stages (800-1600 nodes) this finds nearly
-    all that the unsimplified re-solve (``exact_below``) finds, from a problem a tenth its
-    size (``tests/test_free_followers.py``); on whole models it doubles the solve for a
-    plan 0.3-0.5 % faster (LLaMA-3-8B on 8 x 8: 5.6 -> 10.8 s, 6774 nodes), hence the
-    bound. 0 turns it off."""
+    """Graphs of at most this many nodes are solved with the followers (ops that take
+    their operand's layout in the simplified ILP) deciding on their own, repeated layers
+    still sharing decisions: a problem that contains the simplified one, solved in its
+    place (the simplified one only if the solver stops without a plan); graphs re-solved
+    unsimplified (``exact_below``) go straight from the simplified plan to that. On GPT-39B's
+    pipeline stages (800-1600 nodes) this finds nearly all that the unsimplified re-solve
+    (``exact_below``) finds, from a problem a tenth its size
+    (``tests/test_free_followers.py``); on whole models it doubled the solve for a plan
+    0.3-0.5 % faster (LLaMA-3-8B on 8 x 8: 5.6 -> 10.8 s, 6774 nodes), hence the bound.
+    0 turns it off."""
+    alternate_blocks: bool = True
+    """Where repeated layers share decisions and the shared plan reshards values between
+    them (more than 1 % of its step), solve once more letting every other layer decide
+    apart (Megatron's column- then row-parallel Linear pairs), keeping the better plan.
+    The pipeline search's per-layer estimates turn it off: on GPT-39B (8 x 8) it was 52
+    of their 166 solves and moved 4 of 150 estimates by at most 0.17 %; the stages the
+    search picks are solved with it."""
     exact_below: int = 2000
     """Graphs of at most this many nodes are also solved without simplification (shared
     decisions of repeated layers, followers), starting from the best plan found so far,
