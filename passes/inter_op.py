@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from torchalpa.cluster import Cluster
@@ -40,6 +41,7 @@ from torchalpa.passes.memory import in_flight_bytes
 from torchalpa.passes.stage_remat import (FORWARD_SHARE, received_bytes, recompute_memory,
                                           recompute_option, recompute_seconds,
                                           stage_recompute_allowed)
+from torchalpa.passes.stage_jobs import StageJobs
 from torchalpa.passes.stages import stage_dp, submesh_shapes
 from torchalpa.passes.subgraph import stage_subgraph
 from torchalpa.passes.transplant import transplant
@@ -507,6 +509,26 @@ class _StageCosts:
                                         budget)
         seconds, lean, _ = SOLVES.get(key, lambda: self._solve_stage(
             k, i, submesh, view, in_flight_batches, received if recompute else None, budget))
+        return self._priced_stage(k, i, seconds, lean, recompute)
+
+    def known_exact(self, k: int, i: int, submesh: tuple[int, int], view: tuple[int, ...],
+                    in_flight_batches: int, recompute: bool = False
+                    ) -> tuple[float, AutoShardingOption | None]:
+        """``exact``'s answer (unbudgeted) where its solve, or one with fewer micro-batches
+        in flight that decides it, is known already; inf where neither is. Solves and
+        stores nothing."""
+        flight = in_flight_batches
+        if self._stage_key(k, i, submesh, view, flight, recompute) not in SOLVES:
+            flight = self._fewer_that_decides(k, i, submesh, view, flight, recompute, None)
+            if flight is None:
+                return math.inf, None
+        seconds, lean, _ = SOLVES.peek(self._stage_key(k, i, submesh, view, flight, recompute))
+        return self._priced_stage(k, i, seconds, lean, recompute)
+
+    def _priced_stage(self, k: int, i: int, seconds: float | None, lean: bool,
+                      recompute: bool) -> tuple[float, AutoShardingOption | None]:
+        """A stage solve's result as ``exact`` returns it: latency with its sends (inf if
+        nothing fit) and the option that fits."""
         if seconds is None:
             return math.inf, None
         option = replace(self.method.auto_sharding_option, parameters="sharded") if lean \
@@ -549,21 +571,31 @@ class _StageCosts:
         0.7898 s plan at six of them, 8-60 s each.) The solve may be of identical layers
         at another depth: the pipeline's assembly moves that plan onto these layers
         (``donated``). Returns whether it answered."""
+        fewer = self._fewer_that_decides(k, i, submesh, view, flight, recompute, budget)
+        if fewer is None:
+            return False
+        found = SOLVES.peek(self._stage_key(k, i, submesh, view, fewer, recompute, budget))
+        lean = found[1]
+        plan = self.exact_plans.get((k, i, submesh, view, lean, fewer, recompute))
+        SOLVES.put(self._stage_key(k, i, submesh, view, flight, recompute, budget), found)
+        if plan is not None:
+            self.exact_plans[(k, i, submesh, view, lean, flight, recompute)] = plan
+        self.reused_in_flight += 1
+        return True
+
+    def _fewer_that_decides(self, k: int, i: int, submesh, view, flight: int,
+                            recompute: bool, budget: float | None) -> int | None:
+        """The most micro-batches in flight, below ``flight``, whose solve of the stage
+        decides it with ``flight`` (``_reuse_fewer_in_flight``); None if none does."""
         for fewer in range(flight - 1, 0, -1):
             key = self._stage_key(k, i, submesh, view, fewer, recompute, budget)
             if key not in SOLVES:
                 continue
-            found = SOLVES.peek(key)
-            seconds, lean, memory = found
+            seconds, _, memory = SOLVES.peek(key)
             if seconds is not None and not self._fits(memory, k, i, flight, recompute):
                 continue
-            plan = self.exact_plans.get((k, i, submesh, view, lean, fewer, recompute))
-            SOLVES.put(self._stage_key(k, i, submesh, view, flight, recompute, budget), found)
-            if plan is not None:
-                self.exact_plans[(k, i, submesh, view, lean, flight, recompute)] = plan
-            self.reused_in_flight += 1
-            return True
-        return False
+            return fewer
+        return None
 
     def donated(self, k: int, i: int, submesh, view, lean: bool, flight: int,
                 recompute: bool, request: tuple) -> Plan | None:
@@ -595,23 +627,52 @@ class _StageCosts:
                 return moved
         return None
 
-    def solve_stages(self, stages: list[tuple], workers: int, budget: float | None = None
-                     ) -> None:
+    def solve_stages(self, stages: list[tuple], jobs: StageJobs, budget: float | None = None,
+                     later: Callable[[], list[tuple]] = list) -> None:
         """Solve the stages (k, i, submesh, view, in flight, recompute) that ``exact`` has
-        not yet, ``workers`` at a time, and keep them where ``exact`` finds them: the DP's
-        stages of one round are independent solves (one to two minutes each for GPT-15B's
-        two-layer stages), run one after another before. A range asked for at several
-        micro-batches in flight is solved at the fewest first, in waves, so that the
-        others may follow from it (``_reuse_fewer_in_flight``); a wave with fewer ranges
-        than workers also solves the most-in-flight of them. ``budget``: as in
-        ``exact``."""
+        not yet, by ``jobs`` (forked workers), and keep them where ``exact`` finds them:
+        the DP's stages of one round are independent solves (one to two minutes each for
+        GPT-15B's two-layer stages), run one after another before. A range asked for at
+        several micro-batches in flight is solved at the fewest first, in waves, so that
+        the others may follow from it (``_reuse_fewer_in_flight``); a wave with fewer
+        ranges than workers also solves the most-in-flight of them, and a worker left idle
+        within a wave guesses the next wave's solves, then the stages (as in ``stages``)
+        ``later`` says later rounds may ask for (``StageJobs``: guesses change the search's
+        time, never its answer). ``budget``: as in ``exact``."""
         todo: dict[tuple, tuple] = {}
         for k, i, submesh, view, flight, recompute in stages:
             key = self._stage_key(k, i, submesh, view, flight, recompute, budget)
             if key not in SOLVES and key not in todo:
                 todo[key] = (k, i, submesh, view, flight, recompute)
-        global _WORKER_COSTS
-        _WORKER_COSTS = self      # forked workers read it instead of unpickling the graph
+
+        def job(args: tuple, budget: float | None = budget) -> tuple:
+            k, i, submesh, view, flight, recompute = args
+            return (k, i, submesh, view, flight, self.received(k, i) if recompute else None,
+                    budget)
+
+        def store(key: tuple, value: tuple) -> None:
+            result, plans, solves = value
+            SOLVES.put(key, result)
+            self.exact_plans.update(plans)
+            self.exact_solves += solves
+
+        def guess() -> list[tuple]:
+            # the next wave first: the most in flight of a range, which the fewest one
+            # answers least often; then what later rounds may ask for
+            def open_(key: tuple, args: tuple, budget: float | None) -> bool:
+                k, i, submesh, view, flight, recompute = args
+                return key not in SOLVES and self._fewer_that_decides(
+                    k, i, submesh, view, flight, recompute, budget) is None
+
+            wave = sorted((item for item in todo.items() if open_(*item, budget)),
+                          key=lambda item: -item[1][4])
+            rounds = [(self._stage_key(k, i, submesh, view, flight, recompute), args)
+                      for args in later()
+                      for k, i, submesh, view, flight, recompute in [args]]
+            return [(key, job(args)) for key, args in wave] + \
+                [(key, job(args, None)) for key, args in rounds if open_(key, args, None)]
+
+        jobs.on_result, jobs.guess = store, guess
         while todo:
             todo = {key: (k, i, submesh, view, flight, recompute)
                     for key, (k, i, submesh, view, flight, recompute) in todo.items()
@@ -627,14 +688,9 @@ class _StageCosts:
             # fewest one is least likely to answer
             spare = sorted((item for item in todo.items() if item not in wave),
                            key=lambda item: -item[1][4])
-            wave += spare[:max(0, workers - len(wave))]
-            jobs = [(k, i, submesh, view, flight, self.received(k, i) if recompute else None,
-                     budget) for _, (k, i, submesh, view, flight, recompute) in wave]
-            for (key, _), (result, plans, solves) in zip(wave, _map(_stage_in_worker, jobs,
-                                                                    workers)):
-                SOLVES.put(key, result)
-                self.exact_plans.update(plans)
-                self.exact_solves += solves
+            wave += spare[:max(0, jobs.workers - len(wave))]
+            jobs.solve([(key, job(args)) for key, args in wave])
+            for key, _ in wave:
                 del todo[key]
 
     def _solve_stage(self, k, i, submesh, view, in_flight_batches, received: float | None,
@@ -803,33 +859,75 @@ def _exact_search(costs: _StageCosts, L: int, cluster: Cluster, B: int, schedule
                     out.append(stages)
         return out
 
+    round_picks: list[tuple] = []
+
+    def next_round() -> list[tuple]:
+        """The stages (k, i, submesh, view, in flight, recompute) the DP's answer prices
+        next if every stage of this round not yet solved turns out not to fit: what the
+        next round asks for when those come in dearer than their estimates (GPT-39B: the
+        first stage, memory-bound, on another view, then on a larger submesh)."""
+        if not round_picks:
+            return []
+        saved = {key: dict(priced) for key, priced in exact.items()}, dict(choice)
+        try:
+            for key, (view, _, recompute) in round_picks:
+                k, i, j, flight = key
+                latency, option = costs.known_exact(k, i, shapes[j], view, flight, recompute)
+                exact.setdefault(key, {})[view, recompute] = (
+                    latency, (view, option, recompute) if math.isfinite(latency) else None)
+            guess = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
+            out = []
+            for key in keys(guess):
+                (view, _, recompute), is_exact = _picked(choice, key)
+                if not is_exact:
+                    k, i, j, flight = key
+                    out.append((k, i, shapes[j], view, flight, recompute))
+            return out
+        except ValueError:       # nothing fits
+            return []
+        finally:
+            exact.clear()
+            exact.update(saved[0])
+            choice.clear()
+            choice.update(saved[1])
+
     solution = None
     uniform_done = measured     # measured times are not repriced by the cost model
-    for _ in range(MAX_EXACT_ROUNDS + 1):
-        solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
-        todo = [key for key in keys(solution) if not _picked(choice, key)[1]]
-        picks = [(key, _picked(choice, key)[0]) for key in todo]
-        budget = None
-        if not todo and not uniform_done:
-            # the answer is exact: price the uniform partitions that might beat it, each
-            # solve within ``UNIFORM_TIME_LIMIT``
-            uniform_done = True
-            picks = uniform_picks(solution.total * (1 + UNIFORM_MARGIN))
-            todo = [key for key, _ in picks]
-            budget = UNIFORM_TIME_LIMIT
-        if not todo or measured:
-            break
-        costs.solve_stages([(k, i, shapes[j], view, flight, recompute)
-                            for (k, i, j, flight), (view, _, recompute) in picks], _workers(),
-                           budget)
-        for key, (view, _, recompute) in picks:
-            k, i, j, flight = key
-            latency, option = costs.exact(k, i, shapes[j], view, flight, recompute, budget)
-            exact.setdefault(key, {})[view, recompute] = (
-                latency, (view, option, recompute) if math.isfinite(latency) else None)
-    else:    # rounds spent: keep what was priced exactly, drop the optimistic guesses
-        solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B,
-                            lambda k, i, j, after: cost(k, i, j, after, guess=False))
+    global _WORKER_COSTS
+    _WORKER_COSTS = costs     # forked workers read it instead of unpickling the graph
+    jobs = StageJobs(_stage_in_worker, _workers())
+    try:
+        for _ in range(MAX_EXACT_ROUNDS + 1):
+            solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B, cost)
+            todo = [key for key in keys(solution) if not _picked(choice, key)[1]]
+            picks = [(key, _picked(choice, key)[0]) for key in todo]
+            budget = None
+            if not todo and not uniform_done:
+                # the answer is exact: price the uniform partitions that might beat it, each
+                # solve within ``UNIFORM_TIME_LIMIT``
+                uniform_done = True
+                picks = uniform_picks(solution.total * (1 + UNIFORM_MARGIN))
+                todo = [key for key, _ in picks]
+                budget = UNIFORM_TIME_LIMIT
+            if not todo or measured:
+                break
+            round_picks = picks if budget is None else []
+            costs.solve_stages([(k, i, shapes[j], view, flight, recompute)
+                                for (k, i, j, flight), (view, _, recompute) in picks], jobs,
+                               budget, next_round)
+            for key, (view, _, recompute) in picks:
+                k, i, j, flight = key
+                latency, option = costs.exact(k, i, shapes[j], view, flight, recompute, budget)
+                exact.setdefault(key, {})[view, recompute] = (
+                    latency, (view, option, recompute) if math.isfinite(latency) else None)
+        else:    # rounds spent: keep what was priced exactly, drop the optimistic guesses
+            solution = stage_dp(L, cluster.num_nodes, cluster.devices_per_node, B,
+                                lambda k, i, j, after: cost(k, i, j, after, guess=False))
+    finally:
+        jobs.close()
+        log.info("pipeline search: %d stage solves guessed while a worker was idle, %d of "
+                 "them asked for, %d stopped", jobs.guessed, jobs.guesses_used,
+                 jobs.guesses_stopped)
     stages = []
     for key in keys(solution):
         picked, is_exact = _picked(choice, key)

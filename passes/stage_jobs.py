@@ -41,7 +41,7 @@ class StageJobs:
 
     def __init__(self, run: Callable[[Any], Any], workers: int):
         self.run = run
-        self.workers = workers if workers > 1 and "jax" not in sys.modules else 1
+        self.workers = workers if workers > 1 and _can_fork() else 1
         self.guess: Callable[[], Iterable[tuple[Any, Any]]] = lambda: ()
         # key -> (process, the end of its pipe we read, whether a round asked for it)
         self._running: dict[Hashable, tuple[Any, Any, bool]] = {}
@@ -75,9 +75,7 @@ class StageJobs:
             if key in self._done:
                 self._hand_over(key)
         while not all(key in self._done for key in wanted):
-            while queue and len(self._running) >= self.workers and self._stop_a_guess():
-                pass
-            while queue and len(self._running) < self.workers:
+            while queue and (len(self._running) < self.workers or self._stop_a_guess()):
                 self._start(*queue.pop(0), needed=True)
             if len(self._running) < self.workers:
                 self._start_guesses()
@@ -149,6 +147,12 @@ class StageJobs:
             self._done[key] = (ok, value)
             finished.append(key)
         return finished
+
+
+def _can_fork() -> bool:
+    """Whether forking workers is safe here: not with JAX loaded (see ``_map`` in
+    ``passes/inter_op.py``)."""
+    return "jax" not in sys.modules
 
 
 def _child(run: Callable[[Any], Any], args: Any, conn: Connection) -> None:

@@ -3,12 +3,16 @@ solving them one after another in this process plans."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 
 import torchalpa
 from search_models import small_gpt_graph
 from torchalpa.passes import inter_op
 from torchalpa.passes.layer_cache import SOLVES
+from torchalpa.passes.stage_jobs import StageJobs
 
 GB = 1024 ** 3
 
@@ -34,14 +38,13 @@ def _plan(graph, workers: int, monkeypatch):
 
 def test_stage_solves_in_workers_plan_the_same(gpt_graph, monkeypatch):
     pooled = []
-    real_map = inter_op._map
+    real_solve = StageJobs.solve
 
-    def counting_map(fn, items, workers):
-        if fn is inter_op._stage_in_worker:
-            pooled.append((len(items), workers))
-        return real_map(fn, items, workers)
+    def counting_solve(self, jobs):
+        pooled.append((len(jobs), self.workers))
+        return real_solve(self, jobs)
 
-    monkeypatch.setattr(inter_op, "_map", counting_map)
+    monkeypatch.setattr(StageJobs, "solve", counting_solve)
     alone = _plan(gpt_graph, 1, monkeypatch)
     assert all(workers == 1 for _, workers in pooled)      # solved here, one after another
     pooled.clear()
@@ -57,10 +60,10 @@ def test_stage_solves_in_workers_plan_the_same(gpt_graph, monkeypatch):
 
 
 def test_stage_solves_counted_once_when_the_pool_runs_in_this_process(gpt_graph, monkeypatch):
-    """With JAX loaded, ``_map`` solves the pooled stages here, one after another: each is
-    counted once, as forked workers count them (it was counted twice)."""
+    """With JAX loaded, the stages are solved here, one after another, whatever the
+    workers: each is counted once, as forked workers count them (it was counted twice)."""
     alone = _plan(gpt_graph, 1, monkeypatch)
-    monkeypatch.setattr(inter_op, "_map", lambda fn, items, workers: [fn(x) for x in items])
+    monkeypatch.setitem(sys.modules, "jax", types.ModuleType("jax"))
     in_process = _plan(gpt_graph, 2, monkeypatch)
     assert in_process.estimates["stage_solves"] == alone.estimates["stage_solves"]
     assert in_process.estimates["step_time_s"] == alone.estimates["step_time_s"]

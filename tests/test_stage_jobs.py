@@ -1,0 +1,81 @@
+"""``StageJobs``: the pipeline search's stage solves in forked workers, idle workers solving
+guesses that a later round may ask for. A guess changes when a result is ready, never
+which: asked for, its result is the job's; never asked for, it is dropped; still running
+when a round needs its worker, it is stopped; failed, it raises only when asked for."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from torchalpa.passes import stage_jobs
+from torchalpa.passes.stage_jobs import StageJobs
+
+
+@pytest.fixture(autouse=True)
+def forking(monkeypatch):
+    """Fork even where another test loaded JAX (these jobs only sleep)."""
+    monkeypatch.setattr(stage_jobs, "_can_fork", lambda: True)
+
+
+def _work(args):
+    """(args, the process that ran it), after ``seconds``; fails on "fail"."""
+    name, seconds = args
+    if name == "fail":
+        raise ValueError("this job fails")
+    time.sleep(seconds)
+    return name, os.getpid()
+
+
+def test_a_guess_made_while_a_worker_idles_answers_the_next_round():
+    jobs = StageJobs(_work, workers=2)
+    jobs.guess = lambda: [("later", ("later", 0.0))]
+    try:
+        [(name, pid)] = jobs.solve([("now", ("now", 0.5))])
+        assert name == "now" and pid != os.getpid()
+        assert jobs.guessed == 1
+        jobs.guess = lambda: []
+        assert jobs.solve([("later", ("later", 0.0))])[0][0] == "later"
+        assert jobs.guesses_used == 1
+    finally:
+        jobs.close()
+
+
+def test_a_guess_is_stopped_when_a_round_needs_its_worker():
+    jobs = StageJobs(_work, workers=2)
+    jobs.guess = lambda: [("slow guess", ("slow guess", 30.0))]
+    start = time.perf_counter()
+    try:
+        jobs.solve([("a", ("a", 0.3))])          # the other worker starts the guess
+        jobs.guess = lambda: []
+        out = jobs.solve([("b", ("b", 0.1)), ("c", ("c", 0.1))])
+        assert [name for name, _ in out] == ["b", "c"]
+        assert jobs.guesses_stopped == 1 and jobs.guesses_used == 0
+    finally:
+        jobs.close()
+    assert time.perf_counter() - start < 20     # not waiting for the 30 s guess
+
+
+def test_a_failed_guess_raises_only_when_asked_for():
+    jobs = StageJobs(_work, workers=2)
+    jobs.guess = lambda: [("fail", ("fail", 0.0))]
+    try:
+        assert jobs.solve([("a", ("a", 0.3))])[0][0] == "a"
+        jobs.guess = lambda: []
+        with pytest.raises(RuntimeError, match="this job fails"):
+            jobs.solve([("fail", ("fail", 0.0))])
+    finally:
+        jobs.close()
+
+
+def test_one_worker_solves_here_in_order_and_guesses_nothing():
+    """One worker (or JAX loaded): the jobs run in this process, in order."""
+    jobs = StageJobs(_work, workers=1)
+    jobs.guess = lambda: pytest.fail("no guesses without workers")
+    seen = []
+    jobs.on_result = lambda key, value: seen.append(key)
+    out = jobs.solve([("x", ("x", 0.0)), ("y", ("y", 0.0))])
+    assert [name for name, _ in out] == ["x", "y"] and seen == ["x", "y"]
+    assert all(pid == os.getpid() for _, pid in out)
