@@ -235,22 +235,26 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
 
     built = time.perf_counter()
     found = None
-    if option.exact_below < len(graph) <= option.free_followers_below and len(group_nodes(
-            graph, S, blocks, heavy=space.heavy, merge_followers=False).representatives) > \
-            len(group_nodes(graph, S, blocks, heavy=space.heavy).representatives):
-        # a follower takes its operand's layout; deciding on its own it may avoid a
-        # reshard the merge forces (GPT's stages: the gain of the unsimplified re-solve).
-        # Its problem contains the simplified one, so it is solved instead of it: on
+    frees = len(graph) <= option.free_followers_below and len(group_nodes(
+        graph, S, blocks, heavy=space.heavy, merge_followers=False).representatives) > \
+        len(group_nodes(graph, S, blocks, heavy=space.heavy).representatives)
+    # a follower takes its operand's layout; deciding on its own it may avoid a reshard
+    # the merge forces (GPT's stages: the gain of the unsimplified re-solve)
+    if frees and len(graph) > option.exact_below:
+        # its problem contains the simplified one, so it is solved instead of it: on
         # GPT-39B's memory-bound stages solving the simplified ILP first and this one
-        # from its plan took 2-4x as long, for a plan no better. (A graph re-solved
-        # unsimplified below starts from the simplified plan: that problem contains this
-        # one, and equal plans stay the simplified ILP's.)
+        # from its plan took 2-4x as long, for a plan no better
         try:
             found = solve(1, followers=False)
         except SolverStopped as e:
             log.warning("the ILP with free followers found no plan in time (%s); solving "
                         "the simplified one", e)
     grouping, cg, solution, chosen, shared = found or solve(1)
+    if frees and found is None and len(graph) <= option.exact_below:
+        # re-solved unsimplified below: from the freed plan that solve is much shorter
+        # (GPT-39B's 4-layer stages: 60 s and more from the simplified plan), and plans
+        # that tie stay the simplified ILP's (Alpa's tests pin such tie-breaks)
+        resolve("free followers", followers=False)
     exact_next = len(graph) <= option.exact_below and len(cg.node_costs) < len(graph)
     # the unsimplified problem contains the alternating one (and starts from this plan):
     # where it is solved next, the alternating solve would only repeat part of its work

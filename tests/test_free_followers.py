@@ -54,9 +54,8 @@ def test_freeing_the_followers_finds_what_the_unsimplified_ilp_finds(stage):
     assert freed == pytest.approx(unsimplified, rel=1e-6)
 
 
-def test_with_the_unsimplified_re_solve_on_the_plan_is_its_optimum(stage):
-    """The graph re-solved unsimplified too (``exact_below``): the plan is that problem's
-    optimum (it contains the freed one), never worse than the freed plan."""
+def test_the_freed_plan_starts_the_unsimplified_re_solve(stage):
+    """Both re-solves on: the plan is the unsimplified optimum, never worse than freed."""
     both = _step(stage)
     assert both <= _step(stage, exact_below=0) * (1 + 1e-9)
 

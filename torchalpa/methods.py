@@ -90,8 +90,9 @@ class AutoShardingOption:
     """Graphs of at most this many nodes are solved with the followers (ops that take
     their operand's layout in the simplified ILP) deciding on their own, repeated layers
     still sharing decisions: a problem that contains the simplified one, solved in its
-    place (the simplified one only if the solver stops without a plan); graphs re-solved
-    unsimplified (``exact_below``) go straight from the simplified plan to that. On GPT-39B's
+    place (the simplified one only if the solver stops without a plan); graphs also
+    re-solved unsimplified (``exact_below``) solve it from the simplified plan, and the
+    unsimplified problem from the better of the two. On GPT-39B's
     pipeline stages (800-1600 nodes) this finds nearly all that the unsimplified re-solve
     (``exact_below``) finds, from a problem a tenth its size
     (``tests/test_free_followers.py``); on whole models it doubled the solve for a plan
