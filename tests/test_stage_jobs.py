@@ -13,6 +13,9 @@ import pytest
 from torchalpa.passes import stage_jobs
 from torchalpa.passes.stage_jobs import StageJobs
 
+# another test may have loaded JAX in this process; these children only sleep
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+
 
 @pytest.fixture(autouse=True)
 def forking(monkeypatch):
