@@ -41,7 +41,7 @@ from torchalpa.passes.memory import in_flight_bytes
 from torchalpa.passes.stage_remat import (FORWARD_SHARE, received_bytes, recompute_memory,
                                           recompute_option, recompute_seconds,
                                           stage_recompute_allowed)
-from torchalpa.passes.stage_jobs import StageJobs
+from torchalpa.passes.stage_jobs import StageJobs, can_fork
 from torchalpa.passes.stages import stage_dp, submesh_shapes
 from torchalpa.passes.subgraph import stage_subgraph
 from torchalpa.passes.transplant import transplant
@@ -1312,8 +1312,7 @@ def _map(fn, items: list, workers: int) -> list:
     frontend) can deadlock the child on a lock one of XLA's threads held, and the
     workers read state the fork hands them (``_WORKER_COSTS``): with JAX loaded the
     items are solved here, one after another (slower, same results)."""
-    import sys
-    if workers <= 1 or len(items) < 2 or "jax" in sys.modules:
+    if workers <= 1 or len(items) < 2 or not can_fork():
         return [fn(x) for x in items]
     import multiprocessing as mp
     with mp.get_context("fork").Pool(min(workers, len(items))) as pool:

@@ -243,7 +243,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     if frees and len(graph) > option.exact_below:
         # its problem contains the simplified one, so it is solved instead of it: on
         # GPT-39B's memory-bound stages solving the simplified ILP first and this one
-        # from its plan took 2-4x as long, for a plan no better
+        # from its plan took 1.2-4x as long, for a plan no better
         try:
             found = solve(1, followers=False)
         except SolverStopped as e:

@@ -13,7 +13,7 @@ solve is kept aside and only handed over when a round asks for that very stage, 
 search asks for, and gets, exactly what it would without guessing: guesses change how
 long the search takes, never what it finds. A guess still running when a round needs its
 worker is stopped (each job is its own forked process, so it can be). Without workers
-(one, or JAX loaded: see ``_map`` in ``passes/inter_op.py``) the solves run here, in
+(one, or JAX loaded: ``can_fork``) the solves run here, in
 order, and nothing is guessed.
 """
 
@@ -27,7 +27,7 @@ from collections.abc import Callable, Hashable, Iterable
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["StageJobs"]
+__all__ = ["StageJobs", "can_fork"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -41,7 +41,7 @@ class StageJobs:
 
     def __init__(self, run: Callable[[Any], Any], workers: int):
         self.run = run
-        self.workers = workers if workers > 1 and _can_fork() else 1
+        self.workers = workers if workers > 1 and can_fork() else 1
         self.guess: Callable[[], Iterable[tuple[Any, Any]]] = lambda: ()
         # key -> (process, the end of its pipe we read, whether a round asked for it)
         self._running: dict[Hashable, tuple[Any, Any, bool]] = {}
@@ -149,9 +149,10 @@ class StageJobs:
         return finished
 
 
-def _can_fork() -> bool:
-    """Whether forking workers is safe here: not with JAX loaded (see ``_map`` in
-    ``passes/inter_op.py``)."""
+def can_fork() -> bool:
+    """Whether forking workers is safe here: not with JAX loaded (a JAX program planned
+    through the StableHLO frontend): the child can deadlock on a lock one of XLA's threads
+    held at the fork."""
     return "jax" not in sys.modules
 
 

@@ -87,19 +87,24 @@ def test_sharing_costs_little():
     assert shared <= free * 1.05
 
 
-def test_identical_linear_layers_can_still_alternate():
-    """When every Linear of an MLP is its own repeated block, sharing one decision would
-    forbid Megatron's column/row alternation; the planner notices and lets layers differ."""
+def _mlp_of_repeated_linears():
+    """A 6-Linear MLP whose Linears are each a repeated block, on a (4,) mesh: (graph,
+    blocks, mesh)."""
     from models import MLP
     from torchalpa.cluster import LogicalMesh
     from torchalpa.frontends.repeated import find_repeated_blocks
-    from torchalpa.passes.cost import all_reduce_cost
     with torch.device("meta"):
         model = MLP(256, 6)
         x, y = torch.empty(32, 256), torch.empty(32, 256)
     g = capture(model, (x, y), F.mse_loss).graph
-    mesh = LogicalMesh(shape=(4,))
-    blocks = find_repeated_blocks(g)
+    return g, find_repeated_blocks(g), LogicalMesh(shape=(4,))
+
+
+def test_identical_linear_layers_can_still_alternate():
+    """When every Linear of an MLP is its own repeated block, sharing one decision would
+    forbid Megatron's column/row alternation; the planner notices and lets layers differ."""
+    from torchalpa.passes.cost import all_reduce_cost
+    g, blocks, mesh = _mlp_of_repeated_linears()
     assert blocks, "the Linear layers are repeated blocks"
     plan = plan_intra_op(g, mesh, blocks=blocks)
     assert plan.estimates["objective"] == pytest.approx(5 * all_reduce_cost(mesh, 32 * 256 * 4, 0))
@@ -109,16 +114,8 @@ def test_alternating_solve_can_be_turned_off():
     """``alternate_blocks=False`` (the pipeline search's per-layer estimates) keeps the
     shared decision: every Linear of the MLP takes one layout, so the plan pays more than
     the alternating one above."""
-    from models import MLP
-    from torchalpa.cluster import LogicalMesh
-    from torchalpa.frontends.repeated import find_repeated_blocks
     from torchalpa.methods import AutoShardingOption, ShardParallel
-    with torch.device("meta"):
-        model = MLP(256, 6)
-        x, y = torch.empty(32, 256), torch.empty(32, 256)
-    g = capture(model, (x, y), F.mse_loss).graph
-    mesh = LogicalMesh(shape=(4,))
-    blocks = find_repeated_blocks(g)
+    g, blocks, mesh = _mlp_of_repeated_linears()
 
     def objective(**option):    # no unsimplified re-solve, which would find it anyway
         method = ShardParallel(auto_sharding_option=AutoShardingOption(

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
 @pytest.fixture(autouse=True)
 def forking(monkeypatch):
     """Fork even where another test loaded JAX (these jobs only sleep)."""
-    monkeypatch.setattr(stage_jobs, "_can_fork", lambda: True)
+    monkeypatch.setattr(stage_jobs, "can_fork", lambda: True)
 
 
 def _work(args):
