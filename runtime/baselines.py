@@ -6,12 +6,14 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from torchalpa.cluster import cuda_selected
+
 __all__ = ["wrap_ddp", "wrap_fsdp2", "batch_shard"]
 
 
 def wrap_ddp(model: nn.Module) -> nn.Module:
     """DistributedDataParallel on this rank's device."""
-    if torch.cuda.is_available():
+    if cuda_selected():
         device = torch.cuda.current_device()
         return DistributedDataParallel(model.to(device), device_ids=[device])
     return DistributedDataParallel(model)

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from torchalpa.cluster import cuda_selected
+
 __all__ = ["local_nbytes", "model_state_bytes", "loopback_bytes", "timed_steps",
            "reset_peak_memory", "peak_memory_bytes"]
 
@@ -69,7 +71,7 @@ def timed_steps(step: Callable[[], None], num_steps: int, warmup: int = 1) -> di
 
 def reset_peak_memory() -> None:
     """Start a new peak-memory window (CUDA allocator peak, or this process's peak RSS)."""
-    if torch.cuda.is_available():
+    if cuda_selected():
         torch.cuda.reset_peak_memory_stats()
         return
     try:   # Linux: writing 5 to clear_refs resets VmHWM, the peak resident set size
@@ -81,7 +83,7 @@ def reset_peak_memory() -> None:
 def peak_memory_bytes() -> int:
     """Peak memory since ``reset_peak_memory``: allocated CUDA bytes, or peak RSS on CPU
     (the whole process: libraries and allocator caches included)."""
-    if torch.cuda.is_available():
+    if cuda_selected():
         return torch.cuda.max_memory_allocated()
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):

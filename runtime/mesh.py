@@ -1,6 +1,7 @@
 """Process group and DeviceMesh from the launch environment (torchrun or a single process).
 
-NCCL when CUDA is present, gloo otherwise. Without torchrun the world is this one
+NCCL when CUDA is present, gloo otherwise (``TORCHALPA_DEVICE=cpu`` chooses CPUs and gloo on a
+GPU machine: ``torchalpa.cluster.cuda_selected``). Without torchrun the world is this one
 process, so the same code runs on a laptop with no launcher.
 """
 
@@ -15,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from torchalpa.cluster import cuda_selected
+
 __all__ = ["default_backend", "default_device", "init_distributed", "build_mesh", "rank",
            "world_size", "check_world_size", "on_rank0", "gather_objects", "comm_device",
            "shutdown"]
@@ -23,11 +26,11 @@ _TIMEOUT_ENV = "TORCHALPA_TIMEOUT_S"
 
 
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if cuda_selected() else "gloo"
 
 
 def default_device() -> torch.device:
-    if torch.cuda.is_available():
+    if cuda_selected():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
 
@@ -37,11 +40,25 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get(_TIMEOUT_ENV, 600)))
 
 
+def _check_one_device_per_rank() -> None:
+    """NCCL needs a GPU of its own per rank: say so before a rank asks for a device that is
+    not there (an invalid-ordinal error) or NCCL refuses a shared one."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    devices = torch.cuda.device_count()
+    if local_ranks > devices or local_rank >= devices:
+        raise RuntimeError(
+            f"{local_ranks} ranks on this node but {devices} CUDA device(s): NCCL needs one "
+            f"GPU per rank. Launch at most {devices} per node (torchrun --nproc_per_node="
+            f"{devices}), or set TORCHALPA_DEVICE=cpu to run these ranks on CPUs over gloo.")
+
+
 def init_distributed() -> None:
     """Join the torchrun world, or make a world of one process if not launched by torchrun."""
     if dist.is_initialized():
         return
-    if torch.cuda.is_available():
+    if cuda_selected():
+        _check_one_device_per_rank()
         torch.cuda.set_device(default_device())
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(default_backend(), timeout=collective_timeout())

@@ -30,8 +30,8 @@ def fake_gpu(monkeypatch):
         monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i=0: reserved)
         monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda i=0: 1.0,
                             raising=False)
-    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "TORCHALPA_DEVICE"):
+        monkeypatch.delenv(var, raising=False)   # conftest.py sets TORCHALPA_DEVICE=cpu
     return install
 
 
@@ -163,3 +163,40 @@ def test_cluster_options_are_validated():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert mesh.peak_flops_for("int64") == mesh.peak_flops
+
+
+def test_torchalpa_device_cpu_keeps_a_gpu_machine_on_cpus_and_gloo(fake_gpu, monkeypatch):
+    from torchalpa.cluster import cuda_selected
+    from torchalpa.runtime.mesh import default_backend, default_device
+    fake_gpu(count=1)
+    assert cuda_selected() and default_backend() == "nccl"
+    monkeypatch.setenv("TORCHALPA_DEVICE", "cpu")
+    assert not cuda_selected()
+    assert (default_backend(), default_device().type) == ("gloo", "cpu")
+    assert Cluster.detect(1, 4) == Cluster.local_cpu(4)
+    monkeypatch.setenv("TORCHALPA_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="TORCHALPA_DEVICE must be 'cpu' or 'cuda'"):
+        cuda_selected()
+
+
+def test_torchalpa_device_cuda_without_cuda_says_how_to_fix_it(monkeypatch):
+    from torchalpa.cluster import cuda_selected
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TORCHALPA_DEVICE", "cuda")
+    with pytest.raises(RuntimeError, match="TORCHALPA_DEVICE=cuda, but .*unset TORCHALPA_DEVICE"):
+        cuda_selected()
+
+
+def test_more_ranks_than_gpus_is_refused_before_nccl(fake_gpu, monkeypatch):
+    """Four ranks on a one-GPU machine: a clear error naming both ways out, not NCCL's
+    refusal or an invalid device ordinal on rank 1."""
+    from torchalpa.runtime import mesh
+    fake_gpu(count=1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(RuntimeError, match=r"4 ranks on this node but 1 CUDA device.*"
+                                           r"--nproc_per_node=1.*TORCHALPA_DEVICE=cpu"):
+        mesh._check_one_device_per_rank()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    mesh._check_one_device_per_rank()                 # one rank per GPU: fine

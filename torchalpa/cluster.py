@@ -28,6 +28,30 @@ GRADIENT_BUCKET_BYTES = 25 * 2 ** 20
 """DDP's bucket size, the runtime's default (``runtime.buckets.DEFAULT_BUCKET_BYTES``)."""
 
 
+DEVICE_ENV = "TORCHALPA_DEVICE"
+"""``cpu`` or ``cuda``: what the job runs on when it should not be guessed from the machine
+(unset: CUDA wherever ``torch.cuda.is_available()``). ``cpu`` runs ranks on CPUs over gloo
+on a GPU machine -- several CPU ranks beside one GPU, as the test suite does."""
+
+
+def cuda_selected() -> bool:
+    """Whether this job runs on CUDA devices (NCCL) rather than CPUs (gloo):
+    ``TORCHALPA_DEVICE`` if set, else whether CUDA is available."""
+    import torch
+    choice = os.environ.get(DEVICE_ENV, "").strip().lower()
+    if choice in ("", "auto"):
+        return torch.cuda.is_available()
+    if choice == "cpu":
+        return False
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{DEVICE_ENV}=cuda, but torch.cuda.is_available() is False "
+                               f"(PyTorch {torch.__version__}): install a CUDA build of PyTorch "
+                               f"on a GPU machine, or unset {DEVICE_ENV} to run on CPUs")
+        return True
+    raise ValueError(f"{DEVICE_ENV} must be 'cpu' or 'cuda' (or unset), got {choice!r}")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LogicalMesh:
     """A logical device mesh with per-axis communication costs and per-device compute."""
@@ -246,12 +270,13 @@ class Cluster:
         allows it), a kernel launch cost, and NCCL. Nodes and devices per node come from
         torchrun (``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``), else one node of every visible
         GPU; arguments override them. An unknown GPU warns and gets A100-like rates.
-        Without CUDA: ``local_cpu`` for the same number of devices.
+        Without CUDA (or with ``TORCHALPA_DEVICE=cpu``): ``local_cpu`` for the same number
+        of devices.
         """
         import torch
         from torchalpa import gpu_specs
         nodes, per_node = _launch_shape(num_nodes, devices_per_node)
-        if not torch.cuda.is_available():
+        if not cuda_selected():
             return cls.local_cpu(per_node if nodes == 1 else nodes * per_node)
         index = int(os.environ.get("LOCAL_RANK", 0)) % max(torch.cuda.device_count(), 1)
         name = torch.cuda.get_device_name(index)
@@ -345,7 +370,7 @@ def _launch_shape(num_nodes: int | None, devices_per_node: int | None) -> tuple[
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
     if devices_per_node is None:
         devices_per_node = local or (world if world and num_nodes in (None, 1) else 0) or \
-            (torch.cuda.device_count() if torch.cuda.is_available() else 1) or 1
+            (torch.cuda.device_count() if cuda_selected() else 1) or 1
     if num_nodes is None:
         num_nodes = max(1, world // devices_per_node) if world else 1
     return int(num_nodes), int(devices_per_node)

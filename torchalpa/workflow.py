@@ -14,7 +14,7 @@ from typing import TypeVar, cast
 
 import torch
 
-from torchalpa.cluster import Cluster
+from torchalpa.cluster import Cluster, cuda_selected
 from torchalpa.plan import PipelinePlan, Plan
 
 __all__ = ["default_cluster", "capture_step", "capture_variants", "micro_batch_examples",
@@ -36,7 +36,7 @@ def default_cluster(num_devices: int, *, measure: bool = False) -> Cluster:
     ``measure`` is collective, so only ``auto_parallel`` (where every rank gets here) sets
     it; planning without ranks stays deterministic.
     """
-    if not torch.cuda.is_available():
+    if not cuda_selected():
         import torch.distributed as dist
         if measure and num_devices > 1 and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() == num_devices and dist.get_backend() == "gloo":
