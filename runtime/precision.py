@@ -66,6 +66,10 @@ def _cast(dtype: torch.dtype):
 class CastForward(nn.Module):
     """``model`` computing in ``policy.param_dtype``, with the same parameter names.
 
+    Batch-norm layers keep their float32 weight and bias beside their float32 running
+    statistics, as FSDP's mixed precision does: batch norm takes a low-precision input with
+    float32 parameters, but not low-precision parameters with float32 statistics.
+
     The wrapper shares the model's submodules, parameters and buffers (the same dicts), so
     ``named_parameters()`` and state dicts read exactly as the model's, and replacing a
     parameter in one replaces it in the other.
@@ -81,14 +85,21 @@ class CastForward(nn.Module):
         self.__dict__["_buffers"] = model._buffers
         self.__dict__["wrapped"] = model
         self.policy = policy
+        self.kept_float32: frozenset[str] = frozenset(
+            f"{prefix}.{name}" if prefix else name
+            for prefix, module in model.named_modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm)
+            for name, _ in module.named_parameters(recurse=False))
 
     def forward(self, *args, **kwargs):
         policy = self.policy
         if policy.cast_forward_inputs:
             args, kwargs = tree_map(_cast(policy.param_dtype), (args, kwargs))
         down = _cast(policy.param_dtype)
-        state = {name: down(p) for name, p in self.wrapped.named_parameters()}
-        out = functional_call(self.wrapped, state, args, kwargs, strict=False)
+        model: nn.Module = self.__dict__["wrapped"]
+        state = {name: p if name in self.kept_float32 else down(p)
+                 for name, p in model.named_parameters()}
+        out = functional_call(model, state, args, kwargs, strict=False)
         if policy.output_dtype is not None:
             out = tree_map(_cast(policy.output_dtype), out)
         return out

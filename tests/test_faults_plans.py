@@ -238,6 +238,28 @@ def test_integer_features_are_refused_when_planning():
         torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, method=METHOD, cluster=CLUSTER)
 
 
+def test_a_float32_table_under_mixed_precision_is_refused_with_the_fix():
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    class Tabled(nn.Module):          # a float32 table made inside forward, as rotary tables are
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.proj(x) @ torch.ones(16, 16)
+
+    x, y = torch.randn(32, 16), torch.randn(32, 16)
+    policy = torchalpa.MixedPrecision(param_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"different dtypes .*bfloat16.*float32|float32.*bfloat16"
+                                        r".*\.type_as\(x\)"):
+        torchalpa.auto_parallel(Tabled(), (x, y), F.mse_loss, mixed_precision=policy)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 V1_PLAN = Path(__file__).parent / "data" / "plan_v1_gpt_tiny.json"
 """A GPT's plan on a 2x2 mesh as version 1 wrote it (output slots as "grad:<parameter>")."""
 

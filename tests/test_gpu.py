@@ -21,6 +21,13 @@ from torchalpa.cluster import Cluster
 pytestmark = [pytest.mark.gpu,
               pytest.mark.usefixtures("single_process_world")]   # conftest.py
 
+
+@pytest.fixture(autouse=True)
+def _on_cuda(monkeypatch):
+    """The rest of the suite runs on CPUs (conftest.py sets TORCHALPA_DEVICE=cpu); these
+    tests are about the GPU."""
+    monkeypatch.setenv("TORCHALPA_DEVICE", "cuda")
+
 FAMILIES = ["gpt", "llama", "bert", "vit", "resnet", "moe", "hf_gpt2", "hf_llama", "hf_bert"]
 STEPS = 3
 
@@ -89,7 +96,7 @@ def test_learned_attention_bias_trains_on_cuda():
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt"])
+@pytest.mark.parametrize("family", ["llama", "gpt", "resnet"])
 def test_bf16_mixed_precision_tracks_eager_autocast(family):
     workload = _workload(family)
     model, ref, batch = _twins(workload)

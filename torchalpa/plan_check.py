@@ -156,6 +156,9 @@ _SAME_DTYPE_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "ate
                    "aten.dot.", "aten.linear.", "aten.convolution.")
 
 
+_FLOAT_NAMES = ("float64", "float32", "float16", "bfloat16")
+
+
 def check_step_dtypes(graph) -> None:
     """Matrix products and convolutions whose operands have different dtypes (integer
     features fed to a Linear, say) fail on the first step, not when captured on fake
@@ -167,8 +170,15 @@ def check_step_dtypes(graph) -> None:
         if len(set(dtypes)) > 1:
             names = ", ".join(f"{ref} {str(d).removeprefix('torch.')}"
                               for ref, d in zip(node.operands, dtypes))
+            if all(str(d).removeprefix("torch.") in _FLOAT_NAMES for d in dtypes):
+                advice = ("A float32 tensor the model makes itself (a buffer, a table such as "
+                          "rotary cos/sin) meets a lower-precision one, as under "
+                          "MixedPrecision; cast it where it is used (.type_as(x)), as "
+                          "HuggingFace models do, or keep the model in one dtype")
+            else:
+                advice = ("Give example inputs (and real batches) of the dtype the model "
+                          "computes in -- e.g. float features (x.float()); integer tensors "
+                          "only as indices or targets")
             raise TypeError(f"{node.module or 'the model'}: {node.op} multiplies operands of "
                             f"different dtypes ({names}); the step would fail on its first "
-                            "call. Give example inputs (and real batches) of the dtype the "
-                            "model computes in -- e.g. float features (x.float()); integer "
-                            "tensors only as indices or targets")
+                            f"call. {advice}")

@@ -88,10 +88,11 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, device
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + D/2) of ``x`` (B, H, T, D) by the position's angle."""
+    """Rotate pairs (i, i + D/2) of ``x`` (B, H, T, D) by the position's angle, in the
+    tables' float32, back in ``x``'s dtype (a bfloat16 model stays bfloat16)."""
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)                        # (B, H, T, D)
-    return x * cos + rotated * sin
+    return (x * cos + rotated * sin).type_as(x)
 
 
 class Attention(nn.Module):
