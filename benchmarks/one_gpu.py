@@ -5,10 +5,11 @@ torchalpa with ``compile=True``, per model and dtype, next to the plan's estimat
     python benchmarks/one_gpu.py --models gpt2 --dtypes bf16 --steps 20
 
 Models (zoo configs at real widths, dropout off): ``gpt2`` (GPT-2 small, seq 1024),
-``llama1b`` (LLaMA, 16 layers of 2048, GQA 32/8 heads, seq 1024), ``bert`` (BERT-base,
-seq 512), ``vit`` (ViT-B/16, 224 px). ``bf16`` is eager under ``torch.autocast`` and
-torchalpa with ``MixedPrecision(param_dtype=torch.bfloat16)``; ``fp32`` leaves TF32 off
-(PyTorch's default). AdamW everywhere. Each variant runs alone (its model built, warmed
+``gpt_small`` (4 layers of 256, seq 256, batch 8: per-op overheads dominate), ``llama1b``
+(LLaMA, 16 layers of 2048, GQA 32/8 heads, seq 1024), ``bert`` (BERT-base, seq 512),
+``vit`` (ViT-B/16, 224 px). ``bf16`` is eager under ``torch.autocast`` and torchalpa
+with ``MixedPrecision(param_dtype=torch.bfloat16)``; ``fp32`` leaves TF32 off (PyTorch's
+default). AdamW everywhere. Each variant runs alone (its model built, warmed
 up, timed, freed), so its peak memory is its own; step times are medians over ``--steps``
 synchronized steps. The plan's estimates (step time, memory per device) are what the
 planner predicted for the same step on the detected GPU (``Cluster.detect()``).
@@ -43,6 +44,9 @@ class Bench:
 BENCHES = {
     "gpt2": Bench("gpt", dict(vocab_size=50257, max_seq_len=1024, num_layers=12, num_heads=12,
                               hidden=768, dropout=0.0), 8),
+    # issue 19's small model: launch-bound, where per-op overheads show
+    "gpt_small": Bench("gpt", dict(vocab_size=50257, max_seq_len=256, num_layers=4, num_heads=4,
+                                   hidden=256, dropout=0.0), 8),
     "llama1b": Bench("llama", dict(vocab_size=32000, max_seq_len=1024, num_layers=16,
                                    hidden=2048, num_heads=32, num_kv_heads=8,
                                    intermediate=5632), 4),
