@@ -26,9 +26,45 @@ import torch.fx.traceback as fx_traceback
 from torchalpa.frontends.opset import FusedCalls, routed_matmul, routed_sdpa
 
 __all__ = ["MODULE_KEY", "Provenance", "copy_forward_tags_to_backward", "short_path",
-           "module_of", "line_of"]
+           "module_of", "line_of", "tracing_backward", "is_backward"]
 
 MODULE_KEY = "torchalpa_module"
+BACKWARD_KEY = "torchalpa_backward"
+"""Set on nodes traced while backward ran, where torch does not mark them itself:
+PyTorch 2.13 sets ``meta["autograd_backward"]``, 2.11 has no such mark."""
+MARKS_BACKWARD = hasattr(fx_traceback, "_set_autograd_backward")
+
+
+@contextlib.contextmanager
+def tracing_backward():
+    """Around the traced backward call, on a PyTorch that does not mark backward nodes
+    (2.11): mark them (``BACKWARD_KEY``), so ``copy_forward_tags_to_backward`` finds them,
+    and let an empty stack clear the node's stack trace. There, autograd's hooks set the
+    gradient-accumulation marker after each backward node and the next node's empty stack
+    left it in place, so every later backward node looked like an accumulation (and lost
+    its module); PyTorch 2.13 clears it."""
+    if MARKS_BACKWARD:
+        yield
+        return
+    keeping = fx_traceback.set_stack_trace
+
+    def set_stack_trace(stack: list[str]) -> None:
+        if stack:
+            keeping(stack)
+        else:
+            fx_traceback.current_meta.pop("stack_trace", None)
+
+    fx_traceback.set_stack_trace = set_stack_trace
+    try:
+        with fx_traceback.annotate({BACKWARD_KEY: True}):
+            yield
+    finally:
+        fx_traceback.set_stack_trace = keeping
+
+
+def is_backward(node: fx.Node) -> bool:
+    return bool(node.meta.get("autograd_backward")
+                or (node.meta.get("custom") or {}).get(BACKWARD_KEY))
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FRONTENDS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -191,10 +227,10 @@ def copy_forward_tags_to_backward(gm: fx.GraphModule) -> None:
     """
     first_forward: dict[int, fx.Node] = {}
     for n in gm.graph.nodes:
-        if "seq_nr" in n.meta and not n.meta.get("autograd_backward"):
+        if "seq_nr" in n.meta and not is_backward(n):
             first_forward.setdefault(n.meta["seq_nr"], n)
     for n in gm.graph.nodes:
-        if not n.meta.get("autograd_backward"):
+        if not is_backward(n):
             continue
         fwd = None if n.meta.get("is_gradient_acc") else first_forward.get(n.meta.get("seq_nr"))
         if fwd is None:

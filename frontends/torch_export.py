@@ -56,6 +56,7 @@ from torchalpa.frontends.functionalize import (NeedsFunctionalization, functiona
 from torchalpa.frontends.opset import (FusedCalls, decompositions, device_neutral_kernels,
                                        flop_count, routed_matmul)
 from torchalpa.frontends.provenance import (Provenance, copy_forward_tags_to_backward,
+                                            tracing_backward,
                                             line_of, module_of)
 from torchalpa.frontends.restride import reshape_plain_restrides
 from torchalpa.frontends.naming import argument_names
@@ -198,7 +199,8 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
             provenance.in_loss = False
             if loss.grad_fn is not None:     # tags backward (seq_nr)
                 setup_stacktrace_preservation_hooks([loss.grad_fn])
-            grads = _gradients(loss, params, through_backward)
+            with tracing_backward():
+                grads = _gradients(loss, params, through_backward)
         return [loss, *grads, *buffers]
 
     provenance = Provenance(model, stop=[joint.__code__, _loss_of.__code__, capture.__code__])
