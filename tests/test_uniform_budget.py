@@ -109,3 +109,56 @@ def test_budgeted_and_full_stage_solves_are_cached_apart(gpt_graph, monkeypatch)
     budgeted = [key for key in stages if key[-1] == ("budget", BUDGET)]
     assert budgeted and len(budgeted) < len(stages)
     assert all(("budget", BUDGET) not in key[:-1] for key in stages)
+
+
+def test_a_stage_solved_in_full_answers_its_budgeted_request(gpt_graph, monkeypatch):
+    """A uniform partition's stage that the DP already solved in full (the same layers'
+    structure, view and micro-batches in flight) is not solved again under the budget:
+    the full plan answers it (a budget only stops solves early). Budgeted solves skip the
+    alternating re-solve of repeated blocks; the DP's keep it."""
+    monkeypatch.setattr(inter_op, "UNIFORM_MARGIN", math.inf)
+    monkeypatch.setattr(inter_op, "UNIFORM_TIME_LIMIT", BUDGET)
+    monkeypatch.setattr(inter_op, "_workers", lambda: 1)
+    solve_stage, plan_stage = inter_op._StageCosts._solve_stage, inter_op._plan_stage
+    answer = inter_op._StageCosts._answer_budgeted_by_full
+    answered, asked, alternating = [], [], []
+
+    def recording_answer(self, k, i, submesh, view, flight, recompute, budget):
+        key = self._stage_key(k, i, submesh, view, flight, recompute, budget)
+        before = key in SOLVES
+        answer(self, k, i, submesh, view, flight, recompute, budget)
+        if budget is not None and not before and key in SOLVES:
+            answered.append(key)
+
+    def recording_solve(self, k, i, submesh, view, flight, received, budget=None):
+        if budget is not None:
+            full = self._stage_key(k, i, submesh, view, flight, received is not None)
+            assert full not in SOLVES, f"layers {k}..{i} solved again under the budget"
+        asked.append(budget)
+        return solve_stage(self, k, i, submesh, view, flight, received, budget)
+
+    def recording_plan(request):
+        alternating.append((asked[-1], request[2].auto_sharding_option.alternate_blocks))
+        return plan_stage(request)
+
+    solve_stages, full_stages = inter_op._StageCosts.solve_stages, []
+
+    def asking_again(self, stages, jobs, budget=None, later=list):
+        # the tiny model's uniform partitions share no stage with the DP's answer: ask
+        # under the budget for the DP's own stages too, as GPT-39B's uniform layers 2-3
+        # (the DP's 3-4) were
+        if budget is None:
+            full_stages.extend(stages)
+        else:
+            stages = [*stages, *full_stages]
+        return solve_stages(self, stages, jobs, budget, later)
+
+    monkeypatch.setattr(inter_op._StageCosts, "solve_stages", asking_again)
+    monkeypatch.setattr(inter_op._StageCosts, "_answer_budgeted_by_full", recording_answer)
+    monkeypatch.setattr(inter_op._StageCosts, "_solve_stage", recording_solve)
+    monkeypatch.setattr(inter_op, "_plan_stage", recording_plan)
+    _search(gpt_graph)
+    assert len(answered) == len(set(full_stages)) > 0
+    assert BUDGET in asked and None in asked
+    assert {(budget, alternate) for budget, alternate in alternating} == \
+        {(BUDGET, False), (None, True)}
