@@ -70,6 +70,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_s
 from torchalpa import placement as P
 from torchalpa.runtime import mesh
 from torchalpa.runtime.mesh import gather_objects, on_rank0
+from torchalpa.runtime.strided_dtensor import redistribute
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "latest_checkpoint",
            "checkpoint_extra"]
@@ -486,9 +487,8 @@ def _strided_as_shards(state: dict) -> dict:
     checkpoint reads the same whatever layout wrote it."""
     def plain(t):
         if isinstance(t, DTensor) and any(P.split_factor_of(p) > 1 for p in t.placements):
-            return t.redistribute(t.device_mesh, [Shard(p.dim) if P.is_shard(p)
-                                                  and P.split_factor_of(p) > 1 else p
-                                                  for p in t.placements])
+            return redistribute(t, [Shard(p.dim) if P.is_shard(p) and P.split_factor_of(p) > 1
+                                    else p for p in t.placements])
         return t
     return tree_map(plain, state)
 
@@ -498,7 +498,7 @@ def _restore_strided(loaded: dict, like: dict) -> dict:
     ``like``."""
     def back(t, want):
         if isinstance(want, DTensor) and isinstance(t, DTensor) and t.placements != want.placements:
-            return t.redistribute(want.device_mesh, want.placements)
+            return redistribute(t, want.placements)
         return t
     return tree_map(back, loaded, like)
 

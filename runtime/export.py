@@ -24,12 +24,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from torchalpa.runtime.mesh import rank, world_size
+from torchalpa.runtime.strided_dtensor import full_value
 
 __all__ = ["gathered_module", "save_pretrained"]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return full_value(t)
 
 
 @torch.no_grad()

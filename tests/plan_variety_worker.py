@@ -28,6 +28,7 @@ from alpa_cases import BertLayers, mse  # noqa: E402
 from torchalpa.placement import Replicate  # noqa: E402
 from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
 from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
+from torchalpa.runtime.strided_dtensor import full_value  # noqa: E402
 from worker_io import run_scenarios  # noqa: E402
 
 COSTS = {   # (alpha, beta) per mesh axis
@@ -73,7 +74,7 @@ def run(name: str, costs: str) -> dict:
     for (fqn, p), g in zip(pm.named_parameters(), refs):
         if g is None:
             continue
-        ours = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        ours = full_value(p.grad)
         diff = (ours - g).abs().max().item() / scale
         if diff > worst:
             worst, worst_name = diff, fqn

@@ -30,6 +30,7 @@ from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint  # noq
 from torchalpa.runtime.buckets import gradient_buckets, issued_collectives  # noqa: E402
 from torchalpa.plan import OutputSlot  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.strided_dtensor import full_value  # noqa: E402
 from worker_io import (attempt, finish, max_rel, named_input_faults,  # noqa: E402
                        train_beside_one_device)
 from torchalpa.runtime.precision import CastForward, MixedPrecision  # noqa: E402
@@ -60,7 +61,7 @@ def twin(make):
 
 
 def max_rel_diff(ours, refs) -> float:
-    return max(((p.full_tensor() if hasattr(p, "full_tensor") else p) - q).abs().max().item()
+    return max((full_value(p) - q).abs().max().item()
                / max(q.abs().max().item(), 1e-12) for p, q in zip(ours, refs))
 
 
@@ -351,7 +352,7 @@ def checkpoint(shared: str):
     return out
 
 
-def checkpoint_strided(shared: str):
+def checkpoint_strided(shared: str, tag: str = ""):
     """A fused q/k/v split by heads (a strided shard, which DCP cannot describe) saves and
     resumes bit-identically, and its checkpoint loads into data parallelism and back."""
     gen = torch.Generator().manual_seed(4)
@@ -364,10 +365,12 @@ def checkpoint_strided(shared: str):
         return torchalpa.auto_parallel(FusedAttention(), batches[0], F.mse_loss, optimizer=adam,
                                        method=method)
 
-    path, dp_path = os.path.join(shared, "ckpt_strided"), os.path.join(shared, "ckpt_dp")
+    path = os.path.join(shared, f"ckpt_strided{tag}")
+    dp_path = os.path.join(shared, f"ckpt_dp{tag}")
     pm = wrap(0, fused_attention_by_heads())
     out = {"placements": {v.name: [str(p) for p in v.placements] for v in pm.plan.parameters},
-           "uninterrupted": []}
+           "uninterrupted": [],
+           "gathered": {name: full_value(p).sum().item() for name, p in pm.named_parameters()}}
     for step in range(4):
         if step == 2:
             save_checkpoint(path, pm)
@@ -383,6 +386,31 @@ def checkpoint_strided(shared: str):
     load_checkpoint(dp_path, back)
     out["resumed_back"] = [back.train_step(*batches[3]).item()]
     return out
+
+
+def checkpoint_strided_as_on_2_11(shared: str):
+    """``checkpoint_strided`` where DTensor refuses to redistribute a strided shard, as
+    PyTorch 2.11's does (it raised ValueError there, breaking such checkpoints and
+    gathers): ``runtime/strided_dtensor.py`` then gathers them itself."""
+    from torch.distributed.tensor import DTensor
+
+    from torchalpa.placement import split_factor_of
+    keep = DTensor.redistribute
+    refused = []
+
+    def like_2_11(self, device_mesh=None, placements=None, **kwargs):
+        if any(split_factor_of(p) > 1 for p in (*self.placements, *(placements or ()))):
+            refused.append(1)
+            raise ValueError("use_strided_shard_as_shard_order is True, but placements: ... "
+                             "is unable to be interpreted into a corresponding shard_order")
+        return keep(self, device_mesh, placements, **kwargs)
+
+    DTensor.redistribute = like_2_11
+    try:
+        out = checkpoint_strided(shared, tag="_2_11")
+    finally:
+        DTensor.redistribute = keep
+    return {**out, "refused": len(refused)}
 
 
 def checkpoint_other_world(shared: str):
@@ -465,6 +493,7 @@ SCENARIOS = {
     "meta_init": lambda shared: meta_init(),
     "checkpoint": checkpoint,
     "checkpoint_strided": checkpoint_strided,
+    "checkpoint_strided_as_on_2_11": checkpoint_strided_as_on_2_11,
     "checkpoint_other_world": checkpoint_other_world,
     "input_mismatch": lambda shared: input_mismatch(),
     "input_values": lambda shared: input_values(),

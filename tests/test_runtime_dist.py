@@ -19,7 +19,7 @@ import worker_io
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "runtime_worker.py")
 SCENARIOS_4 = ("micro_dp,micro_default,micro_zero2,mixed_precision,inference,conventions,meta_init,"
-               "checkpoint,checkpoint_strided,input_mismatch,export")
+               "checkpoint,checkpoint_strided,checkpoint_strided_as_on_2_11,input_mismatch,export")
 SCENARIOS_2 = "checkpoint_other_world,micro_default,conventions,input_mismatch,input_values"
 
 
@@ -246,6 +246,16 @@ def test_checkpoint_of_a_fused_qkv_split_by_heads(four):
     assert r["resumed"] == r["uninterrupted"][2:]
     assert rel(r["resumed_dp"][0], r["uninterrupted"][2]) < 1e-5
     assert rel(r["resumed_back"][0], r["uninterrupted"][3]) < 1e-5
+
+
+def test_strided_shards_checkpoint_where_dtensor_cannot_redistribute_them(four):
+    """As on PyTorch 2.11, whose DTensor raised on a lone strided shard: the runtime
+    gathers it itself, and the checkpoint and the gathered values are the same."""
+    r, want = get(four, "checkpoint_strided_as_on_2_11"), get(four, "checkpoint_strided")
+    assert r["refused"] > 0, "DTensor was never asked: the simulation shows nothing"
+    for key in ("placements", "gathered", "uninterrupted", "resumed", "resumed_dp",
+                "resumed_back"):
+        assert r[key] == want[key], key
 
 
 def test_checkpoint_loads_into_fewer_ranks(four, two):

@@ -27,6 +27,8 @@ import traceback
 
 import torch.distributed as dist
 
+from torchalpa.runtime.strided_dtensor import full_value
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 POOLED = False        # set by tests/rank_pool.py: finish() then keeps the group for the next job
 # The pool's ranks serve every worker, so they take the longest collective timeout any
@@ -245,7 +247,7 @@ def _diffs(ours, refs) -> list:
     for p, q in zip(ours, refs):
         if q is None:
             continue
-        p = p.full_tensor() if hasattr(p, "full_tensor") else p
+        p = full_value(p)
         pairs.append([(p - q).abs().max().item(), q.abs().max().item()])
     return pairs
 
