@@ -1,5 +1,5 @@
 """What the side-by-side benchmarks share: their common flags, and -- from
-``torchalpa.bench``, which ``torchalpa bench`` also runs on -- the torchrun launcher (inside
+``torchalpa.cli.bench``, which ``torchalpa bench`` also runs on -- the torchrun launcher (inside
 ``shared/tools/netns_bytes.sh`` when run as root, so loopback bytes are the job's own), the
 order methods run in, and how each rank's measurements are gathered into one JSON result.
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from torchalpa import bench
-from torchalpa.bench import average_runs, describe_plan, method_order, peak_over_ranks
+from torchalpa.cli import bench
+from torchalpa.cli.bench import average_runs, describe_plan, method_order, peak_over_ranks
 
 __all__ = ["add_run_args", "launch", "method_order", "average_runs", "peak_over_ranks",
            "describe_plan"]
@@ -31,7 +31,7 @@ def add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:
 
 
 def launch(script: str, flags: list[str], *, nproc: int, port: int) -> dict:
-    """``torchalpa.bench.launch``; exits with the job's output on failure."""
+    """``torchalpa.cli.bench.launch``; exits with the job's output on failure."""
     try:
         return bench.launch(script, flags, nproc=nproc, port=port)
     except RuntimeError as e:

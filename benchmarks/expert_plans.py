@@ -23,8 +23,8 @@ import torch
 
 import torchalpa
 import torchalpa.models as zoo
-from torchalpa.api import plan_graph
 from torchalpa.frontends.torch_export import capture
+from torchalpa.parallel.shard import plan_graph
 from torchalpa.passes.ilp import InfeasibleError
 
 # hidden, layers, heads (GPT-3 paper sizes)
@@ -60,7 +60,7 @@ def baselines(n: int, per_node: int):
 
 
 def step(graph, method, cluster) -> float:
-    from torchalpa.api import candidate_meshes
+    from torchalpa.parallel.shard import candidate_meshes
     try:
         return plan_graph(graph, method=method, meshes=candidate_meshes(cluster, method),
                           blocks=graph.meta.get("repeated_blocks")).estimates["step_time_s"]

@@ -19,8 +19,7 @@ import argparse
 import gc
 import json
 
-from _launch import (add_run_args, average_runs, describe_plan, launch, method_order,
-                     peak_over_ranks)
+from _launch import add_run_args, average_runs, describe_plan, launch, method_order, peak_over_ranks
 
 METHODS = ("torchalpa", "ddp", "fsdp2")
 

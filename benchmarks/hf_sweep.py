@@ -60,8 +60,8 @@ def _try_one(task: str, model_type: str, cls_name: str, exact_below: int, report
     import torch
 
     import torchalpa
-    from torchalpa.models.hf_shrink import build_model, example_batch
     from torchalpa.frontends.torch_export import capture
+    from torchalpa.models.hf_shrink import build_model, example_batch
     from torchalpa.passes.rules import rule_for
 
     rec: dict = {}

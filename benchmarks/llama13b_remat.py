@@ -24,8 +24,8 @@ import torch
 
 import torchalpa
 import torchalpa.models as zoo
-from torchalpa.methods import AutoLayerOption, AutoShardingOption, PipeshardParallel
-from torchalpa.plan import PipelinePlan
+from torchalpa.core.options import AutoLayerOption, AutoShardingOption, PipeshardParallel
+from torchalpa.core.plan import PipelinePlan
 
 GB = 1024 ** 3
 GLOBAL_BATCH = 200

@@ -57,9 +57,9 @@ def main():
 
 def worker(args):
     import torch.distributed as dist
+    from zoo_vs_ddp_fsdp import workload
 
     from torchalpa.runtime.mesh import init_distributed
-    from zoo_vs_ddp_fsdp import workload
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

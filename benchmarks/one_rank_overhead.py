@@ -27,8 +27,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import torchalpa  # noqa: E402
 from quickstart import MLP  # noqa: E402
+
+import torchalpa  # noqa: E402
 
 
 def parse_args():

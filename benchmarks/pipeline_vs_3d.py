@@ -24,15 +24,14 @@ import time
 from dataclasses import replace
 
 import torch
+from expert_plans import megatron_pins
 
 import torchalpa
 import torchalpa.models as zoo
+from torchalpa.core.options import AutoLayerOption, ManualStageOption, PipeshardParallel
 from torchalpa.frontends.torch_export import capture
-from torchalpa.methods import AutoLayerOption, ManualStageOption, PipeshardParallel
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.inter_op import plan_pipeline
-
-from expert_plans import megatron_pins
 
 GLOBAL_BATCH = 1024
 

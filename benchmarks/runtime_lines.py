@@ -4,8 +4,8 @@
     python benchmarks/runtime_lines.py --before REV --after HEAD
     python benchmarks/runtime_lines.py --per-commit   # each commit's net lines since REV
 
-Counts every line (``wc -l``) of ``runtime/*.py``, ``torchalpa/api.py`` and
-``torchalpa/pipeshard.py`` -- what the issue counted when it was filed -- at two
+Counts every line (``wc -l``) of ``runtime/*.py``, ``torchalpa/parallel/api.py`` and
+``torchalpa/parallel/pipeshard.py`` -- what the issue counted when it was filed -- at two
 revisions, and splits the total three ways: modules in both (the runtime that existed,
 before and after), modules gone, and modules added since (features that landed after the
 issue, each with the commit subject that created it), so "the runtime shrank" is measured
@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import subprocess
 
-COUNTED = ("runtime/", "torchalpa/api.py", "torchalpa/pipeshard.py")
-ORCHESTRATION = ("torchalpa/shard.py", "torchalpa/workflow.py")
+COUNTED = ("runtime/", "torchalpa/parallel/api.py", "torchalpa/parallel/pipeshard.py")
+ORCHESTRATION = ("torchalpa/parallel/shard.py", "torchalpa/parallel/workflow.py")
 """Where api.py's orchestration went when it was split by method (d8be5ce, 5004164): not
 counted when the issue was filed (they did not exist), so ``--with-orchestration`` adds
 them to both sides for a total that hides no moved code."""
@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     p.add_argument("--before", default="90d3f98", help="issue 12's revision (4396 lines)")
     p.add_argument("--after", default="HEAD")
     p.add_argument("--with-orchestration", action="store_true",
-                   help="count torchalpa/shard.py and workflow.py too (api.py's split-off code)")
+                   help="count torchalpa/parallel/shard.py and workflow.py too (api.py's split-off code)")
     p.add_argument("--per-commit", action="store_true",
                    help="each commit's net lines on the counted files, those that shrank first")
     args = p.parse_args(argv)

@@ -20,8 +20,8 @@ import torch
 
 import torchalpa
 import torchalpa.models as zoo
+from torchalpa.core.options import AutoLayerOption, PipeshardParallel
 from torchalpa.frontends.torch_export import capture
-from torchalpa.methods import AutoLayerOption, PipeshardParallel
 from torchalpa.passes import stages
 from torchalpa.passes.inter_op import plan_pipeline
 

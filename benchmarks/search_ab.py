@@ -17,12 +17,12 @@ import argparse
 import resource
 import time
 
+import weak_scaling as ws
+
 import torchalpa
-from torchalpa.methods import AutoLayerOption, PipeshardParallel
+from torchalpa.core.options import AutoLayerOption, PipeshardParallel
 from torchalpa.passes import costgraph, ilp, inter_op, intra_op
 from torchalpa.passes.remat_choice import compute_lower_bound, plan_with_remat
-
-import weak_scaling as ws
 
 
 def switch_off_fast_paths() -> None:

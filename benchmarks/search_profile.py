@@ -18,9 +18,9 @@ import os
 import sys
 import time
 
-from torchalpa.passes import ilp_highs, inter_op
-
 import search_ab
+
+from torchalpa.passes import ilp_highs, inter_op
 
 
 def _say(text: str) -> None:

@@ -15,7 +15,7 @@ seconds to the first solver's.
 
 ``--bound`` instead plans each model with HiGHS twice, without and then with skipping a
 view whose step-time bound (the linear relaxation of its ILP) is above the fastest plan
-found so far (``torchalpa.shard.SKIP_BY_BOUND``): seconds, view and estimate of each, and
+found so far (``torchalpa.parallel.shard.SKIP_BY_BOUND``): seconds, view and estimate of each, and
 the ratio of seconds. The skip must not change the view or the estimate. ``zoo:gpt``,
 ``zoo:llama``... name the zoo's transformers (256 wide, 4 layers, batch 8; e.g. with
 ``--devices 8``), whose views plan alike: there the bound costs time and skips nothing.
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa import shard
 from torchalpa.models.suite import _torchvision
+from torchalpa.parallel import shard
 
 MODELS = ["resnet18", "mobilenet_v3_small", "mnasnet0_5", "googlenet"]
 

@@ -16,8 +16,8 @@ import torch
 
 import torchalpa
 import torchalpa.models as zoo
-from torchalpa.api import _blocks_of
 from torchalpa.frontends.torch_export import capture
+from torchalpa.parallel.shard import blocks_of
 from torchalpa.passes.intra_op import plan_intra_op
 
 TARGET_S = {"llama3_8b": 10.0, "gpt_39b": 20.0}
@@ -56,7 +56,7 @@ def main():
             method = torchalpa.ShardParallel(
                 auto_sharding_option=torchalpa.AutoShardingOption(solver=solver))
             start = time.perf_counter()
-            plan = plan_intra_op(graph, mesh, method, blocks=_blocks_of(graph))
+            plan = plan_intra_op(graph, mesh, method, blocks=blocks_of(graph))
             seconds = time.perf_counter() - start
             e = plan.estimates
             print(f"{name:<11}{workload.batch_size:>6}{len(graph):>7}{captured:>10.1f}"

@@ -40,10 +40,9 @@ import torch
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.cluster import Cluster
+from torchalpa.core.cluster import Cluster
+from torchalpa.core.options import AutoShardingOption, ShardParallel
 from torchalpa.frontends.opset import attention_as_products
-from torchalpa.methods import AutoShardingOption, ShardParallel
-
 
 # ``--size small``: the zoo's configs at width 256, batch 8 x 128 tokens, where a layout is
 # a decision (megabytes moved) rather than a few kilobytes whose collectives cost their
@@ -152,9 +151,9 @@ def _compare(name: str, cluster, want_detail: bool, why: bool, elementwise: str,
     from_text = torchalpa.plan(text, (), cluster=cluster)
     extra = {}
     if want_detail:
+        from torchalpa.interop.programs import program_graph
+        from torchalpa.parallel.workflow import capture_step
         from torchalpa.passes.fused_pricing import priced_as
-        from torchalpa.programs import program_graph
-        from torchalpa.workflow import capture_step
         extra["detail"] = detail(priced_as(capture_step(model, batch, loss_fn).graph,
                                            elementwise),
                                  program_graph(text, ()), from_aten, from_text)

@@ -26,8 +26,8 @@ import torch
 
 import torchalpa
 import torchalpa.models as zoo
+from torchalpa.core.options import AutoLayerOption, PipeshardParallel
 from torchalpa.frontends.torch_export import capture
-from torchalpa.methods import AutoLayerOption, PipeshardParallel
 from torchalpa.passes import inter_op
 from torchalpa.passes.intra_op import plan_intra_op
 from torchalpa.passes.subgraph import stage_subgraph

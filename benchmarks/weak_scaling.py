@@ -26,17 +26,16 @@ import time
 from dataclasses import dataclass
 
 import torch
+from pipeline_vs_3d import _step, grid_method, grids
 
 import torchalpa
 import torchalpa.models as zoo
-from torchalpa.frontends.checkpoint import checkpointed_capture
+from torchalpa.core.options import AutoLayerOption, PipeshardParallel
+from torchalpa.frontends.block_remat import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
-from torchalpa.methods import AutoLayerOption, PipeshardParallel
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.inter_op import plan_pipeline
 from torchalpa.passes.remat_choice import compute_lower_bound, plan_with_remat
-
-from pipeline_vs_3d import _step, grid_method, grids
 
 GLOBAL_BATCH = 1024
 SEQ = 1024

@@ -26,7 +26,7 @@ import argparse
 import dataclasses
 import json
 
-from _launch import (add_run_args, average_runs, launch, method_order)
+from _launch import add_run_args, average_runs, launch, method_order
 
 METHODS = ("torchalpa", "ddp", "fsdp2")
 EXTRA_METHODS = ("torchalpa-dp",)   # torchalpa with method=DataParallel(): DDP's plan
@@ -115,9 +115,9 @@ def workload(name: str, args):
 def worker(args):
     import torch.distributed as dist
 
+    from torchalpa.parallel.workflow import default_cluster
     from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.runtime.mesh import init_distributed
-    from torchalpa.workflow import default_cluster
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -151,7 +151,7 @@ def worker(args):
     dist.destroy_process_group()
     # written, and every rank has left the group: skip interpreter teardown, where gloo
     # threads can abort the process ("terminate called without an active exception") and
-    # fail a job whose work is done (as torchalpa.bench's worker does)
+    # fail a job whose work is done (as torchalpa.cli.bench's worker does)
     import os
     import sys
     sys.stdout.flush()
@@ -160,10 +160,10 @@ def worker(args):
 
 
 def measure(name, build, batch, loss_fn, args, rank, world):
-    """One method on one model (``torchalpa.bench.measure_method``); torchalpa-dp is
+    """One method on one model (``torchalpa.cli.bench.measure_method``); torchalpa-dp is
     torchalpa with ``method=DataParallel()``."""
     import torchalpa
-    from torchalpa.bench import measure_method
+    from torchalpa.cli.bench import measure_method
     method = torchalpa.DataParallel() if name == "torchalpa-dp" else None
     return measure_method("torchalpa" if name == "torchalpa-dp" else name, build, batch,
                           loss_fn, steps=args.steps, rank=rank, world=world, method=method)

@@ -25,15 +25,15 @@ if "jax" in sys.modules:
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={NUM_DEVICES}")
 
-import jax                                          # noqa: E402
-import jax.numpy as jnp                             # noqa: E402
-import numpy as np                                  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec   # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-import torchalpa                                    # noqa: E402
+import torchalpa  # noqa: E402
 from torchalpa.frontends.jax_lower import lower_jax  # noqa: E402
-from torchalpa.hlo_annotate import annotate_stablehlo, load_annotated   # noqa: E402
-from torchalpa.xla import compare_collectives, shardings   # noqa: E402
+from torchalpa.interop.hlo_annotate import annotate_stablehlo, load_annotated  # noqa: E402
+from torchalpa.interop.xla import compare_collectives, shardings  # noqa: E402
 
 
 def init_params(dim: int, num_layers: int, seed: int):

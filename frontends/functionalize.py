@@ -18,7 +18,7 @@ trainable parameters or inputs are refused.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.fx as fx

@@ -11,7 +11,7 @@ frontends meet the same sharding rule (``passes/rules/matmul.py``):
 - one batch dim: ``aten.bmm`` on ``(batch, rows, contracted) x (batch, contracted, cols)``;
 - two or more batch dims (JAX's ``einsum("bhqd,bhkd->bhqk")``):
   ``torchalpa::batched_matmul`` with every batch dim its own dim
-  (``torchalpa/batched_matmul.py``), as the torch frontend records ``q @ k.transpose``;
+  (``torchalpa/ops/batched_matmul.py``), as the torch frontend records ``q @ k.transpose``;
 - one batch dim that is a merge of several (``B * H``): torch-mlir writes attention as
   ``reshape (B, H, S, D) -> (B * H, S, D)`` on both operands, a ``bmm`` and a reshape back.
   A merged dim can be split only by its leading factor, so that ``bmm`` could shard the
@@ -32,10 +32,11 @@ with permutes and views, which move no bytes, and the product is viewed to the
 from __future__ import annotations
 
 import math
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
-from torchalpa.batched_matmul import BATCHED_MATMUL_OP
-from torchalpa.opgraph import OpNode, Operand, TensorSpec, ValueRef
+from torchalpa.core.opgraph import Operand, OpNode, TensorSpec, ValueRef
+from torchalpa.ops.batched_matmul import BATCHED_MATMUL_OP
 
 __all__ = ["emit_dot", "emit_batch_sum"]
 

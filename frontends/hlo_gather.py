@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import Protocol
 
-from torchalpa.opgraph import Operand, TensorSpec, ValueRef
+from torchalpa.core.opgraph import Operand, TensorSpec, ValueRef
 
 __all__ = ["pick_along_dim", "add_along_dim"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from torchalpa.opgraph import Operand, OpNode, ValueRef
+from torchalpa.core.opgraph import Operand, OpNode, ValueRef
 
 __all__ = ["equal_slices_as_split"]
 

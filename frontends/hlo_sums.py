@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from torchalpa.opgraph import Operand, OpNode, ValueRef
+from torchalpa.core.opgraph import Operand, OpNode, ValueRef
 
 __all__ = ["sum_products_first", "PRODUCTS"]
 

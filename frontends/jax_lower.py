@@ -12,10 +12,10 @@ argument's name (``params.layers.0.w``), which is how the plan names them.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
-__all__ = ["LoweredStep", "lower_jax", "leaf_names", "normalize_argnums"]
+__all__ = ["LoweredStep", "lower_jax", "leaf_names", "normalize_argnums", "argument_names"]
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ def normalize_argnums(param_argnums, num_args: int) -> tuple[int, ...]:
     return tuple(sorted({a % num_args for a in argnums}))
 
 
-def _arg_names(fn: Callable, num_args: int) -> list[str]:
+def argument_names(fn: Callable, num_args: int) -> list[str]:
     try:
         params = [p.name for p in inspect.signature(fn).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -67,7 +67,7 @@ def lower_jax(fn: Callable, example_args: Sequence, param_argnums=0) -> LoweredS
 
     example_args = tuple(example_args)
     argnums = normalize_argnums(param_argnums, len(example_args))
-    names = _arg_names(fn, len(example_args))
+    names = argument_names(fn, len(example_args))
     params: tuple = tuple(example_args[i] for i in argnums)
     rest = [i for i in range(len(example_args)) if i not in argnums]
     batch = tuple(example_args[i] for i in rest)

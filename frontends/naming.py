@@ -9,7 +9,7 @@ where a signature cannot be read (``*args``, builtins) the name is ``input<i>`` 
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["argument_names"]
 

@@ -8,7 +8,7 @@ elementwise ops they decompose into, and because their flops and memory are exac
   GELU and SiLU; ``silu`` itself; dropout's backward;
 - scaled dot-product attention: ``F.scaled_dot_product_attention`` becomes the
   device-neutral ``torchalpa::sdpa`` (+ ``sdpa_backward``, or ``sdpa_bias_backward`` when
-  the mask needs a gradient; ``torchalpa/attention.py``), whatever the device it was
+  the mask needs a gradient; ``torchalpa/ops/attention.py``), whatever the device it was
   traced on: the kernel is chosen when the program runs, on the device it runs on. With
   ``dropout_p > 0`` it is the math path written out: matmuls, masking, softmax,
   ``native_dropout`` on the probabilities;
@@ -25,7 +25,7 @@ elementwise ops they decompose into, and because their flops and memory are exac
   data parallelism was infeasible;
 - ``addmm`` becomes ``mm`` + ``add``, so a bias add can follow a partial matmul (Alpa's HLO);
 - a matmul with two or more batch dims (``q @ k.transpose(-1, -2)`` on ``(B, heads, S, hd)``)
-  becomes ``torchalpa::batched_matmul`` (``torchalpa/batched_matmul.py``) instead of ATen's
+  becomes ``torchalpa::batched_matmul`` (``torchalpa/ops/batched_matmul.py``) instead of ATen's
   ``view -> bmm -> view``, whose merged ``B * heads`` dim could not be split by heads
   (``routed_matmul``).
 
@@ -42,7 +42,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +51,8 @@ from torch._decomp import core_aten_decompositions
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from torchalpa import attention
-from torchalpa import batched_matmul as bm
+from torchalpa.ops import attention
+from torchalpa.ops import batched_matmul as bm
 
 __all__ = ["decompositions", "device_neutral_kernels", "FusedCalls", "routed_sdpa",
            "attention_as_products",

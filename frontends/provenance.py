@@ -16,8 +16,8 @@ import functools
 import linecache
 import os
 import sys
+from collections.abc import Iterable
 from types import CodeType, FrameType, TracebackType
-from typing import Iterable
 
 import torch
 import torch.fx as fx
@@ -68,9 +68,9 @@ def is_backward(node: fx.Node) -> bool:
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _FRONTENDS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_MARKERS_FILE = os.path.join("torchalpa", "markers.py")
+_MARKERS_FILE = os.path.join("torchalpa", "ops", "markers.py")
 # attention's custom-op wrapper: the user's line is the scaled_dot_product_attention call
-_ATTENTION_FILE = os.path.join("torchalpa", "attention.py")
+_ATTENTION_FILE = os.path.join("torchalpa", "ops", "attention.py")
 
 
 @functools.lru_cache(maxsize=4096)

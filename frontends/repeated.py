@@ -18,18 +18,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from torchalpa.opgraph import OpGraph, OpNode
+from torchalpa.core.opgraph import OpGraph, OpNode, block_of
 
-__all__ = ["block_of", "find_repeated_blocks", "block_counts"]
+__all__ = ["find_repeated_blocks", "block_counts"]
 
-
-def block_of(path: str) -> tuple[str, int] | None:
-    """(container path, index) of the outermost numbered component of ``path``, or None."""
-    parts = path.split(".")
-    for i in range(1, len(parts)):
-        if parts[i].isdigit():
-            return ".".join(parts[:i]), int(parts[i])
-    return None
 
 
 def _node_block(node: OpNode) -> tuple[str, int] | None:

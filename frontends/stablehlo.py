@@ -36,7 +36,7 @@ two frontends share one set of sharding rules (``passes/rules``) and one cost mo
 - ``func.call`` is inlined.
 
 Op bytes are what XLA's fusion moves: values passed between elementwise ops (and into
-reductions) are never written to memory (``frontends/hlo_fusion.py``), so a softmax spelled
+reductions) are never written to memory (``torchalpa/core/fusion.py``), so a softmax spelled
 as five ops costs what ATen's one ``_softmax`` does.
 
 Any other op keeps its StableHLO name (``stablehlo.gather``...): it has no rule, so the
@@ -52,15 +52,15 @@ from __future__ import annotations
 import os
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
+from torchalpa.core.fusion import fuse_elementwise_bytes
+from torchalpa.core.opgraph import GraphOutputs, Operand, OpGraph, OpNode, TensorSpec, ValueRef
 from torchalpa.frontends.hlo_dot import emit_batch_sum, emit_dot
-from torchalpa.frontends.hlo_fusion import fuse_elementwise_bytes
 from torchalpa.frontends.hlo_gather import add_along_dim, pick_along_dim
 from torchalpa.frontends.hlo_slices import equal_slices_as_split
 from torchalpa.frontends.hlo_sums import sum_products_first
-from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, Operand, TensorSpec, ValueRef
 
 __all__ = ["from_stablehlo", "read_program", "ReadProgram", "parse_module", "StableHLOError", "ELEMENTWISE"]
 
@@ -142,7 +142,7 @@ class ReadProgram:
     """A StableHLO step read as an OpGraph, with the way back from the graph to the text:
     ``values`` maps a graph value to the MLIR value it stands for (where one does: views
     the reader inserts stand for none), ``ops`` a node to the MLIR op it was read from.
-    Used to annotate the program with a plan made from it (``torchalpa/hlo_annotate.py``);
+    Used to annotate the program with a plan made from it (``torchalpa/interop/hlo_annotate.py``);
     ``module`` lives in ``context``."""
 
     graph: OpGraph

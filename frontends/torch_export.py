@@ -20,7 +20,7 @@ softmax's backward, dropout and batch norm kept as single ops).
   in place, so activation checkpointing recomputes in backward where the planner sees it
   (reentrant checkpointing is traced through ``loss.backward()``); RNNs are traced
   without oneDNN-only kernels (``opset.device_neutral_kernels``).
-- ``example_inputs`` may be a dict of keyword arguments (``torchalpa/calls.py``).
+- ``example_inputs`` may be a dict of keyword arguments (``torchalpa/core/calls.py``).
 - Every node knows the module path (``layers.3.mlp``) and the "file:line" of the user
   code that made it (``OpNode.module`` / ``OpNode.stack``), forward and backward alike;
   ``graph.meta["repeated_blocks"]`` tags the ops of identical repeated layers.
@@ -37,32 +37,51 @@ import math
 import operator
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map, tree_structure, tree_unflatten
 
-from torchalpa.calls import CallSignature, positional_binding, record_output_type
+from torchalpa.core.calls import CallSignature, positional_binding, record_output_type
+from torchalpa.core.opgraph import (
+    ABSENT_DTYPE,
+    GraphOutputs,
+    Operand,
+    OpGraph,
+    OpNode,
+    TensorSpec,
+    ValueRef,
+)
 from torchalpa.frontends.constants import LargeConstant, inline_constants
-from torchalpa.frontends.functionalize import (NeedsFunctionalization, functionalize, is_view_op,
-                                               retrace_functional)
-from torchalpa.frontends.opset import (FusedCalls, decompositions, device_neutral_kernels,
-                                       flop_count, routed_matmul)
-from torchalpa.frontends.provenance import (Provenance, copy_forward_tags_to_backward,
-                                            tracing_backward,
-                                            line_of, module_of)
-from torchalpa.frontends.restride import reshape_plain_restrides
+from torchalpa.frontends.functionalize import (
+    NeedsFunctionalization,
+    functionalize,
+    is_view_op,
+    retrace_functional,
+)
+from torchalpa.frontends.joint_graph import ancestor_names
 from torchalpa.frontends.naming import argument_names
+from torchalpa.frontends.opset import (
+    FusedCalls,
+    decompositions,
+    device_neutral_kernels,
+    flop_count,
+    routed_matmul,
+)
+from torchalpa.frontends.provenance import (
+    Provenance,
+    copy_forward_tags_to_backward,
+    line_of,
+    module_of,
+    tracing_backward,
+)
 from torchalpa.frontends.repeated import find_repeated_blocks
-from torchalpa.opgraph import (ABSENT_DTYPE, GraphOutputs, OpGraph, OpNode, Operand, TensorSpec,
-                               ValueRef)
+from torchalpa.frontends.restride import reshape_plain_restrides
 
 __all__ = ["Capture", "capture", "CaptureError", "split_inputs", "trace_ops", "ForwardCapture",
            "capture_forward"]
@@ -126,8 +145,9 @@ def _loss_of(out, binding: str = "") -> torch.Tensor:
     no loss came back (labels given by position often land in another parameter)."""
     if isinstance(out, Mapping) and "loss" in out:
         out = out["loss"]
-    elif dataclasses.is_dataclass(out) and isinstance(getattr(out, "loss", None), torch.Tensor):
-        out = getattr(out, "loss")
+    elif dataclasses.is_dataclass(out) and isinstance(loss := getattr(out, "loss", None),
+                                                      torch.Tensor):
+        out = loss
     elif isinstance(out, (tuple, list)) and len(out) > 0:
         out = out[0]
     if not isinstance(out, torch.Tensor) or out.numel() != 1:
@@ -143,32 +163,55 @@ def _loss_of(out, binding: str = "") -> torch.Tensor:
     return out
 
 
+def _batch(example_inputs: Sequence, loss_fn: Callable | None, signature: CallSignature, *,
+           with_targets: bool) -> tuple[tuple, tuple]:
+    """(model inputs, loss targets) of a step's example inputs: keyword calls and forward
+    steps (``with_targets=False``) have no targets. A TypeError names anything that is
+    not a tensor."""
+    if signature.by_keyword or not with_targets:
+        inputs, targets = tuple(example_inputs), ()
+    else:
+        inputs, targets = split_inputs(example_inputs, loss_fn)
+    for i, x in enumerate(inputs + targets):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(x).__name__}")
+    return inputs, targets
+
+
+def _trace(fn: Callable, args: tuple, provenance: Provenance, num_inputs: int) -> fx.GraphModule:
+    """``fn(*args)`` traced on fake tensors in the capture's op vocabulary, each op tagged
+    with its provenance; a failure becomes a ``CaptureError`` saying what in the user's
+    code stopped the trace (the original error is its ``__cause__``)."""
+    try:
+        with provenance.tracing(), device_neutral_kernels():
+            return make_fx(fn, tracing_mode="fake", decomposition_table=decompositions(),
+                           _allow_non_fake_inputs=True)(*args)
+    except CaptureError:
+        raise
+    except Exception as e:  # data-dependent control flow, unsupported Python, ...
+        raise CaptureError(_explain_trace_failure(e, provenance, num_inputs)) from e
+
+
 def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
             loss_fn: Callable | None = None, *, rematerialize_parameters: bool = False,
             signature: CallSignature | None = None) -> Capture:
     """Trace ``loss_fn(model(*inputs), *targets)`` and its backward into an OpGraph.
 
     Runs on fake tensors: real weights are never read, so ``model`` may live on ``meta``.
-    ``example_inputs`` may be a dict of keyword arguments (``torchalpa/calls.py``): then
+    ``example_inputs`` may be a dict of keyword arguments (``torchalpa/core/calls.py``): then
     the model is called ``model(**example_inputs)`` and the loss is its own (or
     ``loss_fn(outputs)``). ``signature``: the call's shape when ``example_inputs`` is the
     already flattened tensor list of ``CallSignature.of``.
     ``rematerialize_parameters``: backward reads parameters through its own views
-    (``frontends/remat.py``: ZeRO-3 gathers them again instead of keeping forward's).
-    Activation checkpointing rewrites a capture: ``frontends/checkpoint.py``.
+    (``frontends/param_remat.py``: ZeRO-3 gathers them again instead of keeping forward's).
+    Activation checkpointing rewrites a capture: ``frontends/block_remat.py``.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if signature is None:
         signature, example_inputs = CallSignature.of(example_inputs)
-    if signature.by_keyword:
-        inputs, targets = tuple(example_inputs), ()
-    else:
-        assert not isinstance(example_inputs, Mapping), "keyword inputs are flattened above"
-        inputs, targets = split_inputs(example_inputs, loss_fn)
-    for i, x in enumerate(tuple(inputs) + tuple(targets)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(x).__name__}")
+    assert not isinstance(example_inputs, Mapping), "keyword inputs are flattened above"
+    inputs, targets = _batch(example_inputs, loss_fn, signature, with_targets=True)
 
     _check_devices(model, tuple(inputs) + tuple(targets))
     named = list(model.named_parameters())       # a tied parameter appears once
@@ -210,23 +253,20 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
         params = [p.detach().requires_grad_(True) for _, p in trainable]
         buffers = [b.detach() for _, b in frozen]
         try:
-            with provenance.tracing(), device_neutral_kernels():
-                gm = make_fx(joint, tracing_mode="fake", decomposition_table=decompositions(),
-                             _allow_non_fake_inputs=True)(params, buffers, *inputs, *targets)
+            gm = _trace(joint, (params, buffers, *inputs, *targets), provenance, num_inputs)
             break
-        except CaptureError:
-            raise
-        except Exception as e:  # data-dependent control flow, unsupported Python, ...
-            if not through_backward and _needs_backward(e):
+        except CaptureError as e:
+            cause = e.__cause__
+            if not through_backward and cause is not None and _needs_backward(cause):
                 through_backward = True          # torch.utils.checkpoint(use_reentrant=True)
                 continue
-            raise CaptureError(_explain_trace_failure(e, provenance, num_inputs)) from e
+            raise
     traced = time.perf_counter()
     kinds = ([("param", k) for k in param_names] + [("buffer", k) for k in buffer_names]
              + [("input", name) for name in input_names])
     gm, updates = _functional(gm, kinds, provenance)
     if rematerialize_parameters:
-        from torchalpa.frontends.remat import rematerialize_parameter_views
+        from torchalpa.frontends.param_remat import rematerialize_parameter_views
         rematerialize_parameter_views(gm, len(param_names))
     graph = _opgraph(gm, kinds, [k for k in buffer_names if k in updates])
     graph.check()
@@ -260,28 +300,19 @@ def capture_forward(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
     The model's outputs are returned as one tensor: itself if the model returns one
     tensor, else its tensors flattened and concatenated (they must share a dtype);
     ``unflatten`` rebuilds the returned structure. ``signature``: how the model is called
-    (``torchalpa/calls.py``; keyword inputs carry no loss targets).
+    (``torchalpa/core/calls.py``; keyword inputs carry no loss targets).
     """
     if signature is None:
         signature = CallSignature(len(example_inputs) if outputs else 0)
-    if outputs or signature.by_keyword:
-        inputs, targets = tuple(example_inputs), ()
-    else:
-        inputs, targets = split_inputs(example_inputs, loss_fn)
-    for i, x in enumerate(inputs + targets):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+    inputs, targets = _batch(example_inputs, loss_fn, signature, with_targets=not outputs)
     named = list(model.named_parameters()) + list(model.named_buffers())
     names = [k for k, _ in named]
     num_inputs = len(inputs)
     structure: dict = {}
 
     def step(state, *batch):
-        out = functional_call(model, dict(zip(names, state)), tuple(batch[:num_inputs]),
-                              strict=False) if not signature.by_keyword else \
-            functional_call(model, dict(zip(names, state)), (),
-                            {**dict(zip(signature.keywords, batch[:num_inputs])),
-                             **dict(signature.static)}, strict=False)
+        with _reparametrize_module(model, dict(zip(names, state)), tie_weights=True):
+            out = signature.call(model, batch[:num_inputs])
         provenance.in_loss = True
         if outputs:
             result = _flatten_outputs(out, structure)
@@ -294,14 +325,8 @@ def capture_forward(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
     state = [torch.empty(tuple(t.shape), dtype=t.dtype, device="meta") for _, t in named]
     provenance = Provenance(model, stop=[step.__code__, capture_forward.__code__])
     start = time.perf_counter()
-    try:
-        with provenance.tracing(), torch.no_grad(), device_neutral_kernels():
-            gm = make_fx(step, tracing_mode="fake", decomposition_table=decompositions(),
-                         _allow_non_fake_inputs=True)(state, *inputs, *targets)
-    except CaptureError:
-        raise
-    except Exception as e:
-        raise CaptureError(_explain_trace_failure(e, provenance, num_inputs)) from e
+    with torch.no_grad():
+        gm = _trace(step, (state, *inputs, *targets), provenance, num_inputs)
     kinds = [("buffer", k) for k in names] + \
         [("input", f"input{i}") for i in range(len(inputs) + len(targets))]
     gm, updates = _functional(gm, kinds, provenance)
@@ -359,7 +384,7 @@ def _opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]], updated: list[str
     """The OpGraph of a functional step (dead code removed), its repeated blocks tagged."""
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    graph = _to_opgraph(gm, kinds, updated)
+    graph = to_opgraph(gm, kinds, updated)
     graph.meta["repeated_blocks"] = find_repeated_blocks(graph)
     return graph
 
@@ -497,8 +522,10 @@ def _drop_aliases(gm: fx.GraphModule) -> None:
 
 
 def _explain_trace_failure(e: Exception, provenance: Provenance, num_inputs: int) -> str:
-    from torch._subclasses.fake_tensor import (DataDependentOutputException,
-                                               DynamicOutputShapeException)
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     path, line, text = provenance.where(e)
@@ -584,19 +611,8 @@ def _freeze(value):
     return value
 
 
-def ancestor_names(roots: list[fx.Node]) -> set[str]:
-    """Names of the nodes ``roots`` depend on (themselves included)."""
-    seen, stack = set(), list(roots)
-    while stack:
-        n = stack.pop()
-        if n.name in seen:
-            continue
-        seen.add(n.name)
-        stack.extend(n.all_input_nodes)
-    return seen
 
-
-def _to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
+def to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
                 updated_buffers: Sequence[str] = ()) -> OpGraph:
     """fx joint graph -> OpGraph. ``kinds`` gives (kind, target) for each placeholder.
 

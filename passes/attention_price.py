@@ -1,7 +1,7 @@
 """What attention's backward costs, and what its forward keeps for it, as the program runs.
 
 The captured ``torchalpa::sdpa_backward`` gets only attention's inputs and runs the
-forward again (``torchalpa/attention.py``); its recorded flops say so (one forward plus a
+forward again (``torchalpa/ops/attention.py``); its recorded flops say so (one forward plus a
 fused backward: torch's count, the four products and ``q k^T`` again). What runs depends
 on the devices:
 
@@ -31,9 +31,9 @@ such a call is priced as fused (rare: masks are bool or the query's dtype).
 
 from __future__ import annotations
 
-from torchalpa.attention import SDPA_BACKWARD_OP, SDPA_BIAS_BACKWARD_OP, SDPA_OP
-from torchalpa.cluster import LogicalMesh
-from torchalpa.opgraph import Operand, OpGraph, OpNode, TensorSpec
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import Operand, OpGraph, OpNode, TensorSpec
+from torchalpa.ops.attention import SDPA_BACKWARD_OP, SDPA_BIAS_BACKWARD_OP, SDPA_OP
 
 __all__ = ["runs_on_cpu", "attention_backward_flops", "saved_statistics", "saves_statistic",
            "statistic_spec", "ATTENTION_BACKWARDS"]

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import re
 
-from torchalpa.cluster import LogicalMesh
-from torchalpa.methods import AutoShardingOption
-from torchalpa.opgraph import OpGraph
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.options import AutoShardingOption
+from torchalpa.core.placement import Replicate, Shard, is_shard, parse_placements, short
 from torchalpa.passes.strategies import Strategy
-from torchalpa.placement import Replicate, Shard, parse_placements, short, is_shard
 
 __all__ = ["apply_constraints"]
 

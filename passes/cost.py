@@ -28,9 +28,9 @@ forward's saved statistic, a CUDA one runs the forward again).
 
 from __future__ import annotations
 
-from torchalpa.cluster import LogicalMesh
-from torchalpa.plan import bucketed_prefix
-from torchalpa.opgraph import OpNode
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpNode
+from torchalpa.core.plan import bucketed_prefix
 from torchalpa.passes.attention_price import ATTENTION_BACKWARDS, attention_backward_flops
 
 __all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost",

@@ -12,23 +12,32 @@ times: each distinct edge is priced once and multiplied.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from torchalpa.cluster import LogicalMesh
-from torchalpa.opgraph import OpGraph, TensorSpec
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpGraph, TensorSpec
+from torchalpa.core.placement import Placements, replicated
 from torchalpa.passes.cost import batch_sync_cost, compute_cost, gradient_steps_cost, steps_cost
 from torchalpa.passes.ilp import Edge
 from torchalpa.passes.reshard import plan_reshard
-from torchalpa.passes.shared_reshard import SharedReads, shared_groups
+from torchalpa.passes.shared_reshard import (
+    SHARING_ROUNDS,
+    SharedReads,
+    duplicated_reads,
+    shared_groups,
+)
 from torchalpa.passes.simplify import Grouping
 from torchalpa.passes.strategies import Strategy, sync_steps
-from torchalpa.placement import Placements, replicated
 
-__all__ = ["ReshardCosts", "cached_reshard_costs", "CostGraph", "build_cost_graph"]
+__all__ = ["ReshardCosts", "cached_reshard_costs", "CostGraph", "build_cost_graph",
+           "solve_sharing_reads"]
+
+log = logging.getLogger("torchalpa.planner")
 
 
 class ReshardCosts:
@@ -227,3 +236,26 @@ def _reads(s: Strategy, how) -> Placements | None:
 
 def _read_layouts_key(strategies: list[Strategy], how) -> tuple:
     return (how, tuple(_reads(s, how) for s in strategies))
+
+
+def solve_sharing_reads(graph: OpGraph, mesh, S: dict, grouping, costs, solve,
+                        initial=None, shared: frozenset = frozenset(), micro_batches: int = 1,
+                        state_once: bool = False):
+    """Solve, then price the values the plan reshards alike for two reads once per layout
+    and solve again from that plan, until no such value is priced per read.
+    ``solve(cost_graph, initial) -> (ILPSolution, node -> Strategy)``; ``shared``: values
+    priced so from the first solve (those an earlier solve of the same graph found: each
+    round found again costs a whole solve). Returns the last (cost graph, solution, chosen
+    strategies, values priced once per layout)."""
+    for _ in range(SHARING_ROUNDS):
+        cg = build_cost_graph(graph, mesh, S, grouping, costs, shared,
+                              micro_batches=micro_batches, state_once=state_once)
+        solution, chosen = solve(cg, initial)
+        more = duplicated_reads(graph, chosen, costs.steps) - shared
+        if not more:
+            break
+        shared, initial = shared | more, solution.choice
+    else:
+        log.warning("the plan reshards some values alike for two reads after %d solves; its "
+                    "objective prices those reads once each", SHARING_ROUNDS)
+    return cg, solution, chosen, shared

@@ -9,7 +9,7 @@ compiled step's memory traffic (the tiny LLaMA's compute estimate x2.1 its Stabl
 export's, all of it in elementwise ops: ``benchmarks/stablehlo_crosscheck.py --detail``).
 
 ``AutoShardingOption(elementwise="fused")`` prices the torch graph with the rule the
-StableHLO frontend applies (``frontends/hlo_fusion.py``: a value made by an elementwise op
+StableHLO frontend applies (``torchalpa/core/fusion.py``: a value made by an elementwise op
 and read only by elementwise ops and reductions is never written), ATen's ops sorted by
 torch's own tags: ``Tag.pointwise`` ops are elementwise, ``Tag.reduction`` ops reductions,
 and so are the softmax / log-softmax / layer-norm kernels and their backwards, which the
@@ -24,8 +24,8 @@ from functools import lru_cache
 
 import torch
 
-from torchalpa.frontends.hlo_fusion import FUSIBLE, REDUCTIONS, fuse_elementwise_bytes
-from torchalpa.opgraph import OpGraph
+from torchalpa.core.fusion import FUSIBLE, REDUCTIONS, fuse_elementwise_bytes
+from torchalpa.core.opgraph import OpGraph
 
 __all__ = ["priced_as", "ELEMENTWISE_MODES", "is_elementwise", "is_reduction"]
 

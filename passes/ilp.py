@@ -30,10 +30,10 @@ from typing import NamedTuple
 import numpy as np
 import pulp
 
-from torchalpa.passes.presolve import Presolved, presolve
+from torchalpa.core.progress import solver_verbose
 from torchalpa.passes.ilp_model import BuiltModel, LinearModel, build_model
+from torchalpa.passes.presolve import Presolved, presolve
 from torchalpa.passes.shared_reshard import SharedReads, shared_reads_cost
-from torchalpa.progress import solver_verbose
 
 __all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "lower_bound", "InfeasibleError"]
 

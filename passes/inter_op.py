@@ -29,26 +29,35 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from torchalpa.cluster import Cluster
-from torchalpa.methods import (AutoShardingOption, ManualStageOption, PipeshardParallel,
-                               UniformStageOption)
-from torchalpa.opgraph import GraphOutputs, OpGraph, ValueRef
-from torchalpa.passes.intra_op import plan_intra_op
+from torchalpa.core.cluster import Cluster
+from torchalpa.core.opgraph import GraphOutputs, OpGraph, ValueRef
+from torchalpa.core.options import (
+    AutoShardingOption,
+    ManualStageOption,
+    PipeshardParallel,
+    UniformStageOption,
+)
+from torchalpa.core.plan import PipelinePlan, Plan, StagePlan, Transfer
+from torchalpa.core.plan_records import Estimates
+from torchalpa.core.schedules import SCHEDULES, in_flight, simulate
 from torchalpa.passes.ilp import InfeasibleError
+from torchalpa.passes.intra_op import plan_intra_op
 from torchalpa.passes.layer_cache import SOLVES, layer_signature, range_signature
 from torchalpa.passes.layers import cluster_layers, layers_from_markers
 from torchalpa.passes.memory import in_flight_bytes
-from torchalpa.passes.stage_remat import (FORWARD_SHARE, received_bytes, recompute_memory,
-                                          recompute_option, recompute_seconds,
-                                          stage_recompute_allowed)
 from torchalpa.passes.stage_jobs import StageJobs, can_fork
+from torchalpa.passes.stage_remat import (
+    FORWARD_SHARE,
+    received_bytes,
+    recompute_memory,
+    recompute_option,
+    recompute_seconds,
+    stage_recompute_allowed,
+)
 from torchalpa.passes.stages import stage_dp, submesh_shapes
 from torchalpa.passes.subgraph import stage_subgraph
 from torchalpa.passes.transplant import transplant
 from torchalpa.passes.view_classes import reprice, view_class
-from torchalpa.plan import Plan, PipelinePlan, StagePlan, Transfer
-from torchalpa.plan_records import Estimates
-from torchalpa.schedules import SCHEDULES, in_flight, simulate
 
 __all__ = ["plan_pipeline", "assign_layers", "logical_views", "shardable_views",
            "searched_views", "layer_probes", "LayerProbe"]
@@ -338,7 +347,7 @@ class _StageCosts:
         jobs = sorted(todo.values(), key=lambda args: -math.prod(args[1][0][0]))
         solves, repriced = self.solves, self.repriced
         results = _map(_solve_in_worker, jobs, workers)
-        for (l, members, _), (estimates, counts) in zip(jobs, results):
+        for (l, _members, _), (estimates, counts) in zip(jobs, results):
             for (view, submesh, lean), estimate in estimates.items():
                 SOLVES.put(self._key(l, view, submesh, lean), estimate)
             solves += counts[0]    # workers counted theirs in their own copies
@@ -1073,10 +1082,10 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
                             method.auto_sharding_option.allow_mixed_mesh_shape)
     searched = time.perf_counter()
     timed = [costs.range_seconds(k, i, view, submesh) for (k, i), submesh, view, _ in stages]
-    plan = _assemble(graph, layer, stages, cluster, method, inputs,
+    plan = assemble_plan(graph, layer, stages, cluster, method, inputs,
                      stage_seconds=timed if all(t is not None for t in timed) else None,
                      known=costs.exact_plans, recompute=recompute, donor=costs.donated)
-    plan = _fastest_of(plan, uniform, lambda alternative: _assemble(
+    plan = _fastest_of(plan, uniform, lambda alternative: assemble_plan(
         graph, layer, [st[:4] for st in alternative], cluster, method, inputs,
         known=costs.exact_plans, recompute=[st[4] for st in alternative],
         donor=costs.donated))
@@ -1144,7 +1153,7 @@ def layer_probes(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
                 stages = ([((0, l - 1), (1, 1), (1,), None)] if l > 0 else []) + \
                     [((l, l), submesh, view, None)] + \
                     ([((l + 1, L - 1), (1, 1), (1,), None)] if l < L - 1 else [])
-                plan = _assemble(graph, layer, stages, room, method, inputs)
+                plan = assemble_plan(graph, layer, stages, room, method, inputs)
                 probes.append(LayerProbe(key, l, plan, 1 if l > 0 else 0))
     return probes
 
@@ -1221,7 +1230,7 @@ def _place(submeshes: list[tuple[int, int]], cluster: Cluster) -> list[tuple[int
     return [tuple(sorted(ranks[s])) for s in range(len(submeshes))]
 
 
-def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Cluster,
+def assemble_plan(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Cluster,
               method: PipeshardParallel, inputs: str, stage_seconds: list | None = None,
               known: dict | None = None, recompute: list[bool] | None = None,
               donor=None) -> PipelinePlan:
@@ -1262,7 +1271,7 @@ def _assemble(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Clus
     for s, plan in zip(todo, _map(_plan_stage, [requests[s] for s in todo], _workers())):
         plans[s] = plan
     stage_plans, transfers = [], []
-    for s, ((k, i), submesh, view, option) in enumerate(stages):
+    for s, ((k, i), submesh, _view, _option) in enumerate(stages):
         sub, plan = subs[s], plans[s]
         stage_plans.append(StagePlan(index=s, layers=tuple(range(k, i + 1)), submesh=submesh,
                                      ranks=ranks[s], plan=plan, recompute=recompute[s]))

@@ -12,39 +12,63 @@
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 import math
 import time
 import warnings
+from collections import defaultdict
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from torchalpa.cluster import LogicalMesh
-from torchalpa.methods import AutoShardingOption, ShardParallel
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpGraph, TensorSpec, ValueRef
+from torchalpa.core.options import AutoShardingOption, ShardParallel
+from torchalpa.core.placement import Placements, Shard, format_placements, is_shard, replicated
+from torchalpa.core.plan import (
+    INPUT_SLOT,
+    OUTPUT,
+    Collective,
+    MeshStage,
+    NodeStrategy,
+    OutputSlot,
+    Plan,
+    Reshard,
+    ValuePlacement,
+    state_read_once,
+)
+from torchalpa.core.plan_records import Estimates, Explanation, LayoutCost
+from torchalpa.core.units import format_bytes
 from torchalpa.passes.attention_price import saved_statistics
 from torchalpa.passes.constraints import apply_constraints
+from torchalpa.passes.cost import (
+    batch_sync_cost,
+    compute_cost,
+    gradient_steps_cost,
+    optimizer_cost,
+    steps_cost,
+    wire_bytes,
+)
+from torchalpa.passes.costgraph import ReshardCosts, cached_reshard_costs, solve_sharing_reads
 from torchalpa.passes.fused_pricing import priced_as
-from torchalpa.opgraph import OpGraph, TensorSpec, ValueRef
-from torchalpa.passes.cost import (batch_sync_cost, compute_cost, gradient_steps_cost,
-                                   optimizer_cost, steps_cost, wire_bytes)
-from torchalpa.passes.costgraph import ReshardCosts, cached_reshard_costs
 from torchalpa.passes.ilp import ILPProblem, InfeasibleError, SolverStopped, solve_ilp
-from torchalpa.passes.simplify import group_nodes
 from torchalpa.passes.memory import MemoryModel, activation_peak_bytes, model_state_bytes
 from torchalpa.passes.reshard import local_bytes, plan_reshard
-from torchalpa.passes.shared_reshard import read_key, solve_sharing_reads
 from torchalpa.passes.rules import rule_for
+from torchalpa.passes.shared_reshard import read_key
+from torchalpa.passes.simplify import group_nodes
+from torchalpa.passes.strategies import (
+    Strategy,
+    enumerate_strategies,
+    leaf_strategies,
+    replicate_only,
+    splits_over_both_axes,
+    sync_steps,
+)
 from torchalpa.passes.strides import strided_regions
-from torchalpa.passes.strategies import (Strategy, enumerate_strategies, leaf_strategies,
-                                         replicate_only, splits_over_both_axes, sync_steps)
-from torchalpa.placement import Placements, Shard, format_placements, replicated, is_shard
-from torchalpa.report import format_bytes
-from torchalpa.plan import (INPUT_SLOT, OUTPUT, Collective, MeshStage, NodeStrategy,
-                            OutputSlot, Plan, Reshard, ValuePlacement, state_read_once)
-from torchalpa.plan_records import Estimates, Explanation, LayoutCost
 
-__all__ = ["plan_intra_op", "step_time_lower_bound", "UnsupportedOpWarning", "build_strategies"]
+__all__ = ["plan_intra_op", "step_time_lower_bound", "UnsupportedOpWarning", "build_strategies",
+           "assemble_plan", "merge_gradient_all_reduces", "planned_for", "intra_op_problem",
+           "rule_strategies"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -86,7 +110,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
             heavy.add(node.name)
         options = []
         if rule is not None:
-            options = list(_rule_strategies(
+            options = list(rule_strategies(
                 rule, mesh, option is not None and option.allow_recompute_heavy_op, strides))
         if not options:
             if rule is None:
@@ -116,7 +140,7 @@ _MEMO_ENTRIES = 200_000
 """Bound on each process-wide memo below (cleared when full)."""
 
 
-def _rule_strategies(rule, mesh: LogicalMesh, recompute_heavy: bool,
+def rule_strategies(rule, mesh: LogicalMesh, recompute_heavy: bool,
                      strides: tuple[tuple[int, int], ...] = ()) -> list[Strategy]:
     """``enumerate_strategies``, memoized for the process: it depends on the rule, the
     mesh's shape and the flag only, and the pipeline search asks for the same rules on the
@@ -185,7 +209,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     """
     method = method or ShardParallel()
     start = time.perf_counter()
-    option, mesh, graph, space, costs = _problem(graph, mesh, method, inputs)
+    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs)
     S = space.strategies
     budget = option.memory_budget_per_device or mesh.memory_per_device
     # a parameter's forward reshards run once per step (runtime/param_gather.py)
@@ -193,8 +217,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     if option.force_simple_heuristic or not option.enable_auto_sharding:
         chosen = _propagate(graph, S, costs, mesh,
                             by_size=option.force_simple_heuristic == "shard-largest")
-        plan = _merge_gradient_all_reduces(
-            _assemble(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
+        plan = merge_gradient_all_reduces(
+            assemble_plan(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
         return _replace_estimates(plan, dict(plan.estimates, objective=plan.estimates[
             "step_time_s"], solve_seconds=time.perf_counter() - start))
 
@@ -269,7 +293,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         # shared decisions and followers restrict the problem; on a graph this small,
         # solve the full problem too (from the plan found) so they never cost optimality
         resolve("nothing simplified", exact=True)
-    plan = _merge_gradient_all_reduces(_assemble(graph, mesh, method, chosen, costs, space,
+    plan = merge_gradient_all_reduces(assemble_plan(graph, mesh, method, chosen, costs, space,
                                                  inputs), graph, mesh, option)
     seconds = time.perf_counter() - start
     num_strategies = sum(len(v) for v in S.values())
@@ -287,11 +311,11 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     if budget:
         estimates["memory_budget_bytes"] = float(budget)
     plan = _replace_estimates(plan, estimates)
-    target = _planned_for(mesh, budget)
+    target = planned_for(mesh, budget)
     return replace(plan, notes=plan.notes + (target,)) if target else plan
 
 
-def _problem(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str):
+def intra_op_problem(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str):
     """What the ILP is built from: the option in effect (pins of a manual option added),
     the mesh as priced (gradients in the runtime's buckets), the graph as priced, every
     node's strategies and the resharding costs."""
@@ -328,11 +352,11 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
     from torchalpa.passes.costgraph import build_cost_graph
     from torchalpa.passes.ilp import lower_bound
     method = method or ShardParallel()
-    option, mesh, graph, space, costs = _problem(graph, mesh, method, inputs)
+    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs)
     if option.force_simple_heuristic or not option.enable_auto_sharding:
         return None
     if option.all_reduce_threshold and mesh.gradient_bucket_bytes <= 0:
-        return None                     # _merge_gradient_all_reduces may subtract latencies
+        return None                     # merge_gradient_all_reduces may subtract latencies
     S = space.strategies
     grouping = group_nodes(graph, S, None, heavy=space.heavy, period=1, merge_followers=False)
     reads: dict[tuple[str, int], int] = defaultdict(int)
@@ -347,7 +371,7 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
     return lower_bound(ILPProblem(node_costs=cg.node_costs, edges=cg.edges))
 
 
-def _planned_for(mesh: LogicalMesh, budget: float | None) -> str | None:
+def planned_for(mesh: LogicalMesh, budget: float | None) -> str | None:
     """"planned for NVIDIA H100 80GB HBM3 (nccl), memory budget 77.0 GiB per device"."""
     if not mesh.device_name and not budget:
         return None
@@ -433,7 +457,7 @@ def _gradient_values(graph: OpGraph) -> set[tuple[str, int]]:
     return found
 
 
-def _merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
+def merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
                                 option: AutoShardingOption) -> Plan:
     """Alpa's all-reduce combiner on the plan: gradient all-reduces on one mesh axis are
     packed, in order, into buckets of at most ``all_reduce_threshold`` bytes; each bucket
@@ -632,7 +656,7 @@ def _replace_estimates(plan: Plan, estimates: dict) -> Plan:
     return replace(plan, estimates=Estimates.from_dict(estimates))
 
 
-def _assemble(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
+def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
               chosen: dict[str, Strategy], costs: ReshardCosts, space: StrategySpace,
               inputs: str) -> Plan:
     R = replicated(mesh.ndim)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
-from torchalpa.opgraph import OpGraph
+from torchalpa.core.opgraph import OpGraph
 
 __all__ = ["layer_signature", "range_signature", "SolveCache", "SOLVES"]
 

@@ -22,7 +22,7 @@ from collections import Counter, deque
 
 import numpy as np
 
-from torchalpa.opgraph import OpGraph
+from torchalpa.core.opgraph import OpGraph, block_of
 
 __all__ = ["cluster_layers", "layers_from_markers", "assign_rest", "MARKER_OP"]
 
@@ -72,14 +72,6 @@ def cluster_layers(graph: OpGraph, num_layers: int, eps: float = 0.6) -> dict[st
             forward[name] = layer
     return assign_rest(graph, forward)
 
-
-def block_of(path: str) -> tuple[str, int] | None:
-    """(container, index) of the first numbered component of a module path, if any."""
-    parts = path.split(".")
-    for i in range(1, len(parts)):
-        if parts[i].isdigit():
-            return ".".join(parts[:i]), int(parts[i])
-    return None
 
 
 def _block_starts(graph: OpGraph, order: list[str]) -> np.ndarray:

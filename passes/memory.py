@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchalpa.opgraph import OpGraph
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.placement import Placements, Replicate, is_shard
 from torchalpa.passes.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.reshard import local_bytes
-from torchalpa.placement import Placements, Replicate, is_shard
 
 __all__ = ["Liveness", "liveness", "model_state_bytes", "activation_peak_bytes",
            "state_copies", "forward_end", "in_flight_bytes", "value_bytes"]

@@ -1,7 +1,7 @@
 """Activation checkpointing as a planning decision: plan the step with and without it.
 
 ``remat="none"`` plans the step as captured, ``"full"`` the step whose blocks recompute
-their forward in backward (``frontends/checkpoint.py``), and ``"auto"`` plans both and keeps
+their forward in backward (``frontends/block_remat.py``), and ``"auto"`` plans both and keeps
 the faster plan that fits: recomputation costs about one more forward of every block, and
 pays where the activations it frees let the plan shard less (fewer collectives), hold more
 micro-batches in flight, or fit at all. Both graphs are priced by the same cost model, the
@@ -20,8 +20,9 @@ runtime captures the same graph the plan was made for (``chosen_remat``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 __all__ = ["REMAT_MODES", "capture_modes", "plan_with_remat", "chosen_remat", "remat_note",
            "compute_lower_bound"]

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from torchalpa.opgraph import TensorSpec
-from torchalpa.placement import Partial, Placements, Replicate, is_shard, split_factor_of
-from torchalpa.plan import ReshardStep
+from torchalpa.core.opgraph import TensorSpec
+from torchalpa.core.placement import Partial, Placements, Replicate, is_shard, split_factor_of
+from torchalpa.core.plan import ReshardStep
 
 __all__ = ["plan_reshard", "local_bytes"]
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from torchalpa.opgraph import OpGraph, ValueRef
+from torchalpa.core.opgraph import OpGraph, ValueRef
 
 __all__ = ["SharedReads", "duplicated_reads", "shared_groups", "shared_reads_cost",
-           "multi_read_values", "solve_sharing_reads", "ValueKey"]
+           "multi_read_values", "ValueKey", "SHARING_ROUNDS"]
 
 log = logging.getLogger("torchalpa.planner")
 SHARING_ROUNDS = 6    # solves that may add values whose reads share one resharded copy
@@ -131,27 +131,3 @@ def shared_reads_cost(group: SharedReads, choice: dict[str, int]) -> float:
     wanted = {int(targets[choice[v]]) for v, targets in group.reads}
     return float(sum(group.table[p, d] for d in wanted))
 
-
-def solve_sharing_reads(graph: OpGraph, mesh, S: dict, grouping, costs, solve,
-                        initial=None, shared: frozenset = frozenset(), micro_batches: int = 1,
-                        state_once: bool = False):
-    """Solve, then price the values the plan reshards alike for two reads once per layout
-    and solve again from that plan, until no such value is priced per read.
-    ``solve(cost_graph, initial) -> (ILPSolution, node -> Strategy)``; ``shared``: values
-    priced so from the first solve (those an earlier solve of the same graph found: each
-    round found again costs a whole solve). Returns the last (cost graph, solution, chosen
-    strategies, values priced once per layout)."""
-    from torchalpa.passes.costgraph import build_cost_graph
-
-    for _ in range(SHARING_ROUNDS):
-        cg = build_cost_graph(graph, mesh, S, grouping, costs, shared,
-                              micro_batches=micro_batches, state_once=state_once)
-        solution, chosen = solve(cg, initial)
-        more = duplicated_reads(graph, chosen, costs.steps) - shared
-        if not more:
-            break
-        shared, initial = shared | more, solution.choice
-    else:
-        log.warning("the plan reshards some values alike for two reads after %d solves; its "
-                    "objective prices those reads once each", SHARING_ROUNDS)
-    return cg, solution, chosen, shared

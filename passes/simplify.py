@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchalpa.opgraph import OpGraph
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.placement import Partial, Replicate
 from torchalpa.passes.strategies import Strategy
-from torchalpa.placement import Partial, Replicate
 
 __all__ = ["Grouping", "group_nodes"]
 
@@ -112,7 +112,7 @@ def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
             members.setdefault(blocks[n.name], []).append(n.name)
     heads: dict[tuple, list[str]] = {}
     seen_of_kind: dict[str, int] = {}
-    for (kind, idx), names in sorted(members.items(), key=lambda kv: kv[0][1]):
+    for (kind, _idx), names in sorted(members.items(), key=lambda kv: kv[0][1]):
         ordinal = seen_of_kind.get(kind, 0)      # k-th block of this kind, whatever its index
         seen_of_kind[kind] = ordinal + 1
         signature = (kind, ordinal % period,

@@ -20,7 +20,7 @@ accounting.
 
 from __future__ import annotations
 
-from torchalpa.opgraph import OpGraph
+from torchalpa.core.opgraph import OpGraph
 
 __all__ = ["FORWARD_SHARE", "recompute_seconds", "recompute_memory", "received_bytes"]
 

@@ -19,12 +19,20 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from torchalpa.cluster import LogicalMesh
-from torchalpa.opgraph import OpNode, TensorSpec
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpNode, TensorSpec
+from torchalpa.core.placement import (
+    Partial,
+    Placements,
+    Replicate,
+    Shard,
+    is_shard,
+    short,
+    split_factor_of,
+    strided,
+)
+from torchalpa.core.plan import ReshardStep
 from torchalpa.passes.rules.registry import FactorNamer, FactorRule
-from torchalpa.placement import (Partial, Placements, Replicate, Shard, is_shard, short,
-                                 split_factor_of, strided)
-from torchalpa.plan import ReshardStep
 
 __all__ = ["Strategy", "enumerate_strategies", "replicate_only", "leaf_strategies",
            "splits_over_both_axes", "sync_steps"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from torchalpa.opgraph import OpGraph
+from torchalpa.core.opgraph import OpGraph
 from torchalpa.passes.rules import rule_for
 
 __all__ = ["strided_regions", "POSITION_FREE_OPS"]

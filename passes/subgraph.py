@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, ValueRef
+from torchalpa.core.opgraph import GraphOutputs, OpGraph, OpNode, ValueRef
 
 __all__ = ["StageGraph", "stage_subgraph", "received_name"]
 

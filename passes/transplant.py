@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from torchalpa.cluster import LogicalMesh
-from torchalpa.opgraph import OpGraph
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.plan import Plan
+from torchalpa.core.plan_records import Estimates
 from torchalpa.passes.strategies import Strategy
-from torchalpa.plan import Plan
-from torchalpa.plan_records import Estimates
 
 __all__ = ["transplant"]
 
@@ -50,9 +50,13 @@ def transplant(plan: Plan, donor: OpGraph, graph: OpGraph, mesh: LogicalMesh, me
     graph of the same structure with other names; None if the structures differ, a
     chosen strategy is not offered in ``graph`` or the rebuilt plan's step time is not
     the donor's."""
-    from torchalpa.passes.intra_op import (_assemble, _merge_gradient_all_reduces,
-                                           _planned_for, _problem)
-    from torchalpa.passes.view_classes import _strategy_key
+    from torchalpa.passes.intra_op import (
+        assemble_plan,
+        intra_op_problem,
+        merge_gradient_all_reduces,
+        planned_for,
+    )
+    from torchalpa.passes.view_classes import strategy_key
     names = _node_map(donor, graph)
     if names is None:
         return None
@@ -60,18 +64,18 @@ def transplant(plan: Plan, donor: OpGraph, graph: OpGraph, mesh: LogicalMesh, me
     for v in plan.parameters + plan.inputs:
         if v.node in names:
             wanted[names[v.node]] = ((), (v.placements,), ())
-    option, mesh, graph, space, costs = _problem(graph, mesh, method, inputs)
+    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs)
     chosen: dict[str, Strategy] = {}
     for node in graph:
         key = wanted.get(node.name)
         found = None if key is None else next(
-            (s for s in space.strategies[node.name] if _strategy_key(s) == key
+            (s for s in space.strategies[node.name] if strategy_key(s) == key
              or (node.is_leaf and s.outputs == key[1])), None)
         if found is None:
             return None
         chosen[node.name] = found
-    moved = _merge_gradient_all_reduces(
-        _assemble(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
+    moved = merge_gradient_all_reduces(
+        assemble_plan(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
     was, now = plan.estimates["step_time_s"], moved.estimates["step_time_s"]
     if not math.isclose(was, now, rel_tol=1e-9, abs_tol=1e-15):
         return None
@@ -80,11 +84,11 @@ def transplant(plan: Plan, donor: OpGraph, graph: OpGraph, mesh: LogicalMesh, me
                                            "num_decisions", "flops_per_step",
                                            "peak_flops_per_device", "memory_budget_bytes")
             if k in plan.estimates}
-    target = _planned_for(mesh, option.memory_budget_per_device or mesh.memory_per_device)
+    target = planned_for(mesh, option.memory_budget_per_device or mesh.memory_per_device)
     return replace(moved, estimates=Estimates.from_dict(dict(moved.estimates, **kept)),
                    notes=moved.notes + ((target,) if target else ()))
 
 
 def _strategy_key_of(s) -> tuple:
-    """A plan's NodeStrategy as ``view_classes._strategy_key`` writes a Strategy's."""
+    """A plan's NodeStrategy as ``view_classes.strategy_key`` writes a Strategy's."""
     return (s.inputs, s.outputs, tuple(axis for axis, _ in s.batch_syncs))

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from torchalpa.cluster import LogicalMesh
-from torchalpa.opgraph import OpGraph
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.placement import is_shard
+from torchalpa.core.plan import Plan
 from torchalpa.passes.strategies import Strategy
-from torchalpa.placement import is_shard
-from torchalpa.plan import Plan
 
-__all__ = ["ViewClass", "view_class", "reprice"]
+__all__ = ["ViewClass", "view_class", "reprice", "strategy_key"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def view_class(mesh: LogicalMesh, dims: frozenset[int]) -> ViewClass:
     return ViewClass(axes, both, mesh.shape[-1])
 
 
-def _strategy_key(s: Strategy) -> tuple:
+def strategy_key(s: Strategy) -> tuple:
     """A strategy's identity across views of one class (placements, not sizes)."""
     return (s.inputs, s.outputs, tuple(axis for axis, _ in s.batch_syncs))
 
@@ -88,9 +88,13 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
     explanations list no alternatives. ``rules``: a memo of each node's sharding rule
     (they do not depend on the mesh), filled here, for pricing one graph many times."""
     from torchalpa.passes.costgraph import cached_reshard_costs
-    from torchalpa.passes.intra_op import (StrategySpace, _assemble,
-                                           _merge_gradient_all_reduces, effective_option,
-                                           forbidden_collectives)
+    from torchalpa.passes.intra_op import (
+        StrategySpace,
+        assemble_plan,
+        effective_option,
+        forbidden_collectives,
+        merge_gradient_all_reduces,
+    )
     option, mesh = effective_option(method.auto_sharding_option, mesh)
     if mesh.gradient_bucket_bytes > 0 and option.all_reduce_threshold is not None:
         # as plan_intra_op prices it: the runtime packs gradients into such buckets
@@ -117,7 +121,7 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
         else:
             found = None
         if found is None:
-            found = next((s for s in options if _strategy_key(s) == key
+            found = next((s for s in options if strategy_key(s) == key
                           or (node.is_leaf and s.outputs == key[1])), None)
         if found is None:
             return None
@@ -127,10 +131,10 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
     space = StrategySpace({name: [s] for name, s in chosen.items()}, [], [],
                           random=frozenset(random))
     try:
-        priced = _assemble(graph, mesh, method, chosen, costs, space, inputs)
+        priced = assemble_plan(graph, mesh, method, chosen, costs, space, inputs)
     except AssertionError:     # a reshard the other view allowed is impossible here
         return None
-    return _merge_gradient_all_reduces(priced, graph, mesh, option)
+    return merge_gradient_all_reduces(priced, graph, mesh, option)
 
 
 def _offered(node, graph: OpGraph, mesh: LogicalMesh, option, rules: dict
@@ -138,7 +142,7 @@ def _offered(node, graph: OpGraph, mesh: LogicalMesh, option, rules: dict
     """The strategies ``build_strategies`` starts from for ``node`` (before constraints
     and pruning, which keep or drop the same ones on every view of a class), and whether
     its rule draws random numbers."""
-    from torchalpa.passes.intra_op import _rule_strategies
+    from torchalpa.passes.intra_op import rule_strategies
     from torchalpa.passes.rules import rule_for
     from torchalpa.passes.strategies import leaf_strategies, replicate_only
     from torchalpa.passes.strides import strided_regions
@@ -154,7 +158,7 @@ def _offered(node, graph: OpGraph, mesh: LogicalMesh, option, rules: dict
         return replicate_only(node, mesh), False
     if rule.random and option.random == "replicated":
         rule = replace(rule, blocked=frozenset(rule.factors()))
-    options = list(_rule_strategies(rule, mesh, option.allow_recompute_heavy_op, strides))
+    options = list(rule_strategies(rule, mesh, option.allow_recompute_heavy_op, strides))
     return options or replicate_only(node, mesh), bool(rule.random)
 
 

@@ -1,7 +1,7 @@
 """Attention's backward from what its forward saved, not from a second forward.
 
 The captured ``torchalpa::sdpa_backward`` gets only the attention's inputs, so it runs the
-attention forward again to differentiate it (``torchalpa/attention.py``: the fused
+attention forward again to differentiate it (``torchalpa/ops/attention.py``: the fused
 kernels' saved statistics have no device-neutral name at capture time). Once a program is
 lowered for a CPU rank the kernel is known: this pass rewrites each
 ``sdpa(q, k, v, mask, ...)`` whose backward reads the very same local values into
@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from torchalpa import attention
+from torchalpa.ops import attention
 
 __all__ = ["save_attention_statistics"]
 

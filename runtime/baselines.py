@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from torchalpa.cluster import cuda_selected
+from torchalpa.core.cluster import cuda_selected
 
 __all__ = ["wrap_ddp", "wrap_fsdp2", "batch_shard"]
 

@@ -35,20 +35,21 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, replace
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from torchalpa.placement import local_shape, split_factor_of
-from torchalpa.plan import OUTPUT, Collective, OutputSlot, Plan, bucketed_prefix
+from torchalpa.core.placement import local_shape, split_factor_of
+from torchalpa.core.plan import OUTPUT, OutputSlot, Plan, bucketed_prefix
 from torchalpa.runtime import collectives as C
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "FIRST_BUCKET_BYTES", "GradientBucket", "BucketStage",
            "bucket_threshold", "gradient_buckets",
-           "fuse_gradient_buckets", "issued_collectives", "flatten_concat", "split_flat",
-           "interleave_chunks", "split_chunks", "BUCKET", "collective_position", "LossRide"]
+           "fuse_gradient_buckets", "flatten_concat", "split_flat",
+           "interleave_chunks", "split_chunks", "BUCKET", "collective_position", "LossRide",
+           "is_gradient"]
 
 BUCKET = "torchalpa_bucket"     # ``node.meta`` key of a bucket's packing: its index
 
@@ -94,7 +95,7 @@ def _option_threshold(plan: Plan) -> int | None:
     return None if threshold is None else int(threshold)
 
 
-def _is_gradient(consumer, slot) -> bool:
+def is_gradient(consumer, slot) -> bool:
     """Whether a reshard is a gradient's final resharding (an output slot of kind grad)."""
     return consumer == OUTPUT and isinstance(slot, OutputSlot) and slot.kind == "grad"
 
@@ -108,7 +109,7 @@ def _grad_reshards(plan: Plan):
     for r in plan.reshards:
         first = position + 1
         position += sum(1 for s in r.steps if s.is_collective)
-        if not _is_gradient(r.consumer, r.slot):
+        if not is_gradient(r.consumer, r.slot):
             continue
         count = bucketed_prefix(r.steps, plan.mesh_shape)
         if count:                 # every bucketed step is a collective: positions follow
@@ -204,54 +205,6 @@ def collective_position(plan: Plan, consumer, slot, index: int) -> int | None:
         position += sum(1 for s in r.steps if s.is_collective)
     return None
 
-
-def issued_collectives(plan: Plan, num_micro_batches: int = 1,
-                       buckets: Sequence[GradientBucket] | None = None, *,
-                       loss_ride: LossRide | None = None, one_stage: bool = True
-                       ) -> list[Collective]:
-    """Every collective one step issues: the final resharding of each gradient once (with
-    each bucket's members as one collective), everything else once per micro-batch;
-    ``loss_ride``: the loss's all-reduce inside its bucket (one micro-batch only).
-    ``one_stage``: the plan runs as a one-stage step (``runtime.lower.lower``), whose
-    parameters' forward gathers run once per step, bucketed (``runtime.param_gather``);
-    False for a stage of a pipeline, which gathers per micro-batch."""
-    # imported here: runtime.param_gather packs with this module's helpers
-    from torchalpa.runtime.param_gather import gather_buckets, gathered_once
-    buckets = gradient_buckets(plan) if buckets is None else buckets
-    in_bucket = {i for b in buckets for i in b.positions}
-    in_bucket |= {i for b in buckets for stage in b.then for i in stage.positions}
-    hoisted = gathered_once(plan, num_micro_batches) if one_stage else {}
-    gathers = gather_buckets(plan, num_micro_batches) if one_stage else ()
-    in_bucket |= {i for b in gathers for i in b.positions}
-    riders: dict[int, int] = {}         # bucket -> bytes of the loss riding it
-    if loss_ride is not None:
-        assert num_micro_batches == 1, "a loss rides a bucket in one-micro-batch steps only"
-        in_bucket.add(loss_ride.position)
-        riders[loss_ride.bucket] = plan.collectives[loss_ride.position].bytes
-    once = {i for positions in hoisted.values() for i in positions}
-    position = -1
-    for r in plan.reshards:
-        for s in r.steps:
-            if s.is_collective:
-                position += 1
-                if _is_gradient(r.consumer, r.slot):
-                    once.add(position)
-    out: list[Collective] = []
-    for i, c in enumerate(plan.collectives):
-        if i not in in_bucket:
-            out += [c] * (1 if i in once else num_micro_batches)
-    for i, b in enumerate(buckets):
-        first = plan.collectives[b.positions[0]]
-        out.append(replace(first, bytes=b.bytes + riders.get(i, 0), source="",
-                           tensor=f"bucket of {len(b.params)} gradients"
-                           + (" and the loss" if i in riders else "")))
-        for stage in b.then:
-            out.append(replace(plan.collectives[stage.positions[0]], bytes=stage.bytes,
-                               source="", tensor=f"bucket of {len(b.params)} gradients"))
-    for g in gathers:
-        out.append(replace(plan.collectives[g.positions[0]], bytes=g.bytes, source="",
-                           tensor=f"bucket of {len(g.readers)} parameters"))
-    return out
 
 
 # -- the run-time halves of a bucket (plain torch ops: printable, compilable) ---------------

@@ -56,18 +56,22 @@ import re
 import shutil
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._pytree import tree_map
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
 
-from torchalpa import placement as P
+from torchalpa.core import placement as P
 from torchalpa.runtime import mesh
 from torchalpa.runtime.mesh import gather_objects, on_rank0
 from torchalpa.runtime.strided_dtensor import redistribute

@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchalpa.placement import split_factor_of
-from torchalpa.plan import ReshardStep
+from torchalpa.core.placement import split_factor_of
+from torchalpa.core.plan import ReshardStep
 from torchalpa.runtime.traffic import issued, wait_label
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_chunk",

@@ -42,7 +42,7 @@ class CollectiveCounter(TorchDispatchMode):
         self.records: list[CollectiveRecord] = []
 
     @classmethod
-    def for_mesh(cls, mesh) -> "CollectiveCounter":
+    def for_mesh(cls, mesh) -> CollectiveCounter:
         return cls({mesh.get_group(i).group_name: i for i in range(mesh.ndim)})
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -27,9 +27,9 @@ import torch.fx as fx
 
 from torchalpa.runtime import collectives as C
 
-__all__ = ["defer_loss_wait", "finish_program", "split_loss_tail", "MAX_TAIL_OPS"]
+__all__ = ["defer_loss_wait", "finish_program", "split_loss_tail", "MAX_TAIL_OPS", "FINISH"]
 
-_FINISH = {split.finish: split for split in C.SPLIT.values()}
+FINISH = {split.finish: split for split in C.SPLIT.values()}
 MAX_TAIL_OPS = 16      # a loss's tail is a handful of scalar ops; more is not a loss's tail
 
 
@@ -95,7 +95,7 @@ def _tail(loss: fx.Node) -> set[fx.Node] | None:
     def waits(n: fx.Node) -> bool:
         if n not in depends:
             depends[n] = n.op == "call_function" and (
-                n.target in _FINISH or any(waits(i) for i in n.all_input_nodes))
+                n.target in FINISH or any(waits(i) for i in n.all_input_nodes))
         return depends[n]
 
     tail: set[fx.Node] = set()
@@ -107,7 +107,7 @@ def _tail(loss: fx.Node) -> set[fx.Node] | None:
         tail.add(n)
         if len(tail) > MAX_TAIL_OPS:
             return None
-        if n.target not in _FINISH:      # a wait's handle is issued in forward, as before
+        if n.target not in FINISH:      # a wait's handle is issued in forward, as before
             stack.extend(n.all_input_nodes)
     if not tail:
         return None
@@ -116,7 +116,7 @@ def _tail(loss: fx.Node) -> set[fx.Node] | None:
             return None
         if not set(n.users) <= tail:          # another op needs the waited value before backward
             return None
-        if n.target in _FINISH and any(waits(i) for i in n.all_input_nodes):
+        if n.target in FINISH and any(waits(i) for i in n.all_input_nodes):
             return None
     return tail
 

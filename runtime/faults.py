@@ -35,12 +35,14 @@ import hashlib
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from torchalpa.runtime import launcher_stop
 from torchalpa.runtime.mesh import gather_objects, world_size
+from torchalpa.runtime.rank_failure import RankFailedError, describe_culprits
 
 __all__ = ["RankFailedError", "FaultMonitor", "check_same_inputs", "check_same_values",
            "describe_specs", "describe_culprits"]
@@ -50,9 +52,6 @@ HEARTBEAT_S = 0.5
 _COMM_ERROR_HINTS = ("gloo", "Connection closed", "Connection reset", "Timed out", "timed out",
                      "NCCL", "Broken pipe", "Socket", "socket")
 
-
-class RankFailedError(RuntimeError):
-    """Another rank failed or stopped responding; the message names it."""
 
 
 def _is_comm_error(e: BaseException) -> bool:
@@ -80,7 +79,6 @@ class FaultMonitor:
         if self.store is not None:
             self._install_excepthook()
             _Heartbeat.start(self.store, self.rank)
-            from torchalpa.runtime import launcher_stop
             launcher_stop.install(self)
 
     # -- this rank ----------------------------------------------------------------------
@@ -192,15 +190,6 @@ class FaultMonitor:
                 return missing
             time.sleep(0.2)
 
-
-def describe_culprits(failed: dict[int, str], dead: list[int]) -> str:
-    """The ranks ``FaultMonitor.culprits`` found, as a message (at least one is given)."""
-    parts = [f"rank {r} failed with {text}" for r, text in failed.items()]
-    if dead:
-        parts.append(f"rank(s) {', '.join(map(str, dead))} died (the process stopped without "
-                     "an error: killed by a signal, the out-of-memory killer, or a crash of "
-                     "the interpreter)")
-    return "; ".join(parts)
 
 
 class _Heartbeat:

@@ -2,8 +2,8 @@
 
 ``pmodel.predict(*inputs)`` and an eval-mode ``pmodel(*batch)`` run a step with no
 backward, and possibly a different graph than training's (dropout off, other batch
-shapes). Each is captured on its own (``frontends.torch_export.capture_forward``: the same
-tracer, op vocabulary and provenance as the training capture, without the backward),
+shapes). Each is captured on its own (``capture_forward``, given by the orchestration:
+the frontend's tracer, op vocabulary and provenance, without the backward),
 planned with every parameter and buffer pinned to the training plan's layout -- so the
 DTensors the optimizer holds are used as they are -- and lowered with the same
 ``lower()``. The result (the loss, or the model's outputs) is planned whole on every
@@ -12,24 +12,25 @@ rank. Programs are cached per mode and input shapes.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-from torchalpa.calls import CallSignature
-from torchalpa.frontends.torch_export import ForwardCapture, capture_forward
-from torchalpa.opgraph import OpGraph
-from torchalpa.plan import Plan
+from torchalpa.core.calls import CallSignature
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.plan import Plan
 
-__all__ = ["ForwardCapture", "capture_forward", "ForwardProgram", "ForwardPrograms"]
+__all__ = ["ForwardProgram", "ForwardPrograms", "pins_of"]
 
 
 def pins_of(plan: Plan) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """Pins (exact-name regexes) that hold every parameter and buffer to its training layout."""
     import re
-    from torchalpa.placement import format_placements
+
+    from torchalpa.core.placement import format_placements
     return tuple((re.escape(v.name), tuple(format_placements(v.placements)))
                  for v in plan.parameters)
 
@@ -50,7 +51,9 @@ class ForwardPrograms:
     """Forward-only programs of one ParallelModule, made on first use per (kind, mode,
     input shapes).
 
-    ``plan_forward(graph)`` plans a forward graph on the training mesh with the training
+    ``capture_forward(module, examples, loss_fn, outputs=, signature=)`` captures a forward
+    step (the frontend's ``capture_forward``); ``plan_forward(graph)`` plans a forward
+    graph on the training mesh with the training
     layouts pinned (every rank gets the same plan); ``lower_forward(gm, plan, updates)``
     lowers it, returning ``(result, *new values of the buffers named in updates, ...)``:
     a train-mode forward (batch-norm statistics) writes its buffers as training does.
@@ -61,6 +64,7 @@ class ForwardPrograms:
     training_plan: Plan
     plan_forward: Callable[[OpGraph], Plan]
     lower_forward: Callable[[fx.GraphModule, Plan, list[str]], fx.GraphModule]
+    capture_forward: Callable[..., Any]
     signature: CallSignature | None = None
     _cache: dict[tuple, ForwardProgram] = field(default_factory=dict, repr=False)
 
@@ -82,7 +86,7 @@ class ForwardPrograms:
             signature = CallSignature(0, keywords, static)
         elif outputs:
             signature = None
-        captured = capture_forward(self.module, examples, self.loss_fn, outputs=outputs,
+        captured = self.capture_forward(self.module, examples, self.loss_fn, outputs=outputs,
                                    signature=signature)
         plan = self.plan_forward(captured.graph)
         expected = {v.name: v.placements for v in self.training_plan.parameters}

@@ -30,6 +30,8 @@ import signal
 import sys
 import threading
 
+from torchalpa.runtime.rank_failure import RankFailedError, describe_culprits
+
 __all__ = ["install"]
 
 _LAUNCHER_ENV = "TORCHELASTIC_RUN_ID"
@@ -57,14 +59,12 @@ class _Stop:
                             "report for the rank that failed")
         monitor.leaving(failed, dead)
         if failed or dead:
-            from torchalpa.runtime.faults import describe_culprits
             self.message = (f"rank {monitor.rank}: torchrun stopped the job (SIGTERM) "
                             f"because {describe_culprits(failed, dead)}")
         self.diagnosed.set()
 
     def on_signal(self, signum, frame) -> None:
         """The Python-level handler: runs when the main thread executes Python."""
-        from torchalpa.runtime.faults import RankFailedError
         self.diagnosed.wait(timeout=30)
         self.taken.set()
         if self.message is not None:

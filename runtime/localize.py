@@ -33,16 +33,16 @@ machine, with the op and the model line that made it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-import torchalpa.batched_matmul  # noqa: F401  (registers torchalpa::batched_matmul, which programs call)
-from torchalpa.passes.rules.resize import UPSAMPLE_BACKWARDS
-from torchalpa.placement import Shard, is_shard, local_shape
-from torchalpa.plan import NodeStrategy
+import torchalpa.ops.batched_matmul  # noqa: F401  (registers torchalpa::batched_matmul, which programs call)
+from torchalpa.core.placement import Shard, is_shard, local_shape
+from torchalpa.core.plan import NodeStrategy
+from torchalpa.core.resize_ops import UPSAMPLE_BACKWARDS
 from torchalpa.runtime import random as R
 from torchalpa.runtime import vocab as V
 from torchalpa.runtime.device_ops import check_op

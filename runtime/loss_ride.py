@@ -35,9 +35,9 @@ runs, so it keeps the loss's own all-reduce.
 from __future__ import annotations
 
 import operator
-from typing import Any, cast
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -45,7 +45,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import BUCKET, flatten_concat, split_flat
-from torchalpa.runtime.deferred_loss import _FINISH, finish_program, split_loss_tail
+from torchalpa.runtime.deferred_loss import FINISH, finish_program, split_loss_tail
 from torchalpa.runtime.lower import PLAN_STEP
 
 __all__ = ["RiddenPrograms", "ride_loss_on_bucket"]
@@ -80,7 +80,7 @@ def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule
     if split is None:
         return None
     graph, outs, loss, order, boundary = split
-    waits = [n for n in order if n.target in _FINISH]
+    waits = [n for n in order if n.target in FINISH]
     if len(waits) != 1 or waits[0].target is not C.finish_all_reduce:
         return None
     wait = waits[0]

@@ -39,9 +39,9 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_map
 
-import torchalpa.attention  # noqa: F401  (registers torchalpa::sdpa, which programs call)
-from torchalpa.opgraph import ValueRef
-from torchalpa.plan import OutputSlot, Plan, ReshardStep
+import torchalpa.ops.attention  # noqa: F401  (registers torchalpa::sdpa, which programs call)
+from torchalpa.core.opgraph import ValueRef
+from torchalpa.core.plan import OutputSlot, Plan, ReshardStep
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime import sync_norm
 from torchalpa.runtime.attention_saved import save_attention_statistics

@@ -27,8 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchalpa import placement as P
-from torchalpa.plan import Plan
+from torchalpa.core import placement as P
+from torchalpa.core.plan import Plan
 
 __all__ = ["to_dtensor_placements", "distribute_module_state", "distribute_stages",
            "reset_parameters", "MaterializeWarning"]

@@ -4,14 +4,14 @@ memory."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from torchalpa.cluster import cuda_selected
+from torchalpa.core.cluster import cuda_selected
 
 __all__ = ["local_nbytes", "model_state_bytes", "loopback_bytes", "timed_steps",
            "reset_peak_memory", "peak_memory_bytes"]

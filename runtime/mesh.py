@@ -1,7 +1,7 @@
 """Process group and DeviceMesh from the launch environment (torchrun or a single process).
 
 NCCL when CUDA is present, gloo otherwise (``TORCHALPA_DEVICE=cpu`` chooses CPUs and gloo on a
-GPU machine: ``torchalpa.cluster.cuda_selected``). Without torchrun the world is this one
+GPU machine: ``torchalpa.core.cluster.cuda_selected``). Without torchrun the world is this one
 process, so the same code runs on a laptop with no launcher.
 """
 
@@ -10,13 +10,14 @@ from __future__ import annotations
 import datetime
 import math
 import os
-from typing import Callable, NoReturn, TypeVar
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchalpa.cluster import cuda_selected
+from torchalpa.core.cluster import cuda_selected
 
 __all__ = ["default_backend", "default_device", "init_distributed", "build_mesh", "rank",
            "world_size", "check_world_size", "on_rank0", "gather_objects", "comm_device",

@@ -36,24 +36,28 @@ step that replicated parameters, buffers and the generator state still agree acr
 from __future__ import annotations
 
 import inspect
-
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from torchalpa.calls import CallSignature
-from torchalpa.plan import Collective, PipelinePlan, Plan
-from torchalpa.runtime.buckets import (LossRide, collective_position, gradient_buckets,
-                                       issued_collectives)
-from torchalpa.runtime.faults import (FaultMonitor, check_same_inputs, check_same_values,
-                                      describe_specs)
+from torchalpa.core.calls import CallSignature
+from torchalpa.core.plan import Collective, PipelinePlan, Plan
+from torchalpa.runtime.buckets import LossRide, collective_position, gradient_buckets
+from torchalpa.runtime.faults import (
+    FaultMonitor,
+    check_same_inputs,
+    check_same_values,
+    describe_specs,
+)
 from torchalpa.runtime.inference import ForwardPrograms
+from torchalpa.runtime.issued import issued_collectives
 from torchalpa.runtime.materialize import distribute_module_state, to_dtensor_placements
-from torchalpa.runtime.optim import lean_optimizer_steps
 from torchalpa.runtime.mesh import collective_timeout
+from torchalpa.runtime.optim import lean_optimizer_steps
 from torchalpa.runtime.replicas import ReplicaMismatchError, enabled_by_env, raise_on_every_rank
 from torchalpa.runtime.replicas import check_replicas as _check_replicas
 from torchalpa.runtime.stats import StepClock, StepStats
@@ -79,7 +83,7 @@ class _TrainingStep(torch.autograd.Function):
     ``apply``, outside both."""
 
     @staticmethod
-    def forward(ctx, pm: "ParallelModule", num_state: int, *args):
+    def forward(ctx, pm: ParallelModule, num_state: int, *args):
         state, inputs = list(args[:num_state]), args[num_state:]
         runner = pm._runner
         with pm._monitor.guard(f"the forward of step {pm._num_calls}"):
@@ -516,7 +520,7 @@ class ParallelModule(nn.Module):
         """A plain copy of the model with full, gathered tensors (no DTensors): for
         ``generate()``, ``torch.save`` or single-device evaluation. Every rank must call it
         (it gathers); ``torchalpa.save_pretrained(pm, dir)`` writes it from rank 0."""
-        from torchalpa.runtime.export import gathered_module
+        from torchalpa.runtime.pretrained_save import gathered_module
         return gathered_module(self)
 
     def local_program(self) -> str:

@@ -31,12 +31,14 @@ None again after the step, so ``state_dict()`` is unchanged.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                   register_optimizer_step_pre_hook)
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 __all__ = ["lean_optimizer_steps", "ELEMENTWISE_OPTIMIZERS", "FOREACH_IDENTICAL",
            "FOREACH_MAX_NUMEL"]

@@ -43,8 +43,8 @@ from typing import cast
 import torch
 import torch.fx as fx
 
-from torchalpa.placement import local_shape, split_factor_of
-from torchalpa.plan import OUTPUT, Plan, state_read_once
+from torchalpa.core.placement import local_shape, split_factor_of
+from torchalpa.core.plan import OUTPUT, Plan, state_read_once
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import bucket_threshold, flatten_concat
 

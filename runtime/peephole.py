@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-import torchalpa.batched_matmul  # noqa: F401  (registers torchalpa::batched_matmul)
+import torchalpa.ops.batched_matmul  # noqa: F401  (registers torchalpa::batched_matmul)
 
 __all__ = ["fold_relu_backward", "inline_batched_matmul"]
 

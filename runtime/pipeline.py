@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from torchalpa.plan import PipelinePlan
+from torchalpa.core.plan import PipelinePlan
 from torchalpa.runtime.lower import GraphSlice, StageProgram, build_programs, producers
 from torchalpa.runtime.traffic import point_to_point, wait_label
 

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from torchalpa.placement import local_shape
+from torchalpa.core.placement import local_shape
 
 __all__ = ["profile_layers"]
 
@@ -33,6 +33,7 @@ def profile_layers(captured, probes, micro_inputs, model, device, *, repeats: in
                    ) -> dict[tuple, float]:
     """Seconds per micro-batch (forward + backward) of every probe, on every rank."""
     from torch.distributed.device_mesh import DeviceMesh
+
     from torchalpa.runtime.pipeline import lower_stage
 
     rank = dist.get_rank()

@@ -34,7 +34,7 @@ import warnings
 
 import torch
 
-from torchalpa.placement import is_shard
+from torchalpa.core.placement import is_shard
 
 __all__ = ["RANDOM_OPS", "is_sharded", "block_index", "lower_random", "dropout", "draw",
            "block_seed", "sync_random_state", "RandomStateWarning"]

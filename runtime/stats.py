@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from torchalpa.runtime.buckets import issued_collectives
+from torchalpa.runtime.issued import issued_collectives
 from torchalpa.runtime.traffic import TALLY, Traffic
 
 __all__ = ["StepClock", "StepStats"]
@@ -59,7 +59,7 @@ class StepStats:
     planned_by_kind: dict = field(default_factory=dict)    # kind -> (count, bytes sent)
 
     def __str__(self) -> str:
-        from torchalpa.report import format_bytes
+        from torchalpa.core.units import format_bytes
 
         def est(v, f):
             return f"(plan: {f(v)})" if v is not None else "(plan: -)"

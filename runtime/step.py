@@ -29,20 +29,20 @@ gradient bucket's (``runtime.loss_ride``), where the plan's collectives allow it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, cast
+from typing import Protocol, cast
 
 import torch
 import torch.fx as fx
 
+from torchalpa.core.schedules import SCHEDULES, Action
 from torchalpa.runtime.deferred_loss import defer_loss_wait
 from torchalpa.runtime.early_reduce import early_reduce_program
 from torchalpa.runtime.loss_ride import RiddenPrograms, ride_loss_on_bucket
 from torchalpa.runtime.lower import StageProgram, ValueKey
 from torchalpa.runtime.stage_recompute import Replay, random_state, replaying
 from torchalpa.runtime.streamline import streamlined_copy
-from torchalpa.schedules import SCHEDULES, Action
 
 __all__ = ["StepRunner", "StepInFlight", "Exchange", "split_micro_batches"]
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from torchalpa.placement import is_shard, split_factor_of
+from torchalpa.core.placement import is_shard, split_factor_of
 from torchalpa.runtime.collectives import all_gather_strided, local_chunk
 
 __all__ = ["redistribute", "full_value"]

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from torchalpa.placement import is_shard
+from torchalpa.core.placement import is_shard
 
 __all__ = ["SyncedOp", "SYNCED", "synced_axes", "run_synced"]
 

@@ -94,7 +94,7 @@ class TensorBoardHook:
         if self.writer is not None:
             self.writer.close()
 
-    def __enter__(self) -> "TensorBoardHook":
+    def __enter__(self) -> TensorBoardHook:
         return self
 
     def __exit__(self, *exc) -> None:

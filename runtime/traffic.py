@@ -44,10 +44,10 @@ class Traffic:
     sent: Counter = field(default_factory=Counter)
     received: Counter = field(default_factory=Counter)
 
-    def copy(self) -> "Traffic":
+    def copy(self) -> Traffic:
         return Traffic(Counter(self.count), Counter(self.sent), Counter(self.received))
 
-    def since(self, earlier: "Traffic") -> "Traffic":
+    def since(self, earlier: Traffic) -> Traffic:
         """What was issued after ``earlier`` (a copy taken then)."""
         return Traffic(self.count - earlier.count, self.sent - earlier.sent,
                        self.received - earlier.received)

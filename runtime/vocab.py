@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from torchalpa.placement import Shard
+from torchalpa.core.placement import Shard
 
 __all__ = ["row_offset", "lookup", "dense_backward", "gather_block", "scatter_block"]
 

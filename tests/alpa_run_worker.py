@@ -29,10 +29,11 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torchalpa  # noqa: E402
 from alpa_cases import BertLayers, mse  # noqa: E402
-from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
 from worker_io import mesh_shape, run_scenarios, train_beside_one_device  # noqa: E402
+
+import torchalpa  # noqa: E402
+from torchalpa.runtime.issued import issued_collectives  # noqa: E402
 
 
 class TwoDense(nn.Module):

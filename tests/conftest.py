@@ -8,6 +8,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Plans cached by one test session must not leak into another (or into the user's cache).
 import tempfile  # noqa: E402
+
 os.environ["TORCHALPA_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchalpa-test-cache-")
 # The suite's ranks run on CPUs over gloo, also on a GPU machine (four ranks cannot share
 # its one GPU under NCCL); tests marked gpu switch to CUDA (the fixture in test_gpu.py).

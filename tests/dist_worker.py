@@ -18,11 +18,11 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import torchalpa  # noqa: E402
-from models import (MLP, FusedAttention, WithCustomOp, fused_attention_by_heads,  # noqa: E402
-                    mlp_inputs)
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from models import MLP, FusedAttention, WithCustomOp, fused_attention_by_heads, mlp_inputs  # noqa: E402
 from worker_io import attempt, finish, max_rel, train_beside_one_device  # noqa: E402
+
+import torchalpa  # noqa: E402
+from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 
 ALPA_UNIT = lambda n: torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,), beta=(1.0,))  # noqa: E731
 
@@ -204,7 +204,7 @@ def main():
                              torch.randn(4, 8, 32, generator=gen)),
             method=fused_attention_by_heads(), cluster=ALPA_UNIT(n)), results)
     if "fused_qkv_2d" in which and n == 4:   # heads over axis 1, c_attn's columns over 0
-        from torchalpa.placement import strided
+        from torchalpa.core.placement import strided
         pin = (("c_attn.weight", (torchalpa.Shard(1), strided(0, 3))),
                ("c_proj.weight", ("*", torchalpa.Shard(1))))
         method = torchalpa.ShardParallel(

@@ -13,10 +13,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.cluster import Cluster  # noqa: E402
+from torchalpa.core.cluster import Cluster  # noqa: E402
 from torchalpa.frontends.jax_lower import lower_jax  # noqa: E402
-from torchalpa.hlo_annotate import annotate_stablehlo  # noqa: E402
-from torchalpa.xla import compile_annotated, hlo_collectives  # noqa: E402
+from torchalpa.interop.hlo_annotate import annotate_stablehlo  # noqa: E402
+from torchalpa.interop.xla import compile_annotated, hlo_collectives  # noqa: E402
 
 
 def loss(params, x, y):

@@ -85,7 +85,7 @@ def fused_attention_by_heads(num_devices: int = 4):
     ``num_devices`` in a row: c_attn a strided shard (each device its heads of q, of k and
     of v), c_proj split by rows."""
     import torchalpa
-    from torchalpa.placement import strided
+    from torchalpa.core.placement import strided
     pin = (("c_attn.weight", (strided(0, 3),)), ("c_proj.weight", (torchalpa.Shard(1),)))
     return torchalpa.ShardParallel(logical_mesh_shape=(num_devices,),
                                    auto_sharding_option=torchalpa.AutoShardingOption(pin=pin))

@@ -16,12 +16,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torchalpa  # noqa: E402
 from alpa_cases import MoELayer, mse  # noqa: E402
-from torchalpa.placement import Replicate, Shard  # noqa: E402
-from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 from worker_io import attempt, finish, max_rel, train_beside_one_device  # noqa: E402
+
+import torchalpa  # noqa: E402
+from torchalpa.core.placement import Replicate, Shard  # noqa: E402
+from torchalpa.runtime.issued import issued_collectives  # noqa: E402
+from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 
 HIDDEN, HEADS, GROUP, EXPERTS, BATCH, SEQ = 16, 4, 8, 8, 8, 8
 

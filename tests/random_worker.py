@@ -18,14 +18,14 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torchalpa  # noqa: E402
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: E402
+from worker_io import attempt, finish  # noqa: E402
 
-from torchalpa.methods import AutoShardingOption  # noqa: E402
+import torchalpa  # noqa: E402
+from torchalpa.core.options import AutoShardingOption  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 from torchalpa.runtime.random import RandomStateWarning  # noqa: E402
 from torchalpa.runtime.replicas import RNG_STATE, ReplicaMismatchError  # noqa: E402
-from worker_io import attempt, finish  # noqa: E402
 
 DIM, BATCH = 32, 64
 
@@ -79,7 +79,7 @@ def replica_diffs(pm) -> dict:
 
 
 def dropout_placements(pm) -> list[str]:
-    from torchalpa.placement import format_placements
+    from torchalpa.core.placement import format_placements
     return [f"({', '.join(format_placements(s.outputs[0]))},)" for s in pm.plan.strategies
             if "dropout" in s.node and "backward" not in s.node]
 

@@ -26,8 +26,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import torch.distributed as dist  # noqa: E402
-
 import worker_io  # noqa: E402
+
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 
 

@@ -12,11 +12,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from pipeline_worker import compare, manual  # noqa: E402
+from worker_io import attempt, finish  # noqa: E402
+
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
-from pipeline_worker import compare, manual  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from worker_io import attempt, finish  # noqa: E402
 
 
 def intra_op(gpt, batch, remat: str, steps: int = 3) -> dict:

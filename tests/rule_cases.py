@@ -10,14 +10,14 @@ graphs contain. ``POINTWISE_CALLS`` calls every elementwise op directly, one cas
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from torchalpa.frontends import constants  # noqa: F401  (registers torchalpa::constant)
-from torchalpa.markers import mark_pipeline_boundary
+from torchalpa.ops.markers import mark_pipeline_boundary
 
 aten = torch.ops.aten
 aten_constant = torch.ops.torchalpa.constant.default

@@ -11,7 +11,6 @@ from the same initial weights and data, and records both sides for the test to c
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import sys
 
@@ -23,17 +22,19 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import torchalpa  # noqa: E402
 from models import MLP, FusedAttention, fused_attention_by_heads, mlp_inputs  # noqa: E402
 from quickstart import MLP as QuickstartMLP  # noqa: E402
+from worker_io import attempt, finish, max_rel, named_input_faults, train_beside_one_device  # noqa: E402
+
+import torchalpa  # noqa: E402
+from torchalpa.core.plan import OutputSlot  # noqa: E402
+from torchalpa.runtime.buckets import gradient_buckets  # noqa: E402
 from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from torchalpa.runtime.buckets import gradient_buckets, issued_collectives  # noqa: E402
-from torchalpa.plan import OutputSlot  # noqa: E402
+from torchalpa.runtime.issued import issued_collectives  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from torchalpa.runtime.strided_dtensor import full_value  # noqa: E402
-from worker_io import (attempt, finish, max_rel, named_input_faults,  # noqa: E402
-                       train_beside_one_device)
 from torchalpa.runtime.precision import CastForward, MixedPrecision  # noqa: E402
+from torchalpa.runtime.strided_dtensor import full_value  # noqa: E402
+
 
 # Scenarios that need sharded layouts (not DDP's) plan for a CPU cluster that prices each
 # gradient all-reduce on its own, as Alpa does: the default (measured, bucket-priced) gloo
@@ -394,7 +395,7 @@ def checkpoint_strided_as_on_2_11(shared: str):
     gathers): ``runtime/strided_dtensor.py`` then gathers them itself."""
     from torch.distributed.tensor import DTensor
 
-    from torchalpa.placement import split_factor_of
+    from torchalpa.core.placement import split_factor_of
     keep = DTensor.redistribute
     refused = []
 

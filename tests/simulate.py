@@ -8,7 +8,7 @@ import itertools
 
 import torch
 
-from torchalpa.placement import Partial, Shard, is_shard, split_factor_of
+from torchalpa.core.placement import Partial, Shard, is_shard, split_factor_of
 
 
 def coords_of(mesh_shape):

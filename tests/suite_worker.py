@@ -23,10 +23,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from worker_io import attempt, finish  # noqa: E402
+
 import torchalpa  # noqa: E402
 from torchalpa.models.suite import build_case  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from worker_io import attempt, finish  # noqa: E402
 
 STEPS = 3
 LR = 1e-3

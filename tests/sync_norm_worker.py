@@ -21,10 +21,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torchalpa  # noqa: E402
 from alpa_cases import ConvNet  # noqa: E402
-from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
 from worker_io import max_rel, mesh_shape, run_scenarios, train_beside_one_device  # noqa: E402
+
+import torchalpa  # noqa: E402
+from torchalpa.runtime.issued import issued_collectives  # noqa: E402
 
 # (layers, batch, image size, channels) per net
 NETS = {"conv": (3, 16, 16, 4), "wide": (2, 2, 4, 16)}

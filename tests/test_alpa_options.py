@@ -2,12 +2,18 @@
 
 import pytest
 import torch
-
 from alpa_cases import MLPModuleList, mse
-from torchalpa import (AutoShardingOption, LogicalMesh, ManualShardingOption, Replicate,
-                       Shard, ShardParallel)
-from torchalpa.api import _blocks_of
+
+from torchalpa import (
+    AutoShardingOption,
+    LogicalMesh,
+    ManualShardingOption,
+    Replicate,
+    Shard,
+    ShardParallel,
+)
 from torchalpa.frontends.torch_export import capture
+from torchalpa.parallel.shard import blocks_of
 from torchalpa.passes.intra_op import plan_intra_op
 
 MESH = LogicalMesh(shape=(4,))
@@ -25,7 +31,7 @@ def graph():
 def _plan(graph, mesh=MESH, manual=None, **options):
     method = ShardParallel(auto_sharding_option=AutoShardingOption(**options),
                            manual_sharding_option=manual)
-    return plan_intra_op(graph, mesh, method, blocks=_blocks_of(graph))
+    return plan_intra_op(graph, mesh, method, blocks=blocks_of(graph))
 
 
 def _kinds(plan):

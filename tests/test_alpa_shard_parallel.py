@@ -20,16 +20,32 @@ import functools
 
 import pytest
 import torch
+from alpa_cases import (
+    MLP_SPELLINGS,
+    BertLayers,
+    ConvNet,
+    DenseDropoutDense,
+    DenseGatherDense,
+    DotAllToAll,
+    Gemv,
+    MoELayer,
+    TiedEmbedding,
+    all_reduce_cost,
+    all_to_all_cost,
+    assert_close,
+    bert_inputs,
+    bert_matmul_weights,
+    communication,
+    conv_inputs,
+    mlp_weight_names,
+    plan_of,
+    summed_cross_entropy,
+    summed_nll_of_log_softmax,
+    weights,
+)
 
-from alpa_cases import (MLP_SPELLINGS, BertLayers, DenseDropoutDense, DenseGatherDense,
-                        DotAllToAll, Gemv,
-                        MoELayer, all_reduce_cost, all_to_all_cost, assert_close,
-                        TiedEmbedding, bert_inputs, bert_matmul_weights, communication,
-                        summed_cross_entropy, summed_nll_of_log_softmax, ConvNet, conv_inputs,
-                        mlp_weight_names, plan_of, weights)
-from torchalpa import (DataParallel, Replicate, Shard, Zero2Parallel,
-                       Zero3Parallel)
-from torchalpa.placement import strided
+from torchalpa import DataParallel, Replicate, Shard, Zero2Parallel, Zero3Parallel
+from torchalpa.core.placement import strided
 
 MERGE_ALL = 1 << 60     # Alpa's default all_reduce_threshold: one bucket
 # every spelling of Alpa's MLP; the third runs with the slow tests
@@ -376,7 +392,7 @@ def test_conv_model_parallel(axis, shape):
 MOE = dict(batch_size=64, seq_len=16, hidden=64, heads=16, group_size=32, num_experts=16)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _moe_layer_plan(shape, **options):
     """One plan per case, shared by the tests that read it (planning takes minutes here)."""
     m = MOE

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from models import MLP, mlp_inputs
 
 import torchalpa
-from models import MLP, mlp_inputs
 
 
 def test_one_process_trains_like_eager(single_process_world):
@@ -96,7 +96,7 @@ def test_pipeline_options_that_cannot_be_honoured_say_why(single_process_world):
 
 
 def test_pipeline_num_micro_batches_set_once():
-    from torchalpa.pipeshard import pipeline_options
+    from torchalpa.parallel.pipeshard import pipeline_options
     default = torchalpa.PipeshardParallel()
     assert pipeline_options(default, num_micro_batches=4).num_micro_batches == 4
     assert pipeline_options(default).num_micro_batches == 1
@@ -105,25 +105,39 @@ def test_pipeline_num_micro_batches_set_once():
     assert pipeline_options(four) == four
 
 
-def test_entry_points_dispatch_through_the_method(single_process_world):
-    """plan / auto_parallel check the common arguments, then hand over to the method's own
-    plan / build: a method subclass sees every option, and no branch in api skips it."""
-    seen = {}
+def test_entry_points_dispatch_through_the_method_table(single_process_world, monkeypatch):
+    """plan / auto_parallel check the common arguments, then take the one orchestration
+    with the steps the table gives the method's class: a method registered there is
+    planned and built through its own steps, with every option handed on."""
+    from torchalpa.parallel import methods
+    from torchalpa.parallel.shard import IntraOpSteps
 
-    class Recording(torchalpa.PipeshardParallel):
-        def plan(self, model, example_inputs, loss_fn=None, **options):
-            seen["plan"] = sorted(options)
-            return "a plan"
+    calls: dict[str, dict] = {}
 
-        def build(self, model, example_inputs, loss_fn=None, **options):
-            seen["build"] = sorted(options)
-            return "a module"
+    class Recording(torchalpa.ShardParallel):
+        pass
+
+    class RecordingSteps(IntraOpSteps):
+        def with_options(self, method, **options):
+            calls.setdefault("with_options", {}).update(options)
+            return super().with_options(method, **options)
+
+        def solve(self, graph, target, method, inputs, measured=None):
+            calls["solve"] = {"method": type(method).__name__, "inputs": inputs}
+            return super().solve(graph, target, method, inputs, measured)
+
+        def place(self, captured, plan, target, method, device, **options):
+            calls["place"] = options
+            return super().place(captured, plan, target, method, device, **options)
+
+    monkeypatch.setitem(methods.STEPS, Recording, RecordingSteps())
     x, y = mlp_inputs(8, 16)
-    assert torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, method=Recording()) == "a plan"
-    assert torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss,
-                                   method=Recording()) == "a module"
-    assert seen["plan"] == ["cluster", "inputs", "num_params", "param_argnums"]
-    assert seen["build"] == sorted(
-        ["signature", "mesh", "cluster", "inputs", "optimizer", "plan", "num_micro_batches",
-         "mixed_precision", "init_weights", "compile", "check_replicas", "check_inputs"])
-    assert not dist.is_initialized()
+    plan = torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, method=Recording())
+    assert plan.method["name"] == "Recording" and calls["solve"]["method"] == "Recording"
+    assert "place" not in calls             # planning places nothing
+    torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss, method=Recording())
+    assert sorted(calls["with_options"]) == sorted(
+        ["inputs", "signature", "mesh", "num_micro_batches", "init_weights"])
+    assert sorted(calls["place"]) == ["inputs", "loss_fn", "model", "signature", "traced"]
+    with pytest.raises(TypeError, match="method must be a torchalpa method"):
+        torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, method=object())

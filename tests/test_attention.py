@@ -1,4 +1,4 @@
-"""The device-neutral attention op ``torchalpa::sdpa`` (torchalpa/attention.py).
+"""The device-neutral attention op ``torchalpa::sdpa`` (torchalpa/ops/attention.py).
 
 It must compute what ``F.scaled_dot_product_attention`` computes, forward and backward
 (a learned additive bias included), and a model that uses it must train under torchalpa
@@ -14,9 +14,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import torchalpa
-from torchalpa.attention import sdpa
 from torchalpa.frontends.torch_export import capture
-
+from torchalpa.ops.attention import sdpa
 
 pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 

@@ -12,14 +12,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchalpa import attention
-from torchalpa.cluster import Cluster
-from torchalpa.passes.attention_price import (attention_backward_flops, saved_statistics,
-                                              saves_statistic, statistic_spec)
+from torchalpa.core.cluster import Cluster
+from torchalpa.core.placement import Replicate, Shard
+from torchalpa.ops import attention
+from torchalpa.parallel.workflow import capture_step
+from torchalpa.passes.attention_price import (
+    attention_backward_flops,
+    saved_statistics,
+    saves_statistic,
+    statistic_spec,
+)
 from torchalpa.passes.memory import activation_peak_bytes, liveness
-from torchalpa.placement import Replicate, Shard
 from torchalpa.runtime.attention_saved import save_attention_statistics
-from torchalpa.workflow import capture_step
 
 B, H, L, E = 2, 4, 8, 16
 

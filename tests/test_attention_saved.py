@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.attention import sdpa_backward_saved, sdpa_forward_saving
+from torchalpa.ops.attention import sdpa_backward_saved, sdpa_forward_saving
 
 
 def _inputs(heads_kv=2, mask=None, dtype=torch.float32):

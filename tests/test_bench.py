@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from torchalpa.bench import table_rows
-from torchalpa.cli import main
+from torchalpa.cli.bench import table_rows
+from torchalpa.cli.commands import main
 
 
 def _result(loopback_exact: bool) -> dict:

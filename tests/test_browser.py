@@ -17,10 +17,9 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from PIL import Image
 import pytest
-
 from headless import page_layout, screenshot
+from PIL import Image
 from test_report import synthetic_plan
 
 pytestmark = pytest.mark.browser

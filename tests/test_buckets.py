@@ -11,14 +11,28 @@ import pytest
 import torch
 import torch.fx as fx
 
-from torchalpa.placement import Partial, Replicate, Shard
-from torchalpa.plan import (OUTPUT, Collective, OutputSlot, Plan, Reshard, ReshardStep,
-                            ValuePlacement)
+from torchalpa.core.placement import Partial, Replicate, Shard
+from torchalpa.core.plan import (
+    OUTPUT,
+    Collective,
+    OutputSlot,
+    Plan,
+    Reshard,
+    ReshardStep,
+    ValuePlacement,
+)
 from torchalpa.runtime import collectives as C
-from torchalpa.runtime.buckets import (DEFAULT_BUCKET_BYTES, bucket_threshold,
-                                       flatten_concat, fuse_gradient_buckets, gradient_buckets,
-                                       interleave_chunks, issued_collectives, split_chunks,
-                                       split_flat)
+from torchalpa.runtime.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    bucket_threshold,
+    flatten_concat,
+    fuse_gradient_buckets,
+    gradient_buckets,
+    interleave_chunks,
+    split_chunks,
+    split_flat,
+)
+from torchalpa.runtime.issued import issued_collectives
 
 MESH = (4, 2)
 P, R = Partial("sum"), Replicate()

@@ -12,13 +12,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.calibrate import Calibration, calibration_enabled, fit_alpha_beta
-from torchalpa.cluster import GRADIENT_BUCKET_BYTES, Cluster, LogicalMesh
+from torchalpa.core.cluster import GRADIENT_BUCKET_BYTES, Cluster, LogicalMesh
+from torchalpa.core.placement import Partial, Replicate
+from torchalpa.core.plan import OUTPUT, OutputSlot, ReshardStep
+from torchalpa.parallel.calibrate import Calibration, calibration_enabled, fit_alpha_beta
+from torchalpa.parallel.workflow import default_cluster
 from torchalpa.passes.cost import collective_cost, gradient_steps_cost, steps_cost
-from torchalpa.placement import Partial, Replicate
-from torchalpa.plan import OUTPUT, OutputSlot, ReshardStep
 from torchalpa.runtime.buckets import DEFAULT_BUCKET_BYTES
-from torchalpa.workflow import default_cluster
 
 SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 

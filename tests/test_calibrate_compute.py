@@ -13,13 +13,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-import torchalpa.calibrate as calibrate
-from torchalpa.calibrate import Calibration, conv_flops, in_step_latency
-from torchalpa.cluster import Cluster
+import torchalpa.parallel.calibrate as calibrate
+from torchalpa.core.cluster import Cluster
+from torchalpa.core.opgraph import OpNode, TensorSpec
+from torchalpa.core.placement import Replicate
 from torchalpa.frontends.opset import flop_count
-from torchalpa.opgraph import OpNode, TensorSpec
+from torchalpa.parallel.calibrate import Calibration, conv_flops, in_step_latency
 from torchalpa.passes.cost import compute_cost, op_family, optimizer_cost
-from torchalpa.placement import Replicate
 
 
 class FakeClock:

@@ -1,4 +1,4 @@
-"""Calling conventions (``torchalpa/calls.py``), the forward-only capture, kernels whose
+"""Calling conventions (``torchalpa/core/calls.py``), the forward-only capture, kernels whose
 fake implementation is stricter than the real one, and the hints of capture errors."""
 
 from __future__ import annotations
@@ -8,10 +8,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from torchalpa.calls import CallSignature
+from torchalpa.core.calls import CallSignature
 from torchalpa.frontends.opset import _grouped_mm
-from torchalpa.frontends.torch_export import CaptureError, capture
-from torchalpa.runtime.inference import capture_forward
+from torchalpa.frontends.torch_export import CaptureError, capture, capture_forward
 
 transformers = pytest.importorskip("transformers")
 

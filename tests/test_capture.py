@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from models import MLP
+
 from torchalpa.frontends.torch_export import CaptureError, capture, split_inputs
 
 
@@ -397,7 +397,7 @@ class TwoStages(nn.Module):
         self.second = nn.Linear(8, 8)
 
     def forward(self, x):
-        from torchalpa.markers import mark_pipeline_boundary
+        from torchalpa.ops.markers import mark_pipeline_boundary
         h = torch.relu(self.first(x))
         h = mark_pipeline_boundary(h)
         return self.second(h)
@@ -405,7 +405,7 @@ class TwoStages(nn.Module):
 
 def test_pipeline_boundary_marker_survives_forward_and_backward():
     import torchalpa.passes.rules.markers  # noqa: F401  (the rule; rules/__init__ may not yet)
-    from torchalpa.markers import PIPELINE_BOUNDARY_OP
+    from torchalpa.ops.markers import PIPELINE_BOUNDARY_OP
     from torchalpa.passes.rules import rule_for
     with torch.device("meta"):
         model, x, y = TwoStages(), torch.empty(4, 8), torch.empty(4, 8)
@@ -423,7 +423,7 @@ def test_pipeline_boundary_marker_survives_forward_and_backward():
 
 
 def test_mark_pipeline_boundary_is_the_identity_and_checks_its_arguments():
-    from torchalpa.markers import mark_pipeline_boundary
+    from torchalpa.ops.markers import mark_pipeline_boundary
     x = torch.randn(3, 4, requires_grad=True)
     m = torch.ones(3, dtype=torch.bool)
     y, mask = mark_pipeline_boundary(x, m)
@@ -440,7 +440,7 @@ def test_mark_pipeline_boundary_is_the_identity_and_checks_its_arguments():
 
 def _block_graph(shapes):
     """A chain of blocks ``layers.i`` of one mm each, the i-th with output ``shapes[i]``."""
-    from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, TensorSpec, ValueRef
+    from torchalpa.core.opgraph import GraphOutputs, OpGraph, OpNode, TensorSpec, ValueRef
     nodes = [OpNode("x", "input", kind="input", outputs=(TensorSpec((4, 4)),), target="input0")]
     prev = "x"
     for i, shape in enumerate(shapes):
@@ -456,7 +456,8 @@ def _block_graph(shapes):
 
 
 def test_find_repeated_blocks_tags_only_identical_blocks():
-    from torchalpa.frontends.repeated import block_counts, block_of, find_repeated_blocks
+    from torchalpa.core.opgraph import block_of
+    from torchalpa.frontends.repeated import block_counts, find_repeated_blocks
     assert block_of("encoder.layer.11.attention.self") == ("encoder.layer", 11)
     assert block_of("lm_head") is None and block_of("0.fc") is None
     g = _block_graph([(4, 4)] * 3)
@@ -470,8 +471,15 @@ def test_find_repeated_blocks_tags_only_identical_blocks():
 
 
 def test_graph_check_rejects_outputs_that_read_absent_values():
-    from torchalpa.opgraph import ABSENT_DTYPE, GraphError, GraphOutputs, OpGraph, OpNode, \
-        TensorSpec, ValueRef
+    from torchalpa.core.opgraph import (
+        ABSENT_DTYPE,
+        GraphError,
+        GraphOutputs,
+        OpGraph,
+        OpNode,
+        TensorSpec,
+        ValueRef,
+    )
     nodes = [OpNode("w", "param", kind="param", outputs=(TensorSpec((4,)),), target="w"),
              OpNode("bwd", "aten.some_backward.default", operands=(ValueRef("w"),),
                     outputs=(TensorSpec((), ABSENT_DTYPE), TensorSpec((4,)))),

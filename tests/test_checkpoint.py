@@ -1,4 +1,4 @@
-"""Activation checkpointing (frontends/checkpoint.py, passes/remat_choice.py): the rewritten
+"""Activation checkpointing (frontends/block_remat.py, passes/remat_choice.py): the rewritten
 step computes what the plain step computes, recomputes each block's forward in backward,
 the planner sees less memory and more flops, 'auto' chooses by the plan, and training with
 it on real gloo ranks (tests/remat_worker.py) equals training on one device."""
@@ -13,7 +13,7 @@ import worker_io
 
 import torchalpa
 import torchalpa.models as zoo
-from torchalpa.frontends.checkpoint import checkpointed_capture
+from torchalpa.frontends.block_remat import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.memory import activation_peak_bytes
@@ -34,7 +34,7 @@ def captures(gpt):
 
 
 def _replicated_outputs(graph):
-    from torchalpa.placement import Replicate
+    from torchalpa.core.placement import Replicate
     return {n.name: tuple((Replicate(),) for _ in n.outputs) for n in graph}
 
 

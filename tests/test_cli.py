@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from models import MLP, WithCustomOp
-from torchalpa.cli import main
+
+from torchalpa.cli.commands import main
 
 
 def mlp_step():
@@ -147,13 +147,13 @@ def test_help_imports_no_torch():
     import subprocess
     import sys
 
-    import torchalpa.cli as cli
+    import torchalpa.cli.commands as cli
     subprocess.run([sys.executable, "-c", _NO_TORCH, cli.__file__], check=True)
 
 
 def test_console_script_imports_no_torch():
     import subprocess
     import sys
-    code = ("import sys, torchalpa.cli as c; c.build_parser().format_help(); "
+    code = ("import sys, torchalpa.cli.commands as c; c.build_parser().format_help(); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)

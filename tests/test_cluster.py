@@ -8,13 +8,13 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from models import MLP, mlp_inputs
 
 import torchalpa
-from models import MLP, mlp_inputs
-from torchalpa import gpu_specs
-from torchalpa.api import default_cluster
-from torchalpa.cluster import GB, Cluster, LogicalMesh
-from torchalpa.opgraph import OpNode, TensorSpec
+from torchalpa.core import gpu_specs
+from torchalpa.core.cluster import GB, Cluster, LogicalMesh
+from torchalpa.core.opgraph import OpNode, TensorSpec
+from torchalpa.parallel.workflow import default_cluster
 from torchalpa.passes.cost import compute_cost
 
 
@@ -166,7 +166,7 @@ def test_cluster_options_are_validated():
 
 
 def test_torchalpa_device_cpu_keeps_a_gpu_machine_on_cpus_and_gloo(fake_gpu, monkeypatch):
-    from torchalpa.cluster import cuda_selected
+    from torchalpa.core.cluster import cuda_selected
     from torchalpa.runtime.mesh import default_backend, default_device
     fake_gpu(count=1)
     assert cuda_selected() and default_backend() == "nccl"
@@ -180,7 +180,7 @@ def test_torchalpa_device_cpu_keeps_a_gpu_machine_on_cpus_and_gloo(fake_gpu, mon
 
 
 def test_torchalpa_device_cuda_without_cuda_says_how_to_fix_it(monkeypatch):
-    from torchalpa.cluster import cuda_selected
+    from torchalpa.core.cluster import cuda_selected
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("TORCHALPA_DEVICE", "cuda")
     with pytest.raises(RuntimeError, match="TORCHALPA_DEVICE=cuda, but .*unset TORCHALPA_DEVICE"):

@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from torchalpa.api import candidate_meshes, plan_graph
-from torchalpa.cluster import Cluster
+from torchalpa.core.cluster import Cluster
+from torchalpa.core.options import ShardParallel
 from torchalpa.frontends import opset
 from torchalpa.frontends.torch_export import capture
-from torchalpa.methods import ShardParallel
+from torchalpa.parallel.shard import candidate_meshes, plan_graph
 from torchalpa.runtime.device_ops import DeviceOpError, runs_on
 from torchalpa.runtime.lower import lower
 

@@ -20,10 +20,10 @@ pytest.importorskip("jax", reason="jax/jaxlib are not installed: pip install 'to
 pytest.importorskip("torch_mlir", reason="torch-mlir is not installed: "
                                          "pip install 'torchalpa[stablehlo]'")
 
-from torchalpa.cli import main  # noqa: E402
+from torchalpa.cli.commands import main  # noqa: E402
+from torchalpa.core.plan import load_plan  # noqa: E402
 from torchalpa.frontends.stablehlo import from_stablehlo, parse_module  # noqa: E402
-from torchalpa.hlo_annotate import annotate_stablehlo, sdy_sharding  # noqa: E402
-from torchalpa.plan import load_plan  # noqa: E402
+from torchalpa.interop.hlo_annotate import annotate_stablehlo, sdy_sharding  # noqa: E402
 
 
 class TwoLayers(torch.nn.Module):

@@ -1,5 +1,5 @@
 """Source locations through StableHLO: ``export_stablehlo`` writes each forward op's module
-path and line of the model's code (``torchalpa/export_locations.py``), and the StableHLO
+path and line of the model's code (``torchalpa/interop/stablehlo_locations.py``), and the StableHLO
 frontend reads them back, so ops without a rule are named by where the user wrote them."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytest.importorskip("torch_mlir", reason="torch-mlir is not installed: "
                                          "pip install 'torchalpa[stablehlo]'")
 
 import torchalpa  # noqa: E402
-from torchalpa.cluster import Cluster  # noqa: E402
+from torchalpa.core.cluster import Cluster  # noqa: E402
 from torchalpa.frontends.stablehlo import from_stablehlo  # noqa: E402
 
 

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from models import mlp_inputs
 
 import torchalpa
-from models import mlp_inputs
 from torchalpa.runtime import checkpoint as ck
 from torchalpa.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 

@@ -19,12 +19,12 @@ import warnings
 
 import pytest
 import torch
-import worker_io
 import torch.distributed as dist
 import torch.nn.functional as F
+import worker_io
+from fault_worker import batch, build
 
 import torchalpa
-from fault_worker import batch, build
 from torchalpa.runtime.checkpoint import load_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch.nn.functional as F
+from models import MLP, mlp_inputs
 
 import torchalpa
-from models import MLP, mlp_inputs
+from torchalpa.core.plan import OUTPUT, PLAN_VERSION, OutputSlot
+from torchalpa.core.plan_check import PlanError, check_plan
 from torchalpa.frontends.torch_export import capture
-from torchalpa.plan import OUTPUT, PLAN_VERSION, OutputSlot
-from torchalpa.plan_check import PlanError, check_plan
 
 METHOD = torchalpa.ShardParallel(logical_mesh_shape=(4,))
 # gradients priced one all-reduce each (Alpa's accounting): this small MLP's plan is then
@@ -288,7 +288,7 @@ def test_version_1_plan_files_load_into_the_typed_records():
 
 
 def test_a_version_1_cache_entry_is_a_hit(cache_dir):
-    from torchalpa import cache
+    from torchalpa.parallel import cache
     cache_dir.mkdir(mode=0o700)
     (cache_dir / "somekey.json").write_text(V1_PLAN.read_text())
     with warnings.catch_warnings():

@@ -10,9 +10,9 @@ here on the small GPT's last two layers, where the merge costs 4 %."""
 from __future__ import annotations
 
 import pytest
+from search_models import small_gpt_graph
 
 import torchalpa
-from search_models import small_gpt_graph
 from torchalpa.passes import inter_op
 from torchalpa.passes.intra_op import plan_intra_op
 from torchalpa.passes.subgraph import stage_subgraph

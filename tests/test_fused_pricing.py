@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.cluster import Cluster
-from torchalpa.methods import AutoShardingOption, ShardParallel
+from torchalpa.core.cluster import Cluster
+from torchalpa.core.options import AutoShardingOption, ShardParallel
+from torchalpa.parallel.workflow import capture_step
 from torchalpa.passes.fused_pricing import is_elementwise, is_reduction, priced_as
-from torchalpa.workflow import capture_step
 
 
 class RMSNormMLP(torch.nn.Module):

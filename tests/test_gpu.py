@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import torchalpa
 import torchalpa.models as zoo
-from torchalpa.cluster import Cluster
+from torchalpa.core.cluster import Cluster
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.usefixtures("single_process_world")]   # conftest.py

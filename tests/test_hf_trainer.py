@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from worker_io import launch
 
 import torchalpa
-from worker_io import launch
 
 transformers = pytest.importorskip("transformers")
 import accelerate  # noqa: E402,F401  (Trainer needs it; a missing one fails here, not skips)

@@ -1,4 +1,4 @@
-"""A StableHLO step annotated with its plan (torchalpa/hlo_annotate.py): Shardy and GSPMD
+"""A StableHLO step annotated with its plan (torchalpa/interop/hlo_annotate.py): Shardy and GSPMD
 spellings, and XLA partitioning an annotated step into the plan's collectives."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("jax", reason="jax/jaxlib are not installed: "
                                   "pip install 'torchalpa[stablehlo]'")
 
-from torchalpa.hlo_annotate import sdy_sharding  # noqa: E402
-from torchalpa.placement import Partial, Replicate, Shard  # noqa: E402
+from torchalpa.core.placement import Partial, Replicate, Shard  # noqa: E402
+from torchalpa.interop.hlo_annotate import sdy_sharding  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,7 +18,7 @@ def gpt_graph():
 
 def _plan(graph, monkeypatch, direct: bool, budget: float | None, shape=(2, 2)):
     import torchalpa
-    from torchalpa.methods import ShardParallel
+    from torchalpa.core.options import ShardParallel
     from torchalpa.passes import ilp
     from torchalpa.passes.intra_op import plan_intra_op
     monkeypatch.setattr(ilp, "DIRECT_HIGHS", direct)

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from torchalpa.frontends.torch_export import CaptureError
-from torchalpa.runtime.inference import capture_forward
+from torchalpa.frontends.torch_export import CaptureError, capture_forward
 
 
 def test_forward_capture_failure_is_explained():

@@ -19,7 +19,7 @@ class Blocks(nn.Module):
                                     for a, b in zip(dims, dims[1:]))
 
     def forward(self, x):
-        from torchalpa.markers import mark_pipeline_boundary
+        from torchalpa.ops.markers import mark_pipeline_boundary
         for n, block in enumerate(self.blocks):
             x = block(x)
             if n < len(self.blocks) - 1:

@@ -1,6 +1,23 @@
-"""The architecture's one-way data flow, checked on the source: frontends and passes never
-import the runtime, the planning passes load neither torch.distributed.checkpoint nor the
-runtime, and module-level imports inside the package form no cycle."""
+"""The architecture's layers, checked on the source: every import statement (at the top of
+a module, inside a function, under ``TYPE_CHECKING``) follows the allowed arrows, and the
+imports between our modules form no cycle.
+
+The layers (``../shared/DESIGN.md``), each allowed to import only those listed:
+
+    cli        anything, the package included
+    parallel   interop, views, frontends, passes, runtime, models, ops, core
+    interop    views, frontends, passes, runtime, ops, core
+    views      core
+    frontends  ops, core         (never passes or runtime)
+    passes     ops, core         (never frontends or runtime)
+    runtime    ops, core         (never frontends or passes)
+    models     ops, core         (the model zoo: plain torch modules)
+    ops        core
+    core       nothing of ours
+
+The package ``torchalpa/__init__.py`` is the top: it may import any layer, and nothing of
+ours imports it (a module names the module it needs, never the package).
+"""
 
 import ast
 import pathlib
@@ -13,6 +30,19 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # setup.cfg's package_dir: folder -> installed package.
 PACKAGES = {"torchalpa": "torchalpa", "frontends": "torchalpa.frontends",
             "passes": "torchalpa.passes", "runtime": "torchalpa.runtime"}
+ALLOWED = {
+    "cli": {"parallel", "interop", "views", "frontends", "passes", "runtime", "models", "ops",
+            "core"},
+    "parallel": {"interop", "views", "frontends", "passes", "runtime", "models", "ops", "core"},
+    "interop": {"views", "frontends", "passes", "runtime", "ops", "core"},
+    "views": {"core"},
+    "frontends": {"ops", "core"},
+    "passes": {"ops", "core"},
+    "runtime": {"ops", "core"},
+    "models": {"ops", "core"},
+    "ops": {"core"},
+    "core": set(),
+}
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -25,12 +55,18 @@ def _modules() -> dict[str, pathlib.Path]:
     return found
 
 
-def _imports(module: str, path: pathlib.Path, known, top_level_only: bool):
-    """(line, imported module) for each import; `from pkg import sub` names pkg.sub."""
+def layer_of(module: str) -> str:
+    """``torchalpa.passes.rules.matmul`` -> ``passes``; the package itself -> ``top``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "top"
+
+
+def _imports(module: str, path: pathlib.Path, known):
+    """(line, imported module) for every import statement anywhere in the module;
+    ``from pkg import sub`` names pkg.sub when sub is a module."""
     tree = ast.parse(path.read_text(), str(path))
-    nodes = tree.body if top_level_only else ast.walk(tree)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in nodes:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
@@ -46,39 +82,81 @@ def _imports(module: str, path: pathlib.Path, known, top_level_only: bool):
                 yield node.lineno, full if full in known else base
 
 
-def test_frontends_and_passes_never_import_the_runtime():
+def _ours(target: str, known) -> str | None:
+    """The module of ours ``target`` names (or is inside), or None for other packages."""
+    while target and target not in known:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def _edges():
     modules = _modules()
-    offending = []
     for module, path in modules.items():
-        if not module.startswith(("torchalpa.frontends", "torchalpa.passes")):
+        for line, target in _imports(module, path, modules):
+            ours = _ours(target, modules)
+            if ours is not None and ours != module:
+                yield module, path, line, ours
+
+
+def test_every_module_is_in_a_layer():
+    unknown = sorted({layer_of(m) for m in _modules()} - set(ALLOWED) - {"top"})
+    assert not unknown, f"modules outside the layers {sorted(ALLOWED)}: {unknown}"
+
+
+def test_imports_follow_the_layers():
+    offending = []
+    for module, path, line, target in _edges():
+        source, dest = layer_of(module), layer_of(target)
+        if source in ("top", "cli") or source == dest:
             continue
-        for line, target in _imports(module, path, modules, top_level_only=False):
-            if target.startswith(("torchalpa.runtime", "torch.distributed")):
-                offending.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
-            if module.startswith("torchalpa.frontends") and target.startswith("torchalpa.passes"):
-                offending.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+        if dest == "top":
+            offending.append(f"{path.relative_to(ROOT)}:{line} imports the torchalpa package; "
+                             "import the module that defines the name")
+        elif dest not in ALLOWED[source]:
+            offending.append(f"{path.relative_to(ROOT)}:{line} ({source}) imports {target} "
+                             f"({dest}); {source} may import {sorted(ALLOWED[source]) or 'nothing'}")
     assert not offending, "\n".join(offending)
 
 
-def test_no_import_cycles():
-    modules = _modules()
+def test_no_import_cycles_counting_every_import_statement():
     graph = nx.DiGraph()
-    for module, path in modules.items():
-        for _, target in _imports(module, path, modules, top_level_only=True):
-            if target in modules and target != module:
-                graph.add_edge(module, target)
+    for module, _, _, target in _edges():
+        graph.add_edge(module, target)
     cycles = [" -> ".join(c) for c in nx.simple_cycles(graph)]
     assert not cycles, "\n".join(cycles)
+
+
+def test_no_module_imports_another_modules_private_names():
+    modules = _modules()
+    offending = []
+    for _module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchalpa"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private:
+                    offending.append(f"{path.relative_to(ROOT)}:{node.lineno} imports "
+                                     f"{private} from {node.module}")
+    assert not offending, "\n".join(offending)
 
 
 def test_rule_families_import_the_registry_not_the_package():
     modules = _modules()
     for module, path in modules.items():
         if module.startswith("torchalpa.passes.rules."):
-            targets = {t for _, t in _imports(module, path, modules, top_level_only=False)}
+            targets = {t for _, t in _imports(module, path, modules)}
             assert "torchalpa.passes.rules" not in targets, (
                 f"{path.relative_to(ROOT)}: import register, FactorNamer... from "
                 "torchalpa.passes.rules.registry (the package __init__ imports every family)")
+
+
+def test_the_layering_test_catches_an_import_against_the_arrows(tmp_path):
+    """The checks above see imports written inside functions too."""
+    source = tmp_path / "bad.py"
+    source.write_text("def f():\n    from torchalpa.runtime.mesh import rank\n")
+    known = {"torchalpa.runtime.mesh": source}
+    assert list(_imports("torchalpa.passes.bad", source, known)) == \
+        [(2, "torchalpa.runtime.mesh")]
+    assert "runtime" not in ALLOWED[layer_of("torchalpa.passes.bad")]
 
 
 def test_planning_passes_load_no_runtime():
@@ -90,12 +168,11 @@ def test_planning_passes_load_no_runtime():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_api_loads_no_method_runtime():
-    """api dispatches through the method object: importing it loads neither the pipeline's
-    orchestration (``pipeshard``) nor the runtime (``shard``'s names are re-exported)."""
-    code = ("import sys, torchalpa.api\n"
-            "bad = sorted(m for m in sys.modules if m in ('torchalpa.pipeshard',) or "
-            "m.startswith('torchalpa.runtime'))\n"
+def test_api_loads_no_runtime():
+    """``import torchalpa`` and its entry points stay light: the runtime is loaded when a
+    model is built, not when the API is imported."""
+    code = ("import sys, torchalpa, torchalpa.parallel.api\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('torchalpa.runtime'))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
@@ -107,8 +184,8 @@ def test_ilp_loads_no_torch():
 
 def test_lazy_public_names():
     import torchalpa
-    from torchalpa import api, runtime  # noqa: F401
-    from torchalpa.plan import Plan
+    from torchalpa.core.plan import Plan
+    from torchalpa.parallel import api
 
     assert torchalpa.plan is api.plan and torchalpa.auto_parallel is api.auto_parallel
     assert torchalpa.Plan is Plan

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-
 from test_simplify import Residual
+
 from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.layers import cluster_layers
 

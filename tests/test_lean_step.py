@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from torchalpa.batched_matmul import batched_matmul
+from torchalpa.ops.batched_matmul import batched_matmul
 from torchalpa.runtime.peephole import inline_batched_matmul
 
 

@@ -11,8 +11,8 @@ import torch.fx as fx
 
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import BUCKET, flatten_concat, split_flat
-from torchalpa.runtime.lower import PLAN_STEP
 from torchalpa.runtime.loss_ride import ride_loss_on_bucket
+from torchalpa.runtime.lower import PLAN_STEP
 from torchalpa.runtime.overlap import overlap_collectives
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from test_presolve import brute_force, random_problem
+
 from torchalpa.passes.ilp import ILPProblem, InfeasibleError, lower_bound, solve_ilp
 
 

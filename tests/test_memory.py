@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from torchalpa.opgraph import GraphOutputs, OpGraph, OpNode, TensorSpec, ValueRef
+from torchalpa.core.opgraph import GraphOutputs, OpGraph, OpNode, TensorSpec, ValueRef
+from torchalpa.core.placement import Replicate
 from torchalpa.passes.memory import activation_timeline, liveness
-from torchalpa.placement import Replicate
 
 SPEC = TensorSpec((4, 4))   # 64 bytes
 

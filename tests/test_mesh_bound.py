@@ -14,8 +14,8 @@ import pytest
 
 import torchalpa
 import torchalpa.models as zoo
-from torchalpa import shard
 from torchalpa.frontends.torch_export import capture
+from torchalpa.parallel import shard
 from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
 
 FAMILIES = ["gpt", "llama", "bert", "resnet", "moe"]

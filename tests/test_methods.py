@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from models import MLP
 
 import torchalpa
-from models import MLP
-from torchalpa.cluster import LogicalMesh
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.placement import Replicate, Shard
 from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.intra_op import plan_intra_op
-from torchalpa.placement import Replicate, Shard
 
 MESH = LogicalMesh(shape=(4,), alpha=(1.0,), beta=(1.0,))
 

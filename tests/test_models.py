@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -154,7 +156,7 @@ def test_llama_flops_are_exact(captured):
     attn = [n for n in ops if n.op.startswith("torchalpa.sdpa") and n.module == "layers.0.self_attn"]
     assert {n.phase for n in attn} == {"forward", "backward"}
     # forward: QK^T and PV; backward: the forward again (torchalpa::sdpa_backward recomputes
-    # it, torchalpa/attention.py), then QK^T again (flash recomputes it) and the four
+    # it, torchalpa/ops/attention.py), then QK^T again (flash recomputes it) and the four
     # gradient matmuls; 2 flops per multiply-add, causal masking not discounted
     for n in attn:
         assert n.flops == (4 if n.phase == "forward" else 4 + 10) * B * H * T * T * D
@@ -258,7 +260,7 @@ def test_configs_reject_bad_fields():
         models.MoEConfig.tiny(top_k=5)
     with pytest.raises(ValueError, match="unknown model family"):
         models.tiny("gpt5")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         models.GPTConfig.tiny().hidden = 64     # frozen
 
 

@@ -12,12 +12,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import torchalpa  # noqa: E402
 from quickstart import MLP  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: E402
-from torchalpa.runtime import optim as lean  # noqa: E402
 
+import torchalpa  # noqa: E402
+from torchalpa.runtime import optim as lean  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 

@@ -11,12 +11,17 @@ import pytest
 import torch
 import torch.fx as fx
 
-from torchalpa.placement import Replicate, Shard
-from torchalpa.plan import Collective, Plan, Reshard, ReshardStep, ValuePlacement
+from torchalpa.core.placement import Replicate, Shard
+from torchalpa.core.plan import Collective, Plan, Reshard, ReshardStep, ValuePlacement
 from torchalpa.runtime import collectives as C
-from torchalpa.runtime.buckets import flatten_concat, issued_collectives
-from torchalpa.runtime.param_gather import (gather_buckets, gathered_once,
-                                            hoist_parameter_gathers, split_gathered)
+from torchalpa.runtime.buckets import flatten_concat
+from torchalpa.runtime.issued import issued_collectives
+from torchalpa.runtime.param_gather import (
+    gather_buckets,
+    gathered_once,
+    hoist_parameter_gathers,
+    split_gathered,
+)
 
 R, S0 = Replicate(), Shard(0)
 

@@ -4,7 +4,8 @@ import json
 from html.parser import HTMLParser
 
 from test_report import synthetic_plan
-from torchalpa.plan import PipelinePlan, StagePlan
+
+from torchalpa.core.plan import PipelinePlan, StagePlan
 
 VOID = {"meta", "br", "img", "input", "hr", "link"}
 SVG_LEAVES = {"rect", "line"}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import worker_io
 
-
 # make test's 4-rank launch. gpt_auto (the stage DP on estimated costs, then training) runs
 # in make test-all: its sibling gpt_profile here runs the same DP (on measured costs) and
 # trains the stages it picks like one device, and the DP on estimated costs is planned in

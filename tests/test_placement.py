@@ -4,7 +4,7 @@ import pytest
 from torch.distributed import tensor as dt
 
 import torchalpa
-from torchalpa.placement import format_placements, parse_placement, parse_placements, short
+from torchalpa.core.placement import format_placements, parse_placement, parse_placements, short
 
 
 def test_exports_are_torch_classes():

@@ -1,4 +1,4 @@
-"""The typed records a plan carries (torchalpa/plan_records.py): estimates and per-parameter
+"""The typed records a plan carries (torchalpa/core/plan_records.py): estimates and per-parameter
 explanations, serialized in one place in the form plan files of versions 1 and 2 hold."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from torchalpa.plan import Plan
-from torchalpa.plan_records import Estimates, Explanation, LayoutCost
+from torchalpa.core.plan import Plan
+from torchalpa.core.plan_records import Estimates, Explanation, LayoutCost
 
 V1 = os.path.join(os.path.dirname(__file__), "data", "plan_v1_gpt_tiny.json")
 

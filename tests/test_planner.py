@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models import MLP, WithCustomOp
 
 import torchalpa
-from models import MLP, WithCustomOp
-from torchalpa.cluster import LogicalMesh
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.placement import Replicate, Shard
+from torchalpa.core.plan import PLAN_VERSION, Plan
 from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.cost import all_reduce_cost
 from torchalpa.passes.intra_op import UnsupportedOpWarning, plan_intra_op
-from torchalpa.placement import Replicate, Shard
-from torchalpa.plan import PLAN_VERSION, Plan
 
 ALPA_MESH = LogicalMesh(shape=(4,), alpha=(1.0,), beta=(1.0,))  # Alpa's unit costs
 
@@ -314,6 +314,7 @@ def test_a_warm_start_changes_nothing_but_time(solver):
     """solve_ilp(initial=...) (how the period-2 solve starts from the period-1 plan) finds
     the same optimum as a cold solve, from a feasible but poor start, with a memory row."""
     import numpy as np
+
     from torchalpa.passes.ilp import Edge, ILPProblem, solve_ilp
     rng = np.random.default_rng(0)
     names = [f"n{i}" for i in range(12)]

@@ -18,11 +18,11 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from models import MLP, FusedAttention, fused_inputs, mlp_inputs
 from safetensors.torch import save_file, save_model
+from test_faults_dist import _free_port
 
 import torchalpa
-from models import MLP, FusedAttention, fused_inputs, mlp_inputs
-from test_faults_dist import _free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -9,7 +9,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa import cache, progress
+from torchalpa.core import progress
+from torchalpa.parallel import cache
 
 
 def test_plan_reports_capture_and_each_mesh(caplog, monkeypatch, tmp_path):

@@ -19,9 +19,9 @@ import torch.nn as nn
 import worker_io
 
 import torchalpa
-from torchalpa.methods import AutoShardingOption
-from torchalpa.placement import Replicate, Shard
-from torchalpa.plan import NodeStrategy
+from torchalpa.core.options import AutoShardingOption
+from torchalpa.core.placement import Replicate, Shard
+from torchalpa.core.plan import NodeStrategy
 from torchalpa.runtime import random as R
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.replicas import bit_hash
@@ -56,7 +56,7 @@ def _bert_layers_graph(dropout: float):
 @pytest.fixture(scope="module")
 def bert_plans():
     """On mesh (4, 1) with unit alpha-beta costs (the objective is in Alpa's units)."""
-    from torchalpa.api import plan_graph
+    from torchalpa.parallel.shard import plan_graph
     mesh = torchalpa.LogicalMesh(shape=(4, 1), alpha=(1.0, 1.0), beta=(1.0, 1.0))
     graphs = {p: _bert_layers_graph(p) for p in (0.1, 0.0)}
     return {(p, random): plan_graph(graphs[p], meshes=[mesh], method=torchalpa.ShardParallel(

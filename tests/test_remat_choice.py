@@ -65,8 +65,8 @@ def test_compute_lower_bound_is_below_the_planned_step():
 
     import torchalpa
     import torchalpa.models as zoo
+    from torchalpa.core.options import ShardParallel
     from torchalpa.frontends.torch_export import capture
-    from torchalpa.methods import ShardParallel
     from torchalpa.passes.intra_op import plan_intra_op
     from torchalpa.passes.remat_choice import compute_lower_bound
     workload = zoo.tiny("gpt", batch_size=4)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from torchalpa.fold import fold, fold_indices, template
-from torchalpa.placement import Replicate, Shard
-from torchalpa.plan import OUTPUT, Collective, OutputSlot, Plan, Reshard, ValuePlacement
+from torchalpa.core.placement import Replicate, Shard
+from torchalpa.core.plan import OUTPUT, Collective, OutputSlot, Plan, Reshard, ValuePlacement
+from torchalpa.views.fold import fold, fold_indices, template
 
 LAYER = {"input_layernorm.weight": (64,), "self_attn.q_proj.weight": (64, 64),
          "self_attn.o_proj.weight": (64, 64), "mlp.up_proj.weight": (256, 64),

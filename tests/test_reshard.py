@@ -8,14 +8,22 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-
 from simulate import block, combine, coords_of
-from torchalpa.cluster import LogicalMesh
-from torchalpa.opgraph import TensorSpec
+
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import TensorSpec
+from torchalpa.core.placement import (
+    Partial,
+    Replicate,
+    Shard,
+    long_form,
+    parse_placement,
+    short_form,
+    split_factor_of,
+    strided,
+)
 from torchalpa.passes.cost import collective_cost, steps_cost
 from torchalpa.passes.reshard import plan_reshard
-from torchalpa.placement import (Partial, Replicate, Shard, long_form, parse_placement, short_form,
-                                 split_factor_of, strided)
 from torchalpa.runtime import collectives as C
 
 PER_AXIS = [Replicate(), Shard(0), Shard(1), Partial("sum")]
@@ -118,6 +126,7 @@ def test_our_blocks_are_dtensor_blocks(fake_world):
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
+
     from torchalpa.runtime.module import to_dtensor_placements
     full = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8)
     rank_coords = coords_of((2, 2))

@@ -8,9 +8,9 @@ block. Gathering and slicing instead costs an all-gather (forbidden under
 numerics of every such transition are checked in tests/test_reshard.py
 (``test_every_transition``)."""
 
-from torchalpa.opgraph import TensorSpec
+from torchalpa.core.opgraph import TensorSpec
+from torchalpa.core.placement import Replicate, Shard
 from torchalpa.passes.reshard import plan_reshard
-from torchalpa.placement import Replicate, Shard
 
 SPEC = TensorSpec((16, 32, 4, 64))   # (experts, groups, capacity, model)
 

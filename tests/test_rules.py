@@ -28,17 +28,17 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from rule_cases import CASES, POINTWISE_CALLS, fwd_bwd, math_attention, rnd
 from simulate import block, combine, coords_of
-from torchalpa.cluster import LogicalMesh
+
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.placement import Replicate, Shard
+from torchalpa.core.plan import NodeStrategy
 from torchalpa.frontends import torch_export
 from torchalpa.frontends.torch_export import capture, trace_ops
 from torchalpa.passes.rules import RULES
 from torchalpa.passes.strategies import enumerate_strategies
 from torchalpa.passes.strides import POSITION_FREE_OPS
-from torchalpa.placement import Replicate, Shard
-from torchalpa.plan import NodeStrategy
 from torchalpa.runtime import sync_norm
 from torchalpa.runtime.localize import localize
 from torchalpa.runtime.synced import run_synced, synced_axes
@@ -64,7 +64,7 @@ def trace(fn, args, keep=(), pre_dispatch=False):
         return trace_ops(fn, args)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def traced(name: str):
     case = CASES[name]
     torch.manual_seed(0)
@@ -422,9 +422,9 @@ def test_matmul_strategies_are_the_megatron_set():
 
 def _random_rules(mesh_shape, option=None):
     """{op: strategies} of every random op in the cases (eval-mode dropout excluded)."""
-    from torchalpa.methods import AutoShardingOption
+    from torchalpa.core.opgraph import GraphOutputs, OpGraph, ValueRef
+    from torchalpa.core.options import AutoShardingOption
     from torchalpa.passes.intra_op import build_strategies
-    from torchalpa.opgraph import GraphOutputs, OpGraph, ValueRef
     found = {}
     for name in ("random", "dropout", "undecomposed"):
         (gm, nodes), _ = traced(name)
@@ -453,7 +453,7 @@ def test_random_ops_shard_their_draw_by_default():
 
 def test_random_ops_are_drawn_whole_with_random_replicated():
     """AutoShardingOption(random="replicated"): one-device numerics, every draw whole."""
-    from torchalpa.methods import AutoShardingOption
+    from torchalpa.core.options import AutoShardingOption
     found = _random_rules((2, 2), AutoShardingOption(random="replicated"))
     assert len(found) >= 10
     for op, per_node in found.items():
@@ -688,7 +688,7 @@ def test_training_batch_norm_splits_its_batch_with_synced_statistics():
     parameter gradients come out whole (synchronized batch norm, as Alpa's plan)."""
     (gm, nodes), _ = traced("batch_norm_train")
     found = {}
-    for name, node in nodes.items():
+    for _name, node in nodes.items():
         if node.op in sync_norm.SYNCED:
             specs = [nodes[r.node].outputs[r.index] for r in node.operands]
             rule = RULES[node.op](node, specs)

@@ -10,13 +10,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models import MLP, mlp_inputs
 
 import torchalpa
-from models import MLP, mlp_inputs
 from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
 from torchalpa.runtime.materialize import MaterializeWarning
 from torchalpa.runtime.precision import CastForward, MixedPrecision
-
 
 pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 
@@ -312,10 +311,10 @@ def test_autograd_path_saves_items_of_multi_output_ops():
 def test_an_intra_op_plan_lowers_as_a_one_stage_pipeline():
     """``lower`` (intra-op) and ``lower_stage`` on the same plan as the only stage of a
     pipeline build the same programs: there is one lowering, not two."""
-    from torchalpa.cluster import LogicalMesh
+    from torchalpa.core.cluster import LogicalMesh
+    from torchalpa.core.plan import PipelinePlan, StagePlan
     from torchalpa.frontends.torch_export import capture
     from torchalpa.passes.intra_op import plan_intra_op
-    from torchalpa.plan import PipelinePlan, StagePlan
     from torchalpa.runtime.lower import lower
     from torchalpa.runtime.pipeline import lower_stage
     torch.manual_seed(0)

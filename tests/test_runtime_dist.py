@@ -298,7 +298,7 @@ def faults():
                  for r in (0, 1)]
         jobs[kind] = (procs, time.monotonic())
     results = {}
-    for kind, (procs, start) in jobs.items():
+    for kind, (procs, _start) in jobs.items():
         try:
             out, err = procs[0].communicate(timeout=120)
         except subprocess.TimeoutExpired:

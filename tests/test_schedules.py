@@ -3,7 +3,7 @@ deadlock, holding as many micro-batches as the schedule promises."""
 
 import pytest
 
-from torchalpa.schedules import check_schedule, gpipe, in_flight, one_f_one_b
+from torchalpa.core.schedules import check_schedule, gpipe, in_flight, one_f_one_b
 
 
 @pytest.mark.parametrize("stages,micro", [(1, 1), (2, 4), (4, 4), (4, 8), (3, 2), (8, 4)])
@@ -35,7 +35,7 @@ def test_a_bad_order_is_caught():
 
 def test_simulated_1f1b_matches_the_pipeline_formula():
     """Equal stages: a 1F1B step takes (B + S - 1) x (forward + backward) of one stage."""
-    from torchalpa.schedules import simulate
+    from torchalpa.core.schedules import simulate
     S, B, f, b = 4, 8, 1.0, 2.0
     timeline = simulate(one_f_one_b(S, B), [f] * S, [b] * S)
     makespan = max(e for stage in timeline for _, _, _, e in stage)

@@ -7,9 +7,9 @@ import sys
 import types
 
 import pytest
+from search_models import small_gpt_graph
 
 import torchalpa
-from search_models import small_gpt_graph
 from torchalpa.passes import inter_op
 from torchalpa.passes.layer_cache import SOLVES
 from torchalpa.passes.stage_jobs import StageJobs

@@ -4,10 +4,10 @@ plan's shared read round-trips through JSON."""
 import numpy as np
 import pytest
 
+from torchalpa.core.placement import Partial, Replicate
+from torchalpa.core.plan import Reshard, ReshardStep
 from torchalpa.passes.ilp import Edge, ILPProblem, solve_ilp
 from torchalpa.passes.shared_reshard import SharedReads
-from torchalpa.placement import Partial, Replicate
-from torchalpa.plan import Reshard, ReshardStep
 
 # producer u writes layout A (strategy 0) or B (strategy 1); targets X (0) and Y (1)
 TABLE = np.array([[10.0, 6.0],       # A -> X, A -> Y

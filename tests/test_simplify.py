@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchalpa import AutoShardingOption, ShardParallel
-from torchalpa.cluster import Cluster
+from torchalpa.core.cluster import Cluster
 from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.intra_op import build_strategies, plan_intra_op
 from torchalpa.passes.simplify import group_nodes
@@ -91,7 +91,8 @@ def _mlp_of_repeated_linears():
     """A 6-Linear MLP whose Linears are each a repeated block, on a (4,) mesh: (graph,
     blocks, mesh)."""
     from models import MLP
-    from torchalpa.cluster import LogicalMesh
+
+    from torchalpa.core.cluster import LogicalMesh
     from torchalpa.frontends.repeated import find_repeated_blocks
     with torch.device("meta"):
         model = MLP(256, 6)
@@ -114,7 +115,7 @@ def test_alternating_solve_can_be_turned_off():
     """``alternate_blocks=False`` (the pipeline search's per-layer estimates) keeps the
     shared decision: every Linear of the MLP takes one layout, so the plan pays more than
     the alternating one above."""
-    from torchalpa.methods import AutoShardingOption, ShardParallel
+    from torchalpa.core.options import AutoShardingOption, ShardParallel
     g, blocks, mesh = _mlp_of_repeated_linears()
 
     def objective(**option):    # no unsimplified re-solve, which would find it anyway

@@ -17,12 +17,11 @@ import torch.nn.functional as F
 
 import torchalpa.models as zoo
 from torchalpa import AutoShardingOption, LogicalMesh, ShardParallel
-from torchalpa.api import _blocks_of
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes.costgraph import ReshardCosts
+from torchalpa.parallel.shard import blocks_of
+from torchalpa.passes.costgraph import ReshardCosts, solve_sharing_reads
 from torchalpa.passes.ilp import ILPProblem, solve_ilp
 from torchalpa.passes.intra_op import build_strategies, plan_intra_op
-from torchalpa.passes.shared_reshard import solve_sharing_reads
 from torchalpa.passes.simplify import group_nodes
 
 
@@ -89,7 +88,7 @@ def test_random_models_lose_nothing(seed):
     x = torch.empty(batch, width, device="meta")
     graph = capture(model, (x, x), _mse).graph
     method = ShardParallel()
-    planned = plan_intra_op(graph, mesh, method, blocks=_blocks_of(graph))
+    planned = plan_intra_op(graph, mesh, method, blocks=blocks_of(graph))
     full = full_ilp_objective(graph, mesh, method.auto_sharding_option)
     assert planned.estimates["objective"] <= full * (1 + 1e-6) + 1e-6
 
@@ -103,7 +102,7 @@ def test_zoo_models_at_small_size_lose_nothing(family):
     graph = capture(model, batch, w.loss_fn).graph
     mesh = LogicalMesh(shape=(2, 2), beta=(1.0, 0.1))
     method = ShardParallel()
-    planned = plan_intra_op(graph, mesh, method, blocks=_blocks_of(graph))
+    planned = plan_intra_op(graph, mesh, method, blocks=blocks_of(graph))
     full = full_ilp_objective(graph, mesh, method.auto_sharding_option)
     assert planned.estimates["objective"] <= full * (1 + 1e-6) + 1e-6
 
@@ -116,6 +115,6 @@ def test_without_the_exact_check_simplification_may_lose():
     graph = capture(model, (x, x), _mse).graph
     mesh = LogicalMesh(shape=(2, 2), beta=(1.0, 0.1))
     simplified = plan_intra_op(graph, mesh, ShardParallel(
-        auto_sharding_option=AutoShardingOption(exact_below=0)), blocks=_blocks_of(graph))
+        auto_sharding_option=AutoShardingOption(exact_below=0)), blocks=blocks_of(graph))
     full = full_ilp_objective(graph, mesh, AutoShardingOption())
     assert simplified.estimates["objective"] >= full - 1e-6

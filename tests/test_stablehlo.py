@@ -23,11 +23,11 @@ jax = pytest.importorskip("jax", reason="jax/jaxlib are not installed: "
 import jax.numpy as jnp  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.cluster import Cluster  # noqa: E402
-from torchalpa.frontends.stablehlo import StableHLOError, from_stablehlo  # noqa: E402
+from torchalpa.core.cluster import Cluster  # noqa: E402
+from torchalpa.core.opgraph import Operand  # noqa: E402
+from torchalpa.core.placement import Partial, Replicate, Shard  # noqa: E402
 from torchalpa.frontends.jax_lower import lower_jax  # noqa: E402
-from torchalpa.opgraph import Operand  # noqa: E402
-from torchalpa.placement import Partial, Replicate, Shard  # noqa: E402
+from torchalpa.frontends.stablehlo import StableHLOError, from_stablehlo  # noqa: E402
 from torchalpa.passes.rules import rule_for  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -285,8 +285,8 @@ def test_hlo_sharding_strings_match_jax(placements, mesh_shape):
     """Our ``mhlo.sharding`` strings are the ones JAX writes for the same NamedSharding."""
     from jax.sharding import AbstractMesh, NamedSharding
 
-    from torchalpa.export import hlo_sharding
-    from torchalpa.xla import partition_spec
+    from torchalpa.interop.hlo_annotate import hlo_sharding
+    from torchalpa.interop.xla import partition_spec
     names = tuple(f"a{i}" for i in range(len(mesh_shape)))
     mesh = AbstractMesh(mesh_shape, names)
     spec = partition_spec(placements, 2, names)
@@ -299,7 +299,7 @@ def test_hlo_sharding_strings_match_jax(placements, mesh_shape):
 
 
 def test_hlo_collectives_read_merged_ops():
-    from torchalpa.xla import hlo_collectives
+    from torchalpa.interop.xla import hlo_collectives
     text = """
   %all-reduce.5 = (f32[256]{0}, f32[256,64]{1,0}, f32[]) all-reduce(%a, %b, %c), channel_id=1, \
 replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, to_apply=%add
@@ -388,8 +388,8 @@ def _per_device_bytes(plan, graph, mesh, keep) -> float:
 def test_export_and_cross_check_with_the_aten_plan():
     """The torch MLP planned from its ATen graph and from its StableHLO export: the same
     weight placements, estimates within 5%; with a plan, arguments carry mhlo.sharding."""
-    from torchalpa.programs import program_graph
-    from torchalpa.workflow import capture_step
+    from torchalpa.interop.programs import program_graph
+    from torchalpa.parallel.workflow import capture_step
     torch.manual_seed(0)
     model, x, y = _MLP(64), torch.randn(64, 64), torch.randn(64, 64)
     loss_fn = torch.nn.functional.mse_loss
@@ -404,7 +404,7 @@ def test_export_and_cross_check_with_the_aten_plan():
         {n: from_aten.parameter(n).placements for n in weights}
     # Same placements, so the same collectives; the matrix products cost the same. All of
     # the difference is in the memory-bound elementwise ops: XLA fuses the bias add into
-    # the ReLU and mse's sub/square/mean into one kernel (frontends/hlo_fusion.py), eager
+    # the ReLU and mse's sub/square/mean into one kernel (torchalpa/core/fusion.py), eager
     # ATen runs each op alone. The step-time gap is exactly the per-device traffic of the
     # elementwise ops the ATen graph moves minus what the fused StableHLO graph moves.
     assert from_text.estimates["communication_s"] == pytest.approx(
@@ -433,7 +433,7 @@ def test_export_and_cross_check_with_the_aten_plan():
         from_aten.estimates["memory_per_device_bytes"], rel=0.10)
 
     annotated = torchalpa.export_stablehlo(model, (x, y), loss_fn, plan=from_aten)
-    from torchalpa.export import hlo_sharding
+    from torchalpa.interop.hlo_annotate import hlo_sharding
     w = from_aten.parameter("net.0.weight")
     assert f'mhlo.sharding = "{hlo_sharding(w.placements, 2, (4,))}"' in annotated
     again = torchalpa.plan(annotated, (), cluster=mesh)      # still reads as a step
@@ -446,8 +446,8 @@ def test_gpt_from_stablehlo_moves_the_bytes_aten_does():
     embeddings, its StableHLO graph moves within 5% of the bytes its ATen graph does, and
     has no op without a rule (the loss's target pick reads as aten.gather)."""
     from torchalpa import models
-    from torchalpa.workflow import capture_step
-    from torchalpa.programs import program_graph
+    from torchalpa.interop.programs import program_graph
+    from torchalpa.parallel.workflow import capture_step
     w = models.tiny("gpt", dropout=0.0)
     model = w.build()
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
@@ -497,7 +497,7 @@ def test_export_passes_a_tied_parameter_once_with_both_uses_in_its_gradient():
 
 
 def test_cli_plans_a_stablehlo_file(tmp_path, capsys):
-    from torchalpa.cli import main
+    from torchalpa.cli.commands import main
 
     def loss(params, x):
         return jnp.mean(jnp.tanh(x @ params["w1"]) @ params["w2"])
@@ -639,8 +639,8 @@ def test_a_fused_qkv_written_in_jax_splits_by_heads():
     fused weight is held as a strided shard (each device its heads of q, of k and of v),
     so attention runs split by heads with one all-reduce (the output projection's): Alpa's
     layout, whichever way q, k and v are spelled (``frontends/hlo_slices.py``)."""
-    from torchalpa.cluster import LogicalMesh
-    from torchalpa.placement import strided
+    from torchalpa.core.cluster import LogicalMesh
+    from torchalpa.core.placement import strided
     B, S, H, NH = 8, 16, 64, 4
 
     def loss(params, x):

@@ -55,9 +55,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
-import torchalpa  # noqa: E402
 from stablehlo_crosscheck import aten_method, pinned_to, preferences, workload  # noqa: E402
-from torchalpa.cluster import Cluster  # noqa: E402
+
+import torchalpa  # noqa: E402
+from torchalpa.core.cluster import Cluster  # noqa: E402
 from torchalpa.frontends.opset import attention_as_products  # noqa: E402
 
 

@@ -9,11 +9,10 @@ import torch
 
 import torchalpa
 import torchalpa.models as zoo
+from torchalpa.core.plan import PipelinePlan
 from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.inter_op import plan_pipeline
-from torchalpa.passes.stage_remat import (received_bytes, recompute_memory,
-                                          recompute_seconds)
-from torchalpa.plan import PipelinePlan
+from torchalpa.passes.stage_remat import received_bytes, recompute_memory, recompute_seconds
 
 P, L = torchalpa.PipeshardParallel, torchalpa.AutoLayerOption
 

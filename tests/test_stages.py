@@ -89,6 +89,7 @@ def mlp_graph():
     import torch
     import torch.nn.functional as F
     from models import MLP
+
     from torchalpa.frontends.torch_export import capture
     with torch.device("meta"):
         model = MLP(64, 4)

@@ -10,8 +10,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.runtime.streamline import (MAX_CONSTANT_NUMEL, fold_constants,
-                                          fold_permute_pairs, streamlined_copy)
+from torchalpa.runtime.streamline import (
+    MAX_CONSTANT_NUMEL,
+    fold_constants,
+    fold_permute_pairs,
+    streamlined_copy,
+)
 
 aten = torch.ops.aten
 

@@ -13,15 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from alpa_cases import BertLayers, all_reduce_cost, assert_close, bert_inputs, plan_of, weights
 
 import torchalpa.models as zoo
-from alpa_cases import (BertLayers, all_reduce_cost, assert_close, bert_inputs, plan_of,
-                        weights)
-from torchalpa.export import hlo_sharding
+from torchalpa.core.placement import Replicate, Shard, strided
 from torchalpa.frontends.torch_export import capture
-from torchalpa.hlo_annotate import sdy_sharding
+from torchalpa.interop.hlo_annotate import hlo_sharding, sdy_sharding
 from torchalpa.passes.strides import strided_regions
-from torchalpa.placement import Replicate, Shard, strided
 
 
 def _graph(model, inputs, loss_fn=F.mse_loss):
@@ -47,7 +45,7 @@ def test_a_forward_only_capture_holds_the_projection_strided_too():
     parameters are captured as state, not parameters, and the region must still reach
     them, or a weight trained as a strided shard cannot be pinned (torchvision's SwinV2 on
     a 2 x 2 mesh raised "cannot be pinned to _S(0, 3)R")."""
-    from torchalpa.runtime.inference import capture_forward
+    from torchalpa.frontends.torch_export import capture_forward
     with torch.device("meta"):
         model = BertLayers(1, 32, 4, "fused_major")
     x, mask, _ = (t.to("meta") for t in bert_inputs(4, 8, 32))
@@ -114,7 +112,7 @@ def test_a_strided_plan_reads_back_shows_and_refuses_a_tp_plan(tmp_path):
     """The plan JSON keeps a strided shard (``StridedShard(0, 3)``), the summary shows it
     (``S(0)/3``), and ``to_tp_plan`` says no ParallelStyle holds one."""
     import torchalpa
-    from torchalpa.tp_plan import NotExpressibleError
+    from torchalpa.interop.tp_plan import NotExpressibleError
     make = lambda: BertLayers(1, 128, 8, "fused_major")  # noqa: E731
     plan, _ = plan_of(make(), bert_inputs(8, 8, 128), shape=(4, 1))
     path = tmp_path / "plan.json"
@@ -144,8 +142,8 @@ def test_a_fused_gate_up_projection_splits_as_megatron_does():
     """gate and up fused and chunked: each device its block of each (a strided shard with 2
     pieces), down split by rows: one all-reduce, of the output in forward (the input needs
     no gradient), as with two separate projections."""
-    from torchalpa.cluster import LogicalMesh
     import torchalpa
+    from torchalpa.core.cluster import LogicalMesh
     with torch.device("meta"):
         model = FusedSwiGLU()
     x = torch.empty(4, 16, 64, device="meta")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from test_simplify import Residual
-from torchalpa.cluster import LogicalMesh
+
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.plan import OutputSlot
 from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.intra_op import plan_intra_op
 from torchalpa.passes.layers import cluster_layers
 from torchalpa.passes.subgraph import stage_subgraph
-from torchalpa.plan import OutputSlot
 
 
 @pytest.fixture(scope="module")

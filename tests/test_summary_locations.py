@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.cluster import Cluster
-from torchalpa.plan import Plan
+from torchalpa.core.cluster import Cluster
+from torchalpa.core.plan import Plan
 
 
 class Net(torch.nn.Module):
@@ -63,7 +63,7 @@ class Attention(torch.nn.Module):
 
 
 def test_attention_is_named_by_the_models_line_not_torchalpas_wrapper():
-    from torchalpa.workflow import capture_step
+    from torchalpa.parallel.workflow import capture_step
     line = f"tests/test_summary_locations.py:{inspect.getsourcelines(Attention.forward)[1] + 2}"
     graph = capture_step(Attention(), (torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 4)),
                          F.mse_loss).graph

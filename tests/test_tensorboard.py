@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from models import MLP, mlp_inputs
 
 import torchalpa
-from models import MLP, mlp_inputs
 from torchalpa.runtime.stats import StepStats
 
 pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py

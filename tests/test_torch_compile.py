@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from models import MLP, mlp_inputs
 from torch.distributed.tensor import DTensor
 
 import torchalpa
-from models import MLP, mlp_inputs
 
 pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 

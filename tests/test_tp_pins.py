@@ -1,4 +1,4 @@
-"""``pin=`` with torch's tensor-parallel styles (``torchalpa/tp_pins.py``): each style pins
+"""``pin=`` with torch's tensor-parallel styles (``torchalpa/parallel/tp_pins.py``): each style pins
 the parameters it lays out, on the last mesh axis, as the equivalent placements would."""
 
 from __future__ import annotations
@@ -10,11 +10,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                               RowwiseParallel, SequenceParallel)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 import torchalpa
-from torchalpa.tp_pins import style_pins
+from torchalpa.parallel.tp_pins import style_pins
 
 
 class Block(nn.Module):

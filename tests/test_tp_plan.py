@@ -12,13 +12,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from models import mlp_inputs
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                               parallelize_module)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import torchalpa
-from models import mlp_inputs
-from torchalpa.tp_plan import NotExpressibleError
+from torchalpa.interop.tp_plan import NotExpressibleError
 
 
 class Tower(nn.Module):

@@ -4,8 +4,8 @@ timeline, on 2 real gloo ranks (tests/traffic_worker.py), against the plan's lis
 from __future__ import annotations
 
 import pytest
-
 import worker_io
+
 from torchalpa.runtime.timeline import trace_path
 
 

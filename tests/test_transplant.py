@@ -5,9 +5,9 @@ another structure gets none."""
 from __future__ import annotations
 
 import pytest
+from search_models import small_gpt_graph
 
 import torchalpa
-from search_models import small_gpt_graph
 from torchalpa.passes import inter_op
 from torchalpa.passes.intra_op import plan_intra_op
 from torchalpa.passes.layer_cache import SOLVES

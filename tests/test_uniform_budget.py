@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from search_models import small_gpt_graph
 
 import torchalpa
-from search_models import small_gpt_graph
 from torchalpa.passes import inter_op
 from torchalpa.passes.layer_cache import SOLVES
 

@@ -12,9 +12,9 @@ import dataclasses
 import math
 
 import pytest
+from search_models import small_gpt_graph
 
 import torchalpa
-from search_models import small_gpt_graph
 from torchalpa.passes import inter_op
 from torchalpa.passes.layer_cache import SOLVES
 from torchalpa.passes.stages import submesh_shapes

@@ -124,10 +124,11 @@ def test_a_plan_with_a_strided_qkv_weight_carries_over():
     on its own view as the ILP priced it, and moves to another view of its class with its
     weight still strided (without them nothing of GPT's attention carried over)."""
     from models import FusedAttention, fused_inputs
+
+    from torchalpa.core.placement import Replicate, Shard, strided
     from torchalpa.frontends.torch_export import capture
     from torchalpa.passes.intra_op import plan_intra_op
     from torchalpa.passes.view_classes import reprice, view_class
-    from torchalpa.placement import Replicate, Shard, strided
     torch.manual_seed(0)
     graph = capture(FusedAttention(), fused_inputs(), F.mse_loss).graph
     pin = (("c_attn.weight", (Replicate(), strided(0, 3))),
@@ -158,9 +159,9 @@ def test_shared_views_plan_what_solving_every_view_plans(nodes):
     the fastest plan) and skips 1D multi-node views chooses the same stages, submeshes and
     views, with the same estimates, as the search that solves every view by ILP."""
     import torchalpa.models as zoo
+    from torchalpa.parallel.workflow import capture_variants, micro_batch_examples
     from torchalpa.passes.inter_op import plan_pipeline
     from torchalpa.passes.layer_cache import SOLVES
-    from torchalpa.workflow import capture_variants, micro_batch_examples
     workload = zoo.llama2_13b(batch_size=8).replace(num_layers=2)
     with torch.device("meta"):
         model = workload.build()

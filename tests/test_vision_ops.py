@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
+from torchalpa.core.placement import Shard
 from torchalpa.frontends.torch_export import capture
-from torchalpa.placement import Shard
 
 GROUP_NORM = "aten.native_group_norm.default"
 GROUP_NORM_BACKWARD = "aten.native_group_norm_backward.default"

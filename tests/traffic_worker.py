@@ -14,12 +14,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-import torchalpa  # noqa: E402
 from quickstart import MLP as QuickstartMLP  # noqa: E402
-from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
-from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 from worker_io import attempt, finish  # noqa: E402
+
+import torchalpa  # noqa: E402
+from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
+from torchalpa.runtime.issued import issued_collectives  # noqa: E402
+from torchalpa.runtime.mesh import init_distributed  # noqa: E402
 
 
 def batch(step: int):

@@ -19,15 +19,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torchalpa  # noqa: E402
 from worker_io import attempt, finish  # noqa: E402
+
+import torchalpa  # noqa: E402
 
 
 def train(per_device: int) -> dict:
     import transformers
-    from torch.distributed.tensor import DTensor
-
     from test_hf_trainer import no_dropout_gpt2_config, trainer_data, trainer_losses
+    from torch.distributed.tensor import DTensor
 
     config = no_dropout_gpt2_config()
     ids, data = trainer_data(config)

@@ -14,11 +14,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from worker_io import attempt, finish, rel_to_scale, train_beside_one_device  # noqa: E402
+
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
-from torchalpa.runtime.buckets import issued_collectives  # noqa: E402
+from torchalpa.runtime.issued import issued_collectives  # noqa: E402
 from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from worker_io import attempt, finish, rel_to_scale, train_beside_one_device  # noqa: E402
 
 STEPS = 5
 

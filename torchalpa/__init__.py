@@ -9,54 +9,61 @@ See README.md and ../shared/DESIGN.md for the architecture.
 import importlib
 from typing import TYPE_CHECKING
 
-from torchalpa.cluster import Cluster, LogicalMesh
-from torchalpa.methods import (AutoLayerOption, AutoShardingOption, DataParallel,
-                               ManualShardingOption,
-                               ManualStageOption, PipeshardParallel, ShardParallel,
-                               UniformStageOption, Zero2Parallel, Zero3Parallel)
-from torchalpa.plan import PipelinePlan, Plan, load_plan
+from torchalpa.core.cluster import Cluster, LogicalMesh
+from torchalpa.core.options import (
+    AutoLayerOption,
+    AutoShardingOption,
+    DataParallel,
+    ManualShardingOption,
+    ManualStageOption,
+    PipeshardParallel,
+    ShardParallel,
+    UniformStageOption,
+    Zero2Parallel,
+    Zero3Parallel,
+)
+from torchalpa.core.plan import PipelinePlan, Plan, load_plan
+
+# the views register themselves with Plan (summary, explain, to_html, to_tp_plan...)
+from torchalpa import views as _views  # noqa: F401  isort: skip
+from torchalpa.interop import tp_plan as _tp_plan  # noqa: F401  isort: skip
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    from torchalpa.api import auto_parallel, plan
-    from torchalpa.export import export_stablehlo
-    from torchalpa.markers import mark_pipeline_boundary
+    from torchalpa.interop.stablehlo_export import export_stablehlo
+    from torchalpa.ops.markers import mark_pipeline_boundary
+    from torchalpa.parallel.api import auto_parallel, plan
+    from torchalpa.parallel.meta_model import to_meta
     from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
-    from torchalpa.runtime.export import save_pretrained
-    from torchalpa.runtime.pretrained import load_pretrained
-    from torchalpa.runtime.faults import RankFailedError
-    from torchalpa.runtime.precision import MixedPrecision
-    from torchalpa.runtime.tensorboard import TensorBoardHook
     from torchalpa.runtime.mesh import shutdown
-    from torchalpa.meta_model import to_meta
+    from torchalpa.runtime.precision import MixedPrecision
+    from torchalpa.runtime.pretrained_load import load_pretrained
+    from torchalpa.runtime.pretrained_save import save_pretrained
+    from torchalpa.runtime.rank_failure import RankFailedError
+    from torchalpa.runtime.tensorboard import TensorBoardHook
 
 __version__ = "0.1.0"
 
 # Names that need torch or the runtime are imported on first use (PEP 562), so that
 # `import torchalpa.passes.ilp` (or any pass) loads neither torch nor torch.distributed.
 _LAZY = {
-    "auto_parallel": "torchalpa.api", "plan": "torchalpa.api",
-    "mark_pipeline_boundary": "torchalpa.markers",
+    "auto_parallel": "torchalpa.parallel.api", "plan": "torchalpa.parallel.api",
+    "mark_pipeline_boundary": "torchalpa.ops.markers",
     "save_checkpoint": "torchalpa.runtime.checkpoint",
     "load_checkpoint": "torchalpa.runtime.checkpoint",
-    "RankFailedError": "torchalpa.runtime.faults",
-    "save_pretrained": "torchalpa.runtime.export",
-    "load_pretrained": "torchalpa.runtime.pretrained",
-    "export_stablehlo": "torchalpa.export",
+    "RankFailedError": "torchalpa.runtime.rank_failure",
+    "save_pretrained": "torchalpa.runtime.pretrained_save",
+    "load_pretrained": "torchalpa.runtime.pretrained_load",
+    "export_stablehlo": "torchalpa.interop.stablehlo_export",
     "MixedPrecision": "torchalpa.runtime.precision",
     "TensorBoardHook": "torchalpa.runtime.tensorboard",
-    "to_meta": "torchalpa.meta_model",
+    "to_meta": "torchalpa.parallel.meta_model",
     "shutdown": "torchalpa.runtime.mesh",
     # torch's own classes: torchalpa.Shard is torch.distributed.tensor.Shard
-    "Shard": "torchalpa.placement", "Replicate": "torchalpa.placement",
-    "Partial": "torchalpa.placement",
+    "Shard": "torchalpa.core.placement", "Replicate": "torchalpa.core.placement",
+    "Partial": "torchalpa.core.placement",
 }
-# Importing the submodule torchalpa.plan above bound the name `plan` to it; the public
-# `torchalpa.plan` is the function (torchalpa.api.plan), served by __getattr__ below.
-if not TYPE_CHECKING:
-    del plan
-
 
 def __getattr__(name: str):
     module = _LAZY.get(name)

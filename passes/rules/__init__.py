@@ -47,12 +47,38 @@ lists it in the plan (never a wrong result).
 """
 
 from torchalpa.passes.rules.registry import (
-    RULES, Dims, FactorNamer, FactorRule, RuleFn, has_rule, normalize_dim, register, rule_for)
+    RULES,
+    Dims,
+    FactorNamer,
+    FactorRule,
+    RuleFn,
+    has_rule,
+    normalize_dim,
+    register,
+    rule_for,
+)
 
 __all__ = ["FactorRule", "FactorNamer", "register", "rule_for", "RULES", "has_rule",
            "normalize_dim", "Dims", "RuleFn"]
 
 # Populate the registry: one module per op family.
 from torchalpa.passes.rules import (  # noqa: E402,F401
-    attention, complex_ops, conv, elementwise, embedding, factory, index, loss, markers, matmul,
-    norm, pool, random, reduce, resize, slicing, softmax, view)
+    attention,
+    complex_ops,
+    conv,
+    elementwise,
+    embedding,
+    factory,
+    index,
+    loss,
+    markers,
+    matmul,
+    norm,
+    pool,
+    random,
+    reduce,
+    resize,
+    slicing,
+    softmax,
+    view,
+)

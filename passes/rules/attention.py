@@ -1,7 +1,7 @@
 """Scaled dot-product attention as one op, forward and backward.
 
 The capture records ``F.scaled_dot_product_attention`` as the device-neutral
-``torchalpa::sdpa`` (``torchalpa/attention.py``); graphs traced elsewhere may hold the CPU
+``torchalpa::sdpa`` (``torchalpa/ops/attention.py``); graphs traced elsewhere may hold the CPU
 flash kernel ``aten._scaled_dot_product_flash_attention_for_cpu``. Both share the dims:
 ``q (B, Hq, L, E)``, ``k (B, Hk, S, E)``, ``v (B, Hk, S, Ev)`` -> ``out (B, Hq, L, Ev)``
 (the CPU kernel also returns ``logsumexp (B, Hq, L)``). With grouped-query attention (``Hq = Hk * G``) query head
@@ -28,8 +28,8 @@ Without the fused kernel (meta tensors, other backends) attention traces as ``bm
 
 from __future__ import annotations
 
-from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg, positions
+from torchalpa.passes.rules.registry import FactorNamer, register
 
 
 class _Dims:
@@ -107,7 +107,7 @@ def flash_attention_backward(node, specs):
                   linear=(frozenset({0}),), heavy=True)
 
 
-# -- the device-neutral op (torchalpa/attention.py) --------------------------------------
+# -- the device-neutral op (torchalpa/ops/attention.py) --------------------------------------
 
 def _neutral_dims(node, specs, grad_slot: int):
     # (query, key, value, attn_mask, is_causal, scale, enable_gqa), after grad_out if any

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchalpa.opgraph import Operand, OpNode
+from torchalpa.core.opgraph import Operand, OpNode
 
 __all__ = ["arg", "positions", "by_position", "dim_list", "keepdim_of"]
 

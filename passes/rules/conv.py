@@ -21,8 +21,8 @@ the bias gradient does not depend on ``Cin``. All three are linear in ``grad_out
 
 from __future__ import annotations
 
-from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg, positions
+from torchalpa.passes.rules.registry import FactorNamer, register
 
 
 def _pointwise_in_space(node, spatial: int, offset: int) -> list[bool]:

@@ -13,8 +13,8 @@ result the graph uses afterwards; they follow the same rule as their functional 
 
 from __future__ import annotations
 
-from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg
+from torchalpa.passes.rules.registry import FactorNamer, register
 
 # Linear in all their tensor operands jointly (Partial(sum) passes through).
 _JOINTLY_LINEAR = {

@@ -17,8 +17,8 @@ A sharded ``V`` keeps the rows each device owns (the runtime drops the others).
 
 from __future__ import annotations
 
-from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg
+from torchalpa.passes.rules.registry import FactorNamer, register
 
 
 @register("aten.embedding.default")

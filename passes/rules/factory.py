@@ -13,8 +13,8 @@ made whole on every device and consumers take their slice.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg
+from torchalpa.passes.rules.registry import FactorNamer, register
 
 # op -> index of the fill value (None: always zeros; absent: values are not zeros).
 _FILL_ARG = {

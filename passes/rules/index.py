@@ -20,8 +20,8 @@ Other dims are shared by the operands when their sizes agree, else blocked.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules.registry import FactorNamer, normalize_dim, register
 from torchalpa.passes.rules.common import arg
+from torchalpa.passes.rules.registry import FactorNamer, normalize_dim, register
 
 
 def _shared_or_blocked(f: FactorNamer, sizes):

@@ -15,8 +15,8 @@ the op is linear in ``grad``.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg, positions
+from torchalpa.passes.rules.registry import FactorNamer, register
 
 _NONE, _MEAN, _SUM = 0, 1, 2
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torchalpa.passes.rules.registry import FactorNamer, register
 
-PIPELINE_BOUNDARY_OP = "torchalpa.pipeline_boundary.default"   # torchalpa.markers
+PIPELINE_BOUNDARY_OP = "torchalpa.pipeline_boundary.default"   # torchalpa.ops.markers
 
 
 @register(PIPELINE_BOUNDARY_OP)

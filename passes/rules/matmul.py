@@ -1,6 +1,6 @@
 """Matrix products: every dim is a factor; the contracted one leaves a Partial sum.
 
-``torchalpa::batched_matmul`` (``torchalpa/batched_matmul.py``) keeps each of its batch dims
+``torchalpa::batched_matmul`` (``torchalpa/ops/batched_matmul.py``) keeps each of its batch dims
 whole, so batch and heads of hand-written attention shard independently.
 """
 

@@ -31,8 +31,8 @@ split). The runtime passes each block its local ``N``, ``C`` and number of group
 
 from __future__ import annotations
 
-from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg, by_position, positions
+from torchalpa.passes.rules.registry import FactorNamer, register
 
 __all__ = ["SYNCED_OPS", "layer_norm", "layer_norm_backward", "batch_norm",
            "batch_norm_backward", "group_norm", "group_norm_backward"]

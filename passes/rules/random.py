@@ -28,8 +28,8 @@ eval mode (``train=False``) draws nothing and is the identity; it is not random.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg
+from torchalpa.passes.rules.registry import FactorNamer, register
 
 
 @register("aten.rand.default", "aten.randn.default", "aten.randint.default",

@@ -13,8 +13,8 @@ each element depends on the whole prefix, so the scanned dim is blocked.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules.registry import FactorNamer, register
 from torchalpa.passes.rules.common import arg, dim_list, keepdim_of
+from torchalpa.passes.rules.registry import FactorNamer, register
 
 # op -> (index of its dim argument, index of keepdim, Partial kind or None, num results)
 _REDUCTIONS = {

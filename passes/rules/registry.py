@@ -9,10 +9,10 @@ docstring for what a rule describes.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
-from torchalpa.opgraph import OpGraph, OpNode, TensorSpec
+from torchalpa.core.opgraph import OpGraph, OpNode, TensorSpec
 
 __all__ = ["FactorRule", "FactorNamer", "register", "rule_for", "RULES", "has_rule",
            "normalize_dim"]

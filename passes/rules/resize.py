@@ -14,29 +14,11 @@ other dim shards freely, the cut dim and the window dim are blocked.
 
 from __future__ import annotations
 
+from torchalpa.core.resize_ops import UPSAMPLE_BACKWARDS, UPSAMPLES
 from torchalpa.passes.rules.common import arg
 from torchalpa.passes.rules.registry import FactorNamer, normalize_dim, register
 
 __all__ = ["UPSAMPLES", "UPSAMPLE_BACKWARDS", "upsample", "upsample_backward", "unfold"]
-
-# op -> number of trailing spatial dims it resizes
-UPSAMPLES = {
-    "aten.upsample_nearest1d.default": 1,
-    "aten.upsample_nearest2d.default": 2,
-    "aten.upsample_nearest3d.default": 3,
-    "aten._upsample_nearest_exact1d.default": 1,
-    "aten._upsample_nearest_exact2d.default": 2,
-    "aten._upsample_nearest_exact3d.default": 3,
-    "aten.upsample_linear1d.default": 1,
-    "aten.upsample_bilinear2d.default": 2,
-    "aten._upsample_bilinear2d_aa.default": 2,
-    "aten.upsample_bicubic2d.default": 2,
-    "aten._upsample_bicubic2d_aa.default": 2,
-    "aten.upsample_trilinear3d.default": 3,
-}
-UPSAMPLE_BACKWARDS = {op.replace(".default", "_backward.default"): n
-                      for op, n in UPSAMPLES.items()}
-
 
 def _resized(f: FactorNamer, lead, shape, spatial: int):
     return lead + f.dims(shape[len(shape) - spatial:], blocked=True)

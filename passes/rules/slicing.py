@@ -11,8 +11,8 @@ All of these are linear: a Partial passes through (pad only when it pads with ze
 
 from __future__ import annotations
 
-from torchalpa.passes.rules.registry import FactorNamer, normalize_dim, register
 from torchalpa.passes.rules.common import arg
+from torchalpa.passes.rules.registry import FactorNamer, normalize_dim, register
 
 _LINEAR = (frozenset({0}),)
 

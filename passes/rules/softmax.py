@@ -14,8 +14,8 @@ incoming gradient, so a Partial gradient passes through them.
 
 from __future__ import annotations
 
-from torchalpa.passes.rules.registry import FactorNamer, normalize_dim, register
 from torchalpa.passes.rules.common import arg
+from torchalpa.passes.rules.registry import FactorNamer, normalize_dim, register
 
 LOG_SOFTMAX_STATISTICS = ("max", "sum")      # row max, then row sum of exp(x - max)
 LOG_SOFTMAX_BACKWARD_STATISTICS = ("sum",)   # row sum of the incoming gradient

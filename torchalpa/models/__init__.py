@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -105,7 +106,7 @@ class Workload:
     def loss_fn(self) -> Callable:
         return FAMILIES[self.family].loss_fn
 
-    def replace(self, **changes) -> "Workload":
+    def replace(self, **changes) -> Workload:
         """A copy with ``batch_size``/``seq_len`` or config fields changed."""
         own = {k: changes.pop(k) for k in ("batch_size", "seq_len") if k in changes}
         config = self.config

@@ -52,7 +52,7 @@ class BertConfig:
         check_probability(self, "dropout")
 
     @classmethod
-    def tiny(cls, **overrides) -> "BertConfig":
+    def tiny(cls, **overrides) -> BertConfig:
         """A few layers, dims divisible by 8."""
         fields = dict(vocab_size=128, max_seq_len=16, num_layers=2, hidden=32, num_heads=4,
                       intermediate=64, num_classes=8)

@@ -46,7 +46,7 @@ class GPTConfig:
         check_probability(self, "dropout")
 
     @classmethod
-    def tiny(cls, **overrides) -> "GPTConfig":
+    def tiny(cls, **overrides) -> GPTConfig:
         """A few layers, dims divisible by 8: captures and trains in seconds on a CPU."""
         fields = dict(vocab_size=128, max_seq_len=16, num_layers=2, num_heads=2, hidden=32)
         return cls(**{**fields, **overrides})

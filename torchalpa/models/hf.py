@@ -12,7 +12,8 @@ Needs ``pip install torchalpa[models]`` (transformers).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn

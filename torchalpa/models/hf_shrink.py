@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from torchalpa.models.suite import BATCH, SEQ, VOCAB, _no_randomness
+from torchalpa.models.sizes import BATCH, SEQ, VOCAB, no_randomness
 
 __all__ = ["shrunk_config", "build_model", "example_batch", "OVERRIDES", "NUM_LABELS"]
 
@@ -221,11 +221,11 @@ def shrunk_config(model_type: str, task: str):
                 and "pad_token_id" not in fields:
             fields["pad_token_id"] = 0       # decoders classify the last non-padding token
     config = AutoConfig.for_model(model_type, **fields)
-    _no_randomness(config)
+    no_randomness(config)
     for sub in ("text_config", "vision_config", "audio_config", "encoder_config",
                 "decoder_config"):
         if getattr(config, sub, None) is not None and hasattr(getattr(config, sub), "to_dict"):
-            _no_randomness(getattr(config, sub))
+            no_randomness(getattr(config, sub))
     return config
 
 

@@ -59,7 +59,7 @@ class LlamaConfig:
         return self.hidden // self.num_heads
 
     @classmethod
-    def tiny(cls, **overrides) -> "LlamaConfig":
+    def tiny(cls, **overrides) -> LlamaConfig:
         """A few layers, dims divisible by 8, 2 query heads per kv head."""
         fields = dict(vocab_size=128, max_seq_len=16, num_layers=2, hidden=32, num_heads=4,
                       num_kv_heads=2, intermediate=64)

@@ -63,7 +63,7 @@ class MoEConfig:
                              f"got {self.capacity_factor} and {self.aux_loss_weight}")
 
     @classmethod
-    def tiny(cls, **overrides) -> "MoEConfig":
+    def tiny(cls, **overrides) -> MoEConfig:
         """Two blocks of 4 experts, top-2, dims divisible by 8."""
         fields = dict(vocab_size=128, max_seq_len=16, num_layers=2, hidden=32, num_heads=4,
                       intermediate=64, num_experts=4, top_k=2)

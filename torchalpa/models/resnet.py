@@ -43,7 +43,7 @@ class ResNetConfig:
                              "be positive")
 
     @classmethod
-    def tiny(cls, **overrides) -> "ResNetConfig":
+    def tiny(cls, **overrides) -> ResNetConfig:
         """Two stages of two blocks, 8 and 16 channels, 16x16 images."""
         fields = dict(widths=(8, 16), blocks=(2, 2), image_size=16, num_classes=8)
         return cls(**{**fields, **overrides})

@@ -19,17 +19,19 @@ gloo ranks next to one device, and ``torchalpa coverage --hf`` prints what each 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from torchalpa.models.sizes import BATCH, SEQ, VOCAB, no_randomness
+
 __all__ = ["SuiteCase", "SUITE", "FAST", "build_case"]
 
-VOCAB, SEQ, BATCH = 128, 8, 4
 
 
 @dataclass(frozen=True)
@@ -45,19 +47,11 @@ class SuiteCase:
     rounding, amplified by the model itself, makes one device disagree with itself."""
 
 
-def _no_randomness(config) -> None:
-    """Dropout, stochastic depth and random masking off: runs must be comparable exactly."""
-    for key, value in config.to_dict().items():
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key
-                                         or "drop_path" in key or key.startswith("mask_")
-                                         or key == "layerdrop"):
-            setattr(config, key, 0.0)
-
 
 def _hf(config_cls: str, model_cls: str, **fields):
     import transformers
     config = getattr(transformers, config_cls)(**fields)
-    _no_randomness(config)
+    no_randomness(config)
     return getattr(transformers, model_cls)(config)
 
 

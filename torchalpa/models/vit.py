@@ -51,7 +51,7 @@ class ViTConfig:
         return (self.image_size // self.patch_size) ** 2
 
     @classmethod
-    def tiny(cls, **overrides) -> "ViTConfig":
+    def tiny(cls, **overrides) -> ViTConfig:
         """16x16 images in 4x4 patches (16 patches), two blocks, dims divisible by 8."""
         fields = dict(image_size=16, patch_size=4, num_layers=2, hidden=32, num_heads=4,
                       num_classes=8)

@@ -1,0 +1,153 @@
+"""Activation checkpointing as a graph pass: recompute each layer's forward in backward.
+
+A training step keeps, from forward until backward, every value backward reads: for a
+transformer layer that is a dozen activations of the size of its input or larger. Full
+activation checkpointing (Megatron's ``--recompute-granularity full``, Alpa's
+``use_remat``) keeps only each layer's *input* and recomputes the rest of the layer's
+forward at the start of the layer's backward.
+
+Here a *layer* is a block of the captured step (``torchalpa.core.opgraph.block_of``: the
+subtree of a numbered child of a module list, ``layers.3``). The pass rewrites the joint fx
+graph in place: for each block, the forward values that backward reads are computed again
+by copies of the forward ops that make them, inserted right before the block's first
+backward reader, and backward reads the copies. Lowering puts what is not an ancestor of
+the loss in backward, so the copies run there, and forward's values die in forward. The
+planner sees the rewritten graph: the recompute flops are backward ops it prices, and the
+memory model's liveness sees the activations die early. No runtime code is involved.
+
+What a block keeps from forward (never recomputed):
+- what comes from outside it (its input, parameters, values of other blocks);
+- its outputs (values later forward ops outside the block read: the next layer's input);
+- random ops' results (a dropout mask drawn again would differ) and their parts.
+
+Recomputation repeats deterministic ops on the same inputs, so checkpointed training
+computes the same numbers as plain training.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from dataclasses import dataclass, replace
+
+import torch.fx as fx
+
+from torchalpa.core.opgraph import block_of
+from torchalpa.frontends.joint_graph import ancestor_names
+from torchalpa.frontends.opset import RANDOM_OPS
+from torchalpa.frontends.provenance import module_of
+from torchalpa.frontends.repeated import find_repeated_blocks
+from torchalpa.frontends.torch_export import Capture, to_opgraph
+
+__all__ = ["checkpoint_blocks", "checkpointed_capture", "Recomputed"]
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """What the pass did: blocks checkpointed and forward ops copied into backward."""
+
+    blocks: int
+    ops: int
+
+
+def _is_random(n: fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
+        return _is_random(n.args[0])
+    return str(n.target) in RANDOM_OPS or n.target in RANDOM_OPS
+
+
+def _blocks(gm: fx.GraphModule, forward: set[str]) -> dict[tuple[str, int], list[fx.Node]]:
+    """Forward ops of each block, in graph order, with the parts (``getitem``) of their
+    tuple results: a part only backward reads (layer norm's mean) is no ancestor of the
+    loss, yet it is made where forward makes the tuple."""
+    blocks: dict[tuple[str, int], list[fx.Node]] = {}
+    block_of_node: dict[fx.Node, tuple[str, int]] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is operator.getitem and n.args[0] in block_of_node:
+            key = block_of_node[n.args[0]]
+        elif n.name in forward:
+            key = block_of(module_of(n))
+        else:
+            continue
+        if key is not None:
+            block_of_node[n] = key
+            blocks.setdefault(key, []).append(n)
+    return blocks
+
+
+def checkpoint_blocks(gm: fx.GraphModule, num_params: int) -> Recomputed:
+    """Rewrite ``gm`` (the joint step returning ``(loss, *grads of its first num_params
+    placeholders, *buffer updates)``) in place so each block's forward is recomputed in
+    its backward."""
+    graph = gm.graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    forward = ancestor_names([outs[0], *[o for o in outs[1 + num_params:] if o is not None]])
+    num_blocks = num_ops = 0
+    for members in _blocks(gm, forward).values():
+        inside = set(members)
+
+        def kept(n: fx.Node) -> bool:
+            """Saved from forward: made outside, read by forward outside, or random."""
+            return (n not in inside or _is_random(n)
+                    or any(u.name in forward and u not in inside for u in n.users))
+
+        def backward_users(n: fx.Node) -> list[fx.Node]:
+            return [u for u in n.users
+                    if u not in inside and u.name not in forward and u.op != "output"]
+
+        wanted = [n for n in members if not kept(n) and backward_users(n)]
+        if not wanted:
+            continue
+        first = min((u for n in wanted for u in backward_users(n)), key=position.__getitem__)
+        needed: set[fx.Node] = set()
+        stack = list(wanted)
+        while stack:
+            n = stack.pop()
+            if n in needed or kept(n):
+                continue
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+        if any(position[a] >= position[first] for n in needed for a in n.all_input_nodes):
+            continue      # a kept input is made after backward starts: leave the block as is
+        copies: dict[fx.Node, fx.Node] = {}
+        for n in sorted(needed, key=position.__getitem__):
+            with graph.inserting_before(first):
+                c = graph.node_copy(n, lambda a: copies.get(a, a))
+            c.meta = dict(n.meta)
+            copies[n] = c
+        for n in wanted:
+            for u in backward_users(n):
+                u.replace_input_with(n, copies[n])
+        num_blocks += 1
+        num_ops += len(copies)
+    graph.lint()
+    gm.recompile()
+    return Recomputed(blocks=num_blocks, ops=num_ops)
+
+
+def checkpointed_capture(captured: Capture) -> Capture:
+    """The same captured step with every block checkpointed (``checkpoint_blocks``) on a copy
+    of its fx graph, and the OpGraph made again from it; ``captured`` is left untouched.
+    Cheaper than tracing the model again, which is what lets the planner weigh both."""
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(captured.gm.graph._codegen)
+    graph.output(graph.graph_copy(captured.gm.graph, {}))
+    gm = fx.GraphModule(captured.gm, graph)
+    done = checkpoint_blocks(gm, len(captured.param_names))
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    kinds = ([("param", k) for k in captured.param_names]
+             + [("buffer", k) for k in captured.buffer_names]
+             + [("input", k) for k in captured.input_names])
+    opgraph = to_opgraph(gm, kinds, captured.buffer_updates)
+    opgraph.meta.update(captured.graph.meta)
+    opgraph.meta["repeated_blocks"] = find_repeated_blocks(opgraph)
+    opgraph.meta["remat"] = {"mode": "full", "blocks": done.blocks, "recomputed_ops": done.ops}
+    opgraph.check()
+    return replace(captured, graph=opgraph, gm=gm)

@@ -1,0 +1,5 @@
+"""torchalpa's command line (``torchalpa ...`` or ``python -m torchalpa ...``)."""
+
+from torchalpa.cli.commands import main
+
+__all__ = ["main"]

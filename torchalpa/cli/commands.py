@@ -1,0 +1,392 @@
+"""torchalpa's command line.
+
+    torchalpa plan mypkg.train:workload --cluster h100:2x8 --out plan.json --html plan.html
+    torchalpa show plan.json [--module 'layers.0.*'] [--detail full]
+    torchalpa explain plan.json layers.0.mlp.up_proj.weight
+    torchalpa estimate llama --cluster h100:1x8      # fits, or how many devices it needs
+    torchalpa cache ls | clear
+    torchalpa bench mypkg.train:workload --nproc 4 --steps 3   # vs DDP and FSDP2, torchrun
+    torchalpa coverage [--model llama --model mypkg.train:workload]
+    torchalpa coverage --hf                     # the suite of models torchalpa was not written for
+    torchalpa --version
+
+A model is a zoo family name (its tiny config, from ``torchalpa.models``) or
+``module:callable``, where the callable returns a ``torchalpa.models.Workload`` or a tuple
+``(model, example_inputs, loss_fn)``; it is called under ``torch.device("meta")``, so no
+weights are allocated. A cluster is ``h100:NODESxDEVICES``, ``a100:NODESxDEVICES`` or
+``cpu:N``.
+
+``coverage`` captures each model's training step and prints which of its ATen ops have a
+sharding rule and which do not (those run replicated on every device), with how many
+nodes of the graph run each op; its exit status is 1 if an op has no rule or a model
+fails to capture.
+
+Each subcommand is one ``_add_<name>(commands)`` function that declares its arguments and
+one ``_<name>(args)`` that runs it; torch is imported only inside the latter, so
+``--help`` and ``--version`` stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from collections.abc import Callable
+
+from torchalpa.cli.workloads import load_workload, parse_cluster, parse_shape, zoo_module
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser, every subcommand included (imports no torch)."""
+    examples = (__doc__ or "").split("\n\n")[1]
+    parser = argparse.ArgumentParser(
+        prog="torchalpa", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Plan how to parallelize a PyTorch training step over many devices "
+                    "(Alpa's intra- and inter-operator parallelism), and inspect plans.",
+        epilog="examples:\n" + examples)
+    parser.add_argument("--version", action=_Version, nargs=0,
+                        help="print torchalpa's version and exit")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        print(f"torchalpa {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+class _Version(argparse.Action):
+    """``--version``, looked up only when asked (package metadata is slow to scan)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"torchalpa {_version()}")
+        parser.exit()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("torchalpa")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+# -- subcommands: one _add_<name> to declare, one _<name> to run ------------------------
+
+def _add_plan(commands) -> None:
+    p = commands.add_parser("plan", help="plan a model's training step for a cluster",
+                            description="Capture MODEL's training step on the meta device and "
+                                        "plan it for CLUSTER; write the plan as JSON.")
+    p.add_argument("model", metavar="MODEL", nargs="?",
+                   help="a zoo family or module:callable")
+    _cluster_argument(p)
+    p.add_argument("--mesh", metavar="AxB", help="a fixed logical mesh shape (default: try each)")
+    p.add_argument("--out", metavar="PLAN.json", help="where to write the plan")
+    from torchalpa.cli.stablehlo import add_plan_options
+    add_plan_options(p)
+    p.add_argument("--html", metavar="PLAN.html", help="also write a picture of the plan")
+    p.add_argument("--trace", metavar="TRACE.json",
+                   help="also write the estimated timeline (Chrome trace / Perfetto)")
+    p.add_argument("--verbose", action="store_true", help="stream the ILP solver's log")
+    p.set_defaults(run=_plan)
+
+
+def _plan(args) -> int:
+    if args.stablehlo:
+        from torchalpa.cli.stablehlo import plan_stablehlo
+        return plan_stablehlo(args)
+    if not args.model or not args.out:
+        raise ValueError("plan needs MODEL and --out PLAN.json (or --stablehlo FILE)")
+    import torch
+
+    import torchalpa
+    with torch.device("meta"):
+        model, example_inputs, loss_fn = load_workload(args.model)()
+    method = torchalpa.ShardParallel(logical_mesh_shape=parse_shape(args.mesh)) if args.mesh \
+        else None
+    plan = torchalpa.plan(model, example_inputs, loss_fn, method=method,
+                          cluster=parse_cluster(args.cluster), verbose=args.verbose)
+    plan.save(args.out)
+    print(plan.summary())
+    print(f"\nwrote {args.out}")
+    _pictures(plan, args)
+    return 0
+
+
+def _pictures(plan, args) -> None:
+    if getattr(args, "html", None):
+        plan.to_html(args.html)
+        print(f"wrote {args.html}")
+    if getattr(args, "trace", None):
+        plan.to_chrome_trace(args.trace)
+        print(f"wrote {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def _add_show(commands) -> None:
+    p = commands.add_parser("show", help="print a saved plan",
+                            description="Print a plan saved by `torchalpa plan` or Plan.save.")
+    p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("--module", metavar="GLOB", help="only parameters and collectives of "
+                                                    "matching modules, e.g. 'layers.0.*'")
+    p.add_argument("--detail", choices=("short", "full"), default="short",
+                   help="short: repeated layers folded (default); full: every row")
+    p.add_argument("--html", metavar="PLAN.html", help="also write a picture of the plan")
+    p.add_argument("--trace", metavar="TRACE.json", help="also write the estimated timeline")
+    p.set_defaults(run=_show)
+
+
+def _show(args) -> int:
+    plan = _load(args.plan)
+    print(plan.summary(detail=args.detail, filter=args.module))
+    _pictures(plan, args)
+    return 0
+
+
+def _add_explain(commands) -> None:
+    p = commands.add_parser("explain", help="where a parameter lives and what moves it",
+                            description="Explain one parameter, input or op of a saved plan.")
+    p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("name", metavar="NAME", help="e.g. layers.0.mlp.up_proj.weight")
+    p.set_defaults(run=_explain)
+
+
+def _explain(args) -> int:
+    print(_load(args.plan).explain(args.name))
+    return 0
+
+
+def _add_estimate(commands) -> None:
+    p = commands.add_parser(
+        "estimate", help="does the model fit the cluster? (seconds, no solver)",
+        description="Capture MODEL's training step and compare its model states (parameters, "
+                    "gradients, Adam's two moments) with the cluster's memory: whether they fit "
+                    "sharded over every device, or how many devices they need. Activations are "
+                    "not counted: `torchalpa plan` gives the full estimate.")
+    p.add_argument("model", metavar="MODEL", help="a zoo family or module:callable")
+    _cluster_argument(p)
+    p.set_defaults(run=_estimate)
+
+
+def _estimate(args) -> int:
+    import math
+
+    import torch
+
+    from torchalpa.core.units import format_bytes
+    with torch.device("meta"):
+        model, _, _ = load_workload(args.model)()
+    cluster = parse_cluster(args.cluster)
+    params = [p for p in model.parameters()]
+    num = sum(p.numel() for p in params)
+    trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    # parameters + gradients in their dtype, Adam's exp_avg and exp_avg_sq in float32
+    states = sum(p.numel() * p.element_size() for p in params) + trainable + \
+        sum(2 * 4 * p.numel() for p in params if p.requires_grad)
+    per_device = states / cluster.num_devices
+    budget = cluster.memory_per_device
+    print(f"{args.model}: {num / 1e6:,.1f} M parameters; model states with Adam "
+          f"{format_bytes(states)}")
+    needed = math.ceil(states / budget)
+    if per_device <= budget:
+        print(f"fits: {format_bytes(per_device)} per device when sharded over all "
+              f"{cluster.num_devices} devices (of {format_bytes(budget)}); the states alone need "
+              f"at least {needed} device(s); activations come on top")
+        return 0
+    print(f"does not fit: {format_bytes(per_device)} per device over {cluster.num_devices} "
+          f"devices, more than {format_bytes(budget)}; needs at least {needed} devices of this "
+          "kind (before activations)")
+    return 1
+
+
+def _add_cache(commands) -> None:
+    p = commands.add_parser("cache", help="list or clear the plan cache",
+                            description="Plans are cached on disk ($TORCHALPA_CACHE_DIR, else "
+                                        "~/.cache/torchalpa), at most $TORCHALPA_CACHE_MAX_MB "
+                                        "(default 1024) megabytes, oldest removed first.")
+    p.add_argument("action", choices=("ls", "clear"))
+    p.set_defaults(run=_cache)
+
+
+def _cache(args) -> int:
+    import time
+
+    from torchalpa.core.units import format_bytes
+    from torchalpa.parallel import cache
+    root = cache.cache_dir()
+    if root is None:
+        print("the plan cache is off (TORCHALPA_CACHE=0)")
+        return 0
+    if args.action == "clear":
+        files, size = cache.clear()
+        print(f"removed {files} cached plan(s), {format_bytes(size)}, from {root}")
+        return 0
+    found = cache.entries()
+    total = sum(e.bytes for e in found)
+    print(f"{root}: {len(found)} plan(s), {format_bytes(total)} of "
+          f"{format_bytes(cache.max_bytes())}")
+    for e in found:
+        age = time.time() - e.mtime
+        when = f"{age / 3600:.1f} h" if age >= 3600 else f"{age / 60:.0f} min"
+        print(f"  {e.key}  {format_bytes(e.bytes):>10}  {when:>8} ago  {e.description}")
+    return 0
+
+
+def _add_bench(commands) -> None:
+    p = commands.add_parser(
+        "bench", help="the automatic plan vs DDP vs FSDP2, under torchrun",
+        description="Train MODEL with Adam on NPROC local ranks under torchrun (NCCL on GPUs, "
+                    "gloo on CPUs) with torchalpa's automatic plan, DDP and FSDP2, one after "
+                    "the other, and print one table: step time, ratio to the faster baseline, "
+                    "bytes sent per step where measurable, peak memory (torchalpa/cli/bench.py).")
+    p.add_argument("model", metavar="MODEL", help="a zoo family or module:callable")
+    p.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="steps per method, the first untimed (default 3)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the methods this many times, alternating their order, and average")
+    p.add_argument("--json", metavar="RESULT.json", help="also write the raw result")
+    p.set_defaults(run=_bench)
+
+
+def _bench(args) -> int:
+    import json
+
+    from rich.console import Console
+
+    from torchalpa.cli.bench import format_table, run_bench
+    load_workload(args.model)        # a bad name fails here, before torchrun starts
+    try:
+        result = run_bench(args.model, nproc=args.nproc, steps=args.steps, rounds=args.rounds)
+    except RuntimeError as e:
+        print(f"torchalpa bench: {e}", file=sys.stderr)
+        return 1
+    Console(width=120).print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _add_coverage(commands) -> None:
+    coverage = commands.add_parser(
+        "coverage", help="which ops of each model's training step have sharding rules",
+        description="Capture each model's training step on the meta device and list its ops, "
+                    "with or without a sharding rule. A model is a zoo family (its tiny "
+                    "config) or module:callable returning a Workload or "
+                    "(model, example_inputs, loss_fn).")
+    coverage.add_argument("--model", action="append", metavar="NAME",
+                          help="a zoo family or module:callable (repeatable; default: the zoo)")
+    coverage.add_argument("--hf", action="store_true",
+                          help="the suite of transformers architectures and PyTorch idioms "
+                               "(torchalpa.models.suite), with a summary table")
+    coverage.set_defaults(run=_coverage)
+
+
+# -- shared helpers -----------------------------------------------------------------------
+
+def _cluster_argument(p) -> None:
+    p.add_argument("--cluster", default="h100:1x8", metavar="KIND:NxD",
+                   help="h100:NODESxDEVICES, a100:NODESxDEVICES or cpu:N (default h100:1x8)")
+
+
+
+
+
+
+def _load(path: str):
+    from torchalpa.core.plan import load_plan
+    return load_plan(path)
+
+
+
+
+
+
+
+
+def _coverage(args) -> int:
+
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.passes.rules import rule_for
+
+    names = list(args.model or ())
+    if args.hf:
+        from torchalpa.models.suite import SUITE
+        names += [f"suite:{name}" for name in SUITE]
+    names = names or sorted(zoo_module().FAMILIES)
+    failed = False
+    without: dict[str, list[str]] = collections.defaultdict(list)
+    table: list[tuple[str, str, str]] = []
+    for name in names:
+        try:
+            model, example_inputs, loss_fn = _build_for_coverage(load_workload(name))
+            graph = capture(model, example_inputs, loss_fn).graph
+        except Exception as e:  # report every model, then fail
+            print(f"\n{name}: could not capture: {type(e).__name__}: {e}")
+            table.append((name, "FAILS", f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"))
+            failed = True
+            continue
+        nodes = collections.Counter(n.op for n in graph.ops())
+        missing = sorted({n.op for n in graph.ops() if rule_for(n, graph) is None})
+        print(f"\n{name}: {len(nodes)} ops in {sum(nodes.values())} nodes, "
+              f"{len(nodes) - len(missing)} with a sharding rule, {len(missing)} without")
+        for op in sorted(nodes):
+            print(f"  {'----' if op in missing else 'rule'}  {op:64s} x{nodes[op]}")
+        for op in missing:
+            without[op].append(name)
+        table.append((name, "captures", f"{sum(nodes.values())} nodes" + (
+            f", replicated: {', '.join(missing)}" if missing else "")))
+    if any(name.startswith("suite:") for name in names):
+        _print_suite_table([row for row in table if row[0].startswith("suite:")])
+    print(f"\nops without a sharding rule (run replicated): {len(without) or 'none'}")
+    for op in sorted(without):
+        print(f"  {op}: {', '.join(without[op])}")
+    return 1 if failed or without else 0
+
+
+def _build_for_coverage(make):
+    """``make()`` on the meta device (no memory, any size); a constructor that reads tensor
+    values (torchvision's RegNet computes its widths with tensors and ``.tolist()``) cannot
+    run there, so such a model is built on the CPU instead."""
+    import torch
+    try:
+        with torch.device("meta"):
+            return make()
+    except (NotImplementedError, RuntimeError) as e:
+        if "meta tensor" not in str(e):
+            raise
+        return make()
+
+
+def _print_suite_table(rows: list[tuple[str, str, str]]) -> None:
+    from torchalpa.models.suite import SUITE
+    print("\nmodel                  family           capture   notes")
+    for name, status, notes in rows:
+        case = SUITE.get(name.partition(":")[2])
+        family = case.family if case else "-"
+        known = f" (known: {case.known_failure[:60]}...)" if case and case.known_failure \
+            and status == "FAILS" else ""
+        print(f"{name.partition(':')[2] or name:22s} {family:16s} {status:9s} {notes}{known}")
+    print(f"{sum(s == 'captures' for _, s, _ in rows)} of {len(rows)} capture")
+
+
+def _add_export(commands) -> None:
+    from torchalpa.cli.stablehlo import add_export
+    add_export(commands)
+
+
+SUBCOMMANDS: list[Callable] = [_add_plan, _add_show, _add_explain, _add_estimate, _add_cache,
+                               _add_bench, _add_coverage, _add_export]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""What the command line's arguments name: a model (a zoo family, ``suite:NAME``,
+``module:callable`` or ``path/to/file.py:callable``) and a cluster (``h100:2x8``)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+__all__ = ["parse_shape", "parse_cluster", "load_workload", "import_by_name", "zoo_module"]
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(s) for s in text.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if not shape or min(shape) < 1:
+        raise ValueError(f"a shape is positive integers joined by 'x' (e.g. 2x8), got {text!r}")
+    return shape
+
+
+def parse_cluster(spec: str):
+    """``h100:2x8`` -> ``Cluster.h100(num_nodes=2, devices_per_node=8)``; ``cpu:4``."""
+    from torchalpa.core.cluster import Cluster
+    kind, _, size = spec.partition(":")
+    kind = kind.lower()
+    presets = {"h100": Cluster.h100, "a100": Cluster.a100}
+    if kind == "cpu":
+        (n,) = parse_shape(size or "1")[:1] or (1,)
+        return Cluster.local_cpu(n)
+    if kind not in presets:
+        raise ValueError(f"unknown cluster kind {kind!r} in {spec!r}; use h100:NxD, a100:NxD "
+                         "or cpu:N")
+    shape = parse_shape(size or "1x8")
+    if len(shape) != 2:
+        raise ValueError(f"the cluster size is NODESxDEVICES (e.g. h100:2x8), got {spec!r}")
+    return presets[kind](num_nodes=shape[0], devices_per_node=shape[1])
+
+
+def zoo_module():
+    try:
+        return importlib.import_module("torchalpa.models")
+    except ImportError as e:
+        raise SystemExit(f"torchalpa coverage: the model zoo (torchalpa.models) is not "
+                         f"available ({e}); name models as module:callable instead") from e
+
+
+def load_workload(spec: str) -> Callable[[], tuple]:
+    """``() -> (model, example_inputs, loss_fn)`` for a zoo name, ``suite:NAME`` (a case of
+    ``torchalpa.models.suite``) or ``module:callable``."""
+    if spec.startswith("suite:"):
+        from torchalpa.models.suite import build_case
+        name = spec.partition(":")[2]
+        return lambda: build_case(name)
+    if ":" in spec:
+        module_name, _, attr = spec.rpartition(":")
+        found = getattr(import_by_name(module_name, spec), attr, None)
+        if found is None or not callable(found):
+            raise ValueError(f"cannot load {spec!r}: {module_name} has no callable {attr!r}")
+        make = found
+    else:
+        zoo = zoo_module()
+        if spec not in zoo.FAMILIES:
+            raise ValueError(f"unknown model {spec!r}; the zoo has {sorted(zoo.FAMILIES)} "
+                             "(or pass module:callable)")
+
+        def make():
+            return zoo.tiny(spec)
+
+    def load():
+        made = make()
+        if hasattr(made, "build") and hasattr(made, "example_inputs"):
+            return made.build(), made.example_inputs(), made.loss_fn
+        import torch
+        if not (isinstance(made, tuple) and len(made) == 3
+                and isinstance(made[0], torch.nn.Module)
+                and isinstance(made[1], (tuple, list))
+                and (made[2] is None or callable(made[2]))):
+            raise ValueError(f"{spec} returned {type(made).__name__} {str(made)[:60]!r}; it must "
+                             "return a torchalpa.models.Workload or a tuple (model: nn.Module, "
+                             "example_inputs: tuple of tensors, loss_fn or None)")
+        return made
+    return load
+
+
+def import_by_name(module_name: str, spec: str):
+    """A module by dotted name, or a ``.py`` file by path (``./train.py:make``)."""
+    import importlib.util
+    import os
+    if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
+        if not os.path.isfile(module_name):
+            raise ValueError(f"cannot load {spec!r}: no file {module_name}")
+        name = os.path.splitext(os.path.basename(module_name))[0]
+        file_spec = importlib.util.spec_from_file_location(name, module_name)
+        if file_spec is None or file_spec.loader is None:
+            raise ValueError(f"cannot load {spec!r}: {module_name} is not importable")
+        module = importlib.util.module_from_spec(file_spec)
+        file_spec.loader.exec_module(module)
+        return module
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot load {spec!r}: {e} (give module:callable, or path/to/file.py:"
+                         "callable)") from e

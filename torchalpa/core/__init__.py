@@ -1,0 +1,2 @@
+"""The IR and the records every layer shares: the op graph, placements, plans, clusters,
+option records, schedules, progress. Imports nothing else of torchalpa's."""

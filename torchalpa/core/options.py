@@ -1,0 +1,415 @@
+"""Parallelization methods and their options (validated, frozen dataclasses).
+
+``ShardParallel`` is Alpa's intra-op auto-sharding: the ILP decides every layout.
+They are plain data: ``torchalpa.parallel.methods`` maps each method class to how it
+plans and builds (``torchalpa.plan`` / ``torchalpa.auto_parallel`` dispatch through it).
+The options mirror Alpa's ``AutoShardingOption`` where they mean the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+__all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataParallel",
+           "Zero2Parallel", "Zero3Parallel", "PipeshardParallel", "AutoLayerOption",
+           "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style"]
+
+# Optimizer state tensors kept per parameter element, for the memory model.
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1,
+                    "rmsprop": 1}
+
+
+def is_style(value) -> bool:
+    """Whether ``value`` is one of torch's tensor-parallel styles (``ColwiseParallel()``...)."""
+    try:
+        from torch.distributed.tensor.parallel import ParallelStyle
+    except ImportError:   # torch built without distributed
+        return False
+    return isinstance(value, ParallelStyle)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutoShardingOption:
+    """Knobs of the intra-op ILP."""
+
+    solver: str = "auto"
+    """'highs' (HiGHS, given the model's arrays directly), 'cbc' (CBC through PuLP, which
+    ships it), or 'auto': HiGHS when highspy is importable (a dependency of torchalpa),
+    else CBC. On the convolutional nets of torchvision HiGHS is several times faster and
+    CBC can stop without a plan on the unsimplified problem (README, "Solver")."""
+    time_limit: float | None = 60.0
+    """Seconds the solver may take; the best plan found by then is used."""
+    gap: float | None = None
+    """Relative optimality gap at which the solver may stop (None: solver default)."""
+    memory_budget_per_device: float | None = None
+    """Bytes per device the plan must fit in (None: the cluster's device memory)."""
+    force_batch_dim_to_mesh_dim: int | None = None
+    """Shard dim 0 of every user input over this mesh axis (-1: over all axes)."""
+    parameters: str = "auto"
+    """Parameter layouts (gradients and optimizer states follow): 'auto' lets the ILP
+    choose, 'replicated' keeps them whole (DDP), 'sharded' splits each over every mesh
+    axis where it divides (ZeRO / FSDP)."""
+    allow_reduce_scatter: bool = True
+    """Let a partial sum become a shard by reduce-scatter. Off, it is all-reduced and sliced
+    (Alpa's default search space; its ZeRO presets turn reduce-scatter on)."""
+    rematerialize_parameters: bool = False
+    """Gather parameters again in backward instead of keeping forward's gathered copies
+    (FSDP's reshard-after-forward, ZeRO-3); trades communication for memory."""
+    remat: str = "none"
+    """Activation checkpointing: 'none' keeps forward's activations for backward, 'full'
+    recomputes each block's forward (``layers.3``) in its backward, keeping only block
+    inputs (``frontends/block_remat.py``), 'auto' plans both and keeps the faster plan that
+    fits (``passes/remat_choice.py``). The plan records its choice (``method['remat']``)."""
+    force_data_parallel: bool = False
+    """Alpa's data parallelism: the mesh flattened to one axis (its largest latency, its
+    smallest inverse bandwidth, as Alpa's ``LogicalDeviceMesh.flatten``), the batch split
+    over it, parameters whole, no all-gather and no all-to-all: gradients are all-reduced
+    over all devices and nothing else is communicated."""
+    allow_all_gather: bool = True
+    """Let resharding use all-gather (off: any layout change that needs one is forbidden)."""
+    allow_all_to_all: bool = True
+    """Let resharding use all-to-all."""
+    allow_replicated_parameters: bool = True
+    """Let a parameter be whole on every device; off, each is split over some mesh axis
+    wherever one of its dims divides."""
+    allow_mixed_mesh_shape: bool = True
+    """Let one tensor dim be split over both axes of a 2D mesh (Alpa's S01). Alpa's
+    default is False; ours keeps these layouts, since ZeRO-style plans on 2D meshes need
+    them."""
+    allow_recompute_heavy_op: bool = False
+    """Let compute-bound ops (matmuls, convolutions) run redundantly on several devices;
+    off (Alpa's default), they are always split over every device when they can be."""
+    force_simple_heuristic: str = ""
+    """'' solves the ILP; 'shard-largest' (Alpa's) picks for each op, in order, the
+    strategy holding the fewest bytes per device among those its operands can reach."""
+    all_reduce_threshold: int | None = None
+    """Merge gradient all-reduces on the same mesh axis into buckets of at most this many
+    bytes (Alpa's ``all_reduce_threshold``, whose default 2**60 merges them all): the plan
+    lists the buckets in ``estimates['gradient_buckets']`` and prices one latency per
+    bucket. The runtime packs the gradients' final all-reduces and reduce-scatters into
+    buckets of this size (``runtime/buckets.py``); None: the planner prices one collective
+    per gradient and the runtime uses DDP's 25 MiB buckets; 0: no buckets at all."""
+    enable_auto_sharding: bool = True
+    """Off: no search. Parameters and inputs keep the layouts ``pin`` gives them (Alpa's
+    ``ManualShardingOption``) and are otherwise whole; each op takes the cheapest layout
+    reachable from its operands' (layouts propagate, as in XLA's sharding propagation)."""
+    free_followers_below: int = 4000
+    """Graphs of at most this many nodes are solved with the followers (ops that take
+    their operand's layout in the simplified ILP) deciding on their own, repeated layers
+    still sharing decisions: a problem that contains the simplified one, solved in its
+    place (the simplified one only if the solver stops without a plan); graphs also
+    re-solved unsimplified (``exact_below``) solve it from the simplified plan, and the
+    unsimplified problem from the better of the two. On GPT-39B's
+    pipeline stages (800-1600 nodes) this finds nearly all that the unsimplified re-solve
+    (``exact_below``) finds, from a problem a tenth its size
+    (``tests/test_free_followers.py``); on whole models it doubled the solve for a plan
+    0.3-0.5 % faster (LLaMA-3-8B on 8 x 8: 5.6 -> 10.8 s, 6774 nodes), hence the bound.
+    0 turns it off."""
+    alternate_blocks: bool = True
+    """Where repeated layers share decisions and the shared plan reshards values between
+    them (more than 1 % of its step), solve once more letting every other layer decide
+    apart (Megatron's column- then row-parallel Linear pairs), keeping the better plan.
+    The pipeline search's per-layer estimates turn it off: on GPT-39B (8 x 8) it was 52
+    of their 166 solves and moved 4 of 150 estimates by at most 0.17 %; the stages the
+    search picks are solved with it."""
+    exact_below: int = 2000
+    """Graphs of at most this many nodes are also solved without simplification (shared
+    decisions of repeated layers, followers), starting from the best plan found so far,
+    and the better plan is kept: there, simplification never costs optimality. Larger
+    graphs keep the simplified plan (a restriction of the full problem). 0 turns the
+    check off."""
+    pin: tuple = ()
+    """Fixed layouts: ``{regex: placements}`` (or pairs) matched against parameter names
+    and user inputs (named after forward's arguments, e.g. 'input_ids'), e.g.
+    ``{"layers[.]0[.]wq[.]weight": ("R", "S(0)")}``;
+    ``"*"`` on an axis leaves that axis to the ILP; ``"..."`` first leaves every leading
+    axis to it, whatever the mesh's number of axes (``("...", "S(0)")``: the last axis).
+    Pins override ``parameters``. A value may also be one of torch's tensor-parallel
+    styles keyed by module path, as ``parallelize_module`` takes them:
+    ``{"layers.*.attn.wq": ColwiseParallel(), "layers.*.attn.wo": RowwiseParallel()}``
+    pins those modules' parameters on the last mesh axis as the style lays them out
+    (``torchalpa/parallel/tp_pins.py``; ``plan.to_tp_plan()`` goes the other way)."""
+    random: str = "sharded"
+    """Random ops (dropout masks, ``rand``): 'sharded' lets each device draw its own block
+    (replicas draw alike, blocks independently; same distribution as one device, other
+    numbers; dropout's input is never gathered for its mask), 'replicated' has every
+    device draw whole tensors as one device does (bitwise single-device numerics, at the
+    cost of gathering what random ops read). See ``passes/rules/random.py``."""
+    elementwise: str = "eager"
+    """How a torch graph's elementwise chains are priced: 'eager' (each ATen op its own
+    kernel, moving its inputs and outputs: the runtime without ``compile``) or 'fused'
+    (chains fused as ``torch.compile`` and XLA run them, ``passes/fused_pricing.py``).
+    StableHLO programs are always priced as XLA fuses them."""
+
+    def __post_init__(self):
+        if self.remat not in ("none", "full", "auto"):
+            raise ValueError(f"AutoShardingOption.remat must be 'none', 'full' or 'auto', "
+                             f"got {self.remat!r}")
+        if self.random not in ("sharded", "replicated"):
+            raise ValueError(f"AutoShardingOption.random must be 'sharded' or 'replicated', "
+                             f"got {self.random!r}")
+        if self.elementwise not in ("eager", "fused"):
+            raise ValueError(f"AutoShardingOption.elementwise must be 'eager' or 'fused', "
+                             f"got {self.elementwise!r}")
+        if self.parameters not in ("auto", "replicated", "sharded"):
+            raise ValueError(f"AutoShardingOption.parameters must be 'auto', 'replicated' or "
+                             f"'sharded', got {self.parameters!r}")
+        pin = self.pin.items() if isinstance(self.pin, dict) else self.pin
+        normalized = []
+        for pattern, placements in pin:
+            if is_style(placements):   # translated for the model by plan / auto_parallel
+                normalized.append((str(pattern), placements))
+                continue
+            if isinstance(placements, str):
+                placements = (placements,)
+            from torchalpa.core.placement import check_placement, parse_placements, short_form
+            placements = tuple(p if isinstance(p, str) else short_form(check_placement(p))
+                               for p in placements)   # torch's Shard(0) or "S(0)"
+            if "..." in placements[1:]:
+                raise ValueError(f"AutoShardingOption.pin[{pattern!r}] = {placements}: '...' "
+                                 "may only come first (the leading mesh axes left free)")
+            parsed = parse_placements([p for p in placements if p not in ("*", "...")])
+            if any(getattr(p, "reduce_op", None) in ("max", "min") for p in parsed):
+                raise ValueError(f"AutoShardingOption.pin[{pattern!r}] = {placements}: a "
+                                 "Partial max or min only arises inside a step (a max over "
+                                 "a split dim); pin Shard, Replicate or Partial(sum|avg)")
+            normalized.append((str(pattern), placements))
+        object.__setattr__(self, "pin", tuple(normalized))
+        if self.solver not in ("auto", "cbc", "highs"):
+            raise ValueError(f"AutoShardingOption.solver must be 'auto', 'cbc' or 'highs', "
+                             f"got {self.solver!r}")
+        if self.time_limit is not None and self.time_limit <= 0:
+            raise ValueError(f"AutoShardingOption.time_limit must be > 0 seconds, "
+                             f"got {self.time_limit}")
+        if self.force_simple_heuristic not in ("", "shard-largest"):
+            raise ValueError(f"AutoShardingOption.force_simple_heuristic must be '' or "
+                             f"'shard-largest', got {self.force_simple_heuristic!r}")
+        if self.all_reduce_threshold is not None and self.all_reduce_threshold < 0:
+            raise ValueError(f"AutoShardingOption.all_reduce_threshold must be >= 0 bytes or "
+                             f"None, got {self.all_reduce_threshold}")
+        for name in ("free_followers_below", "exact_below"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"AutoShardingOption.{name} must be >= 0 nodes (0: off), "
+                                 f"got {getattr(self, name)}")
+        if self.gap is not None and not 0 <= self.gap < 1:
+            raise ValueError(f"AutoShardingOption.gap must be in [0, 1), got {self.gap}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ManualShardingOption:
+    """Layouts given by hand (Alpa's ``ManualShardingOption``): ``pin`` maps regexes over
+    parameter names and user inputs ('input0', ...) to placements, as
+    ``AutoShardingOption.pin`` does. With ``enable_auto_sharding=False`` these layouts
+    propagate to the ops and nothing is searched; otherwise the ILP plans around them."""
+
+    pin: tuple = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "pin", AutoShardingOption(pin=self.pin).pin)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardParallel:
+    """Intra-operator parallelism chosen by Alpa's ILP over one logical mesh."""
+
+    logical_mesh_shape: tuple[int, ...] | None = None
+    """Shape of the logical mesh; None views all devices as one 1D mesh."""
+    auto_sharding_option: AutoShardingOption = field(default_factory=AutoShardingOption)
+    optimizer: str = "adam"
+    """Optimizer whose states the memory model counts (see OPTIMIZER_STATES)."""
+    manual_sharding_option: ManualShardingOption | None = None
+    """Layouts fixed by hand; they join ``auto_sharding_option.pin``."""
+    num_micro_batches: int = 1
+    """Gradient accumulation (Alpa's ``ShardParallel(num_micro_batches=)``): a step runs
+    this many micro-batches (dim 0 of the example inputs divided by it) one after the
+    other and reduces the summed gradients once. The plan is made for one micro-batch and
+    priced as the step runs it: everything a micro-batch does counts this many times, the
+    gradients' final reductions once (so a gradient is not reduced inside backward, per
+    micro-batch, where it could be reduced once at the end). ``auto_parallel``'s
+    ``num_micro_batches=`` sets it (or must equal it)."""
+
+    def __post_init__(self):
+        if isinstance(self.num_micro_batches, bool) or not isinstance(self.num_micro_batches, int) \
+                or self.num_micro_batches < 1:
+            raise ValueError(f"ShardParallel.num_micro_batches must be a positive int, "
+                             f"got {self.num_micro_batches!r}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"ShardParallel.optimizer must be one of "
+                             f"{sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        if self.logical_mesh_shape is not None:
+            shape = tuple(int(s) for s in self.logical_mesh_shape)
+            if not shape or any(s < 1 for s in shape):
+                raise ValueError(f"ShardParallel.logical_mesh_shape must be positive ints, "
+                                 f"got {self.logical_mesh_shape}")
+            object.__setattr__(self, "logical_mesh_shape", shape)
+
+    @property
+    def optimizer_states(self) -> int:
+        return OPTIMIZER_STATES[self.optimizer]
+
+    def to_dict(self) -> dict:
+        """Plain JSON data (tuples become lists), as stored in plans."""
+        d = json.loads(json.dumps(asdict(self)))
+        d["name"] = type(self).__name__
+        return d
+
+
+def with_micro_batches(method, num_micro_batches: int | None):
+    """``method`` with ``auto_parallel``'s ``num_micro_batches=`` (a ShardParallel or
+    PipeshardParallel): set where the method leaves it at 1, a ValueError where the two
+    disagree."""
+    if num_micro_batches is None or num_micro_batches == method.num_micro_batches:
+        return method
+    if method.num_micro_batches != 1:
+        raise ValueError(f"num_micro_batches={num_micro_batches} disagrees with the method's "
+                         f"{type(method).__name__}(num_micro_batches={method.num_micro_batches}); "
+                         "give it in one place")
+    return replace(method, num_micro_batches=num_micro_batches)
+
+
+def _option(**kw):
+    return field(default_factory=lambda: AutoShardingOption(**kw))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataParallel(ShardParallel):
+    """DDP: the batch split over every device (the mesh flattened to one axis),
+    parameters whole on each, gradients all-reduced; nothing else communicated."""
+
+    auto_sharding_option: AutoShardingOption = _option(force_data_parallel=True,
+                                                       force_batch_dim_to_mesh_dim=-1,
+                                                       parameters="replicated")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Zero2Parallel(ShardParallel):
+    """ZeRO-2 / FSDP SHARD_GRAD_OP: the batch split over every device; parameters,
+    gradients and optimizer states sharded between steps; each parameter gathered once
+    per step and kept until backward is done with it; gradients reduce-scattered."""
+
+    auto_sharding_option: AutoShardingOption = _option(force_batch_dim_to_mesh_dim=-1,
+                                                       parameters="sharded")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Zero3Parallel(ShardParallel):
+    """ZeRO-3 / FSDP FULL_SHARD: like Zero2Parallel, but parameters are gathered again in
+    backward instead of being kept from forward."""
+
+    auto_sharding_option: AutoShardingOption = _option(force_batch_dim_to_mesh_dim=-1,
+                                                       parameters="sharded",
+                                                       rematerialize_parameters=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutoLayerOption:
+    """Cut the training step into layers automatically (Alpa's layer construction)."""
+
+    layer_num: int | str = "auto"
+    """How many layers; 'auto' uses the model's pipeline-boundary markers if it has any,
+    else min(2 x devices, 16)."""
+    eps: float = 0.6
+    """Each layer may have up to (1 + eps) times the average forward flops."""
+
+    def __post_init__(self):
+        if self.layer_num != "auto" and (not isinstance(self.layer_num, int) or self.layer_num < 1):
+            raise ValueError(f"AutoLayerOption.layer_num must be a positive int or 'auto', "
+                             f"got {self.layer_num!r}")
+        if self.eps < 0:
+            raise ValueError(f"AutoLayerOption.eps must be >= 0, got {self.eps}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ManualStageOption:
+    """Stages given by hand, as in Alpa: which layers, on which submesh, viewed how."""
+
+    forward_stage_layer_ids: tuple[tuple[int, ...], ...]
+    submesh_shapes: tuple[tuple[int, int], ...]
+    """Physical (nodes, devices per node) of each stage's submesh."""
+    logical_shapes: tuple[tuple[int, ...], ...] | None = None
+    """Logical mesh of each stage (default: the submesh as 1D)."""
+    options: tuple[AutoShardingOption, ...] | None = None
+    recompute: tuple[bool, ...] | None = None
+    """Per stage, whether it checkpoints its activations (keeps only each micro-batch's
+    inputs and runs its forward again before its backward; default: none does)."""
+
+    def __post_init__(self):
+        ids = tuple(tuple(int(i) for i in s) for s in self.forward_stage_layer_ids)
+        object.__setattr__(self, "forward_stage_layer_ids", ids)
+        flat = [i for s in ids for i in s]
+        if not ids or flat != list(range(len(flat))):
+            raise ValueError("ManualStageOption.forward_stage_layer_ids must cover layers 0..L-1 "
+                             f"in order, each once, got {ids}")
+        shapes = tuple(tuple(int(x) for x in s) for s in self.submesh_shapes)
+        object.__setattr__(self, "submesh_shapes", shapes)
+        if len(shapes) != len(ids):
+            raise ValueError(f"ManualStageOption has {len(ids)} stages but {len(shapes)} "
+                             "submesh_shapes")
+        for name in ("logical_shapes", "options", "recompute"):
+            value = getattr(self, name)
+            if value is not None:
+                if len(value) != len(ids):
+                    raise ValueError(f"ManualStageOption.{name} needs one entry per stage "
+                                     f"({len(ids)}), got {len(value)}")
+                object.__setattr__(self, name, tuple(tuple(v) if name == "logical_shapes" else
+                                                     bool(v) if name == "recompute" else v
+                                                     for v in value))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UniformStageOption:
+    """Equal stages on equal submeshes: the simple baseline."""
+
+    num_stages: int | None = None
+    """Default: one stage per node, or 2 on a single node."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipeshardParallel:
+    """Alpa's inter- and intra-operator parallelism: the training step is cut into layers,
+    layers into pipeline stages on submeshes (a dynamic program), and each stage is
+    sharded on its submesh by the intra-op ILP; micro-batches flow through the stages."""
+
+    num_micro_batches: int = 1
+    layer_option: AutoLayerOption = field(default_factory=AutoLayerOption)
+    stage_option: object = "auto"
+    """'auto' (Alpa's DP on the cost model), 'profile' (the same DP on layer times measured
+    on this job's devices; needs ``auto_parallel`` under torchrun), 'uniform',
+    UniformStageOption(...) or ManualStageOption(...)."""
+    pipeline_schedule: str = "1f1b"
+    """'1f1b' or 'gpipe'."""
+    auto_sharding_option: AutoShardingOption = field(default_factory=AutoShardingOption)
+    optimizer: str = "adam"
+
+    def __post_init__(self):
+        if not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1:
+            raise ValueError(f"PipeshardParallel.num_micro_batches must be a positive int, "
+                             f"got {self.num_micro_batches!r}")
+        if self.pipeline_schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"PipeshardParallel.pipeline_schedule must be '1f1b' or 'gpipe', "
+                             f"got {self.pipeline_schedule!r}")
+        if self.stage_option == "uniform":
+            object.__setattr__(self, "stage_option", UniformStageOption())
+        if not (self.stage_option in ("auto", "profile") or
+                isinstance(self.stage_option, (ManualStageOption, UniformStageOption))):
+            raise ValueError("PipeshardParallel.stage_option must be 'auto', 'profile', "
+                             "'uniform', UniformStageOption or ManualStageOption, got "
+                             f"{self.stage_option!r}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"PipeshardParallel.optimizer must be one of "
+                             f"{sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+
+    @property
+    def optimizer_states(self) -> int:
+        return OPTIMIZER_STATES[self.optimizer]
+
+    def intra_op_method(self, option: AutoShardingOption | None = None) -> ShardParallel:
+        """The ShardParallel each stage is planned with."""
+        return ShardParallel(auto_sharding_option=option or self.auto_sharding_option,
+                             optimizer=self.optimizer)
+
+    def to_dict(self) -> dict:
+        d = json.loads(json.dumps(asdict(self), default=str))
+        d["name"] = type(self).__name__
+        return d

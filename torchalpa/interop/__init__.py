@@ -1,0 +1,2 @@
+"""torchalpa and other systems: StableHLO export and annotation, XLA/JAX shardings,
+torch's tensor-parallel plans, JAX functions and StableHLO programs as inputs."""

@@ -1,0 +1,2 @@
+"""torchalpa's custom torch ops (attention, batched matmul) and the pipeline-boundary marker.
+Imports only ``torchalpa.core``."""

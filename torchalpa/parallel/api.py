@@ -1,0 +1,141 @@
+"""The two entry points: ``plan`` (no processes) and ``auto_parallel`` (under torchrun).
+
+Both check what any method is given, then take the one path every method takes
+(``torchalpa.parallel.build``) with the method's steps from the table
+(``torchalpa.parallel.methods``: ``ShardParallel`` and its presets in ``shard.py``,
+``PipeshardParallel`` in ``pipeshard.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from torchalpa.core.calls import CallSignature
+from torchalpa.core.cluster import Cluster, LogicalMesh
+from torchalpa.core.options import PipeshardParallel, ShardParallel
+from torchalpa.core.plan import PipelinePlan, Plan
+from torchalpa.core.progress import setup_logging
+from torchalpa.core.progress import verbose as solver_log
+from torchalpa.parallel.build import build_module, plan_model
+from torchalpa.parallel.methods import steps_of
+from torchalpa.parallel.tp_pins import resolve_style_pins
+
+__all__ = ["plan", "auto_parallel"]
+
+Method = ShardParallel | PipeshardParallel
+_INPUT_MODES = ("global", "local")
+_CHECK_INPUTS = ("first", "always", "never")
+
+
+def _check_method(method) -> Method:
+    method = method if method is not None else ShardParallel()
+    steps_of(method)     # a TypeError naming the methods for anything else
+    return method
+
+
+def _check_inputs_mode(inputs: str) -> None:
+    if inputs not in _INPUT_MODES:
+        raise ValueError(f"inputs must be one of {_INPUT_MODES}, got {inputs!r}")
+
+
+def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
+         loss_fn: Callable | None = None, *, method: Method | None = None,
+         cluster: Cluster | LogicalMesh | None = None, inputs: str = "global",
+         verbose: bool = False, param_argnums=0, num_params: int | None = None
+         ) -> Plan | PipelinePlan:
+    """Plan ``model`` for ``cluster`` without running it: no process group, no real weights.
+
+    ``model`` and ``example_inputs`` may live on the ``meta`` device. Without a cluster the
+    plan is for this job's world (one device outside torchrun). A ``LogicalMesh`` instead
+    of a Cluster gives the exact per-axis costs to plan with. Unless the method fixes a
+    logical mesh shape, every 1D and 2D view of the cluster is tried and the fastest kept.
+    Progress goes to the ``torchalpa`` logger (``TORCHALPA_LOG=debug|info|warning``);
+    ``verbose=True`` also streams the ILP solver's own log.
+
+    ``model`` may also be a JAX function (its loss, differentiated over the arguments at
+    ``param_argnums``) or StableHLO text / a ``.mlir`` path (the first ``num_params``
+    arguments of ``@main`` are parameters): see ``torchalpa/interop/programs.py``.
+    """
+    setup_logging()
+    with solver_log(verbose):
+        method = resolve_style_pins(_check_method(method), model)
+        _check_inputs_mode(inputs)
+        return plan_model(model, example_inputs, loss_fn, method=method,
+                          steps=steps_of(method), cluster=cluster, inputs=inputs,
+                          param_argnums=param_argnums, num_params=num_params)
+
+
+def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
+                  loss_fn: Callable | None = None, *, method: Method | None = None,
+                  mesh=None, cluster: Cluster | LogicalMesh | None = None,
+                  inputs: str = "global", optimizer: Callable | None = None,
+                  plan: Plan | None = None, num_micro_batches: int | None = None,
+                  mixed_precision=None, init_weights: Callable | None = None,
+                  compile: bool | dict = False, check_replicas: bool | None = None,
+                  check_inputs: str = "first", verbose: bool = False):
+    """Parallelize ``model``'s training step over every rank of this torchrun job.
+
+    ``example_inputs`` are the model inputs followed by the loss targets (when ``loss_fn``
+    is given), or a dict of keyword arguments for ``model(**example_inputs)`` (the loss is
+    the model's own, ``outputs["loss"]``, or ``loss_fn(outputs)``; the module is then called
+    by keyword too, ``pmodel(input_ids=..., labels=...)``, and returns the forward's output
+    type with its ``loss`` set); with ``inputs="global"`` every rank later passes the same global batch of
+    that shape, with ``inputs="local"`` its own shard of the batch dim. Rank 0 plans and
+    broadcasts the plan, so every rank runs the same one. ``optimizer``, if given, is
+    called with the parallel parameters and enables ``train_step``. ``plan`` reuses a plan
+    made earlier (``Plan.load``) for this model and mesh instead of solving again.
+
+    - ``num_micro_batches=k``: gradient accumulation. The plan is made for one micro-batch
+      (dim 0 of every example input divided by ``k``); a step runs the ``k`` micro-batches
+      one after the other, sums their gradients and returns the mean of their losses, so a
+      mean-reduced loss gives the whole batch's loss and gradients. With
+      ``PipeshardParallel`` the micro-batches flow through the stages: the option sets the
+      method's ``num_micro_batches`` (or must equal it).
+    - ``mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16)``: float32
+      parameters (the DTensors the optimizer updates), forward and backward in
+      ``param_dtype``, float32 gradients.
+    - ``init_weights=fn``: for a model built on the ``meta`` device, only this rank's blocks
+      are allocated, then ``fn(module)`` initializes them in place on the DTensors (default:
+      ``reset_parameters()`` of every submodule that has one). Given for a real model, it
+      re-initializes it.
+    - ``compile=True`` (or a dict of ``torch.compile`` options): the local programs (each
+      pipeline stage's, with ``PipeshardParallel``) run under ``torch.compile``.
+    - ``PipeshardParallel`` builds its stages' meshes itself and needs the global batch on
+      every rank: ``mesh=``, ``inputs="local"`` and ``init_weights=`` raise a ValueError
+      saying why (``torchalpa.parallel.pipeshard.pipeline_options``).
+    - Random numbers (dropout): every rank continues from rank 0's default generator state
+      once the model is wrapped (a ``RandomStateWarning`` says when ranks' states differed,
+      e.g. after ``torch.manual_seed(seed + rank)``), so replicas draw alike; sharded
+      random results draw one independent block per device (``runtime/random.py``;
+      ``AutoShardingOption(random="replicated")`` for single-device numerics).
+      ``check_replicas=True`` (default: the ``TORCHALPA_CHECK_REPLICAS`` environment
+      variable) checks before every step that replicated parameters, buffers and the
+      generator state agree on every rank, and raises ``ReplicaMismatchError`` naming the
+      value that differs instead of training on it.
+    - ``check_inputs="first"`` (default) | ``"always"`` | ``"never"``: with
+      ``inputs="global"``, compare a hash of each rank's batch across ranks on the first
+      call, on every call (one small all-gather and a pass over the batch each step), or
+      never; ranks given different data (a data-loader bug) raise a ValueError naming them.
+    - ``verbose=True``: rank 0 streams the ILP solver's log too (progress lines are shown
+      by default; ``TORCHALPA_LOG=warning`` silences them).
+    """
+    setup_logging()
+    with solver_log(verbose):
+        method = resolve_style_pins(_check_method(method), model)
+        _check_inputs_mode(inputs)
+        if check_inputs not in _CHECK_INPUTS:
+            raise ValueError(f"check_inputs must be one of {_CHECK_INPUTS}, got {check_inputs!r}")
+        if num_micro_batches is not None:
+            if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) \
+                    or num_micro_batches < 1:
+                raise ValueError(f"num_micro_batches must be an int >= 1, got "
+                                 f"{num_micro_batches!r}")
+        signature, example_inputs = CallSignature.of(example_inputs)
+        return build_module(model, example_inputs, loss_fn, method=method,
+                            steps=steps_of(method), signature=signature, inputs=inputs,
+                            check_inputs=check_inputs, num_micro_batches=num_micro_batches,
+                            mesh=mesh, cluster=cluster, optimizer=optimizer, plan=plan,
+                            mixed_precision=mixed_precision, init_weights=init_weights,
+                            compile=compile, check_replicas=check_replicas)

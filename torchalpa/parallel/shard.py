@@ -1,0 +1,256 @@
+"""``plan`` / ``auto_parallel`` for ShardParallel and its presets: one intra-op plan.
+
+Candidate logical meshes (the one asked for, or every 1D/2D view of the cluster), the ILP
+on each (cached), the fastest plan kept; under torchrun rank 0 plans, every rank lowers
+the plan to its local programs (``runtime.lower``) and wraps the model as a
+``ParallelModule``. ``ShardParallel.plan`` / ``.build`` call these (``torchalpa.parallel.api``
+dispatches through the method object).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torchalpa.core.cluster import Cluster, LogicalMesh
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.options import ShardParallel, with_micro_batches
+from torchalpa.core.plan import Plan
+from torchalpa.core.plan_check import check_plan
+from torchalpa.core.plan_records import Estimates
+from torchalpa.core.progress import step
+from torchalpa.core.units import format_bytes
+from torchalpa.parallel import cache
+from torchalpa.parallel.steps import Placed
+from torchalpa.parallel.workflow import default_cluster, plan_on_rank0, same_step_on_every_rank
+
+__all__ = ["candidate_meshes", "plan_graph", "blocks_of", "IntraOpSteps", "IntraOpTarget"]
+
+log = logging.getLogger("torchalpa")
+
+SKIP_BY_BOUND = True
+"""Skip a logical mesh whose step-time bound is above a plan already found (``plan_graph``);
+False solves every mesh (benchmarks and tests compare)."""
+
+
+def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
+                     shape: tuple[int, ...] | None = None,
+                     axis_names: tuple[str, ...] | None = None) -> list[LogicalMesh]:
+    """The logical meshes to plan on: the one asked for, or every 1D/2D view of the cluster."""
+    shape = tuple(shape or method.logical_mesh_shape or ()) or None
+    if isinstance(cluster, LogicalMesh):
+        if shape and shape != cluster.shape:
+            raise ValueError(f"the LogicalMesh given as cluster has shape {cluster.shape}, but "
+                             f"the plan needs {shape}")
+        if axis_names and tuple(axis_names) != cluster.axis_names:
+            cluster = replace(cluster, axis_names=tuple(axis_names))
+        return [cluster]
+    if not isinstance(cluster, Cluster):
+        raise TypeError(f"cluster must be a torchalpa.Cluster or LogicalMesh, "
+                        f"got {type(cluster).__name__}")
+    shapes = [shape] if shape else cluster.candidate_shapes()
+    return [cluster.logical_mesh(s, axis_names if shape else None) for s in shapes]
+
+
+def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
+               inputs: str = "global", blocks: dict | None = None) -> Plan:
+    """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
+
+    Once a plan is in hand, a mesh whose step-time bound (``step_time_lower_bound``: the
+    linear relaxation of its unsimplified ILP) is above that plan's estimate is skipped:
+    no plan the ILP could find there would be chosen. The note lists it with its bound.
+    The first bound that skips nothing ends the bounding for this call: that LP costs a
+    third to a half of a solve on a transformer, whose views plan within a few percent of
+    each other, and it would be paid again on every other view."""
+    from torchalpa.passes.ilp import InfeasibleError
+    from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
+    fingerprint = graph.fingerprint()
+    plans, failures, skipped = [], [], []
+    bounding = SKIP_BY_BOUND
+    for i, mesh in enumerate(meshes):
+        key = cache.plan_key(fingerprint, mesh, method, inputs)
+        shape = "x".join(map(str, mesh.shape))
+        with step(f"mesh {i + 1}/{len(meshes)} ({shape}) solving") as progress:
+            found = cache.load_cached(key, lambda p, source, shape=tuple(mesh.shape): check_plan(
+                p, fingerprint=fingerprint, source=source, mesh_shape=shape, graph=graph))
+            if isinstance(found, Plan):
+                progress.done = "cached, " + _estimate_text(found, mesh)
+                plans.append(found)
+                continue
+            fastest = min(plans, key=lambda p: p.estimates["step_time_s"], default=None)
+            if fastest is not None and bounding:
+                bound = step_time_lower_bound(graph, mesh, method, inputs=inputs)
+                if bound is not None and bound > fastest.estimates["step_time_s"] * (1 + 1e-9):
+                    skipped.append((mesh, bound))
+                    progress.done = (f"skipped: no plan here beats {bound * 1e3:.3g} ms/step "
+                                     "(a bound), slower than one found")
+                    continue
+                # a bound that skips nothing cost an LP for nothing: where views plan
+                # alike (transformers) the other meshes are solved without one
+                bounding = False
+            try:
+                found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks)
+            except InfeasibleError as e:
+                failures.append(e)
+                progress.done = f"does not fit: {e}"
+                continue
+            budget = method.auto_sharding_option.memory_budget_per_device or \
+                mesh.memory_per_device
+            if budget:      # recorded for reports and pictures
+                found = replace(found, estimates=Estimates.from_dict(
+                    dict(found.estimates, memory_budget_per_device_bytes=budget)))
+            progress.done = _estimate_text(found, mesh)
+        cache.store(key, found)
+        cache.trim()
+        plans.append(found)
+    if not plans:
+        raise failures[0] if len(failures) == 1 else InfeasibleError(
+            "no logical mesh fits the memory budget:\n" + "\n".join(f"  {e}" for e in failures))
+    best = min(plans, key=lambda p: p.estimates["step_time_s"])
+    log.info("chose mesh %s: %s", "x".join(map(str, best.mesh_shape)),
+             _estimate_text(best, meshes[0]))
+    if len(meshes) > 1:
+        tried = ", ".join(f"{'x'.join(map(str, p.mesh_shape))}: "
+                          f"{p.estimates['step_time_s'] * 1e3:.3g} ms" for p in plans)
+        tried += "".join(f", {'x'.join(map(str, m.shape))}: >= {bound * 1e3:.3g} ms "
+                         "(bound, not solved)" for m, bound in skipped)
+        best = replace(best, notes=best.notes + (f"logical meshes tried (estimated step): {tried}",))
+    return best
+
+
+def _estimate_text(plan: Plan, mesh: LogicalMesh) -> str:
+    """``est 630 ms/step, 45.5 GiB of 74.5``: a plan's estimates against the budget."""
+    est = plan.estimates
+    text = f"est {est.get('step_time_s', 0) * 1e3:.3g} ms/step"
+    memory = est.get("memory_per_device_bytes")
+    if memory is not None:
+        text += f", {format_bytes(memory)}"
+        budget = est.get("memory_budget_per_device_bytes") or mesh.memory_per_device
+        if budget:
+            text += f" of {format_bytes(budget)}"
+    return text
+
+
+def blocks_of(graph: OpGraph) -> dict | None:
+    """Repeated layers the frontend tagged, if it found any."""
+    return graph.meta.get("repeated_blocks") or None
+
+
+@dataclass(frozen=True)
+class IntraOpTarget:
+    """What an intra-op plan is made for: the cluster, the logical meshes to try, the mesh
+    shape asked for (by ``mesh=`` or the method; None: any), and the DeviceMesh the user
+    gave ``auto_parallel`` (None: built from the plan's mesh)."""
+
+    cluster: Cluster | LogicalMesh
+    meshes: list[LogicalMesh]
+    shape: tuple[int, ...] | None = None
+    device_mesh: Any = None
+
+
+class IntraOpSteps:
+    """``MethodSteps`` of ShardParallel and its presets (``torchalpa.parallel.steps``)."""
+
+    def with_options(self, method: ShardParallel, *, inputs: str = "global", signature=None,
+                     mesh=None, num_micro_batches: int | None = None, init_weights=None
+                     ) -> ShardParallel:
+        del inputs, signature, mesh, init_weights      # every one is honoured
+        return with_micro_batches(method, num_micro_batches)     # priced as it runs
+
+    def target(self, method: ShardParallel, *, cluster, mesh, world: int,
+               live: bool) -> IntraOpTarget:
+        shape = names = None
+        if mesh is not None:
+            if mesh.size() != world:
+                raise ValueError(f"the mesh has {mesh.size()} devices but this job has {world} "
+                                 "ranks; torchalpa needs a mesh over all ranks")
+            shape = tuple(mesh.shape)
+            names = tuple(mesh.mesh_dim_names or (f"axis{i}" for i in range(len(shape))))
+            if method.logical_mesh_shape and tuple(method.logical_mesh_shape) != shape:
+                raise ValueError(f"method.logical_mesh_shape {method.logical_mesh_shape} "
+                                 f"differs from the mesh's shape {shape}")
+        elif method.logical_mesh_shape and live:     # the job's world must fit the mesh
+            from torchalpa.runtime.mesh import check_world_size
+            shape = tuple(method.logical_mesh_shape)
+            check_world_size(shape)
+        cluster = cluster or default_cluster(world, measure=live)
+        return IntraOpTarget(cluster, candidate_meshes(cluster, method, shape, names), shape,
+                             mesh)
+
+    def solve(self, graph: OpGraph, target: IntraOpTarget, method: ShardParallel,
+              inputs: str, measured=None) -> Plan:
+        del measured
+        return plan_graph(graph, method=method, meshes=target.meshes, inputs=inputs,
+                          blocks=blocks_of(graph))
+
+    def plan_program(self, program, example_inputs, *, method: ShardParallel, cluster,
+                     inputs: str, param_argnums, num_params) -> Plan:
+        from torchalpa.interop.programs import program_graph
+        graph = program_graph(program, example_inputs, param_argnums=param_argnums,
+                              num_params=num_params)
+        return plan_graph(graph, method=method, inputs=inputs,
+                          meshes=candidate_meshes(cluster or default_cluster(1), method))
+
+    def measure(self, captured, target, method, example_inputs, model, device) -> None:
+        return None
+
+    def check_plan_kind(self, plan) -> None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a torchalpa.Plan, got {type(plan).__name__}")
+
+    def check_given_plan(self, plan: Plan, graph: OpGraph, target: IntraOpTarget) -> None:
+        check_plan(plan, fingerprint=graph.fingerprint(), source="the plan passed as plan=",
+                   mesh_shape=target.shape, graph=graph)
+
+    def place(self, captured, plan: Plan, target: IntraOpTarget, method: ShardParallel, device,
+              *, model, traced, loss_fn, inputs: str, signature) -> Placed:
+        from torchalpa.runtime import mesh as mesh_mod
+        from torchalpa.runtime.lower import lower
+        from torchalpa.runtime.materialize import distribute_module_state
+        device_mesh = target.device_mesh if target.device_mesh is not None else \
+            mesh_mod.build_mesh(plan.mesh_shape, plan.axis_names)
+        coords = device_mesh.get_coordinate()
+        groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
+
+        def lower_program(gm, a_plan, param_names, buffer_updates=(), buffer_names=(), micro=1):
+            return lower(gm, a_plan, param_names, coords=coords, group_names=groups,
+                         device=device, buffer_updates=buffer_updates,
+                         buffer_names=buffer_names, num_micro_batches=micro)
+
+        program = lower_program(captured.gm, plan, captured.param_names,
+                                captured.buffer_updates, captured.buffer_names,
+                                method.num_micro_batches)
+        logical_mesh = candidate_meshes(target.cluster, method, tuple(plan.mesh_shape),
+                                        tuple(plan.axis_names))[0]
+        forward_programs = _forward_programs(
+            traced, loss_fn, plan, method, logical_mesh, inputs,
+            lambda gm, p, updates: lower_program(gm, p, [], updates).forward, signature)
+
+        def distribute(init_weights) -> None:
+            distribute_module_state(model, plan, device_mesh, device, init_weights=init_weights)
+
+        return Placed(program=program, mesh=device_mesh, distribute=distribute,
+                      num_micro_batches=method.num_micro_batches,
+                      forward_programs=forward_programs,
+                      description=captured.graph.summary())
+
+
+# -- auto_parallel's runtime options ----------------------------------------------------
+
+def _forward_programs(traced, loss_fn, training_plan: Plan, method: ShardParallel,
+                      logical_mesh: LogicalMesh, inputs: str, lower_forward, signature=None):
+    """Forward-only programs (predict, eval mode) planned with the training layouts pinned."""
+    from torchalpa.frontends.torch_export import capture_forward
+    from torchalpa.runtime.inference import ForwardPrograms, pins_of
+    option = replace(method.auto_sharding_option,
+                     pin=tuple(method.auto_sharding_option.pin) + pins_of(training_plan))
+    pinned = replace(method, auto_sharding_option=option)
+
+    def plan_forward(graph: OpGraph) -> Plan:
+        same_step_on_every_rank(graph.fingerprint())
+        return plan_on_rank0(lambda: plan_graph(graph, method=pinned, meshes=[logical_mesh],
+                                                 inputs=inputs, blocks=blocks_of(graph)))
+
+    return ForwardPrograms(traced, loss_fn, training_plan, plan_forward, lower_forward,
+                           capture_forward, signature=signature)

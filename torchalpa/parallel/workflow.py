@@ -1,0 +1,137 @@
+"""The public steps every parallel method takes from a model to a parallel module.
+
+``capture_step`` (the training step as a graph, for one micro-batch) ->
+``same_step_on_every_rank`` -> ``plan_on_rank0`` (rank 0 solves, every rank gets the
+plan) -> the method's runtime. ``shard`` (intra-op plans) and ``pipeshard`` (pipeline
+plans) both call these, so micro-batch splitting, capture and planning on rank 0 exist once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TypeVar, cast
+
+import torch
+
+from torchalpa.core.cluster import Cluster, cuda_selected
+from torchalpa.core.plan import PipelinePlan, Plan
+from torchalpa.core.units import format_count
+from torchalpa.parallel.calibrate import calibration_enabled, measure_cluster
+
+__all__ = ["default_cluster", "capture_step", "capture_variants", "micro_batch_examples",
+           "capture_examples", "with_precision", "same_step_on_every_rank", "plan_on_rank0"]
+
+log = logging.getLogger("torchalpa")
+
+AnyPlan = TypeVar("AnyPlan", Plan, PipelinePlan)
+
+
+def default_cluster(num_devices: int, *, measure: bool = False) -> Cluster:
+    """The hardware torchalpa assumes when none is given: what this job runs on.
+
+    On GPUs ``Cluster.detect()`` (this GPU's model, memory and rates; torchrun's node
+    layout when it covers ``num_devices``, else one node). On CPUs ``local_cpu``'s fixed
+    figures, unless ``measure`` is set and a gloo process group of ``num_devices`` > 1 ranks
+    is up: then ``measure_cluster()`` (flop/s, op cost and all-reduce latency and bandwidth
+    timed on the live group, cached per machine; ``TORCHALPA_CALIBRATE=0`` turns it off).
+    ``measure`` is collective, so only ``auto_parallel`` (where every rank gets here) sets
+    it; planning without ranks stays deterministic.
+    """
+    if not cuda_selected():
+        import torch.distributed as dist
+        if measure and num_devices > 1 and dist.is_available() and dist.is_initialized() \
+                and dist.get_world_size() == num_devices and dist.get_backend() == "gloo":
+            if calibration_enabled():
+                return measure_cluster()
+        return Cluster.local_cpu(num_devices)
+    import os
+    world = int(os.environ.get("WORLD_SIZE", 0))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    if world == num_devices and local and world % local == 0:
+        return Cluster.detect(world // local, local)
+    return Cluster.detect(1, num_devices)
+
+
+
+def capture_step(model, example_inputs, loss_fn, **options):
+    """``capture`` with a progress line: ops, parameters, seconds.
+
+    Captures are not cached on disk: a key that is safe to reuse would have to cover the
+    model's code and everything it reads (config objects, globals, closures, the torch
+    version), which only tracing sees; and the captured fx graph with its fake-tensor
+    metadata does not serialize cheaply. Planning is what the cache saves.
+    """
+    from torchalpa.core.progress import step
+    from torchalpa.frontends.torch_export import capture
+    with step("capturing the training step") as progress:
+        captured = capture(model, example_inputs, loss_fn, **options)
+        graph = captured.graph
+        numel = sum(graph.node(n).output.numel for n in graph.params.values())
+        progress.done = (f"{sum(1 for _ in graph.ops())} ops, {len(graph.params)} parameters "
+                         f"({format_count(numel)} elements)")
+    return captured
+
+
+def capture_variants(model, example_inputs, loss_fn, option, **options) -> dict:
+    """Captures of the step, one per activation-checkpointing mode ``option.remat`` plans
+    (``passes/remat_choice.py``); the checkpointed one is derived without tracing again."""
+    from torchalpa.frontends.block_remat import checkpointed_capture
+    from torchalpa.passes.remat_choice import capture_modes
+    modes = capture_modes(option.remat)
+    plain = capture_step(model, example_inputs, loss_fn, **options,
+                         rematerialize_parameters=option.rematerialize_parameters)
+    return {m: checkpointed_capture(plain) if m == "full" else plain for m in modes}
+
+
+def micro_batch_examples(example_inputs: Sequence[torch.Tensor], num_micro_batches: int
+                         ) -> tuple:
+    """The example inputs of one micro-batch: dim 0 of each divided by ``num_micro_batches``
+    (the step is planned for one micro-batch)."""
+    from torchalpa.runtime.step import split_micro_batches
+    example_inputs = tuple(example_inputs)
+    if num_micro_batches == 1:
+        return example_inputs
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(x).__name__}")
+    return tuple(split_micro_batches(example_inputs, num_micro_batches,
+                                     what="example_inputs")[0])
+
+
+def capture_examples(model: torch.nn.Module, example_inputs, num_micro_batches: int) -> tuple:
+    """One micro-batch of example inputs, on ``meta`` if the model is (it lends shapes only)."""
+    examples = micro_batch_examples(example_inputs, num_micro_batches)
+    on_meta = any(t.device.type == "meta" for t in
+                  list(model.parameters()) + list(model.buffers()))
+    if on_meta:
+        examples = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in examples)
+    return examples
+
+
+def with_precision(model: torch.nn.Module, mixed_precision):
+    """What to capture: the model, or the model computing in a narrower dtype."""
+    if mixed_precision is None:
+        return model
+    from torchalpa.runtime.precision import CastForward
+    return CastForward(model, mixed_precision)
+
+
+def same_step_on_every_rank(fingerprint: str) -> None:
+    """Raise unless every rank captured the step rank 0 did (same model and shapes)."""
+    from torchalpa.runtime.mesh import gather_objects
+    everyone = gather_objects(fingerprint)
+    differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
+    if differ:
+        raise RuntimeError(
+            f"ranks {differ} captured a different training step than rank 0 (a different "
+            "model, or example inputs of other shapes or dtypes); every rank must build the "
+            "same model and pass example inputs of the same shapes")
+
+
+def plan_on_rank0(solve: Callable[[], AnyPlan]) -> AnyPlan:
+    """Rank 0 solves; every rank gets its plan (of the kind ``solve`` makes), or its error
+    (never a hang)."""
+    from torchalpa.core.plan import load_plan
+    from torchalpa.runtime.mesh import on_rank0
+    return cast(AnyPlan, load_plan(on_rank0(lambda: solve().to_json(indent=None), "planning")))

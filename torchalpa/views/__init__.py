@@ -1,0 +1,8 @@
+"""Plans for people: text summaries and explanations, HTML pictures, Chrome traces.
+
+Importing this package registers those views with ``torchalpa.core.plan`` (so that
+``Plan.summary()``, ``explain``, ``to_html`` and ``to_chrome_trace`` find them)."""
+
+from torchalpa.views import pictures, report
+
+__all__ = ["pictures", "report"]
