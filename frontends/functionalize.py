@@ -90,7 +90,7 @@ def functionalize(gm: fx.GraphModule, leaf_kind: dict[str, tuple[str, str]],
         functional = functional_variant(n.target)
         if functional is None:
             raise fail(n, f"the in-place op {n.target} has no out-of-place form")
-        dest = n.args[0]
+        dest: fx.Node = n.args[0]
         stale = _stale_alias(dest, n, order)
         if stale is not None:
             raise NeedsFunctionalization(n, stale)
@@ -172,5 +172,8 @@ def retrace_functional(gm: fx.GraphModule) -> fx.GraphModule:
     def run(*flat):
         return interpreter.run(*flat, enable_io_processing=False)
 
-    with fx.traceback.preserve_node_meta(), detect_fake_mode(args):
+    from torch.fx.traceback import preserve_node_meta
+    fake_mode = detect_fake_mode(args)
+    assert fake_mode is not None, "a captured graph's placeholders hold fake tensors"
+    with preserve_node_meta(), fake_mode:
         return make_fx(torch.func.functionalize(run, remove="mutations"))(*args)

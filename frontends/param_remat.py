@@ -48,7 +48,9 @@ def rematerialize_parameter_views(gm: fx.GraphModule, num_params: int) -> int:
         if n in params:
             return n
         if n not in copies:
-            source = copy_of(n.args[0], before)
+            first = n.args[0]
+            assert isinstance(first, fx.Node), "a derived view reads a node"
+            source = copy_of(first, before)
             with graph.inserting_before(before):
                 c = graph.node_copy(n, lambda a: source if a is n.args[0] else a)
             c.meta = dict(n.meta)

@@ -44,6 +44,7 @@ import torch
 import torch.fx as fx
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.graph import _PyTreeCodeGen
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_flatten, tree_map, tree_structure, tree_unflatten
 
@@ -257,7 +258,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
             break
         except CaptureError as e:
             cause = e.__cause__
-            if not through_backward and cause is not None and _needs_backward(cause):
+            if not through_backward and isinstance(cause, Exception) and _needs_backward(cause):
                 through_backward = True          # torch.utils.checkpoint(use_reentrant=True)
                 continue
             raise
@@ -482,7 +483,7 @@ def _make_functional(gm: fx.GraphModule, kinds: list[tuple[str, str]],
     kept = [updates[fqn] for fqn in buffer_fqns if fqn in updates]
     output.args = (outs[:num_head] + kept,)
     codegen = gm.graph._codegen
-    if isinstance(codegen, fx.graph._PyTreeCodeGen):   # the callable returns a list as long
+    if isinstance(codegen, _PyTreeCodeGen):   # the callable returns a list as long
         codegen.pytree_info = codegen.pytree_info._replace(
             out_spec=tree_structure([None] * (num_head + len(kept))))
     gm.recompile()
@@ -664,6 +665,7 @@ def _op_node(n: fx.Node, refs: dict[str, ValueRef], by_name: dict[str, OpNode],
         return _freeze(a)
 
     args = _freeze(tree_map(mark, list(n.args)))
+    assert isinstance(args, tuple), "a list of arguments freezes to a tuple"
     kwargs = tuple(sorted((k, _freeze(tree_map(mark, v))) for k, v in n.kwargs.items()))
     val = n.meta.get("val")
     vals = list(val) if isinstance(val, (list, tuple)) else [val]

@@ -210,7 +210,7 @@ class OpGraph:
     @property
     def params(self) -> dict[str, str]:
         """Parameter FQN -> node name, in capture order."""
-        return {n.target: n.name for n in self if n.kind == "param"}
+        return {n.target: n.name for n in self if n.kind == "param" and n.target is not None}
 
     @property
     def inputs(self) -> list[str]:

@@ -110,7 +110,7 @@ class Workload:
         """A copy with ``batch_size``/``seq_len`` or config fields changed."""
         own = {k: changes.pop(k) for k in ("batch_size", "seq_len") if k in changes}
         config = self.config
-        if changes and dataclasses.is_dataclass(config):
+        if changes and dataclasses.is_dataclass(config) and not isinstance(config, type):
             config = dataclasses.replace(config, **changes)
         elif changes:                                   # a transformers config object
             config = copy.deepcopy(config)
