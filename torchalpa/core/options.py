@@ -15,6 +15,9 @@ __all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataP
            "Zero2Parallel", "Zero3Parallel", "PipeshardParallel", "AutoLayerOption",
            "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style"]
 
+REMAT_MODES = ("none", "selective", "full", "auto")
+"""``AutoShardingOption.remat``'s values: one checkpointing mode, or 'auto' (none or full)."""
+
 # Optimizer state tensors kept per parameter element, for the memory model.
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1,
                     "rmsprop": 1}
@@ -59,8 +62,11 @@ class AutoShardingOption:
     remat: str = "none"
     """Activation checkpointing: 'none' keeps forward's activations for backward, 'full'
     recomputes each block's forward (``layers.3``) in its backward, keeping only block
-    inputs (``frontends/block_remat.py``), 'auto' plans both and keeps the faster plan that
-    fits (``passes/remat_choice.py``). The plan records its choice (``method['remat']``)."""
+    inputs (``frontends/block_remat.py``), 'selective' recomputes all but the results of
+    matrix products and attention (torchtitan's op-level policy), 'auto' plans 'none' and
+    'full' and keeps the faster plan that fits (``passes/remat_choice.py``; the default
+    method, ``AutoParallel``, weighs all three). The plan records its choice
+    (``method['remat']``)."""
     force_data_parallel: bool = False
     """Alpa's data parallelism: the mesh flattened to one axis (its largest latency, its
     smallest inverse bandwidth, as Alpa's ``LogicalDeviceMesh.flatten``), the batch split
@@ -143,8 +149,8 @@ class AutoShardingOption:
     StableHLO programs are always priced as XLA fuses them."""
 
     def __post_init__(self):
-        if self.remat not in ("none", "full", "auto"):
-            raise ValueError(f"AutoShardingOption.remat must be 'none', 'full' or 'auto', "
+        if self.remat not in REMAT_MODES:
+            raise ValueError(f"AutoShardingOption.remat must be one of {REMAT_MODES}, "
                              f"got {self.remat!r}")
         if self.random not in ("sharded", "replicated"):
             raise ValueError(f"AutoShardingOption.random must be 'sharded' or 'replicated', "

@@ -81,7 +81,7 @@ def capture_variants(model, example_inputs, loss_fn, option, **options) -> dict:
     modes = capture_modes(option.remat)
     plain = capture_step(model, example_inputs, loss_fn, **options,
                          rematerialize_parameters=option.rematerialize_parameters)
-    return {m: checkpointed_capture(plain) if m == "full" else plain for m in modes}
+    return {m: plain if m == "none" else checkpointed_capture(plain, m) for m in modes}
 
 
 def micro_batch_examples(example_inputs: Sequence[torch.Tensor], num_micro_batches: int
