@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 __all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataParallel",
            "Zero2Parallel", "Zero3Parallel", "PipeshardParallel", "AutoLayerOption",
-           "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style"]
+           "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style",
+           "AutoParallel", "method_of_plan", "REMAT_MODES"]
 
 REMAT_MODES = ("none", "selective", "full", "auto")
 """``AutoShardingOption.remat``'s values: one checkpointing mode, or 'auto' (none or full)."""
@@ -419,3 +420,95 @@ class PipeshardParallel:
         d = json.loads(json.dumps(asdict(self), default=str))
         d["name"] = type(self).__name__
         return d
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutoParallel:
+    """The default method: the planner chooses among the others.
+
+    It weighs intra-op plans on every logical view of the cluster (``ShardParallel``,
+    whose ILP already covers data parallelism and every ZeRO stage through parameter
+    layouts), pipelines (``PipeshardParallel``: stages, submeshes, schedule), activation
+    checkpointing (``remat``) and gradient accumulation (``num_micro_batches`` among the
+    divisors of the batch), under the memory budget, and keeps the fastest estimate that
+    fits (``torchalpa/parallel/auto.py``). Candidates that cannot fit or cannot win are
+    refused by lower bounds (``passes/bounds.py``) without a solver. The plan's summary
+    says what was chosen and what came second. Each field given narrows the search; a
+    concrete method given to ``plan``/``auto_parallel`` is used as it is.
+    """
+
+    remat: tuple[str, ...] = ("none", "selective", "full")
+    """Activation checkpointing modes weighed (``AutoShardingOption.remat``'s modes)."""
+    num_micro_batches: int | None = None
+    """Micro-batches per step; None: chosen among the divisors of the batch."""
+    pipeline: bool | None = None
+    """True: only pipelines; False: never (one intra-op plan); None: weighed."""
+    time_budget_s: float = 60.0
+    """Seconds the search may spend before it stops trying new candidates (the one being
+    solved is finished; at least one is always solved)."""
+    tolerance: float = 0.01
+    """Stop once no remaining candidate's lower bound is below the best plan's estimate
+    by more than this fraction."""
+    optimizer: str = "adam"
+    """Optimizer whose states the memory model counts (see OPTIMIZER_STATES)."""
+    auto_sharding_option: AutoShardingOption = field(default_factory=AutoShardingOption)
+    """Solver, memory budget, pins and layout restrictions, applied to every candidate
+    (its ``remat`` is the search's to set: leave it 'none')."""
+    layer_option: AutoLayerOption = field(default_factory=AutoLayerOption)
+    """How pipeline candidates cut the step into layers."""
+
+    def __post_init__(self):
+        remat = (self.remat,) if isinstance(self.remat, str) else tuple(self.remat)
+        bad = [m for m in remat if m not in REMAT_MODES or m == "auto"]
+        if not remat or bad:
+            raise ValueError(f"AutoParallel.remat must be modes among ('none', 'selective', "
+                             f"'full'), got {self.remat!r}")
+        object.__setattr__(self, "remat", remat)
+        if self.num_micro_batches is not None and (
+                isinstance(self.num_micro_batches, bool)
+                or not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1):
+            raise ValueError(f"AutoParallel.num_micro_batches must be a positive int or None, "
+                             f"got {self.num_micro_batches!r}")
+        if self.pipeline not in (None, True, False):
+            raise ValueError(f"AutoParallel.pipeline must be True, False or None, "
+                             f"got {self.pipeline!r}")
+        if self.time_budget_s <= 0:
+            raise ValueError(f"AutoParallel.time_budget_s must be > 0 seconds, "
+                             f"got {self.time_budget_s}")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"AutoParallel.tolerance must be in [0, 1), got {self.tolerance}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"AutoParallel.optimizer must be one of "
+                             f"{sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        if self.auto_sharding_option.remat != "none":
+            raise ValueError("AutoParallel chooses activation checkpointing itself: set "
+                             "AutoParallel(remat=(...)) to narrow it, not "
+                             "auto_sharding_option.remat")
+
+    @property
+    def optimizer_states(self) -> int:
+        return OPTIMIZER_STATES[self.optimizer]
+
+    def to_dict(self) -> dict:
+        d = json.loads(json.dumps(asdict(self), default=str))
+        d["name"] = type(self).__name__
+        return d
+
+
+def method_of_plan(plan) -> ShardParallel | PipeshardParallel:
+    """The concrete method a plan was made with, from its record (``plan.method``): what
+    ``auto_parallel`` builds when it is given a plan, or when ``AutoParallel`` chose it."""
+    record = dict(plan.method)
+    option_fields = {f for f in AutoShardingOption.__dataclass_fields__}
+    option = AutoShardingOption(**{k: v for k, v in dict(record.get(
+        "auto_sharding_option", {})).items() if k in option_fields},
+        remat=record.get("remat", "none"))
+    optimizer = record.get("optimizer", "adam")
+    if hasattr(plan, "stages"):
+        return PipeshardParallel(num_micro_batches=plan.num_micro_batches,
+                                 auto_sharding_option=option, optimizer=optimizer,
+                                 pipeline_schedule=plan.schedule)
+    shape = record.get("logical_mesh_shape")
+    return ShardParallel(num_micro_batches=int(record.get("num_micro_batches", 1)),
+                         auto_sharding_option=option, optimizer=optimizer,
+                         logical_mesh_shape=tuple(shape) if shape else None)
