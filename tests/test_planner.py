@@ -145,7 +145,8 @@ def test_plan_api_needs_no_process_group_and_plans_for_a_virtual_cluster():
         model = MLP(1024, 4)
         x, y = torch.empty(64, 1024), torch.empty(64, 1024)
     cluster = torchalpa.Cluster.h100(num_nodes=4)     # 32 GPUs
-    plan = torchalpa.plan(model, (x, y), F.mse_loss, cluster=cluster)
+    plan = torchalpa.plan(model, (x, y), F.mse_loss, cluster=cluster,
+                          method=torchalpa.ShardParallel())
     assert plan.num_devices == 32
     assert not torch.distributed.is_initialized()
     # every 1D/2D view of the cluster was tried; the plan kept is the fastest of them

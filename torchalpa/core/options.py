@@ -499,12 +499,12 @@ def method_of_plan(plan) -> ShardParallel | PipeshardParallel:
     """The concrete method a plan was made with, from its record (``plan.method``): what
     ``auto_parallel`` builds when it is given a plan, or when ``AutoParallel`` chose it."""
     record = dict(plan.method)
-    option_fields = {f for f in AutoShardingOption.__dataclass_fields__}
-    option = AutoShardingOption(**{k: v for k, v in dict(record.get(
-        "auto_sharding_option", {})).items() if k in option_fields},
-        remat=record.get("remat", "none"))
+    fields = dict(record.get("auto_sharding_option", {}))
+    fields = {k: v for k, v in fields.items() if k in AutoShardingOption.__dataclass_fields__}
+    fields["remat"] = record.get("remat", fields.get("remat", "none"))
+    option = AutoShardingOption(**fields)
     optimizer = record.get("optimizer", "adam")
-    if hasattr(plan, "stages"):
+    if hasattr(plan, "transfers"):       # a PipelinePlan
         return PipeshardParallel(num_micro_batches=plan.num_micro_batches,
                                  auto_sharding_option=option, optimizer=optimizer,
                                  pipeline_schedule=plan.schedule)

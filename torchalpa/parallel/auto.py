@@ -14,6 +14,9 @@ search
 3. solves the rest in the order of their time bounds -- capturing each micro-batch
    size once -- until the next bound cannot beat the best plan by more than the
    tolerance, or the time budget is spent (a plan is always found first when any fits).
+   A candidate is also dominated, and skipped, by a plan of its kind that fits with room
+   to spare (``ROOM``): more checkpointing, or (intra-op) more micro-batches, only adds
+   work to every plan, and what it buys -- memory -- that plan did not need.
 
 On one node the intra-op candidates come first: a pipeline only pays off when its
 bound still beats them. On several nodes the pipeline search itself weighs one stage
@@ -48,6 +51,10 @@ __all__ = ["Candidate", "Attempt", "NothingFitsError", "search_method", "batch_s
 log = logging.getLogger("torchalpa")
 
 STAGES_PER_NODE_BOUNDARY = 1
+ROOM = 0.9
+"""A plan whose peak is below this fraction of the budget did not bend to fit it."""
+REMAT_ORDER = {"none": 0, "selective": 1, "full": 2}
+"""Checkpointing modes by how much they recompute."""
 MICRO_BATCHES_PER_STAGE = 4
 """A pipeline candidate gets at least this many micro-batches per stage it could have
 (GPipe's rule of thumb: the bubble, ``(S - 1) / (k + S - 1)``, then stays under a fifth)."""
@@ -73,7 +80,7 @@ class Attempt:
     """What became of a candidate: planned (with its estimate) or why not."""
 
     candidate: Candidate
-    outcome: str                # planned | does not fit | refused by bound | not needed | no time
+    outcome: str   # planned | does not fit | refused by bound | not needed | dominated | no time
     step_s: float | None = None
     memory: float | None = None
     seconds: float = 0.0
@@ -89,6 +96,9 @@ class Attempt:
                     f"{format_bytes(c.memory_bound)} per device (a bound)")
         if self.outcome == "not needed":
             return f"{c.describe()}: not planned, cannot beat {c.bound_s:.4g} s/step (a bound)"
+        if self.outcome == "dominated":
+            return (f"{c.describe()}: not planned, only adds work to {self.detail}, which fits "
+                    "with room to spare")
         if self.outcome == "no time":
             return (f"{c.describe()}: not planned, time budget spent (bound "
                     f"{c.bound_s:.4g} s/step)")
@@ -158,8 +168,9 @@ class _Search:
 
     # -- candidates --------------------------------------------------------------------
     def budget(self) -> float:
+        """Bytes per device every plan must fit in (infinite where none is set)."""
         return self.method.auto_sharding_option.memory_budget_per_device or \
-            self.cluster.memory_per_device
+            self.cluster.memory_per_device or math.inf
 
     def candidates(self) -> tuple[list[Candidate], list[Attempt]]:
         """Every candidate with its bounds, those that cannot fit apart."""
@@ -228,6 +239,10 @@ class _Search:
             if best is not None and time.perf_counter() > self.deadline:
                 self.attempts += [Attempt(r, "no time") for r in candidates[i:]]
                 break
+            by = self.dominating(c)
+            if by is not None:
+                self.attempts.append(Attempt(c, "dominated", detail=by.describe()))
+                continue
             start = time.perf_counter()
             with step(f"AutoParallel: {c.describe()} (bound {c.bound_s:.4g} s/step) "
                       "solving") as progress:
@@ -246,6 +261,20 @@ class _Search:
                 self.plans.append((est["step_time_s"], plan, c))
                 progress.done = f"est {est['step_time_s']:.4g} s/step"
         return self.result()
+
+    def dominating(self, c: Candidate) -> Candidate | None:
+        """A planned candidate of ``c``'s kind that fits with room to spare and whose plan
+        ``c`` could only make slower (more recompute; for intra-op, more micro-batches)."""
+        budget = self.budget()
+        for step_s, plan, p in self.plans:
+            peak = plan.estimates.get("memory_per_device_bytes")
+            roomy = peak is not None and peak < ROOM * budget
+            fewer = p.num_micro_batches <= c.num_micro_batches if c.kind == "intra-op" \
+                else p.num_micro_batches == c.num_micro_batches
+            if roomy and p.kind == c.kind and fewer and \
+                    REMAT_ORDER[p.remat] <= REMAT_ORDER[c.remat]:
+                return p
+        return None
 
     def result(self):
         if not self.plans:
