@@ -85,6 +85,15 @@ class StepProfile:
                        + (in_flight - 1) * self.activation_saved_bytes) * scale / devices
         return state + activations
 
+    def pipeline_memory_bytes(self, devices: int, micro_batch: int | None = None) -> float:
+        """Bytes each of ``devices`` must at least hold when they run the step as pipeline
+        stages: at the moment the first micro-batch's backward starts, every stage still
+        holds what forward saved for it, so the activations alive where forward ends (not
+        the step's peak) are the part every split must carry."""
+        _check_devices(devices)
+        return (self.state_bytes + self.activation_saved_bytes * self._scale(micro_batch)) \
+            / devices
+
     def step_seconds(self, devices: int, num_micro_batches: int = 1,
                      micro_batch: int | None = None) -> float:
         """Seconds a step of ``num_micro_batches`` micro-batches (of ``micro_batch``,

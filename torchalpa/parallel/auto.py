@@ -21,8 +21,8 @@ search
 On one node the intra-op candidates come first: a pipeline only pays off when its
 bound still beats them. On several nodes the pipeline search itself weighs one stage
 over the whole cluster (an intra-op plan) against cuts at node boundaries, so pipelines
-are the candidates there, with enough micro-batches to keep the bubble small (at least
-four per stage the cut could make).
+are the candidates there, tried in the order of their bound times the bubble of a cut
+at every node boundary, ``(k + S - 1) / k``: enough micro-batches first.
 
 The plan it returns records the concrete method (``plan.method``: a ShardParallel or
 PipeshardParallel record, with ``remat`` and ``num_micro_batches``), and its notes say
@@ -50,14 +50,10 @@ __all__ = ["Candidate", "Attempt", "NothingFitsError", "search_method", "batch_s
 
 log = logging.getLogger("torchalpa")
 
-STAGES_PER_NODE_BOUNDARY = 1
 ROOM = 0.9
 """A plan whose peak is below this fraction of the budget did not bend to fit it."""
 REMAT_ORDER = {"none": 0, "selective": 1, "full": 2}
 """Checkpointing modes by how much they recompute."""
-MICRO_BATCHES_PER_STAGE = 4
-"""A pipeline candidate gets at least this many micro-batches per stage it could have
-(GPipe's rule of thumb: the bubble, ``(S - 1) / (k + S - 1)``, then stays under a fifth)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +65,7 @@ class Candidate:
     num_micro_batches: int
     bound_s: float              # step time no plan of this candidate can beat
     memory_bound: float         # bytes per device no plan of it can go below
+    rank_s: float = 0.0         # what it is expected to take (the order candidates are tried)
 
     def describe(self) -> str:
         micro = "" if self.num_micro_batches == 1 else f", {self.num_micro_batches} micro-batches"
@@ -187,20 +184,22 @@ class _Search:
                                    self.meshes[0], optimizer_states=self.method.optimizer_states)
             for k in counts:
                 micro = self.batch // k
-                memory = profile.memory_bytes(devices, micro)
                 bound = profile.step_seconds(devices, k, micro)
                 kinds = []
                 if self.method.pipeline is not True and not (multi_node and self.allow_pipeline):
-                    kinds.append(("intra-op", bound, memory))
+                    kinds.append(Candidate("intra-op", remat, k, bound,
+                                           profile.memory_bytes(devices, micro), bound))
                 if self.allow_pipeline and devices > 1 and self.method.pipeline is not False:
-                    if k >= MICRO_BATCHES_PER_STAGE * stages or \
-                            self.method.num_micro_batches is not None:
-                        fill = 1.0 if multi_node else (k + 1) / k
-                        kinds.append(("pipeline", bound * fill, memory))
-                for kind, b, mem in kinds:
-                    c = Candidate(kind, remat, k, b, mem)
-                    (refused if mem > self.budget() else found).append(c)
-        return sorted(found, key=lambda c: c.bound_s), \
+                    # sound: on several nodes one stage may span them all (S >= 1), on one
+                    # node the intra-op candidates are that case (S >= 2); the order
+                    # assumes ``stages`` stages, whose bubble many micro-batches shrink
+                    fill = 1.0 if multi_node else (k + 1) / k
+                    kinds.append(Candidate("pipeline", remat, k, bound * fill,
+                                           profile.pipeline_memory_bytes(devices, micro),
+                                           bound * (k + stages - 1) / k))
+                for c in kinds:
+                    (refused if c.memory_bound > self.budget() else found).append(c)
+        return sorted(found, key=lambda c: c.rank_s), \
             [Attempt(c, "refused by bound") for c in refused]
 
     # -- solving -----------------------------------------------------------------------
@@ -234,8 +233,8 @@ class _Search:
         for i, c in enumerate(candidates):
             best = min(self.plans, key=lambda p: p[0], default=None)
             if best is not None and c.bound_s * (1 + self.method.tolerance) >= best[0]:
-                self.attempts += [Attempt(r, "not needed") for r in candidates[i:]]
-                break
+                self.attempts.append(Attempt(c, "not needed"))
+                continue
             if best is not None and time.perf_counter() > self.deadline:
                 self.attempts += [Attempt(r, "no time") for r in candidates[i:]]
                 break
@@ -266,7 +265,7 @@ class _Search:
         """A planned candidate of ``c``'s kind that fits with room to spare and whose plan
         ``c`` could only make slower (more recompute; for intra-op, more micro-batches)."""
         budget = self.budget()
-        for step_s, plan, p in self.plans:
+        for _, plan, p in self.plans:
             peak = plan.estimates.get("memory_per_device_bytes")
             roomy = peak is not None and peak < ROOM * budget
             fewer = p.num_micro_batches <= c.num_micro_batches if c.kind == "intra-op" \
