@@ -34,6 +34,7 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
     torch.manual_seed(0)
     ref = make_model()
     x, y = batch
+    auto_kw.setdefault("method", torchalpa.ShardParallel())    # the scenarios are intra-op
     pm = torchalpa.auto_parallel(model, (x, y), loss_fn,
                                  optimizer=(lambda ps: optimizer(ps, lr=lr)), **auto_kw)
     # what a step issues: the plan's collectives, gradient all-reduces merged into buckets
@@ -244,7 +245,8 @@ def main():
     if "bad_input_shape" in which:
         def bad():
             torch.manual_seed(0)
-            pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss)
+            pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
+                                         method=torchalpa.ShardParallel())
             try:
                 pm(*mlp_inputs(4, 16))
             except ValueError as e:
