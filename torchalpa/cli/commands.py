@@ -33,8 +33,13 @@ import collections
 import sys
 from collections.abc import Callable
 
-from torchalpa.cli.workloads import (MODEL_HELP, load_workload, parse_cluster, parse_shape,
-                                     zoo_module)
+from torchalpa.cli.workloads import (
+    MODEL_HELP,
+    load_workload,
+    parse_cluster,
+    parse_shape,
+    zoo_module,
+)
 
 __all__ = ["main", "build_parser"]
 
