@@ -41,6 +41,7 @@ import torch.fx as fx
 
 from torchalpa.core.opgraph import block_of
 from torchalpa.frontends.joint_graph import ancestor_names
+from torchalpa.frontends.param_remat import rematerialize_parameter_views
 from torchalpa.frontends.opset import RANDOM_OPS, SDPA_OP
 from torchalpa.ops.batched_matmul import BATCHED_MATMUL_OP
 from torchalpa.frontends.provenance import module_of
@@ -162,16 +163,22 @@ def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
     return Recomputed(blocks=num_blocks, ops=num_ops)
 
 
-def checkpointed_capture(captured: Capture, policy: str = "full") -> Capture:
+def checkpointed_capture(captured: Capture, policy: str = "full", *,
+                         rematerialize_parameters: bool = False) -> Capture:
     """The same captured step with every block checkpointed (``checkpoint_blocks`` with
-    ``policy``) on a copy of its fx graph, and the OpGraph made again from it; ``captured``
-    is left untouched. Cheaper than tracing the model again, which is what lets the
-    planner weigh the modes."""
+    ``policy``; "none" checkpoints nothing) and, with ``rematerialize_parameters``,
+    backward reading parameters through views of its own (``param_remat``: gathered again
+    in backward, ZeRO-3), on a copy of its fx graph, and the OpGraph made again from it;
+    ``captured`` is left untouched. Cheaper than tracing the model again, which is what
+    lets the planner weigh the variants."""
     graph = fx.Graph()
     graph._codegen = copy.deepcopy(captured.gm.graph._codegen)
     graph.output(graph.graph_copy(captured.gm.graph, {}))
     gm = fx.GraphModule(captured.gm, graph)
-    done = checkpoint_blocks(gm, len(captured.param_names), policy=policy)
+    if rematerialize_parameters:
+        rematerialize_parameter_views(gm, len(captured.param_names))
+    done = checkpoint_blocks(gm, len(captured.param_names), policy=policy) \
+        if policy != "none" else Recomputed(blocks=0, ops=0)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     kinds = ([("param", k) for k in captured.param_names]
@@ -180,6 +187,8 @@ def checkpointed_capture(captured: Capture, policy: str = "full") -> Capture:
     opgraph = to_opgraph(gm, kinds, captured.buffer_updates)
     opgraph.meta.update(captured.graph.meta)
     opgraph.meta["repeated_blocks"] = find_repeated_blocks(opgraph)
-    opgraph.meta["remat"] = {"mode": policy, "blocks": done.blocks, "recomputed_ops": done.ops}
+    if policy != "none":
+        opgraph.meta["remat"] = {"mode": policy, "blocks": done.blocks,
+                                 "recomputed_ops": done.ops}
     opgraph.check()
     return replace(captured, graph=opgraph, gm=gm)

@@ -443,6 +443,10 @@ class AutoParallel:
     """Micro-batches per step; None: chosen among the divisors of the batch."""
     pipeline: bool | None = None
     """True: only pipelines; False: never (one intra-op plan); None: weighed."""
+    rematerialize_parameters: bool | None = None
+    """Intra-op plans gather parameters again in backward (ZeRO-3, FSDP's reshard after
+    forward; ``AutoShardingOption.rematerialize_parameters``): True or False fixes it,
+    None weighs both."""
     time_budget_s: float = 60.0
     """Seconds the search may spend before it stops trying new candidates (the one being
     solved is finished; at least one is always solved)."""
@@ -469,6 +473,9 @@ class AutoParallel:
                 or not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1):
             raise ValueError(f"AutoParallel.num_micro_batches must be a positive int or None, "
                              f"got {self.num_micro_batches!r}")
+        if self.rematerialize_parameters not in (None, True, False):
+            raise ValueError(f"AutoParallel.rematerialize_parameters must be True, False or "
+                             f"None, got {self.rematerialize_parameters!r}")
         if self.pipeline not in (None, True, False):
             raise ValueError(f"AutoParallel.pipeline must be True, False or None, "
                              f"got {self.pipeline!r}")

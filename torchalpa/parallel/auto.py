@@ -15,8 +15,9 @@ search
    size once -- until the next bound cannot beat the best plan by more than the
    tolerance, or the time budget is spent (a plan is always found first when any fits).
    A candidate is also dominated, and skipped, by a plan of its kind that fits with room
-   to spare (``ROOM``): more checkpointing, or (intra-op) more micro-batches, only adds
-   work to every plan, and what it buys -- memory -- that plan did not need.
+   to spare (``ROOM``): more checkpointing, (intra-op) more micro-batches, or gathering
+   parameters again in backward (ZeRO-3, FSDP's reshard after forward) only adds work to
+   every plan, and what it buys -- memory -- that plan did not need.
 
 On one node the candidates are intra-op plans; pipelines there are the fallback when no
 intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
@@ -69,10 +70,12 @@ class Candidate:
     bound_s: float              # step time no plan of this candidate can beat
     memory_bound: float         # bytes per device no plan of it can go below
     rank_s: float = 0.0         # what it is expected to take (the order candidates are tried)
+    regather: bool = False      # parameters gathered again in backward (ZeRO-3, FSDP)
 
     def describe(self) -> str:
         micro = "" if self.num_micro_batches == 1 else f", {self.num_micro_batches} micro-batches"
-        return f"{self.kind}, remat={self.remat}{micro}"
+        again = ", parameters gathered again in backward" if self.regather else ""
+        return f"{self.kind}, remat={self.remat}{micro}{again}"
 
 
 @dataclass(frozen=True)
@@ -153,20 +156,31 @@ class _Search:
         self.plans: list[tuple[float, Plan | PipelinePlan, Candidate]] = []
 
     # -- captures ----------------------------------------------------------------------
-    def capture(self, k: int, remat: str):
-        """The step of one micro-batch of ``batch / k``, checkpointed by ``remat``."""
+    def capture(self, k: int, remat: str, regather: bool = False):
+        """The step of one micro-batch of ``batch / k``, checkpointed by ``remat``, its
+        parameters gathered again in backward if ``regather``: one trace per ``k``, the
+        variants derived from it."""
         from torchalpa.frontends.block_remat import checkpointed_capture
-        if (k, remat) not in self.variants:
+        if (k, remat, regather) not in self.variants:
             if k not in self.captures:
                 examples = capture_examples(self.model, self.tensors, k)
-                option = self.method.auto_sharding_option
-                self.captures[k] = capture_step(
-                    self.model, examples, self.loss_fn, signature=self.signature,
-                    rematerialize_parameters=option.rematerialize_parameters)
+                self.captures[k] = capture_step(self.model, examples, self.loss_fn,
+                                                signature=self.signature)
             plain = self.captures[k]
-            self.variants[(k, remat)] = plain if remat == "none" else \
-                checkpointed_capture(plain, remat)
-        return self.variants[(k, remat)]
+            self.variants[(k, remat, regather)] = plain if remat == "none" and not regather \
+                else checkpointed_capture(plain, remat, rematerialize_parameters=regather)
+        return self.variants[(k, remat, regather)]
+
+    def regather_choices(self, kind: str) -> tuple[bool, ...]:
+        """Whether parameters may be gathered again in backward: what the option fixes,
+        else both for intra-op plans on several devices (pipelines keep forward's)."""
+        fixed = self.method.rematerialize_parameters
+        if self.method.auto_sharding_option.rematerialize_parameters:
+            fixed = True
+        if fixed is not None:
+            return (fixed,)
+        return (False, True) if kind == "intra-op" and self.cluster.num_devices > 1 \
+            else (False,)
 
     # -- candidates --------------------------------------------------------------------
     def budget(self) -> float:
@@ -184,8 +198,9 @@ class _Search:
         multi_node = self.nodes > 1
         found, refused = [], []
         for remat in self.method.remat:
-            profile = step_profile(self.capture(1 if self.method.num_micro_batches is None
-                                                else counts[0], remat).graph,
+            first = 1 if self.method.num_micro_batches is None else counts[0]
+            profile = step_profile(self.capture(first, remat, self.regather_choices(
+                                                    "intra-op")[0]).graph,
                                    self.meshes[0], optimizer_states=self.method.optimizer_states)
             for k in counts:
                 micro = self.batch // k
@@ -203,15 +218,21 @@ class _Search:
                                            profile.pipeline_memory_bytes(devices, micro),
                                            bound * (k + stages - 1) / k))
                 for c in kinds:
-                    (refused if c.memory_bound > self.budget() else found).append(c)
-        return sorted(found, key=lambda c: c.rank_s), \
+                    for regather in self.regather_choices(c.kind):
+                        c = replace(c, regather=regather)
+                        (refused if c.memory_bound > self.budget() else found).append(c)
+        # of two candidates alike but for regathering, the one likelier to win first: where
+        # memory is tight, gathering parameters again frees the room faster plans need
+        tight = 0.5 * self.budget()
+        return sorted(found, key=lambda c: (c.rank_s, c.regather != (c.memory_bound > tight))), \
             [Attempt(c, "refused by bound") for c in refused]
 
     # -- solving -----------------------------------------------------------------------
     def solve(self, c: Candidate):
         """The plan of candidate ``c`` (an InfeasibleError when it does not fit)."""
-        option = replace(self.method.auto_sharding_option, remat="none")
-        captured = self.capture(c.num_micro_batches, c.remat)
+        option = replace(self.method.auto_sharding_option, remat="none",
+                         rematerialize_parameters=c.regather)
+        captured = self.capture(c.num_micro_batches, c.remat, c.regather)
         if c.kind == "intra-op":
             from torchalpa.parallel.shard import blocks_of, plan_graph
             method = ShardParallel(num_micro_batches=c.num_micro_batches,
@@ -287,7 +308,7 @@ class _Search:
             roomy = peak is not None and peak < ROOM * budget
             fewer = p.num_micro_batches <= c.num_micro_batches if c.kind == "intra-op" \
                 else p.num_micro_batches == c.num_micro_batches
-            if roomy and p.kind == c.kind and fewer and \
+            if roomy and p.kind == c.kind and fewer and p.regather <= c.regather and \
                     REMAT_ORDER[p.remat] <= REMAT_ORDER[c.remat]:
                 return p
         return None
@@ -312,7 +333,8 @@ class _Search:
                  f"{devices} devices ({self.nodes} node(s)); tried:"]
         lines += ["  " + a.line() for a in self.attempts]
         lightest = min(self.method.remat, key=lambda m: {"full": 0, "selective": 1}.get(m, 2))
-        profile = step_profile(self.capture(1, lightest).graph, self.meshes[0],
+        profile = step_profile(self.capture(1, lightest, self.regather_choices("intra-op")[0]
+                                            ).graph, self.meshes[0],
                                optimizer_states=self.method.optimizer_states)
         micro = 1 if self.method.num_micro_batches is None else \
             self.batch // self.method.num_micro_batches
