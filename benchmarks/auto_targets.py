@@ -35,8 +35,12 @@ import torch
 
 import torchalpa
 import torchalpa.models as zoo
-from torchalpa.core.options import (AutoLayerOption, AutoShardingOption, PipeshardParallel,
-                                    Zero3Parallel)
+from torchalpa.core.options import (
+    AutoLayerOption,
+    AutoShardingOption,
+    PipeshardParallel,
+    Zero3Parallel,
+)
 from torchalpa.models import hf
 
 GB = 1024 ** 3

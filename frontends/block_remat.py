@@ -41,12 +41,12 @@ import torch.fx as fx
 
 from torchalpa.core.opgraph import block_of
 from torchalpa.frontends.joint_graph import ancestor_names
-from torchalpa.frontends.param_remat import rematerialize_parameter_views
 from torchalpa.frontends.opset import RANDOM_OPS, SDPA_OP
-from torchalpa.ops.batched_matmul import BATCHED_MATMUL_OP
+from torchalpa.frontends.param_remat import rematerialize_parameter_views
 from torchalpa.frontends.provenance import module_of
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.torch_export import Capture, to_opgraph
+from torchalpa.ops.batched_matmul import BATCHED_MATMUL_OP
 
 __all__ = ["checkpoint_blocks", "checkpointed_capture", "Recomputed", "POLICIES",
            "SELECTIVE_KEPT"]
