@@ -138,6 +138,25 @@ def test_what_the_user_fixes_wins(gpt):
         n.startswith("AutoParallel") for n in explicit.notes)
 
 
+def test_gathering_parameters_again_in_backward_is_weighed_and_recorded(gpt):
+    """Both variants are candidates (one trace, the other derived); the plan records the
+    chosen one in its method, which is what auto_parallel builds; fixing it narrows."""
+    model, batch, loss_fn = gpt
+    cluster = _cluster(4)
+    weighed = torchalpa.AutoParallel(remat=("none",), num_micro_batches=1, pipeline=False,
+                                     tolerance=0.0)
+    plan = torchalpa.plan(model, batch, loss_fn, cluster=cluster, method=weighed)
+    lines = " | ".join(plan.notes)
+    assert "parameters gathered again in backward" in lines
+    for again in (True, False):
+        fixed = torchalpa.plan(model, batch, loss_fn, cluster=cluster, method=dataclasses.replace(
+            weighed, rematerialize_parameters=again))
+        assert method_of_plan(fixed).auto_sharding_option.rematerialize_parameters is again
+        assert ("parameters gathered again" in " | ".join(fixed.notes)) is again
+    with pytest.raises(ValueError, match="AutoParallel.rematerialize_parameters"):
+        torchalpa.AutoParallel(rematerialize_parameters="sometimes")  # type: ignore[arg-type]
+
+
 def test_nothing_fits_lists_what_was_tried_and_what_would_fit(gpt):
     model, batch, loss_fn = gpt
     with pytest.raises(NothingFitsError) as error:

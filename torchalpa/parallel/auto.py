@@ -40,6 +40,9 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
 
 from torchalpa.core.calls import CallSignature
 from torchalpa.core.cluster import Cluster, LogicalMesh
@@ -48,6 +51,9 @@ from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.progress import step
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel.workflow import capture_examples, capture_step
+
+if TYPE_CHECKING:
+    from torchalpa.frontends.torch_export import Capture
 
 __all__ = ["Candidate", "Attempt", "NothingFitsError", "search_method", "batch_size",
            "AutoSteps", "AutoTarget"]
@@ -136,7 +142,7 @@ def _divisors(n: int) -> list[int]:
 class _Search:
     """One run of the search: its captures, profiles and attempts."""
 
-    model: object
+    model: torch.nn.Module
     tensors: tuple
     signature: CallSignature
     loss_fn: object
@@ -150,8 +156,8 @@ class _Search:
 
     def __post_init__(self):
         self.nodes = getattr(self.cluster, "num_nodes", 1)   # a LogicalMesh: one node
-        self.captures: dict[int, object] = {}          # micro-batch count -> capture
-        self.variants: dict[tuple[int, str], object] = {}
+        self.captures: dict[int, Capture] = {}         # micro-batch count -> capture
+        self.variants: dict[tuple[int, str, bool], Capture] = {}
         self.attempts: list[Attempt] = []
         self.plans: list[tuple[float, Plan | PipelinePlan, Candidate]] = []
 
