@@ -102,7 +102,8 @@ def main():
     pm = torchalpa.auto_parallel(build(), batch(), F.mse_loss,
                                  cluster=torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,),
                                                                beta=(1.0,)),
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 method=torchalpa.ShardParallel())
     pm.train_step(*batch())
     if mode == "flip":
         return flip_on_every_rank(out, pm, rank)

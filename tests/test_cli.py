@@ -157,3 +157,53 @@ def test_console_script_imports_no_torch():
     code = ("import sys, torchalpa.cli.commands as c; c.build_parser().format_help(); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- real jobs by name: zoo sizes, HuggingFace configs, batch and sequence ----------------
+
+def test_real_sizes_are_named_with_their_parameter_counts(capsys):
+    """The zoo's real sizes build on meta with the published parameter counts."""
+    assert main(["estimate", "llama3_8b", "--cluster", "h100:1x8"]) == 0
+    assert capsys.readouterr().out.startswith("llama3_8b: 8,030.3 M parameters")
+    assert main(["estimate", "alpa_moe_10b", "--cluster", "h100:1x8"]) == 0
+    assert "9,915.5 M parameters" in capsys.readouterr().out
+
+
+def test_a_huggingface_causal_lm_from_its_model_type_or_a_config_json(capsys, tmp_path):
+    import json
+    assert main(["estimate", "hf:mistral", "--cluster", "h100:1x8"]) == 0
+    assert "7,241.7 M parameters" in capsys.readouterr().out
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 1000, "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for source in (str(tmp_path), str(tmp_path / "config.json")):
+        assert main(["estimate", f"hf:{source}", "--cluster", "cpu:2"]) == 0
+        assert "0.2 M parameters" in capsys.readouterr().out   # 2 x 64 x 1000 + 2 layers
+
+
+def test_batch_and_seq_change_the_captured_step(tmp_path, capsys):
+    from torchalpa.cli.workloads import load_workload
+    with torch.device("meta"):
+        _, (x, _), _ = load_workload("llama", batch=3, seq=5)()
+        _, (ids, labels), _ = load_workload("hf:gpt2", batch=2, seq=7)()
+    assert tuple(x.shape) == (3, 5) and tuple(ids.shape) == tuple(labels.shape) == (2, 7)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "gpt", "--batch", "4", "--seq", "8", "--cluster", "cpu:2",
+                 "--mixed-precision", "bf16", "--out", str(out)]) == 0
+    import torchalpa
+    plan = torchalpa.load_plan(str(out))
+    assert plan.method["mixed_precision"] == "bfloat16"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["estimate", "llama3_80b"], "unknown model 'llama3_80b'; tiny families"),
+    (["estimate", "hf:nosuch"], "knows no model_type 'nosuch'"),
+    (["estimate", "hf:/nowhere/config.json"], "no HuggingFace config at /nowhere/config.json"),
+    (["estimate", "llama", "--batch", "0"], "--batch must be a positive integer, got 0"),
+    (["estimate", "test_cli:mlp_step", "--seq", "8"], "--batch and --seq change zoo"),
+])
+def test_bad_model_arguments_are_one_line_naming_what_is_accepted(argv, says, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1

@@ -118,7 +118,8 @@ def test_plan_summary_names_the_device_and_memory_budget():
     cluster = Cluster(devices_per_node=2, memory_per_device=12 * GB, backend="gloo",
                       device_name="NVIDIA L4")
     x, y = mlp_inputs(8, 16)
-    plan = torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, cluster=cluster)
+    plan = torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, cluster=cluster,
+                          method=torchalpa.ShardParallel())
     assert "planned for NVIDIA L4 (gloo), memory budget 11.2 GiB per device" in plan.summary()
     assert plan.estimates["memory_budget_bytes"] == 12 * GB
 

@@ -49,7 +49,8 @@ def make(seed=0, dropout=0.0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 16))
     return torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss,
-                                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+                                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                                   method=torchalpa.ShardParallel())
 
 
 def weights(pm) -> list[torch.Tensor]:

@@ -87,7 +87,8 @@ def load_weights(path) -> list[torch.Tensor]:
     """The checkpoint under ``path`` loaded into a fresh model in this process (one rank)."""
     torch.manual_seed(1)
     pm = torchalpa.auto_parallel(build(), batch(), F.mse_loss,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 method=torchalpa.ShardParallel())
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")      # saved by more ranks: random state not restored

@@ -113,7 +113,8 @@ def test_a_causal_attention_step_matches_eager():
     ref.load_state_dict(model.state_dict())
     x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
     pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 method=torchalpa.ShardParallel())
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(2):
         loss = pm.train_step(x, y)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from torchalpa.core.cluster import Cluster, LogicalMesh
 from torchalpa.core.options import (
     AutoLayerOption,
+    AutoParallel,
     AutoShardingOption,
     DataParallel,
     ManualShardingOption,
@@ -74,7 +75,7 @@ def __getattr__(name: str):
     return value
 
 __all__ = [
-    "auto_parallel", "plan", "Plan", "Cluster", "LogicalMesh", "ShardParallel", "DataParallel",
+    "auto_parallel", "plan", "Plan", "Cluster", "AutoParallel", "LogicalMesh", "ShardParallel", "DataParallel",
     "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "ManualShardingOption", "Shard", "Replicate", "Partial",
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",

@@ -33,7 +33,13 @@ import collections
 import sys
 from collections.abc import Callable
 
-from torchalpa.cli.workloads import load_workload, parse_cluster, parse_shape, zoo_module
+from torchalpa.cli.workloads import (
+    MODEL_HELP,
+    load_workload,
+    parse_cluster,
+    parse_shape,
+    zoo_module,
+)
 
 __all__ = ["main", "build_parser"]
 
@@ -85,9 +91,12 @@ def _add_plan(commands) -> None:
     p = commands.add_parser("plan", help="plan a model's training step for a cluster",
                             description="Capture MODEL's training step on the meta device and "
                                         "plan it for CLUSTER; write the plan as JSON.")
-    p.add_argument("model", metavar="MODEL", nargs="?",
-                   help="a zoo family or module:callable")
+    p.add_argument("model", metavar="MODEL", nargs="?", help=MODEL_HELP)
+    _workload_arguments(p)
     _cluster_argument(p)
+    p.add_argument("--mixed-precision", choices=("bf16", "fp16"), metavar="DTYPE",
+                   help="price bf16 or fp16 compute and activations with float32 master "
+                        "states, as auto_parallel(mixed_precision=...) runs them")
     p.add_argument("--mesh", metavar="AxB", help="a fixed logical mesh shape (default: try each)")
     p.add_argument("--out", metavar="PLAN.json", help="where to write the plan")
     from torchalpa.cli.stablehlo import add_plan_options
@@ -109,11 +118,17 @@ def _plan(args) -> int:
 
     import torchalpa
     with torch.device("meta"):
-        model, example_inputs, loss_fn = load_workload(args.model)()
+        model, example_inputs, loss_fn = load_workload(args.model, batch=args.batch,
+                                                       seq=args.seq)()
     method = torchalpa.ShardParallel(logical_mesh_shape=parse_shape(args.mesh)) if args.mesh \
         else None
+    precision = None
+    if args.mixed_precision:
+        dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float16
+        precision = torchalpa.MixedPrecision(param_dtype=dtype)
     plan = torchalpa.plan(model, example_inputs, loss_fn, method=method,
-                          cluster=parse_cluster(args.cluster), verbose=args.verbose)
+                          cluster=parse_cluster(args.cluster), verbose=args.verbose,
+                          mixed_precision=precision)
     plan.save(args.out)
     print(plan.summary())
     print(f"\nwrote {args.out}")
@@ -170,7 +185,8 @@ def _add_estimate(commands) -> None:
                     "gradients, Adam's two moments) with the cluster's memory: whether they fit "
                     "sharded over every device, or how many devices they need. Activations are "
                     "not counted: `torchalpa plan` gives the full estimate.")
-    p.add_argument("model", metavar="MODEL", help="a zoo family or module:callable")
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    _workload_arguments(p)
     _cluster_argument(p)
     p.set_defaults(run=_estimate)
 
@@ -182,7 +198,7 @@ def _estimate(args) -> int:
 
     from torchalpa.core.units import format_bytes
     with torch.device("meta"):
-        model, _, _ = load_workload(args.model)()
+        model, _, _ = load_workload(args.model, batch=args.batch, seq=args.seq)()
     cluster = parse_cluster(args.cluster)
     params = [p for p in model.parameters()]
     num = sum(p.numel() for p in params)
@@ -292,6 +308,13 @@ def _add_coverage(commands) -> None:
 
 
 # -- shared helpers -----------------------------------------------------------------------
+
+def _workload_arguments(p) -> None:
+    p.add_argument("--batch", type=int, metavar="N",
+                   help="global batch size (zoo and hf: models; default: the model's)")
+    p.add_argument("--seq", type=int, metavar="T",
+                   help="sequence length (zoo and hf: models; default: the model's)")
+
 
 def _cluster_argument(p) -> None:
     p.add_argument("--cluster", default="h100:1x8", metavar="KIND:NxD",

@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-__all__ = ["parse_shape", "parse_cluster", "load_workload", "import_by_name", "zoo_module"]
+__all__ = ["parse_shape", "parse_cluster", "load_workload", "import_by_name", "zoo_module",
+           "MODEL_HELP"]
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -45,28 +46,54 @@ def zoo_module():
                          f"available ({e}); name models as module:callable instead") from e
 
 
-def load_workload(spec: str) -> Callable[[], tuple]:
-    """``() -> (model, example_inputs, loss_fn)`` for a zoo name, ``suite:NAME`` (a case of
-    ``torchalpa.models.suite``) or ``module:callable``."""
+MODEL_HELP = ("a tiny zoo family (llama, gpt, ...), a real size (llama3_8b, llama2_13b, "
+              "gpt_39b, alpa_gpt_1.3b, alpa_moe_10b, ...), hf:MODEL_TYPE or hf:config.json "
+              "(a transformers causal LM, random weights), suite:NAME, or module:callable")
+
+
+def load_workload(spec: str, *, batch: int | None = None,
+                  seq: int | None = None) -> Callable[[], tuple]:
+    """``() -> (model, example_inputs, loss_fn)`` for ``spec`` (``MODEL_HELP``); ``batch``
+    and ``seq`` change the batch and sequence of a zoo or HuggingFace model."""
+    for name, value in (("--batch", batch), ("--seq", seq)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    if spec.startswith("hf:"):
+        from torchalpa.models.hf import hf_causal_lm
+        source = spec.partition(":")[2]
+        return lambda: hf_causal_lm(source, batch_size=batch or 8, seq_len=seq)
+    if ":" in spec:                               # suite:NAME, module:callable
+        if batch is not None or seq is not None:
+            raise ValueError(f"--batch and --seq change zoo and hf: models; {spec} makes its "
+                             "own batch (change it there)")
+        return _load_callable(spec)
+    zoo = zoo_module()
+    if spec in zoo.NAMED:
+        return _unpack(lambda: zoo.named(spec, batch_size=batch, seq_len=seq), spec)
+    if spec not in zoo.FAMILIES:
+        raise ValueError(f"unknown model {spec!r}; tiny families {sorted(zoo.FAMILIES)}, real "
+                         f"sizes {sorted(zoo.NAMED)}, hf:MODEL_TYPE, or module:callable")
+
+    def tiny():
+        w = zoo.tiny(spec, **({"batch_size": batch} if batch else {}))
+        return w.replace(seq_len=seq) if seq else w
+    return _unpack(tiny, spec)
+
+
+def _load_callable(spec: str) -> Callable[[], tuple]:
     if spec.startswith("suite:"):
         from torchalpa.models.suite import build_case
         name = spec.partition(":")[2]
         return lambda: build_case(name)
-    if ":" in spec:
-        module_name, _, attr = spec.rpartition(":")
-        found = getattr(import_by_name(module_name, spec), attr, None)
-        if found is None or not callable(found):
-            raise ValueError(f"cannot load {spec!r}: {module_name} has no callable {attr!r}")
-        make = found
-    else:
-        zoo = zoo_module()
-        if spec not in zoo.FAMILIES:
-            raise ValueError(f"unknown model {spec!r}; the zoo has {sorted(zoo.FAMILIES)} "
-                             "(or pass module:callable)")
+    module_name, _, attr = spec.rpartition(":")
+    found = getattr(import_by_name(module_name, spec), attr, None)
+    if found is None or not callable(found):
+        raise ValueError(f"cannot load {spec!r}: {module_name} has no callable {attr!r}")
+    return _unpack(found, spec)
 
-        def make():
-            return zoo.tiny(spec)
 
+def _unpack(make: Callable, spec: str) -> Callable[[], tuple]:
+    """``make()`` (a Workload, or a ``(model, example_inputs, loss_fn)`` tuple) as a tuple."""
     def load():
         made = make()
         if hasattr(made, "build") and hasattr(made, "example_inputs"):

@@ -564,6 +564,18 @@ class PipelinePlan:
 
     def __post_init__(self):
         object.__setattr__(self, "estimates", Estimates.from_dict(self.estimates))
+        for t in self.transfers:
+            # per micro-batch, activations go to later stages and gradients to earlier ones;
+            # anything else waits on a stage that has not run yet, under every schedule
+            against = t.dst_stage <= t.src_stage if t.phase == "forward" else \
+                t.dst_stage >= t.src_stage
+            if against and not t.once_per_step:
+                raise PlanError(
+                    f"this pipeline plan sends {t.producer!r} from stage {t.src_stage} to stage "
+                    f"{t.dst_stage} in {t.phase} every micro-batch: the receiver would wait "
+                    "for a stage that runs after it, so no schedule can run the plan; it is "
+                    "a planner error -- plan again, or cut the stages elsewhere "
+                    "(ManualStageOption)")
 
     @property
     def forward_stage_layer_ids(self) -> list[list[int]]:

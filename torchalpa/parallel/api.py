@@ -14,7 +14,7 @@ import torch
 
 from torchalpa.core.calls import CallSignature
 from torchalpa.core.cluster import Cluster, LogicalMesh
-from torchalpa.core.options import PipeshardParallel, ShardParallel
+from torchalpa.core.options import AutoParallel, PipeshardParallel, ShardParallel
 from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.progress import setup_logging
 from torchalpa.core.progress import verbose as solver_log
@@ -24,13 +24,14 @@ from torchalpa.parallel.tp_pins import resolve_style_pins
 
 __all__ = ["plan", "auto_parallel"]
 
-Method = ShardParallel | PipeshardParallel
+Method = AutoParallel | ShardParallel | PipeshardParallel
 _INPUT_MODES = ("global", "local")
 _CHECK_INPUTS = ("first", "always", "never")
 
 
 def _check_method(method) -> Method:
-    method = method if method is not None else ShardParallel()
+    if method is None or method == "auto":
+        method = AutoParallel()
     steps_of(method)     # a TypeError naming the methods for anything else
     return method
 
@@ -43,14 +44,18 @@ def _check_inputs_mode(inputs: str) -> None:
 def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
          loss_fn: Callable | None = None, *, method: Method | None = None,
          cluster: Cluster | LogicalMesh | None = None, inputs: str = "global",
-         verbose: bool = False, param_argnums=0, num_params: int | None = None
-         ) -> Plan | PipelinePlan:
+         mixed_precision=None, verbose: bool = False, param_argnums=0,
+         num_params: int | None = None) -> Plan | PipelinePlan:
     """Plan ``model`` for ``cluster`` without running it: no process group, no real weights.
 
     ``model`` and ``example_inputs`` may live on the ``meta`` device. Without a cluster the
     plan is for this job's world (one device outside torchrun). A ``LogicalMesh`` instead
     of a Cluster gives the exact per-axis costs to plan with. Unless the method fixes a
     logical mesh shape, every 1D and 2D view of the cluster is tried and the fastest kept.
+    ``mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16)`` prices the
+    step as ``auto_parallel`` runs it with the same option: compute and activations in
+    ``param_dtype``, float32 master parameters, gradients and optimizer states (recorded
+    as ``plan.method["mixed_precision"]``).
     Progress goes to the ``torchalpa`` logger (``TORCHALPA_LOG=debug|info|warning``);
     ``verbose=True`` also streams the ILP solver's own log.
 
@@ -64,7 +69,8 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
         _check_inputs_mode(inputs)
         return plan_model(model, example_inputs, loss_fn, method=method,
                           steps=steps_of(method), cluster=cluster, inputs=inputs,
-                          param_argnums=param_argnums, num_params=num_params)
+                          mixed_precision=mixed_precision, param_argnums=param_argnums,
+                          num_params=num_params)
 
 
 def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],

@@ -17,7 +17,9 @@ import logging
 import time
 from dataclasses import replace
 
+from torchalpa.core.options import method_of_plan
 from torchalpa.core.plan_check import check_step_dtypes
+from torchalpa.parallel.methods import steps_of
 from torchalpa.parallel.steps import MethodSteps, Placed
 from torchalpa.parallel.workflow import (
     capture_examples,
@@ -25,6 +27,7 @@ from torchalpa.parallel.workflow import (
     plan_on_rank0,
     same_step_on_every_rank,
     with_precision,
+    with_precision_recorded,
 )
 
 __all__ = ["plan_model", "build_module"]
@@ -33,15 +36,20 @@ log = logging.getLogger("torchalpa")
 
 
 def plan_model(model, example_inputs, loss_fn, *, method, steps: MethodSteps, cluster,
-               inputs: str, param_argnums=0, num_params: int | None = None):
+               inputs: str, mixed_precision=None, param_argnums=0,
+               num_params: int | None = None):
     """``torchalpa.plan`` for ``method``: a torch model's step (each activation-
-    checkpointing variant its ``remat`` asks for) planned without processes, or a JAX
-    function / StableHLO program where the method plans those."""
+    checkpointing variant its ``remat`` asks for, computing in ``mixed_precision`` as
+    ``auto_parallel`` would run it) planned without processes, or a JAX function /
+    StableHLO program where the method plans those."""
     from torchalpa.interop.programs import is_program
     if is_program(model):
         if loss_fn is not None:
             raise ValueError("a JAX function or StableHLO program carries its own loss: "
                              "pass no loss_fn")
+        if mixed_precision is not None:
+            raise ValueError("mixed_precision= applies to torch models; a JAX function or "
+                             "StableHLO program computes in the dtypes it is written in")
         return steps.plan_program(model, example_inputs, method=method, cluster=cluster,
                                   inputs=inputs, param_argnums=param_argnums,
                                   num_params=num_params)
@@ -50,11 +58,17 @@ def plan_model(model, example_inputs, loss_fn, *, method, steps: MethodSteps, cl
     method = steps.with_options(method, inputs=inputs)
     target = steps.target(method, cluster=cluster, mesh=None, world=world_size(),
                           live=False)
+    if steps.chooses_method:
+        return with_precision_recorded(steps.search(
+            with_precision(model, mixed_precision), example_inputs, loss_fn, method=method,
+            target=target, inputs=inputs), mixed_precision)
     examples = capture_examples(model, example_inputs, method.num_micro_batches)
-    variants = capture_variants(model, examples, loss_fn, method.auto_sharding_option)
+    variants = capture_variants(with_precision(model, mixed_precision), examples, loss_fn,
+                                method.auto_sharding_option)
     check_step_dtypes(next(iter(variants.values())).graph)
-    return plan_with_remat(variants, lambda c: steps.solve(c.graph, target, method, inputs),
-                           lambda c: c.graph)
+    return with_precision_recorded(plan_with_remat(
+        variants, lambda c: steps.solve(c.graph, target, method, inputs), lambda c: c.graph),
+        mixed_precision)
 
 
 def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, signature,
@@ -68,13 +82,23 @@ def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, 
     from torchalpa.runtime.random import sync_random_state
     from torchalpa.runtime.step import StepRunner
 
-    method = steps.with_options(method, signature=signature, mesh=mesh, inputs=inputs,
-                                num_micro_batches=num_micro_batches, init_weights=init_weights)
+    options = dict(signature=signature, mesh=mesh, inputs=inputs, init_weights=init_weights)
+    method = steps.with_options(method, num_micro_batches=num_micro_batches, **options)
     mesh_mod.init_distributed()
-    target = steps.target(method, cluster=cluster, mesh=mesh, world=mesh_mod.world_size(),
-                          live=True)
+    world = mesh_mod.world_size()
+    target = steps.target(method, cluster=cluster, mesh=mesh, world=world, live=True)
     start = time.perf_counter()
     traced = with_precision(model, mixed_precision)
+    if steps.chooses_method:       # rank 0 searches; every rank goes on with its choice
+        if plan is None:
+            plan = plan_on_rank0(lambda: with_precision_recorded(steps.search(
+                traced, example_inputs, loss_fn, method=method, target=target, inputs=inputs,
+                signature=signature), mixed_precision))
+        method = method_of_plan(plan)
+        steps = steps_of(method)
+        method = steps.with_options(method, **options)
+        target = steps.target(method, cluster=target.cluster, mesh=mesh, world=world,
+                              live=True)
     option = method.auto_sharding_option
     if plan is not None:         # capture what the plan was made for
         steps.check_plan_kind(plan)
@@ -90,9 +114,9 @@ def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, 
         the_plan = plan
     else:
         measured = steps.measure(captured, target, method, example_inputs, model, device)
-        the_plan = plan_on_rank0(lambda: plan_with_remat(
+        the_plan = plan_on_rank0(lambda: with_precision_recorded(plan_with_remat(
             variants, lambda c: steps.solve(c.graph, target, method, inputs, measured),
-            lambda c: c.graph))
+            lambda c: c.graph), mixed_precision))
         captured = variants[chosen_remat(the_plan)]
     placed: Placed = steps.place(captured, the_plan, target, method, device, model=model,
                                  traced=traced, loss_fn=loss_fn, inputs=inputs,

@@ -97,6 +97,13 @@ class PipelineSteps:
     """``MethodSteps`` of PipeshardParallel (``torchalpa.parallel.steps``): the target is a
     cluster cut into submeshes; each rank runs its stage's program."""
 
+    chooses_method = False
+
+    def search(self, model, example_inputs, loss_fn, *, method, target, inputs: str,
+               signature=None):
+        raise TypeError(f"{type(method).__name__} is a concrete method: it is planned, "
+                        "not searched for")
+
     def with_options(self, method: PipeshardParallel, *, inputs: str = "global",
                      signature=None, mesh=None, num_micro_batches: int | None = None,
                      init_weights=None) -> PipeshardParallel:

@@ -10,6 +10,7 @@ dispatches through the method object).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -54,20 +55,28 @@ def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
 
 
 def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
-               inputs: str = "global", blocks: dict | None = None) -> Plan:
+               inputs: str = "global", blocks: dict | None = None,
+               deadline: float | None = None) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
-    Once a plan is in hand, a mesh whose step-time bound (``step_time_lower_bound``: the
+    A mesh whose memory lower bound (``passes/bounds.py``: every value split over all its
+    devices) exceeds the budget is refused at once, with no ILP built: no layout could fit
+    it. Once a plan is in hand, a mesh whose step-time bound (``step_time_lower_bound``: the
     linear relaxation of its unsimplified ILP) is above that plan's estimate is skipped:
     no plan the ILP could find there would be chosen. The note lists it with its bound.
     The first bound that skips nothing ends the bounding for this call: that LP costs a
     third to a half of a solve on a transformer, whose views plan within a few percent of
-    each other, and it would be paid again on every other view."""
+    each other, and it would be paid again on every other view. Past ``deadline`` (a
+    ``time.perf_counter()`` value) no further mesh is solved once a plan is in hand."""
+    from torchalpa.passes.bounds import step_profile
     from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
     fingerprint = graph.fingerprint()
     plans, failures, skipped = [], [], []
+    refused: list[LogicalMesh] = []
+    late: list[LogicalMesh] = []
     bounding = SKIP_BY_BOUND
+    profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states)
     for i, mesh in enumerate(meshes):
         key = cache.plan_key(fingerprint, mesh, method, inputs)
         shape = "x".join(map(str, mesh.shape))
@@ -78,7 +87,17 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 progress.done = "cached, " + _estimate_text(found, mesh)
                 plans.append(found)
                 continue
+            too_small = memory_refusal(profile, mesh, method)
+            if too_small is not None:
+                failures.append(too_small)
+                refused.append(mesh)
+                progress.done = f"does not fit: {too_small}"
+                continue
             fastest = min(plans, key=lambda p: p.estimates["step_time_s"], default=None)
+            if fastest is not None and deadline is not None and time.perf_counter() > deadline:
+                late.append(mesh)
+                progress.done = "not solved: the time budget is spent"
+                continue
             if fastest is not None and bounding:
                 bound = step_time_lower_bound(graph, mesh, method, inputs=inputs)
                 if bound is not None and bound > fastest.estimates["step_time_s"] * (1 + 1e-9):
@@ -105,8 +124,15 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
         cache.trim()
         plans.append(found)
     if not plans:
-        raise failures[0] if len(failures) == 1 else InfeasibleError(
-            "no logical mesh fits the memory budget:\n" + "\n".join(f"  {e}" for e in failures))
+        advice = fitting_advice(profile, meshes[0], method) if refused else ""
+        if len(refused) == len(meshes) and len({m.num_devices for m in meshes}) == 1:
+            views = ", ".join("x".join(map(str, m.shape)) for m in meshes)
+            raise InfeasibleError(f"{failures[0]} (every view of its {meshes[0].num_devices} "
+                                  f"devices shares this bound: {views}){advice}")
+        if len(failures) == 1:
+            raise InfeasibleError(f"{failures[0]}{advice}") from failures[0]
+        raise InfeasibleError("no logical mesh fits the memory budget:\n"
+                              + "\n".join(f"  {e}" for e in failures) + advice)
     best = min(plans, key=lambda p: p.estimates["step_time_s"])
     log.info("chose mesh %s: %s", "x".join(map(str, best.mesh_shape)),
              _estimate_text(best, meshes[0]))
@@ -115,8 +141,65 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                           f"{p.estimates['step_time_s'] * 1e3:.3g} ms" for p in plans)
         tried += "".join(f", {'x'.join(map(str, m.shape))}: >= {bound * 1e3:.3g} ms "
                          "(bound, not solved)" for m, bound in skipped)
+        tried += "".join(f", {'x'.join(map(str, m.shape))}: not solved (time budget)"
+                         for m in late)
         best = replace(best, notes=best.notes + (f"logical meshes tried (estimated step): {tried}",))
     return best
+
+
+def _budget(method: ShardParallel, mesh: LogicalMesh) -> float | None:
+    return method.auto_sharding_option.memory_budget_per_device or mesh.memory_per_device
+
+
+def _replicated_state(method: ShardParallel) -> bool:
+    option = method.auto_sharding_option
+    return option.parameters == "replicated" or option.force_data_parallel
+
+
+def memory_refusal(profile, mesh: LogicalMesh, method: ShardParallel):
+    """An ``InfeasibleError`` when no plan of the step can fit ``mesh``'s memory budget by
+    the step's lower bound (``passes/bounds.py``), else None: the ILP is not worth
+    building."""
+    from torchalpa.passes.ilp import InfeasibleError
+    budget = _budget(method, mesh)
+    if not budget:
+        return None
+    devices = mesh.num_devices
+    need = profile.memory_bytes(devices, replicated_parameters=_replicated_state(method))
+    if need <= budget:
+        return None
+    states = profile.state_bytes if _replicated_state(method) else profile.state_bytes / devices
+    shape = "x".join(map(str, mesh.shape))
+    return InfeasibleError(
+        f"the model does not fit in {format_bytes(budget)} per device on mesh {shape}: "
+        f"every plan needs at least {format_bytes(need)} per device ({format_bytes(states)} "
+        f"of parameters, gradients and optimizer states and "
+        f"{format_bytes(need - states)} of activations at the step's peak, split over "
+        f"all {devices} devices; a lower bound, no solver run)")
+
+
+def fitting_advice(profile, mesh: LogicalMesh, method: ShardParallel) -> str:
+    """What would fit, by the same bound: checkpointing, micro-batches, devices."""
+    budget = _budget(method, mesh)
+    if not budget:
+        return ""
+    devices, replicated = mesh.num_devices, _replicated_state(method)
+    lines = ["\nwhat could fit (by the same bound):",
+             "  activation checkpointing: AutoShardingOption(remat='full' or 'selective') "
+             "keeps a fraction of the activations"]
+    batch = profile.batch
+    for k in range(2, batch + 1):
+        need = profile.memory_bytes(devices, batch // k, replicated_parameters=replicated)
+        if batch % k == 0 and need <= budget:
+            lines.append(f"  gradient accumulation: num_micro_batches={k} (micro-batches of "
+                         f"{batch // k}) needs at least {format_bytes(need)}")
+            break
+    needed = profile.devices_to_fit(budget)
+    if not replicated and needed > devices:
+        lines.append(f"  at least {needed} devices of {format_bytes(budget)} as the step is")
+    lines.append("  or leave method= out: the default (torchalpa.AutoParallel) weighs "
+                 "checkpointing, micro-batches and pipelines for you")
+    return "\n".join(lines)
 
 
 def _estimate_text(plan: Plan, mesh: LogicalMesh) -> str:
@@ -151,6 +234,13 @@ class IntraOpTarget:
 
 class IntraOpSteps:
     """``MethodSteps`` of ShardParallel and its presets (``torchalpa.parallel.steps``)."""
+
+    chooses_method = False
+
+    def search(self, model, example_inputs, loss_fn, *, method, target, inputs: str,
+               signature=None):
+        raise TypeError(f"{type(method).__name__} is a concrete method: it is planned, "
+                        "not searched for")
 
     def with_options(self, method: ShardParallel, *, inputs: str = "global", signature=None,
                      mesh=None, num_micro_batches: int | None = None, init_weights=None

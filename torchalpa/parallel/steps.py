@@ -38,7 +38,13 @@ class Placed:
 
 
 class MethodSteps(Protocol):
-    """The method-specific steps of planning and building; see the module docstring."""
+    """The method-specific steps of planning and building; see the module docstring.
+
+    A method that chooses among the others (``AutoParallel``) sets ``chooses_method``
+    and implements ``search``; the orchestration then goes on with the concrete method of
+    the plan found (``torchalpa.core.options.method_of_plan``) and its steps."""
+
+    chooses_method: bool
 
     def with_options(self, method, *, inputs: str = "global", signature=None, mesh=None,
                      num_micro_batches: int | None = None, init_weights=None) -> Any:
@@ -73,6 +79,12 @@ class MethodSteps(Protocol):
 
     def check_given_plan(self, plan, graph, target) -> None:
         """A ``plan=`` is checked like a cached one: step, mesh, shapes and layouts."""
+        ...
+
+    def search(self, model, example_inputs, loss_fn, *, method, target, inputs: str,
+               signature=None) -> Any:
+        """The plan of the concrete method chosen for ``model`` (only where
+        ``chooses_method``)."""
         ...
 
     def place(self, captured, plan, target, method, device, *, model, traced, loss_fn,

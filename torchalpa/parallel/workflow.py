@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TypeVar, cast
 
 import torch
@@ -20,7 +21,8 @@ from torchalpa.core.units import format_count
 from torchalpa.parallel.calibrate import calibration_enabled, measure_cluster
 
 __all__ = ["default_cluster", "capture_step", "capture_variants", "micro_batch_examples",
-           "capture_examples", "with_precision", "same_step_on_every_rank", "plan_on_rank0"]
+           "capture_examples", "with_precision", "with_precision_recorded",
+           "same_step_on_every_rank", "plan_on_rank0"]
 
 log = logging.getLogger("torchalpa")
 
@@ -81,7 +83,7 @@ def capture_variants(model, example_inputs, loss_fn, option, **options) -> dict:
     modes = capture_modes(option.remat)
     plain = capture_step(model, example_inputs, loss_fn, **options,
                          rematerialize_parameters=option.rematerialize_parameters)
-    return {m: checkpointed_capture(plain) if m == "full" else plain for m in modes}
+    return {m: plain if m == "none" else checkpointed_capture(plain, m) for m in modes}
 
 
 def micro_batch_examples(example_inputs: Sequence[torch.Tensor], num_micro_batches: int
@@ -115,6 +117,16 @@ def with_precision(model: torch.nn.Module, mixed_precision):
         return model
     from torchalpa.runtime.precision import CastForward
     return CastForward(model, mixed_precision)
+
+
+def with_precision_recorded(plan: AnyPlan, mixed_precision) -> AnyPlan:
+    """``plan`` with the mixed precision it was made for in its method record
+    (``plan.method["mixed_precision"]``: the compute dtype, e.g. ``"bfloat16"``), so a
+    summary and a reader of the JSON see what the estimates assume."""
+    if mixed_precision is None:
+        return plan
+    dtype = str(mixed_precision.param_dtype).removeprefix("torch.")
+    return replace(plan, method={**plan.method, "mixed_precision": dtype})
 
 
 def same_step_on_every_rank(fingerprint: str) -> None:
