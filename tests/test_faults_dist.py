@@ -167,3 +167,25 @@ def test_a_flipped_byte_in_one_ranks_shard_stops_every_rank_and_fallback_loads_t
                          r".*ckpt-000001 is intact", s["refused"] or ""), f"rank {r}: {s}"
         assert s["loaded"] == "ckpt-000001" and s["old_weights"], f"rank {r}: {s}"
         assert any("__1_0.distcp does not match" in w for w in s["warned"]), f"rank {r}: {s}"
+
+
+def test_a_bad_file_of_the_last_rank_is_refused_on_every_rank_and_changes_nothing(tmp_path):
+    """4 ranks, ZeRO-3 and Adam: rank 3's random state, an optimizer item of its shard, or
+    its whole shard is bad (the manifest rewritten to match, so only reading finds it).
+    Every rank refuses the load naming the file, and no rank's parameters, optimizer
+    state, random state or step counter changed, even one whose optimizer had no state
+    yet; the good checkpoint then loads bit-identically (tests/load_refusal_worker.py)."""
+    ranks = worker_io.launch("load_refusal_worker.py", tmp_path / "refusal.json",
+                             nproc=4)["ranks"]
+    damaged = {"rng": "rng-3.pt", "optimizer": "__3_0.distcp", "shard": "__3_0.distcp",
+               "fresh optimizer": "__3_0.distcp"}
+    for r, seen in enumerate(ranks):
+        for kind, name in damaged.items():
+            found = seen[kind]
+            assert "trace" not in found, f"rank {r}, {kind}: {found}"
+            assert re.search(rf"ckpt-000001 cannot be loaded: .*rank 3: [^;]*{re.escape(name)}"
+                             r".*Nothing was loaded", found["error"] or ""), \
+                f"rank {r}, {kind}: {found['error']}"
+            assert found["changed"] == [], f"rank {r}, {kind}: a refused load changed these"
+        # the step counter counts this process's calls: it is not in a checkpoint
+        assert seen["good"]["changed"] == ["step counter"], f"rank {r}: {seen['good']}"
