@@ -48,7 +48,7 @@ def run_job(out, world: int, *args, exits: dict | None = None) -> dict[int, dict
                               stdout=subprocess.DEVNULL, stderr=logs[r], text=True)
              for r in range(world)]
     ended: dict[int, float] = {}
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 480          # a loaded machine: allow for slow starts
     while len(ended) < world and time.monotonic() < deadline:
         for r, p in enumerate(procs):
             if r not in ended and p.poll() is not None:
