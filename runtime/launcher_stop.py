@@ -30,6 +30,8 @@ import signal
 import sys
 import threading
 
+from torchalpa.runtime import clean_exit
+from torchalpa.runtime.heartbeat import Heartbeat
 from torchalpa.runtime.rank_failure import RankFailedError, describe_culprits
 
 __all__ = ["install"]
@@ -49,6 +51,7 @@ class _Stop:
 
     def diagnose(self) -> None:
         """Who made the launcher stop this rank (the heartbeats need ~2.5 s to tell)."""
+        Heartbeat.handling.set()          # this rank ends here, with this diagnosis
         monitor = self.monitor
         try:
             failed, dead = monitor.culprits()
@@ -78,6 +81,8 @@ class _Stop:
             try:
                 received = os.read(wakeup_fd, 64)
             except OSError:
+                return
+            if not received:              # the pipe was closed: the process is exiting
                 return
             if signal.SIGTERM.value in received:
                 break
@@ -116,7 +121,22 @@ def install(monitor) -> bool:
         return False
     stop = _Stop(monitor)
     signal.signal(signal.SIGTERM, stop.on_signal)
-    threading.Thread(target=stop.watch, args=(read_fd,), name="torchalpa-sigterm",
-                     daemon=True).start()
+    watcher = threading.Thread(target=stop.watch, args=(read_fd,), name="torchalpa-sigterm",
+                               daemon=True)
+    watcher.start()
+    clean_exit.stop_at_exit(lambda: _uninstall(watcher, write_fd))
     _installed = stop
     return True
+
+
+def _uninstall(watcher: threading.Thread, write_fd: int) -> None:
+    """At exit: SIGTERM acts by default again, and the watcher thread ends (its pipe is
+    closed) before the interpreter's teardown."""
+    global _installed
+    if threading.current_thread() is not threading.main_thread():
+        return                            # signals can be reset from the main thread only
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    os.close(write_fd)
+    watcher.join(1.0)
+    _installed = None

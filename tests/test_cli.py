@@ -207,3 +207,38 @@ def test_bad_model_arguments_are_one_line_naming_what_is_accepted(argv, says, ca
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
+
+
+_WORKLOAD = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+def make():
+    from workload_parts import WIDTH      # a neighbour, imported when called
+    return (nn.Linear(WIDTH, WIDTH), (torch.empty(2, WIDTH), torch.empty(2, WIDTH)),
+            F.mse_loss)
+"""
+
+
+def test_python_dash_m_and_the_console_script_find_a_module_in_the_current_folder(tmp_path):
+    """``python -m torchalpa`` is the ``torchalpa`` command; both find ``module:callable``
+    in the folder they run from (the console script's own folder is on its sys.path
+    instead: torchalpa.cli.workloads.import_by_name adds the current one)."""
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "my_workload.py").write_text(_WORKLOAD)
+    (tmp_path / "workload_parts.py").write_text("WIDTH = 4\n")
+    script = os.path.join(os.path.dirname(sys.executable), "torchalpa")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for command in ([sys.executable, "-m", "torchalpa"], [script]):
+        run = subprocess.run([*command, "coverage", "--model", "my_workload:make"],
+                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+        assert run.returncode == 0, f"{command}: {run.stdout[-2000:]}{run.stderr[-2000:]}"
+        assert "my_workload:make: " in run.stdout and "rule  aten.mm.default" in run.stdout
+    run = subprocess.run([script, "coverage", "--model", "not_here:make"], capture_output=True,
+                         text=True, cwd=tmp_path, env=env, timeout=300)
+    assert run.returncode == 1
+    assert f"No module named 'not_here' (looked in the current folder {tmp_path}" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "torchalpa", "--version"], capture_output=True,
+                         text=True, cwd=tmp_path, env=env, timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith("torchalpa ")

@@ -111,9 +111,15 @@ def _unpack(make: Callable, spec: str) -> Callable[[], tuple]:
 
 
 def import_by_name(module_name: str, spec: str):
-    """A module by dotted name, or a ``.py`` file by path (``./train.py:make``)."""
+    """A module by dotted name, or a ``.py`` file by path (``./train.py:make``).
+
+    A dotted name is looked up first in the current folder, as ``python -m`` does: the
+    ``torchalpa`` console script starts with its own folder on ``sys.path`` instead, so
+    ``torchalpa coverage --model train:make`` would otherwise miss ``./train.py``. The
+    current folder stays on the path, so the module's own imports find its neighbours."""
     import importlib.util
     import os
+    import sys
     if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
         if not os.path.isfile(module_name):
             raise ValueError(f"cannot load {spec!r}: no file {module_name}")
@@ -124,8 +130,13 @@ def import_by_name(module_name: str, spec: str):
         module = importlib.util.module_from_spec(file_spec)
         file_spec.loader.exec_module(module)
         return module
+    here = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
+        sys.path.insert(0, here)
+        importlib.invalidate_caches()
     try:
         return importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"cannot load {spec!r}: {e} (give module:callable, or path/to/file.py:"
-                         "callable)") from e
+        raise ValueError(f"cannot load {spec!r}: {e} (looked in the current folder {here} and "
+                         "on sys.path; give module:callable for a module importable from here, "
+                         "or path/to/file.py:callable)") from e
