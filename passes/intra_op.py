@@ -46,6 +46,7 @@ from torchalpa.passes.cost import (
     gradient_steps_cost,
     optimizer_cost,
     steps_cost,
+    strategy_bytes,
     wire_bytes,
 )
 from torchalpa.passes.costgraph import ReshardCosts, cached_reshard_costs, solve_sharing_reads
@@ -740,7 +741,9 @@ def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
             groups = mesh.num_devices // mesh.shape[axis]
             wire += k * groups * wire_bytes("all_reduce", mesh.shape[axis], nbytes, mesh.backend)
         comm_time += k * (steps_cost(mesh, phased) + batch_sync_cost(mesh, s.batch_syncs))
-    compute_time = k * sum(compute_cost(mesh, n, chosen[n.name].shards) for n in graph.ops())
+    compute_time = k * sum(compute_cost(mesh, n, chosen[n.name].shards, strategy_bytes(
+        graph, n, chosen[n.name].inputs, chosen[n.name].outputs, mesh.shape))
+        for n in graph.ops())
 
     leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}
     state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states)
