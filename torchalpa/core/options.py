@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 __all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataParallel",
            "Zero2Parallel", "Zero3Parallel", "PipeshardParallel", "AutoLayerOption",
-           "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style"]
+           "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style",
+           "Inference", "MODES", "parse_mode"]
 
 # Optimizer state tensors kept per parameter element, for the memory model.
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1,
@@ -413,3 +414,48 @@ class PipeshardParallel:
         d = json.loads(json.dumps(asdict(self), default=str))
         d["name"] = type(self).__name__
         return d
+
+
+# -- what is planned: the training step, or generation -----------------------------------
+
+MODES = ("training", "inference")
+"""``mode=`` of ``torchalpa.plan`` / ``torchalpa.auto_parallel`` (an ``Inference`` too)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Inference:
+    """Plan and build a causal LM for generation (``mode="inference"`` is ``Inference()``).
+
+    Two forward-only programs are planned, with no backward and no optimizer state: the
+    one-token decode step (planned first: it runs once per generated token) and the
+    prefill of a prompt (planned on first use per prompt length, with every weight and
+    cache layout pinned to the decode plan's). The KV cache is static: one
+    ``(batch, kv heads, max_context, head dim)`` key and value tensor per layer, allocated
+    once as this rank's blocks in the planned layouts, so the decode step is one program
+    of fixed shapes. ``batch`` is the example inputs' batch; generation takes any batch up
+    to it (``torchalpa/models/cached_step.py`` says which models, ``runtime/serving.py``
+    how a call runs).
+    """
+
+    max_context: int | None = None
+    """Tokens the cache holds per sequence, prompt and generated ones together; None:
+    the model's maximum positions (``max_position_embeddings``, ``max_seq_len``)."""
+
+    def __post_init__(self):
+        if self.max_context is not None and (isinstance(self.max_context, bool) or
+                                             not isinstance(self.max_context, int)
+                                             or self.max_context < 1):
+            raise ValueError(f"Inference.max_context must be a positive int or None, got "
+                             f"{self.max_context!r}")
+
+
+def parse_mode(mode) -> Inference | None:
+    """``mode=`` as given to the API: None for the training step, else the ``Inference``
+    settings; a ValueError names what is accepted."""
+    if isinstance(mode, Inference):
+        return mode
+    if mode == "training":
+        return None
+    if mode == "inference":
+        return Inference()
+    raise ValueError(f"mode must be one of {MODES} or a torchalpa.Inference(...), got {mode!r}")
