@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,13 +92,13 @@ def resolve_sampling(kwargs: Mapping, config, prompt_length: int) -> Sampling:
             "on one device for the rest")
     _check_config(config)
 
-    def pick(name):
+    def pick(name) -> Any:
         if _given(kwargs.get(name)):
             return kwargs[name]
         value = getattr(config, name, None) if config is not None else None
         return value if _given(value) else HF_DEFAULTS.get(name)
 
-    max_new = kwargs.get("max_new_tokens")
+    max_new: Any = kwargs.get("max_new_tokens")
     if not _given(max_new) and _given(kwargs.get("max_length")):
         max_new = kwargs["max_length"] - prompt_length
     if not _given(max_new):

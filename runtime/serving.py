@@ -32,8 +32,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from torchalpa.core.plan import Plan
-from torchalpa.runtime.faults import check_same_inputs, check_same_values
+from torchalpa.runtime.faults import batch_digest, check_same_inputs
 from torchalpa.runtime.generation import generate_tokens, prepare_batch
+from torchalpa.runtime.mesh import gather_objects
 from torchalpa.runtime.sampling import resolve_sampling
 
 __all__ = ["StepProgram", "InferenceModule", "write_cache_in_place", "GenerationStats"]
@@ -188,11 +189,18 @@ class InferenceModule(nn.Module):
         return outs[0].to("cpu")
 
     def _check_same_prompts(self, ids: torch.Tensor, valid: torch.Tensor) -> None:
-        """Every rank must pass the same prompts (checked on the first call by default)."""
+        """Every rank must pass the same prompts (their shapes on every call, their values
+        on the first call, or every call with ``check_inputs="always"``): a rank that
+        generated from other prompts would take part in collectives of other steps."""
         specs = [(tuple(ids.shape), ids.dtype), (tuple(valid.shape), valid.dtype)]
         check_same_inputs(specs, "prompts")
         if self._check_values == "always" or (self._check_values == "first" and not self._checked):
-            check_same_values([ids, valid], "prompts")
+            everyone = gather_objects(batch_digest([ids, valid]))
+            differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
+            if differ:
+                raise ValueError(f"rank(s) {', '.join(map(str, differ))} passed other prompts "
+                                 "(or attention masks) than rank 0: every rank generates "
+                                 "together and must pass the same ones (seed them alike)")
         self._checked = True
 
     def _blocks(self, names: Sequence[str]) -> list[torch.Tensor]:

@@ -64,6 +64,7 @@ def run(directory: str, hidden: int, layers: int) -> dict:
     dist.barrier()
     with torch.device("meta"):
         model = Llama(c)
+    torch.manual_seed(1)                       # the same prompts on every rank
     ids = torch.randint(3, 4096, (2, 8))
     method = torchalpa.ShardParallel(auto_sharding_option=torchalpa.AutoShardingOption(
         parameters="sharded"))                 # every weight split over the ranks

@@ -29,7 +29,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -37,13 +37,14 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from torchalpa.models.gpt import GPT
 from torchalpa.models.kv_cache import KVCache
-from torchalpa.models.llama import Llama
+from torchalpa.models.llama import Llama, LlamaConfig
 
 __all__ = ["CacheLayout", "Decoder", "CachedStep", "decoder_for", "CACHE_PREFIX",
            "is_cache_name"]
 
 CACHE_PREFIX = "kv_cache."
 """The cache's buffers are named ``kv_cache.<layer>.key`` and ``kv_cache.<layer>.value``."""
+_CACHE = CACHE_PREFIX.rstrip(".")
 
 
 def is_cache_name(name: str) -> bool:
@@ -75,6 +76,9 @@ class Decoder(Protocol):
 
 
 class _KVLayer(nn.Module):
+    key: torch.Tensor
+    value: torch.Tensor
+
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device):
         super().__init__()
         self.register_buffer("key", torch.zeros(shape, dtype=dtype, device=device),
@@ -94,6 +98,9 @@ class CachedStep(nn.Module):
     module docstring). The cache is built on ``device`` (``meta``: nothing allocated;
     ``torchalpa.auto_parallel`` allocates only this rank's blocks)."""
 
+    _lm: nn.Module
+    _decoder: Decoder
+
     def __init__(self, model: nn.Module, batch_size: int, max_context: int, *,
                  device: torch.device | str = "meta", decoder: Decoder | None = None):
         super().__init__()
@@ -102,16 +109,16 @@ class CachedStep(nn.Module):
         if max_context > layout.max_positions:
             raise ValueError(f"max_context={max_context} exceeds the {layout.max_positions} "
                              f"positions {type(model).__name__} has; ask for at most that")
-        if CACHE_PREFIX.rstrip(".") in model._modules:
-            raise ValueError(f"{type(model).__name__} has a submodule named "
-                             f"{CACHE_PREFIX.rstrip('.')!r}, the name the cache takes")
+        if _CACHE in model._modules:
+            raise ValueError(f"{type(model).__name__} has a submodule named {_CACHE!r}, the "
+                             "name the cache takes")
         # the model's state and submodules, under their own names (shared, not copied)
         self._parameters = model._parameters
         self._buffers = model._buffers
         for name, child in model.named_children():
             self._modules[name] = child
         shape = (batch_size, layout.num_kv_heads, max_context, layout.head_dim)
-        self._modules[CACHE_PREFIX.rstrip(".")] = nn.ModuleList(
+        self._modules[_CACHE] = nn.ModuleList(
             _KVLayer(shape, layout.dtype, device) for _ in range(layout.num_layers))
         # not children (no name prefix), under names no model's child takes: a module's
         # attributes shadow its children in get_submodule (an HF LM's child is "model")
@@ -124,10 +131,16 @@ class CachedStep(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                 start: torch.Tensor) -> torch.Tensor:
-        layers = list(self._modules[CACHE_PREFIX.rstrip(".")].children())
+        layers = [layer for layer in self.get_submodule(_CACHE).children()
+                  if isinstance(layer, _KVLayer)]
         keys = [layer.key for layer in layers]
         values = [layer.value for layer in layers]
         return self._decoder.step(self._lm, keys, values, input_ids, positions, valid, start)
+
+
+def _config_of(model: nn.Module) -> Any:
+    """A HuggingFace model's config (typed loosely: transformers' own classes)."""
+    return model.config
 
 
 def _dtype_of(model: nn.Module) -> torch.dtype:
@@ -139,7 +152,7 @@ class ZooDecoder:
 
     def __init__(self, model: GPT | Llama):
         c = model.config
-        kv_heads = c.num_heads if isinstance(model, GPT) else c.num_kv_heads
+        kv_heads = c.num_kv_heads if isinstance(c, LlamaConfig) else c.num_heads
         self.layout = CacheLayout(c.num_layers, kv_heads, c.hidden // c.num_heads,
                                   c.max_seq_len, _dtype_of(model))
 
@@ -153,8 +166,8 @@ class HFDecoder:
     ``transformers.StaticCache`` over the buffers."""
 
     def __init__(self, model: nn.Module):
-        config = model.config.get_text_config(decoder=True)
-        if getattr(model.config, "is_encoder_decoder", False):
+        config = _config_of(model).get_text_config(decoder=True)
+        if getattr(_config_of(model), "is_encoder_decoder", False):
             raise ValueError(f"{type(model).__name__} is an encoder-decoder; generation is "
                              "built for decoder-only causal LMs")
         kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
@@ -179,6 +192,7 @@ class HFDecoder:
         cache = StaticCache(config=self.config, max_cache_len=S)
         # each layer's bookkeeping (it allocates tensors, fake ones in a capture)
         cache.early_initialization(B, KV, D, keys[0].dtype, keys[0].device)
+        layer: Any
         for layer, k, v in zip(cache.layers, keys, values):
             layer.keys, layer.values = k, v              # replaced by the buffers
             layer.cumulative_length = start.clone()      # the slot of the first new token
@@ -195,7 +209,7 @@ def _probe_head_shape(model: nn.Module) -> tuple[int, int]:
     state = {n: torch.empty_like(t, device="meta")
              for n, t in [*model.named_parameters(), *model.named_buffers()]}
     token = torch.zeros(1, 1, dtype=torch.long, device="meta")
-    config = model.config
+    config = _config_of(model)
     pad = config.pad_token_id
     config.pad_token_id = None        # or a model looks for padding in the (valueless) ids
     try:

@@ -10,6 +10,8 @@ torchalpa's (tests, ``benchmarks/generate.py``). Dropout is set to the zoo confi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn as nn
 
 from torchalpa.models.gpt import GPT
@@ -18,9 +20,10 @@ from torchalpa.models.llama import Llama
 __all__ = ["hf_twin"]
 
 
-def hf_twin(model: nn.Module) -> nn.Module:
+def hf_twin(model: nn.Module) -> Any:
     """A ``transformers`` model holding a copy of ``model``'s weights (a zoo GPT or
     Llama, on a real device) that computes the same logits."""
+    twin: Any
     if isinstance(model, GPT):
         twin, weights = _gpt2(model)
     elif isinstance(model, Llama):

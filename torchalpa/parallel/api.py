@@ -9,6 +9,7 @@ Both check what any method is given, then take the one path every method takes
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
@@ -21,6 +22,10 @@ from torchalpa.core.progress import verbose as solver_log
 from torchalpa.parallel.build import build_generation, build_module, plan_generation, plan_model
 from torchalpa.parallel.methods import steps_of
 from torchalpa.parallel.tp_pins import resolve_style_pins
+
+if TYPE_CHECKING:
+    from torchalpa.runtime.module import ParallelModule
+    from torchalpa.runtime.serving import InferenceModule
 
 __all__ = ["plan", "auto_parallel"]
 
@@ -81,6 +86,30 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
                           param_argnums=param_argnums, num_params=num_params)
 
 
+@overload
+def auto_parallel(model: torch.nn.Module, example_inputs, loss_fn: Callable | None = None, *,
+                  method: Method | None = None, mesh=None,
+                  cluster: Cluster | LogicalMesh | None = None, inputs: str = "global",
+                  optimizer: Callable | None = None, plan: Plan | None = None,
+                  num_micro_batches: int | None = None, mixed_precision=None,
+                  init_weights: Callable | None = None, compile: bool | dict = False,
+                  check_replicas: bool | None = None, check_inputs: str = "first",
+                  verbose: bool = False, mode: Literal["training"] = "training"
+                  ) -> ParallelModule: ...
+
+
+@overload
+def auto_parallel(model: torch.nn.Module, example_inputs, loss_fn: Callable | None = None, *,
+                  method: Method | None = None, mesh=None,
+                  cluster: Cluster | LogicalMesh | None = None, inputs: str = "global",
+                  optimizer: Callable | None = None, plan: Plan | None = None,
+                  num_micro_batches: int | None = None, mixed_precision=None,
+                  init_weights: Callable | None = None, compile: bool | dict = False,
+                  check_replicas: bool | None = None, check_inputs: str = "first",
+                  verbose: bool = False, mode: Literal["inference"] | Inference
+                  ) -> InferenceModule: ...
+
+
 def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
                   loss_fn: Callable | None = None, *, method: Method | None = None,
                   mesh=None, cluster: Cluster | LogicalMesh | None = None,
@@ -89,7 +118,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                   mixed_precision=None, init_weights: Callable | None = None,
                   compile: bool | dict = False, check_replicas: bool | None = None,
                   check_inputs: str = "first", verbose: bool = False,
-                  mode: str | Inference = "training"):
+                  mode: str | Inference = "training") -> ParallelModule | InferenceModule:
     """Parallelize ``model``'s training step over every rank of this torchrun job (or, with
     ``mode="inference"``, its generation: see the last item).
 
