@@ -20,9 +20,9 @@ a warning otherwise. Nothing is written into the model until every check passed.
 Host memory. The files are read one at a time, each closed before the next is opened:
 safetensors maps a file, and the pages a rank's reads touch count in its resident set
 until the mapping goes, so a sharded snapshot's peak is one file's blocks (plus the block
-being copied), not every file's. Each rank reports (log line, and ``pm.last_load``, a
-``LoadReport``) the bytes it read and its peak resident set during the load, next to its
-resident set before: for a model built on ``meta`` and planned with its weights sharded,
+being copied), not every file's. Each rank keeps, as ``pm.last_load`` (a ``LoadReport``;
+rank 0 also logs its own), the bytes it read and its peak resident set during the load,
+next to its resident set before: for a model built on ``meta`` and planned with its weights sharded,
 that peak stays near the rank's share (tests/test_generate.py measures it).
 
 Collective only in that every rank must call it (no communication happens).
@@ -164,7 +164,7 @@ def load_pretrained(pm, path: str | os.PathLike, *, strict: bool = True) -> dict
     """Fill ``pm``'s parameters and persistent buffers from the safetensors snapshot at
     ``path``, each rank reading only its blocks (see the module docstring). Returns
     ``{"missing_keys": [...], "unexpected_keys": [...]}`` as HuggingFace does; what this
-    rank read and its peak host memory are logged and kept as ``pm.last_load``."""
+    rank read and its peak host memory are kept as ``pm.last_load`` (and logged)."""
     module = getattr(pm, "module", None)
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected the ParallelModule returned by auto_parallel, got "
