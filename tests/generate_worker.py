@@ -108,6 +108,9 @@ def run(name: str, mesh: str) -> dict:
             "cache_placements": sorted({str(t.placements) for t in cache.values()}),
             "cache_bytes": pm.cache_bytes(),
             "cache_whole_bytes": sum(t.numel() * t.element_size() for t in cache.values()),
+            "steps": steps,
+            "weight_whole_bytes": sum(p.numel() * p.element_size()
+                                      for p in pm.module.parameters()),
             "whole_params": sorted(v.name for v in pm.plan.parameters
                                    if all(str(p) == "R" for p in v.placements)
                                    and not v.name.startswith("kv_cache."))}
