@@ -51,8 +51,8 @@ from torchalpa.passes.cost import (
 )
 from torchalpa.passes.costgraph import ReshardCosts, cached_reshard_costs, solve_sharing_reads
 from torchalpa.passes.fused_pricing import priced_as
-from torchalpa.passes.inplace_pricing import priced_in_place
 from torchalpa.passes.ilp import ILPProblem, InfeasibleError, SolverStopped, solve_ilp
+from torchalpa.passes.inplace_pricing import priced_in_place
 from torchalpa.passes.memory import MemoryModel, activation_peak_bytes, model_state_bytes
 from torchalpa.passes.reshard import local_bytes, plan_reshard
 from torchalpa.passes.rules import rule_for
