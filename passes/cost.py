@@ -15,25 +15,30 @@ buffer goes through too) pays the latency in proportion to its share of a bucket
 whole one (``gradient_steps_cost``). Without it every collective pays its own (Alpa's accounting).
 
 Compute: ``launch + max(flops / peak, bytes / memory_bandwidth)`` of the local share of
-an op; zero when the mesh has no ``peak_flops`` (Alpa's communication-only setting). The
-peak is the mesh's rate for the dtype the op computes in (its first result's: bf16 matmuls
-at the tensor-core rate, fp32 ones at the fp32 or TF32 rate), and ``launch`` the mesh's
-``kernel_launch_s``, paid once by every op that launches a kernel (views launch none), so
-splitting small ops further stops paying off. An op family the mesh lists in
-``peak_flops_by_op`` (``op_family``: convolutions and their backward, on CPUs several
-times slower per flop than matmuls) computes at that rate instead. Attention's backward
-costs what it runs on the mesh's devices (``op_flops``: the fused CPU backward reads the
-forward's saved statistic, a CUDA one runs the forward again).
+an op, where the bytes are those of the blocks this device reads and writes under the
+strategy (``strategy_bytes``): a matmul whose batch is split while its weight is whole
+still reads the whole weight on every device, which is what a decode step of generation
+(a few tokens against large weights) spends its time on; zero when the mesh has no
+``peak_flops`` (Alpa's communication-only setting). The peak is the mesh's rate for the
+dtype the op computes in (its first result's: bf16 matmuls at the tensor-core rate, fp32
+ones at the fp32 or TF32 rate), and ``launch`` the mesh's ``kernel_launch_s``, paid once
+by every op that launches a kernel (views launch none), so splitting small ops further
+stops paying off. An op family the mesh lists in ``peak_flops_by_op`` (``op_family``:
+convolutions and their backward, on CPUs several times slower per flop than matmuls)
+computes at that rate instead. Attention's backward costs what it runs on the mesh's
+devices (``op_flops``: the fused CPU backward reads the forward's saved statistic, a
+CUDA one runs the forward again).
 """
 
 from __future__ import annotations
 
 from torchalpa.core.cluster import LogicalMesh
-from torchalpa.core.opgraph import OpNode
+from torchalpa.core.opgraph import OpGraph, OpNode
+from torchalpa.core.placement import is_shard
 from torchalpa.core.plan import bucketed_prefix
 from torchalpa.passes.attention_price import ATTENTION_BACKWARDS, attention_backward_flops
 
-__all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost",
+__all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost", "strategy_bytes",
            "all_reduce_cost", "wire_bytes", "batch_sync_cost", "op_family", "optimizer_cost", "op_flops"]
 
 
@@ -105,19 +110,43 @@ def batch_sync_cost(mesh: LogicalMesh, batch_syncs) -> float:
                for axis, nbytes in batch_syncs)
 
 
-def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int) -> float:
+def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int,
+                 nbytes: float | None = None) -> float:
     """Roofline time of this device's share of ``node`` split ``shards`` ways, plus its
-    kernel launch."""
+    kernel launch. ``nbytes``: the bytes that share reads and writes (``strategy_bytes``;
+    None: the op's bytes divided ``shards`` ways)."""
     if mesh.peak_flops is None:
         return 0.0
     peak = mesh.peak_flops_for(_compute_dtype(node), op_family(node.op))
     assert peak is not None  # peak_flops is set, so every dtype has a figure
     t = op_flops(mesh, node) / shards / peak
     if mesh.memory_bandwidth:
-        t = max(t, node.bytes / shards / mesh.memory_bandwidth)
+        moved = node.bytes / shards if nbytes is None else nbytes
+        t = max(t, moved / mesh.memory_bandwidth)
     if mesh.kernel_launch_s and not node.aliases:
         t += mesh.kernel_launch_s
     return t
+
+
+def strategy_bytes(graph: OpGraph, node: OpNode, inputs, outputs, mesh_shape) -> float:
+    """Bytes one device reads and writes running its share of ``node`` with operand
+    layouts ``inputs`` and result layouts ``outputs`` (a strategy's): ``node.bytes`` (what
+    the whole op moves, as the capture or a fusion pricing says) times the share of its
+    operands' and results' bytes this device's blocks hold. A view moves nothing; an
+    operand read for its shape only (layout None) is not read."""
+    if node.aliases or not node.bytes:
+        return 0.0
+    pairs = [(graph.spec(ref), p) for ref, p in zip(node.operands, inputs) if p is not None]
+    pairs += [(spec, p) for spec, p in zip(node.outputs, outputs) if not spec.is_absent]
+    whole = local = 0.0
+    for spec, placements in pairs:
+        nbytes = float(spec.nbytes)
+        whole += nbytes
+        for axis, p in enumerate(placements):
+            if is_shard(p):
+                nbytes /= mesh_shape[axis]
+        local += nbytes
+    return node.bytes * local / whole if whole else 0.0
 
 
 def op_flops(mesh: LogicalMesh, node: OpNode) -> float:

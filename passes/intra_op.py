@@ -46,11 +46,13 @@ from torchalpa.passes.cost import (
     gradient_steps_cost,
     optimizer_cost,
     steps_cost,
+    strategy_bytes,
     wire_bytes,
 )
 from torchalpa.passes.costgraph import ReshardCosts, cached_reshard_costs, solve_sharing_reads
 from torchalpa.passes.fused_pricing import priced_as
 from torchalpa.passes.ilp import ILPProblem, InfeasibleError, SolverStopped, solve_ilp
+from torchalpa.passes.inplace_pricing import priced_in_place
 from torchalpa.passes.memory import MemoryModel, activation_peak_bytes, model_state_bytes
 from torchalpa.passes.reshard import local_bytes, plan_reshard
 from torchalpa.passes.rules import rule_for
@@ -326,7 +328,7 @@ def intra_op_problem(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, i
     if manual is not None:
         option = replace(option, pin=option.pin + manual.pin)
     option, mesh = effective_option(option, mesh)
-    graph = priced_as(graph, option.elementwise)
+    graph = priced_in_place(priced_as(graph, option.elementwise))
     if mesh.gradient_bucket_bytes > 0 and option.all_reduce_threshold is not None:
         # the runtime packs gradients into buckets of the plan's threshold: price those
         mesh = replace(mesh, gradient_bucket_bytes=float(option.all_reduce_threshold))
@@ -740,7 +742,9 @@ def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
             groups = mesh.num_devices // mesh.shape[axis]
             wire += k * groups * wire_bytes("all_reduce", mesh.shape[axis], nbytes, mesh.backend)
         comm_time += k * (steps_cost(mesh, phased) + batch_sync_cost(mesh, s.batch_syncs))
-    compute_time = k * sum(compute_cost(mesh, n, chosen[n.name].shards) for n in graph.ops())
+    compute_time = k * sum(compute_cost(mesh, n, chosen[n.name].shards, strategy_bytes(
+        graph, n, chosen[n.name].inputs, chosen[n.name].outputs, mesh.shape))
+        for n in graph.ops())
 
     leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}
     state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states)

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchalpa.core import placement as P
 from torchalpa.core.plan import Plan
 
-__all__ = ["to_dtensor_placements", "distribute_module_state", "distribute_stages",
+__all__ = ["to_dtensor_placements", "distribute_module_state", "distribute_stages", "local_zeros",
            "reset_parameters", "MaterializeWarning"]
 
 
@@ -93,7 +93,7 @@ def distribute_stages(module: nn.Module, stages: Sequence[tuple[Plan, DeviceMesh
                 if len(stages) > 1:
                     raise ValueError(f"{value.name} is on the meta device; pipelines need real "
                                      "weights for now (build the model on CPU)")
-                dt = _local_zeros(old, mesh, place, device)
+                dt = local_zeros(old, mesh, place, device)
                 materialized.append(value.name)
             else:
                 dt = distribute_tensor(old.detach().to(device), mesh, place, src_data_rank=0)
@@ -140,7 +140,7 @@ def _warn_uninitialized(module: nn.Module, materialized: set[str]) -> None:
                       MaterializeWarning, stacklevel=4)
 
 
-def _local_zeros(meta: torch.Tensor, mesh, placements, device) -> DTensor:
+def local_zeros(meta: torch.Tensor, mesh, placements, device) -> DTensor:
     """A DTensor of ``meta``'s global shape holding only this rank's block, zeroed."""
     shape = list(meta.shape)
     for axis, p in enumerate(placements):

@@ -367,6 +367,18 @@ class ParallelModule(nn.Module):
         return self._forward_only([x.to(self._device) for x in inputs], outputs=True,
                                   keywords=keywords)
 
+    def generate(self, *args, **kwargs):
+        """Not for a model wrapped for training: a ValueError saying how to wrap for
+        generation (its prefill and decode steps are other programs, with a KV cache)."""
+        del args, kwargs
+        raise ValueError(
+            "this model was wrapped for training (auto_parallel's mode='training'), whose "
+            "programs have no KV cache; to generate, wrap it for inference: "
+            "torchalpa.auto_parallel(model, prompt_ids, mode='inference') (or "
+            "mode=torchalpa.Inference(max_context=...)), with prompt_ids (batch, prompt "
+            "length) the largest batch to generate at once. pm.unwrap().generate(...) runs "
+            "on one device with the whole model gathered")
+
     def _forward_only(self, inputs: list[torch.Tensor], *, outputs: bool,
                       keywords: tuple[str, ...] = ()) -> Any:
         specs = [(self._global_shape(x.shape), x.dtype) for x in inputs]

@@ -13,9 +13,10 @@ from models import MLP, mlp_inputs
 import torchalpa
 from torchalpa.core import gpu_specs
 from torchalpa.core.cluster import GB, Cluster, LogicalMesh
-from torchalpa.core.opgraph import OpNode, TensorSpec
+from torchalpa.core.opgraph import GraphOutputs, OpGraph, OpNode, TensorSpec, ValueRef
+from torchalpa.core.placement import Replicate, Shard
 from torchalpa.parallel.workflow import default_cluster
-from torchalpa.passes.cost import compute_cost
+from torchalpa.passes.cost import compute_cost, strategy_bytes
 
 
 @pytest.fixture
@@ -150,6 +151,29 @@ def test_every_kernel_pays_its_launch_but_views_launch_none():
     view = OpNode(name="v", op="aten.view.default", kind="op", outputs=(TensorSpec((8,), "float32"),),
                   aliases=True)
     assert compute_cost(mesh, view, 1) == 0.0
+
+
+def test_a_batch_split_matmul_still_reads_its_whole_weight():
+    """A decode step's matmul (few rows, a large weight): splitting the rows two ways
+    halves the activations each device moves but not the weight it reads; splitting the
+    weight halves that."""
+    x, w, y = TensorSpec((4, 1024), "float32"), TensorSpec((1024, 1024), "float32"), \
+        TensorSpec((4, 1024), "float32")
+    whole = float(x.nbytes + w.nbytes + y.nbytes)
+    g = OpGraph([OpNode(name="x", op="input", kind="input", outputs=(x,)),
+                 OpNode(name="w", op="param", kind="param", outputs=(w,), is_param=True),
+                 OpNode(name="mm", op="aten.mm.default", operands=(ValueRef("x"), ValueRef("w")),
+                        outputs=(y,), flops=2.0 * 4 * 1024 * 1024, bytes=whole)],
+                GraphOutputs(loss=None, sends=(ValueRef("mm"),)))
+    mm, R = g.node("mm"), (Replicate(),)
+    assert strategy_bytes(g, mm, (R, R), (R,), (2,)) == whole
+    rows = strategy_bytes(g, mm, ((Shard(0),), R), ((Shard(0),),), (2,))
+    assert rows == pytest.approx(w.nbytes + (x.nbytes + y.nbytes) / 2)
+    cols = strategy_bytes(g, mm, (R, (Shard(1),)), ((Shard(1),),), (2,))
+    assert cols == pytest.approx(x.nbytes + (w.nbytes + y.nbytes) / 2)
+    mesh = LogicalMesh(shape=(2,), peak_flops=100e12, memory_bandwidth=1e12)
+    assert compute_cost(mesh, mm, 2, rows) == pytest.approx(rows / 1e12)   # bandwidth-bound
+    assert compute_cost(mesh, mm, 2, rows) > 1.9 * compute_cost(mesh, mm, 2, cols)
 
 
 def test_cluster_options_are_validated():

@@ -15,6 +15,7 @@ from torchalpa.core.options import (
     AutoParallel,
     AutoShardingOption,
     DataParallel,
+    Inference,
     ManualShardingOption,
     ManualStageOption,
     PipeshardParallel,
@@ -80,5 +81,5 @@ __all__ = [
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
     "load_checkpoint", "RankFailedError", "save_pretrained", "load_pretrained",
-    "export_stablehlo", "TensorBoardHook", "to_meta", "shutdown",
+    "export_stablehlo", "TensorBoardHook", "to_meta", "shutdown", "Inference",
 ]

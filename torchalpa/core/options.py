@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 __all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataParallel",
            "Zero2Parallel", "Zero3Parallel", "PipeshardParallel", "AutoLayerOption",
            "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style",
-           "AutoParallel", "method_of_plan", "REMAT_MODES"]
+           "AutoParallel", "method_of_plan", "REMAT_MODES", "Inference", "MODES", "parse_mode"]
 
 REMAT_MODES = ("none", "selective", "full", "auto")
 """``AutoShardingOption.remat``'s values: one checkpointing mode, or 'auto' (none or full)."""
@@ -520,3 +520,48 @@ def method_of_plan(plan) -> ShardParallel | PipeshardParallel:
     return ShardParallel(num_micro_batches=int(record.get("num_micro_batches", 1)),
                          auto_sharding_option=option, optimizer=optimizer,
                          logical_mesh_shape=tuple(shape) if shape else None)
+
+
+# -- what is planned: the training step, or generation -----------------------------------
+
+MODES = ("training", "inference")
+"""``mode=`` of ``torchalpa.plan`` / ``torchalpa.auto_parallel`` (an ``Inference`` too)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Inference:
+    """Plan and build a causal LM for generation (``mode="inference"`` is ``Inference()``).
+
+    Two forward-only programs are planned, with no backward and no optimizer state: the
+    one-token decode step (planned first: it runs once per generated token) and the
+    prefill of a prompt (planned on first use per prompt length, with every weight and
+    cache layout pinned to the decode plan's). The KV cache is static: one
+    ``(batch, kv heads, max_context, head dim)`` key and value tensor per layer, allocated
+    once as this rank's blocks in the planned layouts, so the decode step is one program
+    of fixed shapes. ``batch`` is the example inputs' batch; generation takes any batch up
+    to it (``torchalpa/models/cached_step.py`` says which models, ``runtime/serving.py``
+    how a call runs).
+    """
+
+    max_context: int | None = None
+    """Tokens the cache holds per sequence, prompt and generated ones together; None:
+    the model's maximum positions (``max_position_embeddings``, ``max_seq_len``)."""
+
+    def __post_init__(self):
+        if self.max_context is not None and (isinstance(self.max_context, bool) or
+                                             not isinstance(self.max_context, int)
+                                             or self.max_context < 1):
+            raise ValueError(f"Inference.max_context must be a positive int or None, got "
+                             f"{self.max_context!r}")
+
+
+def parse_mode(mode) -> Inference | None:
+    """``mode=`` as given to the API: None for the training step, else the ``Inference``
+    settings; a ValueError names what is accepted."""
+    if isinstance(mode, Inference):
+        return mode
+    if mode == "training":
+        return None
+    if mode == "inference":
+        return Inference()
+    raise ValueError(f"mode must be one of {MODES} or a torchalpa.Inference(...), got {mode!r}")

@@ -374,6 +374,9 @@ class Plan:
     explanations: dict[str, Explanation] = field(default_factory=dict)
     """Per parameter: its layout's communication and state, and the runner-up's."""
     version: int = PLAN_VERSION
+    mode: str = "training"
+    """What the step is: "training" (forward, backward, optimizer) or "inference" (the
+    decode step of generation: ``torchalpa.Inference``)."""
 
     def __post_init__(self):
         # records however they were given (dicts from passes, tests or older code)
@@ -402,6 +405,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "version": self.version,
+            "mode": self.mode,
             "mesh": {"shape": list(self.mesh_shape), "axis_names": list(self.axis_names)},
             "stages": [s.to_dict() for s in self.stages],
             "parameters": {p.name: p.to_dict() for p in self.parameters},
@@ -440,7 +444,8 @@ class Plan:
             stages=tuple(MeshStage.from_dict(s) for s in d.get("stages", ())),
             method=dict(d.get("method", {})),
             graph_fingerprint=d.get("graph_fingerprint", ""), notes=tuple(d.get("notes", ())),
-            explanations=explanations_from_dict(d.get("explanations")))
+            explanations=explanations_from_dict(d.get("explanations")),
+            mode=d.get("mode", "training"))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -439,6 +439,18 @@ class AutoSteps:
                              cluster=target.cluster, meshes=target.meshes, inputs=inputs,
                              allow_pipeline=target.allow_pipeline, signature=signature)
 
+    def inference_method(self, method: AutoParallel) -> ShardParallel:
+        """Generation's forward steps are planned on one mesh: an intra-op plan, with the
+        search's sharding options (there is no step to checkpoint or split)."""
+        return ShardParallel(auto_sharding_option=method.auto_sharding_option,
+                             optimizer=method.optimizer)
+
+    def solve_pinned(self, graph, plan, target, method, inputs: str):
+        raise AssertionError("generation runs ShardParallel's steps (inference_method)")
+
+    def place_forward(self, plan, target, method, device):
+        raise AssertionError("generation runs ShardParallel's steps (inference_method)")
+
     # The orchestration goes on with the chosen method's own steps: these are reached only
     # where AutoParallel has nothing to choose (a JAX or StableHLO program, a given plan).
     def plan_program(self, program, example_inputs, *, method: AutoParallel, cluster,

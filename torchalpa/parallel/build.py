@@ -9,6 +9,14 @@ solved, how a plan becomes this rank's program -- is asked of the method's
     options -> capture (each checkpointing variant, one micro-batch) -> same step on every
     rank -> plan on rank 0 (or check the plan given) -> place (this rank's mesh, program,
     state) -> compile -> one random state -> ParallelModule
+
+``mode="inference"`` (``plan_generation`` / ``build_generation``) takes the same steps for
+generation's forward-only programs (``torchalpa.parallel.generation``):
+
+    options -> the model with its static KV cache -> capture the decode step -> same step
+    on every rank -> plan on rank 0 (or check the plan given) -> capture and plan the
+    prefill of the example prompt, the decode layouts pinned -> place (mesh, lowering) ->
+    distribute the weights, allocate this rank's cache blocks -> InferenceModule
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import time
 from dataclasses import replace
 
 from torchalpa.core.options import method_of_plan
+from torchalpa.core.plan import Plan
 from torchalpa.core.plan_check import check_step_dtypes
 from torchalpa.parallel.methods import steps_of
 from torchalpa.parallel.steps import MethodSteps, Placed
@@ -30,7 +39,7 @@ from torchalpa.parallel.workflow import (
     with_precision_recorded,
 )
 
-__all__ = ["plan_model", "build_module"]
+__all__ = ["plan_model", "build_module", "plan_generation", "build_generation"]
 
 log = logging.getLogger("torchalpa")
 
@@ -138,3 +147,105 @@ def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, 
                           optimizer=optimizer, forward_programs=placed.forward_programs,
                           signature=signature, check_replicas=check_replicas,
                           check_inputs=check_inputs)
+
+
+def plan_generation(model, example_inputs, *, method, steps: MethodSteps, cluster, option):
+    """``torchalpa.plan(..., mode="inference")``: the decode step planned, the example
+    prompt's prefill planned on its layouts, without processes."""
+    from torchalpa.parallel.generation import (
+        cached_step,
+        capture_generation_step,
+        prompt_shape,
+        serving_plan,
+    )
+    from torchalpa.runtime.mesh import world_size
+    method = steps.inference_method(method)
+    steps = steps_of(method)        # AutoParallel hands generation to ShardParallel's steps
+    target = steps.target(method, cluster=cluster, mesh=None, world=world_size(), live=False)
+    step = cached_step(model, example_inputs, option)
+    _, length = prompt_shape(example_inputs)
+    decode = capture_generation_step(step, 1)
+    decode_plan = steps.solve(decode.graph, target, method, "global")
+    prefill = capture_generation_step(step, length)
+    prefill_plan = steps.solve_pinned(prefill.graph, decode_plan, target, method, "global")
+    return serving_plan(decode_plan, prefill_plan, decode.graph, step, length)
+
+
+def build_generation(model, example_inputs, *, method, steps: MethodSteps, option, mesh,
+                     cluster, plan, init_weights, check_inputs):
+    """``torchalpa.auto_parallel(..., mode="inference")`` (the options checked there):
+    rank 0 plans the decode step, every rank lowers it and takes its share of the weights
+    and of the cache; prefills are planned on first use per prompt length."""
+    from torchalpa.parallel.generation import (
+        cached_step,
+        capture_generation_step,
+        model_plan,
+        prompt_shape,
+        serving_plan,
+    )
+    from torchalpa.runtime import mesh as mesh_mod
+    from torchalpa.runtime.materialize import (
+        distribute_module_state,
+        local_zeros,
+        to_dtensor_placements,
+    )
+    from torchalpa.runtime.serving import InferenceModule, StepProgram, write_cache_in_place
+
+    method = steps.inference_method(method)
+    steps = steps_of(method)        # AutoParallel hands generation to ShardParallel's steps
+    method = steps.with_options(method, mesh=mesh, init_weights=init_weights)
+    mesh_mod.init_distributed()
+    target = steps.target(method, cluster=cluster, mesh=mesh, world=mesh_mod.world_size(),
+                          live=True)
+    start = time.perf_counter()
+    step = cached_step(model, example_inputs, option)
+    _, length = prompt_shape(example_inputs)
+    decode = capture_generation_step(step, 1)
+    same_step_on_every_rank(decode.graph.fingerprint())
+    if plan is not None:
+        steps.check_plan_kind(plan)
+        if getattr(plan, "mode", "training") != "inference":
+            raise ValueError("the plan given was made for training; mode='inference' needs a "
+                             "plan made with mode='inference' (or none)")
+        steps.check_given_plan(plan, decode.graph, target)
+        decode_plan = plan
+    else:
+        decode_plan = plan_on_rank0(lambda: steps.solve(decode.graph, target, method, "global"))
+    device = mesh_mod.default_device()
+    placed = steps.place_forward(decode_plan, target, method, device)
+    state_names = [v.name for v in decode_plan.parameters]
+    cache_names = step.cache_names()
+
+    def program(captured, a_plan: Plan) -> StepProgram:
+        gm = placed.lower(captured.gm, a_plan, captured.buffer_updates)
+        names = captured.state_names
+        write_cache_in_place(gm, [i for i, n in enumerate(names) if n in set(cache_names)])
+        return StepProgram(gm, a_plan, list(names), list(captured.buffer_updates),
+                           code=gm.code)
+
+    def make_prefill(prompt_length: int) -> StepProgram:
+        captured = capture_generation_step(step, prompt_length)
+        return program(captured, steps.solve_pinned(captured.graph, decode_plan, target,
+                                                    method, "global"))
+
+    prefill = make_prefill(length)
+    the_plan = plan if plan is not None else \
+        serving_plan(decode_plan, prefill.plan, decode.graph, step, length)
+    distribute_module_state(model, model_plan(the_plan), placed.mesh, device,
+                            init_weights=init_weights)
+    buffers = dict(step.named_buffers())
+    cache = {v.name: local_zeros(buffers[v.name], placed.mesh,
+                                 to_dtensor_placements(v.placements), device)
+             for v in the_plan.parameters if v.name in set(cache_names)}
+    assert set(cache) == set(cache_names), "the decode plan places every cache buffer"
+    prefills = {length: prefill}
+
+    def prefill_of(prompt_length: int) -> StepProgram:
+        return prefills.pop(prompt_length, None) or make_prefill(prompt_length)
+
+    log.info("auto_parallel (inference) ready in %.2fs: %d state tensors, cache %s",
+             time.perf_counter() - start, len(state_names), tuple(next(iter(cache.values())).shape))
+    return InferenceModule(model, the_plan, placed.mesh, decode=program(decode, the_plan),
+                           make_prefill=prefill_of, cache=cache,
+                           batch_size=step.batch_size, max_context=step.max_context,
+                           device=device, check_inputs=check_inputs)

@@ -132,6 +132,17 @@ class PipelineSteps:
         raise ValueError("a JAX function or StableHLO program is planned whole with "
                          "ShardParallel: PipeshardParallel cuts a torch model's step into stages")
 
+    def inference_method(self, method: PipeshardParallel):
+        raise ValueError("mode='inference' plans the decode and prefill steps on one mesh: "
+                         "use ShardParallel (or a preset such as Zero3Parallel); pipelined "
+                         "generation is not built")
+
+    def solve_pinned(self, graph, plan, target, method, inputs: str):
+        raise AssertionError("inference_method refuses PipeshardParallel first")
+
+    def place_forward(self, plan, target, method, device):
+        raise AssertionError("inference_method refuses PipeshardParallel first")
+
     def measure(self, captured, target: Cluster, method: PipeshardParallel, example_inputs,
                 model, device):
         if method.stage_option != "profile":

@@ -23,7 +23,7 @@ from torchalpa.core.plan_records import Estimates
 from torchalpa.core.progress import step
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel import cache
-from torchalpa.parallel.steps import Placed
+from torchalpa.parallel.steps import Placed, PlacedForward
 from torchalpa.parallel.workflow import default_cluster, plan_on_rank0, same_step_on_every_rank
 
 __all__ = ["candidate_meshes", "plan_graph", "blocks_of", "IntraOpSteps", "IntraOpTarget"]
@@ -293,21 +293,28 @@ class IntraOpSteps:
         check_plan(plan, fingerprint=graph.fingerprint(), source="the plan passed as plan=",
                    mesh_shape=target.shape, graph=graph)
 
+    def inference_method(self, method: ShardParallel) -> ShardParallel:
+        if method.num_micro_batches != 1:
+            raise ValueError("mode='inference' generates a batch at once: num_micro_batches "
+                             "must be 1")
+        return method
+
+    def solve_pinned(self, graph: OpGraph, plan: Plan, target: IntraOpTarget,
+                     method: ShardParallel, inputs: str) -> Plan:
+        mesh = candidate_meshes(target.cluster, method, tuple(plan.mesh_shape),
+                                tuple(plan.axis_names))[0]
+        return plan_pinned(graph, plan, method, mesh, inputs)
+
+    def place_forward(self, plan: Plan, target: IntraOpTarget, method: ShardParallel,
+                      device) -> PlacedForward:
+        device_mesh, lower_program = _lowering(plan, target, device)
+        return PlacedForward(mesh=device_mesh, lower=lambda gm, p, updates: lower_program(
+            gm, p, [], updates).forward)
+
     def place(self, captured, plan: Plan, target: IntraOpTarget, method: ShardParallel, device,
               *, model, traced, loss_fn, inputs: str, signature) -> Placed:
-        from torchalpa.runtime import mesh as mesh_mod
-        from torchalpa.runtime.lower import lower
         from torchalpa.runtime.materialize import distribute_module_state
-        device_mesh = target.device_mesh if target.device_mesh is not None else \
-            mesh_mod.build_mesh(plan.mesh_shape, plan.axis_names)
-        coords = device_mesh.get_coordinate()
-        groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
-
-        def lower_program(gm, a_plan, param_names, buffer_updates=(), buffer_names=(), micro=1):
-            return lower(gm, a_plan, param_names, coords=coords, group_names=groups,
-                         device=device, buffer_updates=buffer_updates,
-                         buffer_names=buffer_names, num_micro_batches=micro)
-
+        device_mesh, lower_program = _lowering(plan, target, device)
         program = lower_program(captured.gm, plan, captured.param_names,
                                 captured.buffer_updates, captured.buffer_names,
                                 method.num_micro_batches)
@@ -326,21 +333,47 @@ class IntraOpSteps:
                       description=captured.graph.summary())
 
 
+def _lowering(plan: Plan, target: IntraOpTarget, device):
+    """This rank's DeviceMesh for ``plan`` (the user's, or one of the plan's shape) and
+    ``lower_program(gm, plan, param_names, buffer_updates, buffer_names, micro)``."""
+    from torchalpa.runtime import mesh as mesh_mod
+    from torchalpa.runtime.lower import lower
+    device_mesh = target.device_mesh if target.device_mesh is not None else \
+        mesh_mod.build_mesh(plan.mesh_shape, plan.axis_names)
+    coords = device_mesh.get_coordinate()
+    groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
+
+    def lower_program(gm, a_plan, param_names, buffer_updates=(), buffer_names=(), micro=1):
+        return lower(gm, a_plan, param_names, coords=coords, group_names=groups,
+                     device=device, buffer_updates=buffer_updates,
+                     buffer_names=buffer_names, num_micro_batches=micro)
+
+    return device_mesh, lower_program
+
+
+def plan_pinned(graph: OpGraph, plan: Plan, method: ShardParallel, mesh: LogicalMesh,
+                inputs: str) -> Plan:
+    """``graph`` planned on ``mesh`` (``plan``'s) with every parameter and buffer ``plan``
+    names held to its layout there; rank 0 plans, every rank gets the plan."""
+    from torchalpa.runtime.inference import pins_of
+    option = replace(method.auto_sharding_option,
+                     pin=tuple(method.auto_sharding_option.pin) + pins_of(plan))
+    pinned = replace(method, auto_sharding_option=option)
+    same_step_on_every_rank(graph.fingerprint())
+    return plan_on_rank0(lambda: plan_graph(graph, method=pinned, meshes=[mesh], inputs=inputs,
+                                            blocks=blocks_of(graph)))
+
+
 # -- auto_parallel's runtime options ----------------------------------------------------
 
 def _forward_programs(traced, loss_fn, training_plan: Plan, method: ShardParallel,
                       logical_mesh: LogicalMesh, inputs: str, lower_forward, signature=None):
     """Forward-only programs (predict, eval mode) planned with the training layouts pinned."""
     from torchalpa.frontends.torch_export import capture_forward
-    from torchalpa.runtime.inference import ForwardPrograms, pins_of
-    option = replace(method.auto_sharding_option,
-                     pin=tuple(method.auto_sharding_option.pin) + pins_of(training_plan))
-    pinned = replace(method, auto_sharding_option=option)
+    from torchalpa.runtime.inference import ForwardPrograms
 
     def plan_forward(graph: OpGraph) -> Plan:
-        same_step_on_every_rank(graph.fingerprint())
-        return plan_on_rank0(lambda: plan_graph(graph, method=pinned, meshes=[logical_mesh],
-                                                 inputs=inputs, blocks=blocks_of(graph)))
+        return plan_pinned(graph, training_plan, method, logical_mesh, inputs)
 
     return ForwardPrograms(traced, loss_fn, training_plan, plan_forward, lower_forward,
                            capture_forward, signature=signature)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["MethodSteps", "Placed"]
+__all__ = ["MethodSteps", "Placed", "PlacedForward"]
 
 
 @dataclass
@@ -35,6 +35,18 @@ class Placed:
     """Forward-only programs (predict, eval), or None where the method has none."""
     description: str = ""
     """One line for the log: what this rank runs."""
+
+
+@dataclass
+class PlacedForward:
+    """Where forward-only programs of a plan run (generation's prefill and decode steps):
+    what ``MethodSteps.place_forward`` returns."""
+
+    mesh: Any
+    """This rank's DeviceMesh."""
+    lower: Callable[[Any, Any, list[str]], Any]
+    """``lower(gm, plan, buffer_updates)``: a captured forward step (``capture_forward``)
+    as this rank's program ``(*state blocks, *inputs) -> (result, *new buffer blocks)``."""
 
 
 class MethodSteps(Protocol):
@@ -85,6 +97,20 @@ class MethodSteps(Protocol):
                signature=None) -> Any:
         """The plan of the concrete method chosen for ``model`` (only where
         ``chooses_method``)."""
+        ...
+
+    def inference_method(self, method) -> Any:
+        """The method that plans generation's forward steps (``mode="inference"``), or a
+        ValueError saying which method to use instead."""
+        ...
+
+    def solve_pinned(self, graph, plan, target, method, inputs: str) -> Any:
+        """Plan the forward-only ``graph`` on ``plan``'s mesh with every parameter and
+        buffer held to its layout in ``plan`` (rank 0 plans: call it on every rank)."""
+        ...
+
+    def place_forward(self, plan, target, method, device) -> PlacedForward:
+        """This rank's mesh and the lowering of forward-only programs of ``plan``."""
         ...
 
     def place(self, captured, plan, target, method, device, *, model, traced, loss_fn,
