@@ -208,6 +208,7 @@ class IntraOpSteps:
         from torchalpa.runtime import mesh as mesh_mod
         from torchalpa.runtime.lower import lower
         from torchalpa.runtime.materialize import distribute_module_state
+        from torchalpa.runtime.rewrites import step_programs
         device_mesh = target.device_mesh if target.device_mesh is not None else \
             mesh_mod.build_mesh(plan.mesh_shape, plan.axis_names)
         coords = device_mesh.get_coordinate()
@@ -230,7 +231,9 @@ class IntraOpSteps:
         def distribute(init_weights) -> None:
             distribute_module_state(model, plan, device_mesh, device, init_weights=init_weights)
 
-        return Placed(program=program, mesh=device_mesh, distribute=distribute,
+        return Placed(program=step_programs(program, num_micro_batches=method.num_micro_batches,
+                                            one_stage=True),
+                      mesh=device_mesh, distribute=distribute,
                       num_micro_batches=method.num_micro_batches,
                       forward_programs=forward_programs,
                       description=captured.graph.summary())
