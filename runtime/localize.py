@@ -78,7 +78,9 @@ class _Call:
 
     def in_shape(self, k: int) -> list[int]:
         """Local shape of tensor operand ``k`` (as it is read: resharded to its placement)."""
-        return list(local_shape(self.global_in_shape(k), self.strategy.inputs[k], self.mesh_shape))
+        placements = self.strategy.inputs[k]
+        assert placements is not None, f"{self.node.name}: tensor operand {k} has no layout"
+        return list(local_shape(self.global_in_shape(k), placements, self.mesh_shape))
 
     def splits(self, k: int, dim: int) -> int:
         """Into how many blocks operand ``k`` is split along ``dim``."""
