@@ -68,7 +68,10 @@ class LocalGraph:
     and forward receives; backward receives). ``loss``, ``forward_sends``, ``updates``: what
     forward returns; ``raw_grads`` (one per parameter of the slice, None: unused) and
     ``backward_sends``: what backward returns. ``summed_into``: each add whose other operand
-    another stage sends summed once per step -> (that value's key, its operand slot)."""
+    another stage sends summed once per step -> (that value's key, its operand slot).
+    ``source_of``: local node -> the source node whose value it is, for the values read
+    as computed (a source op's lowered result, a placeholder after its input steps);
+    ``meta["val"]`` there gives the global rank and dtype."""
 
     graph: fx.Graph
     forward_phs: list[fx.Node]
@@ -79,6 +82,7 @@ class LocalGraph:
     raw_grads: list[fx.Node | None] = field(default_factory=list)
     backward_sends: list[fx.Node] = field(default_factory=list)
     summed_into: dict[str, tuple[ValueKey, int]] = field(default_factory=dict)
+    source_of: dict[fx.Node, fx.Node] = field(default_factory=dict)
 
     @property
     def forward_out(self) -> list[fx.Node]:
@@ -172,6 +176,7 @@ class _SliceLowering:
             value = self.graph.placeholder(ph.name)
             local.forward_phs.append(value)
             self.env[ph.name] = self.emit.steps(value, self._input_steps(ph.name))
+            local.source_of[self.env[ph.name]] = ph
         for key, phase in self.part.received:
             value = self.graph.placeholder(received_name(key))
             (local.forward_phs if phase == "forward" else local.backward_phs).append(value)
@@ -209,6 +214,7 @@ class _SliceLowering:
         self.env[n.name] = lower_node(n, self.graph, self.lookup, self.read_operand,
                                       self.strategies.get(n.name), self.plan.mesh_shape,
                                       self.device, self.emit.coords, self.emit.group_names)
+        local.source_of[self.env[n.name]] = n
 
     def _value_of(self, key: ValueKey) -> fx.Node:
         if key in self.received:

@@ -102,7 +102,8 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
     buffers): the reads ``param_gather.gathered_once`` names move to a program run once
     per step (a one-stage step's, whose state placeholders come first)."""
     local = lower_slice(gm, part, plan, coords=coords, group_names=group_names, device=device)
-    rewrite_joint_graph(local.graph, device=device, keep=local.held())
+    rewrite_joint_graph(local.graph, device=device, keep=local.held(),
+                        source_of=local.source_of)
     forward, backward = split_forward_backward(local)
     reshards = {(r.consumer, r.slot): r.steps for r in plan.reshards}
     present = [fqn for fqn, g in part.grads if g is not None]

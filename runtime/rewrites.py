@@ -6,7 +6,7 @@ one place that applies them, in three groups (a straight list each, read top to 
 1. ``rewrite_joint_graph``: on the local joint graph (forward and backward together, before
    ``runtime.lower`` splits it), so what one side saves for the other follows the rewrite:
    attention's backward from the statistics its forward saved, ReLU's backward as one
-   kernel, the custom batched matmul inlined;
+   kernel, a linear layer's bias added inside its GEMM, the custom batched matmul inlined;
 2. ``rewrite_split_programs``: on the forward, backward and gradient-reduction programs:
    parameters gathered once per step, gradients reduced in buckets, every collective waited
    for where its result is first used, parameter gathers prefetched;
@@ -33,6 +33,7 @@ from torchalpa.runtime.buckets import fuse_gradient_buckets, gradient_buckets
 from torchalpa.runtime.call_overhead import cut_call_overhead
 from torchalpa.runtime.deferred_loss import defer_loss_wait
 from torchalpa.runtime.inline_batched_matmul import inline_batched_matmul
+from torchalpa.runtime.linear_bias import fuse_linear_bias
 from torchalpa.runtime.loss_in_bucket import put_loss_in_gradient_bucket
 from torchalpa.runtime.overlap import overlap_collectives, prefetch_parameter_gathers
 from torchalpa.runtime.param_gather import gather_parameters_once
@@ -43,12 +44,14 @@ from torchalpa.runtime.relu_backward import fold_relu_backward
 __all__ = ["rewrite_joint_graph", "rewrite_split_programs", "step_programs"]
 
 
-def rewrite_joint_graph(graph: fx.Graph, *, device: torch.device, keep: frozenset[fx.Node]
-                        ) -> None:
+def rewrite_joint_graph(graph: fx.Graph, *, device: torch.device, keep: frozenset[fx.Node],
+                        source_of: dict[fx.Node, fx.Node]) -> None:
     """Group 1, in place. ``keep``: nodes the lowering holds by reference (the programs'
-    outputs), left as they are."""
+    outputs), left as they are; ``source_of``: local node -> the source node it computes
+    (``local_graph.LocalGraph.source_of``)."""
     save_attention_statistics(graph, device, keep=keep)     # CPU kernels: no second forward
     fold_relu_backward(graph, keep=keep)                    # threshold_backward
+    fuse_linear_bias(graph, source_of, keep=keep)           # addmm
     inline_batched_matmul(graph, keep=keep)                 # the custom op's body
 
 
