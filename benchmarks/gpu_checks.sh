@@ -6,12 +6,17 @@
 #   suite.log   the rest of the suite (not slow) on the same machine, GPU visible, run
 #               beside gpu.log (multi-rank tests stay on gloo/CPU; JAX kept on the CPU)
 #   bench.log   benchmarks/one_gpu.py, alone on the machine once the tests are done
-# Each part has its own time limit (seconds: GPU_T, SUITE_T, BENCH_T) so the whole fits a
-# lease; a part cut short says so in its log (BENCH_T=0 skips the benchmark). The suite's
-# log names each test as it ends (-v), so a run cut short still says what failed.
+#   bf16_profile.log  benchmarks/bf16_profile.py after it: where a bf16 step's time goes,
+#               eager autocast vs torchalpa (host issue time, GPU kernel time, syncs, the
+#               top kernels, which attention kernels ran), model by model
+# Each part has its own time limit (seconds: GPU_T, SUITE_T, BENCH_T, PROFILE_T) so the
+# whole fits a lease; a part cut short says so in its log (BENCH_T=0 or PROFILE_T=0 skips
+# that part). With the defaults the parts take up to 330 + 170 + 150 s: under a 600-s limit
+# per command, pass BENCH_T=0 or PROFILE_T=0 and run the other in a second call. The
+# suite's log names each test as it ends (-v), so a run cut short still says what failed.
 set -u
 out=${1:-gpu-logs}; mkdir -p "$out"
-GPU_T=${GPU_T:-240} SUITE_T=${SUITE_T:-330} BENCH_T=${BENCH_T:-170}
+GPU_T=${GPU_T:-240} SUITE_T=${SUITE_T:-330} BENCH_T=${BENCH_T:-170} PROFILE_T=${PROFILE_T:-150}
 py="python3 -P"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
@@ -30,8 +35,15 @@ start=$(date +%s)
 timeout "$GPU_T" $py -m pytest -q -p no:cacheprovider -m gpu --tb=short -rfE tests > "$out/gpu.log" 2>&1
 echo "exit $? after $(( $(date +%s) - start )) s (124: cut at ${GPU_T} s)" >> "$out/gpu.log"
 wait
-[ "$BENCH_T" -gt 0 ] || exit 0
-bstart=$(date +%s)
-timeout "$BENCH_T" $py benchmarks/one_gpu.py --models gpt_small gpt2 llama1b --steps 10 \
-  > "$out/bench.log" 2>&1
-echo "exit $? after $(( $(date +%s) - bstart )) s (124: cut at ${BENCH_T} s)" >> "$out/bench.log"
+if [ "$BENCH_T" -gt 0 ]; then
+  bstart=$(date +%s)
+  timeout "$BENCH_T" $py benchmarks/one_gpu.py --models gpt_small gpt2 llama1b --steps 10 \
+    > "$out/bench.log" 2>&1
+  echo "exit $? after $(( $(date +%s) - bstart )) s (124: cut at ${BENCH_T} s)" >> "$out/bench.log"
+fi
+[ "$PROFILE_T" -gt 0 ] || exit 0
+pstart=$(date +%s)
+timeout "$PROFILE_T" $py benchmarks/bf16_profile.py --models bert vit gpt_small \
+  > "$out/bf16_profile.log" 2>&1
+echo "exit $? after $(( $(date +%s) - pstart )) s (124: cut at ${PROFILE_T} s)" \
+  >> "$out/bf16_profile.log"

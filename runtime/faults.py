@@ -176,21 +176,25 @@ class FaultMonitor:
         Heartbeat.wait_until_left(others, time.monotonic() + self.timeout_s + 10.0)
 
     def _failures(self) -> dict[int, str]:
+        store = self.store
+        assert store is not None, "a job of several ranks has a store"
         out = {}
         for r in range(self.world_size):
             key = failure_key(r)
-            if r != self.rank and self.store.check([key]):
-                out[r] = self.store.get(key).decode(errors="replace")
+            if r != self.rank and store.check([key]):
+                out[r] = store.get(key).decode(errors="replace")
         return out
 
     def _roll_call(self) -> list[int]:
         """Ranks that do not report within a grace period after this one failed."""
-        self.store.set(f"{_PREFIX}alive/{self.rank}", "1")
+        store = self.store
+        assert store is not None, "a job of several ranks has a store"
+        store.set(f"{_PREFIX}alive/{self.rank}", "1")
         grace = min(10.0, max(2.0, 0.25 * self.timeout_s))
         deadline = time.monotonic() + grace
         others = [r for r in range(self.world_size) if r != self.rank]
         while True:
-            missing = [r for r in others if not self.store.check([f"{_PREFIX}alive/{r}"])]
+            missing = [r for r in others if not store.check([f"{_PREFIX}alive/{r}"])]
             if not missing or time.monotonic() > deadline:
                 return missing
             if self._failures():

@@ -21,6 +21,11 @@ summary. This module gives every survivor a last word:
 
 A SIGTERM with no rank at fault (a scheduler stopping the job) ends the process as the
 default action does (exit status 143), after the diagnosis found no culprit.
+
+A process forked from the rank (the planner's stage-solving workers, a
+``multiprocessing`` pool) starts with SIGTERM's default action and no wakeup fd: it would
+otherwise inherit both, and the SIGTERM that stops such a worker (``Pool.terminate``)
+would be written into the rank's own wakeup pipe and end the rank.
 """
 
 from __future__ import annotations
@@ -98,6 +103,18 @@ class _Stop:
 _installed: _Stop | None = None
 
 
+def _forget_in_child() -> None:
+    """In a process forked from this rank: SIGTERM's default action, no wakeup fd (the
+    watcher thread is not forked; the pipe it reads is the rank's)."""
+    global _installed
+    _installed = None
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:    # the signal module refuses outside the main thread: nothing to reset
+        pass
+
+
 def install(monitor) -> bool:
     """Give this rank a last word when torchrun stops it (see the module docstring);
     whether it was installed. Once per process; a no-op outside torchrun."""
@@ -121,6 +138,7 @@ def install(monitor) -> bool:
         return False
     stop = _Stop(monitor)
     signal.signal(signal.SIGTERM, stop.on_signal)
+    os.register_at_fork(after_in_child=_forget_in_child)
     watcher = threading.Thread(target=stop.watch, args=(read_fd,), name="torchalpa-sigterm",
                                daemon=True)
     watcher.start()

@@ -55,8 +55,9 @@ def to_dtensor_placements(placements) -> tuple:
 def reset_parameters(module: nn.Module) -> None:
     """The default ``init_weights``: ``reset_parameters()`` on every submodule with one."""
     for m in module.modules():
-        if callable(getattr(m, "reset_parameters", None)):
-            m.reset_parameters()
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            reset()
 
 
 def distribute_module_state(module: nn.Module, plan: Plan, mesh, device: torch.device, *,
@@ -119,7 +120,9 @@ def _swap(module: nn.Module, new_by_id: dict[int, torch.Tensor]) -> None:
     for mod in module.modules():
         for key, p in list(mod._parameters.items()):
             if p is not None and id(p) in new_by_id:
-                mod._parameters[key] = new_by_id[id(p)]
+                new = new_by_id[id(p)]
+                assert isinstance(new, nn.Parameter), f"{key}: a parameter is swapped for one"
+                mod._parameters[key] = new
         for key, b in list(mod._buffers.items()):
             if b is not None and id(b) in new_by_id:
                 mod._buffers[key] = new_by_id[id(b)]

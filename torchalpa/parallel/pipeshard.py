@@ -167,6 +167,7 @@ class PipelineSteps:
         from torchalpa.runtime import mesh as mesh_mod
         from torchalpa.runtime.materialize import distribute_stages
         from torchalpa.runtime.pipeline import StageExchange, lower_stage, transfer_specs
+        from torchalpa.runtime.rewrites import step_programs
         del target, method, traced, loss_fn, inputs, signature
         rank = mesh_mod.rank()
         meshes = [DeviceMesh(device.type, torch.tensor(st.ranks).reshape(st.plan.mesh_shape),
@@ -185,11 +186,13 @@ class PipelineSteps:
             assert init_weights is None, "pipeline_options refuses init_weights"
             distribute_stages(model, [(st.plan, meshes[st.index]) for st in plan.stages], device)
 
-        return Placed(program=program, mesh=mesh, distribute=distribute,
+        return Placed(program=step_programs(program, num_micro_batches=plan.num_micro_batches,
+                                            one_stage=len(plan.stages) == 1),
+                      mesh=mesh, distribute=distribute,
                       num_micro_batches=plan.num_micro_batches, stage=stage.index,
                       runner_options=dict(schedule=plan.schedule, num_stages=len(plan.stages),
                                           stage=stage.index, exchange=exchange,
-                                          recompute=stage.recompute),
+                                          remat=stage.recompute),
                       description=f"stage {stage.index} of {len(plan.stages)} on ranks "
                                   f"{list(stage.ranks)}")
 

@@ -314,6 +314,7 @@ class IntraOpSteps:
     def place(self, captured, plan: Plan, target: IntraOpTarget, method: ShardParallel, device,
               *, model, traced, loss_fn, inputs: str, signature) -> Placed:
         from torchalpa.runtime.materialize import distribute_module_state
+        from torchalpa.runtime.rewrites import step_programs
         device_mesh, lower_program = _lowering(plan, target, device)
         program = lower_program(captured.gm, plan, captured.param_names,
                                 captured.buffer_updates, captured.buffer_names,
@@ -327,7 +328,9 @@ class IntraOpSteps:
         def distribute(init_weights) -> None:
             distribute_module_state(model, plan, device_mesh, device, init_weights=init_weights)
 
-        return Placed(program=program, mesh=device_mesh, distribute=distribute,
+        return Placed(program=step_programs(program, num_micro_batches=method.num_micro_batches,
+                                            one_stage=True),
+                      mesh=device_mesh, distribute=distribute,
                       num_micro_batches=method.num_micro_batches,
                       forward_programs=forward_programs,
                       description=captured.graph.summary())

@@ -21,7 +21,8 @@ class Placed:
     """This rank's part of a plan, ready to run: what ``MethodSteps.place`` returns."""
 
     program: Any
-    """The lowered local program (its ``compiled()`` gives the ``torch.compile`` one)."""
+    """The programs a step runs (``runtime.programs.StepPrograms``; ``compiled()`` gives
+    them under ``torch.compile``)."""
     mesh: Any
     """This rank's DeviceMesh (its stage's, in a pipeline)."""
     distribute: Callable[[Callable | None], None]
