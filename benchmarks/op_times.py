@@ -104,6 +104,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, help="batch size (default: the config's)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--top", type=int, default=20, help="most underpriced ops listed")
+    p.add_argument("--cluster", help="price with this Cluster.preset (default: the detected "
+                                     "GPU, calibrated if `torchalpa calibrate` ran)")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -120,8 +122,10 @@ def main() -> None:
         from torchalpa.runtime.precision import CastForward
         model = CastForward(model, torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
     graph = capture(model, batch, w.loss_fn).graph
-    cluster = calibrated(torchalpa.Cluster.detect(1, 1)) if device.type == "cuda" else \
-        torchalpa.Cluster.preset("h200", 1, 1)
+    if args.cluster or device.type != "cuda":
+        cluster = torchalpa.Cluster.preset(args.cluster or "h200", 1, 1)
+    else:
+        cluster = calibrated(torchalpa.Cluster.detect(1, 1))
     mesh = cluster.logical_mesh((1,))
     families, rows, failed = time_ops(graph, mesh, device)
     print(f"{args.model} {args.dtype} batch {bench.batch_size} on {device} "
