@@ -19,7 +19,8 @@ of an op, and its issue cost ``launch``; zero when the mesh has no ``peak_flops`
 communication-only setting). The rate is the mesh's for the dtype the op computes in (its
 first result's: bf16 matmuls at the tensor-core rate, fp32 ones at the fp32 or TF32 rate),
 times the share of the GPU a matmul's tiles keep busy (``kernel_model.matmul_efficiency``,
-from the strategy's local output shape), or a family's own: ``peak_flops_by_op``
+from the strategy's local output shape), a matmul's result written after its K loop
+(``kernel_model.epilogue_seconds``), or a family's own rate: ``peak_flops_by_op``
 (convolutions on CPUs, several times slower per flop than matmuls) or ``op_rate_factors``
 (fused attention's share of the matmul rate). The bytes are what the kernel moves
 (``kernel_model.moved_bytes``: fills read nothing, gathers only what they take, softmax
@@ -39,7 +40,7 @@ from torchalpa.core.opgraph import OpNode
 from torchalpa.core.placement import Placements
 from torchalpa.core.plan import bucketed_prefix
 from torchalpa.passes.attention_price import ATTENTION_BACKWARDS, attention_backward_flops
-from torchalpa.passes.kernel_model import matmul_efficiency, moved_bytes
+from torchalpa.passes.kernel_model import epilogue_seconds, matmul_efficiency, moved_bytes
 
 __all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost",
            "all_reduce_cost", "wire_bytes", "batch_sync_cost", "op_family", "optimizer_cost", "op_flops"]
@@ -124,7 +125,8 @@ def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int,
     peak = mesh.peak_flops_for(_compute_dtype(node), family)
     assert peak is not None  # peak_flops is set, so every dtype has a figure
     peak *= matmul_efficiency(mesh, node, family, outputs)
-    t = op_flops(mesh, node) / shards / peak
+    t = op_flops(mesh, node) / shards / peak + epilogue_seconds(mesh, node, family, outputs,
+                                                                 shards)
     if mesh.memory_bandwidth:
         t = max(t, moved_bytes(node, family) / shards / mesh.memory_bandwidth)
     if mesh.kernel_launch_s and not node.aliases:

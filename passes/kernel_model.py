@@ -8,6 +8,13 @@ for every model.
   SMs idle, so a matmul of ``t`` tiles on ``s`` SMs computes at ``t / (ceil(t / s) * s)``
   of the rate. Small per-device matmuls -- tensor parallelism's slices, short micro-batches
   -- pay it; large ones fill many waves and do not. ``wave_efficiency``.
+- **The epilogue**: each tile's thread block runs its K loop, then writes its piece of the
+  result; the write does not overlap the loop, so a matmul takes its flops at the large-
+  matmul rate *plus* its result's bytes at the memory bandwidth. That is why a matmul
+  over a short K (GPT-2 small's 768, attention's 64) reaches less of the peak than one over
+  a long K: the rate falls as ``K / (K + K0)``, ``K0`` the GPU's flops per byte times the
+  result's element size over two (H100: ~280 for bf16, A100 80GB ~140).
+  ``epilogue_seconds``.
 - **Normalizations over long rows**: PyTorch's softmax and log-softmax kernels (and their
   backwards) keep a row in registers or shared memory when it fits, reading it once; a row
   over ``SHARED_ROW_BYTES`` (a 50k-token vocabulary's logits in float32: 200 KB) is read
@@ -33,7 +40,7 @@ from torchalpa.core.opgraph import OpNode
 from torchalpa.core.placement import Placements, local_shape
 
 __all__ = ["MATMUL_FAMILIES", "TILE", "SHARED_ROW_BYTES", "wave_efficiency", "matmul_efficiency",
-           "moved_bytes"]
+           "epilogue_seconds", "moved_bytes"]
 
 MATMUL_FAMILIES = frozenset({"mm", "bmm", "addmm", "baddbmm", "batched_matmul", "dot_general"})
 """Op families (``passes/cost.op_family``) that run as one GEMM."""
@@ -61,20 +68,41 @@ def wave_efficiency(tiles: int, multiprocessors: int) -> float:
     return tiles / (waves * multiprocessors)
 
 
+def _local_output(mesh: LogicalMesh, node: OpNode, outputs: tuple[Placements, ...] | None,
+                  shards: int) -> tuple[tuple[int, ...], float]:
+    """(shape, bytes) of this device's share of the op's first result: from the strategy's
+    placements, else the whole result over ``shards``."""
+    out = node.outputs[0]
+    if outputs is None:
+        return out.shape, out.nbytes / shards
+    shape = local_shape(out.shape, outputs[0], mesh.shape)
+    return shape, float(math.prod(shape) * out.itemsize)
+
+
 def matmul_efficiency(mesh: LogicalMesh, node: OpNode, family: str,
                       outputs: tuple[Placements, ...] | None) -> float:
     """``wave_efficiency`` of this device's share of a matmul: its local output's batch,
-    rows and columns in ``TILE``-sized tiles (1.0 for other ops, or without placements)."""
+    rows and columns in ``TILE``-sized tiles (1.0 for other ops, on a mesh without
+    ``multiprocessors``, or without placements)."""
     if family not in MATMUL_FAMILIES or not mesh.multiprocessors or not node.outputs:
         return 1.0
-    shape = node.outputs[0].shape
-    if outputs is not None:
-        shape = local_shape(shape, outputs[0], mesh.shape)
+    shape, _ = _local_output(mesh, node, outputs, 1)
     if len(shape) < 2:
         return 1.0
     *batch, rows, cols = shape
     tiles = math.prod(batch) * math.ceil(rows / TILE) * math.ceil(cols / TILE)
     return wave_efficiency(tiles, mesh.multiprocessors)
+
+
+def epilogue_seconds(mesh: LogicalMesh, node: OpNode, family: str,
+                     outputs: tuple[Placements, ...] | None, shards: int) -> float:
+    """Seconds a GPU matmul spends writing its result after its K loop (module doc): the
+    local result's bytes at the memory bandwidth; 0 for other ops and on a mesh without
+    ``multiprocessors`` (the GPU kernel model off)."""
+    if family not in MATMUL_FAMILIES or not mesh.multiprocessors or not node.outputs \
+            or not mesh.memory_bandwidth:
+        return 0.0
+    return _local_output(mesh, node, outputs, shards)[1] / mesh.memory_bandwidth
 
 
 def moved_bytes(node: OpNode, family: str) -> float:

@@ -1,6 +1,7 @@
 """passes/kernel_model.py and what compute_cost makes of it: wave quantization of matmuls,
-bytes of fills, gathers and long-row softmaxes, fused attention's rate, the host issue
-cost on GPUs against CPUs, and the float32 matmul rate."""
+a matmul's result written after its K loop, bytes of fills, gathers and long-row softmaxes,
+fused attention's rate, the host issue cost on GPUs against CPUs, and the float32 matmul
+rate."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import Operand, OpNode, TensorSpec
 from torchalpa.core.placement import Replicate, Shard
 from torchalpa.passes.cost import compute_cost
-from torchalpa.passes.kernel_model import SHARED_ROW_BYTES, TILE, moved_bytes, wave_efficiency
+from torchalpa.passes.kernel_model import (
+    SHARED_ROW_BYTES,
+    TILE,
+    epilogue_seconds,
+    moved_bytes,
+    wave_efficiency,
+)
 
 
 def _node(op: str, out: tuple[int, ...], dtype="bfloat16", flops=0.0, nbytes=0.0, args=()):
@@ -36,8 +43,10 @@ def test_a_small_matmul_computes_at_the_share_of_sms_its_tiles_fill():
                        multiprocessors=100)
     big, small = _mm(100 * TILE, TILE, 8192), _mm(2 * TILE, TILE, 8192 * 50)
     assert big.flops == small.flops
-    assert compute_cost(mesh, big, 1) == pytest.approx(big.flops / 100e12)
-    assert compute_cost(mesh, small, 1) == pytest.approx(small.flops / 100e12 * 50)
+    written = {n: n.outputs[0].nbytes / 1e15 for n in (big, small)}   # each one's epilogue
+    assert compute_cost(mesh, big, 1) == pytest.approx(big.flops / 100e12 + written[big])
+    assert compute_cost(mesh, small, 1) == pytest.approx(small.flops / 100e12 * 50
+                                                         + written[small])
     # the strategy's local shape decides: rows split over 2 devices fill one tile each
     rows = ((Shard(0),),)
     assert compute_cost(mesh, small, 2, rows) == pytest.approx(small.flops / 2 / 1e12)
@@ -100,3 +109,28 @@ def test_float32_matmuls_on_cuda_cores_reach_more_of_their_peak_than_tensor_core
     assert gpu_specs.FP32_MATMUL_EFFICIENCY > gpu_specs.MATMUL_EFFICIENCY
     assert dict(gpu_specs.op_factors(spec))["sdpa"] == pytest.approx(
         0.35 / gpu_specs.MATMUL_EFFICIENCY)
+
+
+def test_a_matmul_writes_its_result_after_its_k_loop_so_a_short_k_reaches_less_of_the_peak():
+    gpu = LogicalMesh(shape=(2,), peak_flops=100e12, memory_bandwidth=1e12, multiprocessors=128)
+    short_k, long_k = _mm(8192, 8192, 768), _mm(8192, 8192, 8192)
+    for node in (short_k, long_k):    # the result's bytes at the bandwidth, on top of the flops
+        assert epilogue_seconds(gpu, node, "mm", None, 1) == pytest.approx(8192 * 8192 * 2 / 1e12)
+        assert compute_cost(gpu, node, 1) == pytest.approx(
+            node.flops / 100e12 + 8192 * 8192 * 2 / 1e12)
+    reached = {k: n.flops / compute_cost(gpu, n, 1) / 100e12 for k, n in
+               (("short", short_k), ("long", long_k))}
+    assert reached["short"] < reached["long"] < 1.0
+    # a result sharded over the mesh writes only its local share
+    assert epilogue_seconds(gpu, short_k, "mm", ((Shard(0),),), 1) == pytest.approx(
+        8192 * 8192 * 2 / 2 / 1e12)
+    assert epilogue_seconds(gpu, short_k, "mm", None, 2) == pytest.approx(8192 * 8192 / 1e12)
+
+
+def test_the_epilogue_is_priced_only_for_gpu_matmuls():
+    node = _mm(4096, 4096, 4096)
+    cpu = LogicalMesh(shape=(1,), peak_flops=1e12, memory_bandwidth=1e10)   # no SMs modeled
+    gpu = LogicalMesh(shape=(1,), peak_flops=1e12, memory_bandwidth=1e10, multiprocessors=100)
+    assert epilogue_seconds(cpu, node, "mm", None, 1) == 0.0
+    assert epilogue_seconds(gpu, node, "add", None, 1) == 0.0
+    assert epilogue_seconds(gpu, node, "mm", None, 1) > 0.0

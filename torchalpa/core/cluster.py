@@ -114,7 +114,7 @@ class LogicalMesh:
     waves of them leaves some idle (``passes/kernel_model.py``). 0: not modeled."""
     op_rate_factors: tuple[tuple[str, float], ...] = ()
     """Op families whose kernels reach this fraction of their dtype's matmul rate (("sdpa",
-    0.58): fused attention on an H100); a family not listed runs at the dtype's rate."""
+    0.47): fused attention on an H100); a family not listed runs at the dtype's rate."""
 
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
@@ -213,7 +213,7 @@ class Cluster:
     multiprocessors: int = 0
     """Streaming multiprocessors per device (matmul wave quantization; 0: not modeled)."""
     op_rate_factors: tuple[tuple[str, float], ...] = ()
-    """Op families reaching a fraction of their dtype's matmul rate (("sdpa", 0.58))."""
+    """Op families reaching a fraction of their dtype's matmul rate (("sdpa", 0.47))."""
 
     def __post_init__(self):
         _check_links(self)
