@@ -177,7 +177,7 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
     for node in graph:
         if not node.is_leaf:
             fold(node.name, k * np.array([
-                compute_cost(mesh, node, s.shards,
+                compute_cost(mesh, node, s.shards, s.outputs,
                              strategy_bytes(graph, node, s.inputs, s.outputs, mesh.shape))
                 + steps_cost(mesh, sync_steps(s, node.outputs[0], mesh.shape))
                 + batch_sync_cost(mesh, s.batch_syncs) for s in S[node.name]]))

@@ -60,7 +60,7 @@ from torchalpa.passes.transplant import transplant
 from torchalpa.passes.view_classes import reprice, view_class
 
 __all__ = ["plan_pipeline", "assign_layers", "logical_views", "shardable_views",
-           "searched_views", "layer_probes", "LayerProbe"]
+           "searched_views", "layer_probes", "LayerProbe", "micro_batch_seconds"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -214,12 +214,23 @@ def _stage_in_worker(args):
     return result, made, counted
 
 
-def _estimate_of(plan) -> _Estimate | None:
+def micro_batch_seconds(estimates, num_micro_batches: int) -> float:
+    """A stage plan's seconds per micro-batch in a pipeline of ``num_micro_batches``: what
+    it runs for every micro-batch, plus its share of what it runs once per step
+    (``once_per_step_s``: the gradients' final resharding, the optimizer), so that Alpa's
+    objective (the sum of the stages' latencies plus ``B - 1`` times the slowest) counts
+    those once, not ``B`` times."""
+    once = estimates.get("once_per_step_s") or 0.0
+    return estimates["step_time_s"] - once + once / num_micro_batches
+
+
+def _estimate_of(plan, num_micro_batches: int) -> _Estimate | None:
     if plan is None:
         return None
     e = plan.estimates
-    return _Estimate(e["step_time_s"], e["model_state_bytes_per_device"],
-                     e["activation_bytes_per_device"], e["saved_activation_bytes_per_device"])
+    return _Estimate(micro_batch_seconds(e, num_micro_batches),
+                     e["model_state_bytes_per_device"], e["activation_bytes_per_device"],
+                     e["saved_activation_bytes_per_device"])
 
 
 class _StageCosts:
@@ -370,7 +381,8 @@ class _StageCosts:
             for variant in variants:
                 plan = first if (view, submesh) == members[0] and variant == bool(lean) \
                     else self._priced(l, first, view, submesh, variant)
-                out[(view, submesh, variant)] = _estimate_of(plan)
+                out[(view, submesh, variant)] = _estimate_of(
+                    plan, self.method.num_micro_batches)
         return out, (self.solves - solves, self.repriced - repriced)
 
     def _priced(self, l: int, plan, view, submesh, lean: bool):
@@ -421,7 +433,8 @@ class _StageCosts:
         return sub
 
     def _solve_layer(self, l, view, submesh, lean) -> _Estimate | None:
-        return _estimate_of(self._layer_plan(l, view, submesh, lean))
+        return _estimate_of(self._layer_plan(l, view, submesh, lean),
+                            self.method.num_micro_batches)
 
     def _layer_mesh(self, view: tuple[int, ...], submesh: tuple[int, int]):
         return replace(_submesh_cluster(self.cluster, submesh).logical_mesh(view),
@@ -747,7 +760,8 @@ class _StageCosts:
             self.exact_plans[(k, i, submesh, view, lean, in_flight_batches,
                               received is not None)] = plan
             e = plan.estimates
-            return e["step_time_s"], lean, (e["model_state_bytes_per_device"],
+            return micro_batch_seconds(e, self.method.num_micro_batches), lean, (
+                e["model_state_bytes_per_device"],
                                             e["activation_bytes_per_device"],
                                             e["saved_activation_bytes_per_device"])
         return None, False, None
@@ -1368,8 +1382,11 @@ def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, clust
                ) -> Estimates:
     S, B = len(stages), method.num_micro_batches
     link = cluster.inter_node_bandwidth if cluster.num_nodes > 1 else cluster.intra_node_bandwidth
+    # what a stage pays once per step (its gradients' final resharding, the optimizer)
+    # runs after its last backward, not with every micro-batch
+    once_s = [s.plan.estimates.get("once_per_step_s") or 0.0 for s in stages]
     step = list(stage_seconds) if stage_seconds is not None else \
-        [s.plan.estimates["step_time_s"] for s in stages]
+        [s.plan.estimates["step_time_s"] - o for s, o in zip(stages, once_s)]
     forward = [t * FORWARD_SHARE for t in step]   # backward is about twice forward's work
     # a recomputed stage runs its forward again in backward
     backward = [t - f + (f if s.recompute else 0.0) for t, f, s in zip(step, forward, stages)]
@@ -1381,7 +1398,7 @@ def _estimates(stages: list[StagePlan], transfers: list[Transfer], method, clust
     # once per step: parameters before the first micro-batch, summed gradient parts
     # after the last
     once = sum(t.bytes for t in transfers if t.once_per_step) / link
-    total = max(e for stage in timeline for _, _, _, e in stage) + once
+    total = max(max(e for _, _, _, e in stage) + o for stage, o in zip(timeline, once_s)) + once
     memory = [(recompute_memory if s.recompute else in_flight_bytes)(
         s.plan.estimates["model_state_bytes_per_device"],
         s.plan.estimates["activation_bytes_per_device"],

@@ -699,7 +699,7 @@ def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         add(ref, OUTPUT, OutputSlot.send(str(ref)), R)
 
     collectives = []
-    comm_time = wire = 0.0
+    comm_time = wire = once_time = 0.0   # once_time: paid once per step, not per micro-batch
     k = method.num_micro_batches      # gradient accumulation: all but the final reductions
     state_once = state_read_once(k, method.auto_sharding_option.rematerialize_parameters)
     for r in reshards:
@@ -725,7 +725,9 @@ def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                 groups = mesh.num_devices // mesh.shape[step.axis]
                 wire += times * groups * wire_bytes(step.kind, mesh.shape[step.axis], step.bytes,
                                                     mesh.backend)
-        comm_time += times * (gradient_steps_cost if is_gradient else steps_cost)(mesh, r.steps)
+        seconds = (gradient_steps_cost if is_gradient else steps_cost)(mesh, r.steps)
+        comm_time += times * seconds
+        once_time += seconds if is_gradient or once else 0.0
     # then the all-reduces ops make inside themselves, after every reshard's, so positions of
     # reshard collectives stay as the reshards list them: the statistics of a split softmax
     # dim (phased, max then sum) or a batch-synced op's sums (one pass); never both
@@ -742,19 +744,22 @@ def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
             groups = mesh.num_devices // mesh.shape[axis]
             wire += k * groups * wire_bytes("all_reduce", mesh.shape[axis], nbytes, mesh.backend)
         comm_time += k * (steps_cost(mesh, phased) + batch_sync_cost(mesh, s.batch_syncs))
-    compute_time = k * sum(compute_cost(mesh, n, chosen[n.name].shards, strategy_bytes(
-        graph, n, chosen[n.name].inputs, chosen[n.name].outputs, mesh.shape))
+    compute_time = k * sum(compute_cost(
+        mesh, n, chosen[n.name].shards, chosen[n.name].outputs, strategy_bytes(
+            graph, n, chosen[n.name].inputs, chosen[n.name].outputs, mesh.shape))
         for n in graph.ops())
 
     leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}
     state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states)
-    compute_time += optimizer_cost(mesh, {
+    optimizer_s = optimizer_cost(mesh, {
         n.name: local_bytes(n.output, leaf_placement[n.name], mesh.shape)
         for n in graph if n.kind == "param"}, method.optimizer_states)
+    compute_time += optimizer_s
     activations, saved = activation_peak_bytes(
         graph, {k: s.outputs for k, s in chosen.items()}, mesh.shape,
         saved_statistics(graph, mesh), state_at_start=state_once)
     estimates = Estimates(step_time_s=comm_time + compute_time, communication_s=comm_time,
+                          once_per_step_s=once_time + optimizer_s,
                           compute_s=compute_time, model_state_bytes_per_device=state,
                           activation_bytes_per_device=activations,
                           saved_activation_bytes_per_device=saved,

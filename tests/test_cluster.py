@@ -55,7 +55,7 @@ def test_detect_reads_the_gpu_memory_and_launch_layout(fake_gpu, monkeypatch, fp
     assert c.memory_per_device == pytest.approx(75 * GB - 1.5 * GB)
     peaks = dict(c.peak_flops_by_dtype)
     assert peaks["bfloat16"] == pytest.approx(989e12 * gpu_specs.MATMUL_EFFICIENCY)
-    assert peaks["float32"] == pytest.approx(67e12 * gpu_specs.MATMUL_EFFICIENCY)
+    assert peaks["float32"] == pytest.approx(67e12 * gpu_specs.FP32_MATMUL_EFFICIENCY)
     assert c.kernel_launch_s > 0
     fp32_precision("high")                   # TF32 allowed: float32 matmuls on tensor cores
     assert dict(Cluster.detect().peak_flops_by_dtype)["float32"] == pytest.approx(
@@ -108,7 +108,8 @@ def test_default_cluster_is_the_detected_gpu(fake_gpu, monkeypatch):
     ("NVIDIA A100-SXM4-40GB", "A100 40GB"), ("NVIDIA A100-SXM4-80GB", "A100 80GB"),
     ("NVIDIA A100 80GB PCIe", "A100 80GB PCIe"), ("NVIDIA A100-PCIE-40GB", "A100 40GB PCIe"),
     ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"), ("NVIDIA A10", "A10"), ("NVIDIA A10G", "A10G"),
-    ("Tesla V100-SXM2-16GB", "V100"), ("Tesla T4", "T4"),
+    ("Tesla V100-SXM2-16GB", "V100 16GB"), ("Tesla V100-SXM2-32GB", "V100"),
+    ("Tesla T4", "T4"), ("AMD Instinct MI300X", "MI300X"),
     ("NVIDIA GeForce RTX 4090", "RTX 4090"),
 ])
 def test_known_gpus_by_their_reported_names(reported, model):
@@ -145,7 +146,7 @@ def test_matmul_cost_uses_the_peak_of_its_dtype():
 
 def test_every_kernel_pays_its_launch_but_views_launch_none():
     mesh = LogicalMesh(shape=(2,), peak_flops=100e12, memory_bandwidth=2e12,
-                       kernel_launch_s=5e-6)
+                       kernel_launch_s=5e-6, backend="gloo")
     tiny = _mm("float32", n=8)
     assert compute_cost(mesh, tiny, 2) == pytest.approx(5e-6 + tiny.flops / 2 / 100e12, rel=1e-3)
     view = OpNode(name="v", op="aten.view.default", kind="op", outputs=(TensorSpec((8,), "float32"),),

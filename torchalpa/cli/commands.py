@@ -8,6 +8,7 @@
     torchalpa bench mypkg.train:workload --nproc 4 --steps 3   # vs DDP and FSDP2, torchrun
     torchalpa coverage [--model llama --model mypkg.train:workload]
     torchalpa coverage --hf                     # the suite of models torchalpa was not written for
+    torchalpa calibrate                         # time this GPU; planning here then uses it
     torchalpa --version
 
 A model is a zoo family name (its tiny config, from ``torchalpa.models``) or
@@ -407,8 +408,46 @@ def _add_export(commands) -> None:
     add_export(commands)
 
 
+def _add_calibrate(commands) -> None:
+    p = commands.add_parser(
+        "calibrate", help="time this machine's GPU for the planner (CUDA)",
+        description="Time this machine's GPU -- matmul flop/s per dtype and shape class, "
+                    "memory bandwidth, the host's cost per op, fused attention -- and store "
+                    "the profile where planning on this device (auto_parallel, torchalpa.plan "
+                    "without a cluster) reads it instead of the datasheet figures. "
+                    "About a minute.")
+    p.add_argument("--no-save", action="store_true", help="print the figures, store nothing")
+    p.set_defaults(run=_calibrate)
+
+
+def _calibrate(args) -> int:
+    from torchalpa.core.cluster import Cluster
+    from torchalpa.parallel.calibrate_cuda import measure_device
+    from torchalpa.parallel.device_profile import save_profile
+    profile = measure_device()
+    assumed = Cluster.detect(1, 1)
+    print(f"{profile.device_name}, PyTorch {profile.torch_version}; measured (and what the "
+          f"planner assumed without it, {assumed.name}):")
+    peaks = dict(assumed.peak_flops_by_dtype)
+    for dtype, rates in profile.matmul.items():
+        cells = "  ".join(f"{cls} {rate / 1e12:.1f}" for cls, rate in rates.items())
+        guess = peaks.get("float32" if dtype == "tf32" else dtype)
+        print(f"  matmul {dtype:<9} TFLOP/s: {cells}"
+              + (f"  (assumed {guess / 1e12:.1f})" if guess else ""))
+    print(f"  memory bandwidth {profile.memory_bandwidth / 1e9:.0f} GB/s (assumed "
+          f"{assumed.memory_bandwidth / 1e9:.0f}); host time per op "
+          f"{profile.op_s * 1e6:.1f} us (assumed {assumed.kernel_launch_s * 1e6:.1f})")
+    for dtype, rate in profile.attention.items():
+        print(f"  attention {dtype} {rate / 1e12:.1f} TFLOP/s as priced")
+    if not args.no_save:
+        path = save_profile(profile)
+        print(f"stored as {path}" if path else "not stored: no usable cache directory "
+              "(TORCHALPA_CACHE_DIR)")
+    return 0
+
+
 SUBCOMMANDS: list[Callable] = [_add_plan, _add_show, _add_explain, _add_estimate, _add_cache,
-                               _add_bench, _add_coverage, _add_export]
+                               _add_bench, _add_coverage, _add_export, _add_calibrate]
 
 
 if __name__ == "__main__":

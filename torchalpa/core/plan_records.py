@@ -30,6 +30,10 @@ class Estimates(Mapping[str, Any]):
     step_time_s: float | None = None
     communication_s: float | None = None
     compute_s: float | None = None
+    once_per_step_s: float | None = None
+    """The part of ``step_time_s`` a step pays once however many micro-batches it runs:
+    the gradients' final resharding and the optimizer (a pipeline stage pays it after its
+    last backward, not per micro-batch)."""
     model_state_bytes_per_device: float | None = None
     activation_bytes_per_device: float | None = None
     saved_activation_bytes_per_device: float | None = None

@@ -19,6 +19,7 @@ from torchalpa.core.cluster import Cluster, cuda_selected
 from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.units import format_count
 from torchalpa.parallel.calibrate import calibration_enabled, measure_cluster
+from torchalpa.parallel.device_profile import apply_profile, load_profile
 
 __all__ = ["default_cluster", "capture_step", "capture_variants", "micro_batch_examples",
            "capture_examples", "with_precision", "with_precision_recorded",
@@ -33,7 +34,8 @@ def default_cluster(num_devices: int, *, measure: bool = False) -> Cluster:
     """The hardware torchalpa assumes when none is given: what this job runs on.
 
     On GPUs ``Cluster.detect()`` (this GPU's model, memory and rates; torchrun's node
-    layout when it covers ``num_devices``, else one node). On CPUs ``local_cpu``'s fixed
+    layout when it covers ``num_devices``, else one node), with the rates ``torchalpa
+    calibrate`` measured on this device in place of the datasheet's when it has run. On CPUs ``local_cpu``'s fixed
     figures, unless ``measure`` is set and a gloo process group of ``num_devices`` > 1 ranks
     is up: then ``measure_cluster()`` (flop/s, op cost and all-reduce latency and bandwidth
     timed on the live group, cached per machine; ``TORCHALPA_CALIBRATE=0`` turns it off).
@@ -51,8 +53,18 @@ def default_cluster(num_devices: int, *, measure: bool = False) -> Cluster:
     world = int(os.environ.get("WORLD_SIZE", 0))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
     if world == num_devices and local and world % local == 0:
-        return Cluster.detect(world // local, local)
-    return Cluster.detect(1, num_devices)
+        return calibrated(Cluster.detect(world // local, local))
+    return calibrated(Cluster.detect(1, num_devices))
+
+
+def calibrated(cluster: Cluster) -> Cluster:
+    """``cluster`` with the rates ``torchalpa calibrate`` stored for its device, if any
+    (``device_profile.apply_profile``), TF32 as this process allows it."""
+    profile = load_profile(cluster.device_name, torch.__version__)
+    if profile is None:
+        return cluster
+    return apply_profile(cluster, profile,
+                         allow_tf32=torch.get_float32_matmul_precision() != "highest")
 
 
 
