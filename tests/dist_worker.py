@@ -81,8 +81,11 @@ def default_method(make_model, batch, *, steps=3, lr=1e-3):
                                   backward_steps=())
     predicted = sorted([c.kind, c.axis, c.bytes]
                        for c in pm.collectives_per_step(train_step=True))
+    from torchalpa.parallel.workflow import default_cluster
+    cluster = default_cluster(dist.get_world_size())
     return {"chosen": [n for n in pm.plan.notes if n.startswith("AutoParallel chose")],
-            "method": pm.plan.method.get("name"), "losses": run["losses"],
+            "method": pm.plan.method.get("name"), "mesh_shape": list(pm.plan.mesh_shape),
+            "nodes": [cluster.num_nodes, cluster.devices_per_node], "losses": run["losses"],
             "ref_losses": run["ref_losses"], "executed": run["executed"],
             "planned": run["planned"], "predicted": predicted,
             "max_param_diff": max(d for d, _ in run["params"]),

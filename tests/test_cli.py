@@ -242,3 +242,16 @@ def test_python_dash_m_and_the_console_script_find_a_module_in_the_current_folde
     run = subprocess.run([sys.executable, "-m", "torchalpa", "--version"], capture_output=True,
                          text=True, cwd=tmp_path, env=env, timeout=60)
     assert run.returncode == 0 and run.stdout.startswith("torchalpa ")
+
+
+def test_every_gpu_preset_is_a_cluster_with_nodes_devices_and_overrides():
+    from torchalpa.cli.workloads import parse_cluster
+    from torchalpa.core.gpu_specs import NODE_PRESETS
+    for kind in NODE_PRESETS:
+        cluster = parse_cluster(f"{kind}:2x4")
+        assert (cluster.num_nodes, cluster.devices_per_node) == (2, 4)
+    h200 = parse_cluster("h200:2x8", inter_node_gbps=25, memory_gib=100)
+    assert h200.inter_node_bandwidth == 25e9 and h200.memory_per_device == 100 * 2 ** 30
+    assert parse_cluster("h200:2x8").memory_per_device > parse_cluster("h100:2x8").memory_per_device
+    with pytest.raises(ValueError, match="--memory must be a positive number"):
+        parse_cluster("h100:1x8", memory_gib=0)

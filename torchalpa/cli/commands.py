@@ -128,7 +128,7 @@ def _plan(args) -> int:
         dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float16
         precision = torchalpa.MixedPrecision(param_dtype=dtype)
     plan = torchalpa.plan(model, example_inputs, loss_fn, method=method,
-                          cluster=parse_cluster(args.cluster), verbose=args.verbose,
+                          cluster=_cluster_of(args), verbose=args.verbose,
                           mixed_precision=precision)
     plan.save(args.out)
     print(plan.summary())
@@ -200,7 +200,7 @@ def _estimate(args) -> int:
     from torchalpa.core.units import format_bytes
     with torch.device("meta"):
         model, _, _ = load_workload(args.model, batch=args.batch, seq=args.seq)()
-    cluster = parse_cluster(args.cluster)
+    cluster = _cluster_of(args)
     params = [p for p in model.parameters()]
     num = sum(p.numel() for p in params)
     trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
@@ -319,7 +319,18 @@ def _workload_arguments(p) -> None:
 
 def _cluster_argument(p) -> None:
     p.add_argument("--cluster", default="h100:1x8", metavar="KIND:NxD",
-                   help="h100:NODESxDEVICES, a100:NODESxDEVICES or cpu:N (default h100:1x8)")
+                   help="a GPU or machine preset with NODESxDEVICES (h100:2x8, h200:4x8, "
+                        "a100-80:1x8, b200, mi300x, l4, v100-32, dgx-a100, p3.16xlarge, ...) "
+                        "or cpu:N (default h100:1x8)")
+    p.add_argument("--inter-node-bandwidth", type=float, metavar="GB/s",
+                   help="bandwidth per device between nodes (default: the preset's network)")
+    p.add_argument("--memory", type=float, metavar="GiB",
+                   help="memory per device (default: the preset's usable memory)")
+
+
+def _cluster_of(args):
+    return parse_cluster(args.cluster, inter_node_gbps=args.inter_node_bandwidth,
+                         memory_gib=args.memory)
 
 
 

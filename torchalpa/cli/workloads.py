@@ -20,22 +20,39 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def parse_cluster(spec: str):
-    """``h100:2x8`` -> ``Cluster.h100(num_nodes=2, devices_per_node=8)``; ``cpu:4``."""
+def parse_cluster(spec: str, *, inter_node_gbps: float | None = None,
+                  memory_gib: float | None = None):
+    """``KIND:NODESxDEVICES`` -> ``Cluster.preset(KIND, NODES, DEVICES)`` for any GPU or
+    machine ``gpu_specs.NODE_PRESETS`` names (``h100:2x8``, ``h200:4x8``, ``a100-80:1x8``,
+    ``dgx-a100:2x8``; ``KIND`` alone: one node of the machine's GPUs); ``cpu:N`` ranks on
+    this machine. ``inter_node_gbps`` (GB/s per device) and ``memory_gib`` (GiB per
+    device) override the preset's."""
+    import dataclasses
+
     from torchalpa.core.cluster import Cluster
+    for name, value in (("--inter-node-bandwidth", inter_node_gbps), ("--memory", memory_gib)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value}")
     kind, _, size = spec.partition(":")
-    kind = kind.lower()
-    presets = {"h100": Cluster.h100, "a100": Cluster.a100}
+    kind = kind.strip().lower()
     if kind == "cpu":
         (n,) = parse_shape(size or "1")[:1] or (1,)
-        return Cluster.local_cpu(n)
-    if kind not in presets:
-        raise ValueError(f"unknown cluster kind {kind!r} in {spec!r}; use h100:NxD, a100:NxD "
-                         "or cpu:N")
-    shape = parse_shape(size or "1x8")
-    if len(shape) != 2:
+        cluster = Cluster.local_cpu(n)
+        if memory_gib is not None:
+            cluster = dataclasses.replace(cluster, memory_per_device=memory_gib * 2 ** 30)
+        return cluster
+    shape = parse_shape(size) if size else None
+    if shape is not None and len(shape) != 2:
         raise ValueError(f"the cluster size is NODESxDEVICES (e.g. h100:2x8), got {spec!r}")
-    return presets[kind](num_nodes=shape[0], devices_per_node=shape[1])
+    try:
+        return Cluster.preset(
+            kind, *(shape or ()),
+            inter_node_bandwidth=None if inter_node_gbps is None else inter_node_gbps * 1e9,
+            memory_per_device=None if memory_gib is None else memory_gib * 2 ** 30)
+    except ValueError as e:
+        if "unknown GPU or machine" in str(e):
+            raise ValueError(f"unknown cluster kind {kind!r} in {spec!r}: {e}; or cpu:N") from None
+        raise
 
 
 def zoo_module():

@@ -35,26 +35,36 @@ def default_cluster(num_devices: int, *, measure: bool = False) -> Cluster:
 
     On GPUs ``Cluster.detect()`` (this GPU's model, memory and rates; torchrun's node
     layout when it covers ``num_devices``, else one node), with the rates ``torchalpa
-    calibrate`` measured on this device in place of the datasheet's when it has run. On CPUs ``local_cpu``'s fixed
-    figures, unless ``measure`` is set and a gloo process group of ``num_devices`` > 1 ranks
+    calibrate`` measured on this device in place of the datasheet's when it has run. On
+    CPUs ``local_cpu``'s fixed figures in torchrun's node layout, unless ``measure`` is set and a gloo process group of ``num_devices`` > 1 ranks
     is up: then ``measure_cluster()`` (flop/s, op cost and all-reduce latency and bandwidth
     timed on the live group, cached per machine; ``TORCHALPA_CALIBRATE=0`` turns it off).
     ``measure`` is collective, so only ``auto_parallel`` (where every rank gets here) sets
     it; planning without ranks stays deterministic.
     """
+    nodes, per_node = _launch_nodes(num_devices)
     if not cuda_selected():
         import torch.distributed as dist
+        cluster = Cluster.local_cpu(num_devices)
         if measure and num_devices > 1 and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() == num_devices and dist.get_backend() == "gloo":
             if calibration_enabled():
-                return measure_cluster()
-        return Cluster.local_cpu(num_devices)
+                cluster = measure_cluster()
+        # processes of several launchers: their nodes bound the mesh (within a machine,
+        # loopback is as fast across launchers as within one: the rates stay)
+        return replace(cluster, num_nodes=nodes, devices_per_node=per_node)
+    return calibrated(Cluster.detect(nodes, per_node))
+
+
+def _launch_nodes(num_devices: int) -> tuple[int, int]:
+    """(nodes, devices per node) of this job: torchrun's ``LOCAL_WORLD_SIZE`` ranks per
+    launcher when its ``WORLD_SIZE`` is ``num_devices``, else one node."""
     import os
     world = int(os.environ.get("WORLD_SIZE", 0))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
     if world == num_devices and local and world % local == 0:
-        return calibrated(Cluster.detect(world // local, local))
-    return calibrated(Cluster.detect(1, num_devices))
+        return world // local, local
+    return 1, num_devices
 
 
 def calibrated(cluster: Cluster) -> Cluster:
