@@ -36,9 +36,10 @@ def default_cluster(num_devices: int, *, measure: bool = False) -> Cluster:
     On GPUs ``Cluster.detect()`` (this GPU's model, memory and rates; torchrun's node
     layout when it covers ``num_devices``, else one node), with the rates ``torchalpa
     calibrate`` measured on this device in place of the datasheet's when it has run. On
-    CPUs ``local_cpu``'s fixed figures in torchrun's node layout, unless ``measure`` is set and a gloo process group of ``num_devices`` > 1 ranks
-    is up: then ``measure_cluster()`` (flop/s, op cost and all-reduce latency and bandwidth
-    timed on the live group, cached per machine; ``TORCHALPA_CALIBRATE=0`` turns it off).
+    CPUs ``local_cpu``'s fixed figures in torchrun's node layout, unless ``measure`` is
+    set and a gloo process group of ``num_devices`` > 1 ranks is up: then
+    ``measure_cluster()`` (flop/s, op cost and all-reduce latency and bandwidth timed on
+    the live group, cached per machine; ``TORCHALPA_CALIBRATE=0`` turns it off).
     ``measure`` is collective, so only ``auto_parallel`` (where every rank gets here) sets
     it; planning without ranks stays deterministic.
     """
