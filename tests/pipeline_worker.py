@@ -82,6 +82,15 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
     return out
 
 
+def auto_on_this_job(make_model, batch) -> dict:
+    """The default method on the cluster this job runs on (torchrun's node layout): what
+    it chose, the node layout it saw, and training beside one device."""
+    from torchalpa.parallel.workflow import default_cluster
+    out = compare(make_model, batch, F.mse_loss, torchalpa.AutoParallel(time_budget_s=5))
+    cluster = default_cluster(dist.get_world_size())
+    return {**out, "nodes": [cluster.num_nodes, cluster.devices_per_node]}
+
+
 def _count_replays(runner) -> list[int]:
     """Counts the forwards a recomputed stage runs again (``StepRunner._replay``)."""
     count, replay = [0], runner._replay
@@ -210,6 +219,7 @@ def scenarios(n):
             mlp(), mlp_batch(), F.mse_loss,
             torchalpa.AutoParallel(pipeline=True, remat=("none",), time_budget_s=1),
             cluster=cpu)
+        yield "mlp_auto_nodes", lambda: auto_on_this_job(mlp(), mlp_batch())
         yield "gpt_2x2_1f1b", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=2),
             stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu)
