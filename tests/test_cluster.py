@@ -173,8 +173,8 @@ def test_a_batch_split_matmul_still_reads_its_whole_weight():
     cols = strategy_bytes(g, mm, (R, (Shard(1),)), ((Shard(1),),), (2,))
     assert cols == pytest.approx(x.nbytes + (w.nbytes + y.nbytes) / 2)
     mesh = LogicalMesh(shape=(2,), peak_flops=100e12, memory_bandwidth=1e12)
-    assert compute_cost(mesh, mm, 2, rows) == pytest.approx(rows / 1e12)   # bandwidth-bound
-    assert compute_cost(mesh, mm, 2, rows) > 1.9 * compute_cost(mesh, mm, 2, cols)
+    assert compute_cost(mesh, mm, 2, nbytes=rows) == pytest.approx(rows / 1e12)  # memory-bound
+    assert compute_cost(mesh, mm, 2, nbytes=rows) > 1.9 * compute_cost(mesh, mm, 2, nbytes=cols)
 
 
 def test_cluster_options_are_validated():

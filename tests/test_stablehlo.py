@@ -379,8 +379,13 @@ def _shares(plan, node, mesh) -> int:
 
 def _per_device_compute(plan, graph, mesh, keep=lambda n: True) -> float:
     """The plan's compute estimate (passes/cost.py) summed over the ops ``keep`` selects."""
-    from torchalpa.passes.cost import compute_cost
-    return sum(compute_cost(mesh, n, _shares(plan, n, mesh)) for n in graph.ops() if keep(n))
+    from torchalpa.passes.cost import compute_cost, strategy_bytes
+
+    def cost(n) -> float:
+        s = plan.strategy(n.name)
+        return compute_cost(mesh, n, _shares(plan, n, mesh), s.outputs,
+                            strategy_bytes(graph, n, s.inputs, s.outputs, mesh.shape))
+    return sum(cost(n) for n in graph.ops() if keep(n))
 
 
 def _per_device_bytes(plan, graph, mesh, keep) -> float:
