@@ -54,6 +54,22 @@ def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
     return [cluster.logical_mesh(s, axis_names if shape else None) for s in shapes]
 
 
+MIN_SOLVE_S = 10.0
+"""The least time a solve is given when a time budget cuts its limit."""
+
+
+def _within(method: ShardParallel, deadline: float | None) -> tuple[ShardParallel, bool]:
+    """``method`` with the solver's time limit cut to what is left before ``deadline`` (at
+    least ``MIN_SOLVE_S``: the solver returns its best plan by then), and whether it was."""
+    option = method.auto_sharding_option
+    if deadline is None:
+        return method, False
+    left = max(MIN_SOLVE_S, deadline - time.perf_counter())
+    if option.time_limit is not None and left >= option.time_limit:
+        return method, False
+    return replace(method, auto_sharding_option=replace(option, time_limit=left)), True
+
+
 def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
                inputs: str = "global", blocks: dict | None = None,
                deadline: float | None = None) -> Plan:
@@ -67,7 +83,9 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     The first bound that skips nothing ends the bounding for this call: that LP costs a
     third to a half of a solve on a transformer, whose views plan within a few percent of
     each other, and it would be paid again on every other view. Past ``deadline`` (a
-    ``time.perf_counter()`` value) no further mesh is solved once a plan is in hand."""
+    ``time.perf_counter()`` value) no further mesh is solved once a plan is in hand, and
+    before it, once a plan is in hand, a solve gets only the time left (the solver's best
+    plan by then; such a plan is not cached)."""
     from torchalpa.passes.bounds import step_profile
     from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
@@ -108,8 +126,9 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 # a bound that skips nothing cost an LP for nothing: where views plan
                 # alike (transformers) the other meshes are solved without one
                 bounding = False
+            solving, cut = _within(method, deadline if fastest is not None else None)
             try:
-                found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks)
+                found = plan_intra_op(graph, mesh, solving, inputs=inputs, blocks=blocks)
             except InfeasibleError as e:
                 failures.append(e)
                 progress.done = f"does not fit: {e}"
@@ -120,8 +139,9 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 found = replace(found, estimates=Estimates.from_dict(
                     dict(found.estimates, memory_budget_per_device_bytes=budget)))
             progress.done = _estimate_text(found, mesh)
-        cache.store(key, found)
-        cache.trim()
+        if not cut:         # a solve cut short by the budget is not what the key promises
+            cache.store(key, found)
+            cache.trim()
         plans.append(found)
     if not plans:
         advice = fitting_advice(profile, meshes[0], method) if refused else ""
