@@ -22,6 +22,7 @@ import weak_scaling as ws
 import torchalpa
 from torchalpa.core.options import AutoLayerOption, PipeshardParallel
 from torchalpa.passes import costgraph, ilp, inter_op, intra_op
+from torchalpa.passes.layer_costs import LayerCosts
 from torchalpa.passes.remat_choice import compute_lower_bound, plan_with_remat
 
 
@@ -38,13 +39,13 @@ def switch_off_fast_paths() -> None:
         return build(*args, **kwargs)
 
     intra_op.build_strategies = per_solve_memos
-    layer_graph = inter_op._StageCosts._layer_graph
+    layer_graph = LayerCosts.layer_graph
 
     def per_solve_subgraph(self, l):
         self._layer_graphs.clear()
         return layer_graph(self, l)
 
-    inter_op._StageCosts._layer_graph = per_solve_subgraph
+    LayerCosts.layer_graph = per_solve_subgraph
 
 
 def _cpu() -> float:
@@ -64,7 +65,6 @@ def main() -> None:
     args = p.parse_args()
     if args.before:
         switch_off_fast_paths()
-    inter_op._workers = lambda: args.workers
     row = ws.ROWS[args.row]
     cluster = torchalpa.Cluster.h100(num_nodes=max(1, row.devices // 8),
                                      devices_per_node=min(8, row.devices))
@@ -75,7 +75,8 @@ def main() -> None:
                                                                                remat="auto"))
     bound = None if args.before else (lambda v: compute_lower_bound(v.graph, cluster, B))
     wall, cpu = time.perf_counter(), _cpu()
-    plan = plan_with_remat(variants, lambda v: inter_op.plan_pipeline(v.graph, cluster, base),
+    plan = plan_with_remat(variants, lambda v: inter_op.plan_pipeline(
+                               v.graph, cluster, base, workers=args.workers),
                            lambda v: v.graph, bound)
     print(f"{'before' if args.before else 'after'} {args.row}: step "
           f"{ws._step(plan, cluster):.6g} s, stages {plan.forward_stage_layer_ids} on "

@@ -1,7 +1,7 @@
 """Logical views that can shard the same dims, and pricing one view's plan on another.
 
 The pipeline search plans every distinct layer on every logical view of every submesh
-(``passes/inter_op.py``). On a cluster of many nodes most of those views differ only in
+(``passes/layer_costs.py``). On a cluster of many nodes most of those views differ only in
 their sizes: on 50 x 4 devices, (6, 2), (12, 2), ..., (48, 2) all have an inter-node
 axis that divides the intermediate dim 13824 and nothing else, and an intra-node axis
 of 2 that divides the same dims. Such views have the same strategies (a
