@@ -41,7 +41,7 @@ from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.layer_cache import SolveCache, layer_signatures
 from torchalpa.passes.layer_costs import LayerCosts
 from torchalpa.passes.layers import assign_layers
-from torchalpa.passes.pipeline_assembly import assemble_plan, fastest_of
+from torchalpa.passes.pipeline_assembly import assemble_pipeline, fastest_of
 from torchalpa.passes.search_problem import SearchProblem
 from torchalpa.passes.stage_costs import StageCosts
 from torchalpa.passes.stage_jobs import cpu_workers
@@ -163,10 +163,10 @@ def _assemble(problem: SearchProblem, chosen: _Choice, layers: LayerCosts,
 
     def assemble(stages: list, recompute: list[bool] | None,
                  stage_seconds: list | None = None) -> PipelinePlan:
-        return assemble_plan(problem.graph, problem.layer, stages, problem.cluster,
-                             problem.method, problem.inputs, stage_seconds=stage_seconds,
-                             known=exact.exact_plans, recompute=recompute,
-                             donor=exact.donated, workers=workers)
+        return assemble_pipeline(problem.graph, problem.layer, stages, problem.cluster,
+                                 problem.method, problem.inputs, stage_seconds=stage_seconds,
+                                 known=exact.exact_plans, recompute=recompute,
+                                 donor=exact.donated, workers=workers)
 
     timed = [layers.range_seconds(k, i, view, submesh)
              for (k, i), submesh, view, _ in chosen.stages]
@@ -208,6 +208,6 @@ def layer_probes(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
                 stages = ([((0, l - 1), (1, 1), (1,), None)] if l > 0 else []) + \
                     [((l, l), submesh, view, None)] + \
                     ([((l + 1, L - 1), (1, 1), (1,), None)] if l < L - 1 else [])
-                plan = assemble_plan(graph, layer, stages, room, method, inputs)
+                plan = assemble_pipeline(graph, layer, stages, room, method, inputs)
                 probes.append(LayerProbe(key, l, plan, 1 if l > 0 else 0))
     return probes

@@ -1,8 +1,8 @@
 """A pipeline's plan from its stages: each stage planned exactly, placed, timed by its schedule.
 
-Given the stages ((first, last layer), submesh, view, option), ``assemble_plan`` plans
-each stage's own graph on its submesh (reusing the plans the search made, or moving one
-made for identical layers elsewhere), places the submeshes on the cluster's ranks, lists
+Given the stages ((first, last layer), submesh, view, option), ``assemble_pipeline``
+plans each stage's own graph on its submesh (reusing the plans the search made, or moving
+one made for identical layers elsewhere), places the submeshes on the cluster's ranks, lists
 what crosses between stages (``passes/stage_transfers.py``) and estimates the step by
 simulating the schedule (``pipeline_estimates``).
 """
@@ -32,7 +32,7 @@ from torchalpa.passes.stage_transfers import stage_transfers
 from torchalpa.passes.subgraph import stage_subgraph
 from torchalpa.passes.submesh_views import submesh_cluster
 
-__all__ = ["assemble_plan", "place_submeshes", "pipeline_estimates", "fastest_of"]
+__all__ = ["assemble_pipeline", "place_submeshes", "pipeline_estimates", "fastest_of"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -40,10 +40,11 @@ Donor = Callable[..., Plan | None]
 """``ExactStages.donated``: a plan moved from identical layers, or None."""
 
 
-def assemble_plan(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Cluster,
-                  method: PipeshardParallel, inputs: str, stage_seconds: list | None = None,
-                  known: dict | None = None, recompute: list[bool] | None = None,
-                  donor: Donor | None = None, workers: int | None = None) -> PipelinePlan:
+def assemble_pipeline(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Cluster,
+                      method: PipeshardParallel, inputs: str,
+                      stage_seconds: list | None = None, known: dict | None = None,
+                      recompute: list[bool] | None = None, donor: Donor | None = None,
+                      workers: int | None = None) -> PipelinePlan:
     """The PipelinePlan of ``stages`` ((first, last layer), submesh, view, option), each
     stage planned exactly; ``known`` holds stage plans the search already solved, keyed
     (first, last, submesh, view, lean, in flight, recompute), reused when made for the

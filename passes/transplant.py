@@ -50,12 +50,8 @@ def transplant(plan: Plan, donor: OpGraph, graph: OpGraph, mesh: LogicalMesh, me
     graph of the same structure with other names; None if the structures differ, a
     chosen strategy is not offered in ``graph`` or the rebuilt plan's step time is not
     the donor's."""
-    from torchalpa.passes.intra_op import (
-        assemble_plan,
-        intra_op_problem,
-        merge_gradient_all_reduces,
-        planned_for,
-    )
+    from torchalpa.passes.intra_op import intra_op_problem, planned_for
+    from torchalpa.passes.sharding_plan import assemble_plan, merge_gradient_all_reduces
     from torchalpa.passes.view_classes import strategy_key
     names = _node_map(donor, graph)
     if names is None:

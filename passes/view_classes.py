@@ -88,13 +88,9 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
     explanations list no alternatives. ``rules``: a memo of each node's sharding rule
     (they do not depend on the mesh), filled here, for pricing one graph many times."""
     from torchalpa.passes.costgraph import cached_reshard_costs
-    from torchalpa.passes.intra_op import (
-        StrategySpace,
-        assemble_plan,
-        effective_option,
-        forbidden_collectives,
-        merge_gradient_all_reduces,
-    )
+    from torchalpa.passes.intra_op import effective_option, forbidden_collectives
+    from torchalpa.passes.sharding_plan import assemble_plan, merge_gradient_all_reduces
+    from torchalpa.passes.strategies import StrategySpace
     option, mesh = effective_option(method.auto_sharding_option, mesh)
     if mesh.gradient_bucket_bytes > 0 and option.all_reduce_threshold is not None:
         # as plan_intra_op prices it: the runtime packs gradients into such buckets
