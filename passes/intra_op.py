@@ -533,25 +533,29 @@ def _violations(timeline: np.ndarray, budget: float, most: int = 8) -> list[int]
     return sorted(picks)
 
 
-def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, option, mesh,
-                         max_rounds: int = 20, initial: dict[str, int] | None = None):
+def _solve_within_memory(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Grouping,
+                         cg: CostGraph, memory: MemoryModel, budget: float | None,
+                         option: AutoShardingOption, mesh: LogicalMesh, max_rounds: int = 20,
+                         initial: dict[str, int] | None = None
+                         ) -> tuple[ILPSolution, dict[str, Strategy]]:
     """Solve; while the plan's true peak exceeds the budget, constrain memory there too."""
-    from dataclasses import replace as _replace
-    states = memory.optimizer_states
     problem = ILPProblem(node_costs=cg.node_costs, edges=cg.edges, shared=cg.shared)
+    if budget is None:
+        solution = _solve(problem, option, initial)
+        return solution, _expand(graph, S, grouping, solution.choice)
+    states = memory.optimizer_states
     points: list[int] = []
-    worst = memory.upper_timeline() if budget is not None else None
-    if worst is not None and worst.max(initial=0) > budget:
+    worst = memory.upper_timeline()
+    if worst.max(initial=0) > budget:
         # the budget may bind: from the first solve on, constrain the likely peaks and
         # points spread over where memory could exceed it (constraints an optimal plan
         # meets anyway; they spare the solver regions a later round would cut off)
         points = sorted(set(memory.likely_peaks()) | set(_violations(worst, budget)))
-        problem = _replace(problem, memory_terms=[memory.terms_at(p) for p in points],
-                           memory_budget=budget)
+        problem = replace(problem, memory_terms=[memory.terms_at(p) for p in points],
+                          memory_budget=budget)
     for _ in range(max_rounds):
         try:
-            solution = solve_ilp(problem, solver=option.solver, time_limit=option.time_limit,
-                                 gap=option.gap, initial=initial)
+            solution = _solve(problem, option, initial)
         except SolverStopped:
             raise
         except InfeasibleError:
@@ -564,8 +568,6 @@ def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, op
                 "per device (parameters, gradients, optimizer states and activations); use "
                 "more devices, a smaller batch, or a larger memory_budget_per_device") from None
         chosen = _expand(graph, S, grouping, solution.choice)
-        if budget is None:
-            return solution, chosen
         timeline = _timeline(graph, memory, chosen, mesh, states)
         peak = float(timeline.max(initial=0))
         log.info("memory: %d points constrained, ILP %.2fs, peak %s (budget %s)", len(points),
@@ -577,10 +579,16 @@ def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, op
         if not new_points:
             break
         points += new_points
-        problem = _replace(problem, memory_terms=[memory.terms_at(p) for p in points],
-                           memory_budget=budget)
+        problem = replace(problem, memory_terms=[memory.terms_at(p) for p in points],
+                          memory_budget=budget)
     raise InfeasibleError(f"could not fit the plan in {format_bytes(budget)} per device after "
                           f"{max_rounds} rounds of memory constraints")
+
+
+def _solve(problem: ILPProblem, option: AutoShardingOption,
+           initial: dict[str, int] | None) -> ILPSolution:
+    return solve_ilp(problem, solver=option.solver, time_limit=option.time_limit,
+                     gap=option.gap, initial=initial)
 
 
 def _minimum_memory(graph, S, grouping, cg, memory: MemoryModel, points, option, mesh,

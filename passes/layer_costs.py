@@ -215,7 +215,8 @@ class LayerCosts:
             return None
         parts = [self.measured.get((self.problem.signature[l], view, submesh))
                  for l in range(k, i + 1)]
-        return None if any(p is None for p in parts) else sum(parts)
+        timed = [p for p in parts if p is not None]
+        return sum(timed) if len(timed) == len(parts) else None
 
     def layer_graph(self, l: int) -> OpGraph:
         """Layer ``l`` alone as a graph, its boundary values free to stay in any layout

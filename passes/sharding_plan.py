@@ -70,6 +70,7 @@ def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     for n in graph.ops():
         traffic.add_op(n, chosen[n.name])
     leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}
+    assert mesh.axis_names is not None  # LogicalMesh.__post_init__ fills it
     return Plan(
         explanations=_explain_parameters(graph, mesh, method, chosen, costs, space),
         mesh_shape=mesh.shape, axis_names=mesh.axis_names,
@@ -230,9 +231,14 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
 
 def _placements(graph: OpGraph, leaf_placement: dict[str, Placements],
                 kinds: tuple[str, ...]) -> tuple[ValuePlacement, ...]:
-    return tuple(ValuePlacement(name=n.target, node=n.name, shape=n.output.shape,
-                                placements=leaf_placement[n.name])
-                 for n in graph if n.kind in kinds)
+    """The placement of every leaf of ``kinds``, by the name the user knows it by."""
+    out = []
+    for n in graph:
+        if n.kind in kinds:
+            assert n.target is not None, f"{n.name}: a {n.kind} without a target"
+            out.append(ValuePlacement(name=n.target, node=n.name, shape=n.output.shape,
+                                      placements=leaf_placement[n.name]))
+    return tuple(out)
 
 
 def _notes(graph: OpGraph, mesh: LogicalMesh, chosen: dict[str, Strategy],

@@ -59,6 +59,7 @@ def stage_request(graph: OpGraph, mesh: LogicalMesh, method: PipeshardParallel,
     budget = method.auto_sharding_option.memory_budget_per_device or mesh.memory_per_device
     lowered = recompute_option(option or method.auto_sharding_option, budget, received, flight)
     if lowered is None:
+        assert budget is not None, "recompute_option lowers only a budget it is given"
         raise InfeasibleError(f"a recomputed stage keeps {flight - 1} micro-batches' inputs "
                               f"of {received / 2**30:.2f} GiB each, more than the "
                               f"{budget / 2**30:.1f} GiB budget per device")
