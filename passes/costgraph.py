@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict, defaultdict
-from dataclasses import dataclass, field, replace
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,7 +34,7 @@ from torchalpa.passes.shared_reshard import (
 from torchalpa.passes.simplify import Grouping
 from torchalpa.passes.strategies import Strategy, sync_steps
 
-__all__ = ["ReshardCosts", "cached_reshard_costs", "CostGraph", "build_cost_graph",
+__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph",
            "solve_sharing_reads"]
 
 log = logging.getLogger("torchalpa.planner")
@@ -98,28 +98,6 @@ class ReshardCosts:
         if found is None:
             found = self._ids[item] = len(self._ids)
         return found
-
-
-_CACHED: OrderedDict[tuple, ReshardCosts] = OrderedDict()
-_CACHED_MESHES = 64
-
-
-def cached_reshard_costs(mesh: LogicalMesh, allow_reduce_scatter: bool = True,
-                         forbidden: frozenset = frozenset()) -> ReshardCosts:
-    """One ``ReshardCosts`` per (mesh, options) for the whole process: a resharding's
-    price depends only on the tensor, the two layouts and the mesh's links, so every
-    solve on the same view (each distinct layer, its lean variant, the remat captures,
-    the exact stage solves) reuses the prices the others computed. Pricing them again
-    per solve was a fifth of the GPT-1.3B pipeline search (536k lookups, profiled).
-    The memory budget does not change a price and is left out of the key."""
-    key = (replace(mesh, memory_per_device=None), allow_reduce_scatter, frozenset(forbidden))
-    costs = _CACHED.get(key)
-    if costs is None:
-        costs = _CACHED[key] = ReshardCosts(*key)
-        while len(_CACHED) > _CACHED_MESHES:
-            _CACHED.popitem(last=False)
-    _CACHED.move_to_end(key)
-    return costs
 
 
 def _unique(items: list) -> tuple[list, np.ndarray]:

@@ -50,10 +50,12 @@ class ExactStages:
     """Exact stage solves of ``problem``, cached in ``cache`` (see module doc).
     ``exact_solves`` counts the ILP solves, ``reused_in_flight`` the solves answered from
     fewer micro-batches in flight, ``transplanted`` the plans moved onto identical layers;
-    ``exact_plans`` holds this graph's stage plans by ``PlanKey``."""
+    ``exact_plans`` holds this graph's stage plans by ``PlanKey``. Pricing work is kept
+    in the layer estimates' ``memo``."""
 
     def __init__(self, problem: SearchProblem, costs: StageCosts, cache: SolveCache):
         self.problem, self.costs, self.cache = problem, costs, cache
+        self.memo = costs.layers.memo
         self.exact_solves = 0
         self.reused_in_flight = 0
         self.transplanted = 0
@@ -197,7 +199,7 @@ class ExactStages:
             if f2 < flight and not self._fits(memory, k, i, flight, recompute):
                 continue
             moved = transplant(plan, self.problem.stage_graph(k2, i2), request.graph,
-                               request.mesh, request.method, request.inputs)
+                               request.mesh, request.method, request.inputs, self.memo)
             if moved is not None:
                 self.exact_plans[(k, i, submesh, view, lean, flight, recompute)] = moved
                 self.transplanted += 1
@@ -322,7 +324,7 @@ class ExactStages:
             try:
                 plan = plan_stage(StageRequest(
                     sub, mesh, method.intra_op_method(option), self.problem.inputs,
-                    1 if received is not None else in_flight_batches))
+                    1 if received is not None else in_flight_batches), self.memo)
             except InfeasibleError:
                 continue
             self.exact_plans[(k, i, submesh, view, lean, in_flight_batches,

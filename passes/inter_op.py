@@ -11,7 +11,8 @@
    it picks by their own memory-constrained ILP (``passes/stage_search.py``,
    ``passes/exact_stages.py``), the solves in forked workers (``passes/stage_jobs.py``)
    and cached by structure in a ``SolveCache`` the search owns, or is given to share
-   across searches (``passes/layer_cache.py``).
+   across searches (``passes/layer_cache.py``); the pricing work its intra-op solves
+   repeat is kept in a ``PricingMemo`` the search owns (``passes/pricing_memo.py``).
 3. Each chosen stage's own graph planned exactly on its submesh, and the stages, their
    transfers and an estimated timeline form the PipelinePlan
    (``passes/pipeline_assembly.py``).
@@ -42,6 +43,7 @@ from torchalpa.passes.layer_cache import SolveCache, layer_signatures
 from torchalpa.passes.layer_costs import LayerCosts
 from torchalpa.passes.layers import assign_layers
 from torchalpa.passes.pipeline_assembly import assemble_pipeline, fastest_of
+from torchalpa.passes.pricing_memo import PricingMemo
 from torchalpa.passes.search_problem import SearchProblem
 from torchalpa.passes.stage_costs import StageCosts
 from torchalpa.passes.stage_jobs import cpu_workers
@@ -64,6 +66,7 @@ log = logging.getLogger("torchalpa.planner")
 def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
                   inputs: str = "global", measured: dict | None = None,
                   share_views: bool = True, solves: SolveCache | None = None,
+                  pricing: PricingMemo | None = None,
                   workers: int | None = None) -> PipelinePlan:
     """Alpa's PipeshardParallel plan of ``graph`` (one micro-batch) on ``cluster``.
 
@@ -73,8 +76,10 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
     skipped (``LayerCosts.prefetch``, ``searched_views``); off, every shardable view is
     solved (slow: the reference the sharing is tested against). ``solves``: the cache of
     layer and stage solves (default: a new one; pass one to several searches to reuse
-    what repeats exactly). ``workers``: processes for independent solves (default: one
-    per core this process may use)."""
+    what repeats exactly). ``pricing``: the pricing work its intra-op solves repeat
+    (default: a new ``PricingMemo``; pass one to several searches on the same cluster,
+    e.g. the remat captures, to price each resharding once). ``workers``: processes for
+    independent solves (default: one per core this process may use)."""
     start = time.perf_counter()
     if method.stage_option == "profile" and measured is None:
         raise ValueError("stage_option='profile' times layers on this job's devices: call "
@@ -84,7 +89,8 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
                             method, inputs)
     cache = SolveCache() if solves is None else solves
     workers = cpu_workers() if workers is None else workers
-    layers = LayerCosts(problem, cache, measured, share_views)
+    layers = LayerCosts(problem, cache, PricingMemo() if pricing is None else pricing,
+                        measured, share_views)
     costs = StageCosts(problem, layers)
     exact = ExactStages(problem, costs, cache)
     chosen = _choose_stages(costs, exact, workers, start)
@@ -166,7 +172,7 @@ def _assemble(problem: SearchProblem, chosen: _Choice, layers: LayerCosts,
         return assemble_pipeline(problem.graph, problem.layer, stages, problem.cluster,
                                  problem.method, problem.inputs, stage_seconds=stage_seconds,
                                  known=exact.exact_plans, recompute=recompute,
-                                 donor=exact.donated, workers=workers)
+                                 donor=exact.donated, workers=workers, memo=layers.memo)
 
     timed = [layers.range_seconds(k, i, view, submesh)
              for (k, i), submesh, view, _ in chosen.stages]

@@ -35,7 +35,6 @@ from torchalpa.passes.constraints import apply_constraints
 from torchalpa.passes.costgraph import (
     CostGraph,
     ReshardCosts,
-    cached_reshard_costs,
     solve_sharing_reads,
 )
 from torchalpa.passes.fused_pricing import priced_as
@@ -47,6 +46,7 @@ from torchalpa.passes.ilp import (
     solve_ilp,
 )
 from torchalpa.passes.memory import MemoryModel, model_state_bytes
+from torchalpa.passes.pricing_memo import PricingMemo
 from torchalpa.passes.reshard import local_bytes, plan_reshard
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.sharding_plan import (
@@ -58,7 +58,6 @@ from torchalpa.passes.simplify import Grouping, group_nodes
 from torchalpa.passes.strategies import (
     Strategy,
     StrategySpace,
-    enumerate_strategies,
     leaf_strategies,
     replicate_only,
     splits_over_both_axes,
@@ -66,7 +65,7 @@ from torchalpa.passes.strategies import (
 from torchalpa.passes.strides import strided_regions
 
 __all__ = ["plan_intra_op", "step_time_lower_bound", "UnsupportedOpWarning", "build_strategies",
-           "planned_for", "intra_op_problem", "rule_strategies"]
+           "planned_for", "intra_op_problem"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -76,8 +75,11 @@ class UnsupportedOpWarning(UserWarning):
 
 
 def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
-                     option: AutoShardingOption | None = None) -> StrategySpace:
-    """Every node's candidate strategies; ops without a rule get replicate-only."""
+                     option: AutoShardingOption | None = None,
+                     memo: PricingMemo | None = None) -> StrategySpace:
+    """Every node's candidate strategies; ops without a rule get replicate-only.
+    ``memo``: where rules' strategies and reachable layouts are kept across solves."""
+    memo = PricingMemo() if memo is None else memo
     strategies: dict[str, list[Strategy]] = {}
     unsupported: list[dict] = []
     heavy, random = set(), set()
@@ -99,7 +101,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
             heavy.add(node.name)
         options = []
         if rule is not None:
-            options = list(rule_strategies(
+            options = list(memo.rule_strategies(
                 rule, mesh, option is not None and option.allow_recompute_heavy_op, strides))
         if not options:
             if rule is None:
@@ -113,7 +115,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
             if kept:
                 strategies[name] = kept
     notes = apply_constraints(graph, strategies, mesh, option) if option is not None else []
-    _prune_unreachable(graph, strategies, mesh)
+    _prune_unreachable(graph, strategies, mesh, memo.reachable(mesh.shape))
     for item in unsupported:
         warnings.warn(f"no sharding rule for {item['op']} (node {item['node']}"
                       + (f", module '{item['module']}'" if item["module"] else "")
@@ -123,38 +125,12 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
     return StrategySpace(strategies, unsupported, notes, frozenset(heavy), frozenset(random))
 
 
-_RULE_STRATEGIES: dict[tuple, list[Strategy]] = {}
-_REACHABLE: dict[tuple, dict] = {}
-_MEMO_ENTRIES = 200_000
-"""Bound on each process-wide memo below (cleared when full)."""
-
-
-def rule_strategies(rule, mesh: LogicalMesh, recompute_heavy: bool,
-                     strides: tuple[tuple[int, int], ...] = ()) -> list[Strategy]:
-    """``enumerate_strategies``, memoized for the process: it depends on the rule, the
-    mesh's shape and the flag only, and the pipeline search asks for the same rules on the
-    same views many times (every layer, lean variant, remat capture and stage solve);
-    enumerating them again was an eighth of GPT-1.3B's search (profiled). Strategies
-    are frozen, so the lists' items may be shared."""
-    key = (rule, mesh.shape, recompute_heavy, strides)
-    found = _RULE_STRATEGIES.get(key)
-    if found is None:
-        if len(_RULE_STRATEGIES) >= _MEMO_ENTRIES:
-            _RULE_STRATEGIES.clear()
-        found = _RULE_STRATEGIES[key] = enumerate_strategies(rule, mesh, recompute_heavy,
-                                                             strides)
-    return found
-
-
 def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
-                       mesh: LogicalMesh) -> None:
+                       mesh: LogicalMesh, shared: dict) -> None:
     """Drop strategies that read an operand in a layout no producer strategy can be
     resharded into (e.g. a Partial input downstream of ops that never make one). The
-    answers depend on the tensor, the layouts and the mesh's shape only: kept for the
-    process, per mesh shape."""
-    if len(_REACHABLE) >= 64 or sum(len(v) for v in _REACHABLE.values()) >= _MEMO_ENTRIES:
-        _REACHABLE.clear()
-    shared = _REACHABLE.setdefault(mesh.shape, {})   # (spec, sources) -> {want: reachable?}
+    answers depend on the tensor, the layouts and the mesh's shape only: kept in
+    ``shared`` ((spec, sources) -> {want: reachable?}, ``PricingMemo.reachable``)."""
     by_operand: dict = {}    # (producer, output index) -> (spec, its layouts, that dict)
 
     def reachable(ref, want) -> bool:
@@ -189,16 +165,18 @@ def _batch_sharded(spec: TensorSpec, mesh: LogicalMesh) -> Strategy:
 
 def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | None = None, *,
                   inputs: str = "global", blocks: dict[str, tuple[str, int]] | None = None,
-                  in_flight: int = 1) -> Plan:
+                  in_flight: int = 1, memo: PricingMemo | None = None) -> Plan:
     """Solve Alpa's intra-op ILP for ``graph`` on ``mesh`` and return the Plan.
 
     ``blocks`` (node -> (block kind, index)) lets identical layers share one decision.
     ``in_flight``: micro-batches whose activations must fit in memory at once (a pipeline
-    stage's; the estimates still describe one micro-batch).
+    stage's; the estimates still describe one micro-batch). ``memo``: pricing work kept
+    across the solves of whoever passes it (``passes/pricing_memo.py``; default: this
+    solve's own).
     """
     method = method or ShardParallel()
     start = time.perf_counter()
-    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs)
+    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs, memo)
     if option.force_simple_heuristic or not option.enable_auto_sharding:
         chosen = _propagate(graph, space.strategies, costs, mesh,
                             by_size=option.force_simple_heuristic == "shard-largest")
@@ -364,10 +342,12 @@ def _with_solve_figures(plan: Plan, graph: OpGraph, mesh: LogicalMesh, space: St
     return replace(plan, notes=plan.notes + (target,)) if target else plan
 
 
-def intra_op_problem(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str):
+def intra_op_problem(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str,
+                     memo: PricingMemo | None = None):
     """What the ILP is built from: the option in effect (pins of a manual option added),
     the mesh as priced (gradients in the runtime's buckets), the graph as priced, every
-    node's strategies and the resharding costs."""
+    node's strategies and the resharding costs (kept in ``memo`` across solves)."""
+    memo = PricingMemo() if memo is None else memo
     if inputs not in ("global", "local"):
         raise ValueError(f"inputs must be 'global' or 'local', got {inputs!r}")
     option = method.auto_sharding_option
@@ -379,13 +359,14 @@ def intra_op_problem(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, i
     if mesh.gradient_bucket_bytes > 0 and option.all_reduce_threshold is not None:
         # the runtime packs gradients into buckets of the plan's threshold: price those
         mesh = replace(mesh, gradient_bucket_bytes=float(option.all_reduce_threshold))
-    space = build_strategies(graph, mesh, inputs, option)
-    costs = cached_reshard_costs(mesh, option.allow_reduce_scatter, forbidden_collectives(option))
+    space = build_strategies(graph, mesh, inputs, option, memo)
+    costs = memo.reshard_costs(mesh, option.allow_reduce_scatter, forbidden_collectives(option))
     return option, mesh, graph, space, costs
 
 
 def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | None = None,
-                          *, inputs: str = "global") -> float | None:
+                          *, inputs: str = "global", memo: PricingMemo | None = None
+                          ) -> float | None:
     """Seconds that no plan ``plan_intra_op`` could return for ``graph`` on ``mesh`` has an
     estimated step below: the linear relaxation of the unsimplified problem (every node
     deciding on its own, which the simplified problems, the memory constraints and the
@@ -397,11 +378,12 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
 
     None where there is no such bound: no ILP (the heuristics), no HiGHS, or a plan whose
     estimated step the all-reduce combiner lowers after the solve (Alpa's accounting on a
-    hand-built mesh, where the step is below the objective)."""
+    hand-built mesh, where the step is below the objective). ``memo``: as in
+    ``plan_intra_op``."""
     from torchalpa.passes.costgraph import build_cost_graph
     from torchalpa.passes.ilp import lower_bound
     method = method or ShardParallel()
-    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs)
+    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs, memo)
     if option.force_simple_heuristic or not option.enable_auto_sharding:
         return None
     if option.all_reduce_threshold and mesh.gradient_bucket_bytes <= 0:

@@ -30,6 +30,7 @@ from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.intra_op import plan_intra_op
 from torchalpa.passes.layer_cache import SolveCache
 from torchalpa.passes.memory import in_flight_bytes
+from torchalpa.passes.pricing_memo import PricingMemo
 from torchalpa.passes.search_problem import SearchProblem
 from torchalpa.passes.stage_jobs import fork_map
 from torchalpa.passes.submesh_views import searched_views, shardable_views
@@ -72,12 +73,12 @@ def stage_memory(parts: list[Estimate], in_flight_batches: int) -> float:
 
 class LayerCosts:
     """Each layer's ``Estimate`` on each searched view, solved once per structure and kept
-    in ``cache`` (see module doc). ``solves`` counts ILP solves, ``repriced`` the views
-    priced with their class's plan instead."""
+    in ``cache`` (see module doc), pricing work kept in ``memo``. ``solves`` counts ILP
+    solves, ``repriced`` the views priced with their class's plan instead."""
 
-    def __init__(self, problem: SearchProblem, cache: SolveCache,
+    def __init__(self, problem: SearchProblem, cache: SolveCache, memo: PricingMemo,
                  measured: dict | None = None, share_views: bool = True):
-        self.problem, self.cache = problem, cache
+        self.problem, self.cache, self.memo = problem, cache, memo
         self.measured = measured   # (signature, view, submesh) -> seconds, when profiled
         self.share_views = share_views
         self.solves = 0
@@ -185,7 +186,7 @@ class LayerCosts:
         found = None if plan is None else reprice(
             self.layer_graph(l), plan, self._layer_mesh(view, submesh),
             self._layer_method(lean), self.problem.inputs, relayout_parameters=lean,
-            rules=self._layer_rules.setdefault(l, {}))
+            rules=self._layer_rules.setdefault(l, {}), memo=self.memo)
         if found is None:
             return self._layer_plan(l, view, submesh, lean)
         self.repriced += 1
@@ -253,6 +254,7 @@ class LayerCosts:
         try:
             return plan_intra_op(sub, self._layer_mesh(view, submesh), self._layer_method(lean),
                                  inputs=self.problem.inputs,
-                                 blocks=sub.meta.get("repeated_blocks") or None)
+                                 blocks=sub.meta.get("repeated_blocks") or None,
+                                 memo=self.memo)
         except InfeasibleError:
             return None

@@ -9,6 +9,7 @@ simulating the schedule (``pipeline_estimates``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from torchalpa.core.plan_records import Estimates
 from torchalpa.core.schedules import SCHEDULES, in_flight, simulate
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.memory import in_flight_bytes
+from torchalpa.passes.pricing_memo import PricingMemo
 from torchalpa.passes.stage_jobs import cpu_workers, fork_map
 from torchalpa.passes.stage_remat import (
     FORWARD_SHARE,
@@ -44,14 +46,16 @@ def assemble_pipeline(graph: OpGraph, layer: dict[str, int], stages: list, clust
                       method: PipeshardParallel, inputs: str,
                       stage_seconds: list | None = None, known: dict | None = None,
                       recompute: list[bool] | None = None, donor: Donor | None = None,
-                      workers: int | None = None) -> PipelinePlan:
+                      workers: int | None = None, memo: PricingMemo | None = None
+                      ) -> PipelinePlan:
     """The PipelinePlan of ``stages`` ((first, last layer), submesh, view, option), each
     stage planned exactly; ``known`` holds stage plans the search already solved, keyed
     (first, last, submesh, view, lean, in flight, recompute), reused when made for the
     same graph. ``recompute``: per stage, whether it checkpoints its activations (planned
     with one micro-batch in flight in what the others' inputs leave of the budget).
     ``stage_seconds``: measured seconds per stage, in place of the plans' estimates.
-    ``workers``: processes for the stages left to solve (default: one per core)."""
+    ``workers``: processes for the stages left to solve (default: one per core).
+    ``memo``: pricing work kept across solves (``passes/pricing_memo.py``)."""
     recompute = list(recompute) if recompute else [False] * len(stages)
     stage_of_layer = {l: s for s, ((k, i), _, _, _) in enumerate(stages)
                       for l in range(k, i + 1)}
@@ -69,7 +73,8 @@ def assemble_pipeline(graph: OpGraph, layer: dict[str, int], stages: list, clust
                               received[s] if recompute[s] else None)
                 for s, (sub, (_, submesh, view, option)) in enumerate(zip(subs, stages))]
     plans = _stage_plans(stages, requests, flights, recompute, known or {}, donor,
-                         cpu_workers() if workers is None else workers)
+                         cpu_workers() if workers is None else workers,
+                         PricingMemo() if memo is None else memo)
     stage_plans = [StagePlan(index=s, layers=tuple(range(k, i + 1)), submesh=submesh,
                              ranks=ranks[s], plan=plans[s], recompute=recompute[s])
                    for s, ((k, i), submesh, _view, _option) in enumerate(stages)]
@@ -85,7 +90,7 @@ def assemble_pipeline(graph: OpGraph, layer: dict[str, int], stages: list, clust
 
 def _stage_plans(stages: list, requests: list[StageRequest], flights: list[int],
                  recompute: list[bool], known: dict, donor: Donor | None,
-                 workers: int) -> list[Plan]:
+                 workers: int, memo: PricingMemo) -> list[Plan]:
     """Each stage's plan: the search's own where it made one for this very stage graph,
     else one moved from identical layers (``donor``), else solved now (``workers`` at a
     time). A stage given an option other than the sharded-states one is always solved."""
@@ -100,7 +105,8 @@ def _stage_plans(stages: list, requests: list[StageRequest], flights: list[int],
         elif donor is not None:
             plans[s] = donor(k, i, submesh, view, lean, flights[s], recompute[s], requests[s])
     todo = [s for s in range(len(stages)) if plans[s] is None]
-    for s, plan in zip(todo, fork_map(plan_stage, [requests[s] for s in todo], workers)):
+    solve = functools.partial(plan_stage, memo=memo)
+    for s, plan in zip(todo, fork_map(solve, [requests[s] for s in todo], workers)):
         plans[s] = plan
     solved = [plan for plan in plans if plan is not None]
     assert len(solved) == len(stages), "a stage was left without a plan"

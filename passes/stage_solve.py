@@ -18,6 +18,7 @@ from torchalpa.core.options import AutoShardingOption, PipeshardParallel, ShardP
 from torchalpa.core.plan import Plan
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.intra_op import plan_intra_op
+from torchalpa.passes.pricing_memo import PricingMemo
 from torchalpa.passes.stage_remat import recompute_option
 
 __all__ = ["StageRequest", "stage_request", "plan_stage", "search_option",
@@ -66,12 +67,13 @@ def stage_request(graph: OpGraph, mesh: LogicalMesh, method: PipeshardParallel,
     return StageRequest(graph, mesh, method.intra_op_method(lowered), inputs, 1)
 
 
-def plan_stage(request: StageRequest) -> Plan:
-    """The stage's intra-op plan (``InfeasibleError`` if none fits)."""
+def plan_stage(request: StageRequest, memo: PricingMemo | None = None) -> Plan:
+    """The stage's intra-op plan (``InfeasibleError`` if none fits); ``memo``: as in
+    ``plan_intra_op``."""
     graph = request.graph
     return plan_intra_op(graph, request.mesh, request.method, inputs=request.inputs,
                          in_flight=request.in_flight,
-                         blocks=graph.meta.get("repeated_blocks") or None)
+                         blocks=graph.meta.get("repeated_blocks") or None, memo=memo)
 
 
 def search_option(option: AutoShardingOption, budget: float | None) -> AutoShardingOption:

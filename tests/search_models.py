@@ -26,8 +26,10 @@ def exact_stages(graph, layer, cluster, method, cache=None):
     from torchalpa.passes.exact_stages import ExactStages
     from torchalpa.passes.layer_cache import SolveCache
     from torchalpa.passes.layer_costs import LayerCosts
+    from torchalpa.passes.pricing_memo import PricingMemo
     from torchalpa.passes.search_problem import SearchProblem
     from torchalpa.passes.stage_costs import StageCosts
     cache = SolveCache() if cache is None else cache
     problem = SearchProblem(graph, layer, cluster, method, "global")
-    return ExactStages(problem, StageCosts(problem, LayerCosts(problem, cache)), cache)
+    layers = LayerCosts(problem, cache, PricingMemo())
+    return ExactStages(problem, StageCosts(problem, layers), cache)

@@ -65,7 +65,9 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     each other, and it would be paid again on every other view."""
     from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
+    from torchalpa.passes.pricing_memo import PricingMemo
     fingerprint = graph.fingerprint()
+    memo = PricingMemo()       # the reshard prices and strategies the meshes' solves repeat
     plans, failures, skipped = [], [], []
     bounding = SKIP_BY_BOUND
     for i, mesh in enumerate(meshes):
@@ -80,7 +82,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 continue
             fastest = min(plans, key=lambda p: p.estimates["step_time_s"], default=None)
             if fastest is not None and bounding:
-                bound = step_time_lower_bound(graph, mesh, method, inputs=inputs)
+                bound = step_time_lower_bound(graph, mesh, method, inputs=inputs, memo=memo)
                 if bound is not None and bound > fastest.estimates["step_time_s"] * (1 + 1e-9):
                     skipped.append((mesh, bound))
                     progress.done = (f"skipped: no plan here beats {bound * 1e3:.3g} ms/step "
@@ -90,7 +92,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 # alike (transformers) the other meshes are solved without one
                 bounding = False
             try:
-                found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks)
+                found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks,
+                                      memo=memo)
             except InfeasibleError as e:
                 failures.append(e)
                 progress.done = f"does not fit: {e}"
