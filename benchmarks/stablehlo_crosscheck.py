@@ -46,7 +46,7 @@ from torchalpa.frontends.opset import attention_as_products
 
 # ``--size small``: the zoo's configs at width 256, batch 8 x 128 tokens, where a layout is
 # a decision (megabytes moved) rather than a few kilobytes whose collectives cost their
-# latency alone, so two plans within 0.2% of each other are real ties (see README)
+# latency alone, so two plans within 0.2% of each other are real ties (docs/stablehlo-jax.md)
 SMALL = {
     "gpt": dict(hidden=256, num_heads=8, num_layers=2, vocab_size=1024, max_seq_len=128),
     "llama": dict(hidden=256, num_heads=8, num_kv_heads=4, intermediate=512, num_layers=2,

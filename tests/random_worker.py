@@ -189,7 +189,7 @@ SCENARIOS = {
     "per_rank_seeds": lambda: per_rank_seeds(method=torchalpa.DataParallel()),
     # Megatron's MLP pinned on the last axis, so the second dropout draws on values
     # replicated over it (left to the ILP, equal-cost plans without such a dropout were
-    # returned in some launches: README Known gaps)
+    # returned in some launches: docs/troubleshooting.md, "Two launches planned differently")
     "per_rank_seeds_2d": lambda: per_rank_seeds(
         method=torchalpa.ShardParallel(logical_mesh_shape=(2, 2), auto_sharding_option=(
             AutoShardingOption(pin={"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})))),

@@ -13,7 +13,7 @@ residuals), which eager PyTorch runs one kernel each (``EAGER_LLAMA``).
 Placements agree for every parameter but those ``REAL_PREFERENCES`` names, and each of
 those is a real preference, not a tie broken the other way: planned again with every
 parameter pinned to the other frontend's placements, each frontend's objective is higher
-than with its own. Where they differ (see README):
+than with its own. Where they differ (see docs/stablehlo-jax.md):
 
 - gpt ``c_proj`` (attention output projection, both blocks) and the first block's
   ``c_attn``: ATen splits ``c_attn`` in contiguous blocks and ``c_proj`` by input features

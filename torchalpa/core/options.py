@@ -37,7 +37,8 @@ class AutoShardingOption:
     """'highs' (HiGHS, given the model's arrays directly), 'cbc' (CBC through PuLP, which
     ships it), or 'auto': HiGHS when highspy is importable (a dependency of torchalpa),
     else CBC. On the convolutional nets of torchvision HiGHS is several times faster and
-    CBC can stop without a plan on the unsimplified problem (README, "Solver")."""
+    CBC can stop without a plan on the unsimplified problem (benchmarks/RESULTS.md,
+    "Intra-op solves")."""
     time_limit: float | None = 60.0
     """Seconds the solver may take; the best plan found by then is used."""
     gap: float | None = None
