@@ -44,9 +44,9 @@ def _record_stage_plans(monkeypatch, record) -> None:
     """Have ``record(request)`` see every stage ILP plan, the search's and the assembly's."""
     plan_stage = stage_solve.plan_stage
 
-    def recording_plan(request):
+    def recording_plan(request, memo=None):
         record(request)
-        return plan_stage(request)
+        return plan_stage(request, memo)
 
     monkeypatch.setattr(exact_stages, "plan_stage", recording_plan)
     monkeypatch.setattr(pipeline_assembly, "plan_stage", recording_plan)
