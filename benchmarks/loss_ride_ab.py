@@ -9,8 +9,8 @@ the timed steps):
 - ``ddp``: DDP, each rank its share of the batch;
 - ``ddp+loss``: the same plus one all-reduce of the loss (4 bytes), what torchalpa did to
   return one device's loss on every rank;
-- ``torchalpa``: ``train_step``, the loss riding the last gradient bucket
-  (``runtime.loss_ride``);
+- ``torchalpa``: ``train_step``, the loss all-reduced in the last gradient bucket
+  (``runtime.loss_in_bucket``);
 - ``torchalpa-own``: the same module with the ride given up, the loss all-reduced on
   its own (the step before issue 19).
 
@@ -109,8 +109,7 @@ def measure(name, build, batch, loss_fn, steps, rank, world) -> dict:
         pm = torchalpa.auto_parallel(model, batch, loss_fn,
                                      optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4))
         if name == "torchalpa-own":       # A/B only: the step as it was before issue 19
-            pm._runner.forgo_loss_ride()
-            pm._loss_ride = None
+            pm._loss_in_bucket = None     # train_step then asks for no loss in a bucket
 
         def step():
             pm.train_step(*batch)

@@ -1,27 +1,41 @@
-"""Step time and peak memory on one GPU: eager PyTorch, torch.compile, torchalpa and
-torchalpa with ``compile=True``, per model and dtype, next to the plan's estimates.
+"""Step time and peak memory on one GPU, measured beside the plan's estimates: eager
+PyTorch, torch.compile, torchalpa and torchalpa with ``compile=True``, per zoo model and
+dtype.
 
     python benchmarks/one_gpu.py                          # every model, fp32 and bf16
     python benchmarks/one_gpu.py --models gpt2 --dtypes bf16 --steps 20
+    python benchmarks/one_gpu.py --estimates-only --cluster h200    # no GPU needed
 
-Models (zoo configs at real widths, dropout off): ``gpt2`` (GPT-2 small, seq 1024),
-``gpt_small`` (4 layers of 256, seq 256, batch 8: per-op overheads dominate), ``llama1b``
-(LLaMA, 16 layers of 2048, GQA 32/8 heads, seq 1024), ``bert`` (BERT-base, seq 512),
-``vit`` (ViT-B/16, 224 px). ``bf16`` is eager under ``torch.autocast`` and torchalpa
-with ``MixedPrecision(param_dtype=torch.bfloat16)``; ``fp32`` leaves TF32 off (PyTorch's
-default). AdamW everywhere. Each variant runs alone (its model built, warmed
-up, timed, freed), so its peak memory is its own; step times are medians over ``--steps``
-synchronized steps. The plan's estimates (step time, memory per device) are what the
-planner predicted for the same step on the detected GPU (``Cluster.detect()``).
+Models (zoo configs at real widths, dropout off): ``gpt2`` (GPT-2 small, seq 1024, batch
+16), ``gpt_small`` (4 layers of 256, seq 256, batch 8: per-op overheads dominate),
+``llama1b`` (LLaMA, 16 layers of 2048, GQA 32/8 heads, seq 2048, batch 4), ``bert``
+(BERT-base, seq 512, batch 16), ``vit`` (ViT-B/16, 224 px, batch 32), ``resnet``
+(ResNet-34: basic blocks 3, 4, 6, 3; 224 px, batch 64), ``moe`` (8 layers of 1024, 8
+experts top-2, seq 1024, batch 8).
+``bf16`` is eager under ``torch.autocast`` and torchalpa with
+``MixedPrecision(param_dtype=torch.bfloat16)``; ``fp32`` leaves TF32 off (PyTorch's
+default). AdamW (fused) everywhere.
 
-Needs CUDA; without it the script says so and exits with status 2.
+Every variant runs in a process of its own (this script, ``--one``): its peak memory is its
+own (``torch.compile`` keeps its model alive in dynamo's caches, and the caching allocator
+its blocks); step times are medians over ``--steps`` synchronized steps after
+``--warmup``. The torchalpa rows print the plan's estimates (step time, memory per device)
+for the same step on the detected GPU (``Cluster.detect()``, with the profile of
+``torchalpa calibrate`` if one is stored), and estimate / measured. ``--estimates-only``
+plans every model for one GPU of a preset (``--cluster``) on the meta device and prints
+the estimates alone: the rows a GPU run then fills in.
+
+Without CUDA (and without ``--estimates-only``) the script says so and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -43,17 +57,21 @@ class Bench:
 
 BENCHES = {
     "gpt2": Bench("gpt", dict(vocab_size=50257, max_seq_len=1024, num_layers=12, num_heads=12,
-                              hidden=768, dropout=0.0), 8),
+                              hidden=768, dropout=0.0), 16),
     # issue 19's small model: launch-bound, where per-op overheads show
     "gpt_small": Bench("gpt", dict(vocab_size=50257, max_seq_len=256, num_layers=4, num_heads=4,
                                    hidden=256, dropout=0.0), 8),
-    "llama1b": Bench("llama", dict(vocab_size=32000, max_seq_len=1024, num_layers=16,
+    "llama1b": Bench("llama", dict(vocab_size=32000, max_seq_len=2048, num_layers=16,
                                    hidden=2048, num_heads=32, num_kv_heads=8,
                                    intermediate=5632), 4),
     "bert": Bench("bert", dict(vocab_size=30522, max_seq_len=512, num_layers=12, hidden=768,
                                num_heads=12, intermediate=3072, dropout=0.0), 16),
     "vit": Bench("vit", dict(image_size=224, patch_size=16, num_layers=12, hidden=768,
                              num_heads=12, num_classes=1000, dropout=0.0), 32),
+    "resnet": Bench("resnet", dict(widths=(64, 128, 256, 512), blocks=(3, 4, 6, 3),
+                                   image_size=224, num_classes=1000), 64),
+    "moe": Bench("moe", dict(vocab_size=32000, max_seq_len=1024, num_layers=8, hidden=1024,
+                             num_heads=16, intermediate=4096, num_experts=8, top_k=2), 8),
 }
 DTYPES = ("fp32", "bf16")
 
@@ -65,6 +83,13 @@ def parse_args():
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation) first")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+                   help="which variants to run (default: all)")
+    p.add_argument("--estimates-only", action="store_true",
+                   help="plan on the meta device for one GPU of --cluster; no GPU needed")
+    p.add_argument("--cluster", default="h200", help="preset for --estimates-only")
+    p.add_argument("--one", nargs=3, metavar=("MODEL", "DTYPE", "VARIANT"),
+                   help=argparse.SUPPRESS)   # one variant, in this process: a JSON line
     return p.parse_args()
 
 
@@ -74,10 +99,10 @@ def workload(bench: Bench):
 
 
 def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-4, fused=True)
+    return torch.optim.AdamW(params, lr=1e-4, fused=torch.cuda.is_available())
 
 
-def eager_variant(w, batch, dtype: str, compiled: bool) -> Callable[[], object]:
+def eager_variant(w, batch, dtype: str, compiled: bool):
     model = w.build().cuda()
     opt = adamw(model.parameters())
     forward = torch.compile(model) if compiled else model
@@ -100,7 +125,7 @@ def torchalpa_variant(w, batch, dtype: str, compiled: bool):
     return (lambda: pm.train_step(*batch)), pm.plan
 
 
-VARIANTS = {
+VARIANTS: dict[str, Callable] = {
     "eager": lambda w, b, d: eager_variant(w, b, d, False),
     "torch.compile": lambda w, b, d: eager_variant(w, b, d, True),
     "torchalpa": lambda w, b, d: torchalpa_variant(w, b, d, False),
@@ -109,7 +134,7 @@ VARIANTS = {
 
 
 def measure(make_step, steps: int, warmup: int) -> dict:
-    """Median step seconds and peak allocated bytes of one variant, built alone."""
+    """Median step seconds and peak allocated bytes of one variant."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -127,42 +152,90 @@ def measure(make_step, steps: int, warmup: int) -> dict:
     if plan is not None:
         result["plan_step_s"] = plan.estimates.get("step_time_s")
         result["plan_memory_bytes"] = plan.estimates.get("memory_per_device_bytes")
-    del step, plan
     return result
+
+
+def run_one(model: str, dtype: str, variant: str, steps: int, warmup: int) -> dict:
+    """One variant in this process (``--one``): its measurement as a dict."""
+    bench = BENCHES[model]
+    w = workload(bench)
+    torch.manual_seed(0)
+    batch = tuple(x.cuda() for x in w.example_inputs())
+    if dtype == "fp32":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    return measure(lambda: VARIANTS[variant](w, batch, dtype), steps, warmup)
+
+
+def run_in_child(model: str, dtype: str, variant: str, args) -> dict:
+    """``run_one`` in a fresh process: its memory figures are its own."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", model, dtype, variant,
+           "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    if out.returncode or not lines:
+        tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {"error": tail[:200]}
+    return json.loads(lines[-1])
+
+
+def estimate(model: str, dtype: str, cluster) -> dict:
+    """The plan's estimates for one GPU of ``cluster``, planned on the meta device."""
+    from torchalpa.runtime.precision import CastForward
+    w = workload(BENCHES[model])
+    with torch.device("meta"):
+        net, batch = w.build(), w.example_inputs()
+    if dtype == "bf16":
+        net = CastForward(net, torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
+    plan = torchalpa.plan(net, batch, w.loss_fn, cluster=cluster)
+    return {"plan_step_s": plan.estimates["step_time_s"],
+            "plan_memory_bytes": plan.estimates["memory_per_device_bytes"]}
 
 
 def main():
     args = parse_args()
+    if args.one:
+        model, dtype, variant = args.one
+        print(json.dumps(run_one(model, dtype, variant, args.steps, args.warmup)))
+        return
+    if args.estimates_only:
+        cluster = torchalpa.Cluster.preset(args.cluster, 1, 1)
+        print(f"estimates for one {cluster.device_name} (measured: left for a GPU run, "
+              f"benchmarks/gpu_checks.sh)")
+        print(f"  {'model':<10}{'dtype':<6}{'batch':>6}{'plan ms':>10}{'plan GiB':>10}")
+        for name in args.models:
+            for dtype in args.dtypes:
+                r = estimate(name, dtype, cluster)
+                print(f"  {name:<10}{dtype:<6}{BENCHES[name].batch_size:>6}"
+                      f"{r['plan_step_s'] * 1e3:>10.1f}{r['plan_memory_bytes'] / 2**30:>10.2f}",
+                      flush=True)
+        return
     if not torch.cuda.is_available():
         print("benchmarks/one_gpu.py needs a CUDA device, and torch.cuda.is_available() is False "
-              f"here (PyTorch {torch.__version__}). Run it on a GPU machine: "
-              "make bench-gpu (see ../shared/tools/gpu_wheels.sh).", file=sys.stderr)
+              f"here (PyTorch {torch.__version__}); --estimates-only prints the plans' side. "
+              "Run it on a GPU machine: make bench-gpu (see ../shared/tools/gpu_wheels.sh).",
+              file=sys.stderr)
         sys.exit(2)
-    cluster = torchalpa.Cluster.detect(1, 1)
-    print(f"{torch.cuda.get_device_name()} ({cluster.name}), PyTorch {torch.__version__}; "
-          f"planned with {cluster.memory_per_device / 2**30:.1f} GiB usable; "
-          f"median of {args.steps} steps after {args.warmup} warm-up, AdamW")
-    variants = {k: v for k, v in VARIANTS.items() if not (args.no_compile and "compile" in k)}
+    print(f"{torch.cuda.get_device_name()}, PyTorch {torch.__version__}; median of "
+          f"{args.steps} steps after {args.warmup} warm-up, AdamW; one process per variant")
+    variants = [k for k in args.variants if not (args.no_compile and "compile" in k)]
     for name in args.models:
-        bench = BENCHES[name]
-        w = workload(bench)
-        torch.manual_seed(0)
-        batch = tuple(x.cuda() for x in w.example_inputs())
         for dtype in args.dtypes:
-            print(f"\n{name} ({bench.family}, batch {bench.batch_size}), {dtype}")
-            print(f"  {'variant':<24}{'step ms':>10}{'peak GiB':>10}"
-                  f"{'plan ms':>10}{'plan GiB':>10}")
-            for label, make in variants.items():
-                try:
-                    r = measure(lambda: make(w, batch, dtype), args.steps, args.warmup)
-                except Exception as e:  # report and go on: one failure should not hide the rest
-                    print(f"  {label:<24}failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            print(f"\n{name} (batch {BENCHES[name].batch_size}), {dtype}")
+            print(f"  {'variant':<24}{'step ms':>10}{'peak GiB':>10}{'plan ms':>10}"
+                  f"{'plan GiB':>10}{'est/meas':>10}{'mem e/m':>9}")
+            for label in variants:
+                r = run_in_child(name, dtype, label, args)
+                if "error" in r:
+                    print(f"  {label:<24}failed: {r['error']}", flush=True)
                     continue
-                plan_ms = f"{r['plan_step_s'] * 1e3:10.1f}" if r.get("plan_step_s") else " " * 10
-                plan_gib = (f"{r['plan_memory_bytes'] / 2**30:10.2f}"
-                            if r.get("plan_memory_bytes") else "")
+                cells = ""
+                if r.get("plan_step_s"):
+                    cells = (f"{r['plan_step_s'] * 1e3:10.1f}"
+                             f"{r['plan_memory_bytes'] / 2**30:10.2f}"
+                             f"{r['plan_step_s'] / r['step_s']:10.2f}"
+                             f"{r['plan_memory_bytes'] / r['peak_bytes']:9.2f}")
                 print(f"  {label:<24}{r['step_s'] * 1e3:10.1f}{r['peak_bytes'] / 2**30:10.2f}"
-                      f"{plan_ms}{plan_gib}")
+                      f"{cells}", flush=True)
 
 
 if __name__ == "__main__":

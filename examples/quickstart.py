@@ -127,7 +127,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "world_size": dist.get_world_size(), "stats": stats},
                       f, indent=1)
-    torchalpa.shutdown()   # leaves the group; no interpreter teardown, where gloo can abort
+    torchalpa.shutdown()   # leaves the group and exits now (ending without it is clean too)
 
 
 def run_baseline(name, args, x, y) -> dict:

@@ -56,7 +56,7 @@ def main():
             version = torchalpa.save_checkpoint(args.dir, pm, extra={"step": step + 1})
             if dist.get_rank() == 0:
                 print(f"step {step + 1}: loss {loss.item():.4f}, saved {version}", flush=True)
-    torchalpa.shutdown()   # leaves the group; no interpreter teardown, where gloo can abort
+    torchalpa.shutdown()   # leaves the group and exits now (ending without it is clean too)
 
 
 if __name__ == "__main__":

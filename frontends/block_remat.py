@@ -20,6 +20,13 @@ What a block keeps from forward (never recomputed):
 - its outputs (values later forward ops outside the block read: the next layer's input);
 - random ops' results (a dropout mask drawn again would differ) and their parts.
 
+Selective checkpointing (``policy="selective"``, torchtitan's op-level policy) keeps the
+results of the compute-heavy ops too -- matrix products, convolutions and attention
+(``SELECTIVE_KEPT``) -- and recomputes only what is cheap to run again (norms,
+activation functions, residual sums, softmax of hand-written attention): most of the
+memory of full checkpointing's recompute-free cousin, at a small fraction of its extra
+flops.
+
 Recomputation repeats deterministic ops on the same inputs, so checkpointed training
 computes the same numbers as plain training.
 """
@@ -34,12 +41,26 @@ import torch.fx as fx
 
 from torchalpa.core.opgraph import block_of
 from torchalpa.frontends.joint_graph import ancestor_names
-from torchalpa.frontends.opset import RANDOM_OPS
+from torchalpa.frontends.opset import RANDOM_OPS, SDPA_OP
+from torchalpa.frontends.param_remat import rematerialize_parameter_views
 from torchalpa.frontends.provenance import module_of
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.torch_export import Capture, to_opgraph
+from torchalpa.ops.batched_matmul import BATCHED_MATMUL_OP
 
-__all__ = ["checkpoint_blocks", "checkpointed_capture", "Recomputed"]
+__all__ = ["checkpoint_blocks", "checkpointed_capture", "Recomputed", "POLICIES",
+           "SELECTIVE_KEPT"]
+
+POLICIES = ("full", "selective")
+"""How much of a block's forward backward recomputes: all of it, or all but the results of
+the compute-heavy ops (``SELECTIVE_KEPT``)."""
+
+SELECTIVE_KEPT = frozenset({
+    "aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.baddbmm.default",
+    "aten._grouped_mm.default", "aten.convolution.default", BATCHED_MATMUL_OP, SDPA_OP,
+})
+"""Ops whose results selective checkpointing keeps from forward: matrix products,
+convolutions and attention, whose recompute would cost as much as forward itself."""
 
 
 @dataclass(frozen=True)
@@ -50,12 +71,17 @@ class Recomputed:
     ops: int
 
 
-def _is_random(n: fx.Node) -> bool:
+def _made_by(n: fx.Node, ops: frozenset) -> bool:
+    """Whether ``n`` is the result (or a part of the tuple result) of one of ``ops``."""
     if n.op != "call_function":
         return False
     if n.target is operator.getitem and isinstance(n.args[0], fx.Node):
-        return _is_random(n.args[0])
-    return str(n.target) in RANDOM_OPS or n.target in RANDOM_OPS
+        return _made_by(n.args[0], ops)
+    return str(n.target) in ops or n.target in ops
+
+
+def _is_random(n: fx.Node) -> bool:
+    return _made_by(n, RANDOM_OPS)
 
 
 def _blocks(gm: fx.GraphModule, forward: set[str]) -> dict[tuple[str, int], list[fx.Node]]:
@@ -79,10 +105,14 @@ def _blocks(gm: fx.GraphModule, forward: set[str]) -> dict[tuple[str, int], list
     return blocks
 
 
-def checkpoint_blocks(gm: fx.GraphModule, num_params: int) -> Recomputed:
+def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
+                      policy: str = "full") -> Recomputed:
     """Rewrite ``gm`` (the joint step returning ``(loss, *grads of its first num_params
     placeholders, *buffer updates)``) in place so each block's forward is recomputed in
-    its backward."""
+    its backward: all of it (``policy="full"``) or all but the results of
+    ``SELECTIVE_KEPT`` ops (``"selective"``)."""
+    if policy not in POLICIES:
+        raise ValueError(f"checkpointing policy must be one of {POLICIES}, got {policy!r}")
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     output = next(n for n in graph.nodes if n.op == "output")
@@ -93,8 +123,10 @@ def checkpoint_blocks(gm: fx.GraphModule, num_params: int) -> Recomputed:
         inside = set(members)
 
         def kept(n: fx.Node) -> bool:
-            """Saved from forward: made outside, read by forward outside, or random."""
+            """Saved from forward: made outside, read by forward outside, random, or (by
+            the selective policy) the result of a compute-heavy op."""
             return (n not in inside or _is_random(n)
+                    or (policy == "selective" and _made_by(n, SELECTIVE_KEPT))
                     or any(u.name in forward and u not in inside for u in n.users))
 
         def backward_users(n: fx.Node) -> list[fx.Node]:
@@ -131,15 +163,22 @@ def checkpoint_blocks(gm: fx.GraphModule, num_params: int) -> Recomputed:
     return Recomputed(blocks=num_blocks, ops=num_ops)
 
 
-def checkpointed_capture(captured: Capture) -> Capture:
-    """The same captured step with every block checkpointed (``checkpoint_blocks``) on a copy
-    of its fx graph, and the OpGraph made again from it; ``captured`` is left untouched.
-    Cheaper than tracing the model again, which is what lets the planner weigh both."""
+def checkpointed_capture(captured: Capture, policy: str = "full", *,
+                         rematerialize_parameters: bool = False) -> Capture:
+    """The same captured step with every block checkpointed (``checkpoint_blocks`` with
+    ``policy``; "none" checkpoints nothing) and, with ``rematerialize_parameters``,
+    backward reading parameters through views of its own (``param_remat``: gathered again
+    in backward, ZeRO-3), on a copy of its fx graph, and the OpGraph made again from it;
+    ``captured`` is left untouched. Cheaper than tracing the model again, which is what
+    lets the planner weigh the variants."""
     graph = fx.Graph()
     graph._codegen = copy.deepcopy(captured.gm.graph._codegen)
     graph.output(graph.graph_copy(captured.gm.graph, {}))
     gm = fx.GraphModule(captured.gm, graph)
-    done = checkpoint_blocks(gm, len(captured.param_names))
+    if rematerialize_parameters:
+        rematerialize_parameter_views(gm, len(captured.param_names))
+    done = checkpoint_blocks(gm, len(captured.param_names), policy=policy) \
+        if policy != "none" else Recomputed(blocks=0, ops=0)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     kinds = ([("param", k) for k in captured.param_names]
@@ -148,6 +187,8 @@ def checkpointed_capture(captured: Capture) -> Capture:
     opgraph = to_opgraph(gm, kinds, captured.buffer_updates)
     opgraph.meta.update(captured.graph.meta)
     opgraph.meta["repeated_blocks"] = find_repeated_blocks(opgraph)
-    opgraph.meta["remat"] = {"mode": "full", "blocks": done.blocks, "recomputed_ops": done.ops}
+    if policy != "none":
+        opgraph.meta["remat"] = {"mode": policy, "blocks": done.blocks,
+                                 "recomputed_ops": done.ops}
     opgraph.check()
     return replace(captured, graph=opgraph, gm=gm)

@@ -332,7 +332,10 @@ def capture_forward(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
         [("input", f"input{i}") for i in range(len(inputs) + len(targets))]
     gm, updates = _functional(gm, kinds, provenance)
     updated = [k for k in names if k in updates]
-    graph = _opgraph(gm, kinds, updated)
+    # read-only state like buffers, but the model's parameters: layout options that speak
+    # of parameters (AutoShardingOption.allow_replicated_parameters) apply to them
+    graph = _opgraph(gm, kinds, updated,
+                     weights=frozenset(k for k, _ in model.named_parameters()))
     graph.meta["capture_seconds"] = time.perf_counter() - start
     return ForwardCapture(graph=graph, gm=gm, state_names=names,
                           unflatten=structure.get("unflatten", lambda t: t),
@@ -381,11 +384,12 @@ def _functional(gm: fx.GraphModule, kinds: list[tuple[str, str]], provenance: Pr
     return gm, updates
 
 
-def _opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]], updated: list[str]) -> OpGraph:
+def _opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]], updated: list[str],
+             weights: frozenset[str] = frozenset()) -> OpGraph:
     """The OpGraph of a functional step (dead code removed), its repeated blocks tagged."""
     gm.graph.eliminate_dead_code()
     gm.recompile()
-    graph = to_opgraph(gm, kinds, updated)
+    graph = to_opgraph(gm, kinds, updated, weights)
     graph.meta["repeated_blocks"] = find_repeated_blocks(graph)
     return graph
 
@@ -614,11 +618,14 @@ def _freeze(value):
 
 
 def to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
-                updated_buffers: Sequence[str] = ()) -> OpGraph:
+                updated_buffers: Sequence[str] = (), weights: frozenset[str] = frozenset()
+                ) -> OpGraph:
     """fx joint graph -> OpGraph. ``kinds`` gives (kind, target) for each placeholder.
 
     The graph returns (loss, *grads, *new values of ``updated_buffers``); the forward
-    phase is what the loss and the buffer updates depend on.
+    phase is what the loss and the buffer updates depend on. ``weights``: targets of
+    buffer placeholders that are the model's parameters (a forward-only step reads them as
+    state, with no gradient): their nodes have ``is_param`` set.
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kind_of = {ph.name: kt for ph, kt in zip(placeholders, kinds)}
@@ -633,7 +640,8 @@ def to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
         if n.op == "placeholder":
             kind, target = kind_of[n.name]
             node = OpNode(name=n.name, op=kind, kind=kind, outputs=(_spec(n.meta["val"]),),
-                          source=n.name, target=target, is_param=(kind == "param"))
+                          source=n.name, target=target,
+                          is_param=kind == "param" or target in weights)
         elif n.op == "call_function" and n.target is operator.getitem:
             producer, index = n.args
             refs[n.name] = ValueRef(refs[producer.name].node, index)

@@ -8,7 +8,7 @@ on the devices:
 - CPU ranks (gloo), same number of query and key heads, a floating dtype the fused CPU
   kernel takes, no learned mask: the lowering saves the fused forward's output and its
   log-sum-exp per query row and the backward reads both
-  (``runtime/attention_saved.py``). No second forward, but the fused backward, working by
+  (``runtime/attention_statistics.py``). No second forward, but the fused backward, working by
   blocks, recomputes the scores ``q k^T`` from the statistic: backward = the four
   products + ``q k^T``. The forward keeps its output ``(B, Hq, L, Ev)`` and the
   statistic ``(B, Hq, L)`` in float32 until the backward.

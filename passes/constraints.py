@@ -133,7 +133,7 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
         if node.kind == "input" and not option.enable_auto_sharding:
             options = [s for s in options if all(isinstance(p, Replicate) for p in s.outputs[0])]
         if node.kind in ("param", "buffer"):
-            if not option.allow_replicated_parameters and node.kind == "param":
+            if not option.allow_replicated_parameters and node.is_param:
                 kept = [s for s in options
                         if not all(isinstance(p, Replicate) for p in s.outputs[0])]
                 options = kept or options

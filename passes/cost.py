@@ -14,14 +14,24 @@ reduce-scatter (and the all-reduces over other axes right after it, which the bu
 buffer goes through too) pays the latency in proportion to its share of a bucket, not a
 whole one (``gradient_steps_cost``). Without it every collective pays its own (Alpa's accounting).
 
-Compute: ``launch + max(flops / peak, bytes / memory_bandwidth)`` of the local share of
-an op; zero when the mesh has no ``peak_flops`` (Alpa's communication-only setting). The
-peak is the mesh's rate for the dtype the op computes in (its first result's: bf16 matmuls
-at the tensor-core rate, fp32 ones at the fp32 or TF32 rate), and ``launch`` the mesh's
-``kernel_launch_s``, paid once by every op that launches a kernel (views launch none), so
-splitting small ops further stops paying off. An op family the mesh lists in
-``peak_flops_by_op`` (``op_family``: convolutions and their backward, on CPUs several
-times slower per flop than matmuls) computes at that rate instead. Attention's backward
+Compute: the roofline ``max(flops / rate, bytes / memory_bandwidth)`` of the local share
+of an op, and its issue cost ``launch``; zero when the mesh has no ``peak_flops`` (Alpa's
+communication-only setting). The rate is the mesh's for the dtype the op computes in (its
+first result's: bf16 matmuls at the tensor-core rate, fp32 ones at the fp32 or TF32 rate),
+times the share of the GPU a matmul's tiles keep busy (``kernel_model.matmul_efficiency``,
+from the strategy's local output shape), a matmul's result written after its K loop
+(``kernel_model.epilogue_seconds``), or a family's own rate: ``peak_flops_by_op``
+(convolutions on CPUs, several times slower per flop than matmuls) or ``op_rate_factors``
+(fused attention's share of the matmul rate). The bytes are what the kernel moves
+(``kernel_model.moved_bytes``: fills read nothing, gathers only what they take, softmax
+over long rows once per pass) of the blocks this device reads and writes under the
+strategy (``strategy_bytes``): a matmul whose batch is split while its weight is whole
+still reads the whole weight on every device, which is what a decode step of generation
+(a few tokens against large weights) spends its time on. ``launch`` is the mesh's
+``kernel_launch_s``, paid by every op that launches a kernel (views launch none): on CPU
+ranks (gloo) the host runs the op, so it adds; on GPUs (nccl) the host issues kernels
+ahead of the device, so an op costs the longer of its kernel and its issue (a step of many
+tiny kernels is host-bound, one of large kernels hides the issue). Attention's backward
 costs what it runs on the mesh's devices (``op_flops``: the fused CPU backward reads the
 forward's saved statistic, a CUDA one runs the forward again).
 """
@@ -29,11 +39,13 @@ forward's saved statistic, a CUDA one runs the forward again).
 from __future__ import annotations
 
 from torchalpa.core.cluster import LogicalMesh
-from torchalpa.core.opgraph import OpNode
+from torchalpa.core.opgraph import OpGraph, OpNode
+from torchalpa.core.placement import Placements, is_shard
 from torchalpa.core.plan import bucketed_prefix
 from torchalpa.passes.attention_price import ATTENTION_BACKWARDS, attention_backward_flops
+from torchalpa.passes.kernel_model import epilogue_seconds, matmul_efficiency, moved_bytes
 
-__all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost",
+__all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost", "strategy_bytes",
            "all_reduce_cost", "wire_bytes", "batch_sync_cost", "op_family", "optimizer_cost", "op_flops"]
 
 
@@ -106,19 +118,50 @@ def batch_sync_cost(mesh: LogicalMesh, batch_syncs) -> float:
                for axis, nbytes in batch_syncs)
 
 
-def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int) -> float:
-    """Roofline time of this device's share of ``node`` split ``shards`` ways, plus its
-    kernel launch."""
+def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int,
+                 outputs: tuple[Placements, ...] | None = None,
+                 nbytes: float | None = None) -> float:
+    """Roofline time of this device's share of ``node`` split ``shards`` ways, with its
+    issue cost (module doc); ``outputs``: the strategy's result placements, which give a
+    matmul's local shape; ``nbytes``: the bytes that share reads and writes
+    (``strategy_bytes``; None: the op's bytes divided ``shards`` ways)."""
     if mesh.peak_flops is None:
         return 0.0
-    peak = mesh.peak_flops_for(_compute_dtype(node), op_family(node.op))
+    family = op_family(node.op)
+    peak = mesh.peak_flops_for(_compute_dtype(node), family)
     assert peak is not None  # peak_flops is set, so every dtype has a figure
-    t = op_flops(mesh, node) / shards / peak
+    peak *= matmul_efficiency(mesh, node, family, outputs)
+    t = op_flops(mesh, node) / shards / peak + epilogue_seconds(mesh, node, family, outputs,
+                                                                 shards)
     if mesh.memory_bandwidth:
-        t = max(t, node.bytes / shards / mesh.memory_bandwidth)
+        # what the kernel moves of the op's bytes, applied to this device's blocks
+        moved = moved_bytes(node, family) / shards if nbytes is None else \
+            nbytes * (moved_bytes(node, family) / node.bytes if node.bytes else 1.0)
+        t = max(t, moved / mesh.memory_bandwidth)
     if mesh.kernel_launch_s and not node.aliases:
-        t += mesh.kernel_launch_s
+        t = max(t, mesh.kernel_launch_s) if mesh.backend == "nccl" else t + mesh.kernel_launch_s
     return t
+
+
+def strategy_bytes(graph: OpGraph, node: OpNode, inputs, outputs, mesh_shape) -> float:
+    """Bytes one device reads and writes running its share of ``node`` with operand
+    layouts ``inputs`` and result layouts ``outputs`` (a strategy's): ``node.bytes`` (what
+    the whole op moves, as the capture or a fusion pricing says) times the share of its
+    operands' and results' bytes this device's blocks hold. A view moves nothing; an
+    operand read for its shape only (layout None) is not read."""
+    if node.aliases or not node.bytes:
+        return 0.0
+    pairs = [(graph.spec(ref), p) for ref, p in zip(node.operands, inputs) if p is not None]
+    pairs += [(spec, p) for spec, p in zip(node.outputs, outputs) if not spec.is_absent]
+    whole = local = 0.0
+    for spec, placements in pairs:
+        nbytes = float(spec.nbytes)
+        whole += nbytes
+        for axis, p in enumerate(placements):
+            if is_shard(p):
+                nbytes /= mesh_shape[axis]
+        local += nbytes
+    return node.bytes * local / whole if whole else 0.0
 
 
 def op_flops(mesh: LogicalMesh, node: OpNode) -> float:

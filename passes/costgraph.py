@@ -22,7 +22,13 @@ import numpy as np
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import OpGraph, TensorSpec
 from torchalpa.core.placement import Placements, replicated
-from torchalpa.passes.cost import batch_sync_cost, compute_cost, gradient_steps_cost, steps_cost
+from torchalpa.passes.cost import (
+    batch_sync_cost,
+    compute_cost,
+    gradient_steps_cost,
+    steps_cost,
+    strategy_bytes,
+)
 from torchalpa.passes.ilp import Edge
 from torchalpa.passes.reshard import plan_reshard
 from torchalpa.passes.shared_reshard import (
@@ -182,7 +188,8 @@ def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
     for node in graph:
         if not node.is_leaf:
             _fold(node_costs, grouping, node.name, k * np.array([
-                compute_cost(mesh, node, s.shards)
+                compute_cost(mesh, node, s.shards, s.outputs,
+                             strategy_bytes(graph, node, s.inputs, s.outputs, mesh.shape))
                 + steps_cost(mesh, sync_steps(s, node.outputs[0], mesh.shape))
                 + batch_sync_cost(mesh, s.batch_syncs) for s in S[node.name]]))
     # the loss is returned whole, and values for other pipeline stages are sent whole

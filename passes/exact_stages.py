@@ -22,6 +22,7 @@ from torchalpa.core.options import AutoShardingOption
 from torchalpa.core.plan import Plan
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.layer_cache import SolveCache
+from torchalpa.passes.layer_costs import micro_batch_seconds
 from torchalpa.passes.memory import in_flight_bytes
 from torchalpa.passes.search_problem import SearchProblem
 from torchalpa.passes.stage_costs import StageCosts
@@ -330,7 +331,7 @@ class ExactStages:
             self.exact_plans[(k, i, submesh, view, lean, in_flight_batches,
                               received is not None)] = plan
             e = plan.estimates
-            return e["step_time_s"], lean, (e["model_state_bytes_per_device"],
-                                            e["activation_bytes_per_device"],
-                                            e["saved_activation_bytes_per_device"])
+            return micro_batch_seconds(e, method.num_micro_batches), lean, (
+                e["model_state_bytes_per_device"], e["activation_bytes_per_device"],
+                e["saved_activation_bytes_per_device"])
         return None, False, None

@@ -40,7 +40,7 @@ from torchalpa.passes.exact_stages import ExactStages
 from torchalpa.passes.given_stages import manual_stages, uniform_stages
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.layer_cache import SolveCache, layer_signatures
-from torchalpa.passes.layer_costs import LayerCosts
+from torchalpa.passes.layer_costs import LayerCosts, micro_batch_seconds
 from torchalpa.passes.layers import assign_layers
 from torchalpa.passes.pipeline_assembly import assemble_pipeline, fastest_of
 from torchalpa.passes.pricing_memo import PricingMemo
@@ -58,7 +58,7 @@ from torchalpa.passes.submesh_views import (
 )
 
 __all__ = ["plan_pipeline", "assign_layers", "logical_views", "shardable_views",
-           "searched_views", "layer_probes", "LayerProbe"]
+           "searched_views", "layer_probes", "LayerProbe", "micro_batch_seconds"]
 
 log = logging.getLogger("torchalpa.planner")
 

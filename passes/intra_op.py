@@ -45,6 +45,7 @@ from torchalpa.passes.ilp import (
     SolverStopped,
     solve_ilp,
 )
+from torchalpa.passes.inplace_pricing import priced_in_place
 from torchalpa.passes.memory import MemoryModel, model_state_bytes
 from torchalpa.passes.pricing_memo import PricingMemo
 from torchalpa.passes.reshard import local_bytes, plan_reshard
@@ -355,7 +356,7 @@ def intra_op_problem(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, i
     if manual is not None:
         option = replace(option, pin=option.pin + manual.pin)
     option, mesh = effective_option(option, mesh)
-    graph = priced_as(graph, option.elementwise)
+    graph = priced_in_place(priced_as(graph, option.elementwise))
     if mesh.gradient_bucket_bytes > 0 and option.all_reduce_threshold is not None:
         # the runtime packs gradients into buckets of the plan's threshold: price those
         mesh = replace(mesh, gradient_bucket_bytes=float(option.all_reduce_threshold))

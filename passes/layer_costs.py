@@ -36,7 +36,7 @@ from torchalpa.passes.stage_jobs import fork_map
 from torchalpa.passes.submesh_views import searched_views, shardable_views
 from torchalpa.passes.view_classes import reprice, view_class
 
-__all__ = ["Estimate", "estimate_of", "stage_memory", "LayerCosts"]
+__all__ = ["Estimate", "estimate_of", "micro_batch_seconds", "stage_memory", "LayerCosts"]
 
 View = tuple[int, ...]
 Submesh = tuple[int, int]
@@ -53,13 +53,25 @@ class Estimate:
     saved: float           # what one micro-batch holds between its forward and backward
 
 
-def estimate_of(plan: Plan | None) -> Estimate | None:
-    """``plan``'s ``Estimate`` (None for no plan: nothing fits)."""
+def micro_batch_seconds(estimates, num_micro_batches: int) -> float:
+    """A stage plan's seconds per micro-batch in a pipeline of ``num_micro_batches``: what
+    it runs for every micro-batch, plus its share of what it runs once per step
+    (``once_per_step_s``: the gradients' final resharding, the optimizer), so that Alpa's
+    objective (the sum of the stages' latencies plus ``B - 1`` times the slowest) counts
+    those once, not ``B`` times."""
+    once = estimates.get("once_per_step_s") or 0.0
+    return estimates["step_time_s"] - once + once / num_micro_batches
+
+
+def estimate_of(plan: Plan | None, num_micro_batches: int) -> Estimate | None:
+    """``plan``'s ``Estimate`` in a pipeline of ``num_micro_batches`` (its seconds per
+    micro-batch: ``micro_batch_seconds``); None for no plan: nothing fits."""
     if plan is None:
         return None
     e = plan.estimates
-    return Estimate(e["step_time_s"], e["model_state_bytes_per_device"],
-                    e["activation_bytes_per_device"], e["saved_activation_bytes_per_device"])
+    return Estimate(micro_batch_seconds(e, num_micro_batches),
+                    e["model_state_bytes_per_device"], e["activation_bytes_per_device"],
+                    e["saved_activation_bytes_per_device"])
 
 
 def stage_memory(parts: list[Estimate], in_flight_batches: int) -> float:
@@ -176,7 +188,8 @@ class LayerCosts:
             for variant in variants:
                 plan = first if (view, submesh) == members[0] and variant == bool(lean) \
                     else self._priced(l, first, view, submesh, variant)
-                out[(view, submesh, variant)] = estimate_of(plan)
+                out[(view, submesh, variant)] = estimate_of(
+                    plan, self.problem.method.num_micro_batches)
         return out, (self.solves - solves, self.repriced - repriced)
 
     def _priced(self, l: int, plan: Plan | None, view: View, submesh: Submesh,
@@ -196,8 +209,8 @@ class LayerCosts:
                        ) -> Estimate | None:
         """Layer ``l``'s ``Estimate`` on ``view`` (lean: parameters sharded), None if no
         plan fits; its time measured where ``measured`` has it."""
-        estimate = self.cache.get(self._key(l, view, submesh, lean),
-                                  lambda: estimate_of(self._layer_plan(l, view, submesh, lean)))
+        estimate = self.cache.get(self._key(l, view, submesh, lean), lambda: estimate_of(
+            self._layer_plan(l, view, submesh, lean), self.problem.method.num_micro_batches))
         timed = None if self.measured is None else \
             self.measured.get((self.problem.signature[l], view, submesh))
         if estimate is None or timed is None:

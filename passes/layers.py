@@ -184,4 +184,44 @@ def assign_rest(graph: OpGraph, forward: dict[str, int]) -> dict[str, int]:
         if node.is_leaf:
             readers = [layer[c] for c in graph.consumers(node.name) if c in layer]
             layer[node.name] = min(readers) if readers else 0
+    _gradients_with_their_parameters(graph, forward, layer)
     return layer
+
+
+def _gradients_with_their_parameters(graph: OpGraph, forward: dict[str, int],
+                                     layer: dict[str, int]) -> None:
+    """Move the backward ops that make a parameter's gradient up to the parameter's layer
+    where they sit in an earlier one (``layer`` is changed in place).
+
+    A cut inside a module (a Linear's matmul in layer 1, its bias add in layer 2) leaves
+    the module's backward ops in its first layer, so the bias gradient would be made in
+    layer 1 and sent to its owner, layer 2: a value flowing to a later stage in backward,
+    which no pipeline schedule can run (the later stage waits for it before the earlier
+    one has started its backward). Such ops only read gradients of later layers, so they
+    can run in the owner's layer; an op that an earlier layer also reads, or that reads a
+    gradient of an earlier layer, stays, and so does every op of the chain that reads it.
+    """
+    leaf = {n.name for n in graph if n.is_leaf}
+    for fqn, ref in graph.outputs.grads:
+        owner = layer[graph.params[fqn]]
+        chain, stack = set(), [ref.node]         # backward ops before the owner's layer
+        while stack:
+            name = stack.pop()
+            if name in chain or name in forward or name in leaf or layer[name] >= owner:
+                continue
+            chain.add(name)
+            stack.extend(r.node for r in graph.node(name).operands)
+        # an op stays where an earlier layer outside the chain reads it or it reads a
+        # gradient of an earlier layer; what reads an op that stays must stay too
+        stay = {n for n in chain if any(layer[c] < owner and c not in chain
+                                        for c in graph.consumers(n))
+                or any(r.node not in chain and r.node not in forward and r.node not in leaf
+                       and layer[r.node] < owner for r in graph.node(n).operands)}
+        pending = list(stay)
+        while pending:
+            for c in graph.consumers(pending.pop()):
+                if c in chain and c not in stay:
+                    stay.add(c)
+                    pending.append(c)
+        for name in chain - stay:
+            layer[name] = owner

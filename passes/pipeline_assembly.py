@@ -146,8 +146,11 @@ def pipeline_estimates(stages: list[StagePlan], transfers: list[Transfer],
     states, one micro-batch at its peak and what the others in flight keep)."""
     S, B = len(stages), method.num_micro_batches
     link = cluster.inter_node_bandwidth if cluster.num_nodes > 1 else cluster.intra_node_bandwidth
+    # what a stage pays once per step (its gradients' final resharding, the optimizer)
+    # runs after its last backward, not with every micro-batch
+    once_s = [s.plan.estimates.get("once_per_step_s") or 0.0 for s in stages]
     step = list(stage_seconds) if stage_seconds is not None else \
-        [s.plan.estimates["step_time_s"] for s in stages]
+        [s.plan.estimates["step_time_s"] - o for s, o in zip(stages, once_s)]
     forward = [t * FORWARD_SHARE for t in step]   # backward is about twice forward's work
     # a recomputed stage runs its forward again in backward
     backward = [t - f + (f if s.recompute else 0.0) for t, f, s in zip(step, forward, stages)]
@@ -159,7 +162,7 @@ def pipeline_estimates(stages: list[StagePlan], transfers: list[Transfer],
     # once per step: parameters before the first micro-batch, summed gradient parts
     # after the last
     once = sum(t.bytes for t in transfers if t.once_per_step) / link
-    total = max(e for stage in timeline for _, _, _, e in stage) + once
+    total = max(max(e for _, _, _, e in stage) + o for stage, o in zip(timeline, once_s)) + once
     memory = [(recompute_memory if s.recompute else in_flight_bytes)(
         s.plan.estimates["model_state_bytes_per_device"],
         s.plan.estimates["activation_bytes_per_device"],

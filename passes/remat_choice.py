@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 __all__ = ["REMAT_MODES", "capture_modes", "plan_with_remat", "chosen_remat", "remat_note",
            "compute_lower_bound"]
 
-REMAT_MODES = ("none", "full", "auto")
+from torchalpa.core.options import REMAT_MODES
 
 C = TypeVar("C")
 
@@ -42,10 +42,11 @@ def capture_modes(remat: str) -> tuple[str, ...]:
 def remat_note(mode: str, graph) -> str:
     """One line for the plan summary: what checkpointing the plan runs and its cost."""
     info = graph.meta.get("remat") or {}
-    if mode != "full":
+    if mode not in ("full", "selective"):
         return "activation checkpointing: none (forward's activations kept for backward)"
-    return (f"activation checkpointing: full ({info.get('blocks', 0)} blocks recompute "
-            f"{info.get('recomputed_ops', 0)} forward ops in backward)")
+    kept = ", matrix products and attention kept" if mode == "selective" else ""
+    return (f"activation checkpointing: {mode} ({info.get('blocks', 0)} blocks recompute "
+            f"{info.get('recomputed_ops', 0)} forward ops in backward{kept})")
 
 
 def compute_lower_bound(graph, cluster, num_micro_batches: int = 1) -> float:

@@ -37,6 +37,7 @@ from torchalpa.passes.cost import (
     gradient_steps_cost,
     optimizer_cost,
     steps_cost,
+    strategy_bytes,
     wire_bytes,
 )
 from torchalpa.passes.costgraph import ReshardCosts
@@ -147,13 +148,15 @@ def _reshards(graph: OpGraph, mesh: LogicalMesh, chosen: dict[str, Strategy],
 @dataclass
 class _Traffic:
     """What one step communicates on ``mesh`` with ``k`` micro-batches: the collectives in
-    the order they run, their seconds and the bytes on the wire."""
+    the order they run, their seconds (``once_seconds`` of them paid once per step, not
+    per micro-batch) and the bytes on the wire."""
 
     graph: OpGraph
     mesh: LogicalMesh
     k: int
     collectives: list[Collective] = field(default_factory=list)
     seconds: float = 0.0
+    once_seconds: float = 0.0
     wire: float = 0.0
 
     def add_reshard(self, r: Reshard, state_once: bool) -> None:
@@ -184,8 +187,9 @@ class _Traffic:
                 groups = mesh.num_devices // mesh.shape[step.axis]
                 self.wire += times * groups * wire_bytes(step.kind, mesh.shape[step.axis],
                                                          step.bytes, mesh.backend)
-        self.seconds += times * (gradient_steps_cost if is_gradient else steps_cost)(
-            mesh, r.steps)
+        seconds = (gradient_steps_cost if is_gradient else steps_cost)(mesh, r.steps)
+        self.seconds += times * seconds
+        self.once_seconds += seconds if is_gradient or once else 0.0
 
     def add_op(self, n: OpNode, s: Strategy) -> None:
         """The all-reduces op ``n`` runs inside itself under ``s``: the statistics of a
@@ -209,19 +213,26 @@ class _Traffic:
 def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                chosen: dict[str, Strategy], traffic: _Traffic,
                leaf_placement: dict[str, Placements], state_once: bool) -> Estimates:
-    """The step's time (communication, compute and the optimizer) and memory per device
-    (model states, the activation peak and what forward saves for backward)."""
+    """The step's time (communication, compute and the optimizer; what of it is paid once
+    per step: the gradients' final resharding, state reads done once, the optimizer) and
+    memory per device (model states, the activation peak and what forward saves for
+    backward). An op's compute is priced on the bytes its strategy's blocks move."""
     k = traffic.k
-    compute_time = k * sum(compute_cost(mesh, n, chosen[n.name].shards) for n in graph.ops())
+    compute_time = k * sum(compute_cost(
+        mesh, n, chosen[n.name].shards, chosen[n.name].outputs, strategy_bytes(
+            graph, n, chosen[n.name].inputs, chosen[n.name].outputs, mesh.shape))
+        for n in graph.ops())
     state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states)
-    compute_time += optimizer_cost(mesh, {
+    optimizer_s = optimizer_cost(mesh, {
         n.name: local_bytes(n.output, leaf_placement[n.name], mesh.shape)
         for n in graph if n.kind == "param"}, method.optimizer_states)
+    compute_time += optimizer_s
     activations, saved = activation_peak_bytes(
         graph, {name: s.outputs for name, s in chosen.items()}, mesh.shape,
         saved_statistics(graph, mesh), state_at_start=state_once)
     return Estimates(step_time_s=traffic.seconds + compute_time,
-                     communication_s=traffic.seconds, compute_s=compute_time,
+                     communication_s=traffic.seconds,
+                     once_per_step_s=traffic.once_seconds + optimizer_s, compute_s=compute_time,
                      model_state_bytes_per_device=state,
                      activation_bytes_per_device=activations,
                      saved_activation_bytes_per_device=saved,

@@ -3,7 +3,7 @@
 The stage DP prices every candidate stage twice, its activations kept and recomputed,
 and keeps the better one per stage (``passes/stage_search.py``); the runtime runs a
 recomputed stage by keeping each micro-batch's inputs and running its forward again
-right before its backward (``runtime/stage_recompute.py``). Under the cost model:
+right before its backward (``runtime/stage_remat.py``). Under the cost model:
 
 - time: one more forward per micro-batch. A stage's backward is about twice its forward
   (the convention the pipeline timeline uses), so the forward is a third of its step

@@ -20,9 +20,9 @@ GPT-2 small, where DDP issues a handful). DDP packs gradients into buckets of ab
   so intra-op and pipeline-stage programs alike get it.
 - ``issued_collectives(plan, num_micro_batches)`` is the list a step really issues (the
   plan's collectives with each bucket's members replaced by the bucket): what
-  ``runtime.comm_count`` must count. With ``loss_ride`` (``runtime.loss_ride``: a
-  ``train_step`` whose loss all-reduce rides a bucket), that collective's bytes are listed
-  in its bucket's and it is not listed on its own.
+  ``runtime.comm_count`` must count. With ``loss_in_bucket`` (``runtime.loss_in_bucket``:
+  a ``train_step`` whose loss is all-reduced inside a bucket), that collective's bytes are
+  listed in its bucket's and it is not listed on its own.
 
 Reduction is elementwise, so reducing a concatenation equals concatenating the reductions:
 the gradients are the same sums as with one collective each, up to the order the ranks'
@@ -48,7 +48,7 @@ from torchalpa.runtime import collectives as C
 __all__ = ["DEFAULT_BUCKET_BYTES", "FIRST_BUCKET_BYTES", "GradientBucket", "BucketStage",
            "bucket_threshold", "gradient_buckets",
            "fuse_gradient_buckets", "flatten_concat", "split_flat",
-           "interleave_chunks", "split_chunks", "BUCKET", "collective_position", "LossRide",
+           "interleave_chunks", "split_chunks", "BUCKET", "collective_position", "LossInBucket",
            "is_gradient"]
 
 BUCKET = "torchalpa_bucket"     # ``node.meta`` key of a bucket's packing: its index
@@ -184,10 +184,10 @@ def _bucket(plan: Plan, members: list) -> GradientBucket:
 
 
 @dataclass(frozen=True, slots=True)
-class LossRide:
+class LossInBucket:
     """A ``train_step``'s loss all-reduce sent inside a gradient bucket's all-reduce
-    (``runtime.loss_ride``): the collective at ``position`` of ``plan.collectives`` rides
-    bucket ``bucket`` of ``gradient_buckets(plan)``."""
+    (``runtime.loss_in_bucket``): the collective at ``position`` of ``plan.collectives``
+    travels in bucket ``bucket`` of ``gradient_buckets(plan)``."""
 
     position: int
     bucket: int
@@ -305,7 +305,7 @@ def fuse_gradient_buckets(gm: fx.GraphModule, buckets: Sequence[GradientBucket],
         with graph.inserting_before(first):
             if bucket.kind == "all_reduce":
                 flat = graph.call_function(flatten_concat, (members,))
-                flat.meta[BUCKET] = index     # a loss may ride it (runtime.loss_ride)
+                flat.meta[BUCKET] = index     # a loss may travel in it (runtime.loss_in_bucket)
                 reduced = graph.call_function(C.all_reduce, (flat, bucket.reduce_op, group))
             else:
                 flat = graph.call_function(interleave_chunks, (members, bucket.dim, n))

@@ -33,6 +33,12 @@ a warning naming the damaged one. Falling back is not the default because it sil
 rewinds training by one or more saves -- a decision for the user (an automatic-restart
 script that prefers losing steps over stopping passes ``fallback=True``).
 
+A load is all or nothing. Checksums catch damage, not a file replaced together with its
+manifest entry, which only reading finds: so every rank first reads its whole part (the
+tensors into new ones, its random state without setting it), the ranks agree that every
+part is good, and only then is anything applied. A refused load leaves the model, the
+optimizer and the random state bit-identical, on every rank.
+
 Loading runs no code from the checkpoint: DCP's metadata is unpickled by an unpickler
 that only builds DCP's own metadata records (``_SafeReader``), DCP reads non-tensor
 entries with ``torch.load(weights_only=True)``, the manifest and ``latest`` are plain
@@ -48,6 +54,7 @@ Both functions are collective: every rank calls them with the same path.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -61,7 +68,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -357,6 +364,23 @@ class _SafeReader(FileSystemReader):
         storage_meta.load_id = self.load_id
         return metadata
 
+    def read_data(self, plan, planner):
+        """DCP's read, one file at a time, so that a file it cannot read is named."""
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path,
+                               []).append(item)
+        for name, items in by_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as e:
+                lines = str(e).strip().splitlines()
+                raise CheckpointError(f"{name} is unreadable ({type(e).__name__}: "
+                                      f"{lines[0][:300] if lines else ''})") from e
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
 
 # -- random state ------------------------------------------------------------------------
 
@@ -375,16 +399,18 @@ def _save_rng(directory: Path, rank: int) -> None:
         os.fsync(f.fileno())
 
 
-def _load_rng(directory: Path, manifest: dict | None, rank: int, world: int) -> None:
+def _read_rng(directory: Path, manifest: dict | None, rank: int, world: int) -> dict | None:
+    """This rank's saved random-number state, checked but not applied: None when there is
+    none to restore (an old checkpoint, or another world size: a warning says so)."""
     if manifest is None:
-        return
+        return None
     saved_world = manifest.get("world_size")
     if saved_world != world:
         warnings.warn(f"checkpoint {directory} was saved by {saved_world} ranks and is loaded "
                       f"by {world}: parameters and optimizer state are resharded, but the "
                       "random-number state is not restored (resume is not bit-identical "
-                      "with dropout)", stacklevel=3)
-        return
+                      "with dropout)", stacklevel=4)
+        return None
     path = directory / _rng_file(rank)
     try:
         state = torch.load(path, weights_only=True)
@@ -392,9 +418,30 @@ def _load_rng(directory: Path, manifest: dict | None, rank: int, world: int) -> 
         raise CheckpointError(f"{path} is unreadable ({type(e).__name__}: {e})") from e
     if not isinstance(state, dict) or not isinstance(state.get("cpu"), torch.Tensor):
         raise CheckpointError(f"{path} does not hold a random-number state")
+    try:
+        _try_rng(state)
+    except Exception as e:
+        raise CheckpointError(f"{path} does not hold a random-number state this process "
+                              f"accepts ({type(e).__name__}: {e})") from e
+    return state
+
+
+def _set_rng(state: dict) -> None:
     torch.set_rng_state(state["cpu"])
     if torch.cuda.is_available() and state.get("cuda") is not None:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _try_rng(state: dict) -> None:
+    """Set the generators from ``state``, then give each the state it had: raises if they
+    refuse ``state``, and changes nothing either way."""
+    current: dict = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and state.get("cuda") is not None:
+        current["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        _set_rng(state)
+    finally:
+        _set_rng(current)
 
 
 # -- the two entry points -----------------------------------------------------------------
@@ -532,23 +579,89 @@ def load_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
     size matches. The optimizer's state is created first if it has none (a
     zero-learning-rate step, as ``torch.distributed.checkpoint.state_dict`` does), then
     overwritten by the saved one.
+
+    All or nothing: every rank reads and checks all of its part of the checkpoint (the
+    tensors into new ones, the random state without setting it) before anything is
+    applied, and the ranks agree that every part is good. A file that cannot be read on
+    any rank raises ``CheckpointError`` on every rank naming it, with the model, the
+    optimizer and the random state as they were (an optimizer state created for the load
+    is removed again). The cost is room for a second copy of this rank's shards of the
+    model and optimizer state while loading.
     """
     module, optimizer = _parts(pmodel, optimizer)
     directory, manifest = _intact_version(Path(path), fallback)
-    reader = _SafeReader(directory)
-    reader.read_metadata()                # our error naming the file, before DCP wraps it
-    layouts = _state_dicts(module, optimizer)
-    state = _strided_as_shards(layouts)
-    dcp.load(state, storage_reader=reader)
-    state = _restore_strided(state, layouts)
-    if optimizer is None:
+    random_state = _agreed_rng(directory, manifest) if rng else None
+    state = _read_tensors(directory, module, optimizer)
+    if optimizer is None:            # everything is read and checked: apply it
         set_model_state_dict(module, state["model"])
     else:
         set_state_dict(module, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-    if rng:
-        _load_rng(directory, manifest, mesh.rank(), mesh.world_size())
+    if random_state is not None:
+        _set_rng(random_state)
     return directory
+
+
+def _agreed_rng(directory: Path, manifest: dict | None) -> dict | None:
+    """This rank's random state from ``directory`` (not applied), once every rank has read
+    its own (one all-gather): a bad file on any rank raises on all of them."""
+    problem = None
+    state = None
+    try:
+        state = _read_rng(directory, manifest, mesh.rank(), mesh.world_size())
+    except CheckpointError as e:
+        problem = f"rank {mesh.rank()}: {e}"
+    _refuse_if_any(directory, [p for p in gather_objects(problem) if p])
+    return state
+
+
+def _read_tensors(directory: Path, module, optimizer: torch.optim.Optimizer | None) -> dict:
+    """The model's (and optimizer's) state dicts read from ``directory`` into new tensors
+    laid out as the live ones, leaving those untouched. DCP's read is collective: a file
+    that fails on one rank raises on every rank."""
+    reader = _SafeReader(directory)
+    reader.read_metadata()                # our error naming the file, before DCP wraps it
+    made_state = optimizer if optimizer is not None and not optimizer.state else None
+    try:
+        layouts = _state_dicts(module, optimizer)     # may create the optimizer's state
+        state = _strided_as_shards(layouts)
+        state = tree_map(lambda t, live: t.detach().clone()          # new tensors to read into
+                         if isinstance(t, torch.Tensor) and t is live else t, state, layouts)
+        dcp.load(state, storage_reader=reader)
+    except BaseException as e:
+        if made_state is not None:
+            made_state.state.clear()      # as it was: the state made for the load goes
+        if isinstance(e, CheckpointException):
+            raise CheckpointError(_refusal(directory, [
+                f"rank {r}: {_first_line(error)}" for r, (error, _) in sorted(e.failures.items())
+            ])) from e
+        raise
+    return _restore_strided(state, layouts)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _refuse_if_any(directory: Path, problems: list[str]) -> None:
+    if problems:
+        raise CheckpointError(_refusal(directory, problems))
+
+
+def _refusal(directory: Path, problems: list[str]) -> str:
+    """Why ``directory`` was not loaded (``problems``), that nothing changed, what to do."""
+    older = []
+    if _VERSION_RE.match(directory.name):
+        below = _number(_VERSION_RE, directory.name)
+        older = [v for v in _versions(directory.parent) if _number(_VERSION_RE, v) < below]
+    instead = (f"load the previous version, load_checkpoint("
+               f"{os.fspath(directory.parent / older[-1])!r}, ...), or " if older else "")
+    return (f"checkpoint {directory} cannot be loaded: {'; '.join(problems)}. Nothing was "
+            "loaded: the model, the optimizer and the random state are as they were. The "
+            "files match the manifest's checksums, so they were replaced or altered after "
+            f"the save (with the manifest rewritten to match); {instead}restore the files "
+            "from a copy")
 
 
 def _check_version(directory: Path) -> dict | None:

@@ -50,7 +50,8 @@ class CollectiveCounter(TorchDispatchMode):
         if kind is not None:
             tensor = args[0]
             group = args[_GROUP_ARG[kind]] if len(args) > _GROUP_ARG[kind] else None
-            self.records.append(CollectiveRecord(kind, self.group_axes.get(group), tensor.nbytes))
+            axis = None if group is None else self.group_axes.get(group)
+            self.records.append(CollectiveRecord(kind, axis, tensor.nbytes))
         return func(*args, **(kwargs or {}))
 
     def counts(self) -> Counter:

@@ -124,7 +124,8 @@ def _tail(loss: fx.Node) -> set[fx.Node] | None:
 def finish_program(owner: fx.GraphModule, order: list[fx.Node], boundary: list[fx.Node],
                    loss: fx.Node) -> fx.GraphModule:
     """``(*boundary) -> loss``: the tail's ops, copied in program order (also the finish of
-    a loss riding a bucket, ``runtime.loss_ride``, whose boundary starts with the wait)."""
+    a loss all-reduced in a bucket, ``runtime.loss_in_bucket``, whose boundary starts with
+    the wait)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {b: graph.placeholder(b.name) for b in boundary}
     for n in order:

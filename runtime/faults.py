@@ -29,18 +29,17 @@ fed a different batch shape is named on every rank at once instead of after a ti
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import sys
-import threading
 import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from torchalpa.runtime import launcher_stop
+from torchalpa.runtime import clean_exit, launcher_stop
+from torchalpa.runtime.heartbeat import Heartbeat, failure_key
 from torchalpa.runtime.mesh import gather_objects, world_size
 from torchalpa.runtime.rank_failure import RankFailedError, describe_culprits
 
@@ -48,7 +47,6 @@ __all__ = ["RankFailedError", "FaultMonitor", "check_same_inputs", "check_same_v
            "describe_specs", "describe_culprits"]
 
 _PREFIX = "torchalpa/"
-HEARTBEAT_S = 0.5
 _COMM_ERROR_HINTS = ("gloo", "Connection closed", "Connection reset", "Timed out", "timed out",
                      "NCCL", "Broken pipe", "Socket", "socket")
 
@@ -76,9 +74,10 @@ class FaultMonitor:
         self.world_size = dist.get_world_size()
         self.timeout_s = float(timeout_s)
         self.store = _default_store() if self.world_size > 1 else None
+        clean_exit.install()
         if self.store is not None:
             self._install_excepthook()
-            _Heartbeat.start(self.store, self.rank)
+            Heartbeat.start(self.store, self.rank, self.world_size)
             launcher_stop.install(self)
 
     # -- this rank ----------------------------------------------------------------------
@@ -88,7 +87,7 @@ class FaultMonitor:
             return
         text = f"{type(error).__name__}: {error}".strip()
         try:
-            self.store.set(f"{_PREFIX}failed/{self.rank}", text[:2000])
+            self.store.set(failure_key(self.rank), text[:2000])
         except Exception:  # the store may be gone too; the local error still propagates
             pass
 
@@ -98,6 +97,8 @@ class FaultMonitor:
         previous = sys.excepthook
 
         def hook(kind, value, tb):
+            Heartbeat.handling.set()          # this process ends by its own error
+            clean_exit.ending_with_error()
             self.record(value)
             previous(kind, value, tb)
 
@@ -120,7 +121,9 @@ class FaultMonitor:
 
     # -- the other ranks ----------------------------------------------------------------
     def diagnose(self, what: str, error: BaseException) -> str:
-        """Which rank made this rank's collective fail, as a message for the user."""
+        """Which rank made this rank's collective fail, as a message for the user; the
+        job's failure is announced to every rank's heartbeat (``heartbeat``)."""
+        Heartbeat.handling.set()           # this rank ends by the error it is about to raise
         me = f"rank {self.rank}: {what} stopped because "
         first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
         tail = (f"\n(the collective error on rank {self.rank}: {type(error).__name__}: "
@@ -128,28 +131,31 @@ class FaultMonitor:
         try:
             failed, dead = self.culprits()
             self.leaving(failed, dead)
-            if failed or dead:
-                self._wait_for_survivors(set(failed) | set(dead))
-                return me + describe_culprits(failed, dead) + tail
-            missing = self._roll_call()
+            missing = [] if failed or dead else self._roll_call()
         except RankFailedError:  # torchrun stopped this rank meanwhile: launcher_stop's word
             raise
         except Exception as e:  # the store lives on rank 0 or in the launcher
             return (me + "a peer stopped responding and the job's store is unreachable "
                     f"({type(e).__name__}); the store's host (rank 0 or the launcher) has "
                     "probably failed" + tail)
-        if missing:
+        if failed or dead:
+            message = me + describe_culprits(failed, dead) + tail
+        elif missing:
             ranks = ", ".join(map(str, missing))
-            return (me + f"rank(s) {ranks} did not respond (dead, hung, or no longer calling "
-                    f"the model; collective timeout {self.timeout_s:g} s, set by "
-                    "TORCHALPA_TIMEOUT_S)" + tail)
-        return me + "a collective failed on every rank; see the error below" + tail
+            message = (me + f"rank(s) {ranks} did not respond (dead, hung, or no longer "
+                       f"calling the model; collective timeout {self.timeout_s:g} s, set by "
+                       "TORCHALPA_TIMEOUT_S)" + tail)
+        else:
+            message = me + "a collective failed on every rank; see the error below" + tail
+        Heartbeat.announce_failure(message)
+        self._wait_for_survivors(set(failed) | set(dead))
+        return message
 
     def culprits(self) -> tuple[dict[int, str], list[int]]:
         """The ranks that recorded an error (with it), and the other ranks whose
         heartbeat stopped without leaving (dead). Takes a few heartbeats."""
         failed = self._failures()
-        dead = [r for r in _Heartbeat.stopped(self.world_size, self.rank) if r not in failed]
+        dead = [r for r in Heartbeat.stopped(self.world_size, self.rank) if r not in failed]
         return failed, dead
 
     def leaving(self, failed, dead) -> None:
@@ -157,119 +163,44 @@ class FaultMonitor:
         do not take its silent heartbeat for a death."""
         culprits = sorted(set(failed) | set(dead))
         why = f"stopped after rank(s) {', '.join(map(str, culprits))}" if culprits else "stopped"
-        _Heartbeat.left(self.rank, why)
+        Heartbeat.left(self.rank, why)
 
     def _wait_for_survivors(self, gone: set[int]) -> None:
-        """On rank 0, which hosts the store in a plain launch: stay until every other
-        survivor has diagnosed the failure too (bounded by the collective timeout), so
-        that this rank's exit does not take the store away from their diagnosis."""
+        """On rank 0, which hosts the store in a plain launch: stay until every other rank
+        still alive has left (bounded by the collective timeout), so that this rank's exit
+        does not take the store away from their diagnosis -- nor from a hung rank's
+        heartbeat, which stops it once it reads the failure (``heartbeat``)."""
         if self.rank != 0:
             return
         others = [r for r in range(1, self.world_size) if r not in gone]
-        _Heartbeat.wait_until_left(others, time.monotonic() + self.timeout_s + 10.0)
+        Heartbeat.wait_until_left(others, time.monotonic() + self.timeout_s + 10.0)
 
     def _failures(self) -> dict[int, str]:
+        store = self.store
+        assert store is not None, "a job of several ranks has a store"
         out = {}
         for r in range(self.world_size):
-            key = f"{_PREFIX}failed/{r}"
-            if r != self.rank and self.store.check([key]):
-                out[r] = self.store.get(key).decode(errors="replace")
+            key = failure_key(r)
+            if r != self.rank and store.check([key]):
+                out[r] = store.get(key).decode(errors="replace")
         return out
 
     def _roll_call(self) -> list[int]:
         """Ranks that do not report within a grace period after this one failed."""
-        self.store.set(f"{_PREFIX}alive/{self.rank}", "1")
+        store = self.store
+        assert store is not None, "a job of several ranks has a store"
+        store.set(f"{_PREFIX}alive/{self.rank}", "1")
         grace = min(10.0, max(2.0, 0.25 * self.timeout_s))
         deadline = time.monotonic() + grace
         others = [r for r in range(self.world_size) if r != self.rank]
         while True:
-            missing = [r for r in others if not self.store.check([f"{_PREFIX}alive/{r}"])]
+            missing = [r for r in others if not store.check([f"{_PREFIX}alive/{r}"])]
             if not missing or time.monotonic() > deadline:
                 return missing
             if self._failures():
                 return missing
             time.sleep(0.2)
 
-
-
-class _Heartbeat:
-    """One daemon thread per process: ``torchalpa/beat/<rank>`` counts up in the job's
-    TCPStore, over a client connection of its own (a store client must not be shared
-    between threads)."""
-
-    _thread: threading.Thread | None = None
-    _address: tuple[str, int] | None = None
-
-    @staticmethod
-    def _client(address: tuple[str, int]):
-        import datetime
-        return dist.TCPStore(address[0], address[1], is_master=False,
-                             timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
-
-    @classmethod
-    def start(cls, store, rank: int) -> None:
-        if cls._thread is not None and cls._thread.is_alive():
-            return
-        base = store
-        while hasattr(base, "underlying_store"):
-            base = base.underlying_store
-        if not isinstance(base, dist.TCPStore):
-            return                      # no heartbeats: dead ranks are found by roll call
-        cls._address = (base.host, base.port)
-        key = f"{_PREFIX}beat/{rank}"
-        try:
-            client = cls._client(cls._address)
-            client.add(key, 1)
-        except Exception:  # the store is not reachable this way: no heartbeats
-            cls._address = None
-            return
-
-        def beat():
-            while True:
-                try:
-                    client.add(key, 1)
-                except Exception:  # the store is gone: the job is over
-                    return
-                time.sleep(HEARTBEAT_S)
-
-        def leave():
-            try:
-                client.set(f"{_PREFIX}left/{rank}", "exited")
-            except Exception:  # the store may be gone already
-                pass
-
-        cls._thread = threading.Thread(target=beat, name="torchalpa-heartbeat", daemon=True)
-        cls._thread.start()
-        atexit.register(leave)
-
-    @classmethod
-    def left(cls, rank: int, why: str) -> None:
-        if cls._address is not None:
-            cls._client(cls._address).set(f"{_PREFIX}left/{rank}", why)
-
-    @classmethod
-    def stopped(cls, world_size: int, me: int) -> list[int]:
-        """Ranks whose heartbeat does not move for a few beats and that did not leave."""
-        if cls._address is None:
-            return []
-        client = cls._client(cls._address)
-        others = [r for r in range(world_size) if r != me]
-        before = {r: client.add(f"{_PREFIX}beat/{r}", 0) for r in others}
-        time.sleep(5 * HEARTBEAT_S)
-        after = {r: client.add(f"{_PREFIX}beat/{r}", 0) for r in others}
-        return [r for r in others if after[r] == before[r]
-                and not client.check([f"{_PREFIX}left/{r}"])]
-
-    @classmethod
-    def wait_until_left(cls, ranks: list[int], deadline: float) -> None:
-        """Until every rank of ``ranks`` has left, or ``deadline`` (time.monotonic)."""
-        if cls._address is None:
-            return
-        client = cls._client(cls._address)
-        while time.monotonic() < deadline:
-            if all(client.check([f"{_PREFIX}left/{r}"]) for r in ranks):
-                return
-            time.sleep(0.2)
 
 
 def describe_specs(specs: Sequence[tuple[tuple[int, ...], torch.dtype | str]]) -> str:

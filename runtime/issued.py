@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from torchalpa.core.plan import Collective, Plan
-from torchalpa.runtime.buckets import GradientBucket, LossRide, gradient_buckets, is_gradient
+from torchalpa.runtime.buckets import GradientBucket, LossInBucket, gradient_buckets, is_gradient
 from torchalpa.runtime.param_gather import gather_buckets, gathered_once
 
 __all__ = ["issued_collectives"]
@@ -16,11 +16,11 @@ __all__ = ["issued_collectives"]
 
 def issued_collectives(plan: Plan, num_micro_batches: int = 1,
                        buckets: Sequence[GradientBucket] | None = None, *,
-                       loss_ride: LossRide | None = None, one_stage: bool = True
+                       loss_in_bucket: LossInBucket | None = None, one_stage: bool = True
                        ) -> list[Collective]:
     """Every collective one step issues: the final resharding of each gradient once (with
     each bucket's members as one collective), everything else once per micro-batch;
-    ``loss_ride``: the loss's all-reduce inside its bucket (one micro-batch only).
+    ``loss_in_bucket``: the loss's all-reduce inside its bucket (one micro-batch only).
     ``one_stage``: the plan runs as a one-stage step (``runtime.lower.lower``), whose
     parameters' forward gathers run once per step, bucketed (``runtime.param_gather``);
     False for a stage of a pipeline, which gathers per micro-batch."""
@@ -30,11 +30,11 @@ def issued_collectives(plan: Plan, num_micro_batches: int = 1,
     hoisted = gathered_once(plan, num_micro_batches) if one_stage else {}
     gathers = gather_buckets(plan, num_micro_batches) if one_stage else ()
     in_bucket |= {i for b in gathers for i in b.positions}
-    riders: dict[int, int] = {}         # bucket -> bytes of the loss riding it
-    if loss_ride is not None:
-        assert num_micro_batches == 1, "a loss rides a bucket in one-micro-batch steps only"
-        in_bucket.add(loss_ride.position)
-        riders[loss_ride.bucket] = plan.collectives[loss_ride.position].bytes
+    with_loss: dict[int, int] = {}       # bucket -> bytes of the loss it carries
+    if loss_in_bucket is not None:
+        assert num_micro_batches == 1, "a loss travels in a bucket in one-micro-batch steps only"
+        in_bucket.add(loss_in_bucket.position)
+        with_loss[loss_in_bucket.bucket] = plan.collectives[loss_in_bucket.position].bytes
     once = {i for positions in hoisted.values() for i in positions}
     position = -1
     for r in plan.reshards:
@@ -49,9 +49,9 @@ def issued_collectives(plan: Plan, num_micro_batches: int = 1,
             out += [c] * (1 if i in once else num_micro_batches)
     for i, b in enumerate(buckets):
         first = plan.collectives[b.positions[0]]
-        out.append(replace(first, bytes=b.bytes + riders.get(i, 0), source="",
+        out.append(replace(first, bytes=b.bytes + with_loss.get(i, 0), source="",
                            tensor=f"bucket of {len(b.params)} gradients"
-                           + (" and the loss" if i in riders else "")))
+                           + (" and the loss" if i in with_loss else "")))
         for stage in b.then:
             out.append(replace(plan.collectives[stage.positions[0]], bytes=stage.bytes,
                                source="", tensor=f"bucket of {len(b.params)} gradients"))

@@ -21,6 +21,11 @@ summary. This module gives every survivor a last word:
 
 A SIGTERM with no rank at fault (a scheduler stopping the job) ends the process as the
 default action does (exit status 143), after the diagnosis found no culprit.
+
+A process forked from the rank (the planner's stage-solving workers, a
+``multiprocessing`` pool) starts with SIGTERM's default action and no wakeup fd: it would
+otherwise inherit both, and the SIGTERM that stops such a worker (``Pool.terminate``)
+would be written into the rank's own wakeup pipe and end the rank.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import signal
 import sys
 import threading
 
+from torchalpa.runtime import clean_exit
+from torchalpa.runtime.heartbeat import Heartbeat
 from torchalpa.runtime.rank_failure import RankFailedError, describe_culprits
 
 __all__ = ["install"]
@@ -49,6 +56,7 @@ class _Stop:
 
     def diagnose(self) -> None:
         """Who made the launcher stop this rank (the heartbeats need ~2.5 s to tell)."""
+        Heartbeat.handling.set()          # this rank ends here, with this diagnosis
         monitor = self.monitor
         try:
             failed, dead = monitor.culprits()
@@ -79,6 +87,8 @@ class _Stop:
                 received = os.read(wakeup_fd, 64)
             except OSError:
                 return
+            if not received:              # the pipe was closed: the process is exiting
+                return
             if signal.SIGTERM.value in received:
                 break
         self.diagnose()
@@ -91,6 +101,18 @@ class _Stop:
 
 
 _installed: _Stop | None = None
+
+
+def _forget_in_child() -> None:
+    """In a process forked from this rank: SIGTERM's default action, no wakeup fd (the
+    watcher thread is not forked; the pipe it reads is the rank's)."""
+    global _installed
+    _installed = None
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    except ValueError:    # the signal module refuses outside the main thread: nothing to reset
+        pass
 
 
 def install(monitor) -> bool:
@@ -116,7 +138,23 @@ def install(monitor) -> bool:
         return False
     stop = _Stop(monitor)
     signal.signal(signal.SIGTERM, stop.on_signal)
-    threading.Thread(target=stop.watch, args=(read_fd,), name="torchalpa-sigterm",
-                     daemon=True).start()
+    os.register_at_fork(after_in_child=_forget_in_child)
+    watcher = threading.Thread(target=stop.watch, args=(read_fd,), name="torchalpa-sigterm",
+                               daemon=True)
+    watcher.start()
+    clean_exit.stop_at_exit(lambda: _uninstall(watcher, write_fd))
     _installed = stop
     return True
+
+
+def _uninstall(watcher: threading.Thread, write_fd: int) -> None:
+    """At exit: SIGTERM acts by default again, and the watcher thread ends (its pipe is
+    closed) before the interpreter's teardown."""
+    global _installed
+    if threading.current_thread() is not threading.main_thread():
+        return                            # signals can be reset from the main thread only
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.set_wakeup_fd(-1)
+    os.close(write_fd)
+    watcher.join(1.0)
+    _installed = None

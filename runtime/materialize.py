@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchalpa.core import placement as P
 from torchalpa.core.plan import Plan
 
-__all__ = ["to_dtensor_placements", "distribute_module_state", "distribute_stages",
+__all__ = ["to_dtensor_placements", "distribute_module_state", "distribute_stages", "local_zeros",
            "reset_parameters", "MaterializeWarning"]
 
 
@@ -55,8 +55,9 @@ def to_dtensor_placements(placements) -> tuple:
 def reset_parameters(module: nn.Module) -> None:
     """The default ``init_weights``: ``reset_parameters()`` on every submodule with one."""
     for m in module.modules():
-        if callable(getattr(m, "reset_parameters", None)):
-            m.reset_parameters()
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            reset()
 
 
 def distribute_module_state(module: nn.Module, plan: Plan, mesh, device: torch.device, *,
@@ -93,7 +94,7 @@ def distribute_stages(module: nn.Module, stages: Sequence[tuple[Plan, DeviceMesh
                 if len(stages) > 1:
                     raise ValueError(f"{value.name} is on the meta device; pipelines need real "
                                      "weights for now (build the model on CPU)")
-                dt = _local_zeros(old, mesh, place, device)
+                dt = local_zeros(old, mesh, place, device)
                 materialized.append(value.name)
             else:
                 dt = distribute_tensor(old.detach().to(device), mesh, place, src_data_rank=0)
@@ -119,7 +120,9 @@ def _swap(module: nn.Module, new_by_id: dict[int, torch.Tensor]) -> None:
     for mod in module.modules():
         for key, p in list(mod._parameters.items()):
             if p is not None and id(p) in new_by_id:
-                mod._parameters[key] = new_by_id[id(p)]
+                new = new_by_id[id(p)]
+                assert isinstance(new, nn.Parameter), f"{key}: a parameter is swapped for one"
+                mod._parameters[key] = new
         for key, b in list(mod._buffers.items()):
             if b is not None and id(b) in new_by_id:
                 mod._buffers[key] = new_by_id[id(b)]
@@ -140,7 +143,7 @@ def _warn_uninitialized(module: nn.Module, materialized: set[str]) -> None:
                       MaterializeWarning, stacklevel=4)
 
 
-def _local_zeros(meta: torch.Tensor, mesh, placements, device) -> DTensor:
+def local_zeros(meta: torch.Tensor, mesh, placements, device) -> DTensor:
     """A DTensor of ``meta``'s global shape holding only this rank's block, zeroed."""
     shape = list(meta.shape)
     for axis, p in enumerate(placements):

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from torchalpa.core.cluster import cuda_selected
+from torchalpa.runtime.host_memory import peak_rss_bytes, reset_peak
 
 __all__ = ["local_nbytes", "model_state_bytes", "loopback_bytes", "timed_steps",
            "reset_peak_memory", "peak_memory_bytes"]
@@ -74,10 +75,7 @@ def reset_peak_memory() -> None:
     if cuda_selected():
         torch.cuda.reset_peak_memory_stats()
         return
-    try:   # Linux: writing 5 to clear_refs resets VmHWM, the peak resident set size
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
+    reset_peak()
 
 
 def peak_memory_bytes() -> int:
@@ -85,8 +83,4 @@ def peak_memory_bytes() -> int:
     (the whole process: libraries and allocator caches included)."""
     if cuda_selected():
         return torch.cuda.max_memory_allocated()
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_rss_bytes()

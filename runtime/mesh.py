@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchalpa.core.cluster import cuda_selected
+from torchalpa.runtime import clean_exit
 
 __all__ = ["default_backend", "default_device", "init_distributed", "build_mesh", "rank",
            "world_size", "check_world_size", "on_rank0", "gather_objects", "comm_device",
@@ -55,7 +56,9 @@ def _check_one_device_per_rank() -> None:
 
 
 def init_distributed() -> None:
-    """Join the torchrun world, or make a world of one process if not launched by torchrun."""
+    """Join the torchrun world, or make a world of one process if not launched by torchrun.
+    The process then leaves it cleanly at exit, however the script ends (``clean_exit``)."""
+    clean_exit.install()
     if dist.is_initialized():
         return
     if cuda_selected():
@@ -69,15 +72,15 @@ def init_distributed() -> None:
 
 
 def shutdown(exit_code: int = 0) -> NoReturn:
-    """End a distributed job's process cleanly: leave the process group, run the
-    ``atexit`` handlers and flush, then exit without the interpreter's teardown.
+    """End a distributed job's process now: leave the process group, run the ``atexit``
+    handlers and flush, then exit with ``exit_code`` without the interpreter's teardown.
 
-    There, gloo's worker threads can still hold collective work objects whose tensors
-    reference Python; destroying them while the interpreter finalizes aborts the process
-    ("terminate called without an active exception", SIGABRT) after the job's work is
-    done, and torchrun reports the job failed (seen in ``make demo`` about one launch in
-    three on a loaded 2-core machine; pytorch/pytorch#179291 describes the cause). Call
-    it last, on every rank; it does not return."""
+    A script that simply ends, or ends with ``dist.destroy_process_group()``, exits cleanly
+    too: torchalpa's exit handler stops its threads and leaves the group before the
+    teardown (``runtime/clean_exit.py``), where a thread caught in a C++ call would abort
+    a finished process ("terminate called without an active exception", SIGABRT; seen on
+    loaded machines, pytorch/pytorch#179291). This is the explicit form, which skips the
+    teardown altogether; it does not return."""
     import atexit
     import logging
     import sys

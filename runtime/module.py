@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from torchalpa.core.calls import CallSignature
 from torchalpa.core.plan import Collective, PipelinePlan, Plan
-from torchalpa.runtime.buckets import LossRide, collective_position, gradient_buckets
+from torchalpa.runtime.buckets import LossInBucket, collective_position, gradient_buckets
 from torchalpa.runtime.faults import (
     FaultMonitor,
     check_same_inputs,
@@ -188,7 +188,7 @@ class ParallelModule(nn.Module):
         self._device = device
         self.stage = stage
         self.num_micro_batches = runner.num_micro_batches
-        self._program = runner.program
+        self._program = runner.program.stage
         self._runner = runner
         self._stage_plan = plan.stages[stage].plan if isinstance(plan, PipelinePlan) else plan
         # an intra-op step gathers its parameters once per step (runtime.param_gather)
@@ -197,8 +197,8 @@ class ParallelModule(nn.Module):
         self._loss_rank = plan.stages[-1].ranks[0] if isinstance(plan, PipelinePlan) \
             and len(plan.stages) > 1 else None
         self._forward_programs = forward_programs
-        self._param_names = list(runner.program.params)
-        self._buffer_names = list(runner.program.buffers)
+        self._param_names = list(self._program.params)
+        self._buffer_names = list(self._program.buffers)
         self._input_specs = list(input_specs)
         self._inputs = inputs
         self._captured_training = module.training
@@ -210,8 +210,8 @@ class ParallelModule(nn.Module):
             else bool(check_replicas)
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self._clock = StepClock(device)
-        self._loss_ride = self._plan_loss_ride()
-        self._last_ride: LossRide | None = None       # what the last step's loss rode
+        self._loss_in_bucket = self._listed_loss_in_bucket()
+        self._last_loss_in_bucket: LossInBucket | None = None   # the last step's, if any
         self._slots: dict[str, tuple[dict, str]] = {}   # name -> (owner's entries, key)
         self._exact_optimizer: tuple = (None, False)     # (its key, holds exactly our params)
         # Adam & co. step on the local shards; a stage's optimizer also holds the other
@@ -254,7 +254,7 @@ class ParallelModule(nn.Module):
         if self._other_mode():
             return self._signature.wrap_loss(self._forward_only(flat, outputs=False))
         self._clock.start(flat)
-        self._last_ride = None          # the loss is returned before backward: its own collective
+        self._last_loss_in_bucket = None   # returned before backward: its own all-reduce
         if not torch.is_grad_enabled():
             with self._monitor.guard(f"the forward of step {self._num_calls}"):
                 step = self._runner.begin(flat)
@@ -319,10 +319,11 @@ class ParallelModule(nn.Module):
             tensors = self._tensors(self._param_names + self._buffer_names)
             step = self._runner.begin(flat)
             self._runner.run(step, self._local_blocks(tensors), self._runner.actions,
-                             ride_loss=self._loss_ride is not None)
+                             loss_in_bucket=self._loss_in_bucket is not None)
             grads = self._runner.gradients(step)
             loss = self._loss(step)     # after backward: its all-reduce overlapped with it,
-            self._last_ride = self._loss_ride if step.rides else None   # or inside a bucket
+            # or sent inside a gradient bucket
+            self._last_loss_in_bucket = self._loss_in_bucket if step.loss.in_bucket else None
         self._write_buffer_updates(step.buffer_updates)
         params = tensors[:len(self._param_names)]
         if self._steps_exactly(optimizer, params):    # every gradient set below: no zero_grad
@@ -366,6 +367,18 @@ class ParallelModule(nn.Module):
         self._num_calls += 1
         return self._forward_only([x.to(self._device) for x in inputs], outputs=True,
                                   keywords=keywords)
+
+    def generate(self, *args, **kwargs):
+        """Not for a model wrapped for training: a ValueError saying how to wrap for
+        generation (its prefill and decode steps are other programs, with a KV cache)."""
+        del args, kwargs
+        raise ValueError(
+            "this model was wrapped for training (auto_parallel's mode='training'), whose "
+            "programs have no KV cache; to generate, wrap it for inference: "
+            "torchalpa.auto_parallel(model, prompt_ids, mode='inference') (or "
+            "mode=torchalpa.Inference(max_context=...)), with prompt_ids (batch, prompt "
+            "length) the largest batch to generate at once. pm.unwrap().generate(...) runs "
+            "on one device with the whole model gathered")
 
     def _forward_only(self, inputs: list[torch.Tensor], *, outputs: bool,
                       keywords: tuple[str, ...] = ()) -> Any:
@@ -479,34 +492,35 @@ class ParallelModule(nn.Module):
         """The last complete step: time, tokens/s, peak memory and the bytes the plan says
         it sent, each next to the plan's estimate (``print(pm.last_step_stats())``)."""
         return self._clock.stats(self._stage_plan, self.num_micro_batches,
-                                 loss_ride=self._last_ride, one_stage=self._one_stage)
+                                 loss_in_bucket=self._last_loss_in_bucket,
+                                 one_stage=self._one_stage)
 
     def collectives_per_step(self, *, train_step: bool) -> list[Collective]:
         """The collectives one step of this rank's stage issues, as the plan lists them
         (gradient buckets once, ``runtime.buckets.issued_collectives``): by ``train_step``,
-        whose loss may ride a gradient bucket (``runtime.loss_ride``), or by a call of the
-        module and ``loss.backward()``, which returns the loss before backward and so
-        all-reduces it on its own."""
+        whose loss may be all-reduced in a gradient bucket (``runtime.loss_in_bucket``), or
+        by a call of the module and ``loss.backward()``, which returns the loss before
+        backward and so all-reduces it on its own."""
         return issued_collectives(self._stage_plan, self.num_micro_batches,
-                                  loss_ride=self._loss_ride if train_step else None,
+                                  loss_in_bucket=self._loss_in_bucket if train_step else None,
                                   one_stage=self._one_stage)
 
-    def _plan_loss_ride(self) -> LossRide | None:
+    def _listed_loss_in_bucket(self) -> LossInBucket | None:
         """Where the plan lists the loss's all-reduce when ``train_step`` sends it inside a
-        bucket (None: it does not). A ride the plan cannot name, or whose loss part is not
-        one element of the bucket's size, is given up (the loss keeps its collective)."""
-        ride = self._runner.loss_ride
-        if ride is None:
+        gradient bucket (None: it does not). The programs for it are given up when the plan
+        cannot name it, or the loss's part is not one element of the bucket's size: the
+        loss then keeps its collective."""
+        programs = self._runner.program.loss_in_bucket
+        if programs is None:
             return None
-        (consumer, slot, index), bucket = ride
+        consumer, slot, index = programs.plan_step
         plan = self._stage_plan
         position = collective_position(plan, consumer, slot, index)
         buckets = gradient_buckets(plan)
-        if position is None or bucket >= len(buckets) \
-                or plan.collectives[position].bytes != buckets[bucket].itemsize:
-            self._runner.forgo_loss_ride()
+        if position is None or programs.bucket >= len(buckets) \
+                or plan.collectives[position].bytes != buckets[programs.bucket].itemsize:
             return None
-        return LossRide(position, bucket)
+        return LossInBucket(position, programs.bucket)
 
     def profile(self, steps: int, path, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> str:
         """Record ``steps`` training steps on the batch ``inputs`` (as ``train_step`` takes

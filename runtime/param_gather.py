@@ -17,7 +17,9 @@ So does this module, for one-stage steps (``runtime.lower.lower``):
 - ``hoist_parameter_gathers``: moves those reshards out of the forward program into a
   program of their own, ``(*params, *buffers) -> gathered copies``, which the step runs
   before its first micro-batch (``runtime.step``); the forward takes the copies as its
-  last inputs.
+  last inputs. ``gather_parameters_once`` is the pass the lowering applies
+  (``runtime.rewrites``): it finds those reshards' calls in the forward program by the
+  plan step each is tagged with, and hoists them.
 
 Memory: a gathered copy lives for the step. Each micro-batch's forward that would have
 gathered its own copy and saved it for backward now saves the same one, so while several
@@ -47,9 +49,10 @@ from torchalpa.core.placement import local_shape, split_factor_of
 from torchalpa.core.plan import OUTPUT, Plan, state_read_once
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import bucket_threshold, flatten_concat
+from torchalpa.runtime.programs import PLAN_STEP
 
 __all__ = ["GatherBucket", "gathered_once", "gather_buckets", "split_gathered",
-           "hoist_parameter_gathers", "ReaderKey"]
+           "hoist_parameter_gathers", "gather_parameters_once", "ReaderKey"]
 
 ReaderKey = tuple[str, int]
 """(consumer, operand slot) of a plan reshard: the read it lays a value out for."""
@@ -188,3 +191,23 @@ def hoist_parameter_gathers(forward: fx.GraphModule, chains: dict[ReaderKey, lis
     graph.lint()
     forward.recompile()
     return fx.GraphModule(forward, gathers, "ParameterGathers")
+
+
+def gather_parameters_once(forward: fx.GraphModule, plan: Plan, num_micro_batches: int, *,
+                           num_state: int, bucketed: bool = True) -> fx.GraphModule | None:
+    """The pass: the reads ``gathered_once(plan, num_micro_batches)`` names, found in
+    ``forward`` by the plan step each call is tagged with (``programs.PLAN_STEP``), hoisted
+    into a program run once per step (``hoist_parameter_gathers``; in buckets unless
+    ``bucketed`` is False), returned. ``num_state``: how many of forward's placeholders
+    are parameters and buffers (they come first). None: nothing to hoist."""
+    hoisted = gathered_once(plan, num_micro_batches)
+    chains: dict[ReaderKey, list[fx.Node]] = {}
+    for n in forward.graph.nodes:
+        key = tuple(n.meta.get(PLAN_STEP, ())[:2])
+        if key in hoisted:
+            chains.setdefault(cast(ReaderKey, key), []).append(n)
+    assert set(chains) == set(hoisted), \
+        f"parameter reads the plan lists in forward but not lowered there: {set(hoisted) - set(chains)}"
+    return hoist_parameter_gathers(
+        forward, chains, gather_buckets(plan, num_micro_batches) if bucketed else (),
+        num_state=num_state, group_sizes=plan.mesh_shape)

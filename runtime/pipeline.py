@@ -30,7 +30,9 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from torchalpa.core.plan import PipelinePlan
-from torchalpa.runtime.lower import GraphSlice, StageProgram, build_programs, producers
+from torchalpa.runtime.local_graph import GraphSlice, producers
+from torchalpa.runtime.lower import build_programs
+from torchalpa.runtime.programs import StageProgram
 from torchalpa.runtime.traffic import point_to_point, wait_label
 
 __all__ = ["StageProgram", "lower_stage", "stage_slice", "StageExchange", "transfer_specs"]

@@ -17,14 +17,25 @@ mismatches are always an error; missing and unexpected keys are an error with
 ``strict=True`` (the default, since a silently random layer is the costlier mistake) and
 a warning otherwise. Nothing is written into the model until every check passed.
 
+Host memory. The files are read one at a time, each closed before the next is opened:
+safetensors maps a file, and the pages a rank's reads touch count in its resident set
+until the mapping goes, so a sharded snapshot's peak is one file's blocks (plus the block
+being copied), not every file's. Each rank keeps, as ``pm.last_load`` (a ``LoadReport``;
+rank 0 also logs its own), the bytes it read and its peak resident set during the load,
+next to its resident set before: for a model built on ``meta`` and planned with its weights sharded,
+that peak stays near the rank's share (tests/test_generate.py measures it).
+
 Collective only in that every rank must call it (no communication happens).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,9 +43,13 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchalpa.core import placement as P
+from torchalpa.core.units import format_bytes
 from torchalpa.runtime.collectives import local_chunk
+from torchalpa.runtime.host_memory import peak_rss_bytes, reset_peak, rss_bytes
 
-__all__ = ["load_pretrained", "snapshot_files"]
+__all__ = ["load_pretrained", "snapshot_files", "LoadReport"]
+
+log = logging.getLogger("torchalpa")
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -121,11 +136,35 @@ def _strided_part(tensor: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     return block
 
 
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank's ``load_pretrained`` read and the host memory it took."""
+
+    bytes_read: int
+    """Bytes of the blocks this rank read (its share of the snapshot)."""
+    snapshot_bytes: int
+    """Bytes of every tensor the model loaded, whole (what one device would read)."""
+    files: int
+    rss_before_bytes: int | None
+    """Resident set size when the load started (None where the system does not say)."""
+    peak_rss_bytes: int
+    """Its high-water mark during the load (since the process started where it cannot be
+    reset: ``runtime/host_memory.py``)."""
+    seconds: float
+
+    def __str__(self) -> str:
+        before = "?" if self.rss_before_bytes is None else format_bytes(self.rss_before_bytes)
+        return (f"read {format_bytes(self.bytes_read)} of {format_bytes(self.snapshot_bytes)} "
+                f"from {self.files} file(s) in {self.seconds:.2f}s; host memory (RSS) "
+                f"{before} before, peak {format_bytes(self.peak_rss_bytes)}")
+
+
 @torch.no_grad()
 def load_pretrained(pm, path: str | os.PathLike, *, strict: bool = True) -> dict[str, list[str]]:
     """Fill ``pm``'s parameters and persistent buffers from the safetensors snapshot at
     ``path``, each rank reading only its blocks (see the module docstring). Returns
-    ``{"missing_keys": [...], "unexpected_keys": [...]}`` as HuggingFace does."""
+    ``{"missing_keys": [...], "unexpected_keys": [...]}`` as HuggingFace does; what this
+    rank read and its peak host memory are kept as ``pm.last_load`` (and logged)."""
     module = getattr(pm, "module", None)
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected the ParallelModule returned by auto_parallel, got "
@@ -138,37 +177,65 @@ def load_pretrained(pm, path: str | os.PathLike, *, strict: bool = True) -> dict
     missing = sorted(first for first, key in found.items() if key is None)
     known = {n for names in targets.values() for n in names}
     unexpected = sorted(k for k in files if k not in known)
-
-    from safetensors import safe_open
-    handles = {}
-    mismatched, reads = [], []
+    by_file: dict[Path, list[tuple[torch.Tensor, str]]] = {}
     for first, key in found.items():
-        if key is None:
-            continue
-        file = files[key]
-        if file not in handles:
-            handles[file] = safe_open(str(file), framework="pt")
-        view = handles[file].get_slice(key)
-        tensor = state[first]
-        saved_shape = tuple(view.get_shape())
-        if saved_shape != tuple(tensor.shape):
-            mismatched.append(f"{key}: the snapshot has shape {list(saved_shape)}, the "
-                              f"model {list(tensor.shape)}")
-            continue
-        if isinstance(tensor, DTensor) and any(p.is_partial() for p in tensor.placements):
-            raise NotImplementedError(f"{first} is a partial sum across ranks "
-                                      f"({tensor.placements}); cannot load a value into it")
-        reads.append((tensor, handles[file], view, key))
+        if key is not None:
+            by_file.setdefault(files[key], []).append((state[first], key))
+    mismatched = _check_shapes(by_file)
     _report(type(module).__name__, path, missing, unexpected, mismatched, strict)
-    for tensor, handle, view, key in reads:
-        offset, shape = _block(tensor)
-        block = (view[tuple(slice(o, o + s) for o, s in zip(offset, shape))] if shape
-                 else handle.get_tensor(key))
-        block = _strided_part(tensor, block)
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        assert tuple(block.shape) == tuple(local.shape), (key, block.shape, local.shape)
-        local.copy_(block)
+    rss_before, began = rss_bytes(), time.perf_counter()
+    reset_peak()
+    read = whole = 0
+    for file, reads in by_file.items():
+        n, m = _read_file(file, reads)
+        read, whole = read + n, whole + m
+    report = LoadReport(bytes_read=read, snapshot_bytes=whole, files=len(by_file),
+                        rss_before_bytes=rss_before, peak_rss_bytes=peak_rss_bytes(),
+                        seconds=time.perf_counter() - began)
+    log.info("load_pretrained: %s", report)
+    pm.last_load = report
     return {"missing_keys": missing, "unexpected_keys": unexpected}
+
+
+def _check_shapes(by_file: dict[Path, list[tuple[torch.Tensor, str]]]) -> list[str]:
+    """Shape mismatches between the model and the snapshot (headers only are read), or a
+    NotImplementedError for a tensor no value can be loaded into."""
+    from safetensors import safe_open
+    mismatched = []
+    for file, reads in by_file.items():
+        with safe_open(str(file), framework="pt") as handle:
+            for tensor, key in reads:
+                saved_shape = tuple(handle.get_slice(key).get_shape())
+                if saved_shape != tuple(tensor.shape):
+                    mismatched.append(f"{key}: the snapshot has shape {list(saved_shape)}, "
+                                      f"the model {list(tensor.shape)}")
+                elif isinstance(tensor, DTensor) and \
+                        any(p.is_partial() for p in tensor.placements):
+                    raise NotImplementedError(f"{key} is a partial sum across ranks "
+                                              f"({tensor.placements}); cannot load a value "
+                                              "into it")
+    return mismatched
+
+
+def _read_file(file: Path, reads: list[tuple[torch.Tensor, str]]) -> tuple[int, int]:
+    """Copy this rank's block of each tensor from ``file`` (opened for these reads only);
+    returns (bytes read, bytes of the tensors whole)."""
+    from safetensors import safe_open
+    read = whole = 0
+    with safe_open(str(file), framework="pt") as handle:
+        for tensor, key in reads:
+            offset, shape = _block(tensor)
+            view = handle.get_slice(key)
+            block = (view[tuple(slice(o, o + s) for o, s in zip(offset, shape))] if shape
+                     else handle.get_tensor(key))
+            read += block.numel() * block.element_size()
+            whole += tensor.numel() * block.element_size()
+            block = _strided_part(tensor, block)
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            assert tuple(block.shape) == tuple(local.shape), (key, block.shape, local.shape)
+            local.copy_(block)
+            del block
+    return read, whole
 
 
 def _report(model: str, path, missing: list[str], unexpected: list[str],

@@ -122,11 +122,11 @@ class StepClock:
                       TALLY.since(self._traffic_start))
         self._start = None
 
-    def stats(self, plan, num_micro_batches: int = 1, *, loss_ride=None,
+    def stats(self, plan, num_micro_batches: int = 1, *, loss_in_bucket=None,
               one_stage: bool = True) -> StepStats:
-        """The last complete step; ``loss_ride``: where its loss rode a gradient bucket
-        (``runtime.loss_ride``; None: it had its own all-reduce); ``one_stage``: as
-        ``issued_collectives`` takes it."""
+        """The last complete step; ``loss_in_bucket``: the gradient bucket its loss was
+        all-reduced in (``runtime.loss_in_bucket``; None: it had its own all-reduce);
+        ``one_stage``: as ``issued_collectives`` takes it."""
         if self._last is None:
             raise ValueError("no step has completed yet: call the module and loss.backward(), "
                              "or train_step, before last_step_stats()")
@@ -142,7 +142,7 @@ class StepClock:
             peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "host RSS"
         est = plan.estimates
         issued = issued_collectives(plan, num_micro_batches,  # buckets once, as they run
-                                    loss_ride=loss_ride, one_stage=one_stage)
+                                    loss_in_bucket=loss_in_bucket, one_stage=one_stage)
         planned: dict[str, tuple[int, int]] = {}
         for c in issued:
             n, b = planned.get(c.kind, (0, 0))

@@ -34,6 +34,7 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
     torch.manual_seed(0)
     ref = make_model()
     x, y = batch
+    auto_kw.setdefault("method", torchalpa.ShardParallel())    # the scenarios are intra-op
     pm = torchalpa.auto_parallel(model, (x, y), loss_fn,
                                  optimizer=(lambda ps: optimizer(ps, lr=lr)), **auto_kw)
     # what a step issues: the plan's collectives, gradient all-reduces merged into buckets
@@ -66,6 +67,31 @@ def train_and_compare(make_model, batch, *, steps=3, lr=1e-3, scale=1.0, use_tra
     return out
 
 
+def default_method(make_model, batch, *, steps=3, lr=1e-3):
+    """auto_parallel with no method (AutoParallel chooses, maybe a pipeline) beside one
+    device: what it chose, the losses, parameters and the collectives of every step."""
+    torch.manual_seed(0)
+    model = make_model()
+    torch.manual_seed(0)
+    ref = make_model()
+    pm = torchalpa.auto_parallel(model, batch, F.mse_loss,
+                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=lr))
+    run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=lr),
+                                  lambda step: batch, F.mse_loss, steps=steps,
+                                  backward_steps=())
+    predicted = sorted([c.kind, c.axis, c.bytes]
+                       for c in pm.collectives_per_step(train_step=True))
+    from torchalpa.parallel.workflow import default_cluster
+    cluster = default_cluster(dist.get_world_size())
+    return {"chosen": [n for n in pm.plan.notes if n.startswith("AutoParallel chose")],
+            "method": pm.plan.method.get("name"), "mesh_shape": list(pm.plan.mesh_shape),
+            "nodes": [cluster.num_nodes, cluster.devices_per_node], "losses": run["losses"],
+            "ref_losses": run["ref_losses"], "executed": run["executed"],
+            "planned": run["planned"], "predicted": predicted,
+            "max_param_diff": max(d for d, _ in run["params"]),
+            "max_param": max(s for _, s in run["params"])}
+
+
 def scenario(name, fn, results):
     results[name] = attempt(fn)
 
@@ -90,6 +116,12 @@ def main():
         scenario("quickstart", lambda: train_and_compare(
             lambda: QuickstartMLP(64, 4), (torch.randn(64, 64), torch.randn(64, 64)),
             use_train_step=True), results)
+    if "quickstart_auto" in which:   # what a user gets with no method: AutoParallel
+        from quickstart import MLP as QuickstartMLP
+        torch.manual_seed(1)            # the same batch on every rank
+        batch = (torch.randn(64, 64), torch.randn(64, 64))
+        scenario("quickstart_auto", lambda: default_method(lambda: QuickstartMLP(64, 4), batch),
+                 results)
     if "custom_op" in which:
         scenario("custom_op", lambda: train_and_compare(
             lambda: WithCustomOp(32), mlp_inputs(16, 32), cluster=ALPA_UNIT(n)), results)
@@ -244,7 +276,8 @@ def main():
     if "bad_input_shape" in which:
         def bad():
             torch.manual_seed(0)
-            pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss)
+            pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
+                                         method=torchalpa.ShardParallel())
             try:
                 pm(*mlp_inputs(4, 16))
             except ValueError as e:

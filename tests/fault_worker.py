@@ -4,7 +4,13 @@ saw to ``<out>/rank<r>.json``.
 
     fault_worker.py OUT step  VICTIM             # killed before its second training step
     fault_worker.py OUT save  VICTIM POINT       # killed at POINT of the second save
+    fault_worker.py OUT hang  VICTIM             # hung in a sleep instead of its second step
+    fault_worker.py OUT stuck VICTIM             # in a receive nobody sends, instead
     fault_worker.py OUT.json flip -1             # a flipped byte, found by every rank
+
+``hang`` and ``stuck`` kill no rank: the victim is alive but never reaches the step, so
+the others time out and fail, and the victim's heartbeat has to stop it. ``stuck``
+receives on a group with an hour's timeout, so no error of its own can end it first.
 
 ``save`` first saves a good checkpoint under ``OUT/ckpt`` after one step and writes the
 full weights it holds (``OUT/old.pt``) and those after the second step (``OUT/new.pt``),
@@ -15,6 +21,7 @@ every rank's report.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -48,6 +55,14 @@ def batch():
 def die() -> None:
     sys.stdout.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def never_return(mode: str, long_group) -> None:
+    """The victim of ``hang`` or ``stuck``: wait for what never comes."""
+    if mode == "hang":
+        time.sleep(3600)
+    peer = 1 if dist.get_rank() == 0 else 0
+    dist.recv(torch.zeros(1), src=peer, group=long_group)   # nobody sends
 
 
 def flip_and_load(out: str, pm, rank: int) -> dict:
@@ -102,16 +117,19 @@ def main():
     pm = torchalpa.auto_parallel(build(), batch(), F.mse_loss,
                                  cluster=torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,),
                                                                beta=(1.0,)),
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 method=torchalpa.ShardParallel())
     pm.train_step(*batch())
     if mode == "flip":
         return flip_on_every_rank(out, pm, rank)
+    long_group = dist.new_group(timeout=datetime.timedelta(hours=1)) if mode == "stuck" \
+        else None
     seen: dict = {"rank": rank}
     start = time.monotonic()
     try:
-        if mode == "step":
+        if mode in ("step", "hang", "stuck"):
             if rank == victim:
-                die()
+                die() if mode == "step" else never_return(mode, long_group)
             pm.train_step(*batch())
         else:
             point = sys.argv[4]
@@ -130,6 +148,7 @@ def main():
     except Exception as e:  # what the test checks
         seen["error"] = f"{type(e).__name__}: {e}"
     seen["seconds"] = time.monotonic() - start
+    seen["ended_at"] = time.time()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(seen, f)
     sys.stdout.flush()

@@ -32,7 +32,8 @@ def main(out_path: str) -> None:
     x, y = (jnp.asarray(rng.normal(size=(8, 64)), jnp.float32) for _ in range(2))
     lowered = lower_jax(loss, (params, x, y))
     plan = torchalpa.plan(loss, (params, x, y),
-                          cluster=Cluster.local_cpu(4).logical_mesh((4,)))
+                          cluster=Cluster.local_cpu(4).logical_mesh((4,)),
+                          method=torchalpa.ShardParallel())
     report = {"plan": [{"kind": c.kind, "bytes": c.bytes, "phase": c.phase}
                        for c in plan.collectives],
               "intermediate_reshards": sum(1 for r in plan.reshards

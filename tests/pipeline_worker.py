@@ -206,6 +206,10 @@ def scenarios(n):
             num_micro_batches=8, pipeline_schedule="gpipe", layer_option=L(layer_num=4),
             stage_option=manual([[0], [1], [2], [3]], [(1, 1)] * 4)), cluster=cpu,
             use_backward=True)
+        yield "mlp_auto_pipeline", lambda: compare(
+            mlp(), mlp_batch(), F.mse_loss,
+            torchalpa.AutoParallel(pipeline=True, remat=("none",), time_budget_s=1),
+            cluster=cpu)
         yield "gpt_2x2_1f1b", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=2),
             stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu)

@@ -53,6 +53,7 @@ def adam(ps):
 
 
 def wrap(model, **kw):
+    kw.setdefault("method", torchalpa.ShardParallel())
     return torchalpa.auto_parallel(model, batch(0), F.mse_loss, optimizer=adam, **kw)
 
 

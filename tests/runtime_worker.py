@@ -90,6 +90,7 @@ def micro_batches(make, batch_size, dim, k, **auto_kw):
     """k micro-batches: gradients of loss.backward() and 3 train_steps vs the whole batch."""
     model, ref = twin(make)
     x, y = batch(0, batch_size, dim)
+    auto_kw.setdefault("method", torchalpa.ShardParallel())
     pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, num_micro_batches=k,
                                  optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3), **auto_kw)
     run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=1e-3),
@@ -105,17 +106,13 @@ def micro_batches(make, batch_size, dim, k, **auto_kw):
             "input_shape": list(pm.plan.inputs[0].shape)}
 
 
-def captured_step(model: nn.Module, example, loss_fn):
-    """The captured training step run on one device: the same ATen ops torchalpa shards,
-    unsharded (eager bf16 kernels round differently, e.g. addmm vs mm + add)."""
-    from torchalpa.frontends.torch_export import capture
-    gm = capture(model, example, loss_fn).gm
-    params = [p for p in model.parameters()]
-
+def eager_step(model: nn.Module, loss_fn):
+    """One device's eager step: the loss, gradients left on the parameters. In bf16 its
+    kernels are the lowered program's (a linear layer's bias added inside ``addmm``:
+    runtime/linear_bias.py), so the two round alike."""
     def step(*batch):
-        loss, *grads = gm([p.detach() for p in params], [], *batch)
-        for p, g in zip(params, grads):
-            p.grad = g
+        loss = loss_fn(model(*batch[:-1]), batch[-1])
+        loss.backward()
         return loss
     return step
 
@@ -133,7 +130,7 @@ def mixed_precision():
         pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, mixed_precision=policy,
                                      method=method,
                                      optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
-        ref_step = captured_step(CastForward(ref, policy), (x, y), F.mse_loss)
+        ref_step = eager_step(CastForward(ref, policy), F.mse_loss)
         opts = [torch.optim.Adam(ref.parameters(), lr=1e-3),
                 torch.optim.Adam(ref32.parameters(), lr=1e-3)]
         r = {"losses": [], "bf16_losses": [], "fp32_losses": [],
@@ -189,7 +186,8 @@ def inference():
     model, ref = twin(lambda: Dropped(32))
     x, y = batch(0, 32, 32)
     pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
-                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                                 method=torchalpa.ShardParallel())
     pm.eval()
     ref.eval()
     out["eval_predict_diff"] = (pm.predict(x) - ref(x)).abs().max().item()
@@ -206,7 +204,7 @@ def inference():
     model, ref = twin(lambda: MLP(64, 3))
     pm = torchalpa.auto_parallel(model, (x.repeat(1, 2), y.repeat(1, 2)), F.mse_loss,
                                  optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
-                                 cluster=PER_GRADIENT_CPU)
+                                 cluster=PER_GRADIENT_CPU, method=torchalpa.ShardParallel())
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
     for step in range(2):
         xs, ys = batch(step, 32, 64)
@@ -221,7 +219,8 @@ def inference():
     out["loss_after_predict"] = pm.train_step(*batch(9, 32, 64)).item()
 
     model, ref = twin(lambda: TwoHeads(32))
-    pm = torchalpa.auto_parallel(model, (x,), lambda out: out["a"].square().mean())
+    pm = torchalpa.auto_parallel(model, (x,), lambda out: out["a"].square().mean(),
+                                 method=torchalpa.ShardParallel())
     got, want = pm.predict(x), ref(x)
     out["dict_keys"] = sorted(got)
     out["dict_diff"] = max((got[k] - want[k]).abs().max().item() for k in want)
@@ -237,7 +236,8 @@ def conventions():
     # sharded and replicated parameters whatever gloo measures on a loaded machine (the
     # measured default cluster made this MLP all-replicated there)
     pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
-                                 cluster=per_gradient_cpu(dist.get_world_size()))
+                                 cluster=per_gradient_cpu(dist.get_world_size()),
+                                 method=torchalpa.ShardParallel())
     out["placements"] = sorted({str([repr(p) for p in v.placements]) for v in pm.plan.parameters})
     opt = torch.optim.SGD(pm.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -271,7 +271,8 @@ def conventions():
 
     model, ref = twin(make)
     pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, optimizer=lambda ps:
-                                 torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1))
+                                 torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1),
+                                 method=torchalpa.ShardParallel())
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     out["adamw_losses"], out["adamw_ref_losses"] = [], []
     for step in range(3):
@@ -328,7 +329,7 @@ def checkpoint(shared: str):
     adam = lambda ps: torch.optim.Adam(ps, lr=1e-2)  # noqa: E731
     torch.manual_seed(0)
     pm = torchalpa.auto_parallel(make(), (x, y), F.mse_loss, optimizer=adam,
-                                 cluster=PER_GRADIENT_CPU)
+                                 cluster=PER_GRADIENT_CPU, method=torchalpa.ShardParallel())
     path = os.path.join(shared, "ckpt")
     out = {"uninterrupted": [], "mesh": list(pm.plan.mesh_shape),
            "placements_1d": {v.name: [repr(p) for p in v.placements] for v in pm.plan.parameters}}
@@ -339,6 +340,7 @@ def checkpoint(shared: str):
 
     def resume(**kw):
         torch.manual_seed(123)                     # other initial weights: all must be loaded
+        kw.setdefault("method", torchalpa.ShardParallel())
         fresh = torchalpa.auto_parallel(make(), (x, y), F.mse_loss, optimizer=adam,
                                         cluster=PER_GRADIENT_CPU, **kw)
         load_checkpoint(path, fresh)
@@ -420,7 +422,8 @@ def checkpoint_other_world(shared: str):
     x, y = batch(0, 64, 32)
     torch.manual_seed(7)
     pm = torchalpa.auto_parallel(make(), (x, y), F.mse_loss,
-                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                                 method=torchalpa.ShardParallel())
     load_checkpoint(os.path.join(shared, "ckpt"), pm)
     return {"resumed": [pm.train_step(*batch(step, 64, 32)).item() for step in (2, 3)],
             "mesh": list(pm.plan.mesh_shape)}
@@ -429,7 +432,8 @@ def checkpoint_other_world(shared: str):
 def input_mismatch():
     """Rank 1 passes another batch shape on the first call: every rank names it."""
     torch.manual_seed(0)
-    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss)
+    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
+                                 method=torchalpa.ShardParallel())
     size = 4 if dist.get_rank() == 1 else 8
     try:
         pm(*mlp_inputs(size, 16))
@@ -444,7 +448,7 @@ def input_values():
     torch.manual_seed(0)
     raised, _ = named_input_faults(
         lambda mode: torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
-                                             check_inputs=mode),
+                                             check_inputs=mode, method=torchalpa.ShardParallel()),
         lambda: mlp_inputs(8, 16), bad_rank=1, corrupt=lambda xy: (xy[0] + 1.0, xy[1]))
     return raised
 
@@ -456,7 +460,8 @@ def export(shared: str):
     x, y = batch(0, 64, 64)
     pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,   # sharded parameters to gather
                                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
-                                 cluster=per_gradient_cpu(dist.get_world_size()))
+                                 cluster=per_gradient_cpu(dist.get_world_size()),
+                                 method=torchalpa.ShardParallel())
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     pm.train_step(x, y)
     F.mse_loss(ref(x), y).backward()
@@ -509,7 +514,8 @@ def fault(kind: str) -> None:
     torch.manual_seed(0)
     pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
                                  cluster=ALPA_UNIT(dist.get_world_size()),
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 method=torchalpa.ShardParallel())
     pm.train_step(*mlp_inputs(8, 16))
     print(f"rank {dist.get_rank()}: first step done", flush=True)
     if dist.get_rank() == 1:

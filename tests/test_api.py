@@ -18,7 +18,8 @@ def test_one_process_trains_like_eager(single_process_world):
     ref = MLP(32, 3)
     x, y = mlp_inputs(16, 32)
     pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
-                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                 method=torchalpa.ShardParallel())
     assert pm.plan.mesh_shape == (1,) and pm.plan.collectives == ()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     for _ in range(3):
@@ -34,7 +35,8 @@ def test_one_process_trains_like_eager(single_process_world):
 
 
 def test_eval_and_no_grad_run_forward_only(single_process_world):
-    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss)
+    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
+                                 method=torchalpa.ShardParallel())
     with torch.no_grad():
         loss = pm(*mlp_inputs(8, 16))
     assert loss.requires_grad is False and loss.numel() == 1
@@ -47,29 +49,35 @@ def test_world_size_must_match_the_mesh(single_process_world):
 
 
 def test_train_step_without_optimizer_says_how(single_process_world):
-    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss)
+    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
+                                 method=torchalpa.ShardParallel())
     with pytest.raises(ValueError, match="optimizer="):
         pm.train_step(*mlp_inputs(8, 16))
 
 
 def test_a_saved_plan_is_reused_and_checked(single_process_world, tmp_path):
     x, y = mlp_inputs(8, 16)
-    plan = torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss).plan
+    plan = torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss,
+                                   method=torchalpa.ShardParallel()).plan
     plan.save(tmp_path / "plan.json")
     again = torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss,
-                                    plan=torchalpa.Plan.load(tmp_path / "plan.json"))
+                                    plan=torchalpa.Plan.load(tmp_path / "plan.json"),
+                                    method=torchalpa.ShardParallel())
     assert again.plan == plan
     with pytest.raises(ValueError, match="different training step"):
-        torchalpa.auto_parallel(MLP(16, 3), (x, y), F.mse_loss, plan=plan)
+        torchalpa.auto_parallel(MLP(16, 3), (x, y), F.mse_loss, plan=plan,
+                                method=torchalpa.ShardParallel())
 
 
 def test_bad_arguments(single_process_world):
     with pytest.raises(ValueError, match="inputs must be"):
-        torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss, inputs="sharded")
+        torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss, inputs="sharded",
+                                method=torchalpa.ShardParallel())
     with pytest.raises(TypeError, match="method"):
         torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss, method="dp")
     with pytest.raises(TypeError, match="example_inputs"):
-        torchalpa.auto_parallel(MLP(16, 2), ([1, 2], torch.zeros(2)), F.mse_loss)
+        torchalpa.auto_parallel(MLP(16, 2), ([1, 2], torch.zeros(2)), F.mse_loss,
+                                method=torchalpa.ShardParallel())
 
 
 def test_pipeline_options_that_cannot_be_honoured_say_why(single_process_world):

@@ -23,7 +23,7 @@ from torchalpa.passes.attention_price import (
     statistic_spec,
 )
 from torchalpa.passes.memory import activation_peak_bytes, liveness
-from torchalpa.runtime.attention_saved import save_attention_statistics
+from torchalpa.runtime.attention_statistics import save_attention_statistics
 
 B, H, L, E = 2, 4, 8, 16
 

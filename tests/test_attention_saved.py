@@ -1,4 +1,4 @@
-"""Attention's backward from the forward's saved statistics (runtime/attention_saved.py):
+"""Attention's backward from the forward's saved statistics (runtime/attention_statistics.py):
 the same gradients as PyTorch's autograd, and the lowering really uses it."""
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def test_lowered_step_saves_attention_statistics_and_trains_like_pytorch():
     model, ref = Attention(), Attention()
     ref.load_state_dict(model.state_dict())
     x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
-    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, method=torchalpa.ShardParallel())
     code = pm.local_program()
     assert "sdpa_backward_saved" in code and "torchalpa.sdpa_backward" not in code
     loss = pm(x, y)

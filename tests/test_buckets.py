@@ -179,11 +179,11 @@ def test_shard_source_layouts_count_local_elements():
     assert gradient_buckets(make_plan(grads))[0].params == ("b", "a")
 
 
-# -- issuing gradient collectives inside backward (runtime/early_reduce.py) -----------------
+# -- issuing gradient collectives inside backward (runtime/reduce_in_backward.py) ------------
 
 def test_backward_with_reduce_issues_each_collective_once_its_gradients_exist(one_rank_group):
-    from torchalpa.runtime.early_reduce import EARLY, backward_with_reduce
     from torchalpa.runtime.overlap import overlap_collectives
+    from torchalpa.runtime.reduce_in_backward import EARLY, backward_with_reduce
 
     def backward(s):                       # the last layer's gradient first, as backward does
         g_last = s * 2

@@ -122,7 +122,8 @@ def test_a_gloo_like_cluster_gets_ddps_plan():
     gradient paying a latency of its own, the search used to split layers instead."""
     torch.manual_seed(0)
     batch = (torch.randn(32, 32), torch.randn(32, 32))
-    auto = torchalpa.plan(normed_mlp(), batch, F.mse_loss, cluster=gloo_like_cluster())
+    auto = torchalpa.plan(normed_mlp(), batch, F.mse_loss, cluster=gloo_like_cluster(),
+                          method=torchalpa.ShardParallel())
     # DDP's plan: every parameter whole, the only collectives the gradients' (and the
     # scalar loss's) all-reduces
     assert all(p.placements == (Replicate(),) for p in auto.parameters)
@@ -140,6 +141,7 @@ def test_the_zoo_gpt_gets_ddps_plan_on_a_gloo_like_cluster():
     w = zoo.tiny("gpt", batch_size=16).replace(dropout=0.0)
     torch.manual_seed(1)
     batch = tuple(w.example_inputs())
-    plan = torchalpa.plan(w.build(), batch, w.loss_fn, cluster=gloo_like_cluster())
+    plan = torchalpa.plan(w.build(), batch, w.loss_fn, cluster=gloo_like_cluster(),
+                          method=torchalpa.ShardParallel())
     assert all(p.placements == (Replicate(),) for p in plan.parameters)
     assert {c.kind for c in plan.collectives} == {"all_reduce"}

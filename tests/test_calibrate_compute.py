@@ -158,7 +158,8 @@ def test_a_small_resnet_gets_ddps_plan_under_measured_figures():
     convolution rate reaching the estimate)."""
     torch.manual_seed(0)
     batch = (torch.randn(16, 3, 16, 16), torch.randint(0, 8, (16,)))
-    plan = torchalpa.plan(SmallResNet(), batch, F.cross_entropy, cluster=measured().cluster())
+    plan = torchalpa.plan(SmallResNet(), batch, F.cross_entropy, cluster=measured().cluster(),
+                          method=torchalpa.ShardParallel())
     assert ddps_plan(plan), plan.collectives
     dp = torchalpa.plan(SmallResNet(), batch, F.cross_entropy, cluster=measured().cluster(),
                         method=torchalpa.DataParallel())
@@ -176,7 +177,8 @@ def test_a_small_resnets_estimate_pays_its_convolutions_at_the_measured_rate():
     steps = []
     for rate in (fast, slow):
         plan = torchalpa.plan(SmallResNet(), batch, F.cross_entropy,
-                              cluster=measured(conv_flops=rate).cluster())
+                              cluster=measured(conv_flops=rate).cluster(),
+                              method=torchalpa.ShardParallel())
         assert ddps_plan(plan), plan.collectives
         steps.append(plan.estimates["step_time_s"])
     per_flop = 1 / slow - 1 / fast

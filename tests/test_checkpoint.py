@@ -30,7 +30,8 @@ def captures(gpt):
     model = gpt.build()
     batch = gpt.example_inputs()
     plain = capture(model, batch, gpt.loss_fn)
-    return model, batch, {"none": plain, "full": checkpointed_capture(plain)}
+    return model, batch, {"none": plain, "full": checkpointed_capture(plain),
+                          "selective": checkpointed_capture(plain, "selective")}
 
 
 def _replicated_outputs(graph):
@@ -43,11 +44,12 @@ def test_checkpointed_step_computes_the_same_loss_and_gradients(captures):
     params = [p for _, p in model.named_parameters()]
     buffers = [b for _, b in model.named_buffers()]
     plain = c["none"].gm(params, buffers, *batch)
-    checkpointed = c["full"].gm(params, buffers, *batch)
-    assert len(plain) == len(checkpointed)
-    for a, b in zip(plain, checkpointed):
-        if a is not None:
-            torch.testing.assert_close(b, a, rtol=0, atol=0)
+    for mode in ("full", "selective"):
+        checkpointed = c[mode].gm(params, buffers, *batch)
+        assert len(plain) == len(checkpointed)
+        for a, b in zip(plain, checkpointed):
+            if a is not None:
+                torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
 def test_each_block_recomputes_its_matmuls_in_backward(captures):
@@ -70,6 +72,27 @@ def test_each_block_recomputes_its_matmuls_in_backward(captures):
                         and n.module.startswith("h."))
     added = sum(n.flops for n in full.ops()) - sum(n.flops for n in plain.ops())
     assert 0.5 * forward_flops < added < forward_flops
+
+
+def test_selective_checkpointing_recomputes_no_matmul_and_saves_between(captures):
+    """Selective keeps matrix products' and attention's results: backward recomputes only
+    cheap ops, and forward keeps more than full checkpointing but less than none."""
+    _, _, c = captures
+    plain, selective = c["none"].graph, c["selective"].graph
+    assert selective.meta["remat"]["mode"] == "selective"
+    assert selective.meta["remat"]["blocks"] == 3 and selective.meta["remat"]["recomputed_ops"] > 0
+
+    def count(graph, op):
+        return sum(1 for n in graph.ops() if n.op == op)
+
+    assert count(selective, "aten.mm.default") == count(plain, "aten.mm.default")
+    added = sum(n.flops for n in selective.ops()) - sum(n.flops for n in plain.ops())
+    forward_flops = sum(n.flops for n in plain.ops() if n.phase == "forward"
+                        and n.module.startswith("h."))
+    assert 0 < added < 0.1 * forward_flops
+    peak = {m: activation_peak_bytes(g.graph, _replicated_outputs(g.graph), (1,))[1]
+            for m, g in c.items()}
+    assert peak["full"] < peak["selective"] < peak["none"]
 
 
 def test_forward_saves_far_less_for_backward(captures):
@@ -124,7 +147,7 @@ def plan_for(gpt, remat):
 
 
 def test_a_bad_remat_setting_names_the_choices():
-    with pytest.raises(ValueError, match="remat must be 'none', 'full' or 'auto'"):
+    with pytest.raises(ValueError, match=r"remat must be one of \(.none., .selective., .full., .auto.\)"):
         torchalpa.AutoShardingOption(remat="yes")
 
 

@@ -157,3 +157,101 @@ def test_console_script_imports_no_torch():
     code = ("import sys, torchalpa.cli.commands as c; c.build_parser().format_help(); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- real jobs by name: zoo sizes, HuggingFace configs, batch and sequence ----------------
+
+def test_real_sizes_are_named_with_their_parameter_counts(capsys):
+    """The zoo's real sizes build on meta with the published parameter counts."""
+    assert main(["estimate", "llama3_8b", "--cluster", "h100:1x8"]) == 0
+    assert capsys.readouterr().out.startswith("llama3_8b: 8,030.3 M parameters")
+    assert main(["estimate", "alpa_moe_10b", "--cluster", "h100:1x8"]) == 0
+    assert "9,915.5 M parameters" in capsys.readouterr().out
+
+
+def test_a_huggingface_causal_lm_from_its_model_type_or_a_config_json(capsys, tmp_path):
+    import json
+    assert main(["estimate", "hf:mistral", "--cluster", "h100:1x8"]) == 0
+    assert "7,241.7 M parameters" in capsys.readouterr().out
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 1000, "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for source in (str(tmp_path), str(tmp_path / "config.json")):
+        assert main(["estimate", f"hf:{source}", "--cluster", "cpu:2"]) == 0
+        assert "0.2 M parameters" in capsys.readouterr().out   # 2 x 64 x 1000 + 2 layers
+
+
+def test_batch_and_seq_change_the_captured_step(tmp_path, capsys):
+    from torchalpa.cli.workloads import load_workload
+    with torch.device("meta"):
+        _, (x, _), _ = load_workload("llama", batch=3, seq=5)()
+        _, (ids, labels), _ = load_workload("hf:gpt2", batch=2, seq=7)()
+    assert tuple(x.shape) == (3, 5) and tuple(ids.shape) == tuple(labels.shape) == (2, 7)
+    out = tmp_path / "plan.json"
+    assert main(["plan", "gpt", "--batch", "4", "--seq", "8", "--cluster", "cpu:2",
+                 "--mixed-precision", "bf16", "--out", str(out)]) == 0
+    import torchalpa
+    plan = torchalpa.load_plan(str(out))
+    assert plan.method["mixed_precision"] == "bfloat16"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["estimate", "llama3_80b"], "unknown model 'llama3_80b'; tiny families"),
+    (["estimate", "hf:nosuch"], "knows no model_type 'nosuch'"),
+    (["estimate", "hf:/nowhere/config.json"], "no HuggingFace config at /nowhere/config.json"),
+    (["estimate", "llama", "--batch", "0"], "--batch must be a positive integer, got 0"),
+    (["estimate", "test_cli:mlp_step", "--seq", "8"], "--batch and --seq change zoo"),
+])
+def test_bad_model_arguments_are_one_line_naming_what_is_accepted(argv, says, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+
+
+_WORKLOAD = """
+import torch, torch.nn as nn, torch.nn.functional as F
+
+def make():
+    from workload_parts import WIDTH      # a neighbour, imported when called
+    return (nn.Linear(WIDTH, WIDTH), (torch.empty(2, WIDTH), torch.empty(2, WIDTH)),
+            F.mse_loss)
+"""
+
+
+def test_python_dash_m_and_the_console_script_find_a_module_in_the_current_folder(tmp_path):
+    """``python -m torchalpa`` is the ``torchalpa`` command; both find ``module:callable``
+    in the folder they run from (the console script's own folder is on its sys.path
+    instead: torchalpa.cli.workloads.import_by_name adds the current one)."""
+    import os
+    import subprocess
+    import sys
+    (tmp_path / "my_workload.py").write_text(_WORKLOAD)
+    (tmp_path / "workload_parts.py").write_text("WIDTH = 4\n")
+    script = os.path.join(os.path.dirname(sys.executable), "torchalpa")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for command in ([sys.executable, "-m", "torchalpa"], [script]):
+        run = subprocess.run([*command, "coverage", "--model", "my_workload:make"],
+                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+        assert run.returncode == 0, f"{command}: {run.stdout[-2000:]}{run.stderr[-2000:]}"
+        assert "my_workload:make: " in run.stdout and "rule  aten.mm.default" in run.stdout
+    run = subprocess.run([script, "coverage", "--model", "not_here:make"], capture_output=True,
+                         text=True, cwd=tmp_path, env=env, timeout=300)
+    assert run.returncode == 1
+    assert f"No module named 'not_here' (looked in the current folder {tmp_path}" in run.stdout
+    run = subprocess.run([sys.executable, "-m", "torchalpa", "--version"], capture_output=True,
+                         text=True, cwd=tmp_path, env=env, timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith("torchalpa ")
+
+
+def test_every_gpu_preset_is_a_cluster_with_nodes_devices_and_overrides():
+    from torchalpa.cli.workloads import parse_cluster
+    from torchalpa.core.gpu_specs import NODE_PRESETS
+    for kind in NODE_PRESETS:
+        cluster = parse_cluster(f"{kind}:2x4")
+        assert (cluster.num_nodes, cluster.devices_per_node) == (2, 4)
+    h200 = parse_cluster("h200:2x8", inter_node_gbps=25, memory_gib=100)
+    assert h200.inter_node_bandwidth == 25e9 and h200.memory_per_device == 100 * 2 ** 30
+    assert parse_cluster("h200:2x8").memory_per_device > parse_cluster("h100:2x8").memory_per_device
+    with pytest.raises(ValueError, match="--memory must be a positive number"):
+        parse_cluster("h100:1x8", memory_gib=0)

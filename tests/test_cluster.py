@@ -13,9 +13,10 @@ from models import MLP, mlp_inputs
 import torchalpa
 from torchalpa.core import gpu_specs
 from torchalpa.core.cluster import GB, Cluster, LogicalMesh
-from torchalpa.core.opgraph import OpNode, TensorSpec
+from torchalpa.core.opgraph import GraphOutputs, OpGraph, OpNode, TensorSpec, ValueRef
+from torchalpa.core.placement import Replicate, Shard
 from torchalpa.parallel.workflow import default_cluster
-from torchalpa.passes.cost import compute_cost
+from torchalpa.passes.cost import compute_cost, strategy_bytes
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def test_detect_reads_the_gpu_memory_and_launch_layout(fake_gpu, monkeypatch, fp
     assert c.memory_per_device == pytest.approx(75 * GB - 1.5 * GB)
     peaks = dict(c.peak_flops_by_dtype)
     assert peaks["bfloat16"] == pytest.approx(989e12 * gpu_specs.MATMUL_EFFICIENCY)
-    assert peaks["float32"] == pytest.approx(67e12 * gpu_specs.MATMUL_EFFICIENCY)
+    assert peaks["float32"] == pytest.approx(67e12 * gpu_specs.FP32_MATMUL_EFFICIENCY)
     assert c.kernel_launch_s > 0
     fp32_precision("high")                   # TF32 allowed: float32 matmuls on tensor cores
     assert dict(Cluster.detect().peak_flops_by_dtype)["float32"] == pytest.approx(
@@ -107,7 +108,8 @@ def test_default_cluster_is_the_detected_gpu(fake_gpu, monkeypatch):
     ("NVIDIA A100-SXM4-40GB", "A100 40GB"), ("NVIDIA A100-SXM4-80GB", "A100 80GB"),
     ("NVIDIA A100 80GB PCIe", "A100 80GB PCIe"), ("NVIDIA A100-PCIE-40GB", "A100 40GB PCIe"),
     ("NVIDIA L4", "L4"), ("NVIDIA L40S", "L40S"), ("NVIDIA A10", "A10"), ("NVIDIA A10G", "A10G"),
-    ("Tesla V100-SXM2-16GB", "V100"), ("Tesla T4", "T4"),
+    ("Tesla V100-SXM2-16GB", "V100 16GB"), ("Tesla V100-SXM2-32GB", "V100"),
+    ("Tesla T4", "T4"), ("AMD Instinct MI300X", "MI300X"),
     ("NVIDIA GeForce RTX 4090", "RTX 4090"),
 ])
 def test_known_gpus_by_their_reported_names(reported, model):
@@ -118,7 +120,8 @@ def test_plan_summary_names_the_device_and_memory_budget():
     cluster = Cluster(devices_per_node=2, memory_per_device=12 * GB, backend="gloo",
                       device_name="NVIDIA L4")
     x, y = mlp_inputs(8, 16)
-    plan = torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, cluster=cluster)
+    plan = torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, cluster=cluster,
+                          method=torchalpa.ShardParallel())
     assert "planned for NVIDIA L4 (gloo), memory budget 11.2 GiB per device" in plan.summary()
     assert plan.estimates["memory_budget_bytes"] == 12 * GB
 
@@ -143,12 +146,35 @@ def test_matmul_cost_uses_the_peak_of_its_dtype():
 
 def test_every_kernel_pays_its_launch_but_views_launch_none():
     mesh = LogicalMesh(shape=(2,), peak_flops=100e12, memory_bandwidth=2e12,
-                       kernel_launch_s=5e-6)
+                       kernel_launch_s=5e-6, backend="gloo")
     tiny = _mm("float32", n=8)
     assert compute_cost(mesh, tiny, 2) == pytest.approx(5e-6 + tiny.flops / 2 / 100e12, rel=1e-3)
     view = OpNode(name="v", op="aten.view.default", kind="op", outputs=(TensorSpec((8,), "float32"),),
                   aliases=True)
     assert compute_cost(mesh, view, 1) == 0.0
+
+
+def test_a_batch_split_matmul_still_reads_its_whole_weight():
+    """A decode step's matmul (few rows, a large weight): splitting the rows two ways
+    halves the activations each device moves but not the weight it reads; splitting the
+    weight halves that."""
+    x, w, y = TensorSpec((4, 1024), "float32"), TensorSpec((1024, 1024), "float32"), \
+        TensorSpec((4, 1024), "float32")
+    whole = float(x.nbytes + w.nbytes + y.nbytes)
+    g = OpGraph([OpNode(name="x", op="input", kind="input", outputs=(x,)),
+                 OpNode(name="w", op="param", kind="param", outputs=(w,), is_param=True),
+                 OpNode(name="mm", op="aten.mm.default", operands=(ValueRef("x"), ValueRef("w")),
+                        outputs=(y,), flops=2.0 * 4 * 1024 * 1024, bytes=whole)],
+                GraphOutputs(loss=None, sends=(ValueRef("mm"),)))
+    mm, R = g.node("mm"), (Replicate(),)
+    assert strategy_bytes(g, mm, (R, R), (R,), (2,)) == whole
+    rows = strategy_bytes(g, mm, ((Shard(0),), R), ((Shard(0),),), (2,))
+    assert rows == pytest.approx(w.nbytes + (x.nbytes + y.nbytes) / 2)
+    cols = strategy_bytes(g, mm, (R, (Shard(1),)), ((Shard(1),),), (2,))
+    assert cols == pytest.approx(x.nbytes + (w.nbytes + y.nbytes) / 2)
+    mesh = LogicalMesh(shape=(2,), peak_flops=100e12, memory_bandwidth=1e12)
+    assert compute_cost(mesh, mm, 2, rows) == pytest.approx(rows / 1e12)   # bandwidth-bound
+    assert compute_cost(mesh, mm, 2, rows) > 1.9 * compute_cost(mesh, mm, 2, cols)
 
 
 def test_cluster_options_are_validated():

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import worker_io
 
-SCENARIOS_4 = ("megatron,data_parallel,data_parallel_train_step,quickstart,custom_op,scaled_loss,"
+SCENARIOS_4 = ("megatron,data_parallel,data_parallel_train_step,quickstart,quickstart_auto,"
+               "custom_op,scaled_loss,"
                "mesh_2d,vocab_parallel,vocab_parallel_loss,softmax_in_steps,attention_heads,fused_qkv,fused_qkv_2d,"
                "hf_gpt2_heads,vit_heads,zero3,odd_batch,bad_input_shape")
 SCENARIOS_2 = "megatron,data_parallel,quickstart"
@@ -188,3 +189,10 @@ def test_attention_written_with_matmuls_splits_heads(four_ranks):
 def test_wrong_input_shape_is_a_clear_error_on_every_rank(four_ranks):
     message = four_ranks["bad_input_shape"]["raised"]
     assert message and "(4, 16)" in message and "(8, 16)" in message and "auto_parallel again" in message
+
+
+def test_the_default_method_chooses_and_says_what(four_ranks):
+    """With no method, AutoParallel chose (intra-op or a pipeline) and said so in the plan;
+    test_four_ranks[quickstart_auto] checks it trains like one device."""
+    r = four_ranks["quickstart_auto"]
+    assert len(r["chosen"]) == 1 and r["method"] in ("ShardParallel", "PipeshardParallel")

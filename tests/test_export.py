@@ -30,7 +30,8 @@ def tiny_gpt2():
 def test_unwrap_and_save_pretrained_give_the_trained_model(tmp_path):
     model, ids, loss_fn = tiny_gpt2()
     pm = torchalpa.auto_parallel(model, (ids, ids.clone()), loss_fn,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 method=torchalpa.ShardParallel())
     pm.train_step(ids, ids.clone())                   # the weights change
     plain = pm.unwrap()
     assert not any(isinstance(p, DTensor) for p in plain.parameters())
@@ -55,7 +56,7 @@ def test_unwrap_and_save_pretrained_give_the_trained_model(tmp_path):
 
 def test_last_step_stats_next_to_the_estimates():
     x, y = mlp_inputs(8, 16)
-    pm = torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss)
+    pm = torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss, method=torchalpa.ShardParallel())
     with pytest.raises(ValueError, match="no step has completed"):
         pm.last_step_stats()
     pm(x, y).backward()

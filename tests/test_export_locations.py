@@ -64,7 +64,7 @@ def test_plan_names_the_module_of_an_op_without_a_rule(text):
     mesh = Cluster.local_cpu(2).logical_mesh((2,))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = torchalpa.plan(text, (), cluster=mesh)
+        plan = torchalpa.plan(text, (), cluster=mesh, method=torchalpa.ShardParallel())
     forward = [u for u in plan.unsupported_ops if u["module"]]
     assert {(u["op"], u["module"]) for u in forward} == {("stablehlo.reverse", "mirror")}
     assert "stablehlo.reverse" in plan.summary() and "module mirror" in plan.summary()

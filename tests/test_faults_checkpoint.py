@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from checkpoint_damage import KINDS, differences, held_state, plant
 from models import mlp_inputs
 
 import torchalpa
@@ -49,7 +50,8 @@ def make(seed=0, dropout=0.0):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 16))
     return torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss,
-                                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+                                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                                   method=torchalpa.ShardParallel())
 
 
 def weights(pm) -> list[torch.Tensor]:
@@ -247,3 +249,30 @@ def test_dropout_resumes_bit_identically(tmp_path):
     again = make(seed=1, dropout=0.3)
     load_checkpoint(tmp_path, again, rng=False)          # without it, dropout draws others
     assert [again.train_step(x, y).item() for _ in range(3)] != uninterrupted
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("optimizer_state", ["trained", "none yet"])
+def test_a_refused_load_changes_nothing(tmp_path, kind, optimizer_state):
+    """A file read late is bad (the manifest rewritten to match): the load raises, naming
+    it, and the model, optimizer, random state and step counter are bit-identical."""
+    pm = make()
+    x, y = mlp_inputs(8, 16)
+    pm.train_step(x, y)
+    good = save_checkpoint(tmp_path / "good", pm)
+    saved = held_state(pm)
+    bad = save_checkpoint(tmp_path / "bad", make(seed=2))
+    name = plant(bad, kind, rank=0)
+    if optimizer_state == "trained":
+        pm.train_step(x, y)
+        torch.rand(3)                        # the random state moves on from the saves
+    else:
+        pm = make(seed=1)                    # an optimizer with no state yet
+    held = held_state(pm)
+    with pytest.raises(CheckpointError, match=rf"ckpt-000001 cannot be loaded: rank 0: "
+                       rf".*{name}.*Nothing was loaded"):
+        load_checkpoint(bad, pm)
+    assert differences(held_state(pm), held) == []
+    assert load_checkpoint(good, pm) == good                 # a good one still loads
+    # all of it as saved; the step counter counts this process's calls, not in a checkpoint
+    assert differences(held_state(pm), saved) == ["step counter"]

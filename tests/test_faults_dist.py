@@ -37,27 +37,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(out, world: int, *args) -> dict[int, dict]:
-    """Launch ``world`` ranks of fault_worker.py; what each survivor wrote, by rank."""
+def run_job(out, world: int, *args, exits: dict | None = None) -> dict[int, dict]:
+    """Launch ``world`` ranks of fault_worker.py; what each survivor wrote, by rank. Each
+    process's exit status, stderr and end (``time.time()``) go into ``exits`` if given."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                WORLD_SIZE=str(world), OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S=str(TIMEOUT_S))
+    logs = [open(out / f"stderr{r}.txt", "w+") for r in range(world)]
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "fault_worker.py"), str(out),
                                *map(str, args)], env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              stdout=subprocess.DEVNULL, stderr=logs[r], text=True)
              for r in range(world)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240))
-        except subprocess.TimeoutExpired:
+    ended: dict[int, float] = {}
+    deadline = time.monotonic() + 480          # a loaded machine: allow for slow starts
+    while len(ended) < world and time.monotonic() < deadline:
+        for r, p in enumerate(procs):
+            if r not in ended and p.poll() is not None:
+                ended[r] = time.time()
+        time.sleep(0.1)
+    for r, p in enumerate(procs):
+        if p.poll() is None:
             p.kill()
-            logs.append(p.communicate())
+        p.wait()
+        logs[r].seek(0)
+        if exits is not None:
+            exits[r] = {"code": p.returncode, "stderr": logs[r].read(), "ended_at": ended.get(r)}
+        logs[r].close()
     seen = {}
     for r in range(world):
         path = out / f"rank{r}.json"
         if path.exists():
             seen[r] = json.loads(path.read_text())
-    assert seen, "no rank reported:\n" + "\n".join(e[-3000:] for _, e in logs)
+    assert seen, "no rank reported:\n" + "\n".join(
+        (out / f"stderr{r}.txt").read_text()[-3000:] for r in range(world))
     return seen
 
 
@@ -87,7 +98,8 @@ def load_weights(path) -> list[torch.Tensor]:
     """The checkpoint under ``path`` loaded into a fresh model in this process (one rank)."""
     torch.manual_seed(1)
     pm = torchalpa.auto_parallel(build(), batch(), F.mse_loss,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 method=torchalpa.ShardParallel())
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")      # saved by more ranks: random state not restored
@@ -167,3 +179,51 @@ def test_a_flipped_byte_in_one_ranks_shard_stops_every_rank_and_fallback_loads_t
                          r".*ckpt-000001 is intact", s["refused"] or ""), f"rank {r}: {s}"
         assert s["loaded"] == "ckpt-000001" and s["old_weights"], f"rank {r}: {s}"
         assert any("__1_0.distcp does not match" in w for w in s["warned"]), f"rank {r}: {s}"
+
+
+def test_a_bad_file_of_the_last_rank_is_refused_on_every_rank_and_changes_nothing(tmp_path):
+    """4 ranks, ZeRO-3 and Adam: rank 3's random state, an optimizer item of its shard, or
+    its whole shard is bad (the manifest rewritten to match, so only reading finds it).
+    Every rank refuses the load naming the file, and no rank's parameters, optimizer
+    state, random state or step counter changed, even one whose optimizer had no state
+    yet; the good checkpoint then loads bit-identically (tests/load_refusal_worker.py)."""
+    ranks = worker_io.launch("load_refusal_worker.py", tmp_path / "refusal.json",
+                             nproc=4)["ranks"]
+    damaged = {"rng": "rng-3.pt", "optimizer": "__3_0.distcp", "shard": "__3_0.distcp",
+               "fresh optimizer": "__3_0.distcp"}
+    for r, seen in enumerate(ranks):
+        for kind, name in damaged.items():
+            found = seen[kind]
+            assert "trace" not in found, f"rank {r}, {kind}: {found}"
+            assert re.search(rf"ckpt-000001 cannot be loaded: .*rank 3: [^;]*{re.escape(name)}"
+                             r".*Nothing was loaded", found["error"] or ""), \
+                f"rank {r}, {kind}: {found['error']}"
+            assert found["changed"] == [], f"rank {r}, {kind}: a refused load changed these"
+        # the step counter counts this process's calls: it is not in a checkpoint
+        assert seen["good"]["changed"] == ["step counter"], f"rank {r}: {seen['good']}"
+
+
+@pytest.mark.parametrize("mode", ["hang", pytest.param("stuck", marks=pytest.mark.slow)])
+def test_a_hung_rank_is_stopped_once_the_others_have_failed(tmp_path, mode):
+    """A plain launch (no torchrun agent): rank 1 never reaches its second step -- asleep
+    (``hang``), or blocked in a receive nobody sends on a group with an hour's timeout
+    (``stuck``). The others fail after the collective timeout naming it; then its own
+    heartbeat ends its process, exit status 1, saying why and where it was stuck."""
+    world, victim = 4, 1          # 4: the step has collectives (on 3 ranks, this plan none)
+    exits: dict = {}
+    seen = run_job(tmp_path, world, mode, victim, exits=exits)
+    survivors = [r for r in range(world) if r != victim]
+    assert sorted(seen) == survivors, f"reports from {sorted(seen)}: {exits}"
+    for r in survivors:
+        assert blamed(seen[r]["error"] or "") == {victim}, f"rank {r}: {seen[r]['error']}"
+        assert "did not respond" in seen[r]["error"]
+    stopped = exits[victim]
+    assert stopped["ended_at"] is not None, f"rank {victim} was never stopped"
+    assert stopped["code"] == 1, stopped
+    said = stopped["stderr"]
+    assert f"rank {victim}: stopped by torchalpa: the job failed" in said, said[-3000:]
+    assert f"rank(s) {victim} did not respond" in said, said[-3000:]
+    assert ("time.sleep(3600)" if mode == "hang" else "dist.recv(") in said, said[-3000:]
+    failed_at = max(seen[r]["ended_at"] for r in survivors)
+    assert stopped["ended_at"] - failed_at < 15, \
+        f"rank {victim} ended {stopped['ended_at'] - failed_at:.1f} s after the others failed"

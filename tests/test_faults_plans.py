@@ -217,14 +217,16 @@ def test_a_truncated_plan_file_is_named(step, tmp_path):
 def test_auto_parallel_refuses_an_edited_plan_by_name():
     import torch.distributed as dist
     x, y = mlp_inputs(32, 16)
-    plan = torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss)          # this world: one device
+    plan = torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss,
+                          method=torchalpa.ShardParallel())          # this world: one device
     d = json.loads(plan.to_json())
     name = next(iter(d["parameters"]))
     d["parameters"][name]["placements"] = ["Shard(0)"]
     try:
         with pytest.raises(PlanError, match=r"the plan passed as plan=: .* arrives as S\(0\)"):
             torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss,
-                                    plan=torchalpa.Plan.from_dict(d))
+                                    plan=torchalpa.Plan.from_dict(d),
+                                    method=torchalpa.ShardParallel())
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -255,7 +257,8 @@ def test_a_float32_table_under_mixed_precision_is_refused_with_the_fix():
     policy = torchalpa.MixedPrecision(param_dtype=torch.bfloat16)
     with pytest.raises(TypeError, match=r"different dtypes .*bfloat16.*float32|float32.*bfloat16"
                                         r".*\.type_as\(x\)"):
-        torchalpa.auto_parallel(Tabled(), (x, y), F.mse_loss, mixed_precision=policy)
+        torchalpa.auto_parallel(Tabled(), (x, y), F.mse_loss, mixed_precision=policy,
+                                method=torchalpa.ShardParallel())
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -65,7 +65,8 @@ def test_zoo_trains_on_cuda_like_eager(family):
     workload = _workload(family)
     model, ref, batch = _twins(workload)
     pm = torchalpa.auto_parallel(model, batch, workload.loss_fn,
-                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                 method=torchalpa.ShardParallel())
     assert pm.plan.unsupported_ops == ()
     assert "_for_cpu" not in pm.local_program()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
@@ -86,7 +87,8 @@ def test_learned_attention_bias_trains_on_cuda():
     torch.manual_seed(0)
     ref = BiasedAttention().cuda()
     x, y = torch.randn(4, 8, 16, device="cuda"), torch.randn(4, 8, 16, device="cuda")
-    pm = torchalpa.auto_parallel(model, (x, y), nn.functional.mse_loss)
+    pm = torchalpa.auto_parallel(model, (x, y), nn.functional.mse_loss,
+                                 method=torchalpa.ShardParallel())
     loss = pm(x, y)
     loss.backward()
     ref_loss = nn.functional.mse_loss(ref(x), y)
@@ -101,7 +103,8 @@ def test_bf16_mixed_precision_tracks_eager_autocast(family):
     workload = _workload(family)
     model, ref, batch = _twins(workload)
     policy = torchalpa.MixedPrecision(param_dtype=torch.bfloat16)
-    pm = torchalpa.auto_parallel(model, batch, workload.loss_fn, mixed_precision=policy)
+    pm = torchalpa.auto_parallel(model, batch, workload.loss_fn, mixed_precision=policy,
+                                 method=torchalpa.ShardParallel())
     loss = pm(*batch)
     loss.backward()
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -114,7 +117,8 @@ def test_compiled_programs_train_like_eager():
     workload = _workload("llama")
     model, ref, batch = _twins(workload)
     pm = torchalpa.auto_parallel(model, batch, workload.loss_fn, compile=True,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2))
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2),
+                                 method=torchalpa.ShardParallel())
     ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
     for _ in range(2):
         loss = pm.train_step(*batch)
@@ -134,5 +138,6 @@ def test_detect_describes_this_gpu():
     workload = _workload("llama")
     with torch.device("meta"):
         model = workload.build()
-    plan = torchalpa.plan(model, workload.example_inputs(device="meta"), workload.loss_fn)
+    plan = torchalpa.plan(model, workload.example_inputs(device="meta"), workload.loss_fn,
+                          method=torchalpa.ShardParallel())
     assert f"planned for {c.device_name}" in plan.summary()

@@ -15,8 +15,9 @@ The layers (``../shared/DESIGN.md``), each allowed to import only those listed:
     ops        core
     core       nothing of ours
 
-The package ``torchalpa/__init__.py`` is the top: it may import any layer, and nothing of
-ours imports it (a module names the module it needs, never the package).
+The package ``torchalpa/__init__.py`` (with ``__main__.py``, ``python -m torchalpa``) is the
+top: it may import any layer, and nothing of ours imports it (a module names the module it
+needs, never the package).
 """
 
 import ast
@@ -56,9 +57,10 @@ def _modules() -> dict[str, pathlib.Path]:
 
 
 def layer_of(module: str) -> str:
-    """``torchalpa.passes.rules.matmul`` -> ``passes``; the package itself -> ``top``."""
+    """``torchalpa.passes.rules.matmul`` -> ``passes``; the package itself and its
+    ``__main__`` (``python -m torchalpa``) -> ``top``."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 else "top"
+    return parts[1] if len(parts) > 1 and parts[1] != "__main__" else "top"
 
 
 def _imports(module: str, path: pathlib.Path, known):

@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from models import MLP
 from test_simplify import Residual
 
 from torchalpa.frontends.torch_export import capture
@@ -91,3 +92,45 @@ def test_no_layer_is_left_without_work(graph):
             flops[layer[node.name]] += node.flops
     total = sum(flops.values())
     assert min(flops[l] for l in range(4)) >= 0.4 * total / 4
+
+
+def test_a_gradient_is_made_in_its_parameters_layer_when_a_cut_splits_its_module():
+    """Eight layers of a 4-Linear MLP cut a Linear between its matmul and its bias add: the
+    bias gradient is made where the bias lives, so no value flows to a later stage in
+    backward (which no schedule can run: it hung on 4 ranks before)."""
+    import torchalpa
+    from torchalpa.passes.inter_op import plan_pipeline
+    model = torch.nn.Sequential()   # Alpa's quickstart MLP: d -> 4d -> d -> 4d -> d, ReLUs
+    model.net = torch.nn.Sequential(*[m for i in range(4) for m in (
+        torch.nn.Linear(64, 256) if i % 2 == 0 else torch.nn.Linear(256, 64), torch.nn.ReLU())])
+    batch = (torch.randn(1, 64), torch.randn(1, 64))
+    graph = capture(model, batch, F.mse_loss).graph
+    layers = cluster_layers(graph, 8)
+    bias = graph.params["net.2.bias"]
+    grad = graph.grads["net.2.bias"].node
+    assert layers[grad] == layers[bias]
+    method = torchalpa.PipeshardParallel(
+        num_micro_batches=4, layer_option=torchalpa.AutoLayerOption(layer_num=8),
+        stage_option=torchalpa.ManualStageOption(
+            forward_stage_layer_ids=((0,), (1,), (2, 3, 4), (5, 6, 7)),
+            submesh_shapes=((1, 1),) * 4))
+    plan = plan_pipeline(graph, torchalpa.Cluster.local_cpu(4), method)
+    for t in plan.transfers:
+        assert (t.dst_stage > t.src_stage) == (t.phase == "forward") or t.once_per_step
+
+
+def test_a_pipeline_plan_that_no_schedule_can_run_is_refused():
+    import dataclasses
+
+    import torchalpa
+    from torchalpa.core.plan import PlanError, Transfer
+    from torchalpa.passes.inter_op import plan_pipeline
+    graph = capture(MLP(16, 2), (torch.randn(4, 16), torch.randn(4, 16)), F.mse_loss).graph
+    method = torchalpa.PipeshardParallel(
+        num_micro_batches=2, layer_option=torchalpa.AutoLayerOption(layer_num=2),
+        stage_option=torchalpa.ManualStageOption(forward_stage_layer_ids=((0,), (1,)),
+                                                 submesh_shapes=((1, 1),) * 2))
+    good = plan_pipeline(graph, torchalpa.Cluster.local_cpu(2), method)
+    backwards = Transfer("g", 0, src_stage=0, dst_stage=1, phase="backward", bytes=4)
+    with pytest.raises(PlanError, match="no schedule can run the plan"):
+        dataclasses.replace(good, transfers=good.transfers + (backwards,))

@@ -45,7 +45,8 @@ def test_train_step_uses_foreach_on_small_tensors_and_restores_the_option(monkey
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
-                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                                 method=torchalpa.ShardParallel())
     pm.train_step(x, y)
     assert calls == ["_multi_tensor_adam"]
     assert pm.optimizer.param_groups[0]["foreach"] is None

@@ -1,4 +1,4 @@
-"""The loss's all-reduce sent inside a gradient bucket's (runtime/loss_ride.py), on
+"""The loss's all-reduce sent inside a gradient bucket's (runtime/loss_in_bucket.py), on
 hand-built programs in one process with a one-rank gloo group. Real ranks (one collective
 per bucket, the loss still one device's): tests/test_distributed.py."""
 
@@ -11,9 +11,9 @@ import torch.fx as fx
 
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import BUCKET, flatten_concat, split_flat
-from torchalpa.runtime.loss_ride import ride_loss_on_bucket
-from torchalpa.runtime.lower import PLAN_STEP
+from torchalpa.runtime.loss_in_bucket import put_loss_in_gradient_bucket
 from torchalpa.runtime.overlap import overlap_collectives
+from torchalpa.runtime.programs import PLAN_STEP
 
 
 def names(gm: fx.GraphModule) -> list[str]:
@@ -57,7 +57,7 @@ def reduce_program(group: str, num_buckets: int = 2) -> fx.GraphModule:
 
 def test_the_loss_rides_the_last_bucket_and_comes_out_the_same(one_rank_group):
     forward, reduce = forward_program(one_rank_group), reduce_program(one_rank_group)
-    ride = ride_loss_on_bucket(forward, reduce)
+    ride = put_loss_in_gradient_bucket(forward, reduce)
     assert ride is not None and ride.plan_step == ("div", 0, 0) and ride.bucket == 1
     # forward issues no collective; backward issues one per bucket, as before
     assert "issue_all_reduce" not in names(ride.forward)
@@ -77,7 +77,7 @@ def test_the_loss_rides_the_last_bucket_and_comes_out_the_same(one_rank_group):
 def test_a_loss_averaged_over_the_ranks_rides_a_sum_and_is_divided_after(one_rank_group):
     forward, reduce = forward_program(one_rank_group, reduce_op="avg"), \
         reduce_program(one_rank_group)
-    ride = ride_loss_on_bucket(forward, reduce)
+    ride = put_loss_in_gradient_bucket(forward, reduce)
     assert ride is not None and "issue_all_reduce" not in names(ride.forward)
     x, y = torch.randn(6), torch.randn(6)
     grads = [torch.randn(3, 2), torch.randn(4), torch.randn(5), torch.randn(2, 2)]
@@ -87,12 +87,12 @@ def test_a_loss_averaged_over_the_ranks_rides_a_sum_and_is_divided_after(one_ran
 
 
 def test_without_a_bucket_of_that_reduce_op_the_loss_keeps_its_all_reduce(one_rank_group):
-    assert ride_loss_on_bucket(forward_program(one_rank_group, reduce_op="max"),
+    assert put_loss_in_gradient_bucket(forward_program(one_rank_group, reduce_op="max"),
                                reduce_program(one_rank_group)) is None
-    assert ride_loss_on_bucket(forward_program(one_rank_group),
+    assert put_loss_in_gradient_bucket(forward_program(one_rank_group),
                                reduce_program(one_rank_group, num_buckets=0)) is None
 
 
 def test_an_all_reduce_the_plan_did_not_name_is_left_alone(one_rank_group):
-    assert ride_loss_on_bucket(forward_program(one_rank_group, tagged=False),
+    assert put_loss_in_gradient_bucket(forward_program(one_rank_group, tagged=False),
                                reduce_program(one_rank_group)) is None

@@ -57,9 +57,11 @@ def test_skipping_by_the_bound_keeps_the_plan(monkeypatch):
     model, batch = w.build(), w.example_inputs()
     cluster = torchalpa.Cluster.local_cpu(4)
     monkeypatch.setenv("TORCHALPA_CACHE", "0")
-    skipped = torchalpa.plan(model, batch, w.loss_fn, cluster=cluster)
+    skipped = torchalpa.plan(model, batch, w.loss_fn, cluster=cluster,
+                             method=torchalpa.ShardParallel())
     monkeypatch.setattr(shard, "SKIP_BY_BOUND", False)
-    solved = torchalpa.plan(model, batch, w.loss_fn, cluster=cluster)
+    solved = torchalpa.plan(model, batch, w.loss_fn, cluster=cluster,
+                            method=torchalpa.ShardParallel())
     tried = next(n for n in skipped.notes if n.startswith("logical meshes tried"))
     assert "(bound, not solved)" in tried, tried
     assert not any("(bound, not solved)" in n for n in solved.notes)

@@ -142,17 +142,20 @@ def test_cached_plans_are_reused_without_solving(tmp_path, monkeypatch):
     with torch.device("meta"):
         model = MLP(32, 3)
         x, y = torch.empty(64, 32), torch.empty(64, 32)
-    first = torchalpa.plan(model, (x, y), F.mse_loss, cluster=MESH)
+    first = torchalpa.plan(model, (x, y), F.mse_loss, cluster=MESH,
+                           method=torchalpa.ShardParallel())
     assert len(list(tmp_path.glob("*.json"))) == 1
     import torchalpa.passes.intra_op as intra_op
 
     def no_solving(*a, **k):
         raise AssertionError("solved again")
     monkeypatch.setattr(intra_op, "plan_intra_op", no_solving)
-    assert torchalpa.plan(model, (x, y), F.mse_loss, cluster=MESH) == first
+    assert torchalpa.plan(model, (x, y), F.mse_loss, cluster=MESH,
+                          method=torchalpa.ShardParallel()) == first
     # another mesh is another key
     with pytest.raises(AssertionError, match="solved again"):
-        torchalpa.plan(model, (x, y), F.mse_loss, cluster=LogicalMesh(shape=(2,)))
+        torchalpa.plan(model, (x, y), F.mse_loss, cluster=LogicalMesh(shape=(2,)),
+                       method=torchalpa.ShardParallel())
 
 
 def test_cached_pipeline_plans_are_reused_without_solving(tmp_path, monkeypatch):

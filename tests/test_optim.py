@@ -28,7 +28,8 @@ def train(make_opt, steps=3):
     torch.manual_seed(0)
     ref = MLP(32, 2)
     x, y = torch.randn(16, 32), torch.randn(16, 32)
-    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, optimizer=make_opt)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, optimizer=make_opt,
+                                 method=torchalpa.ShardParallel())
     ref_opt = make_opt(ref.parameters())
     seen_local = []
     # a global pre-hook runs after ours (registered first): it sees what step() will see

@@ -1,4 +1,4 @@
-"""Decomposed patterns folded back into eager's kernels after lowering (runtime/peephole.py)."""
+"""Decomposed patterns folded back into eager's kernels after lowering (runtime/relu_backward.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.runtime.peephole import fold_relu_backward
+from torchalpa.runtime.relu_backward import fold_relu_backward
 
 aten = torch.ops.aten
 
@@ -52,7 +52,7 @@ def test_a_relu_mlp_step_runs_threshold_backward_and_matches_eager():
     ref = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU())
     ref.load_state_dict(model.state_dict())
     x, y = torch.randn(8, 16), torch.randn(8, 16)
-    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, method=torchalpa.ShardParallel())
     code = pm.local_program()
     assert code.count("aten.threshold_backward.default(") == 2 and "aten.where" not in code
     pm(x, y).backward()

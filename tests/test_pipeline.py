@@ -21,6 +21,7 @@ import worker_io
 # make test by tests/test_api.py and tests/test_layer_cache.py (and checked against brute
 # force in tests/test_stages.py); the runtime cannot tell which costs chose its stages.
 FOUR = ("mlp_2x2_1f1b", "mlp_2x2_options", "mlp_2x2_checks", "mlp_4x1_gpipe_backward",
+        "mlp_auto_pipeline",
         "gpt_2x2_1f1b", "gpt_profile", "gpt_checkpoint", "gpt_2x2_recompute")
 FOUR_SLOW = ("gpt_auto",)
 
@@ -166,3 +167,11 @@ def test_eight_ranks_stages_on_2d_meshes_send_the_tied_weight_once(eight):
     once per step each way (the 4-rank siblings above check the same on 1x2 submeshes)."""
     assert eight["gpt_2x2x2_1f1b"]["logical"] == [[2, 2], [2, 2]]
     assert eight["gpt_2x2x2_1f1b"]["once_per_step"] == 2
+
+
+def test_autoparallel_asked_for_a_pipeline_plans_one_and_trains_like_one_device(four):
+    """AutoParallel(pipeline=True): the search weighs only pipelines (micro-batch counts,
+    stages), says what it chose, and the pipeline it built trains like one device
+    (test_four_ranks[mlp_auto_pipeline] checks the losses and the bytes sent)."""
+    r = four["mlp_auto_pipeline"]
+    assert any(n.startswith("AutoParallel chose pipeline") for n in r["notes"])

@@ -131,7 +131,8 @@ def test_quickstart_plan_holds_a_third_of_ddp_state_and_traffic():
     with torch.device("meta"):
         model = QuickstartMLP(1024, 10)
         x, y = torch.empty(1024, 1024), torch.empty(1024, 1024)
-    plan = torchalpa.plan(model, (x, y), F.mse_loss, cluster=torchalpa.Cluster.local_cpu(4))
+    plan = torchalpa.plan(model, (x, y), F.mse_loss, cluster=torchalpa.Cluster.local_cpu(4),
+                          method=torchalpa.ShardParallel())
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     ddp_state = param_bytes * 4                     # params + grads + 2 Adam states, replicated
     ddp_wire = 2 * (4 - 1) * param_bytes            # one ring all-reduce of every gradient
@@ -145,7 +146,8 @@ def test_plan_api_needs_no_process_group_and_plans_for_a_virtual_cluster():
         model = MLP(1024, 4)
         x, y = torch.empty(64, 1024), torch.empty(64, 1024)
     cluster = torchalpa.Cluster.h100(num_nodes=4)     # 32 GPUs
-    plan = torchalpa.plan(model, (x, y), F.mse_loss, cluster=cluster)
+    plan = torchalpa.plan(model, (x, y), F.mse_loss, cluster=cluster,
+                          method=torchalpa.ShardParallel())
     assert plan.num_devices == 32
     assert not torch.distributed.is_initialized()
     # every 1D/2D view of the cluster was tried; the plan kept is the fastest of them

@@ -108,7 +108,8 @@ def test_a_strided_shard_loads_its_heads_of_q_k_and_v(two_ranks_loaded):
 
 def planned_mlp(seed=1):
     torch.manual_seed(seed)
-    return torchalpa.auto_parallel(MLP(16, 3), mlp_inputs(8, 16), F.mse_loss)
+    return torchalpa.auto_parallel(MLP(16, 3), mlp_inputs(8, 16), F.mse_loss,
+                                   method=torchalpa.ShardParallel())
 
 
 def test_missing_unexpected_and_mismatched_keys_are_named(tmp_path):
@@ -155,7 +156,7 @@ def test_an_hf_snapshot_with_tied_weights_loads_into_a_planned_model(tmp_path):
         want = loss_fn(original(ids), ids).item()
     torch.manual_seed(1)
     pm = torchalpa.auto_parallel(transformers.GPT2LMHeadModel(config).eval(),
-                                 (ids, ids.clone()), loss_fn)
+                                 (ids, ids.clone()), loss_fn, method=torchalpa.ShardParallel())
     info = torchalpa.load_pretrained(pm, tmp_path / "gpt2")
     assert info == {"missing_keys": [], "unexpected_keys": []}
     with torch.no_grad():

@@ -36,7 +36,8 @@ def adam(ps):
 def test_micro_batches_give_the_whole_batch_loss_and_gradients():
     model, ref = twin(lambda: MLP(32, 3))
     x, y = mlp_inputs(16, 32)
-    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, num_micro_batches=4)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, num_micro_batches=4,
+                                 method=torchalpa.ShardParallel())
     assert pm.plan.inputs[0].shape == (4, 32)
     loss = pm(x, y)
     loss.backward()
@@ -50,7 +51,7 @@ def test_micro_batches_give_the_whole_batch_loss_and_gradients():
 def test_micro_batches_reduce_gradients_once_per_step():
     x, y = mlp_inputs(16, 32)
     pm = torchalpa.auto_parallel(MLP(32, 2), (x, y), F.mse_loss, num_micro_batches=4,
-                                 optimizer=adam)
+                                 optimizer=adam, method=torchalpa.ShardParallel())
     program = pm._runner.program
     calls = {"forward": 0, "backward": 0, "reduce_grads": 0}
     for part in calls:
@@ -68,10 +69,10 @@ def test_micro_batches_must_divide_the_batch():
     with pytest.raises(ValueError, match=r"example_inputs 0 has dim 0 of size 10.*"
                                          r"num_micro_batches=4"):
         torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(10, 16), F.mse_loss,
-                                num_micro_batches=4)
+                                num_micro_batches=4, method=torchalpa.ShardParallel())
     with pytest.raises(ValueError, match="num_micro_batches must be an int >= 1"):
         torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
-                                num_micro_batches=0)
+                                num_micro_batches=0, method=torchalpa.ShardParallel())
 
 
 # -- mixed precision ----------------------------------------------------------------------
@@ -80,7 +81,8 @@ def test_mixed_precision_computes_in_bf16_with_float32_state():
     model, ref = twin(lambda: MLP(32, 3))
     x, y = mlp_inputs(16, 32)
     policy = MixedPrecision(param_dtype=torch.bfloat16)
-    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, mixed_precision=policy)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, mixed_precision=policy,
+                                 method=torchalpa.ShardParallel())
     loss = pm(x, y)
     loss.backward()
     ref_loss = F.mse_loss(ref(x), y)
@@ -108,7 +110,8 @@ def test_every_zoo_family_trains_in_bf16(family):
     with torch.no_grad():
         ref_loss = workload.loss_fn(model(*batch[:-1]), batch[-1])     # float32 eager
     policy = MixedPrecision(param_dtype=torch.bfloat16)
-    pm = torchalpa.auto_parallel(model, batch, workload.loss_fn, mixed_precision=policy)
+    pm = torchalpa.auto_parallel(model, batch, workload.loss_fn, mixed_precision=policy,
+                                 method=torchalpa.ShardParallel())
     loss = pm(*batch)
     loss.backward()
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
@@ -130,7 +133,7 @@ def test_mixed_precision_options_are_validated():
         MixedPrecision(param_dtype=torch.int8)
     with pytest.raises(TypeError, match="torchalpa.MixedPrecision"):
         torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
-                                mixed_precision="bf16")
+                                mixed_precision="bf16", method=torchalpa.ShardParallel())
 
 
 # -- torch.compile ------------------------------------------------------------------------
@@ -149,7 +152,7 @@ def test_local_programs_run_under_torch_compile(compile_option):
     for compile in (False, compile_option):
         model, _ = twin(lambda: MLP(32, 2))
         pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, optimizer=adam,
-                                     compile=compile)
+                                     compile=compile, method=torchalpa.ShardParallel())
         runs.append([pm.train_step(x, y).item() for _ in range(2)])
     assert "compiled with torch.compile" in pm.local_program()
     assert counters["stats"]["unique_graphs"] >= 2     # forward, backward (reduce_grads is
@@ -172,7 +175,8 @@ class WithRawParameter(nn.Module):
 def test_meta_model_is_materialized_and_initialized():
     with torch.device("meta"):
         model = MLP(16, 2)
-    pm = torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss, optimizer=adam)
+    pm = torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss, optimizer=adam,
+                                 method=torchalpa.ShardParallel())
     weight = pm.module.net[0].weight
     assert weight.to_local().device.type == "cpu"
     assert 0.05 < weight.to_local().std().item() < 0.3     # kaiming-uniform, fan_in 16
@@ -184,7 +188,8 @@ def test_meta_parameter_without_reset_parameters_warns_and_init_weights_sets_it(
     with torch.device("meta"):
         model = WithRawParameter()
     with pytest.warns(MaterializeWarning, match=r"\bscale\b.*init_weights"):
-        torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss)
+        torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss,
+                                method=torchalpa.ShardParallel())
 
     def init(module):
         module.fc.reset_parameters()
@@ -194,7 +199,8 @@ def test_meta_parameter_without_reset_parameters_warns_and_init_weights_sets_it(
         model = WithRawParameter()
     with warnings.catch_warnings():
         warnings.simplefilter("error", MaterializeWarning)
-        pm = torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss, init_weights=init)
+        pm = torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss, init_weights=init,
+                                     method=torchalpa.ShardParallel())
     assert torch.equal(pm.module.scale.full_tensor(), torch.full((16,), 2.0))
 
 
@@ -203,7 +209,7 @@ def test_meta_parameter_without_reset_parameters_warns_and_init_weights_sets_it(
 def test_predict_and_eval_loss_on_one_process():
     model, ref = twin(lambda: MLP(16, 2))
     x, y = mlp_inputs(8, 16)
-    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, method=torchalpa.ShardParallel())
     assert torch.allclose(pm.predict(x), ref(x), atol=1e-6)
     assert pm.predict(x[:3]).shape == (3, 16)              # planned for that shape on use
     pm.eval()
@@ -211,14 +217,16 @@ def test_predict_and_eval_loss_on_one_process():
 
 
 def test_train_step_needs_the_captured_mode():
-    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss, optimizer=adam)
+    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss, optimizer=adam,
+                                 method=torchalpa.ShardParallel())
     pm.eval()
     with pytest.raises(ValueError, match=r"captured in training mode.*pmodel.train\(\)"):
         pm.train_step(*mlp_inputs(8, 16))
 
 
 def test_local_program_shows_the_three_programs():
-    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss)
+    pm = torchalpa.auto_parallel(MLP(16, 2), mlp_inputs(8, 16), F.mse_loss,
+                                 method=torchalpa.ShardParallel())
     text = pm.local_program()
     assert "# forward" in text and "# backward" in text and "# reduce_grads" in text
 
@@ -228,7 +236,7 @@ def test_local_program_shows_the_three_programs():
 def test_checkpoint_round_trip_and_errors(tmp_path):
     x, y = mlp_inputs(8, 16)
     make = lambda: torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss,  # noqa: E731
-                                           optimizer=adam)
+                                           optimizer=adam, method=torchalpa.ShardParallel())
     torch.manual_seed(0)
     pm = make()
     pm.train_step(x, y)
@@ -296,7 +304,7 @@ def test_autograd_path_saves_items_of_multi_output_ops():
     tokens = torch.randint(config.vocab_size, (2, config.max_seq_len + 1))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
     model, ref = twin(lambda: GPT(config))
-    pm = torchalpa.auto_parallel(model, (x, y), lm_loss)
+    pm = torchalpa.auto_parallel(model, (x, y), lm_loss, method=torchalpa.ShardParallel())
     loss = pm(x, y)
     loss.backward()
     ref_loss = lm_loss(ref(x), y)

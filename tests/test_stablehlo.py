@@ -190,7 +190,8 @@ def test_products_are_summed_before_the_residual():
 
 def test_plan_a_jax_step():
     params, x, y = _block_example()
-    plan = torchalpa.plan(_block_loss, (params, x, y), cluster=Cluster.local_cpu(2))
+    plan = torchalpa.plan(_block_loss, (params, x, y), cluster=Cluster.local_cpu(2),
+                          method=torchalpa.ShardParallel())
     assert sorted(p.name for p in plan.parameters) == sorted(
         f"params.{k}" for k in params)
     assert [p.name for p in plan.inputs] == ["x", "y"]
@@ -202,7 +203,8 @@ def test_ops_without_a_rule_are_listed():
     def loss(params, x):
         return jnp.sum(jnp.flip(x @ params["w"], axis=0) * x)      # a stablehlo.reverse
     params = {"w": jnp.ones((8, 8))}
-    plan = torchalpa.plan(loss, (params, jnp.ones((4, 8))), cluster=Cluster.local_cpu(2))
+    plan = torchalpa.plan(loss, (params, jnp.ones((4, 8))), cluster=Cluster.local_cpu(2),
+                          method=torchalpa.ShardParallel())
     assert "stablehlo.reverse" in {u["op"] for u in plan.unsupported_ops}
 
 
@@ -271,10 +273,12 @@ def test_plan_from_a_file(tmp_path):
     path = tmp_path / "step.mlir"
     path.write_text(lowered.text)
     mesh = Cluster.local_cpu(4).logical_mesh((4,))
-    plan = torchalpa.plan(str(path), (), cluster=mesh, num_params=1)
+    plan = torchalpa.plan(str(path), (), cluster=mesh, num_params=1,
+                          method=torchalpa.ShardParallel())
     assert [p.name for p in plan.parameters] == ["params.w"]
     with pytest.raises(ValueError, match="neither StableHLO text nor a file"):
-        torchalpa.plan(str(tmp_path / "missing.mlir"), (), cluster=mesh, num_params=1)
+        torchalpa.plan(str(tmp_path / "missing.mlir"), (), cluster=mesh, num_params=1,
+                       method=torchalpa.ShardParallel())
 
 
 @pytest.mark.parametrize("placements,mesh_shape", [
@@ -396,8 +400,9 @@ def test_export_and_cross_check_with_the_aten_plan():
     text = torchalpa.export_stablehlo(model, (x, y), loss_fn)
     assert 'torchalpa.name = "net.0.weight"' in text
     mesh = Cluster.local_cpu(4).logical_mesh((4,))
-    from_aten = torchalpa.plan(model, (x, y), loss_fn, cluster=mesh)
-    from_text = torchalpa.plan(text, (), cluster=mesh)
+    from_aten = torchalpa.plan(model, (x, y), loss_fn, cluster=mesh,
+                               method=torchalpa.ShardParallel())
+    from_text = torchalpa.plan(text, (), cluster=mesh, method=torchalpa.ShardParallel())
     assert from_text.unsupported_ops == ()
     weights = [p.name for p in from_aten.parameters if p.name.endswith("weight")]
     assert {n: from_text.parameter(n).placements for n in weights} == \
@@ -436,7 +441,8 @@ def test_export_and_cross_check_with_the_aten_plan():
     from torchalpa.interop.hlo_annotate import hlo_sharding
     w = from_aten.parameter("net.0.weight")
     assert f'mhlo.sharding = "{hlo_sharding(w.placements, 2, (4,))}"' in annotated
-    again = torchalpa.plan(annotated, (), cluster=mesh)      # still reads as a step
+    again = torchalpa.plan(annotated, (), cluster=mesh,
+                           method=torchalpa.ShardParallel())      # still reads as a step
     assert [p.name for p in again.parameters] == [p.name for p in from_text.parameters]
 
 
@@ -653,7 +659,8 @@ def test_a_fused_qkv_written_in_jax_splits_by_heads():
     params = {"qkv": jnp.asarray(rng.normal(size=(H, 3 * H)), jnp.float32),
               "out": jnp.asarray(rng.normal(size=(H, H)), jnp.float32)}
     x = jnp.asarray(rng.normal(size=(B, S, H)), jnp.float32)
-    plan = torchalpa.plan(loss, (params, x), cluster=LogicalMesh(shape=(4,)))
+    plan = torchalpa.plan(loss, (params, x), cluster=LogicalMesh(shape=(4,)),
+                          method=torchalpa.ShardParallel())
     placements = {p.name: p.placements for p in plan.parameters}
     assert placements == {"params.qkv": (strided(1, 3),), "params.out": (Shard(0),)}
     assert [(c.kind, c.phase, c.bytes) for c in plan.collectives] == [

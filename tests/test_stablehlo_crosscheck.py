@@ -84,7 +84,7 @@ def test_both_frontends_place_parameters_alike(name):
     model, batch, loss_fn = workload(name)
     text = torchalpa.export_stablehlo(model, batch, loss_fn)
     from_aten = torchalpa.plan(model, batch, loss_fn, cluster=mesh, method=aten_method())
-    from_text = torchalpa.plan(text, (), cluster=mesh)
+    from_text = torchalpa.plan(text, (), cluster=mesh, method=torchalpa.ShardParallel())
     assert from_text.unsupported_ops == ()
     text_params = {p.name: p.placements for p in from_text.parameters}
     assert set(text_params) == {p.name for p in from_aten.parameters}
@@ -112,7 +112,7 @@ def test_at_small_size_the_placements_agree(name):
     model, batch, loss_fn = workload(name, "small")
     text = torchalpa.export_stablehlo(model, batch, loss_fn)
     from_aten = torchalpa.plan(model, batch, loss_fn, cluster=mesh, method=aten_method())
-    from_text = torchalpa.plan(text, (), cluster=mesh)
+    from_text = torchalpa.plan(text, (), cluster=mesh, method=torchalpa.ShardParallel())
     text_params = {p.name: p.placements for p in from_text.parameters}
     differ = {p.name for p in from_aten.parameters if text_params[p.name] != p.placements}
     assert differ == SMALL_TIES.get(name, set())

@@ -72,7 +72,7 @@ def test_tight_budget_makes_the_dp_recompute_a_stage(gpt_graph):
 def test_replaying_draws_the_forwards_numbers_and_leaves_later_draws_unshifted():
     """A recompute replays the random state its forward began with (the same dropout
     masks), and the generator afterwards is where it was before the replay."""
-    from torchalpa.runtime.stage_recompute import random_state, replaying
+    from torchalpa.runtime.stage_remat import random_state, replaying
     rng = random_state(torch.device("cpu"))
     first = torch.rand(8)
     after = torch.get_rng_state()

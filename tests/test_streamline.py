@@ -1,4 +1,4 @@
-"""The run copies of a step's programs (runtime/streamline.py): fewer Python-dispatched ops,
+"""The run copies of a step's programs (runtime/call_overhead.py): fewer Python-dispatched ops,
 every value the same bit for bit, the source programs untouched."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.runtime.streamline import (
+from torchalpa.runtime.call_overhead import (
     MAX_CONSTANT_NUMEL,
+    cut_call_overhead,
     fold_constants,
     fold_permute_pairs,
-    streamlined_copy,
 )
 
 aten = torch.ops.aten
@@ -51,7 +51,7 @@ def test_the_copy_computes_the_same_values_with_fewer_ops():
     before = list(source.graph.nodes)
     x, w = torch.randn(16, 16), torch.randn(16, 16)
     want = source(x, w)
-    fast = streamlined_copy(source, read_only_from=1)      # the mask: read only
+    fast = cut_call_overhead(source, read_only_from=1)      # the mask: read only
     got = fast(x, w)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert list(source.graph.nodes) == before               # the source is as lowered
@@ -113,7 +113,8 @@ def test_a_causal_attention_step_matches_eager():
     ref.load_state_dict(model.state_dict())
     x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
     pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 method=torchalpa.ShardParallel())
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(2):
         loss = pm.train_step(x, y)

@@ -148,7 +148,8 @@ def test_a_fused_gate_up_projection_splits_as_megatron_does():
         model = FusedSwiGLU()
     x = torch.empty(4, 16, 64, device="meta")
     plan = torchalpa.plan(model, (x, torch.empty_like(x)), F.mse_loss,
-                          cluster=LogicalMesh(shape=(4,), alpha=(1e-3,), beta=(1e-7,)))
+                          cluster=LogicalMesh(shape=(4,), alpha=(1e-3,), beta=(1e-7,)),
+                          method=torchalpa.ShardParallel())
     placements = {p.name: p.placements for p in plan.parameters}
     assert placements == {"gate_up.weight": (strided(0, 2),), "down.weight": (Shard(1),)}
     assert [(c.kind, c.phase) for c in plan.collectives] == [("all_reduce", "forward")]

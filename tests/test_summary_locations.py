@@ -34,7 +34,7 @@ def _plan():
     torch.manual_seed(0)
     mesh = Cluster.local_cpu(2).logical_mesh((2,))
     return torchalpa.plan(Net(), (torch.randn(32, 64), torch.randn(32, 64)), F.mse_loss,
-                          cluster=mesh)
+                          cluster=mesh, method=torchalpa.ShardParallel())
 
 
 def test_collectives_carry_the_line_of_the_op_they_serve():

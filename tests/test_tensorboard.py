@@ -27,7 +27,8 @@ def read_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 def test_each_step_is_written_with_the_stats_it_measured(tmp_path):
     x, y = mlp_inputs(8, 16)
     pm = torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                 method=torchalpa.ShardParallel())
     written: list[StepStats] = []
     losses = []
     with torchalpa.TensorBoardHook(tmp_path / "run") as hook:

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 
 def test_compiled_step_has_no_graph_break_and_the_same_gradients():
     x, y = mlp_inputs(8, 16)
-    pm = torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss)
+    pm = torchalpa.auto_parallel(MLP(16, 2), (x, y), F.mse_loss, method=torchalpa.ShardParallel())
     torch._dynamo.reset()
     explained = torch._dynamo.explain(pm)(x, y)
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
@@ -56,7 +56,7 @@ def test_compiled_step_writes_batch_norm_statistics_back_without_a_graph_break()
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 16), torch.randn(8, 4)
-    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss, method=torchalpa.ShardParallel())
     torch._dynamo.reset()
     explained = torch._dynamo.explain(pm)(x, y)      # runs the step once
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]

@@ -35,7 +35,8 @@ def train(per_device: int) -> dict:
     torch.manual_seed(0)
     example = ids[:per_device * world]                          # one global batch
     pm = torchalpa.auto_parallel(transformers.GPT2LMHeadModel(config),
-                                 {"input_ids": example, "labels": example}, inputs="local")
+                                 {"input_ids": example, "labels": example}, inputs="local",
+                                 method=torchalpa.ShardParallel())
     out_dir = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"trainer-{os.getpid()}")
     losses = trainer_losses(pm, data, out_dir, per_device=per_device)
     return {"losses": losses, "mesh": list(pm.plan.mesh_shape), "world": dist.get_world_size(),

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING
 from torchalpa.core.cluster import Cluster, LogicalMesh
 from torchalpa.core.options import (
     AutoLayerOption,
+    AutoParallel,
     AutoShardingOption,
     DataParallel,
+    Inference,
     ManualShardingOption,
     ManualStageOption,
     PipeshardParallel,
@@ -74,10 +76,10 @@ def __getattr__(name: str):
     return value
 
 __all__ = [
-    "auto_parallel", "plan", "Plan", "Cluster", "LogicalMesh", "ShardParallel", "DataParallel",
+    "auto_parallel", "plan", "Plan", "Cluster", "AutoParallel", "LogicalMesh", "ShardParallel", "DataParallel",
     "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "ManualShardingOption", "Shard", "Replicate", "Partial",
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
     "load_checkpoint", "RankFailedError", "save_pretrained", "load_pretrained",
-    "export_stablehlo", "TensorBoardHook", "to_meta", "shutdown",
+    "export_stablehlo", "TensorBoardHook", "to_meta", "shutdown", "Inference",
 ]

@@ -8,6 +8,7 @@
     torchalpa bench mypkg.train:workload --nproc 4 --steps 3   # vs DDP and FSDP2, torchrun
     torchalpa coverage [--model llama --model mypkg.train:workload]
     torchalpa coverage --hf                     # the suite of models torchalpa was not written for
+    torchalpa calibrate                         # time this GPU; planning here then uses it
     torchalpa --version
 
 A model is a zoo family name (its tiny config, from ``torchalpa.models``) or
@@ -33,7 +34,13 @@ import collections
 import sys
 from collections.abc import Callable
 
-from torchalpa.cli.workloads import load_workload, parse_cluster, parse_shape, zoo_module
+from torchalpa.cli.workloads import (
+    MODEL_HELP,
+    load_workload,
+    parse_cluster,
+    parse_shape,
+    zoo_module,
+)
 
 __all__ = ["main", "build_parser"]
 
@@ -85,9 +92,12 @@ def _add_plan(commands) -> None:
     p = commands.add_parser("plan", help="plan a model's training step for a cluster",
                             description="Capture MODEL's training step on the meta device and "
                                         "plan it for CLUSTER; write the plan as JSON.")
-    p.add_argument("model", metavar="MODEL", nargs="?",
-                   help="a zoo family or module:callable")
+    p.add_argument("model", metavar="MODEL", nargs="?", help=MODEL_HELP)
+    _workload_arguments(p)
     _cluster_argument(p)
+    p.add_argument("--mixed-precision", choices=("bf16", "fp16"), metavar="DTYPE",
+                   help="price bf16 or fp16 compute and activations with float32 master "
+                        "states, as auto_parallel(mixed_precision=...) runs them")
     p.add_argument("--mesh", metavar="AxB", help="a fixed logical mesh shape (default: try each)")
     p.add_argument("--out", metavar="PLAN.json", help="where to write the plan")
     from torchalpa.cli.stablehlo import add_plan_options
@@ -109,11 +119,17 @@ def _plan(args) -> int:
 
     import torchalpa
     with torch.device("meta"):
-        model, example_inputs, loss_fn = load_workload(args.model)()
+        model, example_inputs, loss_fn = load_workload(args.model, batch=args.batch,
+                                                       seq=args.seq)()
     method = torchalpa.ShardParallel(logical_mesh_shape=parse_shape(args.mesh)) if args.mesh \
         else None
+    precision = None
+    if args.mixed_precision:
+        dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float16
+        precision = torchalpa.MixedPrecision(param_dtype=dtype)
     plan = torchalpa.plan(model, example_inputs, loss_fn, method=method,
-                          cluster=parse_cluster(args.cluster), verbose=args.verbose)
+                          cluster=_cluster_of(args), verbose=args.verbose,
+                          mixed_precision=precision)
     plan.save(args.out)
     print(plan.summary())
     print(f"\nwrote {args.out}")
@@ -170,7 +186,8 @@ def _add_estimate(commands) -> None:
                     "gradients, Adam's two moments) with the cluster's memory: whether they fit "
                     "sharded over every device, or how many devices they need. Activations are "
                     "not counted: `torchalpa plan` gives the full estimate.")
-    p.add_argument("model", metavar="MODEL", help="a zoo family or module:callable")
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    _workload_arguments(p)
     _cluster_argument(p)
     p.set_defaults(run=_estimate)
 
@@ -182,8 +199,8 @@ def _estimate(args) -> int:
 
     from torchalpa.core.units import format_bytes
     with torch.device("meta"):
-        model, _, _ = load_workload(args.model)()
-    cluster = parse_cluster(args.cluster)
+        model, _, _ = load_workload(args.model, batch=args.batch, seq=args.seq)()
+    cluster = _cluster_of(args)
     params = [p for p in model.parameters()]
     num = sum(p.numel() for p in params)
     trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
@@ -293,9 +310,27 @@ def _add_coverage(commands) -> None:
 
 # -- shared helpers -----------------------------------------------------------------------
 
+def _workload_arguments(p) -> None:
+    p.add_argument("--batch", type=int, metavar="N",
+                   help="global batch size (zoo and hf: models; default: the model's)")
+    p.add_argument("--seq", type=int, metavar="T",
+                   help="sequence length (zoo and hf: models; default: the model's)")
+
+
 def _cluster_argument(p) -> None:
     p.add_argument("--cluster", default="h100:1x8", metavar="KIND:NxD",
-                   help="h100:NODESxDEVICES, a100:NODESxDEVICES or cpu:N (default h100:1x8)")
+                   help="a GPU or machine preset with NODESxDEVICES (h100:2x8, h200:4x8, "
+                        "a100-80:1x8, b200, mi300x, l4, v100-32, dgx-a100, p3.16xlarge, ...) "
+                        "or cpu:N (default h100:1x8)")
+    p.add_argument("--inter-node-bandwidth", type=float, metavar="GB/s",
+                   help="bandwidth per device between nodes (default: the preset's network)")
+    p.add_argument("--memory", type=float, metavar="GiB",
+                   help="memory per device (default: the preset's usable memory)")
+
+
+def _cluster_of(args):
+    return parse_cluster(args.cluster, inter_node_gbps=args.inter_node_bandwidth,
+                         memory_gib=args.memory)
 
 
 
@@ -384,8 +419,46 @@ def _add_export(commands) -> None:
     add_export(commands)
 
 
+def _add_calibrate(commands) -> None:
+    p = commands.add_parser(
+        "calibrate", help="time this machine's GPU for the planner (CUDA)",
+        description="Time this machine's GPU -- matmul flop/s per dtype and shape class, "
+                    "memory bandwidth, the host's cost per op, fused attention -- and store "
+                    "the profile where planning on this device (auto_parallel, torchalpa.plan "
+                    "without a cluster) reads it instead of the datasheet figures. "
+                    "About a minute.")
+    p.add_argument("--no-save", action="store_true", help="print the figures, store nothing")
+    p.set_defaults(run=_calibrate)
+
+
+def _calibrate(args) -> int:
+    from torchalpa.core.cluster import Cluster
+    from torchalpa.parallel.calibrate_cuda import measure_device
+    from torchalpa.parallel.device_profile import save_profile
+    profile = measure_device()
+    assumed = Cluster.detect(1, 1)
+    print(f"{profile.device_name}, PyTorch {profile.torch_version}; measured (and what the "
+          f"planner assumed without it, {assumed.name}):")
+    peaks = dict(assumed.peak_flops_by_dtype)
+    for dtype, rates in profile.matmul.items():
+        cells = "  ".join(f"{cls} {rate / 1e12:.1f}" for cls, rate in rates.items())
+        guess = peaks.get("float32" if dtype == "tf32" else dtype)
+        print(f"  matmul {dtype:<9} TFLOP/s: {cells}"
+              + (f"  (assumed {guess / 1e12:.1f})" if guess else ""))
+    print(f"  memory bandwidth {profile.memory_bandwidth / 1e9:.0f} GB/s (assumed "
+          f"{assumed.memory_bandwidth / 1e9:.0f}); host time per op "
+          f"{profile.op_s * 1e6:.1f} us (assumed {assumed.kernel_launch_s * 1e6:.1f})")
+    for dtype, rate in profile.attention.items():
+        print(f"  attention {dtype} {rate / 1e12:.1f} TFLOP/s as priced")
+    if not args.no_save:
+        path = save_profile(profile)
+        print(f"stored as {path}" if path else "not stored: no usable cache directory "
+              "(TORCHALPA_CACHE_DIR)")
+    return 0
+
+
 SUBCOMMANDS: list[Callable] = [_add_plan, _add_show, _add_explain, _add_estimate, _add_cache,
-                               _add_bench, _add_coverage, _add_export]
+                               _add_bench, _add_coverage, _add_export, _add_calibrate]
 
 
 if __name__ == "__main__":

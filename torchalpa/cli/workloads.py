@@ -6,7 +6,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-__all__ = ["parse_shape", "parse_cluster", "load_workload", "import_by_name", "zoo_module"]
+__all__ = ["parse_shape", "parse_cluster", "load_workload", "import_by_name", "zoo_module",
+           "MODEL_HELP"]
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -19,22 +20,39 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def parse_cluster(spec: str):
-    """``h100:2x8`` -> ``Cluster.h100(num_nodes=2, devices_per_node=8)``; ``cpu:4``."""
+def parse_cluster(spec: str, *, inter_node_gbps: float | None = None,
+                  memory_gib: float | None = None):
+    """``KIND:NODESxDEVICES`` -> ``Cluster.preset(KIND, NODES, DEVICES)`` for any GPU or
+    machine ``gpu_specs.NODE_PRESETS`` names (``h100:2x8``, ``h200:4x8``, ``a100-80:1x8``,
+    ``dgx-a100:2x8``; ``KIND`` alone: one node of the machine's GPUs); ``cpu:N`` ranks on
+    this machine. ``inter_node_gbps`` (GB/s per device) and ``memory_gib`` (GiB per
+    device) override the preset's."""
+    import dataclasses
+
     from torchalpa.core.cluster import Cluster
+    for name, value in (("--inter-node-bandwidth", inter_node_gbps), ("--memory", memory_gib)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be a positive number, got {value}")
     kind, _, size = spec.partition(":")
-    kind = kind.lower()
-    presets = {"h100": Cluster.h100, "a100": Cluster.a100}
+    kind = kind.strip().lower()
     if kind == "cpu":
         (n,) = parse_shape(size or "1")[:1] or (1,)
-        return Cluster.local_cpu(n)
-    if kind not in presets:
-        raise ValueError(f"unknown cluster kind {kind!r} in {spec!r}; use h100:NxD, a100:NxD "
-                         "or cpu:N")
-    shape = parse_shape(size or "1x8")
-    if len(shape) != 2:
+        cluster = Cluster.local_cpu(n)
+        if memory_gib is not None:
+            cluster = dataclasses.replace(cluster, memory_per_device=memory_gib * 2 ** 30)
+        return cluster
+    shape = parse_shape(size) if size else None
+    if shape is not None and len(shape) != 2:
         raise ValueError(f"the cluster size is NODESxDEVICES (e.g. h100:2x8), got {spec!r}")
-    return presets[kind](num_nodes=shape[0], devices_per_node=shape[1])
+    try:
+        return Cluster.preset(
+            kind, *(shape or ()),
+            inter_node_bandwidth=None if inter_node_gbps is None else inter_node_gbps * 1e9,
+            memory_per_device=None if memory_gib is None else memory_gib * 2 ** 30)
+    except ValueError as e:
+        if "unknown GPU or machine" in str(e):
+            raise ValueError(f"unknown cluster kind {kind!r} in {spec!r}: {e}; or cpu:N") from None
+        raise
 
 
 def zoo_module():
@@ -45,28 +63,54 @@ def zoo_module():
                          f"available ({e}); name models as module:callable instead") from e
 
 
-def load_workload(spec: str) -> Callable[[], tuple]:
-    """``() -> (model, example_inputs, loss_fn)`` for a zoo name, ``suite:NAME`` (a case of
-    ``torchalpa.models.suite``) or ``module:callable``."""
+MODEL_HELP = ("a tiny zoo family (llama, gpt, ...), a real size (llama3_8b, llama2_13b, "
+              "gpt_39b, alpa_gpt_1.3b, alpa_moe_10b, ...), hf:MODEL_TYPE or hf:config.json "
+              "(a transformers causal LM, random weights), suite:NAME, or module:callable")
+
+
+def load_workload(spec: str, *, batch: int | None = None,
+                  seq: int | None = None) -> Callable[[], tuple]:
+    """``() -> (model, example_inputs, loss_fn)`` for ``spec`` (``MODEL_HELP``); ``batch``
+    and ``seq`` change the batch and sequence of a zoo or HuggingFace model."""
+    for name, value in (("--batch", batch), ("--seq", seq)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}")
+    if spec.startswith("hf:"):
+        from torchalpa.models.hf import hf_causal_lm
+        source = spec.partition(":")[2]
+        return lambda: hf_causal_lm(source, batch_size=batch or 8, seq_len=seq)
+    if ":" in spec:                               # suite:NAME, module:callable
+        if batch is not None or seq is not None:
+            raise ValueError(f"--batch and --seq change zoo and hf: models; {spec} makes its "
+                             "own batch (change it there)")
+        return _load_callable(spec)
+    zoo = zoo_module()
+    if spec in zoo.NAMED:
+        return _unpack(lambda: zoo.named(spec, batch_size=batch, seq_len=seq), spec)
+    if spec not in zoo.FAMILIES:
+        raise ValueError(f"unknown model {spec!r}; tiny families {sorted(zoo.FAMILIES)}, real "
+                         f"sizes {sorted(zoo.NAMED)}, hf:MODEL_TYPE, or module:callable")
+
+    def tiny():
+        w = zoo.tiny(spec, **({"batch_size": batch} if batch else {}))
+        return w.replace(seq_len=seq) if seq else w
+    return _unpack(tiny, spec)
+
+
+def _load_callable(spec: str) -> Callable[[], tuple]:
     if spec.startswith("suite:"):
         from torchalpa.models.suite import build_case
         name = spec.partition(":")[2]
         return lambda: build_case(name)
-    if ":" in spec:
-        module_name, _, attr = spec.rpartition(":")
-        found = getattr(import_by_name(module_name, spec), attr, None)
-        if found is None or not callable(found):
-            raise ValueError(f"cannot load {spec!r}: {module_name} has no callable {attr!r}")
-        make = found
-    else:
-        zoo = zoo_module()
-        if spec not in zoo.FAMILIES:
-            raise ValueError(f"unknown model {spec!r}; the zoo has {sorted(zoo.FAMILIES)} "
-                             "(or pass module:callable)")
+    module_name, _, attr = spec.rpartition(":")
+    found = getattr(import_by_name(module_name, spec), attr, None)
+    if found is None or not callable(found):
+        raise ValueError(f"cannot load {spec!r}: {module_name} has no callable {attr!r}")
+    return _unpack(found, spec)
 
-        def make():
-            return zoo.tiny(spec)
 
+def _unpack(make: Callable, spec: str) -> Callable[[], tuple]:
+    """``make()`` (a Workload, or a ``(model, example_inputs, loss_fn)`` tuple) as a tuple."""
     def load():
         made = make()
         if hasattr(made, "build") and hasattr(made, "example_inputs"):
@@ -84,9 +128,15 @@ def load_workload(spec: str) -> Callable[[], tuple]:
 
 
 def import_by_name(module_name: str, spec: str):
-    """A module by dotted name, or a ``.py`` file by path (``./train.py:make``)."""
+    """A module by dotted name, or a ``.py`` file by path (``./train.py:make``).
+
+    A dotted name is looked up first in the current folder, as ``python -m`` does: the
+    ``torchalpa`` console script starts with its own folder on ``sys.path`` instead, so
+    ``torchalpa coverage --model train:make`` would otherwise miss ``./train.py``. The
+    current folder stays on the path, so the module's own imports find its neighbours."""
     import importlib.util
     import os
+    import sys
     if module_name.endswith(".py") or os.sep in module_name or "/" in module_name:
         if not os.path.isfile(module_name):
             raise ValueError(f"cannot load {spec!r}: no file {module_name}")
@@ -97,8 +147,13 @@ def import_by_name(module_name: str, spec: str):
         module = importlib.util.module_from_spec(file_spec)
         file_spec.loader.exec_module(module)
         return module
+    here = os.getcwd()
+    if not any(os.path.abspath(entry or os.curdir) == here for entry in sys.path):
+        sys.path.insert(0, here)
+        importlib.invalidate_caches()
     try:
         return importlib.import_module(module_name)
     except ImportError as e:
-        raise ValueError(f"cannot load {spec!r}: {e} (give module:callable, or path/to/file.py:"
-                         "callable)") from e
+        raise ValueError(f"cannot load {spec!r}: {e} (looked in the current folder {here} and "
+                         "on sys.path; give module:callable for a module importable from here, "
+                         "or path/to/file.py:callable)") from e

@@ -7,6 +7,19 @@ inverse bandwidth (beta, s/byte): an axis whose devices share a node talks over 
 intra-node link, an axis that crosses nodes over the network. ``LogicalMesh`` is what the
 cost model reads; tests can build one directly (e.g. Alpa's alpha = beta = 1).
 
+An axis's bandwidth is what NCCL's ring collectives reach over it, from how the devices of
+each of its groups are linked (``axis_bandwidth``): on a switch (NVSwitch) every device
+has ``intra_node_bandwidth`` to any other; on point-to-point links (a V100 hybrid cube
+mesh, AMD's full mesh) a group gets what its worst-linked member's links to the others
+carry together; a group spanning nodes gets, per rank, the NICs of its members on one
+node together (NCCL's rings cross nodes through every member's NIC at once: a
+data-parallel group of all 8 GPUs of each node moves 8 NICs' worth, one GPU per node one
+NIC's), capped by the links inside the node.
+
+``Cluster.preset(gpu, ...)`` builds nodes of a known GPU or machine
+(``gpu_specs.NODE_PRESETS``: h100, h200, b200, a100-40, a100-80, v100-16, mi300x, ...,
+p3.16xlarge, dgx-a100), with the efficiencies of ``gpu_specs`` applied.
+
 ``Cluster.detect()`` describes the hardware this process runs on: the GPU's name, the
 memory its caching allocator can use, peak flop/s per dtype from a table of known GPUs
 (``torchalpa/core/gpu_specs.py``), the node and device counts torchrun gives (``WORLD_SIZE``,
@@ -24,6 +37,9 @@ from dataclasses import dataclass
 __all__ = ["Cluster", "LogicalMesh"]
 
 GB = 1e9
+PCIE_THROUGH_HOST = 10 * GB
+"""Bytes/s per direction between two GPUs of a linked node that share no link: NCCL goes
+through PCIe and the host (``nvidia-smi topo -m``: SYS), ~10 GB/s on PCIe 3 servers."""
 GRADIENT_BUCKET_BYTES = 25 * 2 ** 20
 """DDP's bucket size, the runtime's default (``runtime.buckets.DEFAULT_BUCKET_BYTES``)."""
 
@@ -76,7 +92,9 @@ class LogicalMesh:
     """Per-device flop/s of ops computing in a dtype ("bfloat16", "float32", ...); a dtype
     not listed uses ``peak_flops``."""
     kernel_launch_s: float = 0.0
-    """Time every op pays to launch, whatever its size (GPU kernel launch latency)."""
+    """Host time every op pays to be issued, whatever its size: on CPU ranks (gloo) it adds
+    to the op's time; on GPUs (nccl) kernels run asynchronously and an op costs the longer
+    of its kernel and this (``passes/cost.compute_cost``)."""
     device_name: str = ""
     """The device planned for ("NVIDIA H100 80GB HBM3"), for the plan's summary."""
     gradient_bucket_bytes: float = 0.0
@@ -90,7 +108,13 @@ class LogicalMesh:
     optimizer_tensor_s: float = 0.0
     """Seconds the optimizer's step pays per parameter tensor whatever its size (its loop
     and element-wise launches; ``measure_cluster()`` times Adam). 0 leaves the optimizer
-    out of the step's estimate (Alpa's accounting, and the presets')."""
+    out of the step's estimate (Alpa's accounting, and the hand-built meshes')."""
+    multiprocessors: int = 0
+    """Streaming multiprocessors per device: a matmul whose output tiles do not fill whole
+    waves of them leaves some idle (``passes/kernel_model.py``). 0: not modeled."""
+    op_rate_factors: tuple[tuple[str, float], ...] = ()
+    """Op families whose kernels reach this fraction of their dtype's matmul rate (("sdpa",
+    0.47): fused attention on an H100); a family not listed runs at the dtype's rate."""
 
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
@@ -101,6 +125,8 @@ class LogicalMesh:
                                                                      "LogicalMesh"))
         object.__setattr__(self, "peak_flops_by_op", _dtype_peaks(
             self.peak_flops_by_op, "LogicalMesh", "peak_flops_by_op"))
+        object.__setattr__(self, "op_rate_factors", _dtype_peaks(
+            self.op_rate_factors, "LogicalMesh", "op_rate_factors"))
         shape = tuple(int(s) for s in self.shape)
         if not shape or any(s < 1 for s in shape):
             raise ValueError(f"LogicalMesh.shape must be positive ints, got {self.shape}")
@@ -129,7 +155,9 @@ class LogicalMesh:
         by_op = dict(self.peak_flops_by_op)
         if family in by_op:
             return by_op[family]
-        return dict(self.peak_flops_by_dtype).get(dtype, self.peak_flops)
+        rate = dict(self.peak_flops_by_dtype).get(dtype, self.peak_flops)
+        factor = dict(self.op_rate_factors).get(family)
+        return rate if rate is None or factor is None else rate * factor
 
     @property
     def ndim(self) -> int:
@@ -161,7 +189,8 @@ class Cluster:
     """Per-device flop/s of matmuls in each dtype, e.g. (("bfloat16", 590e12),
     ("float32", 40e12)); a dtype not listed uses ``peak_flops``."""
     kernel_launch_s: float = 0.0
-    """Seconds every op pays to launch (GPU kernel launch latency; 0 leaves it out)."""
+    """Host seconds every op pays to be issued (added on CPUs, a floor on GPUs; 0 leaves it
+    out)."""
     device_name: str = ""
     """The device model ("NVIDIA H100 80GB HBM3"), shown in plan summaries."""
     gradient_bucket_bytes: float = GRADIENT_BUCKET_BYTES
@@ -175,8 +204,19 @@ class Cluster:
     optimizer_tensor_s: float = 0.0
     """Seconds the optimizer's step pays per parameter tensor whatever its size (measured
     for Adam by ``measure_cluster()``); 0 leaves the optimizer out of step estimates."""
+    intra_node_links: tuple[tuple[int, ...], ...] = ()
+    """Point-to-point links between the devices of a node, ``[i][j]`` of them between
+    devices i and j (NVLink's hybrid cube mesh of 8 V100s, ``gpu_specs.HYBRID_CUBE_MESH``);
+    empty: a switch, every device reaching any other at ``intra_node_bandwidth``."""
+    intra_node_link_bandwidth: float = 0.0
+    """Bytes/s per direction one of ``intra_node_links`` carries (as collectives reach it)."""
+    multiprocessors: int = 0
+    """Streaming multiprocessors per device (matmul wave quantization; 0: not modeled)."""
+    op_rate_factors: tuple[tuple[str, float], ...] = ()
+    """Op families reaching a fraction of their dtype's matmul rate (("sdpa", 0.47))."""
 
     def __post_init__(self):
+        _check_links(self)
         for f in ("num_nodes", "devices_per_node"):
             if int(getattr(self, f)) < 1:
                 raise ValueError(f"Cluster.{f} must be >= 1, got {getattr(self, f)}")
@@ -190,6 +230,10 @@ class Cluster:
                                                                      "Cluster"))
         object.__setattr__(self, "peak_flops_by_op", _dtype_peaks(
             self.peak_flops_by_op, "Cluster", "peak_flops_by_op"))
+        object.__setattr__(self, "op_rate_factors", _dtype_peaks(
+            self.op_rate_factors, "Cluster", "op_rate_factors"))
+        if self.multiprocessors < 0:
+            raise ValueError(f"Cluster.multiprocessors must be >= 0, got {self.multiprocessors}")
 
     @property
     def num_devices(self) -> int:
@@ -197,45 +241,83 @@ class Cluster:
 
     # -- presets ------------------------------------------------------------------------
     @classmethod
+    def preset(cls, gpu: str, num_nodes: int = 1, devices_per_node: int | None = None, *,
+               inter_node_bandwidth: float | None = None,
+               memory_per_device: float | None = None,
+               intra_node_bandwidth: float | None = None,
+               allow_tf32: bool = False) -> Cluster:
+        """Nodes of a known GPU or machine (``gpu_specs.NODE_PRESETS``).
+
+        ``gpu``: a GPU ("h100", "h100-pcie", "h100-nvl", "h200", "b200", "a100-40",
+        "a100-80", "a100-pcie", "v100-16", "v100-32", "l4", "l40s", "a10g", "a10", "t4",
+        "mi300x", "mi325x", "rtx4090", "rtx3090"; its usual 8-GPU server and network) or
+        a machine published benchmarks ran on ("p3.16xlarge", "p3dn.24xlarge", "dgx-1v",
+        "dgx-2", "dgx-a100", "dgx-h100", "jean-zay-a100", "grand-teton-h100").
+        ``devices_per_node``: GPUs per node (default: the machine's, 8 but for DGX-2's 16;
+        fewer use the first ones' links). Rates: ``gpu_specs.peaks_by_dtype`` (float32 at
+        the TF32 rate when ``allow_tf32``), memory bandwidth at ``MEMORY_EFFICIENCY`` of
+        the datasheet's, links at ``NVLINK_EFFICIENCY`` and the network at
+        ``NETWORK_EFFICIENCY`` of theirs, fused attention at the GPU's share of its peak
+        (``gpu_specs.op_factors``), ``KERNEL_LAUNCH_S`` of host time per op and the
+        optimizer's step (``OPTIMIZER_TENSOR_S`` per tensor plus its memory traffic).
+
+        Overrides, in the units of the Cluster's fields: ``inter_node_bandwidth`` (bytes/s
+        per device, as collectives reach it; default the node's NICs shared by its GPUs),
+        ``memory_per_device`` (bytes), ``intra_node_bandwidth`` (bytes/s per device on a
+        switch).
+        """
+        from torchalpa.core import gpu_specs
+        node = gpu_specs.node_preset(gpu)
+        spec = gpu_specs.lookup(node.gpu)
+        assert spec is not None, f"NODE_PRESETS names an unknown GPU {node.gpu!r}"
+        per_node = node.devices_per_node if devices_per_node is None else int(devices_per_node)
+        links = node.links
+        if links and per_node > len(links):
+            raise ValueError(f"Cluster.preset({gpu!r}): its nodes link {len(links)} GPUs; "
+                             f"devices_per_node={per_node} is more than a node holds")
+        link_bw = node.link_bandwidth * gpu_specs.NVLINK_EFFICIENCY
+        switch_bw = spec.link_bandwidth * gpu_specs.NVLINK_EFFICIENCY
+        if links:      # a whole node's collective: every link of the worst-linked device
+            switch_bw = min(sum(row[:per_node]) for row in links[:per_node]) * link_bw \
+                if per_node > 1 else switch_bw
+        network = node.network_bandwidth * gpu_specs.NETWORK_EFFICIENCY / node.devices_per_node
+        peaks = gpu_specs.peaks_by_dtype(spec, allow_tf32=allow_tf32)
+        return cls(num_nodes=num_nodes, devices_per_node=per_node,
+                   memory_per_device=node.memory if memory_per_device is None
+                   else memory_per_device,
+                   peak_flops=dict(peaks)["bfloat16"], peak_flops_by_dtype=peaks,
+                   memory_bandwidth=spec.memory_bandwidth * gpu_specs.MEMORY_EFFICIENCY,
+                   intra_node_bandwidth=switch_bw if intra_node_bandwidth is None
+                   else intra_node_bandwidth,
+                   intra_node_latency=5e-6,
+                   inter_node_bandwidth=network if inter_node_bandwidth is None
+                   else inter_node_bandwidth,
+                   inter_node_latency=10e-6, kernel_launch_s=gpu_specs.KERNEL_LAUNCH_S,
+                   optimizer_tensor_s=gpu_specs.OPTIMIZER_TENSOR_S,
+                   multiprocessors=spec.multiprocessors, op_rate_factors=gpu_specs.op_factors(spec),
+                   intra_node_links=tuple(tuple(row[:per_node]) for row in links[:per_node]),
+                   intra_node_link_bandwidth=link_bw if links else 0.0,
+                   name=gpu.strip().lower(), device_name=f"{spec.name} preset")
+
+    @classmethod
     def h100(cls, num_nodes: int = 1, devices_per_node: int = 8) -> Cluster:
-        """H100 SXM 80GB nodes: bf16 dense ~989 TF/s and fp32 67 TF/s (we assume ~60%
-        reachable, ``gpu_specs``), NVLink 4 (~450 GB/s per direction per GPU), 400 Gb/s
-        InfiniBand per GPU between nodes, 5 us per kernel launch."""
-        return cls._gpu_preset("H100", num_nodes, devices_per_node, memory_per_device=80 * GB,
-                               inter_node_bandwidth=50 * GB, name="h100")
+        """H100 SXM 80GB nodes (``preset("h100")``): bf16 dense 989 TF/s and fp32 67 TF/s
+        (``MATMUL_EFFICIENCY`` of them reachable), NVSwitch (450 GB/s per direction per
+        GPU), 400 Gb/s InfiniBand per GPU between nodes, 5 us per kernel launch."""
+        return cls.preset("h100", num_nodes, devices_per_node)
 
     @classmethod
     def h200(cls, num_nodes: int = 1, devices_per_node: int = 8) -> Cluster:
-        """H200 141GB nodes: H100 compute with 4.8 TB/s HBM3e, NVLink 4, 400 Gb/s between
-        nodes."""
-        return cls._gpu_preset("H200", num_nodes, devices_per_node, memory_per_device=141 * GB,
-                               inter_node_bandwidth=50 * GB, name="h200")
+        """H200 141GB nodes (``preset("h200")``): H100 compute with 4.8 TB/s HBM3e,
+        NVSwitch, 400 Gb/s per GPU between nodes."""
+        return cls.preset("h200", num_nodes, devices_per_node)
 
     @classmethod
     def a100(cls, num_nodes: int = 1, devices_per_node: int = 8) -> Cluster:
-        """A100 SXM 40GB nodes: bf16 dense 312 TF/s and fp32 19.5 TF/s (~60% reachable),
-        NVLink 3 (~300 GB/s), 200 Gb/s InfiniBand per GPU between nodes."""
-        return cls._gpu_preset("A100-SXM4-40GB", num_nodes, devices_per_node,
-                               memory_per_device=40 * GB, inter_node_bandwidth=25 * GB,
-                               name="a100")
-
-    @classmethod
-    def _gpu_preset(cls, model: str, num_nodes: int, devices_per_node: int, *,
-                    memory_per_device: float, inter_node_bandwidth: float,
-                    name: str) -> Cluster:
-        """Nodes of one ``gpu_specs`` GPU model, TF32 off (PyTorch's default)."""
-        from torchalpa.core import gpu_specs
-        spec = gpu_specs.lookup(model)
-        if spec is None:
-            raise ValueError(f"unknown GPU model {model!r}")
-        peaks = gpu_specs.peaks_by_dtype(spec, allow_tf32=False)
-        return cls(num_nodes=num_nodes, devices_per_node=devices_per_node,
-                   memory_per_device=memory_per_device, peak_flops=dict(peaks)["bfloat16"],
-                   peak_flops_by_dtype=peaks, memory_bandwidth=spec.memory_bandwidth,
-                   intra_node_bandwidth=spec.link_bandwidth, intra_node_latency=5e-6,
-                   inter_node_bandwidth=inter_node_bandwidth, inter_node_latency=10e-6,
-                   kernel_launch_s=gpu_specs.KERNEL_LAUNCH_S, name=name,
-                   device_name=f"{spec.name} preset")
+        """A100 SXM 40GB nodes (``preset("a100-40")``): bf16 dense 312 TF/s and fp32
+        19.5 TF/s, NVSwitch (300 GB/s per direction per GPU), 200 Gb/s InfiniBand per GPU
+        between nodes."""
+        return cls.preset("a100-40", num_nodes, devices_per_node)
 
     @classmethod
     def local_cpu(cls, num_devices: int) -> Cluster:
@@ -259,11 +341,11 @@ class Cluster:
         fraction, less ``memory_reserve`` for the CUDA context's growth, cuBLAS workspaces
         and NCCL buffers), per-dtype peak flop/s and bandwidths of the model from
         ``gpu_specs`` (float32 at the TF32 rate when ``torch.get_float32_matmul_precision()``
-        allows it), a kernel launch cost, and NCCL. Nodes and devices per node come from
-        torchrun (``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``), else one node of every visible
-        GPU; arguments override them. An unknown GPU warns and gets A100-like rates.
-        Without CUDA (or with ``TORCHALPA_DEVICE=cpu``): ``local_cpu`` for the same number
-        of devices.
+        allows it), the efficiencies ``Cluster.preset`` applies, a kernel launch cost, and
+        NCCL. Nodes and devices per node come from torchrun (``WORLD_SIZE`` /
+        ``LOCAL_WORLD_SIZE``), else one node of every visible GPU; arguments override them.
+        An unknown GPU warns and gets A100-like rates. Without CUDA (or with
+        ``TORCHALPA_DEVICE=cpu``): ``local_cpu`` for the same number of devices.
         """
         import torch
 
@@ -290,10 +372,13 @@ class Cluster:
             spec, allow_tf32=torch.get_float32_matmul_precision() != "highest")
         return cls(num_nodes=nodes, devices_per_node=per_node, memory_per_device=float(usable),
                    peak_flops=dict(peaks)["bfloat16"], peak_flops_by_dtype=peaks,
-                   memory_bandwidth=spec.memory_bandwidth,
-                   intra_node_bandwidth=spec.link_bandwidth, intra_node_latency=5e-6,
+                   memory_bandwidth=spec.memory_bandwidth * gpu_specs.MEMORY_EFFICIENCY,
+                   intra_node_bandwidth=spec.link_bandwidth * gpu_specs.NVLINK_EFFICIENCY,
+                   intra_node_latency=5e-6,
                    inter_node_bandwidth=25 * GB, inter_node_latency=10e-6, backend="nccl",
                    name=f"detected {spec.name}", kernel_launch_s=gpu_specs.KERNEL_LAUNCH_S,
+                   optimizer_tensor_s=gpu_specs.OPTIMIZER_TENSOR_S,
+                   multiprocessors=spec.multiprocessors, op_rate_factors=gpu_specs.op_factors(spec),
                    device_name=name)
 
     # -- logical meshes -----------------------------------------------------------------
@@ -311,7 +396,7 @@ class Cluster:
             span = stride * size       # consecutive ids touched by one group on this axis
             within = size == 1 or span <= self.devices_per_node
             alpha.append(self.intra_node_latency if within else self.inter_node_latency)
-            beta.append(1.0 / (self.intra_node_bandwidth if within else self.inter_node_bandwidth))
+            beta.append(1.0 / self.axis_bandwidth(size, stride))
             stride = span
         return LogicalMesh(shape=shape, alpha=tuple(reversed(alpha)), beta=tuple(reversed(beta)),
                            axis_names=axis_names, peak_flops=self.peak_flops,
@@ -320,9 +405,44 @@ class Cluster:
                            peak_flops_by_dtype=self.peak_flops_by_dtype,
                            peak_flops_by_op=self.peak_flops_by_op,
                            optimizer_tensor_s=self.optimizer_tensor_s,
+                           multiprocessors=self.multiprocessors,
+                           op_rate_factors=self.op_rate_factors,
                            kernel_launch_s=self.kernel_launch_s,
                            device_name=self.device_name or self.name,
                            gradient_bucket_bytes=self.gradient_bucket_bytes)
+
+    def axis_bandwidth(self, size: int, stride: int) -> float:
+        """Bytes/s per rank a collective reaches over a mesh axis of ``size`` devices
+        ``stride`` ids apart (module doc): the slowest of the axis's groups, each limited by
+        its members' links inside a node and, across nodes, by their NICs together."""
+        if size == 1:
+            return self.intra_node_bandwidth
+        per_node = self.devices_per_node
+        slowest = math.inf
+        for first in range(self.num_devices):
+            if (first // stride) % size:     # not the first member of its group
+                continue
+            members = [first + j * stride for j in range(size)]
+            nodes = {m // per_node for m in members}
+            local = sorted(m % per_node for m in members if m // per_node == first // per_node)
+            bandwidth = self._linked_bandwidth(local) if len(local) > 1 else math.inf
+            if len(nodes) > 1:
+                bandwidth = min(bandwidth, len(local) * self.inter_node_bandwidth)
+            slowest = min(slowest, bandwidth)
+            if not self.intra_node_links and first >= per_node:
+                break                        # a switch: every node's groups alike
+        return slowest
+
+    def _linked_bandwidth(self, local: list[int]) -> float:
+        """Bytes/s per rank among devices ``local`` of one node: a switch's
+        ``intra_node_bandwidth``, else the worst-linked member's links to the others
+        together (NCCL's rings use every link both ways), through the host without any."""
+        if not self.intra_node_links:
+            return self.intra_node_bandwidth
+        links = min(sum(self.intra_node_links[i][j] for j in local if j != i) for i in local)
+        if links == 0:
+            return min(PCIE_THROUGH_HOST, self.intra_node_bandwidth)
+        return links * self.intra_node_link_bandwidth
 
     def candidate_shapes(self) -> list[tuple[int, ...]]:
         """Logical shapes worth trying: 1D, and 2D (n, m) for every factorization."""
@@ -332,6 +452,27 @@ class Cluster:
             if n % m == 0:
                 shapes.append((n // m, m))
         return shapes
+
+
+def _check_links(cluster: Cluster) -> None:
+    """Raise unless ``intra_node_links`` is empty or a symmetric matrix of link counts
+    covering a node, with a positive ``intra_node_link_bandwidth``."""
+    links = cluster.intra_node_links
+    if not links:
+        return
+    links = tuple(tuple(int(x) for x in row) for row in links)
+    object.__setattr__(cluster, "intra_node_links", links)
+    n = len(links)
+    if any(len(row) != n for row in links) or any(
+            links[i][j] != links[j][i] or links[i][j] < 0 for i in range(n) for j in range(n)):
+        raise ValueError("Cluster.intra_node_links must be a symmetric square matrix of "
+                         f"non-negative link counts, got {links}")
+    if n < cluster.devices_per_node:
+        raise ValueError(f"Cluster.intra_node_links covers {n} devices but a node has "
+                         f"{cluster.devices_per_node}; give one row per device of a node")
+    if not cluster.intra_node_link_bandwidth > 0:
+        raise ValueError("Cluster.intra_node_link_bandwidth must be > 0 bytes/s when "
+                         "intra_node_links is given")
 
 
 def _check_non_negative(obj, owner: str, fields: tuple[str, ...]) -> None:

@@ -13,7 +13,11 @@ from dataclasses import asdict, dataclass, field, replace
 
 __all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataParallel",
            "Zero2Parallel", "Zero3Parallel", "PipeshardParallel", "AutoLayerOption",
-           "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style"]
+           "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style",
+           "AutoParallel", "method_of_plan", "REMAT_MODES", "Inference", "MODES", "parse_mode"]
+
+REMAT_MODES = ("none", "selective", "full", "auto")
+"""``AutoShardingOption.remat``'s values: one checkpointing mode, or 'auto' (none or full)."""
 
 # Optimizer state tensors kept per parameter element, for the memory model.
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1,
@@ -60,8 +64,11 @@ class AutoShardingOption:
     remat: str = "none"
     """Activation checkpointing: 'none' keeps forward's activations for backward, 'full'
     recomputes each block's forward (``layers.3``) in its backward, keeping only block
-    inputs (``frontends/block_remat.py``), 'auto' plans both and keeps the faster plan that
-    fits (``passes/remat_choice.py``). The plan records its choice (``method['remat']``)."""
+    inputs (``frontends/block_remat.py``), 'selective' recomputes all but the results of
+    matrix products and attention (torchtitan's op-level policy), 'auto' plans 'none' and
+    'full' and keeps the faster plan that fits (``passes/remat_choice.py``; the default
+    method, ``AutoParallel``, weighs all three). The plan records its choice
+    (``method['remat']``)."""
     force_data_parallel: bool = False
     """Alpa's data parallelism: the mesh flattened to one axis (its largest latency, its
     smallest inverse bandwidth, as Alpa's ``LogicalDeviceMesh.flatten``), the batch split
@@ -144,8 +151,8 @@ class AutoShardingOption:
     StableHLO programs are always priced as XLA fuses them."""
 
     def __post_init__(self):
-        if self.remat not in ("none", "full", "auto"):
-            raise ValueError(f"AutoShardingOption.remat must be 'none', 'full' or 'auto', "
+        if self.remat not in REMAT_MODES:
+            raise ValueError(f"AutoShardingOption.remat must be one of {REMAT_MODES}, "
                              f"got {self.remat!r}")
         if self.random not in ("sharded", "replicated"):
             raise ValueError(f"AutoShardingOption.random must be 'sharded' or 'replicated', "
@@ -414,3 +421,147 @@ class PipeshardParallel:
         d = json.loads(json.dumps(asdict(self), default=str))
         d["name"] = type(self).__name__
         return d
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AutoParallel:
+    """The default method: the planner chooses among the others.
+
+    It weighs intra-op plans on every logical view of the cluster (``ShardParallel``,
+    whose ILP already covers data parallelism and every ZeRO stage through parameter
+    layouts), pipelines (``PipeshardParallel``: stages, submeshes, schedule), activation
+    checkpointing (``remat``) and gradient accumulation (``num_micro_batches`` among the
+    divisors of the batch), under the memory budget, and keeps the fastest estimate that
+    fits (``torchalpa/parallel/auto.py``). Candidates that cannot fit or cannot win are
+    refused by lower bounds (``passes/bounds.py``) without a solver. The plan's summary
+    says what was chosen and what came second. Each field given narrows the search; a
+    concrete method given to ``plan``/``auto_parallel`` is used as it is.
+    """
+
+    remat: tuple[str, ...] = ("none", "selective", "full")
+    """Activation checkpointing modes weighed (``AutoShardingOption.remat``'s modes)."""
+    num_micro_batches: int | None = None
+    """Micro-batches per step; None: chosen among the divisors of the batch."""
+    pipeline: bool | None = None
+    """True: only pipelines; False: never (one intra-op plan); None: weighed."""
+    rematerialize_parameters: bool | None = None
+    """Intra-op plans gather parameters again in backward (ZeRO-3, FSDP's reshard after
+    forward; ``AutoShardingOption.rematerialize_parameters``): True or False fixes it,
+    None weighs both."""
+    time_budget_s: float = 60.0
+    """Seconds the search may spend before it stops trying new candidates (the one being
+    solved is finished; at least one is always solved)."""
+    tolerance: float = 0.01
+    """Stop once no remaining candidate's lower bound is below the best plan's estimate
+    by more than this fraction."""
+    optimizer: str = "adam"
+    """Optimizer whose states the memory model counts (see OPTIMIZER_STATES)."""
+    auto_sharding_option: AutoShardingOption = field(default_factory=AutoShardingOption)
+    """Solver, memory budget, pins and layout restrictions, applied to every candidate
+    (its ``remat`` is the search's to set: leave it 'none')."""
+    layer_option: AutoLayerOption = field(default_factory=AutoLayerOption)
+    """How pipeline candidates cut the step into layers."""
+
+    def __post_init__(self):
+        remat = (self.remat,) if isinstance(self.remat, str) else tuple(self.remat)
+        bad = [m for m in remat if m not in REMAT_MODES or m == "auto"]
+        if not remat or bad:
+            raise ValueError(f"AutoParallel.remat must be modes among ('none', 'selective', "
+                             f"'full'), got {self.remat!r}")
+        object.__setattr__(self, "remat", remat)
+        if self.num_micro_batches is not None and (
+                isinstance(self.num_micro_batches, bool)
+                or not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1):
+            raise ValueError(f"AutoParallel.num_micro_batches must be a positive int or None, "
+                             f"got {self.num_micro_batches!r}")
+        if self.rematerialize_parameters not in (None, True, False):
+            raise ValueError(f"AutoParallel.rematerialize_parameters must be True, False or "
+                             f"None, got {self.rematerialize_parameters!r}")
+        if self.pipeline not in (None, True, False):
+            raise ValueError(f"AutoParallel.pipeline must be True, False or None, "
+                             f"got {self.pipeline!r}")
+        if self.time_budget_s <= 0:
+            raise ValueError(f"AutoParallel.time_budget_s must be > 0 seconds, "
+                             f"got {self.time_budget_s}")
+        if not 0 <= self.tolerance < 1:
+            raise ValueError(f"AutoParallel.tolerance must be in [0, 1), got {self.tolerance}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"AutoParallel.optimizer must be one of "
+                             f"{sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        if self.auto_sharding_option.remat != "none":
+            raise ValueError("AutoParallel chooses activation checkpointing itself: set "
+                             "AutoParallel(remat=(...)) to narrow it, not "
+                             "auto_sharding_option.remat")
+
+    @property
+    def optimizer_states(self) -> int:
+        return OPTIMIZER_STATES[self.optimizer]
+
+    def to_dict(self) -> dict:
+        d = json.loads(json.dumps(asdict(self), default=str))
+        d["name"] = type(self).__name__
+        return d
+
+
+def method_of_plan(plan) -> ShardParallel | PipeshardParallel:
+    """The concrete method a plan was made with, from its record (``plan.method``): what
+    ``auto_parallel`` builds when it is given a plan, or when ``AutoParallel`` chose it."""
+    record = dict(plan.method)
+    fields = dict(record.get("auto_sharding_option", {}))
+    fields = {k: v for k, v in fields.items() if k in AutoShardingOption.__dataclass_fields__}
+    fields["remat"] = record.get("remat", fields.get("remat", "none"))
+    option = AutoShardingOption(**fields)
+    optimizer = record.get("optimizer", "adam")
+    if hasattr(plan, "transfers"):       # a PipelinePlan
+        return PipeshardParallel(num_micro_batches=plan.num_micro_batches,
+                                 auto_sharding_option=option, optimizer=optimizer,
+                                 pipeline_schedule=plan.schedule)
+    shape = record.get("logical_mesh_shape")
+    return ShardParallel(num_micro_batches=int(record.get("num_micro_batches", 1)),
+                         auto_sharding_option=option, optimizer=optimizer,
+                         logical_mesh_shape=tuple(shape) if shape else None)
+
+
+# -- what is planned: the training step, or generation -----------------------------------
+
+MODES = ("training", "inference")
+"""``mode=`` of ``torchalpa.plan`` / ``torchalpa.auto_parallel`` (an ``Inference`` too)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Inference:
+    """Plan and build a causal LM for generation (``mode="inference"`` is ``Inference()``).
+
+    Two forward-only programs are planned, with no backward and no optimizer state: the
+    one-token decode step (planned first: it runs once per generated token) and the
+    prefill of a prompt (planned on first use per prompt length, with every weight and
+    cache layout pinned to the decode plan's). The KV cache is static: one
+    ``(batch, kv heads, max_context, head dim)`` key and value tensor per layer, allocated
+    once as this rank's blocks in the planned layouts, so the decode step is one program
+    of fixed shapes. ``batch`` is the example inputs' batch; generation takes any batch up
+    to it (``torchalpa/models/cached_step.py`` says which models, ``runtime/serving.py``
+    how a call runs).
+    """
+
+    max_context: int | None = None
+    """Tokens the cache holds per sequence, prompt and generated ones together; None:
+    the model's maximum positions (``max_position_embeddings``, ``max_seq_len``)."""
+
+    def __post_init__(self):
+        if self.max_context is not None and (isinstance(self.max_context, bool) or
+                                             not isinstance(self.max_context, int)
+                                             or self.max_context < 1):
+            raise ValueError(f"Inference.max_context must be a positive int or None, got "
+                             f"{self.max_context!r}")
+
+
+def parse_mode(mode) -> Inference | None:
+    """``mode=`` as given to the API: None for the training step, else the ``Inference``
+    settings; a ValueError names what is accepted."""
+    if isinstance(mode, Inference):
+        return mode
+    if mode == "training":
+        return None
+    if mode == "inference":
+        return Inference()
+    raise ValueError(f"mode must be one of {MODES} or a torchalpa.Inference(...), got {mode!r}")

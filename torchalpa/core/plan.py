@@ -374,6 +374,9 @@ class Plan:
     explanations: dict[str, Explanation] = field(default_factory=dict)
     """Per parameter: its layout's communication and state, and the runner-up's."""
     version: int = PLAN_VERSION
+    mode: str = "training"
+    """What the step is: "training" (forward, backward, optimizer) or "inference" (the
+    decode step of generation: ``torchalpa.Inference``)."""
 
     def __post_init__(self):
         # records however they were given (dicts from passes, tests or older code)
@@ -402,6 +405,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "version": self.version,
+            "mode": self.mode,
             "mesh": {"shape": list(self.mesh_shape), "axis_names": list(self.axis_names)},
             "stages": [s.to_dict() for s in self.stages],
             "parameters": {p.name: p.to_dict() for p in self.parameters},
@@ -440,7 +444,8 @@ class Plan:
             stages=tuple(MeshStage.from_dict(s) for s in d.get("stages", ())),
             method=dict(d.get("method", {})),
             graph_fingerprint=d.get("graph_fingerprint", ""), notes=tuple(d.get("notes", ())),
-            explanations=explanations_from_dict(d.get("explanations")))
+            explanations=explanations_from_dict(d.get("explanations")),
+            mode=d.get("mode", "training"))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -564,6 +569,18 @@ class PipelinePlan:
 
     def __post_init__(self):
         object.__setattr__(self, "estimates", Estimates.from_dict(self.estimates))
+        for t in self.transfers:
+            # per micro-batch, activations go to later stages and gradients to earlier ones;
+            # anything else waits on a stage that has not run yet, under every schedule
+            against = t.dst_stage <= t.src_stage if t.phase == "forward" else \
+                t.dst_stage >= t.src_stage
+            if against and not t.once_per_step:
+                raise PlanError(
+                    f"this pipeline plan sends {t.producer!r} from stage {t.src_stage} to stage "
+                    f"{t.dst_stage} in {t.phase} every micro-batch: the receiver would wait "
+                    "for a stage that runs after it, so no schedule can run the plan; it is "
+                    "a planner error -- plan again, or cut the stages elsewhere "
+                    "(ManualStageOption)")
 
     @property
     def forward_stage_layer_ids(self) -> list[list[int]]:

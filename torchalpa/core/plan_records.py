@@ -30,6 +30,10 @@ class Estimates(Mapping[str, Any]):
     step_time_s: float | None = None
     communication_s: float | None = None
     compute_s: float | None = None
+    once_per_step_s: float | None = None
+    """The part of ``step_time_s`` a step pays once however many micro-batches it runs:
+    the gradients' final resharding and the optimizer (a pipeline stage pays it after its
+    last backward, not per micro-batch)."""
     model_state_bytes_per_device: float | None = None
     activation_bytes_per_device: float | None = None
     saved_activation_bytes_per_device: float | None = None
@@ -65,6 +69,17 @@ class Estimates(Mapping[str, Any]):
     stage_solves: int | None = None
     """Stages the DP picked, priced with their own memory-limited ILP (cached)."""
     total_seconds: float | None = None
+    # generation (``mode="inference"``): the decode step is the plan's step
+    weight_bytes_per_device: float | None = None
+    """The model's parameters and buffers held on each device."""
+    kv_cache_bytes_per_device: float | None = None
+    """The static KV cache's blocks on each device (batch x max context)."""
+    token_latency_s: float | None = None
+    """One decode step: every sequence of the batch gets its next token."""
+    tokens_per_s: float | None = None
+    """Generated tokens per second over the batch (batch / token latency)."""
+    prefill_time_s: float | None = None
+    """The prefill of a prompt of the example's length, on the same layouts."""
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> Estimates:

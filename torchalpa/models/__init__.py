@@ -35,6 +35,7 @@ from torchalpa.models.resnet import ResNet, ResNetConfig
 from torchalpa.models.vit import ViT, ViTConfig
 
 __all__ = ["Family", "FAMILIES", "Workload", "tiny", "llama2_13b", "llama3_8b", "gpt_39b",
+           "NAMED", "named",
            "GPT", "GPTConfig", "Llama", "LlamaConfig", "BertClassifier", "BertConfig", "ViT",
            "ViTConfig", "ResNet", "ResNetConfig", "MoEModel", "MoELayer", "MoEConfig",
            "hf_model", "lm_loss", "classification_loss", "moe_lm_loss", "mse_loss"]
@@ -148,3 +149,48 @@ def gpt_39b(*, batch_size: int = 1024, seq_len: int = 1024) -> Workload:
     config = GPTConfig(vocab_size=51200, max_seq_len=1024, num_layers=48, num_heads=64,
                        hidden=8192, dropout=0.0)
     return Workload("gpt", config, batch_size, seq_len)
+
+
+# Alpa's benchmark suites (OSDI'22, section 8): GPT-3 sizes (seq 1024, vocab 51200) and
+# GShard MoE sizes (seq 1024, vocab 32000, an MoE MLP in every block, top-2), global batch
+# 1024. (hidden, layers, heads) and (hidden, layers, heads, experts).
+_ALPA_GPT = {"350m": (1024, 24, 16), "1.3b": (2048, 24, 32), "2.6b": (2560, 32, 32),
+             "6.7b": (4096, 32, 32), "15b": (5120, 48, 40), "39b": (8192, 48, 64)}
+_ALPA_MOE = {"380m": (768, 8, 16, 8), "690m": (768, 8, 16, 16), "1.3b": (768, 16, 16, 16),
+             "2.4b": (1024, 16, 16, 16), "10b": (1536, 16, 16, 32), "27b": (2048, 16, 16, 48),
+             "70b": (2048, 32, 16, 64)}
+
+
+def _alpa_gpt(hidden: int, layers: int, heads: int):
+    def workload(*, batch_size: int = 1024, seq_len: int = 1024) -> Workload:
+        config = GPTConfig(vocab_size=51200, max_seq_len=max(1024, seq_len), num_layers=layers,
+                           num_heads=heads, hidden=hidden, dropout=0.0)
+        return Workload("gpt", config, batch_size, seq_len)
+    return workload
+
+
+def _alpa_moe(hidden: int, layers: int, heads: int, experts: int):
+    def workload(*, batch_size: int = 1024, seq_len: int = 1024) -> Workload:
+        config = MoEConfig(vocab_size=32000, max_seq_len=max(1024, seq_len), num_layers=layers,
+                           hidden=hidden, num_heads=heads, intermediate=4 * hidden,
+                           num_experts=experts, top_k=2)
+        return Workload("moe", config, batch_size, seq_len)
+    return workload
+
+
+NAMED: dict[str, Callable[..., Workload]] = {
+    "llama3_8b": llama3_8b, "llama2_13b": llama2_13b, "gpt_39b": gpt_39b,
+    **{f"alpa_gpt_{size}": _alpa_gpt(*spec) for size, spec in _ALPA_GPT.items()},
+    **{f"alpa_moe_{size}": _alpa_moe(*spec) for size, spec in _ALPA_MOE.items()},
+}
+"""Real sizes by name (what the command line's MODEL accepts beside the tiny families):
+each ``(*, batch_size, seq_len) -> Workload`` with the published batch and sequence."""
+
+
+def named(name: str, *, batch_size: int | None = None, seq_len: int | None = None) -> Workload:
+    """The real-size workload ``name`` (``NAMED``), its batch or sequence changed if given."""
+    if name not in NAMED:
+        raise ValueError(f"unknown model size {name!r}; the zoo names {sorted(NAMED)}")
+    kwargs = {k: v for k, v in (("batch_size", batch_size), ("seq_len", seq_len))
+              if v is not None}
+    return NAMED[name](**kwargs)

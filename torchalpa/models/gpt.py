@@ -4,6 +4,9 @@ dropout, and the output head tied to the token embedding (one parameter, two use
 Attention is written out (matmul, causal mask, softmax, dropout) rather than calling
 ``scaled_dot_product_attention``, so the graph shows the classic ops; the LLaMA model
 covers the fused path.
+
+``forward(idx, cache=KVCache(...))`` runs the new tokens against a static KV cache
+(``torchalpa/models/kv_cache.py``): generation's prefill and one-token decode steps.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from torchalpa.models._checks import check_divisible, check_positive, check_probability
+from torchalpa.models.kv_cache import KVCache
 from torchalpa.models.losses import lm_loss
 
 __all__ = ["GPTConfig", "GPT", "example_batch", "loss_fn"]
@@ -61,16 +65,21 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+                ) -> torch.Tensor:
         B, T, C = x.shape
         H = self.num_heads
         q, k, v = self.c_attn(x).split(C, dim=2)                      # 3 x (B, T, C)
         q = q.view(B, T, H, C // H).transpose(1, 2)                   # (B, H, T, D)
         k = k.view(B, T, H, C // H).transpose(1, 2)                   # (B, H, T, D)
         v = v.view(B, T, H, C // H).transpose(1, 2)                   # (B, H, T, D)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // H))   # (B, H, T, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        att = att.masked_fill(~causal, float("-inf"))
+        if cache is None:
+            seen = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        else:             # attend over the cache's S slots, this call's tokens written in
+            k, v = cache.write(layer, k, v)                           # 2 x (B, H, S, D)
+            seen = cache.attention_mask(T)                            # (B, 1, T, S)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // H))   # (B, H, T, T or S)
+        att = att.masked_fill(~seen, float("-inf"))
         att = self.attn_dropout(F.softmax(att, dim=-1))
         y = att @ v                                                   # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)                        # (B, T, C)
@@ -97,13 +106,15 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.hidden, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
+                ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
-    """``forward(idx (B, T) int64) -> logits (B, T, vocab_size)``."""
+    """``forward(idx (B, T) int64) -> logits (B, T, vocab_size)``; with ``cache=``, the
+    tokens continue the cached ones at ``cache.positions``."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -117,14 +128,17 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight        # tied: one parameter, two uses
         self.apply(_init_weights)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T = idx.shape
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
-        pos = torch.arange(T, device=idx.device)                     # (T,)
+        if cache is None:
+            pos = torch.arange(T, device=idx.device)                  # (T,)
+        else:
+            pos = cache.positions                                     # (B, T)
         x = self.drop(self.wte(idx) + self.wpe(pos))                  # (B, T, C)
-        for block in self.h:
-            x = block(x)                                              # (B, T, C)
+        for i, block in enumerate(self.h):
+            x = block(x, cache, i)                                    # (B, T, C)
         return self.lm_head(self.ln_f(x))                             # (B, T, V)
 
 

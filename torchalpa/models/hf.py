@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from torchalpa.models.losses import IGNORE_INDEX
 
-__all__ = ["HF_MODELS", "hf_model", "hf_config", "hf_example_batch", "hf_loss_fn",
+__all__ = ["HF_MODELS", "hf_model", "hf_config", "hf_example_batch", "hf_loss_fn", "hf_causal_lm",
            "causal_lm_loss", "sequence_classification_loss"]
 
 
@@ -101,3 +101,45 @@ def hf_example_batch(name: str, config, batch_size: int, *, seq_len: int | None 
     if kind == "lm":
         return input_ids, input_ids.clone()
     return input_ids, torch.randint(config.num_labels, (batch_size,), device=device)
+
+
+def hf_causal_lm(source: str, *, batch_size: int = 8, seq_len: int | None = None,
+                 device=None) -> tuple[nn.Module, tuple[torch.Tensor, ...], Callable]:
+    """``(model, (input_ids, labels), causal_lm_loss)`` of any causal LM ``transformers``
+    knows, from a ``model_type``'s default config ("llama", "mistral", "qwen2", ...) or a
+    local ``config.json`` (a file, or a folder holding one). Nothing is downloaded; build
+    it under ``torch.device("meta")`` to allocate nothing. ``seq_len`` defaults to the
+    config's longest sequence, at most 2048."""
+    import json
+    import os
+    transformers = _transformers()
+    if source.endswith(".json") or os.path.isdir(source):
+        path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+        if not os.path.isfile(path):
+            raise ValueError(f"no HuggingFace config at {path}: give a config.json file or "
+                             "the folder holding it")
+        with open(path) as f:
+            fields = json.load(f)
+        model_type = fields.pop("model_type", None)
+        if not model_type:
+            raise ValueError(f"{path} has no model_type: it is not a transformers config")
+    else:
+        model_type, fields = source, {}
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise ValueError(f"transformers {transformers.__version__} knows no model_type "
+                         f"{model_type!r}; causal LMs include llama, mistral, qwen2, gemma, "
+                         "phi3, gpt2 (or give a config.json)")
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    config.use_cache = False
+    config._attn_implementation = "sdpa"
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        raise ValueError(f"{model_type!r} is not a causal language model transformers can "
+                         "build (hf: names decoder LMs such as llama, mistral, qwen2, gpt2)"
+                         ) from e
+    longest = getattr(config, "max_position_embeddings", None) or \
+        getattr(config, "n_positions", None) or 2048
+    T = seq_len or min(longest, 2048)
+    input_ids = torch.randint(config.vocab_size, (batch_size, T), device=device)
+    return model, (input_ids, input_ids.clone()), causal_lm_loss

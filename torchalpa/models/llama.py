@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from torchalpa.models._checks import check_divisible, check_positive
 from torchalpa.models.gpt import token_batch
+from torchalpa.models.kv_cache import KVCache
 from torchalpa.models.losses import lm_loss
 
 __all__ = ["LlamaConfig", "Llama", "example_batch", "loss_fn"]
@@ -87,6 +88,17 @@ def rotary_tables(seq_len: int, head_dim: int, theta: float, device
     return angles.cos(), angles.sin()
 
 
+def rotary_at(positions: torch.Tensor, head_dim: int, theta: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin at each row's own ``positions`` (B, T), each (B, 1, T, D): a padded
+    batch's rows start counting at their first real token."""
+    device = positions.device
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    angles = positions[..., None].float() * inv_freq                              # (B, T, D/2)
+    angles = torch.cat((angles, angles), dim=-1)[:, None]                         # (B, 1, T, D)
+    return angles.cos(), angles.sin()
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + D/2) of ``x`` (B, H, T, D) by the position's angle, in the
     tables' float32, back in ``x``'s dtype (a bfloat16 model stays bfloat16)."""
@@ -105,15 +117,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden, config.num_kv_heads * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, _ = x.shape
         H, KV, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)          # (B, H, T, D)
         k = self.k_proj(x).view(B, T, KV, D).transpose(1, 2)         # (B, KV, T, D)
         v = self.v_proj(x).view(B, T, KV, D).transpose(1, 2)         # (B, KV, T, D)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k, v = repeat_kv(k, H // KV), repeat_kv(v, H // KV)          # (B, H, T, D)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        seen = None
+        if cache is not None:     # attend over the cache's S slots, this call's tokens in
+            k, v = cache.write(layer, k, v)                          # 2 x (B, KV, S, D)
+            seen = cache.attention_mask(T)                           # (B, 1, T, S)
+        k, v = repeat_kv(k, H // KV), repeat_kv(v, H // KV)          # (B, H, T or S, D)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen,
+                                           is_causal=seen is None)   # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * D))   # (B, T, C)
 
 
@@ -144,13 +162,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Llama(nn.Module):
-    """``forward(idx (B, T) int64) -> logits (B, T, vocab_size)``."""
+    """``forward(idx (B, T) int64) -> logits (B, T, vocab_size)``; with ``cache=``, the
+    tokens continue the cached ones at ``cache.positions``."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -160,14 +180,19 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.hidden, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden, config.vocab_size, bias=False)   # untied
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         B, T = idx.shape
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
-        cos, sin = rotary_tables(T, self.config.head_dim, self.config.rope_theta, idx.device)
+        if cache is None:
+            cos, sin = rotary_tables(T, self.config.head_dim, self.config.rope_theta,
+                                     idx.device)                      # 2 x (T, D)
+        else:
+            cos, sin = rotary_at(cache.positions, self.config.head_dim,
+                                 self.config.rope_theta)              # 2 x (B, 1, T, D)
         x = self.embed_tokens(idx)                                    # (B, T, C)
-        for layer in self.layers:
-            x = layer(x, cos, sin)                                    # (B, T, C)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache, i)                          # (B, T, C)
         return self.lm_head(self.norm(x))                             # (B, T, V)
 
 

@@ -9,28 +9,40 @@ Both check what any method is given, then take the one path every method takes
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
 from torchalpa.core.calls import CallSignature
 from torchalpa.core.cluster import Cluster, LogicalMesh
-from torchalpa.core.options import PipeshardParallel, ShardParallel
+from torchalpa.core.options import (
+    AutoParallel,
+    Inference,
+    PipeshardParallel,
+    ShardParallel,
+    parse_mode,
+)
 from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.progress import setup_logging
 from torchalpa.core.progress import verbose as solver_log
-from torchalpa.parallel.build import build_module, plan_model
+from torchalpa.parallel.build import build_generation, build_module, plan_generation, plan_model
 from torchalpa.parallel.methods import steps_of
 from torchalpa.parallel.tp_pins import resolve_style_pins
 
+if TYPE_CHECKING:
+    from torchalpa.runtime.module import ParallelModule
+    from torchalpa.runtime.serving import InferenceModule
+
 __all__ = ["plan", "auto_parallel"]
 
-Method = ShardParallel | PipeshardParallel
+Method = AutoParallel | ShardParallel | PipeshardParallel
 _INPUT_MODES = ("global", "local")
 _CHECK_INPUTS = ("first", "always", "never")
 
 
 def _check_method(method) -> Method:
-    method = method if method is not None else ShardParallel()
+    if method is None or method == "auto":
+        method = AutoParallel()
     steps_of(method)     # a TypeError naming the methods for anything else
     return method
 
@@ -43,28 +55,72 @@ def _check_inputs_mode(inputs: str) -> None:
 def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
          loss_fn: Callable | None = None, *, method: Method | None = None,
          cluster: Cluster | LogicalMesh | None = None, inputs: str = "global",
-         verbose: bool = False, param_argnums=0, num_params: int | None = None
-         ) -> Plan | PipelinePlan:
+         mixed_precision=None, verbose: bool = False, param_argnums=0,
+         num_params: int | None = None,
+         mode: str | Inference = "training") -> Plan | PipelinePlan:
     """Plan ``model`` for ``cluster`` without running it: no process group, no real weights.
 
     ``model`` and ``example_inputs`` may live on the ``meta`` device. Without a cluster the
     plan is for this job's world (one device outside torchrun). A ``LogicalMesh`` instead
     of a Cluster gives the exact per-axis costs to plan with. Unless the method fixes a
     logical mesh shape, every 1D and 2D view of the cluster is tried and the fastest kept.
+    ``mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16)`` prices the
+    step as ``auto_parallel`` runs it with the same option: compute and activations in
+    ``param_dtype``, float32 master parameters, gradients and optimizer states (recorded
+    as ``plan.method["mixed_precision"]``).
     Progress goes to the ``torchalpa`` logger (``TORCHALPA_LOG=debug|info|warning``);
     ``verbose=True`` also streams the ILP solver's own log.
 
     ``model`` may also be a JAX function (its loss, differentiated over the arguments at
     ``param_argnums``) or StableHLO text / a ``.mlir`` path (the first ``num_params``
     arguments of ``@main`` are parameters): see ``torchalpa/interop/programs.py``.
+
+    ``mode="inference"`` (or ``torchalpa.Inference(max_context=...)``) plans generation
+    instead of training: ``example_inputs`` are prompts of token ids (B, T) for a causal
+    LM; the decode step (one token for each of B sequences, with a static KV cache of
+    ``max_context`` tokens) is planned, then the prefill of a T-token prompt on its
+    layouts. The plan returned is the decode step's (``plan.mode == "inference"``); its
+    estimates add the weights and cache each device holds, the time per token, tokens per
+    second and the prefill's time.
     """
     setup_logging()
     with solver_log(verbose):
         method = resolve_style_pins(_check_method(method), model)
         _check_inputs_mode(inputs)
+        option = parse_mode(mode)
+        if option is not None:
+            from torchalpa.parallel.generation import check_generation_options
+            check_generation_options(loss_fn=loss_fn, inputs=inputs)
+            return plan_generation(model, example_inputs, method=method,
+                                   steps=steps_of(method), cluster=cluster, option=option)
         return plan_model(model, example_inputs, loss_fn, method=method,
                           steps=steps_of(method), cluster=cluster, inputs=inputs,
-                          param_argnums=param_argnums, num_params=num_params)
+                          mixed_precision=mixed_precision, param_argnums=param_argnums,
+                          num_params=num_params)
+
+
+@overload
+def auto_parallel(model: torch.nn.Module, example_inputs, loss_fn: Callable | None = None, *,
+                  method: Method | None = None, mesh=None,
+                  cluster: Cluster | LogicalMesh | None = None, inputs: str = "global",
+                  optimizer: Callable | None = None, plan: Plan | None = None,
+                  num_micro_batches: int | None = None, mixed_precision=None,
+                  init_weights: Callable | None = None, compile: bool | dict = False,
+                  check_replicas: bool | None = None, check_inputs: str = "first",
+                  verbose: bool = False, mode: Literal["training"] = "training"
+                  ) -> ParallelModule: ...
+
+
+@overload
+def auto_parallel(model: torch.nn.Module, example_inputs, loss_fn: Callable | None = None, *,
+                  method: Method | None = None, mesh=None,
+                  cluster: Cluster | LogicalMesh | None = None, inputs: str = "global",
+                  optimizer: Callable | None = None, plan: Plan | None = None,
+                  num_micro_batches: int | None = None, mixed_precision=None,
+                  init_weights: Callable | None = None, compile: bool | dict = False,
+                  check_replicas: bool | None = None, check_inputs: str = "first",
+                  verbose: bool = False, mode: Literal["inference"] | Inference
+                  ) -> InferenceModule: ...
 
 
 def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -74,8 +130,10 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                   plan: Plan | None = None, num_micro_batches: int | None = None,
                   mixed_precision=None, init_weights: Callable | None = None,
                   compile: bool | dict = False, check_replicas: bool | None = None,
-                  check_inputs: str = "first", verbose: bool = False):
-    """Parallelize ``model``'s training step over every rank of this torchrun job.
+                  check_inputs: str = "first", verbose: bool = False,
+                  mode: str | Inference = "training") -> ParallelModule | InferenceModule:
+    """Parallelize ``model``'s training step over every rank of this torchrun job (or, with
+    ``mode="inference"``, its generation: see the last item).
 
     ``example_inputs`` are the model inputs followed by the loss targets (when ``loss_fn``
     is given), or a dict of keyword arguments for ``model(**example_inputs)`` (the loss is
@@ -120,6 +178,17 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
       never; ranks given different data (a data-loader bug) raise a ValueError naming them.
     - ``verbose=True``: rank 0 streams the ILP solver's log too (progress lines are shown
       by default; ``TORCHALPA_LOG=warning`` silences them).
+    - ``mode="inference"`` (or ``torchalpa.Inference(max_context=...)``): build a causal
+      LM (a HuggingFace ``*ForCausalLM`` or the zoo's GPT / Llama) for generation only, and
+      return an ``InferenceModule`` whose ``generate(input_ids, ...)`` takes HuggingFace's
+      arguments. ``example_inputs`` are prompts of token ids (B, T): B is the batch the
+      static KV cache holds, ``max_context`` (default: the model's positions) its tokens
+      per sequence. The decode step and the prefill are planned as forward-only programs
+      (no backward, no optimizer state); weights and cache stay in their planned layouts.
+      ``loss_fn``, ``optimizer``, ``num_micro_batches``, ``mixed_precision``,
+      ``compile``, ``check_replicas`` and ``inputs="local"`` do not apply (a ValueError);
+      a model built on ``meta`` is filled with ``init_weights`` or, afterwards,
+      ``torchalpa.load_pretrained(pm, path)``. See ``docs/serving.md``.
     """
     setup_logging()
     with solver_log(verbose):
@@ -132,6 +201,17 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                     or num_micro_batches < 1:
                 raise ValueError(f"num_micro_batches must be an int >= 1, got "
                                  f"{num_micro_batches!r}")
+        option = parse_mode(mode)
+        if option is not None:
+            from torchalpa.parallel.generation import check_generation_options
+            check_generation_options(
+                loss_fn=loss_fn, inputs=inputs, optimizer=optimizer,
+                num_micro_batches=num_micro_batches, mixed_precision=mixed_precision,
+                compile=compile, check_replicas=check_replicas)
+            return build_generation(model, example_inputs, method=method,
+                                    steps=steps_of(method), option=option, mesh=mesh,
+                                    cluster=cluster, plan=plan, init_weights=init_weights,
+                                    check_inputs=check_inputs)
         signature, example_inputs = CallSignature.of(example_inputs)
         return build_module(model, example_inputs, loss_fn, method=method,
                             steps=steps_of(method), signature=signature, inputs=inputs,

@@ -9,6 +9,14 @@ solved, how a plan becomes this rank's program -- is asked of the method's
     options -> capture (each checkpointing variant, one micro-batch) -> same step on every
     rank -> plan on rank 0 (or check the plan given) -> place (this rank's mesh, program,
     state) -> compile -> one random state -> ParallelModule
+
+``mode="inference"`` (``plan_generation`` / ``build_generation``) takes the same steps for
+generation's forward-only programs (``torchalpa.parallel.generation``):
+
+    options -> the model with its static KV cache -> capture the decode step -> same step
+    on every rank -> plan on rank 0 (or check the plan given) -> capture and plan the
+    prefill of the example prompt, the decode layouts pinned -> place (mesh, lowering) ->
+    distribute the weights, allocate this rank's cache blocks -> InferenceModule
 """
 
 from __future__ import annotations
@@ -17,7 +25,10 @@ import logging
 import time
 from dataclasses import replace
 
+from torchalpa.core.options import method_of_plan
+from torchalpa.core.plan import Plan
 from torchalpa.core.plan_check import check_step_dtypes
+from torchalpa.parallel.methods import steps_of
 from torchalpa.parallel.steps import MethodSteps, Placed
 from torchalpa.parallel.workflow import (
     capture_examples,
@@ -25,23 +36,29 @@ from torchalpa.parallel.workflow import (
     plan_on_rank0,
     same_step_on_every_rank,
     with_precision,
+    with_precision_recorded,
 )
 
-__all__ = ["plan_model", "build_module"]
+__all__ = ["plan_model", "build_module", "plan_generation", "build_generation"]
 
 log = logging.getLogger("torchalpa")
 
 
 def plan_model(model, example_inputs, loss_fn, *, method, steps: MethodSteps, cluster,
-               inputs: str, param_argnums=0, num_params: int | None = None):
+               inputs: str, mixed_precision=None, param_argnums=0,
+               num_params: int | None = None):
     """``torchalpa.plan`` for ``method``: a torch model's step (each activation-
-    checkpointing variant its ``remat`` asks for) planned without processes, or a JAX
-    function / StableHLO program where the method plans those."""
+    checkpointing variant its ``remat`` asks for, computing in ``mixed_precision`` as
+    ``auto_parallel`` would run it) planned without processes, or a JAX function /
+    StableHLO program where the method plans those."""
     from torchalpa.interop.programs import is_program
     if is_program(model):
         if loss_fn is not None:
             raise ValueError("a JAX function or StableHLO program carries its own loss: "
                              "pass no loss_fn")
+        if mixed_precision is not None:
+            raise ValueError("mixed_precision= applies to torch models; a JAX function or "
+                             "StableHLO program computes in the dtypes it is written in")
         return steps.plan_program(model, example_inputs, method=method, cluster=cluster,
                                   inputs=inputs, param_argnums=param_argnums,
                                   num_params=num_params)
@@ -50,11 +67,17 @@ def plan_model(model, example_inputs, loss_fn, *, method, steps: MethodSteps, cl
     method = steps.with_options(method, inputs=inputs)
     target = steps.target(method, cluster=cluster, mesh=None, world=world_size(),
                           live=False)
+    if steps.chooses_method:
+        return with_precision_recorded(steps.search(
+            with_precision(model, mixed_precision), example_inputs, loss_fn, method=method,
+            target=target, inputs=inputs), mixed_precision)
     examples = capture_examples(model, example_inputs, method.num_micro_batches)
-    variants = capture_variants(model, examples, loss_fn, method.auto_sharding_option)
+    variants = capture_variants(with_precision(model, mixed_precision), examples, loss_fn,
+                                method.auto_sharding_option)
     check_step_dtypes(next(iter(variants.values())).graph)
-    return plan_with_remat(variants, lambda c: steps.solve(c.graph, target, method, inputs),
-                           lambda c: c.graph)
+    return with_precision_recorded(plan_with_remat(
+        variants, lambda c: steps.solve(c.graph, target, method, inputs), lambda c: c.graph),
+        mixed_precision)
 
 
 def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, signature,
@@ -68,13 +91,23 @@ def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, 
     from torchalpa.runtime.random import sync_random_state
     from torchalpa.runtime.step import StepRunner
 
-    method = steps.with_options(method, signature=signature, mesh=mesh, inputs=inputs,
-                                num_micro_batches=num_micro_batches, init_weights=init_weights)
+    options = dict(signature=signature, mesh=mesh, inputs=inputs, init_weights=init_weights)
+    method = steps.with_options(method, num_micro_batches=num_micro_batches, **options)
     mesh_mod.init_distributed()
-    target = steps.target(method, cluster=cluster, mesh=mesh, world=mesh_mod.world_size(),
-                          live=True)
+    world = mesh_mod.world_size()
+    target = steps.target(method, cluster=cluster, mesh=mesh, world=world, live=True)
     start = time.perf_counter()
     traced = with_precision(model, mixed_precision)
+    if steps.chooses_method:       # rank 0 searches; every rank goes on with its choice
+        if plan is None:
+            plan = plan_on_rank0(lambda: with_precision_recorded(steps.search(
+                traced, example_inputs, loss_fn, method=method, target=target, inputs=inputs,
+                signature=signature), mixed_precision))
+        method = method_of_plan(plan)
+        steps = steps_of(method)
+        method = steps.with_options(method, **options)
+        target = steps.target(method, cluster=target.cluster, mesh=mesh, world=world,
+                              live=True)
     option = method.auto_sharding_option
     if plan is not None:         # capture what the plan was made for
         steps.check_plan_kind(plan)
@@ -90,9 +123,9 @@ def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, 
         the_plan = plan
     else:
         measured = steps.measure(captured, target, method, example_inputs, model, device)
-        the_plan = plan_on_rank0(lambda: plan_with_remat(
+        the_plan = plan_on_rank0(lambda: with_precision_recorded(plan_with_remat(
             variants, lambda c: steps.solve(c.graph, target, method, inputs, measured),
-            lambda c: c.graph))
+            lambda c: c.graph), mixed_precision))
         captured = variants[chosen_remat(the_plan)]
     placed: Placed = steps.place(captured, the_plan, target, method, device, model=model,
                                  traced=traced, loss_fn=loss_fn, inputs=inputs,
@@ -114,3 +147,105 @@ def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, 
                           optimizer=optimizer, forward_programs=placed.forward_programs,
                           signature=signature, check_replicas=check_replicas,
                           check_inputs=check_inputs)
+
+
+def plan_generation(model, example_inputs, *, method, steps: MethodSteps, cluster, option):
+    """``torchalpa.plan(..., mode="inference")``: the decode step planned, the example
+    prompt's prefill planned on its layouts, without processes."""
+    from torchalpa.parallel.generation import (
+        cached_step,
+        capture_generation_step,
+        prompt_shape,
+        serving_plan,
+    )
+    from torchalpa.runtime.mesh import world_size
+    method = steps.inference_method(method)
+    steps = steps_of(method)        # AutoParallel hands generation to ShardParallel's steps
+    target = steps.target(method, cluster=cluster, mesh=None, world=world_size(), live=False)
+    step = cached_step(model, example_inputs, option)
+    _, length = prompt_shape(example_inputs)
+    decode = capture_generation_step(step, 1)
+    decode_plan = steps.solve(decode.graph, target, method, "global")
+    prefill = capture_generation_step(step, length)
+    prefill_plan = steps.solve_pinned(prefill.graph, decode_plan, target, method, "global")
+    return serving_plan(decode_plan, prefill_plan, decode.graph, step, length)
+
+
+def build_generation(model, example_inputs, *, method, steps: MethodSteps, option, mesh,
+                     cluster, plan, init_weights, check_inputs):
+    """``torchalpa.auto_parallel(..., mode="inference")`` (the options checked there):
+    rank 0 plans the decode step, every rank lowers it and takes its share of the weights
+    and of the cache; prefills are planned on first use per prompt length."""
+    from torchalpa.parallel.generation import (
+        cached_step,
+        capture_generation_step,
+        model_plan,
+        prompt_shape,
+        serving_plan,
+    )
+    from torchalpa.runtime import mesh as mesh_mod
+    from torchalpa.runtime.materialize import (
+        distribute_module_state,
+        local_zeros,
+        to_dtensor_placements,
+    )
+    from torchalpa.runtime.serving import InferenceModule, StepProgram, write_cache_in_place
+
+    method = steps.inference_method(method)
+    steps = steps_of(method)        # AutoParallel hands generation to ShardParallel's steps
+    method = steps.with_options(method, mesh=mesh, init_weights=init_weights)
+    mesh_mod.init_distributed()
+    target = steps.target(method, cluster=cluster, mesh=mesh, world=mesh_mod.world_size(),
+                          live=True)
+    start = time.perf_counter()
+    step = cached_step(model, example_inputs, option)
+    _, length = prompt_shape(example_inputs)
+    decode = capture_generation_step(step, 1)
+    same_step_on_every_rank(decode.graph.fingerprint())
+    if plan is not None:
+        steps.check_plan_kind(plan)
+        if getattr(plan, "mode", "training") != "inference":
+            raise ValueError("the plan given was made for training; mode='inference' needs a "
+                             "plan made with mode='inference' (or none)")
+        steps.check_given_plan(plan, decode.graph, target)
+        decode_plan = plan
+    else:
+        decode_plan = plan_on_rank0(lambda: steps.solve(decode.graph, target, method, "global"))
+    device = mesh_mod.default_device()
+    placed = steps.place_forward(decode_plan, target, method, device)
+    state_names = [v.name for v in decode_plan.parameters]
+    cache_names = step.cache_names()
+
+    def program(captured, a_plan: Plan) -> StepProgram:
+        gm = placed.lower(captured.gm, a_plan, captured.buffer_updates)
+        names = captured.state_names
+        write_cache_in_place(gm, [i for i, n in enumerate(names) if n in set(cache_names)])
+        return StepProgram(gm, a_plan, list(names), list(captured.buffer_updates),
+                           code=gm.code)
+
+    def make_prefill(prompt_length: int) -> StepProgram:
+        captured = capture_generation_step(step, prompt_length)
+        return program(captured, steps.solve_pinned(captured.graph, decode_plan, target,
+                                                    method, "global"))
+
+    prefill = make_prefill(length)
+    the_plan = plan if plan is not None else \
+        serving_plan(decode_plan, prefill.plan, decode.graph, step, length)
+    distribute_module_state(model, model_plan(the_plan), placed.mesh, device,
+                            init_weights=init_weights)
+    buffers = dict(step.named_buffers())
+    cache = {v.name: local_zeros(buffers[v.name], placed.mesh,
+                                 to_dtensor_placements(v.placements), device)
+             for v in the_plan.parameters if v.name in set(cache_names)}
+    assert set(cache) == set(cache_names), "the decode plan places every cache buffer"
+    prefills = {length: prefill}
+
+    def prefill_of(prompt_length: int) -> StepProgram:
+        return prefills.pop(prompt_length, None) or make_prefill(prompt_length)
+
+    log.info("auto_parallel (inference) ready in %.2fs: %d state tensors, cache %s",
+             time.perf_counter() - start, len(state_names), tuple(next(iter(cache.values())).shape))
+    return InferenceModule(model, the_plan, placed.mesh, decode=program(decode, the_plan),
+                           make_prefill=prefill_of, cache=cache,
+                           batch_size=step.batch_size, max_context=step.max_context,
+                           device=device, check_inputs=check_inputs)

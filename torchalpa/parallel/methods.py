@@ -7,7 +7,8 @@ A method's presets (``DataParallel``, ``Zero2Parallel``, ``Zero3Parallel`` are
 
 from __future__ import annotations
 
-from torchalpa.core.options import PipeshardParallel, ShardParallel
+from torchalpa.core.options import AutoParallel, PipeshardParallel, ShardParallel
+from torchalpa.parallel.auto import AutoSteps
 from torchalpa.parallel.pipeshard import PipelineSteps
 from torchalpa.parallel.shard import IntraOpSteps
 from torchalpa.parallel.steps import MethodSteps
@@ -15,6 +16,7 @@ from torchalpa.parallel.steps import MethodSteps
 __all__ = ["STEPS", "steps_of"]
 
 STEPS: dict[type, MethodSteps] = {
+    AutoParallel: AutoSteps(),
     ShardParallel: IntraOpSteps(),
     PipeshardParallel: PipelineSteps(),
 }
@@ -25,5 +27,6 @@ def steps_of(method) -> MethodSteps:
     for cls in type(method).__mro__:
         if cls in STEPS:
             return STEPS[cls]
-    raise TypeError(f"method must be a torchalpa method such as ShardParallel() or "
-                    f"PipeshardParallel(), got {type(method).__name__}")
+    raise TypeError(f"method must be a torchalpa method such as AutoParallel() (the "
+                    f"default), ShardParallel() or PipeshardParallel(), got "
+                    f"{type(method).__name__}")

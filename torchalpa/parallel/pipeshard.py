@@ -97,6 +97,13 @@ class PipelineSteps:
     """``MethodSteps`` of PipeshardParallel (``torchalpa.parallel.steps``): the target is a
     cluster cut into submeshes; each rank runs its stage's program."""
 
+    chooses_method = False
+
+    def search(self, model, example_inputs, loss_fn, *, method, target, inputs: str,
+               signature=None):
+        raise TypeError(f"{type(method).__name__} is a concrete method: it is planned, "
+                        "not searched for")
+
     def with_options(self, method: PipeshardParallel, *, inputs: str = "global",
                      signature=None, mesh=None, num_micro_batches: int | None = None,
                      init_weights=None) -> PipeshardParallel:
@@ -125,6 +132,17 @@ class PipelineSteps:
         raise ValueError("a JAX function or StableHLO program is planned whole with "
                          "ShardParallel: PipeshardParallel cuts a torch model's step into stages")
 
+    def inference_method(self, method: PipeshardParallel):
+        raise ValueError("mode='inference' plans the decode and prefill steps on one mesh: "
+                         "use ShardParallel (or a preset such as Zero3Parallel); pipelined "
+                         "generation is not built")
+
+    def solve_pinned(self, graph, plan, target, method, inputs: str):
+        raise AssertionError("inference_method refuses PipeshardParallel first")
+
+    def place_forward(self, plan, target, method, device):
+        raise AssertionError("inference_method refuses PipeshardParallel first")
+
     def measure(self, captured, target: Cluster, method: PipeshardParallel, example_inputs,
                 model, device):
         if method.stage_option != "profile":
@@ -149,6 +167,7 @@ class PipelineSteps:
         from torchalpa.runtime import mesh as mesh_mod
         from torchalpa.runtime.materialize import distribute_stages
         from torchalpa.runtime.pipeline import StageExchange, lower_stage, transfer_specs
+        from torchalpa.runtime.rewrites import step_programs
         del target, method, traced, loss_fn, inputs, signature
         rank = mesh_mod.rank()
         meshes = [DeviceMesh(device.type, torch.tensor(st.ranks).reshape(st.plan.mesh_shape),
@@ -167,11 +186,13 @@ class PipelineSteps:
             assert init_weights is None, "pipeline_options refuses init_weights"
             distribute_stages(model, [(st.plan, meshes[st.index]) for st in plan.stages], device)
 
-        return Placed(program=program, mesh=mesh, distribute=distribute,
+        return Placed(program=step_programs(program, num_micro_batches=plan.num_micro_batches,
+                                            one_stage=len(plan.stages) == 1),
+                      mesh=mesh, distribute=distribute,
                       num_micro_batches=plan.num_micro_batches, stage=stage.index,
                       runner_options=dict(schedule=plan.schedule, num_stages=len(plan.stages),
                                           stage=stage.index, exchange=exchange,
-                                          recompute=stage.recompute),
+                                          remat=stage.recompute),
                       description=f"stage {stage.index} of {len(plan.stages)} on ranks "
                                   f"{list(stage.ranks)}")
 

@@ -10,6 +10,7 @@ dispatches through the method object).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -22,7 +23,7 @@ from torchalpa.core.plan_records import Estimates
 from torchalpa.core.progress import step
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel import cache
-from torchalpa.parallel.steps import Placed
+from torchalpa.parallel.steps import Placed, PlacedForward
 from torchalpa.parallel.workflow import default_cluster, plan_on_rank0, same_step_on_every_rank
 
 __all__ = ["candidate_meshes", "plan_graph", "blocks_of", "IntraOpSteps", "IntraOpTarget"]
@@ -54,22 +55,30 @@ def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
 
 
 def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
-               inputs: str = "global", blocks: dict | None = None) -> Plan:
+               inputs: str = "global", blocks: dict | None = None,
+               deadline: float | None = None) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
-    Once a plan is in hand, a mesh whose step-time bound (``step_time_lower_bound``: the
+    A mesh whose memory lower bound (``passes/bounds.py``: every value split over all its
+    devices) exceeds the budget is refused at once, with no ILP built: no layout could fit
+    it. Once a plan is in hand, a mesh whose step-time bound (``step_time_lower_bound``: the
     linear relaxation of its unsimplified ILP) is above that plan's estimate is skipped:
     no plan the ILP could find there would be chosen. The note lists it with its bound.
     The first bound that skips nothing ends the bounding for this call: that LP costs a
     third to a half of a solve on a transformer, whose views plan within a few percent of
-    each other, and it would be paid again on every other view."""
+    each other, and it would be paid again on every other view. Past ``deadline`` (a
+    ``time.perf_counter()`` value) no further mesh is solved once a plan is in hand."""
+    from torchalpa.passes.bounds import step_profile
     from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
     from torchalpa.passes.pricing_memo import PricingMemo
     fingerprint = graph.fingerprint()
     memo = PricingMemo()       # the reshard prices and strategies the meshes' solves repeat
     plans, failures, skipped = [], [], []
+    refused: list[LogicalMesh] = []
+    late: list[LogicalMesh] = []
     bounding = SKIP_BY_BOUND
+    profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states)
     for i, mesh in enumerate(meshes):
         key = cache.plan_key(fingerprint, mesh, method, inputs)
         shape = "x".join(map(str, mesh.shape))
@@ -80,7 +89,17 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 progress.done = "cached, " + _estimate_text(found, mesh)
                 plans.append(found)
                 continue
+            too_small = memory_refusal(profile, mesh, method)
+            if too_small is not None:
+                failures.append(too_small)
+                refused.append(mesh)
+                progress.done = f"does not fit: {too_small}"
+                continue
             fastest = min(plans, key=lambda p: p.estimates["step_time_s"], default=None)
+            if fastest is not None and deadline is not None and time.perf_counter() > deadline:
+                late.append(mesh)
+                progress.done = "not solved: the time budget is spent"
+                continue
             if fastest is not None and bounding:
                 bound = step_time_lower_bound(graph, mesh, method, inputs=inputs, memo=memo)
                 if bound is not None and bound > fastest.estimates["step_time_s"] * (1 + 1e-9):
@@ -108,8 +127,15 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
         cache.trim()
         plans.append(found)
     if not plans:
-        raise failures[0] if len(failures) == 1 else InfeasibleError(
-            "no logical mesh fits the memory budget:\n" + "\n".join(f"  {e}" for e in failures))
+        advice = fitting_advice(profile, meshes[0], method) if refused else ""
+        if len(refused) == len(meshes) and len({m.num_devices for m in meshes}) == 1:
+            views = ", ".join("x".join(map(str, m.shape)) for m in meshes)
+            raise InfeasibleError(f"{failures[0]} (every view of its {meshes[0].num_devices} "
+                                  f"devices shares this bound: {views}){advice}")
+        if len(failures) == 1:
+            raise InfeasibleError(f"{failures[0]}{advice}") from failures[0]
+        raise InfeasibleError("no logical mesh fits the memory budget:\n"
+                              + "\n".join(f"  {e}" for e in failures) + advice)
     best = min(plans, key=lambda p: p.estimates["step_time_s"])
     log.info("chose mesh %s: %s", "x".join(map(str, best.mesh_shape)),
              _estimate_text(best, meshes[0]))
@@ -118,8 +144,65 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                           f"{p.estimates['step_time_s'] * 1e3:.3g} ms" for p in plans)
         tried += "".join(f", {'x'.join(map(str, m.shape))}: >= {bound * 1e3:.3g} ms "
                          "(bound, not solved)" for m, bound in skipped)
+        tried += "".join(f", {'x'.join(map(str, m.shape))}: not solved (time budget)"
+                         for m in late)
         best = replace(best, notes=best.notes + (f"logical meshes tried (estimated step): {tried}",))
     return best
+
+
+def _budget(method: ShardParallel, mesh: LogicalMesh) -> float | None:
+    return method.auto_sharding_option.memory_budget_per_device or mesh.memory_per_device
+
+
+def _replicated_state(method: ShardParallel) -> bool:
+    option = method.auto_sharding_option
+    return option.parameters == "replicated" or option.force_data_parallel
+
+
+def memory_refusal(profile, mesh: LogicalMesh, method: ShardParallel):
+    """An ``InfeasibleError`` when no plan of the step can fit ``mesh``'s memory budget by
+    the step's lower bound (``passes/bounds.py``), else None: the ILP is not worth
+    building."""
+    from torchalpa.passes.ilp import InfeasibleError
+    budget = _budget(method, mesh)
+    if not budget:
+        return None
+    devices = mesh.num_devices
+    need = profile.memory_bytes(devices, replicated_parameters=_replicated_state(method))
+    if need <= budget:
+        return None
+    states = profile.state_bytes if _replicated_state(method) else profile.state_bytes / devices
+    shape = "x".join(map(str, mesh.shape))
+    return InfeasibleError(
+        f"the model does not fit in {format_bytes(budget)} per device on mesh {shape}: "
+        f"every plan needs at least {format_bytes(need)} per device ({format_bytes(states)} "
+        f"of parameters, gradients and optimizer states and "
+        f"{format_bytes(need - states)} of activations at the step's peak, split over "
+        f"all {devices} devices; a lower bound, no solver run)")
+
+
+def fitting_advice(profile, mesh: LogicalMesh, method: ShardParallel) -> str:
+    """What would fit, by the same bound: checkpointing, micro-batches, devices."""
+    budget = _budget(method, mesh)
+    if not budget:
+        return ""
+    devices, replicated = mesh.num_devices, _replicated_state(method)
+    lines = ["\nwhat could fit (by the same bound):",
+             "  activation checkpointing: AutoShardingOption(remat='full' or 'selective') "
+             "keeps a fraction of the activations"]
+    batch = profile.batch
+    for k in range(2, batch + 1):
+        need = profile.memory_bytes(devices, batch // k, replicated_parameters=replicated)
+        if batch % k == 0 and need <= budget:
+            lines.append(f"  gradient accumulation: num_micro_batches={k} (micro-batches of "
+                         f"{batch // k}) needs at least {format_bytes(need)}")
+            break
+    needed = profile.devices_to_fit(budget)
+    if not replicated and needed > devices:
+        lines.append(f"  at least {needed} devices of {format_bytes(budget)} as the step is")
+    lines.append("  or leave method= out: the default (torchalpa.AutoParallel) weighs "
+                 "checkpointing, micro-batches and pipelines for you")
+    return "\n".join(lines)
 
 
 def _estimate_text(plan: Plan, mesh: LogicalMesh) -> str:
@@ -154,6 +237,13 @@ class IntraOpTarget:
 
 class IntraOpSteps:
     """``MethodSteps`` of ShardParallel and its presets (``torchalpa.parallel.steps``)."""
+
+    chooses_method = False
+
+    def search(self, model, example_inputs, loss_fn, *, method, target, inputs: str,
+               signature=None):
+        raise TypeError(f"{type(method).__name__} is a concrete method: it is planned, "
+                        "not searched for")
 
     def with_options(self, method: ShardParallel, *, inputs: str = "global", signature=None,
                      mesh=None, num_micro_batches: int | None = None, init_weights=None
@@ -206,21 +296,29 @@ class IntraOpSteps:
         check_plan(plan, fingerprint=graph.fingerprint(), source="the plan passed as plan=",
                    mesh_shape=target.shape, graph=graph)
 
+    def inference_method(self, method: ShardParallel) -> ShardParallel:
+        if method.num_micro_batches != 1:
+            raise ValueError("mode='inference' generates a batch at once: num_micro_batches "
+                             "must be 1")
+        return method
+
+    def solve_pinned(self, graph: OpGraph, plan: Plan, target: IntraOpTarget,
+                     method: ShardParallel, inputs: str) -> Plan:
+        mesh = candidate_meshes(target.cluster, method, tuple(plan.mesh_shape),
+                                tuple(plan.axis_names))[0]
+        return plan_pinned(graph, plan, method, mesh, inputs)
+
+    def place_forward(self, plan: Plan, target: IntraOpTarget, method: ShardParallel,
+                      device) -> PlacedForward:
+        device_mesh, lower_program = _lowering(plan, target, device)
+        return PlacedForward(mesh=device_mesh, lower=lambda gm, p, updates: lower_program(
+            gm, p, [], updates).forward)
+
     def place(self, captured, plan: Plan, target: IntraOpTarget, method: ShardParallel, device,
               *, model, traced, loss_fn, inputs: str, signature) -> Placed:
-        from torchalpa.runtime import mesh as mesh_mod
-        from torchalpa.runtime.lower import lower
         from torchalpa.runtime.materialize import distribute_module_state
-        device_mesh = target.device_mesh if target.device_mesh is not None else \
-            mesh_mod.build_mesh(plan.mesh_shape, plan.axis_names)
-        coords = device_mesh.get_coordinate()
-        groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
-
-        def lower_program(gm, a_plan, param_names, buffer_updates=(), buffer_names=(), micro=1):
-            return lower(gm, a_plan, param_names, coords=coords, group_names=groups,
-                         device=device, buffer_updates=buffer_updates,
-                         buffer_names=buffer_names, num_micro_batches=micro)
-
+        from torchalpa.runtime.rewrites import step_programs
+        device_mesh, lower_program = _lowering(plan, target, device)
         program = lower_program(captured.gm, plan, captured.param_names,
                                 captured.buffer_updates, captured.buffer_names,
                                 method.num_micro_batches)
@@ -233,10 +331,43 @@ class IntraOpSteps:
         def distribute(init_weights) -> None:
             distribute_module_state(model, plan, device_mesh, device, init_weights=init_weights)
 
-        return Placed(program=program, mesh=device_mesh, distribute=distribute,
+        return Placed(program=step_programs(program, num_micro_batches=method.num_micro_batches,
+                                            one_stage=True),
+                      mesh=device_mesh, distribute=distribute,
                       num_micro_batches=method.num_micro_batches,
                       forward_programs=forward_programs,
                       description=captured.graph.summary())
+
+
+def _lowering(plan: Plan, target: IntraOpTarget, device):
+    """This rank's DeviceMesh for ``plan`` (the user's, or one of the plan's shape) and
+    ``lower_program(gm, plan, param_names, buffer_updates, buffer_names, micro)``."""
+    from torchalpa.runtime import mesh as mesh_mod
+    from torchalpa.runtime.lower import lower
+    device_mesh = target.device_mesh if target.device_mesh is not None else \
+        mesh_mod.build_mesh(plan.mesh_shape, plan.axis_names)
+    coords = device_mesh.get_coordinate()
+    groups = [device_mesh.get_group(i).group_name for i in range(device_mesh.ndim)]
+
+    def lower_program(gm, a_plan, param_names, buffer_updates=(), buffer_names=(), micro=1):
+        return lower(gm, a_plan, param_names, coords=coords, group_names=groups,
+                     device=device, buffer_updates=buffer_updates,
+                     buffer_names=buffer_names, num_micro_batches=micro)
+
+    return device_mesh, lower_program
+
+
+def plan_pinned(graph: OpGraph, plan: Plan, method: ShardParallel, mesh: LogicalMesh,
+                inputs: str) -> Plan:
+    """``graph`` planned on ``mesh`` (``plan``'s) with every parameter and buffer ``plan``
+    names held to its layout there; rank 0 plans, every rank gets the plan."""
+    from torchalpa.runtime.inference import pins_of
+    option = replace(method.auto_sharding_option,
+                     pin=tuple(method.auto_sharding_option.pin) + pins_of(plan))
+    pinned = replace(method, auto_sharding_option=option)
+    same_step_on_every_rank(graph.fingerprint())
+    return plan_on_rank0(lambda: plan_graph(graph, method=pinned, meshes=[mesh], inputs=inputs,
+                                            blocks=blocks_of(graph)))
 
 
 # -- auto_parallel's runtime options ----------------------------------------------------
@@ -245,15 +376,10 @@ def _forward_programs(traced, loss_fn, training_plan: Plan, method: ShardParalle
                       logical_mesh: LogicalMesh, inputs: str, lower_forward, signature=None):
     """Forward-only programs (predict, eval mode) planned with the training layouts pinned."""
     from torchalpa.frontends.torch_export import capture_forward
-    from torchalpa.runtime.inference import ForwardPrograms, pins_of
-    option = replace(method.auto_sharding_option,
-                     pin=tuple(method.auto_sharding_option.pin) + pins_of(training_plan))
-    pinned = replace(method, auto_sharding_option=option)
+    from torchalpa.runtime.inference import ForwardPrograms
 
     def plan_forward(graph: OpGraph) -> Plan:
-        same_step_on_every_rank(graph.fingerprint())
-        return plan_on_rank0(lambda: plan_graph(graph, method=pinned, meshes=[logical_mesh],
-                                                 inputs=inputs, blocks=blocks_of(graph)))
+        return plan_pinned(graph, training_plan, method, logical_mesh, inputs)
 
     return ForwardPrograms(traced, loss_fn, training_plan, plan_forward, lower_forward,
                            capture_forward, signature=signature)

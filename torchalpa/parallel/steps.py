@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["MethodSteps", "Placed"]
+__all__ = ["MethodSteps", "Placed", "PlacedForward"]
 
 
 @dataclass
@@ -21,7 +21,8 @@ class Placed:
     """This rank's part of a plan, ready to run: what ``MethodSteps.place`` returns."""
 
     program: Any
-    """The lowered local program (its ``compiled()`` gives the ``torch.compile`` one)."""
+    """The programs a step runs (``runtime.programs.StepPrograms``; ``compiled()`` gives
+    them under ``torch.compile``)."""
     mesh: Any
     """This rank's DeviceMesh (its stage's, in a pipeline)."""
     distribute: Callable[[Callable | None], None]
@@ -37,8 +38,26 @@ class Placed:
     """One line for the log: what this rank runs."""
 
 
+@dataclass
+class PlacedForward:
+    """Where forward-only programs of a plan run (generation's prefill and decode steps):
+    what ``MethodSteps.place_forward`` returns."""
+
+    mesh: Any
+    """This rank's DeviceMesh."""
+    lower: Callable[[Any, Any, list[str]], Any]
+    """``lower(gm, plan, buffer_updates)``: a captured forward step (``capture_forward``)
+    as this rank's program ``(*state blocks, *inputs) -> (result, *new buffer blocks)``."""
+
+
 class MethodSteps(Protocol):
-    """The method-specific steps of planning and building; see the module docstring."""
+    """The method-specific steps of planning and building; see the module docstring.
+
+    A method that chooses among the others (``AutoParallel``) sets ``chooses_method``
+    and implements ``search``; the orchestration then goes on with the concrete method of
+    the plan found (``torchalpa.core.options.method_of_plan``) and its steps."""
+
+    chooses_method: bool
 
     def with_options(self, method, *, inputs: str = "global", signature=None, mesh=None,
                      num_micro_batches: int | None = None, init_weights=None) -> Any:
@@ -73,6 +92,26 @@ class MethodSteps(Protocol):
 
     def check_given_plan(self, plan, graph, target) -> None:
         """A ``plan=`` is checked like a cached one: step, mesh, shapes and layouts."""
+        ...
+
+    def search(self, model, example_inputs, loss_fn, *, method, target, inputs: str,
+               signature=None) -> Any:
+        """The plan of the concrete method chosen for ``model`` (only where
+        ``chooses_method``)."""
+        ...
+
+    def inference_method(self, method) -> Any:
+        """The method that plans generation's forward steps (``mode="inference"``), or a
+        ValueError saying which method to use instead."""
+        ...
+
+    def solve_pinned(self, graph, plan, target, method, inputs: str) -> Any:
+        """Plan the forward-only ``graph`` on ``plan``'s mesh with every parameter and
+        buffer held to its layout in ``plan`` (rank 0 plans: call it on every rank)."""
+        ...
+
+    def place_forward(self, plan, target, method, device) -> PlacedForward:
+        """This rank's mesh and the lowering of forward-only programs of ``plan``."""
         ...
 
     def place(self, captured, plan, target, method, device, *, model, traced, loss_fn,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TypeVar, cast
 
 import torch
@@ -18,9 +19,11 @@ from torchalpa.core.cluster import Cluster, cuda_selected
 from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.units import format_count
 from torchalpa.parallel.calibrate import calibration_enabled, measure_cluster
+from torchalpa.parallel.device_profile import apply_profile, load_profile
 
 __all__ = ["default_cluster", "capture_step", "capture_variants", "micro_batch_examples",
-           "capture_examples", "with_precision", "same_step_on_every_rank", "plan_on_rank0"]
+           "capture_examples", "with_precision", "with_precision_recorded",
+           "same_step_on_every_rank", "plan_on_rank0"]
 
 log = logging.getLogger("torchalpa")
 
@@ -31,26 +34,48 @@ def default_cluster(num_devices: int, *, measure: bool = False) -> Cluster:
     """The hardware torchalpa assumes when none is given: what this job runs on.
 
     On GPUs ``Cluster.detect()`` (this GPU's model, memory and rates; torchrun's node
-    layout when it covers ``num_devices``, else one node). On CPUs ``local_cpu``'s fixed
-    figures, unless ``measure`` is set and a gloo process group of ``num_devices`` > 1 ranks
-    is up: then ``measure_cluster()`` (flop/s, op cost and all-reduce latency and bandwidth
-    timed on the live group, cached per machine; ``TORCHALPA_CALIBRATE=0`` turns it off).
+    layout when it covers ``num_devices``, else one node), with the rates ``torchalpa
+    calibrate`` measured on this device in place of the datasheet's when it has run. On
+    CPUs ``local_cpu``'s fixed figures in torchrun's node layout, unless ``measure`` is
+    set and a gloo process group of ``num_devices`` > 1 ranks is up: then
+    ``measure_cluster()`` (flop/s, op cost and all-reduce latency and bandwidth timed on
+    the live group, cached per machine; ``TORCHALPA_CALIBRATE=0`` turns it off).
     ``measure`` is collective, so only ``auto_parallel`` (where every rank gets here) sets
     it; planning without ranks stays deterministic.
     """
+    nodes, per_node = _launch_nodes(num_devices)
     if not cuda_selected():
         import torch.distributed as dist
+        cluster = Cluster.local_cpu(num_devices)
         if measure and num_devices > 1 and dist.is_available() and dist.is_initialized() \
                 and dist.get_world_size() == num_devices and dist.get_backend() == "gloo":
             if calibration_enabled():
-                return measure_cluster()
-        return Cluster.local_cpu(num_devices)
+                cluster = measure_cluster()
+        # processes of several launchers: their nodes bound the mesh (within a machine,
+        # loopback is as fast across launchers as within one: the rates stay)
+        return replace(cluster, num_nodes=nodes, devices_per_node=per_node)
+    return calibrated(Cluster.detect(nodes, per_node))
+
+
+def _launch_nodes(num_devices: int) -> tuple[int, int]:
+    """(nodes, devices per node) of this job: torchrun's ``LOCAL_WORLD_SIZE`` ranks per
+    launcher when its ``WORLD_SIZE`` is ``num_devices``, else one node."""
     import os
     world = int(os.environ.get("WORLD_SIZE", 0))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
     if world == num_devices and local and world % local == 0:
-        return Cluster.detect(world // local, local)
-    return Cluster.detect(1, num_devices)
+        return world // local, local
+    return 1, num_devices
+
+
+def calibrated(cluster: Cluster) -> Cluster:
+    """``cluster`` with the rates ``torchalpa calibrate`` stored for its device, if any
+    (``device_profile.apply_profile``), TF32 as this process allows it."""
+    profile = load_profile(cluster.device_name, torch.__version__)
+    if profile is None:
+        return cluster
+    return apply_profile(cluster, profile,
+                         allow_tf32=torch.get_float32_matmul_precision() != "highest")
 
 
 
@@ -81,7 +106,7 @@ def capture_variants(model, example_inputs, loss_fn, option, **options) -> dict:
     modes = capture_modes(option.remat)
     plain = capture_step(model, example_inputs, loss_fn, **options,
                          rematerialize_parameters=option.rematerialize_parameters)
-    return {m: checkpointed_capture(plain) if m == "full" else plain for m in modes}
+    return {m: plain if m == "none" else checkpointed_capture(plain, m) for m in modes}
 
 
 def micro_batch_examples(example_inputs: Sequence[torch.Tensor], num_micro_batches: int
@@ -115,6 +140,16 @@ def with_precision(model: torch.nn.Module, mixed_precision):
         return model
     from torchalpa.runtime.precision import CastForward
     return CastForward(model, mixed_precision)
+
+
+def with_precision_recorded(plan: AnyPlan, mixed_precision) -> AnyPlan:
+    """``plan`` with the mixed precision it was made for in its method record
+    (``plan.method["mixed_precision"]``: the compute dtype, e.g. ``"bfloat16"``), so a
+    summary and a reader of the JSON see what the estimates assume."""
+    if mixed_precision is None:
+        return plan
+    dtype = str(mixed_precision.param_dtype).removeprefix("torch.")
+    return replace(plan, method={**plan.method, "mixed_precision": dtype})
 
 
 def same_step_on_every_rank(fingerprint: str) -> None:

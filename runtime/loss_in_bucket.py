@@ -1,4 +1,4 @@
-"""Send a ``train_step``'s loss all-reduce inside a gradient bucket's: no collective of its own.
+"""A ``train_step``'s loss all-reduced inside a gradient bucket's: no collective of its own.
 
 In a data-parallel step each rank computes its batch shard's part of the loss and one
 all-reduce makes it the global value, so that every rank returns one device's loss. DDP
@@ -11,7 +11,7 @@ can travel in one of them:
 
 - the forward program stops before the loss's all-reduce and returns the local part (and
   whatever else the loss's tail reads, as ``defer_loss_wait`` does);
-- the backward-and-reduce program (``runtime.early_reduce``) takes that part as one more
+- the backward-and-reduce program (``runtime.reduce_in_backward``) takes that part as one more
   input, appends it to the flat buffer of the last bucket all-reduced over the same group
   with the same reduce op (or a sum's, for a loss averaged over the ranks), and returns
   the reduced part after the gradients;
@@ -24,9 +24,9 @@ for bit: gloo's ring all-reduce adds an element's parts in an order that depends
 it sits in the buffer, so the last bit may differ from the loss's own all-reduce's (as
 either may from one device's). Every rank still gets the same value.
 
-The plan lists the ride with ``buckets.LossRide`` (``issued_collectives(..., loss_ride=)``):
-the loss's collective is named by the plan step the lowering tagged it with
-(``lower.PLAN_STEP``), the bucket by its index (``buckets.BUCKET``).
+The plan lists it with ``buckets.LossInBucket`` (``issued_collectives(...,
+loss_in_bucket=)``): the loss's collective is named by the plan step the lowering tagged it
+with (``programs.PLAN_STEP``), the bucket by its index (``buckets.BUCKET``).
 
 A step called as ``loss = pm(x, y); loss.backward()`` returns the loss before backward
 runs, so it keeps the loss's own all-reduce.
@@ -35,8 +35,6 @@ runs, so it keeps the loss's own all-reduce.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -46,32 +44,15 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import BUCKET, flatten_concat, split_flat
 from torchalpa.runtime.deferred_loss import FINISH, finish_program, split_loss_tail
-from torchalpa.runtime.lower import PLAN_STEP
+from torchalpa.runtime.programs import PLAN_STEP, LossInBucketPrograms
 
-__all__ = ["RiddenPrograms", "ride_loss_on_bucket"]
-
-
-@dataclass(frozen=True)
-class RiddenPrograms:
-    """The programs of a step whose loss rides a bucket.
-
-    ``forward``: as the source forward, its loss output replaced by a tuple (the loss's
-    local part first, then the other values its tail reads); ``backward_reduce``: takes
-    that local part after its own inputs and returns it reduced after the gradients;
-    ``finish(reduced, others)``: the loss. ``plan_step``: (consumer, slot, index) of the
-    loss's collective in the plan; ``bucket``: the bucket it rides."""
-
-    forward: fx.GraphModule
-    backward_reduce: fx.GraphModule
-    finish: Callable[[torch.Tensor, tuple], torch.Tensor]
-    plan_step: tuple
-    bucket: int
+__all__ = ["put_loss_in_gradient_bucket"]
 
 
-def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule,
-                        index: int = 0) -> RiddenPrograms | None:
-    """The programs with the loss (output ``index`` of ``forward``) riding a bucket of
-    ``backward_reduce``; None when the loss's tail waits for anything but one all-reduce,
+def put_loss_in_gradient_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule,
+                                index: int = 0) -> LossInBucketPrograms | None:
+    """The programs with the loss (output ``index`` of ``forward``) all-reduced inside a
+    bucket of ``backward_reduce``; None when the loss's tail waits for anything but one all-reduce,
     or no bucket is all-reduced over that all-reduce's group with its reduce op. The
     inputs are left untouched."""
     if not isinstance(forward, fx.GraphModule) or not isinstance(backward_reduce, fx.GraphModule):
@@ -90,7 +71,7 @@ def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule
         return None
     local, reduce_op, group = issue.args
     assert isinstance(group, str), f"a collective's group is named by a string, got {group!r}"
-    reduce = _ride(backward_reduce, reduce_op, group)
+    reduce = _with_loss_in_bucket(backward_reduce, reduce_op, group)
     if reduce is None or not isinstance(local, fx.Node):
         return None
     backward, bucket, bucket_op = reduce
@@ -113,11 +94,11 @@ def ride_loss_on_bucket(forward: fx.GraphModule, backward_reduce: fx.GraphModule
             reduced = torch.ops.aten.div.Tensor(reduced, divisor)
         return finish(reduced, *values)
 
-    return RiddenPrograms(fx.GraphModule(forward, graph), backward, finish_loss,
-                          tuple(issue.meta[PLAN_STEP]), bucket)
+    return LossInBucketPrograms(fx.GraphModule(forward, graph), backward, finish_loss,
+                                tuple(issue.meta[PLAN_STEP]), bucket)
 
 
-def _ride(program: fx.GraphModule, reduce_op, group
+def _with_loss_in_bucket(program: fx.GraphModule, reduce_op, group
           ) -> tuple[fx.GraphModule, int, str] | None:
     """A copy of ``program`` taking one more input, packed into its last bucket
     all-reduced with ``reduce_op`` (a sum, for an ``avg``) over ``group`` and returned

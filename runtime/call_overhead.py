@@ -1,11 +1,12 @@
-"""Less Python per op in the programs a step runs: the per-call cost of the lowered code.
+"""Copies of a step's programs with less Python per op: what a lowered program costs per call.
 
 A lowered program runs op by op from Python (eager's backward runs in C++), some 250-300
 ATen calls per step for the zoo's small transformers, each paying Python dispatch on top
 of its kernel. On a CPU, where the kernels of a small model take microseconds, that
-dispatch is a large part of the step. Three rewrites of the copies a ``StepRunner`` runs
-(the source programs stay as lowered: printed by ``local_program()``, counted, profiled),
-each leaving every value the same, bit for bit:
+dispatch is a large part of the step. ``cut_call_overhead`` makes the copy of a program
+that a ``StepRunner`` runs eagerly (``runtime.rewrites.step_programs``; the source programs
+stay as lowered: printed by ``local_program()``, counted, profiled, traced by
+``torch.compile``) with three rewrites, each leaving every value the same, bit for bit:
 
 - ``fold_permute_pairs``: ``permute(permute(x, p), q)`` whose composition is the identity is
   ``x`` (the decomposed backward of a linear layer transposes its weight's gradient twice);
@@ -26,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-__all__ = ["streamline", "streamlined_copy", "fold_permute_pairs", "fold_constants", "direct_calls",
+__all__ = ["cut_call_overhead", "fold_permute_pairs", "fold_constants", "direct_calls",
            "MAX_CONSTANT_NUMEL"]
 
 aten = torch.ops.aten
@@ -34,23 +35,19 @@ MAX_CONSTANT_NUMEL = 1 << 16      # a constant is kept for the program's life: k
 _DIRECT = "torchalpa_direct"       # the module name FX prints for a direct call
 
 
-def streamline(gm: fx.GraphModule, read_only_from: int | None = None) -> fx.GraphModule:
-    """``gm`` with the three rewrites applied in place (returned for chaining);
+def cut_call_overhead(gm: fx.GraphModule, read_only_from: int | None = None
+                      ) -> fx.GraphModule:
+    """A copy of ``gm`` with the three rewrites applied (``gm`` itself is left as it is);
     ``read_only_from``: as for ``fold_constants``."""
-    fold_permute_pairs(gm.graph)
-    fold_constants(gm, read_only_from)
-    direct_calls(gm.graph)
-    gm.graph.lint()
-    gm.recompile()
-    return gm
-
-
-def streamlined_copy(gm: fx.GraphModule, read_only_from: int | None = None
-                     ) -> fx.GraphModule:
-    """A streamlined copy of ``gm`` (``gm`` itself is left as it is)."""
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return streamline(fx.GraphModule(gm, graph, type(gm).__name__), read_only_from)
+    copy = fx.GraphModule(gm, graph, type(gm).__name__)
+    fold_permute_pairs(copy.graph)
+    fold_constants(copy, read_only_from)
+    direct_calls(copy.graph)
+    copy.graph.lint()
+    copy.recompile()
+    return copy
 
 
 def _returned(graph: fx.Graph, read_only_from: int | None) -> set[fx.Node]:

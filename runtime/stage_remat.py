@@ -1,7 +1,8 @@
-"""Activation checkpointing of a whole pipeline stage, at run time.
+"""Rematerialization (activation checkpointing) of a whole pipeline stage, at run time.
 
 A stage the plan marks ``recompute`` (``StagePlan.recompute``, chosen per stage by the
-pipeline search: ``passes/stage_remat.py``) keeps nothing of a micro-batch's forward but
+pipeline search: ``passes/stage_remat.py``; ``ManualStageOption(recompute=...)`` forces it)
+keeps nothing of a micro-batch's forward but
 what the forward read: the activations it received from the previous stage (its own
 slice of the batch the runner keeps anyway) and the random state the forward started
 from. Right before that micro-batch's backward, the runner runs the stage's forward
@@ -23,7 +24,7 @@ __all__ = ["Replay", "random_state", "replaying"]
 
 @dataclass
 class Replay:
-    """What a recomputed stage keeps of micro-batch ``micro`` between its forward and
+    """What a rematerialized stage keeps of micro-batch ``micro`` between its forward and
     backward: the received activations and the random state its forward began with."""
 
     micro: int
@@ -42,7 +43,7 @@ def random_state(device: torch.device | None) -> tuple:
 def replaying(rng: tuple, device: torch.device | None):
     """``with replaying(rng, device):`` runs its body from the random state ``rng``
     (``random_state``) and then puts back the state it found (``torch.random.fork_rng``),
-    so the recompute draws what the forward drew (dropout masks alike) and the later
+    so the replay draws what the forward drew (dropout masks alike) and the later
     draws are not shifted."""
     cpu, cuda = rng
     with torch.random.fork_rng(devices=[device] if cuda is not None else []):

@@ -7,7 +7,8 @@ lowered for a CPU rank the kernel is known: this pass rewrites each
 ``sdpa(q, k, v, mask, ...)`` whose backward reads the very same local values into
 ``sdpa_forward_saving`` (output and the kernel's log-sum-exp per query row) and that
 backward into ``sdpa_backward_saved`` (the kernel's backward on both), as eager autograd
-does. Splitting the local graph (``runtime.lower``) then saves the output and the
+does. Splitting the local graph (``runtime.lower``, after this rewrite of the joint graph:
+``runtime.rewrites``) then saves the output and the
 statistic for backward like any other value, so the memory is the program's own: the
 statistic is ``(B, Hq, L)`` (1/head_dim of the attention output) and the output is
 usually kept anyway (the output projection's backward reads it). The planner's memory

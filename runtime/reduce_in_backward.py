@@ -1,4 +1,4 @@
-"""Issue gradient collectives during backward, as soon as their gradients exist.
+"""Backward and the gradients' collectives as one program, each issued once its gradients exist.
 
 With one micro-batch, nothing is accumulated between backward and the gradients' final
 resharding, so the two programs can run as one: ``backward_with_reduce`` inlines
@@ -11,7 +11,8 @@ computes the earlier layers' -- DDP's overlap, from its reducer's hooks.
 Every rank runs the same program, so all issue the collectives in the same order; which
 collectives run, and their bytes, do not change (``runtime.comm_count`` still counts the
 plan's list). With several micro-batches the gradients are summed over micro-batches
-first, and the programs stay apart (``runtime.step``).
+first, and the programs stay apart (``runtime.rewrites.step_programs`` applies this pass
+to one-micro-batch, one-stage steps only).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.fx as fx
 from torchalpa.runtime import collectives as C
 from torchalpa.runtime.buckets import flatten_concat, interleave_chunks
 
-__all__ = ["backward_with_reduce", "early_reduce_program", "EARLY"]
+__all__ = ["backward_with_reduce", "EARLY"]
 
 # what may run as soon as its inputs exist: packing and issuing, never a wait
 EARLY = frozenset({flatten_concat, interleave_chunks, C.issue_all_reduce,
@@ -65,12 +66,3 @@ def _issue_early(graph: fx.Graph, nodes: list[fx.Node]) -> None:
         if position[latest] + 1 < position[node]:
             latest.append(node)
 
-
-def early_reduce_program(backward, reduce_grads, num_micro_batches: int
-                         ) -> fx.GraphModule | None:
-    """``backward_with_reduce`` where it applies: one micro-batch, and both programs plain
-    FX programs (a ``torch.compile``d pair is left as it is). None otherwise."""
-    if num_micro_batches != 1 or not isinstance(backward, fx.GraphModule) \
-            or not isinstance(reduce_grads, fx.GraphModule):
-        return None
-    return backward_with_reduce(backward, reduce_grads)

@@ -1,0 +1,239 @@
+"""Published training runs, re-estimated by torchalpa's cost model with their plans pinned.
+
+    cd benchmarks && python published.py                  # every row (tens of minutes)
+    python published.py --rows alpa-2.6b megatron20-v100-1b --detail
+    python published.py --list                            # the rows, their sources
+
+Each row is a training run someone measured and published (figures and their sources:
+``published_rows.py``; the check set was collected in the issue's notes). The model is
+built on the meta device from the zoo (``torchalpa.models``: GPT-2/3-style ``gpt``,
+LLaMA-style ``llama``) at the published size, computing in the published precision
+(``MixedPrecision``: fp32 master weights, the forward in fp16 or bf16), and planned for
+the published hardware (``Cluster.preset``: a machine of ``gpu_specs.NODE_PRESETS``) with
+the published plan pinned:
+
+- data x tensor parallelism: the logical mesh ``(dp, tp)`` of each stage, the batch on
+  ``dp``, Megatron's column/row-parallel Linear layers on ``tp`` (``expert_plans.
+  megatron_pins``; the rest, embedding and loss included, as the ILP likes);
+- pipeline parallelism: the model cut into ``pp`` equal groups of blocks by
+  pipeline-boundary markers (embedding with the first, head and loss with the last, as
+  Megatron and DeepSpeed place them), one stage each on ``dp x tp`` devices (pp outermost
+  in the device order, tp innermost), the published number of micro-batches, 1F1B;
+- full activation recomputation (``frontends/block_remat.py``) where the run used it;
+- ZeRO: optimizer states, gradients and parameters sharded over ``dp`` where the run
+  sharded them (FSDP's reshard-after-forward where it used it);
+- elementwise ops priced as fused (``AutoShardingOption(elementwise="fused")``) for runs
+  whose framework fuses them (Megatron's fused kernels, XLA, ``torch.compile``).
+
+Printed per row: the published step time (measured, or derived [D] from a published
+TFLOP/s or tokens/s with the source's own FLOP count), the estimate, estimate / published,
+and the memory per device where the source gives it. Comparing step times sidesteps the
+FLOP-counting conventions (recomputation counted or not, embeddings counted or not): a
+TFLOP/s figure is turned into seconds with exactly the formula its source used.
+``--detail`` also prints each plan's compute / communication split and stage times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from expert_plans import megatron_pins
+from published_rows import ROWS, PublishedRow
+
+import torchalpa
+import torchalpa.models as zoo
+from torchalpa.core.options import AutoLayerOption, ManualStageOption, PipeshardParallel
+from torchalpa.frontends.block_remat import checkpointed_capture
+from torchalpa.frontends.torch_export import capture
+from torchalpa.runtime.precision import CastForward
+
+GIB = 2 ** 30
+NO_BUDGET = 1e18
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+LLAMA_COLUMNS = r"layers\.\d+\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.weight"
+LLAMA_ROWS = r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the cost model says of one row."""
+
+    step_s: float
+    memory_bytes: float
+    compute_s: float | None
+    communication_s: float | None
+    stage_s: tuple[float, ...]
+    plan_seconds: float
+
+
+def workload(row: PublishedRow) -> zoo.Workload:
+    """The zoo model of ``row`` with one micro-batch of every data-parallel replica."""
+    config = zoo.FAMILIES[row.family].tiny_config(**row.config)
+    return zoo.Workload(row.family, config, row.micro_batch * row.dp, row.seq)
+
+
+def stage_blocks(row: PublishedRow) -> list[int]:
+    """Blocks per pipeline stage: the published partition, else as equal as they go."""
+    if row.stage_blocks:
+        return list(row.stage_blocks)
+    layers = row.config["num_layers"]
+    return [layers * (s + 1) // row.pp - layers * s // row.pp for s in range(row.pp)]
+
+
+def build(row: PublishedRow):
+    """(model, example batch, loss) on the meta device, computing in the row's precision,
+    with a pipeline-boundary marker after the last block of every stage but the last."""
+    w = workload(row)
+    with torch.device("meta"):
+        model, batch = w.build(), w.example_inputs()
+    blocks = model.h if row.family == "gpt" else model.layers
+    if row.pp > 1:
+        for end in [sum(stage_blocks(row)[:s + 1]) - 1 for s in range(row.pp - 1)]:
+            blocks[end].register_forward_hook(_mark_boundary)
+    if row.precision in DTYPES:
+        cast_per_module(model, blocks, DTYPES[row.precision])
+    return model, batch, w.loss_fn
+
+
+def _mark_boundary(module, inputs, output):
+    return torchalpa.mark_pipeline_boundary(output)
+
+
+def cast_per_module(model: torch.nn.Module, blocks: torch.nn.ModuleList,
+                    dtype: torch.dtype) -> None:
+    """Each block and each other top-level module computing in ``dtype`` from float32
+    master weights (``CastForward`` on each, names unchanged), the head's logits cast back
+    to float32 for the loss. Casting per module puts each cast in the pipeline stage that
+    uses the weight, as FSDP's per-module mixed precision does (one ``CastForward`` around
+    the whole model casts every weight at the start of forward, all in the first stage)."""
+    inner = torchalpa.MixedPrecision(param_dtype=dtype, output_dtype=None)
+    head = torchalpa.MixedPrecision(param_dtype=dtype, output_dtype=torch.float32)
+    for i, block in enumerate(blocks):
+        blocks[i] = CastForward(block, inner)
+    children = [name for name, m in model.named_children()
+                if m is not blocks and any(True for _ in m.parameters())]
+    for name in children:
+        setattr(model, name, CastForward(getattr(model, name),
+                                         head if name == children[-1] else inner))
+
+
+def stage_option(row: PublishedRow) -> tuple[tuple[int, ...], torchalpa.AutoShardingOption]:
+    """The logical mesh of a stage and the options pinning the published layout."""
+    fused = "fused" if row.fused else "eager"
+    # the published plan ran, so it is planned without a memory budget: a budget would only
+    # make the ILP complete it differently (torchalpa holds float32 master weights and
+    # gradients where Alpa and Megatron keep float16 ones: the memory columns compare)
+    common = dict(elementwise=fused, solver="highs", memory_budget_per_device=NO_BUDGET)
+    if row.zero != "none":
+        common["parameters"] = "sharded"
+        common["rematerialize_parameters"] = row.zero == "fsdp"
+    if row.family == "gpt":
+        def pins(tp_axis: int, ndim: int, other: str = "R") -> dict:
+            # a strided (by-head) shard of the fused QKV weight takes no shard over dp:
+            # with ZeRO the ILP lays c_attn out itself
+            return {k: v for k, v in megatron_pins(tp_axis, ndim, other).items()
+                    if other == "R" or "c_attn" not in k}
+    else:
+        def pins(tp_axis: int, ndim: int, other: str = "R") -> dict:
+            def on(p):
+                return tuple(p if a == tp_axis else other for a in range(ndim))
+            return {LLAMA_COLUMNS: on("S(0)"), LLAMA_ROWS: on("S(1)")}
+    other = "*" if row.zero != "none" else "R"
+    if row.tp == 1:
+        return (row.dp,), torchalpa.AutoShardingOption(force_batch_dim_to_mesh_dim=0, **common)
+    if row.dp == 1:
+        return (row.tp,), torchalpa.AutoShardingOption(pin=pins(0, 1), **common)
+    return (row.dp, row.tp), torchalpa.AutoShardingOption(
+        force_batch_dim_to_mesh_dim=0, pin=pins(1, 2, other), **common)
+
+
+def method(row: PublishedRow):
+    """The published plan as a torchalpa method."""
+    logical, option = stage_option(row)
+    micro_batches = row.global_batch // (row.micro_batch * row.dp)
+    if row.pp == 1:
+        return torchalpa.ShardParallel(logical_mesh_shape=logical, auto_sharding_option=option,
+                                       num_micro_batches=micro_batches)
+    per_stage = row.dp * row.tp
+    cluster = row.cluster()
+    per_node = cluster.devices_per_node
+    submesh = (per_stage // per_node, per_node) if per_stage >= per_node else (1, per_stage)
+    return PipeshardParallel(
+        num_micro_batches=micro_batches, layer_option=AutoLayerOption(layer_num="auto"),
+        pipeline_schedule=row.schedule, auto_sharding_option=option,
+        stage_option=ManualStageOption(
+            forward_stage_layer_ids=[[s] for s in range(row.pp)],
+            submesh_shapes=[submesh] * row.pp, logical_shapes=[logical] * row.pp,
+            options=[option] * row.pp))
+
+
+def estimate(row: PublishedRow) -> Estimate:
+    """Capture the row's step, pin its plan, and read the plan's estimates."""
+    from torchalpa.parallel.shard import candidate_meshes, plan_graph
+    from torchalpa.passes.inter_op import plan_pipeline
+    start = time.perf_counter()
+    model, batch, loss_fn = build(row)
+    captured = capture(model, batch, loss_fn)
+    if row.remat == "full":
+        captured = checkpointed_capture(captured)
+    graph = captured.graph
+    cluster = row.cluster()
+    m = method(row)
+    if row.pp == 1:
+        plan = plan_graph(graph, method=m, meshes=candidate_meshes(cluster, m),
+                          blocks=graph.meta.get("repeated_blocks"))
+    else:
+        plan = plan_pipeline(graph, cluster, m)
+    e = plan.estimates
+    return Estimate(step_s=e["step_time_s"], memory_bytes=e["memory_per_device_bytes"],
+                    compute_s=e.get("compute_s"), communication_s=e.get("communication_s"),
+                    stage_s=tuple(e.get("stage_step_s") or ()),
+                    plan_seconds=time.perf_counter() - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", nargs="+", choices=[r.key for r in ROWS],
+                   help="rows to estimate (default: all)")
+    p.add_argument("--list", action="store_true", help="list the rows and their sources")
+    p.add_argument("--detail", action="store_true", help="compute/communication, stages")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    rows = [r for r in ROWS if not args.rows or r.key in args.rows]
+    if args.list:
+        for r in rows:
+            print(f"{r.key:<24} {r.label}\n{'':<24} {r.source}\n{'':<24} {r.plan_text()}")
+        return
+    print(f"{'row':<24}{'published s':>12}{'estimate s':>12}{'est/pub':>9}"
+          f"{'pub GiB':>9}{'est GiB':>9}{'est/pub':>9}  source")
+    ratios = []
+    for r in rows:
+        e = estimate(r)
+        published = r.published_step_s()
+        ratio = e.step_s / published
+        ratios.append(ratio)
+        mem = f"{r.memory_gib:>9.2f}{e.memory_bytes / GIB:>9.2f}" \
+            f"{e.memory_bytes / GIB / r.memory_gib:>9.2f}" if r.memory_gib else \
+            f"{'-':>9}{e.memory_bytes / GIB:>9.2f}{'-':>9}"
+        print(f"{r.key:<24}{published:>12.3f}{e.step_s:>12.3f}{ratio:>9.2f}{mem}  "
+              f"{r.short_source} ({r.published_text()})", flush=True)
+        if args.detail:
+            print(f"{'':<24}{r.plan_text()}; planned in {e.plan_seconds:.0f}s; "
+                  f"compute {_s(e.compute_s)} comm {_s(e.communication_s)}"
+                  + (f" stages {', '.join(f'{s:.3f}' for s in e.stage_s)} s"
+                     if e.stage_s else ""), flush=True)
+    inside = sum(0.8 <= 1 / q <= 1.2 for q in ratios)
+    print(f"\n{inside} of {len(ratios)} rows have an estimated throughput within 20% of "
+          f"the published one (est/pub step between {1 / 1.2:.3f} and {1 / 0.8:.3f})")
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}s"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""The published training runs ``published.py`` re-estimates: model, plan, hardware, and
+what was measured, with the source of every figure.
+
+Figures marked [D] are derived from the published ones (an iteration time from a TFLOP/s
+figure, with the source's own FLOP count); [?] marks what the source does not state and
+the row assumes. FLOP conventions (a multiply-add is 2 FLOPs):
+
+- Megatron-LM, Narayanan et al. 2021, Eq. (3): ``96 B s l h^2 (1 + s/6h + V/16lh)`` per
+  iteration, full recomputation counted (Alpa's ``compute_gpt_tflops`` with
+  ``checkpoint_activations=True`` and BigScience's logged TFLOPs are the same formula);
+- torchtitan: tokens/s per GPU (no FLOP count needed: iteration time = local batch x seq
+  / tokens per second per GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torchalpa
+
+__all__ = ["PublishedRow", "ROWS", "megatron_eq3_flops"]
+
+
+def megatron_eq3_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """FLOPs of one iteration, Narayanan et al. 2021 Eq. (3) (recomputation counted)."""
+    h, s, l = hidden, seq, layers
+    return 96 * batch * s * l * h * h * (1 + s / (6 * h) + vocab / (16 * l * h))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishedRow:
+    """One measured run and the plan it used."""
+
+    key: str
+    label: str
+    source: str
+    """Where the figures come from (paper table, repository file at a commit)."""
+    short_source: str
+    family: str
+    """Zoo family: 'gpt' (GPT-2/3: learned positions, GeLU, tied embedding) or 'llama'."""
+    config: dict
+    seq: int
+    global_batch: int
+    micro_batch: int
+    """Sequences per micro-batch per data-parallel replica."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    machine: str
+    """``Cluster.preset`` name of the nodes."""
+    num_nodes: int
+    devices_per_node: int = 8
+    precision: str = "bf16"
+    """'fp16' / 'bf16' (fp32 master weights, the forward in that dtype) or 'fp32'."""
+    remat: str = "none"
+    """'full' (every block recomputed in backward) or 'none'."""
+    zero: str = "none"
+    """'none', 'zero2' (parameters, gradients, optimizer states sharded over dp, each
+    parameter gathered once per step: ZeRO-2, Alpa's reduce-scatter, also standing in for
+    ZeRO-1) or 'fsdp' (gathered again in backward: FSDP / ZeRO-3)."""
+    fused: bool = True
+    """Whether the framework fuses elementwise chains (Megatron's fused kernels, XLA,
+    torch.compile): priced with ``elementwise="fused"``."""
+    schedule: str = "1f1b"
+    stage_blocks: tuple[int, ...] = ()
+    """Transformer blocks per pipeline stage, when the source gives an uneven split."""
+    step_s: float | None = None
+    """Published seconds per iteration."""
+    tflops_per_gpu: float | None = None
+    """Published TFLOP/s per GPU under Megatron's Eq. (3) (used when ``step_s`` is None)."""
+    tokens_per_gpu_s: float | None = None
+    """Published tokens/s per GPU (used when both above are None)."""
+    memory_gib: float | None = None
+    """Published peak memory per device, GiB."""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    """Assumptions [?] and what the model leaves out."""
+
+    def __post_init__(self):
+        if self.tp * self.pp * self.dp != self.num_nodes * self.devices_per_node:
+            raise ValueError(f"{self.key}: tp x pp x dp = {self.tp * self.pp * self.dp} but "
+                             f"{self.num_nodes} x {self.devices_per_node} devices")
+        if self.global_batch % (self.micro_batch * self.dp):
+            raise ValueError(f"{self.key}: global batch {self.global_batch} is not a whole "
+                             f"number of micro-batches of {self.micro_batch} x dp {self.dp}")
+
+    def cluster(self) -> torchalpa.Cluster:
+        return torchalpa.Cluster.preset(self.machine, self.num_nodes, self.devices_per_node)
+
+    def published_step_s(self) -> float:
+        """Seconds per iteration: published, or derived from the published rate."""
+        if self.step_s is not None:
+            return self.step_s
+        if self.tflops_per_gpu is not None:
+            c = self.config
+            flops = megatron_eq3_flops(self.global_batch, self.seq, c["num_layers"],
+                                       c["hidden"], c["vocab_size"])
+            return flops / (self.tflops_per_gpu * 1e12 * self.num_nodes * self.devices_per_node)
+        assert self.tokens_per_gpu_s is not None, f"{self.key} has no published figure"
+        tokens = self.global_batch * self.seq / (self.num_nodes * self.devices_per_node)
+        return tokens / self.tokens_per_gpu_s
+
+    def published_text(self) -> str:
+        if self.step_s is not None:
+            return f"{self.step_s:g} s/iter"
+        if self.tflops_per_gpu is not None:
+            return f"{self.tflops_per_gpu:g} TFLOP/s/GPU Eq.3 -> s/iter [D]"
+        return f"{self.tokens_per_gpu_s:g} tokens/s/GPU -> s/iter [D]"
+
+    def plan_text(self) -> str:
+        micro = self.global_batch // (self.micro_batch * self.dp)
+        return (f"{self.machine} {self.num_nodes}x{self.devices_per_node}: tp{self.tp} "
+                f"pp{self.pp} dp{self.dp}, {micro} micro-batches of {self.micro_batch}"
+                f"/replica, {self.precision}, remat {self.remat}, zero {self.zero}, "
+                f"{'fused' if self.fused else 'eager'} elementwise, {self.schedule}"
+                + (f"; {'; '.join(self.notes)}" if self.notes else ""))
+
+
+def _gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int = 51200) -> dict:
+    return dict(vocab_size=vocab, max_seq_len=seq, num_layers=layers, num_heads=heads,
+                hidden=hidden, dropout=0.0)
+
+
+def _llama3(size: str, seq: int = 8192) -> dict:
+    shapes = {"8b": (32, 4096, 32, 14336), "70b": (80, 8192, 64, 28672)}
+    layers, hidden, heads, ffn = shapes[size]
+    return dict(vocab_size=128256, max_seq_len=seq, num_layers=layers, hidden=hidden,
+                num_heads=heads, num_kv_heads=8, intermediate=ffn, rope_theta=500000.0)
+
+
+ALPA = ("alpa-projects/alpa benchmark/alpa/README.md at e59ec4ed (2022-10-17, 'Expected "
+        "output on AWS p3.16'; the 2022-04-24 version: 2.425 s, GPipe-style stages)")
+SC21 = "Narayanan et al., SC'21 (arXiv 2104.04473) Table 1"
+MEG20 = ("NVIDIA/Megatron-LM README of 2020-09 (images/tables.tex, commit 5281919420), "
+         "single-node tensor-parallel table")
+KORT = "Korthikanti et al. 2022 (arXiv 2205.05198) Table 5, full recompute [T]"
+BLOOM = ("bigscience-workshop/bigscience train/tr11-176B-ml/README.md (commit 00327f8c), "
+         "iteration 85376")
+TT_H100 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit "
+           "9dec370), Table 1/3, bf16, no compile")
+TT_A100 = "pytorch/torchtitan docs/performance.md (commit f38766edb, 2024-04-24)"
+
+_MEG = dict(family="gpt", machine="dgx-a100", precision="fp16", remat="full", fused=True)
+_SC21_NOTES = ("micro-batch 1 [?]", "interleaved 1F1B in the paper, plain 1F1B here")
+
+
+def _sc21(key, params, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> PublishedRow:
+    return PublishedRow(key=key, label=f"Megatron-LM GPT {params} on {gpus} A100",
+                        source=SC21, short_source="Megatron SC'21", config=_gpt(hidden, layers,
+                                                                                 heads, 2048),
+                        seq=2048, global_batch=batch, micro_batch=1, tp=tp, pp=pp,
+                        dp=gpus // (tp * pp), num_nodes=gpus // 8, tflops_per_gpu=tflops,
+                        notes=_SC21_NOTES if pp > 1 else _SC21_NOTES[:1], **_MEG)
+
+
+def _meg20(key, gpu, hidden, heads, layers, tp, batch, ms) -> PublishedRow:
+    machine = {"v100": "dgx-2", "a100": "a100-40"}[gpu]
+    return PublishedRow(key=key, label=f"Megatron-LM GPT-2 h{hidden} l{layers}, tp{tp} on "
+                                       f"{gpu.upper()}",
+                        source=MEG20, short_source="Megatron-LM 2020",
+                        config=_gpt(hidden, layers, heads, 1024), seq=1024, global_batch=batch,
+                        micro_batch=batch, tp=tp, num_nodes=1, devices_per_node=tp,
+                        step_s=ms / 1e3, machine=machine, family="gpt", precision="fp16",
+                        remat="full", fused=True,
+                        notes=("fp16, full recompute: the TFLOP/s match Eq. 3 [D]",
+                               "DGX-A100 of 2020: 40 GB [?]") if gpu == "a100" else
+                        ("fp16, full recompute: the TFLOP/s match Eq. 3 [D]",))
+
+
+ROWS: tuple[PublishedRow, ...] = (
+    PublishedRow(
+        key="alpa-2.6b", label="Alpa GPT-2.6B sanity check, dp2 x op2 x pp2 on p3.16xlarge",
+        source=ALPA, short_source="Alpa README", family="gpt", config=_gpt(2560, 32, 32, 1024),
+        seq=1024, global_batch=32, micro_batch=4, tp=2, pp=2, dp=2, machine="p3.16xlarge",
+        num_nodes=1, precision="fp16", remat="full", zero="zero2", fused=True,
+        schedule="1f1b", step_s=2.464, memory_gib=8.745,
+        notes=("37.01 TFLOP/s/GPU with recompute = Eq. 3 / 2.464 s / 8",
+               "reduce-scatter on: ZeRO-2-like over dp")),
+    _sc21("megatron21-1.7b", "1.7B", 24, 2304, 24, 1, 1, 32, 512, 137),
+    _sc21("megatron21-3.6b", "3.6B", 32, 3072, 30, 2, 1, 64, 512, 138),
+    _sc21("megatron21-7.5b", "7.5B", 32, 4096, 36, 4, 1, 128, 512, 142),
+    _sc21("megatron21-18b", "18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
+    _sc21("megatron21-39b", "39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138),
+    _sc21("megatron21-76b", "76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    _meg20("megatron20-v100-1b", "v100", 1920, 15, 24, 1, 8, 1121),
+    _meg20("megatron20-v100-2b", "v100", 2304, 18, 30, 2, 8, 1093),
+    _meg20("megatron20-v100-4b", "v100", 3072, 24, 36, 4, 8, 1238),
+    _meg20("megatron20-v100-8b", "v100", 4096, 32, 42, 8, 8, 1407),
+    _meg20("megatron20-a100-1b", "a100", 1920, 15, 24, 1, 16, 1076),
+    _meg20("megatron20-a100-2b", "a100", 2304, 18, 30, 2, 16, 1026),
+    _meg20("megatron20-a100-4b", "a100", 3072, 24, 36, 4, 16, 1162),
+    _meg20("megatron20-a100-8b", "a100", 4096, 32, 42, 8, 16, 1343),
+    PublishedRow(
+        key="korthikanti-22b", label="GPT-22B, tp8 on 8 A100, full recompute", source=KORT,
+        short_source="Korthikanti 2022", config=_gpt(6144, 48, 64, 2048), seq=2048,
+        global_batch=4, micro_batch=4, tp=8, num_nodes=1, step_s=1.42, **_MEG),
+    PublishedRow(
+        key="korthikanti-175b", label="GPT-3 175B, tp8 x pp8 on 64 A100, full recompute",
+        source=KORT, short_source="Korthikanti 2022", config=_gpt(12288, 96, 96, 2048),
+        seq=2048, global_batch=64, micro_batch=1, tp=8, pp=8, num_nodes=8, step_s=18.13,
+        notes=("interleaved 1F1B (3 chunks) in the paper, plain 1F1B here",), **_MEG),
+    PublishedRow(
+        key="bloom-176b", label="BLOOM-176B, tp4 x pp12 x dp8 on 384 A100", source=BLOOM,
+        short_source="BLOOM logbook", family="gpt",
+        config=_gpt(14336, 70, 112, 2048, vocab=250880), seq=2048, global_batch=2048,
+        micro_batch=2, tp=4, pp=12, dp=8, machine="jean-zay-a100", num_nodes=48,
+        precision="bf16", remat="full", zero="zero2", fused=True,
+        stage_blocks=(5,) + (6,) * 10 + (5,), step_s=104.70,
+        notes=("149.77 TFLOP/s/GPU = Eq. 3 with V=250880 / 104.70 s",
+               "ALiBi in BLOOM, learned positions here",
+               "ZeRO-1 in BLOOM, ZeRO-2-like here")),
+    PublishedRow(
+        key="torchtitan-8b-h100x8", label="Llama 3.1 8B, FSDP on 8 H100 (96 GB, 500 W)",
+        source=TT_H100, short_source="torchtitan", family="llama", config=_llama3("8b"),
+        seq=8192, global_batch=16, micro_batch=2, dp=8, machine="grand-teton-h100",
+        num_nodes=1, precision="bf16", remat="none", zero="fsdp", fused=False,
+        tokens_per_gpu_s=5762, memory_gib=82.4,
+        notes=("seq 8192 from the default config [?]",
+               "selective op AC (recomputes cheap ops): priced without recompute, memory "
+               "not comparable", "500 W power cap not modeled")),
+    PublishedRow(
+        key="torchtitan-8b-h100x128", label="Llama 3.1 8B, FSDP on 128 H100 (96 GB, 500 W)",
+        source=TT_H100, short_source="torchtitan", family="llama", config=_llama3("8b"),
+        seq=8192, global_batch=256, micro_batch=2, dp=128, machine="grand-teton-h100",
+        num_nodes=16, precision="bf16", remat="none", zero="fsdp", fused=False,
+        tokens_per_gpu_s=5605, memory_gib=67.0,
+        notes=("seq 8192 from the default config [?]",
+               "selective op AC: priced without recompute, memory not comparable",
+               "500 W power cap not modeled")),
+    PublishedRow(
+        key="torchtitan-8b-a100x64", label="Llama 3 8B, FSDP on 64 A100 80GB",
+        source=TT_A100, short_source="torchtitan", family="llama", config=_llama3("8b"),
+        seq=8192, global_batch=64, micro_batch=1, dp=64, machine="dgx-a100", num_nodes=8,
+        precision="bf16", remat="none", zero="fsdp", fused=False, tokens_per_gpu_s=2973,
+        notes=("selective op AC: priced without recompute",
+               "A100 nodes' network not stated: DGX A100 [?]")),
+    PublishedRow(
+        key="torchtitan-70b-a100x64", label="Llama 3 70B, FSDP on 64 A100 80GB, full AC",
+        source=TT_A100, short_source="torchtitan", family="llama", config=_llama3("70b"),
+        seq=8192, global_batch=64, micro_batch=1, dp=64, machine="dgx-a100", num_nodes=8,
+        precision="bf16", remat="full", zero="fsdp", fused=False, tokens_per_gpu_s=331,
+        notes=("A100 nodes' network not stated: DGX A100 [?]",)),
+)
+"""Rows not here, and why: Megatron SC'21's 145.6B to 1T rows (1536-3072 GPUs; planning
+one takes longer than this CPU allows in a run of the whole table); Korthikanti's 530B
+and 1T rows (pipelines of 35 and 64 stages, likewise); its sequence-parallel + selective
+recompute variants (neither is a plan torchalpa makes); Llama 3 405B (micro-batching and
+recompute not published); Megatron's H100 table (precision, micro-batch and recompute not
+published, and it used flash attention the zoo GPT does not); torchtitan's float8 rows
+(no float8 in the cost model)."""

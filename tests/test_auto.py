@@ -1,0 +1,202 @@
+"""The planner decides: lower bounds (passes/bounds.py), meshes refused without an ILP,
+and AutoParallel (torchalpa/parallel/auto.py), the default method, choosing intra-op plans,
+pipelines, activation checkpointing and micro-batches under the memory budget."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import MLP
+
+import torchalpa
+import torchalpa.models as zoo
+from torchalpa.core.options import AutoShardingOption, ShardParallel, method_of_plan
+from torchalpa.frontends.block_remat import checkpointed_capture
+from torchalpa.frontends.torch_export import capture
+from torchalpa.parallel import shard
+from torchalpa.parallel.auto import NothingFitsError
+from torchalpa.passes.bounds import step_profile
+from torchalpa.passes.ilp import InfeasibleError
+
+KiB = 1024
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    workload = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=2)
+    with torch.device("meta"):
+        model = workload.build()
+    return model, workload.example_inputs(device="meta"), workload.loss_fn
+
+
+def _cluster(devices: int = 4, memory: float | None = None) -> torchalpa.Cluster:
+    cluster = torchalpa.Cluster.h100(1, devices)
+    return cluster if memory is None else dataclasses.replace(cluster,
+                                                               memory_per_device=memory)
+
+
+# -- bounds ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_bounds_are_below_every_plan_found(gpt, remat):
+    """Memory and step-time bounds never exceed what the ILP's plans estimate, on every
+    view of the cluster, for micro-batches scaled from the one capture."""
+    model, batch, loss_fn = gpt
+    captured = capture(model, batch, loss_fn)
+    if remat == "full":
+        captured = checkpointed_capture(captured)
+    cluster = _cluster(4)
+    profile = step_profile(captured.graph, cluster)
+    assert profile.batch == 8
+    for mesh in shard.candidate_meshes(cluster, ShardParallel()):
+        plan = shard.plan_graph(captured.graph, method=ShardParallel(), meshes=[mesh])
+        est = plan.estimates
+        assert profile.memory_bytes(4) <= est["memory_per_device_bytes"] * (1 + 1e-9)
+        assert profile.step_seconds(4) <= est["step_time_s"] * (1 + 1e-9)
+    # two micro-batches of 4, captured directly, are bounded by the scaled profile
+    half = capture(model, tuple(x[:4] for x in batch), loss_fn)
+    plan = shard.plan_graph(half.graph, method=ShardParallel(num_micro_batches=2),
+                            meshes=shard.candidate_meshes(cluster, ShardParallel()))
+    if remat == "none":
+        assert profile.memory_bytes(4, micro_batch=4) <= \
+            plan.estimates["memory_per_device_bytes"] * (1 + 1e-9)
+        assert profile.step_seconds(4, 2) <= plan.estimates["step_time_s"] * (1 + 1e-9)
+
+
+def test_the_memory_bound_is_what_the_solver_finds_at_its_tightest(gpt):
+    """On a budget just below the bound the ILP, run anyway, cannot fit either."""
+    model, batch, loss_fn = gpt
+    graph = capture(model, batch, loss_fn).graph
+    cluster = _cluster(4)
+    need = step_profile(graph, cluster).memory_bytes(4)
+    tight = ShardParallel(auto_sharding_option=AutoShardingOption(
+        memory_budget_per_device=need * 0.99))
+    from torchalpa.passes.intra_op import plan_intra_op
+    with pytest.raises(InfeasibleError):
+        plan_intra_op(graph, cluster.logical_mesh((4,)), tight)
+
+
+def test_a_mesh_that_cannot_fit_is_refused_without_an_ilp(gpt, monkeypatch):
+    """Every view of too small a cluster is refused by the bound in milliseconds; the
+    message says what would fit (checkpointing, micro-batches, devices)."""
+    model, batch, loss_fn = gpt
+    import torchalpa.passes.intra_op as intra_op
+
+    def no_ilp(*args, **kwargs):
+        raise AssertionError("the ILP was built for a mesh the bound refuses")
+    monkeypatch.setattr(intra_op, "plan_intra_op", no_ilp)
+    with pytest.raises(InfeasibleError) as error:
+        torchalpa.plan(model, batch, loss_fn, method=ShardParallel(),
+                       cluster=_cluster(4, memory=64 * KiB))
+    text = str(error.value)
+    assert "every plan needs at least" in text and "a lower bound, no solver run" in text
+    assert "every view of its 4 devices shares this bound" in text
+    assert "remat='full' or 'selective'" in text and "devices of" in text
+
+
+# -- AutoParallel -----------------------------------------------------------------------------
+
+def test_the_default_method_plans_and_says_what_it_chose(gpt):
+    model, batch, loss_fn = gpt
+    plan = torchalpa.plan(model, batch, loss_fn, cluster=_cluster(4))
+    chosen = [n for n in plan.notes if n.startswith("AutoParallel chose")]
+    assert len(chosen) == 1
+    concrete = method_of_plan(plan)        # a concrete method, rebuilt from the record
+    assert isinstance(concrete, (torchalpa.ShardParallel, torchalpa.PipeshardParallel))
+    assert plan.method["remat"] in ("none", "selective", "full")
+
+
+def test_auto_uses_checkpointing_or_micro_batches_when_the_step_does_not_fit(gpt):
+    """A budget below the plain step's bound but above a lighter candidate's: the search
+    refuses the plain step by its bound and finds a plan that fits."""
+    model, batch, loss_fn = gpt
+    graph = capture(model, batch, loss_fn).graph
+    profile = step_profile(graph, _cluster(4))
+    budget = profile.memory_bytes(4) * 0.9
+    plan = torchalpa.plan(model, batch, loss_fn, cluster=_cluster(4, memory=budget))
+    assert plan.estimates["memory_per_device_bytes"] <= budget
+    lighter = plan.method["remat"] != "none" or \
+        getattr(plan, "num_micro_batches", plan.method.get("num_micro_batches", 1)) > 1
+    assert lighter
+    assert any("refused, needs at least" in n for n in plan.notes)
+
+
+def test_what_the_user_fixes_wins(gpt):
+    model, batch, loss_fn = gpt
+    cluster = _cluster(4)
+    plan = torchalpa.plan(model, batch, loss_fn, cluster=cluster,
+                          method=torchalpa.AutoParallel(remat=("full",), num_micro_batches=2,
+                                                        pipeline=False))
+    assert isinstance(plan, torchalpa.Plan)
+    assert plan.method["remat"] == "full" and plan.method["num_micro_batches"] == 2
+    explicit = torchalpa.plan(model, batch, loss_fn, cluster=cluster,
+                              method=ShardParallel(logical_mesh_shape=(2, 2)))
+    assert explicit.mesh_shape == (2, 2) and not any(
+        n.startswith("AutoParallel") for n in explicit.notes)
+
+
+def test_gathering_parameters_again_in_backward_is_weighed_and_recorded(gpt):
+    """Both variants are candidates (one trace, the other derived); the plan records the
+    chosen one in its method, which is what auto_parallel builds; fixing it narrows."""
+    model, batch, loss_fn = gpt
+    cluster = _cluster(4)
+    weighed = torchalpa.AutoParallel(remat=("none",), num_micro_batches=1, pipeline=False,
+                                     tolerance=0.0)
+    plan = torchalpa.plan(model, batch, loss_fn, cluster=cluster, method=weighed)
+    lines = " | ".join(plan.notes)
+    assert "parameters gathered again in backward" in lines
+    for again in (True, False):
+        fixed = torchalpa.plan(model, batch, loss_fn, cluster=cluster, method=dataclasses.replace(
+            weighed, rematerialize_parameters=again))
+        assert method_of_plan(fixed).auto_sharding_option.rematerialize_parameters is again
+        assert ("parameters gathered again" in " | ".join(fixed.notes)) is again
+    with pytest.raises(ValueError, match="AutoParallel.rematerialize_parameters"):
+        torchalpa.AutoParallel(rematerialize_parameters="sometimes")  # type: ignore[arg-type]
+
+
+def test_nothing_fits_lists_what_was_tried_and_what_would_fit(gpt):
+    model, batch, loss_fn = gpt
+    with pytest.raises(NothingFitsError) as error:
+        torchalpa.plan(model, batch, loss_fn, cluster=_cluster(4, memory=8 * KiB))
+    text = str(error.value)
+    assert "refused, needs at least" in text and "what would fit: at least" in text
+    assert error.value.attempts and all(a.outcome == "refused by bound"
+                                        for a in error.value.attempts)
+
+
+def test_bad_auto_options_name_the_field():
+    with pytest.raises(ValueError, match="AutoParallel.remat"):
+        torchalpa.AutoParallel(remat=("sometimes",))
+    with pytest.raises(ValueError, match="AutoParallel.num_micro_batches"):
+        torchalpa.AutoParallel(num_micro_batches=0)
+    with pytest.raises(ValueError, match="chooses activation checkpointing itself"):
+        torchalpa.AutoParallel(auto_sharding_option=AutoShardingOption(remat="full"))
+
+
+def test_micro_batches_that_do_not_divide_the_batch_are_refused(gpt):
+    model, batch, loss_fn = gpt
+    with pytest.raises(ValueError, match="does not divide the batch of 8"):
+        torchalpa.plan(model, batch, loss_fn, cluster=_cluster(4),
+                       method=torchalpa.AutoParallel(num_micro_batches=3))
+
+
+# -- mixed precision in planning ----------------------------------------------------------------
+
+def test_plan_prices_mixed_precision_as_auto_parallel_runs_it():
+    """bf16 compute on a GPU preset: matmuls at the bf16 peak (faster), float32 master
+    parameters, gradients and optimizer states (same state bytes)."""
+    with torch.device("meta"):
+        model = MLP(1024, 4)
+    x, y = torch.empty(8192, 1024, device="meta"), torch.empty(8192, 1024, device="meta")
+    cluster = _cluster(1)
+    method = ShardParallel()
+    fp32 = torchalpa.plan(model, (x, y), F.mse_loss, cluster=cluster, method=method)
+    bf16 = torchalpa.plan(model, (x, y), F.mse_loss, cluster=cluster, method=method,
+                          mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
+    assert bf16.method["mixed_precision"] == "bfloat16" and "mixed_precision" not in fp32.method
+    assert bf16.estimates["step_time_s"] < 0.5 * fp32.estimates["step_time_s"]
+    assert bf16.estimates["model_state_bytes_per_device"] == \
+        fp32.estimates["model_state_bytes_per_device"]

@@ -1,0 +1,99 @@
+"""Cluster.preset: a cluster for every GPU and published machine, and the per-axis
+bandwidth of its logical meshes from how its devices are linked."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchalpa.core import gpu_specs
+from torchalpa.core.cluster import GB, Cluster
+
+LINK = 25 * GB * gpu_specs.NVLINK_EFFICIENCY            # one V100 NVLink 2 link, as reached
+
+
+@pytest.mark.parametrize("name", sorted(gpu_specs.NODE_PRESETS))
+def test_every_preset_builds_from_its_gpu_datasheet(name):
+    node = gpu_specs.NODE_PRESETS[name]
+    spec = gpu_specs.lookup(node.gpu)
+    c = Cluster.preset(name, num_nodes=2)
+    assert spec is not None and c.num_devices == 2 * node.devices_per_node
+    assert c.memory_per_device == node.memory
+    assert c.memory_bandwidth == pytest.approx(spec.memory_bandwidth
+                                               * gpu_specs.MEMORY_EFFICIENCY)
+    peaks = dict(c.peak_flops_by_dtype)
+    assert peaks["bfloat16"] == pytest.approx(spec.bf16 * gpu_specs.MATMUL_EFFICIENCY)
+    assert peaks["float32"] == pytest.approx(spec.fp32 * gpu_specs.FP32_MATMUL_EFFICIENCY)
+    # the node's NICs shared by its GPUs, as collectives reach them
+    assert c.inter_node_bandwidth == pytest.approx(
+        node.network_bandwidth * gpu_specs.NETWORK_EFFICIENCY / node.devices_per_node)
+    assert c.multiprocessors == spec.multiprocessors > 0
+    assert c.kernel_launch_s > 0 and c.optimizer_tensor_s > 0
+
+
+def test_the_named_presets_are_preset_clusters():
+    assert Cluster.h100(2) == Cluster.preset("h100", 2)
+    assert Cluster.h200() == Cluster.preset("h200")
+    assert Cluster.a100(1, 4) == Cluster.preset("a100-40", 1, 4)
+    assert Cluster.preset("A100_80").memory_per_device == 80 * GB       # case and _ forgiven
+
+
+def test_fp16_runs_on_v100_tensor_cores_and_bf16_does_not():
+    peaks = dict(Cluster.preset("v100-16").peak_flops_by_dtype)
+    assert peaks["float16"] == pytest.approx(125e12 * gpu_specs.MATMUL_EFFICIENCY)
+    assert peaks["bfloat16"] < peaks["float16"] / 5
+
+
+def test_overrides_replace_the_preset_figures():
+    c = Cluster.preset("h100", 4, inter_node_bandwidth=10 * GB, memory_per_device=70 * GB,
+                       allow_tf32=True)
+    assert (c.inter_node_bandwidth, c.memory_per_device) == (10 * GB, 70 * GB)
+    assert dict(c.peak_flops_by_dtype)["float32"] == pytest.approx(
+        495e12 * gpu_specs.MATMUL_EFFICIENCY)
+
+
+def test_an_unknown_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="unknown GPU or machine 'h900'.*a100-40.*p3.16xlarge"):
+        Cluster.preset("h900")
+    with pytest.raises(ValueError, match="link 8 GPUs; devices_per_node=16"):
+        Cluster.preset("p3.16xlarge", devices_per_node=16)
+
+
+def _bandwidths(cluster: Cluster, shape) -> list[float]:
+    return [1 / b for b in cluster.logical_mesh(shape).beta]
+
+
+def test_hybrid_cube_mesh_axes_get_their_groups_links():
+    """p3.16xlarge (Alpa's sanity case): GPUs 0-1 share one link, 2-3 two; 0-2 and 1-3 one
+    each; a quad's worst-linked GPU has 4 links to the other three; every GPU 6 in all."""
+    quad = Cluster.preset("p3.16xlarge", devices_per_node=4)
+    assert _bandwidths(quad, (2, 2)) == pytest.approx([LINK, LINK])   # the slowest pair rules
+    assert _bandwidths(quad, (4,)) == pytest.approx([4 * LINK])
+    node = Cluster.preset("p3.16xlarge")
+    assert _bandwidths(node, (8,)) == pytest.approx([6 * LINK])
+    assert node.intra_node_bandwidth == pytest.approx(6 * LINK)
+    # GPUs 0 and 4 have two links, 1 and 5 two, ...: pairs 4 apart are well linked, 0 and 5
+    # (no link) would go through the host
+    assert _bandwidths(node, (2, 4)) == pytest.approx([LINK, 4 * LINK])
+
+
+def test_a_group_spanning_nodes_moves_all_its_members_nics_at_once():
+    c = Cluster.preset("dgx-a100", num_nodes=4)             # 32 A100, 8 x 200 Gb/s per node
+    nic = c.inter_node_bandwidth
+    assert nic == pytest.approx(200e9 / 8 * gpu_specs.NETWORK_EFFICIENCY)
+    assert _bandwidths(c, (32,)) == pytest.approx([8 * nic])        # every GPU's NIC
+    assert _bandwidths(c, (4, 8)) == pytest.approx([nic, c.intra_node_bandwidth])
+    assert _bandwidths(c, (16, 2)) == pytest.approx([4 * nic, c.intra_node_bandwidth])
+    # a single NIC shared by the node (p3.16xlarge's 25 Gb/s) is the same network per node
+    p3 = Cluster.preset("p3.16xlarge", num_nodes=2)
+    assert _bandwidths(p3, (16,)) == pytest.approx([25e9 / 8 * gpu_specs.NETWORK_EFFICIENCY])
+
+
+def test_links_are_validated():
+    with pytest.raises(ValueError, match="symmetric square matrix"):
+        Cluster(devices_per_node=2, intra_node_links=((0, 1), (2, 0)),
+                intra_node_link_bandwidth=1e9)
+    with pytest.raises(ValueError, match="covers 2 devices but a node has 4"):
+        Cluster(devices_per_node=4, intra_node_links=((0, 1), (1, 0)),
+                intra_node_link_bandwidth=1e9)
+    with pytest.raises(ValueError, match="intra_node_link_bandwidth must be > 0"):
+        Cluster(devices_per_node=2, intra_node_links=((0, 1), (1, 0)))

@@ -1,0 +1,68 @@
+"""benchmarks/published.py: every published configuration is well formed, its published
+figure is turned into seconds with its source's own FLOP count, and a row builds and
+plans with its layout pinned (shrunk, fast; the real smallest row is slow)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+import published  # noqa: E402
+from published_rows import ROWS, megatron_eq3_flops  # noqa: E402
+
+from torchalpa.core.options import ManualStageOption, PipeshardParallel  # noqa: E402
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.key for r in ROWS])
+def test_every_row_pins_a_plan_for_its_published_machine(row):
+    cluster = row.cluster()
+    assert cluster.num_devices == row.tp * row.pp * row.dp
+    assert sum(published.stage_blocks(row)) == row.config["num_layers"]
+    method = published.method(row)
+    if row.pp > 1:
+        assert isinstance(method, PipeshardParallel)
+        stages = method.stage_option
+        assert isinstance(stages, ManualStageOption)
+        per_stage = math.prod(stages.submesh_shapes[0])
+        assert per_stage == row.dp * row.tp and len(stages.submesh_shapes) == row.pp
+        micro = method.num_micro_batches
+    else:
+        micro = method.num_micro_batches
+        assert math.prod(method.logical_mesh_shape) == row.dp * row.tp
+    assert micro * row.micro_batch * row.dp == row.global_batch
+    assert row.published_step_s() > 0
+
+
+def test_published_rates_become_seconds_by_their_sources_flop_count():
+    row = next(r for r in ROWS if r.key == "megatron21-1.7b")
+    # 137 TFLOP/s per GPU on 32 GPUs under Eq. (3): 3.53 s per iteration
+    assert row.published_step_s() == pytest.approx(3.53, abs=0.01)
+    # BLOOM's log: 104.70 s per iteration, 149.77 TFLOP/s on 384 GPUs, Eq. (3) with V=250880
+    assert megatron_eq3_flops(2048, 2048, 70, 14336, 250880) / 104.70 / 384 / 1e12 == \
+        pytest.approx(149.77, rel=1e-3)
+    tt = next(r for r in ROWS if r.key == "torchtitan-8b-h100x8")
+    assert tt.published_step_s() == pytest.approx(2 * 8192 / 5762)
+
+
+def test_a_pipelined_zero_row_builds_and_plans_with_its_layout_pinned():
+    """Alpa's sanity case (pp2 x dp2 x op2, ZeRO over dp, recompute, fp16, p3.16xlarge)
+    on a model small enough to plan in seconds."""
+    alpa = next(r for r in ROWS if r.key == "alpa-2.6b")
+    row = replace(alpa, config=dict(alpa.config, hidden=64, num_layers=4, num_heads=4,
+                                    vocab_size=256, max_seq_len=32), seq=32, global_batch=16,
+                  micro_batch=2)
+    e = published.estimate(row)
+    assert len(e.stage_s) == 2 and all(0 < s < math.inf for s in e.stage_s)
+    assert 0 < e.step_s < math.inf and e.memory_bytes > 0
+
+
+@pytest.mark.slow
+def test_the_smallest_published_row_is_estimated_within_20_percent():
+    row = next(r for r in ROWS if r.key == "megatron20-v100-1b")
+    ratio = published.estimate(row).step_s / row.published_step_s()
+    assert 1 / 1.2 <= ratio <= 1 / 0.8

@@ -1,0 +1,485 @@
+"""``AutoParallel``: the planner chooses the method, the checkpointing and the micro-batches.
+
+A candidate is one way to run the step: an intra-op plan or a pipeline, with one
+activation-checkpointing mode and one micro-batch count (a divisor of the batch). The
+search
+
+1. captures the step once at the whole batch and derives each checkpointing variant
+   from that capture (``frontends/block_remat.py``, no second trace);
+2. bounds every candidate without a solver (``passes/bounds.py``): memory per device
+   (everything split over every device; a pipeline's first stage also holds its
+   micro-batches in flight) and step time (every op at its roofline over every device;
+   a pipeline of S >= 2 stages also pays its fill and drain, ``(k + S - 1) / k``);
+   candidates that cannot fit are refused there;
+3. solves the rest in the order of their time bounds -- capturing each micro-batch
+   size once -- until the next bound cannot beat the best plan by more than the
+   tolerance, or the time budget is spent (a plan is always found first when any fits).
+   A candidate is also dominated, and skipped, by a plan of its kind that fits with room
+   to spare (``ROOM``): more checkpointing, (intra-op) more micro-batches, or gathering
+   parameters again in backward (ZeRO-3, FSDP's reshard after forward) only adds work to
+   every plan, and what it buys -- memory -- that plan did not need.
+
+On one node the candidates are intra-op plans; pipelines there are the fallback when no
+intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
+devices share fast links, so what a pipeline saves -- collectives -- is small, and its
+search costs far more than an intra-op plan (on a 4-layer MLP on 4 CPU ranks, 15-30 s for
+a plan 0.2 % faster). On several nodes the pipeline search itself weighs one stage
+over the whole cluster (an intra-op plan) against cuts at node boundaries, so pipelines
+are the candidates there, tried in the order of their bound times the bubble of a cut
+at every node boundary, ``(k + S - 1) / k``: enough micro-batches first.
+
+The plan it returns records the concrete method (``plan.method``: a ShardParallel or
+PipeshardParallel record, with ``remat`` and ``num_micro_batches``), and its notes say
+what was chosen, what came second and what was refused, with their estimates or bounds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from torchalpa.core.calls import CallSignature
+from torchalpa.core.cluster import Cluster, LogicalMesh
+from torchalpa.core.options import AutoParallel, PipeshardParallel, ShardParallel
+from torchalpa.core.plan import PipelinePlan, Plan
+from torchalpa.core.progress import step
+from torchalpa.core.units import format_bytes
+from torchalpa.parallel.workflow import capture_examples, capture_step
+
+if TYPE_CHECKING:
+    from torchalpa.frontends.torch_export import Capture
+
+__all__ = ["Candidate", "Attempt", "NothingFitsError", "search_method", "batch_size",
+           "AutoSteps", "AutoTarget"]
+
+log = logging.getLogger("torchalpa")
+
+ROOM = 0.9
+"""A plan whose peak is below this fraction of the budget did not bend to fit it."""
+REMAT_ORDER = {"none": 0, "selective": 1, "full": 2}
+"""Checkpointing modes by how much they recompute."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the step, with what it must at least cost."""
+
+    kind: str                   # "intra-op" or "pipeline"
+    remat: str
+    num_micro_batches: int
+    bound_s: float              # step time no plan of this candidate can beat
+    memory_bound: float         # bytes per device no plan of it can go below
+    rank_s: float = 0.0         # what it is expected to take (the order candidates are tried)
+    regather: bool = False      # parameters gathered again in backward (ZeRO-3, FSDP)
+
+    def describe(self) -> str:
+        micro = "" if self.num_micro_batches == 1 else f", {self.num_micro_batches} micro-batches"
+        again = ", parameters gathered again in backward" if self.regather else ""
+        return f"{self.kind}, remat={self.remat}{micro}{again}"
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What became of a candidate: planned (with its estimate) or why not."""
+
+    candidate: Candidate
+    outcome: str   # planned | does not fit | refused by bound | not needed | dominated | no time
+    step_s: float | None = None
+    memory: float | None = None
+    seconds: float = 0.0
+    detail: str = ""
+
+    def line(self) -> str:
+        c = self.candidate
+        if self.outcome == "planned":
+            return (f"{c.describe()}: est {self.step_s:.4g} s/step, "
+                    f"{format_bytes(self.memory or 0)} per device ({self.seconds:.1f} s)")
+        if self.outcome == "refused by bound":
+            return (f"{c.describe()}: refused, needs at least "
+                    f"{format_bytes(c.memory_bound)} per device (a bound)")
+        if self.outcome == "not needed" and self.detail:
+            return f"{c.describe()}: not planned, {self.detail}"
+        if self.outcome == "not needed":
+            return f"{c.describe()}: not planned, cannot beat {c.bound_s:.4g} s/step (a bound)"
+        if self.outcome == "dominated":
+            return (f"{c.describe()}: not planned, only adds work to {self.detail}, which fits "
+                    "with room to spare")
+        if self.outcome == "no time":
+            return (f"{c.describe()}: not planned, time budget spent (bound "
+                    f"{c.bound_s:.4g} s/step)")
+        return f"{c.describe()}: {self.outcome}{': ' + self.detail if self.detail else ''}"
+
+
+class NothingFitsError(ValueError):
+    """No candidate fits the memory budget; the message lists what was tried and what
+    would fit. A ValueError, like ``passes.ilp.InfeasibleError``."""
+
+    def __init__(self, message: str, attempts: Sequence[Attempt]):
+        super().__init__(message)
+        self.attempts = tuple(attempts)
+
+
+def batch_size(tensors: Sequence) -> int:
+    """The batch the step is captured for: the greatest common divisor of the inputs'
+    dim 0 (what micro-batches may divide)."""
+    sizes = [int(t.shape[0]) for t in tensors if getattr(t, "dim", lambda: 0)() > 0]
+    if not sizes:
+        return 1
+    return math.gcd(*sizes)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@dataclass
+class _Search:
+    """One run of the search: its captures, profiles and attempts."""
+
+    model: torch.nn.Module
+    tensors: tuple
+    signature: CallSignature
+    loss_fn: object
+    method: AutoParallel
+    cluster: Cluster | LogicalMesh
+    meshes: list[LogicalMesh]
+    inputs: str
+    allow_pipeline: bool
+    batch: int
+    deadline: float
+
+    def __post_init__(self):
+        self.nodes = getattr(self.cluster, "num_nodes", 1)   # a LogicalMesh: one node
+        self.captures: dict[int, Capture] = {}         # micro-batch count -> capture
+        self.variants: dict[tuple[int, str, bool], Capture] = {}
+        self.attempts: list[Attempt] = []
+        self.plans: list[tuple[float, Plan | PipelinePlan, Candidate]] = []
+
+    # -- captures ----------------------------------------------------------------------
+    def capture(self, k: int, remat: str, regather: bool = False):
+        """The step of one micro-batch of ``batch / k``, checkpointed by ``remat``, its
+        parameters gathered again in backward if ``regather``: one trace per ``k``, the
+        variants derived from it."""
+        from torchalpa.frontends.block_remat import checkpointed_capture
+        if (k, remat, regather) not in self.variants:
+            if k not in self.captures:
+                examples = capture_examples(self.model, self.tensors, k)
+                self.captures[k] = capture_step(self.model, examples, self.loss_fn,
+                                                signature=self.signature)
+            plain = self.captures[k]
+            self.variants[(k, remat, regather)] = plain if remat == "none" and not regather \
+                else checkpointed_capture(plain, remat, rematerialize_parameters=regather)
+        return self.variants[(k, remat, regather)]
+
+    def regather_choices(self, kind: str) -> tuple[bool, ...]:
+        """Whether parameters may be gathered again in backward: what the option fixes,
+        else both for intra-op plans on several devices (pipelines keep forward's)."""
+        fixed = self.method.rematerialize_parameters
+        if self.method.auto_sharding_option.rematerialize_parameters:
+            fixed = True
+        if fixed is not None:
+            return (fixed,)
+        return (False, True) if kind == "intra-op" and self.cluster.num_devices > 1 \
+            else (False,)
+
+    # -- candidates --------------------------------------------------------------------
+    def budget(self) -> float:
+        """Bytes per device every plan must fit in (infinite where none is set)."""
+        return self.method.auto_sharding_option.memory_budget_per_device or \
+            self.cluster.memory_per_device or math.inf
+
+    def candidates(self) -> tuple[list[Candidate], list[Attempt]]:
+        """Every candidate with its bounds, those that cannot fit apart."""
+        from torchalpa.passes.bounds import step_profile
+        counts = [self.method.num_micro_batches] if self.method.num_micro_batches else \
+            _divisors(self.batch)
+        devices = self.cluster.num_devices
+        stages = _pipeline_stages(self.nodes, self.method)
+        multi_node = self.nodes > 1
+        found, refused = [], []
+        for remat in self.method.remat:
+            first = 1 if self.method.num_micro_batches is None else counts[0]
+            profile = step_profile(self.capture(first, remat, self.regather_choices(
+                                                    "intra-op")[0]).graph,
+                                   self.meshes[0], optimizer_states=self.method.optimizer_states)
+            for k in counts:
+                micro = self.batch // k
+                bound = profile.step_seconds(devices, k, micro)
+                kinds = []
+                if self.method.pipeline is not True and not (multi_node and self.allow_pipeline):
+                    kinds.append(Candidate("intra-op", remat, k, bound,
+                                           profile.memory_bytes(devices, micro), bound))
+                if self.allow_pipeline and devices > 1 and self.method.pipeline is not False:
+                    # sound: on several nodes one stage may span them all (S >= 1), on one
+                    # node the intra-op candidates are that case (S >= 2); the order
+                    # assumes ``stages`` stages, whose bubble many micro-batches shrink
+                    fill = 1.0 if multi_node else (k + 1) / k
+                    kinds.append(Candidate("pipeline", remat, k, bound * fill,
+                                           profile.pipeline_memory_bytes(devices, micro),
+                                           bound * (k + stages - 1) / k))
+                for c in kinds:
+                    for regather in self.regather_choices(c.kind):
+                        c = replace(c, regather=regather)
+                        (refused if c.memory_bound > self.budget() else found).append(c)
+        # of two candidates alike but for regathering, the one likelier to win first: where
+        # memory is tight, gathering parameters again frees the room faster plans need
+        tight = 0.5 * self.budget()
+        return sorted(found, key=lambda c: (c.rank_s, c.regather != (c.memory_bound > tight))), \
+            [Attempt(c, "refused by bound") for c in refused]
+
+    # -- solving -----------------------------------------------------------------------
+    def solve(self, c: Candidate):
+        """The plan of candidate ``c`` (an InfeasibleError when it does not fit)."""
+        option = replace(self.method.auto_sharding_option, remat="none",
+                         rematerialize_parameters=c.regather)
+        captured = self.capture(c.num_micro_batches, c.remat, c.regather)
+        if c.kind == "intra-op":
+            from torchalpa.parallel.shard import blocks_of, plan_graph
+            method = ShardParallel(num_micro_batches=c.num_micro_batches,
+                                   auto_sharding_option=option,
+                                   optimizer=self.method.optimizer)
+            plan = plan_graph(captured.graph, method=method, meshes=self.meshes,
+                              inputs=self.inputs, blocks=blocks_of(captured.graph),
+                              deadline=self.deadline)
+        else:
+            from torchalpa.passes.inter_op import plan_pipeline
+            method = PipeshardParallel(num_micro_batches=c.num_micro_batches,
+                                       auto_sharding_option=option,
+                                       layer_option=self.method.layer_option,
+                                       optimizer=self.method.optimizer)
+            assert isinstance(self.cluster, Cluster), "pipelines are planned on a Cluster"
+            plan = plan_pipeline(captured.graph, self.cluster, method, inputs=self.inputs)
+        from torchalpa.passes.remat_choice import remat_note
+        return replace(plan, method={**plan.method, "remat": c.remat},
+                       notes=tuple(plan.notes) + (remat_note(c.remat, captured.graph),))
+
+    def run(self):
+        candidates, self.attempts = self.candidates()
+        single_node_fallback = self.nodes == 1 and self.method.pipeline is None
+        first = [c for c in candidates if not (single_node_fallback and c.kind == "pipeline")]
+        self.solve_in_order(first)
+        if not self.plans and len(first) < len(candidates):
+            self.solve_in_order([c for c in candidates if c not in first])
+        elif len(first) < len(candidates):
+            self.attempts += [Attempt(c, "not needed", detail="an intra-op plan fits")
+                              for c in candidates if c not in first]
+        return self.result()
+
+    def solve_in_order(self, candidates: list[Candidate]) -> None:
+        """Solve ``candidates`` in order until none left can win (bounds, dominance) or the
+        time budget is spent once a plan is in hand."""
+        from torchalpa.passes.ilp import InfeasibleError
+        for i, c in enumerate(candidates):
+            best = min(self.plans, key=lambda p: p[0], default=None)
+            if best is not None and c.bound_s * (1 + self.method.tolerance) >= best[0]:
+                self.attempts.append(Attempt(c, "not needed"))
+                continue
+            if best is not None and time.perf_counter() > self.deadline:
+                self.attempts += [Attempt(r, "no time") for r in candidates[i:]]
+                break
+            by = self.dominating(c)
+            if by is not None:
+                self.attempts.append(Attempt(c, "dominated", detail=by.describe()))
+                continue
+            start = time.perf_counter()
+            with step(f"AutoParallel: {c.describe()} (bound {c.bound_s:.4g} s/step) "
+                      "solving") as progress:
+                try:
+                    plan = self.solve(c)
+                except InfeasibleError as e:
+                    self.attempts.append(Attempt(c, "does not fit",
+                                                 seconds=time.perf_counter() - start,
+                                                 detail=str(e).splitlines()[0]))
+                    progress.done = "does not fit"
+                    continue
+                est = plan.estimates
+                self.attempts.append(Attempt(c, "planned", est["step_time_s"],
+                                             est.get("memory_per_device_bytes"),
+                                             time.perf_counter() - start))
+                self.plans.append((est["step_time_s"], plan, c))
+                progress.done = f"est {est['step_time_s']:.4g} s/step"
+
+    def dominating(self, c: Candidate) -> Candidate | None:
+        """A planned candidate of ``c``'s kind that fits with room to spare and whose plan
+        ``c`` could only make slower (more recompute; for intra-op, more micro-batches)."""
+        budget = self.budget()
+        for _, plan, p in self.plans:
+            peak = plan.estimates.get("memory_per_device_bytes")
+            roomy = peak is not None and peak < ROOM * budget
+            fewer = p.num_micro_batches <= c.num_micro_batches if c.kind == "intra-op" \
+                else p.num_micro_batches == c.num_micro_batches
+            if roomy and p.kind == c.kind and fewer and p.regather <= c.regather and \
+                    REMAT_ORDER[p.remat] <= REMAT_ORDER[c.remat]:
+                return p
+        return None
+
+    def result(self):
+        if not self.plans:
+            raise NothingFitsError(self.nothing_fits(), self.attempts)
+        ranked = sorted(self.plans, key=lambda p: p[0])
+        step_s, plan, chosen = ranked[0]
+        notes = [f"AutoParallel chose {chosen.describe()}: est {step_s:.4g} s/step"]
+        if len(ranked) > 1:
+            notes.append(f"runner-up: {ranked[1][2].describe()}: est {ranked[1][0]:.4g} s/step")
+        notes += ["  tried: " + a.line() for a in self.attempts
+                  if a.candidate is not chosen]
+        return replace(plan, notes=tuple(plan.notes) + tuple(notes))
+
+    def nothing_fits(self) -> str:
+        """What was tried, and what would fit (by the bounds)."""
+        from torchalpa.passes.bounds import step_profile
+        devices, budget = self.cluster.num_devices, self.budget()
+        lines = [f"no way to run this step fits {format_bytes(budget)} per device on "
+                 f"{devices} devices ({self.nodes} node(s)); tried:"]
+        lines += ["  " + a.line() for a in self.attempts]
+        lightest = min(self.method.remat, key=lambda m: {"full": 0, "selective": 1}.get(m, 2))
+        profile = step_profile(self.capture(1, lightest, self.regather_choices("intra-op")[0]
+                                            ).graph, self.meshes[0],
+                               optimizer_states=self.method.optimizer_states)
+        micro = 1 if self.method.num_micro_batches is None else \
+            self.batch // self.method.num_micro_batches
+        need = profile.devices_to_fit(budget, micro)
+        lines.append(f"what would fit: at least {need} devices of {format_bytes(budget)} "
+                     f"(remat={lightest}, micro-batches of {micro}), or devices with at least "
+                     f"{format_bytes(profile.memory_bytes(devices, micro))} each, or a "
+                     "smaller model or sequence")
+        return "\n".join(lines)
+
+
+def _pipeline_stages(nodes: int, method: AutoParallel) -> int:
+    """How many stages a pipeline candidate could cut the step into, for its micro-batch
+    count: one per node on several nodes, else two (at most the layers it clusters)."""
+    layers = method.layer_option.layer_num
+    most = layers if isinstance(layers, int) else 16
+    return max(2, min(nodes if nodes > 1 else 2, most))
+
+
+def search_method(model, example_inputs, loss_fn, *, method: AutoParallel,
+                  cluster: Cluster | LogicalMesh,
+                  meshes: list[LogicalMesh], inputs: str = "global",
+                  allow_pipeline: bool = True, signature: CallSignature | None = None):
+    """The plan of the fastest candidate that fits (a Plan or a PipelinePlan), with notes
+    on what was chosen and what came second; ``NothingFitsError`` when none fits.
+    ``example_inputs``: the whole batch (a tuple of tensors, with ``signature`` saying how
+    the model is called); ``meshes``: the logical views intra-op candidates try."""
+    if signature is None:
+        signature, tensors = CallSignature.of(example_inputs)
+    else:
+        tensors = tuple(example_inputs)
+    batch = batch_size(tensors)
+    if method.num_micro_batches is not None and batch % method.num_micro_batches:
+        raise ValueError(f"AutoParallel(num_micro_batches={method.num_micro_batches}) does not "
+                         f"divide the batch of {batch}; use a divisor of it")
+    search = _Search(model, tensors, signature, loss_fn, method, cluster, meshes, inputs,
+                     allow_pipeline, batch, time.perf_counter() + method.time_budget_s)
+    return search.run()
+
+
+@dataclass(frozen=True)
+class AutoTarget:
+    """What the search plans for: the cluster, the views intra-op candidates try, the
+    DeviceMesh the user gave (None: built from the plan) and whether pipelines may run."""
+
+    cluster: Cluster | LogicalMesh
+    meshes: list[LogicalMesh]
+    device_mesh: object = None
+    allow_pipeline: bool = True
+
+
+class AutoSteps:
+    """``MethodSteps`` of ``AutoParallel`` (``torchalpa.parallel.steps``): it chooses a
+    concrete method by searching (``search``), and the orchestration goes on with that
+    method's own steps."""
+
+    chooses_method = True
+
+    def with_options(self, method: AutoParallel, *, inputs: str = "global", signature=None,
+                     mesh=None, num_micro_batches: int | None = None,
+                     init_weights=None) -> AutoParallel:
+        """auto_parallel's options narrow the search: a given mesh, inputs='local',
+        keyword inputs or init_weights= rule pipelines out (they need the global batch on
+        every rank and real weights); ``num_micro_batches`` fixes the count."""
+        reasons = [why for given, why in (
+            (mesh is not None, "mesh= fixes one mesh for the whole step"),
+            (inputs != "global", "inputs='local' gives each rank only its shard"),
+            (signature is not None and signature.by_keyword, "the model is called by keyword"),
+            (init_weights is not None, "init_weights= initializes a meta model in place"))
+            if given]
+        if reasons and method.pipeline is True:
+            raise ValueError(f"AutoParallel(pipeline=True) cannot run here: {reasons[0]}, which "
+                             "a pipeline cannot honour; leave pipeline= unset or drop the option")
+        if reasons:
+            method = replace(method, pipeline=False)
+        if num_micro_batches is not None:
+            if method.num_micro_batches not in (None, num_micro_batches):
+                raise ValueError(f"num_micro_batches={num_micro_batches} disagrees with "
+                                 f"AutoParallel(num_micro_batches={method.num_micro_batches}); "
+                                 "give it in one place")
+            method = replace(method, num_micro_batches=num_micro_batches)
+        return method
+
+    def target(self, method: AutoParallel, *, cluster, mesh, world: int,
+               live: bool) -> AutoTarget:
+        from torchalpa.parallel.shard import IntraOpSteps
+        intra = IntraOpSteps().target(ShardParallel(), cluster=cluster, mesh=mesh, world=world,
+                                      live=live)
+        pipelines = isinstance(intra.cluster, Cluster) and method.pipeline is not False
+        return AutoTarget(intra.cluster, intra.meshes, intra.device_mesh,
+                          allow_pipeline=pipelines)
+
+    def search(self, model, example_inputs, loss_fn, *, method: AutoParallel,
+               target: AutoTarget, inputs: str, signature=None):
+        return search_method(model, example_inputs, loss_fn, method=method,
+                             cluster=target.cluster, meshes=target.meshes, inputs=inputs,
+                             allow_pipeline=target.allow_pipeline, signature=signature)
+
+    def inference_method(self, method: AutoParallel) -> ShardParallel:
+        """Generation's forward steps are planned on one mesh: an intra-op plan, with the
+        search's sharding options (there is no step to checkpoint or split)."""
+        return ShardParallel(auto_sharding_option=method.auto_sharding_option,
+                             optimizer=method.optimizer)
+
+    def solve_pinned(self, graph, plan, target, method, inputs: str):
+        raise AssertionError("generation runs ShardParallel's steps (inference_method)")
+
+    def place_forward(self, plan, target, method, device):
+        raise AssertionError("generation runs ShardParallel's steps (inference_method)")
+
+    # The orchestration goes on with the chosen method's own steps: these are reached only
+    # where AutoParallel has nothing to choose (a JAX or StableHLO program, a given plan).
+    def plan_program(self, program, example_inputs, *, method: AutoParallel, cluster,
+                     inputs: str, param_argnums, num_params) -> Plan:
+        """Programs are planned whole, intra-op (``ShardParallel``'s steps)."""
+        from torchalpa.parallel.shard import IntraOpSteps
+        concrete = ShardParallel(auto_sharding_option=method.auto_sharding_option,
+                                 optimizer=method.optimizer)
+        return IntraOpSteps().plan_program(program, example_inputs, method=concrete,
+                                           cluster=cluster, inputs=inputs,
+                                           param_argnums=param_argnums, num_params=num_params)
+
+    def check_plan_kind(self, plan) -> None:
+        if not isinstance(plan, (Plan, PipelinePlan)):
+            raise TypeError(f"plan must be a torchalpa.Plan or PipelinePlan, got "
+                            f"{type(plan).__name__}")
+
+    def _resolved(self, what: str):
+        raise AssertionError(f"AutoParallel resolves to a concrete method before {what}")
+
+    def solve(self, graph, target, method, inputs: str, measured=None):
+        self._resolved("solving")
+
+    def measure(self, captured, target, method, example_inputs, model, device):
+        self._resolved("measuring")
+
+    def check_given_plan(self, plan, graph, target) -> None:
+        self._resolved("checking a plan")
+
+    def place(self, captured, plan, target, method, device, *, model, traced, loss_fn,
+              inputs: str, signature):
+        self._resolved("placing")
