@@ -22,29 +22,30 @@ import weak_scaling as ws
 import torchalpa
 from torchalpa.core.options import AutoLayerOption, PipeshardParallel
 from torchalpa.passes import costgraph, ilp, inter_op, intra_op
+from torchalpa.passes.layer_costs import LayerCosts
+from torchalpa.passes.pricing_memo import PricingMemo
 from torchalpa.passes.remat_choice import compute_lower_bound, plan_with_remat
 
 
 def switch_off_fast_paths() -> None:
     """Restore the per-solve behaviour of the search before branch s4-search."""
     ilp.DIRECT_HIGHS = False
-    intra_op.cached_reshard_costs = lambda mesh, rs=True, forbidden=frozenset(): \
+    # no pricing work kept across solves: fresh reshard prices, strategies, reachability
+    PricingMemo.reshard_costs = lambda self, mesh, rs=True, forbidden=frozenset(): \
         costgraph.ReshardCosts(mesh, rs, forbidden)
     build = intra_op.build_strategies
 
-    def per_solve_memos(*args, **kwargs):
-        intra_op._RULE_STRATEGIES.clear()
-        intra_op._REACHABLE.clear()
-        return build(*args, **kwargs)
+    def per_solve_memos(graph, mesh, inputs="global", option=None, memo=None):
+        return build(graph, mesh, inputs, option, PricingMemo())
 
     intra_op.build_strategies = per_solve_memos
-    layer_graph = inter_op._StageCosts._layer_graph
+    layer_graph = LayerCosts.layer_graph
 
     def per_solve_subgraph(self, l):
         self._layer_graphs.clear()
         return layer_graph(self, l)
 
-    inter_op._StageCosts._layer_graph = per_solve_subgraph
+    LayerCosts.layer_graph = per_solve_subgraph
 
 
 def _cpu() -> float:
@@ -64,7 +65,6 @@ def main() -> None:
     args = p.parse_args()
     if args.before:
         switch_off_fast_paths()
-    inter_op._workers = lambda: args.workers
     row = ws.ROWS[args.row]
     cluster = torchalpa.Cluster.h100(num_nodes=max(1, row.devices // 8),
                                      devices_per_node=min(8, row.devices))
@@ -74,8 +74,10 @@ def main() -> None:
                              auto_sharding_option=torchalpa.AutoShardingOption(solver="highs",
                                                                                remat="auto"))
     bound = None if args.before else (lambda v: compute_lower_bound(v.graph, cluster, B))
+    pricing = PricingMemo()     # shared by both captures' searches, as the solves repeat it
     wall, cpu = time.perf_counter(), _cpu()
-    plan = plan_with_remat(variants, lambda v: inter_op.plan_pipeline(v.graph, cluster, base),
+    plan = plan_with_remat(variants, lambda v: inter_op.plan_pipeline(
+                               v.graph, cluster, base, pricing=pricing, workers=args.workers),
                            lambda v: v.graph, bound)
     print(f"{'before' if args.before else 'after'} {args.row}: step "
           f"{ws._step(plan, cluster):.6g} s, stages {plan.forward_stage_layer_ids} on "

@@ -3,7 +3,7 @@
     cd benchmarks && python search_profile.py --row 15b [--workers 2] [other search_ab flags]
 
 Runs ``search_ab.py`` (the weak-scaling row's automatic search) with three probes:
-each exact stage solve (``_StageCosts._solve_stage``: layers, submesh, view, micro-batches
+each exact stage solve (``ExactStages._solve_stage``: layers, submesh, view, micro-batches
 in flight, seconds, the latency it found), each HiGHS run that took a second or more or
 did not end optimal (seconds, HiGHS's own status, so the runs stopped by the time limit
 show as ``kTimeLimit``, and the gap left) and the search's INFO log (which uniform
@@ -20,7 +20,8 @@ import time
 
 import search_ab
 
-from torchalpa.passes import ilp_highs, inter_op
+from torchalpa.passes import ilp_highs
+from torchalpa.passes.exact_stages import ExactStages
 
 
 def _say(text: str) -> None:
@@ -28,7 +29,7 @@ def _say(text: str) -> None:
 
 
 def _probe_stage_solves() -> None:
-    solve_stage = inter_op._StageCosts._solve_stage
+    solve_stage = ExactStages._solve_stage
 
     def timed(self, k, i, submesh, view, flight, received, *budget):
         start = time.perf_counter()
@@ -40,7 +41,7 @@ def _probe_stage_solves() -> None:
              f"{time.perf_counter() - start:.1f} s -> latency {seconds}, lean {lean}")
         return found
 
-    inter_op._StageCosts._solve_stage = timed
+    ExactStages._solve_stage = timed
 
 
 def _probe_highs() -> None:

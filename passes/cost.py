@@ -54,6 +54,7 @@ def collective_cost(mesh: LogicalMesh, kind: str, axis: int, nbytes: float) -> f
     n = mesh.shape[axis]
     if n == 1 or kind in ("slice", "partition"):
         return 0.0
+    assert mesh.alpha is not None and mesh.beta is not None  # LogicalMesh.__post_init__
     a, b = mesh.alpha[axis], mesh.beta[axis]
     if kind == "all_reduce":
         return a + 2 * b * (n - 1) / n * nbytes

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import OrderedDict, defaultdict
-from dataclasses import dataclass, field, replace
+from collections import defaultdict
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from torchalpa.passes.shared_reshard import (
 from torchalpa.passes.simplify import Grouping
 from torchalpa.passes.strategies import Strategy, sync_steps
 
-__all__ = ["ReshardCosts", "cached_reshard_costs", "CostGraph", "build_cost_graph",
+__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph",
            "solve_sharing_reads"]
 
 log = logging.getLogger("torchalpa.planner")
@@ -106,28 +106,6 @@ class ReshardCosts:
         return found
 
 
-_CACHED: OrderedDict[tuple, ReshardCosts] = OrderedDict()
-_CACHED_MESHES = 64
-
-
-def cached_reshard_costs(mesh: LogicalMesh, allow_reduce_scatter: bool = True,
-                         forbidden: frozenset = frozenset()) -> ReshardCosts:
-    """One ``ReshardCosts`` per (mesh, options) for the whole process: a resharding's
-    price depends only on the tensor, the two layouts and the mesh's links, so every
-    solve on the same view (each distinct layer, its lean variant, the remat captures,
-    the exact stage solves) reuses the prices the others computed. Pricing them again
-    per solve was a fifth of the GPT-1.3B pipeline search (536k lookups, profiled).
-    The memory budget does not change a price and is left out of the key."""
-    key = (replace(mesh, memory_per_device=None), allow_reduce_scatter, frozenset(forbidden))
-    costs = _CACHED.get(key)
-    if costs is None:
-        costs = _CACHED[key] = ReshardCosts(*key)
-        while len(_CACHED) > _CACHED_MESHES:
-            _CACHED.popitem(last=False)
-    _CACHED.move_to_end(key)
-    return costs
-
-
 def _unique(items: list) -> tuple[list, np.ndarray]:
     seen: dict = {}
     idx = np.array([seen.setdefault(x, len(seen)) for x in items], dtype=np.int64)
@@ -158,25 +136,58 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
     accumulation): every cost but the gradients' final resharding counts that many times.
     ``state_once`` (``plan.state_read_once``): a forward op's read of a parameter or buffer
     is resharded once per step too (``runtime/param_gather.py``)."""
-    k = float(micro_batches)
-
-    def times(u: str, v: str, how) -> float:
-        """How many times a step pays the link ``u -> v`` (read as ``how``)."""
-        if how == "grad" or (state_once and isinstance(how, int)
-                             and _state_read_in_forward(graph, u, v)):
-            return 1.0
-        return k
-
-    rep, index = grouping.rep, grouping.index
+    repeats = _Repeats(graph, float(micro_batches), state_once)
+    node_costs = _node_costs(graph, mesh, S, grouping, costs, repeats.micro_batches)
+    links = _links(graph, shared)
+    groups = _group_links(graph, S, grouping, links)
+    edges = _price_groups(graph, S, grouping, costs, groups, node_costs, repeats,
+                          read_weights or {})
+    groups_shared = shared_groups(graph, S, grouping, costs, set(shared))
     order = {n.name: i for i, n in enumerate(graph)}
+    for g in groups_shared:          # operand reads: once per micro-batch (or step)
+        first = min((n for n in graph.ops() if any(r.node == g.value[0] for r in n.operands)),
+                    key=lambda n: order[n.name])      # the read that makes the shared copy
+        g.table = g.table * repeats.of(g.value[0], first.name, 0)
+    return CostGraph(node_costs, edges, num_edges=len(links), num_priced=len(groups),
+                     shared=groups_shared)
+
+
+Link = tuple[str, int, str, object]
+"""(producer, output index, consumer, how the consumer reads it: an operand slot, "grad"
+for a gradient reaching its parameter, "param" for a buffer's new value)."""
+
+
+@dataclass(frozen=True)
+class _Repeats:
+    """How many times a step pays a link: once per micro-batch, but a gradient's final
+    resharding and (``state_once``) a forward op's read of a parameter or buffer once."""
+
+    graph: OpGraph
+    micro_batches: float
+    state_once: bool
+
+    def of(self, u: str, v: str, how) -> float:
+        """How many times a step pays the link ``u -> v`` (read as ``how``)."""
+        if how == "grad" or (self.state_once and isinstance(how, int)
+                             and _state_read_in_forward(self.graph, u, v)):
+            return 1.0
+        return self.micro_batches
+
+
+def _fold(node_costs: dict[str, np.ndarray], grouping: Grouping, name: str,
+          vec: np.ndarray) -> None:
+    """Add ``name``'s cost per strategy onto its representative's."""
+    node_costs[grouping.rep[name]] += vec[list(grouping.index[name])]
+
+
+def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
+                grouping: Grouping, costs: ReshardCosts, k: float) -> dict[str, np.ndarray]:
+    """Per representative and strategy: its nodes' compute and internal all-reduces, and
+    the loss and the values sent to other stages made whole, ``k`` times a step."""
     node_costs = {r: np.zeros(len(S[r])) for r in grouping.representatives}
-
-    def fold(name: str, vec: np.ndarray) -> None:
-        node_costs[rep[name]] += vec[list(index[name])]
-
     for node in graph:
         if not node.is_leaf:
-            fold(node.name, k * np.array([
+            _fold(node_costs, grouping, node.name, k * np.array([
                 compute_cost(mesh, node, s.shards, s.outputs,
                              strategy_bytes(graph, node, s.inputs, s.outputs, mesh.shape))
                 + steps_cost(mesh, sync_steps(s, node.outputs[0], mesh.shape))
@@ -186,11 +197,15 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
     whole = ([graph.outputs.loss] if graph.outputs.loss is not None else []) + \
         list(graph.outputs.sends)
     for ref in whole:
-        fold(ref.node, k * np.array([costs.cost(graph.spec(ref), s.outputs[ref.index], R)
-                                     for s in S[ref.node]]))
+        _fold(node_costs, grouping, ref.node, k * np.array([
+            costs.cost(graph.spec(ref), s.outputs[ref.index], R) for s in S[ref.node]]))
+    return node_costs
 
-    # (producer, output index, consumer, how the consumer reads it)
-    links: list[tuple[str, int, str, object]] = []
+
+def _links(graph: OpGraph, shared: frozenset) -> list[Link]:
+    """Every link the ILP prices: operand reads (but of ``shared`` values, priced once
+    per layout), gradients to their parameters, new buffer values to their buffers."""
+    links: list[Link] = []
     for node in graph.ops():
         for slot, ref in enumerate(node.operands):
             if (ref.node, ref.index) not in shared:
@@ -201,14 +216,30 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
     buffers = {n.target: n.name for n in graph if n.kind == "buffer"}
     for fqn, ref in graph.outputs.buffer_updates:   # new buffer values take its layout
         links.append((ref.node, ref.index, buffers[fqn], "param"))
+    return links
 
-    groups: dict[tuple, list] = defaultdict(list)
+
+def _group_links(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Grouping,
+                 links: list[Link]) -> dict[tuple, list[Link]]:
+    """Links that price alike (same representatives, strategies, value and read
+    layouts), each group priced once."""
+    rep, index = grouping.rep, grouping.index
+    groups: dict[tuple, list[Link]] = defaultdict(list)
     for u, idx, v, how in links:
         key = (rep[u], rep[v], index[u], index[v], graph.node(u).outputs[idx], idx,
                _read_layouts_key(S[v], how))
         groups[key].append((u, idx, v, how))
+    return groups
 
-    weights = read_weights or {}
+
+def _price_groups(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Grouping,
+                  costs: ReshardCosts, groups: dict[tuple, list[Link]],
+                  node_costs: dict[str, np.ndarray], repeats: _Repeats,
+                  weights: dict[tuple[str, int], float]) -> list[Edge]:
+    """Each group's resharding table, times how often a step pays its links; a group
+    within one representative adds its diagonal to the node's costs, the others are the
+    ILP's edges."""
+    index = grouping.index
     edges: list[Edge] = []
     for key, members in groups.items():
         ru, rv = key[0], key[1]
@@ -217,18 +248,12 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
         cols = [_reads(S[v][b], how) for b in index[v]]
         e = costs.edge(ru, rv, graph.node(u).outputs[idx], rows, cols, gradient=how == "grad")
         e.table = e.table * sum((weights.get((m[0], m[1]), 1.0) if isinstance(m[3], int) else 1.0)
-                                * times(m[0], m[2], m[3]) for m in members)
+                                * repeats.of(m[0], m[2], m[3]) for m in members)
         if ru == rv:   # both ends follow one node: only its diagonal can happen
             node_costs[ru] += e.dense().diagonal()
         else:
             edges.append(e)
-    groups_shared = shared_groups(graph, S, grouping, costs, set(shared))
-    for g in groups_shared:          # operand reads: once per micro-batch (or step)
-        first = min((n for n in graph.ops() if any(r.node == g.value[0] for r in n.operands)),
-                    key=lambda n: order[n.name])      # the read that makes the shared copy
-        g.table = g.table * times(g.value[0], first.name, 0)
-    return CostGraph(node_costs, edges, num_edges=len(links), num_priced=len(groups),
-                     shared=groups_shared)
+    return edges
 
 
 def _state_read_in_forward(graph: OpGraph, producer: str, consumer: str) -> bool:

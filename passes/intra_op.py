@@ -6,7 +6,7 @@
    brought to its parameter's layout;
 3. the ILP picks one strategy per node;
 4. the choice becomes a Plan: placements, every resharding step, the collectives they
-   issue, and estimates of step time and memory.
+   issue, and estimates of step time and memory (``passes/sharding_plan.py``).
 """
 
 from __future__ import annotations
@@ -16,61 +16,57 @@ import math
 import time
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
 from torchalpa.core.cluster import LogicalMesh
-from torchalpa.core.opgraph import OpGraph, TensorSpec, ValueRef
+from torchalpa.core.opgraph import OpGraph, TensorSpec
 from torchalpa.core.options import AutoShardingOption, ShardParallel
-from torchalpa.core.placement import Placements, Shard, format_placements, is_shard, replicated
+from torchalpa.core.placement import Shard
 from torchalpa.core.plan import (
-    INPUT_SLOT,
-    OUTPUT,
-    Collective,
-    MeshStage,
-    NodeStrategy,
-    OutputSlot,
     Plan,
-    Reshard,
-    ValuePlacement,
     state_read_once,
 )
-from torchalpa.core.plan_records import Estimates, Explanation, LayoutCost
 from torchalpa.core.units import format_bytes
 from torchalpa.passes.attention_price import saved_statistics
 from torchalpa.passes.constraints import apply_constraints
-from torchalpa.passes.cost import (
-    batch_sync_cost,
-    compute_cost,
-    gradient_steps_cost,
-    optimizer_cost,
-    steps_cost,
-    strategy_bytes,
-    wire_bytes,
+from torchalpa.passes.costgraph import (
+    CostGraph,
+    ReshardCosts,
+    solve_sharing_reads,
 )
-from torchalpa.passes.costgraph import ReshardCosts, cached_reshard_costs, solve_sharing_reads
 from torchalpa.passes.fused_pricing import priced_as
-from torchalpa.passes.ilp import ILPProblem, InfeasibleError, SolverStopped, solve_ilp
+from torchalpa.passes.ilp import (
+    ILPProblem,
+    ILPSolution,
+    InfeasibleError,
+    SolverStopped,
+    solve_ilp,
+)
 from torchalpa.passes.inplace_pricing import priced_in_place
-from torchalpa.passes.memory import MemoryModel, activation_peak_bytes, model_state_bytes
+from torchalpa.passes.memory import MemoryModel, model_state_bytes
+from torchalpa.passes.pricing_memo import PricingMemo
 from torchalpa.passes.reshard import local_bytes, plan_reshard
 from torchalpa.passes.rules import rule_for
-from torchalpa.passes.shared_reshard import read_key
-from torchalpa.passes.simplify import group_nodes
+from torchalpa.passes.sharding_plan import (
+    assemble_plan,
+    merge_gradient_all_reduces,
+    replace_estimates,
+)
+from torchalpa.passes.simplify import Grouping, group_nodes
 from torchalpa.passes.strategies import (
     Strategy,
-    enumerate_strategies,
+    StrategySpace,
     leaf_strategies,
     replicate_only,
     splits_over_both_axes,
-    sync_steps,
 )
 from torchalpa.passes.strides import strided_regions
 
 __all__ = ["plan_intra_op", "step_time_lower_bound", "UnsupportedOpWarning", "build_strategies",
-           "assemble_plan", "merge_gradient_all_reduces", "planned_for", "intra_op_problem",
-           "rule_strategies"]
+           "planned_for", "intra_op_problem"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -79,18 +75,12 @@ class UnsupportedOpWarning(UserWarning):
     """An op has no sharding rule and runs replicated."""
 
 
-@dataclass
-class StrategySpace:
-    strategies: dict[str, list[Strategy]]
-    unsupported: list[dict]
-    notes: list[str]
-    heavy: frozenset = frozenset()   # nodes whose rule says compute-bound
-    random: frozenset = frozenset()  # nodes whose rule says they draw random numbers
-
-
 def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
-                     option: AutoShardingOption | None = None) -> StrategySpace:
-    """Every node's candidate strategies; ops without a rule get replicate-only."""
+                     option: AutoShardingOption | None = None,
+                     memo: PricingMemo | None = None) -> StrategySpace:
+    """Every node's candidate strategies; ops without a rule get replicate-only.
+    ``memo``: where rules' strategies and reachable layouts are kept across solves."""
+    memo = PricingMemo() if memo is None else memo
     strategies: dict[str, list[Strategy]] = {}
     unsupported: list[dict] = []
     heavy, random = set(), set()
@@ -112,7 +102,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
             heavy.add(node.name)
         options = []
         if rule is not None:
-            options = list(rule_strategies(
+            options = list(memo.rule_strategies(
                 rule, mesh, option is not None and option.allow_recompute_heavy_op, strides))
         if not options:
             if rule is None:
@@ -126,7 +116,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
             if kept:
                 strategies[name] = kept
     notes = apply_constraints(graph, strategies, mesh, option) if option is not None else []
-    _prune_unreachable(graph, strategies, mesh)
+    _prune_unreachable(graph, strategies, mesh, memo.reachable(mesh.shape))
     for item in unsupported:
         warnings.warn(f"no sharding rule for {item['op']} (node {item['node']}"
                       + (f", module '{item['module']}'" if item["module"] else "")
@@ -136,38 +126,12 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
     return StrategySpace(strategies, unsupported, notes, frozenset(heavy), frozenset(random))
 
 
-_RULE_STRATEGIES: dict[tuple, list[Strategy]] = {}
-_REACHABLE: dict[tuple, dict] = {}
-_MEMO_ENTRIES = 200_000
-"""Bound on each process-wide memo below (cleared when full)."""
-
-
-def rule_strategies(rule, mesh: LogicalMesh, recompute_heavy: bool,
-                     strides: tuple[tuple[int, int], ...] = ()) -> list[Strategy]:
-    """``enumerate_strategies``, memoized for the process: it depends on the rule, the
-    mesh's shape and the flag only, and the pipeline search asks for the same rules on the
-    same views many times (every layer, lean variant, remat capture and stage solve);
-    enumerating them again was an eighth of GPT-1.3B's search (profiled). Strategies
-    are frozen, so the lists' items may be shared."""
-    key = (rule, mesh.shape, recompute_heavy, strides)
-    found = _RULE_STRATEGIES.get(key)
-    if found is None:
-        if len(_RULE_STRATEGIES) >= _MEMO_ENTRIES:
-            _RULE_STRATEGIES.clear()
-        found = _RULE_STRATEGIES[key] = enumerate_strategies(rule, mesh, recompute_heavy,
-                                                             strides)
-    return found
-
-
 def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
-                       mesh: LogicalMesh) -> None:
+                       mesh: LogicalMesh, shared: dict) -> None:
     """Drop strategies that read an operand in a layout no producer strategy can be
     resharded into (e.g. a Partial input downstream of ops that never make one). The
-    answers depend on the tensor, the layouts and the mesh's shape only: kept for the
-    process, per mesh shape."""
-    if len(_REACHABLE) >= 64 or sum(len(v) for v in _REACHABLE.values()) >= _MEMO_ENTRIES:
-        _REACHABLE.clear()
-    shared = _REACHABLE.setdefault(mesh.shape, {})   # (spec, sources) -> {want: reachable?}
+    answers depend on the tensor, the layouts and the mesh's shape only: kept in
+    ``shared`` ((spec, sources) -> {want: reachable?}, ``PricingMemo.reachable``)."""
     by_operand: dict = {}    # (producer, output index) -> (spec, its layouts, that dict)
 
     def reachable(ref, want) -> bool:
@@ -202,103 +166,165 @@ def _batch_sharded(spec: TensorSpec, mesh: LogicalMesh) -> Strategy:
 
 def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | None = None, *,
                   inputs: str = "global", blocks: dict[str, tuple[str, int]] | None = None,
-                  in_flight: int = 1) -> Plan:
+                  in_flight: int = 1, memo: PricingMemo | None = None) -> Plan:
     """Solve Alpa's intra-op ILP for ``graph`` on ``mesh`` and return the Plan.
 
     ``blocks`` (node -> (block kind, index)) lets identical layers share one decision.
     ``in_flight``: micro-batches whose activations must fit in memory at once (a pipeline
-    stage's; the estimates still describe one micro-batch).
+    stage's; the estimates still describe one micro-batch). ``memo``: pricing work kept
+    across the solves of whoever passes it (``passes/pricing_memo.py``; default: this
+    solve's own).
     """
     method = method or ShardParallel()
     start = time.perf_counter()
-    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs)
-    S = space.strategies
-    budget = option.memory_budget_per_device or mesh.memory_per_device
-    # a parameter's forward reshards run once per step (runtime/param_gather.py)
-    state_once = state_read_once(method.num_micro_batches, option.rematerialize_parameters)
+    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs, memo)
     if option.force_simple_heuristic or not option.enable_auto_sharding:
-        chosen = _propagate(graph, S, costs, mesh,
+        chosen = _propagate(graph, space.strategies, costs, mesh,
                             by_size=option.force_simple_heuristic == "shard-largest")
         plan = merge_gradient_all_reduces(
             assemble_plan(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
-        return _replace_estimates(plan, dict(plan.estimates, objective=plan.estimates[
+        return replace_estimates(plan, dict(plan.estimates, objective=plan.estimates[
             "step_time_s"], solve_seconds=time.perf_counter() - start))
+    ilp = _IntraOpILP(graph, mesh, method, option, space, costs, blocks, in_flight)
+    built = time.perf_counter()
+    best = ilp.best()
+    plan = merge_gradient_all_reduces(assemble_plan(graph, mesh, method, best.chosen, costs,
+                                                    space, inputs), graph, mesh, option)
+    return _with_solve_figures(plan, graph, mesh, space, best, ilp.budget, start, built)
 
-    def solve(period: int, start: dict[str, Strategy] | None = None, exact: bool = False,
-              shared: frozenset = frozenset(), followers: bool = True):
-        grouping = group_nodes(graph, S, None if exact else blocks, heavy=space.heavy,
+
+class _Solved(NamedTuple):
+    """One solve of the ILP: the grouping and cost graph it was built on, the solution,
+    each node's strategy, and the values priced once per layout."""
+
+    grouping: Grouping
+    cg: CostGraph
+    solution: ILPSolution
+    chosen: dict[str, Strategy]
+    shared: frozenset
+
+
+class _IntraOpILP:
+    """The ILP of ``graph`` on ``mesh``, solved as simplified as its size allows and
+    re-solved less simplified from the plan found where that may pay (``best``)."""
+
+    def __init__(self, graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
+                 option: AutoShardingOption, space: StrategySpace, costs: ReshardCosts,
+                 blocks: dict[str, tuple[str, int]] | None, in_flight: int):
+        self.graph, self.mesh, self.method, self.option = graph, mesh, method, option
+        self.space, self.costs, self.blocks, self.in_flight = space, costs, blocks, in_flight
+        self.budget = option.memory_budget_per_device or mesh.memory_per_device
+        # a parameter's forward reshards run once per step (runtime/param_gather.py)
+        self.state_once = state_read_once(method.num_micro_batches,
+                                          option.rematerialize_parameters)
+
+    def best(self) -> _Solved:
+        """The best plan of the solves the graph's size calls for (see the comments)."""
+        graph, option, blocks = self.graph, self.option, self.blocks
+        found = None
+        frees = self._frees_followers()
+        # a follower takes its operand's layout; deciding on its own it may avoid a
+        # reshard the merge forces (GPT's stages: the gain of the unsimplified re-solve)
+        if frees and len(graph) > option.exact_below:
+            # its problem contains the simplified one, so it is solved instead of it: on
+            # GPT-39B's memory-bound stages solving the simplified ILP first and this one
+            # from its plan took 1.2-4x as long, for a plan no better
+            try:
+                found = self.solve(1, followers=False)
+            except SolverStopped as e:
+                log.warning("the ILP with free followers found no plan in time (%s); solving "
+                            "the simplified one", e)
+        best = found if found is not None else self.solve(1)
+        if frees and found is None and len(graph) <= option.exact_below:
+            # re-solved unsimplified below: from the freed plan that solve is much shorter
+            # (pipeline_vs_3d's pp4 dp4 tp4 grid, 4-layer GPT-39B stages: planned in
+            # 23.3 s, 128.7 s from the simplified plan), and plans that tie stay the
+            # simplified ILP's (Alpa's tests pin such tie-breaks)
+            best = self.resolve(best, "free followers", followers=False)
+        exact_next = len(graph) <= option.exact_below and len(best.cg.node_costs) < len(graph)
+        # the unsimplified problem contains the alternating one (and starts from this
+        # plan): where it is solved next, the alternating solve would only repeat its work
+        if not exact_next and blocks and option.alternate_blocks and _reshards_between_blocks(
+                graph, blocks, best.chosen, self.costs) > 0.01 * best.solution.objective:
+            # shared layers cannot alternate; let every other layer decide apart, keep the
+            # best
+            alternative = self.solve(2, start=best.chosen, shared=best.shared)
+            if alternative.solution.objective < best.solution.objective:
+                best = alternative
+        if exact_next:
+            # shared decisions and followers restrict the problem; on a graph this small,
+            # solve the full problem too (from the plan found) so they never cost optimality
+            best = self.resolve(best, "nothing simplified", exact=True)
+        return best
+
+    def _frees_followers(self) -> bool:
+        """Whether letting followers decide on their own gives the ILP more decisions, on
+        a graph small enough for it (``free_followers_below``)."""
+        graph, S, blocks, heavy = self.graph, self.space.strategies, self.blocks, \
+            self.space.heavy
+        return len(graph) <= self.option.free_followers_below and len(group_nodes(
+            graph, S, blocks, heavy=heavy, merge_followers=False).representatives) > \
+            len(group_nodes(graph, S, blocks, heavy=heavy).representatives)
+
+    def solve(self, period: int, start: dict[str, Strategy] | None = None,
+              exact: bool = False, shared: frozenset = frozenset(),
+              followers: bool = True) -> _Solved:
+        """One solve: ``period`` 2 lets every other repeated block decide apart,
+        ``exact`` shares no decision at all, ``followers`` False lets followers decide on
+        their own; ``start``: a plan of a coarser grouping to start from."""
+        graph, S, mesh = self.graph, self.space.strategies, self.mesh
+        grouping = group_nodes(graph, S, None if exact else self.blocks, heavy=self.space.heavy,
                                period=period, merge_followers=followers and not exact)
-        memory = MemoryModel(graph, S, grouping, mesh.shape, method.optimizer_states, in_flight,
-                             saved_statistics(graph, mesh), state_at_start=state_once)
-        initial = None
-        if start is not None:    # a plan of a coarser grouping is feasible here too
-            initial = {}
-            for k in grouping.representatives:
-                position = {id(S[k][i]): a for a, i in enumerate(grouping.index[k])}
-                if id(start[k]) in position:
-                    initial[k] = position[id(start[k])]
+        memory = MemoryModel(graph, S, grouping, mesh.shape, self.method.optimizer_states,
+                             self.in_flight, saved_statistics(graph, mesh),
+                             state_at_start=self.state_once)
         cg, solution, chosen, shared = solve_sharing_reads(
-            graph, mesh, S, grouping, costs,
-            lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory, budget,
-                                                     option, mesh, initial=initial),
-            initial, shared, micro_batches=method.num_micro_batches, state_once=state_once)
-        return grouping, cg, solution, chosen, shared
+            graph, mesh, S, grouping, self.costs,
+            lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory,
+                                                     self.budget, self.option, mesh,
+                                                     initial=initial),
+            _initial_choice(S, grouping, start), shared,
+            micro_batches=self.method.num_micro_batches, state_once=self.state_once)
+        return _Solved(grouping, cg, solution, chosen, shared)
 
-    def resolve(what: str, **less_simplified) -> None:
-        """Solve again, from the plan found, with ``less_simplified`` letting more nodes
-        decide apart; keep the better plan."""
-        nonlocal grouping, cg, solution, chosen, shared
+    def resolve(self, best: _Solved, what: str, **less_simplified) -> _Solved:
+        """Solve again, from ``best``'s plan, with ``less_simplified`` letting more nodes
+        decide apart; the better of the two plans."""
         try:
-            found = solve(1, start=chosen, shared=shared, **less_simplified)
+            found = self.solve(1, start=best.chosen, shared=best.shared, **less_simplified)
         except InfeasibleError as e:    # a time limit without a solution: keep what we have
             log.warning("the ILP with %s found no plan (%s); keeping the plan found, which "
                         "may not be optimal", what, e)
-            return
-        if found[2].objective < solution.objective * (1 - 1e-9):
+            return best
+        if found.solution.objective < best.solution.objective * (1 - 1e-9):
             log.info("the ILP with %s improved the plan: %.6g -> %.6g", what,
-                     solution.objective, found[2].objective)
-            grouping, cg, solution, chosen, shared = found
+                     best.solution.objective, found.solution.objective)
+            return found
+        return best
 
-    built = time.perf_counter()
-    found = None
-    frees = len(graph) <= option.free_followers_below and len(group_nodes(
-        graph, S, blocks, heavy=space.heavy, merge_followers=False).representatives) > \
-        len(group_nodes(graph, S, blocks, heavy=space.heavy).representatives)
-    # a follower takes its operand's layout; deciding on its own it may avoid a reshard
-    # the merge forces (GPT's stages: the gain of the unsimplified re-solve)
-    if frees and len(graph) > option.exact_below:
-        # its problem contains the simplified one, so it is solved instead of it: on
-        # GPT-39B's memory-bound stages solving the simplified ILP first and this one
-        # from its plan took 1.2-4x as long, for a plan no better
-        try:
-            found = solve(1, followers=False)
-        except SolverStopped as e:
-            log.warning("the ILP with free followers found no plan in time (%s); solving "
-                        "the simplified one", e)
-    grouping, cg, solution, chosen, shared = found or solve(1)
-    if frees and found is None and len(graph) <= option.exact_below:
-        # re-solved unsimplified below: from the freed plan that solve is much shorter
-        # (pipeline_vs_3d's pp4 dp4 tp4 grid, 4-layer GPT-39B stages: planned in 23.3 s,
-        # 128.7 s from the simplified plan), and plans that tie stay the simplified ILP's
-        # (Alpa's tests pin such tie-breaks)
-        resolve("free followers", followers=False)
-    exact_next = len(graph) <= option.exact_below and len(cg.node_costs) < len(graph)
-    # the unsimplified problem contains the alternating one (and starts from this plan):
-    # where it is solved next, the alternating solve would only repeat part of its work
-    if not exact_next and blocks and option.alternate_blocks and \
-            _reshards_between_blocks(graph, blocks, chosen, costs) > 0.01 * solution.objective:
-        # shared layers cannot alternate; let every other layer decide apart, keep the best
-        alternative = solve(2, start=chosen, shared=shared)
-        if alternative[2].objective < solution.objective:
-            grouping, cg, solution, chosen, shared = alternative
-    if exact_next:
-        # shared decisions and followers restrict the problem; on a graph this small,
-        # solve the full problem too (from the plan found) so they never cost optimality
-        resolve("nothing simplified", exact=True)
-    plan = merge_gradient_all_reduces(assemble_plan(graph, mesh, method, chosen, costs, space,
-                                                 inputs), graph, mesh, option)
+
+def _initial_choice(S: dict[str, list[Strategy]], grouping: Grouping,
+                    start: dict[str, Strategy] | None) -> dict[str, int] | None:
+    """``start`` (a plan of a coarser grouping, feasible here too) as a starting choice
+    per representative of ``grouping``."""
+    if start is None:
+        return None
+    initial = {}
+    for k in grouping.representatives:
+        position = {id(S[k][i]): a for a, i in enumerate(grouping.index[k])}
+        if id(start[k]) in position:
+            initial[k] = position[id(start[k])]
+    return initial
+
+
+def _with_solve_figures(plan: Plan, graph: OpGraph, mesh: LogicalMesh, space: StrategySpace,
+                        best: _Solved, budget: float | None, start: float,
+                        built: float) -> Plan:
+    """``plan`` with the solve's figures in its estimates, and a note naming what it was
+    planned for."""
+    cg, solution = best.cg, best.solution
     seconds = time.perf_counter() - start
-    num_strategies = sum(len(v) for v in S.values())
+    num_strategies = sum(len(v) for v in space.strategies.values())
     log.info("intra-op plan on mesh %s: %d nodes (%d decide), %d strategies, %d/%d edges "
              "priced, ILP %d vars, solved in %.2fs (build %.2fs), objective %.6g",
              mesh.shape, len(graph), len(cg.node_costs), num_strategies, cg.num_priced,
@@ -312,15 +338,17 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         estimates["peak_flops_per_device"] = float(mesh.peak_flops)
     if budget:
         estimates["memory_budget_bytes"] = float(budget)
-    plan = _replace_estimates(plan, estimates)
+    plan = replace_estimates(plan, estimates)
     target = planned_for(mesh, budget)
     return replace(plan, notes=plan.notes + (target,)) if target else plan
 
 
-def intra_op_problem(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str):
+def intra_op_problem(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str,
+                     memo: PricingMemo | None = None):
     """What the ILP is built from: the option in effect (pins of a manual option added),
     the mesh as priced (gradients in the runtime's buckets), the graph as priced, every
-    node's strategies and the resharding costs."""
+    node's strategies and the resharding costs (kept in ``memo`` across solves)."""
+    memo = PricingMemo() if memo is None else memo
     if inputs not in ("global", "local"):
         raise ValueError(f"inputs must be 'global' or 'local', got {inputs!r}")
     option = method.auto_sharding_option
@@ -332,13 +360,14 @@ def intra_op_problem(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, i
     if mesh.gradient_bucket_bytes > 0 and option.all_reduce_threshold is not None:
         # the runtime packs gradients into buckets of the plan's threshold: price those
         mesh = replace(mesh, gradient_bucket_bytes=float(option.all_reduce_threshold))
-    space = build_strategies(graph, mesh, inputs, option)
-    costs = cached_reshard_costs(mesh, option.allow_reduce_scatter, forbidden_collectives(option))
+    space = build_strategies(graph, mesh, inputs, option, memo)
+    costs = memo.reshard_costs(mesh, option.allow_reduce_scatter, forbidden_collectives(option))
     return option, mesh, graph, space, costs
 
 
 def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | None = None,
-                          *, inputs: str = "global") -> float | None:
+                          *, inputs: str = "global", memo: PricingMemo | None = None
+                          ) -> float | None:
     """Seconds that no plan ``plan_intra_op`` could return for ``graph`` on ``mesh`` has an
     estimated step below: the linear relaxation of the unsimplified problem (every node
     deciding on its own, which the simplified problems, the memory constraints and the
@@ -350,11 +379,12 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
 
     None where there is no such bound: no ILP (the heuristics), no HiGHS, or a plan whose
     estimated step the all-reduce combiner lowers after the solve (Alpa's accounting on a
-    hand-built mesh, where the step is below the objective)."""
+    hand-built mesh, where the step is below the objective). ``memo``: as in
+    ``plan_intra_op``."""
     from torchalpa.passes.costgraph import build_cost_graph
     from torchalpa.passes.ilp import lower_bound
     method = method or ShardParallel()
-    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs)
+    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs, memo)
     if option.force_simple_heuristic or not option.enable_auto_sharding:
         return None
     if option.all_reduce_threshold and mesh.gradient_bucket_bytes <= 0:
@@ -434,73 +464,6 @@ def _propagate(graph: OpGraph, S: dict[str, list[Strategy]], costs: ReshardCosts
     return chosen
 
 
-def _gradient_values(graph: OpGraph) -> set[tuple[str, int]]:
-    """Parameter gradients and the values they are views of (same size, single-result
-    ops whose every use leads only to gradient outputs): what an all-reduce combiner may
-    merge. Values as (node, result index)."""
-    found = {(ref.node, ref.index) for _, ref in graph.outputs.grads}
-    other = {(ref.node, ref.index) for ref in
-             ([graph.outputs.loss] if graph.outputs.loss else [])}
-    other |= {(ref.node, ref.index) for _, ref in graph.outputs.buffer_updates}
-    other |= {(ref.node, ref.index) for ref in graph.outputs.sends}
-    found -= other
-    users: dict[tuple[str, int], list[str]] = {}
-    for n in graph.ops():
-        for ref in n.operands:
-            users.setdefault((ref.node, ref.index), []).append(n.name)
-    for n in reversed(list(graph.ops())):
-        key = (n.name, 0)
-        used = users.get(key, [])
-        if len(n.outputs) != 1 or key in other or key in found or not used:
-            continue
-        if all(len(graph.node(u).outputs) == 1 and (u, 0) in found
-               and graph.node(u).outputs[0].numel == n.outputs[0].numel for u in used):
-            found.add(key)
-    return found
-
-
-def merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
-                                option: AutoShardingOption) -> Plan:
-    """Alpa's all-reduce combiner on the plan: gradient all-reduces on one mesh axis are
-    packed, in order, into buckets of at most ``all_reduce_threshold`` bytes; each bucket
-    pays one latency instead of one per gradient. The buckets are listed in
-    ``estimates['gradient_buckets']`` (their tensors, and the positions of their
-    collectives in ``plan.collectives``); the collectives stay listed one per gradient."""
-    threshold = option.all_reduce_threshold
-    if threshold is None:
-        return plan
-    grads = _gradient_values(graph)
-    buckets: list[dict] = []
-    open_bucket: dict[int, dict] = {}
-    position = -1                   # plan.collectives lists the reshards' steps first, in order
-    for r in plan.reshards:
-        for step in r.steps:
-            if not step.is_collective:
-                continue
-            position += 1
-            if step.kind != "all_reduce" or (r.producer, r.index) not in grads \
-                    or mesh.shape[step.axis] == 1:
-                continue
-            bucket = open_bucket.get(step.axis)
-            if bucket is None or bucket["bytes"] + step.bytes > threshold:
-                bucket = open_bucket[step.axis] = {"axis": step.axis, "bytes": 0,
-                                                   "tensors": [], "collectives": []}
-                buckets.append(bucket)
-            bucket["bytes"] += step.bytes
-            bucket["tensors"].append(r.producer)
-            bucket["collectives"].append(position)
-    assert position == sum(1 for r in plan.reshards for st in r.steps if st.is_collective) - 1
-    assert mesh.alpha is not None  # LogicalMesh.__post_init__ fills it
-    # a mesh that prices buckets (gradient_bucket_bytes) already charged each gradient its
-    # share of a bucket's latency; Alpa's accounting charged one each, merged here
-    saved = 0.0 if mesh.gradient_bucket_bytes > 0 else \
-        sum((len(b["tensors"]) - 1) * mesh.alpha[b["axis"]] for b in buckets)
-    e = plan.estimates
-    return _replace_estimates(plan, dict(e, gradient_buckets=buckets,
-                                         step_time_s=e["step_time_s"] - saved,
-                                         communication_s=e["communication_s"] - saved))
-
-
 def _reshards_between_blocks(graph: OpGraph, blocks: dict, chosen: dict[str, Strategy],
                              costs: ReshardCosts) -> float:
     """What values pay to change layout where they enter or leave a repeated block (from
@@ -553,25 +516,29 @@ def _violations(timeline: np.ndarray, budget: float, most: int = 8) -> list[int]
     return sorted(picks)
 
 
-def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, option, mesh,
-                         max_rounds: int = 20, initial: dict[str, int] | None = None):
+def _solve_within_memory(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Grouping,
+                         cg: CostGraph, memory: MemoryModel, budget: float | None,
+                         option: AutoShardingOption, mesh: LogicalMesh, max_rounds: int = 20,
+                         initial: dict[str, int] | None = None
+                         ) -> tuple[ILPSolution, dict[str, Strategy]]:
     """Solve; while the plan's true peak exceeds the budget, constrain memory there too."""
-    from dataclasses import replace as _replace
-    states = memory.optimizer_states
     problem = ILPProblem(node_costs=cg.node_costs, edges=cg.edges, shared=cg.shared)
+    if budget is None:
+        solution = _solve(problem, option, initial)
+        return solution, _expand(graph, S, grouping, solution.choice)
+    states = memory.optimizer_states
     points: list[int] = []
-    worst = memory.upper_timeline() if budget is not None else None
-    if worst is not None and worst.max(initial=0) > budget:
+    worst = memory.upper_timeline()
+    if worst.max(initial=0) > budget:
         # the budget may bind: from the first solve on, constrain the likely peaks and
         # points spread over where memory could exceed it (constraints an optimal plan
         # meets anyway; they spare the solver regions a later round would cut off)
         points = sorted(set(memory.likely_peaks()) | set(_violations(worst, budget)))
-        problem = _replace(problem, memory_terms=[memory.terms_at(p) for p in points],
-                           memory_budget=budget)
+        problem = replace(problem, memory_terms=[memory.terms_at(p) for p in points],
+                          memory_budget=budget)
     for _ in range(max_rounds):
         try:
-            solution = solve_ilp(problem, solver=option.solver, time_limit=option.time_limit,
-                                 gap=option.gap, initial=initial)
+            solution = _solve(problem, option, initial)
         except SolverStopped:
             raise
         except InfeasibleError:
@@ -584,8 +551,6 @@ def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, op
                 "per device (parameters, gradients, optimizer states and activations); use "
                 "more devices, a smaller batch, or a larger memory_budget_per_device") from None
         chosen = _expand(graph, S, grouping, solution.choice)
-        if budget is None:
-            return solution, chosen
         timeline = _timeline(graph, memory, chosen, mesh, states)
         peak = float(timeline.max(initial=0))
         log.info("memory: %d points constrained, ILP %.2fs, peak %s (budget %s)", len(points),
@@ -597,10 +562,16 @@ def _solve_within_memory(graph, S, grouping, cg, memory: MemoryModel, budget, op
         if not new_points:
             break
         points += new_points
-        problem = _replace(problem, memory_terms=[memory.terms_at(p) for p in points],
-                           memory_budget=budget)
+        problem = replace(problem, memory_terms=[memory.terms_at(p) for p in points],
+                          memory_budget=budget)
     raise InfeasibleError(f"could not fit the plan in {format_bytes(budget)} per device after "
                           f"{max_rounds} rounds of memory constraints")
+
+
+def _solve(problem: ILPProblem, option: AutoShardingOption,
+           initial: dict[str, int] | None) -> ILPSolution:
+    return solve_ilp(problem, solver=option.solver, time_limit=option.time_limit,
+                     gap=option.gap, initial=initial)
 
 
 def _minimum_memory(graph, S, grouping, cg, memory: MemoryModel, points, option, mesh,
@@ -616,183 +587,3 @@ def _minimum_memory(graph, S, grouping, cg, memory: MemoryModel, points, option,
             return peak
         points.append(t)
     return peak
-
-
-def _explain_parameters(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
-                        chosen: dict[str, Strategy], costs: ReshardCosts,
-                        space: StrategySpace) -> dict[str, Explanation]:
-    """Per parameter: what its layout costs (communication it causes, state it holds) and
-    what the best other layout would cost with every other decision unchanged."""
-    readers: dict[str, list[tuple[str, int]]] = {}
-    for node in graph.ops():
-        for slot, ref in enumerate(node.operands):
-            if graph.node(ref.node).kind in ("param", "buffer"):
-                readers.setdefault(ref.node, []).append((node.name, slot))
-    grads = {graph.params[fqn]: ref for fqn, ref in graph.outputs.grads}
-    out = {}
-    for node in graph:
-        if node.kind not in ("param", "buffer"):
-            continue
-
-        def price(layout):
-            t = sum(costs.cost(node.output, layout, chosen[v].inputs[slot])
-                    for v, slot in readers.get(node.name, []))
-            g = grads.get(node.name)
-            if g is not None:
-                t += costs.cost(graph.spec(g), chosen[g.node].outputs[g.index], layout,
-                                gradient=True)
-            copies = 2 + method.optimizer_states if g is not None else 1
-            return LayoutCost(placements=tuple(format_placements(layout)), communication_s=t,
-                              state_bytes=local_bytes(node.output, layout, mesh.shape) * copies)
-
-        mine = chosen[node.name].outputs[0]
-        others = [price(s.outputs[0]) for s in space.strategies[node.name]
-                  if s.outputs[0] != mine]
-        out[node.target] = Explanation(price(mine), min(
-            others, key=lambda o: (o.communication_s, o.state_bytes)) if others else None)
-    return out
-
-
-def _replace_estimates(plan: Plan, estimates: dict) -> Plan:
-    from dataclasses import replace
-    return replace(plan, estimates=Estimates.from_dict(estimates))
-
-
-def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
-              chosen: dict[str, Strategy], costs: ReshardCosts, space: StrategySpace,
-              inputs: str) -> Plan:
-    R = replicated(mesh.ndim)
-    reshards: list[Reshard] = []
-    first_read: dict = {}     # (value, steps) -> the operand read that reshards it first
-
-    def add(ref: ValueRef, consumer: str, slot, dst: Placements | None):
-        src = chosen[ref.node].outputs[ref.index]
-        steps = costs.steps(graph.spec(ref), src, dst)
-        assert steps is not None, (ref, consumer, slot, src, dst)
-        if isinstance(slot, int):    # operand reads alike share one resharded copy
-            key = read_key(graph, chosen, costs.steps, ref, dst)
-            if key is not None and key in first_read:
-                reshards.append(Reshard(ref.node, ref.index, consumer, slot, (),
-                                        same_as=first_read[key]))
-                return
-            if key is not None:
-                first_read[key] = (consumer, slot)
-        if steps:
-            reshards.append(Reshard(ref.node, ref.index, consumer, slot, tuple(steps)))
-
-    for node in graph:
-        if node.kind == "input" and inputs == "global":
-            steps = costs.steps(node.output, R, chosen[node.name].outputs[0])
-            if steps:
-                reshards.append(Reshard(node.name, 0, node.name, INPUT_SLOT, tuple(steps)))
-        for slot, ref in enumerate(node.operands):
-            add(ref, node.name, slot, chosen[node.name].inputs[slot])
-    if graph.outputs.loss is not None:
-        add(graph.outputs.loss, OUTPUT, OutputSlot.loss(), R)
-    params = graph.params
-    for fqn, ref in graph.outputs.grads:
-        add(ref, OUTPUT, OutputSlot.grad(fqn), chosen[params[fqn]].outputs[0])
-    buffers = {n.target: n.name for n in graph if n.kind == "buffer"}
-    for fqn, ref in graph.outputs.buffer_updates:
-        add(ref, OUTPUT, OutputSlot.buffer(fqn), chosen[buffers[fqn]].outputs[0])
-    for ref in graph.outputs.sends:
-        add(ref, OUTPUT, OutputSlot.send(str(ref)), R)
-
-    collectives = []
-    comm_time = wire = once_time = 0.0   # once_time: paid once per step, not per micro-batch
-    k = method.num_micro_batches      # gradient accumulation: all but the final reductions
-    state_once = state_read_once(k, method.auto_sharding_option.rematerialize_parameters)
-    for r in reshards:
-        if isinstance(r.slot, OutputSlot):
-            phase = "backward" if r.slot.kind == "grad" else graph.node(r.producer).phase
-            at = graph.node(r.producer)
-        else:
-            phase = graph.node(r.consumer).phase
-            at = graph.node(r.consumer)
-        for step in r.steps:
-            if step.is_collective:
-                collectives.append(Collective(kind=step.kind, axis=step.axis, bytes=step.bytes,
-                                              phase=phase, source=at.module, tensor=r.producer,
-                                              reduce_op=step.reduce_op, stack=at.stack))
-        is_gradient = isinstance(r.slot, OutputSlot) and r.slot.kind == "grad"
-        # a forward read of a parameter or buffer: resharded once per step (runtime's
-        # param_gather), as a gradient's final resharding is
-        once = state_once and isinstance(r.slot, int) and phase == "forward" \
-            and graph.node(r.producer).kind in ("param", "buffer")
-        times = 1 if is_gradient or once else k
-        for step in r.steps:
-            if step.is_collective:     # every group along the axis runs this collective
-                groups = mesh.num_devices // mesh.shape[step.axis]
-                wire += times * groups * wire_bytes(step.kind, mesh.shape[step.axis], step.bytes,
-                                                    mesh.backend)
-        seconds = (gradient_steps_cost if is_gradient else steps_cost)(mesh, r.steps)
-        comm_time += times * seconds
-        once_time += seconds if is_gradient or once else 0.0
-    # then the all-reduces ops make inside themselves, after every reshard's, so positions of
-    # reshard collectives stay as the reshards list them: the statistics of a split softmax
-    # dim (phased, max then sum) or a batch-synced op's sums (one pass); never both
-    for n in graph.ops():
-        s = chosen[n.name]
-        phased = sync_steps(s, n.outputs[0], mesh.shape)
-        assert not (phased and s.batch_syncs), f"{n.name}: both phased and batch-synced"
-        internal = [(st.axis, st.bytes, st.reduce_op) for st in phased] + \
-            [(axis, nbytes, "sum") for axis, nbytes in s.batch_syncs]
-        for axis, nbytes, reduce_op in internal:
-            collectives.append(Collective(kind="all_reduce", axis=axis, bytes=nbytes,
-                                          phase=n.phase, source=n.module, tensor=n.name,
-                                          reduce_op=reduce_op, stack=n.stack))
-            groups = mesh.num_devices // mesh.shape[axis]
-            wire += k * groups * wire_bytes("all_reduce", mesh.shape[axis], nbytes, mesh.backend)
-        comm_time += k * (steps_cost(mesh, phased) + batch_sync_cost(mesh, s.batch_syncs))
-    compute_time = k * sum(compute_cost(
-        mesh, n, chosen[n.name].shards, chosen[n.name].outputs, strategy_bytes(
-            graph, n, chosen[n.name].inputs, chosen[n.name].outputs, mesh.shape))
-        for n in graph.ops())
-
-    leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}
-    state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states)
-    optimizer_s = optimizer_cost(mesh, {
-        n.name: local_bytes(n.output, leaf_placement[n.name], mesh.shape)
-        for n in graph if n.kind == "param"}, method.optimizer_states)
-    compute_time += optimizer_s
-    activations, saved = activation_peak_bytes(
-        graph, {k: s.outputs for k, s in chosen.items()}, mesh.shape,
-        saved_statistics(graph, mesh), state_at_start=state_once)
-    estimates = Estimates(step_time_s=comm_time + compute_time, communication_s=comm_time,
-                          once_per_step_s=once_time + optimizer_s,
-                          compute_s=compute_time, model_state_bytes_per_device=state,
-                          activation_bytes_per_device=activations,
-                          saved_activation_bytes_per_device=saved,
-                          memory_per_device_bytes=state + activations,
-                          wire_bytes_per_step=wire)
-    parameters = tuple(ValuePlacement(name=n.target, node=n.name, shape=n.output.shape,
-                                      placements=leaf_placement[n.name])
-                       for n in graph if n.kind in ("param", "buffer"))
-    input_values = tuple(ValuePlacement(name=n.target, node=n.name, shape=n.output.shape,
-                                        placements=leaf_placement[n.name])
-                         for n in graph if n.kind == "input")
-    strategies = tuple(NodeStrategy(node=n.name, inputs=chosen[n.name].inputs,
-                                    outputs=chosen[n.name].outputs,
-                                    batch_syncs=chosen[n.name].batch_syncs)
-                       for n in graph.ops())
-    notes = list(space.notes)
-    for n in graph:
-        if n.kind == "input" and n.output.shape and n.output.shape[0] % mesh.num_devices:
-            notes.append(f"{n.target}: batch dim {n.output.shape[0]} does not divide by "
-                         f"{mesh.num_devices} devices, so it cannot be fully data-parallel")
-    per_block = sorted(n for n in space.random
-                       if any(is_shard(p) for p in chosen[n].outputs[0]))
-    if per_block:
-        notes.append(f"{len(per_block)} random ops (dropout masks...) are drawn per block: "
-                     "the distribution one device draws, not its numbers; "
-                     "AutoShardingOption(random='replicated') draws them whole")
-    explanations = _explain_parameters(graph, mesh, method, chosen, costs, space)
-    return Plan(
-        explanations=explanations,
-        mesh_shape=mesh.shape, axis_names=mesh.axis_names, parameters=parameters,
-        inputs=input_values, strategies=strategies, reshards=tuple(reshards),
-        collectives=tuple(collectives), estimates=estimates,
-        unsupported_ops=tuple(space.unsupported),
-        stages=(MeshStage(layers=(0,), logical_shape=tuple(mesh.shape),
-                          num_devices=mesh.num_devices),),
-        method=method.to_dict(), graph_fingerprint=graph.fingerprint(), notes=tuple(notes))

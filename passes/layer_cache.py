@@ -1,4 +1,4 @@
-"""Structural keys of layers and stages, and a process-wide cache of what was solved for them.
+"""Structural keys of layers and stages, and a cache of what was solved for them.
 
 The pipeline search prices every layer (and, near the optimum, whole stages) with the
 intra-op ILP on many submesh views. A transformer's layers are identical up to node names,
@@ -23,7 +23,7 @@ from typing import Any
 
 from torchalpa.core.opgraph import OpGraph
 
-__all__ = ["layer_signature", "range_signature", "SolveCache", "SOLVES"]
+__all__ = ["layer_signature", "layer_signatures", "range_signature", "SolveCache"]
 
 
 def layer_signature(graph: OpGraph, names: list[str]) -> str:
@@ -49,6 +49,14 @@ def layer_signature(graph: OpGraph, names: list[str]) -> str:
             if r.node in pos]
     h.update(repr((grads, updates, loss)).encode())
     return h.hexdigest()[:20]
+
+
+def layer_signatures(graph: OpGraph, layer: dict[str, int], num_layers: int) -> list[str]:
+    """``layer_signature`` of each of the ``num_layers`` layers (``layer``: node -> layer)."""
+    members: list[list[str]] = [[] for _ in range(num_layers)]
+    for node in graph:
+        members[layer[node.name]].append(node.name)
+    return [layer_signature(graph, names) for names in members]
 
 
 def range_signature(signatures: list[str], first: int, last: int) -> tuple[str, ...]:
@@ -97,6 +105,3 @@ class SolveCache:
         self._items.clear()
         self.hits = self.misses = 0
 
-
-SOLVES = SolveCache()
-"""The process-wide cache the pipeline search uses (``SOLVES.clear()`` to start cold)."""

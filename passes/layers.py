@@ -23,10 +23,23 @@ from collections import Counter, deque
 import numpy as np
 
 from torchalpa.core.opgraph import OpGraph, block_of
+from torchalpa.core.options import PipeshardParallel
 
-__all__ = ["cluster_layers", "layers_from_markers", "assign_rest", "MARKER_OP"]
+__all__ = ["assign_layers", "cluster_layers", "layers_from_markers", "assign_rest", "MARKER_OP"]
 
 MARKER_OP = "torchalpa.pipeline_boundary.default"
+
+
+def assign_layers(graph: OpGraph, method: PipeshardParallel, num_devices: int) -> dict[str, int]:
+    """Every node's layer: markers if the model has them, else Alpa's construction."""
+    marked = layers_from_markers(graph)
+    option = method.layer_option
+    if marked is not None and option.layer_num == "auto":
+        return marked
+    forward_ops = sum(1 for n in graph.ops() if n.phase == "forward")
+    num = option.layer_num if isinstance(option.layer_num, int) else \
+        min(2 * num_devices, 16, forward_ops)
+    return cluster_layers(graph, num, option.eps)
 
 
 def _forward_ops(graph: OpGraph) -> list[str]:

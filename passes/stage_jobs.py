@@ -1,6 +1,12 @@
-"""The pipeline search's exact stage solves, run in forked workers that idle workers keep busy.
+"""The pipeline search's workers: independent solves in forked processes, and the exact
+stage solves that idle workers keep busy.
 
-The stage DP (``passes/inter_op.py::_exact_search``) works in rounds: run the DP, price
+``fork_map`` runs independent jobs (every distinct layer on every view, the stages of the
+final plan) in up to one forked process per core (``cpu_workers``). The function reaches
+the workers by the fork, not by pickling, so a bound method of an object holding the
+step's graph costs nothing to hand over; only the jobs and their results are pickled.
+
+The stage DP (``passes/stage_search.py``) works in rounds: run the DP, price
 the stages it chose by their own ILP, run it again. A round waits for its slowest solve
 (GPT-39B: the first stage, 8 micro-batches in flight, 11-18 s, memory-bound), while the
 other worker, done with the short ones, sits idle; the next round then often asks for a
@@ -21,13 +27,16 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
+import pickle
 import sys
+import threading
 import traceback
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-__all__ = ["StageJobs", "can_fork"]
+__all__ = ["StageJobs", "can_fork", "cpu_workers", "fork_map"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -154,6 +163,71 @@ def can_fork() -> bool:
     through the StableHLO frontend): the child can deadlock on a lock one of XLA's threads
     held at the fork."""
     return "jax" not in sys.modules
+
+
+def cpu_workers() -> int:
+    """Processes for independent solves: the cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:
+        return max(1, os.cpu_count() or 1)
+
+
+def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> list[Any]:
+    """``[fn(x) for x in items]``, in up to ``workers`` forked processes when there are
+    several of each, each process taking the next item when done with one (so put the
+    longest first). An item that raises makes this raise that exception (the first such
+    item's, in order) once all are done.
+
+    Forking a process that runs JAX (a JAX program planned through the StableHLO
+    frontend) can deadlock the child on a lock one of XLA's threads held (``can_fork``):
+    with JAX loaded the items run here, one after another (slower, same results)."""
+    if workers <= 1 or len(items) < 2 or not can_fork():
+        return [fn(x) for x in items]
+    context = mp.get_context("fork")
+    tasks, results = context.SimpleQueue(), context.SimpleQueue()
+    processes = [context.Process(target=_serve, args=(fn, tasks, results), daemon=True)
+                 for _ in range(min(workers, len(items)))]
+    for process in processes:
+        process.start()
+    # fed from a thread: a full task pipe must not stop this one from reading results
+    feeder = threading.Thread(target=_feed, args=(tasks, items, len(processes)), daemon=True)
+    feeder.start()
+    out: list[Any] = [None] * len(items)
+    failed: dict[int, BaseException] = {}
+    for _ in items:
+        n, ok, value = results.get()
+        if ok:
+            out[n] = value
+        else:
+            failed[n] = value
+    feeder.join()
+    for process in processes:
+        process.join()
+    if failed:
+        raise failed[min(failed)]
+    return out
+
+
+def _feed(tasks: Any, items: Sequence[Any], num_workers: int) -> None:
+    for n, item in enumerate(items):
+        tasks.put((n, item))
+    for _ in range(num_workers):
+        tasks.put(None)          # one stop sign per worker
+
+
+def _serve(fn: Callable[[Any], Any], tasks: Any, results: Any) -> None:
+    """A ``fork_map`` worker: ``fn`` of each task until the stop sign."""
+    while (task := tasks.get()) is not None:
+        n, item = task
+        try:
+            results.put((n, True, fn(item)))
+        except BaseException as e:      # report it to the parent, which raises it
+            try:
+                pickle.dumps(e)
+            except Exception:
+                e = RuntimeError(f"a job failed in its worker:\n{traceback.format_exc()}")
+            results.put((n, False, e))
 
 
 def _child(run: Callable[[Any], Any], args: Any, conn: Connection) -> None:

@@ -1,7 +1,7 @@
 """Activation checkpointing per pipeline stage: what a recomputed stage costs.
 
 The stage DP prices every candidate stage twice, its activations kept and recomputed,
-and keeps the better one per stage (``passes/inter_op.py``); the runtime runs a
+and keeps the better one per stage (``passes/stage_search.py``); the runtime runs a
 recomputed stage by keeping each micro-batch's inputs and running its forward again
 right before its backward (``runtime/stage_remat.py``). Under the cost model:
 

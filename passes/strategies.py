@@ -34,8 +34,8 @@ from torchalpa.core.placement import (
 from torchalpa.core.plan import ReshardStep
 from torchalpa.passes.rules.registry import FactorNamer, FactorRule
 
-__all__ = ["Strategy", "enumerate_strategies", "replicate_only", "leaf_strategies",
-           "splits_over_both_axes", "sync_steps"]
+__all__ = ["Strategy", "StrategySpace", "enumerate_strategies", "replicate_only",
+           "leaf_strategies", "splits_over_both_axes", "sync_steps"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,19 @@ class Strategy:
         ins = ", ".join("*" if p is None else short(p) for p in self.inputs)
         synced = f" syncing dim {self.sync_dim}" if self.syncs else ""
         return f"({ins}) -> {', '.join(short(p) for p in self.outputs)}{synced}"
+
+
+@dataclass
+class StrategySpace:
+    """Every node's strategies for one graph on one mesh, with the ops that have no rule
+    (planned replicated), notes for the plan, and the nodes whose rules say they are
+    compute-bound (``heavy``) or draw random numbers (``random``)."""
+
+    strategies: dict[str, list[Strategy]]
+    unsupported: list[dict]
+    notes: list[str]
+    heavy: frozenset = frozenset()   # nodes whose rule says compute-bound
+    random: frozenset = frozenset()  # nodes whose rule says they draw random numbers
 
 
 def sync_steps(s: Strategy, result: TensorSpec, mesh_shape) -> tuple[ReshardStep, ...]:

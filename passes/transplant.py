@@ -20,6 +20,7 @@ from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.plan import Plan
 from torchalpa.core.plan_records import Estimates
+from torchalpa.passes.pricing_memo import PricingMemo
 from torchalpa.passes.strategies import Strategy
 
 __all__ = ["transplant"]
@@ -45,17 +46,13 @@ def _node_map(donor: OpGraph, graph: OpGraph) -> dict[str, str] | None:
 
 
 def transplant(plan: Plan, donor: OpGraph, graph: OpGraph, mesh: LogicalMesh, method,
-               inputs: str = "global") -> Plan | None:
+               inputs: str = "global", memo: PricingMemo | None = None) -> Plan | None:
     """``plan`` (made by ``plan_intra_op`` for ``donor`` on ``mesh``) for ``graph``, a
     graph of the same structure with other names; None if the structures differ, a
     chosen strategy is not offered in ``graph`` or the rebuilt plan's step time is not
-    the donor's."""
-    from torchalpa.passes.intra_op import (
-        assemble_plan,
-        intra_op_problem,
-        merge_gradient_all_reduces,
-        planned_for,
-    )
+    the donor's. ``memo``: as in ``plan_intra_op``."""
+    from torchalpa.passes.intra_op import intra_op_problem, planned_for
+    from torchalpa.passes.sharding_plan import assemble_plan, merge_gradient_all_reduces
     from torchalpa.passes.view_classes import strategy_key
     names = _node_map(donor, graph)
     if names is None:
@@ -64,7 +61,7 @@ def transplant(plan: Plan, donor: OpGraph, graph: OpGraph, mesh: LogicalMesh, me
     for v in plan.parameters + plan.inputs:
         if v.node in names:
             wanted[names[v.node]] = ((), (v.placements,), ())
-    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs)
+    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs, memo)
     chosen: dict[str, Strategy] = {}
     for node in graph:
         key = wanted.get(node.name)

@@ -1,7 +1,7 @@
 """Logical views that can shard the same dims, and pricing one view's plan on another.
 
 The pipeline search plans every distinct layer on every logical view of every submesh
-(``passes/inter_op.py``). On a cluster of many nodes most of those views differ only in
+(``passes/layer_costs.py``). On a cluster of many nodes most of those views differ only in
 their sizes: on 50 x 4 devices, (6, 2), (12, 2), ..., (48, 2) all have an inter-node
 axis that divides the intermediate dim 13824 and nothing else, and an intra-node axis
 of 2 that divides the same dims. Such views have the same strategies (a
@@ -36,6 +36,7 @@ from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.placement import is_shard
 from torchalpa.core.plan import Plan
+from torchalpa.passes.pricing_memo import PricingMemo
 from torchalpa.passes.strategies import Strategy
 
 __all__ = ["ViewClass", "view_class", "reprice", "strategy_key"]
@@ -73,7 +74,8 @@ def _overlap(layout, wanted) -> int:
 
 
 def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str = "global",
-            *, relayout_parameters: bool = False, rules: dict | None = None) -> Plan | None:
+            *, relayout_parameters: bool = False, rules: dict | None = None,
+            memo: PricingMemo | None = None) -> Plan | None:
     """``plan`` (solved for ``graph`` on a view of ``mesh``'s class) with the same
     strategies, priced on ``mesh``; None if a strategy it chose is not legal on ``mesh``
     (the views were not of one class).
@@ -86,15 +88,12 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
     Only the chosen strategies are looked up (the class guarantees the rest of the space
     is the same), so pricing costs a fraction of the ILP's build; the plan's per-parameter
     explanations list no alternatives. ``rules``: a memo of each node's sharding rule
-    (they do not depend on the mesh), filled here, for pricing one graph many times."""
-    from torchalpa.passes.costgraph import cached_reshard_costs
-    from torchalpa.passes.intra_op import (
-        StrategySpace,
-        assemble_plan,
-        effective_option,
-        forbidden_collectives,
-        merge_gradient_all_reduces,
-    )
+    (they do not depend on the mesh), filled here, for pricing one graph many times;
+    ``memo``: pricing work kept across solves (``passes/pricing_memo.py``)."""
+    from torchalpa.passes.intra_op import effective_option, forbidden_collectives
+    from torchalpa.passes.sharding_plan import assemble_plan, merge_gradient_all_reduces
+    from torchalpa.passes.strategies import StrategySpace
+    memo = PricingMemo() if memo is None else memo
     option, mesh = effective_option(method.auto_sharding_option, mesh)
     if mesh.gradient_bucket_bytes > 0 and option.all_reduce_threshold is not None:
         # as plan_intra_op prices it: the runtime packs gradients into such buckets
@@ -110,7 +109,7 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
         if key is None:
             return None
         options, is_random = _offered(node, graph, mesh, option,
-                                      {} if rules is None else rules)
+                                      {} if rules is None else rules, memo)
         if is_random:
             random.add(node.name)
         if node.kind == "param" and relayout_parameters:
@@ -126,8 +125,8 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
         if found is None:
             return None
         chosen[node.name] = found
-    costs = cached_reshard_costs(mesh, option.allow_reduce_scatter,
-                                 forbidden_collectives(option))
+    costs = memo.reshard_costs(mesh, option.allow_reduce_scatter,
+                               forbidden_collectives(option))
     space = StrategySpace({name: [s] for name, s in chosen.items()}, [], [],
                           random=frozenset(random))
     try:
@@ -137,12 +136,11 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
     return merge_gradient_all_reduces(priced, graph, mesh, option)
 
 
-def _offered(node, graph: OpGraph, mesh: LogicalMesh, option, rules: dict
-             ) -> tuple[list[Strategy], bool]:
+def _offered(node, graph: OpGraph, mesh: LogicalMesh, option, rules: dict,
+             memo: PricingMemo) -> tuple[list[Strategy], bool]:
     """The strategies ``build_strategies`` starts from for ``node`` (before constraints
     and pruning, which keep or drop the same ones on every view of a class), and whether
     its rule draws random numbers."""
-    from torchalpa.passes.intra_op import rule_strategies
     from torchalpa.passes.rules import rule_for
     from torchalpa.passes.strategies import leaf_strategies, replicate_only
     from torchalpa.passes.strides import strided_regions
@@ -158,7 +156,7 @@ def _offered(node, graph: OpGraph, mesh: LogicalMesh, option, rules: dict
         return replicate_only(node, mesh), False
     if rule.random and option.random == "replicated":
         rule = replace(rule, blocked=frozenset(rule.factors()))
-    options = list(rule_strategies(rule, mesh, option.allow_recompute_heavy_op, strides))
+    options = list(memo.rule_strategies(rule, mesh, option.allow_recompute_heavy_op, strides))
     return options or replicate_only(node, mesh), bool(rule.random)
 
 

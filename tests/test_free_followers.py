@@ -4,7 +4,7 @@ operand's layout; solved instead with those followers deciding on their own, rep
 layers still sharing decisions, the plan gets what the merge forced it to give up.
 
 On GPT-39B's pipeline stages this recovered nearly all that the unsimplified re-solve
-found, at a tenth of its ILP size (``passes/inter_op.py``, ``SEARCH_RESOLVE_BELOW``);
+found, at a tenth of its ILP size (``passes/stage_solve.py``, ``SEARCH_RESOLVE_BELOW``);
 here on the small GPT's last two layers, where the merge costs 4 %."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 from search_models import small_gpt_graph
 
 import torchalpa
-from torchalpa.passes import inter_op
 from torchalpa.passes.intra_op import plan_intra_op
+from torchalpa.passes.layers import assign_layers
 from torchalpa.passes.subgraph import stage_subgraph
 
 GB = 1024 ** 3
@@ -30,7 +30,7 @@ def stage():
                                 inter_node_bandwidth=10e9, inter_node_latency=1e-5)
     method = torchalpa.PipeshardParallel(
         num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4))
-    layer = inter_op.assign_layers(graph, method, cluster.num_devices)
+    layer = assign_layers(graph, method, cluster.num_devices)
     sub = stage_subgraph(graph, {n: (0 if l >= 2 else 1) for n, l in layer.items()}, 0).graph
     return sub, cluster.logical_mesh((4,))
 

@@ -5,11 +5,12 @@ fits at, and anything else is solved."""
 from __future__ import annotations
 
 import pytest
-from search_models import small_gpt_graph
+from search_models import exact_stages, small_gpt_graph
 
 import torchalpa
-from torchalpa.passes import inter_op
-from torchalpa.passes.layer_cache import SOLVES
+from torchalpa.passes.exact_stages import ExactStages
+from torchalpa.passes.layer_cache import SolveCache
+from torchalpa.passes.layers import assign_layers
 
 GB = 1024 ** 3
 
@@ -19,7 +20,7 @@ def gpt_graph():
     return small_gpt_graph()
 
 
-def _costs(graph, memory_gb: float) -> inter_op._StageCosts:
+def _costs(graph, memory_gb: float, cache: SolveCache | None = None) -> ExactStages:
     cluster = torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=memory_gb * GB,
                                 peak_flops=112e12, memory_bandwidth=900e9,
                                 intra_node_bandwidth=100e9, intra_node_latency=1e-6,
@@ -27,8 +28,8 @@ def _costs(graph, memory_gb: float) -> inter_op._StageCosts:
     method = torchalpa.PipeshardParallel(
         num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4),
         auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
-    layer = inter_op.assign_layers(graph, method, cluster.num_devices)
-    return inter_op._StageCosts(graph, layer, cluster, method, "global")
+    layer = assign_layers(graph, method, cluster.num_devices)
+    return exact_stages(graph, layer, cluster, method, cache)
 
 
 def _exact(costs, flight: int) -> tuple[float, object]:
@@ -38,14 +39,12 @@ def _exact(costs, flight: int) -> tuple[float, object]:
 def test_a_plan_that_still_fits_answers_more_in_flight(gpt_graph):
     """Memory to spare: the one-in-flight plan answers eight in flight, without an ILP,
     with what an ILP solve at eight finds."""
-    SOLVES.clear()
     costs = _costs(gpt_graph, 10.0)
     one = _exact(costs, 1)
     solves = costs.exact_solves
     eight = _exact(costs, 8)
     assert costs.exact_solves == solves and costs.reused_in_flight == 1
     assert eight == one
-    SOLVES.clear()
     fresh = _costs(gpt_graph, 10.0)
     assert _exact(fresh, 8) == eight and fresh.reused_in_flight == 0
 
@@ -53,16 +52,15 @@ def test_a_plan_that_still_fits_answers_more_in_flight(gpt_graph):
 def test_a_plan_that_no_longer_fits_is_solved_again(gpt_graph):
     """A budget between one micro-batch's plan and eight of them: eight in flight is
     solved by its own ILP, slower than or as fast as one, never answered by it."""
-    SOLVES.clear()
-    probe = _costs(gpt_graph, 10.0)
+    cache = SolveCache()
+    probe = _costs(gpt_graph, 10.0, cache)
     _exact(probe, 1)
-    (_, lean, memory), = [SOLVES.peek(key) for key in list(SOLVES._items)
+    (_, lean, memory), = [cache.peek(key) for key in list(cache._items)
                           if key[0] == "stage"]
     assert not lean
     state, peak, saved = memory
     # room for the fastest plan with four in flight, not with eight
     budget = state + peak + 5 * saved
-    SOLVES.clear()
     costs = _costs(gpt_graph, budget / GB)
     assert costs._fits(memory, 0, 1, 4, False) and not costs._fits(memory, 0, 1, 8, False)
     one = _exact(costs, 1)
@@ -72,22 +70,20 @@ def test_a_plan_that_no_longer_fits_is_solved_again(gpt_graph):
     eight = _exact(costs, 8)
     assert costs.exact_solves > solves and costs.reused_in_flight == 1
     assert eight[0] >= one[0]
-    SOLVES.clear()
 
 
 def test_a_solved_plan_fits_where_it_was_solved(gpt_graph):
     """The memory the reuse checks is the memory the ILP constrained: every plan the
     search solves fits, by ``_fits``, with the micro-batches it was solved for."""
-    SOLVES.clear()
-    costs = _costs(gpt_graph, 0.05)
+    cache = SolveCache()
+    costs = _costs(gpt_graph, 0.05, cache)
     for flight in (1, 3, 8):
         costs.exact(0, 1, (1, 2), (2,), flight)
         costs.exact(1, 2, (1, 2), (2,), flight, recompute=True)
-    solved = [(key, SOLVES.peek(key)) for key in list(SOLVES._items) if key[0] == "stage"]
+    solved = [(key, cache.peek(key)) for key in list(cache._items) if key[0] == "stage"]
     assert solved
     for key, (seconds, _, memory) in solved:
         if seconds is not None:
             recompute = any(isinstance(part, tuple) and part[0] == "recompute" for part in key)
             k, i = (1, 2) if recompute else (0, 1)
             assert costs._fits(memory, k, i, key[6], recompute), key
-    SOLVES.clear()

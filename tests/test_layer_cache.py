@@ -37,11 +37,11 @@ def _graph(widths: list[int]):
 
 
 def _signatures(graph):
-    from torchalpa.passes.inter_op import _layer_signatures
+    from torchalpa.passes.layer_cache import layer_signatures
     from torchalpa.passes.layers import layers_from_markers
     layer = layers_from_markers(graph)
     assert layer is not None
-    return _layer_signatures(graph, layer, max(layer.values()) + 1)
+    return layer_signatures(graph, layer, max(layer.values()) + 1)
 
 
 def test_identical_layers_share_a_key_and_different_ones_do_not():
@@ -77,18 +77,20 @@ def test_cache_solves_once_per_key_and_stays_bounded():
 
 @pytest.mark.parametrize("schedule", ["1f1b"])
 def test_cached_search_plans_what_a_cold_search_plans(schedule):
-    """The second search of the same step reads every solve from the cache (none done) and
-    returns the same stages, submeshes, views and estimates as the first."""
+    """The second search of the same step, given the first one's cache, reads every solve
+    from it (none done) and returns the same stages, submeshes, views and estimates as the
+    first; a search given no cache solves again."""
     import torchalpa
     from torchalpa.passes.inter_op import plan_pipeline
-    from torchalpa.passes.layer_cache import SOLVES
+    from torchalpa.passes.layer_cache import SolveCache
     graph = _graph([32, 32, 32, 32])
     method = torchalpa.PipeshardParallel(num_micro_batches=4, pipeline_schedule=schedule)
     cluster = torchalpa.Cluster.local_cpu(2)
-    SOLVES.clear()
-    cold = plan_pipeline(graph, cluster, method)
-    assert cold.estimates["layer_solves"] > 0
-    warm = plan_pipeline(graph, cluster, method)
+    cache = SolveCache()
+    cold = plan_pipeline(graph, cluster, method, solves=cache)
+    assert cold.estimates["layer_solves"] > 0 and len(cache) > 0
+    assert plan_pipeline(graph, cluster, method).estimates["layer_solves"] > 0
+    warm = plan_pipeline(graph, cluster, method, solves=cache)
     assert warm.estimates["layer_solves"] == 0 and warm.estimates["stage_solves"] == 0
     assert warm.forward_stage_layer_ids == cold.forward_stage_layer_ids
     assert warm.submesh_shapes == cold.submesh_shapes

@@ -11,7 +11,6 @@ from search_models import small_gpt_graph
 
 import torchalpa
 from torchalpa.passes import inter_op
-from torchalpa.passes.layer_cache import SOLVES
 from torchalpa.passes.stage_jobs import StageJobs
 
 GB = 1024 ** 3
@@ -22,9 +21,7 @@ def gpt_graph():
     return small_gpt_graph()
 
 
-def _plan(graph, workers: int, monkeypatch):
-    monkeypatch.setattr(inter_op, "_workers", lambda: workers)
-    SOLVES.clear()
+def _plan(graph, workers: int):
     # small devices, so that the search pipelines the layers over several stages
     cluster = torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=0.05 * GB,
                                 peak_flops=112e12, memory_bandwidth=900e9,
@@ -33,7 +30,7 @@ def _plan(graph, workers: int, monkeypatch):
     method = torchalpa.PipeshardParallel(
         num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4),
         auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
-    return inter_op.plan_pipeline(graph, cluster, method)
+    return inter_op.plan_pipeline(graph, cluster, method, workers=workers)
 
 
 def test_stage_solves_in_workers_plan_the_same(gpt_graph, monkeypatch):
@@ -45,10 +42,10 @@ def test_stage_solves_in_workers_plan_the_same(gpt_graph, monkeypatch):
         return real_solve(self, jobs)
 
     monkeypatch.setattr(StageJobs, "solve", counting_solve)
-    alone = _plan(gpt_graph, 1, monkeypatch)
+    alone = _plan(gpt_graph, 1)
     assert all(workers == 1 for _, workers in pooled)      # solved here, one after another
     pooled.clear()
-    together = _plan(gpt_graph, 2, monkeypatch)
+    together = _plan(gpt_graph, 2)
     assert max(items for items, _ in pooled) >= 2, "no round had two stages to solve at once"
     assert together.forward_stage_layer_ids == alone.forward_stage_layer_ids
     assert together.submesh_shapes == alone.submesh_shapes
@@ -62,8 +59,8 @@ def test_stage_solves_in_workers_plan_the_same(gpt_graph, monkeypatch):
 def test_stage_solves_counted_once_when_the_pool_runs_in_this_process(gpt_graph, monkeypatch):
     """With JAX loaded, the stages are solved here, one after another, whatever the
     workers: each is counted once, as forked workers count them (it was counted twice)."""
-    alone = _plan(gpt_graph, 1, monkeypatch)
+    alone = _plan(gpt_graph, 1)
     monkeypatch.setitem(sys.modules, "jax", types.ModuleType("jax"))
-    in_process = _plan(gpt_graph, 2, monkeypatch)
+    in_process = _plan(gpt_graph, 2)
     assert in_process.estimates["stage_solves"] == alone.estimates["stage_solves"]
     assert in_process.estimates["step_time_s"] == alone.estimates["step_time_s"]

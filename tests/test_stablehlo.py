@@ -632,7 +632,7 @@ def test_with_jax_loaded_the_pipeline_search_forks_no_workers(monkeypatch):
     from torchalpa.passes import inter_op
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     from quickstart import MLP
-    monkeypatch.setattr(inter_op, "_workers", lambda: 2)     # as on a 2-core machine
+    monkeypatch.setattr(inter_op, "cpu_workers", lambda: 2)     # as on a 2-core machine
     with torch.device("meta"):
         model, x, y = MLP(32, 4), torch.empty(64, 32), torch.empty(64, 32)
     method = torchalpa.PipeshardParallel(num_micro_batches=2,

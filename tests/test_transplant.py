@@ -5,12 +5,12 @@ another structure gets none."""
 from __future__ import annotations
 
 import pytest
-from search_models import small_gpt_graph
+from search_models import exact_stages, small_gpt_graph
 
 import torchalpa
-from torchalpa.passes import inter_op
 from torchalpa.passes.intra_op import plan_intra_op
-from torchalpa.passes.layer_cache import SOLVES
+from torchalpa.passes.layers import assign_layers
+from torchalpa.passes.stage_solve import plan_stage, stage_request
 from torchalpa.passes.subgraph import stage_subgraph
 from torchalpa.passes.transplant import transplant
 
@@ -23,7 +23,7 @@ def gpt():
     method = torchalpa.PipeshardParallel(
         num_micro_batches=4, layer_option=torchalpa.AutoLayerOption(layer_num=6),
         auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
-    return graph, inter_op.assign_layers(graph, method, 4), method
+    return graph, assign_layers(graph, method, 4), method
 
 
 def _stage(graph, layer, k, i):
@@ -77,20 +77,18 @@ def test_the_search_moves_a_solved_plan_to_identical_layers_at_assembly(gpt):
                                 peak_flops=112e12, memory_bandwidth=900e9,
                                 intra_node_bandwidth=100e9, intra_node_latency=1e-6,
                                 inter_node_bandwidth=10e9, inter_node_latency=1e-5)
-    SOLVES.clear()
-    costs = inter_op._StageCosts(graph, layer, cluster, method, "global")
+    costs = exact_stages(graph, layer, cluster, method)
     first = costs.exact(1, 2, (1, 4), (2, 2), 2)
     solves = costs.exact_solves
     assert costs.exact(3, 4, (1, 4), (2, 2), 3) == first
     assert costs.exact_solves == solves and costs.reused_in_flight == 1
     assert (3, 4, (1, 4), (2, 2), False, 3, False) not in costs.exact_plans
     target = _stage(graph, layer, 3, 4)
-    request = inter_op._stage_request(target, cluster.logical_mesh((2, 2)), method, None,
-                                      "global", 3, None)
+    request = stage_request(target, cluster.logical_mesh((2, 2)), method, None, "global", 3,
+                            None)
     moved = costs.donated(3, 4, (1, 4), (2, 2), False, 3, False, request)
     assert moved is not None and costs.transplanted == 1
-    own = inter_op._plan_stage(request)
+    own = plan_stage(request)
     assert moved.graph_fingerprint == own.graph_fingerprint
     assert moved.estimates["step_time_s"] == pytest.approx(own.estimates["step_time_s"],
                                                            rel=1e-9)
-    SOLVES.clear()

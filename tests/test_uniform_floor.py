@@ -15,9 +15,12 @@ import pytest
 from search_models import small_gpt_graph
 
 import torchalpa
-from torchalpa.passes import inter_op
-from torchalpa.passes.layer_cache import SOLVES
+from torchalpa.passes import stage_search
+from torchalpa.passes.ilp import InfeasibleError
+from torchalpa.passes.inter_op import plan_pipeline
+from torchalpa.passes.layer_costs import LayerCosts
 from torchalpa.passes.stages import submesh_shapes
+from torchalpa.passes.submesh_views import searched_views, tensor_dims
 
 GB = 1024 ** 3
 LAYERS = 4
@@ -45,20 +48,20 @@ def _method(stage_option="auto"):
 def _uniform_plans(graph, cluster):
     """Every uniform partition (pp dividing the layers, one submesh shape tiling the
     cluster pp times, each searched view), planned by hand with the method's own option."""
-    dims = inter_op.tensor_dims(graph)
+    dims = tensor_dims(graph)
     for pp in [p for p in range(1, LAYERS + 1) if LAYERS % p == 0]:
         for n, m in submesh_shapes(cluster.num_nodes, cluster.devices_per_node):
             if n * m * pp != cluster.num_devices:
                 continue
             per = LAYERS // pp
-            for view in inter_op.searched_views((n, m), dims):
+            for view in searched_views((n, m), dims):
                 option = torchalpa.ManualStageOption(
                     forward_stage_layer_ids=[list(range(s * per, (s + 1) * per))
                                              for s in range(pp)],
                     submesh_shapes=[(n, m)] * pp, logical_shapes=[view] * pp)
                 try:
-                    plan = inter_op.plan_pipeline(graph, cluster, _method(option))
-                except inter_op.InfeasibleError:
+                    plan = plan_pipeline(graph, cluster, _method(option))
+                except InfeasibleError:
                     continue
                 if plan.estimates["memory_per_device_bytes"] <= cluster.memory_per_device:
                     yield (pp, (n, m), view), plan
@@ -70,8 +73,8 @@ def test_search_is_no_slower_than_any_uniform_partition(gpt_graph, monkeypatch, 
     times dearer than their plans, the way GPT-15B's sums overrate the grid's stages; the
     exact stage solves are untouched. Before the uniform partitions were priced, the
     search then never priced the two (1, 2) stages and kept a slower plan."""
-    monkeypatch.setattr(inter_op, "UNIFORM_MARGIN", math.inf)
-    real = inter_op._StageCosts.layer_estimate
+    monkeypatch.setattr(stage_search, "UNIFORM_MARGIN", math.inf)
+    real = LayerCosts.layer_estimate
 
     def skewed(self, l, view, submesh, lean):
         found = real(self, l, view, submesh, lean)
@@ -79,11 +82,9 @@ def test_search_is_no_slower_than_any_uniform_partition(gpt_graph, monkeypatch, 
             return found
         return dataclasses.replace(found, seconds=found.seconds * skew)
 
-    monkeypatch.setattr(inter_op._StageCosts, "layer_estimate", skewed)
-    SOLVES.clear()
+    monkeypatch.setattr(LayerCosts, "layer_estimate", skewed)
     cluster = _cluster()
-    auto = inter_op.plan_pipeline(gpt_graph, cluster, _method())
-    SOLVES.clear()
+    auto = plan_pipeline(gpt_graph, cluster, _method())
     uniform = dict(_uniform_plans(gpt_graph, cluster))
     assert len(uniform) >= 2, f"too few uniform partitions fit to compare: {list(uniform)}"
     found = auto.estimates["step_time_s"]

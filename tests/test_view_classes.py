@@ -56,7 +56,7 @@ def test_views_that_shard_the_same_dims_over_the_same_links_share_a_class():
 def test_the_search_skips_1d_views_of_multi_node_submeshes():
     """Their splits are the 2D view's over both axes (priced cheaper); a node's own 1D view,
     and every 1D view when splits over both axes are not allowed, stay."""
-    from torchalpa.passes.inter_op import searched_views, view_notes
+    from torchalpa.passes.submesh_views import searched_views, view_notes
     dims = frozenset({8, 4096, 5120})
     assert searched_views((5, 4), dims) == [(10, 2), (5, 4)]
     assert searched_views((1, 4), dims) == [(4,), (2, 2)]
@@ -161,7 +161,6 @@ def test_shared_views_plan_what_solving_every_view_plans(nodes):
     import torchalpa.models as zoo
     from torchalpa.parallel.workflow import capture_variants, micro_batch_examples
     from torchalpa.passes.inter_op import plan_pipeline
-    from torchalpa.passes.layer_cache import SOLVES
     workload = zoo.llama2_13b(batch_size=8).replace(num_layers=2)
     with torch.device("meta"):
         model = workload.build()
@@ -171,7 +170,6 @@ def test_shared_views_plan_what_solving_every_view_plans(nodes):
     batch = micro_batch_examples(workload.example_inputs(device="meta"), 4)
     graph = capture_variants(model, batch, workload.loss_fn,
                              method.auto_sharding_option)["full"].graph
-    SOLVES.clear()
     shared = plan_pipeline(graph, _cluster(nodes), method)
     every = plan_pipeline(graph, _cluster(nodes), method, share_views=False)
     assert shared.estimates["layers_repriced"] > 0

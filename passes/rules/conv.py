@@ -35,8 +35,9 @@ def _pointwise_in_space(node, spatial: int, offset: int) -> list[bool]:
 def _at(value, i):
     if value is None:
         return 0
-    return value[i] if isinstance(value, (tuple, list)) and len(value) > 1 else (
-        value[0] if isinstance(value, (tuple, list)) else value)
+    if isinstance(value, (tuple, list)):    # one entry per dim, or one for all
+        return value[i if len(value) > 1 else 0]
+    return value
 
 
 class _Conv:

@@ -185,7 +185,8 @@ def repeat(node, specs):
     src, dst = specs[0].shape, node.outputs[0].shape
     lead = len(dst) - len(src)
     f = FactorNamer()
-    operand, result = [], [(f.new(s),) if s != 1 else () for s in dst[:lead]]
+    operand: list[tuple[str, ...]] = []
+    result: list[tuple[str, ...]] = [(f.new(s),) if s != 1 else () for s in dst[:lead]]
     for d, size in enumerate(src):
         copies = dst[lead + d] // size if size else 1
         element = (f.new(size),) if size != 1 else ()

@@ -89,7 +89,9 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     from torchalpa.passes.bounds import step_profile
     from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
+    from torchalpa.passes.pricing_memo import PricingMemo
     fingerprint = graph.fingerprint()
+    memo = PricingMemo()       # the reshard prices and strategies the meshes' solves repeat
     plans, failures, skipped = [], [], []
     refused: list[LogicalMesh] = []
     late: list[LogicalMesh] = []
@@ -117,7 +119,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 progress.done = "not solved: the time budget is spent"
                 continue
             if fastest is not None and bounding:
-                bound = step_time_lower_bound(graph, mesh, method, inputs=inputs)
+                bound = step_time_lower_bound(graph, mesh, method, inputs=inputs, memo=memo)
                 if bound is not None and bound > fastest.estimates["step_time_s"] * (1 + 1e-9):
                     skipped.append((mesh, bound))
                     progress.done = (f"skipped: no plan here beats {bound * 1e3:.3g} ms/step "
@@ -128,7 +130,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 bounding = False
             solving, cut = _within(method, deadline if fastest is not None else None)
             try:
-                found = plan_intra_op(graph, mesh, solving, inputs=inputs, blocks=blocks)
+                found = plan_intra_op(graph, mesh, solving, inputs=inputs, blocks=blocks,
+                                      memo=memo)
             except InfeasibleError as e:
                 failures.append(e)
                 progress.done = f"does not fit: {e}"
