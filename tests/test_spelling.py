@@ -311,9 +311,10 @@ STRIDED_2D = ("a (3, H)-major fused weight splits by heads only as a strided sha
               "may not share its dim with another axis's split (strategies._strided_alone: "
               "the runtime lays out no nested strided shard), so its rows cannot be split "
               "over both axes as the separate weights are")
-VIEW_PIECES = ("view (B, S, 3H) -> (B, S, 3, H) is a two-factor split (pieces, H): the reshape "
-               "rule offers the strided (heads) split only for a view as (pieces, heads, head "
-               "dim) (rules/view._pieces_split), so H cannot be split after the cut")
+INDEX = ("y.view(B, S, 3, H)[:, :, i] traces as select on the pieces dim and, in backward, as "
+         "where(index == i, grad, 0) over the (B, S, 3, H) view; frontends/piece_views.py "
+         "writes the unbind spelling as a split of the fused dim but not this one, so H stays "
+         "a minor factor of 3H that cannot be split (heads)")
 BMM = ("the model's own reshape to (B * nh, S, hd) merges batch and heads into one dim that "
        "splits only by its leading factor (batch); nothing lifts reshape -> bmm -> reshape "
        "back to torchalpa::batched_matmul, so heads cannot be split")
@@ -325,8 +326,8 @@ KNOWN_LOSSES: dict[tuple[str, str, str | None], str] = {
     ("mlp", "functional_matmul_operator", "2d2x2"): TIE,
     ("qkv", "major_split", "2d2x2"): STRIDED_2D,
     ("qkv", "major_chunk", "2d2x2"): STRIDED_2D,
-    ("qkv", "major_unbind", None): VIEW_PIECES,
-    ("qkv", "major_index", None): VIEW_PIECES,
+    ("qkv", "major_unbind", "2d2x2"): STRIDED_2D,
+    ("qkv", "major_index", None): INDEX,
     ("attention", "bmm", None): BMM,
 }
 
