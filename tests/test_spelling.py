@@ -371,9 +371,12 @@ def test_spelling_plans_like_the_reference(spelling: Spelling, mesh: str):
 
 # -- the BERT at Alpa's test size: Flax's spelling against separate q, k, v --------
 
-FLAX_2D = ("not diagnosed: on 2x2 at this size the Flax spelling plans cheaper (145,840.6) "
-           "than separate q, k, v (147,995.0), both with other collectives than Alpa's "
-           "Megatron layout; at the harness's small size both plan 2,402")
+FLAX_2D = ("separate q, k, v lose on 2x2 at this size: 147,995.0 against 145,840.6 for Flax's "
+           "spelling and for the zoo's fused (H, 3)-minor unbind, also with nothing simplified "
+           "(exact ILP, no shared blocks), so their strategy space lacks a plan the fused one "
+           "has; the extra collectives sit on the sum of the three input gradients (an "
+           "all-reduce on axis 1) and an all-to-all on the query's backward view; at the "
+           "harness's small size all plan 2,402")
 
 
 @pytest.mark.slow
