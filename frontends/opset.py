@@ -27,7 +27,8 @@ elementwise ops they decompose into, and because their flops and memory are exac
 - a matmul with two or more batch dims (``q @ k.transpose(-1, -2)`` on ``(B, heads, S, hd)``)
   becomes ``torchalpa::batched_matmul`` (``torchalpa/ops/batched_matmul.py``) instead of ATen's
   ``view -> bmm -> view``, whose merged ``B * heads`` dim could not be split by heads
-  (``routed_matmul``).
+  (``routed_matmul``); so does a two-operand ``torch.einsum`` that is such a product
+  (``frontends/einsum_products.py``).
 
 ``FusedCalls`` is the ``TorchFunctionMode`` that makes the SDPA and dropout choices above
 (they are composite ops that PyTorch decomposes before a decomposition table can see them).
@@ -51,6 +52,7 @@ from torch._decomp import core_aten_decompositions
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from torchalpa.frontends.einsum_products import einsum_as_batched_matmul, parse_batched_product
 from torchalpa.ops import attention
 from torchalpa.ops import batched_matmul as bm
 
@@ -266,9 +268,11 @@ _MATMULS = ((torch, "matmul"), (torch.Tensor, "matmul"), (torch.Tensor, "__matmu
 @contextlib.contextmanager
 def routed_matmul():
     """While a capture traces, ``torch.matmul`` / ``Tensor.matmul`` / ``@`` of operands with
-    the same two or more batch dims record ``torchalpa::batched_matmul``; other products
-    are torch's own. Attributes are patched rather than routed by ``FusedCalls`` so that a
-    ``torch.utils.checkpoint`` recompute (torch-function modes off) records the same ops."""
+    the same two or more batch dims record ``torchalpa::batched_matmul``, and so does a
+    two-operand ``torch.einsum`` that is such a product (``frontends/einsum_products.py``:
+    Flax's ``einsum("bqhd,bkhd->bhqk")``); other products are torch's own. Attributes are
+    patched rather than routed by ``FusedCalls`` so that a ``torch.utils.checkpoint``
+    recompute (torch-function modes off) records the same ops."""
     originals = [(owner, name, getattr(owner, name)) for owner, name in _MATMULS]
 
     def routed(original):
@@ -278,13 +282,25 @@ def routed_matmul():
             return original(a, b, *args, **kwargs)
         return matmul
 
+    einsum = torch.einsum
+
+    def routed_einsum(*args, **kwargs):
+        if len(args) == 3 and not kwargs and isinstance(args[0], str) and \
+                (product := parse_batched_product(*args)) is not None:
+            out = einsum_as_batched_matmul(product, args[1], args[2])
+            if out is not None:
+                return out
+        return einsum(*args, **kwargs)
+
     for owner, name, original in originals:
         setattr(owner, name, routed(original))
+    torch.einsum = routed_einsum
     try:
         yield
     finally:
         for owner, name, original in originals:
             setattr(owner, name, original)
+        torch.einsum = einsum
 
 
 def _bind(fn: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:

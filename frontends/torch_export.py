@@ -74,6 +74,7 @@ from torchalpa.frontends.opset import (
     flop_count,
     routed_matmul,
 )
+from torchalpa.frontends.piece_views import split_piece_views
 from torchalpa.frontends.provenance import (
     Provenance,
     copy_forward_tags_to_backward,
@@ -374,13 +375,15 @@ def _functional(gm: fx.GraphModule, kinds: list[tuple[str, str]], provenance: Pr
                 ) -> tuple[fx.GraphModule, set[str]]:
     """A traced step made ready for the passes: constants inlined, checked for
     data-dependent shapes, backward tagged like its forward, buffer writes turned into
-    outputs, aliases dropped; returns it with ``_make_functional``'s buffer updates."""
+    outputs, aliases dropped, a dim viewed as pieces and cut written as a split
+    (``frontends/piece_views.py``); returns it with ``_make_functional``'s buffer updates."""
     _inline_constants(gm, provenance)
     _check_static(gm, provenance)
     copy_forward_tags_to_backward(gm)
     gm, updates = _make_functional(gm, kinds, provenance)
     _drop_aliases(gm)
     reshape_plain_restrides(gm)
+    split_piece_views(gm)
     return gm, updates
 
 

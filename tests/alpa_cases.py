@@ -147,8 +147,10 @@ R = Replicate()
 
 class BertSelfAttention(nn.Module):
     """``qkv``: 'fused_minor' is Alpa's layout (one Linear to 3H, viewed as (H, 3) and
-    split on the last dim: q, v, k interleaved per feature); 'fused_major' is the
-    nanoGPT / GPT-2 spelling (viewed as (3, H)); 'separate' has three Linear layers."""
+    split on the last dim: q, v, k interleaved per feature; 'fused_minor_split' cuts it
+    with ``torch.split(.., 1, dim=3)`` as Flax's BERT does); 'fused_major' is the
+    nanoGPT / GPT-2 spelling (viewed as (3, H)); 'separate' has three Linear layers.
+    ``attention``: 'matmul', 'sdpa' or 'einsum' (Flax's)."""
 
     def __init__(self, hidden, heads, qkv, attention="matmul"):
         super().__init__()
@@ -166,8 +168,16 @@ class BertSelfAttention(nn.Module):
             q, k, v = self.query(x), self.key(x), self.value(x)
         elif self.qkv_kind == "fused_minor":
             q, v, k = self.qkv(x).view(B, S, H, 3).unbind(-1)            # (B, S, H) each
+        elif self.qkv_kind == "fused_minor_split":                       # Flax's own spelling
+            q, v, k = (t.reshape(B, S, H)
+                       for t in torch.split(self.qkv(x).reshape(B, S, H, 3), 1, dim=3))
         else:
             q, k, v = self.qkv(x).split(H, dim=-1)
+        if self.attention == "einsum":                                    # Flax's attention
+            q, k, v = (t.reshape(B, S, self.heads, H // self.heads) for t in (q, k, v))
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / (H // self.heads) ** 0.5 + bias
+            ctx = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(B, S, H)
+            return self.norm(self.out(ctx) + x)
         q, k, v = (t.reshape(B, S, self.heads, H // self.heads).transpose(1, 2)
                    for t in (q, k, v))                                    # (B, nh, S, hd)
         if self.attention == "sdpa":

@@ -1,0 +1,133 @@
+"""A dim viewed as (pieces, size) and cut into its pieces, written as a split of the dim.
+
+timm's and many fused attentions write ``q, k, v = qkv(x).view(B, S, 3, H).unbind(2)``.
+ATen traces it as a view of the fused dim as ``(3, H)``, then a size-1 ``slice`` of the
+pieces dim and a ``squeeze`` per piece; its backward ``stack``s the pieces' gradients on
+that dim and views them back as ``3H``. Read literally, the ``H`` of each piece is a minor
+factor of the fused dim, which a device could hold only as a strided shard that the view's
+rule does not offer (it offers one for a view as ``(pieces, heads, head dim)`` only,
+``passes/rules/view.py``): the projection could not be split by heads. The same cut written
+``qkv(x).split(H, dim=-1)`` (nanoGPT's) is split by heads (``passes/rules/slicing.py``:
+equal pieces of a dim read as (count, piece), the piece a strided shard). This rewrite
+makes the first spelling the second, exactly:
+
+- ``slice(view(y, (.., k, n, ..)), d, i, i + 1)`` -> ``unsqueeze(split(y, n, d)[i], d)``, when
+  the view only splits ``y``'s dim ``d`` (of size ``k * n``, ``2 <= k <= 8``) into ``(k, n)``
+  and every user of the view is such a slice;
+- ``view(stack(xs, d), merge d, d + 1)`` -> ``cat(xs, d)`` (the backward of the above).
+
+Anything else is left as it is.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+__all__ = ["split_piece_views"]
+
+aten = torch.ops.aten
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_MAX_PIECES = 8   # a fused q/k/v has 3, a fused gate/up 2; more pieces are no projection
+
+
+def _shape(n) -> tuple[int, ...] | None:
+    val = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _split_dim(before: tuple, after: tuple) -> int | None:
+    """The dim ``d`` of ``before`` that ``after`` reads as two dims (``d``, ``d + 1``) of
+    2 to 8 pieces each, all else equal; None otherwise."""
+    if len(after) != len(before) + 1:
+        return None
+    for d in range(len(before)):
+        if before[:d] == after[:d] and before[d + 1:] == after[d + 2:]:
+            k, n = after[d], after[d + 1]
+            if 2 <= k <= _MAX_PIECES and k * n == before[d] and n > 1:
+                return d
+            return None
+    return None
+
+
+def _piece_index(user: fx.Node, view: fx.Node, d: int) -> int | None:
+    """``i`` when ``user`` is ``slice(view, d, i, i + 1)``."""
+    if user.target is not aten.slice.Tensor or user.args[0] is not view:
+        return None
+    args = list(user.args) + [None] * (5 - len(user.args))
+    dim, start, end, step = args[1], args[2], args[3], args[4]
+    rank = len(_shape(view) or ())
+    if not (isinstance(dim, int) and isinstance(start, int)) or dim % rank != d or \
+            step not in (None, 1):
+        return None
+    return start if end == start + 1 else None
+
+
+def _with_meta(node: fx.Node, like: fx.Node, val) -> fx.Node:
+    node.meta = dict(like.meta)
+    node.meta["val"] = val
+    return node
+
+
+def _split_slices(gm: fx.GraphModule, view: fx.Node) -> int:
+    y = view.args[0]
+    before, after = _shape(y), _shape(view)
+    if not isinstance(y, fx.Node) or before is None or after is None:
+        return 0
+    d = _split_dim(before, after)
+    if d is None:
+        return 0
+    users = list(view.users)
+    pieces = [_piece_index(u, view, d) for u in users]
+    if not users or any(i is None for i in pieces):
+        return 0
+    g, n = gm.graph, after[d + 1]
+    with g.inserting_after(y):
+        split = _with_meta(g.call_function(aten.split.Tensor, (y, n, d)), view,
+                           list(aten.split.Tensor(y.meta["val"], n, d)))
+    for user, i in zip(users, pieces):
+        assert i is not None
+        with g.inserting_before(user):
+            piece = _with_meta(g.call_function(operator.getitem, (split, i)), user,
+                               split.meta["val"][i])
+            lifted = _with_meta(g.call_function(aten.unsqueeze.default, (piece, d)), user,
+                                user.meta["val"])
+        user.replace_all_uses_with(lifted)
+        g.erase_node(user)
+    return len(users)
+
+
+def _cat_of_stack(gm: fx.GraphModule, view: fx.Node) -> int:
+    stack = view.args[0]
+    if not isinstance(stack, fx.Node) or stack.target is not aten.stack.default:
+        return 0
+    pieces = stack.args[0]
+    merged, stacked = _shape(view), _shape(stack)
+    dim = stack.args[1] if len(stack.args) > 1 else stack.kwargs.get("dim", 0)
+    if merged is None or stacked is None or not isinstance(dim, int) or \
+            not isinstance(pieces, (list, tuple)):
+        return 0
+    d = dim % len(stacked)
+    if d + 1 >= len(stacked) or _split_dim(merged, stacked) != d:
+        return 0
+    with gm.graph.inserting_before(view):
+        cat = _with_meta(gm.graph.call_function(aten.cat.default, (list(pieces), d)), view,
+                         view.meta["val"])
+    view.replace_all_uses_with(cat)
+    gm.graph.erase_node(view)
+    return 1
+
+
+def split_piece_views(gm: fx.GraphModule) -> int:
+    """Rewrite the forms above in place; returns how many ops were rewritten."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _VIEWS:
+            rewritten += _split_slices(gm, node) or _cat_of_stack(gm, node)
+    if rewritten:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return rewritten
