@@ -166,14 +166,16 @@ def _batch_sharded(spec: TensorSpec, mesh: LogicalMesh) -> Strategy:
 
 def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | None = None, *,
                   inputs: str = "global", blocks: dict[str, tuple[str, int]] | None = None,
-                  in_flight: int = 1, memo: PricingMemo | None = None) -> Plan:
+                  in_flight: int = 1, memo: PricingMemo | None = None,
+                  deadline: float | None = None) -> Plan:
     """Solve Alpa's intra-op ILP for ``graph`` on ``mesh`` and return the Plan.
 
     ``blocks`` (node -> (block kind, index)) lets identical layers share one decision.
     ``in_flight``: micro-batches whose activations must fit in memory at once (a pipeline
     stage's; the estimates still describe one micro-batch). ``memo``: pricing work kept
     across the solves of whoever passes it (``passes/pricing_memo.py``; default: this
-    solve's own).
+    solve's own). ``deadline`` (a ``time.perf_counter()`` value): each solver run gets only
+    the time left before it, at least ``MIN_SOLVE_S`` (the solver's best plan by then).
     """
     method = method or ShardParallel()
     start = time.perf_counter()
@@ -185,12 +187,16 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
             assemble_plan(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
         return replace_estimates(plan, dict(plan.estimates, objective=plan.estimates[
             "step_time_s"], solve_seconds=time.perf_counter() - start))
-    ilp = _IntraOpILP(graph, mesh, method, option, space, costs, blocks, in_flight)
+    ilp = _IntraOpILP(graph, mesh, method, option, space, costs, blocks, in_flight, deadline)
     built = time.perf_counter()
     best = ilp.best()
     plan = merge_gradient_all_reduces(assemble_plan(graph, mesh, method, best.chosen, costs,
                                                     space, inputs), graph, mesh, option)
     return _with_solve_figures(plan, graph, mesh, space, best, ilp.budget, start, built)
+
+
+MIN_SOLVE_S = 10.0
+"""The least time a solver run is given when a deadline cuts its limit."""
 
 
 class _Solved(NamedTuple):
@@ -210,8 +216,10 @@ class _IntraOpILP:
 
     def __init__(self, graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                  option: AutoShardingOption, space: StrategySpace, costs: ReshardCosts,
-                 blocks: dict[str, tuple[str, int]] | None, in_flight: int):
+                 blocks: dict[str, tuple[str, int]] | None, in_flight: int,
+                 deadline: float | None = None):
         self.graph, self.mesh, self.method, self.option = graph, mesh, method, option
+        self.deadline = deadline
         self.space, self.costs, self.blocks, self.in_flight = space, costs, blocks, in_flight
         self.budget = option.memory_budget_per_device or mesh.memory_per_device
         # a parameter's forward reshards run once per step (runtime/param_gather.py)
@@ -257,6 +265,17 @@ class _IntraOpILP:
             best = self.resolve(best, "nothing simplified", exact=True)
         return best
 
+    def timed_option(self) -> AutoShardingOption:
+        """The option with the solver's time limit cut to what is left before the
+        deadline (at least ``MIN_SOLVE_S``)."""
+        option = self.option
+        if self.deadline is None:
+            return option
+        left = max(MIN_SOLVE_S, self.deadline - time.perf_counter())
+        if option.time_limit is not None and left >= option.time_limit:
+            return option
+        return replace(option, time_limit=left)
+
     def _frees_followers(self) -> bool:
         """Whether letting followers decide on their own gives the ILP more decisions, on
         a graph small enough for it (``free_followers_below``)."""
@@ -281,7 +300,7 @@ class _IntraOpILP:
         cg, solution, chosen, shared = solve_sharing_reads(
             graph, mesh, S, grouping, self.costs,
             lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory,
-                                                     self.budget, self.option, mesh,
+                                                     self.budget, self.timed_option(), mesh,
                                                      initial=initial),
             _initial_choice(S, grouping, start), shared,
             micro_batches=self.method.num_micro_batches, state_once=self.state_once)

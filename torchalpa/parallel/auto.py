@@ -246,7 +246,7 @@ class _Search:
                                    optimizer=self.method.optimizer)
             plan = plan_graph(captured.graph, method=method, meshes=self.meshes,
                               inputs=self.inputs, blocks=blocks_of(captured.graph),
-                              deadline=self.deadline)
+                              deadline=self.deadline, bound_views=False)
         else:
             from torchalpa.passes.inter_op import plan_pipeline
             method = PipeshardParallel(num_micro_batches=c.num_micro_batches,

@@ -54,38 +54,24 @@ def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
     return [cluster.logical_mesh(s, axis_names if shape else None) for s in shapes]
 
 
-MIN_SOLVE_S = 10.0
-"""The least time a solve is given when a time budget cuts its limit."""
-
-
-def _within(method: ShardParallel, deadline: float | None) -> tuple[ShardParallel, bool]:
-    """``method`` with the solver's time limit cut to what is left before ``deadline`` (at
-    least ``MIN_SOLVE_S``: the solver returns its best plan by then), and whether it was."""
-    option = method.auto_sharding_option
-    if deadline is None:
-        return method, False
-    left = max(MIN_SOLVE_S, deadline - time.perf_counter())
-    if option.time_limit is not None and left >= option.time_limit:
-        return method, False
-    return replace(method, auto_sharding_option=replace(option, time_limit=left)), True
-
-
 def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
                inputs: str = "global", blocks: dict | None = None,
-               deadline: float | None = None) -> Plan:
+               deadline: float | None = None, bound_views: bool | None = None) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
     A mesh whose memory lower bound (``passes/bounds.py``: every value split over all its
     devices) exceeds the budget is refused at once, with no ILP built: no layout could fit
     it. Once a plan is in hand, a mesh whose step-time bound (``step_time_lower_bound``: the
     linear relaxation of its unsimplified ILP) is above that plan's estimate is skipped:
-    no plan the ILP could find there would be chosen. The note lists it with its bound.
+    no plan the ILP could find there would be chosen. The note lists it with its bound
+    (``bound_views``: None follows ``SKIP_BY_BOUND``; AutoParallel's search, which bounds
+    its candidates itself, sets False: on LLaMA-3-8B the LP took longer than the solve).
     The first bound that skips nothing ends the bounding for this call: that LP costs a
     third to a half of a solve on a transformer, whose views plan within a few percent of
     each other, and it would be paid again on every other view. Past ``deadline`` (a
     ``time.perf_counter()`` value) no further mesh is solved once a plan is in hand, and
-    before it, once a plan is in hand, a solve gets only the time left (the solver's best
-    plan by then; such a plan is not cached)."""
+    before it, once a plan is in hand, each solver run gets only the time left
+    (``plan_intra_op(deadline=)``; such a plan is not cached)."""
     from torchalpa.passes.bounds import step_profile
     from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
@@ -95,7 +81,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     plans, failures, skipped = [], [], []
     refused: list[LogicalMesh] = []
     late: list[LogicalMesh] = []
-    bounding = SKIP_BY_BOUND
+    bounding = SKIP_BY_BOUND if bound_views is None else bound_views
     profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states)
     for i, mesh in enumerate(meshes):
         key = cache.plan_key(fingerprint, mesh, method, inputs)
@@ -128,10 +114,10 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 # a bound that skips nothing cost an LP for nothing: where views plan
                 # alike (transformers) the other meshes are solved without one
                 bounding = False
-            solving, cut = _within(method, deadline if fastest is not None else None)
+            cut = deadline if fastest is not None else None
             try:
-                found = plan_intra_op(graph, mesh, solving, inputs=inputs, blocks=blocks,
-                                      memo=memo)
+                found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks,
+                                      memo=memo, deadline=cut)
             except InfeasibleError as e:
                 failures.append(e)
                 progress.done = f"does not fit: {e}"
@@ -142,7 +128,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 found = replace(found, estimates=Estimates.from_dict(
                     dict(found.estimates, memory_budget_per_device_bytes=budget)))
             progress.done = _estimate_text(found, mesh)
-        if not cut:         # a solve cut short by the budget is not what the key promises
+        if cut is None:     # a solve the budget may cut short is not what the key promises
             cache.store(key, found)
             cache.trim()
         plans.append(found)
