@@ -33,6 +33,7 @@ import torchalpa.models as zoo
 from torchalpa.core.options import AutoLayerOption, PipeshardParallel
 from torchalpa.frontends.block_remat import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
+from torchalpa.models import ALPA_GPT
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.inter_op import plan_pipeline
 from torchalpa.passes.remat_choice import compute_lower_bound, plan_with_remat
@@ -52,9 +53,9 @@ class Row:
     devices: int
 
 
-ROWS = {"350m": Row(1024, 24, 16, 1), "1.3b": Row(2048, 24, 32, 4),
-        "2.6b": Row(2560, 32, 32, 8), "6.7b": Row(4096, 32, 32, 16),
-        "15b": Row(5120, 48, 40, 32), "39b": Row(8192, 48, 64, 64)}
+_DEVICES = {"350m": 1, "1.3b": 4, "2.6b": 8, "6.7b": 16, "15b": 32, "39b": 64}
+ROWS = {size: Row(*ALPA_GPT[size], devices) for size, devices in _DEVICES.items()}
+"""The sizes are the zoo's (``torchalpa.models.ALPA_GPT``); the devices Alpa ran each on."""
 
 
 def model_flops(row: Row) -> float:

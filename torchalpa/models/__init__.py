@@ -35,7 +35,7 @@ from torchalpa.models.resnet import ResNet, ResNetConfig
 from torchalpa.models.vit import ViT, ViTConfig
 
 __all__ = ["Family", "FAMILIES", "Workload", "tiny", "llama2_13b", "llama3_8b", "gpt_39b",
-           "NAMED", "named",
+           "NAMED", "named", "ALPA_GPT", "ALPA_MOE",
            "GPT", "GPTConfig", "Llama", "LlamaConfig", "BertClassifier", "BertConfig", "ViT",
            "ViTConfig", "ResNet", "ResNetConfig", "MoEModel", "MoELayer", "MoEConfig",
            "hf_model", "lm_loss", "classification_loss", "moe_lm_loss", "mse_loss"]
@@ -154,9 +154,9 @@ def gpt_39b(*, batch_size: int = 1024, seq_len: int = 1024) -> Workload:
 # Alpa's benchmark suites (OSDI'22, section 8): GPT-3 sizes (seq 1024, vocab 51200) and
 # GShard MoE sizes (seq 1024, vocab 32000, an MoE MLP in every block, top-2), global batch
 # 1024. (hidden, layers, heads) and (hidden, layers, heads, experts).
-_ALPA_GPT = {"350m": (1024, 24, 16), "1.3b": (2048, 24, 32), "2.6b": (2560, 32, 32),
+ALPA_GPT = {"350m": (1024, 24, 16), "1.3b": (2048, 24, 32), "2.6b": (2560, 32, 32),
              "6.7b": (4096, 32, 32), "15b": (5120, 48, 40), "39b": (8192, 48, 64)}
-_ALPA_MOE = {"380m": (768, 8, 16, 8), "690m": (768, 8, 16, 16), "1.3b": (768, 16, 16, 16),
+ALPA_MOE = {"380m": (768, 8, 16, 8), "690m": (768, 8, 16, 16), "1.3b": (768, 16, 16, 16),
              "2.4b": (1024, 16, 16, 16), "10b": (1536, 16, 16, 32), "27b": (2048, 16, 16, 48),
              "70b": (2048, 32, 16, 64)}
 
@@ -180,8 +180,8 @@ def _alpa_moe(hidden: int, layers: int, heads: int, experts: int):
 
 NAMED: dict[str, Callable[..., Workload]] = {
     "llama3_8b": llama3_8b, "llama2_13b": llama2_13b, "gpt_39b": gpt_39b,
-    **{f"alpa_gpt_{size}": _alpa_gpt(*spec) for size, spec in _ALPA_GPT.items()},
-    **{f"alpa_moe_{size}": _alpa_moe(*spec) for size, spec in _ALPA_MOE.items()},
+    **{f"alpa_gpt_{size}": _alpa_gpt(*spec) for size, spec in ALPA_GPT.items()},
+    **{f"alpa_moe_{size}": _alpa_moe(*spec) for size, spec in ALPA_MOE.items()},
 }
 """Real sizes by name (what the command line's MODEL accepts beside the tiny families):
 each ``(*, batch_size, seq_len) -> Workload`` with the published batch and sequence."""
