@@ -151,19 +151,41 @@ def test_rule_families_import_the_registry_not_the_package():
                 "torchalpa.passes.rules.registry (the package __init__ imports every family)")
 
 
+def test_no_module_name_repeats_across_layers():
+    """A file name says which module it is: ``generation.py`` in two layers makes a reader
+    (and a traceback) ambiguous."""
+    by_name: dict[str, list[str]] = {}
+    for module, path in _modules().items():
+        if path.name != "__init__.py":
+            by_name.setdefault(path.stem, []).append(module)
+    repeated = {n: ms for n, ms in by_name.items() if len({layer_of(m) for m in ms}) > 1}
+    assert not repeated, repeated
+
+
+def test_runtime_and_passes_are_grouped_by_concern():
+    """runtime/ and passes/ hold sub-packages, one per concern; no module lies flat in them."""
+    for folder in ("runtime", "passes"):
+        flat = sorted(p.name for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py")
+        assert not flat, f"{folder}/ keeps modules outside its sub-packages: {flat}"
+        for sub in (ROOT / folder).iterdir():
+            if sub.is_dir() and sub.name != "__pycache__":
+                assert (sub / "__init__.py").exists(), f"{sub} is not a package"
+
+
 def test_the_layering_test_catches_an_import_against_the_arrows(tmp_path):
     """The checks above see imports written inside functions too."""
     source = tmp_path / "bad.py"
-    source.write_text("def f():\n    from torchalpa.runtime.mesh import rank\n")
-    known = {"torchalpa.runtime.mesh": source}
+    source.write_text("def f():\n    from torchalpa.runtime.execution.mesh import rank\n")
+    known = {"torchalpa.runtime.execution.mesh": source}
     assert list(_imports("torchalpa.passes.bad", source, known)) == \
-        [(2, "torchalpa.runtime.mesh")]
+        [(2, "torchalpa.runtime.execution.mesh")]
     assert "runtime" not in ALLOWED[layer_of("torchalpa.passes.bad")]
 
 
 def test_planning_passes_load_no_runtime():
     # A fresh interpreter: this test process has long imported everything.
-    code = ("import sys, torchalpa.passes.intra_op, torchalpa.passes.inter_op\n"
+    code = ("import sys, torchalpa.passes.sharding.intra_op, "
+            "torchalpa.passes.pipeline_search.inter_op\n"
             "bad = sorted(m for m in sys.modules if m.startswith(('torchalpa.runtime', "
             "'torch.distributed.checkpoint')))\n"
             "assert not bad, bad\n")
@@ -180,7 +202,7 @@ def test_api_loads_no_runtime():
 
 
 def test_ilp_loads_no_torch():
-    code = "import sys, torchalpa.passes.ilp; assert 'torch' not in sys.modules"
+    code = "import sys, torchalpa.passes.sharding.ilp; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -191,7 +213,7 @@ def test_lazy_public_names():
 
     assert torchalpa.plan is api.plan and torchalpa.auto_parallel is api.auto_parallel
     assert torchalpa.Plan is Plan
-    assert torchalpa.save_checkpoint.__module__ == "torchalpa.runtime.checkpoint"
-    assert torchalpa.MixedPrecision.__module__ == "torchalpa.runtime.precision"
+    assert torchalpa.save_checkpoint.__module__ == "torchalpa.runtime.state.checkpoint"
+    assert torchalpa.MixedPrecision.__module__ == "torchalpa.runtime.execution.precision"
     for name in torchalpa.__all__:
         assert getattr(torchalpa, name) is not None
