@@ -57,47 +57,24 @@ from dataclasses import dataclass, replace
 
 from torchalpa.core.fusion import fuse_elementwise_bytes
 from torchalpa.core.opgraph import GraphOutputs, Operand, OpGraph, OpNode, TensorSpec, ValueRef
-from torchalpa.frontends.hlo_dot import emit_batch_sum, emit_dot
-from torchalpa.frontends.hlo_gather import add_along_dim, pick_along_dim
+from torchalpa.frontends.hlo_readers import (
+    ELEMENTWISE,
+    READERS,
+    OpAt,
+    StableHLOError,
+    gather_dims_of,
+    ints_of,
+)
 from torchalpa.frontends.hlo_slices import equal_slices_as_split
 from torchalpa.frontends.hlo_sums import sum_products_first
 
 __all__ = ["from_stablehlo", "read_program", "ReadProgram", "parse_module", "StableHLOError", "ELEMENTWISE"]
 
 
-class StableHLOError(ValueError):
-    """The StableHLO program is not a training step torchalpa can read; says why."""
-
-
 _DTYPES = {"f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16",
            "i64": "int64", "i32": "int32", "i16": "int16", "i8": "int8", "ui8": "uint8",
            "i1": "bool", "complex<f32>": "complex64"}
 
-# StableHLO elementwise op -> the ATen op with the same sharding rule.
-ELEMENTWISE = {
-    "stablehlo.add": "aten.add.Tensor", "stablehlo.subtract": "aten.sub.Tensor",
-    "stablehlo.multiply": "aten.mul.Tensor", "stablehlo.divide": "aten.div.Tensor",
-    "stablehlo.maximum": "aten.maximum.default", "stablehlo.minimum": "aten.minimum.default",
-    "stablehlo.negate": "aten.neg.default", "stablehlo.exponential": "aten.exp.default",
-    "stablehlo.log": "aten.log.default", "stablehlo.sqrt": "aten.sqrt.default",
-    "stablehlo.rsqrt": "aten.rsqrt.default", "stablehlo.tanh": "aten.tanh.default",
-    "stablehlo.logistic": "aten.sigmoid.default", "stablehlo.abs": "aten.abs.default",
-    "stablehlo.power": "aten.pow.Tensor_Tensor", "stablehlo.sine": "aten.sin.default",
-    "stablehlo.cosine": "aten.cos.default", "chlo.erf": "aten.erf.default",
-    "stablehlo.log_plus_one": "aten.log1p.default",
-    "stablehlo.exponential_minus_one": "aten.expm1.default",
-    "stablehlo.sign": "aten.sign.default", "stablehlo.floor": "aten.floor.default",
-    "stablehlo.ceil": "aten.ceil.default", "stablehlo.remainder": "aten.remainder.Tensor",
-    "stablehlo.select": "aten.where.self", "stablehlo.clamp": "aten.clamp.Tensor",
-    "stablehlo.and": "aten.logical_and.default", "stablehlo.or": "aten.logical_or.default",
-    "stablehlo.xor": "aten.logical_xor.default", "stablehlo.not": "aten.logical_not.default",
-    "stablehlo.round_nearest_even": "aten.round.default",
-}
-_COMPARE = {"EQ": "aten.eq.Tensor", "NE": "aten.ne.Tensor", "LT": "aten.lt.Tensor",
-            "LE": "aten.le.Tensor", "GT": "aten.gt.Tensor", "GE": "aten.ge.Tensor"}
-_REDUCE = {"stablehlo.add": "aten.sum.dim_IntList", "stablehlo.maximum": "aten.amax.default",
-           "stablehlo.minimum": "aten.amin.default", "stablehlo.and": "aten.all.dim",
-           "stablehlo.or": "aten.any.dims"}
 _CONSTANTS = ("stablehlo.constant", "arith.constant")
 _SHAPE_OPS = ("stablehlo.convert", "stablehlo.reshape", "stablehlo.broadcast_in_dim",
               "stablehlo.transpose")
@@ -167,34 +144,6 @@ def read_program(text: str, *, num_params: int | None = None,
 
 
 # -- attribute text -------------------------------------------------------------------
-
-def _ints(text: str) -> list[int]:
-    """Integers of ``array<i64: 1, 0>``, ``dense<[1, 0]> : tensor<2xi64>`` or ``[1, 0]``."""
-    text = text.split(">", 1)[0] if text.startswith("array<") else text
-    text = text.split(":", 1)[1] if text.startswith("array<") and ":" in text else \
-        ("" if text.startswith("array<") else text.split(" : ")[0])
-    return [int(v) for v in re.findall(r"-?\d+", text)]
-
-
-def _dot_dims(text: str) -> dict[str, list[int]]:
-    out = {}
-    for key in ("lhs_batching_dimensions", "rhs_batching_dimensions",
-                "lhs_contracting_dimensions", "rhs_contracting_dimensions"):
-        m = re.search(key + r"\s*=\s*\[([^\]]*)\]", text)
-        out[key] = [int(v) for v in re.findall(r"-?\d+", m.group(1))] if m else []
-    return out
-
-
-def _gather_dims(text: str) -> dict[str, list[int]]:
-    """The fields of ``#stablehlo.gather<...>`` / ``#stablehlo.scatter<...>`` (absent: [])."""
-    out = {}
-    for key in ("offset_dims", "collapsed_slice_dims", "start_index_map", "index_vector_dim",
-                "operand_batching_dims", "start_indices_batching_dims", "update_window_dims",
-                "inserted_window_dims", "scatter_dims_to_operand_dims", "input_batching_dims"):
-        m = re.search(r"\b" + key + r"\s*=\s*(\[[^\]]*\]|-?\d+)", text)
-        out[key] = [int(v) for v in re.findall(r"-?\d+", m.group(1))] if m else []
-    return out
-
 
 def _spec(ir_type) -> TensorSpec:
     text = str(ir_type)
@@ -400,144 +349,81 @@ class _Reader:
         raise StableHLOError("a function body without a return")
 
     def _op(self, op) -> None:
+        """Read one op: inline a call, keep a constant, drop an identity, else the reader
+        registered for its name (``frontends/hlo_readers.py``); an op no reader takes keeps
+        its StableHLO name and has no rule (replicated, listed in the plan)."""
         self._reading = op
-        name = op.name
         where, stack = _location(op)
         self._module = where if _MODULE_PATH.fullmatch(where) else ""
-        source = f"{name} {where}".strip()
-        outs = [_spec(r.type) for r in op.results]
-        ins = list(op.operands)
+        at = OpAt(op, op.name, f"{op.name} {where}".strip(), stack,
+                  [_spec(r.type) for r in op.results], list(op.operands))
+        if self._passes_through(at):
+            return
+        value = self._constant_value(at)
+        if value is not None:
+            self.constants[op.results[0]] = value
+            self.refs[op.results[0]] = self.emit("aten.full.default", [], at.outs[0],
+                                                 (at.outs[0].shape, value), source=at.source,
+                                                 stack=stack)
+            return
+        at.refs = [self.refs[v] for v in at.ins]
+        reader = READERS.get(at.name)
+        result = self._identity(at) or (reader(self, at) if reader else None)
+        if result is None:
+            ref = self.emit(at.name, at.refs, at.outs,
+                            tuple(Operand(k) for k in range(len(at.refs))),
+                            source=at.source, stack=stack)
+            result = [ValueRef(ref.node, i) for i in range(len(at.outs))]
+        for i, ref in enumerate(result if isinstance(result, list) else [result]):
+            self.refs[op.results[i]] = ref
 
-        def set_result(ref: ValueRef, index=0):
-            self.refs[op.results[index]] = ref
-
-        if name == "func.call":
-            callee = self.funcs[str(op.attributes["callee"]).lstrip("@").strip('"')]
+    def _passes_through(self, at: OpAt) -> bool:
+        """A call is inlined and a barrier forwards its operands: no op of their own."""
+        if at.name == "func.call":
+            callee = self.funcs[str(at.op.attributes["callee"]).lstrip("@").strip('"')]
             body = callee.regions[0].blocks[0]
-            for formal, actual in zip(body.arguments, ins):
+            for formal, actual in zip(body.arguments, at.ins):
                 self.refs[formal] = self.refs[actual]
                 if actual in self.constants:
                     self.constants[formal] = self.constants[actual]
-            for i, ref in enumerate(self._body(body)):
-                set_result(ref, i)
-            return
+            results = self._body(body)
+        elif at.name == "stablehlo.optimization_barrier":
+            results = [self.refs[v] for v in at.ins]
+        else:
+            return False
+        for i, ref in enumerate(results):
+            self.refs[at.op.results[i]] = ref
+        return True
+
+    def _constant_value(self, at: OpAt) -> float | None:
+        """The splat value of a constant, of a shape op or cast of a constant, and of
+        arithmetic on constants (folded); None for an op that is not a constant."""
+        name, ins = at.name, at.ins
         if name in _CONSTANTS:
-            value = _splat(str(op.attributes["value"]))
-            self.constants[op.results[0]] = value
-            set_result(self.emit("aten.full.default", [], outs[0], (outs[0].shape, value),
-                                 source=source, stack=stack))
-            return
-        if name == "stablehlo.optimization_barrier":
-            for i, v in enumerate(ins):
-                set_result(self.refs[v], i)
-            return
+            return _splat(str(at.op.attributes["value"]))
         if ins and ins[0] in self.constants and name in _SHAPE_OPS:    # still a constant
             value = self.constants[ins[0]]
-            if name == "stablehlo.convert" and outs[0].dtype not in _FLOATS and value == value:
+            if name == "stablehlo.convert" and at.outs[0].dtype not in _FLOATS and \
+                    value == value:
                 value = float(int(value))
-            self.constants[op.results[0]] = value
-            set_result(self.emit("aten.full.default", [], outs[0], (outs[0].shape, value),
-                                 source=source, stack=stack))
-            return
+            return value
         if name in _FOLD and ins and all(v in self.constants for v in ins):   # constant math
             try:
-                value = float(_FOLD[name](*(self.constants[v] for v in ins)))
+                return float(_FOLD[name](*(self.constants[v] for v in ins)))
             except (ArithmeticError, ValueError):
-                value = float("nan")
-            self.constants[op.results[0]] = value
-            set_result(self.emit("aten.full.default", [], outs[0], (outs[0].shape, value),
-                                 source=source, stack=stack))
-            return
-        refs = [self.refs[v] for v in ins]
-        if name in _IDENTITY_WITH and len(ins) == 2 and \
-                self.constants.get(ins[1]) == _IDENTITY_WITH[name] and ins[0] not in self.constants:
-            set_result(refs[0])                          # x * 1, x / 1, x ** 1, x + 0, x - 0
-            return
-        if name == "stablehlo.multiply" and self.constants.get(ins[0]) == 1.0:
-            set_result(refs[1])
-            return
-        if name in ELEMENTWISE or name == "stablehlo.compare":
-            # a constant operand is a scalar broadcast, as in ATen (``scalar_tensor``)
-            refs = [self.emit("aten.full.default", [], TensorSpec((), self.spec(r).dtype),
-                              ((), self.constants[v]), source=source, stack=stack)
-                    if v in self.constants and self.spec(r).shape else r
-                    for v, r in zip(ins, refs)]
-            target = ELEMENTWISE.get(name)
-            if name == "stablehlo.compare":
-                found = re.search(r"comparison_direction (\w+)",
-                                  str(op.attributes["comparison_direction"]))
-                if found is None:
-                    raise StableHLOError(f"cannot read the comparison of {op}")
-                target = _COMPARE[found.group(1)]
-            if name == "stablehlo.clamp":        # clamp(min, x, max) -> clamp(x, min, max)
-                refs = [refs[1], refs[0], refs[2]]
-            if name == "stablehlo.not" and outs[0].dtype != "bool":
-                target = "aten.bitwise_not.default"
-            assert target is not None, f"{name} is elementwise"
-            args = tuple(Operand(k) for k in range(len(refs)))
-            set_result(self.emit(target, refs, outs[0], args, source=source, stack=stack))
-        elif name == "stablehlo.convert" and self.spec(refs[0]).dtype == outs[0].dtype:
-            set_result(refs[0])        # a convert to its own element type is the identity
-        elif name == "stablehlo.convert":
-            set_result(self.emit("aten._to_copy.default", refs, outs[0], (Operand(0),),
-                                 (("dtype", f"torch.{outs[0].dtype}"),), source=source,
-                                 stack=stack))
-        elif name == "stablehlo.reshape":
-            set_result(self.view(refs[0], outs[0].shape, source, stack))
-        elif name == "stablehlo.transpose":
-            perm = _ints(str(op.attributes["permutation"]))
-            set_result(self.permute(refs[0], perm, source, stack))
-        elif name == "stablehlo.broadcast_in_dim":
-            dims = _ints(str(op.attributes["broadcast_dimensions"]))
-            set_result(self._broadcast(refs[0], dims, outs[0].shape, source, stack))
-        elif name == "stablehlo.dot_general":
-            set_result(emit_dot(self, refs,
-                                _dot_dims(str(op.attributes["dot_dimension_numbers"])),
-                                outs[0], source, stack))
-        elif name == "stablehlo.reduce" and len(ins) == 2 and self._reduce_body(op) in _REDUCE:
-            dims = _ints(str(op.attributes["dimensions"]))
-            summed = emit_batch_sum(self, refs[0], dims, source, stack) \
-                if _REDUCE[self._reduce_body(op)] == "aten.sum.dim_IntList" else None
-            if summed is not None:
-                set_result(summed)
-                return
-            set_result(self.emit(_REDUCE[self._reduce_body(op)], refs[:1], outs[0],
-                                 (Operand(0), tuple(dims), False), source=source, stack=stack))
-        elif name == "stablehlo.slice" and (sliced := self._one_dim_slice(op, refs[0])):
-            dim, start, end, step = sliced
-            set_result(self.emit("aten.slice.Tensor", refs, outs[0],
-                                 (Operand(0), dim, start, end, step), source=source, stack=stack))
-        elif name == "stablehlo.concatenate":
-            dim = int(_ints(str(op.attributes["dimension"]))[0])
-            set_result(self.emit("aten.cat.default", refs, outs[0],
-                                 (tuple(Operand(k) for k in range(len(refs))), dim),
-                                 source=source, stack=stack))
-        elif name == "stablehlo.gather" and (found := self._embedding_lookup(op, refs)):
-            weight, indices = found
-            set_result(self.emit("aten.embedding.default", [weight, indices], outs[0],
-                                 (Operand(0), Operand(1)), source=source, stack=stack,
-                                 flops=0.0))
-        elif name == "stablehlo.gather" and \
-                (picked := pick_along_dim(self, op, refs, source, stack)):
-            set_result(picked)
-        elif name == "stablehlo.scatter" and (found := self._embedding_grad(op, ins, refs)):
-            grad, indices = found
-            vocab = outs[0].shape[0]
-            set_result(self.emit("aten.embedding_dense_backward.default", [grad, indices],
-                                 outs[0], (Operand(0), Operand(1), vocab, -1, False),
-                                 source=source, stack=stack))
-        elif name == "stablehlo.scatter" and (added := add_along_dim(
-                self, op, ins, refs, source, stack, self._reduce_body(op))):
-            set_result(added)
-        elif name == "stablehlo.iota" or (name == "stablehlo.dynamic_iota"
-                                          and len(outs[0].shape) == 1):
-            set_result(self.emit("aten.arange.default", [], outs[0], (outs[0].numel,),
-                                 source=source, stack=stack))
-        else:   # no rule: replicated, and listed in the plan
-            ref = self.emit(name, refs, outs, tuple(Operand(k) for k in range(len(refs))),
-                            source=source, stack=stack)
-            for i in range(len(outs)):
-                set_result(ValueRef(ref.node, i), i)
+                return float("nan")
+        return None
+
+    def _identity(self, at: OpAt) -> ValueRef | None:
+        """``x * 1``, ``x / 1``, ``x ** 1``, ``x + 0``, ``x - 0`` and ``1 * x`` are ``x``."""
+        ins = at.ins
+        if at.name in _IDENTITY_WITH and len(ins) == 2 and \
+                self.constants.get(ins[1]) == _IDENTITY_WITH[at.name] and \
+                ins[0] not in self.constants:
+            return at.refs[0]
+        if at.name == "stablehlo.multiply" and self.constants.get(ins[0]) == 1.0:
+            return at.refs[1]
+        return None
 
     def _row_indices(self, ref: ValueRef, index_vector_dim: int, source, stack):
         """Indices of one row each: ``(*I)``, or ``(*I, 1)`` with the index vector last,
@@ -549,12 +435,12 @@ class _Reader:
             return self.view(ref, shape[:-1], source, stack)
         return None
 
-    def _embedding_lookup(self, op, refs):
+    def embedding_lookup(self, op, refs):
         """A ``gather`` that takes whole rows of a 2-D table (``jnp.take(w, ids, axis=0)``,
         torch's ``embedding``): (weight, indices) for ``aten.embedding``, else None."""
-        dims = _gather_dims(str(op.attributes["dimension_numbers"]))
+        dims = gather_dims_of(str(op.attributes["dimension_numbers"]))
         table = self.spec(refs[0]).shape
-        sizes = _ints(str(op.attributes["slice_sizes"]))
+        sizes = ints_of(str(op.attributes["slice_sizes"]))
         if len(table) != 2 or dims["collapsed_slice_dims"] != [0] or \
                 dims["start_index_map"] != [0] or sizes != [1, table[1]] or \
                 dims["operand_batching_dims"]:
@@ -566,12 +452,12 @@ class _Reader:
             return None
         return refs[0], indices
 
-    def _embedding_grad(self, op, ins, refs):
+    def embedding_grad(self, op, ins, refs):
         """A ``scatter`` that adds rows into a zero table (the backward of an embedding
         lookup): (grad, indices) for ``aten.embedding_dense_backward``, else None."""
-        dims = _gather_dims(str(op.attributes["scatter_dimension_numbers"]))
+        dims = gather_dims_of(str(op.attributes["scatter_dimension_numbers"]))
         table = self.spec(refs[0]).shape
-        if len(ins) != 3 or len(table) != 2 or self._reduce_body(op) != "stablehlo.add" or \
+        if len(ins) != 3 or len(table) != 2 or self.reduce_body(op) != "stablehlo.add" or \
                 self.constants.get(ins[0]) != 0.0 or dims["inserted_window_dims"] != [0] or \
                 dims["scatter_dims_to_operand_dims"] != [0] or dims["input_batching_dims"]:
             return None
@@ -642,15 +528,15 @@ class _Reader:
         return float(node.args[1])
 
     @staticmethod
-    def _reduce_body(op) -> str:
+    def reduce_body(op) -> str:
         body = list(op.regions[0].blocks[0].operations)
         return body[0].operation.name if len(body) == 2 else ""
 
-    def _one_dim_slice(self, op, ref):
+    def one_dim_slice(self, op, ref):
         shape = self.spec(ref).shape
-        starts = _ints(str(op.attributes["start_indices"]))
-        limits = _ints(str(op.attributes["limit_indices"]))
-        strides = _ints(str(op.attributes["strides"]))
+        starts = ints_of(str(op.attributes["start_indices"]))
+        limits = ints_of(str(op.attributes["limit_indices"]))
+        strides = ints_of(str(op.attributes["strides"]))
         cut = [d for d in range(len(shape))
                if (starts[d], limits[d], strides[d]) != (0, shape[d], 1)]
         if len(cut) > 1:
@@ -679,7 +565,7 @@ class _Reader:
         return self.emit("aten.permute.default", [ref], TensorSpec(shape, spec.dtype),
                          (Operand(0), tuple(perm)), source=source, stack=stack)
 
-    def _broadcast(self, ref: ValueRef, dims, shape, source, stack) -> ValueRef:
+    def broadcast(self, ref: ValueRef, dims, shape, source, stack) -> ValueRef:
         """``broadcast_in_dim``: operand dim i becomes result dim ``dims[i]``."""
         spec = self.spec(ref)
         order = sorted(range(len(dims)), key=lambda i: dims[i])
