@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from torchalpa.core.opgraph import Operand, TensorSpec, ValueRef
+from torchalpa.core.opgraph import Operand, OpNode, TensorSpec, ValueRef
 from torchalpa.frontends.hlo_dot import emit_batch_sum, emit_dot
 from torchalpa.frontends.hlo_gather import add_along_dim, pick_along_dim
 
@@ -99,8 +99,11 @@ class OpAt:
 
 
 class Reader(Protocol):
-    """What readers use of ``frontends/stablehlo.py``'s reader."""
+    """What readers use of ``frontends/stablehlo.py``'s reader (and what the dot and
+    gather emitters they call use of it)."""
+    refs: dict
     constants: dict
+    by_name: dict[str, OpNode]
 
     def emit(self, op: str, operands: list[ValueRef], out: TensorSpec | Sequence[TensorSpec],
              args: tuple = (), kwargs: tuple = (), *, source, stack="", flops=None
