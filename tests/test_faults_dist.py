@@ -183,7 +183,8 @@ def test_a_flipped_byte_in_one_ranks_shard_stops_every_rank_and_fallback_loads_t
 
 def test_a_bad_file_of_the_last_rank_is_refused_on_every_rank_and_changes_nothing(tmp_path):
     """4 ranks, ZeRO-3 and Adam: rank 3's random state, an optimizer item of its shard, or
-    its whole shard is bad (the manifest rewritten to match, so only reading finds it).
+    its whole shard is bad (the manifest rewritten to match, so only reading finds it), or
+    rank 3's first layer refuses the extra state saved for it (``set_extra_state``).
     Every rank refuses the load naming the file, and no rank's parameters, optimizer
     state, random state or step counter changed, even one whose optimizer had no state
     yet; the good checkpoint then loads bit-identically (tests/load_refusal_worker.py)."""
@@ -199,6 +200,12 @@ def test_a_bad_file_of_the_last_rank_is_refused_on_every_rank_and_changes_nothin
                              r".*Nothing was loaded", found["error"] or ""), \
                 f"rank {r}, {kind}: {found['error']}"
             assert found["changed"] == [], f"rank {r}, {kind}: a refused load changed these"
+        extra = seen["extra state"]
+        assert "trace" not in extra, f"rank {r}: {extra}"
+        assert re.search(r"ckpt-000001 cannot be loaded: rank 3: module '0' \(Versioned\) "
+                         r"refused its saved extra state.*reads formats up to 1.*Nothing was "
+                         r"loaded", extra["error"] or ""), f"rank {r}: {extra['error']}"
+        assert extra["changed"] == [] and extra["scale"] == 5.0, f"rank {r}: {extra}"
         # the step counter counts this process's calls: it is not in a checkpoint
         assert seen["good"]["changed"] == ["step counter"], f"rank {r}: {seen['good']}"
 
