@@ -191,6 +191,15 @@ def test_a_truncated_or_pickled_file_of_a_sharded_snapshot_is_named_and_nothing_
                        r"save_file\(torch\.load\('pytorch_model-00002\.bin'"):
         torchalpa.load_pretrained(pm, tmp_path / "snapshot")
     assert all(torch.equal(a, p.full_tensor()) for a, p in zip(before, pm.parameters()))
+    with pytest.raises(ValueError, match=r"pytorch_model-00002\.bin is a PyTorch pickle"):
+        torchalpa.load_pretrained(pm, tmp_path / "snapshot" / "pytorch_model-00002.bin")
+    only_pickles = tmp_path / "pickled"
+    only_pickles.mkdir()
+    (tmp_path / "snapshot" / "pytorch_model-00002.bin").rename(only_pickles / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"neither model.safetensors nor .*it has "
+                       r"pytorch_model\.bin, a PyTorch pickle file: convert it once"):
+        torchalpa.load_pretrained(pm, only_pickles)
+    assert all(torch.equal(a, p.full_tensor()) for a, p in zip(before, pm.parameters()))
     with pytest.warns(UserWarning, match="missing keys"):   # an intact file still loads
         torchalpa.load_pretrained(pm, second.parent / "model-00001-of-00002.safetensors",
                                   strict=False)
