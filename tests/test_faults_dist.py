@@ -255,6 +255,7 @@ def _watchdogs(port: int) -> list[str]:
     return found
 
 
+@pytest.mark.slow             # 4 ranks' start: 73 s at load 32 (the watchdog alone: test_rank_watchdog)
 def test_a_rank_stuck_in_c_holding_the_gil_is_stopped_from_outside(tmp_path):
     """A plain launch: rank 1 sleeps in C holding the GIL (no thread of its interpreter
     runs, its heartbeat's neither) and rank 2 raises out of its script. The others fail
