@@ -590,8 +590,9 @@ def load_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
     any rank raises ``CheckpointError`` on every rank naming it, with the model, the
     optimizer and the random state as they were (an optimizer state created for the load
     is removed again); so does a module whose ``set_extra_state`` refuses its saved
-    extra state on any rank (every module's extra state is set before any tensor). The cost is room for a second copy of this rank's shards of the
-    model and optimizer state while loading.
+    extra state on any rank (every module's extra state is set before any tensor). The
+    cost is room for a second copy of this rank's shards of the model and optimizer state
+    while loading.
     """
     module, optimizer = _parts(pmodel, optimizer)
     directory, manifest = _intact_version(Path(path), fallback)
@@ -691,11 +692,19 @@ def _refusal(directory: Path, problems: list[str]) -> str:
         older = [v for v in _versions(directory.parent) if _number(_VERSION_RE, v) < below]
     instead = (f"load the previous version, load_checkpoint("
                f"{os.fspath(directory.parent / older[-1])!r}, ...), or " if older else "")
-    return (f"checkpoint {directory} cannot be loaded: {'; '.join(problems)}. Nothing was "
-            "loaded: the model, the optimizer and the random state are as they were. The "
-            "files match the manifest's checksums, so they were replaced or altered after "
-            f"the save (with the manifest rewritten to match); {instead}restore the files "
-            "from a copy")
+    head = (f"checkpoint {directory} cannot be loaded: {'; '.join(problems)}. Nothing was "
+            "loaded: the model, the optimizer and the random state are as they were. ")
+    if all(any(m in p for m in _OTHER_MODEL) for p in problems):
+        return head + ("The checkpoint was saved from a model with other state (keys or "
+                       "shapes): load it into the model that saved it (same modules, sizes "
+                       "and extra state), or start from a checkpoint of this one")
+    return head + ("The files match the manifest's checksums, so they were replaced or "
+                   f"altered after the save (with the manifest rewritten to match); "
+                   f"{instead}restore the files from a copy")
+
+
+# DCP's words for a checkpoint of another model (torch's default_planner)
+_OTHER_MODEL = ("Missing key in checkpoint state_dict", "Size mismatch between saved")
 
 
 def _check_version(directory: Path) -> dict | None:

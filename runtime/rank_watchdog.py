@@ -76,7 +76,7 @@ class Watch:
             return False
         self.last_beat = time.monotonic()
         self.failure_seen = None
-        if self.marked:
+        if self.marked and self.store is not None:
             try:
                 self.store.delete_key(stuck_key(self.rank))
             except Exception:  # the store is gone: nobody reads the mark any more
@@ -113,6 +113,7 @@ class Watch:
               "SIGKILL). Its threads were where the traceback above shows.",
               file=sys.stderr, flush=True)
         try:
+            assert self.store is not None, "stop() follows connect()"
             self.store.set(_left_key(self.rank), "stopped: stuck after the job failed")
         except Exception:  # the store may be gone; the rank is stopped either way
             pass

@@ -316,3 +316,21 @@ def test_extra_state_a_module_refuses_changes_nothing(tmp_path, optimizer_state)
     assert load_checkpoint(tmp_path, pm) == good
     assert differences(held_state(pm), saved) == ["step counter"]
     assert (pm.module[0].scale, pm.module[2].scale) == (3.0, 3.0)
+
+
+def test_a_checkpoint_of_another_model_is_named_as_such_not_as_damage(tmp_path):
+    """Saved from a model without the extra state this one has (a key it lacks): refused
+    as another model's, with nothing changed -- not blamed on altered files."""
+    torch.manual_seed(0)
+    plain = torchalpa.auto_parallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(),
+                                                  nn.Linear(16, 16)), mlp_inputs(8, 16),
+                                    F.mse_loss, method=torchalpa.ShardParallel())
+    save_checkpoint(tmp_path, plain)
+    pm = versioned()
+    held = held_state(pm)
+    with pytest.raises(CheckpointError, match=r"Missing key in checkpoint state_dict: model\.0\."
+                       r"_extra_state.*Nothing was loaded.*saved from a model with other "
+                       r"state") as refused:
+        load_checkpoint(tmp_path, pm)
+    assert "replaced or altered" not in str(refused.value)
+    assert differences(held_state(pm), held) == []
