@@ -15,7 +15,9 @@ turns that into an error on every rank that names the rank at fault:
   ``HEARTBEAT_S``), and marks itself as gone when it exits normally. A rank whose
   counter stopped and that left no such mark is named as dead (killed by a signal, the
   out-of-memory killer, a crashed interpreter) -- and only it: healthy ranks still blocked
-  in a collective keep beating, so they are never blamed for the dead one.
+  in a collective keep beating, so they are never blamed for the dead one. One whose
+  process is still alive (stuck in C code holding the GIL) is named as stuck instead, and
+  its watchdog process stops it (``heartbeat``, ``rank_watchdog``).
 
 Under torchrun the agent stops the whole job with SIGTERM as soon as one worker dies;
 ``launcher_stop`` catches that signal (even while the main thread is blocked in a

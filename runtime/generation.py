@@ -79,9 +79,9 @@ def prepare_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
     return Batch(input_ids=input_ids, ids=ids, positions=positions, valid=valid, rows=rows)
 
 
-def check_input_ids(input_ids) -> None:
-    """A TypeError unless ``input_ids`` is a (rows, tokens) integer tensor; a ValueError if
-    it holds no prompt or an empty one."""
+def check_input_ids(input_ids) -> torch.Tensor:
+    """``input_ids``, once it is a (rows, tokens) integer tensor (else a TypeError) with a
+    prompt of at least one token (else a ValueError)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or \
             input_ids.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"input_ids must be a (batch, tokens) tensor of token ids, got "
@@ -91,6 +91,7 @@ def check_input_ids(input_ids) -> None:
         raise ValueError(f"input_ids is empty: {tuple(input_ids.shape)}; each prompt needs at "
                          "least one token (a tokenizer adds the BOS token: "
                          "add_special_tokens=True)")
+    return input_ids
 
 
 def as_token_tensor(value, name: str, dtype: torch.dtype = torch.int64):

@@ -18,6 +18,13 @@ between threads). Every ``HEARTBEAT_S`` it
   saw the failure), the thread prints the failure and where the main thread was to
   stderr, marks the rank as left and ends the process with exit status 1.
 
+A rank whose main thread holds the GIL inside C code runs no thread at all, this one
+included: its watchdog process (``rank_watchdog``, started here; one byte per beat on its
+stdin) stops it from outside instead, and marks it as stuck, so that peers whose
+diagnosis finds its heartbeat stopped name it as stuck, not dead (``Heartbeat.stuck``,
+which also knows a live process of the same host by the pid it recorded).
+``TORCHALPA_RANK_WATCHDOG=0``: no watchdog.
+
 The keys are the TCPStore's own, not under the process group's prefix.
 
 A rank handles a failure itself once its fault monitor diagnoses a failed collective, the

@@ -146,9 +146,8 @@ class InferenceModule(nn.Module):
             input_ids = kwargs.pop("inputs", None)
         if input_ids is None:
             raise ValueError("generate needs input_ids (the prompts' token ids)")
-        input_ids = as_token_tensor(input_ids, "input_ids")
+        input_ids = check_input_ids(as_token_tensor(input_ids, "input_ids"))
         attention_mask = as_token_tensor(attention_mask, "attention_mask")
-        check_input_ids(input_ids)
         config = getattr(self.module, "generation_config", None)
         sampling = resolve_sampling(kwargs, config, int(input_ids.shape[-1]))
         batch = prepare_batch(input_ids, attention_mask, batch_size=self.batch_size,
