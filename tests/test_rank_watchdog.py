@@ -1,4 +1,4 @@
-"""A rank's watchdog process (runtime/rank_watchdog.py) on its own, without a job: a
+"""A rank's watchdog process (runtime/resilience/rank_watchdog.py) on its own, without a job: a
 stand-in rank that starts it and then sleeps in C holding the GIL (so no beat ever comes)
 is stopped once the store says the job failed and the other rank left; one that leaves
 ("q") ends its watchdog. The whole job is tests/test_faults_dist.py's stuck-in-C test.
