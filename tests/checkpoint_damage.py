@@ -10,6 +10,9 @@ files of the checkpoint have been read:
   is overwritten with zeros;
 - ``shard``: rank r's whole DCP shard file is overwritten with zeros.
 
+``Versioned`` is a layer whose ``set_extra_state`` refuses a state saved in a newer
+format than it reads (set ``reads_up_to`` lower to make it refuse).
+
 Used by tests/test_faults_checkpoint.py (one process) and tests/load_refusal_worker.py
 (4 gloo ranks).
 """
@@ -22,10 +25,30 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
 KINDS = ("rng", "optimizer", "shard")
+
+
+class Versioned(nn.Linear):
+    """A layer with extra state that checks what it loads, as a layer recording its format
+    would: it refuses a state saved by a newer format than it reads; otherwise it takes
+    the saved ``scale``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.format, self.reads_up_to, self.scale = 2, 2, 1.0
+
+    def get_extra_state(self):
+        return {"format": self.format, "scale": self.scale}
+
+    def set_extra_state(self, state):
+        if state["format"] > self.reads_up_to:
+            raise ValueError(f"saved in format {state['format']}; this layer reads formats "
+                             f"up to {self.reads_up_to}")
+        self.scale = state["scale"]
 
 
 def reseal(version: Path) -> None:
@@ -74,9 +97,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def held_state(pm) -> dict:
-    """What a load may change, by name: this rank's parameters and buffers, the
-    optimizer's state and hyperparameters, the random state and the step counter."""
-    held: dict = {f"model {name}": _local(t) for name, t in pm.state_dict().items()}
+    """What a load may change, by name: this rank's parameters, buffers and modules' extra
+    state, the optimizer's state and hyperparameters, the random state and the step counter."""
+    held: dict = {f"model {name}": _local(t) if isinstance(t, torch.Tensor) else copy.deepcopy(t)
+                  for name, t in pm.state_dict().items()}        # extra state: as it is
     optimizer = pm.optimizer.state_dict()
     for index, entries in optimizer["state"].items():
         for key, value in entries.items():

@@ -6,11 +6,15 @@ saw to ``<out>/rank<r>.json``.
     fault_worker.py OUT save  VICTIM POINT       # killed at POINT of the second save
     fault_worker.py OUT hang  VICTIM             # hung in a sleep instead of its second step
     fault_worker.py OUT stuck VICTIM             # in a receive nobody sends, instead
+    fault_worker.py OUT cstuck VICTIM            # in C holding the GIL, and VICTIM+1 raises
     fault_worker.py OUT.json flip -1             # a flipped byte, found by every rank
 
 ``hang`` and ``stuck`` kill no rank: the victim is alive but never reaches the step, so
 the others time out and fail, and the victim's heartbeat has to stop it. ``stuck``
 receives on a group with an hour's timeout, so no error of its own can end it first.
+``cstuck``: the victim sleeps in C holding the GIL (no thread of its interpreter runs, its
+heartbeat's neither) while the next rank raises out of its script; only the victim's
+watchdog process can stop it.
 
 ``save`` first saves a good checkpoint under ``OUT/ckpt`` after one step and writes the
 full weights it holds (``OUT/old.pt``) and those after the second step (``OUT/new.pt``),
@@ -63,6 +67,15 @@ def never_return(mode: str, long_group) -> None:
         time.sleep(3600)
     peer = 1 if dist.get_rank() == 0 else 0
     dist.recv(torch.zeros(1), src=peer, group=long_group)   # nobody sends
+
+
+def stuck_in_c() -> None:
+    """The victim of ``cstuck``: in C code that holds the GIL for an hour (a ``PyDLL``
+    call keeps it), so no thread of this interpreter runs, its heartbeat's included."""
+    import ctypes
+    libc = ctypes.PyDLL(None)
+    while True:
+        libc.sleep(3600)
 
 
 def flip_and_load(out: str, pm, rank: int) -> dict:
@@ -126,8 +139,13 @@ def main():
         else None
     seen: dict = {"rank": rank}
     start = time.monotonic()
+    if mode == "cstuck":
+        if rank == victim:
+            stuck_in_c()
+        if rank == (victim + 1) % n:          # uncaught: recorded by the excepthook
+            raise ValueError(f"rank {rank} gave up before its second step")
     try:
-        if mode in ("step", "hang", "stuck"):
+        if mode in ("step", "hang", "stuck", "cstuck"):
             if rank == victim:
                 die() if mode == "step" else never_return(mode, long_group)
             pm.train_step(*batch())

@@ -1,7 +1,8 @@
 """On gloo ranks (tests/test_faults_checkpoint_dist.py): a checkpoint whose last rank has a
-bad file read late (tests/checkpoint_damage.py) is refused on every rank, and no rank's
-model, optimizer, random state or step counter changed; the good checkpoint then loads
-bit-identically.
+bad file read late (tests/checkpoint_damage.py), or whose extra state the last rank's first
+layer refuses (``set_extra_state``), is refused on every rank, and no rank's model (extra
+state included), optimizer, random state or step counter changed; the good checkpoint
+then loads bit-identically.
 
     load_refusal_worker.py OUT.json
 
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from checkpoint_damage import KINDS, differences, held_state, plant  # noqa: E402
+from checkpoint_damage import KINDS, Versioned, differences, held_state, plant  # noqa: E402
 from worker_io import attempt, finish  # noqa: E402
 
 import torchalpa  # noqa: E402
@@ -34,7 +35,7 @@ from torchalpa.runtime.state.checkpoint import CheckpointError, load_checkpoint,
 
 def build(seed: int):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    model = nn.Sequential(Versioned(16, 32), nn.ReLU(), nn.Linear(32, 16))
     return torchalpa.auto_parallel(model, batch(), F.mse_loss, method=torchalpa.Zero3Parallel(),
                                    optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
 
@@ -60,6 +61,24 @@ def refused(pm, good: Path, bad_root: Path, kind: str, victim: int) -> dict:
     return {"error": error, "changed": differences(held_state(pm), held)}
 
 
+def refused_extra_state(pm, good: Path, victim: int) -> dict:
+    """Load ``good`` while rank ``victim``'s first layer refuses its saved extra state
+    (the other ranks' layers take it): the error this rank raised and what changed."""
+    layer = pm.module[0]
+    layer.scale = 5.0                          # the checkpoint holds 3.0
+    layer.reads_up_to = 1 if dist.get_rank() == victim else 2
+    held = held_state(pm)
+    try:
+        load_checkpoint(good, pm)
+        error = None
+    except CheckpointError as e:
+        error = str(e)
+    finally:
+        layer.reads_up_to = 2
+    return {"error": error, "changed": differences(held_state(pm), held),
+            "scale": layer.scale}
+
+
 def main():
     out = Path(sys.argv[1])
     init_distributed()
@@ -67,6 +86,7 @@ def main():
     fresh = build(seed=1)                      # its optimizer has no state yet
     pm = build(seed=0)
     pm.train_step(*batch())
+    pm.module[0].scale = 3.0                   # the extra state the checkpoint holds
     good = save_checkpoint(out.parent / "good", pm)
     saved = held_state(pm)
     pm.train_step(*batch())
@@ -76,6 +96,7 @@ def main():
         results[kind] = attempt(lambda: refused(pm, good, out.parent / kind, kind, victim))
     results["fresh optimizer"] = attempt(
         lambda: refused(fresh, good, out.parent / "fresh", "optimizer", victim))
+    results["extra state"] = attempt(lambda: refused_extra_state(pm, good, victim))
     load_checkpoint(good, pm)
     results["good"] = {"changed": differences(held_state(pm), saved)}
     finish({"ranks": gather_objects(results)}, str(out))

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from checkpoint_damage import KINDS, differences, held_state, plant
+from checkpoint_damage import KINDS, Versioned, differences, held_state, plant
 from models import mlp_inputs
 
 import torchalpa
@@ -276,3 +276,61 @@ def test_a_refused_load_changes_nothing(tmp_path, kind, optimizer_state):
     assert load_checkpoint(good, pm) == good                 # a good one still loads
     # all of it as saved; the step counter counts this process's calls, not in a checkpoint
     assert differences(held_state(pm), saved) == ["step counter"]
+
+
+def versioned(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(Versioned(16, 16), nn.ReLU(), Versioned(16, 16))
+    return torchalpa.auto_parallel(model, mlp_inputs(8, 16), F.mse_loss,
+                                   optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                                   method=torchalpa.ShardParallel())
+
+
+@pytest.mark.parametrize("optimizer_state", ["trained", "none yet"])
+def test_extra_state_a_module_refuses_changes_nothing(tmp_path, optimizer_state):
+    """The second layer refuses the saved extra state (the first takes it): the load
+    raises naming the module, and the parameters, the Adam state, the random state and
+    both layers' extra state are as they were; the extra state it accepts loads."""
+    x, y = mlp_inputs(8, 16)
+    pm = versioned()
+    pm.module[0].scale = pm.module[2].scale = 3.0
+    pm.train_step(x, y)
+    good = save_checkpoint(tmp_path, pm)
+    saved = held_state(pm)
+    if optimizer_state == "trained":
+        pm.train_step(x, y)
+        torch.rand(3)
+    else:
+        pm = versioned(seed=1)
+    pm.module[0].scale = pm.module[2].scale = 5.0
+    pm.module[2].reads_up_to = 1
+    held = held_state(pm)
+    with pytest.raises(CheckpointError, match=r"ckpt-000001 cannot be loaded: rank 0: module "
+                       r"'2' \(Versioned\) refused its saved extra state in set_extra_state "
+                       r"\(ValueError: saved in format 2; this layer reads formats up to 1\)"
+                       r".*Nothing was loaded"):
+        load_checkpoint(tmp_path, pm)
+    assert differences(held_state(pm), held) == []
+    assert (pm.module[0].scale, pm.module[2].scale) == (5.0, 5.0)
+    pm.module[2].reads_up_to = 2
+    assert load_checkpoint(tmp_path, pm) == good
+    assert differences(held_state(pm), saved) == ["step counter"]
+    assert (pm.module[0].scale, pm.module[2].scale) == (3.0, 3.0)
+
+
+def test_a_checkpoint_of_another_model_is_named_as_such_not_as_damage(tmp_path):
+    """Saved from a model without the extra state this one has (a key it lacks): refused
+    as another model's, with nothing changed -- not blamed on altered files."""
+    torch.manual_seed(0)
+    plain = torchalpa.auto_parallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(),
+                                                  nn.Linear(16, 16)), mlp_inputs(8, 16),
+                                    F.mse_loss, method=torchalpa.ShardParallel())
+    save_checkpoint(tmp_path, plain)
+    pm = versioned()
+    held = held_state(pm)
+    with pytest.raises(CheckpointError, match=r"Missing key in checkpoint state_dict: model\.0\."
+                       r"_extra_state.*Nothing was loaded.*saved from a model with other "
+                       r"state") as refused:
+        load_checkpoint(tmp_path, pm)
+    assert "replaced or altered" not in str(refused.value)
+    assert differences(held_state(pm), held) == []

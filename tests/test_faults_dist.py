@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -37,10 +38,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(out, world: int, *args, exits: dict | None = None) -> dict[int, dict]:
+def run_job(out, world: int, *args, exits: dict | None = None,
+            port: int | None = None) -> dict[int, dict]:
     """Launch ``world`` ranks of fault_worker.py; what each survivor wrote, by rank. Each
     process's exit status, stderr and end (``time.time()``) go into ``exits`` if given."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port or _free_port()),
                WORLD_SIZE=str(world), OMP_NUM_THREADS="1", TORCHALPA_TIMEOUT_S=str(TIMEOUT_S))
     logs = [open(out / f"stderr{r}.txt", "w+") for r in range(world)]
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "fault_worker.py"), str(out),
@@ -75,7 +77,7 @@ def run_job(out, world: int, *args, exits: dict | None = None) -> dict[int, dict
 def blamed(message: str) -> set[int]:
     """The ranks a survivor's error names as dead, failed or not responding."""
     ranks = set()
-    for m in re.finditer(r"rank\(s\) ([\d, ]+) (?:died|did not respond)", message):
+    for m in re.finditer(r"rank\(s\) ([\d, ]+) (?:died|did not respond|are stuck)", message):
         ranks |= {int(r) for r in m.group(1).split(",")}
     ranks |= {int(r) for r in re.findall(r"rank (\d+) failed with", message)}
     return ranks
@@ -183,7 +185,8 @@ def test_a_flipped_byte_in_one_ranks_shard_stops_every_rank_and_fallback_loads_t
 
 def test_a_bad_file_of_the_last_rank_is_refused_on_every_rank_and_changes_nothing(tmp_path):
     """4 ranks, ZeRO-3 and Adam: rank 3's random state, an optimizer item of its shard, or
-    its whole shard is bad (the manifest rewritten to match, so only reading finds it).
+    its whole shard is bad (the manifest rewritten to match, so only reading finds it), or
+    rank 3's first layer refuses the extra state saved for it (``set_extra_state``).
     Every rank refuses the load naming the file, and no rank's parameters, optimizer
     state, random state or step counter changed, even one whose optimizer had no state
     yet; the good checkpoint then loads bit-identically (tests/load_refusal_worker.py)."""
@@ -199,6 +202,12 @@ def test_a_bad_file_of_the_last_rank_is_refused_on_every_rank_and_changes_nothin
                              r".*Nothing was loaded", found["error"] or ""), \
                 f"rank {r}, {kind}: {found['error']}"
             assert found["changed"] == [], f"rank {r}, {kind}: a refused load changed these"
+        extra = seen["extra state"]
+        assert "trace" not in extra, f"rank {r}: {extra}"
+        assert re.search(r"ckpt-000001 cannot be loaded: rank 3: module '0' \(Versioned\) "
+                         r"refused its saved extra state.*reads formats up to 1.*Nothing was "
+                         r"loaded", extra["error"] or ""), f"rank {r}: {extra['error']}"
+        assert extra["changed"] == [] and extra["scale"] == 5.0, f"rank {r}: {extra}"
         # the step counter counts this process's calls: it is not in a checkpoint
         assert seen["good"]["changed"] == ["step counter"], f"rank {r}: {seen['good']}"
 
@@ -227,3 +236,52 @@ def test_a_hung_rank_is_stopped_once_the_others_have_failed(tmp_path, mode):
     failed_at = max(seen[r]["ended_at"] for r in survivors)
     assert stopped["ended_at"] - failed_at < 15, \
         f"rank {victim} ended {stopped['ended_at'] - failed_at:.1f} s after the others failed"
+
+
+def _watchdogs(port: int) -> list[str]:
+    """The command lines of the running watchdog processes of the job on ``port``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except OSError:
+            continue
+        if any(a.endswith("rank_watchdog.py") for a in argv) and str(port) in argv \
+                and state not in ("Z", "X"):
+            found.append(" ".join(argv))
+    return found
+
+
+@pytest.mark.slow             # 4 ranks' start: 73 s at load 32 (the watchdog alone: test_rank_watchdog)
+def test_a_rank_stuck_in_c_holding_the_gil_is_stopped_from_outside(tmp_path):
+    """A plain launch: rank 1 sleeps in C holding the GIL (no thread of its interpreter
+    runs, its heartbeat's neither) and rank 2 raises out of its script. The others fail
+    naming rank 2's error and rank 1 as stuck (its process is alive: not "died"); rank 1's
+    watchdog process prints where it was and ends it, well within 60 s of rank 2's
+    error, and no process of the job is left."""
+    world, victim, raiser = 4, 1, 2
+    port = _free_port()
+    exits: dict = {}
+    seen = run_job(tmp_path, world, "cstuck", victim, exits=exits, port=port)
+    survivors = [0, 3]
+    assert sorted(seen) == survivors, f"reports from {sorted(seen)}: {exits}"
+    for r in survivors:
+        said = seen[r]["error"] or ""
+        assert f"rank {raiser} failed with ValueError: rank {raiser} gave up" in said, said
+        assert f"rank(s) {victim} are stuck (alive" in said and "died" not in said, said
+    assert exits[raiser]["code"] == 1, exits[raiser]
+    stopped = exits[victim]
+    assert stopped["ended_at"] is not None, f"rank {victim} was never stopped"
+    assert stopped["code"] in (-signal.SIGTERM, -signal.SIGKILL), stopped
+    said = stopped["stderr"]
+    assert f"rank {victim}: stopped by torchalpa: the job failed" in said, said[-3000:]
+    assert "no Python ran for" in said and "in stuck_in_c" in said, said[-3000:]
+    took = stopped["ended_at"] - exits[raiser]["ended_at"]
+    assert took < 60, f"rank {victim} ended {took:.1f} s after rank {raiser} raised"
+    deadline = time.monotonic() + 5            # a watchdog ends within a poll of its rank
+    while _watchdogs(port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _watchdogs(port) == []

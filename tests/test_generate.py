@@ -172,6 +172,49 @@ def test_limits_of_the_planned_cache_are_named(one_rank_llama):
         pm.generate(ids, max_new_tokens=10)
 
 
+def test_lists_of_ids_generate_as_the_tensor_does(one_rank_llama):
+    """A tokenizer without ``return_tensors`` gives lists: they mean the same tensor."""
+    pm, _ = one_rank_llama
+    ids, mask = _left_padded(rows=2)
+    want = pm.generate(ids, attention_mask=mask, max_new_tokens=3)
+    got = pm.generate(input_ids=ids.tolist(), attention_mask=mask.tolist(), max_new_tokens=3)
+    assert torch.equal(got, want)
+    assert torch.equal(pm.generate(inputs=ids[:1].tolist(), max_new_tokens=3),
+                       pm.generate(ids[:1], max_new_tokens=3))
+    with pytest.raises(ValueError, match=r"different lengths \(\[2, 3\]\); pad them"):
+        pm.generate([[1, 2, 3], [4, 5]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"one flat list of 3 ids.*pass \[input_ids\]"):
+        pm.generate([1, 2, 3], max_new_tokens=2)
+    with pytest.raises(ValueError, match="must hold integer token ids, got 2.0"):
+        pm.generate([[1, 2.0]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("bad,error", [
+    (0, "max_new_tokens must be greater than 0, but is 0"),
+    (-3, "max_new_tokens must be greater than 0, but is -3"),
+    (2.5, r"max_new_tokens must be an int \(a number of tokens\), but is 2.5"),
+    (True, "max_new_tokens must be an int .*but is True")])
+def test_a_bad_max_new_tokens_is_named_as_such(one_rank_llama, bad, error):
+    pm, _ = one_rank_llama
+    ids = _left_padded(rows=2)[0][:1]
+    with pytest.raises(ValueError, match=error) as refused:
+        pm.generate(ids, max_new_tokens=bad)
+    assert "max_length" not in str(refused.value)
+
+
+def test_empty_prompts_and_a_short_max_length_are_named(one_rank_llama):
+    pm, _ = one_rank_llama
+    with pytest.raises(ValueError, match=r"input_ids is empty: \(1, 0\); each prompt needs"):
+        pm.generate([[]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"input_ids is empty: \(0, 3\)"):
+        pm.generate(torch.zeros(0, 3, dtype=torch.int64), max_new_tokens=2)
+    ids = _left_padded(rows=2)[0][:1]
+    with pytest.raises(ValueError, match=r"nothing to generate: max_length=4 leaves -2 tokens"):
+        pm.generate(ids, max_length=4)
+    with pytest.raises(ValueError, match=r"max_length must be an int .*but is 7.5"):
+        pm.generate(ids, max_length=7.5)
+
+
 def test_a_context_beyond_the_model_positions_is_refused():
     model = _zoo("llama")
     ids, _ = _left_padded()

@@ -161,3 +161,45 @@ def test_an_hf_snapshot_with_tied_weights_loads_into_a_planned_model(tmp_path):
     assert info == {"missing_keys": [], "unexpected_keys": []}
     with torch.no_grad():
         assert pm(ids, ids.clone()).item() == pytest.approx(want, rel=1e-5)
+
+
+def test_a_truncated_or_pickled_file_of_a_sharded_snapshot_is_named_and_nothing_loads(tmp_path):
+    """The second file of a sharded snapshot cut short, or an index that names a ``.bin``
+    (a pickle, never unpickled): the error names the file and what is wrong with it, and
+    no parameter changed (every file's header is checked before anything is read)."""
+    saved_mlp(tmp_path / "snapshot", sharded=True)
+    pm = planned_mlp()
+    before = [p.full_tensor().clone() for p in pm.parameters()]
+    second = tmp_path / "snapshot" / "model-00002-of-00002.safetensors"
+    whole = second.read_bytes()
+    second.write_bytes(whole[:-10])
+    with pytest.raises(ValueError, match=rf"{second.name} \(named by model.safetensors.index"
+                       rf"\.json\) is truncated: its header describes {len(whole)} bytes, the "
+                       rf"file has {len(whole) - 10}"):
+        torchalpa.load_pretrained(pm, tmp_path / "snapshot")
+    assert all(torch.equal(a, p.full_tensor()) for a, p in zip(before, pm.parameters()))
+
+    second.write_bytes(whole)
+    index = tmp_path / "snapshot" / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    pickled = {k: torch.zeros(1) for k, f in weight_map.items() if f == second.name}
+    torch.save(pickled, tmp_path / "snapshot" / "pytorch_model-00002.bin")
+    index.write_text(json.dumps({"weight_map": {
+        k: "pytorch_model-00002.bin" if f == second.name else f for k, f in weight_map.items()}}))
+    with pytest.raises(ValueError, match=r"pytorch_model-00002\.bin \(named by .*\) is a PyTorch "
+                       r"pickle file \(torch.save\), not safetensors.*safetensors\.torch\."
+                       r"save_file\(torch\.load\('pytorch_model-00002\.bin'"):
+        torchalpa.load_pretrained(pm, tmp_path / "snapshot")
+    assert all(torch.equal(a, p.full_tensor()) for a, p in zip(before, pm.parameters()))
+    with pytest.raises(ValueError, match=r"pytorch_model-00002\.bin is a PyTorch pickle"):
+        torchalpa.load_pretrained(pm, tmp_path / "snapshot" / "pytorch_model-00002.bin")
+    only_pickles = tmp_path / "pickled"
+    only_pickles.mkdir()
+    (tmp_path / "snapshot" / "pytorch_model-00002.bin").rename(only_pickles / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match=r"neither model.safetensors nor .*it has "
+                       r"pytorch_model\.bin, a PyTorch pickle file: convert it once"):
+        torchalpa.load_pretrained(pm, only_pickles)
+    assert all(torch.equal(a, p.full_tensor()) for a, p in zip(before, pm.parameters()))
+    with pytest.warns(UserWarning, match="missing keys"):   # an intact file still loads
+        torchalpa.load_pretrained(pm, second.parent / "model-00001-of-00002.safetensors",
+                                  strict=False)

@@ -15,7 +15,9 @@ turns that into an error on every rank that names the rank at fault:
   ``HEARTBEAT_S``), and marks itself as gone when it exits normally. A rank whose
   counter stopped and that left no such mark is named as dead (killed by a signal, the
   out-of-memory killer, a crashed interpreter) -- and only it: healthy ranks still blocked
-  in a collective keep beating, so they are never blamed for the dead one.
+  in a collective keep beating, so they are never blamed for the dead one. One whose
+  process is still alive (stuck in C code holding the GIL) is named as stuck instead, and
+  its watchdog process stops it (``heartbeat``, ``rank_watchdog``).
 
 Under torchrun the agent stops the whole job with SIGTERM as soon as one worker dies;
 ``launcher_stop`` catches that signal (even while the main thread is blocked in a
@@ -130,6 +132,7 @@ class FaultMonitor:
                 f"{first_line})")
         try:
             failed, dead = self.culprits()
+            stuck = self.stuck(dead)
             self.leaving(failed, dead)
             missing = [] if failed or dead else self._roll_call()
         except RankFailedError:  # torchrun stopped this rank meanwhile: launcher_stop's word
@@ -139,7 +142,7 @@ class FaultMonitor:
                     f"({type(e).__name__}); the store's host (rank 0 or the launcher) has "
                     "probably failed" + tail)
         if failed or dead:
-            message = me + describe_culprits(failed, dead) + tail
+            message = me + describe_culprits(failed, dead, stuck) + tail
         elif missing:
             ranks = ", ".join(map(str, missing))
             message = (me + f"rank(s) {ranks} did not respond (dead, hung, or no longer "
@@ -148,7 +151,8 @@ class FaultMonitor:
         else:
             message = me + "a collective failed on every rank; see the error below" + tail
         Heartbeat.announce_failure(message)
-        self._wait_for_survivors(set(failed) | set(dead))
+        # a stuck rank is alive: its watchdog reads the failure from the store (rank 0's)
+        self._wait_for_survivors((set(failed) | set(dead)) - set(stuck))
         return message
 
     def culprits(self) -> tuple[dict[int, str], list[int]]:
@@ -157,6 +161,13 @@ class FaultMonitor:
         failed = self._failures()
         dead = [r for r in Heartbeat.stopped(self.world_size, self.rank) if r not in failed]
         return failed, dead
+
+    def stuck(self, dead: list[int]) -> list[int]:
+        """Of ``dead`` (not beating), the ranks whose process is alive (best effort)."""
+        try:
+            return Heartbeat.stuck(dead)
+        except Exception:  # the store is gone: they are named as dead
+            return []
 
     def leaving(self, failed, dead) -> None:
         """Mark this rank as stopping because of others, so that ranks diagnosing later

@@ -18,6 +18,13 @@ between threads). Every ``HEARTBEAT_S`` it
   saw the failure), the thread prints the failure and where the main thread was to
   stderr, marks the rank as left and ends the process with exit status 1.
 
+A rank whose main thread holds the GIL inside C code runs no thread at all, this one
+included: its watchdog process (``rank_watchdog``, started here; one byte per beat on its
+stdin) stops it from outside instead, and marks it as stuck, so that peers whose
+diagnosis finds its heartbeat stopped name it as stuck, not dead (``Heartbeat.stuck``,
+which also knows a live process of the same host by the pid it recorded).
+``TORCHALPA_RANK_WATCHDOG=0``: no watchdog.
+
 The keys are the TCPStore's own, not under the process group's prefix.
 
 A rank handles a failure itself once its fault monitor diagnoses a failed collective, the
@@ -31,7 +38,11 @@ process.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
+import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -47,6 +58,8 @@ PREFIX = "torchalpa/"
 HEARTBEAT_S = 0.5
 STOP_GRACE_S = 30.0
 JOB_FAILED = PREFIX + "job_failed"
+WATCHDOG_ENV = "TORCHALPA_RANK_WATCHDOG"     # "0": no watchdog process
+DUMP_SIGNAL = signal.SIGUSR2     # faulthandler prints every thread's stack (rank_watchdog)
 STOP_JOIN_S = 15.0           # a beat in flight ends within the store client's timeout (10 s)
 
 
@@ -63,6 +76,37 @@ def _beat_key(rank: int) -> str:
     return f"{PREFIX}beat/{rank}"
 
 
+def _stuck_key(rank: int) -> str:
+    return f"{PREFIX}stuck/{rank}"         # written by the rank's watchdog
+
+
+def _proc_key(rank: int) -> str:
+    return f"{PREFIX}proc/{rank}"
+
+
+def _start_time(pid: int) -> str:
+    """When process ``pid`` started, in clock ticks since boot ("" where unknown): with
+    the pid, it names one process (a pid is reused)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _alive_here(client, rank: int) -> bool:
+    """Whether rank ``rank``'s process runs on this host and is alive (not a zombie)."""
+    try:
+        host, pid, started = (client.get(_proc_key(rank)).decode().split(" ") + [""])[:3]
+        if host != socket.gethostname() or not started:
+            return False
+        with open(f"/proc/{int(pid)}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return fields[0] not in ("Z", "X") and fields[19] == started
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 class Heartbeat:
     """The process's heartbeat thread and what its peers read of it (class-level state:
     one per process)."""
@@ -71,6 +115,8 @@ class Heartbeat:
     _thread: threading.Thread | None = None
     _address: tuple[str, int] | None = None
     _stop = threading.Event()
+    _watchdog: subprocess.Popen | None = None
+    _watchdog_fd: int | None = None
 
     @staticmethod
     def _client(address: tuple[str, int]):
@@ -93,6 +139,7 @@ class Heartbeat:
         except Exception:  # the store is not reachable this way: no heartbeats
             cls._address = None
             return
+        cls._start_watchdog(client, rank, world_size)
         cls._stop.clear()
         cls._thread = threading.Thread(target=cls._run, args=(client, rank, world_size),
                                        name="torchalpa-heartbeat", daemon=True)
@@ -104,6 +151,7 @@ class Heartbeat:
         others = [_left_key(r) for r in range(world_size) if r != rank]
         failure_seen: float | None = None
         while not cls._stop.wait(HEARTBEAT_S):
+            cls._tell_watchdog(b".")
             try:
                 client.add(_beat_key(rank), 1)
                 if cls.handling.is_set() or not client.check([JOB_FAILED]):
@@ -129,11 +177,13 @@ class Heartbeat:
             client.set(_left_key(rank), "stopped: the job failed")
         except Exception:  # the store may be gone; the process ends either way
             pass
+        cls._tell_watchdog(b"q")
         os._exit(1)
 
     @classmethod
     def _stop_and_leave(cls, client, rank: int) -> None:
         """At exit: end the thread (no store call in flight at teardown), then leave."""
+        cls._tell_watchdog(b"q")          # silent from now on: not stuck, leaving
         cls._stop.set()
         if cls._thread is not None:
             cls._thread.join(STOP_JOIN_S)
@@ -141,6 +191,52 @@ class Heartbeat:
             client.set(_left_key(rank), "exited")
         except Exception:  # the store may be gone already
             pass
+
+    @classmethod
+    def _start_watchdog(cls, client, rank: int, world_size: int) -> None:
+        """Start this rank's watchdog process (``rank_watchdog``), which stops it from
+        outside when it is stuck where no Python runs; say where this process is, so that
+        peers can tell a stuck rank from a dead one (``stuck``)."""
+        try:
+            client.set(_proc_key(rank), f"{socket.gethostname()} {os.getpid()} "
+                                        f"{_start_time(os.getpid())}")
+        except Exception:  # the peers then cannot tell stuck from dead: no more than that
+            pass
+        if os.environ.get(WATCHDOG_ENV, "1") == "0" or cls._address is None:
+            return
+        if signal.getsignal(DUMP_SIGNAL) == signal.SIG_DFL:
+            faulthandler.register(DUMP_SIGNAL, all_threads=True)   # runs without the GIL
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_watchdog.py")
+        try:
+            cls._watchdog = subprocess.Popen(
+                [sys.executable, script, cls._address[0], str(cls._address[1]), str(rank),
+                 str(world_size), str(os.getpid())],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)
+        except OSError:  # no process can be started: the heartbeat still does its part
+            return
+        assert cls._watchdog.stdin is not None
+        cls._watchdog_fd = cls._watchdog.stdin.fileno()
+        os.set_blocking(cls._watchdog_fd, False)       # a beat never waits for it
+
+    @classmethod
+    def _tell_watchdog(cls, what: bytes) -> None:
+        if cls._watchdog_fd is None:
+            return
+        try:
+            os.write(cls._watchdog_fd, what)
+        except OSError:       # it ended, or its pipe is full: the next beat tries again
+            pass
+        if what == b"q":
+            cls._watchdog_fd = None
+
+    @classmethod
+    def stuck(cls, ranks: list[int]) -> list[int]:
+        """Of ``ranks`` (found not beating), those whose process is alive: its watchdog
+        marked it stuck, or it is a live process of this host."""
+        if cls._address is None or not ranks:
+            return []
+        client = cls._client(cls._address)
+        return [r for r in ranks if client.check([_stuck_key(r)]) or _alive_here(client, r)]
 
     @classmethod
     def announce_failure(cls, message: str) -> None:

@@ -68,7 +68,7 @@ class _Stop:
         monitor.leaving(failed, dead)
         if failed or dead:
             self.message = (f"rank {monitor.rank}: torchrun stopped the job (SIGTERM) "
-                            f"because {describe_culprits(failed, dead)}")
+                            f"because {describe_culprits(failed, dead, monitor.stuck(dead))}")
         self.diagnosed.set()
 
     def on_signal(self, signum, frame) -> None:

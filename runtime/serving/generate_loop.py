@@ -16,6 +16,7 @@ is ``(rows, prompt length + tokens generated)``, as ``transformers`` returns it.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +24,8 @@ import torch
 
 from torchalpa.runtime.serving.sampling import Sampling, next_tokens
 
-__all__ = ["Batch", "prepare_batch", "generate_tokens", "StepFn"]
+__all__ = ["Batch", "prepare_batch", "generate_tokens", "StepFn", "as_token_tensor",
+           "check_input_ids"]
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 """``(input_ids (B, T), positions (B, T), valid (B, S), start slot) -> logits (B, V)`` of
@@ -45,13 +47,8 @@ def prepare_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
                   batch_size: int, max_context: int, max_new_tokens: int) -> Batch:
     """Check ``input_ids`` (rows, T) and its ``attention_mask`` against the planned batch
     and context (a ValueError naming the limit) and lay them out as ``Batch``."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or \
-            input_ids.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"input_ids must be a (batch, tokens) tensor of token ids, got "
-                        f"{_describe(input_ids)}")
+    check_input_ids(input_ids)
     rows, T = input_ids.shape
-    if rows < 1 or T < 1:
-        raise ValueError(f"input_ids is empty: {tuple(input_ids.shape)}")
     if rows > batch_size:
         raise ValueError(f"a batch of {rows} prompts does not fit the planned cache of "
                          f"{batch_size} sequences; generate at most {batch_size} at a time, "
@@ -80,6 +77,49 @@ def prepare_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, 
     valid = torch.zeros(batch_size, max_context, dtype=torch.bool)
     valid[:, :T] = mask
     return Batch(input_ids=input_ids, ids=ids, positions=positions, valid=valid, rows=rows)
+
+
+def check_input_ids(input_ids) -> torch.Tensor:
+    """``input_ids``, once it is a (rows, tokens) integer tensor (else a TypeError) with a
+    prompt of at least one token (else a ValueError)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or \
+            input_ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"input_ids must be a (batch, tokens) tensor of token ids, got "
+                        f"{_describe(input_ids)}")
+    rows, T = input_ids.shape
+    if rows < 1 or T < 1:
+        raise ValueError(f"input_ids is empty: {tuple(input_ids.shape)}; each prompt needs at "
+                         "least one token (a tokenizer adds the BOS token: "
+                         "add_special_tokens=True)")
+    return input_ids
+
+
+def as_token_tensor(value, name: str, dtype: torch.dtype = torch.int64):
+    """``value`` as a tensor: a tensor as it is, a list of rows of ints (what a tokenizer
+    returns without ``return_tensors``) as a ``(rows, tokens)`` tensor of ``dtype``; None
+    stays None. Ragged or non-integer lists, or one flat list, are a ValueError saying
+    what to pass."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a (batch, tokens) tensor or a list of lists of token "
+                        f"ids, got {type(value).__name__}")
+    if value and all(isinstance(v, numbers.Integral) for v in value):
+        raise ValueError(f"{name} is one flat list of {len(value)} ids; generate takes a batch "
+                         f"of prompts: pass [{name}] for one prompt")
+    rows = [list(r) if isinstance(r, (list, tuple)) else r for r in value]
+    if not rows or not all(isinstance(r, list) for r in rows):
+        raise ValueError(f"{name} must be a list of prompts, each a list of token ids, got "
+                         f"{value!r:.80}")
+    lengths = sorted({len(r) for r in rows})
+    if len(lengths) > 1:
+        raise ValueError(f"the prompts of {name} have different lengths ({lengths}); pad them "
+                         "to one length (tokenizer(..., padding=True), padding_side='left') "
+                         "and pass the attention_mask")
+    bad = [v for r in rows for v in r if isinstance(v, bool) or not isinstance(v, numbers.Integral)]
+    if bad:
+        raise ValueError(f"{name} must hold integer token ids, got {bad[0]!r}")
+    return torch.tensor(rows, dtype=dtype).reshape(len(rows), lengths[0])
 
 
 def _describe(x) -> str:

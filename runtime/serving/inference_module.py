@@ -34,7 +34,12 @@ from torch.distributed.tensor import DTensor
 from torchalpa.core.plan import Plan
 from torchalpa.runtime.execution.mesh import gather_objects
 from torchalpa.runtime.resilience.faults import batch_digest, check_same_inputs
-from torchalpa.runtime.serving.generate_loop import generate_tokens, prepare_batch
+from torchalpa.runtime.serving.generate_loop import (
+    as_token_tensor,
+    check_input_ids,
+    generate_tokens,
+    prepare_batch,
+)
 from torchalpa.runtime.serving.sampling import resolve_sampling
 
 __all__ = ["StepProgram", "InferenceModule", "write_cache_in_place", "GenerationStats"]
@@ -141,6 +146,8 @@ class InferenceModule(nn.Module):
             input_ids = kwargs.pop("inputs", None)
         if input_ids is None:
             raise ValueError("generate needs input_ids (the prompts' token ids)")
+        input_ids = check_input_ids(as_token_tensor(input_ids, "input_ids"))
+        attention_mask = as_token_tensor(attention_mask, "attention_mask")
         config = getattr(self.module, "generation_config", None)
         sampling = resolve_sampling(kwargs, config, int(input_ids.shape[-1]))
         batch = prepare_batch(input_ids, attention_mask, batch_size=self.batch_size,

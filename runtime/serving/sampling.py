@@ -16,6 +16,7 @@ when sampling), so a call means what it means to ``transformers``. ``next_tokens
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -98,16 +99,7 @@ def resolve_sampling(kwargs: Mapping, config, prompt_length: int) -> Sampling:
         value = getattr(config, name, None) if config is not None else None
         return value if _given(value) else HF_DEFAULTS.get(name)
 
-    max_new: Any = kwargs.get("max_new_tokens")
-    if not _given(max_new) and _given(kwargs.get("max_length")):
-        max_new = kwargs["max_length"] - prompt_length
-    if not _given(max_new):
-        max_new = getattr(config, "max_new_tokens", None) if config is not None else None
-    if not _given(max_new):
-        max_new = pick("max_length") - prompt_length
-    if max_new < 1:
-        raise ValueError(f"nothing to generate: max_length leaves {max_new} tokens after the "
-                         f"{prompt_length}-token prompt; pass max_new_tokens=")
+    max_new = _max_new_tokens(kwargs, config, prompt_length)
     eos = pick("eos_token_id")
     eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple))
                                                         else [eos]))
@@ -119,6 +111,55 @@ def resolve_sampling(kwargs: Mapping, config, prompt_length: int) -> Sampling:
                     temperature=float(pick("temperature")), top_k=pick("top_k"),
                     top_p=float(pick("top_p")), eos_token_ids=eos,
                     pad_token_id=None if pad is None else int(pad))
+
+
+def _count(value, name: str, where: str) -> int:
+    """``value`` of ``name`` as a count of tokens: an int (not a bool), else a ValueError
+    naming it (HuggingFace would generate a number of tokens nobody asked for)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int (a number of tokens), but is {value!r}"
+                         f"{where}; pass {name}={_suggest(value)}")
+    return int(value)
+
+
+def _suggest(value) -> str:
+    try:
+        return str(max(1, round(float(value))))
+    except (TypeError, ValueError):
+        return "<int>"
+
+
+def _field(source, name: str):
+    if source is None:
+        return None
+    return source.get(name) if isinstance(source, Mapping) else getattr(source, name, None)
+
+
+def _max_new_tokens(kwargs: Mapping, config, prompt_length: int) -> int:
+    """How many tokens to generate: ``max_new_tokens``, else ``max_length`` less the prompt,
+    from the call, then the model's config, then HuggingFace's default ``max_length``. A
+    given ``max_new_tokens`` must be a positive int (HuggingFace: "must be greater than
+    0"); ``max_length`` must leave at least one token after the prompt."""
+    from_config = " (from the model's generation_config)"
+    for source, where in ((kwargs, ""), (config, from_config)):
+        value = _field(source, "max_new_tokens")
+        if _given(value):
+            count = _count(value, "max_new_tokens", where)
+            if count <= 0:
+                raise ValueError(f"max_new_tokens must be greater than 0, but is {count}{where}:"
+                                 " it is how many tokens to generate after the prompt")
+            return count
+        length = _field(source, "max_length")
+        if _given(length):
+            break
+    else:
+        length, where = HF_DEFAULTS["max_length"], " (HuggingFace's default)"
+    length = _count(length, "max_length", where)
+    if length - prompt_length < 1:
+        raise ValueError(f"nothing to generate: max_length={length}{where} leaves "
+                         f"{length - prompt_length} tokens after the {prompt_length}-token "
+                         "prompt; pass max_new_tokens= (how many tokens to generate)")
+    return length - prompt_length
 
 
 def _check_config(config) -> None:

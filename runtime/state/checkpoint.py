@@ -36,8 +36,11 @@ script that prefers losing steps over stopping passes ``fallback=True``).
 A load is all or nothing. Checksums catch damage, not a file replaced together with its
 manifest entry, which only reading finds: so every rank first reads its whole part (the
 tensors into new ones, its random state without setting it), the ranks agree that every
-part is good, and only then is anything applied. A refused load leaves the model, the
-optimizer and the random state bit-identical, on every rank.
+part is good, and only then is anything applied. A module's extra state
+(``get_extra_state``) is set first, on every module, and a module whose
+``set_extra_state`` refuses it stops the load on every rank with each module's extra
+state given back (``extra_state``). A refused load leaves the model, the optimizer and
+the random state bit-identical, on every rank.
 
 Loading runs no code from the checkpoint: DCP's metadata is unpickled by an unpickler
 that only builds DCP's own metadata records (``_SafeReader``), DCP reads non-tensor
@@ -70,6 +73,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -82,6 +86,7 @@ from torchalpa.core import placement as P
 from torchalpa.runtime.execution import mesh
 from torchalpa.runtime.execution.mesh import gather_objects, on_rank0
 from torchalpa.runtime.lowering.strided_dtensor import redistribute
+from torchalpa.runtime.state import extra_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "latest_checkpoint",
            "checkpoint_extra"]
@@ -585,21 +590,52 @@ def load_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
     applied, and the ranks agree that every part is good. A file that cannot be read on
     any rank raises ``CheckpointError`` on every rank naming it, with the model, the
     optimizer and the random state as they were (an optimizer state created for the load
-    is removed again). The cost is room for a second copy of this rank's shards of the
-    model and optimizer state while loading.
+    is removed again); so does a module whose ``set_extra_state`` refuses its saved
+    extra state on any rank (every module's extra state is set before any tensor). The
+    cost is room for a second copy of this rank's shards of the model and optimizer state
+    while loading.
     """
     module, optimizer = _parts(pmodel, optimizer)
     directory, manifest = _intact_version(Path(path), fallback)
     random_state = _agreed_rng(directory, manifest) if rng else None
+    made_state = optimizer if optimizer is not None and not optimizer.state else None
     state = _read_tensors(directory, module, optimizer)
-    if optimizer is None:            # everything is read and checked: apply it
-        set_model_state_dict(module, state["model"])
+    try:
+        model_state = _set_extra_states(directory, module, state["model"])
+    except BaseException:
+        if made_state is not None:
+            made_state.state.clear()      # as it was: the state made for the load goes
+        raise
+    # everything is read and checked, and the modules took their extra state: apply it
+    # (without the extra state, set already: strict would call it missing)
+    options = StateDictOptions(strict=len(model_state) == len(state["model"]))
+    if optimizer is None:
+        set_model_state_dict(module, model_state, options=options)
     else:
-        set_state_dict(module, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(module, optimizer, model_state_dict=model_state,
+                       optim_state_dict=state["optimizer"], options=options)
     if random_state is not None:
         _set_rng(random_state)
     return directory
+
+
+def _set_extra_states(directory: Path, module, model_state: dict) -> dict:
+    """Set every module's saved extra state, before any tensor is applied, and agree on it
+    with the other ranks (one all-gather): a module that refuses on any rank raises on
+    every rank, each module's extra state as it was (``extra_state``). Returns the
+    model's state dict without those entries."""
+    rest, extras = extra_state.split(module, model_state)
+    applied, refusal = extra_state.set_all(extras)
+    problems = [p for p in gather_objects(refusal and f"rank {mesh.rank()}: {refusal}") if p]
+    if problems:
+        extra_state.restore(applied)
+        raise CheckpointError(
+            f"checkpoint {directory} cannot be loaded: {'; '.join(problems)}. Nothing was "
+            "loaded: the model, the optimizer and the random state are as they were. The "
+            "module checks the extra state it loads: this checkpoint was saved by another "
+            "version or configuration of it; load it into the model that saved it (or "
+            "convert its extra state)")
+    return rest
 
 
 def _agreed_rng(directory: Path, manifest: dict | None) -> dict | None:
@@ -657,11 +693,19 @@ def _refusal(directory: Path, problems: list[str]) -> str:
         older = [v for v in _versions(directory.parent) if _number(_VERSION_RE, v) < below]
     instead = (f"load the previous version, load_checkpoint("
                f"{os.fspath(directory.parent / older[-1])!r}, ...), or " if older else "")
-    return (f"checkpoint {directory} cannot be loaded: {'; '.join(problems)}. Nothing was "
-            "loaded: the model, the optimizer and the random state are as they were. The "
-            "files match the manifest's checksums, so they were replaced or altered after "
-            f"the save (with the manifest rewritten to match); {instead}restore the files "
-            "from a copy")
+    head = (f"checkpoint {directory} cannot be loaded: {'; '.join(problems)}. Nothing was "
+            "loaded: the model, the optimizer and the random state are as they were. ")
+    if all(any(m in p for m in _OTHER_MODEL) for p in problems):
+        return head + ("The checkpoint was saved from a model with other state (keys or "
+                       "shapes): load it into the model that saved it (same modules, sizes "
+                       "and extra state), or start from a checkpoint of this one")
+    return head + ("The files match the manifest's checksums, so they were replaced or "
+                   f"altered after the save (with the manifest rewritten to match); "
+                   f"{instead}restore the files from a copy")
+
+
+# DCP's words for a checkpoint of another model (torch's default_planner)
+_OTHER_MODEL = ("Missing key in checkpoint state_dict", "Size mismatch between saved")
 
 
 def _check_version(directory: Path) -> dict | None:

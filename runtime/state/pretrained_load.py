@@ -47,7 +47,7 @@ from torchalpa.core.units import format_bytes
 from torchalpa.runtime.execution.collectives import local_chunk
 from torchalpa.runtime.measurement.host_memory import peak_rss_bytes, reset_peak, rss_bytes
 
-__all__ = ["load_pretrained", "snapshot_files", "LoadReport"]
+__all__ = ["load_pretrained", "snapshot_files", "check_safetensors", "LoadReport"]
 
 log = logging.getLogger("torchalpa")
 
@@ -66,19 +66,65 @@ def snapshot_files(path: str | os.PathLike) -> dict[str, Path]:
             path = path / SINGLE
         else:
             found = sorted(p.name for p in path.glob("*.safetensors"))
+            pickles = sorted(path.glob("*.bin"))
             hint = (f"; it has {', '.join(found[:5])}: pass one file's path" if found
+                    else f"; it has {pickles[0].name}, a PyTorch pickle file: "
+                    f"{_convert_hint(pickles[0])}" if pickles
                     else " (a PyTorch .bin snapshot? convert it to safetensors first)")
             raise FileNotFoundError(f"{path} holds neither {SINGLE} nor {INDEX}{hint}")
     if not path.is_file():
         raise FileNotFoundError(f"no safetensors snapshot at {os.fspath(path)!r}")
     if path.name.endswith(".json"):
-        return _indexed_files(path)
-    from safetensors import safe_open
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {key: path for key in f.keys()}
-    except Exception as e:
-        raise ValueError(f"{path} is not a readable safetensors file ({e})") from e
+        files = _indexed_files(path)
+        for file in sorted(set(files.values())):
+            check_safetensors(file, f"named by {path.name}")
+        return files
+    return {key: path for key in check_safetensors(path)}
+
+
+_PICKLE_STARTS = (b"PK\x03\x04", b"\x80")     # torch.save's zip archive; a bare pickle
+_MAX_HEADER = 100 << 20                        # safetensors' own limit on the JSON header
+
+
+def _convert_hint(path: Path) -> str:
+    return (f"convert it once, where you trust the file: safetensors.torch.save_file("
+            f"torch.load({path.name!r}, weights_only=True), 'model.safetensors') (or "
+            "transformers' from_pretrained(...).save_pretrained(dir), which writes "
+            "safetensors)")
+
+
+def check_safetensors(path: Path, named_by: str = "") -> list[str]:
+    """The tensor names of the safetensors file ``path``, once its header is read and its
+    size is the one the header describes; else a ValueError naming the file and what is
+    wrong: a PyTorch pickle (``.bin``, refused: unpickling can run code) or a file cut
+    short (expected and actual size). Only the header is read."""
+    where = f"{path}" + (f" ({named_by})" if named_by else "")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        start = f.read(8)
+        length = int.from_bytes(start, "little") if len(start) == 8 else -1
+        pickled = path.suffix in (".bin", ".pt", ".pth", ".ckpt") or \
+            start.startswith(_PICKLE_STARTS)
+        if pickled and not (0 < length <= _MAX_HEADER and f.read(1) == b"{"):
+            raise ValueError(f"{where} is a PyTorch pickle file (torch.save), not safetensors: "
+                             "load_pretrained reads safetensors only (unpickling can run "
+                             f"code); {_convert_hint(path)}")
+        if length < 2 or length > min(_MAX_HEADER, size - 8):
+            raise ValueError(f"{where} is not a safetensors file or is truncated: its first "
+                             f"8 bytes give a {length}-byte header, the file has {size} bytes")
+        f.seek(8)
+        try:
+            header = json.loads(f.read(length))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            raise ValueError(f"{where} is not a safetensors file: its header is not a "
+                             f"table of tensors ({type(e).__name__}: {e})") from e
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        what = "truncated" if size < expected else "longer than its header says"
+        raise ValueError(f"{where} is {what}: its header describes {expected} bytes, the "
+                         f"file has {size}; nothing was loaded. Download or copy it again")
+    return [k for k in header if k != "__metadata__"]
 
 
 def _indexed_files(index: Path) -> dict[str, Path]:
