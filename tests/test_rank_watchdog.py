@@ -16,9 +16,9 @@ import time
 import torch.distributed as dist
 from test_faults_dist import _free_port
 
-import torchalpa.runtime
+import torchalpa.runtime.resilience
 
-WATCHDOG = os.path.join(os.path.dirname(torchalpa.runtime.__file__), "rank_watchdog.py")
+WATCHDOG = os.path.join(os.path.dirname(torchalpa.runtime.resilience.__file__), "rank_watchdog.py")
 
 # the stand-in for rank 1 of 2: starts its watchdog, says where it is, then either leaves
 # at once or sleeps in C holding the GIL (ctypes.PyDLL keeps it during the call)
