@@ -60,22 +60,47 @@ def weights(plan) -> dict[str, tuple]:
 
 
 def communication(plan, *, ignore_scalar_all_reduce=False, merged_gradients=True) -> Counter:
-    """Collectives per kind as Alpa counts them in the compiled HLO: with
-    ``merged_gradients``, the gradient all-reduces of one bucket count once (XLA's
-    all-reduce combiner; the plan's ``gradient_buckets``); collectives on a mesh axis of
-    size 1 move nothing and are not counted."""
-    buckets = plan.estimates.get("gradient_buckets") if merged_gradients else None
-    in_bucket = {k for b in buckets or () for k in b["collectives"]}
+    """Collectives per kind as Alpa's ``count_communication_primitives`` counts them in the
+    compiled HLO, after XLA's combiners. Our runtime issues gradient collectives per
+    bucket and a ZeRO plan's parameter gathers one per tensor; XLA merges them, so with
+    ``merged_gradients`` (Alpa's default ``all_reduce_threshold`` of 2**60):
+
+    * the gradients' collectives of one kind on one mesh axis count once (the all-reduce
+      and reduce-scatter combiners, per replica group): the plan's merged all-reduces
+      (``estimates['gradient_buckets']``, when ``all_reduce_threshold`` is set) and the
+      runtime's buckets of all the gradients (``runtime.buckets.gradient_buckets``),
+      merged per (kind, axis);
+    * the parameters' all-gathers count once per phase and axis (the all-gather combiner
+      Alpa runs for ZeRO: one after the update, or with ZeRO-3 one for forward and one
+      for backward).
+
+    Collectives on a mesh axis of size 1 move nothing and are not counted."""
+    from torchalpa.runtime.buckets import gradient_buckets
+    merged: dict[int, tuple] = {}
+    if merged_gradients:
+        for b in plan.estimates.get("gradient_buckets") or ():
+            merged.update((k, ("all_reduce", b["axis"])) for k in b["collectives"])
+        for b in gradient_buckets(plan, threshold=1 << 60):
+            merged.update((k, (b.kind, b.axis)) for k in b.positions)
+            for stage in b.then:
+                merged.update((k, ("all_reduce", stage.axis)) for k in stage.positions)
+        params = {p.node for p in plan.parameters}
+        for k, c in enumerate(plan.collectives):
+            if c.kind == "all_gather" and c.tensor in params:
+                merged[k] = ("all_gather", c.axis, c.phase)
     counts: Counter = Counter()
+    groups = set()
     for k, c in enumerate(plan.collectives):
         if plan.mesh_shape[c.axis] == 1:
             continue
         if ignore_scalar_all_reduce and c.kind == "all_reduce" and c.bytes <= 4:
             continue
-        if k in in_bucket:
+        if k in merged:
+            groups.add(merged[k])
             continue
         counts[c.kind] += 1
-    counts["all_reduce"] += len(buckets or ())
+    for group in groups:
+        counts[group[0]] += 1
     counts["total"] = sum(v for k, v in counts.items() if k != "total")
     return counts
 

@@ -104,32 +104,65 @@ def test_mlp_model_parallel(spelling, axis, shape):
         assert layouts[name][axis] == want, (name, layouts[name])
 
 
-@pytest.mark.parametrize("spelling", SPELLINGS)
-def test_mlp_2d_mesh(spelling):
+ALPA_2D = dict(force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False)
+"""Alpa's search space on a 2D mesh: the batch on mesh axis 0 alone (Alpa sets it when both
+axes have devices) and no dim split over both axes (``allow_mixed_mesh_shape``)."""
+
+
+def _mlp_2d_plan(spelling, **options):
     num_layers, batch_size, hidden = 6, 256, 32
     model, batch = _mlp(spelling, num_layers, batch_size, hidden)
-    # Alpa's search space on a 2D mesh: the batch on mesh axis 0 (set automatically when
-    # both axes have devices) and no dim split over both axes (allow_mixed_mesh_shape)
     plan, mesh = plan_of(model, batch, shape=(2, 2), beta=(1, 0.1),
-                         all_reduce_threshold=MERGE_ALL, force_batch_dim_to_mesh_dim=0,
-                         allow_mixed_mesh_shape=False)
+                         all_reduce_threshold=MERGE_ALL, **ALPA_2D, **options)
     expected = (num_layers * (all_reduce_cost(mesh, hidden * hidden * 4 / 2, 0)
                               + all_reduce_cost(mesh, hidden * 4, 0))
                 + (num_layers - 1) * all_reduce_cost(mesh, batch_size * hidden * 4 / 2, 1))
-    # Alpa's formula: 5 activation all-reduces on axis 1. Ours is 1.8% cheaper, a plan in
-    # Alpa's search space too: the last layer stays column-partitioned and its output is
-    # all-gathered (half an all-reduce's bytes) before the loss, whose gradient is
-    # gathered back in backward; the Alpa assertion (within 1%) holds as an upper bound
-    assert plan.estimates["objective"] <= expected * 1.01
-    assert plan.estimates["objective"] >= expected * 0.97
-    counts = communication(plan, ignore_scalar_all_reduce=True)
-    # gradients: one bucket on axis 0 (XLA: one merged all-reduce)
-    assert len(plan.estimates["gradient_buckets"]) == 1
-    assert counts["all_reduce"] <= num_layers, counts
+    return model, plan, expected
+
+
+def _assert_replicated_megatron(model, plan, names):
+    """Alpa's assert_replicated_column/row_partitioned: replicated on axis 0, kernels
+    alternately column- and row-partitioned on axis 1 (torch weights are (out, in))."""
     layouts = weights(plan)
-    for k, name in enumerate(mlp_weight_names(model)):
+    for k, name in enumerate(names):
         want = (Replicate(), Shard(0) if k % 2 == 0 else Shard(1))
         assert layouts[name] == want, (name, layouts[name])
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_mlp_2d_mesh(spelling):
+    """Alpa's assertions that hold as they are: 6 all-reduces (5 activations on axis 1,
+    the gradients merged on axis 0) and Megatron layouts on axis 1. The other two are
+    ``test_mlp_2d_mesh_objective_and_total``."""
+    model, plan, _ = _mlp_2d_plan(spelling)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 6, counts
+    assert len(plan.estimates["gradient_buckets"]) == 1
+    _assert_replicated_megatron(model, plan, mlp_weight_names(model))
+
+
+@pytest.mark.xfail(strict=True, reason="objective 20,908 vs Alpa's 21,265 (-1.7%) and 3 "
+                   "all-gathers besides the 6 all-reduces: the row-parallel layers' bias "
+                   "gradients are summed over axis 0 split in half over axis 1, then "
+                   "all-gathered on axis 1 (7.4 units each, saving 64 each on axis 0 in "
+                   "Alpa's own units); without all-gathers every assertion holds "
+                   "(test_mlp_2d_mesh_without_all_gather)")
+def test_mlp_2d_mesh_objective_and_total():
+    _, plan, expected = _mlp_2d_plan("modulelist")
+    assert_close(plan.estimates["objective"], expected)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["total"] == counts["all_reduce"], counts
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_mlp_2d_mesh_without_all_gather(spelling):
+    """Alpa's plan: all of Alpa's assertions hold (21,078: the column-parallel layers'
+    biases are reduced at their half size, Alpa's formula prices them whole)."""
+    model, plan, expected = _mlp_2d_plan(spelling, allow_all_gather=False)
+    assert_close(plan.estimates["objective"], expected)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 6 and counts["total"] == 6, counts
+    _assert_replicated_megatron(model, plan, mlp_weight_names(model))
 
 
 @pytest.mark.slow
