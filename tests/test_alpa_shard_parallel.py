@@ -231,11 +231,35 @@ def test_mlp_data_parallel_reduce_scatter(axis, shape):
     model, batch = _mlp("modulelist", 6, 256, 32)
     plan, mesh = plan_of(model, batch, shape=shape, method=Zero2Parallel)
     assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, axis))
-    kinds = {c.kind for c in plan.collectives if not (c.kind == "all_reduce" and c.bytes <= 4)}
-    assert kinds == {"reduce_scatter", "all_gather"}
+    # Alpa's counts after XLA's combiners: the gradients' reduce-scatters in one, the
+    # parameters' all-gathers in one (ours issues them per tensor; communication() merges)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert (counts["reduce_scatter"], counts["all_gather"], counts["all_reduce"],
+            counts["total"]) == (1, 1, 0, 2), counts
+    # optimizer states (which follow the parameters) all sharded
     for name, placements in weights(plan).items():
-        if name.endswith("weight"):
-            assert placements[axis] == Shard(0), (name, placements)
+        assert placements[axis] == Shard(0), (name, placements)
+
+
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_mlp_model_parallel_reduce_scatter(axis, shape):
+    """Alpa's test_n_layer_mlp_model_parallel_reduce_scatter: with reduce-scatter allowed
+    the model-parallel plan is unchanged (5 all-reduces; as many reduce-scatters as
+    all-gathers, here none)."""
+    num_layers, batch_size, hidden = 6, 32, 256
+    model, batch = _mlp("modulelist", num_layers, batch_size, hidden)
+    plan, mesh = plan_of(model, batch, shape=shape, all_reduce_threshold=MERGE_ALL,
+                         allow_reduce_scatter=True)
+    assert_close(plan.estimates["objective"],
+                 (num_layers - 1) * all_reduce_cost(mesh, batch_size * hidden * 4, axis))
+    counts = communication(plan)
+    assert counts["all_reduce"] + counts["reduce_scatter"] == num_layers - 1, counts
+    assert counts["reduce_scatter"] == counts["all_gather"], counts
+    assert counts["total"] == sum(counts[k] for k in ("all_reduce", "reduce_scatter",
+                                                      "all_gather")), counts
+    layouts = weights(plan)
+    for k, name in enumerate(mlp_weight_names(model)):
+        assert layouts[name][axis] == (Shard(0) if k % 2 == 0 else Shard(1)), name
 
 
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
@@ -258,10 +282,23 @@ def test_mlp_data_parallel_zero_stage_3(axis, shape):
     # a reduce-scatter and an all-gather cost one latency more than an all-reduce
     expected = data_parallel + len(list(model.parameters())) * mesh.alpha[axis] + regather
     assert plan.estimates["objective"] == pytest.approx(expected + _loss_all_reduce(mesh, axis))
+    # Alpa's counts after XLA's combiners (threshold (32*32+32)*6*4: every parameter in
+    # one): one all-gather in forward, one in backward, one reduce-scatter; ours issues
+    # 12 + 5 gathers and 12 reduce-scatters, one per tensor (communication() merges them)
     counts = communication(plan, ignore_scalar_all_reduce=True)
-    assert (counts["all_gather"], counts["reduce_scatter"], counts["total"]) == (17, 12, 29)
+    assert (counts["all_gather"], counts["reduce_scatter"], counts["all_reduce"]) == (2, 1, 0)
     for name, placements in weights(plan).items():
         assert placements[axis] == Shard(0), (name, placements)
+
+
+@pytest.mark.xfail(strict=True, reason="objective 53,412 vs Alpa's 38,028 (+40%): Alpa's "
+                   "ILP plans data parallel and a pass after it turns the all-reduces into "
+                   "reduce-scatters and gathers, so its objective never prices the backward "
+                   "re-gather of each weight that ZeRO-3 runs; ours does (15,365 units)")
+def test_mlp_data_parallel_zero_stage_3_alpa_objective():
+    model, batch = _mlp("modulelist", 6, 256, 32)
+    plan, mesh = plan_of(model, batch, shape=(4, 1), method=Zero3Parallel)
+    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, 0))
 
 
 # -- test_bert.py ---------------------------------------------------------------------------
@@ -306,6 +343,73 @@ def test_bert_layer_model_parallel(qkv, attention, axis, shape):
             if qkv == "fused_major" and name.endswith("qkv.weight"):
                 want = strided(0, 3)   # (3, H)-major: each device its heads of q, k and v
             assert layouts[name][axis] == want, (name, layouts[name])
+
+
+@pytest.mark.slow
+def test_bert_layer_force_batch_dim_mapping():
+    """Alpa's test_bert_layer_force_batch_dim_mapping: the batch on axis 0 alone, so on
+    (1, 4) it stays whole and the plan is model parallel (5,505,031; before the batch was
+    kept off the other axes it split there, 152,472), with batch 1 too."""
+    model = BertLayers(2, 32, 8)
+    plan, mesh = plan_of(model, bert_inputs(64, 64, 32), shape=(4, 1),
+                         all_reduce_threshold=MERGE_ALL, force_batch_dim_to_mesh_dim=0)
+    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, 0))
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
+    for batch_size in (64, 1):
+        plan, mesh = plan_of(model, bert_inputs(batch_size, 64, 32), shape=(1, 4),
+                             all_reduce_threshold=MERGE_ALL, force_batch_dim_to_mesh_dim=0)
+        expected = 7 * all_reduce_cost(mesh, batch_size * 64 * 32 * 4, 1)
+        assert_close(plan.estimates["objective"], expected)
+
+
+@functools.cache
+def _bert_2d_plan(**options):
+    num_layers, batch_size, seq_len, hidden = 2, 8, 8, 128
+    model = BertLayers(num_layers, hidden, 8)
+    plan, mesh = plan_of(model, bert_inputs(batch_size, seq_len, hidden), shape=(2, 2),
+                         alpha=(2, 2), beta=(1, 0.1), all_reduce_threshold=MERGE_ALL,
+                         **ALPA_2D, **options)
+    expected = (sum(all_reduce_cost(mesh, p.numel() * 4 / 2, 0) for p in model.parameters())
+                + (num_layers * 4 - 1)
+                * all_reduce_cost(mesh, batch_size * seq_len * hidden * 4 / 2, 1))
+    return model, plan, expected
+
+
+def _assert_bert_2d(model, plan, expected):
+    assert_close(plan.estimates["objective"], expected)
+    assert communication(plan, ignore_scalar_all_reduce=True)["all_reduce"] == 8
+    for k in range(2):
+        _assert_replicated_megatron(model, plan, bert_matmul_weights(model, k))
+
+
+@pytest.mark.slow
+def test_bert_layer_2d_mesh():
+    """Alpa's test_bert_layer_2d_mesh (alpha 2, beta (1, 0.1)): the objective (806,783 vs
+    Alpa's 804,619), 8 all-reduces (7 activations on axis 1, the gradients merged on axis
+    0) and Megatron on axis 1 hold; the total is ``..._total``."""
+    _assert_bert_2d(*_bert_2d_plan())
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="4 all-gathers besides the 8 all-reduces: the "
+                   "layer norms' and row-parallel biases' gradients are summed over axis 0 "
+                   "split in half over axis 1, then all-gathered on axis 1 (913 units "
+                   "cheaper in Alpa's own units); without all-gathers every assertion "
+                   "holds (test_bert_layer_2d_mesh_without_all_gather)")
+def test_bert_layer_2d_mesh_total():
+    _, plan, _ = _bert_2d_plan()
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["total"] == counts["all_reduce"], counts
+
+
+@pytest.mark.slow
+def test_bert_layer_2d_mesh_without_all_gather():
+    """Alpa's plan (807,697): every assertion of Alpa's test holds."""
+    model, plan, expected = _bert_2d_plan(allow_all_gather=False)
+    _assert_bert_2d(model, plan, expected)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["total"] == counts["all_reduce"] == 8, counts
 
 
 def _tied_embedding_case(head="matmul"):
