@@ -455,3 +455,44 @@ class DotAllToAll(nn.Module):
         x = torch.einsum("BEM,EMH->EBH", x, self.wi)
         x = torch.einsum("EBH,EHM->BEM", x, self.wo)
         return self.dense3(self.dense2(x.reshape(self.B, self.M)))
+
+
+# -- Alpa's BERT masked LM (FlaxBertForMaskedLMModule, tied decoder) ------------------------
+
+class BertMLM(nn.Module):
+    """Alpa's ``FlaxBertForMaskedLMModule``: word, position and token-type embeddings and
+    a layer norm, the encoder (Alpa's layers, fused q/v/k), the prediction head's
+    transform (dense, gelu, layer norm) and the decoder tied to the word embeddings
+    (``x @ embedding.T + bias``)."""
+
+    def __init__(self, num_layers, hidden, heads, vocab, seq_len, type_vocab=2):
+        super().__init__()
+        self.word = nn.Embedding(vocab, hidden)
+        self.position = nn.Embedding(seq_len, hidden)
+        self.token_type = nn.Embedding(type_vocab, hidden)
+        self.norm = nn.LayerNorm(hidden, eps=1e-12)
+        self.encoder = BertLayers(num_layers, hidden, heads)
+        self.transform = nn.Linear(hidden, hidden)
+        self.transform_norm = nn.LayerNorm(hidden, eps=1e-12)
+        self.bias = nn.Parameter(torch.zeros(vocab))
+
+    def forward(self, input_ids, attention_mask, token_type_ids, position_ids):
+        x = self.norm(self.word(input_ids) + self.position(position_ids)
+                      + self.token_type(token_type_ids))
+        x = self.encoder(x, attention_mask)
+        x = self.transform_norm(F.gelu(self.transform(x)))
+        return x @ self.word.weight.T + self.bias
+
+
+def mlm_loss(logits, labels):
+    """Alpa's run_bert_mlm loss: one-hot labels against log-softmax, masked where the
+    label is 0, averaged over the labelled tokens, times 0.1234."""
+    label_mask = (labels > 0).float()
+    one_hot = F.one_hot(labels, logits.shape[-1]).float()
+    loss = -(one_hot * F.log_softmax(logits, dim=-1)).sum(-1)
+    return (label_mask * loss).sum() / label_mask.sum() * 0.1234
+
+
+def mlm_inputs(batch, seq):
+    ones = torch.ones(batch, seq, dtype=torch.int64)
+    return (ones, ones, ones, ones, ones)    # input ids, mask, token types, positions, labels

@@ -23,6 +23,7 @@ import torch
 from alpa_cases import (
     MLP_SPELLINGS,
     BertLayers,
+    BertMLM,
     ConvNet,
     DenseDropoutDense,
     DenseGatherDense,
@@ -37,6 +38,8 @@ from alpa_cases import (
     bert_matmul_weights,
     communication,
     conv_inputs,
+    mlm_inputs,
+    mlm_loss,
     mlp_weight_names,
     plan_of,
     summed_cross_entropy,
@@ -410,6 +413,74 @@ def test_bert_layer_2d_mesh_without_all_gather():
     _assert_bert_2d(model, plan, expected)
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["total"] == counts["all_reduce"] == 8, counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_bert_mlm_data_parallel(axis, shape):
+    """Alpa's test_bert_mlm_data_parallel: the masked LM (tied decoder, one-hot loss)
+    plans data parallel: one merged gradient all-reduce, every parameter replicated
+    (57,737 against 57,730 plus our scalar all-reduces)."""
+    factory = functools.partial(BertMLM, 2, 16, 4, 128, 32)
+    plan, mesh = plan_of(factory, mlm_inputs(32, 32), mlm_loss, shape=shape,
+                         all_reduce_threshold=MERGE_ALL)
+    with torch.device("meta"):
+        model = factory()
+    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, axis))
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
+    for placements in weights(plan).values():
+        assert all(p == Replicate() for p in placements)
+
+
+MLM_2D = dict(allow_recompute_heavy_op=True, allow_all_gather=False)   # as Alpa's test sets
+
+
+@functools.cache
+def _bert_mlm_2d_plan(**options):
+    plan, _ = plan_of(functools.partial(BertMLM, 2, 512, 4, 4096, 4), mlm_inputs(4, 4),
+                      mlm_loss, shape=(2, 2), alpha=(2, 2), beta=(1, 0.1),
+                      all_reduce_threshold=MERGE_ALL, **ALPA_2D, **MLM_2D, **options)
+    return plan
+
+
+@pytest.mark.slow
+def test_bert_mlm_2d_mesh_layouts():
+    """Alpa's test_bert_mlm_2d_mesh, the assertions that hold: the word embedding
+    replicated on axis 0 and split by vocabulary on axis 1, the encoder Megatron on axis 1.
+    (Alpa's assertions on XLA's iota shapes have no counterpart in a plan.)"""
+    plan = _bert_mlm_2d_plan()
+    assert weights(plan)["word.weight"] == (Replicate(), Shard(0))
+    with torch.device("meta"):
+        model = BertMLM(2, 512, 4, 4096, 4)
+    for k in range(2):
+        names = [f"encoder.{n}" for n in bert_matmul_weights(model.encoder, k)]
+        _assert_replicated_megatron(model, plan, names)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="17 all-reduces and 1 all-to-all where Alpa has 13 "
+                   "all-reduces; the transform dense row-parallel on axis 1 where Alpa "
+                   "replicates it: objective 17,412,632, against 17,911,926 with Alpa's "
+                   "layout pinned (transform, position and token-type tables replicated), "
+                   "which has 14 (Alpa's 13 and our log-softmax backward's row statistic, "
+                   "test_embedding_2d_mesh)")
+def test_bert_mlm_2d_mesh_counts():
+    plan = _bert_mlm_2d_plan()
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 4 * 2 + 2 + 2 + 1 and counts["total"] == counts["all_reduce"]
+    assert all(p == Replicate() for p in weights(plan)["transform.weight"])
+
+
+@pytest.mark.slow
+def test_bert_mlm_2d_mesh_alpa_layout_is_dearer():
+    """Alpa's layout for the head, pinned: 14 all-reduces and nothing else, dearer than
+    the ILP's own plan in Alpa's units."""
+    R = ("R", "R")
+    alpa = _bert_mlm_2d_plan(pin=((r"transform\.weight", R), (r"(position|token_type)\.weight", R)))
+    counts = communication(alpa, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == counts["total"] == 14, counts
+    assert _bert_mlm_2d_plan().estimates["objective"] < alpa.estimates["objective"]
 
 
 def _tied_embedding_case(head="matmul"):
