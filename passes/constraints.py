@@ -30,7 +30,19 @@ def _batch_sharded(s: Strategy, axis: int, mesh: LogicalMesh) -> bool:
     layout = s.outputs[0]
     axes = range(len(layout)) if axis == -1 else [axis]
     return all(layout[a] == Shard(0) or mesh.shape[a] == 1 for a in axes) and \
-        not any(layout[a] == Shard(0) for a in range(len(layout)) if a not in axes)
+        not _split_elsewhere(layout, 0, axes, mesh)
+
+
+def _split_elsewhere(layout, d: int, axes, mesh: LogicalMesh) -> bool:
+    """Dim ``d`` also split over a mesh axis outside ``axes``, other than by the mixed
+    layout that splits it over every axis of a mesh whose forced axis has devices (Alpa's
+    1D split of a 2D mesh, which its batch filter keeps: the 1D mesh is the forced axis)."""
+    others = [a for a in range(len(layout)) if a not in axes and layout[a] == Shard(d)]
+    if not others:
+        return False
+    flattened = all(mesh.shape[a] > 1 for a in axes) and \
+        all(layout[a] == Shard(d) for a in range(len(layout)) if mesh.shape[a] > 1)
+    return not flattened
 
 
 def _fully_sharded(s: Strategy, mesh: LogicalMesh) -> bool:
@@ -82,7 +94,7 @@ def _keeps_batch(s: Strategy, node, carries, axes, mesh: LogicalMesh) -> bool:
         for d in dims:
             if any(layout[a] != Shard(d) and mesh.shape[a] > 1 for a in axes):
                 return False
-            if any(layout[a] == Shard(d) for a in range(len(layout)) if a not in axes):
+            if _split_elsewhere(layout, d, axes, mesh):
                 return False
     return True
 

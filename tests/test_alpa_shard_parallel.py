@@ -651,7 +651,9 @@ def test_moe_layer(axis, shape):
     assert counts["total"] == counts["all_reduce"] + counts["all_to_all"], counts
 
 
-MOE_2D = dict(allow_mixed_mesh_shape=True, allow_all_gather=False)
+# Alpa's test_moe_layer_2d options, and the batch on axis 0 that Alpa sets by itself on a
+# 2D mesh (its batch filter keeps the mixed split over both axes: ours too)
+MOE_2D = dict(allow_mixed_mesh_shape=True, allow_all_gather=False, force_batch_dim_to_mesh_dim=0)
 
 
 @pytest.mark.slow
@@ -665,13 +667,13 @@ def test_moe_layer_2d():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="9 all-reduces (objective 863,150) where Alpa has 2: "
-                   "Alpa's layout, pinned, has its 2 and costs 1,454,114; ours splits the "
-                   "experts over all 4 devices and all-reduces small gating values instead "
-                   "(test_moe_layer_2d_alpa_layout_and_ours; issue 14, item 8)")
 def test_moe_layer_2d_all_reduces():
+    """Alpa's 2 all-reduces: one for the experts' gradients, one for the others' (our
+    loss's 4-byte all-reduces left out: Alpa's step returns no loss). Without the batch
+    on axis 0 (Alpa sets it on 2D meshes; the port used to leave it out) the plan split
+    the experts over all 4 devices: 863,150 with 9 all-reduces."""
     plan, _ = _moe_layer_plan((2, 2), **MOE_2D)
-    assert communication(plan)["all_reduce"] == 2
+    assert communication(plan, ignore_scalar_all_reduce=True)["all_reduce"] == 2
 
 
 # -- test_mixed_2d.py -----------------------------------------------------------------------
@@ -751,13 +753,12 @@ def test_moe_layer_2d_alpa_layout_and_ours():
     """Alpa's layout, pinned, holds Alpa's counts (2 all-reduces, 4 all-to-alls) once the
     tokens split over both axes reach experts on the inner axis by one all-to-all (it took
     an all-gather, forbidden here, so that layout was infeasible and the ILP settled for
-    1,667,741). The ILP's own plan is cheaper still: the 16 experts split over all 4
-    devices, so no expert gradient is all-reduced; its extra all-reduces are the gating's
-    small ones. Alpa's count of 2 all-reduces is that of a dearer layout."""
+    1,667,741). The ILP's own plan in Alpa's space has the same experts' layout and counts
+    and costs less (1,444,770 against 1,454,114)."""
     ours, _ = _moe_layer_plan((2, 2), **MOE_2D)
     alpa, _ = _moe_layer_plan((2, 2), **MOE_2D, pin=_alpa_moe_2d_layout())
     counts = communication(alpa, ignore_scalar_all_reduce=True)
     assert (counts["all_reduce"], counts["all_to_all"], counts["total"]) == (2, 4, 6), counts
-    assert ours.estimates["objective"] < alpa.estimates["objective"]
-    assert weights(ours)["moe.wi"] == (Shard(0), Shard(0))
+    assert ours.estimates["objective"] <= alpa.estimates["objective"]
+    assert weights(ours)["moe.wi"] == (Replicate(), Shard(0))
     assert communication(ours)["all_gather"] == 0
