@@ -67,23 +67,21 @@ def communication(plan, *, ignore_scalar_all_reduce=False, merged_gradients=True
 
     * the gradients' collectives of one kind on one mesh axis count once (the all-reduce
       and reduce-scatter combiners, per replica group): the plan's merged all-reduces
-      (``estimates['gradient_buckets']``, when ``all_reduce_threshold`` is set) and the
-      runtime's buckets of all the gradients (``runtime.buckets.gradient_buckets``),
-      merged per (kind, axis);
+      (``estimates['gradient_buckets']``, when ``all_reduce_threshold`` is set) and every
+      gradient's bucketed collectives (those the runtime packs into buckets,
+      ``runtime/buckets.py``), merged per (kind, axis);
     * the parameters' all-gathers count once per phase and axis (the all-gather combiner
       Alpa runs for ZeRO: one after the update, or with ZeRO-3 one for forward and one
       for backward).
 
     Collectives on a mesh axis of size 1 move nothing and are not counted."""
-    from torchalpa.runtime.buckets import gradient_buckets
+    from torchalpa.runtime.buckets import _grad_reshards as grad_reshards
     merged: dict[int, tuple] = {}
     if merged_gradients:
         for b in plan.estimates.get("gradient_buckets") or ():
             merged.update((k, ("all_reduce", b["axis"])) for k in b["collectives"])
-        for b in gradient_buckets(plan, threshold=1 << 60):
-            merged.update((k, (b.kind, b.axis)) for k in b.positions)
-            for stage in b.then:
-                merged.update((k, ("all_reduce", stage.axis)) for k in stage.positions)
+        for _, steps, positions in grad_reshards(plan):   # one gradient alone too
+            merged.update((k, (step.kind, step.axis)) for step, k in zip(steps, positions))
         params = {p.node for p in plan.parameters}
         for k, c in enumerate(plan.collectives):
             if c.kind == "all_gather" and c.tensor in params:

@@ -41,6 +41,7 @@ from alpa_cases import (
     mlm_inputs,
     mlm_loss,
     mlp_weight_names,
+    mse,
     plan_of,
     summed_cross_entropy,
     summed_nll_of_log_softmax,
@@ -481,6 +482,74 @@ def test_bert_mlm_2d_mesh_alpa_layout_is_dearer():
     counts = communication(alpa, ignore_scalar_all_reduce=True)
     assert counts["all_reduce"] == counts["total"] == 14, counts
     assert _bert_mlm_2d_plan().estimates["objective"] < alpa.estimates["objective"]
+
+
+@functools.cache
+def _zero2_plan(case, shape):
+    """Alpa's ``prefer_reduce_scatter`` on a data-parallel plan is ZeRO-2 (its MLP test
+    says so with ``Zero2Parallel``): gradients reduce-scattered, parameters gathered."""
+    if case == "bert":
+        factory = functools.partial(BertLayers, 2, 32, 8)
+        batch, loss = bert_inputs(64, 64, 32), mse
+    else:
+        factory = functools.partial(BertMLM, 2, 16, 4, 128, 32)
+        batch, loss = mlm_inputs(32, 32), mlm_loss
+    plan, mesh = plan_of(factory, batch, loss, shape=shape, method=Zero2Parallel,
+                         all_reduce_threshold=MERGE_ALL)
+    with torch.device("meta"):
+        model = factory()
+    return model, plan, mesh
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_bert_layer_data_parallel_reduce_scatter(axis, shape):
+    """Alpa's test_bert_layer_data_parallel_reduce_scatter, the assertions that hold: the
+    data-parallel objective (153,279 against 152,472), one reduce-scatter, no all-reduce,
+    every parameter (and so its optimizer states) sharded. The all-gather count is
+    ``..._all_gathers``."""
+    model, plan, mesh = _zero2_plan("bert", shape)
+    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, axis))
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert (counts["reduce_scatter"], counts["all_reduce"]) == (1, 0), counts
+    for name, placements in weights(plan).items():
+        assert placements[axis] == Shard(0), (name, placements)
+
+
+ZERO2_REGATHER = ("the layer norms' weights and biases are gathered again in backward, a "
+                  "second phase of all-gathers where Alpa gathers once: parameter reads "
+                  "are never priced as shared (passes/shared_reshard.py read_key, right for "
+                  "ZeRO-3, not for ZeRO-2)")
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=ZERO2_REGATHER)
+def test_bert_layer_data_parallel_reduce_scatter_all_gathers():
+    _, plan, _ = _zero2_plan("bert", (4, 1))
+    assert communication(plan, ignore_scalar_all_reduce=True)["all_gather"] == 1
+
+
+@pytest.mark.slow
+def test_bert_mlm_data_parallel_reduce_scatter():
+    """Alpa's test_bert_mlm_data_parallel_reduce_scatter, what holds: one reduce-scatter,
+    the optimizer states sharded (ours shards every parameter, the token-type table on its
+    hidden dim; Alpa leaves one whole); the rest is ``..._alpa``."""
+    _, plan, _ = _zero2_plan("mlm", (4, 1))
+    assert communication(plan, ignore_scalar_all_reduce=True)["reduce_scatter"] == 1
+    assert all(placements[0] != Replicate() for placements in weights(plan).values())
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="objective 64,511 against 57,730 (+11.7%) and 2 "
+                   "all-gathers and no all-reduce where Alpa has 1 and 1: the tied word "
+                   "embedding is gathered twice in forward (6,145 units; parameter reads "
+                   "are never priced as shared), " + ZERO2_REGATHER + "; and the token-type "
+                   "table is sharded on its hidden dim, where Alpa all-reduces it whole")
+def test_bert_mlm_data_parallel_reduce_scatter_alpa():
+    model, plan, mesh = _zero2_plan("mlm", (4, 1))
+    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, 0))
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert (counts["all_gather"], counts["all_reduce"]) == (1, 1), counts
 
 
 def _tied_embedding_case(head="matmul"):
