@@ -69,13 +69,13 @@ def communication(plan, *, ignore_scalar_all_reduce=False, merged_gradients=True
       and reduce-scatter combiners, per replica group): the plan's merged all-reduces
       (``estimates['gradient_buckets']``, when ``all_reduce_threshold`` is set) and every
       gradient's bucketed collectives (those the runtime packs into buckets,
-      ``runtime/buckets.py``), merged per (kind, axis);
+      ``runtime/rewrites/buckets.py``), merged per (kind, axis);
     * the parameters' all-gathers count once per phase and axis (the all-gather combiner
       Alpa runs for ZeRO: one after the update, or with ZeRO-3 one for forward and one
       for backward).
 
     Collectives on a mesh axis of size 1 move nothing and are not counted."""
-    from torchalpa.runtime.buckets import _grad_reshards as grad_reshards
+    from torchalpa.runtime.rewrites.buckets import _grad_reshards as grad_reshards
     merged: dict[int, tuple] = {}
     if merged_gradients:
         for b in plan.estimates.get("gradient_buckets") or ():

@@ -518,7 +518,7 @@ def test_bert_layer_data_parallel_reduce_scatter(axis, shape):
 
 ZERO2_REGATHER = ("the layer norms' weights and biases are gathered again in backward, a "
                   "second phase of all-gathers where Alpa gathers once: parameter reads "
-                  "are never priced as shared (passes/shared_reshard.py read_key, right for "
+                  "are never priced as shared (passes/sharding/shared_reshard.py read_key, right for "
                   "ZeRO-3, not for ZeRO-2)")
 
 
@@ -571,7 +571,7 @@ EMBEDDING_SPELLINGS = [("matmul", summed_cross_entropy),
 def test_embedding_2d_mesh(head, loss_fn):
     """Vocab-parallel embedding and cross entropy (Megatron's): the table split by rows
     on axis 1, the batch on axis 0 (Alpa's 2D search space), the logits stay split through
-    log-softmax (row max and sum all-reduced, ``runtime/synced.py``) and the target pick.
+    log-softmax (row max and sum all-reduced, ``runtime/lowering/synced.py``) and the target pick.
 
     Accounting difference: our backward all-reduces one more row statistic (the row sum
     of the incoming gradient, ``grad - exp(y) * sum(grad)``), where XLA's plan computes the
@@ -611,7 +611,7 @@ def test_embedding_2d_mesh_unrestricted_is_no_worse():
 @pytest.mark.slow
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
 def test_conv_data_parallel(axis, shape):
-    """Synchronized batch norm (rules/norm.py, runtime/sync_norm.py): the batch splits and
+    """Synchronized batch norm (rules/norm.py, runtime/lowering/sync_norm.py): the batch splits and
     each BatchNorm all-reduces its per-channel sums, (sum x, sum x^2) in forward and
     (sum dy, sum dy x_hat) in backward. Accounting difference: Alpa's formula prices every
     parameter's gradient all-reduce plus 4 statistics all-reduces of C values per
