@@ -60,22 +60,45 @@ def weights(plan) -> dict[str, tuple]:
 
 
 def communication(plan, *, ignore_scalar_all_reduce=False, merged_gradients=True) -> Counter:
-    """Collectives per kind as Alpa counts them in the compiled HLO: with
-    ``merged_gradients``, the gradient all-reduces of one bucket count once (XLA's
-    all-reduce combiner; the plan's ``gradient_buckets``); collectives on a mesh axis of
-    size 1 move nothing and are not counted."""
-    buckets = plan.estimates.get("gradient_buckets") if merged_gradients else None
-    in_bucket = {k for b in buckets or () for k in b["collectives"]}
+    """Collectives per kind as Alpa's ``count_communication_primitives`` counts them in the
+    compiled HLO, after XLA's combiners. Our runtime issues gradient collectives per
+    bucket and a ZeRO plan's parameter gathers one per tensor; XLA merges them, so with
+    ``merged_gradients`` (Alpa's default ``all_reduce_threshold`` of 2**60):
+
+    * the gradients' collectives of one kind on one mesh axis count once (the all-reduce
+      and reduce-scatter combiners, per replica group): the plan's merged all-reduces
+      (``estimates['gradient_buckets']``, when ``all_reduce_threshold`` is set) and every
+      gradient's bucketed collectives (those the runtime packs into buckets,
+      ``runtime/rewrites/buckets.py``), merged per (kind, axis);
+    * the parameters' all-gathers count once per phase and axis (the all-gather combiner
+      Alpa runs for ZeRO: one after the update, or with ZeRO-3 one for forward and one
+      for backward).
+
+    Collectives on a mesh axis of size 1 move nothing and are not counted."""
+    from torchalpa.runtime.rewrites.buckets import _grad_reshards as grad_reshards
+    merged: dict[int, tuple] = {}
+    if merged_gradients:
+        for b in plan.estimates.get("gradient_buckets") or ():
+            merged.update((k, ("all_reduce", b["axis"])) for k in b["collectives"])
+        for _, steps, positions in grad_reshards(plan):   # one gradient alone too
+            merged.update((k, (step.kind, step.axis)) for step, k in zip(steps, positions))
+        params = {p.node for p in plan.parameters}
+        for k, c in enumerate(plan.collectives):
+            if c.kind == "all_gather" and c.tensor in params:
+                merged[k] = ("all_gather", c.axis, c.phase)
     counts: Counter = Counter()
+    groups = set()
     for k, c in enumerate(plan.collectives):
         if plan.mesh_shape[c.axis] == 1:
             continue
         if ignore_scalar_all_reduce and c.kind == "all_reduce" and c.bytes <= 4:
             continue
-        if k in in_bucket:
+        if k in merged:
+            groups.add(merged[k])
             continue
         counts[c.kind] += 1
-    counts["all_reduce"] += len(buckets or ())
+    for group in groups:
+        counts[group[0]] += 1
     counts["total"] = sum(v for k, v in counts.items() if k != "total")
     return counts
 
@@ -430,3 +453,44 @@ class DotAllToAll(nn.Module):
         x = torch.einsum("BEM,EMH->EBH", x, self.wi)
         x = torch.einsum("EBH,EHM->BEM", x, self.wo)
         return self.dense3(self.dense2(x.reshape(self.B, self.M)))
+
+
+# -- Alpa's BERT masked LM (FlaxBertForMaskedLMModule, tied decoder) ------------------------
+
+class BertMLM(nn.Module):
+    """Alpa's ``FlaxBertForMaskedLMModule``: word, position and token-type embeddings and
+    a layer norm, the encoder (Alpa's layers, fused q/v/k), the prediction head's
+    transform (dense, gelu, layer norm) and the decoder tied to the word embeddings
+    (``x @ embedding.T + bias``)."""
+
+    def __init__(self, num_layers, hidden, heads, vocab, seq_len, type_vocab=2):
+        super().__init__()
+        self.word = nn.Embedding(vocab, hidden)
+        self.position = nn.Embedding(seq_len, hidden)
+        self.token_type = nn.Embedding(type_vocab, hidden)
+        self.norm = nn.LayerNorm(hidden, eps=1e-12)
+        self.encoder = BertLayers(num_layers, hidden, heads)
+        self.transform = nn.Linear(hidden, hidden)
+        self.transform_norm = nn.LayerNorm(hidden, eps=1e-12)
+        self.bias = nn.Parameter(torch.zeros(vocab))
+
+    def forward(self, input_ids, attention_mask, token_type_ids, position_ids):
+        x = self.norm(self.word(input_ids) + self.position(position_ids)
+                      + self.token_type(token_type_ids))
+        x = self.encoder(x, attention_mask)
+        x = self.transform_norm(F.gelu(self.transform(x)))
+        return x @ self.word.weight.T + self.bias
+
+
+def mlm_loss(logits, labels):
+    """Alpa's run_bert_mlm loss: one-hot labels against log-softmax, masked where the
+    label is 0, averaged over the labelled tokens, times 0.1234."""
+    label_mask = (labels > 0).float()
+    one_hot = F.one_hot(labels, logits.shape[-1]).float()
+    loss = -(one_hot * F.log_softmax(logits, dim=-1)).sum(-1)
+    return (label_mask * loss).sum() / label_mask.sum() * 0.1234
+
+
+def mlm_inputs(batch, seq):
+    ones = torch.ones(batch, seq, dtype=torch.int64)
+    return (ones, ones, ones, ones, ones)    # input ids, mask, token types, positions, labels

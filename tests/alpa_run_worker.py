@@ -10,6 +10,10 @@ Scenarios (argv[2], comma separated):
   ``Zero2Parallel``, the method whose plans reduce-scatter gradients).
 - ``bert:2x2``: Alpa's ``test_numerical_correctness``: two BERT layers (hidden 256, 8 heads)
   on Alpa's (2, 2) mesh (alpha 2, beta (1, 0.1)), batch 16 x 8, Adam (lr 1e-2), one step.
+- ``bert_alpa2d:2x2``: the same in Alpa's 2D search space (the batch on axis 0 alone, no
+  dim split over both axes, every gradient in one bucket): the plan that sums the layer
+  norms' and row-parallel biases' gradients at half size over axis 0 and all-gathers them
+  on axis 1 (tests/test_alpa_shard_parallel.py, test_bert_layer_2d_mesh_total).
 
 Each records the plan's collectives (kind, axis, bytes) as a step issues them, the
 collectives each step really issued, losses on both sides, and per parameter whether
@@ -91,7 +95,7 @@ def accumulation(shape: tuple[int, ...], reduce_scatter: bool) -> dict:
     return _record(pm, run, micro, _compare(pm, ref, rtol=1e-4, atol=1e-4))
 
 
-def bert(shape: tuple[int, ...]) -> dict:
+def bert(shape: tuple[int, ...], alpa_2d: bool = False) -> dict:
     batch_size, seq, hidden, heads = 16, 8, 256, 8
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(batch_size, seq, hidden, generator=g),
@@ -102,9 +106,12 @@ def bert(shape: tuple[int, ...]) -> dict:
     ref = BertLayers(2, hidden, heads)
     ref.load_state_dict(model.state_dict())
     mesh = torchalpa.LogicalMesh(shape=shape, alpha=(2.0,) * len(shape), beta=(1.0, 0.1))
+    option = torchalpa.AutoShardingOption(
+        force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False, allow_reduce_scatter=False,
+        all_reduce_threshold=1 << 60) if alpa_2d else torchalpa.AutoShardingOption()
     pm = torchalpa.auto_parallel(
         model, batch, mse, cluster=mesh,
-        method=torchalpa.ShardParallel(logical_mesh_shape=shape),
+        method=torchalpa.ShardParallel(logical_mesh_shape=shape, auto_sharding_option=option),
         optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
     run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=1e-2),
                                   lambda step: batch, mse, steps=1, backward_steps=())
@@ -114,7 +121,8 @@ def bert(shape: tuple[int, ...]) -> dict:
 
 
 SCENARIOS = {"accum": lambda s: accumulation(s, False),
-             "accum_rs": lambda s: accumulation(s, True), "bert": bert}
+             "accum_rs": lambda s: accumulation(s, True), "bert": bert,
+             "bert_alpa2d": lambda s: bert(s, alpa_2d=True)}
 
 
 def main():

@@ -88,3 +88,28 @@ def test_option_errors_name_the_field():
         AutoShardingOption(force_simple_heuristic="greedy")
     with pytest.raises(ValueError, match="all_reduce_threshold"):
         AutoShardingOption(all_reduce_threshold=-1)
+
+
+@pytest.mark.parametrize("options,names", [
+    (dict(parameters="replicated", allow_replicated_parameters=False),
+     "parameters='replicated'.*allow_replicated_parameters=False"),
+    (dict(parameters="sharded", force_data_parallel=True),
+     "force_data_parallel=True.*parameters='sharded'"),
+    (dict(parameters="sharded", allow_all_gather=False, force_batch_dim_to_mesh_dim=-1),
+     "parameters='sharded'.*allow_all_gather=False"),
+])
+def test_contradicting_options_name_both_knobs(options, names):
+    """Combinations that contradict themselves are refused where the method is made (they
+    used to fail in the solver: an IndexError, or 'two fixed layouts cannot be
+    connected')."""
+    with pytest.raises(ValueError, match=names):
+        ShardParallel(auto_sharding_option=AutoShardingOption(**options))
+
+
+def test_zero_presets_refuse_no_all_gather():
+    from dataclasses import replace
+
+    from torchalpa import Zero2Parallel
+    option = replace(Zero2Parallel().auto_sharding_option, allow_all_gather=False)
+    with pytest.raises(ValueError, match="allow_all_gather=False"):
+        Zero2Parallel(auto_sharding_option=option)

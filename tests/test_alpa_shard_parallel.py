@@ -23,6 +23,7 @@ import torch
 from alpa_cases import (
     MLP_SPELLINGS,
     BertLayers,
+    BertMLM,
     ConvNet,
     DenseDropoutDense,
     DenseGatherDense,
@@ -37,7 +38,10 @@ from alpa_cases import (
     bert_matmul_weights,
     communication,
     conv_inputs,
+    mlm_inputs,
+    mlm_loss,
     mlp_weight_names,
+    mse,
     plan_of,
     summed_cross_entropy,
     summed_nll_of_log_softmax,
@@ -104,32 +108,65 @@ def test_mlp_model_parallel(spelling, axis, shape):
         assert layouts[name][axis] == want, (name, layouts[name])
 
 
-@pytest.mark.parametrize("spelling", SPELLINGS)
-def test_mlp_2d_mesh(spelling):
+ALPA_2D = dict(force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False)
+"""Alpa's search space on a 2D mesh: the batch on mesh axis 0 alone (Alpa sets it when both
+axes have devices) and no dim split over both axes (``allow_mixed_mesh_shape``)."""
+
+
+def _mlp_2d_plan(spelling, **options):
     num_layers, batch_size, hidden = 6, 256, 32
     model, batch = _mlp(spelling, num_layers, batch_size, hidden)
-    # Alpa's search space on a 2D mesh: the batch on mesh axis 0 (set automatically when
-    # both axes have devices) and no dim split over both axes (allow_mixed_mesh_shape)
     plan, mesh = plan_of(model, batch, shape=(2, 2), beta=(1, 0.1),
-                         all_reduce_threshold=MERGE_ALL, force_batch_dim_to_mesh_dim=0,
-                         allow_mixed_mesh_shape=False)
+                         all_reduce_threshold=MERGE_ALL, **ALPA_2D, **options)
     expected = (num_layers * (all_reduce_cost(mesh, hidden * hidden * 4 / 2, 0)
                               + all_reduce_cost(mesh, hidden * 4, 0))
                 + (num_layers - 1) * all_reduce_cost(mesh, batch_size * hidden * 4 / 2, 1))
-    # Alpa's formula: 5 activation all-reduces on axis 1. Ours is 1.8% cheaper, a plan in
-    # Alpa's search space too: the last layer stays column-partitioned and its output is
-    # all-gathered (half an all-reduce's bytes) before the loss, whose gradient is
-    # gathered back in backward; the Alpa assertion (within 1%) holds as an upper bound
-    assert plan.estimates["objective"] <= expected * 1.01
-    assert plan.estimates["objective"] >= expected * 0.97
-    counts = communication(plan, ignore_scalar_all_reduce=True)
-    # gradients: one bucket on axis 0 (XLA: one merged all-reduce)
-    assert len(plan.estimates["gradient_buckets"]) == 1
-    assert counts["all_reduce"] <= num_layers, counts
+    return model, plan, expected
+
+
+def _assert_replicated_megatron(model, plan, names):
+    """Alpa's assert_replicated_column/row_partitioned: replicated on axis 0, kernels
+    alternately column- and row-partitioned on axis 1 (torch weights are (out, in))."""
     layouts = weights(plan)
-    for k, name in enumerate(mlp_weight_names(model)):
+    for k, name in enumerate(names):
         want = (Replicate(), Shard(0) if k % 2 == 0 else Shard(1))
         assert layouts[name] == want, (name, layouts[name])
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_mlp_2d_mesh(spelling):
+    """Alpa's assertions that hold as they are: 6 all-reduces (5 activations on axis 1,
+    the gradients merged on axis 0) and Megatron layouts on axis 1. The other two are
+    ``test_mlp_2d_mesh_objective_and_total``."""
+    model, plan, _ = _mlp_2d_plan(spelling)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 6, counts
+    assert len(plan.estimates["gradient_buckets"]) == 1
+    _assert_replicated_megatron(model, plan, mlp_weight_names(model))
+
+
+@pytest.mark.xfail(strict=True, reason="objective 20,908 vs Alpa's 21,265 (-1.7%) and 3 "
+                   "all-gathers besides the 6 all-reduces: the row-parallel layers' bias "
+                   "gradients are summed over axis 0 split in half over axis 1, then "
+                   "all-gathered on axis 1 (7.4 units each, saving 64 each on axis 0 in "
+                   "Alpa's own units); without all-gathers every assertion holds "
+                   "(test_mlp_2d_mesh_without_all_gather)")
+def test_mlp_2d_mesh_objective_and_total():
+    _, plan, expected = _mlp_2d_plan("modulelist")
+    assert_close(plan.estimates["objective"], expected)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["total"] == counts["all_reduce"], counts
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_mlp_2d_mesh_without_all_gather(spelling):
+    """Alpa's plan: all of Alpa's assertions hold (21,078: the column-parallel layers'
+    biases are reduced at their half size, Alpa's formula prices them whole)."""
+    model, plan, expected = _mlp_2d_plan(spelling, allow_all_gather=False)
+    assert_close(plan.estimates["objective"], expected)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 6 and counts["total"] == 6, counts
+    _assert_replicated_megatron(model, plan, mlp_weight_names(model))
 
 
 @pytest.mark.slow
@@ -198,11 +235,35 @@ def test_mlp_data_parallel_reduce_scatter(axis, shape):
     model, batch = _mlp("modulelist", 6, 256, 32)
     plan, mesh = plan_of(model, batch, shape=shape, method=Zero2Parallel)
     assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, axis))
-    kinds = {c.kind for c in plan.collectives if not (c.kind == "all_reduce" and c.bytes <= 4)}
-    assert kinds == {"reduce_scatter", "all_gather"}
+    # Alpa's counts after XLA's combiners: the gradients' reduce-scatters in one, the
+    # parameters' all-gathers in one (ours issues them per tensor; communication() merges)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert (counts["reduce_scatter"], counts["all_gather"], counts["all_reduce"],
+            counts["total"]) == (1, 1, 0, 2), counts
+    # optimizer states (which follow the parameters) all sharded
     for name, placements in weights(plan).items():
-        if name.endswith("weight"):
-            assert placements[axis] == Shard(0), (name, placements)
+        assert placements[axis] == Shard(0), (name, placements)
+
+
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_mlp_model_parallel_reduce_scatter(axis, shape):
+    """Alpa's test_n_layer_mlp_model_parallel_reduce_scatter: with reduce-scatter allowed
+    the model-parallel plan is unchanged (5 all-reduces; as many reduce-scatters as
+    all-gathers, here none)."""
+    num_layers, batch_size, hidden = 6, 32, 256
+    model, batch = _mlp("modulelist", num_layers, batch_size, hidden)
+    plan, mesh = plan_of(model, batch, shape=shape, all_reduce_threshold=MERGE_ALL,
+                         allow_reduce_scatter=True)
+    assert_close(plan.estimates["objective"],
+                 (num_layers - 1) * all_reduce_cost(mesh, batch_size * hidden * 4, axis))
+    counts = communication(plan)
+    assert counts["all_reduce"] + counts["reduce_scatter"] == num_layers - 1, counts
+    assert counts["reduce_scatter"] == counts["all_gather"], counts
+    assert counts["total"] == sum(counts[k] for k in ("all_reduce", "reduce_scatter",
+                                                      "all_gather")), counts
+    layouts = weights(plan)
+    for k, name in enumerate(mlp_weight_names(model)):
+        assert layouts[name][axis] == (Shard(0) if k % 2 == 0 else Shard(1)), name
 
 
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
@@ -225,10 +286,23 @@ def test_mlp_data_parallel_zero_stage_3(axis, shape):
     # a reduce-scatter and an all-gather cost one latency more than an all-reduce
     expected = data_parallel + len(list(model.parameters())) * mesh.alpha[axis] + regather
     assert plan.estimates["objective"] == pytest.approx(expected + _loss_all_reduce(mesh, axis))
+    # Alpa's counts after XLA's combiners (threshold (32*32+32)*6*4: every parameter in
+    # one): one all-gather in forward, one in backward, one reduce-scatter; ours issues
+    # 12 + 5 gathers and 12 reduce-scatters, one per tensor (communication() merges them)
     counts = communication(plan, ignore_scalar_all_reduce=True)
-    assert (counts["all_gather"], counts["reduce_scatter"], counts["total"]) == (17, 12, 29)
+    assert (counts["all_gather"], counts["reduce_scatter"], counts["all_reduce"]) == (2, 1, 0)
     for name, placements in weights(plan).items():
         assert placements[axis] == Shard(0), (name, placements)
+
+
+@pytest.mark.xfail(strict=True, reason="objective 53,412 vs Alpa's 38,028 (+40%): Alpa's "
+                   "ILP plans data parallel and a pass after it turns the all-reduces into "
+                   "reduce-scatters and gathers, so its objective never prices the backward "
+                   "re-gather of each weight that ZeRO-3 runs; ours does (15,365 units)")
+def test_mlp_data_parallel_zero_stage_3_alpa_objective():
+    model, batch = _mlp("modulelist", 6, 256, 32)
+    plan, mesh = plan_of(model, batch, shape=(4, 1), method=Zero3Parallel)
+    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, 0))
 
 
 # -- test_bert.py ---------------------------------------------------------------------------
@@ -273,6 +347,209 @@ def test_bert_layer_model_parallel(qkv, attention, axis, shape):
             if qkv == "fused_major" and name.endswith("qkv.weight"):
                 want = strided(0, 3)   # (3, H)-major: each device its heads of q, k and v
             assert layouts[name][axis] == want, (name, layouts[name])
+
+
+@pytest.mark.slow
+def test_bert_layer_force_batch_dim_mapping():
+    """Alpa's test_bert_layer_force_batch_dim_mapping: the batch on axis 0 alone, so on
+    (1, 4) it stays whole and the plan is model parallel (5,505,031; before the batch was
+    kept off the other axes it split there, 152,472), with batch 1 too."""
+    model = BertLayers(2, 32, 8)
+    plan, mesh = plan_of(model, bert_inputs(64, 64, 32), shape=(4, 1),
+                         all_reduce_threshold=MERGE_ALL, force_batch_dim_to_mesh_dim=0)
+    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, 0))
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
+    for batch_size in (64, 1):
+        plan, mesh = plan_of(model, bert_inputs(batch_size, 64, 32), shape=(1, 4),
+                             all_reduce_threshold=MERGE_ALL, force_batch_dim_to_mesh_dim=0)
+        expected = 7 * all_reduce_cost(mesh, batch_size * 64 * 32 * 4, 1)
+        assert_close(plan.estimates["objective"], expected)
+
+
+@functools.cache
+def _bert_2d_plan(**options):
+    num_layers, batch_size, seq_len, hidden = 2, 8, 8, 128
+    model = BertLayers(num_layers, hidden, 8)
+    plan, mesh = plan_of(model, bert_inputs(batch_size, seq_len, hidden), shape=(2, 2),
+                         alpha=(2, 2), beta=(1, 0.1), all_reduce_threshold=MERGE_ALL,
+                         **ALPA_2D, **options)
+    expected = (sum(all_reduce_cost(mesh, p.numel() * 4 / 2, 0) for p in model.parameters())
+                + (num_layers * 4 - 1)
+                * all_reduce_cost(mesh, batch_size * seq_len * hidden * 4 / 2, 1))
+    return model, plan, expected
+
+
+def _assert_bert_2d(model, plan, expected):
+    assert_close(plan.estimates["objective"], expected)
+    assert communication(plan, ignore_scalar_all_reduce=True)["all_reduce"] == 8
+    for k in range(2):
+        _assert_replicated_megatron(model, plan, bert_matmul_weights(model, k))
+
+
+@pytest.mark.slow
+def test_bert_layer_2d_mesh():
+    """Alpa's test_bert_layer_2d_mesh (alpha 2, beta (1, 0.1)): the objective (806,783 vs
+    Alpa's 804,619), 8 all-reduces (7 activations on axis 1, the gradients merged on axis
+    0) and Megatron on axis 1 hold; the total is ``..._total``."""
+    _assert_bert_2d(*_bert_2d_plan())
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="4 all-gathers besides the 8 all-reduces: the "
+                   "layer norms' and row-parallel biases' gradients are summed over axis 0 "
+                   "split in half over axis 1, then all-gathered on axis 1 (913 units "
+                   "cheaper in Alpa's own units); without all-gathers every assertion "
+                   "holds (test_bert_layer_2d_mesh_without_all_gather)")
+def test_bert_layer_2d_mesh_total():
+    _, plan, _ = _bert_2d_plan()
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["total"] == counts["all_reduce"], counts
+
+
+@pytest.mark.slow
+def test_bert_layer_2d_mesh_without_all_gather():
+    """Alpa's plan (807,697): every assertion of Alpa's test holds."""
+    model, plan, expected = _bert_2d_plan(allow_all_gather=False)
+    _assert_bert_2d(model, plan, expected)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["total"] == counts["all_reduce"] == 8, counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_bert_mlm_data_parallel(axis, shape):
+    """Alpa's test_bert_mlm_data_parallel: the masked LM (tied decoder, one-hot loss)
+    plans data parallel: one merged gradient all-reduce, every parameter replicated
+    (57,737 against 57,730 plus our scalar all-reduces)."""
+    factory = functools.partial(BertMLM, 2, 16, 4, 128, 32)
+    plan, mesh = plan_of(factory, mlm_inputs(32, 32), mlm_loss, shape=shape,
+                         all_reduce_threshold=MERGE_ALL)
+    with torch.device("meta"):
+        model = factory()
+    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, axis))
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
+    for placements in weights(plan).values():
+        assert all(p == Replicate() for p in placements)
+
+
+MLM_2D = dict(allow_recompute_heavy_op=True, allow_all_gather=False)   # as Alpa's test sets
+
+
+@functools.cache
+def _bert_mlm_2d_plan(**options):
+    plan, _ = plan_of(functools.partial(BertMLM, 2, 512, 4, 4096, 4), mlm_inputs(4, 4),
+                      mlm_loss, shape=(2, 2), alpha=(2, 2), beta=(1, 0.1),
+                      all_reduce_threshold=MERGE_ALL, **ALPA_2D, **MLM_2D, **options)
+    return plan
+
+
+@pytest.mark.slow
+def test_bert_mlm_2d_mesh_layouts():
+    """Alpa's test_bert_mlm_2d_mesh, the assertions that hold: the word embedding
+    replicated on axis 0 and split by vocabulary on axis 1, the encoder Megatron on axis 1.
+    (Alpa's assertions on XLA's iota shapes have no counterpart in a plan.)"""
+    plan = _bert_mlm_2d_plan()
+    assert weights(plan)["word.weight"] == (Replicate(), Shard(0))
+    with torch.device("meta"):
+        model = BertMLM(2, 512, 4, 4096, 4)
+    for k in range(2):
+        names = [f"encoder.{n}" for n in bert_matmul_weights(model.encoder, k)]
+        _assert_replicated_megatron(model, plan, names)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="17 all-reduces and 1 all-to-all where Alpa has 13 "
+                   "all-reduces; the transform dense row-parallel on axis 1 where Alpa "
+                   "replicates it: objective 17,412,632, against 17,911,926 with Alpa's "
+                   "layout pinned (transform, position and token-type tables replicated), "
+                   "which has 14 (Alpa's 13 and our log-softmax backward's row statistic, "
+                   "test_embedding_2d_mesh)")
+def test_bert_mlm_2d_mesh_counts():
+    plan = _bert_mlm_2d_plan()
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == 4 * 2 + 2 + 2 + 1 and counts["total"] == counts["all_reduce"]
+    assert all(p == Replicate() for p in weights(plan)["transform.weight"])
+
+
+@pytest.mark.slow
+def test_bert_mlm_2d_mesh_alpa_layout_is_dearer():
+    """Alpa's layout for the head, pinned: 14 all-reduces and nothing else, dearer than
+    the ILP's own plan in Alpa's units."""
+    R = ("R", "R")
+    alpa = _bert_mlm_2d_plan(pin=((r"transform\.weight", R), (r"(position|token_type)\.weight", R)))
+    counts = communication(alpa, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == counts["total"] == 14, counts
+    assert _bert_mlm_2d_plan().estimates["objective"] < alpa.estimates["objective"]
+
+
+@functools.cache
+def _zero2_plan(case, shape):
+    """Alpa's ``prefer_reduce_scatter`` on a data-parallel plan is ZeRO-2 (its MLP test
+    says so with ``Zero2Parallel``): gradients reduce-scattered, parameters gathered."""
+    if case == "bert":
+        factory = functools.partial(BertLayers, 2, 32, 8)
+        batch, loss = bert_inputs(64, 64, 32), mse
+    else:
+        factory = functools.partial(BertMLM, 2, 16, 4, 128, 32)
+        batch, loss = mlm_inputs(32, 32), mlm_loss
+    plan, mesh = plan_of(factory, batch, loss, shape=shape, method=Zero2Parallel,
+                         all_reduce_threshold=MERGE_ALL)
+    with torch.device("meta"):
+        model = factory()
+    return model, plan, mesh
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_bert_layer_data_parallel_reduce_scatter(axis, shape):
+    """Alpa's test_bert_layer_data_parallel_reduce_scatter, the assertions that hold: the
+    data-parallel objective (153,279 against 152,472), one reduce-scatter, no all-reduce,
+    every parameter (and so its optimizer states) sharded. The all-gather count is
+    ``..._all_gathers``."""
+    model, plan, mesh = _zero2_plan("bert", shape)
+    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, axis))
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert (counts["reduce_scatter"], counts["all_reduce"]) == (1, 0), counts
+    for name, placements in weights(plan).items():
+        assert placements[axis] == Shard(0), (name, placements)
+
+
+ZERO2_REGATHER = ("the layer norms' weights and biases are gathered again in backward, a "
+                  "second phase of all-gathers where Alpa gathers once: parameter reads "
+                  "are never priced as shared (passes/sharding/shared_reshard.py read_key, right for "
+                  "ZeRO-3, not for ZeRO-2)")
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=ZERO2_REGATHER)
+def test_bert_layer_data_parallel_reduce_scatter_all_gathers():
+    _, plan, _ = _zero2_plan("bert", (4, 1))
+    assert communication(plan, ignore_scalar_all_reduce=True)["all_gather"] == 1
+
+
+@pytest.mark.slow
+def test_bert_mlm_data_parallel_reduce_scatter():
+    """Alpa's test_bert_mlm_data_parallel_reduce_scatter, what holds: one reduce-scatter,
+    the optimizer states sharded (ours shards every parameter, the token-type table on its
+    hidden dim; Alpa leaves one whole); the rest is ``..._alpa``."""
+    _, plan, _ = _zero2_plan("mlm", (4, 1))
+    assert communication(plan, ignore_scalar_all_reduce=True)["reduce_scatter"] == 1
+    assert all(placements[0] != Replicate() for placements in weights(plan).values())
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="objective 64,511 against 57,730 (+11.7%) and 2 "
+                   "all-gathers and no all-reduce where Alpa has 1 and 1: the tied word "
+                   "embedding is gathered twice in forward (6,145 units; parameter reads "
+                   "are never priced as shared), " + ZERO2_REGATHER + "; and the token-type "
+                   "table is sharded on its hidden dim, where Alpa all-reduces it whole")
+def test_bert_mlm_data_parallel_reduce_scatter_alpa():
+    model, plan, mesh = _zero2_plan("mlm", (4, 1))
+    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, 0))
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert (counts["all_gather"], counts["all_reduce"]) == (1, 1), counts
 
 
 def _tied_embedding_case(head="matmul"):
@@ -443,7 +720,9 @@ def test_moe_layer(axis, shape):
     assert counts["total"] == counts["all_reduce"] + counts["all_to_all"], counts
 
 
-MOE_2D = dict(allow_mixed_mesh_shape=True, allow_all_gather=False)
+# Alpa's test_moe_layer_2d options, and the batch on axis 0 that Alpa sets by itself on a
+# 2D mesh (its batch filter keeps the mixed split over both axes: ours too)
+MOE_2D = dict(allow_mixed_mesh_shape=True, allow_all_gather=False, force_batch_dim_to_mesh_dim=0)
 
 
 @pytest.mark.slow
@@ -457,13 +736,13 @@ def test_moe_layer_2d():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="9 all-reduces (objective 863,150) where Alpa has 2: "
-                   "Alpa's layout, pinned, has its 2 and costs 1,454,114; ours splits the "
-                   "experts over all 4 devices and all-reduces small gating values instead "
-                   "(test_moe_layer_2d_alpa_layout_and_ours; issue 14, item 8)")
 def test_moe_layer_2d_all_reduces():
+    """Alpa's 2 all-reduces: one for the experts' gradients, one for the others' (our
+    loss's 4-byte all-reduces left out: Alpa's step returns no loss). Without the batch
+    on axis 0 (Alpa sets it on 2D meshes; the port used to leave it out) the plan split
+    the experts over all 4 devices: 863,150 with 9 all-reduces."""
     plan, _ = _moe_layer_plan((2, 2), **MOE_2D)
-    assert communication(plan)["all_reduce"] == 2
+    assert communication(plan, ignore_scalar_all_reduce=True)["all_reduce"] == 2
 
 
 # -- test_mixed_2d.py -----------------------------------------------------------------------
@@ -543,13 +822,12 @@ def test_moe_layer_2d_alpa_layout_and_ours():
     """Alpa's layout, pinned, holds Alpa's counts (2 all-reduces, 4 all-to-alls) once the
     tokens split over both axes reach experts on the inner axis by one all-to-all (it took
     an all-gather, forbidden here, so that layout was infeasible and the ILP settled for
-    1,667,741). The ILP's own plan is cheaper still: the 16 experts split over all 4
-    devices, so no expert gradient is all-reduced; its extra all-reduces are the gating's
-    small ones. Alpa's count of 2 all-reduces is that of a dearer layout."""
+    1,667,741). The ILP's own plan in Alpa's space has the same experts' layout and counts
+    and costs less (1,444,770 against 1,454,114)."""
     ours, _ = _moe_layer_plan((2, 2), **MOE_2D)
     alpa, _ = _moe_layer_plan((2, 2), **MOE_2D, pin=_alpa_moe_2d_layout())
     counts = communication(alpa, ignore_scalar_all_reduce=True)
     assert (counts["all_reduce"], counts["all_to_all"], counts["total"]) == (2, 4, 6), counts
-    assert ours.estimates["objective"] < alpa.estimates["objective"]
-    assert weights(ours)["moe.wi"] == (Shard(0), Shard(0))
+    assert ours.estimates["objective"] <= alpa.estimates["objective"]
+    assert weights(ours)["moe.wi"] == (Replicate(), Shard(0))
     assert communication(ours)["all_gather"] == 0

@@ -310,14 +310,17 @@ def _planned(spelling: Spelling, mesh: str) -> Planned:
 STRIDED_2D = ("a (3, H)-major fused weight splits by heads only as a strided shard, which "
               "may not share its dim with another axis's split (strategies._strided_alone: "
               "the runtime lays out no nested strided shard), so its rows cannot be split "
-              "over both axes as the separate weights are")
+              "over both axes as the separate weights are (measured: 2,914 against 2,402 for separate "
+              "q, k, v on 2x2, all three spellings)")
 INDEX = ("y.view(B, S, 3, H)[:, :, i] traces as select on the pieces dim and, in backward, as "
          "where(index == i, grad, 0) over the (B, S, 3, H) view; frontends/piece_views.py "
          "writes the unbind spelling as a split of the fused dim but not this one, so H stays "
-         "a minor factor of 3H that cannot be split (heads)")
+         "a minor factor of 3H that cannot be split (heads); measured: 15,949 against 6,145 for "
+         "separate q, k, v on 1D 4, 7,820 against 2,402 on 2x2")
 BMM = ("the model's own reshape to (B * nh, S, hd) merges batch and heads into one dim that "
        "splits only by its leading factor (batch); nothing lifts reshape -> bmm -> reshape "
-       "back to torchalpa::batched_matmul, so heads cannot be split")
+       "back to torchalpa::batched_matmul, so heads cannot be split; measured: 15,953 against "
+       "6,145 for 4D matmuls on 1D 4, 6,398 against 2,402 on 2x2")
 TIE = ("not a worse plan: the same objective (7,996.2), but the second bias is (R, S(0)) where "
        "nn.Linear's is (R, R); pinning either layout in the other spelling gives the same "
        "objective, a tie the solver breaks by the graph's node order (x @ w.T + b adds the bias "

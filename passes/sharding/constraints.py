@@ -24,11 +24,25 @@ __all__ = ["apply_constraints"]
 
 
 def _batch_sharded(s: Strategy, axis: int, mesh: LogicalMesh) -> bool:
-    """Dim 0 split over ``axis`` (-1: every axis); an axis of size 1 splits nothing, so
-    any layout satisfies it there."""
+    """Dim 0 split over ``axis`` (-1: every axis) and over no other axis (Alpa maps the
+    batch dim to that mesh dim alone: on a (1, 4) mesh with axis 0 the batch stays whole);
+    an axis of size 1 splits nothing, so any layout satisfies it there."""
     layout = s.outputs[0]
     axes = range(len(layout)) if axis == -1 else [axis]
-    return all(layout[a] == Shard(0) or mesh.shape[a] == 1 for a in axes)
+    return all(layout[a] == Shard(0) or mesh.shape[a] == 1 for a in axes) and \
+        not _split_elsewhere(layout, 0, axes, mesh)
+
+
+def _split_elsewhere(layout, d: int, axes, mesh: LogicalMesh) -> bool:
+    """Dim ``d`` also split over a mesh axis outside ``axes``, other than by the mixed
+    layout that splits it over every axis of a mesh whose forced axis has devices (Alpa's
+    1D split of a 2D mesh, which its batch filter keeps: the 1D mesh is the forced axis)."""
+    others = [a for a in range(len(layout)) if a not in axes and layout[a] == Shard(d)]
+    if not others:
+        return False
+    flattened = all(mesh.shape[a] > 1 for a in axes) and \
+        all(layout[a] == Shard(d) for a in range(len(layout)) if mesh.shape[a] > 1)
+    return not flattened
 
 
 def _fully_sharded(s: Strategy, mesh: LogicalMesh) -> bool:
@@ -70,15 +84,17 @@ def batch_dims(graph: OpGraph) -> dict[tuple[str, int], set[int]]:
 
 
 def _keeps_batch(s: Strategy, node, carries, axes, mesh: LogicalMesh) -> bool:
-    """Every operand and result that carries the batch has it split over ``axes`` (an
-    operand too: a weight gradient contracts the batch, and reads it split, so it sums
-    partial gradients rather than regathering activations)."""
+    """Every operand and result that carries the batch has it split over ``axes`` and over
+    no other axis (an operand too: a weight gradient contracts the batch, and reads it
+    split, so it sums partial gradients rather than regathering activations)."""
     layouts = [(layout, carries.get((ref.node, ref.index), ()))
                for layout, ref in zip(s.inputs, node.operands) if layout is not None]
     layouts += [(layout, carries.get((node.name, j), ())) for j, layout in enumerate(s.outputs)]
     for layout, dims in layouts:
         for d in dims:
             if any(layout[a] != Shard(d) and mesh.shape[a] > 1 for a in axes):
+                return False
+            if _split_elsewhere(layout, d, axes, mesh):
                 return False
     return True
 

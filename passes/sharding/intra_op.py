@@ -445,7 +445,8 @@ def effective_option(option: AutoShardingOption, mesh: LogicalMesh
                          allow_all_to_all=False)
     if not option.enable_auto_sharding:   # whole unless pinned, and whole work allowed
         option = replace(option, allow_recompute_heavy_op=True, parameters=(
-            "replicated" if option.parameters == "auto" else option.parameters))
+            "replicated" if option.parameters == "auto" and option.allow_replicated_parameters
+            else option.parameters))
     return option, mesh
 
 

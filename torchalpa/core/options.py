@@ -202,6 +202,30 @@ class AutoShardingOption:
                                  f"got {getattr(self, name)}")
         if self.gap is not None and not 0 <= self.gap < 1:
             raise ValueError(f"AutoShardingOption.gap must be in [0, 1), got {self.gap}")
+        self._check_parameter_options()
+
+    def _check_parameter_options(self):
+        if self.parameters == "replicated" and not self.allow_replicated_parameters:
+            raise ValueError("AutoShardingOption: parameters='replicated' keeps every "
+                             "parameter whole, allow_replicated_parameters=False forbids "
+                             "that; drop one of the two")
+
+
+def check_method_option(option: AutoShardingOption) -> None:
+    """A method's option combinations that contradict themselves (each error names both
+    knobs). Checked where a method is made, not on every ``replace`` of an option (the
+    stage search tries sharded parameters on the options it is given)."""
+    if option.parameters == "sharded" and option.force_data_parallel:
+        raise ValueError("AutoShardingOption: force_data_parallel=True keeps every parameter "
+                         "whole (Alpa's data parallelism), parameters='sharded' splits them; "
+                         "use Zero2Parallel / Zero3Parallel for sharded parameters, or drop "
+                         "one of the two")
+    if option.parameters == "sharded" and not option.allow_all_gather \
+            and option.force_batch_dim_to_mesh_dim == -1:
+        raise ValueError("AutoShardingOption: parameters='sharded' with the batch split over "
+                         "every mesh axis (force_batch_dim_to_mesh_dim=-1) gathers each "
+                         "parameter where it is used, allow_all_gather=False forbids "
+                         "all-gathers; allow them, or keep parameters 'auto'")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -242,6 +266,7 @@ class ShardParallel:
                 or self.num_micro_batches < 1:
             raise ValueError(f"ShardParallel.num_micro_batches must be a positive int, "
                              f"got {self.num_micro_batches!r}")
+        check_method_option(self.auto_sharding_option)
         if self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"ShardParallel.optimizer must be one of "
                              f"{sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
