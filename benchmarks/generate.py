@@ -85,7 +85,7 @@ def worker(a) -> None:
         tokens = pm.generate(ids, max_new_tokens=a.new)
         record = {"ours": ours, "build_s": built, "mesh": list(pm.plan.mesh_shape),
                   "cache": sorted({str(t.placements) for t in pm.kv_cache().values()}),
-                  "est_ms_per_token": pm.plan.estimates["token_latency_s"] * 1e3}
+                  "est_ms_per_token": pm.plan.estimates.token_latency_s * 1e3}
         hf_ids = ids.to(device)
 
         def hf(n, m=twin):

@@ -22,6 +22,7 @@ from torchalpa.core.schedules import SCHEDULES, in_flight, simulate
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.memory import in_flight_bytes
 from torchalpa.passes.pricing_memo import PricingMemo
+from torchalpa.passes.search_keys import PlanKey
 from torchalpa.passes.stage_jobs import cpu_workers, fork_map
 from torchalpa.passes.stage_remat import (
     FORWARD_SHARE,
@@ -99,7 +100,7 @@ def _stage_plans(stages: list, requests: list[StageRequest], flights: list[int],
         lean = option is not None and option.parameters == "sharded"
         if option is not None and not lean:
             continue
-        plan = known.get((k, i, submesh, view, lean, flights[s], recompute[s]))
+        plan = known.get(PlanKey(k, i, submesh, view, lean, flights[s], recompute[s]))
         if plan is not None and plan.graph_fingerprint == requests[s].graph.fingerprint():
             plans[s] = plan
         elif donor is not None:
@@ -148,9 +149,9 @@ def pipeline_estimates(stages: list[StagePlan], transfers: list[Transfer],
     link = cluster.inter_node_bandwidth if cluster.num_nodes > 1 else cluster.intra_node_bandwidth
     # what a stage pays once per step (its gradients' final resharding, the optimizer)
     # runs after its last backward, not with every micro-batch
-    once_s = [s.plan.estimates.get("once_per_step_s") or 0.0 for s in stages]
+    once_s = [s.plan.estimates.once_per_step_s or 0.0 for s in stages]
     step = list(stage_seconds) if stage_seconds is not None else \
-        [s.plan.estimates["step_time_s"] - o for s, o in zip(stages, once_s)]
+        [s.plan.estimates.step_time_s - o for s, o in zip(stages, once_s)]
     forward = [t * FORWARD_SHARE for t in step]   # backward is about twice forward's work
     # a recomputed stage runs its forward again in backward
     backward = [t - f + (f if s.recompute else 0.0) for t, f, s in zip(step, forward, stages)]
@@ -164,10 +165,10 @@ def pipeline_estimates(stages: list[StagePlan], transfers: list[Transfer],
     once = sum(t.bytes for t in transfers if t.once_per_step) / link
     total = max(max(e for _, _, _, e in stage) + o for stage, o in zip(timeline, once_s)) + once
     memory = [(recompute_memory if s.recompute else in_flight_bytes)(
-        s.plan.estimates["model_state_bytes_per_device"],
-        s.plan.estimates["activation_bytes_per_device"],
+        s.plan.estimates.model_state_bytes_per_device,
+        s.plan.estimates.activation_bytes_per_device,
         (received or [0.0] * S)[n] if s.recompute else
-        s.plan.estimates["saved_activation_bytes_per_device"],
+        s.plan.estimates.saved_activation_bytes_per_device,
         in_flight(schedule[n])) for n, s in enumerate(stages)]
     budget = method.auto_sharding_option.memory_budget_per_device or cluster.memory_per_device
     return Estimates(step_time_s=total, max_stage_s=max(step), stage_step_s=step,
@@ -192,10 +193,10 @@ def fastest_of(plan: PipelinePlan, alternatives: list[list[tuple]],
             candidate = assemble(alternative)
         except (InfeasibleError, ValueError):
             continue
-        if candidate.estimates["step_time_s"] < best.estimates["step_time_s"]:
+        if candidate.estimates.step_time_s < best.estimates.step_time_s:
             best = candidate
     if best is not plan:
         log.info("pipeline search: a uniform partition priced exactly simulates faster "
-                 "(%.6g s) than the DP's answer (%.6g s): taken", best.estimates["step_time_s"],
-                 plan.estimates["step_time_s"])
+                 "(%.6g s) than the DP's answer (%.6g s): taken", best.estimates.step_time_s,
+                 plan.estimates.step_time_s)
     return best

@@ -64,7 +64,7 @@ def communication(plan, *, ignore_scalar_all_reduce=False, merged_gradients=True
     ``merged_gradients``, the gradient all-reduces of one bucket count once (XLA's
     all-reduce combiner; the plan's ``gradient_buckets``); collectives on a mesh axis of
     size 1 move nothing and are not counted."""
-    buckets = plan.estimates.get("gradient_buckets") if merged_gradients else None
+    buckets = plan.estimates.gradient_buckets if merged_gradients else None
     in_bucket = {k for b in buckets or () for k in b["collectives"]}
     counts: Counter = Counter()
     for k, c in enumerate(plan.collectives):

@@ -20,7 +20,6 @@ import torch.nn as nn
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import Inference
 from torchalpa.core.plan import Plan
-from torchalpa.core.plan_records import Estimates
 from torchalpa.core.progress import step as progress_step
 from torchalpa.core.units import format_bytes
 from torchalpa.models.cached_step import CachedStep, decoder_for, is_cache_name
@@ -134,16 +133,16 @@ def serving_plan(decode: Plan, prefill: Plan, graph: OpGraph, step: CachedStep,
     names = [v.name for v in decode.parameters]
     cache = local_bytes(graph, decode, [n for n in names if is_cache_name(n)])
     weights = local_bytes(graph, decode, [n for n in names if not is_cache_name(n)])
-    latency = decode.estimates["step_time_s"]
-    estimates = Estimates.from_dict(dict(
+    latency = decode.estimates.step_time_s
+    estimates = replace(
         decode.estimates, weight_bytes_per_device=weights, kv_cache_bytes_per_device=cache,
         token_latency_s=latency, tokens_per_s=step.batch_size / latency,
-        prefill_time_s=prefill.estimates.get("step_time_s")))
+        prefill_time_s=prefill.estimates.step_time_s)
     note = (f"generation: a cache of {step.batch_size} sequences x {step.max_context} tokens; "
             f"per device {format_bytes(weights)} of weights + {format_bytes(cache)} of cache; "
             f"est {latency * 1e3:.3g} ms per token ({step.batch_size / latency:.4g} tokens/s), "
             f"prefill of {prompt_length} tokens "
-            f"{prefill.estimates.get('step_time_s', float('nan')) * 1e3:.3g} ms")
+            f"{(prefill.estimates.step_time_s or float('nan')) * 1e3:.3g} ms")
     log.info(note)
     return replace(decode, mode="inference", estimates=estimates, notes=decode.notes + (note,))
 
