@@ -11,7 +11,7 @@ NETNS  := ../shared/tools/netns_bytes.sh
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,lint]'
-	@# torchvision for the model suite, kept off the path (torchalpa.models.suite explains)
+	@# torchvision for the model suite, kept off the path (torchalpa.suite.cases explains)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
 		-c constraints.txt --target $(VENV)/torchvision torchvision
 	@rm -f $(VENV)/.installed-* && touch $@

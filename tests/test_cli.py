@@ -81,7 +81,7 @@ def test_a_model_from_a_file_path_and_bad_callables_are_named(capsys, tmp_path):
 
 
 def test_coverage_of_suite_cases_prints_the_table(capsys):
-    """``--hf`` runs every case of torchalpa.models.suite; ``suite:NAME`` picks some. Swin
+    """``--hf`` runs every case of torchalpa.suite.cases; ``suite:NAME`` picks some. Swin
     captures (its relative position bias goes through the device-neutral attention op) and,
     its pooling's strided views read as reshapes, has a rule for every op; an op without
     one is named in its row and fails the command."""

@@ -49,7 +49,7 @@ def _left_padded(rows: int = 3, length: int = 6):
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_zoo_cached_forward_continues_the_full_forward(kind):
-    from torchalpa.models.hf_twins import hf_twin
+    from torchalpa.suite.hf_twins import hf_twin
     model = _zoo(kind)
     twin = hf_twin(model).eval()
     ids, mask = _left_padded()

@@ -329,7 +329,7 @@ def _add_coverage(commands) -> None:
                           help="a zoo family or module:callable (repeatable; default: the zoo)")
     coverage.add_argument("--hf", action="store_true",
                           help="the suite of transformers architectures and PyTorch idioms "
-                               "(torchalpa.models.suite), with a summary table")
+                               "(torchalpa.suite.cases), with a summary table")
     coverage.set_defaults(run=_coverage)
 
 
@@ -380,7 +380,7 @@ def _coverage(args) -> int:
 
     names = list(args.model or ())
     if args.hf:
-        from torchalpa.models.suite import SUITE
+        from torchalpa.suite.cases import SUITE
         names += [f"suite:{name}" for name in SUITE]
     names = names or sorted(zoo_module().FAMILIES)
     failed = False
@@ -428,7 +428,7 @@ def _build_for_coverage(make):
 
 
 def _print_suite_table(rows: list[tuple[str, str, str]]) -> None:
-    from torchalpa.models.suite import SUITE
+    from torchalpa.suite.cases import SUITE
     print("\nmodel                  family           capture   notes")
     for name, status, notes in rows:
         case = SUITE.get(name.partition(":")[2])

@@ -539,7 +539,7 @@ class Inference:
     ``(batch, kv heads, max_context, head dim)`` key and value tensor per layer, allocated
     once as this rank's blocks in the planned layouts, so the decode step is one program
     of fixed shapes. ``batch`` is the example inputs' batch; generation takes any batch up
-    to it (``torchalpa/models/cached_step.py`` says which models, ``runtime/serving.py``
+    to it (``torchalpa/parallel/cached_step.py`` says which models, ``runtime/serving.py``
     how a call runs).
     """
 

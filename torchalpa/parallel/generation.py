@@ -1,6 +1,6 @@
 """The pieces ``torchalpa.parallel.build`` assembles for ``mode="inference"``.
 
-A causal LM and its static KV cache become one module (``models/cached_step.py``); its
+A causal LM and its static KV cache become one module (``parallel/cached_step.py``); its
 decode step (one token per sequence) and its prefill (a prompt) are captured as
 forward-only steps, with the cache among the state they read and write
 (``capture_forward``); the decode step is planned like any step, each prefill with the
@@ -22,7 +22,7 @@ from torchalpa.core.options import Inference
 from torchalpa.core.plan import Plan
 from torchalpa.core.progress import step as progress_step
 from torchalpa.core.units import format_bytes
-from torchalpa.models.cached_step import CachedStep, decoder_for, is_cache_name
+from torchalpa.parallel.cached_step import CachedStep, decoder_for, is_cache_name
 from torchalpa.passes.inplace_pricing import IN_PLACE
 
 __all__ = ["check_generation_options", "prompt_shape", "cached_step", "capture_generation_step",
@@ -104,7 +104,7 @@ def capture_generation_step(step: CachedStep, length: int):
     if unwritten:
         raise RuntimeError(f"the captured {what} does not write the cache buffers "
                            f"{unwritten[:4]}: the model did not use the static cache it was "
-                           "given (torchalpa/models/cached_step.py)")
+                           "given (torchalpa/parallel/cached_step.py)")
     # the runtime writes the cache where it lies (runtime.serving.write_cache_in_place)
     captured.graph.meta[IN_PLACE] = tuple(step.cache_names())
     return captured
