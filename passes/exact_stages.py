@@ -21,6 +21,7 @@ from dataclasses import replace
 from torchalpa.core.cluster import Submesh, View
 from torchalpa.core.options import AutoShardingOption
 from torchalpa.core.plan import Plan
+from torchalpa.core.plan_records import known
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.layer_cache import SolveCache
 from torchalpa.passes.layer_costs import micro_batch_seconds
@@ -192,8 +193,9 @@ class ExactStages:
                     or self.problem.range_shape(key.first, key.last) != shape:
                 continue
             e = plan.estimates
-            memory = (e.model_state_bytes_per_device, e.activation_bytes_per_device,
-                      e.saved_activation_bytes_per_device)
+            memory = (known(e.model_state_bytes_per_device),
+                      known(e.activation_bytes_per_device),
+                      known(e.saved_activation_bytes_per_device))
             if key.in_flight < flight and not self._fits(memory, k, i, flight, recompute):
                 continue
             moved = transplant(plan, self.problem.stage_graph(key.first, key.last), request.graph,
@@ -329,6 +331,6 @@ class ExactStages:
                                      received is not None)] = plan
             e = plan.estimates
             return micro_batch_seconds(e, method.num_micro_batches), lean, (
-                e.model_state_bytes_per_device, e.activation_bytes_per_device,
-                e.saved_activation_bytes_per_device)
+                known(e.model_state_bytes_per_device), known(e.activation_bytes_per_device),
+                known(e.saved_activation_bytes_per_device))
         return None, False, None

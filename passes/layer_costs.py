@@ -26,7 +26,7 @@ from torchalpa.core.cluster import LogicalMesh, Submesh, View
 from torchalpa.core.opgraph import GraphOutputs, OpGraph
 from torchalpa.core.options import ShardParallel
 from torchalpa.core.plan import Plan
-from torchalpa.core.plan_records import Estimates
+from torchalpa.core.plan_records import Estimates, known
 from torchalpa.passes.ilp import InfeasibleError
 from torchalpa.passes.intra_op import plan_intra_op
 from torchalpa.passes.layer_cache import SolveCache
@@ -59,7 +59,7 @@ def micro_batch_seconds(estimates: Estimates, num_micro_batches: int) -> float:
     objective (the sum of the stages' latencies plus ``B - 1`` times the slowest) counts
     those once, not ``B`` times."""
     once = estimates.once_per_step_s or 0.0
-    return estimates.step_time_s - once + once / num_micro_batches
+    return known(estimates.step_time_s) - once + once / num_micro_batches
 
 
 def estimate_of(plan: Plan | None, num_micro_batches: int) -> Estimate | None:
@@ -69,8 +69,8 @@ def estimate_of(plan: Plan | None, num_micro_batches: int) -> Estimate | None:
         return None
     e = plan.estimates
     return Estimate(micro_batch_seconds(e, num_micro_batches),
-                    e.model_state_bytes_per_device, e.activation_bytes_per_device,
-                    e.saved_activation_bytes_per_device)
+                    known(e.model_state_bytes_per_device), known(e.activation_bytes_per_device),
+                    known(e.saved_activation_bytes_per_device))
 
 
 def stage_memory(parts: list[Estimate], in_flight_batches: int) -> float:

@@ -29,7 +29,7 @@ from torchalpa.core.plan import (
     ValuePlacement,
     state_read_once,
 )
-from torchalpa.core.plan_records import Estimates, Explanation, LayoutCost
+from torchalpa.core.plan_records import Estimates, Explanation, LayoutCost, known
 from torchalpa.passes.attention_price import saved_statistics
 from torchalpa.passes.cost import (
     batch_sync_cost,
@@ -343,8 +343,8 @@ def merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
         sum((len(b["tensors"]) - 1) * mesh.alpha[b["axis"]] for b in buckets)
     e = plan.estimates
     return replace_estimates(plan, gradient_buckets=buckets,
-                             step_time_s=e.step_time_s - saved,
-                             communication_s=e.communication_s - saved)
+                             step_time_s=known(e.step_time_s) - saved,
+                             communication_s=known(e.communication_s) - saved)
 
 
 def _gradient_values(graph: OpGraph) -> set[tuple[str, int]]:

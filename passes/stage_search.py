@@ -86,13 +86,14 @@ class VariantTable:
         # a variant's additive estimate does not change between rounds (only ``priced``)
         self._additive: dict[tuple[Key, bool], dict[tuple[View, bool],
                                                     tuple[float, Variant]]] = {}
-        self.choice: dict[Key, tuple[tuple, bool] | None] = {}    # key -> (picked, exact?)
+        # key -> (picked, exact?): an exact variant's Chosen, else the additive Variant
+        self.choice: dict[Key, tuple[Variant | Chosen, bool] | None] = {}
 
     def cost(self, key: Key, guess: bool = True) -> float:
         """A stage's latency: its cheapest variant, exact where it was priced so, else the
         per-layer sum or, with ``guess``, the optimistic estimate (a stage the sum calls
         too big, to be priced exactly if the DP picks it). Records the variant taken."""
-        best: tuple[float, tuple[tuple, bool] | None] = (math.inf, None)
+        best: tuple[float, tuple[Variant | Chosen, bool] | None] = (math.inf, None)
         priced = self.priced.get(key, {})
         for variant, (latency, chosen) in self._additive_of(key, guess).items():
             if variant not in priced and latency < best[0]:
@@ -118,7 +119,7 @@ class VariantTable:
         self.priced.setdefault(key, {})[view, recompute] = (
             latency, Chosen(view, option, recompute) if math.isfinite(latency) else None)
 
-    def picked(self, key: Key) -> tuple[tuple, bool]:
+    def picked(self, key: Key) -> tuple[Variant | Chosen, bool]:
         """The variant the DP took for ``key`` and whether it is exact."""
         picked = self.choice[key]
         assert picked is not None, "the DP chose a stage with no plan"
@@ -230,8 +231,13 @@ class StageSearch:
 
     def _inexact_picks(self, solution: PipelineSolution) -> list[Pick]:
         """The stages of ``solution`` whose variant is not priced exactly yet."""
-        return [(key, picked) for key in self._keys(solution)
-                for picked, is_exact in [self.table.picked(key)] if not is_exact]
+        out: list[Pick] = []
+        for key in self._keys(solution):
+            picked, is_exact = self.table.picked(key)
+            if not is_exact:
+                assert isinstance(picked, Variant)     # additive: a Variant; exact: a Chosen
+                out.append((key, picked))
+        return out
 
     def _price(self, picks: list[Pick], budget: float | None, jobs: StageJobs) -> None:
         """Price ``picks`` exactly (solves within ``budget`` seconds each, if given)."""
@@ -314,10 +320,11 @@ class StageSearch:
     def _chosen(self, solution: PipelineSolution) -> list[Chosen]:
         """How each stage of ``solution`` is planned: its exact variant's, or, where the
         DP ran on measured times, its additive variant's (view, option, recompute)."""
-        stages = []
+        stages: list[Chosen] = []
         for key in self._keys(solution):
             picked, is_exact = self.table.picked(key)
             if is_exact:
+                assert isinstance(picked, Chosen)
                 stages.append(picked)
             else:
                 view, lean, recompute = picked

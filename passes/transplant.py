@@ -19,6 +19,7 @@ from dataclasses import replace
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.plan import Plan
+from torchalpa.core.plan_records import known
 from torchalpa.passes.pricing_memo import PricingMemo
 from torchalpa.passes.strategies import Strategy
 
@@ -72,7 +73,7 @@ def transplant(plan: Plan, donor: OpGraph, graph: OpGraph, mesh: LogicalMesh, me
         chosen[node.name] = found
     moved = merge_gradient_all_reduces(
         assemble_plan(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
-    was, now = plan.estimates.step_time_s, moved.estimates.step_time_s
+    was, now = known(plan.estimates.step_time_s), known(moved.estimates.step_time_s)
     if not math.isclose(was, now, rel_tol=1e-9, abs_tol=1e-15):
         return None
     e = plan.estimates

@@ -15,10 +15,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["Estimates", "Explanation", "LayoutCost", "explanations_from_dict",
-           "explanations_to_dict"]
+           "explanations_to_dict", "known"]
+
+T = TypeVar("T")
+
+
+def known(value: T | None) -> T:
+    """An estimate the planner that made the record always sets (an intra-op plan's step
+    time and memory, read by the passes that combine plans): the value, never None."""
+    if value is None:
+        raise ValueError("a plan's estimates lack a figure its planner always sets: the plan "
+                         "was made by another planner or edited; plan it again")
+    return value
 
 
 @dataclass(frozen=True)
@@ -81,7 +92,7 @@ class Estimates:
     """The prefill of a prompt of the example's length, on the same layouts."""
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> Estimates:
+    def from_dict(cls, d: Mapping[str, Any] | Estimates | None) -> Estimates:
         """The record of a plan file's ``estimates`` (or of a dict built in code)."""
         if isinstance(d, Estimates):
             return d

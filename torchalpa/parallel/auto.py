@@ -49,6 +49,7 @@ from torchalpa.core.choice_notes import CHOSEN, RUNNER_UP, TRIED, describe_candi
 from torchalpa.core.cluster import Cluster, LogicalMesh
 from torchalpa.core.options import AutoParallel, PipeshardParallel, ShardParallel
 from torchalpa.core.plan import PipelinePlan, Plan
+from torchalpa.core.plan_records import known
 from torchalpa.core.progress import step
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel.workflow import capture_examples, capture_step
@@ -298,11 +299,12 @@ class _Search:
                     progress.done = "does not fit"
                     continue
                 est = plan.estimates
-                self.attempts.append(Attempt(c, "planned", est.step_time_s,
+                step_s = known(est.step_time_s)
+                self.attempts.append(Attempt(c, "planned", step_s,
                                              est.memory_per_device_bytes,
                                              time.perf_counter() - start))
-                self.plans.append((est.step_time_s, plan, c))
-                progress.done = f"est {est.step_time_s:.4g} s/step"
+                self.plans.append((step_s, plan, c))
+                progress.done = f"est {step_s:.4g} s/step"
 
     def dominating(self, c: Candidate) -> Candidate | None:
         """A planned candidate of ``c``'s kind that fits with room to spare and whose plan

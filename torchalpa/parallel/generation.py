@@ -20,6 +20,7 @@ import torch.nn as nn
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import Inference
 from torchalpa.core.plan import Plan
+from torchalpa.core.plan_records import known
 from torchalpa.core.progress import step as progress_step
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel.cached_step import CachedStep, decoder_for, is_cache_name
@@ -133,7 +134,7 @@ def serving_plan(decode: Plan, prefill: Plan, graph: OpGraph, step: CachedStep,
     names = [v.name for v in decode.parameters]
     cache = local_bytes(graph, decode, [n for n in names if is_cache_name(n)])
     weights = local_bytes(graph, decode, [n for n in names if not is_cache_name(n)])
-    latency = decode.estimates.step_time_s
+    latency = known(decode.estimates.step_time_s)
     estimates = replace(
         decode.estimates, weight_bytes_per_device=weights, kv_cache_bytes_per_device=cache,
         token_latency_s=latency, tokens_per_s=step.batch_size / latency,

@@ -36,9 +36,10 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.fx import GraphModule
 
+    from torchalpa.runtime.inference import ForwardPrograms
     from torchalpa.runtime.programs import StepPrograms
 
-__all__ = ["MethodSteps", "MethodResolver", "GenerationSteps", "ProgramSteps", "Placed",
+__all__ = ["MethodSteps", "MethodResolver", "SearchTarget", "GenerationSteps", "ProgramSteps", "Placed",
            "PlacedForward", "ConcreteMethod", "AnyPlan"]
 
 ConcreteMethod = ShardParallel | PipeshardParallel
@@ -62,7 +63,7 @@ class Placed:
     stage: int = 0
     runner_options: dict = field(default_factory=dict)
     """Keywords of ``StepRunner`` beyond the program and the micro-batch count."""
-    forward_programs: object = None
+    forward_programs: ForwardPrograms | None = None
     """Forward-only programs (predict, eval), or None where the method has none."""
     description: str = ""
     """One line for the log: what this rank runs."""
@@ -128,6 +129,14 @@ class MethodSteps(Protocol):
         ...
 
 
+class SearchTarget(Protocol):
+    """What a resolver's search plans for: at least the cluster, which the concrete
+    method's steps then plan the chosen method for."""
+
+    @property
+    def cluster(self) -> Cluster | LogicalMesh: ...
+
+
 class MethodResolver(Protocol):
     """A method that chooses a concrete one (``AutoParallel``): it searches, and the
     orchestration goes on with the plan's method (``core.options.method_of_plan``)."""
@@ -140,7 +149,7 @@ class MethodResolver(Protocol):
         ...
 
     def target(self, method: AutoParallel, *, cluster: Cluster | LogicalMesh | None,
-               mesh: DeviceMesh | None, world: int, live: bool) -> object:
+               mesh: DeviceMesh | None, world: int, live: bool) -> SearchTarget:
         """What the search plans for (``MethodSteps.target``)."""
         ...
 
