@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from worker_io import attempt, finish  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 from torchalpa.suite.cases import build_case  # noqa: E402
 
 STEPS = 3

@@ -11,7 +11,7 @@ import torchalpa.models as zoo
 from torchalpa.core.options import AutoLayerOption, ManualStageOption, PipeshardParallel
 from torchalpa.core.plan_records import Estimates
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes.inter_op import micro_batch_seconds, plan_pipeline
+from torchalpa.passes.pipeline_search.inter_op import micro_batch_seconds, plan_pipeline
 
 
 def _plan(graph, cluster, micro_batches: int):

@@ -108,7 +108,7 @@ def _add_plan(commands) -> None:
     p.add_argument("--out", metavar="PLAN.json", help="where to write the plan")
     p.add_argument("--detail", choices=("short", "full"), default="short",
                    help="full: every parameter, collective and candidate AutoParallel tried")
-    from torchalpa.cli.stablehlo import add_plan_options
+    from torchalpa.cli.stablehlo_commands import add_plan_options
     add_plan_options(p)
     p.add_argument("--html", metavar="PLAN.html", help="also write a picture of the plan")
     p.add_argument("--trace", metavar="TRACE.json",
@@ -119,7 +119,7 @@ def _add_plan(commands) -> None:
 
 def _plan(args) -> int:
     if args.stablehlo:
-        from torchalpa.cli.stablehlo import plan_stablehlo
+        from torchalpa.cli.stablehlo_commands import plan_stablehlo
         return plan_stablehlo(args)
     if not args.model or not args.out:
         raise ValueError("plan needs MODEL and --out PLAN.json (or --stablehlo FILE)")
@@ -440,7 +440,7 @@ def _print_suite_table(rows: list[tuple[str, str, str]]) -> None:
 
 
 def _add_export(commands) -> None:
-    from torchalpa.cli.stablehlo import add_export
+    from torchalpa.cli.stablehlo_commands import add_export
     add_export(commands)
 
 

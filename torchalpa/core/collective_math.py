@@ -1,5 +1,5 @@
 """Collective arithmetic, in one place: what one collective costs (Alpa's alpha-beta forms)
-and the bytes it puts on the wire. The cost model (``passes/cost.py``) prices with it, the
+and the bytes it puts on the wire. The cost model (``passes/pricing/cost.py``) prices with it, the
 views (``plan.summary()``, the pictures) report with it.
 
 For ``n`` ranks on a mesh axis with latency ``a`` and inverse bandwidth ``b``, where

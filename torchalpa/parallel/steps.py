@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.fx import GraphModule
 
-    from torchalpa.runtime.inference import ForwardPrograms
-    from torchalpa.runtime.programs import StepPrograms
+    from torchalpa.runtime.lowering.rank_programs import StepPrograms
+    from torchalpa.runtime.serving.inference import ForwardPrograms
 
 __all__ = ["MethodSteps", "MethodResolver", "SearchTarget", "GenerationSteps", "ProgramSteps", "Placed",
            "PlacedForward", "ConcreteMethod", "AnyPlan"]
@@ -52,7 +52,7 @@ class Placed:
     """This rank's part of a plan, ready to run: what ``MethodSteps.place`` returns."""
 
     program: StepPrograms
-    """The programs a step runs (``runtime.programs.StepPrograms``; ``compiled()`` gives
+    """The programs a step runs (``runtime.lowering.rank_programs.StepPrograms``; ``compiled()`` gives
     them under ``torch.compile``)."""
     mesh: DeviceMesh
     """This rank's DeviceMesh (its stage's, in a pipeline)."""
