@@ -11,7 +11,7 @@ NETNS  := ../shared/tools/netns_bytes.sh
 $(STAMP): setup.cfg pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test,lint]'
-	@# torchvision for the model suite, kept off the path (torchalpa.models.suite explains)
+	@# torchvision for the model suite, kept off the path (torchalpa.suite.cases explains)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --upgrade \
 		-c constraints.txt --target $(VENV)/torchvision torchvision
 	@rm -f $(VENV)/.installed-* && touch $@
@@ -26,9 +26,11 @@ demo: $(STAMP)
 	$(MAKE) --no-print-directory demo-pipeline
 
 # A GPT in pipeline stages on 4 gloo ranks (CPU), checked against single-device training.
+# Two stages forced: the stage search alone keeps this small GPT on CPU ranks in one stage
+# (the example prints why).
 demo-pipeline: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node=$(NPROC) \
-		examples/pipeline.py
+		examples/pipeline.py --stages 2
 
 # Lint: ruff (pyflakes + pycodestyle) over the tree, then basedpyright (basic mode) over the
 # package; both are configured in pyproject.toml. pyright cannot follow setup.cfg's

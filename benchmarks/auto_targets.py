@@ -75,7 +75,7 @@ def _choice(plan) -> str:
 
 
 def _estimate(plan) -> float | None:
-    return None if isinstance(plan, Exception) else plan.estimates["step_time_s"]
+    return None if isinstance(plan, Exception) else plan.estimates.step_time_s
 
 
 def report(name: str, plan, seconds: float, hand=None, hand_label: str = "") -> None:

@@ -63,7 +63,7 @@ def step(graph, method, cluster) -> float:
     from torchalpa.parallel.shard import candidate_meshes
     try:
         return plan_graph(graph, method=method, meshes=candidate_meshes(cluster, method),
-                          blocks=graph.meta.get("repeated_blocks")).estimates["step_time_s"]
+                          blocks=graph.meta.get("repeated_blocks")).estimates.step_time_s
     except InfeasibleError:
         return float("inf")
 

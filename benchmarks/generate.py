@@ -10,7 +10,7 @@ For each system: ``t(n)``, the median seconds of ``generate(max_new_tokens=n)`` 
 ``--repeats`` calls (greedy, ``--batch`` prompts of ``--prompt`` tokens), and ``t(1)``;
 tokens/s is ``batch * n / t(n)`` (prefill included) and the time per token
 ``(t(n) - t(1)) / (n - 1)`` (one decode step for the whole batch). The HuggingFace side
-runs the model's HuggingFace twin (``torchalpa/models/hf_twins.py``: the same weights,
+runs the model's HuggingFace twin (``torchalpa/suite/hf_twins.py``: the same weights,
 the same logits; its tokens are checked equal to torchalpa's) with its own dynamic KV
 cache. Each rank runs one thread (as torchrun gives it); on a 2-core machine 4 ranks
 share 2 cores, so CPU figures there say more about overheads than about scaling. On a GPU
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torchalpa  # noqa: E402
 from torchalpa.models import GPT, GPTConfig, Llama, LlamaConfig  # noqa: E402
-from torchalpa.models.hf_twins import hf_twin  # noqa: E402
+from torchalpa.suite.hf_twins import hf_twin  # noqa: E402
 
 
 def build(kind: str, a) -> torch.nn.Module:
@@ -85,7 +85,7 @@ def worker(a) -> None:
         tokens = pm.generate(ids, max_new_tokens=a.new)
         record = {"ours": ours, "build_s": built, "mesh": list(pm.plan.mesh_shape),
                   "cache": sorted({str(t.placements) for t in pm.kv_cache().values()}),
-                  "est_ms_per_token": pm.plan.estimates["token_latency_s"] * 1e3}
+                  "est_ms_per_token": pm.plan.estimates.token_latency_s * 1e3}
         hf_ids = ids.to(device)
 
         def hf(n, m=twin):

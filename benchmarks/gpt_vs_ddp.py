@@ -126,7 +126,7 @@ def worker(args):
                 step.loss = pm.train_step(x, y).item()  # noqa: F821 (the closure names itself)
             extra = {"setup_s": setup,
                      "plan": describe_plan(pm.plan, pm.collectives_per_step(train_step=True)),
-                     "planned_wire_bytes_per_step": pm.plan.estimates["wire_bytes_per_step"],
+                     "planned_wire_bytes_per_step": pm.plan.estimates.wire_bytes_per_step,
                      "unsupported_ops": sorted({u["op"] for u in pm.plan.unsupported_ops})}
         else:
             model = build()

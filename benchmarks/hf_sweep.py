@@ -1,10 +1,10 @@
 """Sweep transformers' architectures through torchalpa: build, capture, plan for 4 devices.
 
-``torchalpa.models.suite`` covers a few dozen HuggingFace models by hand; this script tries
+``torchalpa.suite.cases`` covers a few dozen HuggingFace models by hand; this script tries
 every architecture transformers registers for causal LM, masked LM, sequence
 classification and image classification (``transformers.models.auto.modeling_auto``),
 each with its default config (``AutoConfig.for_model``) shrunk in size by a generic
-shrinker (``torchalpa/models/hf_shrink.py``: layers, widths, heads, vocab, experts, images), random weights
+shrinker (``torchalpa/suite/hf_shrink.py``: layers, widths, heads, vocab, experts, images), random weights
 on the CPU, and the batch the suite would give it (``input_ids`` / ``attention_mask`` /
 ``labels`` for text, ``pixel_values`` / ``labels`` for images). Each architecture runs in a
 worker process with a time limit, so a slow or stuck one costs at most that long; a worker
@@ -61,8 +61,8 @@ def _try_one(task: str, model_type: str, cls_name: str, exact_below: int, report
 
     import torchalpa
     from torchalpa.frontends.torch_export import capture
-    from torchalpa.models.hf_shrink import build_model, example_batch
     from torchalpa.passes.rules import rule_for
+    from torchalpa.suite.hf_shrink import build_model, example_batch
 
     rec: dict = {}
     start = time.perf_counter()

@@ -73,20 +73,20 @@ def main() -> int:
     print(f"LLaMA-2-13B, {args.nodes}x4 devices of 32 GB, batch {GLOBAL_BATCH} in "
           f"{args.micro_batches} micro-batches, remat={args.remat} -> "
           f"{plan.method.get('remat')}: plan in {seconds:.1f} s wall (capture included; "
-          f"pipeline search {est.get('search_seconds', 0):.1f} s), {cpu:.1f} s CPU "
+          f"pipeline search {(est.search_seconds or 0):.1f} s), {cpu:.1f} s CPU "
           f"(this process and its workers), load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
-    print(f"  {est.get('layer_solves', 0)} layer solves, {est.get('layers_repriced', 0)} views "
-          f"priced with their class's plan, {est.get('stage_solves', 0)} stage solves")
-    print(f"  {len(plan.stages)} stages, est step {est.get('step_time_s', 0):.2f} s, memory "
-          f"per device {est.get('memory_per_device_bytes', 0) / GB:.1f} GiB (budget 32)")
-    memory = est.get("stage_memory_bytes") or []
+    print(f"  {(est.layer_solves or 0)} layer solves, {(est.layers_repriced or 0)} views "
+          f"priced with their class's plan, {(est.stage_solves or 0)} stage solves")
+    print(f"  {len(plan.stages)} stages, est step {(est.step_time_s or 0):.2f} s, memory "
+          f"per device {(est.memory_per_device_bytes or 0) / GB:.1f} GiB (budget 32)")
+    memory = est.stage_memory_bytes or []
     options = plan.stage_options
     for n, stage in enumerate(plan.stages):
         lean = " sharded states" if n < len(options) and options[n] else ""
         print(f"    stage {n}: layers {stage.layers[0]}-{stage.layers[-1]} on submesh "
               f"{stage.submesh} viewed as {stage.plan.mesh_shape}{lean}, "
-              f"{stage.plan.estimates['step_time_s']:.2f} s per micro-batch, "
+              f"{stage.plan.estimates.step_time_s:.2f} s per micro-batch, "
               f"{memory[n] / GB if n < len(memory) else 0:.1f} GiB")
     for note in plan.notes:
         print("  note:", note)

@@ -150,8 +150,8 @@ def measure(make_step, steps: int, warmup: int) -> dict:
         times.append(time.perf_counter() - start)
     result = {"step_s": statistics.median(times), "peak_bytes": torch.cuda.max_memory_allocated()}
     if plan is not None:
-        result["plan_step_s"] = plan.estimates.get("step_time_s")
-        result["plan_memory_bytes"] = plan.estimates.get("memory_per_device_bytes")
+        result["plan_step_s"] = plan.estimates.step_time_s
+        result["plan_memory_bytes"] = plan.estimates.memory_per_device_bytes
     return result
 
 
@@ -187,8 +187,8 @@ def estimate(model: str, dtype: str, cluster) -> dict:
     if dtype == "bf16":
         net = CastForward(net, torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
     plan = torchalpa.plan(net, batch, w.loss_fn, cluster=cluster)
-    return {"plan_step_s": plan.estimates["step_time_s"],
-            "plan_memory_bytes": plan.estimates["memory_per_device_bytes"]}
+    return {"plan_step_s": plan.estimates.step_time_s,
+            "plan_memory_bytes": plan.estimates.memory_per_device_bytes}
 
 
 def main():

@@ -127,7 +127,7 @@ def main():
                     pp, dp, tp, args.layers, cluster.devices_per_node, base, option, zero))
             except InfeasibleError:
                 continue
-            step, memory = _step(plan, cluster), plan.estimates["memory_per_device_bytes"]
+            step, memory = _step(plan, cluster), plan.estimates.memory_per_device_bytes
             if step < float("inf"):
                 break
         if step < best[0]:
@@ -146,9 +146,9 @@ def main():
 
 def _step(plan, cluster) -> float:
     """Estimated step time, or inf when some stage does not fit in device memory."""
-    if plan.estimates["memory_per_device_bytes"] > cluster.memory_per_device:
+    if plan.estimates.memory_per_device_bytes > cluster.memory_per_device:
         return float("inf")
-    return plan.estimates["step_time_s"]
+    return plan.estimates.step_time_s
 
 
 def _ms(seconds: float) -> str:

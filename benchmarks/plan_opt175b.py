@@ -58,13 +58,13 @@ def main() -> None:
     est = plan.estimates
     print(plan.summary())
     print(f"\nlogical mesh {'x'.join(map(str, plan.mesh_shape))}")
-    print(f"per device: weights {format_bytes(est['weight_bytes_per_device'])}, KV cache "
-          f"{format_bytes(est['kv_cache_bytes_per_device'])}, planned peak "
-          f"{format_bytes(est['memory_per_device_bytes'])} of "
+    print(f"per device: weights {format_bytes(est.weight_bytes_per_device)}, KV cache "
+          f"{format_bytes(est.kv_cache_bytes_per_device)}, planned peak "
+          f"{format_bytes(est.memory_per_device_bytes)} of "
           f"{format_bytes(cluster.memory_per_device)}")
-    print(f"estimated: {est['token_latency_s'] * 1e3:.3g} ms per token (batch {args.batch}), "
-          f"{est['tokens_per_s']:.4g} tokens/s; prefill of {args.prompt} tokens "
-          f"{est['prefill_time_s'] * 1e3:.4g} ms")
+    print(f"estimated: {est.token_latency_s * 1e3:.3g} ms per token (batch {args.batch}), "
+          f"{est.tokens_per_s:.4g} tokens/s; prefill of {args.prompt} tokens "
+          f"{est.prefill_time_s * 1e3:.4g} ms")
     print(f"captured and planned in {seconds:.0f} s on this machine")
 
 

@@ -189,9 +189,9 @@ def estimate(row: PublishedRow) -> Estimate:
     else:
         plan = plan_pipeline(graph, cluster, m)
     e = plan.estimates
-    return Estimate(step_s=e["step_time_s"], memory_bytes=e["memory_per_device_bytes"],
-                    compute_s=e.get("compute_s"), communication_s=e.get("communication_s"),
-                    stage_s=tuple(e.get("stage_step_s") or ()),
+    return Estimate(step_s=e.step_time_s, memory_bytes=e.memory_per_device_bytes,
+                    compute_s=e.compute_s, communication_s=e.communication_s,
+                    stage_s=tuple(e.stage_step_s or ()),
                     plan_seconds=time.perf_counter() - start)
 
 

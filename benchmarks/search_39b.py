@@ -60,7 +60,7 @@ def main() -> None:
     print(f"auto: search wall {time.perf_counter() - wall:.1f}s CPU {_cpu() - cpu:.1f}s; "
           f"stages {auto.forward_stage_layer_ids}, submeshes {auto.submesh_shapes}, logical "
           f"{auto.logical_shapes}, recomputed {[s.recompute for s in auto.stages]}; est step "
-          f"{auto.estimates['step_time_s']:.6g} s; {len(saved)} DP tables saved", flush=True)
+          f"{auto.estimates.step_time_s:.6g} s; {len(saved)} DP tables saved", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.models.suite import _torchvision
 from torchalpa.parallel import shard
+from torchalpa.suite.cases import _torchvision
 
 MODELS = ["resnet18", "mobilenet_v3_small", "mnasnet0_5", "googlenet"]
 

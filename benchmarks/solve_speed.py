@@ -61,9 +61,9 @@ def main():
             e = plan.estimates
             print(f"{name:<11}{workload.batch_size:>6}{len(graph):>7}{captured:>10.1f}"
                   f"{solver:>7}{seconds:>8.2f}"
-                  f"{TARGET_S.get(name, float('nan')):>8.0f}{e['num_decisions']:>10}"
-                  f"{e['ilp_variables']:>9}{e['step_time_s'] * 1e3:>9.1f}"
-                  f"{e['memory_per_device_bytes'] / 1e9:>11.1f}", flush=True)
+                  f"{TARGET_S.get(name, float('nan')):>8.0f}{e.num_decisions:>10}"
+                  f"{e.ilp_variables:>9}{e.step_time_s * 1e3:>9.1f}"
+                  f"{e.memory_per_device_bytes / 1e9:>11.1f}", flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print(f"peak RSS {rss:.2f} GB")
 

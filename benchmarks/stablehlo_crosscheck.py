@@ -124,8 +124,8 @@ def preferences(model, batch, loss_fn, text, from_aten, from_text, cluster,
     aten_other = torchalpa.plan(model, batch, loss_fn, cluster=cluster,
                                 method=pinned_to(from_text, elementwise))
     text_other = torchalpa.plan(text, (), cluster=cluster, method=pinned_to(from_aten))
-    return {"aten": [from_aten.estimates["objective"], aten_other.estimates["objective"]],
-            "stablehlo": [from_text.estimates["objective"], text_other.estimates["objective"]]}
+    return {"aten": [from_aten.estimates.objective, aten_other.estimates.objective],
+            "stablehlo": [from_text.estimates.objective, text_other.estimates.objective]}
 
 
 def compare(name: str, cluster, want_detail: bool = False, why: bool = False,
@@ -170,9 +170,10 @@ def _compare(name: str, cluster, want_detail: bool, why: bool, elementwise: str,
             "mesh": [list(from_aten.mesh_shape), list(from_text.mesh_shape)],
             "parameters": len(from_aten.parameters),
             "same_placements": len(from_aten.parameters) - len(differ), "differ": differ,
-            "ratio": {k: from_text.estimates[k] / from_aten.estimates[k] for k in keys},
-            "eager_step_ratio": from_text.estimates["step_time_s"]
-            / eager.estimates["step_time_s"],
+            "ratio": {k: getattr(from_text.estimates, k) / getattr(from_aten.estimates, k)
+                      for k in keys},
+            "eager_step_ratio": from_text.estimates.step_time_s
+            / eager.estimates.step_time_s,
             "unsupported_in_stablehlo": sorted({u["op"] for u in from_text.unsupported_ops}),
             **extra}
 

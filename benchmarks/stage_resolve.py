@@ -64,7 +64,7 @@ def main() -> None:
         plan = plan_intra_op(stage, mesh, method.intra_op_method(option),
                              in_flight=args.in_flight,
                              blocks=stage.meta.get("repeated_blocks") or None)
-        print(f"  {name:16s} stage {plan.estimates['step_time_s']:.6f} s, "
+        print(f"  {name:16s} stage {plan.estimates.step_time_s:.6f} s, "
               f"planned in {time.perf_counter() - start:.1f} s", flush=True)
 
 

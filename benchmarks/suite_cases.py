@@ -1,4 +1,4 @@
-"""Train named cases of ``torchalpa.models.suite`` on 4 gloo ranks next to one device and
+"""Train named cases of ``torchalpa.suite.cases`` on 4 gloo ranks next to one device and
 check them as ``tests/test_suite.py`` does, without launching a quarter of the slow set.
 
 ``pytest -m slow tests/test_suite.py -k NAME`` runs NAME inside the launch of every slow

@@ -132,7 +132,7 @@ def run(args) -> dict:
                               "tensor": c.tensor} for c in plan.collectives],
         "collectives": compare_collectives(plan, hlo),
         "dp_collectives": compare_collectives(plan, dp_compiled.as_text()),
-        "estimated_step_s": plan.estimates["step_time_s"],
+        "estimated_step_s": plan.estimates.step_time_s,
     }
     print(f"\nlosses (torchalpa on XLA): {[round(v, 5) for v in losses]}")
     print(f"losses (one device):       {[round(v, 5) for v in ref_losses]}")

@@ -121,7 +121,7 @@ def main():
             f"{s['loopback_bytes_per_step'] / 2**20:>14.1f} MiB")
     say("(loopback bytes are exact only inside shared/tools/netns_bytes.sh)")
     if args.json and rank == 0:
-        stats["torchalpa"]["planned_wire_bytes_per_step"] = pmodel.plan.estimates["wire_bytes_per_step"]
+        stats["torchalpa"]["planned_wire_bytes_per_step"] = pmodel.plan.estimates.wire_bytes_per_step
         stats["torchalpa"]["max_param_diff_after_1_step"] = worst
         stats["torchalpa"]["final_loss"] = step.loss
         with open(args.json, "w") as f:

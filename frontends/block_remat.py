@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 from dataclasses import dataclass, replace
 
 import torch.fx as fx
@@ -163,6 +164,18 @@ def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
     return Recomputed(blocks=num_blocks, ops=num_ops)
 
 
+def _copied_codegen(codegen):
+    """A copy of a graph's codegen (its pytree in/out specs). Copying a leaf of those specs
+    makes torch warn that ``LeafSpec`` is deprecated (torch 2.13: copyreg builds it anew,
+    which the class's deprecation wrapper reports as the ``isinstance`` it means); the
+    copy is the one torch's own specs would make, so that known warning is dropped here,
+    and only here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is "
+                                "deprecated", category=FutureWarning)
+        return copy.deepcopy(codegen)
+
+
 def checkpointed_capture(captured: Capture, policy: str = "full", *,
                          rematerialize_parameters: bool = False) -> Capture:
     """The same captured step with every block checkpointed (``checkpoint_blocks`` with
@@ -172,7 +185,7 @@ def checkpointed_capture(captured: Capture, policy: str = "full", *,
     ``captured`` is left untouched. Cheaper than tracing the model again, which is what
     lets the planner weigh the variants."""
     graph = fx.Graph()
-    graph._codegen = copy.deepcopy(captured.gm.graph._codegen)
+    graph._codegen = _copied_codegen(captured.gm.graph._codegen)
     graph.output(graph.graph_copy(captured.gm.graph, {}))
     gm = fx.GraphModule(captured.gm, graph)
     if rematerialize_parameters:

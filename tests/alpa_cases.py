@@ -78,7 +78,7 @@ def communication(plan, *, ignore_scalar_all_reduce=False, merged_gradients=True
     from torchalpa.runtime.rewrites.buckets import _grad_reshards as grad_reshards
     merged: dict[int, tuple] = {}
     if merged_gradients:
-        for b in plan.estimates.get("gradient_buckets") or ():
+        for b in plan.estimates.gradient_buckets or ():
             merged.update((k, ("all_reduce", b["axis"])) for k in b["collectives"])
         for _, steps, positions in grad_reshards(plan):   # one gradient alone too
             merged.update((k, (step.kind, step.axis)) for step, k in zip(steps, positions))

@@ -49,7 +49,7 @@ def _hf(name: str):
 def _zoo(name: str):
     """A zoo model with weights large enough for decisive logits, and its HF twin."""
     import torchalpa.models as zoo
-    from torchalpa.models.hf_twins import hf_twin
+    from torchalpa.suite.hf_twins import hf_twin
     if name == "gpt":
         model = zoo.GPT(zoo.GPTConfig.tiny(max_seq_len=32, dropout=0.0))
     else:

@@ -78,7 +78,7 @@ def run(directory: str, hidden: int, layers: int) -> dict:
     # the reference: the whole model, after the measurement, from the same files
     from safetensors.torch import load_file
 
-    from torchalpa.models.hf_twins import hf_twin
+    from torchalpa.suite.hf_twins import hf_twin
     whole = Llama(c)
     state = {}
     for file in sorted(os.listdir(directory)):

@@ -36,8 +36,8 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
     out = {"losses": [], "ref_losses": [], "stages": pm.plan.forward_stage_layer_ids,
            "submeshes": [list(s) for s in pm.plan.submesh_shapes],
            "logical": [list(s) for s in pm.plan.logical_shapes],
-           "stage_times": pm.plan.estimates.get("stage_times"),
-           "stage_step_s": pm.plan.estimates.get("stage_step_s"),
+           "stage_times": pm.plan.estimates.stage_times,
+           "stage_step_s": pm.plan.estimates.stage_step_s,
            "remat": pm.plan.method.get("remat"), "notes": list(pm.plan.notes),
            "recompute": [st.recompute for st in pm.plan.stages]}
     for step in range(steps):

@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_suite.py: cases of ``torchalpa.models.suite`` train
+"""Run under torchrun by tests/test_suite.py: cases of ``torchalpa.suite.cases`` train
 3 AdamW steps with torchalpa and on one device from the same weights and batch.
 
 The first step goes through the module call and ``loss.backward()`` (called as the
@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from worker_io import attempt, finish  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.models.suite import build_case  # noqa: E402
 from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
+from torchalpa.suite.cases import build_case  # noqa: E402
 
 STEPS = 3
 LR = 1e-3

@@ -58,20 +58,20 @@ def test_no_mixed_mesh_shape(graph):
 
 def test_simple_heuristic_is_never_better_than_the_ilp(graph):
     heuristic = _plan(graph, force_simple_heuristic="shard-largest")
-    assert heuristic.estimates["objective"] >= _plan(graph).estimates["objective"] - 1e-6
+    assert heuristic.estimates.objective >= _plan(graph).estimates.objective - 1e-6
 
 
 def test_gradient_buckets_respect_the_threshold(graph):
     data_parallel = dict(force_batch_dim_to_mesh_dim=0, parameters="replicated")
     one = _plan(graph, all_reduce_threshold=1 << 60, **data_parallel)
-    assert len(one.estimates["gradient_buckets"]) == 1
+    assert len(one.estimates.gradient_buckets) == 1
     small = _plan(graph, all_reduce_threshold=64 * 64 * 4, **data_parallel)
-    buckets = small.estimates["gradient_buckets"]
+    buckets = small.estimates.gradient_buckets
     assert len(buckets) > 1 and all(b["bytes"] <= 64 * 64 * 4 for b in buckets)
     # one latency per bucket instead of one per gradient
     saved = sum(len(b["tensors"]) - 1 for b in buckets) * MESH.alpha[0]
     plain = _plan(graph, **data_parallel)
-    assert small.estimates["step_time_s"] == pytest.approx(plain.estimates["step_time_s"] - saved)
+    assert small.estimates.step_time_s == pytest.approx(plain.estimates.step_time_s - saved)
 
 
 def test_manual_sharding_without_search(graph):

@@ -82,9 +82,9 @@ def test_mlp_data_parallel(spelling, axis, shape):
     model, batch = _mlp(spelling, 6, 256, 32)
     plan, mesh = plan_of(model, batch, shape=shape, all_reduce_threshold=MERGE_ALL)
     expected = _data_parallel_objective(model, mesh, axis)
-    assert_close(plan.estimates["objective"], expected)
+    assert_close(plan.estimates.objective, expected)
     # our exact figure: the same plus the scalar loss's all-reduce
-    assert plan.estimates["objective"] == pytest.approx(expected + _loss_all_reduce(mesh, axis))
+    assert plan.estimates.objective == pytest.approx(expected + _loss_all_reduce(mesh, axis))
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
     for placements in weights(plan).values():
@@ -98,7 +98,7 @@ def test_mlp_model_parallel(spelling, axis, shape):
     model, batch = _mlp(spelling, num_layers, batch_size, hidden)
     plan, mesh = plan_of(model, batch, shape=shape, all_reduce_threshold=MERGE_ALL)
     expected = (num_layers - 1) * all_reduce_cost(mesh, batch_size * hidden * 4, axis)
-    assert_close(plan.estimates["objective"], expected)
+    assert_close(plan.estimates.objective, expected)
     counts = communication(plan)
     assert counts["all_reduce"] == num_layers - 1 and counts["total"] == num_layers - 1, counts
     # kernels alternate column- and row-partitioned (torch weights are (out, in))
@@ -141,7 +141,7 @@ def test_mlp_2d_mesh(spelling):
     model, plan, _ = _mlp_2d_plan(spelling)
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["all_reduce"] == 6, counts
-    assert len(plan.estimates["gradient_buckets"]) == 1
+    assert len(plan.estimates.gradient_buckets) == 1
     _assert_replicated_megatron(model, plan, mlp_weight_names(model))
 
 
@@ -153,7 +153,7 @@ def test_mlp_2d_mesh(spelling):
                    "(test_mlp_2d_mesh_without_all_gather)")
 def test_mlp_2d_mesh_objective_and_total():
     _, plan, expected = _mlp_2d_plan("modulelist")
-    assert_close(plan.estimates["objective"], expected)
+    assert_close(plan.estimates.objective, expected)
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["total"] == counts["all_reduce"], counts
 
@@ -163,7 +163,7 @@ def test_mlp_2d_mesh_without_all_gather(spelling):
     """Alpa's plan: all of Alpa's assertions hold (21,078: the column-parallel layers'
     biases are reduced at their half size, Alpa's formula prices them whole)."""
     model, plan, expected = _mlp_2d_plan(spelling, allow_all_gather=False)
-    assert_close(plan.estimates["objective"], expected)
+    assert_close(plan.estimates.objective, expected)
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["all_reduce"] == 6 and counts["total"] == 6, counts
     _assert_replicated_megatron(model, plan, mlp_weight_names(model))
@@ -177,7 +177,7 @@ def test_mlp_2d_mesh_unrestricted_is_no_worse(spelling="modulelist"):
     free, _ = plan_of(model, batch, shape=(2, 2), beta=(1, 0.1))
     alpa, _ = plan_of(model, batch, shape=(2, 2), beta=(1, 0.1), force_batch_dim_to_mesh_dim=0,
                       allow_mixed_mesh_shape=False)
-    assert free.estimates["objective"] <= alpa.estimates["objective"] + 1e-6
+    assert free.estimates.objective <= alpa.estimates.objective + 1e-6
 
 
 @pytest.mark.parametrize("shape", [(4, 1), (2, 2)])
@@ -188,7 +188,7 @@ def test_mlp_force_data_parallel(shape):
     flat = mesh.__class__(shape=(4,), alpha=(max(mesh.alpha),), beta=(min(mesh.beta),))
     assert plan.mesh_shape == (4,)
     expected = _data_parallel_objective(model, flat, 0)
-    assert_close(plan.estimates["objective"], expected)
+    assert_close(plan.estimates.objective, expected)
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
     for placements in weights(plan).values():
@@ -212,12 +212,12 @@ def test_mlp_force_batch_dim_mapping():
     # data parallel on (4, 1)
     plan, mesh = plan_of(model, batch, shape=(4, 1), force_batch_dim_to_mesh_dim=0,
                          all_reduce_threshold=MERGE_ALL)
-    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, 0))
+    assert_close(plan.estimates.objective, _data_parallel_objective(model, mesh, 0))
     assert communication(plan, ignore_scalar_all_reduce=True)["total"] == 1
     # model parallel on (1, 4): the batch "split" over an axis of one device
     plan, mesh = plan_of(model, batch, shape=(1, 4), force_batch_dim_to_mesh_dim=0)
     expected = (num_layers - 1) * all_reduce_cost(mesh, batch_size * hidden * 4, 1)
-    assert_close(plan.estimates["objective"], expected)
+    assert_close(plan.estimates.objective, expected)
 
 
 @pytest.mark.parametrize("method", [DataParallel, Zero2Parallel, Zero3Parallel])
@@ -225,7 +225,7 @@ def test_mlp_force_batch_dim_mapping():
 def test_presets_on_meshes_with_a_size_one_axis(method, shape):
     model, batch = _mlp("modulelist", 6, 256, 32)
     plan, _ = plan_of(model, batch, shape=shape, method=method)
-    assert plan.estimates["objective"] > 0
+    assert plan.estimates.objective > 0
 
 
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
@@ -234,7 +234,7 @@ def test_mlp_data_parallel_reduce_scatter(axis, shape):
     the same objective as the all-reduce (plus one latency each)."""
     model, batch = _mlp("modulelist", 6, 256, 32)
     plan, mesh = plan_of(model, batch, shape=shape, method=Zero2Parallel)
-    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, axis))
+    assert_close(plan.estimates.objective, _data_parallel_objective(model, mesh, axis))
     # Alpa's counts after XLA's combiners: the gradients' reduce-scatters in one, the
     # parameters' all-gathers in one (ours issues them per tensor; communication() merges)
     counts = communication(plan, ignore_scalar_all_reduce=True)
@@ -254,7 +254,7 @@ def test_mlp_model_parallel_reduce_scatter(axis, shape):
     model, batch = _mlp("modulelist", num_layers, batch_size, hidden)
     plan, mesh = plan_of(model, batch, shape=shape, all_reduce_threshold=MERGE_ALL,
                          allow_reduce_scatter=True)
-    assert_close(plan.estimates["objective"],
+    assert_close(plan.estimates.objective,
                  (num_layers - 1) * all_reduce_cost(mesh, batch_size * hidden * 4, axis))
     counts = communication(plan)
     assert counts["all_reduce"] + counts["reduce_scatter"] == num_layers - 1, counts
@@ -285,7 +285,7 @@ def test_mlp_data_parallel_zero_stage_3(axis, shape):
     data_parallel = _data_parallel_objective(model, mesh, axis)
     # a reduce-scatter and an all-gather cost one latency more than an all-reduce
     expected = data_parallel + len(list(model.parameters())) * mesh.alpha[axis] + regather
-    assert plan.estimates["objective"] == pytest.approx(expected + _loss_all_reduce(mesh, axis))
+    assert plan.estimates.objective == pytest.approx(expected + _loss_all_reduce(mesh, axis))
     # Alpa's counts after XLA's combiners (threshold (32*32+32)*6*4: every parameter in
     # one): one all-gather in forward, one in backward, one reduce-scatter; ours issues
     # 12 + 5 gathers and 12 reduce-scatters, one per tensor (communication() merges them)
@@ -302,7 +302,7 @@ def test_mlp_data_parallel_zero_stage_3(axis, shape):
 def test_mlp_data_parallel_zero_stage_3_alpa_objective():
     model, batch = _mlp("modulelist", 6, 256, 32)
     plan, mesh = plan_of(model, batch, shape=(4, 1), method=Zero3Parallel)
-    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, 0))
+    assert_close(plan.estimates.objective, _data_parallel_objective(model, mesh, 0))
 
 
 # -- test_bert.py ---------------------------------------------------------------------------
@@ -318,7 +318,7 @@ def test_bert_layer_data_parallel(qkv, axis, shape):
     plan, mesh = plan_of(model, bert_inputs(64, 64, 32), shape=shape,
                          all_reduce_threshold=MERGE_ALL)
     expected = _data_parallel_objective(model, mesh, axis)
-    assert_close(plan.estimates["objective"], expected)
+    assert_close(plan.estimates.objective, expected)
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
 
@@ -334,7 +334,7 @@ def test_bert_layer_model_parallel(qkv, attention, axis, shape):
                          all_reduce_threshold=MERGE_ALL)
     expected = (num_layers * 4 - 1) * all_reduce_cost(
         mesh, batch_size * seq_len * hidden * 4, axis)
-    assert_close(plan.estimates["objective"], expected)
+    assert_close(plan.estimates.objective, expected)
     counts = communication(plan)
     assert counts["all_reduce"] == num_layers * 4 - 1 and counts["total"] == num_layers * 4 - 1, \
         counts
@@ -357,14 +357,14 @@ def test_bert_layer_force_batch_dim_mapping():
     model = BertLayers(2, 32, 8)
     plan, mesh = plan_of(model, bert_inputs(64, 64, 32), shape=(4, 1),
                          all_reduce_threshold=MERGE_ALL, force_batch_dim_to_mesh_dim=0)
-    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, 0))
+    assert_close(plan.estimates.objective, _data_parallel_objective(model, mesh, 0))
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
     for batch_size in (64, 1):
         plan, mesh = plan_of(model, bert_inputs(batch_size, 64, 32), shape=(1, 4),
                              all_reduce_threshold=MERGE_ALL, force_batch_dim_to_mesh_dim=0)
         expected = 7 * all_reduce_cost(mesh, batch_size * 64 * 32 * 4, 1)
-        assert_close(plan.estimates["objective"], expected)
+        assert_close(plan.estimates.objective, expected)
 
 
 @functools.cache
@@ -381,7 +381,7 @@ def _bert_2d_plan(**options):
 
 
 def _assert_bert_2d(model, plan, expected):
-    assert_close(plan.estimates["objective"], expected)
+    assert_close(plan.estimates.objective, expected)
     assert communication(plan, ignore_scalar_all_reduce=True)["all_reduce"] == 8
     for k in range(2):
         _assert_replicated_megatron(model, plan, bert_matmul_weights(model, k))
@@ -427,7 +427,7 @@ def test_bert_mlm_data_parallel(axis, shape):
                          all_reduce_threshold=MERGE_ALL)
     with torch.device("meta"):
         model = factory()
-    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, axis))
+    assert_close(plan.estimates.objective, _data_parallel_objective(model, mesh, axis))
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["all_reduce"] == 1 and counts["total"] == 1, counts
     for placements in weights(plan).values():
@@ -481,7 +481,7 @@ def test_bert_mlm_2d_mesh_alpa_layout_is_dearer():
     alpa = _bert_mlm_2d_plan(pin=((r"transform\.weight", R), (r"(position|token_type)\.weight", R)))
     counts = communication(alpa, ignore_scalar_all_reduce=True)
     assert counts["all_reduce"] == counts["total"] == 14, counts
-    assert _bert_mlm_2d_plan().estimates["objective"] < alpa.estimates["objective"]
+    assert _bert_mlm_2d_plan().estimates.objective < alpa.estimates.objective
 
 
 @functools.cache
@@ -509,7 +509,7 @@ def test_bert_layer_data_parallel_reduce_scatter(axis, shape):
     every parameter (and so its optimizer states) sharded. The all-gather count is
     ``..._all_gathers``."""
     model, plan, mesh = _zero2_plan("bert", shape)
-    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, axis))
+    assert_close(plan.estimates.objective, _data_parallel_objective(model, mesh, axis))
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert (counts["reduce_scatter"], counts["all_reduce"]) == (1, 0), counts
     for name, placements in weights(plan).items():
@@ -547,7 +547,7 @@ def test_bert_mlm_data_parallel_reduce_scatter():
                    "table is sharded on its hidden dim, where Alpa all-reduces it whole")
 def test_bert_mlm_data_parallel_reduce_scatter_alpa():
     model, plan, mesh = _zero2_plan("mlm", (4, 1))
-    assert_close(plan.estimates["objective"], _data_parallel_objective(model, mesh, 0))
+    assert_close(plan.estimates.objective, _data_parallel_objective(model, mesh, 0))
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert (counts["all_gather"], counts["all_reduce"]) == (1, 1), counts
 
@@ -584,9 +584,9 @@ def test_embedding_2d_mesh(head, loss_fn):
     expected = (all_reduce_cost(mesh, vocab * hidden * 4 / 2, 0)
                 + 2 * all_reduce_cost(mesh, batch_size * seq_len * hidden * 4 / 2, 1)
                 + 2 * row_stat)
-    assert_close(plan.estimates["objective"], expected)
+    assert_close(plan.estimates.objective, expected)
     ours = expected + row_stat + _loss_all_reduce(mesh, 0) + _loss_all_reduce(mesh, 1)
-    assert plan.estimates["objective"] == pytest.approx(ours)
+    assert plan.estimates.objective == pytest.approx(ours)
     assert communication(plan)["total"] == communication(plan)["all_reduce"]
     assert weights(plan)["embed.weight"] == (Replicate(), Shard(0))
     synced = sorted((c.tensor, c.reduce_op) for c in plan.collectives
@@ -603,7 +603,7 @@ def test_embedding_2d_mesh_unrestricted_is_no_worse():
     free, _ = plan_of(model, batch, summed_cross_entropy, shape=(2, 2))
     alpa, _ = plan_of(model, batch, summed_cross_entropy, shape=(2, 2),
                       force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False)
-    assert free.estimates["objective"] <= alpa.estimates["objective"] + 1e-6
+    assert free.estimates.objective <= alpa.estimates.objective + 1e-6
 
 
 # -- test_conv.py ---------------------------------------------------------------------------
@@ -624,12 +624,12 @@ def test_conv_data_parallel(axis, shape):
                          shape=shape, all_reduce_threshold=MERGE_ALL)
     weight_sync = _data_parallel_objective(model, mesh, axis)
     batch_norm_sync = 2 * 2 * num_layers * all_reduce_cost(mesh, channel * 4, axis)
-    assert_close(plan.estimates["objective"], weight_sync + batch_norm_sync, rtol=0.05)
+    assert_close(plan.estimates.objective, weight_sync + batch_norm_sync, rtol=0.05)
     # our exact figure: conv weight gradients, 2 all-reduces of 2C per BatchNorm, the loss
     conv_sync = sum(all_reduce_cost(mesh, p.numel() * 4, axis)
                     for name, p in model.named_parameters() if p.ndim == 4)
     ours = conv_sync + 2 * num_layers * all_reduce_cost(mesh, 2 * channel * 4, axis)
-    assert plan.estimates["objective"] == pytest.approx(ours + _loss_all_reduce(mesh, axis))
+    assert plan.estimates.objective == pytest.approx(ours + _loss_all_reduce(mesh, axis))
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["all_reduce"] == 1 + 2 * num_layers and counts["total"] == counts["all_reduce"]
     assert sum(1 for s in plan.strategies if s.batch_syncs) == 2 * num_layers
@@ -656,7 +656,7 @@ def test_conv_model_parallel(axis, shape):
         return batch_size * channel * side * side * 4
 
     ours = 2 * all_reduce_cost(mesh, output(1), axis) + all_reduce_cost(mesh, output(3), axis)
-    assert plan.estimates["objective"] == pytest.approx(ours)
+    assert plan.estimates.objective == pytest.approx(ours)
     alpa = ours + all_reduce_cost(mesh, output(1), axis) + all_reduce_cost(mesh, output(3), axis)
     assert alpa == pytest.approx(614_405)
     counts = communication(plan, ignore_scalar_all_reduce=True)
@@ -714,8 +714,8 @@ def test_moe_layer(axis, shape):
     communicate; our exact figure adds the scalar loss's all-reduce."""
     plan, mesh = _moe_layer_plan(shape)
     expected = _alpa_moe_layer_objective(mesh, axis)
-    assert_close(plan.estimates["objective"], expected)
-    assert plan.estimates["objective"] == pytest.approx(expected + _loss_all_reduce(mesh, axis))
+    assert_close(plan.estimates.objective, expected)
+    assert plan.estimates.objective == pytest.approx(expected + _loss_all_reduce(mesh, axis))
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["total"] == counts["all_reduce"] + counts["all_to_all"], counts
 
@@ -770,7 +770,7 @@ def test_dropout():
     device), one all-reduce (the merged gradients; our 4-byte loss all-reduce left out)."""
     x = torch.empty(32, 32, 16)
     plan, _ = plan_of(DenseDropoutDense(), (x, x), shape=(4,), all_reduce_threshold=MERGE_ALL)
-    assert plan.estimates["objective"] < 1e6
+    assert plan.estimates.objective < 1e6
     dropout = next(s for s in plan.strategies if s.node == "native_dropout")
     assert dropout.outputs[0] == (Shard(0),), str(dropout)
     counts = communication(plan, ignore_scalar_all_reduce=True)
@@ -783,7 +783,7 @@ def test_gather():
     its backward scatter too; one all-reduce."""
     plan, _ = plan_of(DenseGatherDense(), (torch.empty(256, 32), torch.empty(256, 16)),
                       shape=(4,), all_reduce_threshold=MERGE_ALL)
-    assert plan.estimates["objective"] < 1e6
+    assert plan.estimates.objective < 1e6
     strategies = {s.node: s for s in plan.strategies}
     assert strategies["index"].inputs[0] == (Shard(0),), str(strategies["index"])
     assert strategies["index_put"].outputs[0] == (Shard(0),), str(strategies["index_put"])
@@ -801,7 +801,7 @@ def test_gemv():
 def test_one_by_one_mesh():
     """One device: a plan with nothing to communicate."""
     plan, _ = plan_of(Gemv(), (torch.empty(128), torch.empty(256)), shape=(1,))
-    assert plan.collectives == () and plan.estimates["objective"] == 0
+    assert plan.collectives == () and plan.estimates.objective == 0
     assert weights(plan)["b"] == (Replicate(),)
 
 
@@ -828,6 +828,6 @@ def test_moe_layer_2d_alpa_layout_and_ours():
     alpa, _ = _moe_layer_plan((2, 2), **MOE_2D, pin=_alpa_moe_2d_layout())
     counts = communication(alpa, ignore_scalar_all_reduce=True)
     assert (counts["all_reduce"], counts["all_to_all"], counts["total"]) == (2, 4, 6), counts
-    assert ours.estimates["objective"] <= alpa.estimates["objective"]
+    assert ours.estimates.objective <= alpa.estimates.objective
     assert weights(ours)["moe.wi"] == (Replicate(), Shard(0))
     assert communication(ours)["all_gather"] == 0

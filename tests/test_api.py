@@ -149,3 +149,35 @@ def test_entry_points_dispatch_through_the_method_table(single_process_world, mo
     assert sorted(calls["place"]) == ["inputs", "loss_fn", "model", "signature", "traced"]
     with pytest.raises(TypeError, match="method must be a torchalpa method"):
         torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, method=object())
+
+
+def test_each_kind_of_work_has_its_own_narrow_protocol_and_no_implementation_only_refuses():
+    """A method is in the table of each kind of work it does (training steps, resolving,
+    generation, programs), implementing every member of that protocol with a body that
+    does the work; asking a method for work it does not do is one ValueError naming the
+    method to use, from the lookup."""
+    import ast
+    import inspect
+    import re
+    import textwrap
+
+    from torchalpa.parallel import methods, steps
+
+    tables = {steps.MethodSteps: methods.STEPS, steps.MethodResolver: methods.RESOLVERS,
+              steps.GenerationSteps: methods.GENERATION, steps.ProgramSteps: methods.PROGRAMS}
+    for protocol, table in tables.items():
+        members = [n for n, v in vars(protocol).items()
+                   if callable(v) and not n.startswith("_")]
+        for impl in table.values():
+            for name in members:
+                fn = getattr(type(impl), name)
+                body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
+                body = [s for s in body if not (isinstance(s, ast.Expr)
+                                                and isinstance(s.value, ast.Constant))]
+                assert not all(isinstance(s, ast.Raise) for s in body), \
+                    f"{type(impl).__name__}.{name} only refuses"
+    assert not re.search(r"\bAny\b", inspect.getsource(steps))     # typed, every member
+    x, y = mlp_inputs(8, 16)
+    with pytest.raises(ValueError, match="pipelined generation is not built"):
+        torchalpa.plan(MLP(16, 2), (x,), method=torchalpa.PipeshardParallel(),
+                       mode="inference")

@@ -54,16 +54,16 @@ def test_bounds_are_below_every_plan_found(gpt, remat):
     for mesh in shard.candidate_meshes(cluster, ShardParallel()):
         plan = shard.plan_graph(captured.graph, method=ShardParallel(), meshes=[mesh])
         est = plan.estimates
-        assert profile.memory_bytes(4) <= est["memory_per_device_bytes"] * (1 + 1e-9)
-        assert profile.step_seconds(4) <= est["step_time_s"] * (1 + 1e-9)
+        assert profile.memory_bytes(4) <= est.memory_per_device_bytes * (1 + 1e-9)
+        assert profile.step_seconds(4) <= est.step_time_s * (1 + 1e-9)
     # two micro-batches of 4, captured directly, are bounded by the scaled profile
     half = capture(model, tuple(x[:4] for x in batch), loss_fn)
     plan = shard.plan_graph(half.graph, method=ShardParallel(num_micro_batches=2),
                             meshes=shard.candidate_meshes(cluster, ShardParallel()))
     if remat == "none":
         assert profile.memory_bytes(4, micro_batch=4) <= \
-            plan.estimates["memory_per_device_bytes"] * (1 + 1e-9)
-        assert profile.step_seconds(4, 2) <= plan.estimates["step_time_s"] * (1 + 1e-9)
+            plan.estimates.memory_per_device_bytes * (1 + 1e-9)
+        assert profile.step_seconds(4, 2) <= plan.estimates.step_time_s * (1 + 1e-9)
 
 
 def test_the_memory_bound_is_what_the_solver_finds_at_its_tightest(gpt):
@@ -117,7 +117,7 @@ def test_auto_uses_checkpointing_or_micro_batches_when_the_step_does_not_fit(gpt
     profile = step_profile(graph, _cluster(4))
     budget = profile.memory_bytes(4) * 0.9
     plan = torchalpa.plan(model, batch, loss_fn, cluster=_cluster(4, memory=budget))
-    assert plan.estimates["memory_per_device_bytes"] <= budget
+    assert plan.estimates.memory_per_device_bytes <= budget
     lighter = plan.method["remat"] != "none" or \
         getattr(plan, "num_micro_batches", plan.method.get("num_micro_batches", 1)) > 1
     assert lighter
@@ -197,6 +197,6 @@ def test_plan_prices_mixed_precision_as_auto_parallel_runs_it():
     bf16 = torchalpa.plan(model, (x, y), F.mse_loss, cluster=cluster, method=method,
                           mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
     assert bf16.method["mixed_precision"] == "bfloat16" and "mixed_precision" not in fp32.method
-    assert bf16.estimates["step_time_s"] < 0.5 * fp32.estimates["step_time_s"]
-    assert bf16.estimates["model_state_bytes_per_device"] == \
-        fp32.estimates["model_state_bytes_per_device"]
+    assert bf16.estimates.step_time_s < 0.5 * fp32.estimates.step_time_s
+    assert bf16.estimates.model_state_bytes_per_device == \
+        fp32.estimates.model_state_bytes_per_device

@@ -46,7 +46,7 @@ def rendered(tmp_path_factory):
     """The plan's page, its layout as Chromium computed it, and its screenshot (RGB)."""
     plan = synthetic_plan(6, odd_layer=2)
     plan = dataclasses.replace(plan, estimates={
-        **plan.estimates, "model_state_bytes_per_device": 3 << 30,
+        **plan.estimates.to_dict(), "model_state_bytes_per_device": 3 << 30,
         "activation_bytes_per_device": 5 << 30, "memory_per_device_bytes": 8 << 30,
         "memory_budget_per_device_bytes": 10 << 30})
     out = tmp_path_factory.mktemp("browser")

@@ -163,7 +163,7 @@ def test_a_small_resnet_gets_ddps_plan_under_measured_figures():
     assert ddps_plan(plan), plan.collectives
     dp = torchalpa.plan(SmallResNet(), batch, F.cross_entropy, cluster=measured().cluster(),
                         method=torchalpa.DataParallel())
-    assert plan.estimates["step_time_s"] <= dp.estimates["step_time_s"] * (1 + 1e-9)
+    assert plan.estimates.step_time_s <= dp.estimates.step_time_s * (1 + 1e-9)
 
 
 def test_a_small_resnets_estimate_pays_its_convolutions_at_the_measured_rate():
@@ -180,7 +180,7 @@ def test_a_small_resnets_estimate_pays_its_convolutions_at_the_measured_rate():
                               cluster=measured(conv_flops=rate).cluster(),
                               method=torchalpa.ShardParallel())
         assert ddps_plan(plan), plan.collectives
-        steps.append(plan.estimates["step_time_s"])
+        steps.append(plan.estimates.step_time_s)
     per_flop = 1 / slow - 1 / fast
     local_batch, channels, size, kernel = 16 // 4, 8, 16, 3
     blocks = 4 * conv_flops(local_batch, channels, size, kernel) * per_flop

@@ -112,10 +112,10 @@ def test_planner_estimates_less_activation_memory_and_more_time(gpt):
                                cluster=torchalpa.Cluster.local_cpu(1))
              for m in ("none", "full")}
     est = {m: p.estimates for m, p in plans.items()}
-    assert est["full"]["saved_activation_bytes_per_device"] < \
-        0.35 * est["none"]["saved_activation_bytes_per_device"]
-    assert est["full"]["activation_bytes_per_device"] < est["none"]["activation_bytes_per_device"]
-    assert est["full"]["step_time_s"] > est["none"]["step_time_s"]
+    assert est["full"].saved_activation_bytes_per_device < \
+        0.35 * est["none"].saved_activation_bytes_per_device
+    assert est["full"].activation_bytes_per_device < est["none"].activation_bytes_per_device
+    assert est["full"].step_time_s > est["none"].step_time_s
     assert plans["full"].method["remat"] == "full" and plans["none"].method["remat"] == "none"
     text = plans["full"].summary()
     assert "activation checkpointing: full (3 blocks" in text
@@ -131,7 +131,7 @@ def test_auto_keeps_activations_when_they_fit_and_checkpoints_when_they_do_not(g
     roomy = plan(None)
     assert roomy.method["remat"] == "none"       # recomputation only costs time here
     assert any("remat='auto' chose 'none'" in n for n in roomy.notes)
-    need = {m: plan_for(gpt, m).estimates["memory_per_device_bytes"] for m in ("none", "full")}
+    need = {m: plan_for(gpt, m).estimates.memory_per_device_bytes for m in ("none", "full")}
     tight = plan((need["none"] + need["full"]) / 2)  # only the checkpointed step fits
     assert tight.method["remat"] == "full"
     assert any("none: does not fit" in n for n in tight.notes)

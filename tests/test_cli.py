@@ -81,7 +81,7 @@ def test_a_model_from_a_file_path_and_bad_callables_are_named(capsys, tmp_path):
 
 
 def test_coverage_of_suite_cases_prints_the_table(capsys):
-    """``--hf`` runs every case of torchalpa.models.suite; ``suite:NAME`` picks some. Swin
+    """``--hf`` runs every case of torchalpa.suite.cases; ``suite:NAME`` picks some. Swin
     captures (its relative position bias goes through the device-neutral attention op) and,
     its pooling's strided views read as reshapes, has a rule for every op; an op without
     one is named in its row and fails the command."""
@@ -116,6 +116,27 @@ def test_plan_show_explain(tmp_path, capsys, monkeypatch):
     assert "1 plan(s)" in capsys.readouterr().out
     assert main(["cache", "clear"]) == 0
     assert "removed 1 cached plan(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["shard", "data", "zero2", "zero3", "pipeshard", "auto"])
+def test_plan_takes_every_preset_method_by_name(name, tmp_path, capsys, monkeypatch):
+    import torchalpa
+    from torchalpa.cli.commands import method_of
+    expected = {"shard": torchalpa.ShardParallel, "data": torchalpa.DataParallel,
+                "zero2": torchalpa.Zero2Parallel, "zero3": torchalpa.Zero3Parallel,
+                "pipeshard": torchalpa.PipeshardParallel, "auto": type(None)}[name]
+    assert type(method_of(name, None)) is expected
+    if name in ("shard", "zero3"):       # two planned for real (each solve takes seconds)
+        monkeypatch.setenv("TORCHALPA_CACHE_DIR", str(tmp_path / "cache"))
+        out = tmp_path / "plan.json"
+        assert main(["plan", "test_cli:mlp_step", "--cluster", "cpu:2", "--method", name,
+                     "--out", str(out)]) == 0
+        assert torchalpa.Plan.load(out).method["name"] == expected.__name__
+        capsys.readouterr()
+    if name == "pipeshard":
+        assert main(["plan", "test_cli:mlp_step", "--method", name, "--mesh", "2",
+                     "--out", str(tmp_path / "p.json")]) == 2
+        assert "drop one of the two" in capsys.readouterr().err
 
 
 def test_estimate_fits_or_names_the_devices_needed(capsys):

@@ -123,7 +123,7 @@ def test_plan_summary_names_the_device_and_memory_budget():
     plan = torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, cluster=cluster,
                           method=torchalpa.ShardParallel())
     assert "planned for NVIDIA L4 (gloo), memory budget 11.2 GiB per device" in plan.summary()
-    assert plan.estimates["memory_budget_bytes"] == 12 * GB
+    assert plan.estimates.memory_budget_bytes == 12 * GB
 
 
 # -- the compute cost -----------------------------------------------------------------

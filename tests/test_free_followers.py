@@ -41,7 +41,7 @@ def _step(stage, **option) -> float:
         auto_sharding_option=torchalpa.AutoShardingOption(solver="highs", **option))
     plan = plan_intra_op(sub, mesh, method, in_flight=2,
                          blocks=sub.meta.get("repeated_blocks") or None)
-    return plan.estimates["step_time_s"]
+    return plan.estimates.step_time_s
 
 
 def test_freeing_the_followers_finds_what_the_unsimplified_ilp_finds(stage):

@@ -49,7 +49,7 @@ def _left_padded(rows: int = 3, length: int = 6):
 
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_zoo_cached_forward_continues_the_full_forward(kind):
-    from torchalpa.models.hf_twins import hf_twin
+    from torchalpa.suite.hf_twins import hf_twin
     model = _zoo(kind)
     twin = hf_twin(model).eval()
     ids, mask = _left_padded()
@@ -256,9 +256,9 @@ def test_an_inference_plan_reports_memory_and_token_time_per_device():
     assert plan.mode == "inference"
     c = model.config
     cache_whole = 2 * c.num_layers * 8 * c.num_kv_heads * 64 * c.head_dim * 4   # fp32
-    assert cache_whole / 2 <= est["kv_cache_bytes_per_device"] <= cache_whole
-    assert est["tokens_per_s"] == pytest.approx(8 / est["token_latency_s"])
-    assert est["prefill_time_s"] > 0 and est["weight_bytes_per_device"] > 0
+    assert cache_whole / 2 <= est.kv_cache_bytes_per_device <= cache_whole
+    assert est.tokens_per_s == pytest.approx(8 / est.token_latency_s)
+    assert est.prefill_time_s > 0 and est.weight_bytes_per_device > 0
     assert any("generation: a cache of 8 sequences x 64 tokens" in n for n in plan.notes)
     again = torchalpa.Plan.from_json(plan.to_json())
     assert again.mode == "inference" and again.estimates == est

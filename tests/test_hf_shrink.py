@@ -1,6 +1,6 @@
-"""The HuggingFace config shrinker (``torchalpa/models/hf_shrink.py``) on config dicts:
+"""The HuggingFace config shrinker (``torchalpa/suite/hf_shrink.py``) on config dicts:
 the shrunk configs must stay self-consistent, or the sweep blames the wrong party."""
-from torchalpa.models.hf_shrink import LAYERS, shrink
+from torchalpa.suite.hf_shrink import LAYERS, shrink
 
 
 def test_jamba_keeps_an_attention_layer():
@@ -58,7 +58,7 @@ def test_a_missing_package_is_not_blamed_on_the_config():
     import pytest
     if importlib.util.find_spec("natten") is not None:
         pytest.skip("natten is installed")
-    from torchalpa.models.hf_shrink import build_model
+    from torchalpa.suite.hf_shrink import build_model
     with pytest.raises(ImportError) as info:
         build_model("imgcls", "dinat", "DinatForImageClassification")
     sys.path.insert(0, "benchmarks")

@@ -43,20 +43,20 @@ def _choices(plan):
 def test_direct_highs_plans_what_pulp_plans(gpt_graph, monkeypatch, shape):
     slow = _plan(gpt_graph, monkeypatch, False, None, shape)
     fast = _plan(gpt_graph, monkeypatch, True, None, shape)
-    assert fast.estimates["objective"] == pytest.approx(slow.estimates["objective"], rel=1e-12)
-    assert fast.estimates["ilp_variables"] == slow.estimates["ilp_variables"]
+    assert fast.estimates.objective == pytest.approx(slow.estimates.objective, rel=1e-12)
+    assert fast.estimates.ilp_variables == slow.estimates.ilp_variables
     assert _choices(fast) == _choices(slow)
 
 
 def test_direct_highs_under_a_memory_budget_and_when_nothing_fits(gpt_graph, monkeypatch):
     from torchalpa.passes.sharding.ilp import InfeasibleError
     free = _plan(gpt_graph, monkeypatch, True, None, (4,))
-    peak = free.estimates["memory_per_device_bytes"]
+    peak = free.estimates.memory_per_device_bytes
     # a budget under the fastest plan's peak: both paths add the same memory rows
     slow = _plan(gpt_graph, monkeypatch, False, 0.8 * peak, (4,))
     fast = _plan(gpt_graph, monkeypatch, True, 0.8 * peak, (4,))
-    assert fast.estimates["memory_per_device_bytes"] <= 0.8 * peak
-    assert fast.estimates["objective"] == pytest.approx(slow.estimates["objective"], rel=1e-12)
+    assert fast.estimates.memory_per_device_bytes <= 0.8 * peak
+    assert fast.estimates.objective == pytest.approx(slow.estimates.objective, rel=1e-12)
     assert _choices(fast) == _choices(slow)
     # too small for any plan: the minimum-peak problem (the peak variable) names the need
     with pytest.raises(InfeasibleError) as fast_error:

@@ -88,14 +88,14 @@ def test_cached_search_plans_what_a_cold_search_plans(schedule):
     cluster = torchalpa.Cluster.local_cpu(2)
     cache = SolveCache()
     cold = plan_pipeline(graph, cluster, method, solves=cache)
-    assert cold.estimates["layer_solves"] > 0 and len(cache) > 0
-    assert plan_pipeline(graph, cluster, method).estimates["layer_solves"] > 0
+    assert cold.estimates.layer_solves > 0 and len(cache) > 0
+    assert plan_pipeline(graph, cluster, method).estimates.layer_solves > 0
     warm = plan_pipeline(graph, cluster, method, solves=cache)
-    assert warm.estimates["layer_solves"] == 0 and warm.estimates["stage_solves"] == 0
+    assert warm.estimates.layer_solves == 0 and warm.estimates.stage_solves == 0
     assert warm.forward_stage_layer_ids == cold.forward_stage_layer_ids
     assert warm.submesh_shapes == cold.submesh_shapes
     assert warm.logical_shapes == cold.logical_shapes
-    assert warm.estimates["step_time_s"] == pytest.approx(cold.estimates["step_time_s"])
+    assert warm.estimates.step_time_s == pytest.approx(cold.estimates.step_time_s)
     # identical middle layers were solved once per view, not once per layer
     views = 1 + 1       # (1,) on (1, 1); (2,) on (1, 2)
-    assert cold.estimates["layer_solves"] <= 3 * views
+    assert cold.estimates.layer_solves <= 3 * views

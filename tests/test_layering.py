@@ -2,9 +2,10 @@
 a module, inside a function, under ``TYPE_CHECKING``) follows the allowed arrows, and the
 imports between our modules form no cycle.
 
-The layers (``../shared/DESIGN.md``), each allowed to import only those listed:
+The layers (``docs/architecture.md``), each allowed to import only those listed:
 
     cli        anything, the package included
+    suite      models, ops, core (the model suite and its fixtures, not the zoo)
     parallel   interop, views, frontends, passes, runtime, models, ops, core
     interop    views, frontends, passes, runtime, ops, core
     views      core
@@ -32,8 +33,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = {"torchalpa": "torchalpa", "frontends": "torchalpa.frontends",
             "passes": "torchalpa.passes", "runtime": "torchalpa.runtime"}
 ALLOWED = {
-    "cli": {"parallel", "interop", "views", "frontends", "passes", "runtime", "models", "ops",
-            "core"},
+    "cli": {"parallel", "interop", "views", "frontends", "passes", "runtime", "models", "suite",
+            "ops", "core"},
+    "suite": {"models", "ops", "core"},
     "parallel": {"interop", "views", "frontends", "passes", "runtime", "models", "ops", "core"},
     "interop": {"views", "frontends", "passes", "runtime", "ops", "core"},
     "views": {"core"},

@@ -39,7 +39,7 @@ def test_the_bound_is_below_the_plan_the_ilp_finds(graphs, family, shape):
     bound = step_time_lower_bound(graph, mesh)
     plan = plan_intra_op(graph, mesh)
     assert bound is not None and bound > 0
-    assert bound <= plan.estimates["step_time_s"] * (1 + 1e-9), (bound, plan.estimates)
+    assert bound <= plan.estimates.step_time_s * (1 + 1e-9), (bound, plan.estimates)
 
 
 def test_no_bound_where_the_combiner_lowers_the_step_after_the_solve(graphs):
@@ -66,5 +66,5 @@ def test_skipping_by_the_bound_keeps_the_plan(monkeypatch):
     assert "(bound, not solved)" in tried, tried
     assert not any("(bound, not solved)" in n for n in solved.notes)
     assert skipped.mesh_shape == solved.mesh_shape
-    assert skipped.estimates["step_time_s"] == pytest.approx(solved.estimates["step_time_s"])
+    assert skipped.estimates.step_time_s == pytest.approx(solved.estimates.step_time_s)
     assert [p.placements for p in skipped.parameters] == [p.placements for p in solved.parameters]

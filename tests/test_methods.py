@@ -45,8 +45,8 @@ def test_zero_presets_shard_states_and_never_all_reduce_gradients(dp_graph, meth
     assert kinds(plan, "backward") == ["reduce_scatter"] or "all_gather" in kinds(plan, "backward")
     assert "all_reduce" not in kinds(plan)          # beyond the 4-byte loss
     dp = plan_intra_op(dp_graph, MESH, torchalpa.DataParallel())
-    state = plan.estimates["model_state_bytes_per_device"]
-    assert state == dp.estimates["model_state_bytes_per_device"] // 4
+    state = plan.estimates.model_state_bytes_per_device
+    assert state == dp.estimates.model_state_bytes_per_device // 4
     # ZeRO-2 gathers each parameter once per step
     if isinstance(method, torchalpa.Zero2Parallel):
         gathers = [c for c in plan.collectives if c.kind == "all_gather"]
@@ -64,20 +64,20 @@ def test_zero3_gathers_parameters_again_in_backward_and_keeps_fewer_activations(
                         if c.phase == "backward" and c.kind == "all_gather"]
     # every layer but the last (whose gathered weight backward uses at once) again
     assert len(backward_gathers) >= 5
-    assert (zero3.estimates["activation_bytes_per_device"]
-            < zero2.estimates["activation_bytes_per_device"])
-    assert (zero3.estimates["model_state_bytes_per_device"]
-            == zero2.estimates["model_state_bytes_per_device"])
+    assert (zero3.estimates.activation_bytes_per_device
+            < zero2.estimates.activation_bytes_per_device)
+    assert (zero3.estimates.model_state_bytes_per_device
+            == zero2.estimates.model_state_bytes_per_device)
 
 
 def test_a_tight_budget_shards_state_instead_of_failing(dp_graph):
     free = plan_intra_op(dp_graph, MESH)
-    replicated = free.estimates["memory_per_device_bytes"]
+    replicated = free.estimates.memory_per_device_bytes
     option = torchalpa.AutoShardingOption(memory_budget_per_device=0.6 * replicated)
     tight = plan_intra_op(dp_graph, MESH, torchalpa.ShardParallel(auto_sharding_option=option))
-    assert tight.estimates["memory_per_device_bytes"] <= 0.6 * replicated
+    assert tight.estimates.memory_per_device_bytes <= 0.6 * replicated
     assert any(p.placements != (Replicate(),) for p in tight.parameters)
-    assert tight.estimates["objective"] >= free.estimates["objective"]
+    assert tight.estimates.objective >= free.estimates.objective
 
 
 def test_a_budget_below_the_minimum_says_what_is_needed(dp_graph):
@@ -88,7 +88,7 @@ def test_a_budget_below_the_minimum_says_what_is_needed(dp_graph):
     # the stated minimum is achievable: a budget of exactly that succeeds
     ok = torchalpa.AutoShardingOption(memory_budget_per_device=need * 1.001)
     plan = plan_intra_op(dp_graph, MESH, torchalpa.ShardParallel(auto_sharding_option=ok))
-    assert plan.estimates["memory_per_device_bytes"] <= need * 1.001
+    assert plan.estimates.memory_per_device_bytes <= need * 1.001
 
 
 def test_pins_fix_layouts_and_bad_pins_say_what_is_possible(dp_graph):

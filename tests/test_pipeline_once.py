@@ -9,6 +9,7 @@ import torch
 import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core.options import AutoLayerOption, ManualStageOption, PipeshardParallel
+from torchalpa.core.plan_records import Estimates
 from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.pipeline_search.inter_op import micro_batch_seconds, plan_pipeline
 
@@ -30,24 +31,24 @@ def test_gradient_sync_and_optimizer_are_paid_once_per_pipeline_step():
     cluster = torchalpa.Cluster.preset("h100", 1, 4)
     few, many = _plan(graph, cluster, 2), _plan(graph, cluster, 6)
     for plan in (few, many):
-        once = [s.plan.estimates["once_per_step_s"] for s in plan.stages]
+        once = [s.plan.estimates.once_per_step_s for s in plan.stages]
         assert all(o > 0 for o in once)      # data parallel: each stage all-reduces its grads
         # the schedule runs micro-batches without it; each stage pays it after its last one
-        assert plan.estimates["stage_step_s"] == pytest.approx(
-            [s.plan.estimates["step_time_s"] - o for s, o in zip(plan.stages, once)])
+        assert plan.estimates.stage_step_s == pytest.approx(
+            [s.plan.estimates.step_time_s - o for s, o in zip(plan.stages, once)])
         ends = [max(e for *_, e in stage) + o
-                for stage, o in zip(plan.estimates["timeline"], once)]
-        assert plan.estimates["step_time_s"] >= max(ends) - 1e-12
+                for stage, o in zip(plan.estimates.timeline, once)]
+        assert plan.estimates.step_time_s >= max(ends) - 1e-12
     # four more micro-batches add four of the slowest stage's micro-batch, nothing else
-    slowest = max(many.estimates["stage_step_s"])
-    added = many.estimates["step_time_s"] - few.estimates["step_time_s"]
+    slowest = max(many.estimates.stage_step_s)
+    added = many.estimates.step_time_s - few.estimates.step_time_s
     assert added == pytest.approx(4 * slowest, rel=1e-6)
-    with_once = max(s.plan.estimates["step_time_s"] for s in many.stages)
-    assert added < 4 * with_once - 3 * min(s.plan.estimates["once_per_step_s"]
+    with_once = max(s.plan.estimates.step_time_s for s in many.stages)
+    assert added < 4 * with_once - 3 * min(s.plan.estimates.once_per_step_s
                                            for s in many.stages)
 
 
 def test_a_stage_costs_the_search_its_share_of_the_once_per_step_work():
-    e = {"step_time_s": 1.0, "once_per_step_s": 0.4}
+    e = Estimates(step_time_s=1.0, once_per_step_s=0.4)
     assert micro_batch_seconds(e, 4) == pytest.approx(0.6 + 0.1)
-    assert micro_batch_seconds({"step_time_s": 1.0}, 4) == 1.0
+    assert micro_batch_seconds(Estimates(step_time_s=1.0), 4) == 1.0

@@ -3,6 +3,7 @@ explanations, serialized in one place in the form plan files of versions 1 and 2
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -14,14 +15,14 @@ from torchalpa.core.plan_records import Estimates, Explanation, LayoutCost
 V1 = os.path.join(os.path.dirname(__file__), "data", "plan_v1_gpt_tiny.json")
 
 
-def test_estimates_read_as_fields_and_as_a_mapping_of_the_set_ones():
+def test_estimates_are_read_as_fields_never_by_string_key():
     est = Estimates.from_dict({"step_time_s": 0.5, "objective": 2.0})
-    assert est.step_time_s == 0.5 and est.compute_s is None
-    assert est["objective"] == 2.0 and est.get("compute_s") is None
-    assert dict(est) == {"step_time_s": 0.5, "objective": 2.0}
-    with pytest.raises(KeyError):
-        est["compute_s"]                      # unset: absent, as it was from the dict
-    more = Estimates.from_dict(dict(est, compute_s=0.1))
+    assert est.step_time_s == 0.5 and est.objective == 2.0 and est.compute_s is None
+    assert est.to_dict() == {"step_time_s": 0.5, "objective": 2.0}      # the set fields
+    with pytest.raises(TypeError):
+        est["step_time_s"]                 # a record, not a mapping: one way to read it
+    assert not hasattr(est, "get")
+    more = dataclasses.replace(est, compute_s=0.1)
     assert more.compute_s == 0.1 and est.compute_s is None        # frozen: a new record
 
 

@@ -33,7 +33,7 @@ def test_model_parallel_oracle_is_megatron():
     L, B, H = 6, 32, 256
     plan = plan_mlp(B, H, L)
     # the objective is exactly (L-1) all-reduces of the activations
-    assert plan.estimates["objective"] == pytest.approx((L - 1) * all_reduce_cost(ALPA_MESH, B * H * 4, 0))
+    assert plan.estimates.objective == pytest.approx((L - 1) * all_reduce_cost(ALPA_MESH, B * H * 4, 0))
     # exactly L-1 all-reduces, 3 in forward and 2 in backward, each B*H*4 bytes, nothing else
     assert [(c.kind, c.bytes) for c in plan.collectives] == [("all_reduce", B * H * 4)] * (L - 1)
     assert sum(c.phase == "forward" for c in plan.collectives) == 3
@@ -59,7 +59,7 @@ def test_data_parallel_oracle():
     forward = [c for c in plan.collectives if c.phase == "forward"]
     assert [(c.kind, c.bytes, c.reduce_op) for c in forward] == [("all_reduce", 4, "avg")]
     expected = L * (all_reduce_cost(ALPA_MESH, H * H * 4, 0) + all_reduce_cost(ALPA_MESH, H * 4, 0))
-    assert plan.estimates["objective"] == pytest.approx(expected + all_reduce_cost(ALPA_MESH, 4, 0))
+    assert plan.estimates.objective == pytest.approx(expected + all_reduce_cost(ALPA_MESH, 4, 0))
 
 
 def test_same_input_same_plan():
@@ -136,8 +136,8 @@ def test_quickstart_plan_holds_a_third_of_ddp_state_and_traffic():
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     ddp_state = param_bytes * 4                     # params + grads + 2 Adam states, replicated
     ddp_wire = 2 * (4 - 1) * param_bytes            # one ring all-reduce of every gradient
-    assert plan.estimates["model_state_bytes_per_device"] <= ddp_state / 3
-    assert plan.estimates["wire_bytes_per_step"] <= ddp_wire / 3
+    assert plan.estimates.model_state_bytes_per_device <= ddp_state / 3
+    assert plan.estimates.wire_bytes_per_step <= ddp_wire / 3
 
 
 def test_plan_api_needs_no_process_group_and_plans_for_a_virtual_cluster():
@@ -158,7 +158,7 @@ def test_plan_api_needs_no_process_group_and_plans_for_a_virtual_cluster():
         fixed = torchalpa.plan(model, (x, y), F.mse_loss, cluster=cluster,
                                method=torchalpa.ShardParallel(logical_mesh_shape=shape))
         assert fixed.mesh_shape == shape
-        assert plan.estimates["step_time_s"] <= fixed.estimates["step_time_s"] * (1 + 1e-9)
+        assert plan.estimates.step_time_s <= fixed.estimates.step_time_s * (1 + 1e-9)
 
 
 def test_method_and_option_validation():
@@ -181,7 +181,7 @@ def test_highs_gives_the_same_plan():
     method = torchalpa.ShardParallel(auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
     a = plan_intra_op(graph, ALPA_MESH, method)
     b = plan_intra_op(graph, ALPA_MESH)
-    assert a.estimates["objective"] == pytest.approx(b.estimates["objective"])
+    assert a.estimates.objective == pytest.approx(b.estimates.objective)
     assert [p.placements for p in a.parameters] == [p.placements for p in b.parameters]
 
 
@@ -205,8 +205,8 @@ def test_2d_mesh_oracle():
              + (L - 1) * AR(B * H * 4 / 2, 1) + AR(4, 0))
     # the full ILP finds a plan 0.8% cheaper than Alpa's (the last layer's output
     # all-gathered rather than all-reduced), so Alpa's figure is an upper bound
-    assert plan.estimates["objective"] <= exact + 1e-6
-    assert plan.estimates["objective"] >= 0.97 * alpa
+    assert plan.estimates.objective <= exact + 1e-6
+    assert plan.estimates.objective >= 0.97 * alpa
     # kernels alternate replicated-column / replicated-row
     for k in range(L):
         expected = (Replicate(), Shard(0) if k % 2 == 0 else Shard(1))
@@ -218,7 +218,7 @@ def test_2d_mesh_oracle():
     assert len(grads) == L and all(c.kind == "all_reduce" and c.phase == "backward" for c in grads)
     # with reduce-scatter allowed, torchalpa finds a cheaper plan under the same costs
     ours = plan_intra_op(graph, mesh)
-    assert ours.estimates["objective"] < 0.8 * plan.estimates["objective"]
+    assert ours.estimates.objective < 0.8 * plan.estimates.objective
 
 
 class BertLayers(nn.Module):
@@ -246,7 +246,7 @@ def test_bert_model_parallel_oracle():
     B, S, H, L = 8, 8, 128, 2
     _, g = bert_graph(B, S, H, L)
     plan = plan_intra_op(g, ALPA_MESH, blocks=g.meta.get("repeated_blocks"))
-    assert plan.estimates["objective"] == pytest.approx((4 * L - 1) * all_reduce_cost(ALPA_MESH, B * S * H * 4, 0))
+    assert plan.estimates.objective == pytest.approx((4 * L - 1) * all_reduce_cost(ALPA_MESH, B * S * H * 4, 0))
     assert [(c.kind, c.bytes) for c in plan.collectives] == [("all_reduce", B * S * H * 4)] * (4 * L - 1)
     for l in range(L):
         p = f"encoder.layer.{l}."
@@ -270,7 +270,7 @@ def test_bert_2d_mesh_oracle():
     AR = lambda nbytes, axis: all_reduce_cost(mesh, nbytes, axis)  # noqa: E731
     alpa = sum(AR(4 * p.numel() / 2, 0) for p in model.parameters()) + \
         (4 * L - 1) * AR(B * S * H * 4 / 2, 1)
-    assert plan.estimates["objective"] <= alpa * 1.01
+    assert plan.estimates.objective <= alpa * 1.01
     on_1 = [c for c in plan.collectives if c.axis == 1 and c.bytes == B * S * H * 4 // 2]
     assert [c.kind for c in on_1] == ["all_reduce"] * (4 * L - 1)
     # Megatron on axis 1. On axis 0 a kernel is replicated (Alpa's answer) or, at exactly
@@ -288,7 +288,7 @@ def test_bert_2d_mesh_oracle():
     assert any(c.axis == 0 and c.kind == "all_reduce" and c.phase == "backward"
                and c.bytes == H * H * 4 // 2 for c in plan.collectives)
     ours = plan_intra_op(g, mesh, blocks=g.meta.get("repeated_blocks"))
-    assert ours.estimates["objective"] <= plan.estimates["objective"] * (1 + 1e-9)
+    assert ours.estimates.objective <= plan.estimates.objective * (1 + 1e-9)
 
 
 def test_moe_layer_oracle():

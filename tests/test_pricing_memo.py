@@ -38,8 +38,8 @@ def test_a_shared_memo_plans_what_a_fresh_one_plans():
     cold = plan_intra_op(graph, mesh, method, memo=shared)     # fills this view's entries
     warm = plan_intra_op(graph, mesh, method, memo=shared)     # answered from them
     assert _choices(cold) and _choices(warm) == _choices(cold)
-    assert warm.estimates["step_time_s"] == cold.estimates["step_time_s"]
-    assert warm.estimates["memory_per_device_bytes"] == cold.estimates["memory_per_device_bytes"]
+    assert warm.estimates.step_time_s == cold.estimates.step_time_s
+    assert warm.estimates.memory_per_device_bytes == cold.estimates.memory_per_device_bytes
 
 def test_memo_answers_a_key_once_and_keeps_its_bound():
     cluster = _cluster()

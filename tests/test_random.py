@@ -71,7 +71,7 @@ def test_dropout_does_not_gather_its_input(bert_plans):
                             [(0.1, "sharded"), (0.0, "sharded"), (0.1, "replicated")])
     kinds = Counter(c.kind for c in sharded.collectives)
     assert "all_gather" not in kinds and kinds == Counter(c.kind for c in none.collectives)
-    assert sharded.estimates["objective"] <= 1.001 * none.estimates["objective"]
+    assert sharded.estimates.objective <= 1.001 * none.estimates.objective
     dropouts = [s for s in sharded.strategies if s.node.startswith("native_dropout")
                 and "backward" not in s.node]
     assert len(dropouts) == 4 and all(s.outputs[0] == (Shard(0), Replicate()) for s in dropouts)
@@ -79,7 +79,7 @@ def test_dropout_does_not_gather_its_input(bert_plans):
     assert not any("random ops" in note for note in whole.notes)
     # the single-device-numerics option keeps its (honest) price
     assert Counter(c.kind for c in whole.collectives)["all_gather"] == 4
-    assert whole.estimates["objective"] > 5 * sharded.estimates["objective"]
+    assert whole.estimates.objective > 5 * sharded.estimates.objective
 
 
 def test_random_option_is_validated():

@@ -77,5 +77,5 @@ def test_compute_lower_bound_is_below_the_planned_step():
     bound = compute_lower_bound(graph, cluster)
     plan = plan_intra_op(graph, cluster.logical_mesh((4,)), ShardParallel(
         auto_sharding_option=torchalpa.AutoShardingOption(solver="highs")))
-    assert 0 < bound <= plan.estimates["step_time_s"]
+    assert 0 < bound <= plan.estimates.step_time_s
     assert compute_lower_bound(graph, cluster, 8) == pytest.approx(8 * bound)

@@ -77,3 +77,38 @@ def test_explain_suggests_close_names():
     message = str(info.value)
     assert "did you mean 'layers.1.mlp.up_proj.weight'" in message
     assert not message.startswith('"')          # not KeyError's quoted repr
+
+
+def test_an_auto_parallel_summary_shows_its_decision_as_one_table_of_families():
+    """The summary: AutoParallel's choice and one row per candidate family (its best
+    estimate, or why none of it was planned); ``explain_choice()`` and the full summary
+    keep the line of every candidate tried, as the plan file does."""
+    import dataclasses
+
+    from torchalpa.core.choice_notes import describe_candidate
+    tried = [f"  tried: {describe_candidate(k, r, m, g)}: not planned, an intra-op plan fits"
+             for k in ("pipeline",) for r in ("none", "full") for m in (1, 2, 4, 8)
+             for g in (False, True)]
+    tried += ["  tried: intra-op, remat=full: est 0.25 s/step, 1.0 GiB per device (2.0 s)",
+              "  tried: intra-op, remat=full, 2 micro-batches: est 0.2 s/step, 1.0 GiB per "
+              "device (2.0 s)"]
+    notes = ("planned for h100",
+             "AutoParallel chose intra-op, remat=none: est 0.1 s/step",
+             "runner-up: intra-op, remat=full, 2 micro-batches: est 0.2 s/step", *tried)
+    plan = dataclasses.replace(synthetic_plan(2), notes=notes)
+    text = plan.summary()
+    assert not any("tried:" in line for line in text.splitlines())
+    start = text.index("AutoParallel chose")
+    table = text[start:].splitlines()[:-1]          # the last line says how to see more
+    assert len(table) <= 12
+    rows = {line.split("  ")[1].strip(): line for line in table[4:]}
+    assert set(rows) == {"intra-op, remat=none", "intra-op, remat=full",
+                         "pipeline, remat=none", "pipeline, remat=full"}
+    assert "est 0.1 s/step (chosen)" in rows["intra-op, remat=none"]
+    assert "est 0.2 s/step" in rows["intra-op, remat=full"]      # the family's best
+    assert "an intra-op plan fits" in rows["pipeline, remat=full"]
+    assert " 8 " in rows["pipeline, remat=none"]                  # tried, per family
+    every = plan.explain_choice().splitlines()
+    assert len(every) == 2 + len(tried) and every[2:] == list(tried)
+    assert all(t in plan.summary(detail="full") for t in tried)
+    assert plan.to_dict()["notes"] == list(notes)                  # the file is unchanged

@@ -50,10 +50,10 @@ def test_stage_solves_in_workers_plan_the_same(gpt_graph, monkeypatch):
     assert together.forward_stage_layer_ids == alone.forward_stage_layer_ids
     assert together.submesh_shapes == alone.submesh_shapes
     assert together.logical_shapes == alone.logical_shapes
-    assert together.estimates["step_time_s"] == alone.estimates["step_time_s"]
-    assert together.estimates["stage_solves"] == alone.estimates["stage_solves"]
-    assert [s.plan.estimates["step_time_s"] for s in together.stages] == \
-        [s.plan.estimates["step_time_s"] for s in alone.stages]
+    assert together.estimates.step_time_s == alone.estimates.step_time_s
+    assert together.estimates.stage_solves == alone.estimates.stage_solves
+    assert [s.plan.estimates.step_time_s for s in together.stages] == \
+        [s.plan.estimates.step_time_s for s in alone.stages]
 
 
 def test_stage_solves_counted_once_when_the_pool_runs_in_this_process(gpt_graph, monkeypatch):
@@ -62,5 +62,5 @@ def test_stage_solves_counted_once_when_the_pool_runs_in_this_process(gpt_graph,
     alone = _plan(gpt_graph, 1)
     monkeypatch.setitem(sys.modules, "jax", types.ModuleType("jax"))
     in_process = _plan(gpt_graph, 2)
-    assert in_process.estimates["stage_solves"] == alone.estimates["stage_solves"]
-    assert in_process.estimates["step_time_s"] == alone.estimates["step_time_s"]
+    assert in_process.estimates.stage_solves == alone.estimates.stage_solves
+    assert in_process.estimates.step_time_s == alone.estimates.step_time_s

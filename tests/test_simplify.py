@@ -68,7 +68,7 @@ def test_decisions_do_not_grow_with_depth():
         # the simplified problem alone (small graphs are otherwise also solved in full)
         simplified = ShardParallel(auto_sharding_option=AutoShardingOption(exact_below=0))
         plan = plan_intra_op(g, MESH, simplified, blocks=blocks)
-        counts.append(plan.estimates["num_decisions"])
+        counts.append(plan.estimates.num_decisions)
         # every repeated layer got the same layouts
         layouts = {}
         for p in plan.parameters:
@@ -81,8 +81,8 @@ def test_decisions_do_not_grow_with_depth():
 
 def test_sharing_costs_little():
     g, blocks = graph_and_blocks(4)
-    shared = plan_intra_op(g, MESH, blocks=blocks).estimates["objective"]
-    free = plan_intra_op(g, MESH).estimates["objective"]
+    shared = plan_intra_op(g, MESH, blocks=blocks).estimates.objective
+    free = plan_intra_op(g, MESH).estimates.objective
     assert free <= shared * (1 + 1e-9)
     assert shared <= free * 1.05
 
@@ -108,7 +108,7 @@ def test_identical_linear_layers_can_still_alternate():
     g, blocks, mesh = _mlp_of_repeated_linears()
     assert blocks, "the Linear layers are repeated blocks"
     plan = plan_intra_op(g, mesh, blocks=blocks)
-    assert plan.estimates["objective"] == pytest.approx(5 * all_reduce_cost(mesh, 32 * 256 * 4, 0))
+    assert plan.estimates.objective == pytest.approx(5 * all_reduce_cost(mesh, 32 * 256 * 4, 0))
 
 
 def test_alternating_solve_can_be_turned_off():
@@ -121,6 +121,6 @@ def test_alternating_solve_can_be_turned_off():
     def objective(**option):    # no unsimplified re-solve, which would find it anyway
         method = ShardParallel(auto_sharding_option=AutoShardingOption(
             exact_below=0, free_followers_below=0, **option))
-        return plan_intra_op(g, mesh, method, blocks=blocks).estimates["objective"]
+        return plan_intra_op(g, mesh, method, blocks=blocks).estimates.objective
 
     assert objective(alternate_blocks=False) > objective() * 1.01

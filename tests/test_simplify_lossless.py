@@ -90,7 +90,7 @@ def test_random_models_lose_nothing(seed):
     method = ShardParallel()
     planned = plan_intra_op(graph, mesh, method, blocks=blocks_of(graph))
     full = full_ilp_objective(graph, mesh, method.auto_sharding_option)
-    assert planned.estimates["objective"] <= full * (1 + 1e-6) + 1e-6
+    assert planned.estimates.objective <= full * (1 + 1e-6) + 1e-6
 
 
 @pytest.mark.slow
@@ -104,7 +104,7 @@ def test_zoo_models_at_small_size_lose_nothing(family):
     method = ShardParallel()
     planned = plan_intra_op(graph, mesh, method, blocks=blocks_of(graph))
     full = full_ilp_objective(graph, mesh, method.auto_sharding_option)
-    assert planned.estimates["objective"] <= full * (1 + 1e-6) + 1e-6
+    assert planned.estimates.objective <= full * (1 + 1e-6) + 1e-6
 
 
 def test_without_the_exact_check_simplification_may_lose():
@@ -117,4 +117,4 @@ def test_without_the_exact_check_simplification_may_lose():
     simplified = plan_intra_op(graph, mesh, ShardParallel(
         auto_sharding_option=AutoShardingOption(exact_below=0)), blocks=blocks_of(graph))
     full = full_ilp_objective(graph, mesh, AutoShardingOption())
-    assert simplified.estimates["objective"] >= full - 1e-6
+    assert simplified.estimates.objective >= full - 1e-6

@@ -303,7 +303,7 @@ def _planned(spelling: Spelling, mesh: str) -> Planned:
     placements = {p.name: tuple(p.placements) for p in plan.parameters}
     order = getattr(model, "parameter_order", None)
     names = order() if order else [n for n, _ in model.named_parameters()]
-    return Planned(plan.estimates["objective"], tuple((n, placements[n]) for n in names))
+    return Planned(plan.estimates.objective, tuple((n, placements[n]) for n in names))
 
 
 # spellings known to lose: (case, spelling, mesh or None for both) -> the diagnosis
@@ -398,7 +398,7 @@ def test_flax_bert_plans_like_separate_projections(mesh):
             inputs = tuple(t.to("meta") for t in bert_inputs(8, 8, 128))
         graph = capture(model, inputs, mse).graph
         plan = plan_intra_op(graph, MESHES[mesh], METHOD, blocks=blocks_of(graph))
-        return plan.estimates["objective"]
+        return plan.estimates.objective
 
     flax, separate = objective("fused_minor_split", "einsum"), objective("separate", "matmul")
     assert flax == pytest.approx(separate, rel=1e-6), f"{flax:,.1f} vs {separate:,.1f}"

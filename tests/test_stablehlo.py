@@ -196,7 +196,7 @@ def test_plan_a_jax_step():
         f"params.{k}" for k in params)
     assert [p.name for p in plan.inputs] == ["x", "y"]
     assert plan.unsupported_ops == ()
-    assert plan.estimates["step_time_s"] > 0
+    assert plan.estimates.step_time_s > 0
 
 
 def test_ops_without_a_rule_are_listed():
@@ -417,20 +417,20 @@ def test_export_and_cross_check_with_the_aten_plan():
     # the ReLU and mse's sub/square/mean into one kernel (torchalpa/core/fusion.py), eager
     # ATen runs each op alone. The step-time gap is exactly the per-device traffic of the
     # elementwise ops the ATen graph moves minus what the fused StableHLO graph moves.
-    assert from_text.estimates["communication_s"] == pytest.approx(
-        from_aten.estimates["communication_s"], rel=1e-9)
+    assert from_text.estimates.communication_s == pytest.approx(
+        from_aten.estimates.communication_s, rel=1e-9)
     graph_aten = capture_step(model, (x, y), loss_fn).graph
     graph_text = program_graph(text, ())
     matmul = {"aten.mm.default", "aten.addmm.default", "aten.bmm.default"}
     for plan, graph in ((from_aten, graph_aten), (from_text, graph_text)):
         assert _per_device_compute(plan, graph, mesh) == pytest.approx(
-            plan.estimates["compute_s"], rel=1e-9)       # the shares are read right
+            plan.estimates.compute_s, rel=1e-9)       # the shares are read right
     products = [_per_device_compute(p, g, mesh, lambda n: n.op in matmul)
                 for p, g in ((from_aten, graph_aten), (from_text, graph_text))]
     assert products[1] == pytest.approx(products[0], rel=1e-9)
     elementwise = [_per_device_compute(p, g, mesh, lambda n: n.op not in matmul)
                    for p, g in ((from_aten, graph_aten), (from_text, graph_text))]
-    gap = from_aten.estimates["step_time_s"] - from_text.estimates["step_time_s"]
+    gap = from_aten.estimates.step_time_s - from_text.estimates.step_time_s
     assert gap == pytest.approx(elementwise[0] - elementwise[1], rel=1e-6)
     traffic = [_per_device_bytes(p, g, mesh, lambda n: n.op not in matmul)
                for p, g in ((from_aten, graph_aten), (from_text, graph_text))]
@@ -439,8 +439,8 @@ def test_export_and_cross_check_with_the_aten_plan():
     assert gap == pytest.approx((traffic[0] - traffic[1]) / mesh.memory_bandwidth, rel=0.05)
     # ATen's mse_loss backward computes (x - y) a second time: one more live (B, d)
     # activation than torch.export's decomposition (6.5% of this small step's memory)
-    assert from_text.estimates["memory_per_device_bytes"] == pytest.approx(
-        from_aten.estimates["memory_per_device_bytes"], rel=0.10)
+    assert from_text.estimates.memory_per_device_bytes == pytest.approx(
+        from_aten.estimates.memory_per_device_bytes, rel=0.10)
 
     annotated = torchalpa.export_stablehlo(model, (x, y), loss_fn, plan=from_aten)
     from torchalpa.interop.hlo_annotate import hlo_sharding

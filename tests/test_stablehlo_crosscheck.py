@@ -90,11 +90,11 @@ def test_both_frontends_place_parameters_alike(name):
     assert set(text_params) == {p.name for p in from_aten.parameters}
     differ = {p.name for p in from_aten.parameters if text_params[p.name] != p.placements}
     assert differ == REAL_PREFERENCES[name]
-    step = from_text.estimates["step_time_s"] / from_aten.estimates["step_time_s"]
+    step = from_text.estimates.step_time_s / from_aten.estimates.step_time_s
     assert step == pytest.approx(1.0, abs=0.05)
     if name == "llama":       # the gap of eager elementwise ops: real, and only that
         eager = torchalpa.plan(model, batch, loss_fn, cluster=mesh, method=aten_method("eager"))
-        ratio = from_text.estimates["step_time_s"] / eager.estimates["step_time_s"]
+        ratio = from_text.estimates.step_time_s / eager.estimates.step_time_s
         assert EAGER_LLAMA[0] < ratio < EAGER_LLAMA[1]
     if differ:
         costs = preferences(model, batch, loss_fn, text, from_aten, from_text, mesh)
@@ -118,7 +118,7 @@ def test_at_small_size_the_placements_agree(name):
     assert differ == SMALL_TIES.get(name, set())
     if differ:       # a tie in ATen's graph: StableHLO's placements cost it the same
         again = torchalpa.plan(model, batch, loss_fn, cluster=mesh, method=pinned_to(from_text))
-        assert again.estimates["step_time_s"] == pytest.approx(
-            from_aten.estimates["step_time_s"], rel=1e-9)
-    step = from_text.estimates["step_time_s"] / from_aten.estimates["step_time_s"]
+        assert again.estimates.step_time_s == pytest.approx(
+            from_aten.estimates.step_time_s, rel=1e-9)
+    step = from_text.estimates.step_time_s / from_aten.estimates.step_time_s
     assert 0.95 < step < 1.05, step

@@ -57,14 +57,14 @@ def test_tight_budget_makes_the_dp_recompute_a_stage(gpt_graph):
     budget, and says so in the plan, its JSON and its summary."""
     kept = _plan(gpt_graph, stage_option=torchalpa.ManualStageOption(
         forward_stage_layer_ids=[[0], [1]], submesh_shapes=[(1, 1), (1, 1)]))
-    budget = 0.9 * kept.estimates["stage_memory_bytes"][0]
-    assert kept.estimates["stage_memory_bytes"][1] < budget
+    budget = 0.9 * kept.estimates.stage_memory_bytes[0]
+    assert kept.estimates.stage_memory_bytes[1] < budget
     plan = _plan(gpt_graph, remat="auto", budget=budget)
     assert [s.recompute for s in plan.stages] == [True, False]
-    assert max(plan.estimates["stage_memory_bytes"]) <= budget
+    assert max(plan.estimates.stage_memory_bytes) <= budget
     # one more forward of stage 0 per micro-batch, nothing else
-    assert plan.estimates["stage_step_s"][0] == pytest.approx(
-        recompute_seconds(plan.stages[0].plan.estimates["step_time_s"]))
+    assert plan.estimates.stage_step_s[0] == pytest.approx(
+        recompute_seconds(plan.stages[0].plan.estimates.step_time_s))
     again = PipelinePlan.from_dict(plan.to_dict())
     assert [s.recompute for s in again.stages] == [True, False]
     assert "recompute" in plan.summary()

@@ -142,11 +142,11 @@ def test_measured_times_decide_the_stages(mlp_graph, mlp_probes, fast):
     measured = {p.key: (1e-3 if p.key[2] == fast else 1.0) for p in mlp_probes}
     plan = plan_pipeline(mlp_graph, cluster, method, measured=measured)
     assert set(plan.submesh_shapes) == {fast}
-    assert plan.estimates["stage_times"] == "measured"
+    assert plan.estimates.stage_times == "measured"
     assert plan.stage_options == [{}] * len(plan.stages)     # every stage fits as it is
     assert "stage_options = " in plan.summary() and "stage_options" in plan.to_dict()
     per_stage = [len(s.layers) * 1e-3 for s in plan.stages]
-    assert plan.estimates["stage_step_s"] == pytest.approx(per_stage)
+    assert plan.estimates.stage_step_s == pytest.approx(per_stage)
 
 
 def test_every_view_with_a_tensor_parallel_axis_within_a_node():

@@ -95,7 +95,7 @@ def test_a_plan_does_not_depend_on_how_qkv_is_spelled(qkv):
     plan, mesh = plan_of(BertLayers(1, 128, 8, qkv), bert_inputs(8, 8, 128), shape=(4, 1),
                          all_reduce_threshold=1 << 60)
     # Alpa's count: 4 all-reduces of the (B, S, H) activations per layer, less one
-    assert_close(plan.estimates["objective"], 3 * all_reduce_cost(mesh, 8 * 8 * 128 * 4, 0))
+    assert_close(plan.estimates.objective, 3 * all_reduce_cost(mesh, 8 * 8 * 128 * 4, 0))
     if qkv == "fused_major":
         assert weights(plan)["layer.0.attention.qkv.weight"][0] == strided(0, 3)
 

@@ -58,7 +58,7 @@ def test_each_stage_plans_on_its_own_mesh(split):
     g, stage_of, stages = split
     for s in stages:
         plan = plan_intra_op(s.graph, LogicalMesh(shape=(2,)))
-        assert plan.estimates["step_time_s"] >= 0
+        assert plan.estimates.step_time_s >= 0
         sends = [r for r in plan.reshards
                  if isinstance(r.slot, OutputSlot) and r.slot.kind == "send"]
         # sends leave the stage whole

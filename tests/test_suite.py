@@ -1,4 +1,4 @@
-"""Models torchalpa was not written for (``torchalpa.models.suite``: transformers
+"""Models torchalpa was not written for (``torchalpa.suite.cases``: transformers
 architectures with their default configs, torchvision classifiers, plain PyTorch idioms) train on 4 gloo ranks like
 on one device: 3 AdamW steps, losses within 1e-5 relative, first gradients within 1e-5 of
 their scale, parameters within 1e-5 (where gradients are above rounding noise, which AdamW
@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import worker_io
 
-from torchalpa.models.suite import FAST, SUITE
+from torchalpa.suite.cases import FAST, SUITE
 
 SLOW = [name for name in SUITE if name not in FAST]
 NUM_LAUNCHES = 4                      # slow cases are split into this many launches

@@ -49,8 +49,8 @@ def test_each_step_is_written_with_the_stats_it_measured(tmp_path):
     # the plan's flops and peak make an MFU; it is what the stats say it is
     est = pm.plan.estimates
     assert written[-1].mfu == pytest.approx(
-        est["flops_per_step"] / pm.plan.num_devices / written[-1].step_time_s
-        / est["peak_flops_per_device"])
+        est.flops_per_step / pm.plan.num_devices / written[-1].step_time_s
+        / est.peak_flops_per_device)
 
 
 def test_without_tensorboard_the_error_says_what_to_install(monkeypatch, tmp_path):

@@ -73,7 +73,7 @@ def test_styles_plan_exactly_as_the_equivalent_placements():
     assert layouts(by_style) == layouts(by_placements)
     assert [c.to_dict() for c in by_style.collectives] == \
         [c.to_dict() for c in by_placements.collectives]
-    assert by_style.estimates["step_time_s"] == by_placements.estimates["step_time_s"]
+    assert by_style.estimates.step_time_s == by_placements.estimates.step_time_s
     got = layouts(by_style)     # and the layouts are the styles' on the last (tp) axis
     for i in (0, 1):
         assert got[f"layers.{i}.wq.weight"].endswith("S(0)")

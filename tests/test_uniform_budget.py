@@ -79,7 +79,7 @@ def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(gpt_graph,
     monkeypatch.setattr(ExactStages, "_solve_stage", recording_solve)
     _record_stage_plans(monkeypatch, record)
     plan = _search(gpt_graph)
-    assert plan.estimates["memory_per_device_bytes"] <= 0.05 * GB
+    assert plan.estimates.memory_per_device_bytes <= 0.05 * GB
     # the stages record the capped re-solve they were planned with; stage_options, what
     # a user would pass per stage, leaves how hard the ILP worked out
     assert {s.plan.method["auto_sharding_option"]["exact_below"] for s in plan.stages} == \

@@ -63,7 +63,7 @@ def _uniform_plans(graph, cluster):
                     plan = plan_pipeline(graph, cluster, _method(option))
                 except InfeasibleError:
                     continue
-                if plan.estimates["memory_per_device_bytes"] <= cluster.memory_per_device:
+                if plan.estimates.memory_per_device_bytes <= cluster.memory_per_device:
                     yield (pp, (n, m), view), plan
 
 
@@ -87,8 +87,8 @@ def test_search_is_no_slower_than_any_uniform_partition(gpt_graph, monkeypatch, 
     auto = plan_pipeline(gpt_graph, cluster, _method())
     uniform = dict(_uniform_plans(gpt_graph, cluster))
     assert len(uniform) >= 2, f"too few uniform partitions fit to compare: {list(uniform)}"
-    found = auto.estimates["step_time_s"]
+    found = auto.estimates.step_time_s
     for layout, plan in uniform.items():
-        assert found <= plan.estimates["step_time_s"] * (1 + 1e-9), \
-            (layout, found, plan.estimates["step_time_s"], auto.forward_stage_layer_ids,
+        assert found <= plan.estimates.step_time_s * (1 + 1e-9), \
+            (layout, found, plan.estimates.step_time_s, auto.forward_stage_layer_ids,
              auto.submesh_shapes)

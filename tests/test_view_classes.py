@@ -105,7 +105,7 @@ def test_a_plan_priced_on_its_own_view_keeps_its_estimates():
     assert same is not None
     for key in ("step_time_s", "model_state_bytes_per_device", "activation_bytes_per_device",
                 "saved_activation_bytes_per_device"):
-        assert same.estimates[key] == pytest.approx(plan.estimates[key])
+        assert getattr(same.estimates, key) == pytest.approx(getattr(plan.estimates, key))
     moved = reprice(graph, plan, large, method)
     assert moved is not None and moved.mesh_shape == (4, 4)
     assert [s.outputs for s in moved.strategies] == [s.outputs for s in plan.strategies]
@@ -114,8 +114,8 @@ def test_a_plan_priced_on_its_own_view_keeps_its_estimates():
     lean = reprice(graph, plan, large, lean_method, relayout_parameters=True)
     assert lean is not None
     assert all(all(type(p).__name__ == "Shard" for p in v.placements) for v in lean.parameters)
-    assert lean.estimates["model_state_bytes_per_device"] <= \
-        moved.estimates["model_state_bytes_per_device"]
+    assert lean.estimates.model_state_bytes_per_device <= \
+        moved.estimates.model_state_bytes_per_device
 
 
 def test_a_plan_with_a_strided_qkv_weight_carries_over():
@@ -143,7 +143,7 @@ def test_a_plan_with_a_strided_qkv_weight_carries_over():
     assert held["c_attn.weight"] == (Replicate(), strided(0, 3))
     same = reprice(graph, plan, small, method)
     assert same is not None
-    assert same.estimates["step_time_s"] == pytest.approx(plan.estimates["step_time_s"])
+    assert same.estimates.step_time_s == pytest.approx(plan.estimates.step_time_s)
     moved = reprice(graph, plan, large, method)
     assert moved is not None
     assert {v.name: v.placements for v in moved.parameters}["c_attn.weight"] == \
@@ -172,12 +172,12 @@ def test_shared_views_plan_what_solving_every_view_plans(nodes):
                              method.auto_sharding_option)["full"].graph
     shared = plan_pipeline(graph, _cluster(nodes), method)
     every = plan_pipeline(graph, _cluster(nodes), method, share_views=False)
-    assert shared.estimates["layers_repriced"] > 0
-    assert shared.estimates["layer_solves"] < every.estimates["layer_solves"]
+    assert shared.estimates.layers_repriced > 0
+    assert shared.estimates.layer_solves < every.estimates.layer_solves
     assert shared.forward_stage_layer_ids == every.forward_stage_layer_ids
     assert shared.submesh_shapes == every.submesh_shapes
     assert shared.logical_shapes == every.logical_shapes
-    assert shared.estimates["step_time_s"] == pytest.approx(every.estimates["step_time_s"])
-    assert shared.estimates["memory_per_device_bytes"] == pytest.approx(
-        every.estimates["memory_per_device_bytes"])
+    assert shared.estimates.step_time_s == pytest.approx(every.estimates.step_time_s)
+    assert shared.estimates.memory_per_device_bytes == pytest.approx(
+        every.estimates.memory_per_device_bytes)
     assert any("1D views of multi-node submeshes skipped" in n for n in shared.notes)

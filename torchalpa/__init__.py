@@ -3,36 +3,43 @@
     pmodel = torchalpa.auto_parallel(model, example_inputs=(x, y), loss_fn=loss_fn)
     loss = pmodel(x, y); loss.backward(); opt.step()
 
-See README.md and ../shared/DESIGN.md for the architecture.
+See README.md for using it and docs/architecture.md for how it is built.
 """
 
 import importlib
 from typing import TYPE_CHECKING
 
-from torchalpa.core.cluster import Cluster, LogicalMesh
-from torchalpa.core.options import (
-    AutoLayerOption,
-    AutoParallel,
-    AutoShardingOption,
-    DataParallel,
-    Inference,
-    ManualShardingOption,
-    ManualStageOption,
-    PipeshardParallel,
-    ShardParallel,
-    UniformStageOption,
-    Zero2Parallel,
-    Zero3Parallel,
-)
-from torchalpa.core.plan import PipelinePlan, Plan, load_plan
+from torchalpa.core.view_registry import add_view_loader
 
-# the views register themselves with Plan (summary, explain, to_html, to_tp_plan...)
-from torchalpa import views as _views  # noqa: F401  isort: skip
-from torchalpa.interop import tp_plan as _tp_plan  # noqa: F401  isort: skip
+
+def _load_views() -> None:
+    """The views register themselves with Plan (summary, explain, to_html, to_tp_plan...)
+    when one is first asked for (``torchalpa.core.view_registry``)."""
+    importlib.import_module("torchalpa.views")
+    importlib.import_module("torchalpa.interop.tp_plan")
+
+
+add_view_loader(_load_views)
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Partial, Replicate, Shard
 
+    from torchalpa.core.cluster import Cluster, LogicalMesh
+    from torchalpa.core.options import (
+        AutoLayerOption,
+        AutoParallel,
+        AutoShardingOption,
+        DataParallel,
+        Inference,
+        ManualShardingOption,
+        ManualStageOption,
+        PipeshardParallel,
+        ShardParallel,
+        UniformStageOption,
+        Zero2Parallel,
+        Zero3Parallel,
+    )
+    from torchalpa.core.plan import PipelinePlan, Plan, load_plan
     from torchalpa.interop.stablehlo_export import export_stablehlo
     from torchalpa.ops.markers import mark_pipeline_boundary
     from torchalpa.parallel.api import auto_parallel, plan
@@ -47,9 +54,16 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# Names that need torch or the runtime are imported on first use (PEP 562), so that
-# `import torchalpa.passes.sharding.ilp` (or any pass) loads neither torch nor torch.distributed.
+# Every name is imported on first use (PEP 562), so that `import torchalpa.passes.sharding.ilp` (or
+# any pass) loads neither torch nor torch.distributed, and `torchalpa --help` loads nothing.
+_OPTIONS = ("AutoLayerOption", "AutoParallel", "AutoShardingOption", "DataParallel", "Inference",
+            "ManualShardingOption", "ManualStageOption", "PipeshardParallel", "ShardParallel",
+            "UniformStageOption", "Zero2Parallel", "Zero3Parallel")
 _LAZY = {
+    **dict.fromkeys(_OPTIONS, "torchalpa.core.options"),
+    "Cluster": "torchalpa.core.cluster", "LogicalMesh": "torchalpa.core.cluster",
+    "Plan": "torchalpa.core.plan", "PipelinePlan": "torchalpa.core.plan",
+    "load_plan": "torchalpa.core.plan",
     "auto_parallel": "torchalpa.parallel.api", "plan": "torchalpa.parallel.api",
     "mark_pipeline_boundary": "torchalpa.ops.markers",
     "save_checkpoint": "torchalpa.runtime.state.checkpoint",

@@ -18,10 +18,13 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
+from torchalpa.core.cluster import Submesh, View
 from torchalpa.core.options import AutoShardingOption
 from torchalpa.core.plan import Plan
+from torchalpa.core.plan_records import known
 from torchalpa.passes.pipeline_search.layer_cache import SolveCache
 from torchalpa.passes.pipeline_search.layer_costs import micro_batch_seconds
+from torchalpa.passes.pipeline_search.search_keys import PlanKey, Stage
 from torchalpa.passes.pipeline_search.search_problem import SearchProblem
 from torchalpa.passes.pipeline_search.stage_costs import StageCosts
 from torchalpa.passes.pipeline_search.stage_jobs import StageJobs
@@ -31,15 +34,8 @@ from torchalpa.passes.pipeline_search.transplant import transplant
 from torchalpa.passes.pricing.memory import in_flight_bytes
 from torchalpa.passes.sharding.ilp import InfeasibleError
 
-__all__ = ["ExactStages", "Stage", "PlanKey"]
+__all__ = ["ExactStages"]
 
-View = tuple[int, ...]
-Submesh = tuple[int, int]
-Stage = tuple[int, int, Submesh, View, int, bool]
-"""A stage to price: (first layer, last layer, submesh, view, in flight, recompute)."""
-PlanKey = tuple[int, int, Submesh, View, bool, int, bool]
-"""A stage plan made by the search: (first, last, submesh, view, lean, in flight,
-recompute)."""
 Memory = tuple[float, float, float]
 """A stage plan's model states, one micro-batch's activation peak and what it saves for
 backward, per device."""
@@ -161,10 +157,10 @@ class ExactStages:
             return False
         found = self.cache.peek(self._stage_key(k, i, submesh, view, fewer, recompute, budget))
         lean = found[1]
-        plan = self.exact_plans.get((k, i, submesh, view, lean, fewer, recompute))
+        plan = self.exact_plans.get(PlanKey(k, i, submesh, view, lean, fewer, recompute))
         self.cache.put(self._stage_key(k, i, submesh, view, flight, recompute, budget), found)
         if plan is not None:
-            self.exact_plans[(k, i, submesh, view, lean, flight, recompute)] = plan
+            self.exact_plans[PlanKey(k, i, submesh, view, lean, flight, recompute)] = plan
         self.reused_in_flight += 1
         return True
 
@@ -190,19 +186,22 @@ class ExactStages:
         micro-batches in flight, or with fewer and still fitting (the argument of
         ``_reuse_fewer_in_flight``). None if there is none."""
         shape = self.problem.range_shape(k, i)
-        for (k2, i2, sm, v, ln, f2, rc), plan in list(self.exact_plans.items()):
-            if (sm, v, ln, rc) != (submesh, view, lean, recompute) or (k2, i2) == (k, i) \
-                    or f2 > flight or self.problem.range_shape(k2, i2) != shape:
+        for key, plan in list(self.exact_plans.items()):
+            if (key.submesh, key.view, key.lean, key.recompute) != (submesh, view, lean,
+                                                                     recompute) \
+                    or (key.first, key.last) == (k, i) or key.in_flight > flight \
+                    or self.problem.range_shape(key.first, key.last) != shape:
                 continue
             e = plan.estimates
-            memory = (e["model_state_bytes_per_device"], e["activation_bytes_per_device"],
-                      e["saved_activation_bytes_per_device"])
-            if f2 < flight and not self._fits(memory, k, i, flight, recompute):
+            memory = (known(e.model_state_bytes_per_device),
+                      known(e.activation_bytes_per_device),
+                      known(e.saved_activation_bytes_per_device))
+            if key.in_flight < flight and not self._fits(memory, k, i, flight, recompute):
                 continue
-            moved = transplant(plan, self.problem.stage_graph(k2, i2), request.graph,
+            moved = transplant(plan, self.problem.stage_graph(key.first, key.last), request.graph,
                                request.mesh, request.method, request.inputs, self.memo)
             if moved is not None:
-                self.exact_plans[(k, i, submesh, view, lean, flight, recompute)] = moved
+                self.exact_plans[PlanKey(k, i, submesh, view, lean, flight, recompute)] = moved
                 self.transplanted += 1
                 return moved
         return None
@@ -248,13 +247,13 @@ class ExactStages:
         for workers that would be idle, the most in flight of a range (the solve the
         fewest one is least likely to answer)."""
         fewest: dict[tuple, tuple[tuple, Stage]] = {}
-        for key, stage in sorted(todo.items(), key=lambda item: item[1][4]):
+        for key, stage in sorted(todo.items(), key=lambda item: item[1].in_flight):
             k, i, submesh, view, _, recompute = stage
             fewest.setdefault(self._stage_key(k, i, submesh, view, 0, recompute, budget),
                               (key, stage))
         wave = list(fewest.values())
         spare = sorted((item for item in todo.items() if item not in wave),
-                       key=lambda item: -item[1][4])
+                       key=lambda item: -item[1].in_flight)
         return wave + spare[:max(0, workers - len(wave))]
 
     def _guesses(self, todo: dict[tuple, Stage], budget: float | None,
@@ -263,7 +262,7 @@ class ExactStages:
         a range (which the fewest one answers least often); then what later rounds may
         ask for."""
         wave = sorted((item for item in todo.items() if self._is_open(*item, budget)),
-                      key=lambda item: -item[1][4])
+                      key=lambda item: -item[1].in_flight)
         rounds = [(self._stage_key(*stage), stage) for stage in later()]
         return [(key, self._job(stage, budget)) for key, stage in wave] + \
             [(key, self._job(stage, None)) for key, stage in rounds
@@ -328,10 +327,10 @@ class ExactStages:
                     1 if received is not None else in_flight_batches), self.memo)
             except InfeasibleError:
                 continue
-            self.exact_plans[(k, i, submesh, view, lean, in_flight_batches,
-                              received is not None)] = plan
+            self.exact_plans[PlanKey(k, i, submesh, view, lean, in_flight_batches,
+                                     received is not None)] = plan
             e = plan.estimates
             return micro_batch_seconds(e, method.num_micro_batches), lean, (
-                e["model_state_bytes_per_device"], e["activation_bytes_per_device"],
-                e["saved_activation_bytes_per_device"])
+                known(e.model_state_bytes_per_device), known(e.activation_bytes_per_device),
+                known(e.saved_activation_bytes_per_device))
         return None, False, None

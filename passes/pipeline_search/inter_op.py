@@ -35,7 +35,6 @@ from torchalpa.core.cluster import Cluster
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import ManualStageOption, PipeshardParallel, UniformStageOption
 from torchalpa.core.plan import PipelinePlan
-from torchalpa.core.plan_records import Estimates
 from torchalpa.passes.pipeline_search.exact_stages import ExactStages
 from torchalpa.passes.pipeline_search.given_stages import manual_stages, uniform_stages
 from torchalpa.passes.pipeline_search.layer_cache import SolveCache, layer_signatures
@@ -43,6 +42,7 @@ from torchalpa.passes.pipeline_search.layer_costs import LayerCosts, micro_batch
 from torchalpa.passes.pipeline_search.layers import assign_layers
 from torchalpa.passes.pipeline_search.pipeline_assembly import assemble_pipeline, fastest_of
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
+from torchalpa.passes.pipeline_search.search_keys import GivenStage
 from torchalpa.passes.pipeline_search.search_problem import SearchProblem
 from torchalpa.passes.pipeline_search.stage_costs import StageCosts
 from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
@@ -102,11 +102,11 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
              searched - start, time.perf_counter() - searched, exact.transplanted,
              exact.reused_in_flight)
     return replace(plan, notes=plan.notes + tuple(chosen.notes),
-                   estimates=Estimates.from_dict(dict(
+                   estimates=replace(
                        plan.estimates, search_seconds=searched - start,
                        layer_solves=layers.solves, layers_repriced=layers.repriced,
                        stage_solves=exact.exact_solves,
-                       total_seconds=time.perf_counter() - start)))
+                       total_seconds=time.perf_counter() - start))
 
 
 @dataclass
@@ -117,7 +117,7 @@ class _Choice:
 
     stages: list
     recompute: list[bool] | None = None
-    uniform: list[list[tuple]] = field(default_factory=list)
+    uniform: list[list[GivenStage]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -155,11 +155,11 @@ def _search(costs: StageCosts, exact: ExactStages, workers: int, start: float) -
                               f" {e}") from e
     log.info("pipeline search: %d stage candidates priced exactly (%d stage solves)",
              found.num_priced, exact.exact_solves)
-    stages = [(s.layers, s.submesh, view, option)
-              for s, (view, option, _) in zip(found.solution.stages, found.stages)]
+    stages = [(s.layers, s.submesh, chosen.view, chosen.option)
+              for s, chosen in zip(found.solution.stages, found.stages)]
     notes = view_notes(shapes, problem.dims, layers.share_views and
                        method.auto_sharding_option.allow_mixed_mesh_shape)
-    return _Choice(stages, [r for _, _, r in found.stages], found.uniform, notes)
+    return _Choice(stages, [chosen.recompute for chosen in found.stages], found.uniform, notes)
 
 
 def _assemble(problem: SearchProblem, chosen: _Choice, layers: LayerCosts,
@@ -179,7 +179,7 @@ def _assemble(problem: SearchProblem, chosen: _Choice, layers: LayerCosts,
     plan = assemble(chosen.stages, chosen.recompute,
                     timed if all(t is not None for t in timed) else None)
     return fastest_of(plan, chosen.uniform, lambda alternative: assemble(
-        [st[:4] for st in alternative], [st[4] for st in alternative]))
+        [st.layout for st in alternative], [st.recompute for st in alternative]))
 
 
 @dataclass(frozen=True)

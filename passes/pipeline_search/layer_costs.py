@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.cluster import LogicalMesh, Submesh, View
 from torchalpa.core.opgraph import GraphOutputs, OpGraph
 from torchalpa.core.options import ShardParallel
 from torchalpa.core.plan import Plan
+from torchalpa.core.plan_records import Estimates, known
 from torchalpa.passes.pipeline_search.layer_cache import SolveCache
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.pipeline_search.search_problem import SearchProblem
@@ -38,8 +39,6 @@ from torchalpa.passes.sharding.intra_op import plan_intra_op
 
 __all__ = ["Estimate", "estimate_of", "micro_batch_seconds", "stage_memory", "LayerCosts"]
 
-View = tuple[int, ...]
-Submesh = tuple[int, int]
 Member = tuple[View, Submesh]        # a view of a submesh
 
 
@@ -53,14 +52,14 @@ class Estimate:
     saved: float           # what one micro-batch holds between its forward and backward
 
 
-def micro_batch_seconds(estimates, num_micro_batches: int) -> float:
+def micro_batch_seconds(estimates: Estimates, num_micro_batches: int) -> float:
     """A stage plan's seconds per micro-batch in a pipeline of ``num_micro_batches``: what
     it runs for every micro-batch, plus its share of what it runs once per step
     (``once_per_step_s``: the gradients' final resharding, the optimizer), so that Alpa's
     objective (the sum of the stages' latencies plus ``B - 1`` times the slowest) counts
     those once, not ``B`` times."""
-    once = estimates.get("once_per_step_s") or 0.0
-    return estimates["step_time_s"] - once + once / num_micro_batches
+    once = estimates.once_per_step_s or 0.0
+    return known(estimates.step_time_s) - once + once / num_micro_batches
 
 
 def estimate_of(plan: Plan | None, num_micro_batches: int) -> Estimate | None:
@@ -70,8 +69,8 @@ def estimate_of(plan: Plan | None, num_micro_batches: int) -> Estimate | None:
         return None
     e = plan.estimates
     return Estimate(micro_batch_seconds(e, num_micro_batches),
-                    e["model_state_bytes_per_device"], e["activation_bytes_per_device"],
-                    e["saved_activation_bytes_per_device"])
+                    known(e.model_state_bytes_per_device), known(e.activation_bytes_per_device),
+                    known(e.saved_activation_bytes_per_device))
 
 
 def stage_memory(parts: list[Estimate], in_flight_batches: int) -> float:

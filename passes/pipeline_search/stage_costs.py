@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 
+from torchalpa.core.cluster import Submesh, View
 from torchalpa.passes.pipeline_search.layer_costs import Estimate, LayerCosts, stage_memory
+from torchalpa.passes.pipeline_search.search_keys import Candidate, Variant
 from torchalpa.passes.pipeline_search.search_problem import SearchProblem
 from torchalpa.passes.pipeline_search.stage_recompute import (
     FORWARD_SHARE,
@@ -26,12 +28,6 @@ from torchalpa.passes.pipeline_search.stage_transfers import once_per_step
 
 __all__ = ["StageCosts", "Candidate", "Variant"]
 
-View = tuple[int, ...]
-Submesh = tuple[int, int]
-Variant = tuple[View, bool, bool]
-"""How a stage is planned: (logical view, lean, recompute)."""
-Candidate = tuple[float, float, View, bool, bool]
-"""(latency, additive memory, view, lean, recompute) of a stage."""
 
 
 class StageCosts:
@@ -94,7 +90,7 @@ class StageCosts:
                     continue
                 memory = stage_memory(parts, in_flight_batches)
                 seconds = sum(p.seconds for p in parts)
-                out.append((seconds + sends, memory, view, lean, False))
+                out.append(Candidate(seconds + sends, memory, view, lean, False))
                 if self.stage_recompute:
                     out.append(self._recomputed(k, i, parts, seconds + sends, view, lean,
                                                 in_flight_batches))
@@ -111,13 +107,13 @@ class StageCosts:
         peak = saved + max(p.activations - p.saved for p in parts)
         memory = recompute_memory(sum(p.state for p in parts), peak, self.received(k, i),
                                   in_flight_batches)
-        return seconds + compute * FORWARD_SHARE, memory, view, lean, True
+        return Candidate(seconds + compute * FORWARD_SHARE, memory, view, lean, True)
 
     def cost(self, k: int, i: int, submesh: Submesh, in_flight_batches: int
              ) -> tuple[float, Variant | None]:
         """(latency, (best logical view, lean, recompute)) of layers k..i on ``submesh``,
         inf if none fits by the additive estimate."""
         budget = self.problem.budget()
-        fits = [(t, (view, lean, recompute)) for t, memory, view, lean, recompute in
-                self.candidates(k, i, submesh, in_flight_batches) if memory <= budget]
+        fits = [(c.latency, c.variant) for c in self.candidates(k, i, submesh, in_flight_batches)
+                if c.memory <= budget]
         return min(fits, key=lambda c: c[0]) if fits else (math.inf, None)

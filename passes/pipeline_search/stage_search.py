@@ -23,10 +23,11 @@ import logging
 import math
 from dataclasses import dataclass, replace
 
-from torchalpa.core.cluster import Cluster
+from torchalpa.core.cluster import Cluster, Submesh, View
 from torchalpa.core.options import AutoShardingOption
-from torchalpa.passes.pipeline_search.exact_stages import ExactStages, Stage
-from torchalpa.passes.pipeline_search.stage_costs import StageCosts, Variant
+from torchalpa.passes.pipeline_search.exact_stages import ExactStages
+from torchalpa.passes.pipeline_search.search_keys import Chosen, GivenStage, Stage, Variant
+from torchalpa.passes.pipeline_search.stage_costs import StageCosts
 from torchalpa.passes.pipeline_search.stage_jobs import StageJobs
 from torchalpa.passes.pipeline_search.stages import PipelineSolution, stage_dp
 
@@ -56,17 +57,10 @@ what a stage's own ILP saves across its layers (GPT-15B's two-layer stages on (1
 (2, 4): dearer by the sums, cheaper exactly), so a uniform partition the sums rank just
 behind the answer may beat it; ``math.inf`` prices every uniform partition."""
 
-View = tuple[int, ...]
-Submesh = tuple[int, int]
 Key = tuple[int, int, int, int]
 """A candidate stage of the DP: (first layer, last layer, submesh index, in flight)."""
 Pick = tuple[Key, Variant]
 """A candidate stage and the variant to price it as."""
-Chosen = tuple[View, AutoShardingOption | None, bool]
-"""How a stage of the answer is planned: (view, option: None for the method's own,
-recompute)."""
-Given = tuple[tuple[int, int], Submesh, View, AutoShardingOption | None, bool]
-"""A stage of a uniform partition: ((first, last), submesh, view, option, recompute)."""
 
 
 @dataclass
@@ -78,7 +72,7 @@ class SearchResult:
     solution: PipelineSolution
     stages: list[Chosen]
     num_priced: int
-    uniform: list[list[Given]]
+    uniform: list[list[GivenStage]]
 
 
 class VariantTable:
@@ -92,13 +86,14 @@ class VariantTable:
         # a variant's additive estimate does not change between rounds (only ``priced``)
         self._additive: dict[tuple[Key, bool], dict[tuple[View, bool],
                                                     tuple[float, Variant]]] = {}
-        self.choice: dict[Key, tuple[tuple, bool] | None] = {}    # key -> (picked, exact?)
+        # key -> (picked, exact?): an exact variant's Chosen, else the additive Variant
+        self.choice: dict[Key, tuple[Variant | Chosen, bool] | None] = {}
 
     def cost(self, key: Key, guess: bool = True) -> float:
         """A stage's latency: its cheapest variant, exact where it was priced so, else the
         per-layer sum or, with ``guess``, the optimistic estimate (a stage the sum calls
         too big, to be priced exactly if the DP picks it). Records the variant taken."""
-        best: tuple[float, tuple[tuple, bool] | None] = (math.inf, None)
+        best: tuple[float, tuple[Variant | Chosen, bool] | None] = (math.inf, None)
         priced = self.priced.get(key, {})
         for variant, (latency, chosen) in self._additive_of(key, guess).items():
             if variant not in priced and latency < best[0]:
@@ -122,9 +117,9 @@ class VariantTable:
                option: AutoShardingOption | None) -> None:
         """Replace a variant's estimate by its exact price (inf: no plan fits)."""
         self.priced.setdefault(key, {})[view, recompute] = (
-            latency, (view, option, recompute) if math.isfinite(latency) else None)
+            latency, Chosen(view, option, recompute) if math.isfinite(latency) else None)
 
-    def picked(self, key: Key) -> tuple[tuple, bool]:
+    def picked(self, key: Key) -> tuple[Variant | Chosen, bool]:
         """The variant the DP took for ``key`` and whether it is exact."""
         picked = self.choice[key]
         assert picked is not None, "the DP chose a stage with no plan"
@@ -236,8 +231,13 @@ class StageSearch:
 
     def _inexact_picks(self, solution: PipelineSolution) -> list[Pick]:
         """The stages of ``solution`` whose variant is not priced exactly yet."""
-        return [(key, picked) for key in self._keys(solution)
-                for picked, is_exact in [self.table.picked(key)] if not is_exact]
+        out: list[Pick] = []
+        for key in self._keys(solution):
+            picked, is_exact = self.table.picked(key)
+            if not is_exact:
+                assert isinstance(picked, Variant)     # additive: a Variant; exact: a Chosen
+                out.append((key, picked))
+        return out
 
     def _price(self, picks: list[Pick], budget: float | None, jobs: StageJobs) -> None:
         """Price ``picks`` exactly (solves within ``budget`` seconds each, if given)."""
@@ -250,7 +250,7 @@ class StageSearch:
 
     def _stage(self, key: Key, view: View, recompute: bool) -> Stage:
         k, i, j, flight = key
-        return k, i, self.shapes[j], view, flight, recompute
+        return Stage(k, i, self.shapes[j], view, flight, recompute)
 
     def _next_round(self) -> list[Stage]:
         """The stages the DP's answer prices next if every stage of this round not yet
@@ -300,7 +300,7 @@ class StageSearch:
         per = self.num_layers // pp
         return [(s * per, (s + 1) * per - 1, j, self._flight(pp - 1 - s)) for s in range(pp)]
 
-    def _uniform_exact(self) -> list[list[Given]]:
+    def _uniform_exact(self) -> list[list[GivenStage]]:
         """Every uniform partition whose stages on one view were all priced exactly and
         fit, as stages ((first, last), submesh, view, option, recompute)."""
         out = []
@@ -311,8 +311,8 @@ class StageSearch:
                     chosen = self.table.exact_on(key, view)
                     if chosen is None:
                         break
-                    _, option, recompute = chosen
-                    stages.append((key[:2], self.shapes[j], view, option, recompute))
+                    stages.append(GivenStage((key[0], key[1]), self.shapes[j], view,
+                                             chosen.option, chosen.recompute))
                 else:
                     out.append(stages)
         return out
@@ -320,16 +320,17 @@ class StageSearch:
     def _chosen(self, solution: PipelineSolution) -> list[Chosen]:
         """How each stage of ``solution`` is planned: its exact variant's, or, where the
         DP ran on measured times, its additive variant's (view, option, recompute)."""
-        stages = []
+        stages: list[Chosen] = []
         for key in self._keys(solution):
             picked, is_exact = self.table.picked(key)
             if is_exact:
+                assert isinstance(picked, Chosen)
                 stages.append(picked)
             else:
                 view, lean, recompute = picked
-                stages.append((view, replace(self.costs.problem.method.auto_sharding_option,
-                                             parameters="sharded") if lean else None,
-                               recompute))
+                stages.append(Chosen(view, replace(
+                    self.costs.problem.method.auto_sharding_option, parameters="sharded")
+                    if lean else None, recompute))
         return stages
 
 
@@ -348,8 +349,8 @@ def variants(costs: StageCosts, k: int, i: int, submesh: Submesh, flight: int,
     ``MEMORY_SLACK`` x the budget of fitting: the fastest such plan per variant."""
     limit = (MEMORY_SLACK if guess else 1.0) * costs.problem.budget()
     out: dict[tuple[View, bool], tuple[float, Variant]] = {}
-    for latency, memory, view, lean, recompute in costs.candidates(k, i, submesh, flight):
-        if memory <= limit and ((view, recompute) not in out or
-                                latency < out[view, recompute][0]):
-            out[view, recompute] = (latency, (view, lean, recompute))
+    for c in costs.candidates(k, i, submesh, flight):
+        if c.memory <= limit and ((c.view, c.recompute) not in out or
+                                  c.latency < out[c.view, c.recompute][0]):
+            out[c.view, c.recompute] = (c.latency, c.variant)
     return out

@@ -19,7 +19,7 @@ from dataclasses import replace
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.plan import Plan
-from torchalpa.core.plan_records import Estimates
+from torchalpa.core.plan_records import known
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.sharding.strategies import Strategy
 
@@ -73,16 +73,18 @@ def transplant(plan: Plan, donor: OpGraph, graph: OpGraph, mesh: LogicalMesh, me
         chosen[node.name] = found
     moved = merge_gradient_all_reduces(
         assemble_plan(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
-    was, now = plan.estimates["step_time_s"], moved.estimates["step_time_s"]
+    was, now = known(plan.estimates.step_time_s), known(moved.estimates.step_time_s)
     if not math.isclose(was, now, rel_tol=1e-9, abs_tol=1e-15):
         return None
-    kept = {k: plan.estimates[k] for k in ("objective", "solve_seconds", "ilp_seconds",
-                                           "ilp_variables", "num_strategies",
-                                           "num_decisions", "flops_per_step",
-                                           "peak_flops_per_device", "memory_budget_bytes")
-            if k in plan.estimates}
+    e = plan.estimates
+    kept = {k: v for k, v in (
+        ("objective", e.objective), ("solve_seconds", e.solve_seconds),
+        ("ilp_seconds", e.ilp_seconds), ("ilp_variables", e.ilp_variables),
+        ("num_strategies", e.num_strategies), ("num_decisions", e.num_decisions),
+        ("flops_per_step", e.flops_per_step), ("peak_flops_per_device", e.peak_flops_per_device),
+        ("memory_budget_bytes", e.memory_budget_bytes)) if v is not None}
     target = planned_for(mesh, option.memory_budget_per_device or mesh.memory_per_device)
-    return replace(moved, estimates=Estimates.from_dict(dict(moved.estimates, **kept)),
+    return replace(moved, estimates=replace(moved.estimates, **kept),
                    notes=moved.notes + ((target,) if target else ()))
 
 

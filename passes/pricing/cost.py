@@ -1,12 +1,8 @@
 """Alpa's cost model: alpha-beta collectives per mesh axis, a compute roofline.
 
-Collective costs for ``n`` devices on an axis with latency ``a`` and inverse bandwidth
-``b``, where ``B`` is the size of the whole tensor the collective produces or reduces:
-all-gather ``a + b(n-1)/n B``, all-reduce ``a + 2b(n-1)/n B``, reduce-scatter
-``a + b(n-1)/n B``, all-to-all ``a + b(n-1)/n^2 B n/2``. Steps record what each rank
-contributes, so for an all-gather or all-to-all ``B`` is that contribution times ``n``.
-
-On gloo a reduce-scatter is an all-reduce underneath and costs as much.
+Collective costs and wire bytes are ``torchalpa/core/collective_math.py``'s (Alpa's
+alpha-beta forms per mesh axis; on gloo a reduce-scatter costs an all-reduce), shared with
+the views' reports.
 
 Gradient reductions are bucketed by the runtime (``runtime/rewrites/buckets.py``, as DDP and FSDP2
 do): when the mesh says so (``gradient_bucket_bytes``), a gradient's all-reduce or
@@ -39,6 +35,7 @@ forward's saved statistic, a CUDA one runs the forward again).
 from __future__ import annotations
 
 from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.collective_math import alpha_beta_seconds, wire_bytes
 from torchalpa.core.opgraph import OpGraph, OpNode
 from torchalpa.core.placement import Placements, is_shard
 from torchalpa.core.plan import bucketed_prefix
@@ -55,37 +52,8 @@ def collective_cost(mesh: LogicalMesh, kind: str, axis: int, nbytes: float) -> f
     if n == 1 or kind in ("slice", "partition"):
         return 0.0
     assert mesh.alpha is not None and mesh.beta is not None  # LogicalMesh.__post_init__
-    a, b = mesh.alpha[axis], mesh.beta[axis]
-    if kind == "all_reduce":
-        return a + 2 * b * (n - 1) / n * nbytes
-    if kind == "all_gather":
-        return a + b * (n - 1) / n * (nbytes * n)
-    if kind == "reduce_scatter":
-        if mesh.backend == "gloo":  # gloo reduces everything everywhere, then keeps a block
-            return a + 2 * b * (n - 1) / n * nbytes
-        return a + b * (n - 1) / n * nbytes
-    if kind == "all_to_all":
-        return a + b * (n - 1) / n ** 2 * (nbytes * n) * (n / 2)
-    if kind == "send_recv":
-        return a + b * nbytes
-    raise ValueError(f"unknown collective kind {kind!r}")
-
-
-def wire_bytes(kind: str, n: int, nbytes: float, backend: str = "nccl") -> float:
-    """Bytes one collective puts on the network, all ``n`` ranks together, for ring
-    algorithms (``nbytes``: each rank's contribution). Matches what gloo sends on
-    loopback (benchmarks/collective_bytes.py)."""
-    if n == 1 or kind in ("slice", "partition"):
-        return 0.0
-    if kind == "all_reduce" or (kind == "reduce_scatter" and backend == "gloo"):
-        return 2 * (n - 1) * nbytes
-    if kind == "all_gather":
-        return (n - 1) * n * nbytes
-    if kind in ("reduce_scatter", "all_to_all"):
-        return (n - 1) * nbytes
-    if kind == "send_recv":
-        return nbytes
-    raise ValueError(f"unknown collective kind {kind!r}")
+    return alpha_beta_seconds(kind, n, nbytes, mesh.alpha[axis], mesh.beta[axis],
+                              mesh.backend)
 
 
 def all_reduce_cost(mesh: LogicalMesh, nbytes: float, axis: int) -> float:

@@ -185,8 +185,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
                             by_size=option.force_simple_heuristic == "shard-largest")
         plan = merge_gradient_all_reduces(
             assemble_plan(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
-        return replace_estimates(plan, dict(plan.estimates, objective=plan.estimates[
-            "step_time_s"], solve_seconds=time.perf_counter() - start))
+        return replace_estimates(plan, objective=plan.estimates.step_time_s,
+                                 solve_seconds=time.perf_counter() - start)
     ilp = _IntraOpILP(graph, mesh, method, option, space, costs, blocks, in_flight, deadline)
     built = time.perf_counter()
     best = ilp.best()
@@ -349,15 +349,14 @@ def _with_solve_figures(plan: Plan, graph: OpGraph, mesh: LogicalMesh, space: St
              mesh.shape, len(graph), len(cg.node_costs), num_strategies, cg.num_priced,
              cg.num_edges, solution.num_variables, solution.seconds, built - start,
              solution.objective)
-    estimates = dict(plan.estimates, objective=solution.objective, solve_seconds=seconds,
-                     ilp_seconds=solution.seconds, ilp_variables=solution.num_variables,
-                     num_strategies=num_strategies, num_decisions=len(cg.node_costs),
-                     flops_per_step=float(sum(node.flops for node in graph)))
-    if mesh.peak_flops is not None:      # with flops_per_step: the MFU of a measured step
-        estimates["peak_flops_per_device"] = float(mesh.peak_flops)
-    if budget:
-        estimates["memory_budget_bytes"] = float(budget)
-    plan = replace_estimates(plan, estimates)
+    plan = replace_estimates(
+        plan, objective=solution.objective, solve_seconds=seconds,
+        ilp_seconds=solution.seconds, ilp_variables=solution.num_variables,
+        num_strategies=num_strategies, num_decisions=len(cg.node_costs),
+        flops_per_step=float(sum(node.flops for node in graph)),
+        # with flops_per_step: the MFU of a measured step
+        peak_flops_per_device=None if mesh.peak_flops is None else float(mesh.peak_flops),
+        memory_budget_bytes=float(budget) if budget else None)
     target = planned_for(mesh, budget)
     return replace(plan, notes=plan.notes + (target,)) if target else plan
 

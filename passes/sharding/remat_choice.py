@@ -81,7 +81,7 @@ def plan_with_remat(variants: dict[str, C], solve: Callable[[C], Any],
     failures: dict[str, Exception] = {}
     skipped: dict[str, float] = {}
     for mode, captured in variants.items():
-        fitting = [p.estimates["step_time_s"] for p in plans.values() if _fits(p)]
+        fitting = [p.estimates.step_time_s for p in plans.values() if _fits(p)]
         if lower_bound is not None and fitting:
             bound = lower_bound(captured)
             if bound >= min(fitting):
@@ -96,10 +96,10 @@ def plan_with_remat(variants: dict[str, C], solve: Callable[[C], Any],
             raise next(iter(failures.values()))
         raise InfeasibleError("no plan fits, with or without activation checkpointing:\n"
                               + "\n".join(f"  remat={m}: {e}" for m, e in failures.items()))
-    best = min(plans, key=lambda m: plans[m].estimates["step_time_s"])
+    best = min(plans, key=lambda m: plans[m].estimates.step_time_s)
     notes = [remat_note(best, graph_of(variants[best]))]
     if len(variants) > 1:
-        tried = ", ".join(f"{m}: {plans[m].estimates['step_time_s'] * 1e3:.4g} ms"
+        tried = ", ".join(f"{m}: {plans[m].estimates.step_time_s * 1e3:.4g} ms"
                           if m in plans else
                           f"{m}: not planned, its compute alone takes {skipped[m] * 1e3:.4g} ms"
                           if m in skipped else f"{m}: does not fit" for m in variants)
@@ -112,9 +112,9 @@ def plan_with_remat(variants: dict[str, C], solve: Callable[[C], Any],
 def _fits(plan) -> bool:
     """Whether the plan's estimated peak is within the budget it records (when it records
     both): only such a plan may stop another capture from being planned."""
-    peak = plan.estimates.get("memory_per_device_bytes")
-    budget = plan.estimates.get("memory_budget_per_device_bytes") or \
-        plan.estimates.get("memory_budget_bytes")
+    peak = plan.estimates.memory_per_device_bytes
+    budget = plan.estimates.memory_budget_per_device_bytes or \
+        plan.estimates.memory_budget_bytes
     return peak is None or not budget or peak <= budget
 
 

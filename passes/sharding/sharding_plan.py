@@ -29,7 +29,7 @@ from torchalpa.core.plan import (
     ValuePlacement,
     state_read_once,
 )
-from torchalpa.core.plan_records import Estimates, Explanation, LayoutCost
+from torchalpa.core.plan_records import Estimates, Explanation, LayoutCost, known
 from torchalpa.passes.pricing.attention_price import saved_statistics
 from torchalpa.passes.pricing.cost import (
     batch_sync_cost,
@@ -49,9 +49,9 @@ from torchalpa.passes.sharding.strategies import Strategy, StrategySpace, sync_s
 __all__ = ["assemble_plan", "merge_gradient_all_reduces", "replace_estimates"]
 
 
-def replace_estimates(plan: Plan, estimates: dict) -> Plan:
-    """``plan`` with ``estimates`` (a dict of ``Estimates`` fields)."""
-    return replace(plan, estimates=Estimates.from_dict(estimates))
+def replace_estimates(plan: Plan, **changes) -> Plan:
+    """``plan`` with the named ``Estimates`` fields set to new values."""
+    return replace(plan, estimates=replace(plan.estimates, **changes))
 
 
 def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
@@ -310,7 +310,7 @@ def merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
     """Alpa's all-reduce combiner on the plan: gradient all-reduces on one mesh axis are
     packed, in order, into buckets of at most ``all_reduce_threshold`` bytes; each bucket
     pays one latency instead of one per gradient. The buckets are listed in
-    ``estimates['gradient_buckets']`` (their tensors, and the positions of their
+    ``estimates.gradient_buckets`` (their tensors, and the positions of their
     collectives in ``plan.collectives``); the collectives stay listed one per gradient."""
     threshold = option.all_reduce_threshold
     if threshold is None:
@@ -342,9 +342,9 @@ def merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
     saved = 0.0 if mesh.gradient_bucket_bytes > 0 else \
         sum((len(b["tensors"]) - 1) * mesh.alpha[b["axis"]] for b in buckets)
     e = plan.estimates
-    return replace_estimates(plan, dict(e, gradient_buckets=buckets,
-                                         step_time_s=e["step_time_s"] - saved,
-                                         communication_s=e["communication_s"] - saved))
+    return replace_estimates(plan, gradient_buckets=buckets,
+                             step_time_s=known(e.step_time_s) - saved,
+                             communication_s=known(e.communication_s) - saved)
 
 
 def _gradient_values(graph: OpGraph) -> set[tuple[str, int]]:

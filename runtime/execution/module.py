@@ -64,7 +64,7 @@ from torchalpa.runtime.resilience.replicas import (
     raise_on_every_rank,
 )
 from torchalpa.runtime.resilience.replicas import check_replicas as _check_replicas
-from torchalpa.runtime.rewrites.buckets import LossInBucket, collective_position, gradient_buckets
+from torchalpa.runtime.rewrites.buckets import LossInBucket
 from torchalpa.runtime.serving.inference import ForwardPrograms
 
 __all__ = ["ParallelModule", "to_dtensor_placements", "distribute_module_state"]
@@ -214,7 +214,10 @@ class ParallelModule(nn.Module):
             else bool(check_replicas)
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self._clock = StepClock(device)
-        self._loss_in_bucket = self._listed_loss_in_bucket()
+        # where the plan lists the loss sent in a gradient bucket by train_step (decided
+        # with the step's programs, runtime.rewrites.program_rewrites.step_programs; None: it is not)
+        in_bucket = runner.program.loss_in_bucket
+        self._loss_in_bucket = None if in_bucket is None else in_bucket.listed
         self._last_loss_in_bucket: LossInBucket | None = None   # the last step's, if any
         self._slots: dict[str, tuple[dict, str]] = {}   # name -> (owner's entries, key)
         self._exact_optimizer: tuple = (None, False)     # (its key, holds exactly our params)
@@ -508,23 +511,6 @@ class ParallelModule(nn.Module):
         return issued_collectives(self._stage_plan, self.num_micro_batches,
                                   loss_in_bucket=self._loss_in_bucket if train_step else None,
                                   one_stage=self._one_stage)
-
-    def _listed_loss_in_bucket(self) -> LossInBucket | None:
-        """Where the plan lists the loss's all-reduce when ``train_step`` sends it inside a
-        gradient bucket (None: it does not). The programs for it are given up when the plan
-        cannot name it, or the loss's part is not one element of the bucket's size: the
-        loss then keeps its collective."""
-        programs = self._runner.program.loss_in_bucket
-        if programs is None:
-            return None
-        consumer, slot, index = programs.plan_step
-        plan = self._stage_plan
-        position = collective_position(plan, consumer, slot, index)
-        buckets = gradient_buckets(plan)
-        if position is None or programs.bucket >= len(buckets) \
-                or plan.collectives[position].bytes != buckets[programs.bucket].itemsize:
-            return None
-        return LossInBucket(position, programs.bucket)
 
     def profile(self, steps: int, path, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> str:
         """Record ``steps`` training steps on the batch ``inputs`` (as ``train_step`` takes

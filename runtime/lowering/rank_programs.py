@@ -19,6 +19,8 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx as fx
 
+from torchalpa.runtime.rewrites.buckets import LossInBucket
+
 __all__ = ["StageProgram", "StepPrograms", "EagerOrTraced", "LossInBucketPrograms",
            "ValueKey", "PLAN_STEP"]
 
@@ -114,13 +116,15 @@ class LossInBucketPrograms:
     and the gradients' collectives (``runtime.rewrites.reduce_in_backward``), taking that local part
     after its own inputs and returning it reduced after the gradients; ``finish(reduced,
     others)``: the loss. ``plan_step``: (consumer, slot, index) of the loss's collective in
-    the plan; ``bucket``: the bucket it travels in."""
+    the plan; ``bucket``: the bucket it travels in; ``listed``: where the plan lists the
+    two (``runtime.rewrites.program_rewrites.step_programs`` fills it, or gives these programs up)."""
 
     forward: fx.GraphModule
     backward_reduce: fx.GraphModule
     finish: Callable[[torch.Tensor, tuple], torch.Tensor]
     plan_step: tuple
     bucket: int
+    listed: LossInBucket | None = None
 
 
 @dataclass

@@ -13,7 +13,7 @@ to each collective, per kind, and of what came back), so the two can be compared
 kind. ``measured_by_kind`` is ``{kind: (count, bytes sent)}``, as is ``planned_by_kind``;
 a pipeline stage's sends to other stages count as ``send_recv``.
 
-MFU is the captured step's flops (``plan.estimates["flops_per_step"]``: forward, backward
+MFU is the captured step's flops (``plan.estimates.flops_per_step``: forward, backward
 and optimizer of the global batch, recomputation included when the plan checkpoints) per
 device per second, over the device's peak the plan was made for
 (``peak_flops_per_device``: the cluster's default, bf16 tensor cores on an H100). It is
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from torchalpa.core.plan_records import Estimates
 from torchalpa.runtime.measurement.issued import issued_collectives
 from torchalpa.runtime.measurement.traffic import TALLY, Traffic
 
@@ -153,8 +154,8 @@ class StepClock:
             peak_memory_bytes=int(peak), peak_memory_kind=kind,
             planned_bytes_sent=sum(c.bytes for c in issued),
             planned_collectives=len(issued),
-            estimated_step_time_s=est.get("step_time_s"),
-            estimated_memory_bytes=est.get("memory_per_device_bytes"), includes=includes,
+            estimated_step_time_s=est.step_time_s,
+            estimated_memory_bytes=est.memory_per_device_bytes, includes=includes,
             mfu=_mfu(est, plan.num_devices, seconds),
             measured_bytes_sent=sum(traffic.sent.values()),
             measured_bytes_received=sum(traffic.received.values()),
@@ -163,8 +164,8 @@ class StepClock:
             planned_by_kind=planned)
 
 
-def _mfu(estimates: dict, num_devices: int, seconds: float) -> float | None:
-    flops, peak = estimates.get("flops_per_step"), estimates.get("peak_flops_per_device")
+def _mfu(estimates: Estimates, num_devices: int, seconds: float) -> float | None:
+    flops, peak = estimates.flops_per_step, estimates.peak_flops_per_device
     if not flops or not peak or seconds <= 0:
         return None
     return flops / num_devices / seconds / peak

@@ -28,9 +28,19 @@ import torch
 import torch.fx as fx
 
 from torchalpa.core.plan import Plan
-from torchalpa.runtime.lowering.rank_programs import EagerOrTraced, StageProgram, StepPrograms
+from torchalpa.runtime.lowering.rank_programs import (
+    EagerOrTraced,
+    LossInBucketPrograms,
+    StageProgram,
+    StepPrograms,
+)
 from torchalpa.runtime.rewrites.attention_statistics import save_attention_statistics
-from torchalpa.runtime.rewrites.buckets import fuse_gradient_buckets, gradient_buckets
+from torchalpa.runtime.rewrites.buckets import (
+    LossInBucket,
+    collective_position,
+    fuse_gradient_buckets,
+    gradient_buckets,
+)
 from torchalpa.runtime.rewrites.call_overhead import cut_call_overhead
 from torchalpa.runtime.rewrites.deferred_loss import defer_loss_wait
 from torchalpa.runtime.rewrites.inline_batched_matmul import inline_batched_matmul
@@ -79,11 +89,13 @@ def rewrite_split_programs(forward: fx.GraphModule, backward: fx.GraphModule,
     return param_gathers
 
 
-def step_programs(stage: StageProgram, *, num_micro_batches: int, one_stage: bool
-                  ) -> StepPrograms:
-    """Group 3: what a ``StepRunner`` runs for ``stage``. ``one_stage``: the step is the
-    stage's alone (an intra-op plan, or a pipeline of one stage); a stage of a longer
-    pipeline, and programs compiled by ``torch.compile``, run as lowered."""
+def step_programs(stage: StageProgram, plan: Plan, *, num_micro_batches: int,
+                  one_stage: bool) -> StepPrograms:
+    """Group 3: what a ``StepRunner`` runs for ``stage`` (of ``plan``, the stage's own).
+    ``one_stage``: the step is the stage's alone (an intra-op plan, or a pipeline of one
+    stage); a stage of a longer pipeline, and programs compiled by ``torch.compile``, run
+    as lowered. Whether ``train_step`` may send the loss inside a gradient bucket is
+    decided here, once: where the programs allow it and the plan lists it."""
     if not one_stage or stage.compiled_from is not None:
         return StepPrograms.as_lowered(stage)
     # the loss's all-reduce left in flight; waited for when the loss is read
@@ -94,7 +106,7 @@ def step_programs(stage: StageProgram, *, num_micro_batches: int, one_stage: boo
         backward_with_reduce(stage.backward, stage.reduce_grads)
     # train_step: the loss all-reduced inside a gradient bucket
     in_bucket = None if backward_reduce is None or not stage.has_loss else \
-        put_loss_in_gradient_bucket(stage.forward, backward_reduce)
+        listed_in_plan(put_loss_in_gradient_bucket(stage.forward, backward_reduce), plan)
     # run eagerly: copies with less Python per op (torch.compile traces the others)
     return replace(
         StepPrograms.as_lowered(stage),
@@ -105,3 +117,19 @@ def step_programs(stage: StageProgram, *, num_micro_batches: int, one_stage: boo
         loss_in_bucket=None if in_bucket is None else replace(
             in_bucket, forward=cut_call_overhead(in_bucket.forward, stage.num_results),
             backward_reduce=cut_call_overhead(in_bucket.backward_reduce)))
+
+
+def listed_in_plan(programs: LossInBucketPrograms | None, plan: Plan
+                   ) -> LossInBucketPrograms | None:
+    """``programs`` with where ``plan`` lists the loss's all-reduce and its bucket, or None
+    (given up: the loss keeps its own collective) when the plan cannot name it or the
+    loss's part is not one element of the bucket's size."""
+    if programs is None:
+        return None
+    consumer, slot, index = programs.plan_step
+    position = collective_position(plan, consumer, slot, index)
+    buckets = gradient_buckets(plan)
+    if position is None or programs.bucket >= len(buckets) \
+            or plan.collectives[position].bytes != buckets[programs.bucket].itemsize:
+        return None
+    return replace(programs, listed=LossInBucket(position, programs.bucket))

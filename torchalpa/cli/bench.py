@@ -136,7 +136,7 @@ def describe_plan(plan, collectives=None) -> str:
     for c in issued_collectives(plan) if collectives is None else collectives:
         kinds[c.kind] = kinds.get(c.kind, 0) + 1
     return (f"mesh {list(plan.mesh_shape)}, layouts {layouts}, collectives {kinds}, "
-            f"est {plan.estimates['step_time_s'] * 1e3:.3g} ms")
+            f"est {plan.estimates.step_time_s * 1e3:.3g} ms")
 
 
 def measure_method(name: str, build: Callable, batch: tuple, loss_fn, *, steps: int,

@@ -1,6 +1,7 @@
 """torchalpa's command line.
 
     torchalpa plan mypkg.train:workload --cluster h100:2x8 --out plan.json --html plan.html
+    torchalpa plan gpt --method zero3 --cluster h100:1x8 --out plan.json
     torchalpa show plan.json [--module 'layers.0.*'] [--detail full]
     torchalpa explain plan.json layers.0.mlp.up_proj.weight
     torchalpa estimate llama --cluster h100:1x8      # fits, or how many devices it needs
@@ -98,8 +99,15 @@ def _add_plan(commands) -> None:
     p.add_argument("--mixed-precision", choices=("bf16", "fp16"), metavar="DTYPE",
                    help="price bf16 or fp16 compute and activations with float32 master "
                         "states, as auto_parallel(mixed_precision=...) runs them")
-    p.add_argument("--mesh", metavar="AxB", help="a fixed logical mesh shape (default: try each)")
+    p.add_argument("--method", choices=METHODS, default="auto",
+                   help="how to parallelize: auto (search every way, the default), shard "
+                        "(intra-op ILP), data (DDP), zero2, zero3 (FSDP), pipeshard "
+                        "(stages and intra-op)")
+    p.add_argument("--mesh", metavar="AxB", help="a fixed logical mesh shape (default: try each; "
+                   "with --method auto, an intra-op plan on that mesh)")
     p.add_argument("--out", metavar="PLAN.json", help="where to write the plan")
+    p.add_argument("--detail", choices=("short", "full"), default="short",
+                   help="full: every parameter, collective and candidate AutoParallel tried")
     from torchalpa.cli.stablehlo_commands import add_plan_options
     add_plan_options(p)
     p.add_argument("--html", metavar="PLAN.html", help="also write a picture of the plan")
@@ -121,8 +129,7 @@ def _plan(args) -> int:
     with torch.device("meta"):
         model, example_inputs, loss_fn = load_workload(args.model, batch=args.batch,
                                                        seq=args.seq)()
-    method = torchalpa.ShardParallel(logical_mesh_shape=parse_shape(args.mesh)) if args.mesh \
-        else None
+    method = method_of(args.method, parse_shape(args.mesh) if args.mesh else None)
     precision = None
     if args.mixed_precision:
         dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float16
@@ -131,10 +138,28 @@ def _plan(args) -> int:
                           cluster=_cluster_of(args), verbose=args.verbose,
                           mixed_precision=precision)
     plan.save(args.out)
-    print(plan.summary())
+    print(plan.summary(detail=args.detail))
     print(f"\nwrote {args.out}")
     _pictures(plan, args)
     return 0
+
+
+METHODS = ("auto", "shard", "data", "zero2", "zero3", "pipeshard")
+
+
+def method_of(name: str, mesh: tuple[int, ...] | None):
+    """The method ``--method NAME`` (and ``--mesh``) names."""
+    import torchalpa
+    if name == "pipeshard":
+        if mesh is not None:
+            raise ValueError("--mesh fixes one mesh for the whole step; --method pipeshard "
+                             "cuts the cluster into submeshes: drop one of the two")
+        return torchalpa.PipeshardParallel()
+    if name == "auto":
+        return None if mesh is None else torchalpa.ShardParallel(logical_mesh_shape=mesh)
+    preset = {"shard": torchalpa.ShardParallel, "data": torchalpa.DataParallel,
+              "zero2": torchalpa.Zero2Parallel, "zero3": torchalpa.Zero3Parallel}[name]
+    return preset(logical_mesh_shape=mesh) if mesh is not None else preset()
 
 
 def _pictures(plan, args) -> None:
@@ -304,7 +329,7 @@ def _add_coverage(commands) -> None:
                           help="a zoo family or module:callable (repeatable; default: the zoo)")
     coverage.add_argument("--hf", action="store_true",
                           help="the suite of transformers architectures and PyTorch idioms "
-                               "(torchalpa.models.suite), with a summary table")
+                               "(torchalpa.suite.cases), with a summary table")
     coverage.set_defaults(run=_coverage)
 
 
@@ -355,7 +380,7 @@ def _coverage(args) -> int:
 
     names = list(args.model or ())
     if args.hf:
-        from torchalpa.models.suite import SUITE
+        from torchalpa.suite.cases import SUITE
         names += [f"suite:{name}" for name in SUITE]
     names = names or sorted(zoo_module().FAMILIES)
     failed = False
@@ -403,7 +428,7 @@ def _build_for_coverage(make):
 
 
 def _print_suite_table(rows: list[tuple[str, str, str]]) -> None:
-    from torchalpa.models.suite import SUITE
+    from torchalpa.suite.cases import SUITE
     print("\nmodel                  family           capture   notes")
     for name, status, notes in rows:
         case = SUITE.get(name.partition(":")[2])

@@ -99,7 +99,7 @@ def load_workload(spec: str, *, batch: int | None = None,
 
 def _load_callable(spec: str) -> Callable[[], tuple]:
     if spec.startswith("suite:"):
-        from torchalpa.models.suite import build_case
+        from torchalpa.suite.cases import build_case
         name = spec.partition(":")[2]
         return lambda: build_case(name)
     module_name, _, attr = spec.rpartition(":")

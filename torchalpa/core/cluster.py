@@ -34,7 +34,12 @@ import os
 import warnings
 from dataclasses import dataclass
 
-__all__ = ["Cluster", "LogicalMesh"]
+__all__ = ["Cluster", "LogicalMesh", "Submesh", "View"]
+
+Submesh = tuple[int, int]
+"""A submesh's shape: (nodes, devices per node), Alpa's (1, 1), (1, 2), ..., (N, M)."""
+View = tuple[int, ...]
+"""A logical mesh shape the devices of a submesh are viewed as, e.g. (2, 4) of (1, 8)."""
 
 GB = 1e9
 PCIE_THROUGH_HOST = 10 * GB

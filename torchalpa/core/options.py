@@ -94,7 +94,7 @@ class AutoShardingOption:
     all_reduce_threshold: int | None = None
     """Merge gradient all-reduces on the same mesh axis into buckets of at most this many
     bytes (Alpa's ``all_reduce_threshold``, whose default 2**60 merges them all): the plan
-    lists the buckets in ``estimates['gradient_buckets']`` and prices one latency per
+    lists the buckets in ``estimates.gradient_buckets`` and prices one latency per
     bucket. The runtime packs the gradients' final all-reduces and reduce-scatters into
     buckets of this size (``runtime/rewrites/buckets.py``); None: the planner prices one collective
     per gradient and the runtime uses DDP's 25 MiB buckets; 0: no buckets at all."""
@@ -564,7 +564,7 @@ class Inference:
     ``(batch, kv heads, max_context, head dim)`` key and value tensor per layer, allocated
     once as this rank's blocks in the planned layouts, so the decode step is one program
     of fixed shapes. ``batch`` is the example inputs' batch; generation takes any batch up
-    to it (``torchalpa/models/cached_step.py`` says which models, ``runtime/serving/inference_module.py``
+    to it (``torchalpa/parallel/cached_step.py`` says which models, ``runtime/serving/inference_module.py``
     how a call runs).
     """
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from torchalpa.core.placement import Placements, format_placements, parse_placements, short
 from torchalpa.core.plan_records import (
@@ -23,35 +21,14 @@ from torchalpa.core.plan_records import (
     explanations_from_dict,
     explanations_to_dict,
 )
+from torchalpa.core.view_registry import register_view
+from torchalpa.core.view_registry import view as _view
 
 __all__ = ["bucketed_prefix", "BUCKETED_FIRST", "state_read_once",
            "Plan", "ReshardStep", "Reshard", "OutputSlot", "OUTPUT", "INPUT_SLOT", "Slot",
            "MeshStage", "READABLE_PLAN_VERSIONS", "check_version", "NodeStrategy", "ValuePlacement", "Collective",
            "PipelinePlan", "StagePlan", "Transfer", "load_plan", "PLAN_VERSION",
            "COLLECTIVE_KINDS", "PlanError", "read_plan_file", "parse_plan", "register_view"]
-
-# How a plan is shown -- text, HTML, Chrome traces, torch's tensor-parallel plan -- is
-# written in the layers above this one (``torchalpa.views``, ``torchalpa.interop``), which
-# register their functions here when ``torchalpa`` is imported. So ``Plan.summary()`` works
-# while the core imports nothing of the layers that read plans.
-_VIEWS: dict[str, Callable[..., Any]] = {}
-
-
-def register_view(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: ``fn`` renders plans as ``name`` (``summary``, ``explain``, ``html``...)."""
-    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
-        _VIEWS[name] = fn
-        return fn
-    return register
-
-
-def _view(name: str) -> Callable[..., Any]:
-    try:
-        return _VIEWS[name]
-    except KeyError:
-        raise RuntimeError(f"no plan view {name!r} is registered: `import torchalpa` loads "
-                           "them (torchalpa.views, torchalpa.interop.tp_plan)") from None
-
 
 SOLVER_EFFORT = frozenset({"time_limit", "gap", "exact_below", "free_followers_below",
                            "alternate_blocks"})
@@ -478,6 +455,10 @@ class Plan:
     def explain(self, name: str) -> str:
         return _view("explain")(self, name)
 
+    def explain_choice(self) -> str:
+        """AutoParallel's choice: every candidate it tried and what became of it."""
+        return _view("explain_choice")(self)
+
     def to_html(self, path) -> None:
         """Write one self-contained HTML page picturing the plan (``torchalpa.views.pictures``)."""
         Path(path).write_text(_view("html")(self), encoding="utf-8")
@@ -686,7 +667,7 @@ class PipelinePlan:
     def summary(self, *, detail: str = "short", filter: str | None = None) -> str:
         """The stages, transfers and timeline; ``detail="full"`` (or a ``filter``) adds
         each stage's own plan summary."""
-        text = _view("pipeline_summary")(self)
+        text = _view("pipeline_summary")(self, detail)
         if detail != "short" or filter is not None:
             for s in self.stages:
                 text += f"\n\nstage {s.index}:\n" + s.plan.summary(detail=detail, filter=filter)
@@ -694,6 +675,10 @@ class PipelinePlan:
 
     def explain(self, name: str) -> str:
         return _view("pipeline_explain")(self, name)
+
+    def explain_choice(self) -> str:
+        """AutoParallel's choice: every candidate it tried and what became of it."""
+        return _view("explain_choice")(self)
 
     def to_html(self, path) -> None:
         """Write one self-contained HTML page picturing the plan (``torchalpa.views.pictures``)."""

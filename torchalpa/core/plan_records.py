@@ -7,23 +7,33 @@ are written to and read from the plan's JSON here only (``to_dict`` / ``from_dic
 the same form plan files of versions 1 and 2 already use: an unknown key in a file or a
 misspelled one in code is an error naming it, not a value nobody reads.
 
-``Estimates`` is also a read-only mapping of its set fields (``est["step_time_s"]``,
-``est.get("timeline")``, ``dict(est, objective=...)``), so a pass that adds a figure
-builds a new record from the old one's items and the new key.
+Fields are read as attributes (``est.step_time_s``; None when unset); a pass that adds a
+figure makes a new record with ``dataclasses.replace(est, objective=...)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["Estimates", "Explanation", "LayoutCost", "explanations_from_dict",
-           "explanations_to_dict"]
+           "explanations_to_dict", "known"]
+
+T = TypeVar("T")
 
 
-@dataclass(frozen=True, eq=False)
-class Estimates(Mapping[str, Any]):
+def known(value: T | None) -> T:
+    """An estimate the planner that made the record always sets (an intra-op plan's step
+    time and memory, read by the passes that combine plans): the value, never None."""
+    if value is None:
+        raise ValueError("a plan's estimates lack a figure its planner always sets: the plan "
+                         "was made by another planner or edited; plan it again")
+    return value
+
+
+@dataclass(frozen=True)
+class Estimates:
     """A plan's predictions; a field is None when the planner that made it does not set it."""
 
     # one step of an intra-op plan (one micro-batch), from the cost model
@@ -82,7 +92,7 @@ class Estimates(Mapping[str, Any]):
     """The prefill of a prompt of the example's length, on the same layouts."""
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> Estimates:
+    def from_dict(cls, d: Mapping[str, Any] | Estimates | None) -> Estimates:
         """The record of a plan file's ``estimates`` (or of a dict built in code)."""
         if isinstance(d, Estimates):
             return d
@@ -96,24 +106,11 @@ class Estimates(Mapping[str, Any]):
 
     def to_dict(self) -> dict[str, Any]:
         """The set fields, as the plan's JSON holds them."""
-        return dict(self.items())
-
-    # -- a read-only mapping of the set fields ------------------------------------------
-    def __getitem__(self, key: str) -> Any:
-        value = getattr(self, key, None) if isinstance(key, str) and not key.startswith("_") \
-            else None
-        if value is None or key not in _FIELD_NAMES:
-            raise KeyError(key)
-        return value
-
-    def __iter__(self) -> Iterator[str]:
-        return (name for name in _FIELD_NAMES if getattr(self, name) is not None)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
+        return {name: value for name in _FIELD_NAMES
+                if (value := getattr(self, name)) is not None}
 
     def __repr__(self) -> str:
-        return f"Estimates({', '.join(f'{k}={v!r}' for k, v in self.items())})"
+        return f"Estimates({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
 
 _FIELD_NAMES = tuple(f.name for f in fields(Estimates))

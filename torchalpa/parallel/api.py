@@ -26,7 +26,7 @@ from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.progress import setup_logging
 from torchalpa.core.progress import verbose as solver_log
 from torchalpa.parallel.build import build_generation, build_module, plan_generation, plan_model
-from torchalpa.parallel.methods import steps_of
+from torchalpa.parallel.methods import check_method
 from torchalpa.parallel.tp_pins import resolve_style_pins
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ _CHECK_INPUTS = ("first", "always", "never")
 def _check_method(method) -> Method:
     if method is None or method == "auto":
         method = AutoParallel()
-    steps_of(method)     # a TypeError naming the methods for anything else
+    check_method(method)     # a TypeError naming the methods for anything else
     return method
 
 
@@ -92,9 +92,9 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
             from torchalpa.parallel.generation import check_generation_options
             check_generation_options(loss_fn=loss_fn, inputs=inputs)
             return plan_generation(model, example_inputs, method=method,
-                                   steps=steps_of(method), cluster=cluster, option=option)
+                                   cluster=cluster, option=option)
         return plan_model(model, example_inputs, loss_fn, method=method,
-                          steps=steps_of(method), cluster=cluster, inputs=inputs,
+                          cluster=cluster, inputs=inputs,
                           mixed_precision=mixed_precision, param_argnums=param_argnums,
                           num_params=num_params)
 
@@ -209,12 +209,12 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
                 num_micro_batches=num_micro_batches, mixed_precision=mixed_precision,
                 compile=compile, check_replicas=check_replicas)
             return build_generation(model, example_inputs, method=method,
-                                    steps=steps_of(method), option=option, mesh=mesh,
+                                    option=option, mesh=mesh,
                                     cluster=cluster, plan=plan, init_weights=init_weights,
                                     check_inputs=check_inputs)
         signature, example_inputs = CallSignature.of(example_inputs)
         return build_module(model, example_inputs, loss_fn, method=method,
-                            steps=steps_of(method), signature=signature, inputs=inputs,
+                            signature=signature, inputs=inputs,
                             check_inputs=check_inputs, num_micro_batches=num_micro_batches,
                             mesh=mesh, cluster=cluster, optimizer=optimizer, plan=plan,
                             mixed_precision=mixed_precision, init_weights=init_weights,

@@ -45,9 +45,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchalpa.core.calls import CallSignature
+from torchalpa.core.choice_notes import CHOSEN, RUNNER_UP, TRIED, describe_candidate
 from torchalpa.core.cluster import Cluster, LogicalMesh
 from torchalpa.core.options import AutoParallel, PipeshardParallel, ShardParallel
 from torchalpa.core.plan import PipelinePlan, Plan
+from torchalpa.core.plan_records import known
 from torchalpa.core.progress import step
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel.workflow import capture_examples, capture_step
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
     from torchalpa.frontends.torch_export import Capture
 
 __all__ = ["Candidate", "Attempt", "NothingFitsError", "search_method", "batch_size",
-           "AutoSteps", "AutoTarget"]
+           "AutoResolver", "AutoTarget"]
 
 log = logging.getLogger("torchalpa")
 
@@ -79,9 +81,7 @@ class Candidate:
     regather: bool = False      # parameters gathered again in backward (ZeRO-3, FSDP)
 
     def describe(self) -> str:
-        micro = "" if self.num_micro_batches == 1 else f", {self.num_micro_batches} micro-batches"
-        again = ", parameters gathered again in backward" if self.regather else ""
-        return f"{self.kind}, remat={self.remat}{micro}{again}"
+        return describe_candidate(self.kind, self.remat, self.num_micro_batches, self.regather)
 
 
 @dataclass(frozen=True)
@@ -299,18 +299,19 @@ class _Search:
                     progress.done = "does not fit"
                     continue
                 est = plan.estimates
-                self.attempts.append(Attempt(c, "planned", est["step_time_s"],
-                                             est.get("memory_per_device_bytes"),
+                step_s = known(est.step_time_s)
+                self.attempts.append(Attempt(c, "planned", step_s,
+                                             est.memory_per_device_bytes,
                                              time.perf_counter() - start))
-                self.plans.append((est["step_time_s"], plan, c))
-                progress.done = f"est {est['step_time_s']:.4g} s/step"
+                self.plans.append((step_s, plan, c))
+                progress.done = f"est {step_s:.4g} s/step"
 
     def dominating(self, c: Candidate) -> Candidate | None:
         """A planned candidate of ``c``'s kind that fits with room to spare and whose plan
         ``c`` could only make slower (more recompute; for intra-op, more micro-batches)."""
         budget = self.budget()
         for _, plan, p in self.plans:
-            peak = plan.estimates.get("memory_per_device_bytes")
+            peak = plan.estimates.memory_per_device_bytes
             roomy = peak is not None and peak < ROOM * budget
             fewer = p.num_micro_batches <= c.num_micro_batches if c.kind == "intra-op" \
                 else p.num_micro_batches == c.num_micro_batches
@@ -324,11 +325,10 @@ class _Search:
             raise NothingFitsError(self.nothing_fits(), self.attempts)
         ranked = sorted(self.plans, key=lambda p: p[0])
         step_s, plan, chosen = ranked[0]
-        notes = [f"AutoParallel chose {chosen.describe()}: est {step_s:.4g} s/step"]
+        notes = [f"{CHOSEN}{chosen.describe()}: est {step_s:.4g} s/step"]
         if len(ranked) > 1:
-            notes.append(f"runner-up: {ranked[1][2].describe()}: est {ranked[1][0]:.4g} s/step")
-        notes += ["  tried: " + a.line() for a in self.attempts
-                  if a.candidate is not chosen]
+            notes.append(f"{RUNNER_UP}{ranked[1][2].describe()}: est {ranked[1][0]:.4g} s/step")
+        notes += [TRIED + a.line() for a in self.attempts if a.candidate is not chosen]
         return replace(plan, notes=tuple(plan.notes) + tuple(notes))
 
     def nothing_fits(self) -> str:
@@ -392,12 +392,10 @@ class AutoTarget:
     allow_pipeline: bool = True
 
 
-class AutoSteps:
-    """``MethodSteps`` of ``AutoParallel`` (``torchalpa.parallel.steps``): it chooses a
+class AutoResolver:
+    """``MethodResolver`` of ``AutoParallel`` (``torchalpa.parallel.steps``): it chooses a
     concrete method by searching (``search``), and the orchestration goes on with that
     method's own steps."""
-
-    chooses_method = True
 
     def with_options(self, method: AutoParallel, *, inputs: str = "global", signature=None,
                      mesh=None, num_micro_batches: int | None = None,
@@ -439,47 +437,14 @@ class AutoSteps:
                              cluster=target.cluster, meshes=target.meshes, inputs=inputs,
                              allow_pipeline=target.allow_pipeline, signature=signature)
 
-    def inference_method(self, method: AutoParallel) -> ShardParallel:
-        """Generation's forward steps are planned on one mesh: an intra-op plan, with the
-        search's sharding options (there is no step to checkpoint or split)."""
-        return ShardParallel(auto_sharding_option=method.auto_sharding_option,
-                             optimizer=method.optimizer)
-
-    def solve_pinned(self, graph, plan, target, method, inputs: str):
-        raise AssertionError("generation runs ShardParallel's steps (inference_method)")
-
-    def place_forward(self, plan, target, method, device):
-        raise AssertionError("generation runs ShardParallel's steps (inference_method)")
-
-    # The orchestration goes on with the chosen method's own steps: these are reached only
-    # where AutoParallel has nothing to choose (a JAX or StableHLO program, a given plan).
-    def plan_program(self, program, example_inputs, *, method: AutoParallel, cluster,
-                     inputs: str, param_argnums, num_params) -> Plan:
-        """Programs are planned whole, intra-op (``ShardParallel``'s steps)."""
-        from torchalpa.parallel.shard import IntraOpSteps
-        concrete = ShardParallel(auto_sharding_option=method.auto_sharding_option,
-                                 optimizer=method.optimizer)
-        return IntraOpSteps().plan_program(program, example_inputs, method=concrete,
-                                           cluster=cluster, inputs=inputs,
-                                           param_argnums=param_argnums, num_params=num_params)
-
     def check_plan_kind(self, plan) -> None:
         if not isinstance(plan, (Plan, PipelinePlan)):
             raise TypeError(f"plan must be a torchalpa.Plan or PipelinePlan, got "
                             f"{type(plan).__name__}")
 
-    def _resolved(self, what: str):
-        raise AssertionError(f"AutoParallel resolves to a concrete method before {what}")
-
-    def solve(self, graph, target, method, inputs: str, measured=None):
-        self._resolved("solving")
-
-    def measure(self, captured, target, method, example_inputs, model, device):
-        self._resolved("measuring")
-
-    def check_given_plan(self, plan, graph, target) -> None:
-        self._resolved("checking a plan")
-
-    def place(self, captured, plan, target, method, device, *, model, traced, loss_fn,
-              inputs: str, signature):
-        self._resolved("placing")
+    def concrete(self, method: AutoParallel) -> ShardParallel:
+        """Generation's forward steps and whole programs are planned on one mesh: an
+        intra-op plan, with the search's sharding options (there is no step to checkpoint
+        or split)."""
+        return ShardParallel(auto_sharding_option=method.auto_sharding_option,
+                             optimizer=method.optimizer)

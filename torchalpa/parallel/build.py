@@ -3,8 +3,9 @@
 ``plan_model`` (no processes) and ``build_module`` (under torchrun) take the same steps
 whatever the method; what differs -- which meshes are candidates, how a captured step is
 solved, how a plan becomes this rank's program -- is asked of the method's
-``MethodSteps`` (``torchalpa.parallel.steps``; the table of them is
-``torchalpa.parallel.methods``):
+``MethodSteps`` (``torchalpa.parallel.steps``; the tables are
+``torchalpa.parallel.methods``). ``AutoParallel`` is resolved first: its search gives a
+plan of a concrete method, whose steps the rest takes:
 
     options -> capture (each checkpointing variant, one micro-batch) -> same step on every
     rank -> plan on rank 0 (or check the plan given) -> place (this rank's mesh, program,
@@ -28,8 +29,13 @@ from dataclasses import replace
 from torchalpa.core.options import method_of_plan
 from torchalpa.core.plan import Plan
 from torchalpa.core.plan_check import check_step_dtypes
-from torchalpa.parallel.methods import steps_of
-from torchalpa.parallel.steps import MethodSteps, Placed
+from torchalpa.parallel.methods import (
+    generation_steps_of,
+    program_steps_of,
+    resolver_of,
+    steps_of,
+)
+from torchalpa.parallel.steps import Placed
 from torchalpa.parallel.workflow import (
     capture_examples,
     capture_variants,
@@ -44,7 +50,7 @@ __all__ = ["plan_model", "build_module", "plan_generation", "build_generation"]
 log = logging.getLogger("torchalpa")
 
 
-def plan_model(model, example_inputs, loss_fn, *, method, steps: MethodSteps, cluster,
+def plan_model(model, example_inputs, loss_fn, *, method, cluster,
                inputs: str, mixed_precision=None, param_argnums=0,
                num_params: int | None = None):
     """``torchalpa.plan`` for ``method``: a torch model's step (each activation-
@@ -59,18 +65,24 @@ def plan_model(model, example_inputs, loss_fn, *, method, steps: MethodSteps, cl
         if mixed_precision is not None:
             raise ValueError("mixed_precision= applies to torch models; a JAX function or "
                              "StableHLO program computes in the dtypes it is written in")
-        return steps.plan_program(model, example_inputs, method=method, cluster=cluster,
-                                  inputs=inputs, param_argnums=param_argnums,
-                                  num_params=num_params)
+        concrete, program_steps = program_steps_of(method)
+        return program_steps.plan_program(model, example_inputs, method=concrete,
+                                          cluster=cluster, inputs=inputs,
+                                          param_argnums=param_argnums, num_params=num_params)
     from torchalpa.passes.sharding.remat_choice import plan_with_remat
     from torchalpa.runtime.execution.mesh import world_size
+    resolver = resolver_of(method)
+    if resolver is not None:
+        method = resolver.with_options(method, inputs=inputs)
+        target = resolver.target(method, cluster=cluster, mesh=None, world=world_size(),
+                                 live=False)
+        return with_precision_recorded(resolver.search(
+            with_precision(model, mixed_precision), example_inputs, loss_fn, method=method,
+            target=target, inputs=inputs), mixed_precision)
+    steps = steps_of(method)
     method = steps.with_options(method, inputs=inputs)
     target = steps.target(method, cluster=cluster, mesh=None, world=world_size(),
                           live=False)
-    if steps.chooses_method:
-        return with_precision_recorded(steps.search(
-            with_precision(model, mixed_precision), example_inputs, loss_fn, method=method,
-            target=target, inputs=inputs), mixed_precision)
     examples = capture_examples(model, example_inputs, method.num_micro_batches)
     variants = capture_variants(with_precision(model, mixed_precision), examples, loss_fn,
                                 method.auto_sharding_option)
@@ -80,7 +92,7 @@ def plan_model(model, example_inputs, loss_fn, *, method, steps: MethodSteps, cl
         mixed_precision)
 
 
-def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, signature,
+def build_module(model, example_inputs, loss_fn, *, method, signature,
                  mesh, cluster, inputs, optimizer, plan, num_micro_batches, mixed_precision,
                  init_weights, compile, check_replicas, check_inputs):
     """``torchalpa.auto_parallel`` for ``method`` (the options checked there): rank 0
@@ -92,22 +104,28 @@ def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, 
     from torchalpa.runtime.lowering.random_draws import sync_random_state
 
     options = dict(signature=signature, mesh=mesh, inputs=inputs, init_weights=init_weights)
-    method = steps.with_options(method, num_micro_batches=num_micro_batches, **options)
+    resolver = resolver_of(method)      # options checked before any process group
+    if resolver is not None:
+        auto = resolver.with_options(method, num_micro_batches=num_micro_batches, **options)
+    else:
+        steps = steps_of(method)
+        method = steps.with_options(method, num_micro_batches=num_micro_batches, **options)
     mesh_mod.init_distributed()
     world = mesh_mod.world_size()
-    target = steps.target(method, cluster=cluster, mesh=mesh, world=world, live=True)
     start = time.perf_counter()
     traced = with_precision(model, mixed_precision)
-    if steps.chooses_method:       # rank 0 searches; every rank goes on with its choice
+    if resolver is not None:       # rank 0 searches; every rank goes on with its choice
+        searched = resolver.target(auto, cluster=cluster, mesh=mesh, world=world, live=True)
         if plan is None:
-            plan = plan_on_rank0(lambda: with_precision_recorded(steps.search(
-                traced, example_inputs, loss_fn, method=method, target=target, inputs=inputs,
-                signature=signature), mixed_precision))
-        method = method_of_plan(plan)
-        steps = steps_of(method)
-        method = steps.with_options(method, **options)
-        target = steps.target(method, cluster=target.cluster, mesh=mesh, world=world,
-                              live=True)
+            plan = plan_on_rank0(lambda: with_precision_recorded(resolver.search(
+                traced, example_inputs, loss_fn, method=auto, target=searched,
+                inputs=inputs, signature=signature), mixed_precision))
+        else:
+            resolver.check_plan_kind(plan)
+        steps = steps_of(method_of_plan(plan))
+        method = steps.with_options(method_of_plan(plan), **options)
+        cluster = searched.cluster
+    target = steps.target(method, cluster=cluster, mesh=mesh, world=world, live=True)
     option = method.auto_sharding_option
     if plan is not None:         # capture what the plan was made for
         steps.check_plan_kind(plan)
@@ -149,7 +167,7 @@ def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, 
                           check_inputs=check_inputs)
 
 
-def plan_generation(model, example_inputs, *, method, steps: MethodSteps, cluster, option):
+def plan_generation(model, example_inputs, *, method, cluster, option):
     """``torchalpa.plan(..., mode="inference")``: the decode step planned, the example
     prompt's prefill planned on its layouts, without processes."""
     from torchalpa.parallel.generation import (
@@ -159,8 +177,7 @@ def plan_generation(model, example_inputs, *, method, steps: MethodSteps, cluste
         serving_plan,
     )
     from torchalpa.runtime.execution.mesh import world_size
-    method = steps.inference_method(method)
-    steps = steps_of(method)        # AutoParallel hands generation to ShardParallel's steps
+    method, steps = generation_steps_of(method)    # AutoParallel: its intra-op method
     target = steps.target(method, cluster=cluster, mesh=None, world=world_size(), live=False)
     step = cached_step(model, example_inputs, option)
     _, length = prompt_shape(example_inputs)
@@ -171,7 +188,7 @@ def plan_generation(model, example_inputs, *, method, steps: MethodSteps, cluste
     return serving_plan(decode_plan, prefill_plan, decode.graph, step, length)
 
 
-def build_generation(model, example_inputs, *, method, steps: MethodSteps, option, mesh,
+def build_generation(model, example_inputs, *, method, option, mesh,
                      cluster, plan, init_weights, check_inputs):
     """``torchalpa.auto_parallel(..., mode="inference")`` (the options checked there):
     rank 0 plans the decode step, every rank lowers it and takes its share of the weights
@@ -195,8 +212,7 @@ def build_generation(model, example_inputs, *, method, steps: MethodSteps, optio
         write_cache_in_place,
     )
 
-    method = steps.inference_method(method)
-    steps = steps_of(method)        # AutoParallel hands generation to ShardParallel's steps
+    method, steps = generation_steps_of(method)    # AutoParallel: its intra-op method
     method = steps.with_options(method, mesh=mesh, init_weights=init_weights)
     mesh_mod.init_distributed()
     target = steps.target(method, cluster=cluster, mesh=mesh, world=mesh_mod.world_size(),

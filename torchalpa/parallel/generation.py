@@ -1,6 +1,6 @@
 """The pieces ``torchalpa.parallel.build`` assembles for ``mode="inference"``.
 
-A causal LM and its static KV cache become one module (``models/cached_step.py``); its
+A causal LM and its static KV cache become one module (``parallel/cached_step.py``); its
 decode step (one token per sequence) and its prefill (a prompt) are captured as
 forward-only steps, with the cache among the state they read and write
 (``capture_forward``); the decode step is planned like any step, each prefill with the
@@ -20,10 +20,10 @@ import torch.nn as nn
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import Inference
 from torchalpa.core.plan import Plan
-from torchalpa.core.plan_records import Estimates
+from torchalpa.core.plan_records import known
 from torchalpa.core.progress import step as progress_step
 from torchalpa.core.units import format_bytes
-from torchalpa.models.cached_step import CachedStep, decoder_for, is_cache_name
+from torchalpa.parallel.cached_step import CachedStep, decoder_for, is_cache_name
 from torchalpa.passes.pricing.inplace_pricing import IN_PLACE
 
 __all__ = ["check_generation_options", "prompt_shape", "cached_step", "capture_generation_step",
@@ -105,7 +105,7 @@ def capture_generation_step(step: CachedStep, length: int):
     if unwritten:
         raise RuntimeError(f"the captured {what} does not write the cache buffers "
                            f"{unwritten[:4]}: the model did not use the static cache it was "
-                           "given (torchalpa/models/cached_step.py)")
+                           "given (torchalpa/parallel/cached_step.py)")
     # the runtime writes the cache where it lies (runtime.serving.inference_module.write_cache_in_place)
     captured.graph.meta[IN_PLACE] = tuple(step.cache_names())
     return captured
@@ -134,16 +134,16 @@ def serving_plan(decode: Plan, prefill: Plan, graph: OpGraph, step: CachedStep,
     names = [v.name for v in decode.parameters]
     cache = local_bytes(graph, decode, [n for n in names if is_cache_name(n)])
     weights = local_bytes(graph, decode, [n for n in names if not is_cache_name(n)])
-    latency = decode.estimates["step_time_s"]
-    estimates = Estimates.from_dict(dict(
+    latency = known(decode.estimates.step_time_s)
+    estimates = replace(
         decode.estimates, weight_bytes_per_device=weights, kv_cache_bytes_per_device=cache,
         token_latency_s=latency, tokens_per_s=step.batch_size / latency,
-        prefill_time_s=prefill.estimates.get("step_time_s")))
+        prefill_time_s=prefill.estimates.step_time_s)
     note = (f"generation: a cache of {step.batch_size} sequences x {step.max_context} tokens; "
             f"per device {format_bytes(weights)} of weights + {format_bytes(cache)} of cache; "
             f"est {latency * 1e3:.3g} ms per token ({step.batch_size / latency:.4g} tokens/s), "
             f"prefill of {prompt_length} tokens "
-            f"{prefill.estimates.get('step_time_s', float('nan')) * 1e3:.3g} ms")
+            f"{(prefill.estimates.step_time_s or float('nan')) * 1e3:.3g} ms")
     log.info(note)
     return replace(decode, mode="inference", estimates=estimates, notes=decode.notes + (note,))
 

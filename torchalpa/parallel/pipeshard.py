@@ -74,7 +74,7 @@ def _cached(graph, cluster: Cluster, method: PipeshardParallel, inputs: str, sol
                   "devices solving") as progress:
             plan = solve()
             progress.done = (f"{len(plan.stages)} stages, est "
-                             f"{plan.estimates.get('step_time_s', 0) * 1e3:.3g} ms/step")
+                             f"{(plan.estimates.step_time_s or 0) * 1e3:.3g} ms/step")
         return plan
 
     if method.stage_option == "profile":
@@ -85,7 +85,7 @@ def _cached(graph, cluster: Cluster, method: PipeshardParallel, inputs: str, sol
         p, fingerprint=fingerprint, source=source))
     if isinstance(found, PipelinePlan):
         log.info("pipeline plan from the cache: %d stages, est %.3g ms/step", len(found.stages),
-                 found.estimates.get("step_time_s", 0) * 1e3)
+                 (found.estimates.step_time_s or 0) * 1e3)
         return found
     plan = solve_and_say()
     cache.store(key, plan)
@@ -96,13 +96,6 @@ def _cached(graph, cluster: Cluster, method: PipeshardParallel, inputs: str, sol
 class PipelineSteps:
     """``MethodSteps`` of PipeshardParallel (``torchalpa.parallel.steps``): the target is a
     cluster cut into submeshes; each rank runs its stage's program."""
-
-    chooses_method = False
-
-    def search(self, model, example_inputs, loss_fn, *, method, target, inputs: str,
-               signature=None):
-        raise TypeError(f"{type(method).__name__} is a concrete method: it is planned, "
-                        "not searched for")
 
     def with_options(self, method: PipeshardParallel, *, inputs: str = "global",
                      signature=None, mesh=None, num_micro_batches: int | None = None,
@@ -126,22 +119,6 @@ class PipelineSteps:
         from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
         return _cached(graph, target, method, inputs, lambda: plan_pipeline(
             graph, target, method, inputs=inputs, measured=measured))
-
-    def plan_program(self, program, example_inputs, *, method, cluster, inputs: str,
-                     param_argnums, num_params):
-        raise ValueError("a JAX function or StableHLO program is planned whole with "
-                         "ShardParallel: PipeshardParallel cuts a torch model's step into stages")
-
-    def inference_method(self, method: PipeshardParallel):
-        raise ValueError("mode='inference' plans the decode and prefill steps on one mesh: "
-                         "use ShardParallel (or a preset such as Zero3Parallel); pipelined "
-                         "generation is not built")
-
-    def solve_pinned(self, graph, plan, target, method, inputs: str):
-        raise AssertionError("inference_method refuses PipeshardParallel first")
-
-    def place_forward(self, plan, target, method, device):
-        raise AssertionError("inference_method refuses PipeshardParallel first")
 
     def measure(self, captured, target: Cluster, method: PipeshardParallel, example_inputs,
                 model, device):
@@ -186,7 +163,8 @@ class PipelineSteps:
             assert init_weights is None, "pipeline_options refuses init_weights"
             distribute_stages(model, [(st.plan, meshes[st.index]) for st in plan.stages], device)
 
-        return Placed(program=step_programs(program, num_micro_batches=plan.num_micro_batches,
+        return Placed(program=step_programs(program, stage.plan,
+                                            num_micro_batches=plan.num_micro_batches,
                                             one_stage=len(plan.stages) == 1),
                       mesh=mesh, distribute=distribute,
                       num_micro_batches=plan.num_micro_batches, stage=stage.index,

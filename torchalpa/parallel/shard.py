@@ -19,7 +19,6 @@ from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import ShardParallel, with_micro_batches
 from torchalpa.core.plan import Plan
 from torchalpa.core.plan_check import check_plan
-from torchalpa.core.plan_records import Estimates
 from torchalpa.core.progress import step
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel import cache
@@ -99,14 +98,14 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 refused.append(mesh)
                 progress.done = f"does not fit: {too_small}"
                 continue
-            fastest = min(plans, key=lambda p: p.estimates["step_time_s"], default=None)
+            fastest = min(plans, key=lambda p: p.estimates.step_time_s, default=None)
             if fastest is not None and deadline is not None and time.perf_counter() > deadline:
                 late.append(mesh)
                 progress.done = "not solved: the time budget is spent"
                 continue
             if fastest is not None and bounding:
                 bound = step_time_lower_bound(graph, mesh, method, inputs=inputs, memo=memo)
-                if bound is not None and bound > fastest.estimates["step_time_s"] * (1 + 1e-9):
+                if bound is not None and bound > fastest.estimates.step_time_s * (1 + 1e-9):
                     skipped.append((mesh, bound))
                     progress.done = (f"skipped: no plan here beats {bound * 1e3:.3g} ms/step "
                                      "(a bound), slower than one found")
@@ -125,8 +124,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
             budget = method.auto_sharding_option.memory_budget_per_device or \
                 mesh.memory_per_device
             if budget:      # recorded for reports and pictures
-                found = replace(found, estimates=Estimates.from_dict(
-                    dict(found.estimates, memory_budget_per_device_bytes=budget)))
+                found = replace(found, estimates=replace(
+                    found.estimates, memory_budget_per_device_bytes=budget))
             progress.done = _estimate_text(found, mesh)
         if cut is None:     # a solve the budget may cut short is not what the key promises
             cache.store(key, found)
@@ -142,12 +141,12 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
             raise InfeasibleError(f"{failures[0]}{advice}") from failures[0]
         raise InfeasibleError("no logical mesh fits the memory budget:\n"
                               + "\n".join(f"  {e}" for e in failures) + advice)
-    best = min(plans, key=lambda p: p.estimates["step_time_s"])
+    best = min(plans, key=lambda p: p.estimates.step_time_s)
     log.info("chose mesh %s: %s", "x".join(map(str, best.mesh_shape)),
              _estimate_text(best, meshes[0]))
     if len(meshes) > 1:
         tried = ", ".join(f"{'x'.join(map(str, p.mesh_shape))}: "
-                          f"{p.estimates['step_time_s'] * 1e3:.3g} ms" for p in plans)
+                          f"{p.estimates.step_time_s * 1e3:.3g} ms" for p in plans)
         tried += "".join(f", {'x'.join(map(str, m.shape))}: >= {bound * 1e3:.3g} ms "
                          "(bound, not solved)" for m, bound in skipped)
         tried += "".join(f", {'x'.join(map(str, m.shape))}: not solved (time budget)"
@@ -214,11 +213,11 @@ def fitting_advice(profile, mesh: LogicalMesh, method: ShardParallel) -> str:
 def _estimate_text(plan: Plan, mesh: LogicalMesh) -> str:
     """``est 630 ms/step, 45.5 GiB of 74.5``: a plan's estimates against the budget."""
     est = plan.estimates
-    text = f"est {est.get('step_time_s', 0) * 1e3:.3g} ms/step"
-    memory = est.get("memory_per_device_bytes")
+    text = f"est {(est.step_time_s or 0) * 1e3:.3g} ms/step"
+    memory = est.memory_per_device_bytes
     if memory is not None:
         text += f", {format_bytes(memory)}"
-        budget = est.get("memory_budget_per_device_bytes") or mesh.memory_per_device
+        budget = est.memory_budget_per_device_bytes or mesh.memory_per_device
         if budget:
             text += f" of {format_bytes(budget)}"
     return text
@@ -242,14 +241,8 @@ class IntraOpTarget:
 
 
 class IntraOpSteps:
-    """``MethodSteps`` of ShardParallel and its presets (``torchalpa.parallel.steps``)."""
-
-    chooses_method = False
-
-    def search(self, model, example_inputs, loss_fn, *, method, target, inputs: str,
-               signature=None):
-        raise TypeError(f"{type(method).__name__} is a concrete method: it is planned, "
-                        "not searched for")
+    """``MethodSteps``, ``GenerationSteps`` and ``ProgramSteps`` of ShardParallel and its
+    presets (``torchalpa.parallel.steps``)."""
 
     def with_options(self, method: ShardParallel, *, inputs: str = "global", signature=None,
                      mesh=None, num_micro_batches: int | None = None, init_weights=None
@@ -302,7 +295,7 @@ class IntraOpSteps:
         check_plan(plan, fingerprint=graph.fingerprint(), source="the plan passed as plan=",
                    mesh_shape=target.shape, graph=graph)
 
-    def inference_method(self, method: ShardParallel) -> ShardParallel:
+    def for_generation(self, method: ShardParallel) -> ShardParallel:
         if method.num_micro_batches != 1:
             raise ValueError("mode='inference' generates a batch at once: num_micro_batches "
                              "must be 1")
@@ -337,7 +330,8 @@ class IntraOpSteps:
         def distribute(init_weights) -> None:
             distribute_module_state(model, plan, device_mesh, device, init_weights=init_weights)
 
-        return Placed(program=step_programs(program, num_micro_batches=method.num_micro_batches,
+        return Placed(program=step_programs(program, plan,
+                                            num_micro_batches=method.num_micro_batches,
                                             one_stage=True),
                       mesh=device_mesh, distribute=distribute,
                       num_micro_batches=method.num_micro_batches,

@@ -27,7 +27,7 @@ __all__ = ["default_cluster", "capture_step", "capture_variants", "micro_batch_e
 
 log = logging.getLogger("torchalpa")
 
-AnyPlan = TypeVar("AnyPlan", Plan, PipelinePlan)
+AnyPlan = TypeVar("AnyPlan", bound=Plan | PipelinePlan)
 
 
 def default_cluster(num_devices: int, *, measure: bool = False) -> Cluster:

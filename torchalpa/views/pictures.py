@@ -67,10 +67,10 @@ def _header(plan) -> str:
     kind = "pipeline plan" if len(_stages(plan)) > 1 or hasattr(plan, "transfers") else "plan"
     shape = " x ".join(map(str, plan.mesh_shape))
     text = f"<h1>torchalpa {kind}: mesh {shape} ({plan.num_devices} devices)</h1>"
-    if "step_time_s" in est:
-        text += (f"<p>estimated step {est['step_time_s'] * 1e3:.3f} ms"
-                 + (f" (compute {est['compute_s'] * 1e3:.3f} ms, communication "
-                    f"{est['communication_s'] * 1e3:.3f} ms)" if "compute_s" in est else "")
+    if est.step_time_s is not None:
+        text += (f"<p>estimated step {est.step_time_s * 1e3:.3f} ms"
+                 + (f" (compute {est.compute_s * 1e3:.3f} ms, communication "
+                    f"{est.communication_s * 1e3:.3f} ms)" if est.compute_s is not None else "")
                  + "</p>")
     return text
 
@@ -178,23 +178,24 @@ def _bars(rows: list[tuple[str, float, str]], limit: float | None, unit=format_b
 
 def _memory(plan) -> str:
     rows = []
-    budget = plan.estimates.get("memory_budget_per_device_bytes")
+    budget = plan.estimates.memory_budget_per_device_bytes
     for index, p, ranks in _stages(plan):
         e = p.estimates
-        budget = budget or e.get("memory_budget_per_device_bytes")
+        budget = budget or e.memory_budget_per_device_bytes
         who = f"stage {index}, " if len(_stages(plan)) > 1 else ""
         label = f"{who}ranks {ranks[0]}..{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
-        states, acts = e.get("model_state_bytes_per_device", 0), \
-            e.get("activation_bytes_per_device", 0)
+        states, acts = (e.model_state_bytes_per_device or 0), \
+            (e.activation_bytes_per_device or 0)
         rows.append((f"{label}: model states", states, "#4e79a7"))
         rows.append((f"{label}: activations", acts, "#f28e2b"))
-        in_flight = plan.estimates.get("stage_memory_bytes")
+        in_flight = plan.estimates.stage_memory_bytes
         if in_flight and len(_stages(plan)) > 1:   # a pipeline stage holds several micro-batches
             rows.append((f"{label}: total in flight", in_flight[index],
                          "#59a14f"))
         else:
-            rows.append((f"{label}: total (each device)", e.get("memory_per_device_bytes",
-                                                                 states + acts), "#59a14f"))
+            total = e.memory_per_device_bytes
+            rows.append((f"{label}: total (each device)",
+                         states + acts if total is None else total, "#59a14f"))
     note = "" if budget else '<p class="note">the plan does not record its memory budget</p>'
     return _bars(rows, budget) + note
 
@@ -220,8 +221,8 @@ def _communication(plan) -> str:
 
 
 def _timeline(plan) -> str:
-    timeline = plan.estimates.get("timeline")
-    total = plan.estimates.get("step_time_s")
+    timeline = plan.estimates.timeline
+    total = plan.estimates.step_time_s
     if not timeline or not total:
         return ""
     width, row_h = 860, 22          # + 70 for the labels: fits a 1000-pixel window
@@ -266,7 +267,7 @@ def plan_html(plan) -> str:
 def chrome_trace(plan) -> dict:
     """Trace events (``{"traceEvents": [...]}``, times in microseconds)."""
     events = []
-    timeline = plan.estimates.get("timeline")
+    timeline = plan.estimates.timeline
     if timeline:
         for s, actions in enumerate(timeline):
             events.append({"ph": "M", "name": "process_name", "pid": s,
@@ -284,7 +285,7 @@ def chrome_trace(plan) -> dict:
 
 def _intra_op_events(plan, pid: int) -> list[dict]:
     est = plan.estimates
-    compute, comm = est.get("compute_s", 0.0), est.get("communication_s", 0.0)
+    compute, comm = (est.compute_s or 0.0), (est.communication_s or 0.0)
     forward_end = compute / 3
     events = [{"ph": "M", "name": "process_name", "pid": pid,
                "args": {"name": "estimated step (one device)"}},

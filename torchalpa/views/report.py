@@ -6,13 +6,15 @@ import difflib
 import fnmatch
 from collections import Counter
 
+from torchalpa.core.choice_notes import CHOSEN, TRIED, is_choice_note, parse_tried
+from torchalpa.core.collective_math import sent_per_rank
 from torchalpa.core.placement import long_form, short
 from torchalpa.core.plan import OutputSlot, register_view
 from torchalpa.core.units import format_bytes
 from torchalpa.views.fold import fold, op_label, template
 
 __all__ = ["plan_summary", "explain", "format_bytes", "NameNotInPlan", "wire_bytes",
-           "tensor_labels", "DETAILS", "rollup_by_module"]
+           "tensor_labels", "DETAILS", "rollup_by_module", "choice_table", "explain_choice"]
 
 
 def _table(rows: list[list[str]], header: list[str]) -> list[str]:
@@ -54,8 +56,7 @@ def plan_summary(plan, *, detail: str = "short", filter: str | None = None) -> s
             lines.append(f"  {u['op']}  node {u['node']}"
                          + (f"  module {u['module']}" if u.get("module") else "")
                          + (f"  at {u['stack']}" if u.get("stack") else ""))
-    for note in plan.notes:
-        lines.append(f"note: {note}")
+    lines += _note_lines(plan.notes, detail)
     if detail == "short":
         lines.append("(summary(detail='full') lists every parameter and collective; "
                      "filter='layers.0.*' narrows it)")
@@ -72,15 +73,15 @@ def _header(plan) -> list[str]:
     lines = [f"torchalpa plan  mesh [{mesh}] ({plan.num_devices} devices)  "
              f"method {plan.method.get('name', '?')}"]
     if est:
-        budget = est.get("memory_budget_per_device_bytes")
+        budget = est.memory_budget_per_device_bytes
         lines.append(
-            f"estimated step {est.get('step_time_s', 0) * 1e3:.4g} ms "
-            f"(compute {est.get('compute_s', 0) * 1e3:.4g}, communication "
-            f"{est.get('communication_s', 0) * 1e3:.4g}); memory per device "
-            f"{format_bytes(est.get('memory_per_device_bytes', 0))}"
+            f"estimated step {(est.step_time_s or 0) * 1e3:.4g} ms "
+            f"(compute {(est.compute_s or 0) * 1e3:.4g}, communication "
+            f"{(est.communication_s or 0) * 1e3:.4g}); memory per device "
+            f"{format_bytes(est.memory_per_device_bytes or 0)}"
             + (f" of {format_bytes(budget)}" if budget else "")
-            + f" (states {format_bytes(est.get('model_state_bytes_per_device', 0))}, "
-            f"activations {format_bytes(est.get('activation_bytes_per_device', 0))})")
+            + f" (states {format_bytes(est.model_state_bytes_per_device or 0)}, "
+            f"activations {format_bytes(est.activation_bytes_per_device or 0)})")
     return lines
 
 
@@ -100,13 +101,20 @@ def _parameter_lines(params, detail: str, filter: str | None) -> list[str]:
 
 
 def wire_bytes(plan, c) -> float:
-    """Bytes one rank sends for collective ``c`` (the alpha-beta traffic factors)."""
+    """Bytes one rank sends for collective ``c``: the ring algorithm's
+    (``core/collective_math.py``, what the cost model prices), on the running process
+    group's backend (gloo sends a reduce-scatter as an all-reduce), else NCCL's."""
     n = plan.mesh_shape[c.axis] if c.axis is not None and c.axis < len(plan.mesh_shape) else 2
-    if n <= 1:
-        return 0.0
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-              "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / (2 * n)}
-    return c.bytes * factor.get(c.kind, 1.0)
+    return sent_per_rank(c.kind, n, c.bytes, running_backend())
+
+
+def running_backend() -> str:
+    """The initialized process group's backend ("gloo", "nccl"), else "nccl"."""
+    import sys
+    dist = sys.modules.get("torch.distributed")      # not loaded: no process group either
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return str(dist.get_backend())
+    return "nccl"
 
 
 def tensor_labels(plan) -> dict[str, str]:
@@ -269,16 +277,16 @@ def explain(plan, name: str) -> str:
 
 
 @register_view("pipeline_summary")
-def pipeline_summary(plan) -> str:
+def pipeline_summary(plan, detail: str = "short") -> str:
     est = plan.estimates
     lines = [f"torchalpa pipeline plan  cluster {plan.mesh_shape[0]} node(s) x "
              f"{plan.mesh_shape[1]} devices  {len(plan.stages)} stages  "
              f"{plan.num_micro_batches} micro-batches  schedule {plan.schedule}"]
-    if "step_time_s" in est:
+    if est.step_time_s is not None:
         source = " from stage times measured on the devices" \
-            if est.get("stage_times") == "measured" else ""
-        lines.append(f"estimated step {est['step_time_s'] * 1e3:.3f} ms "
-                     f"(slowest stage {est.get('max_stage_s', 0) * 1e3:.3f} ms per micro-batch)"
+            if est.stage_times == "measured" else ""
+        lines.append(f"estimated step {est.step_time_s * 1e3:.3f} ms "
+                     f"(slowest stage {(est.max_stage_s or 0) * 1e3:.3f} ms per micro-batch)"
                      + source)
     lines.append(f"forward_stage_layer_ids = {plan.forward_stage_layer_ids}")
     lines.append(f"submesh_shapes = {[list(s) for s in plan.submesh_shapes]}")
@@ -286,14 +294,14 @@ def pipeline_summary(plan) -> str:
     lines.append(f"stage_options = {plan.stage_options}")
     lines.append("")
     rows = []
-    stage_seconds = est.get("stage_step_s") or [s.plan.estimates.get("step_time_s", 0)
+    stage_seconds = est.stage_step_s or [(s.plan.estimates.step_time_s or 0)
                                                  for s in plan.stages]
     for s in plan.stages:
         e = s.plan.estimates
         rows.append([str(s.index), f"{s.layers[0]}-{s.layers[-1]}", "x".join(map(str, s.submesh)),
                      "x".join(map(str, s.plan.mesh_shape)), str(list(s.ranks)),
                      f"{stage_seconds[s.index] * 1e3:.3f}",
-                     format_bytes(e.get('memory_per_device_bytes', 0)),
+                     format_bytes(e.memory_per_device_bytes or 0),
                      str(len(s.plan.collectives)), "recompute" if s.recompute else "keep"])
     lines += _table(rows, ["stage", "layers", "submesh", "logical", "ranks", "ms/micro-batch",
                            "memory/device", "collectives", "activations"])
@@ -310,13 +318,12 @@ def pipeline_summary(plan) -> str:
                          + (("  (parameter: once per step)" if t.phase == "forward" else
                              "  (summed over micro-batches: once per step)")
                             if t.once_per_step else ""))
-    timeline = est.get("timeline")
+    timeline = est.timeline
     if timeline:
         lines.append("")
         lines.append("estimated timeline (F/B = forward/backward of a micro-batch):")
-        lines += _gantt(timeline, est.get("step_time_s", 0))
-    for note in plan.notes:
-        lines.append(f"note: {note}")
+        lines += _gantt(timeline, (est.step_time_s or 0))
+    lines += _note_lines(plan.notes, detail)
     return "\n".join(lines)
 
 
@@ -344,3 +351,47 @@ def pipeline_explain(plan, name: str) -> str:
                 any(st.node == name for st in s.plan.strategies):
             return f"stage {s.index} (ranks {list(s.ranks)}):\n" + explain(s.plan, name)
     raise NameNotInPlan(name, [n for s in plan.stages for n in _names(s.plan)])
+
+
+def _note_lines(notes, detail: str) -> list[str]:
+    """The plan's notes; ``detail="short"``: AutoParallel's choice as one table of candidate
+    families (``choice_table``) in place of a line per candidate tried."""
+    if detail == "full":
+        return [f"note: {n}" for n in notes]
+    return [f"note: {n}" for n in notes if not is_choice_note(n)] + choice_table(notes)
+
+
+def choice_table(notes) -> list[str]:
+    """AutoParallel's decision in a few lines: the choice, then per candidate family (kind
+    and checkpointing mode) how many were tried, the best estimate or why none was planned
+    (the most frequent reason). Empty for a plan of another method."""
+    chosen = next((n for n in notes if n.startswith(CHOSEN)), None)
+    if chosen is None:
+        return []
+    tried = [t for n in notes if n.startswith(TRIED)
+             if (t := parse_tried(n[len(TRIED):])) is not None]
+    best = parse_tried(chosen[len(CHOSEN):])
+    families: dict[str, list] = {}
+    for t in ([best] if best is not None else []) + tried:
+        families.setdefault(t.family, []).append(t)
+    rows = []
+    for family, members in families.items():
+        planned = [t.step_s for t in members if t.step_s is not None]
+        if planned:
+            why = f"est {min(planned):.4g} s/step" + \
+                (" (chosen)" if best is not None and family == best.family else "")
+        else:
+            why = Counter(t.outcome for t in members).most_common(1)[0][0]
+        rows.append([family, str(len(members)), why])
+    lines = [chosen, "candidates (families; plan.explain_choice() lists each of the "
+             f"{len(tried) + 1} tried):"]
+    return lines + ["  " + r for r in _table(rows, ["family", "tried", "best, or why none"])]
+
+
+@register_view("explain_choice")
+def explain_choice(plan) -> str:
+    """AutoParallel's choice, the runner-up and every candidate tried, one line each."""
+    lines = [n for n in plan.notes if is_choice_note(n)]
+    return "\n".join(lines) if lines else \
+        "this plan was not chosen by AutoParallel (its method is " \
+        f"{plan.method.get('name', 'given')}): no candidates were tried"

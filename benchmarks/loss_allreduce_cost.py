@@ -1,6 +1,6 @@
 """What the loss's own all-reduce costs a data-parallel step (issue 19), A/B in one job.
 
-    python benchmarks/loss_ride_ab.py --models vit gpt mlp --steps 30 --rounds 4
+    python benchmarks/loss_allreduce_cost.py --models vit gpt mlp --steps 30 --rounds 4
 
 On gloo ranks (4 by default), for each model of ``zoo_vs_ddp_fsdp.py`` (its workloads),
 four steps, run in alternating order over the rounds and averaged (slowest rank, mean of

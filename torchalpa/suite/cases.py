@@ -73,9 +73,9 @@ def _causal_lm(config_cls: str, model_cls: str, **fields):
 
 def _swept(task: str, model_type: str, cls_name: str):
     """An architecture as the HF sweep (``benchmarks/hf_sweep.py``) builds it: the default
-    config through the generic shrinker (``torchalpa/models/hf_shrink.py``), its batch."""
+    config through the generic shrinker (``torchalpa/suite/hf_shrink.py``), its batch."""
     def make():
-        from torchalpa.models.hf_shrink import build_model, example_batch
+        from torchalpa.suite.hf_shrink import build_model, example_batch
         model = build_model(task, model_type, cls_name)
         return model, example_batch(task, model), None
     return make

@@ -1,6 +1,6 @@
 """Any transformers architecture with its default config, shrunk in size, and its batch.
 
-``torchalpa.models.suite`` shrinks a few dozen configs by hand; ``benchmarks/hf_sweep.py``
+``torchalpa.suite.cases`` shrinks a few dozen configs by hand; ``benchmarks/hf_sweep.py``
 tries every architecture transformers registers, so it needs a shrinker that knows no
 particular model: it walks the default config (``AutoConfig.for_model(model_type)``) and
 its sub-configs (``text_config``, ``vision_config``, ...) and makes small whatever has a
