@@ -43,7 +43,7 @@ def batch_dims(graph: OpGraph) -> dict[tuple[str, int], set[int]]:
     carries: dict[tuple[str, int], set[int]] = {}
     for node in graph:
         if node.kind == "input":
-            carries[(node.name, 0)] = {0} if node.output.shape else set()
+            carries[(node.name, 0)] = {0} if node.output.shape and node.batched else set()
             continue
         if node.is_leaf:
             continue
@@ -122,7 +122,7 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
             continue
         name = node.target or node.name
         options = strategies[node.name]
-        if node.kind == "input" and axis is not None and node.output.shape:
+        if node.kind == "input" and node.batched and axis is not None and node.output.shape:
             kept = [s for s in options if _batch_sharded(s, axis, mesh)]
             if not kept:
                 n = mesh.num_devices if axis == -1 else mesh.shape[axis]
