@@ -21,6 +21,7 @@ from torchalpa.core.options import (
     PipeshardParallel,
     ShardParallel,
     UniformStageOption,
+    Zero1Parallel,
     Zero2Parallel,
     Zero3Parallel,
 )
@@ -77,7 +78,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "auto_parallel", "plan", "Plan", "Cluster", "AutoParallel", "LogicalMesh", "ShardParallel", "DataParallel",
-    "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "ManualShardingOption", "Shard", "Replicate", "Partial",
+    "Zero1Parallel", "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "ManualShardingOption",
+    "Shard", "Replicate", "Partial",
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
     "load_checkpoint", "RankFailedError", "save_pretrained", "load_pretrained",

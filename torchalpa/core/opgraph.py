@@ -315,6 +315,8 @@ class OpGraph:
                                  n.phase, n.aliases] + ([] if n.batched else ["unbatched"]),
                                 sort_keys=True).encode())
         h.update(repr(self.outputs).encode())
+        if self.meta.get("reduce_dtype"):   # gradients summed in a narrow dtype: other plans
+            h.update(f"reduce_dtype={self.meta['reduce_dtype']}".encode())
         return h.hexdigest()[:16]
 
     def summary(self) -> str:
