@@ -171,6 +171,7 @@ def measure_method(name: str, build: Callable, batch: tuple, loss_fn, *, steps: 
 
         if name == "torchalpa-loop":
             opt = pm.optimizer
+            assert opt is not None    # auto_parallel was given one
 
             def step():
                 loss = pm(*batch)
