@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from zoo_vs_ddp_fsdp import deep_narrow_mlp  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime.baselines import batch_shard, wrap_ddp  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.measurement.baselines import batch_shard, wrap_ddp  # noqa: E402
 
 
 def main():

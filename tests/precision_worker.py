@@ -26,7 +26,7 @@ from models import MLP, mlp_inputs  # noqa: E402
 from worker_io import rel_to_scale, run_scenarios, train_beside_one_device  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime.precision import CastForward, MixedPrecision  # noqa: E402
+from torchalpa.runtime.execution.precision import CastForward, MixedPrecision  # noqa: E402
 
 # Adam moves every parameter by about lr whatever its gradient, so bf16's rounding of a
 # tiny gradient can flip a step: plain SGD, whose step is the gradient, shows the

@@ -11,7 +11,7 @@ from models import MLP
 from torch.distributed.tensor import Shard
 
 import torchalpa
-from torchalpa.runtime.precision import MixedPrecision
+from torchalpa.runtime.execution.precision import MixedPrecision
 
 CLUSTER = torchalpa.Cluster(num_nodes=1, devices_per_node=4)
 

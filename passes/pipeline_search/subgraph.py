@@ -1,0 +1,108 @@
+"""A pipeline stage's own graph: the ops of a range of layers, forward and backward.
+
+Values the stage reads but another stage makes (activations from earlier stages in
+forward, gradients from later stages in backward, a tied weight owned elsewhere) become
+leaves it *receives* (kind ``input``: they arrive whole and may be sliced for free). Values
+it makes that another stage reads are its *sends* (it produces them whole). User inputs
+are readable by every stage (every rank has the batch). A received value whose dim 0 is
+not the batch (a tied weight owned elsewhere, its cast, its gradient) is marked
+``batched=False``, so data parallelism does not try to split it as if it were a batch. The loss belongs to the stage
+that computes it; a parameter's gradient and a buffer's update to the stage that owns
+the parameter or buffer (received there if computed elsewhere).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchalpa.core.opgraph import GraphOutputs, OpGraph, OpNode, ValueRef
+
+__all__ = ["StageGraph", "stage_subgraph", "received_name"]
+
+
+@dataclass
+class StageGraph:
+    graph: OpGraph
+    receives: dict[str, ValueRef]   # leaf name in the stage graph -> value in the full graph
+    sends: list[ValueRef]           # values of the full graph other stages read
+
+
+def received_name(ref: ValueRef) -> str:
+    return f"recv_{ref.node}_{ref.index}"
+
+
+def stage_subgraph(graph: OpGraph, stage_of: dict[str, int], stage: int) -> StageGraph:
+    """The graph of one stage, given every node's stage."""
+    inside = {n.name for n in graph if stage_of[n.name] == stage and n.kind != "input"}
+    user_inputs = {n.name for n in graph if n.kind == "input"}
+    receives: dict[str, ValueRef] = {}
+    body: list[OpNode] = []
+
+    def local(ref: ValueRef) -> ValueRef:
+        if ref.node in inside or ref.node in user_inputs:
+            return ref
+        name = received_name(ref)
+        if name not in receives:
+            receives[name] = ref
+        return ValueRef(name)
+
+    for node in graph:
+        if node.name in inside and not node.is_leaf:
+            body.append(_with_operands(node, tuple(local(r) for r in node.operands)))
+        elif node.name in inside:
+            body.append(node)
+    out = graph.outputs
+    loss = local(out.loss) if out.loss is not None and stage_of[out.loss.node] == stage else None
+    params = graph.params
+    buffers = {n.target: n.name for n in graph if n.kind == "buffer"}
+    grads = tuple((fqn, local(ref)) for fqn, ref in out.grads if params[fqn] in inside)
+    updates = tuple((fqn, local(ref)) for fqn, ref in out.buffer_updates
+                    if buffers[fqn] in inside)
+    sends = _sends(graph, stage_of, stage, inside)
+    used = {r.node for n in body for r in n.operands} | {r.node for r in
+                                                         [loss] if r is not None}
+    used |= {r.node for _, r in grads + updates}
+    leaves = [n for n in graph if n.name in user_inputs and n.name in used]
+    batched = _batch_first(graph) if receives else set()
+    received = [OpNode(name=name, op="input", kind="input",
+                       outputs=(graph.spec(ref),), target=f"stage_input:{ref}",
+                       phase=graph.node(ref.node).phase, source=ref.node,
+                       batched=ref in batched)
+                for name, ref in receives.items()]
+    nodes = leaves + received + body
+    sub = OpGraph(nodes, GraphOutputs(loss=loss, grads=grads, buffer_updates=updates,
+                                      sends=tuple(sends)), meta=dict(graph.meta, stage=stage))
+    return StageGraph(sub, receives, sends)
+
+
+def _batch_first(graph: OpGraph) -> set[ValueRef]:
+    """Values whose dim 0 carries the batch (``constraints.batch_dims``): not a parameter,
+    its cast, or a weight gradient (whose batch was contracted)."""
+    from torchalpa.passes.sharding.constraints import batch_dims
+    return {ValueRef(node, index) for (node, index), dims in batch_dims(graph).items()
+            if 0 in dims}
+
+
+def _with_operands(node: OpNode, operands: tuple[ValueRef, ...]) -> OpNode:
+    from dataclasses import replace
+    return replace(node, operands=operands)
+
+
+def _sends(graph: OpGraph, stage_of: dict[str, int], stage: int, inside: set[str]
+           ) -> list[ValueRef]:
+    """Values made here that another stage reads (as an operand or as one of its outputs)."""
+    wanted: dict[ValueRef, None] = {}
+    for node in graph:
+        if node.is_leaf or stage_of[node.name] == stage:
+            continue
+        for ref in node.operands:
+            if ref.node in inside:
+                wanted[ref] = None
+    params = graph.params
+    buffers = {n.target: n.name for n in graph if n.kind == "buffer"}
+    owner = [(params[f], r) for f, r in graph.outputs.grads] + \
+        [(buffers[f], r) for f, r in graph.outputs.buffer_updates]
+    for leaf, ref in owner:
+        if ref.node in inside and stage_of[leaf] != stage:
+            wanted[ref] = None
+    return list(wanted)
