@@ -10,7 +10,9 @@ dropout off) and a deep, narrow MLP (64 Linear layers alternating 64 -> 256 -> 6
 where the plan is DDP's and per-collective latency dominates) with Adam, once per method:
 torchalpa (``auto_parallel``, every rank passing the global batch), DDP and FSDP2
 (``fully_shard`` per layer, as torchtitan applies it; each rank its share of the batch);
-``--methods ... torchalpa-dp`` adds torchalpa with ``method=DataParallel()`` (DDP's plan).
+``--methods ... torchalpa-dp`` adds torchalpa with ``method=DataParallel()`` (DDP's plan),
+``torchalpa-loop`` torchalpa stepped by the README's loop (``loss = pm(x, y)``,
+``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``) instead of ``train_step``.
 Each torchalpa row shows its plan with the estimated step time, and the header the cluster
 auto_parallel planned for (on gloo, measured on the live group: ``Cluster.measure()``).
 
@@ -29,7 +31,8 @@ import json
 from _launch import add_run_args, average_runs, launch, method_order
 
 METHODS = ("torchalpa", "ddp", "fsdp2")
-EXTRA_METHODS = ("torchalpa-dp",)   # torchalpa with method=DataParallel(): DDP's plan
+EXTRA_METHODS = ("torchalpa-dp",     # torchalpa with method=DataParallel(): DDP's plan
+                 "torchalpa-loop")   # torchalpa stepped by the README's loop, not train_step
 ZOO = ("gpt", "llama", "bert", "vit", "resnet", "moe")
 MODELS = ZOO + ("mlp",)
 
@@ -71,11 +74,13 @@ def report(args, result):
             print(f"{model:<8}{row['num_params'] / 1e6:>7.2f}M{name:>14}{s['step_s'] * 1e3:>10.1f}"
                   f"{s['loopback_bytes_per_step'] / 2**20:>14.2f}{s['peak_bytes'] / 2**30:>14.2f}"
                   + (f"   plan: {s['plan']}" if "plan" in s else ""))
-        ours = row["stats"].get("torchalpa")
         others = [s for k, s in row["stats"].items() if k in ("ddp", "fsdp2")]
-        if ours and others:
+        for name, ours in row["stats"].items():
+            if not name.startswith("torchalpa") or not others:
+                continue
             best = min(others, key=lambda s: s["step_s"])
-            print(f"{model:<8}{'':>8}{'ratio':>14}{ours['step_s'] / best['step_s']:>10.2f}"
+            label = "ratio" if name == "torchalpa" else f"ratio {name[len('torchalpa-'):]}"
+            print(f"{model:<8}{'':>8}{label:>14}{ours['step_s'] / best['step_s']:>10.2f}"
                   f"{ours['loopback_bytes_per_step'] / max(best['loopback_bytes_per_step'], 1):>14.2f}"
                   f"{ours['peak_bytes'] / best['peak_bytes']:>14.2f}")
 

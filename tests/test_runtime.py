@@ -127,8 +127,9 @@ def test_cast_forward_keeps_the_model_names():
 
 
 def test_mixed_precision_options_are_validated():
-    with pytest.raises(ValueError, match="reduce_dtype must be torch.float32"):
-        MixedPrecision(reduce_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="reduce_dtype must be torch.float32 or the param_dtype"):
+        MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.bfloat16)
+    assert MixedPrecision(reduce_dtype=torch.bfloat16).narrow_reduction == "bfloat16"
     with pytest.raises(TypeError, match="param_dtype must be a floating torch.dtype"):
         MixedPrecision(param_dtype=torch.int8)
     with pytest.raises(TypeError, match="torchalpa.MixedPrecision"):

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         PipeshardParallel,
         ShardParallel,
         UniformStageOption,
+        Zero1Parallel,
         Zero2Parallel,
         Zero3Parallel,
     )
@@ -58,7 +59,7 @@ __version__ = "0.1.0"
 # any pass) loads neither torch nor torch.distributed, and `torchalpa --help` loads nothing.
 _OPTIONS = ("AutoLayerOption", "AutoParallel", "AutoShardingOption", "DataParallel", "Inference",
             "ManualShardingOption", "ManualStageOption", "PipeshardParallel", "ShardParallel",
-            "UniformStageOption", "Zero2Parallel", "Zero3Parallel")
+            "UniformStageOption", "Zero1Parallel", "Zero2Parallel", "Zero3Parallel")
 _LAZY = {
     **dict.fromkeys(_OPTIONS, "torchalpa.core.options"),
     "Cluster": "torchalpa.core.cluster", "LogicalMesh": "torchalpa.core.cluster",
@@ -91,7 +92,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "auto_parallel", "plan", "Plan", "Cluster", "AutoParallel", "LogicalMesh", "ShardParallel", "DataParallel",
-    "Zero2Parallel", "Zero3Parallel", "AutoShardingOption", "ManualShardingOption", "Shard", "Replicate", "Partial",
+    "Zero1Parallel", "Zero2Parallel", "Zero3Parallel", "AutoShardingOption",
+    "ManualShardingOption", "Shard", "Replicate", "Partial",
     "mark_pipeline_boundary", "PipeshardParallel", "AutoLayerOption", "ManualStageOption",
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
     "load_checkpoint", "RankFailedError", "save_pretrained", "load_pretrained",

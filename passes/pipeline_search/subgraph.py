@@ -4,7 +4,9 @@ Values the stage reads but another stage makes (activations from earlier stages 
 forward, gradients from later stages in backward, a tied weight owned elsewhere) become
 leaves it *receives* (kind ``input``: they arrive whole and may be sliced for free). Values
 it makes that another stage reads are its *sends* (it produces them whole). User inputs
-are readable by every stage (every rank has the batch). The loss belongs to the stage
+are readable by every stage (every rank has the batch). A received value whose dim 0 is
+not the batch (a tied weight owned elsewhere, its cast, its gradient) is marked
+``batched=False``, so data parallelism does not try to split it as if it were a batch. The loss belongs to the stage
 that computes it; a parameter's gradient and a buffer's update to the stage that owns
 the parameter or buffer (received there if computed elsewhere).
 """
@@ -61,14 +63,24 @@ def stage_subgraph(graph: OpGraph, stage_of: dict[str, int], stage: int) -> Stag
                                                          [loss] if r is not None}
     used |= {r.node for _, r in grads + updates}
     leaves = [n for n in graph if n.name in user_inputs and n.name in used]
+    batched = _batch_first(graph) if receives else set()
     received = [OpNode(name=name, op="input", kind="input",
                        outputs=(graph.spec(ref),), target=f"stage_input:{ref}",
-                       phase=graph.node(ref.node).phase, source=ref.node)
+                       phase=graph.node(ref.node).phase, source=ref.node,
+                       batched=ref in batched)
                 for name, ref in receives.items()]
     nodes = leaves + received + body
     sub = OpGraph(nodes, GraphOutputs(loss=loss, grads=grads, buffer_updates=updates,
                                       sends=tuple(sends)), meta=dict(graph.meta, stage=stage))
     return StageGraph(sub, receives, sends)
+
+
+def _batch_first(graph: OpGraph) -> set[ValueRef]:
+    """Values whose dim 0 carries the batch (``constraints.batch_dims``): not a parameter,
+    its cast, or a weight gradient (whose batch was contracted)."""
+    from torchalpa.passes.sharding.constraints import batch_dims
+    return {ValueRef(node, index) for (node, index), dims in batch_dims(graph).items()
+            if 0 in dims}
 
 
 def _with_operands(node: OpNode, operands: tuple[ValueRef, ...]) -> OpNode:

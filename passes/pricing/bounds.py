@@ -121,7 +121,7 @@ def captured_batch(graph: OpGraph) -> int:
     """The batch size a step was captured for: dim 0 of its first user input (1 when no
     input has a dim)."""
     for node in graph:
-        if node.kind == "input" and node.output.shape:
+        if node.kind == "input" and node.batched and node.output.shape:
             return int(node.output.shape[0])
     return 1
 

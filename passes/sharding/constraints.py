@@ -17,7 +17,7 @@ import re
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import AutoShardingOption
-from torchalpa.core.placement import Replicate, Shard, is_shard, parse_placements, short
+from torchalpa.core.placement import Partial, Replicate, Shard, is_shard, parse_placements, short
 from torchalpa.passes.sharding.strategies import Strategy
 
 __all__ = ["apply_constraints"]
@@ -57,7 +57,7 @@ def batch_dims(graph: OpGraph) -> dict[tuple[str, int], set[int]]:
     carries: dict[tuple[str, int], set[int]] = {}
     for node in graph:
         if node.kind == "input":
-            carries[(node.name, 0)] = {0} if node.output.shape else set()
+            carries[(node.name, 0)] = {0} if node.output.shape and node.batched else set()
             continue
         if node.is_leaf:
             continue
@@ -124,6 +124,26 @@ def _show_pin(pin) -> str:
     return "".join("*" if p is None else "..." if p is ... else str(p) for p in pin)
 
 
+def _reduce_before_cast_up(graph: OpGraph, strategies: dict[str, list[Strategy]]) -> None:
+    """``graph.meta["reduce_dtype"]`` (``MixedPrecision(reduce_dtype=...)``): a parameter
+    gradient made by casting a narrow gradient up to float32 reads it summed already (no
+    partial sum crosses the cast), so every gradient is reduced in the narrow dtype."""
+    narrow = graph.meta.get("reduce_dtype")
+    if not narrow:
+        return
+    for _, ref in graph.outputs.grads:
+        node = graph.node(ref.node)
+        while node.aliases and node.operands:       # a view of the cast's result
+            node = graph.node(node.operands[0].node)
+        if node.is_leaf or "_to_copy" not in node.op or not node.operands or \
+                graph.spec(node.operands[0]).dtype != narrow:
+            continue
+        kept = [s for s in strategies[node.name]
+                if s.inputs[0] is None or not any(isinstance(p, Partial) for p in s.inputs[0])]
+        if kept:
+            strategies[node.name] = kept
+
+
 def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mesh: LogicalMesh,
                       option: AutoShardingOption) -> list[str]:
     """Filter strategies in place; returns notes for the plan."""
@@ -138,7 +158,7 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
             continue
         name = node.target or node.name
         options = strategies[node.name]
-        if node.kind == "input" and axis is not None and node.output.shape:
+        if node.kind == "input" and node.batched and axis is not None and node.output.shape:
             kept = [s for s in options if _batch_sharded(s, axis, mesh)]
             if not kept:
                 n = mesh.num_devices if axis == -1 else mesh.shape[axis]
@@ -172,6 +192,7 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
                                      f"{_show_pin(layout)} on mesh {mesh.shape}; possible: {possible}")
                 options = kept
         strategies[node.name] = options
+    _reduce_before_cast_up(graph, strategies)
     if axis is not None:
         # Alpa's semantics: every op keeps the batch on that axis where it can
         carries = batch_dims(graph)

@@ -89,7 +89,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
         strides = regions.get(node.name, ())
         if node.is_leaf:
             options = leaf_strategies(node.output, mesh, strides)
-            if node.kind == "input" and inputs == "local":
+            if node.kind == "input" and node.batched and inputs == "local":
                 options = [_batch_sharded(node.output, mesh)]
             strategies[node.name] = options
             continue

@@ -258,7 +258,8 @@ def _notes(graph: OpGraph, mesh: LogicalMesh, chosen: dict[str, Strategy],
     ops drawn per block."""
     notes = list(space.notes)
     for n in graph:
-        if n.kind == "input" and n.output.shape and n.output.shape[0] % mesh.num_devices:
+        if n.kind == "input" and n.batched and n.output.shape and \
+                n.output.shape[0] % mesh.num_devices:
             notes.append(f"{n.target}: batch dim {n.output.shape[0]} does not divide by "
                          f"{mesh.num_devices} devices, so it cannot be fully data-parallel")
     per_block = sorted(n for n in space.random

@@ -88,7 +88,13 @@ class _TrainingStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, pm: ParallelModule, num_state: int, *args):
-        state, inputs = list(args[:num_state]), args[num_state:]
+        # the parameters come as themselves (DTensors): their gradients are made DTensors
+        # here, sharing each parameter's layout spec, not by ``to_local``'s backward, which
+        # builds a spec per parameter (``from_local``) and adds an autograd node each
+        state = [t._local_tensor if isinstance(t, DTensor) else t for t in args[:num_state]]
+        inputs = args[num_state:]
+        ctx.wrap = [(t._spec, t._local_tensor.shape, t.dtype, t.shape, t.stride())
+                    if isinstance(t, DTensor) else None for t in args[:len(pm._param_names)]]
         runner = pm._runner
         with pm._monitor.guard(f"the forward of step {pm._num_calls}"):
             step = runner.begin(inputs)
@@ -126,7 +132,19 @@ class _TrainingStep(torch.autograd.Function):
         else:
             grads = [g if unit or g is None else g * grad_loss for g in ctx.grads]
         pm._clock.stop("forward+backward")
+        grads = [_as_parameter_grad(g, w) for g, w in zip(grads, ctx.wrap, strict=True)]
         return (None, None, *grads, *([None] * ctx.num_others))
+
+
+def _as_parameter_grad(g: torch.Tensor | None, wrap) -> torch.Tensor | None:
+    """A local gradient as its parameter's (a DTensor in the parameter's layout)."""
+    if g is None or wrap is None:
+        return g
+    spec, local_shape, dtype, shape, stride = wrap
+    if g.dtype == dtype and g.shape == local_shape:    # the parameter's layout: its spec
+        return DTensor(g, spec, requires_grad=False)  # pyright: ignore[reportCallIssue]
+    return DTensor.from_local(g, spec.mesh, spec.placements, run_check=False, shape=shape,
+                              stride=stride)
 
 
 def _attach_gradients(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
@@ -271,7 +289,7 @@ class ParallelModule(nn.Module):
             self._write_buffer_updates(step.buffer_updates)
             self._clock.stop("forward")
             return self._signature.wrap_loss(loss)
-        state = self._state(self._param_names + self._buffer_names, differentiable=True)
+        state = self._tensors(self._param_names + self._buffer_names)
         loss, *buffer_updates = _TrainingStep.apply(self, len(state), *state, *flat)
         self._write_buffer_updates(buffer_updates)
         return self._signature.wrap_loss(loss)

@@ -30,11 +30,16 @@ class MixedPrecision:
     param_dtype: torch.dtype = torch.bfloat16
     """Dtype of the parameter copies forward and backward compute with."""
     reduce_dtype: torch.dtype = torch.float32
-    """Dtype of the parameter gradients: accumulated over micro-batches, brought to their
-    parameters' layouts at the end of backward, and handed to the optimizer. Only float32
-    is supported (the gradient of a float32 master parameter). Where a partial gradient is
-    summed across ranks inside backward -- before the cast up, in ``param_dtype``, or
-    after it -- is the planner's choice, priced like any other collective."""
+    """Dtype the parameter gradients are summed across ranks in. float32: where a partial
+    gradient is summed -- before the cast up to the float32 master's dtype, in
+    ``param_dtype``, or after it -- is the planner's choice, priced like any other
+    collective. ``param_dtype`` (FSDP2's ``reduce_dtype=torch.bfloat16``): every gradient
+    is summed (all-reduced or reduce-scattered) in ``param_dtype``, half the bytes of
+    float32, and cast up after, so the optimizer still gets float32 gradients of its
+    float32 masters. The captured step carries the choice as
+    ``graph.meta["reduce_dtype"]``; the planner forbids the sum after the cast up
+    (``passes/sharding/constraints.py``). With gradient accumulation the sum is then made per
+    micro-batch, inside backward, as priced."""
     output_dtype: torch.dtype | None = torch.float32
     """Floating outputs of the model are cast to this before the loss (None: left in
     ``param_dtype``). float32 keeps the loss and its reduction in float32."""
@@ -50,9 +55,16 @@ class MixedPrecision:
             if value not in _FLOATS:
                 raise TypeError(f"MixedPrecision.{name} must be a floating torch.dtype such as "
                                 f"torch.bfloat16, got {value!r}")
-        if self.reduce_dtype != torch.float32:
-            raise ValueError(f"MixedPrecision.reduce_dtype must be torch.float32 (the dtype of "
-                             f"the master parameters' gradients), got {self.reduce_dtype}")
+        if self.reduce_dtype not in (torch.float32, self.param_dtype):
+            raise ValueError(f"MixedPrecision.reduce_dtype must be torch.float32 or the "
+                             f"param_dtype ({self.param_dtype}), got {self.reduce_dtype}")
+
+    @property
+    def narrow_reduction(self) -> str | None:
+        """The dtype name gradients are summed in when narrower than float32, else None."""
+        if self.reduce_dtype == torch.float32:
+            return None
+        return str(self.reduce_dtype).removeprefix("torch.")
 
 
 def _cast(dtype: torch.dtype):

@@ -143,7 +143,9 @@ def measure_method(name: str, build: Callable, batch: tuple, loss_fn, *, steps: 
                    rank: int, world: int, method=None) -> tuple[dict, int]:
     """Train ``build()`` (seeded 0) on ``batch`` under ``name`` (torchalpa, ddp or fsdp2)
     with Adam: timed steps, loopback bytes, peak memory over ranks; and the parameter
-    count. ``method`` is torchalpa's method (None: automatic)."""
+    count. ``method`` is torchalpa's method (None: automatic). ``torchalpa`` steps by
+    ``train_step``; ``torchalpa-loop`` by the README's loop (``loss = pm(*batch)``,
+    ``loss.backward()``, ``opt.step()``, ``opt.zero_grad()``): the autograd path."""
     import torch
     import torch.distributed as dist
 
@@ -167,8 +169,18 @@ def measure_method(name: str, build: Callable, batch: tuple, loss_fn, *, steps: 
             pm.plan, pm.collectives_per_step(train_step=True))}
         params = list(pm.parameters())
 
-        def step():
-            pm.train_step(*batch)
+        if name == "torchalpa-loop":
+            opt = pm.optimizer
+            assert opt is not None    # auto_parallel was given one
+
+            def step():
+                loss = pm(*batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        else:
+            def step():
+                pm.train_step(*batch)
     elif name in ("ddp", "fsdp2"):
         model = wrap_ddp(model) if name == "ddp" else wrap_fsdp2(model.to(default_device()))
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)

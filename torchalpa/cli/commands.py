@@ -101,7 +101,7 @@ def _add_plan(commands) -> None:
                         "states, as auto_parallel(mixed_precision=...) runs them")
     p.add_argument("--method", choices=METHODS, default="auto",
                    help="how to parallelize: auto (search every way, the default), shard "
-                        "(intra-op ILP), data (DDP), zero2, zero3 (FSDP), pipeshard "
+                        "(intra-op ILP), data (DDP), zero1, zero2, zero3 (FSDP), pipeshard "
                         "(stages and intra-op)")
     p.add_argument("--mesh", metavar="AxB", help="a fixed logical mesh shape (default: try each; "
                    "with --method auto, an intra-op plan on that mesh)")
@@ -144,7 +144,7 @@ def _plan(args) -> int:
     return 0
 
 
-METHODS = ("auto", "shard", "data", "zero2", "zero3", "pipeshard")
+METHODS = ("auto", "shard", "data", "zero1", "zero2", "zero3", "pipeshard")
 
 
 def method_of(name: str, mesh: tuple[int, ...] | None):
@@ -158,7 +158,8 @@ def method_of(name: str, mesh: tuple[int, ...] | None):
     if name == "auto":
         return None if mesh is None else torchalpa.ShardParallel(logical_mesh_shape=mesh)
     preset = {"shard": torchalpa.ShardParallel, "data": torchalpa.DataParallel,
-              "zero2": torchalpa.Zero2Parallel, "zero3": torchalpa.Zero3Parallel}[name]
+              "zero1": torchalpa.Zero1Parallel, "zero2": torchalpa.Zero2Parallel,
+              "zero3": torchalpa.Zero3Parallel}[name]
     return preset(logical_mesh_shape=mesh) if mesh is not None else preset()
 
 

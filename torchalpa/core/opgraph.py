@@ -124,6 +124,11 @@ class OpNode:
     they hold no bytes of their own and move none, and keep that storage alive."""
     layer: int | None = None
     stage: int | None = None
+    batched: bool = True
+    """For a user input (kind ``input``): whether its dim 0 is the batch. A value a
+    pipeline stage receives from another that derives from parameters alone (a tied
+    weight, or its cast to the compute dtype) is an input of the stage's graph without
+    a batch."""
 
     @property
     def is_leaf(self) -> bool:
@@ -217,6 +222,11 @@ class OpGraph:
         return [n.name for n in self if n.kind == "input"]
 
     @property
+    def batch_inputs(self) -> list[str]:
+        """The inputs whose dim 0 is the batch (all but a stage's parameter-derived ones)."""
+        return [n.name for n in self if n.kind == "input" and n.batched]
+
+    @property
     def grads(self) -> dict[str, ValueRef]:
         return dict(self.outputs.grads)
 
@@ -302,8 +312,11 @@ class OpGraph:
         for n in self:
             h.update(json.dumps([n.name, n.op, n.kind, [str(r) for r in n.operands], repr(n.args),
                                  repr(n.kwargs), [str(s) for s in n.outputs], n.target,
-                                 n.phase, n.aliases], sort_keys=True).encode())
+                                 n.phase, n.aliases] + ([] if n.batched else ["unbatched"]),
+                                sort_keys=True).encode())
         h.update(repr(self.outputs).encode())
+        if self.meta.get("reduce_dtype"):   # gradients summed in a narrow dtype: other plans
+            h.update(f"reduce_dtype={self.meta['reduce_dtype']}".encode())
         return h.hexdigest()[:16]
 
     def summary(self) -> str:

@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 __all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataParallel",
-           "Zero2Parallel", "Zero3Parallel", "PipeshardParallel", "AutoLayerOption",
+           "Zero1Parallel", "Zero2Parallel", "Zero3Parallel", "PipeshardParallel", "AutoLayerOption",
            "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style",
            "AutoParallel", "method_of_plan", "REMAT_MODES", "Inference", "MODES", "parse_mode"]
 
@@ -313,6 +313,20 @@ class DataParallel(ShardParallel):
     auto_sharding_option: AutoShardingOption = _option(force_data_parallel=True,
                                                        force_batch_dim_to_mesh_dim=-1,
                                                        parameters="replicated")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Zero1Parallel(ShardParallel):
+    """ZeRO-1 (DeepSpeed stage 1): the batch split over every device; optimizer states
+    sharded; gradients all-reduced whole, as DDP does, each rank updating its own shard of
+    every parameter, the updated shards all-gathered (here: in the next step's forward,
+    where each parameter is first read). Between steps a rank keeps its shard of the
+    parameters and gradients, so it holds no more than DeepSpeed's stage 1. Beside
+    ``Zero2Parallel`` it moves 1.5x the bytes (an all-reduce where ZeRO-2 reduce-scatters)."""
+
+    auto_sharding_option: AutoShardingOption = _option(force_batch_dim_to_mesh_dim=-1,
+                                                       parameters="sharded",
+                                                       allow_reduce_scatter=False)
 
 
 @dataclass(frozen=True, kw_only=True)

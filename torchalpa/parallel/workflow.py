@@ -92,10 +92,18 @@ def capture_step(model, example_inputs, loss_fn, **options):
     with step("capturing the training step") as progress:
         captured = capture(model, example_inputs, loss_fn, **options)
         graph = captured.graph
+        _record_reduce_dtype(model, graph)
         numel = sum(graph.node(n).output.numel for n in graph.params.values())
         progress.done = (f"{sum(1 for _ in graph.ops())} ops, {len(graph.params)} parameters "
                          f"({format_count(numel)} elements)")
     return captured
+
+
+def _record_reduce_dtype(model, graph) -> None:
+    """``MixedPrecision(reduce_dtype=param_dtype)``: the planner must sum gradients in it."""
+    from torchalpa.runtime.execution.precision import CastForward
+    if isinstance(model, CastForward) and model.policy.narrow_reduction:
+        graph.meta["reduce_dtype"] = model.policy.narrow_reduction
 
 
 def capture_variants(model, example_inputs, loss_fn, option, **options) -> dict:

@@ -1,0 +1,103 @@
+"""The README's loop next to ``train_step`` and DDP, where the plan is DDP's, phase by phase.
+
+    torchrun --standalone --nproc_per_node=4 benchmarks/loop_vs_ddp.py [--rounds 8]
+
+The deep narrow MLP of ``zoo_vs_ddp_fsdp.py`` (64 Linear, 64 <-> 256, Adam), batch 2048,
+planned with ``DataParallel()`` (DDP's plan). Per round, in alternating order: torchalpa by
+the README's loop (``loss = pm(x, y)``, ``loss.backward()``, ``opt.step()``,
+``opt.zero_grad()``), torchalpa by ``train_step``, and DDP on each rank's quarter of the
+batch; ranks meet at a barrier before each. Prints rank 0's median milliseconds of each
+phase (forward, backward, optimizer) and the ratios of both torchalpa steps to DDP's.
+One thread per rank (``OMP_NUM_THREADS=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from zoo_vs_ddp_fsdp import deep_narrow_mlp  # noqa: E402
+
+import torchalpa  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.measurement.baselines import batch_shard, wrap_ddp  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--batch", type=int, default=2048)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(args.batch, 64, generator=g), torch.randn(args.batch, 64, generator=g)
+    torch.manual_seed(0)
+    pm = torchalpa.auto_parallel(deep_narrow_mlp(), (x, y), F.mse_loss,
+                                 method=torchalpa.DataParallel(),
+                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4))
+    torch.manual_seed(0)
+    ddp = wrap_ddp(deep_narrow_mlp())
+    ddp_opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
+    lx, ly = batch_shard(x, rank, world), batch_shard(y, rank, world)
+    times: dict[str, list[float]] = {}
+
+    def phases(prefix, forward, backward, step):
+        t0 = time.perf_counter()
+        loss = forward()
+        t1 = time.perf_counter()
+        backward(loss)
+        t2 = time.perf_counter()
+        step()
+        t3 = time.perf_counter()
+        for k, v in (("forward", t1 - t0), ("backward", t2 - t1), ("optimizer", t3 - t2),
+                     ("step", t3 - t0)):
+            times.setdefault(f"{prefix} {k}", []).append(v)
+
+    def loop():
+        def step():
+            pm.optimizer.step()
+            pm.optimizer.zero_grad(set_to_none=True)
+        phases("loop", lambda: pm(x, y), lambda loss: loss.backward(), step)
+
+    def train_step():
+        t0 = time.perf_counter()
+        pm.train_step(x, y)
+        times.setdefault("train_step step", []).append(time.perf_counter() - t0)
+
+    def baseline():
+        ddp_opt.zero_grad(set_to_none=True)
+        phases("ddp", lambda: F.mse_loss(ddp(lx), ly), lambda loss: loss.backward(),
+               ddp_opt.step)
+
+    methods = [loop, train_step, baseline]
+    for f in methods:        # warm-up
+        f()
+    times.clear()
+    for r in range(args.rounds):
+        for f in methods if r % 2 == 0 else reversed(methods):
+            dist.barrier()
+            f()
+    if rank == 0:
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(f"{world} gloo ranks, batch {args.batch}, {args.rounds} rounds; median ms (rank 0)")
+        for k, v in med.items():
+            print(f"  {k:<20}{v:>8.1f}")
+        print(f"loop / DDP {med['loop step'] / med['ddp step']:.3f}   "
+              f"train_step / DDP {med['train_step step'] / med['ddp step']:.3f}   "
+              f"load {os.getloadavg()[0]:.1f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
