@@ -55,7 +55,7 @@ def reseal(version: Path) -> None:
     """Rewrite the manifest's sizes and checksums to match the files."""
     path = version / "MANIFEST.json"
     manifest = json.loads(path.read_text())
-    for name, entry in manifest.files.items():
+    for name, entry in manifest["files"].items():
         data = (version / name).read_bytes()
         entry.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     path.write_text(json.dumps(manifest))

@@ -112,10 +112,10 @@ def test_planner_estimates_less_activation_memory_and_more_time(gpt):
                                cluster=torchalpa.Cluster.local_cpu(1))
              for m in ("none", "full")}
     est = {m: p.estimates for m, p in plans.items()}
-    assert est.full.saved_activation_bytes_per_device < \
-        0.35 * est.none.saved_activation_bytes_per_device
-    assert est.full.activation_bytes_per_device < est.none.activation_bytes_per_device
-    assert est.full.step_time_s > est.none.step_time_s
+    assert est["full"].saved_activation_bytes_per_device < \
+        0.35 * est["none"].saved_activation_bytes_per_device
+    assert est["full"].activation_bytes_per_device < est["none"].activation_bytes_per_device
+    assert est["full"].step_time_s > est["none"].step_time_s
     assert plans["full"].method["remat"] == "full" and plans["none"].method["remat"] == "none"
     text = plans["full"].summary()
     assert "activation checkpointing: full (3 blocks" in text

@@ -149,7 +149,7 @@ def reseal(version) -> None:
     """Rewrite the manifest's checksums to match the files (an attacker who can write the
     checkpoint can do this too: the checksums catch damage, not malice)."""
     manifest = json.loads((version / ck.MANIFEST).read_text())
-    for name, entry in manifest.files.items():
+    for name, entry in manifest["files"].items():
         entry["sha256"] = hashlib.sha256((version / name).read_bytes()).hexdigest()
     (version / ck.MANIFEST).write_text(json.dumps(manifest))
 
@@ -158,11 +158,11 @@ def test_every_file_has_a_checksum_in_the_manifest(tmp_path):
     version = save_checkpoint(tmp_path, make())
     manifest = json.loads((version / ck.MANIFEST).read_text())
     on_disk = sorted(p.name for p in version.iterdir() if p.name != ck.MANIFEST)
-    assert sorted(manifest.files) == on_disk
+    assert sorted(manifest["files"]) == on_disk
     assert {".metadata", "rng-0.pt"} <= set(on_disk)
     for name in on_disk:
         data = (version / name).read_bytes()
-        assert manifest.files[name] == {"bytes": len(data),
+        assert manifest["files"][name] == {"bytes": len(data),
                                            "sha256": hashlib.sha256(data).hexdigest()}
 
 
