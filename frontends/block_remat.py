@@ -69,6 +69,8 @@ class Recomputed:
 
     blocks: int
     ops: int
+    total: int = 0
+    """Blocks the step has (``blocks`` of them checkpointed)."""
 
 
 def _made_by(n: fx.Node, ops: frozenset) -> bool:
@@ -106,11 +108,12 @@ def _blocks(gm: fx.GraphModule, forward: set[str]) -> dict[tuple[str, int], list
 
 
 def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
-                      policy: str = "full") -> Recomputed:
+                      policy: str = "full", first: int | None = None) -> Recomputed:
     """Rewrite ``gm`` (the joint step returning ``(loss, *grads of its first num_params
     placeholders, *buffer updates)``) in place so each block's forward is recomputed in
     its backward: all of it (``policy="full"``) or all but the results of
-    ``SELECTIVE_KEPT`` ops (``"selective"``)."""
+    ``SELECTIVE_KEPT`` ops (``"selective"``). ``first``: only the first that many blocks
+    (in forward's order) are checkpointed, the others keep their activations."""
     if policy not in POLICIES:
         raise ValueError(f"checkpointing policy must be one of {POLICIES}, got {policy!r}")
     graph = gm.graph
@@ -119,7 +122,11 @@ def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
     outs = list(output.args[0])
     forward = ancestor_names([outs[0], *[o for o in outs[1 + num_params:] if o is not None]])
     num_blocks = num_ops = 0
-    for members in _blocks(gm, forward).values():
+    blocks = list(_blocks(gm, forward).values())
+    if first is not None and first > len(blocks):
+        raise ValueError(f"remat '{policy}:{first}' checkpoints {first} blocks, but the step "
+                         f"has {len(blocks)}; use at most '{policy}:{len(blocks)}'")
+    for members in blocks[:first]:
         inside = set(members)
 
         def kept(n: fx.Node) -> bool:
@@ -160,7 +167,7 @@ def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
         num_ops += len(copies)
     graph.lint()
     gm.recompile()
-    return Recomputed(blocks=num_blocks, ops=num_ops)
+    return Recomputed(blocks=num_blocks, ops=num_ops, total=len(blocks))
 
 
 def checkpointed_capture(captured: Capture, policy: str = "full", *,
@@ -170,14 +177,17 @@ def checkpointed_capture(captured: Capture, policy: str = "full", *,
     backward reading parameters through views of its own (``param_remat``: gathered again
     in backward, ZeRO-3), on a copy of its fx graph, and the OpGraph made again from it;
     ``captured`` is left untouched. Cheaper than tracing the model again, which is what
-    lets the planner weigh the variants."""
+    lets the planner weigh the variants. ``policy`` may name a block count ("full:5": the
+    first 5 blocks checkpointed, ``torchalpa.core.options.parse_remat``)."""
+    from torchalpa.core.options import parse_remat
+    policy, first = parse_remat(policy)
     graph = fx.Graph()
     graph._codegen = copy.deepcopy(captured.gm.graph._codegen)
     graph.output(graph.graph_copy(captured.gm.graph, {}))
     gm = fx.GraphModule(captured.gm, graph)
     if rematerialize_parameters:
         rematerialize_parameter_views(gm, len(captured.param_names))
-    done = checkpoint_blocks(gm, len(captured.param_names), policy=policy) \
+    done = checkpoint_blocks(gm, len(captured.param_names), policy=policy, first=first) \
         if policy != "none" else Recomputed(blocks=0, ops=0)
     gm.graph.eliminate_dead_code()
     gm.recompile()
@@ -189,6 +199,7 @@ def checkpointed_capture(captured: Capture, policy: str = "full", *,
     opgraph.meta["repeated_blocks"] = find_repeated_blocks(opgraph)
     if policy != "none":
         opgraph.meta["remat"] = {"mode": policy, "blocks": done.blocks,
-                                 "recomputed_ops": done.ops}
+                                 "recomputed_ops": done.ops, "of": done.total,
+                                 "first": first}
     opgraph.check()
     return replace(captured, graph=opgraph, gm=gm)

@@ -57,6 +57,7 @@ from torchalpa.runtime.inference import ForwardPrograms
 from torchalpa.runtime.issued import issued_collectives
 from torchalpa.runtime.materialize import distribute_module_state, to_dtensor_placements
 from torchalpa.runtime.mesh import collective_timeout
+from torchalpa.runtime.offload import host_optimizer, offloads
 from torchalpa.runtime.optim import lean_optimizer_steps
 from torchalpa.runtime.replicas import ReplicaMismatchError, enabled_by_env, raise_on_every_rank
 from torchalpa.runtime.replicas import check_replicas as _check_replicas
@@ -220,8 +221,10 @@ class ParallelModule(nn.Module):
         if self._lean_step:
             lean_optimizer_steps(self.parameters())
         # the optimizer over the parallel parameters (DTensors), if one is given
-        self.optimizer: torch.optim.Optimizer | None = \
-            optimizer(self.parameters()) if optimizer is not None else None
+        # (over host copies of the local blocks where the plan offloads its states)
+        self.optimizer: torch.optim.Optimizer | None = None if optimizer is None else \
+            host_optimizer(optimizer, self.parameters()) if offloads(plan) else \
+            optimizer(self.parameters())
         # tools that read the forward's parameters to pick batch fields (HF Trainer drops
         # the columns ``model.forward`` does not name) see the wrapped model's
         self.forward = _signed_like(self.forward, module.forward)
