@@ -215,13 +215,16 @@ class _Search:
         return sorted(found, key=lambda c: (c.rank_s, c.regather != (c.memory_bound > tight))), \
             [Attempt(c, "refused by bound") for c in refused]
 
+    def first_count(self) -> int:
+        """The micro-batch count whose capture the bounds are derived from."""
+        return self.method.num_micro_batches or 1
+
     def profile(self, remat: str):
         """The bounds' profile of the step checkpointed by ``remat`` (one micro-batch
         count's capture: the profile scales to the others)."""
         from torchalpa.passes.bounds import step_profile
-        first = 1 if self.method.num_micro_batches is None else self.method.num_micro_batches
-        return step_profile(self.capture(first, remat, self.regather_choices("intra-op")[0]
-                                         ).graph,
+        return step_profile(self.capture(self.first_count(), remat,
+                                         self.regather_choices("intra-op")[0]).graph,
                             self.meshes[0], optimizer_states=self.method.optimizer_states)
 
     def add(self, found: list, refused: list, remat: str, k: int, bound: float,
@@ -252,10 +255,8 @@ class _Search:
         interpolated between keeping every block and checkpointing every one (the blocks
         are alike: each frees and costs its share)."""
         from torchalpa.passes.layer_remat import block_counts
-        total = (self.capture(1 if self.method.num_micro_batches is None else
-                              self.method.num_micro_batches, "full",
-                              self.regather_choices("intra-op")[0]).graph.meta.get("remat")
-                 or {}).get("of", 0)
+        total = (self.capture(self.first_count(), "full", self.regather_choices("intra-op")[0]
+                              ).graph.meta.get("remat") or {}).get("of", 0)
         none, full = self.profile("none"), self.profile("full")
         devices = self.cluster.num_devices
         for k in counts:
@@ -307,18 +308,20 @@ class _Search:
         except NothingFitsError as e:
             if self.method.offload is not None or not self.method.optimizer_states:
                 raise
-            check_host_memory(self.capture(1, "none").graph, self.cluster,
-                              replace(self.method, offload=True), str(e).splitlines()[0])
+            check_host_memory(self.capture(self.first_count(), "none").graph, self.cluster,
+                              replace(self.method, offload=True),
+                              str(e).splitlines()[0].removesuffix("; tried:"))
             self.method = replace(self.method, offload=True)
             self.plans, self.deadline = [], time.perf_counter() + self.method.time_budget_s
             found = self.run_once()
             return replace(found, notes=tuple(found.notes) + (
                 "AutoParallel offloaded optimizer states to host memory: without it, "
-                + str(e).splitlines()[0],))
+                + str(e).splitlines()[0].removesuffix("; tried:"),))
 
     def run_once(self):
         if self.method.offload:
-            check_host_memory(self.capture(1, "none").graph, self.cluster, self.method)
+            check_host_memory(self.capture(self.first_count(), "none").graph, self.cluster,
+                              self.method)
         candidates, self.attempts = self.candidates()
         single_node_fallback = self.nodes == 1 and self.method.pipeline is None
         first = [c for c in candidates if not (single_node_fallback and c.kind == "pipeline")]
