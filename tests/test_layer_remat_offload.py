@@ -88,6 +88,7 @@ def layered(gpt):
     return _plan(gpt, remat=("none", "full", "layers"), auto_sharding_option=_tight(), **FIXED)
 
 
+@pytest.mark.slow      # a search of several solves (~20-30 s)
 def test_a_tight_budget_checkpoints_some_blocks_and_beats_both_uniform_choices(gpt, layered):
     policy, k = parse_remat(layered.method["remat"])
     assert policy == "full" and 0 < k < 4, layered.method
@@ -98,6 +99,7 @@ def test_a_tight_budget_checkpoints_some_blocks_and_beats_both_uniform_choices(g
         _plan(gpt, remat=("none",), offload=False, auto_sharding_option=_tight(), **FIXED)
 
 
+@pytest.mark.slow      # a search of several solves (~20-30 s)
 def test_the_block_choice_shows_in_summary_and_explain_and_round_trips(layered):
     k = parse_remat(layered.method["remat"])[1]
     line = f"blocks 0-{k - 1} of 4 (full), {k}-3 none"
@@ -152,6 +154,7 @@ def _trains_like_one_device(r):
     assert r["max_param_diff"] < 1e-4
 
 
+@pytest.mark.slow      # 2 gloo ranks plan and train (~50 s with the pool's start)
 def test_some_blocks_checkpointed_train_like_one_device(trained):
     r = trained["layers"]
     policy, k = parse_remat(r["remat"])
@@ -159,6 +162,7 @@ def test_some_blocks_checkpointed_train_like_one_device(trained):
     _trains_like_one_device(r)
 
 
+@pytest.mark.slow      # 2 gloo ranks plan and train (~50 s with the pool's start)
 def test_offloaded_states_train_like_one_device_on_host_copies(trained):
     r = trained["offload"]
     assert r["offload"] and r["estimates"]["offload_s"] > 0
