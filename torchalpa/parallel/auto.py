@@ -46,10 +46,11 @@ import torch
 
 from torchalpa.core.calls import CallSignature
 from torchalpa.core.cluster import Cluster, LogicalMesh
-from torchalpa.core.options import OPTIMIZER_STATES, AutoParallel, PipeshardParallel, ShardParallel
+from torchalpa.core.options import AutoParallel, PipeshardParallel, ShardParallel
 from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.progress import step
 from torchalpa.core.units import format_bytes
+from torchalpa.parallel.offload import check_host_memory, with_offload
 from torchalpa.parallel.workflow import capture_examples, capture_step
 
 if TYPE_CHECKING:
@@ -414,44 +415,6 @@ class _Search:
                      f"{format_bytes(profile.memory_bytes(devices, micro))} each, or a "
                      "smaller model or sequence")
         return "\n".join(lines)
-
-
-def with_offload(plan, graph, cluster, method: AutoParallel):
-    """``plan`` (intra-op, made with optimizer states off the devices) with the offload's
-    price added to its step and its host memory stated (``passes/offload_price.py``); an
-    InfeasibleError when the host cannot hold the states."""
-    from torchalpa.passes.ilp import InfeasibleError
-    from torchalpa.passes.offload_price import offload_cost
-    per_node = getattr(cluster, "devices_per_node", plan.num_devices)
-    cost = offload_cost(graph, {p.node: p.placements for p in plan.parameters},
-                        plan.mesh_shape, OPTIMIZER_STATES[method.optimizer], cluster,
-                        min(per_node, plan.num_devices))
-    if not cost.fits:
-        raise InfeasibleError(f"offloaded optimizer states need {format_bytes(cost.host_bytes_per_node)} "
-                              f"of host memory per node, the nodes have "
-                              f"{format_bytes(cost.host_memory_per_node)}")
-    est = plan.estimates
-    estimates = replace(est, step_time_s=est["step_time_s"] + cost.seconds,
-                        once_per_step_s=(est.get("once_per_step_s") or 0) + cost.seconds,
-                        offload_s=cost.seconds, host_bytes_per_node=cost.host_bytes_per_node)
-    return replace(plan, estimates=estimates, method={**plan.method, "offload": True},
-                   notes=tuple(plan.notes) + (cost.note(),))
-
-
-def check_host_memory(graph, cluster, method: AutoParallel, why: str = "") -> None:
-    """A NothingFitsError, in one line, when even optimizer states split over every device
-    exceed the hosts' memory: what they need and what would hold them."""
-    from torchalpa.passes.offload_price import DEFAULT_HOST, host_floor_bytes
-    nodes = getattr(cluster, "num_nodes", 1)
-    have = getattr(cluster, "host_memory_per_node", DEFAULT_HOST["host_memory_per_node"])
-    need = host_floor_bytes(graph, OPTIMIZER_STATES[method.optimizer], nodes)
-    if need > have:
-        nodes_needed = math.ceil(need * nodes / have) if have else "more"
-        raise NothingFitsError(
-            (f"{why}; " if why else "") + f"offloading the optimizer states to host memory "
-            f"needs at least {format_bytes(need)} per node (parameter copies and "
-            f"{method.optimizer} states), the nodes have {format_bytes(have)}: use hosts with "
-            f"{format_bytes(need)} or {nodes_needed} nodes", [])
 
 
 def _pipeline_stages(nodes: int, method: AutoParallel) -> int:
