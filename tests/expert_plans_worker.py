@@ -62,6 +62,15 @@ def scenarios(n):
     gpt = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=4)
     torch.manual_seed(1234)                 # the same global batch on every rank
     batch = gpt.example_inputs()
+    if n == 4:       # a pipeline whose first stage checkpoints its blocks, the second not
+        from pipeline_worker import compare, manual
+        method = torchalpa.PipeshardParallel(
+            num_micro_batches=4, layer_option=torchalpa.AutoLayerOption(layer_num=2),
+            stage_option=manual([[0], [1]], [(1, 2), (1, 2)]),
+            auto_sharding_option=torchalpa.AutoShardingOption(remat="full:2"))
+        yield "pipeline_layers", lambda: compare(gpt.build, batch, gpt.loss_fn, method,
+                                                 cluster=torchalpa.Cluster.local_cpu(4))
+        return
     fixed = dict(pipeline=False, num_micro_batches=1, rematerialize_parameters=False)
     tight = torchalpa.AutoShardingOption(parameters="replicated",
                                          memory_budget_per_device=BUDGET)

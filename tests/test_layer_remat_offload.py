@@ -169,3 +169,15 @@ def test_offloaded_states_train_like_one_device_on_host_copies(trained):
     assert r["host_copies"] > 0 and r["states_apart"]
     assert r["device_grads_left"] == 0           # gradients went to the host
     _trains_like_one_device(r)
+
+
+@pytest.mark.slow      # 4 gloo ranks plan and train a pipeline (~60 s)
+def test_a_pipeline_checkpointing_its_first_stage_only_trains_like_one_device(tmp_path):
+    results = worker_io.launch("expert_plans_worker.py", tmp_path / "expert_4.json", nproc=4,
+                               timeout=900)
+    r = results["pipeline_layers"]
+    if "error" in r:
+        pytest.fail(r["trace"])
+    assert r["remat"] == "full:2"
+    assert any("blocks 0-1 of 4 (full), 2-3 none" in n for n in r["notes"])
+    _trains_like_one_device(r)
