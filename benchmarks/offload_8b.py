@@ -45,7 +45,9 @@ def main() -> None:
                                   mixed_precision=bf16,
                                   method=torchalpa.AutoParallel(optimizer="adamw"))
         except ValueError as e:
-            print(f"{n} x H100: refused: {str(e).splitlines()[0]}")
+            lines = str(e).splitlines()
+            print(f"{n} x H100: refused: {lines[0]}" + (f" ... {lines[-1]}" if len(lines) > 1
+                                                         else ""))
             continue
         est = plan.estimates
         offload = (f"offload {est['offload_s']:.3g} s of the step, host memory "

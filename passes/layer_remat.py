@@ -26,7 +26,7 @@ from torchalpa.core.options import parse_remat
 
 __all__ = ["block_counts", "checkpointing_line", "more_recompute"]
 
-STEPS = 3
+STEPS = 2
 """Block counts proposed above the smallest one whose bound fits (evenly towards L)."""
 
 

@@ -314,7 +314,11 @@ class _Search:
                               str(e).splitlines()[0].removesuffix("; tried:"))
             self.method = replace(self.method, offload=True)
             self.plans, self.deadline = [], time.perf_counter() + self.method.time_budget_s
-            found = self.run_once()
+            try:
+                found = self.run_once()
+            except NothingFitsError as again:
+                raise NothingFitsError("even with the optimizer states in host memory, "
+                                       + str(again), again.attempts) from None
             return replace(found, notes=tuple(found.notes) + (
                 "AutoParallel offloaded optimizer states to host memory: without it, "
                 + str(e).splitlines()[0].removesuffix("; tried:"),))
@@ -346,6 +350,11 @@ class _Search:
             if best is not None and time.perf_counter() > self.deadline:
                 self.attempts += [Attempt(r, "no time") for r in candidates[i:]]
                 break
+            tighter = self.does_not_fit_either(c)
+            if tighter is not None:
+                self.attempts.append(Attempt(c, "not needed", detail=(
+                    f"{tighter.describe()} does not fit, and this recomputes less")))
+                continue
             by = self.dominating(c)
             if by is not None:
                 self.attempts.append(Attempt(c, "dominated", detail=by.describe()))
@@ -367,6 +376,19 @@ class _Search:
                                              time.perf_counter() - start))
                 self.plans.append((est["step_time_s"], plan, c))
                 progress.done = f"est {est['step_time_s']:.4g} s/step"
+
+    def does_not_fit_either(self, c: Candidate) -> Candidate | None:
+        """A candidate alike but for recomputing at least what ``c`` does (more blocks
+        checkpointed) that was solved and did not fit: ``c`` keeps more, so it cannot fit
+        either (what makes per-layer candidates cheap to rule out)."""
+        from torchalpa.passes.layer_remat import more_recompute
+        for a in self.attempts:
+            p = a.candidate
+            if a.outcome == "does not fit" and p.kind == c.kind and \
+                    p.num_micro_batches == c.num_micro_batches and p.regather == c.regather \
+                    and more_recompute(c.remat, p.remat):
+                return p
+        return None
 
     def dominating(self, c: Candidate) -> Candidate | None:
         """A planned candidate of ``c``'s kind that fits with room to spare and whose plan
