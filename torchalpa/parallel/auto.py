@@ -50,7 +50,7 @@ from torchalpa.core.options import AutoParallel, PipeshardParallel, ShardParalle
 from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.progress import step
 from torchalpa.core.units import format_bytes
-from torchalpa.parallel.offload import check_host_memory, with_offload
+from torchalpa.parallel.offload import host_memory_shortfall, with_offload
 from torchalpa.parallel.workflow import capture_examples, capture_step
 
 if TYPE_CHECKING:
@@ -309,9 +309,8 @@ class _Search:
         except NothingFitsError as e:
             if self.method.offload is not None or not self.method.optimizer_states:
                 raise
-            check_host_memory(self.capture(self.first_count(), "none").graph, self.cluster,
-                              replace(self.method, offload=True),
-                              str(e).splitlines()[0].removesuffix("; tried:"))
+            self.check_host_memory(replace(self.method, offload=True),
+                                   str(e).splitlines()[0].removesuffix("; tried:"))
             self.method = replace(self.method, offload=True)
             self.plans, self.deadline = [], time.perf_counter() + self.method.time_budget_s
             try:
@@ -323,10 +322,16 @@ class _Search:
                 "AutoParallel offloaded optimizer states to host memory: without it, "
                 + str(e).splitlines()[0].removesuffix("; tried:"),))
 
+    def check_host_memory(self, method: AutoParallel, why: str = "") -> None:
+        """A one-line NothingFitsError when the hosts cannot hold the offloaded states."""
+        short = host_memory_shortfall(self.capture(self.first_count(), "none").graph,
+                                      self.cluster, method, why)
+        if short:
+            raise NothingFitsError(short, self.attempts)
+
     def run_once(self):
         if self.method.offload:
-            check_host_memory(self.capture(self.first_count(), "none").graph, self.cluster,
-                              self.method)
+            self.check_host_memory(self.method)
         candidates, self.attempts = self.candidates()
         single_node_fallback = self.nodes == 1 and self.method.pipeline is None
         first = [c for c in candidates if not (single_node_fallback and c.kind == "pipeline")]

@@ -3,7 +3,7 @@
 A plan made with ``AutoShardingOption.offload`` counts no optimizer state on the devices;
 ``with_offload`` adds what the offload costs (``passes/offload_price.py``) to its step and
 states the host memory it takes, for ``ShardParallel`` and for ``AutoParallel``'s intra-op
-candidates alike. ``check_host_memory`` refuses, in one line, a job whose states cannot
+candidates alike. ``host_memory_shortfall`` says, in one line, why the hosts refuse a job whose states cannot
 fit the hosts even split over every device.
 """
 
@@ -15,7 +15,7 @@ from dataclasses import replace
 from torchalpa.core.options import OPTIMIZER_STATES
 from torchalpa.core.units import format_bytes
 
-__all__ = ["with_offload", "check_host_memory"]
+__all__ = ["with_offload", "host_memory_shortfall"]
 
 
 def with_offload(plan, graph, cluster, method):
@@ -42,18 +42,17 @@ def with_offload(plan, graph, cluster, method):
                    notes=tuple(plan.notes) + (cost.note(),))
 
 
-def check_host_memory(graph, cluster, method, why: str = "") -> None:
-    """A NothingFitsError, in one line, when even optimizer states split over every device
-    exceed the hosts' memory: what they need and what would hold them."""
+def host_memory_shortfall(graph, cluster, method, why: str = "") -> str | None:
+    """One line when even optimizer states split over every device exceed the hosts'
+    memory (what they need and what would hold them), else None."""
     from torchalpa.passes.offload_price import DEFAULT_HOST, host_floor_bytes
     nodes = getattr(cluster, "num_nodes", 1)
     have = getattr(cluster, "host_memory_per_node", DEFAULT_HOST["host_memory_per_node"])
     need = host_floor_bytes(graph, OPTIMIZER_STATES[method.optimizer], nodes)
-    if need > have:
-        nodes_needed = math.ceil(need * nodes / have) if have else "more"
-        from torchalpa.parallel.auto import NothingFitsError
-        raise NothingFitsError(
-            (f"{why}; " if why else "") + f"offloading the optimizer states to host memory "
+    if need <= have:
+        return None
+    nodes_needed = math.ceil(need * nodes / have) if have else "more"
+    return ((f"{why}; " if why else "") + f"offloading the optimizer states to host memory "
             f"needs at least {format_bytes(need)} per node (parameter copies and "
-            f"{method.optimizer} states), the nodes have {format_bytes(have)}: use hosts with "
-            f"{format_bytes(need)} or {nodes_needed} nodes", [])
+            f"{method.optimizer} states), the nodes have {format_bytes(have)}: use hosts "
+            f"with {format_bytes(need)} or {nodes_needed} nodes")
