@@ -43,6 +43,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budgets", type=float, nargs="+", default=[80, 70, 60, 50, 40])
     ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--time-budget", type=float, default=600,
+                    help="AutoParallel's time_budget_s (raise it on a loaded machine)")
     args = ap.parse_args()
     with torch.device("meta"):
         workload = zoo.llama3_8b()
@@ -53,7 +55,7 @@ def main() -> None:
     method = torchalpa.AutoParallel(remat=("none", "full", "layers"), pipeline=False,
                                     num_micro_batches=args.micro_batches,
                                     rematerialize_parameters=False, optimizer="adamw",
-                                    time_budget_s=600)
+                                    time_budget_s=args.time_budget)
     target = AutoSteps().target(method, cluster=cluster, mesh=None, world=1, live=False)
     signature, tensors = CallSignature.of(batch)
     search = _Search(with_precision(model, bf16), tensors, signature, workload.loss_fn, method,
@@ -66,9 +68,9 @@ def main() -> None:
         start = time.perf_counter()
         search.method = replace(method, auto_sharding_option=replace(
             method.auto_sharding_option, memory_budget_per_device=budget * GB))
-        search.plans, search.attempts = [], []
-        search.deadline = time.perf_counter() + method.time_budget_s
         rows = {m: uniform(search, m, args.micro_batches) for m in ("none", "full")}
+        search.plans, search.attempts = [], []
+        search.deadline = time.perf_counter() + search.method.time_budget_s
         try:
             chosen = search.run()
             text = (f"{chosen.estimates['step_time_s']:.4g} s "
