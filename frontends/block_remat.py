@@ -108,11 +108,11 @@ def _blocks(gm: fx.GraphModule, forward: set[str]) -> dict[tuple[str, int], list
 
 
 def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
-                      policy: str = "full", first: int | None = None) -> Recomputed:
+                      policy: str = "full", blocks: int | None = None) -> Recomputed:
     """Rewrite ``gm`` (the joint step returning ``(loss, *grads of its first num_params
     placeholders, *buffer updates)``) in place so each block's forward is recomputed in
     its backward: all of it (``policy="full"``) or all but the results of
-    ``SELECTIVE_KEPT`` ops (``"selective"``). ``first``: only the first that many blocks
+    ``SELECTIVE_KEPT`` ops (``"selective"``). ``blocks``: only the first that many blocks
     (in forward's order) are checkpointed, the others keep their activations."""
     if policy not in POLICIES:
         raise ValueError(f"checkpointing policy must be one of {POLICIES}, got {policy!r}")
@@ -122,11 +122,11 @@ def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
     outs = list(output.args[0])
     forward = ancestor_names([outs[0], *[o for o in outs[1 + num_params:] if o is not None]])
     num_blocks = num_ops = 0
-    blocks = list(_blocks(gm, forward).values())
-    if first is not None and first > len(blocks):
-        raise ValueError(f"remat '{policy}:{first}' checkpoints {first} blocks, but the step "
-                         f"has {len(blocks)}; use at most '{policy}:{len(blocks)}'")
-    for members in blocks[:first]:
+    found = list(_blocks(gm, forward).values())
+    if blocks is not None and blocks > len(found):
+        raise ValueError(f"remat '{policy}:{blocks}' checkpoints {blocks} blocks, but the step "
+                         f"has {len(found)}; use at most '{policy}:{len(found)}'")
+    for members in found[:blocks]:
         inside = set(members)
 
         def kept(n: fx.Node) -> bool:
@@ -167,7 +167,7 @@ def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
         num_ops += len(copies)
     graph.lint()
     gm.recompile()
-    return Recomputed(blocks=num_blocks, ops=num_ops, total=len(blocks))
+    return Recomputed(blocks=num_blocks, ops=num_ops, total=len(found))
 
 
 def checkpointed_capture(captured: Capture, policy: str = "full", *,
@@ -187,7 +187,7 @@ def checkpointed_capture(captured: Capture, policy: str = "full", *,
     gm = fx.GraphModule(captured.gm, graph)
     if rematerialize_parameters:
         rematerialize_parameter_views(gm, len(captured.param_names))
-    done = checkpoint_blocks(gm, len(captured.param_names), policy=policy, first=first) \
+    done = checkpoint_blocks(gm, len(captured.param_names), policy=policy, blocks=first) \
         if policy != "none" else Recomputed(blocks=0, ops=0)
     gm.graph.eliminate_dead_code()
     gm.recompile()
