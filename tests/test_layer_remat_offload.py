@@ -181,3 +181,14 @@ def test_a_pipeline_checkpointing_its_first_stage_only_trains_like_one_device(tm
     assert r["remat"] == "full:2"
     assert any("blocks 0-1 of 4 (full), 2-3 none" in n for n in r["notes"])
     _trains_like_one_device(r)
+
+
+def test_a_pipeline_summary_says_which_stage_checkpoints_which_blocks(gpt):
+    method = torchalpa.PipeshardParallel(
+        num_micro_batches=2, layer_option=torchalpa.AutoLayerOption(layer_num=2),
+        stage_option="uniform", auto_sharding_option=torchalpa.AutoShardingOption(remat="full:2"))
+    plan = torchalpa.plan(gpt.build(), gpt.example_inputs(), gpt.loss_fn,
+                          cluster=torchalpa.Cluster.local_cpu(4), method=method)
+    assert plan.method["remat"] == "full:2"
+    assert "checkpointing per stage: stage 0 blocks 0-1 (full); stage 1 none" in plan.summary()
+    assert "blocks 0-1 of 4 (full), 2-3 none" in plan.explain("checkpointing")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import re
 from collections import Counter
 
 from torchalpa.core.placement import long_form, short
@@ -324,6 +325,7 @@ def pipeline_summary(plan) -> str:
                      str(len(s.plan.collectives)), "recompute" if s.recompute else "keep"])
     lines += _table(rows, ["stage", "layers", "submesh", "logical", "ranks", "ms/micro-batch",
                            "memory/device", "collectives", "activations"])
+    lines += _stage_checkpointing(plan)
     if plan.transfers:
         lines.append("")
         each = [t for t in plan.transfers if not t.once_per_step]
@@ -345,6 +347,22 @@ def pipeline_summary(plan) -> str:
     for note in plan.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def _stage_checkpointing(plan) -> list[str]:
+    """Where a plan checkpoints the first k blocks (remat "full:k"), which of them each
+    stage holds: the blocks named by its parameters (``layers.3.*`` is block 3)."""
+    policy, _, count = str(plan.method.get("remat", "")).partition(":")
+    if not count.isdigit():
+        return []
+    k, parts = int(count), []
+    for s in plan.stages:
+        blocks = sorted({int(m.group(1)) for p in s.plan.parameters
+                         if (m := re.search(r"(?:^|\.)(\d+)\.", p.name))})
+        done = [b for b in blocks if b < k]
+        parts.append(f"stage {s.index} " + (f"blocks {done[0]}-{done[-1]} ({policy})"
+                                            if done else "none"))
+    return [f"checkpointing per stage: {'; '.join(parts)}"]
 
 
 def _gantt(timeline, total, width: int = 64) -> list[str]:
