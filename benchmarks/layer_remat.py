@@ -8,7 +8,7 @@ plans with a fixed micro-batch count, planned without processes on meta weights.
 memory budget per device (GB), prints the estimated step of the best plan that keeps every
 block's activations (remat "none"), of the best that checkpoints every block ("full"), and
 of what AutoParallel chooses when it may also checkpoint the first k of the 32 blocks
-(``passes/layer_remat.py``), with k. "OOM": no plan of that kind fits. The captures are
+(``passes/sharding/layer_remat.py``), with k. "OOM": no plan of that kind fits. The captures are
 made once and shared by every budget (one ``_Search``).
 """
 
@@ -26,7 +26,7 @@ import torchalpa.models as zoo
 from torchalpa.core.calls import CallSignature
 from torchalpa.parallel.auto import AutoSteps, Candidate, NothingFitsError, _Search, batch_size
 from torchalpa.parallel.workflow import with_precision
-from torchalpa.passes.ilp import InfeasibleError
+from torchalpa.passes.sharding.ilp import InfeasibleError
 
 GB = 1e9
 

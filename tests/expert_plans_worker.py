@@ -17,8 +17,8 @@ from worker_io import attempt, finish  # noqa: E402
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from torchalpa.runtime.offload import HOST_PAIRS  # noqa: E402
+from torchalpa.runtime.execution.host_optimizer import HOST_PAIRS  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 
 BUDGET = 1.55e6
 """Bytes per device between what checkpointing every block and none need (tiny GPT, 4

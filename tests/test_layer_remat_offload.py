@@ -15,7 +15,7 @@ import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core.options import parse_remat
 from torchalpa.parallel.auto import NothingFitsError
-from torchalpa.passes.layer_remat import block_counts, checkpointing_line, more_recompute
+from torchalpa.passes.sharding.layer_remat import block_counts, checkpointing_line, more_recompute
 
 BUDGET = 1.55e6   # between checkpointing every block (~1.29 MB) and none (~1.78 MB)
 FIXED = dict(pipeline=False, num_micro_batches=1, rematerialize_parameters=False)

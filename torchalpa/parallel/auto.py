@@ -6,7 +6,7 @@ search
 
 1. captures the step once at the whole batch and derives each checkpointing variant
    from that capture (``frontends/block_remat.py``, no second trace);
-2. bounds every candidate without a solver (``passes/bounds.py``): memory per device
+2. bounds every candidate without a solver (``passes/pricing/bounds.py``): memory per device
    (everything split over every device; a pipeline's first stage also holds its
    micro-batches in flight) and step time (every op at its roofline over every device;
    a pipeline of S >= 2 stages also pays its fill and drain, ``(k + S - 1) / k``);
@@ -117,7 +117,7 @@ class Attempt:
 
 class NothingFitsError(ValueError):
     """No candidate fits the memory budget; the message lists what was tried and what
-    would fit. A ValueError, like ``passes.ilp.InfeasibleError``."""
+    would fit. A ValueError, like ``passes.sharding.ilp.InfeasibleError``."""
 
     def __init__(self, message: str, attempts: Sequence[Attempt]):
         super().__init__(message)
@@ -223,7 +223,7 @@ class _Search:
     def profile(self, remat: str):
         """The bounds' profile of the step checkpointed by ``remat`` (one micro-batch
         count's capture: the profile scales to the others)."""
-        from torchalpa.passes.bounds import step_profile
+        from torchalpa.passes.pricing.bounds import step_profile
         return step_profile(self.capture(self.first_count(), remat,
                                          self.regather_choices("intra-op")[0]).graph,
                             self.meshes[0], optimizer_states=self.method.optimizer_states)
@@ -255,7 +255,7 @@ class _Search:
         memory is tight: the j ``passes/layer_remat.block_counts`` proposes, their bounds
         interpolated between keeping every block and checkpointing every one (the blocks
         are alike: each frees and costs its share)."""
-        from torchalpa.passes.layer_remat import block_counts
+        from torchalpa.passes.sharding.layer_remat import block_counts
         total = (self.capture(self.first_count(), "full", self.regather_choices("intra-op")[0]
                               ).graph.meta.get("remat") or {}).get("of", 0)
         none, full = self.profile("none"), self.profile("full")
@@ -288,14 +288,14 @@ class _Search:
                               inputs=self.inputs, blocks=blocks_of(captured.graph),
                               deadline=self.deadline, bound_views=False)
         else:
-            from torchalpa.passes.inter_op import plan_pipeline
+            from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
             method = PipeshardParallel(num_micro_batches=c.num_micro_batches,
                                        auto_sharding_option=option,
                                        layer_option=self.method.layer_option,
                                        optimizer=self.method.optimizer)
             assert isinstance(self.cluster, Cluster), "pipelines are planned on a Cluster"
             plan = plan_pipeline(captured.graph, self.cluster, method, inputs=self.inputs)
-        from torchalpa.passes.remat_choice import remat_note
+        from torchalpa.passes.sharding.remat_choice import remat_note
         plan = replace(plan, method={**plan.method, "remat": c.remat},
                        notes=tuple(plan.notes) + (remat_note(c.remat, captured.graph),))
         return with_offload(plan, captured.graph, self.cluster, self.method) \
@@ -346,7 +346,7 @@ class _Search:
     def solve_in_order(self, candidates: list[Candidate]) -> None:
         """Solve ``candidates`` in order until none left can win (bounds, dominance) or the
         time budget is spent once a plan is in hand."""
-        from torchalpa.passes.ilp import InfeasibleError
+        from torchalpa.passes.sharding.ilp import InfeasibleError
         for i, c in enumerate(candidates):
             best = min(self.plans, key=lambda p: p[0], default=None)
             if best is not None and c.bound_s * (1 + self.method.tolerance) >= best[0]:
@@ -386,7 +386,7 @@ class _Search:
         """A candidate alike but for recomputing at least what ``c`` does (more blocks
         checkpointed) that was solved and did not fit: ``c`` keeps more, so it cannot fit
         either (what makes per-layer candidates cheap to rule out)."""
-        from torchalpa.passes.layer_remat import more_recompute
+        from torchalpa.passes.sharding.layer_remat import more_recompute
         for a in self.attempts:
             p = a.candidate
             if a.outcome == "does not fit" and p.kind == c.kind and \
@@ -398,7 +398,7 @@ class _Search:
     def dominating(self, c: Candidate) -> Candidate | None:
         """A planned candidate of ``c``'s kind that fits with room to spare and whose plan
         ``c`` could only make slower (more recompute; for intra-op, more micro-batches)."""
-        from torchalpa.passes.layer_remat import more_recompute
+        from torchalpa.passes.sharding.layer_remat import more_recompute
         budget = self.budget()
         for _, plan, p in self.plans:
             peak = plan.estimates.get("memory_per_device_bytes")
@@ -424,7 +424,7 @@ class _Search:
 
     def nothing_fits(self) -> str:
         """What was tried, and what would fit (by the bounds)."""
-        from torchalpa.passes.bounds import step_profile
+        from torchalpa.passes.pricing.bounds import step_profile
         devices, budget = self.cluster.num_devices, self.budget()
         lines = [f"no way to run this step fits {format_bytes(budget)} per device on "
                  f"{devices} devices ({self.nodes} node(s)); tried:"]

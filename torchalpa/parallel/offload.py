@@ -1,7 +1,7 @@
 """Offloaded optimizer states in a plan: their price added, the hosts' memory checked.
 
 A plan made with ``AutoShardingOption.offload`` counts no optimizer state on the devices;
-``with_offload`` adds what the offload costs (``passes/offload_price.py``) to its step and
+``with_offload`` adds what the offload costs (``passes/pricing/offload_price.py``) to its step and
 states the host memory it takes, for ``ShardParallel`` and for ``AutoParallel``'s intra-op
 candidates alike. ``host_memory_shortfall`` says, in one line, why the hosts refuse a job whose states cannot
 fit the hosts even split over every device.
@@ -20,10 +20,10 @@ __all__ = ["with_offload", "host_memory_shortfall"]
 
 def with_offload(plan, graph, cluster, method):
     """``plan`` (intra-op, made with optimizer states off the devices) with the offload's
-    price added to its step and its host memory stated (``passes/offload_price.py``); an
+    price added to its step and its host memory stated (``passes/pricing/offload_price.py``); an
     InfeasibleError when the host cannot hold the states."""
-    from torchalpa.passes.ilp import InfeasibleError
-    from torchalpa.passes.offload_price import offload_cost
+    from torchalpa.passes.pricing.offload_price import offload_cost
+    from torchalpa.passes.sharding.ilp import InfeasibleError
     per_node = getattr(cluster, "devices_per_node", plan.num_devices)
     cost = offload_cost(graph, {p.node: p.placements for p in plan.parameters},
                         plan.mesh_shape, OPTIMIZER_STATES[method.optimizer], cluster,
@@ -45,7 +45,7 @@ def with_offload(plan, graph, cluster, method):
 def host_memory_shortfall(graph, cluster, method, why: str = "") -> str | None:
     """One line when even optimizer states split over every device exceed the hosts'
     memory (what they need and what would hold them), else None."""
-    from torchalpa.passes.offload_price import DEFAULT_HOST, host_floor_bytes
+    from torchalpa.passes.pricing.offload_price import DEFAULT_HOST, host_floor_bytes
     nodes = getattr(cluster, "num_nodes", 1)
     have = getattr(cluster, "host_memory_per_node", DEFAULT_HOST["host_memory_per_node"])
     need = host_floor_bytes(graph, OPTIMIZER_STATES[method.optimizer], nodes)
