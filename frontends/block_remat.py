@@ -70,6 +70,8 @@ class Recomputed:
 
     blocks: int
     ops: int
+    total: int = 0
+    """Blocks the step has (``blocks`` of them checkpointed)."""
 
 
 def _made_by(n: fx.Node, ops: frozenset) -> bool:
@@ -107,11 +109,12 @@ def _blocks(gm: fx.GraphModule, forward: set[str]) -> dict[tuple[str, int], list
 
 
 def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
-                      policy: str = "full") -> Recomputed:
+                      policy: str = "full", blocks: int | None = None) -> Recomputed:
     """Rewrite ``gm`` (the joint step returning ``(loss, *grads of its first num_params
     placeholders, *buffer updates)``) in place so each block's forward is recomputed in
     its backward: all of it (``policy="full"``) or all but the results of
-    ``SELECTIVE_KEPT`` ops (``"selective"``)."""
+    ``SELECTIVE_KEPT`` ops (``"selective"``). ``blocks``: only the first that many blocks
+    (in forward's order) are checkpointed, the others keep their activations."""
     if policy not in POLICIES:
         raise ValueError(f"checkpointing policy must be one of {POLICIES}, got {policy!r}")
     graph = gm.graph
@@ -120,7 +123,11 @@ def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
     outs = list(output.args[0])
     forward = ancestor_names([outs[0], *[o for o in outs[1 + num_params:] if o is not None]])
     num_blocks = num_ops = 0
-    for members in _blocks(gm, forward).values():
+    found = list(_blocks(gm, forward).values())
+    if blocks is not None and blocks > len(found):
+        raise ValueError(f"remat '{policy}:{blocks}' checkpoints {blocks} blocks, but the step "
+                         f"has {len(found)}; use at most '{policy}:{len(found)}'")
+    for members in found[:blocks]:
         inside = set(members)
 
         def kept(n: fx.Node) -> bool:
@@ -161,7 +168,7 @@ def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
         num_ops += len(copies)
     graph.lint()
     gm.recompile()
-    return Recomputed(blocks=num_blocks, ops=num_ops)
+    return Recomputed(blocks=num_blocks, ops=num_ops, total=len(found))
 
 
 def _copied_codegen(codegen):
@@ -183,14 +190,17 @@ def checkpointed_capture(captured: Capture, policy: str = "full", *,
     backward reading parameters through views of its own (``param_remat``: gathered again
     in backward, ZeRO-3), on a copy of its fx graph, and the OpGraph made again from it;
     ``captured`` is left untouched. Cheaper than tracing the model again, which is what
-    lets the planner weigh the variants."""
+    lets the planner weigh the variants. ``policy`` may name a block count ("full:5": the
+    first 5 blocks checkpointed, ``torchalpa.core.options.parse_remat``)."""
+    from torchalpa.core.options import parse_remat
+    policy, first = parse_remat(policy)
     graph = fx.Graph()
     graph._codegen = _copied_codegen(captured.gm.graph._codegen)
     graph.output(graph.graph_copy(captured.gm.graph, {}))
     gm = fx.GraphModule(captured.gm, graph)
     if rematerialize_parameters:
         rematerialize_parameter_views(gm, len(captured.param_names))
-    done = checkpoint_blocks(gm, len(captured.param_names), policy=policy) \
+    done = checkpoint_blocks(gm, len(captured.param_names), policy=policy, blocks=first) \
         if policy != "none" else Recomputed(blocks=0, ops=0)
     gm.graph.eliminate_dead_code()
     gm.recompile()
@@ -202,6 +212,7 @@ def checkpointed_capture(captured: Capture, policy: str = "full", *,
     opgraph.meta["repeated_blocks"] = find_repeated_blocks(opgraph)
     if policy != "none":
         opgraph.meta["remat"] = {"mode": policy, "blocks": done.blocks,
-                                 "recomputed_ops": done.ops}
+                                 "recomputed_ops": done.ops, "of": done.total,
+                                 "first": first}
     opgraph.check()
     return replace(captured, graph=opgraph, gm=gm)

@@ -27,26 +27,28 @@ from typing import Any, TypeVar
 __all__ = ["REMAT_MODES", "capture_modes", "plan_with_remat", "chosen_remat", "remat_note",
            "compute_lower_bound"]
 
-from torchalpa.core.options import REMAT_MODES
+from torchalpa.core.options import REMAT_MODES, check_remat, parse_remat
+from torchalpa.passes.sharding.layer_remat import checkpointing_line
 
 C = TypeVar("C")
 
 
 def capture_modes(remat: str) -> tuple[str, ...]:
     """The captures a ``remat`` setting plans: one, or both for 'auto'."""
-    if remat not in REMAT_MODES:
-        raise ValueError(f"remat must be one of {REMAT_MODES}, got {remat!r}")
+    check_remat(remat, "remat")
     return ("none", "full") if remat == "auto" else (remat,)
 
 
 def remat_note(mode: str, graph) -> str:
     """One line for the plan summary: what checkpointing the plan runs and its cost."""
     info = graph.meta.get("remat") or {}
-    if mode not in ("full", "selective"):
+    if parse_remat(mode)[0] not in ("full", "selective"):
         return "activation checkpointing: none (forward's activations kept for backward)"
-    kept = ", matrix products and attention kept" if mode == "selective" else ""
-    return (f"activation checkpointing: {mode} ({info.get('blocks', 0)} blocks recompute "
-            f"{info.get('recomputed_ops', 0)} forward ops in backward{kept})")
+    kept = ", matrix products and attention kept" if mode.startswith("selective") else ""
+    which = checkpointing_line(mode, info).removeprefix("checkpointing: ") + "; " \
+        if parse_remat(mode)[1] is not None else ""
+    return (f"activation checkpointing: {mode} ({which}{info.get('blocks', 0)} blocks "
+            f"recompute {info.get('recomputed_ops', 0)} forward ops in backward{kept})")
 
 
 def compute_lower_bound(graph, cluster, num_micro_batches: int = 1) -> float:

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from torchalpa.core.calls import CallSignature
 from torchalpa.core.plan import Collective, PipelinePlan, Plan
+from torchalpa.runtime.execution.host_optimizer import host_optimizer, offloads
 from torchalpa.runtime.execution.materialize import distribute_module_state, to_dtensor_placements
 from torchalpa.runtime.execution.mesh import collective_timeout
 from torchalpa.runtime.execution.optim import lean_optimizer_steps
@@ -245,8 +246,10 @@ class ParallelModule(nn.Module):
         if self._lean_step:
             lean_optimizer_steps(self.parameters())
         # the optimizer over the parallel parameters (DTensors), if one is given
-        self.optimizer: torch.optim.Optimizer | None = \
-            optimizer(self.parameters()) if optimizer is not None else None
+        # (over host copies of the local blocks where the plan offloads its states)
+        self.optimizer: torch.optim.Optimizer | None = None if optimizer is None else \
+            host_optimizer(optimizer, self.parameters()) if offloads(plan) else \
+            optimizer(self.parameters())
         # tools that read the forward's parameters to pick batch fields (HF Trainer drops
         # the columns ``model.forward`` does not name) see the wrapped model's
         self.forward = _signed_like(self.forward, module.forward)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -169,6 +170,37 @@ class LogicalMesh:
         return len(self.shape)
 
 
+HOST_LINK_GEN4 = 25 * GB
+"""PCIe Gen4 x16 between a device and host memory, as copies of pinned memory reach it."""
+HOST_LINK_GEN5 = 55 * GB
+"""PCIe Gen5 x16 (H100, H200, B200, L40S, MI300X hosts), as copies reach it."""
+_GEN5 = re.compile(r"H100|H200|B200|GH200|L40S|L4\b|MI3", re.IGNORECASE)
+_GEN3 = re.compile(r"V100|P100", re.IGNORECASE)
+
+
+def host_link_of(device_name: str) -> float:
+    """The host link of a device model: PCIe Gen5, Gen4 or Gen3 x16 as copies reach it."""
+    if _GEN5.search(device_name):
+        return HOST_LINK_GEN5
+    return 12 * GB if _GEN3.search(device_name) else HOST_LINK_GEN4
+
+
+def physical_memory() -> float | None:
+    """This machine's physical memory in bytes (None where the system does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def host_memory_of(device_name: str) -> float:
+    """Host memory of the usual 8-GPU server of a device model: 2 TiB for DGX H100 /
+    H200 / B200 class, 1 TiB for DGX A100, 512 GiB before."""
+    if _GEN5.search(device_name):
+        return 2048 * GB
+    return 512 * GB if _GEN3.search(device_name) else 1024 * GB
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Cluster:
     """Nodes x devices with their memory, compute and links (real or virtual)."""
@@ -219,6 +251,15 @@ class Cluster:
     """Streaming multiprocessors per device (matmul wave quantization; 0: not modeled)."""
     op_rate_factors: tuple[tuple[str, float], ...] = ()
     """Op families reaching a fraction of their dtype's matmul rate (("sdpa", 0.47))."""
+    host_link_bandwidth: float = HOST_LINK_GEN4
+    """Bytes/s per device, each way, between a device and its host's memory (PCIe Gen4
+    x16 as copies reach it, ~25 GB/s; Gen5 ~55 GB/s): what offloaded optimizer states
+    pay (``AutoShardingOption.offload``)."""
+    host_memory_per_node: float = 1024 * GB
+    """Bytes of host memory a node lends to offloaded optimizer states."""
+    host_memory_bandwidth: float = 200 * GB
+    """Bytes/s the host's CPUs stream through memory, per node: the pace of an optimizer
+    step run on the host."""
 
     def __post_init__(self):
         _check_links(self)
@@ -230,7 +271,10 @@ class Cluster:
             if getattr(self, f) <= 0:
                 raise ValueError(f"Cluster.{f} must be > 0, got {getattr(self, f)}")
         _check_non_negative(self, "Cluster", ("kernel_launch_s", "optimizer_tensor_s",
-                                               "gradient_bucket_bytes"))
+                                               "gradient_bucket_bytes", "host_memory_per_node"))
+        for f in ("host_link_bandwidth", "host_memory_bandwidth"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"Cluster.{f} must be > 0 bytes/s, got {getattr(self, f)}")
         object.__setattr__(self, "peak_flops_by_dtype", _dtype_peaks(self.peak_flops_by_dtype,
                                                                      "Cluster"))
         object.__setattr__(self, "peak_flops_by_op", _dtype_peaks(
@@ -302,6 +346,8 @@ class Cluster:
                    multiprocessors=spec.multiprocessors, op_rate_factors=gpu_specs.op_factors(spec),
                    intra_node_links=tuple(tuple(row[:per_node]) for row in links[:per_node]),
                    intra_node_link_bandwidth=link_bw if links else 0.0,
+                   host_link_bandwidth=host_link_of(spec.name),
+                   host_memory_per_node=host_memory_of(spec.name),
                    name=gpu.strip().lower(), device_name=f"{spec.name} preset")
 
     @classmethod
@@ -382,6 +428,8 @@ class Cluster:
                    intra_node_latency=5e-6,
                    inter_node_bandwidth=25 * GB, inter_node_latency=10e-6, backend="nccl",
                    name=f"detected {spec.name}", kernel_launch_s=gpu_specs.KERNEL_LAUNCH_S,
+                   host_link_bandwidth=host_link_of(spec.name),
+                   host_memory_per_node=physical_memory() or host_memory_of(spec.name),
                    optimizer_tensor_s=gpu_specs.OPTIMIZER_TENSOR_S,
                    multiprocessors=spec.multiprocessors, op_rate_factors=gpu_specs.op_factors(spec),
                    device_name=name)

@@ -14,10 +14,34 @@ from dataclasses import asdict, dataclass, field, replace
 __all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataParallel",
            "Zero1Parallel", "Zero2Parallel", "Zero3Parallel", "PipeshardParallel", "AutoLayerOption",
            "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style",
-           "AutoParallel", "method_of_plan", "REMAT_MODES", "Inference", "MODES", "parse_mode"]
+           "AutoParallel", "method_of_plan", "REMAT_MODES", "Inference", "MODES", "parse_mode",
+           "parse_remat", "check_remat"]
 
 REMAT_MODES = ("none", "selective", "full", "auto")
-"""``AutoShardingOption.remat``'s values: one checkpointing mode, or 'auto' (none or full)."""
+"""``AutoShardingOption.remat``'s values: one checkpointing mode, or 'auto' (none or full).
+A mode may also name how many blocks it checkpoints: ``"full:5"`` recomputes the first 5
+blocks (``layers.0`` to ``layers.4``) and keeps the others' activations (``parse_remat``)."""
+
+
+def parse_remat(mode: str) -> tuple[str, int | None]:
+    """``"full:5"`` -> ("full", 5): the policy and how many blocks (the first ones) it
+    checkpoints; ``"full"`` -> ("full", None): every block."""
+    policy, _, count = str(mode).partition(":")
+    if not count:
+        return policy, None
+    if not count.isdigit():
+        raise ValueError(f"remat {mode!r}: the block count after ':' must be an int >= 0, "
+                         "e.g. 'full:5'")
+    return policy, int(count)
+
+
+def check_remat(mode: str, owner: str, allowed: tuple[str, ...] = REMAT_MODES) -> None:
+    """A ValueError naming the choices unless ``mode`` is one of ``allowed`` or a policy
+    of them with a block count ('full:5', 'selective:3')."""
+    policy, count = parse_remat(mode) if ":" in str(mode) else (mode, None)
+    if policy not in allowed or (count is not None and policy not in ("full", "selective")):
+        raise ValueError(f"{owner} must be one of {allowed}, or 'full:K' / 'selective:K' "
+                         f"(the first K blocks checkpointed), got {mode!r}")
 
 # Optimizer state tensors kept per parameter element, for the memory model.
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1,
@@ -150,10 +174,16 @@ class AutoShardingOption:
     (chains fused as ``torch.compile`` and XLA run them, ``passes/pricing/fused_pricing.py``).
     StableHLO programs are always priced as XLA fuses them."""
 
+    offload: bool = False
+    """Optimizer states in host memory (DeepSpeed's ZeRO-Offload): devices hold parameters
+    and gradients; after backward each rank copies its gradients to the host, steps the
+    optimizer there on a host copy of its parameters, and copies them back
+    (``runtime/execution/host_optimizer.py``), priced with the host link's bandwidth (``Cluster``'s
+    ``host_link_bandwidth``; ``passes/pricing/offload_price.py``). ``AutoParallel`` turns it on only
+    when nothing fits on the devices."""
+
     def __post_init__(self):
-        if self.remat not in REMAT_MODES:
-            raise ValueError(f"AutoShardingOption.remat must be one of {REMAT_MODES}, "
-                             f"got {self.remat!r}")
+        check_remat(self.remat, "AutoShardingOption.remat")
         if self.random not in ("sharded", "replicated"):
             raise ValueError(f"AutoShardingOption.random must be 'sharded' or 'replicated', "
                              f"got {self.random!r}")
@@ -279,7 +309,8 @@ class ShardParallel:
 
     @property
     def optimizer_states(self) -> int:
-        return OPTIMIZER_STATES[self.optimizer]
+        """Optimizer state tensors per parameter element on the devices (none offloaded)."""
+        return 0 if self.auto_sharding_option.offload else OPTIMIZER_STATES[self.optimizer]
 
     def to_dict(self) -> dict:
         """Plain JSON data (tuples become lists), as stored in plans."""
@@ -449,7 +480,8 @@ class PipeshardParallel:
 
     @property
     def optimizer_states(self) -> int:
-        return OPTIMIZER_STATES[self.optimizer]
+        """Optimizer state tensors per parameter element on the devices (none offloaded)."""
+        return 0 if self.auto_sharding_option.offload else OPTIMIZER_STATES[self.optimizer]
 
     def intra_op_method(self, option: AutoShardingOption | None = None) -> ShardParallel:
         """The ShardParallel each stage is planned with."""
@@ -477,8 +509,14 @@ class AutoParallel:
     concrete method given to ``plan``/``auto_parallel`` is used as it is.
     """
 
-    remat: tuple[str, ...] = ("none", "selective", "full")
-    """Activation checkpointing modes weighed (``AutoShardingOption.remat``'s modes)."""
+    remat: tuple[str, ...] = ("none", "selective", "full", "layers")
+    """Activation checkpointing modes weighed (``AutoShardingOption.remat``'s modes, with
+    block counts too: 'full:5'). 'layers' lets the search checkpoint only some blocks
+    where memory is tight (the first k of L, k chosen by the memory each block frees:
+    ``passes/sharding/layer_remat.py``); it needs 'none' or 'full' beside it to bracket k."""
+    offload: bool | None = None
+    """Optimizer states in host memory (``AutoShardingOption.offload``): None weighs it
+    only when no plan fits on the devices, False never, True always."""
     num_micro_batches: int | None = None
     """Micro-batches per step; None: chosen among the divisors of the batch."""
     pipeline: bool | None = None
@@ -503,11 +541,19 @@ class AutoParallel:
 
     def __post_init__(self):
         remat = (self.remat,) if isinstance(self.remat, str) else tuple(self.remat)
-        bad = [m for m in remat if m not in REMAT_MODES or m == "auto"]
-        if not remat or bad:
+        try:
+            for m in remat:
+                check_remat(m, "AutoParallel.remat", ("none", "selective", "full", "layers"))
+        except ValueError:
             raise ValueError(f"AutoParallel.remat must be modes among ('none', 'selective', "
-                             f"'full'), got {self.remat!r}")
+                             f"'full', 'layers') or 'full:K' / 'selective:K', got "
+                             f"{self.remat!r}") from None
+        if not remat:
+            raise ValueError("AutoParallel.remat must name at least one mode, e.g. ('none',)")
         object.__setattr__(self, "remat", remat)
+        if self.offload not in (None, True, False):
+            raise ValueError(f"AutoParallel.offload must be True, False or None, "
+                             f"got {self.offload!r}")
         if self.num_micro_batches is not None and (
                 isinstance(self.num_micro_batches, bool)
                 or not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1):
@@ -531,10 +577,15 @@ class AutoParallel:
             raise ValueError("AutoParallel chooses activation checkpointing itself: set "
                              "AutoParallel(remat=(...)) to narrow it, not "
                              "auto_sharding_option.remat")
+        if self.auto_sharding_option.offload:
+            raise ValueError("AutoParallel chooses offload itself: set "
+                             "AutoParallel(offload=True) to force it, not "
+                             "auto_sharding_option.offload")
 
     @property
     def optimizer_states(self) -> int:
-        return OPTIMIZER_STATES[self.optimizer]
+        """Optimizer state tensors per parameter element on the devices (none offloaded)."""
+        return 0 if self.offload else OPTIMIZER_STATES[self.optimizer]
 
     def to_dict(self) -> dict:
         d = json.loads(json.dumps(asdict(self), default=str))

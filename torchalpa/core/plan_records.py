@@ -63,6 +63,11 @@ class Estimates:
     num_decisions: int | None = None
     memory_budget_bytes: float | None = None
     memory_budget_per_device_bytes: float | None = None
+    # optimizer states offloaded to host memory (``AutoShardingOption.offload``)
+    offload_s: float | None = None
+    """The part of ``step_time_s`` the offload pays: the host link and the host's step."""
+    host_bytes_per_node: float | None = None
+    """Host memory the offloaded parameter copies and optimizer states take per node."""
     # a pipeline (PipelinePlan): per stage, the schedule's timeline, the stage search
     max_stage_s: float | None = None
     stage_step_s: list | None = None

@@ -52,6 +52,7 @@ from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.plan_records import known
 from torchalpa.core.progress import step
 from torchalpa.core.units import format_bytes
+from torchalpa.parallel.offload import host_memory_shortfall, with_offload
 from torchalpa.parallel.workflow import capture_examples, capture_step
 
 if TYPE_CHECKING:
@@ -64,8 +65,6 @@ log = logging.getLogger("torchalpa")
 
 ROOM = 0.9
 """A plan whose peak is below this fraction of the budget did not bend to fit it."""
-REMAT_ORDER = {"none": 0, "selective": 1, "full": 2}
-"""Checkpointing modes by how much they recompute."""
 
 
 @dataclass(frozen=True)
@@ -196,48 +195,89 @@ class _Search:
 
     def candidates(self) -> tuple[list[Candidate], list[Attempt]]:
         """Every candidate with its bounds, those that cannot fit apart."""
-        from torchalpa.passes.pricing.bounds import step_profile
         counts = [self.method.num_micro_batches] if self.method.num_micro_batches else \
             _divisors(self.batch)
-        devices = self.cluster.num_devices
-        stages = _pipeline_stages(self.nodes, self.method)
-        multi_node = self.nodes > 1
         found, refused = [], []
         for remat in self.method.remat:
-            first = 1 if self.method.num_micro_batches is None else counts[0]
-            profile = step_profile(self.capture(first, remat, self.regather_choices(
-                                                    "intra-op")[0]).graph,
-                                   self.meshes[0], optimizer_states=self.method.optimizer_states)
+            if remat == "layers":
+                continue
+            profile = self.profile(remat)
             for k in counts:
                 micro = self.batch // k
-                bound = profile.step_seconds(devices, k, micro)
-                kinds = []
-                if self.method.pipeline is not True and not (multi_node and self.allow_pipeline):
-                    kinds.append(Candidate("intra-op", remat, k, bound,
-                                           profile.memory_bytes(devices, micro), bound))
-                if self.allow_pipeline and devices > 1 and self.method.pipeline is not False:
-                    # sound: on several nodes one stage may span them all (S >= 1), on one
-                    # node the intra-op candidates are that case (S >= 2); the order
-                    # assumes ``stages`` stages, whose bubble many micro-batches shrink
-                    fill = 1.0 if multi_node else (k + 1) / k
-                    kinds.append(Candidate("pipeline", remat, k, bound * fill,
-                                           profile.pipeline_memory_bytes(devices, micro),
-                                           bound * (k + stages - 1) / k))
-                for c in kinds:
-                    for regather in self.regather_choices(c.kind):
-                        c = replace(c, regather=regather)
-                        (refused if c.memory_bound > self.budget() else found).append(c)
+                self.add(found, refused, remat, k, profile.step_seconds(self.cluster.num_devices,
+                                                                        k, micro),
+                         profile.memory_bytes(self.cluster.num_devices, micro),
+                         profile.pipeline_memory_bytes(self.cluster.num_devices, micro))
+        if "layers" in self.method.remat:
+            self.add_layer_modes(found, refused, counts)
         # of two candidates alike but for regathering, the one likelier to win first: where
         # memory is tight, gathering parameters again frees the room faster plans need
         tight = 0.5 * self.budget()
         return sorted(found, key=lambda c: (c.rank_s, c.regather != (c.memory_bound > tight))), \
             [Attempt(c, "refused by bound") for c in refused]
 
+    def first_count(self) -> int:
+        """The micro-batch count whose capture the bounds are derived from."""
+        return self.method.num_micro_batches or 1
+
+    def profile(self, remat: str):
+        """The bounds' profile of the step checkpointed by ``remat`` (one micro-batch
+        count's capture: the profile scales to the others)."""
+        from torchalpa.passes.pricing.bounds import step_profile
+        return step_profile(self.capture(self.first_count(), remat,
+                                         self.regather_choices("intra-op")[0]).graph,
+                            self.meshes[0], optimizer_states=self.method.optimizer_states)
+
+    def add(self, found: list, refused: list, remat: str, k: int, bound: float,
+            memory: float, pipeline_memory: float) -> None:
+        """The candidates of one checkpointing mode and micro-batch count ``k``."""
+        devices = self.cluster.num_devices
+        stages = _pipeline_stages(self.nodes, self.method)
+        multi_node = self.nodes > 1
+        kinds = []
+        if self.method.pipeline is not True and not (multi_node and self.allow_pipeline):
+            kinds.append(Candidate("intra-op", remat, k, bound, memory, bound))
+        if self.allow_pipeline and devices > 1 and self.method.pipeline is not False \
+                and not self.method.offload:     # offload is priced for intra-op plans
+            # sound: on several nodes one stage may span them all (S >= 1), on one
+            # node the intra-op candidates are that case (S >= 2); the order
+            # assumes ``stages`` stages, whose bubble many micro-batches shrink
+            fill = 1.0 if multi_node else (k + 1) / k
+            kinds.append(Candidate("pipeline", remat, k, bound * fill, pipeline_memory,
+                                   bound * (k + stages - 1) / k))
+        for c in kinds:
+            for regather in self.regather_choices(c.kind):
+                c = replace(c, regather=regather)
+                (refused if c.memory_bound > self.budget() else found).append(c)
+
+    def add_layer_modes(self, found: list, refused: list, counts: list[int]) -> None:
+        """Candidates checkpointing the first j of the step's L blocks ("full:j"), where
+        memory is tight: the j ``passes/layer_remat.block_counts`` proposes, their bounds
+        interpolated between keeping every block and checkpointing every one (the blocks
+        are alike: each frees and costs its share)."""
+        from torchalpa.passes.sharding.layer_remat import block_counts
+        total = (self.capture(self.first_count(), "full", self.regather_choices("intra-op")[0]
+                              ).graph.meta.get("remat") or {}).get("of", 0)
+        none, full = self.profile("none"), self.profile("full")
+        devices = self.cluster.num_devices
+        for k in counts:
+            micro = self.batch // k
+            low, high = none.memory_bytes(devices, micro), full.memory_bytes(devices, micro)
+            if low <= 0.5 * self.budget():
+                continue          # memory is not tight: the uniform choices decide
+            fast, slow = none.step_seconds(devices, k, micro), full.step_seconds(devices, k, micro)
+            pipe_low = none.pipeline_memory_bytes(devices, micro)
+            pipe_high = full.pipeline_memory_bytes(devices, micro)
+            for j in block_counts(total, low, high, self.budget()):
+                kept = (total - j) / total
+                self.add(found, refused, f"full:{j}", k, fast + (1 - kept) * (slow - fast),
+                         high + kept * (low - high), pipe_high + kept * (pipe_low - pipe_high))
+
     # -- solving -----------------------------------------------------------------------
     def solve(self, c: Candidate):
         """The plan of candidate ``c`` (an InfeasibleError when it does not fit)."""
         option = replace(self.method.auto_sharding_option, remat="none",
-                         rematerialize_parameters=c.regather)
+                         rematerialize_parameters=c.regather, offload=bool(self.method.offload))
         captured = self.capture(c.num_micro_batches, c.remat, c.regather)
         if c.kind == "intra-op":
             from torchalpa.parallel.shard import blocks_of, plan_graph
@@ -256,10 +296,42 @@ class _Search:
             assert isinstance(self.cluster, Cluster), "pipelines are planned on a Cluster"
             plan = plan_pipeline(captured.graph, self.cluster, method, inputs=self.inputs)
         from torchalpa.passes.sharding.remat_choice import remat_note
-        return replace(plan, method={**plan.method, "remat": c.remat},
+        plan = replace(plan, method={**plan.method, "remat": c.remat},
                        notes=tuple(plan.notes) + (remat_note(c.remat, captured.graph),))
+        return with_offload(plan, captured.graph, self.cluster, self.method) \
+            if self.method.offload else plan
 
     def run(self):
+        """The best plan; with ``offload=None``, planned again with optimizer states in
+        host memory when nothing fits on the devices."""
+        try:
+            return self.run_once()
+        except NothingFitsError as e:
+            if self.method.offload is not None or not self.method.optimizer_states:
+                raise
+            self.check_host_memory(replace(self.method, offload=True),
+                                   str(e).splitlines()[0].removesuffix("; tried:"))
+            self.method = replace(self.method, offload=True)
+            self.plans, self.deadline = [], time.perf_counter() + self.method.time_budget_s
+            try:
+                found = self.run_once()
+            except NothingFitsError as again:
+                raise NothingFitsError("even with the optimizer states in host memory, "
+                                       + str(again), again.attempts) from None
+            return replace(found, notes=tuple(found.notes) + (
+                "AutoParallel offloaded optimizer states to host memory: without it, "
+                + str(e).splitlines()[0].removesuffix("; tried:"),))
+
+    def check_host_memory(self, method: AutoParallel, why: str = "") -> None:
+        """A one-line NothingFitsError when the hosts cannot hold the offloaded states."""
+        short = host_memory_shortfall(self.capture(self.first_count(), "none").graph,
+                                      self.cluster, method, why)
+        if short:
+            raise NothingFitsError(short, self.attempts)
+
+    def run_once(self):
+        if self.method.offload:
+            self.check_host_memory(self.method)
         candidates, self.attempts = self.candidates()
         single_node_fallback = self.nodes == 1 and self.method.pipeline is None
         first = [c for c in candidates if not (single_node_fallback and c.kind == "pipeline")]
@@ -283,6 +355,11 @@ class _Search:
             if best is not None and time.perf_counter() > self.deadline:
                 self.attempts += [Attempt(r, "no time") for r in candidates[i:]]
                 break
+            tighter = self.does_not_fit_either(c)
+            if tighter is not None:
+                self.attempts.append(Attempt(c, "not needed", detail=(
+                    f"{tighter.describe()} does not fit, and this recomputes less")))
+                continue
             by = self.dominating(c)
             if by is not None:
                 self.attempts.append(Attempt(c, "dominated", detail=by.describe()))
@@ -306,9 +383,23 @@ class _Search:
                 self.plans.append((step_s, plan, c))
                 progress.done = f"est {step_s:.4g} s/step"
 
+    def does_not_fit_either(self, c: Candidate) -> Candidate | None:
+        """A candidate alike but for recomputing at least what ``c`` does (more blocks
+        checkpointed) that was solved and did not fit: ``c`` keeps more, so it cannot fit
+        either (what makes per-layer candidates cheap to rule out)."""
+        from torchalpa.passes.sharding.layer_remat import more_recompute
+        for a in self.attempts:
+            p = a.candidate
+            if a.outcome == "does not fit" and p.kind == c.kind and \
+                    p.num_micro_batches == c.num_micro_batches and p.regather == c.regather \
+                    and more_recompute(c.remat, p.remat):
+                return p
+        return None
+
     def dominating(self, c: Candidate) -> Candidate | None:
         """A planned candidate of ``c``'s kind that fits with room to spare and whose plan
         ``c`` could only make slower (more recompute; for intra-op, more micro-batches)."""
+        from torchalpa.passes.sharding.layer_remat import more_recompute
         budget = self.budget()
         for _, plan, p in self.plans:
             peak = plan.estimates.memory_per_device_bytes
@@ -316,7 +407,7 @@ class _Search:
             fewer = p.num_micro_batches <= c.num_micro_batches if c.kind == "intra-op" \
                 else p.num_micro_batches == c.num_micro_batches
             if roomy and p.kind == c.kind and fewer and p.regather <= c.regather and \
-                    REMAT_ORDER[p.remat] <= REMAT_ORDER[c.remat]:
+                    more_recompute(p.remat, c.remat):
                 return p
         return None
 
@@ -338,7 +429,8 @@ class _Search:
         lines = [f"no way to run this step fits {format_bytes(budget)} per device on "
                  f"{devices} devices ({self.nodes} node(s)); tried:"]
         lines += ["  " + a.line() for a in self.attempts]
-        lightest = min(self.method.remat, key=lambda m: {"full": 0, "selective": 1}.get(m, 2))
+        lightest = min((m for m in self.method.remat if m != "layers"), default="full",
+                       key=lambda m: {"full": 0, "selective": 1}.get(m, 2))
         profile = step_profile(self.capture(1, lightest, self.regather_choices("intra-op")[0]
                                             ).graph, self.meshes[0],
                                optimizer_states=self.method.optimizer_states)

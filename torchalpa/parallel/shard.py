@@ -273,8 +273,12 @@ class IntraOpSteps:
     def solve(self, graph: OpGraph, target: IntraOpTarget, method: ShardParallel,
               inputs: str, measured=None) -> Plan:
         del measured
-        return plan_graph(graph, method=method, meshes=target.meshes, inputs=inputs,
+        plan = plan_graph(graph, method=method, meshes=target.meshes, inputs=inputs,
                           blocks=blocks_of(graph))
+        if method.auto_sharding_option.offload:      # priced and checked on the host
+            from torchalpa.parallel.offload import with_offload
+            plan = with_offload(plan, graph, target.cluster, method)
+        return plan
 
     def plan_program(self, program, example_inputs, *, method: ShardParallel, cluster,
                      inputs: str, param_argnums, num_params) -> Plan:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import re
 from collections import Counter
 
 from torchalpa.core.choice_notes import CHOSEN, TRIED, is_choice_note, parse_tried
@@ -236,9 +237,36 @@ def _names(plan) -> list[str]:
     return params + [s.node for s in plan.strategies]
 
 
+DECISIONS = ("checkpointing", "offload")
+"""Names ``explain`` takes besides parameters and ops: the plan's step-wide choices."""
+
+
+def explain_decision(plan, name: str) -> str:
+    """``explain("checkpointing")`` / ``explain("offload")``: what the plan chose and the
+    notes that say why (what the search tried, what it costs)."""
+    if name == "checkpointing":
+        head = f"checkpointing: remat={plan.method.get('remat', 'none')}"
+        words = ("checkpointing", "remat=")
+    else:
+        est = plan.estimates
+        on = plan.method.get("offload") or \
+            (plan.method.get("auto_sharding_option") or {}).get("offload")
+        head = "offload: optimizer states in host memory" + (
+            f", {est.offload_s * 1e3:.4g} ms per step, "
+            f"{format_bytes(est.host_bytes_per_node)} of host memory per node"
+            if on and est.offload_s is not None else "") if on else \
+            "offload: none (optimizer states on the devices)"
+        words = ("offload",)
+    return "\n".join([head] + ["  " + n.strip() for n in plan.notes
+                               if any(w in n for w in words)])
+
+
 @register_view("explain")
 def explain(plan, name: str) -> str:
-    """Where a parameter, input or op lives, and the collectives that move it."""
+    """Where a parameter, input or op lives, and the collectives that move it; or, for
+    "checkpointing" and "offload", what the plan chose (``explain_decision``)."""
+    if name in DECISIONS:
+        return explain_decision(plan, name)
     value = next((p for p in plan.parameters + plan.inputs if p.name == name or p.node == name), None)
     if value is not None:
         node = value.node
@@ -305,6 +333,7 @@ def pipeline_summary(plan, detail: str = "short") -> str:
                      str(len(s.plan.collectives)), "recompute" if s.recompute else "keep"])
     lines += _table(rows, ["stage", "layers", "submesh", "logical", "ranks", "ms/micro-batch",
                            "memory/device", "collectives", "activations"])
+    lines += _stage_checkpointing(plan)
     if plan.transfers:
         lines.append("")
         each = [t for t in plan.transfers if not t.once_per_step]
@@ -327,6 +356,22 @@ def pipeline_summary(plan, detail: str = "short") -> str:
     return "\n".join(lines)
 
 
+def _stage_checkpointing(plan) -> list[str]:
+    """Where a plan checkpoints the first k blocks (remat "full:k"), which of them each
+    stage holds: the blocks named by its parameters (``layers.3.*`` is block 3)."""
+    policy, _, count = str(plan.method.get("remat", "")).partition(":")
+    if not count.isdigit():
+        return []
+    k, parts = int(count), []
+    for s in plan.stages:
+        blocks = sorted({int(m.group(1)) for p in s.plan.parameters
+                         if (m := re.search(r"(?:^|\.)(\d+)\.", p.name))})
+        done = [b for b in blocks if b < k]
+        parts.append(f"stage {s.index} " + (f"blocks {done[0]}-{done[-1]} ({policy})"
+                                            if done else "none"))
+    return [f"checkpointing per stage: {'; '.join(parts)}"]
+
+
 def _gantt(timeline, total, width: int = 64) -> list[str]:
     out = []
     scale = width / total if total else 0
@@ -346,6 +391,8 @@ def _gantt(timeline, total, width: int = 64) -> list[str]:
 @register_view("pipeline_explain")
 def pipeline_explain(plan, name: str) -> str:
     """``explain(name)`` of the stage holding ``name``, with the stage and its ranks."""
+    if name in DECISIONS:
+        return explain_decision(plan, name)
     for s in plan.stages:
         if any(p.name == name for p in s.plan.parameters) or \
                 any(st.node == name for st in s.plan.strategies):

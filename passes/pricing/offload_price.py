@@ -1,0 +1,92 @@
+"""What offloading optimizer states to host memory costs (DeepSpeed's ZeRO-Offload).
+
+With ``AutoShardingOption.offload`` the devices hold each parameter's local block and its
+gradient only; every rank keeps, in host memory, a copy of its parameters' blocks (the
+master copy the optimizer updates) and the optimizer's states. After backward the rank
+copies its gradient blocks to the host, runs the optimizer's step there, and copies the
+updated blocks back (``runtime/execution/host_optimizer.py``). The runtime does these one after the other,
+after the last backward, so they are priced that way, added to the step:
+
+- the host link, each way: a device's gradient blocks down, its parameter blocks up, at
+  ``host_link_bandwidth`` (each device has its own link);
+- the host's step: the optimizer reads parameter, gradient and states and writes
+  parameter and states, ``(3 + 2 x states)`` bytes per parameter byte, for every device
+  of a node together at the node's ``host_memory_bandwidth``.
+
+Host memory per node: the devices' parameter blocks and their states, ``(1 + states)``
+bytes per parameter byte (replicated blocks held once per rank, as the ranks do).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.units import format_bytes
+from torchalpa.passes.sharding.reshard import local_bytes
+
+__all__ = ["OffloadCost", "offload_cost", "host_floor_bytes", "DEFAULT_HOST"]
+
+DEFAULT_HOST = {"host_link_bandwidth": 25e9, "host_memory_per_node": 1024e9,
+                "host_memory_bandwidth": 200e9}
+"""Host figures of a cluster that gives none (a LogicalMesh): ``Cluster``'s defaults."""
+
+
+@dataclass(frozen=True)
+class OffloadCost:
+    """Seconds a step pays for offloaded states and the host memory they take."""
+
+    link_s: float            # gradients down and parameters up, per device
+    host_step_s: float       # the optimizer's step on the host
+    host_bytes_per_device: float
+    host_bytes_per_node: float
+    host_memory_per_node: float
+
+    @property
+    def seconds(self) -> float:
+        return self.link_s + self.host_step_s
+
+    @property
+    def fits(self) -> bool:
+        return self.host_bytes_per_node <= self.host_memory_per_node
+
+    def note(self) -> str:
+        return (f"offload: optimizer states in host memory, "
+                f"{format_bytes(self.host_bytes_per_node)} per node of "
+                f"{format_bytes(self.host_memory_per_node)} (parameter copies and states); "
+                f"{self.seconds * 1e3:.4g} ms per step ({self.link_s * 1e3:.4g} ms over the "
+                f"host link, {self.host_step_s * 1e3:.4g} ms for the optimizer's step on the "
+                "host), after backward")
+
+
+def _host(cluster, name: str) -> float:
+    return float(getattr(cluster, name, None) or DEFAULT_HOST[name])
+
+
+def trained_params(graph: OpGraph) -> list:
+    """The parameters the step makes gradients for (what the optimizer updates)."""
+    grads = dict(graph.outputs.grads)
+    return [n for n in graph if n.kind == "param" and n.target in grads]
+
+
+def offload_cost(graph: OpGraph, placements: dict, mesh_shape, optimizer_states: int,
+                 cluster, devices_per_node: int) -> OffloadCost:
+    """The offload's cost for a plan: ``placements`` maps each parameter node to its
+    placements on the mesh of shape ``mesh_shape``; ``cluster`` gives the host figures."""
+    local = sum(local_bytes(n.output, placements[n.name], mesh_shape)
+                for n in trained_params(graph))
+    link = _host(cluster, "host_link_bandwidth")
+    per_device_host = (1 + optimizer_states) * local
+    per_node = per_device_host * devices_per_node
+    step_bytes = (3 + 2 * optimizer_states) * local * devices_per_node
+    return OffloadCost(link_s=2 * local / link,
+                       host_step_s=step_bytes / _host(cluster, "host_memory_bandwidth"),
+                       host_bytes_per_device=per_device_host, host_bytes_per_node=per_node,
+                       host_memory_per_node=_host(cluster, "host_memory_per_node"))
+
+
+def host_floor_bytes(graph: OpGraph, optimizer_states: int, num_nodes: int) -> float:
+    """Host bytes per node no offloading plan goes below: every parameter split over every
+    device, its copy and states on the host."""
+    total = sum(n.output.nbytes for n in trained_params(graph))
+    return (1 + optimizer_states) * total / max(1, num_nodes)

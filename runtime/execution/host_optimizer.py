@@ -1,0 +1,83 @@
+"""Optimizer states in host memory: the step runs on host copies (DeepSpeed's ZeRO-Offload).
+
+A plan made with ``AutoShardingOption.offload`` counts only parameters and gradients on
+the devices (``passes/pricing/offload_price.py`` prices the rest). ``host_optimizer`` builds the
+user's optimizer over *host copies* of this rank's parameter blocks (each DTensor's local
+tensor; pinned memory where CUDA is available, a separate CPU tensor on CPU), so its
+states are made on the host too. Around each ``step()``, hooks on that optimizer
+
+- before: copy each device gradient block to its host copy's ``.grad`` and drop the
+  device gradient (its memory is free for the next step);
+- after: copy each updated host block back into the device parameter's local tensor.
+
+The update is the one the optimizer would make on the device blocks (an elementwise
+optimizer over the same numbers), so training matches plain training; ``state_dict``,
+LR schedulers and ``zero_grad`` work on the host optimizer as on any other. The copies run
+one after the other after backward, as the planner prices them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["offloads", "host_optimizer", "HOST_PAIRS"]
+
+HOST_PAIRS = "_torchalpa_host_pairs"
+"""Attribute of a host optimizer: [(device parameter, its host copy)]."""
+
+
+def offloads(plan) -> bool:
+    """Whether ``plan`` keeps optimizer states in host memory."""
+    method = getattr(plan, "method", {}) or {}
+    return bool(method.get("offload") or
+                (method.get("auto_sharding_option") or {}).get("offload"))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _host_copy(local: torch.Tensor) -> torch.Tensor:
+    """A host tensor holding ``local``'s values: pinned where CUDA exists, else a
+    separate CPU tensor (never the device tensor itself)."""
+    pin = torch.cuda.is_available()
+    host = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+    host.copy_(local.detach())
+    return host.requires_grad_(local.requires_grad)
+
+
+def host_optimizer(factory: Callable[..., torch.optim.Optimizer],
+                   params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """``factory`` (the user's ``lambda ps: torch.optim.AdamW(ps, ...)``) over host copies
+    of ``params``' local blocks, with the hooks that move gradients down and parameters up
+    around its step."""
+    pairs = [(p, _host_copy(_local(p))) for p in params]
+    optimizer = factory([h for _, h in pairs])
+    setattr(optimizer, HOST_PAIRS, pairs)
+    optimizer.register_step_pre_hook(_gradients_to_host)
+    optimizer.register_step_post_hook(_parameters_to_devices)
+    return optimizer
+
+
+def _gradients_to_host(optimizer, args, kwargs) -> None:
+    for p, host in getattr(optimizer, HOST_PAIRS):
+        if p.grad is None:
+            host.grad = None
+            continue
+        grad = _local(p.grad)
+        if host.grad is None or host.grad.shape != grad.shape:
+            host.grad = torch.empty(grad.shape, dtype=grad.dtype, device="cpu",
+                                    pin_memory=torch.cuda.is_available())
+        host.grad.copy_(grad, non_blocking=True)
+        p.grad = None
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()     # the host step reads what the copies wrote
+
+
+def _parameters_to_devices(optimizer, args, kwargs) -> None:
+    with torch.no_grad():
+        for p, host in getattr(optimizer, HOST_PAIRS):
+            _local(p).copy_(host, non_blocking=True)

@@ -1,0 +1,93 @@
+"""Run on the rank pool by tests/test_layer_remat_offload.py: training on 2 gloo ranks with
+plans only an expert would write by hand -- some blocks checkpointed ('full:k', chosen by
+AutoParallel under a tight budget) and optimizer states offloaded to host copies --
+against plain training of the same model on one device. Rank 0 writes JSON."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from worker_io import attempt, finish  # noqa: E402
+
+import torchalpa  # noqa: E402
+import torchalpa.models as zoo  # noqa: E402
+from torchalpa.runtime.execution.host_optimizer import HOST_PAIRS  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
+
+BUDGET = 1.55e6
+"""Bytes per device between what checkpointing every block and none need (tiny GPT, 4
+blocks, parameters replicated on 2 ranks: about 1.29 and 1.78 MB)."""
+
+
+def train(gpt, batch, method, steps: int = 3) -> dict:
+    """``method``'s plan trained ``steps`` AdamW steps beside the model on this process."""
+    torch.manual_seed(0)
+    model = gpt.build()
+    torch.manual_seed(0)
+    ref = gpt.build()
+    pm = torchalpa.auto_parallel(model, batch, gpt.loss_fn, method=method,
+                                 cluster=torchalpa.Cluster.local_cpu(2),
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    out = {"losses": [], "ref_losses": [], "remat": pm.plan.method.get("remat"),
+           "offload": bool(pm.plan.method.get("offload")), "notes": list(pm.plan.notes),
+           "estimates": dict(pm.plan.estimates)}
+    for _ in range(steps):
+        out["losses"].append(pm.train_step(*batch).item())
+        ref_loss = gpt.loss_fn(ref(*batch[:-1]), batch[-1])
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        out["ref_losses"].append(ref_loss.item())
+    out["max_param_diff"] = max((p.full_tensor() - q).abs().max().item()
+                                for p, q in zip(pm.module.parameters(), ref.parameters()))
+    pairs = getattr(pm.optimizer, HOST_PAIRS, [])
+    device = {t.to_local().data_ptr() for t in pm.module.parameters()}
+    out["host_copies"] = len(pairs)
+    out["states_apart"] = bool(pairs) and all(
+        v.data_ptr() not in device for s in pm.optimizer.state.values() for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim()) and all(
+        h.data_ptr() not in device for _, h in pairs)
+    out["device_grads_left"] = sum(p.grad is not None for p in pm.module.parameters())
+    return out
+
+
+def scenarios(n):
+    gpt = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=4)
+    torch.manual_seed(1234)                 # the same global batch on every rank
+    batch = gpt.example_inputs()
+    if n == 4:       # a pipeline whose first stage checkpoints its blocks, the second not
+        from pipeline_worker import compare, manual
+        method = torchalpa.PipeshardParallel(
+            num_micro_batches=4, layer_option=torchalpa.AutoLayerOption(layer_num=2),
+            stage_option=manual([[0], [1]], [(1, 2), (1, 2)]),
+            auto_sharding_option=torchalpa.AutoShardingOption(remat="full:2"))
+        yield "pipeline_layers", lambda: compare(gpt.build, batch, gpt.loss_fn, method,
+                                                 cluster=torchalpa.Cluster.local_cpu(4))
+        return
+    fixed = dict(pipeline=False, num_micro_batches=1, rematerialize_parameters=False)
+    tight = torchalpa.AutoShardingOption(parameters="replicated",
+                                         memory_budget_per_device=BUDGET)
+    yield "layers", lambda: train(gpt, batch, torchalpa.AutoParallel(
+        remat=("none", "full", "layers"), auto_sharding_option=tight, **fixed))
+    yield "offload", lambda: train(gpt, batch, torchalpa.AutoParallel(
+        remat=("none",), offload=True, **fixed))
+
+
+def main():
+    out_path = sys.argv[1]
+    init_distributed()
+    results = {"world_size": dist.get_world_size()}
+    for name, run in scenarios(dist.get_world_size()):
+        results[name] = attempt(run)
+    finish(results, out_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Plans an expert writes by hand: checkpointing only some blocks ('full:k', chosen under
+the memory budget) and optimizer states offloaded to host memory when nothing fits.
+
+Planning runs in this process (tiny GPT, 4 blocks, on ``Cluster.local_cpu(2)``); training
+on 2 real gloo ranks against one device runs tests/expert_plans_worker.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import worker_io
+
+import torchalpa
+import torchalpa.models as zoo
+from torchalpa.core.options import parse_remat
+from torchalpa.parallel.auto import NothingFitsError
+from torchalpa.passes.sharding.layer_remat import block_counts, checkpointing_line, more_recompute
+
+BUDGET = 1.55e6   # between checkpointing every block (~1.29 MB) and none (~1.78 MB)
+FIXED = dict(pipeline=False, num_micro_batches=1, rematerialize_parameters=False)
+
+
+# -- the pieces ------------------------------------------------------------------------
+def test_block_counts_start_at_the_fewest_blocks_whose_bound_fits():
+    # 12 blocks each freeing 10 bytes: 130 over a budget of 100 needs 3 of them
+    assert block_counts(12, 130.0, 10.0, 100.0)[0] == 3
+    assert all(3 <= k < 12 for k in block_counts(12, 130.0, 10.0, 100.0))
+    assert block_counts(12, 130.0, 110.0, 100.0) == []     # not even every block fits
+    assert block_counts(1, 130.0, 10.0, 100.0) == []       # nothing in between
+
+
+def test_the_summary_line_names_the_checkpointed_blocks():
+    assert checkpointing_line("full:5", {"of": 12}) == \
+        "checkpointing: blocks 0-4 of 12 (full), 5-11 none"
+    assert checkpointing_line("full", {"of": 12}) == "checkpointing: blocks 0-11 of 12 (full)"
+    assert checkpointing_line("none", {}).startswith("checkpointing: none")
+
+
+def test_more_recompute_orders_modes_by_policy_and_blocks():
+    assert more_recompute("none", "full:1") and more_recompute("full:2", "full:3")
+    assert more_recompute("full:3", "full") and more_recompute("selective", "full")
+    assert not more_recompute("full:3", "full:2") and not more_recompute("full", "selective")
+
+
+def test_bad_block_counts_are_refused_with_the_accepted_forms():
+    assert parse_remat("full:5") == ("full", 5) and parse_remat("none") == ("none", None)
+    with pytest.raises(ValueError, match=r"'full:K' / 'selective:K'"):
+        torchalpa.AutoShardingOption(remat="none:3")
+    with pytest.raises(ValueError, match=r"must be an int >= 0"):
+        torchalpa.AutoShardingOption(remat="full:x")
+    with pytest.raises(ValueError, match=r"AutoParallel.remat must be modes among"):
+        torchalpa.AutoParallel(remat=("auto",))
+    with pytest.raises(ValueError, match=r"AutoParallel.offload must be True, False or None"):
+        torchalpa.AutoParallel(offload="yes")
+    with pytest.raises(ValueError, match=r"set AutoParallel\(offload=True\)"):
+        torchalpa.AutoParallel(auto_sharding_option=torchalpa.AutoShardingOption(offload=True))
+
+
+def test_presets_state_their_host_link_and_memory():
+    h100, a100 = torchalpa.Cluster.h100(1, 1), torchalpa.Cluster.a100(1, 1)
+    assert h100.host_link_bandwidth == pytest.approx(55e9)      # PCIe Gen5 x16
+    assert a100.host_link_bandwidth == pytest.approx(25e9)      # PCIe Gen4 x16
+    assert h100.host_memory_per_node > a100.host_memory_per_node > 0
+    with pytest.raises(ValueError, match="host_link_bandwidth must be > 0"):
+        torchalpa.Cluster(host_link_bandwidth=0)
+
+
+# -- planning ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt():
+    return zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=4)
+
+
+def _plan(gpt, cluster=None, **method):
+    return torchalpa.plan(gpt.build(), gpt.example_inputs(), gpt.loss_fn,
+                          cluster=cluster or torchalpa.Cluster.local_cpu(2),
+                          method=torchalpa.AutoParallel(**method))
+
+
+def _tight(budget=BUDGET):
+    return torchalpa.AutoShardingOption(parameters="replicated",
+                                        memory_budget_per_device=budget)
+
+
+@pytest.fixture(scope="module")
+def layered(gpt):
+    return _plan(gpt, remat=("none", "full", "layers"), auto_sharding_option=_tight(), **FIXED)
+
+
+@pytest.mark.slow      # a search of several solves (~20-30 s)
+def test_a_tight_budget_checkpoints_some_blocks_and_beats_both_uniform_choices(gpt, layered):
+    policy, k = parse_remat(layered.method["remat"])
+    assert policy == "full" and 0 < k < 4, layered.method
+    full = _plan(gpt, remat=("full",), auto_sharding_option=_tight(), **FIXED)
+    assert layered.estimates.step_time_s < full.estimates.step_time_s
+    assert layered.estimates.memory_per_device_bytes <= BUDGET
+    with pytest.raises(NothingFitsError):        # keeping every block's activations
+        _plan(gpt, remat=("none",), offload=False, auto_sharding_option=_tight(), **FIXED)
+
+
+@pytest.mark.slow      # a search of several solves (~20-30 s)
+def test_the_block_choice_shows_in_summary_and_explain_and_round_trips(layered):
+    k = parse_remat(layered.method["remat"])[1]
+    line = f"blocks 0-{k - 1} of 4 (full), {k}-3 none"
+    assert line in layered.summary()
+    assert line in layered.explain("checkpointing")
+    again = torchalpa.Plan.from_json(layered.to_json())
+    assert again.method["remat"] == layered.method["remat"]
+    assert torchalpa.core.options.method_of_plan(again).auto_sharding_option.remat == \
+        layered.method["remat"]
+
+
+def test_offload_is_chosen_only_when_nothing_fits_on_the_devices(gpt):
+    # optimizer states take half the model states: below what checkpointing reaches
+    plan = _plan(gpt, remat=("none", "full"), auto_sharding_option=_tight(1.0e6), **FIXED)
+    assert plan.method["offload"] is True
+    est = plan.estimates
+    assert est.offload_s > 0 and est.host_bytes_per_node > 0
+    assert est.memory_per_device_bytes <= 1.0e6
+    assert "offload: optimizer states in host memory" in plan.summary()
+    assert "of host memory per node" in plan.explain("offload")
+    again = torchalpa.Plan.from_json(plan.to_json())
+    assert again.method["offload"] and again.estimates.offload_s == est.offload_s
+    roomy = _plan(gpt, remat=("none",), **FIXED)
+    assert not roomy.method.get("offload") and roomy.estimates.offload_s is None
+    assert roomy.explain("offload").startswith("offload: none")
+
+
+def test_offload_without_host_memory_is_refused_in_one_line(gpt):
+    small = dataclasses.replace(torchalpa.Cluster.local_cpu(2), host_memory_per_node=1e5)
+    with pytest.raises(NothingFitsError) as e:
+        _plan(gpt, small, remat=("none", "full"), auto_sharding_option=_tight(1.0e6), **FIXED)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "offloading the optimizer states to host memory needs at least" in message
+    assert "use hosts with" in message
+
+
+# -- training on 2 gloo ranks -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("expert") / "expert_plans.json"
+    results = worker_io.launch("expert_plans_worker.py", out, nproc=2, timeout=900)
+    for name, r in results.items():
+        if isinstance(r, dict) and "error" in r:
+            pytest.fail(f"{name} on 2 ranks:\n{r['trace']}")
+    return results
+
+
+def _trains_like_one_device(r):
+    for got, want in zip(r["losses"], r["ref_losses"]):
+        assert got == pytest.approx(want, rel=1e-5)
+    assert r["max_param_diff"] < 1e-4
+
+
+@pytest.mark.slow      # 2 gloo ranks plan and train (~50 s with the pool's start)
+def test_some_blocks_checkpointed_train_like_one_device(trained):
+    r = trained["layers"]
+    policy, k = parse_remat(r["remat"])
+    assert policy == "full" and 0 < k < 4
+    _trains_like_one_device(r)
+
+
+@pytest.mark.slow      # 2 gloo ranks plan and train (~50 s with the pool's start)
+def test_offloaded_states_train_like_one_device_on_host_copies(trained):
+    r = trained["offload"]
+    assert r["offload"] and r["estimates"]["offload_s"] > 0
+    assert r["host_copies"] > 0 and r["states_apart"]
+    assert r["device_grads_left"] == 0           # gradients went to the host
+    _trains_like_one_device(r)
+
+
+@pytest.mark.slow      # 4 gloo ranks plan and train a pipeline (~60 s)
+def test_a_pipeline_checkpointing_its_first_stage_only_trains_like_one_device(tmp_path):
+    results = worker_io.launch("expert_plans_worker.py", tmp_path / "expert_4.json", nproc=4,
+                               timeout=900)
+    r = results["pipeline_layers"]
+    if "error" in r:
+        pytest.fail(r["trace"])
+    assert r["remat"] == "full:2"
+    assert any("blocks 0-1 of 4 (full), 2-3 none" in n for n in r["notes"])
+    _trains_like_one_device(r)
+
+
+def test_a_pipeline_summary_says_which_stage_checkpoints_which_blocks(gpt):
+    method = torchalpa.PipeshardParallel(
+        num_micro_batches=2, layer_option=torchalpa.AutoLayerOption(layer_num=2),
+        stage_option="uniform", auto_sharding_option=torchalpa.AutoShardingOption(remat="full:2"))
+    plan = torchalpa.plan(gpt.build(), gpt.example_inputs(), gpt.loss_fn,
+                          cluster=torchalpa.Cluster.local_cpu(4), method=method)
+    assert plan.method["remat"] == "full:2"
+    assert "checkpointing per stage: stage 0 blocks 0-1 (full); stage 1 none" in plan.summary()
+    assert "blocks 0-1 of 4 (full), 2-3 none" in plan.explain("checkpointing")

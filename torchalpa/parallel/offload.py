@@ -1,0 +1,58 @@
+"""Offloaded optimizer states in a plan: their price added, the hosts' memory checked.
+
+A plan made with ``AutoShardingOption.offload`` counts no optimizer state on the devices;
+``with_offload`` adds what the offload costs (``passes/pricing/offload_price.py``) to its step and
+states the host memory it takes, for ``ShardParallel`` and for ``AutoParallel``'s intra-op
+candidates alike. ``host_memory_shortfall`` says, in one line, why the hosts refuse a job whose states cannot
+fit the hosts even split over every device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from torchalpa.core.options import OPTIMIZER_STATES
+from torchalpa.core.units import format_bytes
+
+__all__ = ["with_offload", "host_memory_shortfall"]
+
+
+def with_offload(plan, graph, cluster, method):
+    """``plan`` (intra-op, made with optimizer states off the devices) with the offload's
+    price added to its step and its host memory stated (``passes/pricing/offload_price.py``); an
+    InfeasibleError when the host cannot hold the states."""
+    from torchalpa.passes.pricing.offload_price import offload_cost
+    from torchalpa.passes.sharding.ilp import InfeasibleError
+    per_node = getattr(cluster, "devices_per_node", plan.num_devices)
+    cost = offload_cost(graph, {p.node: p.placements for p in plan.parameters},
+                        plan.mesh_shape, OPTIMIZER_STATES[method.optimizer], cluster,
+                        min(per_node, plan.num_devices))
+    if not cost.fits:
+        raise InfeasibleError(
+            f"offloaded optimizer states need {format_bytes(cost.host_bytes_per_node)} of "
+            f"host memory per node in this plan, the nodes have "
+            f"{format_bytes(cost.host_memory_per_node)}: parameters split over more devices "
+            "or hosts with more memory would fit")
+    est = plan.estimates
+    estimates = replace(est, step_time_s=est.step_time_s + cost.seconds,
+                        once_per_step_s=(est.once_per_step_s or 0) + cost.seconds,
+                        offload_s=cost.seconds, host_bytes_per_node=cost.host_bytes_per_node)
+    return replace(plan, estimates=estimates, method={**plan.method, "offload": True},
+                   notes=tuple(plan.notes) + (cost.note(),))
+
+
+def host_memory_shortfall(graph, cluster, method, why: str = "") -> str | None:
+    """One line when even optimizer states split over every device exceed the hosts'
+    memory (what they need and what would hold them), else None."""
+    from torchalpa.passes.pricing.offload_price import DEFAULT_HOST, host_floor_bytes
+    nodes = getattr(cluster, "num_nodes", 1)
+    have = getattr(cluster, "host_memory_per_node", DEFAULT_HOST["host_memory_per_node"])
+    need = host_floor_bytes(graph, OPTIMIZER_STATES[method.optimizer], nodes)
+    if need <= have:
+        return None
+    nodes_needed = math.ceil(need * nodes / have) if have else "more"
+    return ((f"{why}; " if why else "") + f"offloading the optimizer states to host memory "
+            f"needs at least {format_bytes(need)} per node (parameter copies and "
+            f"{method.optimizer} states), the nodes have {format_bytes(have)}: use hosts "
+            f"with {format_bytes(need)} or {nodes_needed} nodes")
