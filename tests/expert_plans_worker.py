@@ -37,7 +37,7 @@ def train(gpt, batch, method, steps: int = 3) -> dict:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     out = {"losses": [], "ref_losses": [], "remat": pm.plan.method.get("remat"),
            "offload": bool(pm.plan.method.get("offload")), "notes": list(pm.plan.notes),
-           "estimates": dict(pm.plan.estimates)}
+           "estimates": pm.plan.estimates.to_dict()}
     for _ in range(steps):
         out["losses"].append(pm.train_step(*batch).item())
         ref_loss = gpt.loss_fn(ref(*batch[:-1]), batch[-1])
