@@ -34,7 +34,7 @@ call this).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 __all__ = ["CommEvent", "overlapped_step", "FIRST_BUCKET_BYTES"]
 
@@ -46,7 +46,8 @@ FIRST_BUCKET_BYTES = 2 ** 20
 class CommEvent:
     """One collective of a micro-batch: its seconds, the op it belongs to (the reader it
     is waited for by, or for a gradient the op that produces it), the mesh axis whose
-    stream runs it, and how it is issued: "serial", "gather" or "gradient"."""
+    stream runs it, and how it is issued: "serial", "gather" or "gradient"; ``kind``: the
+    collective (all_gather, reduce_scatter, ...) for ``program_order``."""
 
     seconds: float
     op: int
@@ -54,20 +55,29 @@ class CommEvent:
     how: str
     bytes: float = 0.0
     phase: str = "forward"
+    kind: str = ""
 
 
 @dataclass
 class _Streams:
-    """The compute clock and one communication clock per mesh axis."""
+    """The compute clock, one communication clock per mesh axis, and (when ``trace`` is a
+    list) the order of issues, waits and ops the walk assumes."""
 
     t: float = 0.0
     comm: dict[int, float] = field(default_factory=dict)
+    trace: list[str] | None = None
 
-    def issue(self, axis: int, seconds: float) -> float:
-        """Queue a collective on ``axis``'s stream now; returns when it ends."""
+    def issue(self, event: CommEvent, seconds: float) -> float:
+        """Queue a collective on ``event.axis``'s stream now; returns when it ends."""
+        axis = event.axis
         end = max(self.t, self.comm.get(axis, 0.0)) + seconds
         self.comm[axis] = end
+        self.note(f"issue {event.kind}")
         return end
+
+    def note(self, what: str) -> None:
+        if self.trace is not None:
+            self.trace.append(what)
 
 
 def overlapped_step(compute_s: list[float], phases: list[str], events: list[CommEvent],
@@ -81,43 +91,76 @@ def overlapped_step(compute_s: list[float], phases: list[str], events: list[Comm
     return with_grads, without
 
 
+def program_order(ops: list[str], phases: list[str], events: list[CommEvent],
+                  bucket_bytes: float) -> list[str]:
+    """The order of one micro-batch's issues, waits and ops that the estimate assumes
+    (``overlapped_step``'s walk): "issue <kind>", "wait <kind>", each op's name in ``ops``
+    (None: not listed), and "backward" where backward begins, for a test to hold against
+    a recorded step."""
+    trace: list[str] = []
+    _walk([0.0] * len(ops), phases, events, bucket_bytes, trace, ops)
+    return trace
+
+
+def _buckets(gradients: list[CommEvent], bucket_bytes: float) -> list[CommEvent]:
+    """The gradients' reductions as the runtime issues them (``runtime/buckets.py``): per
+    mesh axis, in the order backward makes them, packed into buckets of at most a cap (the
+    first ``FIRST_BUCKET_BYTES``, then ``bucket_bytes``), each bucket one collective
+    issued once its last gradient exists (at that gradient's op)."""
+    out: list[CommEvent] = []
+    by_axis: dict[int, list[CommEvent]] = {}
+    for e in sorted(gradients, key=lambda e: e.op):
+        by_axis.setdefault(e.axis, []).append(e)
+    for members in by_axis.values():
+        cap, bucket = FIRST_BUCKET_BYTES, []
+        for e in members + [None]:
+            if bucket and (e is None or sum(b.bytes for b in bucket) + e.bytes > cap):
+                out.append(replace(bucket[-1], seconds=sum(b.seconds for b in bucket),
+                                   bytes=sum(b.bytes for b in bucket)))
+                cap, bucket = bucket_bytes, []
+            if e is not None:
+                bucket.append(e)
+    return out
+
+
 def _walk(compute_s: list[float], phases: list[str], events: list[CommEvent],
-          bucket_bytes: float) -> float:
+          bucket_bytes: float, trace: list[str] | None = None,
+          names: list[str] | None = None) -> float:
     by_op: dict[int, list[CommEvent]] = {}
     for e in events:
         by_op.setdefault(e.op, []).append(e)
     gathers = [e for e in sorted(events, key=lambda e: e.op) if e.how == "gather"]
     position = {id(e): j for j, e in enumerate(gathers)}
     ends: dict[int, float] = {}            # gather index -> when it is done
-    s = _Streams()
-    buckets: dict[int, list[float]] = {}   # axis -> [bytes, seconds] of the open bucket
-    full_once: set[int] = set()            # axes whose first (small) bucket went out
+    s = _Streams(trace=trace)
+    buckets = _buckets([e for e in events if e.how == "gradient"], bucket_bytes)
+    for e in buckets:
+        by_op.setdefault(e.op, []).append(replace(e, how="bucket"))
     for i, seconds in enumerate(compute_s):
+        if i and phases[i] != "forward" and phases[i - 1] == "forward":
+            s.note("backward")
         here = by_op.get(i, ())
         mine = [position[id(e)] for e in here if e.how == "gather"]
         for j in mine:                     # issued before the reader unless prefetched
             if j not in ends:
-                ends[j] = s.issue(gathers[j].axis, gathers[j].seconds)
+                ends[j] = s.issue(gathers[j], gathers[j].seconds)
+        for j in mine:
+            s.t = max(s.t, ends[j])
+            s.note(f"wait {gathers[j].kind}")
         if mine:
-            s.t = max([s.t] + [ends[j] for j in mine])
             nxt = max(mine) + 1            # prefetch: issued right after this wait
             if nxt < len(gathers) and nxt not in ends and gathers[nxt].phase == phases[i]:
-                ends[nxt] = s.issue(gathers[nxt].axis, gathers[nxt].seconds)
+                ends[nxt] = s.issue(gathers[nxt], gathers[nxt].seconds)
         for e in here:
             if e.how == "serial":
-                s.t = s.issue(e.axis, e.seconds)
+                s.t = s.issue(e, e.seconds)
+                s.note(f"wait {e.kind}")
         s.t += seconds
+        if names is not None and names[i] is not None:
+            s.note(names[i])
         for e in here:
-            if e.how == "gradient":
-                b = buckets.setdefault(e.axis, [0.0, 0.0])
-                b[0] += e.bytes
-                b[1] += e.seconds
-                cap = bucket_bytes if e.axis in full_once else FIRST_BUCKET_BYTES
-                if b[0] >= cap:
-                    s.issue(e.axis, b[1])
-                    full_once.add(e.axis)
-                    buckets[e.axis] = [0.0, 0.0]
-    for axis, (_, seconds) in buckets.items():
-        if seconds:
-            s.issue(axis, seconds)
+            if e.how == "bucket":           # issued once its last gradient exists
+                s.issue(e, e.seconds)
+    for e in buckets:                      # backward's end waits for every bucket
+        s.note(f"wait {e.kind}")
     return max([s.t] + list(s.comm.values()))

@@ -36,19 +36,22 @@ from torchalpa.passes.cost import (
     collective_cost,
     compute_cost,
     gradient_steps_cost,
+    op_family,
     optimizer_cost,
     steps_cost,
     strategy_bytes,
     wire_bytes,
 )
 from torchalpa.passes.costgraph import ReshardCosts
+from torchalpa.passes.kernel_model import MATMUL_FAMILIES
 from torchalpa.passes.memory import activation_peak_bytes, model_state_bytes
-from torchalpa.passes.overlap_price import CommEvent, overlapped_step
+from torchalpa.passes.overlap_price import CommEvent, overlapped_step, program_order
 from torchalpa.passes.reshard import local_bytes
 from torchalpa.passes.shared_reshard import read_key
 from torchalpa.passes.strategies import Strategy, StrategySpace, sync_steps
 
-__all__ = ["assemble_plan", "merge_gradient_all_reduces", "replace_estimates"]
+__all__ = ["assemble_plan", "merge_gradient_all_reduces", "replace_estimates",
+           "assumed_program_order"]
 
 
 def replace_estimates(plan: Plan, estimates: dict) -> Plan:
@@ -203,6 +206,20 @@ class _Traffic:
         self.once_seconds += seconds if is_gradient or once else 0.0
         self._event(r, at, phase, seconds, is_gradient, once)
 
+    def _ready(self, name: str) -> int:
+        """The op after which value ``name`` exists: its producer, or for a view (which
+        launches nothing: the runtime moves a gradient's views up to their source,
+        ``runtime/reduce_in_backward.py``) the op its source is ready after; the last op
+        for a value no op makes."""
+        node = self.graph.node(name)
+        if name not in self.index:
+            return len(self.index) - 1
+        if node.aliases and node.operands:
+            return max(self._ready(ref.node) for ref in node.operands
+                       if ref.node in self.index) if any(
+                ref.node in self.index for ref in node.operands) else self.index[name]
+        return self.index[name]
+
     def _event(self, r: Reshard, at: OpNode, phase: str, seconds: float, is_gradient: bool,
                once: bool) -> None:
         """How the runtime issues reshard ``r``'s collectives (``passes/overlap_price.py``)."""
@@ -210,8 +227,9 @@ class _Traffic:
         if not steps or seconds <= 0:
             return
         if is_gradient:
-            self.gradients.append(CommEvent(seconds, self.index.get(r.producer, -1),
-                                            steps[0].axis, "gradient", steps[0].bytes, phase))
+            self.gradients.append(CommEvent(seconds, self._ready(r.producer),
+                                            steps[0].axis, "gradient", steps[0].bytes, phase,
+                                            steps[0].kind))
             return
         if once:
             self.once_serial += seconds
@@ -221,11 +239,13 @@ class _Traffic:
         if first.kind == "all_gather" and isinstance(r.slot, int) \
                 and self.graph.node(r.producer).kind == "param":
             gather = collective_cost(self.mesh, first.kind, first.axis, first.bytes)
-            self.events.append(CommEvent(gather, op, first.axis, "gather", first.bytes, phase))
+            self.events.append(CommEvent(gather, op, first.axis, "gather", first.bytes, phase,
+                                         first.kind))
             seconds -= gather
             if seconds <= 0:
                 return
-        self.events.append(CommEvent(seconds, op, first.axis, "serial", 0.0, phase))
+        self.events.append(CommEvent(seconds, op, first.axis, "serial", 0.0, phase,
+                                     first.kind))
 
     def add_op(self, n: OpNode, s: Strategy) -> None:
         """The all-reduces op ``n`` runs inside itself under ``s``: the statistics of a
@@ -247,7 +267,7 @@ class _Traffic:
         self.seconds += k * seconds
         if internal and seconds > 0:
             self.events.append(CommEvent(seconds, self.index[n.name], internal[0][0], "serial",
-                                         0.0, n.phase))
+                                         0.0, n.phase, "all_reduce"))
 
 
 def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
@@ -307,6 +327,22 @@ def _step_seconds(graph: OpGraph, mesh: LogicalMesh, traffic: _Traffic, per_op: 
     step = k * micro + once
     hidden = max(0.0, k * sum(per_op) + traffic.seconds + optimizer_s - step)
     return step, once, hidden, grad_s - grads_exposed
+
+
+def assumed_program_order(graph: OpGraph, mesh: LogicalMesh, plan: Plan) -> list[str]:
+    """The order of one micro-batch's collective issues and waits and its matmuls ("mm")
+    that ``plan``'s step estimate assumes on GPUs (``overlap_price.program_order``), for a
+    test to hold against what the runtime issues. ``graph``: the graph ``plan`` was made
+    for; the gradients' reductions are in it with one micro-batch."""
+    k = int((plan.method or {}).get("num_micro_batches") or 1)
+    option = (plan.method or {}).get("auto_sharding_option") or {}
+    traffic = _Traffic(graph, mesh, k)
+    for r in plan.reshards:
+        traffic.add_reshard(r, state_read_once(k, bool(option.get("rematerialize_parameters"))))
+    names = ["mm" if op_family(n.op) in MATMUL_FAMILIES else None for n in graph.ops()]
+    events = traffic.events + (traffic.gradients if k == 1 else [])
+    return program_order(names, [n.phase for n in graph.ops()], events,
+                         mesh.gradient_bucket_bytes or 25 * 2 ** 20)
 
 
 def _placements(graph: OpGraph, leaf_placement: dict[str, Placements],
