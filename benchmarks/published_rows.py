@@ -134,9 +134,13 @@ class PublishedRow:
                 + (f"; {'; '.join(self.notes)}" if self.notes else ""))
 
 
-def _gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int = 51200) -> dict:
+def _gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int = 51200,
+         attention: str = "eager") -> dict:
+    """A zoo GPT config. ``attention``: "eager" (scores kept: what Megatron-LM, Alpa and
+    BLOOM's Megatron-DeepSpeed ran, fused softmax but no fused attention kernel) or
+    "sdpa" (a flash kernel: MPT)."""
     return dict(vocab_size=vocab, max_seq_len=seq, num_layers=layers, num_heads=heads,
-                hidden=hidden, dropout=0.0)
+                hidden=hidden, dropout=0.0, attention=attention)
 
 
 def _llama3(size: str, seq: int = 8192) -> dict:
@@ -179,7 +183,8 @@ def _mpt(key, size, gpus, machine, micro, accum, tokens, remat="none", pure=Fals
         key=key, label=f"MPT-{size.upper()} FSDP on {gpus} {machine}, seq 2048" +
         (", activation checkpointing" if remat != "none" else ""), source=FOUNDRY,
         short_source="llm-foundry", family="gpt",
-        config=dict(_gpt(hidden, layers, heads, 2048, vocab=50368), bias=False), seq=2048,
+        config=dict(_gpt(hidden, layers, heads, 2048, vocab=50368, attention="sdpa"),
+                    bias=False), seq=2048,
         global_batch=micro * accum * gpus, micro_batch=micro, dp=gpus, machine=machine,
         num_nodes=nodes, precision="bf16", remat=remat, zero="fsdp", fused=False,
         tokens_per_gpu_s=tokens,

@@ -12,6 +12,7 @@ by default: on a GPU it runs a fused kernel (flash or memory-efficient) that kee
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +44,15 @@ class GPTConfig:
     """Dropout on embeddings, attention probabilities and residual branches."""
     bias: bool = True
     """Whether Linear and LayerNorm layers have a bias (GPT-2 has one)."""
+    attention: str = "sdpa"
+    """"sdpa": ``F.scaled_dot_product_attention`` (a fused kernel on GPUs); "eager": the
+    product, mask, softmax and product written out, the ``T x T`` scores kept for backward
+    (GPT-2's original code, and what Megatron-LM ran before fused attention kernels)."""
 
     def __post_init__(self):
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"GPTConfig.attention must be 'sdpa' or 'eager', "
+                             f"got {self.attention!r}")
         check_positive(self, "vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden")
         check_divisible(self, "hidden", "num_heads")
         check_probability(self, "dropout")
@@ -61,6 +69,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.num_heads = config.num_heads
         self.dropout = config.dropout
+        self.eager = config.attention == "eager"
         self.c_attn = nn.Linear(config.hidden, 3 * config.hidden, bias=config.bias)
         self.c_proj = nn.Linear(config.hidden, config.hidden, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -78,10 +87,26 @@ class CausalSelfAttention(nn.Module):
             k, v = cache.write(layer, k, v)                           # 2 x (B, H, S, D)
             seen = cache.attention_mask(T)                            # (B, 1, T, S)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, dropout_p=p,
-                                           is_causal=seen is None)    # (B, H, T, D)
+        if self.eager:
+            y = _eager_attention(q, k, v, seen, p, self.training)   # (B, H, T, D)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, dropout_p=p,
+                                               is_causal=seen is None)    # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)                        # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     seen: torch.Tensor | None, p: float, training: bool) -> torch.Tensor:
+    """Attention written out: scores (B, H, T, S), causal (or ``seen``) mask, softmax,
+    dropout, then the weighted sum (B, H, T, D)."""
+    T, S = q.shape[-2], k.shape[-2]
+    if seen is None:
+        seen = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, S)
+    att = att.masked_fill(~seen, float("-inf"))
+    att = F.dropout(F.softmax(att, dim=-1), p, training)
+    return att @ v
 
 
 class MLP(nn.Module):
