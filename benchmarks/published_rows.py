@@ -269,7 +269,7 @@ ROWS: tuple[PublishedRow, ...] = (
         tokens_per_gpu_s=5762, memory_gib=82.4,
         notes=("seq 8192 from the default config [?]",
                "selective op AC: torchtitan saves every other matmul's result, here every "
-               "one is kept", "500 W power cap not modeled")),
+               "one is kept", "500 W: peak between SXM and NVL (gpu_specs)")),
     PublishedRow(
         key="torchtitan-8b-h100x128", label="Llama 3.1 8B, FSDP on 128 H100 (96 GB, 500 W)",
         source=TT_H100, short_source="torchtitan", family="llama", config=_llama3("8b"),
@@ -278,7 +278,7 @@ ROWS: tuple[PublishedRow, ...] = (
         tokens_per_gpu_s=5605, memory_gib=67.0,
         notes=("seq 8192 from the default config [?]",
                "selective op AC: torchtitan saves every other matmul's result, here every "
-               "one is kept", "500 W power cap not modeled")),
+               "one is kept", "500 W: peak between SXM and NVL (gpu_specs)")),
     PublishedRow(
         key="torchtitan-8b-a100x64", label="Llama 3 8B, FSDP on 64 A100 80GB",
         source=TT_A100, short_source="torchtitan", family="llama", config=_llama3("8b"),
