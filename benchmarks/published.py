@@ -104,7 +104,7 @@ def build(row: PublishedRow, batch: int | None = None):
     ``batch``: sequences in the example (default: one micro-batch of every replica)."""
     w = workload(row)
     if batch is not None:
-        w = zoo.Workload(w.family, w.config, batch, w.seq)
+        w = zoo.Workload(w.family, w.config, batch, w.seq_len)
     with torch.device("meta"):
         model, batch = w.build(), w.example_inputs()
     blocks = model.h if row.family == "gpt" else model.layers
