@@ -112,7 +112,7 @@ def build(row: PublishedRow, batch: int | None = None):
         for end in [sum(stage_blocks(row)[:s + 1]) - 1 for s in range(row.pp - 1)]:
             blocks[end].register_forward_hook(_mark_boundary)
     if row.precision in DTYPES:
-        cast_per_module(model, blocks, DTYPES[row.precision])
+        cast_per_module(model, blocks, DTYPES[row.precision], row.float32_logits)
     return model, batch, w.loss_fn
 
 
@@ -121,14 +121,15 @@ def _mark_boundary(module, inputs, output):
 
 
 def cast_per_module(model: torch.nn.Module, blocks: torch.nn.ModuleList,
-                    dtype: torch.dtype) -> None:
+                    dtype: torch.dtype, float32_logits: bool = True) -> None:
     """Each block and each other top-level module computing in ``dtype`` from float32
     master weights (``CastForward`` on each, names unchanged), the head's logits cast back
-    to float32 for the loss. Casting per module puts each cast in the pipeline stage that
+    to float32 for the loss (``float32_logits``). Casting per module puts each cast in the pipeline stage that
     uses the weight, as FSDP's per-module mixed precision does (one ``CastForward`` around
     the whole model casts every weight at the start of forward, all in the first stage)."""
     inner = torchalpa.MixedPrecision(param_dtype=dtype, output_dtype=None)
-    head = torchalpa.MixedPrecision(param_dtype=dtype, output_dtype=torch.float32)
+    head = torchalpa.MixedPrecision(param_dtype=dtype,
+                                    output_dtype=torch.float32 if float32_logits else None)
     for i, block in enumerate(blocks):
         blocks[i] = CastForward(block, inner)
     children = [name for name, m in model.named_children()

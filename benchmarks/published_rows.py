@@ -52,6 +52,9 @@ class PublishedRow:
     devices_per_node: int = 8
     precision: str = "bf16"
     """'fp16' / 'bf16' (fp32 master weights, the forward in that dtype) or 'fp32'."""
+    float32_logits: bool = True
+    """Whether the head's logits are cast to float32 for the loss (False: they stay in the
+    compute dtype, as under FSDP's PURE mixed precision)."""
     remat: str = "none"
     """'full' (every block recomputed in backward), 'selective' (the compute-heavy ops'
     results kept, the rest recomputed: torchtitan's op policy) or 'none'."""
@@ -187,8 +190,9 @@ def _mpt(key, size, gpus, machine, micro, accum, tokens, remat="none", pure=Fals
                     bias=False), seq=2048,
         global_batch=micro * accum * gpus, micro_batch=micro, dp=gpus, machine=machine,
         num_nodes=nodes, precision="bf16", remat=remat, zero="fsdp", fused=False,
-        tokens_per_gpu_s=tokens,
-        notes=_MPT_NOTES + (("mixed precision PURE (bf16 parameters)",) if pure else ()))
+        tokens_per_gpu_s=tokens, float32_logits=not pure,
+        notes=_MPT_NOTES + (("mixed precision PURE: logits in bf16; parameters in bf16 "
+                             "not expressible yet",) if pure else ()))
 
 
 _MEG = dict(family="gpt", machine="dgx-a100", precision="fp16", remat="full", fused=True)
