@@ -91,7 +91,7 @@ def overlapped_step(compute_s: list[float], phases: list[str], events: list[Comm
     return with_grads, without
 
 
-def program_order(ops: list[str], phases: list[str], events: list[CommEvent],
+def program_order(ops: list[str | None], phases: list[str], events: list[CommEvent],
                   bucket_bytes: float) -> list[str]:
     """The order of one micro-batch's issues, waits and ops that the estimate assumes
     (``overlapped_step``'s walk): "issue <kind>", "wait <kind>", each op's name in ``ops``
@@ -125,7 +125,7 @@ def _buckets(gradients: list[CommEvent], bucket_bytes: float) -> list[CommEvent]
 
 def _walk(compute_s: list[float], phases: list[str], events: list[CommEvent],
           bucket_bytes: float, trace: list[str] | None = None,
-          names: list[str] | None = None) -> float:
+          names: list[str | None] | None = None) -> float:
     by_op: dict[int, list[CommEvent]] = {}
     for e in events:
         by_op.setdefault(e.op, []).append(e)
@@ -156,8 +156,9 @@ def _walk(compute_s: list[float], phases: list[str], events: list[CommEvent],
                 s.t = s.issue(e, e.seconds)
                 s.note(f"wait {e.kind}")
         s.t += seconds
-        if names is not None and names[i] is not None:
-            s.note(names[i])
+        name = names[i] if names is not None else None
+        if name is not None:
+            s.note(name)
         for e in here:
             if e.how == "bucket":           # issued once its last gradient exists
                 s.issue(e, e.seconds)
