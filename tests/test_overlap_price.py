@@ -1,12 +1,12 @@
-"""passes/overlap_price.py: the step's time with communication overlapped as the runtime
-issues it on GPUs, and the causal share of attention's blocks (passes/attention_price.py)."""
+"""passes/pricing/overlap_price.py: the step's time with communication overlapped as the runtime
+issues it on GPUs, and the causal share of attention's blocks (passes/pricing/attention_price.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from torchalpa.passes.attention_price import causal_share
-from torchalpa.passes.overlap_price import (
+from torchalpa.passes.pricing.attention_price import causal_share
+from torchalpa.passes.pricing.overlap_price import (
     FIRST_BUCKET_BYTES,
     CommEvent,
     overlapped_step,

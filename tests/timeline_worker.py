@@ -7,7 +7,7 @@ micro-batches. After a first step (the programs are built), a second one runs un
 each "torchalpa::wait <kind>" label and each ``aten::mm``, for the parameters' all-gathers
 and the gradients' reduce-scatters (the loss's all-reduce, which the step leaves in flight
 until the loss is read, is left out: the estimate prices it where it is made), and the
-order ``passes.sharding_plan.assumed_program_order`` gives for the same plan.
+order ``passes.sharding.sharding_plan.assumed_program_order`` gives for the same plan.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from worker_io import run_scenarios  # noqa: E402
 import torchalpa  # noqa: E402
 from torchalpa.core.cluster import LogicalMesh  # noqa: E402
 from torchalpa.frontends.torch_export import capture  # noqa: E402
-from torchalpa.passes.sharding_plan import assumed_program_order  # noqa: E402
+from torchalpa.passes.sharding.sharding_plan import assumed_program_order  # noqa: E402
 
 KINDS = ("all_gather", "reduce_scatter")
 WIDTH = 512          # a weight is 1 MiB: the first gradient bucket closes after one

@@ -37,7 +37,7 @@ class Estimates(Mapping[str, Any]):
     hidden_communication_s: float | None = None
     """Communication seconds the runtime overlaps with compute (GPUs: prefetched parameter
     gathers, gradients reduced during backward): ``communication_s`` less what
-    ``step_time_s`` pays (``passes/overlap_price.py``)."""
+    ``step_time_s`` pays (``passes/pricing/overlap_price.py``)."""
     hidden_gradient_s: float | None = None
     """Of those, the gradients' final resharding hidden behind backward (one micro-batch,
     one stage): a pipeline stage, which reduces after its last backward, pays it."""
@@ -72,7 +72,7 @@ class Estimates(Mapping[str, Any]):
     layer_solves: int | None = None
     layers_repriced: int | None = None
     """(layer, view) estimates priced with the plan solved for another view of the class
-    (``passes/view_classes.py``), without an ILP."""
+    (``passes/pipeline_search/view_classes.py``), without an ILP."""
     stage_solves: int | None = None
     """Stages the DP picked, priced with their own memory-limited ILP (cached)."""
     total_seconds: float | None = None

@@ -6,7 +6,7 @@ search
 
 1. captures the step once at the whole batch and derives each checkpointing variant
    from that capture (``frontends/block_remat.py``, no second trace);
-2. bounds every candidate without a solver (``passes/bounds.py``): memory per device
+2. bounds every candidate without a solver (``passes/pricing/bounds.py``): memory per device
    (everything split over every device; a pipeline's first stage also holds its
    micro-batches in flight) and step time (every op at its roofline over every device;
    a pipeline of S >= 2 stages also pays its fill and drain, ``(k + S - 1) / k``);
@@ -118,7 +118,7 @@ class Attempt:
 
 class NothingFitsError(ValueError):
     """No candidate fits the memory budget; the message lists what was tried and what
-    would fit. A ValueError, like ``passes.ilp.InfeasibleError``."""
+    would fit. A ValueError, like ``passes.sharding.ilp.InfeasibleError``."""
 
     def __init__(self, message: str, attempts: Sequence[Attempt]):
         super().__init__(message)
@@ -196,7 +196,7 @@ class _Search:
 
     def candidates(self) -> tuple[list[Candidate], list[Attempt]]:
         """Every candidate with its bounds, those that cannot fit apart."""
-        from torchalpa.passes.bounds import step_profile
+        from torchalpa.passes.pricing.bounds import step_profile
         counts = [self.method.num_micro_batches] if self.method.num_micro_batches else \
             _divisors(self.batch)
         devices = self.cluster.num_devices
@@ -248,14 +248,14 @@ class _Search:
                               inputs=self.inputs, blocks=blocks_of(captured.graph),
                               deadline=self.deadline, bound_views=False)
         else:
-            from torchalpa.passes.inter_op import plan_pipeline
+            from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
             method = PipeshardParallel(num_micro_batches=c.num_micro_batches,
                                        auto_sharding_option=option,
                                        layer_option=self.method.layer_option,
                                        optimizer=self.method.optimizer)
             assert isinstance(self.cluster, Cluster), "pipelines are planned on a Cluster"
             plan = plan_pipeline(captured.graph, self.cluster, method, inputs=self.inputs)
-        from torchalpa.passes.remat_choice import remat_note
+        from torchalpa.passes.sharding.remat_choice import remat_note
         return replace(plan, method={**plan.method, "remat": c.remat},
                        notes=tuple(plan.notes) + (remat_note(c.remat, captured.graph),))
 
@@ -274,7 +274,7 @@ class _Search:
     def solve_in_order(self, candidates: list[Candidate]) -> None:
         """Solve ``candidates`` in order until none left can win (bounds, dominance) or the
         time budget is spent once a plan is in hand."""
-        from torchalpa.passes.ilp import InfeasibleError
+        from torchalpa.passes.sharding.ilp import InfeasibleError
         for i, c in enumerate(candidates):
             best = min(self.plans, key=lambda p: p[0], default=None)
             if best is not None and c.bound_s * (1 + self.method.tolerance) >= best[0]:
@@ -333,7 +333,7 @@ class _Search:
 
     def nothing_fits(self) -> str:
         """What was tried, and what would fit (by the bounds)."""
-        from torchalpa.passes.bounds import step_profile
+        from torchalpa.passes.pricing.bounds import step_profile
         devices, budget = self.cluster.num_devices, self.budget()
         lines = [f"no way to run this step fits {format_bytes(budget)} per device on "
                  f"{devices} devices ({self.nodes} node(s)); tried:"]
