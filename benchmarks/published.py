@@ -1,7 +1,9 @@
 """Published training runs, re-estimated by torchalpa's cost model with their plans pinned.
 
     cd benchmarks && python published.py                  # every row (tens of minutes)
+    python published.py --check                           # every row, then the targets
     python published.py --rows alpa-2.6b megatron20-v100-1b --detail
+    python published.py --rows mpt-7b-a100x8 --auto       # and what AutoParallel finds
     python published.py --list                            # the rows, their sources
 
 Each row is a training run someone measured and published (figures and their sources:
@@ -19,7 +21,9 @@ the published plan pinned:
   pipeline-boundary markers (embedding with the first, head and loss with the last, as
   Megatron and DeepSpeed place them), one stage each on ``dp x tp`` devices (pp outermost
   in the device order, tp innermost), the published number of micro-batches, 1F1B;
-- full activation recomputation (``frontends/block_remat.py``) where the run used it;
+- full activation recomputation (``frontends/block_remat.py``) where the run used it,
+  selective (the compute-heavy ops' results kept, torchtitan's op policy) where it used
+  that;
 - ZeRO: optimizer states, gradients and parameters sharded over ``dp`` where the run
   sharded them (FSDP's reshard-after-forward where it used it);
 - elementwise ops priced as fused (``AutoShardingOption(elementwise="fused")``) for runs
@@ -31,6 +35,15 @@ and the memory per device where the source gives it. Comparing step times sidest
 FLOP-counting conventions (recomputation counted or not, embeddings counted or not): a
 TFLOP/s figure is turned into seconds with exactly the formula its source used.
 ``--detail`` also prints each plan's compute / communication split and stage times.
+
+``--check`` prints, after the rows, the targets the estimate is held to: at least 80% of
+the rows within 15% of the published step, the mean est/pub within [0.95, 1.05], none
+beyond 1.3x either way, the memory within 10% where the source publishes a comparable
+peak, and every published configuration within the planner's memory budget on the device
+it ran on (it ran there). ``--auto`` also plans each row with ``AutoParallel`` (no method:
+the row's model, global batch, precision and cluster) and prints its estimate beside the
+published configuration's: the planner should find a plan at least as fast (minutes per
+row).
 """
 
 from __future__ import annotations
@@ -66,6 +79,7 @@ class Estimate:
     memory_bytes: float
     compute_s: float | None
     communication_s: float | None
+    hidden_s: float | None
     stage_s: tuple[float, ...]
     plan_seconds: float
 
@@ -84,10 +98,13 @@ def stage_blocks(row: PublishedRow) -> list[int]:
     return [layers * (s + 1) // row.pp - layers * s // row.pp for s in range(row.pp)]
 
 
-def build(row: PublishedRow):
+def build(row: PublishedRow, batch: int | None = None):
     """(model, example batch, loss) on the meta device, computing in the row's precision,
-    with a pipeline-boundary marker after the last block of every stage but the last."""
+    with a pipeline-boundary marker after the last block of every stage but the last;
+    ``batch``: sequences in the example (default: one micro-batch of every replica)."""
     w = workload(row)
+    if batch is not None:
+        w = zoo.Workload(w.family, w.config, batch, w.seq_len)
     with torch.device("meta"):
         model, batch = w.build(), w.example_inputs()
     blocks = model.h if row.family == "gpt" else model.layers
@@ -95,7 +112,7 @@ def build(row: PublishedRow):
         for end in [sum(stage_blocks(row)[:s + 1]) - 1 for s in range(row.pp - 1)]:
             blocks[end].register_forward_hook(_mark_boundary)
     if row.precision in DTYPES:
-        cast_per_module(model, blocks, DTYPES[row.precision])
+        cast_per_module(model, blocks, DTYPES[row.precision], row.float32_logits)
     return model, batch, w.loss_fn
 
 
@@ -104,14 +121,15 @@ def _mark_boundary(module, inputs, output):
 
 
 def cast_per_module(model: torch.nn.Module, blocks: torch.nn.ModuleList,
-                    dtype: torch.dtype) -> None:
+                    dtype: torch.dtype, float32_logits: bool = True) -> None:
     """Each block and each other top-level module computing in ``dtype`` from float32
     master weights (``CastForward`` on each, names unchanged), the head's logits cast back
-    to float32 for the loss. Casting per module puts each cast in the pipeline stage that
+    to float32 for the loss (``float32_logits``). Casting per module puts each cast in the pipeline stage that
     uses the weight, as FSDP's per-module mixed precision does (one ``CastForward`` around
     the whole model casts every weight at the start of forward, all in the first stage)."""
     inner = torchalpa.MixedPrecision(param_dtype=dtype, output_dtype=None)
-    head = torchalpa.MixedPrecision(param_dtype=dtype, output_dtype=torch.float32)
+    head = torchalpa.MixedPrecision(param_dtype=dtype,
+                                    output_dtype=torch.float32 if float32_logits else None)
     for i, block in enumerate(blocks):
         blocks[i] = CastForward(block, inner)
     children = [name for name, m in model.named_children()
@@ -177,9 +195,10 @@ def estimate(row: PublishedRow) -> Estimate:
     from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
     start = time.perf_counter()
     model, batch, loss_fn = build(row)
-    captured = capture(model, batch, loss_fn)
-    if row.remat == "full":
-        captured = checkpointed_capture(captured)
+    # FSDP / ZeRO-3 gathers parameters again in backward: backward reads views of its own
+    captured = capture(model, batch, loss_fn, rematerialize_parameters=row.zero == "fsdp")
+    if row.remat != "none":
+        captured = checkpointed_capture(captured, row.remat)
     graph = captured.graph
     cluster = row.cluster()
     m = method(row)
@@ -191,44 +210,132 @@ def estimate(row: PublishedRow) -> Estimate:
     e = plan.estimates
     return Estimate(step_s=e.step_time_s, memory_bytes=e.memory_per_device_bytes,
                     compute_s=e.compute_s, communication_s=e.communication_s,
+                    hidden_s=e.hidden_communication_s,
                     stage_s=tuple(e.stage_step_s or ()),
                     plan_seconds=time.perf_counter() - start)
 
 
+def auto_estimate(row: PublishedRow) -> float:
+    """The step AutoParallel's plan estimates for the row's model, global batch and
+    cluster, no method given (it picks mesh, pipeline, micro-batches, checkpointing)."""
+    model, batch, loss_fn = build(row, batch=row.global_batch)
+    plan = torchalpa.plan(model, batch, loss_fn, method=torchalpa.AutoParallel(),
+                          cluster=row.cluster())
+    return plan.estimates.step_time_s
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One row's published figures and estimates, as ``--check`` judges them."""
+
+    row: PublishedRow
+    estimate: Estimate
+    auto_step_s: float | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.estimate.step_s / self.row.published_step_s()
+
+    @property
+    def memory_ratio(self) -> float | None:
+        r = self.row
+        return self.estimate.memory_bytes / GIB / r.memory_gib \
+            if r.memory_gib and r.memory_comparable else None
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.row.cluster().memory_per_device
+
+
+def check(outcomes: list[Outcome]) -> list[tuple[str, bool]]:
+    """The targets (module doc), each as (what it says, whether it holds)."""
+    ratios = [o.ratio for o in outcomes]
+    within = sum(abs(q - 1) <= 0.15 for q in ratios)
+    mean = sum(ratios) / len(ratios)
+    worst = max(ratios, key=lambda q: max(q, 1 / q))
+    memory = [(o.row.key, o.memory_ratio) for o in outcomes if o.memory_ratio is not None]
+    off = [f"{k} {q:.2f}" for k, q in memory if abs(q - 1) > 0.10]
+    over = [f"{o.row.key} {o.estimate.memory_bytes / GIB:.1f} > {o.budget_bytes / GIB:.1f} GiB"
+            for o in outcomes if o.estimate.memory_bytes > o.budget_bytes]
+    autos = [o for o in outcomes if o.auto_step_s is not None]
+    slower = [f"{o.row.key} {o.auto_step_s / o.estimate.step_s:.2f}x" for o in autos
+              if o.auto_step_s > o.estimate.step_s * (1 + 1e-6)]
+    out = [(f"{within} of {len(ratios)} rows within 15% of the published step "
+            f"(target: at least 80%)", within >= 0.8 * len(ratios)),
+           (f"mean est/pub {mean:.3f} (target: within [0.95, 1.05])", 0.95 <= mean <= 1.05),
+           (f"farthest est/pub {worst:.2f} (target: none beyond 1.3x either way)",
+            max(worst, 1 / worst) <= 1.3),
+           (f"memory within 10% of the published peak in {len(memory) - len(off)} of "
+            f"{len(memory)} rows" + (f" (off: {', '.join(off)})" if off else ""), not off),
+           (f"{len(outcomes) - len(over)} of {len(outcomes)} published configurations fit "
+            f"the planner's memory budget on their device" +
+            (f" (over: {', '.join(over)})" if over else ""), not over)]
+    if autos:
+        out.append((f"AutoParallel's plan at most the published configuration's estimate in "
+                    f"{len(autos) - len(slower)} of {len(autos)} rows" +
+                    (f" (slower: {', '.join(slower)})" if slower else ""), not slower))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", nargs="+", choices=[r.key for r in ROWS],
-                   help="rows to estimate (default: all)")
+    p.add_argument("--rows", nargs="+", metavar="ROW",
+                   help="rows to estimate (default: all; --list names them)")
     p.add_argument("--list", action="store_true", help="list the rows and their sources")
     p.add_argument("--detail", action="store_true", help="compute/communication, stages")
+    p.add_argument("--check", action="store_true", help="print the targets after the rows")
+    p.add_argument("--auto", action="store_true",
+                   help="also plan each row with AutoParallel (minutes per row)")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    known = {r.key for r in ROWS}
+    unknown = [k for k in args.rows or () if k not in known]
+    if unknown:
+        p.error(f"unknown row(s) {', '.join(unknown)}; the rows are: {', '.join(sorted(known))}")
     rows = [r for r in ROWS if not args.rows or r.key in args.rows]
     if args.list:
         for r in rows:
             print(f"{r.key:<24} {r.label}\n{'':<24} {r.source}\n{'':<24} {r.plan_text()}")
         return
     print(f"{'row':<24}{'published s':>12}{'estimate s':>12}{'est/pub':>9}"
-          f"{'pub GiB':>9}{'est GiB':>9}{'est/pub':>9}  source")
-    ratios = []
+          f"{'pub GiB':>9}{'est GiB':>9}{'est/pub':>9}"
+          + (f"{'auto s':>9}" if args.auto else "") + "  source")
+    outcomes = []
     for r in rows:
-        e = estimate(r)
-        published = r.published_step_s()
-        ratio = e.step_s / published
-        ratios.append(ratio)
-        mem = f"{r.memory_gib:>9.2f}{e.memory_bytes / GIB:>9.2f}" \
-            f"{e.memory_bytes / GIB / r.memory_gib:>9.2f}" if r.memory_gib else \
-            f"{'-':>9}{e.memory_bytes / GIB:>9.2f}{'-':>9}"
-        print(f"{r.key:<24}{published:>12.3f}{e.step_s:>12.3f}{ratio:>9.2f}{mem}  "
-              f"{r.short_source} ({r.published_text()})", flush=True)
-        if args.detail:
-            print(f"{'':<24}{r.plan_text()}; planned in {e.plan_seconds:.0f}s; "
-                  f"compute {_s(e.compute_s)} comm {_s(e.communication_s)}"
-                  + (f" stages {', '.join(f'{s:.3f}' for s in e.stage_s)} s"
-                     if e.stage_s else ""), flush=True)
-    inside = sum(0.8 <= 1 / q <= 1.2 for q in ratios)
-    print(f"\n{inside} of {len(ratios)} rows have an estimated throughput within 20% of "
+        try:
+            o = Outcome(r, estimate(r), auto_estimate(r) if args.auto else None)
+        except (ValueError, NotImplementedError) as e:
+            print(f"{r.key}: cannot estimate this row: {e}", flush=True)
+            continue
+        outcomes.append(o)
+        _print_row(o, args.detail)
+    if not outcomes:
+        return
+    inside = sum(0.8 <= 1 / o.ratio <= 1.2 for o in outcomes)
+    print(f"\n{inside} of {len(outcomes)} rows have an estimated throughput within 20% of "
           f"the published one (est/pub step between {1 / 1.2:.3f} and {1 / 0.8:.3f})")
+    if args.check:
+        results = check(outcomes)
+        for text, ok in results:
+            print(f"{'PASS' if ok else 'FAIL'}  {text}")
+
+
+def _print_row(o: Outcome, detail: bool) -> None:
+    r, e = o.row, o.estimate
+    published = r.published_step_s()
+    gib = e.memory_bytes / GIB
+    mem = f"{r.memory_gib:>9.2f}{gib:>9.2f}" + (
+        f"{o.memory_ratio:>9.2f}" if o.memory_ratio is not None else f"{'n/c':>9}") \
+        if r.memory_gib else f"{'-':>9}{gib:>9.2f}{'-':>9}"
+    auto = "" if o.auto_step_s is None else f"{o.auto_step_s:>9.3f}"
+    print(f"{r.key:<24}{published:>12.3f}{e.step_s:>12.3f}{o.ratio:>9.2f}{mem}{auto}  "
+          f"{r.short_source} ({r.published_text()})", flush=True)
+    if detail:
+        print(f"{'':<24}{r.plan_text()}; planned in {e.plan_seconds:.0f}s; "
+              f"compute {_s(e.compute_s)} comm {_s(e.communication_s)} "
+              f"hidden {_s(e.hidden_s)}"
+              + (f" stages {', '.join(f'{s:.3f}' for s in e.stage_s)} s"
+                 if e.stage_s else ""), flush=True)
 
 
 def _s(seconds: float | None) -> str:

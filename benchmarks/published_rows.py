@@ -52,8 +52,12 @@ class PublishedRow:
     devices_per_node: int = 8
     precision: str = "bf16"
     """'fp16' / 'bf16' (fp32 master weights, the forward in that dtype) or 'fp32'."""
+    float32_logits: bool = True
+    """Whether the head's logits are cast to float32 for the loss (False: they stay in the
+    compute dtype, as under FSDP's PURE mixed precision)."""
     remat: str = "none"
-    """'full' (every block recomputed in backward) or 'none'."""
+    """'full' (every block recomputed in backward), 'selective' (the compute-heavy ops'
+    results kept, the rest recomputed: torchtitan's op policy) or 'none'."""
     zero: str = "none"
     """'none', 'zero2' (parameters, gradients, optimizer states sharded over dp, each
     parameter gathered once per step: ZeRO-2, Alpa's reduce-scatter, also standing in for
@@ -72,10 +76,28 @@ class PublishedRow:
     """Published tokens/s per GPU (used when both above are None)."""
     memory_gib: float | None = None
     """Published peak memory per device, GiB."""
+    memory_comparable: bool = True
+    """Whether ``memory_gib`` is a peak the estimate prices (False: e.g. an allocator's
+    reserved pool with buffers of a compiler the model does not see)."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """Assumptions [?] and what the model leaves out."""
 
     def __post_init__(self):
+        import torchalpa.models as zoo
+        from torchalpa.core.gpu_specs import node_preset
+        try:
+            node_preset(self.machine)
+        except ValueError as e:
+            raise ValueError(f"row {self.key}: {e}") from None
+        if self.family not in zoo.FAMILIES:
+            raise ValueError(f"row {self.key}: the zoo has no family {self.family!r}; it has "
+                             f"{', '.join(sorted(zoo.FAMILIES))}")
+        for name, allowed in (("remat", ("none", "selective", "full")),
+                              ("zero", ("none", "zero2", "fsdp")),
+                              ("precision", ("fp16", "bf16", "fp32"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"row {self.key}: {name}={getattr(self, name)!r}; one of "
+                                 f"{', '.join(allowed)}")
         if self.tp * self.pp * self.dp != self.num_nodes * self.devices_per_node:
             raise ValueError(f"{self.key}: tp x pp x dp = {self.tp * self.pp * self.dp} but "
                              f"{self.num_nodes} x {self.devices_per_node} devices")
@@ -115,9 +137,13 @@ class PublishedRow:
                 + (f"; {'; '.join(self.notes)}" if self.notes else ""))
 
 
-def _gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int = 51200) -> dict:
+def _gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int = 51200,
+         attention: str = "eager") -> dict:
+    """A zoo GPT config. ``attention``: "eager" (scores kept: what Megatron-LM, Alpa and
+    BLOOM's Megatron-DeepSpeed ran, fused softmax but no fused attention kernel) or
+    "sdpa" (a flash kernel: MPT)."""
     return dict(vocab_size=vocab, max_seq_len=seq, num_layers=layers, num_heads=heads,
-                hidden=hidden, dropout=0.0)
+                hidden=hidden, dropout=0.0, attention=attention)
 
 
 def _llama3(size: str, seq: int = 8192) -> dict:
@@ -138,6 +164,36 @@ BLOOM = ("bigscience-workshop/bigscience train/tr11-176B-ml/README.md (commit 00
 TT_H100 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (commit "
            "9dec370), Table 1/3, bf16, no compile")
 TT_A100 = "pytorch/torchtitan docs/performance.md (commit f38766edb, 2024-04-24)"
+
+FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), "
+           "MPT tables: throughput (T/s/GPU), micro-batch, grad accumulation, FULL_SHARD, "
+           "activation checkpointing; model sizes from scripts/train/yamls/pretrain/mpt-*.yaml")
+_MPT_SHAPES = {"1b": (2048, 16, 24), "3b": (2560, 20, 32), "7b": (4096, 32, 32),
+               "13b": (5120, 40, 40)}
+_MPT_NOTES = ("MPT: GPT with no biases, tied embedding, learned positions (NumParams match "
+              "the zoo GPT's within 0.05%), vocabulary 50368",
+              "FlashAttention (triton) in MPT, SDPA here",
+              "FSDP mixed precision: DEFAULT gathers bf16 copies of fp32 parameters and "
+              "reduces in fp32, PURE keeps bf16 parameters: both priced as fp32 parameters "
+              "gathered and reduced in fp32 [not expressible yet]")
+
+
+def _mpt(key, size, gpus, machine, micro, accum, tokens, remat="none", pure=False
+         ) -> PublishedRow:
+    hidden, heads, layers = _MPT_SHAPES[size]
+    nodes = gpus // 8
+    return PublishedRow(
+        key=key, label=f"MPT-{size.upper()} FSDP on {gpus} {machine}, seq 2048" +
+        (", activation checkpointing" if remat != "none" else ""), source=FOUNDRY,
+        short_source="llm-foundry", family="gpt",
+        config=dict(_gpt(hidden, layers, heads, 2048, vocab=50368, attention="sdpa"),
+                    bias=False), seq=2048,
+        global_batch=micro * accum * gpus, micro_batch=micro, dp=gpus, machine=machine,
+        num_nodes=nodes, precision="bf16", remat=remat, zero="fsdp", fused=False,
+        tokens_per_gpu_s=tokens, float32_logits=not pure,
+        notes=_MPT_NOTES + (("mixed precision PURE: logits in bf16; parameters in bf16 "
+                             "not expressible yet",) if pure else ()))
+
 
 _MEG = dict(family="gpt", machine="dgx-a100", precision="fp16", remat="full", fused=True)
 _SC21_NOTES = ("micro-batch 1 [?]", "interleaved 1F1B in the paper, plain 1F1B here")
@@ -181,6 +237,7 @@ ROWS: tuple[PublishedRow, ...] = (
     _sc21("megatron21-18b", "18.4B", 48, 6144, 40, 8, 1, 256, 1024, 135),
     _sc21("megatron21-39b", "39.1B", 64, 8192, 48, 8, 2, 512, 1536, 138),
     _sc21("megatron21-76b", "76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    _sc21("megatron21-146b", "145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 148),
     _meg20("megatron20-v100-1b", "v100", 1920, 15, 24, 1, 8, 1121),
     _meg20("megatron20-v100-2b", "v100", 2304, 18, 30, 2, 8, 1093),
     _meg20("megatron20-v100-4b", "v100", 3072, 24, 36, 4, 8, 1238),
@@ -212,26 +269,27 @@ ROWS: tuple[PublishedRow, ...] = (
         key="torchtitan-8b-h100x8", label="Llama 3.1 8B, FSDP on 8 H100 (96 GB, 500 W)",
         source=TT_H100, short_source="torchtitan", family="llama", config=_llama3("8b"),
         seq=8192, global_batch=16, micro_batch=2, dp=8, machine="grand-teton-h100",
-        num_nodes=1, precision="bf16", remat="none", zero="fsdp", fused=False,
+        num_nodes=1, precision="bf16", remat="selective", zero="fsdp", fused=False,
         tokens_per_gpu_s=5762, memory_gib=82.4,
         notes=("seq 8192 from the default config [?]",
-               "selective op AC (recomputes cheap ops): priced without recompute, memory "
-               "not comparable", "500 W power cap not modeled")),
+               "selective op AC: torchtitan saves every other matmul's result, here every "
+               "one is kept", "500 W: peak between SXM and NVL (gpu_specs)")),
     PublishedRow(
         key="torchtitan-8b-h100x128", label="Llama 3.1 8B, FSDP on 128 H100 (96 GB, 500 W)",
         source=TT_H100, short_source="torchtitan", family="llama", config=_llama3("8b"),
         seq=8192, global_batch=256, micro_batch=2, dp=128, machine="grand-teton-h100",
-        num_nodes=16, precision="bf16", remat="none", zero="fsdp", fused=False,
+        num_nodes=16, precision="bf16", remat="selective", zero="fsdp", fused=False,
         tokens_per_gpu_s=5605, memory_gib=67.0,
         notes=("seq 8192 from the default config [?]",
-               "selective op AC: priced without recompute, memory not comparable",
-               "500 W power cap not modeled")),
+               "selective op AC: torchtitan saves every other matmul's result, here every "
+               "one is kept", "500 W: peak between SXM and NVL (gpu_specs)")),
     PublishedRow(
         key="torchtitan-8b-a100x64", label="Llama 3 8B, FSDP on 64 A100 80GB",
         source=TT_A100, short_source="torchtitan", family="llama", config=_llama3("8b"),
         seq=8192, global_batch=64, micro_batch=1, dp=64, machine="dgx-a100", num_nodes=8,
-        precision="bf16", remat="none", zero="fsdp", fused=False, tokens_per_gpu_s=2973,
-        notes=("selective op AC: priced without recompute",
+        precision="bf16", remat="selective", zero="fsdp", fused=False, tokens_per_gpu_s=2973,
+        notes=("selective op AC: torchtitan saves every other matmul's result, here every "
+               "one is kept",
                "A100 nodes' network not stated: DGX A100 [?]")),
     PublishedRow(
         key="torchtitan-70b-a100x64", label="Llama 3 70B, FSDP on 64 A100 80GB, full AC",
@@ -239,8 +297,18 @@ ROWS: tuple[PublishedRow, ...] = (
         seq=8192, global_batch=64, micro_batch=1, dp=64, machine="dgx-a100", num_nodes=8,
         precision="bf16", remat="full", zero="fsdp", fused=False, tokens_per_gpu_s=331,
         notes=("A100 nodes' network not stated: DGX A100 [?]",)),
+    # llm-foundry's MPT benchmarks: FSDP (FULL_SHARD) at 55-64% MFU on A100s, no
+    # checkpointing at seq 2048 (the A100 80GB and H100 tables), and 128 A100 40GB
+    _mpt("mpt-1b-a100x8", "1b", 8, "dgx-a100", 14, 4, 20513),
+    _mpt("mpt-3b-a100x8", "3b", 8, "dgx-a100", 10, 2, 10811),
+    _mpt("mpt-7b-a100x8", "7b", 8, "dgx-a100", 6, 2, 4641),
+    _mpt("mpt-13b-a100x8", "13b", 8, "dgx-a100", 2, 3, 2262),
+    _mpt("mpt-7b-h100x8", "7b", 8, "h100", 6, 1, 10643),
+    _mpt("mpt-13b-h100x64", "13b", 64, "h100", 2, 1, 4800),
+    _mpt("mpt-3b-a100-40x128", "3b", 128, "a100-40", 6, 1, 9538, pure=True),
+    _mpt("mpt-7b-a100-40x128", "7b", 128, "a100-40", 18, 1, 3623, remat="full", pure=True),
 )
-"""Rows not here, and why: Megatron SC'21's 145.6B to 1T rows (1536-3072 GPUs; planning
+"""Rows not here, and why: Megatron SC'21's 310B to 1T rows (1920-3072 GPUs; planning
 one takes longer than this CPU allows in a run of the whole table); Korthikanti's 530B
 and 1T rows (pipelines of 35 and 64 stages, likewise); its sequence-parallel + selective
 recompute variants (neither is a plan torchalpa makes); Llama 3 405B (micro-batching and

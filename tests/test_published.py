@@ -66,3 +66,34 @@ def test_the_smallest_published_row_is_estimated_within_20_percent():
     row = next(r for r in ROWS if r.key == "megatron20-v100-1b")
     ratio = published.estimate(row).step_s / row.published_step_s()
     assert 1 / 1.2 <= ratio <= 1 / 0.8
+
+
+def test_a_row_on_an_unknown_machine_or_family_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^row x: unknown GPU or machine 'nope' .*choose from"):
+        replace(ROWS[0], key="x", machine="nope")
+    with pytest.raises(ValueError, match=r"^row x: the zoo has no family 'opt'; it has .*gpt"):
+        replace(ROWS[0], key="x", family="opt")
+    with pytest.raises(ValueError, match=r"^row x: remat='some'; one of none, selective, full"):
+        replace(ROWS[0], key="x", remat="some")
+
+
+def _outcome(key: str, ratio: float, memory_ratio: float | None = None,
+             memory_gib: float = 10.0, auto: float | None = None) -> published.Outcome:
+    row = next(r for r in ROWS if r.key == key)
+    row = replace(row, memory_gib=memory_gib if memory_ratio else None)
+    step = ratio * row.published_step_s()
+    memory = (memory_ratio or 1.0) * memory_gib * published.GIB
+    e = published.Estimate(step_s=step, memory_bytes=memory, compute_s=None,
+                           communication_s=None, hidden_s=None, stage_s=(), plan_seconds=0.0)
+    return published.Outcome(row, e, auto)
+
+
+def test_check_holds_the_table_to_its_targets():
+    good = [_outcome("megatron21-1.7b", 1.02, 1.05, auto=1.0),
+            _outcome("megatron20-v100-1b", 0.97), _outcome("alpa-2.6b", 1.01)]
+    assert all(ok for _, ok in published.check(good))
+    bad = [_outcome("megatron21-1.7b", 1.4, 0.8, auto=1e9),
+           _outcome("megatron20-v100-1b", 1.2, memory_gib=40.0, memory_ratio=1.0),
+           _outcome("alpa-2.6b", 1.1)]
+    results = dict((text.split(" (")[0], ok) for text, ok in published.check(bad))
+    assert not any(results.values()), results

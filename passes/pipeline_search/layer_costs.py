@@ -59,7 +59,9 @@ def micro_batch_seconds(estimates: Estimates, num_micro_batches: int) -> float:
     objective (the sum of the stages' latencies plus ``B - 1`` times the slowest) counts
     those once, not ``B`` times."""
     once = estimates.once_per_step_s or 0.0
-    return known(estimates.step_time_s) - once + once / num_micro_batches
+    # a stage reduces its gradients after its last backward: none hidden behind it
+    hidden = estimates.hidden_gradient_s or 0.0
+    return known(estimates.step_time_s) - once + (once + hidden) / num_micro_batches
 
 
 def estimate_of(plan: Plan | None, num_micro_batches: int) -> Estimate | None:

@@ -152,6 +152,9 @@ def pipeline_estimates(stages: list[StagePlan], transfers: list[Transfer],
     once_s = [s.plan.estimates.once_per_step_s or 0.0 for s in stages]
     step = list(stage_seconds) if stage_seconds is not None else \
         [known(s.plan.estimates.step_time_s) - o for s, o in zip(stages, once_s)]
+    # a stage reduces its gradients after its last backward: none hidden behind it
+    once_s = [o + (s.plan.estimates.hidden_gradient_s or 0.0)
+              for s, o in zip(stages, once_s)]
     forward = [t * FORWARD_SHARE for t in step]   # backward is about twice forward's work
     # a recomputed stage runs its forward again in backward
     backward = [t - f + (f if s.recompute else 0.0) for t, f, s in zip(step, forward, stages)]

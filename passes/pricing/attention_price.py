@@ -20,6 +20,14 @@ on the devices:
   products + ``q k^T`` (what the capture records). The fused forward's statistic lives
   only inside the backward op.
 
+On CUDA a causal call (``is_causal=True``) runs only the blocks of scores on or below the
+diagonal: flash and memory-efficient kernels skip a block of ``KERNEL_BLOCK`` queries by
+``KERNEL_BLOCK`` keys that the mask removes whole, so forward and backward do about half
+the products of a full attention (``causal_share``; the capture counts causal attention
+in full, as PyTorch's and Megatron's flop formulas do). Their rate is the GPU's fused
+attention figure (``GpuSpec.attention``, FlashAttention-2's published flop/s counted the
+same way). The CPU kernel's blocking is priced as counted.
+
 ``attention_backward_flops`` prices the three cases from the shapes of the
 backward's results (``grad_query``, ``grad_key``, ``grad_value`` have the shapes of
 ``q``, ``k``, ``v``); ``saved_statistics`` pairs each forward with the backward the
@@ -36,7 +44,12 @@ from torchalpa.core.opgraph import Operand, OpGraph, OpNode, TensorSpec
 from torchalpa.ops.attention import SDPA_BACKWARD_OP, SDPA_BIAS_BACKWARD_OP, SDPA_OP
 
 __all__ = ["runs_on_cpu", "attention_backward_flops", "saved_statistics", "saves_statistic",
-           "statistic_spec", "ATTENTION_BACKWARDS"]
+           "statistic_spec", "ATTENTION_BACKWARDS", "attention_forward_flops", "causal_share",
+           "KERNEL_BLOCK"]
+
+KERNEL_BLOCK = 128
+"""Queries (and keys) per block of a fused CUDA attention kernel (FlashAttention-2's
+128 x 64 / 128 x 128 tiles, PyTorch's memory-efficient kernel's 64-128)."""
 
 ATTENTION_BACKWARDS = frozenset({SDPA_BACKWARD_OP, SDPA_BIAS_BACKWARD_OP})
 _CPU_FUSED_DTYPES = frozenset({"float32", "float64", "bfloat16", "float16"})
@@ -66,6 +79,33 @@ def _products(query, key, value) -> tuple[float, float]:
     return 2.0 * rows * length * source * dim, 2.0 * rows * length * source * dim_v
 
 
+def causal_share(length: int, source: int) -> float:
+    """Share of a causal attention's ``length x source`` scores a fused CUDA kernel
+    computes: the ``KERNEL_BLOCK``-square blocks on or below the diagonal (the mask of
+    ``is_causal``: ``ones(length, source).tril()``, aligned top-left)."""
+    if length <= 0 or source <= 0:
+        return 1.0
+    rows = -(-length // KERNEL_BLOCK)
+    cols = -(-source // KERNEL_BLOCK)
+    computed = sum(min(cols, r + 1) for r in range(rows))
+    return computed / (rows * cols)
+
+
+def _is_causal(node: OpNode, position: int) -> bool:
+    """The ``is_causal`` argument of a captured attention op (forward: 5th, backward: 6th)."""
+    return len(node.args) > position and node.args[position] is True
+
+
+def attention_forward_flops(mesh: LogicalMesh, node: OpNode) -> float:
+    """Flops of one attention forward (``torchalpa::sdpa``) as it runs on ``mesh``'s
+    devices: a causal call on CUDA computes ``causal_share`` of what the capture counts
+    (as many keys as queries: the result's length; a causal call is self-attention)."""
+    out = node.outputs[0].shape if node.outputs else ()
+    if runs_on_cpu(mesh) or not _is_causal(node, 4) or len(out) < 2:
+        return node.flops
+    return node.flops * causal_share(out[-2], out[-2])
+
+
 def attention_backward_flops(mesh: LogicalMesh, node: OpNode) -> float:
     """Flops of one attention backward as it runs on ``mesh``'s devices (module doc)."""
     query, key, value = (spec.shape for spec in node.outputs[:3])
@@ -76,7 +116,8 @@ def attention_backward_flops(mesh: LogicalMesh, node: OpNode) -> float:
         if _cpu_fused(node.op, node.outputs[0], node.outputs[1]):
             return backward + scores
         return forward + backward
-    return forward + backward + scores
+    share = causal_share(query[-2], key[-2]) if _is_causal(node, 5) else 1.0
+    return (forward + backward + scores) * share
 
 
 def statistic_spec(forward: OpNode) -> TensorSpec:

@@ -39,7 +39,12 @@ from torchalpa.core.collective_math import alpha_beta_seconds, wire_bytes
 from torchalpa.core.opgraph import OpGraph, OpNode
 from torchalpa.core.placement import Placements, is_shard
 from torchalpa.core.plan import bucketed_prefix
-from torchalpa.passes.pricing.attention_price import ATTENTION_BACKWARDS, attention_backward_flops
+from torchalpa.ops.attention import SDPA_OP
+from torchalpa.passes.pricing.attention_price import (
+    ATTENTION_BACKWARDS,
+    attention_backward_flops,
+    attention_forward_flops,
+)
 from torchalpa.passes.pricing.kernel_model import epilogue_seconds, matmul_efficiency, moved_bytes
 
 __all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost", "strategy_bytes",
@@ -134,10 +139,12 @@ def strategy_bytes(graph: OpGraph, node: OpNode, inputs, outputs, mesh_shape) ->
 
 def op_flops(mesh: LogicalMesh, node: OpNode) -> float:
     """The flops ``node`` runs on ``mesh``'s devices: what the capture recorded, except
-    attention's backward, whose recompute depends on the device
-    (``passes/pricing/attention_price.py``)."""
+    attention's backward, whose recompute depends on the device, and causal attention on
+    CUDA, whose kernels skip the masked blocks (``passes/pricing/attention_price.py``)."""
     if node.op in ATTENTION_BACKWARDS and len(node.outputs) >= 3:
         return attention_backward_flops(mesh, node)
+    if node.op == SDPA_OP:
+        return attention_forward_flops(mesh, node)
     return node.flops
 
 

@@ -33,20 +33,25 @@ from torchalpa.core.plan_records import Estimates, Explanation, LayoutCost, know
 from torchalpa.passes.pricing.attention_price import saved_statistics
 from torchalpa.passes.pricing.cost import (
     batch_sync_cost,
+    collective_cost,
     compute_cost,
     gradient_steps_cost,
+    op_family,
     optimizer_cost,
     steps_cost,
     strategy_bytes,
     wire_bytes,
 )
+from torchalpa.passes.pricing.kernel_model import MATMUL_FAMILIES
 from torchalpa.passes.pricing.memory import activation_peak_bytes, model_state_bytes
+from torchalpa.passes.pricing.overlap_price import CommEvent, overlapped_step, program_order
 from torchalpa.passes.sharding.costgraph import ReshardCosts
 from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.shared_reshard import read_key
 from torchalpa.passes.sharding.strategies import Strategy, StrategySpace, sync_steps
 
-__all__ = ["assemble_plan", "merge_gradient_all_reduces", "replace_estimates"]
+__all__ = ["assemble_plan", "merge_gradient_all_reduces", "replace_estimates",
+           "assumed_program_order"]
 
 
 def replace_estimates(plan: Plan, **changes) -> Plan:
@@ -158,6 +163,15 @@ class _Traffic:
     seconds: float = 0.0
     once_seconds: float = 0.0
     wire: float = 0.0
+    events: list[CommEvent] = field(default_factory=list)
+    """One micro-batch's collectives for the overlap walk (``passes/pricing/overlap_price.py``);
+    what is paid once per step outside it is in ``once_serial``."""
+    gradients: list[CommEvent] = field(default_factory=list)
+    once_serial: float = 0.0
+    index: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.index = {n.name: i for i, n in enumerate(self.graph.ops())}
 
     def add_reshard(self, r: Reshard, state_once: bool) -> None:
         """A reshard's collectives: once per step for a gradient's final one and (with
@@ -190,6 +204,48 @@ class _Traffic:
         seconds = (gradient_steps_cost if is_gradient else steps_cost)(mesh, r.steps)
         self.seconds += times * seconds
         self.once_seconds += seconds if is_gradient or once else 0.0
+        self._event(r, at, phase, seconds, is_gradient, once)
+
+    def _ready(self, name: str) -> int:
+        """The op after which value ``name`` exists: its producer, or for a view (which
+        launches nothing: the runtime moves a gradient's views up to their source,
+        ``runtime/rewrites/reduce_in_backward.py``) the op its source is ready after; the last op
+        for a value no op makes."""
+        node = self.graph.node(name)
+        if name not in self.index:
+            return len(self.index) - 1
+        if node.aliases and node.operands:
+            return max(self._ready(ref.node) for ref in node.operands
+                       if ref.node in self.index) if any(
+                ref.node in self.index for ref in node.operands) else self.index[name]
+        return self.index[name]
+
+    def _event(self, r: Reshard, at: OpNode, phase: str, seconds: float, is_gradient: bool,
+               once: bool) -> None:
+        """How the runtime issues reshard ``r``'s collectives (``passes/pricing/overlap_price.py``)."""
+        steps = [st for st in r.steps if st.is_collective and self.mesh.shape[st.axis] > 1]
+        if not steps or seconds <= 0:
+            return
+        if is_gradient:
+            self.gradients.append(CommEvent(seconds, self._ready(r.producer),
+                                            steps[0].axis, "gradient", steps[0].bytes, phase,
+                                            steps[0].kind))
+            return
+        if once:
+            self.once_serial += seconds
+            return
+        op = self.index[at.name] if at.name in self.index else self.index.get(r.consumer, 0)
+        first = steps[0]
+        if first.kind == "all_gather" and isinstance(r.slot, int) \
+                and self.graph.node(r.producer).kind == "param":
+            gather = collective_cost(self.mesh, first.kind, first.axis, first.bytes)
+            self.events.append(CommEvent(gather, op, first.axis, "gather", first.bytes, phase,
+                                         first.kind))
+            seconds -= gather
+            if seconds <= 0:
+                return
+        self.events.append(CommEvent(seconds, op, first.axis, "serial", 0.0, phase,
+                                     first.kind))
 
     def add_op(self, n: OpNode, s: Strategy) -> None:
         """The all-reduces op ``n`` runs inside itself under ``s``: the statistics of a
@@ -207,21 +263,27 @@ class _Traffic:
             groups = mesh.num_devices // mesh.shape[axis]
             self.wire += k * groups * wire_bytes("all_reduce", mesh.shape[axis], nbytes,
                                                  mesh.backend)
-        self.seconds += k * (steps_cost(mesh, phased) + batch_sync_cost(mesh, s.batch_syncs))
+        seconds = steps_cost(mesh, phased) + batch_sync_cost(mesh, s.batch_syncs)
+        self.seconds += k * seconds
+        if internal and seconds > 0:
+            self.events.append(CommEvent(seconds, self.index[n.name], internal[0][0], "serial",
+                                         0.0, n.phase, "all_reduce"))
 
 
 def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                chosen: dict[str, Strategy], traffic: _Traffic,
                leaf_placement: dict[str, Placements], state_once: bool) -> Estimates:
-    """The step's time (communication, compute and the optimizer; what of it is paid once
-    per step: the gradients' final resharding, state reads done once, the optimizer) and
-    memory per device (model states, the activation peak and what forward saves for
-    backward). An op's compute is priced on the bytes its strategy's blocks move."""
+    """The step's time (compute, the optimizer, and the communication the runtime does not
+    hide behind compute: ``_step_seconds``; what of it is paid once per step: the
+    gradients' final resharding, state reads done once, the optimizer) and memory per
+    device (model states, the activation peak and what forward saves for backward). An
+    op's compute is priced on the bytes its strategy's blocks move."""
     k = traffic.k
-    compute_time = k * sum(compute_cost(
+    per_op = [compute_cost(
         mesh, n, chosen[n.name].shards, chosen[n.name].outputs, strategy_bytes(
             graph, n, chosen[n.name].inputs, chosen[n.name].outputs, mesh.shape))
-        for n in graph.ops())
+        for n in graph.ops()]
+    compute_time = k * sum(per_op)
     state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states)
     optimizer_s = optimizer_cost(mesh, {
         n.name: local_bytes(n.output, leaf_placement[n.name], mesh.shape)
@@ -230,14 +292,57 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     activations, saved = activation_peak_bytes(
         graph, {name: s.outputs for name, s in chosen.items()}, mesh.shape,
         saved_statistics(graph, mesh), state_at_start=state_once)
-    return Estimates(step_time_s=traffic.seconds + compute_time,
-                     communication_s=traffic.seconds,
-                     once_per_step_s=traffic.once_seconds + optimizer_s, compute_s=compute_time,
+    step, once, hidden, hidden_grads = _step_seconds(graph, mesh, traffic, per_op, optimizer_s)
+    return Estimates(step_time_s=step, communication_s=traffic.seconds,
+                     once_per_step_s=once, compute_s=compute_time,
+                     hidden_communication_s=hidden, hidden_gradient_s=hidden_grads,
                      model_state_bytes_per_device=state,
                      activation_bytes_per_device=activations,
                      saved_activation_bytes_per_device=saved,
                      memory_per_device_bytes=state + activations,
                      wire_bytes_per_step=traffic.wire)
+
+
+def _step_seconds(graph: OpGraph, mesh: LogicalMesh, traffic: _Traffic, per_op: list[float],
+                  optimizer_s: float) -> tuple[float, float, float | None, float | None]:
+    """(step seconds, of which once per step, communication hidden behind compute, of which
+    the gradients' reductions). On GPUs (NCCL) the communication is overlapped as the
+    runtime issues it (``passes/pricing/overlap_price.py``): parameter gathers prefetched, and with
+    one micro-batch the gradients reduced while backward goes on. On CPU ranks (gloo) and
+    without a compute model the step is compute + communication."""
+    k = traffic.k
+    serial_once = traffic.once_seconds + optimizer_s
+    if mesh.backend != "nccl" or mesh.peak_flops is None:
+        return k * sum(per_op) + traffic.seconds + optimizer_s, serial_once, None, None
+    phases = [n.phase for n in graph.ops()]
+    grad_s = sum(e.seconds for e in traffic.gradients)
+    if k == 1:
+        whole, micro = overlapped_step(per_op, phases, traffic.events + traffic.gradients,
+                                       mesh.gradient_bucket_bytes or 25 * 2 ** 20)
+        grads_exposed = whole - micro
+    else:
+        micro = overlapped_step(per_op, phases, traffic.events, 0.0)[1]
+        grads_exposed = grad_s
+    once = grads_exposed + traffic.once_serial + optimizer_s
+    step = k * micro + once
+    hidden = max(0.0, k * sum(per_op) + traffic.seconds + optimizer_s - step)
+    return step, once, hidden, grad_s - grads_exposed
+
+
+def assumed_program_order(graph: OpGraph, mesh: LogicalMesh, plan: Plan) -> list[str]:
+    """The order of one micro-batch's collective issues and waits and its matmuls ("mm")
+    that ``plan``'s step estimate assumes on GPUs (``overlap_price.program_order``), for a
+    test to hold against what the runtime issues. ``graph``: the graph ``plan`` was made
+    for; the gradients' reductions are in it with one micro-batch."""
+    k = int((plan.method or {}).get("num_micro_batches") or 1)
+    option = (plan.method or {}).get("auto_sharding_option") or {}
+    traffic = _Traffic(graph, mesh, k)
+    for r in plan.reshards:
+        traffic.add_reshard(r, state_read_once(k, bool(option.get("rematerialize_parameters"))))
+    names = ["mm" if op_family(n.op) in MATMUL_FAMILIES else None for n in graph.ops()]
+    events = traffic.events + (traffic.gradients if k == 1 else [])
+    return program_order(names, [n.phase for n in graph.ops()], events,
+                         mesh.gradient_bucket_bytes or 25 * 2 ** 20)
 
 
 def _placements(graph: OpGraph, leaf_placement: dict[str, Placements],

@@ -52,12 +52,35 @@ def backward_with_reduce(backward: fx.GraphModule, reduce_grads: fx.GraphModule
     return fx.GraphModule(backward, graph, "BackwardWithReduce")
 
 
+def _is_view(node: fx.Node) -> bool:
+    """An ATen view (``t``, ``view``, ``transpose``...): no kernel, free to move up."""
+    return node.op == "call_function" and bool(getattr(node.target, "is_view", False))
+
+
+def _hoist_views(graph: fx.Graph, node: fx.Node) -> None:
+    """Move the views ``node`` reads (and the views they read) right after their own
+    latest input: a gradient that backward makes as ``mm(...).t()`` exists once the
+    matmul has run, wherever the capture placed the transpose."""
+    for view in node.all_input_nodes:
+        if not _is_view(view):
+            continue
+        _hoist_views(graph, view)
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        inputs = view.all_input_nodes
+        if inputs:
+            latest = max(inputs, key=position.__getitem__)
+            if position[latest] + 1 < position[view]:
+                latest.append(view)
+
+
 def _issue_early(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     """Move each node of ``nodes`` that only packs or issues right after the latest of its
-    inputs (in order, so a bucket's issue follows its packing)."""
+    inputs (in order, so a bucket's issue follows its packing), the views it reads moved
+    up first."""
     for node in nodes:
         if node.target not in EARLY:
             continue
+        _hoist_views(graph, node)
         position = {n: i for i, n in enumerate(graph.nodes)}
         inputs = node.all_input_nodes
         if not inputs:

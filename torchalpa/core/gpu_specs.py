@@ -102,8 +102,10 @@ KNOWN_GPUS: tuple[tuple[str, GpuSpec], ...] = (
                       multiprocessors=114, attention=0.35)),
     (r"H100.*NVL", _("H100 NVL", 60 * T, 418 * T, 835 * T, 3.9e12, 300 * GB, 94 * GB,
                      multiprocessors=132, attention=0.35)),
-    # torchtitan's Grand Teton H100s: 96 GB HBM2e at 2.4 TB/s (its benchmark file's text)
-    (r"H100.*96GB|H100.*HBM2e", _("H100 96GB HBM2e", 67 * T, 495 * T, 989 * T, 2.4e12,
+    # torchtitan's Grand Teton H100s: 96 GB HBM2e at 2.4 TB/s, 500 W; "the actual peak
+    # TFLOPs number is between SXM and NVL" (its benchmark file's footnote): the midpoint
+    # of H100 SXM's 989 and H100 NVL's 835 TF, the other rates scaled alike
+    (r"H100.*96GB|H100.*HBM2e", _("H100 96GB HBM2e", 63.5 * T, 456 * T, 912 * T, 2.4e12,
                                   450 * GB, 96 * GB, multiprocessors=132, attention=0.35)),
     (r"H100|H800", _("H100 SXM", 67 * T, 495 * T, 989 * T, 3.35e12, 450 * GB, 80 * GB,
                      multiprocessors=132, attention=0.35)),

@@ -44,6 +44,13 @@ class Estimates:
     """The part of ``step_time_s`` a step pays once however many micro-batches it runs:
     the gradients' final resharding and the optimizer (a pipeline stage pays it after its
     last backward, not per micro-batch)."""
+    hidden_communication_s: float | None = None
+    """Communication seconds the runtime overlaps with compute (GPUs: prefetched parameter
+    gathers, gradients reduced during backward): ``communication_s`` less what
+    ``step_time_s`` pays (``passes/pricing/overlap_price.py``)."""
+    hidden_gradient_s: float | None = None
+    """Of those, the gradients' final resharding hidden behind backward (one micro-batch,
+    one stage): a pipeline stage, which reduces after its last backward, pays it."""
     model_state_bytes_per_device: float | None = None
     activation_bytes_per_device: float | None = None
     saved_activation_bytes_per_device: float | None = None

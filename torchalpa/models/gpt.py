@@ -1,9 +1,10 @@
 """A GPT-2 style decoder, nanoGPT style: learned positions, pre-LayerNorm blocks, GELU MLP,
 dropout, and the output head tied to the token embedding (one parameter, two uses).
 
-Attention is written out (matmul, causal mask, softmax, dropout) rather than calling
-``scaled_dot_product_attention``, so the graph shows the classic ops; the LLaMA model
-covers the fused path.
+Attention calls ``F.scaled_dot_product_attention`` (causal), as transformers' GPT-2 does
+by default: on a GPU it runs a fused kernel (flash or memory-efficient) that keeps no
+``T x T`` scores for backward. With attention dropout the capture writes the attention out
+(matmuls, softmax, dropout), so the random draw stays visible (``torchalpa/ops/attention.py``).
 
 ``forward(idx, cache=KVCache(...))`` runs the new tokens against a static KV cache
 (``torchalpa/models/kv_cache.py``): generation's prefill and one-token decode steps.
@@ -43,8 +44,15 @@ class GPTConfig:
     """Dropout on embeddings, attention probabilities and residual branches."""
     bias: bool = True
     """Whether Linear and LayerNorm layers have a bias (GPT-2 has one)."""
+    attention: str = "sdpa"
+    """"sdpa": ``F.scaled_dot_product_attention`` (a fused kernel on GPUs); "eager": the
+    product, mask, softmax and product written out, the ``T x T`` scores kept for backward
+    (GPT-2's original code, and what Megatron-LM ran before fused attention kernels)."""
 
     def __post_init__(self):
+        if self.attention not in ("sdpa", "eager"):
+            raise ValueError(f"GPTConfig.attention must be 'sdpa' or 'eager', "
+                             f"got {self.attention!r}")
         check_positive(self, "vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden")
         check_divisible(self, "hidden", "num_heads")
         check_probability(self, "dropout")
@@ -60,9 +68,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.num_heads = config.num_heads
+        self.dropout = config.dropout
+        self.eager = config.attention == "eager"
         self.c_attn = nn.Linear(config.hidden, 3 * config.hidden, bias=config.bias)
         self.c_proj = nn.Linear(config.hidden, config.hidden, bias=config.bias)
-        self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0
@@ -73,17 +82,31 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, H, C // H).transpose(1, 2)                   # (B, H, T, D)
         k = k.view(B, T, H, C // H).transpose(1, 2)                   # (B, H, T, D)
         v = v.view(B, T, H, C // H).transpose(1, 2)                   # (B, H, T, D)
-        if cache is None:
-            seen = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        else:             # attend over the cache's S slots, this call's tokens written in
+        seen = None
+        if cache is not None:  # attend over the cache's S slots, this call's tokens written in
             k, v = cache.write(layer, k, v)                           # 2 x (B, H, S, D)
             seen = cache.attention_mask(T)                            # (B, 1, T, S)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // H))   # (B, H, T, T or S)
-        att = att.masked_fill(~seen, float("-inf"))
-        att = self.attn_dropout(F.softmax(att, dim=-1))
-        y = att @ v                                                   # (B, H, T, D)
+        p = self.dropout if self.training else 0.0
+        if self.eager:
+            y = _eager_attention(q, k, v, seen, p, self.training)   # (B, H, T, D)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, dropout_p=p,
+                                               is_causal=seen is None)    # (B, H, T, D)
         y = y.transpose(1, 2).reshape(B, T, C)                        # (B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     seen: torch.Tensor | None, p: float, training: bool) -> torch.Tensor:
+    """Attention written out: scores (B, H, T, S), causal (or ``seen``) mask, softmax,
+    dropout, then the weighted sum (B, H, T, D)."""
+    T, S = q.shape[-2], k.shape[-2]
+    if seen is None:
+        seen = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+    att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, T, S)
+    att = att.masked_fill(~seen, float("-inf"))
+    att = F.dropout(F.softmax(att, dim=-1), p, training)
+    return att @ v
 
 
 class MLP(nn.Module):

@@ -1,0 +1,49 @@
+"""The order the step estimate assumes is the order the runtime issues: on 2 gloo ranks,
+one ZeRO-3 step's recorded timeline (collective issues, waits, matmuls) equals
+``assumed_program_order`` of its plan (tests/timeline_worker.py): each parameter's
+all-gather issued one parameter ahead, right after the previous one's wait and before the
+matmul that reads that one; with one micro-batch the gradients' reduce-scatters issued in
+buckets during backward and waited for at its end."""
+
+from __future__ import annotations
+
+import pytest
+import worker_io
+
+
+@pytest.fixture(scope="module")
+def timelines(tmp_path_factory):
+    out = tmp_path_factory.mktemp("timeline") / "timeline.json"
+    results = worker_io.launch("timeline_worker.py", out, "zero3:1,zero3:2", nproc=2)
+    for key in ("zero3:1", "zero3:2"):
+        if "error" in results[key]:
+            pytest.fail(f"scenario {key} failed:\n{results[key]['trace']}")
+    return results
+
+
+def test_one_micro_batch_step_runs_in_the_order_the_estimate_assumes(timelines):
+    r = timelines["zero3:1"]
+    assert r["same_graph"]
+    assert r["recorded"] == [t for t in r["assumed"] if t != "backward"]
+    order = r["recorded"]
+    # prefetch: the second gather is issued before the first layer's matmul
+    assert order[:4] == ["issue all_gather", "wait all_gather", "issue all_gather", "mm"]
+    # a gradient bucket goes out while backward still has matmuls to run
+    first_reduce = order.index("issue reduce_scatter")
+    assert "mm" in order[first_reduce:]
+
+
+def test_with_micro_batches_the_gradients_are_reduced_after_backward(timelines):
+    """Two micro-batches: each one's forward and backward in the assumed order (the step
+    runs both forwards, then both backwards), the gradients' reduce-scatters after the
+    last backward (the estimate pays them in full, after it)."""
+    r = timelines["zero3:2"]
+    assert r["same_graph"]
+    assumed = r["assumed"]
+    assert not any("reduce_scatter" in t for t in assumed)
+    split = assumed.index("backward")
+    forward, backward = assumed[:split], assumed[split + 1:]
+    recorded = r["recorded"]
+    reduces = [i for i, t in enumerate(recorded) if "reduce_scatter" in t]
+    assert reduces and min(reduces) > max(i for i, t in enumerate(recorded) if t == "mm")
+    assert [t for t in recorded if "reduce_scatter" not in t] == 2 * forward + 2 * backward

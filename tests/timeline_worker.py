@@ -1,0 +1,88 @@
+"""One training step's recorded order of collective issues, waits and matmuls on gloo
+ranks, beside the order the step estimate assumes (tests/test_timeline_order.py).
+
+Scenario ``zero3:<k>``: a 4-layer MLP without biases under ``Zero3Parallel`` with ``k``
+micro-batches. After a first step (the programs are built), a second one runs under
+``torch.profiler``; rank 0 lists, in start order, each "torchalpa::<kind> ..." issue label,
+each "torchalpa::wait <kind>" label and each ``aten::mm``, for the parameters' all-gathers
+and the gradients' reduce-scatters (the loss's all-reduce, which the step leaves in flight
+until the loss is read, is left out: the estimate prices it where it is made), and the
+order ``passes.sharding.sharding_plan.assumed_program_order`` gives for the same plan.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from worker_io import run_scenarios  # noqa: E402
+
+import torchalpa  # noqa: E402
+from torchalpa.core.cluster import LogicalMesh  # noqa: E402
+from torchalpa.frontends.torch_export import capture  # noqa: E402
+from torchalpa.passes.sharding.sharding_plan import assumed_program_order  # noqa: E402
+
+KINDS = ("all_gather", "reduce_scatter")
+WIDTH = 512          # a weight is 1 MiB: the first gradient bucket closes after one
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(WIDTH, WIDTH, bias=False), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _token(name: str) -> str | None:
+    if name in ("aten::mm", "aten::addmm"):
+        return "mm"
+    if not name.startswith("torchalpa::"):
+        return None
+    words = name.removeprefix("torchalpa::").split()
+    if words[0] == "wait" and len(words) > 1 and words[1] in KINDS:
+        return f"wait {words[1]}"
+    if words[0] in KINDS:
+        return f"issue {words[0]}"
+    return None
+
+
+def zero3(k: int) -> dict:
+    import torch.distributed as dist
+    world = dist.get_world_size()
+    torch.manual_seed(1)
+    x, y = torch.randn(8 * world * k, WIDTH), torch.randn(8 * world * k, WIDTH)
+    method = torchalpa.Zero3Parallel(logical_mesh_shape=(world,), num_micro_batches=k)
+    pm = torchalpa.auto_parallel(model(), (x, y), F.mse_loss, method=method)
+    pm(x, y).backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pm(x, y).backward()
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    recorded = [t for t in (_token(e.name) for e in events) if t is not None]
+    micro = tuple(t.shape[0] // k for t in (x, y))
+    graph = capture(model(), (torch.randn(micro[0], WIDTH), torch.randn(micro[1], WIDTH)),
+                    F.mse_loss, rematerialize_parameters=True).graph
+    assumed = [t for t in assumed_program_order(graph, LogicalMesh(shape=tuple(pm.plan.mesh_shape)),
+                                                pm.plan)
+               if t in ("mm", "backward") or t.split()[1] in KINDS]
+    return {"recorded": recorded, "assumed": assumed, "k": k,
+            "same_graph": graph.fingerprint() == pm.plan.graph_fingerprint}
+
+
+def run(name: str, arg: str) -> dict:
+    assert name == "zero3", name
+    return zero3(int(arg))
+
+
+def main() -> None:
+    run_scenarios(run)
+
+
+if __name__ == "__main__":
+    main()
