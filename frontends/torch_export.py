@@ -194,6 +194,36 @@ def _trace(fn: Callable, args: tuple, provenance: Provenance, num_inputs: int) -
         raise CaptureError(_explain_trace_failure(e, provenance, num_inputs)) from e
 
 
+def _named_state(model: torch.nn.Module) -> tuple[list, list]:
+    """(name, tensor) of the trainable parameters, and of the frozen ones and the buffers
+    (a tied parameter appears once)."""
+    named = list(model.named_parameters())
+    trainable = [(k, p) for k, p in named if p.requires_grad]
+    frozen = [(k, p) for k, p in named if not p.requires_grad] + list(model.named_buffers())
+    if not trainable:
+        raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
+    return trainable, frozen
+
+
+def _trace_joint(make_joint: Callable[[bool], Callable], trainable: list, frozen: list,
+                 batch: tuple, provenance: Provenance, num_inputs: int) -> fx.GraphModule:
+    """Trace the joint step; a model whose backward must be traced through its forward
+    (``torch.utils.checkpoint(use_reentrant=True)``) is traced again that way."""
+    through_backward = False
+    while True:
+        params = [p.detach().requires_grad_(True) for _, p in trainable]
+        buffers = [b.detach() for _, b in frozen]
+        try:
+            return _trace(make_joint(through_backward), (params, buffers, *batch), provenance,
+                          num_inputs)
+        except CaptureError as e:
+            cause = e.__cause__
+            if not through_backward and isinstance(cause, Exception) and _needs_backward(cause):
+                through_backward = True
+                continue
+            raise
+
+
 def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
             loss_fn: Callable | None = None, *, rematerialize_parameters: bool = False,
             signature: CallSignature | None = None) -> Capture:
@@ -216,11 +246,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
     inputs, targets = _batch(example_inputs, loss_fn, signature, with_targets=True)
 
     _check_devices(model, tuple(inputs) + tuple(targets))
-    named = list(model.named_parameters())       # a tied parameter appears once
-    trainable = [(k, p) for k, p in named if p.requires_grad]
-    frozen = [(k, p) for k, p in named if not p.requires_grad] + list(model.named_buffers())
-    if not trainable:
-        raise ValueError("the model has no trainable parameters (none with requires_grad=True)")
+    trainable, frozen = _named_state(model)
     param_names = [k for k, _ in trainable]
     buffer_names = [k for k, _ in frozen]
     num_inputs = len(inputs)
@@ -230,39 +256,31 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
     binding = "" if signature.by_keyword or loss_fn is not None else \
         positional_binding(model, num_inputs)
 
-    def joint(params, buffers, *batch):
-        state = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
-        # backward runs with the traced state in place too: activation checkpointing
-        # recomputes forward there, and must read the traced parameters, not the real ones
-        with _reparametrize_module(model, state, tie_weights=True):
-            out = signature.call(model, batch[:num_inputs])
-            if loss_fn is None:
-                record_output_type(signature, out)
-            provenance.in_loss = True
-            loss = _loss_of(loss_fn(out, *batch[num_inputs:]) if loss_fn is not None else out,
-                            binding)
-            provenance.in_loss = False
-            if loss.grad_fn is not None:     # tags backward (seq_nr)
-                setup_stacktrace_preservation_hooks([loss.grad_fn])
-            with tracing_backward():
-                grads = _gradients(loss, params, through_backward)
-        return [loss, *grads, *buffers]
+    def make_joint(through_backward: bool):
+        def joint(params, buffers, *batch):
+            state = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
+            # backward runs with the traced state in place too: activation checkpointing
+            # recomputes forward there, and must read the traced parameters, not the real ones
+            with _reparametrize_module(model, state, tie_weights=True):
+                out = signature.call(model, batch[:num_inputs])
+                if loss_fn is None:
+                    record_output_type(signature, out)
+                provenance.in_loss = True
+                loss = _loss_of(loss_fn(out, *batch[num_inputs:]) if loss_fn is not None
+                                else out, binding)
+                provenance.in_loss = False
+                if loss.grad_fn is not None:     # tags backward (seq_nr)
+                    setup_stacktrace_preservation_hooks([loss.grad_fn])
+                with tracing_backward():
+                    grads = _gradients(loss, params, through_backward)
+            return [loss, *grads, *buffers]
+        return joint
 
-    provenance = Provenance(model, stop=[joint.__code__, _loss_of.__code__, capture.__code__])
+    provenance = Provenance(model, stop=[make_joint(False).__code__, _loss_of.__code__,
+                                         capture.__code__])
     start = time.perf_counter()
-    through_backward = False
-    while True:
-        params = [p.detach().requires_grad_(True) for _, p in trainable]
-        buffers = [b.detach() for _, b in frozen]
-        try:
-            gm = _trace(joint, (params, buffers, *inputs, *targets), provenance, num_inputs)
-            break
-        except CaptureError as e:
-            cause = e.__cause__
-            if not through_backward and isinstance(cause, Exception) and _needs_backward(cause):
-                through_backward = True          # torch.utils.checkpoint(use_reentrant=True)
-                continue
-            raise
+    gm = _trace_joint(make_joint, trainable, frozen, (*inputs, *targets), provenance,
+                      num_inputs)
     traced = time.perf_counter()
     kinds = ([("param", k) for k in param_names] + [("buffer", k) for k in buffer_names]
              + [("input", name) for name in input_names])
