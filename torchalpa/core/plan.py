@@ -53,8 +53,8 @@ def _view(name: str) -> Callable[..., Any]:
                            "them (torchalpa.views, torchalpa.interop.tp_plan)") from None
 
 
-SOLVER_EFFORT = frozenset({"time_limit", "gap", "exact_below", "free_followers_below",
-                           "alternate_blocks"})
+SOLVER_EFFORT = frozenset({"time_limit", "max_nodes", "gap", "exact_below",
+                           "free_followers_below", "alternate_blocks"})
 """``AutoShardingOption`` fields that decide how long the ILP works on a plan, not which
 layouts it may choose."""
 

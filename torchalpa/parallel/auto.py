@@ -13,7 +13,11 @@ search
    candidates that cannot fit are refused there;
 3. solves the rest in the order of their time bounds -- capturing each micro-batch
    size once -- until the next bound cannot beat the best plan by more than the
-   tolerance, or the time budget is spent (a plan is always found first when any fits).
+   tolerance (a plan is always found first when any fits). The search is bounded by work
+   (the candidates' bounds, the solver's node limit ``AutoShardingOption.max_nodes``),
+   not by seconds, so the same job gives the same plan on any machine at any load;
+   ``time_budget_s`` is only a safety net, and when it fires the plan's notes say so
+   (``CLOCK_NOTE``) and nothing it cut short is cached.
    A candidate is also dominated, and skipped, by a plan of its kind that fits with room
    to spare (``ROOM``): more checkpointing, (intra-op) more micro-batches, or gathering
    parameters again in backward (ZeRO-3, FSDP's reshard after forward) only adds work to
@@ -35,11 +39,12 @@ what was chosen, what came second and what was refused, with their estimates or 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -153,11 +158,22 @@ class _Search:
     allow_pipeline: bool
     batch: int
     deadline: float
+    variants: dict = field(default_factory=dict)
+    """(micro-batches, remat, regather) -> the capture of that candidate (a caller's dict
+    receives them: ``auto_parallel`` reuses the chosen one instead of tracing again)."""
 
     def __post_init__(self):
+        self.started = time.perf_counter()
+        from torchalpa.passes.layer_cache import SolveCache
+        from torchalpa.passes.pricing_memo import PricingMemo
         self.nodes = getattr(self.cluster, "num_nodes", 1)   # a LogicalMesh: one node
+        self.seconds: dict[str, float] = {}             # phase -> seconds spent in it
+        self.clock_fired = False                       # the safety net stopped the search
+        # what the candidates' solves repeat: layer and stage solves (pipelines), reshard
+        # prices and strategies (both kinds), shared across micro-batch counts and remats
+        self.solves = SolveCache()
+        self.pricing = PricingMemo()
         self.captures: dict[int, Capture] = {}         # micro-batch count -> capture
-        self.variants: dict[tuple[int, str, bool], Capture] = {}
         self.attempts: list[Attempt] = []
         self.plans: list[tuple[float, Plan | PipelinePlan, Candidate]] = []
 
@@ -166,16 +182,31 @@ class _Search:
         """The step of one micro-batch of ``batch / k``, checkpointed by ``remat``, its
         parameters gathered again in backward if ``regather``: one trace per ``k``, the
         variants derived from it."""
-        from torchalpa.frontends.block_remat import checkpointed_capture
         if (k, remat, regather) not in self.variants:
-            if k not in self.captures:
-                examples = capture_examples(self.model, self.tensors, k)
-                self.captures[k] = capture_step(self.model, examples, self.loss_fn,
-                                                signature=self.signature)
-            plain = self.captures[k]
-            self.variants[(k, remat, regather)] = plain if remat == "none" and not regather \
-                else checkpointed_capture(plain, remat, rematerialize_parameters=regather)
+            with self.timed("capture"):
+                if k not in self.captures:
+                    examples = capture_examples(self.model, self.tensors, k)
+                    self.captures[k] = capture_step(self.model, examples, self.loss_fn,
+                                                    signature=self.signature)
+                self.variants[(k, remat, regather)] = derived_capture(self.captures[k], remat,
+                                                                      regather)
         return self.variants[(k, remat, regather)]
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        """Add the seconds the block takes to ``phase`` (nested phases count once, in
+        the innermost)."""
+        start = time.perf_counter()
+        outer = getattr(self, "_phase", None)
+        self._phase = phase
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            self._phase = outer
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + spent
+            if outer is not None:
+                self.seconds[outer] = self.seconds.get(outer, 0.0) - spent
 
     def regather_choices(self, kind: str) -> tuple[bool, ...]:
         """Whether parameters may be gathered again in backward: what the option fixes,
@@ -205,9 +236,10 @@ class _Search:
         found, refused = [], []
         for remat in self.method.remat:
             first = 1 if self.method.num_micro_batches is None else counts[0]
-            profile = step_profile(self.capture(first, remat, self.regather_choices(
-                                                    "intra-op")[0]).graph,
-                                   self.meshes[0], optimizer_states=self.method.optimizer_states)
+            captured = self.capture(first, remat, self.regather_choices("intra-op")[0])
+            with self.timed("bounds"):
+                profile = step_profile(captured.graph, self.meshes[0],
+                                       optimizer_states=self.method.optimizer_states)
             for k in counts:
                 micro = self.batch // k
                 bound = profile.step_seconds(devices, k, micro)
@@ -244,9 +276,11 @@ class _Search:
             method = ShardParallel(num_micro_batches=c.num_micro_batches,
                                    auto_sharding_option=option,
                                    optimizer=self.method.optimizer)
-            plan = plan_graph(captured.graph, method=method, meshes=self.meshes,
-                              inputs=self.inputs, blocks=blocks_of(captured.graph),
-                              deadline=self.deadline, bound_views=False)
+            with self.timed("intra-op ILPs"):
+                plan = plan_graph(captured.graph, method=method, meshes=self.meshes,
+                                  inputs=self.inputs, blocks=blocks_of(captured.graph),
+                                  deadline=self.deadline, bound_views=False,
+                                  memo=self.pricing)
         else:
             from torchalpa.passes.inter_op import plan_pipeline
             method = PipeshardParallel(num_micro_batches=c.num_micro_batches,
@@ -254,7 +288,9 @@ class _Search:
                                        layer_option=self.method.layer_option,
                                        optimizer=self.method.optimizer)
             assert isinstance(self.cluster, Cluster), "pipelines are planned on a Cluster"
-            plan = plan_pipeline(captured.graph, self.cluster, method, inputs=self.inputs)
+            with self.timed("pipeline searches (layer ILPs, stage DP)"):
+                plan = plan_pipeline(captured.graph, self.cluster, method, inputs=self.inputs,
+                                     solves=self.solves, pricing=self.pricing)
         from torchalpa.passes.remat_choice import remat_note
         return replace(plan, method={**plan.method, "remat": c.remat},
                        notes=tuple(plan.notes) + (remat_note(c.remat, captured.graph),))
@@ -282,14 +318,17 @@ class _Search:
                 continue
             if best is not None and time.perf_counter() > self.deadline:
                 self.attempts += [Attempt(r, "no time") for r in candidates[i:]]
+                self.clock_fired = True
                 break
             by = self.dominating(c)
             if by is not None:
                 self.attempts.append(Attempt(c, "dominated", detail=by.describe()))
                 continue
             start = time.perf_counter()
-            with step(f"AutoParallel: {c.describe()} (bound {c.bound_s:.4g} s/step) "
-                      "solving") as progress:
+            left = len(candidates) - i - 1
+            with step(f"AutoParallel: candidate {i + 1}/{len(candidates)}, {c.describe()} "
+                      f"(bound {c.bound_s:.4g} s/step; {left} more at most) solving"
+                      ) as progress:
                 try:
                     plan = self.solve(c)
                 except InfeasibleError as e:
@@ -329,7 +368,21 @@ class _Search:
             notes.append(f"runner-up: {ranked[1][2].describe()}: est {ranked[1][0]:.4g} s/step")
         notes += ["  tried: " + a.line() for a in self.attempts
                   if a.candidate is not chosen]
+        notes.append(self.time_note())
+        if self.clock_fired:
+            from torchalpa.passes.ilp import CLOCK_NOTE
+            notes.append(f"{CLOCK_NOTE} AutoParallel's search (time_budget_s="
+                         f"{self.method.time_budget_s:g}): candidates were left unsolved; a "
+                         "faster or idler machine may find a better plan")
         return replace(plan, notes=tuple(plan.notes) + tuple(notes))
+
+    def time_note(self) -> str:
+        """How the search's time split: capture, bounds, solves (each phase's seconds)."""
+        total = time.perf_counter() - self.started
+        parts = [f"{phase} {seconds:.1f} s" for phase, seconds in self.seconds.items()]
+        rest = total - sum(self.seconds.values())
+        return (f"AutoParallel planned in {total:.1f} s: " + ", ".join(parts)
+                + f", the rest {max(rest, 0.0):.1f} s")
 
     def nothing_fits(self) -> str:
         """What was tried, and what would fit (by the bounds)."""
@@ -352,6 +405,17 @@ class _Search:
         return "\n".join(lines)
 
 
+def derived_capture(plain: Capture, remat: str, regather: bool) -> Capture:
+    """The candidate's capture, derived from the plain one without tracing again:
+    checkpointed by ``remat``, parameters gathered again in backward if ``regather``. Every
+    rank derives the chosen one this way, so rank 0 reuses the search's capture and the
+    others' steps still match it."""
+    if remat == "none" and not regather:
+        return plain
+    from torchalpa.frontends.block_remat import checkpointed_capture
+    return checkpointed_capture(plain, remat, rematerialize_parameters=regather)
+
+
 def _pipeline_stages(nodes: int, method: AutoParallel) -> int:
     """How many stages a pipeline candidate could cut the step into, for its micro-batch
     count: one per node on several nodes, else two (at most the layers it clusters)."""
@@ -363,11 +427,13 @@ def _pipeline_stages(nodes: int, method: AutoParallel) -> int:
 def search_method(model, example_inputs, loss_fn, *, method: AutoParallel,
                   cluster: Cluster | LogicalMesh,
                   meshes: list[LogicalMesh], inputs: str = "global",
-                  allow_pipeline: bool = True, signature: CallSignature | None = None):
+                  allow_pipeline: bool = True, signature: CallSignature | None = None,
+                  captures: dict | None = None):
     """The plan of the fastest candidate that fits (a Plan or a PipelinePlan), with notes
     on what was chosen and what came second; ``NothingFitsError`` when none fits.
     ``example_inputs``: the whole batch (a tuple of tensors, with ``signature`` saying how
-    the model is called); ``meshes``: the logical views intra-op candidates try."""
+    the model is called); ``meshes``: the logical views intra-op candidates try;
+    ``captures``: a dict that receives the search's captures (``derived_capture``'s)."""
     if signature is None:
         signature, tensors = CallSignature.of(example_inputs)
     else:
@@ -377,7 +443,8 @@ def search_method(model, example_inputs, loss_fn, *, method: AutoParallel,
         raise ValueError(f"AutoParallel(num_micro_batches={method.num_micro_batches}) does not "
                          f"divide the batch of {batch}; use a divisor of it")
     search = _Search(model, tensors, signature, loss_fn, method, cluster, meshes, inputs,
-                     allow_pipeline, batch, time.perf_counter() + method.time_budget_s)
+                     allow_pipeline, batch, time.perf_counter() + method.time_budget_s,
+                     {} if captures is None else captures)
     return search.run()
 
 
@@ -434,10 +501,11 @@ class AutoSteps:
                           allow_pipeline=pipelines)
 
     def search(self, model, example_inputs, loss_fn, *, method: AutoParallel,
-               target: AutoTarget, inputs: str, signature=None):
+               target: AutoTarget, inputs: str, signature=None, captures=None):
         return search_method(model, example_inputs, loss_fn, method=method,
                              cluster=target.cluster, meshes=target.meshes, inputs=inputs,
-                             allow_pipeline=target.allow_pipeline, signature=signature)
+                             allow_pipeline=target.allow_pipeline, signature=signature,
+                             captures=captures)
 
     def inference_method(self, method: AutoParallel) -> ShardParallel:
         """Generation's forward steps are planned on one mesh: an intra-op plan, with the

@@ -32,6 +32,7 @@ from torchalpa.parallel.methods import steps_of
 from torchalpa.parallel.steps import MethodSteps, Placed
 from torchalpa.parallel.workflow import (
     capture_examples,
+    capture_step,
     capture_variants,
     plan_on_rank0,
     same_step_on_every_rank,
@@ -80,6 +81,19 @@ def plan_model(model, example_inputs, loss_fn, *, method, steps: MethodSteps, cl
         mixed_precision)
 
 
+def chosen_capture(searched: dict, traced, examples, loss_fn, option, num_micro_batches: int,
+                   signature):
+    """The capture of the method AutoParallel chose: the search's own on rank 0 (no second
+    trace), else captured plain and derived as the search derives it (the same step, so
+    every rank's fingerprint matches rank 0's)."""
+    from torchalpa.parallel.auto import derived_capture
+    key = (num_micro_batches, option.remat, bool(option.rematerialize_parameters))
+    if key in searched:
+        return searched[key]
+    plain = capture_step(traced, examples, loss_fn, signature=signature)
+    return derived_capture(plain, option.remat, bool(option.rematerialize_parameters))
+
+
 def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, signature,
                  mesh, cluster, inputs, optimizer, plan, num_micro_batches, mixed_precision,
                  init_weights, compile, check_replicas, check_inputs):
@@ -98,11 +112,13 @@ def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, 
     target = steps.target(method, cluster=cluster, mesh=mesh, world=world, live=True)
     start = time.perf_counter()
     traced = with_precision(model, mixed_precision)
-    if steps.chooses_method:       # rank 0 searches; every rank goes on with its choice
+    chosen = steps.chooses_method
+    searched: dict = {}            # rank 0's search's captures: the chosen one is reused
+    if chosen:       # rank 0 searches; every rank goes on with its choice
         if plan is None:
             plan = plan_on_rank0(lambda: with_precision_recorded(steps.search(
                 traced, example_inputs, loss_fn, method=method, target=target, inputs=inputs,
-                signature=signature), mixed_precision))
+                signature=signature, captures=searched), mixed_precision))
         method = method_of_plan(plan)
         steps = steps_of(method)
         method = steps.with_options(method, **options)
@@ -113,7 +129,11 @@ def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, 
         steps.check_plan_kind(plan)
         option = replace(option, remat=chosen_remat(plan))
     examples = capture_examples(model, example_inputs, method.num_micro_batches)
-    variants = capture_variants(traced, examples, loss_fn, option, signature=signature)
+    if chosen:       # one capture per auto_parallel: the search's, derived alike elsewhere
+        variants = {option.remat: chosen_capture(searched, traced, examples, loss_fn, option,
+                                                 method.num_micro_batches, signature)}
+    else:
+        variants = capture_variants(traced, examples, loss_fn, option, signature=signature)
     captured = next(iter(variants.values()))
     check_step_dtypes(captured.graph)
     same_step_on_every_rank(captured.graph.fingerprint())

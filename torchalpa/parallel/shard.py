@@ -56,7 +56,8 @@ def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
 
 def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
                inputs: str = "global", blocks: dict | None = None,
-               deadline: float | None = None, bound_views: bool | None = None) -> Plan:
+               deadline: float | None = None, bound_views: bool | None = None,
+               memo=None) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
     A mesh whose memory lower bound (``passes/bounds.py``: every value split over all its
@@ -73,11 +74,13 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     before it, once a plan is in hand, each solver run gets only the time left
     (``plan_intra_op(deadline=)``; such a plan is not cached)."""
     from torchalpa.passes.bounds import step_profile
-    from torchalpa.passes.ilp import InfeasibleError
+    from torchalpa.passes.ilp import CLOCK_NOTE, InfeasibleError
     from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
     from torchalpa.passes.pricing_memo import PricingMemo
     fingerprint = graph.fingerprint()
-    memo = PricingMemo()       # the reshard prices and strategies the meshes' solves repeat
+    # the reshard prices and strategies the meshes' solves repeat (``memo``: a caller's,
+    # shared with its other solves)
+    memo = PricingMemo() if memo is None else memo
     plans, failures, skipped = [], [], []
     refused: list[LogicalMesh] = []
     late: list[LogicalMesh] = []
@@ -128,7 +131,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 found = replace(found, estimates=Estimates.from_dict(
                     dict(found.estimates, memory_budget_per_device_bytes=budget)))
             progress.done = _estimate_text(found, mesh)
-        if cut is None:     # a solve the budget may cut short is not what the key promises
+        if not clock_stopped(found):   # a plan the clock cut short is not what the key promises
             cache.store(key, found)
             cache.trim()
         plans.append(found)
@@ -153,7 +156,18 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
         tried += "".join(f", {'x'.join(map(str, m.shape))}: not solved (time budget)"
                          for m in late)
         best = replace(best, notes=best.notes + (f"logical meshes tried (estimated step): {tried}",))
+    if late and not clock_stopped(best):
+        best = replace(best, notes=best.notes + (
+            f"{CLOCK_NOTE} the search: meshes {', '.join('x'.join(map(str, m.shape)) for m in late)}"
+            " were not solved; a faster or idler machine may find a better plan",))
     return best
+
+
+def clock_stopped(plan) -> bool:
+    """Whether a time limit (a safety net), not the work bounds, cut ``plan``'s search
+    short: such a plan depends on the machine's speed (its notes say how)."""
+    from torchalpa.passes.ilp import CLOCK_NOTE
+    return any(n.startswith(CLOCK_NOTE) for n in plan.notes)
 
 
 def _budget(method: ShardParallel, mesh: LogicalMesh) -> float | None:

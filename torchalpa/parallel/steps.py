@@ -95,9 +95,10 @@ class MethodSteps(Protocol):
         ...
 
     def search(self, model, example_inputs, loss_fn, *, method, target, inputs: str,
-               signature=None) -> Any:
+               signature=None, captures: dict | None = None) -> Any:
         """The plan of the concrete method chosen for ``model`` (only where
-        ``chooses_method``)."""
+        ``chooses_method``); ``captures``, when given, receives the search's captures
+        (``(micro-batches, remat, regather) -> Capture``) for the caller to reuse."""
         ...
 
     def inference_method(self, method) -> Any:
