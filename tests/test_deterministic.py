@@ -66,8 +66,9 @@ def test_the_safety_net_says_when_it_fired(gpt, monkeypatch):
     method = torchalpa.AutoParallel(time_budget_s=1e-6)
     plan = torchalpa.plan(model, batch, loss_fn, cluster=torchalpa.Cluster.h100(1, 4),
                           method=method)
-    assert any(n.startswith(CLOCK_NOTE) and "time_budget_s" in n for n in plan.notes)
-    assert any("time budget spent" in n for n in plan.notes)
+    # the second view of the 4 devices was left unsolved, and the notes say why
+    assert any(n.startswith(CLOCK_NOTE) for n in plan.notes)
+    assert any("not solved (time budget)" in n for n in plan.notes)
 
 
 def test_bad_node_limit_names_the_field():

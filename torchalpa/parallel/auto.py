@@ -234,12 +234,16 @@ class _Search:
         stages = _pipeline_stages(self.nodes, self.method)
         multi_node = self.nodes > 1
         found, refused = [], []
-        for remat in self.method.remat:
+        for r, remat in enumerate(self.method.remat):
             first = 1 if self.method.num_micro_batches is None else counts[0]
-            captured = self.capture(first, remat, self.regather_choices("intra-op")[0])
-            with self.timed("bounds"):
-                profile = step_profile(captured.graph, self.meshes[0],
-                                       optimizer_states=self.method.optimizer_states)
+            with step(f"AutoParallel: bounds of remat={remat} ({r + 1}/"
+                      f"{len(self.method.remat)} checkpointing modes, {len(counts)} "
+                      "micro-batch counts)") as progress:
+                captured = self.capture(first, remat, self.regather_choices("intra-op")[0])
+                with self.timed("bounds"):
+                    profile = step_profile(captured.graph, self.meshes[0],
+                                           optimizer_states=self.method.optimizer_states)
+                progress.done = f"{len(captured.graph)} nodes"
             for k in counts:
                 micro = self.batch // k
                 bound = profile.step_seconds(devices, k, micro)
