@@ -82,6 +82,8 @@ class Candidate:
     memory_bound: float         # bytes per device no plan of it can go below
     rank_s: float = 0.0         # what it is expected to take (the order candidates are tried)
     regather: bool = False      # parameters gathered again in backward (ZeRO-3, FSDP)
+    exact: bool = True          # False: bounds of the lightest checkpointing mode's capture
+    # (sound for time: recomputing only adds work; its own are computed when it is reached)
 
     def describe(self) -> str:
         micro = "" if self.num_micro_batches == 1 else f", {self.num_micro_batches} micro-batches"
@@ -173,6 +175,7 @@ class _Search:
         # prices and strategies (both kinds), shared across micro-batch counts and remats
         self.solves = SolveCache()
         self.pricing = PricingMemo()
+        self.profiles: dict = {}                       # remat -> its bounds (StepProfile)
         self.captures: dict[int, Capture] = {}         # micro-batch count -> capture
         self.attempts: list[Attempt] = []
         self.plans: list[tuple[float, Plan | PipelinePlan, Candidate]] = []
@@ -225,49 +228,79 @@ class _Search:
         return self.method.auto_sharding_option.memory_budget_per_device or \
             self.cluster.memory_per_device or math.inf
 
-    def candidates(self) -> tuple[list[Candidate], list[Attempt]]:
-        """Every candidate with its bounds, those that cannot fit apart."""
+    def profile(self, remat: str):
+        """The bounds profile of the step checkpointed by ``remat`` (one per mode)."""
         from torchalpa.passes.bounds import step_profile
-        counts = [self.method.num_micro_batches] if self.method.num_micro_batches else \
+        if remat not in self.profiles:
+            counts = self.counts()
+            first = 1 if self.method.num_micro_batches is None else counts[0]
+            with step(f"AutoParallel: bounds of remat={remat}") as progress:
+                captured = self.capture(first, remat, self.regather_choices("intra-op")[0])
+                with self.timed("bounds"):
+                    self.profiles[remat] = step_profile(
+                        captured.graph, self.meshes[0],
+                        optimizer_states=self.method.optimizer_states)
+                progress.done = f"{len(captured.graph)} nodes"
+        return self.profiles[remat]
+
+    def counts(self) -> list[int]:
+        return [self.method.num_micro_batches] if self.method.num_micro_batches else \
             _divisors(self.batch)
+
+    def candidates(self) -> tuple[list[Candidate], list[Attempt]]:
+        """Every candidate with its bounds, those that cannot fit apart. Only the lightest
+        checkpointing mode's variant is derived and bounded here; the others take its
+        time bound (sound: recomputing only adds work) until they are reached
+        (``exact_candidate``), so variants no search reaches are never derived."""
+        lightest = min(self.method.remat, key=REMAT_ORDER.__getitem__)
+        found, refused = [], []
+        for remat in self.method.remat:
+            for c in self.bounded(remat, self.profile(lightest)):
+                if remat != lightest:
+                    found.append(replace(c, exact=False))
+                else:
+                    (refused if c.memory_bound > self.budget() else found).append(c)
+        return sorted(found, key=self.order), [Attempt(c, "refused by bound") for c in refused]
+
+    def order(self, c: Candidate) -> tuple:
+        """The order candidates are tried in: by the time they are expected to take; of
+        two alike but for regathering, the one likelier to win first (where memory is
+        tight, gathering parameters again frees the room faster plans need)."""
+        return (c.rank_s, c.regather != (c.memory_bound > 0.5 * self.budget()))
+
+    def exact_candidate(self, c: Candidate) -> Candidate:
+        """``c`` with the bounds of its own checkpointing mode's capture."""
+        for e in self.bounded(c.remat, self.profile(c.remat)):
+            if (e.kind, e.num_micro_batches, e.regather) == \
+                    (c.kind, c.num_micro_batches, c.regather):
+                return e
+        raise AssertionError(f"no candidate {c.describe()} among its mode's")
+
+    def bounded(self, remat: str, profile) -> list[Candidate]:
+        """Every candidate of checkpointing mode ``remat``, bounded by ``profile``."""
         devices = self.cluster.num_devices
         stages = _pipeline_stages(self.nodes, self.method)
         multi_node = self.nodes > 1
-        found, refused = [], []
-        for r, remat in enumerate(self.method.remat):
-            first = 1 if self.method.num_micro_batches is None else counts[0]
-            with step(f"AutoParallel: bounds of remat={remat} ({r + 1}/"
-                      f"{len(self.method.remat)} checkpointing modes, {len(counts)} "
-                      "micro-batch counts)") as progress:
-                captured = self.capture(first, remat, self.regather_choices("intra-op")[0])
-                with self.timed("bounds"):
-                    profile = step_profile(captured.graph, self.meshes[0],
-                                           optimizer_states=self.method.optimizer_states)
-                progress.done = f"{len(captured.graph)} nodes"
-            for k in counts:
-                micro = self.batch // k
-                bound = profile.step_seconds(devices, k, micro)
-                kinds = []
-                if self.method.pipeline is not True and not (multi_node and self.allow_pipeline):
-                    kinds.append(Candidate("intra-op", remat, k, bound,
-                                           profile.memory_bytes(devices, micro), bound))
-                if self.allow_pipeline and devices > 1 and self.method.pipeline is not False:
-                    # sound: on several nodes one stage may span them all (S >= 1), on one
-                    # node the intra-op candidates are that case (S >= 2); the order
-                    # assumes ``stages`` stages, whose bubble many micro-batches shrink
-                    fill = 1.0 if multi_node else (k + 1) / k
-                    kinds.append(Candidate("pipeline", remat, k, bound * fill,
-                                           profile.pipeline_memory_bytes(devices, micro),
-                                           bound * (k + stages - 1) / k))
-                for c in kinds:
-                    for regather in self.regather_choices(c.kind):
-                        c = replace(c, regather=regather)
-                        (refused if c.memory_bound > self.budget() else found).append(c)
-        # of two candidates alike but for regathering, the one likelier to win first: where
-        # memory is tight, gathering parameters again frees the room faster plans need
-        tight = 0.5 * self.budget()
-        return sorted(found, key=lambda c: (c.rank_s, c.regather != (c.memory_bound > tight))), \
-            [Attempt(c, "refused by bound") for c in refused]
+        out = []
+        for k in self.counts():
+            micro = self.batch // k
+            bound = profile.step_seconds(devices, k, micro)
+            kinds = []
+            if self.method.pipeline is not True and not (multi_node and self.allow_pipeline):
+                kinds.append(Candidate("intra-op", remat, k, bound,
+                                       profile.memory_bytes(devices, micro), bound))
+            if self.allow_pipeline and devices > 1 and self.method.pipeline is not False:
+                # sound: on several nodes one stage may span them all (S >= 1), on one
+                # node the intra-op candidates are that case (S >= 2); the order
+                # assumes ``stages`` stages, whose bubble many micro-batches shrink
+                fill = 1.0 if multi_node else (k + 1) / k
+                kinds.append(Candidate("pipeline", remat, k, bound * fill,
+                                       profile.pipeline_memory_bytes(devices, micro),
+                                       bound * (k + stages - 1) / k))
+            for c in kinds:
+                out += [replace(c, regather=regather)
+                        for regather in self.regather_choices(c.kind)]
+        return out
 
     # -- solving -----------------------------------------------------------------------
     def solve(self, c: Candidate):
@@ -313,9 +346,15 @@ class _Search:
 
     def solve_in_order(self, candidates: list[Candidate]) -> None:
         """Solve ``candidates`` in order until none left can win (bounds, dominance) or the
-        time budget is spent once a plan is in hand."""
+        time budget is spent once a plan is in hand. A candidate bounded by another
+        mode's capture gets its own bounds when reached, and goes back in line by them
+        (or is refused by them): the order is the one exact bounds give."""
         from torchalpa.passes.ilp import InfeasibleError
-        for i, c in enumerate(candidates):
+        candidates = list(candidates)
+        i = -1
+        while i + 1 < len(candidates):
+            i += 1
+            c = candidates[i]
             best = min(self.plans, key=lambda p: p[0], default=None)
             if best is not None and c.bound_s * (1 + self.method.tolerance) >= best[0]:
                 self.attempts.append(Attempt(c, "not needed"))
@@ -327,6 +366,16 @@ class _Search:
             by = self.dominating(c)
             if by is not None:
                 self.attempts.append(Attempt(c, "dominated", detail=by.describe()))
+                continue
+            if not c.exact:
+                c = self.exact_candidate(c)
+                if c.memory_bound > self.budget():
+                    self.attempts.append(Attempt(c, "refused by bound"))
+                else:      # back in line by its own bounds
+                    rest = candidates[i + 1:]
+                    at = next((j for j, r in enumerate(rest)
+                               if self.order(r) > self.order(c)), len(rest))
+                    candidates[i + 1:] = rest[:at] + [c] + rest[at:]
                 continue
             start = time.perf_counter()
             left = len(candidates) - i - 1
