@@ -149,3 +149,28 @@ def test_entry_points_dispatch_through_the_method_table(single_process_world, mo
     assert sorted(calls["place"]) == ["inputs", "loss_fn", "model", "signature", "traced"]
     with pytest.raises(TypeError, match="method must be a torchalpa method"):
         torchalpa.plan(MLP(16, 2), (x, y), F.mse_loss, method=object())
+
+
+def test_auto_parallel_captures_the_step_once(single_process_world, monkeypatch):
+    """The default method's search captures the step; building the module reuses that
+    capture instead of tracing the model again."""
+    from torchalpa.frontends import torch_export
+    traced = []
+    capture = torch_export.capture
+
+    def counting(*args, **kwargs):
+        traced.append(1)
+        return capture(*args, **kwargs)
+
+    monkeypatch.setattr(torch_export, "capture", counting)
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")
+    torch.manual_seed(0)
+    model = MLP(32, 3)
+    torch.manual_seed(0)
+    ref = MLP(32, 3)
+    x, y = mlp_inputs(16, 32)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2))
+    assert len(traced) == 1
+    loss = pm.train_step(x, y)
+    assert loss.item() == pytest.approx(F.mse_loss(ref(x), y).item(), rel=1e-6)
