@@ -74,7 +74,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     before it, once a plan is in hand, each solver run gets only the time left
     (``plan_intra_op(deadline=)``; such a plan is not cached)."""
     from torchalpa.passes.bounds import step_profile
-    from torchalpa.passes.ilp import CLOCK_NOTE, InfeasibleError
+    from torchalpa.passes.ilp import InfeasibleError
     from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
     from torchalpa.passes.pricing_memo import PricingMemo
     fingerprint = graph.fingerprint()
@@ -148,7 +148,15 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     best = min(plans, key=lambda p: p.estimates["step_time_s"])
     log.info("chose mesh %s: %s", "x".join(map(str, best.mesh_shape)),
              _estimate_text(best, meshes[0]))
-    if len(meshes) > 1:
+    return _with_mesh_notes(best, plans, skipped, late, len(meshes))
+
+
+def _with_mesh_notes(best: Plan, plans: list[Plan], skipped: list, late: list,
+                     num_meshes: int) -> Plan:
+    """``best`` with a note of every mesh tried (estimate, bound, or not solved in time)
+    and, when the time budget left meshes unsolved, the safety net's note."""
+    from torchalpa.passes.ilp import CLOCK_NOTE
+    if num_meshes > 1:
         tried = ", ".join(f"{'x'.join(map(str, p.mesh_shape))}: "
                           f"{p.estimates['step_time_s'] * 1e3:.3g} ms" for p in plans)
         tried += "".join(f", {'x'.join(map(str, m.shape))}: >= {bound * 1e3:.3g} ms "
@@ -157,9 +165,10 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                          for m in late)
         best = replace(best, notes=best.notes + (f"logical meshes tried (estimated step): {tried}",))
     if late and not clock_stopped(best):
+        unsolved = ", ".join("x".join(map(str, m.shape)) for m in late)
         best = replace(best, notes=best.notes + (
-            f"{CLOCK_NOTE} the search: meshes {', '.join('x'.join(map(str, m.shape)) for m in late)}"
-            " were not solved; a faster or idler machine may find a better plan",))
+            f"{CLOCK_NOTE} the search: meshes {unsolved} were not solved; a faster or idler "
+            "machine may find a better plan",))
     return best
 
 
