@@ -59,12 +59,15 @@ def main() -> None:
             plan = plan_graph(graph, method=method, meshes=meshes, blocks=blocks_of(graph))
             seconds[variant] = time.perf_counter() - start
             steps[variant] = plan.estimates["step_time_s"]
+            for note in plan.notes:
+                if note.startswith(("the solver's time limit", "logical meshes tried")):
+                    print(f"    {variant}: {note}", flush=True)
         costgraph._own_costs = memoized
         print(f"round {r + 1} ({args.layers} layers, {len(graph)} nodes, load "
               f"{os.getloadavg()[0]:.1f}): priced once {seconds['memo']:.1f} s, priced by "
               f"every cost graph {seconds['again']:.1f} s, ratio "
-              f"{seconds['memo'] / seconds['again']:.2f}; estimates equal: "
-              f"{steps['memo'] == steps['again']} ({steps['memo']:.6g} s/step)", flush=True)
+              f"{seconds['memo'] / seconds['again']:.2f}; estimates {steps['memo']:.6g} and "
+              f"{steps['again']:.6g} s/step", flush=True)
 
 
 if __name__ == "__main__":

@@ -182,10 +182,10 @@ def _fold(node_costs: dict[str, np.ndarray], grouping: Grouping, name: str,
 
 
 _OWN_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""graph -> (node name, mesh) -> (its strategy list, its cost per strategy): the solves
+"""graph -> (node name, mesh) -> (its strategy list, the node, its cost per strategy): the solves
 of one graph on one view (simplified, followers freed, re-solved, each memory round's
-cost graph) price each node's strategies once. Keyed by the strategy list itself (held,
-compared by identity), so another strategy space of the same graph is priced anew."""
+cost graph) price each node's strategies once. The strategy list and the node are held
+and compared by identity, so another strategy space or a node replaced is priced anew."""
 
 
 def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strategy]
@@ -193,14 +193,14 @@ def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strateg
     """``node``'s compute and internal all-reduces per strategy, once per step."""
     memo = _OWN_COSTS.setdefault(graph, {})
     found = memo.get((node.name, mesh))
-    if found is not None and found[0] is strategies:
-        return found[1]
+    if found is not None and found[0] is strategies and found[1] is node:
+        return found[2]
     vec = np.array([compute_cost(mesh, node, s.shards, s.outputs,
                                  strategy_bytes(graph, node, s.inputs, s.outputs, mesh.shape))
                     + steps_cost(mesh, sync_steps(s, node.outputs[0], mesh.shape))
                     + batch_sync_cost(mesh, s.batch_syncs) for s in strategies])
     vec.setflags(write=False)
-    memo[(node.name, mesh)] = (strategies, vec)
+    memo[(node.name, mesh)] = (strategies, node, vec)
     return vec
 
 
