@@ -146,9 +146,11 @@ def _make_solver(solver: str, time_limit: float | None, gap: float | None,
     if solver == "highs":
         if "HiGHS" not in pulp.listSolvers(onlyAvailable=True):
             raise ValueError("solver='highs' needs the highspy package: pip install highspy")
-        limits = {} if max_nodes is None else {"mip_max_nodes": int(max_nodes)}
+        if max_nodes is None:
+            return pulp.HiGHS(msg=solver_verbose(), timeLimit=time_limit, gapRel=gap,
+                              threads=1, random_seed=0, warmStart=warm)
         return pulp.HiGHS(msg=solver_verbose(), timeLimit=time_limit, gapRel=gap, threads=1,
-                          random_seed=0, warmStart=warm, **limits)
+                          random_seed=0, warmStart=warm, mip_max_nodes=int(max_nodes))
     raise ValueError(f"solver must be 'cbc' or 'highs', got {solver!r}")
 
 
@@ -234,8 +236,9 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "auto", time_limit: float | 
         run = _solve_with_pulp(built.model, _make_solver(solver, time_limit, gap,
                                                          warm=initial is not None,
                                                          max_nodes=max_nodes), time_limit)
-    if run.clock_stopped and _clock_stops.get() is not None:
-        _clock_stops.get().append(float(time_limit or 0.0))
+    stops = _clock_stops.get()
+    if run.clock_stopped and stops is not None:
+        stops.append(float(time_limit or 0.0))
     if not run.solved:
         if run.status == "Not Solved":
             raise SolverStopped(f"the ILP solver stopped before it found a plan (time limit "

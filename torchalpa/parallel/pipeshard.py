@@ -100,7 +100,7 @@ class PipelineSteps:
     chooses_method = False
 
     def search(self, model, example_inputs, loss_fn, *, method, target, inputs: str,
-               signature=None):
+               signature=None, captures=None):
         raise TypeError(f"{type(method).__name__} is a concrete method: it is planned, "
                         "not searched for")
 

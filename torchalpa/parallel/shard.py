@@ -270,7 +270,7 @@ class IntraOpSteps:
     chooses_method = False
 
     def search(self, model, example_inputs, loss_fn, *, method, target, inputs: str,
-               signature=None):
+               signature=None, captures=None):
         raise TypeError(f"{type(method).__name__} is a concrete method: it is planned, "
                         "not searched for")
 
