@@ -41,6 +41,7 @@ def _hogs(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
+@pytest.mark.slow       # two plans of the default method, one on a machine slowed down
 def test_the_same_job_gives_the_same_plan_with_the_machine_slowed(gpt, monkeypatch):
     monkeypatch.setenv("TORCHALPA_CACHE", "0")
     model, batch, loss_fn = gpt
