@@ -13,7 +13,7 @@ spellings, taken in turn:
 
 ``--hogs N`` keeps N busy-looping processes running meanwhile (a loaded machine is where
 finished ranks used to abort at the interpreter's teardown: "terminate called without an
-active exception", SIGABRT, and torchrun reports the job failed; runtime/clean_exit.py).
+active exception", SIGABRT, and torchrun reports the job failed; runtime/resilience/clean_exit.py).
 The table counts, per spelling, the launches, those that exited 0, the other exit
 statuses, and the launches whose output shows an abort. The exit status is 1 if any
 launch failed.
@@ -21,7 +21,7 @@ launch failed.
 ``--heartbeat-s S`` makes every rank's heartbeat beat every S seconds instead of 0.5, so
 that a store request is almost always in flight at exit: the cause of those aborts, made
 frequent enough to see in a few launches (it sets ``HEARTBEAT_S`` in
-``torchalpa.runtime.heartbeat``, or in ``torchalpa.runtime.faults`` where it lived before).
+``torchalpa.runtime.resilience.heartbeat``, or in ``torchalpa.runtime.resilience.faults`` where it lived before).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def job(spelling: str) -> None:
 
 def _set_heartbeat(seconds: float) -> None:
     import importlib
-    for name in ("torchalpa.runtime.heartbeat", "torchalpa.runtime.faults"):
+    for name in ("torchalpa.runtime.resilience.heartbeat", "torchalpa.runtime.resilience.faults"):
         try:
             module = importlib.import_module(name)
         except ImportError:
@@ -76,7 +76,7 @@ def _set_heartbeat(seconds: float) -> None:
         if hasattr(module, "HEARTBEAT_S"):
             module.HEARTBEAT_S = seconds
             return
-    raise RuntimeError("no HEARTBEAT_S found in torchalpa.runtime.heartbeat or .faults")
+    raise RuntimeError("no HEARTBEAT_S found in torchalpa.runtime.resilience.heartbeat or .faults")
 
 
 def _hog(stop) -> None:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from torchalpa.runtime import collectives as C
-from torchalpa.runtime.measure import loopback_bytes
+from torchalpa.runtime.execution import collectives as C
+from torchalpa.runtime.measurement.measure import loopback_bytes
 
 
 def main():

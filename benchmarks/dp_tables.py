@@ -18,7 +18,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 from test_stages import _plain_scan  # noqa: E402
 
-from torchalpa.passes.stages import stage_dp  # noqa: E402
+from torchalpa.passes.pipeline_search.stages import stage_dp  # noqa: E402
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import torchalpa
 import torchalpa.models as zoo
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel.shard import plan_graph
-from torchalpa.passes.ilp import InfeasibleError
+from torchalpa.passes.sharding.ilp import InfeasibleError
 
 # hidden, layers, heads (GPT-3 paper sizes)
 SIZES = {"350m": (1024, 24, 16), "1.3b": (2048, 24, 32), "2.7b": (2560, 32, 32),

@@ -68,7 +68,7 @@ def figures(generate, a) -> dict:
 def worker(a) -> None:
     import torch.distributed as dist
 
-    from torchalpa.runtime.mesh import default_device, init_distributed
+    from torchalpa.runtime.execution.mesh import default_device, init_distributed
     init_distributed()
     device = default_device()
     results = {}

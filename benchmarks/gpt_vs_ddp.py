@@ -87,9 +87,13 @@ def worker(args):
 
     import torchalpa
     from torchalpa.models import GPT, GPTConfig, lm_loss
-    from torchalpa.runtime.baselines import batch_shard, wrap_ddp, wrap_fsdp2
-    from torchalpa.runtime.measure import model_state_bytes, reset_peak_memory, timed_steps
-    from torchalpa.runtime.mesh import init_distributed
+    from torchalpa.runtime.execution.mesh import init_distributed
+    from torchalpa.runtime.measurement.baselines import batch_shard, wrap_ddp, wrap_fsdp2
+    from torchalpa.runtime.measurement.measure import (
+        model_state_bytes,
+        reset_peak_memory,
+        timed_steps,
+    )
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -10,7 +10,7 @@ the timed steps):
 - ``ddp+loss``: the same plus one all-reduce of the loss (4 bytes), what torchalpa did to
   return one device's loss on every rank;
 - ``torchalpa``: ``train_step``, the loss all-reduced in the last gradient bucket
-  (``runtime.loss_in_bucket``);
+  (``runtime.rewrites.loss_in_bucket``);
 - ``torchalpa-own``: the same module with the ride given up, the loss all-reduced on
   its own (the step before issue 19).
 
@@ -59,7 +59,7 @@ def worker(args):
     import torch.distributed as dist
     from zoo_vs_ddp_fsdp import workload
 
-    from torchalpa.runtime.mesh import init_distributed
+    from torchalpa.runtime.execution.mesh import init_distributed
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -89,16 +89,16 @@ def worker(args):
 
 
 def measure(name, build, batch, loss_fn, steps, rank, world) -> dict:
-    """One method's timed steps (``runtime.measure.timed_steps``)."""
+    """One method's timed steps (``runtime.measurement.measure.timed_steps``)."""
     import gc
 
     import torch
     import torch.distributed as dist
 
     import torchalpa
-    from torchalpa.runtime.baselines import batch_shard, wrap_ddp
-    from torchalpa.runtime.comm_count import CollectiveCounter
-    from torchalpa.runtime.measure import timed_steps
+    from torchalpa.runtime.measurement.baselines import batch_shard, wrap_ddp
+    from torchalpa.runtime.measurement.comm_count import CollectiveCounter
+    from torchalpa.runtime.measurement.measure import timed_steps
 
     gc.collect()
     dist.barrier()

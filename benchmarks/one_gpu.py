@@ -180,7 +180,7 @@ def run_in_child(model: str, dtype: str, variant: str, args) -> dict:
 
 def estimate(model: str, dtype: str, cluster) -> dict:
     """The plan's estimates for one GPU of ``cluster``, planned on the meta device."""
-    from torchalpa.runtime.precision import CastForward
+    from torchalpa.runtime.execution.precision import CastForward
     w = workload(BENCHES[model])
     with torch.device("meta"):
         net, batch = w.build(), w.example_inputs()

@@ -43,7 +43,7 @@ def main() -> int:
                         help=f"zoo models (default: all of {sorted(models.FAMILIES)})")
     parser.add_argument("--missing", action="store_true", help="print only ops without a rule")
     args = parser.parse_args()
-    import torchalpa.passes.rules.markers  # noqa: F401  (until rules/__init__ imports it)
+    import torchalpa.passes.rules.boundaries  # noqa: F401  (until rules/__init__ imports it)
     from torchalpa.passes.rules import has_rule
 
     without_rule: dict[str, list[str]] = collections.defaultdict(list)

@@ -31,7 +31,7 @@ from torchalpa.core.opgraph import Operand
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel.calibrate_cuda import seconds_per_call
 from torchalpa.parallel.workflow import calibrated
-from torchalpa.passes.cost import compute_cost, op_family
+from torchalpa.passes.pricing.cost import compute_cost, op_family
 
 
 def _materialize(spec, device: torch.device) -> torch.Tensor:
@@ -119,7 +119,7 @@ def main() -> None:
     with torch.device("meta"):
         model, batch = w.build(), w.example_inputs()
     if args.dtype == "bf16":
-        from torchalpa.runtime.precision import CastForward
+        from torchalpa.runtime.execution.precision import CastForward
         model = CastForward(model, torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
     graph = capture(model, batch, w.loss_fn).graph
     if args.cluster or device.type != "cuda":

@@ -30,8 +30,8 @@ import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core.options import AutoLayerOption, ManualStageOption, PipeshardParallel
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes.ilp import InfeasibleError
-from torchalpa.passes.inter_op import plan_pipeline
+from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
+from torchalpa.passes.sharding.ilp import InfeasibleError
 
 GLOBAL_BATCH = 1024
 

@@ -9,7 +9,7 @@ estimated time per token and tokens per second. Prints how long capture and plan
     .venv/bin/python benchmarks/plan_opt175b.py --nodes 2           # 16 x H100, two nodes
     .venv/bin/python benchmarks/plan_opt175b.py --layers 4          # a quick look
 
-Figures are the cost model's (``passes/cost.py``: the preset's peak flop/s, memory
+Figures are the cost model's (``passes/pricing/cost.py``: the preset's peak flop/s, memory
 bandwidth and link rates), not measurements.
 """
 

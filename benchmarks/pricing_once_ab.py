@@ -24,7 +24,7 @@ import torchalpa.models as zoo
 from torchalpa.core.options import ShardParallel
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel.shard import blocks_of, candidate_meshes, plan_graph
-from torchalpa.passes import costgraph
+from torchalpa.passes.sharding import costgraph
 
 
 def _priced_again(graph, mesh, node, strategies):

@@ -49,7 +49,7 @@ import torchalpa.models as zoo
 from torchalpa.core.options import AutoLayerOption, ManualStageOption, PipeshardParallel
 from torchalpa.frontends.block_remat import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
-from torchalpa.runtime.precision import CastForward
+from torchalpa.runtime.execution.precision import CastForward
 
 GIB = 2 ** 30
 NO_BUDGET = 1e18
@@ -174,7 +174,7 @@ def method(row: PublishedRow):
 def estimate(row: PublishedRow) -> Estimate:
     """Capture the row's step, pin its plan, and read the plan's estimates."""
     from torchalpa.parallel.shard import candidate_meshes, plan_graph
-    from torchalpa.passes.inter_op import plan_pipeline
+    from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
     start = time.perf_counter()
     model, batch, loss_fn = build(row)
     captured = capture(model, batch, loss_fn)

@@ -22,8 +22,8 @@ import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core.options import AutoLayerOption, PipeshardParallel
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes import stages
-from torchalpa.passes.inter_op import plan_pipeline
+from torchalpa.passes.pipeline_search import stages
+from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
 
 
 def _cpu() -> float:

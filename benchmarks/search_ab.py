@@ -21,10 +21,11 @@ import weak_scaling as ws
 
 import torchalpa
 from torchalpa.core.options import AutoLayerOption, PipeshardParallel
-from torchalpa.passes import costgraph, ilp, inter_op, intra_op
-from torchalpa.passes.layer_costs import LayerCosts
-from torchalpa.passes.pricing_memo import PricingMemo
-from torchalpa.passes.remat_choice import compute_lower_bound, plan_with_remat
+from torchalpa.passes.pipeline_search import inter_op
+from torchalpa.passes.pipeline_search.layer_costs import LayerCosts
+from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
+from torchalpa.passes.sharding import costgraph, ilp, intra_op
+from torchalpa.passes.sharding.remat_choice import compute_lower_bound, plan_with_remat
 
 
 def switch_off_fast_paths() -> None:

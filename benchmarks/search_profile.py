@@ -20,8 +20,8 @@ import time
 
 import search_ab
 
-from torchalpa.passes import ilp_highs
-from torchalpa.passes.exact_stages import ExactStages
+from torchalpa.passes.pipeline_search.exact_stages import ExactStages
+from torchalpa.passes.sharding import ilp_highs
 
 
 def _say(text: str) -> None:

@@ -18,7 +18,7 @@ import torchalpa
 import torchalpa.models as zoo
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel.shard import blocks_of
-from torchalpa.passes.intra_op import plan_intra_op
+from torchalpa.passes.sharding.intra_op import plan_intra_op
 
 TARGET_S = {"llama3_8b": 10.0, "gpt_39b": 20.0}
 # LLaMA-3-8B as the issue states (batch 16 x 8192). GPT-39B's global batch of 1024 cannot

@@ -19,7 +19,7 @@ is off (the two frontends would draw differently).
 
 XLA fuses the StableHLO program's elementwise chains, so by default the ATen graph is
 priced as ``torch.compile`` runs it (``AutoShardingOption(elementwise="fused")``,
-``passes/fused_pricing.py``): the same executions compared. ``--elementwise eager``
+``passes/pricing/fused_pricing.py``): the same executions compared. ``--elementwise eager``
 prices ATen op by op (the runtime without ``compile``); each row also gives the eager
 step ratio. Likewise attention: torch-mlir's export writes it as two batched matmuls
 around a softmax, whose (B, heads, L, L) scores XLA on a CPU writes, while the ATen capture
@@ -153,7 +153,7 @@ def _compare(name: str, cluster, want_detail: bool, why: bool, elementwise: str,
     if want_detail:
         from torchalpa.interop.programs import program_graph
         from torchalpa.parallel.workflow import capture_step
-        from torchalpa.passes.fused_pricing import priced_as
+        from torchalpa.passes.pricing.fused_pricing import priced_as
         extra["detail"] = detail(priced_as(capture_step(model, batch, loss_fn).graph,
                                            elementwise),
                                  program_graph(text, ()), from_aten, from_text)

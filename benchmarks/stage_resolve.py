@@ -28,9 +28,9 @@ import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core.options import AutoLayerOption, PipeshardParallel
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes import inter_op
-from torchalpa.passes.intra_op import plan_intra_op
-from torchalpa.passes.subgraph import stage_subgraph
+from torchalpa.passes.pipeline_search import inter_op
+from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
+from torchalpa.passes.sharding.intra_op import plan_intra_op
 
 WAYS = {"simplified": dict(exact_below=0, free_followers_below=0),
         "followers freed": dict(exact_below=0),

@@ -34,9 +34,9 @@ from torchalpa.core.options import AutoLayerOption, PipeshardParallel
 from torchalpa.frontends.block_remat import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
 from torchalpa.models import ALPA_GPT
-from torchalpa.passes.ilp import InfeasibleError
-from torchalpa.passes.inter_op import plan_pipeline
-from torchalpa.passes.remat_choice import compute_lower_bound, plan_with_remat
+from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
+from torchalpa.passes.sharding.ilp import InfeasibleError
+from torchalpa.passes.sharding.remat_choice import compute_lower_bound, plan_with_remat
 
 GLOBAL_BATCH = 1024
 SEQ = 1024

@@ -116,8 +116,8 @@ def worker(args):
     import torch.distributed as dist
 
     from torchalpa.parallel.workflow import default_cluster
-    from torchalpa.passes.ilp import InfeasibleError
-    from torchalpa.runtime.mesh import init_distributed
+    from torchalpa.passes.sharding.ilp import InfeasibleError
+    from torchalpa.runtime.execution.mesh import init_distributed
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

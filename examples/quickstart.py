@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.runtime.measure import model_state_bytes, timed_steps
+from torchalpa.runtime.measurement.measure import model_state_bytes, timed_steps
 
 
 class MLP(nn.Module):
@@ -131,7 +131,7 @@ def main():
 
 
 def run_baseline(name, args, x, y) -> dict:
-    from torchalpa.runtime.baselines import batch_shard, wrap_ddp, wrap_fsdp2
+    from torchalpa.runtime.measurement.baselines import batch_shard, wrap_ddp, wrap_fsdp2
     model = make_model(args)
     model = wrap_ddp(model) if name == "ddp" else wrap_fsdp2(model)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)

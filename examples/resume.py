@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.runtime.checkpoint import CheckpointError, checkpoint_extra, latest_checkpoint
+from torchalpa.runtime.state.checkpoint import CheckpointError, checkpoint_extra, latest_checkpoint
 
 
 def batch(step: int, size: int, dim: int):

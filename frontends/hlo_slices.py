@@ -6,7 +6,7 @@ its dim at fixed positions, so the dim can never be split across devices, and a 
 projection splits by heads only through all-to-alls. Read together as
 ``aten.split_with_sizes`` (what the torch frontend sees), the split's rule may hold the
 whole dim as a strided shard: every device its heads of q, of k and of v
-(``passes/strides.py``). The gradient side is already one ``concatenate`` (``aten.cat``).
+(``passes/sharding/strides.py``). The gradient side is already one ``concatenate`` (``aten.cat``).
 
 Only an exact tiling is merged: 2-8 slices of the same value along the same dim, step 1,
 equal sizes, covering the dim once, every other dim whole. The split is priced as the

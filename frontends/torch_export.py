@@ -296,7 +296,7 @@ def capture_forward(model: torch.nn.Module, example_inputs: Sequence[torch.Tenso
                     signature: CallSignature | None = None) -> ForwardCapture:
     """Trace ``model(*inputs)`` (``outputs=True``) or its loss (``outputs=False``: the inputs
     end with the targets, as for training) without backward: predictions and eval-mode
-    losses (``runtime/inference.py``), with the tracer, op vocabulary and provenance of
+    losses (``runtime/serving/inference.py``), with the tracer, op vocabulary and provenance of
     ``capture``.
 
     The model's outputs are returned as one tensor: itself if the model returns one

@@ -33,7 +33,7 @@ from alpa_cases import BertLayers, mse  # noqa: E402
 from worker_io import mesh_shape, run_scenarios, train_beside_one_device  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime.issued import issued_collectives  # noqa: E402
+from torchalpa.runtime.measurement.issued import issued_collectives  # noqa: E402
 
 
 class TwoDense(nn.Module):

@@ -105,7 +105,7 @@ def one_rank_group():
     """A gloo group of one rank in this process (collectives are identities)."""
     import torch.distributed as dist
 
-    from torchalpa.runtime.mesh import init_distributed
+    from torchalpa.runtime.execution.mesh import init_distributed
     init_distributed()
     yield dist.group.WORLD.group_name
     dist.destroy_process_group()

@@ -22,7 +22,7 @@ from models import MLP, FusedAttention, WithCustomOp, fused_attention_by_heads, 
 from worker_io import attempt, finish, max_rel, train_beside_one_device  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 
 ALPA_UNIT = lambda n: torchalpa.LogicalMesh(shape=(n,), alpha=(1.0,), beta=(1.0,))  # noqa: E731
 

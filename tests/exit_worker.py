@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.runtime import heartbeat
+from torchalpa.runtime.resilience import heartbeat
 
 heartbeat.HEARTBEAT_S = 0.001
 

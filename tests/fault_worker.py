@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from worker_io import finish  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime import checkpoint as ck  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.state import checkpoint as ck  # noqa: E402
 
 
 def build():

@@ -20,8 +20,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from worker_io import mesh_shape, run_scenarios  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
-from torchalpa.runtime.issued import issued_collectives  # noqa: E402
+from torchalpa.runtime.measurement.comm_count import CollectiveCounter  # noqa: E402
+from torchalpa.runtime.measurement.issued import issued_collectives  # noqa: E402
 
 VOCAB, CONTEXT, NEW = 128, 24, 10
 

@@ -28,8 +28,8 @@ from checkpoint_damage import KINDS, differences, held_state, plant  # noqa: E40
 from worker_io import attempt, finish  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
-from torchalpa.runtime.mesh import gather_objects, init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import gather_objects, init_distributed  # noqa: E402
+from torchalpa.runtime.state.checkpoint import CheckpointError, load_checkpoint, save_checkpoint  # noqa: E402
 
 
 def build(seed: int):

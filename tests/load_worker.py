@@ -24,8 +24,8 @@ from worker_io import attempt, finish  # noqa: E402
 
 import torchalpa  # noqa: E402
 from torchalpa.models import Llama, LlamaConfig  # noqa: E402
-from torchalpa.runtime.host_memory import rss_bytes  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.measurement.host_memory import rss_bytes  # noqa: E402
 
 
 def config(hidden: int, layers: int) -> LlamaConfig:

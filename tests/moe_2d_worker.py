@@ -2,7 +2,7 @@
 top-2 gated experts) on a (2, 2) mesh in Alpa's layout for test_moe_layer_2d -- tokens
 split over both axes, experts over the inner one, no all-gather allowed -- trained next to
 the same model on one device. The tokens reach the experts by all-to-alls on the inner axis
-of a dim split over both (passes/reshard.py, ``_all_to_all_direct``). Rank 0 writes what
+of a dim split over both (passes/sharding/reshard.py, ``_all_to_all_direct``). Rank 0 writes what
 it saw as JSON to argv[1]: losses, gradients and parameters on both sides, the collectives
 each step issued next to the plan's, and the plan's all-to-alls out of a two-axis split."""
 
@@ -21,8 +21,8 @@ from worker_io import attempt, finish, max_rel, train_beside_one_device  # noqa:
 
 import torchalpa  # noqa: E402
 from torchalpa.core.placement import Replicate, Shard  # noqa: E402
-from torchalpa.runtime.issued import issued_collectives  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.measurement.issued import issued_collectives  # noqa: E402
 
 HIDDEN, HEADS, GROUP, EXPERTS, BATCH, SEQ = 16, 4, 8, 8, 8, 8
 

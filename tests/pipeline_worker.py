@@ -17,7 +17,7 @@ from worker_io import attempt, finish, named_input_faults  # noqa: E402
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 
 
 def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-3,
@@ -145,7 +145,7 @@ def checks(method, cluster):
     (the last stage) passes a batch of the right shape but other values, named on the
     first call by default, on every call with "always", never with "never"; a random call
     on rank 1 only drifts its stage's generator, named on every rank by check_replicas."""
-    from torchalpa.runtime.replicas import ReplicaMismatchError
+    from torchalpa.runtime.resilience.replicas import ReplicaMismatchError
 
     def build(mode):
         torch.manual_seed(0)

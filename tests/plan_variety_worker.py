@@ -28,9 +28,9 @@ from worker_io import run_scenarios  # noqa: E402
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
 from torchalpa.core.placement import Replicate  # noqa: E402
-from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
-from torchalpa.runtime.issued import issued_collectives  # noqa: E402
-from torchalpa.runtime.strided_dtensor import full_value  # noqa: E402
+from torchalpa.runtime.lowering.strided_dtensor import full_value  # noqa: E402
+from torchalpa.runtime.measurement.comm_count import CollectiveCounter  # noqa: E402
+from torchalpa.runtime.measurement.issued import issued_collectives  # noqa: E402
 
 COSTS = {   # (alpha, beta) per mesh axis
     "alpa": ((2.0, 2.0), (1.0, 0.1)),       # Alpa's test mesh: axis 1 ten times faster

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from models import MLP, FusedAttention, fused_attention_by_heads, fused_inputs, mlp_inputs  # noqa: E402,E501
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 
 READ = {"elements": 0}
 

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from worker_io import attempt, finish  # noqa: E402
 
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 
 SCENARIO_WAIT_S = 3.0     # the test waits for the job to stop: no need for the default
 

@@ -23,9 +23,9 @@ from worker_io import attempt, finish  # noqa: E402
 
 import torchalpa  # noqa: E402
 from torchalpa.core.options import AutoShardingOption  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from torchalpa.runtime.random import RandomStateWarning  # noqa: E402
-from torchalpa.runtime.replicas import RNG_STATE, ReplicaMismatchError  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.lowering.random_draws import RandomStateWarning  # noqa: E402
+from torchalpa.runtime.resilience.replicas import RNG_STATE, ReplicaMismatchError  # noqa: E402
 
 DIM, BATCH = 32, 64
 

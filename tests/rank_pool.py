@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 import torch.distributed as dist  # noqa: E402
 import worker_io  # noqa: E402
 
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 
 
 def load_worker(path: str, cache: dict):

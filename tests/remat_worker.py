@@ -17,7 +17,7 @@ from worker_io import attempt, finish  # noqa: E402
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 
 
 def intra_op(gpt, batch, remat: str, steps: int = 3) -> dict:

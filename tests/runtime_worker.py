@@ -28,12 +28,12 @@ from worker_io import attempt, finish, max_rel, named_input_faults, train_beside
 
 import torchalpa  # noqa: E402
 from torchalpa.core.plan import OutputSlot  # noqa: E402
-from torchalpa.runtime.buckets import gradient_buckets  # noqa: E402
-from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from torchalpa.runtime.issued import issued_collectives  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
-from torchalpa.runtime.precision import CastForward, MixedPrecision  # noqa: E402
-from torchalpa.runtime.strided_dtensor import full_value  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.precision import CastForward, MixedPrecision  # noqa: E402
+from torchalpa.runtime.lowering.strided_dtensor import full_value  # noqa: E402
+from torchalpa.runtime.measurement.issued import issued_collectives  # noqa: E402
+from torchalpa.runtime.rewrites.buckets import gradient_buckets  # noqa: E402
+from torchalpa.runtime.state.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 
 # Scenarios that need sharded layouts (not DDP's) plan for a CPU cluster that prices each
@@ -109,7 +109,7 @@ def micro_batches(make, batch_size, dim, k, **auto_kw):
 def eager_step(model: nn.Module, loss_fn):
     """One device's eager step: the loss, gradients left on the parameters. In bf16 its
     kernels are the lowered program's (a linear layer's bias added inside ``addmm``:
-    runtime/linear_bias.py), so the two round alike."""
+    runtime/rewrites/linear_bias.py), so the two round alike."""
     def step(*batch):
         loss = loss_fn(model(*batch[:-1]), batch[-1])
         loss.backward()
@@ -394,7 +394,7 @@ def checkpoint_strided(shared: str, tag: str = ""):
 def checkpoint_strided_as_on_2_11(shared: str):
     """``checkpoint_strided`` where DTensor refuses to redistribute a strided shard, as
     PyTorch 2.11's does (it raised ValueError there, breaking such checkpoints and
-    gathers): ``runtime/strided_dtensor.py`` then gathers them itself."""
+    gathers): ``runtime/lowering/strided_dtensor.py`` then gathers them itself."""
     from torch.distributed.tensor import DTensor
 
     from torchalpa.core.placement import split_factor_of

@@ -23,12 +23,12 @@ def small_gpt_graph(num_layers: int = 4):
 def exact_stages(graph, layer, cluster, method, cache=None):
     """The pipeline search's exact stage pricing of ``graph`` cut into ``layer``, with its
     own ``SolveCache`` unless given one (``cache`` holds what it solves)."""
-    from torchalpa.passes.exact_stages import ExactStages
-    from torchalpa.passes.layer_cache import SolveCache
-    from torchalpa.passes.layer_costs import LayerCosts
-    from torchalpa.passes.pricing_memo import PricingMemo
-    from torchalpa.passes.search_problem import SearchProblem
-    from torchalpa.passes.stage_costs import StageCosts
+    from torchalpa.passes.pipeline_search.exact_stages import ExactStages
+    from torchalpa.passes.pipeline_search.layer_cache import SolveCache
+    from torchalpa.passes.pipeline_search.layer_costs import LayerCosts
+    from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
+    from torchalpa.passes.pipeline_search.search_problem import SearchProblem
+    from torchalpa.passes.pipeline_search.stage_costs import StageCosts
     cache = SolveCache() if cache is None else cache
     problem = SearchProblem(graph, layer, cluster, method, "global")
     layers = LayerCosts(problem, cache, PricingMemo())

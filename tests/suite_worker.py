@@ -27,7 +27,7 @@ from worker_io import attempt, finish  # noqa: E402
 
 import torchalpa  # noqa: E402
 from torchalpa.models.suite import build_case  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 
 STEPS = 3
 LR = 1e-3

@@ -25,7 +25,7 @@ from alpa_cases import ConvNet  # noqa: E402
 from worker_io import max_rel, mesh_shape, run_scenarios, train_beside_one_device  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime.issued import issued_collectives  # noqa: E402
+from torchalpa.runtime.measurement.issued import issued_collectives  # noqa: E402
 
 # (layers, batch, image size, channels) per net
 NETS = {"conv": (3, 16, 16, 4), "wide": (2, 2, 4, 16)}

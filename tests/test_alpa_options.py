@@ -14,7 +14,7 @@ from torchalpa import (
 )
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel.shard import blocks_of
-from torchalpa.passes.intra_op import plan_intra_op
+from torchalpa.passes.sharding.intra_op import plan_intra_op
 
 MESH = LogicalMesh(shape=(4,))
 MESH_2D = LogicalMesh(shape=(2, 2), beta=(1.0, 0.1))

@@ -84,7 +84,7 @@ def test_gradient_accumulation_reduce_scatter(runs):
 def test_gradient_accumulation_reduce_scatter_one_all_gather(runs):
     """Alpa gathers the updated parameters once, merged, in its apply-gradients module;
     ours are gathered once per step before the first micro-batch, as one bucket
-    (``runtime/param_gather.py``), not per parameter and micro-batch (4 x 2 = 8)."""
+    (``runtime/rewrites/param_gather.py``), not per parameter and micro-batch (4 x 2 = 8)."""
     r = _scenario(runs, "accum_rs:1x4")
     assert _counts(r)["all_gather"] == 1, r["planned"]
 

@@ -294,7 +294,7 @@ EMBEDDING_SPELLINGS = [("matmul", summed_cross_entropy),
 def test_embedding_2d_mesh(head, loss_fn):
     """Vocab-parallel embedding and cross entropy (Megatron's): the table split by rows
     on axis 1, the batch on axis 0 (Alpa's 2D search space), the logits stay split through
-    log-softmax (row max and sum all-reduced, ``runtime/synced.py``) and the target pick.
+    log-softmax (row max and sum all-reduced, ``runtime/lowering/synced.py``) and the target pick.
 
     Accounting difference: our backward all-reduces one more row statistic (the row sum
     of the incoming gradient, ``grad - exp(y) * sum(grad)``), where XLA's plan computes the
@@ -334,7 +334,7 @@ def test_embedding_2d_mesh_unrestricted_is_no_worse():
 @pytest.mark.slow
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
 def test_conv_data_parallel(axis, shape):
-    """Synchronized batch norm (rules/norm.py, runtime/sync_norm.py): the batch splits and
+    """Synchronized batch norm (rules/norm.py, runtime/lowering/sync_norm.py): the batch splits and
     each BatchNorm all-reduces its per-channel sums, (sum x, sum x^2) in forward and
     (sum dy, sum dy x_hat) in backward. Accounting difference: Alpa's formula prices every
     parameter's gradient all-reduce plus 4 statistics all-reduces of C values per

@@ -1,4 +1,4 @@
-"""Attention's backward is priced as it runs (``passes/attention_price.py``): on CPU ranks
+"""Attention's backward is priced as it runs (``passes/pricing/attention_price.py``): on CPU ranks
 the fused backward reads the forward's saved statistic (the four products and ``q k^T``
 again), on CUDA it runs the forward again first, with grouped heads on CPU the math path
 recomputes; and the memory model holds the saved output and log-sum-exp until backward."""
@@ -16,14 +16,14 @@ from torchalpa.core.cluster import Cluster
 from torchalpa.core.placement import Replicate, Shard
 from torchalpa.ops import attention
 from torchalpa.parallel.workflow import capture_step
-from torchalpa.passes.attention_price import (
+from torchalpa.passes.pricing.attention_price import (
     attention_backward_flops,
     saved_statistics,
     saves_statistic,
     statistic_spec,
 )
-from torchalpa.passes.memory import activation_peak_bytes, liveness
-from torchalpa.runtime.attention_statistics import save_attention_statistics
+from torchalpa.passes.pricing.memory import activation_peak_bytes, liveness
+from torchalpa.runtime.rewrites.attention_statistics import save_attention_statistics
 
 B, H, L, E = 2, 4, 8, 16
 

@@ -1,4 +1,4 @@
-"""Attention's backward from the forward's saved statistics (runtime/attention_statistics.py):
+"""Attention's backward from the forward's saved statistics (runtime/rewrites/attention_statistics.py):
 the same gradients as PyTorch's autograd, and the lowering really uses it."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The planner decides: lower bounds (passes/bounds.py), meshes refused without an ILP,
+"""The planner decides: lower bounds (passes/pricing/bounds.py), meshes refused without an ILP,
 and AutoParallel (torchalpa/parallel/auto.py), the default method, choosing intra-op plans,
 pipelines, activation checkpointing and micro-batches under the memory budget."""
 
@@ -18,8 +18,8 @@ from torchalpa.frontends.block_remat import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel import shard
 from torchalpa.parallel.auto import NothingFitsError
-from torchalpa.passes.bounds import step_profile
-from torchalpa.passes.ilp import InfeasibleError
+from torchalpa.passes.pricing.bounds import step_profile
+from torchalpa.passes.sharding.ilp import InfeasibleError
 
 KiB = 1024
 
@@ -74,7 +74,7 @@ def test_the_memory_bound_is_what_the_solver_finds_at_its_tightest(gpt):
     need = step_profile(graph, cluster).memory_bytes(4)
     tight = ShardParallel(auto_sharding_option=AutoShardingOption(
         memory_budget_per_device=need * 0.99))
-    from torchalpa.passes.intra_op import plan_intra_op
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
     with pytest.raises(InfeasibleError):
         plan_intra_op(graph, cluster.logical_mesh((4,)), tight)
 
@@ -83,7 +83,7 @@ def test_a_mesh_that_cannot_fit_is_refused_without_an_ilp(gpt, monkeypatch):
     """Every view of too small a cluster is refused by the bound in milliseconds; the
     message says what would fit (checkpointing, micro-batches, devices)."""
     model, batch, loss_fn = gpt
-    import torchalpa.passes.intra_op as intra_op
+    import torchalpa.passes.sharding.intra_op as intra_op
 
     def no_ilp(*args, **kwargs):
         raise AssertionError("the ILP was built for a mesh the bound refuses")

@@ -1,4 +1,4 @@
-"""Bucketed gradient collectives (runtime/buckets.py) in one process: which gradients share
+"""Bucketed gradient collectives (runtime/rewrites/buckets.py) in one process: which gradients share
 a bucket, what a step then issues, the pass's rewrite, and the pack / unpack helpers
 against a simulation of the ranks' collectives. Real ranks: tests/test_distributed.py
 (data_parallel, zero3) and tests/test_runtime_dist.py (micro_dp) count the buckets."""
@@ -21,8 +21,9 @@ from torchalpa.core.plan import (
     ReshardStep,
     ValuePlacement,
 )
-from torchalpa.runtime import collectives as C
-from torchalpa.runtime.buckets import (
+from torchalpa.runtime.execution import collectives as C
+from torchalpa.runtime.measurement.issued import issued_collectives
+from torchalpa.runtime.rewrites.buckets import (
     DEFAULT_BUCKET_BYTES,
     bucket_threshold,
     flatten_concat,
@@ -32,7 +33,6 @@ from torchalpa.runtime.buckets import (
     split_chunks,
     split_flat,
 )
-from torchalpa.runtime.issued import issued_collectives
 
 MESH = (4, 2)
 P, R = Partial("sum"), Replicate()
@@ -179,11 +179,11 @@ def test_shard_source_layouts_count_local_elements():
     assert gradient_buckets(make_plan(grads))[0].params == ("b", "a")
 
 
-# -- issuing gradient collectives inside backward (runtime/reduce_in_backward.py) ------------
+# -- issuing gradient collectives inside backward (runtime/rewrites/reduce_in_backward.py) ------------
 
 def test_backward_with_reduce_issues_each_collective_once_its_gradients_exist(one_rank_group):
-    from torchalpa.runtime.overlap import overlap_collectives
-    from torchalpa.runtime.reduce_in_backward import EARLY, backward_with_reduce
+    from torchalpa.runtime.rewrites.overlap import overlap_collectives
+    from torchalpa.runtime.rewrites.reduce_in_backward import EARLY, backward_with_reduce
 
     def backward(s):                       # the last layer's gradient first, as backward does
         g_last = s * 2

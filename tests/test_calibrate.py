@@ -17,8 +17,8 @@ from torchalpa.core.placement import Partial, Replicate
 from torchalpa.core.plan import OUTPUT, OutputSlot, ReshardStep
 from torchalpa.parallel.calibrate import Calibration, calibration_enabled, fit_alpha_beta
 from torchalpa.parallel.workflow import default_cluster
-from torchalpa.passes.cost import collective_cost, gradient_steps_cost, steps_cost
-from torchalpa.runtime.buckets import DEFAULT_BUCKET_BYTES
+from torchalpa.passes.pricing.cost import collective_cost, gradient_steps_cost, steps_cost
+from torchalpa.runtime.rewrites.buckets import DEFAULT_BUCKET_BYTES
 
 SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 

@@ -19,7 +19,7 @@ from torchalpa.core.opgraph import OpNode, TensorSpec
 from torchalpa.core.placement import Replicate
 from torchalpa.frontends.opset import flop_count
 from torchalpa.parallel.calibrate import Calibration, conv_flops, in_step_latency
-from torchalpa.passes.cost import compute_cost, op_family, optimizer_cost
+from torchalpa.passes.pricing.cost import compute_cost, op_family, optimizer_cost
 
 
 class FakeClock:

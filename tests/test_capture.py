@@ -404,7 +404,7 @@ class TwoStages(nn.Module):
 
 
 def test_pipeline_boundary_marker_survives_forward_and_backward():
-    import torchalpa.passes.rules.markers  # noqa: F401  (the rule; rules/__init__ may not yet)
+    import torchalpa.passes.rules.boundaries  # noqa: F401  (the rule; rules/__init__ may not yet)
     from torchalpa.ops.markers import PIPELINE_BOUNDARY_OP
     from torchalpa.passes.rules import rule_for
     with torch.device("meta"):

@@ -1,4 +1,4 @@
-"""Activation checkpointing (frontends/block_remat.py, passes/remat_choice.py): the rewritten
+"""Activation checkpointing (frontends/block_remat.py, passes/sharding/remat_choice.py): the rewritten
 step computes what the plain step computes, recomputes each block's forward in backward,
 the planner sees less memory and more flops, 'auto' chooses by the plan, and training with
 it on real gloo ranks (tests/remat_worker.py) equals training on one device."""
@@ -15,8 +15,8 @@ import torchalpa
 import torchalpa.models as zoo
 from torchalpa.frontends.block_remat import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes.ilp import InfeasibleError
-from torchalpa.passes.memory import activation_peak_bytes
+from torchalpa.passes.pricing.memory import activation_peak_bytes
+from torchalpa.passes.sharding.ilp import InfeasibleError
 
 
 @pytest.fixture(scope="module")

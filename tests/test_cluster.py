@@ -16,7 +16,7 @@ from torchalpa.core.cluster import GB, Cluster, LogicalMesh
 from torchalpa.core.opgraph import GraphOutputs, OpGraph, OpNode, TensorSpec, ValueRef
 from torchalpa.core.placement import Replicate, Shard
 from torchalpa.parallel.workflow import default_cluster
-from torchalpa.passes.cost import compute_cost, strategy_bytes
+from torchalpa.passes.pricing.cost import compute_cost, strategy_bytes
 
 
 @pytest.fixture
@@ -193,7 +193,7 @@ def test_cluster_options_are_validated():
 
 def test_torchalpa_device_cpu_keeps_a_gpu_machine_on_cpus_and_gloo(fake_gpu, monkeypatch):
     from torchalpa.core.cluster import cuda_selected
-    from torchalpa.runtime.mesh import default_backend, default_device
+    from torchalpa.runtime.execution.mesh import default_backend, default_device
     fake_gpu(count=1)
     assert cuda_selected() and default_backend() == "nccl"
     monkeypatch.setenv("TORCHALPA_DEVICE", "cpu")
@@ -216,7 +216,7 @@ def test_torchalpa_device_cuda_without_cuda_says_how_to_fix_it(monkeypatch):
 def test_more_ranks_than_gpus_is_refused_before_nccl(fake_gpu, monkeypatch):
     """Four ranks on a one-GPU machine: a clear error naming both ways out, not NCCL's
     refusal or an invalid device ordinal on rank 1."""
-    from torchalpa.runtime import mesh
+    from torchalpa.runtime.execution import mesh
     fake_gpu(count=1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")

@@ -1,4 +1,4 @@
-"""The loss's all-reduce left in flight after forward (runtime/deferred_loss.py), in one
+"""The loss's all-reduce left in flight after forward (runtime/rewrites/deferred_loss.py), in one
 process with a one-rank gloo group. Real ranks: tests/test_distributed.py checks that the
 losses a data-parallel step returns still equal one device's."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from torchalpa.runtime import collectives as C
-from torchalpa.runtime.deferred_loss import defer_loss_wait
-from torchalpa.runtime.overlap import overlap_collectives
+from torchalpa.runtime.execution import collectives as C
+from torchalpa.runtime.rewrites.deferred_loss import defer_loss_wait
+from torchalpa.runtime.rewrites.overlap import overlap_collectives
 
 
 def forward_program(group: str, *, reduce_loss: bool) -> fx.GraphModule:

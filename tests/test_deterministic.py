@@ -16,7 +16,7 @@ import torch
 import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core import progress
-from torchalpa.passes.ilp import CLOCK_NOTE
+from torchalpa.passes.sharding.ilp import CLOCK_NOTE
 
 
 @pytest.fixture(scope="module")

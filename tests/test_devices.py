@@ -1,4 +1,4 @@
-"""CPU-only CI catches programs that could not run on a GPU (runtime/device_ops.py).
+"""CPU-only CI catches programs that could not run on a GPU (runtime/lowering/device_ops.py).
 
 The zoo's training steps are captured on ``meta``, planned, lowered for ``cuda`` and run
 on fake CUDA tensors (``FakeTensorMode`` makes ``cuda`` tensors in the CPU build): every
@@ -24,8 +24,8 @@ from torchalpa.core.options import ShardParallel
 from torchalpa.frontends import opset
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel.shard import candidate_meshes, plan_graph
-from torchalpa.runtime.device_ops import DeviceOpError, runs_on
-from torchalpa.runtime.lower import lower
+from torchalpa.runtime.lowering.device_ops import DeviceOpError, runs_on
+from torchalpa.runtime.lowering.lower import lower
 
 aten = torch.ops.aten
 models = pytest.importorskip("torchalpa.models")

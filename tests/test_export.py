@@ -64,6 +64,6 @@ def test_last_step_stats_next_to_the_estimates():
     assert stats.step_time_s > 0 and stats.includes == "forward+backward"
     assert stats.tokens == 8 and stats.tokens_per_s == pytest.approx(8 / stats.step_time_s)
     assert stats.estimated_step_time_s == pm.plan.estimates["step_time_s"]
-    from torchalpa.runtime.issued import issued_collectives
+    from torchalpa.runtime.measurement.issued import issued_collectives
     assert stats.planned_collectives == len(issued_collectives(pm.plan))
     assert "tokens/s" in str(stats) and "(plan: " in str(stats)

@@ -24,8 +24,8 @@ from checkpoint_damage import KINDS, differences, held_state, plant
 from models import mlp_inputs
 
 import torchalpa
-from torchalpa.runtime import checkpoint as ck
-from torchalpa.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from torchalpa.runtime.state import checkpoint as ck
+from torchalpa.runtime.state.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 POINTS = ("started", "data_written", "before_manifest", "before_rename", "before_latest",
           "before_prune")

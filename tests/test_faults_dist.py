@@ -25,7 +25,7 @@ import worker_io
 from fault_worker import batch, build
 
 import torchalpa
-from torchalpa.runtime.checkpoint import load_checkpoint
+from torchalpa.runtime.state.checkpoint import load_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TIMEOUT_S = 6

@@ -1,5 +1,5 @@
 """``AutoShardingOption(elementwise="fused")`` prices a torch graph's elementwise chains as
-``torch.compile`` / XLA run them (``passes/fused_pricing.py``): a value made by a pointwise
+``torch.compile`` / XLA run them (``passes/pricing/fused_pricing.py``): a value made by a pointwise
 op and read only by pointwise ops and reductions moves no bytes; flops stay."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torchalpa
 from torchalpa.core.cluster import Cluster
 from torchalpa.core.options import AutoShardingOption, ShardParallel
 from torchalpa.parallel.workflow import capture_step
-from torchalpa.passes.fused_pricing import is_elementwise, is_reduction, priced_as
+from torchalpa.passes.pricing.fused_pricing import is_elementwise, is_reduction, priced_as
 
 
 class RMSNormMLP(torch.nn.Module):

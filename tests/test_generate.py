@@ -20,7 +20,7 @@ import worker_io
 import torchalpa
 from torchalpa.models import GPT, GPTConfig, Llama, LlamaConfig
 from torchalpa.models.kv_cache import KVCache
-from torchalpa.runtime.sampling import HF_DEFAULTS, Sampling, next_tokens, resolve_sampling
+from torchalpa.runtime.serving.sampling import HF_DEFAULTS, Sampling, next_tokens, resolve_sampling
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
@@ -301,7 +301,7 @@ def test_a_meta_model_loads_a_sharded_snapshot_within_its_share_of_host_memory(t
 
 def test_cache_writes_are_priced_as_the_entries_they_move():
     from torchalpa.parallel.generation import cached_step, capture_generation_step
-    from torchalpa.passes.inplace_pricing import priced_in_place
+    from torchalpa.passes.pricing.inplace_pricing import priced_in_place
     with torch.device("meta"):
         model = Llama(LlamaConfig.tiny(max_seq_len=64))
     step = cached_step(model, torch.empty(4, 8, dtype=torch.int64), torchalpa.Inference())

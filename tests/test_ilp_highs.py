@@ -1,4 +1,4 @@
-"""The direct HiGHS model (``passes/ilp_highs.py``) against PuLP's: same plan, same objective."""
+"""The direct HiGHS model (``passes/sharding/ilp_highs.py``) against PuLP's: same plan, same objective."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def gpt_graph():
 def _plan(graph, monkeypatch, direct: bool, budget: float | None, shape=(2, 2)):
     import torchalpa
     from torchalpa.core.options import ShardParallel
-    from torchalpa.passes import ilp
-    from torchalpa.passes.intra_op import plan_intra_op
+    from torchalpa.passes.sharding import ilp
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
     monkeypatch.setattr(ilp, "DIRECT_HIGHS", direct)
     # no host issue cost: on a GPU a tiny op costs the longer of its kernel and its issue, so
     # the tiny GPT's small ops would cost the issue whatever their layout, and the two solvers
@@ -49,7 +49,7 @@ def test_direct_highs_plans_what_pulp_plans(gpt_graph, monkeypatch, shape):
 
 
 def test_direct_highs_under_a_memory_budget_and_when_nothing_fits(gpt_graph, monkeypatch):
-    from torchalpa.passes.ilp import InfeasibleError
+    from torchalpa.passes.sharding.ilp import InfeasibleError
     free = _plan(gpt_graph, monkeypatch, True, None, (4,))
     peak = free.estimates["memory_per_device_bytes"]
     # a budget under the fastest plan's peak: both paths add the same memory rows
@@ -71,7 +71,7 @@ def test_direct_highs_when_presolve_decides_every_node():
     'Not Solved' (a data-parallel grid with the batch pinned reaches it)."""
     import numpy as np
 
-    from torchalpa.passes.ilp import Edge, ILPProblem, solve_ilp
+    from torchalpa.passes.sharding.ilp import Edge, ILPProblem, solve_ilp
     problem = ILPProblem(node_costs={"a": np.array([1.0, 3.0]), "b": np.array([2.0])},
                          edges=[Edge("a", "b", np.array([0, 1]), np.array([0]),
                                      np.array([[0.5], [0.0]]))])
@@ -88,8 +88,8 @@ def test_a_start_reaches_highs_at_its_own_columns(monkeypatch):
     optimum's cost)."""
     import highspy
 
-    from torchalpa.passes.ilp_highs import solve_with_highs
-    from torchalpa.passes.ilp_model import LinearModel
+    from torchalpa.passes.sharding.ilp_highs import solve_with_highs
+    from torchalpa.passes.sharding.ilp_model import LinearModel
     model = LinearModel()
     for name, cost in (("s_b_0", 3.0), ("s_a_0", 1.0), ("s_a_1", 2.0), ("s_b_1", 1.0)):
         model.column(name, cost, 1.0, True)
@@ -115,7 +115,7 @@ def test_a_start_reaches_highs_at_its_own_columns(monkeypatch):
 def test_auto_means_highs_when_highspy_imports(monkeypatch):
     import importlib.util
 
-    from torchalpa.passes import ilp
+    from torchalpa.passes.sharding import ilp
     assert ilp.resolve_solver("auto") == "highs"
     assert ilp.resolve_solver("cbc") == "cbc"
     real = importlib.util.find_spec

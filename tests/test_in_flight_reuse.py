@@ -8,9 +8,9 @@ import pytest
 from search_models import exact_stages, small_gpt_graph
 
 import torchalpa
-from torchalpa.passes.exact_stages import ExactStages
-from torchalpa.passes.layer_cache import SolveCache
-from torchalpa.passes.layers import assign_layers
+from torchalpa.passes.pipeline_search.exact_stages import ExactStages
+from torchalpa.passes.pipeline_search.layer_cache import SolveCache
+from torchalpa.passes.pipeline_search.layers import assign_layers
 
 GB = 1024 ** 3
 

@@ -1,4 +1,4 @@
-"""Forward-only capture (runtime/inference.py): what a user sees when it fails."""
+"""Forward-only capture (runtime/serving/inference.py): what a user sees when it fails."""
 
 import pytest
 import torch

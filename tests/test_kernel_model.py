@@ -1,4 +1,4 @@
-"""passes/kernel_model.py and what compute_cost makes of it: wave quantization of matmuls,
+"""passes/pricing/kernel_model.py and what compute_cost makes of it: wave quantization of matmuls,
 a matmul's result written after its K loop, bytes of fills, gathers and long-row softmaxes,
 fused attention's rate, the host issue cost on GPUs against CPUs, and the float32 matmul
 rate."""
@@ -11,8 +11,8 @@ from torchalpa.core import gpu_specs
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import Operand, OpNode, TensorSpec
 from torchalpa.core.placement import Replicate, Shard
-from torchalpa.passes.cost import compute_cost
-from torchalpa.passes.kernel_model import (
+from torchalpa.passes.pricing.cost import compute_cost
+from torchalpa.passes.pricing.kernel_model import (
     SHARED_ROW_BYTES,
     TILE,
     epilogue_seconds,

@@ -1,4 +1,4 @@
-"""The SIGTERM handler a rank installs under torchrun (runtime/launcher_stop.py) stays the
+"""The SIGTERM handler a rank installs under torchrun (runtime/resilience/launcher_stop.py) stays the
 rank's: a process forked from it (the planner's stage-solving pool) that is stopped with
 SIGTERM no longer ends the rank. It did: the child inherited the wakeup fd, its SIGTERM
 reached the rank's watcher, and the rank exited 143 in the middle of planning (seen as
@@ -14,7 +14,7 @@ import textwrap
 PROBE = textwrap.dedent("""
     import multiprocessing as mp, os, time
     os.environ["TORCHELASTIC_RUN_ID"] = "probe"       # what torchrun sets
-    from torchalpa.runtime import launcher_stop
+    from torchalpa.runtime.resilience import launcher_stop
 
     class Monitor:
         rank = 0

@@ -37,8 +37,8 @@ def _graph(widths: list[int]):
 
 
 def _signatures(graph):
-    from torchalpa.passes.layer_cache import layer_signatures
-    from torchalpa.passes.layers import layers_from_markers
+    from torchalpa.passes.pipeline_search.layer_cache import layer_signatures
+    from torchalpa.passes.pipeline_search.layers import layers_from_markers
     layer = layers_from_markers(graph)
     assert layer is not None
     return layer_signatures(graph, layer, max(layer.values()) + 1)
@@ -56,7 +56,7 @@ def test_identical_layers_share_a_key_and_different_ones_do_not():
 
 
 def test_range_key_follows_the_layers_it_holds():
-    from torchalpa.passes.layer_cache import range_signature
+    from torchalpa.passes.pipeline_search.layer_cache import range_signature
     sig = ["a", "b", "b", "b", "c"]
     assert range_signature(sig, 1, 2) == range_signature(sig, 2, 3)
     assert range_signature(sig, 1, 2) != range_signature(sig, 1, 3)
@@ -64,7 +64,7 @@ def test_range_key_follows_the_layers_it_holds():
 
 
 def test_cache_solves_once_per_key_and_stays_bounded():
-    from torchalpa.passes.layer_cache import SolveCache
+    from torchalpa.passes.pipeline_search.layer_cache import SolveCache
     cache = SolveCache(max_entries=2)
     calls = []
     solve = lambda: calls.append(1) or len(calls)     # noqa: E731
@@ -81,8 +81,8 @@ def test_cached_search_plans_what_a_cold_search_plans(schedule):
     from it (none done) and returns the same stages, submeshes, views and estimates as the
     first; a search given no cache solves again."""
     import torchalpa
-    from torchalpa.passes.inter_op import plan_pipeline
-    from torchalpa.passes.layer_cache import SolveCache
+    from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
+    from torchalpa.passes.pipeline_search.layer_cache import SolveCache
     graph = _graph([32, 32, 32, 32])
     method = torchalpa.PipeshardParallel(num_micro_batches=4, pipeline_schedule=schedule)
     cluster = torchalpa.Cluster.local_cpu(2)

@@ -154,16 +154,17 @@ def test_rule_families_import_the_registry_not_the_package():
 def test_the_layering_test_catches_an_import_against_the_arrows(tmp_path):
     """The checks above see imports written inside functions too."""
     source = tmp_path / "bad.py"
-    source.write_text("def f():\n    from torchalpa.runtime.mesh import rank\n")
-    known = {"torchalpa.runtime.mesh": source}
+    source.write_text("def f():\n    from torchalpa.runtime.execution.mesh import rank\n")
+    known = {"torchalpa.runtime.execution.mesh": source}
     assert list(_imports("torchalpa.passes.bad", source, known)) == \
-        [(2, "torchalpa.runtime.mesh")]
+        [(2, "torchalpa.runtime.execution.mesh")]
     assert "runtime" not in ALLOWED[layer_of("torchalpa.passes.bad")]
 
 
 def test_planning_passes_load_no_runtime():
     # A fresh interpreter: this test process has long imported everything.
-    code = ("import sys, torchalpa.passes.intra_op, torchalpa.passes.inter_op\n"
+    code = ("import sys, torchalpa.passes.sharding.intra_op, "
+            "torchalpa.passes.pipeline_search.inter_op\n"
             "bad = sorted(m for m in sys.modules if m.startswith(('torchalpa.runtime', "
             "'torch.distributed.checkpoint')))\n"
             "assert not bad, bad\n")
@@ -180,7 +181,7 @@ def test_api_loads_no_runtime():
 
 
 def test_ilp_loads_no_torch():
-    code = "import sys, torchalpa.passes.ilp; assert 'torch' not in sys.modules"
+    code = "import sys, torchalpa.passes.sharding.ilp; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -191,7 +192,7 @@ def test_lazy_public_names():
 
     assert torchalpa.plan is api.plan and torchalpa.auto_parallel is api.auto_parallel
     assert torchalpa.Plan is Plan
-    assert torchalpa.save_checkpoint.__module__ == "torchalpa.runtime.checkpoint"
-    assert torchalpa.MixedPrecision.__module__ == "torchalpa.runtime.precision"
+    assert torchalpa.save_checkpoint.__module__ == "torchalpa.runtime.state.checkpoint"
+    assert torchalpa.MixedPrecision.__module__ == "torchalpa.runtime.execution.precision"
     for name in torchalpa.__all__:
         assert getattr(torchalpa, name) is not None

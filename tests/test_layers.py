@@ -12,7 +12,7 @@ from models import MLP
 from test_simplify import Residual
 
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes.layers import cluster_layers
+from torchalpa.passes.pipeline_search.layers import cluster_layers
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_a_gradient_is_made_in_its_parameters_layer_when_a_cut_splits_its_module
     bias gradient is made where the bias lives, so no value flows to a later stage in
     backward (which no schedule can run: it hung on 4 ranks before)."""
     import torchalpa
-    from torchalpa.passes.inter_op import plan_pipeline
+    from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
     model = torch.nn.Sequential()   # Alpa's quickstart MLP: d -> 4d -> d -> 4d -> d, ReLUs
     model.net = torch.nn.Sequential(*[m for i in range(4) for m in (
         torch.nn.Linear(64, 256) if i % 2 == 0 else torch.nn.Linear(256, 64), torch.nn.ReLU())])
@@ -124,7 +124,7 @@ def test_a_pipeline_plan_that_no_schedule_can_run_is_refused():
 
     import torchalpa
     from torchalpa.core.plan import PlanError, Transfer
-    from torchalpa.passes.inter_op import plan_pipeline
+    from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
     graph = capture(MLP(16, 2), (torch.randn(4, 16), torch.randn(4, 16)), F.mse_loss).graph
     method = torchalpa.PipeshardParallel(
         num_micro_batches=2, layer_option=torchalpa.AutoLayerOption(layer_num=2),

@@ -1,4 +1,4 @@
-"""The lean step's foreach choice (runtime/optim.py): where the user left ``foreach`` open,
+"""The lean step's foreach choice (runtime/execution/optim.py): where the user left ``foreach`` open,
 small CPU groups step with the foreach implementation, which must update bit for bit as
 the per-parameter loop does, and leave the group's options as they were."""
 
@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.runtime import optim as lean
+from torchalpa.runtime.execution import optim as lean
 
 HYPER = {torch.optim.SGD: dict(lr=0.1, momentum=0.9, weight_decay=0.01),
          torch.optim.Adam: dict(weight_decay=0.1, amsgrad=True)}

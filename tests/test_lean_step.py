@@ -1,5 +1,5 @@
 """A leaner per-step program (issue 19): ``torchalpa::batched_matmul`` run as its body
-(runtime/inline_batched_matmul.py). The deferred mean-loss tail: tests/test_deferred_loss.py; real
+(runtime/rewrites/inline_batched_matmul.py). The deferred mean-loss tail: tests/test_deferred_loss.py; real
 ranks: tests/test_distributed.py and tests/test_runtime.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from torchalpa.ops.batched_matmul import batched_matmul
-from torchalpa.runtime.inline_batched_matmul import inline_batched_matmul
+from torchalpa.runtime.rewrites.inline_batched_matmul import inline_batched_matmul
 
 
 def product_program() -> fx.GraphModule:

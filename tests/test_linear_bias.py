@@ -1,4 +1,4 @@
-"""A linear layer's bias added inside its GEMM after lowering (runtime/linear_bias.py), on
+"""A linear layer's bias added inside its GEMM after lowering (runtime/rewrites/linear_bias.py), on
 hand-built local graphs; a whole bf16 step: tests/test_bf16_kernels.py."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from torchalpa.runtime.linear_bias import fuse_linear_bias
+from torchalpa.runtime.rewrites.linear_bias import fuse_linear_bias
 
 aten = torch.ops.aten
 

@@ -1,4 +1,4 @@
-"""A rank's block of a replicated tensor (``runtime.collectives.local_chunk``, the plan's
+"""A rank's block of a replicated tensor (``runtime.execution.collectives.local_chunk``, the plan's
 "slice" step) is contiguous, as DTensor's local shards are.
 
 Why it matters: torch's CPU ``native_layer_norm_backward`` computes a wrong weight
@@ -16,7 +16,7 @@ import itertools
 import pytest
 import torch
 
-from torchalpa.runtime.collectives import local_chunk
+from torchalpa.runtime.execution.collectives import local_chunk
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2])

@@ -1,4 +1,4 @@
-"""The loss's all-reduce sent inside a gradient bucket's (runtime/loss_in_bucket.py), on
+"""The loss's all-reduce sent inside a gradient bucket's (runtime/rewrites/loss_in_bucket.py), on
 hand-built programs in one process with a one-rank gloo group. Real ranks (one collective
 per bucket, the loss still one device's): tests/test_distributed.py."""
 
@@ -9,11 +9,11 @@ import operator
 import torch
 import torch.fx as fx
 
-from torchalpa.runtime import collectives as C
-from torchalpa.runtime.buckets import BUCKET, flatten_concat, split_flat
-from torchalpa.runtime.loss_in_bucket import put_loss_in_gradient_bucket
-from torchalpa.runtime.overlap import overlap_collectives
-from torchalpa.runtime.programs import PLAN_STEP
+from torchalpa.runtime.execution import collectives as C
+from torchalpa.runtime.lowering.rank_programs import PLAN_STEP
+from torchalpa.runtime.rewrites.buckets import BUCKET, flatten_concat, split_flat
+from torchalpa.runtime.rewrites.loss_in_bucket import put_loss_in_gradient_bucket
+from torchalpa.runtime.rewrites.overlap import overlap_collectives
 
 
 def names(gm: fx.GraphModule) -> list[str]:

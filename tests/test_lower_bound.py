@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_presolve import brute_force, random_problem
 
-from torchalpa.passes.ilp import ILPProblem, InfeasibleError, lower_bound, solve_ilp
+from torchalpa.passes.sharding.ilp import ILPProblem, InfeasibleError, lower_bound, solve_ilp
 
 
 def _with_fixed_nodes(problem: ILPProblem, rng: np.random.Generator) -> ILPProblem:
@@ -56,7 +56,7 @@ def test_the_relaxation_is_weaker_where_layouts_conflict_in_a_cycle():
     both ends pick the same layout: any plan pays at least 2 (two colours on four nodes),
     the relaxation splits every node half and half and pays 0. The bound is a bound, not
     the optimum (and nothing is presolved away: every node meets three others)."""
-    from torchalpa.passes.ilp import Edge
+    from torchalpa.passes.sharding.ilp import Edge
     names = ["a", "b", "c", "d"]
     same = np.eye(2)
     edges = [Edge(u, v, np.arange(2), np.arange(2), same)
@@ -68,7 +68,7 @@ def test_the_relaxation_is_weaker_where_layouts_conflict_in_a_cycle():
 
 
 def test_an_infeasible_relaxation_is_reported():
-    from torchalpa.passes.ilp import Edge
+    from torchalpa.passes.sharding.ilp import Edge
     # two nodes whose every pair of layouts is forbidden
     problem = ILPProblem(node_costs={"a": np.zeros(2), "b": np.zeros(2)},
                          edges=[Edge("a", "b", np.array([0, 1]), np.array([0, 1]),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torchalpa.core.opgraph import GraphOutputs, OpGraph, OpNode, TensorSpec, ValueRef
 from torchalpa.core.placement import Replicate
-from torchalpa.passes.memory import activation_timeline, liveness
+from torchalpa.passes.pricing.memory import activation_timeline, liveness
 
 SPEC = TensorSpec((4, 4))   # 64 bytes
 
@@ -52,9 +52,9 @@ def test_micro_batches_in_flight_hold_what_forward_saved():
     waiting for backward with what was alive where forward ended."""
     from dataclasses import replace
 
-    from torchalpa.passes.memory import MemoryModel, forward_end
-    from torchalpa.passes.simplify import group_nodes
-    from torchalpa.passes.strategies import Strategy
+    from torchalpa.passes.pricing.memory import MemoryModel, forward_end
+    from torchalpa.passes.sharding.simplify import group_nodes
+    from torchalpa.passes.sharding.strategies import Strategy
     g = graph()
     g = OpGraph([replace(n, phase="backward") if n.name in ("b", "c") else n for n in g],
                 g.outputs)
@@ -75,7 +75,7 @@ def test_micro_batches_in_flight_hold_what_forward_saved():
 
 def test_a_parameter_gathered_once_per_step_holds_its_copy_from_the_start():
     """With micro-batches a one-stage step gathers parameters before its first forward
-    (runtime/param_gather.py): a forward view of a weight is alive from point 0."""
+    (runtime/rewrites/param_gather.py): a forward view of a weight is alive from point 0."""
     live = liveness(graph(), state_at_start=True)
     intervals = {n: (int(s), int(e)) for n, s, e in zip(live.names, live.start, live.end)}
     assert intervals["w_t"] == (0, 7)

@@ -16,7 +16,7 @@ import torchalpa
 import torchalpa.models as zoo
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel import shard
-from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
+from torchalpa.passes.sharding.intra_op import plan_intra_op, step_time_lower_bound
 
 FAMILIES = ["gpt", "llama", "bert", "resnet", "moe"]
 

@@ -11,8 +11,8 @@ import torchalpa
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.placement import Replicate, Shard
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes.ilp import InfeasibleError
-from torchalpa.passes.intra_op import plan_intra_op
+from torchalpa.passes.sharding.ilp import InfeasibleError
+from torchalpa.passes.sharding.intra_op import plan_intra_op
 
 MESH = LogicalMesh(shape=(4,), alpha=(1.0,), beta=(1.0,))
 
@@ -145,7 +145,7 @@ def test_cached_plans_are_reused_without_solving(tmp_path, monkeypatch):
     first = torchalpa.plan(model, (x, y), F.mse_loss, cluster=MESH,
                            method=torchalpa.ShardParallel())
     assert len(list(tmp_path.glob("*.json"))) == 1
-    import torchalpa.passes.intra_op as intra_op
+    import torchalpa.passes.sharding.intra_op as intra_op
 
     def no_solving(*a, **k):
         raise AssertionError("solved again")
@@ -168,7 +168,7 @@ def test_cached_pipeline_plans_are_reused_without_solving(tmp_path, monkeypatch)
     cluster = torchalpa.Cluster.local_cpu(2)
     first = torchalpa.plan(model, (x, y), F.mse_loss, method=method, cluster=cluster)
     assert len(list(tmp_path.glob("*.json"))) == 1
-    import torchalpa.passes.inter_op as inter_op
+    import torchalpa.passes.pipeline_search.inter_op as inter_op
 
     def no_solving(*a, **k):
         raise AssertionError("solved again")

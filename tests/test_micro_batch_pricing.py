@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.passes.cost import optimizer_cost, steps_cost
+from torchalpa.passes.pricing.cost import optimizer_cost, steps_cost
 
 
 class TwoDense(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""The lean optimizer step (runtime/optim.py) on one rank: the same updates as on plain
+"""The lean optimizer step (runtime/execution/optim.py) on one rank: the same updates as on plain
 tensors, DTensor parameters and states outside step(), other optimizers untouched."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime import optim as lean  # noqa: E402
+from torchalpa.runtime.execution import optim as lean  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 

@@ -1,4 +1,4 @@
-"""Parameters gathered once per step with micro-batches (runtime/param_gather.py), in one
+"""Parameters gathered once per step with micro-batches (runtime/rewrites/param_gather.py), in one
 process: which reads are hoisted, how they are bucketed, the unpacking of a bucketed
 all-gather against simulated ranks, and the pass's rewrite. Real ranks:
 tests/test_alpa_runs.py (ZeRO-2, 2 micro-batches: one all-gather per step)."""
@@ -13,10 +13,10 @@ import torch.fx as fx
 
 from torchalpa.core.placement import Replicate, Shard
 from torchalpa.core.plan import Collective, Plan, Reshard, ReshardStep, ValuePlacement
-from torchalpa.runtime import collectives as C
-from torchalpa.runtime.buckets import flatten_concat
-from torchalpa.runtime.issued import issued_collectives
-from torchalpa.runtime.param_gather import (
+from torchalpa.runtime.execution import collectives as C
+from torchalpa.runtime.measurement.issued import issued_collectives
+from torchalpa.runtime.rewrites.buckets import flatten_concat
+from torchalpa.runtime.rewrites.param_gather import (
     gather_buckets,
     gathered_once,
     hoist_parameter_gathers,

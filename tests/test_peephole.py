@@ -1,4 +1,4 @@
-"""Decomposed patterns folded back into eager's kernels after lowering (runtime/relu_backward.py)."""
+"""Decomposed patterns folded back into eager's kernels after lowering (runtime/rewrites/relu_backward.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.runtime.relu_backward import fold_relu_backward
+from torchalpa.runtime.rewrites.relu_backward import fold_relu_backward
 
 aten = torch.ops.aten
 

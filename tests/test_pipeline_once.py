@@ -10,7 +10,7 @@ import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core.options import AutoLayerOption, ManualStageOption, PipeshardParallel
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes.inter_op import micro_batch_seconds, plan_pipeline
+from torchalpa.passes.pipeline_search.inter_op import micro_batch_seconds, plan_pipeline
 
 
 def _plan(graph, cluster, micro_batches: int):

@@ -6,7 +6,7 @@ Found by it: the zoo LLaMA under unit costs failed at its first step ("view size
 compatible with input tensor's size and stride"): CPU attention writes its output in a
 memory order where the model's transpose-then-view is free on one device, but the block
 a rank held after an all-gather is contiguous in the logical order. Views are now local
-reshapes (``runtime/localize.py``).
+reshapes (``runtime/lowering/localize.py``).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.placement import Replicate, Shard
 from torchalpa.core.plan import PLAN_VERSION, Plan
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes.cost import all_reduce_cost
-from torchalpa.passes.intra_op import UnsupportedOpWarning, plan_intra_op
+from torchalpa.passes.pricing.cost import all_reduce_cost
+from torchalpa.passes.sharding.intra_op import UnsupportedOpWarning, plan_intra_op
 
 ALPA_MESH = LogicalMesh(shape=(4,), alpha=(1.0,), beta=(1.0,))  # Alpa's unit costs
 
@@ -317,7 +317,7 @@ def test_a_warm_start_changes_nothing_but_time(solver):
     the same optimum as a cold solve, from a feasible but poor start, with a memory row."""
     import numpy as np
 
-    from torchalpa.passes.ilp import Edge, ILPProblem, solve_ilp
+    from torchalpa.passes.sharding.ilp import Edge, ILPProblem, solve_ilp
     rng = np.random.default_rng(0)
     names = [f"n{i}" for i in range(12)]
     costs = {n: rng.uniform(1, 10, size=4) for n in names}

@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from torchalpa.passes.ilp import Edge, ILPProblem, InfeasibleError, solve_ilp
-from torchalpa.passes.presolve import presolve
+from torchalpa.passes.sharding.ilp import Edge, ILPProblem, InfeasibleError, solve_ilp
+from torchalpa.passes.sharding.presolve import presolve
 
 
 def brute_force(problem: ILPProblem) -> float:

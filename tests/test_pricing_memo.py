@@ -1,4 +1,4 @@
-"""A ``PricingMemo`` (``passes/pricing_memo.py``) changes how long planning takes, never a
+"""A ``PricingMemo`` (``passes/pipeline_search/pricing_memo.py``) changes how long planning takes, never a
 plan: a solve given a memo that other solves filled makes the plan a solve with its own
 makes; the memo answers a repeated key with the object it made, and stays bounded."""
 
@@ -9,9 +9,9 @@ from dataclasses import replace
 from search_models import small_gpt_graph
 
 import torchalpa
-from torchalpa.passes.intra_op import plan_intra_op
-from torchalpa.passes.pricing_memo import PricingMemo
+from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.rules import rule_for
+from torchalpa.passes.sharding.intra_op import plan_intra_op
 
 GB = 1024 ** 3
 

@@ -1,5 +1,5 @@
-"""Random ops that shard (passes/rules/random.py, runtime/random.py) and ranks that cannot
-drift (runtime/replicas.py, the generator sync in auto_parallel).
+"""Random ops that shard (passes/rules/random.py, runtime/lowering/random_draws.py) and ranks that cannot
+drift (runtime/resilience/replicas.py, the generator sync in auto_parallel).
 
 - the planner: dropout no longer gathers its input (BERT layers, data parallel);
 - the per-block draw: the rate holds, blocks differ, replicas agree, seeds reproduce;
@@ -22,9 +22,9 @@ import torchalpa
 from torchalpa.core.options import AutoShardingOption
 from torchalpa.core.placement import Replicate, Shard
 from torchalpa.core.plan import NodeStrategy
-from torchalpa.runtime import random as R
-from torchalpa.runtime.localize import localize
-from torchalpa.runtime.replicas import bit_hash
+from torchalpa.runtime.lowering import random_draws as R
+from torchalpa.runtime.lowering.localize import localize
+from torchalpa.runtime.resilience.replicas import bit_hash
 
 aten = torch.ops.aten
 

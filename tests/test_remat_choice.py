@@ -24,7 +24,7 @@ class _Capture:
 
 
 def _choose(variants: dict, with_bound: bool):
-    from torchalpa.passes.remat_choice import plan_with_remat
+    from torchalpa.passes.sharding.remat_choice import plan_with_remat
     solved = []
 
     def solve(c):
@@ -67,8 +67,8 @@ def test_compute_lower_bound_is_below_the_planned_step():
     import torchalpa.models as zoo
     from torchalpa.core.options import ShardParallel
     from torchalpa.frontends.torch_export import capture
-    from torchalpa.passes.intra_op import plan_intra_op
-    from torchalpa.passes.remat_choice import compute_lower_bound
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
+    from torchalpa.passes.sharding.remat_choice import compute_lower_bound
     workload = zoo.tiny("gpt", batch_size=4)
     with torch.device("meta"):
         model, batch = workload.build(), workload.example_inputs()

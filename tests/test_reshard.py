@@ -22,9 +22,9 @@ from torchalpa.core.placement import (
     split_factor_of,
     strided,
 )
-from torchalpa.passes.cost import collective_cost, steps_cost
-from torchalpa.passes.reshard import plan_reshard
-from torchalpa.runtime import collectives as C
+from torchalpa.passes.pricing.cost import collective_cost, steps_cost
+from torchalpa.passes.sharding.reshard import plan_reshard
+from torchalpa.runtime.execution import collectives as C
 
 PER_AXIS = [Replicate(), Shard(0), Shard(1), Partial("sum")]
 # a Partial max or min (amax/amin over a split dim) is made whole or split the same way
@@ -127,7 +127,7 @@ def test_our_blocks_are_dtensor_blocks(fake_world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    from torchalpa.runtime.module import to_dtensor_placements
+    from torchalpa.runtime.execution.module import to_dtensor_placements
     full = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8)
     rank_coords = coords_of((2, 2))
     with LocalTensorMode(4):

@@ -10,7 +10,7 @@ numerics of every such transition are checked in tests/test_reshard.py
 
 from torchalpa.core.opgraph import TensorSpec
 from torchalpa.core.placement import Replicate, Shard
-from torchalpa.passes.reshard import plan_reshard
+from torchalpa.passes.sharding.reshard import plan_reshard
 
 SPEC = TensorSpec((16, 32, 4, 64))   # (experts, groups, capacity, model)
 

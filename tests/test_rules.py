@@ -5,7 +5,7 @@ mesh: cut the operands into the blocks each rank holds, run the (localized) op o
 blocks, put the results back together by the result placements, and compare with the
 op on whole tensors. Random ops run with the same seed on every rank and in the
 reference, as ranks of a real run start from the same generator state: drawn whole they
-equal the reference; drawn per block (``runtime/random.py``) only shapes, dtypes and what
+equal the reference; drawn per block (``runtime/lowering/random_draws.py``) only shapes, dtypes and what
 holds for any draw are compared (``_check_draw``; their statistics are tested in
 ``test_random.py``).
 
@@ -37,11 +37,11 @@ from torchalpa.core.plan import NodeStrategy
 from torchalpa.frontends import torch_export
 from torchalpa.frontends.torch_export import capture, trace_ops
 from torchalpa.passes.rules import RULES
-from torchalpa.passes.strategies import enumerate_strategies
-from torchalpa.passes.strides import POSITION_FREE_OPS
-from torchalpa.runtime import sync_norm
-from torchalpa.runtime.localize import localize
-from torchalpa.runtime.synced import run_synced, synced_axes
+from torchalpa.passes.sharding.strategies import enumerate_strategies
+from torchalpa.passes.sharding.strides import POSITION_FREE_OPS
+from torchalpa.runtime.lowering import sync_norm
+from torchalpa.runtime.lowering.localize import localize
+from torchalpa.runtime.lowering.synced import run_synced, synced_axes
 
 MESHES = [(2,), (4,), (2, 2)]
 SEED = 1234
@@ -107,7 +107,7 @@ class _SimulatedAllReduce:
 
 
 def _run_synced(node_fx, strategy, mesh_shape, local_args, axes):
-    """A synced op's phases (``runtime.synced``) on every rank at once, the statistics'
+    """A synced op's phases (``runtime.lowering.synced``) on every rank at once, the statistics'
     all-reduces simulated across the ranks."""
     all_reduce = _SimulatedAllReduce(mesh_shape)
     outs, errors = {}, []
@@ -142,7 +142,7 @@ def _batch_synced_sums(sums: dict, batch_syncs, mesh_shape) -> dict:
 
 
 def _run_batch_synced(node_fx, values, strategy, mesh_shape, local_calls):
-    """A batch-synced op (batch norm over a split batch) as ``runtime.sync_norm`` runs it,
+    """A batch-synced op (batch norm over a split batch) as ``runtime.lowering.sync_norm`` runs it,
     on every rank's localized call: local sums, their sum over the batch-synced axes' peers
     (the all-reduce), then the results."""
     op = str(node_fx.target)
@@ -227,7 +227,7 @@ def check_all_strategies(gm, nodes, args, meshes=MESHES, atol=1e-4, rtol=1e-4,
         assert rule is not None, f"{op_node.op}: the rule declined a graph it should describe"
         if transform is not None:
             rule = transform(op_node.op, rule)
-        # an op that may carry a strided shard (passes/strides.py) is checked with every
+        # an op that may carry a strided shard (passes/sharding/strides.py) is checked with every
         # dim of a size 2 pieces can split offered so
         sizes = {d for spec in specs + list(op_node.outputs) for d in spec.shape}
         strides = tuple((2, d) for d in sorted(sizes) if d % 4 == 0) \
@@ -325,8 +325,8 @@ def test_harness_catches_a_factor_that_must_stay_whole(name, op):
                                 "aten._log_softmax_backward_data.default"])
 def test_harness_catches_a_split_softmax_without_its_all_reduces(op):
     """Log-softmax split along its dim is right only with its statistics all-reduced
-    (``runtime.synced``): run on blocks alone, it normalizes each block by itself."""
-    from torchalpa.runtime import synced as S
+    (``runtime.lowering.synced``): run on blocks alone, it normalizes each block by itself."""
+    from torchalpa.runtime.lowering import synced as S
     (gm, nodes), args = traced("log_softmax")
     with mock.patch.dict(S.SYNCED):
         del S.SYNCED[op]
@@ -336,7 +336,7 @@ def test_harness_catches_a_split_softmax_without_its_all_reduces(op):
 
 def test_synced_rules_and_runtime_agree():
     """The statistics a rule prices are those the runtime all-reduces, in order."""
-    from torchalpa.runtime.synced import SYNCED
+    from torchalpa.runtime.lowering.synced import SYNCED
     (gm, nodes), _ = traced("log_softmax")
     seen = set()
     for node in nodes.values():
@@ -369,8 +369,8 @@ def test_log_softmax_splits_its_dim_with_synced_statistics():
 
 def test_harness_catches_a_split_gather_without_offsets():
     """A gather or scatter along a split dim must translate positions to its block
-    (``runtime.vocab``); on global positions it picks or writes the wrong ones."""
-    from torchalpa.runtime import localize as L
+    (``runtime.lowering.vocab``); on global positions it picks or writes the wrong ones."""
+    from torchalpa.runtime.lowering import localize as L
     (gm, nodes), args = traced("gather_scatter")
     for op in ("aten.gather.default", "aten.scatter.value"):
         rewrites = {k: v for k, v in L._REWRITES.items() if k != op}
@@ -424,7 +424,7 @@ def _random_rules(mesh_shape, option=None):
     """{op: strategies} of every random op in the cases (eval-mode dropout excluded)."""
     from torchalpa.core.opgraph import GraphOutputs, OpGraph, ValueRef
     from torchalpa.core.options import AutoShardingOption
-    from torchalpa.passes.intra_op import build_strategies
+    from torchalpa.passes.sharding.intra_op import build_strategies
     found = {}
     for name in ("random", "dropout", "undecomposed"):
         (gm, nodes), _ = traced(name)
@@ -485,7 +485,7 @@ def test_embedding_splits_the_vocabulary():
 def test_harness_catches_a_vocab_split_without_row_offsets():
     """Run on global indices without the runtime's row translation, a split table looks up
     the wrong rows (or none), and the harness says so."""
-    from torchalpa.runtime import localize as L
+    from torchalpa.runtime.lowering import localize as L
     (gm, nodes), args = traced("embedding_vocab_parallel")
     for op in ("aten.embedding.default", "aten.embedding_dense_backward.default"):
         rewrites = {k: v for k, v in L._REWRITES.items() if k != op}

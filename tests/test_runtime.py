@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from models import MLP, mlp_inputs
 
 import torchalpa
-from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
-from torchalpa.runtime.materialize import MaterializeWarning
-from torchalpa.runtime.precision import CastForward, MixedPrecision
+from torchalpa.runtime.execution.materialize import MaterializeWarning
+from torchalpa.runtime.execution.precision import CastForward, MixedPrecision
+from torchalpa.runtime.state.checkpoint import load_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 
@@ -255,8 +255,8 @@ def test_checkpoint_round_trip_and_errors(tmp_path):
 # -- communication overlap ----------------------------------------------------------------
 
 def test_overlap_waits_for_a_collective_where_its_result_is_first_used():
-    from torchalpa.runtime import collectives as C
-    from torchalpa.runtime.overlap import overlap_collectives
+    from torchalpa.runtime.execution import collectives as C
+    from torchalpa.runtime.rewrites.overlap import overlap_collectives
     graph = torch.fx.Graph()
     grad, act = graph.placeholder("grad"), graph.placeholder("act")
     reduced = graph.call_function(C.all_reduce, (grad, "sum", "g0"))
@@ -277,8 +277,8 @@ def test_parameter_gathers_are_issued_one_parameter_ahead():
     """ZeRO-3: the second parameter's all-gather starts once the first has been waited
     for, before the matmul that reads the first runs (and before the activation's gather
     that preceded it); the activation's gather itself stays put."""
-    from torchalpa.runtime import collectives as C
-    from torchalpa.runtime.overlap import overlap_collectives, prefetch_parameter_gathers
+    from torchalpa.runtime.execution import collectives as C
+    from torchalpa.runtime.rewrites.overlap import overlap_collectives, prefetch_parameter_gathers
     graph = torch.fx.Graph()
     x, w1, w2 = (graph.placeholder(n) for n in ("x", "w1", "w2"))
     full1 = graph.call_function(C.all_gather, (w1, 0, 4, "g0"))
@@ -322,9 +322,9 @@ def test_an_intra_op_plan_lowers_as_a_one_stage_pipeline():
     from torchalpa.core.cluster import LogicalMesh
     from torchalpa.core.plan import PipelinePlan, StagePlan
     from torchalpa.frontends.torch_export import capture
-    from torchalpa.passes.intra_op import plan_intra_op
-    from torchalpa.runtime.lower import lower
-    from torchalpa.runtime.pipeline import lower_stage
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
+    from torchalpa.runtime.execution.pipeline import lower_stage
+    from torchalpa.runtime.lowering.lower import lower
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
     x, y = torch.randn(512, 16), torch.randn(512, 4)      # batch-split: batch norm reduces

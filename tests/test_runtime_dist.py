@@ -89,7 +89,7 @@ def test_micro_batches_issue_the_planned_collectives_per_micro_batch(four, name)
 
 def test_zero2_micro_batches_gather_the_parameters_once_per_step(four):
     """ZeRO-2 with 2 micro-batches: the parameters forward reads are gathered once per
-    step, in one bucket, before the first micro-batch (runtime/param_gather.py), and the
+    step, in one bucket, before the first micro-batch (runtime/rewrites/param_gather.py), and the
     step still equals one device's, by loss.backward() and by train_step."""
     r = get(four, "micro_zero2")
     for got, want in zip(r["losses"], r["ref_losses"]):

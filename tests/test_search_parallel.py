@@ -10,8 +10,8 @@ import pytest
 from search_models import small_gpt_graph
 
 import torchalpa
-from torchalpa.passes import inter_op
-from torchalpa.passes.stage_jobs import StageJobs
+from torchalpa.passes.pipeline_search import inter_op
+from torchalpa.passes.pipeline_search.stage_jobs import StageJobs
 
 GB = 1024 ** 3
 

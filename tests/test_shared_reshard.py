@@ -1,4 +1,4 @@
-"""Reads of one value in one layout are priced once (passes/shared_reshard.py), and a
+"""Reads of one value in one layout are priced once (passes/sharding/shared_reshard.py), and a
 plan's shared read round-trips through JSON."""
 
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 
 from torchalpa.core.placement import Partial, Replicate
 from torchalpa.core.plan import Reshard, ReshardStep
-from torchalpa.passes.ilp import Edge, ILPProblem, solve_ilp
-from torchalpa.passes.shared_reshard import SharedReads
+from torchalpa.passes.sharding.ilp import Edge, ILPProblem, solve_ilp
+from torchalpa.passes.sharding.shared_reshard import SharedReads
 
 # producer u writes layout A (strategy 0) or B (strategy 1); targets X (0) and Y (1)
 TABLE = np.array([[10.0, 6.0],       # A -> X, A -> Y

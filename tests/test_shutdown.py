@@ -1,6 +1,6 @@
 """The end of a distributed script: ``torchalpa.shutdown()`` exits without the interpreter's
-teardown (``runtime/mesh.py``), and a script that ends with ``dist.destroy_process_group()``
-or nothing at all exits cleanly too, with its own status (``runtime/clean_exit.py``).
+teardown (``runtime/execution/mesh.py``), and a script that ends with ``dist.destroy_process_group()``
+or nothing at all exits cleanly too, with its own status (``runtime/resilience/clean_exit.py``).
 
 ``benchmarks/clean_exit.py`` repeats the launches many times on a loaded machine."""
 
@@ -18,7 +18,7 @@ def test_shutdown_leaves_the_group_runs_atexit_handlers_and_exits_with_the_code(
         import atexit
         import torch.distributed as dist
         import torchalpa
-        from torchalpa.runtime.mesh import init_distributed
+        from torchalpa.runtime.execution.mesh import init_distributed
         init_distributed()
         atexit.register(lambda: open({str(marker)!r}, "w").write(
             "initialized" if dist.is_initialized() else "left"))

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torchalpa import AutoShardingOption, ShardParallel
 from torchalpa.core.cluster import Cluster
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes.intra_op import build_strategies, plan_intra_op
-from torchalpa.passes.simplify import group_nodes
+from torchalpa.passes.sharding.intra_op import build_strategies, plan_intra_op
+from torchalpa.passes.sharding.simplify import group_nodes
 
 
 class Residual(nn.Module):
@@ -104,7 +104,7 @@ def _mlp_of_repeated_linears():
 def test_identical_linear_layers_can_still_alternate():
     """When every Linear of an MLP is its own repeated block, sharing one decision would
     forbid Megatron's column/row alternation; the planner notices and lets layers differ."""
-    from torchalpa.passes.cost import all_reduce_cost
+    from torchalpa.passes.pricing.cost import all_reduce_cost
     g, blocks, mesh = _mlp_of_repeated_linears()
     assert blocks, "the Linear layers are repeated blocks"
     plan = plan_intra_op(g, mesh, blocks=blocks)

@@ -19,10 +19,10 @@ import torchalpa.models as zoo
 from torchalpa import AutoShardingOption, LogicalMesh, ShardParallel
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel.shard import blocks_of
-from torchalpa.passes.costgraph import ReshardCosts, solve_sharing_reads
-from torchalpa.passes.ilp import ILPProblem, solve_ilp
-from torchalpa.passes.intra_op import build_strategies, plan_intra_op
-from torchalpa.passes.simplify import group_nodes
+from torchalpa.passes.sharding.costgraph import ReshardCosts, solve_sharing_reads
+from torchalpa.passes.sharding.ilp import ILPProblem, solve_ilp
+from torchalpa.passes.sharding.intra_op import build_strategies, plan_intra_op
+from torchalpa.passes.sharding.simplify import group_nodes
 
 
 def full_ilp_objective(graph, mesh, option) -> float:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torchalpa import AutoShardingOption, LogicalMesh, ShardParallel
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel.shard import blocks_of
-from torchalpa.passes.intra_op import plan_intra_op
+from torchalpa.passes.sharding.intra_op import plan_intra_op
 
 MESHES = {
     "1d4": LogicalMesh(shape=(4,), alpha=(1.0,), beta=(1.0,)),

@@ -370,7 +370,7 @@ class _MLP(torch.nn.Module):
 def _shares(plan, node, mesh) -> int:
     """How many ways the plan splits ``node``'s work: the mesh axes its first result is
     sharded over, or is a partial sum over because an operand was sharded (a contracted
-    dim), as passes/strategies.py counts ``shards``."""
+    dim), as passes/sharding/strategies.py counts ``shards``."""
     s = plan.strategy(node.name)
     return math.prod(mesh.shape[a] for a, p in enumerate(s.outputs[0])
                      if isinstance(p, Shard) or isinstance(p, Partial) and any(
@@ -378,8 +378,8 @@ def _shares(plan, node, mesh) -> int:
 
 
 def _per_device_compute(plan, graph, mesh, keep=lambda n: True) -> float:
-    """The plan's compute estimate (passes/cost.py) summed over the ops ``keep`` selects."""
-    from torchalpa.passes.cost import compute_cost, strategy_bytes
+    """The plan's compute estimate (passes/pricing/cost.py) summed over the ops ``keep`` selects."""
+    from torchalpa.passes.pricing.cost import compute_cost, strategy_bytes
 
     def cost(n) -> float:
         s = plan.strategy(n.name)
@@ -629,7 +629,7 @@ def test_with_jax_loaded_the_pipeline_search_forks_no_workers(monkeypatch):
 
     import torch.nn.functional as F
 
-    from torchalpa.passes import inter_op
+    from torchalpa.passes.pipeline_search import inter_op
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     from quickstart import MLP
     monkeypatch.setattr(inter_op, "cpu_workers", lambda: 2)     # as on a 2-core machine

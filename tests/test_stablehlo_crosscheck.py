@@ -3,7 +3,7 @@ their StableHLO export (``benchmarks/stablehlo_crosscheck.py``) on a 4-device CP
 
 XLA fuses the StableHLO program's elementwise chains, so the ATen graph is planned as
 ``torch.compile`` runs it (``AutoShardingOption(elementwise="fused")``,
-``passes/fused_pricing.py``), and its attention is captured as PyTorch's math SDPA writes
+``passes/pricing/fused_pricing.py``), and its attention is captured as PyTorch's math SDPA writes
 it (two batched matmuls around a softmax, ``attention_as_products``), as torch-mlir's export
 writes it and XLA on a CPU runs it. Estimates agree within 5% (issue #18) for all four. Priced op
 by op (eager, the runtime without ``compile``), LLaMA's ATen step is x1.08 of its

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from torchalpa.passes import stage_jobs
-from torchalpa.passes.stage_jobs import StageJobs
+from torchalpa.passes.pipeline_search import stage_jobs
+from torchalpa.passes.pipeline_search.stage_jobs import StageJobs
 
 # another test may have loaded JAX in this process; these children only sleep
 pytestmark = pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")

@@ -1,4 +1,4 @@
-"""Activation checkpointing chosen per pipeline stage (passes/stage_remat.py): the pricing,
+"""Activation checkpointing chosen per pipeline stage (passes/pipeline_search/stage_recompute.py): the pricing,
 and the stage DP choosing it where a stage's kept activations do not fit. Numerics of a
 recomputed stage run on 4 ranks in tests/test_pipeline.py (gpt_2x2_recompute)."""
 
@@ -11,8 +11,12 @@ import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core.plan import PipelinePlan
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes.inter_op import plan_pipeline
-from torchalpa.passes.stage_remat import received_bytes, recompute_memory, recompute_seconds
+from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
+from torchalpa.passes.pipeline_search.stage_recompute import (
+    received_bytes,
+    recompute_memory,
+    recompute_seconds,
+)
 
 P, L = torchalpa.PipeshardParallel, torchalpa.AutoLayerOption
 
@@ -72,7 +76,7 @@ def test_tight_budget_makes_the_dp_recompute_a_stage(gpt_graph):
 def test_replaying_draws_the_forwards_numbers_and_leaves_later_draws_unshifted():
     """A recompute replays the random state its forward began with (the same dropout
     masks), and the generator afterwards is where it was before the replay."""
-    from torchalpa.runtime.stage_remat import random_state, replaying
+    from torchalpa.runtime.execution.stage_replay import random_state, replaying
     rng = random_state(torch.device("cpu"))
     first = torch.rand(8)
     after = torch.get_rng_state()

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from torchalpa.passes.stages import brute_force, stage_dp, submesh_shapes
+from torchalpa.passes.pipeline_search.stages import brute_force, stage_dp, submesh_shapes
 
 
 def test_submesh_shapes_are_alpas():
@@ -105,7 +105,7 @@ def _profile_method():
 
 def test_profile_needs_measurements(mlp_graph):
     import torchalpa
-    from torchalpa.passes.inter_op import plan_pipeline
+    from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
     with pytest.raises(ValueError, match="torchrun"):
         plan_pipeline(mlp_graph, torchalpa.Cluster.local_cpu(4), _profile_method())
 
@@ -115,12 +115,12 @@ def mlp_probes(mlp_graph):
     """The layer probes of ``mlp_graph`` on 4 CPU devices (an ILP per layer and view),
     built once for the tests below: they only read them."""
     import torchalpa
-    from torchalpa.passes.inter_op import layer_probes
+    from torchalpa.passes.pipeline_search.inter_op import layer_probes
     return layer_probes(mlp_graph, torchalpa.Cluster.local_cpu(4), _profile_method())
 
 
 def test_probes_cover_every_layer_on_every_view_once(mlp_probes):
-    from torchalpa.passes.inter_op import logical_views
+    from torchalpa.passes.pipeline_search.inter_op import logical_views
     probes = mlp_probes
     keys = [p.key for p in probes]
     assert len(keys) == len(set(keys))
@@ -136,7 +136,7 @@ def test_measured_times_decide_the_stages(mlp_graph, mlp_probes, fast):
     """Whatever the cost model says, measurements that make one submesh far faster than
     the others make the DP use it: four 1-device stages, or one stage on all four."""
     import torchalpa
-    from torchalpa.passes.inter_op import plan_pipeline
+    from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
     cluster = torchalpa.Cluster.local_cpu(4)
     method = _profile_method()
     measured = {p.key: (1e-3 if p.key[2] == fast else 1.0) for p in mlp_probes}
@@ -152,7 +152,7 @@ def test_measured_times_decide_the_stages(mlp_graph, mlp_probes, fast):
 def test_every_view_with_a_tensor_parallel_axis_within_a_node():
     """A submesh is tried as 1D and as (devices / tp, tp) for every tp dividing a node's
     devices, so each hand (dp, tp) grid's layout is among the views the search plans."""
-    from torchalpa.passes.inter_op import logical_views
+    from torchalpa.passes.pipeline_search.inter_op import logical_views
     assert logical_views((1, 1)) == [(1,)]
     assert logical_views((1, 2)) == [(2,)]
     assert logical_views((1, 8)) == [(8,), (4, 2), (2, 4)]
@@ -162,7 +162,7 @@ def test_every_view_with_a_tensor_parallel_axis_within_a_node():
 def test_views_whose_axis_divides_no_dim_are_skipped():
     """An axis that can shard nothing (49 devices, dims 8 and 5120) only repeats work: the
     pipeline search does not solve it; views with a usable axis stay."""
-    from torchalpa.passes.inter_op import logical_views, shardable_views
+    from torchalpa.passes.pipeline_search.inter_op import logical_views, shardable_views
     dims = frozenset({8, 4096, 5120})
     assert logical_views((49, 4)) == [(196,), (98, 2), (49, 4)]
     assert shardable_views((49, 4), dims) == []
@@ -179,7 +179,7 @@ def _plain_scan(num_layers, num_nodes, devices_per_node, micro, cost, epsilon=1e
     in ascending order until (B - 1) * t_max reaches the best total."""
     import numpy as np
 
-    from torchalpa.passes import stages as st
+    from torchalpa.passes.pipeline_search import stages as st
     shapes = submesh_shapes(num_nodes, devices_per_node)
     sizes = np.array([n * m for n, m in shapes])
     D, L, J = num_nodes * devices_per_node, num_layers, len(shapes)

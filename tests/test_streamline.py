@@ -1,4 +1,4 @@
-"""The run copies of a step's programs (runtime/call_overhead.py): fewer Python-dispatched ops,
+"""The run copies of a step's programs (runtime/rewrites/call_overhead.py): fewer Python-dispatched ops,
 every value the same bit for bit, the source programs untouched."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.runtime.call_overhead import (
+from torchalpa.runtime.rewrites.call_overhead import (
     MAX_CONSTANT_NUMEL,
     cut_call_overhead,
     fold_constants,

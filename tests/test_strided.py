@@ -1,6 +1,6 @@
 """Strided shards (``placement.strided``): a fused q/k/v projection split by heads.
 
-Where the planner offers them (``passes/strides.py``), that a plan does not depend on how
+Where the planner offers them (``passes/sharding/strides.py``), that a plan does not depend on how
 q, k and v are spelled, and that the exporters which cannot express one say so. Training,
 transitions and checkpoints: ``test_distributed.py::test_fused_qkv_projection_trains_split_by_heads``,
 ``test_reshard.py::test_strided_shard_transitions_give_dtensor_blocks``,
@@ -19,7 +19,7 @@ import torchalpa.models as zoo
 from torchalpa.core.placement import Replicate, Shard, strided
 from torchalpa.frontends.torch_export import capture
 from torchalpa.interop.hlo_annotate import hlo_sharding, sdy_sharding
-from torchalpa.passes.strides import strided_regions
+from torchalpa.passes.sharding.strides import strided_regions
 
 
 def _graph(model, inputs, loss_fn=F.mse_loss):

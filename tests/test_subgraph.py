@@ -10,9 +10,9 @@ from test_simplify import Residual
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.plan import OutputSlot
 from torchalpa.frontends.torch_export import capture
-from torchalpa.passes.intra_op import plan_intra_op
-from torchalpa.passes.layers import cluster_layers
-from torchalpa.passes.subgraph import stage_subgraph
+from torchalpa.passes.pipeline_search.layers import cluster_layers
+from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
+from torchalpa.passes.sharding.intra_op import plan_intra_op
 
 
 @pytest.fixture(scope="module")

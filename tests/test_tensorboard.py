@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from models import MLP, mlp_inputs
 
 import torchalpa
-from torchalpa.runtime.stats import StepStats
+from torchalpa.runtime.measurement.stats import StepStats
 
 pytestmark = pytest.mark.usefixtures("single_process_world")   # conftest.py
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import worker_io
 
-from torchalpa.runtime.timeline import trace_path
+from torchalpa.runtime.measurement.timeline import trace_path
 
 
 @pytest.fixture(scope="module")

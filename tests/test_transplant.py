@@ -1,4 +1,4 @@
-"""A stage plan moved onto identical layers elsewhere (``passes/transplant.py``) is the plan
+"""A stage plan moved onto identical layers elsewhere (``passes/pipeline_search/transplant.py``) is the plan
 the ILP makes there: same strategies position by position, same estimates; a graph of
 another structure gets none."""
 
@@ -8,11 +8,11 @@ import pytest
 from search_models import exact_stages, small_gpt_graph
 
 import torchalpa
-from torchalpa.passes.intra_op import plan_intra_op
-from torchalpa.passes.layers import assign_layers
-from torchalpa.passes.stage_solve import plan_stage, stage_request
-from torchalpa.passes.subgraph import stage_subgraph
-from torchalpa.passes.transplant import transplant
+from torchalpa.passes.pipeline_search.layers import assign_layers
+from torchalpa.passes.pipeline_search.stage_solve import plan_stage, stage_request
+from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
+from torchalpa.passes.pipeline_search.transplant import transplant
+from torchalpa.passes.sharding.intra_op import plan_intra_op
 
 GB = 1024 ** 3
 

@@ -14,10 +14,15 @@ import pytest
 from search_models import small_gpt_graph
 
 import torchalpa
-from torchalpa.passes import exact_stages, pipeline_assembly, stage_search, stage_solve
-from torchalpa.passes.exact_stages import ExactStages
-from torchalpa.passes.inter_op import plan_pipeline
-from torchalpa.passes.layer_cache import SolveCache
+from torchalpa.passes.pipeline_search import (
+    exact_stages,
+    pipeline_assembly,
+    stage_search,
+    stage_solve,
+)
+from torchalpa.passes.pipeline_search.exact_stages import ExactStages
+from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
+from torchalpa.passes.pipeline_search.layer_cache import SolveCache
 
 GB = 1024 ** 3
 BUDGET = 7.5      # seconds: far below the method's 60, never reached on this tiny model

@@ -15,12 +15,12 @@ import pytest
 from search_models import small_gpt_graph
 
 import torchalpa
-from torchalpa.passes import stage_search
-from torchalpa.passes.ilp import InfeasibleError
-from torchalpa.passes.inter_op import plan_pipeline
-from torchalpa.passes.layer_costs import LayerCosts
-from torchalpa.passes.stages import submesh_shapes
-from torchalpa.passes.submesh_views import searched_views, tensor_dims
+from torchalpa.passes.pipeline_search import stage_search
+from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
+from torchalpa.passes.pipeline_search.layer_costs import LayerCosts
+from torchalpa.passes.pipeline_search.stages import submesh_shapes
+from torchalpa.passes.pipeline_search.submesh_views import searched_views, tensor_dims
+from torchalpa.passes.sharding.ilp import InfeasibleError
 
 GB = 1024 ** 3
 LAYERS = 4

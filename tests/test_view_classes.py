@@ -34,7 +34,7 @@ def _view_mesh(cluster: torchalpa.Cluster, view: tuple[int, ...]):
 
 
 def test_views_that_shard_the_same_dims_over_the_same_links_share_a_class():
-    from torchalpa.passes.view_classes import view_class
+    from torchalpa.passes.pipeline_search.view_classes import view_class
     cluster = _cluster(8)
     dims = frozenset({8, 5120, 13824})
     cls = {v: view_class(_view_mesh(cluster, v), dims) for v in
@@ -56,7 +56,7 @@ def test_views_that_shard_the_same_dims_over_the_same_links_share_a_class():
 def test_the_search_skips_1d_views_of_multi_node_submeshes():
     """Their splits are the 2D view's over both axes (priced cheaper); a node's own 1D view,
     and every 1D view when splits over both axes are not allowed, stay."""
-    from torchalpa.passes.submesh_views import searched_views, view_notes
+    from torchalpa.passes.pipeline_search.submesh_views import searched_views, view_notes
     dims = frozenset({8, 4096, 5120})
     assert searched_views((5, 4), dims) == [(10, 2), (5, 4)]
     assert searched_views((1, 4), dims) == [(4,), (2, 2)]
@@ -92,8 +92,8 @@ def test_a_plan_priced_on_its_own_view_keeps_its_estimates():
     """Pricing without the ILP reproduces what the ILP's plan says of itself, and on
     another view of the class gives a whole plan whose lean variant shards every
     parameter and holds less state."""
-    from torchalpa.passes.intra_op import plan_intra_op
-    from torchalpa.passes.view_classes import reprice, view_class
+    from torchalpa.passes.pipeline_search.view_classes import reprice, view_class
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
     graph = _mlp_graph()
     cluster = _cluster(8)
     method = torchalpa.ShardParallel()
@@ -120,15 +120,15 @@ def test_a_plan_priced_on_its_own_view_keeps_its_estimates():
 
 def test_a_plan_with_a_strided_qkv_weight_carries_over():
     """A fused q/k/v projection split by heads holds its weight as a strided shard
-    (``passes/strides.py``); pricing offers those strategies too, so the plan is priced
+    (``passes/sharding/strides.py``); pricing offers those strategies too, so the plan is priced
     on its own view as the ILP priced it, and moves to another view of its class with its
     weight still strided (without them nothing of GPT's attention carried over)."""
     from models import FusedAttention, fused_inputs
 
     from torchalpa.core.placement import Replicate, Shard, strided
     from torchalpa.frontends.torch_export import capture
-    from torchalpa.passes.intra_op import plan_intra_op
-    from torchalpa.passes.view_classes import reprice, view_class
+    from torchalpa.passes.pipeline_search.view_classes import reprice, view_class
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
     torch.manual_seed(0)
     graph = capture(FusedAttention(), fused_inputs(), F.mse_loss).graph
     pin = (("c_attn.weight", (Replicate(), strided(0, 3))),
@@ -160,7 +160,7 @@ def test_shared_views_plan_what_solving_every_view_plans(nodes):
     views, with the same estimates, as the search that solves every view by ILP."""
     import torchalpa.models as zoo
     from torchalpa.parallel.workflow import capture_variants, micro_batch_examples
-    from torchalpa.passes.inter_op import plan_pipeline
+    from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
     workload = zoo.llama2_13b(batch_size=8).replace(num_layers=2)
     with torch.device("meta"):
         model = workload.build()

@@ -18,9 +18,9 @@ from quickstart import MLP as QuickstartMLP  # noqa: E402
 from worker_io import attempt, finish  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime.comm_count import CollectiveCounter  # noqa: E402
-from torchalpa.runtime.issued import issued_collectives  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.measurement.comm_count import CollectiveCounter  # noqa: E402
+from torchalpa.runtime.measurement.issued import issued_collectives  # noqa: E402
 
 
 def batch(step: int):

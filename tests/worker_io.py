@@ -27,7 +27,7 @@ import traceback
 
 import torch.distributed as dist
 
-from torchalpa.runtime.strided_dtensor import full_value
+from torchalpa.runtime.lowering.strided_dtensor import full_value
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 POOLED = False        # set by tests/rank_pool.py: finish() then keeps the group for the next job
@@ -137,7 +137,7 @@ def run_scenarios(run, argv=None) -> None:
     """A worker's main: ``argv[1]`` is the JSON path rank 0 writes, ``argv[2]`` the
     scenarios, ``name:arg`` comma separated; ``run(name, arg)`` gives each one's result
     (an error is recorded by ``attempt`` and the next scenario runs)."""
-    from torchalpa.runtime.mesh import init_distributed
+    from torchalpa.runtime.execution.mesh import init_distributed
     argv = sys.argv if argv is None else argv
     out_path, which = argv[1], argv[2].split(",")
     init_distributed()
@@ -178,7 +178,7 @@ def train_beside_one_device(pm, ref, ref_opt, batch_of_step, loss_fn, *, steps: 
     """
     import torch
 
-    from torchalpa.runtime.comm_count import CollectiveCounter
+    from torchalpa.runtime.measurement.comm_count import CollectiveCounter
     if scale != 1.0 and set(range(steps)) - set(backward_steps):
         raise ValueError("train_step cannot scale the loss: with scale != 1, every step must "
                          "be in backward_steps")

@@ -18,8 +18,8 @@ from worker_io import attempt, finish, rel_to_scale, train_beside_one_device  # 
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
-from torchalpa.runtime.issued import issued_collectives  # noqa: E402
-from torchalpa.runtime.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.measurement.issued import issued_collectives  # noqa: E402
 
 STEPS = 5
 

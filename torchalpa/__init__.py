@@ -37,31 +37,31 @@ if TYPE_CHECKING:
     from torchalpa.ops.markers import mark_pipeline_boundary
     from torchalpa.parallel.api import auto_parallel, plan
     from torchalpa.parallel.meta_model import to_meta
-    from torchalpa.runtime.checkpoint import load_checkpoint, save_checkpoint
-    from torchalpa.runtime.mesh import shutdown
-    from torchalpa.runtime.precision import MixedPrecision
-    from torchalpa.runtime.pretrained_load import load_pretrained
-    from torchalpa.runtime.pretrained_save import save_pretrained
-    from torchalpa.runtime.rank_failure import RankFailedError
-    from torchalpa.runtime.tensorboard import TensorBoardHook
+    from torchalpa.runtime.execution.mesh import shutdown
+    from torchalpa.runtime.execution.precision import MixedPrecision
+    from torchalpa.runtime.measurement.tensorboard import TensorBoardHook
+    from torchalpa.runtime.resilience.rank_failure import RankFailedError
+    from torchalpa.runtime.state.checkpoint import load_checkpoint, save_checkpoint
+    from torchalpa.runtime.state.pretrained_load import load_pretrained
+    from torchalpa.runtime.state.pretrained_save import save_pretrained
 
 __version__ = "0.1.0"
 
 # Names that need torch or the runtime are imported on first use (PEP 562), so that
-# `import torchalpa.passes.ilp` (or any pass) loads neither torch nor torch.distributed.
+# `import torchalpa.passes.sharding.ilp` (or any pass) loads neither torch nor torch.distributed.
 _LAZY = {
     "auto_parallel": "torchalpa.parallel.api", "plan": "torchalpa.parallel.api",
     "mark_pipeline_boundary": "torchalpa.ops.markers",
-    "save_checkpoint": "torchalpa.runtime.checkpoint",
-    "load_checkpoint": "torchalpa.runtime.checkpoint",
-    "RankFailedError": "torchalpa.runtime.rank_failure",
-    "save_pretrained": "torchalpa.runtime.pretrained_save",
-    "load_pretrained": "torchalpa.runtime.pretrained_load",
+    "save_checkpoint": "torchalpa.runtime.state.checkpoint",
+    "load_checkpoint": "torchalpa.runtime.state.checkpoint",
+    "RankFailedError": "torchalpa.runtime.resilience.rank_failure",
+    "save_pretrained": "torchalpa.runtime.state.pretrained_save",
+    "load_pretrained": "torchalpa.runtime.state.pretrained_load",
     "export_stablehlo": "torchalpa.interop.stablehlo_export",
-    "MixedPrecision": "torchalpa.runtime.precision",
-    "TensorBoardHook": "torchalpa.runtime.tensorboard",
+    "MixedPrecision": "torchalpa.runtime.execution.precision",
+    "TensorBoardHook": "torchalpa.runtime.measurement.tensorboard",
     "to_meta": "torchalpa.parallel.meta_model",
-    "shutdown": "torchalpa.runtime.mesh",
+    "shutdown": "torchalpa.runtime.execution.mesh",
     # torch's own classes: torchalpa.Shard is torch.distributed.tensor.Shard
     "Shard": "torchalpa.core.placement", "Replicate": "torchalpa.core.placement",
     "Partial": "torchalpa.core.placement",

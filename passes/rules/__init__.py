@@ -6,7 +6,7 @@ axis shards every dim it indexes; operands it does not index stay replicated on 
 axis; a *reduction* factor (contracted, summed or averaged away) leaves the results
 ``Partial``. A dim made of several factors (a reshape merged them) can be sharded only
 by its leading (major) factor. Strategies are derived from rules by shared code
-(``passes/strategies.py``); the ILP only selects among them.
+(``passes/sharding/strategies.py``); the ILP only selects among them.
 
 Optional refinements cover ops that are not pure einsums:
 
@@ -27,7 +27,7 @@ Optional refinements cover ops that are not pure einsums:
   exponentials, all-reduced with sum). Each entry names the factor and the reduce op of
   each statistic, in order; a strategy splitting that factor over mesh axes lists those
   all-reduces (``Strategy.syncs``), the cost model prices them and the runtime issues them
-  (``runtime/synced.py``). A statistic has the shape of the op's first result with that
+  (``runtime/lowering/synced.py``). A statistic has the shape of the op's first result with that
   factor's dim reduced to 1.
 - ``batch_synced``: factors the op may split only by summing statistics across the devices
   that split them, in one all-reduce before the op's single local pass (training batch
@@ -35,7 +35,7 @@ Optional refinements cover ops that are not pure einsums:
   the results the factors do not index are whole (``Replicate``) on their axes; the
   strategy records one sum all-reduce per such axis (``Strategy.batch_syncs``), of
   ``batch_sync_stats``: bytes per entry times the local size of the factors indexing the
-  statistics. The runtime runs the op with those all-reduces (``runtime/sync_norm.py``).
+  statistics. The runtime runs the op with those all-reduces (``runtime/lowering/sync_norm.py``).
   A rule has at most one of ``synced`` and ``batch_synced``.
 
 A rule describes an op whose results are positional: one entry per output the op's schema
@@ -63,7 +63,7 @@ __all__ = ["FactorRule", "FactorNamer", "register", "rule_for", "RULES", "has_ru
 
 # Populate the registry: one module per op family.
 from torchalpa.passes.rules import (  # noqa: E402,F401
-    attention,
+    boundaries,
     complex_ops,
     conv,
     elementwise,
@@ -71,13 +71,13 @@ from torchalpa.passes.rules import (  # noqa: E402,F401
     factory,
     index,
     loss,
-    markers,
     matmul,
     norm,
     pool,
     random,
     reduce,
     resize,
+    sdpa,
     slicing,
     softmax,
     view,

@@ -7,7 +7,7 @@
   (it would be added once per device): the frontend's ``addmm``-style split of bias from
   the product would make it legal.
 - With ``G > 1`` groups the channel dims are ``(G, C/G)``: sharding the group factor keeps
-  whole groups on each device (``runtime/localize.py`` divides ``groups``).
+  whole groups on each device (``runtime/lowering/localize.py`` divides ``groups``).
 - Spatial dims are blocked unless the kernel is 1 with stride 1 and no padding (then the
   op is pointwise in space): a device holding a block of rows would need its neighbours'
   halo rows.

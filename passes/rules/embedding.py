@@ -6,7 +6,7 @@ The vocabulary dim ``V`` shards too (Megatron's vocab-parallel embedding): a dev
 a block of rows looks up the indices it owns and writes zeros for the others, so the
 result is a Partial sum over the devices splitting ``V`` -- ``V`` is a reduction factor,
 as a contracted dim is. Indices are global row numbers: the runtime translates them with
-the rank's row offset (``runtime/vocab.py``, applied by ``runtime/localize.py``). The
+the rank's row offset (``runtime/lowering/vocab.py``, applied by ``runtime/lowering/localize.py``). The
 lookup is linear in the weight, so a Partial weight passes through.
 
 ``embedding_dense_backward(grad (*I, D), indices (*I), V) -> (V, D)`` scatters-adds each

@@ -1,7 +1,7 @@
 """Ops that create tensors: any layout is free, each device makes its own block.
 
 ``*_like`` and ``new_*`` ops read their operand for shape and dtype only (``ignored``);
-``runtime/localize.py`` gives every factory the shape of its local block. A factory that
+``runtime/lowering/localize.py`` gives every factory the shape of its local block. A factory that
 fills zeros may also produce a ``Partial`` sum (every device's zeros add up to zeros), so
 an accumulator (``index_put``, ``scatter_add``) can start from it with each device adding
 its own updates.

@@ -5,7 +5,7 @@ Index values are global positions along the dim they address. ``gather`` and ``s
 may still split that dim of the indexed tensor (Megatron's vocab-parallel cross entropy
 picks each row's target log-probability from vocabulary-split logits): a device holding
 a block translates the global positions with its block's offset and touches only the
-positions it owns (``runtime/vocab.py``), so a gather leaves a Partial sum (zeros where
+positions it owns (``runtime/lowering/vocab.py``), so a gather leaves a Partial sum (zeros where
 another device owns the position) and a scatter writes its own block. For the other ops
 that dim is blocked: a device holding a block of it would read or write the wrong rows. The
 index tensor's own dims shard freely: each device gathers (or scatters) its share of the

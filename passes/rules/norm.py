@@ -15,7 +15,7 @@ devices that split them all-reduce their per-channel sums inside the op -- (sum 
 (sum dy, sum dy * x_hat) in backward, 2 values per local channel -- so every device
 normalizes with the statistics of the whole batch, and the backward's weight and bias
 gradients (those very sums) come out whole. The runtime runs the op that way
-(``runtime/sync_norm.py``) for the ops it knows (``SYNCED_OPS``); other training variants
+(``runtime/lowering/sync_norm.py``) for the ops it knows (``SYNCED_OPS``); other training variants
 keep the batch whole. In eval mode (running statistics) every dim shards, and the
 backward's weight / bias gradients are Partial over a sharded batch. Running statistics
 updated in training are per channel, so they shard with the channel dim.
@@ -26,7 +26,7 @@ group), major first, so it shards by whole groups (the group factor), and the st
 ``(N, G)`` shard with it; the channels within a group and the spatial dims are blocked. In
 the backward, the weight and bias gradients sum over the batch (``Partial`` when it is
 split). The runtime passes each block its local ``N``, ``C`` and number of groups
-(``runtime/localize.py``).
+(``runtime/lowering/localize.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ __all__ = ["SYNCED_OPS", "layer_norm", "layer_norm_backward", "batch_norm",
 
 _GRAD_LINEAR = (frozenset({0}),)
 
-# training batch norm ops the runtime can run with a split batch (runtime/sync_norm.py)
+# training batch norm ops the runtime can run with a split batch (runtime/lowering/sync_norm.py)
 SYNCED_OPS = frozenset({"aten._native_batch_norm_legit_functional.default",
                         "aten._native_batch_norm_legit.no_stats",
                         "aten.native_batch_norm_backward.default"})

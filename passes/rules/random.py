@@ -4,7 +4,7 @@ A random op's result is a draw, not a function of its operands, so any layout of
 good as any other (in-place fills such as ``exponential_`` reach the graph as their
 functional forms, ``aten.exponential``, once a training step is functionalized): the
 rules below shard random results like elementwise results, and the runtime
-(``runtime/random.py``) makes a sharded draw well defined. Each op draws one number from
+(``runtime/lowering/random_draws.py``) makes a sharded draw well defined. Each op draws one number from
 the default generator (the same on every rank: ``auto_parallel`` synchronizes the ranks'
 generators) and every device seeds its block from that number and the block's
 index on the mesh axes the result is sharded over:

@@ -6,7 +6,7 @@ near the same relative position, so the leading dims (batch, channels) shard fre
 the spatial dims are blocked (a block of the output would need input pixels across the
 block edge, and the interpolation weights depend on the whole size). The backward is
 linear in the incoming gradient; its ``input_size`` argument spells out the whole input
-shape, which the runtime rewrites to the block's (``runtime/localize.py``).
+shape, which the runtime rewrites to the block's (``runtime/lowering/localize.py``).
 
 ``unfold(dim, size, step)`` cuts ``dim`` into windows and appends a window dim: every
 other dim shards freely, the cut dim and the window dim are blocked.

@@ -5,7 +5,7 @@ keeps that dim whole (blocked); every other dim is independent rows and shards f
 Log-softmax may also split it, as Megatron's vocab-parallel cross entropy does (the
 logits of a vocabulary-split output layer then never have to be gathered): the dim is a
 ``synced`` factor whose per-row statistics are all-reduced between local phases
-(``runtime/synced.py``): forward, the row max (all-reduce max) then the row sum of
+(``runtime/lowering/synced.py``): forward, the row max (all-reduce max) then the row sum of
 ``exp(x - max)`` (all-reduce sum); backward, ``grad - exp(y) * sum(grad)`` needs the row
 sum of the incoming gradient (all-reduce sum). The backward ops
 ``grad * y - y * sum(grad * y)`` and ``grad - exp(y) * sum(grad)`` are linear in the

@@ -7,7 +7,7 @@ torchrun on a worker -- a script, or this module (``python -m torchalpa.cli.benc
 (``measure_method``) and has rank 0 write the JSON result to PATH for the launcher to
 report (``format_table``).
 
-Backends follow the ranks' devices (``runtime.mesh``): NCCL on GPUs, gloo on CPUs. Every
+Backends follow the ranks' devices (``runtime.execution.mesh``): NCCL on GPUs, gloo on CPUs. Every
 method trains the same model (rebuilt from seed 0 for each) with Adam: torchalpa
 (``auto_parallel``, each rank passing the global batch), DDP and FSDP2 (``fully_shard``
 per layer, as torchtitan applies it; each rank its share of the batch).
@@ -110,7 +110,7 @@ def peak_over_ranks() -> int:
     import torch
     import torch.distributed as dist
 
-    from torchalpa.runtime.measure import peak_memory_bytes
+    from torchalpa.runtime.measurement.measure import peak_memory_bytes
     peak = torch.tensor([peak_memory_bytes()], dtype=torch.int64, device=_device_for(dist))
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return int(peak.item())
@@ -118,7 +118,7 @@ def peak_over_ranks() -> int:
 
 def _device_for(dist):
     """Where this group's collectives take their tensors (the GPU for NCCL)."""
-    from torchalpa.runtime.mesh import default_device
+    from torchalpa.runtime.execution.mesh import default_device
     return default_device() if dist.get_backend() == "nccl" else "cpu"
 
 
@@ -127,7 +127,7 @@ def describe_plan(plan, collectives=None) -> str:
     ``collectives``: that list, e.g. ``pm.collectives_per_step(train_step=True)``, where
     the loss may ride a bucket; default: a step by ``loss.backward()``) and the estimated
     step time."""
-    from torchalpa.runtime.issued import issued_collectives
+    from torchalpa.runtime.measurement.issued import issued_collectives
     layouts: dict[str, int] = {}
     for v in plan.parameters:
         key = "".join(str(p) for p in v.placements)
@@ -148,9 +148,9 @@ def measure_method(name: str, build: Callable, batch: tuple, loss_fn, *, steps: 
     import torch.distributed as dist
 
     import torchalpa
-    from torchalpa.runtime.baselines import batch_shard, wrap_ddp, wrap_fsdp2
-    from torchalpa.runtime.measure import reset_peak_memory, timed_steps
-    from torchalpa.runtime.mesh import default_device
+    from torchalpa.runtime.execution.mesh import default_device
+    from torchalpa.runtime.measurement.baselines import batch_shard, wrap_ddp, wrap_fsdp2
+    from torchalpa.runtime.measurement.measure import reset_peak_memory, timed_steps
 
     gc.collect()
     dist.barrier()
@@ -212,7 +212,7 @@ def worker(args) -> None:
     import torch.distributed as dist
 
     from torchalpa.cli.workloads import load_workload
-    from torchalpa.runtime.mesh import init_distributed
+    from torchalpa.runtime.execution.mesh import init_distributed
 
     init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()

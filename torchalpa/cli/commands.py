@@ -100,7 +100,7 @@ def _add_plan(commands) -> None:
                         "states, as auto_parallel(mixed_precision=...) runs them")
     p.add_argument("--mesh", metavar="AxB", help="a fixed logical mesh shape (default: try each)")
     p.add_argument("--out", metavar="PLAN.json", help="where to write the plan")
-    from torchalpa.cli.stablehlo import add_plan_options
+    from torchalpa.cli.stablehlo_commands import add_plan_options
     add_plan_options(p)
     p.add_argument("--html", metavar="PLAN.html", help="also write a picture of the plan")
     p.add_argument("--trace", metavar="TRACE.json",
@@ -111,7 +111,7 @@ def _add_plan(commands) -> None:
 
 def _plan(args) -> int:
     if args.stablehlo:
-        from torchalpa.cli.stablehlo import plan_stablehlo
+        from torchalpa.cli.stablehlo_commands import plan_stablehlo
         return plan_stablehlo(args)
     if not args.model or not args.out:
         raise ValueError("plan needs MODEL and --out PLAN.json (or --stablehlo FILE)")
@@ -415,7 +415,7 @@ def _print_suite_table(rows: list[tuple[str, str, str]]) -> None:
 
 
 def _add_export(commands) -> None:
-    from torchalpa.cli.stablehlo import add_export
+    from torchalpa.cli.stablehlo_commands import add_export
     add_export(commands)
 
 

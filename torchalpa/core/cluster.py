@@ -41,7 +41,7 @@ PCIE_THROUGH_HOST = 10 * GB
 """Bytes/s per direction between two GPUs of a linked node that share no link: NCCL goes
 through PCIe and the host (``nvidia-smi topo -m``: SYS), ~10 GB/s on PCIe 3 servers."""
 GRADIENT_BUCKET_BYTES = 25 * 2 ** 20
-"""DDP's bucket size, the runtime's default (``runtime.buckets.DEFAULT_BUCKET_BYTES``)."""
+"""DDP's bucket size, the runtime's default (``runtime.rewrites.buckets.DEFAULT_BUCKET_BYTES``)."""
 
 
 DEVICE_ENV = "TORCHALPA_DEVICE"
@@ -103,7 +103,7 @@ class LogicalMesh:
     collective pays a whole latency (Alpa's accounting, and these tests' default)."""
     peak_flops_by_op: tuple[tuple[str, float], ...] = ()
     """Per-device flop/s of op families that run far from the matmul peak, by family
-    (``passes/cost.py::op_family``: "convolution" covers its backward too); a family not
+    (``passes/pricing/cost.py::op_family``: "convolution" covers its backward too); a family not
     listed uses the dtype's peak."""
     optimizer_tensor_s: float = 0.0
     """Seconds the optimizer's step pays per parameter tensor whatever its size (its loop
@@ -111,7 +111,7 @@ class LogicalMesh:
     out of the step's estimate (Alpa's accounting, and the hand-built meshes')."""
     multiprocessors: int = 0
     """Streaming multiprocessors per device: a matmul whose output tiles do not fill whole
-    waves of them leaves some idle (``passes/kernel_model.py``). 0: not modeled."""
+    waves of them leaves some idle (``passes/pricing/kernel_model.py``). 0: not modeled."""
     op_rate_factors: tuple[tuple[str, float], ...] = ()
     """Op families whose kernels reach this fraction of their dtype's matmul rate (("sdpa",
     0.47): fused attention on an H100); a family not listed runs at the dtype's rate."""

@@ -51,7 +51,7 @@ def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs,
                            ) -> list[OpNode]:
     """``nodes`` with the bytes of fused values taken off their producers and readers.
     ``fusible`` / ``reduces``: which ops are elementwise / reductions (StableHLO's
-    spellings by default; ``passes/fused_pricing.py`` passes ATen's)."""
+    spellings by default; ``passes/pricing/fused_pricing.py`` passes ATen's)."""
     by_name = {n.name: n for n in nodes}
     readers: dict[ValueRef, list[str]] = {}
     for n in nodes:

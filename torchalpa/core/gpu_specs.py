@@ -15,7 +15,7 @@ facts measured by public microbenchmarks, the same for every model:
 
 - ``MATMUL_EFFICIENCY``: a large tensor-core matmul (cuBLAS / rocBLAS, long K, many
   waves of tiles) reaches 0.7-0.87 of the dense peak (A100 fp16 ~250-270 of 312 TF, H100
-  bf16 ~700-780 of 989, V100 fp16 ~100-110 of 125); 0.75. ``passes/kernel_model.py`` adds
+  bf16 ~700-780 of 989, V100 fp16 ~100-110 of 125); 0.75. ``passes/pricing/kernel_model.py`` adds
   what a real matmul pays on top: its result written after its K loop (so a K of 2048
   reaches ~0.69 on an H200, one of 768 ~0.6: the flat 0.6 the presets assumed before
   matched LLaMA 1B's step on an H200, issue 37, and not GPT-2's) and the idle SMs of a
@@ -65,7 +65,7 @@ KERNEL_LAUNCH_S = 10e-6
 """Host time to issue one op on a GPU (Python, ATen dispatch, the launch): eager PyTorch and
 torchalpa's programs spend ~10 us per op (issue 37: a 4 x 256 GPT ran 641 kernels in
 6.84 ms on an H200, host-bound). Kernels run asynchronously, so an op costs the longer of
-its kernel and this (``passes/cost.py``)."""
+its kernel and this (``passes/pricing/cost.py``)."""
 
 OPTIMIZER_TENSOR_S = 2e-6
 """Host time torch's foreach / fused Adam spends per parameter tensor on a GPU (its kernels

@@ -73,7 +73,7 @@ class AutoShardingOption:
     recomputes each block's forward (``layers.3``) in its backward, keeping only block
     inputs (``frontends/block_remat.py``), 'selective' recomputes all but the results of
     matrix products and attention (torchtitan's op-level policy), 'auto' plans 'none' and
-    'full' and keeps the faster plan that fits (``passes/remat_choice.py``; the default
+    'full' and keeps the faster plan that fits (``passes/sharding/remat_choice.py``; the default
     method, ``AutoParallel``, weighs all three). The plan records its choice
     (``method['remat']``)."""
     force_data_parallel: bool = False
@@ -103,7 +103,7 @@ class AutoShardingOption:
     bytes (Alpa's ``all_reduce_threshold``, whose default 2**60 merges them all): the plan
     lists the buckets in ``estimates['gradient_buckets']`` and prices one latency per
     bucket. The runtime packs the gradients' final all-reduces and reduce-scatters into
-    buckets of this size (``runtime/buckets.py``); None: the planner prices one collective
+    buckets of this size (``runtime/rewrites/buckets.py``); None: the planner prices one collective
     per gradient and the runtime uses DDP's 25 MiB buckets; 0: no buckets at all."""
     enable_auto_sharding: bool = True
     """Off: no search. Parameters and inputs keep the layouts ``pin`` gives them (Alpa's
@@ -154,7 +154,7 @@ class AutoShardingOption:
     elementwise: str = "eager"
     """How a torch graph's elementwise chains are priced: 'eager' (each ATen op its own
     kernel, moving its inputs and outputs: the runtime without ``compile``) or 'fused'
-    (chains fused as ``torch.compile`` and XLA run them, ``passes/fused_pricing.py``).
+    (chains fused as ``torch.compile`` and XLA run them, ``passes/pricing/fused_pricing.py``).
     StableHLO programs are always priced as XLA fuses them."""
 
     def __post_init__(self):
@@ -445,7 +445,7 @@ class AutoParallel:
     checkpointing (``remat``) and gradient accumulation (``num_micro_batches`` among the
     divisors of the batch), under the memory budget, and keeps the fastest estimate that
     fits (``torchalpa/parallel/auto.py``). Candidates that cannot fit or cannot win are
-    refused by lower bounds (``passes/bounds.py``) without a solver. The plan's summary
+    refused by lower bounds (``passes/pricing/bounds.py``) without a solver. The plan's summary
     says what was chosen and what came second. Each field given narrows the search; a
     concrete method given to ``plan``/``auto_parallel`` is used as it is.
     """
@@ -554,7 +554,7 @@ class Inference:
     ``(batch, kv heads, max_context, head dim)`` key and value tensor per layer, allocated
     once as this rank's blocks in the planned layouts, so the decode step is one program
     of fixed shapes. ``batch`` is the example inputs' batch; generation takes any batch up
-    to it (``torchalpa/models/cached_step.py`` says which models, ``runtime/serving.py``
+    to it (``torchalpa/models/cached_step.py`` says which models, ``runtime/serving/inference_module.py``
     how a call runs).
     """
 

@@ -109,7 +109,7 @@ BUCKETED_FIRST = ("all_reduce", "reduce_scatter")
 
 def bucketed_prefix(steps, mesh_shape) -> int:
     """How many leading steps of a gradient's final resharding travel in a gradient bucket
-    (``runtime/buckets.py``; ``passes/cost.py`` prices them so): a first all-reduce or
+    (``runtime/rewrites/buckets.py``; ``passes/pricing/cost.py`` prices them so): a first all-reduce or
     reduce-scatter over an axis of more than one device, then each all-reduce that follows
     over another such axis. A bucket's buffer goes through them all, one collective per
     step for the whole bucket: on a 2-D mesh, a gradient summed over both axes is two
@@ -130,8 +130,8 @@ def bucketed_prefix(steps, mesh_shape) -> int:
 
 def state_read_once(num_micro_batches: int, rematerialize_parameters: bool) -> bool:
     """Whether a step reshards each forward read of a parameter or buffer once, before its
-    first micro-batch, instead of once per micro-batch (``runtime/param_gather.py``; the
-    cost model prices such a read once, ``passes/costgraph.py``, ``passes/intra_op.py``):
+    first micro-batch, instead of once per micro-batch (``runtime/rewrites/param_gather.py``; the
+    cost model prices such a read once, ``passes/sharding/costgraph.py``, ``passes/sharding/intra_op.py``):
     with gradient accumulation, unless the method gathers parameters again in backward to
     hold less (ZeRO-3's ``rematerialize_parameters``), whose gathers stay per micro-batch.
     The copy lives for the step (until the last backward that reads it)."""
@@ -265,7 +265,7 @@ class NodeStrategy:
     """(mesh axis, bytes): sum all-reduces a batch-synced op runs inside itself
     (synchronized batch norm over a split batch); each is also listed in the plan's
     ``collectives``. A phased softmax's all-reduces are not recorded here: the runtime
-    derives them from the op's input placements (``runtime/synced.py``)."""
+    derives them from the op's input placements (``runtime/lowering/synced.py``)."""
 
     def to_dict(self) -> dict:
         d = {"in": [None if p is None else format_placements(p) for p in self.inputs],
@@ -533,7 +533,7 @@ class StagePlan:
     plan: Plan                        # the stage's own intra-op plan (its mesh = logical shape)
     # activation checkpointing of the whole stage: each micro-batch keeps only its inputs
     # from forward, and its forward runs again right before its backward
-    # (``passes/stage_remat.py`` prices it, ``runtime/step.StepRunner`` runs it)
+    # (``passes/pipeline_search/stage_recompute.py`` prices it, ``runtime/step.StepRunner`` runs it)
     recompute: bool = False
 
     def to_dict(self) -> dict:

@@ -65,7 +65,7 @@ class Estimates(Mapping[str, Any]):
     layer_solves: int | None = None
     layers_repriced: int | None = None
     """(layer, view) estimates priced with the plan solved for another view of the class
-    (``passes/view_classes.py``), without an ILP."""
+    (``passes/pipeline_search/view_classes.py``), without an ILP."""
     stage_solves: int | None = None
     """Stages the DP picked, priced with their own memory-limited ILP (cached)."""
     total_seconds: float | None = None

@@ -1,7 +1,7 @@
 """The ATen ops that resize a tensor's trailing spatial dims (upsampling, and its
 backward), with how many dims each resizes: the sharding rule
 (``passes/rules/resize.py``) and the runtime's localization of shape arguments
-(``runtime/localize.py``) both read this table."""
+(``runtime/lowering/localize.py``) both read this table."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ the flop count. Eager autograd picks the kernel as it would for the user's own c
 (on CPU a mask that needs a gradient takes the math path, as in eager PyTorch).
 
 When the program runs on CPU, the lowering saves what the fused kernel's backward needs
-instead (``runtime/attention_statistics.py``): the forward calls ``sdpa_forward_saving``, which
+instead (``runtime/rewrites/attention_statistics.py``): the forward calls ``sdpa_forward_saving``, which
 returns the output and the kernel's log-sum-exp of each query row, and the backward calls
 ``sdpa_backward_saved`` with both, so it does not run the forward again (as eager
 autograd does not). Where the CPU kernel does not apply (grouped-query heads, a mask of
@@ -193,7 +193,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  None if scale is None else float(scale), bool(enable_gqa))
 
 
-# -- run time on CPU: the forward's statistics saved for backward (runtime/attention_statistics.py)
+# -- run time on CPU: the forward's statistics saved for backward (runtime/rewrites/attention_statistics.py)
 
 _aten = torch.ops.aten
 _CPU_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)

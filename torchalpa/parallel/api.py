@@ -30,8 +30,8 @@ from torchalpa.parallel.methods import steps_of
 from torchalpa.parallel.tp_pins import resolve_style_pins
 
 if TYPE_CHECKING:
-    from torchalpa.runtime.module import ParallelModule
-    from torchalpa.runtime.serving import InferenceModule
+    from torchalpa.runtime.execution.module import ParallelModule
+    from torchalpa.runtime.serving.inference_module import InferenceModule
 
 __all__ = ["plan", "auto_parallel"]
 
@@ -166,7 +166,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     - Random numbers (dropout): every rank continues from rank 0's default generator state
       once the model is wrapped (a ``RandomStateWarning`` says when ranks' states differed,
       e.g. after ``torch.manual_seed(seed + rank)``), so replicas draw alike; sharded
-      random results draw one independent block per device (``runtime/random.py``;
+      random results draw one independent block per device (``runtime/lowering/random_draws.py``;
       ``AutoShardingOption(random="replicated")`` for single-device numerics).
       ``check_replicas=True`` (default: the ``TORCHALPA_CHECK_REPLICAS`` environment
       variable) checks before every step that replicated parameters, buffers and the

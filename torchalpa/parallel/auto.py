@@ -6,7 +6,7 @@ search
 
 1. captures the step once at the whole batch and derives each checkpointing variant
    from that capture (``frontends/block_remat.py``, no second trace);
-2. bounds every candidate without a solver (``passes/bounds.py``): memory per device
+2. bounds every candidate without a solver (``passes/pricing/bounds.py``): memory per device
    (everything split over every device; a pipeline's first stage also holds its
    micro-batches in flight) and step time (every op at its roofline over every device;
    a pipeline of S >= 2 stages also pays its fill and drain, ``(k + S - 1) / k``);
@@ -125,7 +125,7 @@ class Attempt:
 
 class NothingFitsError(ValueError):
     """No candidate fits the memory budget; the message lists what was tried and what
-    would fit. A ValueError, like ``passes.ilp.InfeasibleError``."""
+    would fit. A ValueError, like ``passes.sharding.ilp.InfeasibleError``."""
 
     def __init__(self, message: str, attempts: Sequence[Attempt]):
         super().__init__(message)
@@ -166,8 +166,8 @@ class _Search:
 
     def __post_init__(self):
         self.started = time.perf_counter()
-        from torchalpa.passes.layer_cache import SolveCache
-        from torchalpa.passes.pricing_memo import PricingMemo
+        from torchalpa.passes.pipeline_search.layer_cache import SolveCache
+        from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
         self.nodes = getattr(self.cluster, "num_nodes", 1)   # a LogicalMesh: one node
         self.seconds: dict[str, float] = {}             # phase -> seconds spent in it
         self.clock_fired = False                       # the safety net stopped the search
@@ -230,7 +230,7 @@ class _Search:
 
     def profile(self, remat: str):
         """The bounds profile of the step checkpointed by ``remat`` (one per mode)."""
-        from torchalpa.passes.bounds import step_profile
+        from torchalpa.passes.pricing.bounds import step_profile
         if remat not in self.profiles:
             counts = self.counts()
             first = 1 if self.method.num_micro_batches is None else counts[0]
@@ -319,7 +319,7 @@ class _Search:
                                   deadline=self.deadline, bound_views=False,
                                   memo=self.pricing)
         else:
-            from torchalpa.passes.inter_op import plan_pipeline
+            from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
             method = PipeshardParallel(num_micro_batches=c.num_micro_batches,
                                        auto_sharding_option=option,
                                        layer_option=self.method.layer_option,
@@ -328,7 +328,7 @@ class _Search:
             with self.timed("pipeline searches (layer ILPs, stage DP)"):
                 plan = plan_pipeline(captured.graph, self.cluster, method, inputs=self.inputs,
                                      solves=self.solves, pricing=self.pricing)
-        from torchalpa.passes.remat_choice import remat_note
+        from torchalpa.passes.sharding.remat_choice import remat_note
         return replace(plan, method={**plan.method, "remat": c.remat},
                        notes=tuple(plan.notes) + (remat_note(c.remat, captured.graph),))
 
@@ -349,7 +349,7 @@ class _Search:
         time budget is spent once a plan is in hand. A candidate bounded by another
         mode's capture gets its own bounds when reached, and goes back in line by them
         (or is refused by them): the order is the one exact bounds give."""
-        from torchalpa.passes.ilp import InfeasibleError
+        from torchalpa.passes.sharding.ilp import InfeasibleError
         candidates = list(candidates)
         i = -1
         while i + 1 < len(candidates):
@@ -423,7 +423,7 @@ class _Search:
                   if a.candidate is not chosen]
         notes.append(self.time_note())
         if self.clock_fired:
-            from torchalpa.passes.ilp import CLOCK_NOTE
+            from torchalpa.passes.sharding.ilp import CLOCK_NOTE
             notes.append(f"{CLOCK_NOTE} AutoParallel's search (time_budget_s="
                          f"{self.method.time_budget_s:g}): candidates were left unsolved; a "
                          "faster or idler machine may find a better plan")
@@ -439,7 +439,7 @@ class _Search:
 
     def nothing_fits(self) -> str:
         """What was tried, and what would fit (by the bounds)."""
-        from torchalpa.passes.bounds import step_profile
+        from torchalpa.passes.pricing.bounds import step_profile
         devices, budget = self.cluster.num_devices, self.budget()
         lines = [f"no way to run this step fits {format_bytes(budget)} per device on "
                  f"{devices} devices ({self.nodes} node(s)); tried:"]

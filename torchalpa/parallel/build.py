@@ -63,8 +63,8 @@ def plan_model(model, example_inputs, loss_fn, *, method, steps: MethodSteps, cl
         return steps.plan_program(model, example_inputs, method=method, cluster=cluster,
                                   inputs=inputs, param_argnums=param_argnums,
                                   num_params=num_params)
-    from torchalpa.passes.remat_choice import plan_with_remat
-    from torchalpa.runtime.mesh import world_size
+    from torchalpa.passes.sharding.remat_choice import plan_with_remat
+    from torchalpa.runtime.execution.mesh import world_size
     method = steps.with_options(method, inputs=inputs)
     target = steps.target(method, cluster=cluster, mesh=None, world=world_size(),
                           live=False)
@@ -99,11 +99,11 @@ def build_module(model, example_inputs, loss_fn, *, method, steps: MethodSteps, 
                  init_weights, compile, check_replicas, check_inputs):
     """``torchalpa.auto_parallel`` for ``method`` (the options checked there): rank 0
     plans, every rank lowers its own program and takes its share of the model's state."""
-    from torchalpa.passes.remat_choice import chosen_remat, plan_with_remat
-    from torchalpa.runtime import mesh as mesh_mod
-    from torchalpa.runtime.module import ParallelModule
-    from torchalpa.runtime.random import sync_random_state
-    from torchalpa.runtime.step import StepRunner
+    from torchalpa.passes.sharding.remat_choice import chosen_remat, plan_with_remat
+    from torchalpa.runtime.execution import mesh as mesh_mod
+    from torchalpa.runtime.execution.module import ParallelModule
+    from torchalpa.runtime.execution.step import StepRunner
+    from torchalpa.runtime.lowering.random_draws import sync_random_state
 
     options = dict(signature=signature, mesh=mesh, inputs=inputs, init_weights=init_weights)
     method = steps.with_options(method, num_micro_batches=num_micro_batches, **options)
@@ -178,7 +178,7 @@ def plan_generation(model, example_inputs, *, method, steps: MethodSteps, cluste
         prompt_shape,
         serving_plan,
     )
-    from torchalpa.runtime.mesh import world_size
+    from torchalpa.runtime.execution.mesh import world_size
     method = steps.inference_method(method)
     steps = steps_of(method)        # AutoParallel hands generation to ShardParallel's steps
     target = steps.target(method, cluster=cluster, mesh=None, world=world_size(), live=False)
@@ -203,13 +203,17 @@ def build_generation(model, example_inputs, *, method, steps: MethodSteps, optio
         prompt_shape,
         serving_plan,
     )
-    from torchalpa.runtime import mesh as mesh_mod
-    from torchalpa.runtime.materialize import (
+    from torchalpa.runtime.execution import mesh as mesh_mod
+    from torchalpa.runtime.execution.materialize import (
         distribute_module_state,
         local_zeros,
         to_dtensor_placements,
     )
-    from torchalpa.runtime.serving import InferenceModule, StepProgram, write_cache_in_place
+    from torchalpa.runtime.serving.inference_module import (
+        InferenceModule,
+        StepProgram,
+        write_cache_in_place,
+    )
 
     method = steps.inference_method(method)
     steps = steps_of(method)        # AutoParallel hands generation to ShardParallel's steps

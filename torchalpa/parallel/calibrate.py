@@ -312,7 +312,7 @@ def measure_cluster() -> Cluster:
     if not dist.is_initialized():
         raise RuntimeError("measure_cluster() needs a process group: call "
                            "torch.distributed.init_process_group (or "
-                           "torchalpa.runtime.mesh.init_distributed) first, or plan with "
+                           "torchalpa.runtime.execution.mesh.init_distributed) first, or plan with "
                            "Cluster.local_cpu(n)")
     world, backend = dist.get_world_size(), str(dist.get_backend())
     if backend != "gloo":

@@ -13,7 +13,7 @@ replaces them with what this device reached:
 - ``op_rate_factors["sdpa"]``: fused attention's flop/s over the bf16 ``"large"`` rate.
 
 The other shape classes are kept for ``benchmarks/one_gpu.py`` and for checking
-``passes/kernel_model.py`` against the device. Profiles live in the plan cache's directory
+``passes/pricing/kernel_model.py`` against the device. Profiles live in the plan cache's directory
 (``calibration/``), one JSON file per device name and torch version.
 """
 
@@ -54,7 +54,7 @@ def attention_flops(batch: int, heads: int, seq: int, dim: int) -> float:
     """Flops the cost model prices for one attention forward and backward on CUDA (torch's
     flop counter, which ignores a causal mask, as the capture records them): the forward's
     two products, and a backward that runs the forward again (two), its four products and
-    ``q k^T`` once more (``passes/attention_price.py``): nine products of ``2 b h s s d``.
+    ``q k^T`` once more (``passes/pricing/attention_price.py``): nine products of ``2 b h s s d``.
     A measured rate over these flops is what the cost model must divide them by."""
     return 9 * 2.0 * batch * heads * seq * seq * dim
 

@@ -24,7 +24,7 @@ from torchalpa.core.plan_records import Estimates
 from torchalpa.core.progress import step as progress_step
 from torchalpa.core.units import format_bytes
 from torchalpa.models.cached_step import CachedStep, decoder_for, is_cache_name
-from torchalpa.passes.inplace_pricing import IN_PLACE
+from torchalpa.passes.pricing.inplace_pricing import IN_PLACE
 
 __all__ = ["check_generation_options", "prompt_shape", "cached_step", "capture_generation_step",
            "serving_plan", "model_plan", "local_bytes"]
@@ -106,7 +106,7 @@ def capture_generation_step(step: CachedStep, length: int):
         raise RuntimeError(f"the captured {what} does not write the cache buffers "
                            f"{unwritten[:4]}: the model did not use the static cache it was "
                            "given (torchalpa/models/cached_step.py)")
-    # the runtime writes the cache where it lies (runtime.serving.write_cache_in_place)
+    # the runtime writes the cache where it lies (runtime.serving.inference_module.write_cache_in_place)
     captured.graph.meta[IN_PLACE] = tuple(step.cache_names())
     return captured
 

@@ -123,7 +123,7 @@ class PipelineSteps:
 
     def solve(self, graph, target: Cluster, method: PipeshardParallel, inputs: str,
               measured=None) -> PipelinePlan:
-        from torchalpa.passes.inter_op import plan_pipeline
+        from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
         return _cached(graph, target, method, inputs, lambda: plan_pipeline(
             graph, target, method, inputs=inputs, measured=measured))
 
@@ -164,10 +164,10 @@ class PipelineSteps:
               traced, loss_fn, inputs: str, signature) -> Placed:
         from torch.distributed.device_mesh import DeviceMesh
 
-        from torchalpa.runtime import mesh as mesh_mod
-        from torchalpa.runtime.materialize import distribute_stages
-        from torchalpa.runtime.pipeline import StageExchange, lower_stage, transfer_specs
-        from torchalpa.runtime.rewrites import step_programs
+        from torchalpa.runtime.execution import mesh as mesh_mod
+        from torchalpa.runtime.execution.materialize import distribute_stages
+        from torchalpa.runtime.execution.pipeline import StageExchange, lower_stage, transfer_specs
+        from torchalpa.runtime.rewrites.program_rewrites import step_programs
         del target, method, traced, loss_fn, inputs, signature
         rank = mesh_mod.rank()
         meshes = [DeviceMesh(device.type, torch.tensor(st.ranks).reshape(st.plan.mesh_shape),
@@ -200,9 +200,9 @@ class PipelineSteps:
 def _profile(captured, cluster: Cluster, method: PipeshardParallel, example_inputs, model,
              device) -> dict:
     """Rank 0 builds the layer probes; every rank takes part in timing them."""
-    from torchalpa.passes.inter_op import LayerProbe, layer_probes
-    from torchalpa.runtime.mesh import on_rank0
-    from torchalpa.runtime.profile import profile_layers
+    from torchalpa.passes.pipeline_search.inter_op import LayerProbe, layer_probes
+    from torchalpa.runtime.execution.mesh import on_rank0
+    from torchalpa.runtime.measurement.profile import profile_layers
     items = on_rank0(lambda: [(p.key, p.layer, p.plan.to_json(indent=None), p.stage)
                                    for p in layer_probes(captured.graph, cluster, method)],
                           "building the layer probes")

@@ -2,7 +2,7 @@
 
 Candidate logical meshes (the one asked for, or every 1D/2D view of the cluster), the ILP
 on each (cached), the fastest plan kept; under torchrun rank 0 plans, every rank lowers
-the plan to its local programs (``runtime.lower``) and wraps the model as a
+the plan to its local programs (``runtime.lowering.lower``) and wraps the model as a
 ``ParallelModule``. ``ShardParallel.plan`` / ``.build`` call these (``torchalpa.parallel.api``
 dispatches through the method object).
 """
@@ -60,7 +60,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                memo=None) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
-    A mesh whose memory lower bound (``passes/bounds.py``: every value split over all its
+    A mesh whose memory lower bound (``passes/pricing/bounds.py``: every value split over all its
     devices) exceeds the budget is refused at once, with no ILP built: no layout could fit
     it. Once a plan is in hand, a mesh whose step-time bound (``step_time_lower_bound``: the
     linear relaxation of its unsimplified ILP) is above that plan's estimate is skipped:
@@ -73,10 +73,10 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     ``time.perf_counter()`` value) no further mesh is solved once a plan is in hand, and
     before it, once a plan is in hand, each solver run gets only the time left
     (``plan_intra_op(deadline=)``; such a plan is not cached)."""
-    from torchalpa.passes.bounds import step_profile
-    from torchalpa.passes.ilp import InfeasibleError
-    from torchalpa.passes.intra_op import plan_intra_op, step_time_lower_bound
-    from torchalpa.passes.pricing_memo import PricingMemo
+    from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
+    from torchalpa.passes.pricing.bounds import step_profile
+    from torchalpa.passes.sharding.ilp import InfeasibleError
+    from torchalpa.passes.sharding.intra_op import plan_intra_op, step_time_lower_bound
     fingerprint = graph.fingerprint()
     # the reshard prices and strategies the meshes' solves repeat (``memo``: a caller's,
     # shared with its other solves)
@@ -155,7 +155,7 @@ def _with_mesh_notes(best: Plan, plans: list[Plan], skipped: list, late: list,
                      num_meshes: int) -> Plan:
     """``best`` with a note of every mesh tried (estimate, bound, or not solved in time)
     and, when the time budget left meshes unsolved, the safety net's note."""
-    from torchalpa.passes.ilp import CLOCK_NOTE
+    from torchalpa.passes.sharding.ilp import CLOCK_NOTE
     if num_meshes > 1:
         tried = ", ".join(f"{'x'.join(map(str, p.mesh_shape))}: "
                           f"{p.estimates['step_time_s'] * 1e3:.3g} ms" for p in plans)
@@ -175,7 +175,7 @@ def _with_mesh_notes(best: Plan, plans: list[Plan], skipped: list, late: list,
 def clock_stopped(plan) -> bool:
     """Whether a time limit (a safety net), not the work bounds, cut ``plan``'s search
     short: such a plan depends on the machine's speed (its notes say how)."""
-    from torchalpa.passes.ilp import CLOCK_NOTE
+    from torchalpa.passes.sharding.ilp import CLOCK_NOTE
     return any(n.startswith(CLOCK_NOTE) for n in plan.notes)
 
 
@@ -190,9 +190,9 @@ def _replicated_state(method: ShardParallel) -> bool:
 
 def memory_refusal(profile, mesh: LogicalMesh, method: ShardParallel):
     """An ``InfeasibleError`` when no plan of the step can fit ``mesh``'s memory budget by
-    the step's lower bound (``passes/bounds.py``), else None: the ILP is not worth
+    the step's lower bound (``passes/pricing/bounds.py``), else None: the ILP is not worth
     building."""
-    from torchalpa.passes.ilp import InfeasibleError
+    from torchalpa.passes.sharding.ilp import InfeasibleError
     budget = _budget(method, mesh)
     if not budget:
         return None
@@ -293,7 +293,7 @@ class IntraOpSteps:
                 raise ValueError(f"method.logical_mesh_shape {method.logical_mesh_shape} "
                                  f"differs from the mesh's shape {shape}")
         elif method.logical_mesh_shape and live:     # the job's world must fit the mesh
-            from torchalpa.runtime.mesh import check_world_size
+            from torchalpa.runtime.execution.mesh import check_world_size
             shape = tuple(method.logical_mesh_shape)
             check_world_size(shape)
         cluster = cluster or default_cluster(world, measure=live)
@@ -345,8 +345,8 @@ class IntraOpSteps:
 
     def place(self, captured, plan: Plan, target: IntraOpTarget, method: ShardParallel, device,
               *, model, traced, loss_fn, inputs: str, signature) -> Placed:
-        from torchalpa.runtime.materialize import distribute_module_state
-        from torchalpa.runtime.rewrites import step_programs
+        from torchalpa.runtime.execution.materialize import distribute_module_state
+        from torchalpa.runtime.rewrites.program_rewrites import step_programs
         device_mesh, lower_program = _lowering(plan, target, device)
         program = lower_program(captured.gm, plan, captured.param_names,
                                 captured.buffer_updates, captured.buffer_names,
@@ -371,8 +371,8 @@ class IntraOpSteps:
 def _lowering(plan: Plan, target: IntraOpTarget, device):
     """This rank's DeviceMesh for ``plan`` (the user's, or one of the plan's shape) and
     ``lower_program(gm, plan, param_names, buffer_updates, buffer_names, micro)``."""
-    from torchalpa.runtime import mesh as mesh_mod
-    from torchalpa.runtime.lower import lower
+    from torchalpa.runtime.execution import mesh as mesh_mod
+    from torchalpa.runtime.lowering.lower import lower
     device_mesh = target.device_mesh if target.device_mesh is not None else \
         mesh_mod.build_mesh(plan.mesh_shape, plan.axis_names)
     coords = device_mesh.get_coordinate()
@@ -390,7 +390,7 @@ def plan_pinned(graph: OpGraph, plan: Plan, method: ShardParallel, mesh: Logical
                 inputs: str) -> Plan:
     """``graph`` planned on ``mesh`` (``plan``'s) with every parameter and buffer ``plan``
     names held to its layout there; rank 0 plans, every rank gets the plan."""
-    from torchalpa.runtime.inference import pins_of
+    from torchalpa.runtime.serving.inference import pins_of
     option = replace(method.auto_sharding_option,
                      pin=tuple(method.auto_sharding_option.pin) + pins_of(plan))
     pinned = replace(method, auto_sharding_option=option)
@@ -405,7 +405,7 @@ def _forward_programs(traced, loss_fn, training_plan: Plan, method: ShardParalle
                       logical_mesh: LogicalMesh, inputs: str, lower_forward, signature=None):
     """Forward-only programs (predict, eval mode) planned with the training layouts pinned."""
     from torchalpa.frontends.torch_export import capture_forward
-    from torchalpa.runtime.inference import ForwardPrograms
+    from torchalpa.runtime.serving.inference import ForwardPrograms
 
     def plan_forward(graph: OpGraph) -> Plan:
         return plan_pinned(graph, training_plan, method, logical_mesh, inputs)

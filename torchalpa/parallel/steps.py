@@ -21,7 +21,7 @@ class Placed:
     """This rank's part of a plan, ready to run: what ``MethodSteps.place`` returns."""
 
     program: Any
-    """The programs a step runs (``runtime.programs.StepPrograms``; ``compiled()`` gives
+    """The programs a step runs (``runtime.lowering.rank_programs.StepPrograms``; ``compiled()`` gives
     them under ``torch.compile``)."""
     mesh: Any
     """This rank's DeviceMesh (its stage's, in a pipeline)."""

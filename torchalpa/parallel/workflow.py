@@ -100,9 +100,9 @@ def capture_step(model, example_inputs, loss_fn, **options):
 
 def capture_variants(model, example_inputs, loss_fn, option, **options) -> dict:
     """Captures of the step, one per activation-checkpointing mode ``option.remat`` plans
-    (``passes/remat_choice.py``); the checkpointed one is derived without tracing again."""
+    (``passes/sharding/remat_choice.py``); the checkpointed one is derived without tracing again."""
     from torchalpa.frontends.block_remat import checkpointed_capture
-    from torchalpa.passes.remat_choice import capture_modes
+    from torchalpa.passes.sharding.remat_choice import capture_modes
     modes = capture_modes(option.remat)
     plain = capture_step(model, example_inputs, loss_fn, **options,
                          rematerialize_parameters=option.rematerialize_parameters)
@@ -113,7 +113,7 @@ def micro_batch_examples(example_inputs: Sequence[torch.Tensor], num_micro_batch
                          ) -> tuple:
     """The example inputs of one micro-batch: dim 0 of each divided by ``num_micro_batches``
     (the step is planned for one micro-batch)."""
-    from torchalpa.runtime.step import split_micro_batches
+    from torchalpa.runtime.execution.step import split_micro_batches
     example_inputs = tuple(example_inputs)
     if num_micro_batches == 1:
         return example_inputs
@@ -138,7 +138,7 @@ def with_precision(model: torch.nn.Module, mixed_precision):
     """What to capture: the model, or the model computing in a narrower dtype."""
     if mixed_precision is None:
         return model
-    from torchalpa.runtime.precision import CastForward
+    from torchalpa.runtime.execution.precision import CastForward
     return CastForward(model, mixed_precision)
 
 
@@ -154,7 +154,7 @@ def with_precision_recorded(plan: AnyPlan, mixed_precision) -> AnyPlan:
 
 def same_step_on_every_rank(fingerprint: str) -> None:
     """Raise unless every rank captured the step rank 0 did (same model and shapes)."""
-    from torchalpa.runtime.mesh import gather_objects
+    from torchalpa.runtime.execution.mesh import gather_objects
     everyone = gather_objects(fingerprint)
     differ = [r for r, f in enumerate(everyone) if f != everyone[0]]
     if differ:
@@ -168,5 +168,5 @@ def plan_on_rank0(solve: Callable[[], AnyPlan]) -> AnyPlan:
     """Rank 0 solves; every rank gets its plan (of the kind ``solve`` makes), or its error
     (never a hang)."""
     from torchalpa.core.plan import load_plan
-    from torchalpa.runtime.mesh import on_rank0
+    from torchalpa.runtime.execution.mesh import on_rank0
     return cast(AnyPlan, load_plan(on_rank0(lambda: solve().to_json(indent=None), "planning")))

@@ -1,0 +1,201 @@
+"""A pipeline's plan from its stages: each stage planned exactly, placed, timed by its schedule.
+
+Given the stages ((first, last layer), submesh, view, option), ``assemble_pipeline``
+plans each stage's own graph on its submesh (reusing the plans the search made, or moving
+one made for identical layers elsewhere), places the submeshes on the cluster's ranks, lists
+what crosses between stages (``passes/pipeline_search/stage_transfers.py``) and estimates the step by
+simulating the schedule (``pipeline_estimates``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+from torchalpa.core.cluster import Cluster
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.options import PipeshardParallel
+from torchalpa.core.plan import PipelinePlan, Plan, StagePlan, Transfer
+from torchalpa.core.plan_records import Estimates
+from torchalpa.core.schedules import SCHEDULES, in_flight, simulate
+from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
+from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers, fork_map
+from torchalpa.passes.pipeline_search.stage_recompute import (
+    FORWARD_SHARE,
+    received_bytes,
+    recompute_memory,
+    recompute_seconds,
+)
+from torchalpa.passes.pipeline_search.stage_solve import StageRequest, plan_stage, stage_request
+from torchalpa.passes.pipeline_search.stage_transfers import stage_transfers
+from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
+from torchalpa.passes.pipeline_search.submesh_views import submesh_cluster
+from torchalpa.passes.pricing.memory import in_flight_bytes
+from torchalpa.passes.sharding.ilp import InfeasibleError
+
+__all__ = ["assemble_pipeline", "place_submeshes", "pipeline_estimates", "fastest_of"]
+
+log = logging.getLogger("torchalpa.planner")
+
+Donor = Callable[..., Plan | None]
+"""``ExactStages.donated``: a plan moved from identical layers, or None."""
+
+
+def assemble_pipeline(graph: OpGraph, layer: dict[str, int], stages: list, cluster: Cluster,
+                      method: PipeshardParallel, inputs: str,
+                      stage_seconds: list | None = None, known: dict | None = None,
+                      recompute: list[bool] | None = None, donor: Donor | None = None,
+                      workers: int | None = None, memo: PricingMemo | None = None
+                      ) -> PipelinePlan:
+    """The PipelinePlan of ``stages`` ((first, last layer), submesh, view, option), each
+    stage planned exactly; ``known`` holds stage plans the search already solved, keyed
+    (first, last, submesh, view, lean, in flight, recompute), reused when made for the
+    same graph. ``recompute``: per stage, whether it checkpoints its activations (planned
+    with one micro-batch in flight in what the others' inputs leave of the budget).
+    ``stage_seconds``: measured seconds per stage, in place of the plans' estimates.
+    ``workers``: processes for the stages left to solve (default: one per core).
+    ``memo``: pricing work kept across solves (``passes/pipeline_search/pricing_memo.py``)."""
+    recompute = list(recompute) if recompute else [False] * len(stages)
+    stage_of_layer = {l: s for s, ((k, i), _, _, _) in enumerate(stages)
+                      for l in range(k, i + 1)}
+    node_stage = {n: stage_of_layer[l] for n, l in layer.items()}
+    ranks = place_submeshes([st[1] for st in stages], cluster)
+    subs = [stage_subgraph(graph, node_stage, s) for s in range(len(stages))]
+    # each stage must fit with the micro-batches its schedule keeps in flight, as the DP
+    # and the estimates count them
+    schedule = SCHEDULES[method.pipeline_schedule](len(stages), method.num_micro_batches)
+    flights = [in_flight(schedule[s]) for s in range(len(stages))]
+    received = [received_bytes(graph, lambda name, s=s: node_stage[name] == s)
+                if recompute[s] else 0.0 for s in range(len(stages))]
+    requests = [stage_request(sub.graph, submesh_cluster(cluster, submesh).logical_mesh(view),
+                              method, option, inputs, flights[s],
+                              received[s] if recompute[s] else None)
+                for s, (sub, (_, submesh, view, option)) in enumerate(zip(subs, stages))]
+    plans = _stage_plans(stages, requests, flights, recompute, known or {}, donor,
+                         cpu_workers() if workers is None else workers,
+                         PricingMemo() if memo is None else memo)
+    stage_plans = [StagePlan(index=s, layers=tuple(range(k, i + 1)), submesh=submesh,
+                             ranks=ranks[s], plan=plans[s], recompute=recompute[s])
+                   for s, ((k, i), submesh, _view, _option) in enumerate(stages)]
+    transfers = stage_transfers(graph, node_stage, subs)
+    return PipelinePlan(mesh_shape=(cluster.num_nodes, cluster.devices_per_node),
+                        stages=tuple(stage_plans), transfers=tuple(transfers),
+                        node_stage=node_stage, num_micro_batches=method.num_micro_batches,
+                        schedule=method.pipeline_schedule,
+                        estimates=pipeline_estimates(stage_plans, transfers, method, cluster,
+                                                     stage_seconds, received),
+                        method=method.to_dict(), graph_fingerprint=graph.fingerprint())
+
+
+def _stage_plans(stages: list, requests: list[StageRequest], flights: list[int],
+                 recompute: list[bool], known: dict, donor: Donor | None,
+                 workers: int, memo: PricingMemo) -> list[Plan]:
+    """Each stage's plan: the search's own where it made one for this very stage graph,
+    else one moved from identical layers (``donor``), else solved now (``workers`` at a
+    time). A stage given an option other than the sharded-states one is always solved."""
+    plans: list[Plan | None] = [None] * len(stages)
+    for s, ((k, i), submesh, view, option) in enumerate(stages):
+        lean = option is not None and option.parameters == "sharded"
+        if option is not None and not lean:
+            continue
+        plan = known.get((k, i, submesh, view, lean, flights[s], recompute[s]))
+        if plan is not None and plan.graph_fingerprint == requests[s].graph.fingerprint():
+            plans[s] = plan
+        elif donor is not None:
+            plans[s] = donor(k, i, submesh, view, lean, flights[s], recompute[s], requests[s])
+    todo = [s for s in range(len(stages)) if plans[s] is None]
+    solve = functools.partial(plan_stage, memo=memo)
+    for s, plan in zip(todo, fork_map(solve, [requests[s] for s in todo], workers)):
+        plans[s] = plan
+    solved = [plan for plan in plans if plan is not None]
+    assert len(solved) == len(stages), "a stage was left without a plan"
+    return solved
+
+
+def place_submeshes(submeshes: list[tuple[int, int]], cluster: Cluster
+                    ) -> list[tuple[int, ...]]:
+    """Global ranks for each submesh: whole nodes first, then packed within nodes."""
+    free = {n: list(range(n * cluster.devices_per_node, (n + 1) * cluster.devices_per_node))
+            for n in range(cluster.num_nodes)}
+    order = sorted(range(len(submeshes)), key=lambda s: -submeshes[s][0] * submeshes[s][1])
+    ranks: dict[int, tuple[int, ...]] = {}
+    for s in order:
+        n, m = submeshes[s]
+        if n > 1 or m == cluster.devices_per_node:
+            nodes = [k for k in sorted(free) if len(free[k]) == cluster.devices_per_node][:n]
+            if len(nodes) < n:
+                raise ValueError(f"cannot place submesh {submeshes[s]} on the cluster")
+            ranks[s] = tuple(r for k in nodes for r in free.pop(k))
+        else:
+            node = next((k for k in sorted(free, key=lambda k: len(free[k]))
+                         if len(free[k]) >= m), None)
+            if node is None:
+                raise ValueError(f"cannot place submesh {submeshes[s]} on the cluster")
+            ranks[s] = tuple(free[node][:m])
+            free[node] = free[node][m:]
+    return [tuple(sorted(ranks[s])) for s in range(len(submeshes))]
+
+
+def pipeline_estimates(stages: list[StagePlan], transfers: list[Transfer],
+                       method: PipeshardParallel, cluster: Cluster,
+                       stage_seconds: list | None = None, received: list[float] | None = None
+                       ) -> Estimates:
+    """The pipeline's step time (its schedule simulated on the stages' forward, backward
+    and send times, plus what crosses once per step) and memory per device (each stage's
+    states, one micro-batch at its peak and what the others in flight keep)."""
+    S, B = len(stages), method.num_micro_batches
+    link = cluster.inter_node_bandwidth if cluster.num_nodes > 1 else cluster.intra_node_bandwidth
+    # what a stage pays once per step (its gradients' final resharding, the optimizer)
+    # runs after its last backward, not with every micro-batch
+    once_s = [s.plan.estimates.get("once_per_step_s") or 0.0 for s in stages]
+    step = list(stage_seconds) if stage_seconds is not None else \
+        [s.plan.estimates["step_time_s"] - o for s, o in zip(stages, once_s)]
+    forward = [t * FORWARD_SHARE for t in step]   # backward is about twice forward's work
+    # a recomputed stage runs its forward again in backward
+    backward = [t - f + (f if s.recompute else 0.0) for t, f, s in zip(step, forward, stages)]
+    step = [recompute_seconds(t) if s.recompute else t for t, s in zip(step, stages)]
+    send = [sum(t.bytes for t in transfers if t.src_stage == s and t.phase == "forward"
+                and not t.once_per_step) / link for s in range(S)]
+    schedule = SCHEDULES[method.pipeline_schedule](S, B)
+    timeline = simulate(schedule, forward, backward, send)
+    # once per step: parameters before the first micro-batch, summed gradient parts
+    # after the last
+    once = sum(t.bytes for t in transfers if t.once_per_step) / link
+    total = max(max(e for _, _, _, e in stage) + o for stage, o in zip(timeline, once_s)) + once
+    memory = [(recompute_memory if s.recompute else in_flight_bytes)(
+        s.plan.estimates["model_state_bytes_per_device"],
+        s.plan.estimates["activation_bytes_per_device"],
+        (received or [0.0] * S)[n] if s.recompute else
+        s.plan.estimates["saved_activation_bytes_per_device"],
+        in_flight(schedule[n])) for n, s in enumerate(stages)]
+    budget = method.auto_sharding_option.memory_budget_per_device or cluster.memory_per_device
+    return Estimates(step_time_s=total, max_stage_s=max(step), stage_step_s=step,
+                     stage_times="measured" if stage_seconds is not None else "cost model",
+                     alpa_objective_s=sum(step) + (B - 1) * max(step),
+                     memory_per_device_bytes=max(memory), stage_memory_bytes=memory,
+                     timeline=timeline,
+                     # recorded for reports and pictures
+                     memory_budget_per_device_bytes=float(budget) if budget else None)
+
+
+def fastest_of(plan: PipelinePlan, alternatives: list[list[tuple]],
+               assemble: Callable[[list[tuple]], PipelinePlan]) -> PipelinePlan:
+    """``plan``, or the alternative (a uniform partition whose stages the search priced
+    exactly) whose estimated step is shorter. The DP ranks by its objective, sum + (B - 1)
+    x max of the stage latencies; the plan's step comes from simulating the schedule, and
+    the two can order near-equal pipelines differently (GPT-15B: 3 uneven stages against
+    4 even ones, within 0.2 %). The alternatives' stage plans are already solved."""
+    best = plan
+    for alternative in alternatives:
+        try:
+            candidate = assemble(alternative)
+        except (InfeasibleError, ValueError):
+            continue
+        if candidate.estimates["step_time_s"] < best.estimates["step_time_s"]:
+            best = candidate
+    if best is not plan:
+        log.info("pipeline search: a uniform partition priced exactly simulates faster "
+                 "(%.6g s) than the DP's answer (%.6g s): taken", best.estimates["step_time_s"],
+                 plan.estimates["step_time_s"])
+    return best

@@ -1,0 +1,355 @@
+"""The pipeline search: Alpa's stage DP, with the stages that decide it priced exactly.
+
+A candidate stage (layer range, submesh, micro-batches in flight) has variants: each
+logical view, kept or recomputed (``passes/pipeline_search/stage_recompute.py``). Each variant starts at its
+additive estimate (``passes/pipeline_search/stage_costs.py``), or, where that says "does not fit" but is
+near fitting, at the fastest additive plan's latency (optimistic); the candidate costs its
+cheapest variant (``VariantTable``). Each round runs the DP (``passes/pipeline_search/stages.py``), then
+prices the variant each stage of its answer took, if not yet priced, with the stage's own
+memory-constrained ILP (``passes/pipeline_search/exact_stages.py``) and replaces that variant's estimate
+by it (inf if no plan fits), so the candidate falls back to its next variant (another view,
+recomputation) when the exact plan is slower or does not fit. When every stage of an
+answer is exact, the uniform partitions (``uniform_layouts``: a hand grid's stage split)
+whose estimates come within ``UNIFORM_MARGIN`` of it are priced exactly too, once, and the
+rounds go on until an answer is exact again: the per-layer sums miss a stage's cross-layer
+savings, and this way the answer is never slower than such a uniform partition planned by
+the same stage ILP. With measured layer times (``stage_option="profile"``) the DP runs once
+on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+
+from torchalpa.core.cluster import Cluster
+from torchalpa.core.options import AutoShardingOption
+from torchalpa.passes.pipeline_search.exact_stages import ExactStages, Stage
+from torchalpa.passes.pipeline_search.stage_costs import StageCosts, Variant
+from torchalpa.passes.pipeline_search.stage_jobs import StageJobs
+from torchalpa.passes.pipeline_search.stages import PipelineSolution, stage_dp
+
+__all__ = ["StageSearch", "SearchResult", "VariantTable", "uniform_layouts", "MEMORY_SLACK",
+           "UNIFORM_TIME_LIMIT", "MAX_EXACT_ROUNDS", "UNIFORM_MARGIN"]
+
+log = logging.getLogger("torchalpa.planner")
+
+MEMORY_SLACK = 2.0
+"""How far over the budget an additive memory estimate may be for the exact stage ILP to
+be asked (GPT-39B, 2 layers, 8 micro-batches in flight: additive 126-140 GB, exact 79 GB
+of 80)."""
+
+UNIFORM_TIME_LIMIT: float | None = 10.0
+"""Seconds each ILP solve of a uniform partition's stage may take (``StageSearch``), in
+place of the method's ``time_limit`` where that is longer; None: no budget of its own.
+Those stages are priced only to offer the search an alternative, so their solves stop
+early: any feasible plan's time is an upper bound of the stage's optimum."""
+
+MAX_EXACT_ROUNDS = 8
+"""Rounds of (stage DP, exact pricing of the stages it chose that were not yet exact)."""
+
+UNIFORM_MARGIN = 0.02
+"""How far above the search's exact answer a uniform partition's additive estimate may be
+for its stages to be priced exactly too (``uniform_layouts``). The per-layer sums miss
+what a stage's own ILP saves across its layers (GPT-15B's two-layer stages on (1, 8) as
+(2, 4): dearer by the sums, cheaper exactly), so a uniform partition the sums rank just
+behind the answer may beat it; ``math.inf`` prices every uniform partition."""
+
+View = tuple[int, ...]
+Submesh = tuple[int, int]
+Key = tuple[int, int, int, int]
+"""A candidate stage of the DP: (first layer, last layer, submesh index, in flight)."""
+Pick = tuple[Key, Variant]
+"""A candidate stage and the variant to price it as."""
+Chosen = tuple[View, AutoShardingOption | None, bool]
+"""How a stage of the answer is planned: (view, option: None for the method's own,
+recompute)."""
+Given = tuple[tuple[int, int], Submesh, View, AutoShardingOption | None, bool]
+"""A stage of a uniform partition: ((first, last), submesh, view, option, recompute)."""
+
+
+@dataclass
+class SearchResult:
+    """The DP's answer, how each of its stages is planned, how many stage variants were
+    priced exactly, and the uniform partitions whose stages were all priced exactly and
+    fit (alternatives the assembly may find faster by the schedule's timeline)."""
+
+    solution: PipelineSolution
+    stages: list[Chosen]
+    num_priced: int
+    uniform: list[list[Given]]
+
+
+class VariantTable:
+    """Each candidate stage's variants and their latencies, additive or exact, and which
+    variant the DP's cost function took for each candidate it asked about."""
+
+    def __init__(self, costs: StageCosts, shapes: list[Submesh], measured: bool):
+        self.costs, self.shapes, self.measured = costs, shapes, measured
+        # key -> (view, recompute) -> (latency, chosen or None when no plan fits)
+        self.priced: dict[Key, dict[tuple[View, bool], tuple[float, Chosen | None]]] = {}
+        # a variant's additive estimate does not change between rounds (only ``priced``)
+        self._additive: dict[tuple[Key, bool], dict[tuple[View, bool],
+                                                    tuple[float, Variant]]] = {}
+        self.choice: dict[Key, tuple[tuple, bool] | None] = {}    # key -> (picked, exact?)
+
+    def cost(self, key: Key, guess: bool = True) -> float:
+        """A stage's latency: its cheapest variant, exact where it was priced so, else the
+        per-layer sum or, with ``guess``, the optimistic estimate (a stage the sum calls
+        too big, to be priced exactly if the DP picks it). Records the variant taken."""
+        best: tuple[float, tuple[tuple, bool] | None] = (math.inf, None)
+        priced = self.priced.get(key, {})
+        for variant, (latency, chosen) in self._additive_of(key, guess).items():
+            if variant not in priced and latency < best[0]:
+                best = (latency, (chosen, False))
+        for latency, chosen in priced.values():
+            if chosen is not None and latency < best[0]:
+                best = (latency, (chosen, True))
+        self.choice[key] = best[1]
+        return best[0]
+
+    def _additive_of(self, key: Key, guess: bool) -> dict[tuple[View, bool],
+                                                           tuple[float, Variant]]:
+        found = self._additive.get((key, guess))
+        if found is None:
+            k, i, j, flight = key
+            found = self._additive[key, guess] = variants(
+                self.costs, k, i, self.shapes[j], flight, guess and not self.measured)
+        return found
+
+    def record(self, key: Key, view: View, recompute: bool, latency: float,
+               option: AutoShardingOption | None) -> None:
+        """Replace a variant's estimate by its exact price (inf: no plan fits)."""
+        self.priced.setdefault(key, {})[view, recompute] = (
+            latency, (view, option, recompute) if math.isfinite(latency) else None)
+
+    def picked(self, key: Key) -> tuple[tuple, bool]:
+        """The variant the DP took for ``key`` and whether it is exact."""
+        picked = self.choice[key]
+        assert picked is not None, "the DP chose a stage with no plan"
+        return picked
+
+    def snapshot(self) -> tuple[dict, dict]:
+        return {key: dict(priced) for key, priced in self.priced.items()}, dict(self.choice)
+
+    def restore(self, saved: tuple[dict, dict]) -> None:
+        self.priced.clear()
+        self.priced.update(saved[0])
+        self.choice.clear()
+        self.choice.update(saved[1])
+
+    def num_priced(self) -> int:
+        return sum(len(v) for v in self.priced.values())
+
+    def view_best(self, key: Key, view: View) -> tuple[float, Variant, bool] | None:
+        """The cheapest variant (kept or recomputed) of stage ``key`` on ``view``:
+        (latency, (view, lean, recompute), exact?), exact where priced, else the additive
+        estimate (optimistic where near fitting); None if no variant on ``view`` may fit."""
+        k, i, j, flight = key
+        priced = self.priced.get(key, {})
+        best = None
+        for (v, recompute), (latency, chosen) in variants(self.costs, k, i, self.shapes[j],
+                                                          flight, True).items():
+            if v != view:
+                continue
+            if (v, recompute) in priced:
+                latency, found = priced[v, recompute]
+                if found is None:
+                    continue
+                candidate = (latency, chosen, True)
+            else:
+                candidate = (latency, chosen, False)
+            if best is None or candidate[0] < best[0]:
+                best = candidate
+        return best
+
+    def exact_on(self, key: Key, view: View) -> Chosen | None:
+        """The fastest variant of ``key`` on ``view`` priced exactly and fitting."""
+        found = [(latency, chosen) for (v, _), (latency, chosen)
+                 in self.priced.get(key, {}).items() if v == view and chosen is not None]
+        return min(found, key=lambda f: f[0])[1] if found else None
+
+
+class StageSearch:
+    """Rounds of the stage DP and exact pricing (see module doc) of ``costs``' layers on
+    the submeshes ``shapes`` of ``cluster``, ``num_micro_batches`` per step under
+    ``schedule``; exact solves by ``exact``, ``workers`` at a time."""
+
+    def __init__(self, costs: StageCosts, exact: ExactStages, cluster: Cluster,
+                 num_micro_batches: int, schedule: str, shapes: list[Submesh], workers: int):
+        self.costs, self.exact, self.cluster = costs, exact, cluster
+        self.num_layers = costs.problem.num_layers
+        self.num_micro_batches, self.schedule, self.shapes = num_micro_batches, schedule, shapes
+        self.workers = workers
+        self.measured = costs.layers.measured is not None
+        self.table = VariantTable(costs, shapes, self.measured)
+        self._round_picks: list[Pick] = []     # the DP's picks priced this round
+
+    def run(self) -> SearchResult:
+        """The search's answer (``ValueError`` if no stage fits)."""
+        jobs = StageJobs(self.exact.solve_in_worker, self.workers)
+        try:
+            solution = self._rounds(jobs)
+        finally:
+            jobs.close()
+            log.info("pipeline search: %d stage solves guessed while a worker was idle, %d "
+                     "of them asked for, %d stopped", jobs.guessed, jobs.guesses_used,
+                     jobs.guesses_stopped)
+        return SearchResult(solution, self._chosen(solution), self.table.num_priced(),
+                            self._uniform_exact())
+
+    def _rounds(self, jobs: StageJobs) -> PipelineSolution:
+        """DP, exact pricing of what it picked not yet exact, again; once an answer is
+        exact, the uniform partitions that might beat it priced too (each solve within
+        ``UNIFORM_TIME_LIMIT``), and again until an answer is exact."""
+        uniform_done = self.measured     # measured times are not repriced by the cost model
+        for _ in range(MAX_EXACT_ROUNDS + 1):
+            solution = self._dp()
+            picks, budget = self._inexact_picks(solution), None
+            if not picks and not uniform_done:
+                uniform_done = True
+                picks = self._uniform_picks(solution.total * (1 + UNIFORM_MARGIN))
+                budget = UNIFORM_TIME_LIMIT
+            if not picks or self.measured:
+                return solution
+            self._round_picks = picks if budget is None else []
+            self._price(picks, budget, jobs)
+        # rounds spent: keep what was priced exactly, drop the optimistic guesses
+        return self._dp(guess=False)
+
+    def _dp(self, guess: bool = True) -> PipelineSolution:
+        return stage_dp(self.num_layers, self.cluster.num_nodes, self.cluster.devices_per_node,
+                        self.num_micro_batches,
+                        lambda k, i, j, after: self.table.cost((k, i, j, self._flight(after)),
+                                                               guess))
+
+    def _flight(self, after: int) -> int:
+        """Micro-batches in flight on a stage with ``after`` stages after it."""
+        B = self.num_micro_batches
+        return min(B, after + 1) if self.schedule == "1f1b" else B
+
+    def _keys(self, solution: PipelineSolution) -> list[Key]:
+        return [(st.layers[0], st.layers[1], self.shapes.index(st.submesh),
+                 self._flight(len(solution.stages) - 1 - n))
+                for n, st in enumerate(solution.stages)]
+
+    def _inexact_picks(self, solution: PipelineSolution) -> list[Pick]:
+        """The stages of ``solution`` whose variant is not priced exactly yet."""
+        return [(key, picked) for key in self._keys(solution)
+                for picked, is_exact in [self.table.picked(key)] if not is_exact]
+
+    def _price(self, picks: list[Pick], budget: float | None, jobs: StageJobs) -> None:
+        """Price ``picks`` exactly (solves within ``budget`` seconds each, if given)."""
+        self.exact.solve_stages([self._stage(key, view, recompute)
+                                 for key, (view, _, recompute) in picks], jobs,
+                                budget, self._next_round)
+        for key, (view, _, recompute) in picks:
+            latency, option = self.exact.exact(*self._stage(key, view, recompute), budget)
+            self.table.record(key, view, recompute, latency, option)
+
+    def _stage(self, key: Key, view: View, recompute: bool) -> Stage:
+        k, i, j, flight = key
+        return k, i, self.shapes[j], view, flight, recompute
+
+    def _next_round(self) -> list[Stage]:
+        """The stages the DP's answer prices next if every stage of this round not yet
+        solved turns out not to fit: what the next round asks for when those come in
+        dearer than their estimates (GPT-39B: the first stage, memory-bound, on another
+        view, then on a larger submesh)."""
+        if not self._round_picks:
+            return []
+        saved = self.table.snapshot()
+        try:
+            for key, (view, _, recompute) in self._round_picks:
+                latency, option = self.exact.known_exact(*self._stage(key, view, recompute))
+                self.table.record(key, view, recompute, latency, option)
+            guess = self._dp()
+            return [self._stage(key, view, recompute)
+                    for key, ((view, _, recompute), is_exact) in
+                    ((key, self.table.picked(key)) for key in self._keys(guess))
+                    if not is_exact]
+        except ValueError:       # nothing fits
+            return []
+        finally:
+            self.table.restore(saved)
+
+    def _uniform_picks(self, bound: float) -> list[Pick]:
+        """(key, (view, lean, recompute)) of the stages of every uniform partition whose
+        cheapest stage variants on one view, exact where priced, total at most ``bound``
+        by the DP's objective, and not yet priced exactly."""
+        out = []
+        for pp, j in uniform_layouts(self.num_layers, self.cluster, self.shapes):
+            keys = self._uniform_keys(pp, j)
+            for view in self.costs.layers.views(self.shapes[j]):
+                found = [self.table.view_best(key, view) for key in keys]
+                best = [b for b in found if b is not None]
+                if len(best) < len(found):      # a stage of it has no variant that may fit
+                    continue
+                latencies = [b[0] for b in best]
+                total = sum(latencies) + (self.num_micro_batches - 1) * max(latencies)
+                log.info("pipeline search: uniform %d stages on %s as %s: %.6g s by the DP's"
+                         " objective (%d of %d stages exact), bound %.6g s", pp, self.shapes[j],
+                         view, total, sum(b[2] for b in best), pp, bound)
+                if total <= bound:
+                    out += [(key, b[1]) for key, b in zip(keys, best) if not b[2]]
+        return out
+
+    def _uniform_keys(self, pp: int, j: int) -> list[Key]:
+        """The stages of the uniform partition into ``pp`` stages on submesh ``j``."""
+        per = self.num_layers // pp
+        return [(s * per, (s + 1) * per - 1, j, self._flight(pp - 1 - s)) for s in range(pp)]
+
+    def _uniform_exact(self) -> list[list[Given]]:
+        """Every uniform partition whose stages on one view were all priced exactly and
+        fit, as stages ((first, last), submesh, view, option, recompute)."""
+        out = []
+        for pp, j in uniform_layouts(self.num_layers, self.cluster, self.shapes):
+            for view in self.costs.layers.views(self.shapes[j]):
+                stages = []
+                for key in self._uniform_keys(pp, j):
+                    chosen = self.table.exact_on(key, view)
+                    if chosen is None:
+                        break
+                    _, option, recompute = chosen
+                    stages.append((key[:2], self.shapes[j], view, option, recompute))
+                else:
+                    out.append(stages)
+        return out
+
+    def _chosen(self, solution: PipelineSolution) -> list[Chosen]:
+        """How each stage of ``solution`` is planned: its exact variant's, or, where the
+        DP ran on measured times, its additive variant's (view, option, recompute)."""
+        stages = []
+        for key in self._keys(solution):
+            picked, is_exact = self.table.picked(key)
+            if is_exact:
+                stages.append(picked)
+            else:
+                view, lean, recompute = picked
+                stages.append((view, replace(self.costs.problem.method.auto_sharding_option,
+                                             parameters="sharded") if lean else None,
+                               recompute))
+        return stages
+
+
+def uniform_layouts(L: int, cluster: Cluster, shapes: list[Submesh]) -> list[tuple[int, int]]:
+    """(stages, submesh index) of every uniform partition: ``stages`` dividing the
+    layer count, each stage on the same submesh shape, ``stages`` of them tiling the
+    cluster (a hand grid's pp and dp x tp devices per stage)."""
+    return [(pp, j) for pp in range(1, L + 1) if L % pp == 0
+            for j, (n, m) in enumerate(shapes) if n * m * pp == cluster.num_devices]
+
+
+def variants(costs: StageCosts, k: int, i: int, submesh: Submesh, flight: int,
+             guess: bool) -> dict[tuple[View, bool], tuple[float, Variant]]:
+    """(view, recompute) -> (latency, (view, lean, recompute)) of the variants of layers
+    k..i on ``submesh`` that fit by the additive estimate, or, with ``guess``, are within
+    ``MEMORY_SLACK`` x the budget of fitting: the fastest such plan per variant."""
+    limit = (MEMORY_SLACK if guess else 1.0) * costs.problem.budget()
+    out: dict[tuple[View, bool], tuple[float, Variant]] = {}
+    for latency, memory, view, lean, recompute in costs.candidates(k, i, submesh, flight):
+        if memory <= limit and ((view, recompute) not in out or
+                                latency < out[view, recompute][0]):
+            out[view, recompute] = (latency, (view, lean, recompute))
+    return out

@@ -1,0 +1,90 @@
+"""One pipeline stage's own intra-op plan: what it is solved from, and how hard.
+
+A stage (a range of layers on a submesh view) is planned by the intra-op ILP with the
+micro-batches its schedule keeps in flight counted in its memory; a recomputed stage is
+planned with one in flight, in the budget the others' kept inputs leave
+(``passes/pipeline_search/stage_recompute.py``). ``StageRequest`` is that problem as data (handed to forked
+workers); ``plan_stage`` solves it. The search's own stage solves cap how hard the ILP
+works (``search_option``); the final plan's stages are solved with the method's option.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.options import AutoShardingOption, PipeshardParallel, ShardParallel
+from torchalpa.core.plan import Plan
+from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
+from torchalpa.passes.pipeline_search.stage_recompute import recompute_option
+from torchalpa.passes.sharding.ilp import InfeasibleError
+from torchalpa.passes.sharding.intra_op import plan_intra_op
+
+__all__ = ["StageRequest", "stage_request", "plan_stage", "search_option",
+           "SEARCH_RESOLVE_BELOW"]
+
+SEARCH_RESOLVE_BELOW = 600
+"""A stage the search prices exactly (the DP's picks and the uniform partitions') is also
+re-solved unsimplified (``AutoShardingOption.exact_below``) only when its graph has at
+most this many nodes (and at most the method's ``exact_below``); every stage solve still
+lets its followers decide on their own (``AutoShardingOption.free_followers_below``). On
+GPT-39B (8 x 8 H100) the unsimplified re-solves were most of the search: 11-62 s for a
+2-layer stage (794-843 nodes, ~205k columns), 23-102 s for a 4-layer one (1586-1598 nodes,
+~380k columns, some stopped by the 60 s limit), where freeing the followers alone took
+1-13 s and came within 0.27 % of them (``benchmarks/stage_resolve.py``; the small case is
+``tests/test_free_followers.py``). The tests' small GPT stages (134-589 nodes) are still re-solved: there the
+re-solve is cheap and once found a 5 % faster stage."""
+
+
+@dataclass(frozen=True)
+class StageRequest:
+    """A stage's intra-op problem: its graph on ``mesh``, planned with ``method`` for
+    ``in_flight`` micro-batches held at once."""
+
+    graph: OpGraph
+    mesh: LogicalMesh
+    method: ShardParallel
+    inputs: str
+    in_flight: int
+
+
+def stage_request(graph: OpGraph, mesh: LogicalMesh, method: PipeshardParallel,
+                  option: AutoShardingOption | None, inputs: str, flight: int,
+                  received: float | None) -> StageRequest:
+    """What ``plan_stage`` plans a stage from; a recomputed stage (``received``: the
+    bytes each other micro-batch in flight keeps) with one micro-batch in flight and the
+    budget the others leave (``passes/pipeline_search/stage_recompute.py``)."""
+    if received is None:
+        return StageRequest(graph, mesh, method.intra_op_method(option), inputs, flight)
+    budget = method.auto_sharding_option.memory_budget_per_device or mesh.memory_per_device
+    lowered = recompute_option(option or method.auto_sharding_option, budget, received, flight)
+    if lowered is None:
+        assert budget is not None, "recompute_option lowers only a budget it is given"
+        raise InfeasibleError(f"a recomputed stage keeps {flight - 1} micro-batches' inputs "
+                              f"of {received / 2**30:.2f} GiB each, more than the "
+                              f"{budget / 2**30:.1f} GiB budget per device")
+    return StageRequest(graph, mesh, method.intra_op_method(lowered), inputs, 1)
+
+
+def plan_stage(request: StageRequest, memo: PricingMemo | None = None) -> Plan:
+    """The stage's intra-op plan (``InfeasibleError`` if none fits); ``memo``: as in
+    ``plan_intra_op``."""
+    graph = request.graph
+    return plan_intra_op(graph, request.mesh, request.method, inputs=request.inputs,
+                         in_flight=request.in_flight,
+                         blocks=graph.meta.get("repeated_blocks") or None, memo=memo)
+
+
+def search_option(option: AutoShardingOption, budget: float | None) -> AutoShardingOption:
+    """``option`` for a stage solve of the search: no unsimplified re-solve above
+    ``SEARCH_RESOLVE_BELOW`` nodes and, with ``budget`` seconds (a uniform partition's
+    stage, an alternative to the answer), its ILP time limit at most that and no
+    alternating re-solve of repeated blocks (``AutoShardingOption.alternate_blocks``: on
+    GPT-39B's 64-device row the slowest such stage, layers 0-1 with 4 micro-batches in
+    flight, took 18.8 s with it and 10.1 s without, at the same latency)."""
+    below = min(option.exact_below, SEARCH_RESOLVE_BELOW)
+    if budget is None:
+        return option if below == option.exact_below else replace(option, exact_below=below)
+    limit = budget if option.time_limit is None else min(option.time_limit, budget)
+    return replace(option, time_limit=limit, exact_below=below, alternate_blocks=False)

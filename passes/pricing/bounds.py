@@ -1,0 +1,162 @@
+"""What any plan of a captured step must at least cost, found without a solver.
+
+Every value a plan holds is, on each device, at least its size divided by the device
+count (a shard over all of them; replicas and partial sums hold more), and every op's
+time is at least its roofline over all devices (``passes/cost.compute_cost`` with every
+device sharing it; collectives only add). Laid over the step's liveness -- the order the
+memory model and the ILP use -- that gives, in one pass over the graph:
+
+- a memory lower bound per device: model states (parameters, gradients, optimizer
+  states) plus the largest set of activations alive at once, all split over every device;
+- a step-time lower bound: the roofline of every op split over every device, plus each
+  kernel's launch, plus the optimizer's step on the smallest possible shard.
+
+A mesh whose memory bound exceeds the budget cannot fit, whatever layout the ILP would
+choose, so it is refused in milliseconds instead of after building and solving the ILP;
+the bounds also rank and prune the candidates of the automatic method search
+(``torchalpa.parallel.auto``).
+
+Micro-batches: the graph is captured for one batch size ``batch``. Every value's bytes
+and every op's flops and bytes grow as ``c + l * m`` with the micro-batch size ``m``
+(``c, l >= 0``), so for ``m <= batch`` scaling the whole figure by ``m / batch`` is still
+a lower bound (``c + l*m >= (c + l*batch) * m / batch``), and for ``m >= batch`` the figure
+at ``batch`` is. That keeps the bounds sound for any micro-batch count from one capture
+(an op quadratic in the batch, such as a contrastive batch x batch matrix, would break
+the premise; it is priced exactly once captured at its own size).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchalpa.core.cluster import Cluster, LogicalMesh
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.passes.pricing.cost import compute_cost, optimizer_cost
+from torchalpa.passes.pricing.memory import forward_end, liveness, state_copies
+
+__all__ = ["StepProfile", "step_profile", "captured_batch"]
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Lower bounds of one captured step (``step_profile``), for any device count and
+    micro-batch size. Sizes are of the whole step, before any split."""
+
+    batch: int
+    """The micro-batch size the step was captured for (dim 0 of its inputs)."""
+    state_bytes: float
+    """Parameters, their gradients and optimizer states (``passes/memory.state_copies``)."""
+    parameter_bytes: float
+    """Parameters alone (each device holds them whole when they are replicated)."""
+    activation_peak_bytes: float
+    """Activations alive at once at the step's worst point."""
+    activation_saved_bytes: float
+    """Activations alive where forward ends: what a micro-batch holds until backward."""
+    roofline_s: float
+    """Every op's roofline on one device (max of flops at peak and bytes at bandwidth)."""
+    launch_s: float
+    """Kernel launches of one micro-batch (a fixed cost per op, whatever its size)."""
+    mesh: LogicalMesh
+    """The device the figures are priced on (peak flop/s, bandwidth, launch cost)."""
+    optimizer_states: int
+    num_parameter_tensors: int
+
+    def _scale(self, micro_batch: int | None) -> float:
+        if micro_batch is None:
+            return 1.0
+        if micro_batch < 1:
+            raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+        return min(1.0, micro_batch / self.batch)
+
+    def memory_bytes(self, devices: int, micro_batch: int | None = None, *,
+                     in_flight: int = 1, replicated_parameters: bool = False) -> float:
+        """Bytes each of ``devices`` must at least hold, running micro-batches of
+        ``micro_batch`` (default: as captured), ``in_flight`` of them waiting for their
+        backward at once (a pipeline stage's), with model states whole on every device
+        when ``replicated_parameters`` (data parallelism: gradients and optimizer states
+        follow the parameters' layout) or split over all of them."""
+        _check_devices(devices)
+        scale = self._scale(micro_batch)
+        state = self.state_bytes if replicated_parameters else self.state_bytes / devices
+        activations = (self.activation_peak_bytes
+                       + (in_flight - 1) * self.activation_saved_bytes) * scale / devices
+        return state + activations
+
+    def pipeline_memory_bytes(self, devices: int, micro_batch: int | None = None) -> float:
+        """Bytes each of ``devices`` must at least hold when they run the step as pipeline
+        stages: at the moment the first micro-batch's backward starts, every stage still
+        holds what forward saved for it, so the activations alive where forward ends (not
+        the step's peak) are the part every split must carry."""
+        _check_devices(devices)
+        return (self.state_bytes + self.activation_saved_bytes * self._scale(micro_batch)) \
+            / devices
+
+    def step_seconds(self, devices: int, num_micro_batches: int = 1,
+                     micro_batch: int | None = None) -> float:
+        """Seconds a step of ``num_micro_batches`` micro-batches (of ``micro_batch``,
+        default ``batch / num_micro_batches``) must at least take on ``devices``: each op
+        at its roofline over all of them, each launch paid per micro-batch, the optimizer
+        on an even shard once."""
+        _check_devices(devices)
+        if micro_batch is None:
+            micro_batch = max(1, self.batch // num_micro_batches)
+        per_micro = self.roofline_s * self._scale(micro_batch) / devices + self.launch_s
+        shard = {f"p{i}": self.parameter_bytes / self.num_parameter_tensors / devices
+                 for i in range(self.num_parameter_tensors)}
+        return num_micro_batches * per_micro + optimizer_cost(self.mesh, shard,
+                                                              self.optimizer_states)
+
+    def devices_to_fit(self, budget: float, micro_batch: int | None = None) -> int:
+        """The fewest devices whose memory bound fits ``budget`` bytes each."""
+        if budget <= 0:
+            raise ValueError(f"budget must be > 0 bytes, got {budget}")
+        whole = self.memory_bytes(1, micro_batch)
+        return max(1, math.ceil(whole / budget))
+
+
+def captured_batch(graph: OpGraph) -> int:
+    """The batch size a step was captured for: dim 0 of its first user input (1 when no
+    input has a dim)."""
+    for node in graph:
+        if node.kind == "input" and node.output.shape:
+            return int(node.output.shape[0])
+    return 1
+
+
+def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int | None = None,
+                 optimizer_states: int = 2) -> StepProfile:
+    """The bounds of ``graph`` (one step captured for micro-batches of ``batch``, default
+    ``captured_batch(graph)``) on the devices of ``hardware``. One pass over the graph:
+    about a tenth of a second on thousands of ops."""
+    batch = captured_batch(graph) if batch is None else batch
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    mesh = hardware if isinstance(hardware, LogicalMesh) else \
+        hardware.logical_mesh((hardware.num_devices,))
+    live = liveness(graph)
+    sizes = np.array([sum(o.nbytes for o in graph.node(v).outputs) for v in live.names],
+                     dtype=float)
+    timeline = live.total(sizes) if len(sizes) else np.zeros(1)
+    leaves = [n for n in graph if n.kind in ("param", "buffer")]
+    state = sum(n.output.nbytes * state_copies(graph, n.name, optimizer_states) for n in leaves)
+    params = [n for n in leaves if n.kind == "param"]
+    roofline = launches = 0.0
+    for node in graph.ops():
+        launch = mesh.kernel_launch_s if mesh.kernel_launch_s and not node.aliases else 0.0
+        roofline += compute_cost(mesh, node, 1) - launch
+        launches += launch
+    return StepProfile(
+        batch=batch, state_bytes=float(state),
+        parameter_bytes=float(sum(n.output.nbytes for n in params)),
+        activation_peak_bytes=float(timeline.max()),
+        activation_saved_bytes=float(timeline[min(forward_end(graph), len(timeline) - 1)]),
+        roofline_s=roofline, launch_s=launches, mesh=mesh,
+        optimizer_states=optimizer_states, num_parameter_tensors=max(1, len(params)))
+
+
+def _check_devices(devices: int) -> None:
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1, got {devices}")

@@ -1,0 +1,243 @@
+"""Per-device memory of a plan: model states plus activations alive at each point.
+
+Model states are each parameter's local shard, its gradient (same layout) and the
+optimizer's state tensors (same layout), alive throughout. Activations are op results
+(and user inputs) held from the op that makes them to their last reader, in the step's
+order (forward then backward); a view of one shares its storage and keeps it alive.
+Gradients count as model state, not as activations. On CPU ranks an attention forward
+whose backward the lowering rewrites to read saved statistics (``saved_statistics``,
+``passes/pricing/attention_price.py``) holds its output and its float32 log-sum-exp per query row
+until that backward.
+
+``Liveness`` holds the intervals; the ILP adds one constraint per point it checks,
+``model states + activations alive there <= budget``, starting from the likely peaks and
+adding the actual peak of each solution until the plan fits (``passes/sharding/intra_op.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.placement import Placements, Replicate, is_shard
+from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_spec
+from torchalpa.passes.sharding.reshard import local_bytes
+
+__all__ = ["Liveness", "liveness", "model_state_bytes", "activation_peak_bytes",
+           "state_copies", "forward_end", "in_flight_bytes", "value_bytes"]
+
+
+@dataclass
+class Liveness:
+    """Op results as intervals ``[start, end]`` over the step's order of nodes."""
+
+    names: list[str]          # values that count as activations
+    start: np.ndarray
+    end: np.ndarray
+    length: int
+
+    def alive_at(self, t: int) -> list[str]:
+        mask = (self.start <= t) & (t <= self.end)
+        return [self.names[i] for i in np.flatnonzero(mask)]
+
+    def total(self, sizes) -> np.ndarray:
+        """Bytes alive at each point, value ``names[i]`` holding ``sizes[i]``."""
+        delta = np.zeros(self.length + 1)
+        np.add.at(delta, self.start, sizes)
+        np.add.at(delta, self.end + 1, -np.asarray(sizes, dtype=float))
+        return np.cumsum(delta)[:-1]
+
+
+def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
+             state_at_start: bool = False) -> Liveness:
+    """When each value is allocated and freed, in the step's order.
+
+    A view (``OpNode.aliases``) allocates nothing: it keeps the storage it views alive
+    until its own last reader, so it extends that tensor's interval instead of adding
+    one. Views of parameters and buffers are the exception: a layer often reads a
+    weight through a view (``permute``) in a layout other than the weight's own (gathered
+    under ZeRO), and forward keeps that copy for backward, so such views keep intervals
+    of their own. (A view that reads an activation resharded is priced in the
+    activation's layout: resharding temporaries are not modeled.) ``kept_for``: value ->
+    a later op that reads it outside the graph's edges (attention's saved output).
+    ``state_at_start`` (``plan.state_read_once``): the step reshards parameters for forward
+    once, before its first micro-batch, so a forward view of a parameter holds its copy
+    from the start of the step."""
+    order = {n.name: i for i, n in enumerate(graph)}
+    last_use: dict[str, int] = {}
+    for node in graph:
+        for ref in node.operands:
+            last_use[ref.node] = max(last_use.get(ref.node, -1), order[node.name])
+    for value, reader in (kept_for or {}).items():
+        last_use[value] = max(last_use.get(value, -1), order[reader])
+    end_of_step = len(order)
+    for ref in graph.outputs.refs():
+        last_use[ref.node] = end_of_step
+    storage = _storage_roots(graph)
+    for view, root in storage.items():
+        last_use[root] = max(last_use.get(root, order[root]), last_use.get(view, order[view]))
+    names = [n.name for n in graph
+             if n.kind in ("op", "input") and not n.is_grad and n.name not in storage]
+    start = np.array([0 if state_at_start and _views_state(graph, n) else order[n]
+                      for n in names], dtype=np.int64)
+    end = np.array([last_use.get(n, order[n]) for n in names], dtype=np.int64)
+    return Liveness(names, start, end, end_of_step + 1)
+
+
+def _views_state(graph: OpGraph, name: str) -> bool:
+    """Whether ``name`` is a forward view of a parameter or buffer."""
+    node = graph.node(name)
+    return node.aliases and node.phase == "forward" and bool(node.operands) and \
+        graph.node(node.operands[0].node).kind in ("param", "buffer")
+
+
+def _storage_roots(graph: OpGraph) -> dict[str, str]:
+    """Each view of an activation -> the tensor whose storage it shares."""
+    roots: dict[str, str] = {}
+    for node in graph.ops():
+        if node.aliases:
+            base = node.operands[0].node
+            root = roots.get(base, base)
+            if graph.node(root).kind not in ("param", "buffer"):
+                roots[node.name] = root
+    return roots
+
+
+def state_copies(graph: OpGraph, node_name: str, optimizer_states: int) -> int:
+    """Tensors of a leaf's layout held for the whole step: itself, grad, optimizer states."""
+    node = graph.node(node_name)
+    if node.kind == "param" and node.target in dict(graph.outputs.grads):
+        return 2 + optimizer_states
+    return 1 if node.kind in ("param", "buffer") else 0
+
+
+def model_state_bytes(graph: OpGraph, placements: dict[str, Placements], mesh_shape,
+                      optimizer_states: int) -> int:
+    """Params + grads + optimizer states held by one device."""
+    return sum(local_bytes(n.output, placements[n.name], mesh_shape)
+               * state_copies(graph, n.name, optimizer_states)
+               for n in graph if n.kind in ("param", "buffer"))
+
+
+def value_bytes(graph: OpGraph, name: str, placements: tuple[Placements, ...], mesh_shape,
+                statistics: frozenset[str] | dict = frozenset()) -> int:
+    """Bytes one device holds for op ``name``'s results in ``placements``, plus the
+    attention statistic it saves when ``name`` is in ``statistics`` and the fused kernel
+    computes it (split like the
+    output's batch, heads and rows; whole where the output splits its features)."""
+    node = graph.node(name)
+    total = sum(local_bytes(spec, placements[k], mesh_shape)
+                for k, spec in enumerate(node.outputs))
+    if name in statistics and saves_statistic(graph, node):
+        spec = statistic_spec(node)
+        rows = tuple(p if not is_shard(p) or p.dim < len(spec.shape) else Replicate()
+                     for p in placements[0])
+        total += local_bytes(spec, rows, mesh_shape)
+    return total
+
+
+def activation_timeline(graph: OpGraph, live: Liveness,
+                        outputs: dict[str, tuple[Placements, ...]], mesh_shape,
+                        statistics: frozenset[str] | dict = frozenset()) -> np.ndarray:
+    """Bytes of activations alive at each point of the step on one device."""
+    return live.total([value_bytes(graph, name, outputs[name], mesh_shape, statistics)
+                       for name in live.names])
+
+
+def forward_end(graph: OpGraph) -> int:
+    """The point where forward ends: what is alive there is what backward will read."""
+    return max((i for i, n in enumerate(graph) if n.phase == "forward"), default=0)
+
+
+def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, ...]],
+                          mesh_shape, statistics: dict[str, str] | None = None,
+                          state_at_start: bool = False) -> tuple[int, int]:
+    """(peak bytes of op results alive at once on one device, bytes alive where forward
+    ends: what a micro-batch holds while it waits for backward). Inputs count too.
+    ``statistics``: attention forward -> the backward that reads what it saved;
+    ``state_at_start``: as ``liveness`` takes it."""
+    statistics = statistics or {}
+    timeline = activation_timeline(graph, liveness(graph, statistics, state_at_start), outputs,
+                                   mesh_shape, statistics)
+    if not timeline.size:
+        return 0, 0
+    return int(timeline.max()), int(timeline[forward_end(graph)])
+
+
+class MemoryModel:
+    """Per-strategy bytes of every node, folded onto the ILP's representatives."""
+
+    def __init__(self, graph: OpGraph, strategies, grouping, mesh_shape, optimizer_states: int,
+                 in_flight: int = 1, statistics: dict[str, str] | None = None,
+                 state_at_start: bool = False):
+        self.graph, self.S, self.g, self.mesh_shape = graph, strategies, grouping, mesh_shape
+        self.statistics = statistics or {}
+        """Attention forward -> the backward that reads the output and statistic it saved."""
+        self.optimizer_states = optimizer_states
+        self.in_flight = in_flight
+        """Micro-batches a device holds at once (a pipeline stage's): one at any point of
+        its step, the others waiting for backward with what forward saved."""
+        self.live = liveness(graph, self.statistics, state_at_start)
+        self.forward_end = forward_end(graph)
+        reps = grouping.representatives
+        self.state = {r: np.zeros(len(strategies[r])) for r in reps}
+        for n in graph:
+            copies = state_copies(graph, n.name, optimizer_states)
+            if copies:
+                self._fold(self.state, n.name, self._bytes(n.name) * copies)
+        self._act = {name: self._bytes(name) for name in self.live.names}
+
+    def _bytes(self, name: str) -> np.ndarray:
+        return np.array([value_bytes(self.graph, name, s.outputs, self.mesh_shape,
+                                     self.statistics) for s in self.S[name]], dtype=float)
+
+    def _fold(self, into: dict, name: str, vec: np.ndarray) -> None:
+        rep = self.g.rep[name]
+        into[rep] = into.get(rep, np.zeros(len(self.S[rep]))) + vec[list(self.g.index[name])]
+
+    def terms_at(self, t: int) -> dict[str, np.ndarray]:
+        """Bytes alive at point ``t`` for each representative strategy."""
+        terms = {k: v.copy() for k, v in self.state.items() if v.any()}
+        for name in self.live.alive_at(t):
+            self._fold(terms, name, self._act[name])
+        if self.in_flight > 1:
+            for name in self.live.alive_at(self.forward_end):
+                self._fold(terms, name, self._act[name] * (self.in_flight - 1))
+        return terms
+
+    def timeline(self, chosen_outputs: dict, state_bytes: float) -> np.ndarray:
+        act = activation_timeline(self.graph, self.live, chosen_outputs, self.mesh_shape,
+                                  self.statistics)
+        return self._with_waiting(act) + state_bytes
+
+    def _with_waiting(self, act: np.ndarray) -> np.ndarray:
+        """Add the saved activations of the other micro-batches in flight."""
+        if self.in_flight > 1 and act.size:
+            act = act + (self.in_flight - 1) * act[self.forward_end]
+        return act
+
+    def upper_timeline(self) -> np.ndarray:
+        """Bytes at each point if every value took its largest layout: memory can only be
+        over the budget where this is."""
+        state = sum(v.max() for v in self.state.values())
+        return state + self._with_waiting(self._timeline(np.max))
+
+    def upper_bound(self) -> float:
+        """Peak bytes if every value took its largest layout (memory can't exceed this)."""
+        return float(self.upper_timeline().max(initial=0))
+
+    def _timeline(self, pick) -> np.ndarray:
+        """Activation bytes at each point with each value's layout chosen by ``pick``."""
+        return self.live.total([pick(self._act[name]) for name in self.live.names])
+
+    def likely_peaks(self) -> list[int]:
+        """Points where activations peak if every value takes its largest / smallest layout."""
+        return sorted({int(np.argmax(self._timeline(pick))) for pick in (np.max, np.min)})
+
+
+def in_flight_bytes(state: float, peak: float, saved: float, in_flight: int) -> float:
+    """Bytes of a device holding ``in_flight`` micro-batches: model states, one
+    micro-batch at its activation peak and the others with what their forward saved."""
+    return state + peak + (in_flight - 1) * saved

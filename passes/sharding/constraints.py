@@ -1,0 +1,167 @@
+"""Restrict layouts as a method asks: the batch kept on a mesh axis (Alpa's
+``force_batch_dim_to_mesh_dim``: every op that has the batch dim shards it there),
+replicated or sharded parameters, layouts pinned by name (``"*"`` on a mesh axis leaves
+that axis to the ILP; a pin overrides the method's parameter preset). The ILP chooses the
+rest.
+
+Each restriction keeps the strategies that satisfy it; a request no layout satisfies is
+the user's mistake (a batch that does not divide, a pin that cannot be) and raises a
+ValueError naming the value, what was asked and what is possible. Parameters that cannot
+be split evenly stay whole under ``parameters='sharded'`` (as Alpa allows), with a note.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.options import AutoShardingOption
+from torchalpa.core.placement import Replicate, Shard, is_shard, parse_placements, short
+from torchalpa.passes.sharding.strategies import Strategy
+
+__all__ = ["apply_constraints"]
+
+
+def _batch_sharded(s: Strategy, axis: int, mesh: LogicalMesh) -> bool:
+    """Dim 0 split over ``axis`` (-1: every axis); an axis of size 1 splits nothing, so
+    any layout satisfies it there."""
+    layout = s.outputs[0]
+    axes = range(len(layout)) if axis == -1 else [axis]
+    return all(layout[a] == Shard(0) or mesh.shape[a] == 1 for a in axes)
+
+
+def _fully_sharded(s: Strategy, mesh: LogicalMesh) -> bool:
+    return all(is_shard(p) or n == 1 for p, n in zip(s.outputs[0], mesh.shape))
+
+
+def batch_dims(graph: OpGraph) -> dict[tuple[str, int], set[int]]:
+    """For every value, the dims that carry the batch: dim 0 of the user inputs, followed
+    through each op's factor rule (a result dim whose leading factor indexes a batch dim
+    of an operand carries it too), forward and backward."""
+    from torchalpa.passes.rules import rule_for
+    carries: dict[tuple[str, int], set[int]] = {}
+    for node in graph:
+        if node.kind == "input":
+            carries[(node.name, 0)] = {0} if node.output.shape else set()
+            continue
+        if node.is_leaf:
+            continue
+        rule = rule_for(node, graph)
+        if rule is None:
+            continue
+        size = rule.size_of
+        batch = set()
+        for ref, dims in zip(node.operands, rule.operands):
+            for d in carries.get((ref.node, ref.index), ()):
+                if d < len(dims) and dims[d]:
+                    lead = next((f for f in dims[d] if size[f] != 1), None)
+                    if lead is not None:
+                        batch.add(lead)
+        for j, dims in enumerate(rule.results):
+            found = set()
+            for d, factors in enumerate(dims):
+                lead = next((f for f in factors if size[f] != 1), None)
+                if lead in batch:
+                    found.add(d)
+            if found:
+                carries[(node.name, j)] = found
+    return carries
+
+
+def _keeps_batch(s: Strategy, node, carries, axes, mesh: LogicalMesh) -> bool:
+    """Every operand and result that carries the batch has it split over ``axes`` (an
+    operand too: a weight gradient contracts the batch, and reads it split, so it sums
+    partial gradients rather than regathering activations)."""
+    layouts = [(layout, carries.get((ref.node, ref.index), ()))
+               for layout, ref in zip(s.inputs, node.operands) if layout is not None]
+    layouts += [(layout, carries.get((node.name, j), ())) for j, layout in enumerate(s.outputs)]
+    for layout, dims in layouts:
+        for d in dims:
+            if any(layout[a] != Shard(d) and mesh.shape[a] > 1 for a in axes):
+                return False
+    return True
+
+
+def _parse_pin(pattern: str, texts) -> tuple:
+    """Placements of a pin; ``None`` where it says ``"*"`` (any layout on that axis),
+    ``Ellipsis`` first for ``"..."`` (any layout on every leading axis)."""
+    if isinstance(texts, tuple) and all(isinstance(t, str) for t in texts):
+        return tuple(None if t == "*" else ... if t == "..." else parse_placements([t])[0]
+                     for t in texts)
+    raise ValueError(f"pin[{pattern!r}] = {type(texts).__name__}: tensor-parallel styles are "
+                     "translated into placements by torchalpa.plan / auto_parallel, which see "
+                     "the model's module types; when calling a method's plan() directly, pin "
+                     "placements (e.g. ('...', 'S(0)') for ColwiseParallel's Linear weight)")
+
+
+def _pin_matches(layout, pin) -> bool:
+    if pin and pin[0] is ...:            # "...": the pin's axes are the mesh's last ones
+        pin = pin[1:]
+        if len(pin) > len(layout):
+            return False
+        layout = layout[len(layout) - len(pin):]
+    return len(layout) == len(pin) and all(p is None or p == q for q, p in zip(layout, pin))
+
+
+def _show_pin(pin) -> str:
+    return "".join("*" if p is None else "..." if p is ... else str(p) for p in pin)
+
+
+def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mesh: LogicalMesh,
+                      option: AutoShardingOption) -> list[str]:
+    """Filter strategies in place; returns notes for the plan."""
+    notes: list[str] = []
+    pins = [(re.compile(p), _parse_pin(p, pl)) for p, pl in option.pin]
+    axis = option.force_batch_dim_to_mesh_dim
+    if axis is not None and not -1 <= axis < mesh.ndim:
+        raise ValueError(f"force_batch_dim_to_mesh_dim={axis} but the mesh has {mesh.ndim} "
+                         f"axes (use -1 for all of them)")
+    for node in graph:
+        if not node.is_leaf:
+            continue
+        name = node.target or node.name
+        options = strategies[node.name]
+        if node.kind == "input" and axis is not None and node.output.shape:
+            kept = [s for s in options if _batch_sharded(s, axis, mesh)]
+            if not kept:
+                n = mesh.num_devices if axis == -1 else mesh.shape[axis]
+                raise ValueError(f"{name}: the batch dim ({node.output.shape[0]}) must divide "
+                                 f"by {n} devices to split the batch as asked (data parallel); "
+                                 "use a batch that divides, or ShardParallel()")
+            options = kept
+        if node.kind == "input" and not option.enable_auto_sharding:
+            options = [s for s in options if all(isinstance(p, Replicate) for p in s.outputs[0])]
+        if node.kind in ("param", "buffer"):
+            if not option.allow_replicated_parameters and node.is_param:
+                kept = [s for s in options
+                        if not all(isinstance(p, Replicate) for p in s.outputs[0])]
+                options = kept or options
+            if option.parameters == "replicated":
+                options = [s for s in options if all(isinstance(p, Replicate) for p in s.outputs[0])]
+            elif option.parameters == "sharded":
+                kept = [s for s in options if _fully_sharded(s, mesh)]
+                if kept:
+                    options = kept
+                else:
+                    notes.append(f"{name} {list(node.output.shape)} cannot be split evenly over "
+                                 f"the mesh {mesh.shape}; it stays whole")
+        for pattern, layout in pins:
+            if pattern.fullmatch(name):
+                kept = [s for s in options if _pin_matches(s.outputs[0], layout)] or \
+                    [s for s in strategies[node.name] if _pin_matches(s.outputs[0], layout)]
+                if not kept:
+                    possible = ", ".join(short(s.outputs[0]) for s in strategies[node.name])
+                    raise ValueError(f"{name} {list(node.output.shape)} cannot be pinned to "
+                                     f"{_show_pin(layout)} on mesh {mesh.shape}; possible: {possible}")
+                options = kept
+        strategies[node.name] = options
+    if axis is not None:
+        # Alpa's semantics: every op keeps the batch on that axis where it can
+        carries = batch_dims(graph)
+        axes = range(mesh.ndim) if axis == -1 else [axis]
+        for node in graph.ops():
+            kept = [s for s in strategies[node.name] if _keeps_batch(s, node, carries, axes, mesh)]
+            if kept:
+                strategies[node.name] = kept
+    return notes

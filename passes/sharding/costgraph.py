@@ -1,0 +1,314 @@
+"""The ILP's cost graph: cost vectors on representative nodes, matrices on their edges.
+
+Every op node costs its compute and the all-reduces it runs inside itself: those of its
+statistics, for a strategy that splits a synced dim (a phased softmax), or the sum
+all-reduces of a batch-synced op (batch norm over a split batch); every edge costs the
+resharding between the layout the producer writes and the layout the consumer reads; each
+parameter's gradient pays to reach its parameter's layout; the loss pays to become whole
+on every device. Costs of nodes that follow a representative (``passes/sharding/simplify.py``) fold
+onto it, so the ILP only sees representatives. Repeated layers produce the same edge many
+times: each distinct edge is priced once and multiplied.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpGraph, TensorSpec
+from torchalpa.core.placement import Placements, replicated
+from torchalpa.passes.pricing.cost import (
+    batch_sync_cost,
+    compute_cost,
+    gradient_steps_cost,
+    steps_cost,
+    strategy_bytes,
+)
+from torchalpa.passes.sharding.ilp import Edge
+from torchalpa.passes.sharding.reshard import plan_reshard
+from torchalpa.passes.sharding.shared_reshard import (
+    SHARING_ROUNDS,
+    SharedReads,
+    duplicated_reads,
+    shared_groups,
+)
+from torchalpa.passes.sharding.simplify import Grouping
+from torchalpa.passes.sharding.strategies import Strategy, sync_steps
+
+__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph",
+           "solve_sharing_reads"]
+
+log = logging.getLogger("torchalpa.planner")
+
+
+class ReshardCosts:
+    """Memoized resharding steps and their alpha-beta cost on one mesh."""
+
+    def __init__(self, mesh: LogicalMesh, allow_reduce_scatter: bool = True,
+                 forbidden: frozenset = frozenset()):
+        self.mesh = mesh
+        self.allow_reduce_scatter = allow_reduce_scatter
+        self.forbidden = frozenset(forbidden)   # collective kinds resharding may not use
+        self._cost: dict = {}
+        # tensors and layouts as small ints, and edge tables by them: an edge's table is
+        # looked up by one tuple of ints instead of a (spec, layout, layout) key per cell,
+        # whose hashing (placements hash in Python) was most of building a cost graph
+        self._ids: dict = {}
+        self._tables: dict[tuple, np.ndarray] = {}
+
+    def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
+        """The resharding steps, or None if impossible or if they need a forbidden kind
+        of collective on an axis with more than one device."""
+        if dst is None:
+            return ()
+        steps = plan_reshard(spec, src, dst, self.mesh.shape, self.allow_reduce_scatter)
+        if steps and self.forbidden and any(
+                s.kind in self.forbidden and self.mesh.shape[s.axis] > 1 for s in steps):
+            return None
+        return steps
+
+    def cost(self, spec: TensorSpec, src: Placements, dst: Placements | None,
+             gradient: bool = False) -> float:
+        """Seconds to reshard; ``gradient``: a gradient's final resharding, whose reduction
+        the runtime buckets (``gradient_steps_cost``)."""
+        key = (spec, src, dst, gradient)
+        c = self._cost.get(key)
+        if c is None:
+            steps = self.steps(spec, src, dst)
+            price = gradient_steps_cost if gradient else steps_cost
+            c = math.inf if steps is None else price(self.mesh, steps)
+            self._cost[key] = c
+        return c
+
+    def edge(self, u: str, v: str, spec: TensorSpec, rows: list, cols: list,
+             gradient: bool = False) -> Edge:
+        """An ILP edge: the cost table over the distinct layouts on each side."""
+        urows, ri = _unique(rows)
+        ucols, ci = _unique(cols)
+        key = (self._id(spec), tuple(map(self._id, urows)), tuple(map(self._id, ucols)),
+               gradient)
+        table = self._tables.get(key)
+        if table is None:
+            table = self._tables[key] = np.array(
+                [[self.cost(spec, r, c, gradient) for c in ucols] for r in urows])
+        return Edge(u, v, ri, ci, table.copy())
+
+    def _id(self, item) -> int:
+        """A small int standing for a tensor spec or a layout in this object's keys."""
+        found = self._ids.get(item)
+        if found is None:
+            found = self._ids[item] = len(self._ids)
+        return found
+
+
+def _unique(items: list) -> tuple[list, np.ndarray]:
+    seen: dict = {}
+    idx = np.array([seen.setdefault(x, len(seen)) for x in items], dtype=np.int64)
+    return list(seen), idx
+
+
+@dataclass
+class CostGraph:
+    node_costs: dict[str, np.ndarray]
+    edges: list[Edge]
+    num_edges: int = 0            # edges of the full graph
+    num_priced: int = 0           # distinct edges actually priced
+    stats: dict = field(default_factory=dict)
+    shared: list[SharedReads] = field(default_factory=list)   # reads priced once per layout
+
+
+def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
+                     grouping: Grouping, costs: ReshardCosts,
+                     shared: frozenset = frozenset(),
+                     read_weights: dict[tuple[str, int], float] | None = None,
+                     micro_batches: int = 1, state_once: bool = False) -> CostGraph:
+    """``shared``: values (producer, index) whose operand reads are priced once per target
+    layout (``passes/sharding/shared_reshard.py``) instead of once per read. ``read_weights``:
+    values whose every operand read is priced at this fraction of its resharding (a
+    relaxation for bounds: a value read ``k`` times costs at least ``1/k`` of what its
+    reads would cost apart, however many of them share a copy). ``micro_batches``: the
+    step runs the graph this many times and reduces the gradients once (gradient
+    accumulation): every cost but the gradients' final resharding counts that many times.
+    ``state_once`` (``plan.state_read_once``): a forward op's read of a parameter or buffer
+    is resharded once per step too (``runtime/rewrites/param_gather.py``)."""
+    repeats = _Repeats(graph, float(micro_batches), state_once)
+    node_costs = _node_costs(graph, mesh, S, grouping, costs, repeats.micro_batches)
+    links = _links(graph, shared)
+    groups = _group_links(graph, S, grouping, links)
+    edges = _price_groups(graph, S, grouping, costs, groups, node_costs, repeats,
+                          read_weights or {})
+    groups_shared = shared_groups(graph, S, grouping, costs, set(shared))
+    order = {n.name: i for i, n in enumerate(graph)}
+    for g in groups_shared:          # operand reads: once per micro-batch (or step)
+        first = min((n for n in graph.ops() if any(r.node == g.value[0] for r in n.operands)),
+                    key=lambda n: order[n.name])      # the read that makes the shared copy
+        g.table = g.table * repeats.of(g.value[0], first.name, 0)
+    return CostGraph(node_costs, edges, num_edges=len(links), num_priced=len(groups),
+                     shared=groups_shared)
+
+
+Link = tuple[str, int, str, object]
+"""(producer, output index, consumer, how the consumer reads it: an operand slot, "grad"
+for a gradient reaching its parameter, "param" for a buffer's new value)."""
+
+
+@dataclass(frozen=True)
+class _Repeats:
+    """How many times a step pays a link: once per micro-batch, but a gradient's final
+    resharding and (``state_once``) a forward op's read of a parameter or buffer once."""
+
+    graph: OpGraph
+    micro_batches: float
+    state_once: bool
+
+    def of(self, u: str, v: str, how) -> float:
+        """How many times a step pays the link ``u -> v`` (read as ``how``)."""
+        if how == "grad" or (self.state_once and isinstance(how, int)
+                             and _state_read_in_forward(self.graph, u, v)):
+            return 1.0
+        return self.micro_batches
+
+
+def _fold(node_costs: dict[str, np.ndarray], grouping: Grouping, name: str,
+          vec: np.ndarray) -> None:
+    """Add ``name``'s cost per strategy onto its representative's."""
+    node_costs[grouping.rep[name]] += vec[list(grouping.index[name])]
+
+
+_OWN_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""graph -> (node name, mesh) -> (its strategy list, the node, its cost per strategy): the solves
+of one graph on one view (simplified, followers freed, re-solved, each memory round's
+cost graph) price each node's strategies once. The strategy list and the node are held
+and compared by identity, so another strategy space or a node replaced is priced anew."""
+
+
+def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strategy]
+               ) -> np.ndarray:
+    """``node``'s compute and internal all-reduces per strategy, once per step."""
+    memo = _OWN_COSTS.setdefault(graph, {})
+    found = memo.get((node.name, mesh))
+    if found is not None and found[0] is strategies and found[1] is node:
+        return found[2]
+    vec = np.array([compute_cost(mesh, node, s.shards, s.outputs,
+                                 strategy_bytes(graph, node, s.inputs, s.outputs, mesh.shape))
+                    + steps_cost(mesh, sync_steps(s, node.outputs[0], mesh.shape))
+                    + batch_sync_cost(mesh, s.batch_syncs) for s in strategies])
+    vec.setflags(write=False)
+    memo[(node.name, mesh)] = (strategies, node, vec)
+    return vec
+
+
+def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
+                grouping: Grouping, costs: ReshardCosts, k: float) -> dict[str, np.ndarray]:
+    """Per representative and strategy: its nodes' compute and internal all-reduces, and
+    the loss and the values sent to other stages made whole, ``k`` times a step."""
+    node_costs = {r: np.zeros(len(S[r])) for r in grouping.representatives}
+    for node in graph:
+        if not node.is_leaf:
+            _fold(node_costs, grouping, node.name, k * _own_costs(graph, mesh, node,
+                                                                  S[node.name]))
+    # the loss is returned whole, and values for other pipeline stages are sent whole
+    R = replicated(mesh.ndim)
+    whole = ([graph.outputs.loss] if graph.outputs.loss is not None else []) + \
+        list(graph.outputs.sends)
+    for ref in whole:
+        _fold(node_costs, grouping, ref.node, k * np.array([
+            costs.cost(graph.spec(ref), s.outputs[ref.index], R) for s in S[ref.node]]))
+    return node_costs
+
+
+def _links(graph: OpGraph, shared: frozenset) -> list[Link]:
+    """Every link the ILP prices: operand reads (but of ``shared`` values, priced once
+    per layout), gradients to their parameters, new buffer values to their buffers."""
+    links: list[Link] = []
+    for node in graph.ops():
+        for slot, ref in enumerate(node.operands):
+            if (ref.node, ref.index) not in shared:
+                links.append((ref.node, ref.index, node.name, slot))
+    params = graph.params
+    for fqn, ref in graph.outputs.grads:
+        links.append((ref.node, ref.index, params[fqn], "grad"))
+    buffers = {n.target: n.name for n in graph if n.kind == "buffer"}
+    for fqn, ref in graph.outputs.buffer_updates:   # new buffer values take its layout
+        links.append((ref.node, ref.index, buffers[fqn], "param"))
+    return links
+
+
+def _group_links(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Grouping,
+                 links: list[Link]) -> dict[tuple, list[Link]]:
+    """Links that price alike (same representatives, strategies, value and read
+    layouts), each group priced once."""
+    rep, index = grouping.rep, grouping.index
+    groups: dict[tuple, list[Link]] = defaultdict(list)
+    for u, idx, v, how in links:
+        key = (rep[u], rep[v], index[u], index[v], graph.node(u).outputs[idx], idx,
+               _read_layouts_key(S[v], how))
+        groups[key].append((u, idx, v, how))
+    return groups
+
+
+def _price_groups(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Grouping,
+                  costs: ReshardCosts, groups: dict[tuple, list[Link]],
+                  node_costs: dict[str, np.ndarray], repeats: _Repeats,
+                  weights: dict[tuple[str, int], float]) -> list[Edge]:
+    """Each group's resharding table, times how often a step pays its links; a group
+    within one representative adds its diagonal to the node's costs, the others are the
+    ILP's edges."""
+    index = grouping.index
+    edges: list[Edge] = []
+    for key, members in groups.items():
+        ru, rv = key[0], key[1]
+        u, idx, v, how = members[0]
+        rows = [S[u][a].outputs[idx] for a in index[u]]
+        cols = [_reads(S[v][b], how) for b in index[v]]
+        e = costs.edge(ru, rv, graph.node(u).outputs[idx], rows, cols, gradient=how == "grad")
+        e.table = e.table * sum((weights.get((m[0], m[1]), 1.0) if isinstance(m[3], int) else 1.0)
+                                * repeats.of(m[0], m[2], m[3]) for m in members)
+        if ru == rv:   # both ends follow one node: only its diagonal can happen
+            node_costs[ru] += e.dense().diagonal()
+        else:
+            edges.append(e)
+    return edges
+
+
+def _state_read_in_forward(graph: OpGraph, producer: str, consumer: str) -> bool:
+    """Whether ``consumer`` is a forward op reading a parameter or buffer."""
+    return graph.node(producer).kind in ("param", "buffer") and \
+        graph.node(consumer).phase == "forward"
+
+
+def _reads(s: Strategy, how) -> Placements | None:
+    return s.outputs[0] if how in ("param", "grad") else s.inputs[how]
+
+
+def _read_layouts_key(strategies: list[Strategy], how) -> tuple:
+    return (how, tuple(_reads(s, how) for s in strategies))
+
+
+def solve_sharing_reads(graph: OpGraph, mesh, S: dict, grouping, costs, solve,
+                        initial=None, shared: frozenset = frozenset(), micro_batches: int = 1,
+                        state_once: bool = False):
+    """Solve, then price the values the plan reshards alike for two reads once per layout
+    and solve again from that plan, until no such value is priced per read.
+    ``solve(cost_graph, initial) -> (ILPSolution, node -> Strategy)``; ``shared``: values
+    priced so from the first solve (those an earlier solve of the same graph found: each
+    round found again costs a whole solve). Returns the last (cost graph, solution, chosen
+    strategies, values priced once per layout)."""
+    for _ in range(SHARING_ROUNDS):
+        cg = build_cost_graph(graph, mesh, S, grouping, costs, shared,
+                              micro_batches=micro_batches, state_once=state_once)
+        solution, chosen = solve(cg, initial)
+        more = duplicated_reads(graph, chosen, costs.steps) - shared
+        if not more:
+            break
+        shared, initial = shared | more, solution.choice
+    else:
+        log.warning("the plan reshards some values alike for two reads after %d solves; its "
+                    "objective prices those reads once each", SHARING_ROUNDS)
+    return cg, solution, chosen, shared

@@ -1,0 +1,372 @@
+"""The Plan of an intra-op solution: reshards, collectives, estimates and explanations.
+
+Given each node's chosen strategy, ``assemble_plan`` lists the reshards between what a
+producer writes and what each reader reads (operand reads alike sharing one copy), the
+collectives those and the ops themselves run, in the order the runtime issues them, the
+step's time (communication and compute, gradient accumulation counted) and memory per
+device, each parameter's layout against its best alternative, and notes.
+``merge_gradient_all_reduces`` then packs gradient all-reduces into buckets (Alpa's
+all-reduce combiner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpGraph, OpNode, ValueRef
+from torchalpa.core.options import AutoShardingOption, ShardParallel
+from torchalpa.core.placement import Placements, format_placements, is_shard, replicated
+from torchalpa.core.plan import (
+    INPUT_SLOT,
+    OUTPUT,
+    Collective,
+    MeshStage,
+    NodeStrategy,
+    OutputSlot,
+    Plan,
+    Reshard,
+    ValuePlacement,
+    state_read_once,
+)
+from torchalpa.core.plan_records import Estimates, Explanation, LayoutCost
+from torchalpa.passes.pricing.attention_price import saved_statistics
+from torchalpa.passes.pricing.cost import (
+    batch_sync_cost,
+    compute_cost,
+    gradient_steps_cost,
+    optimizer_cost,
+    steps_cost,
+    strategy_bytes,
+    wire_bytes,
+)
+from torchalpa.passes.pricing.memory import activation_peak_bytes, model_state_bytes
+from torchalpa.passes.sharding.costgraph import ReshardCosts
+from torchalpa.passes.sharding.reshard import local_bytes
+from torchalpa.passes.sharding.shared_reshard import read_key
+from torchalpa.passes.sharding.strategies import Strategy, StrategySpace, sync_steps
+
+__all__ = ["assemble_plan", "merge_gradient_all_reduces", "replace_estimates"]
+
+
+def replace_estimates(plan: Plan, estimates: dict) -> Plan:
+    """``plan`` with ``estimates`` (a dict of ``Estimates`` fields)."""
+    return replace(plan, estimates=Estimates.from_dict(estimates))
+
+
+def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
+                  chosen: dict[str, Strategy], costs: ReshardCosts, space: StrategySpace,
+                  inputs: str) -> Plan:
+    """The Plan of ``chosen`` (node -> strategy) for ``graph`` on ``mesh`` (module doc);
+    ``space``: the strategies it was chosen from (its notes and unsupported ops go into
+    the plan); ``inputs``: "global" batches are resharded from whole ones."""
+    reshards = _reshards(graph, mesh, chosen, costs, inputs)
+    k = method.num_micro_batches      # gradient accumulation: all but the final reductions
+    state_once = state_read_once(k, method.auto_sharding_option.rematerialize_parameters)
+    traffic = _Traffic(graph, mesh, k)
+    for r in reshards:
+        traffic.add_reshard(r, state_once)
+    # then the all-reduces ops make inside themselves, after every reshard's, so positions
+    # of reshard collectives stay as the reshards list them
+    for n in graph.ops():
+        traffic.add_op(n, chosen[n.name])
+    leaf_placement = {n.name: chosen[n.name].outputs[0] for n in graph if n.is_leaf}
+    assert mesh.axis_names is not None  # LogicalMesh.__post_init__ fills it
+    return Plan(
+        explanations=_explain_parameters(graph, mesh, method, chosen, costs, space),
+        mesh_shape=mesh.shape, axis_names=mesh.axis_names,
+        parameters=_placements(graph, leaf_placement, ("param", "buffer")),
+        inputs=_placements(graph, leaf_placement, ("input",)),
+        strategies=tuple(NodeStrategy(node=n.name, inputs=chosen[n.name].inputs,
+                                      outputs=chosen[n.name].outputs,
+                                      batch_syncs=chosen[n.name].batch_syncs)
+                         for n in graph.ops()),
+        reshards=tuple(reshards), collectives=tuple(traffic.collectives),
+        estimates=_estimates(graph, mesh, method, chosen, traffic, leaf_placement, state_once),
+        unsupported_ops=tuple(space.unsupported),
+        stages=(MeshStage(layers=(0,), logical_shape=tuple(mesh.shape),
+                          num_devices=mesh.num_devices),),
+        method=method.to_dict(), graph_fingerprint=graph.fingerprint(),
+        notes=_notes(graph, mesh, chosen, space))
+
+
+class _Reshards:
+    """The reshards of a plan, in order; operand reads that reshard a value alike share
+    the first such read's copy."""
+
+    def __init__(self, graph: OpGraph, chosen: dict[str, Strategy], costs: ReshardCosts):
+        self.graph, self.chosen, self.costs = graph, chosen, costs
+        self.reshards: list[Reshard] = []
+        self._first_read: dict = {}     # (value, steps) -> the operand read that reshards it
+
+    def add(self, ref: ValueRef, consumer: str, slot, dst: Placements | None) -> None:
+        """``consumer`` reads ``ref`` at ``slot`` (an operand index or an output slot) in
+        layout ``dst``."""
+        graph, chosen = self.graph, self.chosen
+        src = chosen[ref.node].outputs[ref.index]
+        steps = self.costs.steps(graph.spec(ref), src, dst)
+        assert steps is not None, (ref, consumer, slot, src, dst)
+        if isinstance(slot, int):    # operand reads alike share one resharded copy
+            key = read_key(graph, chosen, self.costs.steps, ref, dst)
+            if key is not None and key in self._first_read:
+                self.reshards.append(Reshard(ref.node, ref.index, consumer, slot, (),
+                                             same_as=self._first_read[key]))
+                return
+            if key is not None:
+                self._first_read[key] = (consumer, slot)
+        if steps:
+            self.reshards.append(Reshard(ref.node, ref.index, consumer, slot, tuple(steps)))
+
+
+def _reshards(graph: OpGraph, mesh: LogicalMesh, chosen: dict[str, Strategy],
+              costs: ReshardCosts, inputs: str) -> list[Reshard]:
+    """Every reshard of the plan: global inputs to their layouts, each operand read, the
+    loss made whole, gradients and buffer updates to their owners' layouts, values sent
+    to other stages made whole."""
+    R = replicated(mesh.ndim)
+    out = _Reshards(graph, chosen, costs)
+    for node in graph:
+        if node.kind == "input" and inputs == "global":
+            steps = costs.steps(node.output, R, chosen[node.name].outputs[0])
+            if steps:
+                out.reshards.append(Reshard(node.name, 0, node.name, INPUT_SLOT, tuple(steps)))
+        for slot, ref in enumerate(node.operands):
+            out.add(ref, node.name, slot, chosen[node.name].inputs[slot])
+    if graph.outputs.loss is not None:
+        out.add(graph.outputs.loss, OUTPUT, OutputSlot.loss(), R)
+    params = graph.params
+    for fqn, ref in graph.outputs.grads:
+        out.add(ref, OUTPUT, OutputSlot.grad(fqn), chosen[params[fqn]].outputs[0])
+    buffers = {n.target: n.name for n in graph if n.kind == "buffer"}
+    for fqn, ref in graph.outputs.buffer_updates:
+        out.add(ref, OUTPUT, OutputSlot.buffer(fqn), chosen[buffers[fqn]].outputs[0])
+    for ref in graph.outputs.sends:
+        out.add(ref, OUTPUT, OutputSlot.send(str(ref)), R)
+    return out.reshards
+
+
+@dataclass
+class _Traffic:
+    """What one step communicates on ``mesh`` with ``k`` micro-batches: the collectives in
+    the order they run, their seconds (``once_seconds`` of them paid once per step, not
+    per micro-batch) and the bytes on the wire."""
+
+    graph: OpGraph
+    mesh: LogicalMesh
+    k: int
+    collectives: list[Collective] = field(default_factory=list)
+    seconds: float = 0.0
+    once_seconds: float = 0.0
+    wire: float = 0.0
+
+    def add_reshard(self, r: Reshard, state_once: bool) -> None:
+        """A reshard's collectives: once per step for a gradient's final one and (with
+        ``state_once``) a forward read of a parameter or buffer, else once per
+        micro-batch."""
+        graph, mesh = self.graph, self.mesh
+        if isinstance(r.slot, OutputSlot):
+            phase = "backward" if r.slot.kind == "grad" else graph.node(r.producer).phase
+            at = graph.node(r.producer)
+        else:
+            phase = graph.node(r.consumer).phase
+            at = graph.node(r.consumer)
+        for step in r.steps:
+            if step.is_collective:
+                self.collectives.append(Collective(
+                    kind=step.kind, axis=step.axis, bytes=step.bytes, phase=phase,
+                    source=at.module, tensor=r.producer, reduce_op=step.reduce_op,
+                    stack=at.stack))
+        is_gradient = isinstance(r.slot, OutputSlot) and r.slot.kind == "grad"
+        # a forward read of a parameter or buffer: resharded once per step (runtime's
+        # param_gather), as a gradient's final resharding is
+        once = state_once and isinstance(r.slot, int) and phase == "forward" \
+            and graph.node(r.producer).kind in ("param", "buffer")
+        times = 1 if is_gradient or once else self.k
+        for step in r.steps:
+            if step.is_collective:     # every group along the axis runs this collective
+                groups = mesh.num_devices // mesh.shape[step.axis]
+                self.wire += times * groups * wire_bytes(step.kind, mesh.shape[step.axis],
+                                                         step.bytes, mesh.backend)
+        seconds = (gradient_steps_cost if is_gradient else steps_cost)(mesh, r.steps)
+        self.seconds += times * seconds
+        self.once_seconds += seconds if is_gradient or once else 0.0
+
+    def add_op(self, n: OpNode, s: Strategy) -> None:
+        """The all-reduces op ``n`` runs inside itself under ``s``: the statistics of a
+        split softmax dim (phased, max then sum) or a batch-synced op's sums (one pass);
+        never both."""
+        mesh, k = self.mesh, self.k
+        phased = sync_steps(s, n.outputs[0], mesh.shape)
+        assert not (phased and s.batch_syncs), f"{n.name}: both phased and batch-synced"
+        internal = [(st.axis, st.bytes, st.reduce_op) for st in phased] + \
+            [(axis, nbytes, "sum") for axis, nbytes in s.batch_syncs]
+        for axis, nbytes, reduce_op in internal:
+            self.collectives.append(Collective(kind="all_reduce", axis=axis, bytes=nbytes,
+                                               phase=n.phase, source=n.module, tensor=n.name,
+                                               reduce_op=reduce_op, stack=n.stack))
+            groups = mesh.num_devices // mesh.shape[axis]
+            self.wire += k * groups * wire_bytes("all_reduce", mesh.shape[axis], nbytes,
+                                                 mesh.backend)
+        self.seconds += k * (steps_cost(mesh, phased) + batch_sync_cost(mesh, s.batch_syncs))
+
+
+def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
+               chosen: dict[str, Strategy], traffic: _Traffic,
+               leaf_placement: dict[str, Placements], state_once: bool) -> Estimates:
+    """The step's time (communication, compute and the optimizer; what of it is paid once
+    per step: the gradients' final resharding, state reads done once, the optimizer) and
+    memory per device (model states, the activation peak and what forward saves for
+    backward). An op's compute is priced on the bytes its strategy's blocks move."""
+    k = traffic.k
+    compute_time = k * sum(compute_cost(
+        mesh, n, chosen[n.name].shards, chosen[n.name].outputs, strategy_bytes(
+            graph, n, chosen[n.name].inputs, chosen[n.name].outputs, mesh.shape))
+        for n in graph.ops())
+    state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states)
+    optimizer_s = optimizer_cost(mesh, {
+        n.name: local_bytes(n.output, leaf_placement[n.name], mesh.shape)
+        for n in graph if n.kind == "param"}, method.optimizer_states)
+    compute_time += optimizer_s
+    activations, saved = activation_peak_bytes(
+        graph, {name: s.outputs for name, s in chosen.items()}, mesh.shape,
+        saved_statistics(graph, mesh), state_at_start=state_once)
+    return Estimates(step_time_s=traffic.seconds + compute_time,
+                     communication_s=traffic.seconds,
+                     once_per_step_s=traffic.once_seconds + optimizer_s, compute_s=compute_time,
+                     model_state_bytes_per_device=state,
+                     activation_bytes_per_device=activations,
+                     saved_activation_bytes_per_device=saved,
+                     memory_per_device_bytes=state + activations,
+                     wire_bytes_per_step=traffic.wire)
+
+
+def _placements(graph: OpGraph, leaf_placement: dict[str, Placements],
+                kinds: tuple[str, ...]) -> tuple[ValuePlacement, ...]:
+    """The placement of every leaf of ``kinds``, by the name the user knows it by."""
+    out = []
+    for n in graph:
+        if n.kind in kinds:
+            assert n.target is not None, f"{n.name}: a {n.kind} without a target"
+            out.append(ValuePlacement(name=n.target, node=n.name, shape=n.output.shape,
+                                      placements=leaf_placement[n.name]))
+    return tuple(out)
+
+
+def _notes(graph: OpGraph, mesh: LogicalMesh, chosen: dict[str, Strategy],
+           space: StrategySpace) -> tuple[str, ...]:
+    """The strategy space's notes, inputs that cannot be fully data-parallel, and random
+    ops drawn per block."""
+    notes = list(space.notes)
+    for n in graph:
+        if n.kind == "input" and n.output.shape and n.output.shape[0] % mesh.num_devices:
+            notes.append(f"{n.target}: batch dim {n.output.shape[0]} does not divide by "
+                         f"{mesh.num_devices} devices, so it cannot be fully data-parallel")
+    per_block = sorted(n for n in space.random
+                       if any(is_shard(p) for p in chosen[n].outputs[0]))
+    if per_block:
+        notes.append(f"{len(per_block)} random ops (dropout masks...) are drawn per block: "
+                     "the distribution one device draws, not its numbers; "
+                     "AutoShardingOption(random='replicated') draws them whole")
+    return tuple(notes)
+
+
+def _explain_parameters(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
+                        chosen: dict[str, Strategy], costs: ReshardCosts,
+                        space: StrategySpace) -> dict[str, Explanation]:
+    """Per parameter: what its layout costs (communication it causes, state it holds) and
+    what the best other layout would cost with every other decision unchanged."""
+    readers: dict[str, list[tuple[str, int]]] = {}
+    for node in graph.ops():
+        for slot, ref in enumerate(node.operands):
+            if graph.node(ref.node).kind in ("param", "buffer"):
+                readers.setdefault(ref.node, []).append((node.name, slot))
+    grads = {graph.params[fqn]: ref for fqn, ref in graph.outputs.grads}
+    out = {}
+    for node in graph:
+        if node.kind not in ("param", "buffer"):
+            continue
+
+        def price(layout):
+            t = sum(costs.cost(node.output, layout, chosen[v].inputs[slot])
+                    for v, slot in readers.get(node.name, []))
+            g = grads.get(node.name)
+            if g is not None:
+                t += costs.cost(graph.spec(g), chosen[g.node].outputs[g.index], layout,
+                                gradient=True)
+            copies = 2 + method.optimizer_states if g is not None else 1
+            return LayoutCost(placements=tuple(format_placements(layout)), communication_s=t,
+                              state_bytes=local_bytes(node.output, layout, mesh.shape) * copies)
+
+        mine = chosen[node.name].outputs[0]
+        others = [price(s.outputs[0]) for s in space.strategies[node.name]
+                  if s.outputs[0] != mine]
+        out[node.target] = Explanation(price(mine), min(
+            others, key=lambda o: (o.communication_s, o.state_bytes)) if others else None)
+    return out
+
+
+def merge_gradient_all_reduces(plan: Plan, graph: OpGraph, mesh: LogicalMesh,
+                                option: AutoShardingOption) -> Plan:
+    """Alpa's all-reduce combiner on the plan: gradient all-reduces on one mesh axis are
+    packed, in order, into buckets of at most ``all_reduce_threshold`` bytes; each bucket
+    pays one latency instead of one per gradient. The buckets are listed in
+    ``estimates['gradient_buckets']`` (their tensors, and the positions of their
+    collectives in ``plan.collectives``); the collectives stay listed one per gradient."""
+    threshold = option.all_reduce_threshold
+    if threshold is None:
+        return plan
+    grads = _gradient_values(graph)
+    buckets: list[dict] = []
+    open_bucket: dict[int, dict] = {}
+    position = -1                   # plan.collectives lists the reshards' steps first, in order
+    for r in plan.reshards:
+        for step in r.steps:
+            if not step.is_collective:
+                continue
+            position += 1
+            if step.kind != "all_reduce" or (r.producer, r.index) not in grads \
+                    or mesh.shape[step.axis] == 1:
+                continue
+            bucket = open_bucket.get(step.axis)
+            if bucket is None or bucket["bytes"] + step.bytes > threshold:
+                bucket = open_bucket[step.axis] = {"axis": step.axis, "bytes": 0,
+                                                   "tensors": [], "collectives": []}
+                buckets.append(bucket)
+            bucket["bytes"] += step.bytes
+            bucket["tensors"].append(r.producer)
+            bucket["collectives"].append(position)
+    assert position == sum(1 for r in plan.reshards for st in r.steps if st.is_collective) - 1
+    assert mesh.alpha is not None  # LogicalMesh.__post_init__ fills it
+    # a mesh that prices buckets (gradient_bucket_bytes) already charged each gradient its
+    # share of a bucket's latency; Alpa's accounting charged one each, merged here
+    saved = 0.0 if mesh.gradient_bucket_bytes > 0 else \
+        sum((len(b["tensors"]) - 1) * mesh.alpha[b["axis"]] for b in buckets)
+    e = plan.estimates
+    return replace_estimates(plan, dict(e, gradient_buckets=buckets,
+                                         step_time_s=e["step_time_s"] - saved,
+                                         communication_s=e["communication_s"] - saved))
+
+
+def _gradient_values(graph: OpGraph) -> set[tuple[str, int]]:
+    """Parameter gradients and the values they are views of (same size, single-result
+    ops whose every use leads only to gradient outputs): what an all-reduce combiner may
+    merge. Values as (node, result index)."""
+    found = {(ref.node, ref.index) for _, ref in graph.outputs.grads}
+    other = {(ref.node, ref.index) for ref in
+             ([graph.outputs.loss] if graph.outputs.loss else [])}
+    other |= {(ref.node, ref.index) for _, ref in graph.outputs.buffer_updates}
+    other |= {(ref.node, ref.index) for ref in graph.outputs.sends}
+    found -= other
+    users: dict[tuple[str, int], list[str]] = {}
+    for n in graph.ops():
+        for ref in n.operands:
+            users.setdefault((ref.node, ref.index), []).append(n.name)
+    for n in reversed(list(graph.ops())):
+        key = (n.name, 0)
+        used = users.get(key, [])
+        if len(n.outputs) != 1 or key in other or key in found or not used:
+            continue
+        if all(len(graph.node(u).outputs) == 1 and (u, 0) in found
+               and graph.node(u).outputs[0].numel == n.outputs[0].numel for u in used):
+            found.add(key)
+    return found

@@ -1,0 +1,151 @@
+"""A lean optimizer step over DTensor parameters: the update runs on the local shards.
+
+``pmodel.parameters()`` are DTensors, so any ``torch.optim`` optimizer works on them -- but
+each of its foreach ops then goes through DTensor dispatch (sharding propagation, wrapping
+of every result): Adam on a 256-wide MLP took 13.4 ms where the same update on plain
+tensors takes 9.9 ms. For optimizers whose update is elementwise per parameter (SGD, Adam,
+AdamW, ...), updating each rank's block on its own is the same update, since a gradient
+always arrives in its parameter's layout (``runtime.execution.step``).
+
+``lean_optimizer_steps(params)`` marks torchalpa's parameters and installs two global
+optimizer step hooks (once per process). Around ``step()`` of an optimizer of a listed
+class whose parameters are all marked, the pre-hook puts each parameter's local tensor
+(with its local gradient, and its local optimizer states) in place of the DTensor; the
+step then runs the foreach / fused kernels on plain tensors; the post-hook puts the
+DTensors back, wrapping states the step created as DTensors laid out like their
+parameter. Outside ``step()`` nothing changes: parameters, gradients and optimizer states
+are DTensors, so ``state_dict()``, DCP checkpoints, ``clip_grad_norm_`` and LR schedulers
+see what they saw before. The Python work is a few attribute swaps per parameter, paid
+once per step. Other optimizers (and FSDP2's or the user's own DTensors) are untouched.
+
+On CPU, PyTorch's default (``foreach=None``) is the per-parameter Python loop. Where the
+user left that choice open, a CPU group whose tensors are all at most
+``FOREACH_MAX_NUMEL`` elements steps with the foreach implementation instead, for the
+classes whose foreach and per-parameter updates are bit for bit the same on CPU
+(``FOREACH_IDENTICAL``; NAdam and RAdam round differently and keep the loop). Measured on
+one core: Adam over a 2.1 M-element MLP of 16 tensors 20 -> 14 ms, over BERT-tiny's 41
+small tensors 2.0 -> 1.2 ms; but over 4 M-element tensors it is slower (75 -> 107 ms: the
+foreach temporaries of all tensors are alive at once), hence the bound. ``foreach`` is
+None again after the step, so ``state_dict()`` is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+__all__ = ["lean_optimizer_steps", "ELEMENTWISE_OPTIMIZERS", "FOREACH_IDENTICAL",
+           "FOREACH_MAX_NUMEL"]
+
+# update of each element depends only on that element's parameter, gradient and state
+ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+                          torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adamax,
+                          torch.optim.NAdam, torch.optim.RAdam)
+
+# foreach update == per-parameter update, bit for bit, on CPU (tests/test_lean_optim.py)
+FOREACH_IDENTICAL = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                     torch.optim.RMSprop, torch.optim.Adamax)
+FOREACH_MAX_NUMEL = 2 ** 20      # larger tensors step faster one by one (module doc)
+_FOREACH_SET = "_torchalpa_foreach_set"   # on a param group whose foreach this module set
+
+# set on each marked parameter: an attribute, not a weak reference, since a weakly
+# referenced tensor cannot be swapped (Module.to() swaps DTensor parameters' contents)
+_MARK = "_torchalpa_local_step"
+_SWAPPED = "_torchalpa_local_swap"     # on an optimizer while its step runs on local tensors
+_installed = False
+
+
+def lean_optimizer_steps(params: Iterable[torch.Tensor]) -> None:
+    """Let elementwise optimizers over ``params`` (DTensors) step on their local shards."""
+    global _installed
+    for p in params:
+        if isinstance(p, DTensor):
+            setattr(p, _MARK, True)
+    if not _installed:
+        register_optimizer_step_pre_hook(_to_local)
+        register_optimizer_step_post_hook(_to_dtensor)
+        _installed = True
+
+
+def _is_ours(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor) and getattr(p, _MARK, False)
+
+
+def _applies(opt: torch.optim.Optimizer) -> bool:
+    if not isinstance(opt, ELEMENTWISE_OPTIMIZERS) or opt.defaults.get("differentiable"):
+        return False
+    params = [p for g in opt.param_groups for p in g["params"]]
+    return bool(params) and all(_is_ours(p) for p in params)
+
+
+def _to_local(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    """Pre-step: local tensors (gradients and states too) in place of the DTensors."""
+    if getattr(opt, _SWAPPED, None) is not None:       # a step that raised left them local
+        _to_dtensor(opt, args, kwargs)
+    if not _applies(opt):
+        return
+    swapped = []
+    for group in opt.param_groups:
+        locals_ = []
+        for p in group["params"]:
+            local = p._local_tensor
+            grad = p.grad
+            local.grad = None if grad is None else (
+                grad._local_tensor if isinstance(grad, DTensor) else grad)
+            state = opt.state.pop(p, None)
+            if state is not None:
+                opt.state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v
+                                    for k, v in state.items()}
+            locals_.append(local)
+            swapped.append((p, local, state))
+        group["params"] = locals_
+        if _foreach_pays(opt, group):
+            group["foreach"] = True
+            group[_FOREACH_SET] = True
+    setattr(opt, _SWAPPED, swapped)
+
+
+def _foreach_pays(opt: torch.optim.Optimizer, group: dict) -> bool:
+    """Whether ``group`` (its local tensors in place) steps faster, and identically, with
+    the foreach implementation than with the CPU default the user left it at."""
+    if not isinstance(opt, FOREACH_IDENTICAL) or "foreach" not in group \
+            or group["foreach"] is not None or group.get("fused"):
+        return False
+    params = group["params"]
+    return bool(params) and all(p.device.type == "cpu" and p.numel() <= FOREACH_MAX_NUMEL
+                                for p in params)
+
+
+def _to_dtensor(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    """Post-step: the DTensors back; states the step created become DTensors."""
+    swapped = getattr(opt, _SWAPPED, None)
+    if swapped is None:
+        return
+    setattr(opt, _SWAPPED, None)
+    it = iter(swapped)
+    for group in opt.param_groups:
+        group["params"] = [next(it)[0] for _ in group["params"]]
+        if group.pop(_FOREACH_SET, False):
+            group["foreach"] = None
+    for p, local, old in swapped:
+        local.grad = None
+        new = opt.state.pop(local, None)
+        if new is None:
+            continue
+        state = {}
+        for k, v in new.items():
+            before = None if old is None else old.get(k)
+            if isinstance(before, DTensor) and before._local_tensor is v:
+                state[k] = before                       # updated in place
+            elif isinstance(v, torch.Tensor) and v.shape == local.shape and v.dim() > 0:
+                state[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                              shape=p.shape, stride=p.stride())
+            else:
+                state[k] = v                            # scalars (the step count)
+        opt.state[p] = state

@@ -1,0 +1,295 @@
+"""Run one rank's programs for a step: the micro-batches through a pipeline schedule.
+
+An intra-op plan is the one-stage case of a pipeline: its programs are a stage that
+receives and sends nothing, and its step is that stage's part of the schedule. So one
+runner serves both. It runs the programs of a ``programs.StepPrograms`` and derives none:
+which variant of a program runs (a forward that leaves the loss's all-reduce in flight, a
+backward that reduces the gradients as it goes, a copy with less Python per op) was
+decided by the lowering's rewrites (``runtime.rewrites.program_rewrites``).
+
+- the global batch is split along dim 0 into ``k`` micro-batches, once (the plan was made
+  for one);
+- with ``k > 1``, the parameters' gathered copies forward reads are made once, before the
+  first micro-batch (``programs.param_gathers``, ``runtime.rewrites.param_gather``), and every
+  micro-batch's forward reads them; the runner drops them after the last forward (what
+  backward reads, each micro-batch's saved values hold);
+- the schedule's actions run in order: ``("F", m)`` the forward program on micro-batch
+  ``m`` (receiving and sending activations when other stages exist), ``("B", m)`` its
+  backward, summing the raw gradients locally;
+- the plan's final resharding of the gradients (``reduce_grads``) runs once for the step,
+  then the ``1/k`` factor: the loss is the mean of the micro-batch losses and the gradients
+  are those of that mean, so for a loss that averages over the batch (the usual
+  ``reduction="mean"``) both equal what one device computes on the whole batch.
+
+A one-stage step can stop after its forward actions and run its backward actions later
+(behind ``loss.backward()``); a stage of a longer pipeline interleaves them with the
+other stages' (1F1B cannot wait), so its module runs the whole step at once. With one
+micro-batch and one stage, backward and the gradients' collectives run as one program
+(``StepPrograms.backward_reduce``); then ``train_step``, which reads the loss after
+backward, may have the loss all-reduced inside a gradient bucket
+(``StepPrograms.loss_in_bucket``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from torchalpa.core.schedules import SCHEDULES, Action
+from torchalpa.runtime.execution.stage_replay import Replay, random_state, replaying
+from torchalpa.runtime.lowering.rank_programs import StageProgram, StepPrograms, ValueKey
+
+__all__ = ["StepRunner", "StepInFlight", "StepLoss", "Exchange", "split_micro_batches"]
+
+
+def split_micro_batches(inputs: Sequence[torch.Tensor], num_micro_batches: int,
+                        what: str = "input") -> list[list[torch.Tensor]]:
+    """``k`` lists of inputs, each holding chunk ``i`` of every input's dim 0."""
+    if num_micro_batches == 1:
+        return [list(inputs)]
+    for i, x in enumerate(inputs):
+        if x.dim() == 0 or x.shape[0] % num_micro_batches:
+            size = "no dim 0" if x.dim() == 0 else f"dim 0 of size {x.shape[0]}"
+            raise ValueError(f"{what} {i} has {size}, which does not split into "
+                             f"num_micro_batches={num_micro_batches} equal micro-batches; use "
+                             "a batch size that divides, or another num_micro_batches")
+    chunks = [torch.chunk(x, num_micro_batches, dim=0) for x in inputs]
+    return [[c[m] for c in chunks] for m in range(num_micro_batches)]
+
+
+class Exchange(Protocol):
+    """How a stage trades values with the other stages (``runtime.execution.pipeline.StageExchange``)."""
+
+    def begin(self) -> None: ...
+    def send(self, key: ValueKey, value: torch.Tensor, micro: int) -> None: ...
+    def recv(self, key: ValueKey, micro: int) -> torch.Tensor: ...
+    def finish(self, program: StageProgram, raw: list, backward: bool) -> None: ...
+
+
+@dataclass
+class StepLoss:
+    """A step's micro-batch losses, as its forwards left them.
+
+    ``parts``: one per micro-batch, the loss or what ``finish`` makes it from (a forward
+    that left the loss's all-reduce in flight returns the collective's handle; one whose
+    loss travels in a gradient bucket, its local part, finished by the backward).
+    ``finish``: None once ``parts`` are the losses. ``in_bucket``: the loss's all-reduce
+    travels inside a gradient bucket (``runtime.rewrites.loss_in_bucket``)."""
+
+    parts: list[Any] = field(default_factory=list)
+    finish: Callable | None = None
+    in_bucket: bool = False
+
+    def mean(self) -> torch.Tensor | None:
+        """The mean of the losses (None: this stage computes none); waits for the losses'
+        all-reduce where forward left it in flight."""
+        if not self.parts:
+            return None
+        assert not self.in_bucket or isinstance(self.parts[0], torch.Tensor), \
+            "a loss all-reduced in a gradient bucket is read after the step's backward"
+        if self.finish is not None:
+            self.parts = [self.finish(x) for x in self.parts]
+            self.finish = None
+        return self.parts[0] if len(self.parts) == 1 else torch.stack(self.parts).mean()
+
+
+@dataclass
+class StepInFlight:
+    """One step between its forward and backward actions: the micro-batches, what each
+    forward saved for its backward, the losses, the new buffer values (of the last
+    micro-batch) and the gradients so far.
+
+    All of a step's state lives here, never on the runner, so a step is created and
+    changed by the code that runs it: under ``torch.compile`` an autograd.Function's
+    forward and backward are traced as separate scopes, neither of which may mutate an
+    object the other made (``StepRunner.resume`` gives the backward its own step)."""
+
+    micro_inputs: list[list[torch.Tensor]]
+    loss: StepLoss
+    saved: dict[int, list] = field(default_factory=dict)
+    buffer_updates: list[torch.Tensor] = field(default_factory=list)
+    raw: list[torch.Tensor | None] = field(default_factory=list)   # one per present gradient
+    reduced: list[torch.Tensor | None] | None = None     # set when backward also reduced
+    gathered: list[torch.Tensor] | None = None   # the parameters' copies made once per step
+
+
+class StepRunner:
+    """Forward, backward and gradient reduction of one rank's stage, micro-batch by
+    micro-batch, in the order a schedule gives (one stage: the intra-op step)."""
+
+    def __init__(self, program: StepPrograms, num_micro_batches: int = 1, *,
+                 schedule: str = "1f1b", num_stages: int = 1, stage: int = 0,
+                 exchange: Exchange | None = None, remat: bool = False):
+        if (num_stages > 1) != (exchange is not None):
+            raise ValueError("a stage of a multi-stage pipeline needs an exchange, and a "
+                             "one-stage step has nobody to exchange with")
+        if remat and exchange is None:
+            raise ValueError("remat=True rematerializes a stage of a multi-stage pipeline; "
+                             "a one-stage step checkpoints its layers with "
+                             "AutoShardingOption(remat='full')")
+        # keep only each micro-batch's inputs and run its forward again before its backward
+        # (runtime/execution/stage_replay.py)
+        self.remat = remat
+        self.program = program
+        self.num_micro_batches = num_micro_batches
+        self.exchange = exchange
+        self.actions: list[Action] = SCHEDULES[schedule](num_stages, num_micro_batches)[stage]
+
+    @property
+    def defers_backward(self) -> bool:
+        """Whether the step's backward actions can wait for ``loss.backward()``: one stage."""
+        return self.exchange is None
+
+    def forward_actions(self) -> list[Action]:
+        return [("F", m) for m in range(self.num_micro_batches)]
+
+    def backward_actions(self) -> list[Action]:
+        return [("B", m) for m in range(self.num_micro_batches)]
+
+    def begin(self, inputs: Sequence[torch.Tensor]) -> StepInFlight:
+        """A step on the global batch ``inputs``, split into micro-batches (the one split)."""
+        present = sum(self.program.stage.grad_present)
+        return StepInFlight(split_micro_batches(inputs, self.num_micro_batches),
+                            StepLoss([]), raw=[None] * present)
+
+    def resume(self, saved: Sequence[Sequence[torch.Tensor]]) -> StepInFlight:
+        """A new step holding only what each micro-batch's forward saved (``saved[m]``),
+        ready for the backward actions: what a deferred backward runs on, built from
+        the tensors the forward handed over instead of the forward's own step."""
+        present = sum(self.program.stage.grad_present)
+        return StepInFlight([], StepLoss([]), saved={m: list(s) for m, s in enumerate(saved)},
+                            raw=[None] * present)
+
+    def run(self, step: StepInFlight, state: list[torch.Tensor], actions: list[Action], *,
+            keep_saved: bool = True, loss_in_bucket: bool = False) -> None:
+        """Execute ``actions`` of ``step``; ``keep_saved=False``: forward only, nothing
+        kept for backward. ``loss_in_bucket``: the loss is read only after these actions,
+        which run the backward too: all-reduce it inside a gradient bucket where the
+        programs allow (``step.loss.in_bucket`` tells)."""
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.begin()
+        step.loss.in_bucket = loss_in_bucket and keep_saved \
+            and self.program.loss_in_bucket is not None \
+            and not torch.compiler.is_compiling() and any(kind == "B" for kind, _ in actions)
+        for kind, m in actions:
+            if kind == "F":
+                self._forward(step, m, state, keep_saved)
+            else:
+                self._backward(step, m, state)
+        if exchange is not None:
+            exchange.finish(self.program.stage, step.raw, any(kind == "B" for kind, _ in actions))
+
+    def _forward(self, step: StepInFlight, m: int, state: list[torch.Tensor],
+                 keep_saved: bool) -> None:
+        """Micro-batch ``m``'s forward: its loss, sends and buffer updates delivered, what
+        backward reads kept in ``step.saved[m]`` (or only how to replay it, under remat)."""
+        p, stage, exchange = self.program, self.program.stage, self.exchange
+        received = [exchange.recv(k, m) for k in stage.forward_recvs] if exchange else []
+        if step.loss.in_bucket:
+            assert p.loss_in_bucket is not None
+            forward, step.loss.finish = p.loss_in_bucket.forward, None
+        else:
+            forward, step.loss.finish = p.forward, p.finish_loss
+        rng = random_state(_device_of(state, received)) if self.remat else None
+        out = list(forward(*state, *[step.micro_inputs[m][i] for i in stage.user_inputs],
+                           *received, *self._gathered(step, state, m)))
+        if stage.has_loss:
+            step.loss.parts.append(out.pop(0))
+        for k in stage.forward_sends:
+            assert exchange is not None
+            exchange.send(k, out.pop(0), m)
+        n = len(stage.buffer_updates)
+        if n:
+            step.buffer_updates, out = out[:n], out[n:]
+        if keep_saved:
+            step.saved[m] = out if rng is None else [Replay(m, received, rng)]
+
+    def _gathered(self, step: StepInFlight, state: list[torch.Tensor], m: int
+                  ) -> list[torch.Tensor]:
+        """The gathered parameters micro-batch ``m``'s forward reads: made at the step's
+        first forward, released from the step at its last (saved values keep what backward
+        reads)."""
+        gathers = self.program.param_gathers
+        if gathers is None:
+            return []
+        if step.gathered is None:
+            step.gathered = list(gathers(*state))
+        gathered = step.gathered
+        if m == self.num_micro_batches - 1:
+            step.gathered = None
+        return gathered
+
+    def _replay(self, step: StepInFlight, state: list[torch.Tensor], replay: Replay) -> list:
+        """What micro-batch ``replay.micro``'s forward saved, by running that forward again
+        on its inputs from its random state (its loss, sends and buffer updates were
+        delivered by the first run and are dropped)."""
+        stage = self.program.stage
+        with replaying(replay.rng, _device_of(state, replay.received)):
+            out = list(stage.forward(*state, *[step.micro_inputs[replay.micro][i]
+                                                for i in stage.user_inputs], *replay.received))
+        return out[stage.num_results:]
+
+    def _backward(self, step: StepInFlight, m: int, state: list[torch.Tensor]) -> None:
+        p, stage, exchange = self.program, self.program.stage, self.exchange
+        saved = step.saved.pop(m)
+        if saved and isinstance(saved[0], Replay):
+            saved = self._replay(step, state, saved[0])
+        if step.loss.in_bucket:         # one micro-batch, one stage; the loss in a bucket
+            assert p.loss_in_bucket is not None and len(step.loss.parts) == 1
+            local, others = step.loss.parts[0]          # (local part, tail's values)
+            *step.reduced, reduced_loss = p.loss_in_bucket.backward_reduce(*saved, local)
+            step.loss.parts = [p.loss_in_bucket.finish(reduced_loss, others)]
+            return
+        if p.backward_reduce is not None:       # one micro-batch, one stage
+            step.reduced = list(p.backward_reduce(*saved))
+            return
+        received = [exchange.recv(k, m) for k in stage.backward_recvs] if exchange else []
+        out = list(p.backward(*saved, *received))
+        del saved
+        n = len(stage.grad_present)      # one raw gradient per parameter, None: unused
+        for i, g in enumerate(g for g in out[:n] if g is not None):
+            # out of place: a raw gradient may alias a value the caller still holds
+            step.raw[i] = g if step.raw[i] is None else step.raw[i] + g
+        for k, v in zip(stage.backward_sends, out[n:]):
+            assert exchange is not None
+            exchange.send(k, v, m)
+
+    def loss(self, step: StepInFlight) -> torch.Tensor | None:
+        """The mean of the step's micro-batch losses (None: this stage computes none).
+        Waits for the losses' all-reduce, which forward left in flight: call it as late as
+        the loss is needed (after backward, in ``train_step``) to overlap the two."""
+        return step.loss.mean()
+
+    def gradients(self, step: StepInFlight, scale: torch.Tensor | float | None = None
+                  ) -> list[torch.Tensor | None]:
+        """Gradients of ``scale * mean loss`` in their parameters' layouts, one per
+        parameter of the stage (None: unused): the plan's resharding runs once here."""
+        if step.reduced is not None:
+            grads = step.reduced
+        else:
+            reduced = iter(self.program.reduce_grads(*step.raw))
+            grads = [next(reduced) if present else None
+                     for present in self.program.stage.grad_present]
+        factor = 1.0 / self.num_micro_batches
+        out = []
+        for g in grads:
+            if g is not None:
+                if scale is not None:
+                    g = g * scale
+                if factor != 1.0:
+                    g = g * factor
+            out.append(g)
+        return out
+
+
+def _device_of(*groups: Sequence[torch.Tensor]) -> torch.device | None:
+    """The device of the first tensor in ``groups`` (whose random state a replay keeps)."""
+    for group in groups:
+        for t in group:
+            if isinstance(t, torch.Tensor):
+                return t.device
+    return None

@@ -1,0 +1,158 @@
+"""The records of one rank's programs: as lowered (``StageProgram``) and as a step runs them
+(``StepPrograms``).
+
+The lowering (``runtime.lowering.lower``) makes a ``StageProgram``: the forward, backward and
+gradient-reduction programs of the rank's stage, with the wiring to the other stages. Those
+are the programs ``local_program()`` prints, the profiler times and a rematerialized stage
+runs again. The last group of rewrites (``runtime.rewrites.program_rewrites.step_programs``) derives from
+them the programs a ``StepRunner`` calls -- a forward that leaves the loss's all-reduce in
+flight, a backward that issues the gradients' collectives as it goes, copies with less
+Python per op -- and hands them over as a ``StepPrograms``. The runner only calls what that
+record holds; it builds nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.fx as fx
+
+__all__ = ["StageProgram", "StepPrograms", "EagerOrTraced", "LossInBucketPrograms",
+           "ValueKey", "PLAN_STEP"]
+
+PLAN_STEP = "torchalpa_plan_step"
+"""``node.meta`` key of a collective call: (consumer, slot, index) of its plan step."""
+
+ValueKey = tuple[str, int]
+"""Output ``index`` of source node ``producer``: a value that may cross stages."""
+
+
+@dataclass
+class StageProgram:
+    """One rank's programs and how they are wired to the other stages of a pipeline (an
+    intra-op plan's are a stage that receives and sends nothing).
+
+    ``forward(*params, *buffers, *user inputs, *forward_recvs)`` -> (loss if ``has_loss``,
+    *forward sends, *buffer updates, *saved); ``backward(*saved, *backward_recvs)`` -> (one
+    raw gradient per parameter of ``params`` or None, *backward sends); ``reduce_grads(*raw
+    gradients that are not None)`` -> those gradients in their parameters' layouts.
+    """
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    reduce_grads: fx.GraphModule
+    buffer_updates: tuple = ()    # buffers whose new values forward returns, in order
+    params: list[str] = field(default_factory=list)    # FQNs of this stage's trainable params
+    buffers: list[str] = field(default_factory=list)   # FQNs of its buffers / frozen params
+    user_inputs: list[int] = field(default_factory=list)   # the user inputs this stage reads
+    forward_recvs: list[ValueKey] = field(default_factory=list)   # received before forward
+    backward_recvs: list[ValueKey] = field(default_factory=list)  # received before backward
+    forward_sends: list[ValueKey] = field(default_factory=list)
+    backward_sends: list[ValueKey] = field(default_factory=list)
+    has_loss: bool = False
+    grad_present: list[bool] = field(default_factory=list)
+    # gradient parts received once per step, summed over the micro-batches by their
+    # sender: (key, index among the present gradients, program laying the sum out as
+    # that gradient's addend)
+    summed_recvs: list[tuple[ValueKey, int, fx.GraphModule]] = field(default_factory=list)
+    # (*params, *buffers) -> the parameters' gathered copies forward takes after its other
+    # inputs, run once per step before the first micro-batch (``runtime.rewrites.param_gather``)
+    param_gathers: fx.GraphModule | None = None
+    compiled_from: StageProgram | None = field(default=None, repr=False)
+    """The eager programs these were compiled from (``compiled``), else None."""
+
+    @property
+    def num_results(self) -> int:
+        """How many of forward's outputs come before the values saved for backward (the
+        loss, the sends and the buffer updates)."""
+        return int(self.has_loss) + len(self.forward_sends) + len(self.buffer_updates)
+
+    def code(self) -> str:
+        if self.compiled_from is not None:
+            return "# compiled with torch.compile from:\n" + self.compiled_from.code()
+        gathers = self.param_gathers
+        once = "" if gathers is None else ("# param_gathers, once per step: (params, buffers) -> "
+                                           "gathered copies\n" + gathers.code + "\n")
+        return (once + "# forward: (params, buffers, inputs) -> (loss, saved...)\n" + self.forward.code
+                + "\n# backward: (saved...) -> raw grads\n" + self.backward.code
+                + "\n# reduce_grads: (raw grads...) -> grads in their parameters' layouts\n"
+                + self.reduce_grads.code)
+
+    def compiled(self, **options) -> StageProgram:
+        """The same programs under ``torch.compile(**options)`` (compiled on first call),
+        with the same wiring; ``code()`` prints the source programs. A stage's
+        ``summed_recvs`` addends and ``param_gathers`` run once per step and stay eager."""
+        return replace(self,
+                       forward=torch.compile(self.forward, **options),  # pyright: ignore
+                       backward=torch.compile(self.backward, **options),  # pyright: ignore
+                       reduce_grads=torch.compile(self.reduce_grads, **options),  # pyright: ignore
+                       compiled_from=self)
+
+
+@dataclass(frozen=True)
+class EagerOrTraced:
+    """A program and its copy for eager runs (``runtime.rewrites.call_overhead``): called while
+    ``torch.compile`` traces the step, the program as lowered runs (dynamo traces its ATen
+    calls), else the copy, whose calls skip Python's per-op dispatch."""
+
+    traced: Callable
+    eager: Callable
+
+    def __call__(self, *args):
+        return self.traced(*args) if torch.compiler.is_compiling() else self.eager(*args)
+
+
+@dataclass(frozen=True)
+class LossInBucketPrograms:
+    """The programs of a ``train_step`` whose loss all-reduce travels inside a gradient
+    bucket's (``runtime.rewrites.loss_in_bucket``).
+
+    ``forward``: as the source forward, its loss output replaced by a tuple (the loss's
+    local part first, then the other values its tail reads); ``backward_reduce``: backward
+    and the gradients' collectives (``runtime.rewrites.reduce_in_backward``), taking that local part
+    after its own inputs and returning it reduced after the gradients; ``finish(reduced,
+    others)``: the loss. ``plan_step``: (consumer, slot, index) of the loss's collective in
+    the plan; ``bucket``: the bucket it travels in."""
+
+    forward: fx.GraphModule
+    backward_reduce: fx.GraphModule
+    finish: Callable[[torch.Tensor, tuple], torch.Tensor]
+    plan_step: tuple
+    bucket: int
+
+
+@dataclass
+class StepPrograms:
+    """What a ``StepRunner`` calls for one rank's stage (``runtime.rewrites.program_rewrites.step_programs``
+    makes it; the runner derives nothing).
+
+    ``forward``, ``backward``, ``reduce_grads``, ``param_gathers``: as ``StageProgram``'s,
+    except that ``forward``'s loss output may be what ``finish_loss`` turns into the loss
+    (the loss's all-reduce left in flight, ``runtime.rewrites.deferred_loss``).
+    ``backward_reduce``: one micro-batch of a one-stage step: backward and ``reduce_grads``
+    as one program, each collective issued as soon as its gradients exist (None: run them
+    apart). ``loss_in_bucket``: ``train_step``'s programs with the loss all-reduced inside
+    a gradient bucket (None: not possible here). ``stage``: the programs as lowered, and
+    the wiring (what a rematerialized stage replays, what ``local_program()`` prints)."""
+
+    stage: StageProgram
+    forward: Callable
+    backward: Callable
+    reduce_grads: Callable
+    param_gathers: Callable | None = None
+    finish_loss: Callable | None = None
+    backward_reduce: Callable | None = None
+    loss_in_bucket: LossInBucketPrograms | None = None
+
+    @classmethod
+    def as_lowered(cls, stage: StageProgram) -> StepPrograms:
+        """The stage's programs run as they are (a stage of a longer pipeline, or programs
+        compiled by ``torch.compile``, which the variants' FX rewrites cannot read)."""
+        return cls(stage, stage.forward, stage.backward, stage.reduce_grads,
+                   stage.param_gathers)
+
+    def compiled(self, **options) -> StepPrograms:
+        """The stage's programs under ``torch.compile(**options)``, run as they are."""
+        return StepPrograms.as_lowered(self.stage.compiled(**options))

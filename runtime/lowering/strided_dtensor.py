@@ -1,0 +1,70 @@
+"""Redistributing DTensors held as strided shards (a fused q/k/v weight split by heads),
+also on PyTorch versions whose DTensor cannot.
+
+A strided shard (``_StridedShard(dim, split_factor)``) reads its dim as ``split_factor``
+pieces and holds this rank's block of each. PyTorch 2.13's ``redistribute`` and
+``full_tensor`` handle one alone on a mesh axis; 2.11's do not (they try to read it as a
+shard order and raise ``ValueError``: "... unable to be interpreted into a corresponding
+shard_order"), which broke checkpoints and gathers of such models there. ``redistribute``
+here asks DTensor first and, where it refuses, gathers the strided axes with the runtime's
+own strided all-gather, lets DTensor do the rest, and takes strided blocks locally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from torchalpa.core.placement import is_shard, split_factor_of
+from torchalpa.runtime.execution.collectives import all_gather_strided, local_chunk
+
+__all__ = ["redistribute", "full_value"]
+
+
+def _strided(placements: Sequence) -> bool:
+    return any(split_factor_of(p) > 1 for p in placements)
+
+
+def redistribute(t: DTensor, placements: Sequence) -> DTensor:
+    """``t`` on its mesh with ``placements``, a collective like ``DTensor.redistribute``
+    (every rank of the mesh calls it)."""
+    mesh, placements = t.device_mesh, tuple(placements)
+    if not (_strided(t.placements) or _strided(placements)):
+        return t.redistribute(mesh, placements)
+    try:
+        return t.redistribute(mesh, placements)
+    except ValueError:            # PyTorch 2.11: a lone strided shard is not understood
+        pass
+    for side in (t.placements, placements):
+        for axis, p in enumerate(side):
+            if is_shard(p) and split_factor_of(p) > 1 and any(
+                    other != axis and is_shard(q) and q.dim == p.dim
+                    for other, q in enumerate(side)):
+                raise NotImplementedError(
+                    f"redistributing {tuple(t.placements)} -> {placements}: a strided shard "
+                    "sharing its dim with another mesh axis needs PyTorch >= 2.13")
+    local, now = t.to_local(), list(t.placements)
+    for axis, p in enumerate(now):
+        if is_shard(p) and split_factor_of(p) > 1:
+            local = all_gather_strided(local, p.dim, mesh.size(axis),
+                                       mesh.get_group(axis).group_name, split_factor_of(p))
+            now[axis] = Replicate()
+    plain = [Replicate() if split_factor_of(q) > 1 else q for q in placements]
+    middle = DTensor.from_local(local, mesh, now, shape=t.shape, stride=t.stride())
+    local = middle.redistribute(mesh, plain).to_local()
+    coords = mesh.get_coordinate()
+    assert coords is not None, "this rank is not in the tensor's mesh"
+    for axis, q in enumerate(placements):
+        if is_shard(q) and split_factor_of(q) > 1:
+            local = local_chunk(local, q.dim, mesh.size(axis), coords[axis], split_factor_of(q))
+    return DTensor.from_local(local, mesh, placements, shape=t.shape, stride=t.stride())
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor on every rank (``DTensor.full_tensor``, strided shards
+    included); a plain tensor as it is."""
+    if not isinstance(t, DTensor):
+        return t
+    return redistribute(t, [Replicate()] * t.device_mesh.ndim).to_local()

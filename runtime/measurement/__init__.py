@@ -1,0 +1,2 @@
+"""Measurement: collectives counted and timed, step statistics, timelines, memory, profiles,
+the DDP/FSDP baselines."""

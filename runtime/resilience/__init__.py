@@ -1,0 +1,1 @@
+"""Resilience: failures that reach every rank, heartbeats, clean exits, replica checks."""

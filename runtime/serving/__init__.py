@@ -1,0 +1,1 @@
+"""Serving: generation with a static KV cache, sampling, forward-only programs."""

@@ -1,0 +1,2 @@
+"""State in and out: crash-safe checkpoints, pretrained weights loaded into shards, trained
+models saved."""
