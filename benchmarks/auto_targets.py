@@ -16,11 +16,17 @@ Targets (all planned without processes, meta weights, AdamW, on simulated cluste
      (``weak_scaling.py``) beside their best hand grid (``--hand`` computes it: minutes)
   d  transformers' LlamaForCausalLM at LLaMA-3-8B's config, batch 16 x 8192, 8 x 8 devices
      of 16 GB (``Cluster(num_nodes=8, devices_per_node=8)``): a plan or a reasoned refusal
+  e  LLaMA-3-70B bf16, batch 128 x 8192, 16 x 8 H100
+  f  LLaMA-3.1-405B bf16, batch 64 x 8192, 128 x 8 H100 (1024 GPUs)
+  g  GPT-39B, batch 1024 x 1024, 8 x 8 H100, defaults only (target c without the hand row)
 
-Each line: target, seconds (capture included), the chosen method, its estimate, and the
-hand-configured estimate with auto/hand (<= 1.00: auto at least as fast). Times are
-wall-clock on this machine, which may be shared: the load average is printed with them.
-Set ``TORCHALPA_CACHE=0`` (the default here) so the plan cache does not answer.
+Each line: target, seconds (capture included) against its target and the figure recorded
+before (``BEFORE``, from RESULTS.md), the chosen method, its estimate against the estimate
+recorded before, the planning process's peak memory (``ru_maxrss``, which only grows: each
+line's is the peak so far), and the hand-configured estimate with auto/hand (<= 1.00: auto
+at least as fast). Times are wall-clock on this machine, which may be shared: the load
+average is printed with them. Set ``TORCHALPA_CACHE=0`` (the default here) so the plan
+cache does not answer.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import resource
 import time
 from collections.abc import Callable
 
@@ -44,6 +51,12 @@ from torchalpa.core.options import (
 from torchalpa.models import hf
 
 GB = 1024 ** 3
+
+TARGET_S = {"a": 20, "b": 60, "c": 30, "d": 60, "e": 60, "f": 120, "g": 30}
+"""Seconds each target should plan in on a 2-core machine (capture included)."""
+BEFORE = {"a": (67.1, 2.796), "b": (520.4, 71.99), "d": (1065.5, 5.058)}
+"""(planned-in seconds, estimated s/step) recorded before in RESULTS.md ("Real jobs with
+the default method", 2026-11-28); targets not listed had no figure."""
 
 
 def _meta(workload):
@@ -78,10 +91,25 @@ def _estimate(plan) -> float | None:
     return None if isinstance(plan, Exception) else plan.estimates.step_time_s
 
 
+def _before(key: str, seconds: float, est: float | None) -> str:
+    """Planned-in time against the target and the recorded figure; the estimate against
+    the recorded one."""
+    text = f" [target <= {TARGET_S[key]} s: {'met' if seconds <= TARGET_S[key] else 'NOT met'}"
+    if key in BEFORE:
+        then_s, then_est = BEFORE[key]
+        text += f"; before {then_s:.1f} s, est {then_est:.4g}"
+        if est is not None:
+            text += f" (est now/before {est / then_est:.3f})"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
+    return text + f"; peak memory {peak:.2f} GiB]"
+
+
 def report(name: str, plan, seconds: float, hand=None, hand_label: str = "") -> None:
     est, hand_est = _estimate(plan), _estimate(hand) if hand is not None else None
+    key = name.split()[0]
     line = (f"{name}: {seconds:6.1f} s (load {os.getloadavg()[0]:.1f}) | auto: {_choice(plan)}"
-            + (f", est {est:.4g} s/step" if est is not None else ""))
+            + (f", est {est:.4g} s/step" if est is not None else "")
+            + (_before(key, seconds, est) if key in TARGET_S else ""))
     if hand is not None:
         line += f" | hand ({hand_label}): "
         line += f"est {hand_est:.4g} s/step" if hand_est is not None else _choice(hand)
@@ -90,7 +118,7 @@ def report(name: str, plan, seconds: float, hand=None, hand_label: str = "") -> 
     print(line, flush=True)
     if not isinstance(plan, Exception):
         for note in plan.notes:
-            if note.startswith(("AutoParallel", "runner-up")):
+            if note.startswith(("AutoParallel", "runner-up", "the solver's time limit")):
                 print(f"    {note}", flush=True)
 
 
@@ -196,7 +224,35 @@ def target_d(args) -> None:
         print("    " + str(plan).replace("\n", "\n    "))
 
 
-TARGETS = {"a": target_a, "b": target_b, "c": target_c, "d": target_d}
+def _llama_bf16(key: str, label: str, workload, cluster) -> None:
+    model, batch, loss_fn = _meta(workload)
+    bf16 = torchalpa.MixedPrecision(param_dtype=torch.bfloat16)
+    plan, seconds = _timed(lambda: torchalpa.plan(model, batch, loss_fn, cluster=cluster,
+                                                  mixed_precision=bf16))
+    report(f"{key} {label}", plan, seconds)
+    if isinstance(plan, Exception):
+        print("    " + str(plan).replace("\n", "\n    "))
+
+
+def target_e(args) -> None:
+    _llama_bf16("e", "LLaMA-3-70B bf16 16x8 H100", zoo.llama3_70b(),
+                torchalpa.Cluster.h100(num_nodes=16))
+
+
+def target_f(args) -> None:
+    _llama_bf16("f", "LLaMA-3.1-405B bf16 128x8 H100", zoo.llama3_405b(),
+                torchalpa.Cluster.h100(num_nodes=128))
+
+
+def target_g(args) -> None:
+    model, batch, loss_fn = _meta(zoo.gpt_39b())
+    cluster = torchalpa.Cluster.h100(num_nodes=8)
+    plan, seconds = _timed(lambda: torchalpa.plan(model, batch, loss_fn, cluster=cluster))
+    report("g GPT-39B 8x8 H100", plan, seconds)
+
+
+TARGETS = {"a": target_a, "b": target_b, "c": target_c, "d": target_d, "e": target_e,
+           "f": target_f, "g": target_g}
 
 
 def main() -> None:

@@ -181,3 +181,28 @@ def test_each_kind_of_work_has_its_own_narrow_protocol_and_no_implementation_onl
     with pytest.raises(ValueError, match="pipelined generation is not built"):
         torchalpa.plan(MLP(16, 2), (x,), method=torchalpa.PipeshardParallel(),
                        mode="inference")
+
+
+def test_auto_parallel_captures_the_step_once(single_process_world, monkeypatch):
+    """The default method's search captures the step; building the module reuses that
+    capture instead of tracing the model again."""
+    from torchalpa.frontends import torch_export
+    traced = []
+    capture = torch_export.capture
+
+    def counting(*args, **kwargs):
+        traced.append(1)
+        return capture(*args, **kwargs)
+
+    monkeypatch.setattr(torch_export, "capture", counting)
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")
+    torch.manual_seed(0)
+    model = MLP(32, 3)
+    torch.manual_seed(0)
+    ref = MLP(32, 3)
+    x, y = mlp_inputs(16, 32)
+    pm = torchalpa.auto_parallel(model, (x, y), F.mse_loss,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2))
+    assert len(traced) == 1
+    loss = pm.train_step(x, y)
+    assert loss.item() == pytest.approx(F.mse_loss(ref(x), y).item(), rel=1e-6)

@@ -105,7 +105,7 @@ def test_a_start_reaches_highs_at_its_own_columns(monkeypatch):
         return original(self, *args)
 
     monkeypatch.setattr(highspy.Highs, "setSolution", spy)
-    status, values = solve_with_highs(model, time_limit=None, gap=None, verbose=False)
+    status, values, _ = solve_with_highs(model, time_limit=None, gap=None, verbose=False)
     by_sorted_name = sorted(model.names)
     assert {by_sorted_name[i]: v for i, v in handed.items()} == {
         "s_a_1": 1.0, "s_a_0": 0.0, "s_b_0": 1.0, "s_b_1": 0.0}

@@ -240,6 +240,16 @@ def test_big_presets_have_the_issue_shapes():
     assert sum(p.numel() for p in model.parameters()) > 8192 * 51200   # one layer + embeddings
 
 
+@pytest.mark.parametrize("name, size, batch", [("llama3_70b", 70.55e9, 128),
+                                               ("llama3_405b", 405.85e9, 64)])
+def test_the_large_llama_sizes_have_their_published_parameter_counts(name, size, batch):
+    w = models.named(name)
+    with torch.device("meta"):
+        model = w.build()
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(size, rel=1e-4)
+    assert (w.batch_size, w.seq_len, w.config.num_kv_heads) == (batch, 8192, 8)
+
+
 def test_llama3_uses_grouped_query_attention():
     model, c = capture_on_meta(models.tiny("llama", num_kv_heads=1))
     k_proj = model.layers[0].self_attn.k_proj

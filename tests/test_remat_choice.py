@@ -7,10 +7,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from torchalpa.core.plan_records import Estimates
+
 
 @dataclass(frozen=True)
 class _Plan:
-    estimates: dict
+    estimates: Estimates
     method: dict = field(default_factory=dict)
     notes: tuple = ()
 
@@ -30,8 +32,8 @@ def _choose(variants: dict, with_bound: bool):
     def solve(c):
         solved.append(c)
         peak = 1.0 if c.fits else 3.0
-        return _Plan({"step_time_s": c.step, "memory_per_device_bytes": peak,
-                      "memory_budget_per_device_bytes": 2.0})
+        return _Plan(Estimates(step_time_s=c.step, memory_per_device_bytes=peak,
+                               memory_budget_per_device_bytes=2.0))
 
     plan = plan_with_remat(variants, solve, lambda c: c.graph,
                            (lambda c: c.bound) if with_bound else None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -180,6 +181,29 @@ def _fold(node_costs: dict[str, np.ndarray], grouping: Grouping, name: str,
     node_costs[grouping.rep[name]] += vec[list(grouping.index[name])]
 
 
+_OWN_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""graph -> (node name, mesh) -> (its strategy list, the node, its cost per strategy): the solves
+of one graph on one view (simplified, followers freed, re-solved, each memory round's
+cost graph) price each node's strategies once. The strategy list and the node are held
+and compared by identity, so another strategy space or a node replaced is priced anew."""
+
+
+def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strategy]
+               ) -> np.ndarray:
+    """``node``'s compute and internal all-reduces per strategy, once per step."""
+    memo = _OWN_COSTS.setdefault(graph, {})
+    found = memo.get((node.name, mesh))
+    if found is not None and found[0] is strategies and found[1] is node:
+        return found[2]
+    vec = np.array([compute_cost(mesh, node, s.shards, s.outputs,
+                                 strategy_bytes(graph, node, s.inputs, s.outputs, mesh.shape))
+                    + steps_cost(mesh, sync_steps(s, node.outputs[0], mesh.shape))
+                    + batch_sync_cost(mesh, s.batch_syncs) for s in strategies])
+    vec.setflags(write=False)
+    memo[(node.name, mesh)] = (strategies, node, vec)
+    return vec
+
+
 def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
                 grouping: Grouping, costs: ReshardCosts, k: float) -> dict[str, np.ndarray]:
     """Per representative and strategy: its nodes' compute and internal all-reduces, and
@@ -187,11 +211,8 @@ def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
     node_costs = {r: np.zeros(len(S[r])) for r in grouping.representatives}
     for node in graph:
         if not node.is_leaf:
-            _fold(node_costs, grouping, node.name, k * np.array([
-                compute_cost(mesh, node, s.shards, s.outputs,
-                             strategy_bytes(graph, node, s.inputs, s.outputs, mesh.shape))
-                + steps_cost(mesh, sync_steps(s, node.outputs[0], mesh.shape))
-                + batch_sync_cost(mesh, s.batch_syncs) for s in S[node.name]]))
+            _fold(node_costs, grouping, node.name, k * _own_costs(graph, mesh, node,
+                                                                  S[node.name]))
     # the loss is returned whole, and values for other pipeline stages are sent whole
     R = replicated(mesh.ndim)
     whole = ([graph.outputs.loss] if graph.outputs.loss is not None else []) + \

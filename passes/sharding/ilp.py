@@ -20,6 +20,8 @@ same answer.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.util
 import math
 import time
@@ -35,7 +37,30 @@ from torchalpa.passes.sharding.ilp_model import BuiltModel, LinearModel, build_m
 from torchalpa.passes.sharding.presolve import Presolved, presolve
 from torchalpa.passes.sharding.shared_reshard import SharedReads, shared_reads_cost
 
-__all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "lower_bound", "InfeasibleError"]
+__all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "lower_bound", "InfeasibleError",
+           "clock_watch", "CLOCK_NOTE"]
+
+CLOCK_NOTE = "the solver's time limit (a safety net) stopped"
+"""How a plan's note begins when a solver's time limit, not its node limit, ended one of
+its solves: such a plan depends on the machine's speed and is not cached."""
+
+_clock_stops: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
+    "torchalpa_clock_stops", default=None)
+
+
+@contextlib.contextmanager
+def clock_watch():
+    """``with clock_watch() as stops:`` -- ``stops`` lists the time limit of each solver
+    run within that a time limit stopped (an enclosing watch sees them too)."""
+    outer = _clock_stops.get()
+    stops: list[float] = []
+    token = _clock_stops.set(stops)
+    try:
+        yield stops
+    finally:
+        _clock_stops.reset(token)
+        if outer is not None:
+            outer.extend(stops)
 
 
 DIRECT_HIGHS = True
@@ -89,6 +114,9 @@ class ILPSolution:
     seconds: float
     num_variables: int = 0
     num_constraints: int = 0
+    clock_stopped: bool = False
+    """The solver's time limit (a safety net) stopped it: a faster or idler machine may
+    find a better plan. Its node limit (``max_nodes``) stops at the same plan anywhere."""
 
 
 def _cbc_path() -> str:
@@ -106,19 +134,23 @@ def resolve_solver(solver: str) -> str:
 
 
 def _make_solver(solver: str, time_limit: float | None, gap: float | None,
-                 warm: bool = False):
+                 warm: bool = False, max_nodes: int | None = None):
     if solver == "cbc":
         # The root LP is usually integral or nearly so. CBC's dual simplex solves it about
         # 3x faster than its default choice here, and its feasibility pump, which only
         # repeats the rounding the root already did, is what CBC spent most of its time
         # on (LLaMA-3-8B on 8x8: 7.4 s -> 3.4 s, same optimum); branching finishes sooner.
         return pulp.COIN_CMD(msg=solver_verbose(), timeLimit=time_limit, gapRel=gap, threads=1,
-                             path=_cbc_path(), options=["dualS", "feas off"], warmStart=warm)
+                             path=_cbc_path(), options=["dualS", "feas off"], warmStart=warm,
+                             maxNodes=max_nodes)
     if solver == "highs":
         if "HiGHS" not in pulp.listSolvers(onlyAvailable=True):
             raise ValueError("solver='highs' needs the highspy package: pip install highspy")
+        if max_nodes is None:
+            return pulp.HiGHS(msg=solver_verbose(), timeLimit=time_limit, gapRel=gap,
+                              threads=1, random_seed=0, warmStart=warm)
         return pulp.HiGHS(msg=solver_verbose(), timeLimit=time_limit, gapRel=gap, threads=1,
-                          random_seed=0, warmStart=warm)
+                          random_seed=0, warmStart=warm, mip_max_nodes=int(max_nodes))
     raise ValueError(f"solver must be 'cbc' or 'highs', got {solver!r}")
 
 
@@ -190,16 +222,23 @@ def _prepare(problem: ILPProblem, initial: dict[str, int] | None) -> _Prepared:
 
 
 def solve_ilp(problem: ILPProblem, *, solver: str = "auto", time_limit: float | None = None,
-              gap: float | None = None, initial: dict[str, int] | None = None) -> ILPSolution:
-    """Alpa's ILP; ``initial`` (node -> strategy index) is a feasible start for the solver."""
+              gap: float | None = None, initial: dict[str, int] | None = None,
+              max_nodes: int | None = None) -> ILPSolution:
+    """Alpa's ILP; ``initial`` (node -> strategy index) is a feasible start for the solver.
+    ``max_nodes`` bounds the branch-and-bound by work (the same plan at any load);
+    ``time_limit`` is a safety net (``ILPSolution.clock_stopped`` says when it fired)."""
     start = time.perf_counter()
     solver = resolve_solver(solver)
     full_costs, full_edges, constant, reduced, built, _ = _prepare(problem, initial)
     if solver == "highs" and DIRECT_HIGHS:
-        run = _solve_with_highs(built.model, time_limit, gap)
+        run = _solve_with_highs(built.model, time_limit, gap, max_nodes)
     else:
         run = _solve_with_pulp(built.model, _make_solver(solver, time_limit, gap,
-                                                         warm=initial is not None))
+                                                         warm=initial is not None,
+                                                         max_nodes=max_nodes), time_limit)
+    stops = _clock_stops.get()
+    if run.clock_stopped and stops is not None:
+        stops.append(float(time_limit or 0.0))
     if not run.solved:
         if run.status == "Not Solved":
             raise SolverStopped(f"the ILP solver stopped before it found a plan (time limit "
@@ -217,7 +256,8 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "auto", time_limit: float | 
         total = float(run.values[built.peak]) / built.mem_scale
     return ILPSolution(choice=choice, objective=float(total), status=run.status,
                        seconds=time.perf_counter() - start,
-                       num_variables=run.num_variables, num_constraints=run.num_constraints)
+                       num_variables=run.num_variables, num_constraints=run.num_constraints,
+                       clock_stopped=run.clock_stopped)
 
 
 def lower_bound(problem: ILPProblem, *, integral: bool = False) -> float | None:
@@ -252,20 +292,24 @@ class _SolverRun(NamedTuple):
     """Column values in the model's order."""
     num_variables: int
     num_constraints: int
+    clock_stopped: bool = False
+    """The time limit, not optimality or the node limit, ended the run."""
 
 
-def _solve_with_highs(model: LinearModel, time_limit: float | None, gap: float | None
-                      ) -> _SolverRun:
+def _solve_with_highs(model: LinearModel, time_limit: float | None, gap: float | None,
+                      max_nodes: int | None = None) -> _SolverRun:
     """Hand ``model``'s arrays straight to HiGHS (``passes/sharding/ilp_highs.py``)."""
     from torchalpa.passes.sharding.ilp_highs import solve_with_highs
     _make_solver("highs", time_limit, gap)     # the same error when highspy is missing
-    status, values = solve_with_highs(model, time_limit=time_limit, gap=gap,
-                                      verbose=bool(solver_verbose()))
+    status, values, clock = solve_with_highs(model, time_limit=time_limit, gap=gap,
+                                             verbose=bool(solver_verbose()),
+                                             max_nodes=max_nodes)
     return _SolverRun(status, status not in ("Infeasible", "Not Solved", "Undefined"), values,
-                      len(model.names), len(model.row_lower))
+                      len(model.names), len(model.row_lower), clock)
 
 
-def _solve_with_pulp(model: LinearModel, solver) -> _SolverRun:
+def _solve_with_pulp(model: LinearModel, solver, time_limit: float | None = None
+                     ) -> _SolverRun:
     """Write ``model`` through PuLP (which hands CBC an MPS file) and solve it with
     ``solver``, a PuLP solver object."""
     prob = pulp.LpProblem("torchalpa_intra_op", pulp.LpMinimize)
@@ -285,8 +329,11 @@ def _solve_with_pulp(model: LinearModel, solver) -> _SolverRun:
     prob += pulp.LpAffineExpression([(x, c) for x, c in zip(columns, model.cost) if c != 0])
     for col, value in model.initial.items():
         columns[col].setInitialValue(value)
+    start = time.perf_counter()
     status = pulp.LpStatus[prob.solve(solver)]
+    # PuLP does not say why CBC stopped; a run that reached its time limit was stopped by it
+    clock = time_limit is not None and time.perf_counter() - start >= 0.99 * time_limit
     solved = status not in ("Infeasible", "Not Solved", "Undefined") and prob.sol_status not in (
         pulp.LpSolutionInfeasible, pulp.LpSolutionNoSolutionFound)
     values = np.array([x.value() or 0.0 for x in columns], dtype=float)
-    return _SolverRun(status, solved, values, prob.numVariables(), prob.numConstraints())
+    return _SolverRun(status, solved, values, prob.numVariables(), prob.numConstraints(), clock)

@@ -20,24 +20,28 @@ __all__ = ["solve_with_highs", "linear_optimum"]
 
 
 def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float | None,
-                     verbose: bool) -> tuple[str, np.ndarray]:
+                     verbose: bool, max_nodes: int | None = None
+                     ) -> tuple[str, np.ndarray, bool]:
     """Run HiGHS on ``model``; return (PuLP's status name, column values in the model's
-    own order). ``model.initial`` (strategy columns of a feasible plan) is handed to HiGHS
-    as a partial start, which it completes (the edge columns follow from the strategies)
-    and keeps as its incumbent: a solve stopped by ``time_limit`` returns at least that
-    plan."""
+    own order, whether the time limit stopped it). ``max_nodes``: HiGHS'
+    ``mip_max_nodes``, a bound by work (the same plan at any load). ``model.initial``
+    (strategy columns of a feasible plan) is handed to HiGHS as a partial start, which it
+    completes (the edge columns follow from the strategies) and keeps as its incumbent: a
+    solve stopped by a limit returns at least that plan."""
     if not model.names:     # presolve decided every node (HiGHS calls an empty model an error)
-        return ("Optimal" if _empty_feasible(model) else "Infeasible"), np.zeros(0)
-    h, position = _load(model, time_limit=time_limit, gap=gap, verbose=verbose)
+        return ("Optimal" if _empty_feasible(model) else "Infeasible"), np.zeros(0), False
+    h, position = _load(model, time_limit=time_limit, gap=gap, verbose=verbose,
+                        max_nodes=max_nodes)
     if model.initial:
         columns = np.fromiter(model.initial.keys(), dtype=np.int64, count=len(model.initial))
         h.setSolution(len(columns), position[columns].astype(np.int32),
                       np.fromiter(model.initial.values(), dtype=np.float64,
                                   count=len(columns)))
     h.run()
+    clock = h.getModelStatus().name == "kTimeLimit"
     status, values = _read(h)
     n = len(model.names)
-    return status, values[position] if values.size == n else np.zeros(n)
+    return status, values[position] if values.size == n else np.zeros(n), clock
 
 
 def linear_optimum(model: LinearModel, *, integral: bool = False) -> float | None:
@@ -60,7 +64,8 @@ def _empty_feasible(model: LinearModel) -> bool:
 
 
 def _load(model: LinearModel, *, time_limit: float | None, gap: float | None, verbose: bool,
-          integral: bool = True) -> tuple[highspy.Highs, np.ndarray]:
+          integral: bool = True, max_nodes: int | None = None
+          ) -> tuple[highspy.Highs, np.ndarray]:
     """A HiGHS instance holding ``model`` (columns in PuLP's order: sorted by name), and
     each model column's position there."""
     order = sorted(range(len(model.names)), key=model.names.__getitem__)
@@ -75,6 +80,8 @@ def _load(model: LinearModel, *, time_limit: float | None, gap: float | None, ve
     if time_limit is not None:
         h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("random_seed", 0)
+    if max_nodes is not None:
+        h.setOptionValue("mip_max_nodes", int(max_nodes))
     n = len(order)
     cost = np.asarray(model.cost, dtype=np.float64)[order]
     upper = np.asarray(model.upper, dtype=np.float64)[order]

@@ -43,10 +43,12 @@ from torchalpa.passes.sharding.costgraph import (
     solve_sharing_reads,
 )
 from torchalpa.passes.sharding.ilp import (
+    CLOCK_NOTE,
     ILPProblem,
     ILPSolution,
     InfeasibleError,
     SolverStopped,
+    clock_watch,
     solve_ilp,
 )
 from torchalpa.passes.sharding.reshard import local_bytes, plan_reshard
@@ -189,10 +191,16 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
                                  solve_seconds=time.perf_counter() - start)
     ilp = _IntraOpILP(graph, mesh, method, option, space, costs, blocks, in_flight, deadline)
     built = time.perf_counter()
-    best = ilp.best()
+    with clock_watch() as stops:
+        best = ilp.best()
     plan = merge_gradient_all_reduces(assemble_plan(graph, mesh, method, best.chosen, costs,
                                                     space, inputs), graph, mesh, option)
-    return _with_solve_figures(plan, graph, mesh, space, best, ilp.budget, start, built)
+    plan = _with_solve_figures(plan, graph, mesh, space, best, ilp.budget, start, built)
+    if stops:
+        plan = replace(plan, notes=plan.notes + (
+            f"{CLOCK_NOTE} {len(stops)} of this plan's solver runs (at {max(stops):.0f} s): "
+            "a faster or idler machine may find a better plan; not cached",))
+    return plan
 
 
 MIN_SOLVE_S = 10.0
@@ -590,7 +598,7 @@ def _solve_within_memory(graph: OpGraph, S: dict[str, list[Strategy]], grouping:
 def _solve(problem: ILPProblem, option: AutoShardingOption,
            initial: dict[str, int] | None) -> ILPSolution:
     return solve_ilp(problem, solver=option.solver, time_limit=option.time_limit,
-                     gap=option.gap, initial=initial)
+                     gap=option.gap, initial=initial, max_nodes=option.max_nodes)
 
 
 def _minimum_memory(graph, S, grouping, cg, memory: MemoryModel, points, option, mesh,
@@ -600,7 +608,8 @@ def _minimum_memory(graph, S, grouping, cg, memory: MemoryModel, points, option,
     for _ in range(20):
         problem = ILPProblem(node_costs=cg.node_costs, edges=cg.edges, minimize_peak=True,
                              memory_terms=[memory.terms_at(p) for p in points])
-        solution = solve_ilp(problem, solver=option.solver, time_limit=option.time_limit)
+        solution = solve_ilp(problem, solver=option.solver, time_limit=option.time_limit,
+                             max_nodes=option.max_nodes)
         peak, t = _peak(graph, memory, _expand(graph, S, grouping, solution.choice), mesh, states)
         if t in points or peak <= solution.objective * (1 + 1e-9):
             return peak

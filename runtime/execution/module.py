@@ -292,7 +292,11 @@ class ParallelModule(nn.Module):
             self._write_buffer_updates(step.buffer_updates)
             self._clock.stop("forward")
             return self._signature.wrap_loss(loss)
-        state = self._tensors(self._param_names + self._buffer_names)
+        names = self._param_names + self._buffer_names
+        # compiled, the local blocks go in (dynamo cannot keep DTensor specs on the
+        # function's context); eager, the DTensors themselves (no to_local node each)
+        state = self._state(names, differentiable=True) if torch.compiler.is_compiling() \
+            else self._tensors(names)
         loss, *buffer_updates = _TrainingStep.apply(self, len(state), *state, *flat)
         self._write_buffer_updates(buffer_updates)
         return self._signature.wrap_loss(loss)

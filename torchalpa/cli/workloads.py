@@ -63,8 +63,9 @@ def zoo_module():
                          f"available ({e}); name models as module:callable instead") from e
 
 
-MODEL_HELP = ("a tiny zoo family (llama, gpt, ...), a real size (llama3_8b, llama2_13b, "
-              "gpt_39b, alpa_gpt_1.3b, alpa_moe_10b, ...), hf:MODEL_TYPE or hf:config.json "
+MODEL_HELP = ("a tiny zoo family (llama, gpt, ...), a real size (llama3_8b, llama3_70b, "
+              "llama3_405b, llama2_13b, gpt_39b, alpa_gpt_1.3b, alpa_moe_10b, ...), "
+              "hf:MODEL_TYPE or hf:config.json "
               "(a transformers causal LM, random weights), suite:NAME, or module:callable")
 
 

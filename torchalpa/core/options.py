@@ -68,7 +68,14 @@ class AutoShardingOption:
     CBC can stop without a plan on the unsimplified problem (benchmarks/RESULTS.md,
     "Intra-op solves")."""
     time_limit: float | None = 60.0
-    """Seconds the solver may take; the best plan found by then is used."""
+    """Seconds the solver may take: a safety net, not how the search is bounded (that is
+    ``max_nodes``, which gives the same plan on any machine at any load). When it stops a
+    solve, the plan's notes say so and the plan is not cached (a faster machine may find
+    a better one)."""
+    max_nodes: int | None = 2000
+    """Branch-and-bound nodes each solver run may explore (HiGHS' ``mip_max_nodes``,
+    CBC's ``maxNodes``); the best plan found by then is used. Work, not seconds: the same
+    problem stops at the same plan however loaded the machine is. None: no limit."""
     gap: float | None = None
     """Relative optimality gap at which the solver may stop (None: solver default)."""
     memory_budget_per_device: float | None = None
@@ -217,6 +224,11 @@ class AutoShardingOption:
         if self.solver not in ("auto", "cbc", "highs"):
             raise ValueError(f"AutoShardingOption.solver must be 'auto', 'cbc' or 'highs', "
                              f"got {self.solver!r}")
+        if self.max_nodes is not None and (isinstance(self.max_nodes, bool) or
+                                           not isinstance(self.max_nodes, int) or
+                                           self.max_nodes < 1):
+            raise ValueError(f"AutoShardingOption.max_nodes must be a positive int or None, "
+                             f"got {self.max_nodes!r}")
         if self.time_limit is not None and self.time_limit <= 0:
             raise ValueError(f"AutoShardingOption.time_limit must be > 0 seconds, "
                              f"got {self.time_limit}")
@@ -525,9 +537,12 @@ class AutoParallel:
     """Intra-op plans gather parameters again in backward (ZeRO-3, FSDP's reshard after
     forward; ``AutoShardingOption.rematerialize_parameters``): True or False fixes it,
     None weighs both."""
-    time_budget_s: float = 60.0
-    """Seconds the search may spend before it stops trying new candidates (the one being
-    solved is finished; at least one is always solved)."""
+    time_budget_s: float = 600.0
+    """A safety net, not how the search is bounded: the search stops by work (candidates'
+    bounds, the solver's ``AutoShardingOption.max_nodes``), so it gives the same plan on
+    any machine at any load. Past these seconds it starts no new candidate (the one being
+    solved finishes with what is left; at least one is always solved), and the plan's
+    notes say the clock stopped it (such a plan is not cached)."""
     tolerance: float = 0.01
     """Stop once no remaining candidate's lower bound is below the best plan's estimate
     by more than this fraction."""

@@ -30,8 +30,8 @@ __all__ = ["bucketed_prefix", "BUCKETED_FIRST", "state_read_once",
            "PipelinePlan", "StagePlan", "Transfer", "load_plan", "PLAN_VERSION",
            "COLLECTIVE_KINDS", "PlanError", "read_plan_file", "parse_plan", "register_view"]
 
-SOLVER_EFFORT = frozenset({"time_limit", "gap", "exact_below", "free_followers_below",
-                           "alternate_blocks"})
+SOLVER_EFFORT = frozenset({"time_limit", "max_nodes", "gap", "exact_below",
+                           "free_followers_below", "alternate_blocks"})
 """``AutoShardingOption`` fields that decide how long the ILP works on a plan, not which
 layouts it may choose."""
 

@@ -19,9 +19,15 @@ import contextvars
 import logging
 import os
 import sys
+import threading
 import time
 
-__all__ = ["log", "setup_logging", "step", "verbose", "solver_verbose", "LEVELS"]
+__all__ = ["log", "setup_logging", "step", "verbose", "solver_verbose", "LEVELS",
+           "HEARTBEAT_S"]
+
+HEARTBEAT_S = 10.0
+"""A step that runs longer says it is still working this often (plain lines in a log; on
+a terminal the spinner shows the seconds)."""
 
 log = logging.getLogger("torchalpa")
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
@@ -110,7 +116,9 @@ def step(what: str, *, level: int = logging.INFO):
     """``with step("mesh 1/3 (2x4) solving") as s: ...; s.done = "est 12 ms/step"``.
 
     Logs ``"<what>..."`` before (a spinner on a terminal instead) and
-    ``"<what>: <seconds> s, <done>"`` after; a failure is logged with its reason.
+    ``"<what>: <seconds> s, <done>"`` after; a failure is logged with its reason. Every
+    ``HEARTBEAT_S`` in between it says it is still working (the spinner's text on a
+    terminal, a plain line in a log), so a long step is never silent.
     """
     s = _Step(what)
     spinner = None
@@ -121,15 +129,33 @@ def step(what: str, *, level: int = logging.INFO):
         spinner.start()
     else:
         log.log(level, "%s...", what)
+    stop = threading.Event()
+    beat = None
+    if log.isEnabledFor(level):
+        beat = threading.Thread(target=_heartbeat, args=(s, level, spinner, stop),
+                                name="torchalpa-progress", daemon=True)
+        beat.start()
     try:
         yield s
     except Exception as e:
         log.log(level, "%s: failed after %.1f s: %s", what, s.seconds, e)
         raise
     finally:
+        stop.set()
+        if beat is not None:
+            beat.join()
         if spinner is not None:
             spinner.stop()
     log.log(level, "%s: %.1f s%s", what, s.seconds, f", {s.done}" if s.done else "")
+
+
+def _heartbeat(s: _Step, level: int, spinner, stop: threading.Event) -> None:
+    """Say every ``HEARTBEAT_S`` that step ``s`` is still working, until ``stop``."""
+    while not stop.wait(HEARTBEAT_S):
+        if spinner is not None:
+            spinner.update(f"{s.what}... {s.seconds:.0f} s")
+        else:
+            log.log(level, "%s: still working, %.0f s", s.what, s.seconds)
 
 
 @contextlib.contextmanager

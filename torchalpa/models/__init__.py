@@ -34,7 +34,8 @@ from torchalpa.models.moe import MoEConfig, MoELayer, MoEModel
 from torchalpa.models.resnet import ResNet, ResNetConfig
 from torchalpa.models.vit import ViT, ViTConfig
 
-__all__ = ["Family", "FAMILIES", "Workload", "tiny", "llama2_13b", "llama3_8b", "gpt_39b",
+__all__ = ["Family", "FAMILIES", "Workload", "tiny", "llama2_13b", "llama3_8b", "llama3_70b",
+           "llama3_405b", "gpt_39b",
            "NAMED", "named", "ALPA_GPT", "ALPA_MOE",
            "GPT", "GPTConfig", "Llama", "LlamaConfig", "BertClassifier", "BertConfig", "ViT",
            "ViTConfig", "ResNet", "ResNetConfig", "MoEModel", "MoELayer", "MoEConfig",
@@ -143,6 +144,24 @@ def llama3_8b(*, batch_size: int = 16, seq_len: int = 8192) -> Workload:
     return Workload("llama", config, batch_size, seq_len)
 
 
+def llama3_70b(*, batch_size: int = 128, seq_len: int = 8192) -> Workload:
+    """LLaMA-3-70B: hidden 8192, 80 layers, 64 heads / 8 kv heads, intermediate 28672,
+    vocab 128256, rope theta 500000."""
+    config = LlamaConfig(vocab_size=128256, max_seq_len=8192, num_layers=80, hidden=8192,
+                         num_heads=64, num_kv_heads=8, intermediate=28672,
+                         rope_theta=500000.0)
+    return Workload("llama", config, batch_size, seq_len)
+
+
+def llama3_405b(*, batch_size: int = 64, seq_len: int = 8192) -> Workload:
+    """LLaMA-3.1-405B: hidden 16384, 126 layers, 128 heads / 8 kv heads, intermediate
+    53248, vocab 128256, rope theta 500000."""
+    config = LlamaConfig(vocab_size=128256, max_seq_len=8192, num_layers=126, hidden=16384,
+                         num_heads=128, num_kv_heads=8, intermediate=53248,
+                         rope_theta=500000.0)
+    return Workload("llama", config, batch_size, seq_len)
+
+
 def gpt_39b(*, batch_size: int = 1024, seq_len: int = 1024) -> Workload:
     """Alpa's GPT-39B benchmark: 48 layers, hidden 8192, 64 heads, seq 1024, vocab 51200,
     global batch 1024 (Alpa's GPT suite); dropout off, as a planning workload."""
@@ -179,7 +198,8 @@ def _alpa_moe(hidden: int, layers: int, heads: int, experts: int):
 
 
 NAMED: dict[str, Callable[..., Workload]] = {
-    "llama3_8b": llama3_8b, "llama2_13b": llama2_13b, "gpt_39b": gpt_39b,
+    "llama3_8b": llama3_8b, "llama3_70b": llama3_70b, "llama3_405b": llama3_405b,
+    "llama2_13b": llama2_13b, "gpt_39b": gpt_39b,
     **{f"alpa_gpt_{size}": _alpa_gpt(*spec) for size, spec in ALPA_GPT.items()},
     **{f"alpa_moe_{size}": _alpa_moe(*spec) for size, spec in ALPA_MOE.items()},
 }

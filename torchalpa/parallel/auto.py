@@ -13,7 +13,11 @@ search
    candidates that cannot fit are refused there;
 3. solves the rest in the order of their time bounds -- capturing each micro-batch
    size once -- until the next bound cannot beat the best plan by more than the
-   tolerance, or the time budget is spent (a plan is always found first when any fits).
+   tolerance (a plan is always found first when any fits). The search is bounded by work
+   (the candidates' bounds, the solver's node limit ``AutoShardingOption.max_nodes``),
+   not by seconds, so the same job gives the same plan on any machine at any load;
+   ``time_budget_s`` is only a safety net, and when it fires the plan's notes say so
+   (``CLOCK_NOTE``) and nothing it cut short is cached.
    A candidate is also dominated, and skipped, by a plan of its kind that fits with room
    to spare (``ROOM``): more checkpointing, (intra-op) more micro-batches, or gathering
    parameters again in backward (ZeRO-3, FSDP's reshard after forward) only adds work to
@@ -35,11 +39,12 @@ what was chosen, what came second and what was refused, with their estimates or 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,7 +52,7 @@ import torch
 from torchalpa.core.calls import CallSignature
 from torchalpa.core.choice_notes import CHOSEN, RUNNER_UP, TRIED, describe_candidate
 from torchalpa.core.cluster import Cluster, LogicalMesh
-from torchalpa.core.options import AutoParallel, PipeshardParallel, ShardParallel
+from torchalpa.core.options import AutoParallel, PipeshardParallel, ShardParallel, parse_remat
 from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.plan_records import known
 from torchalpa.core.progress import step
@@ -78,6 +83,8 @@ class Candidate:
     memory_bound: float         # bytes per device no plan of it can go below
     rank_s: float = 0.0         # what it is expected to take (the order candidates are tried)
     regather: bool = False      # parameters gathered again in backward (ZeRO-3, FSDP)
+    exact: bool = True          # False: bounds of the lightest checkpointing mode's capture
+    # (sound for time: recomputing only adds work; its own are computed when it is reached)
 
     def describe(self) -> str:
         return describe_candidate(self.kind, self.remat, self.num_micro_batches, self.regather)
@@ -152,11 +159,23 @@ class _Search:
     allow_pipeline: bool
     batch: int
     deadline: float
+    variants: dict = field(default_factory=dict)
+    """(micro-batches, remat, regather) -> the capture of that candidate (a caller's dict
+    receives them: ``auto_parallel`` reuses the chosen one instead of tracing again)."""
 
     def __post_init__(self):
+        self.started = time.perf_counter()
+        from torchalpa.passes.pipeline_search.layer_cache import SolveCache
+        from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
         self.nodes = getattr(self.cluster, "num_nodes", 1)   # a LogicalMesh: one node
+        self.seconds: dict[str, float] = {}             # phase -> seconds spent in it
+        self.clock_fired = False                       # the safety net stopped the search
+        # what the candidates' solves repeat: layer and stage solves (pipelines), reshard
+        # prices and strategies (both kinds), shared across micro-batch counts and remats
+        self.solves = SolveCache()
+        self.pricing = PricingMemo()
+        self.profiles: dict = {}                       # remat -> its bounds (StepProfile)
         self.captures: dict[int, Capture] = {}         # micro-batch count -> capture
-        self.variants: dict[tuple[int, str, bool], Capture] = {}
         self.attempts: list[Attempt] = []
         self.plans: list[tuple[float, Plan | PipelinePlan, Candidate]] = []
 
@@ -165,16 +184,31 @@ class _Search:
         """The step of one micro-batch of ``batch / k``, checkpointed by ``remat``, its
         parameters gathered again in backward if ``regather``: one trace per ``k``, the
         variants derived from it."""
-        from torchalpa.frontends.block_remat import checkpointed_capture
         if (k, remat, regather) not in self.variants:
-            if k not in self.captures:
-                examples = capture_examples(self.model, self.tensors, k)
-                self.captures[k] = capture_step(self.model, examples, self.loss_fn,
-                                                signature=self.signature)
-            plain = self.captures[k]
-            self.variants[(k, remat, regather)] = plain if remat == "none" and not regather \
-                else checkpointed_capture(plain, remat, rematerialize_parameters=regather)
+            with self.timed("capture"):
+                if k not in self.captures:
+                    examples = capture_examples(self.model, self.tensors, k)
+                    self.captures[k] = capture_step(self.model, examples, self.loss_fn,
+                                                    signature=self.signature)
+                self.variants[(k, remat, regather)] = derived_capture(self.captures[k], remat,
+                                                                      regather)
         return self.variants[(k, remat, regather)]
+
+    @contextlib.contextmanager
+    def timed(self, phase: str):
+        """Add the seconds the block takes to ``phase`` (nested phases count once, in
+        the innermost)."""
+        start = time.perf_counter()
+        outer = getattr(self, "_phase", None)
+        self._phase = phase
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            self._phase = outer
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + spent
+            if outer is not None:
+                self.seconds[outer] = self.seconds.get(outer, 0.0) - spent
 
     def regather_choices(self, kind: str) -> tuple[bool, ...]:
         """Whether parameters may be gathered again in backward: what the option fixes,
@@ -193,44 +227,72 @@ class _Search:
         return self.method.auto_sharding_option.memory_budget_per_device or \
             self.cluster.memory_per_device or math.inf
 
-    def candidates(self) -> tuple[list[Candidate], list[Attempt]]:
-        """Every candidate with its bounds, those that cannot fit apart."""
-        counts = [self.method.num_micro_batches] if self.method.num_micro_batches else \
-            _divisors(self.batch)
-        found, refused = [], []
-        for remat in self.method.remat:
-            if remat == "layers":
-                continue
-            profile = self.profile(remat)
-            for k in counts:
-                micro = self.batch // k
-                self.add(found, refused, remat, k, profile.step_seconds(self.cluster.num_devices,
-                                                                        k, micro),
-                         profile.memory_bytes(self.cluster.num_devices, micro),
-                         profile.pipeline_memory_bytes(self.cluster.num_devices, micro))
-        if "layers" in self.method.remat:
-            self.add_layer_modes(found, refused, counts)
-        # of two candidates alike but for regathering, the one likelier to win first: where
-        # memory is tight, gathering parameters again frees the room faster plans need
-        tight = 0.5 * self.budget()
-        return sorted(found, key=lambda c: (c.rank_s, c.regather != (c.memory_bound > tight))), \
-            [Attempt(c, "refused by bound") for c in refused]
-
-    def first_count(self) -> int:
-        """The micro-batch count whose capture the bounds are derived from."""
-        return self.method.num_micro_batches or 1
-
     def profile(self, remat: str):
-        """The bounds' profile of the step checkpointed by ``remat`` (one micro-batch
-        count's capture: the profile scales to the others)."""
+        """The bounds profile of the step checkpointed by ``remat`` (one per mode)."""
         from torchalpa.passes.pricing.bounds import step_profile
-        return step_profile(self.capture(self.first_count(), remat,
-                                         self.regather_choices("intra-op")[0]).graph,
-                            self.meshes[0], optimizer_states=self.method.optimizer_states)
+        if remat not in self.profiles:
+            counts = self.counts()
+            first = 1 if self.method.num_micro_batches is None else counts[0]
+            with step(f"AutoParallel: bounds of remat={remat}") as progress:
+                captured = self.capture(first, remat, self.regather_choices("intra-op")[0])
+                with self.timed("bounds"):
+                    self.profiles[remat] = step_profile(
+                        captured.graph, self.meshes[0],
+                        optimizer_states=self.method.optimizer_states)
+                progress.done = f"{len(captured.graph)} nodes"
+        return self.profiles[remat]
 
-    def add(self, found: list, refused: list, remat: str, k: int, bound: float,
-            memory: float, pipeline_memory: float) -> None:
-        """The candidates of one checkpointing mode and micro-batch count ``k``."""
+    def counts(self) -> list[int]:
+        return [self.method.num_micro_batches] if self.method.num_micro_batches else \
+            _divisors(self.batch)
+
+    def candidates(self) -> tuple[list[Candidate], list[Attempt]]:
+        """Every candidate with its bounds, those that cannot fit apart. Only the lightest
+        checkpointing mode's variant is derived and bounded here; the others take its
+        time bound (sound: recomputing only adds work) until they are reached
+        (``exact_candidate``), so variants no search reaches are never derived."""
+        modes = [m for m in self.method.remat if m != "layers"]
+        lightest = min(modes, key=_remat_weight, default=None)
+        found, refused = [], []
+        for remat in modes:
+            for c in self.bounded(remat, self.profile(lightest or remat)):
+                if remat != lightest:
+                    found.append(replace(c, exact=False))
+                else:
+                    (refused if c.memory_bound > self.budget() else found).append(c)
+        if "layers" in self.method.remat:
+            self.add_layer_modes(found, refused, self.counts())
+        return sorted(found, key=self.order), [Attempt(c, "refused by bound") for c in refused]
+
+    def order(self, c: Candidate) -> tuple:
+        """The order candidates are tried in: by the time they are expected to take; of
+        two alike but for regathering, the one likelier to win first (where memory is
+        tight, gathering parameters again frees the room faster plans need)."""
+        return (c.rank_s, c.regather != (c.memory_bound > 0.5 * self.budget()))
+
+    def exact_candidate(self, c: Candidate) -> Candidate:
+        """``c`` with the bounds of its own checkpointing mode's capture."""
+        for e in self.bounded(c.remat, self.profile(c.remat)):
+            if (e.kind, e.num_micro_batches, e.regather) == \
+                    (c.kind, c.num_micro_batches, c.regather):
+                return e
+        raise AssertionError(f"no candidate {c.describe()} among its mode's")
+
+    def bounded(self, remat: str, profile) -> list[Candidate]:
+        """Every candidate of checkpointing mode ``remat``, bounded by ``profile``."""
+        devices = self.cluster.num_devices
+        out = []
+        for k in self.counts():
+            micro = self.batch // k
+            out += self.kinds(remat, k, profile.step_seconds(devices, k, micro),
+                              profile.memory_bytes(devices, micro),
+                              profile.pipeline_memory_bytes(devices, micro))
+        return out
+
+    def kinds(self, remat: str, k: int, bound: float, memory: float,
+              pipeline_memory: float) -> list[Candidate]:
+        """The candidates of one checkpointing mode and micro-batch count ``k`` with these
+        bounds: intra-op and pipeline, each with the regathering choices its kind has."""
         devices = self.cluster.num_devices
         stages = _pipeline_stages(self.nodes, self.method)
         multi_node = self.nodes > 1
@@ -245,10 +307,19 @@ class _Search:
             fill = 1.0 if multi_node else (k + 1) / k
             kinds.append(Candidate("pipeline", remat, k, bound * fill, pipeline_memory,
                                    bound * (k + stages - 1) / k))
-        for c in kinds:
-            for regather in self.regather_choices(c.kind):
-                c = replace(c, regather=regather)
-                (refused if c.memory_bound > self.budget() else found).append(c)
+        return [replace(c, regather=regather) for c in kinds
+                for regather in self.regather_choices(c.kind)]
+
+    def first_count(self) -> int:
+        """The micro-batch count whose capture the bounds are derived from."""
+        return self.method.num_micro_batches or 1
+
+    def add(self, found: list, refused: list, remat: str, k: int, bound: float,
+            memory: float, pipeline_memory: float) -> None:
+        """The candidates of one checkpointing mode and micro-batch count ``k``, those that
+        cannot fit apart."""
+        for c in self.kinds(remat, k, bound, memory, pipeline_memory):
+            (refused if c.memory_bound > self.budget() else found).append(c)
 
     def add_layer_modes(self, found: list, refused: list, counts: list[int]) -> None:
         """Candidates checkpointing the first j of the step's L blocks ("full:j"), where
@@ -284,9 +355,11 @@ class _Search:
             method = ShardParallel(num_micro_batches=c.num_micro_batches,
                                    auto_sharding_option=option,
                                    optimizer=self.method.optimizer)
-            plan = plan_graph(captured.graph, method=method, meshes=self.meshes,
-                              inputs=self.inputs, blocks=blocks_of(captured.graph),
-                              deadline=self.deadline, bound_views=False)
+            with self.timed("intra-op ILPs"):
+                plan = plan_graph(captured.graph, method=method, meshes=self.meshes,
+                                  inputs=self.inputs, blocks=blocks_of(captured.graph),
+                                  deadline=self.deadline, bound_views=False,
+                                  memo=self.pricing)
         else:
             from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
             method = PipeshardParallel(num_micro_batches=c.num_micro_batches,
@@ -294,7 +367,9 @@ class _Search:
                                        layer_option=self.method.layer_option,
                                        optimizer=self.method.optimizer)
             assert isinstance(self.cluster, Cluster), "pipelines are planned on a Cluster"
-            plan = plan_pipeline(captured.graph, self.cluster, method, inputs=self.inputs)
+            with self.timed("pipeline searches (layer ILPs, stage DP)"):
+                plan = plan_pipeline(captured.graph, self.cluster, method, inputs=self.inputs,
+                                     solves=self.solves, pricing=self.pricing)
         from torchalpa.passes.sharding.remat_choice import remat_note
         plan = replace(plan, method={**plan.method, "remat": c.remat},
                        notes=tuple(plan.notes) + (remat_note(c.remat, captured.graph),))
@@ -345,15 +420,22 @@ class _Search:
 
     def solve_in_order(self, candidates: list[Candidate]) -> None:
         """Solve ``candidates`` in order until none left can win (bounds, dominance) or the
-        time budget is spent once a plan is in hand."""
+        time budget is spent once a plan is in hand. A candidate bounded by another
+        mode's capture gets its own bounds when reached, and goes back in line by them
+        (or is refused by them): the order is the one exact bounds give."""
         from torchalpa.passes.sharding.ilp import InfeasibleError
-        for i, c in enumerate(candidates):
+        candidates = list(candidates)
+        i = -1
+        while i + 1 < len(candidates):
+            i += 1
+            c = candidates[i]
             best = min(self.plans, key=lambda p: p[0], default=None)
             if best is not None and c.bound_s * (1 + self.method.tolerance) >= best[0]:
                 self.attempts.append(Attempt(c, "not needed"))
                 continue
             if best is not None and time.perf_counter() > self.deadline:
                 self.attempts += [Attempt(r, "no time") for r in candidates[i:]]
+                self.clock_fired = True
                 break
             tighter = self.does_not_fit_either(c)
             if tighter is not None:
@@ -364,9 +446,21 @@ class _Search:
             if by is not None:
                 self.attempts.append(Attempt(c, "dominated", detail=by.describe()))
                 continue
+            if not c.exact:
+                c = self.exact_candidate(c)
+                if c.memory_bound > self.budget():
+                    self.attempts.append(Attempt(c, "refused by bound"))
+                else:      # back in line by its own bounds
+                    rest = candidates[i + 1:]
+                    at = next((j for j, r in enumerate(rest)
+                               if self.order(r) > self.order(c)), len(rest))
+                    candidates[i + 1:] = rest[:at] + [c] + rest[at:]
+                continue
             start = time.perf_counter()
-            with step(f"AutoParallel: {c.describe()} (bound {c.bound_s:.4g} s/step) "
-                      "solving") as progress:
+            left = len(candidates) - i - 1
+            with step(f"AutoParallel: candidate {i + 1}/{len(candidates)}, {c.describe()} "
+                      f"(bound {c.bound_s:.4g} s/step; {left} more at most) solving"
+                      ) as progress:
                 try:
                     plan = self.solve(c)
                 except InfeasibleError as e:
@@ -420,7 +514,21 @@ class _Search:
         if len(ranked) > 1:
             notes.append(f"{RUNNER_UP}{ranked[1][2].describe()}: est {ranked[1][0]:.4g} s/step")
         notes += [TRIED + a.line() for a in self.attempts if a.candidate is not chosen]
+        notes.append(self.time_note())
+        if self.clock_fired:
+            from torchalpa.passes.sharding.ilp import CLOCK_NOTE
+            notes.append(f"{CLOCK_NOTE} AutoParallel's search (time_budget_s="
+                         f"{self.method.time_budget_s:g}): candidates were left unsolved; a "
+                         "faster or idler machine may find a better plan")
         return replace(plan, notes=tuple(plan.notes) + tuple(notes))
+
+    def time_note(self) -> str:
+        """How the search's time split: capture, bounds, solves (each phase's seconds)."""
+        total = time.perf_counter() - self.started
+        parts = [f"{phase} {seconds:.1f} s" for phase, seconds in self.seconds.items()]
+        rest = total - sum(self.seconds.values())
+        return (f"AutoParallel planned in {total:.1f} s: " + ", ".join(parts)
+                + f", the rest {max(rest, 0.0):.1f} s")
 
     def nothing_fits(self) -> str:
         """What was tried, and what would fit (by the bounds)."""
@@ -444,6 +552,24 @@ class _Search:
         return "\n".join(lines)
 
 
+def derived_capture(plain: Capture, remat: str, regather: bool) -> Capture:
+    """The candidate's capture, derived from the plain one without tracing again:
+    checkpointed by ``remat``, parameters gathered again in backward if ``regather``. Every
+    rank derives the chosen one this way, so rank 0 reuses the search's capture and the
+    others' steps still match it."""
+    if remat == "none" and not regather:
+        return plain
+    from torchalpa.frontends.block_remat import checkpointed_capture
+    return checkpointed_capture(plain, remat, rematerialize_parameters=regather)
+
+
+def _remat_weight(mode: str) -> tuple[int, float]:
+    """How much a checkpointing mode recomputes, to find the lightest: none < selective <
+    the first k blocks in full (by k) < every block in full."""
+    policy, count = parse_remat(mode)
+    return {"none": 0, "selective": 1, "full": 2}[policy], math.inf if count is None else count
+
+
 def _pipeline_stages(nodes: int, method: AutoParallel) -> int:
     """How many stages a pipeline candidate could cut the step into, for its micro-batch
     count: one per node on several nodes, else two (at most the layers it clusters)."""
@@ -455,11 +581,13 @@ def _pipeline_stages(nodes: int, method: AutoParallel) -> int:
 def search_method(model, example_inputs, loss_fn, *, method: AutoParallel,
                   cluster: Cluster | LogicalMesh,
                   meshes: list[LogicalMesh], inputs: str = "global",
-                  allow_pipeline: bool = True, signature: CallSignature | None = None):
+                  allow_pipeline: bool = True, signature: CallSignature | None = None,
+                  captures: dict | None = None):
     """The plan of the fastest candidate that fits (a Plan or a PipelinePlan), with notes
     on what was chosen and what came second; ``NothingFitsError`` when none fits.
     ``example_inputs``: the whole batch (a tuple of tensors, with ``signature`` saying how
-    the model is called); ``meshes``: the logical views intra-op candidates try."""
+    the model is called); ``meshes``: the logical views intra-op candidates try;
+    ``captures``: a dict that receives the search's captures (``derived_capture``'s)."""
     if signature is None:
         signature, tensors = CallSignature.of(example_inputs)
     else:
@@ -469,7 +597,8 @@ def search_method(model, example_inputs, loss_fn, *, method: AutoParallel,
         raise ValueError(f"AutoParallel(num_micro_batches={method.num_micro_batches}) does not "
                          f"divide the batch of {batch}; use a divisor of it")
     search = _Search(model, tensors, signature, loss_fn, method, cluster, meshes, inputs,
-                     allow_pipeline, batch, time.perf_counter() + method.time_budget_s)
+                     allow_pipeline, batch, time.perf_counter() + method.time_budget_s,
+                     {} if captures is None else captures)
     return search.run()
 
 
@@ -524,10 +653,11 @@ class AutoResolver:
                           allow_pipeline=pipelines)
 
     def search(self, model, example_inputs, loss_fn, *, method: AutoParallel,
-               target: AutoTarget, inputs: str, signature=None):
+               target: AutoTarget, inputs: str, signature=None, captures=None):
         return search_method(model, example_inputs, loss_fn, method=method,
                              cluster=target.cluster, meshes=target.meshes, inputs=inputs,
-                             allow_pipeline=target.allow_pipeline, signature=signature)
+                             allow_pipeline=target.allow_pipeline, signature=signature,
+                             captures=captures)
 
     def check_plan_kind(self, plan) -> None:
         if not isinstance(plan, (Plan, PipelinePlan)):

@@ -38,6 +38,7 @@ from torchalpa.parallel.methods import (
 from torchalpa.parallel.steps import Placed
 from torchalpa.parallel.workflow import (
     capture_examples,
+    capture_step,
     capture_variants,
     plan_on_rank0,
     same_step_on_every_rank,
@@ -92,6 +93,19 @@ def plan_model(model, example_inputs, loss_fn, *, method, cluster,
         mixed_precision)
 
 
+def chosen_capture(searched: dict, traced, examples, loss_fn, option, num_micro_batches: int,
+                   signature):
+    """The capture of the method AutoParallel chose: the search's own on rank 0 (no second
+    trace), else captured plain and derived as the search derives it (the same step, so
+    every rank's fingerprint matches rank 0's)."""
+    from torchalpa.parallel.auto import derived_capture
+    key = (num_micro_batches, option.remat, bool(option.rematerialize_parameters))
+    if key in searched:
+        return searched[key]
+    plain = capture_step(traced, examples, loss_fn, signature=signature)
+    return derived_capture(plain, option.remat, bool(option.rematerialize_parameters))
+
+
 def build_module(model, example_inputs, loss_fn, *, method, signature,
                  mesh, cluster, inputs, optimizer, plan, num_micro_batches, mixed_precision,
                  init_weights, compile, check_replicas, check_inputs):
@@ -114,24 +128,31 @@ def build_module(model, example_inputs, loss_fn, *, method, signature,
     world = mesh_mod.world_size()
     start = time.perf_counter()
     traced = with_precision(model, mixed_precision)
+    searched: dict = {}            # rank 0's search's captures: the chosen one is reused
     if resolver is not None:       # rank 0 searches; every rank goes on with its choice
-        searched = resolver.target(auto, cluster=cluster, mesh=mesh, world=world, live=True)
+        searched_target = resolver.target(auto, cluster=cluster, mesh=mesh, world=world,
+                                          live=True)
         if plan is None:
             plan = plan_on_rank0(lambda: with_precision_recorded(resolver.search(
-                traced, example_inputs, loss_fn, method=auto, target=searched,
-                inputs=inputs, signature=signature), mixed_precision))
+                traced, example_inputs, loss_fn, method=auto, target=searched_target,
+                inputs=inputs, signature=signature, captures=searched),
+                mixed_precision))
         else:
             resolver.check_plan_kind(plan)
         steps = steps_of(method_of_plan(plan))
         method = steps.with_options(method_of_plan(plan), **options)
-        cluster = searched.cluster
+        cluster = searched_target.cluster
     target = steps.target(method, cluster=cluster, mesh=mesh, world=world, live=True)
     option = method.auto_sharding_option
     if plan is not None:         # capture what the plan was made for
         steps.check_plan_kind(plan)
         option = replace(option, remat=chosen_remat(plan))
     examples = capture_examples(model, example_inputs, method.num_micro_batches)
-    variants = capture_variants(traced, examples, loss_fn, option, signature=signature)
+    if resolver is not None:   # one capture per auto_parallel: the search's, derived alike
+        variants = {option.remat: chosen_capture(searched, traced, examples, loss_fn, option,
+                                                 method.num_micro_batches, signature)}
+    else:
+        variants = capture_variants(traced, examples, loss_fn, option, signature=signature)
     captured = next(iter(variants.values()))
     check_step_dtypes(captured.graph)
     same_step_on_every_rank(captured.graph.fingerprint())

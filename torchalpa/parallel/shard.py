@@ -55,7 +55,8 @@ def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
 
 def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
                inputs: str = "global", blocks: dict | None = None,
-               deadline: float | None = None, bound_views: bool | None = None) -> Plan:
+               deadline: float | None = None, bound_views: bool | None = None,
+               memo=None) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
     A mesh whose memory lower bound (``passes/pricing/bounds.py``: every value split over all its
@@ -76,7 +77,9 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     from torchalpa.passes.sharding.ilp import InfeasibleError
     from torchalpa.passes.sharding.intra_op import plan_intra_op, step_time_lower_bound
     fingerprint = graph.fingerprint()
-    memo = PricingMemo()       # the reshard prices and strategies the meshes' solves repeat
+    # the reshard prices and strategies the meshes' solves repeat (``memo``: a caller's,
+    # shared with its other solves)
+    memo = PricingMemo() if memo is None else memo
     plans, failures, skipped = [], [], []
     refused: list[LogicalMesh] = []
     late: list[LogicalMesh] = []
@@ -127,7 +130,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 found = replace(found, estimates=replace(
                     found.estimates, memory_budget_per_device_bytes=budget))
             progress.done = _estimate_text(found, mesh)
-        if cut is None:     # a solve the budget may cut short is not what the key promises
+        if not clock_stopped(found):   # a plan the clock cut short is not what the key promises
             cache.store(key, found)
             cache.trim()
         plans.append(found)
@@ -144,7 +147,15 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     best = min(plans, key=lambda p: p.estimates.step_time_s)
     log.info("chose mesh %s: %s", "x".join(map(str, best.mesh_shape)),
              _estimate_text(best, meshes[0]))
-    if len(meshes) > 1:
+    return _with_mesh_notes(best, plans, skipped, late, len(meshes))
+
+
+def _with_mesh_notes(best: Plan, plans: list[Plan], skipped: list, late: list,
+                     num_meshes: int) -> Plan:
+    """``best`` with a note of every mesh tried (estimate, bound, or not solved in time)
+    and, when the time budget left meshes unsolved, the safety net's note."""
+    from torchalpa.passes.sharding.ilp import CLOCK_NOTE
+    if num_meshes > 1:
         tried = ", ".join(f"{'x'.join(map(str, p.mesh_shape))}: "
                           f"{p.estimates.step_time_s * 1e3:.3g} ms" for p in plans)
         tried += "".join(f", {'x'.join(map(str, m.shape))}: >= {bound * 1e3:.3g} ms "
@@ -152,7 +163,19 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
         tried += "".join(f", {'x'.join(map(str, m.shape))}: not solved (time budget)"
                          for m in late)
         best = replace(best, notes=best.notes + (f"logical meshes tried (estimated step): {tried}",))
+    if late and not clock_stopped(best):
+        unsolved = ", ".join("x".join(map(str, m.shape)) for m in late)
+        best = replace(best, notes=best.notes + (
+            f"{CLOCK_NOTE} the search: meshes {unsolved} were not solved; a faster or idler "
+            "machine may find a better plan",))
     return best
+
+
+def clock_stopped(plan) -> bool:
+    """Whether a time limit (a safety net), not the work bounds, cut ``plan``'s search
+    short: such a plan depends on the machine's speed (its notes say how)."""
+    from torchalpa.passes.sharding.ilp import CLOCK_NOTE
+    return any(n.startswith(CLOCK_NOTE) for n in plan.notes)
 
 
 def _budget(method: ShardParallel, mesh: LogicalMesh) -> float | None:

@@ -155,8 +155,11 @@ class MethodResolver(Protocol):
 
     def search(self, model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
                loss_fn: Callable | None, *, method: AutoParallel, target, inputs: str,
-               signature: CallSignature | None = None) -> AnyPlan:
-        """The plan of the concrete method chosen for ``model``."""
+               signature: CallSignature | None = None, captures: dict | None = None
+               ) -> AnyPlan:
+        """The plan of the concrete method chosen for ``model``; ``captures``, when given,
+        receives the search's captures (``(micro-batches, remat, regather) -> Capture``)
+        for the caller to reuse."""
         ...
 
     def check_plan_kind(self, plan: object) -> None:
