@@ -19,6 +19,7 @@ from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import ShardParallel, with_micro_batches
 from torchalpa.core.plan import Plan
 from torchalpa.core.plan_check import check_plan
+from torchalpa.core.plan_records import known
 from torchalpa.core.progress import step
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel import cache
@@ -157,7 +158,7 @@ def _with_mesh_notes(best: Plan, plans: list[Plan], skipped: list, late: list,
     from torchalpa.passes.sharding.ilp import CLOCK_NOTE
     if num_meshes > 1:
         tried = ", ".join(f"{'x'.join(map(str, p.mesh_shape))}: "
-                          f"{p.estimates.step_time_s * 1e3:.3g} ms" for p in plans)
+                          f"{known(p.estimates.step_time_s) * 1e3:.3g} ms" for p in plans)
         tried += "".join(f", {'x'.join(map(str, m.shape))}: >= {bound * 1e3:.3g} ms "
                          "(bound, not solved)" for m, bound in skipped)
         tried += "".join(f", {'x'.join(map(str, m.shape))}: not solved (time budget)"
