@@ -1,5 +1,5 @@
-"""No function of the runtime or the passes is longer than 80 lines (../shared/STYLE.md: a
-reader should not have to decode a function a screen and a half long). Checked on the source
+"""No function anywhere in the package is longer than 80 lines, docstring included
+(../shared/STYLE.md: a reader should not have to decode a function a screen and a half long). Checked on the source
 with ``ast``, nested functions counted on their own and inside their parent."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FOLDERS = ("runtime", "passes")
+FOLDERS = ("torchalpa", "frontends", "passes", "runtime")
 MAX_LINES = 80
 
 
@@ -27,7 +27,7 @@ def long_functions(folder: pathlib.Path, limit: int = MAX_LINES) -> list[str]:
     return found
 
 
-def test_no_runtime_or_passes_function_is_over_80_lines():
+def test_no_function_of_the_package_is_over_80_lines():
     for folder in FOLDERS:
         assert long_functions(ROOT / folder) == []
 

@@ -99,6 +99,16 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
                           num_params=num_params)
 
 
+
+def _check_call_options(inputs: str, check_inputs: str, num_micro_batches) -> None:
+    """ValueError naming the first of ``auto_parallel``'s plain options that is not valid."""
+    _check_inputs_mode(inputs)
+    if check_inputs not in _CHECK_INPUTS:
+        raise ValueError(f"check_inputs must be one of {_CHECK_INPUTS}, got {check_inputs!r}")
+    if num_micro_batches is not None and (isinstance(num_micro_batches, bool) or not isinstance(
+            num_micro_batches, int) or num_micro_batches < 1):
+        raise ValueError(f"num_micro_batches must be an int >= 1, got {num_micro_batches!r}")
+
 @overload
 def auto_parallel(model: torch.nn.Module, example_inputs, loss_fn: Callable | None = None, *,
                   method: Method | None = None, mesh=None,
@@ -163,59 +173,43 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     - ``PipeshardParallel`` builds its stages' meshes itself and needs the global batch on
       every rank: ``mesh=``, ``inputs="local"`` and ``init_weights=`` raise a ValueError
       saying why (``torchalpa.parallel.pipeshard.pipeline_options``).
-    - Random numbers (dropout): every rank continues from rank 0's default generator state
-      once the model is wrapped (a ``RandomStateWarning`` says when ranks' states differed,
-      e.g. after ``torch.manual_seed(seed + rank)``), so replicas draw alike; sharded
-      random results draw one independent block per device (``runtime/lowering/random_draws.py``;
-      ``AutoShardingOption(random="replicated")`` for single-device numerics).
-      ``check_replicas=True`` (default: the ``TORCHALPA_CHECK_REPLICAS`` environment
-      variable) checks before every step that replicated parameters, buffers and the
-      generator state agree on every rank, and raises ``ReplicaMismatchError`` naming the
-      value that differs instead of training on it.
+    - Random numbers (dropout): every rank continues from rank 0's generator state once the
+      model is wrapped (a ``RandomStateWarning`` says when they differed), so replicas draw
+      alike and sharded draws are one independent block per device
+      (``AutoShardingOption(random="replicated")`` for single-device numerics).
+      ``check_replicas=True`` (default: ``TORCHALPA_CHECK_REPLICAS``) checks before every
+      step that replicated values and generator states agree on every rank
+      (``ReplicaMismatchError`` names the value that differs).
     - ``check_inputs="first"`` (default) | ``"always"`` | ``"never"``: with
       ``inputs="global"``, compare a hash of each rank's batch across ranks on the first
       call, on every call (one small all-gather and a pass over the batch each step), or
       never; ranks given different data (a data-loader bug) raise a ValueError naming them.
     - ``verbose=True``: rank 0 streams the ILP solver's log too (progress lines are shown
       by default; ``TORCHALPA_LOG=warning`` silences them).
-    - ``mode="inference"`` (or ``torchalpa.Inference(max_context=...)``): build a causal
-      LM (a HuggingFace ``*ForCausalLM`` or the zoo's GPT / Llama) for generation only, and
-      return an ``InferenceModule`` whose ``generate(input_ids, ...)`` takes HuggingFace's
-      arguments. ``example_inputs`` are prompts of token ids (B, T): B is the batch the
-      static KV cache holds, ``max_context`` (default: the model's positions) its tokens
-      per sequence. The decode step and the prefill are planned as forward-only programs
-      (no backward, no optimizer state); weights and cache stay in their planned layouts.
-      ``loss_fn``, ``optimizer``, ``num_micro_batches``, ``mixed_precision``,
-      ``compile``, ``check_replicas`` and ``inputs="local"`` do not apply (a ValueError);
-      a model built on ``meta`` is filled with ``init_weights`` or, afterwards,
-      ``torchalpa.load_pretrained(pm, path)``. See ``docs/serving.md``.
+    - ``mode="inference"`` (or ``torchalpa.Inference(max_context=...)``): a causal LM (a
+      HuggingFace ``*ForCausalLM`` or the zoo's GPT / Llama) for generation only: an
+      ``InferenceModule`` whose ``generate(input_ids, ...)`` takes HuggingFace's arguments.
+      ``example_inputs`` are prompts (B, T): B is the batch the static KV cache holds.
+      Options of training (``loss_fn``, ``optimizer``...) raise a ValueError; a meta model
+      is filled by ``init_weights`` or ``torchalpa.load_pretrained``. See ``docs/serving.md``.
     """
     setup_logging()
     with solver_log(verbose):
         method = resolve_style_pins(_check_method(method), model)
-        _check_inputs_mode(inputs)
-        if check_inputs not in _CHECK_INPUTS:
-            raise ValueError(f"check_inputs must be one of {_CHECK_INPUTS}, got {check_inputs!r}")
-        if num_micro_batches is not None:
-            if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) \
-                    or num_micro_batches < 1:
-                raise ValueError(f"num_micro_batches must be an int >= 1, got "
-                                 f"{num_micro_batches!r}")
+        _check_call_options(inputs, check_inputs, num_micro_batches)
         option = parse_mode(mode)
         if option is not None:
             from torchalpa.parallel.generation import check_generation_options
-            check_generation_options(
-                loss_fn=loss_fn, inputs=inputs, optimizer=optimizer,
-                num_micro_batches=num_micro_batches, mixed_precision=mixed_precision,
-                compile=compile, check_replicas=check_replicas)
-            return build_generation(model, example_inputs, method=method,
-                                    option=option, mesh=mesh,
-                                    cluster=cluster, plan=plan, init_weights=init_weights,
-                                    check_inputs=check_inputs)
+            check_generation_options(loss_fn=loss_fn, inputs=inputs, optimizer=optimizer,
+                                     num_micro_batches=num_micro_batches, compile=compile,
+                                     mixed_precision=mixed_precision, check_replicas=check_replicas)
+            return build_generation(model, example_inputs, method=method, option=option,
+                                    mesh=mesh, cluster=cluster, plan=plan,
+                                    init_weights=init_weights, check_inputs=check_inputs)
         signature, example_inputs = CallSignature.of(example_inputs)
-        return build_module(model, example_inputs, loss_fn, method=method,
-                            signature=signature, inputs=inputs,
-                            check_inputs=check_inputs, num_micro_batches=num_micro_batches,
-                            mesh=mesh, cluster=cluster, optimizer=optimizer, plan=plan,
-                            mixed_precision=mixed_precision, init_weights=init_weights,
-                            compile=compile, check_replicas=check_replicas)
+        return build_module(model, example_inputs, loss_fn, method=method, signature=signature,
+                            inputs=inputs, check_inputs=check_inputs, mesh=mesh,
+                            num_micro_batches=num_micro_batches, cluster=cluster, plan=plan,
+                            optimizer=optimizer, mixed_precision=mixed_precision,
+                            init_weights=init_weights, compile=compile,
+                            check_replicas=check_replicas)

@@ -209,6 +209,16 @@ def plan_generation(model, example_inputs, *, method, cluster, option):
     return serving_plan(decode_plan, prefill_plan, decode.graph, step, length)
 
 
+def _given_inference_plan(steps, plan, graph, target):
+    """A ``plan=`` for generation, checked: made with mode='inference', for this step."""
+    steps.check_plan_kind(plan)
+    if getattr(plan, "mode", "training") != "inference":
+        raise ValueError("the plan given was made for training; mode='inference' needs a "
+                         "plan made with mode='inference' (or none)")
+    steps.check_given_plan(plan, graph, target)
+    return plan
+
+
 def build_generation(model, example_inputs, *, method, option, mesh,
                      cluster, plan, init_weights, check_inputs):
     """``torchalpa.auto_parallel(..., mode="inference")`` (the options checked there):
@@ -243,15 +253,9 @@ def build_generation(model, example_inputs, *, method, option, mesh,
     _, length = prompt_shape(example_inputs)
     decode = capture_generation_step(step, 1)
     same_step_on_every_rank(decode.graph.fingerprint())
-    if plan is not None:
-        steps.check_plan_kind(plan)
-        if getattr(plan, "mode", "training") != "inference":
-            raise ValueError("the plan given was made for training; mode='inference' needs a "
-                             "plan made with mode='inference' (or none)")
-        steps.check_given_plan(plan, decode.graph, target)
-        decode_plan = plan
-    else:
-        decode_plan = plan_on_rank0(lambda: steps.solve(decode.graph, target, method, "global"))
+    decode_plan = _given_inference_plan(steps, plan, decode.graph, target) \
+        if plan is not None else \
+        plan_on_rank0(lambda: steps.solve(decode.graph, target, method, "global"))
     device = mesh_mod.default_device()
     placed = steps.place_forward(decode_plan, target, method, device)
     state_names = [v.name for v in decode_plan.parameters]

@@ -60,19 +60,15 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                memo=None) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
-    A mesh whose memory lower bound (``passes/pricing/bounds.py``: every value split over all its
-    devices) exceeds the budget is refused at once, with no ILP built: no layout could fit
-    it. Once a plan is in hand, a mesh whose step-time bound (``step_time_lower_bound``: the
-    linear relaxation of its unsimplified ILP) is above that plan's estimate is skipped:
-    no plan the ILP could find there would be chosen. The note lists it with its bound
-    (``bound_views``: None follows ``SKIP_BY_BOUND``; AutoParallel's search, which bounds
-    its candidates itself, sets False: on LLaMA-3-8B the LP took longer than the solve).
-    The first bound that skips nothing ends the bounding for this call: that LP costs a
-    third to a half of a solve on a transformer, whose views plan within a few percent of
-    each other, and it would be paid again on every other view. Past ``deadline`` (a
-    ``time.perf_counter()`` value) no further mesh is solved once a plan is in hand, and
-    before it, once a plan is in hand, each solver run gets only the time left
-    (``plan_intra_op(deadline=)``; such a plan is not cached)."""
+    A mesh whose memory lower bound (``passes/pricing/bounds.py``) exceeds the budget is
+    refused with no ILP built. Once a plan is in hand, a mesh whose step-time bound (the LP
+    relaxation, ``step_time_lower_bound``) is above its estimate is skipped and noted with
+    its bound; the first bound that skips nothing ends the bounding (that LP costs a third
+    to a half of a solve on a transformer, whose views plan alike). ``bound_views``: None
+    follows ``SKIP_BY_BOUND``; AutoParallel, which bounds its candidates itself, sets False.
+    Past ``deadline`` (a ``time.perf_counter()`` value: a safety net) no further mesh is
+    solved once a plan is in hand; before it, each solve gets only the time left
+    (``plan_intra_op(deadline=)``; a plan the clock cut short is not cached)."""
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
     from torchalpa.passes.pricing.bounds import step_profile
     from torchalpa.passes.sharding.ilp import InfeasibleError
@@ -125,30 +121,44 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 failures.append(e)
                 progress.done = f"does not fit: {e}"
                 continue
-            budget = method.auto_sharding_option.memory_budget_per_device or \
-                mesh.memory_per_device
-            if budget:      # recorded for reports and pictures
-                found = replace(found, estimates=replace(
-                    found.estimates, memory_budget_per_device_bytes=budget))
+            found = _with_budget(found, method, mesh)
             progress.done = _estimate_text(found, mesh)
         if not clock_stopped(found):   # a plan the clock cut short is not what the key promises
             cache.store(key, found)
             cache.trim()
         plans.append(found)
     if not plans:
-        advice = fitting_advice(profile, meshes[0], method) if refused else ""
-        if len(refused) == len(meshes) and len({m.num_devices for m in meshes}) == 1:
-            views = ", ".join("x".join(map(str, m.shape)) for m in meshes)
-            raise InfeasibleError(f"{failures[0]} (every view of its {meshes[0].num_devices} "
-                                  f"devices shares this bound: {views}){advice}")
-        if len(failures) == 1:
-            raise InfeasibleError(f"{failures[0]}{advice}") from failures[0]
-        raise InfeasibleError("no logical mesh fits the memory budget:\n"
-                              + "\n".join(f"  {e}" for e in failures) + advice)
+        raise _no_mesh_fits(failures, refused, meshes, profile, method)
     best = min(plans, key=lambda p: p.estimates.step_time_s)
     log.info("chose mesh %s: %s", "x".join(map(str, best.mesh_shape)),
              _estimate_text(best, meshes[0]))
     return _with_mesh_notes(best, plans, skipped, late, len(meshes))
+
+
+def _with_budget(found: Plan, method: ShardParallel, mesh: LogicalMesh) -> Plan:
+    """``found`` with the memory budget it was planned for recorded (reports, pictures)."""
+    budget = method.auto_sharding_option.memory_budget_per_device or mesh.memory_per_device
+    if not budget:
+        return found
+    return replace(found, estimates=replace(found.estimates,
+                                            memory_budget_per_device_bytes=budget))
+
+
+def _no_mesh_fits(failures: list, refused: list[LogicalMesh], meshes: list[LogicalMesh],
+                  profile, method: ShardParallel) -> Exception:
+    """The error when no mesh has a plan: each mesh's reason, and what would fit."""
+    from torchalpa.passes.sharding.ilp import InfeasibleError
+    advice = fitting_advice(profile, meshes[0], method) if refused else ""
+    if len(refused) == len(meshes) and len({m.num_devices for m in meshes}) == 1:
+        views = ", ".join("x".join(map(str, m.shape)) for m in meshes)
+        return InfeasibleError(f"{failures[0]} (every view of its {meshes[0].num_devices} "
+                               f"devices shares this bound: {views}){advice}")
+    if len(failures) == 1:
+        error = InfeasibleError(f"{failures[0]}{advice}")
+        error.__cause__ = failures[0]
+        return error
+    return InfeasibleError("no logical mesh fits the memory budget:\n"
+                           + "\n".join(f"  {e}" for e in failures) + advice)
 
 
 def _with_mesh_notes(best: Plan, plans: list[Plan], skipped: list, late: list,
