@@ -42,7 +42,7 @@ lint: $(STAMP)
 	@for d in frontends passes runtime; do ln -s ../../../$$d build/typecheck/torchalpa/$$d; done
 	$(BIN)/basedpyright
 
-# The test suite (under 15 minutes on 2 cores; about 7 here, 8 with the venv from nothing).
+# The test suite (under 15 minutes on 2 cores; about 11 here, 12 with the venv from nothing).
 # Two pytest workers (pytest-xdist), a test file each at a time: most tests are one
 # single-threaded process (OMP_NUM_THREADS=1), so one worker alone leaves a core idle.
 test: $(STAMP)
