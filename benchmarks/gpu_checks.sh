@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
-# Every GPU check, for a one-GPU machine prepared as ../shared/tools/gpu_wheels.sh says (its
-# image's own torch; PuLP and highspy from .whl/), in two device commands of at most 9 minutes
-# each, the second on the machine the first left warm:
-#   bash benchmarks/gpu_checks.sh OUT          # tests, bf16 rows, overlap, calibration, op times
-#   bash benchmarks/gpu_checks.sh OUT fp32     # the fp32 rows (about 4.5 minutes)
-# (on the H200, 2026-11-28: 369 s and 271 s). Logs go to OUT (default gpu-logs/), each part
-# alone on the machine, in this order:
+# Every GPU check in one device command of at most 9 minutes, for a one-GPU machine prepared as
+# ../shared/tools/gpu_wheels.sh says (its image's own torch; PuLP and highspy from .whl/):
+#   bash benchmarks/gpu_checks.sh OUT          # give the device command timeout_s 590
+# Logs go to OUT (default gpu-logs/), each part alone on the machine, in this order:
 #   env.txt     the device, driver and package versions
 #   gpu.log     make test-gpu (tests marked gpu: the zoo trains on CUDA like eager)
-#   bench.log   benchmarks/one_gpu.py: every zoo model in bf16 (bench_fp32.log: in fp32),
-#               eager and torchalpa, measured beside the plan's estimate (step, memory), a
-#               process per variant; rows print as they finish, so a part cut short keeps
-#               what it measured
+#   bench.log   benchmarks/one_gpu.py: every zoo model in bf16, then in fp32, eager and
+#               torchalpa, measured beside the plan's estimate (step, memory), a process per
+#               variant, BENCH_JOBS (3) processes at once with one at a time holding the GPU
+#               for its timed steps; rows print as they finish, so a part cut short keeps what
+#               it measured
 #   overlap.log benchmarks/gpu_overlap.py: host-link copies and a copy kernel on a side stream
 #               beside matmuls: bandwidth, exposed fraction, compute slowdown
 #   calib.log   torchalpa calibrate: the device's matmul/bandwidth/op/attention rates
@@ -20,18 +18,15 @@
 #   suite.log, bf16_profile.log: off by default (SUITE_T=0, PROFILE_T=0); the not-slow suite
 #               on this machine and a bf16 step's profile
 # Each part has its own time limit in seconds (GPU_T, BENCH_T, OVERLAP_T, CALIB_T, OPS_T,
-# SUITE_T, PROFILE_T; 0 skips a part); a part cut short says so in its log. Give each command
-# timeout_s 590.
+# SUITE_T, PROFILE_T; 0 skips a part); a part cut short says so in its log. DTYPES picks the
+# bench's rows ("bf16 fp32"). One process at a time (BENCH_JOBS=1), as on the H200 on
+# 2026-11-28, the bench took 250 s for the bf16 rows and 271 s for the fp32 ones: then run
+# DTYPES=bf16 and DTYPES=fp32 as two commands.
 set -u
 out=${1:-gpu-logs}; mkdir -p "$out"
-if [ "${2:-}" = fp32 ]; then   # the second command: the fp32 rows alone
-  GPU_T=0 OVERLAP_T=0 CALIB_T=0 OPS_T=0 SUITE_T=0 PROFILE_T=0 BENCH_T=${BENCH_T:-480}
-  dtype=fp32 models="bert vit llama1b resnet moe gpt2 gpt_small"
-else
-  GPU_T=${GPU_T:-120} BENCH_T=${BENCH_T:-300} OVERLAP_T=${OVERLAP_T:-40} CALIB_T=${CALIB_T:-40}
-  OPS_T=${OPS_T:-40} SUITE_T=${SUITE_T:-0} PROFILE_T=${PROFILE_T:-0}
-  dtype=bf16 models="llama1b bert vit moe gpt2 resnet gpt_small"
-fi
+GPU_T=${GPU_T:-120} BENCH_T=${BENCH_T:-330} OVERLAP_T=${OVERLAP_T:-30} CALIB_T=${CALIB_T:-30}
+OPS_T=${OPS_T:-30} SUITE_T=${SUITE_T:-0} PROFILE_T=${PROFILE_T:-0}
+DTYPES=${DTYPES:-bf16 fp32} BENCH_JOBS=${BENCH_JOBS:-3}
 py="python3 -P"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
@@ -52,9 +47,15 @@ part() {  # name limit command...: run it alone, log how it ended
   echo "exit $? after $(( $(date +%s) - t0 )) s (124: cut at $limit s)" >> "$out/$name.log"
 }
 part gpu "$GPU_T" $py -m pytest -q -p no:cacheprovider -m gpu --tb=short -rfE tests
-bench=bench; [ "$dtype" = fp32 ] && bench=bench_fp32
-part "$bench" "$BENCH_T" $py benchmarks/one_gpu.py --steps 10 --warmup 3 --no-compile \
-  --variants eager torchalpa --dtypes "$dtype" --models $models
+bench_rows() {  # the rows of each dtype in turn
+  for dtype in $DTYPES; do
+    $py benchmarks/one_gpu.py --steps 10 --warmup 3 --no-compile --jobs "$BENCH_JOBS" \
+      --variants eager torchalpa --dtypes "$dtype" \
+      --models llama1b bert vit moe gpt2 resnet gpt_small || return
+  done
+}
+export py DTYPES BENCH_JOBS
+part bench "$BENCH_T" bash -c "$(declare -f bench_rows); bench_rows"
 part overlap "$OVERLAP_T" $py benchmarks/gpu_overlap.py
 part calib "$CALIB_T" $py -m torchalpa calibrate
 profile=$(ls "$TORCHALPA_CACHE_DIR"/calibration/gpu-*.json 2>/dev/null | head -1)

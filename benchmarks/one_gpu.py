@@ -19,9 +19,12 @@ default). AdamW (fused) everywhere.
 Every variant runs in a process of its own (this script, ``--one``): its peak memory is its
 own (``torch.compile`` keeps its model alive in dynamo's caches, and the caching allocator
 its blocks); step times are medians over ``--steps`` synchronized steps after
-``--warmup``. The torchalpa rows print the plan's estimates (step time, memory per device)
-for the same step on the detected GPU (``Cluster.detect()``, with the profile of
-``torchalpa calibrate`` if one is stored), and estimate / measured. ``--estimates-only``
+``--warmup``. With ``--jobs N`` up to N variant processes run at once, but only one at a
+time holds the GPU for its warm-up and timed steps (a file lock): the others build, capture
+and plan meanwhile, which is most of a variant's wall time. The torchalpa rows print the
+plan's estimates (step time, memory per device) for the same step on the detected GPU
+(``Cluster.detect()``, with the profile of ``torchalpa calibrate`` if one is stored), and
+estimate / measured. ``--estimates-only``
 plans every model for one GPU of a preset (``--cluster``) on the meta device and prints
 the estimates alone: the rows a GPU run then fills in.
 
@@ -31,6 +34,8 @@ Without CUDA (and without ``--estimates-only``) the script says so and exits wit
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import gc
 import json
 import os
@@ -39,6 +44,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +89,9 @@ def parse_args():
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation) first")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="variant processes at once; one at a time holds the GPU for its timed "
+                        "steps, the others build and plan meanwhile (default 1)")
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
                    help="which variants to run (default: all)")
     p.add_argument("--estimates-only", action="store_true",
@@ -133,12 +142,38 @@ VARIANTS: dict[str, Callable] = {
 }
 
 
+GPU_LOCK = "ONE_GPU_LOCK"   # the lock file's path, set by the parent when --jobs > 1
+
+
+@contextlib.contextmanager
+def gpu_turn():
+    """Hold the GPU alone while timing: an exclusive lock on the file ``$ONE_GPU_LOCK``
+    (nothing to hold when it is unset: one variant at a time)."""
+    path = os.environ.get(GPU_LOCK)
+    if not path:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def measure(make_step, steps: int, warmup: int) -> dict:
-    """Median step seconds and peak allocated bytes of one variant."""
+    """Median step seconds and peak allocated bytes of one variant; the warm-up and timed
+    steps run while this process holds the GPU alone (``gpu_turn``)."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     step, plan = make_step()
+    with gpu_turn():
+        return timed_steps(step, plan, steps, warmup)
+
+
+def timed_steps(step, plan, steps: int, warmup: int) -> dict:
+    """Run ``warmup`` steps, then time ``steps`` synchronized ones."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
@@ -166,11 +201,11 @@ def run_one(model: str, dtype: str, variant: str, steps: int, warmup: int) -> di
     return measure(lambda: VARIANTS[variant](w, batch, dtype), steps, warmup)
 
 
-def run_in_child(model: str, dtype: str, variant: str, args) -> dict:
+def run_in_child(model: str, dtype: str, variant: str, args, env=None) -> dict:
     """``run_one`` in a fresh process: its memory figures are its own."""
     cmd = [sys.executable, os.path.abspath(__file__), "--one", model, dtype, variant,
            "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode or not lines:
         tail = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -217,25 +252,40 @@ def main():
         sys.exit(2)
     print(f"{torch.cuda.get_device_name()}, PyTorch {torch.__version__}; median of "
           f"{args.steps} steps after {args.warmup} warm-up, AdamW; one process per variant")
+    measured_rows(args)
+
+
+def row_cells(r: dict) -> str:
+    """One variant's measured columns, and the plan's beside them where it has one."""
+    cells = ""
+    if r.get("plan_step_s"):
+        cells = (f"{r['plan_step_s'] * 1e3:10.1f}{r['plan_memory_bytes'] / 2**30:10.2f}"
+                 f"{r['plan_step_s'] / r['step_s']:10.2f}"
+                 f"{r['plan_memory_bytes'] / r['peak_bytes']:9.2f}")
+    return f"{r['step_s'] * 1e3:10.1f}{r['peak_bytes'] / 2**30:10.2f}{cells}"
+
+
+def measured_rows(args) -> None:
+    """Every (model, dtype, variant) in a child process, ``--jobs`` at once (the GPU held by
+    one at a time while it times), printed in order as they finish."""
     variants = [k for k in args.variants if not (args.no_compile and "compile" in k)]
-    for name in args.models:
-        for dtype in args.dtypes:
-            print(f"\n{name} (batch {BENCHES[name].batch_size}), {dtype}")
-            print(f"  {'variant':<24}{'step ms':>10}{'peak GiB':>10}{'plan ms':>10}"
-                  f"{'plan GiB':>10}{'est/meas':>10}{'mem e/m':>9}")
-            for label in variants:
-                r = run_in_child(name, dtype, label, args)
-                if "error" in r:
-                    print(f"  {label:<24}failed: {r['error']}", flush=True)
-                    continue
-                cells = ""
-                if r.get("plan_step_s"):
-                    cells = (f"{r['plan_step_s'] * 1e3:10.1f}"
-                             f"{r['plan_memory_bytes'] / 2**30:10.2f}"
-                             f"{r['plan_step_s'] / r['step_s']:10.2f}"
-                             f"{r['plan_memory_bytes'] / r['peak_bytes']:9.2f}")
-                print(f"  {label:<24}{r['step_s'] * 1e3:10.1f}{r['peak_bytes'] / 2**30:10.2f}"
-                      f"{cells}", flush=True)
+    runs = [(m, d, v) for m in args.models for d in args.dtypes for v in variants]
+    env = None
+    if args.jobs > 1:
+        lock = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"one_gpu.{os.getpid()}.lock")
+        env = dict(os.environ, **{GPU_LOCK: lock, "OMP_NUM_THREADS": "4"})
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = [pool.submit(run_in_child, m, d, v, args, env) for m, d, v in runs]
+        for (name, dtype, label), future in zip(runs, futures):
+            if label == variants[0]:
+                print(f"\n{name} (batch {BENCHES[name].batch_size}), {dtype}")
+                print(f"  {'variant':<24}{'step ms':>10}{'peak GiB':>10}{'plan ms':>10}"
+                      f"{'plan GiB':>10}{'est/meas':>10}{'mem e/m':>9}", flush=True)
+            r = future.result()
+            if "error" in r:
+                print(f"  {label:<24}failed: {r['error']}", flush=True)
+            else:
+                print(f"  {label:<24}{row_cells(r)}", flush=True)
 
 
 if __name__ == "__main__":
