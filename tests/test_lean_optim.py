@@ -54,3 +54,46 @@ def test_train_step_uses_foreach_on_small_tensors_and_restores_the_option(monkey
     monkeypatch.setattr(lean, "FOREACH_MAX_NUMEL", 8)      # a tensor over the bound: the loop
     pm.train_step(x, y)
     assert calls[-1] == "_single_tensor_adam"
+
+
+@pytest.mark.usefixtures("single_process_world")
+def test_the_kept_local_view_follows_loads_and_replaced_states():
+    """The local view kept between steps must not go stale: after ``load_state_dict`` (a new
+    state dict) or a state entry the user replaced, the next step uses what the optimizer
+    holds now, exactly as a plain optimizer over plain tensors does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    ref.load_state_dict(model.state_dict())
+    batches = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(5)]
+    pm = torchalpa.auto_parallel(model, batches[0], F.mse_loss,
+                                 optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                                 method=torchalpa.ShardParallel())
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+
+    def ref_step(x, y):
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+
+    pm.train_step(*batches[0])
+    ref_step(*batches[0])
+    saved, ref_saved = pm.optimizer.state_dict(), ref_opt.state_dict()
+    for x, y in batches[1:3]:
+        pm.train_step(x, y)
+        ref_step(x, y)
+    pm.optimizer.load_state_dict(saved)            # back to the state after step one
+    ref_opt.load_state_dict(ref_saved)
+    pm.train_step(*batches[3])
+    ref_step(*batches[3])
+    p0, r0 = next(iter(pm.optimizer.state)), next(iter(ref_opt.state))
+    pm.optimizer.state[p0]["exp_avg"] = pm.optimizer.state[p0]["exp_avg"] * 0   # replaced
+    ref_opt.state[r0]["exp_avg"] = ref_opt.state[r0]["exp_avg"] * 0
+    pm.train_step(*batches[4])
+    ref_step(*batches[4])
+    for (name, p), (_, r) in zip(pm.named_parameters(), ref.named_parameters()):
+        local = p.full_tensor() if hasattr(p, "full_tensor") else p
+        torch.testing.assert_close(local, r, rtol=1e-5, atol=1e-6, msg=name)
+    for state in pm.optimizer.state.values():
+        assert all(not isinstance(v, torch.Tensor) or v.dim() == 0 or hasattr(v, "placements")
+                   for v in state.values())

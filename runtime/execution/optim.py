@@ -15,8 +15,10 @@ step then runs the foreach / fused kernels on plain tensors; the post-hook puts 
 DTensors back, wrapping states the step created as DTensors laid out like their
 parameter. Outside ``step()`` nothing changes: parameters, gradients and optimizer states
 are DTensors, so ``state_dict()``, DCP checkpoints, ``clip_grad_norm_`` and LR schedulers
-see what they saw before. The Python work is a few attribute swaps per parameter, paid
-once per step. Other optimizers (and FSDP2's or the user's own DTensors) are untouched.
+see what they saw before. The local view (lists, the local-keyed state dict) is built once
+and kept between steps while the optimizer's groups and state dict stay the same objects;
+a step then pays an identity check and a gradient move per parameter. Other optimizers
+(and FSDP2's or the user's own DTensors) are untouched.
 
 On CPU, PyTorch's default (``foreach=None``) is the per-parameter Python loop. Where the
 user left that choice open, a CPU group whose tensors are all at most
@@ -31,6 +33,7 @@ None again after the step, so ``state_dict()`` is unchanged.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
@@ -58,6 +61,7 @@ _FOREACH_SET = "_torchalpa_foreach_set"   # on a param group whose foreach this 
 # referenced tensor cannot be swapped (Module.to() swaps DTensor parameters' contents)
 _MARK = "_torchalpa_local_step"
 _SWAPPED = "_torchalpa_local_swap"     # on an optimizer while its step runs on local tensors
+_VIEW = "_torchalpa_local_view"        # on an optimizer: its _LocalView, kept between steps
 _installed = False
 
 
@@ -84,31 +88,94 @@ def _applies(opt: torch.optim.Optimizer) -> bool:
     return bool(params) and all(_is_ours(p) for p in params)
 
 
+class _LocalView:
+    """An optimizer's parameters, groups and states as local tensors, kept between steps.
+
+    Building it costs a dict and a DTensor lookup per parameter and state; a step that
+    finds it still matching the optimizer (same state dict, same group lists) only checks
+    identities, moves the gradients and swaps whole lists and the state dict."""
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.dtensor_state = opt.state
+        self.local_state: defaultdict = defaultdict(dict)
+        self.groups = []     # (the group's DTensor list, its local list, its length)
+        self.pairs = []      # (DTensor parameter, its local tensor)
+        for group in opt.param_groups:
+            params = group["params"]
+            locals_ = [p._local_tensor for p in params]
+            self.pairs.extend(zip(params, locals_))
+            self.groups.append((params, locals_, len(params)))
+
+    def matches(self, opt: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer still has this view's state dict and group lists, and each
+        parameter still its local tensor (``Module.to()`` swaps contents)."""
+        return (opt.state is self.dtensor_state and len(opt.param_groups) == len(self.groups)
+                and all(g["params"] is params and len(params) == n
+                        for g, (params, _, n) in zip(opt.param_groups, self.groups))
+                and all(p._local_tensor is local for p, local in self.pairs))
+
+    def states_in(self) -> None:
+        """Local states for the step: each DTensor state's local tensor (rebuilt where the
+        user or a load replaced an entry since the last step)."""
+        dstate, lstate = self.dtensor_state, self.local_state
+        for p, local in self.pairs:
+            ds = dstate.get(p)
+            if not ds:
+                lstate.pop(local, None)
+                continue
+            ls = lstate.get(local)
+            if ls is None or len(ls) != len(ds):
+                lstate[local] = ls = {}
+            for k, v in ds.items():
+                want = v._local_tensor if isinstance(v, DTensor) else v
+                if ls.get(k) is not want:
+                    ls[k] = want
+
+    def states_out(self) -> None:
+        """DTensor states after the step: in-place updates are already there; states the
+        step created or replaced are wrapped like their parameter."""
+        dstate, lstate = self.dtensor_state, self.local_state
+        for p, local in self.pairs:
+            ls = lstate.get(local)
+            if not ls:
+                continue
+            ds = dstate.get(p)
+            if ds is None:
+                dstate[p] = ds = {}
+            for k, v in ls.items():
+                before = ds.get(k)
+                if before is v or (isinstance(before, DTensor) and before._local_tensor is v):
+                    continue
+                if isinstance(v, torch.Tensor) and v.shape == local.shape and v.dim() > 0:
+                    ds[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
+                                               shape=p.shape, stride=p.stride())
+                else:
+                    ds[k] = v                           # scalars (the step count)
+
+
 def _to_local(opt: torch.optim.Optimizer, args, kwargs) -> None:
     """Pre-step: local tensors (gradients and states too) in place of the DTensors."""
     if getattr(opt, _SWAPPED, None) is not None:       # a step that raised left them local
         _to_dtensor(opt, args, kwargs)
-    if not _applies(opt):
-        return
-    swapped = []
-    for group in opt.param_groups:
-        locals_ = []
-        for p in group["params"]:
-            local = p._local_tensor
-            grad = p.grad
-            local.grad = None if grad is None else (
-                grad._local_tensor if isinstance(grad, DTensor) else grad)
-            state = opt.state.pop(p, None)
-            if state is not None:
-                opt.state[local] = {k: v._local_tensor if isinstance(v, DTensor) else v
-                                    for k, v in state.items()}
-            locals_.append(local)
-            swapped.append((p, local, state))
+    view = getattr(opt, _VIEW, None)
+    if view is None or not view.matches(opt):
+        if not _applies(opt):
+            setattr(opt, _VIEW, None)
+            return
+        view = _LocalView(opt)
+        setattr(opt, _VIEW, view)
+    view.states_in()
+    for p, local in view.pairs:
+        grad = p.grad
+        local.grad = None if grad is None else (
+            grad._local_tensor if isinstance(grad, DTensor) else grad)
+    for group, (_, locals_, _) in zip(opt.param_groups, view.groups):
         group["params"] = locals_
         if _foreach_pays(opt, group):
             group["foreach"] = True
             group[_FOREACH_SET] = True
-    setattr(opt, _SWAPPED, swapped)
+    opt.state = view.local_state
+    setattr(opt, _SWAPPED, view)
 
 
 def _foreach_pays(opt: torch.optim.Optimizer, group: dict) -> bool:
@@ -124,28 +191,15 @@ def _foreach_pays(opt: torch.optim.Optimizer, group: dict) -> bool:
 
 def _to_dtensor(opt: torch.optim.Optimizer, args, kwargs) -> None:
     """Post-step: the DTensors back; states the step created become DTensors."""
-    swapped = getattr(opt, _SWAPPED, None)
-    if swapped is None:
+    view = getattr(opt, _SWAPPED, None)
+    if view is None:
         return
     setattr(opt, _SWAPPED, None)
-    it = iter(swapped)
-    for group in opt.param_groups:
-        group["params"] = [next(it)[0] for _ in group["params"]]
+    opt.state = view.dtensor_state
+    for group, (params, _, _) in zip(opt.param_groups, view.groups):
+        group["params"] = params
         if group.pop(_FOREACH_SET, False):
             group["foreach"] = None
-    for p, local, old in swapped:
+    for _, local in view.pairs:
         local.grad = None
-        new = opt.state.pop(local, None)
-        if new is None:
-            continue
-        state = {}
-        for k, v in new.items():
-            before = None if old is None else old.get(k)
-            if isinstance(before, DTensor) and before._local_tensor is v:
-                state[k] = before                       # updated in place
-            elif isinstance(v, torch.Tensor) and v.shape == local.shape and v.dim() > 0:
-                state[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False,
-                                              shape=p.shape, stride=p.stride())
-            else:
-                state[k] = v                            # scalars (the step count)
-        opt.state[p] = state
+    view.states_out()
