@@ -25,7 +25,7 @@ BUDGET = 1.55e6
 blocks, parameters replicated on 2 ranks: about 1.29 and 1.78 MB)."""
 
 
-def train(gpt, batch, method, steps: int = 3) -> dict:
+def train(gpt, batch, method, steps: int = 3, watch=None) -> dict:
     """``method``'s plan trained ``steps`` AdamW steps beside the model on this process."""
     torch.manual_seed(0)
     model = gpt.build()
@@ -55,6 +55,8 @@ def train(gpt, batch, method, steps: int = 3) -> dict:
         if isinstance(v, torch.Tensor) and v.dim()) and all(
         h.data_ptr() not in device for _, h in pairs)
     out["device_grads_left"] = sum(p.grad is not None for p in pm.module.parameters())
+    if watch is not None:
+        watch(pm)
     return out
 
 
@@ -78,6 +80,29 @@ def scenarios(n):
         remat=("none", "full", "layers"), auto_sharding_option=tight, **fixed))
     yield "offload", lambda: train(gpt, batch, torchalpa.AutoParallel(
         remat=("none",), offload=True, **fixed))
+    yield "plain_2", lambda: train(gpt, batch, torchalpa.AutoParallel(   # param_offload_2's
+        remat=("none",), offload=False, pipeline=False, num_micro_batches=2,   # twin on the
+        rematerialize_parameters=True))                                        # devices
+    for k in (1, 2):          # parameters streamed from host memory, gradients back
+        yield f"param_offload_{k}", lambda k=k: streamed(gpt, batch, torchalpa.AutoParallel(
+            remat=("none",), offload="parameters", pipeline=False, num_micro_batches=k))
+
+
+def streamed(gpt, batch, method) -> dict:
+    """``train`` with parameters offloaded, and what shows they were: the programs read
+    device copies and send gradients to the host, the optimizer steps the blocks in place."""
+    out = {}
+
+    def watch(pm):
+        code = pm.local_program()
+        out["fetches"] = code.count("fetch(")
+        out["grads_to_host"] = code.count("to_host(")
+        out["offload_parameters"] = bool(pm.plan.method.get("offload_parameters"))
+        local = {p.to_local().data_ptr() for p in pm.module.parameters()}
+        out["stepped_in_place"] = {h.data_ptr() for _, h in getattr(pm.optimizer, HOST_PAIRS)
+                                   } == local
+    out.update(train(gpt, batch, method, watch=watch))
+    return out
 
 
 def main():

@@ -14,6 +14,11 @@ The update is the one the optimizer would make on the device blocks (an elementw
 optimizer over the same numbers), so training matches plain training; ``state_dict``,
 LR schedulers and ``zero_grad`` work on the host optimizer as on any other. The copies run
 one after the other after backward, as the planner prices them.
+
+With the parameters offloaded too (``AutoShardingOption.offload_parameters``), the local
+blocks themselves live in host memory (``parameters_to_host``, pinned where CUDA exists)
+and backward already copied the gradients there (``runtime/rewrites/param_stream.py``): the
+optimizer steps the blocks in place (``shared=True``), with nothing to copy either way.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["offloads", "host_optimizer", "HOST_PAIRS"]
+__all__ = ["offloads", "offloads_parameters", "host_optimizer", "parameters_to_host",
+           "HOST_PAIRS"]
 
 HOST_PAIRS = "_torchalpa_host_pairs"
 """Attribute of a host optimizer: [(device parameter, its host copy)]."""
@@ -34,6 +40,24 @@ def offloads(plan) -> bool:
     method = getattr(plan, "method", {}) or {}
     return bool(method.get("offload") or
                 (method.get("auto_sharding_option") or {}).get("offload"))
+
+
+def offloads_parameters(plan) -> bool:
+    """Whether ``plan`` keeps parameters and gradients in host memory too."""
+    method = getattr(plan, "method", {}) or {}
+    return bool(method.get("offload_parameters") or
+                (method.get("auto_sharding_option") or {}).get("offload_parameters"))
+
+
+def parameters_to_host(params: Iterable[torch.Tensor]) -> int:
+    """Move each trainable DTensor's local block to host memory (pinned where CUDA exists;
+    a separate CPU tensor without it); returns how many moved."""
+    moved = 0
+    for p in params:
+        if isinstance(p, DTensor) and p.requires_grad:
+            p._local_tensor = _host_copy(p._local_tensor).requires_grad_(False)
+            moved += 1
+    return moved
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -50,11 +74,13 @@ def _host_copy(local: torch.Tensor) -> torch.Tensor:
 
 
 def host_optimizer(factory: Callable[..., torch.optim.Optimizer],
-                   params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+                   params: Iterable[torch.Tensor], *, shared: bool = False
+                   ) -> torch.optim.Optimizer:
     """``factory`` (the user's ``lambda ps: torch.optim.AdamW(ps, ...)``) over host copies
     of ``params``' local blocks, with the hooks that move gradients down and parameters up
-    around its step."""
-    pairs = [(p, _host_copy(_local(p))) for p in params]
+    around its step; ``shared``: the local blocks are in host memory already and are
+    stepped in place."""
+    pairs = [(p, _local(p) if shared else _host_copy(_local(p))) for p in params]
     optimizer = factory([h for _, h in pairs])
     setattr(optimizer, HOST_PAIRS, pairs)
     optimizer.register_step_pre_hook(_gradients_to_host)
@@ -68,6 +94,9 @@ def _gradients_to_host(optimizer, args, kwargs) -> None:
             host.grad = None
             continue
         grad = _local(p.grad)
+        if host is _local(p) and grad.device == host.device:    # shared: on the host
+            host.grad, p.grad = grad, None
+            continue
         if host.grad is None or host.grad.shape != grad.shape:
             host.grad = torch.empty(grad.shape, dtype=grad.dtype, device="cpu",
                                     pin_memory=torch.cuda.is_available())
@@ -80,4 +109,5 @@ def _gradients_to_host(optimizer, args, kwargs) -> None:
 def _parameters_to_devices(optimizer, args, kwargs) -> None:
     with torch.no_grad():
         for p, host in getattr(optimizer, HOST_PAIRS):
-            _local(p).copy_(host, non_blocking=True)
+            if host is not _local(p):
+                _local(p).copy_(host, non_blocking=True)

@@ -214,7 +214,8 @@ class _Search:
         """Whether parameters may be gathered again in backward: what the option fixes,
         else both for intra-op plans on several devices (pipelines keep forward's)."""
         fixed = self.method.rematerialize_parameters
-        if self.method.auto_sharding_option.rematerialize_parameters:
+        if self.method.auto_sharding_option.rematerialize_parameters or \
+                self.method.offload == "parameters":     # backward copies its own
             fixed = True
         if fixed is not None:
             return (fixed,)
@@ -223,9 +224,14 @@ class _Search:
 
     # -- candidates --------------------------------------------------------------------
     def budget(self) -> float:
-        """Bytes per device every plan must fit in (infinite where none is set)."""
-        return self.method.auto_sharding_option.memory_budget_per_device or \
+        """Bytes per device every plan must fit in (infinite where none is set); with
+        parameters offloaded, less the streamed copies a device holds at once."""
+        whole = self.method.auto_sharding_option.memory_budget_per_device or \
             self.cluster.memory_per_device or math.inf
+        if self.method.offload != "parameters":
+            return whole
+        from torchalpa.passes.pricing.offload_price import device_window_bytes
+        return whole - device_window_bytes(self.capture(self.first_count(), "none").graph)
 
     def profile(self, remat: str):
         """The bounds profile of the step checkpointed by ``remat`` (one per mode)."""
@@ -347,8 +353,11 @@ class _Search:
     # -- solving -----------------------------------------------------------------------
     def solve(self, c: Candidate):
         """The plan of candidate ``c`` (an InfeasibleError when it does not fit)."""
+        parameters = self.method.offload == "parameters"
         option = replace(self.method.auto_sharding_option, remat="none",
-                         rematerialize_parameters=c.regather, offload=bool(self.method.offload))
+                         rematerialize_parameters=c.regather, offload=bool(self.method.offload),
+                         offload_parameters=parameters,
+                         **({"memory_budget_per_device": self.budget()} if parameters else {}))
         captured = self.capture(c.num_micro_batches, c.remat, c.regather)
         if c.kind == "intra-op":
             from torchalpa.parallel.shard import blocks_of, plan_graph
@@ -384,18 +393,30 @@ class _Search:
         except NothingFitsError as e:
             if self.method.offload is not None or not self.method.optimizer_states:
                 raise
-            self.check_host_memory(replace(self.method, offload=True),
-                                   str(e).splitlines()[0].removesuffix("; tried:"))
-            self.method = replace(self.method, offload=True)
-            self.plans, self.deadline = [], time.perf_counter() + self.method.time_budget_s
+            why = str(e).splitlines()[0].removesuffix("; tried:")
             try:
-                found = self.run_once()
+                found = self.run_offloaded(True, why)
+                what = "optimizer states"
             except NothingFitsError as again:
-                raise NothingFitsError("even with the optimizer states in host memory, "
-                                       + str(again), again.attempts) from None
+                found = self.run_offloaded("parameters", "even with the optimizer states "
+                                           "in host memory, " + str(again).splitlines()[0])
+                what = "parameters, gradients and optimizer states"
             return replace(found, notes=tuple(found.notes) + (
-                "AutoParallel offloaded optimizer states to host memory: without it, "
-                + str(e).splitlines()[0].removesuffix("; tried:"),))
+                f"AutoParallel offloaded {what} to host memory: without it, " + why,))
+
+    def run_offloaded(self, offload, why: str):
+        """The best plan with ``AutoParallel(offload=offload)``; NothingFitsError saying
+        ``why`` offloading was tried when the hosts or the devices cannot hold it."""
+        self.check_host_memory(replace(self.method, offload=offload), why)
+        self.method = replace(self.method, offload=offload)
+        self.plans, self.profiles = [], {}       # bounds count what stays on the devices
+        self.deadline = time.perf_counter() + self.method.time_budget_s
+        try:
+            return self.run_once()
+        except NothingFitsError as again:
+            what = "parameters" if offload == "parameters" else "optimizer states"
+            raise NothingFitsError(f"even with the {what} in host memory, " + str(again),
+                                   again.attempts) from None
 
     def check_host_memory(self, method: AutoParallel, why: str = "") -> None:
         """A one-line NothingFitsError when the hosts cannot hold the offloaded states."""
