@@ -387,19 +387,21 @@ class _Search:
 
     def run(self):
         """The best plan; with ``offload=None``, planned again with optimizer states in
-        host memory when nothing fits on the devices."""
+        host memory when nothing fits on the devices, and with parameters and gradients
+        there too when that does not fit either."""
         try:
             return self.run_once()
         except NothingFitsError as e:
             if self.method.offload is not None or not self.method.optimizer_states:
                 raise
             why = str(e).splitlines()[0].removesuffix("; tried:")
+            self.check_host_memory(replace(self.method, offload=True), why)
             try:
                 found = self.run_offloaded(True, why)
                 what = "optimizer states"
-            except NothingFitsError as again:
-                found = self.run_offloaded("parameters", "even with the optimizer states "
-                                           "in host memory, " + str(again).splitlines()[0])
+            except NothingFitsError as again:       # parameters too, as a last resort
+                found = self.run_offloaded("parameters", str(again).splitlines()[0]
+                                           .removesuffix("; tried:"))
                 what = "parameters, gradients and optimizer states"
             return replace(found, notes=tuple(found.notes) + (
                 f"AutoParallel offloaded {what} to host memory: without it, " + why,))
