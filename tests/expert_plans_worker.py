@@ -86,6 +86,36 @@ def scenarios(n):
     for k in (1, 2):          # parameters streamed from host memory, gradients back
         yield f"param_offload_{k}", lambda k=k: streamed(gpt, batch, torchalpa.AutoParallel(
             remat=("none",), offload="parameters", pipeline=False, num_micro_batches=k))
+    for offload in (True, "parameters"):    # a host optimizer saved, resumed to the bit
+        yield f"checkpoint_{offload}", lambda o=offload: resumed(gpt, batch, o)
+
+
+def resumed(gpt, batch, offload, steps: int = 4, at: int = 2) -> dict:
+    """Train ``steps`` steps saving a checkpoint before step ``at``; a fresh run (other
+    initial weights) loads it and trains the rest: the losses and weights of both."""
+    from torchalpa.runtime.state.checkpoint import load_checkpoint, save_checkpoint
+    path = os.path.join(os.path.dirname(sys.argv[1]), f"ckpt_offload_{offload}")
+    method = torchalpa.AutoParallel(remat=("none",), offload=offload, pipeline=False,
+                                    num_micro_batches=1)
+
+    def wrap(seed):
+        torch.manual_seed(seed)
+        return torchalpa.auto_parallel(gpt.build(), batch, gpt.loss_fn, method=method,
+                                       cluster=torchalpa.Cluster.local_cpu(2),
+                                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    pm = wrap(0)
+    out = {"uninterrupted": [], "offload_parameters": bool(pm.plan.method.get(
+        "offload_parameters"))}
+    for step in range(steps):
+        if step == at:
+            save_checkpoint(path, pm)
+        out["uninterrupted"].append(pm.train_step(*batch).item())
+    fresh = wrap(123)
+    load_checkpoint(path, fresh)
+    out["resumed"] = [fresh.train_step(*batch).item() for _ in range(at, steps)]
+    out["same_weights"] = all(torch.equal(p.to_local(), q.to_local()) for p, q in
+                              zip(pm.module.parameters(), fresh.module.parameters()))
+    return out
 
 
 def streamed(gpt, batch, method) -> dict:

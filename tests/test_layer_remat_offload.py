@@ -241,6 +241,16 @@ def test_parameters_streamed_over_micro_batches_train_as_on_the_devices(trained)
         assert got == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.slow      # 2 gloo ranks plan and train (~50 s with the pool's start)
+@pytest.mark.parametrize("offload", ["True", "parameters"])
+def test_a_host_optimizer_checkpoint_resumes_to_the_bit(trained, offload):
+    # DCP keys a host optimizer's states by the module's parameter names; a fresh run
+    # (other initial weights) that loads the checkpoint continues as the first did
+    r = trained[f"checkpoint_{offload}"]
+    assert r["offload_parameters"] == (offload == "parameters")
+    assert r["resumed"] == r["uninterrupted"][2:] and r["same_weights"]
+
+
 @pytest.mark.slow      # 4 gloo ranks plan and train a pipeline (~60 s)
 def test_a_pipeline_checkpointing_its_first_stage_only_trains_like_one_device(tmp_path):
     results = worker_io.launch("expert_plans_worker.py", tmp_path / "expert_4.json", nproc=4,

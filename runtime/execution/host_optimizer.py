@@ -23,13 +23,15 @@ optimizer steps the blocks in place (``shared=True``), with nothing to copy eith
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.tensor import DTensor
 
 __all__ = ["offloads", "offloads_parameters", "host_optimizer", "parameters_to_host",
-           "HOST_PAIRS"]
+           "HOST_PAIRS", "over_parameters"]
 
 HOST_PAIRS = "_torchalpa_host_pairs"
 """Attribute of a host optimizer: [(device parameter, its host copy)]."""
@@ -111,3 +113,57 @@ def _parameters_to_devices(optimizer, args, kwargs) -> None:
         for p, host in getattr(optimizer, HOST_PAIRS):
             if host is not _local(p):
                 _local(p).copy_(host, non_blocking=True)
+
+
+@contextmanager
+def over_parameters(optimizer) -> Iterator[None]:
+    """Within: a host optimizer seen as one over the module's DTensor parameters, its
+    states DTensors laid out as their parameters (what DCP's ``get_state_dict`` /
+    ``set_state_dict`` key by the module's names). On leaving, the states (those a load
+    put there too) go back to the host blocks, and host copies take the device
+    parameters' values (a load wrote those). Any other optimizer: nothing changes."""
+    pairs = getattr(optimizer, HOST_PAIRS, None)
+    if not pairs:
+        yield
+        return
+    param_of = {id(h): p for p, h in pairs}
+    groups = [list(g["params"]) for g in optimizer.param_groups]
+    states = optimizer.state
+    for g in optimizer.param_groups:
+        g["params"] = [param_of[id(h)] for h in g["params"]]
+    optimizer.state = defaultdict(dict, {
+        param_of[id(h)]: {k: _as_dtensor(v, param_of[id(h)], h) for k, v in s.items()}
+        for h, s in states.items()})
+    try:
+        yield
+    finally:
+        host_of = {id(p): h for p, h in pairs}
+        back = defaultdict(dict)
+        for p, s in optimizer.state.items():
+            h = host_of[id(p)]
+            back[h] = {k: _on_host(v, h) for k, v in s.items()}
+        for g, params in zip(optimizer.param_groups, groups):
+            g["params"] = params
+        optimizer.state = back
+        with torch.no_grad():
+            for p, h in pairs:
+                if h is not _local(p):
+                    h.copy_(_local(p))
+
+
+def _as_dtensor(v, p, host: torch.Tensor):
+    """A state tensor shaped as its host block, as a DTensor laid out as ``p``."""
+    if not isinstance(v, torch.Tensor) or not isinstance(p, DTensor) or v.shape != host.shape:
+        return v                          # a step count, or a plain parameter's state
+    return DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
+                              stride=p.stride(), run_check=False)
+
+
+def _on_host(v, host: torch.Tensor):
+    """A state back in host memory as a plain tensor (a DTensor's local block)."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    local = _local(v)
+    if local.dim() == 0 or local.device == host.device:
+        return local
+    return _host_copy(local)
