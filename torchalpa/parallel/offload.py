@@ -15,7 +15,8 @@ from dataclasses import replace
 from torchalpa.core.options import OPTIMIZER_STATES
 from torchalpa.core.units import format_bytes
 
-__all__ = ["with_offload", "host_memory_shortfall", "offloads_parameters"]
+__all__ = ["with_offload", "host_memory_shortfall", "offloads_parameters",
+           "with_streaming_room"]
 
 
 def with_offload(plan, graph, cluster, method):
@@ -48,6 +49,18 @@ def with_offload(plan, graph, cluster, method):
     flags = {"offload": True, **({"offload_parameters": True} if parameters else {})}
     return replace(plan, estimates=estimates, method={**plan.method, **flags},
                    notes=tuple(plan.notes) + (cost.note(),))
+
+
+def with_streaming_room(method, graph, cluster):
+    """``method`` whose memory budget leaves room for the parameter copies in flight
+    (``offload_price.device_window_bytes``), where a budget is known."""
+    from torchalpa.passes.pricing.offload_price import device_window_bytes
+    option = method.auto_sharding_option
+    whole = option.memory_budget_per_device or getattr(cluster, "memory_per_device", None)
+    if not whole:
+        return method
+    return replace(method, auto_sharding_option=replace(
+        option, memory_budget_per_device=whole - device_window_bytes(graph)))
 
 
 def offloads_parameters(method) -> bool:
