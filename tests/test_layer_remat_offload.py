@@ -151,6 +151,12 @@ def test_streamed_parameters_are_priced_per_phase_against_compute():
     busy = _streamed_cost(1e9, 1e8, 2, None, 1, 1, step_s=10.0)
     assert busy.link_s == pytest.approx(3e8 / link)  # only the first copies show
     assert _streamed_cost(1e9, 1e8, 2, None, 1, 2, step_s=0.0).link_bytes_per_device == 6e9
+    # the search's floor (the link up, then the host's step) is below every such price
+    for k in (1, 2, 4):
+        for step_s in (0.0, 0.01, 0.05, 0.2, 1.0):
+            cost = _streamed_cost(1e9, 1e8, 2, None, 1, k, step_s=step_s)
+            floor = max(step_s, 2 * k * 1e9 / link) + cost.host_step_s
+            assert step_s + cost.seconds >= floor - 1e-12
 
 
 def test_a_parameter_offload_plan_holds_no_model_state_on_the_devices(gpt):

@@ -39,7 +39,7 @@ from torchalpa.core.units import format_bytes
 from torchalpa.passes.sharding.reshard import local_bytes
 
 __all__ = ["OffloadCost", "offload_cost", "host_floor_bytes", "DEFAULT_HOST",
-           "device_window_bytes"]
+           "device_window_bytes", "streamed_floor_s"]
 
 DEFAULT_HOST = {"host_link_bandwidth": 25e9, "host_memory_per_node": 1024e9,
                 "host_memory_bandwidth": 200e9}
@@ -136,6 +136,19 @@ def _streamed_cost(local: float, largest: float, optimizer_states: int, cluster,
         host_bytes_per_node=per_device_host * devices_per_node,
         host_memory_per_node=_host(cluster, "host_memory_per_node"), parameters=True,
         link_bytes_per_device=3 * k * local, device_window_bytes=3 * largest)
+
+
+def streamed_floor_s(graph: OpGraph, optimizer_states: int, cluster, num_devices: int,
+                     num_micro_batches: int) -> tuple[float, float]:
+    """What every plan streaming parameters pays at least, in seconds: the host link up,
+    which carries each parameter block twice per micro-batch (split over every device at
+    best; the step takes at least this long), and the host's step after backward."""
+    local = sum(n.output.nbytes for n in trained_params(graph)) / max(1, num_devices)
+    per_node = min(num_devices, getattr(cluster, "devices_per_node", num_devices) or 1)
+    up = 2 * num_micro_batches * local / _host(cluster, "host_link_bandwidth")
+    host = (3 + 2 * optimizer_states) * local * per_node / _host(cluster,
+                                                                 "host_memory_bandwidth")
+    return up, host
 
 
 def device_window_bytes(graph: OpGraph) -> float:

@@ -52,7 +52,13 @@ import torch
 from torchalpa.core.calls import CallSignature
 from torchalpa.core.choice_notes import CHOSEN, RUNNER_UP, TRIED, describe_candidate
 from torchalpa.core.cluster import Cluster, LogicalMesh
-from torchalpa.core.options import AutoParallel, PipeshardParallel, ShardParallel, parse_remat
+from torchalpa.core.options import (
+    OPTIMIZER_STATES,
+    AutoParallel,
+    PipeshardParallel,
+    ShardParallel,
+    parse_remat,
+)
 from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.plan_records import known
 from torchalpa.core.progress import step
@@ -304,7 +310,8 @@ class _Search:
         multi_node = self.nodes > 1
         kinds = []
         if self.method.pipeline is not True and not (multi_node and self.allow_pipeline):
-            kinds.append(Candidate("intra-op", remat, k, bound, memory, bound))
+            streamed = self.streamed_floor(k, bound)
+            kinds.append(Candidate("intra-op", remat, k, streamed, memory, streamed))
         if self.allow_pipeline and devices > 1 and self.method.pipeline is not False \
                 and not self.method.offload:     # offload is priced for intra-op plans
             # sound: on several nodes one stage may span them all (S >= 1), on one
@@ -315,6 +322,18 @@ class _Search:
                                    bound * (k + stages - 1) / k))
         return [replace(c, regather=regather) for c in kinds
                 for regather in self.regather_choices(c.kind)]
+
+    def streamed_floor(self, k: int, bound: float) -> float:
+        """``bound`` of an intra-op candidate of ``k`` micro-batches, raised by what
+        streaming parameters from the host pays at least where it does (the link up and
+        the host's step, ``offload_price.streamed_floor_s``)."""
+        if self.method.offload != "parameters":
+            return bound
+        from torchalpa.passes.pricing.offload_price import streamed_floor_s
+        up, host = streamed_floor_s(self.capture(self.first_count(), "none").graph,
+                                    OPTIMIZER_STATES[self.method.optimizer], self.cluster,
+                                    self.cluster.num_devices, k)
+        return max(bound, up) + host
 
     def first_count(self) -> int:
         """The micro-batch count whose capture the bounds are derived from."""
