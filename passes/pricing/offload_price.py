@@ -26,13 +26,13 @@ of its copies up and down take beyond its own two thirds, and each phase the fir
 (the largest block's), which nothing hides. Per step and device, ``3 k`` times the
 parameter blocks cross the link (``k`` micro-batches). The host holds parameters, gradients
 and states, ``(2 + states)`` bytes per parameter byte; the devices hold at most two
-parameter blocks and one gradient block in flight (the largest three), which the planner
-reserves out of the memory budget.
+parameter blocks and one gradient block in flight (at most the largest three), which the
+planner reserves out of the memory budget.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.units import format_bytes
@@ -108,8 +108,9 @@ def offload_cost(graph: OpGraph, placements: dict, mesh_shape, optimizer_states:
     local = sum(blocks)
     link = _host(cluster, "host_link_bandwidth")
     if parameters:
-        return _streamed_cost(local, max(blocks, default=0), optimizer_states, cluster,
+        cost = _streamed_cost(local, max(blocks, default=0), optimizer_states, cluster,
                               devices_per_node, num_micro_batches, step_s)
+        return replace(cost, device_window_bytes=float(sum(sorted(blocks)[-3:])))
     per_device_host = (1 + optimizer_states) * local
     per_node = per_device_host * devices_per_node
     step_bytes = (3 + 2 * optimizer_states) * local * devices_per_node
@@ -154,8 +155,7 @@ def streamed_floor_s(graph: OpGraph, optimizer_states: int, cluster, num_devices
 def device_window_bytes(graph: OpGraph) -> float:
     """Bytes of streamed copies a device holds at once with parameters offloaded, at most
     (the three largest parameters whole; a plan's own blocks may be smaller)."""
-    sizes = sorted((n.output.nbytes for n in trained_params(graph)), reverse=True)
-    return float(sum(sizes[:3]) if len(sizes) >= 3 else 3 * max(sizes, default=0))
+    return float(sum(sorted(n.output.nbytes for n in trained_params(graph))[-3:]))
 
 
 def host_floor_bytes(graph: OpGraph, optimizer_states: int, num_nodes: int,
