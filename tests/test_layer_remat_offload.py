@@ -194,6 +194,40 @@ def test_parameter_offload_without_host_memory_is_refused_in_one_line(gpt):
         "at least" in message and "use hosts with" in message
 
 
+def test_parameters_streamed_on_one_device_train_to_the_bit_through_autograd():
+    # pmodel(x).backward() and the optimizer's step, as a user writes them: the copies
+    # change no number
+    import torch
+    gpt = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=2)
+    torch.manual_seed(1234)
+    batch = gpt.example_inputs()
+    torch.manual_seed(0)
+    model = gpt.build()
+    torch.manual_seed(0)
+    ref = gpt.build()
+    pm = torchalpa.auto_parallel(model, batch, gpt.loss_fn,
+                                 cluster=torchalpa.Cluster.local_cpu(1),
+                                 method=torchalpa.AutoParallel(remat=("none",),
+                                                               offload="parameters",
+                                                               pipeline=False,
+                                                               num_micro_batches=1),
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    assert pm.plan.method["offload_parameters"] and "to_host(" in pm.local_program()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        loss = pm(*batch)
+        loss.backward()
+        pm.optimizer.step()
+        pm.optimizer.zero_grad(set_to_none=True)
+        want = gpt.loss_fn(ref(*batch[:-1]), batch[-1])
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        assert loss.item() == want.item()
+    assert all(torch.equal(p.full_tensor(), q) for p, q in
+               zip(pm.module.parameters(), ref.parameters()))
+
+
 # -- training on 2 gloo ranks -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
