@@ -24,7 +24,7 @@ import torch
 import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core.calls import CallSignature
-from torchalpa.parallel.auto import AutoSteps, Candidate, NothingFitsError, _Search, batch_size
+from torchalpa.parallel.auto import AutoResolver, Candidate, NothingFitsError, _Search, batch_size
 from torchalpa.parallel.workflow import with_precision
 from torchalpa.passes.sharding.ilp import InfeasibleError
 
@@ -56,7 +56,7 @@ def main() -> None:
                                     num_micro_batches=args.micro_batches,
                                     rematerialize_parameters=False, optimizer="adamw",
                                     time_budget_s=args.time_budget)
-    target = AutoSteps().target(method, cluster=cluster, mesh=None, world=1, live=False)
+    target = AutoResolver().target(method, cluster=cluster, mesh=None, world=1, live=False)
     signature, tensors = CallSignature.of(batch)
     search = _Search(with_precision(model, bf16), tensors, signature, workload.loss_fn, method,
                      cluster, target.meshes, "global", False, batch_size(tensors), 0.0)

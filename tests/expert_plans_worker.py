@@ -25,7 +25,7 @@ BUDGET = 1.55e6
 blocks, parameters replicated on 2 ranks: about 1.29 and 1.78 MB)."""
 
 
-def train(gpt, batch, method, steps: int = 3) -> dict:
+def train(gpt, batch, method, steps: int = 3, watch=None) -> dict:
     """``method``'s plan trained ``steps`` AdamW steps beside the model on this process."""
     torch.manual_seed(0)
     model = gpt.build()
@@ -55,6 +55,8 @@ def train(gpt, batch, method, steps: int = 3) -> dict:
         if isinstance(v, torch.Tensor) and v.dim()) and all(
         h.data_ptr() not in device for _, h in pairs)
     out["device_grads_left"] = sum(p.grad is not None for p in pm.module.parameters())
+    if watch is not None:
+        watch(pm)
     return out
 
 
@@ -78,6 +80,59 @@ def scenarios(n):
         remat=("none", "full", "layers"), auto_sharding_option=tight, **fixed))
     yield "offload", lambda: train(gpt, batch, torchalpa.AutoParallel(
         remat=("none",), offload=True, **fixed))
+    yield "plain_2", lambda: train(gpt, batch, torchalpa.AutoParallel(   # param_offload_2's
+        remat=("none",), offload=False, pipeline=False, num_micro_batches=2,   # twin on the
+        rematerialize_parameters=True))                                        # devices
+    for k in (1, 2):          # parameters streamed from host memory, gradients back
+        yield f"param_offload_{k}", lambda k=k: streamed(gpt, batch, torchalpa.AutoParallel(
+            remat=("none",), offload="parameters", pipeline=False, num_micro_batches=k))
+    for offload in (True, "parameters"):    # a host optimizer saved, resumed to the bit
+        yield f"checkpoint_{offload}", lambda o=offload: resumed(gpt, batch, o)
+
+
+def resumed(gpt, batch, offload, steps: int = 4, at: int = 2) -> dict:
+    """Train ``steps`` steps saving a checkpoint before step ``at``; a fresh run (other
+    initial weights) loads it and trains the rest: the losses and weights of both."""
+    from torchalpa.runtime.state.checkpoint import load_checkpoint, save_checkpoint
+    path = os.path.join(os.path.dirname(sys.argv[1]), f"ckpt_offload_{offload}")
+    method = torchalpa.AutoParallel(remat=("none",), offload=offload, pipeline=False,
+                                    num_micro_batches=1)
+
+    def wrap(seed):
+        torch.manual_seed(seed)
+        return torchalpa.auto_parallel(gpt.build(), batch, gpt.loss_fn, method=method,
+                                       cluster=torchalpa.Cluster.local_cpu(2),
+                                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    pm = wrap(0)
+    out = {"uninterrupted": [], "offload_parameters": bool(pm.plan.method.get(
+        "offload_parameters"))}
+    for step in range(steps):
+        if step == at:
+            save_checkpoint(path, pm)
+        out["uninterrupted"].append(pm.train_step(*batch).item())
+    fresh = wrap(123)
+    load_checkpoint(path, fresh)
+    out["resumed"] = [fresh.train_step(*batch).item() for _ in range(at, steps)]
+    out["same_weights"] = all(torch.equal(p.to_local(), q.to_local()) for p, q in
+                              zip(pm.module.parameters(), fresh.module.parameters()))
+    return out
+
+
+def streamed(gpt, batch, method) -> dict:
+    """``train`` with parameters offloaded, and what shows they were: the programs read
+    device copies and send gradients to the host, the optimizer steps the blocks in place."""
+    out = {}
+
+    def watch(pm):
+        code = pm.local_program()
+        out["fetches"] = code.count("fetch(")
+        out["grads_to_host"] = code.count("to_host(")
+        out["offload_parameters"] = bool(pm.plan.method.get("offload_parameters"))
+        local = {p.to_local().data_ptr() for p in pm.module.parameters()}
+        out["stepped_in_place"] = {h.data_ptr() for _, h in getattr(pm.optimizer, HOST_PAIRS)
+                                   } == local
+    out.update(train(gpt, batch, method, watch=watch))
+    return out
 
 
 def main():

@@ -51,8 +51,11 @@ def test_bad_block_counts_are_refused_with_the_accepted_forms():
         torchalpa.AutoShardingOption(remat="full:x")
     with pytest.raises(ValueError, match=r"AutoParallel.remat must be modes among"):
         torchalpa.AutoParallel(remat=("auto",))
-    with pytest.raises(ValueError, match=r"AutoParallel.offload must be True, False or None"):
+    with pytest.raises(ValueError, match=r"AutoParallel.offload must be True, False, None or "
+                                         r"'parameters'"):
         torchalpa.AutoParallel(offload="yes")
+    with pytest.raises(ValueError, match=r"offload_parameters needs offload=True .* set both"):
+        torchalpa.AutoShardingOption(offload_parameters=True)
     with pytest.raises(ValueError, match=r"set AutoParallel\(offload=True\)"):
         torchalpa.AutoParallel(auto_sharding_option=torchalpa.AutoShardingOption(offload=True))
 
@@ -137,6 +140,94 @@ def test_offload_without_host_memory_is_refused_in_one_line(gpt):
     assert "use hosts with" in message
 
 
+def test_streamed_parameters_are_priced_per_phase_against_compute():
+    from torchalpa.passes.pricing.offload_price import DEFAULT_HOST, _streamed_cost
+    link = DEFAULT_HOST["host_link_bandwidth"]
+    bare = _streamed_cost(1e9, 1e8, 2, None, 1, 1, step_s=0.0)
+    # nothing to hide behind: forward's copies up, then backward's (up and down at once)
+    assert bare.link_s == pytest.approx((2e9 + 3e8) / link)
+    assert bare.link_bytes_per_device == 3e9 and bare.device_window_bytes == 3e8
+    assert bare.host_bytes_per_device == 4e9       # parameters, gradients, two states
+    busy = _streamed_cost(1e9, 1e8, 2, None, 1, 1, step_s=10.0)
+    assert busy.link_s == pytest.approx(3e8 / link)  # only the first copies show
+    assert _streamed_cost(1e9, 1e8, 2, None, 1, 2, step_s=0.0).link_bytes_per_device == 6e9
+    # the search's floor (the link up, then the host's step) is below every such price
+    for k in (1, 2, 4):
+        for step_s in (0.0, 0.01, 0.05, 0.2, 1.0):
+            cost = _streamed_cost(1e9, 1e8, 2, None, 1, k, step_s=step_s)
+            floor = max(step_s, 2 * k * 1e9 / link) + cost.host_step_s
+            assert step_s + cost.seconds >= floor - 1e-12
+
+
+def test_a_parameter_offload_plan_holds_no_model_state_on_the_devices(gpt):
+    plan = _plan(gpt, remat=("none",), offload="parameters", pipeline=False, num_micro_batches=1)
+    est = plan.estimates
+    assert plan.method["offload"] and plan.method["offload_parameters"]
+    assert est.model_state_bytes_per_device == 0 and est.offload_s > 0
+    plain = _plan(gpt, remat=("none",), offload=False, pipeline=False, num_micro_batches=1)
+    assert est.memory_per_device_bytes < plain.estimates.memory_per_device_bytes
+    line = "offload: parameters, gradients and optimizer states in host memory"
+    assert line in plan.summary() and plan.explain("offload").startswith(line)
+    again = torchalpa.Plan.from_json(plan.to_json())
+    assert again.method["offload_parameters"]
+    option = torchalpa.core.options.method_of_plan(again).auto_sharding_option
+    assert option.offload_parameters and option.rematerialize_parameters
+
+
+def test_parameters_are_offloaded_when_offloading_states_does_not_fit(gpt):
+    plan = _plan(gpt, remat=("none",), auto_sharding_option=_tight(0.8e6), pipeline=False,
+                 num_micro_batches=1)
+    assert plan.method["offload_parameters"], plan.notes
+    assert plan.estimates.memory_per_device_bytes <= 0.8e6
+    assert any(n.startswith("AutoParallel offloaded parameters, gradients and optimizer "
+                            "states to host memory: without it,") for n in plan.notes)
+
+
+def test_parameter_offload_without_host_memory_is_refused_in_one_line(gpt):
+    small = dataclasses.replace(torchalpa.Cluster.local_cpu(2), host_memory_per_node=1e5)
+    with pytest.raises(NothingFitsError) as e:
+        _plan(gpt, small, remat=("none",), offload="parameters", pipeline=False,
+              num_micro_batches=1)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "offloading the parameters, gradients and optimizer states to host memory needs " \
+        "at least" in message and "use hosts with" in message
+
+
+def test_parameters_streamed_on_one_device_train_to_the_bit_through_autograd():
+    # pmodel(x).backward() and the optimizer's step, as a user writes them: the copies
+    # change no number
+    import torch
+    gpt = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=2)
+    torch.manual_seed(1234)
+    batch = gpt.example_inputs()
+    torch.manual_seed(0)
+    model = gpt.build()
+    torch.manual_seed(0)
+    ref = gpt.build()
+    pm = torchalpa.auto_parallel(model, batch, gpt.loss_fn,
+                                 cluster=torchalpa.Cluster.local_cpu(1),
+                                 method=torchalpa.AutoParallel(remat=("none",),
+                                                               offload="parameters",
+                                                               pipeline=False,
+                                                               num_micro_batches=1),
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    assert pm.plan.method["offload_parameters"] and "to_host(" in pm.local_program()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(3):
+        loss = pm(*batch)
+        loss.backward()
+        pm.optimizer.step()
+        pm.optimizer.zero_grad(set_to_none=True)
+        want = gpt.loss_fn(ref(*batch[:-1]), batch[-1])
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        assert loss.item() == want.item()
+    assert all(torch.equal(p.full_tensor(), q) for p, q in
+               zip(pm.module.parameters(), ref.parameters()))
+
+
 # -- training on 2 gloo ranks -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
@@ -169,6 +260,35 @@ def test_offloaded_states_train_like_one_device_on_host_copies(trained):
     assert r["host_copies"] > 0 and r["states_apart"]
     assert r["device_grads_left"] == 0           # gradients went to the host
     _trains_like_one_device(r)
+
+
+@pytest.mark.slow      # 2 gloo ranks plan and train (~50 s with the pool's start)
+def test_parameters_streamed_from_the_host_train_like_one_device(trained):
+    r = trained["param_offload_1"]
+    assert r["offload_parameters"] and r["stepped_in_place"]
+    assert r["fetches"] > 0 and r["grads_to_host"] > 0      # device copies, gradients down
+    assert r["device_grads_left"] == 0
+    _trains_like_one_device(r)
+
+
+@pytest.mark.slow      # 2 gloo ranks plan and train (~50 s with the pool's start)
+def test_parameters_streamed_over_micro_batches_train_as_on_the_devices(trained):
+    # two micro-batches round like the same plan kept on the devices, to the bit
+    r, twin = trained["param_offload_2"], trained["plain_2"]
+    assert r["offload_parameters"] and not twin["offload"]
+    assert r["losses"] == twin["losses"] and r["max_param_diff"] == twin["max_param_diff"]
+    for got, want in zip(r["losses"], r["ref_losses"]):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.slow      # 2 gloo ranks plan and train (~50 s with the pool's start)
+@pytest.mark.parametrize("offload", ["True", "parameters"])
+def test_a_host_optimizer_checkpoint_resumes_to_the_bit(trained, offload):
+    # DCP keys a host optimizer's states by the module's parameter names; a fresh run
+    # (other initial weights) that loads the checkpoint continues as the first did
+    r = trained[f"checkpoint_{offload}"]
+    assert r["offload_parameters"] == (offload == "parameters")
+    assert r["resumed"] == r["uninterrupted"][2:] and r["same_weights"]
 
 
 @pytest.mark.slow      # 4 gloo ranks plan and train a pipeline (~60 s)

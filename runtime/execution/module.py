@@ -46,7 +46,12 @@ from torch.distributed.tensor import DTensor
 
 from torchalpa.core.calls import CallSignature
 from torchalpa.core.plan import Collective, PipelinePlan, Plan
-from torchalpa.runtime.execution.host_optimizer import host_optimizer, offloads
+from torchalpa.runtime.execution.host_optimizer import (
+    host_optimizer,
+    offloads,
+    offloads_parameters,
+    parameters_to_host,
+)
 from torchalpa.runtime.execution.materialize import distribute_module_state, to_dtensor_placements
 from torchalpa.runtime.execution.mesh import collective_timeout
 from torchalpa.runtime.execution.optim import lean_optimizer_steps
@@ -172,6 +177,20 @@ def _attach_gradients(params: Sequence[torch.Tensor], grads: Sequence[torch.Tens
                                         shape=p.shape, stride=p.stride())
 
 
+def _check_streamable(plan) -> None:
+    """Parameters streamed from host memory reduce their gradients there: a collective
+    backend that reaches host memory (gloo) or one device."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if isinstance(plan, PipelinePlan):
+        raise NotImplementedError("offload_parameters is planned for intra-op plans, not "
+                                  "pipelines: plan without offload_parameters")
+    if world > 1 and dist.get_backend() != "gloo":
+        raise NotImplementedError(
+            f"offload_parameters reduces gradients in host memory, which the "
+            f"{dist.get_backend()} backend cannot reach across {world} ranks: run it on one "
+            "device, or offload only the optimizer states (offload=True)")
+
+
 def _signed_like(call: Callable, model_forward: Callable) -> Callable:
     """``call`` advertising ``model_forward``'s signature to ``inspect.signature``."""
     def forward(*args, **kwargs):
@@ -245,11 +264,16 @@ class ParallelModule(nn.Module):
         self._lean_step = self._loss_rank is None
         if self._lean_step:
             lean_optimizer_steps(self.parameters())
+        # parameters in host memory, streamed per op (runtime.rewrites.param_stream)
+        streamed = offloads_parameters(plan)
+        if streamed:
+            _check_streamable(plan)
+            parameters_to_host(self.parameters())
         # the optimizer over the parallel parameters (DTensors), if one is given
         # (over host copies of the local blocks where the plan offloads its states)
         self.optimizer: torch.optim.Optimizer | None = None if optimizer is None else \
-            host_optimizer(optimizer, self.parameters()) if offloads(plan) else \
-            optimizer(self.parameters())
+            host_optimizer(optimizer, self.parameters(), shared=streamed) if offloads(plan) \
+            else optimizer(self.parameters())
         # tools that read the forward's parameters to pick batch fields (HF Trainer drops
         # the columns ``model.forward`` does not name) see the wrapped model's
         self.forward = _signed_like(self.forward, module.forward)

@@ -96,6 +96,9 @@ def step_programs(stage: StageProgram, plan: Plan, *, num_micro_batches: int,
     stage); a stage of a longer pipeline, and programs compiled by ``torch.compile``, run
     as lowered. Whether ``train_step`` may send the loss inside a gradient bucket is
     decided here, once: where the programs allow it and the plan lists it."""
+    if _streams_parameters(plan):       # parameters from host memory, per op
+        from torchalpa.runtime.rewrites.param_stream import stream_parameters
+        return StepPrograms.as_lowered(stream_parameters(stage.compiled_from or stage))
     if not one_stage or stage.compiled_from is not None:
         return StepPrograms.as_lowered(stage)
     # the loss's all-reduce left in flight; waited for when the loss is read
@@ -117,6 +120,12 @@ def step_programs(stage: StageProgram, plan: Plan, *, num_micro_batches: int,
         loss_in_bucket=None if in_bucket is None else replace(
             in_bucket, forward=cut_call_overhead(in_bucket.forward, stage.num_results),
             backward_reduce=cut_call_overhead(in_bucket.backward_reduce)))
+
+
+def _streams_parameters(plan: Plan) -> bool:
+    method = plan.method or {}
+    return bool(method.get("offload_parameters") or
+                (method.get("auto_sharding_option") or {}).get("offload_parameters"))
 
 
 def listed_in_plan(programs: LossInBucketPrograms | None, plan: Plan

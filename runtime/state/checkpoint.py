@@ -84,6 +84,7 @@ from torch.utils._pytree import tree_map
 
 from torchalpa.core import placement as P
 from torchalpa.runtime.execution import mesh
+from torchalpa.runtime.execution.host_optimizer import over_parameters
 from torchalpa.runtime.execution.mesh import gather_objects, on_rank0
 from torchalpa.runtime.lowering.strided_dtensor import redistribute
 from torchalpa.runtime.state import extra_state
@@ -531,7 +532,8 @@ def _state_dicts(module, optimizer) -> dict:
     """What DCP saves and loads: the model's state dict, and the optimizer's if any."""
     if optimizer is None:
         return {"model": get_model_state_dict(module)}
-    model_sd, optim_sd = get_state_dict(module, optimizer)
+    with over_parameters(optimizer):       # a host optimizer keyed by the module's names
+        model_sd, optim_sd = get_state_dict(module, optimizer)
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -612,8 +614,9 @@ def load_checkpoint(path: str | os.PathLike, pmodel, optimizer=None, *,
     if optimizer is None:
         set_model_state_dict(module, model_state, options=options)
     else:
-        set_state_dict(module, optimizer, model_state_dict=model_state,
-                       optim_state_dict=state["optimizer"], options=options)
+        with over_parameters(optimizer):
+            set_state_dict(module, optimizer, model_state_dict=model_state,
+                           optim_state_dict=state["optimizer"], options=options)
     if random_state is not None:
         _set_rng(random_state)
     return directory

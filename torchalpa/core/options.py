@@ -15,7 +15,7 @@ __all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataP
            "Zero1Parallel", "Zero2Parallel", "Zero3Parallel", "PipeshardParallel", "AutoLayerOption",
            "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style",
            "AutoParallel", "method_of_plan", "REMAT_MODES", "Inference", "MODES", "parse_mode",
-           "parse_remat", "check_remat"]
+           "parse_remat", "check_remat", "PARAMETERS_OFFLOADED", "states_on_devices"]
 
 REMAT_MODES = ("none", "selective", "full", "auto")
 """``AutoShardingOption.remat``'s values: one checkpointing mode, or 'auto' (none or full).
@@ -46,6 +46,19 @@ def check_remat(mode: str, owner: str, allowed: tuple[str, ...] = REMAT_MODES) -
 # Optimizer state tensors kept per parameter element, for the memory model.
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1,
                     "rmsprop": 1}
+
+PARAMETERS_OFFLOADED = -2
+"""``optimizer_states`` of a method whose parameters and gradients live in host memory
+too: the memory model counts ``2 + optimizer_states`` copies of each trained parameter
+on the devices, none here (the copies streamed per op are reserved apart,
+``passes/pricing/offload_price.py``)."""
+
+
+def states_on_devices(option, optimizer: str) -> int:
+    """Optimizer state tensors per parameter element on the devices under ``option``."""
+    if option.offload_parameters:
+        return PARAMETERS_OFFLOADED
+    return 0 if option.offload else OPTIMIZER_STATES[optimizer]
 
 
 def is_style(value) -> bool:
@@ -188,6 +201,13 @@ class AutoShardingOption:
     (``runtime/execution/host_optimizer.py``), priced with the host link's bandwidth (``Cluster``'s
     ``host_link_bandwidth``; ``passes/pricing/offload_price.py``). ``AutoParallel`` turns it on only
     when nothing fits on the devices."""
+    offload_parameters: bool = False
+    """Parameters and gradients in host memory too (ZeRO-Infinity's parameter offload, FSDP's
+    ``CPUOffload``): with ``offload``, the devices hold no model state between ops; each
+    parameter is copied to the device just before the op that reads it (one ahead, on a
+    side stream), in forward and again in backward, and each gradient is copied to the host
+    as soon as backward makes it (``runtime/rewrites/param_stream.py``). Needs ``offload``
+    and ``rematerialize_parameters`` (backward reads its own copies)."""
 
     def __post_init__(self):
         check_remat(self.remat, "AutoShardingOption.remat")
@@ -197,6 +217,10 @@ class AutoShardingOption:
         if self.elementwise not in ("eager", "fused"):
             raise ValueError(f"AutoShardingOption.elementwise must be 'eager' or 'fused', "
                              f"got {self.elementwise!r}")
+        if self.offload_parameters and not (self.offload and self.rematerialize_parameters):
+            raise ValueError("AutoShardingOption.offload_parameters needs offload=True (the "
+                             "optimizer steps on the host) and rematerialize_parameters=True "
+                             "(backward copies the parameters again): set both")
         if self.parameters not in ("auto", "replicated", "sharded"):
             raise ValueError(f"AutoShardingOption.parameters must be 'auto', 'replicated' or "
                              f"'sharded', got {self.parameters!r}")
@@ -321,8 +345,9 @@ class ShardParallel:
 
     @property
     def optimizer_states(self) -> int:
-        """Optimizer state tensors per parameter element on the devices (none offloaded)."""
-        return 0 if self.auto_sharding_option.offload else OPTIMIZER_STATES[self.optimizer]
+        """Optimizer state tensors per parameter element on the devices (none offloaded;
+        ``PARAMETERS_OFFLOADED``: the parameter and its gradient are not there either)."""
+        return states_on_devices(self.auto_sharding_option, self.optimizer)
 
     def to_dict(self) -> dict:
         """Plain JSON data (tuples become lists), as stored in plans."""
@@ -492,8 +517,9 @@ class PipeshardParallel:
 
     @property
     def optimizer_states(self) -> int:
-        """Optimizer state tensors per parameter element on the devices (none offloaded)."""
-        return 0 if self.auto_sharding_option.offload else OPTIMIZER_STATES[self.optimizer]
+        """Optimizer state tensors per parameter element on the devices (none offloaded;
+        ``PARAMETERS_OFFLOADED``: the parameter and its gradient are not there either)."""
+        return states_on_devices(self.auto_sharding_option, self.optimizer)
 
     def intra_op_method(self, option: AutoShardingOption | None = None) -> ShardParallel:
         """The ShardParallel each stage is planned with."""
@@ -526,9 +552,11 @@ class AutoParallel:
     block counts too: 'full:5'). 'layers' lets the search checkpoint only some blocks
     where memory is tight (the first k of L, k chosen by the memory each block frees:
     ``passes/sharding/layer_remat.py``); it needs 'none' or 'full' beside it to bracket k."""
-    offload: bool | None = None
+    offload: bool | str | None = None
     """Optimizer states in host memory (``AutoShardingOption.offload``): None weighs it
-    only when no plan fits on the devices, False never, True always."""
+    only when no plan fits on the devices (then parameters too, when even that does not
+    fit), False never, True always, 'parameters' always with the parameters and gradients
+    in host memory too (``AutoShardingOption.offload_parameters``)."""
     num_micro_batches: int | None = None
     """Micro-batches per step; None: chosen among the divisors of the batch."""
     pipeline: bool | None = None
@@ -566,9 +594,9 @@ class AutoParallel:
         if not remat:
             raise ValueError("AutoParallel.remat must name at least one mode, e.g. ('none',)")
         object.__setattr__(self, "remat", remat)
-        if self.offload not in (None, True, False):
-            raise ValueError(f"AutoParallel.offload must be True, False or None, "
-                             f"got {self.offload!r}")
+        if self.offload not in (None, True, False, "parameters"):
+            raise ValueError(f"AutoParallel.offload must be True, False, None or "
+                             f"'parameters', got {self.offload!r}")
         if self.num_micro_batches is not None and (
                 isinstance(self.num_micro_batches, bool)
                 or not isinstance(self.num_micro_batches, int) or self.num_micro_batches < 1):
@@ -592,15 +620,17 @@ class AutoParallel:
             raise ValueError("AutoParallel chooses activation checkpointing itself: set "
                              "AutoParallel(remat=(...)) to narrow it, not "
                              "auto_sharding_option.remat")
-        if self.auto_sharding_option.offload:
+        if self.auto_sharding_option.offload or self.auto_sharding_option.offload_parameters:
             raise ValueError("AutoParallel chooses offload itself: set "
                              "AutoParallel(offload=True) to force it, not "
                              "auto_sharding_option.offload")
 
     @property
     def optimizer_states(self) -> int:
-        """Optimizer state tensors per parameter element on the devices (none offloaded)."""
-        return 0 if self.offload else OPTIMIZER_STATES[self.optimizer]
+        """Optimizer state tensors per parameter element on the devices (none offloaded;
+        ``PARAMETERS_OFFLOADED``: the parameter and its gradient are not there either)."""
+        return PARAMETERS_OFFLOADED if self.offload == "parameters" else \
+            0 if self.offload else OPTIMIZER_STATES[self.optimizer]
 
     def to_dict(self) -> dict:
         d = json.loads(json.dumps(asdict(self), default=str))

@@ -52,7 +52,13 @@ import torch
 from torchalpa.core.calls import CallSignature
 from torchalpa.core.choice_notes import CHOSEN, RUNNER_UP, TRIED, describe_candidate
 from torchalpa.core.cluster import Cluster, LogicalMesh
-from torchalpa.core.options import AutoParallel, PipeshardParallel, ShardParallel, parse_remat
+from torchalpa.core.options import (
+    OPTIMIZER_STATES,
+    AutoParallel,
+    PipeshardParallel,
+    ShardParallel,
+    parse_remat,
+)
 from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.plan_records import known
 from torchalpa.core.progress import step
@@ -214,7 +220,8 @@ class _Search:
         """Whether parameters may be gathered again in backward: what the option fixes,
         else both for intra-op plans on several devices (pipelines keep forward's)."""
         fixed = self.method.rematerialize_parameters
-        if self.method.auto_sharding_option.rematerialize_parameters:
+        if self.method.auto_sharding_option.rematerialize_parameters or \
+                self.method.offload == "parameters":     # backward copies its own
             fixed = True
         if fixed is not None:
             return (fixed,)
@@ -223,9 +230,14 @@ class _Search:
 
     # -- candidates --------------------------------------------------------------------
     def budget(self) -> float:
-        """Bytes per device every plan must fit in (infinite where none is set)."""
-        return self.method.auto_sharding_option.memory_budget_per_device or \
+        """Bytes per device every plan must fit in (infinite where none is set); with
+        parameters offloaded, less the streamed copies a device holds at once."""
+        whole = self.method.auto_sharding_option.memory_budget_per_device or \
             self.cluster.memory_per_device or math.inf
+        if self.method.offload != "parameters":
+            return whole
+        from torchalpa.passes.pricing.offload_price import device_window_bytes
+        return whole - device_window_bytes(self.capture(self.first_count(), "none").graph)
 
     def profile(self, remat: str):
         """The bounds profile of the step checkpointed by ``remat`` (one per mode)."""
@@ -298,7 +310,8 @@ class _Search:
         multi_node = self.nodes > 1
         kinds = []
         if self.method.pipeline is not True and not (multi_node and self.allow_pipeline):
-            kinds.append(Candidate("intra-op", remat, k, bound, memory, bound))
+            streamed = self.streamed_floor(k, bound)
+            kinds.append(Candidate("intra-op", remat, k, streamed, memory, streamed))
         if self.allow_pipeline and devices > 1 and self.method.pipeline is not False \
                 and not self.method.offload:     # offload is priced for intra-op plans
             # sound: on several nodes one stage may span them all (S >= 1), on one
@@ -309,6 +322,18 @@ class _Search:
                                    bound * (k + stages - 1) / k))
         return [replace(c, regather=regather) for c in kinds
                 for regather in self.regather_choices(c.kind)]
+
+    def streamed_floor(self, k: int, bound: float) -> float:
+        """``bound`` of an intra-op candidate of ``k`` micro-batches, raised by what
+        streaming parameters from the host pays at least where it does (the link up and
+        the host's step, ``offload_price.streamed_floor_s``)."""
+        if self.method.offload != "parameters":
+            return bound
+        from torchalpa.passes.pricing.offload_price import streamed_floor_s
+        up, host = streamed_floor_s(self.capture(self.first_count(), "none").graph,
+                                    OPTIMIZER_STATES[self.method.optimizer], self.cluster,
+                                    self.cluster.num_devices, k)
+        return max(bound, up) + host
 
     def first_count(self) -> int:
         """The micro-batch count whose capture the bounds are derived from."""
@@ -347,8 +372,11 @@ class _Search:
     # -- solving -----------------------------------------------------------------------
     def solve(self, c: Candidate):
         """The plan of candidate ``c`` (an InfeasibleError when it does not fit)."""
+        parameters = self.method.offload == "parameters"
         option = replace(self.method.auto_sharding_option, remat="none",
-                         rematerialize_parameters=c.regather, offload=bool(self.method.offload))
+                         rematerialize_parameters=c.regather, offload=bool(self.method.offload),
+                         offload_parameters=parameters,
+                         **({"memory_budget_per_device": self.budget()} if parameters else {}))
         captured = self.capture(c.num_micro_batches, c.remat, c.regather)
         if c.kind == "intra-op":
             from torchalpa.parallel.shard import blocks_of, plan_graph
@@ -378,24 +406,38 @@ class _Search:
 
     def run(self):
         """The best plan; with ``offload=None``, planned again with optimizer states in
-        host memory when nothing fits on the devices."""
+        host memory when nothing fits on the devices, and with parameters and gradients
+        there too when that does not fit either."""
         try:
             return self.run_once()
         except NothingFitsError as e:
             if self.method.offload is not None or not self.method.optimizer_states:
                 raise
-            self.check_host_memory(replace(self.method, offload=True),
-                                   str(e).splitlines()[0].removesuffix("; tried:"))
-            self.method = replace(self.method, offload=True)
-            self.plans, self.deadline = [], time.perf_counter() + self.method.time_budget_s
+            why = str(e).splitlines()[0].removesuffix("; tried:")
+            self.check_host_memory(replace(self.method, offload=True), why)
             try:
-                found = self.run_once()
-            except NothingFitsError as again:
-                raise NothingFitsError("even with the optimizer states in host memory, "
-                                       + str(again), again.attempts) from None
+                found = self.run_offloaded(True, why)
+                what = "optimizer states"
+            except NothingFitsError as again:       # parameters too, as a last resort
+                found = self.run_offloaded("parameters", str(again).splitlines()[0]
+                                           .removesuffix("; tried:"))
+                what = "parameters, gradients and optimizer states"
             return replace(found, notes=tuple(found.notes) + (
-                "AutoParallel offloaded optimizer states to host memory: without it, "
-                + str(e).splitlines()[0].removesuffix("; tried:"),))
+                f"AutoParallel offloaded {what} to host memory: without it, " + why,))
+
+    def run_offloaded(self, offload, why: str):
+        """The best plan with ``AutoParallel(offload=offload)``; NothingFitsError saying
+        ``why`` offloading was tried when the hosts or the devices cannot hold it."""
+        self.check_host_memory(replace(self.method, offload=offload), why)
+        self.method = replace(self.method, offload=offload)
+        self.plans, self.profiles = [], {}       # bounds count what stays on the devices
+        self.deadline = time.perf_counter() + self.method.time_budget_s
+        try:
+            return self.run_once()
+        except NothingFitsError as again:
+            what = "parameters" if offload == "parameters" else "optimizer states"
+            raise NothingFitsError(f"even with the {what} in host memory, " + str(again),
+                                   again.attempts) from None
 
     def check_host_memory(self, method: AutoParallel, why: str = "") -> None:
         """A one-line NothingFitsError when the hosts cannot hold the offloaded states."""

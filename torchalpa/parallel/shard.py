@@ -307,6 +307,9 @@ class IntraOpSteps:
     def solve(self, graph: OpGraph, target: IntraOpTarget, method: ShardParallel,
               inputs: str, measured=None) -> Plan:
         del measured
+        if method.auto_sharding_option.offload_parameters:   # room for the streamed copies
+            from torchalpa.parallel.offload import with_streaming_room
+            method = with_streaming_room(method, graph, target.cluster)
         plan = plan_graph(graph, method=method, meshes=target.meshes, inputs=inputs,
                           blocks=blocks_of(graph))
         if method.auto_sharding_option.offload:      # priced and checked on the host

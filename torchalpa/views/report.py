@@ -251,7 +251,10 @@ def explain_decision(plan, name: str) -> str:
         est = plan.estimates
         on = plan.method.get("offload") or \
             (plan.method.get("auto_sharding_option") or {}).get("offload")
-        head = "offload: optimizer states in host memory" + (
+        params = plan.method.get("offload_parameters") or \
+            (plan.method.get("auto_sharding_option") or {}).get("offload_parameters")
+        what = "parameters, gradients and optimizer states" if params else "optimizer states"
+        head = f"offload: {what} in host memory" + (
             f", {est.offload_s * 1e3:.4g} ms per step, "
             f"{format_bytes(est.host_bytes_per_node)} of host memory per node"
             if on and est.offload_s is not None else "") if on else \
