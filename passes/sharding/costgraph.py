@@ -293,18 +293,19 @@ def _read_layouts_key(strategies: list[Strategy], how) -> tuple:
 
 def solve_sharing_reads(graph: OpGraph, mesh, S: dict, grouping, costs, solve,
                         initial=None, shared: frozenset = frozenset(), micro_batches: int = 1,
-                        state_once: bool = False):
+                        state_once: bool = False, share_state: bool = False):
     """Solve, then price the values the plan reshards alike for two reads once per layout
     and solve again from that plan, until no such value is priced per read.
     ``solve(cost_graph, initial) -> (ILPSolution, node -> Strategy)``; ``shared``: values
     priced so from the first solve (those an earlier solve of the same graph found: each
     round found again costs a whole solve). Returns the last (cost graph, solution, chosen
-    strategies, values priced once per layout)."""
+    strategies, values priced once per layout). ``share_state``: parameters' reads may
+    share a copy too (``shared_reshard.read_key``)."""
     for _ in range(SHARING_ROUNDS):
         cg = build_cost_graph(graph, mesh, S, grouping, costs, shared,
                               micro_batches=micro_batches, state_once=state_once)
         solution, chosen = solve(cg, initial)
-        more = duplicated_reads(graph, chosen, costs.steps) - shared
+        more = duplicated_reads(graph, chosen, costs.steps, share_state) - shared
         if not more:
             break
         shared, initial = shared | more, solution.choice
