@@ -350,6 +350,36 @@ def test_bert_layer_model_parallel(qkv, attention, axis, shape):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_bert_layer_model_parallel_reduce_scatter(axis, shape):
+    """Alpa's test_bert_layer_model_parallel_reduce_scatter: with reduce-scatters in the
+    space the model-parallel plan is unchanged (7 all-reduces, nothing else)."""
+    num_layers, batch_size, seq_len, hidden = 2, 8, 8, 128
+    plan, mesh = plan_of(BertLayers(num_layers, hidden, 8), bert_inputs(batch_size, seq_len, hidden),
+                         shape=shape, all_reduce_threshold=MERGE_ALL, allow_reduce_scatter=True)
+    assert_close(plan.estimates.objective, (num_layers * 4 - 1) * all_reduce_cost(
+        mesh, batch_size * seq_len * hidden * 4, axis))
+    counts = communication(plan)
+    assert counts["all_reduce"] == counts["total"] == num_layers * 4 - 1, counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
+def test_bert_layer_model_parallel_remat(axis, shape):
+    """Alpa's test_bert_layer_model_parallel_remat: each layer checkpointed (``remat=
+    "full"``, Alpa's ``gradient_checkpointing``), so backward recomputes the layer's
+    forward with its 2 all-reduces: 11 all-reduces (6 per layer, less the first layer's
+    input gradient), nothing else."""
+    num_layers, batch_size, seq_len, hidden = 2, 8, 8, 128
+    plan, mesh = plan_of(BertLayers(num_layers, hidden, 8), bert_inputs(batch_size, seq_len, hidden),
+                         shape=shape, all_reduce_threshold=MERGE_ALL, remat="full")
+    assert_close(plan.estimates.objective, (num_layers * 6 - 1) * all_reduce_cost(
+        mesh, batch_size * seq_len * hidden * 4, axis))
+    counts = communication(plan)
+    assert counts["all_reduce"] == counts["total"] == num_layers * 6 - 1, counts
+
+
+@pytest.mark.slow
 def test_bert_layer_force_batch_dim_mapping():
     """Alpa's test_bert_layer_force_batch_dim_mapping: the batch on axis 0 alone, so on
     (1, 4) it stays whole and the plan is model parallel (5,505,031; before the batch was
@@ -547,6 +577,24 @@ def test_bert_mlm_data_parallel_reduce_scatter():
     assert (counts["reduce_scatter"], counts["all_gather"], counts["all_reduce"],
             counts["total"]) == (1, 1, 1, 3), counts
     assert_close(pinned.estimates.objective, _data_parallel_objective(model, mesh, 0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(4, 1), (1, 4)])
+def test_bert_mlm_data_parallel_zero_stage_3(shape):
+    """Alpa's test_bert_mlm_data_parallel_reduce_scatter_zero_3: at most 3 parameters and
+    optimizer states of rank 2 or more left whole (ours leaves none: the token-type table
+    is split on its hidden dim); and, as in the MLP's ZeRO-3 case, one phase of gathers
+    in forward, one in backward, one of reduce-scatters."""
+    plan, _ = plan_of(functools.partial(BertMLM, 2, 16, 4, 128, 32), mlm_inputs(32, 32),
+                      mlm_loss, shape=shape, method=Zero3Parallel, all_reduce_threshold=MERGE_ALL)
+    ranks = {p.name: len(p.shape) for p in plan.parameters}
+    whole = [name for name, placements in weights(plan).items()
+             if ranks[name] > 1 and all(p == Replicate() for p in placements)]
+    assert 3 * len(whole) <= 3, whole        # each with its two Adam states
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert (counts["all_gather"], counts["reduce_scatter"], counts["all_reduce"]) == (2, 1, 0), \
+        counts
 
 
 def _tied_embedding_case(head="matmul"):
