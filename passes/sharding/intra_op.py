@@ -38,6 +38,8 @@ from torchalpa.passes.pricing.memory import MemoryModel, model_state_bytes
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.sharding.constraints import apply_constraints
 from torchalpa.passes.sharding.costgraph import (
+    RESLICE_REDUCTION,
+    SLICE_PARTIAL,
     CostGraph,
     ReshardCosts,
     solve_sharing_reads,
@@ -460,9 +462,13 @@ def effective_option(option: AutoShardingOption, mesh: LogicalMesh
 
 
 def forbidden_collectives(option: AutoShardingOption) -> frozenset:
-    """Collective kinds resharding may not use under ``option``."""
+    """Collective kinds resharding may not use under ``option``, and (without
+    ``slice_before_reduce``) the local steps ``ReshardCosts`` forbids: ``SLICE_PARTIAL``,
+    ``RESLICE_REDUCTION``."""
     return frozenset(k for k, allowed in (("all_gather", option.allow_all_gather),
-                                          ("all_to_all", option.allow_all_to_all))
+                                          ("all_to_all", option.allow_all_to_all),
+                                          (SLICE_PARTIAL, option.slice_before_reduce),
+                                          (RESLICE_REDUCTION, option.slice_before_reduce))
                      if not allowed)
 
 
