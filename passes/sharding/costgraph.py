@@ -288,15 +288,6 @@ def _price_groups(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Groupi
         if RESLICE_REDUCTION in costs.forbidden and isinstance(how, int) \
                 and op_family(graph.node(v).op) in REDUCTIONS:
             _forbid_reslicing(e, costs, graph.node(u).outputs[idx], rows, cols)
-        import os
-        if os.environ.get("EXP_STRICT") and isinstance(how, int) and \
-                any(k in graph.node(v).op for k in os.environ["EXP_STRICT"].split(",")):
-            urows, _ = _unique(rows)
-            ucols, _ = _unique(cols)
-            for i, r in enumerate(urows):
-                for j, c in enumerate(ucols):
-                    if r != c:
-                        e.table[i, j] = 1e9
         e.table = e.table * sum((weights.get((m[0], m[1]), 1.0) if isinstance(m[3], int) else 1.0)
                                 * repeats.of(m[0], m[2], m[3]) for m in members)
         if ru == rv:   # both ends follow one node: only its diagonal can happen
