@@ -105,10 +105,12 @@ def test_2_layer_bert_shard_parallel(runs):
 
 
 def test_2_layer_bert_alpa_2d_space_gathers_gradients_and_runs_like_one_device(runs):
-    """In Alpa's 2D space the plan sums the layer norms' and row-parallel biases'
-    gradients over axis 0 at half size and all-gathers them on axis 1, where Alpa's plan
-    all-reduces them whole (cheaper in Alpa's own units, not in Alpa's plan): it is a
-    valid plan, every parameter within Alpa's 5e-4 of one device's after an Adam step."""
+    """With Alpa's 2D restrictions but a sum allowed to take a slice before it reduces
+    (``slice_before_reduce``, our default; outside Alpa's space) the plan sums the layer
+    norms' and row-parallel biases' gradients over axis 0 at half size and all-gathers
+    them on axis 1, where Alpa's plan all-reduces them whole (cheaper in Alpa's own
+    units): it is a valid plan, every parameter within Alpa's 5e-4 of one device's after
+    an Adam step."""
     r = _scenario(runs, "bert_alpa2d:2x2")
     assert _not_close(r) == {}
     assert r["losses"][0] == pytest.approx(r["ref_losses"][0], rel=1e-5)

@@ -322,9 +322,10 @@ BMM = ("the model's own reshape to (B * nh, S, hd) merges batch and heads into o
        "back to torchalpa::batched_matmul, so heads cannot be split; measured: 15,953 against "
        "6,145 for 4D matmuls on 1D 4, 6,398 against 2,402 on 2x2")
 TIE = ("not a worse plan: the same objective (7,996.2), but the second bias is (R, S(0)) where "
-       "nn.Linear's is (R, R); pinning either layout in the other spelling gives the same "
-       "objective, a tie the solver breaks by the graph's node order (x @ w.T + b adds the bias "
-       "on (B, S, N), F.linear on (B * S, N))")
+       "nn.Linear's is (R, R). Not a tie either: this plan's layouts pinned in the nn.Linear "
+       "spelling cost 7,996.2 too, but nn.Linear's pinned here cost 8,003.6 (+7.4, an "
+       "all-gather of 128 bytes on axis 1): x @ w.T + b adds the bias on (B, S, N), F.linear "
+       "on (B * S, N), and the same layouts cost more in this graph (measured 2026-11-28)")
 KNOWN_LOSSES: dict[tuple[str, str, str | None], str] = {
     ("mlp", "functional_matmul_operator", "2d2x2"): TIE,
     ("qkv", "major_split", "2d2x2"): STRIDED_2D,

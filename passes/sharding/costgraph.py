@@ -22,11 +22,12 @@ import numpy as np
 
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import OpGraph, TensorSpec
-from torchalpa.core.placement import Placements, replicated
+from torchalpa.core.placement import Partial, Placements, replicated
 from torchalpa.passes.pricing.cost import (
     batch_sync_cost,
     compute_cost,
     gradient_steps_cost,
+    op_family,
     steps_cost,
     strategy_bytes,
 )
@@ -42,7 +43,16 @@ from torchalpa.passes.sharding.simplify import Grouping
 from torchalpa.passes.sharding.strategies import Strategy, sync_steps
 
 __all__ = ["ReshardCosts", "CostGraph", "build_cost_graph",
-           "solve_sharing_reads"]
+           "solve_sharing_reads", "SLICE_PARTIAL", "RESLICE_REDUCTION"]
+
+# Local steps ``ReshardCosts.forbidden`` may name besides collective kinds (both without
+# ``AutoShardingOption.slice_before_reduce``, Alpa's space):
+SLICE_PARTIAL = "slice_partial"
+"""A slice of a partial sum: the sum is then all-reduced at the size of the slice."""
+RESLICE_REDUCTION = "reslice_reduction"
+"""An operand read of a reduction (``REDUCTIONS``) by local slices alone: the sum over a
+part of a whole value. Alpa's reductions read the layout their operand is made in."""
+REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "prod", "var", "std", "logsumexp"})
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -69,9 +79,16 @@ class ReshardCosts:
             return ()
         steps = plan_reshard(spec, src, dst, self.mesh.shape, self.allow_reduce_scatter)
         if steps and self.forbidden and any(
-                s.kind in self.forbidden and self.mesh.shape[s.axis] > 1 for s in steps):
+                (s.kind in self.forbidden or SLICE_PARTIAL in self.forbidden and s.kind == "slice"
+                 and any(isinstance(p, Partial) for p in s.src))
+                and self.mesh.shape[s.axis] > 1 for s in steps):
             return None
         return steps
+
+    def reslices(self, spec: TensorSpec, src: Placements, dst: Placements | None) -> bool:
+        """Whether reading ``src`` as ``dst`` takes local slices and nothing else."""
+        steps = self.steps(spec, src, dst)
+        return bool(steps) and all(s.kind == "slice" for s in steps)
 
     def cost(self, spec: TensorSpec, src: Placements, dst: Placements | None,
              gradient: bool = False) -> float:
@@ -268,6 +285,9 @@ def _price_groups(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Groupi
         rows = [S[u][a].outputs[idx] for a in index[u]]
         cols = [_reads(S[v][b], how) for b in index[v]]
         e = costs.edge(ru, rv, graph.node(u).outputs[idx], rows, cols, gradient=how == "grad")
+        if RESLICE_REDUCTION in costs.forbidden and isinstance(how, int) \
+                and op_family(graph.node(v).op) in REDUCTIONS:
+            _forbid_reslicing(e, costs, graph.node(u).outputs[idx], rows, cols)
         e.table = e.table * sum((weights.get((m[0], m[1]), 1.0) if isinstance(m[3], int) else 1.0)
                                 * repeats.of(m[0], m[2], m[3]) for m in members)
         if ru == rv:   # both ends follow one node: only its diagonal can happen
@@ -275,6 +295,17 @@ def _price_groups(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Groupi
         else:
             edges.append(e)
     return edges
+
+
+def _forbid_reslicing(e: Edge, costs: ReshardCosts, spec: TensorSpec, rows: list,
+                      cols: list) -> None:
+    """Make the reads of ``e`` (an edge into a reduction) that only slice impossible."""
+    urows, _ = _unique(rows)
+    ucols, _ = _unique(cols)
+    for i, src in enumerate(urows):
+        for j, dst in enumerate(ucols):
+            if costs.reslices(spec, src, dst):
+                e.table[i, j] = math.inf
 
 
 def _state_read_in_forward(graph: OpGraph, producer: str, consumer: str) -> bool:
@@ -293,18 +324,19 @@ def _read_layouts_key(strategies: list[Strategy], how) -> tuple:
 
 def solve_sharing_reads(graph: OpGraph, mesh, S: dict, grouping, costs, solve,
                         initial=None, shared: frozenset = frozenset(), micro_batches: int = 1,
-                        state_once: bool = False):
+                        state_once: bool = False, share_state: bool = False):
     """Solve, then price the values the plan reshards alike for two reads once per layout
     and solve again from that plan, until no such value is priced per read.
     ``solve(cost_graph, initial) -> (ILPSolution, node -> Strategy)``; ``shared``: values
     priced so from the first solve (those an earlier solve of the same graph found: each
     round found again costs a whole solve). Returns the last (cost graph, solution, chosen
-    strategies, values priced once per layout)."""
+    strategies, values priced once per layout). ``share_state``: parameters' reads may
+    share a copy too (``shared_reshard.read_key``)."""
     for _ in range(SHARING_ROUNDS):
         cg = build_cost_graph(graph, mesh, S, grouping, costs, shared,
                               micro_batches=micro_batches, state_once=state_once)
         solution, chosen = solve(cg, initial)
-        more = duplicated_reads(graph, chosen, costs.steps) - shared
+        more = duplicated_reads(graph, chosen, costs.steps, share_state) - shared
         if not more:
             break
         shared, initial = shared | more, solution.choice

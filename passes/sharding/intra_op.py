@@ -38,6 +38,8 @@ from torchalpa.passes.pricing.memory import MemoryModel, model_state_bytes
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.sharding.constraints import apply_constraints
 from torchalpa.passes.sharding.costgraph import (
+    RESLICE_REDUCTION,
+    SLICE_PARTIAL,
     CostGraph,
     ReshardCosts,
     solve_sharing_reads,
@@ -311,7 +313,8 @@ class _IntraOpILP:
                                                      self.budget, self.timed_option(), mesh,
                                                      initial=initial),
             _initial_choice(S, grouping, start), shared,
-            micro_batches=self.method.num_micro_batches, state_once=self.state_once)
+            micro_batches=self.method.num_micro_batches, state_once=self.state_once,
+            share_state=not self.option.rematerialize_parameters)
         return _Solved(grouping, cg, solution, chosen, shared)
 
     def resolve(self, best: _Solved, what: str, **less_simplified) -> _Solved:
@@ -423,7 +426,8 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
             reads[(ref.node, ref.index)] += 1
     cg = build_cost_graph(graph, mesh, S, grouping, costs, read_weights={
         v: 1.0 / k for v, k in reads.items()
-        if k > 1 and graph.node(v[0]).kind not in ("param", "buffer")},
+        if k > 1 and (graph.node(v[0]).kind not in ("param", "buffer")
+                      or not option.rematerialize_parameters)},
         micro_batches=method.num_micro_batches,
         state_once=state_read_once(method.num_micro_batches, option.rematerialize_parameters))
     return lower_bound(ILPProblem(node_costs=cg.node_costs, edges=cg.edges))
@@ -458,9 +462,13 @@ def effective_option(option: AutoShardingOption, mesh: LogicalMesh
 
 
 def forbidden_collectives(option: AutoShardingOption) -> frozenset:
-    """Collective kinds resharding may not use under ``option``."""
+    """Collective kinds resharding may not use under ``option``, and (without
+    ``slice_before_reduce``) the local steps ``ReshardCosts`` forbids: ``SLICE_PARTIAL``,
+    ``RESLICE_REDUCTION``."""
     return frozenset(k for k, allowed in (("all_gather", option.allow_all_gather),
-                                          ("all_to_all", option.allow_all_to_all))
+                                          ("all_to_all", option.allow_all_to_all),
+                                          (SLICE_PARTIAL, option.slice_before_reduce),
+                                          (RESLICE_REDUCTION, option.slice_before_reduce))
                      if not allowed)
 
 

@@ -65,7 +65,8 @@ def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     """The Plan of ``chosen`` (node -> strategy) for ``graph`` on ``mesh`` (module doc);
     ``space``: the strategies it was chosen from (its notes and unsupported ops go into
     the plan); ``inputs``: "global" batches are resharded from whole ones."""
-    reshards = _reshards(graph, mesh, chosen, costs, inputs)
+    reshards = _reshards(graph, mesh, chosen, costs, inputs,
+                         not method.auto_sharding_option.rematerialize_parameters)
     k = method.num_micro_batches      # gradient accumulation: all but the final reductions
     state_once = state_read_once(k, method.auto_sharding_option.rematerialize_parameters)
     traffic = _Traffic(graph, mesh, k)
@@ -99,8 +100,10 @@ class _Reshards:
     """The reshards of a plan, in order; operand reads that reshard a value alike share
     the first such read's copy."""
 
-    def __init__(self, graph: OpGraph, chosen: dict[str, Strategy], costs: ReshardCosts):
+    def __init__(self, graph: OpGraph, chosen: dict[str, Strategy], costs: ReshardCosts,
+                 share_state: bool):
         self.graph, self.chosen, self.costs = graph, chosen, costs
+        self.share_state = share_state   # parameters' reads share a copy (read_key)
         self.reshards: list[Reshard] = []
         self._first_read: dict = {}     # (value, steps) -> the operand read that reshards it
 
@@ -112,7 +115,7 @@ class _Reshards:
         steps = self.costs.steps(graph.spec(ref), src, dst)
         assert steps is not None, (ref, consumer, slot, src, dst)
         if isinstance(slot, int):    # operand reads alike share one resharded copy
-            key = read_key(graph, chosen, self.costs.steps, ref, dst)
+            key = read_key(graph, chosen, self.costs.steps, ref, dst, self.share_state)
             if key is not None and key in self._first_read:
                 self.reshards.append(Reshard(ref.node, ref.index, consumer, slot, (),
                                              same_as=self._first_read[key]))
@@ -124,12 +127,13 @@ class _Reshards:
 
 
 def _reshards(graph: OpGraph, mesh: LogicalMesh, chosen: dict[str, Strategy],
-              costs: ReshardCosts, inputs: str) -> list[Reshard]:
+              costs: ReshardCosts, inputs: str, share_state: bool) -> list[Reshard]:
     """Every reshard of the plan: global inputs to their layouts, each operand read, the
     loss made whole, gradients and buffer updates to their owners' layouts, values sent
-    to other stages made whole."""
+    to other stages made whole. ``share_state``: reads of a parameter alike share a copy
+    (unless parameters are gathered again in backward)."""
     R = replicated(mesh.ndim)
-    out = _Reshards(graph, chosen, costs)
+    out = _Reshards(graph, chosen, costs, share_state)
     for node in graph:
         if node.kind == "input" and inputs == "global":
             steps = costs.steps(node.output, R, chosen[node.name].outputs[0])

@@ -63,13 +63,16 @@ class SharedReads:
         return {self.producer} | {v for v, _ in self.reads}
 
 
-def duplicated_reads(graph: OpGraph, chosen: dict, steps_of) -> set[ValueKey]:
+def duplicated_reads(graph: OpGraph, chosen: dict, steps_of, share_state: bool = False
+                     ) -> set[ValueKey]:
     """Values that ``chosen`` (node -> Strategy) reshards with the same collective steps for
-    two operand reads; ``steps_of(spec, src, dst)`` gives the steps."""
+    two operand reads; ``steps_of(spec, src, dst)`` gives the steps; ``share_state``: as
+    ``read_key``'s."""
     seen: dict[tuple, int] = defaultdict(int)
     for node in graph.ops():
         for slot, ref in enumerate(node.operands):
-            key = read_key(graph, chosen, steps_of, ref, chosen[node.name].inputs[slot])
+            key = read_key(graph, chosen, steps_of, ref, chosen[node.name].inputs[slot],
+                           share_state)
             if key is not None:
                 seen[key] += 1
     return {key[0] for key, count in seen.items() if count > 1}
@@ -85,12 +88,15 @@ def multi_read_values(graph: OpGraph) -> frozenset[ValueKey]:
     return frozenset(k for k, c in count.items() if c > 1)
 
 
-def read_key(graph: OpGraph, chosen: dict, steps_of, ref: ValueRef, dst):
+def read_key(graph: OpGraph, chosen: dict, steps_of, ref: ValueRef, dst,
+             share_state: bool = False):
     """What makes two reads share a resharded copy: the value and the steps. None when
-    the read needs no collective (nothing worth sharing) or reads a parameter or buffer: a
-    gathered weight kept from forward to backward is the memory ZeRO-3 saves by gathering
-    it again."""
-    if graph.node(ref.node).kind in ("param", "buffer"):
+    the read needs no collective (nothing worth sharing), or reads a parameter or buffer
+    and ``share_state`` is False: a gathered weight kept from forward to backward is the
+    memory ZeRO-3 (``rematerialize_parameters``) saves by gathering it again. Otherwise
+    (ZeRO-2) a parameter gathered once serves every read of it in that layout, forward's
+    and backward's, as XLA's common-subexpression elimination merges Alpa's gathers."""
+    if not share_state and graph.node(ref.node).kind in ("param", "buffer"):
         return None
     steps = steps_of(graph.spec(ref), chosen[ref.node].outputs[ref.index], dst)
     if not steps or not any(s.is_collective for s in steps):

@@ -129,6 +129,12 @@ class AutoShardingOption:
     """Let one tensor dim be split over both axes of a 2D mesh (Alpa's S01). Alpa's
     default is False; ours keeps these layouts, since ZeRO-style plans on 2D meshes need
     them."""
+    slice_before_reduce: bool = True
+    """Let a sum take a slice of a whole operand, and a partial sum be sliced before its
+    all-reduce, so that the all-reduce moves only a part: on a 2D mesh a bias's or layer
+    norm's gradient summed at half size over one axis and gathered on the other. Alpa's
+    space has neither (its reductions read the layout their operand is made in, and each
+    op all-reduces the whole result it makes); False keeps the search to Alpa's there."""
     allow_recompute_heavy_op: bool = False
     """Let compute-bound ops (matmuls, convolutions) run redundantly on several devices;
     off (Alpa's default), they are always split over every device when they can be."""
