@@ -69,7 +69,8 @@ def duplicated_reads(graph: OpGraph, chosen: dict, steps_of) -> set[ValueKey]:
     seen: dict[tuple, int] = defaultdict(int)
     for node in graph.ops():
         for slot, ref in enumerate(node.operands):
-            key = read_key(graph, chosen, steps_of, ref, chosen[node.name].inputs[slot])
+            key = read_key(graph, chosen, steps_of, ref, chosen[node.name].inputs[slot],
+                           node.phase)
             if key is not None:
                 seen[key] += 1
     return {key[0] for key, count in seen.items() if count > 1}
@@ -85,16 +86,21 @@ def multi_read_values(graph: OpGraph) -> frozenset[ValueKey]:
     return frozenset(k for k, c in count.items() if c > 1)
 
 
-def read_key(graph: OpGraph, chosen: dict, steps_of, ref: ValueRef, dst):
+def read_key(graph: OpGraph, chosen: dict, steps_of, ref: ValueRef, dst,
+             phase: str = "forward"):
     """What makes two reads share a resharded copy: the value and the steps. None when
     the read needs no collective (nothing worth sharing) or reads a parameter or buffer: a
     gathered weight kept from forward to backward is the memory ZeRO-3 saves by gathering
-    it again."""
+    it again. A gathered activation is not kept from forward to backward either (the
+    memory model does not price resharded copies): a read in ``phase`` "backward" gathers
+    it again, as Megatron's sequence parallelism gathers a norm's output twice."""
     if graph.node(ref.node).kind in ("param", "buffer"):
         return None
     steps = steps_of(graph.spec(ref), chosen[ref.node].outputs[ref.index], dst)
     if not steps or not any(s.is_collective for s in steps):
         return None
+    if any(s.kind == "all_gather" for s in steps):
+        return (ref.node, ref.index), tuple(steps), phase == "forward"
     return (ref.node, ref.index), tuple(steps)
 
 
@@ -114,15 +120,25 @@ def shared_groups(graph: OpGraph, S: dict, grouping, costs, values: set[ValueKey
         sources: dict = {}
         rows = np.array([sources.setdefault(S[u][a].outputs[idx], len(sources))
                          for a in index[u]], dtype=np.int64)
-        targets: dict = {}
+        targets: dict = {}      # (layout, gathered again in backward) -> id
         per_read = []
         for v, slot in readers:
-            ids = np.array([targets.setdefault(S[v][b].inputs[slot], len(targets))
-                            for b in index[v]], dtype=np.int64)
+            again = graph.node(v).phase != "forward"
+            ids = np.array([targets.setdefault(
+                (dst, again and _gathers(costs, spec, sources, dst)), len(targets))
+                for dst in (S[v][b].inputs[slot] for b in index[v])], dtype=np.int64)
             per_read.append((rep[v], ids))
-        table = np.array([[costs.cost(spec, src, dst) for dst in targets] for src in sources])
+        table = np.array([[costs.cost(spec, src, dst) for dst, _ in targets]
+                          for src in sources])
         groups.append(SharedReads((u, idx), rep[u], rows, per_read, table))
     return groups
+
+
+def _gathers(costs, spec, sources, dst) -> bool:
+    """Whether some source layout reaches ``dst`` by an all-gather (``read_key``: such a
+    copy is made again for backward's reads)."""
+    return any(any(s.kind == "all_gather" for s in costs.steps(spec, src, dst) or ())
+               for src in sources)
 
 
 def shared_reads_cost(group: SharedReads, choice: dict[str, int]) -> float:
