@@ -8,18 +8,13 @@ from __future__ import annotations
 import pytest
 import worker_io
 
-SCENARIOS = ("gpt:4", "llama:4")
+SCENARIOS = [pytest.param("gpt:4"), pytest.param("llama:4", marks=pytest.mark.slow)]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
+@pytest.fixture(scope="module", params=SCENARIOS)
+def result(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("seq_parallel") / "seq_parallel.json"
-    return worker_io.launch("seq_parallel_worker.py", out, ",".join(SCENARIOS), nproc=4)
-
-
-@pytest.fixture(params=SCENARIOS)
-def result(request, results):
-    r = results[request.param]
+    r = worker_io.launch("seq_parallel_worker.py", out, request.param, nproc=4)[request.param]
     if "error" in r:
         pytest.fail(f"scenario {request.param} failed:\n{r['trace']}")
     return request.param, r
