@@ -120,25 +120,15 @@ def shared_groups(graph: OpGraph, S: dict, grouping, costs, values: set[ValueKey
         sources: dict = {}
         rows = np.array([sources.setdefault(S[u][a].outputs[idx], len(sources))
                          for a in index[u]], dtype=np.int64)
-        targets: dict = {}      # (layout, gathered again in backward) -> id
+        targets: dict = {}
         per_read = []
         for v, slot in readers:
-            again = graph.node(v).phase != "forward"
-            ids = np.array([targets.setdefault(
-                (dst, again and _gathers(costs, spec, sources, dst)), len(targets))
-                for dst in (S[v][b].inputs[slot] for b in index[v])], dtype=np.int64)
+            ids = np.array([targets.setdefault(S[v][b].inputs[slot], len(targets))
+                            for b in index[v]], dtype=np.int64)
             per_read.append((rep[v], ids))
-        table = np.array([[costs.cost(spec, src, dst) for dst, _ in targets]
-                          for src in sources])
+        table = np.array([[costs.cost(spec, src, dst) for dst in targets] for src in sources])
         groups.append(SharedReads((u, idx), rep[u], rows, per_read, table))
     return groups
-
-
-def _gathers(costs, spec, sources, dst) -> bool:
-    """Whether some source layout reaches ``dst`` by an all-gather (``read_key``: such a
-    copy is made again for backward's reads)."""
-    return any(any(s.kind == "all_gather" for s in costs.steps(spec, src, dst) or ())
-               for src in sources)
 
 
 def shared_reads_cost(group: SharedReads, choice: dict[str, int]) -> float:
