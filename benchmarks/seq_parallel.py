@@ -5,8 +5,8 @@ column / row styles pinned on the attention and MLP products; planned twice, pla
 with ``AutoShardingOption(sequence_parallel=True)`` (norms, and what the ILP puts beside
 them, split by sequence), each with activation checkpointing 'none' and 'full'. Prints the
 estimated step, memory per device and saved activations per device of each, and the
-ratios. Usage: ``python benchmarks/seq_parallel.py [--layers 4 --hidden 1024 --seq 2048
---tp 4]``.
+ratios. Usage: ``python benchmarks/seq_parallel.py [--layers 8 --hidden 1024 --seq 2048
+--tp 4 --dropout 0]``.
 """
 
 from __future__ import annotations
@@ -34,19 +34,20 @@ def plan(model, batch, tp: int, **option):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--dropout", type=float, default=0.0)
     a = ap.parse_args()
     config = gpt.GPTConfig(vocab_size=50304, max_seq_len=a.seq, num_layers=a.layers,
-                           num_heads=a.heads, hidden=a.hidden, dropout=0.1)
+                           num_heads=a.heads, hidden=a.hidden, dropout=a.dropout)
     torch.manual_seed(0)
     model, batch = gpt.GPT(config), gpt.example_batch(config, a.batch, seq_len=a.seq)
     print(f"GPT {a.layers} layers, hidden {a.hidden}, seq {a.seq}, batch {a.batch}, "
-          f"dropout 0.1; tp {a.tp} H100s")
+          f"dropout {a.dropout}; tp {a.tp} H100s")
     print("| remat | plan | step ms | memory/device MiB | saved activations MiB |")
     print("|---|---|---|---|---|")
     for remat in ("none", "full"):

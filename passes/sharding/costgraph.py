@@ -41,7 +41,7 @@ from torchalpa.passes.sharding.shared_reshard import (
 from torchalpa.passes.sharding.simplify import Grouping
 from torchalpa.passes.sharding.strategies import Strategy, sync_steps
 
-__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph",
+__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph", "saved_views",
            "solve_sharing_reads"]
 
 log = logging.getLogger("torchalpa.planner")
