@@ -62,7 +62,8 @@ def test_sequence_parallel_splits_norms_and_lowers_the_memory_estimate(plans):
 
 def test_a_tight_budget_makes_the_ilp_split_norms_by_sequence(plans):
     tp, sp = plans["tp"], plans["sp"]
-    budget = sp.estimates.memory_per_device_bytes      # plain TP does not fit
+    budget = sp.estimates.memory_per_device_bytes
+    assert tp.estimates.memory_per_device_bytes > budget      # plain TP does not fit
     tight = plan_for(memory_budget_per_device=budget)
     assert tight.estimates.memory_per_device_bytes <= budget
     split = [p for p in norm_layouts(tight) if p == (Shard(1),)]
