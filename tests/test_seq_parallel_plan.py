@@ -102,3 +102,16 @@ def test_sequence_parallel_names_a_sequence_that_does_not_divide():
                        cluster=torchalpa.Cluster.h100(devices_per_node=TP),
                        method=torchalpa.ShardParallel(logical_mesh_shape=(TP,),
                                                       auto_sharding_option=opt))
+
+
+def test_a_reduce_scatter_and_an_all_gather_cost_an_all_reduce_and_one_more_latency():
+    from torchalpa.core.collective_math import alpha_beta_seconds, wire_bytes
+    n, whole, a, b = 4, 1 << 20, 1e-5, 1e-10
+    ar = alpha_beta_seconds("all_reduce", n, whole, a, b)
+    rs_ag = alpha_beta_seconds("reduce_scatter", n, whole, a, b) + \
+        alpha_beta_seconds("all_gather", n, whole / n, a, b)
+    assert rs_ag == pytest.approx(ar + a)
+    assert wire_bytes("reduce_scatter", n, whole) + wire_bytes("all_gather", n, whole / n) == \
+        pytest.approx(wire_bytes("all_reduce", n, whole))
+    # on gloo a reduce-scatter is an all-reduce underneath, and priced as one
+    assert alpha_beta_seconds("reduce_scatter", n, whole, a, b, "gloo") == pytest.approx(ar)
