@@ -144,6 +144,38 @@ def _reduce_before_cast_up(graph: OpGraph, strategies: dict[str, list[Strategy]]
             strategies[node.name] = kept
 
 
+LAYER_NORM = "aten.native_layer_norm.default"
+
+
+def is_norm_op(node) -> bool:
+    """A forward normalization: layer norm, or an op of a module named ``*norm`` (an RMS
+    norm written out: pow, mean, rsqrt, mul) on a ``(batch, seq, ...)`` activation."""
+    if node.op == LAYER_NORM:
+        return True
+    leaf = node.module.rsplit(".", 1)[-1].lower()
+    return node.phase == "forward" and leaf.endswith("norm") and len(node.outputs) == 1 \
+        and len(node.outputs[0].shape) >= 3
+
+
+def _split_norms_by_sequence(graph: OpGraph, strategies: dict[str, list[Strategy]],
+                             mesh: LogicalMesh) -> None:
+    """``sequence_parallel``: norms keep the layouts that split dim 1 over the last axis."""
+    axis = mesh.ndim - 1
+    if mesh.shape[axis] == 1:
+        return
+    for node in graph.ops():
+        if not is_norm_op(node):
+            continue
+        kept = [s for s in strategies[node.name] if s.outputs[0][axis] == Shard(1)]
+        if not kept:
+            shape = list(node.outputs[0].shape)
+            raise ValueError(f"sequence_parallel=True: {node.name} ({node.module or 'a norm'}) "
+                             f"of shape {shape} cannot split its sequence dim over the last "
+                             f"mesh axis ({mesh.shape[axis]} devices); use a sequence length "
+                             "that divides by it, or sequence_parallel=False")
+        strategies[node.name] = kept
+
+
 def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mesh: LogicalMesh,
                       option: AutoShardingOption) -> list[str]:
     """Filter strategies in place; returns notes for the plan."""
@@ -193,6 +225,8 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
                 options = kept
         strategies[node.name] = options
     _reduce_before_cast_up(graph, strategies)
+    if option.sequence_parallel:
+        _split_norms_by_sequence(graph, strategies, mesh)
     if axis is not None:
         # Alpa's semantics: every op keeps the batch on that axis where it can
         carries = batch_dims(graph)

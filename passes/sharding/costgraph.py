@@ -32,7 +32,7 @@ from torchalpa.passes.pricing.cost import (
     strategy_bytes,
 )
 from torchalpa.passes.sharding.ilp import Edge
-from torchalpa.passes.sharding.reshard import plan_reshard
+from torchalpa.passes.sharding.reshard import local_bytes, plan_reshard
 from torchalpa.passes.sharding.shared_reshard import (
     SHARING_ROUNDS,
     SharedReads,
@@ -42,7 +42,7 @@ from torchalpa.passes.sharding.shared_reshard import (
 from torchalpa.passes.sharding.simplify import Grouping
 from torchalpa.passes.sharding.strategies import Strategy, sync_steps
 
-__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph",
+__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph", "saved_views",
            "solve_sharing_reads", "SLICE_PARTIAL", "RESLICE_REDUCTION"]
 
 # Local steps ``ReshardCosts.forbidden`` may name besides collective kinds (both without
@@ -279,15 +279,19 @@ def _price_groups(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Groupi
     ILP's edges."""
     index = grouping.index
     edges: list[Edge] = []
+    saved = saved_views(graph)
     for key, members in groups.items():
         ru, rv = key[0], key[1]
         u, idx, v, how = members[0]
         rows = [S[u][a].outputs[idx] for a in index[u]]
         cols = [_reads(S[v][b], how) for b in index[v]]
-        e = costs.edge(ru, rv, graph.node(u).outputs[idx], rows, cols, gradient=how == "grad")
+        spec = graph.node(u).outputs[idx]
+        e = costs.edge(ru, rv, spec, rows, cols, gradient=how == "grad")
         if RESLICE_REDUCTION in costs.forbidden and isinstance(how, int) \
                 and op_family(graph.node(v).op) in REDUCTIONS:
-            _forbid_reslicing(e, costs, graph.node(u).outputs[idx], rows, cols)
+            _forbid_reslicing(e, costs, spec, rows, cols)
+        if v in saved and ru != rv and graph.node(u).kind not in ("param", "buffer"):
+            _forbid_gathers(e, spec, rows, cols, costs.mesh.shape)
         e.table = e.table * sum((weights.get((m[0], m[1]), 1.0) if isinstance(m[3], int) else 1.0)
                                 * repeats.of(m[0], m[2], m[3]) for m in members)
         if ru == rv:   # both ends follow one node: only its diagonal can happen
@@ -305,6 +309,33 @@ def _forbid_reslicing(e: Edge, costs: ReshardCosts, spec: TensorSpec, rows: list
     for i, src in enumerate(urows):
         for j, dst in enumerate(ucols):
             if costs.reslices(spec, src, dst):
+                e.table[i, j] = math.inf
+
+
+def saved_views(graph: OpGraph) -> frozenset[str]:
+    """Forward views whose storage backward reads (through them or views of them)."""
+    readers: dict[str, list] = defaultdict(list)
+    for node in graph.ops():
+        for ref in node.operands:
+            readers[ref.node].append(node)
+
+    def read_in_backward(name: str, depth: int = 0) -> bool:
+        return depth < 16 and any(r.phase != "forward" or (
+            r.aliases and read_in_backward(r.name, depth + 1)) for r in readers[name])
+    return frozenset(n.name for n in graph.ops()
+                     if n.aliases and n.phase == "forward" and read_in_backward(n.name))
+
+
+def _forbid_gathers(e: Edge, spec: TensorSpec, rows: list, cols: list, mesh_shape) -> None:
+    """No forward view that backward reads may gather its operand: the gathered copy would
+    live until backward whole, where the memory model prices a view in its operand's
+    layout. The gather happens at the view's readers instead, again in backward for
+    backward's (Megatron's sequence parallelism gathers the norm's output twice too)."""
+    urows, ucols = _unique(rows)[0], _unique(cols)[0]
+    for i, src in enumerate(urows):
+        for j, dst in enumerate(ucols):
+            if dst is not None and local_bytes(spec, dst, mesh_shape) > \
+                    local_bytes(spec, src, mesh_shape):
                 e.table[i, j] = math.inf
 
 

@@ -115,7 +115,8 @@ class _Reshards:
         steps = self.costs.steps(graph.spec(ref), src, dst)
         assert steps is not None, (ref, consumer, slot, src, dst)
         if isinstance(slot, int):    # operand reads alike share one resharded copy
-            key = read_key(graph, chosen, self.costs.steps, ref, dst, self.share_state)
+            key = read_key(graph, chosen, self.costs.steps, ref, dst,
+                           share_state=self.share_state, phase=graph.node(consumer).phase)
             if key is not None and key in self._first_read:
                 self.reshards.append(Reshard(ref.node, ref.index, consumer, slot, (),
                                              same_as=self._first_read[key]))

@@ -72,7 +72,7 @@ def duplicated_reads(graph: OpGraph, chosen: dict, steps_of, share_state: bool =
     for node in graph.ops():
         for slot, ref in enumerate(node.operands):
             key = read_key(graph, chosen, steps_of, ref, chosen[node.name].inputs[slot],
-                           share_state)
+                           share_state=share_state, phase=node.phase)
             if key is not None:
                 seen[key] += 1
     return {key[0] for key, count in seen.items() if count > 1}
@@ -89,18 +89,24 @@ def multi_read_values(graph: OpGraph) -> frozenset[ValueKey]:
 
 
 def read_key(graph: OpGraph, chosen: dict, steps_of, ref: ValueRef, dst,
-             share_state: bool = False):
+             share_state: bool = False, phase: str = "forward"):
     """What makes two reads share a resharded copy: the value and the steps. None when
     the read needs no collective (nothing worth sharing), or reads a parameter or buffer
     and ``share_state`` is False: a gathered weight kept from forward to backward is the
     memory ZeRO-3 (``rematerialize_parameters``) saves by gathering it again. Otherwise
     (ZeRO-2) a parameter gathered once serves every read of it in that layout, forward's
-    and backward's, as XLA's common-subexpression elimination merges Alpa's gathers."""
-    if not share_state and graph.node(ref.node).kind in ("param", "buffer"):
+    and backward's, as XLA's common-subexpression elimination merges Alpa's gathers. A
+    gathered activation is not kept from forward to backward (the memory model does not
+    price resharded copies): a read in ``phase`` "backward" gathers it again, as
+    Megatron's sequence parallelism gathers a norm's output twice."""
+    state = graph.node(ref.node).kind in ("param", "buffer")
+    if state and not share_state:
         return None
     steps = steps_of(graph.spec(ref), chosen[ref.node].outputs[ref.index], dst)
     if not steps or not any(s.is_collective for s in steps):
         return None
+    if not state and any(s.kind == "all_gather" for s in steps):
+        return (ref.node, ref.index), tuple(steps), phase == "forward"
     return (ref.node, ref.index), tuple(steps)
 
 

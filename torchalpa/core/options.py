@@ -200,6 +200,15 @@ class AutoShardingOption:
     (chains fused as ``torch.compile`` and XLA run them, ``passes/pricing/fused_pricing.py``).
     StableHLO programs are always priced as XLA fuses them."""
 
+    sequence_parallel: bool = False
+    """Megatron's sequence parallelism, asked for: every normalization of the forward step
+    (layer norm; RMS norm's written-out ops, those of a module whose name ends in "norm")
+    splits the sequence dim (dim 1 of ``(batch, seq, hidden)``) over the last mesh axis,
+    the tensor-parallel one. The ILP places the rest (the residual adds and dropouts
+    beside the norms split alike where that pays; an all-gather before each column-parallel
+    product, a reduce-scatter after each row-parallel one). Off, the ILP still splits them
+    by sequence where that is cheaper or needed to fit (``passes/sharding/constraints.py``)."""
+
     offload: bool = False
     """Optimizer states in host memory (DeepSpeed's ZeRO-Offload): devices hold parameters
     and gradients; after backward each rank copies its gradients to the host, steps the
