@@ -387,7 +387,9 @@ class ParallelModule(nn.Module):
         if self._forward_programs is None:
             raise ValueError("predict needs forward-only programs, which pipelines "
                              "(PipeshardParallel) do not build; parallelize the model with "
-                             "ShardParallel to predict, or call pmodel.unwrap()")
+                             "ShardParallel to predict (torchalpa.save_checkpoint(path, pmodel) "
+                             "here, then torchalpa.load_checkpoint(path, that model): a "
+                             "checkpoint loads into any plan)")
         if inputs and kwargs:
             raise TypeError("predict takes the model inputs by position or by keyword, not both")
         keywords = tuple(kwargs)

@@ -323,7 +323,7 @@ class _Search:
 
     def add_layer_modes(self, found: list, refused: list, counts: list[int]) -> None:
         """Candidates checkpointing the first j of the step's L blocks ("full:j"), where
-        memory is tight: the j ``passes/layer_remat.block_counts`` proposes, their bounds
+        memory is tight: the j ``passes/sharding/layer_remat.block_counts`` proposes, their bounds
         interpolated between keeping every block and checkpointing every one (the blocks
         are alike: each frees and costs its share)."""
         from torchalpa.passes.sharding.layer_remat import block_counts
