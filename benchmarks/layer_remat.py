@@ -9,7 +9,7 @@ memory budget per device (GB), prints the estimated step of the best plan that k
 block's activations (remat "none"), of the best that checkpoints every block ("full"), and
 of what AutoParallel chooses when it may also checkpoint the first k of the 32 blocks
 (``passes/sharding/layer_remat.py``), with k. "OOM": no plan of that kind fits. The captures are
-made once and shared by every budget (one ``_Search``).
+made once and shared by every budget (one ``SearchSession``).
 """
 
 from __future__ import annotations
@@ -23,18 +23,17 @@ import torch
 
 import torchalpa
 import torchalpa.models as zoo
-from torchalpa.core.calls import CallSignature
-from torchalpa.parallel.auto import AutoResolver, Candidate, NothingFitsError, _Search, batch_size
+from torchalpa.parallel.auto import AutoResolver, Candidate, NothingFitsError, SearchSession
 from torchalpa.parallel.workflow import with_precision
 from torchalpa.passes.sharding.ilp import InfeasibleError
 
 GB = 1e9
 
 
-def uniform(search: _Search, remat: str, k: int):
+def uniform(search: SearchSession, method, remat: str, k: int):
     """The best intra-op plan checkpointing every block ('full') or none, or None (OOM)."""
     try:
-        return search.solve(Candidate("intra-op", remat, k, 0.0, 0.0)).estimates
+        return search.solve(Candidate("intra-op", remat, k, 0.0, 0.0), method).estimates
     except InfeasibleError:
         return None
 
@@ -57,22 +56,19 @@ def main() -> None:
                                     rematerialize_parameters=False, optimizer="adamw",
                                     time_budget_s=args.time_budget)
     target = AutoResolver().target(method, cluster=cluster, mesh=None, world=1, live=False)
-    signature, tensors = CallSignature.of(batch)
-    search = _Search(with_precision(model, bf16), tensors, signature, workload.loss_fn, method,
-                     cluster, target.meshes, "global", False, batch_size(tensors), 0.0)
+    search = SearchSession(with_precision(model, bf16), batch, workload.loss_fn, method=method,
+                           cluster=cluster, meshes=target.meshes, allow_pipeline=False)
     print(f"LLaMA-3-8B, batch 16 x 8192, bf16, AdamW, 1 x 8 H100, intra-op, "
           f"{args.micro_batches} micro-batches (load {os.getloadavg()[0]:.1f})")
     print("| budget/device | none | full | AutoParallel (chosen) | chosen/best uniform | s |")
     print("|---|---|---|---|---|---|")
     for budget in args.budgets:
         start = time.perf_counter()
-        search.method = replace(method, auto_sharding_option=replace(
+        budgeted = replace(method, auto_sharding_option=replace(
             method.auto_sharding_option, memory_budget_per_device=budget * GB))
-        rows = {m: uniform(search, m, args.micro_batches) for m in ("none", "full")}
-        search.plans, search.attempts = [], []
-        search.deadline = time.perf_counter() + search.method.time_budget_s
+        rows = {m: uniform(search, budgeted, m, args.micro_batches) for m in ("none", "full")}
         try:
-            chosen = search.run()
+            chosen = search.run(budgeted)
             text = (f"{chosen.estimates.step_time_s:.4g} s "
                     f"(remat={chosen.method['remat']}, "
                     f"{chosen.estimates.memory_per_device_bytes / GB:.1f} GB)")

@@ -96,6 +96,7 @@ def measure(name, build, batch, loss_fn, steps, rank, world) -> dict:
     import torch.distributed as dist
 
     import torchalpa
+    from torchalpa.runtime.execution.step import StepMode
     from torchalpa.runtime.measurement.baselines import batch_shard, wrap_ddp
     from torchalpa.runtime.measurement.comm_count import CollectiveCounter
     from torchalpa.runtime.measurement.measure import timed_steps
@@ -109,7 +110,7 @@ def measure(name, build, batch, loss_fn, steps, rank, world) -> dict:
         pm = torchalpa.auto_parallel(model, batch, loss_fn,
                                      optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4))
         if name == "torchalpa-own":       # A/B only: the step as it was before issue 19
-            pm._loss_in_bucket = None     # train_step then asks for no loss in a bucket
+            pm._train_step_mode = StepMode.LOSS_FIRST   # train_step: the loss on its own
 
         def step():
             pm.train_step(*batch)

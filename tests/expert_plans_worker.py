@@ -9,16 +9,14 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from worker_io import attempt, finish  # noqa: E402
+from worker_io import run_listed_scenarios  # noqa: E402
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
 from torchalpa.runtime.execution.host_optimizer import HOST_PAIRS  # noqa: E402
-from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 
 BUDGET = 1.55e6
 """Bytes per device between what checkpointing every block and none need (tiny GPT, 4
@@ -136,12 +134,7 @@ def streamed(gpt, batch, method) -> dict:
 
 
 def main():
-    out_path = sys.argv[1]
-    init_distributed()
-    results = {"world_size": dist.get_world_size()}
-    for name, run in scenarios(dist.get_world_size()):
-        results[name] = attempt(run)
-    finish(results, out_path)
+    run_listed_scenarios(scenarios)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,10 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 
-from worker_io import attempt, finish, named_input_faults  # noqa: E402
+from worker_io import named_input_faults, run_listed_scenarios  # noqa: E402
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
-from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 
 
 def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-3,
@@ -257,15 +256,7 @@ def scenarios(n):
 
 
 def main():
-    out_path = sys.argv[1]
-    wanted = set(sys.argv[2].split(",")) if len(sys.argv) > 2 else None
-    init_distributed()
-    results = {"world_size": dist.get_world_size()}
-    for name, run in scenarios(dist.get_world_size()):
-        if wanted and name not in wanted:
-            continue
-        results[name] = attempt(run)
-    finish(results, out_path)
+    run_listed_scenarios(scenarios)
 
 
 if __name__ == "__main__":

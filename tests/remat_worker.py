@@ -8,16 +8,14 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from pipeline_worker import compare, manual  # noqa: E402
-from worker_io import attempt, finish  # noqa: E402
+from worker_io import run_listed_scenarios  # noqa: E402
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
-from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 
 
 def intra_op(gpt, batch, remat: str, steps: int = 3) -> dict:
@@ -70,12 +68,7 @@ def scenarios(n):
 
 
 def main():
-    out_path = sys.argv[1]
-    init_distributed()
-    results = {"world_size": dist.get_world_size()}
-    for name, run in scenarios(dist.get_world_size()):
-        results[name] = attempt(run)
-    finish(results, out_path)
+    run_listed_scenarios(scenarios)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torchalpa.models as zoo
 from torchalpa.core.options import AutoShardingOption, ShardParallel, method_of_plan
 from torchalpa.frontends.block_remat import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
-from torchalpa.parallel import shard
+from torchalpa.parallel import auto, shard
 from torchalpa.parallel.auto import NothingFitsError
 from torchalpa.passes.pricing.bounds import step_profile
 from torchalpa.passes.sharding.ilp import InfeasibleError
@@ -157,12 +157,42 @@ def test_gathering_parameters_again_in_backward_is_weighed_and_recorded(gpt):
         torchalpa.AutoParallel(rematerialize_parameters="sometimes")  # type: ignore[arg-type]
 
 
+def test_a_search_session_plans_again_without_tracing_again(gpt, monkeypatch):
+    """``SearchSession`` (what benchmarks drive): each run is ``search_method``'s plan, and
+    a second run, here under another memory budget, or one candidate's solve, traces
+    nothing again."""
+    model, batch, loss_fn = gpt
+    cluster = _cluster(2)
+    method = torchalpa.AutoParallel(remat=("none",), num_micro_batches=1, pipeline=False,
+                                    rematerialize_parameters=False)
+    meshes = auto.AutoResolver().target(method, cluster=cluster, mesh=None, world=1,
+                                        live=False).meshes
+    alone = auto.search_method(model, batch, loss_fn, method=method, cluster=cluster,
+                               meshes=meshes, allow_pipeline=False)
+    traces = []
+    real = auto.capture_step
+    monkeypatch.setattr(auto, "capture_step", lambda *a, **k: traces.append(1) or real(*a, **k))
+    session = auto.SearchSession(model, batch, loss_fn, method=method, cluster=cluster,
+                                 meshes=meshes, allow_pipeline=False)
+    roomy = dataclasses.replace(method, auto_sharding_option=dataclasses.replace(
+        method.auto_sharding_option, memory_budget_per_device=1e15))     # another budget
+    again = session.run(roomy).estimates
+    assert (again.step_time_s, again.memory_per_device_bytes) == \
+        (alone.estimates.step_time_s, alone.estimates.memory_per_device_bytes)
+    one = session.solve(auto.Candidate("intra-op", "none", 1, 0.0, 0.0))
+    assert one.estimates.step_time_s == alone.estimates.step_time_s   # the only candidate
+    assert len(traces) == 1
+    with pytest.raises(ValueError, match="num_micro_batches=1 cannot plan for 2"):
+        session.run(dataclasses.replace(method, num_micro_batches=2))
+
+
 def test_nothing_fits_lists_what_was_tried_and_what_would_fit(gpt):
     model, batch, loss_fn = gpt
     with pytest.raises(NothingFitsError) as error:
         torchalpa.plan(model, batch, loss_fn, cluster=_cluster(4, memory=8 * KiB))
-    text = str(error.value)
-    assert "refused, needs at least" in text and "what would fit: at least" in text
+    text = str(error.value)      # tried on the devices, then with offload to host memory
+    assert "refused, needs at least" in text and "what would fit: " in text
+    assert "in host memory" in text and "budget must be" not in text
     assert error.value.attempts and all(a.outcome == "refused by bound"
                                         for a in error.value.attempts)
 

@@ -148,6 +148,22 @@ def run_scenarios(run, argv=None) -> None:
     finish(results, out_path)
 
 
+def run_listed_scenarios(scenarios, argv=None) -> None:
+    """A worker's main for a list of scenarios: ``scenarios(world_size)`` gives ``(name,
+    run)`` pairs; ``argv[1]`` is the JSON path rank 0 writes, ``argv[2]`` (optional) the
+    names to run, comma separated (all when absent)."""
+    from torchalpa.runtime.execution.mesh import init_distributed
+    argv = sys.argv if argv is None else argv
+    out_path = argv[1]
+    wanted = set(argv[2].split(",")) if len(argv) > 2 else None
+    init_distributed()
+    results: dict = {"world_size": dist.get_world_size()}
+    for name, run in scenarios(dist.get_world_size()):
+        if wanted is None or name in wanted:
+            results[name] = attempt(run)
+    finish(results, out_path)
+
+
 def mesh_shape(text: str) -> tuple[int, ...]:
     """``"2x2"`` -> ``(2, 2)``."""
     return tuple(int(n) for n in text.split("x"))

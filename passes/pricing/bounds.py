@@ -2,7 +2,7 @@
 
 Every value a plan holds is, on each device, at least its size divided by the device
 count (a shard over all of them; replicas and partial sums hold more), and every op's
-time is at least its roofline over all devices (``passes/cost.compute_cost`` with every
+time is at least its roofline over all devices (``passes/pricing/cost.compute_cost`` with every
 device sharing it; collectives only add). Laid over the step's liveness -- the order the
 memory model and the ILP use -- that gives, in one pass over the graph:
 
@@ -48,7 +48,7 @@ class StepProfile:
     batch: int
     """The micro-batch size the step was captured for (dim 0 of its inputs)."""
     state_bytes: float
-    """Parameters, their gradients and optimizer states (``passes/memory.state_copies``)."""
+    """Parameters, their gradients and optimizer states (``passes/pricing/memory.state_copies``)."""
     parameter_bytes: float
     """Parameters alone (each device holds them whole when they are replicated)."""
     activation_peak_bytes: float

@@ -25,7 +25,7 @@ for every model.
   as many elements as it writes, not its whole source. Captured bytes count every operand
   whole; ``moved_bytes`` counts what these kernels touch.
 
-Families are ``passes/cost.op_family``'s names (``aten._log_softmax.default`` ->
+Families are ``passes/pricing/cost.op_family``'s names (``aten._log_softmax.default`` ->
 ``log_softmax``). The factors are read from the op's node (shapes, dtype, arguments) and, for matmuls, from
 the strategy's output placements (the local shape), so the ILP prices each strategy's own
 kernel.
@@ -43,7 +43,7 @@ __all__ = ["MATMUL_FAMILIES", "TILE", "SHARED_ROW_BYTES", "wave_efficiency", "ma
            "epilogue_seconds", "moved_bytes"]
 
 MATMUL_FAMILIES = frozenset({"mm", "bmm", "addmm", "baddbmm", "batched_matmul", "dot_general"})
-"""Op families (``passes/cost.op_family``) that run as one GEMM."""
+"""Op families (``passes/pricing/cost.op_family``) that run as one GEMM."""
 TILE = 128
 """Output rows and columns of one thread block of a large GEMM (cuBLAS's common 128 x 128
 and 128 x 256 tiles: the guide's examples)."""

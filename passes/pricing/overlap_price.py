@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 __all__ = ["CommEvent", "overlapped_step", "FIRST_BUCKET_BYTES"]
 
 FIRST_BUCKET_BYTES = 2 ** 20
-"""DDP's first gradient bucket (``runtime/buckets.FIRST_BUCKET_BYTES``): reduction starts early."""
+"""DDP's first gradient bucket (``runtime/rewrites/buckets.FIRST_BUCKET_BYTES``): reduction starts early."""
 
 
 @dataclass(frozen=True, slots=True)

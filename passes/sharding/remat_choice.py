@@ -55,7 +55,7 @@ def compute_lower_bound(graph, cluster, num_micro_batches: int = 1) -> float:
     """Seconds no plan of ``graph`` (one micro-batch) on ``cluster`` can beat under the
     cost model: every op's flops at its dtype's peak, split evenly over all devices, for
     every micro-batch. An op's modelled time is at least its share of flops at peak
-    (``passes/cost.compute_cost``), a stage runs each of its micro-batches in turn, and
+    (``passes/pricing/cost.compute_cost``), a stage runs each of its micro-batches in turn, and
     the slowest stage's devices-weighted share is at least the average; 0 when the
     cluster has no compute figures."""
     mesh = cluster.logical_mesh()

@@ -55,7 +55,7 @@ from torchalpa.runtime.execution.host_optimizer import (
 from torchalpa.runtime.execution.materialize import distribute_module_state, to_dtensor_placements
 from torchalpa.runtime.execution.mesh import collective_timeout
 from torchalpa.runtime.execution.optim import lean_optimizer_steps
-from torchalpa.runtime.execution.step import StepRunner
+from torchalpa.runtime.execution.step import StepMode, StepRunner
 from torchalpa.runtime.measurement.issued import issued_collectives
 from torchalpa.runtime.measurement.stats import StepClock, StepStats
 from torchalpa.runtime.resilience.faults import (
@@ -103,7 +103,7 @@ class _TrainingStep(torch.autograd.Function):
                     if isinstance(t, DTensor) else None for t in args[:len(pm._param_names)]]
         runner = pm._runner
         with pm._monitor.guard(f"the forward of step {pm._num_calls}"):
-            step = runner.begin(inputs)
+            step = runner.begin(inputs, StepMode.LOSS_FIRST)
             if runner.defers_backward:
                 runner.run(step, state, runner.forward_actions())
                 saved = [step.saved[m] for _, m in runner.forward_actions()]
@@ -252,10 +252,9 @@ class ParallelModule(nn.Module):
             else bool(check_replicas)
         self._signature = signature if signature is not None else CallSignature(len(input_specs))
         self._clock = StepClock(device)
-        # where the plan lists the loss sent in a gradient bucket by train_step (decided
-        # with the step's programs, runtime.rewrites.program_rewrites.step_programs; None: it is not)
-        in_bucket = runner.program.loss_in_bucket
-        self._loss_in_bucket = None if in_bucket is None else in_bucket.listed
+        # how train_step reads the loss (after backward; the pair for it was built with the
+        # step's programs, runtime.rewrites.program_rewrites.step_programs)
+        self._train_step_mode = StepMode.LOSS_LAST
         self._last_loss_in_bucket: LossInBucket | None = None   # the last step's, if any
         self._slots: dict[str, tuple[dict, str]] = {}   # name -> (owner's entries, key)
         self._exact_optimizer: tuple = (None, False)     # (its key, holds exactly our params)
@@ -309,9 +308,9 @@ class ParallelModule(nn.Module):
         self._last_loss_in_bucket = None   # returned before backward: its own all-reduce
         if not torch.is_grad_enabled():
             with self._monitor.guard(f"the forward of step {self._num_calls}"):
-                step = self._runner.begin(flat)
+                step = self._runner.begin(flat, StepMode.FORWARD_ONLY)
                 self._runner.run(step, self._state(self._param_names + self._buffer_names),
-                                 self._runner.forward_actions(), keep_saved=False)
+                                 self._runner.forward_actions())
                 loss = self._loss(step)
             self._write_buffer_updates(step.buffer_updates)
             self._clock.stop("forward")
@@ -373,13 +372,12 @@ class ParallelModule(nn.Module):
         self._clock.start(flat)
         with self._monitor.guard(f"step {self._num_calls}"), torch.no_grad():
             tensors = self._tensors(self._param_names + self._buffer_names)
-            step = self._runner.begin(flat)
-            self._runner.run(step, self._local_blocks(tensors), self._runner.actions,
-                             loss_in_bucket=self._loss_in_bucket is not None)
+            step = self._runner.begin(flat, self._train_step_mode)
+            self._runner.run(step, self._local_blocks(tensors), self._runner.actions)
             grads = self._runner.gradients(step)
             loss = self._loss(step)     # after backward: its all-reduce overlapped with it,
             # or sent inside a gradient bucket
-            self._last_loss_in_bucket = self._loss_in_bucket if step.loss.in_bucket else None
+            self._last_loss_in_bucket = step.pair.loss_in_bucket
         self._write_buffer_updates(step.buffer_updates)
         params = tensors[:len(self._param_names)]
         if self._steps_exactly(optimizer, params):    # every gradient set below: no zero_grad
@@ -413,7 +411,9 @@ class ParallelModule(nn.Module):
         if self._forward_programs is None:
             raise ValueError("predict needs forward-only programs, which pipelines "
                              "(PipeshardParallel) do not build; parallelize the model with "
-                             "ShardParallel to predict, or call pmodel.unwrap()")
+                             "ShardParallel to predict (torchalpa.save_checkpoint(path, pmodel) "
+                             "here, then torchalpa.load_checkpoint(path, that model): a "
+                             "checkpoint loads into any plan)")
         if inputs and kwargs:
             raise TypeError("predict takes the model inputs by position or by keyword, not both")
         keywords = tuple(kwargs)
@@ -557,8 +557,9 @@ class ParallelModule(nn.Module):
         whose loss may be all-reduced in a gradient bucket (``runtime.rewrites.loss_in_bucket``), or
         by a call of the module and ``loss.backward()``, which returns the loss before
         backward and so all-reduces it on its own."""
+        mode = self._train_step_mode if train_step else StepMode.LOSS_FIRST
         return issued_collectives(self._stage_plan, self.num_micro_batches,
-                                  loss_in_bucket=self._loss_in_bucket if train_step else None,
+                                  loss_in_bucket=self._runner.program.pair(mode).loss_in_bucket,
                                   one_stage=self._one_stage)
 
     def profile(self, steps: int, path, *inputs: torch.Tensor, **kwargs: torch.Tensor) -> str:

@@ -2,10 +2,13 @@
 
 An intra-op plan is the one-stage case of a pipeline: its programs are a stage that
 receives and sends nothing, and its step is that stage's part of the schedule. So one
-runner serves both. It runs the programs of a ``programs.StepPrograms`` and derives none:
-which variant of a program runs (a forward that leaves the loss's all-reduce in flight, a
-backward that reduces the gradients as it goes, a copy with less Python per op) was
-decided by the lowering's rewrites (``runtime.rewrites.program_rewrites``).
+runner serves both. It runs the programs of a ``rank_programs.StepPrograms`` and derives
+none: a step begins in a ``StepMode`` (how its caller reads the loss), which picks one
+forward/backward pair (``ProgramPair``), and every action of the step calls that pair's
+programs the same way. Which variant each pair holds (a forward that leaves the loss's
+all-reduce in flight, a backward that reduces the gradients as it goes, the loss inside a
+gradient bucket, a copy with less Python per op) was decided by the lowering's rewrites
+(``runtime.rewrites.program_rewrites.step_programs``).
 
 - the global batch is split along dim 0 into ``k`` micro-batches, once (the plan was made
   for one);
@@ -15,19 +18,15 @@ decided by the lowering's rewrites (``runtime.rewrites.program_rewrites``).
   backward reads, each micro-batch's saved values hold);
 - the schedule's actions run in order: ``("F", m)`` the forward program on micro-batch
   ``m`` (receiving and sending activations when other stages exist), ``("B", m)`` its
-  backward, summing the raw gradients locally;
-- the plan's final resharding of the gradients (``reduce_grads``) runs once for the step,
+  backward, summing the gradients locally;
+- the pair's final resharding of the gradients (``reduce_grads``) runs once for the step,
   then the ``1/k`` factor: the loss is the mean of the micro-batch losses and the gradients
   are those of that mean, so for a loss that averages over the batch (the usual
   ``reduction="mean"``) both equal what one device computes on the whole batch.
 
 A one-stage step can stop after its forward actions and run its backward actions later
 (behind ``loss.backward()``); a stage of a longer pipeline interleaves them with the
-other stages' (1F1B cannot wait), so its module runs the whole step at once. With one
-micro-batch and one stage, backward and the gradients' collectives run as one program
-(``StepPrograms.backward_reduce``); then ``train_step``, which reads the loss after
-backward, may have the loss all-reduced inside a gradient bucket
-(``StepPrograms.loss_in_bucket``).
+other stages' (1F1B cannot wait), so its module runs the whole step at once.
 """
 
 from __future__ import annotations
@@ -40,9 +39,16 @@ import torch
 
 from torchalpa.core.schedules import SCHEDULES, Action
 from torchalpa.runtime.execution.stage_replay import Replay, random_state, replaying
-from torchalpa.runtime.lowering.rank_programs import StageProgram, StepPrograms, ValueKey
+from torchalpa.runtime.lowering.rank_programs import (
+    ProgramPair,
+    StageProgram,
+    StepMode,
+    StepPrograms,
+    ValueKey,
+)
 
-__all__ = ["StepRunner", "StepInFlight", "StepLoss", "Exchange", "split_micro_batches"]
+__all__ = ["StepRunner", "StepInFlight", "StepLoss", "StepMode", "Exchange",
+           "split_micro_batches"]
 
 
 def split_micro_batches(inputs: Sequence[torch.Tensor], num_micro_batches: int,
@@ -75,20 +81,22 @@ class StepLoss:
 
     ``parts``: one per micro-batch, the loss or what ``finish`` makes it from (a forward
     that left the loss's all-reduce in flight returns the collective's handle; one whose
-    loss travels in a gradient bucket, its local part, finished by the backward).
-    ``finish``: None once ``parts`` are the losses. ``in_bucket``: the loss's all-reduce
-    travels inside a gradient bucket (``runtime.rewrites.loss_in_bucket``)."""
+    loss travels in a gradient bucket, its local part, which the backward finishes).
+    ``finish``: the step's pair's ``finish_loss``; None once ``parts`` are the losses."""
 
     parts: list[Any] = field(default_factory=list)
     finish: Callable | None = None
-    in_bucket: bool = False
+
+    def part(self, m: int) -> Any:
+        """Micro-batch ``m``'s part (None: this stage, or this step, holds no loss)."""
+        return self.parts[m] if m < len(self.parts) else None
 
     def mean(self) -> torch.Tensor | None:
         """The mean of the losses (None: this stage computes none); waits for the losses'
         all-reduce where forward left it in flight."""
         if not self.parts:
             return None
-        assert not self.in_bucket or isinstance(self.parts[0], torch.Tensor), \
+        assert self.finish is not None or all(isinstance(x, torch.Tensor) for x in self.parts), \
             "a loss all-reduced in a gradient bucket is read after the step's backward"
         if self.finish is not None:
             self.parts = [self.finish(x) for x in self.parts]
@@ -100,7 +108,8 @@ class StepLoss:
 class StepInFlight:
     """One step between its forward and backward actions: the micro-batches, what each
     forward saved for its backward, the losses, the new buffer values (of the last
-    micro-batch) and the gradients so far.
+    micro-batch) and the gradients so far; ``pair``: the programs its mode picked,
+    ``keeps_saved``: whether forward keeps what backward reads (not ``FORWARD_ONLY``).
 
     All of a step's state lives here, never on the runner, so a step is created and
     changed by the code that runs it: under ``torch.compile`` an autograd.Function's
@@ -109,10 +118,11 @@ class StepInFlight:
 
     micro_inputs: list[list[torch.Tensor]]
     loss: StepLoss
+    pair: ProgramPair
+    keeps_saved: bool = True
     saved: dict[int, list] = field(default_factory=dict)
     buffer_updates: list[torch.Tensor] = field(default_factory=list)
     raw: list[torch.Tensor | None] = field(default_factory=list)   # one per present gradient
-    reduced: list[torch.Tensor | None] | None = None     # set when backward also reduced
     gathered: list[torch.Tensor] | None = None   # the parameters' copies made once per step
 
 
@@ -149,53 +159,46 @@ class StepRunner:
     def backward_actions(self) -> list[Action]:
         return [("B", m) for m in range(self.num_micro_batches)]
 
-    def begin(self, inputs: Sequence[torch.Tensor]) -> StepInFlight:
-        """A step on the global batch ``inputs``, split into micro-batches (the one split)."""
+    def begin(self, inputs: Sequence[torch.Tensor], mode: StepMode) -> StepInFlight:
+        """A step on the global batch ``inputs``, split into micro-batches (the one split),
+        running the pair ``mode`` picks (``LOSS_LAST``: its backward actions run in the
+        same ``run`` as its forward ones, and the loss is read after them)."""
+        pair = self.program.pair(mode)
         present = sum(self.program.stage.grad_present)
         return StepInFlight(split_micro_batches(inputs, self.num_micro_batches),
-                            StepLoss([]), raw=[None] * present)
+                            StepLoss([], pair.finish_loss), pair, mode.keeps_saved,
+                            raw=[None] * present)
 
     def resume(self, saved: Sequence[Sequence[torch.Tensor]]) -> StepInFlight:
         """A new step holding only what each micro-batch's forward saved (``saved[m]``),
-        ready for the backward actions: what a deferred backward runs on, built from
-        the tensors the forward handed over instead of the forward's own step."""
+        ready for the backward actions: what a deferred backward (``LOSS_FIRST``) runs on,
+        built from the tensors the forward handed over instead of the forward's own step."""
         present = sum(self.program.stage.grad_present)
-        return StepInFlight([], StepLoss([]), saved={m: list(s) for m, s in enumerate(saved)},
+        return StepInFlight([], StepLoss([]), self.program.pair(StepMode.LOSS_FIRST),
+                            saved={m: list(s) for m, s in enumerate(saved)},
                             raw=[None] * present)
 
-    def run(self, step: StepInFlight, state: list[torch.Tensor], actions: list[Action], *,
-            keep_saved: bool = True, loss_in_bucket: bool = False) -> None:
-        """Execute ``actions`` of ``step``; ``keep_saved=False``: forward only, nothing
-        kept for backward. ``loss_in_bucket``: the loss is read only after these actions,
-        which run the backward too: all-reduce it inside a gradient bucket where the
-        programs allow (``step.loss.in_bucket`` tells)."""
+    def run(self, step: StepInFlight, state: list[torch.Tensor], actions: list[Action]
+            ) -> None:
+        """Execute ``actions`` of ``step`` with its pair of programs."""
         exchange = self.exchange
         if exchange is not None:
             exchange.begin()
-        step.loss.in_bucket = loss_in_bucket and keep_saved \
-            and self.program.loss_in_bucket is not None \
-            and not torch.compiler.is_compiling() and any(kind == "B" for kind, _ in actions)
         for kind, m in actions:
             if kind == "F":
-                self._forward(step, m, state, keep_saved)
+                self._forward(step, m, state)
             else:
                 self._backward(step, m, state)
         if exchange is not None:
             exchange.finish(self.program.stage, step.raw, any(kind == "B" for kind, _ in actions))
 
-    def _forward(self, step: StepInFlight, m: int, state: list[torch.Tensor],
-                 keep_saved: bool) -> None:
+    def _forward(self, step: StepInFlight, m: int, state: list[torch.Tensor]) -> None:
         """Micro-batch ``m``'s forward: its loss, sends and buffer updates delivered, what
         backward reads kept in ``step.saved[m]`` (or only how to replay it, under remat)."""
-        p, stage, exchange = self.program, self.program.stage, self.exchange
+        stage, exchange = self.program.stage, self.exchange
         received = [exchange.recv(k, m) for k in stage.forward_recvs] if exchange else []
-        if step.loss.in_bucket:
-            assert p.loss_in_bucket is not None
-            forward, step.loss.finish = p.loss_in_bucket.forward, None
-        else:
-            forward, step.loss.finish = p.forward, p.finish_loss
         rng = random_state(_device_of(state, received)) if self.remat else None
-        out = list(forward(*state, *[step.micro_inputs[m][i] for i in stage.user_inputs],
+        out = list(step.pair.forward(*state, *[step.micro_inputs[m][i] for i in stage.user_inputs],
                            *received, *self._gathered(step, state, m)))
         if stage.has_loss:
             step.loss.parts.append(out.pop(0))
@@ -205,7 +208,7 @@ class StepRunner:
         n = len(stage.buffer_updates)
         if n:
             step.buffer_updates, out = out[:n], out[n:]
-        if keep_saved:
+        if step.keeps_saved:
             step.saved[m] = out if rng is None else [Replay(m, received, rng)]
 
     def _gathered(self, step: StepInFlight, state: list[torch.Tensor], m: int
@@ -234,27 +237,20 @@ class StepRunner:
         return out[stage.num_results:]
 
     def _backward(self, step: StepInFlight, m: int, state: list[torch.Tensor]) -> None:
-        p, stage, exchange = self.program, self.program.stage, self.exchange
+        stage, exchange = self.program.stage, self.exchange
         saved = step.saved.pop(m)
         if saved and isinstance(saved[0], Replay):
             saved = self._replay(step, state, saved[0])
-        if step.loss.in_bucket:         # one micro-batch, one stage; the loss in a bucket
-            assert p.loss_in_bucket is not None and len(step.loss.parts) == 1
-            local, others = step.loss.parts[0]          # (local part, tail's values)
-            *step.reduced, reduced_loss = p.loss_in_bucket.backward_reduce(*saved, local)
-            step.loss.parts = [p.loss_in_bucket.finish(reduced_loss, others)]
-            return
-        if p.backward_reduce is not None:       # one micro-batch, one stage
-            step.reduced = list(p.backward_reduce(*saved))
-            return
         received = [exchange.recv(k, m) for k in stage.backward_recvs] if exchange else []
-        out = list(p.backward(*saved, *received))
+        grads, sends, loss = step.pair.backward(saved, received, step.loss.part(m))
         del saved
-        n = len(stage.grad_present)      # one raw gradient per parameter, None: unused
-        for i, g in enumerate(g for g in out[:n] if g is not None):
+        if loss is not None:
+            step.loss.parts[m] = loss
+        # one gradient per parameter, None: unused
+        for i, g in enumerate(g for g in grads if g is not None):
             # out of place: a raw gradient may alias a value the caller still holds
             step.raw[i] = g if step.raw[i] is None else step.raw[i] + g
-        for k, v in zip(stage.backward_sends, out[n:]):
+        for k, v in zip(stage.backward_sends, sends):
             assert exchange is not None
             exchange.send(k, v, m)
 
@@ -268,12 +264,9 @@ class StepRunner:
                   ) -> list[torch.Tensor | None]:
         """Gradients of ``scale * mean loss`` in their parameters' layouts, one per
         parameter of the stage (None: unused): the plan's resharding runs once here."""
-        if step.reduced is not None:
-            grads = step.reduced
-        else:
-            reduced = iter(self.program.reduce_grads(*step.raw))
-            grads = [next(reduced) if present else None
-                     for present in self.program.stage.grad_present]
+        reduced = iter(step.pair.reduce_grads(*step.raw))
+        grads = [next(reduced) if present else None
+                 for present in self.program.stage.grad_present]
         factor = 1.0 / self.num_micro_batches
         out = []
         for g in grads:

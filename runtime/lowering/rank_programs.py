@@ -7,22 +7,26 @@ are the programs ``local_program()`` prints, the profiler times and a rematerial
 runs again. The last group of rewrites (``runtime.rewrites.program_rewrites.step_programs``) derives from
 them the programs a ``StepRunner`` calls -- a forward that leaves the loss's all-reduce in
 flight, a backward that issues the gradients' collectives as it goes, copies with less
-Python per op -- and hands them over as a ``StepPrograms``. The runner only calls what that
-record holds; it builds nothing.
+Python per op -- and hands them over as a ``StepPrograms``: one forward/backward pair
+(``ProgramPair``) per ``StepMode``, the way the step's caller reads the loss. The runner
+runs the pair its step's mode picks; it builds nothing and chooses no variant.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from torchalpa.runtime.rewrites.buckets import LossInBucket
 
-__all__ = ["StageProgram", "StepPrograms", "EagerOrTraced", "LossInBucketPrograms",
-           "ValueKey", "PLAN_STEP"]
+__all__ = ["StageProgram", "StepPrograms", "StepMode", "ProgramPair", "SummedBackward",
+           "ReducingBackward", "LossInBucketBackward", "already_reduced", "EagerOrTraced",
+           "LossInBucketPrograms", "ValueKey", "PLAN_STEP"]
 
 PLAN_STEP = "torchalpa_plan_step"
 """``node.meta`` key of a collective call: (consumer, slot, index) of its plan step."""
@@ -127,35 +131,120 @@ class LossInBucketPrograms:
     listed: LossInBucket | None = None
 
 
+class StepMode(enum.Enum):
+    """How the caller of a step reads it, which picks the step's forward/backward pair
+    (``StepPrograms.pair``)."""
+
+    FORWARD_ONLY = "forward only"
+    """``torch.no_grad()``: the loss, nothing kept for a backward (the ``LOSS_FIRST`` forward)."""
+    LOSS_FIRST = "loss before backward"
+    """``loss = pm(x); loss.backward()``: the loss is returned before backward runs, so its
+    all-reduce is its own, left in flight until the loss is read."""
+    LOSS_LAST = "loss after backward"
+    """``train_step``: the loss is read after backward, so its all-reduce may travel inside
+    a gradient bucket (``runtime.rewrites.loss_in_bucket``) where the programs allow."""
+
+    @property
+    def keeps_saved(self) -> bool:
+        """Whether forward keeps what backward reads."""
+        return self is not StepMode.FORWARD_ONLY
+
+
+@dataclass(frozen=True)
+class ProgramPair:
+    """The forward and backward a step runs in one ``StepMode``, one calling convention for
+    every variant (``runtime.rewrites.program_rewrites.step_programs`` builds them):
+
+    ``forward(*params, *buffers, *user inputs, *forward_recvs, *gathered params)`` ->
+    (loss part if the stage has the loss, *forward sends, *buffer updates, *saved);
+    ``backward(saved, received, loss part or None)`` -> (gradients, one per parameter or
+    None, summed over micro-batches; backward sends; the loss part, maybe changed);
+    ``reduce_grads(*summed gradients that are not None)`` -> them in their parameters'
+    layouts; ``finish_loss(loss part)`` -> the loss (None: the part is the loss, or a
+    loss that travels through backward, which backward finishes). ``loss_in_bucket``:
+    where the plan lists the loss sent inside a gradient bucket, for the pair that sends it
+    so (None: the loss has its own all-reduce)."""
+
+    forward: Callable
+    backward: Callable[[Sequence, Sequence, Any], tuple[Sequence, Sequence, Any]]
+    reduce_grads: Callable
+    finish_loss: Callable | None = None
+    loss_in_bucket: LossInBucket | None = None
+
+
+@dataclass(frozen=True)
+class SummedBackward:
+    """A backward whose raw gradients are summed over micro-batches and reduced once per
+    step (``reduce_grads``); sends to the stages before, if any."""
+
+    program: Callable       # (*saved, *received) -> (*raw gradients, *sends)
+    num_grads: int
+
+    def __call__(self, saved: Sequence, received: Sequence, loss: Any):
+        out = self.program(*saved, *received)
+        return out[:self.num_grads], out[self.num_grads:], loss
+
+
+@dataclass(frozen=True)
+class ReducingBackward:
+    """Backward and the gradients' collectives as one program (one micro-batch, one
+    stage: ``runtime.rewrites.reduce_in_backward``); its gradients need no more reduction."""
+
+    program: Callable       # (*saved) -> gradients in their layouts
+
+    def __call__(self, saved: Sequence, received: Sequence, loss: Any):
+        return self.program(*saved), (), loss
+
+
+@dataclass(frozen=True)
+class LossInBucketBackward:
+    """``ReducingBackward`` that also all-reduces the loss's local part in a gradient bucket
+    and finishes the loss (``LossInBucketPrograms``)."""
+
+    program: Callable       # (*saved, local part) -> (*gradients, reduced part)
+    finish: Callable[[torch.Tensor, tuple], torch.Tensor]
+
+    def __call__(self, saved: Sequence, received: Sequence, loss: Any):
+        local, others = loss
+        *grads, reduced = self.program(*saved, local)
+        return grads, (), self.finish(reduced, others)
+
+
+def already_reduced(*grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``reduce_grads`` of a pair whose backward reduced the gradients itself."""
+    return grads
+
+
 @dataclass
 class StepPrograms:
     """What a ``StepRunner`` calls for one rank's stage (``runtime.rewrites.program_rewrites.step_programs``
-    makes it; the runner derives nothing).
+    makes it; the runner derives nothing and chooses no variant).
 
-    ``forward``, ``backward``, ``reduce_grads``, ``param_gathers``: as ``StageProgram``'s,
-    except that ``forward``'s loss output may be what ``finish_loss`` turns into the loss
-    (the loss's all-reduce left in flight, ``runtime.rewrites.deferred_loss``).
-    ``backward_reduce``: one micro-batch of a one-stage step: backward and ``reduce_grads``
-    as one program, each collective issued as soon as its gradients exist (None: run them
-    apart). ``loss_in_bucket``: ``train_step``'s programs with the loss all-reduced inside
-    a gradient bucket (None: not possible here). ``stage``: the programs as lowered, and
-    the wiring (what a rematerialized stage replays, what ``local_program()`` prints)."""
+    ``loss_first``, ``loss_last``: the forward/backward pairs of ``StepMode.LOSS_FIRST``
+    and ``LOSS_LAST`` (``pair(mode)`` picks one; the same pair where the two do not
+    differ). ``param_gathers``: as ``StageProgram``'s. ``stage``: the programs as lowered,
+    and the wiring (what a rematerialized stage replays, what ``local_program()`` prints)."""
 
     stage: StageProgram
-    forward: Callable
-    backward: Callable
-    reduce_grads: Callable
+    loss_first: ProgramPair
+    loss_last: ProgramPair
     param_gathers: Callable | None = None
-    finish_loss: Callable | None = None
-    backward_reduce: Callable | None = None
-    loss_in_bucket: LossInBucketPrograms | None = None
+
+    def pair(self, mode: StepMode) -> ProgramPair:
+        """The pair a step of ``mode`` runs. Traced by ``torch.compile``, ``LOSS_LAST``
+        runs ``loss_first``'s (the loss-in-bucket programs are eager copies)."""
+        if mode is StepMode.LOSS_LAST and not torch.compiler.is_compiling():
+            return self.loss_last
+        return self.loss_first
 
     @classmethod
     def as_lowered(cls, stage: StageProgram) -> StepPrograms:
-        """The stage's programs run as they are (a stage of a longer pipeline, or programs
-        compiled by ``torch.compile``, which the variants' FX rewrites cannot read)."""
-        return cls(stage, stage.forward, stage.backward, stage.reduce_grads,
-                   stage.param_gathers)
+        """The stage's programs run as they are, in every mode (a stage of a longer
+        pipeline, or programs compiled by ``torch.compile``, which the variants' FX
+        rewrites cannot read)."""
+        plain = ProgramPair(stage.forward, SummedBackward(stage.backward, len(stage.grad_present)),
+                            stage.reduce_grads)
+        return cls(stage, plain, plain, stage.param_gathers)
 
     def compiled(self, **options) -> StepPrograms:
         """The stage's programs under ``torch.compile(**options)``, run as they are."""

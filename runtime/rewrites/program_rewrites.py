@@ -10,9 +10,10 @@ one place that applies them, in three groups (a straight list each, read top to 
 2. ``rewrite_split_programs``: on the forward, backward and gradient-reduction programs:
    parameters gathered once per step, gradients reduced in buckets, every collective waited
    for where its result is first used, parameter gathers prefetched;
-3. ``step_programs``: the variants a one-stage step runs (``programs.StepPrograms``): the
-   loss's all-reduce left in flight, backward and the gradients' reduction as one program,
-   ``train_step``'s loss inside a gradient bucket, and copies with less Python per op.
+3. ``step_programs``: the forward/backward pair a one-stage step runs in each mode
+   (``rank_programs.StepPrograms``, ``StepMode``): the loss's all-reduce left in flight,
+   backward and the gradients' reduction as one program, ``train_step``'s loss inside a
+   gradient bucket, and copies with less Python per op.
 
 None of them changes which collectives run or their bytes (the plan's list is what runs:
 ``runtime.measurement.issued``), and every value stays the same, bit for bit, except where a pass says
@@ -30,9 +31,13 @@ import torch.fx as fx
 from torchalpa.core.plan import Plan
 from torchalpa.runtime.lowering.rank_programs import (
     EagerOrTraced,
+    LossInBucketBackward,
     LossInBucketPrograms,
+    ProgramPair,
+    ReducingBackward,
     StageProgram,
     StepPrograms,
+    already_reduced,
 )
 from torchalpa.runtime.rewrites.attention_statistics import save_attention_statistics
 from torchalpa.runtime.rewrites.buckets import (
@@ -91,35 +96,38 @@ def rewrite_split_programs(forward: fx.GraphModule, backward: fx.GraphModule,
 
 def step_programs(stage: StageProgram, plan: Plan, *, num_micro_batches: int,
                   one_stage: bool) -> StepPrograms:
-    """Group 3: what a ``StepRunner`` runs for ``stage`` (of ``plan``, the stage's own).
-    ``one_stage``: the step is the stage's alone (an intra-op plan, or a pipeline of one
-    stage); a stage of a longer pipeline, and programs compiled by ``torch.compile``, run
-    as lowered. Whether ``train_step`` may send the loss inside a gradient bucket is
-    decided here, once: where the programs allow it and the plan lists it."""
+    """Group 3: what a ``StepRunner`` runs for ``stage`` (of ``plan``, the stage's own): one
+    forward/backward pair per ``StepMode``. ``one_stage``: the step is the stage's alone
+    (an intra-op plan, or a pipeline of one stage); a stage of a longer pipeline, and
+    programs compiled by ``torch.compile``, run as lowered in every mode. Whether
+    ``train_step`` sends the loss inside a gradient bucket is decided here, once: where the
+    programs allow it and the plan lists it."""
     if _streams_parameters(plan):       # parameters from host memory, per op
         from torchalpa.runtime.rewrites.param_stream import stream_parameters
         return StepPrograms.as_lowered(stream_parameters(stage.compiled_from or stage))
+    lowered = StepPrograms.as_lowered(stage)
     if not one_stage or stage.compiled_from is not None:
-        return StepPrograms.as_lowered(stage)
+        return lowered
     # the loss's all-reduce left in flight; waited for when the loss is read
     deferred = defer_loss_wait(stage.forward) if stage.has_loss else None
     forward, finish_loss = deferred if deferred is not None else (stage.forward, None)
-    # one micro-batch: each gradient collective issued during backward
-    backward_reduce = None if num_micro_batches != 1 else \
-        backward_with_reduce(stage.backward, stage.reduce_grads)
-    # train_step: the loss all-reduced inside a gradient bucket
-    in_bucket = None if backward_reduce is None or not stage.has_loss else \
-        listed_in_plan(put_loss_in_gradient_bucket(stage.forward, backward_reduce), plan)
     # run eagerly: copies with less Python per op (torch.compile traces the others)
-    return replace(
-        StepPrograms.as_lowered(stage),
-        forward=EagerOrTraced(forward, cut_call_overhead(forward, stage.num_results)),
-        finish_loss=finish_loss,
-        backward_reduce=None if backward_reduce is None else
-        EagerOrTraced(backward_reduce, cut_call_overhead(backward_reduce)),
-        loss_in_bucket=None if in_bucket is None else replace(
-            in_bucket, forward=cut_call_overhead(in_bucket.forward, stage.num_results),
-            backward_reduce=cut_call_overhead(in_bucket.backward_reduce)))
+    loss_first = replace(lowered.loss_first, finish_loss=finish_loss, forward=EagerOrTraced(
+        forward, cut_call_overhead(forward, stage.num_results)))
+    if num_micro_batches != 1:      # gradients summed over micro-batches, reduced once
+        return replace(lowered, loss_first=loss_first, loss_last=loss_first)
+    # one micro-batch: each gradient collective issued during backward
+    backward_reduce = backward_with_reduce(stage.backward, stage.reduce_grads)
+    loss_first = replace(loss_first, reduce_grads=already_reduced, backward=ReducingBackward(
+        EagerOrTraced(backward_reduce, cut_call_overhead(backward_reduce))))
+    # train_step: the loss all-reduced inside a gradient bucket
+    in_bucket = None if not stage.has_loss else \
+        listed_in_plan(put_loss_in_gradient_bucket(stage.forward, backward_reduce), plan)
+    loss_last = loss_first if in_bucket is None else ProgramPair(
+        cut_call_overhead(in_bucket.forward, stage.num_results),
+        LossInBucketBackward(cut_call_overhead(in_bucket.backward_reduce), in_bucket.finish),
+        already_reduced, loss_in_bucket=in_bucket.listed)
+    return replace(lowered, loss_first=loss_first, loss_last=loss_last)
 
 
 def _streams_parameters(plan: Plan) -> bool:

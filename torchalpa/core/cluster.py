@@ -100,7 +100,7 @@ class LogicalMesh:
     kernel_launch_s: float = 0.0
     """Host time every op pays to be issued, whatever its size: on CPU ranks (gloo) it adds
     to the op's time; on GPUs (nccl) kernels run asynchronously and an op costs the longer
-    of its kernel and this (``passes/cost.compute_cost``)."""
+    of its kernel and this (``passes/pricing/cost.compute_cost``)."""
     device_name: str = ""
     """The device planned for ("NVIDIA H100 80GB HBM3"), for the plan's summary."""
     gradient_bucket_bytes: float = 0.0

@@ -69,7 +69,7 @@ its kernel and this (``passes/pricing/cost.py``)."""
 
 OPTIMIZER_TENSOR_S = 2e-6
 """Host time torch's foreach / fused Adam spends per parameter tensor on a GPU (its kernels
-take lists of tensors); its memory traffic is priced apart (``passes/cost.optimizer_cost``)."""
+take lists of tensors); its memory traffic is priced apart (``passes/pricing/cost.optimizer_cost``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -514,7 +514,7 @@ class StagePlan:
     plan: Plan                        # the stage's own intra-op plan (its mesh = logical shape)
     # activation checkpointing of the whole stage: each micro-batch keeps only its inputs
     # from forward, and its forward runs again right before its backward
-    # (``passes/pipeline_search/stage_recompute.py`` prices it, ``runtime/step.StepRunner`` runs it)
+    # (``passes/pipeline_search/stage_recompute.py`` prices it, ``runtime/execution/step.StepRunner`` runs it)
     recompute: bool = False
 
     def to_dict(self) -> dict:

@@ -69,8 +69,8 @@ from torchalpa.parallel.workflow import capture_examples, capture_step
 if TYPE_CHECKING:
     from torchalpa.frontends.torch_export import Capture
 
-__all__ = ["Candidate", "Attempt", "NothingFitsError", "search_method", "batch_size",
-           "AutoResolver", "AutoTarget"]
+__all__ = ["Candidate", "Attempt", "NothingFitsError", "search_method", "SearchSession",
+           "batch_size", "AutoResolver", "AutoTarget"]
 
 log = logging.getLogger("torchalpa")
 
@@ -348,7 +348,7 @@ class _Search:
 
     def add_layer_modes(self, found: list, refused: list, counts: list[int]) -> None:
         """Candidates checkpointing the first j of the step's L blocks ("full:j"), where
-        memory is tight: the j ``passes/layer_remat.block_counts`` proposes, their bounds
+        memory is tight: the j ``passes/sharding/layer_remat.block_counts`` proposes, their bounds
         interpolated between keeping every block and checkpointing every one (the blocks
         are alike: each frees and costs its share)."""
         from torchalpa.passes.sharding.layer_remat import block_counts
@@ -586,6 +586,10 @@ class _Search:
                                optimizer_states=self.method.optimizer_states)
         micro = 1 if self.method.num_micro_batches is None else \
             self.batch // self.method.num_micro_batches
+        if budget <= 0:     # the offloaded copies in flight alone exceed each device
+            lines.append("what would fit: devices with more memory than the copies in flight "
+                         "to and from host memory take, or a smaller model or sequence")
+            return "\n".join(lines)
         need = profile.devices_to_fit(budget, micro)
         lines.append(f"what would fit: at least {need} devices of {format_bytes(budget)} "
                      f"(remat={lightest}, micro-batches of {micro}), or devices with at least "
@@ -630,18 +634,61 @@ def search_method(model, example_inputs, loss_fn, *, method: AutoParallel,
     ``example_inputs``: the whole batch (a tuple of tensors, with ``signature`` saying how
     the model is called); ``meshes``: the logical views intra-op candidates try;
     ``captures``: a dict that receives the search's captures (``derived_capture``'s)."""
-    if signature is None:
-        signature, tensors = CallSignature.of(example_inputs)
-    else:
-        tensors = tuple(example_inputs)
-    batch = batch_size(tensors)
-    if method.num_micro_batches is not None and batch % method.num_micro_batches:
-        raise ValueError(f"AutoParallel(num_micro_batches={method.num_micro_batches}) does not "
-                         f"divide the batch of {batch}; use a divisor of it")
-    search = _Search(model, tensors, signature, loss_fn, method, cluster, meshes, inputs,
-                     allow_pipeline, batch, time.perf_counter() + method.time_budget_s,
-                     {} if captures is None else captures)
-    return search.run()
+    return SearchSession(model, example_inputs, loss_fn, method=method, cluster=cluster,
+                         meshes=meshes, inputs=inputs, allow_pipeline=allow_pipeline,
+                         signature=signature, captures=captures).run()
+
+
+class SearchSession:
+    """``search_method`` kept open: its captures, bounds and solve caches are reused by
+    every ``run`` and ``solve``, so one model is planned under several options (memory
+    budgets, say) without being traced again (``benchmarks/layer_remat.py``). Arguments as
+    ``search_method``'s."""
+
+    def __init__(self, model, example_inputs, loss_fn, *, method: AutoParallel,
+                 cluster: Cluster | LogicalMesh, meshes: list[LogicalMesh],
+                 inputs: str = "global", allow_pipeline: bool = True,
+                 signature: CallSignature | None = None, captures: dict | None = None):
+        if signature is None:
+            signature, tensors = CallSignature.of(example_inputs)
+        else:
+            tensors = tuple(example_inputs)
+        batch = batch_size(tensors)
+        if method.num_micro_batches is not None and batch % method.num_micro_batches:
+            raise ValueError(f"AutoParallel(num_micro_batches={method.num_micro_batches}) does "
+                             f"not divide the batch of {batch}; use a divisor of it")
+        self.method = method
+        self._search = _Search(model, tensors, signature, loss_fn, method, cluster, meshes,
+                               inputs, allow_pipeline, batch,
+                               time.perf_counter() + method.time_budget_s,
+                               {} if captures is None else captures)
+
+    def run(self, method: AutoParallel | None = None):
+        """The plan of the fastest candidate that fits ``method`` (the session's if None;
+        it must keep the session's ``num_micro_batches``), searched afresh within its
+        ``time_budget_s``; ``NothingFitsError`` when none fits."""
+        search = self._search
+        search.method = self._checked(method)
+        search.plans, search.attempts = [], []
+        search.deadline = time.perf_counter() + search.method.time_budget_s
+        return search.run()
+
+    def solve(self, candidate: Candidate, method: AutoParallel | None = None):
+        """The plan of one candidate (``Candidate(kind, remat, num_micro_batches, 0, 0)``)
+        under ``method`` (the session's if None); ``InfeasibleError`` when it does not fit."""
+        search = self._search
+        search.method = self._checked(method)
+        search.deadline = time.perf_counter() + search.method.time_budget_s
+        return search.solve(candidate)
+
+    def _checked(self, method: AutoParallel | None) -> AutoParallel:
+        if method is None:
+            return self.method
+        if method.num_micro_batches != self.method.num_micro_batches:
+            raise ValueError(f"a SearchSession made for num_micro_batches="
+                             f"{self.method.num_micro_batches} cannot plan for "
+                             f"{method.num_micro_batches}; open another session")
+        return method
 
 
 @dataclass(frozen=True)
