@@ -43,13 +43,13 @@ import torch.fx as fx
 from torchalpa.core.opgraph import block_of
 from torchalpa.frontends.joint_graph import ancestor_names
 from torchalpa.frontends.opset import RANDOM_OPS, SDPA_OP
-from torchalpa.frontends.param_remat import rematerialize_parameter_views
+from torchalpa.frontends.param_remat import rematerialize_graph_views
 from torchalpa.frontends.provenance import module_of
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.torch_export import Capture, to_opgraph
 from torchalpa.ops.batched_matmul import BATCHED_MATMUL_OP
 
-__all__ = ["checkpoint_blocks", "checkpointed_capture", "Recomputed", "POLICIES",
+__all__ = ["checkpoint_blocks", "checkpoint_graph", "checkpointed_capture", "Recomputed", "POLICIES",
            "SELECTIVE_KEPT"]
 
 POLICIES = ("full", "selective")
@@ -87,13 +87,13 @@ def _is_random(n: fx.Node) -> bool:
     return _made_by(n, RANDOM_OPS)
 
 
-def _blocks(gm: fx.GraphModule, forward: set[str]) -> dict[tuple[str, int], list[fx.Node]]:
+def _blocks(graph: fx.Graph, forward: set[str]) -> dict[tuple[str, int], list[fx.Node]]:
     """Forward ops of each block, in graph order, with the parts (``getitem``) of their
     tuple results: a part only backward reads (layer norm's mean) is no ancestor of the
     loss, yet it is made where forward makes the tuple."""
     blocks: dict[tuple[str, int], list[fx.Node]] = {}
     block_of_node: dict[fx.Node, tuple[str, int]] = {}
-    for n in gm.graph.nodes:
+    for n in graph.nodes:
         if n.op != "call_function":
             continue
         if n.target is operator.getitem and n.args[0] in block_of_node:
@@ -115,15 +115,23 @@ def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
     its backward: all of it (``policy="full"``) or all but the results of
     ``SELECTIVE_KEPT`` ops (``"selective"``). ``blocks``: only the first that many blocks
     (in forward's order) are checkpointed, the others keep their activations."""
+    done = checkpoint_graph(gm.graph, num_params, policy=policy, blocks=blocks)
+    gm.recompile()
+    return done
+
+
+def checkpoint_graph(graph: fx.Graph, num_params: int, *, policy: str = "full",
+                     blocks: int | None = None) -> Recomputed:
+    """``checkpoint_blocks`` on the graph alone (its module's code is left to the caller,
+    who may edit more before making it)."""
     if policy not in POLICIES:
         raise ValueError(f"checkpointing policy must be one of {POLICIES}, got {policy!r}")
-    graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
     forward = ancestor_names([outs[0], *[o for o in outs[1 + num_params:] if o is not None]])
     num_blocks = num_ops = 0
-    found = list(_blocks(gm, forward).values())
+    found = list(_blocks(graph, forward).values())
     if blocks is not None and blocks > len(found):
         raise ValueError(f"remat '{policy}:{blocks}' checkpoints {blocks} blocks, but the step "
                          f"has {len(found)}; use at most '{policy}:{len(found)}'")
@@ -167,7 +175,6 @@ def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
         num_blocks += 1
         num_ops += len(copies)
     graph.lint()
-    gm.recompile()
     return Recomputed(blocks=num_blocks, ops=num_ops, total=len(found))
 
 
@@ -197,13 +204,13 @@ def checkpointed_capture(captured: Capture, policy: str = "full", *,
     graph = fx.Graph()
     graph._codegen = _copied_codegen(captured.gm.graph._codegen)
     graph.output(graph.graph_copy(captured.gm.graph, {}))
-    gm = fx.GraphModule(captured.gm, graph)
+    # the rewrites edit the graph; the module and its code are made once, after the last
     if rematerialize_parameters:
-        rematerialize_parameter_views(gm, len(captured.param_names))
-    done = checkpoint_blocks(gm, len(captured.param_names), policy=policy, blocks=first) \
+        rematerialize_graph_views(graph, len(captured.param_names))
+    done = checkpoint_graph(graph, len(captured.param_names), policy=policy, blocks=first) \
         if policy != "none" else Recomputed(blocks=0, ops=0)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
+    graph.eliminate_dead_code()
+    gm = fx.GraphModule(captured.gm, graph)
     kinds = ([("param", k) for k in captured.param_names]
              + [("buffer", k) for k in captured.buffer_names]
              + [("input", k) for k in captured.input_names])

@@ -28,7 +28,14 @@ _VIEWS = {aten.permute.default, aten.t.default, aten.transpose.int, aten.view.de
 def rematerialize_parameter_views(gm: fx.GraphModule, num_params: int) -> int:
     """Rewrite ``gm`` (the joint step; its first ``num_params`` placeholders are the
     trainable parameters) in place; returns how many view ops were copied."""
-    graph = gm.graph
+    copied = rematerialize_graph_views(gm.graph, num_params)
+    gm.recompile()
+    return copied
+
+
+def rematerialize_graph_views(graph: fx.Graph, num_params: int) -> int:
+    """``rematerialize_parameter_views`` on the graph alone (its module's code is left to
+    the caller, who may edit more before making it)."""
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     params = [n for n in nodes if n.op == "placeholder"][:num_params]
@@ -60,5 +67,4 @@ def rematerialize_parameter_views(gm: fx.GraphModule, num_params: int) -> int:
     for user, view in readers:
         user.replace_input_with(view, copy_of(view, user))
     graph.lint()
-    gm.recompile()
     return len(copies)

@@ -82,3 +82,30 @@ def test_one_worker_solves_here_in_order_and_guesses_nothing():
     out = jobs.solve([("x", ("x", 0.0)), ("y", ("y", 0.0))])
     assert [name for name, _ in out] == ["x", "y"] and seen == ["x", "y"]
     assert all(pid == os.getpid() for _, pid in out)
+
+
+def _stopped_by_the_clock(seconds):
+    """What a solver run stopped by its time limit of ``seconds`` records (``solve_ilp``)."""
+    from torchalpa.passes.sharding import ilp
+    stops = ilp._clock_stops.get()
+    assert stops is not None, "the worker watches for clock stops"
+    stops.append(float(seconds))
+    return os.getpid()
+
+
+def test_clock_stops_in_forked_workers_reach_the_callers_watch():
+    """A time limit that fires in a forked solve is counted where the search watches (the
+    plan's notes say so), for ``fork_map``'s workers and for the rounds' solves; a guess
+    no round asked for is not counted."""
+    from torchalpa.passes.sharding.ilp import clock_watch
+    with clock_watch() as stops:
+        pids = stage_jobs.fork_map(_stopped_by_the_clock, [1, 2, 3], workers=2)
+    assert os.getpid() not in pids and sorted(stops) == [1.0, 2.0, 3.0]
+    jobs = StageJobs(_stopped_by_the_clock, workers=2)
+    jobs.guess = lambda: [("never asked", 9)]
+    try:
+        with clock_watch() as stops:
+            [pid] = jobs.solve([("asked", 4)])
+    finally:
+        jobs.close()
+    assert pid != os.getpid() and stops == [4.0]

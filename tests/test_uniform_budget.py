@@ -1,7 +1,7 @@
-"""The uniform partitions' stage solves run within their own time budget
-(``stage_search.UNIFORM_TIME_LIMIT``); the stages the DP picks keep the method's time
-limit. Every stage solve of the search skips the unsimplified re-solve on large stages
-(``stage_solve.SEARCH_RESOLVE_BELOW``).
+"""The uniform partitions' stage solves run within their own work budget, a node limit
+(``stage_search.UNIFORM_MAX_NODES``); the stages the DP picks keep the method's node
+limit; both keep the method's time limit (the safety net). Every stage solve of the
+search skips the unsimplified re-solve on large stages (``stage_solve.SEARCH_RESOLVE_BELOW``).
 
 On GPT-15B the uniform partitions' unsimplified stage re-solves took most of the search
 (20-85 s each, several at the 60 s limit) for stages at most 0.75 % faster."""
@@ -25,7 +25,7 @@ from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
 from torchalpa.passes.pipeline_search.layer_cache import SolveCache
 
 GB = 1024 ** 3
-BUDGET = 7.5      # seconds: far below the method's 60, never reached on this tiny model
+BUDGET = 300      # branch-and-bound nodes: far below the method's 2000
 
 
 @pytest.fixture(scope="module")
@@ -58,14 +58,14 @@ def _record_stage_plans(monkeypatch, record) -> None:
 
 
 def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(gpt_graph, monkeypatch):
-    """Every stage solve asked for with a budget plans with that time limit, every other
-    one with the method's 60 s; all re-solve unsimplified below ``SEARCH_RESOLVE_BELOW``
-    nodes, not the method's 2000; with every uniform partition priced, some are
-    budgeted."""
+    """Every stage solve asked for with a budget plans with that node limit, every other
+    one with the method's 2000, all with the method's 60-s time limit; all re-solve
+    unsimplified below ``SEARCH_RESOLVE_BELOW`` nodes, not the method's 2000; with every
+    uniform partition priced, some are budgeted."""
     monkeypatch.setattr(stage_search, "UNIFORM_MARGIN", math.inf)
-    monkeypatch.setattr(stage_search, "UNIFORM_TIME_LIMIT", BUDGET)
+    monkeypatch.setattr(stage_search, "UNIFORM_MAX_NODES", BUDGET)
     asked: list = []          # per stage solve: the budget it was given
-    limits: list = []         # per stage ILP plan: (budget asked, time limit it ran with)
+    limits: list = []         # per stage ILP plan: (budget asked, node and time limits)
     solve_stage = ExactStages._solve_stage
 
     def recording_solve(self, k, i, submesh, view, flight, received, budget=None):
@@ -74,7 +74,7 @@ def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(gpt_graph,
 
     def record(request):
         option = request.method.auto_sharding_option
-        limits.append((asked[-1], option.time_limit, option.exact_below))
+        limits.append((asked[-1], option.max_nodes, option.time_limit, option.exact_below))
 
     monkeypatch.setattr(ExactStages, "_solve_stage", recording_solve)
     _record_stage_plans(monkeypatch, record)
@@ -84,42 +84,43 @@ def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(gpt_graph,
     # a user would pass per stage, leaves how hard the ILP worked out
     assert {s.plan.method["auto_sharding_option"]["exact_below"] for s in plan.stages} == \
         {stage_solve.SEARCH_RESOLVE_BELOW}
-    assert not any("exact_below" in o or "time_limit" in o for o in plan.stage_options)
+    assert not any("exact_below" in o or "max_nodes" in o for o in plan.stage_options)
     assert BUDGET in asked, "no uniform partition's stage was priced under the budget"
     assert None in asked, "the DP priced no stage of its own"
     below = stage_solve.SEARCH_RESOLVE_BELOW
     assert below < 2000
-    assert limits and all((limit, below) == ((BUDGET, below) if budget is not None else
-                                             (60.0, below))
-                          for budget, limit, below in limits), limits
+    assert limits and all((nodes, limit, below) == ((BUDGET, 60.0, below) if budget is not None
+                                                    else (2000, 60.0, below))
+                          for budget, nodes, limit, below in limits), limits
 
 
-def test_a_budget_bounds_the_time_limit_it_never_raises_it(monkeypatch):
-    option = torchalpa.AutoShardingOption(solver="highs")          # time_limit 60 s
+def test_a_budget_bounds_the_node_limit_it_never_raises_it(monkeypatch):
+    option = torchalpa.AutoShardingOption(solver="highs")          # max_nodes 2000
     monkeypatch.setattr(stage_solve, "SEARCH_RESOLVE_BELOW", 2000)
     assert stage_solve.search_option(option, None) is option
-    assert stage_solve.search_option(option, 10.0).time_limit == 10.0
-    assert stage_solve.search_option(option, 90.0).time_limit == 60.0
-    unlimited = torchalpa.AutoShardingOption(solver="highs", time_limit=None)
-    assert stage_solve.search_option(unlimited, 10.0).time_limit == 10.0
-    assert stage_solve.search_option(option, 10.0).solver == "highs"
+    assert stage_solve.search_option(option, 300).max_nodes == 300
+    assert stage_solve.search_option(option, 3000).max_nodes == 2000
+    assert stage_solve.search_option(option, 300).time_limit == option.time_limit
+    unlimited = torchalpa.AutoShardingOption(solver="highs", max_nodes=None)
+    assert stage_solve.search_option(unlimited, 300).max_nodes == 300
+    assert stage_solve.search_option(option, 300).solver == "highs"
     assert option.exact_below == 2000
     monkeypatch.setattr(stage_solve, "SEARCH_RESOLVE_BELOW", 600)
     assert stage_solve.search_option(option, None).exact_below == 600
-    assert stage_solve.search_option(option, None).time_limit == 60.0
-    assert stage_solve.search_option(option, 10.0).exact_below == 600
+    assert stage_solve.search_option(option, None).max_nodes == 2000
+    assert stage_solve.search_option(option, 300).exact_below == 600
     monkeypatch.setattr(stage_solve, "SEARCH_RESOLVE_BELOW", 0)
-    assert stage_solve.search_option(option, 10.0).exact_below == 0
+    assert stage_solve.search_option(option, 300).exact_below == 0
     small = torchalpa.AutoShardingOption(solver="highs", exact_below=300)
     monkeypatch.setattr(stage_solve, "SEARCH_RESOLVE_BELOW", 1000)
-    assert stage_solve.search_option(small, 10.0).exact_below == 300
+    assert stage_solve.search_option(small, 300).exact_below == 300
 
 
 def test_budgeted_and_full_stage_solves_are_cached_apart(gpt_graph, monkeypatch):
     """A stage priced within a budget may stop short of what a full solve finds: the cache
     must not hand one for the other."""
     monkeypatch.setattr(stage_search, "UNIFORM_MARGIN", math.inf)
-    monkeypatch.setattr(stage_search, "UNIFORM_TIME_LIMIT", BUDGET)
+    monkeypatch.setattr(stage_search, "UNIFORM_MAX_NODES", BUDGET)
     cache = SolveCache()
     _search(gpt_graph, cache)
     stages = [key for key in list(cache._items) if key[0] == "stage"]
@@ -134,7 +135,7 @@ def test_a_stage_solved_in_full_answers_its_budgeted_request(gpt_graph, monkeypa
     the full plan answers it (a budget only stops solves early). Budgeted solves skip the
     alternating re-solve of repeated blocks; the DP's keep it."""
     monkeypatch.setattr(stage_search, "UNIFORM_MARGIN", math.inf)
-    monkeypatch.setattr(stage_search, "UNIFORM_TIME_LIMIT", BUDGET)
+    monkeypatch.setattr(stage_search, "UNIFORM_MAX_NODES", BUDGET)
     solve_stage = ExactStages._solve_stage
     answer = ExactStages._answer_budgeted_by_full
     answered, asked, alternating = [], [], []

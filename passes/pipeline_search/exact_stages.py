@@ -59,13 +59,13 @@ class ExactStages:
         self.exact_plans: dict[PlanKey, Plan] = {}
 
     def exact(self, k: int, i: int, submesh: Submesh, view: View, in_flight_batches: int,
-              recompute: bool = False, budget: float | None = None
+              recompute: bool = False, budget: int | None = None
               ) -> tuple[float, AutoShardingOption | None]:
         """Latency of layers k..i as one stage by its own memory-constrained ILP (with its
         micro-batches in flight) on ``view``, and the option that fits (None: the method's
         own; else sharded states); inf if neither fits. ``recompute``: the stage
-        checkpointed (``passes/pipeline_search/stage_recompute.py``). ``budget``: seconds each of the stage's
-        ILP solves may take at most (``search_option``). Cached by the range's structure,
+        checkpointed (``passes/pipeline_search/stage_recompute.py``). ``budget``: branch-and-bound nodes each
+        of the stage's ILP solves may explore at most (``search_option``). Cached by the range's structure,
         so ranges of identical layers are solved once, and reused from fewer micro-batches
         in flight where that plan still fits (``_reuse_fewer_in_flight``)."""
         received = self.costs.received(k, i) if recompute else None
@@ -80,7 +80,7 @@ class ExactStages:
         return self._priced_stage(k, i, seconds, lean, recompute)
 
     def _answer_budgeted_by_full(self, k: int, i: int, submesh: Submesh, view: View,
-                                 flight: int, recompute: bool, budget: float | None) -> None:
+                                 flight: int, recompute: bool, budget: int | None) -> None:
         """A budgeted solve asked for where the full solve of the same stage is known:
         store that one for it (a budget only stops solves early, so the full plan is at
         least as good). GPT-39B's 64-device row: a uniform partition's layers 2-3 are the
@@ -120,9 +120,9 @@ class ExactStages:
         return seconds + self.costs.send_seconds(k, i), option
 
     def _stage_key(self, k: int, i: int, submesh: Submesh, view: View, in_flight_batches: int,
-                   recompute: bool, budget: float | None = None) -> tuple:
+                   recompute: bool, budget: int | None = None) -> tuple:
         """What ``exact`` caches a stage's solve under: its layers' structure, where it sits,
-        its view, micro-batches in flight, and the time budget its solves ran under (a
+        its view, micro-batches in flight, and the node budget its solves ran under (a
         budgeted solve may stop short of the optimum a full one finds)."""
         return ("stage", *self.problem.range_shape(k, i), view, submesh, in_flight_batches,
                 self.problem.context) + \
@@ -141,7 +141,7 @@ class ExactStages:
         return in_flight_bytes(state, peak, saved, flight) <= self.problem.budget()
 
     def _reuse_fewer_in_flight(self, k: int, i: int, submesh: Submesh, view: View,
-                               flight: int, recompute: bool, budget: float | None) -> bool:
+                               flight: int, recompute: bool, budget: int | None) -> bool:
         """Answer the stage's exact solve with ``flight`` micro-batches in flight from a
         solve of the same range with fewer, where one exists and decides it, without an
         ILP. Exact by monotonicity: more micro-batches in flight only add memory, so the
@@ -165,7 +165,7 @@ class ExactStages:
         return True
 
     def _fewer_that_decides(self, k: int, i: int, submesh: Submesh, view: View, flight: int,
-                            recompute: bool, budget: float | None) -> int | None:
+                            recompute: bool, budget: int | None) -> int | None:
         """The most micro-batches in flight, below ``flight``, whose solve of the stage
         decides it with ``flight`` (``_reuse_fewer_in_flight``); None if none does."""
         for fewer in range(flight - 1, 0, -1):
@@ -206,7 +206,7 @@ class ExactStages:
                 return moved
         return None
 
-    def solve_stages(self, stages: list[Stage], jobs: StageJobs, budget: float | None = None,
+    def solve_stages(self, stages: list[Stage], jobs: StageJobs, budget: int | None = None,
                      later: Callable[[], list[Stage]] = list) -> None:
         """Solve the stages that ``exact`` has not yet, by ``jobs`` (forked workers), and
         keep them where ``exact`` finds them: the DP's stages of one round are independent
@@ -231,7 +231,7 @@ class ExactStages:
             for key, _ in wave:
                 del todo[key]
 
-    def _unsolved(self, stages: list[Stage], budget: float | None) -> dict[tuple, Stage]:
+    def _unsolved(self, stages: list[Stage], budget: int | None) -> dict[tuple, Stage]:
         """``stages`` by their cache key, but those ``exact`` knows already."""
         todo: dict[tuple, Stage] = {}
         for stage in stages:
@@ -241,7 +241,7 @@ class ExactStages:
                 todo[key] = stage
         return todo
 
-    def _wave(self, todo: dict[tuple, Stage], budget: float | None, workers: int
+    def _wave(self, todo: dict[tuple, Stage], budget: int | None, workers: int
               ) -> list[tuple[tuple, Stage]]:
         """The solves to run next: each range at its fewest micro-batches in flight, and,
         for workers that would be idle, the most in flight of a range (the solve the
@@ -256,7 +256,7 @@ class ExactStages:
                        key=lambda item: -item[1].in_flight)
         return wave + spare[:max(0, workers - len(wave))]
 
-    def _guesses(self, todo: dict[tuple, Stage], budget: float | None,
+    def _guesses(self, todo: dict[tuple, Stage], budget: int | None,
                  later: Callable[[], list[Stage]]) -> list[tuple[tuple, tuple]]:
         """What an idle worker may solve ahead: the next wave first, the most in flight of
         a range (which the fewest one answers least often); then what later rounds may
@@ -268,12 +268,12 @@ class ExactStages:
             [(key, self._job(stage, None)) for key, stage in rounds
              if self._is_open(key, stage, None)]
 
-    def _is_open(self, key: tuple, stage: Stage, budget: float | None) -> bool:
+    def _is_open(self, key: tuple, stage: Stage, budget: int | None) -> bool:
         """Whether no solve known so far answers ``stage``."""
         return key not in self.cache and \
             self._fewer_that_decides(*stage, budget) is None
 
-    def _job(self, stage: Stage, budget: float | None) -> tuple:
+    def _job(self, stage: Stage, budget: int | None) -> tuple:
         """``solve_in_worker``'s arguments for ``stage``."""
         k, i, submesh, view, flight, recompute = stage
         return (k, i, submesh, view, flight, self.costs.received(k, i) if recompute else None,
@@ -302,10 +302,11 @@ class ExactStages:
 
     def _solve_stage(self, k: int, i: int, submesh: Submesh, view: View,
                      in_flight_batches: int, received: float | None,
-                     budget: float | None = None) -> Solved:
+                     budget: int | None = None) -> Solved:
         """The stage's exact plan, kept (``received`` None) or recomputed: then planned
         with one micro-batch in flight within the budget the others' inputs leave.
-        ``budget``: seconds each ILP solve may take at most (``search_option``).
+        ``budget``: branch-and-bound nodes each ILP solve may explore at most
+        (``search_option``).
         Returns (latency, lean, (model states, activation peak, saved activations) per
         device), latency None where nothing fits."""
         method = self.problem.method

@@ -55,7 +55,7 @@ from torchalpa.passes.pipeline_search.submesh_views import (
     tensor_dims,
     view_notes,
 )
-from torchalpa.passes.sharding.ilp import InfeasibleError
+from torchalpa.passes.sharding.ilp import CLOCK_NOTE, InfeasibleError, clock_watch
 
 __all__ = ["plan_pipeline", "assign_layers", "logical_views", "shardable_views",
            "searched_views", "layer_probes", "LayerProbe", "micro_batch_seconds"]
@@ -93,9 +93,15 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
                         measured, share_views)
     costs = StageCosts(problem, layers)
     exact = ExactStages(problem, costs, cache)
-    chosen = _choose_stages(costs, exact, workers, start)
-    searched = time.perf_counter()
-    plan = _assemble(problem, chosen, layers, exact, workers)
+    with clock_watch() as stops:     # forked workers' stops too (``stage_jobs``)
+        chosen = _choose_stages(costs, exact, workers, start)
+        searched = time.perf_counter()
+        plan = _assemble(problem, chosen, layers, exact, workers)
+    if stops:
+        chosen.notes.append(
+            f"{CLOCK_NOTE} {len(stops)} of the pipeline search's solver runs (at "
+            f"{max(stops):.0f} s): a faster or idler machine may find a better plan; "
+            "not cached")
     log.info("pipeline plan: %d layers, %d stages, %d layer solves for the DP (%.1fs), "
              "stage plans %.1fs (%d moved from identical layers, %d exact solves answered "
              "from fewer in flight)", problem.num_layers, len(chosen.stages), layers.solves,

@@ -36,6 +36,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from torchalpa.passes.sharding.ilp import clock_stops_elsewhere, clock_watch
+
 __all__ = ["StageJobs", "can_fork", "cpu_workers", "fork_map"]
 
 log = logging.getLogger("torchalpa.planner")
@@ -97,6 +99,9 @@ class StageJobs:
         ok, value = self._done[key]
         if not ok:
             raise RuntimeError(f"a stage solve failed in its worker:\n{value}")
+        value, stops = value
+        clock_stops_elsewhere(stops)     # only solves a round used count (not guesses)
+        self._done[key] = (ok, value)
         self.on_result(key, value)
 
     def close(self) -> None:
@@ -198,7 +203,8 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> li
     for _ in items:
         n, ok, value = results.get()
         if ok:
-            out[n] = value
+            out[n], stops = value
+            clock_stops_elsewhere(stops)
         else:
             failed[n] = value
     feeder.join()
@@ -221,7 +227,9 @@ def _serve(fn: Callable[[Any], Any], tasks: Any, results: Any) -> None:
     while (task := tasks.get()) is not None:
         n, item = task
         try:
-            results.put((n, True, fn(item)))
+            with clock_watch() as stops:
+                value = fn(item)
+            results.put((n, True, (value, stops)))
         except BaseException as e:      # report it to the parent, which raises it
             try:
                 pickle.dumps(e)
@@ -232,7 +240,9 @@ def _serve(fn: Callable[[Any], Any], tasks: Any, results: Any) -> None:
 
 def _child(run: Callable[[Any], Any], args: Any, conn: Connection) -> None:
     try:
-        result = (True, run(args))
+        with clock_watch() as stops:
+            value = run(args)
+        result = (True, (value, stops))
     except BaseException:      # report it to the parent, which raises it
         result = (False, traceback.format_exc())
     conn.send(result)

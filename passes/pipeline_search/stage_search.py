@@ -32,7 +32,7 @@ from torchalpa.passes.pipeline_search.stage_jobs import StageJobs
 from torchalpa.passes.pipeline_search.stages import PipelineSolution, stage_dp
 
 __all__ = ["StageSearch", "SearchResult", "VariantTable", "uniform_layouts", "MEMORY_SLACK",
-           "UNIFORM_TIME_LIMIT", "MAX_EXACT_ROUNDS", "UNIFORM_MARGIN"]
+           "UNIFORM_MAX_NODES", "MAX_EXACT_ROUNDS", "UNIFORM_MARGIN"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -41,11 +41,13 @@ MEMORY_SLACK = 2.0
 be asked (GPT-39B, 2 layers, 8 micro-batches in flight: additive 126-140 GB, exact 79 GB
 of 80)."""
 
-UNIFORM_TIME_LIMIT: float | None = 10.0
-"""Seconds each ILP solve of a uniform partition's stage may take (``StageSearch``), in
-place of the method's ``time_limit`` where that is longer; None: no budget of its own.
-Those stages are priced only to offer the search an alternative, so their solves stop
-early: any feasible plan's time is an upper bound of the stage's optimum."""
+UNIFORM_MAX_NODES: int | None = 500
+"""Branch-and-bound nodes each ILP solve of a uniform partition's stage may explore
+(``StageSearch``), in place of the method's ``max_nodes`` where that is larger; None: no
+bound of its own. Those stages are priced only to offer the search an alternative, so
+their solves stop early: any feasible plan's time is an upper bound of the stage's
+optimum. A bound by work, not seconds, so the same search prices them alike at any load
+(the method's ``time_limit`` stays the safety net, reported in the plan's notes)."""
 
 MAX_EXACT_ROUNDS = 8
 """Rounds of (stage DP, exact pricing of the stages it chose that were not yet exact)."""
@@ -197,7 +199,7 @@ class StageSearch:
     def _rounds(self, jobs: StageJobs) -> PipelineSolution:
         """DP, exact pricing of what it picked not yet exact, again; once an answer is
         exact, the uniform partitions that might beat it priced too (each solve within
-        ``UNIFORM_TIME_LIMIT``), and again until an answer is exact."""
+        ``UNIFORM_MAX_NODES``), and again until an answer is exact."""
         uniform_done = self.measured     # measured times are not repriced by the cost model
         for _ in range(MAX_EXACT_ROUNDS + 1):
             solution = self._dp()
@@ -205,7 +207,7 @@ class StageSearch:
             if not picks and not uniform_done:
                 uniform_done = True
                 picks = self._uniform_picks(solution.total * (1 + UNIFORM_MARGIN))
-                budget = UNIFORM_TIME_LIMIT
+                budget = UNIFORM_MAX_NODES
             if not picks or self.measured:
                 return solution
             self._round_picks = picks if budget is None else []
@@ -239,8 +241,9 @@ class StageSearch:
                 out.append((key, picked))
         return out
 
-    def _price(self, picks: list[Pick], budget: float | None, jobs: StageJobs) -> None:
-        """Price ``picks`` exactly (solves within ``budget`` seconds each, if given)."""
+    def _price(self, picks: list[Pick], budget: int | None, jobs: StageJobs) -> None:
+        """Price ``picks`` exactly (solves within ``budget`` branch-and-bound nodes each,
+        if given)."""
         self.exact.solve_stages([self._stage(key, view, recompute)
                                  for key, (view, _, recompute) in picks], jobs,
                                 budget, self._next_round)

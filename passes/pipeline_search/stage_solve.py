@@ -76,15 +76,16 @@ def plan_stage(request: StageRequest, memo: PricingMemo | None = None) -> Plan:
                          blocks=graph.meta.get("repeated_blocks") or None, memo=memo)
 
 
-def search_option(option: AutoShardingOption, budget: float | None) -> AutoShardingOption:
+def search_option(option: AutoShardingOption, budget: int | None) -> AutoShardingOption:
     """``option`` for a stage solve of the search: no unsimplified re-solve above
-    ``SEARCH_RESOLVE_BELOW`` nodes and, with ``budget`` seconds (a uniform partition's
-    stage, an alternative to the answer), its ILP time limit at most that and no
-    alternating re-solve of repeated blocks (``AutoShardingOption.alternate_blocks``: on
-    GPT-39B's 64-device row the slowest such stage, layers 0-1 with 4 micro-batches in
-    flight, took 18.8 s with it and 10.1 s without, at the same latency)."""
+    ``SEARCH_RESOLVE_BELOW`` nodes and, with ``budget`` branch-and-bound nodes (a uniform
+    partition's stage, an alternative to the answer), its solver's node limit at most
+    that and no alternating re-solve of repeated blocks (``AutoShardingOption.
+    alternate_blocks``: on GPT-39B's 64-device row the slowest such stage, layers 0-1 with
+    4 micro-batches in flight, took 18.8 s with it and 10.1 s without, at the same
+    latency). A bound by work: the method's ``time_limit`` stays the only clock."""
     below = min(option.exact_below, SEARCH_RESOLVE_BELOW)
     if budget is None:
         return option if below == option.exact_below else replace(option, exact_below=below)
-    limit = budget if option.time_limit is None else min(option.time_limit, budget)
-    return replace(option, time_limit=limit, exact_below=below, alternate_blocks=False)
+    nodes = budget if option.max_nodes is None else min(option.max_nodes, budget)
+    return replace(option, max_nodes=nodes, exact_below=below, alternate_blocks=False)

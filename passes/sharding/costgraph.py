@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -204,6 +204,26 @@ of one graph on one view (simplified, followers freed, re-solved, each memory ro
 cost graph) price each node's strategies once. The strategy list and the node are held
 and compared by identity, so another strategy space or a node replaced is priced anew."""
 
+_ALIKE_COSTS: OrderedDict = OrderedDict()
+"""(mesh, what a node's price reads of it, its strategies' identities) -> (the strategies,
+its cost per strategy): nodes alike but for their names -- the same op of each of a
+transformer's identical layers, and of the captures of one step a search plans
+(checkpointing variants, parameters gathered again) -- are priced once. The strategies
+are the rules' shared, frozen objects (``PricingMemo.rule_strategies``): kept here with
+the price, so their identities in the key cannot be reused by others while it lives."""
+
+ALIKE_COSTS_MAX = 100_000
+"""Entries ``_ALIKE_COSTS`` keeps (least recently used dropped first)."""
+
+
+def _alike_key(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strategy]) -> tuple:
+    """Everything ``_own_costs`` reads of ``node`` but names: its op, arguments, results,
+    flops and bytes, flags, its operands' specs; and its strategies by identity."""
+    return (mesh, node.op, node.kind, node.args, node.kwargs, node.outputs, node.flops,
+            node.bytes, node.phase, node.aliases, node.is_param, node.is_grad,
+            node.is_optimizer_state, node.batched,
+            tuple(graph.spec(r) for r in node.operands), tuple(map(id, strategies)))
+
 
 def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strategy]
                ) -> np.ndarray:
@@ -212,11 +232,25 @@ def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strateg
     found = memo.get((node.name, mesh))
     if found is not None and found[0] is strategies and found[1] is node:
         return found[2]
-    vec = np.array([compute_cost(mesh, node, s.shards, s.outputs,
-                                 strategy_bytes(graph, node, s.inputs, s.outputs, mesh.shape))
-                    + steps_cost(mesh, sync_steps(s, node.outputs[0], mesh.shape))
-                    + batch_sync_cost(mesh, s.batch_syncs) for s in strategies])
-    vec.setflags(write=False)
+    try:
+        key = _alike_key(graph, mesh, node, strategies)
+        alike = _ALIKE_COSTS.get(key)
+    except TypeError:        # an unhashable argument: priced on its own
+        key, alike = None, None
+    if alike is not None:
+        _ALIKE_COSTS.move_to_end(key)
+        vec = alike[1]
+    else:
+        vec = np.array([compute_cost(mesh, node, s.shards, s.outputs,
+                                     strategy_bytes(graph, node, s.inputs, s.outputs,
+                                                    mesh.shape))
+                        + steps_cost(mesh, sync_steps(s, node.outputs[0], mesh.shape))
+                        + batch_sync_cost(mesh, s.batch_syncs) for s in strategies])
+        vec.setflags(write=False)
+        if key is not None:
+            _ALIKE_COSTS[key] = (tuple(strategies), vec)
+            while len(_ALIKE_COSTS) > ALIKE_COSTS_MAX:
+                _ALIKE_COSTS.popitem(last=False)
     memo[(node.name, mesh)] = (strategies, node, vec)
     return vec
 

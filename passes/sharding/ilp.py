@@ -38,7 +38,7 @@ from torchalpa.passes.sharding.presolve import Presolved, presolve
 from torchalpa.passes.sharding.shared_reshard import SharedReads, shared_reads_cost
 
 __all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "lower_bound", "InfeasibleError",
-           "clock_watch", "CLOCK_NOTE"]
+           "clock_watch", "clock_stops_elsewhere", "CLOCK_NOTE"]
 
 CLOCK_NOTE = "the solver's time limit (a safety net) stopped"
 """How a plan's note begins when a solver's time limit, not its node limit, ended one of
@@ -61,6 +61,14 @@ def clock_watch():
         _clock_stops.reset(token)
         if outer is not None:
             outer.extend(stops)
+
+
+def clock_stops_elsewhere(stops: list[float]) -> None:
+    """Count ``stops`` -- time limits that stopped solver runs in another process (a
+    forked worker, which sent them back) -- in the watches open here."""
+    here = _clock_stops.get()
+    if here is not None:
+        here.extend(stops)
 
 
 DIRECT_HIGHS = True

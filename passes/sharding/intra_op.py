@@ -138,26 +138,41 @@ def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
     ``shared`` ((spec, sources) -> {want: reachable?}, ``PricingMemo.reachable``)."""
     by_operand: dict = {}    # (producer, output index) -> (spec, its layouts, that dict)
 
-    def reachable(ref, want) -> bool:
+    def operand(ref) -> tuple:
         entry = by_operand.get((ref.node, ref.index))
         if entry is None:
             spec = graph.spec(ref)
             sources = frozenset(p.outputs[ref.index] for p in strategies[ref.node])
             entry = by_operand[(ref.node, ref.index)] = (
                 spec, sources, shared.setdefault((spec, sources), {}))
-        spec, sources, answers = entry
+        return entry
+
+    def reachable(ref, want) -> bool:
+        spec, sources, answers = operand(ref)
         answer = answers.get(want)
         if answer is None:
             answer = answers[want] = any(plan_reshard(spec, src, want, mesh.shape) is not None
                                          for src in sources)
         return answer
 
+    # nodes alike (a transformer's identical layers) ask the same questions: the same
+    # strategies (the rules' shared objects) of operands with the same answers dicts
+    alike = shared.setdefault("alike nodes", {})
+    if len(alike) > 50_000:
+        alike.clear()
     for node in graph.ops():
-        keep = [s for s in strategies[node.name]
-                if all(s.inputs[k] is None or reachable(ref, s.inputs[k])
-                       for k, ref in enumerate(node.operands))]
-        if keep:
-            strategies[node.name] = keep
+        options = strategies[node.name]
+        answers = tuple(operand(ref)[2] for ref in node.operands)
+        key = (tuple(map(id, options)), tuple(map(id, answers)))
+        found = alike.get(key)
+        if found is None:
+            keep = [s for s in options
+                    if all(s.inputs[k] is None or reachable(ref, s.inputs[k])
+                           for k, ref in enumerate(node.operands))]
+            # the strategies and answers are kept with it: their identities stay theirs
+            found = alike[key] = (tuple(options), answers, keep)
+        if found[2]:
+            strategies[node.name] = list(found[2])
 
 
 def _batch_sharded(spec: TensorSpec, mesh: LogicalMesh) -> Strategy:

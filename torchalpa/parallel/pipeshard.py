@@ -88,8 +88,10 @@ def _cached(graph, cluster: Cluster, method: PipeshardParallel, inputs: str, sol
                  (found.estimates.step_time_s or 0) * 1e3)
         return found
     plan = solve_and_say()
-    cache.store(key, plan)
-    cache.trim()
+    from torchalpa.parallel.shard import clock_stopped
+    if not clock_stopped(plan):      # a plan the clock cut short is not what the key promises
+        cache.store(key, plan)
+        cache.trim()
     return plan
 
 
