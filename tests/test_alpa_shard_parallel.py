@@ -523,6 +523,24 @@ def test_bert_mlm_2d_mesh_counts():
 
 
 @pytest.mark.slow
+def test_bert_mlm_2d_mesh_counts_without_all_to_all():
+    """Alpa's test_bert_mlm_2d_mesh in Alpa's resharding space: its ``ReshardingCost``
+    makes an all-to-all infinite on a mesh whose two axes both have more than one device
+    (here ``allow_all_to_all=False``). Then the transform dense is replicated as Alpa's
+    is, and the plan has Alpa's 13 all-reduces and nothing else, plus our log-softmax
+    backward's row statistic (test_embedding_2d_mesh's accounting difference). Its
+    objective (17,905,782) is above the default plan's, which the all-to-all alone makes
+    cheaper (test_bert_mlm_2d_mesh_counts)."""
+    plan = _bert_mlm_2d_plan(allow_all_to_all=False)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == counts["total"] == 4 * 2 + 2 + 2 + 1 + 1, counts
+    synced = [c.tensor for c in plan.collectives if c.tensor.startswith("_log_softmax")]
+    assert synced.count("_log_softmax_backward_data") == 1, synced
+    assert all(p == Replicate() for p in weights(plan)["transform.weight"])
+    assert plan.estimates.objective > _bert_mlm_2d_plan().estimates.objective
+
+
+@pytest.mark.slow
 def test_bert_mlm_2d_mesh_alpa_layout_is_dearer():
     """Alpa's layout for the head, pinned: 14 all-reduces and nothing else, dearer than
     the ILP's own plan in Alpa's units."""
