@@ -169,12 +169,11 @@ def kept_state_copies(graph: OpGraph, chosen: dict[str, Strategy],
             readers.setdefault(r.same_as, [r.same_as[0]]).append(r.consumer)
     kept = []
     for read, names in readers.items():
-        r = first[read]
-        if graph.node(r.producer).kind not in ("param", "buffer"):
+        r, dst = first[read], chosen[read[0]].inputs[read[1]]
+        if graph.node(r.producer).kind not in ("param", "buffer") or dst is None:
             continue
         spec = graph.node(r.producer).outputs[r.index]
-        kept.append(KeptCopy(tuple(names), local_bytes(
-            spec, chosen[read[0]].inputs[read[1]], mesh_shape)))
+        kept.append(KeptCopy(tuple(names), local_bytes(spec, dst, mesh_shape)))
     return kept
 
 
