@@ -509,12 +509,35 @@ def test_bert_mlm_2d_mesh_layouts():
                    "replicates it: objective 17,410,991, against 17,911,926 with Alpa's "
                    "layout pinned (transform, position and token-type tables replicated), "
                    "which has 14 (Alpa's 13 and our log-softmax backward's row statistic, "
-                   "test_embedding_2d_mesh)")
+                   "test_embedding_2d_mesh). Alpa's space lacks our plan: forward reads the "
+                   "transform weight row-parallel through an all-to-all on axis 1 from the "
+                   "column-parallel layout backward reads, and Alpa's ReshardingCost makes an "
+                   "all-to-all infinite when both mesh axes have more than one device; the "
+                   "plan trains like one device (test_alpa_runs.py, "
+                   "test_bert_mlm_2d_plan_outside_alpas_space_runs_like_one_device)")
 def test_bert_mlm_2d_mesh_counts():
     plan = _bert_mlm_2d_plan()
     counts = communication(plan, ignore_scalar_all_reduce=True)
     assert counts["all_reduce"] == 4 * 2 + 2 + 2 + 1 and counts["total"] == counts["all_reduce"]
     assert all(p == Replicate() for p in weights(plan)["transform.weight"])
+
+
+@pytest.mark.slow
+def test_bert_mlm_2d_mesh_counts_without_all_to_all():
+    """Alpa's test_bert_mlm_2d_mesh in Alpa's resharding space: its ``ReshardingCost``
+    makes an all-to-all infinite on a mesh whose two axes both have more than one device
+    (here ``allow_all_to_all=False``). Then the transform dense is replicated as Alpa's
+    is, and the plan has Alpa's 13 all-reduces and nothing else, plus our log-softmax
+    backward's row statistic (test_embedding_2d_mesh's accounting difference). Its
+    objective (17,905,782) is above the default plan's, which the all-to-all alone makes
+    cheaper (test_bert_mlm_2d_mesh_counts)."""
+    plan = _bert_mlm_2d_plan(allow_all_to_all=False)
+    counts = communication(plan, ignore_scalar_all_reduce=True)
+    assert counts["all_reduce"] == counts["total"] == 4 * 2 + 2 + 2 + 1 + 1, counts
+    synced = [c.tensor for c in plan.collectives if c.tensor.startswith("_log_softmax")]
+    assert synced.count("_log_softmax_backward_data") == 1, synced
+    assert all(p == Replicate() for p in weights(plan)["transform.weight"])
+    assert plan.estimates.objective > _bert_mlm_2d_plan().estimates.objective
 
 
 @pytest.mark.slow

@@ -1,9 +1,14 @@
-"""Reads of one value in one layout are priced once (passes/sharding/shared_reshard.py), and a
-plan's shared read round-trips through JSON."""
+"""Reads of one value in one layout are priced once (passes/sharding/shared_reshard.py), a
+plan's shared read round-trips through JSON, and a parameter's gathered copy that forward
+and backward share counts in the plan's memory while it lives."""
 
 import numpy as np
 import pytest
+import torch
+import torch.nn as nn
+from alpa_cases import plan_of
 
+from torchalpa import Zero2Parallel
 from torchalpa.core.placement import Partial, Replicate
 from torchalpa.core.plan import Reshard, ReshardStep
 from torchalpa.passes.sharding.ilp import Edge, ILPProblem, solve_ilp
@@ -44,3 +49,31 @@ def test_a_shared_read_round_trips():
     for r in (first, second):
         assert Reshard.from_dict(r.to_dict()) == r
     assert "same_as" not in first.to_dict()
+
+
+class _NormedLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(64, 64), nn.LayerNorm(64)
+
+    def forward(self, x):
+        return self.ln(self.fc(x))
+
+
+def test_a_gathered_weight_shared_by_forward_and_backward_counts_in_memory():
+    """ZeRO-2 on 4 devices gathers the layer norm's weight and bias once; forward and
+    backward read that copy, so it is alive from the forward layer norm to its backward
+    (64 floats each, whole on every device). Gathered again in backward
+    (``rematerialize_parameters``) nothing is kept: with the same layouts, what forward
+    leaves for backward differs by exactly the two kept copies."""
+    batch = (torch.randn(32, 64), torch.randn(32, 64))
+    kept, again = (plan_of(_NormedLinear, batch, shape=(1, 4), method=Zero2Parallel,
+                           rematerialize_parameters=r)[0] for r in (False, True))
+    assert kept.strategies == again.strategies
+    shared = [r for r in kept.reshards if r.same_as is not None]
+    assert sorted(r.same_as for r in shared) == [("native_layer_norm", 1),
+                                                 ("native_layer_norm", 2)]
+    assert not any(r.same_as for r in again.reshards)
+    copies = 2 * 64 * 4
+    assert kept.estimates.saved_activation_bytes_per_device == \
+        again.estimates.saved_activation_bytes_per_device + copies

@@ -25,7 +25,7 @@ from torchalpa.core.placement import Placements, Replicate, is_shard
 from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.sharding.reshard import local_bytes
 
-__all__ = ["Liveness", "liveness", "model_state_bytes", "activation_peak_bytes",
+__all__ = ["Liveness", "KeptCopy", "liveness", "model_state_bytes", "activation_peak_bytes",
            "state_copies", "forward_end", "in_flight_bytes", "value_bytes"]
 
 
@@ -151,16 +151,55 @@ def forward_end(graph: OpGraph) -> int:
     return max((i for i, n in enumerate(graph) if n.phase == "forward"), default=0)
 
 
+@dataclass(frozen=True)
+class KeptCopy:
+    """A resharded copy of a parameter or buffer that several operand reads share
+    (``Reshard.same_as``: ZeRO-2's gathered weight read by forward and by backward): it
+    lives from its first reader to its last, holding ``nbytes`` per device."""
+
+    readers: tuple[str, ...]
+    nbytes: int
+
+
+def _kept_timeline(graph: OpGraph, live: Liveness, sizes: np.ndarray,
+                   kept: list[KeptCopy], state_at_start: bool) -> np.ndarray:
+    """Bytes the kept copies hold at each point. A reader that is a view of the copy
+    (its own interval in ``live``: ``liveness`` gives views of state one) shares the
+    copy's storage: its interval joins the copy's and its own bytes (``sizes``, set to
+    zero here) are not counted twice."""
+    order = {n.name: i for i, n in enumerate(graph)}
+    position = {name: i for i, name in enumerate(live.names)}
+    delta = np.zeros(live.length + 1)
+    for copy in kept:
+        start = min(order[r] for r in copy.readers)
+        end = max(order[r] for r in copy.readers)
+        for r in copy.readers:
+            if r in position and graph.node(r).aliases:    # a view: the copy is its storage
+                i = position[r]
+                start, end = min(start, int(live.start[i])), max(end, int(live.end[i]))
+                sizes[i] = 0.0
+        if state_at_start and any(graph.node(r).phase == "forward" for r in copy.readers):
+            start = 0                   # gathered once, before the first micro-batch
+        delta[start] += copy.nbytes
+        delta[end + 1] -= copy.nbytes
+    return np.cumsum(delta)[:-1]
+
+
 def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, ...]],
                           mesh_shape, statistics: dict[str, str] | None = None,
-                          state_at_start: bool = False) -> tuple[int, int]:
+                          state_at_start: bool = False,
+                          kept: list[KeptCopy] | None = None) -> tuple[int, int]:
     """(peak bytes of op results alive at once on one device, bytes alive where forward
-    ends: what a micro-batch holds while it waits for backward). Inputs count too.
-    ``statistics``: attention forward -> the backward that reads what it saved;
-    ``state_at_start``: as ``liveness`` takes it."""
+    ends: what a micro-batch holds while it waits for backward). Inputs count too, and
+    the resharded copies of parameters that several reads share (``kept``), from their
+    first reader to their last. ``statistics``: attention forward -> the backward that
+    reads what it saved; ``state_at_start``: as ``liveness`` takes it."""
     statistics = statistics or {}
-    timeline = activation_timeline(graph, liveness(graph, statistics, state_at_start), outputs,
-                                   mesh_shape, statistics)
+    live = liveness(graph, statistics, state_at_start)
+    sizes = np.array([value_bytes(graph, name, outputs[name], mesh_shape, statistics)
+                      for name in live.names], dtype=float)
+    extra = _kept_timeline(graph, live, sizes, kept or [], state_at_start)
+    timeline = live.total(sizes) + extra
     if not timeline.size:
         return 0, 0
     return int(timeline.max()), int(timeline[forward_end(graph)])

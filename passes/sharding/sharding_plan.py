@@ -43,7 +43,7 @@ from torchalpa.passes.pricing.cost import (
     wire_bytes,
 )
 from torchalpa.passes.pricing.kernel_model import MATMUL_FAMILIES
-from torchalpa.passes.pricing.memory import activation_peak_bytes, model_state_bytes
+from torchalpa.passes.pricing.memory import KeptCopy, activation_peak_bytes, model_state_bytes
 from torchalpa.passes.pricing.overlap_price import CommEvent, overlapped_step, program_order
 from torchalpa.passes.sharding.costgraph import ReshardCosts
 from torchalpa.passes.sharding.reshard import local_bytes
@@ -51,7 +51,7 @@ from torchalpa.passes.sharding.shared_reshard import read_key
 from torchalpa.passes.sharding.strategies import Strategy, StrategySpace, sync_steps
 
 __all__ = ["assemble_plan", "merge_gradient_all_reduces", "replace_estimates",
-           "assumed_program_order"]
+           "kept_state_copies", "assumed_program_order"]
 
 
 def replace_estimates(plan: Plan, **changes) -> Plan:
@@ -88,7 +88,8 @@ def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                                       batch_syncs=chosen[n.name].batch_syncs)
                          for n in graph.ops()),
         reshards=tuple(reshards), collectives=tuple(traffic.collectives),
-        estimates=_estimates(graph, mesh, method, chosen, traffic, leaf_placement, state_once),
+        estimates=_estimates(graph, mesh, method, chosen, traffic, leaf_placement, state_once,
+                             kept_state_copies(graph, chosen, reshards, mesh.shape)),
         unsupported_ops=tuple(space.unsupported),
         stages=(MeshStage(layers=(0,), logical_shape=tuple(mesh.shape),
                           num_devices=mesh.num_devices),),
@@ -153,6 +154,28 @@ def _reshards(graph: OpGraph, mesh: LogicalMesh, chosen: dict[str, Strategy],
     for ref in graph.outputs.sends:
         out.add(ref, OUTPUT, OutputSlot.send(str(ref)), R)
     return out.reshards
+
+
+def kept_state_copies(graph: OpGraph, chosen: dict[str, Strategy],
+                      reshards: list[Reshard], mesh_shape) -> list[KeptCopy]:
+    """The resharded copies of parameters and buffers that two or more operand reads
+    share (``Reshard.same_as``; ZeRO-2 gathers a weight once for forward and backward):
+    each is kept from its first reader to its last, which a copy read once is not."""
+    first: dict[tuple[str, int], Reshard] = {}
+    readers: dict[tuple[str, int], list[str]] = {}
+    for r in reshards:
+        if isinstance(r.slot, int) and r.same_as is None and r.steps:
+            first[(r.consumer, r.slot)] = r
+        elif r.same_as is not None and r.same_as in first:
+            readers.setdefault(r.same_as, [r.same_as[0]]).append(r.consumer)
+    kept = []
+    for read, names in readers.items():
+        r, dst = first[read], chosen[read[0]].inputs[read[1]]
+        if graph.node(r.producer).kind not in ("param", "buffer") or dst is None:
+            continue
+        spec = graph.node(r.producer).outputs[r.index]
+        kept.append(KeptCopy(tuple(names), local_bytes(spec, dst, mesh_shape)))
+    return kept
 
 
 @dataclass
@@ -277,11 +300,13 @@ class _Traffic:
 
 def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                chosen: dict[str, Strategy], traffic: _Traffic,
-               leaf_placement: dict[str, Placements], state_once: bool) -> Estimates:
+               leaf_placement: dict[str, Placements], state_once: bool,
+               kept: list[KeptCopy]) -> Estimates:
     """The step's time (compute, the optimizer, and the communication the runtime does not
     hide behind compute: ``_step_seconds``; what of it is paid once per step: the
     gradients' final resharding, state reads done once, the optimizer) and memory per
-    device (model states, the activation peak and what forward saves for backward). An
+    device (model states, the activation peak and what forward saves for backward, with
+    the shared copies of gathered parameters, ``kept``, alive between their reads). An
     op's compute is priced on the bytes its strategy's blocks move."""
     k = traffic.k
     per_op = [compute_cost(
@@ -296,7 +321,7 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     compute_time += optimizer_s
     activations, saved = activation_peak_bytes(
         graph, {name: s.outputs for name, s in chosen.items()}, mesh.shape,
-        saved_statistics(graph, mesh), state_at_start=state_once)
+        saved_statistics(graph, mesh), state_at_start=state_once, kept=kept)
     step, once, hidden, hidden_grads = _step_seconds(graph, mesh, traffic, per_op, optimizer_s)
     return Estimates(step_time_s=step, communication_s=traffic.seconds,
                      once_per_step_s=once, compute_s=compute_time,
