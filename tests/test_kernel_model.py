@@ -190,6 +190,8 @@ def test_eager_kernels_on_16_bit_data_and_normalizations_run_below_the_bandwidth
     assert compute_cost(gpu, norm, 1) / floor[norm] > compute_cost(gpu, add16, 1) / floor[add16]
     cast = _node("aten._to_copy.default", (16384, 768), "float32", nbytes=6.0 * n)  # bf16 in
     assert bandwidth_share(gpu, cast, "to_copy") < 1.0
+    # fused kernels (a compiler's, Megatron's) stream at the bandwidth
+    assert compute_cost(_gpu(eager_kernels=False), norm, 1) == pytest.approx(floor[norm])
     # off GPUs (no SMs modeled) every kernel streams at the bandwidth
     cpu = LogicalMesh(shape=(1,), peak_flops=100e12, memory_bandwidth=1e12)
     assert compute_cost(cpu, norm, 1) == pytest.approx(floor[norm])

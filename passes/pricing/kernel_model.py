@@ -44,7 +44,9 @@ for every model.
   reductions (layer/batch/group norm and their backwards: the weight gradients summed down
   the batch, two passes) reach less: ``NORMALIZATION_SHARE`` (GPT-2's 50 layer norms: 3.2
   GB in 3.9 ms). One share per kernel family on 16-bit data, fitted on that one log (no
-  per-model constant); float32 data keeps the bandwidth (``bandwidth_share``).
+  per-model constant); float32 data keeps the bandwidth, and so do hand-fused or compiled
+  kernels (``AutoShardingOption(elementwise="fused")``: ``LogicalMesh.eager_kernels``)
+  (``bandwidth_share``).
 - **A kernel's floor**: a kernel however small occupies the device ``KERNEL_FLOOR_S``
   (launch latency and the tail of its last blocks); the host's issue cost, longer, is
   ``kernel_launch_s``'s (``passes/pricing/cost.py``).
@@ -205,9 +207,10 @@ def bandwidth_share(mesh: LogicalMesh, node: OpNode, family: str) -> float:
     """The share of ``mesh.memory_bandwidth`` ``node``'s kernel reaches on a GPU (module
     doc): ``NORMALIZATION_SHARE`` for normalizations, ``HALF_ELEMENTWISE_SHARE`` for other
     kernels (not matmuls, not attention) that read or write 16-bit floating data, 1.0
-    otherwise and off GPUs (a mesh without ``multiprocessors``)."""
-    if not mesh.multiprocessors or family in MATMUL_FAMILIES or family.startswith("sdpa") \
-            or family == "convolution":
+    otherwise, off GPUs (a mesh without ``multiprocessors``) and where fused kernels run
+    them (not ``mesh.eager_kernels``)."""
+    if not mesh.multiprocessors or not mesh.eager_kernels or family in MATMUL_FAMILIES \
+            or family.startswith("sdpa") or family == "convolution":
         return 1.0
     floating = [s for s in node.outputs if not s.is_absent and
                 s.dtype.startswith(("float", "bfloat"))]

@@ -121,6 +121,11 @@ class LogicalMesh:
     op_rate_factors: tuple[tuple[str, float], ...] = ()
     """Op families whose kernels reach this fraction of their dtype's matmul rate (("sdpa",
     0.47): fused attention on an H100); a family not listed runs at the dtype's rate."""
+    eager_kernels: bool = True
+    """Elementwise ops and normalizations run as PyTorch's eager kernels, which on 16-bit
+    data fall short of the bandwidth (``passes/pricing/kernel_model.bandwidth_share``);
+    False where a compiler or hand-fused kernels run them (``AutoShardingOption(
+    elementwise="fused")``)."""
 
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
