@@ -42,8 +42,8 @@ for every model.
   show it: the bf16 logits' cast to float32 (4.9 GB) moved at 0.55 of the priced
   bandwidth, GPT-2's 24 bf16 GELUs (6 GB) at 0.79, while float32 kernels over the logits
   (fills, scatter, log-softmax: 40 GB) reached it; ``HALF_ELEMENTWISE_SHARE`` is between.
-  Normalizations and column reductions (layer/batch/group norm and their backwards: the
-  weight gradients summed down the batch, two passes) reach less: ``NORMALIZATION_SHARE``
+  Normalizations (layer/batch/group norm and their backwards, whose weight gradients are
+  summed down the batch in a second pass) reach less: ``NORMALIZATION_SHARE``
   (GPT-2's 25 layer-norm backwards took 115 us each for 75 MB). One share per kernel
   family on 16-bit data, from that one log (no per-model constant); float32 data keeps
   the bandwidth, and so do hand-fused or compiled kernels (``AutoShardingOption(
