@@ -150,8 +150,8 @@ def split_k(mesh: LogicalMesh, node: OpNode, outputs) -> int:
     ``SPLIT_K_MIN`` of K (1 on a mesh without ``multiprocessors`` or bandwidth)."""
     sms, bandwidth = mesh.multiprocessors, mesh.memory_bandwidth
     tiles, k = _tiles(mesh, node, outputs), _contraction(node)
-    most = min(k // SPLIT_K_MIN, MAX_SPLITS) if tiles and sms and bandwidth else 1
-    if most <= 1:
+    most = min(k // SPLIT_K_MIN, MAX_SPLITS) if tiles and sms else 1
+    if most <= 1 or not bandwidth:
         return 1
     shape, _ = _local_output(mesh, node, outputs, 1)
     rate = mesh.peak_flops_for(node.outputs[0].dtype, "mm") or 1.0
@@ -215,7 +215,7 @@ def bandwidth_share(mesh: LogicalMesh, node: OpNode, family: str) -> float:
         return 1.0
     floating = [s for s in node.outputs if not s.is_absent and
                 s.dtype.startswith(("float", "bfloat"))]
-    sizes = [s.itemsize for s in floating]
+    sizes = [float(s.itemsize) for s in floating]
     if family == "to_copy" and floating and floating[0].numel:   # a cast reads its source
         sizes.append((node.bytes - floating[0].nbytes) / floating[0].numel)
     if not sizes or min(sizes) > 2:
