@@ -3,6 +3,8 @@ price for it: where the step estimate is off, by op family.
 
     python benchmarks/op_times.py --model gpt2 --dtype bf16          # on a GPU
     python benchmarks/op_times.py --model gpt_small --device cpu     # a smoke run
+    python benchmarks/op_times.py --model gpt2 --cluster h200 \
+        --against benchmarks/gpu_logs/h200-2026-11-28/ops.log           # no GPU: re-price a log
 
 The step is captured on the meta device (``one_gpu.py``'s configs; ``bf16`` through
 ``MixedPrecision`` as ``auto_parallel`` runs it) and each op priced for one device of the
@@ -14,6 +16,10 @@ device time is taken as CUDA events report it. Printed: per op family the count,
 estimated and measured milliseconds and their ratio; then the ops whose measured time
 most exceeds the estimate. Ops that cannot run alone (random operands breaking an
 invariant) are counted and named. Views move no data and are not timed.
+
+``--against LOG`` times nothing: it prices the same ops with today's cost model and prints
+each family's estimate beside the measured milliseconds of an earlier run's log (this
+script's output on a GPU), so a change to the cost model is checked on a CPU.
 """
 
 from __future__ import annotations
@@ -97,6 +103,40 @@ def time_ops(graph, mesh, device: torch.device):
     return families, rows, failed
 
 
+def price_ops(graph, mesh):
+    """family -> [count, estimated s] of the ops ``time_ops`` would time."""
+    kernel_mesh = replace(mesh, kernel_launch_s=0.0)
+    families: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for node in graph.ops():
+        if not node.aliases:
+            entry = families[op_family(node.op)]
+            entry[0] += 1
+            entry[1] += compute_cost(kernel_mesh, node, 1)
+    return families
+
+
+def against(log: str, graph, mesh) -> None:
+    """Today's estimates per family beside the measured milliseconds in ``log``."""
+    measured = {}
+    for line in open(log):
+        parts = line.split()
+        if len(parts) == 5 and parts[1].isdigit():
+            measured[parts[0]] = (int(parts[1]), float(parts[2]), float(parts[3]))
+    print(f"{'family':<34}{'ops':>6}{'logged est':>11}{'est ms':>10}{'meas ms':>10}{'meas/est':>10}")
+    total_e = total_m = 0.0
+    for family, (count, est) in sorted(price_ops(graph, mesh).items(),
+                                       key=lambda kv: -measured.get(kv[0], (0, 0, 0))[2]):
+        if family not in measured:
+            continue
+        logged_count, logged_est, meas = measured[family]
+        total_e, total_m = total_e + est * 1e3, total_m + meas
+        flag = "" if logged_count == count else f"  (log: {logged_count} ops)"
+        print(f"{family:<34}{count:>6}{logged_est:>11.3f}{est * 1e3:>10.3f}{meas:>10.3f}"
+              f"{meas / (est * 1e3) if est else float('nan'):>10.3g}{flag}")
+    print(f"{'all logged families':<34}{'':>6}{'':>11}{total_e:>10.3f}{total_m:>10.3f}"
+          f"{total_m / total_e:>10.3g}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="gpt2", choices=list(BENCHES))
@@ -106,9 +146,11 @@ def main() -> None:
     p.add_argument("--top", type=int, default=20, help="most underpriced ops listed")
     p.add_argument("--cluster", help="price with this Cluster.preset (default: the detected "
                                      "GPU, calibrated if `torchalpa calibrate` ran)")
+    p.add_argument("--against", metavar="LOG", help="time nothing: today's estimates beside "
+                                                    "the measured column of LOG")
     args = p.parse_args()
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not torch.cuda.is_available() and not args.against:
         print("op_times.py times ops on a CUDA device; torch.cuda.is_available() is False "
               "(--device cpu runs it on this CPU, for a smoke run)", file=sys.stderr)
         sys.exit(2)
@@ -122,11 +164,16 @@ def main() -> None:
         from torchalpa.runtime.execution.precision import CastForward
         model = CastForward(model, torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
     graph = capture(model, batch, w.loss_fn).graph
-    if args.cluster or device.type != "cuda":
+    if args.cluster or device.type != "cuda" or args.against:
         cluster = torchalpa.Cluster.preset(args.cluster or "h200", 1, 1)
     else:
         cluster = calibrated(torchalpa.Cluster.detect(1, 1))
     mesh = cluster.logical_mesh((1,))
+    if args.against:
+        print(f"{args.model} {args.dtype} batch {bench.batch_size} priced for {cluster.name} "
+              f"today, beside the measured column of {args.against}")
+        against(args.against, graph, mesh)
+        return
     families, rows, failed = time_ops(graph, mesh, device)
     print(f"{args.model} {args.dtype} batch {bench.batch_size} on {device} "
           f"({cluster.name}); kernel times, host issue cost excluded")

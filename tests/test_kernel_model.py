@@ -1,7 +1,9 @@
 """passes/pricing/kernel_model.py and what compute_cost makes of it: wave quantization of matmuls,
-a matmul's result written after its K loop, bytes of fills, gathers and long-row softmaxes,
-fused attention's rate, the host issue cost on GPUs against CPUs, and the float32 matmul
-rate."""
+a matmul's result written after its K loop, K split to fill the SMs, unaligned 16-bit
+matmuls, eager kernels on 16-bit data and normalizations below the bandwidth, a kernel's
+floor, bytes of fills, gathers and long-row softmaxes, fused attention's rate (its backward
+lower), convolutions' rate, the host issue cost on GPUs against CPUs, and the float32
+matmul rate."""
 
 from __future__ import annotations
 
@@ -11,12 +13,17 @@ from torchalpa.core import gpu_specs
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import Operand, OpNode, TensorSpec
 from torchalpa.core.placement import Replicate, Shard
-from torchalpa.passes.pricing.cost import compute_cost
+from torchalpa.passes.pricing.cost import compute_cost, op_flops
 from torchalpa.passes.pricing.kernel_model import (
+    KERNEL_FLOOR_S,
     SHARED_ROW_BYTES,
+    SPLIT_K_MIN,
     TILE,
+    bandwidth_share,
     epilogue_seconds,
+    matmul_efficiency,
     moved_bytes,
+    split_k,
     wave_efficiency,
 )
 
@@ -39,19 +46,20 @@ def test_a_last_partial_wave_leaves_sms_idle():
 
 
 def test_a_small_matmul_computes_at_the_share_of_sms_its_tiles_fill():
-    mesh = LogicalMesh(shape=(2,), peak_flops=100e12, memory_bandwidth=1e15,
+    mesh = LogicalMesh(shape=(2,), peak_flops=1e12, memory_bandwidth=1e15,
                        multiprocessors=100)
-    big, small = _mm(100 * TILE, TILE, 8192), _mm(2 * TILE, TILE, 8192 * 50)
+    # K too short to split (under two SPLIT_K_MIN): the tiles alone decide
+    big, small = _mm(100 * TILE, TILE, 8), _mm(2 * TILE, TILE, 8 * 50)
     assert big.flops == small.flops
     written = {n: n.outputs[0].nbytes / 1e15 for n in (big, small)}   # each one's epilogue
-    assert compute_cost(mesh, big, 1) == pytest.approx(big.flops / 100e12 + written[big])
-    assert compute_cost(mesh, small, 1) == pytest.approx(small.flops / 100e12 * 50
+    assert compute_cost(mesh, big, 1) == pytest.approx(big.flops / 1e12 + written[big])
+    assert compute_cost(mesh, small, 1) == pytest.approx(small.flops / 1e12 * 50
                                                          + written[small])
     # the strategy's local shape decides: rows split over 2 devices fill one tile each
     rows = ((Shard(0),),)
-    assert compute_cost(mesh, small, 2, rows) == pytest.approx(small.flops / 2 / 1e12)
+    assert compute_cost(mesh, small, 2, rows) == pytest.approx(small.flops / 2 / 1e10)
     assert compute_cost(mesh, small, 2, ((Replicate(),),)) == pytest.approx(
-        small.flops / 2 / 2e12)
+        small.flops / 2 / 2e10)
 
 
 def test_fills_write_and_gathers_read_only_what_they_take():
@@ -134,3 +142,76 @@ def test_the_epilogue_is_priced_only_for_gpu_matmuls():
     assert epilogue_seconds(cpu, node, "mm", None, 1) == 0.0
     assert epilogue_seconds(gpu, node, "add", None, 1) == 0.0
     assert epilogue_seconds(gpu, node, "mm", None, 1) > 0.0
+
+
+def _gpu(**kw) -> LogicalMesh:
+    return LogicalMesh(shape=(1,), peak_flops=100e12, memory_bandwidth=1e12,
+                       multiprocessors=100, **kw)
+
+
+def test_a_long_k_splits_so_a_few_output_tiles_still_fill_the_sms():
+    gpu = _gpu()
+    few = _mm(5 * TILE, 2 * TILE, 100 * SPLIT_K_MIN)       # 10 tiles on 100 SMs, K long
+    assert split_k(gpu, few, None) == 10
+    assert matmul_efficiency(gpu, few, "mm", None) == pytest.approx(1.0)
+    short = _mm(5 * TILE, 2 * TILE, SPLIT_K_MIN)           # K too short to split
+    assert matmul_efficiency(gpu, short, "mm", None) == pytest.approx(10 / 100)
+    # the partial tiles are summed in float32 after: more epilogue than an unsplit result
+    assert epilogue_seconds(gpu, few, "mm", None, 1) > epilogue_seconds(gpu, short, "mm", None, 1)
+    assert split_k(gpu, _mm(20 * TILE, 10 * TILE, 100 * SPLIT_K_MIN), None) == 1  # whole waves
+    # a second wave barely begun: split where the partial sums cost less than idle SMs
+    late = _mm(101 * TILE, TILE, 64 * SPLIT_K_MIN)
+    assert matmul_efficiency(gpu, late, "mm", None) > 0.8 > 0.6 > wave_efficiency(101, 100)
+
+
+def test_an_unaligned_16_bit_matmul_runs_slower_per_flop_than_an_aligned_one():
+    gpu = _gpu()
+    aligned, vocab = _mm(8192, 50304, 768), _mm(8192, 50257, 768)
+    per_flop = {n: compute_cost(gpu, n, 1) / n.flops for n in (aligned, vocab)}
+    assert per_flop[vocab] > 3 * per_flop[aligned]
+    odd_k = _mm(8192, 8192, 775)
+    assert compute_cost(gpu, odd_k, 1) / odd_k.flops > 3 * per_flop[aligned]
+    # float32 on CUDA cores loads element by element anyway: no penalty
+    fp32 = [_node("aten.mm.default", (8192, n), "float32", flops=2.0 * 8192 * n * 768)
+            for n in (50304, 50257)]
+    assert matmul_efficiency(gpu, fp32[0], "mm", None) == pytest.approx(
+        matmul_efficiency(gpu, fp32[1], "mm", None))
+
+
+def test_eager_kernels_on_16_bit_data_and_normalizations_run_below_the_bandwidth():
+    gpu = _gpu()
+    n = 16384 * 768
+    add16 = _node("aten.add.Tensor", (16384, 768), nbytes=3 * 2.0 * n)
+    add32 = _node("aten.add.Tensor", (16384, 768), "float32", nbytes=3 * 4.0 * n)
+    norm = _node("aten.native_layer_norm.default", (16384, 768), nbytes=2 * 2.0 * n)
+    floor = {x: x.bytes / 1e12 for x in (add16, add32, norm)}    # bytes at the bandwidth
+    assert compute_cost(gpu, add32, 1) == pytest.approx(floor[add32])
+    assert compute_cost(gpu, add16, 1) > 1.3 * floor[add16]
+    assert compute_cost(gpu, norm, 1) / floor[norm] > compute_cost(gpu, add16, 1) / floor[add16]
+    cast = _node("aten._to_copy.default", (16384, 768), "float32", nbytes=6.0 * n)  # bf16 in
+    assert bandwidth_share(gpu, cast, "to_copy") < 1.0
+    # fused kernels (a compiler's, Megatron's) stream at the bandwidth
+    assert compute_cost(_gpu(eager_kernels=False), norm, 1) == pytest.approx(floor[norm])
+    # off GPUs (no SMs modeled) every kernel streams at the bandwidth
+    cpu = LogicalMesh(shape=(1,), peak_flops=100e12, memory_bandwidth=1e12)
+    assert compute_cost(cpu, norm, 1) == pytest.approx(floor[norm])
+    # however small, a GPU kernel occupies the device its floor
+    assert compute_cost(gpu, _node("aten.add.Tensor", (8,), nbytes=48.0), 1) == KERNEL_FLOOR_S
+
+
+def test_attention_backward_runs_below_its_forward_rate_and_convolutions_below_matmuls():
+    mesh = LogicalMesh(shape=(1,), peak_flops=100e12, memory_bandwidth=1e15,
+                       peak_flops_by_dtype={"bfloat16": 600e12, "float32": 50e12,
+                                            "tf32": 300e12},
+                       op_rate_factors={"sdpa": 0.5, "convolution": 0.2})
+    q = TensorSpec((4, 16, 2048, 128), "bfloat16")
+    forward = _node("torchalpa.sdpa.default", (4, 16, 2048, 128), flops=1e12)
+    backward = OpNode(name="b", op="torchalpa.sdpa_backward.default", kind="op",
+                      outputs=(q, q, q))
+    rate = {n: compute_cost(mesh, n, 1) and op_flops(mesh, n) / compute_cost(mesh, n, 1)
+            for n in (forward, backward)}
+    assert rate[backward] < rate[forward] == pytest.approx(300e12)
+    conv = _node("aten.convolution.default", (64, 64, 56, 56), "float32", flops=1e12)
+    assert compute_cost(mesh, conv, 1) == pytest.approx(1e12 / (300e12 * 0.2))   # TF32
+    mm32 = _node("aten.mm.default", (4096, 4096), "float32", flops=1e12)
+    assert compute_cost(mesh, mm32, 1) == pytest.approx(1e12 / 50e12)           # not TF32

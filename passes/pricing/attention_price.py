@@ -45,11 +45,18 @@ from torchalpa.ops.attention import SDPA_BACKWARD_OP, SDPA_BIAS_BACKWARD_OP, SDP
 
 __all__ = ["runs_on_cpu", "attention_backward_flops", "saved_statistics", "saves_statistic",
            "statistic_spec", "ATTENTION_BACKWARDS", "attention_forward_flops", "causal_share",
-           "KERNEL_BLOCK"]
+           "KERNEL_BLOCK", "attention_backward_share", "BACKWARD_RATE"]
 
 KERNEL_BLOCK = 128
 """Queries (and keys) per block of a fused CUDA attention kernel (FlashAttention-2's
 128 x 64 / 128 x 128 tiles, PyTorch's memory-efficient kernel's 64-128)."""
+
+BACKWARD_RATE = 0.7
+"""The fused CUDA attention backward's flop/s over its forward's: it runs five products per
+block where the forward runs two, recomputes the probabilities, and sums ``d query`` over
+the key blocks with atomic float32 adds (FlashAttention-2: 63 % of A100's peak backward
+against 73 % forward, Dao 2023; on the H200 of 2026-11-28 GPT-2's backward reached 0.70 of
+its forward's rate: ``benchmarks/gpu_logs/h200-2026-11-28/ops.log``)."""
 
 ATTENTION_BACKWARDS = frozenset({SDPA_BACKWARD_OP, SDPA_BIAS_BACKWARD_OP})
 _CPU_FUSED_DTYPES = frozenset({"float32", "float64", "bfloat16", "float16"})
@@ -118,6 +125,19 @@ def attention_backward_flops(mesh: LogicalMesh, node: OpNode) -> float:
         return forward + backward
     share = causal_share(query[-2], key[-2]) if _is_causal(node, 5) else 1.0
     return (forward + backward + scores) * share
+
+
+def attention_backward_share(mesh: LogicalMesh, node: OpNode) -> float:
+    """The share of the fused attention rate a CUDA attention backward reaches over all the
+    flops it runs (``attention_backward_flops``): the forward it runs again at the rate,
+    the backward's products and ``q k^T`` at ``BACKWARD_RATE`` of it. 1.0 for other ops
+    and on CPU ranks (priced as counted)."""
+    if node.op not in ATTENTION_BACKWARDS or len(node.outputs) < 3 or runs_on_cpu(mesh):
+        return 1.0
+    query, key, value = (spec.shape for spec in node.outputs[:3])
+    scores, weighted = _products(query, key, value)
+    forward, rest = scores + weighted, 2 * (scores + weighted) + scores
+    return (forward + rest) / (forward + rest / BACKWARD_RATE)
 
 
 def statistic_spec(forward: OpNode) -> TensorSpec:

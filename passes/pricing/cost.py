@@ -43,9 +43,16 @@ from torchalpa.ops.attention import SDPA_OP
 from torchalpa.passes.pricing.attention_price import (
     ATTENTION_BACKWARDS,
     attention_backward_flops,
+    attention_backward_share,
     attention_forward_flops,
 )
-from torchalpa.passes.pricing.kernel_model import epilogue_seconds, matmul_efficiency, moved_bytes
+from torchalpa.passes.pricing.kernel_model import (
+    KERNEL_FLOOR_S,
+    bandwidth_share,
+    epilogue_seconds,
+    matmul_efficiency,
+    moved_bytes,
+)
 
 __all__ = ["collective_cost", "steps_cost", "gradient_steps_cost", "compute_cost", "strategy_bytes",
            "all_reduce_cost", "wire_bytes", "batch_sync_cost", "op_family", "optimizer_cost", "op_flops"]
@@ -103,14 +110,16 @@ def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int,
     family = op_family(node.op)
     peak = mesh.peak_flops_for(_compute_dtype(node), family)
     assert peak is not None  # peak_flops is set, so every dtype has a figure
-    peak *= matmul_efficiency(mesh, node, family, outputs)
+    peak *= matmul_efficiency(mesh, node, family, outputs) * attention_backward_share(mesh, node)
     t = op_flops(mesh, node) / shards / peak + epilogue_seconds(mesh, node, family, outputs,
                                                                  shards)
     if mesh.memory_bandwidth:
         # what the kernel moves of the op's bytes, applied to this device's blocks
         moved = moved_bytes(node, family) / shards if nbytes is None else \
             nbytes * (moved_bytes(node, family) / node.bytes if node.bytes else 1.0)
-        t = max(t, moved / mesh.memory_bandwidth)
+        t = max(t, moved / (mesh.memory_bandwidth * bandwidth_share(mesh, node, family)))
+    if mesh.multiprocessors and not node.aliases:      # a GPU kernel's own floor
+        t = max(t, KERNEL_FLOOR_S)
     if mesh.kernel_launch_s and not node.aliases:
         t = max(t, mesh.kernel_launch_s) if mesh.backend == "nccl" else t + mesh.kernel_launch_s
     return t

@@ -461,7 +461,8 @@ def effective_option(option: AutoShardingOption, mesh: LogicalMesh
                      ) -> tuple[AutoShardingOption, LogicalMesh]:
     """What the options amount to on this mesh. ``force_data_parallel`` plans on the mesh
     flattened to one axis (its largest latency and smallest inverse bandwidth, as Alpa's
-    ``LogicalDeviceMesh.flatten``), the batch split over it, no all-gather, no all-to-all."""
+    ``LogicalDeviceMesh.flatten``), the batch split over it, no all-gather, no all-to-all.
+    ``elementwise="fused"`` prices elementwise kernels as fused ones (``eager_kernels``)."""
     if option.force_data_parallel:
         if mesh.ndim > 1:
             assert mesh.alpha is not None and mesh.beta is not None  # __post_init__ fills them
@@ -469,6 +470,8 @@ def effective_option(option: AutoShardingOption, mesh: LogicalMesh
                            beta=(min(mesh.beta),), axis_names=None)
         option = replace(option, force_batch_dim_to_mesh_dim=-1, allow_all_gather=False,
                          allow_all_to_all=False)
+    if option.elementwise == "fused" and mesh.eager_kernels:   # fused kernels: full bandwidth
+        mesh = replace(mesh, eager_kernels=False)
     if not option.enable_auto_sharding:   # whole unless pinned, and whole work allowed
         option = replace(option, allow_recompute_heavy_op=True, parameters=(
             "replicated" if option.parameters == "auto" and option.allow_replicated_parameters

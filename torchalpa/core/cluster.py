@@ -121,6 +121,11 @@ class LogicalMesh:
     op_rate_factors: tuple[tuple[str, float], ...] = ()
     """Op families whose kernels reach this fraction of their dtype's matmul rate (("sdpa",
     0.47): fused attention on an H100); a family not listed runs at the dtype's rate."""
+    eager_kernels: bool = True
+    """Elementwise ops and normalizations run as PyTorch's eager kernels, which on 16-bit
+    data fall short of the bandwidth (``passes/pricing/kernel_model.bandwidth_share``);
+    False where a compiler or hand-fused kernels run them (``AutoShardingOption(
+    elementwise="fused")``)."""
 
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
@@ -157,11 +162,16 @@ class LogicalMesh:
 
     def peak_flops_for(self, dtype: str, family: str = "") -> float | None:
         """Flop/s of an op computing in ``dtype`` ("bfloat16", "float32", ...): its op
-        family's measured rate when ``peak_flops_by_op`` lists ``family``."""
+        family's measured rate when ``peak_flops_by_op`` lists ``family``, else the dtype's
+        times ``op_rate_factors``' factor of the family; a float32 convolution at the
+        "tf32" rate where one is listed (cuDNN allows TF32 by default)."""
         by_op = dict(self.peak_flops_by_op)
         if family in by_op:
             return by_op[family]
-        rate = dict(self.peak_flops_by_dtype).get(dtype, self.peak_flops)
+        peaks = dict(self.peak_flops_by_dtype)
+        rate = peaks.get(dtype, self.peak_flops)
+        if family == "convolution" and dtype == "float32":     # cuDNN's TF32 default
+            rate = peaks.get("tf32", rate)
         factor = dict(self.op_rate_factors).get(family)
         return rate if rate is None or factor is None else rate * factor
 

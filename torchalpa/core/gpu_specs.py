@@ -46,6 +46,7 @@ from dataclasses import dataclass
 __all__ = ["GpuSpec", "NodeSpec", "KNOWN_GPUS", "NODE_PRESETS", "lookup", "node_preset",
            "MATMUL_EFFICIENCY", "FP32_MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY",
            "NVLINK_EFFICIENCY", "NETWORK_EFFICIENCY", "KERNEL_LAUNCH_S", "OPTIMIZER_TENSOR_S",
+           "CONVOLUTION_SHARE",
            "HYBRID_CUBE_MESH", "peaks_by_dtype", "op_factors"]
 
 T = 1e12
@@ -66,6 +67,18 @@ KERNEL_LAUNCH_S = 10e-6
 torchalpa's programs spend ~10 us per op (issue 37: a 4 x 256 GPT ran 641 kernels in
 6.84 ms on an H200, host-bound). Kernels run asynchronously, so an op costs the longer of
 its kernel and this (``passes/pricing/cost.py``)."""
+
+CONVOLUTION_SHARE = 0.2
+"""Share of its dtype's matmul rate a cuDNN convolution of a CNN's training step reaches
+(PyTorch's default NCHW layout: cuDNN transposes to and from the tensor cores' NHWC around
+implicit GEMMs whose K, channels x kernel area, is short in the early layers). On the
+H200 of 2026-11-28 ResNet-34's step ran 61 ms in bf16 and 81 ms in float32 (convolutions
+at TF32) against 5.5 TFLOP of convolutions, 0.16-0.22 of the priced matmul rates once its
+elementwise kernels are taken off; NVIDIA's published ResNet-50 training throughputs
+(DeepLearningExamples, A100: ~2,700 images/s AMP, ~1,400 TF32) are ~0.2 of the dense
+peaks for the whole step. One factor for the family, every GPU; a float32 convolution
+runs at the TF32 rate (``torch.backends.cudnn.allow_tf32`` is on by default, unlike
+matmuls': ``LogicalMesh.peak_flops_for``)."""
 
 OPTIMIZER_TENSOR_S = 2e-6
 """Host time torch's foreach / fused Adam spends per parameter tensor on a GPU (its kernels
@@ -312,11 +325,15 @@ def peaks_by_dtype(spec: GpuSpec, *, allow_tf32: bool) -> tuple[tuple[str, float
     (``torch.set_float32_matmul_precision("high")``)."""
     fp32 = spec.tf32 * MATMUL_EFFICIENCY if allow_tf32 else spec.fp32 * FP32_MATMUL_EFFICIENCY
     fp16 = spec.fp16 or spec.bf16
-    return (("float32", fp32), ("bfloat16", spec.bf16 * MATMUL_EFFICIENCY),
-            ("float16", fp16 * MATMUL_EFFICIENCY))
+    peaks = [("float32", fp32), ("bfloat16", spec.bf16 * MATMUL_EFFICIENCY),
+             ("float16", fp16 * MATMUL_EFFICIENCY)]
+    if spec.tf32 > spec.fp32:     # float32 convolutions: cuDNN allows TF32 by default
+        peaks.append(("tf32", spec.tf32 * MATMUL_EFFICIENCY))
+    return tuple(peaks)
 
 
 def op_factors(spec: GpuSpec) -> tuple[tuple[str, float], ...]:
     """Op families whose kernels reach a fixed share of the dtype's matmul rate: fused
     attention (``spec.attention`` of the peak, a GEMM ``MATMUL_EFFICIENCY`` of it)."""
-    return (("sdpa", min(1.0, spec.attention / MATMUL_EFFICIENCY)),)
+    return (("sdpa", min(1.0, spec.attention / MATMUL_EFFICIENCY)),
+            ("convolution", CONVOLUTION_SHARE))

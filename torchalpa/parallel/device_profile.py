@@ -152,6 +152,8 @@ def apply_profile(cluster: Cluster, profile: DeviceProfile, *, allow_tf32: bool 
     as they are."""
     peaks = dict(cluster.peak_flops_by_dtype)
     for dtype, rates in profile.matmul.items():
+        if dtype == "tf32" and "tf32" in peaks:      # float32 convolutions' rate
+            peaks["tf32"] = rates["large"]
         if dtype in ("float32", "tf32") and (dtype == "tf32") != allow_tf32:
             continue
         peaks["float32" if dtype == "tf32" else dtype] = rates["large"]
