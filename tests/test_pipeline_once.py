@@ -55,16 +55,17 @@ def test_a_stage_costs_the_search_its_share_of_the_once_per_step_work():
     assert micro_batch_seconds(Estimates(step_time_s=1.0), 4) == 1.0
 
 
-def _half_precision_gpt():
+def _half_precision_gpt(half: bool = True):
     """A 2-block GPT whose blocks compute in float16 from float32 master weights (each
-    weight cast where its block reads it), cut after its first block."""
+    weight cast where its block reads it; all in float32 if not ``half``), cut after its
+    first block."""
     from torchalpa.runtime.execution.precision import CastForward
     w = zoo.tiny("gpt", 8, num_layers=2, hidden=1024, vocab_size=512)
     with torch.device("meta"):
         model, batch = w.build(), w.example_inputs()
-    half = torchalpa.MixedPrecision(param_dtype=torch.float16, output_dtype=None)
-    for i, block in enumerate(model.h):
-        model.h[i] = CastForward(block, half)
+    for i, block in enumerate(model.h if half else ()):
+        model.h[i] = CastForward(block, torchalpa.MixedPrecision(param_dtype=torch.float16,
+                                                                 output_dtype=None))
     model.h[0].register_forward_hook(lambda m, i, o: torchalpa.mark_pipeline_boundary(o))
     return capture(model, batch, w.loss_fn).graph
 
@@ -92,3 +93,32 @@ def test_a_stage_reduces_its_weight_gradients_once_per_step_not_per_micro_batch(
     per_micro = [s.plan.estimates.step_time_s - s.plan.estimates.once_per_step_s
                  for s in (one.stages[0], many.stages[0])]
     assert per_micro[1] < per_micro[0]
+
+
+def test_a_tied_gradient_part_is_made_whole_once_per_step_before_it_is_sent():
+    # the head's stage sends its part of the tied embedding's gradient to the embedding's
+    # stage, which only adds it in: the runtime sums it over the micro-batches and makes
+    # the sum whole once (runtime/execution/pipeline.py), so its collectives are priced
+    # once per step, not with every micro-batch
+    from torchalpa.core.opgraph import OpGraph
+    from torchalpa.core.plan import OUTPUT
+    from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
+    from torchalpa.passes.pricing.cost import collective_cost
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
+    graph = _half_precision_gpt(half=False)
+    plan = _plan(graph, torchalpa.Cluster.preset("h100", 1, 4), 8, True)
+    sub = stage_subgraph(graph, plan.node_stage, 1).graph
+    summed = sub.meta["summed_sends"]
+    assert len(summed) == 1
+    mesh = torchalpa.Cluster.preset("h100", 1, 2).logical_mesh((2,))
+    option = torchalpa.AutoShardingOption(force_batch_dim_to_mesh_dim=0)
+    method = torchalpa.ShardParallel(auto_sharding_option=option)
+    planned = plan_intra_op(sub, mesh, method)
+    once = planned.estimates
+    apart = plan_intra_op(OpGraph(list(sub), sub.outputs, dict(sub.meta, summed_sends=())),
+                          mesh, method).estimates
+    sent = sum(collective_cost(mesh, st.kind, st.axis, st.bytes) for r in planned.reshards
+               if r.consumer == OUTPUT and str(r.slot) in {f"send:{s}" for s in summed}
+               for st in r.steps if st.is_collective)
+    assert sent > 0
+    assert once.once_per_step_s - apart.once_per_step_s == pytest.approx(sent, rel=1e-6)

@@ -71,7 +71,9 @@ def stage_subgraph(graph: OpGraph, stage_of: dict[str, int], stage: int) -> Stag
                 for name, ref in receives.items()]
     nodes = leaves + received + body
     sub = OpGraph(nodes, GraphOutputs(loss=loss, grads=grads, buffer_updates=updates,
-                                      sends=tuple(sends)), meta=dict(graph.meta, stage=stage))
+                                      sends=tuple(sends)),
+                  meta=dict(graph.meta, stage=stage,
+                            summed_sends=_summed_sends(graph, stage_of, stage, sends)))
     return StageGraph(sub, receives, sends)
 
 
@@ -86,6 +88,21 @@ def _batch_first(graph: OpGraph) -> set[ValueRef]:
 def _with_operands(node: OpNode, operands: tuple[ValueRef, ...]) -> OpNode:
     from dataclasses import replace
     return replace(node, operands=operands)
+
+
+def _summed_sends(graph: OpGraph, stage_of: dict[str, int], stage: int,
+                  sends: list[ValueRef]) -> frozenset[str]:
+    """The sends (as ``ValueRef`` strings) every reader stage only adds into a parameter's
+    gradient: summed over the micro-batches and made whole once per step, after the last
+    backward (``stage_transfers.once_per_step``; ``runtime/execution/pipeline.py``)."""
+    from torchalpa.passes.pipeline_search.stage_transfers import once_per_step
+    out = set()
+    for ref in sends:
+        readers = {stage_of[c] for c in graph.consumers(ref.node)} - {stage}
+        if graph.node(ref.node).kind != "param" and readers and all(
+                once_per_step(graph, ref, stage_of, t) for t in readers):
+            out.add(str(ref))
+    return frozenset(out)
 
 
 def _sends(graph: OpGraph, stage_of: dict[str, int], stage: int, inside: set[str]
