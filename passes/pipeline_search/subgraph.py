@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torchalpa.core.opgraph import GraphOutputs, OpGraph, OpNode, ValueRef
 
-__all__ = ["StageGraph", "stage_subgraph", "received_name"]
+__all__ = ["StageGraph", "stage_subgraph", "received_name", "once_per_step"]
 
 
 @dataclass
@@ -90,12 +90,30 @@ def _with_operands(node: OpNode, operands: tuple[ValueRef, ...]) -> OpNode:
     return replace(node, operands=operands)
 
 
+def once_per_step(graph: OpGraph, ref: ValueRef, part: dict, dst: int) -> bool:
+    """Whether ``ref`` can cross to stage (or layer) ``dst`` of ``part`` once per step
+    instead of per micro-batch: a parameter, or a gradient part ``dst`` only adds into a
+    parameter's gradient (GPT's head contributing to its tied embedding's gradient),
+    which may be summed over the micro-batches first."""
+    if graph.node(ref.node).kind == "param":
+        return True
+    if graph.node(ref.node).phase != "backward":
+        return False
+    readers = [c for c in graph.consumers(ref.node) if part[c] == dst]
+    if len(readers) != 1:
+        return False
+    add = graph.node(readers[0])
+    return (add.op == "aten.add.Tensor" and len(add.operands) == 2
+            and sum(1 for o in add.operands if o == ref) == 1
+            and not graph.consumers(add.name)
+            and any(r == ValueRef(add.name, 0) for _, r in graph.outputs.grads))
+
+
 def _summed_sends(graph: OpGraph, stage_of: dict[str, int], stage: int,
                   sends: list[ValueRef]) -> frozenset[str]:
     """The sends (as ``ValueRef`` strings) every reader stage only adds into a parameter's
     gradient: summed over the micro-batches and made whole once per step, after the last
     backward (``stage_transfers.once_per_step``; ``runtime/execution/pipeline.py``)."""
-    from torchalpa.passes.pipeline_search.stage_transfers import once_per_step
     out = set()
     for ref in sends:
         readers = {stage_of[c] for c in graph.consumers(ref.node)} - {stage}
