@@ -16,7 +16,9 @@ the published plan pinned:
 
 - data x tensor parallelism: the logical mesh ``(dp, tp)`` of each stage, the batch on
   ``dp``, Megatron's column/row-parallel Linear layers on ``tp`` (``expert_plans.
-  megatron_pins``; the rest, embedding and loss included, as the ILP likes);
+  megatron_pins``) and, for the GPT, its vocabulary-parallel token embedding (split by
+  vocabulary rows on ``tp``; the tied head with it); the rest, the loss included, as the
+  ILP likes;
 - pipeline parallelism: the model cut into ``pp`` equal groups of blocks by
   pipeline-boundary markers (embedding with the first, head and loss with the last, as
   Megatron and DeepSpeed place them), one stage each on ``dp x tp`` devices (pp outermost
@@ -153,7 +155,11 @@ def stage_option(row: PublishedRow) -> tuple[tuple[int, ...], torchalpa.AutoShar
         def pins(tp_axis: int, ndim: int, other: str = "R") -> dict:
             # a strided (by-head) shard of the fused QKV weight takes no shard over dp:
             # with ZeRO the ILP lays c_attn out itself
-            return {k: v for k, v in megatron_pins(tp_axis, ndim, other).items()
+            # Megatron's VocabParallelEmbedding: the embedding (and the tied head) split
+            # by vocabulary rows over tp
+            vocab = {r"wte\.weight": tuple("S(0)" if a == tp_axis else other
+                                            for a in range(ndim))}
+            return {k: v for k, v in {**megatron_pins(tp_axis, ndim, other), **vocab}.items()
                     if other == "R" or "c_attn" not in k}
     else:
         def pins(tp_axis: int, ndim: int, other: str = "R") -> dict:

@@ -14,10 +14,11 @@ from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.pipeline_search.inter_op import micro_batch_seconds, plan_pipeline
 
 
-def _plan(graph, cluster, micro_batches: int):
+def _plan(graph, cluster, micro_batches: int, marked: bool = False):
     option = torchalpa.AutoShardingOption(force_batch_dim_to_mesh_dim=0)
     return plan_pipeline(graph, cluster, PipeshardParallel(
-        num_micro_batches=micro_batches, layer_option=AutoLayerOption(layer_num=2),
+        num_micro_batches=micro_batches, layer_option=AutoLayerOption(
+            layer_num="auto" if marked else 2),
         stage_option=ManualStageOption(forward_stage_layer_ids=[[0], [1]],
                                        submesh_shapes=[(1, 2), (1, 2)],
                                        logical_shapes=[(2,), (2,)], options=[option] * 2)))
@@ -52,3 +53,72 @@ def test_a_stage_costs_the_search_its_share_of_the_once_per_step_work():
     e = Estimates(step_time_s=1.0, once_per_step_s=0.4)
     assert micro_batch_seconds(e, 4) == pytest.approx(0.6 + 0.1)
     assert micro_batch_seconds(Estimates(step_time_s=1.0), 4) == 1.0
+
+
+def _half_precision_gpt(half: bool = True):
+    """A 2-block GPT whose blocks compute in float16 from float32 master weights (each
+    weight cast where its block reads it; all in float32 if not ``half``), cut after its
+    first block."""
+    from torchalpa.runtime.execution.precision import CastForward
+    w = zoo.tiny("gpt", 8, num_layers=2, hidden=1024, vocab_size=512)
+    with torch.device("meta"):
+        model, batch = w.build(), w.example_inputs()
+    for i, block in enumerate(model.h if half else ()):
+        model.h[i] = CastForward(block, torchalpa.MixedPrecision(param_dtype=torch.float16,
+                                                                 output_dtype=None))
+    model.h[0].register_forward_hook(lambda m, i, o: torchalpa.mark_pipeline_boundary(o))
+    return capture(model, batch, w.loss_fn).graph
+
+
+def _per_micro_batch_all_reduce_bytes(stage_plan) -> int:
+    """Bytes a stage all-reduces with every micro-batch (not its gradients' final
+    reductions, which run once per step)."""
+    from torchalpa.core.plan import OUTPUT
+    return sum(st.bytes for r in stage_plan.reshards if r.consumer != OUTPUT
+               for st in r.steps if st.kind == "all_reduce")
+
+
+def test_a_stage_reduces_its_weight_gradients_once_per_step_not_per_micro_batch():
+    # one micro-batch: reducing each float16 weight gradient inside backward (half the
+    # bytes of the float32 one it is cast to) is the cheaper plan. 64 micro-batches: the
+    # runtime sums the raw gradients and reduces them once after the last backward, so a
+    # reduction inside backward would run 64 times; the stage ILP must weigh that
+    graph = _half_precision_gpt()
+    cluster = torchalpa.Cluster.preset("h100", 1, 4)
+    one, many = _plan(graph, cluster, 1, True), _plan(graph, cluster, 64, True)
+    assert _per_micro_batch_all_reduce_bytes(one.stages[0].plan) > 2 ** 20
+    assert _per_micro_batch_all_reduce_bytes(many.stages[0].plan) == 0
+    # so the first stage's gradient reduction is paid once per step however many
+    # micro-batches run: its seconds per micro-batch are below the one-micro-batch plan's
+    per_micro = [s.plan.estimates.step_time_s - s.plan.estimates.once_per_step_s
+                 for s in (one.stages[0], many.stages[0])]
+    assert per_micro[1] < per_micro[0]
+
+
+def test_a_tied_gradient_part_is_made_whole_once_per_step_before_it_is_sent():
+    # the head's stage sends its part of the tied embedding's gradient to the embedding's
+    # stage, which only adds it in: the runtime sums it over the micro-batches and makes
+    # the sum whole once (runtime/execution/pipeline.py), so its collectives are priced
+    # once per step, not with every micro-batch
+    from torchalpa.core.opgraph import OpGraph
+    from torchalpa.core.plan import OUTPUT
+    from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
+    from torchalpa.passes.pricing.cost import collective_cost
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
+    graph = _half_precision_gpt(half=False)
+    plan = _plan(graph, torchalpa.Cluster.preset("h100", 1, 4), 8, True)
+    sub = stage_subgraph(graph, plan.node_stage, 1).graph
+    summed = sub.meta["summed_sends"]
+    assert len(summed) == 1
+    mesh = torchalpa.Cluster.preset("h100", 1, 2).logical_mesh((2,))
+    option = torchalpa.AutoShardingOption(force_batch_dim_to_mesh_dim=0)
+    method = torchalpa.ShardParallel(auto_sharding_option=option)
+    planned = plan_intra_op(sub, mesh, method)
+    once = planned.estimates
+    apart = plan_intra_op(OpGraph(list(sub), sub.outputs, dict(sub.meta, summed_sends=())),
+                          mesh, method).estimates
+    sent = sum(collective_cost(mesh, st.kind, st.axis, st.bytes) for r in planned.reshards
+               if r.consumer == OUTPUT and str(r.slot) in {f"send:{s}" for s in summed}
+               for st in r.steps if st.is_collective)
+    assert sent > 0
+    assert once.once_per_step_s - apart.once_per_step_s == pytest.approx(sent, rel=1e-6)

@@ -325,7 +325,8 @@ class ExactStages:
             try:
                 plan = plan_stage(StageRequest(
                     sub, mesh, method.intra_op_method(option), self.problem.inputs,
-                    1 if received is not None else in_flight_batches), self.memo)
+                    1 if received is not None else in_flight_batches,
+                    method.num_micro_batches), self.memo)
             except InfeasibleError:
                 continue
             self.exact_plans[PlanKey(k, i, submesh, view, lean, in_flight_batches,

@@ -269,6 +269,7 @@ class LayerCosts:
             return plan_intra_op(sub, self._layer_mesh(view, submesh), self._layer_method(lean),
                                  inputs=self.problem.inputs,
                                  blocks=sub.meta.get("repeated_blocks") or None,
-                                 memo=self.memo)
+                                 memo=self.memo,
+                                 step_micro_batches=self.problem.method.num_micro_batches)
         except InfeasibleError:
             return None

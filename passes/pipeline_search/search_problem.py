@@ -31,8 +31,10 @@ class SearchProblem:
         self.num_layers = max(layer.values()) + 1
         self.signature = layer_signatures(graph, layer, self.num_layers)
         self.dims = tensor_dims(graph)
-        # everything besides the layers' structure and the view that decides a solve
-        self.context = (repr(cluster), repr(method.intra_op_method(None)), inputs)
+        # everything besides the layers' structure and the view that decides a solve (the
+        # micro-batches too: a stage's ILP weighs its gradients' reduction against them)
+        self.context = (repr(cluster), repr(method.intra_op_method(None)), inputs,
+                        method.num_micro_batches)
 
     def budget(self) -> float:
         """Memory per device a stage may use: the method's budget, else the device's."""

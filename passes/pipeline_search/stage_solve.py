@@ -40,13 +40,15 @@ re-solve is cheap and once found a 5 % faster stage."""
 @dataclass(frozen=True)
 class StageRequest:
     """A stage's intra-op problem: its graph on ``mesh``, planned with ``method`` for
-    ``in_flight`` micro-batches held at once."""
+    ``in_flight`` micro-batches held at once, in a step of ``micro_batches`` whose
+    gradients are reduced once (``plan_intra_op``'s ``step_micro_batches``)."""
 
     graph: OpGraph
     mesh: LogicalMesh
     method: ShardParallel
     inputs: str
     in_flight: int
+    micro_batches: int = 1
 
 
 def stage_request(graph: OpGraph, mesh: LogicalMesh, method: PipeshardParallel,
@@ -56,7 +58,8 @@ def stage_request(graph: OpGraph, mesh: LogicalMesh, method: PipeshardParallel,
     bytes each other micro-batch in flight keeps) with one micro-batch in flight and the
     budget the others leave (``passes/pipeline_search/stage_recompute.py``)."""
     if received is None:
-        return StageRequest(graph, mesh, method.intra_op_method(option), inputs, flight)
+        return StageRequest(graph, mesh, method.intra_op_method(option), inputs, flight,
+                            method.num_micro_batches)
     budget = method.auto_sharding_option.memory_budget_per_device or mesh.memory_per_device
     lowered = recompute_option(option or method.auto_sharding_option, budget, received, flight)
     if lowered is None:
@@ -64,7 +67,8 @@ def stage_request(graph: OpGraph, mesh: LogicalMesh, method: PipeshardParallel,
         raise InfeasibleError(f"a recomputed stage keeps {flight - 1} micro-batches' inputs "
                               f"of {received / 2**30:.2f} GiB each, more than the "
                               f"{budget / 2**30:.1f} GiB budget per device")
-    return StageRequest(graph, mesh, method.intra_op_method(lowered), inputs, 1)
+    return StageRequest(graph, mesh, method.intra_op_method(lowered), inputs, 1,
+                        method.num_micro_batches)
 
 
 def plan_stage(request: StageRequest, memo: PricingMemo | None = None) -> Plan:
@@ -73,7 +77,8 @@ def plan_stage(request: StageRequest, memo: PricingMemo | None = None) -> Plan:
     graph = request.graph
     return plan_intra_op(graph, request.mesh, request.method, inputs=request.inputs,
                          in_flight=request.in_flight,
-                         blocks=graph.meta.get("repeated_blocks") or None, memo=memo)
+                         blocks=graph.meta.get("repeated_blocks") or None, memo=memo,
+                         step_micro_batches=request.micro_batches)
 
 
 def search_option(option: AutoShardingOption, budget: int | None) -> AutoShardingOption:

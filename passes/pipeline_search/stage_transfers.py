@@ -8,30 +8,11 @@ updates made outside their owner's stage go to the owner (``owner_transfers``).
 
 from __future__ import annotations
 
-from torchalpa.core.opgraph import OpGraph, ValueRef
+from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.plan import Transfer
-from torchalpa.passes.pipeline_search.subgraph import StageGraph
+from torchalpa.passes.pipeline_search.subgraph import StageGraph, once_per_step
 
 __all__ = ["once_per_step", "stage_transfers", "owner_transfers"]
-
-
-def once_per_step(graph: OpGraph, ref: ValueRef, part: dict, dst: int) -> bool:
-    """Whether ``ref`` can cross to stage (or layer) ``dst`` of ``part`` once per step
-    instead of per micro-batch: a parameter, or a gradient part ``dst`` only adds into a
-    parameter's gradient (GPT's head contributing to its tied embedding's gradient),
-    which may be summed over the micro-batches first."""
-    if graph.node(ref.node).kind == "param":
-        return True
-    if graph.node(ref.node).phase != "backward":
-        return False
-    readers = [c for c in graph.consumers(ref.node) if part[c] == dst]
-    if len(readers) != 1:
-        return False
-    add = graph.node(readers[0])
-    return (add.op == "aten.add.Tensor" and len(add.operands) == 2
-            and sum(1 for o in add.operands if o == ref) == 1
-            and not graph.consumers(add.name)
-            and any(r == ValueRef(add.name, 0) for _, r in graph.outputs.grads))
 
 
 def stage_transfers(graph: OpGraph, node_stage: dict[str, int], subs: list[StageGraph]

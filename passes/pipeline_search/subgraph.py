@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torchalpa.core.opgraph import GraphOutputs, OpGraph, OpNode, ValueRef
 
-__all__ = ["StageGraph", "stage_subgraph", "received_name"]
+__all__ = ["StageGraph", "stage_subgraph", "received_name", "once_per_step"]
 
 
 @dataclass
@@ -71,7 +71,9 @@ def stage_subgraph(graph: OpGraph, stage_of: dict[str, int], stage: int) -> Stag
                 for name, ref in receives.items()]
     nodes = leaves + received + body
     sub = OpGraph(nodes, GraphOutputs(loss=loss, grads=grads, buffer_updates=updates,
-                                      sends=tuple(sends)), meta=dict(graph.meta, stage=stage))
+                                      sends=tuple(sends)),
+                  meta=dict(graph.meta, stage=stage,
+                            summed_sends=_summed_sends(graph, stage_of, stage, sends)))
     return StageGraph(sub, receives, sends)
 
 
@@ -86,6 +88,39 @@ def _batch_first(graph: OpGraph) -> set[ValueRef]:
 def _with_operands(node: OpNode, operands: tuple[ValueRef, ...]) -> OpNode:
     from dataclasses import replace
     return replace(node, operands=operands)
+
+
+def once_per_step(graph: OpGraph, ref: ValueRef, part: dict, dst: int) -> bool:
+    """Whether ``ref`` can cross to stage (or layer) ``dst`` of ``part`` once per step
+    instead of per micro-batch: a parameter, or a gradient part ``dst`` only adds into a
+    parameter's gradient (GPT's head contributing to its tied embedding's gradient),
+    which may be summed over the micro-batches first."""
+    if graph.node(ref.node).kind == "param":
+        return True
+    if graph.node(ref.node).phase != "backward":
+        return False
+    readers = [c for c in graph.consumers(ref.node) if part[c] == dst]
+    if len(readers) != 1:
+        return False
+    add = graph.node(readers[0])
+    return (add.op == "aten.add.Tensor" and len(add.operands) == 2
+            and sum(1 for o in add.operands if o == ref) == 1
+            and not graph.consumers(add.name)
+            and any(r == ValueRef(add.name, 0) for _, r in graph.outputs.grads))
+
+
+def _summed_sends(graph: OpGraph, stage_of: dict[str, int], stage: int,
+                  sends: list[ValueRef]) -> frozenset[str]:
+    """The sends (as ``ValueRef`` strings) every reader stage only adds into a parameter's
+    gradient: summed over the micro-batches and made whole once per step, after the last
+    backward (``stage_transfers.once_per_step``; ``runtime/execution/pipeline.py``)."""
+    out = set()
+    for ref in sends:
+        readers = {stage_of[c] for c in graph.consumers(ref.node)} - {stage}
+        if graph.node(ref.node).kind != "param" and readers and all(
+                once_per_step(graph, ref, stage_of, t) for t in readers):
+            out.add(str(ref))
+    return frozenset(out)
 
 
 def _sends(graph: OpGraph, stage_of: dict[str, int], stage: int, inside: set[str]

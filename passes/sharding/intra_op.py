@@ -186,7 +186,7 @@ def _batch_sharded(spec: TensorSpec, mesh: LogicalMesh) -> Strategy:
 def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | None = None, *,
                   inputs: str = "global", blocks: dict[str, tuple[str, int]] | None = None,
                   in_flight: int = 1, memo: PricingMemo | None = None,
-                  deadline: float | None = None) -> Plan:
+                  deadline: float | None = None, step_micro_batches: int = 1) -> Plan:
     """Solve Alpa's intra-op ILP for ``graph`` on ``mesh`` and return the Plan.
 
     ``blocks`` (node -> (block kind, index)) lets identical layers share one decision.
@@ -195,8 +195,19 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     across the solves of whoever passes it (``passes/pipeline_search/pricing_memo.py``; default: this
     solve's own). ``deadline`` (a ``time.perf_counter()`` value): each solver run gets only
     the time left before it, at least ``MIN_SOLVE_S`` (the solver's best plan by then).
+    ``step_micro_batches``: a pipeline stage's (``method`` has one micro-batch): the step
+    runs the graph this many times and reduces the summed gradients once, after the last
+    backward (``runtime/execution/step.py``), so the ILP weighs what a micro-batch does
+    that many times against the gradients' final resharding, once (a gradient is then
+    reduced inside backward only where that is cheaper over the whole step); a stage's
+    forward reads of parameters stay per micro-batch, as its runtime gathers them. The
+    estimates still describe one micro-batch and what is paid once per step.
     """
     method = method or ShardParallel()
+    if step_micro_batches < 1 or (step_micro_batches > 1 and method.num_micro_batches > 1):
+        raise ValueError(f"step_micro_batches={step_micro_batches} is a pipeline stage's "
+                         f"micro-batch count, for a method of one micro-batch "
+                         f"(num_micro_batches={method.num_micro_batches}); give one of them")
     start = time.perf_counter()
     option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs, memo)
     if option.force_simple_heuristic or not option.enable_auto_sharding:
@@ -206,7 +217,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
             assemble_plan(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
         return replace_estimates(plan, objective=plan.estimates.step_time_s,
                                  solve_seconds=time.perf_counter() - start)
-    ilp = _IntraOpILP(graph, mesh, method, option, space, costs, blocks, in_flight, deadline)
+    ilp = _IntraOpILP(graph, mesh, method, option, space, costs, blocks, in_flight, deadline,
+                      max(step_micro_batches, method.num_micro_batches))
     built = time.perf_counter()
     with clock_watch() as stops:
         best = ilp.best()
@@ -242,9 +254,10 @@ class _IntraOpILP:
     def __init__(self, graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                  option: AutoShardingOption, space: StrategySpace, costs: ReshardCosts,
                  blocks: dict[str, tuple[str, int]] | None, in_flight: int,
-                 deadline: float | None = None):
+                 deadline: float | None = None, repeats: int = 1):
         self.graph, self.mesh, self.method, self.option = graph, mesh, method, option
         self.deadline = deadline
+        self.repeats = repeats      # micro-batches per gradient reduction
         self.space, self.costs, self.blocks, self.in_flight = space, costs, blocks, in_flight
         self.budget = option.memory_budget_per_device or mesh.memory_per_device
         # a parameter's forward reshards run once per step (runtime/rewrites/param_gather.py)
@@ -328,7 +341,7 @@ class _IntraOpILP:
                                                      self.budget, self.timed_option(), mesh,
                                                      initial=initial),
             _initial_choice(S, grouping, start), shared,
-            micro_batches=self.method.num_micro_batches, state_once=self.state_once,
+            micro_batches=self.repeats, state_once=self.state_once,
             share_state=not self.option.rematerialize_parameters)
         return _Solved(grouping, cg, solution, chosen, shared)
 

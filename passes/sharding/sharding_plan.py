@@ -220,9 +220,13 @@ class _Traffic:
                     stack=at.stack))
         is_gradient = isinstance(r.slot, OutputSlot) and r.slot.kind == "grad"
         # a forward read of a parameter or buffer: resharded once per step (runtime's
-        # param_gather), as a gradient's final resharding is
-        once = state_once and isinstance(r.slot, int) and phase == "forward" \
-            and graph.node(r.producer).kind in ("param", "buffer")
+        # param_gather), as a gradient's final resharding is; so is a gradient part sent
+        # to the stage that adds it into a parameter's gradient (summed over the
+        # micro-batches first: runtime/execution/pipeline.py)
+        once = (state_once and isinstance(r.slot, int) and phase == "forward"
+                and graph.node(r.producer).kind in ("param", "buffer")) or (
+            isinstance(r.slot, OutputSlot) and r.slot.kind == "send"
+            and r.slot.name in graph.meta.get("summed_sends", ()))
         times = 1 if is_gradient or once else self.k
         for step in r.steps:
             if step.is_collective:     # every group along the axis runs this collective

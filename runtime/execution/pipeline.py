@@ -93,7 +93,8 @@ def stage_slice(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *,
         grads=tuple((fqn, grads.get(fqn)) for _, fqn in owned_params),
         updates=tuple((fqn, updates[fqn]) for _, fqn in owned_buffers if fqn in updates),
         received=tuple((k, phase) for k, phase in transfers_in.items() if k not in summed_in),
-        summed=frozenset(summed_in), sends=tuple(sends_out.items()))
+        summed=frozenset(summed_in), sends=tuple(sends_out.items()),
+        summed_sends=frozenset(k for k in sends_out if k in _summed_keys(pplan, stage)))
     wiring = dict(
         params=[fqn for _, fqn in owned_params], buffers=[fqn for _, fqn in owned_buffers],
         user_inputs=[kinds[ph.name][1] for ph in user_inputs],
@@ -103,6 +104,13 @@ def stage_slice(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *,
         forward_sends=[k for k, phase in sends_out.items() if phase == "forward"],
         backward_sends=[k for k, phase in sends_out.items() if phase != "forward"])
     return part, wiring
+
+
+def _summed_keys(pplan: PipelinePlan, stage: int) -> set:
+    """The values ``stage`` sends once per step, summed over the micro-batches: gradient
+    parts the receiver only adds into a parameter's gradient."""
+    return {(t.producer, t.index) for t in pplan.transfers
+            if t.src_stage == stage and t.once_per_step and t.phase != "forward"}
 
 
 class StageExchange:
@@ -124,8 +132,7 @@ class StageExchange:
         # gradient parts another stage only adds up: summed here, sent after the last
         self.once = {(t.producer, t.index) for t in pplan.transfers
                      if t.once_per_step and t.phase == "forward"}
-        self.summed = {(t.producer, t.index) for t in pplan.transfers
-                       if t.once_per_step and t.phase != "forward"}
+        self.summed = _summed_keys(pplan, stage)
         self.begin()
 
     def begin(self) -> None:
@@ -188,7 +195,8 @@ class StageExchange:
         (one message each) and add the received ones into ``raw``; wait for every send."""
         if backward:
             for k, total in self._sums.items():     # micro -1: the step's one message
-                self.send(k, total, -1)
+                whole = program.summed_sends.get(k)    # made whole once, as it is sent
+                self.send(k, total if whole is None else whole(total)[0], -1)
             for k, position, addend in program.summed_recvs:
                 part = addend(self._receive(k, 0))[0]
                 raw[position] = part if raw[position] is None else raw[position] + part

@@ -47,7 +47,9 @@ class GraphSlice:
     add that joins them into a gradient is emitted without them (see ``summed_recvs``).
     ``grads`` / ``updates``: (FQN, source value) of each trainable parameter's gradient
     (None: unused) and each buffer's new value. ``sends``: values this slice sends, with
-    their phase.
+    their phase; ``summed_sends``: those the receiver only adds into a gradient, sent as
+    backward leaves them (the sender sums them over the micro-batches and makes the sum
+    whole once per step: ``StageProgram.summed_sends``).
     """
 
     placeholders: tuple[fx.Node, ...]
@@ -58,6 +60,7 @@ class GraphSlice:
     received: tuple[tuple[ValueKey, str], ...] = ()
     summed: frozenset[ValueKey] = frozenset()
     sends: tuple[tuple[ValueKey, str], ...] = ()
+    summed_sends: frozenset[ValueKey] = frozenset()
 
 
 @dataclass
@@ -233,8 +236,9 @@ class _SliceLowering:
         if part.loss is not None:
             local.loss = emit.steps(self.lookup(part.loss), self._output_steps(OutputSlot.loss()),
                                     OutputSlot.loss().reshard_key())
-        sends = {key: emit.steps(self._value_of(key),
-                                 self._output_steps(OutputSlot.send(str(ValueRef(*key)))))
+        sends = {key: self._value_of(key) if key in part.summed_sends else
+                 emit.steps(self._value_of(key),
+                            self._output_steps(OutputSlot.send(str(ValueRef(*key)))))
                  for key, _ in part.sends}
         local.forward_sends = [sends[k] for k, phase in part.sends if phase == "forward"]
         local.backward_sends = [sends[k] for k, phase in part.sends if phase != "forward"]

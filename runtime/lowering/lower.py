@@ -43,6 +43,7 @@ from dataclasses import replace
 import torch
 import torch.fx as fx
 
+from torchalpa.core.opgraph import ValueRef
 from torchalpa.core.plan import OutputSlot, Plan, ReshardStep
 from torchalpa.runtime.lowering.local_graph import (
     GraphSlice,
@@ -120,6 +121,11 @@ def build_programs(gm: fx.GraphModule, part: GraphSlice, plan: Plan, *, coords, 
                         has_loss=part.loss is not None,
                         grad_present=[g is not None for _, g in part.grads],
                         summed_recvs=_summed_recvs(local, part, plan, coords, group_names),
+                        summed_sends={key: _steps_program(
+                            [(received_name(key), reshards.get(OutputSlot.send(
+                                str(ValueRef(*key))).reshard_key(), ()))],
+                            plan.mesh_shape, coords, group_names, "SummedSend")
+                            for key in part.summed_sends},
                         param_gathers=param_gathers)
 
 

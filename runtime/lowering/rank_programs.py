@@ -63,6 +63,9 @@ class StageProgram:
     # sender: (key, index among the present gradients, program laying the sum out as
     # that gradient's addend)
     summed_recvs: list[tuple[ValueKey, int, fx.GraphModule]] = field(default_factory=list)
+    # gradient parts sent once per step: key -> program making their sum over the
+    # micro-batches whole (the send's plan steps, run once, after the last backward)
+    summed_sends: dict[ValueKey, fx.GraphModule] = field(default_factory=dict)
     # (*params, *buffers) -> the parameters' gathered copies forward takes after its other
     # inputs, run once per step before the first micro-batch (``runtime.rewrites.param_gather``)
     param_gathers: fx.GraphModule | None = None
