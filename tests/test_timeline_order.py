@@ -14,7 +14,7 @@ import worker_io
 @pytest.fixture(scope="module")
 def timelines(tmp_path_factory):
     out = tmp_path_factory.mktemp("timeline") / "timeline.json"
-    keys = ("zero3:1", "zero3:2", "zero3-bf16:1")
+    keys = ("zero3:1", "zero3:2", "zero3-bf16:1", "ddp:1")
     results = worker_io.launch("timeline_worker.py", out, ",".join(keys), nproc=2)
     for key in keys:
         if "error" in results[key]:
@@ -67,3 +67,18 @@ def test_cast_gathers_are_prefetched_and_waited_after_the_next_compute(timelines
     issues = [i for i, t in enumerate(order) if t == "issue all_gather"]
     prefetched = [(i, w) for i, w in zip(issues, waits) if "mm" in order[i:w]]
     assert len(prefetched) == len(issues) - 2
+
+
+def test_the_loops_loss_is_waited_for_after_backward(timelines):
+    """``loss = pm(x, y); loss.backward()`` under a DDP plan: forward leaves the loss's
+    all-reduce in flight and returns a PendingLoss; backward does not read it, so no rank
+    waits for it before its backward's matmuls (the ranks meet once a step, at the
+    gradient buckets, as DDP's do); it is waited for last, after the buckets."""
+    r = timelines["ddp:1"]
+    assert r["loss_type"] == "PendingLoss"
+    order = r["order"]
+    issue = order.index("issue loss")
+    first_wait = order.index("wait all_reduce", issue)
+    assert "mm" in order[issue:first_wait]              # backward ran before any wait
+    assert "mm" not in order[first_wait:]
+    assert order.count("wait all_reduce") == order.count("issue all_reduce") + 1
