@@ -330,11 +330,12 @@ class ParallelModule(nn.Module):
         first read or at the end of backward (``runtime/execution/pending_loss.py``: the
         ranks then meet once a step, in backward, as DDP's do); else the loss (no box).
         The first step's loss is waited for here: it lends the shape and dtype."""
+        if torch.compiler.is_compiling():    # traced: no state kept across calls
+            return self._loss(step), None
         if self._pending is not None:        # the last step's, never read nor backpropagated
             self._pending.value()
             self._pending = None
-        if self._loss_rank is not None or step.loss.finish is None \
-                or torch.compiler.is_compiling() or self._loss_like is None:
+        if self._loss_rank is not None or step.loss.finish is None or self._loss_like is None:
             loss = self._loss(step)
             self._loss_like = torch.empty_like(loss) if self._loss_rank is None else None
             return loss, None
