@@ -339,7 +339,15 @@ class ParallelModule(nn.Module):
             loss = self._loss(step)
             self._loss_like = torch.empty_like(loss) if self._loss_rank is None else None
             return loss, None
-        self._pending = box = LossBox(step.loss.mean)
+        losses, what = step.loss, f"the loss of step {self._num_calls}"
+
+        def finish() -> torch.Tensor:
+            with self._monitor.guard(what):     # a peer that failed is named, as in forward
+                loss = losses.mean()
+            assert loss is not None, "a one-stage step computes the loss"
+            return loss
+
+        self._pending = box = LossBox(finish)
         return PendingLoss(box, self._loss_like), box
 
     def _write_buffer_updates(self, values: Sequence[torch.Tensor],
