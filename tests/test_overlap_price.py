@@ -62,6 +62,32 @@ def test_each_mesh_axis_has_its_own_stream():
     assert overlapped_step([1.0], [FWD], events, 0.0)[0] == pytest.approx(3.0)
 
 
+def test_cast_gathers_of_zero3_are_priced_as_prefetched():
+    """Mixed precision: ZeRO-3 gathers each parameter's bfloat16 copy (cast, then
+    gathered). The runtime prefetches those as it does a parameter's own gathers
+    (runtime/rewrites/overlap.py), so on GPUs the estimate hides them behind the previous
+    layer's compute: more is hidden than the gradients' reductions alone."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import torchalpa
+    with torch.device("meta"):
+        layers = []
+        for _ in range(4):
+            layers += [nn.Linear(4096, 4096, bias=False), nn.ReLU()]
+        model = nn.Sequential(*layers[:-1])
+        x, y = torch.randn(64, 4096), torch.randn(64, 4096)
+    plan = torchalpa.plan(model, (x, y), F.mse_loss, method=torchalpa.Zero3Parallel(),
+                          cluster=torchalpa.Cluster.preset("h100", 1, 4),
+                          mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
+    gathered = [c.tensor for c in plan.collectives if c.kind == "all_gather"]
+    assert gathered and all(t.startswith("_to_copy") for t in gathered)   # cast gathers
+    e = plan.estimates
+    assert e.hidden_communication_s is not None and e.hidden_gradient_s is not None
+    assert e.hidden_communication_s - e.hidden_gradient_s > 0.1 * e.communication_s
+
+
 @pytest.mark.parametrize("length, share", [(128, 1.0), (256, 0.75), (2048, 17 / 32),
                                            (8192, 65 / 128)])
 def test_causal_attention_computes_the_blocks_on_and_below_the_diagonal(length, share):

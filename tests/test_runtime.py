@@ -301,6 +301,39 @@ def test_parameter_gathers_are_issued_one_parameter_ahead():
     assert prefetch_parameter_gathers(gm) == 0                    # already ahead
 
 
+def test_cast_gathers_are_issued_one_parameter_ahead_with_their_cast():
+    """Mixed precision: a parameter cast to bfloat16 and transposed, then gathered. The
+    second one's cast, transpose and gather move to right after the first gather's wait,
+    before the matmul that reads the first; a value forward computes (an activation's
+    gather) and a random draw on a parameter are not moved."""
+    from torchalpa.runtime.execution import collectives as C
+    from torchalpa.runtime.rewrites.overlap import overlap_collectives, prefetch_parameter_gathers
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x, w1, w2, w3 = (graph.placeholder(n) for n in ("x", "w1", "w2", "w3"))
+
+    def cast_gather(w):
+        low = graph.call_function(aten._to_copy.default, (w,), {"dtype": torch.bfloat16})
+        t = graph.call_function(aten.permute.default, (low, [1, 0]))
+        return graph.call_function(C.all_gather, (t, 0, 4, "g0"))
+
+    h = graph.call_function(aten.mm.default, (x, cast_gather(w1)))
+    h = graph.call_function(aten.relu.default, (h,))
+    h = graph.call_function(aten.mm.default, (h, cast_gather(w2)))
+    noisy = graph.call_function(aten.bernoulli.p, (w3, 0.5))   # a random draw: stays
+    full3 = graph.call_function(C.all_gather, (noisy, 0, 4, "g0"))
+    graph.output(graph.call_function(aten.mm.default, (h, full3)))
+    gm = overlap_collectives(torch.fx.GraphModule(torch.nn.Module(), graph))
+    assert prefetch_parameter_gathers(gm) == 1
+    names = [str(n.target).split(".")[-2] if isinstance(n.target, torch._ops.OpOverload)
+             else n.target.__name__ for n in gm.graph.nodes if n.op == "call_function"]
+    assert names == ["_to_copy", "permute", "issue_all_gather", "finish_all_gather",
+                     "_to_copy", "permute", "issue_all_gather", "mm", "relu",
+                     "finish_all_gather", "mm", "bernoulli", "issue_all_gather",
+                     "finish_all_gather", "mm"]
+    assert prefetch_parameter_gathers(gm) == 0                    # already ahead
+
+
 def test_autograd_path_saves_items_of_multi_output_ops():
     """Layer norm returns (out, mean, rstd): backward saves the items, not the tuple."""
     from torchalpa.models import GPT, GPTConfig, lm_loss

@@ -14,8 +14,9 @@ import worker_io
 @pytest.fixture(scope="module")
 def timelines(tmp_path_factory):
     out = tmp_path_factory.mktemp("timeline") / "timeline.json"
-    results = worker_io.launch("timeline_worker.py", out, "zero3:1,zero3:2", nproc=2)
-    for key in ("zero3:1", "zero3:2"):
+    keys = ("zero3:1", "zero3:2", "zero3-bf16:1", "ddp:1")
+    results = worker_io.launch("timeline_worker.py", out, ",".join(keys), nproc=2)
+    for key in keys:
         if "error" in results[key]:
             pytest.fail(f"scenario {key} failed:\n{results[key]['trace']}")
     return results
@@ -47,3 +48,37 @@ def test_with_micro_batches_the_gradients_are_reduced_after_backward(timelines):
     reduces = [i for i, t in enumerate(recorded) if "reduce_scatter" in t]
     assert reduces and min(reduces) > max(i for i, t in enumerate(recorded) if t == "mm")
     assert [t for t in recorded if "reduce_scatter" not in t] == 2 * forward + 2 * backward
+
+
+def test_cast_gathers_are_prefetched_and_waited_after_the_next_compute(timelines):
+    """Mixed precision: each parameter's bfloat16 copy is gathered (a cast gather). Its
+    cast and gather are issued right after the previous gather's wait, so the matmul that
+    reads the previous parameter runs before this gather is waited for; the estimate
+    assumes the same order (it prices them as prefetched)."""
+    r = timelines["zero3-bf16:1"]
+    assert r["same_graph"]
+    assert r["recorded"] == [t for t in r["assumed"] if t != "backward"]
+    order = r["recorded"]
+    assert order[:5] == ["issue all_gather", "wait all_gather", "issue all_gather", "mm",
+                         "wait all_gather"]
+    # every gather after the first of forward and of backward is issued before the matmul
+    # that precedes its wait
+    waits = [i for i, t in enumerate(order) if t == "wait all_gather"]
+    issues = [i for i, t in enumerate(order) if t == "issue all_gather"]
+    prefetched = [(i, w) for i, w in zip(issues, waits) if "mm" in order[i:w]]
+    assert len(prefetched) == len(issues) - 2
+
+
+def test_the_loops_loss_is_waited_for_after_backward(timelines):
+    """``loss = pm(x, y); loss.backward()`` under a DDP plan: forward leaves the loss's
+    all-reduce in flight and returns a PendingLoss; backward does not read it, so no rank
+    waits for it before its backward's matmuls (the ranks meet once a step, at the
+    gradient buckets, as DDP's do); it is waited for last, after the buckets."""
+    r = timelines["ddp:1"]
+    assert r["loss_type"] == "PendingLoss"
+    order = r["order"]
+    issue = order.index("issue loss")
+    first_wait = order.index("wait all_reduce", issue)
+    assert "mm" in order[issue:first_wait]              # backward ran before any wait
+    assert "mm" not in order[first_wait:]
+    assert order.count("wait all_reduce") == order.count("issue all_reduce") + 1

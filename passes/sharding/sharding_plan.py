@@ -197,6 +197,7 @@ class _Traffic:
     gradients: list[CommEvent] = field(default_factory=list)
     once_serial: float = 0.0
     index: dict[str, int] = field(default_factory=dict)
+    _made_of_parameters: dict[str, bool] = field(default_factory=dict)
 
     def __post_init__(self):
         self.index = {n.name: i for i, n in enumerate(self.graph.ops())}
@@ -269,7 +270,7 @@ class _Traffic:
         op = self.index[at.name] if at.name in self.index else self.index.get(r.consumer, 0)
         first = steps[0]
         if first.kind == "all_gather" and isinstance(r.slot, int) \
-                and self.graph.node(r.producer).kind == "param":
+                and self._of_parameters(r.producer):
             gather = collective_cost(self.mesh, first.kind, first.axis, first.bytes)
             self.events.append(CommEvent(gather, op, first.axis, "gather", first.bytes, phase,
                                          first.kind))
@@ -278,6 +279,19 @@ class _Traffic:
                 return
         self.events.append(CommEvent(seconds, op, first.axis, "serial", 0.0, phase,
                                      first.kind))
+
+    def _of_parameters(self, name: str) -> bool:
+        """Whether value ``name`` is made from parameters alone: a parameter, or ops (no
+        random draw) on parameters only, such as its cast to the compute dtype and its
+        transposes. The runtime prefetches such a value's gather with the ops that make
+        it (``runtime/rewrites/overlap.py``: mixed precision's cast gathers)."""
+        known = self._made_of_parameters
+        if name not in known:
+            node = self.graph.node(name)
+            known[name] = node.kind == "param" or (
+                node.kind == "op" and bool(node.operands) and not _random(node.op)
+                and all(self._of_parameters(ref.node) for ref in node.operands))
+        return known[name]
 
     def add_op(self, n: OpNode, s: Strategy) -> None:
         """The all-reduces op ``n`` runs inside itself under ``s``: the statistics of a
@@ -300,6 +314,14 @@ class _Traffic:
         if internal and seconds > 0:
             self.events.append(CommEvent(seconds, self.index[n.name], internal[0][0], "serial",
                                          0.0, n.phase, "all_reduce"))
+
+
+_RANDOM_WORDS = ("rand", "dropout", "bernoulli", "normal", "uniform", "exponential", "rng")
+
+
+def _random(op: str) -> bool:
+    """Whether op ``op`` draws random numbers (by name: ATen's and StableHLO's)."""
+    return any(word in op for word in _RANDOM_WORDS)
 
 
 def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,

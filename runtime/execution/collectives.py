@@ -38,8 +38,13 @@ _c10d = torch.ops._c10d_functional
 
 # -- issue / finish halves ----------------------------------------------------------------
 
-def issue_all_reduce(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
+def issue_all_reduce(x: torch.Tensor, reduce_op: str, group_name: str, *,
+                     in_place: bool = False) -> torch.Tensor:
+    """Start reducing ``x`` across ranks. ``in_place``: into ``x`` itself, when the program
+    made ``x`` for this collective alone (a gradient bucket's flat buffer): no copy of it."""
     with issued("all_reduce", x, group_name):
+        if in_place and x.is_contiguous():
+            return _c10d.all_reduce_(x, reduce_op, group_name)
         return _c10d.all_reduce(x.contiguous(), reduce_op, group_name)
 
 
@@ -144,8 +149,9 @@ def reduce_scatter_strided(x: torch.Tensor, dim: int, reduce_op: str, group_size
 
 # -- blocking versions: finish(issue(...)) -------------------------------------------------
 
-def all_reduce(x: torch.Tensor, reduce_op: str, group_name: str) -> torch.Tensor:
-    return finish_all_reduce(issue_all_reduce(x, reduce_op, group_name))
+def all_reduce(x: torch.Tensor, reduce_op: str, group_name: str, *,
+               in_place: bool = False) -> torch.Tensor:
+    return finish_all_reduce(issue_all_reduce(x, reduce_op, group_name, in_place=in_place))
 
 
 def all_gather(x: torch.Tensor, dim: int, group_size: int, group_name: str) -> torch.Tensor:

@@ -55,6 +55,7 @@ from torchalpa.runtime.execution.host_optimizer import (
 from torchalpa.runtime.execution.materialize import distribute_module_state, to_dtensor_placements
 from torchalpa.runtime.execution.mesh import collective_timeout
 from torchalpa.runtime.execution.optim import lean_optimizer_steps
+from torchalpa.runtime.execution.pending_loss import LossBox, PendingLoss
 from torchalpa.runtime.execution.step import StepMode, StepRunner
 from torchalpa.runtime.measurement.issued import issued_collectives
 from torchalpa.runtime.measurement.stats import StepClock, StepStats
@@ -113,7 +114,7 @@ class _TrainingStep(torch.autograd.Function):
             else:
                 runner.run(step, state, runner.actions)
                 ctx.counts, ctx.grads = None, runner.gradients(step)
-            loss = pm._loss(step)
+            loss, ctx.loss_box = pm._loss_in_flight(step)
         ctx.pm = pm
         ctx.num_others = len(args) - len(pm._param_names)
         ctx.mark_non_differentiable(*step.buffer_updates)
@@ -137,6 +138,8 @@ class _TrainingStep(torch.autograd.Function):
                 grads = pm._runner.gradients(step, None if unit else grad_loss)
         else:
             grads = [g if unit or g is None else g * grad_loss for g in ctx.grads]
+        if ctx.loss_box is not None:     # its all-reduce went before the gradients'
+            ctx.loss_box.value()
         pm._clock.stop("forward+backward")
         grads = [_as_parameter_grad(g, w) for g, w in zip(grads, ctx.wrap, strict=True)]
         return (None, None, *grads, *([None] * ctx.num_others))
@@ -256,6 +259,9 @@ class ParallelModule(nn.Module):
         # step's programs, runtime.rewrites.program_rewrites.step_programs)
         self._train_step_mode = StepMode.LOSS_LAST
         self._last_loss_in_bucket: LossInBucket | None = None   # the last step's, if any
+        # the autograd path's loss while its all-reduce is in flight (pending_loss.py)
+        self._pending: LossBox | None = None
+        self._loss_like: torch.Tensor | None = None     # its shape and dtype
         self._slots: dict[str, tuple[dict, str]] = {}   # name -> (owner's entries, key)
         self._exact_optimizer: tuple = (None, False)     # (its key, holds exactly our params)
         # Adam & co. step on the local shards; a stage's optimizer also holds the other
@@ -340,6 +346,32 @@ class ParallelModule(nn.Module):
         loss = torch.zeros((), device=self._device) if loss is None else loss.detach().clone()
         dist.broadcast(loss, src=self._loss_rank)
         return loss
+
+    def _loss_in_flight(self, step) -> tuple[torch.Tensor, LossBox | None]:
+        """The step's loss for the autograd path, and its box: where forward left the
+        loss's all-reduce in flight (one stage, eager), a ``PendingLoss`` waited for on
+        first read or at the end of backward (``runtime/execution/pending_loss.py``: the
+        ranks then meet once a step, in backward, as DDP's do); else the loss (no box).
+        The first step's loss is waited for here: it lends the shape and dtype."""
+        if torch.compiler.is_compiling():    # traced: no state kept across calls
+            return self._loss(step), None
+        if self._pending is not None:        # the last step's, never read nor backpropagated
+            self._pending.value()
+            self._pending = None
+        if self._loss_rank is not None or step.loss.finish is None or self._loss_like is None:
+            loss = self._loss(step)
+            self._loss_like = torch.empty_like(loss) if self._loss_rank is None else None
+            return loss, None
+        losses, what = step.loss, f"the loss of step {self._num_calls}"
+
+        def finish() -> torch.Tensor:
+            with self._monitor.guard(what):     # a peer that failed is named, as in forward
+                loss = losses.mean()
+            assert loss is not None, "a one-stage step computes the loss"
+            return loss
+
+        self._pending = box = LossBox(finish)
+        return PendingLoss(box, self._loss_like), box
 
     def _write_buffer_updates(self, values: Sequence[torch.Tensor],
                               names: Sequence[str] | None = None) -> None:

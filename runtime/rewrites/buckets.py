@@ -16,7 +16,9 @@ GPT-2 small, where DDP issues a handful). DDP packs gradients into buckets of ab
   Only buckets of two or more gradients form.
 - ``fuse_gradient_buckets(gm, buckets, grad_names)`` rewrites a ``reduce_grads`` program:
   the members of a bucket are flattened and concatenated, reduced by one collective per
-  bucketed step and split back into views of their shapes. It is a pass over the program,
+  bucketed step (an all-reduce in place: the flat buffer is the bucket's own, so it is
+  not copied again as DDP does not copy its bucket) and split back into views of their
+  shapes. It is a pass over the program,
   so intra-op and pipeline-stage programs alike get it.
 - ``issued_collectives(plan, num_micro_batches)`` is the list a step really issues (the
   plan's collectives with each bucket's members replaced by the bucket): what
@@ -306,14 +308,17 @@ def fuse_gradient_buckets(gm: fx.GraphModule, buckets: Sequence[GradientBucket],
             if bucket.kind == "all_reduce":
                 flat = graph.call_function(flatten_concat, (members,))
                 flat.meta[BUCKET] = index     # a loss may travel in it (runtime.rewrites.loss_in_bucket)
-                reduced = graph.call_function(C.all_reduce, (flat, bucket.reduce_op, group))
+                # in place: the flat buffer is made for this collective alone
+                reduced = graph.call_function(C.all_reduce, (flat, bucket.reduce_op, group),
+                                              {"in_place": True})
             else:
                 flat = graph.call_function(interleave_chunks, (members, bucket.dim, n))
                 reduced = graph.call_function(C.reduce_scatter,
                                               (flat, 0, bucket.reduce_op, n, group))
             for stage, stage_group in zip(bucket.then, groups[1:]):
                 reduced = graph.call_function(C.all_reduce,
-                                              (reduced, stage.reduce_op, stage_group))
+                                              (reduced, stage.reduce_op, stage_group),
+                                              {"in_place": True})
             if bucket.kind == "all_reduce":
                 parts = graph.call_function(split_flat, (reduced, members))
             else:

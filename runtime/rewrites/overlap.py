@@ -12,9 +12,11 @@ them in program order), so the plan's list still equals what runs. The halves ar
 ``runtime.execution.collectives``' own: each collective's layout arithmetic is written once.
 
 ``prefetch_parameter_gathers`` then starts each gather of a sharded parameter (ZeRO-3's
-all-gathers of a program input) as soon as the previous one has been waited for, so it
-is in flight while the computation that reads the previous parameter runs -- FSDP2's
-prefetch, one parameter ahead: at most one more gathered parameter is alive at a time.
+all-gathers of a program input, or of a value made from inputs alone: a parameter cast to
+the compute dtype, transposed -- mixed precision's cast gathers, whose cast moves with
+them) as soon as the previous one has been waited for, so it is in flight while the
+computation that reads the previous parameter runs -- FSDP2's prefetch, one parameter
+ahead: at most one more gathered parameter is alive at a time.
 The same collectives are issued, a parameter's gather now possibly before an activation's
 collective that preceded it; every rank of the group runs the same program, so the ranks
 still issue them in one agreed order.
@@ -22,6 +24,7 @@ still issue them in one agreed order.
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from torchalpa.runtime.execution import collectives as C
@@ -55,23 +58,72 @@ def overlap_collectives(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def prefetch_parameter_gathers(gm: fx.GraphModule) -> int:
-    """Move each all-gather of a program input (a sharded parameter) to right after the
-    wait of the previous one, when it was issued later (in place, after
-    ``overlap_collectives``); returns how many issues moved."""
+    """Move each all-gather of a value made from program inputs alone (a sharded
+    parameter, or its cast to the compute dtype and its transposes: a cast gather) to
+    right after the wait of the previous one, with the ops that make its input, when it
+    was issued later (in place, after ``overlap_collectives``); returns how many issues
+    moved."""
     graph = gm.graph
-    issues = [n for n in graph.nodes if n.op == "call_function"
-              and n.target in (C.issue_all_gather, C.issue_all_gather_strided)
-              and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder"]
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    moved = 0
+    chains: dict[fx.Node, list[fx.Node]] = {}
+    made_of_inputs: dict[fx.Node, bool] = {}
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in _GATHERS and isinstance(n.args[0], fx.Node) \
+                and _of_inputs(n.args[0], made_of_inputs):
+            chains[n] = _ancestors(n)
+    issues = list(chains)
+    moved, order = 0, {}
     for previous, current in zip(issues, issues[1:]):
-        waits = [u for u in previous.users
-                 if u.target in (C.finish_all_gather, C.finish_all_gather_strided)]
-        if len(waits) != 1 or order[current] <= order[waits[0]] + 1:
-            continue                    # issued before that wait already, or right after it
-        waits[0].append(current)        # issued right after the previous wait
-        moved += 1
+        order = order or {n: i for i, n in enumerate(graph.nodes)}
+        waits = [u for u in previous.users if u.target in _FINISHES]
+        if len(waits) != 1 or order[current] < order[waits[0]]:
+            continue                    # issued before that wait already
+        wait = waits[0]
+        late = [n for n in chains[current] if order[n] > order[wait]]
+        if all(order[n] == order[wait] + 1 + i for i, n in enumerate(late)):
+            continue                    # right after it already
+        anchor = wait
+        for n in late:                  # issued right after the previous wait
+            anchor.append(n)
+            anchor = n
+        moved, order = moved + 1, {}
     if moved:
         graph.lint()
         gm.recompile()
     return moved
+
+
+_GATHERS = (C.issue_all_gather, C.issue_all_gather_strided)
+_FINISHES = (C.finish_all_gather, C.finish_all_gather_strided)
+_LOCAL_STEPS = (C.local_chunk, C.local_partition)
+
+
+def _of_inputs(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    """Whether ``node``'s value is made from the program's inputs alone, by ops that may
+    run earlier without changing any result: no collective, no random draw, no op without
+    inputs (a constant is made where it is)."""
+    if node not in memo:
+        if node.op == "placeholder":
+            memo[node] = True
+        elif node.op != "call_function" or not node.all_input_nodes:
+            memo[node] = False
+        else:
+            target = node.target
+            pure = target in _LOCAL_STEPS or (
+                isinstance(target, torch._ops.OpOverload)
+                and torch.Tag.nondeterministic_seeded not in target.tags)
+            memo[node] = pure and all(_of_inputs(a, memo) for a in node.all_input_nodes)
+    return memo[node]
+
+
+def _ancestors(issue: fx.Node) -> list[fx.Node]:
+    """The ops ``issue`` reads, directly or not (placeholders aside), then ``issue``, in
+    program order."""
+    seen: set[fx.Node] = set()
+    stack = [issue]
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op == "placeholder":
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return [n for n in issue.graph.nodes if n in seen]
