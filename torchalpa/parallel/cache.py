@@ -51,11 +51,14 @@ def cache_dir() -> Path | None:
 
 @lru_cache(maxsize=1)
 def _planner_source_hash() -> str:
-    """Hash of the planner's code: a change to any pass, or to anything in the torchalpa
-    package folder (its version string included), invalidates cached plans."""
+    """Hash of the planner's code: a change to any pass, to the capture (frontends), or to
+    anything in the torchalpa package folder (its version string included), invalidates
+    cached plans."""
+    import torchalpa.frontends as frontends
     import torchalpa.passes as passes
     h = hashlib.sha256()
-    for root in (Path(passes.__file__).parent, Path(__file__).resolve().parents[1]):
+    for root in (Path(passes.__file__).parent, Path(frontends.__file__).parent,
+                 Path(__file__).resolve().parents[1]):
         for path in sorted(root.rglob("*.py")):
             h.update(path.name.encode())
             h.update(path.read_bytes())
