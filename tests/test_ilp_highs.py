@@ -23,10 +23,13 @@ def _plan(graph, monkeypatch, direct: bool, budget: float | None, shape=(2, 2)):
     from torchalpa.core.options import ShardParallel
     from torchalpa.passes.sharding import ilp
     from torchalpa.passes.sharding.intra_op import plan_intra_op
+    from torchalpa.passes.pricing import cost
     monkeypatch.setattr(ilp, "DIRECT_HIGHS", direct)
-    # no host issue cost: on a GPU a tiny op costs the longer of its kernel and its issue, so
-    # the tiny GPT's small ops would cost the issue whatever their layout, and the two solvers
-    # could break those ties differently
+    # no host issue cost and no kernel floor: on a GPU a tiny op costs the longer of its
+    # kernel, the kernel floor and its issue, so the tiny GPT's small ops would cost the
+    # floor or the issue whatever their layout, and the two solvers could break those ties
+    # differently
+    monkeypatch.setattr(cost, "KERNEL_FLOOR_S", 0.0)
     cluster = dataclasses.replace(torchalpa.Cluster.h100(devices_per_node=4), kernel_launch_s=0.0)
     mesh = cluster.logical_mesh(shape)
     # no time limit: on a loaded machine a limit could stop either solve early
