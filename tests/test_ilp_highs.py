@@ -21,9 +21,9 @@ def gpt_graph():
 def _plan(graph, monkeypatch, direct: bool, budget: float | None, shape=(2, 2)):
     import torchalpa
     from torchalpa.core.options import ShardParallel
+    from torchalpa.passes.pricing import cost
     from torchalpa.passes.sharding import ilp
     from torchalpa.passes.sharding.intra_op import plan_intra_op
-    from torchalpa.passes.pricing import cost
     monkeypatch.setattr(ilp, "DIRECT_HIGHS", direct)
     # no host issue cost and no kernel floor: on a GPU a tiny op costs the longer of its
     # kernel, the kernel floor and its issue, so the tiny GPT's small ops would cost the
