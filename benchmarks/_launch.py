@@ -1,7 +1,8 @@
 """What the side-by-side benchmarks share: their common flags, and -- from
 ``torchalpa.cli.bench``, which ``torchalpa bench`` also runs on -- the torchrun launcher (inside
 ``shared/tools/netns_bytes.sh`` when run as root, so loopback bytes are the job's own), the
-order methods run in, and how each rank's measurements are gathered into one JSON result.
+order methods run in, how each rank's measurements are gathered into one JSON result, and
+how a worker writes it and leaves (``leave_with_result``).
 
 A benchmark script runs twice: as the launcher (``launch``), which starts torchrun on the
 same script with ``--worker PATH``, and as each rank (its own worker function), which
@@ -14,10 +15,16 @@ import argparse
 import sys
 
 from torchalpa.cli import bench
-from torchalpa.cli.bench import average_runs, describe_plan, method_order, peak_over_ranks
+from torchalpa.cli.bench import (
+    average_runs,
+    describe_plan,
+    leave_with_result,
+    method_order,
+    peak_over_ranks,
+)
 
 __all__ = ["add_run_args", "launch", "method_order", "average_runs", "peak_over_ranks",
-           "describe_plan"]
+           "describe_plan", "leave_with_result"]
 
 
 def add_run_args(p: argparse.ArgumentParser, *, steps: int) -> None:

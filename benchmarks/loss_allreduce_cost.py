@@ -21,19 +21,17 @@ dispatcher, on rank 0, in the last step) next to the plan's list for that step.
 from __future__ import annotations
 
 import argparse
-import json
 
-from _launch import add_run_args, average_runs, launch, method_order
+from _launch import add_run_args, average_runs, launch, leave_with_result, method_order
+from zoo_vs_ddp_fsdp import MODELS, add_workload_args, workload
 
 METHODS = ("ddp", "ddp+loss", "torchalpa", "torchalpa-own")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", nargs="*", default=["vit", "gpt", "mlp"],
-                   choices=("gpt", "llama", "bert", "vit", "resnet", "moe", "mlp"))
-    p.add_argument("--batch", type=int, default=16, help="global batch of the zoo models")
-    p.add_argument("--mlp-batch", type=int, default=2048, help="global batch of the MLP")
+    p.add_argument("--models", nargs="*", default=["vit", "gpt", "mlp"], choices=MODELS)
+    add_workload_args(p)
     add_run_args(p, steps=30)
     return p.parse_args(argv)
 
@@ -57,7 +55,6 @@ def main():
 
 def worker(args):
     import torch.distributed as dist
-    from zoo_vs_ddp_fsdp import workload
 
     from torchalpa.runtime.execution.mesh import init_distributed
 
@@ -76,16 +73,7 @@ def worker(args):
             averaged[name].update(issued=runs[name][-1]["issued"],
                                   planned=runs[name][-1]["planned"])
         result["models"][model_name] = averaged
-    if rank == 0:
-        with open(args.worker, "w") as f:
-            json.dump(result, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    import os
-    import sys
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)        # as zoo_vs_ddp_fsdp.py: skip a teardown where gloo threads can abort
+    leave_with_result(result, args.worker)
 
 
 def measure(name, build, batch, loss_fn, steps, rank, world) -> dict:

@@ -26,9 +26,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
-from _launch import add_run_args, average_runs, launch, method_order
+from _launch import add_run_args, average_runs, launch, leave_with_result, method_order
 
 METHODS = ("torchalpa", "ddp", "fsdp2")
 EXTRA_METHODS = ("torchalpa-dp",     # torchalpa with method=DataParallel(): DDP's plan
@@ -42,10 +41,15 @@ def parse_args(argv=None):
     p.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
     p.add_argument("--methods", nargs="*", default=list(METHODS),
                    choices=METHODS + EXTRA_METHODS)
-    p.add_argument("--batch", type=int, default=16, help="global batch of the zoo models")
-    p.add_argument("--mlp-batch", type=int, default=2048, help="global batch of the MLP")
+    add_workload_args(p)
     add_run_args(p, steps=4)
     return p.parse_args(argv)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """--batch and --mlp-batch, the global batches ``workload`` builds."""
+    p.add_argument("--batch", type=int, default=16, help="global batch of the zoo models")
+    p.add_argument("--mlp-batch", type=int, default=2048, help="global batch of the MLP")
 
 
 # -- the launcher -------------------------------------------------------------------------
@@ -149,19 +153,7 @@ def worker(args):
                 if rank == 0:
                     print(f"{model_name} {name}: {s['step_s'] * 1e3:.1f} ms/step", flush=True)
         result["models"][model_name] = {"stats": average_runs(runs), "num_params": num_params}
-    if rank == 0:
-        with open(args.worker, "w") as f:
-            json.dump(result, f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    # written, and every rank has left the group: skip interpreter teardown, where gloo
-    # threads can abort the process ("terminate called without an active exception") and
-    # fail a job whose work is done (as torchalpa.cli.bench's worker does)
-    import os
-    import sys
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_with_result(result, args.worker)
 
 
 def measure(name, build, batch, loss_fn, args, rank, world):

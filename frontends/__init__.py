@@ -1,4 +1,27 @@
 """Frontends: turn a training step written in a framework into an OpGraph.
 
+A torch model and its loss (``torch_export``, through torch.export's joint graph):
+
+- ``torch_export``: the capture itself, model + loss, forward and backward -> OpGraph.
+- ``functionalize``: the traced joint graph made purely functional (buffer writes as outputs).
+- ``constants``: tensors a forward makes from Python values become ops.
+- ``einsum_products``: ``torch.einsum`` matrix products traced as ``torchalpa::batched_matmul``.
+- ``restride`` / ``piece_views``: strided views written as reshapes and splits.
+- ``joint_graph``: walking a captured joint graph (what a set of results depends on).
+- ``block_remat`` / ``param_remat``: activation checkpointing per layer, and backward's own
+  views of the parameters (ZeRO-3), as graph passes.
+- ``opset``: which ATen ops a step is made of, and what each costs.
+- ``repeated``: the step's repeated layers, so passes can share one decision per kind.
+- ``provenance`` / ``naming``: where each op came from (module path, source line) and
+  names a person recognizes for its values.
+
+A step written in StableHLO (from JAX or torch-mlir) read in the ATen vocabulary:
+
+- ``stablehlo``: the reader, StableHLO text -> OpGraph.
+- ``hlo_readers``: one reader per StableHLO op name (``READERS``).
+- ``hlo_dot`` / ``hlo_gather`` / ``hlo_slices`` / ``hlo_sums``: ``dot_general``,
+  one-element gathers and scatters, equal slices, and sums of products, as ATen has them.
+- ``jax_lower``: a JAX training step lowered to StableHLO, its parameters named.
+
 Layers, data flow, and where to add things: docs/architecture.md.
 """

@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from worker_io import run_listed_scenarios  # noqa: E402
+from worker_io import run_listed_scenarios, train_beside_reference  # noqa: E402
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
@@ -33,18 +33,9 @@ def train(gpt, batch, method, steps: int = 3, watch=None) -> dict:
                                  cluster=torchalpa.Cluster.local_cpu(2),
                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    out = {"losses": [], "ref_losses": [], "remat": pm.plan.method.get("remat"),
-           "offload": bool(pm.plan.method.get("offload")), "notes": list(pm.plan.notes),
-           "estimates": pm.plan.estimates.to_dict()}
-    for _ in range(steps):
-        out["losses"].append(pm.train_step(*batch).item())
-        ref_loss = gpt.loss_fn(ref(*batch[:-1]), batch[-1])
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        out["ref_losses"].append(ref_loss.item())
-    out["max_param_diff"] = max((p.full_tensor() - q).abs().max().item()
-                                for p, q in zip(pm.module.parameters(), ref.parameters()))
+    out = {"remat": pm.plan.method.get("remat"), "offload": bool(pm.plan.method.get("offload")),
+           "notes": list(pm.plan.notes), "estimates": pm.plan.estimates.to_dict(),
+           **train_beside_reference(pm, ref, ref_opt, batch, gpt.loss_fn, steps=steps)}
     pairs = getattr(pm.optimizer, HOST_PAIRS, [])
     device = {t.to_local().data_ptr() for t in pm.module.parameters()}
     out["host_copies"] = len(pairs)

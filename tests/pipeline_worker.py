@@ -121,6 +121,55 @@ def checkpoint_round_trip(make_model, batch, loss_fn, method, *, cluster, path):
     return {"after": after, "resumed": resumed, "different": different}
 
 
+def export(make_model, batch, loss_fn, method, *, cluster, path):
+    """Out of a pipeline: after a step, unwrap() on every rank and save_pretrained (rank 0
+    writes) hold every stage's trained tensors, tied ones once; generate() refuses,
+    naming unwrap."""
+    torch.manual_seed(0)
+    pm = torchalpa.auto_parallel(make_model(), batch, loss_fn, method=method, cluster=cluster,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    torch.manual_seed(0)
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    pm.train_step(*batch)
+    loss_fn(ref(*batch[:-1]), batch[-1]).backward()
+    ref_opt.step()
+    plain = pm.unwrap()
+    refs = dict(ref.named_parameters())
+    out = {"stages": len(pm.plan.stages),
+           "dtensors": sum(type(p).__name__ == "DTensor" for p in plain.parameters()),
+           "unwrap_diff": max((p - refs[n]).abs().max().item()
+                              for n, p in plain.named_parameters()),
+           "moved": max((p - q).abs().max().item()             # the step did change them
+                        for p, q in zip(plain.parameters(), make_model_at(make_model, 0)))}
+    with torch.no_grad():
+        out["output_diff"] = (plain(*batch[:-1]) - ref(*batch[:-1])).abs().max().item()
+    torchalpa.save_pretrained(pm, path)
+    from safetensors.torch import load_file
+    saved = load_file(os.path.join(path, "model.safetensors"))
+    state = ref.state_dict()          # both names of the tied weight
+    out["saved"], out["parameters"] = len(saved), len(refs)
+    out["unknown_saved"] = sorted(set(saved) - set(state))
+    out["tied_kept"] = plain.lm_head.weight is plain.wte.weight
+    out["saved_diff"] = max((t - state[n]).abs().max().item() for n, t in saved.items()
+                            if n in state)
+    try:
+        pm.generate(batch[0])
+        out["generate"] = None
+    except ValueError as e:
+        out["generate"] = str(e)
+    everyone: list = [None] * dist.get_world_size()    # each rank's own view, worst kept
+    dist.all_gather_object(everyone, out["unwrap_diff"])
+    out["unwrap_diff"] = max(everyone)
+    return out
+
+
+def make_model_at(make_model, seed):
+    """The parameters ``make_model`` starts from under ``seed``."""
+    torch.manual_seed(seed)
+    return list(make_model().parameters())
+
+
 class _count_sends:
     """Bytes every rank hands to dist.isend until stop() (summed over ranks)."""
 
@@ -237,6 +286,10 @@ def scenarios(n):
             num_micro_batches=4, layer_option=L(layer_num=2),
             stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu,
             path=os.path.join(os.path.dirname(sys.argv[1]), "pipeline_ckpt"))
+        yield "gpt_2x2_export", lambda: export(gpt.build, gpt_batch, gpt.loss_fn, P(
+            num_micro_batches=2, layer_option=L(layer_num=2),
+            stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu,
+            path=os.path.join(os.path.dirname(sys.argv[1]), "pipeline_export"))
     if n == 8:
         yield "gpt_2x2x2_1f1b", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=8, layer_option=L(layer_num=2),

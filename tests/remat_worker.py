@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from pipeline_worker import compare, manual  # noqa: E402
-from worker_io import run_listed_scenarios  # noqa: E402
+from worker_io import run_listed_scenarios, train_beside_reference  # noqa: E402
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
@@ -30,19 +30,8 @@ def intra_op(gpt, batch, remat: str, steps: int = 3) -> dict:
                                  method=torchalpa.ShardParallel(auto_sharding_option=option),
                                  optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
-    out = {"losses": [], "ref_losses": [], "remat": pm.plan.method.get("remat"),
-           "notes": list(pm.plan.notes)}
-    for _ in range(steps):
-        out["losses"].append(pm.train_step(*batch).item())
-        ref_loss = gpt.loss_fn(ref(*batch[:-1]), batch[-1])
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        out["ref_losses"].append(ref_loss.item())
-    diffs = [(p.full_tensor() - q).abs().max().item()
-             for p, q in zip(pm.module.parameters(), ref.parameters())]
-    out["max_param_diff"] = max(diffs)
-    return out
+    return {**train_beside_reference(pm, ref, ref_opt, batch, gpt.loss_fn, steps=steps),
+            "remat": pm.plan.method.get("remat"), "notes": list(pm.plan.notes)}
 
 
 def scenarios(n):

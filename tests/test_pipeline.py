@@ -22,7 +22,7 @@ import worker_io
 # force in tests/test_stages.py); the runtime cannot tell which costs chose its stages.
 FOUR = ("mlp_2x2_1f1b", "mlp_2x2_options", "mlp_2x2_checks", "mlp_4x1_gpipe_backward",
         "mlp_auto_pipeline",
-        "gpt_2x2_1f1b", "gpt_profile", "gpt_checkpoint", "gpt_2x2_recompute")
+        "gpt_2x2_1f1b", "gpt_profile", "gpt_checkpoint", "gpt_2x2_recompute", "gpt_2x2_export")
 FOUR_SLOW = ("gpt_auto",)
 
 
@@ -175,3 +175,17 @@ def test_autoparallel_asked_for_a_pipeline_plans_one_and_trains_like_one_device(
     (test_four_ranks[mlp_auto_pipeline] checks the losses and the bytes sent)."""
     r = four["mlp_auto_pipeline"]
     assert any(n.startswith("AutoParallel chose pipeline") for n in r["notes"])
+
+
+def test_unwrap_and_save_pretrained_gather_every_stage(four):
+    """unwrap() of a two-stage GPT gives every rank the whole trained model (both stages'
+    parameters, the embedding tied to the head once), as one device trained it;
+    save_pretrained writes it; generate() refuses, naming unwrap as the way."""
+    r = four["gpt_2x2_export"]
+    assert r["stages"] == 2 and r["dtensors"] == 0
+    assert r["moved"] > 1e-3                     # the step changed the weights compared
+    assert r["unwrap_diff"] < 1e-5 and r["saved_diff"] < 1e-5 and r["output_diff"] < 1e-4
+    assert r["tied_kept"]
+    # every parameter saved once, the tied pair under one of its names
+    assert r["saved"] == r["parameters"] and r["unknown_saved"] == []
+    assert "pm.unwrap().generate" in r["generate"] and "PipeshardParallel" in r["generate"]

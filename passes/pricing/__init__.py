@@ -1,2 +1,12 @@
-"""Pricing: what ops, collectives and memory cost (alpha-beta collectives, the compute
-roofline, kernel effects, liveness memory, lower bounds)."""
+"""Pricing: what ops, collectives and memory cost, as the planner counts them.
+
+- ``cost``: Alpa's cost model, alpha-beta collectives per mesh axis and a compute roofline.
+- ``kernel_model``: what a GPU kernel costs beyond flops and bytes (shape effects).
+- ``fused_pricing``: elementwise chains priced as a fusing compiler runs them.
+- ``inplace_pricing``: the writes into state the runtime does in place.
+- ``attention_price``: attention's backward, and what its forward keeps for it.
+- ``overlap_price``: the step's time with communication overlapped as the runtime does.
+- ``memory``: per-device memory of a plan (model states plus live activations).
+- ``offload_price``: what offloading optimizer states to host memory costs.
+- ``bounds``: what any plan of a step must at least cost, found without a solver.
+"""

@@ -44,6 +44,13 @@ returns, ``None`` outputs included, so ``results[i]`` matches ``getitem(op, i)``
 Rules are registered per op name with ``@register``; ``rule_for`` looks one up. An op
 without a rule gets ``None``, and the planner gives it a replicate-only strategy and
 lists it in the plan (never a wrong result).
+
+Modules: ``registry`` (``FactorRule``, ``@register``, ``rule_for``), ``common`` (helpers
+for reading an op's arguments), and one module per op family: ``elementwise``, ``matmul``,
+``reduce``, ``softmax``, ``norm``, ``loss``, ``embedding``, ``sdpa``, ``conv``, ``pool``,
+``resize``, ``view`` (shape ops), ``slicing`` (cut, join, reorder along a dim), ``index``
+(index- and order-driven ops), ``factory`` (ops that create tensors), ``random``,
+``complex_ops`` (complex views, FFTs) and ``boundaries`` (the pipeline marker).
 """
 
 from torchalpa.passes.rules.registry import (

@@ -460,6 +460,13 @@ class ParallelModule(nn.Module):
         """Not for a model wrapped for training: a ValueError saying how to wrap for
         generation (its prefill and decode steps are other programs, with a KV cache)."""
         del args, kwargs
+        if isinstance(self.plan, PipelinePlan):
+            raise ValueError(
+                "this model was wrapped for pipelined training (PipeshardParallel), and "
+                "generation is not pipelined: pm.unwrap().generate(...) runs on one device "
+                "with the whole model gathered (every rank calls unwrap), or wrap it for "
+                "inference with ShardParallel: torchalpa.auto_parallel(model, prompt_ids, "
+                "mode='inference', method=torchalpa.ShardParallel())")
         raise ValueError(
             "this model was wrapped for training (auto_parallel's mode='training'), whose "
             "programs have no KV cache; to generate, wrap it for inference: "
@@ -604,8 +611,9 @@ class ParallelModule(nn.Module):
 
     def unwrap(self) -> nn.Module:
         """A plain copy of the model with full, gathered tensors (no DTensors): for
-        ``generate()``, ``torch.save`` or single-device evaluation. Every rank must call it
-        (it gathers); ``torchalpa.save_pretrained(pm, dir)`` writes it from rank 0."""
+        ``generate()``, ``torch.save`` or single-device evaluation, on every rank (a
+        pipeline's stages included). Every rank must call it (it gathers);
+        ``torchalpa.save_pretrained(pm, dir)`` writes it from rank 0."""
         from torchalpa.runtime.state.pretrained_save import gathered_module
         return gathered_module(self)
 

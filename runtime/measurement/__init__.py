@@ -1,2 +1,14 @@
-"""Measurement: collectives counted and timed, step statistics, timelines, memory, profiles,
-the DDP/FSDP baselines."""
+"""Measurement: what a step really did and cost, next to what the plan said.
+
+- ``stats``: ``pm.last_step_stats()``, the last step measured beside the plan.
+- ``issued``: the collectives a step issues as the runtime packs them (buckets, once-per-step
+  reductions), what tests and benchmarks compare with what ran.
+- ``comm_count``: the collectives a program issues, counted at the dispatcher.
+- ``traffic``: the bytes this rank's collectives were handed, and their profiler names.
+- ``timeline``: ``pm.profile(...)``, a measured Chrome/Perfetto trace of training steps.
+- ``tensorboard``: ``torchalpa.TensorBoardHook``, step statistics as TensorBoard scalars.
+- ``profile``: layers timed on this job's devices (``stage_option="profile"``).
+- ``measure``: side-by-side measurements (step time, loopback bytes, peak memory).
+- ``host_memory``: this process's resident set size and its high-water mark.
+- ``baselines``: DDP and FSDP2, the hand-written baselines benchmarks compare against.
+"""

@@ -4,7 +4,9 @@
 its full tensor (a collective: every rank must call it) and returns a deep copy of the
 user's module holding those plain tensors -- no DTensors, no torchalpa -- so HuggingFace's
 ``generate()``, ``torch.save`` or any single-device code works on it. Tied weights stay
-tied (one gathered tensor for both names).
+tied (one gathered tensor for both names). A pipeline's stages hold their tensors on
+their own submeshes: each tensor is gathered over its stage's ranks, then broadcast from
+that stage's first rank, so every rank gets the whole model.
 
 ``save_pretrained(pm, directory)`` writes that module from rank 0: with the model's own
 ``save_pretrained`` (HuggingFace: config plus consolidated ``model.safetensors``, tied
@@ -30,7 +32,17 @@ __all__ = ["gathered_module", "save_pretrained"]
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return full_value(t)
+    """The whole of ``t`` on every rank: gathered over its mesh, then, when that mesh is
+    one pipeline stage's submesh, broadcast from its first rank to the ranks outside it."""
+    if not isinstance(t, DTensor) or t.device_mesh.size() == world_size():
+        return full_value(t)
+    owners = t.device_mesh.mesh.flatten().tolist()
+    if rank() in owners:
+        whole = full_value(t).contiguous()
+    else:   # this rank is not in the stage: its local tensor is empty, on the right device
+        whole = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
+    dist.broadcast(whole, src=owners[0])
+    return whole
 
 
 @torch.no_grad()
@@ -39,10 +51,6 @@ def gathered_module(pm) -> nn.Module:
     module = getattr(pm, "module", None)
     if not isinstance(module, nn.Module) or not hasattr(pm, "plan"):
         raise TypeError(f"expected a torchalpa ParallelModule, got {type(pm).__name__}")
-    if hasattr(pm.plan, "transfers"):
-        raise NotImplementedError("unwrap() of a pipeline-parallel module is not supported yet: "
-                                  "its stages live on different ranks; save a checkpoint with "
-                                  "torchalpa.save_checkpoint instead")
     memo: dict[int, object] = {}
     for _, p in module.named_parameters(remove_duplicate=True):
         memo[id(p)] = nn.Parameter(_full(p).detach().clone(), requires_grad=p.requires_grad)

@@ -33,9 +33,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from typing import NoReturn
 
 __all__ = ["METHODS", "launch", "method_order", "average_runs", "peak_over_ranks",
-           "describe_plan", "measure_method", "run_bench", "format_table"]
+           "describe_plan", "measure_method", "run_bench", "format_table", "leave_with_result"]
 
 METHODS = ("torchalpa", "ddp", "fsdp2")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -241,11 +242,18 @@ def worker(args) -> None:
             s, num_params = measure_method(name, build, tuple(batch), loss_fn, steps=args.steps,
                                            rank=rank, world=world)
             runs.setdefault(name, []).append(s)
-    if rank == 0:
-        with open(args.worker, "w") as f:
-            json.dump({"world_size": world, "backend": dist.get_backend(), "model": args.model,
+    leave_with_result({"world_size": world, "backend": dist.get_backend(), "model": args.model,
                        "num_params": num_params, "steps": args.steps,
-                       "stats": average_runs(runs)}, f, indent=1)
+                       "stats": average_runs(runs)}, args.worker)
+
+
+def leave_with_result(result: dict, path: str) -> NoReturn:
+    """A worker's end: rank 0 writes ``result`` as JSON to ``path`` (the launcher reads it),
+    every rank leaves the process group and the process exits now."""
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
     # The result is written and every rank has left the group: skip interpreter teardown,

@@ -330,8 +330,24 @@ def check_version(version) -> int:
     return version
 
 
+class _PlanViews:
+    """The views both kinds of plan have, read by the same registered functions."""
+
+    def explain_choice(self) -> str:
+        """AutoParallel's choice: every candidate it tried and what became of it."""
+        return _view("explain_choice")(self)
+
+    def to_html(self, path) -> None:
+        """Write one self-contained HTML page picturing the plan (``torchalpa.views.pictures``)."""
+        Path(path).write_text(_view("html")(self), encoding="utf-8")
+
+    def to_chrome_trace(self, path) -> None:
+        """Write the estimated step as a Chrome / Perfetto trace (JSON)."""
+        _view("chrome_trace")(self, path)
+
+
 @dataclass(frozen=True)
-class Plan:
+class Plan(_PlanViews):
     """A complete, executable parallel plan (pure data; JSON round-trip, versioned)."""
 
     mesh_shape: tuple[int, ...]
@@ -455,18 +471,6 @@ class Plan:
     def explain(self, name: str) -> str:
         return _view("explain")(self, name)
 
-    def explain_choice(self) -> str:
-        """AutoParallel's choice: every candidate it tried and what became of it."""
-        return _view("explain_choice")(self)
-
-    def to_html(self, path) -> None:
-        """Write one self-contained HTML page picturing the plan (``torchalpa.views.pictures``)."""
-        Path(path).write_text(_view("html")(self), encoding="utf-8")
-
-    def to_chrome_trace(self, path) -> None:
-        """Write the estimated step as a Chrome / Perfetto trace (JSON)."""
-        _view("chrome_trace")(self, path)
-
     def to_tp_plan(self, model=None, *, axis: int | str | None = None) -> dict:
         """The plan as torch's ``parallelize_module`` plan ``{module: ColwiseParallel() |
         RowwiseParallel()}`` for mesh axis ``axis``, where the plan is expressible that
@@ -533,7 +537,7 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
-class PipelinePlan:
+class PipelinePlan(_PlanViews):
     """Alpa's pipeshard plan: stages on submeshes, each sharded by its own intra-op plan."""
 
     mesh_shape: tuple[int, ...]          # the cluster: (nodes, devices per node)
@@ -675,18 +679,6 @@ class PipelinePlan:
 
     def explain(self, name: str) -> str:
         return _view("pipeline_explain")(self, name)
-
-    def explain_choice(self) -> str:
-        """AutoParallel's choice: every candidate it tried and what became of it."""
-        return _view("explain_choice")(self)
-
-    def to_html(self, path) -> None:
-        """Write one self-contained HTML page picturing the plan (``torchalpa.views.pictures``)."""
-        Path(path).write_text(_view("html")(self), encoding="utf-8")
-
-    def to_chrome_trace(self, path) -> None:
-        """Write the estimated step as a Chrome / Perfetto trace (JSON)."""
-        _view("chrome_trace")(self, path)
 
     def __str__(self) -> str:
         return self.summary()

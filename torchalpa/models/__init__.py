@@ -11,6 +11,11 @@ A ``Workload`` is a config plus the batch it trains on: everything ``capture`` /
     with torch.device("meta"):
         model, batch = w.build(), w.example_inputs()
     torchalpa.plan(model, batch, w.loss_fn, cluster=...)
+
+Modules: one per family (``gpt``, ``llama``, ``bert``, ``vit``, ``resnet``, ``moe``, and
+``hf`` for the HuggingFace ones); ``kv_cache`` (the static KV cache the decoders read and
+write in generation), ``losses`` (the zoo's ``loss_fn``s), ``sizes`` (the batch, sequence
+and vocabulary sizes the model suite shares) and ``_checks`` (config validation).
 """
 
 from __future__ import annotations

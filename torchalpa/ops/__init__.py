@@ -1,5 +1,9 @@
 """torchalpa's custom torch ops (attention, batched matmul) and the pipeline-boundary marker.
 Imports only ``torchalpa.core``.
 
+- ``attention``: ``torchalpa::sdpa``, scaled dot-product attention as one device-neutral op.
+- ``batched_matmul``: ``torchalpa::batched_matmul``, a product over several batch dims.
+- ``markers``: ``mark_pipeline_boundary``, where the user wants the pipeline cut.
+
 Layers, data flow, and where to add things: docs/architecture.md.
 """
