@@ -61,14 +61,18 @@ def replace_estimates(plan: Plan, **changes) -> Plan:
 
 def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                   chosen: dict[str, Strategy], costs: ReshardCosts, space: StrategySpace,
-                  inputs: str) -> Plan:
+                  inputs: str, step_micro_batches: int = 1) -> Plan:
     """The Plan of ``chosen`` (node -> strategy) for ``graph`` on ``mesh`` (module doc);
     ``space``: the strategies it was chosen from (its notes and unsupported ops go into
-    the plan); ``inputs``: "global" batches are resharded from whole ones."""
+    the plan); ``inputs``: "global" batches are resharded from whole ones;
+    ``step_micro_batches``: a pipeline stage's micro-batches per step (its ``method`` has
+    one): its forward reads of parameters are resharded once per step, as the stage's
+    runtime gathers them (``plan.state_read_once``)."""
     reshards = _reshards(graph, mesh, chosen, costs, inputs,
                          not method.auto_sharding_option.rematerialize_parameters)
     k = method.num_micro_batches      # gradient accumulation: all but the final reductions
-    state_once = state_read_once(k, method.auto_sharding_option.rematerialize_parameters)
+    state_once = state_read_once(max(k, step_micro_batches),
+                                 method.auto_sharding_option.rematerialize_parameters)
     traffic = _Traffic(graph, mesh, k)
     for r in reshards:
         traffic.add_reshard(r, state_once)
