@@ -3,6 +3,7 @@ against single-device training with the same global batch. Rank 0 writes JSON.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -238,13 +239,18 @@ def scenarios(n):
             cluster=cpu)
         # ZeRO-2 inside the stages (parameters sharded over each stage's 2 ranks): each
         # stage gathers its parameters once per step, before its first micro-batch; stage 0
-        # checkpointed, so its replayed forwards read the same gathered copies
+        # checkpointed, so its replayed forwards read the same gathered copies. Two nodes
+        # of 2 ranks, one stage each, the link between them 100x slower than inside a
+        # node: each activation (and its gradient) crosses in 2 chunks, one to each rank
+        # of the receiving stage, which all-gather them (scatter-gather)
         zero = torchalpa.AutoShardingOption(force_batch_dim_to_mesh_dim=0,
                                             parameters="sharded")
-        yield "gpt_2x2_zero", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
+        two_nodes = dataclasses.replace(cpu, num_nodes=2, devices_per_node=2,
+                                        inter_node_bandwidth=cpu.intra_node_bandwidth / 100)
+        yield "gpt_2x2_zero_scatter", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=2), auto_sharding_option=zero,
             stage_option=manual([[0], [1]], [(1, 2), (1, 2)], recompute=[True, False])),
-            cluster=cpu)
+            cluster=two_nodes)
         yield "gpt_auto", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=4)), cluster=cpu)
         yield "gpt_profile", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
