@@ -140,7 +140,9 @@ def _zero_plan(graph, micro_batches: int):
 def test_a_zero_stage_gathers_its_parameters_once_per_step_not_per_micro_batch():
     # the stage's runtime gathers its sharded parameters before its first micro-batch
     # (runtime/rewrites/param_gather.py, as a one-stage step does): with several
-    # micro-batches the gathers are paid once per step, not with each micro-batch
+    # micro-batches the gathers are paid once per step, not with each micro-batch; so is
+    # the gather of the tied weight stage 0 sends (once per step) to the head's stage
+    from torchalpa.core.plan import OUTPUT
     from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
     from torchalpa.passes.pipeline_search.submesh_views import submesh_cluster
     from torchalpa.passes.pipeline_search.view_classes import reprice
@@ -163,10 +165,14 @@ def test_a_zero_stage_gathers_its_parameters_once_per_step_not_per_micro_batch()
         assert (once.estimates.step_time_s, once.estimates.once_per_step_s) == pytest.approx(
             (s.plan.estimates.step_time_s, s.plan.estimates.once_per_step_s), rel=1e-9)
         params = {p.node for p in s.plan.parameters}
+        # its forward reads of parameters, and (stage 0) the tied weight it sends
         gathers = [st for r in s.plan.reshards if r.producer in params
-                   and isinstance(r.slot, int) and sub.node(r.consumer).phase == "forward"
+                   and (r.slot.kind == "send" if r.consumer == OUTPUT
+                        else sub.node(r.consumer).phase == "forward")
                    for st in r.steps if st.kind == "all_gather"]
-        assert gathers
+        sent = [r for r in s.plan.reshards if r.consumer == OUTPUT and r.producer in params
+                and r.slot.kind == "send" and r.steps]
+        assert gathers and len(sent) == (1 if s.index == 0 else 0)
         g = steps_cost(mesh, gathers)
         ea, eb = per_micro.estimates, once.estimates
         # per micro-batch: the gathers left; once per step: the gathers added

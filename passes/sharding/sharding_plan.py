@@ -160,6 +160,14 @@ def _reshards(graph: OpGraph, mesh: LogicalMesh, chosen: dict[str, Strategy],
     return out.reshards
 
 
+def sends_parameter(graph: OpGraph, r: Reshard) -> bool:
+    """Whether ``r`` lays out a parameter another pipeline stage reads (a tied weight):
+    sent once per step, and with ``plan.state_read_once`` resharded once per step, with
+    the forward reads of parameters (``runtime/rewrites/param_gather.py``)."""
+    return isinstance(r.slot, OutputSlot) and r.slot.kind == "send" \
+        and graph.node(r.producer).kind == "param"
+
+
 def kept_state_copies(graph: OpGraph, chosen: dict[str, Strategy],
                       reshards: list[Reshard], mesh_shape) -> list[KeptCopy]:
     """The resharded copies of parameters and buffers that two or more operand reads
@@ -231,7 +239,8 @@ class _Traffic:
         once = (state_once and isinstance(r.slot, int) and phase == "forward"
                 and graph.node(r.producer).kind in ("param", "buffer")) or (
             isinstance(r.slot, OutputSlot) and r.slot.kind == "send"
-            and r.slot.name in graph.meta.get("summed_sends", ()))
+            and r.slot.name in graph.meta.get("summed_sends", ())) or (
+            state_once and sends_parameter(graph, r))
         times = 1 if is_gradient or once else self.k
         for step in r.steps:
             if step.is_collective:     # every group along the axis runs this collective

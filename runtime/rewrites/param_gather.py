@@ -92,6 +92,10 @@ def gathered_once(plan: Plan, num_micro_batches: int) -> dict[ReaderKey, tuple[i
         if r.producer in state and r.consumer != OUTPUT and isinstance(r.slot, int) \
                 and positions and all(plan.collectives[i].phase == "forward" for i in positions):
             out[(r.consumer, r.slot)] = tuple(positions)
+        elif r.producer in state and r.consumer == OUTPUT and not isinstance(r.slot, int) \
+                and r.slot.kind == "send" and positions:
+            # a tied weight another stage reads: sent once per step, gathered once too
+            out[(r.consumer, r.slot)] = tuple(positions)
     return out
 
 
