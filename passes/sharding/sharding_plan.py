@@ -93,7 +93,13 @@ def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                          for n in graph.ops()),
         reshards=tuple(reshards), collectives=tuple(traffic.collectives),
         estimates=_estimates(graph, mesh, method, chosen, traffic, leaf_placement, state_once,
-                             kept_state_copies(graph, chosen, reshards, mesh.shape)),
+                             kept_state_copies(graph, chosen, reshards, mesh.shape),
+                             # a parameter gathered once per step to be sent whole to
+                             # another stage: the copy is held from the first forward
+                             # to the last (runtime/rewrites/param_gather.py)
+                             sum(graph.spec(ValueRef(r.producer, r.index)).nbytes
+                                 for r in reshards if state_once and sends_parameter(graph, r)
+                                 and any(st.is_collective for st in r.steps))),
         unsupported_ops=tuple(space.unsupported),
         stages=(MeshStage(layers=(0,), logical_shape=tuple(mesh.shape),
                           num_devices=mesh.num_devices),),
@@ -340,12 +346,13 @@ def _random(op: str) -> bool:
 def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                chosen: dict[str, Strategy], traffic: _Traffic,
                leaf_placement: dict[str, Placements], state_once: bool,
-               kept: list[KeptCopy]) -> Estimates:
+               kept: list[KeptCopy], held: float = 0.0) -> Estimates:
     """The step's time (compute, the optimizer, and the communication the runtime does not
     hide behind compute: ``_step_seconds``; what of it is paid once per step: the
     gradients' final resharding, state reads done once, the optimizer) and memory per
     device (model states, the activation peak and what forward saves for backward, with
-    the shared copies of gathered parameters, ``kept``, alive between their reads). An
+    the shared copies of gathered parameters, ``kept``, alive between their reads, and
+    ``held`` bytes alive for the step: a tied weight gathered once per step to be sent). An
     op's compute is priced on the bytes its strategy's blocks move."""
     k = traffic.k
     per_op = [compute_cost(
@@ -361,6 +368,7 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     activations, saved = activation_peak_bytes(
         graph, {name: s.outputs for name, s in chosen.items()}, mesh.shape,
         saved_statistics(graph, mesh), state_at_start=state_once, kept=kept)
+    activations += held
     step, once, hidden, hidden_grads = _step_seconds(graph, mesh, traffic, per_op, optimizer_s)
     return Estimates(step_time_s=step, communication_s=traffic.seconds,
                      once_per_step_s=once, compute_s=compute_time,
