@@ -267,6 +267,11 @@ class _IntraOpILP:
         # a parameter's forward reshards run once per step (runtime/rewrites/param_gather.py),
         # in a pipeline stage too (its step runs ``repeats`` micro-batches)
         self.state_once = state_read_once(repeats, option.rematerialize_parameters)
+        if self.state_once and self.budget:
+            # a parameter sent whole to another stage (a tied weight) is then gathered
+            # once per step and its copy held for the step: what the plan has left
+            self.budget -= sum(graph.spec(ref).nbytes for ref in graph.outputs.sends
+                               if graph.node(ref.node).kind == "param")
 
     def best(self) -> _Solved:
         """The best plan of the solves the graph's size calls for (see the comments)."""
