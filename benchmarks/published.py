@@ -27,7 +27,10 @@ the published plan pinned:
   selective (the compute-heavy ops' results kept, torchtitan's op policy) where it used
   that;
 - ZeRO: optimizer states, gradients and parameters sharded over ``dp`` where the run
-  sharded them (FSDP's reshard-after-forward where it used it);
+  sharded them (FSDP's reshard-after-forward where it used it; ZeRO-1's gradients
+  all-reduced whole); with several micro-batches ZeRO-1/2 gather the parameters once per
+  step, in pipeline stages too;
+- the device's memory as the budget: the published configuration ran there;
 - elementwise ops priced as fused (``AutoShardingOption(elementwise="fused")``) for runs
   whose framework fuses them (Megatron's fused kernels, XLA, ``torch.compile``).
 
@@ -67,7 +70,6 @@ from torchalpa.frontends.torch_export import capture
 from torchalpa.runtime.execution.precision import CastForward
 
 GIB = 2 ** 30
-NO_BUDGET = 1e18
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 LLAMA_COLUMNS = r"layers\.\d+\.(self_attn\.(q|k|v)_proj|mlp\.(gate|up)_proj)\.weight"
 LLAMA_ROWS = r"layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight"
@@ -144,13 +146,14 @@ def cast_per_module(model: torch.nn.Module, blocks: torch.nn.ModuleList,
 def stage_option(row: PublishedRow) -> tuple[tuple[int, ...], torchalpa.AutoShardingOption]:
     """The logical mesh of a stage and the options pinning the published layout."""
     fused = "fused" if row.fused else "eager"
-    # the published plan ran, so it is planned without a memory budget: a budget would only
-    # make the ILP complete it differently (torchalpa holds float32 master weights and
-    # gradients where Alpa and Megatron keep float16 ones: the memory columns compare)
-    common = dict(elementwise=fused, solver="highs", memory_budget_per_device=NO_BUDGET)
+    # planned within the memory of the device it ran on (the cluster's, the default
+    # budget): among plans of one step time the ILP keeps one that fits, as the run did
+    common: dict = dict(elementwise=fused, solver="highs")
     if row.zero != "none":
         common["parameters"] = "sharded"
         common["rematerialize_parameters"] = row.zero == "fsdp"
+    if row.zero == "zero1":     # gradients all-reduced whole, as Zero1Parallel
+        common["allow_reduce_scatter"] = False
     if row.family == "gpt":
         def pins(tp_axis: int, ndim: int, other: str = "R") -> dict:
             # a strided (by-head) shard of the fused QKV weight takes no shard over dp:

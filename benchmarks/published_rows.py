@@ -59,9 +59,11 @@ class PublishedRow:
     """'full' (every block recomputed in backward), 'selective' (the compute-heavy ops'
     results kept, the rest recomputed: torchtitan's op policy) or 'none'."""
     zero: str = "none"
-    """'none', 'zero2' (parameters, gradients, optimizer states sharded over dp, each
-    parameter gathered once per step: ZeRO-2, Alpa's reduce-scatter, also standing in for
-    ZeRO-1) or 'fsdp' (gathered again in backward: FSDP / ZeRO-3)."""
+    """'none', 'zero1' (optimizer states sharded over dp, gradients all-reduced whole, each
+    updated parameter gathered once per step: DeepSpeed's ZeRO-1, ``Zero1Parallel``),
+    'zero2' (parameters, gradients, optimizer states sharded over dp, each parameter
+    gathered once per step: ZeRO-2, Alpa's reduce-scatter) or 'fsdp' (gathered again in
+    backward: FSDP / ZeRO-3)."""
     fused: bool = True
     """Whether the framework fuses elementwise chains (Megatron's fused kernels, XLA,
     torch.compile): priced with ``elementwise="fused"``."""
@@ -93,7 +95,7 @@ class PublishedRow:
             raise ValueError(f"row {self.key}: the zoo has no family {self.family!r}; it has "
                              f"{', '.join(sorted(zoo.FAMILIES))}")
         for name, allowed in (("remat", ("none", "selective", "full")),
-                              ("zero", ("none", "zero2", "fsdp")),
+                              ("zero", ("none", "zero1", "zero2", "fsdp")),
                               ("precision", ("fp16", "bf16", "fp32"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"row {self.key}: {name}={getattr(self, name)!r}; one of "
@@ -260,11 +262,11 @@ ROWS: tuple[PublishedRow, ...] = (
         short_source="BLOOM logbook", family="gpt",
         config=_gpt(14336, 70, 112, 2048, vocab=250880), seq=2048, global_batch=2048,
         micro_batch=2, tp=4, pp=12, dp=8, machine="jean-zay-a100", num_nodes=48,
-        precision="bf16", remat="full", zero="zero2", fused=True,
+        precision="bf16", remat="full", zero="zero1", fused=True,
         stage_blocks=(5,) + (6,) * 10 + (5,), step_s=104.70,
         notes=("149.77 TFLOP/s/GPU = Eq. 3 with V=250880 / 104.70 s",
                "ALiBi in BLOOM, learned positions here",
-               "ZeRO-1 in BLOOM, ZeRO-2-like here")),
+               "ZeRO-1: between steps a rank keeps its shard of the parameters too")),
     PublishedRow(
         key="torchtitan-8b-h100x8", label="Llama 3.1 8B, FSDP on 8 H100 (96 GB, 500 W)",
         source=TT_H100, short_source="torchtitan", family="llama", config=_llama3("8b"),

@@ -3,6 +3,7 @@ against single-device training with the same global batch. Rank 0 writes JSON.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -50,9 +51,13 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
             loss = pm.train_step(*batch)
         if counting is not None:
             out["sent_bytes"] = counting.stop()
-            out["planned_bytes"] = sum(
-                t.bytes * len(pm.plan.stages[t.dst_stage].ranks) *
-                (1 if t.once_per_step else pm.plan.num_micro_batches) for t in pm.plan.transfers)
+            def planned(size):
+                return sum(size(t) * len(pm.plan.stages[t.dst_stage].ranks) *
+                           (1 if t.once_per_step else pm.plan.num_micro_batches)
+                           for t in pm.plan.transfers)
+            out["planned_bytes"] = planned(lambda t: t.bytes_per_receiver())
+            out["whole_bytes"] = planned(lambda t: t.bytes)     # were none split
+            out["split"] = [t.split for t in pm.plan.transfers]
             out["once_per_step"] = sum(t.once_per_step for t in pm.plan.transfers)
         ref_loss = loss_fn(ref(*batch[:-1]), batch[-1])
         ref_loss.backward()
@@ -74,6 +79,10 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
     dist.all_reduce(ran)
     out["replays"] = int(ran.item())    # forwards run again by recomputed stages, all ranks
     out["num_micro_batches"] = pm.plan.num_micro_batches
+    # ranks whose stage gathers its parameters once per step, before the first micro-batch
+    once = torch.tensor(int(pm._runner.program.param_gathers is not None))
+    dist.all_reduce(once)
+    out["ranks_gathering_once"] = int(once.item())
     out["compiled"] = "compiled with torch.compile" in pm.local_program()
     graphs = torch.tensor(counters["stats"]["unique_graphs"])   # dynamo's, on each rank
     dist.all_reduce(graphs, op=dist.ReduceOp.MIN)
@@ -277,6 +286,20 @@ def scenarios(n):
             num_micro_batches=4, layer_option=L(layer_num=2),
             stage_option=manual([[0], [1]], [(1, 2), (1, 2)], recompute=[True, False])),
             cluster=cpu)
+        # ZeRO-2 inside the stages (parameters sharded over each stage's 2 ranks): each
+        # stage gathers its parameters once per step, before its first micro-batch; stage 0
+        # checkpointed, so its replayed forwards read the same gathered copies. Two nodes
+        # of 2 ranks, one stage each, the link between them 100x slower than inside a
+        # node: each activation (and its gradient) crosses in 2 chunks, one to each rank
+        # of the receiving stage, which all-gather them (scatter-gather)
+        zero = torchalpa.AutoShardingOption(force_batch_dim_to_mesh_dim=0,
+                                            parameters="sharded")
+        two_nodes = dataclasses.replace(cpu, num_nodes=2, devices_per_node=2,
+                                        inter_node_bandwidth=cpu.intra_node_bandwidth / 100)
+        yield "gpt_2x2_zero_scatter", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
+            num_micro_batches=4, layer_option=L(layer_num=2), auto_sharding_option=zero,
+            stage_option=manual([[0], [1]], [(1, 2), (1, 2)], recompute=[True, False])),
+            cluster=two_nodes)
         yield "gpt_auto", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=4)), cluster=cpu)
         yield "gpt_profile", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(

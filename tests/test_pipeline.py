@@ -22,7 +22,8 @@ import worker_io
 # force in tests/test_stages.py); the runtime cannot tell which costs chose its stages.
 FOUR = ("mlp_2x2_1f1b", "mlp_2x2_options", "mlp_2x2_checks", "mlp_4x1_gpipe_backward",
         "mlp_auto_pipeline",
-        "gpt_2x2_1f1b", "gpt_profile", "gpt_checkpoint", "gpt_2x2_recompute", "gpt_2x2_export")
+        "gpt_2x2_1f1b", "gpt_profile", "gpt_checkpoint", "gpt_2x2_recompute", "gpt_2x2_export",
+        "gpt_2x2_zero_scatter")
 FOUR_SLOW = ("gpt_auto",)
 
 
@@ -112,6 +113,21 @@ def test_input_and_replica_checks_apply_to_pipelines(four):
     assert r["replicas"] and "random generator state" in r["replicas"]
     assert "ranks [1] differ from rank 0" in r["replicas"]
     assert r["replica_error_on"] == [0, 1, 2, 3]
+
+
+def test_zero_stages_gather_once_and_split_sends_train_like_one_device(four):
+    """ZeRO-2 inside 2 stages of 2 ranks (stage 0 checkpointed), on 2 nodes whose link is
+    slower than the tensor-parallel axis inside each."""
+    r = four["gpt_2x2_zero_scatter"]
+    check(r)        # the bytes sent are the plan's, chunks counted as chunks
+    # every rank's stage gathers its parameters once per step, before its first
+    # micro-batch; stage 0's replayed forwards read those copies
+    assert r["ranks_gathering_once"] == 4
+    assert r["replays"] == 2 * 4 * 3
+    # the activation and its gradient cross in 2 chunks each (all-gathered on the
+    # receiver); the tied weight and its summed gradient part, once per step, whole
+    assert sorted(r["split"]) == [1, 1, 2, 2]
+    assert r["sent_bytes"] < r["whole_bytes"]
 
 
 def test_profiled_search_plans_on_measured_times(four):

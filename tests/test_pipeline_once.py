@@ -122,3 +122,60 @@ def test_a_tied_gradient_part_is_made_whole_once_per_step_before_it_is_sent():
                for st in r.steps if st.is_collective)
     assert sent > 0
     assert once.once_per_step_s - apart.once_per_step_s == pytest.approx(sent, rel=1e-6)
+
+
+_ZERO = torchalpa.AutoShardingOption(force_batch_dim_to_mesh_dim=0, parameters="sharded")
+
+
+def _zero_plan(graph, micro_batches: int):
+    """``graph`` in 2 stages of 2 gloo ranks each, parameters sharded (ZeRO-2)."""
+    option = _ZERO
+    return plan_pipeline(graph, torchalpa.Cluster.local_cpu(4), PipeshardParallel(
+        num_micro_batches=micro_batches, layer_option=AutoLayerOption(layer_num=2),
+        stage_option=ManualStageOption(forward_stage_layer_ids=[[0], [1]],
+                                       submesh_shapes=[(1, 2), (1, 2)],
+                                       logical_shapes=[(2,), (2,)], options=[option] * 2)))
+
+
+def test_a_zero_stage_gathers_its_parameters_once_per_step_not_per_micro_batch():
+    # the stage's runtime gathers its sharded parameters before its first micro-batch
+    # (runtime/rewrites/param_gather.py, as a one-stage step does): with several
+    # micro-batches the gathers are paid once per step, not with each micro-batch; so is
+    # the gather of the tied weight stage 0 sends (once per step) to the head's stage
+    from torchalpa.core.plan import OUTPUT
+    from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
+    from torchalpa.passes.pipeline_search.submesh_views import submesh_cluster
+    from torchalpa.passes.pipeline_search.view_classes import reprice
+    from torchalpa.passes.pricing.cost import steps_cost
+    w = zoo.tiny("gpt", 8, num_layers=2, hidden=64, vocab_size=256)
+    with torch.device("meta"):
+        model, batch = w.build(), w.example_inputs()
+    graph = capture(model, batch, w.loss_fn).graph
+    cluster = torchalpa.Cluster.local_cpu(4)
+    plan = _zero_plan(graph, 4)
+    for s in plan.stages:
+        mesh = submesh_cluster(cluster, s.submesh).logical_mesh(tuple(s.plan.mesh_shape))
+        sub = stage_subgraph(graph, plan.node_stage, s.index).graph
+        stage_method = torchalpa.ShardParallel(auto_sharding_option=_ZERO)
+        # the same layouts priced as if the stage gathered them with every micro-batch
+        per_micro = reprice(sub, s.plan, mesh, stage_method, step_micro_batches=1)
+        once = reprice(sub, s.plan, mesh, stage_method, step_micro_batches=4)
+        assert per_micro is not None and once is not None
+        # as the pipeline priced its stage
+        assert (once.estimates.step_time_s, once.estimates.once_per_step_s) == pytest.approx(
+            (s.plan.estimates.step_time_s, s.plan.estimates.once_per_step_s), rel=1e-9)
+        params = {p.node for p in s.plan.parameters}
+        # its forward reads of parameters, and (stage 0) the tied weight it sends
+        gathers = [st for r in s.plan.reshards if r.producer in params
+                   and (r.slot.kind == "send" if r.consumer == OUTPUT
+                        else sub.node(r.consumer).phase == "forward")
+                   for st in r.steps if st.kind == "all_gather"]
+        sent = [r for r in s.plan.reshards if r.consumer == OUTPUT and r.producer in params
+                and r.slot.kind == "send" and r.steps]
+        assert gathers and len(sent) == (1 if s.index == 0 else 0)
+        g = steps_cost(mesh, gathers)
+        ea, eb = per_micro.estimates, once.estimates
+        # per micro-batch: the gathers left; once per step: the gathers added
+        assert eb.step_time_s - eb.once_per_step_s == pytest.approx(
+            ea.step_time_s - ea.once_per_step_s - g, rel=1e-9)
+        assert eb.once_per_step_s == pytest.approx(ea.once_per_step_s + g, rel=1e-9)

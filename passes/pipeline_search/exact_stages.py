@@ -199,7 +199,8 @@ class ExactStages:
             if key.in_flight < flight and not self._fits(memory, k, i, flight, recompute):
                 continue
             moved = transplant(plan, self.problem.stage_graph(key.first, key.last), request.graph,
-                               request.mesh, request.method, request.inputs, self.memo)
+                               request.mesh, request.method, request.inputs, self.memo,
+                               request.micro_batches)
             if moved is not None:
                 self.exact_plans[PlanKey(k, i, submesh, view, lean, flight, recompute)] = moved
                 self.transplanted += 1

@@ -200,7 +200,8 @@ class LayerCosts:
         found = None if plan is None else reprice(
             self.layer_graph(l), plan, self._layer_mesh(view, submesh),
             self._layer_method(lean), self.problem.inputs, relayout_parameters=lean,
-            rules=self._layer_rules.setdefault(l, {}), memo=self.memo)
+            rules=self._layer_rules.setdefault(l, {}), memo=self.memo,
+            step_micro_batches=self.problem.method.num_micro_batches)
         if found is None:
             return self._layer_plan(l, view, submesh, lean)
         self.repriced += 1

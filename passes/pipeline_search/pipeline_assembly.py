@@ -29,7 +29,11 @@ from torchalpa.passes.pipeline_search.stage_recompute import (
     recompute_seconds,
 )
 from torchalpa.passes.pipeline_search.stage_solve import StageRequest, plan_stage, stage_request
-from torchalpa.passes.pipeline_search.stage_transfers import stage_transfers
+from torchalpa.passes.pipeline_search.stage_transfers import (
+    scatter_gather,
+    stage_transfers,
+    transfer_seconds,
+)
 from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
 from torchalpa.passes.pipeline_search.submesh_views import submesh_cluster
 from torchalpa.passes.pricing.memory import in_flight_bytes
@@ -79,7 +83,9 @@ def assemble_pipeline(graph: OpGraph, layer: dict[str, int], stages: list, clust
     stage_plans = [StagePlan(index=s, layers=tuple(range(k, i + 1)), submesh=submesh,
                              ranks=ranks[s], plan=plans[s], recompute=recompute[s])
                    for s, ((k, i), submesh, _view, _option) in enumerate(stages)]
-    transfers = stage_transfers(graph, node_stage, subs)
+    meshes = [r.mesh for r in requests]
+    transfers = scatter_gather(graph, stage_transfers(graph, node_stage, subs), meshes,
+                               _stage_link(cluster))
     return PipelinePlan(mesh_shape=(cluster.num_nodes, cluster.devices_per_node),
                         stages=tuple(stage_plans), transfers=tuple(transfers),
                         node_stage=node_stage, num_micro_batches=method.num_micro_batches,
@@ -87,6 +93,12 @@ def assemble_pipeline(graph: OpGraph, layer: dict[str, int], stages: list, clust
                         estimates=pipeline_estimates(stage_plans, transfers, method, cluster,
                                                      stage_seconds, received),
                         method=method.to_dict(), graph_fingerprint=graph.fingerprint())
+
+
+def _stage_link(cluster: Cluster) -> float:
+    """Bytes per second a value crosses between two stages with."""
+    return cluster.inter_node_bandwidth if cluster.num_nodes > 1 else \
+        cluster.intra_node_bandwidth
 
 
 def _stage_plans(stages: list, requests: list[StageRequest], flights: list[int],
@@ -146,7 +158,9 @@ def pipeline_estimates(stages: list[StagePlan], transfers: list[Transfer],
     and send times, plus what crosses once per step) and memory per device (each stage's
     states, one micro-batch at its peak and what the others in flight keep)."""
     S, B = len(stages), method.num_micro_batches
-    link = cluster.inter_node_bandwidth if cluster.num_nodes > 1 else cluster.intra_node_bandwidth
+    link = _stage_link(cluster)
+    meshes = [submesh_cluster(cluster, s.submesh).logical_mesh(tuple(s.plan.mesh_shape))
+              for s in stages]
     # what a stage pays once per step (its gradients' final resharding, the optimizer)
     # runs after its last backward, not with every micro-batch
     once_s = [s.plan.estimates.once_per_step_s or 0.0 for s in stages]
@@ -159,8 +173,9 @@ def pipeline_estimates(stages: list[StagePlan], transfers: list[Transfer],
     # a recomputed stage runs its forward again in backward
     backward = [t - f + (f if s.recompute else 0.0) for t, f, s in zip(step, forward, stages)]
     step = [recompute_seconds(t) if s.recompute else t for t, s in zip(step, stages)]
-    send = [sum(t.bytes for t in transfers if t.src_stage == s and t.phase == "forward"
-                and not t.once_per_step) / link for s in range(S)]
+    send = [sum(transfer_seconds(t, meshes, link) for t in transfers
+                if t.src_stage == s and t.phase == "forward" and not t.once_per_step)
+            for s in range(S)]
     schedule = SCHEDULES[method.pipeline_schedule](S, B)
     timeline = simulate(schedule, forward, backward, send)
     # once per step: parameters before the first micro-batch, summed gradient parts

@@ -4,15 +4,26 @@ Activations (and their gradients) cross the cut between two stages once per micr
 A parameter read by another stage, or a gradient part another stage only adds into a
 parameter's gradient, crosses once per step (``once_per_step``). Gradients and buffer
 updates made outside their owner's stage go to the owner (``owner_transfers``).
+
+A value crossing every micro-batch is sent in chunks where that is cheaper
+(``scatter_gather``, Megatron's scatter-gather optimization): the sender holds it whole,
+each rank of the receiving stage is sent only its chunk (one of as many as the ranks of
+its stage mesh's last axis, the tensor-parallel one, inside a node), and the receivers
+all-gather the chunks over that axis. ``transfer_seconds`` prices a transfer either way.
 """
 
 from __future__ import annotations
 
-from torchalpa.core.opgraph import OpGraph
+from dataclasses import replace
+
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpGraph, ValueRef
 from torchalpa.core.plan import Transfer
 from torchalpa.passes.pipeline_search.subgraph import StageGraph, once_per_step
+from torchalpa.passes.pricing.cost import collective_cost
 
-__all__ = ["once_per_step", "stage_transfers", "owner_transfers"]
+__all__ = ["once_per_step", "stage_transfers", "owner_transfers", "scatter_gather",
+           "transfer_seconds"]
 
 
 def stage_transfers(graph: OpGraph, node_stage: dict[str, int], subs: list[StageGraph]
@@ -45,4 +56,33 @@ def owner_transfers(graph: OpGraph, node_stage: dict, have: list[Transfer]) -> l
             known.add((ref.node, ref.index, dst))
             out.append(Transfer(ref.node, ref.index, src, dst, graph.node(ref.node).phase,
                                 graph.spec(ref).nbytes))
+    return out
+
+
+def transfer_seconds(t: Transfer, meshes: list[LogicalMesh], link: float) -> float:
+    """Seconds of one crossing of ``t`` (``link``: bytes per second between two stages;
+    ``meshes``: each stage's logical mesh): its chunk sent to each receiving rank, then,
+    split, the receivers' all-gather over their last mesh axis."""
+    seconds = t.bytes_per_receiver() / link
+    if t.split > 1:
+        mesh = meshes[t.dst_stage]
+        seconds += collective_cost(mesh, "all_gather", len(mesh.shape) - 1,
+                                   t.bytes_per_receiver())
+    return seconds
+
+
+def scatter_gather(graph: OpGraph, transfers: list[Transfer], meshes: list[LogicalMesh],
+                   link: float) -> list[Transfer]:
+    """``transfers`` with each value crossing every micro-batch split over the last mesh
+    axis of its receiving stage (``Transfer.split``) where its elements divide evenly and
+    sending chunks then gathering them is priced below sending it whole."""
+    out = []
+    for t in transfers:
+        n = meshes[t.dst_stage].shape[-1]
+        if not t.once_per_step and n > 1 and \
+                graph.spec(ValueRef(t.producer, t.index)).numel % n == 0:
+            split = replace(t, split=n)
+            if transfer_seconds(split, meshes, link) < transfer_seconds(t, meshes, link):
+                t = split
+        out.append(t)
     return out

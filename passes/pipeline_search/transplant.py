@@ -46,11 +46,12 @@ def _node_map(donor: OpGraph, graph: OpGraph) -> dict[str, str] | None:
 
 
 def transplant(plan: Plan, donor: OpGraph, graph: OpGraph, mesh: LogicalMesh, method,
-               inputs: str = "global", memo: PricingMemo | None = None) -> Plan | None:
+               inputs: str = "global", memo: PricingMemo | None = None,
+               step_micro_batches: int = 1) -> Plan | None:
     """``plan`` (made by ``plan_intra_op`` for ``donor`` on ``mesh``) for ``graph``, a
     graph of the same structure with other names; None if the structures differ, a
     chosen strategy is not offered in ``graph`` or the rebuilt plan's step time is not
-    the donor's. ``memo``: as in ``plan_intra_op``."""
+    the donor's. ``memo``, ``step_micro_batches``: as in ``plan_intra_op``."""
     from torchalpa.passes.pipeline_search.view_classes import strategy_key
     from torchalpa.passes.sharding.intra_op import intra_op_problem, planned_for
     from torchalpa.passes.sharding.sharding_plan import assemble_plan, merge_gradient_all_reduces
@@ -72,7 +73,8 @@ def transplant(plan: Plan, donor: OpGraph, graph: OpGraph, mesh: LogicalMesh, me
             return None
         chosen[node.name] = found
     moved = merge_gradient_all_reduces(
-        assemble_plan(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
+        assemble_plan(graph, mesh, method, chosen, costs, space, inputs, step_micro_batches),
+        graph, mesh, option)
     was, now = known(plan.estimates.step_time_s), known(moved.estimates.step_time_s)
     if not math.isclose(was, now, rel_tol=1e-9, abs_tol=1e-15):
         return None

@@ -75,7 +75,7 @@ def _overlap(layout, wanted) -> int:
 
 def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str = "global",
             *, relayout_parameters: bool = False, rules: dict | None = None,
-            memo: PricingMemo | None = None) -> Plan | None:
+            memo: PricingMemo | None = None, step_micro_batches: int = 1) -> Plan | None:
     """``plan`` (solved for ``graph`` on a view of ``mesh``'s class) with the same
     strategies, priced on ``mesh``; None if a strategy it chose is not legal on ``mesh``
     (the views were not of one class).
@@ -89,7 +89,8 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
     is the same), so pricing costs a fraction of the ILP's build; the plan's per-parameter
     explanations list no alternatives. ``rules``: a memo of each node's sharding rule
     (they do not depend on the mesh), filled here, for pricing one graph many times;
-    ``memo``: pricing work kept across solves (``passes/pipeline_search/pricing_memo.py``)."""
+    ``memo``: pricing work kept across solves (``passes/pipeline_search/pricing_memo.py``);
+    ``step_micro_batches``: as ``plan_intra_op`` takes it."""
     from torchalpa.passes.sharding.intra_op import effective_option, forbidden_collectives
     from torchalpa.passes.sharding.sharding_plan import assemble_plan, merge_gradient_all_reduces
     from torchalpa.passes.sharding.strategies import StrategySpace
@@ -130,7 +131,8 @@ def reprice(graph: OpGraph, plan: Plan, mesh: LogicalMesh, method, inputs: str =
     space = StrategySpace({name: [s] for name, s in chosen.items()}, [], [],
                           random=frozenset(random))
     try:
-        priced = assemble_plan(graph, mesh, method, chosen, costs, space, inputs)
+        priced = assemble_plan(graph, mesh, method, chosen, costs, space, inputs,
+                               step_micro_batches)
     except AssertionError:     # a reshard the other view allowed is impossible here
         return None
     return merge_gradient_all_reduces(priced, graph, mesh, option)

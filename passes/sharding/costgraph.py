@@ -155,7 +155,8 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
     ``state_once`` (``plan.state_read_once``): a forward op's read of a parameter or buffer
     is resharded once per step too (``runtime/rewrites/param_gather.py``)."""
     repeats = _Repeats(graph, float(micro_batches), state_once)
-    node_costs = _node_costs(graph, mesh, S, grouping, costs, repeats.micro_batches)
+    node_costs = _node_costs(graph, mesh, S, grouping, costs, repeats.micro_batches,
+                             state_once)
     links = _links(graph, shared)
     groups = _group_links(graph, S, grouping, links)
     edges = _price_groups(graph, S, grouping, costs, groups, node_costs, repeats,
@@ -256,9 +257,11 @@ def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strateg
 
 
 def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
-                grouping: Grouping, costs: ReshardCosts, k: float) -> dict[str, np.ndarray]:
+                grouping: Grouping, costs: ReshardCosts, k: float,
+                state_once: bool = False) -> dict[str, np.ndarray]:
     """Per representative and strategy: its nodes' compute and internal all-reduces, and
-    the loss and the values sent to other stages made whole, ``k`` times a step."""
+    the loss and the values sent to other stages made whole, ``k`` times a step (a
+    parameter sent to another stage once, with ``state_once``: gathered once per step)."""
     node_costs = {r: np.zeros(len(S[r])) for r in grouping.representatives}
     for node in graph:
         if not node.is_leaf:
@@ -269,7 +272,8 @@ def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
     whole = ([graph.outputs.loss] if graph.outputs.loss is not None else []) + \
         list(graph.outputs.sends)
     for ref in whole:
-        _fold(node_costs, grouping, ref.node, k * np.array([
+        times = 1.0 if state_once and graph.node(ref.node).kind == "param" else k
+        _fold(node_costs, grouping, ref.node, times * np.array([
             costs.cost(graph.spec(ref), s.outputs[ref.index], R) for s in S[ref.node]]))
     return node_costs
 

@@ -200,8 +200,10 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     backward (``runtime/execution/step.py``), so the ILP weighs what a micro-batch does
     that many times against the gradients' final resharding, once (a gradient is then
     reduced inside backward only where that is cheaper over the whole step); a stage's
-    forward reads of parameters stay per micro-batch, as its runtime gathers them. The
-    estimates still describe one micro-batch and what is paid once per step.
+    forward reads of parameters are resharded once per step too, before its first
+    micro-batch, as its runtime gathers them (``plan.state_read_once``: not under
+    ``rematerialize_parameters``). The estimates still describe one micro-batch and what
+    is paid once per step.
     """
     method = method or ShardParallel()
     if step_micro_batches < 1 or (step_micro_batches > 1 and method.num_micro_batches > 1):
@@ -214,7 +216,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         chosen = _propagate(graph, space.strategies, costs, mesh,
                             by_size=option.force_simple_heuristic == "shard-largest")
         plan = merge_gradient_all_reduces(
-            assemble_plan(graph, mesh, method, chosen, costs, space, inputs), graph, mesh, option)
+            assemble_plan(graph, mesh, method, chosen, costs, space, inputs,
+                          step_micro_batches), graph, mesh, option)
         return replace_estimates(plan, objective=plan.estimates.step_time_s,
                                  solve_seconds=time.perf_counter() - start)
     ilp = _IntraOpILP(graph, mesh, method, option, space, costs, blocks, in_flight, deadline,
@@ -223,7 +226,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     with clock_watch() as stops:
         best = ilp.best()
     plan = merge_gradient_all_reduces(assemble_plan(graph, mesh, method, best.chosen, costs,
-                                                    space, inputs), graph, mesh, option)
+                                                    space, inputs, step_micro_batches),
+                                      graph, mesh, option)
     plan = _with_solve_figures(plan, graph, mesh, space, best, ilp.budget, start, built)
     if stops:
         plan = replace(plan, notes=plan.notes + (
@@ -260,9 +264,14 @@ class _IntraOpILP:
         self.repeats = repeats      # micro-batches per gradient reduction
         self.space, self.costs, self.blocks, self.in_flight = space, costs, blocks, in_flight
         self.budget = option.memory_budget_per_device or mesh.memory_per_device
-        # a parameter's forward reshards run once per step (runtime/rewrites/param_gather.py)
-        self.state_once = state_read_once(method.num_micro_batches,
-                                          option.rematerialize_parameters)
+        # a parameter's forward reshards run once per step (runtime/rewrites/param_gather.py),
+        # in a pipeline stage too (its step runs ``repeats`` micro-batches)
+        self.state_once = state_read_once(repeats, option.rematerialize_parameters)
+        if self.state_once and self.budget:
+            # a parameter sent whole to another stage (a tied weight) is then gathered
+            # once per step and its copy held for the step: what the plan has left
+            self.budget -= sum(graph.spec(ref).nbytes for ref in graph.outputs.sends
+                               if graph.node(ref.node).kind == "param")
 
     def best(self) -> _Solved:
         """The best plan of the solves the graph's size calls for (see the comments)."""

@@ -61,14 +61,18 @@ def replace_estimates(plan: Plan, **changes) -> Plan:
 
 def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                   chosen: dict[str, Strategy], costs: ReshardCosts, space: StrategySpace,
-                  inputs: str) -> Plan:
+                  inputs: str, step_micro_batches: int = 1) -> Plan:
     """The Plan of ``chosen`` (node -> strategy) for ``graph`` on ``mesh`` (module doc);
     ``space``: the strategies it was chosen from (its notes and unsupported ops go into
-    the plan); ``inputs``: "global" batches are resharded from whole ones."""
+    the plan); ``inputs``: "global" batches are resharded from whole ones;
+    ``step_micro_batches``: a pipeline stage's micro-batches per step (its ``method`` has
+    one): its forward reads of parameters are resharded once per step, as the stage's
+    runtime gathers them (``plan.state_read_once``)."""
     reshards = _reshards(graph, mesh, chosen, costs, inputs,
                          not method.auto_sharding_option.rematerialize_parameters)
     k = method.num_micro_batches      # gradient accumulation: all but the final reductions
-    state_once = state_read_once(k, method.auto_sharding_option.rematerialize_parameters)
+    state_once = state_read_once(max(k, step_micro_batches),
+                                 method.auto_sharding_option.rematerialize_parameters)
     traffic = _Traffic(graph, mesh, k)
     for r in reshards:
         traffic.add_reshard(r, state_once)
@@ -89,7 +93,13 @@ def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                          for n in graph.ops()),
         reshards=tuple(reshards), collectives=tuple(traffic.collectives),
         estimates=_estimates(graph, mesh, method, chosen, traffic, leaf_placement, state_once,
-                             kept_state_copies(graph, chosen, reshards, mesh.shape)),
+                             kept_state_copies(graph, chosen, reshards, mesh.shape),
+                             # a parameter gathered once per step to be sent whole to
+                             # another stage: the copy is held from the first forward
+                             # to the last (runtime/rewrites/param_gather.py)
+                             sum(graph.spec(ValueRef(r.producer, r.index)).nbytes
+                                 for r in reshards if state_once and sends_parameter(graph, r)
+                                 and any(st.is_collective for st in r.steps))),
         unsupported_ops=tuple(space.unsupported),
         stages=(MeshStage(layers=(0,), logical_shape=tuple(mesh.shape),
                           num_devices=mesh.num_devices),),
@@ -154,6 +164,14 @@ def _reshards(graph: OpGraph, mesh: LogicalMesh, chosen: dict[str, Strategy],
     for ref in graph.outputs.sends:
         out.add(ref, OUTPUT, OutputSlot.send(str(ref)), R)
     return out.reshards
+
+
+def sends_parameter(graph: OpGraph, r: Reshard) -> bool:
+    """Whether ``r`` lays out a parameter another pipeline stage reads (a tied weight):
+    sent once per step, and with ``plan.state_read_once`` resharded once per step, with
+    the forward reads of parameters (``runtime/rewrites/param_gather.py``)."""
+    return isinstance(r.slot, OutputSlot) and r.slot.kind == "send" \
+        and graph.node(r.producer).kind == "param"
 
 
 def kept_state_copies(graph: OpGraph, chosen: dict[str, Strategy],
@@ -227,7 +245,8 @@ class _Traffic:
         once = (state_once and isinstance(r.slot, int) and phase == "forward"
                 and graph.node(r.producer).kind in ("param", "buffer")) or (
             isinstance(r.slot, OutputSlot) and r.slot.kind == "send"
-            and r.slot.name in graph.meta.get("summed_sends", ()))
+            and r.slot.name in graph.meta.get("summed_sends", ())) or (
+            state_once and sends_parameter(graph, r))
         times = 1 if is_gradient or once else self.k
         for step in r.steps:
             if step.is_collective:     # every group along the axis runs this collective
@@ -327,12 +346,13 @@ def _random(op: str) -> bool:
 def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                chosen: dict[str, Strategy], traffic: _Traffic,
                leaf_placement: dict[str, Placements], state_once: bool,
-               kept: list[KeptCopy]) -> Estimates:
+               kept: list[KeptCopy], held: float = 0.0) -> Estimates:
     """The step's time (compute, the optimizer, and the communication the runtime does not
     hide behind compute: ``_step_seconds``; what of it is paid once per step: the
     gradients' final resharding, state reads done once, the optimizer) and memory per
     device (model states, the activation peak and what forward saves for backward, with
-    the shared copies of gathered parameters, ``kept``, alive between their reads). An
+    the shared copies of gathered parameters, ``kept``, alive between their reads, and
+    ``held`` bytes alive for the step: a tied weight gathered once per step to be sent). An
     op's compute is priced on the bytes its strategy's blocks move."""
     k = traffic.k
     per_op = [compute_cost(
@@ -348,6 +368,7 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     activations, saved = activation_peak_bytes(
         graph, {name: s.outputs for name, s in chosen.items()}, mesh.shape,
         saved_statistics(graph, mesh), state_at_start=state_once, kept=kept)
+    activations += held
     step, once, hidden, hidden_grads = _step_seconds(graph, mesh, traffic, per_op, optimizer_s)
     return Estimates(step_time_s=step, communication_s=traffic.seconds,
                      once_per_step_s=once, compute_s=compute_time,

@@ -10,9 +10,16 @@ values made by other stages as placeholders it receives, and splits them into
 - ``reduce_grads(raw gradients)`` -> gradients in their parameters' layouts, once per
   step after summing the micro-batches (every resharding step is linear).
 
+With several micro-batches a stage gathers its parameters once per step, before its first
+micro-batch, as a one-stage step does (ZeRO-1/2 inside a stage gather the updated
+parameters once, not once per micro-batch).
+
 Values cross stages point to point: the sender holds them whole (its plan gathers them),
 receiving rank j of a stage takes them from rank ``j mod n`` of the sending stage, and
-slices what it needs (``StageExchange``). A schedule (GPipe, 1F1B) orders the forward and
+slices what it needs (``StageExchange``). A transfer the plan splits (``Transfer.split``,
+Megatron's scatter-gather) sends each receiving rank only its chunk of the flattened
+value, the one at its coordinate on its stage mesh's last axis, and the receivers
+all-gather the chunks over that axis. A schedule (GPipe, 1F1B) orders the forward and
 backward work of the micro-batches (``runtime.execution.step.StepRunner``, the runner of every
 step); sends are non-blocking, so a valid schedule cannot deadlock.
 
@@ -42,11 +49,15 @@ def lower_stage(gm: fx.GraphModule, pplan: PipelinePlan, stage: int, *, param_na
                 buffer_names: list[str], buffer_updates: list[str], coords, group_names,
                 device: torch.device) -> StageProgram:
     """This rank's programs for ``stage`` of ``pplan`` (``coords`` in the stage mesh): the
-    stage's slice of the graph through the one lowering (``runtime.lowering.lower``)."""
+    stage's slice of the graph through the one lowering (``runtime.lowering.lower``). With
+    several micro-batches the stage's parameters are gathered once per step, before its
+    first micro-batch (``runtime.rewrites.param_gather``), as its plan prices them."""
     part, wiring = stage_slice(gm, pplan, stage, param_names=param_names,
                                buffer_names=buffer_names, buffer_updates=buffer_updates)
+    num_state = len(wiring["params"]) + len(wiring["buffers"])  # the slice's first leaves
     built = build_programs(gm, part, pplan.stages[stage].plan, coords=coords,
-                           group_names=group_names, device=device)
+                           group_names=group_names, device=device,
+                           gathers_once=(pplan.num_micro_batches, num_state))
     return replace(built, **wiring)
 
 
@@ -119,10 +130,13 @@ class StageExchange:
 
     def __init__(self, pplan: PipelinePlan, stage: int, rank: int,
                  specs: dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]],
-                 device: torch.device):
+                 device: torch.device, gather_group=None):
+        """``gather_group``: the process group of this rank's stage mesh's last axis, over
+        which split transfers it receives are all-gathered (None: it receives none)."""
         self.pplan, self.stage, self.rank = pplan, stage, rank
         self.device = device
         self.specs = specs
+        self.gather_group = gather_group
         mine = pplan.stages[stage].ranks
         self.position = mine.index(rank)
         # (key, peer stage) -> transfer number, shared by both ends
@@ -142,10 +156,13 @@ class StageExchange:
         self._sums: dict = {}
         self._pending: list = []
 
-    def _peers_to(self, dst_stage: int) -> list[int]:
+    def _peers_to(self, dst_stage: int) -> list[tuple[int, int]]:
+        """(rank, coordinate on its stage mesh's last axis) of each receiver this rank
+        sends to."""
         mine = self.pplan.stages[self.stage].ranks
         theirs = self.pplan.stages[dst_stage].ranks
-        return [r for j, r in enumerate(theirs) if j % len(mine) == self.position]
+        last = self.pplan.stages[dst_stage].plan.mesh_shape[-1]
+        return [(r, j % last) for j, r in enumerate(theirs) if j % len(mine) == self.position]
 
     def _peer_from(self, src_stage: int) -> int:
         theirs = self.pplan.stages[src_stage].ranks
@@ -166,10 +183,12 @@ class StageExchange:
         value = value.contiguous()
         for t in self.pplan.transfers:
             if (t.producer, t.index) == key and t.src_stage == self.stage:
-                for peer in self._peers_to(t.dst_stage):
-                    with point_to_point("send", value, peer):
+                chunks = value.reshape(-1).chunk(t.split) if t.split > 1 else None
+                for peer, coordinate in self._peers_to(t.dst_stage):
+                    sent = value if chunks is None else chunks[coordinate]
+                    with point_to_point("send", sent, peer):
                         self._pending.append(dist.isend(
-                            value, peer, tag=self._tag(key, self.stage, t.dst_stage, micro)))
+                            sent, peer, tag=self._tag(key, self.stage, t.dst_stage, micro)))
 
     def recv(self, key, micro: int) -> torch.Tensor:
         if key in self.once:
@@ -179,16 +198,22 @@ class StageExchange:
         return self._receive(key, micro)
 
     def _receive(self, key, micro: int) -> torch.Tensor:
-        src = next(t.src_stage for t in self.pplan.transfers
-                   if (t.producer, t.index) == key and t.dst_stage == self.stage)
+        t = next(t for t in self.pplan.transfers
+                 if (t.producer, t.index) == key and t.dst_stage == self.stage)
         shape, dtype = self.specs[key]
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        peer = self._peer_from(src)
+        whole = torch.empty(shape, dtype=dtype, device=self.device)
+        buf = whole if t.split == 1 else whole.reshape(-1).chunk(t.split)[0].clone()
+        peer = self._peer_from(t.src_stage)
         with point_to_point("recv", buf, peer):
-            work = dist.irecv(buf, peer, tag=self._tag(key, src, self.stage, micro))
+            work = dist.irecv(buf, peer, tag=self._tag(key, t.src_stage, self.stage, micro))
             assert work is not None, "irecv in a process group returns its work"
             work.wait()
-        return buf
+        if t.split == 1:
+            return whole
+        assert self.gather_group is not None, "a split transfer needs the gather group"
+        parts = list(whole.reshape(-1).chunk(t.split))     # views: gathered in place
+        dist.all_gather(parts, buf, group=self.gather_group)
+        return whole
 
     def finish(self, program: StageProgram, raw: list, backward: bool) -> None:
         """End of the step's actions: after a backward, send the summed gradient parts

@@ -222,8 +222,8 @@ class StepRunner:
         if step.gathered is None:
             step.gathered = list(gathers(*state))
         gathered = step.gathered
-        if m == self.num_micro_batches - 1:
-            step.gathered = None
+        if m == self.num_micro_batches - 1 and not self.remat:
+            step.gathered = None    # a replayed forward (remat) reads them in backward
         return gathered
 
     def _replay(self, step: StepInFlight, state: list[torch.Tensor], replay: Replay) -> list:
@@ -233,7 +233,8 @@ class StepRunner:
         stage = self.program.stage
         with replaying(replay.rng, _device_of(state, replay.received)):
             out = list(stage.forward(*state, *[step.micro_inputs[replay.micro][i]
-                                                for i in stage.user_inputs], *replay.received))
+                                                for i in stage.user_inputs], *replay.received,
+                                     *(step.gathered or ())))
         return out[stage.num_results:]
 
     def _backward(self, step: StepInFlight, m: int, state: list[torch.Tensor]) -> None:

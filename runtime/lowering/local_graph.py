@@ -238,7 +238,8 @@ class _SliceLowering:
                                     OutputSlot.loss().reshard_key())
         sends = {key: self._value_of(key) if key in part.summed_sends else
                  emit.steps(self._value_of(key),
-                            self._output_steps(OutputSlot.send(str(ValueRef(*key)))))
+                            self._output_steps(OutputSlot.send(str(ValueRef(*key)))),
+                            OutputSlot.send(str(ValueRef(*key))).reshard_key())
                  for key, _ in part.sends}
         local.forward_sends = [sends[k] for k, phase in part.sends if phase == "forward"]
         local.backward_sends = [sends[k] for k, phase in part.sends if phase != "forward"]

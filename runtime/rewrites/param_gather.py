@@ -46,7 +46,7 @@ import torch
 import torch.fx as fx
 
 from torchalpa.core.placement import local_shape, split_factor_of
-from torchalpa.core.plan import OUTPUT, Plan, state_read_once
+from torchalpa.core.plan import OUTPUT, OutputSlot, Plan, state_read_once
 from torchalpa.runtime.execution import collectives as C
 from torchalpa.runtime.lowering.rank_programs import PLAN_STEP
 from torchalpa.runtime.rewrites.buckets import bucket_threshold, flatten_concat
@@ -54,8 +54,9 @@ from torchalpa.runtime.rewrites.buckets import bucket_threshold, flatten_concat
 __all__ = ["GatherBucket", "gathered_once", "gather_buckets", "split_gathered",
            "hoist_parameter_gathers", "gather_parameters_once", "ReaderKey"]
 
-ReaderKey = tuple[str, int]
-"""(consumer, operand slot) of a plan reshard: the read it lays a value out for."""
+ReaderKey = tuple[str, "int | OutputSlot"]
+"""(consumer, operand slot) of a plan reshard: the read it lays a value out for (or
+(``OUTPUT``, the send slot) of a tied weight another stage reads)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,10 @@ def gathered_once(plan: Plan, num_micro_batches: int) -> dict[ReaderKey, tuple[i
                 positions.append(position)
         if r.producer in state and r.consumer != OUTPUT and isinstance(r.slot, int) \
                 and positions and all(plan.collectives[i].phase == "forward" for i in positions):
+            out[(r.consumer, r.slot)] = tuple(positions)
+        elif r.producer in state and r.consumer == OUTPUT and isinstance(r.slot, OutputSlot) \
+                and r.slot.kind == "send" and positions:
+            # a tied weight another stage reads: sent once per step, gathered once too
             out[(r.consumer, r.slot)] = tuple(positions)
     return out
 

@@ -490,7 +490,10 @@ class Transfer:
     sums it over the micro-batches and sends the sum).
 
     The sender holds it whole (its stage plan gathers it); each receiving rank takes the
-    block its own stage plan reads. ``bytes`` is the whole tensor.
+    block its own stage plan reads. ``bytes`` is the whole tensor. ``split`` > 1
+    (Megatron's scatter-gather): each receiving rank is sent only chunk ``c`` of
+    ``split`` of the flattened value, ``c`` its coordinate on its stage mesh's last axis
+    (of ``split`` ranks), and the receivers all-gather the chunks over that axis.
     """
 
     producer: str
@@ -500,11 +503,16 @@ class Transfer:
     phase: str          # forward (activations) or backward (gradients)
     bytes: int
     once_per_step: bool = False
+    split: int = 1
+
+    def bytes_per_receiver(self) -> int:
+        """Bytes each receiving rank is sent (one micro-batch, or the step's one message)."""
+        return self.bytes // self.split
 
     def to_dict(self) -> dict:
         return {"producer": self.producer, "index": self.index, "src_stage": self.src_stage,
                 "dst_stage": self.dst_stage, "phase": self.phase, "bytes": self.bytes,
-                "once_per_step": self.once_per_step}
+                "once_per_step": self.once_per_step, "split": self.split}
 
 
 @dataclass(frozen=True)

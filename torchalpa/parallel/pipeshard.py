@@ -158,8 +158,10 @@ class PipelineSteps:
             buffer_names=captured.buffer_names, buffer_updates=captured.buffer_updates,
             coords=mesh.get_coordinate(), group_names=[mesh.get_group(i).group_name
                                                        for i in range(mesh.ndim)], device=device)
-        exchange = StageExchange(plan, stage.index, rank, transfer_specs(captured.gm, plan),
-                                 device) if len(plan.stages) > 1 else None
+        exchange = StageExchange(
+            plan, stage.index, rank, transfer_specs(captured.gm, plan), device,
+            gather_group=mesh.get_group(mesh.ndim - 1) if mesh.shape[-1] > 1 else None,
+        ) if len(plan.stages) > 1 else None
 
         def distribute(init_weights) -> None:
             assert init_weights is None, "pipeline_options refuses init_weights"
