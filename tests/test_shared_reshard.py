@@ -77,3 +77,33 @@ def test_a_gathered_weight_shared_by_forward_and_backward_counts_in_memory():
     copies = 2 * 64 * 4
     assert kept.estimates.saved_activation_bytes_per_device == \
         again.estimates.saved_activation_bytes_per_device + copies
+
+
+class _TwoConvs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(64, 64, 3, padding=1), nn.Conv2d(64, 64, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_tight_budget_counts_the_kept_copies():
+    """The ILP's memory rows count ZeRO-2's kept copies (``KeptTerm``: the parameter's
+    layout and two readers' layouts decide whether one is kept), so a plan under a
+    budget that binds stays within it. A convolution reads its weight directly, forward
+    and backward, so the gathered copy they share is no view the activations already
+    count: before these terms the planner returned a plan of 1,491,460 bytes per device
+    for this 1,400,000-byte budget."""
+    batch = (torch.randn(32, 64, 8, 8), torch.randn(32, 64, 8, 8))
+    budget = 1_400_000
+
+    def planned(**options):
+        return plan_of(_TwoConvs, batch, shape=(1, 4), method=Zero2Parallel,
+                       force_batch_dim_to_mesh_dim=None, **options)[0]
+
+    free = planned()
+    assert any(r.same_as for r in free.reshards)          # the free plan keeps copies
+    assert free.estimates.memory_per_device_bytes > budget  # so the budget binds
+    tight = planned(memory_budget_per_device=budget)
+    assert tight.estimates.memory_per_device_bytes <= budget
