@@ -11,6 +11,7 @@ from alpa_cases import plan_of
 from torchalpa import Zero2Parallel
 from torchalpa.core.placement import Partial, Replicate
 from torchalpa.core.plan import Reshard, ReshardStep
+from torchalpa.passes.pricing.memory import KeptTerm
 from torchalpa.passes.sharding.ilp import Edge, ILPProblem, solve_ilp
 from torchalpa.passes.sharding.shared_reshard import SharedReads
 
@@ -77,6 +78,32 @@ def test_a_gathered_weight_shared_by_forward_and_backward_counts_in_memory():
     copies = 2 * 64 * 4
     assert kept.estimates.saved_activation_bytes_per_device == \
         again.estimates.saved_activation_bytes_per_device + copies
+
+
+def _kept_problem(budget: float | None) -> ILPProblem:
+    """A parameter ``p`` stored split (strategy 0: 10 bytes of state) or whole (1: 40
+    bytes, and 20 to keep whole), read by ``a`` and ``b`` whole (0) or split (1, 5 each).
+    Stored split and read whole by both, one gathered copy of 40 bytes lives between
+    the reads."""
+    costs = {"p": np.array([0.0, 20.0]), "a": np.array([0.0, 5.0]), "b": np.array([0.0, 5.0])}
+    whole = np.array([True, False])
+    term = KeptTerm("p", whole, (("a", whole, "b", whole),), 40.0)
+    return ILPProblem(node_costs=costs, memory_terms=[{"p": np.array([10.0, 40.0])}],
+                      memory_kept=[[term]], memory_budget=budget)
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_the_ilp_counts_a_kept_copy_only_when_three_choices_make_it(solver):
+    """The copy's bound ``y >= x_p + x_a + x_b - 2`` binds only when all three choose it:
+    under 45 bytes the ILP reads the parameter split once (5) rather than keep the copy
+    (10 + 40 bytes) or store it whole (20); the readers' dominated strategies survive
+    presolve."""
+    free = solve_ilp(_kept_problem(None), solver=solver)
+    assert free.objective == pytest.approx(0.0)
+    assert free.choice == {"p": 0, "a": 0, "b": 0}
+    tight = solve_ilp(_kept_problem(45.0), solver=solver)
+    assert tight.objective == pytest.approx(5.0)
+    assert tight.choice["p"] == 0 and tight.choice["a"] + tight.choice["b"] == 1
 
 
 class _TwoConvs(nn.Module):
