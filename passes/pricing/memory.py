@@ -286,14 +286,14 @@ class MemoryModel:
         return terms
 
     def timeline(self, chosen_outputs: dict, state_bytes: float,
-                 kept: list[KeptCopy] = ()) -> np.ndarray:
+                 kept: list[KeptCopy] | None = None) -> np.ndarray:
         """Bytes at each point: model states, activations (with the other micro-batches'
         saved ones) and the ``kept`` copies (``kept_copies``; a view reading one shares
         its storage, as ``activation_peak_bytes`` counts them)."""
         graph, live = self.graph, self.live
         sizes = np.array([value_bytes(graph, name, chosen_outputs[name], self.mesh_shape,
                                       self.statistics) for name in live.names], dtype=float)
-        extra = _kept_timeline(graph, live, sizes, list(kept), self.state_at_start)
+        extra = _kept_timeline(graph, live, sizes, kept or [], self.state_at_start)
         return self._with_waiting(live.total(sizes)) + extra + state_bytes
 
     def kept_copies(self, chosen: dict) -> list[KeptCopy]:
