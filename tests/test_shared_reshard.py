@@ -80,14 +80,15 @@ def test_a_gathered_weight_shared_by_forward_and_backward_counts_in_memory():
         again.estimates.saved_activation_bytes_per_device + copies
 
 
-def _kept_problem(budget: float | None) -> ILPProblem:
+def _kept_problem(budget: float | None, same_reader: bool = False) -> ILPProblem:
     """A parameter ``p`` stored split (strategy 0: 10 bytes of state) or whole (1: 40
     bytes, and 20 to keep whole), read by ``a`` and ``b`` whole (0) or split (1, 5 each).
     Stored split and read whole by both, one gathered copy of 40 bytes lives between
-    the reads."""
+    the reads. ``same_reader``: both reads are ``a``'s (two operands of one node, or
+    readers grouped under one representative): its columns appear twice in the bound."""
     costs = {"p": np.array([0.0, 20.0]), "a": np.array([0.0, 5.0]), "b": np.array([0.0, 5.0])}
     whole = np.array([True, False])
-    term = KeptTerm("p", whole, (("a", whole, "b", whole),), 40.0)
+    term = KeptTerm("p", whole, (("a", whole, "a" if same_reader else "b", whole),), 40.0)
     return ILPProblem(node_costs=costs, memory_terms=[{"p": np.array([10.0, 40.0])}],
                       memory_kept=[[term]], memory_budget=budget)
 
@@ -104,6 +105,11 @@ def test_the_ilp_counts_a_kept_copy_only_when_three_choices_make_it(solver):
     tight = solve_ilp(_kept_problem(45.0), solver=solver)
     assert tight.objective == pytest.approx(5.0)
     assert tight.choice["p"] == 0 and tight.choice["a"] + tight.choice["b"] == 1
+    # one reader twice: its column enters the bound once, with coefficient 2 (HiGHS
+    # refuses a row naming a column twice, and then solved a model without rows)
+    once = solve_ilp(_kept_problem(45.0, same_reader=True), solver=solver)
+    assert once.objective == pytest.approx(5.0)
+    assert once.choice == {"p": 0, "a": 1, "b": 0}
 
 
 class _TwoConvs(nn.Module):

@@ -212,17 +212,21 @@ class KeptTerm:
     ``copy_from`` mark (one from which the target layout needs a collective), read in that
     target layout by both readers of some pair in ``pairs`` (representative, its
     strategies reading the target) whose span covers the point. The copy then holds
-    ``nbytes``: ``y >= x_copy_from + x_first + x_second - 2`` for each pair, and the row
-    adds ``nbytes * y`` (``passes/sharding/ilp_model.py``)."""
+    ``nbytes``: ``y >= x_copy_from + x_first + x_second - 2 - x_covered`` for each pair,
+    and the row adds ``nbytes * y`` (``passes/sharding/ilp_model.py``). ``covered``: the
+    readers that are views alive at the point, with their strategies reading the target:
+    a view of the copy is its storage, and the row already counts the view's bytes."""
 
     producer: str
     copy_from: np.ndarray
     pairs: tuple[tuple[str, np.ndarray, str, np.ndarray], ...]
     nbytes: float
+    covered: tuple[tuple[str, np.ndarray], ...] = ()
 
     @property
     def nodes(self) -> set[str]:
-        return {self.producer} | {v for a, _, b, _ in self.pairs for v in (a, b)}
+        return {self.producer} | {v for a, _, b, _ in self.pairs for v in (a, b)} | \
+            {v for v, _ in self.covered}
 
 
 @dataclass
@@ -232,6 +236,7 @@ class _StateReads:
     name: str
     readers: list[tuple[str, int]]       # (consumer, operand slot)
     spans: list[tuple[int, int]]         # per reader: from, to (a view's own interval)
+    views: dict[int, tuple[int, int]]    # reader -> its interval, for readers that are views
     layouts: dict                        # target layout -> readers' strategy masks
 
 
@@ -251,6 +256,7 @@ class MemoryModel:
         self.steps_of = steps_of
         self.state_at_start = state_at_start
         self._state_reads: list[_StateReads] | None = None
+        self._copy_from: dict = {}       # (parameter, target layout) -> KeptTerm.copy_from
         self.statistics = statistics or {}
         """Attention forward -> the backward that reads the output and statistic it saved."""
         self.optimizer_states = optimizer_states
@@ -333,12 +339,13 @@ class MemoryModel:
         for name, readers in reads.items():
             if len(readers) < 2:
                 continue
-            spans = []
-            for consumer, _ in readers:
+            spans, views = [], {}
+            for k, (consumer, _) in enumerate(readers):
                 lo = hi = order[consumer]
                 if consumer in position and graph.node(consumer).aliases:
                     i = position[consumer]
-                    lo, hi = min(lo, int(live.start[i])), max(hi, int(live.end[i]))
+                    views[k] = (int(live.start[i]), int(live.end[i]))
+                    lo, hi = min(lo, views[k][0]), max(hi, views[k][1])
                 if self.state_at_start and graph.node(consumer).phase == "forward":
                     lo = 0
                 spans.append((lo, hi))
@@ -350,7 +357,7 @@ class MemoryModel:
                     if dst is not None:
                         masks = layouts.setdefault(dst, {})
                         masks.setdefault(k, (rep, np.zeros(len(index), dtype=bool)))[1][b] = True
-            out.append(_StateReads(name, readers, spans, layouts))
+            out.append(_StateReads(name, readers, spans, views, layouts))
         self._state_reads = out
         return out
 
@@ -373,12 +380,18 @@ class MemoryModel:
             for dst, masks in value.layouts.items():
                 pairs = tuple((*masks[i], *masks[j]) for i, j in covering
                               if i in masks and j in masks)
-                copy_from = np.array([_collective(self.steps_of(node.output, src, dst))
-                                      for src in sources], dtype=bool)
+                key = (value.name, dst)
+                if key not in self._copy_from:
+                    self._copy_from[key] = np.array(
+                        [_collective(self.steps_of(node.output, src, dst)) for src in sources],
+                        dtype=bool)
+                copy_from = self._copy_from[key]
                 if pairs and copy_from.any():
+                    covered = tuple(masks[k] for k, (lo, hi) in value.views.items()
+                                    if k in masks and lo <= t <= hi)
                     terms.append(KeptTerm(self.g.rep[value.name], copy_from, pairs,
                                           float(local_bytes(node.output, dst,
-                                                            self.mesh_shape))))
+                                                            self.mesh_shape)), covered))
         return terms
 
     def _kept_upper(self) -> np.ndarray:

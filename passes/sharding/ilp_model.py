@@ -146,10 +146,11 @@ def build_model(costs: dict[str, np.ndarray], edges: list, shared: list[SharedRe
 
 
 def _kept_column(model: LinearModel, s: dict, term, tag: str) -> int:
-    """``y``, 1 when ``term``'s copy is alive: ``y >= x_copy_from + x_first + x_second - 2``
-    per pair of readers (each ``x`` the sum of the marked strategies' columns, ``FIXED``
-    for a node's only strategy). Only the memory row holds ``y``, so a plan keeping no
-    copy can set it to 0 and one keeping it pays its bytes: the row stays exact."""
+    """``y``, 1 when ``term``'s copy is alive and no view of it already counts there:
+    ``y >= x_copy_from + x_first + x_second - 2 - x_covered`` per pair of readers (each
+    ``x`` the sum of the marked strategies' columns, ``FIXED`` for a node's only
+    strategy). Only the memory row holds ``y``, so a plan keeping no copy can set it to 0
+    and one keeping it pays its bytes once: the row stays exact."""
     y = model.column(tag, 0.0, 1.0, False)
 
     def chosen(node: str, mask) -> list[tuple[int, float]]:
@@ -157,9 +158,15 @@ def _kept_column(model: LinearModel, s: dict, term, tag: str) -> int:
                 if marked and col is not None]
 
     source = chosen(term.producer, term.copy_from)
+    covered = [(col, -c) for node, mask in term.covered for col, c in chosen(node, mask)]
     for first, first_mask, second, second_mask in term.pairs:
-        model.row([(y, 1.0)] + source + chosen(first, first_mask) +
-                  chosen(second, second_mask), -2.0, math.inf)
+        # one coefficient per column: a reader may be both of a pair (grouped readers
+        # share a representative) or covered too, and HiGHS refuses repeated columns
+        merged: dict[int, float] = {}
+        for col, c in [(y, 1.0)] + source + chosen(first, first_mask) + \
+                chosen(second, second_mask) + covered:
+            merged[col] = merged.get(col, 0.0) + c
+        model.row(list(merged.items()), -2.0, math.inf)
     return y
 
 
