@@ -11,6 +11,7 @@ from alpa_cases import plan_of
 from torchalpa import Zero2Parallel
 from torchalpa.core.placement import Partial, Replicate
 from torchalpa.core.plan import Reshard, ReshardStep
+from torchalpa.passes.pricing.memory import KeptTerm
 from torchalpa.passes.sharding.ilp import Edge, ILPProblem, solve_ilp
 from torchalpa.passes.sharding.shared_reshard import SharedReads
 
@@ -77,3 +78,65 @@ def test_a_gathered_weight_shared_by_forward_and_backward_counts_in_memory():
     copies = 2 * 64 * 4
     assert kept.estimates.saved_activation_bytes_per_device == \
         again.estimates.saved_activation_bytes_per_device + copies
+
+
+def _kept_problem(budget: float | None, same_reader: bool = False) -> ILPProblem:
+    """A parameter ``p`` stored split (strategy 0: 10 bytes of state) or whole (1: 40
+    bytes, and 20 to keep whole), read by ``a`` and ``b`` whole (0) or split (1, 5 each).
+    Stored split and read whole by both, one gathered copy of 40 bytes lives between
+    the reads. ``same_reader``: both reads are ``a``'s (two operands of one node, or
+    readers grouped under one representative): its columns appear twice in the bound."""
+    costs = {"p": np.array([0.0, 20.0]), "a": np.array([0.0, 5.0]), "b": np.array([0.0, 5.0])}
+    whole = np.array([True, False])
+    term = KeptTerm("p", whole, (("a", whole, "a" if same_reader else "b", whole),), 40.0)
+    return ILPProblem(node_costs=costs, memory_terms=[{"p": np.array([10.0, 40.0])}],
+                      memory_kept=[[term]], memory_budget=budget)
+
+
+@pytest.mark.parametrize("solver", ["cbc", "highs"])
+def test_the_ilp_counts_a_kept_copy_only_when_three_choices_make_it(solver):
+    """The copy's bound ``y >= x_p + x_a + x_b - 2`` binds only when all three choose it:
+    under 45 bytes the ILP reads the parameter split once (5) rather than keep the copy
+    (10 + 40 bytes) or store it whole (20); the readers' dominated strategies survive
+    presolve."""
+    free = solve_ilp(_kept_problem(None), solver=solver)
+    assert free.objective == pytest.approx(0.0)
+    assert free.choice == {"p": 0, "a": 0, "b": 0}
+    tight = solve_ilp(_kept_problem(45.0), solver=solver)
+    assert tight.objective == pytest.approx(5.0)
+    assert tight.choice["p"] == 0 and tight.choice["a"] + tight.choice["b"] == 1
+    # one reader twice: its column enters the bound once, with coefficient 2 (HiGHS
+    # refuses a row naming a column twice, and then solved a model without rows)
+    once = solve_ilp(_kept_problem(45.0, same_reader=True), solver=solver)
+    assert once.objective == pytest.approx(5.0)
+    assert once.choice == {"p": 0, "a": 1, "b": 0}
+
+
+class _TwoConvs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Conv2d(64, 64, 3, padding=1), nn.Conv2d(64, 64, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def test_a_tight_budget_counts_the_kept_copies():
+    """The ILP's memory rows count ZeRO-2's kept copies (``KeptTerm``: the parameter's
+    layout and two readers' layouts decide whether one is kept), so a plan under a
+    budget that binds stays within it. A convolution reads its weight directly, forward
+    and backward, so the gathered copy they share is no view the activations already
+    count: before these terms the planner returned a plan of 1,491,460 bytes per device
+    for this 1,400,000-byte budget."""
+    batch = (torch.randn(32, 64, 8, 8), torch.randn(32, 64, 8, 8))
+    budget = 1_400_000
+
+    def planned(**options):
+        return plan_of(_TwoConvs, batch, shape=(1, 4), method=Zero2Parallel,
+                       force_batch_dim_to_mesh_dim=None, **options)[0]
+
+    free = planned()
+    assert any(r.same_as for r in free.reshards)          # the free plan keeps copies
+    assert free.estimates.memory_per_device_bytes > budget  # so the budget binds
+    tight = planned(memory_budget_per_device=budget)
+    assert tight.estimates.memory_per_device_bytes <= budget

@@ -25,7 +25,7 @@ from torchalpa.core.placement import Placements, Replicate, is_shard
 from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.sharding.reshard import local_bytes
 
-__all__ = ["Liveness", "KeptCopy", "liveness", "model_state_bytes", "activation_peak_bytes",
+__all__ = ["Liveness", "KeptCopy", "KeptTerm", "liveness", "model_state_bytes", "activation_peak_bytes",
            "state_copies", "forward_end", "in_flight_bytes", "value_bytes"]
 
 
@@ -205,13 +205,58 @@ def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, .
     return int(timeline.max()), int(timeline[forward_end(graph)])
 
 
+@dataclass(frozen=True)
+class KeptTerm:
+    """One possible kept copy at one point, for the ILP's memory row there: the parameter
+    or buffer ``producer`` (a representative) stored in a layout its strategies
+    ``copy_from`` mark (one from which the target layout needs a collective), read in that
+    target layout by both readers of some pair in ``pairs`` (representative, its
+    strategies reading the target) whose span covers the point. The copy then holds
+    ``nbytes``: ``y >= x_copy_from + x_first + x_second - 2 - x_covered`` for each pair,
+    and the row adds ``nbytes * y`` (``passes/sharding/ilp_model.py``). ``covered``: the
+    readers that are views alive at the point, with their strategies reading the target:
+    a view of the copy is its storage, and the row already counts the view's bytes."""
+
+    producer: str
+    copy_from: np.ndarray
+    pairs: tuple[tuple[str, np.ndarray, str, np.ndarray], ...]
+    nbytes: float
+    covered: tuple[tuple[str, np.ndarray], ...] = ()
+
+    @property
+    def nodes(self) -> set[str]:
+        return {self.producer} | {v for a, _, b, _ in self.pairs for v in (a, b)} | \
+            {v for v, _ in self.covered}
+
+
+@dataclass
+class _StateReads:
+    """The operand reads of one parameter or buffer (``MemoryModel.kept_at``)."""
+
+    name: str
+    readers: list[tuple[str, int]]       # (consumer, operand slot)
+    spans: list[tuple[int, int]]         # per reader: from, to (a view's own interval)
+    views: dict[int, tuple[int, int]]    # reader -> its interval, for readers that are views
+    layouts: dict                        # target layout -> readers' strategy masks
+
+
 class MemoryModel:
-    """Per-strategy bytes of every node, folded onto the ILP's representatives."""
+    """Per-strategy bytes of every node, folded onto the ILP's representatives.
+
+    ``steps_of(spec, src, dst)`` (``ReshardCosts.steps``), when given, makes the model see
+    ZeRO-2's kept copies (``KeptCopy``): a parameter's copy in a layout that needs a
+    collective, shared by two or more reads, lives between them. Its existence depends on
+    three choices (the parameter's layout and two readers'), so the ILP gets it as
+    ``KeptTerm``s (``kept_at``), and ``timeline`` counts the copies a plan keeps."""
 
     def __init__(self, graph: OpGraph, strategies, grouping, mesh_shape, optimizer_states: int,
                  in_flight: int = 1, statistics: dict[str, str] | None = None,
-                 state_at_start: bool = False):
+                 state_at_start: bool = False, steps_of=None):
         self.graph, self.S, self.g, self.mesh_shape = graph, strategies, grouping, mesh_shape
+        self.steps_of = steps_of
+        self.state_at_start = state_at_start
+        self._state_reads: list[_StateReads] | None = None
+        self._copy_from: dict = {}       # (parameter, target layout) -> KeptTerm.copy_from
         self.statistics = statistics or {}
         """Attention forward -> the backward that reads the output and statistic it saved."""
         self.optimizer_states = optimizer_states
@@ -246,10 +291,124 @@ class MemoryModel:
                 self._fold(terms, name, self._act[name] * (self.in_flight - 1))
         return terms
 
-    def timeline(self, chosen_outputs: dict, state_bytes: float) -> np.ndarray:
-        act = activation_timeline(self.graph, self.live, chosen_outputs, self.mesh_shape,
-                                  self.statistics)
-        return self._with_waiting(act) + state_bytes
+    def timeline(self, chosen_outputs: dict, state_bytes: float,
+                 kept: list[KeptCopy] | None = None) -> np.ndarray:
+        """Bytes at each point: model states, activations (with the other micro-batches'
+        saved ones) and the ``kept`` copies (``kept_copies``; a view reading one shares
+        its storage, as ``activation_peak_bytes`` counts them)."""
+        graph, live = self.graph, self.live
+        sizes = np.array([value_bytes(graph, name, chosen_outputs[name], self.mesh_shape,
+                                      self.statistics) for name in live.names], dtype=float)
+        extra = _kept_timeline(graph, live, sizes, kept or [], self.state_at_start)
+        return self._with_waiting(live.total(sizes)) + extra + state_bytes
+
+    def kept_copies(self, chosen: dict) -> list[KeptCopy]:
+        """The copies ``chosen`` (node -> Strategy) keeps, as the plan's ``Reshard.same_as``
+        makes them (``sharding_plan.kept_state_copies``): reads of a parameter or buffer in
+        one layout that needs a collective, two or more."""
+        if self.steps_of is None:
+            return []
+        kept = []
+        for value in self.state_reads():
+            node = self.graph.node(value.name)
+            src = chosen[value.name].outputs[0]
+            by_layout: dict = {}
+            for consumer, slot in value.readers:
+                dst = chosen[consumer].inputs[slot]
+                by_layout.setdefault(dst, []).append(consumer)
+            for dst, names in by_layout.items():
+                if len(names) > 1 and dst is not None and \
+                        _collective(self.steps_of(node.output, src, dst)):
+                    kept.append(KeptCopy(tuple(names), local_bytes(node.output, dst,
+                                                                   self.mesh_shape)))
+        return kept
+
+    def state_reads(self) -> list[_StateReads]:
+        """Parameters and buffers two or more operand reads take, with those reads."""
+        if self._state_reads is not None:
+            return self._state_reads
+        graph, live = self.graph, self.live
+        order = {n.name: i for i, n in enumerate(graph)}
+        position = {name: i for i, name in enumerate(live.names)}
+        reads: dict[str, list[tuple[str, int]]] = {}
+        for node in graph.ops():
+            for slot, ref in enumerate(node.operands):
+                if graph.node(ref.node).kind in ("param", "buffer"):
+                    reads.setdefault(ref.node, []).append((node.name, slot))
+        out = []
+        for name, readers in reads.items():
+            if len(readers) < 2:
+                continue
+            spans, views = [], {}
+            for k, (consumer, _) in enumerate(readers):
+                lo = hi = order[consumer]
+                if consumer in position and graph.node(consumer).aliases:
+                    i = position[consumer]
+                    views[k] = (int(live.start[i]), int(live.end[i]))
+                    lo, hi = min(lo, views[k][0]), max(hi, views[k][1])
+                if self.state_at_start and graph.node(consumer).phase == "forward":
+                    lo = 0
+                spans.append((lo, hi))
+            layouts: dict = {}
+            for k, (consumer, slot) in enumerate(readers):
+                rep, index = self.g.rep[consumer], self.g.index[consumer]
+                for b, a in enumerate(index):
+                    dst = self.S[consumer][a].inputs[slot]
+                    if dst is not None:
+                        masks = layouts.setdefault(dst, {})
+                        masks.setdefault(k, (rep, np.zeros(len(index), dtype=bool)))[1][b] = True
+            out.append(_StateReads(name, readers, spans, views, layouts))
+        self._state_reads = out
+        return out
+
+    def kept_at(self, t: int) -> list[KeptTerm]:
+        """The kept copies that may be alive at point ``t``, one term per parameter and
+        target layout (empty without ``steps_of``)."""
+        if self.steps_of is None:
+            return []
+        terms = []
+        for value in self.state_reads():
+            node = self.graph.node(value.name)
+            index = list(self.g.index[value.name])
+            sources = [self.S[value.name][a].outputs[0] for a in index]
+            covering = [(i, j) for i in range(len(value.readers))
+                        for j in range(i + 1, len(value.readers))
+                        if min(value.spans[i][0], value.spans[j][0]) <= t <=
+                        max(value.spans[i][1], value.spans[j][1])]
+            if not covering:
+                continue
+            for dst, masks in value.layouts.items():
+                pairs = tuple((*masks[i], *masks[j]) for i, j in covering
+                              if i in masks and j in masks)
+                key = (value.name, dst)
+                if key not in self._copy_from:
+                    self._copy_from[key] = np.array(
+                        [_collective(self.steps_of(node.output, src, dst)) for src in sources],
+                        dtype=bool)
+                copy_from = self._copy_from[key]
+                if pairs and copy_from.any():
+                    covered = tuple(masks[k] for k, (lo, hi) in value.views.items()
+                                    if k in masks and lo <= t <= hi)
+                    terms.append(KeptTerm(self.g.rep[value.name], copy_from, pairs,
+                                          float(local_bytes(node.output, dst,
+                                                            self.mesh_shape)), covered))
+        return terms
+
+    def _kept_upper(self) -> np.ndarray:
+        """Bytes kept copies could hold at each point: per parameter, its largest read
+        layout once per two readers, over the span of all its reads."""
+        delta = np.zeros(self.live.length + 1)
+        if self.steps_of is None:
+            return delta[:-1]
+        for value in self.state_reads():
+            spec = self.graph.node(value.name).output
+            most = max(local_bytes(spec, dst, self.mesh_shape) for dst in value.layouts) \
+                if value.layouts else 0
+            lo = min(s[0] for s in value.spans)
+            hi = max(s[1] for s in value.spans)
+            delta[lo] += most * (len(value.readers) // 2)
+            delta[hi + 1] -= most * (len(value.readers) // 2)
+        return np.cumsum(delta)[:-1]
 
     def _with_waiting(self, act: np.ndarray) -> np.ndarray:
         """Add the saved activations of the other micro-batches in flight."""
@@ -261,7 +420,7 @@ class MemoryModel:
         """Bytes at each point if every value took its largest layout: memory can only be
         over the budget where this is."""
         state = sum(v.max() for v in self.state.values())
-        return state + self._with_waiting(self._timeline(np.max))
+        return state + self._with_waiting(self._timeline(np.max)) + self._kept_upper()
 
     def upper_bound(self) -> float:
         """Peak bytes if every value took its largest layout (memory can't exceed this)."""
@@ -274,6 +433,11 @@ class MemoryModel:
     def likely_peaks(self) -> list[int]:
         """Points where activations peak if every value takes its largest / smallest layout."""
         return sorted({int(np.argmax(self._timeline(pick))) for pick in (np.max, np.min)})
+
+
+def _collective(steps) -> bool:
+    """Whether resharding ``steps`` (None: impossible) communicate: a copy worth sharing."""
+    return bool(steps) and any(s.is_collective for s in steps)
 
 
 def in_flight_bytes(state: float, peak: float, saved: float, in_flight: int) -> float:

@@ -106,6 +106,10 @@ class ILPProblem:
     edges: list[Edge] = field(default_factory=list)
     memory_terms: list[dict[str, np.ndarray]] = field(default_factory=list)
     """Groups of per-strategy byte vectors alive together; each group <= the budget."""
+    memory_kept: list[list] = field(default_factory=list)
+    """Per group of ``memory_terms`` (same order), the ZeRO-2 copies that may be alive
+    there (``passes/pricing/memory.py::KeptTerm``), whose bytes depend on three choices;
+    empty lists (or none at all) when nothing is kept."""
     memory_budget: float | None = None
     minimize_peak: bool = False
     """Ignore costs; find the layouts with the smallest largest memory group."""
@@ -211,7 +215,8 @@ def _prepare(problem: ILPProblem, initial: dict[str, int] | None) -> _Prepared:
             raise InfeasibleError(f"node {k!r}: every strategy needs an impossible resharding")
     if not math.isfinite(constant):
         raise InfeasibleError("two fixed layouts cannot be connected")
-    protected = set().union(*(g.nodes for g in problem.shared))
+    protected = set().union(*(g.nodes for g in problem.shared),
+                            *(t.nodes for terms in problem.memory_kept for t in terms))
     reduced = presolve(full_costs, full_edges, problem.memory_terms, protected=protected)
     costs, edges = reduced.costs, reduced.edges
     for k, c in costs.items():
@@ -225,7 +230,8 @@ def _prepare(problem: ILPProblem, initial: dict[str, int] | None) -> _Prepared:
               [0.0])
     scale = 1e6 / top if top > 0 else 1.0
     built = build_model(costs, edges, problem.shared, reduced, problem.memory_terms,
-                        problem.memory_budget, problem.minimize_peak, scale, initial)
+                        problem.memory_budget, problem.minimize_peak, scale, initial,
+                        kept=problem.memory_kept)
     return _Prepared(full_costs, full_edges, constant, reduced, built, scale)
 
 

@@ -92,11 +92,15 @@ def _load(model: LinearModel, *, time_limit: float | None, gap: float | None, ve
         h.changeColsIntegrality(integer.size, integer,
                                 np.full(integer.size, highspy.HighsVarType.kInteger))
     if model.row_lower:
-        h.addRows(len(model.row_lower), np.asarray(model.row_lower, dtype=np.float64),
-                  np.asarray(model.row_upper, dtype=np.float64), len(model.index),
-                  np.asarray(model.starts, dtype=np.int32),
-                  position[np.asarray(model.index, dtype=np.int64)].astype(np.int32),
-                  np.asarray(model.value, dtype=np.float64))
+        status = h.addRows(len(model.row_lower), np.asarray(model.row_lower, dtype=np.float64),
+                           np.asarray(model.row_upper, dtype=np.float64), len(model.index),
+                           np.asarray(model.starts, dtype=np.int32),
+                           position[np.asarray(model.index, dtype=np.int64)].astype(np.int32),
+                           np.asarray(model.value, dtype=np.float64))
+        # a refused row set (a column twice in one row) leaves HiGHS a model without rows,
+        # which it solves "optimally" with every column 0
+        if status == highspy.HighsStatus.kError:
+            raise ValueError("HiGHS refused the ILP's rows (a column repeated in a row?)")
     return h, position
 
 

@@ -95,10 +95,12 @@ class BuiltModel:
 
 def build_model(costs: dict[str, np.ndarray], edges: list, shared: list[SharedReads], reduced,
                 memory_terms: list, memory_budget: float | None, minimize_peak: bool,
-                scale: float, initial: dict[str, int] | None = None) -> BuiltModel:
+                scale: float, initial: dict[str, int] | None = None,
+                kept: list | None = None) -> BuiltModel:
     """The reduced problem (``presolve``'s costs and edges, costs multiplied by ``scale``)
     as a ``LinearModel``; ``reduced`` supplies the bytes of nodes it decided, ``shared``
-    the ``SharedReads`` groups, ``initial`` (node -> strategy) a start."""
+    the ``SharedReads`` groups, ``initial`` (node -> strategy) a start, ``kept`` per
+    memory group its ``KeptTerm``s (their nodes kept out of presolve)."""
     model = LinearModel()
     s: dict[str, list[int | None]] = {}
     for idx, (k, c) in enumerate(costs.items()):
@@ -119,8 +121,11 @@ def build_model(costs: dict[str, np.ndarray], edges: list, shared: list[SharedRe
     mem_scale = 1.0 / max(1.0, max((float(np.max(m)) for g in memory_terms for m in g.values()),
                                    default=1.0))
     if memory_budget is not None or peak is not None:
-        for group in memory_terms:
+        for gidx, group in enumerate(memory_terms):
             terms, fixed = [], 0.0
+            if kept and gidx < len(kept):
+                terms += [(_kept_column(model, s, term, f"k{gidx}_{tidx}"),
+                           term.nbytes * mem_scale) for tidx, term in enumerate(kept[gidx])]
             for k, mem in group.items():
                 if k not in s:
                     fixed += reduced.fixed_bytes(k, mem) * mem_scale
@@ -138,6 +143,31 @@ def build_model(costs: dict[str, np.ndarray], edges: list, shared: list[SharedRe
         model.cost = [0.0] * len(model.cost)
         model.cost[peak] = 1.0
     return BuiltModel(model, s, peak, mem_scale)
+
+
+def _kept_column(model: LinearModel, s: dict, term, tag: str) -> int:
+    """``y``, 1 when ``term``'s copy is alive and no view of it already counts there:
+    ``y >= x_copy_from + x_first + x_second - 2 - x_covered`` per pair of readers (each
+    ``x`` the sum of the marked strategies' columns, ``FIXED`` for a node's only
+    strategy). Only the memory row holds ``y``, so a plan keeping no copy can set it to 0
+    and one keeping it pays its bytes once: the row stays exact."""
+    y = model.column(tag, 0.0, 1.0, False)
+
+    def chosen(node: str, mask) -> list[tuple[int, float]]:
+        return [(col, -1.0) for col, marked in zip(s[node], mask)
+                if marked and col is not None]
+
+    source = chosen(term.producer, term.copy_from)
+    covered = [(col, -c) for node, mask in term.covered for col, c in chosen(node, mask)]
+    for first, first_mask, second, second_mask in term.pairs:
+        # one coefficient per column: a reader may be both of a pair (grouped readers
+        # share a representative) or covered too, and HiGHS refuses repeated columns
+        merged: dict[int, float] = {}
+        for col, c in [(y, 1.0)] + source + chosen(first, first_mask) + \
+                chosen(second, second_mask) + covered:
+            merged[col] = merged.get(col, 0.0) + c
+        model.row(list(merged.items()), -2.0, math.inf)
+    return y
 
 
 def layout_columns(columns: list[int | None], layout_of: np.ndarray, size: int

@@ -343,7 +343,9 @@ class _IntraOpILP:
                                period=period, merge_followers=followers and not exact)
         memory = MemoryModel(graph, S, grouping, mesh.shape, self.method.optimizer_states,
                              self.in_flight, saved_statistics(graph, mesh),
-                             state_at_start=self.state_once)
+                             state_at_start=self.state_once,
+                             steps_of=None if self.option.rematerialize_parameters
+                             else self.costs.steps)
         cg, solution, chosen, shared = solve_sharing_reads(
             graph, mesh, S, grouping, self.costs,
             lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory,
@@ -571,7 +573,8 @@ def _timeline(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, opt
               ) -> np.ndarray:
     state = model_state_bytes(graph, {k: s.outputs[0] for k, s in chosen.items()
                                       if graph.node(k).is_leaf}, mesh.shape, optimizer_states)
-    return memory.timeline({k: s.outputs for k, s in chosen.items()}, state)
+    return memory.timeline({k: s.outputs for k, s in chosen.items()}, state,
+                           memory.kept_copies(chosen))
 
 
 def _peak(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, optimizer_states
@@ -609,8 +612,7 @@ def _solve_within_memory(graph: OpGraph, S: dict[str, list[Strategy]], grouping:
         # points spread over where memory could exceed it (constraints an optimal plan
         # meets anyway; they spare the solver regions a later round would cut off)
         points = sorted(set(memory.likely_peaks()) | set(_violations(worst, budget)))
-        problem = replace(problem, memory_terms=[memory.terms_at(p) for p in points],
-                          memory_budget=budget)
+        problem = replace(problem, **_memory_rows(memory, points), memory_budget=budget)
     for _ in range(max_rounds):
         try:
             solution = _solve(problem, option, initial)
@@ -637,10 +639,15 @@ def _solve_within_memory(graph: OpGraph, S: dict[str, list[Strategy]], grouping:
         if not new_points:
             break
         points += new_points
-        problem = replace(problem, memory_terms=[memory.terms_at(p) for p in points],
-                          memory_budget=budget)
+        problem = replace(problem, **_memory_rows(memory, points), memory_budget=budget)
     raise InfeasibleError(f"could not fit the plan in {format_bytes(budget)} per device after "
                           f"{max_rounds} rounds of memory constraints")
+
+
+def _memory_rows(memory: MemoryModel, points: list[int]) -> dict:
+    """The ILP's memory rows at ``points``: bytes per strategy and the kept copies."""
+    return {"memory_terms": [memory.terms_at(p) for p in points],
+            "memory_kept": [memory.kept_at(p) for p in points]}
 
 
 def _solve(problem: ILPProblem, option: AutoShardingOption,
@@ -655,7 +662,7 @@ def _minimum_memory(graph, S, grouping, cg, memory: MemoryModel, points, option,
     points = list(points)
     for _ in range(20):
         problem = ILPProblem(node_costs=cg.node_costs, edges=cg.edges, minimize_peak=True,
-                             memory_terms=[memory.terms_at(p) for p in points])
+                             **_memory_rows(memory, points))
         solution = solve_ilp(problem, solver=option.solver, time_limit=option.time_limit,
                              max_nodes=option.max_nodes)
         peak, t = _peak(graph, memory, _expand(graph, S, grouping, solution.choice), mesh, states)
