@@ -87,6 +87,15 @@ def test_what_forward_keeps_for_backward_is_what_autograd_saves():
                zip(live.names, live.results, live.start, live.end) if name == norm.name}
     assert set(entries) == {0, 1, 2, 3, 4}
     assert entries[0][1] <= end < entries[1][1]
+    # a convolution's backward makes its input's gradient (an activation, freed after the
+    # ops before it read it) beside its weight's (model state, not counted here)
+    grads = {(ref.node, ref.index) for _, ref in graph.outputs.grads}
+    conv_back = [n for n in graph if n.op == "aten.convolution_backward.default"]
+    counted = {(name, k) for name, k in live.entries()}
+    for n in conv_back:
+        weight_grad = [(n.name, k) for k in range(len(n.outputs)) if (n.name, k) in grads]
+        assert weight_grad and not counted & set(weight_grad)
+    assert any((n.name, 0) in counted for n in conv_back)
     assert activation_timeline(graph, live, outputs, (1,)).max() > 0
 
 

@@ -74,7 +74,9 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
     Each result of an op is freed after its own last reader, as the runtime's programs
     (and eager autograd) free it: of batch norm's three results forward's next op reads
     the output and backward the saved mean and inverse deviation, so the output is not
-    held into backward. A view (``OpNode.aliases``) allocates nothing: it keeps the
+    held into backward. Parameters' gradients are model state, not activations; the
+    other results of the op that makes one are activations (a convolution's backward
+    makes its input's gradient beside its weight's). A view (``OpNode.aliases``) allocates nothing: it keeps the
     storage it views alive
     until its own last reader, so it extends that tensor's interval instead of adding
     one. Views of parameters and buffers are the exception: a layer often reads a
@@ -106,14 +108,17 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
         seen = [last_use.get((view, k), order[view])
                 for k in range(len(graph.node(view).outputs))]
         use(root.node, root.index, max(seen))
+    grads = {(ref.node, ref.index) for _, ref in graph.outputs.grads}
     names, results, start, end = [], [], [], []
     for n in graph:
-        if n.kind not in ("op", "input") or n.is_grad or n.name in storage:
+        if n.kind not in ("op", "input") or n.name in storage:
             continue
         first = 0 if state_at_start and _views_state(graph, n.name) else order[n.name]
         ends = [last_use.get((n.name, k), order[n.name]) for k in range(len(n.outputs))]
-        split = len(set(ends)) > 1
+        split = n.is_grad or len(set(ends)) > 1
         for k, last in (enumerate(ends) if split else [(None, max(ends))]):
+            if (n.name, k) in grads:
+                continue        # a parameter's gradient: model state
             names.append(n.name)
             results.append(k)
             start.append(first)
