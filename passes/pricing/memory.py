@@ -16,7 +16,7 @@ adding the actual peak of each solution until the plan fits (``passes/sharding/i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,10 +42,10 @@ class Liveness:
     start: np.ndarray
     end: np.ndarray
     length: int
-    results: list[int | None] | None = None
+    results: list[int | None] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.results is None:
+        if len(self.results) != len(self.names):
             self.results = [None] * len(self.names)
 
     def alive(self, t: int) -> list[int]:

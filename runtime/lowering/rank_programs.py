@@ -179,7 +179,7 @@ class ProgramPair:
     so (None: the loss has its own all-reduce)."""
 
     forward: Callable
-    backward: Callable[[Sequence, Sequence, Any], tuple[Sequence, Sequence, Any]]
+    backward: Callable[[list, Sequence, Any], tuple[Sequence, Sequence, Any]]
     reduce_grads: Callable
     finish_loss: Callable | None = None
     loss_in_bucket: LossInBucket | None = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch.fx as fx
+from torch.fx.graph import CodeGen
 
 __all__ = ["release_inputs", "call_releasing", "TAKES_LIST"]
 
@@ -26,7 +27,7 @@ TAKES_LIST = "torchalpa_takes_input_list"
 """Attribute set on a program that takes its inputs as one list and empties it."""
 
 
-class _ListCodeGen(fx.graph.CodeGen):
+class _ListCodeGen(CodeGen):
     """``def forward(self, inputs)``: binds the placeholders from the list, then clears it."""
 
     def gen_fn_def(self, free_vars, maybe_return_annotation, **_):
