@@ -76,18 +76,18 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
     the output and backward the saved mean and inverse deviation, so the output is not
     held into backward. Parameters' gradients are model state, not activations; the
     other results of the op that makes one are activations (a convolution's backward
-    makes its input's gradient beside its weight's). A view (``OpNode.aliases``) allocates nothing: it keeps the
-    storage it views alive
-    until its own last reader, so it extends that tensor's interval instead of adding
-    one. Views of parameters and buffers are the exception: a layer often reads a
-    weight through a view (``permute``) in a layout other than the weight's own (gathered
-    under ZeRO), and forward keeps that copy for backward, so such views keep intervals
-    of their own. (A view that reads an activation resharded is priced in the
-    activation's layout: resharding temporaries are not modeled.) ``kept_for``: value ->
-    a later op that reads it outside the graph's edges (attention's saved output).
-    ``state_at_start`` (``plan.state_read_once``): the step reshards parameters for forward
-    once, before its first micro-batch, so a forward view of a parameter holds its copy
-    from the start of the step."""
+    makes its input's gradient beside its weight's). A view (``OpNode.aliases``)
+    allocates nothing: it keeps the storage it views alive until its own last reader, so
+    it extends that tensor's interval instead of adding one. Views of parameters and
+    buffers are the exception: a layer often reads a weight through a view (``permute``)
+    in a layout other than the weight's own (gathered under ZeRO), and forward keeps
+    that copy for backward, so such views keep intervals of their own. (A view that
+    reads an activation resharded is priced in the activation's layout: resharding
+    temporaries are not modeled.) ``kept_for``: value -> a later op that reads it
+    outside the graph's edges (attention's saved output). ``state_at_start``
+    (``plan.state_read_once``): the step reshards parameters for forward once, before
+    its first micro-batch, so a forward view of a parameter holds its copy from the
+    start of the step."""
     order = {n.name: i for i, n in enumerate(graph)}
     last_use: dict[tuple[str, int], int] = {}
 
