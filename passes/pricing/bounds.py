@@ -137,8 +137,8 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
     mesh = hardware if isinstance(hardware, LogicalMesh) else \
         hardware.logical_mesh((hardware.num_devices,))
     live = liveness(graph)
-    sizes = np.array([sum(o.nbytes for o in graph.node(v).outputs) for v in live.names],
-                     dtype=float)
+    sizes = np.array([sum(o.nbytes for i, o in enumerate(graph.node(v).outputs)
+                          if k in (None, i)) for v, k in live.entries()], dtype=float)
     timeline = live.total(sizes) if len(sizes) else np.zeros(1)
     leaves = [n for n in graph if n.kind in ("param", "buffer")]
     state = sum(n.output.nbytes * state_copies(graph, n.name, optimizer_states) for n in leaves)

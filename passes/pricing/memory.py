@@ -16,11 +16,11 @@ adding the actual peak of each solution until the plan fits (``passes/sharding/i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.opgraph import OpGraph, ValueRef
 from torchalpa.core.placement import Placements, Replicate, is_shard
 from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.sharding.reshard import local_bytes
@@ -31,16 +31,33 @@ __all__ = ["Liveness", "KeptCopy", "KeptTerm", "liveness", "model_state_bytes", 
 
 @dataclass
 class Liveness:
-    """Op results as intervals ``[start, end]`` over the step's order of nodes."""
+    """Op results as intervals ``[start, end]`` over the step's order of nodes.
+
+    Entry ``i`` is result ``results[i]`` of node ``names[i]``, or all of the node's
+    results where that is None. A node whose results die at different points (batch
+    norm's normalized output, read by the next op, beside the mean and inverse deviation
+    its backward reads) has one entry per result; others one entry for the node."""
 
     names: list[str]          # values that count as activations
     start: np.ndarray
     end: np.ndarray
     length: int
+    results: list[int | None] = field(default_factory=list)
+
+    def __post_init__(self):
+        if len(self.results) != len(self.names):
+            self.results = [None] * len(self.names)
+
+    def alive(self, t: int) -> list[int]:
+        """Entries alive at point ``t``."""
+        return [int(i) for i in np.flatnonzero((self.start <= t) & (t <= self.end))]
 
     def alive_at(self, t: int) -> list[str]:
-        mask = (self.start <= t) & (t <= self.end)
-        return [self.names[i] for i in np.flatnonzero(mask)]
+        return [self.names[i] for i in self.alive(t)]
+
+    def entries(self) -> list[tuple[str, int | None]]:
+        """(node, result or None for all of them) of each entry."""
+        return list(zip(self.names, self.results))
 
     def total(self, sizes) -> np.ndarray:
         """Bytes alive at each point, value ``names[i]`` holding ``sizes[i]``."""
@@ -54,36 +71,60 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
              state_at_start: bool = False) -> Liveness:
     """When each value is allocated and freed, in the step's order.
 
-    A view (``OpNode.aliases``) allocates nothing: it keeps the storage it views alive
-    until its own last reader, so it extends that tensor's interval instead of adding
-    one. Views of parameters and buffers are the exception: a layer often reads a
-    weight through a view (``permute``) in a layout other than the weight's own (gathered
-    under ZeRO), and forward keeps that copy for backward, so such views keep intervals
-    of their own. (A view that reads an activation resharded is priced in the
-    activation's layout: resharding temporaries are not modeled.) ``kept_for``: value ->
-    a later op that reads it outside the graph's edges (attention's saved output).
-    ``state_at_start`` (``plan.state_read_once``): the step reshards parameters for forward
-    once, before its first micro-batch, so a forward view of a parameter holds its copy
-    from the start of the step."""
+    Each result of an op is freed after its own last reader, as the runtime's programs
+    (and eager autograd) free it: of batch norm's three results forward's next op reads
+    the output and backward the saved mean and inverse deviation, so the output is not
+    held into backward. Parameters' gradients are model state, not activations; the
+    other results of the op that makes one are activations (a convolution's backward
+    makes its input's gradient beside its weight's). A view (``OpNode.aliases``)
+    allocates nothing: it keeps the storage it views alive until its own last reader, so
+    it extends that tensor's interval instead of adding one. Views of parameters and
+    buffers are the exception: a layer often reads a weight through a view (``permute``)
+    in a layout other than the weight's own (gathered under ZeRO), and forward keeps
+    that copy for backward, so such views keep intervals of their own. (A view that
+    reads an activation resharded is priced in the activation's layout: resharding
+    temporaries are not modeled.) ``kept_for``: value -> a later op that reads it
+    outside the graph's edges (attention's saved output). ``state_at_start``
+    (``plan.state_read_once``): the step reshards parameters for forward once, before
+    its first micro-batch, so a forward view of a parameter holds its copy from the
+    start of the step."""
     order = {n.name: i for i, n in enumerate(graph)}
-    last_use: dict[str, int] = {}
+    last_use: dict[tuple[str, int], int] = {}
+
+    def use(node: str, index: int, at: int) -> None:
+        last_use[node, index] = max(last_use.get((node, index), -1), at)
+
     for node in graph:
         for ref in node.operands:
-            last_use[ref.node] = max(last_use.get(ref.node, -1), order[node.name])
+            use(ref.node, ref.index, order[node.name])
     for value, reader in (kept_for or {}).items():
-        last_use[value] = max(last_use.get(value, -1), order[reader])
+        for k in range(len(graph.node(value).outputs)):
+            use(value, k, order[reader])
     end_of_step = len(order)
     for ref in graph.outputs.refs():
-        last_use[ref.node] = end_of_step
+        use(ref.node, ref.index, end_of_step)
     storage = _storage_roots(graph)
-    for view, root in storage.items():
-        last_use[root] = max(last_use.get(root, order[root]), last_use.get(view, order[view]))
-    names = [n.name for n in graph
-             if n.kind in ("op", "input") and not n.is_grad and n.name not in storage]
-    start = np.array([0 if state_at_start and _views_state(graph, n) else order[n]
-                      for n in names], dtype=np.int64)
-    end = np.array([last_use.get(n, order[n]) for n in names], dtype=np.int64)
-    return Liveness(names, start, end, end_of_step + 1)
+    for view, root in storage.items():      # a view's results share its root's storage
+        seen = [last_use.get((view, k), order[view])
+                for k in range(len(graph.node(view).outputs))]
+        use(root.node, root.index, max(seen))
+    grads = {(ref.node, ref.index) for _, ref in graph.outputs.grads}
+    names, results, start, end = [], [], [], []
+    for n in graph:
+        if n.kind not in ("op", "input") or n.name in storage:
+            continue
+        first = 0 if state_at_start and _views_state(graph, n.name) else order[n.name]
+        ends = [last_use.get((n.name, k), order[n.name]) for k in range(len(n.outputs))]
+        split = n.is_grad or len(set(ends)) > 1
+        for k, last in (enumerate(ends) if split else [(None, max(ends))]):
+            if (n.name, k) in grads:
+                continue        # a parameter's gradient: model state
+            names.append(n.name)
+            results.append(k)
+            start.append(first)
+            end.append(last)
+    return Liveness(names, np.array(start, dtype=np.int64), np.array(end, dtype=np.int64),
+                    end_of_step + 1, results)
 
 
 def _views_state(graph: OpGraph, name: str) -> bool:
@@ -93,14 +134,14 @@ def _views_state(graph: OpGraph, name: str) -> bool:
         graph.node(node.operands[0].node).kind in ("param", "buffer")
 
 
-def _storage_roots(graph: OpGraph) -> dict[str, str]:
-    """Each view of an activation -> the tensor whose storage it shares."""
-    roots: dict[str, str] = {}
+def _storage_roots(graph: OpGraph) -> dict[str, ValueRef]:
+    """Each view of an activation -> the result whose storage it shares."""
+    roots: dict[str, ValueRef] = {}
     for node in graph.ops():
         if node.aliases:
-            base = node.operands[0].node
-            root = roots.get(base, base)
-            if graph.node(root).kind not in ("param", "buffer"):
+            base = node.operands[0]
+            root = roots.get(base.node, base)
+            if graph.node(root.node).kind not in ("param", "buffer"):
                 roots[node.name] = root
     return roots
 
@@ -122,15 +163,16 @@ def model_state_bytes(graph: OpGraph, placements: dict[str, Placements], mesh_sh
 
 
 def value_bytes(graph: OpGraph, name: str, placements: tuple[Placements, ...], mesh_shape,
-                statistics: frozenset[str] | dict = frozenset()) -> int:
-    """Bytes one device holds for op ``name``'s results in ``placements``, plus the
-    attention statistic it saves when ``name`` is in ``statistics`` and the fused kernel
-    computes it (split like the
-    output's batch, heads and rows; whole where the output splits its features)."""
+                statistics: frozenset[str] | dict = frozenset(),
+                result: int | None = None) -> int:
+    """Bytes one device holds for op ``name``'s results in ``placements`` (only result
+    ``result`` where given), plus the attention statistic it saves (with its first
+    result) when ``name`` is in ``statistics`` and the fused kernel computes it (split
+    like the output's batch, heads and rows; whole where the output splits its features)."""
     node = graph.node(name)
     total = sum(local_bytes(spec, placements[k], mesh_shape)
-                for k, spec in enumerate(node.outputs))
-    if name in statistics and saves_statistic(graph, node):
+                for k, spec in enumerate(node.outputs) if result in (None, k))
+    if result in (None, 0) and name in statistics and saves_statistic(graph, node):
         spec = statistic_spec(node)
         rows = tuple(p if not is_shard(p) or p.dim < len(spec.shape) else Replicate()
                      for p in placements[0])
@@ -142,8 +184,8 @@ def activation_timeline(graph: OpGraph, live: Liveness,
                         outputs: dict[str, tuple[Placements, ...]], mesh_shape,
                         statistics: frozenset[str] | dict = frozenset()) -> np.ndarray:
     """Bytes of activations alive at each point of the step on one device."""
-    return live.total([value_bytes(graph, name, outputs[name], mesh_shape, statistics)
-                       for name in live.names])
+    return live.total([value_bytes(graph, name, outputs[name], mesh_shape, statistics, k)
+                       for name, k in live.entries()])
 
 
 def forward_end(graph: OpGraph) -> int:
@@ -168,7 +210,7 @@ def _kept_timeline(graph: OpGraph, live: Liveness, sizes: np.ndarray,
     copy's storage: its interval joins the copy's and its own bytes (``sizes``, set to
     zero here) are not counted twice."""
     order = {n.name: i for i, n in enumerate(graph)}
-    position = {name: i for i, name in enumerate(live.names)}
+    position = {name: i for i, name in enumerate(live.names)}     # views: one entry each
     delta = np.zeros(live.length + 1)
     for copy in kept:
         start = min(order[r] for r in copy.readers)
@@ -196,8 +238,8 @@ def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, .
     reads what it saved; ``state_at_start``: as ``liveness`` takes it."""
     statistics = statistics or {}
     live = liveness(graph, statistics, state_at_start)
-    sizes = np.array([value_bytes(graph, name, outputs[name], mesh_shape, statistics)
-                      for name in live.names], dtype=float)
+    sizes = np.array([value_bytes(graph, name, outputs[name], mesh_shape, statistics, k)
+                      for name, k in live.entries()], dtype=float)
     extra = _kept_timeline(graph, live, sizes, kept or [], state_at_start)
     timeline = live.total(sizes) + extra
     if not timeline.size:
@@ -271,11 +313,12 @@ class MemoryModel:
             copies = state_copies(graph, n.name, optimizer_states)
             if copies:
                 self._fold(self.state, n.name, self._bytes(n.name) * copies)
-        self._act = {name: self._bytes(name) for name in self.live.names}
+        self._act = [self._bytes(name, k) for name, k in self.live.entries()]
 
-    def _bytes(self, name: str) -> np.ndarray:
+    def _bytes(self, name: str, result: int | None = None) -> np.ndarray:
         return np.array([value_bytes(self.graph, name, s.outputs, self.mesh_shape,
-                                     self.statistics) for s in self.S[name]], dtype=float)
+                                     self.statistics, result) for s in self.S[name]],
+                        dtype=float)
 
     def _fold(self, into: dict, name: str, vec: np.ndarray) -> None:
         rep = self.g.rep[name]
@@ -284,11 +327,11 @@ class MemoryModel:
     def terms_at(self, t: int) -> dict[str, np.ndarray]:
         """Bytes alive at point ``t`` for each representative strategy."""
         terms = {k: v.copy() for k, v in self.state.items() if v.any()}
-        for name in self.live.alive_at(t):
-            self._fold(terms, name, self._act[name])
+        for i in self.live.alive(t):
+            self._fold(terms, self.live.names[i], self._act[i])
         if self.in_flight > 1:
-            for name in self.live.alive_at(self.forward_end):
-                self._fold(terms, name, self._act[name] * (self.in_flight - 1))
+            for i in self.live.alive(self.forward_end):
+                self._fold(terms, self.live.names[i], self._act[i] * (self.in_flight - 1))
         return terms
 
     def timeline(self, chosen_outputs: dict, state_bytes: float,
@@ -428,7 +471,7 @@ class MemoryModel:
 
     def _timeline(self, pick) -> np.ndarray:
         """Activation bytes at each point with each value's layout chosen by ``pick``."""
-        return self.live.total([pick(self._act[name]) for name in self.live.names])
+        return self.live.total([pick(vec) for vec in self._act])
 
     def likely_peaks(self) -> list[int]:
         """Points where activations peak if every value takes its largest / smallest layout."""

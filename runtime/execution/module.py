@@ -109,7 +109,13 @@ class _TrainingStep(torch.autograd.Function):
                 runner.run(step, state, runner.forward_actions())
                 saved = [step.saved[m] for _, m in runner.forward_actions()]
                 ctx.counts = [len(s) for s in saved]
-                ctx.save_for_backward(*[t for s in saved for t in s])
+                if torch.compiler.is_compiling():
+                    ctx.save_for_backward(*[t for s in saved for t in s])
+                    ctx.held = None
+                else:   # freed one by one as backward reads them (``_HeldForBackward``)
+                    ctx.held = _HeldForBackward(saved)
+                step.saved.clear()      # the step's loss stays in flight: hold no values
+                del saved
                 ctx.grads = None
             else:
                 runner.run(step, state, runner.actions)
@@ -128,11 +134,15 @@ class _TrainingStep(torch.autograd.Function):
                                      and grad_loss.device.type == "cpu" and grad_loss.item() == 1.0)
         pm = ctx.pm
         if ctx.counts is not None:
-            flat, saved, start = ctx.saved_tensors, [], 0
-            for n in ctx.counts:
-                saved.append(flat[start:start + n])
-                start += n
+            if ctx.held is not None:
+                saved = ctx.held.take()
+            else:
+                flat, saved, start = ctx.saved_tensors, [], 0
+                for n in ctx.counts:
+                    saved.append(flat[start:start + n])
+                    start += n
             step = pm._runner.resume(saved)
+            del saved
             with pm._monitor.guard(f"the backward of step {pm._num_calls}"):
                 pm._runner.run(step, [], pm._runner.backward_actions())
                 grads = pm._runner.gradients(step, None if unit else grad_loss)
@@ -143,6 +153,38 @@ class _TrainingStep(torch.autograd.Function):
         pm._clock.stop("forward+backward")
         grads = [_as_parameter_grad(g, w) for g, w in zip(grads, ctx.wrap, strict=True)]
         return (None, None, *grads, *([None] * ctx.num_others))
+
+
+class _HeldForBackward:
+    """What a step's forward saved for its backward, held outside autograd's saved tensors.
+
+    Autograd keeps a function's saved tensors until its backward returns; the runtime's
+    backward programs free each saved value once they have read it
+    (``runtime/rewrites/release_inputs.py``), as eager autograd frees each op's, and as
+    the plan's memory estimate assumes. So ``loss.backward()`` takes them from here, once,
+    and the step owns them. Like autograd, it refuses values changed in place since
+    forward (a parameter stepped before ``loss.backward()``)."""
+
+    def __init__(self, saved: list[list]):
+        self.saved: list[list] | None = saved
+        self.versions = [[t._version if isinstance(t, torch.Tensor) else None for t in s]
+                         for s in saved]
+
+    def take(self) -> list[list]:
+        saved, self.saved = self.saved, None
+        if saved is None:
+            raise RuntimeError(
+                "a torchalpa step's backward runs once, and this one has run: call "
+                "loss.backward() once per forward (retain_graph=True is not supported)")
+        for values, versions in zip(saved, self.versions):
+            for t, version in zip(values, versions):
+                if version is not None and t._version != version:
+                    raise RuntimeError(
+                        f"a tensor the step's forward saved for backward (shape "
+                        f"{tuple(t.shape)}) was modified in place before loss.backward() "
+                        f"(version {version} -> {t._version}): run the optimizer after "
+                        f"backward, and change no input in place in between")
+        return saved
 
 
 def _as_parameter_grad(g: torch.Tensor | None, wrap) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from torchalpa.runtime.rewrites.buckets import LossInBucket
+from torchalpa.runtime.rewrites.release_inputs import TAKES_LIST, call_releasing
 
 __all__ = ["StageProgram", "StepPrograms", "StepMode", "ProgramPair", "SummedBackward",
            "ReducingBackward", "LossInBucketBackward", "already_reduced", "EagerOrTraced",
@@ -112,6 +113,14 @@ class EagerOrTraced:
     def __call__(self, *args):
         return self.traced(*args) if torch.compiler.is_compiling() else self.eager(*args)
 
+    def call_list(self, inputs: list):
+        """The program on the list ``inputs``, emptied (``release_inputs.call_releasing``):
+        an eager copy that takes a list frees each input after its last read."""
+        if not torch.compiler.is_compiling() and getattr(self.eager, TAKES_LIST, False):
+            return self.eager(inputs)
+        return call_releasing(self.traced if torch.compiler.is_compiling() else self.eager,
+                              inputs)
+
 
 @dataclass(frozen=True)
 class LossInBucketPrograms:
@@ -160,7 +169,8 @@ class ProgramPair:
 
     ``forward(*params, *buffers, *user inputs, *forward_recvs, *gathered params)`` ->
     (loss part if the stage has the loss, *forward sends, *buffer updates, *saved);
-    ``backward(saved, received, loss part or None)`` -> (gradients, one per parameter or
+    ``backward(saved, received, loss part or None)`` (``saved`` a list, which it empties:
+    each saved value is freed after its last read) -> (gradients, one per parameter or
     None, summed over micro-batches; backward sends; the loss part, maybe changed);
     ``reduce_grads(*summed gradients that are not None)`` -> them in their parameters'
     layouts; ``finish_loss(loss part)`` -> the loss (None: the part is the loss, or a
@@ -169,7 +179,7 @@ class ProgramPair:
     so (None: the loss has its own all-reduce)."""
 
     forward: Callable
-    backward: Callable[[Sequence, Sequence, Any], tuple[Sequence, Sequence, Any]]
+    backward: Callable[[list, Sequence, Any], tuple[Sequence, Sequence, Any]]
     reduce_grads: Callable
     finish_loss: Callable | None = None
     loss_in_bucket: LossInBucket | None = None
@@ -183,8 +193,10 @@ class SummedBackward:
     program: Callable       # (*saved, *received) -> (*raw gradients, *sends)
     num_grads: int
 
-    def __call__(self, saved: Sequence, received: Sequence, loss: Any):
-        out = self.program(*saved, *received)
+    def __call__(self, saved: list, received: Sequence, loss: Any):
+        inputs = [*saved, *received]
+        saved.clear()
+        out = call_releasing(self.program, inputs)
         return out[:self.num_grads], out[self.num_grads:], loss
 
 
@@ -195,8 +207,8 @@ class ReducingBackward:
 
     program: Callable       # (*saved) -> gradients in their layouts
 
-    def __call__(self, saved: Sequence, received: Sequence, loss: Any):
-        return self.program(*saved), (), loss
+    def __call__(self, saved: list, received: Sequence, loss: Any):
+        return call_releasing(self.program, saved), (), loss
 
 
 @dataclass(frozen=True)
@@ -207,9 +219,10 @@ class LossInBucketBackward:
     program: Callable       # (*saved, local part) -> (*gradients, reduced part)
     finish: Callable[[torch.Tensor, tuple], torch.Tensor]
 
-    def __call__(self, saved: Sequence, received: Sequence, loss: Any):
+    def __call__(self, saved: list, received: Sequence, loss: Any):
         local, others = loss
-        *grads, reduced = self.program(*saved, local)
+        saved.append(local)
+        *grads, reduced = call_releasing(self.program, saved)
         return grads, (), self.finish(reduced, others)
 
 

@@ -37,6 +37,7 @@ from torchalpa.runtime.lowering.rank_programs import (
     ReducingBackward,
     StageProgram,
     StepPrograms,
+    SummedBackward,
     already_reduced,
 )
 from torchalpa.runtime.rewrites.attention_statistics import save_attention_statistics
@@ -54,6 +55,7 @@ from torchalpa.runtime.rewrites.loss_in_bucket import put_loss_in_gradient_bucke
 from torchalpa.runtime.rewrites.overlap import overlap_collectives, prefetch_parameter_gathers
 from torchalpa.runtime.rewrites.param_gather import gather_parameters_once
 from torchalpa.runtime.rewrites.reduce_in_backward import backward_with_reduce
+from torchalpa.runtime.rewrites.release_inputs import release_inputs
 from torchalpa.runtime.rewrites.relu_backward import fold_relu_backward
 
 __all__ = ["rewrite_joint_graph", "rewrite_split_programs", "step_programs"]
@@ -115,17 +117,21 @@ def step_programs(stage: StageProgram, plan: Plan, *, num_micro_batches: int,
     loss_first = replace(lowered.loss_first, finish_loss=finish_loss, forward=EagerOrTraced(
         forward, cut_call_overhead(forward, stage.num_results)))
     if num_micro_batches != 1:      # gradients summed over micro-batches, reduced once
+        loss_first = replace(loss_first, backward=SummedBackward(EagerOrTraced(
+            stage.backward, release_inputs(cut_call_overhead(stage.backward))),
+            len(stage.grad_present)))
         return replace(lowered, loss_first=loss_first, loss_last=loss_first)
     # one micro-batch: each gradient collective issued during backward
     backward_reduce = backward_with_reduce(stage.backward, stage.reduce_grads)
     loss_first = replace(loss_first, reduce_grads=already_reduced, backward=ReducingBackward(
-        EagerOrTraced(backward_reduce, cut_call_overhead(backward_reduce))))
+        EagerOrTraced(backward_reduce, release_inputs(cut_call_overhead(backward_reduce)))))
     # train_step: the loss all-reduced inside a gradient bucket
     in_bucket = None if not stage.has_loss else \
         listed_in_plan(put_loss_in_gradient_bucket(stage.forward, backward_reduce), plan)
     loss_last = loss_first if in_bucket is None else ProgramPair(
         cut_call_overhead(in_bucket.forward, stage.num_results),
-        LossInBucketBackward(cut_call_overhead(in_bucket.backward_reduce), in_bucket.finish),
+        LossInBucketBackward(release_inputs(cut_call_overhead(in_bucket.backward_reduce)),
+                             in_bucket.finish),
         already_reduced, loss_in_bucket=in_bucket.listed)
     return replace(lowered, loss_first=loss_first, loss_last=loss_last)
 
