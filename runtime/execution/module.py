@@ -107,13 +107,17 @@ class _TrainingStep(torch.autograd.Function):
             step = runner.begin(inputs, StepMode.LOSS_FIRST)
             if runner.defers_backward:
                 runner.run(step, state, runner.forward_actions())
-                saved = [step.saved[m] for _, m in runner.forward_actions()]
-                ctx.counts = [len(s) for s in saved]
-                ctx.save_for_backward(*[t for s in saved for t in s])
-                ctx.grads = None
+                saved = [step.saved.pop(m) for _, m in runner.forward_actions()]
+                ctx.grads, ctx.saved, ctx.deferred = None, None, True
+                if torch.compiler.is_compiling():
+                    ctx.counts = [len(s) for s in saved]
+                    ctx.save_for_backward(*[t for s in saved for t in s])
+                else:       # held here alone, so backward frees each at its last use
+                    ctx.counts, ctx.saved = None, saved
             else:
                 runner.run(step, state, runner.actions)
                 ctx.counts, ctx.grads = None, runner.gradients(step)
+                ctx.saved, ctx.deferred = None, False
             loss, ctx.loss_box = pm._loss_in_flight(step)
         ctx.pm = pm
         ctx.num_others = len(args) - len(pm._param_names)
@@ -127,12 +131,10 @@ class _TrainingStep(torch.autograd.Function):
         unit = grad_loss is None or (not torch.compiler.is_compiling()
                                      and grad_loss.device.type == "cpu" and grad_loss.item() == 1.0)
         pm = ctx.pm
-        if ctx.counts is not None:
-            flat, saved, start = ctx.saved_tensors, [], 0
-            for n in ctx.counts:
-                saved.append(flat[start:start + n])
-                start += n
+        if ctx.deferred:
+            saved = _take_saved(ctx)
             step = pm._runner.resume(saved)
+            del saved
             with pm._monitor.guard(f"the backward of step {pm._num_calls}"):
                 pm._runner.run(step, [], pm._runner.backward_actions())
                 grads = pm._runner.gradients(step, None if unit else grad_loss)
@@ -143,6 +145,26 @@ class _TrainingStep(torch.autograd.Function):
         pm._clock.stop("forward+backward")
         grads = [_as_parameter_grad(g, w) for g, w in zip(grads, ctx.wrap, strict=True)]
         return (None, None, *grads, *([None] * ctx.num_others))
+
+
+def _take_saved(ctx) -> list:
+    """What each micro-batch's forward saved, one list each: eager, taken off ``ctx``
+    (this step's backward then holds the only references, and frees each value at its last
+    use, as autograd frees saved tensors); traced, unpacked from ``ctx.saved_tensors``."""
+    if ctx.counts is None:
+        saved, ctx.saved = ctx.saved, None
+        if saved is None:
+            raise RuntimeError(
+                "this step's backward already ran: torchalpa frees the values a step saved "
+                "for backward as its backward goes, as autograd does without "
+                "retain_graph=True; call the model again (loss = pmodel(x, y)) before "
+                "another backward")
+        return saved
+    flat, saved, start = ctx.saved_tensors, [], 0
+    for n in ctx.counts:
+        saved.append(flat[start:start + n])
+        start += n
+    return saved
 
 
 def _as_parameter_grad(g: torch.Tensor | None, wrap) -> torch.Tensor | None:

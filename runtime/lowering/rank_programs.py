@@ -108,9 +108,21 @@ class EagerOrTraced:
 
     traced: Callable
     eager: Callable
+    # the eager copy takes its inputs as one list, which it empties (``runtime.rewrites
+    # .boxed_inputs``: each input freed at its last use)
+    boxed: bool = False
 
     def __call__(self, *args):
-        return self.traced(*args) if torch.compiler.is_compiling() else self.eager(*args)
+        if torch.compiler.is_compiling():
+            return self.traced(*args)
+        return self.eager(list(args)) if self.boxed else self.eager(*args)
+
+    def consume(self, args: list):
+        """Run on ``args``, a list the caller hands over and keeps no other reference to:
+        a boxed eager copy empties it, freeing each input at its last use."""
+        if torch.compiler.is_compiling() or not self.boxed:
+            return self(*args)
+        return self.eager(args)
 
 
 @dataclass(frozen=True)
@@ -196,6 +208,8 @@ class ReducingBackward:
     program: Callable       # (*saved) -> gradients in their layouts
 
     def __call__(self, saved: Sequence, received: Sequence, loss: Any):
+        if isinstance(self.program, EagerOrTraced) and isinstance(saved, list):
+            return self.program.consume(saved), (), loss    # saved values freed as it goes
         return self.program(*saved), (), loss
 
 
@@ -209,7 +223,11 @@ class LossInBucketBackward:
 
     def __call__(self, saved: Sequence, received: Sequence, loss: Any):
         local, others = loss
-        *grads, reduced = self.program(*saved, local)
+        if isinstance(self.program, EagerOrTraced) and isinstance(saved, list):
+            saved.append(local)
+            *grads, reduced = self.program.consume(saved)   # saved values freed as it goes
+        else:
+            *grads, reduced = self.program(*saved, local)
         return grads, (), self.finish(reduced, others)
 
 
