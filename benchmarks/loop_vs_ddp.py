@@ -7,7 +7,8 @@ planned with ``DataParallel()`` (DDP's plan). Per round, in alternating order: t
 the README's loop (``loss = pm(x, y)``, ``loss.backward()``, ``opt.step()``,
 ``opt.zero_grad()``), torchalpa by ``train_step``, and DDP on each rank's quarter of the
 batch; ranks meet at a barrier before each. Prints rank 0's median milliseconds of each
-phase (forward, backward, optimizer) and the ratios of both torchalpa steps to DDP's.
+phase (forward, backward, optimizer: ``step()`` then ``zero_grad()``, for the loop and DDP
+alike) and the ratios of both torchalpa steps to DDP's.
 One thread per rank (``OMP_NUM_THREADS=1``).
 """
 
@@ -75,10 +76,11 @@ def main():
         pm.train_step(x, y)
         times.setdefault("train_step step", []).append(time.perf_counter() - t0)
 
-    def baseline():
-        ddp_opt.zero_grad(set_to_none=True)
-        phases("ddp", lambda: F.mse_loss(ddp(lx), ly), lambda loss: loss.backward(),
-               ddp_opt.step)
+    def baseline():     # the same loop: zero_grad after the step, timed, as the loop's
+        def step():
+            ddp_opt.step()
+            ddp_opt.zero_grad(set_to_none=True)
+        phases("ddp", lambda: F.mse_loss(ddp(lx), ly), lambda loss: loss.backward(), step)
 
     methods = [loop, train_step, baseline]
     for f in methods:        # warm-up

@@ -40,13 +40,13 @@ from torchalpa.runtime.lowering.rank_programs import (
     already_reduced,
 )
 from torchalpa.runtime.rewrites.attention_statistics import save_attention_statistics
+from torchalpa.runtime.rewrites.boxed_inputs import boxed
 from torchalpa.runtime.rewrites.buckets import (
     LossInBucket,
     collective_position,
     fuse_gradient_buckets,
     gradient_buckets,
 )
-from torchalpa.runtime.rewrites.boxed_inputs import boxed
 from torchalpa.runtime.rewrites.call_overhead import cut_call_overhead
 from torchalpa.runtime.rewrites.deferred_loss import defer_loss_wait
 from torchalpa.runtime.rewrites.inline_batched_matmul import inline_batched_matmul
@@ -117,6 +117,9 @@ def step_programs(stage: StageProgram, plan: Plan, *, num_micro_batches: int,
     loss_first = replace(lowered.loss_first, finish_loss=finish_loss, forward=EagerOrTraced(
         forward, cut_call_overhead(forward, stage.num_results)))
     if num_micro_batches != 1:      # gradients summed over micro-batches, reduced once
+        reduce_grads = EagerOrTraced(stage.reduce_grads, keep_bucket_buffers(
+            cut_call_overhead(stage.reduce_grads)))     # into buckets kept between steps
+        loss_first = replace(loss_first, reduce_grads=reduce_grads)
         return replace(lowered, loss_first=loss_first, loss_last=loss_first)
     # one micro-batch: each gradient collective issued during backward
     backward_reduce = backward_with_reduce(stage.backward, stage.reduce_grads)
