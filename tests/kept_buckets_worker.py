@@ -7,7 +7,8 @@ a second backward of the same loss is refused with a clear error.
 Scenario ``loop:0``: a 6-layer MLP with biases (every gradient in one of two buckets),
 four steps of ``loss = pm(x, y); loss.backward(); opt.step(); opt.zero_grad()`` beside the
 same steps on one device; then a step whose gradients the user keeps, one with
-``zero_grad(set_to_none=False)`` and two backward calls, and a second backward.
+``zero_grad(set_to_none=False)`` and two backward calls, ``torch.autograd.grad``,
+``backward(inputs=)``, a parameter's hook, and a second backward.
 Scenario ``train_step:0``: four ``train_step`` calls; the gradients' storage each step.
 """
 
@@ -100,6 +101,23 @@ def loop() -> dict:
         pm(x, y).backward()
         F.mse_loss(ref(x), y).backward()
         out["accumulated_diff"] = max(out["accumulated_diff"], max_diff(pm, ref))
+    # torch.autograd.grad and backward(inputs=) get their gradients; a hook still fires
+    pm.optimizer.zero_grad()
+    x, y = batch(16)
+    params = list(pm.parameters())
+    grads = torch.autograd.grad(pm(x, y), params)
+    ref_grads = torch.autograd.grad(F.mse_loss(ref(x), y), list(ref.parameters()))
+    out["autograd_grad_diff"] = max((g.full_tensor() - r).abs().max().item()
+                                    for g, r in zip(grads, ref_grads))
+    out["autograd_grad_set_none"] = all(p.grad is None for p in params)
+    pm(x, y).backward(inputs=[params[0]])
+    out["inputs_only"] = params[0].grad is not None and all(p.grad is None for p in params[1:])
+    pm.optimizer.zero_grad()
+    fired: list = []
+    handle = params[1].register_post_accumulate_grad_hook(lambda p: fired.append(p.grad))
+    pm(x, y).backward()
+    handle.remove()
+    out["hook_fired"] = len(fired) == 1 and fired[0] is params[1].grad
     loss = pm(*batch(15))
     loss.backward(retain_graph=True)
     try:

@@ -53,6 +53,14 @@ def test_gradients_accumulate_over_backward_calls_as_on_one_device(results):
     assert results["loop:0"]["accumulated_diff"] < 1e-5
 
 
+def test_autograd_grad_inputs_and_hooks_see_the_gradients_as_autograd_gives_them(results):
+    # the loop hands most gradients to the parameters itself (module._hand_over): only in
+    # a backward over the whole graph, and never past a parameter's hook
+    r = results["loop:0"]
+    assert r["autograd_grad_diff"] < 1e-5 and r["autograd_grad_set_none"]
+    assert r["inputs_only"] and r["hook_fired"]
+
+
 def test_a_second_backward_of_one_step_is_refused_clearly(results):
     message = results["loop:0"]["second_backward"]
     assert message is not None and "backward already ran" in message \
