@@ -92,7 +92,10 @@ class _TrainingStep(torch.autograd.Function):
     anything made outside them. So the forward's step stays in the forward: what each
     micro-batch saved goes to backward through ``ctx.save_for_backward``, and backward
     resumes on a step of its own (``StepRunner.resume``); buffer write-backs happen after
-    ``apply``, outside both."""
+    ``apply``, outside both. Eager, the values forward saved are held by ``ctx`` alone, so
+    backward frees each at its last use (a second backward of one step is refused), and in
+    a plain ``loss.backward()`` the gradients AccumulateGrad would only store are set on
+    the parameters here (``_hand_over``)."""
 
     @staticmethod
     def forward(ctx, pm: ParallelModule, num_state: int, sentinel, *args):
