@@ -163,7 +163,8 @@ def _hand_over(params: Sequence[torch.Tensor], grads: list) -> list:
     each, ``benchmarks/dtensor_grad_glue.py``). The others go through autograd as before."""
     out = []
     for p, g in zip(params, grads):
-        if isinstance(g, DTensor) and p.grad is None and not p._backward_hooks \
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and p.grad is None \
+                and not p._backward_hooks \
                 and not p._post_accumulate_grad_hooks and p.requires_grad \
                 and g._local_tensor.is_contiguous() and p._local_tensor.is_contiguous():
             p.grad = g
