@@ -7,7 +7,10 @@ planned with ``DataParallel()`` (DDP's plan). Per round, in alternating order: t
 the README's loop (``loss = pm(x, y)``, ``loss.backward()``, ``opt.step()``,
 ``opt.zero_grad()``), torchalpa by ``train_step``, and DDP on each rank's quarter of the
 batch; ranks meet at a barrier before each. Prints rank 0's median milliseconds of each
-phase (forward, backward, optimizer) and the ratios of both torchalpa steps to DDP's.
+phase (forward, backward, optimizer: ``step()`` then ``zero_grad()``, for the loop and DDP
+alike), beside each the main thread's CPU time and the process's minor page faults (wall
+time on a shared VM swings with the other jobs; CPU time much less), and the ratios of
+both torchalpa steps to DDP's.
 One thread per rank (``OMP_NUM_THREADS=1``).
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -30,6 +34,12 @@ from zoo_vs_ddp_fsdp import deep_narrow_mlp  # noqa: E402
 import torchalpa  # noqa: E402
 from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 from torchalpa.runtime.measurement.baselines import batch_shard, wrap_ddp  # noqa: E402
+
+
+def _mark() -> tuple[float, float, int]:
+    """Wall time, this thread's CPU time, this process's minor page faults so far."""
+    return (time.perf_counter(), time.thread_time(),
+            resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
 def main():
@@ -51,18 +61,20 @@ def main():
     ddp_opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
     lx, ly = batch_shard(x, rank, world), batch_shard(y, rank, world)
     times: dict[str, list[float]] = {}
+    cpu: dict[str, list[tuple[float, int]]] = {}    # (main thread's CPU s, minor faults)
 
     def phases(prefix, forward, backward, step):
-        t0 = time.perf_counter()
+        marks = [_mark()]
         loss = forward()
-        t1 = time.perf_counter()
+        marks.append(_mark())
         backward(loss)
-        t2 = time.perf_counter()
+        marks.append(_mark())
         step()
-        t3 = time.perf_counter()
-        for k, v in (("forward", t1 - t0), ("backward", t2 - t1), ("optimizer", t3 - t2),
-                     ("step", t3 - t0)):
-            times.setdefault(f"{prefix} {k}", []).append(v)
+        marks.append(_mark())
+        for k, (a, b) in (("forward", marks[0:2]), ("backward", marks[1:3]),
+                          ("optimizer", marks[2:4]), ("step", marks[0:4:3])):
+            times.setdefault(f"{prefix} {k}", []).append(b[0] - a[0])
+            cpu.setdefault(f"{prefix} {k}", []).append((b[1] - a[1], b[2] - a[2]))
 
     def loop():
         def step():
@@ -75,10 +87,11 @@ def main():
         pm.train_step(x, y)
         times.setdefault("train_step step", []).append(time.perf_counter() - t0)
 
-    def baseline():
-        ddp_opt.zero_grad(set_to_none=True)
-        phases("ddp", lambda: F.mse_loss(ddp(lx), ly), lambda loss: loss.backward(),
-               ddp_opt.step)
+    def baseline():     # the same loop: zero_grad after the step, timed, as the loop's
+        def step():
+            ddp_opt.step()
+            ddp_opt.zero_grad(set_to_none=True)
+        phases("ddp", lambda: F.mse_loss(ddp(lx), ly), lambda loss: loss.backward(), step)
 
     methods = [loop, train_step, baseline]
     for f in methods:        # warm-up
@@ -90,9 +103,14 @@ def main():
             f()
     if rank == 0:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        print(f"{world} gloo ranks, batch {args.batch}, {args.rounds} rounds; median ms (rank 0)")
+        print(f"{world} gloo ranks, batch {args.batch}, {args.rounds} rounds; median ms (rank 0)"
+              "; CPU ms of the main thread and its minor page faults, median")
         for k, v in med.items():
-            print(f"  {k:<20}{v:>8.1f}")
+            extra = ""
+            if k in cpu:
+                c = statistics.median(t for t, _ in cpu[k]) * 1e3
+                extra = f"   cpu {c:6.1f}   faults {statistics.median(f for _, f in cpu[k]):6.0f}"
+            print(f"  {k:<20}{v:>8.1f}{extra}")
         print(f"loop / DDP {med['loop step'] / med['ddp step']:.3f}   "
               f"train_step / DDP {med['train_step step'] / med['ddp step']:.3f}   "
               f"load {os.getloadavg()[0]:.1f}")

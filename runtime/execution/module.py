@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.autograd.graph import get_gradient_edge
 from torch.distributed.tensor import DTensor
 
 from torchalpa.core.calls import CallSignature
@@ -91,17 +92,23 @@ class _TrainingStep(torch.autograd.Function):
     anything made outside them. So the forward's step stays in the forward: what each
     micro-batch saved goes to backward through ``ctx.save_for_backward``, and backward
     resumes on a step of its own (``StepRunner.resume``); buffer write-backs happen after
-    ``apply``, outside both."""
+    ``apply``, outside both. Eager, the values forward saved are held by ``ctx`` alone, so
+    backward frees each at its last use (a second backward of one step is refused), and in
+    a plain ``loss.backward()`` the gradients AccumulateGrad would only store are set on
+    the parameters here (``_hand_over``)."""
 
     @staticmethod
-    def forward(ctx, pm: ParallelModule, num_state: int, *args):
+    def forward(ctx, pm: ParallelModule, num_state: int, sentinel, *args):
         # the parameters come as themselves (DTensors): their gradients are made DTensors
         # here, sharing each parameter's layout spec, not by ``to_local``'s backward, which
         # builds a spec per parameter (``from_local``) and adds an autograd node each
         state = [t._local_tensor if isinstance(t, DTensor) else t for t in args[:num_state]]
         inputs = args[num_state:]
+        params = args[:len(pm._param_names)]
         ctx.wrap = [(t._spec, t._local_tensor.shape, t.dtype, t.shape, t.stride())
-                    if isinstance(t, DTensor) else None for t in args[:len(pm._param_names)]]
+                    if isinstance(t, DTensor) else None for t in params]
+        # eager: gradients may be handed to the parameters directly (``_hand_over``)
+        ctx.params = params if sentinel is not None else None
         runner = pm._runner
         with pm._monitor.guard(f"the forward of step {pm._num_calls}"):
             step = runner.begin(inputs, StepMode.LOSS_FIRST)
@@ -152,7 +159,26 @@ class _TrainingStep(torch.autograd.Function):
             ctx.loss_box.value()
         pm._clock.stop("forward+backward")
         grads = [_as_parameter_grad(g, w) for g, w in zip(grads, ctx.wrap, strict=True)]
-        return (None, None, *grads, *([None] * ctx.num_others))
+        if ctx.params is not None and pm._plain_backward():
+            grads = _hand_over(ctx.params, grads)
+        return (None, None, None, *grads, *([None] * ctx.num_others))
+
+
+def _hand_over(params: Sequence[torch.Tensor], grads: list) -> list:
+    """Set each gradient that AccumulateGrad would only store (no ``p.grad`` yet, no hook
+    on the parameter, its layout) as ``p.grad`` here, and give autograd None for it: its
+    AccumulateGrad would detach each DTensor gradient through DTensor dispatch (about 7 us
+    each, ``benchmarks/dtensor_grad_glue.py``). The others go through autograd as before."""
+    out = []
+    for p, g in zip(params, grads):
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and p.grad is None \
+                and not p._backward_hooks \
+                and not p._post_accumulate_grad_hooks and p.requires_grad \
+                and g._local_tensor.is_contiguous() and p._local_tensor.is_contiguous():
+            p.grad = g
+            g = None
+        out.append(g)
+    return out
 
 
 class _HeldForBackward:
@@ -174,8 +200,10 @@ class _HeldForBackward:
         saved, self.saved = self.saved, None
         if saved is None:
             raise RuntimeError(
-                "a torchalpa step's backward runs once, and this one has run: call "
-                "loss.backward() once per forward (retain_graph=True is not supported)")
+                "this step's backward already ran: torchalpa frees the values a step saved "
+                "for backward as its backward goes, as autograd does without "
+                "retain_graph=True (which it does not support); call the model again "
+                "(loss = pmodel(x, y)) before another backward")
         for values, versions in zip(saved, self.versions):
             for t, version in zip(values, versions):
                 if version is not None and t._version != version:
@@ -303,6 +331,9 @@ class ParallelModule(nn.Module):
         self._last_loss_in_bucket: LossInBucket | None = None   # the last step's, if any
         # the autograd path's loss while its all-reduce is in flight (pending_loss.py)
         self._pending: LossBox | None = None
+        # a leaf the autograd path's function takes, to ask autograd which backward runs
+        self._grad_sentinel: torch.Tensor | None = None
+        self._sentinel_node = None
         self._loss_like: torch.Tensor | None = None     # its shape and dtype
         self._slots: dict[str, tuple[dict, str]] = {}   # name -> (owner's entries, key)
         self._exact_optimizer: tuple = (None, False)     # (its key, holds exactly our params)
@@ -368,9 +399,32 @@ class ParallelModule(nn.Module):
         # function's context); eager, the DTensors themselves (no to_local node each)
         state = self._state(names, differentiable=True) if torch.compiler.is_compiling() \
             else self._tensors(names)
-        loss, *buffer_updates = _TrainingStep.apply(self, len(state), *state, *flat)
+        loss, *buffer_updates = _TrainingStep.apply(self, len(state), self._sentinel(state),
+                                                    *state, *flat)
         self._write_buffer_updates(buffer_updates)
         return self._signature.wrap_loss(loss)
+
+    def _sentinel(self, state: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """A leaf the step's autograd function also takes (eager, some parameter trained):
+        its AccumulateGrad node runs only in a backward over the whole graph
+        (``_plain_backward``)."""
+        if torch.compiler.is_compiling() or not any(t.requires_grad for t in state):
+            return None
+        if self._grad_sentinel is None:
+            self._grad_sentinel = torch.zeros((), requires_grad=True)
+            self._sentinel_node = get_gradient_edge(self._grad_sentinel).node
+        return self._grad_sentinel
+
+    def _plain_backward(self) -> bool:
+        """Whether the running backward is a ``loss.backward()`` that accumulates into every
+        leaf (no ``inputs=``, not ``torch.autograd.grad``, no ``create_graph``): then the
+        step may set the parameters' gradients itself (``_hand_over``)."""
+        if torch.is_grad_enabled() or self._sentinel_node is None:
+            return False
+        try:
+            return torch._C._will_engine_execute_node(self._sentinel_node)
+        except RuntimeError:      # the engine refuses the question for a captured leaf
+            return False
 
     def _other_mode(self) -> bool:
         """Called in the mode the step was not captured in, with eval programs to run

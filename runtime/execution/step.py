@@ -172,10 +172,13 @@ class StepRunner:
     def resume(self, saved: Sequence[Sequence[torch.Tensor]]) -> StepInFlight:
         """A new step holding only what each micro-batch's forward saved (``saved[m]``),
         ready for the backward actions: what a deferred backward (``LOSS_FIRST``) runs on,
-        built from the tensors the forward handed over instead of the forward's own step."""
+        built from the tensors the forward handed over instead of the forward's own step.
+        A list in ``saved`` is taken over, not copied: backward frees its values as it goes
+        once the caller keeps no other reference to them."""
         present = sum(self.program.stage.grad_present)
         return StepInFlight([], StepLoss([]), self.program.pair(StepMode.LOSS_FIRST),
-                            saved={m: list(s) for m, s in enumerate(saved)},
+                            saved={m: s if isinstance(s, list) else list(s)
+                                   for m, s in enumerate(saved)},
                             raw=[None] * present)
 
     def run(self, step: StepInFlight, state: list[torch.Tensor], actions: list[Action]

@@ -50,6 +50,7 @@ from torchalpa.runtime.rewrites.buckets import (
 from torchalpa.runtime.rewrites.call_overhead import cut_call_overhead
 from torchalpa.runtime.rewrites.deferred_loss import defer_loss_wait
 from torchalpa.runtime.rewrites.inline_batched_matmul import inline_batched_matmul
+from torchalpa.runtime.rewrites.kept_buckets import keep_bucket_buffers
 from torchalpa.runtime.rewrites.linear_bias import fuse_linear_bias
 from torchalpa.runtime.rewrites.loss_in_bucket import put_loss_in_gradient_bucket
 from torchalpa.runtime.rewrites.overlap import overlap_collectives, prefetch_parameter_gathers
@@ -120,20 +121,30 @@ def step_programs(stage: StageProgram, plan: Plan, *, num_micro_batches: int,
         loss_first = replace(loss_first, backward=SummedBackward(EagerOrTraced(
             stage.backward, release_inputs(cut_call_overhead(stage.backward))),
             len(stage.grad_present)))
+        reduce_grads = EagerOrTraced(stage.reduce_grads, keep_bucket_buffers(
+            cut_call_overhead(stage.reduce_grads)))     # into buckets kept between steps
+        loss_first = replace(loss_first, reduce_grads=reduce_grads)
         return replace(lowered, loss_first=loss_first, loss_last=loss_first)
     # one micro-batch: each gradient collective issued during backward
     backward_reduce = backward_with_reduce(stage.backward, stage.reduce_grads)
+    # run eagerly: each bucket packed into buffers kept between steps, as DDP's are, and
+    # each saved value freed at its last use, as autograd frees it
     loss_first = replace(loss_first, reduce_grads=already_reduced, backward=ReducingBackward(
-        EagerOrTraced(backward_reduce, release_inputs(cut_call_overhead(backward_reduce)))))
+        EagerOrTraced(backward_reduce, _eager_backward(backward_reduce))))
     # train_step: the loss all-reduced inside a gradient bucket
     in_bucket = None if not stage.has_loss else \
         listed_in_plan(put_loss_in_gradient_bucket(stage.forward, backward_reduce), plan)
     loss_last = loss_first if in_bucket is None else ProgramPair(
         cut_call_overhead(in_bucket.forward, stage.num_results),
-        LossInBucketBackward(release_inputs(cut_call_overhead(in_bucket.backward_reduce)),
-                             in_bucket.finish),
+        LossInBucketBackward(_eager_backward(in_bucket.backward_reduce), in_bucket.finish),
         already_reduced, loss_in_bucket=in_bucket.listed)
     return replace(lowered, loss_first=loss_first, loss_last=loss_last)
+
+
+def _eager_backward(program: fx.GraphModule) -> fx.GraphModule:
+    """The copy of a backward-and-reduce program a step runs eagerly: less Python per op,
+    buckets packed into kept buffers, its inputs taken as one list it empties."""
+    return release_inputs(keep_bucket_buffers(cut_call_overhead(program)))
 
 
 def _streams_parameters(plan: Plan) -> bool:
