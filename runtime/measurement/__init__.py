@@ -10,5 +10,7 @@
 - ``profile``: layers timed on this job's devices (``stage_option="profile"``).
 - ``measure``: side-by-side measurements (step time, loopback bytes, peak memory).
 - ``host_memory``: this process's resident set size and its high-water mark.
+- ``allocated``: the bytes a function allocates at its peak, on any device (the profiler's
+  allocation records summed in order), and what held them there.
 - ``baselines``: DDP and FSDP2, the hand-written baselines benchmarks compare against.
 """

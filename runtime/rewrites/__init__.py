@@ -15,4 +15,7 @@
 - ``linear_bias``: ``add(mm(a, b), bias)`` run as ``addmm``.
 - ``relu_backward``: ReLU's backward as ``threshold_backward``, as eager autograd runs it.
 - ``call_overhead``: copies of the programs with less Python per op.
+- ``release_inputs``: programs that take their inputs as one list and free each after its
+  last read (the backward's saved values, as autograd frees them).
+- ``kept_buckets``: gradient buckets packed into flat buffers kept between steps, as DDP's.
 """
