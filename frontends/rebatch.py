@@ -89,7 +89,9 @@ def _rebatched_module(captured: Capture, k: int) -> fx.GraphModule:
         for i, n in enumerate(placeholders):
             val = n.meta["val"]
             shape = tuple(val.shape)
-            if i >= first_input and shape:
+            if i >= first_input:
+                if not shape:
+                    raise CannotRebatch("an input has no dim 0 to split")
                 shape = (state.shrunk(shape[0], "an input's batch dim"),) + shape[1:]
             state.set(n, torch.empty_strided(shape, _strides(val, shape), dtype=val.dtype,
                                              device="meta"))
