@@ -35,7 +35,6 @@ from dataclasses import replace
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten
 
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.torch_export import Capture, to_opgraph
@@ -89,10 +88,12 @@ def _rebatched_module(captured: Capture, k: int) -> fx.GraphModule:
         for i, n in enumerate(placeholders):
             val = n.meta["val"]
             shape = tuple(val.shape)
-            if i >= first_input:
-                if not shape:
-                    raise CannotRebatch("an input has no dim 0 to split")
-                shape = (state.shrunk(shape[0], "an input's batch dim"),) + shape[1:]
+            if i < first_input:               # parameters and buffers stay as they are
+                state.old[n] = val
+                continue
+            if not shape:
+                raise CannotRebatch("an input has no dim 0 to split")
+            shape = (state.shrunk(shape[0], "an input's batch dim"),) + shape[1:]
             state.set(n, torch.empty_strided(shape, _strides(val, shape), dtype=val.dtype,
                                              device="meta"))
         for n in graph.nodes:
@@ -108,7 +109,7 @@ def _strides(val: torch.Tensor, shape: tuple) -> tuple:
     """Contiguous strides for ``shape`` where ``val`` was contiguous; else a refusal (an
     input's layout at another batch is not known)."""
     if not val.is_contiguous():
-        raise CannotRebatch("an input or parameter is not contiguous")
+        raise CannotRebatch("an input is not contiguous")
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
@@ -117,12 +118,16 @@ def _strides(val: torch.Tensor, shape: tuple) -> tuple:
 
 
 class _Rebatch:
-    """The fake run: new values per node, the sizes that carry the batch, marked values."""
+    """The fake run: new values per node, the sizes that carry the batch, marked values.
+
+    A node none of whose inputs changed (a weight's cast or transpose, a constant) keeps
+    its value without running the op, once its arguments are checked."""
 
     def __init__(self, k: int):
         self.k = k
-        self.values: dict[fx.Node, object] = {}
+        self.values: dict[fx.Node, object] = {}   # meta tensors, made when an op reads them
         self.old: dict[fx.Node, object] = {}      # each node's value at the full batch
+        self.changed: set[fx.Node] = set()        # nodes whose value changed
         self.scaled: set[int] = set()      # sizes at the full batch of dims that shrank
         self.marked: set[fx.Node] = set()  # the batch is not leading in some dim
 
@@ -137,6 +142,10 @@ class _Rebatch:
         """``val`` (meta tensors) is the node's value; its ``meta["val"]`` is the fake
         tensor of the capture's mode over it, on the device the capture's was."""
         old = self.old[n] = n.meta.get("val")
+        if _layouts(old) == _layouts(val):
+            self.values[n] = val
+            return                            # the old value stands (n.meta is the capture's)
+        self.changed.add(n)
         self.values[n] = val
         n.meta["val"] = _faked(val, old)
         if isinstance(old, torch.Tensor) and isinstance(val, torch.Tensor):
@@ -147,23 +156,33 @@ class _Rebatch:
             n.meta["tensor_meta"] = _tensor_meta(n.meta["tensor_meta"], val)
         n.meta.pop("eager_input_vals", None)
 
+    def value(self, n: fx.Node):
+        if n not in self.values:
+            self.values[n] = _meta_like(self.old[n])
+        return self.values[n]
+
+    def shape(self, n) -> tuple:
+        return tuple((self.values[n] if n in self.changed else self.old[n]).shape)
+
     def run(self, n: fx.Node) -> None:
-        args = fx.node.map_arg(n.args, self.values.__getitem__)
-        kwargs = fx.node.map_arg(n.kwargs, self.values.__getitem__)
         inputs = n.all_input_nodes
         if any(a in self.marked for a in inputs):
             self.marked.add(n)
-        old_in = self.old.get(n.args[0]) if n.args else None
+        sizes = None
         if n.target in _VIEWS:
-            sizes = self.view_sizes(n, old_in, args[0])
-            n.args = (n.args[0], sizes, *n.args[2:])
-            args = (args[0], sizes, *args[2:])
+            sizes = self.view_sizes(n, tuple(self.old[n.args[0]].shape), self.shape(n.args[0]))
         elif n.target is _EXPAND:
-            sizes = self.expand_sizes(n, old_in, args[0])
-            n.args = (n.args[0], sizes, *n.args[2:])
-            args = (args[0], sizes, *args[2:])
+            sizes = self.expand_sizes(n, tuple(self.old[n.args[0]].shape),
+                                      self.shape(n.args[0]))
         elif n.target is not operator.getitem:
             self.check_numbers(n)
+        if not any(a in self.changed for a in inputs):
+            self.old[n] = n.meta.get("val")   # the same op on the same values
+            return
+        if sizes is not None:
+            n.args = (n.args[0], sizes, *n.args[2:])
+        args = _on_meta(fx.node.map_arg(n.args, self.value))
+        kwargs = _on_meta(fx.node.map_arg(n.kwargs, self.value))
         try:
             val = n.target(*args, **kwargs)
         except Exception as e:   # the op refuses the new shapes: trace instead
@@ -173,8 +192,7 @@ class _Rebatch:
 
     def check_numbers(self, n: fx.Node) -> None:
         """Refuse an op told a number that may be a batch-carrying size."""
-        leaves, _ = tree_flatten((n.args, n.kwargs))
-        for v in leaves:
+        for v in _leaves((n.args, n.kwargs)):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue
             if isinstance(v, int):
@@ -187,10 +205,10 @@ class _Rebatch:
                 raise CannotRebatch(f"{n.target} ({n.name}) is given {v}, a size the batch "
                                     "runs through")
 
-    def view_sizes(self, n: fx.Node, old_in, new_in) -> list[int]:
+    def view_sizes(self, n: fx.Node, a: tuple, b: tuple) -> list[int]:
+        """A view's sizes at the new batch (``a``, ``b``: its input's shape before, now)."""
         old_sizes = list(n.args[1])
         old_out = tuple(n.meta["val"].shape)
-        a, b = tuple(old_in.shape), tuple(new_in.shape)
         if a == b:
             return old_sizes
         groups = _groups(a, old_out)
@@ -220,9 +238,9 @@ class _Rebatch:
             out[target] //= k
         return [-1 if s == -1 else out[i] for i, s in enumerate(old_sizes)]
 
-    def expand_sizes(self, n: fx.Node, old_in, new_in) -> list[int]:
+    def expand_sizes(self, n: fx.Node, a: tuple, b: tuple) -> list[int]:
+        """An expand's sizes at the new batch (``a``, ``b``: its input's shape before, now)."""
         old_sizes = list(n.args[1])
-        a, b = tuple(old_in.shape), tuple(new_in.shape)
         offset = len(old_sizes) - len(a)
         sizes = []
         for p, s in enumerate(old_sizes):
@@ -235,6 +253,55 @@ class _Rebatch:
             else:
                 sizes.append(s)
         return sizes
+
+
+def _layouts(val):
+    """Shapes, strides and offsets of a value (a tensor or a tuple of them)."""
+    if isinstance(val, (list, tuple)):
+        return tuple(_layouts(v) for v in val)
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), val.stride(), val.storage_offset(), val.dtype)
+    return val
+
+
+def _meta_like(old):
+    """A meta tensor laid out as ``old`` (a fake tensor, or a tuple of them)."""
+    if isinstance(old, (list, tuple)):
+        return type(old)(_meta_like(o) for o in old)
+    if not isinstance(old, torch.Tensor):
+        return old
+    numel = -(-old.untyped_storage().nbytes() // old.element_size())
+    base = torch.empty(numel, dtype=old.dtype, device="meta")
+    return base.as_strided(old.shape, old.stride(), old.storage_offset())
+
+
+def _on_meta(tree):
+    """``tree`` with every device it names made ``meta``: an op that makes a tensor
+    (``full``, ``arange``, ``_to_copy``) makes it without memory; ``_faked`` puts the
+    captured device back on the value."""
+    if isinstance(tree, torch.device):
+        return _META
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_on_meta(a) for a in tree) if any(
+            isinstance(a, (torch.device, list, tuple, dict)) for a in tree) else tree
+    if isinstance(tree, dict):
+        return {key: _on_meta(a) for key, a in tree.items()}
+    return tree
+
+
+def _leaves(tree):
+    """The numbers, tensors and nodes in nested arguments."""
+    if isinstance(tree, (list, tuple)):
+        for a in tree:
+            yield from _leaves(a)
+    elif isinstance(tree, dict):
+        for a in tree.values():
+            yield from _leaves(a)
+    else:
+        yield tree
+
+
+_META = torch.device("meta")
 
 
 def _faked(val, old):
