@@ -59,14 +59,16 @@ def rebatched_capture(captured: Capture, k: int) -> Capture | None:
         return captured
     start = time.perf_counter()
     try:
-        gm = _rebatched_module(captured, k)
+        gm, kept = _rebatched_module(captured, k)
     except CannotRebatch as e:
         log.debug("micro-batch capture not derived (1/%d of the batch): %s", k, e)
         return None
     kinds = ([("param", n) for n in captured.param_names]
              + [("buffer", n) for n in captured.buffer_names]
              + [("input", n) for n in captured.input_names])
-    graph = to_opgraph(gm, kinds, captured.buffer_updates)
+    graph = to_opgraph(gm, kinds, captured.buffer_updates,
+                       known={name: captured.graph.node(name) for name in kept
+                              if name in captured.graph})
     graph.meta.update({key: value for key, value in captured.graph.meta.items()
                        if key != "repeated_blocks"})
     graph.meta["repeated_blocks"] = find_repeated_blocks(graph)
@@ -76,7 +78,8 @@ def rebatched_capture(captured: Capture, k: int) -> Capture | None:
     return replace(captured, graph=graph, gm=gm, seconds=seconds)
 
 
-def _rebatched_module(captured: Capture, k: int) -> fx.GraphModule:
+def _rebatched_module(captured: Capture, k: int) -> tuple[fx.GraphModule, list[str]]:
+    """The fx graph at the new batch, and its op nodes whose values did not change."""
     old = captured.gm.graph
     graph = fx.Graph()
     graph._codegen = _copied_codegen(old._codegen)
@@ -102,7 +105,7 @@ def _rebatched_module(captured: Capture, k: int) -> fx.GraphModule:
             elif n.op not in ("placeholder", "output"):
                 raise CannotRebatch(f"node {n.name} is a {n.op}")
     _check_outputs(graph, old, len(captured.param_names))
-    return fx.GraphModule(captured.gm, graph)
+    return fx.GraphModule(captured.gm, graph), state.skipped
 
 
 def _strides(val: torch.Tensor, shape: tuple) -> tuple:
@@ -128,6 +131,7 @@ class _Rebatch:
         self.values: dict[fx.Node, object] = {}   # meta tensors, made when an op reads them
         self.old: dict[fx.Node, object] = {}      # each node's value at the full batch
         self.changed: set[fx.Node] = set()        # nodes whose value changed
+        self.skipped: list[str] = []              # ops not run: every input as it was
         self.scaled: set[int] = set()      # sizes at the full batch of dims that shrank
         self.marked: set[fx.Node] = set()  # the batch is not leading in some dim
 
@@ -178,6 +182,7 @@ class _Rebatch:
             self.check_numbers(n)
         if not any(a in self.changed for a in inputs):
             self.old[n] = n.meta.get("val")   # the same op on the same values
+            self.skipped.append(n.name)
             return
         if sizes is not None:
             n.args = (n.args[0], sizes, *n.args[2:])
