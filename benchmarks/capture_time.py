@@ -5,7 +5,7 @@ LLaMA-3-8B bf16 on meta tensors, batch 16 x 8192 (target a of ``auto_targets.py`
 whole batch is captured once (the search's first capture, for its bounds); then the step
 of ``1/k`` of the batch is traced as before and derived as now, each timed, and the two
 compared (the same OpGraph nodes, graph meta and generated code, or exit 1). Prints the
-seconds, the ratio and the load; timings on a shared machine are noisy, the ratio within
+seconds (wall and this process's CPU), the ratios and the load; timings on a shared machine are noisy, the ratio within
 one run less so.
 
     python benchmarks/capture_time.py [--layers N] [--k 2 4] [--model llama3_8b|gpt_39b]
@@ -47,12 +47,12 @@ def main() -> int:
     print(f"  whole batch traced: {first:.2f} s ({len(whole.graph)} nodes)")
     failed = False
     for k in args.k:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         traced = capture_step(model, capture_examples(model, batch, k), workload.loss_fn)
-        before = time.perf_counter() - start
-        start = time.perf_counter()
+        before, before_cpu = time.perf_counter() - start, time.process_time() - cpu
+        start, cpu = time.perf_counter(), time.process_time()
         derived = rebatched_capture(whole, k)
-        after = time.perf_counter() - start
+        after, after_cpu = time.perf_counter() - start, time.process_time() - cpu
         if derived is None:
             print(f"  k={k}: not derived (traced again, {before:.2f} s)")
             failed = True
@@ -60,8 +60,9 @@ def main() -> int:
         same = (list(derived.graph) == list(traced.graph)
                 and derived.graph.meta == traced.graph.meta and derived.gm.code == traced.gm.code)
         failed |= not same
-        print(f"  k={k}: traced {before:.2f} s, derived {after:.2f} s, ratio "
-              f"{before / after:.1f}x; the same graph: {same}")
+        print(f"  k={k}: traced {before:.2f} s ({before_cpu:.2f} s CPU), derived {after:.2f} s "
+              f"({after_cpu:.2f} s CPU), ratio {before / after:.1f}x ({before_cpu / after_cpu:.1f}x "
+              f"CPU); the same graph: {same}")
     print(f"  load after {os.getloadavg()[0]:.1f}")
     return 1 if failed else 0
 

@@ -36,6 +36,7 @@ from dataclasses import replace
 import torch
 import torch.fx as fx
 
+from torchalpa.frontends.block_remat import copied_codegen
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.torch_export import Capture, to_opgraph
 
@@ -82,7 +83,7 @@ def _rebatched_module(captured: Capture, k: int) -> tuple[fx.GraphModule, list[s
     """The fx graph at the new batch, and its op nodes whose values did not change."""
     old = captured.gm.graph
     graph = fx.Graph()
-    graph._codegen = _copied_codegen(old._codegen)
+    graph._codegen = copied_codegen(old._codegen)
     graph.output(graph.graph_copy(old, {}))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     first_input = len(captured.param_names) + len(captured.buffer_names)
@@ -363,9 +364,3 @@ def _check_outputs(graph: fx.Graph, old: fx.Graph, num_params: int) -> None:
     new, before = shapes(graph), shapes(old)
     if new[1:] != before[1:] or new[0] != before[0]:
         raise CannotRebatch("a gradient, an updated buffer or the loss changed shape")
-
-
-def _copied_codegen(codegen):
-    from torchalpa.frontends.block_remat import _copied_codegen as copied
-    return copied(codegen)
-
