@@ -31,10 +31,13 @@ import logging
 import math
 import operator
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
+from torch.fx.node import map_arg
 
 from torchalpa.frontends.block_remat import copied_codegen
 from torchalpa.frontends.repeated import find_repeated_blocks
@@ -129,8 +132,8 @@ class _Rebatch:
 
     def __init__(self, k: int):
         self.k = k
-        self.values: dict[fx.Node, object] = {}   # meta tensors, made when an op reads them
-        self.old: dict[fx.Node, object] = {}      # each node's value at the full batch
+        self.values: dict[fx.Node, Any] = {}      # meta tensors, made when an op reads them
+        self.old: dict[fx.Node, Any] = {}         # each node's value at the full batch
         self.changed: set[fx.Node] = set()        # nodes whose value changed
         self.skipped: list[str] = []              # ops not run: every input as it was
         self.scaled: set[int] = set()      # sizes at the full batch of dims that shrank
@@ -166,8 +169,13 @@ class _Rebatch:
             self.values[n] = _meta_like(self.old[n])
         return self.values[n]
 
-    def shape(self, n) -> tuple:
+    def shape(self, n: fx.Node) -> tuple:
         return tuple((self.values[n] if n in self.changed else self.old[n]).shape)
+
+    def shapes(self, n: fx.Node) -> tuple[tuple, tuple]:
+        """The shape of ``n``'s first argument before and now."""
+        first = cast(fx.Node, n.args[0])
+        return tuple(self.old[first].shape), self.shape(first)
 
     def run(self, n: fx.Node) -> None:
         inputs = n.all_input_nodes
@@ -175,10 +183,9 @@ class _Rebatch:
             self.marked.add(n)
         sizes = None
         if n.target in _VIEWS:
-            sizes = self.view_sizes(n, tuple(self.old[n.args[0]].shape), self.shape(n.args[0]))
+            sizes = self.view_sizes(n, *self.shapes(n))
         elif n.target is _EXPAND:
-            sizes = self.expand_sizes(n, tuple(self.old[n.args[0]].shape),
-                                      self.shape(n.args[0]))
+            sizes = self.expand_sizes(n, *self.shapes(n))
         elif n.target is not operator.getitem:
             self.check_numbers(n)
         if not any(a in self.changed for a in inputs):
@@ -187,10 +194,10 @@ class _Rebatch:
             return
         if sizes is not None:
             n.args = (n.args[0], sizes, *n.args[2:])
-        args = _on_meta(fx.node.map_arg(n.args, self.value))
-        kwargs = _on_meta(fx.node.map_arg(n.kwargs, self.value))
+        args = _on_meta(map_arg(n.args, self.value))
+        kwargs = _on_meta(map_arg(n.kwargs, self.value))
         try:
-            val = n.target(*args, **kwargs)
+            val = cast(Callable[..., Any], n.target)(*args, **kwargs)
         except Exception as e:   # the op refuses the new shapes: trace instead
             raise CannotRebatch(f"{n.target} ({n.name}) at the new shapes: "
                                 f"{type(e).__name__}: {str(e)[:200]}") from e
@@ -213,7 +220,7 @@ class _Rebatch:
 
     def view_sizes(self, n: fx.Node, a: tuple, b: tuple) -> list[int]:
         """A view's sizes at the new batch (``a``, ``b``: its input's shape before, now)."""
-        old_sizes = list(n.args[1])
+        old_sizes = list(cast(Sequence[int], n.args[1]))
         old_out = tuple(n.meta["val"].shape)
         if a == b:
             return old_sizes
@@ -246,7 +253,7 @@ class _Rebatch:
 
     def expand_sizes(self, n: fx.Node, a: tuple, b: tuple) -> list[int]:
         """An expand's sizes at the new batch (``a``, ``b``: its input's shape before, now)."""
-        old_sizes = list(n.args[1])
+        old_sizes = list(cast(Sequence[int], n.args[1]))
         offset = len(old_sizes) - len(a)
         sizes = []
         for p, s in enumerate(old_sizes):
@@ -281,7 +288,7 @@ def _meta_like(old):
     return base.as_strided(old.shape, old.stride(), old.storage_offset())
 
 
-def _on_meta(tree):
+def _on_meta(tree: Any) -> Any:
     """``tree`` with every device it names made ``meta``: an op that makes a tensor
     (``full``, ``arange``, ``_to_copy``) makes it without memory; ``_faked`` puts the
     captured device back on the value."""
@@ -345,13 +352,14 @@ def _groups(a: tuple, b: tuple) -> list[tuple[list[int], list[int]]] | None:
     return groups
 
 
-def _tensor_meta(meta, val):
+def _tensor_meta(meta: Any, val: Any) -> Any:
     """``tensor_meta`` (shape and strides) following the new value."""
     if isinstance(meta, (list, tuple)) and not hasattr(meta, "_replace"):
         vals = val if isinstance(val, (list, tuple)) else [val] * len(meta)
         return type(meta)(_tensor_meta(m, v) for m, v in zip(meta, vals))
-    if hasattr(meta, "_replace") and isinstance(val, torch.Tensor):
-        return meta._replace(shape=val.shape, stride=val.stride())
+    replaced = getattr(meta, "_replace", None)       # a TensorMetadata (a named tuple)
+    if replaced is not None and isinstance(val, torch.Tensor):
+        return replaced(shape=val.shape, stride=val.stride())
     return meta
 
 
