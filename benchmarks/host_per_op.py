@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
 from dataclasses import replace
 
@@ -32,23 +31,6 @@ import torchalpa  # noqa: E402
 from torchalpa.passes.pricing.overlap_price import Device  # noqa: E402
 from torchalpa.passes.sharding import sharding_plan  # noqa: E402
 
-HEADER = re.compile(r"^(\w+) \(batch \d+\), (\w+)$")
-ROW = re.compile(r"^\s+torchalpa\s+([\d.]+)\s")
-
-
-def measured(paths: list[str]) -> dict[tuple[str, str], float]:
-    """(model, dtype) -> the torchalpa variant's measured step seconds in ``one_gpu.py`` logs."""
-    out: dict[tuple[str, str], float] = {}
-    for path in paths:
-        key = None
-        with open(path) as f:
-            for line in f:
-                if m := HEADER.match(line.strip()):
-                    key = (m.group(1), m.group(2))
-                elif (m := ROW.match(line)) and key is not None:
-                    out[key] = float(m.group(1)) / 1e3
-    return out
-
 
 def walk_inputs(model: str, dtype: str, cluster) -> dict:
     """Plan ``model`` in ``dtype`` for one GPU of ``cluster``; the chosen plan's step walk
@@ -56,7 +38,7 @@ def walk_inputs(model: str, dtype: str, cluster) -> dict:
     calls = []
     original = sharding_plan._step_seconds
 
-    def keep(graph, mesh, traffic, per_op, optimizer_s, device=Device()):
+    def keep(graph, mesh, traffic, per_op, optimizer_s, device):
         result = original(graph, mesh, traffic, per_op, optimizer_s, device)
         calls.append((result[0], graph, mesh, traffic, list(per_op), optimizer_s))
         return result
@@ -93,11 +75,11 @@ def main():
                    choices=list(one_gpu.BENCHES))
     p.add_argument("--dtypes", nargs="*", default=["bf16", "fp32"], choices=list(one_gpu.DTYPES))
     args = p.parse_args()
-    meas = measured(args.against)
+    meas = one_gpu.measured_steps(args.against)
     cluster = torchalpa.Cluster.preset(args.cluster, 1, 1)
     if not cluster.host_op_s:      # keep the kernels' own times in the walk's inputs
         cluster = replace(cluster, host_op_s=1e-6)
-    grid = [h * 1e-6 for h in range(0, 41, 2)]
+    grid = [h * 1e-6 for h in range(0, 41)]
     rows = []
     for model in args.models:
         for dtype in args.dtypes:
@@ -113,10 +95,10 @@ def main():
                   f"  device alone {r[4][0] * 1e3:7.1f} ms", flush=True)
     errors = [sum(math.log(r[4][i] / r[2]) ** 2 for r in rows) for i in range(len(grid))]
     best = min(range(len(grid)), key=errors.__getitem__)
-    print(f"\nh (us/op)  " + "".join(f"{grid[i] * 1e6:>6.0f}" for i in range(0, len(grid), 2)))
+    print(f"\n{'h (us/op)':<15}" + "".join(f"{grid[i] * 1e6:>6.0f}" for i in range(0, len(grid), 4)))
     for model, dtype, m, _, steps in rows:
         print(f"{model + ' ' + dtype:<11}" + "".join(f"{steps[i] / m:6.2f}"
-                                                     for i in range(0, len(grid), 2)))
+                                                     for i in range(0, len(grid), 4)))
     print(f"\nleast squares of log(est/meas) over {len(rows)} rows: h = {grid[best] * 1e6:.0f} us "
           f"per op (sum of squares {errors[best]:.3f}; {errors[0]:.3f} without the host)")
     for model, dtype, m, _, steps in rows:

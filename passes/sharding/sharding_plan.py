@@ -376,7 +376,7 @@ def _device(graph: OpGraph, mesh: LogicalMesh) -> Device:
 
 
 def _step_seconds(graph: OpGraph, mesh: LogicalMesh, traffic: _Traffic, per_op: list[float],
-                  optimizer_s: float, device: Device = Device()
+                  optimizer_s: float, device: Device
                   ) -> tuple[float, float, float | None, float | None]:
     """(step seconds, of which once per step, communication hidden behind compute, of which
     the gradients' reductions). On GPUs (NCCL) the communication is overlapped as the
