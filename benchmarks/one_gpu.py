@@ -5,6 +5,7 @@ dtype.
     python benchmarks/one_gpu.py                          # every model, fp32 and bf16
     python benchmarks/one_gpu.py --models gpt2 --dtypes bf16 --steps 20
     python benchmarks/one_gpu.py --estimates-only --cluster h200    # no GPU needed
+    python benchmarks/one_gpu.py --estimates-only --against LOG...  # beside a GPU run's steps
 
 Models (zoo configs at real widths, dropout off): ``gpt2`` (GPT-2 small, seq 1024, batch
 16), ``gpt_small`` (4 layers of 256, seq 256, batch 8: per-op overheads dominate),
@@ -97,6 +98,10 @@ def parse_args():
     p.add_argument("--estimates-only", action="store_true",
                    help="plan on the meta device for one GPU of --cluster; no GPU needed")
     p.add_argument("--cluster", default="h200", help="preset for --estimates-only")
+    p.add_argument("--against", nargs="*", default=[], metavar="LOG",
+                   help="with --estimates-only: logs of an earlier GPU run of this script; "
+                        "prints the torchalpa variant's measured step and est/meas beside "
+                        "each estimate")
     p.add_argument("--one", nargs=3, metavar=("MODEL", "DTYPE", "VARIANT"),
                    help=argparse.SUPPRESS)   # one variant, in this process: a JSON line
     return p.parse_args()
@@ -223,7 +228,47 @@ def estimate(model: str, dtype: str, cluster) -> dict:
         net = CastForward(net, torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
     plan = torchalpa.plan(net, batch, w.loss_fn, cluster=cluster)
     return {"plan_step_s": plan.estimates.step_time_s,
-            "plan_memory_bytes": plan.estimates.memory_per_device_bytes}
+            "plan_memory_bytes": plan.estimates.memory_per_device_bytes,
+            "host_s": plan.estimates.host_s or 0.0}
+
+
+def measured_steps(paths: list[str]) -> dict[tuple[str, str], float]:
+    """(model, dtype) -> the torchalpa variant's measured step seconds in logs this script
+    printed on a GPU."""
+    import re
+    header, row = re.compile(r"^(\w+) \(batch \d+\), (\w+)$"), \
+        re.compile(r"^\s+torchalpa\s+([\d.]+)\s")
+    out: dict[tuple[str, str], float] = {}
+    for path in paths:
+        key = None
+        with open(path) as f:
+            for line in f:
+                if m := header.match(line.strip()):
+                    key = (m.group(1), m.group(2))
+                elif (m := row.match(line)) and key is not None:
+                    out[key] = float(m.group(1)) / 1e3
+    return out
+
+
+def print_estimates(args) -> None:
+    """``--estimates-only``: every model planned for one GPU of ``--cluster``, beside the
+    measured steps of ``--against`` logs where given."""
+    cluster = torchalpa.Cluster.preset(args.cluster, 1, 1)
+    measured = measured_steps(args.against)
+    print(f"estimates for one {cluster.device_name} (measured: "
+          f"{', '.join(args.against) or 'left for a GPU run, benchmarks/gpu_checks.sh'})")
+    print(f"  {'model':<10}{'dtype':<6}{'batch':>6}{'plan ms':>10}{'host ms':>10}"
+          f"{'plan GiB':>10}" + (f"{'meas ms':>10}{'est/meas':>10}" if measured else ""))
+    for name in args.models:
+        for dtype in args.dtypes:
+            r = estimate(name, dtype, cluster)
+            cells = ""
+            if (name, dtype) in measured:
+                m = measured[(name, dtype)]
+                cells = f"{m * 1e3:>10.1f}{r['plan_step_s'] / m:>10.2f}"
+            print(f"  {name:<10}{dtype:<6}{BENCHES[name].batch_size:>6}"
+                  f"{r['plan_step_s'] * 1e3:>10.1f}{r['host_s'] * 1e3:>10.1f}"
+                  f"{r['plan_memory_bytes'] / 2**30:>10.2f}{cells}", flush=True)
 
 
 def main():
@@ -233,16 +278,7 @@ def main():
         print(json.dumps(run_one(model, dtype, variant, args.steps, args.warmup)))
         return
     if args.estimates_only:
-        cluster = torchalpa.Cluster.preset(args.cluster, 1, 1)
-        print(f"estimates for one {cluster.device_name} (measured: left for a GPU run, "
-              f"benchmarks/gpu_checks.sh)")
-        print(f"  {'model':<10}{'dtype':<6}{'batch':>6}{'plan ms':>10}{'plan GiB':>10}")
-        for name in args.models:
-            for dtype in args.dtypes:
-                r = estimate(name, dtype, cluster)
-                print(f"  {name:<10}{dtype:<6}{BENCHES[name].batch_size:>6}"
-                      f"{r['plan_step_s'] * 1e3:>10.1f}{r['plan_memory_bytes'] / 2**30:>10.2f}",
-                      flush=True)
+        print_estimates(args)
         return
     if not torch.cuda.is_available():
         print("benchmarks/one_gpu.py needs a CUDA device, and torch.cuda.is_available() is False "

@@ -9,7 +9,9 @@ memory model and the ILP use -- that gives, in one pass over the graph:
 - a memory lower bound per device: model states (parameters, gradients, optimizer
   states) plus the largest set of activations alive at once, all split over every device;
 - a step-time lower bound: the roofline of every op split over every device, plus each
-  kernel's launch, plus the optimizer's step on the smallest possible shard.
+  kernel's launch, plus the optimizer's step on the smallest possible shard; where the
+  host issues the ops of an eager program on GPUs (``LogicalMesh.host_op_s``), at least
+  the host's time for them (the device cannot start a kernel before it is issued).
 
 A mesh whose memory bound exceeds the budget cannot fit, whatever layout the ILP would
 choose, so it is refused in milliseconds instead of after building and solving the ILP;
@@ -59,6 +61,9 @@ class StepProfile:
     """Every op's roofline on one device (max of flops at peak and bytes at bandwidth)."""
     launch_s: float
     """Kernel launches of one micro-batch (a fixed cost per op, whatever its size)."""
+    host_s: float
+    """The host's time issuing one micro-batch's ops (GPUs, eager programs: every op, views
+    too, at ``host_op_s``; 0 when not modeled): a micro-batch takes at least this."""
     mesh: LogicalMesh
     """The device the figures are priced on (peak flop/s, bandwidth, launch cost)."""
     optimizer_states: int
@@ -103,7 +108,8 @@ class StepProfile:
         _check_devices(devices)
         if micro_batch is None:
             micro_batch = max(1, self.batch // num_micro_batches)
-        per_micro = self.roofline_s * self._scale(micro_batch) / devices + self.launch_s
+        per_micro = max(self.roofline_s * self._scale(micro_batch) / devices + self.launch_s,
+                        self.host_s)
         shard = {f"p{i}": self.parameter_bytes / self.num_parameter_tensors / devices
                  for i in range(self.num_parameter_tensors)}
         return num_micro_batches * per_micro + optimizer_cost(self.mesh, shard,
@@ -127,10 +133,11 @@ def captured_batch(graph: OpGraph) -> int:
 
 
 def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int | None = None,
-                 optimizer_states: int = 2) -> StepProfile:
+                 optimizer_states: int = 2, eager: bool = True) -> StepProfile:
     """The bounds of ``graph`` (one step captured for micro-batches of ``batch``, default
-    ``captured_batch(graph)``) on the devices of ``hardware``. One pass over the graph:
-    about a tenth of a second on thousands of ops."""
+    ``captured_batch(graph)``) on the devices of ``hardware``; ``eager=False`` where the
+    plan prices fused kernels (``elementwise="fused"``: no host time). One pass over the
+    graph: about a tenth of a second on thousands of ops."""
     batch = captured_batch(graph) if batch is None else batch
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
@@ -144,16 +151,19 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
     state = sum(n.output.nbytes * state_copies(graph, n.name, optimizer_states) for n in leaves)
     params = [n for n in leaves if n.kind == "param"]
     roofline = launches = 0.0
-    for node in graph.ops():
+    ops = list(graph.ops())
+    host = len(ops) * mesh.host_op_s if eager and mesh.backend == "nccl" \
+        and mesh.eager_kernels and mesh.peak_flops is not None else 0.0
+    for node in ops:
         launch = mesh.kernel_launch_s if mesh.kernel_launch_s and not node.aliases else 0.0
         roofline += compute_cost(mesh, node, 1) - launch
-        launches += launch
+        launches += launch if not host else 0.0      # the host's time stands for launches
     return StepProfile(
         batch=batch, state_bytes=float(state),
         parameter_bytes=float(sum(n.output.nbytes for n in params)),
         activation_peak_bytes=float(timeline.max()),
         activation_saved_bytes=float(timeline[min(forward_end(graph), len(timeline) - 1)]),
-        roofline_s=roofline, launch_s=launches, mesh=mesh,
+        roofline_s=roofline, launch_s=launches, host_s=host, mesh=mesh,
         optimizer_states=optimizer_states, num_parameter_tensors=max(1, len(params)))
 
 

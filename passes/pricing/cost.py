@@ -27,7 +27,9 @@ still reads the whole weight on every device, which is what a decode step of gen
 ``kernel_launch_s``, paid by every op that launches a kernel (views launch none): on CPU
 ranks (gloo) the host runs the op, so it adds; on GPUs (nccl) the host issues kernels
 ahead of the device, so an op costs the longer of its kernel and its issue (a step of many
-tiny kernels is host-bound, one of large kernels hides the issue). Attention's backward
+tiny kernels is host-bound, one of large kernels hides the issue): the ILP's per-op price.
+The step's estimate on GPUs walks the host as a queue of its own instead, every op (views
+too) at ``host_op_s`` (``passes/pricing/overlap_price.py``). Attention's backward
 costs what it runs on the mesh's devices (``op_flops``: the fused CPU backward reads the
 forward's saved statistic, a CUDA one runs the forward again).
 """

@@ -26,6 +26,18 @@ the compute stream and one per mesh axis for the communication streams:
   first) and in a pipeline stage (which reduces after its last backward) they run after
   backward, in full.
 
+Two things the device does not do alone shape the same walk:
+
+- **the host** (``host_s``, eager programs: ``LogicalMesh.host_op_s``): Python issues
+  every op, views too, one after the other; a kernel starts when the device is free *and*
+  the host has issued it (a queue: the host runs ahead of a busy device, a device waits
+  on a slow host). A step of many small kernels costs the host's time, one of large
+  kernels the device's; in between, each stretch costs the slower of the two;
+- **contention** (``contention``, ``LogicalMesh.contention``): a collective's kernel
+  beside compute takes SMs and memory bandwidth from it, so compute that runs while a
+  communication stream is busy goes ``contention`` times slower. Overlapped communication
+  is not free: it costs ``contention - 1`` of the compute it overlaps.
+
 ``overlapped_step`` returns the micro-batch's seconds with and without the gradients'
 reductions. On CPU ranks (gloo) the collectives' threads share the cores the ops run on:
 the estimate stays compute + communication there (``passes/sharding/sharding_plan.py`` does not
@@ -36,7 +48,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-__all__ = ["CommEvent", "overlapped_step", "FIRST_BUCKET_BYTES"]
+__all__ = ["CommEvent", "Device", "overlapped_step", "FIRST_BUCKET_BYTES"]
 
 FIRST_BUCKET_BYTES = 2 ** 20
 """DDP's first gradient bucket (``runtime/rewrites/buckets.FIRST_BUCKET_BYTES``): reduction starts early."""
@@ -75,18 +87,43 @@ class _Streams:
         self.note(f"issue {event.kind}")
         return end
 
+    def run(self, seconds: float, contention: float) -> None:
+        """Run ``seconds`` of compute from now: ``contention`` times slower while a
+        communication stream is still busy."""
+        busy = max(self.comm.values(), default=0.0) - self.t
+        if contention > 1.0 and busy > 0 and seconds > 0:
+            slowed = min(seconds * contention, busy)    # wall time under contention
+            self.t += slowed + (seconds - slowed / contention)
+        else:
+            self.t += seconds
+
     def note(self, what: str) -> None:
         if self.trace is not None:
             self.trace.append(what)
 
 
+@dataclass(frozen=True, slots=True)
+class Device:
+    """What the walk knows of the device besides its ops' kernel seconds: the host seconds
+    to issue each op (empty: the host keeps ahead, not modeled) and the factor compute
+    slows by while a collective runs beside it (1.0: no contention)."""
+
+    host_s: tuple[float, ...] = ()
+    contention: float = 1.0
+
+
 def overlapped_step(compute_s: list[float], phases: list[str], events: list[CommEvent],
-                    bucket_bytes: float) -> tuple[float, float]:
+                    bucket_bytes: float, device: Device = Device()) -> tuple[float, float]:
     """(seconds of one micro-batch with its gradient reductions overlapped with backward,
-    seconds without any gradient reduction) for ops of ``compute_s`` seconds in program
-    order, ``phases`` each op's phase, and the micro-batch's collectives ``events``."""
-    without = _walk(compute_s, phases, [e for e in events if e.how != "gradient"], 0.0)
-    with_grads = _walk(compute_s, phases, events, bucket_bytes) \
+    seconds without any gradient reduction) for ops of ``compute_s`` kernel seconds in
+    program order, ``phases`` each op's phase, the micro-batch's collectives ``events``,
+    and ``device``'s host issue times and contention (module doc)."""
+    if device.host_s and len(device.host_s) != len(compute_s):
+        raise ValueError(f"overlapped_step: {len(device.host_s)} host times for "
+                         f"{len(compute_s)} ops; give one per op (or none)")
+    without = _walk(compute_s, phases, [e for e in events if e.how != "gradient"], 0.0,
+                    device=device)
+    with_grads = _walk(compute_s, phases, events, bucket_bytes, device=device) \
         if any(e.how == "gradient" for e in events) else without
     return with_grads, without
 
@@ -125,7 +162,7 @@ def _buckets(gradients: list[CommEvent], bucket_bytes: float) -> list[CommEvent]
 
 def _walk(compute_s: list[float], phases: list[str], events: list[CommEvent],
           bucket_bytes: float, trace: list[str] | None = None,
-          names: list[str | None] | None = None) -> float:
+          names: list[str | None] | None = None, device: Device = Device()) -> float:
     by_op: dict[int, list[CommEvent]] = {}
     for e in events:
         by_op.setdefault(e.op, []).append(e)
@@ -136,9 +173,13 @@ def _walk(compute_s: list[float], phases: list[str], events: list[CommEvent],
     buckets = _buckets([e for e in events if e.how == "gradient"], bucket_bytes)
     for e in buckets:
         by_op.setdefault(e.op, []).append(replace(e, how="bucket"))
+    host = 0.0                             # when the host has issued op i
     for i, seconds in enumerate(compute_s):
         if i and phases[i] != "forward" and phases[i - 1] == "forward":
             s.note("backward")
+        if device.host_s:                  # nothing of op i starts before the host issued it
+            host += device.host_s[i]
+            s.t = max(s.t, host)
         here = by_op.get(i, ())
         mine = [position[id(e)] for e in here if e.how == "gather"]
         for j in mine:                     # issued before the reader unless prefetched
@@ -155,7 +196,7 @@ def _walk(compute_s: list[float], phases: list[str], events: list[CommEvent],
             if e.how == "serial":
                 s.t = s.issue(e, e.seconds)
                 s.note(f"wait {e.kind}")
-        s.t += seconds
+        s.run(seconds, device.contention)
         name = names[i] if names is not None else None
         if name is not None:
             s.note(name)

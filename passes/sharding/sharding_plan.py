@@ -44,7 +44,7 @@ from torchalpa.passes.pricing.cost import (
 )
 from torchalpa.passes.pricing.kernel_model import MATMUL_FAMILIES
 from torchalpa.passes.pricing.memory import KeptCopy, activation_peak_bytes, model_state_bytes
-from torchalpa.passes.pricing.overlap_price import CommEvent, overlapped_step, program_order
+from torchalpa.passes.pricing.overlap_price import CommEvent, Device, overlapped_step, program_order
 from torchalpa.passes.sharding.costgraph import ReshardCosts
 from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.shared_reshard import read_key
@@ -355,8 +355,10 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     ``held`` bytes alive for the step: a tied weight gathered once per step to be sent). An
     op's compute is priced on the bytes its strategy's blocks move."""
     k = traffic.k
+    device = _device(graph, mesh)
+    kernels = replace(mesh, kernel_launch_s=0.0) if device.host_s else mesh
     per_op = [compute_cost(
-        mesh, n, chosen[n.name].shards, chosen[n.name].outputs, strategy_bytes(
+        kernels, n, chosen[n.name].shards, chosen[n.name].outputs, strategy_bytes(
             graph, n, chosen[n.name].inputs, chosen[n.name].outputs, mesh.shape))
         for n in graph.ops()]
     compute_time = k * sum(per_op)
@@ -369,8 +371,10 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         graph, {name: s.outputs for name, s in chosen.items()}, mesh.shape,
         saved_statistics(graph, mesh), state_at_start=state_once, kept=kept)
     activations += held
-    step, once, hidden, hidden_grads = _step_seconds(graph, mesh, traffic, per_op, optimizer_s)
+    step, once, hidden, hidden_grads = _step_seconds(graph, mesh, traffic, per_op, optimizer_s,
+                                                     device)
     return Estimates(step_time_s=step, communication_s=traffic.seconds,
+                     host_s=k * sum(device.host_s) if device.host_s else None,
                      once_per_step_s=once, compute_s=compute_time,
                      hidden_communication_s=hidden, hidden_gradient_s=hidden_grads,
                      model_state_bytes_per_device=state,
@@ -380,13 +384,27 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                      wire_bytes_per_step=traffic.wire)
 
 
+def _device(graph: OpGraph, mesh: LogicalMesh) -> Device:
+    """The host and contention the GPU step walk prices (``overlap_price.Device``): every
+    op, views too, issued by the host at ``mesh.host_op_s`` when the program runs eagerly
+    on GPUs (``eager_kernels``); nothing on CPU ranks, where ``kernel_launch_s`` adds to
+    each op instead, nor without a compute model."""
+    if mesh.backend != "nccl" or mesh.peak_flops is None:
+        return Device()
+    host = (mesh.host_op_s,) * sum(1 for _ in graph.ops()) if mesh.host_op_s and mesh.eager_kernels \
+        else ()
+    return Device(host_s=host, contention=mesh.contention)
+
+
 def _step_seconds(graph: OpGraph, mesh: LogicalMesh, traffic: _Traffic, per_op: list[float],
-                  optimizer_s: float) -> tuple[float, float, float | None, float | None]:
+                  optimizer_s: float, device: Device
+                  ) -> tuple[float, float, float | None, float | None]:
     """(step seconds, of which once per step, communication hidden behind compute, of which
     the gradients' reductions). On GPUs (NCCL) the communication is overlapped as the
     runtime issues it (``passes/pricing/overlap_price.py``): parameter gathers prefetched, and with
-    one micro-batch the gradients reduced while backward goes on. On CPU ranks (gloo) and
-    without a compute model the step is compute + communication."""
+    one micro-batch the gradients reduced while backward goes on; kernels wait for the
+    host that issues them and slow down beside collectives (``device``). On CPU ranks
+    (gloo) and without a compute model the step is compute + communication."""
     k = traffic.k
     serial_once = traffic.once_seconds + optimizer_s
     if mesh.backend != "nccl" or mesh.peak_flops is None:
@@ -395,14 +413,16 @@ def _step_seconds(graph: OpGraph, mesh: LogicalMesh, traffic: _Traffic, per_op: 
     grad_s = sum(e.seconds for e in traffic.gradients)
     if k == 1:
         whole, micro = overlapped_step(per_op, phases, traffic.events + traffic.gradients,
-                                       mesh.gradient_bucket_bytes or 25 * 2 ** 20)
+                                       mesh.gradient_bucket_bytes or 25 * 2 ** 20, device)
         grads_exposed = whole - micro
     else:
-        micro = overlapped_step(per_op, phases, traffic.events, 0.0)[1]
+        micro = overlapped_step(per_op, phases, traffic.events, 0.0, device)[1]
         grads_exposed = grad_s
     once = grads_exposed + traffic.once_serial + optimizer_s
     step = k * micro + once
-    hidden = max(0.0, k * sum(per_op) + traffic.seconds + optimizer_s - step)
+    alone = overlapped_step(per_op, phases, [], 0.0, device)[1] if device.host_s \
+        else sum(per_op)                  # the micro-batch without communication
+    hidden = max(0.0, k * alone + traffic.seconds + optimizer_s - step)
     return step, once, hidden, grad_s - grads_exposed
 
 

@@ -126,12 +126,23 @@ class LogicalMesh:
     data fall short of the bandwidth (``passes/pricing/kernel_model.bandwidth_share``);
     False where a compiler or hand-fused kernels run them (``AutoShardingOption(
     elementwise="fused")``)."""
+    host_op_s: float = 0.0
+    """Host seconds an eager program spends issuing each of its ops from Python, views
+    included (PyTorch's dispatch and the launch); the device runs a kernel once it is free
+    and the host has issued it (``passes/pricing/overlap_price.py``), so a step of small
+    kernels costs the host's time. Applied on GPUs (nccl) with ``eager_kernels``; 0: the
+    host keeps ahead (Alpa's accounting, compiled programs)."""
+    contention: float = 1.0
+    """How much slower compute runs while a collective's kernel runs beside it on another
+    stream (SMs and memory bandwidth shared): the overlapped part of a step costs this
+    factor (``passes/pricing/overlap_price.py``). 1.0: overlapped communication is free."""
 
     def __post_init__(self):
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"LogicalMesh.backend must be 'nccl' or 'gloo', got {self.backend!r}")
         _check_non_negative(self, "LogicalMesh", ("kernel_launch_s", "optimizer_tensor_s",
-                                               "gradient_bucket_bytes"))
+                                               "gradient_bucket_bytes", "host_op_s"))
+        _check_contention(self, "LogicalMesh")
         object.__setattr__(self, "peak_flops_by_dtype", _dtype_peaks(self.peak_flops_by_dtype,
                                                                      "LogicalMesh"))
         object.__setattr__(self, "peak_flops_by_op", _dtype_peaks(
@@ -270,6 +281,13 @@ class Cluster:
     host_memory_bandwidth: float = 200 * GB
     """Bytes/s the host's CPUs stream through memory, per node: the pace of an optimizer
     step run on the host."""
+    host_op_s: float = 0.0
+    """Host seconds an eager program spends issuing each op, views included (GPUs: a step
+    cannot run faster than its host issues its kernels; ``LogicalMesh.host_op_s``); 0 leaves
+    the host out."""
+    contention: float = 1.0
+    """Factor compute slows by while a collective runs beside it (``LogicalMesh.contention``);
+    1.0: overlapped communication is free."""
 
     def __post_init__(self):
         _check_links(self)
@@ -281,7 +299,9 @@ class Cluster:
             if getattr(self, f) <= 0:
                 raise ValueError(f"Cluster.{f} must be > 0, got {getattr(self, f)}")
         _check_non_negative(self, "Cluster", ("kernel_launch_s", "optimizer_tensor_s",
-                                               "gradient_bucket_bytes", "host_memory_per_node"))
+                                               "gradient_bucket_bytes", "host_memory_per_node",
+                                               "host_op_s"))
+        _check_contention(self, "Cluster")
         for f in ("host_link_bandwidth", "host_memory_bandwidth"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"Cluster.{f} must be > 0 bytes/s, got {getattr(self, f)}")
@@ -353,6 +373,7 @@ class Cluster:
                    else inter_node_bandwidth,
                    inter_node_latency=10e-6, kernel_launch_s=gpu_specs.KERNEL_LAUNCH_S,
                    optimizer_tensor_s=gpu_specs.OPTIMIZER_TENSOR_S,
+                   host_op_s=gpu_specs.HOST_OP_S, contention=gpu_specs.CONTENTION,
                    multiprocessors=spec.multiprocessors, op_rate_factors=gpu_specs.op_factors(spec),
                    intra_node_links=tuple(tuple(row[:per_node]) for row in links[:per_node]),
                    intra_node_link_bandwidth=link_bw if links else 0.0,
@@ -441,6 +462,7 @@ class Cluster:
                    host_link_bandwidth=host_link_of(spec.name),
                    host_memory_per_node=physical_memory() or host_memory_of(spec.name),
                    optimizer_tensor_s=gpu_specs.OPTIMIZER_TENSOR_S,
+                   host_op_s=gpu_specs.HOST_OP_S, contention=gpu_specs.CONTENTION,
                    multiprocessors=spec.multiprocessors, op_rate_factors=gpu_specs.op_factors(spec),
                    device_name=name)
 
@@ -471,6 +493,7 @@ class Cluster:
                            multiprocessors=self.multiprocessors,
                            op_rate_factors=self.op_rate_factors,
                            kernel_launch_s=self.kernel_launch_s,
+                           host_op_s=self.host_op_s, contention=self.contention,
                            device_name=self.device_name or self.name,
                            gradient_bucket_bytes=self.gradient_bucket_bytes)
 
@@ -543,6 +566,13 @@ def _check_non_negative(obj, owner: str, fields: tuple[str, ...]) -> None:
     for f in fields:
         if getattr(obj, f) < 0:
             raise ValueError(f"{owner}.{f} must be >= 0, got {getattr(obj, f)}")
+
+
+def _check_contention(obj, owner: str) -> None:
+    """Raise unless ``obj.contention`` is a slowdown factor (>= 1)."""
+    if not obj.contention >= 1.0:
+        raise ValueError(f"{owner}.contention must be >= 1.0 (how many times slower compute "
+                         f"runs beside a collective; 1.0: no contention), got {obj.contention}")
 
 
 def _dtype_peaks(value, owner: str, field: str = "peak_flops_by_dtype"

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 __all__ = ["GpuSpec", "NodeSpec", "KNOWN_GPUS", "NODE_PRESETS", "lookup", "node_preset",
            "MATMUL_EFFICIENCY", "FP32_MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY",
            "NVLINK_EFFICIENCY", "NETWORK_EFFICIENCY", "KERNEL_LAUNCH_S", "OPTIMIZER_TENSOR_S",
+           "HOST_OP_S", "CONTENTION",
            "CONVOLUTION_SHARE",
            "HYBRID_CUBE_MESH", "peaks_by_dtype", "op_factors"]
 
@@ -67,6 +68,26 @@ KERNEL_LAUNCH_S = 10e-6
 torchalpa's programs spend ~10 us per op (issue 37: a 4 x 256 GPT ran 641 kernels in
 6.84 ms on an H200, host-bound). Kernels run asynchronously, so an op costs the longer of
 its kernel and this (``passes/pricing/cost.py``)."""
+
+HOST_OP_S = 22e-6
+"""Host seconds torchalpa's eager programs spend per captured op, views included (the
+generated Python, ATen's dispatch, the launch): a step cannot run faster than its host
+issues its kernels (``LogicalMesh.host_op_s``; the step walk of
+``passes/pricing/overlap_price.py``). Fitted on the H200 of 2026-11-28 (PyTorch 2.11) over
+the 14 one-GPU rows of ``benchmarks/one_gpu.py`` (7 zoo models, fp32 and bf16: 415 to
+3837 ops a step), one constant for all: ``benchmarks/host_per_op.py`` minimizes the
+squared log of estimate / measured. The host-bound rows alone run 19-27 us per op (ViT
+and BERT bf16 19.4 and 20.8, the small GPT 22.9 fp32 and 27.1 bf16); ``torchalpa
+calibrate``'s stream of one tiny op repeated, 8.2 us, is the floor of a bare dispatch."""
+CONTENTION = 1.35
+"""Factor compute slows by while a collective's kernel runs beside it on another stream
+(``LogicalMesh.contention``): SMs and memory bandwidth are shared. On the H200 of
+2026-11-28 (``benchmarks/gpu_overlap.py``, ``gpu_logs/h200-2026-11-28/overlap.log``) 24
+bf16 8192^3 matmuls ran 1.35x slower beside a device-to-device copy kernel on a side
+stream (38.1 -> 51.4 ms; the copy alone 16.2 ms, 2.1 TB/s: a collective's memory
+traffic). The copy kernel takes every SM it can where NCCL's kernels take one per channel
+(16-32 of 132); losing 32 of 132 SMs alone would be 1/(1 - 32/132) = 1.32x. Not measured
+with NCCL (one GPU)."""
 
 CONVOLUTION_SHARE = 0.2
 """Share of its dtype's matmul rate a cuDNN convolution of a CNN's training step reaches

@@ -51,6 +51,9 @@ class Estimates:
     hidden_gradient_s: float | None = None
     """Of those, the gradients' final resharding hidden behind backward (one micro-batch,
     one stage): a pipeline stage, which reduces after its last backward, pays it."""
+    host_s: float | None = None
+    """Host seconds an eager program spends issuing one step's ops (GPUs,
+    ``LogicalMesh.host_op_s``): ``step_time_s`` is at least this."""
     model_state_bytes_per_device: float | None = None
     activation_bytes_per_device: float | None = None
     saved_activation_bytes_per_device: float | None = None

@@ -258,7 +258,8 @@ class _Search:
                 with self.timed("bounds"):
                     self.profiles[remat] = step_profile(
                         captured.graph, self.meshes[0],
-                        optimizer_states=self.method.optimizer_states)
+                        optimizer_states=self.method.optimizer_states,
+                        eager=self.method.auto_sharding_option.elementwise != "fused")
                 progress.done = f"{len(captured.graph)} nodes"
         return self.profiles[remat]
 

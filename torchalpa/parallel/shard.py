@@ -81,7 +81,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     refused: list[LogicalMesh] = []
     late: list[LogicalMesh] = []
     bounding = SKIP_BY_BOUND if bound_views is None else bound_views
-    profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states)
+    profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states,
+                           eager=method.auto_sharding_option.elementwise != "fused")
     for i, mesh in enumerate(meshes):
         key = cache.plan_key(fingerprint, mesh, method, inputs)
         shape = "x".join(map(str, mesh.shape))
