@@ -380,6 +380,7 @@ class _Search:
         captured = self.capture(c.num_micro_batches, c.remat, c.regather)
         if c.kind == "intra-op":
             from torchalpa.parallel.shard import blocks_of, plan_graph
+            from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
             method = ShardParallel(num_micro_batches=c.num_micro_batches,
                                    auto_sharding_option=option,
                                    optimizer=self.method.optimizer)
@@ -387,7 +388,7 @@ class _Search:
                 plan = plan_graph(captured.graph, method=method, meshes=self.meshes,
                                   inputs=self.inputs, blocks=blocks_of(captured.graph),
                                   deadline=self.deadline, bound_views=False,
-                                  memo=self.pricing)
+                                  memo=self.pricing, workers=cpu_workers())
         else:
             from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
             method = PipeshardParallel(num_micro_batches=c.num_micro_batches,

@@ -57,7 +57,7 @@ def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
 def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
                inputs: str = "global", blocks: dict | None = None,
                deadline: float | None = None, bound_views: bool | None = None,
-               memo=None) -> Plan:
+               memo=None, workers: int = 1) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
     A mesh whose memory lower bound (``passes/pricing/bounds.py``) exceeds the budget is
@@ -68,26 +68,26 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     follows ``SKIP_BY_BOUND``; AutoParallel, which bounds its candidates itself, sets False.
     Past ``deadline`` (a ``time.perf_counter()`` value: a safety net) no further mesh is
     solved once a plan is in hand; before it, each solve gets only the time left
-    (``plan_intra_op(deadline=)``; a plan the clock cut short is not cached)."""
+    (``plan_intra_op(deadline=)``; a plan the clock cut short is not cached). ``workers``
+    > 1, not bounding views: the ILPs solved at once in processes (``_solve_apart``)."""
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
     from torchalpa.passes.pricing.bounds import step_profile
     from torchalpa.passes.sharding.ilp import InfeasibleError
     from torchalpa.passes.sharding.intra_op import plan_intra_op, step_time_lower_bound
     fingerprint = graph.fingerprint()
-    # the reshard prices and strategies the meshes' solves repeat (``memo``: a caller's,
-    # shared with its other solves)
-    memo = PricingMemo() if memo is None else memo
+    memo = PricingMemo() if memo is None else memo     # the reshard prices, strategies
     plans, failures, skipped = [], [], []
     refused: list[LogicalMesh] = []
     late: list[LogicalMesh] = []
     bounding = SKIP_BY_BOUND if bound_views is None else bound_views
     profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states)
+    apart = {} if bounding or workers <= 1 else _solve_apart(
+        graph, method, meshes, inputs, blocks, memo, deadline, workers, profile, fingerprint)
     for i, mesh in enumerate(meshes):
         key = cache.plan_key(fingerprint, mesh, method, inputs)
         shape = "x".join(map(str, mesh.shape))
         with step(f"mesh {i + 1}/{len(meshes)} ({shape}) solving") as progress:
-            found = cache.load_cached(key, lambda p, source, shape=tuple(mesh.shape): check_plan(
-                p, fingerprint=fingerprint, source=source, mesh_shape=shape, graph=graph))
+            found = _cached(key, graph, fingerprint, mesh)
             if isinstance(found, Plan):
                 progress.done = "cached, " + _estimate_text(found, mesh)
                 plans.append(found)
@@ -99,7 +99,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 progress.done = f"does not fit: {too_small}"
                 continue
             fastest = min(plans, key=lambda p: p.estimates.step_time_s, default=None)
-            if fastest is not None and deadline is not None and time.perf_counter() > deadline:
+            if i not in apart and fastest is not None and deadline is not None and \
+                    time.perf_counter() > deadline:
                 late.append(mesh)
                 progress.done = "not solved: the time budget is spent"
                 continue
@@ -110,16 +111,16 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                     progress.done = (f"skipped: no plan here beats {bound * 1e3:.3g} ms/step "
                                      "(a bound), slower than one found")
                     continue
-                # a bound that skips nothing cost an LP for nothing: where views plan
-                # alike (transformers) the other meshes are solved without one
-                bounding = False
+                bounding = False    # it cost an LP for nothing: views plan alike here
             cut = deadline if fastest is not None else None
             try:
-                found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks,
-                                      memo=memo, deadline=cut)
+                found = apart[i] if i in apart else plan_intra_op(
+                    graph, mesh, method, inputs=inputs, blocks=blocks, memo=memo, deadline=cut)
             except InfeasibleError as e:
-                failures.append(e)
-                progress.done = f"does not fit: {e}"
+                found = e
+            if isinstance(found, InfeasibleError):    # raised here or in a worker
+                failures.append(found)
+                progress.done = f"does not fit: {found}"
                 continue
             found = _with_budget(found, method, mesh)
             progress.done = _estimate_text(found, mesh)
@@ -142,6 +143,48 @@ def _with_budget(found: Plan, method: ShardParallel, mesh: LogicalMesh) -> Plan:
         return found
     return replace(found, estimates=replace(found.estimates,
                                             memory_budget_per_device_bytes=budget))
+
+
+def _cached(key: str, graph: OpGraph, fingerprint: str, mesh: LogicalMesh):
+    """The plan cached under ``key`` for ``graph`` on ``mesh``, or None."""
+    return cache.load_cached(key, lambda p, source: check_plan(
+        p, fingerprint=fingerprint, source=source, mesh_shape=tuple(mesh.shape), graph=graph))
+
+
+def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh], inputs: str,
+                 blocks: dict | None, memo, deadline: float | None, workers: int, profile,
+                 fingerprint: str) -> dict[int, Any]:
+    """mesh index -> its plan, or the InfeasibleError its ILP raised, for the meshes
+    ``plan_graph`` would solve (neither cached nor refused by the memory bound), solved in
+    up to ``workers`` forked processes (``stage_jobs.fork_map``), the 2D views (the longest
+    solves) first. Each solve is what ``plan_graph`` runs one after another, bounded by the
+    same work, so the plans are the same; pricing memos filled in a worker stay there.
+    The first mesh solves without a deadline (no plan is in hand before it), the others
+    with it, as one after another. Empty where fewer than two meshes are left to solve."""
+    from torchalpa.passes.pipeline_search.stage_jobs import can_fork, fork_map
+    from torchalpa.passes.sharding.ilp import InfeasibleError
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
+    todo = [i for i, mesh in enumerate(meshes)
+            if memory_refusal(profile, mesh, method) is None and not isinstance(_cached(
+                cache.plan_key(fingerprint, mesh, method, inputs), graph, fingerprint, mesh),
+                Plan)]
+    if len(todo) < 2 or not can_fork() or \
+            (deadline is not None and time.perf_counter() > deadline):
+        return {}
+
+    def solve(i: int):
+        try:
+            return plan_intra_op(graph, meshes[i], method, inputs=inputs, blocks=blocks,
+                                 memo=memo, deadline=None if i == todo[0] else deadline)
+        except InfeasibleError as e:       # an answer (does not fit), not a failure
+            return e
+
+    order = sorted(todo, key=lambda i: (-len(meshes[i].shape), i))
+    shapes = ", ".join("x".join(map(str, meshes[i].shape)) for i in order)
+    with step(f"meshes {shapes} solving in {min(workers, len(order))} processes") as progress:
+        found = fork_map(solve, order, workers)
+        progress.done = "done"
+    return dict(zip(order, found))
 
 
 def _no_mesh_fits(failures: list, refused: list[LogicalMesh], meshes: list[LogicalMesh],
