@@ -89,8 +89,8 @@ def test_meshes_solved_in_processes_give_the_plan_solved_one_after_another(gpt, 
     """``plan_graph(workers=2)`` solves the views' ILPs at once in forked processes: the
     same plan, to the last bit of its estimate, as solving them in turn."""
     from torchalpa.frontends.torch_export import capture
-    from torchalpa.passes.pipeline_search import stage_jobs
     from torchalpa.parallel.shard import blocks_of, candidate_meshes, plan_graph
+    from torchalpa.passes.pipeline_search import stage_jobs
     monkeypatch.setenv("TORCHALPA_CACHE", "0")
     model, batch, loss_fn = gpt
     graph = capture(model, batch, loss_fn).graph
