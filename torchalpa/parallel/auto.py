@@ -21,7 +21,12 @@ search
    A candidate is also dominated, and skipped, by a plan of its kind that fits with room
    to spare (``ROOM``): more checkpointing, (intra-op) more micro-batches, or gathering
    parameters again in backward (ZeRO-3, FSDP's reshard after forward) only adds work to
-   every plan, and what it buys -- memory -- that plan did not need.
+   every plan, and what it buys -- memory -- that plan did not need. The same two rules
+   settle single views (logical meshes) of an intra-op candidate before its ILPs
+   (``settled_views``): a view where a candidate alike but recomputing more did not fit,
+   or where one it only adds work to fits with room to spare, is not solved. The views
+   left are solved at once in forked processes, one per core (``plan_graph(workers=)``),
+   each bounded by the same work, so the plan is the one solving them in turn gives.
 
 On one node the candidates are intra-op plans; pipelines there are the fallback when no
 intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
