@@ -155,7 +155,7 @@ def _bound_above(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, input
     plan ``fastest`` found; None where it is not."""
     from torchalpa.passes.sharding.intra_op import step_time_lower_bound
     bound = step_time_lower_bound(graph, mesh, method, inputs=inputs, memo=memo)
-    if bound is not None and bound > fastest.estimates.step_time_s * (1 + 1e-9):
+    if bound is not None and bound > known(fastest.estimates.step_time_s) * (1 + 1e-9):
         return f">= {bound * 1e3:.3g} ms (bound, not solved)"
     return None
 
