@@ -54,9 +54,11 @@ GB = 1024 ** 3
 
 TARGET_S = {"a": 20, "b": 60, "c": 30, "d": 60, "e": 60, "f": 120, "g": 30}
 """Seconds each target should plan in on a 2-core machine (capture included)."""
-BEFORE = {"a": (67.1, 2.796), "b": (520.4, 71.99), "d": (1065.5, 5.058)}
-"""(planned-in seconds, estimated s/step) recorded before in RESULTS.md ("Real jobs with
-the default method", 2026-11-28); targets not listed had no figure."""
+BEFORE = {"a": (613.4, 2.346), "b": (520.4, 71.99), "d": (1065.5, 5.058), "g": (861.0, 91.86)}
+"""(planned-in seconds, estimated s/step) recorded before in RESULTS.md: a and g from
+"Targets after pricing alike nodes once" (2026-11-28 20:27-21:11, load 12-18, the 600-s
+safety net fired in both), b and d from "Real jobs with the default method" (2026-11-28);
+targets not listed had no figure."""
 
 
 def _meta(workload):

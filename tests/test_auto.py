@@ -232,3 +232,36 @@ def test_plan_prices_mixed_precision_as_auto_parallel_runs_it():
     assert bf16.estimates.step_time_s < 0.5 * fp32.estimates.step_time_s
     assert bf16.estimates.model_state_bytes_per_device == \
         fp32.estimates.model_state_bytes_per_device
+
+
+def test_a_view_is_settled_by_the_rules_that_settle_whole_candidates():
+    """``settled_views``: a view where a candidate alike but recomputing more did not fit
+    does not fit either; a view where a candidate of no more micro-batches, regathering
+    and recomputing fits with room to spare is dominated there; nothing else is settled."""
+    cluster = _cluster(4, memory=100.0)
+    meshes = shard.candidate_meshes(cluster, ShardParallel())
+    search = auto._Search(None, (), None, None, torchalpa.AutoParallel(), cluster, meshes,
+                          "global", True, 8, 0.0)
+
+    def cand(remat, k=1, regather=False):
+        return auto.Candidate("intra-op", remat, k, 0.0, 0.0, regather=regather)
+
+    search.views = [(cand("full"), 0, None), (cand("none"), 1, 50.0)]
+    settled = search.settled_views(cand("none"))
+    assert settled.keys() == {0, 1}
+    assert settled[0][1] is False and "does not fit" in settled[0][0]    # by infeasibility
+    assert settled[1][1] is True and "room to spare" in settled[1][0]    # by dominance
+    assert set(search.settled_views(cand("selective", 2))) == {1}  # more micro-batches
+    assert search.settled_views(cand("none", regather=True)).keys() == {1}
+    assert search.settled_views(auto.Candidate("pipeline", "none", 1, 0.0, 0.0)) == {}
+    search.views = [(cand("none"), 1, 95.0)]        # tight: it may have bent to fit
+    assert search.settled_views(cand("full")) == {}
+    search.views = [(cand("none"), 0, None)]         # recomputes less than full: says nothing
+    assert search.settled_views(cand("full")) == {}
+    auto_reuse = auto.REUSE_VIEWS
+    try:
+        auto.REUSE_VIEWS = False
+        search.views = [(cand("full"), 0, None)]
+        assert search.settled_views(cand("none")) == {}
+    finally:
+        auto.REUSE_VIEWS = auto_reuse

@@ -83,3 +83,31 @@ def test_a_long_step_is_never_silent(caplog, monkeypatch):
     with progress.step("waiting on a slow thing"):
         time.sleep(0.3)
     assert caplog.text.count("waiting on a slow thing: still working") >= 2
+
+
+def test_meshes_solved_in_processes_give_the_plan_solved_one_after_another(gpt, monkeypatch):
+    """``plan_graph(workers=2)`` solves the views' ILPs at once in forked processes: the
+    same plan, to the last bit of its estimate, as solving them in turn."""
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.parallel.shard import blocks_of, candidate_meshes, plan_graph
+    from torchalpa.passes.pipeline_search import stage_jobs
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")
+    model, batch, loss_fn = gpt
+    graph = capture(model, batch, loss_fn).graph
+    method = torchalpa.ShardParallel()
+    meshes = candidate_meshes(torchalpa.Cluster.h100(1, 4), method)
+    forked = []
+
+    def fork_map(fn, items, workers):
+        forked.append(list(items))
+        return stage_jobs_fork_map(fn, items, workers)
+
+    stage_jobs_fork_map = stage_jobs.fork_map
+    monkeypatch.setattr(stage_jobs, "fork_map", fork_map)
+    plans = [plan_graph(graph, method=method, meshes=meshes, blocks=blocks_of(graph),
+                        bound_views=False, workers=workers) for workers in (1, 2)]
+    assert len(meshes) >= 2 and forked and len(forked[0]) == len(meshes)
+    assert _decision(plans[0]) == _decision(plans[1])
+    assert plans[0].estimates.step_time_s == plans[1].estimates.step_time_s
+    assert [n for n in plans[0].notes if n.startswith("logical meshes")] == \
+        [n for n in plans[1].notes if n.startswith("logical meshes")]

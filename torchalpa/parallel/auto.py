@@ -22,7 +22,12 @@ search
    A candidate is also dominated, and skipped, by a plan of its kind that fits with room
    to spare (``ROOM``): more checkpointing, (intra-op) more micro-batches, or gathering
    parameters again in backward (ZeRO-3, FSDP's reshard after forward) only adds work to
-   every plan, and what it buys -- memory -- that plan did not need.
+   every plan, and what it buys -- memory -- that plan did not need. The same two rules
+   settle single views (logical meshes) of an intra-op candidate before its ILPs
+   (``settled_views``): a view where a candidate alike but recomputing more did not fit,
+   or where one it only adds work to fits with room to spare, is not solved. The views
+   left are solved at once in forked processes, one per core (``plan_graph(workers=)``),
+   each bounded by the same work, so the plan is the one solving them in turn gives.
 
 On one node the candidates are intra-op plans; pipelines there are the fallback when no
 intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
@@ -77,6 +82,13 @@ log = logging.getLogger("torchalpa")
 
 ROOM = 0.9
 """A plan whose peak is below this fraction of the budget did not bend to fit it."""
+
+SETTLED = "views settled by other candidates' answers: "
+"""How an attempt's detail begins when its views were settled without an ILP."""
+
+REUSE_VIEWS = True
+"""Settle an intra-op candidate's view (logical mesh) by another candidate's answer on it
+instead of solving it (``_Search.settled_views``); False solves every view (tests compare)."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +197,9 @@ class _Search:
         self.captures: dict[int, Capture] = {}         # micro-batch count -> capture
         self.attempts: list[Attempt] = []
         self.plans: list[tuple[float, Plan | PipelinePlan, Candidate]] = []
+        # (intra-op candidate, view index, its plan's peak bytes; None: it does not fit)
+        self.views: list[tuple[Candidate, int, float | None]] = []
+        self.settled = 0                               # views settled that way
 
     # -- captures ----------------------------------------------------------------------
     def capture(self, k: int, remat: str, regather: bool = False):
@@ -379,8 +394,9 @@ class _Search:
                          high + kept * (low - high), pipe_high + kept * (pipe_low - pipe_high))
 
     # -- solving -----------------------------------------------------------------------
-    def solve(self, c: Candidate):
-        """The plan of candidate ``c`` (an InfeasibleError when it does not fit)."""
+    def solve(self, c: Candidate, settled: dict[int, tuple[str, bool]] | None = None):
+        """The plan of candidate ``c`` (an InfeasibleError when it does not fit);
+        ``settled``: its views not to solve (``settled_views``)."""
         parameters = self.method.offload == "parameters"
         option = replace(self.method.auto_sharding_option, remat="none",
                          rematerialize_parameters=c.regather, offload=bool(self.method.offload),
@@ -389,14 +405,23 @@ class _Search:
         captured = self.capture(c.num_micro_batches, c.remat, c.regather)
         if c.kind == "intra-op":
             from torchalpa.parallel.shard import blocks_of, plan_graph
+            from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
             method = ShardParallel(num_micro_batches=c.num_micro_batches,
                                    auto_sharding_option=option,
                                    optimizer=self.method.optimizer)
-            with self.timed("intra-op ILPs"):
-                plan = plan_graph(captured.graph, method=method, meshes=self.meshes,
-                                  inputs=self.inputs, blocks=blocks_of(captured.graph),
-                                  deadline=self.deadline, bound_views=False,
-                                  memo=self.pricing)
+            outcomes: dict = {}
+            settled = settled or {}
+            self.settled += len(settled)
+            try:
+                with self.timed("intra-op ILPs"):
+                    plan = plan_graph(captured.graph, method=method, meshes=self.meshes,
+                                      inputs=self.inputs, blocks=blocks_of(captured.graph),
+                                      deadline=self.deadline, bound_views=False,
+                                      memo=self.pricing, workers=cpu_workers(),
+                                      skip={i: why for i, (why, _) in settled.items()},
+                                      outcomes=outcomes)
+            finally:
+                self.record_views(c, outcomes)
         else:
             from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
             method = PipeshardParallel(num_micro_batches=c.num_micro_batches,
@@ -439,7 +464,7 @@ class _Search:
         ``why`` offloading was tried when the hosts or the devices cannot hold it."""
         self.check_host_memory(replace(self.method, offload=offload), why)
         self.method = replace(self.method, offload=offload)
-        self.plans, self.profiles = [], {}       # bounds count what stays on the devices
+        self.plans, self.profiles, self.views = [], {}, []   # bounds: what stays on devices
         self.deadline = time.perf_counter() + self.method.time_budget_s
         try:
             return self.run_once()
@@ -507,17 +532,26 @@ class _Search:
                                if self.order(r) > self.order(c)), len(rest))
                     candidates[i + 1:] = rest[:at] + [c] + rest[at:]
                 continue
+            settled = self.settled_views(c)
+            if len(settled) == len(self.meshes):
+                self.settled += len(settled)
+                self.attempts.append(Attempt(c, "not needed",
+                                             detail=_settled_text(settled, self.meshes)))
+                continue
             start = time.perf_counter()
             left = len(candidates) - i - 1
             with step(f"AutoParallel: candidate {i + 1}/{len(candidates)}, {c.describe()} "
                       f"(bound {c.bound_s:.4g} s/step; {left} more at most) solving"
                       ) as progress:
                 try:
-                    plan = self.solve(c)
+                    plan = self.solve(c, settled)
                 except InfeasibleError as e:
-                    self.attempts.append(Attempt(c, "does not fit",
-                                                 seconds=time.perf_counter() - start,
-                                                 detail=str(e).splitlines()[0]))
+                    # where a view was settled by dominance, c may fit there: not "does not fit"
+                    dominated = any(by for _, by in settled.values())
+                    self.attempts.append(Attempt(
+                        c, "not needed" if dominated else "does not fit",
+                        seconds=time.perf_counter() - start, detail=_settled_text(settled, self.meshes)
+                        if dominated else str(e).splitlines()[0]))
                     progress.done = "does not fit"
                     continue
                 est = plan.estimates
@@ -527,6 +561,40 @@ class _Search:
                                              time.perf_counter() - start))
                 self.plans.append((step_s, plan, c))
                 progress.done = f"est {step_s:.4g} s/step"
+
+    def record_views(self, c: Candidate, outcomes: dict) -> None:
+        """What each view solved for ``c`` gave (``plan_graph``'s outcomes): its plan's
+        peak, or None where it proved not to fit (not where a time limit stopped it)."""
+        from torchalpa.passes.sharding.ilp import SolverStopped
+        for i, found in sorted(outcomes.items()):
+            if isinstance(found, Plan):
+                self.views.append((c, i, found.estimates.memory_per_device_bytes))
+            elif not isinstance(found, SolverStopped):
+                self.views.append((c, i, None))
+
+    def settled_views(self, c: Candidate) -> dict[int, tuple[str, bool]]:
+        """Views of intra-op candidate ``c`` that other candidates' answers settle, view
+        index -> (why, whether by dominance), by the rules the search applies to whole
+        candidates (``does_not_fit_either``, ``dominating``) applied to one view: it does
+        not fit where a candidate alike but recomputing at least what ``c`` does did not,
+        and ``c`` only adds work where a candidate of no more micro-batches, regathering
+        and recomputing fits with room to spare (that plan is among the search's)."""
+        from torchalpa.passes.sharding.layer_remat import more_recompute
+        if not REUSE_VIEWS or c.kind != "intra-op" or self.method.offload:
+            return {}
+        budget, settled = self.budget(), {}
+        for p, i, peak in self.views:
+            if i in settled:
+                continue
+            if peak is None and (p.num_micro_batches, p.regather) == \
+                    (c.num_micro_batches, c.regather) and more_recompute(c.remat, p.remat):
+                settled[i] = (f"does not fit ({p.describe()} did not, and this recomputes "
+                              "less)", False)
+            elif peak is not None and peak < ROOM * budget and more_recompute(p.remat, c.remat) \
+                    and p.num_micro_batches <= c.num_micro_batches and p.regather <= c.regather:
+                settled[i] = (f"only adds work to {p.describe()}, which fits here with room "
+                              "to spare", True)
+        return settled
 
     def does_not_fit_either(self, c: Candidate) -> Candidate | None:
         """A candidate alike but for recomputing at least what ``c`` does (more blocks
@@ -578,8 +646,14 @@ class _Search:
         total = time.perf_counter() - self.started
         parts = [f"{phase} {seconds:.1f} s" for phase, seconds in self.seconds.items()]
         rest = total - sum(self.seconds.values())
+        settled = sum(1 for a in self.attempts if a.detail.startswith(SETTLED))
+        from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
         return (f"AutoParallel planned in {total:.1f} s: " + ", ".join(parts)
-                + f", the rest {max(rest, 0.0):.1f} s")
+                + f", the rest {max(rest, 0.0):.1f} s"
+                + (f"; intra-op views solved in up to {cpu_workers()} processes"
+                   if "intra-op ILPs" in self.seconds and cpu_workers() > 1 else "")
+                + (f"; {self.settled} views and {settled} candidates settled by other "
+                   "candidates' answers (no ILP)" if self.settled else ""))
 
     def nothing_fits(self) -> str:
         """What was tried, and what would fit (by the bounds)."""
@@ -605,6 +679,14 @@ class _Search:
                      f"{format_bytes(profile.memory_bytes(devices, micro))} each, or a "
                      "smaller model or sequence")
         return "\n".join(lines)
+
+
+def _settled_text(settled: dict[int, tuple[str, bool]], meshes: list[LogicalMesh]) -> str:
+    """Why the views ``settled`` were not solved, and that the others did not fit."""
+    return SETTLED + "; ".join(
+        f"{'x'.join(map(str, meshes[i].shape))}: {why}" for i, (why, _) in
+        sorted(settled.items())) + ("" if len(settled) == len(meshes) else
+                                    "; the other views do not fit")
 
 
 def derived_capture(plain: Capture, remat: str, regather: bool) -> Capture:
@@ -678,7 +760,7 @@ class SearchSession:
         ``time_budget_s``; ``NothingFitsError`` when none fits."""
         search = self._search
         search.method = self._checked(method)
-        search.plans, search.attempts = [], []
+        search.plans, search.attempts, search.views = [], [], []
         search.deadline = time.perf_counter() + search.method.time_budget_s
         return search.run()
 

@@ -57,70 +57,71 @@ def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
 def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
                inputs: str = "global", blocks: dict | None = None,
                deadline: float | None = None, bound_views: bool | None = None,
-               memo=None) -> Plan:
+               memo=None, workers: int = 1, skip: dict[int, str] | None = None,
+               outcomes: dict | None = None) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
     A mesh whose memory lower bound (``passes/pricing/bounds.py``) exceeds the budget is
     refused with no ILP built. Once a plan is in hand, a mesh whose step-time bound (the LP
-    relaxation, ``step_time_lower_bound``) is above its estimate is skipped and noted with
-    its bound; the first bound that skips nothing ends the bounding (that LP costs a third
-    to a half of a solve on a transformer, whose views plan alike). ``bound_views``: None
-    follows ``SKIP_BY_BOUND``; AutoParallel, which bounds its candidates itself, sets False.
-    Past ``deadline`` (a ``time.perf_counter()`` value: a safety net) no further mesh is
-    solved once a plan is in hand; before it, each solve gets only the time left
-    (``plan_intra_op(deadline=)``; a plan the clock cut short is not cached)."""
+    relaxation) is above its estimate is skipped, noted; the first bound that skips nothing
+    ends the bounding (an LP costs a third to a half of a solve on a transformer).
+    ``bound_views``: None follows ``SKIP_BY_BOUND``; AutoParallel sets False. Past
+    ``deadline`` (``time.perf_counter()``: a safety net) no further mesh is solved once a
+    plan is in hand; before it, each solve gets only the time left (a plan the clock cut
+    short is not cached). ``workers`` > 1, not bounding views: the ILPs solved at once in
+    processes (``_solve_apart``). ``skip``: mesh index -> why it is not solved (a
+    caller's reuse, noted); ``outcomes`` receives mesh index -> its plan or the
+    InfeasibleError its solve raised."""
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
     from torchalpa.passes.pricing.bounds import step_profile
     from torchalpa.passes.sharding.ilp import InfeasibleError
-    from torchalpa.passes.sharding.intra_op import plan_intra_op, step_time_lower_bound
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
     fingerprint = graph.fingerprint()
-    # the reshard prices and strategies the meshes' solves repeat (``memo``: a caller's,
-    # shared with its other solves)
-    memo = PricingMemo() if memo is None else memo
-    plans, failures, skipped = [], [], []
-    refused: list[LogicalMesh] = []
-    late: list[LogicalMesh] = []
+    memo = PricingMemo() if memo is None else memo     # the reshard prices, strategies
+    plans, failures, skipped, refused, late = [], [], [], [], []
+    skip, outcomes = skip or {}, {} if outcomes is None else outcomes
     bounding = SKIP_BY_BOUND if bound_views is None else bound_views
     profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states,
                            eager=method.auto_sharding_option.elementwise != "fused")
+    apart = {} if bounding or workers <= 1 else _solve_apart(
+        graph, method, meshes, inputs, blocks, memo, deadline, workers, profile, fingerprint,
+        skip)
     for i, mesh in enumerate(meshes):
         key = cache.plan_key(fingerprint, mesh, method, inputs)
-        shape = "x".join(map(str, mesh.shape))
-        with step(f"mesh {i + 1}/{len(meshes)} ({shape}) solving") as progress:
-            found = cache.load_cached(key, lambda p, source, shape=tuple(mesh.shape): check_plan(
-                p, fingerprint=fingerprint, source=source, mesh_shape=shape, graph=graph))
+        with step(f"mesh {i + 1}/{len(meshes)} ({_shape(mesh)}) solving") as progress:
+            found = _cached(key, graph, fingerprint, mesh)
             if isinstance(found, Plan):
                 progress.done = "cached, " + _estimate_text(found, mesh)
                 plans.append(found)
                 continue
-            too_small = memory_refusal(profile, mesh, method)
-            if too_small is not None:
+            if (too_small := memory_refusal(profile, mesh, method)) is not None:
                 failures.append(too_small)
                 refused.append(mesh)
                 progress.done = f"does not fit: {too_small}"
                 continue
             fastest = min(plans, key=lambda p: p.estimates.step_time_s, default=None)
-            if fastest is not None and deadline is not None and time.perf_counter() > deadline:
+            if i not in apart and i not in skip and fastest is not None and \
+                    deadline is not None and time.perf_counter() > deadline:
                 late.append(mesh)
                 progress.done = "not solved: the time budget is spent"
                 continue
-            if fastest is not None and bounding:
-                bound = step_time_lower_bound(graph, mesh, method, inputs=inputs, memo=memo)
-                if bound is not None and bound > fastest.estimates.step_time_s * (1 + 1e-9):
-                    skipped.append((mesh, bound))
-                    progress.done = (f"skipped: no plan here beats {bound * 1e3:.3g} ms/step "
-                                     "(a bound), slower than one found")
-                    continue
-                # a bound that skips nothing cost an LP for nothing: where views plan
-                # alike (transformers) the other meshes are solved without one
-                bounding = False
+            why = skip.get(i) or (_bound_above(graph, mesh, method, inputs, memo, fastest)
+                                  if fastest is not None and bounding else None)
+            if why is not None:
+                skipped.append((mesh, why))
+                progress.done = f"skipped: {why}"
+                continue
+            bounding = bounding and fastest is None   # an LP for nothing: views plan alike
             cut = deadline if fastest is not None else None
             try:
-                found = plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks,
-                                      memo=memo, deadline=cut)
+                found = apart[i] if i in apart else plan_intra_op(
+                    graph, mesh, method, inputs=inputs, blocks=blocks, memo=memo, deadline=cut)
             except InfeasibleError as e:
-                failures.append(e)
-                progress.done = f"does not fit: {e}"
+                found = e
+            outcomes[i] = found
+            if isinstance(found, InfeasibleError):    # raised here or in a worker
+                failures.append(found)
+                progress.done = f"does not fit: {found}"
                 continue
             found = _with_budget(found, method, mesh)
             progress.done = _estimate_text(found, mesh)
@@ -143,6 +144,63 @@ def _with_budget(found: Plan, method: ShardParallel, mesh: LogicalMesh) -> Plan:
         return found
     return replace(found, estimates=replace(found.estimates,
                                             memory_budget_per_device_bytes=budget))
+
+
+def _shape(mesh: LogicalMesh) -> str:
+    return "x".join(map(str, mesh.shape))
+
+
+def _bound_above(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str,
+                 memo, fastest: Plan) -> str | None:
+    """Why ``mesh`` is not solved: its step-time bound (the LP relaxation) is above the
+    plan ``fastest`` found; None where it is not."""
+    from torchalpa.passes.sharding.intra_op import step_time_lower_bound
+    bound = step_time_lower_bound(graph, mesh, method, inputs=inputs, memo=memo)
+    if bound is not None and bound > known(fastest.estimates.step_time_s) * (1 + 1e-9):
+        return f">= {bound * 1e3:.3g} ms (bound, not solved)"
+    return None
+
+
+def _cached(key: str, graph: OpGraph, fingerprint: str, mesh: LogicalMesh):
+    """The plan cached under ``key`` for ``graph`` on ``mesh``, or None."""
+    return cache.load_cached(key, lambda p, source: check_plan(
+        p, fingerprint=fingerprint, source=source, mesh_shape=tuple(mesh.shape), graph=graph))
+
+
+def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh], inputs: str,
+                 blocks: dict | None, memo, deadline: float | None, workers: int, profile,
+                 fingerprint: str, skip: dict[int, str]) -> dict[int, Any]:
+    """mesh index -> its plan, or the InfeasibleError its ILP raised, for the meshes
+    ``plan_graph`` would solve (not skipped, cached or refused by the memory bound), solved in
+    up to ``workers`` forked processes (``stage_jobs.fork_map``), the 2D views (the longest
+    solves) first. Each solve is what ``plan_graph`` runs one after another, bounded by the
+    same work, so the plans are the same; pricing memos filled in a worker stay there.
+    The first mesh solves without a deadline (no plan is in hand before it), the others
+    with it, as one after another. Empty where fewer than two meshes are left to solve."""
+    from torchalpa.passes.pipeline_search.stage_jobs import can_fork, fork_map
+    from torchalpa.passes.sharding.ilp import InfeasibleError
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
+    todo = [i for i, mesh in enumerate(meshes)
+            if i not in skip and memory_refusal(profile, mesh, method) is None and not isinstance(_cached(
+                cache.plan_key(fingerprint, mesh, method, inputs), graph, fingerprint, mesh),
+                Plan)]
+    if len(todo) < 2 or not can_fork() or \
+            (deadline is not None and time.perf_counter() > deadline):
+        return {}
+
+    def solve(i: int):
+        try:
+            return plan_intra_op(graph, meshes[i], method, inputs=inputs, blocks=blocks,
+                                 memo=memo, deadline=None if i == todo[0] else deadline)
+        except InfeasibleError as e:       # an answer (does not fit), not a failure
+            return e
+
+    order = sorted(todo, key=lambda i: (-len(meshes[i].shape), i))
+    shapes = ", ".join("x".join(map(str, meshes[i].shape)) for i in order)
+    with step(f"meshes {shapes} solving in {min(workers, len(order))} processes") as progress:
+        found = fork_map(solve, order, workers)
+        progress.done = "done"
+    return dict(zip(order, found))
 
 
 def _no_mesh_fits(failures: list, refused: list[LogicalMesh], meshes: list[LogicalMesh],
@@ -170,8 +228,7 @@ def _with_mesh_notes(best: Plan, plans: list[Plan], skipped: list, late: list,
     if num_meshes > 1:
         tried = ", ".join(f"{'x'.join(map(str, p.mesh_shape))}: "
                           f"{known(p.estimates.step_time_s) * 1e3:.3g} ms" for p in plans)
-        tried += "".join(f", {'x'.join(map(str, m.shape))}: >= {bound * 1e3:.3g} ms "
-                         "(bound, not solved)" for m, bound in skipped)
+        tried += "".join(f", {'x'.join(map(str, m.shape))}: {why}" for m, why in skipped)
         tried += "".join(f", {'x'.join(map(str, m.shape))}: not solved (time budget)"
                          for m in late)
         best = replace(best, notes=best.notes + (f"logical meshes tried (estimated step): {tried}",))
