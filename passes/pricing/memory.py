@@ -341,7 +341,8 @@ class MemoryModel:
         its storage, as ``activation_peak_bytes`` counts them)."""
         graph, live = self.graph, self.live
         sizes = np.array([value_bytes(graph, name, chosen_outputs[name], self.mesh_shape,
-                                      self.statistics) for name in live.names], dtype=float)
+                                      self.statistics, k) for name, k in live.entries()],
+                         dtype=float)
         extra = _kept_timeline(graph, live, sizes, kept or [], self.state_at_start)
         return self._with_waiting(live.total(sizes)) + extra + state_bytes
 
