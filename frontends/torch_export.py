@@ -639,17 +639,15 @@ def _freeze(value):
 
 
 def to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
-                updated_buffers: Sequence[str] = (), weights: frozenset[str] = frozenset(),
-                known: Mapping[str, OpNode] | None = None) -> OpGraph:
+                updated_buffers: Sequence[str] = (), weights: frozenset[str] = frozenset()
+                ) -> OpGraph:
     """fx joint graph -> OpGraph. ``kinds`` gives (kind, target) for each placeholder.
 
     The graph returns (loss, *grads, *new values of ``updated_buffers``); the forward
     phase is what the loss and the buffer updates depend on. ``weights``: targets of
     buffer placeholders that are the model's parameters (a forward-only step reads them as
-    state, with no gradient): their nodes have ``is_param`` set. ``known``: op nodes
-    already described (the same op on values of the same shapes, ``frontends/rebatch.py``).
+    state, with no gradient): their nodes have ``is_param`` set.
     """
-    known = known or {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kind_of = {ph.name: kt for ph, kt in zip(placeholders, kinds)}
     outs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
@@ -670,12 +668,7 @@ def to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
             refs[n.name] = ValueRef(refs[producer.name].node, index)
             continue
         elif n.op == "call_function":
-            phase = "forward" if n.name in forward else "backward"
-            node = known.get(n.name)
-            if node is None or node.phase != phase:
-                node = _op_node(n, refs, by_name, phase)
-            elif node.is_grad:
-                node = replace(node, is_grad=False)
+            node = _op_node(n, refs, by_name, "forward" if n.name in forward else "backward")
         else:
             continue
         by_name[n.name] = node
