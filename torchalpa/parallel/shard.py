@@ -69,9 +69,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     ``deadline`` (``time.perf_counter()``: a safety net) no further mesh is solved once a
     plan is in hand; before it, each solve gets only the time left (a plan the clock cut
     short is not cached). ``workers`` > 1, not bounding views: the ILPs solved at once in
-    processes (``_solve_apart``). ``skip``: mesh index -> why it is not solved (a
-    caller's reuse, noted); ``outcomes`` receives mesh index -> its plan or the
-    InfeasibleError its solve raised."""
+    processes (``_solve_apart``). ``skip``: mesh index -> why it is not solved (a caller's
+    reuse, noted); ``outcomes``: mesh index -> its plan or its solve's InfeasibleError."""
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
     from torchalpa.passes.pricing.bounds import step_profile
     from torchalpa.passes.sharding.ilp import InfeasibleError
