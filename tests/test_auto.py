@@ -126,6 +126,34 @@ def test_auto_uses_checkpointing_or_micro_batches_when_the_step_does_not_fit(gpt
     assert any("refused, needs at least" in n for n in plan.notes)
 
 
+def test_a_plan_estimated_over_the_budget_is_rejected_and_the_next_candidate_tried(monkeypatch):
+    """The solvers fit their own memory models to the budget; where a plan's estimate says
+    otherwise (seen on the tiny GPT with the host's per-op cost on: 329,608 B estimated
+    against a 305,541 B budget), the search rejects it, says so, and tries the next."""
+    with torch.device("meta"):
+        model = MLP(64, 2)
+    batch = (torch.empty(8, 64, device="meta"), torch.empty(8, 64, device="meta"))
+    budget = 1e9
+    solve, solved = auto._Search.solve, []
+
+    def first_over(self, c, settled=None):
+        plan = solve(self, c, settled)
+        solved.append(c)
+        if len(solved) == 1:
+            plan = dataclasses.replace(plan, estimates=dataclasses.replace(
+                plan.estimates, memory_per_device_bytes=1.1 * budget))
+        return plan
+
+    monkeypatch.setattr(auto._Search, "solve", first_over)
+    plan = torchalpa.plan(model, batch, F.mse_loss, cluster=_cluster(4, memory=budget),
+                          method=torchalpa.AutoParallel(remat=("none", "full"),
+                                                        num_micro_batches=1, pipeline=False,
+                                                        tolerance=0.0))
+    assert len(solved) >= 2
+    assert plan.estimates.memory_per_device_bytes <= budget
+    assert any("over the budget" in n and "rejected" in n for n in plan.notes)
+
+
 def test_what_the_user_fixes_wins(gpt):
     model, batch, loss_fn = gpt
     cluster = _cluster(4)

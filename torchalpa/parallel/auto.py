@@ -113,7 +113,8 @@ class Attempt:
     """What became of a candidate: planned (with its estimate) or why not."""
 
     candidate: Candidate
-    outcome: str   # planned | does not fit | refused by bound | not needed | dominated | no time
+    outcome: str   # planned | does not fit | over the budget | refused by bound | not needed
+    #                | dominated | no time
     step_s: float | None = None
     memory: float | None = None
     seconds: float = 0.0
@@ -547,12 +548,35 @@ class _Search:
                     progress.done = "does not fit"
                     continue
                 est = plan.estimates
+                over = self.over_budget(plan)
+                if over:        # the solver's memory model and the estimate's disagree:
+                    # its views' peaks settle no other candidate's views either
+                    self.views = [v for v in self.views if v[0] is not c]
+                    self.attempts.append(Attempt(c, "over the budget",
+                                                 seconds=time.perf_counter() - start,
+                                                 detail=over))
+                    progress.done = "over the budget"
+                    continue
                 step_s = known(est.step_time_s)
                 self.attempts.append(Attempt(c, "planned", step_s,
                                              est.memory_per_device_bytes,
                                              time.perf_counter() - start))
                 self.plans.append((step_s, plan, c))
                 progress.done = f"est {step_s:.4g} s/step"
+
+    def over_budget(self, plan) -> str:
+        """Why ``plan`` cannot be returned: its estimated peak is above the memory budget
+        (what the user set or the cluster has, the streamed copies of offloaded parameters
+        included in both); "" where it fits. The solvers fit their own memory models to
+        the budget; this is the one check every plan, intra-op or pipeline, passes."""
+        whole = self.method.auto_sharding_option.memory_budget_per_device or \
+            self.cluster.memory_per_device
+        peak = plan.estimates.memory_per_device_bytes
+        if not whole or peak is None or peak <= whole * (1 + 1e-9):
+            return ""
+        return (f"its plan was estimated at {format_bytes(peak)} per device, above the "
+                f"{format_bytes(whole)} budget (the solver's memory model found it fit); "
+                "rejected")
 
     def record_views(self, c: Candidate, outcomes: dict) -> None:
         """What each view solved for ``c`` gave (``plan_graph``'s outcomes): its plan's
