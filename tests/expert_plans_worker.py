@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from worker_io import run_listed_scenarios, train_beside_reference  # noqa: E402
+from worker_io import run_listed_scenarios, train_beside_one_device  # noqa: E402
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
@@ -33,9 +33,12 @@ def train(gpt, batch, method, steps: int = 3, watch=None) -> dict:
                                  cluster=torchalpa.Cluster.local_cpu(2),
                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    run = train_beside_one_device(pm, ref, ref_opt, lambda _: batch, gpt.loss_fn, steps=steps,
+                                  backward_steps=())
     out = {"remat": pm.plan.method.get("remat"), "offload": bool(pm.plan.method.get("offload")),
            "notes": list(pm.plan.notes), "estimates": pm.plan.estimates.to_dict(),
-           **train_beside_reference(pm, ref, ref_opt, batch, gpt.loss_fn, steps=steps)}
+           "losses": run["losses"], "ref_losses": run["ref_losses"],
+           "max_param_diff": max(d for d, _ in run["params"])}
     pairs = getattr(pm.optimizer, HOST_PAIRS, [])
     device = {t.to_local().data_ptr() for t in pm.module.parameters()}
     out["host_copies"] = len(pairs)

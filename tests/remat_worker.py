@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from pipeline_worker import compare, manual  # noqa: E402
-from worker_io import run_listed_scenarios, train_beside_reference  # noqa: E402
+from worker_io import run_listed_scenarios, train_beside_one_device  # noqa: E402
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
@@ -30,7 +30,10 @@ def intra_op(gpt, batch, remat: str, steps: int = 3) -> dict:
                                  method=torchalpa.ShardParallel(auto_sharding_option=option),
                                  optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
-    return {**train_beside_reference(pm, ref, ref_opt, batch, gpt.loss_fn, steps=steps),
+    run = train_beside_one_device(pm, ref, ref_opt, lambda _: batch, gpt.loss_fn, steps=steps,
+                                  backward_steps=())
+    return {"losses": run["losses"], "ref_losses": run["ref_losses"],
+            "max_param_diff": max(d for d, _ in run["params"]),
             "remat": pm.plan.method.get("remat"), "notes": list(pm.plan.notes)}
 
 

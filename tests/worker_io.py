@@ -164,23 +164,6 @@ def run_listed_scenarios(scenarios, argv=None) -> None:
     finish(results, out_path)
 
 
-def train_beside_reference(pm, ref, ref_opt, batch, loss_fn, *, steps: int = 3) -> dict:
-    """``steps`` of ``pm.train_step(*batch)`` beside the same model ``ref`` trained on this
-    process by ``ref_opt`` (``batch``'s last item is the target): both sides' losses per
-    step and the largest difference of any parameter after the last step (gathered)."""
-    out: dict = {"losses": [], "ref_losses": []}
-    for _ in range(steps):
-        out["losses"].append(pm.train_step(*batch).item())
-        ref_loss = loss_fn(ref(*batch[:-1]), batch[-1])
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        out["ref_losses"].append(ref_loss.item())
-    out["max_param_diff"] = max((full_value(p) - q).abs().max().item()
-                                for p, q in zip(pm.module.parameters(), ref.parameters()))
-    return out
-
-
 def mesh_shape(text: str) -> tuple[int, ...]:
     """``"2x2"`` -> ``(2, 2)``."""
     return tuple(int(n) for n in text.split("x"))
