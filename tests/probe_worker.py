@@ -1,7 +1,9 @@
 """A worker with no model, for tests/test_worker_io.py: each rank all-reduces its rank and
 reports its process id; ``fail_on=R`` makes rank R raise outside any scenario (a job that
 does not finish), or, with ``where=scenario``, inside a scenario that the other ranks
-finish only through a collective with R. argv: output path, fail_on rank or -1, where."""
+finish only through a collective with R; ``fail_on=-2`` with ``where=scenario``: every rank
+raises alike (the error is recorded, the job finishes). argv: output path, fail_on rank or
+-1, where."""
 
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ SCENARIO_WAIT_S = 3.0     # the test waits for the job to stop: no need for the 
 
 def rank_sum(fail_on: int) -> dict:
     """A scenario: rank ``fail_on`` raises before the all-reduce the others wait in."""
-    if dist.get_rank() == fail_on:
-        raise RuntimeError(f"probe failure in a scenario on rank {fail_on}")
+    if fail_on in (dist.get_rank(), -2):
+        raise RuntimeError(f"probe failure in a scenario on rank {dist.get_rank()}")
     total = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(total)
     return {"rank_sum": total.item()}

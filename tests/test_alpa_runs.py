@@ -27,9 +27,7 @@ def runs(tmp_path_factory):
 
 def _scenario(results, name):
     assert results["world_size"] == 4
-    r = results[name]
-    if "error" in r:
-        pytest.fail(f"scenario {name} failed:\n{r['trace']}")
+    r = worker_io.scenario(results, name)
     for executed in r["executed"]:
         assert executed == r["planned"]          # what ran is what was planned
     return r

@@ -154,12 +154,8 @@ def test_a_bad_remat_setting_names_the_choices():
 def launch(nproc: int, tmp_path) -> dict:
     """remat_worker.py on the session's ``nproc``-rank pool (tests/worker_io.py): real gloo
     ranks, without paying a fresh torchrun's imports and rendezvous per test."""
-    results = worker_io.launch("remat_worker.py", tmp_path / f"remat_{nproc}.json",
-                               nproc=nproc, timeout=900)
-    for name, r in results.items():
-        if isinstance(r, dict) and "error" in r:
-            pytest.fail(f"{name} on {nproc} ranks:\n{r['trace']}")
-    return results
+    return worker_io.launch_checked("remat_worker.py", tmp_path / f"remat_{nproc}.json",
+                                    nproc=nproc, timeout=900)
 
 
 def _trains_like_one_device(r):

@@ -18,13 +18,8 @@ SCENARIOS_2 = "megatron,data_parallel,quickstart"
 
 
 def launch(nproc: int, scenarios: str, tmp_path, real: bool = False) -> dict:
-    results = worker_io.launch("dist_worker.py", tmp_path / f"result_{nproc}.json", scenarios,
-                               nproc=nproc, real=real)
-    assert results["world_size"] == nproc
-    for name, r in results.items():
-        if isinstance(r, dict) and "error" in r:
-            pytest.fail(f"scenario {name} failed on {nproc} ranks:\n{r['trace']}")
-    return results
+    return worker_io.launch_checked("dist_worker.py", tmp_path / f"result_{nproc}.json",
+                                    scenarios, nproc=nproc, real=real)
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,7 @@ from torchalpa.runtime.rewrites.release_inputs import release_inputs
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("kept_buckets") / "kept_buckets.json"
     keys = ("loop:0", "train_step:0")
-    r = worker_io.launch("kept_buckets_worker.py", out, ",".join(keys), nproc=2)
-    for key in keys:
-        if "error" in r[key]:
-            pytest.fail(f"scenario {key} failed:\n{r[key]['trace']}")
-    return r
+    return worker_io.launch_checked("kept_buckets_worker.py", out, ",".join(keys), nproc=2)
 
 
 def test_the_loops_buckets_are_the_same_buffers_every_step(results):

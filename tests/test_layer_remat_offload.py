@@ -232,11 +232,7 @@ def test_parameters_streamed_on_one_device_train_to_the_bit_through_autograd():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("expert") / "expert_plans.json"
-    results = worker_io.launch("expert_plans_worker.py", out, nproc=2, timeout=900)
-    for name, r in results.items():
-        if isinstance(r, dict) and "error" in r:
-            pytest.fail(f"{name} on 2 ranks:\n{r['trace']}")
-    return results
+    return worker_io.launch_checked("expert_plans_worker.py", out, nproc=2, timeout=900)
 
 
 def _trains_like_one_device(r):
@@ -293,11 +289,8 @@ def test_a_host_optimizer_checkpoint_resumes_to_the_bit(trained, offload):
 
 @pytest.mark.slow      # 4 gloo ranks plan and train a pipeline (~60 s)
 def test_a_pipeline_checkpointing_its_first_stage_only_trains_like_one_device(tmp_path):
-    results = worker_io.launch("expert_plans_worker.py", tmp_path / "expert_4.json", nproc=4,
-                               timeout=900)
-    r = results["pipeline_layers"]
-    if "error" in r:
-        pytest.fail(r["trace"])
+    r = worker_io.launch_checked("expert_plans_worker.py", tmp_path / "expert_4.json", nproc=4,
+                                 timeout=900)["pipeline_layers"]
     assert r["remat"] == "full:2"
     assert any("blocks 0-1 of 4 (full), 2-3 none" in n for n in r["notes"])
     _trains_like_one_device(r)

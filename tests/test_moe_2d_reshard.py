@@ -11,11 +11,7 @@ import worker_io
 
 @pytest.mark.slow
 def test_moe_2d_alpa_layout_trains_like_one_device(tmp_path):
-    results = worker_io.launch("moe_2d_worker.py", tmp_path / "moe_2d.json", nproc=4)
-    assert results["world_size"] == 4
-    r = results["moe_2d"]
-    if "error" in r:
-        pytest.fail(r["trace"])
+    r = worker_io.launch_checked("moe_2d_worker.py", tmp_path / "moe_2d.json", nproc=4)["moe_2d"]
     assert r["nested_all_to_alls"] >= 2, r["planned"]
     assert not any(kind == "all_gather" for kind, _, _ in r["planned"]), r["planned"]
     assert r["planned_per_step"][0] == r["planned"]       # loss.backward(); then train_step

@@ -37,9 +37,7 @@ def slow(tmp_path_factory):
 
 def _check(results, name):
     assert results["world_size"] == 4
-    r = results[name]
-    if "error" in r:
-        pytest.fail(f"{name} failed:\n{r['trace']}")
+    r = worker_io.scenario(results, name)
     assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
     assert r["grad_diff"] < 1e-4, (r["worst"], r["grad_diff"])
     assert r["executed"] == r["planned"]

@@ -14,9 +14,8 @@ SCENARIOS = [pytest.param("gpt:4"), pytest.param("llama:4", marks=pytest.mark.sl
 @pytest.fixture(scope="module", params=SCENARIOS)
 def result(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("seq_parallel") / "seq_parallel.json"
-    r = worker_io.launch("seq_parallel_worker.py", out, request.param, nproc=4)[request.param]
-    if "error" in r:
-        pytest.fail(f"scenario {request.param} failed:\n{r['trace']}")
+    r = worker_io.launch_checked("seq_parallel_worker.py", out, request.param,
+                                 nproc=4)[request.param]
     return request.param, r
 
 

@@ -22,10 +22,7 @@ def fast_results(tmp_path_factory):
 
 def _scenario(name, results):
     assert results["world_size"] == 4
-    r = results[name]
-    if "error" in r:
-        pytest.fail(f"scenario {name} failed:\n{r['trace']}")
-    return name, r
+    return name, worker_io.scenario(results, name)
 
 
 @pytest.fixture(scope="module", params=SCENARIOS)

@@ -15,11 +15,7 @@ import worker_io
 def timelines(tmp_path_factory):
     out = tmp_path_factory.mktemp("timeline") / "timeline.json"
     keys = ("zero3:1", "zero3:2", "zero3-bf16:1", "ddp:1")
-    results = worker_io.launch("timeline_worker.py", out, ",".join(keys), nproc=2)
-    for key in keys:
-        if "error" in results[key]:
-            pytest.fail(f"scenario {key} failed:\n{results[key]['trace']}")
-    return results
+    return worker_io.launch_checked("timeline_worker.py", out, ",".join(keys), nproc=2)
 
 
 def test_one_micro_batch_step_runs_in_the_order_the_estimate_assumes(timelines):

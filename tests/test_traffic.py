@@ -15,14 +15,9 @@ def results(tmp_path_factory):
     return worker_io.launch("traffic_worker.py", tmp / "out.json", tmp, nproc=2)
 
 
-def _ok(result: dict) -> dict:
-    assert "error" not in result, result.get("trace")
-    return result
-
-
 @pytest.mark.parametrize("method", ["zero3", "data_parallel"])
 def test_measured_bytes_per_kind_equal_the_plans_list(results, method):
-    r = _ok(results[method])
+    r = worker_io.scenario(results, method)
     assert r["planned"], "the plan issues collectives on 2 ranks"
     if method == "zero3":     # parameters gathered, gradients scattered
         assert {"all_gather", "reduce_scatter"} <= set(r["planned"])
@@ -44,7 +39,7 @@ def test_measured_bytes_per_kind_equal_the_plans_list(results, method):
 
 
 def test_profile_writes_a_trace_with_the_plans_collectives_labelled(results):
-    r = _ok(results["profile"])
+    r = worker_io.scenario(results, "profile")
     assert r["written"] == "trace.rank0.json"
     labels = r["labels"]
     assert "torchalpa::step 0" in labels and "torchalpa::step 1" in labels

@@ -43,3 +43,13 @@ def test_a_scenario_that_raises_on_one_rank_stops_every_rank_with_its_trace(tmp_
     assert "probe failure in a scenario on rank 1" in first
     assert "ScenarioDivergedError" in first and "rank(s) [0] were still inside it" in first
     # (the next launch gets a fresh pool: the test above)
+
+
+def test_a_checked_launch_fails_the_test_with_a_recorded_scenarios_trace(tmp_path):
+    # every rank raises alike in each scenario: the job finishes, the errors are recorded
+    out = tmp_path / "a.json"
+    with pytest.raises(pytest.fail.Exception, match="(?s)scenario first failed.*probe failure"):
+        worker_io.launch_checked("probe_worker.py", out, -2, "scenario", nproc=2)
+    results = worker_io.launch("probe_worker.py", tmp_path / "b.json", -2, "scenario", nproc=2)
+    with pytest.raises(pytest.fail.Exception, match="(?s)scenario second failed.*Traceback"):
+        worker_io.scenario(results, "second")

@@ -70,13 +70,9 @@ def test_reduce_dtype_must_be_float32_or_the_compute_dtype():
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
-    results = worker_io.launch("precision_worker.py", tmp_path_factory.mktemp("prec") / "r.json",
-                               "zero1:fp32,bf16_reduce:dp,bf16_reduce:zero1,bf16_params:zero1",
-                               nproc=4)
-    for name, r in results.items():
-        if isinstance(r, dict) and "error" in r:
-            pytest.fail(f"scenario {name} failed:\n{r['trace']}")
-    return results
+    return worker_io.launch_checked(
+        "precision_worker.py", tmp_path_factory.mktemp("prec") / "r.json",
+        "zero1:fp32,bf16_reduce:dp,bf16_reduce:zero1,bf16_params:zero1", nproc=4)
 
 
 def test_zero1_trains_like_one_device(four):

@@ -301,6 +301,29 @@ def launch(worker: str, out, *args: str, nproc: int, timeout: float = 600,
         return json.load(f)
 
 
+def launch_checked(worker: str, out, *args: str, nproc: int, **kwargs) -> dict:
+    """``launch``, then check what came back: the worker ran on ``nproc`` ranks (where it
+    says) and no scenario recorded an error (else the test fails with that scenario's trace).
+    For a fixture whose tests need every scenario; where each test reads its own, use
+    ``launch`` and ``scenario``, so that one failing scenario fails only its tests."""
+    results = launch(worker, out, *args, nproc=nproc, **kwargs)
+    assert results.get("world_size", nproc) == nproc, results.get("world_size")
+    for name in results:
+        scenario(results, name)
+    return results
+
+
+def scenario(results: dict, name: str):
+    """``results[name]``, or, when that scenario recorded an error, the test fails with its
+    trace (not a KeyError on the result it could not give)."""
+    r = results[name]
+    if isinstance(r, dict) and "error" in r and "trace" in r:
+        import pytest
+        pytest.fail(f"scenario {name} failed on {results.get('world_size', '?')} ranks:\n"
+                    f"{r['trace']}")
+    return r
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
