@@ -14,13 +14,11 @@ AccumulateGrad does to a gradient it keeps). One gloo rank, one thread.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 import time
 
 import torch
-import torch.distributed as dist
+from _common import benchmark_process, median_time, parser
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
@@ -42,23 +40,19 @@ class _Step(torch.autograd.Function):
 
 
 def _cpu_ms(f, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        t = time.thread_time()
-        f()
-        times.append(time.thread_time() - t)
-    return statistics.median(times) * 1e3
+    return median_time(f, steps, clock=time.thread_time) * 1e3
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--params", type=int, default=128)
     p.add_argument("--steps", type=int, default=50)
     args = p.parse_args()
-    torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29541")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    with benchmark_process(group="one"):
+        measure(args)
+
+
+def measure(args):
     mesh = init_device_mesh("cpu", (1,))
     shapes = [(256, 64) if i % 2 == 0 else (256,) for i in range(args.params)]
     dparams = [torch.nn.Parameter(distribute_tensor(torch.randn(s), mesh, [Replicate()]))
@@ -85,7 +79,6 @@ def main():
           f"{_cpu_ms(lambda: [DTensor(g, q._spec, requires_grad=False) for g, q in zip(grads, dparams)], args.steps):.2f} ms; "  # noqa: E501
           f"detach each: DTensor {_cpu_ms(lambda: [g.detach() for g in wrapped], args.steps):.2f}"
           f" ms, plain {_cpu_ms(lambda: [g.detach() for g in grads], args.steps):.2f} ms")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

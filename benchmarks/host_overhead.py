@@ -15,11 +15,8 @@ printed with torchalpa / eager. One thread, AdamW.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import torch
+from _common import benchmark_process, median_time, parser
 
 import torchalpa
 import torchalpa.models as zoo
@@ -58,22 +55,17 @@ def torchalpa_step(w, batch, bf16: bool):
     return lambda: pm.train_step(*batch)
 
 
-def median_step(step, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--models", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    torch.set_num_threads(1)
+    with benchmark_process():
+        measure(args)
+
+
+def measure(args) -> None:
     print(f"PyTorch {torch.__version__}; best of {args.repeats} medians of {args.steps} steps, "
           "one thread")
     print(f"{'model':<6}{'dtype':<6}{'eager ms':>10}{'torchalpa ms':>14}{'ratio':>8}")
@@ -90,7 +82,7 @@ def main() -> None:
             best = dict.fromkeys(steps, float("inf"))
             for _ in range(args.repeats):
                 for k, s in steps.items():
-                    best[k] = min(best[k], median_step(s, args.steps))
+                    best[k] = min(best[k], median_time(s, args.steps))
             print(f"{name:<6}{'bf16' if bf16 else 'fp32':<6}{best['eager'] * 1e3:10.2f}"
                   f"{best['torchalpa'] * 1e3:14.2f}{best['torchalpa'] / best['eager']:8.2f}",
                   flush=True)

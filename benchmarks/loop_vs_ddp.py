@@ -16,9 +16,7 @@ One thread per rank (``OMP_NUM_THREADS=1``).
 
 from __future__ import annotations
 
-import argparse
 import os
-import resource
 import statistics
 import sys
 import time
@@ -29,26 +27,23 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import benchmark_process, mark, parser  # noqa: E402
 from zoo_vs_ddp_fsdp import deep_narrow_mlp  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
 from torchalpa.runtime.measurement.baselines import batch_shard, wrap_ddp  # noqa: E402
 
 
-def _mark() -> tuple[float, float, int]:
-    """Wall time, this thread's CPU time, this process's minor page faults so far."""
-    return (time.perf_counter(), time.thread_time(),
-            resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
-
-
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--batch", type=int, default=2048)
     args = p.parse_args()
-    torch.set_num_threads(1)
-    init_distributed()
+    with benchmark_process(group="torchrun"):
+        measure(args)
+
+
+def measure(args):
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(args.batch, 64, generator=g), torch.randn(args.batch, 64, generator=g)
@@ -64,13 +59,13 @@ def main():
     cpu: dict[str, list[tuple[float, int]]] = {}    # (main thread's CPU s, minor faults)
 
     def phases(prefix, forward, backward, step):
-        marks = [_mark()]
+        marks = [mark()]
         loss = forward()
-        marks.append(_mark())
+        marks.append(mark())
         backward(loss)
-        marks.append(_mark())
+        marks.append(mark())
         step()
-        marks.append(_mark())
+        marks.append(mark())
         for k, (a, b) in (("forward", marks[0:2]), ("backward", marks[1:3]),
                           ("optimizer", marks[2:4]), ("step", marks[0:4:3])):
             times.setdefault(f"{prefix} {k}", []).append(b[0] - a[0])
@@ -114,7 +109,6 @@ def main():
         print(f"loop / DDP {med['loop step'] / med['ddp step']:.3f}   "
               f"train_step / DDP {med['train_step step'] / med['ddp step']:.3f}   "
               f"load {os.getloadavg()[0]:.1f}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
