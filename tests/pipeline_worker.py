@@ -153,7 +153,13 @@ def export(make_model, batch, loss_fn, method, *, cluster, path):
                         for p, q in zip(plain.parameters(), make_model_at(make_model, 0)))}
     with torch.no_grad():
         out["output_diff"] = (plain(*batch[:-1]) - ref(*batch[:-1])).abs().max().item()
-    torchalpa.save_pretrained(pm, path)
+    # what each rank allocates while saving: only the writer (rank 0) holds the whole model
+    from torchalpa.runtime.measurement.allocated import peak_allocated
+    peak = peak_allocated(lambda: torchalpa.save_pretrained(pm, path)).peak
+    out["save_peaks"] = [None] * dist.get_world_size()
+    dist.all_gather_object(out["save_peaks"], peak)
+    out["model_bytes"] = sum(t.numel() * t.element_size() for t in
+                             {id(t): t for t in [*plain.parameters(), *plain.buffers()]}.values())
     from safetensors.torch import load_file
     saved = load_file(os.path.join(path, "model.safetensors"))
     state = ref.state_dict()          # both names of the tied weight

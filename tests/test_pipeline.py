@@ -198,4 +198,10 @@ def test_unwrap_and_save_pretrained_gather_every_stage(four):
     assert r["tied_kept"]
     # every parameter saved once, the tied pair under one of its names
     assert r["saved"] == r["parameters"] and r["unknown_saved"] == []
+    # save_pretrained gathers to the writer: rank 0 holds the whole model at its peak, the
+    # other ranks at most one gathered tensor at a time, never the whole (they held it all
+    # when every rank gathered the model: peaks of 1.0-1.15x the model's bytes)
+    writer, *others = r["save_peaks"]
+    assert writer >= r["model_bytes"], (writer, r["model_bytes"])
+    assert max(others) < r["model_bytes"] / 2, (r["save_peaks"], r["model_bytes"])
     assert "pm.unwrap().generate" in r["generate"] and "PipeshardParallel" in r["generate"]

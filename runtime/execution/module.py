@@ -707,9 +707,10 @@ class ParallelModule(nn.Module):
 
     def unwrap(self) -> nn.Module:
         """A plain copy of the model with full, gathered tensors (no DTensors): for
-        ``generate()``, ``torch.save`` or single-device evaluation, on every rank (a
-        pipeline's stages included). Every rank must call it (it gathers);
-        ``torchalpa.save_pretrained(pm, dir)`` writes it from rank 0."""
+        ``generate()``, ``torch.save`` or single-device evaluation. Every rank must call it
+        (it gathers), and every rank gets the whole model (a pipeline's stages included),
+        beside its own shards. To write the model, ``torchalpa.save_pretrained(pm, dir)``
+        gathers it to rank 0 alone, one tensor at a time."""
         from torchalpa.runtime.state.pretrained_save import gathered_module
         return gathered_module(self)
 
