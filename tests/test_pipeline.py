@@ -190,7 +190,8 @@ def test_autoparallel_asked_for_a_pipeline_plans_one_and_trains_like_one_device(
 def test_unwrap_and_save_pretrained_gather_every_stage(four):
     """unwrap() of a two-stage GPT gives every rank the whole trained model (both stages'
     parameters, the embedding tied to the head once), as one device trained it;
-    save_pretrained writes it; generate() refuses, naming unwrap as the way."""
+    save_pretrained writes it, gathered to rank 0 alone; generate() refuses, naming unwrap
+    as the way."""
     r = four["gpt_2x2_export"]
     assert r["stages"] == 2 and r["dtensors"] == 0
     assert r["moved"] > 1e-3                     # the step changed the weights compared
