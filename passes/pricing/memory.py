@@ -52,9 +52,6 @@ class Liveness:
         """Entries alive at point ``t``."""
         return [int(i) for i in np.flatnonzero((self.start <= t) & (t <= self.end))]
 
-    def alive_at(self, t: int) -> list[str]:
-        return [self.names[i] for i in self.alive(t)]
-
     def entries(self) -> list[tuple[str, int | None]]:
         """(node, result or None for all of them) of each entry."""
         return list(zip(self.names, self.results))
@@ -465,10 +462,6 @@ class MemoryModel:
         over the budget where this is."""
         state = sum(v.max() for v in self.state.values())
         return state + self._with_waiting(self._timeline(np.max)) + self._kept_upper()
-
-    def upper_bound(self) -> float:
-        """Peak bytes if every value took its largest layout (memory can't exceed this)."""
-        return float(self.upper_timeline().max(initial=0))
 
     def _timeline(self, pick) -> np.ndarray:
         """Activation bytes at each point with each value's layout chosen by ``pick``."""
