@@ -63,7 +63,7 @@ def _to_writer(t: torch.Tensor) -> torch.Tensor | None:
     whole = full_value(t).contiguous() if rank() in owners else None
     if WRITER in owners:
         return whole if rank() == WRITER else None
-    if rank() == owners[0]:
+    if whole is not None and rank() == owners[0]:
         dist.send(whole, dst=WRITER)
     elif rank() == WRITER:
         whole = torch.empty(t.shape, dtype=t.dtype, device=t.to_local().device)
