@@ -1,0 +1,132 @@
+"""Alpa's ``prefer_reduce_scatter``: after the ILP, gradients' all-reduces become
+reduce-scatters.
+
+Alpa solves its ILP as without the option (gradients all-reduced where a parameter is
+whole on a mesh axis that splits the batch) and then rewrites each such all-reduce into a
+reduce-scatter, the optimizer update running on the scattered piece and the updated
+parameter gathered back to the layout the ILP chose. Here that is one change of the
+solved plan: each such parameter is stored split on that axis too, so its gradient
+reaches it by a reduce-scatter, and its first read in a step gathers it (one phase of
+all-gathers, as Alpa's after the update). The ILP's objective is the plan's without the
+rewrite, as Alpa's is.
+
+A parameter is left as the ILP chose it where no layout of it splits it on that axis
+too among those it may take (its dims already split or not divisible, a pin, parameters
+kept whole): its gradient stays all-reduced, as Alpa's stays where its rewrite finds no
+split. A dim split on another axis is not split again (that is a split over both axes,
+whose pieces Alpa may order freely and ours may not: the column-parallel bias of a 2D
+plan stays all-reduced on the batch axis).
+"""
+
+from __future__ import annotations
+
+from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpGraph, TensorSpec
+from torchalpa.core.placement import (
+    Partial,
+    Placements,
+    Replicate,
+    Shard,
+    is_shard,
+    split_factor_of,
+)
+from torchalpa.passes.sharding.costgraph import ReshardCosts
+from torchalpa.passes.sharding.reshard import plan_reshard
+from torchalpa.passes.sharding.strategies import Strategy
+
+__all__ = ["scatter_gradients"]
+
+
+def scatter_gradients(graph: OpGraph, mesh: LogicalMesh, strategies: dict[str, list[Strategy]],
+                      chosen: dict[str, Strategy], costs: ReshardCosts
+                      ) -> tuple[dict[str, Strategy], ReshardCosts]:
+    """``chosen`` with each parameter whose gradient is all-reduced on a mesh axis stored
+    split on that axis too (a layout among its ``strategies``), and the resharding costs
+    under which its gradient reaches it by reduce-scatter and its reads gather it."""
+    chosen = dict(chosen)
+    params = graph.params
+    users: dict[tuple[str, int], int] = {}
+    for n in graph.ops():
+        for r in n.operands:
+            users[(r.node, r.index)] = users.get((r.node, r.index), 0) + 1
+    scattered: set[tuple[TensorSpec, Placements]] = set()
+    for fqn, ref in graph.outputs.grads:
+        name = params[fqn]
+        _sink_reduction(graph, strategies, chosen, ref.node, users)
+        grad = chosen[ref.node].outputs[ref.index]
+        stored = chosen[name].outputs[0]
+        spec = graph.node(name).output
+        new = _split_further(spec, grad, stored, mesh, strategies[name])
+        if new is not None:
+            chosen[name] = new
+            scattered.add((spec, new.outputs[0]))
+    if not scattered:
+        return chosen, costs
+    return chosen, _ScatteredCosts(costs, frozenset(scattered))
+
+
+def _split_further(spec: TensorSpec, grad: Placements, stored: Placements,
+                   mesh: LogicalMesh, options: list[Strategy]) -> Strategy | None:
+    """The layout of ``options`` that is ``stored`` with every axis on which ``grad`` is a
+    partial sum and ``stored`` whole split on a dim no other axis splits (the lowest such
+    dim), if there is one."""
+    axes = [a for a, (g, s) in enumerate(zip(grad, stored))
+            if isinstance(g, Partial) and isinstance(s, Replicate) and mesh.shape[a] > 1]
+    if not axes:
+        return None
+    taken = {p.dim for p in stored if is_shard(p)}
+    by_layout = {s.outputs[0]: s for s in options}
+    want = list(stored)
+    for a in axes:
+        for d in range(len(spec.shape)):
+            if d in taken:
+                continue
+            trial = want.copy()
+            trial[a] = Shard(d)
+            if tuple(trial) in by_layout:
+                want, taken = trial, taken | {d}
+                break
+    found = by_layout.get(tuple(want))
+    return None if found is None or tuple(want) == tuple(stored) else found
+
+
+def _sink_reduction(graph: OpGraph, strategies: dict[str, list[Strategy]],
+                    chosen: dict[str, Strategy], name: str, users: dict) -> None:
+    """Move a gradient's all-reduce to its end: where the ILP reduced it before the views
+    that make the gradient (a transpose of a product's result, read whole), let each view
+    read the partial sum and pass it on (a strategy it has), so that the sum reaches the
+    parameter's reshard as a partial sum, as in Alpa's HLO, where the rewrite finds it."""
+    chain = []
+    node = graph.node(name)
+    while node.kind not in ("param", "buffer", "input") and len(node.operands) == 1 \
+            and len(node.outputs) == 1 and users.get((node.operands[0].node,
+                                                      node.operands[0].index)) == 1:
+        chain.append(node)
+        node = graph.node(node.operands[0].node)
+    for n in reversed(chain):
+        ref = n.operands[0]
+        src, current = chosen[ref.node].outputs[ref.index], chosen[n.name]
+        if current.inputs[0] == src or len(current.outputs) != 1:
+            continue
+        want = tuple(s if isinstance(s, Partial) and isinstance(i, Replicate) else o
+                     for s, i, o in zip(src, current.inputs[0], current.outputs[0]))
+        for option in strategies[n.name]:
+            if option.inputs[0] == src and option.outputs[0] == want:
+                chosen[n.name] = option
+                break
+
+
+class _ScatteredCosts(ReshardCosts):
+    """``costs``, but a value laid out as a rewritten parameter, or read from one, is
+    resharded with reduce-scatters and all-gathers whatever the ILP's space allowed (they
+    come after the ILP, as Alpa's rewrite does)."""
+
+    def __init__(self, costs: ReshardCosts, scattered: frozenset):
+        super().__init__(costs.mesh, costs.allow_reduce_scatter, costs.forbidden)
+        self.scattered = scattered
+
+    def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
+        if dst is not None and ((spec, dst) in self.scattered or (spec, src) in self.scattered) \
+                and all(split_factor_of(p) == 1 for p in (*src, *dst)):
+            return plan_reshard(spec, src, dst, self.mesh.shape, True)
+        return super().steps(spec, src, dst)
