@@ -10,15 +10,16 @@ reaches it by a reduce-scatter, and its first read in a step gathers it (one pha
 all-gathers, as Alpa's after the update). The ILP's objective is the plan's without the
 rewrite, as Alpa's is.
 
-A parameter is left as the ILP chose it where no layout of it splits it on that axis
-too among those it may take (its dims already split or not divisible, a pin, parameters
-kept whole): its gradient stays all-reduced, as Alpa's stays where its rewrite finds no
+A parameter is left as the ILP chose it where no layout splits it on that axis too (its
+dims already split or not divisible, or a pin): its gradient stays all-reduced, as Alpa's stays where its rewrite finds no
 split. A dim split on another axis is not split again (that is a split over both axes,
 whose pieces Alpa may order freely and ours may not: the column-parallel bias of a 2D
 plan stays all-reduced on the batch axis).
 """
 
 from __future__ import annotations
+
+import re
 
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import OpGraph, TensorSpec
@@ -32,18 +33,21 @@ from torchalpa.core.placement import (
 )
 from torchalpa.passes.sharding.costgraph import ReshardCosts
 from torchalpa.passes.sharding.reshard import plan_reshard
-from torchalpa.passes.sharding.strategies import Strategy
+from torchalpa.passes.sharding.strategies import Strategy, leaf_strategies
 
 __all__ = ["scatter_gradients"]
 
 
 def scatter_gradients(graph: OpGraph, mesh: LogicalMesh, strategies: dict[str, list[Strategy]],
-                      chosen: dict[str, Strategy], costs: ReshardCosts
+                      chosen: dict[str, Strategy], costs: ReshardCosts, pins: tuple = ()
                       ) -> tuple[dict[str, Strategy], ReshardCosts]:
     """``chosen`` with each parameter whose gradient is all-reduced on a mesh axis stored
-    split on that axis too (a layout among its ``strategies``), and the resharding costs
-    under which its gradient reaches it by reduce-scatter and its reads gather it."""
+    split on that axis too, and the resharding costs under which its gradient reaches it
+    by reduce-scatter and its reads gather it. A parameter ``pins`` (``option.pin``)
+    matches keeps its layout; the others may take any even split, as Alpa's rewrite comes
+    after whatever kept its ILP's parameters whole (``force_data_parallel``: its ZeRO)."""
     chosen = dict(chosen)
+    pinned = [re.compile(p) for p, _ in pins]
     params = graph.params
     users: dict[tuple[str, int], int] = {}
     for n in graph.ops():
@@ -56,7 +60,10 @@ def scatter_gradients(graph: OpGraph, mesh: LogicalMesh, strategies: dict[str, l
         grad = chosen[ref.node].outputs[ref.index]
         stored = chosen[name].outputs[0]
         spec = graph.node(name).output
-        new = _split_further(spec, grad, stored, mesh, strategies[name])
+        node = graph.node(name)
+        options = strategies[name] if any(p.fullmatch(node.target or name) for p in pinned) \
+            else leaf_strategies(spec, mesh)
+        new = _split_further(spec, grad, stored, mesh, options)
         if new is not None:
             chosen[name] = new
             scattered.add((spec, new.outputs[0]))

@@ -228,7 +228,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         best = ilp.best()
     chosen = best.chosen
     if option.prefer_reduce_scatter:    # Alpa's rewrite after its ILP
-        chosen, costs = scatter_gradients(graph, mesh, space.strategies, chosen, costs)
+        chosen, costs = scatter_gradients(graph, mesh, space.strategies, chosen, costs,
+                                          option.pin)
     plan = merge_gradient_all_reduces(assemble_plan(graph, mesh, method, chosen, costs,
                                                     space, inputs, step_micro_batches),
                                       graph, mesh, option)
