@@ -7,14 +7,17 @@ reduce-scatter, the optimizer update running on the scattered piece and the upda
 parameter gathered back to the layout the ILP chose. Here that is one change of the
 solved plan: each such parameter is stored split on that axis too, so its gradient
 reaches it by a reduce-scatter, and its first read in a step gathers it (one phase of
-all-gathers, as Alpa's after the update). The ILP's objective is the plan's without the
-rewrite, as Alpa's is.
+all-gathers, as Alpa's after the update; with ``rematerialize_parameters`` its backward
+reads gather it again, Alpa's ``force_zero_stage_3``). The ILP's objective is the plan's
+without the rewrite, as Alpa's is; the plan's step estimate prices what it issues.
 
 A parameter is left as the ILP chose it where no layout splits it on that axis too (its
-dims already split or not divisible, or a pin): its gradient stays all-reduced, as Alpa's stays where its rewrite finds no
-split. A dim split on another axis is not split again (that is a split over both axes,
-whose pieces Alpa may order freely and ours may not: the column-parallel bias of a 2D
-plan stays all-reduced on the batch axis).
+dims already split or not divisible, or a pin): its gradient stays all-reduced, as
+Alpa's stays where its rewrite finds no split. A dim split on another axis is not split
+again: that would be a split over both axes, whose pieces Alpa's tile assignment may
+order freely and ours may not (a dim split on axis 1 and then on axis 0 within each
+piece is a nested strided shard, which the runtime does not lay out), so the
+column-parallel bias of a 2D plan stays all-reduced on the batch axis.
 """
 
 from __future__ import annotations
