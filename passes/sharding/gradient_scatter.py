@@ -59,17 +59,16 @@ def scatter_gradients(graph: OpGraph, mesh: LogicalMesh, strategies: dict[str, l
     scattered: set[tuple[TensorSpec, Placements]] = set()
     for fqn, ref in graph.outputs.grads:
         name = params[fqn]
-        _sink_reduction(graph, strategies, chosen, ref.node, users)
-        grad = chosen[ref.node].outputs[ref.index]
-        stored = chosen[name].outputs[0]
-        spec = graph.node(name).output
+        sunk = _sink_reduction(graph, strategies, chosen, ref.node, users)
         node = graph.node(name)
         options = strategies[name] if any(p.fullmatch(node.target or name) for p in pinned) \
-            else leaf_strategies(spec, mesh)
-        new = _split_further(spec, grad, stored, mesh, options)
-        if new is not None:
+            else leaf_strategies(node.output, mesh)
+        grad = sunk.get(ref.node, chosen[ref.node]).outputs[ref.index]
+        new = _split_further(node.output, grad, chosen[name].outputs[0], mesh, options)
+        if new is not None:     # else the ILP's plan stands, its reduction where it was
+            chosen.update(sunk)
             chosen[name] = new
-            scattered.add((spec, new.outputs[0]))
+            scattered.add((node.output, new.outputs[0]))
     if not scattered:
         return chosen, costs
     return chosen, _ScatteredCosts(costs, frozenset(scattered))
@@ -101,12 +100,14 @@ def _split_further(spec: TensorSpec, grad: Placements, stored: Placements,
 
 
 def _sink_reduction(graph: OpGraph, strategies: dict[str, list[Strategy]],
-                    chosen: dict[str, Strategy], name: str, users: dict) -> None:
+                    chosen: dict[str, Strategy], name: str, users: dict
+                    ) -> dict[str, Strategy]:
     """Move a gradient's all-reduce to its end: where the ILP reduced it before the views
     that make the gradient (a transpose of a product's result, read whole), let each view
     read the partial sum and pass it on (a strategy it has), so that the sum reaches the
-    parameter's reshard as a partial sum, as in Alpa's HLO, where the rewrite finds it."""
-    chain = []
+    parameter's reshard as a partial sum, as in Alpa's HLO, where the rewrite finds it.
+    The views' new strategies, by node."""
+    chain, sunk = [], {}
     node = graph.node(name)
     while node.kind not in ("param", "buffer", "input") and len(node.operands) == 1 \
             and len(node.outputs) == 1 and users.get((node.operands[0].node,
@@ -115,15 +116,17 @@ def _sink_reduction(graph: OpGraph, strategies: dict[str, list[Strategy]],
         node = graph.node(node.operands[0].node)
     for n in reversed(chain):
         ref = n.operands[0]
-        src, current = chosen[ref.node].outputs[ref.index], chosen[n.name]
+        src = sunk.get(ref.node, chosen[ref.node]).outputs[ref.index]
+        current = chosen[n.name]
         if current.inputs[0] == src or len(current.outputs) != 1:
             continue
         want = tuple(s if isinstance(s, Partial) and isinstance(i, Replicate) else o
                      for s, i, o in zip(src, current.inputs[0], current.outputs[0]))
         for option in strategies[n.name]:
             if option.inputs[0] == src and option.outputs[0] == want:
-                chosen[n.name] = option
+                sunk[n.name] = option
                 break
+    return sunk
 
 
 class _ScatteredCosts(ReshardCosts):
