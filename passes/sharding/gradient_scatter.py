@@ -118,10 +118,11 @@ def _sink_reduction(graph: OpGraph, strategies: dict[str, list[Strategy]],
         ref = n.operands[0]
         src = sunk.get(ref.node, chosen[ref.node]).outputs[ref.index]
         current = chosen[n.name]
-        if current.inputs[0] == src or len(current.outputs) != 1:
+        read = current.inputs[0]
+        if read is None or read == src or len(current.outputs) != 1:
             continue
         want = tuple(s if isinstance(s, Partial) and isinstance(i, Replicate) else o
-                     for s, i, o in zip(src, current.inputs[0], current.outputs[0]))
+                     for s, i, o in zip(src, read, current.outputs[0]))
         for option in strategies[n.name]:
             if option.inputs[0] == src and option.outputs[0] == want:
                 sunk[n.name] = option
