@@ -69,10 +69,12 @@ def communication(plan, *, ignore_scalar_all_reduce=False, merged_gradients=True
       and reduce-scatter combiners, per replica group): the plan's merged all-reduces
       (``estimates['gradient_buckets']``, when ``all_reduce_threshold`` is set) and every
       gradient's bucketed collectives (those the runtime packs into buckets,
-      ``runtime/rewrites/buckets.py``), merged per (kind, axis);
-    * the parameters' all-gathers count once per phase and axis (the all-gather combiner
-      Alpa runs for ZeRO: one after the update, or with ZeRO-3 one for forward and one
-      for backward).
+      ``runtime/rewrites/buckets.py``), merged per (kind, axis), and reduce-scatters per
+      (axis, dim) too: XLA's combiner merges reduce-scatters of one scatter dim only
+      (Alpa's 2D test counts "two reduce-scatter for two tensor dimensions");
+    * the parameters' all-gathers count once per phase, axis and gathered dim (the
+      all-gather combiner Alpa runs for ZeRO: one after the update, or with ZeRO-3 one for
+      forward and one for backward; one per dim, as Alpa's 2D test counts them).
 
     Collectives on a mesh axis of size 1 move nothing and are not counted."""
     from torchalpa.runtime.rewrites.buckets import _grad_reshards as grad_reshards
@@ -81,11 +83,14 @@ def communication(plan, *, ignore_scalar_all_reduce=False, merged_gradients=True
         for b in plan.estimates.gradient_buckets or ():
             merged.update((k, ("all_reduce", b["axis"])) for k in b["collectives"])
         for _, steps, positions in grad_reshards(plan):   # one gradient alone too
-            merged.update((k, (step.kind, step.axis)) for step, k in zip(steps, positions))
-        params = {p.node for p in plan.parameters}
+            merged.update((k, (step.kind, step.axis) + ((step.dim,) if step.kind ==
+                                                            "reduce_scatter" else ()))
+                          for step, k in zip(steps, positions))
+        params = {p.node: p.placements for p in plan.parameters}
         for k, c in enumerate(plan.collectives):
             if c.kind == "all_gather" and c.tensor in params:
-                merged[k] = ("all_gather", c.axis, c.phase)
+                merged[k] = ("all_gather", c.axis, c.phase,
+                             getattr(params[c.tensor][c.axis], "dim", None))
     counts: Counter = Counter()
     groups = set()
     for k, c in enumerate(plan.collectives):

@@ -14,6 +14,9 @@ Scenarios (argv[2], comma separated):
   dim split over both axes, every gradient in one bucket): the plan that sums the layer
   norms' and row-parallel biases' gradients at half size over axis 0 and all-gathers them
   on axis 1 (tests/test_alpa_shard_parallel.py, test_bert_layer_2d_mesh_total).
+- ``bert_rs2d:2x2``: the same with Alpa's space exactly (``slice_before_reduce`` off) and
+  ``prefer_reduce_scatter``: the gradients reduce-scattered on axis 0 into parameters
+  stored split on both axes, gathered on axis 0 in forward.
 - ``mlm2d:2x2``: Alpa's ``test_bert_mlm_2d_mesh`` model and space (tests/
   test_alpa_shard_parallel.py, ``_bert_mlm_2d_plan``), whose plan all-to-alls the head's
   transform weight on axis 1 (a resharding Alpa's space lacks on a 2D mesh), one SGD
@@ -101,7 +104,7 @@ def accumulation(shape: tuple[int, ...], reduce_scatter: bool) -> dict:
     return _record(pm, run, micro, _compare(pm, ref, rtol=1e-4, atol=1e-4))
 
 
-def bert(shape: tuple[int, ...], alpa_2d: bool = False) -> dict:
+def bert(shape: tuple[int, ...], alpa_2d: bool = False, reduce_scatter: bool = False) -> dict:
     batch_size, seq, hidden, heads = 16, 8, 256, 8
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(batch_size, seq, hidden, generator=g),
@@ -115,6 +118,8 @@ def bert(shape: tuple[int, ...], alpa_2d: bool = False) -> dict:
     option = torchalpa.AutoShardingOption(
         force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False, allow_reduce_scatter=False,
         all_reduce_threshold=1 << 60) if alpa_2d else torchalpa.AutoShardingOption()
+    if reduce_scatter:      # Alpa's space exactly, and its rewrite after the ILP
+        option = replace(option, slice_before_reduce=False, prefer_reduce_scatter=True)
     pm = torchalpa.auto_parallel(
         model, batch, mse, cluster=mesh,
         method=torchalpa.ShardParallel(logical_mesh_shape=shape, auto_sharding_option=option),
@@ -158,7 +163,8 @@ def mlm_2d(shape: tuple[int, ...]) -> dict:
 
 SCENARIOS = {"mlm2d": mlm_2d, "accum": lambda s: accumulation(s, False),
              "accum_rs": lambda s: accumulation(s, True), "bert": bert,
-             "bert_alpa2d": lambda s: bert(s, alpa_2d=True)}
+             "bert_alpa2d": lambda s: bert(s, alpa_2d=True),
+             "bert_rs2d": lambda s: bert(s, alpa_2d=True, reduce_scatter=True)}
 
 
 def main():

@@ -44,6 +44,7 @@ from torchalpa.passes.sharding.costgraph import (
     ReshardCosts,
     solve_sharing_reads,
 )
+from torchalpa.passes.sharding.gradient_scatter import scatter_gradients
 from torchalpa.passes.sharding.ilp import (
     CLOCK_NOTE,
     ILPProblem,
@@ -225,7 +226,11 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     built = time.perf_counter()
     with clock_watch() as stops:
         best = ilp.best()
-    plan = merge_gradient_all_reduces(assemble_plan(graph, mesh, method, best.chosen, costs,
+    chosen = best.chosen
+    if option.prefer_reduce_scatter:    # Alpa's rewrite after its ILP
+        chosen, costs = scatter_gradients(graph, mesh, space.strategies, chosen, costs,
+                                          option.pin)
+    plan = merge_gradient_all_reduces(assemble_plan(graph, mesh, method, chosen, costs,
                                                     space, inputs, step_micro_batches),
                                       graph, mesh, option)
     plan = _with_solve_figures(plan, graph, mesh, space, best, ilp.budget, start, built)

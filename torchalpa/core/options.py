@@ -102,6 +102,12 @@ class AutoShardingOption:
     allow_reduce_scatter: bool = True
     """Let a partial sum become a shard by reduce-scatter. Off, it is all-reduced and sliced
     (Alpa's default search space; its ZeRO presets turn reduce-scatter on)."""
+    prefer_reduce_scatter: bool = False
+    """Alpa's option of that name: after the ILP, each parameter whose gradient is
+    all-reduced on a mesh axis (the batch's) is stored split on that axis too, its gradient
+    reduce-scattered and the parameter gathered in its step's first read; the objective is
+    the ILP's, without the rewrite (``passes/sharding/gradient_scatter.py``). Unlike
+    ``allow_reduce_scatter`` it changes no other layout the ILP picks."""
     rematerialize_parameters: bool = False
     """Gather parameters again in backward instead of keeping forward's gathered copies
     (FSDP's reshard-after-forward, ZeRO-3); trades communication for memory."""
