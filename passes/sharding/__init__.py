@@ -13,6 +13,8 @@ the Plan assembled from its solution.
 - ``ilp_model``: the ILP as plain arrays, built once for either solver.
 - ``ilp``: Alpa's ILP, one strategy per node, solved by CBC (through PuLP) or HiGHS.
 - ``ilp_highs``: the same arrays handed to HiGHS directly.
+- ``gradient_scatter``: Alpa's prefer_reduce_scatter, applied to a solved plan (gradients
+  reduce-scattered, parameters stored split and gathered where first read).
 - ``sharding_plan``: the Plan of a solution (reshards, collectives, estimates, notes).
 - ``remat_choice``: activation checkpointing decided by planning with and without it.
 - ``layer_remat``: how many blocks recompute, chosen by the memory they free.
