@@ -11,8 +11,9 @@ search
    micro-batches in flight) and step time (every op at its roofline over every device;
    a pipeline of S >= 2 stages also pays its fill and drain, ``(k + S - 1) / k``);
    candidates that cannot fit are refused there;
-3. solves the rest in the order of their time bounds -- capturing each micro-batch
-   size once -- until the next bound cannot beat the best plan by more than the
+3. solves the rest in the order of their time bounds -- each micro-batch size derived
+   from that capture too (``frontends/rebatch.py``; traced again only where the
+   derivation cannot be sure) -- until the next bound cannot beat the best plan by more than the
    tolerance (a plan is always found first when any fits). The search is bounded by work
    (the candidates' bounds, the solver's node limit ``AutoShardingOption.max_nodes``),
    not by seconds, so the same job gives the same plan on any machine at any load;
@@ -204,17 +205,24 @@ class _Search:
     # -- captures ----------------------------------------------------------------------
     def capture(self, k: int, remat: str, regather: bool = False):
         """The step of one micro-batch of ``batch / k``, checkpointed by ``remat``, its
-        parameters gathered again in backward if ``regather``: one trace per ``k``, the
-        variants derived from it."""
+        parameters gathered again in backward if ``regather``: one trace, the other
+        micro-batch counts and the variants derived from it."""
         if (k, remat, regather) not in self.variants:
             with self.timed("capture"):
                 if k not in self.captures:
-                    examples = capture_examples(self.model, self.tensors, k)
-                    self.captures[k] = capture_step(self.model, examples, self.loss_fn,
-                                                    signature=self.signature)
+                    self.captures[k] = self.rebatched(k) or capture_step(
+                        self.model, capture_examples(self.model, self.tensors, k),
+                        self.loss_fn, signature=self.signature)
                 self.variants[(k, remat, regather)] = derived_capture(self.captures[k], remat,
                                                                       regather)
         return self.variants[(k, remat, regather)]
+
+    def rebatched(self, k: int):
+        """The step of ``k`` micro-batches derived from a capture of fewer, if one was
+        made and the derivation is sure (``frontends/rebatch.py``), else None (trace)."""
+        from torchalpa.frontends.rebatch import rebatched_capture
+        base = next((j for j in sorted(self.captures) if k % j == 0), None)
+        return None if base is None else rebatched_capture(self.captures[base], k // base)
 
     @contextlib.contextmanager
     def timed(self, phase: str):
