@@ -19,10 +19,19 @@ sizes as before.
 
 Anything else that could hold the batch as a number makes the derivation give up
 (``None``, and the caller traces the model again): a broadcast or a constant whose size
-is one of the batch-carrying sizes, an integer or float argument equal to one of them or
-its reciprocal, a dim that does not divide by ``k``, a parameter's gradient or an updated
-buffer whose shape changed. A model whose Python branches on the batch size would trace
-to another graph; the fake run follows the captured one.
+is one of the batch-carrying sizes, an integer or float argument equal to one of them, to
+the element count of a value the batch runs through, or to 1 or 2 over either (what
+``mean``'s backward and ``mse_loss``'s decomposition bake in), a dim that does not divide
+by ``k``, a parameter's gradient or an updated buffer whose shape changed.
+
+Those checks look at numbers one by one and cannot see every way Python code turns the
+batch size into a number (``loss.sum() / (x.shape[0] * 3)``), nor a model whose Python
+branches on it. So a derivation is only trusted once it has been checked against a trace:
+``MicroBatchSteps`` traces the first micro-batch count it is asked for, derives the same
+count from the capture it has, and derives later counts only if the two are the same step
+(every op, argument, shape and line of generated code; a number that depends on the
+batch differs between the two batch sizes). A number that takes the same value at both
+batch sizes is taken not to depend on the batch.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from torchalpa.frontends.block_remat import copied_codegen
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.torch_export import Capture, to_opgraph
 
-__all__ = ["rebatched_capture", "CannotRebatch"]
+__all__ = ["rebatched_capture", "CannotRebatch", "MicroBatchSteps", "same_step"]
 
 log = logging.getLogger("torchalpa.capture")
 
@@ -54,6 +63,53 @@ _EXPAND = torch.ops.aten.expand.default
 
 class CannotRebatch(Exception):
     """Why a capture could not be derived at a smaller batch (the caller traces again)."""
+
+
+class MicroBatchSteps:
+    """The step of each micro-batch count of one batch, made once per count: traced by
+    ``trace(k)``, or derived from a count already made (``rebatched_capture``) once a
+    derivation has been found to give the traced step.
+
+    The first count that could be derived is traced *and* derived, and the two compared
+    (``same_step``): a number in the graph that depends on the batch (``mse_loss``'s
+    ``2 / numel``, a user's ``/ batch``) differs between them, and then every later count
+    is traced as well. ``derived``: the counts made without a trace."""
+
+    def __init__(self, trace: Callable[[int], Capture]):
+        self.trace = trace
+        self.captures: dict[int, Capture] = {}
+        self.checked: bool | None = None    # None: no derivation compared with a trace yet
+        self.derived: set[int] = set()
+
+    def __call__(self, k: int) -> Capture:
+        if k not in self.captures:
+            self.captures[k] = self._made(k)
+        return self.captures[k]
+
+    def _made(self, k: int) -> Capture:
+        base = next((j for j in sorted(self.captures) if k % j == 0), None)
+        if base is None or self.checked is False:
+            return self.trace(k)
+        derived = rebatched_capture(self.captures[base], k // base)
+        if derived is None:
+            return self.trace(k)
+        if self.checked:
+            self.derived.add(k)
+            return derived
+        traced = self.trace(k)
+        self.checked = same_step(derived, traced)
+        if not self.checked:
+            log.info("the step derived at %d micro-batches is not the traced one (a number "
+                     "in it depends on the batch): every count is traced", k)
+        return traced
+
+
+def same_step(a: Capture, b: Capture) -> bool:
+    """Whether two captures are one step: the same OpGraph nodes (names, ops, arguments,
+    shapes, costs, module paths), outputs, graph meta and generated code."""
+    return (a.graph.fingerprint() == b.graph.fingerprint() and list(a.graph) == list(b.graph)
+            and a.graph.outputs == b.graph.outputs and a.graph.meta == b.graph.meta
+            and a.gm.code == b.gm.code)
 
 
 def rebatched_capture(captured: Capture, k: int) -> Capture | None:
@@ -137,6 +193,7 @@ class _Rebatch:
         self.changed: set[fx.Node] = set()        # nodes whose value changed
         self.skipped: list[str] = []              # ops not run: every input as it was
         self.scaled: set[int] = set()      # sizes at the full batch of dims that shrank
+        self.numels: set[int] = set()      # element counts at the full batch of values that did
         self.marked: set[fx.Node] = set()  # the batch is not leading in some dim
 
     def shrunk(self, size: int, what: str) -> int:
@@ -156,6 +213,9 @@ class _Rebatch:
         self.changed.add(n)
         self.values[n] = val
         n.meta["val"] = _faked(val, old)
+        for o, v in zip(_tensors(old), _tensors(val)):
+            if o.shape != v.shape and o.numel() > 1:
+                self.numels.add(int(o.numel()))
         if isinstance(old, torch.Tensor) and isinstance(val, torch.Tensor):
             for a, b in zip(old.shape, val.shape):
                 if a != b:
@@ -205,18 +265,13 @@ class _Rebatch:
 
     def check_numbers(self, n: fx.Node) -> None:
         """Refuse an op told a number that may be a batch-carrying size."""
+        sizes = self.scaled | self.numels
         for v in _leaves((n.args, n.kwargs)):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 continue
-            if isinstance(v, int):
-                hit = v in self.scaled
-            else:
-                hit = (v.is_integer() and int(v) in self.scaled) or \
-                    (v != 0 and math.isfinite(v) and (1 / v).is_integer()
-                     and int(1 / v) in self.scaled)
-            if hit:
-                raise CannotRebatch(f"{n.target} ({n.name}) is given {v}, a size the batch "
-                                    "runs through")
+            if _batch_number(float(v), sizes):
+                raise CannotRebatch(f"{n.target} ({n.name}) is given {v}, which may be a "
+                                    "size the batch runs through")
 
     def view_sizes(self, n: fx.Node, a: tuple, b: tuple) -> list[int]:
         """A view's sizes at the new batch (``a``, ``b``: its input's shape before, now)."""
@@ -266,6 +321,28 @@ class _Rebatch:
             else:
                 sizes.append(s)
         return sizes
+
+
+def _batch_number(v: float, sizes: set[int]) -> bool:
+    """Whether ``v`` is one of ``sizes``, or 1 or 2 over one of them or over one less
+    (a mean's, ``mse_loss``'s or an unbiased variance's scale)."""
+    if v == 0 or not math.isfinite(v):
+        return False
+    if v.is_integer() and int(v) in sizes:
+        return True
+    for c in (1.0, 2.0):
+        r = c / abs(v)
+        near = round(r)
+        if abs(r - near) <= 1e-6 * r and (near in sizes or near + 1 in sizes):
+            return True
+    return False
+
+
+def _tensors(val) -> list[torch.Tensor]:
+    """The tensors of a value (a tensor or a tuple of them)."""
+    if isinstance(val, (list, tuple)):
+        return [t for v in val for t in _tensors(v)]
+    return [val] if isinstance(val, torch.Tensor) else []
 
 
 def _layouts(val):

@@ -1,7 +1,11 @@
 """A micro-batch's step derived from the whole batch's capture (frontends/rebatch.py) is
 the step traced at the micro-batch: the same nodes, shapes, costs, module paths and
-generated code; what could hold the batch as a number is traced again instead, and
-AutoParallel's search traces the model once and plans as if it had traced each count."""
+generated code, and the same loss and gradients on real numbers, for the losses users
+write (mean and summed MSE and cross-entropy, ignored targets, masked means, divisions by
+the batch); what could hold the batch as a number is traced again instead, and a
+derivation is trusted only once it matched a trace. AutoParallel's search traces the
+model twice (the whole batch, then the first micro-batch count, to check the derivation)
+and plans as if it had traced each count."""
 
 from __future__ import annotations
 
@@ -68,6 +72,118 @@ def test_what_may_hold_the_batch_as_a_number_is_traced_again(module):
     assert rebatch.rebatched_capture(whole, 2) is None
 
 
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _masked_mean(out, y):
+    mask = (y >= 0).float()
+    return (out[:, 0] ** 2 * mask).sum() / mask.sum()
+
+
+# loss -> whether its targets are class indices (else regression targets like the output)
+LOSSES = {
+    "mse_mean": (F.mse_loss, False),
+    "mse_sum": (lambda o, y: F.mse_loss(o, y, reduction="sum"), False),
+    "l1_mean": (F.l1_loss, False),
+    "cross_entropy_mean": (F.cross_entropy, True),
+    "cross_entropy_sum": (lambda o, y: F.cross_entropy(o, y, reduction="sum"), True),
+    "cross_entropy_ignore_index": (lambda o, y: F.cross_entropy(o, y, ignore_index=1), True),
+    "masked_mean": (_masked_mean, True),
+    "mean": (lambda o, y: o.mean(), False),
+    "over_the_batch": (lambda o, y: o.sum() / o.shape[0], False),
+    "over_numel": (lambda o, y: o.sum() / o.numel(), False),
+    # a number no check on single numbers can tie to the batch: only the comparison with
+    # a trace (MicroBatchSteps) finds it
+    "over_three_batches": (lambda o, y: F.cross_entropy(o, y, reduction="sum")
+                           / (o.shape[0] * 3), True),
+}
+BATCH = 12
+
+
+def _mlp_step(loss: str, batch: int = BATCH):
+    torch.manual_seed(0)
+    model = _MLP()
+    x = torch.randn(batch, 8)
+    y = torch.randint(0, 5, (batch,)) if LOSSES[loss][1] else torch.randn(batch, 5)
+    return model, (x, y), LOSSES[loss][0]
+
+
+def _run(captured, model, inputs):
+    """The step's loss and gradients on real numbers (the model's weights, ``inputs``)."""
+    state = [dict(model.named_parameters())[n] for n in captured.param_names] + \
+        [dict(model.named_buffers())[n] for n in captured.buffer_names]
+    out = torch.fx.Interpreter(captured.gm).run(*state, *inputs)
+    return [o for o in out if o is not None]
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_a_derived_step_is_the_traced_one_or_none(loss):
+    """``rebatched_capture`` alone (its checks of single numbers): never a wrong step."""
+    model, batch, loss_fn = _mlp_step(loss)
+    whole = capture(model, batch, loss_fn)
+    for k in (2, 3):
+        traced = capture(model, tuple(x[: x.shape[0] // k] for x in batch), loss_fn)
+        derived = rebatch.rebatched_capture(whole, k)
+        if loss == "over_three_batches":
+            continue             # below: what the comparison with a trace is for
+        if loss in ("mse_mean", "mean", "over_the_batch", "over_numel", "l1_mean",
+                    "masked_mean"):
+            assert derived is None, loss        # a number the batch runs through
+        if derived is not None:
+            assert rebatch.same_step(derived, traced), loss
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_micro_batch_steps_are_the_traced_ones_in_graph_and_numbers(loss):
+    """What the search uses: each count's step (traced or derived) is the one traced at
+    that count, op for op and in its loss and gradients on real numbers."""
+    model, batch, loss_fn = _mlp_step(loss)
+    traces = []
+
+    def trace(k):
+        traces.append(k)
+        return capture(model, tuple(x[: x.shape[0] // k] for x in batch), loss_fn)
+
+    steps = rebatch.MicroBatchSteps(trace)
+    for k in (1, 2, 3, 4, 6):
+        made = steps(k)
+        traced = capture(model, tuple(x[: x.shape[0] // k] for x in batch), loss_fn)
+        assert rebatch.same_step(made, traced), (loss, k)
+        part = tuple(x[: x.shape[0] // k] for x in batch)
+        for got, want in zip(_run(made, model, part), _run(traced, model, part), strict=True):
+            assert torch.equal(got, want), (loss, k)
+    if loss in ("mse_sum", "cross_entropy_sum", "cross_entropy_mean",
+                "cross_entropy_ignore_index"):
+        # nothing in these steps depends on the batch as a number: 1 traced, 2 traced and
+        # checked, the rest derived
+        assert traces == [1, 2] and steps.derived == {3, 4, 6}, loss
+    if loss == "over_three_batches":      # the check finds 1 / 36 where 1 / 18 was traced
+        assert steps.checked is False and steps.derived == set() and traces == [1, 2, 3, 4, 6]
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama", "bert"])
+def test_the_zoo_losses_derive_the_traced_steps(family):
+    workload = zoo.tiny(family, batch_size=6)
+    with torch.device("meta"):
+        model = workload.build()
+    batch = workload.example_inputs(device="meta")
+
+    def trace(k):
+        return capture(model, tuple(x[: x.shape[0] // k] for x in batch), workload.loss_fn)
+
+    steps = rebatch.MicroBatchSteps(trace)
+    for k in (1, 2, 3, 6):
+        assert rebatch.same_step(steps(k), trace(k)), (family, k)
+    assert steps.checked is not False
+
+
 def test_the_search_traces_once_and_plans_as_if_it_traced_each_count(monkeypatch):
     workload = zoo.tiny("gpt", batch_size=6, dropout=0.0, num_layers=2)
     with torch.device("meta"):
@@ -86,11 +202,11 @@ def test_the_search_traces_once_and_plans_as_if_it_traced_each_count(monkeypatch
         session = auto.SearchSession(model, batch, loss_fn, method=method, cluster=cluster,
                                      meshes=meshes, allow_pipeline=False)
         return [session.solve(auto.Candidate("intra-op", "none", k, 0.0, 0.0)).to_json()
-                for k in (1, 3)]
+                for k in (1, 2, 3)]
 
     derived = plans()
-    assert len(traces) == 1
+    assert len(traces) == 2          # the whole batch, and 2 micro-batches (the check)
     monkeypatch.setattr(rebatch, "rebatched_capture", lambda captured, k: None)
     traced = plans()
-    assert len(traces) == 3                 # without the derivation: one trace per count
+    assert len(traces) == 5          # without the derivation: one trace per count
     assert derived == traced

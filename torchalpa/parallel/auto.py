@@ -12,11 +12,12 @@ search
    a pipeline of S >= 2 stages also pays its fill and drain, ``(k + S - 1) / k``);
    candidates that cannot fit are refused there;
 3. solves the rest in the order of their time bounds -- each micro-batch size derived
-   from that capture too (``frontends/rebatch.py``; traced again only where the
-   derivation cannot be sure) -- until the next bound cannot beat the best plan by more than the
-   tolerance (a plan is always found first when any fits). The search is bounded by work
-   (the candidates' bounds, the solver's node limit ``AutoShardingOption.max_nodes``),
-   not by seconds, so the same job gives the same plan on any machine at any load;
+   from that capture too (``frontends/rebatch.py``: the first one traced as well and the
+   two compared; traced where they differ or the derivation cannot be sure) -- until
+   the next bound cannot beat the best plan by more than the tolerance (a plan is
+   always found first when any fits). The search is bounded by work (the candidates'
+   bounds, the solver's node limit ``AutoShardingOption.max_nodes``), not by seconds,
+   so the same job gives the same plan on any machine at any load;
    ``time_budget_s`` is only a safety net, and when it fires the plan's notes say so
    (``CLOCK_NOTE``) and nothing it cut short is cached.
    A candidate is also dominated, and skipped, by a plan of its kind that fits with room
@@ -195,7 +196,11 @@ class _Search:
         self.solves = SolveCache()
         self.pricing = PricingMemo()
         self.profiles: dict = {}                       # remat -> its bounds (StepProfile)
-        self.captures: dict[int, Capture] = {}         # micro-batch count -> capture
+        from torchalpa.frontends.rebatch import MicroBatchSteps
+        # micro-batch count -> its step: traced, or derived once a derivation was checked
+        self.captures = MicroBatchSteps(lambda k: capture_step(
+            self.model, capture_examples(self.model, self.tensors, k), self.loss_fn,
+            signature=self.signature))
         self.attempts: list[Attempt] = []
         self.plans: list[tuple[float, Plan | PipelinePlan, Candidate]] = []
         # (intra-op candidate, view index, its plan's peak bytes; None: it does not fit)
@@ -209,20 +214,9 @@ class _Search:
         micro-batch counts and the variants derived from it."""
         if (k, remat, regather) not in self.variants:
             with self.timed("capture"):
-                if k not in self.captures:
-                    self.captures[k] = self.rebatched(k) or capture_step(
-                        self.model, capture_examples(self.model, self.tensors, k),
-                        self.loss_fn, signature=self.signature)
-                self.variants[(k, remat, regather)] = derived_capture(self.captures[k], remat,
+                self.variants[(k, remat, regather)] = derived_capture(self.captures(k), remat,
                                                                       regather)
         return self.variants[(k, remat, regather)]
-
-    def rebatched(self, k: int):
-        """The step of ``k`` micro-batches derived from a capture of fewer, if one was
-        made and the derivation is sure (``frontends/rebatch.py``), else None (trace)."""
-        from torchalpa.frontends.rebatch import rebatched_capture
-        base = next((j for j in sorted(self.captures) if k % j == 0), None)
-        return None if base is None else rebatched_capture(self.captures[base], k // base)
 
     @contextlib.contextmanager
     def timed(self, phase: str):
