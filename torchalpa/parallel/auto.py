@@ -666,8 +666,11 @@ class _Search:
         rest = total - sum(self.seconds.values())
         settled = sum(1 for a in self.attempts if a.detail.startswith(SETTLED))
         from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
+        steps = self.captures
         return (f"AutoParallel planned in {total:.1f} s: " + ", ".join(parts)
                 + f", the rest {max(rest, 0.0):.1f} s"
+                + f"; the step made at micro-batch counts {_listed(steps.captures)} "
+                  f"({_listed(steps.derived) or 'none'} derived, the rest traced)"
                 + (f"; intra-op views solved in up to {cpu_workers()} processes"
                    if "intra-op ILPs" in self.seconds and cpu_workers() > 1 else "")
                 + (f"; {self.settled} views and {settled} candidates settled by other "
@@ -697,6 +700,10 @@ class _Search:
                      f"{format_bytes(profile.memory_bytes(devices, micro))} each, or a "
                      "smaller model or sequence")
         return "\n".join(lines)
+
+
+def _listed(numbers) -> str:
+    return ", ".join(map(str, sorted(numbers)))
 
 
 def _settled_text(settled: dict[int, tuple[str, bool]], meshes: list[LogicalMesh]) -> str:
