@@ -12,6 +12,7 @@ A torch model and its loss (``torch_export``, through torch.export's joint graph
   views of the parameters (ZeRO-3), as graph passes.
 - ``opset``: which ATen ops a step is made of, and what each costs.
 - ``repeated``: the step's repeated layers, so passes can share one decision per kind.
+- ``rebatch``: the step at 1/k of the batch derived from its capture, not traced again.
 - ``provenance`` / ``naming``: where each op came from (module path, source line) and
   names a person recognizes for its values.
 

@@ -50,7 +50,7 @@ from torchalpa.frontends.torch_export import Capture, to_opgraph
 from torchalpa.ops.batched_matmul import BATCHED_MATMUL_OP
 
 __all__ = ["checkpoint_blocks", "checkpoint_graph", "checkpointed_capture", "Recomputed", "POLICIES",
-           "SELECTIVE_KEPT"]
+           "SELECTIVE_KEPT", "copied_codegen"]
 
 POLICIES = ("full", "selective")
 """How much of a block's forward backward recomputes: all of it, or all but the results of
@@ -178,7 +178,7 @@ def checkpoint_graph(graph: fx.Graph, num_params: int, *, policy: str = "full",
     return Recomputed(blocks=num_blocks, ops=num_ops, total=len(found))
 
 
-def _copied_codegen(codegen):
+def copied_codegen(codegen):
     """A copy of a graph's codegen (its pytree in/out specs). Copying a leaf of those specs
     makes torch warn that ``LeafSpec`` is deprecated (torch 2.13: copyreg builds it anew,
     which the class's deprecation wrapper reports as the ``isinstance`` it means); the
@@ -202,7 +202,7 @@ def checkpointed_capture(captured: Capture, policy: str = "full", *,
     from torchalpa.core.options import parse_remat
     policy, first = parse_remat(policy)
     graph = fx.Graph()
-    graph._codegen = _copied_codegen(captured.gm.graph._codegen)
+    graph._codegen = copied_codegen(captured.gm.graph._codegen)
     graph.output(graph.graph_copy(captured.gm.graph, {}))
     # the rewrites edit the graph; the module and its code are made once, after the last
     if rematerialize_parameters:

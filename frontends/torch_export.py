@@ -639,15 +639,17 @@ def _freeze(value):
 
 
 def to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
-                updated_buffers: Sequence[str] = (), weights: frozenset[str] = frozenset()
-                ) -> OpGraph:
+                updated_buffers: Sequence[str] = (), weights: frozenset[str] = frozenset(),
+                known: Mapping[str, OpNode] | None = None) -> OpGraph:
     """fx joint graph -> OpGraph. ``kinds`` gives (kind, target) for each placeholder.
 
     The graph returns (loss, *grads, *new values of ``updated_buffers``); the forward
     phase is what the loss and the buffer updates depend on. ``weights``: targets of
     buffer placeholders that are the model's parameters (a forward-only step reads them as
-    state, with no gradient): their nodes have ``is_param`` set.
+    state, with no gradient): their nodes have ``is_param`` set. ``known``: op nodes
+    already described (the same op on values of the same shapes, ``frontends/rebatch.py``).
     """
+    known = known or {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     kind_of = {ph.name: kt for ph, kt in zip(placeholders, kinds)}
     outs = list(next(n for n in gm.graph.nodes if n.op == "output").args[0])
@@ -668,7 +670,12 @@ def to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
             refs[n.name] = ValueRef(refs[producer.name].node, index)
             continue
         elif n.op == "call_function":
-            node = _op_node(n, refs, by_name, "forward" if n.name in forward else "backward")
+            phase = "forward" if n.name in forward else "backward"
+            node = known.get(n.name)
+            if node is None or node.phase != phase:
+                node = _op_node(n, refs, by_name, phase)
+            elif node.is_grad:
+                node = replace(node, is_grad=False)
         else:
             continue
         by_name[n.name] = node

@@ -11,11 +11,13 @@ search
    micro-batches in flight) and step time (every op at its roofline over every device;
    a pipeline of S >= 2 stages also pays its fill and drain, ``(k + S - 1) / k``);
    candidates that cannot fit are refused there;
-3. solves the rest in the order of their time bounds -- capturing each micro-batch
-   size once -- until the next bound cannot beat the best plan by more than the
-   tolerance (a plan is always found first when any fits). The search is bounded by work
-   (the candidates' bounds, the solver's node limit ``AutoShardingOption.max_nodes``),
-   not by seconds, so the same job gives the same plan on any machine at any load;
+3. solves the rest in the order of their time bounds -- each micro-batch size derived
+   from that capture too (``frontends/rebatch.py``: the first one traced as well and the
+   two compared; traced where they differ or the derivation cannot be sure) -- until
+   the next bound cannot beat the best plan by more than the tolerance (a plan is
+   always found first when any fits). The search is bounded by work (the candidates'
+   bounds, the solver's node limit ``AutoShardingOption.max_nodes``), not by seconds,
+   so the same job gives the same plan on any machine at any load;
    ``time_budget_s`` is only a safety net, and when it fires the plan's notes say so
    (``CLOCK_NOTE``) and nothing it cut short is cached.
    A candidate is also dominated, and skipped, by a plan of its kind that fits with room
@@ -194,7 +196,11 @@ class _Search:
         self.solves = SolveCache()
         self.pricing = PricingMemo()
         self.profiles: dict = {}                       # remat -> its bounds (StepProfile)
-        self.captures: dict[int, Capture] = {}         # micro-batch count -> capture
+        from torchalpa.frontends.rebatch import MicroBatchSteps
+        # micro-batch count -> its step: traced, or derived once a derivation was checked
+        self.captures = MicroBatchSteps(lambda k: capture_step(
+            self.model, capture_examples(self.model, self.tensors, k), self.loss_fn,
+            signature=self.signature))
         self.attempts: list[Attempt] = []
         self.plans: list[tuple[float, Plan | PipelinePlan, Candidate]] = []
         # (intra-op candidate, view index, its plan's peak bytes; None: it does not fit)
@@ -204,15 +210,11 @@ class _Search:
     # -- captures ----------------------------------------------------------------------
     def capture(self, k: int, remat: str, regather: bool = False):
         """The step of one micro-batch of ``batch / k``, checkpointed by ``remat``, its
-        parameters gathered again in backward if ``regather``: one trace per ``k``, the
-        variants derived from it."""
+        parameters gathered again in backward if ``regather``: one trace, the other
+        micro-batch counts and the variants derived from it."""
         if (k, remat, regather) not in self.variants:
             with self.timed("capture"):
-                if k not in self.captures:
-                    examples = capture_examples(self.model, self.tensors, k)
-                    self.captures[k] = capture_step(self.model, examples, self.loss_fn,
-                                                    signature=self.signature)
-                self.variants[(k, remat, regather)] = derived_capture(self.captures[k], remat,
+                self.variants[(k, remat, regather)] = derived_capture(self.captures(k), remat,
                                                                       regather)
         return self.variants[(k, remat, regather)]
 
@@ -664,8 +666,11 @@ class _Search:
         rest = total - sum(self.seconds.values())
         settled = sum(1 for a in self.attempts if a.detail.startswith(SETTLED))
         from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
+        steps = self.captures
         return (f"AutoParallel planned in {total:.1f} s: " + ", ".join(parts)
                 + f", the rest {max(rest, 0.0):.1f} s"
+                + f"; the step made at micro-batch counts {_listed(steps.captures)} "
+                  f"({_listed(steps.derived) or 'none'} derived, the rest traced)"
                 + (f"; intra-op views solved in up to {cpu_workers()} processes"
                    if "intra-op ILPs" in self.seconds and cpu_workers() > 1 else "")
                 + (f"; {self.settled} views and {settled} candidates settled by other "
@@ -695,6 +700,10 @@ class _Search:
                      f"{format_bytes(profile.memory_bytes(devices, micro))} each, or a "
                      "smaller model or sequence")
         return "\n".join(lines)
+
+
+def _listed(numbers) -> str:
+    return ", ".join(map(str, sorted(numbers)))
 
 
 def _settled_text(settled: dict[int, tuple[str, bool]], meshes: list[LogicalMesh]) -> str:
