@@ -20,9 +20,10 @@ slices what it needs (``StageExchange``). A value crossing batch-split
 (``Transfer.batch_split``: both stages on the same logical mesh) is not gathered: each
 sending rank holds its block of the batch (its plan lays the send out so), sends it to
 the rank at its own position of the receiving stage, whose plan reads it as that block.
-A transfer the plan splits (``Transfer.split``, Megatron's scatter-gather) sends each receiving rank only its chunk of the flattened
-value, the one at its coordinate on its stage mesh's last axis, and the receivers
-all-gather the chunks over that axis. A schedule (GPipe, 1F1B) orders the forward and
+A transfer the plan splits (``Transfer.split``, Megatron's scatter-gather) sends each
+receiving rank only its chunk of the flattened value (of its block, batch-split), the
+one at its coordinate on its stage mesh's last axis, and the receivers all-gather the
+chunks over that axis. A schedule (GPipe, 1F1B) orders the forward and
 backward work of the micro-batches (``runtime.execution.step.StepRunner``, the runner of every
 step); sends are non-blocking, so a valid schedule cannot deadlock.
 
