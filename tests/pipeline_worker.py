@@ -58,6 +58,9 @@ def compare(make_model, batch, loss_fn, method, *, cluster=None, steps=3, lr=1e-
             out["planned_bytes"] = planned(lambda t: t.bytes_per_receiver())
             out["whole_bytes"] = planned(lambda t: t.bytes)     # were none split
             out["split"] = [t.split for t in pm.plan.transfers]
+            out["batch_split"] = [getattr(t, "batch_split", 1) for t in pm.plan.transfers]
+            out["once_bytes"] = sum(t.bytes_per_receiver() * len(pm.plan.stages[t.dst_stage].ranks)
+                                    for t in pm.plan.transfers if t.once_per_step)
             out["once_per_step"] = sum(t.once_per_step for t in pm.plan.transfers)
         ref_loss = loss_fn(ref(*batch[:-1]), batch[-1])
         ref_loss.backward()
