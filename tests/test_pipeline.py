@@ -182,6 +182,18 @@ def test_eight_ranks(eight, name):
 
 
 @pytest.mark.slow
+def test_eight_ranks_batch_split_and_scatter_gathered(eight):
+    """Stages on 2x2 meshes of two nodes: the activation and its gradient cross with the
+    batch split over dp (2 blocks) and each block in 2 chunks re-gathered over tp on the
+    receiver; the bytes sent are the plan's (``check``), a quarter of a whole send."""
+    r = eight["gpt_2x2x2_1f1b"]
+    assert sorted(r["batch_split"]) == [1, 1, 2, 2]
+    assert sorted(r["split"]) == [1, 1, 2, 2]
+    activation = 2 * 16 * 32 * 4       # 2 sequences a micro-batch (8 in 4 micro-batches)
+    assert r["sent_bytes"] - r["once_bytes"] == 4 * 2 * activation
+
+
+@pytest.mark.slow
 def test_eight_ranks_checkpointed_stage_on_a_2d_mesh_trains_like_one_device(eight):
     """Stage 0 (a 2x2 logical mesh of 4 ranks) recomputes its forward before each backward,
     stage 1 keeps its activations: losses, sent bytes and parameters as on one device."""
