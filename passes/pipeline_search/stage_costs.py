@@ -90,7 +90,7 @@ class StageCosts:
             split = batch_split_of(spec, mesh.shape) if batched else 1
             t = Transfer("", 0, 0, 0, "forward", spec.nbytes, batch_split=split)
             whole = transfer_seconds(t, [mesh], link)
-            n = mesh.shape[-1]
+            n = mesh.shape[mesh.ndim - 1]
             if n > 1 and (split == 1 or len(mesh.shape) > 1) and spec.numel // split % n == 0:
                 whole = min(whole, transfer_seconds(replace(t, split=n), [mesh], link))
             seconds += whole
