@@ -3,7 +3,11 @@
 Values the stage reads but another stage makes (activations from earlier stages in
 forward, gradients from later stages in backward, a tied weight owned elsewhere) become
 leaves it *receives* (kind ``input``: they arrive whole and may be sliced for free). Values
-it makes that another stage reads are its *sends* (it produces them whole). User inputs
+it makes that another stage reads are its *sends* (it produces them whole). Those of them
+whose dim 0 is the batch, crossing every micro-batch, are listed in the graph's
+``meta["batch_split"]`` (sends by ``str(ref)``, receives by leaf name): they may cross
+with the batch split over the mesh's first axis instead (``passes/sharding/
+stage_boundary.py``), where the pipeline's assembly keeps them listed. User inputs
 are readable by every stage (every rank has the batch). A received value whose dim 0 is
 not the batch (a tied weight owned elsewhere, its cast, its gradient) is marked
 ``batched=False``, so data parallelism does not try to split it as if it were a batch. The loss belongs to the stage
