@@ -109,6 +109,20 @@ def test_input_and_replica_checks_apply_to_pipelines(four):
     assert r["replica_error_on"] == [0, 1, 2, 3]
 
 
+def test_activations_cross_batch_split_between_data_parallel_stages(four):
+    """2 stages of 2 data-parallel ranks: each rank sends the next stage's rank at its
+    position only its own half of the micro-batch's activation (and of its gradient), as
+    Megatron sends each replica's slice; nobody gathers it over dp first. The bytes on the
+    wire: 4 micro-batches x 2 directions x one micro-batch's activation (2 sequences x 16
+    positions x 32 wide x 4 bytes), each half sent once; the old runtime sent every
+    receiving rank the whole activation (twice these bytes)."""
+    r = four["gpt_2x2_1f1b"]
+    check(r)
+    activation = 2 * 16 * 32 * 4
+    assert r["sent_bytes"] - r["once_bytes"] == 4 * 2 * activation
+    assert sorted(r["batch_split"]) == [1, 1, 2, 2]
+
+
 def test_zero_stages_gather_once_and_split_sends_train_like_one_device(four):
     """ZeRO-2 inside 2 stages of 2 ranks (stage 0 checkpointed), on 2 nodes whose link is
     slower than the tensor-parallel axis inside each."""
@@ -118,9 +132,11 @@ def test_zero_stages_gather_once_and_split_sends_train_like_one_device(four):
     # micro-batch; stage 0's replayed forwards read those copies
     assert r["ranks_gathering_once"] == 4
     assert r["replays"] == 2 * 4 * 3
-    # the activation and its gradient cross in 2 chunks each (all-gathered on the
-    # receiver); the tied weight and its summed gradient part, once per step, whole
-    assert sorted(r["split"]) == [1, 1, 2, 2]
+    # the activation and its gradient cross in halves, each rank its own half of the
+    # batch (not gathered over the stage's data-parallel axis: nothing to re-gather on
+    # the receiver); the tied weight and its summed gradient part, once per step, whole
+    assert sorted(r["batch_split"]) == [1, 1, 2, 2]
+    assert sorted(r["split"]) == [1, 1, 1, 1]
     assert r["sent_bytes"] < r["whole_bytes"]
 
 
@@ -157,6 +173,18 @@ def test_stage_layouts_are_the_ones_asked_for(four):
 @pytest.mark.parametrize("name", ["gpt_2x2x2_1f1b", "mlp_2x2x2_gpipe"])
 def test_eight_ranks(eight, name):
     check(eight[name])
+
+
+@pytest.mark.slow
+def test_eight_ranks_batch_split_and_scatter_gathered(eight):
+    """Stages on 2x2 meshes of two nodes: the activation and its gradient cross with the
+    batch split over dp (2 blocks) and each block in 2 chunks re-gathered over tp on the
+    receiver; the bytes sent are the plan's (``check``), a quarter of a whole send."""
+    r = eight["gpt_2x2x2_1f1b"]
+    assert sorted(r["batch_split"]) == [1, 1, 2, 2]
+    assert sorted(r["split"]) == [1, 1, 2, 2]
+    activation = 2 * 16 * 32 * 4       # 2 sequences a micro-batch (8 in 4 micro-batches)
+    assert r["sent_bytes"] - r["once_bytes"] == 4 * 2 * activation
 
 
 @pytest.mark.slow

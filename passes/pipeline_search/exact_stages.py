@@ -77,7 +77,7 @@ class ExactStages:
                                         budget)
         seconds, lean, _ = self.cache.get(key, lambda: self._solve_stage(
             k, i, submesh, view, in_flight_batches, received, budget))
-        return self._priced_stage(k, i, seconds, lean, recompute)
+        return self._priced_stage(k, i, seconds, lean, recompute, submesh, view)
 
     def _answer_budgeted_by_full(self, k: int, i: int, submesh: Submesh, view: View,
                                  flight: int, recompute: bool, budget: int | None) -> None:
@@ -105,19 +105,21 @@ class ExactStages:
                 return math.inf, None
         seconds, lean, _ = self.cache.peek(
             self._stage_key(k, i, submesh, view, flight, recompute))
-        return self._priced_stage(k, i, seconds, lean, recompute)
+        return self._priced_stage(k, i, seconds, lean, recompute, submesh, view)
 
     def _priced_stage(self, k: int, i: int, seconds: float | None, lean: bool,
-                      recompute: bool) -> tuple[float, AutoShardingOption | None]:
+                      recompute: bool, submesh: Submesh, view: View
+                      ) -> tuple[float, AutoShardingOption | None]:
         """A stage solve's result as ``exact`` returns it: latency with its sends (inf if
-        nothing fit) and the option that fits."""
+        nothing fit; as laid out on ``view``) and the option that fits."""
         if seconds is None:
             return math.inf, None
         option = replace(self.problem.method.auto_sharding_option, parameters="sharded") \
             if lean else None
         if recompute:
             seconds = recompute_seconds(seconds)
-        return seconds + self.costs.send_seconds(k, i), option
+        return seconds + self.costs.send_seconds(k, i, self.problem.mesh(submesh, view)), \
+            option
 
     def _stage_key(self, k: int, i: int, submesh: Submesh, view: View, in_flight_batches: int,
                    recompute: bool, budget: int | None = None) -> tuple:

@@ -30,6 +30,7 @@ from torchalpa.passes.pipeline_search.stage_recompute import (
 )
 from torchalpa.passes.pipeline_search.stage_solve import StageRequest, plan_stage, stage_request
 from torchalpa.passes.pipeline_search.stage_transfers import (
+    batch_splits,
     scatter_gather,
     stage_transfers,
     transfer_seconds,
@@ -73,19 +74,20 @@ def assemble_pipeline(graph: OpGraph, layer: dict[str, int], stages: list, clust
     flights = [in_flight(schedule[s]) for s in range(len(stages))]
     received = [received_bytes(graph, lambda name, s=s: node_stage[name] == s)
                 if recompute[s] else 0.0 for s in range(len(stages))]
-    requests = [stage_request(sub.graph, submesh_cluster(cluster, submesh).logical_mesh(view),
-                              method, option, inputs, flights[s],
+    meshes = [submesh_cluster(cluster, submesh).logical_mesh(view)
+              for _, submesh, view, _ in stages]
+    # what crosses batch-split, agreed by both stages before either is solved
+    transfers = batch_splits(graph, stage_transfers(graph, node_stage, subs), subs, meshes)
+    requests = [stage_request(sub.graph, meshes[s], method, option, inputs, flights[s],
                               received[s] if recompute[s] else None)
-                for s, (sub, (_, submesh, view, option)) in enumerate(zip(subs, stages))]
+                for s, (sub, (_, _, _, option)) in enumerate(zip(subs, stages))]
     plans = _stage_plans(stages, requests, flights, recompute, known or {}, donor,
                          cpu_workers() if workers is None else workers,
                          PricingMemo() if memo is None else memo)
     stage_plans = [StagePlan(index=s, layers=tuple(range(k, i + 1)), submesh=submesh,
                              ranks=ranks[s], plan=plans[s], recompute=recompute[s])
                    for s, ((k, i), submesh, _view, _option) in enumerate(stages)]
-    meshes = [r.mesh for r in requests]
-    transfers = scatter_gather(graph, stage_transfers(graph, node_stage, subs), meshes,
-                               _stage_link(cluster))
+    transfers = scatter_gather(graph, transfers, meshes, _stage_link(cluster))
     return PipelinePlan(mesh_shape=(cluster.num_nodes, cluster.devices_per_node),
                         stages=tuple(stage_plans), transfers=tuple(transfers),
                         node_stage=node_stage, num_micro_batches=method.num_micro_batches,

@@ -13,8 +13,11 @@ then priced exactly (``passes/pipeline_search/exact_stages.py``).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
-from torchalpa.core.cluster import Submesh, View
+from torchalpa.core.cluster import LogicalMesh, Submesh, View
+from torchalpa.core.opgraph import TensorSpec, ValueRef
+from torchalpa.core.plan import Transfer
 from torchalpa.passes.pipeline_search.layer_costs import Estimate, LayerCosts, stage_memory
 from torchalpa.passes.pipeline_search.search_keys import Candidate, Variant
 from torchalpa.passes.pipeline_search.search_problem import SearchProblem
@@ -24,7 +27,9 @@ from torchalpa.passes.pipeline_search.stage_recompute import (
     recompute_memory,
     stage_recompute_allowed,
 )
-from torchalpa.passes.pipeline_search.stage_transfers import once_per_step
+from torchalpa.passes.pipeline_search.stage_transfers import once_per_step, transfer_seconds
+from torchalpa.passes.sharding.constraints import batch_dims
+from torchalpa.passes.sharding.stage_boundary import batch_split_of
 
 __all__ = ["StageCosts", "Candidate", "Variant"]
 
@@ -48,10 +53,12 @@ class StageCosts:
                 self.problem.graph, lambda name: k <= layer[name] <= i)
         return self._received[k, i]
 
-    def _boundary_bytes(self) -> list[float]:
-        """Bytes crossing the cut after layer l (both directions, one micro-batch)."""
+    def _boundary_bytes(self) -> list[list[tuple[TensorSpec, bool]]]:
+        """The values crossing the cut after layer l (both directions, one micro-batch),
+        each with whether its dim 0 is the batch."""
         graph, layer = self.problem.graph, self.problem.layer
-        out = [0.0] * self.problem.num_layers
+        out: list[list[tuple[TensorSpec, bool]]] = [[] for _ in range(self.problem.num_layers)]
+        batched = {ValueRef(n, i) for (n, i), dims in batch_dims(graph).items() if 0 in dims}
         seen = set()
         for node in graph.ops():
             for ref in node.operands:
@@ -62,17 +69,32 @@ class StageCosts:
                         and not once_per_step(graph, ref, layer, b):
                     seen.add((ref, b))
                     for cut in range(min(a, b), max(a, b)):
-                        out[cut] += graph.spec(ref).nbytes
+                        out[cut].append((graph.spec(ref), ref in batched))
         return out
 
-    def send_seconds(self, k: int, i: int) -> float:
-        """Seconds to send layers k..i's boundary values (one micro-batch, both ways)."""
+    def send_seconds(self, k: int, i: int, mesh: LogicalMesh | None = None) -> float:
+        """Seconds to send layers k..i's boundary values (one micro-batch, both ways) as
+        the pipeline's assembly lays them out with the neighbours on the same logical
+        ``mesh`` (``passes/pipeline_search/stage_transfers.py``): batch-first ones split
+        over its first axis, each then sent whole or in chunks re-gathered over its last
+        axis, whichever is cheaper; None: every value whole."""
         cluster = self.problem.cluster
         link = cluster.inter_node_bandwidth if cluster.num_nodes > 1 else \
             cluster.intra_node_bandwidth
-        sends = (self.send_bytes[i] if i < self.problem.num_layers - 1 else 0.0) + \
-            (self.send_bytes[k - 1] if k > 0 else 0.0)
-        return sends / link
+        values = (self.send_bytes[i] if i < self.problem.num_layers - 1 else []) + \
+            (self.send_bytes[k - 1] if k > 0 else [])
+        if mesh is None:
+            return sum(spec.nbytes for spec, _ in values) / link
+        seconds = 0.0
+        for spec, batched in values:
+            split = batch_split_of(spec, mesh.shape) if batched else 1
+            t = Transfer("", 0, 0, 0, "forward", spec.nbytes, batch_split=split)
+            whole = transfer_seconds(t, [mesh], link)
+            n = mesh.shape[mesh.ndim - 1]
+            if n > 1 and (split == 1 or len(mesh.shape) > 1) and spec.numel // split % n == 0:
+                whole = min(whole, transfer_seconds(replace(t, split=n), [mesh], link))
+            seconds += whole
+        return seconds
 
     def candidates(self, k: int, i: int, submesh: Submesh, in_flight_batches: int
                    ) -> list[Candidate]:
@@ -80,8 +102,8 @@ class StageCosts:
         ``submesh``: the fastest plan, and the lean one where the fastest does not fit;
         each also with its activations recomputed where the search may choose that."""
         out = []
-        sends = self.send_seconds(k, i)
         for view in self.layers.views(submesh):
+            sends = self.send_seconds(k, i, self.problem.mesh(submesh, view))
             for lean in (False, True):
                 found = [self.layers.layer_estimate(l, view, submesh, lean)
                          for l in range(k, i + 1)]

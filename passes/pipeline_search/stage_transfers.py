@@ -5,6 +5,10 @@ A parameter read by another stage, or a gradient part another stage only adds in
 parameter's gradient, crosses once per step (``once_per_step``). Gradients and buffer
 updates made outside their owner's stage go to the owner (``owner_transfers``).
 
+A batch-first value crossing every micro-batch between two stages of the same logical
+mesh goes batch-split (``batch_splits``: each rank sends its own block of the batch to
+the rank at its position; both stages' plans were solved for that layout,
+``passes/sharding/stage_boundary.py``); elsewhere it is made whole by its sender.
 A value crossing every micro-batch is sent in chunks where that is cheaper
 (``scatter_gather``, Megatron's scatter-gather optimization): the sender holds it whole,
 each rank of the receiving stage is sent only its chunk (one of as many as the ranks of
@@ -19,11 +23,12 @@ from dataclasses import replace
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import OpGraph, ValueRef
 from torchalpa.core.plan import Transfer
-from torchalpa.passes.pipeline_search.subgraph import StageGraph, once_per_step
+from torchalpa.passes.pipeline_search.subgraph import StageGraph, once_per_step, received_name
 from torchalpa.passes.pricing.cost import collective_cost
+from torchalpa.passes.sharding.stage_boundary import batch_split_of
 
 __all__ = ["once_per_step", "stage_transfers", "owner_transfers", "scatter_gather",
-           "transfer_seconds"]
+           "transfer_seconds", "batch_splits"]
 
 
 def stage_transfers(graph: OpGraph, node_stage: dict[str, int], subs: list[StageGraph]
@@ -71,6 +76,37 @@ def transfer_seconds(t: Transfer, meshes: list[LogicalMesh], link: float) -> flo
     return seconds
 
 
+def batch_splits(graph: OpGraph, transfers: list[Transfer], subs: list[StageGraph],
+                 meshes: list[LogicalMesh]) -> list[Transfer]:
+    """``transfers`` with each value that may cross batch-split (both stage graphs'
+    ``meta["batch_split"]``) split over the first mesh axis (``Transfer.batch_split``)
+    where its two stages have the same logical mesh; where they do not, the value is
+    struck from both stages' lists (it crosses whole, and their plans are solved so)."""
+    def names(t: Transfer) -> tuple[str, str]:
+        ref = ValueRef(t.producer, t.index)
+        return str(ref), received_name(ref)
+
+    def listed(t: Transfer) -> bool:
+        sent, received = names(t)
+        return sent in subs[t.src_stage].graph.meta.get("batch_split", ()) and \
+            received in subs[t.dst_stage].graph.meta.get("batch_split", ())
+
+    apart = {(t.producer, t.index) for t in transfers if listed(t) and
+             meshes[t.src_stage].shape != meshes[t.dst_stage].shape}
+    for t in transfers:     # a value sent whole to one stage is sent whole to every one
+        if (t.producer, t.index) in apart:
+            for s, name in zip((t.src_stage, t.dst_stage), names(t)):
+                meta = subs[s].graph.meta
+                meta["batch_split"] = frozenset(meta.get("batch_split", ())) - {name}
+    out = []
+    for t in transfers:
+        n = batch_split_of(graph.spec(ValueRef(t.producer, t.index)),
+                           meshes[t.dst_stage].shape)
+        out.append(replace(t, batch_split=n) if listed(t) and not t.once_per_step and n > 1
+                   else t)
+    return out
+
+
 def scatter_gather(graph: OpGraph, transfers: list[Transfer], meshes: list[LogicalMesh],
                    link: float) -> list[Transfer]:
     """``transfers`` with each value crossing every micro-batch split over the last mesh
@@ -78,9 +114,11 @@ def scatter_gather(graph: OpGraph, transfers: list[Transfer], meshes: list[Logic
     sending chunks then gathering them is priced below sending it whole."""
     out = []
     for t in transfers:
-        n = meshes[t.dst_stage].shape[-1]
-        if not t.once_per_step and n > 1 and \
-                graph.spec(ValueRef(t.producer, t.index)).numel % n == 0:
+        mesh = meshes[t.dst_stage]
+        n = mesh.shape[-1]
+        # a batch-split value is chunked over the last axis when that is another axis
+        if not t.once_per_step and n > 1 and (t.batch_split == 1 or len(mesh.shape) > 1) \
+                and graph.spec(ValueRef(t.producer, t.index)).numel // t.batch_split % n == 0:
             split = replace(t, split=n)
             if transfer_seconds(split, meshes, link) < transfer_seconds(t, meshes, link):
                 t = split

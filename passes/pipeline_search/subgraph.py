@@ -3,7 +3,11 @@
 Values the stage reads but another stage makes (activations from earlier stages in
 forward, gradients from later stages in backward, a tied weight owned elsewhere) become
 leaves it *receives* (kind ``input``: they arrive whole and may be sliced for free). Values
-it makes that another stage reads are its *sends* (it produces them whole). User inputs
+it makes that another stage reads are its *sends* (it produces them whole). Those of them
+whose dim 0 is the batch, crossing every micro-batch, are listed in the graph's
+``meta["batch_split"]`` (sends by ``str(ref)``, receives by leaf name): they may cross
+with the batch split over the mesh's first axis instead (``passes/sharding/
+stage_boundary.py``), where the pipeline's assembly keeps them listed. User inputs
 are readable by every stage (every rank has the batch). A received value whose dim 0 is
 not the batch (a tied weight owned elsewhere, its cast, its gradient) is marked
 ``batched=False``, so data parallelism does not try to split it as if it were a batch. The loss belongs to the stage
@@ -63,17 +67,22 @@ def stage_subgraph(graph: OpGraph, stage_of: dict[str, int], stage: int) -> Stag
                                                          [loss] if r is not None}
     used |= {r.node for _, r in grads + updates}
     leaves = [n for n in graph if n.name in user_inputs and n.name in used]
-    batched = _batch_first(graph) if receives else set()
+    batched = _batch_first(graph) if receives or sends else set()
     received = [OpNode(name=name, op="input", kind="input",
                        outputs=(graph.spec(ref),), target=f"stage_input:{ref}",
                        phase=graph.node(ref.node).phase, source=ref.node,
                        batched=ref in batched)
                 for name, ref in receives.items()]
     nodes = leaves + received + body
+    summed = _summed_sends(graph, stage_of, stage, sends)
+    # batch-first values crossing every micro-batch may cross batch-split (as sent, as
+    # received: passes/sharding/stage_boundary.py)
+    split = frozenset(str(ref) for ref in sends if ref in batched and str(ref) not in summed
+                      and graph.node(ref.node).kind != "param") | \
+        frozenset(n.name for n in received if n.batched)
     sub = OpGraph(nodes, GraphOutputs(loss=loss, grads=grads, buffer_updates=updates,
                                       sends=tuple(sends)),
-                  meta=dict(graph.meta, stage=stage,
-                            summed_sends=_summed_sends(graph, stage_of, stage, sends)))
+                  meta=dict(graph.meta, stage=stage, summed_sends=summed, batch_split=split))
     return StageGraph(sub, receives, sends)
 
 

@@ -18,6 +18,7 @@ from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import AutoShardingOption
 from torchalpa.core.placement import Partial, Replicate, Shard, is_shard, parse_placements, short
+from torchalpa.passes.sharding.stage_boundary import boundary_layout
 from torchalpa.passes.sharding.strategies import Strategy
 
 __all__ = ["apply_constraints"]
@@ -190,7 +191,10 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
             continue
         name = node.target or node.name
         options = strategies[node.name]
-        if node.kind == "input" and node.batched and axis is not None and node.output.shape:
+        # a value received batch-split arrives in its one layout (stage_boundary.py): its
+        # readers are held to the axis, and reshard it there if it is another
+        if node.kind == "input" and node.batched and axis is not None and node.output.shape \
+                and boundary_layout(graph, node.name, node.output, mesh) is None:
             kept = [s for s in options if _batch_sharded(s, axis, mesh)]
             if not kept:
                 n = mesh.num_devices if axis == -1 else mesh.shape[axis]
@@ -198,7 +202,8 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
                                  f"by {n} devices to split the batch as asked (data parallel); "
                                  "use a batch that divides, or ShardParallel()")
             options = kept
-        if node.kind == "input" and not option.enable_auto_sharding:
+        if node.kind == "input" and not option.enable_auto_sharding and \
+                boundary_layout(graph, node.name, node.output, mesh) is None:
             options = [s for s in options if all(isinstance(p, Replicate) for p in s.outputs[0])]
         if node.kind in ("param", "buffer"):
             if not option.allow_replicated_parameters and node.is_param:

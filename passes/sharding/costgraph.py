@@ -40,6 +40,7 @@ from torchalpa.passes.sharding.shared_reshard import (
     shared_groups,
 )
 from torchalpa.passes.sharding.simplify import Grouping
+from torchalpa.passes.sharding.stage_boundary import boundary_layout
 from torchalpa.passes.sharding.strategies import Strategy, sync_steps
 
 __all__ = ["ReshardCosts", "CostGraph", "build_cost_graph", "saved_views",
@@ -273,8 +274,11 @@ def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
         list(graph.outputs.sends)
     for ref in whole:
         times = 1.0 if state_once and graph.node(ref.node).kind == "param" else k
+        # a send crossing batch-split is laid out so (passes/sharding/stage_boundary.py)
+        to = R if ref == graph.outputs.loss else \
+            boundary_layout(graph, str(ref), graph.spec(ref), mesh) or R
         _fold(node_costs, grouping, ref.node, times * np.array([
-            costs.cost(graph.spec(ref), s.outputs[ref.index], R) for s in S[ref.node]]))
+            costs.cost(graph.spec(ref), s.outputs[ref.index], to) for s in S[ref.node]]))
     return node_costs
 
 

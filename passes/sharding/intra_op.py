@@ -61,6 +61,7 @@ from torchalpa.passes.sharding.sharding_plan import (
     replace_estimates,
 )
 from torchalpa.passes.sharding.simplify import Grouping, group_nodes
+from torchalpa.passes.sharding.stage_boundary import boundary_layout
 from torchalpa.passes.sharding.strategies import (
     Strategy,
     StrategySpace,
@@ -96,6 +97,9 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
             options = leaf_strategies(node.output, mesh, strides)
             if node.kind == "input" and node.batched and inputs == "local":
                 options = [_batch_sharded(node.output, mesh)]
+            crossing = boundary_layout(graph, node.name, node.output, mesh)
+            if node.kind == "input" and crossing is not None:   # received batch-split
+                options = [Strategy(inputs=(), outputs=(crossing,))]
             strategies[node.name] = options
             continue
         rule = rule_for(node, graph)

@@ -48,6 +48,7 @@ from torchalpa.passes.pricing.overlap_price import CommEvent, Device, overlapped
 from torchalpa.passes.sharding.costgraph import ReshardCosts
 from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.shared_reshard import read_key
+from torchalpa.passes.sharding.stage_boundary import boundary_layout
 from torchalpa.passes.sharding.strategies import Strategy, StrategySpace, sync_steps
 
 __all__ = ["assemble_plan", "merge_gradient_all_reduces", "replace_estimates",
@@ -147,7 +148,9 @@ def _reshards(graph: OpGraph, mesh: LogicalMesh, chosen: dict[str, Strategy],
     R = replicated(mesh.ndim)
     out = _Reshards(graph, chosen, costs, share_state)
     for node in graph:
-        if node.kind == "input" and inputs == "global":
+        # a value received batch-split arrives in its layout (passes/sharding/stage_boundary.py)
+        if node.kind == "input" and inputs == "global" and \
+                boundary_layout(graph, node.name, node.output, mesh) is None:
             steps = costs.steps(node.output, R, chosen[node.name].outputs[0])
             if steps:
                 out.reshards.append(Reshard(node.name, 0, node.name, INPUT_SLOT, tuple(steps)))
@@ -162,7 +165,8 @@ def _reshards(graph: OpGraph, mesh: LogicalMesh, chosen: dict[str, Strategy],
     for fqn, ref in graph.outputs.buffer_updates:
         out.add(ref, OUTPUT, OutputSlot.buffer(fqn), chosen[buffers[fqn]].outputs[0])
     for ref in graph.outputs.sends:
-        out.add(ref, OUTPUT, OutputSlot.send(str(ref)), R)
+        out.add(ref, OUTPUT, OutputSlot.send(str(ref)),
+                boundary_layout(graph, str(ref), graph.spec(ref), mesh) or R)
     return out.reshards
 
 

@@ -41,9 +41,11 @@ _c10d = torch.ops._c10d_functional
 def issue_all_reduce(x: torch.Tensor, reduce_op: str, group_name: str, *,
                      in_place: bool = False) -> torch.Tensor:
     """Start reducing ``x`` across ranks. ``in_place``: into ``x`` itself, when the program
-    made ``x`` for this collective alone (a gradient bucket's flat buffer): no copy of it."""
+    made ``x`` for this collective alone (a gradient bucket's flat buffer): no copy of it;
+    not while ``torch.compile`` traces the program (AOTAutograd cannot functionalize the
+    in-place collective: a pipeline stage's compiled ``reduce_grads`` failed on it)."""
     with issued("all_reduce", x, group_name):
-        if in_place and x.is_contiguous():
+        if in_place and x.is_contiguous() and not torch.compiler.is_compiling():
             return _c10d.all_reduce_(x, reduce_op, group_name)
         return _c10d.all_reduce(x.contiguous(), reduce_op, group_name)
 

@@ -16,10 +16,14 @@ parameters once, not once per micro-batch).
 
 Values cross stages point to point: the sender holds them whole (its plan gathers them),
 receiving rank j of a stage takes them from rank ``j mod n`` of the sending stage, and
-slices what it needs (``StageExchange``). A transfer the plan splits (``Transfer.split``,
-Megatron's scatter-gather) sends each receiving rank only its chunk of the flattened
-value, the one at its coordinate on its stage mesh's last axis, and the receivers
-all-gather the chunks over that axis. A schedule (GPipe, 1F1B) orders the forward and
+slices what it needs (``StageExchange``). A value crossing batch-split
+(``Transfer.batch_split``: both stages on the same logical mesh) is not gathered: each
+sending rank holds its block of the batch (its plan lays the send out so), sends it to
+the rank at its own position of the receiving stage, whose plan reads it as that block.
+A transfer the plan splits (``Transfer.split``, Megatron's scatter-gather) sends each
+receiving rank only its chunk of the flattened value (of its block, batch-split), the
+one at its coordinate on its stage mesh's last axis, and the receivers all-gather the
+chunks over that axis. A schedule (GPipe, 1F1B) orders the forward and
 backward work of the micro-batches (``runtime.execution.step.StepRunner``, the runner of every
 step); sends are non-blocking, so a valid schedule cannot deadlock.
 
@@ -233,12 +237,16 @@ class StageExchange:
 
 def transfer_specs(gm: fx.GraphModule, plan: PipelinePlan
                    ) -> dict[tuple[str, int], tuple[tuple[int, ...], torch.dtype]]:
-    """(shape, dtype) of every value crossing stages, from the source graph."""
+    """(shape, dtype) of every value crossing stages as one rank receives it, from the
+    source graph: its block of the batch where it crosses batch-split."""
     vals = {n.name: n.meta.get("val") for n in gm.graph.nodes}
     specs = {}
     for t in plan.transfers:
         val = vals[t.producer]
         if isinstance(val, (list, tuple)):
             val = val[t.index]
-        specs[(t.producer, t.index)] = (tuple(val.shape), val.dtype)
+        shape = tuple(val.shape)
+        if t.batch_split > 1:
+            shape = (shape[0] // t.batch_split, *shape[1:])
+        specs[(t.producer, t.index)] = (shape, val.dtype)
     return specs

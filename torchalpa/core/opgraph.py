@@ -317,6 +317,8 @@ class OpGraph:
         h.update(repr(self.outputs).encode())
         if self.meta.get("reduce_dtype"):   # gradients summed in a narrow dtype: other plans
             h.update(f"reduce_dtype={self.meta['reduce_dtype']}".encode())
+        if self.meta.get("batch_split"):    # values crossing stages batch-split: other plans
+            h.update(f"batch_split={sorted(self.meta['batch_split'])}".encode())
         return h.hexdigest()[:16]
 
     def summary(self) -> str:

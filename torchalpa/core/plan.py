@@ -490,10 +490,16 @@ class Transfer:
     sums it over the micro-batches and sends the sum).
 
     The sender holds it whole (its stage plan gathers it); each receiving rank takes the
-    block its own stage plan reads. ``bytes`` is the whole tensor. ``split`` > 1
-    (Megatron's scatter-gather): each receiving rank is sent only chunk ``c`` of
-    ``split`` of the flattened value, ``c`` its coordinate on its stage mesh's last axis
-    (of ``split`` ranks), and the receivers all-gather the chunks over that axis.
+    block its own stage plan reads. ``bytes`` is the whole tensor. ``batch_split`` > 1:
+    the value crosses with its batch (dim 0) split over the first axis of both stages'
+    meshes (the same logical shape; ``boundary_layout``), as each data-parallel replica
+    computed it: the rank at a position of the sending stage's mesh sends its own block
+    to the rank at the same position of the receiving stage's, and neither gathers over
+    that axis (Megatron sends each replica's slice). ``split`` > 1 (Megatron's
+    scatter-gather): each receiving rank is sent only chunk ``c`` of ``split`` of the
+    flattened value (of its block, when batch-split), ``c`` its coordinate on its stage
+    mesh's last axis (of ``split`` ranks), and the receivers all-gather the chunks over
+    that axis.
     """
 
     producer: str
@@ -504,15 +510,17 @@ class Transfer:
     bytes: int
     once_per_step: bool = False
     split: int = 1
+    batch_split: int = 1
 
     def bytes_per_receiver(self) -> int:
         """Bytes each receiving rank is sent (one micro-batch, or the step's one message)."""
-        return self.bytes // self.split
+        return self.bytes // (self.split * self.batch_split)
 
     def to_dict(self) -> dict:
         return {"producer": self.producer, "index": self.index, "src_stage": self.src_stage,
                 "dst_stage": self.dst_stage, "phase": self.phase, "bytes": self.bytes,
-                "once_per_step": self.once_per_step, "split": self.split}
+                "once_per_step": self.once_per_step, "split": self.split,
+                "batch_split": self.batch_split}
 
 
 @dataclass(frozen=True)
