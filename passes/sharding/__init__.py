@@ -15,6 +15,8 @@ the Plan assembled from its solution.
 - ``ilp_highs``: the same arrays handed to HiGHS directly.
 - ``gradient_scatter``: Alpa's prefer_reduce_scatter, applied to a solved plan (gradients
   reduce-scattered, parameters stored split and gathered where first read).
+- ``stage_boundary``: the batch-split layout two pipeline stages agree on for a value
+  crossing between them.
 - ``sharding_plan``: the Plan of a solution (reshards, collectives, estimates, notes).
 - ``remat_choice``: activation checkpointing decided by planning with and without it.
 - ``layer_remat``: how many blocks recompute, chosen by the memory they free.
