@@ -169,7 +169,9 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
       ``reset_parameters()`` of every submodule that has one). Given for a real model, it
       re-initializes it.
     - ``compile=True`` (or a dict of ``torch.compile`` options): the local programs (each
-      pipeline stage's, with ``PipeshardParallel``) run under ``torch.compile``.
+      pipeline stage's, with ``PipeshardParallel``) run under ``torch.compile``, and the
+      plan is priced as they run: ``AutoShardingOption(elementwise="fused")`` (fused
+      chains, no per-op host issue cost).
     - ``PipeshardParallel`` builds its stages' meshes itself and needs the global batch on
       every rank: ``mesh=``, ``inputs="local"`` and ``init_weights=`` raise a ValueError
       saying why (``torchalpa.parallel.pipeshard.pipeline_options``).
