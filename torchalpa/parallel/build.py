@@ -129,8 +129,7 @@ def build_module(model, example_inputs, loss_fn, *, method, signature,
     from torchalpa.runtime.lowering.random_draws import sync_random_state
 
     options = dict(signature=signature, mesh=mesh, inputs=inputs, init_weights=init_weights)
-    method = priced_as_compiled(method, compile)
-    resolver = resolver_of(method)      # options checked before any process group
+    resolver = resolver_of(method := priced_as_compiled(method, compile))  # before any group
     if resolver is not None:
         auto = resolver.with_options(method, num_micro_batches=num_micro_batches, **options)
     else:
