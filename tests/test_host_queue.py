@@ -118,6 +118,22 @@ def test_the_host_is_not_priced_for_fused_kernels_nor_on_cpu_ranks():
     assert _plan(4, cpu).estimates.host_s is None
 
 
+def test_a_compiled_step_is_priced_as_the_fused_kernels_it_issues():
+    """auto_parallel(compile=True) runs the step under torch.compile: its host issues the
+    fused kernels, not one per ATen op, so the plan is made with elementwise="fused" (no
+    per-op host queue) where eager planning would be host-bound."""
+    cluster = torchalpa.Cluster.preset("h100", 1, 1)
+    batch = (torch.randn(8, 64), torch.randn(8, 64))
+    plans = {c: torchalpa.auto_parallel(nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]),
+                                        batch, F.mse_loss, cluster=cluster, compile=c,
+                                        method=torchalpa.ShardParallel()).plan
+             for c in (False, True)}
+    assert plans[False].estimates.host_s
+    assert plans[True].estimates.host_s is None
+    assert plans[True].method["auto_sharding_option"]["elementwise"] == "fused"
+    assert plans[True].estimates.step_time_s < plans[False].estimates.step_time_s
+
+
 def test_contention_raises_a_data_parallel_step_whose_reductions_hide_behind_backward():
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])

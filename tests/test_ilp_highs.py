@@ -59,8 +59,10 @@ def test_direct_highs_under_a_memory_budget_and_when_nothing_fits(gpt_graph, mon
     slow = _plan(gpt_graph, monkeypatch, False, 0.8 * peak, (4,))
     fast = _plan(gpt_graph, monkeypatch, True, 0.8 * peak, (4,))
     assert fast.estimates.memory_per_device_bytes <= 0.8 * peak
+    assert slow.estimates.memory_per_device_bytes <= 0.8 * peak
+    # the same optimum; plans that tie may differ in a layout that costs nothing (a
+    # view's), so the choices are not compared
     assert fast.estimates.objective == pytest.approx(slow.estimates.objective, rel=1e-12)
-    assert _choices(fast) == _choices(slow)
     # too small for any plan: the minimum-peak problem (the peak variable) names the need
     with pytest.raises(InfeasibleError) as fast_error:
         _plan(gpt_graph, monkeypatch, True, 1e3, (4,))

@@ -80,3 +80,52 @@ def test_a_parameter_gathered_once_per_step_holds_its_copy_from_the_start():
     intervals = {n: (int(s), int(e)) for n, s, e in zip(live.names, live.start, live.end)}
     assert intervals["w_t"] == (0, 7)
     assert intervals["a"] == (2, 7)          # activations are unchanged
+
+
+def test_a_gradient_is_held_from_its_backward_op_with_one_micro_batch_only():
+    """A step of one micro-batch makes each gradient in backward and the optimizer reads it
+    at the end: it is alive from its op on (an entry named by the parameter, in its
+    layout), not for the whole step; with gradient accumulation it is model state, summed
+    across micro-batches. Plans count it so, and the ILP's memory model agrees."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import torchalpa
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.passes.pricing.memory import (
+        activation_peak_bytes,
+        model_state_bytes,
+        state_copies,
+    )
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+        batch = (torch.empty(16, 64), torch.empty(16, 64))
+    g = capture(model, batch, F.mse_loss).graph
+    order = {n.name: i for i, n in enumerate(g)}
+    live = liveness(g, grads_from_backward=True)
+    params = {n.name for n in g if n.kind == "param"}
+    grads = dict(g.outputs.grads)
+    for name, start, end in zip(live.names, live.start, live.end):
+        if name in params:
+            assert start == order[grads[g.node(name).target].node] and end == len(g)
+    assert {n for n in live.names if n in params} == params
+    param_bytes = sum(g.node(p).output.nbytes for p in params)
+    R = {n.name: (Replicate(),) for n in g if n.is_leaf}
+    assert model_state_bytes(g, R, (1,), 2) - model_state_bytes(g, R, (1,), 2, True) == \
+        param_bytes
+    assert all(state_copies(g, p, 2, True) == 3 for p in params)
+    cluster = torchalpa.Cluster.local_cpu(1)
+    plans = {k: torchalpa.plan(model, batch, F.mse_loss, cluster=cluster,
+                               method=torchalpa.ShardParallel(num_micro_batches=k)).estimates
+             for k in (1, 2)}
+    # Adam: parameters and two states held all step; the gradients too with 2 micro-batches
+    assert plans[1].model_state_bytes_per_device == 3 * param_bytes
+    assert plans[2].model_state_bytes_per_device == 4 * param_bytes
+    # the activation peak (where backward starts) holds no gradient yet: the step's peak
+    # is below parameters + gradients + states + the activations' peak
+    whole = {n.name: ((Replicate(),),) * len(n.outputs) for n in g}
+    activations = activation_peak_bytes(g, whole, (1,))[0]
+    assert plans[1].memory_per_device_bytes < 4 * param_bytes + activations
+    assert plans[2].memory_per_device_bytes == 4 * param_bytes + \
+        plans[2].activation_bytes_per_device

@@ -7,7 +7,8 @@ device sharing it; collectives only add). Laid over the step's liveness -- the o
 memory model and the ILP use -- that gives, in one pass over the graph:
 
 - a memory lower bound per device: model states (parameters, gradients, optimizer
-  states) plus the largest set of activations alive at once, all split over every device;
+  states; a step of one micro-batch holds each gradient from its backward op on) plus
+  the largest set of activations alive at once, all split over every device;
 - a step-time lower bound: the roofline of every op split over every device, plus each
   kernel's launch, plus the optimizer's step on the smallest possible shard; where the
   host issues the ops of an eager program on GPUs (``LogicalMesh.host_op_s``), at least
@@ -30,7 +31,7 @@ the premise; it is priced exactly once captured at its own size).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -68,6 +69,20 @@ class StepProfile:
     """The device the figures are priced on (peak flop/s, bandwidth, launch cost)."""
     optimizer_states: int
     num_parameter_tensors: int
+    gradient_bytes: float = 0.0
+    """Parameters' gradients, part of ``state_bytes``: held for the whole step where it
+    accumulates them over micro-batches, else from the op that makes each
+    (``memory.gradients_from_backward``)."""
+    activations: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """Activations alive at each point of the step (their peak: ``activation_peak_bytes``)."""
+    gradients: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """Gradients alive at each point of a step of one micro-batch (made by then)."""
+
+    def _late(self, micro_batch: int | None) -> bool:
+        """Whether a step of micro-batches of ``micro_batch`` holds its gradients only
+        from their backward ops on: the captured batch, one micro-batch per step."""
+        return self._scale(micro_batch) == 1.0 and self.activations is not None \
+            and self.gradients is not None
 
     def _scale(self, micro_batch: int | None) -> float:
         if micro_batch is None:
@@ -85,10 +100,15 @@ class StepProfile:
         follow the parameters' layout) or split over all of them."""
         _check_devices(devices)
         scale = self._scale(micro_batch)
-        state = self.state_bytes if replicated_parameters else self.state_bytes / devices
+        spread = 1 if replicated_parameters else devices    # states' (and gradients') split
+        if in_flight == 1 and self._late(micro_batch):
+            # one micro-batch: its gradients alive from their backward ops on
+            assert self.activations is not None and self.gradients is not None
+            alive = self.activations / devices + self.gradients / spread
+            return (self.state_bytes - self.gradient_bytes) / spread + float(alive.max())
         activations = (self.activation_peak_bytes
                        + (in_flight - 1) * self.activation_saved_bytes) * scale / devices
-        return state + activations
+        return self.state_bytes / spread + activations
 
     def pipeline_memory_bytes(self, devices: int, micro_batch: int | None = None) -> float:
         """Bytes each of ``devices`` must at least hold when they run the step as pipeline
@@ -96,8 +116,9 @@ class StepProfile:
         holds what forward saved for it, so the activations alive where forward ends (not
         the step's peak) are the part every split must carry."""
         _check_devices(devices)
-        return (self.state_bytes + self.activation_saved_bytes * self._scale(micro_batch)) \
-            / devices
+        state = self.state_bytes - self.gradient_bytes if self._late(micro_batch) \
+            else self.state_bytes     # one micro-batch: no gradient made yet where forward ends
+        return (state + self.activation_saved_bytes * self._scale(micro_batch)) / devices
 
     def step_seconds(self, devices: int, num_micro_batches: int = 1,
                      micro_batch: int | None = None) -> float:
@@ -149,6 +170,12 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
     timeline = live.total(sizes) if len(sizes) else np.zeros(1)
     leaves = [n for n in graph if n.kind in ("param", "buffer")]
     state = sum(n.output.nbytes * state_copies(graph, n.name, optimizer_states) for n in leaves)
+    grads = state - sum(n.output.nbytes * state_copies(graph, n.name, optimizer_states, True)
+                        for n in leaves)
+    late = liveness(graph, grads_from_backward=True)        # the gradients' intervals
+    by_param = {n.name: n.output.nbytes for n in graph if n.kind == "param"}
+    gradients = late.total([by_param[name] if k is None and name in by_param else 0.0
+                            for name, k in late.entries()])
     params = [n for n in leaves if n.kind == "param"]
     roofline = launches = 0.0
     ops = list(graph.ops())
@@ -164,7 +191,9 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
         activation_peak_bytes=float(timeline.max()),
         activation_saved_bytes=float(timeline[min(forward_end(graph), len(timeline) - 1)]),
         roofline_s=roofline, launch_s=launches, host_s=host, mesh=mesh,
-        optimizer_states=optimizer_states, num_parameter_tensors=max(1, len(params)))
+        optimizer_states=optimizer_states, num_parameter_tensors=max(1, len(params)),
+        gradient_bytes=float(grads) if optimizer_states >= 0 else 0.0,
+        activations=timeline, gradients=gradients if optimizer_states >= 0 else None)
 
 
 def _check_devices(devices: int) -> None:

@@ -1,10 +1,13 @@
 """Per-device memory of a plan: model states plus activations alive at each point.
 
-Model states are each parameter's local shard, its gradient (same layout) and the
-optimizer's state tensors (same layout), alive throughout. Activations are op results
+Model states are each parameter's local shard and the optimizer's state tensors (same
+layout), alive throughout, and its gradient (same layout): alive throughout where the
+step accumulates gradients over micro-batches (they live from the first micro-batch's
+backward to the optimizer step, across the next micro-batches' forwards), else from the
+op that makes it to the optimizer step (``grads_from_backward``: one interval named by
+the parameter in ``Liveness``). Activations are op results
 (and user inputs) held from the op that makes them to their last reader, in the step's
-order (forward then backward); a view of one shares its storage and keeps it alive.
-Gradients count as model state, not as activations. On CPU ranks an attention forward
+order (forward then backward); a view of one shares its storage and keeps it alive. On CPU ranks an attention forward
 whose backward the lowering rewrites to read saved statistics (``saved_statistics``,
 ``passes/pricing/attention_price.py``) holds its output and its float32 log-sum-exp per query row
 until that backward.
@@ -26,7 +29,7 @@ from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_
 from torchalpa.passes.sharding.reshard import local_bytes
 
 __all__ = ["Liveness", "KeptCopy", "KeptTerm", "liveness", "model_state_bytes", "activation_peak_bytes",
-           "state_copies", "forward_end", "in_flight_bytes", "value_bytes"]
+           "state_copies", "gradients_from_backward", "forward_end", "in_flight_bytes", "value_bytes"]
 
 
 @dataclass
@@ -65,7 +68,7 @@ class Liveness:
 
 
 def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
-             state_at_start: bool = False) -> Liveness:
+             state_at_start: bool = False, grads_from_backward: bool = False) -> Liveness:
     """When each value is allocated and freed, in the step's order.
 
     Each result of an op is freed after its own last reader, as the runtime's programs
@@ -84,7 +87,10 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
     outside the graph's edges (attention's saved output). ``state_at_start``
     (``plan.state_read_once``): the step reshards parameters for forward once, before
     its first micro-batch, so a forward view of a parameter holds its copy from the
-    start of the step."""
+    start of the step. ``grads_from_backward`` (a step of one micro-batch): each
+    parameter's gradient is an entry of its own, named by the parameter (the gradient
+    has its layout), from the op that makes it to the end of the step, where the
+    optimizer reads it; without it gradients are model state (``state_copies``)."""
     order = {n.name: i for i, n in enumerate(graph)}
     last_use: dict[tuple[str, int], int] = {}
 
@@ -115,11 +121,19 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
         split = n.is_grad or len(set(ends)) > 1
         for k, last in (enumerate(ends) if split else [(None, max(ends))]):
             if (n.name, k) in grads:
-                continue        # a parameter's gradient: model state
+                continue        # a parameter's gradient: model state, or its own entry
             names.append(n.name)
             results.append(k)
             start.append(first)
             end.append(last)
+    if grads_from_backward:
+        params = {n.target: n.name for n in graph if n.kind == "param"}
+        for target, ref in graph.outputs.grads:
+            if target in params:
+                names.append(params[target])
+                results.append(None)
+                start.append(order[ref.node])
+                end.append(end_of_step)
     return Liveness(names, np.array(start, dtype=np.int64), np.array(end, dtype=np.int64),
                     end_of_step + 1, results)
 
@@ -143,19 +157,32 @@ def _storage_roots(graph: OpGraph) -> dict[str, ValueRef]:
     return roots
 
 
-def state_copies(graph: OpGraph, node_name: str, optimizer_states: int) -> int:
-    """Tensors of a leaf's layout held for the whole step: itself, grad, optimizer states."""
+def gradients_from_backward(micro_batches: int, optimizer_states: int) -> bool:
+    """Whether a step's gradients live only from the backward op that makes each to the
+    optimizer step (``grads_from_backward``): a step of one micro-batch, whose runtime
+    makes them in backward and the optimizer reads them at the end. With gradient
+    accumulation (``micro_batches`` > 1, a pipeline stage's too) they are summed across
+    the micro-batches, alive for the whole step; with parameters offloaded
+    (``PARAMETERS_OFFLOADED``, negative ``optimizer_states``) they are not on the device."""
+    return micro_batches == 1 and optimizer_states >= 0
+
+
+def state_copies(graph: OpGraph, node_name: str, optimizer_states: int,
+                 grads_from_backward: bool = False) -> int:
+    """Tensors of a leaf's layout held for the whole step: itself, grad (not with
+    ``grads_from_backward``: ``liveness`` holds it from its op on), optimizer states."""
     node = graph.node(node_name)
     if node.kind == "param" and node.target in dict(graph.outputs.grads):
-        return 2 + optimizer_states
+        return 1 + optimizer_states + (not grads_from_backward)
     return 1 if node.kind in ("param", "buffer") else 0
 
 
 def model_state_bytes(graph: OpGraph, placements: dict[str, Placements], mesh_shape,
-                      optimizer_states: int) -> int:
-    """Params + grads + optimizer states held by one device."""
+                      optimizer_states: int, grads_from_backward: bool = False) -> int:
+    """Params + grads (not with ``grads_from_backward``) + optimizer states held by one
+    device for the whole step."""
     return sum(local_bytes(n.output, placements[n.name], mesh_shape)
-               * state_copies(graph, n.name, optimizer_states)
+               * state_copies(graph, n.name, optimizer_states, grads_from_backward)
                for n in graph if n.kind in ("param", "buffer"))
 
 
@@ -227,14 +254,16 @@ def _kept_timeline(graph: OpGraph, live: Liveness, sizes: np.ndarray,
 def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, ...]],
                           mesh_shape, statistics: dict[str, str] | None = None,
                           state_at_start: bool = False,
-                          kept: list[KeptCopy] | None = None) -> tuple[int, int]:
+                          kept: list[KeptCopy] | None = None,
+                          grads_from_backward: bool = False) -> tuple[int, int]:
     """(peak bytes of op results alive at once on one device, bytes alive where forward
     ends: what a micro-batch holds while it waits for backward). Inputs count too, and
     the resharded copies of parameters that several reads share (``kept``), from their
     first reader to their last. ``statistics``: attention forward -> the backward that
-    reads what it saved; ``state_at_start``: as ``liveness`` takes it."""
+    reads what it saved; ``state_at_start``, ``grads_from_backward``: as ``liveness``
+    takes them (the gradients alive count with the activations)."""
     statistics = statistics or {}
-    live = liveness(graph, statistics, state_at_start)
+    live = liveness(graph, statistics, state_at_start, grads_from_backward)
     sizes = np.array([value_bytes(graph, name, outputs[name], mesh_shape, statistics, k)
                       for name, k in live.entries()], dtype=float)
     extra = _kept_timeline(graph, live, sizes, kept or [], state_at_start)
@@ -290,7 +319,8 @@ class MemoryModel:
 
     def __init__(self, graph: OpGraph, strategies, grouping, mesh_shape, optimizer_states: int,
                  in_flight: int = 1, statistics: dict[str, str] | None = None,
-                 state_at_start: bool = False, steps_of=None):
+                 state_at_start: bool = False, steps_of=None,
+                 grads_from_backward: bool = False):
         self.graph, self.S, self.g, self.mesh_shape = graph, strategies, grouping, mesh_shape
         self.steps_of = steps_of
         self.state_at_start = state_at_start
@@ -302,12 +332,14 @@ class MemoryModel:
         self.in_flight = in_flight
         """Micro-batches a device holds at once (a pipeline stage's): one at any point of
         its step, the others waiting for backward with what forward saved."""
-        self.live = liveness(graph, self.statistics, state_at_start)
+        self.grads_from_backward = grads_from_backward
+        """Gradients held from their backward op on (``liveness``), not as model state."""
+        self.live = liveness(graph, self.statistics, state_at_start, grads_from_backward)
         self.forward_end = forward_end(graph)
         reps = grouping.representatives
         self.state = {r: np.zeros(len(strategies[r])) for r in reps}
         for n in graph:
-            copies = state_copies(graph, n.name, optimizer_states)
+            copies = state_copies(graph, n.name, optimizer_states, grads_from_backward)
             if copies:
                 self._fold(self.state, n.name, self._bytes(n.name) * copies)
         self._act = [self._bytes(name, k) for name, k in self.live.entries()]

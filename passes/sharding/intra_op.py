@@ -34,7 +34,11 @@ from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.pricing.attention_price import saved_statistics
 from torchalpa.passes.pricing.fused_pricing import priced_as
 from torchalpa.passes.pricing.inplace_pricing import priced_in_place
-from torchalpa.passes.pricing.memory import MemoryModel, model_state_bytes
+from torchalpa.passes.pricing.memory import (
+    MemoryModel,
+    gradients_from_backward,
+    model_state_bytes,
+)
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.sharding.constraints import apply_constraints
 from torchalpa.passes.sharding.costgraph import (
@@ -276,6 +280,7 @@ class _IntraOpILP:
         # a parameter's forward reshards run once per step (runtime/rewrites/param_gather.py),
         # in a pipeline stage too (its step runs ``repeats`` micro-batches)
         self.state_once = state_read_once(repeats, option.rematerialize_parameters)
+        self.grads_late = gradients_from_backward(repeats, method.optimizer_states)
         if self.state_once and self.budget:
             # a parameter sent whole to another stage (a tied weight) is then gathered
             # once per step and its copy held for the step: what the plan has left
@@ -354,7 +359,7 @@ class _IntraOpILP:
                              self.in_flight, saved_statistics(graph, mesh),
                              state_at_start=self.state_once,
                              steps_of=None if self.option.rematerialize_parameters
-                             else self.costs.steps)
+                             else self.costs.steps, grads_from_backward=self.grads_late)
         cg, solution, chosen, shared = solve_sharing_reads(
             graph, mesh, S, grouping, self.costs,
             lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory,
@@ -581,7 +586,8 @@ def _expand(graph, S, grouping, choice) -> dict[str, Strategy]:
 def _timeline(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, optimizer_states
               ) -> np.ndarray:
     state = model_state_bytes(graph, {k: s.outputs[0] for k, s in chosen.items()
-                                      if graph.node(k).is_leaf}, mesh.shape, optimizer_states)
+                                      if graph.node(k).is_leaf}, mesh.shape, optimizer_states,
+                              memory.grads_from_backward)
     return memory.timeline({k: s.outputs for k, s in chosen.items()}, state,
                            memory.kept_copies(chosen))
 

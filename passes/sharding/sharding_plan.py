@@ -43,7 +43,12 @@ from torchalpa.passes.pricing.cost import (
     wire_bytes,
 )
 from torchalpa.passes.pricing.kernel_model import MATMUL_FAMILIES
-from torchalpa.passes.pricing.memory import KeptCopy, activation_peak_bytes, model_state_bytes
+from torchalpa.passes.pricing.memory import (
+    KeptCopy,
+    activation_peak_bytes,
+    gradients_from_backward,
+    model_state_bytes,
+)
 from torchalpa.passes.pricing.overlap_price import CommEvent, Device, overlapped_step, program_order
 from torchalpa.passes.sharding.costgraph import ReshardCosts
 from torchalpa.passes.sharding.reshard import local_bytes
@@ -94,6 +99,8 @@ def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                          for n in graph.ops()),
         reshards=tuple(reshards), collectives=tuple(traffic.collectives),
         estimates=_estimates(graph, mesh, method, chosen, traffic, leaf_placement, state_once,
+                             gradients_from_backward(max(k, step_micro_batches),
+                                                     method.optimizer_states),
                              kept_state_copies(graph, chosen, reshards, mesh.shape),
                              # a parameter gathered once per step to be sent whole to
                              # another stage: the copy is held from the first forward
@@ -350,13 +357,15 @@ def _random(op: str) -> bool:
 def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                chosen: dict[str, Strategy], traffic: _Traffic,
                leaf_placement: dict[str, Placements], state_once: bool,
-               kept: list[KeptCopy], held: float = 0.0) -> Estimates:
+               grads_late: bool, kept: list[KeptCopy], held: float = 0.0) -> Estimates:
     """The step's time (compute, the optimizer, and the communication the runtime does not
     hide behind compute: ``_step_seconds``; what of it is paid once per step: the
     gradients' final resharding, state reads done once, the optimizer) and memory per
     device (model states, the activation peak and what forward saves for backward, with
     the shared copies of gathered parameters, ``kept``, alive between their reads, and
-    ``held`` bytes alive for the step: a tied weight gathered once per step to be sent). An
+    ``held`` bytes alive for the step: a tied weight gathered once per step to be sent;
+    gradients with the activations from their backward op on where ``grads_late``:
+    ``memory.gradients_from_backward``), as the ILP's ``MemoryModel`` counts them. An
     op's compute is priced on the bytes its strategy's blocks move."""
     k = traffic.k
     device = _device(graph, mesh)
@@ -366,14 +375,16 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
             graph, n, chosen[n.name].inputs, chosen[n.name].outputs, mesh.shape))
         for n in graph.ops()]
     compute_time = k * sum(per_op)
-    state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states)
+    state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states,
+                              grads_late)
     optimizer_s = optimizer_cost(mesh, {
         n.name: local_bytes(n.output, leaf_placement[n.name], mesh.shape)
         for n in graph if n.kind == "param"}, method.optimizer_states)
     compute_time += optimizer_s
     activations, saved = activation_peak_bytes(
         graph, {name: s.outputs for name, s in chosen.items()}, mesh.shape,
-        saved_statistics(graph, mesh), state_at_start=state_once, kept=kept)
+        saved_statistics(graph, mesh), state_at_start=state_once, kept=kept,
+        grads_from_backward=grads_late)
     activations += held
     step, once, hidden, hidden_grads = _step_seconds(graph, mesh, traffic, per_op, optimizer_s,
                                                      device)

@@ -168,8 +168,8 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
       are allocated, then ``fn(module)`` initializes them in place on the DTensors (default:
       ``reset_parameters()`` of every submodule that has one). Given for a real model, it
       re-initializes it.
-    - ``compile=True`` (or a dict of ``torch.compile`` options): the local programs (each
-      pipeline stage's, with ``PipeshardParallel``) run under ``torch.compile``.
+    - ``compile=True`` (or a dict of ``torch.compile`` options): the local programs run
+      under ``torch.compile``, planned so (``AutoShardingOption(elementwise="fused")``).
     - ``PipeshardParallel`` builds its stages' meshes itself and needs the global batch on
       every rank: ``mesh=``, ``inputs="local"`` and ``init_weights=`` raise a ValueError
       saying why (``torchalpa.parallel.pipeshard.pipeline_options``).

@@ -106,6 +106,17 @@ def chosen_capture(searched: dict, traced, examples, loss_fn, option, num_micro_
     return derived_capture(plain, option.remat, bool(option.rematerialize_parameters))
 
 
+def priced_as_compiled(method, compile):
+    """``method`` planned as ``compile=`` runs it: under ``torch.compile`` the step's
+    elementwise chains run as fused kernels, a few the host issues in place of one per ATen
+    op, so a compiled step is priced with ``AutoShardingOption(elementwise="fused")``
+    (fused chains' memory traffic, no per-op host issue cost: ``LogicalMesh.eager_kernels``)."""
+    option = getattr(method, "auto_sharding_option", None)
+    if not compile or option is None or option.elementwise == "fused":
+        return method
+    return replace(method, auto_sharding_option=replace(option, elementwise="fused"))
+
+
 def build_module(model, example_inputs, loss_fn, *, method, signature,
                  mesh, cluster, inputs, optimizer, plan, num_micro_batches, mixed_precision,
                  init_weights, compile, check_replicas, check_inputs):
@@ -118,7 +129,7 @@ def build_module(model, example_inputs, loss_fn, *, method, signature,
     from torchalpa.runtime.lowering.random_draws import sync_random_state
 
     options = dict(signature=signature, mesh=mesh, inputs=inputs, init_weights=init_weights)
-    resolver = resolver_of(method)      # options checked before any process group
+    resolver = resolver_of(method := priced_as_compiled(method, compile))  # before any group
     if resolver is not None:
         auto = resolver.with_options(method, num_micro_batches=num_micro_batches, **options)
     else:
