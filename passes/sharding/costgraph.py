@@ -56,6 +56,9 @@ REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "prod", "var", "std", "lo
 
 log = logging.getLogger("torchalpa.planner")
 
+STEPS_MEMO_MAX = 200_000
+"""Entries ``ReshardCosts.steps`` keeps by identity before it starts again."""
+
 
 class ReshardCosts:
     """Memoized resharding steps and their alpha-beta cost on one mesh."""
@@ -71,12 +74,27 @@ class ReshardCosts:
         # whose hashing (placements hash in Python) was most of building a cost graph
         self._ids: dict = {}
         self._tables: dict[tuple, np.ndarray] = {}
+        # (spec, src, dst) by identity -> (them, the steps): the plans and the ILPs' rounds
+        # ask for the same objects' steps again and again (the rules' shared layouts, a
+        # graph's specs); kept with the answer so their identities stay theirs
+        self._steps: dict[tuple[int, int, int], tuple] = {}
 
     def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
         """The resharding steps, or None if impossible or if they need a forbidden kind
         of collective on an axis with more than one device."""
         if dst is None:
             return ()
+        key = (id(spec), id(src), id(dst))
+        found = self._steps.get(key)
+        if found is not None and found[0] is spec and found[1] is src and found[2] is dst:
+            return found[3]
+        steps = self._plan_steps(spec, src, dst)
+        if len(self._steps) >= STEPS_MEMO_MAX:
+            self._steps.clear()
+        self._steps[key] = (spec, src, dst, steps)
+        return steps
+
+    def _plan_steps(self, spec: TensorSpec, src: Placements, dst: Placements):
         steps = plan_reshard(spec, src, dst, self.mesh.shape, self.allow_reduce_scatter)
         if steps and self.forbidden and any(
                 (s.kind in self.forbidden or SLICE_PARTIAL in self.forbidden and s.kind == "slice"
@@ -125,9 +143,17 @@ class ReshardCosts:
 
 
 def _unique(items: list) -> tuple[list, np.ndarray]:
+    """The distinct items in order of first appearance, and each item's position among
+    them (each object hashed once: layouts repeat as the same objects)."""
     seen: dict = {}
-    idx = np.array([seen.setdefault(x, len(seen)) for x in items], dtype=np.int64)
-    return list(seen), idx
+    by_id: dict[int, int] = {}
+    idx = []
+    for x in items:
+        i = by_id.get(id(x))
+        if i is None:
+            i = by_id[id(x)] = seen.setdefault(x, len(seen))
+        idx.append(i)
+    return list(seen), np.array(idx, dtype=np.int64)
 
 
 @dataclass
@@ -301,9 +327,17 @@ def _group_links(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Groupin
     layouts), each group priced once."""
     rep, index = grouping.rep, grouping.index
     groups: dict[tuple, list[Link]] = defaultdict(list)
+    # the read layouts as small ints, one per distinct tuple of them: alike nodes hold
+    # the rules' shared strategies, so a strategy list's layouts are hashed once
+    # (placements hash in Python), not once per link
+    by_ids: dict[tuple, int] = {}
+    numbers: dict[tuple, int] = {}
     for u, idx, v, how in links:
-        key = (rep[u], rep[v], index[u], index[v], graph.node(u).outputs[idx], idx,
-               _read_layouts_key(S[v], how))
+        ids = (tuple(map(id, S[v])), how)
+        read = by_ids.get(ids)
+        if read is None:
+            read = by_ids[ids] = numbers.setdefault(_read_layouts_key(S[v], how), len(numbers))
+        key = (rep[u], rep[v], index[u], index[v], graph.node(u).outputs[idx], idx, read)
         groups[key].append((u, idx, v, how))
     return groups
 

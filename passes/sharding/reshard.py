@@ -19,7 +19,14 @@ from __future__ import annotations
 from functools import lru_cache
 
 from torchalpa.core.opgraph import TensorSpec
-from torchalpa.core.placement import Partial, Placements, Replicate, is_shard, split_factor_of
+from torchalpa.core.placement import (
+    Placements,
+    Replicate,
+    is_partial,
+    is_replicate,
+    is_shard,
+    split_factor_of,
+)
 from torchalpa.core.plan import ReshardStep
 
 __all__ = ["plan_reshard", "local_bytes"]
@@ -69,7 +76,7 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
     if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
         raise ValueError(f"placements {src} -> {dst} do not match mesh {mesh_shape}")
     for s, d in zip(src, dst):
-        if isinstance(d, Partial) and s != d and not isinstance(s, Replicate):
+        if is_partial(d) and s != d and not is_replicate(s):
             return None
     steps: list[ReshardStep] = []
     cur = list(src)
@@ -92,9 +99,9 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
     # 1. reductions and gathers, inner axes first
     for axis in reversed(range(len(cur))):
         s, d = cur[axis], dst[axis]
-        if s == d or isinstance(s, Replicate):
+        if s == d or is_replicate(s):
             continue
-        if isinstance(s, Partial):
+        if is_partial(s):
             if is_shard(d) and allow_reduce_scatter \
                     and not _sharded_elsewhere(cur, d.dim, axis) \
                     and not _sharded_elsewhere(dst, d.dim, axis):
@@ -111,11 +118,11 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
     #    others hold zeros: exact), and slices, outer axes first (the nesting order of a
     #    multi-axis split)
     for axis in range(len(cur)):
-        if isinstance(cur[axis], Replicate) and isinstance(dst[axis], Partial):
+        if is_replicate(cur[axis]) and is_partial(dst[axis]):
             emit("partition", axis, dst[axis], reduce_op=dst[axis].reduce_op)
     for axis in range(len(cur)):
         if cur[axis] != dst[axis]:
-            if not isinstance(cur[axis], Replicate) or not is_shard(dst[axis]):
+            if not is_replicate(cur[axis]) or not is_shard(dst[axis]):
                 return None
             for inner in range(len(cur) - 1, axis, -1):  # an inner split of this dim must
                 if cur[inner] == dst[axis]:              # be undone before the outer one
