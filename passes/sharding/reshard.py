@@ -70,23 +70,36 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
     """Steps from ``src`` to ``dst`` (empty if equal), or None if no steps can do it.
 
     Without ``allow_reduce_scatter`` a Partial becomes a Shard by all-reduce and slice
-    (Alpa's default search space, where only an option enables reduce-scatter)."""
+    (Alpa's default search space, where only an option enables reduce-scatter). The
+    moves depend on the layouts alone (``_moves``, found once per pair); ``spec`` only
+    gives each step its bytes."""
     if src == dst:
         return ()
+    moves = _moves(src, dst, tuple(mesh_shape), allow_reduce_scatter)
+    if moves is None:
+        return None
+    return tuple(ReshardStep(kind=kind, axis=axis, bytes=local_bytes(spec, before, mesh_shape),
+                             src=before, dst=after, **kw)
+                 for kind, axis, before, after, kw in moves)
+
+
+@lru_cache(maxsize=1 << 16)
+def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
+           allow_reduce_scatter: bool) -> tuple | None:
+    """``plan_reshard``'s steps without their bytes: (kind, axis, layout before, layout
+    after, the step's other fields) each, or None if no steps can do it."""
     if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
         raise ValueError(f"placements {src} -> {dst} do not match mesh {mesh_shape}")
     for s, d in zip(src, dst):
         if is_partial(d) and s != d and not is_replicate(s):
             return None
-    steps: list[ReshardStep] = []
+    steps: list[tuple] = []
     cur = list(src)
 
     def emit(kind, axis, new, **kw):
         before = tuple(cur)
-        nbytes = local_bytes(spec, before, mesh_shape)
         cur[axis] = new
-        steps.append(ReshardStep(kind=kind, axis=axis, bytes=nbytes, src=before,
-                                 dst=tuple(cur), **kw))
+        steps.append((kind, axis, before, tuple(cur), kw))
 
     def gather(axis):
         # Reassemble inner axes that split the same dim first, so nesting order holds.
