@@ -42,7 +42,7 @@ from torchalpa.passes.sharding.shared_reshard import (
 from torchalpa.passes.sharding.simplify import Grouping
 from torchalpa.passes.sharding.strategies import Strategy, sync_steps
 
-__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph", "saved_views",
+__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph", "saved_views", "op_compute_seconds",
            "solve_sharing_reads", "SLICE_PARTIAL", "RESLICE_REDUCTION"]
 
 # Local steps ``ReshardCosts.forbidden`` may name besides collective kinds (both without
@@ -280,6 +280,36 @@ def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strateg
                 _ALIKE_COSTS.popitem(last=False)
     memo[(node.name, mesh)] = (strategies, node, vec)
     return vec
+
+
+_COMPUTE_BY_MESH: OrderedDict = OrderedDict()
+"""mesh -> (what a node's price reads of it but names, its strategy's identity) -> (the
+strategy, its compute seconds): ``op_compute_seconds``'s memo, as ``_ALIKE_COMPUTE``'s."""
+
+
+def op_compute_seconds(graph: OpGraph, mesh: LogicalMesh, node, s: Strategy) -> float:
+    """``compute_cost`` of ``node`` under strategy ``s`` on the bytes its blocks move
+    (what a plan's estimate sums per op), priced once for nodes alike but for their
+    names (``_alike_key``)."""
+    memo = _COMPUTE_BY_MESH.get(mesh)
+    if memo is None:
+        memo = _COMPUTE_BY_MESH[mesh] = {}
+        while len(_COMPUTE_BY_MESH) > 16:
+            _COMPUTE_BY_MESH.popitem(last=False)
+    try:
+        key = _alike_key(graph, None, node, (s,))
+        found = memo.get(key)
+    except TypeError:        # an unhashable argument: priced on its own
+        key, found = None, None
+    if found is not None:
+        return found[1]
+    seconds = compute_cost(mesh, node, s.shards, s.outputs,
+                           strategy_bytes(graph, node, s.inputs, s.outputs, mesh.shape))
+    if key is not None:
+        if len(memo) >= ALIKE_COSTS_MAX:
+            memo.clear()
+        memo[key] = (s, seconds)
+    return seconds
 
 
 def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],

@@ -20,11 +20,13 @@ from functools import lru_cache
 
 from torchalpa.core.opgraph import TensorSpec
 from torchalpa.core.placement import (
+    KIND_OF_TYPE,
     Placements,
     Replicate,
     is_partial,
     is_replicate,
     is_shard,
+    kind_of,
     split_factor_of,
 )
 from torchalpa.core.plan import ReshardStep
@@ -35,9 +37,19 @@ __all__ = ["plan_reshard", "local_bytes"]
 def local_bytes(spec: TensorSpec, placements: Placements, mesh_shape) -> int:
     n = spec.nbytes
     for axis, p in enumerate(placements):
-        if is_shard(p):
+        if (KIND_OF_TYPE.get(type(p)) or kind_of(p)) == "shard":    # is_shard, called often
             n //= mesh_shape[axis]
     return n
+
+
+def _divisor(placements: Placements, mesh_shape) -> int:
+    """What ``local_bytes`` divides a tensor's bytes by (floor dividing by each factor in
+    turn is floor dividing by their product)."""
+    d = 1
+    for axis, p in enumerate(placements):
+        if is_shard(p):
+            d *= mesh_shape[axis]
+    return d
 
 
 def _sharded_elsewhere(placements, dim: int, axis: int) -> bool:
@@ -78,16 +90,18 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
     moves = _moves(src, dst, tuple(mesh_shape), allow_reduce_scatter)
     if moves is None:
         return None
-    return tuple(ReshardStep(kind=kind, axis=axis, bytes=local_bytes(spec, before, mesh_shape),
-                             src=before, dst=after, **kw)
-                 for kind, axis, before, after, kw in moves)
+    nbytes = spec.nbytes
+    return tuple(ReshardStep(kind=kind, axis=axis, bytes=nbytes // divisor, src=before,
+                             dst=after, **kw)
+                 for kind, axis, before, after, kw, divisor in moves)
 
 
 @lru_cache(maxsize=1 << 16)
 def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
            allow_reduce_scatter: bool) -> tuple | None:
     """``plan_reshard``'s steps without their bytes: (kind, axis, layout before, layout
-    after, the step's other fields) each, or None if no steps can do it."""
+    after, the step's other fields, what the tensor's bytes are divided by before it)
+    each, or None if no steps can do it."""
     if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
         raise ValueError(f"placements {src} -> {dst} do not match mesh {mesh_shape}")
     for s, d in zip(src, dst):
@@ -99,7 +113,7 @@ def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
     def emit(kind, axis, new, **kw):
         before = tuple(cur)
         cur[axis] = new
-        steps.append((kind, axis, before, tuple(cur), kw))
+        steps.append((kind, axis, before, tuple(cur), kw, _divisor(before, mesh_shape)))
 
     def gather(axis):
         # Reassemble inner axes that split the same dim first, so nesting order holds.

@@ -80,7 +80,7 @@ def _strided_class():
     return _StridedShard
 
 
-_KINDS: dict[type, str] = {}
+KIND_OF_TYPE: dict[type, str] = {}
 """Placement type -> "shard", "replicate", "partial" or "" (another type). torch's
 placement classes check instances through a Python ``__instancecheck__`` (their
 metaclass), which made ``isinstance`` on layouts most of the planner's pure-Python time;
@@ -91,13 +91,13 @@ def kind_of(p) -> str:
     """``"shard"`` (``Shard`` or ``_StridedShard``), ``"replicate"``, ``"partial"``, or
     ``""`` for anything else; what ``isinstance`` says, looked up once per type."""
     t = type(p)
-    kind = _KINDS.get(t)
+    kind = KIND_OF_TYPE.get(t)
     if kind is None:
         Shard, Replicate, Partial = _classes()
         kind = "shard" if isinstance(p, (Shard, _strided_class())) else \
             "replicate" if isinstance(p, Replicate) else \
             "partial" if isinstance(p, Partial) else ""
-        _KINDS[t] = kind
+        KIND_OF_TYPE[t] = kind
     return kind
 
 
