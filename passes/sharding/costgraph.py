@@ -112,7 +112,7 @@ class ReshardCosts:
              gradient: bool = False) -> float:
         """Seconds to reshard; ``gradient``: a gradient's final resharding, whose reduction
         the runtime buckets (``gradient_steps_cost``)."""
-        key = (spec, src, dst, gradient)
+        key = (spec.nbytes, src, dst, gradient)    # steps read the bytes alone of spec
         c = self._cost.get(key)
         if c is None:
             steps = self.steps(spec, src, dst)
@@ -123,10 +123,11 @@ class ReshardCosts:
 
     def edge(self, u: str, v: str, spec: TensorSpec, rows: list, cols: list,
              gradient: bool = False) -> Edge:
-        """An ILP edge: the cost table over the distinct layouts on each side."""
+        """An ILP edge: the cost table over the distinct layouts on each side (tensors of
+        as many bytes share it: ``plan_reshard``'s steps read nothing else of a spec)."""
         urows, ri = _unique(rows)
         ucols, ci = _unique(cols)
-        key = (self._id(spec), tuple(map(self._id, urows)), tuple(map(self._id, ucols)),
+        key = (spec.nbytes, tuple(map(self._id, urows)), tuple(map(self._id, ucols)),
                gradient)
         table = self._tables.get(key)
         if table is None:
@@ -135,7 +136,7 @@ class ReshardCosts:
         return Edge(u, v, ri, ci, table.copy())
 
     def _id(self, item) -> int:
-        """A small int standing for a tensor spec or a layout in this object's keys."""
+        """A small int standing for a layout in this object's keys."""
         found = self._ids.get(item)
         if found is None:
             found = self._ids[item] = len(self._ids)
