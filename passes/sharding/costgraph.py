@@ -244,7 +244,7 @@ ALIKE_COSTS_MAX = 100_000
 """Entries ``_ALIKE_COSTS`` keeps (least recently used dropped first)."""
 
 
-def _alike_key(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strategy]) -> tuple:
+def _alike_key(graph: OpGraph, mesh: LogicalMesh | None, node, strategies) -> tuple:
     """Everything ``_own_costs`` reads of ``node`` but names: its op, arguments, results,
     flops and bytes, flags, its operands' specs; and its strategies by identity."""
     return (mesh, node.op, node.kind, node.args, node.kwargs, node.outputs, node.flops,
