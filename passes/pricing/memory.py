@@ -334,6 +334,8 @@ class MemoryModel:
         its step, the others waiting for backward with what forward saved."""
         self.grads_from_backward = grads_from_backward
         """Gradients held from their backward op on (``liveness``), not as model state."""
+        self._alike_bytes: dict[tuple, np.ndarray] = {}
+        self._kept_alive: list = []
         self.live = liveness(graph, self.statistics, state_at_start, grads_from_backward)
         self.forward_end = forward_end(graph)
         reps = grouping.representatives
@@ -345,9 +347,22 @@ class MemoryModel:
         self._act = [self._bytes(name, k) for name, k in self.live.entries()]
 
     def _bytes(self, name: str, result: int | None = None) -> np.ndarray:
-        return np.array([value_bytes(self.graph, name, s.outputs, self.mesh_shape,
-                                     self.statistics, result) for s in self.S[name]],
-                        dtype=float)
+        strategies = self.S[name]
+        # nodes alike (a transformer's layers: the same result specs and the rules'
+        # shared strategies) hold the same bytes; an attention saving its statistic is
+        # priced on its own
+        key = None if name in self.statistics else \
+            (tuple(map(id, strategies)), self.graph.node(name).outputs, result)
+        found = self._alike_bytes.get(key) if key is not None else None
+        if found is None:
+            found = np.array([value_bytes(self.graph, name, s.outputs, self.mesh_shape,
+                                          self.statistics, result) for s in strategies],
+                             dtype=float)
+            found.setflags(write=False)
+            if key is not None:     # the strategies kept: their identities stay theirs
+                self._alike_bytes[key] = found
+                self._kept_alive.append(strategies)
+        return found
 
     def _fold(self, into: dict, name: str, vec: np.ndarray) -> None:
         rep = self.g.rep[name]

@@ -43,7 +43,7 @@ from torchalpa.passes.sharding.simplify import Grouping
 from torchalpa.passes.sharding.stage_boundary import boundary_layout
 from torchalpa.passes.sharding.strategies import Strategy, sync_steps
 
-__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph", "saved_views",
+__all__ = ["ReshardCosts", "CostGraph", "build_cost_graph", "saved_views", "op_compute_seconds",
            "solve_sharing_reads", "SLICE_PARTIAL", "RESLICE_REDUCTION"]
 
 # Local steps ``ReshardCosts.forbidden`` may name besides collective kinds (both without
@@ -56,6 +56,9 @@ part of a whole value. Alpa's reductions read the layout their operand is made i
 REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "prod", "var", "std", "logsumexp"})
 
 log = logging.getLogger("torchalpa.planner")
+
+STEPS_MEMO_MAX = 200_000
+"""Entries ``ReshardCosts.steps`` keeps by identity before it starts again."""
 
 
 class ReshardCosts:
@@ -72,12 +75,27 @@ class ReshardCosts:
         # whose hashing (placements hash in Python) was most of building a cost graph
         self._ids: dict = {}
         self._tables: dict[tuple, np.ndarray] = {}
+        # (spec, src, dst) by identity -> (them, the steps): the plans and the ILPs' rounds
+        # ask for the same objects' steps again and again (the rules' shared layouts, a
+        # graph's specs); kept with the answer so their identities stay theirs
+        self._steps: dict[tuple[int, int, int], tuple] = {}
 
     def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
         """The resharding steps, or None if impossible or if they need a forbidden kind
         of collective on an axis with more than one device."""
         if dst is None:
             return ()
+        key = (id(spec), id(src), id(dst))
+        found = self._steps.get(key)
+        if found is not None and found[0] is spec and found[1] is src and found[2] is dst:
+            return found[3]
+        steps = self._plan_steps(spec, src, dst)
+        if len(self._steps) >= STEPS_MEMO_MAX:
+            self._steps.clear()
+        self._steps[key] = (spec, src, dst, steps)
+        return steps
+
+    def _plan_steps(self, spec: TensorSpec, src: Placements, dst: Placements):
         steps = plan_reshard(spec, src, dst, self.mesh.shape, self.allow_reduce_scatter)
         if steps and self.forbidden and any(
                 (s.kind in self.forbidden or SLICE_PARTIAL in self.forbidden and s.kind == "slice"
@@ -95,7 +113,7 @@ class ReshardCosts:
              gradient: bool = False) -> float:
         """Seconds to reshard; ``gradient``: a gradient's final resharding, whose reduction
         the runtime buckets (``gradient_steps_cost``)."""
-        key = (spec, src, dst, gradient)
+        key = (spec.nbytes, src, dst, gradient)    # steps read the bytes alone of spec
         c = self._cost.get(key)
         if c is None:
             steps = self.steps(spec, src, dst)
@@ -106,10 +124,11 @@ class ReshardCosts:
 
     def edge(self, u: str, v: str, spec: TensorSpec, rows: list, cols: list,
              gradient: bool = False) -> Edge:
-        """An ILP edge: the cost table over the distinct layouts on each side."""
+        """An ILP edge: the cost table over the distinct layouts on each side (tensors of
+        as many bytes share it: ``plan_reshard``'s steps read nothing else of a spec)."""
         urows, ri = _unique(rows)
         ucols, ci = _unique(cols)
-        key = (self._id(spec), tuple(map(self._id, urows)), tuple(map(self._id, ucols)),
+        key = (spec.nbytes, tuple(map(self._id, urows)), tuple(map(self._id, ucols)),
                gradient)
         table = self._tables.get(key)
         if table is None:
@@ -118,7 +137,7 @@ class ReshardCosts:
         return Edge(u, v, ri, ci, table.copy())
 
     def _id(self, item) -> int:
-        """A small int standing for a tensor spec or a layout in this object's keys."""
+        """A small int standing for a layout in this object's keys."""
         found = self._ids.get(item)
         if found is None:
             found = self._ids[item] = len(self._ids)
@@ -126,9 +145,17 @@ class ReshardCosts:
 
 
 def _unique(items: list) -> tuple[list, np.ndarray]:
+    """The distinct items in order of first appearance, and each item's position among
+    them (each object hashed once: layouts repeat as the same objects)."""
     seen: dict = {}
-    idx = np.array([seen.setdefault(x, len(seen)) for x in items], dtype=np.int64)
-    return list(seen), idx
+    by_id: dict[int, int] = {}
+    idx = []
+    for x in items:
+        i = by_id.get(id(x))
+        if i is None:
+            i = by_id[id(x)] = seen.setdefault(x, len(seen))
+        idx.append(i)
+    return list(seen), np.array(idx, dtype=np.int64)
 
 
 @dataclass
@@ -218,7 +245,7 @@ ALIKE_COSTS_MAX = 100_000
 """Entries ``_ALIKE_COSTS`` keeps (least recently used dropped first)."""
 
 
-def _alike_key(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strategy]) -> tuple:
+def _alike_key(graph: OpGraph, mesh: LogicalMesh | None, node, strategies) -> tuple:
     """Everything ``_own_costs`` reads of ``node`` but names: its op, arguments, results,
     flops and bytes, flags, its operands' specs; and its strategies by identity."""
     return (mesh, node.op, node.kind, node.args, node.kwargs, node.outputs, node.flops,
@@ -255,6 +282,36 @@ def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strateg
                 _ALIKE_COSTS.popitem(last=False)
     memo[(node.name, mesh)] = (strategies, node, vec)
     return vec
+
+
+_COMPUTE_BY_MESH: OrderedDict = OrderedDict()
+"""mesh -> (what a node's price reads of it but names, its strategy's identity) -> (the
+strategy, its compute seconds): ``op_compute_seconds``'s memo, as ``_ALIKE_COMPUTE``'s."""
+
+
+def op_compute_seconds(graph: OpGraph, mesh: LogicalMesh, node, s: Strategy) -> float:
+    """``compute_cost`` of ``node`` under strategy ``s`` on the bytes its blocks move
+    (what a plan's estimate sums per op), priced once for nodes alike but for their
+    names (``_alike_key``)."""
+    memo = _COMPUTE_BY_MESH.get(mesh)
+    if memo is None:
+        memo = _COMPUTE_BY_MESH[mesh] = {}
+        while len(_COMPUTE_BY_MESH) > 16:
+            _COMPUTE_BY_MESH.popitem(last=False)
+    try:
+        key = _alike_key(graph, None, node, (s,))
+        found = memo.get(key)
+    except TypeError:        # an unhashable argument: priced on its own
+        key, found = None, None
+    if found is not None:
+        return found[1]
+    seconds = compute_cost(mesh, node, s.shards, s.outputs,
+                           strategy_bytes(graph, node, s.inputs, s.outputs, mesh.shape))
+    if key is not None:
+        if len(memo) >= ALIKE_COSTS_MAX:
+            memo.clear()
+        memo[key] = (s, seconds)
+    return seconds
 
 
 def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
@@ -305,9 +362,17 @@ def _group_links(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Groupin
     layouts), each group priced once."""
     rep, index = grouping.rep, grouping.index
     groups: dict[tuple, list[Link]] = defaultdict(list)
+    # the read layouts as small ints, one per distinct tuple of them: alike nodes hold
+    # the rules' shared strategies, so a strategy list's layouts are hashed once
+    # (placements hash in Python), not once per link
+    by_ids: dict[tuple, int] = {}
+    numbers: dict[tuple, int] = {}
     for u, idx, v, how in links:
-        key = (rep[u], rep[v], index[u], index[v], graph.node(u).outputs[idx], idx,
-               _read_layouts_key(S[v], how))
+        ids = (tuple(map(id, S[v])), how)
+        read = by_ids.get(ids)
+        if read is None:
+            read = by_ids[ids] = numbers.setdefault(_read_layouts_key(S[v], how), len(numbers))
+        key = (rep[u], rep[v], index[u], index[v], graph.node(u).outputs[idx], idx, read)
         groups[key].append((u, idx, v, how))
     return groups
 

@@ -146,12 +146,20 @@ def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
     answers depend on the tensor, the layouts and the mesh's shape only: kept in
     ``shared`` ((spec, sources) -> {want: reachable?}, ``PricingMemo.reachable``)."""
     by_operand: dict = {}    # (producer, output index) -> (spec, its layouts, that dict)
+    # (the producer's strategies by identity, output index) -> their layouts: alike nodes
+    # hold the rules' shared strategies, whose layouts are hashed once (placements hash
+    # in Python)
+    layouts: dict = {}
 
     def operand(ref) -> tuple:
         entry = by_operand.get((ref.node, ref.index))
         if entry is None:
             spec = graph.spec(ref)
-            sources = frozenset(p.outputs[ref.index] for p in strategies[ref.node])
+            made = strategies[ref.node]
+            key = (tuple(map(id, made)), ref.index)
+            sources = layouts.get(key)
+            if sources is None:
+                sources = layouts[key] = frozenset(p.outputs[ref.index] for p in made)
             entry = by_operand[(ref.node, ref.index)] = (
                 spec, sources, shared.setdefault((spec, sources), {}))
         return entry

@@ -19,7 +19,16 @@ from __future__ import annotations
 from functools import lru_cache
 
 from torchalpa.core.opgraph import TensorSpec
-from torchalpa.core.placement import Partial, Placements, Replicate, is_shard, split_factor_of
+from torchalpa.core.placement import (
+    KIND_OF_TYPE,
+    Placements,
+    Replicate,
+    is_partial,
+    is_replicate,
+    is_shard,
+    kind_of,
+    split_factor_of,
+)
 from torchalpa.core.plan import ReshardStep
 
 __all__ = ["plan_reshard", "local_bytes"]
@@ -28,9 +37,19 @@ __all__ = ["plan_reshard", "local_bytes"]
 def local_bytes(spec: TensorSpec, placements: Placements, mesh_shape) -> int:
     n = spec.nbytes
     for axis, p in enumerate(placements):
-        if is_shard(p):
+        if (KIND_OF_TYPE.get(type(p)) or kind_of(p)) == "shard":    # is_shard, called often
             n //= mesh_shape[axis]
     return n
+
+
+def _divisor(placements: Placements, mesh_shape) -> int:
+    """What ``local_bytes`` divides a tensor's bytes by (floor dividing by each factor in
+    turn is floor dividing by their product)."""
+    d = 1
+    for axis, p in enumerate(placements):
+        if is_shard(p):
+            d *= mesh_shape[axis]
+    return d
 
 
 def _sharded_elsewhere(placements, dim: int, axis: int) -> bool:
@@ -63,23 +82,38 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
     """Steps from ``src`` to ``dst`` (empty if equal), or None if no steps can do it.
 
     Without ``allow_reduce_scatter`` a Partial becomes a Shard by all-reduce and slice
-    (Alpa's default search space, where only an option enables reduce-scatter)."""
+    (Alpa's default search space, where only an option enables reduce-scatter). The
+    moves depend on the layouts alone (``_moves``, found once per pair); ``spec`` only
+    gives each step its bytes."""
     if src == dst:
         return ()
+    moves = _moves(src, dst, tuple(mesh_shape), allow_reduce_scatter)
+    if moves is None:
+        return None
+    nbytes = spec.nbytes
+    return tuple(ReshardStep(kind=kind, axis=axis, bytes=nbytes // divisor, src=before,
+                             dst=after, **kw)
+                 for kind, axis, before, after, kw, divisor in moves)
+
+
+@lru_cache(maxsize=1 << 16)
+def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
+           allow_reduce_scatter: bool) -> tuple | None:
+    """``plan_reshard``'s steps without their bytes: (kind, axis, layout before, layout
+    after, the step's other fields, what the tensor's bytes are divided by before it)
+    each, or None if no steps can do it."""
     if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
         raise ValueError(f"placements {src} -> {dst} do not match mesh {mesh_shape}")
     for s, d in zip(src, dst):
-        if isinstance(d, Partial) and s != d and not isinstance(s, Replicate):
+        if is_partial(d) and s != d and not is_replicate(s):
             return None
-    steps: list[ReshardStep] = []
+    steps: list[tuple] = []
     cur = list(src)
 
     def emit(kind, axis, new, **kw):
         before = tuple(cur)
-        nbytes = local_bytes(spec, before, mesh_shape)
         cur[axis] = new
-        steps.append(ReshardStep(kind=kind, axis=axis, bytes=nbytes, src=before,
-                                 dst=tuple(cur), **kw))
+        steps.append((kind, axis, before, tuple(cur), kw, _divisor(before, mesh_shape)))
 
     def gather(axis):
         # Reassemble inner axes that split the same dim first, so nesting order holds.
@@ -92,9 +126,9 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
     # 1. reductions and gathers, inner axes first
     for axis in reversed(range(len(cur))):
         s, d = cur[axis], dst[axis]
-        if s == d or isinstance(s, Replicate):
+        if s == d or is_replicate(s):
             continue
-        if isinstance(s, Partial):
+        if is_partial(s):
             if is_shard(d) and allow_reduce_scatter \
                     and not _sharded_elsewhere(cur, d.dim, axis) \
                     and not _sharded_elsewhere(dst, d.dim, axis):
@@ -111,11 +145,11 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
     #    others hold zeros: exact), and slices, outer axes first (the nesting order of a
     #    multi-axis split)
     for axis in range(len(cur)):
-        if isinstance(cur[axis], Replicate) and isinstance(dst[axis], Partial):
+        if is_replicate(cur[axis]) and is_partial(dst[axis]):
             emit("partition", axis, dst[axis], reduce_op=dst[axis].reduce_op)
     for axis in range(len(cur)):
         if cur[axis] != dst[axis]:
-            if not isinstance(cur[axis], Replicate) or not is_shard(dst[axis]):
+            if not is_replicate(cur[axis]) or not is_shard(dst[axis]):
                 return None
             for inner in range(len(cur) - 1, axis, -1):  # an inner split of this dim must
                 if cur[inner] == dst[axis]:              # be undone before the outer one

@@ -34,12 +34,10 @@ from torchalpa.passes.pricing.attention_price import saved_statistics
 from torchalpa.passes.pricing.cost import (
     batch_sync_cost,
     collective_cost,
-    compute_cost,
     gradient_steps_cost,
     op_family,
     optimizer_cost,
     steps_cost,
-    strategy_bytes,
     wire_bytes,
 )
 from torchalpa.passes.pricing.kernel_model import MATMUL_FAMILIES
@@ -50,7 +48,7 @@ from torchalpa.passes.pricing.memory import (
     model_state_bytes,
 )
 from torchalpa.passes.pricing.overlap_price import CommEvent, Device, overlapped_step, program_order
-from torchalpa.passes.sharding.costgraph import ReshardCosts
+from torchalpa.passes.sharding.costgraph import ReshardCosts, op_compute_seconds
 from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.shared_reshard import read_key
 from torchalpa.passes.sharding.stage_boundary import boundary_layout
@@ -370,10 +368,7 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     k = traffic.k
     device = _device(graph, mesh)
     kernels = replace(mesh, kernel_launch_s=0.0) if device.host_s else mesh
-    per_op = [compute_cost(
-        kernels, n, chosen[n.name].shards, chosen[n.name].outputs, strategy_bytes(
-            graph, n, chosen[n.name].inputs, chosen[n.name].outputs, mesh.shape))
-        for n in graph.ops()]
+    per_op = [op_compute_seconds(graph, kernels, n, chosen[n.name]) for n in graph.ops()]
     compute_time = k * sum(per_op)
     state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states,
                               grads_late)

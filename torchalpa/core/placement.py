@@ -35,7 +35,7 @@ __all__ = [
     "Shard", "Replicate", "Partial", "Placement", "Placements",
     "parse_placement", "format_placements", "parse_placements", "replicated", "short",
     "local_shape", "check_placement", "long_form", "short_form", "strided",
-    "split_factor_of", "is_shard",
+    "split_factor_of", "is_shard", "is_partial", "is_replicate", "kind_of",
 ]
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -80,10 +80,41 @@ def _strided_class():
     return _StridedShard
 
 
+KIND_OF_TYPE: dict[type, str] = {}
+"""Placement type -> "shard", "replicate", "partial" or "" (another type). torch's
+placement classes check instances through a Python ``__instancecheck__`` (their
+metaclass), which made ``isinstance`` on layouts most of the planner's pure-Python time;
+a type is looked up once."""
+
+
+def kind_of(p) -> str:
+    """``"shard"`` (``Shard`` or ``_StridedShard``), ``"replicate"``, ``"partial"``, or
+    ``""`` for anything else; what ``isinstance`` says, looked up once per type."""
+    t = type(p)
+    kind = KIND_OF_TYPE.get(t)
+    if kind is None:
+        Shard, Replicate, Partial = _classes()
+        kind = "shard" if isinstance(p, (Shard, _strided_class())) else \
+            "replicate" if isinstance(p, Replicate) else \
+            "partial" if isinstance(p, Partial) else ""
+        KIND_OF_TYPE[t] = kind
+    return kind
+
+
 def is_shard(p) -> TypeGuard[Shard]:
     """Whether ``p`` splits a dim into blocks: ``Shard`` or ``_StridedShard`` (which torch
     does not derive from ``Shard``; block sizes are the same)."""
-    return isinstance(p, (_classes()[0], _strided_class()))
+    return kind_of(p) == "shard"
+
+
+def is_partial(p) -> TypeGuard[Partial]:
+    """``isinstance(p, Partial)``, looked up once per type (``kind_of``)."""
+    return kind_of(p) == "partial"
+
+
+def is_replicate(p) -> TypeGuard[Replicate]:
+    """``isinstance(p, Replicate)``, looked up once per type (``kind_of``)."""
+    return kind_of(p) == "replicate"
 
 
 def split_factor_of(p) -> int:
