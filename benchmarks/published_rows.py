@@ -167,6 +167,11 @@ TT_H100 = ("pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (comm
            "9dec370), Table 1/3, bf16, no compile")
 TT_A100 = "pytorch/torchtitan docs/performance.md (commit f38766edb, 2024-04-24)"
 
+ROMERO = ("tyler-romero/nanogpt-speedrun logs/4c627c0d-029c-4f8a-bd18-40f99b43b22e.txt "
+          "(commit b3c32f89, 2025-01-16; the run 'Initial baseline' of "
+          "https://tylerromero.com/posts/nanogpt-speedrun-worklog, 220.7k tokens/s): "
+          "step_avg 1191.34 ms over steps 11-24576, validation excluded; 'peak memory "
+          "consumption: 18885 MiB' (torch.cuda.max_memory_allocated)")
 FOUNDRY = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), "
            "MPT tables: throughput (T/s/GPU), micro-batch, grad accumulation, FULL_SHARD, "
            "activation checkpointing; model sizes from scripts/train/yamls/pretrain/mpt-*.yaml")
@@ -309,6 +314,22 @@ ROWS: tuple[PublishedRow, ...] = (
     _mpt("mpt-13b-h100x64", "13b", 64, "h100", 2, 1, 4800),
     _mpt("mpt-3b-a100-40x128", "3b", 128, "a100-40", 6, 1, 9538, pure=True),
     _mpt("mpt-7b-a100-40x128", "7b", 128, "a100-40", 18, 1, 3623, remat="full", pure=True),
+    # a 2-GPU PCIe workstation: llm.c's PyTorch GPT-2 trainer (Keller Jordan's fork), DDP
+    PublishedRow(
+        key="romero-gpt2-124m-4090x2", label="GPT-2 124M, DDP on 2 RTX 4090 (PCIe), seq 1024",
+        source=ROMERO, short_source="nanogpt-speedrun", family="gpt",
+        config=dict(_gpt(768, 12, 12, 1024, vocab=50304, attention="sdpa"), bias=False),
+        seq=1024, global_batch=256, micro_batch=32, dp=2, machine="rtx4090", num_nodes=1,
+        devices_per_node=2, precision="bf16", remat="none", zero="none", fused=True,
+        step_s=1.19134, memory_gib=18885 / 1024,
+        notes=("B=32 T=1024, 2 GPUs, 4 accumulation steps, 262144 tokens a step (the log)",
+               "torch.compile, bf16 autocast over fp32 weights, AdamW, flash SDPA",
+               "RMSNorm without weights in the run, the zoo GPT's LayerNorm here; "
+               "residual branch scaled by 1/sqrt(24) (one elementwise op) not modeled",
+               "DDP without no_sync: the run all-reduces the gradients after each of the "
+               "4 micro-batches, priced once a step here [not expressible]",
+               "RTX 4090 has no GPU peer-to-peer: NCCL goes through host memory; the "
+               "preset prices PCIe 4 between the two")),
 )
 """Rows not here, and why: Megatron SC'21's 310B to 1T rows (1920-3072 GPUs; planning
 one takes longer than this CPU allows in a run of the whole table); Korthikanti's 530B

@@ -97,3 +97,11 @@ def test_check_holds_the_table_to_its_targets():
            _outcome("alpa-2.6b", 1.1)]
     results = dict((text.split(" (")[0], ok) for text, ok in published.check(bad))
     assert not any(results.values()), results
+
+
+def test_a_row_the_planner_refuses_fails_the_check(capsys):
+    published._print_refused(["romero-gpt2-124m-4090x2"], 3, check=True)
+    assert capsys.readouterr().out.startswith("FAIL  1 of 3 rows could not be estimated")
+    published._print_refused([], 3, check=True)
+    published._print_refused(["x"], 3, check=False)
+    assert capsys.readouterr().out == ""
