@@ -112,7 +112,8 @@ def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int,
     family = op_family(node.op)
     peak = mesh.peak_flops_for(_compute_dtype(node), family)
     assert peak is not None  # peak_flops is set, so every dtype has a figure
-    peak *= matmul_efficiency(mesh, node, family, outputs) * attention_backward_share(mesh, node)
+    peak *= matmul_efficiency(mesh, node, family, outputs, shards) \
+        * attention_backward_share(mesh, node)
     t = op_flops(mesh, node) / shards / peak + epilogue_seconds(mesh, node, family, outputs,
                                                                  shards)
     if mesh.memory_bandwidth:

@@ -143,13 +143,28 @@ def _tiles(mesh: LogicalMesh, node: OpNode, outputs) -> int:
     return math.prod(batch) * math.ceil(rows / TILE) * math.ceil(cols / TILE)
 
 
-def split_k(mesh: LogicalMesh, node: OpNode, outputs) -> int:
+def _local_contraction(mesh: LogicalMesh, node: OpNode, outputs, shards: int) -> int:
+    """K of this device's share of a matmul split ``shards`` ways with result ``outputs``:
+    its flops over two per local output element. A weight's gradient over a batch split
+    across data-parallel replicas sums its own tokens only, and a row-parallel product its
+    own share of K; the whole op's K priced those as long splittable loops (GPT 7.5B on
+    tp4 x dp32: K 65,536 for 2,048 local tokens). The whole K without placements."""
+    k = _contraction(node)
+    if outputs is None or shards <= 1:
+        return k
+    shape, _ = _local_output(mesh, node, outputs, 1)
+    local = math.prod(shape)
+    return min(k, int(round(node.flops / shards / (2 * local)))) if local else k
+
+
+def split_k(mesh: LogicalMesh, node: OpNode, outputs, shards: int = 1) -> int:
     """The number of K splits this device's share of a matmul runs with (module doc): the
     one that takes least time, its flops at the ``wave_efficiency`` of ``tiles x splits``
     plus the partial tiles' float32 bytes written and read back, each split at least
-    ``SPLIT_K_MIN`` of K (1 on a mesh without ``multiprocessors`` or bandwidth)."""
+    ``SPLIT_K_MIN`` of this device's K (1 on a mesh without ``multiprocessors`` or
+    bandwidth); the op's flops are split ``shards`` ways."""
     sms, bandwidth = mesh.multiprocessors, mesh.memory_bandwidth
-    tiles, k = _tiles(mesh, node, outputs), _contraction(node)
+    tiles, k = _tiles(mesh, node, outputs), _local_contraction(mesh, node, outputs, shards)
     most = min(k // SPLIT_K_MIN, MAX_SPLITS) if tiles and sms else 1
     if most <= 1 or not bandwidth:
         return 1
@@ -174,18 +189,18 @@ def unaligned(node: OpNode) -> bool:
 
 
 def matmul_efficiency(mesh: LogicalMesh, node: OpNode, family: str,
-                      outputs: tuple[Placements, ...] | None) -> float:
+                      outputs: tuple[Placements, ...] | None, shards: int = 1) -> float:
     """The share of the matmul rate this device's share of a matmul reaches: the
     ``wave_efficiency`` of its local output's batch, rows and columns in ``TILE``-sized
     tiles, K split where that fills more SMs (``split_k``), times ``UNALIGNED_MATMUL_RATE``
     when a dimension is unaligned (module doc). 1.0 for other ops, on a mesh without
-    ``multiprocessors``, or without placements."""
+    ``multiprocessors``, or without placements. The op's flops are split ``shards`` ways."""
     if family not in MATMUL_FAMILIES or not mesh.multiprocessors or not node.outputs:
         return 1.0
     tiles = _tiles(mesh, node, outputs)
     if not tiles:
         return 1.0
-    share = wave_efficiency(tiles * split_k(mesh, node, outputs), mesh.multiprocessors)
+    share = wave_efficiency(tiles * split_k(mesh, node, outputs, shards), mesh.multiprocessors)
     return share * UNALIGNED_MATMUL_RATE if unaligned(node) else share
 
 
@@ -198,7 +213,7 @@ def epilogue_seconds(mesh: LogicalMesh, node: OpNode, family: str,
             or not mesh.memory_bandwidth:
         return 0.0
     shape, nbytes = _local_output(mesh, node, outputs, shards)
-    splits = split_k(mesh, node, outputs)
+    splits = split_k(mesh, node, outputs, shards)
     if splits > 1:       # the partial tiles in float32, written and read back to be summed
         nbytes += 2.0 * splits * math.prod(shape) * 4
     return nbytes / mesh.memory_bandwidth
