@@ -231,3 +231,89 @@ def test_strided_placements_read_and_write_as_text():
     assert (long_form(p), short_form(p)) == ("StridedShard(0, 3)", "S(0)/3")
     assert parse_placement("StridedShard(0, 3)") == p == parse_placement("S(0)/3")
     assert parse_placement("S(0)/3") != Shard(0)
+
+
+NESTED = (strided(0, 2), Shard(0))
+"""DTensor's ``(_StridedShard(0, split_factor=2), Shard(0))`` on (2, 2): dim 0 split on
+axis 1 first and on axis 0 within each of its two pieces (FSDP over tensor parallelism;
+Alpa's ``prefer_reduce_scatter`` stores a column-parallel bias so)."""
+
+
+def test_nested_strided_shard_round_trips(fake_world):
+    """The nested strided shard is reached from the layouts around it by the steps Alpa's
+    rewrite issues (a partial sum on axis 0 reduce-scattered into it, forward's read
+    gathered on axis 0 alone) and by slices; gathering it back gives the original tensor
+    on every rank, and every intermediate block is DTensor's own (``distribute_tensor`` is
+    the oracle)."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    mesh_shape = (2, 2)
+    full = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8) / 7
+    spec = TensorSpec((8, 8))
+    rank_coords = coords_of(mesh_shape)
+    kinds = lambda a, b: [(s.kind, s.axis) for s in plan_reshard(spec, a, b, mesh_shape)]
+    column = (Replicate(), Shard(0))
+    assert kinds((Partial("sum"), Shard(0)), NESTED) == [("reduce_scatter", 0)]
+    assert kinds(NESTED, column) == [("all_gather", 0)]
+    assert kinds(column, NESTED) == [("slice", 0)]
+    assert kinds(NESTED, (Replicate(), Replicate())) == [("all_gather", 1), ("all_gather", 0)]
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", mesh_shape)
+        groups = [mesh.get_group(i).group_name for i in range(2)]
+
+        def dtensor_blocks(layout):
+            same = LocalTensor({r: full.clone() for r in range(4)})
+            local = distribute_tensor(same, mesh, list(layout)).to_local()
+            return {r: local._local_tensors[r] for r in range(4)}
+
+        def run(start, src, dst):
+            steps = plan_reshard(spec, src, dst, mesh_shape)
+            assert steps is not None, (src, dst)
+            y = _run_steps(LocalTensor(start), steps, mesh_shape, groups,
+                           mesh.get_coordinate(), rank_coords)
+            return {r: y._local_tensors[r] for r in range(4)}
+
+        # a gradient: each axis-1 piece, a partial sum over axis 0 (rank (0, c) holds 1/3
+        # of it, rank (1, c) the rest)
+        piece = dtensor_blocks(column)
+        partial = {r: piece[r] * (1 / 3 if c[0] == 0 else 2 / 3)
+                   for r, c in enumerate(rank_coords)}
+        nested = dtensor_blocks(NESTED)
+        for start, src in ((partial, (Partial("sum"), Shard(0))), (piece, column),
+                           (dtensor_blocks((Replicate(), Replicate())),
+                            (Replicate(), Replicate())),
+                           (dtensor_blocks((strided(0, 2), Replicate())),
+                            (strided(0, 2), Replicate()))):
+            got = run(start, src, NESTED)
+            for r in range(4):
+                assert torch.allclose(got[r], nested[r], atol=1e-6), (src, r)
+        # and back: each layout it is read in, and the whole tensor on every rank
+        for dst in (column, (strided(0, 2), Replicate()), (Replicate(), Replicate())):
+            got, want = run(nested, NESTED, dst), dtensor_blocks(dst)
+            for r in range(4):
+                assert torch.equal(got[r], want[r]), (dst, r)
+        whole = run(nested, NESTED, (Replicate(), Replicate()))
+        assert all(torch.equal(whole[r], full) for r in range(4))
+
+
+def test_nested_strided_is_told_from_a_lone_one():
+    from torchalpa.passes.sharding.reshard import nested_strided
+    assert nested_strided(NESTED, 0, (2, 2)) and not nested_strided(NESTED, 1, (2, 2))
+    assert not nested_strided((strided(0, 2), Replicate()), 0, (2, 2))
+    assert not nested_strided((strided(0, 3), Shard(0)), 0, (2, 2))
+    assert not nested_strided((Shard(0), strided(0, 2)), 1, (2, 2))
+
+
+def test_step_call_refuses_strided_layouts_it_cannot_lay_out():
+    """A strided shard whose pieces the later axes' splits of its dim do not make (3
+    pieces inside axis 1's 2) is no layout the runtime lays out: a clear error, not a
+    wrong block."""
+    from torchalpa.core.plan import ReshardStep
+    step = ReshardStep(kind="slice", axis=0, bytes=256, src=(Replicate(), Shard(0)),
+                       dst=(strided(0, 3), Shard(0)), dim=0)
+    with pytest.raises(ValueError, match="cannot lay out"):
+        C.step_call(step, (2, 2), (0, 0), ("g0", "g1"))
+    nested = ReshardStep(kind="all_gather", axis=0, bytes=64, src=NESTED,
+                         dst=(Replicate(), Shard(0)), dim=0)
+    assert C.step_call(nested, (2, 2), (0, 0), ("g0", "g1"))[0] is C.all_gather

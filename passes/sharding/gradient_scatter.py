@@ -11,13 +11,15 @@ all-gathers, as Alpa's after the update; with ``rematerialize_parameters`` its b
 reads gather it again, Alpa's ``force_zero_stage_3``). The ILP's objective is the plan's
 without the rewrite, as Alpa's is; the plan's step estimate prices what it issues.
 
-A parameter is left as the ILP chose it where no layout splits it on that axis too (its
-dims already split or not divisible, or a pin): its gradient stays all-reduced, as
-Alpa's stays where its rewrite finds no split. A dim split on another axis is not split
-again: that would be a split over both axes, whose pieces Alpa's tile assignment may
-order freely and ours may not (a dim split on axis 1 and then on axis 0 within each
-piece is a nested strided shard, which the runtime does not lay out), so the
-column-parallel bias of a 2D plan stays all-reduced on the batch axis.
+A dim no other axis splits is split first. Where every dim is taken (a column-parallel
+bias of a 2D plan: its one dim split on the model axis 1), the parameter is split on the
+batch axis 0 inside each of axis 1's pieces, as Alpa's rewrite splits it: a nested
+strided shard (DTensor's ``(_StridedShard(d, k), Shard(d))``, ``reshard.nested_strided``),
+into which the gradient's partial sum on axis 0 reduce-scatters and from which forward's
+read gathers on axis 0 alone, each a plain shard's collective on a rank's piece. A
+parameter is left as the ILP chose it where no layout splits it on that axis too (not
+divisible, or a pin): its gradient stays all-reduced, as Alpa's stays where its rewrite
+finds no split.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from torchalpa.core.placement import (
     Shard,
     is_shard,
     split_factor_of,
+    strided,
 )
 from torchalpa.passes.sharding.costgraph import ReshardCosts
-from torchalpa.passes.sharding.reshard import plan_reshard
+from torchalpa.passes.sharding.reshard import nested_strided, plan_reshard
 from torchalpa.passes.sharding.strategies import Strategy, leaf_strategies
 
 __all__ = ["scatter_gradients"]
@@ -95,8 +98,35 @@ def _split_further(spec: TensorSpec, grad: Placements, stored: Placements,
             if tuple(trial) in by_layout:
                 want, taken = trial, taken | {d}
                 break
+        else:
+            want = _nest(spec, want, a, mesh)
+    if tuple(want) == tuple(stored):
+        return None
     found = by_layout.get(tuple(want))
-    return None if found is None or tuple(want) == tuple(stored) else found
+    if found is None and any(nested_strided(tuple(want), a, mesh.shape) for a in axes):
+        shards = 1
+        for n, p in zip(mesh.shape, want):
+            shards *= n if is_shard(p) else 1
+        found = Strategy(inputs=(), outputs=(tuple(want),), shards=shards)
+    return found
+
+
+def _nest(spec: TensorSpec, want: list, axis: int, mesh: LogicalMesh) -> list:
+    """``want`` with ``axis`` splitting, inside each piece, the lowest dim that only later
+    axes split, plainly (a nested strided shard: ``reshard.nested_strided``), if its pieces
+    divide; else ``want``."""
+    for d in range(len(spec.shape)):
+        others = [b for b, p in enumerate(want) if b != axis and is_shard(p) and p.dim == d]
+        if not others or any(b < axis or split_factor_of(want[b]) != 1 for b in others):
+            continue
+        pieces = 1
+        for b in others:
+            pieces *= mesh.shape[b]
+        if spec.shape[d] % (pieces * mesh.shape[axis]) == 0:
+            trial = want.copy()
+            trial[axis] = strided(d, pieces)
+            return trial
+    return want
 
 
 def _sink_reduction(graph: OpGraph, strategies: dict[str, list[Strategy]],
@@ -141,6 +171,7 @@ class _ScatteredCosts(ReshardCosts):
 
     def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
         if dst is not None and ((spec, dst) in self.scattered or (spec, src) in self.scattered) \
-                and all(split_factor_of(p) == 1 for p in (*src, *dst)):
+                and all(split_factor_of(p) == 1 or nested_strided(layout, a, self.mesh.shape)
+                        for layout in (src, dst) for a, p in enumerate(layout)):
             return plan_reshard(spec, src, dst, self.mesh.shape, True)
         return super().steps(spec, src, dst)

@@ -12,6 +12,14 @@ A strided shard (``placement.strided``: a device's block of each of k pieces of 
 is gathered, reduce-scattered into and sliced to like a shard of the same dim (the
 runtime reorders the pieces locally); it never takes part in an all-to-all, so moving
 between it and another split goes through a gather.
+
+A *nested* strided shard (``nested_strided``) is DTensor's ``(_StridedShard(d, k),
+Shard(d))`` on a 2D mesh with k devices on axis 1 (FSDP over tensor parallelism): the
+dim split on axis 1 first and on axis 0 within each piece. Axis 0's split is then the
+innermost one: it is gathered first (without undoing axis 1's), and a partial sum on
+axis 0 reduce-scatters straight into it; on each rank's block (axis 1's piece) those are
+a plain shard's collectives (``collectives.local_split_factor``). Alpa's
+``prefer_reduce_scatter`` stores a column-parallel bias so (``gradient_scatter.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from torchalpa.core.placement import (
 )
 from torchalpa.core.plan import ReshardStep
 
-__all__ = ["plan_reshard", "local_bytes"]
+__all__ = ["plan_reshard", "local_bytes", "nested_strided"]
 
 
 def local_bytes(spec: TensorSpec, placements: Placements, mesh_shape) -> int:
@@ -50,6 +58,34 @@ def _divisor(placements: Placements, mesh_shape) -> int:
         if is_shard(p):
             d *= mesh_shape[axis]
     return d
+
+
+def nested_strided(placements: Placements, axis: int, mesh_shape) -> bool:
+    """Whether ``placements[axis]`` is a strided shard nested inside the later axes' plain
+    shards of its dim: its ``split_factor`` is the number of pieces they cut the dim into
+    (DTensor's ``(_StridedShard(d, k), Shard(d))``), so on this rank's block it is a plain
+    shard."""
+    p = placements[axis]
+    if not is_shard(p) or split_factor_of(p) == 1:
+        return False
+    later = [(b, q) for b, q in enumerate(placements)
+             if b != axis and is_shard(q) and q.dim == p.dim]
+    if not later or any(b < axis or split_factor_of(q) != 1 for b, q in later):
+        return False
+    outer = 1
+    for b, _ in later:
+        outer *= mesh_shape[b]
+    return outer == split_factor_of(p)
+
+
+def _scatters_into_nested(cur, dst, axis: int, mesh_shape) -> bool:
+    """A partial sum on ``axis`` reduce-scatters straight into ``dst[axis]``, a nested
+    strided shard whose enclosing splits ``cur`` already has."""
+    if not nested_strided(dst, axis, mesh_shape):
+        return False
+    dim = dst[axis].dim
+    return all(cur[b] == dst[b] for b in range(len(cur))
+               if b != axis and any(is_shard(p) and p.dim == dim for p in (cur[b], dst[b])))
 
 
 def _sharded_elsewhere(placements, dim: int, axis: int) -> bool:
@@ -116,10 +152,12 @@ def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
         steps.append((kind, axis, before, tuple(cur), kw, _divisor(before, mesh_shape)))
 
     def gather(axis):
-        # Reassemble inner axes that split the same dim first, so nesting order holds.
+        # Reassemble inner axes that split the same dim first, so nesting order holds
+        # (a nested strided shard is the innermost split itself).
         p = cur[axis]
+        nested = nested_strided(tuple(cur), axis, mesh_shape)
         for inner in range(len(cur) - 1, axis, -1):
-            if is_shard(cur[inner]) and cur[inner].dim == p.dim:
+            if not nested and is_shard(cur[inner]) and cur[inner].dim == p.dim:
                 gather(inner)
         emit("all_gather", axis, Replicate(), dim=p.dim)
 
@@ -130,8 +168,9 @@ def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
             continue
         if is_partial(s):
             if is_shard(d) and allow_reduce_scatter \
-                    and not _sharded_elsewhere(cur, d.dim, axis) \
-                    and not _sharded_elsewhere(dst, d.dim, axis):
+                    and (_scatters_into_nested(cur, dst, axis, mesh_shape)
+                         or not _sharded_elsewhere(cur, d.dim, axis)
+                         and not _sharded_elsewhere(dst, d.dim, axis)):
                 emit("reduce_scatter", axis, d, dim=d.dim, reduce_op=s.reduce_op)
             else:
                 emit("all_reduce", axis, Replicate(), reduce_op=s.reduce_op)

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchalpa.core.placement import split_factor_of
+from torchalpa.core.placement import is_shard, split_factor_of
 from torchalpa.core.plan import ReshardStep
 from torchalpa.runtime.measurement.traffic import issued, wait_label
 
@@ -31,7 +31,7 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_ch
            "issue_all_to_all", "finish_all_to_all", "SPLIT", "Split", "step_call",
            "all_gather_strided", "reduce_scatter_strided",
            "finish_all_gather_strided", "issue_reduce_scatter_strided",
-           "issue_all_gather_strided"]
+           "issue_all_gather_strided", "local_split_factor"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -224,13 +224,42 @@ def local_chunk(x: torch.Tensor, dim: int, num_chunks: int, index: int,
 
 # -- plan steps ------------------------------------------------------------------------------
 
+def local_split_factor(placements: Sequence, axis: int, mesh_shape: Sequence[int]) -> int:
+    """How many pieces of this rank's block ``placements[axis]`` splits: a strided shard's
+    ``split_factor`` counts the pieces the later axes' shards of its dim cut it into too
+    (DTensor's ``(_StridedShard(d, k), Shard(d))``: axis 1 splits the dim first, axis 0
+    within each of its k pieces), and those pieces are not in this rank's block. 1: a
+    plain shard of the block (the nested strided shard whose enclosing splits are all
+    there). A ``split_factor`` that the later splits do not divide is no layout this runtime
+    lays out: ``ValueError``."""
+    p = placements[axis]
+    factor = split_factor_of(p)
+    if factor == 1:
+        return 1
+    outer = 1
+    for b in range(axis + 1, len(placements)):
+        q = placements[b]
+        if is_shard(q) and q.dim == p.dim:
+            if split_factor_of(q) != 1:
+                outer = 0
+                break
+            outer *= mesh_shape[b]
+    if outer == 0 or factor % outer:
+        raise ValueError(
+            f"the runtime cannot lay out {tuple(placements)}: mesh axis {axis}'s strided "
+            f"shard of dim {p.dim} (split_factor {factor}) is not its pieces times the later "
+            "axes' plain shards of that dim; re-plan with this version of torchalpa")
+    return factor // outer
+
+
 def step_call(step: ReshardStep, mesh_shape: Sequence[int], coords: Sequence[int],
               group_names: Sequence[str]) -> tuple[Callable[..., torch.Tensor], tuple[Any, ...]]:
     """The function that runs ``step`` on this rank (at mesh coordinate ``coords``) and
     its arguments after the tensor: what the lowering emits."""
     n, group = mesh_shape[step.axis], group_names[step.axis]
-    pieces = split_factor_of(step.src[step.axis] if step.kind == "all_gather"
-                             else step.dst[step.axis])
+    # pieces of this rank's block: a nested strided shard's steps are a plain shard's
+    pieces = local_split_factor(step.src if step.kind == "all_gather" else step.dst,
+                                step.axis, mesh_shape)
     if step.kind == "all_reduce":
         return all_reduce, (step.reduce_op, group)
     if step.kind == "all_gather":
