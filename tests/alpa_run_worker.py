@@ -17,6 +17,10 @@ Scenarios (argv[2], comma separated):
 - ``bert_rs2d:2x2``: the same with Alpa's space exactly (``slice_before_reduce`` off) and
   ``prefer_reduce_scatter``: the gradients reduce-scattered on axis 0 into parameters
   stored split on both axes, gathered on axis 0 in forward.
+- ``mlp_rs2d:2x2``: Alpa's test_n_layer_mlp_2d_mesh_reduce_scatter model (6 Dense(32)
+  layers, batch 256) in Alpa's 2D space with ``prefer_reduce_scatter`` and Alpa's
+  combined gradients (``all_reduce_threshold`` 2**60), one Adam step (lr 1e-2): the
+  column-parallel biases stored as a nested strided shard, like ``bert_rs2d``'s.
 - ``mlm2d:2x2``: Alpa's ``test_bert_mlm_2d_mesh`` model and space (tests/
   test_alpa_shard_parallel.py, ``_bert_mlm_2d_plan``), whose plan all-to-alls the head's
   transform weight on axis 1 (a resharding Alpa's space lacks on a 2D mesh), one SGD
@@ -42,10 +46,11 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from alpa_cases import BertLayers, BertMLM, mlm_loss, mse  # noqa: E402
+from alpa_cases import MLP_SPELLINGS, BertLayers, BertMLM, mlm_loss, mse  # noqa: E402
 from worker_io import mesh_shape, run_scenarios, train_beside_one_device  # noqa: E402
 
 import torchalpa  # noqa: E402
+from torchalpa.core.placement import short_form  # noqa: E402
 from torchalpa.runtime.measurement.issued import issued_collectives  # noqa: E402
 
 
@@ -127,7 +132,35 @@ def bert(shape: tuple[int, ...], alpa_2d: bool = False, reduce_scatter: bool = F
     run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=1e-2),
                                   lambda step: batch, mse, steps=1, backward_steps=())
     out = _record(pm, run, 1, _compare(pm, ref, rtol=5e-4, atol=5e-4))
-    out["placements"] = {p.name: [str(x) for x in p.placements] for p in pm.plan.parameters}
+    out["placements"] = {p.name: [short_form(x) for x in p.placements]
+                        for p in pm.plan.parameters}
+    return out
+
+
+def mlp_rs_2d(shape: tuple[int, ...]) -> dict:
+    """Alpa's 2D MLP (tests/test_alpa_shard_parallel.py, ``_mlp_2d_plan``) with
+    ``prefer_reduce_scatter``, one Adam step beside one device."""
+    batch_size, hidden = 256, 32
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(batch_size, hidden, generator=g),
+             torch.randn(batch_size, hidden, generator=g))
+    torch.manual_seed(0)
+    model = MLP_SPELLINGS["modulelist"](6, hidden, hidden, hidden)
+    ref = MLP_SPELLINGS["modulelist"](6, hidden, hidden, hidden)
+    ref.load_state_dict(model.state_dict())
+    mesh = torchalpa.LogicalMesh(shape=shape, beta=(1.0, 0.1))
+    option = torchalpa.AutoShardingOption(
+        force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False, slice_before_reduce=False,
+        allow_reduce_scatter=False, all_reduce_threshold=1 << 60, prefer_reduce_scatter=True)
+    pm = torchalpa.auto_parallel(
+        model, batch, mse, cluster=mesh,
+        method=torchalpa.ShardParallel(logical_mesh_shape=shape, auto_sharding_option=option),
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=1e-2),
+                                  lambda step: batch, mse, steps=1, backward_steps=())
+    out = _record(pm, run, 1, _compare(pm, ref, rtol=5e-4, atol=5e-4))
+    out["placements"] = {p.name: [short_form(x) for x in p.placements]
+                        for p in pm.plan.parameters}
     return out
 
 
@@ -155,7 +188,8 @@ def mlm_2d(shape: tuple[int, ...]) -> dict:
                                   lambda step: batch, mlm_loss, steps=1, backward_steps=(0,))
     out = _record(pm, run, 1, _compare(pm, ref, rtol=5e-4, atol=5e-4))
     out["grads"] = run["grads"][0]
-    out["placements"] = {p.name: [str(x) for x in p.placements] for p in pm.plan.parameters}
+    out["placements"] = {p.name: [short_form(x) for x in p.placements]
+                        for p in pm.plan.parameters}
     out["all_to_all"] = [[c.tensor, c.source, c.axis] for c in pm.plan.collectives
                          if c.kind == "all_to_all"]
     return out
@@ -164,7 +198,8 @@ def mlm_2d(shape: tuple[int, ...]) -> dict:
 SCENARIOS = {"mlm2d": mlm_2d, "accum": lambda s: accumulation(s, False),
              "accum_rs": lambda s: accumulation(s, True), "bert": bert,
              "bert_alpa2d": lambda s: bert(s, alpa_2d=True),
-             "bert_rs2d": lambda s: bert(s, alpa_2d=True, reduce_scatter=True)}
+             "bert_rs2d": lambda s: bert(s, alpa_2d=True, reduce_scatter=True),
+             "mlp_rs2d": mlp_rs_2d}
 
 
 def main():
