@@ -317,3 +317,36 @@ def test_step_call_refuses_strided_layouts_it_cannot_lay_out():
     nested = ReshardStep(kind="all_gather", axis=0, bytes=64, src=NESTED,
                          dst=(Replicate(), Shard(0)), dim=0)
     assert C.step_call(nested, (2, 2), (0, 0), ("g0", "g1"))[0] is C.all_gather
+
+
+def test_nested_strided_dtensors_redistribute(fake_world):
+    """``strided_dtensor.redistribute`` (checkpoints, ``full_value``) moves a DTensor held
+    as a nested strided shard to and from the layouts around it, also where DTensor
+    itself cannot (2.13: to a lone strided shard; 2.11: any strided shard), by the
+    runtime's own gathers (``_by_hand``, run here for every pair): every rank holds
+    DTensor's block."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from torchalpa.runtime.lowering.strided_dtensor import _by_hand, redistribute
+    full = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8) / 7
+    layouts = [NESTED, (Replicate(), Replicate()), (Replicate(), Shard(0)),
+               (strided(0, 2), Replicate()), (Shard(0), Shard(0)), (Shard(1), Shard(0))]
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", (2, 2))
+
+        def dtensor(layout):
+            return distribute_tensor(LocalTensor({r: full.clone() for r in range(4)}), mesh,
+                                     list(layout))
+
+        for src, dst in itertools.product(layouts, layouts):
+            if NESTED not in (src, dst):
+                continue
+            want = dtensor(dst).to_local()._local_tensors
+            for move in (_by_hand, redistribute):
+                got = move(dtensor(src), dst)
+                assert tuple(got.placements) == tuple(dst)
+                for r in range(4):
+                    assert torch.equal(got.to_local()._local_tensors[r], want[r]), \
+                        (move.__name__, src, dst, r)

@@ -7,7 +7,12 @@ pieces and holds this rank's block of each. PyTorch 2.13's ``redistribute`` and
 shard order and raise ``ValueError``: "... unable to be interpreted into a corresponding
 shard_order"), which broke checkpoints and gathers of such models there. ``redistribute``
 here asks DTensor first and, where it refuses, gathers the strided axes with the runtime's
-own strided all-gather, lets DTensor do the rest, and takes strided blocks locally.
+own strided all-gather, lets DTensor do the rest, and takes strided blocks locally. A
+nested strided shard (``(_StridedShard(d, k), Shard(d))``: dim ``d`` split on the later
+axes first and on this one within each piece, as Alpa's ``prefer_reduce_scatter`` stores
+a column-parallel bias on a 2D mesh) is gathered there as a plain shard of a rank's
+piece; 2.13's DTensor handles it to and from whole and plain shards, not to a lone
+strided shard, which this does.
 """
 
 from __future__ import annotations
@@ -18,7 +23,12 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from torchalpa.core.placement import is_shard, split_factor_of
-from torchalpa.runtime.execution.collectives import all_gather_strided, local_chunk
+from torchalpa.runtime.execution.collectives import (
+    all_gather,
+    all_gather_strided,
+    local_chunk,
+    local_split_factor,
+)
 
 __all__ = ["redistribute", "full_value"]
 
@@ -35,21 +45,36 @@ def redistribute(t: DTensor, placements: Sequence) -> DTensor:
         return t.redistribute(mesh, placements)
     try:
         return t.redistribute(mesh, placements)
-    except ValueError:            # PyTorch 2.11: a lone strided shard is not understood
+    except (ValueError, RuntimeError):
+        # PyTorch 2.11: a lone strided shard is not understood (ValueError); 2.13: a
+        # nested one (``(_StridedShard(d, k), Shard(d))``) to a lone one fails a check
         pass
+    return _by_hand(t, placements)
+
+
+def _by_hand(t: DTensor, placements: tuple) -> DTensor:
+    """``redistribute`` without DTensor's strided shards: the strided axes gathered by the
+    runtime's collectives (a nested strided shard, on a rank's piece, as a plain shard:
+    ``collectives.local_split_factor``), DTensor for the rest, strided blocks taken
+    locally."""
+    mesh = t.device_mesh
+    shape = tuple(mesh.shape)
     for side in (t.placements, placements):
         for axis, p in enumerate(side):
-            if is_shard(p) and split_factor_of(p) > 1 and any(
-                    other != axis and is_shard(q) and q.dim == p.dim
-                    for other, q in enumerate(side)):
+            if is_shard(p) and split_factor_of(p) > 1 and not _nested(side, axis, shape) \
+                    and any(other != axis and is_shard(q) and q.dim == p.dim
+                            for other, q in enumerate(side)):
                 raise NotImplementedError(
                     f"redistributing {tuple(t.placements)} -> {placements}: a strided shard "
-                    "sharing its dim with another mesh axis needs PyTorch >= 2.13")
+                    "sharing its dim with another mesh axis, other than nested inside the "
+                    "later axes' shards of it, needs PyTorch >= 2.13")
     local, now = t.to_local(), list(t.placements)
     for axis, p in enumerate(now):
         if is_shard(p) and split_factor_of(p) > 1:
-            local = all_gather_strided(local, p.dim, mesh.size(axis),
-                                       mesh.get_group(axis).group_name, split_factor_of(p))
+            pieces = local_split_factor(now, axis, shape)
+            group = mesh.get_group(axis).group_name
+            local = all_gather_strided(local, p.dim, mesh.size(axis), group, pieces) \
+                if pieces > 1 else all_gather(local, p.dim, mesh.size(axis), group)
             now[axis] = Replicate()
     plain = [Replicate() if split_factor_of(q) > 1 else q for q in placements]
     middle = DTensor.from_local(local, mesh, now, shape=t.shape, stride=t.stride())
@@ -58,8 +83,22 @@ def redistribute(t: DTensor, placements: Sequence) -> DTensor:
     assert coords is not None, "this rank is not in the tensor's mesh"
     for axis, q in enumerate(placements):
         if is_shard(q) and split_factor_of(q) > 1:
-            local = local_chunk(local, q.dim, mesh.size(axis), coords[axis], split_factor_of(q))
+            local = local_chunk(local, q.dim, mesh.size(axis), coords[axis],
+                                local_split_factor(placements, axis, shape))
     return DTensor.from_local(local, mesh, placements, shape=t.shape, stride=t.stride())
+
+
+def _nested(placements: Sequence, axis: int, mesh_shape: tuple) -> bool:
+    """A strided shard nested inside the later axes' plain shards of its dim."""
+    p = placements[axis]
+    later = [b for b in range(len(placements)) if b != axis and is_shard(placements[b])
+             and placements[b].dim == p.dim]
+    if any(b < axis or split_factor_of(placements[b]) > 1 for b in later):
+        return False
+    try:
+        return local_split_factor(placements, axis, mesh_shape) == 1
+    except ValueError:
+        return False
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
