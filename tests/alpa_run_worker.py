@@ -161,6 +161,11 @@ def mlp_rs_2d(shape: tuple[int, ...]) -> dict:
     out = _record(pm, run, 1, _compare(pm, ref, rtol=5e-4, atol=5e-4))
     out["placements"] = {p.name: [short_form(x) for x in p.placements]
                         for p in pm.plan.parameters}
+    # each parameter's Adam moments: their layout, and the elements this rank holds
+    out["states"] = {name: {k: [[short_form(x) for x in v.placements], v.to_local().numel()]
+                            for k, v in pm.optimizer.state[p].items()
+                            if hasattr(v, "placements")}
+                     for name, p in pm.module.named_parameters()}
     return out
 
 

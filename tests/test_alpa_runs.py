@@ -161,6 +161,10 @@ def test_mlp_2d_prefer_reduce_scatter_runs_like_one_device(runs):
     assert _counts(r)["reduce_scatter"] > 0 and _counts(r)["all_gather"] > 0, r["planned"]
     _assert_column_biases_reduce_scattered(r, ["layers.0.bias", "layers.2.bias",
                                                "layers.4.bias"])
+    # the optimizer's states follow: each rank holds its quarter of a bias's moments
+    for name in ("layers.0.bias", "layers.2.bias", "layers.4.bias"):
+        assert r["states"][name] == {k: [NESTED, 32 // 4] for k in ("exp_avg", "exp_avg_sq")}, \
+            r["states"][name]
 
 
 @pytest.mark.slow
