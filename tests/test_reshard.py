@@ -350,3 +350,25 @@ def test_nested_strided_dtensors_redistribute(fake_world):
                 for r in range(4):
                     assert torch.equal(got.to_local()._local_tensors[r], want[r]), \
                         (move.__name__, src, dst, r)
+
+
+def test_pretrained_block_of_a_nested_strided_shard(fake_world):
+    """Loading pretrained weights reads a strided shard's dim whole, other axes' blocks as
+    they are, then cuts this rank's part: for a nested strided shard the block read is
+    axis 1's piece, of which axis 0's part is a plain block (it was cut as 2 pieces of
+    the piece: a wrong block of the right shape, silently)."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from torchalpa.runtime.state.pretrained_load import _strided_part
+    full = torch.arange(8 * 8, dtype=torch.float32).reshape(8, 8)
+    rank_coords = coords_of((2, 2))
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", (2, 2))
+        dt = distribute_tensor(LocalTensor({r: full.clone() for r in range(4)}), mesh,
+                               list(NESTED))
+        read = LocalTensor({r: full[4 * c[1]:4 * c[1] + 4] for r, c in enumerate(rank_coords)})
+        got = _strided_part(dt, read)
+        for r in range(4):
+            assert torch.equal(got._local_tensors[r], dt.to_local()._local_tensors[r]), r

@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from torchalpa.core import placement as P
 from torchalpa.core.units import format_bytes
-from torchalpa.runtime.execution.collectives import local_chunk
+from torchalpa.runtime.execution.collectives import local_chunk, local_split_factor
 from torchalpa.runtime.measurement.host_memory import peak_rss_bytes, reset_peak, rss_bytes
 
 __all__ = ["load_pretrained", "snapshot_files", "check_safetensors", "LoadReport"]
@@ -176,9 +176,10 @@ def _strided_part(tensor: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     coords = tensor.device_mesh.get_coordinate()
     assert coords is not None, "this rank is not on the tensor's mesh"
     for axis, p in enumerate(tensor.placements):
-        if P.is_shard(p) and P.split_factor_of(p) > 1:
+        if P.is_shard(p) and P.split_factor_of(p) > 1:   # a nested one: a plain shard of the
             block = local_chunk(block, p.dim, tensor.device_mesh.size(axis), coords[axis],
-                                P.split_factor_of(p))
+                                local_split_factor(tensor.placements, axis,     # piece read
+                                                   tuple(tensor.device_mesh.shape)))
     return block
 
 
