@@ -45,10 +45,13 @@ def redistribute(t: DTensor, placements: Sequence) -> DTensor:
         return t.redistribute(mesh, placements)
     try:
         return t.redistribute(mesh, placements)
-    except (ValueError, RuntimeError):
-        # PyTorch 2.11: a lone strided shard is not understood (ValueError); 2.13: a
-        # nested one (``(_StridedShard(d, k), Shard(d))``) to a lone one fails a check
+    except ValueError:            # PyTorch 2.11: a lone strided shard is not understood
         pass
+    except RuntimeError:          # 2.13: a nested one to a lone one fails a check
+        shape = tuple(mesh.shape)
+        if not any(_nested(side, a, shape) for side in (tuple(t.placements), placements)
+                   for a in range(len(side))):
+            raise
     return _by_hand(t, placements)
 
 
@@ -91,6 +94,8 @@ def _by_hand(t: DTensor, placements: tuple) -> DTensor:
 def _nested(placements: Sequence, axis: int, mesh_shape: tuple) -> bool:
     """A strided shard nested inside the later axes' plain shards of its dim."""
     p = placements[axis]
+    if not is_shard(p) or split_factor_of(p) == 1:
+        return False
     later = [b for b in range(len(placements)) if b != axis and is_shard(placements[b])
              and placements[b].dim == p.dim]
     if any(b < axis or split_factor_of(placements[b]) > 1 for b in later):
