@@ -207,7 +207,8 @@ def estimate(row: PublishedRow) -> Estimate:
     # FSDP / ZeRO-3 gathers parameters again in backward: backward reads views of its own
     captured = capture(model, batch, loss_fn, rematerialize_parameters=row.zero == "fsdp")
     if row.remat != "none":
-        captured = checkpointed_capture(captured, row.remat)
+        captured = checkpointed_capture(captured, row.remat,
+                                        keep_parameter_values=row.zero in ("zero1", "zero2"))
     graph = captured.graph
     cluster = row.cluster()
     m = method(row)

@@ -135,6 +135,31 @@ def test_recompute_reads_the_weight_casts_forward_made_once_per_step():
     assert all(c.phase == "forward" for c in gathers), [c.tensor for c in gathers]
 
 
+def test_recompute_keeps_weight_casts_only_when_asked():
+    """Held casts are asked for where parameters are sharded (ZeRO-1/2); with whole
+    parameters each micro-batch in flight would hold its own copy, so the recompute casts
+    again (one cheap kernel, no gather)."""
+    from precision_worker import block_remat_zero1
+
+    import torchalpa.models as zoo
+    from torchalpa.frontends.block_remat import checkpointed_capture
+    from torchalpa.frontends.torch_export import capture
+    gpt = zoo.tiny("gpt", batch_size=16, dropout=0.0, num_layers=2)
+    with torch.device("meta"):
+        _, model = block_remat_zero1(gpt.build())
+        batch = gpt.example_inputs()
+    plain = capture(model, batch, gpt.loss_fn)
+
+    def recomputed_casts(keep: bool) -> int:
+        graph = checkpointed_capture(plain, "full", keep_parameter_values=keep).graph
+        return sum(1 for n in graph.ops() if n.phase == "backward" and
+                   n.op == "aten._to_copy.default" and
+                   all(graph.node(r.node).kind == "param" for r in n.operands))
+
+    assert recomputed_casts(False) >= 2 * 6          # two blocks' weights and biases
+    assert recomputed_casts(True) == 0
+
+
 def test_recompute_with_weight_casts_trains_like_one_device_within_bf16(four):
     r = four["bf16_remat:zero1"]
     assert r["remat"] == "full"
