@@ -149,15 +149,19 @@ def test_recompute_keeps_weight_casts_only_when_asked():
         _, model = block_remat_zero1(gpt.build())
         batch = gpt.example_inputs()
     plain = capture(model, batch, gpt.loss_fn)
+    # FSDP / ZeRO-3: backward reads the parameters through views of its own (gathered
+    # again there); forward's casts are not held for it even when asked
+    regathered = capture(model, batch, gpt.loss_fn, rematerialize_parameters=True)
 
-    def recomputed_casts(keep: bool) -> int:
-        graph = checkpointed_capture(plain, "full", keep_parameter_values=keep).graph
+    def recomputed_casts(keep: bool, captured=plain) -> int:
+        graph = checkpointed_capture(captured, "full", keep_parameter_values=keep).graph
         return sum(1 for n in graph.ops() if n.phase == "backward" and
                    n.op == "aten._to_copy.default" and
                    all(graph.node(r.node).kind == "param" for r in n.operands))
 
     assert recomputed_casts(False) >= 2 * 6          # two blocks' weights and biases
     assert recomputed_casts(True) == 0
+    assert recomputed_casts(True, regathered) >= 2 * 6
 
 
 def test_recompute_with_weight_casts_trains_like_one_device_within_bf16(four):
