@@ -33,7 +33,8 @@ def main(key: str) -> None:
     model, batch, loss_fn = P.build(row)
     captured = capture(model, batch, loss_fn, rematerialize_parameters=row.zero == "fsdp")
     if row.remat != "none":
-        captured = checkpointed_capture(captured, row.remat)
+        captured = checkpointed_capture(captured, row.remat,
+                                        keep_parameter_values=row.zero == "zero1")
     graph, method = captured.graph, P.method(row)
     plan = plan_graph(graph, method=method, meshes=candidate_meshes(row.cluster(), method),
                       blocks=graph.meta.get("repeated_blocks"))

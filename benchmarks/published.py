@@ -23,9 +23,10 @@ the published plan pinned:
   pipeline-boundary markers (embedding with the first, head and loss with the last, as
   Megatron and DeepSpeed place them), one stage each on ``dp x tp`` devices (pp outermost
   in the device order, tp innermost), the published number of micro-batches, 1F1B;
-- full activation recomputation (``frontends/block_remat.py``) where the run used it,
-  selective (the compute-heavy ops' results kept, torchtitan's op policy) where it used
-  that;
+- full activation recomputation (``frontends/block_remat.py``) where the run used it
+  (under ZeRO-1 the recompute reads the weights' casts forward made, as DeepSpeed holds
+  the bf16 weights it gathers once a step), selective (the compute-heavy ops' results
+  kept, torchtitan's op policy) where it used that;
 - ZeRO: optimizer states, gradients and parameters sharded over ``dp`` where the run
   sharded them (FSDP's reshard-after-forward where it used it; ZeRO-1's gradients
   all-reduced whole); with several micro-batches ZeRO-1/2 gather the parameters once per
@@ -207,7 +208,11 @@ def estimate(row: PublishedRow) -> Estimate:
     # FSDP / ZeRO-3 gathers parameters again in backward: backward reads views of its own
     captured = capture(model, batch, loss_fn, rematerialize_parameters=row.zero == "fsdp")
     if row.remat != "none":
-        captured = checkpointed_capture(captured, row.remat)
+        # DeepSpeed's ZeRO-1 gathers the updated bf16 weights once a step and holds them
+        # through forward and recompute: the recompute reads forward's casts; Alpa's
+        # ZeRO-2-like layout (XLA's remat) recomputes inside the layer, casts included
+        captured = checkpointed_capture(captured, row.remat,
+                                        keep_parameter_values=row.zero == "zero1")
     graph = captured.graph
     cluster = row.cluster()
     m = method(row)

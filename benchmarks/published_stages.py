@@ -5,8 +5,9 @@
 Plans the row as ``published.py`` does (its plan pinned) and prints, per stage: its
 estimate (the step of one micro-batch plus what it pays once per step), compute and
 communication, memory, and the seconds of its reshards' collectives by kind and mesh axis
-(a gradient's final reduction apart: it runs once per step), then the schedule's end per
-stage and what crosses once per step. Minutes per row on the CPU VM.
+(a gradient's final reduction apart: it runs once per step), with the step's longest
+collectives and the values they reshard (producer -> consumer), then the schedule's end
+per stage and what crosses once per step. Minutes per row on the CPU VM.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from torchalpa.frontends.block_remat import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
 
 GIB = 2 ** 30
+LARGEST = 6
+"""Collectives in the step listed per stage, the longest first, with what they reshard (a
+parameter's forward gather among them is paid once a step; the others per micro-batch)."""
 
 
 def main(key: str) -> None:
@@ -36,7 +40,8 @@ def main(key: str) -> None:
     model, batch, loss_fn = P.build(row)
     captured = capture(model, batch, loss_fn, rematerialize_parameters=row.zero == "fsdp")
     if row.remat != "none":
-        captured = checkpointed_capture(captured, row.remat)
+        captured = checkpointed_capture(captured, row.remat,
+                                        keep_parameter_values=row.zero == "zero1")
     plan = plan_pipeline(captured.graph, row.cluster(), P.method(row))
     e = plan.estimates
     print(f"{key}: step {e.step_time_s:.3f} s (published {row.published_step_s():.3f}); "
@@ -49,16 +54,22 @@ def main(key: str) -> None:
               f"(states {x.model_state_bytes_per_device / GIB:.2f})")
         mesh = submesh_cluster(row.cluster(), s.submesh).logical_mesh(tuple(s.plan.mesh_shape))
         seconds = collections.Counter()
+        largest = []        # the reshards' collectives in the step, parameters' gathers too
         for r in s.plan.reshards:
             where = "gradient, once" if r.consumer == OUTPUT and r.slot.kind == "grad" \
                 else f"send {r.slot.name}" if r.consumer == OUTPUT and r.slot.kind == "send" \
                 else "in the step"
             for st in r.steps:
                 if st.is_collective:
-                    seconds[(where, st.kind, st.axis)] += collective_cost(
-                        mesh, st.kind, st.axis, st.bytes)
+                    t = collective_cost(mesh, st.kind, st.axis, st.bytes)
+                    seconds[(where, st.kind, st.axis)] += t
+                    if where == "in the step":
+                        largest.append((t, st.kind, st.axis, r))
         for (where, kind, axis), t in sorted(seconds.items()):
             print(f"    {where:<40} {kind:<15} axis {axis}: {t:.4f} s")
+        for t, kind, axis, r in sorted(largest, key=lambda x: -x[0])[:LARGEST]:
+            print(f"      {kind} axis {axis} {t:.4f} s: {r.producer} -> {r.consumer} "
+                  f"(operand {r.slot})")
     print("schedule ends per stage:",
           ", ".join(f"{max(x for *_, x in st):.3f}" for st in e.timeline), "s")
     print("once per step between stages:", [(t.producer, t.src_stage, t.dst_stage, t.bytes)

@@ -18,7 +18,14 @@ memory model's liveness sees the activations die early. No runtime code is invol
 What a block keeps from forward (never recomputed):
 - what comes from outside it (its input, parameters, values of other blocks);
 - its outputs (values later forward ops outside the block read: the next layer's input);
-- random ops' results (a dropout mask drawn again would differ) and their parts.
+- random ops' results (a dropout mask drawn again would differ) and their parts;
+- with ``keep_parameter_values`` (parameters sharded between steps, ZeRO-1/2), what is
+  computed from parameters alone (``parameter_values``: a weight's cast to the compute
+  dtype, its transpose): the parameters do not change within a step, so the recompute
+  would make the same tensor again -- and, from a sharded parameter, gather it again
+  with every micro-batch (Megatron-DeepSpeed's ZeRO-1 gathers the bf16 weights once a
+  step and holds them). Off otherwise: each micro-batch in flight would then hold its
+  own copy, where recomputing a cast from a whole parameter costs one cheap kernel.
 
 Selective checkpointing (``policy="selective"``, torchtitan's op-level policy) keeps the
 results of the compute-heavy ops too -- matrix products, convolutions and attention
@@ -43,14 +50,14 @@ import torch.fx as fx
 from torchalpa.core.opgraph import block_of
 from torchalpa.frontends.joint_graph import ancestor_names
 from torchalpa.frontends.opset import RANDOM_OPS, SDPA_OP
-from torchalpa.frontends.param_remat import rematerialize_graph_views
+from torchalpa.frontends.param_remat import PARAMETER_VIEWS, rematerialize_graph_views
 from torchalpa.frontends.provenance import module_of
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.torch_export import Capture, to_opgraph
 from torchalpa.ops.batched_matmul import BATCHED_MATMUL_OP
 
 __all__ = ["checkpoint_blocks", "checkpoint_graph", "checkpointed_capture", "Recomputed", "POLICIES",
-           "SELECTIVE_KEPT", "copied_codegen"]
+           "SELECTIVE_KEPT", "copied_codegen", "parameter_values"]
 
 POLICIES = ("full", "selective")
 """How much of a block's forward backward recomputes: all of it, or all but the results of
@@ -108,20 +115,48 @@ def _blocks(graph: fx.Graph, forward: set[str]) -> dict[tuple[str, int], list[fx
     return blocks
 
 
+def parameter_values(graph: fx.Graph, num_params: int,
+                     forward: set[str] | None = None) -> set[fx.Node]:
+    """The nodes computed from the first ``num_params`` placeholders (the parameters)
+    alone, no random op among them: casts and views of the weights. Empty where backward
+    reads a parameter through views of its own (``param_remat``, ZeRO-3 and FSDP gather
+    it again in backward: forward's copy must not be held for backward); ``forward``:
+    the names of the forward ops (default: the ancestors of the loss)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    params = set(placeholders[:num_params])
+    if forward is None:
+        output = next(n for n in graph.nodes if n.op == "output")
+        forward = ancestor_names([output.args[0][0]])
+    if any(n.op == "call_function" and n.target in PARAMETER_VIEWS and n.name not in forward
+           and n.args and n.args[0] in params for n in graph.nodes):
+        return set()
+    out: set[fx.Node] = set(params)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.all_input_nodes and not _is_random(n) \
+                and all(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out - set(placeholders)
+
+
 def checkpoint_blocks(gm: fx.GraphModule, num_params: int, *,
-                      policy: str = "full", blocks: int | None = None) -> Recomputed:
+                      policy: str = "full", blocks: int | None = None,
+                      keep_parameter_values: bool = False) -> Recomputed:
     """Rewrite ``gm`` (the joint step returning ``(loss, *grads of its first num_params
     placeholders, *buffer updates)``) in place so each block's forward is recomputed in
     its backward: all of it (``policy="full"``) or all but the results of
     ``SELECTIVE_KEPT`` ops (``"selective"``). ``blocks``: only the first that many blocks
-    (in forward's order) are checkpointed, the others keep their activations."""
-    done = checkpoint_graph(gm.graph, num_params, policy=policy, blocks=blocks)
+    (in forward's order) are checkpointed, the others keep their activations.
+    ``keep_parameter_values``: what forward computed from the parameters alone is kept,
+    not recomputed (module doc)."""
+    done = checkpoint_graph(gm.graph, num_params, policy=policy, blocks=blocks,
+                            keep_parameter_values=keep_parameter_values)
     gm.recompile()
     return done
 
 
 def checkpoint_graph(graph: fx.Graph, num_params: int, *, policy: str = "full",
-                     blocks: int | None = None) -> Recomputed:
+                     blocks: int | None = None, keep_parameter_values: bool = False
+                     ) -> Recomputed:
     """``checkpoint_blocks`` on the graph alone (its module's code is left to the caller,
     who may edit more before making it)."""
     if policy not in POLICIES:
@@ -132,6 +167,8 @@ def checkpoint_graph(graph: fx.Graph, num_params: int, *, policy: str = "full",
     forward = ancestor_names([outs[0], *[o for o in outs[1 + num_params:] if o is not None]])
     num_blocks = num_ops = 0
     found = list(_blocks(graph, forward).values())
+    of_parameters = parameter_values(graph, num_params, forward) \
+        if keep_parameter_values else set()
     if blocks is not None and blocks > len(found):
         raise ValueError(f"remat '{policy}:{blocks}' checkpoints {blocks} blocks, but the step "
                          f"has {len(found)}; use at most '{policy}:{len(found)}'")
@@ -140,8 +177,9 @@ def checkpoint_graph(graph: fx.Graph, num_params: int, *, policy: str = "full",
 
         def kept(n: fx.Node) -> bool:
             """Saved from forward: made outside, read by forward outside, random, or (by
-            the selective policy) the result of a compute-heavy op."""
-            return (n not in inside or _is_random(n)
+            the selective policy) the result of a compute-heavy op, or computed from the
+            parameters alone (a weight's cast)."""
+            return (n not in inside or _is_random(n) or n in of_parameters
                     or (policy == "selective" and _made_by(n, SELECTIVE_KEPT))
                     or any(u.name in forward and u not in inside for u in n.users))
 
@@ -191,14 +229,17 @@ def copied_codegen(codegen):
 
 
 def checkpointed_capture(captured: Capture, policy: str = "full", *,
-                         rematerialize_parameters: bool = False) -> Capture:
+                         rematerialize_parameters: bool = False,
+                         keep_parameter_values: bool = False) -> Capture:
     """The same captured step with every block checkpointed (``checkpoint_blocks`` with
     ``policy``; "none" checkpoints nothing) and, with ``rematerialize_parameters``,
     backward reading parameters through views of its own (``param_remat``: gathered again
     in backward, ZeRO-3), on a copy of its fx graph, and the OpGraph made again from it;
     ``captured`` is left untouched. Cheaper than tracing the model again, which is what
     lets the planner weigh the variants. ``policy`` may name a block count ("full:5": the
-    first 5 blocks checkpointed, ``torchalpa.core.options.parse_remat``)."""
+    first 5 blocks checkpointed, ``torchalpa.core.options.parse_remat``);
+    ``keep_parameter_values``: as ``checkpoint_blocks`` (for parameters sharded between
+    steps and not gathered again in backward: ZeRO-1/2)."""
     from torchalpa.core.options import parse_remat
     policy, first = parse_remat(policy)
     graph = fx.Graph()
@@ -207,7 +248,8 @@ def checkpointed_capture(captured: Capture, policy: str = "full", *,
     # the rewrites edit the graph; the module and its code are made once, after the last
     if rematerialize_parameters:
         rematerialize_graph_views(graph, len(captured.param_names))
-    done = checkpoint_graph(graph, len(captured.param_names), policy=policy, blocks=first) \
+    done = checkpoint_graph(graph, len(captured.param_names), policy=policy, blocks=first,
+                            keep_parameter_values=keep_parameter_values) \
         if policy != "none" else Recomputed(blocks=0, ops=0)
     graph.eliminate_dead_code()
     gm = fx.GraphModule(captured.gm, graph)

@@ -16,13 +16,16 @@ import torch.fx as fx
 
 from torchalpa.frontends.joint_graph import ancestor_names
 
-__all__ = ["rematerialize_parameter_views"]
+__all__ = ["rematerialize_parameter_views", "PARAMETER_VIEWS"]
 
 aten = torch.ops.aten
 _VIEWS = {aten.permute.default, aten.t.default, aten.transpose.int, aten.view.default,
           aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
           aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten._to_copy.default,
           aten.clone.default}
+PARAMETER_VIEWS = frozenset(_VIEWS)
+"""The ops through which forward reads a parameter (views, casts, copies): the chains
+this pass gives backward copies of."""
 
 
 def rematerialize_parameter_views(gm: fx.GraphModule, num_params: int) -> int:

@@ -7,7 +7,11 @@ trained beside one device. Scenarios (argv[2], ``name:method``, comma separated)
   bf16 compute, gradients summed in bf16; against the same policy's eager step on one
   device (3 SGD steps); also the bytes of every gradient reduction the plan lists;
 - ``bf16_params:zero1``: the model itself in bf16 (parameters, gradients, SGD), against
-  the bf16 model on one device.
+  the bf16 model on one device;
+- ``bf16_remat:zero1``: a tiny GPT whose every block casts its float32 weights to bf16
+  (``CastForward`` per block, as Megatron's and DeepSpeed's per-module mixed precision),
+  full activation checkpointing, 4 micro-batches (``block_remat_zero1``), against the
+  same model on one device; also the bytes every step's all-gathers moved.
 
 Rank 0 writes JSON to argv[1].
 """
@@ -71,6 +75,47 @@ def _train(method, *, dtype=torch.float32, policy=None, steps=3, optimizer=torch
             "param_dtypes": sorted({str(p.dtype) for p in pm.parameters()})}
 
 
+def block_remat_zero1(model) -> tuple:
+    """(method, the model with each block and top-level module computing in bf16): ZeRO-1
+    with 4 micro-batches and full activation checkpointing."""
+    from dataclasses import replace
+    inner = MixedPrecision(param_dtype=torch.bfloat16, output_dtype=None)
+    head = MixedPrecision(param_dtype=torch.bfloat16, output_dtype=torch.float32)
+    for i, block in enumerate(model.h):
+        model.h[i] = CastForward(block, inner)
+    children = [name for name, m in model.named_children()
+                if m is not model.h and any(True for _ in m.parameters())]
+    for name in children:       # the last (the tied head) casts its logits back up
+        setattr(model, name, CastForward(getattr(model, name),
+                                         head if name == children[-1] else inner))
+    option = replace(torchalpa.Zero1Parallel().auto_sharding_option, remat="full")
+    return torchalpa.Zero1Parallel(num_micro_batches=4, auto_sharding_option=option), model
+
+
+def _bf16_remat() -> dict:
+    import torchalpa.models as zoo
+    gpt = zoo.tiny("gpt", batch_size=16, dropout=0.0, num_layers=2)
+    torch.manual_seed(1234)
+    batch = gpt.example_inputs()
+    torch.manual_seed(0)
+    method, model = block_remat_zero1(gpt.build())
+    torch.manual_seed(0)
+    _, ref = block_remat_zero1(gpt.build())
+    pm = torchalpa.auto_parallel(model, batch, gpt.loss_fn, method=method,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    run = train_beside_one_device(pm, ref, torch.optim.SGD(ref.parameters(), lr=0.1),
+                                  lambda step: batch, gpt.loss_fn, steps=3,
+                                  backward_steps=())
+    return {"losses": run["losses"], "ref_losses": run["ref_losses"],
+            "executed": run["executed"], "planned": run["planned"],
+            "max_param_diff": max(d for d, _ in run["params"]),
+            "max_param": max(s for _, s in run["params"]),
+            "gathered_bytes": [sum(b for k, _, b in step if k == "all_gather")
+                               for step in run["executed"]],
+            "param_numel": sum(p.numel() for p in ref.parameters()),
+            "remat": pm.plan.method.get("remat")}
+
+
 def run(name: str, method: str) -> dict:
     make = METHODS.get(method, torchalpa.Zero1Parallel)
     if name == "zero1":
@@ -80,6 +125,8 @@ def run(name: str, method: str) -> dict:
                                                     reduce_dtype=torch.bfloat16), **BF16_SGD)
     if name == "bf16_params":
         return _train(make(), dtype=torch.bfloat16, **BF16_SGD)
+    if name == "bf16_remat":
+        return _bf16_remat()
     raise ValueError(f"unknown scenario {name!r}")
 
 

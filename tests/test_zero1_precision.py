@@ -72,7 +72,8 @@ def test_reduce_dtype_must_be_float32_or_the_compute_dtype():
 def four(tmp_path_factory):
     return worker_io.launch_checked(
         "precision_worker.py", tmp_path_factory.mktemp("prec") / "r.json",
-        "zero1:fp32,bf16_reduce:dp,bf16_reduce:zero1,bf16_params:zero1", nproc=4)
+        "zero1:fp32,bf16_reduce:dp,bf16_reduce:zero1,bf16_params:zero1,bf16_remat:zero1",
+        nproc=4)
 
 
 def test_zero1_trains_like_one_device(four):
@@ -111,3 +112,65 @@ def test_bf16_parameters_train_like_one_device_within_bf16(four):
     assert r["max_param_diff"] < 1e-2 * r["max_param"]
     assert r["param_dtypes"] == ["torch.bfloat16"]
     assert r["executed"] == r["planned"]
+
+
+def test_recompute_reads_the_weight_casts_forward_made_once_per_step():
+    """ZeRO-1, bf16 casts per block, full recomputation, 4 micro-batches: the recomputed
+    forward reads the casts forward made (the parameters do not change within a step), so
+    a step gathers each float32 parameter once and nothing in backward; recomputing the
+    casts gathered their bf16 copies again with every micro-batch."""
+    from precision_worker import block_remat_zero1
+
+    import torchalpa.models as zoo
+    from torchalpa.runtime.measurement.issued import issued_collectives
+    gpt = zoo.tiny("gpt", batch_size=16, dropout=0.0, num_layers=2)
+    with torch.device("meta"):
+        method, model = block_remat_zero1(gpt.build())
+        batch = gpt.example_inputs()
+    plan = torchalpa.plan(model, batch, gpt.loss_fn, method=method, cluster=CLUSTER)
+    assert plan.method["remat"] == "full"
+    numel = sum(p.numel() for p in model.parameters())
+    gathers = [c for c in issued_collectives(plan, 4) if c.kind == "all_gather"]
+    assert sum(c.bytes for c in gathers) == numel * 4 // 4     # float32, a quarter each
+    assert all(c.phase == "forward" for c in gathers), [c.tensor for c in gathers]
+
+
+def test_recompute_keeps_weight_casts_only_when_asked():
+    """Held casts are asked for where parameters are sharded (ZeRO-1/2); with whole
+    parameters each micro-batch in flight would hold its own copy, so the recompute casts
+    again (one cheap kernel, no gather)."""
+    from precision_worker import block_remat_zero1
+
+    import torchalpa.models as zoo
+    from torchalpa.frontends.block_remat import checkpointed_capture
+    from torchalpa.frontends.torch_export import capture
+    gpt = zoo.tiny("gpt", batch_size=16, dropout=0.0, num_layers=2)
+    with torch.device("meta"):
+        _, model = block_remat_zero1(gpt.build())
+        batch = gpt.example_inputs()
+    plain = capture(model, batch, gpt.loss_fn)
+    # FSDP / ZeRO-3: backward reads the parameters through views of its own (gathered
+    # again there); forward's casts are not held for it even when asked
+    regathered = capture(model, batch, gpt.loss_fn, rematerialize_parameters=True)
+
+    def recomputed_casts(keep: bool, captured=plain) -> int:
+        graph = checkpointed_capture(captured, "full", keep_parameter_values=keep).graph
+        return sum(1 for n in graph.ops() if n.phase == "backward" and
+                   n.op == "aten._to_copy.default" and
+                   all(graph.node(r.node).kind == "param" for r in n.operands))
+
+    assert recomputed_casts(False) >= 2 * 6          # two blocks' weights and biases
+    assert recomputed_casts(True) == 0
+    assert recomputed_casts(True, regathered) >= 2 * 6
+
+
+def test_recompute_with_weight_casts_trains_like_one_device_within_bf16(four):
+    r = four["bf16_remat:zero1"]
+    assert r["remat"] == "full"
+    for got, want in zip(r["losses"], r["ref_losses"]):
+        assert got == pytest.approx(want, rel=2e-2)
+    assert r["max_param_diff"] < 2e-3 * r["max_param"]   # float32 masters
+    assert r["executed"] == r["planned"]
+    # each float32 parameter gathered once a step (this rank's quarter of it), not its
+    # bf16 cast again in every micro-batch's recompute
+    assert r["gathered_bytes"] == [r["param_numel"]] * 3

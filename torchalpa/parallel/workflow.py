@@ -114,7 +114,10 @@ def capture_variants(model, example_inputs, loss_fn, option, **options) -> dict:
     modes = capture_modes(option.remat)
     plain = capture_step(model, example_inputs, loss_fn, **options,
                          rematerialize_parameters=option.rematerialize_parameters)
-    return {m: plain if m == "none" else checkpointed_capture(plain, m) for m in modes}
+    # ZeRO-1/2: the recompute reads the weights' casts forward made (gathered once a step)
+    hold = option.parameters == "sharded" and not option.rematerialize_parameters
+    return {m: plain if m == "none" else
+            checkpointed_capture(plain, m, keep_parameter_values=hold) for m in modes}
 
 
 def micro_batch_examples(example_inputs: Sequence[torch.Tensor], num_micro_batches: int

@@ -1,0 +1,71 @@
+"""Where a one-stage published row's estimated compute goes, op by op, and its collectives.
+
+    cd benchmarks && python compute_by_op.py megatron20-a100-8b
+
+Plans the row as ``published.py`` does (its plan pinned; rows with ``pp == 1``) and prints
+the estimate, then the compute the estimate sums (``op_compute_seconds`` of each op under
+its chosen strategy, times the micro-batches) by op and phase, and the plan's collectives
+by kind, phase and mesh axis (count, MiB). Minutes per row on the CPU VM.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+
+import published as P
+from published_rows import ROWS
+
+import torchalpa.passes.sharding.sharding_plan as sharding_plan
+from torchalpa.frontends.block_remat import checkpointed_capture
+from torchalpa.frontends.torch_export import capture
+
+
+def main(key: str) -> None:
+    from torchalpa.parallel.shard import candidate_meshes, plan_graph
+    known = {r.key: r for r in ROWS if r.pp == 1}
+    if key not in known:
+        sys.exit(f"unknown one-stage row {key!r}; they are: {', '.join(sorted(known))}")
+    row = known[key]
+    priced: dict[str, tuple[str, str, float]] = {}
+    price = sharding_plan.op_compute_seconds
+
+    def recorded(graph, mesh, node, strategy):    # the last plan's price of each op
+        seconds = price(graph, mesh, node, strategy)
+        priced[node.name] = (node.op, node.phase, seconds)
+        return seconds
+
+    sharding_plan.op_compute_seconds = recorded
+    model, batch, loss_fn = P.build(row)
+    captured = capture(model, batch, loss_fn, rematerialize_parameters=row.zero == "fsdp")
+    if row.remat != "none":
+        captured = checkpointed_capture(captured, row.remat,
+                                        keep_parameter_values=row.zero == "zero1")
+    graph, method = captured.graph, P.method(row)
+    plan = plan_graph(graph, method=method, meshes=candidate_meshes(row.cluster(), method),
+                      blocks=graph.meta.get("repeated_blocks"))
+    e = plan.estimates
+    print(f"{key}: step {e.step_time_s:.3f} s (published {row.published_step_s():.3f}); "
+          f"compute {e.compute_s:.3f} comm {e.communication_s:.3f} hidden "
+          f"{e.hidden_communication_s:.3f}; once per step {e.once_per_step_s:.3f}")
+    k = row.global_batch // (row.micro_batch * row.dp)
+    seconds, count = collections.Counter(), collections.Counter()
+    for op, phase, t in priced.values():
+        seconds[(op, phase)] += k * t
+        count[(op, phase)] += 1
+    print(f"ops' compute, summed: {sum(seconds.values()):.3f} s")
+    for (op, phase), t in seconds.most_common(30):
+        print(f"    {op:<45} {phase:<9} {count[op, phase]:>5} x {t * 1e3:9.2f} ms")
+    calls, size = collections.Counter(), collections.Counter()
+    for c in plan.collectives:
+        calls[(c.kind, c.phase, c.axis)] += 1
+        size[(c.kind, c.phase, c.axis)] += c.bytes
+    for kind, phase, axis in sorted(calls):
+        print(f"    {kind:<15} {phase:<9} axis {axis}: {calls[kind, phase, axis]:>5} x, "
+              f"{size[kind, phase, axis] / 2 ** 20:10.1f} MiB")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit(__doc__.splitlines()[2].strip())
+    main(sys.argv[1])
