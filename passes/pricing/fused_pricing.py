@@ -26,7 +26,11 @@ by such an op and read only by fusible ops is never held: its readers read the v
 is computed from (its sources), held instead until its last reader, where they are no
 larger than it. The cross-entropy of a bf16 head under ``torch.compile`` keeps the bf16
 logits for backward and one logit-sized gradient, not the float32 copy, log-softmax and
-one-hot gradient that eager PyTorch allocates.
+one-hot gradient that eager PyTorch allocates. This is ``torch.compile`` of a module
+trained by autograd (one joint graph, as the published runs compiled theirs); the runtime's
+``compile=True`` compiles its forward and backward programs apart, and a forward value its
+backward program reads stays held as lowered (for the loss, the float32 log-softmax where
+this counts the bf16 logits): not modeled, so such a plan's estimate is lower by that.
 """
 
 from __future__ import annotations
