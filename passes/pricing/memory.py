@@ -93,13 +93,10 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
     parameter's gradient is an entry of its own, named by the parameter (the gradient
     has its layout), from the op that makes it to the end of the step, where the
     optimizer reads it; without it gradients are model state (``state_copies``).
-    ``fused`` (default: whether ``graph`` is priced ``elementwise="fused"``): the step
-    runs compiled, and a result the compiler's kernels never hold (``fused_pricing.
-    recomputed``: the float32 copy of a bf16 head's logits, its log-softmax, the loss's
-    one-hot gradient) allocates nothing; the values it is computed from stay alive
-    until its last reader instead."""
-    if fused is None:
-        fused = graph.meta.get("elementwise") == "fused"
+    ``fused`` (default: ``graph`` priced ``elementwise="fused"``): a value compiled kernels
+    never hold (``fused_pricing.recomputed``) allocates nothing; what it is made from lives
+    to its last reader instead."""
+    fused = graph.meta.get("elementwise") == "fused" if fused is None else fused
     recompute = recomputed(graph) if fused else {}
     order = {n.name: i for i, n in enumerate(graph)}
     last_use: dict[tuple[str, int], int] = {}
