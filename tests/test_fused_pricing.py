@@ -85,7 +85,7 @@ class Bf16Head(torch.nn.Module):
         return self.head(x.to(torch.bfloat16)).float()
 
 
-def _peak(graph, fused: bool) -> float:
+def _peak(graph, fused: bool | None) -> float:
     from torchalpa.passes.pricing.memory import liveness
     live = liveness(graph, fused=fused)
     sizes = [sum(o.nbytes for i, o in enumerate(graph.node(v).outputs) if k in (None, i))
