@@ -72,3 +72,49 @@ def test_the_planner_prices_the_fused_step_cheaper():
         return torchalpa.plan(RMSNormMLP(), batch, F.mse_loss, cluster=mesh, method=method)
     eager, fused = plan("eager"), plan("fused")
     assert fused.estimates.compute_s < eager.estimates.compute_s
+
+
+class Bf16Head(torch.nn.Module):
+    """A bf16 head whose logits the loss reads in float32 (a GPT's head under autocast)."""
+
+    def __init__(self, vocab: int = 4096):
+        super().__init__()
+        self.head = torch.nn.Linear(64, vocab, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return self.head(x.to(torch.bfloat16)).float()
+
+
+def _peak(graph, fused: bool | None) -> float:
+    from torchalpa.passes.pricing.memory import liveness
+    live = liveness(graph, fused=fused)
+    sizes = [sum(o.nbytes for i, o in enumerate(graph.node(v).outputs) if k in (None, i))
+             for v, k in live.entries()]
+    return float(live.total(sizes).max())
+
+
+def test_a_compiled_cross_entropy_holds_the_bf16_logits_not_three_float32_copies():
+    # eager PyTorch holds the float32 copy's log-softmax into backward, then the one-hot
+    # gradient and its scaled copy beside it: three float32 logit tensors at once.
+    # Compiled, the cast, log-softmax, one-hot and softmax backward fuse into the loss's
+    # kernels: the bf16 logits are kept for backward and one bf16 gradient is made.
+    torch.manual_seed(0)
+    rows, vocab = 256, 4096
+    graph = capture_step(Bf16Head(vocab), (torch.randn(rows, 64),
+                                           torch.randint(0, vocab, (rows,))),
+                         F.cross_entropy).graph
+    from torchalpa.passes.pricing.fused_pricing import recomputed
+    fp32_logits = rows * vocab * 4
+    eager, fused = _peak(graph, False), _peak(graph, True)
+    assert eager >= 3 * fp32_logits
+    assert fused <= fp32_logits + 0.1 * fp32_logits        # bf16 logits + bf16 gradient
+    never_held = {graph.node(name).op for name in recomputed(priced_as(graph, "fused"))}
+    assert {"aten._to_copy.default", "aten._log_softmax.default", "aten.scatter.value",
+            "aten._log_softmax_backward_data.default"} <= never_held
+    assert recomputed(priced_as(graph, "eager")) != {} and recomputed(graph) != {}
+    # the liveness of a graph priced fused is the compiled one by default
+    assert _peak(priced_as(graph, "fused"), None) == fused
+    # the casts to bf16 that the matmuls read (the input, the logits' gradient) are held
+    to_bf16 = [n.name for n in graph if n.op == "aten._to_copy.default"
+               and str(n.output.dtype).endswith("bfloat16") and n.output.numel > 1]
+    assert len(to_bf16) == 2 and not set(to_bf16) & set(recomputed(graph))

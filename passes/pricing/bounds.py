@@ -164,7 +164,7 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
         raise ValueError(f"batch must be >= 1, got {batch}")
     mesh = hardware if isinstance(hardware, LogicalMesh) else \
         hardware.logical_mesh((hardware.num_devices,))
-    live = liveness(graph)
+    live = liveness(graph, fused=not eager)
     sizes = np.array([sum(o.nbytes for i, o in enumerate(graph.node(v).outputs)
                           if k in (None, i)) for v, k in live.entries()], dtype=float)
     timeline = live.total(sizes) if len(sizes) else np.zeros(1)
@@ -172,7 +172,7 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
     state = sum(n.output.nbytes * state_copies(graph, n.name, optimizer_states) for n in leaves)
     grads = state - sum(n.output.nbytes * state_copies(graph, n.name, optimizer_states, True)
                         for n in leaves)
-    late = liveness(graph, grads_from_backward=True)        # the gradients' intervals
+    late = liveness(graph, grads_from_backward=True, fused=not eager)   # the gradients
     by_param = {n.name: n.output.nbytes for n in graph if n.kind == "param"}
     gradients = late.total([by_param[name] if k is None and name in by_param else 0.0
                             for name, k in late.entries()])

@@ -16,6 +16,21 @@ and so are the softmax / log-softmax / layer-norm kernels and their backwards, w
 compiler lowers to reductions fused with their neighbours. Flops, shapes and everything a
 sharding rule reads stay as they are. A StableHLO program is priced as XLA fuses it
 already and is returned unchanged.
+
+What a compiled step holds (``recomputed``, read by ``passes/pricing/memory.py``): Inductor
+lowers softmax and log-softmax (and their backwards) to row reductions and a pointwise
+epilogue, ``gather`` to an indexed load, and a ``scatter`` into a fill (nll-loss's
+backward: zeros with the target column set) to a pointwise select; its partitioner saves
+for backward what is cheapest to keep and recomputes fused chains from it. So a value made
+by such an op and read only by fusible ops is never held: its readers read the values it
+is computed from (its sources), held instead until its last reader, where they are no
+larger than it. The cross-entropy of a bf16 head under ``torch.compile`` keeps the bf16
+logits for backward and one logit-sized gradient, not the float32 copy, log-softmax and
+one-hot gradient that eager PyTorch allocates. This is ``torch.compile`` of a module
+trained by autograd (one joint graph, as the published runs compiled theirs); the runtime's
+``compile=True`` compiles its forward and backward programs apart, and a forward value its
+backward program reads stays held as lowered (for the loss, the float32 log-softmax where
+this counts the bf16 logits): not modeled, so such a plan's estimate is lower by that.
 """
 
 from __future__ import annotations
@@ -25,9 +40,9 @@ from functools import lru_cache
 import torch
 
 from torchalpa.core.fusion import FUSIBLE, REDUCTIONS, fuse_elementwise_bytes
-from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.opgraph import OpGraph, ValueRef
 
-__all__ = ["priced_as", "ELEMENTWISE_MODES", "is_elementwise", "is_reduction"]
+__all__ = ["priced_as", "ELEMENTWISE_MODES", "is_elementwise", "is_reduction", "recomputed"]
 
 ELEMENTWISE_MODES = ("eager", "fused")
 # fills: the compiler writes them inside the kernel that reads them
@@ -39,6 +54,13 @@ _NORMALIZATIONS = frozenset({
     "aten._log_softmax.default", "aten._log_softmax_backward_data.default",
     "aten.native_layer_norm.default", "aten.native_layer_norm_backward.default",
     "aten.native_group_norm.default", "aten.native_group_norm_backward.default"})
+
+# row reductions with a pointwise epilogue: their result fuses into elementwise readers
+_SOFTMAXES = frozenset({
+    "aten._softmax.default", "aten._softmax_backward_data.default",
+    "aten._log_softmax.default", "aten._log_softmax_backward_data.default"})
+_INDEXED = frozenset({"aten.gather.default"})          # an indexed load in the kernel
+_SCATTERS = frozenset({"aten.scatter.value", "aten.scatter.src"})
 
 
 def _tags(op: str) -> tuple:
@@ -73,3 +95,63 @@ def priced_as(graph: OpGraph, elementwise: str) -> OpGraph:
         return graph
     nodes = fuse_elementwise_bytes(list(graph), graph.outputs, is_elementwise, is_reduction)
     return OpGraph(nodes, graph.outputs, meta=dict(graph.meta, elementwise=elementwise))
+
+
+def _kernel_nodes(graph: OpGraph):
+    """(by name, final readers of a node through views, the value a view starts from)."""
+    by_name = {n.name: n for n in graph}
+    readers: dict[str, list[str]] = {}
+    for n in graph:
+        for ref in n.operands:
+            readers.setdefault(ref.node, []).append(n.name)
+    results = {ref.node for ref in graph.outputs.refs()}
+
+    def final_readers(name: str) -> list[str | None]:
+        """Non-view ops reading ``name`` through views; None for a result of the step."""
+        found: list[str | None] = [None] if name in results else []
+        for r in readers.get(name, []):
+            found += final_readers(r) if by_name[r].aliases else [r]
+        return found
+
+    def root(ref: ValueRef) -> ValueRef:
+        while by_name[ref.node].aliases and by_name[ref.node].operands:
+            ref = by_name[ref.node].operands[0]
+        return ref
+    return by_name, final_readers, root
+
+
+def recomputed(graph: OpGraph) -> dict[str, tuple[ValueRef, ...]]:
+    """Ops whose results a compiled step never holds (module doc) -> the values they are
+    computed from (roots of views, through other such ops; parameters and buffers, held
+    anyway, left out). Empty for a StableHLO program (priced as XLA runs it)."""
+    if graph.meta.get("frontend") == "stablehlo":
+        return {}
+    by_name, final_readers, root = _kernel_nodes(graph)
+
+    def is_fill(name: str) -> bool:
+        return by_name[name].op in _FILLS
+
+    def pointwise(n) -> bool:
+        return is_elementwise(n.op) or n.op in _SOFTMAXES or n.op in _INDEXED or (
+            n.op in _SCATTERS and bool(n.operands) and is_fill(root(n.operands[0]).node))
+
+    def fuses(name: str | None) -> bool:
+        return name is not None and (pointwise(by_name[name]) or is_reduction(by_name[name].op))
+
+    out: dict[str, tuple[ValueRef, ...]] = {}
+    for n in graph:
+        if n.kind != "op" or n.aliases or not pointwise(n):
+            continue
+        reads = final_readers(n.name)
+        if not reads or not all(fuses(r) for r in reads):
+            continue
+        sources: dict[ValueRef, None] = {}
+        for ref in () if is_fill(n.name) else n.operands:      # a fill reads a shape
+            base = root(ref)
+            for src in out.get(base.node, (base,)):
+                if by_name[src.node].kind in ("op", "input"):
+                    sources[src] = None
+        held = sum(by_name[s.node].outputs[s.index].nbytes for s in sources)
+        if held <= sum(o.nbytes for o in n.outputs):
+            out[n.name] = tuple(sources)
+    return out

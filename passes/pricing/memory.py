@@ -26,6 +26,7 @@ import numpy as np
 from torchalpa.core.opgraph import OpGraph, ValueRef
 from torchalpa.core.placement import Placements, Replicate, is_shard
 from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_spec
+from torchalpa.passes.pricing.fused_pricing import recomputed
 from torchalpa.passes.sharding.reshard import local_bytes
 
 __all__ = ["Liveness", "KeptCopy", "KeptTerm", "liveness", "model_state_bytes", "activation_peak_bytes",
@@ -68,7 +69,8 @@ class Liveness:
 
 
 def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
-             state_at_start: bool = False, grads_from_backward: bool = False) -> Liveness:
+             state_at_start: bool = False, grads_from_backward: bool = False,
+             fused: bool | None = None) -> Liveness:
     """When each value is allocated and freed, in the step's order.
 
     Each result of an op is freed after its own last reader, as the runtime's programs
@@ -90,7 +92,12 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
     start of the step. ``grads_from_backward`` (a step of one micro-batch): each
     parameter's gradient is an entry of its own, named by the parameter (the gradient
     has its layout), from the op that makes it to the end of the step, where the
-    optimizer reads it; without it gradients are model state (``state_copies``)."""
+    optimizer reads it; without it gradients are model state (``state_copies``).
+    ``fused`` (default: ``graph`` priced ``elementwise="fused"``): a value compiled kernels
+    never hold (``fused_pricing.recomputed``) allocates nothing; what it is made from lives
+    to its last reader instead."""
+    fused = graph.meta.get("elementwise") == "fused" if fused is None else fused
+    recompute = recomputed(graph) if fused else {}
     order = {n.name: i for i, n in enumerate(graph)}
     last_use: dict[tuple[str, int], int] = {}
 
@@ -111,10 +118,15 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
         seen = [last_use.get((view, k), order[view])
                 for k in range(len(graph.node(view).outputs))]
         use(root.node, root.index, max(seen))
+    for name, sources in recompute.items():  # its readers read what it is made from
+        last = max(last_use.get((name, k), order[name])
+                   for k in range(len(graph.node(name).outputs)))
+        for src in sources:
+            use(src.node, src.index, last)
     grads = {(ref.node, ref.index) for _, ref in graph.outputs.grads}
     names, results, start, end = [], [], [], []
     for n in graph:
-        if n.kind not in ("op", "input") or n.name in storage:
+        if n.kind not in ("op", "input") or n.name in storage or n.name in recompute:
             continue
         first = 0 if state_at_start and _views_state(graph, n.name) else order[n.name]
         ends = [last_use.get((n.name, k), order[n.name]) for k in range(len(n.outputs))]
