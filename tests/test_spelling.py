@@ -312,11 +312,6 @@ STRIDED_2D = ("a (3, H)-major fused weight splits by heads only as a strided sha
               "the runtime lays out no nested strided shard), so its rows cannot be split "
               "over both axes as the separate weights are (measured: 2,914 against 2,402 for separate "
               "q, k, v on 2x2, all three spellings)")
-INDEX = ("y.view(B, S, 3, H)[:, :, i] traces as select on the pieces dim and, in backward, as "
-         "where(index == i, grad, 0) over the (B, S, 3, H) view; frontends/piece_views.py "
-         "writes the unbind spelling as a split of the fused dim but not this one, so H stays "
-         "a minor factor of 3H that cannot be split (heads); measured: 15,949 against 6,145 for "
-         "separate q, k, v on 1D 4, 7,820 against 2,402 on 2x2")
 BMM = ("the model's own reshape to (B * nh, S, hd) merges batch and heads into one dim that "
        "splits only by its leading factor (batch); nothing lifts reshape -> bmm -> reshape "
        "back to torchalpa::batched_matmul, so heads cannot be split; measured: 15,953 against "
@@ -331,7 +326,7 @@ KNOWN_LOSSES: dict[tuple[str, str, str | None], str] = {
     ("qkv", "major_split", "2d2x2"): STRIDED_2D,
     ("qkv", "major_chunk", "2d2x2"): STRIDED_2D,
     ("qkv", "major_unbind", "2d2x2"): STRIDED_2D,
-    ("qkv", "major_index", None): INDEX,
+    ("qkv", "major_index", "2d2x2"): STRIDED_2D,
     ("attention", "bmm", None): BMM,
 }
 
