@@ -38,9 +38,16 @@ False solves every mesh (benchmarks and tests compare)."""
 def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
                      shape: tuple[int, ...] | None = None,
                      axis_names: tuple[str, ...] | None = None) -> list[LogicalMesh]:
-    """The logical meshes to plan on: the one asked for, or every 1D/2D view of the cluster."""
+    """The logical meshes to plan on: the one asked for, or every 1D/2D view of the cluster.
+    A plan made with ``force_data_parallel`` on a LogicalMesh of several axes was made on
+    that mesh flattened to one (``effective_option``): its shape names the flattened mesh."""
     shape = tuple(shape or method.logical_mesh_shape or ()) or None
     if isinstance(cluster, LogicalMesh):
+        option = method.auto_sharding_option
+        if shape and shape != cluster.shape and option.force_data_parallel and \
+                shape == (cluster.num_devices,):
+            from torchalpa.passes.sharding.intra_op import effective_option
+            cluster = effective_option(option, cluster)[1]
         if shape and shape != cluster.shape:
             raise ValueError(f"the LogicalMesh given as cluster has shape {cluster.shape}, but "
                              f"the plan needs {shape}")
