@@ -24,6 +24,11 @@ Scenarios (argv[2], comma separated):
   each element by about lr whatever its gradient's size, so elements whose gradient is
   float noise differ by up to lr: measured 0.011 while the gradients agree to 3e-6.)
 
+- ``bert_flat:4x1``: ``test_numerical_correctness`` as Alpa's test runs it: the (2, 2)
+  logical mesh it makes is never passed to ``parallelize``, whose default ``ShardParallel``
+  plans on the whole machine's mesh flattened (``get_logical_mesh().flatten()``: (4, 1),
+  latency (1, 1), inverse bandwidth (0.1, 0.1)); the same model, batch and Adam step.
+
 Alpa's ``prefer_reduce_scatter`` plans (the rewrite after the ILP,
 ``passes/sharding/gradient_scatter.py``), each one Adam step (lr 1e-2) beside one device:
 
@@ -115,7 +120,8 @@ def accumulation(shape: tuple[int, ...], reduce_scatter: bool) -> dict:
     return _record(pm, run, micro, _compare(pm, ref, rtol=1e-4, atol=1e-4))
 
 
-def bert(shape: tuple[int, ...], alpa_2d: bool = False, reduce_scatter: bool = False) -> dict:
+def bert(shape: tuple[int, ...], alpa_2d: bool = False, reduce_scatter: bool = False,
+         flattened: bool = False) -> dict:
     batch_size, seq, hidden, heads = 16, 8, 256, 8
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(batch_size, seq, hidden, generator=g),
@@ -126,6 +132,8 @@ def bert(shape: tuple[int, ...], alpa_2d: bool = False, reduce_scatter: bool = F
     ref = BertLayers(2, hidden, heads)
     ref.load_state_dict(model.state_dict())
     mesh = torchalpa.LogicalMesh(shape=shape, alpha=(2.0,) * len(shape), beta=(1.0, 0.1))
+    if flattened:       # Alpa's default mesh flattened: (1, 1) latency, (0.1, 0.1) bandwidth
+        mesh = torchalpa.LogicalMesh(shape=shape, alpha=(1.0, 1.0), beta=(0.1, 0.1))
     option = torchalpa.AutoShardingOption(
         force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False, allow_reduce_scatter=False,
         all_reduce_threshold=1 << 60) if alpa_2d else torchalpa.AutoShardingOption()
@@ -210,6 +218,7 @@ SCENARIOS = {"mlm2d": mlm_2d, "accum": lambda s: accumulation(s, False),
              "accum_rs": lambda s: accumulation(s, True), "bert": bert,
              "bert_alpa2d": lambda s: bert(s, alpa_2d=True),
              "bert_rs2d": lambda s: bert(s, alpa_2d=True, reduce_scatter=True),
+             "bert_flat": lambda s: bert(s, flattened=True),
              "mlp_rs": mlp_prefer_reduce_scatter,
              "zero3": lambda s: mlp_prefer_reduce_scatter(s, zero3=True)}
 

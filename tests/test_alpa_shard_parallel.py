@@ -315,15 +315,22 @@ def test_mlp_data_parallel_reduce_scatter(axis, shape):
         assert placements[axis] == Shard(0), (name, placements)
 
 
+# Alpa's reduce-scatter cases set ``prefer_reduce_scatter`` (its rewrite after the ILP); ours
+# also has reduce-scatters priced inside the ILP (``allow_reduce_scatter``): both are checked
+REDUCE_SCATTER = ["prefer_reduce_scatter", "allow_reduce_scatter"]
+
+
+@pytest.mark.parametrize("knob", REDUCE_SCATTER)
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
-def test_mlp_model_parallel_reduce_scatter(axis, shape):
-    """Alpa's test_n_layer_mlp_model_parallel_reduce_scatter: with reduce-scatter allowed
-    the model-parallel plan is unchanged (5 all-reduces; as many reduce-scatters as
-    all-gathers, here none)."""
+def test_mlp_model_parallel_reduce_scatter(axis, shape, knob):
+    """Alpa's test_n_layer_mlp_model_parallel_reduce_scatter: with reduce-scatter
+    preferred (or allowed) the model-parallel plan is unchanged (5 all-reduces; as many
+    reduce-scatters as all-gathers, here none: no gradient is all-reduced, the batch is
+    whole)."""
     num_layers, batch_size, hidden = 6, 32, 256
     model, batch = _mlp("modulelist", num_layers, batch_size, hidden)
     plan, mesh = plan_of(model, batch, shape=shape, all_reduce_threshold=MERGE_ALL,
-                         allow_reduce_scatter=True)
+                         **{knob: True})
     assert_close(plan.estimates.objective,
                  (num_layers - 1) * all_reduce_cost(mesh, batch_size * hidden * 4, axis))
     counts = communication(plan)
@@ -432,13 +439,15 @@ def test_bert_layer_model_parallel(qkv, attention, axis, shape):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("knob", REDUCE_SCATTER)
 @pytest.mark.parametrize("axis,shape", [(0, (4, 1)), (1, (1, 4))])
-def test_bert_layer_model_parallel_reduce_scatter(axis, shape):
-    """Alpa's test_bert_layer_model_parallel_reduce_scatter: with reduce-scatters in the
-    space the model-parallel plan is unchanged (7 all-reduces, nothing else)."""
+def test_bert_layer_model_parallel_reduce_scatter(axis, shape, knob):
+    """Alpa's test_bert_layer_model_parallel_reduce_scatter: with reduce-scatters
+    preferred (or in the space) the model-parallel plan is unchanged (7 all-reduces,
+    nothing else)."""
     num_layers, batch_size, seq_len, hidden = 2, 8, 8, 128
     plan, mesh = plan_of(BertLayers(num_layers, hidden, 8), bert_inputs(batch_size, seq_len, hidden),
-                         shape=shape, all_reduce_threshold=MERGE_ALL, allow_reduce_scatter=True)
+                         shape=shape, all_reduce_threshold=MERGE_ALL, **{knob: True})
     assert_close(plan.estimates.objective, (num_layers * 4 - 1) * all_reduce_cost(
         mesh, batch_size * seq_len * hidden * 4, axis))
     counts = communication(plan)
