@@ -499,3 +499,21 @@ def mlm_loss(logits, labels):
 def mlm_inputs(batch, seq):
     ones = torch.ones(batch, seq, dtype=torch.int64)
     return (ones, ones, ones, ones, ones)    # input ids, mask, token types, positions, labels
+
+
+class DepthwiseConvNet(nn.Module):
+    """Alpa's test_n_layer_depthwise_conv model (NCHW, Flax's 'SAME' padding, no bias): a
+    conv to 8C channels, a depthwise conv (one group per channel), a conv back to C, relu,
+    BatchNorm."""
+
+    def __init__(self, channel):
+        super().__init__()
+        wide = 8 * channel
+        self.net = nn.Sequential(
+            nn.Conv2d(channel, wide, 3, padding=1, bias=False),
+            nn.Conv2d(wide, wide, 3, padding=1, groups=wide, bias=False),
+            nn.Conv2d(wide, channel, 3, padding=1, bias=False), nn.ReLU(),
+            nn.BatchNorm2d(channel))
+
+    def forward(self, x):
+        return self.net(x)
