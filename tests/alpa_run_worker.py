@@ -24,6 +24,8 @@ Scenarios (argv[2], comma separated):
   each element by about lr whatever its gradient's size, so elements whose gradient is
   float noise differ by up to lr: measured 0.011 while the gradients agree to 3e-6.)
 
+- ``accum_prs:1x4``: ``test_gradient_accumulation_reduce_scatter`` with Alpa's own knob,
+  ``prefer_reduce_scatter`` on ``ShardParallel`` (``accum_rs`` plans ``Zero2Parallel``).
 - ``bert_flat:4x1``: ``test_numerical_correctness`` as Alpa's test runs it: the (2, 2)
   logical mesh it makes is never passed to ``parallelize``, whose default ``ShardParallel``
   plans on the whole machine's mesh flattened (``get_logical_mesh().flatten()``: (4, 1),
@@ -96,7 +98,7 @@ def _record(pm, run, micro: int, compared: dict) -> dict:
             "losses": run["losses"], "ref_losses": run["ref_losses"], "params": compared}
 
 
-def accumulation(shape: tuple[int, ...], reduce_scatter: bool) -> dict:
+def accumulation(shape: tuple[int, ...], reduce_scatter: bool, prefer: bool = False) -> dict:
     batch_size, hidden, micro = 256, 16, 2
     x = torch.ones(batch_size, hidden) * torch.arange(batch_size, dtype=torch.float32)[:, None]
     batch = (x, torch.ones(batch_size, hidden))
@@ -107,7 +109,7 @@ def accumulation(shape: tuple[int, ...], reduce_scatter: bool) -> dict:
     kind = torchalpa.Zero2Parallel if reduce_scatter else torchalpa.ShardParallel
     option = replace(kind().auto_sharding_option, allow_all_to_all=False)
     if not reduce_scatter:      # Alpa's default space has no reduce-scatter (as plan_of)
-        option = replace(option, allow_reduce_scatter=False)
+        option = replace(option, allow_reduce_scatter=False, prefer_reduce_scatter=prefer)
     mesh = torchalpa.LogicalMesh(shape=shape, alpha=(1.0,) * len(shape),
                                  beta=(1.0,) * len(shape))
     pm = torchalpa.auto_parallel(
@@ -219,6 +221,7 @@ SCENARIOS = {"mlm2d": mlm_2d, "accum": lambda s: accumulation(s, False),
              "bert_alpa2d": lambda s: bert(s, alpa_2d=True),
              "bert_rs2d": lambda s: bert(s, alpa_2d=True, reduce_scatter=True),
              "bert_flat": lambda s: bert(s, flattened=True),
+             "accum_prs": lambda s: accumulation(s, False, prefer=True),
              "mlp_rs": mlp_prefer_reduce_scatter,
              "zero3": lambda s: mlp_prefer_reduce_scatter(s, zero3=True)}
 
