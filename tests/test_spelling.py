@@ -312,16 +312,6 @@ STRIDED_2D = ("a (3, H)-major fused weight splits by heads only as a strided sha
               "the runtime lays out no nested strided shard), so its rows cannot be split "
               "over both axes as the separate weights are (measured: 2,914 against 2,402 for separate "
               "q, k, v on 2x2, all four spellings: split, chunk, unbind and indexing)")
-BMM = ("the model's own reshape to (B * nh, S, hd) merges batch and heads into one dim, and "
-       "the view rule (passes/rules/view.py) lets a merged dim split only by its major factor "
-       "(batch): the strategy missing is the merged dim split by its minor factor, heads, a "
-       "strided shard strided(0, B) that the rule offers only for a (pieces <= 8, heads, head "
-       "dim) view, which the bmm rule would take as its batch dim; nothing lifts reshape -> "
-       "bmm -> reshape back to torchalpa::batched_matmul. So the plan makes q, k, v split by "
-       "heads (as the reference does) and all-to-alls them to the batch split for the bmms "
-       "and back. Measured (2026-11-29): on 1D 4, 15,953 with 6 all-to-alls and 5 all-reduces "
-       "against the 4D matmuls' 6,145 with 1 all-reduce; on 2x2, 6,398 with 18 all-to-alls, "
-       "2 all-gathers and 6 all-reduces against 2,402 with 2 all-to-alls and 6 all-reduces")
 TIE = ("not a worse plan: the same objective (7,996.2), but the second bias is (R, S(0)) where "
        "nn.Linear's is (R, R). Not a tie either: this plan's layouts pinned in the nn.Linear "
        "spelling cost 7,996.2 too, but nn.Linear's pinned here cost 8,003.6 (+7.4, an "
@@ -333,7 +323,6 @@ KNOWN_LOSSES: dict[tuple[str, str, str | None], str] = {
     ("qkv", "major_chunk", "2d2x2"): STRIDED_2D,
     ("qkv", "major_unbind", "2d2x2"): STRIDED_2D,
     ("qkv", "major_index", "2d2x2"): STRIDED_2D,
-    ("attention", "bmm", None): BMM,
 }
 
 
