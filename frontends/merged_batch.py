@@ -43,7 +43,7 @@ def _merged(node) -> fx.Node | None:
         return None
     y = node.args[0]
     outer, inner = _shape(y), _shape(node)
-    if outer is None or inner is None or len(outer) != 4 or len(inner) != 3:
+    if not isinstance(y, fx.Node) or outer is None or inner is None or len(outer) != 4 or len(inner) != 3:
         return None
     if outer[0] * outer[1] != inner[0] or outer[2:] != inner[1:] or min(outer[:2]) < 2:
         return None
@@ -58,7 +58,8 @@ def _new(g: fx.Graph, target, args, like: fx.Node, val) -> fx.Node:
 
 
 def _permute_inside(gm: fx.GraphModule, node: fx.Node) -> int:
-    if node.target is not aten.permute.default or tuple(node.args[1]) not in ((0, 2, 1),):
+    dims = node.args[1] if node.target is aten.permute.default else None
+    if not isinstance(dims, (list, tuple)) or tuple(dims) != (0, 2, 1):
         return 0
     y = _merged(node.args[0])
     if y is None:
@@ -77,13 +78,13 @@ def _lift_bmm(gm: fx.GraphModule, node: fx.Node) -> int:
     if node.target is not aten.bmm.default:
         return 0
     x, y = _merged(node.args[0]), _merged(node.args[1])
-    if x is None or y is None or _shape(x)[:2] != _shape(y)[:2]:
+    xs, ys = _shape(x), _shape(y)
+    if x is None or y is None or xs is None or ys is None or xs[:2] != ys[:2]:
         return 0
     g = gm.graph
     product = torch.ops.torchalpa.batched_matmul.default
     with g.inserting_before(node):
-        lifted = _new(g, product, (x, y), node,
-                      x.meta["val"].new_empty((*_shape(x)[:3], _shape(y)[3])))
+        lifted = _new(g, product, (x, y), node, x.meta["val"].new_empty((*xs[:3], ys[3])))
         out = _new(g, aten.view.default, (lifted, list(node.meta["val"].shape)), node,
                    node.meta["val"])
     node.replace_all_uses_with(out)

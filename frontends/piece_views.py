@@ -66,11 +66,12 @@ def _split_dim(before: tuple, after: tuple) -> int | None:
 
 def _piece_index(user: fx.Node, view: fx.Node, d: int) -> int | None:
     """``i`` when ``user`` is ``slice(view, d, i, i + 1)`` or ``select(view, d, i)``."""
-    rank = len(_shape(view) or ())
+    shape = _shape(view) or ()
+    rank = len(shape)
     if user.target is aten.select.int and user.args[0] is view and len(user.args) == 3:
         dim, index = user.args[1], user.args[2]
         if isinstance(dim, int) and isinstance(index, int) and rank and dim % rank == d:
-            return index % _shape(view)[d]
+            return index % shape[d]
         return None
     if user.target is not aten.slice.Tensor or user.args[0] is not view:
         return None
@@ -142,14 +143,15 @@ def _summands(node: fx.Node) -> list[fx.Node]:
     if node.target is not aten.add.Tensor or node.kwargs.get("alpha", 1) != 1 or \
             len(node.args) != 2 or not all(isinstance(a, fx.Node) for a in node.args):
         return [node]
-    out = []
+    out: list[fx.Node] = []
     for term in node.args:
+        assert isinstance(term, fx.Node)
         out += _summands(term) if len(term.users) == 1 else [term]
     return out
 
 
 def _is_zeros(node) -> bool:
-    return isinstance(node, fx.Node) and (
+    return isinstance(node, fx.Node) and bool(
         (node.target is aten.full.default and node.args[1] == 0)
         or node.target in (aten.zeros.default, aten.zeros_like.default))
 
@@ -174,7 +176,8 @@ def _masked_piece(node: fx.Node, d: int, k: int) -> tuple[int, fx.Node] | None:
         return None
     lifted = spread.args[0]
     if not (isinstance(lifted, fx.Node) and lifted.target is aten.unsqueeze.default
-            and lifted.args[1] % rank == d and isinstance(lifted.args[0], fx.Node)):
+            and isinstance(lifted.args[1], int) and lifted.args[1] % rank == d
+            and isinstance(lifted.args[0], fx.Node)):
         return None
     return i, lifted.args[0]
 
@@ -188,8 +191,8 @@ def _cat_of_masked_sum(gm: fx.GraphModule, view: fx.Node) -> int:
     if d is None:
         return 0
     k = stacked[d]
-    pieces = [_masked_piece(t, d, k) for t in _summands(total)]
-    if any(p is None for p in pieces) or sorted(p[0] for p in pieces) != list(range(k)):
+    pieces = [p for t in _summands(total) if (p := _masked_piece(t, d, k)) is not None]
+    if len(pieces) != len(_summands(total)) or sorted(i for i, _ in pieces) != list(range(k)):
         return 0
     grads = [g for _, g in sorted(pieces, key=lambda p: p[0])]
     with gm.graph.inserting_before(view):
