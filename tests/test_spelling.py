@@ -370,7 +370,7 @@ FLAX_2D = ("separate q, k, v lose on 2x2 at this size: 147,995.0 against 145,840
            "(exact ILP, no shared blocks), so their strategy space lacks a plan the fused one "
            "has; the extra collectives sit on the sum of the three input gradients (an "
            "all-reduce on axis 1) and an all-to-all on the query's backward view; at the "
-           "harness's small size all plan 2,402")
+           "harness's small size all plan 2,402 (re-measured 2026-11-29)")
 
 
 @pytest.mark.slow
