@@ -8,7 +8,7 @@ tensors is captured as ``torchalpa::batched_matmul`` (``torchalpa/ops/batched_ma
 which keeps each batch dim its own; this rewrite makes the ``bmm`` spelling the same,
 exactly, on the traced step (forward and backward):
 
-- ``permute(view(y, (n0 * n1, a, b)), (0, 2, 1))`` -> ``view(permute(y, (0, 1, 3, 2)),
+- ``permute(view(y, (n0 * n1, a, b)), (0, 2, 1))`` -> ``reshape(permute(y, (0, 1, 3, 2)),
   (n0 * n1, b, a))``, for ``y`` of shape ``(n0, n1, a, b)``: a transpose moved inside the
   merge;
 - ``bmm(view(x, (n0 * n1, m, k)), view(y, (n0 * n1, k, p)))`` -> ``view(batched_matmul(x,
@@ -67,7 +67,9 @@ def _permute_inside(gm: fx.GraphModule, node: fx.Node) -> int:
     g, yv = gm.graph, y.meta["val"]
     with g.inserting_before(node):
         inner = _new(g, aten.permute.default, (y, [0, 1, 3, 2]), node, yv.permute(0, 1, 3, 2))
-        out = _new(g, aten.view.default, (inner, list(node.meta["val"].shape)), node,
+        # a reshape, not a view: the permuted tensor's strides may allow none (where no
+        # lifted bmm takes this value, it runs as it is)
+        out = _new(g, aten.reshape.default, (inner, list(node.meta["val"].shape)), node,
                    node.meta["val"])
     node.replace_all_uses_with(out)
     g.erase_node(node)

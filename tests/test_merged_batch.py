@@ -53,3 +53,26 @@ def test_a_bmm_of_a_true_3d_batch_is_left_alone():
     torch.manual_seed(0)
     c = capture(Plain(), (torch.randn(B, S, H), torch.randn(B, S, H)), F.mse_loss)
     assert "aten.bmm.default" in [n.op for n in c.graph.ops()]
+
+
+def test_a_transposed_merged_view_read_elsewhere_still_runs():
+    """The transpose moved inside the merge is a reshape: read by something other than a
+    bmm, it still runs on the permuted tensor's strides."""
+    class Transposed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(H, H)
+
+        def forward(self, x):                                       # (B, S, H)
+            h = self.proj(x).reshape(B, S, NH, D).transpose(1, 2)   # (B, nh, S, hd)
+            t = h.reshape(B * NH, S, D).transpose(1, 2)             # (B * nh, hd, S)
+            return (t * 2).sum(-1).reshape(B, NH, D).transpose(1, 2).reshape(B, H)
+
+    torch.manual_seed(0)
+    model, x, y = Transposed(), torch.randn(B, S, H), torch.randn(B, H)
+    c = capture(model, (x, y), F.mse_loss)
+    out = c.gm([p.detach() for p in model.parameters()], [], x, y)
+    ref = F.mse_loss(model(x), y)
+    ref.backward()
+    assert torch.allclose(out[0], ref)
+    assert all(torch.allclose(g, p.grad, atol=1e-6) for g, p in zip(out[1:], model.parameters()))
