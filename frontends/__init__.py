@@ -7,6 +7,8 @@ A torch model and its loss (``torch_export``, through torch.export's joint graph
 - ``constants``: tensors a forward makes from Python values become ops.
 - ``einsum_products``: ``torch.einsum`` matrix products traced as ``torchalpa::batched_matmul``.
 - ``restride`` / ``piece_views``: strided views written as reshapes and splits.
+- ``merged_batch``: a ``bmm`` over batch dims the model merged itself (``B * heads``)
+  written as ``torchalpa::batched_matmul`` over them.
 - ``joint_graph``: walking a captured joint graph (what a set of results depends on).
 - ``block_remat`` / ``param_remat``: activation checkpointing per layer, and backward's own
   views of the parameters (ZeRO-3), as graph passes.

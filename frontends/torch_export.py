@@ -66,6 +66,7 @@ from torchalpa.frontends.functionalize import (
     retrace_functional,
 )
 from torchalpa.frontends.joint_graph import ancestor_names
+from torchalpa.frontends.merged_batch import lift_merged_batch_products
 from torchalpa.frontends.naming import argument_names
 from torchalpa.frontends.opset import (
     FusedCalls,
@@ -394,7 +395,8 @@ def _functional(gm: fx.GraphModule, kinds: list[tuple[str, str]], provenance: Pr
     """A traced step made ready for the passes: constants inlined, checked for
     data-dependent shapes, backward tagged like its forward, buffer writes turned into
     outputs, aliases dropped, a dim viewed as pieces and cut written as a split
-    (``frontends/piece_views.py``); returns it with ``_make_functional``'s buffer updates."""
+    (``frontends/piece_views.py``), a ``bmm`` over merged batch dims as one over them
+    (``frontends/merged_batch.py``); returns it with ``_make_functional``'s buffer updates."""
     _inline_constants(gm, provenance)
     _check_static(gm, provenance)
     copy_forward_tags_to_backward(gm)
@@ -402,6 +404,7 @@ def _functional(gm: fx.GraphModule, kinds: list[tuple[str, str]], provenance: Pr
     _drop_aliases(gm)
     reshape_plain_restrides(gm)
     split_piece_views(gm)
+    lift_merged_batch_products(gm)
     return gm, updates
 
 

@@ -180,9 +180,12 @@ class BertSelfAttention(nn.Module):
     nanoGPT / GPT-2 spelling (viewed as (3, H)); 'separate' has three Linear layers.
     ``attention``: 'matmul', 'sdpa' or 'einsum' (Flax's)."""
 
-    def __init__(self, hidden, heads, qkv, attention="matmul"):
+    def __init__(self, hidden, heads, qkv, attention="matmul", dropout=0.0):
         super().__init__()
         self.heads, self.qkv_kind, self.attention = heads, qkv, attention
+        # Flax BERT's dropouts: attention probs, dense output (none at rate 0)
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.rate = dropout
         if qkv == "separate":
             self.query, self.key, self.value = (nn.Linear(hidden, hidden) for _ in range(3))
         else:
@@ -204,39 +207,44 @@ class BertSelfAttention(nn.Module):
         if self.attention == "einsum":                                    # Flax's attention
             q, k, v = (t.reshape(B, S, self.heads, H // self.heads) for t in (q, k, v))
             scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / (H // self.heads) ** 0.5 + bias
-            ctx = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v).reshape(B, S, H)
-            return self.norm(self.out(ctx) + x)
+            ctx = torch.einsum("bhqk,bkhd->bqhd", self.drop(scores.softmax(-1)),
+                               v).reshape(B, S, H)
+            return self.norm(self.drop(self.out(ctx)) + x)
         q, k, v = (t.reshape(B, S, self.heads, H // self.heads).transpose(1, 2)
                    for t in (q, k, v))                                    # (B, nh, S, hd)
         if self.attention == "sdpa":
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+            ctx = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, dropout_p=self.rate if self.training else 0.0)
         else:
             scores = q @ k.transpose(-1, -2) / (H // self.heads) ** 0.5 + bias
-            ctx = scores.softmax(-1) @ v                                    # (B, nh, S, hd)
+            ctx = self.drop(scores.softmax(-1)) @ v                         # (B, nh, S, hd)
         ctx = ctx.transpose(1, 2).reshape(B, S, H)
-        return self.norm(self.out(ctx) + x)
+        return self.norm(self.drop(self.out(ctx)) + x)
 
 
 class BertLayer(nn.Module):
-    def __init__(self, hidden, heads, qkv, attention):
+    def __init__(self, hidden, heads, qkv, attention, dropout=0.0):
         super().__init__()
-        self.attention = BertSelfAttention(hidden, heads, qkv, attention)
+        self.attention = BertSelfAttention(hidden, heads, qkv, attention, dropout)
         self.intermediate = nn.Linear(hidden, 4 * hidden)
         self.output = nn.Linear(4 * hidden, hidden)
         self.norm = nn.LayerNorm(hidden, eps=1e-12)
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x, bias):
         x = self.attention(x, bias)
-        return self.norm(self.output(F.gelu(self.intermediate(x))) + x)
+        return self.norm(self.drop(self.output(F.gelu(self.intermediate(x)))) + x)
 
 
 class BertLayers(nn.Module):
     """Takes (hidden_states, attention_mask) as Alpa's test does; the mask (B, S) of 0/1
-    becomes an additive bias."""
+    becomes an additive bias. ``dropout``: Flax BERT's rate (Alpa's tests run it,
+    ``deterministic=False``: 0.1); 0 leaves no dropout op in the graph."""
 
-    def __init__(self, num_layers, hidden, heads, qkv="fused_minor", attention="matmul"):
+    def __init__(self, num_layers, hidden, heads, qkv="fused_minor", attention="matmul",
+                 dropout=0.0):
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(hidden, heads, qkv, attention)
+        self.layer = nn.ModuleList(BertLayer(hidden, heads, qkv, attention, dropout)
                                    for _ in range(num_layers))
 
     def forward(self, x, mask):
@@ -499,3 +507,21 @@ def mlm_loss(logits, labels):
 def mlm_inputs(batch, seq):
     ones = torch.ones(batch, seq, dtype=torch.int64)
     return (ones, ones, ones, ones, ones)    # input ids, mask, token types, positions, labels
+
+
+class DepthwiseConvNet(nn.Module):
+    """Alpa's test_n_layer_depthwise_conv model (NCHW, Flax's 'SAME' padding, no bias): a
+    conv to 8C channels, a depthwise conv (one group per channel), a conv back to C, relu,
+    BatchNorm."""
+
+    def __init__(self, channel):
+        super().__init__()
+        wide = 8 * channel
+        self.net = nn.Sequential(
+            nn.Conv2d(channel, wide, 3, padding=1, bias=False),
+            nn.Conv2d(wide, wide, 3, padding=1, groups=wide, bias=False),
+            nn.Conv2d(wide, channel, 3, padding=1, bias=False), nn.ReLU(),
+            nn.BatchNorm2d(channel))
+
+    def forward(self, x):
+        return self.net(x)

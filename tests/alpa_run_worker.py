@@ -28,6 +28,24 @@ Scenarios (argv[2], comma separated):
   each element by about lr whatever its gradient's size, so elements whose gradient is
   float noise differ by up to lr: measured 0.011 while the gradients agree to 3e-6.)
 
+- ``accum_prs:1x4``: ``test_gradient_accumulation_reduce_scatter`` with Alpa's own knob,
+  ``prefer_reduce_scatter`` on ``ShardParallel`` (``accum_rs`` plans ``Zero2Parallel``).
+- ``bert_flat:4x1``: ``test_numerical_correctness`` as Alpa's test runs it: the (2, 2)
+  logical mesh it makes is never passed to ``parallelize``, whose default ``ShardParallel``
+  plans on the whole machine's mesh flattened (``get_logical_mesh().flatten()``: (4, 1),
+  latency (1, 1), inverse bandwidth (0.1, 0.1)); the same model, batch and Adam step.
+
+Alpa's ``prefer_reduce_scatter`` plans (the rewrite after the ILP,
+``passes/sharding/gradient_scatter.py``), each one Adam step (lr 1e-2) beside one device:
+
+- ``mlp_rs:1x4``, ``mlp_rs:2x2``: Alpa's MLP with 2 layers (Dense(32), relu, Dense(32);
+  batch 256, Alpa's unit costs, Alpa's space: on (2, 2) the batch on axis 0 alone, no
+  dim split over both axes, no slice before a sum), ``prefer_reduce_scatter``.
+- ``zero3:2x2``: Alpa's ``force_zero_stage_3`` as spelled here on Alpa's 6-layer MLP
+  (hidden 32, batch 256): ``force_data_parallel`` (the mesh flattened to 4 devices),
+  ``prefer_reduce_scatter`` and ``rematerialize_parameters`` (gathered in forward and
+  again in backward).
+
 Each records the plan's collectives (kind, axis, bytes) as a step issues them, the
 collectives each step really issued, losses on both sides, and per parameter whether
 ``torch.allclose(ours, one device's, rtol, atol)`` holds after the step with Alpa's
@@ -85,7 +103,7 @@ def _record(pm, run, micro: int, compared: dict) -> dict:
             "losses": run["losses"], "ref_losses": run["ref_losses"], "params": compared}
 
 
-def accumulation(shape: tuple[int, ...], reduce_scatter: bool) -> dict:
+def accumulation(shape: tuple[int, ...], reduce_scatter: bool, prefer: bool = False) -> dict:
     batch_size, hidden, micro = 256, 16, 2
     x = torch.ones(batch_size, hidden) * torch.arange(batch_size, dtype=torch.float32)[:, None]
     batch = (x, torch.ones(batch_size, hidden))
@@ -96,7 +114,7 @@ def accumulation(shape: tuple[int, ...], reduce_scatter: bool) -> dict:
     kind = torchalpa.Zero2Parallel if reduce_scatter else torchalpa.ShardParallel
     option = replace(kind().auto_sharding_option, allow_all_to_all=False)
     if not reduce_scatter:      # Alpa's default space has no reduce-scatter (as plan_of)
-        option = replace(option, allow_reduce_scatter=False)
+        option = replace(option, allow_reduce_scatter=False, prefer_reduce_scatter=prefer)
     mesh = torchalpa.LogicalMesh(shape=shape, alpha=(1.0,) * len(shape),
                                  beta=(1.0,) * len(shape))
     pm = torchalpa.auto_parallel(
@@ -109,7 +127,8 @@ def accumulation(shape: tuple[int, ...], reduce_scatter: bool) -> dict:
     return _record(pm, run, micro, _compare(pm, ref, rtol=1e-4, atol=1e-4))
 
 
-def bert(shape: tuple[int, ...], alpa_2d: bool = False, reduce_scatter: bool = False) -> dict:
+def bert(shape: tuple[int, ...], alpa_2d: bool = False, reduce_scatter: bool = False,
+         flattened: bool = False) -> dict:
     batch_size, seq, hidden, heads = 16, 8, 256, 8
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(batch_size, seq, hidden, generator=g),
@@ -120,6 +139,8 @@ def bert(shape: tuple[int, ...], alpa_2d: bool = False, reduce_scatter: bool = F
     ref = BertLayers(2, hidden, heads)
     ref.load_state_dict(model.state_dict())
     mesh = torchalpa.LogicalMesh(shape=shape, alpha=(2.0,) * len(shape), beta=(1.0, 0.1))
+    if flattened:       # Alpa's default mesh flattened: (1, 1) latency, (0.1, 0.1) bandwidth
+        mesh = torchalpa.LogicalMesh(shape=shape, alpha=(1.0, 1.0), beta=(0.1, 0.1))
     option = torchalpa.AutoShardingOption(
         force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False, allow_reduce_scatter=False,
         all_reduce_threshold=1 << 60) if alpa_2d else torchalpa.AutoShardingOption()
@@ -200,11 +221,49 @@ def mlm_2d(shape: tuple[int, ...]) -> dict:
     return out
 
 
+def mlp_prefer_reduce_scatter(shape: tuple[int, ...], zero3: bool = False) -> dict:
+    """Alpa's MLP (``MLPModuleList``) under ``prefer_reduce_scatter``: 2 layers in Alpa's
+    space, or Alpa's 6 layers spelled as its ZeRO-3 (module docstring); one Adam step."""
+    from alpa_cases import MLPModuleList
+    num_layers, batch_size, hidden = (6, 256, 32) if zero3 else (2, 256, 32)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(batch_size, hidden, generator=g),
+             torch.randn(batch_size, hidden, generator=g))
+    torch.manual_seed(0)
+    model = MLPModuleList(num_layers, hidden, hidden, hidden)
+    ref = MLPModuleList(num_layers, hidden, hidden, hidden)
+    ref.load_state_dict(model.state_dict())
+    mesh = torchalpa.LogicalMesh(shape=shape, alpha=(1.0,) * len(shape),
+                                 beta=(1.0,) * len(shape))
+    option = torchalpa.AutoShardingOption(allow_reduce_scatter=False,
+                                          all_reduce_threshold=1 << 60,
+                                          prefer_reduce_scatter=True)
+    if zero3:
+        option = replace(option, force_data_parallel=True, rematerialize_parameters=True)
+    elif len(shape) == 2 and min(shape) > 1:        # Alpa's 2D space
+        option = replace(option, force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False,
+                         slice_before_reduce=False)
+    pm = torchalpa.auto_parallel(
+        model, batch, mse, cluster=mesh,
+        method=torchalpa.ShardParallel(logical_mesh_shape=shape, auto_sharding_option=option),
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=1e-2),
+                                  lambda step: batch, mse, steps=1, backward_steps=(0,))
+    out = _record(pm, run, 1, _compare(pm, ref, rtol=5e-4, atol=5e-4))
+    out["grads"] = run["grads"][0]
+    out["placements"] = {p.name: [str(x) for x in p.placements] for p in pm.plan.parameters}
+    return out
+
+
 SCENARIOS = {"mlm2d": mlm_2d, "accum": lambda s: accumulation(s, False),
              "accum_rs": lambda s: accumulation(s, True), "bert": bert,
              "bert_alpa2d": lambda s: bert(s, alpa_2d=True),
              "bert_rs2d": lambda s: bert(s, alpa_2d=True, reduce_scatter=True),
-             "mlp_rs2d": mlp_rs_2d}
+             "mlp_rs2d": mlp_rs_2d,
+             "bert_flat": lambda s: bert(s, flattened=True),
+             "accum_prs": lambda s: accumulation(s, False, prefer=True),
+             "mlp_rs": mlp_prefer_reduce_scatter,
+             "zero3": lambda s: mlp_prefer_reduce_scatter(s, zero3=True)}
 
 
 def main():

@@ -113,3 +113,46 @@ def test_zero_presets_refuse_no_all_gather():
     option = replace(Zero2Parallel().auto_sharding_option, allow_all_gather=False)
     with pytest.raises(ValueError, match="allow_all_gather=False"):
         Zero2Parallel(auto_sharding_option=option)
+
+
+# -- combinations Alpa's auto-sharding pass rejects ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def odd_batch_graph():
+    """A batch of 15 rows: it divides by no mesh axis of 2 or 4 devices."""
+    with torch.device("meta"):
+        model = MLPModuleList(2, 64, 64, 64)
+        x = torch.empty(15, 64)
+    return capture(model, (x, x), mse).graph
+
+
+@pytest.mark.parametrize("shape,options,match", [
+    ((4, 1), dict(force_batch_dim_to_mesh_dim=0), r"batch dim \(15\) must divide by 4 devices"),
+    ((2, 2), dict(force_batch_dim_to_mesh_dim=1), r"batch dim \(15\) must divide by 2 devices"),
+    # Alpa's force_data_parallel: the mesh flattened, the batch forced over all of it
+    ((2, 2), dict(force_data_parallel=True), r"batch dim \(15\) must divide by 4 devices"),
+    ((4,), dict(force_batch_dim_to_mesh_dim=1), r"force_batch_dim_to_mesh_dim=1 but the mesh has 1"),
+])
+def test_alpas_rejections_are_rejected_in_one_line(odd_batch_graph, shape, options, match):
+    """Alpa's pass refuses a batch dim forced onto a mesh axis it does not divide ("The
+    length of batch dimension is not divisible by the number of devices", its
+    ``FilterStrategy``), also under ``force_data_parallel``, which forces it onto the
+    flattened mesh; and an axis the mesh lacks (an out-of-range mesh dim there). Ours
+    refuses the same with one line naming the problem and the fix."""
+    mesh = LogicalMesh(shape=shape)
+    with pytest.raises(ValueError, match=match) as refused:
+        _plan(odd_batch_graph, mesh, **options)
+    assert "\n" not in str(refused.value)
+
+
+def test_alpas_zero3_options_are_accepted(graph):
+    """What Alpa accepts is accepted: its force_zero_stage_3 turns all-gathers off in the
+    ILP and still gathers the rewritten parameters (``prefer_reduce_scatter``); spelled so
+    here, with all-gathers forbidden outright, the plan gathers the parameters it stores
+    split and nothing else."""
+    plan = _plan(graph, MESH_2D, force_data_parallel=True, prefer_reduce_scatter=True,
+                 allow_all_gather=False, allow_reduce_scatter=False)
+    assert plan.mesh_shape == (4,)
+    assert _kinds(plan) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert all(c.bytes == 4 for c in plan.collectives if c.kind == "all_reduce")   # the loss
+    assert all(p.placements == (Shard(0),) for p in plan.parameters)

@@ -48,7 +48,8 @@ def _counts(r):
 # -- test_gradient_accumulation.py ------------------------------------------------------------
 
 def test_gradient_accumulation_single_host(runs):
-    """Alpa: parameters equal one device's (assert_allclose, 1e-4); one all-reduce in the
+    """Alpa: parameters equal one device's (assert_allclose, rtol = atol = 5e-4; ours holds
+    them to 1e-4); one all-reduce in the
     accumulation, none in the update: the gradients' bucket, issued once for the two
     micro-batches."""
     r = _scenario(runs, "accum:1x4")
@@ -185,3 +186,88 @@ def test_bert_mlm_2d_plan_outside_alpas_space_runs_like_one_device(tmp_path):
     assert worker_io.max_rel(r["grads"]) < 1e-4, r["grads"]
     assert _not_close(r) == {}
     assert r["losses"][0] == pytest.approx(r["ref_losses"][0], rel=1e-5)
+
+
+# -- prefer_reduce_scatter plans on ranks: the MLP's, and the ZeRO-3 spelling; and
+# test_numerical_correctness on the mesh Alpa's test really plans on ----------------------------
+
+RS_SCENARIOS = ("mlp_rs:1x4", "mlp_rs:2x2", "zero3:2x2", "bert_flat:4x1", "accum_prs:1x4")   # minutes here: slow
+
+
+@pytest.fixture(scope="module")
+def rs_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("alpa_rs_runs") / "runs.json"
+    return worker_io.launch("alpa_run_worker.py", out, ",".join(RS_SCENARIOS), nproc=4)
+
+
+def _trains_like_one_device(r):
+    assert worker_io.max_rel(r["grads"]) < 1e-4, r["grads"]
+    assert _not_close(r) == {}
+    assert r["losses"][0] == pytest.approx(r["ref_losses"][0], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_mlp_prefer_reduce_scatter_1d_runs_like_one_device(rs_runs):
+    """Alpa's 2-layer MLP on (1, 4) with ``prefer_reduce_scatter``: the ILP's data-parallel
+    plan rewritten so each gradient is reduce-scattered into a parameter stored split and
+    gathered in forward (ZeRO-2, as Alpa's rewrite makes it); gradients within 1e-4 of one
+    device's, every parameter within Alpa's 5e-4 after an Adam step."""
+    r = _scenario(rs_runs, "mlp_rs:1x4")
+    _trains_like_one_device(r)
+    counts = _counts(r)
+    assert set(counts) == {"reduce_scatter", "all_gather"}, r["planned"]
+    assert all(p[1].startswith("S(") for p in r["placements"].values()), r["placements"]
+
+
+@pytest.mark.slow
+def test_mlp_prefer_reduce_scatter_2d_runs_like_one_device(rs_runs):
+    """The same on (2, 2) in Alpa's 2D space: Megatron on axis 1, the batch on axis 0, the
+    kernels' gradients reduce-scattered on axis 0 into parameters stored split on both axes
+    (tests/test_alpa_shard_parallel.py, test_mlp_2d_mesh_reduce_scatter)."""
+    r = _scenario(rs_runs, "mlp_rs:2x2")
+    _trains_like_one_device(r)
+    counts = _counts(r)
+    assert counts["reduce_scatter"] > 0 and counts["all_gather"] > 0, r["planned"]
+    layouts = r["placements"]
+    assert layouts["layers.0.weight"] == ["S(1)", "S(0)"], layouts
+    assert layouts["layers.1.weight"] == ["S(0)", "S(1)"], layouts
+
+
+@pytest.mark.slow
+def test_zero3_spelling_runs_like_one_device(rs_runs):
+    """Alpa's force_zero_stage_3 as spelled here (``force_data_parallel``,
+    ``prefer_reduce_scatter``, ``rematerialize_parameters``) on a (2, 2) mesh, flattened to
+    4 devices: every parameter split, its gradient reduce-scattered, gathered in forward and
+    again in backward; gradients within 1e-4 of one device's, parameters within 5e-4 after
+    an Adam step."""
+    r = _scenario(rs_runs, "zero3:2x2")
+    _trains_like_one_device(r)
+    assert set(_counts(r)) == {"reduce_scatter", "all_gather"}, r["planned"]
+    assert all(p == ["S(0)"] for p in r["placements"].values()), r["placements"]
+    # each weight gathered twice (forward, backward), biases at least once; one
+    # reduce-scatter per gradient or bucket
+    assert _counts(r)["all_gather"] > len(r["placements"]), r["planned"]
+
+
+@pytest.mark.slow
+def test_2_layer_bert_shard_parallel_on_alpas_flattened_mesh(rs_runs):
+    """Alpa's test_numerical_correctness as it runs: its ``parallelize(train_step)`` takes
+    the default ``ShardParallel``, which plans on the machine's mesh flattened ((4, 1),
+    latency 1, inverse bandwidth 0.1), not the (2, 2) mesh the test makes and never
+    passes (``test_2_layer_bert_shard_parallel`` above runs that one too): every parameter
+    within Alpa's 5e-4 of one device's after an Adam step."""
+    r = _scenario(rs_runs, "bert_flat:4x1")
+    assert _not_close(r) == {}
+    assert r["losses"][0] == pytest.approx(r["ref_losses"][0], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_prefer_reduce_scatter(rs_runs):
+    """Alpa's test_gradient_accumulation_reduce_scatter with its knob,
+    ``prefer_reduce_scatter`` (``accum_rs`` above plans ``Zero2Parallel``): the
+    accumulation's one collective a reduce-scatter, the update's one an all-gather
+    (ours: the gradients' bucket and the parameters' gathered once per step), and the
+    parameters within Alpa's 5e-4 of one device's (ours hold them to 1e-4)."""
+    r = _scenario(rs_runs, "accum_prs:1x4")
+    assert _not_close(r) == {}
+    assert _counts(r) == Counter(reduce_scatter=1, all_gather=1), r["planned"]

@@ -79,3 +79,31 @@ def test_the_stage_dp_prices_the_bytes_sent():
     split = costs.send_seconds(1, 2, problem.mesh((1, 4), (4,)))
     assert split == pytest.approx(whole / 4)
     assert costs.send_seconds(1, 2, problem.mesh((1, 4), (1, 4))) <= whole
+
+
+def test_prefer_reduce_scatter_scatters_each_stages_gradients_not_its_transfers():
+    """Alpa's ``prefer_reduce_scatter`` rewrite (``passes/sharding/gradient_scatter.py``)
+    runs on each pipeline stage's solve: a stage's data-parallel gradients, all-reduced
+    without it, are reduce-scattered (the same tensors and bytes) into parameters stored
+    split and gathered in the stage's first read; the activations crossing the stages are
+    sent as before."""
+    from dataclasses import replace
+    base = torchalpa.AutoShardingOption(allow_reduce_scatter=False, solver="highs")
+    plain = _plan(((4,), (4,)), base)
+    scattered = _plan(((4,), (4,)), replace(base, prefer_reduce_scatter=True))
+    assert len(plain.stages) == len(scattered.stages) == 2
+    for before, after in zip(plain.stages, scattered.stages):
+        reduced = {c.tensor: c.bytes for c in before.plan.collectives
+                   if c.kind == "all_reduce" and c.bytes > 4}      # the loss's left out
+        assert reduced, before.plan.collectives
+        assert {c.tensor: c.bytes for c in after.plan.collectives
+                if c.kind == "reduce_scatter"} == reduced
+        assert not [c for c in after.plan.collectives if c.kind == "all_reduce" and c.bytes > 4]
+        params = {p.node for p in after.plan.parameters}
+        assert {c.tensor for c in after.plan.collectives if c.kind == "all_gather"} == params
+        assert all(p.placements == (torchalpa.Shard(0),) for p in after.plan.parameters)
+        assert all(p.placements == (torchalpa.Replicate(),) for p in before.plan.parameters)
+
+    def sent(plan):
+        return [(t.bytes, t.split, t.batch_split, t.once_per_step) for t in plan.transfers]
+    assert sent(scattered) == sent(plain) and sent(plain)

@@ -311,16 +311,7 @@ STRIDED_2D = ("a (3, H)-major fused weight splits by heads only as a strided sha
               "may not share its dim with another axis's split (strategies._strided_alone: "
               "the runtime lays out no nested strided shard), so its rows cannot be split "
               "over both axes as the separate weights are (measured: 2,914 against 2,402 for separate "
-              "q, k, v on 2x2, all three spellings)")
-INDEX = ("y.view(B, S, 3, H)[:, :, i] traces as select on the pieces dim and, in backward, as "
-         "where(index == i, grad, 0) over the (B, S, 3, H) view; frontends/piece_views.py "
-         "writes the unbind spelling as a split of the fused dim but not this one, so H stays "
-         "a minor factor of 3H that cannot be split (heads); measured: 15,949 against 6,145 for "
-         "separate q, k, v on 1D 4, 7,820 against 2,402 on 2x2")
-BMM = ("the model's own reshape to (B * nh, S, hd) merges batch and heads into one dim that "
-       "splits only by its leading factor (batch); nothing lifts reshape -> bmm -> reshape "
-       "back to torchalpa::batched_matmul, so heads cannot be split; measured: 15,953 against "
-       "6,145 for 4D matmuls on 1D 4, 6,398 against 2,402 on 2x2")
+              "q, k, v on 2x2, all four spellings: split, chunk, unbind and indexing)")
 TIE = ("not a worse plan: the same objective (7,996.2), but the second bias is (R, S(0)) where "
        "nn.Linear's is (R, R). Not a tie either: this plan's layouts pinned in the nn.Linear "
        "spelling cost 7,996.2 too, but nn.Linear's pinned here cost 8,003.6 (+7.4, an "
@@ -331,8 +322,7 @@ KNOWN_LOSSES: dict[tuple[str, str, str | None], str] = {
     ("qkv", "major_split", "2d2x2"): STRIDED_2D,
     ("qkv", "major_chunk", "2d2x2"): STRIDED_2D,
     ("qkv", "major_unbind", "2d2x2"): STRIDED_2D,
-    ("qkv", "major_index", None): INDEX,
-    ("attention", "bmm", None): BMM,
+    ("qkv", "major_index", "2d2x2"): STRIDED_2D,
 }
 
 
@@ -380,7 +370,7 @@ FLAX_2D = ("separate q, k, v lose on 2x2 at this size: 147,995.0 against 145,840
            "(exact ILP, no shared blocks), so their strategy space lacks a plan the fused one "
            "has; the extra collectives sit on the sum of the three input gradients (an "
            "all-reduce on axis 1) and an all-to-all on the query's backward view; at the "
-           "harness's small size all plan 2,402")
+           "harness's small size all plan 2,402 (re-measured 2026-11-29)")
 
 
 @pytest.mark.slow

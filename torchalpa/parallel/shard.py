@@ -38,15 +38,23 @@ False solves every mesh (benchmarks and tests compare)."""
 def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
                      shape: tuple[int, ...] | None = None,
                      axis_names: tuple[str, ...] | None = None) -> list[LogicalMesh]:
-    """The logical meshes to plan on: the one asked for, or every 1D/2D view of the cluster."""
+    """The logical meshes to plan on: the one asked for, or every 1D/2D view of the cluster.
+    A plan made with ``force_data_parallel`` on a LogicalMesh of several axes was made on
+    that mesh flattened to one (``effective_option``): its shape names the flattened mesh."""
     shape = tuple(shape or method.logical_mesh_shape or ()) or None
     if isinstance(cluster, LogicalMesh):
-        if shape and shape != cluster.shape:
-            raise ValueError(f"the LogicalMesh given as cluster has shape {cluster.shape}, but "
+        mesh: LogicalMesh = cluster
+        option = method.auto_sharding_option
+        if shape and shape != mesh.shape and option.force_data_parallel and \
+                shape == (mesh.num_devices,):
+            from torchalpa.passes.sharding.intra_op import effective_option
+            mesh = effective_option(option, mesh)[1]
+        if shape and shape != mesh.shape:
+            raise ValueError(f"the LogicalMesh given as cluster has shape {mesh.shape}, but "
                              f"the plan needs {shape}")
-        if axis_names and tuple(axis_names) != cluster.axis_names:
-            cluster = replace(cluster, axis_names=tuple(axis_names))
-        return [cluster]
+        if axis_names and tuple(axis_names) != mesh.axis_names:
+            mesh = replace(mesh, axis_names=tuple(axis_names))
+        return [mesh]
     if not isinstance(cluster, Cluster):
         raise TypeError(f"cluster must be a torchalpa.Cluster or LogicalMesh, "
                         f"got {type(cluster).__name__}")
