@@ -1100,15 +1100,16 @@ def test_moe_layer_2d_reduce_scatter():
 
 
 MOE_2D_RS = (
-    "2 all-reduces where Alpa has none (measured 2026-11-29: 6 all-to-alls, 9 "
-    "reduce-scatters, 3 all-gathers, 2 all-reduces). On axis 0, the qkv bias's gradient: "
-    "the bias is split on axis 1, whole on axis 0, and splitting it on axis 0 within each "
-    "piece is the nested strided shard of COLUMN_BIASES. On axis 1, the attention output "
-    "bias's and the layer norms' gradients (1,280 bytes merged): those are split on axis 0, "
-    "whole on axis 1, and the rewrite (passes/sharding/gradient_scatter.py) splits no dim "
-    "already split on another axis, though here splitting within each piece is the plain "
-    "(S(0), S(0)) layout, not a nested strided shard: a gap of the rewrite, not of the "
-    "layouts")
+    "1 all-reduce where Alpa has none (measured 2026-11-29 with the nested strided shard: 6 "
+    "all-to-alls, 10 reduce-scatters, 3 all-gathers, 1 all-reduce; the qkv bias's axis-0 "
+    "all-reduce is a reduce-scatter into its nested strided shard now). On axis 1, the "
+    "attention output bias's and the layer norms' gradients (1,280 bytes merged): those "
+    "are split on axis 0, whole on axis 1; the rewrite (passes/sharding/gradient_scatter.py) "
+    "splits no dim already split on another axis, and letting it store them (S(0), S(0)) "
+    "(tried, 2026-11-29) gave 2 all-reduces: the reshard planner reaches (S(0), S(0)) from "
+    "(S(0), P) by an all-reduce and a slice on axis 1, not a reduce-scatter of each axis-0 "
+    "piece (reshard._sharded_elsewhere refuses a scatter into a dim another axis splits). "
+    "Both need changing together: a gap of the rewrite and the planner, not of the layouts")
 
 
 @pytest.mark.slow
