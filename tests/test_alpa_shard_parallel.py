@@ -1099,23 +1099,12 @@ def test_moe_layer_2d_reduce_scatter():
                                                       "all_to_all", "all_gather")), counts
 
 
-MOE_2D_RS = (
-    "1 all-reduce where Alpa has none (measured 2026-11-29 with the nested strided shard: 6 "
-    "all-to-alls, 10 reduce-scatters, 3 all-gathers, 1 all-reduce; the qkv bias's axis-0 "
-    "all-reduce is a reduce-scatter into its nested strided shard now). On axis 1, the "
-    "attention output bias's and the layer norms' gradients (1,280 bytes merged): those "
-    "are split on axis 0, whole on axis 1; the rewrite (passes/sharding/gradient_scatter.py) "
-    "splits no dim already split on another axis, and letting it store them (S(0), S(0)) "
-    "(tried, 2026-11-29) gave 2 all-reduces: the reshard planner reaches (S(0), S(0)) from "
-    "(S(0), P) by an all-reduce and a slice on axis 1, not a reduce-scatter of each axis-0 "
-    "piece (reshard._sharded_elsewhere refuses a scatter into a dim another axis splits). "
-    "Both need changing together: a gap of the rewrite and the planner, not of the layouts")
-
-
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=MOE_2D_RS)
 def test_moe_layer_2d_reduce_scatter_alpa_all_reduces():
-    """Alpa's count of all-reduces in test_moe_layer_2d_reduce_scatter: none."""
+    """Alpa's count of all-reduces in test_moe_layer_2d_reduce_scatter: none. The qkv
+    bias (split on axis 1) reduce-scatters on axis 0 into its nested strided shard; the
+    attention output bias and the norms (split on axis 0) reduce-scatter on axis 1 inside
+    their axis-0 pieces, ``(S(0), S(0))``."""
     plan, _ = _moe_layer_plan((2, 2), **MOE_2D, prefer_reduce_scatter=True)
     assert communication(plan, ignore_scalar_all_reduce=True)["all_reduce"] == 0
 

@@ -154,6 +154,14 @@ def test_plans_use_direct_collectives():
     # a dim split over both axes is reassembled inner axis first
     steps = plan_reshard(spec, (Shard(0), Shard(0)), (Replicate(), Replicate()), (2, 2))
     assert [(s.kind, s.axis) for s in steps] == [("all_gather", 1), ("all_gather", 0)]
+    # a partial sum scatters inside an outer split (DTensor's nesting order), and partial
+    # sums on both axes scatter outer axis first, the inner one inside its pieces
+    axes = lambda a, b: [(s.kind, s.axis) for s in plan_reshard(spec, a, b, (2, 2))]
+    assert axes((Shard(0), Partial()), (Shard(0), Shard(0))) == [("reduce_scatter", 1)]
+    assert axes((Partial(), Partial()), (Shard(0), Shard(0))) == [("reduce_scatter", 0),
+                                                                  ("reduce_scatter", 1)]
+    assert axes((Partial(), Partial()), (Shard(1), Shard(0))) == [("reduce_scatter", 0),
+                                                                  ("reduce_scatter", 1)]
 
 
 def test_alpha_beta_costs():

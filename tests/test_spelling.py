@@ -309,7 +309,10 @@ def _planned(spelling: Spelling, mesh: str) -> Planned:
 # spellings known to lose: (case, spelling, mesh or None for both) -> the diagnosis
 STRIDED_2D = ("a (3, H)-major fused weight splits by heads only as a strided shard, which "
               "may not share its dim with another axis's split (strategies._strided_alone: "
-              "the runtime lays out no nested strided shard), so its rows cannot be split "
+              "the ILP offers none; the runtime lays out only the nested strided shard whose "
+              "strided split is the outer axis, (_S(d, k), S(d)), where the heads' split of "
+              "these rows on the inner axis would need the strided split inside a plain "
+              "one), so its rows cannot be split "
               "over both axes as the separate weights are (measured: 2,914 against 2,402 for separate "
               "q, k, v on 2x2, all four spellings: split, chunk, unbind and indexing)")
 TIE = ("not a worse plan: the same objective (7,996.2), but the second bias is (R, S(0)) where "

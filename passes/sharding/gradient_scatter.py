@@ -11,7 +11,8 @@ all-gathers, as Alpa's after the update; with ``rematerialize_parameters`` its b
 reads gather it again, Alpa's ``force_zero_stage_3``). The ILP's objective is the plan's
 without the rewrite, as Alpa's is; the plan's step estimate prices what it issues.
 
-A dim no other axis splits is split first. Where every dim is taken (a column-parallel
+A dim no other axis splits is split first, then a dim only earlier axes split (the axis
+splits each of their pieces: the ordinary ``(Shard(d), Shard(d))``). Where every dim is taken (a column-parallel
 bias of a 2D plan: its one dim split on the model axis 1), the parameter is split on the
 batch axis 0 inside each of axis 1's pieces, as Alpa's rewrite splits it: a nested
 strided shard (DTensor's ``(_StridedShard(d, k), Shard(d))``, ``reshard.nested_strided``),
@@ -90,9 +91,10 @@ def _split_further(spec: TensorSpec, grad: Placements, stored: Placements,
     by_layout = {s.outputs[0]: s for s in options}
     want = list(stored)
     for a in axes:
-        for d in range(len(spec.shape)):
-            if d in taken:
-                continue
+        # a free dim first; then a dim only earlier axes split, plainly: ``a`` splits each
+        # of their pieces, the ordinary layout (``(S(0), S(0))``); else a nested shard
+        for d in [d for d in range(len(spec.shape)) if d not in taken] + \
+                [d for d in sorted(taken) if _only_earlier(want, d, a)]:
             trial = want.copy()
             trial[a] = Shard(d)
             if tuple(trial) in by_layout:
@@ -109,6 +111,13 @@ def _split_further(spec: TensorSpec, grad: Placements, stored: Placements,
             shards *= n if is_shard(p) else 1
         found = Strategy(inputs=(), outputs=(tuple(want),), shards=shards)
     return found
+
+
+def _only_earlier(want: list, d: int, axis: int) -> bool:
+    """Whether every axis of ``want`` splitting dim ``d`` comes before ``axis`` and splits
+    it plainly, so that ``Shard(d)`` on ``axis`` splits each of their pieces."""
+    return all(b < axis and split_factor_of(p) == 1
+               for b, p in enumerate(want) if b != axis and is_shard(p) and p.dim == d)
 
 
 def _nest(spec: TensorSpec, want: list, axis: int, mesh: LogicalMesh) -> list:

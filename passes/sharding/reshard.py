@@ -88,8 +88,23 @@ def _scatters_into_nested(cur, dst, axis: int, mesh_shape) -> bool:
                if b != axis and any(is_shard(p) and p.dim == dim for p in (cur[b], dst[b])))
 
 
-def _sharded_elsewhere(placements, dim: int, axis: int) -> bool:
-    return any(is_shard(p) and p.dim == dim and a != axis for a, p in enumerate(placements))
+def _scatters_inside_outer(cur, dst, axis: int) -> bool:
+    """A partial sum on ``axis`` reduce-scatters straight into ``dst[axis]``, a plain
+    shard of a dim that only outer axes split otherwise, each of them staying as it is:
+    the scatter splits each of their pieces, which is the nesting order of a multi-axis
+    split (``(Shard(0), Partial) -> (Shard(0), Shard(0))``, as DTensor does it). An inner
+    axis still a partial sum scatters after it, inside its pieces."""
+    d = dst[axis]
+    if split_factor_of(d) != 1:
+        return False
+    for b in range(len(cur)):
+        if b == axis or not any(is_shard(p) and p.dim == d.dim for p in (cur[b], dst[b])):
+            continue
+        if b > axis and is_partial(cur[b]):
+            continue        # an inner partial sum scattering later, inside these pieces
+        if b > axis or cur[b] != dst[b] or split_factor_of(cur[b]) != 1:
+            return False
+    return True
 
 
 def _all_to_all_direct(cur, dst, axis: int, src_dim: int, dim: int) -> bool:
@@ -161,6 +176,13 @@ def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
                 gather(inner)
         emit("all_gather", axis, Replicate(), dim=p.dim)
 
+    # 0. partial sums that scatter inside outer splits, outer axes first (an inner axis
+    #    still summing scatters later, inside this one's pieces)
+    for axis in range(len(cur)):
+        if allow_reduce_scatter and is_partial(cur[axis]) and is_shard(dst[axis]) \
+                and _scatters_inside_outer(cur, dst, axis):
+            emit("reduce_scatter", axis, dst[axis], dim=dst[axis].dim,
+                 reduce_op=cur[axis].reduce_op)
     # 1. reductions and gathers, inner axes first
     for axis in reversed(range(len(cur))):
         s, d = cur[axis], dst[axis]
@@ -169,8 +191,7 @@ def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
         if is_partial(s):
             if is_shard(d) and allow_reduce_scatter \
                     and (_scatters_into_nested(cur, dst, axis, mesh_shape)
-                         or not _sharded_elsewhere(cur, d.dim, axis)
-                         and not _sharded_elsewhere(dst, d.dim, axis)):
+                         or _scatters_inside_outer(cur, dst, axis)):
                 emit("reduce_scatter", axis, d, dim=d.dim, reduce_op=s.reduce_op)
             else:
                 emit("all_reduce", axis, Replicate(), reduce_op=s.reduce_op)
