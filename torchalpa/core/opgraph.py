@@ -65,7 +65,8 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.itemsize
+        # numel * itemsize, inline: planning asks it hundreds of thousands of times
+        return math.prod(self.shape) * DTYPE_BYTES.get(self.dtype, 4)
 
     @property
     def is_absent(self) -> bool:
