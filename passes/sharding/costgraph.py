@@ -75,6 +75,7 @@ class ReshardCosts:
         # whose hashing (placements hash in Python) was most of building a cost graph
         self._ids: dict = {}
         self._tables: dict[tuple, np.ndarray] = {}
+        self._cells: dict[tuple, float] = {}      # (bytes, layout ints, gradient) -> cost
         # (spec, src, dst) by identity -> (them, the steps): the plans and the ILPs' rounds
         # ask for the same objects' steps again and again (the rules' shared layouts, a
         # graph's specs); kept with the answer so their identities stay theirs
@@ -128,12 +129,23 @@ class ReshardCosts:
         as many bytes share it: ``plan_reshard``'s steps read nothing else of a spec)."""
         urows, ri = _unique(rows)
         ucols, ci = _unique(cols)
-        key = (spec.nbytes, tuple(map(self._id, urows)), tuple(map(self._id, ucols)),
-               gradient)
+        nbytes = spec.nbytes
+        row_ids, col_ids = tuple(map(self._id, urows)), tuple(map(self._id, ucols))
+        key = (nbytes, row_ids, col_ids, gradient)
         table = self._tables.get(key)
         if table is None:
-            table = self._tables[key] = np.array(
-                [[self.cost(spec, r, c, gradient) for c in ucols] for r in urows])
+            # each cell by the layouts' ints (equal layouts, equal ints: ``cost``'s key
+            # without hashing placements again)
+            cells = self._cells
+            table = np.empty((len(urows), len(ucols)))
+            for i, (r, a) in enumerate(zip(urows, row_ids)):
+                for j, (c, b) in enumerate(zip(ucols, col_ids)):
+                    cell = (nbytes, a, b, gradient)
+                    found = cells.get(cell)
+                    if found is None:
+                        found = cells[cell] = self.cost(spec, r, c, gradient)
+                    table[i, j] = found
+            self._tables[key] = table
         return Edge(u, v, ri, ci, table.copy())
 
     def _id(self, item) -> int:
@@ -172,7 +184,8 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
                      grouping: Grouping, costs: ReshardCosts,
                      shared: frozenset = frozenset(),
                      read_weights: dict[tuple[str, int], float] | None = None,
-                     micro_batches: int = 1, state_once: bool = False) -> CostGraph:
+                     micro_batches: int = 1, state_once: bool = False,
+                     rounds: dict | None = None) -> CostGraph:
     """``shared``: values (producer, index) whose operand reads are priced once per target
     layout (``passes/sharding/shared_reshard.py``) instead of once per read. ``read_weights``:
     values whose every operand read is priced at this fraction of its resharding (a
@@ -181,14 +194,22 @@ def build_cost_graph(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strate
     step runs the graph this many times and reduces the gradients once (gradient
     accumulation): every cost but the gradients' final resharding counts that many times.
     ``state_once`` (``plan.state_read_once``): a forward op's read of a parameter or buffer
-    is resharded once per step too (``runtime/rewrites/param_gather.py``)."""
+    is resharded once per step too (``runtime/rewrites/param_gather.py``). ``rounds``: a
+    dict kept by the caller across cost graphs of the same graph, strategies, grouping,
+    costs and options that differ in ``shared`` alone (``solve_sharing_reads``' rounds):
+    the node costs and every group of links not changed are taken from the round before,
+    the same numbers added in the same order."""
     repeats = _Repeats(graph, float(micro_batches), state_once)
-    node_costs = _node_costs(graph, mesh, S, grouping, costs, repeats.micro_batches,
-                             state_once)
+    rounds = {} if rounds is None or read_weights else rounds
+    base = rounds.get("node costs")
+    if base is None:
+        base = rounds["node costs"] = _node_costs(graph, mesh, S, grouping, costs,
+                                                  repeats.micro_batches, state_once)
+    node_costs = {r: vec.copy() for r, vec in base.items()}
     links = _links(graph, shared)
     groups = _group_links(graph, S, grouping, links)
     edges = _price_groups(graph, S, grouping, costs, groups, node_costs, repeats,
-                          read_weights or {})
+                          read_weights or {}, rounds.setdefault("groups", {}))
     groups_shared = shared_groups(graph, S, grouping, costs, set(shared))
     order = {n.name: i for i, n in enumerate(graph)}
     for g in groups_shared:          # operand reads: once per micro-batch (or step)
@@ -380,15 +401,27 @@ def _group_links(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Groupin
 def _price_groups(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Grouping,
                   costs: ReshardCosts, groups: dict[tuple, list[Link]],
                   node_costs: dict[str, np.ndarray], repeats: _Repeats,
-                  weights: dict[tuple[str, int], float]) -> list[Edge]:
+                  weights: dict[tuple[str, int], float], done: dict | None = None
+                  ) -> list[Edge]:
     """Each group's resharding table, times how often a step pays its links; a group
     within one representative adds its diagonal to the node's costs, the others are the
-    ILP's edges."""
+    ILP's edges. ``done``: (group, its links) -> what an earlier cost graph of the same
+    problem priced for them (``build_cost_graph``'s ``rounds``), taken as it was."""
     index = grouping.index
     edges: list[Edge] = []
-    saved = saved_views(graph)
+    saved = saved_views(graph) if done is None or not done else done["saved views"]
+    if done is not None:
+        done["saved views"] = saved
     for key, members in groups.items():
         ru, rv = key[0], key[1]
+        found = None if done is None else done.get((key, tuple(members)))
+        if found is not None:
+            if ru == rv:
+                node_costs[ru] += found
+            else:
+                edges.append(Edge(found.u, found.v, found.row_of.copy(),
+                                  found.col_of.copy(), found.table.copy()))
+            continue
         u, idx, v, how = members[0]
         rows = [S[u][a].outputs[idx] for a in index[u]]
         cols = [_reads(S[v][b], how) for b in index[v]]
@@ -402,8 +435,14 @@ def _price_groups(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Groupi
         e.table = e.table * sum((weights.get((m[0], m[1]), 1.0) if isinstance(m[3], int) else 1.0)
                                 * repeats.of(m[0], m[2], m[3]) for m in members)
         if ru == rv:   # both ends follow one node: only its diagonal can happen
-            node_costs[ru] += e.dense().diagonal()
+            diagonal = e.dense().diagonal()
+            node_costs[ru] += diagonal
+            if done is not None:
+                done[(key, tuple(members))] = diagonal
         else:
+            if done is not None:
+                done[(key, tuple(members))] = Edge(e.u, e.v, e.row_of, e.col_of,
+                                                   e.table.copy())
             edges.append(e)
     return edges
 
@@ -470,9 +509,11 @@ def solve_sharing_reads(graph: OpGraph, mesh, S: dict, grouping, costs, solve,
     round found again costs a whole solve). Returns the last (cost graph, solution, chosen
     strategies, values priced once per layout). ``share_state``: parameters' reads may
     share a copy too (``shared_reshard.read_key``)."""
+    rounds: dict = {}       # what the rounds share (build_cost_graph)
     for _ in range(SHARING_ROUNDS):
         cg = build_cost_graph(graph, mesh, S, grouping, costs, shared,
-                              micro_batches=micro_batches, state_once=state_once)
+                              micro_batches=micro_batches, state_once=state_once,
+                              rounds=rounds)
         solution, chosen = solve(cg, initial)
         more = duplicated_reads(graph, chosen, costs.steps, share_state) - shared
         if not more:

@@ -189,13 +189,16 @@ def _add_edge(model: LinearModel, s: dict, e, tag: str, scale: float) -> None:
     col_sources = layout_columns(s[e.v], e.col_of, Q)
     rows: list[list[int]] = [[] for _ in range(P)]
     cols: list[list[int]] = [[] for _ in range(Q)]
+    # the table scaled and tested once, as Python floats (the same products)
+    scaled, finite = (e.table * scale).tolist(), np.isfinite(e.table).tolist()
     for p in range(P):
         if not row_sources[p]:
             continue
+        costs, usable = scaled[p], finite[p]
         for q in range(Q):
-            if not col_sources[q] or not math.isfinite(e.table[p, q]):
+            if not col_sources[q] or not usable[q]:
                 continue
-            col = model.column(f"{tag}_{p}_{q}", float(e.table[p, q] * scale), 1.0, False)
+            col = model.column(f"{tag}_{p}_{q}", costs[q], 1.0, False)
             rows[p].append(col)
             cols[q].append(col)
     for sums, sources in ((rows, row_sources), (cols, col_sources)):

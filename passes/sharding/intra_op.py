@@ -15,6 +15,7 @@ import logging
 import math
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from dataclasses import replace
 from typing import NamedTuple
@@ -85,6 +86,12 @@ class UnsupportedOpWarning(UserWarning):
     """An op has no sharding rule and runs replicated."""
 
 
+_PER_GRAPH: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""graph -> what ``build_strategies`` reads of it alone, whatever the mesh (its strided
+regions, each node's rule: the node and its operands' specs decide it), made once for
+the views of one graph."""
+
+
 def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
                      option: AutoShardingOption | None = None,
                      memo: PricingMemo | None = None) -> StrategySpace:
@@ -94,7 +101,10 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
     strategies: dict[str, list[Strategy]] = {}
     unsupported: list[dict] = []
     heavy, random = set(), set()
-    regions = strided_regions(graph)
+    per_graph = _PER_GRAPH.get(graph)
+    if per_graph is None:
+        per_graph = _PER_GRAPH[graph] = {"regions": strided_regions(graph), "rules": {}}
+    regions, rules = per_graph["regions"], per_graph["rules"]
     for node in graph:
         strides = regions.get(node.name, ())
         if node.is_leaf:
@@ -106,7 +116,10 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
                 options = [Strategy(inputs=(), outputs=(crossing,))]
             strategies[node.name] = options
             continue
-        rule = rule_for(node, graph)
+        known = rules.get(node.name)
+        if known is None or known[0] is not node:
+            known = rules[node.name] = (node, rule_for(node, graph))
+        rule = known[1]
         if rule is not None and rule.random:
             random.add(node.name)
             if option is not None and option.random == "replicated":

@@ -132,9 +132,10 @@ def _remove_dominated(p: Presolved, memory: dict[str, list[np.ndarray]],
         # equal, comes first: the first such j in order is the one it is mapped to
         keep = np.ones(len(idx), dtype=bool)
         order = np.arange(len(idx))
+        no_worse_than = _no_worse(profile)
         for i in range(len(idx)):
-            no_worse = (profile <= profile[i]).all(axis=1)
-            equal = no_worse & (profile[i] <= profile).all(axis=1)
+            no_worse = no_worse_than[i]
+            equal = no_worse & no_worse_than[:, i]
             by = np.flatnonzero(no_worse & keep & (order != i) & ((order < i) | ~equal))
             if len(by):
                 keep[i] = False
@@ -144,6 +145,22 @@ def _remove_dominated(p: Presolved, memory: dict[str, list[np.ndarray]],
             allowed[k] = np.isfinite(c)
             removed += int((~keep).sum())
     return removed
+
+
+NO_WORSE_CELLS = 1 << 22
+"""Comparisons ``_no_worse`` makes at once (bools of a block of rows)."""
+
+
+def _no_worse(profile: np.ndarray) -> np.ndarray:
+    """``[i, j]``: row ``j`` of ``profile`` is nowhere above row ``i`` (``profile[j] <=
+    profile[i]`` everywhere), in blocks of rows of at most ``NO_WORSE_CELLS`` comparisons."""
+    n, width = profile.shape
+    out = np.empty((n, n), dtype=bool)
+    step = max(1, NO_WORSE_CELLS // max(1, n * width))
+    for start in range(0, n, step):
+        block = profile[start:start + step]
+        out[start:start + step] = (profile[None, :, :] <= block[:, None, :]).all(axis=2)
+    return out
 
 
 def _memory_free(k: str, c: np.ndarray, memory: dict[str, list[np.ndarray]]) -> bool:

@@ -92,6 +92,14 @@ def _attach_untagged(graph: OpGraph, blocks: dict[str, tuple[str, int]]
     return attached
 
 
+def _identity(memo: dict[int, tuple[int, ...]], n: int) -> tuple[int, ...]:
+    """``tuple(range(n))``, made once per ``n`` (thousands of nodes share a few counts)."""
+    found = memo.get(n)
+    if found is None:
+        found = memo[n] = tuple(range(n))
+    return found
+
+
 def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
                 blocks: dict[str, tuple[str, int]] | None = None,
                 merge_followers: bool = True, fixed: frozenset = frozenset(),
@@ -101,8 +109,9 @@ def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
     With ``period`` p, block k shares decisions with the first block of its kind whose
     index is k mod p (p = 2 lets consecutive layers alternate, as Megatron's column- and
     row-parallel Linear layers do when each Linear is its own block)."""
+    identity: dict[int, tuple[int, ...]] = {}     # one tuple per strategy count, shared
     g = Grouping(rep={n.name: n.name for n in graph},
-                 index={n.name: tuple(range(len(strategies[n.name]))) for n in graph})
+                 index={n.name: _identity(identity, len(strategies[n.name])) for n in graph})
     blocks = _attach_untagged(graph, dict(blocks or {}))
     # 1. repeated blocks: node j of a block follows node j of the first block with the
     #    same op sequence (the first layer, say, computes no gradient for its input)
@@ -121,7 +130,7 @@ def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
         head = heads.setdefault(signature, names)
         if head is not names:
             for a, b in zip(head, names):
-                g.rep[b], g.index[b] = a, tuple(range(len(strategies[b])))
+                g.rep[b], g.index[b] = a, _identity(identity, len(strategies[b]))
     # 2. followers (in topological order, so producers are grouped first)
     if merge_followers:
         order = {n.name: i for i, n in enumerate(graph)}

@@ -65,7 +65,8 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.itemsize
+        # numel * itemsize, inline: planning asks it hundreds of thousands of times
+        return math.prod(self.shape) * DTYPE_BYTES.get(self.dtype, 4)
 
     @property
     def is_absent(self) -> bool:
@@ -193,6 +194,13 @@ class OpGraph:
         self.outputs = outputs
         self.meta = dict(meta or {})
 
+    def __getstate__(self) -> dict:
+        """Pickled and copied without ``fingerprint``'s memo (a hash object, which does not
+        pickle)."""
+        state = dict(self.__dict__)
+        state.pop("_nodes_hash", None)
+        return state
+
     # -- access -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[OpNode]:
         return iter(self._nodes.values())
@@ -308,12 +316,19 @@ class OpGraph:
 
     def fingerprint(self) -> str:
         """Hash of everything that affects planning: ops, args, shapes, edges, outputs."""
-        h = hashlib.sha256()
-        for n in self:
-            h.update(json.dumps([n.name, n.op, n.kind, [str(r) for r in n.operands], repr(n.args),
-                                 repr(n.kwargs), [str(s) for s in n.outputs], n.target,
-                                 n.phase, n.aliases] + ([] if n.batched else ["unbatched"]),
-                                sort_keys=True).encode())
+        # the nodes' part is hashed once per graph (its nodes are frozen and never
+        # replaced: ``replace_nodes`` makes a new graph); outputs and meta may be set after
+        nodes = self.__dict__.get("_nodes_hash")
+        if nodes is None:
+            nodes = hashlib.sha256()
+            for n in self:
+                nodes.update(json.dumps([n.name, n.op, n.kind, [str(r) for r in n.operands],
+                                         repr(n.args), repr(n.kwargs), [str(s) for s in n.outputs],
+                                         n.target, n.phase, n.aliases]
+                                        + ([] if n.batched else ["unbatched"]),
+                                        sort_keys=True).encode())
+            self.__dict__["_nodes_hash"] = nodes
+        h = nodes.copy()
         h.update(repr(self.outputs).encode())
         if self.meta.get("reduce_dtype"):   # gradients summed in a narrow dtype: other plans
             h.update(f"reduce_dtype={self.meta['reduce_dtype']}".encode())

@@ -28,6 +28,7 @@ from torchalpa.core.progress import verbose as solver_log
 from torchalpa.parallel.build import build_generation, build_module, plan_generation, plan_model
 from torchalpa.parallel.methods import check_method
 from torchalpa.parallel.tp_pins import resolve_style_pins
+from torchalpa.parallel.workflow import planning_gc
 
 if TYPE_CHECKING:
     from torchalpa.runtime.execution.module import ParallelModule
@@ -84,7 +85,7 @@ def plan(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
     second and the prefill's time.
     """
     setup_logging()
-    with solver_log(verbose):
+    with solver_log(verbose), planning_gc():
         method = resolve_style_pins(_check_method(method), model)
         _check_inputs_mode(inputs)
         option = parse_mode(mode)
@@ -194,7 +195,7 @@ def auto_parallel(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
       is filled by ``init_weights`` or ``torchalpa.load_pretrained``. See ``docs/serving.md``.
     """
     setup_logging()
-    with solver_log(verbose):
+    with solver_log(verbose), planning_gc():
         method = resolve_style_pins(_check_method(method), model)
         _check_call_options(inputs, check_inputs, num_micro_batches)
         option = parse_mode(mode)

@@ -24,7 +24,12 @@ from torchalpa.core.progress import step
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel import cache
 from torchalpa.parallel.steps import Placed, PlacedForward
-from torchalpa.parallel.workflow import default_cluster, plan_on_rank0, same_step_on_every_rank
+from torchalpa.parallel.workflow import (
+    default_cluster,
+    plan_on_rank0,
+    planning_gc,
+    same_step_on_every_rank,
+)
 
 __all__ = ["candidate_meshes", "plan_graph", "blocks_of", "IntraOpSteps", "IntraOpTarget"]
 
@@ -62,6 +67,7 @@ def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
     return [cluster.logical_mesh(s, axis_names if shape else None) for s in shapes]
 
 
+@planning_gc()
 def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMesh],
                inputs: str = "global", blocks: dict | None = None,
                deadline: float | None = None, bound_views: bool | None = None,

@@ -8,8 +8,10 @@ plans) both call these, so micro-batch splitting, capture and planning on rank 0
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TypeVar, cast
 
@@ -21,13 +23,45 @@ from torchalpa.core.units import format_count
 from torchalpa.parallel.calibrate import calibration_enabled, measure_cluster
 from torchalpa.parallel.device_profile import apply_profile, load_profile
 
-__all__ = ["default_cluster", "capture_step", "capture_variants", "micro_batch_examples",
+__all__ = ["planning_gc", "default_cluster", "capture_step", "capture_variants", "micro_batch_examples",
            "capture_examples", "with_precision", "with_precision_recorded",
            "same_step_on_every_rank", "plan_on_rank0"]
 
 log = logging.getLogger("torchalpa")
 
 AnyPlan = TypeVar("AnyPlan", bound=Plan | PipelinePlan)
+
+
+GC_YOUNG_THRESHOLD = 20_000
+"""Allocations between collections of the youngest generation while planning (Python's
+default: 700)."""
+
+_planning = 0      # planning_gc's depth: only the outermost changes the collector
+
+
+@contextmanager
+def planning_gc() -> Iterator[None]:
+    """Planning with fewer garbage collections: what exists when planning starts (the
+    model, torch's modules) is frozen out of the collector's scans (``gc.freeze``) and the
+    youngest generation is collected every ``GC_YOUNG_THRESHOLD`` allocations. Planning
+    builds millions of small objects (strategies, layouts, cost tables) that live until
+    the plan is made; the collector's full scans of them were a fifth of the CPU time of
+    planning LLaMA-3-8B. Nothing is decided by when objects are collected, so plans do not
+    change; the frozen objects go back to the collector when the outermost call ends."""
+    global _planning
+    if _planning or not gc.isenabled():
+        yield
+        return
+    _planning += 1
+    threshold = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(max(threshold[0], GC_YOUNG_THRESHOLD), *threshold[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+        _planning -= 1
 
 
 def default_cluster(num_devices: int, *, measure: bool = False) -> Cluster:
