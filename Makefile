@@ -42,7 +42,9 @@ lint: $(STAMP)
 	@for d in frontends passes runtime; do ln -s ../../../$$d build/typecheck/torchalpa/$$d; done
 	$(BIN)/basedpyright
 
-# The test suite (under 15 minutes on 2 cores; about 11 here, 12 with the venv from nothing).
+# The test suite (must stay well under 15 minutes on 2 cores). CI measured 838 s on 11-29
+# before that day's cuts, not measured whole since (the VM was at load 6-25): see the
+# CHANGELOG (11-29, "make test") for per-file figures and how they were taken.
 # Two pytest workers (pytest-xdist), a test file each at a time: most tests are one
 # single-threaded process (OMP_NUM_THREADS=1), so one worker alone leaves a core idle.
 test: $(STAMP)

@@ -20,11 +20,16 @@ import worker_io
 # trains the stages it picks like one device, and the DP on estimated costs is planned in
 # make test by tests/test_api.py and tests/test_layer_cache.py (and checked against brute
 # force in tests/test_stages.py); the runtime cannot tell which costs chose its stages.
+# gpt_2x2_recompute (stage 0 checkpointed, parameters replicated) runs there too: in make
+# test gpt_2x2_zero_scatter checkpoints the same stage of the same GPT (recompute=[True,
+# False]) with its parameters sharded, and its test asserts the same: the stages'
+# recompute flags, 2 x 4 x 3 replayed forwards, and losses, sent bytes and parameters as on
+# one device.
 FOUR = ("mlp_2x2_1f1b", "mlp_2x2_options", "mlp_2x2_checks", "mlp_4x1_gpipe_backward",
         "mlp_auto_pipeline",
-        "gpt_2x2_1f1b", "gpt_profile", "gpt_checkpoint", "gpt_2x2_recompute", "gpt_2x2_export",
+        "gpt_2x2_1f1b", "gpt_profile", "gpt_checkpoint", "gpt_2x2_export",
         "gpt_2x2_zero_scatter")
-FOUR_SLOW = ("gpt_auto",)
+FOUR_SLOW = ("gpt_auto", "gpt_2x2_recompute")
 
 
 def launch(nproc: int, tmp_path, real: bool = False, names=()) -> dict:
@@ -73,10 +78,13 @@ def test_stages_the_dp_picks_on_estimated_costs_train_like_one_device(four_slow)
     assert sum(n * m for n, m in auto["submeshes"]) == 4    # the DP's stages tile 4 devices
 
 
-def test_one_stage_checkpointed_trains_like_one_device(four):
+@pytest.mark.slow
+def test_one_stage_checkpointed_trains_like_one_device(four_slow):
     """Stage 0 recomputes its forward before each backward (StagePlan.recompute), stage 1
-    keeps its activations: losses, sent bytes and parameters as on one device."""
-    r = four["gpt_2x2_recompute"]
+    keeps its activations: losses, sent bytes and parameters as on one device. In make
+    test-all; in make test, test_zero_stages_gather_once_and_split_sends_train_like_one_device
+    asserts the same of the same stages with their parameters sharded."""
+    r = four_slow["gpt_2x2_recompute"]
     assert r["recompute"] == [True, False]
     # stage 0's 2 ranks ran each of 4 micro-batches' forward again, in each of 3 steps
     assert r["replays"] == 2 * 4 * 3
@@ -131,6 +139,7 @@ def test_zero_stages_gather_once_and_split_sends_train_like_one_device(four):
     # every rank's stage gathers its parameters once per step, before its first
     # micro-batch; stage 0's replayed forwards read those copies
     assert r["ranks_gathering_once"] == 4
+    assert r["recompute"] == [True, False]
     assert r["replays"] == 2 * 4 * 3
     # the activation and its gradient cross in halves, each rank its own half of the
     # batch (not gathered over the stage's data-parallel axis: nothing to re-gather on

@@ -19,8 +19,15 @@ FAMILIES = ["gpt", "llama", "bert", "vit", "resnet", "moe", "hf_gpt2", "hf_llama
 # on 4 ranks 1D in make test-all only: transformers' LLaMA, the slowest family to capture
 # and plan on 4 ranks (a fifth of the 1D launch). Its siblings in make test: the zoo's own
 # LLaMA here (the same decoder: RMSNorm, rotary embeddings, grouped-query attention,
-# SwiGLU), and transformers' LlamaForCausalLM on 4 ranks in tests/test_suite.py (FAST)
-SLOW_1D = ["hf_llama"]
+# SwiGLU), and transformers' LlamaForCausalLM on 4 ranks in tests/test_suite.py (FAST).
+# And transformers' GPT-2 (25 of the 1D launch's 177 s at load 20): its sibling in make
+# test is tests/test_distributed.py's hf_gpt2_heads, the same GPT2LMHeadModel (Conv1D
+# c_attn) on 4 ranks, trained like one device with the collectives the plan lists
+# (there on links where tensor parallelism pays). And transformers' BERT (11 s): the same
+# BertForSequenceClassification trains on 4 ranks like one device in tests/test_suite.py
+# (FAST: losses, gradients, parameters, replicas bitwise equal), and the zoo's own BERT
+# here issues the collectives its plan lists.
+SLOW_1D = ["hf_llama", "hf_gpt2", "hf_bert"]
 FAST_1D = [f for f in FAMILIES if f not in SLOW_1D]
 # on 2x2 in make test: a decoder (attention, embeddings, norms, MLPs) and convolutions with
 # batch norm and pooling. Each family's 2D plan took 1.5 to 7 minutes to solve on 2 loaded
