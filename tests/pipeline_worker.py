@@ -255,6 +255,57 @@ def mlp_batch(batch=32, dim=64):
     return torch.randn(batch, dim, generator=g), torch.randn(batch, dim, generator=g)
 
 
+def cast_tied_gpt(gpt):
+    """``gpt``'s GPT with float64 master weights computing in float32 (a ``CastForward``
+    on each block and each other top-level module, as mixed precision casts per module):
+    its tied embedding is cast in the first stage and again in the head's, so the head's
+    stage sends back a gradient part it could reduce narrow with every micro-batch."""
+    from torchalpa.runtime.execution.precision import CastForward
+    policy = torchalpa.MixedPrecision(param_dtype=torch.float32, output_dtype=None)
+
+    def build():
+        model = gpt.build().double()
+        for i, block in enumerate(model.h):
+            model.h[i] = CastForward(block, policy)
+        for name in ("wte", "wpe", "ln_f", "lm_head"):
+            setattr(model, name, CastForward(getattr(model, name), policy))
+        return model
+    return build
+
+
+def all_reduces_per_micro_batch(make_model, batch, loss_fn, method, cluster) -> dict:
+    """Training beside one device (``compare``), and the all-reduces this rank issues in
+    a step (after the first) with ``method``'s micro-batches and with half of them:
+    the difference over the micro-batches taken away is what each micro-batch
+    all-reduces (its count and bytes, worst rank)."""
+    from dataclasses import replace as dc_replace
+
+    from torchalpa.runtime.measurement.traffic import TALLY
+    out = {}
+    for k in (method.num_micro_batches, method.num_micro_batches // 2):
+        torch.manual_seed(0)
+        pm = torchalpa.auto_parallel(make_model(), batch, loss_fn,
+                                     method=dc_replace(method, num_micro_batches=k),
+                                     cluster=cluster,
+                                     optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+        pm.train_step(*batch)
+        before = TALLY.copy()
+        pm.train_step(*batch)
+        step = TALLY.since(before)
+        out[k] = (step.count["all_reduce"], step.sent["all_reduce"])
+    half = method.num_micro_batches // 2
+    per_micro = torch.tensor([(out[2 * half][i] - out[half][i]) / half for i in range(2)])
+    dist.all_reduce(per_micro, op=dist.ReduceOp.MAX)
+    result = compare(make_model, batch, loss_fn, method, cluster=cluster)
+    result["all_reduces_per_micro_batch"], result["all_reduce_bytes_per_micro_batch"] = \
+        per_micro.tolist()
+    result["all_reduces_per_step"] = out[2 * half][0]
+    # the tied weight's gradient in the compute dtype (float32), as each micro-batch
+    # would reduce it before it is summed
+    result["tied_bytes"] = make_model().wte.weight.numel() * 4
+    return result
+
+
 def manual(ids, submeshes, logical=None, recompute=None):
     return torchalpa.ManualStageOption(forward_stage_layer_ids=ids, submesh_shapes=submeshes,
                                        logical_shapes=logical, recompute=recompute)
@@ -286,6 +337,12 @@ def scenarios(n):
             torchalpa.AutoParallel(pipeline=True, remat=("none",), time_budget_s=1),
             cluster=cpu)
         yield "mlp_auto_nodes", lambda: auto_on_this_job(mlp(), mlp_batch())
+        # mixed precision cast per module: the tied embedding's gradient part the head's
+        # stage sends back is summed over the micro-batches and reduced once per step
+        yield "gpt_2x2_cast_tied", lambda: all_reduces_per_micro_batch(
+            cast_tied_gpt(gpt), gpt_batch, gpt.loss_fn, P(
+                num_micro_batches=4, layer_option=L(layer_num=2),
+                stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cpu)
         yield "gpt_2x2_1f1b", lambda: compare(gpt.build, gpt_batch, gpt.loss_fn, P(
             num_micro_batches=4, layer_option=L(layer_num=2),
             stage_option=manual([[0], [1]], [(1, 2), (1, 2)])), cluster=cpu)

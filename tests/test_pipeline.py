@@ -165,6 +165,21 @@ def test_tied_weight_crosses_stages_once_per_step(four):
     assert four["gpt_2x2_1f1b"]["once_per_step"] == 2
 
 
+@pytest.mark.slow
+def test_a_cast_tied_gradient_is_reduced_once_per_step_not_per_micro_batch(tmp_path):
+    """Mixed precision cast per module: the head's stage casts the tied embedding again and
+    sends back its part of the gradient, summed over the micro-batches; reducing it narrow
+    with every micro-batch costs half the bytes each time, so a plan pricing the send per
+    micro-batch did so (4 micro-batches: 4 all-reduces of it a step); it is made whole
+    once per step, as it is sent. What each micro-batch all-reduces (a step's all-reduces
+    with 4 micro-batches less those with 2, per micro-batch taken away) is only the loss's
+    scalars. A fresh launch of one scenario (~1 min on 2 cores)."""
+    r = launch(4, tmp_path, names=("gpt_2x2_cast_tied",))["gpt_2x2_cast_tied"]
+    check(r)
+    assert r["all_reduce_bytes_per_micro_batch"] < r["tied_bytes"] / 100
+    assert r["all_reduces_per_step"] > 0
+
+
 def test_checkpoint_resumes_identically(four):
     """torch.distributed.checkpoint of a pipelined model (each stage's DTensors on its own
     submesh) and its optimizer: a fresh model that loads it trains on with equal losses."""

@@ -182,3 +182,28 @@ def test_a_zero_stage_gathers_its_parameters_once_per_step_not_per_micro_batch()
         assert eb.step_time_s - eb.once_per_step_s == pytest.approx(
             ea.step_time_s - ea.once_per_step_s - g, rel=1e-9)
         assert eb.once_per_step_s == pytest.approx(ea.once_per_step_s + g, rel=1e-9)
+
+
+def test_a_cast_tied_gradient_part_is_not_reduced_with_every_micro_batch():
+    # mixed precision cast per module: the head's stage casts the tied embedding again, so
+    # its gradient part is narrow (float16) inside backward and float32 as it is sent back.
+    # Sent summed, once per step, it is made whole once (float32); the stage's ILP prices
+    # that send once too, so it no longer reduces the narrow part with every micro-batch
+    # (half the bytes, 8 times a step)
+    from torchalpa.runtime.execution.precision import CastForward
+    w = zoo.tiny("gpt", 8, num_layers=2, hidden=64, vocab_size=256)
+    with torch.device("meta"):
+        model, batch = w.build(), w.example_inputs()
+    policy = torchalpa.MixedPrecision(param_dtype=torch.float16, output_dtype=None)
+    for i, block in enumerate(model.h):
+        model.h[i] = CastForward(block, policy)
+    for name in ("wte", "wpe", "ln_f", "lm_head"):
+        setattr(model, name, CastForward(getattr(model, name), policy))
+    model.h[0].register_forward_hook(lambda m, i, o: torchalpa.mark_pipeline_boundary(o))
+    graph = capture(model, batch, w.loss_fn).graph
+    plan = _plan(graph, torchalpa.Cluster.local_cpu(4), 8, True)
+    summed = [t for t in plan.transfers if t.once_per_step and t.phase == "backward"]
+    assert len(summed) == 1 and summed[0].bytes == 256 * 64 * 4
+    head = plan.stages[summed[0].src_stage].plan
+    # only the loss's scalars are all-reduced per micro-batch
+    assert _per_micro_batch_all_reduce_bytes(head) < 64

@@ -340,7 +340,8 @@ def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
                 state_once: bool = False) -> dict[str, np.ndarray]:
     """Per representative and strategy: its nodes' compute and internal all-reduces, and
     the loss and the values sent to other stages made whole, ``k`` times a step (a
-    parameter sent to another stage once, with ``state_once``: gathered once per step)."""
+    parameter sent to another stage once, with ``state_once``: gathered once per step; a
+    summed gradient part once)."""
     node_costs = {r: np.zeros(len(S[r])) for r in grouping.representatives}
     for node in graph:
         if not node.is_leaf:
@@ -351,7 +352,11 @@ def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
     whole = ([graph.outputs.loss] if graph.outputs.loss is not None else []) + \
         list(graph.outputs.sends)
     for ref in whole:
-        times = 1.0 if state_once and graph.node(ref.node).kind == "param" else k
+        # a gradient part the receiver only adds into a parameter's gradient is summed
+        # over the micro-batches and made whole once per step, after the last backward
+        # (``meta["summed_sends"]``; runtime/execution/pipeline.py), as the plan prices it
+        times = 1.0 if (state_once and graph.node(ref.node).kind == "param") or \
+            str(ref) in graph.meta.get("summed_sends", ()) else k
         # a send crossing batch-split is laid out so (passes/sharding/stage_boundary.py)
         to = R if ref == graph.outputs.loss else \
             boundary_layout(graph, str(ref), graph.spec(ref), mesh) or R
