@@ -43,8 +43,8 @@ lint: $(STAMP)
 	$(BIN)/basedpyright
 
 # The test suite (must stay well under 15 minutes on 2 cores). CI measured 838 s on 11-29
-# before that day's cuts, not measured whole since (the VM was at load 6-25): see the
-# CHANGELOG (11-29, "make test") for per-file figures and how they were taken.
+# before that day's cuts; `time make test` after them: 641 s (10m43s) at load about 6, on
+# this 2-core VM: see the CHANGELOG (11-29, "make test") for per-file figures.
 # Two pytest workers (pytest-xdist), a test file each at a time: most tests are one
 # single-threaded process (OMP_NUM_THREADS=1), so one worker alone leaves a core idle.
 test: $(STAMP)

@@ -103,6 +103,19 @@ def _quiet_torch_warnings():
         yield
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left_between_files():
+    """Each test file starts without a process group, whatever ran before it in this
+    worker: a test that calls ``auto_parallel`` in this process starts a one-rank group
+    (``runtime/execution/mesh.py``) and not every such test tears it down
+    (``single_process_world``); with files handed out by their measured length
+    (``FILE_SECONDS``), test_planner.py's "plans with no process group" ran after one."""
+    yield
+    import torch.distributed as dist
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def single_process_world():
     """Tear down the one-rank process group a test's auto_parallel call started."""
