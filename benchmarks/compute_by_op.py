@@ -17,12 +17,9 @@ import published as P
 from published_rows import ROWS
 
 import torchalpa.passes.sharding.sharding_plan as sharding_plan
-from torchalpa.frontends.block_remat import checkpointed_capture
-from torchalpa.frontends.torch_export import capture
 
 
 def main(key: str) -> None:
-    from torchalpa.parallel.shard import candidate_meshes, plan_graph
     known = {r.key: r for r in ROWS if r.pp == 1}
     if key not in known:
         sys.exit(f"unknown one-stage row {key!r}; they are: {', '.join(sorted(known))}")
@@ -36,14 +33,7 @@ def main(key: str) -> None:
         return seconds
 
     sharding_plan.op_compute_seconds = recorded
-    model, batch, loss_fn = P.build(row)
-    captured = capture(model, batch, loss_fn, rematerialize_parameters=row.zero == "fsdp")
-    if row.remat != "none":
-        captured = checkpointed_capture(captured, row.remat,
-                                        keep_parameter_values=row.zero == "zero1")
-    graph, method = captured.graph, P.method(row)
-    plan = plan_graph(graph, method=method, meshes=candidate_meshes(row.cluster(), method),
-                      blocks=graph.meta.get("repeated_blocks"))
+    plan = P.pinned_plan(row)
     e = plan.estimates
     print(f"{key}: step {e.step_time_s:.3f} s (published {row.published_step_s():.3f}); "
           f"compute {e.compute_s:.3f} comm {e.communication_s:.3f} hidden "

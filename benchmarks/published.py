@@ -199,11 +199,9 @@ def method(row: PublishedRow):
             options=[option] * row.pp))
 
 
-def estimate(row: PublishedRow) -> Estimate:
-    """Capture the row's step, pin its plan, and read the plan's estimates."""
-    from torchalpa.parallel.shard import candidate_meshes, plan_graph
-    from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
-    start = time.perf_counter()
+def pinned_step(row: PublishedRow):
+    """The row's training step captured as the run ran it (its recomputation, its ZeRO's
+    parameter reads); the other benchmarks over the rows use it."""
     model, batch, loss_fn = build(row)
     # FSDP / ZeRO-3 gathers parameters again in backward: backward reads views of its own
     captured = capture(model, batch, loss_fn, rematerialize_parameters=row.zero == "fsdp")
@@ -213,14 +211,27 @@ def estimate(row: PublishedRow) -> Estimate:
         # ZeRO-2-like layout (XLA's remat) recomputes inside the layer, casts included
         captured = checkpointed_capture(captured, row.remat,
                                         keep_parameter_values=row.zero == "zero1")
-    graph = captured.graph
+    return captured.graph
+
+
+def pinned_plan(row: PublishedRow, graph=None):
+    """The row's step (``pinned_step`` unless given) planned with its published plan pinned:
+    one stage on its mesh, or its pipeline."""
+    from torchalpa.parallel.shard import candidate_meshes, plan_graph
+    from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
+    graph = pinned_step(row) if graph is None else graph
     cluster = row.cluster()
     m = method(row)
     if row.pp == 1:
-        plan = plan_graph(graph, method=m, meshes=candidate_meshes(cluster, m),
+        return plan_graph(graph, method=m, meshes=candidate_meshes(cluster, m),
                           blocks=graph.meta.get("repeated_blocks"))
-    else:
-        plan = plan_pipeline(graph, cluster, m)
+    return plan_pipeline(graph, cluster, m)
+
+
+def estimate(row: PublishedRow) -> Estimate:
+    """Capture the row's step, pin its plan, and read the plan's estimates."""
+    start = time.perf_counter()
+    plan = pinned_plan(row)
     e = plan.estimates
     return Estimate(step_s=e.step_time_s, memory_bytes=e.memory_per_device_bytes,
                     compute_s=e.compute_s, communication_s=e.communication_s,

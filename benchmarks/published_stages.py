@@ -19,8 +19,6 @@ import published as P
 from published_rows import ROWS
 
 from torchalpa.core.plan import OUTPUT
-from torchalpa.frontends.block_remat import checkpointed_capture
-from torchalpa.frontends.torch_export import capture
 
 GIB = 2 ** 30
 LARGEST = 6
@@ -29,7 +27,6 @@ parameter's forward gather among them is paid once a step; the others per micro-
 
 
 def main(key: str) -> None:
-    from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
     from torchalpa.passes.pipeline_search.submesh_views import submesh_cluster
     from torchalpa.passes.pricing.cost import collective_cost
     known = {r.key: r for r in ROWS if r.pp > 1}
@@ -37,12 +34,7 @@ def main(key: str) -> None:
         sys.exit(f"unknown pipelined row {key!r}; the pipelined rows are: "
                  f"{', '.join(sorted(known))}")
     row = known[key]
-    model, batch, loss_fn = P.build(row)
-    captured = capture(model, batch, loss_fn, rematerialize_parameters=row.zero == "fsdp")
-    if row.remat != "none":
-        captured = checkpointed_capture(captured, row.remat,
-                                        keep_parameter_values=row.zero == "zero1")
-    plan = plan_pipeline(captured.graph, row.cluster(), P.method(row))
+    plan = P.pinned_plan(row)
     e = plan.estimates
     print(f"{key}: step {e.step_time_s:.3f} s (published {row.published_step_s():.3f}); "
           f"per micro-batch {', '.join(f'{s:.3f}' for s in e.stage_step_s)} s")
