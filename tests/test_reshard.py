@@ -380,3 +380,122 @@ def test_pretrained_block_of_a_nested_strided_shard(fake_world):
         got = _strided_part(dt, read)
         for r in range(4):
             assert torch.equal(got._local_tensors[r], dt.to_local()._local_tensors[r]), r
+
+
+STACKED = (strided(0, 3), strided(0, 3))
+"""DTensor's ``(_StridedShard(0, 3), _StridedShard(0, 3))`` on (2, 2), read left to right:
+dim 0 as 3 pieces (a fused (3, H) q/k/v's rows), each split on axis 0 and each of those
+halves on axis 1, so every rank holds its quarter of q's, k's and v's rows, the quarter
+``(Shard(0), Shard(0))`` gives it of a separate q, k or v."""
+
+
+def _stacked_block(full, coord):
+    """Rank ``coord``'s block of ``STACKED`` from the whole tensor, by hand: of each third,
+    quarter ``2 * i + j``."""
+    rows = full.shape[0] // 12
+    return full.view(3, 2, 2, rows, *full.shape[1:])[:, coord[0], coord[1]].flatten(0, 1)
+
+
+def test_stacked_strided_shard_round_trips(fake_world):
+    """The stacked strided shard (the other nesting than ``NESTED``: the pieces outermost,
+    axis 0's split outside axis 1's) is reached by slices, by reduce-scatters of partial
+    sums (outer axis first, each a strided scatter on the block), and gathered back inner
+    axis first; every rank's block is the whole tensor split that way, at every step's
+    end, and the whole tensor comes back on every rank."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh_shape = (2, 2)
+    full = torch.arange(24 * 4, dtype=torch.float32).reshape(24, 4) / 7
+    spec = TensorSpec((24, 4))
+    rank_coords = coords_of(mesh_shape)
+    kinds = lambda a, b: [(s.kind, s.axis) for s in plan_reshard(spec, a, b, mesh_shape)]
+    lone = (strided(0, 3), Replicate())
+    assert kinds((Replicate(), Replicate()), STACKED) == [("slice", 0), ("slice", 1)]
+    assert kinds(lone, STACKED) == [("slice", 1)]
+    assert kinds((strided(0, 3), Partial("sum")), STACKED) == [("reduce_scatter", 1)]
+    assert kinds((Partial("sum"), Partial("sum")), STACKED) == [("reduce_scatter", 0),
+                                                                 ("reduce_scatter", 1)]
+    assert kinds(STACKED, lone) == [("all_gather", 1)]
+    assert kinds(STACKED, (Replicate(), Replicate())) == [("all_gather", 1), ("all_gather", 0)]
+    others = [(Replicate(), Replicate()), lone, (Replicate(), strided(0, 3)),
+              (Shard(0), Shard(0)), (Shard(1), strided(0, 3)), (strided(0, 3), Shard(1)),
+              (Shard(0), Replicate())]
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", mesh_shape)
+        groups = [mesh.get_group(i).group_name for i in range(2)]
+
+        def run(src, dst):
+            steps = plan_reshard(spec, src, dst, mesh_shape)
+            assert steps is not None, (src, dst)
+            start = LocalTensor({r: block(full, src, mesh_shape, c)
+                                 for r, c in enumerate(rank_coords)})
+            y = _run_steps(start, steps, mesh_shape, groups, mesh.get_coordinate(), rank_coords)
+            return {c: y._local_tensors[r] for r, c in enumerate(rank_coords)}
+
+        for src in others + [(strided(0, 3), Partial("sum")), (Partial("sum"), Partial("sum")),
+                             (Partial("sum"), strided(0, 3))]:
+            got = run(src, STACKED)
+            for c in rank_coords:
+                assert torch.allclose(got[c], _stacked_block(full, c), atol=1e-5), (src, c)
+        for dst in others:
+            got = run(STACKED, dst)
+            for c in rank_coords:
+                assert torch.equal(got[c], block(full, dst, mesh_shape, c)), (dst, c)
+        whole = run(STACKED, (Replicate(), Replicate()))
+        assert all(torch.equal(w, full) for w in whole.values())
+
+
+def test_stacked_strided_dtensors_redistribute_and_load(fake_world):
+    """DTensor lays ``STACKED`` out as ``_stacked_block`` does, but 2.13 gathers it wrong,
+    silently (its pieces mixed); ``strided_dtensor.redistribute`` (checkpoints,
+    ``full_value``) moves it by the runtime's gathers, inner axis first, to and from the
+    layouts around it; loading pretrained weights cuts each rank's block from the rows
+    read whole (it raised: a strided shard stacked on another)."""
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from torchalpa.runtime.lowering.strided_dtensor import full_value, redistribute
+    from torchalpa.runtime.state.pretrained_load import _strided_part
+    full = torch.arange(24 * 4, dtype=torch.float32).reshape(24, 4)
+    rank_coords = coords_of((2, 2))
+    layouts = [(Replicate(), Replicate()), (Shard(0), Shard(0)), (strided(0, 3), Replicate()),
+               (Replicate(), Shard(1)), (Shard(1), strided(0, 3))]
+    with LocalTensorMode(4):
+        mesh = init_device_mesh("cpu", (2, 2))
+
+        def dtensor(layout):
+            return distribute_tensor(LocalTensor({r: full.clone() for r in range(4)}), mesh,
+                                     list(layout))
+
+        stacked = dtensor(STACKED)
+        for r, c in enumerate(rank_coords):
+            assert torch.equal(stacked.to_local()._local_tensors[r], _stacked_block(full, c))
+        assert all(torch.equal(t, full) for t in full_value(stacked)._local_tensors.values())
+        for other in layouts:
+            got = redistribute(stacked, other)
+            back = redistribute(dtensor(other), STACKED)
+            assert tuple(got.placements) == other and tuple(back.placements) == STACKED
+            for r, c in enumerate(rank_coords):
+                assert torch.equal(got.to_local()._local_tensors[r],
+                                   block(full, other, (2, 2), c)), (other, c)
+                assert torch.equal(back.to_local()._local_tensors[r],
+                                   _stacked_block(full, c)), (other, c)
+        read = LocalTensor({r: full.clone() for r in range(4)})
+        got = _strided_part(stacked, read)
+        for r, c in enumerate(rank_coords):
+            assert torch.equal(got._local_tensors[r], _stacked_block(full, c)), c
+
+
+def test_step_call_refuses_a_stacked_strided_steps_out_of_order():
+    """Gathering the outer axis of a stacked strided shard while the inner one still splits
+    the dim would mix the pieces: refused in one line, not a wrong block."""
+    from torchalpa.core.plan import ReshardStep
+    step = ReshardStep(kind="all_gather", axis=0, bytes=64, src=STACKED,
+                       dst=(Replicate(), strided(0, 3)), dim=0)
+    with pytest.raises(ValueError, match="while a later axis splits that dim"):
+        C.step_call(step, (2, 2), (0, 0), ("g0", "g1"))
+    inner = ReshardStep(kind="all_gather", axis=1, bytes=64, src=STACKED,
+                        dst=(strided(0, 3), Replicate()), dim=0)
+    assert C.step_call(inner, (2, 2), (0, 0), ("g0", "g1")) == (
+        C.all_gather_strided, (0, 2, "g1", 3))

@@ -20,6 +20,15 @@ innermost one: it is gathered first (without undoing axis 1's), and a partial su
 axis 0 reduce-scatters straight into it; on each rank's block (axis 1's piece) those are
 a plain shard's collectives (``collectives.local_split_factor``). Alpa's
 ``prefer_reduce_scatter`` stores a column-parallel bias so (``gradient_scatter.py``).
+
+A *stacked* strided shard (``placement.stacked_strided``) is the other nesting: every axis that
+splits the dim holds a strided shard with the same ``split_factor`` k, DTensor's
+``(_StridedShard(d, k), _StridedShard(d, k))`` read left to right: the k pieces
+outermost, each split on axis 0 and each of those blocks on axis 1, as a fused (3, H)
+q/k/v is split by heads over both axes of a 2D mesh (separate q, k and v are
+``(Shard(0), Shard(0))`` each). It nests like a plain multi-axis split (inner axes
+gathered first, outer axes sliced and reduce-scattered into first), each step a lone
+strided shard's on a rank's block; the ILP offers it (``strategies._strided_alone``).
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from torchalpa.core.placement import (
     is_shard,
     kind_of,
     split_factor_of,
+    stacked_strided,
 )
 from torchalpa.core.plan import ReshardStep
 
@@ -88,21 +98,23 @@ def _scatters_into_nested(cur, dst, axis: int, mesh_shape) -> bool:
                if b != axis and any(is_shard(p) and p.dim == dim for p in (cur[b], dst[b])))
 
 
-def _scatters_inside_outer(cur, dst, axis: int) -> bool:
+def _scatters_inside_outer(cur, dst, axis: int, mesh_shape) -> bool:
     """A partial sum on ``axis`` reduce-scatters straight into ``dst[axis]``, a plain
     shard of a dim that only outer axes split otherwise, each of them staying as it is:
     the scatter splits each of their pieces, which is the nesting order of a multi-axis
     split (``(Shard(0), Partial) -> (Shard(0), Shard(0))``, as DTensor does it). An inner
-    axis still a partial sum scatters after it, inside its pieces."""
+    axis still a partial sum scatters after it, inside its pieces. A stacked strided shard
+    (``stacked_strided``) nests the same way: its scatter is a strided one on the block."""
     d = dst[axis]
-    if split_factor_of(d) != 1:
+    stacked = stacked_strided(dst, axis, mesh_shape)
+    if split_factor_of(d) != 1 and not stacked:
         return False
     for b in range(len(cur)):
         if b == axis or not any(is_shard(p) and p.dim == d.dim for p in (cur[b], dst[b])):
             continue
         if b > axis and is_partial(cur[b]):
             continue        # an inner partial sum scattering later, inside these pieces
-        if b > axis or cur[b] != dst[b] or split_factor_of(cur[b]) != 1:
+        if b > axis or cur[b] != dst[b] or (split_factor_of(cur[b]) != 1 and not stacked):
             return False
     return True
 
@@ -180,7 +192,7 @@ def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
     #    still summing scatters later, inside this one's pieces)
     for axis in range(len(cur)):
         if allow_reduce_scatter and is_partial(cur[axis]) and is_shard(dst[axis]) \
-                and _scatters_inside_outer(cur, dst, axis):
+                and _scatters_inside_outer(cur, dst, axis, mesh_shape):
             emit("reduce_scatter", axis, dst[axis], dim=dst[axis].dim,
                  reduce_op=cur[axis].reduce_op)
     # 1. reductions and gathers, inner axes first
@@ -191,7 +203,7 @@ def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
         if is_partial(s):
             if is_shard(d) and allow_reduce_scatter \
                     and (_scatters_into_nested(cur, dst, axis, mesh_shape)
-                         or _scatters_inside_outer(cur, dst, axis)):
+                         or _scatters_inside_outer(cur, dst, axis, mesh_shape)):
                 emit("reduce_scatter", axis, d, dim=d.dim, reduce_op=s.reduce_op)
             else:
                 emit("all_reduce", axis, Replicate(), reduce_op=s.reduce_op)

@@ -219,13 +219,16 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
 
 
 def _strided_alone(layouts, mesh: LogicalMesh) -> bool:
-    """A strided shard is the only split of its dim (over one axis): pieces nested inside
-    another axis's blocks are a layout the runtime does not lay out."""
+    """A strided shard is the only split of its dim (over one axis), or every split of
+    its dim is a strided shard with the same ``split_factor`` (``placement.stacked_strided``:
+    the pieces split by each axis in turn, as a fused q/k/v split by heads over two axes):
+    pieces nested inside another axis's plain blocks are a layout the runtime does not lay
+    out (the nested shard ``gradient_scatter`` stores is made after the ILP)."""
     for layout in layouts:
         dims = [(p.dim, split_factor_of(p)) for p, n in zip(layout, mesh.shape)
                 if is_shard(p) and n > 1]
         for d, k in dims:
-            if k > 1 and sum(1 for dd, _ in dims if dd == d) > 1:
+            if k > 1 and any(dd == d and kk != k for dd, kk in dims):
                 return False
     return True
 

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchalpa.core.placement import is_shard, split_factor_of
+from torchalpa.core.placement import is_shard, split_factor_of, stacked_strided
 from torchalpa.core.plan import ReshardStep
 from torchalpa.runtime.measurement.traffic import issued, wait_label
 
@@ -230,12 +230,17 @@ def local_split_factor(placements: Sequence, axis: int, mesh_shape: Sequence[int
     (DTensor's ``(_StridedShard(d, k), Shard(d))``: axis 1 splits the dim first, axis 0
     within each of its k pieces), and those pieces are not in this rank's block. 1: a
     plain shard of the block (the nested strided shard whose enclosing splits are all
-    there). A ``split_factor`` that the later splits do not divide is no layout this runtime
-    lays out: ``ValueError``."""
+    there). A stacked strided shard (every axis splitting the dim strided with the same
+    k, ``(_StridedShard(d, k), _StridedShard(d, k))``: the pieces split by the axes in
+    order) splits k pieces of the block its outer axes leave, whatever the axis. A
+    ``split_factor`` that the later splits do not divide is no layout this runtime lays
+    out: ``ValueError``."""
     p = placements[axis]
     factor = split_factor_of(p)
     if factor == 1:
         return 1
+    if stacked_strided(placements, axis, mesh_shape):
+        return factor
     outer = 1
     for b in range(axis + 1, len(placements)):
         q = placements[b]
@@ -248,8 +253,20 @@ def local_split_factor(placements: Sequence, axis: int, mesh_shape: Sequence[int
         raise ValueError(
             f"the runtime cannot lay out {tuple(placements)}: mesh axis {axis}'s strided "
             f"shard of dim {p.dim} (split_factor {factor}) is not its pieces times the later "
-            "axes' plain shards of that dim; re-plan with this version of torchalpa")
+            "axes' plain shards of that dim, nor stacked with the other axes' strided shards "
+            "of it; re-plan with this version of torchalpa")
     return factor // outer
+
+
+def _inner_splits_left(placements: Sequence, axis: int, mesh_shape: Sequence[int]) -> bool:
+    """A stacked strided shard on ``axis`` with a later axis still splitting its dim: a
+    step on ``axis`` there would read the pieces in the wrong order (inner axes are
+    gathered first and sliced last)."""
+    k = split_factor_of(placements[axis])
+    dim = getattr(placements[axis], "dim", None)
+    return k > 1 and any(mesh_shape[b] > 1 and is_shard(q) and q.dim == dim
+                         and split_factor_of(q) == k
+                         for b, q in enumerate(placements) if b > axis)
 
 
 def step_call(step: ReshardStep, mesh_shape: Sequence[int], coords: Sequence[int],
@@ -258,8 +275,12 @@ def step_call(step: ReshardStep, mesh_shape: Sequence[int], coords: Sequence[int
     its arguments after the tensor: what the lowering emits."""
     n, group = mesh_shape[step.axis], group_names[step.axis]
     # pieces of this rank's block: a nested strided shard's steps are a plain shard's
-    pieces = local_split_factor(step.src if step.kind == "all_gather" else step.dst,
-                                step.axis, mesh_shape)
+    layout = step.src if step.kind == "all_gather" else step.dst
+    pieces = local_split_factor(layout, step.axis, mesh_shape)
+    if _inner_splits_left(layout, step.axis, mesh_shape):
+        raise ValueError(f"the runtime cannot run a {step.kind} on mesh axis {step.axis} of "
+                         f"{tuple(layout)} while a later axis splits that dim: re-plan with "
+                         "this version of torchalpa")
     if step.kind == "all_reduce":
         return all_reduce, (step.reduce_op, group)
     if step.kind == "all_gather":

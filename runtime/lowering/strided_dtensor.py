@@ -12,7 +12,11 @@ nested strided shard (``(_StridedShard(d, k), Shard(d))``: dim ``d`` split on th
 axes first and on this one within each piece, as Alpa's ``prefer_reduce_scatter`` stores
 a column-parallel bias on a 2D mesh) is gathered there as a plain shard of a rank's
 piece; 2.13's DTensor handles it to and from whole and plain shards, not to a lone
-strided shard, which this does.
+strided shard, which this does. A stacked strided shard (``(_StridedShard(d, k),
+_StridedShard(d, k))``: the k pieces split by the axes in order, a fused q/k/v split by
+heads over both axes of a 2D mesh) is always moved here: 2.13's DTensor lays it out
+right but gathers it wrong, silently (its ``full_tensor`` of a (2, 2) one mixes the
+pieces); its axes are gathered inner first, each a lone strided shard's gather.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from torchalpa.core.placement import is_shard, split_factor_of
+from torchalpa.core.placement import is_shard, split_factor_of, stacked_strided
 from torchalpa.runtime.execution.collectives import (
     all_gather,
     all_gather_strided,
@@ -43,12 +47,15 @@ def redistribute(t: DTensor, placements: Sequence) -> DTensor:
     mesh, placements = t.device_mesh, tuple(placements)
     if not (_strided(t.placements) or _strided(placements)):
         return t.redistribute(mesh, placements)
+    shape = tuple(mesh.shape)
+    if any(stacked_strided(side, a, shape) for side in (tuple(t.placements), placements)
+           for a in range(len(side))):
+        return _by_hand(t, placements)      # DTensor would gather it wrong
     try:
         return t.redistribute(mesh, placements)
     except ValueError:            # PyTorch 2.11: a lone strided shard is not understood
         pass
     except RuntimeError:          # 2.13: a nested one to a lone one fails a check
-        shape = tuple(mesh.shape)
         if not any(_nested(side, a, shape) for side in (tuple(t.placements), placements)
                    for a in range(len(side))):
             raise
@@ -65,14 +72,17 @@ def _by_hand(t: DTensor, placements: tuple) -> DTensor:
     for side in (t.placements, placements):
         for axis, p in enumerate(side):
             if is_shard(p) and split_factor_of(p) > 1 and not _nested(side, axis, shape) \
+                    and not stacked_strided(side, axis, shape) \
                     and any(other != axis and is_shard(q) and q.dim == p.dim
                             for other, q in enumerate(side)):
                 raise NotImplementedError(
                     f"redistributing {tuple(t.placements)} -> {placements}: a strided shard "
                     "sharing its dim with another mesh axis, other than nested inside the "
-                    "later axes' shards of it, needs PyTorch >= 2.13")
+                    "later axes' shards of it or stacked with the same split factor, needs "
+                    "PyTorch >= 2.13")
     local, now = t.to_local(), list(t.placements)
-    for axis, p in enumerate(now):
+    for axis in reversed(range(len(now))):      # inner axes first (a stacked one's order)
+        p = now[axis]
         if is_shard(p) and split_factor_of(p) > 1:
             pieces = local_split_factor(now, axis, shape)
             group = mesh.get_group(axis).group_name

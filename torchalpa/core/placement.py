@@ -19,7 +19,9 @@ split by heads when its output is cut into ``k`` pieces (nanoGPT's / GPT-2's ``c
 ``q, k, v = x.split(H, dim=-1)``): every device gets its heads of q, of k and of v.
 ``_StridedShard`` is a ``Shard`` subclass (same dim, same block sizes), so code that only
 needs block sizes treats both alike; code that needs which positions a device holds
-asks ``split_factor_of``. Text forms: ``StridedShard(0, 3)`` / ``S(0)/3``.
+asks ``split_factor_of``. Text forms: ``StridedShard(0, 3)`` / ``S(0)/3``. On a 2D mesh
+both axes may hold one of a dim with the same k (``stacked_strided``): the pieces split
+on axis 0, each block again on axis 1, as DTensor reads the placements left to right.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ __all__ = [
     "parse_placement", "format_placements", "parse_placements", "replicated", "short",
     "local_shape", "check_placement", "long_form", "short_form", "strided",
     "split_factor_of", "is_shard", "is_partial", "is_replicate", "kind_of",
+    "stacked_strided",
 ]
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -120,6 +123,21 @@ def is_replicate(p) -> TypeGuard[Replicate]:
 def split_factor_of(p) -> int:
     """How many pieces a shard's dim is read as: 1 for a plain ``Shard`` (or none)."""
     return int(getattr(p, "split_factor", 1))
+
+
+def stacked_strided(placements, axis: int, mesh_shape) -> bool:
+    """Whether ``placements[axis]`` is a strided shard whose dim every other axis that
+    splits it (of more than one device; at least one) splits as a strided shard with the
+    same ``split_factor`` k: DTensor's ``(_StridedShard(d, k), _StridedShard(d, k))``
+    read left to right, the k pieces outermost, each split by the axes in order (a fused
+    (3, H) q/k/v split by heads over both axes of a 2D mesh)."""
+    p = placements[axis]
+    k = split_factor_of(p)
+    if k == 1 or not is_shard(p) or mesh_shape[axis] == 1:
+        return False
+    others = [q for b, q in enumerate(placements)
+              if b != axis and mesh_shape[b] > 1 and is_shard(q) and q.dim == p.dim]
+    return bool(others) and all(split_factor_of(q) == k for q in others)
 
 
 def long_form(p) -> str:
