@@ -307,14 +307,6 @@ def _planned(spelling: Spelling, mesh: str) -> Planned:
 
 
 # spellings known to lose: (case, spelling, mesh or None for both) -> the diagnosis
-STRIDED_2D = ("a (3, H)-major fused weight splits by heads only as a strided shard, which "
-              "may not share its dim with another axis's split (strategies._strided_alone: "
-              "the ILP offers none; the runtime lays out only the nested strided shard whose "
-              "strided split is the outer axis, (_S(d, k), S(d)), where the heads' split of "
-              "these rows on the inner axis would need the strided split inside a plain "
-              "one), so its rows cannot be split "
-              "over both axes as the separate weights are (measured: 2,914 against 2,402 for separate "
-              "q, k, v on 2x2, all four spellings: split, chunk, unbind and indexing)")
 TIE = ("not a worse plan: the same objective (7,996.2), but the second bias is (R, S(0)) where "
        "nn.Linear's is (R, R). Not a tie either: this plan's layouts pinned in the nn.Linear "
        "spelling cost 7,996.2 too, but nn.Linear's pinned here cost 8,003.6 (+7.4, an "
@@ -322,10 +314,6 @@ TIE = ("not a worse plan: the same objective (7,996.2), but the second bias is (
        "on (B * S, N), and the same layouts cost more in this graph (measured 2026-11-28)")
 KNOWN_LOSSES: dict[tuple[str, str, str | None], str] = {
     ("mlp", "functional_matmul_operator", "2d2x2"): TIE,
-    ("qkv", "major_split", "2d2x2"): STRIDED_2D,
-    ("qkv", "major_chunk", "2d2x2"): STRIDED_2D,
-    ("qkv", "major_unbind", "2d2x2"): STRIDED_2D,
-    ("qkv", "major_index", "2d2x2"): STRIDED_2D,
 }
 
 
