@@ -384,3 +384,31 @@ def test_flax_bert_plans_like_separate_projections(mesh):
 
     flax, separate = objective("fused_minor_split", "einsum"), objective("separate", "matmul")
     assert flax == pytest.approx(separate, rel=1e-6), f"{flax:,.1f} vs {separate:,.1f}"
+
+
+# -- a (3, H)-major spelling's plan run on 4 gloo ranks --------------------------------------
+
+@pytest.mark.slow        # about 24 s (a fresh launch of 4 ranks at load 8)
+def test_a_major_fused_qkv_split_over_both_axes_trains_like_one_device(tmp_path):
+    """nanoGPT's ``y.split(H, -1)`` of one (3H, H) projection, planned as above on 2x2
+    (2,402, as separate q, k, v): the weight and bias stacked strided shards
+    ``(S(0)/3, S(0)/3)`` (each rank its quarter of q's, k's and v's rows); two SGD steps
+    with momentum on 4 gloo ranks run the plan's collectives and give one device's
+    parameters; its checkpoint (DCP) resumes into another plan bit for bit, and a
+    safetensors snapshot loads each rank's rows exactly (``tests/spelling_run_worker.py``)."""
+    import worker_io
+    name = "major_split:2x2"
+    r = worker_io.scenario(worker_io.launch("spelling_run_worker.py", tmp_path / "run.json",
+                                            name, nproc=4, real=True), name)
+    assert r["objective"] == pytest.approx(_planned(REFERENCE["qkv"], "2d2x2").objective,
+                                           rel=1e-6)
+    stacked = ["S(0)/3", "S(0)/3"]
+    assert r["placements"]["qkv.weight"] == r["placements"]["qkv.bias"] == stacked
+    assert r["states"]["qkv.weight"] == {"momentum_buffer": stacked}
+    assert r["executed"] == r["planned"]
+    assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+    for param, (diff, scale) in r["trained"].items():
+        assert diff <= 1e-5 * max(scale, 1.0), (param, diff)
+    assert all(diff == 0.0 for diff, _ in r["checkpoint"].values()), r["checkpoint"]
+    assert r["checkpoint_next"][0] == r["checkpoint_next"][1]
+    assert all(diff == 0.0 for diff, _ in r["pretrained"].values()), r["pretrained"]
