@@ -968,25 +968,17 @@ def _conv_2d_plan(mixed: bool, reduce_scatter: bool):
     return plan
 
 
-CONV_MIXED_RS = (
-    "no all-to-all (Alpa's test asserts some): the ILP's mixed-shape plan (6,418) has one, "
-    "of layers.2.0.weight (1,152 bytes on axis 1), stored (R, S(1)) and read (R, S(0)); "
-    "prefer_reduce_scatter stores that weight split on axis 0 too, (S(0), S(1)), and "
-    "every read is resharded from the stored layout: our reshard planner reaches (R, S(0)) "
-    "by all-gathers on axis 1 (576 bytes) and axis 0 (1,152), where Alpa's rewrite gathers "
-    "on axis 0 after the update and keeps the ILP's all-to-all. Measured 2026-11-29: 10 "
-    "all-reduces, 7 all-gathers, 2 reduce-scatters, 0 all-to-alls; the objective and the "
-    "reduce-scatter assertion hold")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mixed,reduce_scatter", [
-    (False, False), (False, True), (True, False),
-    pytest.param(True, True, marks=pytest.mark.xfail(strict=True, reason=CONV_MIXED_RS))])
+    (False, False), (False, True), (True, False), (True, True)])
 def test_conv_2d_mesh(mixed, reduce_scatter):
     """Alpa's test_n_layer_conv_2d_mesh and its mixed-shape and reduce-scatter variants:
     the plan exists (all Alpa asserts without either), with ``prefer_reduce_scatter`` some
-    reduce-scatter, with mixed mesh shapes some all-to-all."""
+    reduce-scatter, with mixed mesh shapes some all-to-all. With both, the ILP's
+    all-to-all (the third conv's weight, stored ``(R, S(1))``, read ``(R, S(0))``) stays
+    after the rewrite stores that weight ``(S(0), S(1))``: its read gathers on axis 0 and
+    all-to-alls on axis 1 (``reshard._outer_blockers``), as Alpa's rewrite gathers on
+    axis 0 and keeps the all-to-all."""
     counts = communication(_conv_2d_plan(mixed, reduce_scatter), ignore_scalar_all_reduce=True)
     if reduce_scatter:
         assert counts["reduce_scatter"] > 0, counts
