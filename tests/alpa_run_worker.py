@@ -28,6 +28,12 @@ Scenarios (argv[2], comma separated):
   each element by about lr whatever its gradient's size, so elements whose gradient is
   float noise differ by up to lr: measured 0.011 while the gradients agree to 3e-6.)
 
+- ``conv_mixed_rs:2x2``: Alpa's test_n_layer_conv_2d_mesh_mixed_shape_reduce_scatter model
+  (4 x (conv, BatchNorm, relu, pool), batch 8, image 32, 8 channels; tests/
+  test_alpa_shard_parallel.py, ``_conv_2d_plan``) in Alpa's 2D space with mixed mesh
+  shapes and ``prefer_reduce_scatter``, whose third conv weight, stored split on both
+  axes, is read through an all-gather on axis 0 and an all-to-all on axis 1; one Adam
+  step (lr 1e-2) with both sides' gradients recorded.
 - ``accum_prs:1x4``: ``test_gradient_accumulation_reduce_scatter`` with Alpa's own knob,
   ``prefer_reduce_scatter`` on ``ShardParallel`` (``accum_rs`` plans ``Zero2Parallel``).
 - ``bert_flat:4x1``: ``test_numerical_correctness`` as Alpa's test runs it: the (2, 2)
@@ -64,7 +70,14 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from alpa_cases import MLP_SPELLINGS, BertLayers, BertMLM, mlm_loss, mse  # noqa: E402
+from alpa_cases import (  # noqa: E402
+    MLP_SPELLINGS,
+    BertLayers,
+    BertMLM,
+    ConvNet,
+    mlm_loss,
+    mse,
+)
 from worker_io import mesh_shape, run_scenarios, train_beside_one_device  # noqa: E402
 
 import torchalpa  # noqa: E402
@@ -221,6 +234,37 @@ def mlm_2d(shape: tuple[int, ...]) -> dict:
     return out
 
 
+def conv_mixed_rs(shape: tuple[int, ...]) -> dict:
+    """Alpa's conv net on (2, 2) with mixed mesh shapes and ``prefer_reduce_scatter``
+    (module docstring), one Adam step beside one device (BatchNorm in training mode,
+    synchronized over the devices splitting the batch)."""
+    num_layers, batch_size, image, channel = 4, 8, 32, 8
+    g = torch.Generator().manual_seed(0)
+    out = image // 2 ** num_layers
+    batch = (torch.randn(batch_size, channel, image, image, generator=g),
+             torch.randn(batch_size, channel, out, out, generator=g))
+    torch.manual_seed(0)
+    model, ref = ConvNet(num_layers, channel), ConvNet(num_layers, channel)
+    ref.load_state_dict(model.state_dict())
+    mesh = torchalpa.LogicalMesh(shape=shape, beta=(1.0, 0.1))
+    option = torchalpa.AutoShardingOption(
+        force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=True, slice_before_reduce=False,
+        allow_reduce_scatter=False, all_reduce_threshold=1 << 60, prefer_reduce_scatter=True)
+    pm = torchalpa.auto_parallel(
+        model, batch, mse, cluster=mesh,
+        method=torchalpa.ShardParallel(logical_mesh_shape=shape, auto_sharding_option=option),
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=1e-2),
+                                  lambda step: batch, mse, steps=1, backward_steps=(0,))
+    out = _record(pm, run, 1, _compare(pm, ref, rtol=5e-4, atol=5e-4))
+    out["grads"] = run["grads"][0]
+    out["placements"] = {p.name: [short_form(x) for x in p.placements]
+                        for p in pm.plan.parameters}
+    out["all_to_all"] = [[c.tensor, c.source, c.axis] for c in pm.plan.collectives
+                         if c.kind == "all_to_all"]
+    return out
+
+
 def mlp_prefer_reduce_scatter(shape: tuple[int, ...], zero3: bool = False) -> dict:
     """Alpa's MLP (``MLPModuleList``) under ``prefer_reduce_scatter``: 2 layers in Alpa's
     space, or Alpa's 6 layers spelled as its ZeRO-3 (module docstring); one Adam step."""
@@ -259,7 +303,7 @@ SCENARIOS = {"mlm2d": mlm_2d, "accum": lambda s: accumulation(s, False),
              "accum_rs": lambda s: accumulation(s, True), "bert": bert,
              "bert_alpa2d": lambda s: bert(s, alpa_2d=True),
              "bert_rs2d": lambda s: bert(s, alpa_2d=True, reduce_scatter=True),
-             "mlp_rs2d": mlp_rs_2d,
+             "mlp_rs2d": mlp_rs_2d, "conv_mixed_rs": conv_mixed_rs,
              "bert_flat": lambda s: bert(s, flattened=True),
              "accum_prs": lambda s: accumulation(s, False, prefer=True),
              "mlp_rs": mlp_prefer_reduce_scatter,

@@ -164,6 +164,31 @@ def test_plans_use_direct_collectives():
                                                                   ("reduce_scatter", 1)]
 
 
+def test_outer_gather_then_all_to_all():
+    """``(S(0), S(1)) -> (R, S(0))`` on (2, 2), the read of a conv weight Alpa's
+    prefer_reduce_scatter stores split on both axes (Alpa's conv net with mixed mesh
+    shapes): gathered on axis 0, then moved by an all-to-all on axis 1, where gathering on
+    axis 1, then axis 0, and slicing moved twice the bytes on axis 0 for the same on axis 1.
+    test_every_transition checks the blocks it leaves."""
+    spec = TensorSpec((8, 8, 3, 3))                     # 2,304 bytes
+    src, dst = (Shard(0), Shard(1)), (Replicate(), Shard(0))
+    steps = plan_reshard(spec, src, dst, (2, 2))
+    assert [(s.kind, s.axis, s.bytes) for s in steps] == [("all_gather", 0, 576),
+                                                          ("all_to_all", 1, 1152)]
+    assert steps[0].dst == (Replicate(), Shard(1)) and steps[1].src_dim == 1
+    gathers = plan_reshard(spec, src, dst, (2, 2), True, False)    # all-to-all not allowed
+    assert [(s.kind, s.axis, s.bytes) for s in gathers] == [
+        ("all_gather", 1, 576), ("all_gather", 0, 1152), ("slice", 1, 2304)]
+    # priced as it runs: Alpa's conv mesh (alpha 1, beta (1, 0.1))
+    mesh = LogicalMesh(shape=(2, 2), beta=(1.0, 0.1))
+    assert steps_cost(mesh, steps) == pytest.approx(2 + 576 + 0.1 * 1152 / 2)
+    assert steps_cost(mesh, gathers) == pytest.approx(2 + 0.1 * 576 + 1152)
+    # with 4 devices on the outer axis the all-to-all costs more on axis 1 than the inner
+    # gather (twice its bandwidth term): not cheaper for every bandwidth, the gathers stay
+    assert [s.kind for s in plan_reshard(spec, src, dst, (4, 2))] == [
+        "all_gather", "all_gather", "slice"]
+
+
 def test_alpha_beta_costs():
     mesh = LogicalMesh(shape=(4, 2), alpha=(1.0, 2.0), beta=(1.0, 0.1))
     B = 1000

@@ -97,7 +97,8 @@ class ReshardCosts:
         return steps
 
     def _plan_steps(self, spec: TensorSpec, src: Placements, dst: Placements):
-        steps = plan_reshard(spec, src, dst, self.mesh.shape, self.allow_reduce_scatter)
+        steps = plan_reshard(spec, src, dst, self.mesh.shape, self.allow_reduce_scatter,
+                             "all_to_all" not in self.forbidden)
         if steps and self.forbidden and any(
                 (s.kind in self.forbidden or SLICE_PARTIAL in self.forbidden and s.kind == "slice"
                  and any(isinstance(p, Partial) for p in s.src))

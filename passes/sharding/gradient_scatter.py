@@ -182,5 +182,6 @@ class _ScatteredCosts(ReshardCosts):
         if dst is not None and ((spec, dst) in self.scattered or (spec, src) in self.scattered) \
                 and all(split_factor_of(p) == 1 or nested_strided(layout, a, self.mesh.shape)
                         for layout in (src, dst) for a, p in enumerate(layout)):
-            return plan_reshard(spec, src, dst, self.mesh.shape, True)
+            return plan_reshard(spec, src, dst, self.mesh.shape, True,
+                                "all_to_all" not in self.forbidden)
         return super().steps(spec, src, dst)

@@ -13,6 +13,15 @@ is gathered, reduce-scattered into and sliced to like a shard of the same dim (t
 runtime reorders the pieces locally); it never takes part in an all-to-all, so moving
 between it and another split goes through a gather.
 
+A shard that an all-to-all could turn into another but for an outer axis splitting the
+target dim, which the target leaves whole (``(S(0), S(1)) -> (R, S(0))``: axis 0 splits
+dim 0 in the way of axis 1's move), is gathered on that outer axis first and then moved
+by the all-to-all, instead of gathered on both axes and sliced, when that is no dearer
+on any mesh axis whatever its latency and bandwidth (``_cheaper_on_every_axis``): on
+(2, 2) the outer gather moves half the bytes and the all-to-all costs what the inner
+gather did. Alpa's prefer_reduce_scatter rewrite reads a weight stored so (its conv net
+with mixed mesh shapes on (2, 2)) this way.
+
 A *nested* strided shard (``nested_strided``) is DTensor's ``(_StridedShard(d, k),
 Shard(d))`` on a 2D mesh with k devices on axis 1 (FSDP over tensor parallelism): the
 dim split on axis 1 first and on axis 0 within each piece. Axis 0's split is then the
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from torchalpa.core.collective_math import alpha_beta_seconds
 from torchalpa.core.opgraph import TensorSpec
 from torchalpa.core.placement import (
     KIND_OF_TYPE,
@@ -138,19 +148,59 @@ def _all_to_all_direct(cur, dst, axis: int, src_dim: int, dim: int) -> bool:
     return True
 
 
+def _outer_blockers(cur, dst, axis: int, src_dim: int, dim: int) -> tuple[int, ...]:
+    """The outer axes whose plain split of ``dim`` alone keeps an all-to-all on ``axis``
+    from moving ``src_dim``'s blocks into ``dim``'s, each of them whole in ``dst`` (so
+    gathered anyway): gathered first, the all-to-all is direct. Empty if none or if
+    gathering them would not make it so."""
+    blockers = tuple(b for b in range(axis)
+                     if is_shard(cur[b]) and cur[b].dim == dim and is_replicate(dst[b])
+                     and split_factor_of(cur[b]) == 1)
+    if not blockers:
+        return ()
+    after = list(cur)
+    for b in blockers:
+        after[b] = Replicate()
+    return blockers if _all_to_all_direct(after, dst, axis, src_dim, dim) else ()
+
+
+def _axis_costs(moves, mesh_shape) -> list[tuple[int, float]]:
+    """Per mesh axis: how many collectives ``moves`` issue on it, and their bandwidth
+    term (seconds at inverse bandwidth 1, for a tensor of 1 byte)."""
+    out = [(0, 0.0)] * len(mesh_shape)
+    for kind, axis, _, _, _, divisor in moves:
+        n = mesh_shape[axis]
+        if n > 1 and kind not in ("slice", "partition"):
+            count, seconds = out[axis]
+            out[axis] = (count + 1, seconds + alpha_beta_seconds(kind, n, 1 / divisor, 0, 1))
+    return out
+
+
+def _cheaper_on_every_axis(new, old, mesh_shape) -> bool:
+    """Whether ``new`` moves cost no more than ``old`` for every latency and bandwidth
+    of the mesh axes (no more collectives and no more bandwidth term on any axis), and
+    less on some."""
+    a, b = _axis_costs(new, mesh_shape), _axis_costs(old, mesh_shape)
+    eps = 1e-12
+    return all(ca <= cb and sa <= sb + eps for (ca, sa), (cb, sb) in zip(a, b)) \
+        and any(ca < cb or sa < sb - eps for (ca, sa), (cb, sb) in zip(a, b))
+
+
 @lru_cache(maxsize=1 << 16)
 def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
-                 mesh_shape: tuple[int, ...], allow_reduce_scatter: bool = True
-                 ) -> tuple[ReshardStep, ...] | None:
+                 mesh_shape: tuple[int, ...], allow_reduce_scatter: bool = True,
+                 allow_all_to_all: bool = True) -> tuple[ReshardStep, ...] | None:
     """Steps from ``src`` to ``dst`` (empty if equal), or None if no steps can do it.
 
     Without ``allow_reduce_scatter`` a Partial becomes a Shard by all-reduce and slice
-    (Alpa's default search space, where only an option enables reduce-scatter). The
-    moves depend on the layouts alone (``_moves``, found once per pair); ``spec`` only
-    gives each step its bytes."""
+    (Alpa's default search space, where only an option enables reduce-scatter). Without
+    ``allow_all_to_all`` no all-to-all replaces a gather and slice the planner would
+    otherwise take (one that moves a shard straight into another is still listed: the
+    caller refuses it). The moves depend on the layouts alone (``_moves``, found once
+    per pair); ``spec`` only gives each step its bytes."""
     if src == dst:
         return ()
-    moves = _moves(src, dst, tuple(mesh_shape), allow_reduce_scatter)
+    moves = _moves(src, dst, tuple(mesh_shape), allow_reduce_scatter, allow_all_to_all)
     if moves is None:
         return None
     nbytes = spec.nbytes
@@ -161,10 +211,25 @@ def plan_reshard(spec: TensorSpec, src: Placements, dst: Placements,
 
 @lru_cache(maxsize=1 << 16)
 def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
-           allow_reduce_scatter: bool) -> tuple | None:
+           allow_reduce_scatter: bool, allow_all_to_all: bool = True) -> tuple | None:
     """``plan_reshard``'s steps without their bytes: (kind, axis, layout before, layout
     after, the step's other fields, what the tensor's bytes are divided by before it)
-    each, or None if no steps can do it."""
+    each, or None if no steps can do it. Where an outer gather lets an all-to-all
+    replace gathers and a slice, the cheaper of both on every axis
+    (``_cheaper_on_every_axis``)."""
+    plain = _walk(src, dst, mesh_shape, allow_reduce_scatter, False)
+    if plain is None or not allow_all_to_all:
+        return plain
+    early = _walk(src, dst, mesh_shape, allow_reduce_scatter, True)
+    if early is not None and early != plain and _cheaper_on_every_axis(early, plain, mesh_shape):
+        return early
+    return plain
+
+
+def _walk(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
+          allow_reduce_scatter: bool, gather_outer_first: bool) -> tuple | None:
+    """``_moves``' steps, walking the axes; ``gather_outer_first``: gather the outer
+    axes in the way of an all-to-all first (``_outer_blockers``)."""
     if len(src) != len(mesh_shape) or len(dst) != len(mesh_shape):
         raise ValueError(f"placements {src} -> {dst} do not match mesh {mesh_shape}")
     for s, d in zip(src, dst):
@@ -208,8 +273,13 @@ def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...],
             else:
                 emit("all_reduce", axis, Replicate(), reduce_op=s.reduce_op)
         elif is_shard(s):
-            if is_shard(d) and split_factor_of(s) == split_factor_of(d) == 1 \
-                    and _all_to_all_direct(cur, dst, axis, s.dim, d.dim):
+            plain = is_shard(d) and split_factor_of(s) == split_factor_of(d) == 1
+            blockers = _outer_blockers(cur, dst, axis, s.dim, d.dim) \
+                if plain and gather_outer_first else ()
+            for b in reversed(blockers):
+                if is_shard(cur[b]):
+                    gather(b)
+            if plain and _all_to_all_direct(cur, dst, axis, s.dim, d.dim):
                 emit("all_to_all", axis, d, dim=d.dim, src_dim=s.dim)
             else:
                 gather(axis)
