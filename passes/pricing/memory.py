@@ -128,7 +128,7 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
     for n in graph:
         if n.kind not in ("op", "input") or n.name in storage or n.name in recompute:
             continue
-        first = 0 if state_at_start and _views_state(graph, n.name) else order[n.name]
+        first = 0 if state_at_start and _views_state(graph, n.name) else _arrival(graph, n, order)
         ends = [last_use.get((n.name, k), order[n.name]) for k in range(len(n.outputs))]
         split = n.is_grad or len(set(ends)) > 1
         for k, last in (enumerate(ends) if split else [(None, max(ends))]):
@@ -148,6 +148,22 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
                 end.append(end_of_step)
     return Liveness(names, np.array(start, dtype=np.int64), np.array(end, dtype=np.int64),
                     end_of_step + 1, results)
+
+
+def _arrival(graph: OpGraph, node, order: dict[str, int]) -> int:
+    """Where ``node``'s value comes to be: at its place in the step, but a gradient part
+    another stage sends summed once per step (a received value only added into parameters'
+    gradients: ``pipeline_search.subgraph.once_per_step``) arrives after the stage's last
+    backward (``runtime/execution/pipeline.py``, ``StageExchange.finish``): at its first
+    reader, so no micro-batch in flight is counted holding it."""
+    name = node.name
+    if node.kind == "input" and node.phase == "backward":
+        readers = graph.consumers(name)
+        grads = {ref.node for _, ref in graph.outputs.grads}
+        if readers and all(graph.node(c).op == "aten.add.Tensor" and c in grads
+                           for c in readers):
+            return min(order[c] for c in readers)
+    return order[name]
 
 
 def _views_state(graph: OpGraph, name: str) -> bool:

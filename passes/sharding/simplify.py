@@ -134,6 +134,7 @@ def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
     # 2. followers (in topological order, so producers are grouped first)
     if merge_followers:
         order = {n.name: i for i, n in enumerate(graph)}
+        grads = {r.node for _, r in graph.outputs.grads}
         for n in graph.ops():
             if n.name in fixed or g.rep[n.name] != n.name or len(strategies[n.name]) < 2 \
                     or n.name in heavy:
@@ -145,13 +146,19 @@ def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
             if ref.node in fixed or blocks.get(ref.node, (None,))[0] != blocks.get(n.name, (None,))[0]:
                 continue
             # a partial flows through an op only if every other operand can be partial
-            # too (summing partial gradients); otherwise reduce it first (a bias add)
+            # too (summing partial gradients); otherwise reduce it first (a bias add).
+            # Not into a parameter's gradient (the own part of a tied weight's gradient
+            # plus the part another stage sends whole): that is reduced once per step,
+            # after the last micro-batch, and the whole addend is split into a partial
+            # sum for free, so reducing on the edge would run with every micro-batch
             others = [r for k, r in enumerate(n.operands)
                       if k != slot and graph.spec(r).numel > 1]
             others_partial = all(any(isinstance(p, Partial) for s in strategies[r.node]
                                      for p in s.outputs[r.index]) for r in others)
+            final = n.name in grads and not graph.consumers(n.name)
             mapping = _follow_map(strategies[ref.node], ref.index, strategies[n.name], slot,
-                                  reduce_partials=bool(others) and not others_partial)
+                                  reduce_partials=bool(others) and not others_partial
+                                  and not final)
             if mapping is not None:
                 g.compose(n.name, ref.node, mapping)
         # block copies follow whatever their head now follows
