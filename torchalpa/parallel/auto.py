@@ -87,6 +87,11 @@ ROOM = 0.9
 SETTLED = "views settled by other candidates' answers: "
 """How an attempt's detail begins when its views were settled without an ILP."""
 
+SEED_SHARING = True
+"""Start each intra-op candidate's ILPs with the values the candidates before found read
+twice alike on the same view (``plan_intra_op(sharing=)``): the sharing round that would
+find them again is a whole solve; False starts every candidate afresh (tests compare)."""
+
 REUSE_VIEWS = True
 """Settle an intra-op candidate's view (logical mesh) by another candidate's answer on it
 instead of solving it (``_Search.settled_views``); False solves every view (tests compare)."""
@@ -195,6 +200,9 @@ class _Search:
         # prices and strategies (both kinds), shared across micro-batch counts and remats
         self.solves = SolveCache()
         self.pricing = PricingMemo()
+        # view -> values found read twice alike: each candidate's ILPs start from what
+        # the candidates before found on that view (``plan_intra_op(sharing=)``)
+        self.sharing: dict = {}
         self.profiles: dict = {}                       # remat -> its bounds (StepProfile)
         from torchalpa.frontends.rebatch import MicroBatchSteps
         # micro-batch count -> its step: traced, or derived once a derivation was checked
@@ -414,7 +422,8 @@ class _Search:
                                       deadline=self.deadline, bound_views=False,
                                       memo=self.pricing, workers=cpu_workers(),
                                       skip={i: why for i, (why, _) in settled.items()},
-                                      outcomes=outcomes)
+                                      outcomes=outcomes,
+                                      sharing=self.sharing if SEED_SHARING else None)
             finally:
                 self.record_views(c, outcomes)
         else:
