@@ -11,9 +11,8 @@ big-graph path of ``plan_intra_op`` forced: ``exact_below=0, free_followers_belo
 ``--search``: the whole AutoParallel search (target a's) with no time limit and no time
 budget, views solved in this process (``--big``: the big-graph path forced, as above),
 so the plan depends on the work bounds alone and every solver second is this process's
-CPU time. Prints wall and CPU seconds of planning
-(capture apart), the estimate and a hash of the plan JSON (notes, timings and source paths
-left out).
+CPU time. Prints wall and CPU seconds of planning (capture apart), the estimate and a hash
+of the plan JSON (notes, timings and source paths left out).
 """
 
 from __future__ import annotations
