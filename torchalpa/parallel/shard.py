@@ -85,8 +85,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     short is not cached). ``workers`` > 1, not bounding views: the ILPs solved at once in
     processes (``_solve_apart``). ``skip``: mesh index -> why it is not solved (a caller's
     reuse, noted); ``outcomes``: mesh index -> its plan or its solve's InfeasibleError;
-    ``sharing``: ``plan_intra_op``'s, kept by the caller across graphs (filled in the
-    meshes' order however many processes solve them)."""
+    ``sharing``: ``plan_intra_op``'s, kept by the caller across graphs."""
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
     from torchalpa.passes.pricing.bounds import step_profile
     from torchalpa.passes.sharding.ilp import InfeasibleError
@@ -99,8 +98,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states,
                            eager=method.auto_sharding_option.elementwise != "fused")
     apart = {} if bounding or workers <= 1 else _solve_apart(
-        graph, method, meshes, inputs, blocks, memo, deadline, workers, profile, fingerprint,
-        skip, sharing)
+        graph, method, meshes, inputs, blocks, memo, deadline, workers, profile, fingerprint, skip, sharing)
     for i, mesh in enumerate(meshes):
         key = cache.plan_key(fingerprint, mesh, method, inputs)
         with step(f"mesh {i + 1}/{len(meshes)} ({_shape(mesh)}) solving") as progress:
@@ -130,8 +128,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
             cut = deadline if fastest is not None else None
             try:
                 found = apart[i] if i in apart else plan_intra_op(
-                    graph, mesh, method, inputs=inputs, blocks=blocks, memo=memo, deadline=cut,
-                    sharing=sharing)
+                    graph, mesh, method, inputs=inputs, blocks=blocks, memo=memo, deadline=cut, sharing=sharing)
             except InfeasibleError as e:
                 found = e
             outcomes[i] = found
