@@ -44,7 +44,7 @@ def test_a_view_starts_from_the_values_found_read_twice_alike_before(llama, monk
     first = intra_op.plan_intra_op(graph, mesh, method, blocks=blocks_of(graph),
                                    sharing=sharing)
     rounds = len(calls)
-    key = intra_op.sharing_key(mesh, method.auto_sharding_option)
+    key = intra_op.sharing_key(mesh)
     assert rounds >= 2 and sharing[key]       # a round found values read twice alike
     calls.clear()
     again = intra_op.plan_intra_op(graph, mesh, method, blocks=blocks_of(graph),

@@ -256,7 +256,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
                                  solve_seconds=time.perf_counter() - start)
     ilp = _IntraOpILP(graph, mesh, method, option, space, costs, blocks, in_flight, deadline,
                       max(step_micro_batches, method.num_micro_batches))
-    key = sharing_key(mesh, option)
+    key = sharing_key(mesh)
     if sharing is not None and key in sharing:
         ilp.seed = _sharing_seed(graph, sharing[key], option)
     built = time.perf_counter()
@@ -283,7 +283,7 @@ MIN_SOLVE_S = 10.0
 """The least time a solver run is given when a deadline cuts its limit."""
 
 
-def sharing_key(mesh: LogicalMesh, option: AutoShardingOption) -> tuple:
+def sharing_key(mesh: LogicalMesh) -> tuple:
     """What values found read twice alike carry over between: solves on one view (the
     layouts are the mesh's)."""
     return tuple(mesh.shape), tuple(mesh.axis_names or ())

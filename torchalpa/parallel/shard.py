@@ -220,7 +220,7 @@ def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh
         progress.done = "done"
     if sharing is not None:
         for i, (_, theirs) in sorted(zip(order, found)):
-            key = sharing_key(meshes[i], method.auto_sharding_option)
+            key = sharing_key(meshes[i])
             if key in theirs:
                 sharing[key] = sharing.get(key, frozenset()) | theirs[key]
     return {i: plan for i, (plan, _) in zip(order, found)}
