@@ -29,6 +29,9 @@ search
    or where one it only adds work to fits with room to spare, is not solved. The views
    left are solved at once in forked processes, one per core (``plan_graph(workers=)``),
    each bounded by the same work, so the plan is the one solving them in turn gives.
+   Each candidate's ILP on a view starts with the values the candidates before found
+   read twice alike there priced once per layout (``SEED_SHARING``), sparing the solve
+   that would find them again.
 
 On one node the candidates are intra-op plans; pipelines there are the fallback when no
 intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
