@@ -9,10 +9,10 @@ LLaMA-3-8B at ``layers`` layers (default 16), bf16, batch 16 x 8192, 1 x 8 H100.
 one intra-op candidate like target a's first (4 micro-batches, every view in turn, the
 big-graph path of ``plan_intra_op`` forced: ``exact_below=0, free_followers_below=0``).
 ``--search``: the whole AutoParallel search (target a's) with no time limit and no time
-budget, views solved in this process, so the plan depends on the work bounds alone and
-every solver second is this process's CPU time. Prints wall and CPU seconds of planning
-(capture apart), the estimate and a hash of the plan JSON (notes, timings and source paths
-left out).
+budget, views solved in this process (``--big``: the big-graph path forced, as above),
+so the plan depends on the work bounds alone and every solver second is this process's
+CPU time. Prints wall and CPU seconds of planning (capture apart), the estimate and a hash
+of the plan JSON (notes, timings and source paths left out).
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ def main() -> None:
     p.add_argument("layers", type=int, nargs="?", default=16)
     p.add_argument("out", nargs="?", default="/tmp/planning_cpu_ab.json")
     p.add_argument("--search", action="store_true", help="the whole AutoParallel search")
+    p.add_argument("--big", action="store_true",
+                   help="with --search: the big-graph path forced (exact_below=0, "
+                        "free_followers_below=0), so that a few layers take target a's path")
     args = p.parse_args()
     w = zoo.llama3_8b().replace(num_layers=args.layers)
     with torch.device("meta"):
@@ -60,8 +63,9 @@ def main() -> None:
     if args.search:
         from torchalpa.passes.pipeline_search import stage_jobs
         stage_jobs.cpu_workers = lambda: 1        # every solve in this process
+        big = {"exact_below": 0, "free_followers_below": 0} if args.big else {}
         method = AutoParallel(time_budget_s=1e6,
-                              auto_sharding_option=AutoShardingOption(time_limit=None))
+                              auto_sharding_option=AutoShardingOption(time_limit=None, **big))
         wall, cpu = time.perf_counter(), time.process_time()
         plan = torchalpa.plan(model, batch, w.loss_fn, cluster=cluster, mixed_precision=bf16,
                               method=method)

@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
-from torchalpa.frontends.block_remat import copied_codegen
+from torchalpa.frontends.block_remat import copied_codegen, lazy_graph_module
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.torch_export import Capture, to_opgraph
 
@@ -165,7 +165,7 @@ def _rebatched_module(captured: Capture, k: int) -> tuple[fx.GraphModule, list[s
             elif n.op not in ("placeholder", "output"):
                 raise CannotRebatch(f"node {n.name} is a {n.op}")
     _check_outputs(graph, old, len(captured.param_names))
-    return fx.GraphModule(captured.gm, graph), state.skipped
+    return lazy_graph_module(captured.gm, graph), state.skipped
 
 
 def _strides(val: torch.Tensor, shape: tuple) -> tuple:

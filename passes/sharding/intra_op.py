@@ -65,6 +65,7 @@ from torchalpa.passes.sharding.sharding_plan import (
     merge_gradient_all_reduces,
     replace_estimates,
 )
+from torchalpa.passes.sharding.shared_reshard import multi_read_values
 from torchalpa.passes.sharding.simplify import Grouping, group_nodes
 from torchalpa.passes.sharding.stage_boundary import boundary_layout
 from torchalpa.passes.sharding.strategies import (
@@ -77,7 +78,7 @@ from torchalpa.passes.sharding.strategies import (
 from torchalpa.passes.sharding.strides import strided_regions
 
 __all__ = ["plan_intra_op", "step_time_lower_bound", "UnsupportedOpWarning", "build_strategies",
-           "planned_for", "intra_op_problem"]
+           "planned_for", "intra_op_problem", "sharing_key"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -216,7 +217,8 @@ def _batch_sharded(spec: TensorSpec, mesh: LogicalMesh) -> Strategy:
 def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | None = None, *,
                   inputs: str = "global", blocks: dict[str, tuple[str, int]] | None = None,
                   in_flight: int = 1, memo: PricingMemo | None = None,
-                  deadline: float | None = None, step_micro_batches: int = 1) -> Plan:
+                  deadline: float | None = None, step_micro_batches: int = 1,
+                  sharing: dict | None = None) -> Plan:
     """Solve Alpa's intra-op ILP for ``graph`` on ``mesh`` and return the Plan.
 
     ``blocks`` (node -> (block kind, index)) lets identical layers share one decision.
@@ -233,7 +235,9 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     forward reads of parameters are resharded once per step too, before its first
     micro-batch, as its runtime gathers them (``plan.state_read_once``: not under
     ``rematerialize_parameters``). The estimates still describe one micro-batch and what
-    is paid once per step.
+    is paid once per step. ``sharing``: values earlier solves of alike graphs on this view
+    found read twice in one layout (``sharing_key`` -> values; AutoParallel's candidates):
+    priced once per layout from the first solve, and what this solve found is added.
     """
     method = method or ShardParallel()
     if step_micro_batches < 1 or (step_micro_batches > 1 and method.num_micro_batches > 1):
@@ -252,9 +256,14 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
                                  solve_seconds=time.perf_counter() - start)
     ilp = _IntraOpILP(graph, mesh, method, option, space, costs, blocks, in_flight, deadline,
                       max(step_micro_batches, method.num_micro_batches))
+    key = sharing_key(mesh)
+    if sharing is not None and key in sharing:
+        ilp.seed = _sharing_seed(graph, sharing[key], option)
     built = time.perf_counter()
     with clock_watch() as stops:
         best = ilp.best()
+    if sharing is not None:
+        sharing[key] = sharing.get(key, frozenset()) | best.shared
     chosen = best.chosen
     if option.prefer_reduce_scatter:    # Alpa's rewrite after its ILP
         chosen, costs = scatter_gradients(graph, mesh, space.strategies, chosen, costs,
@@ -272,6 +281,22 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
 
 MIN_SOLVE_S = 10.0
 """The least time a solver run is given when a deadline cuts its limit."""
+
+
+def sharing_key(mesh: LogicalMesh) -> tuple:
+    """What values found read twice alike carry over between: solves on one view (the
+    layouts are the mesh's)."""
+    return tuple(mesh.shape), tuple(mesh.axis_names or ())
+
+
+def _sharing_seed(graph: OpGraph, found: frozenset, option: AutoShardingOption) -> frozenset:
+    """The values of ``found`` that ``graph`` reads twice or more, less parameters and
+    buffers where they are gathered again in backward (their reads share no copy then,
+    ``shared_reshard.read_key``)."""
+    seed = found & multi_read_values(graph)
+    if option.rematerialize_parameters:
+        seed = frozenset(v for v in seed if graph.node(v[0]).kind not in ("param", "buffer"))
+    return seed
 
 
 class _Solved(NamedTuple):
@@ -297,6 +322,7 @@ class _IntraOpILP:
         self.deadline = deadline
         self.repeats = repeats      # micro-batches per gradient reduction
         self.space, self.costs, self.blocks, self.in_flight = space, costs, blocks, in_flight
+        self.seed: frozenset = frozenset()  # values priced once per layout from the start
         self.budget = option.memory_budget_per_device or mesh.memory_per_device
         # a parameter's forward reshards run once per step (runtime/rewrites/param_gather.py),
         # in a pipeline stage too (its step runs ``repeats`` micro-batches)
@@ -374,6 +400,7 @@ class _IntraOpILP:
         ``exact`` shares no decision at all, ``followers`` False lets followers decide on
         their own; ``start``: a plan of a coarser grouping to start from."""
         graph, S, mesh = self.graph, self.space.strategies, self.mesh
+        shared = shared | self.seed
         grouping = group_nodes(graph, S, None if exact else self.blocks, heavy=self.space.heavy,
                                period=period, merge_followers=followers and not exact)
         memory = MemoryModel(graph, S, grouping, mesh.shape, self.method.optimizer_states,

@@ -493,7 +493,8 @@ def _explain_parameters(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel
         for slot, ref in enumerate(node.operands):
             if graph.node(ref.node).kind in ("param", "buffer"):
                 readers.setdefault(ref.node, []).append((node.name, slot))
-    grads = {graph.params[fqn]: ref for fqn, ref in graph.outputs.grads}
+    params = graph.params          # made per call: once, not once per gradient
+    grads = {params[fqn]: ref for fqn, ref in graph.outputs.grads}
     out = {}
     for node in graph:
         if node.kind not in ("param", "buffer"):

@@ -29,6 +29,9 @@ search
    or where one it only adds work to fits with room to spare, is not solved. The views
    left are solved at once in forked processes, one per core (``plan_graph(workers=)``),
    each bounded by the same work, so the plan is the one solving them in turn gives.
+   Each candidate's ILP on a view starts with the values the candidates before found
+   read twice alike there priced once per layout (``SEED_SHARING``), sparing the solve
+   that would find them again.
 
 On one node the candidates are intra-op plans; pipelines there are the fallback when no
 intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
@@ -86,6 +89,11 @@ ROOM = 0.9
 
 SETTLED = "views settled by other candidates' answers: "
 """How an attempt's detail begins when its views were settled without an ILP."""
+
+SEED_SHARING = True
+"""Start each intra-op candidate's ILPs with the values the candidates before found read
+twice alike on the same view (``plan_intra_op(sharing=)``): the sharing round that would
+find them again is a whole solve; False starts every candidate afresh (tests compare)."""
 
 REUSE_VIEWS = True
 """Settle an intra-op candidate's view (logical mesh) by another candidate's answer on it
@@ -195,6 +203,9 @@ class _Search:
         # prices and strategies (both kinds), shared across micro-batch counts and remats
         self.solves = SolveCache()
         self.pricing = PricingMemo()
+        # view -> values found read twice alike: each candidate's ILPs start from what
+        # the candidates before found on that view (``plan_intra_op(sharing=)``)
+        self.sharing: dict = {}
         self.profiles: dict = {}                       # remat -> its bounds (StepProfile)
         from torchalpa.frontends.rebatch import MicroBatchSteps
         # micro-batch count -> its step: traced, or derived once a derivation was checked
@@ -414,7 +425,8 @@ class _Search:
                                       deadline=self.deadline, bound_views=False,
                                       memo=self.pricing, workers=cpu_workers(),
                                       skip={i: why for i, (why, _) in settled.items()},
-                                      outcomes=outcomes)
+                                      outcomes=outcomes,
+                                      sharing=self.sharing if SEED_SHARING else None)
             finally:
                 self.record_views(c, outcomes)
         else:

@@ -72,7 +72,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                inputs: str = "global", blocks: dict | None = None,
                deadline: float | None = None, bound_views: bool | None = None,
                memo=None, workers: int = 1, skip: dict[int, str] | None = None,
-               outcomes: dict | None = None) -> Plan:
+               outcomes: dict | None = None, sharing: dict | None = None) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
     A mesh whose memory lower bound (``passes/pricing/bounds.py``) exceeds the budget is
@@ -84,7 +84,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     plan is in hand; before it, each solve gets only the time left (a plan the clock cut
     short is not cached). ``workers`` > 1, not bounding views: the ILPs solved at once in
     processes (``_solve_apart``). ``skip``: mesh index -> why it is not solved (a caller's
-    reuse, noted); ``outcomes``: mesh index -> its plan or its solve's InfeasibleError."""
+    reuse, noted); ``outcomes``: mesh index -> its plan or its solve's InfeasibleError;
+    ``sharing``: ``plan_intra_op``'s, kept by the caller across graphs."""
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
     from torchalpa.passes.pricing.bounds import step_profile
     from torchalpa.passes.sharding.ilp import InfeasibleError
@@ -97,8 +98,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states,
                            eager=method.auto_sharding_option.elementwise != "fused")
     apart = {} if bounding or workers <= 1 else _solve_apart(
-        graph, method, meshes, inputs, blocks, memo, deadline, workers, profile, fingerprint,
-        skip)
+        graph, method, meshes, inputs, blocks, memo, deadline, workers, profile, fingerprint, skip, sharing)
     for i, mesh in enumerate(meshes):
         key = cache.plan_key(fingerprint, mesh, method, inputs)
         with step(f"mesh {i + 1}/{len(meshes)} ({_shape(mesh)}) solving") as progress:
@@ -128,7 +128,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
             cut = deadline if fastest is not None else None
             try:
                 found = apart[i] if i in apart else plan_intra_op(
-                    graph, mesh, method, inputs=inputs, blocks=blocks, memo=memo, deadline=cut)
+                    graph, mesh, method, inputs=inputs, blocks=blocks, memo=memo, deadline=cut, sharing=sharing)
             except InfeasibleError as e:
                 found = e
             outcomes[i] = found
@@ -182,17 +182,20 @@ def _cached(key: str, graph: OpGraph, fingerprint: str, mesh: LogicalMesh):
 
 def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh], inputs: str,
                  blocks: dict | None, memo, deadline: float | None, workers: int, profile,
-                 fingerprint: str, skip: dict[int, str]) -> dict[int, Any]:
+                 fingerprint: str, skip: dict[int, str], sharing: dict | None = None
+                 ) -> dict[int, Any]:
     """mesh index -> its plan, or the InfeasibleError its ILP raised, for the meshes
     ``plan_graph`` would solve (not skipped, cached or refused by the memory bound), solved in
     up to ``workers`` forked processes (``stage_jobs.fork_map``), the 2D views (the longest
     solves) first. Each solve is what ``plan_graph`` runs one after another, bounded by the
     same work, so the plans are the same; pricing memos filled in a worker stay there.
     The first mesh solves without a deadline (no plan is in hand before it), the others
-    with it, as one after another. Empty where fewer than two meshes are left to solve."""
+    with it, as one after another. Empty where fewer than two meshes are left to solve.
+    ``sharing`` is updated with each worker's answer in ``meshes``' order (each mesh has
+    its own entries, so the order of the answers does not matter)."""
     from torchalpa.passes.pipeline_search.stage_jobs import can_fork, fork_map
     from torchalpa.passes.sharding.ilp import InfeasibleError
-    from torchalpa.passes.sharding.intra_op import plan_intra_op
+    from torchalpa.passes.sharding.intra_op import plan_intra_op, sharing_key
     todo = [i for i, mesh in enumerate(meshes)
             if i not in skip and memory_refusal(profile, mesh, method) is None and not isinstance(_cached(
                 cache.plan_key(fingerprint, mesh, method, inputs), graph, fingerprint, mesh),
@@ -202,18 +205,25 @@ def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh
         return {}
 
     def solve(i: int):
+        found = None if sharing is None else dict(sharing)
         try:
             return plan_intra_op(graph, meshes[i], method, inputs=inputs, blocks=blocks,
-                                 memo=memo, deadline=None if i == todo[0] else deadline)
+                                 memo=memo, deadline=None if i == todo[0] else deadline,
+                                 sharing=found), found
         except InfeasibleError as e:       # an answer (does not fit), not a failure
-            return e
+            return e, found
 
     order = sorted(todo, key=lambda i: (-len(meshes[i].shape), i))
     shapes = ", ".join("x".join(map(str, meshes[i].shape)) for i in order)
     with step(f"meshes {shapes} solving in {min(workers, len(order))} processes") as progress:
         found = fork_map(solve, order, workers)
         progress.done = "done"
-    return dict(zip(order, found))
+    if sharing is not None:
+        for i, (_, theirs) in sorted(zip(order, found)):
+            key = sharing_key(meshes[i])
+            if key in theirs:
+                sharing[key] = sharing.get(key, frozenset()) | theirs[key]
+    return {i: plan for i, (plan, _) in zip(order, found)}
 
 
 def _no_mesh_fits(failures: list, refused: list[LogicalMesh], meshes: list[LogicalMesh],
