@@ -155,6 +155,8 @@ def stage_option(row: PublishedRow) -> tuple[tuple[int, ...], torchalpa.AutoShar
         common["rematerialize_parameters"] = row.zero == "fsdp"
     if row.zero == "zero1":     # gradients all-reduced whole, as Zero1Parallel
         common["allow_reduce_scatter"] = False
+    if row.plain_tp and row.tp > 1:     # norms whole on every tp rank (the last axis)
+        common["plain_tensor_parallel"] = True
     if row.family == "gpt":
         def pins(tp_axis: int, ndim: int, other: str = "R") -> dict:
             # a strided (by-head) shard of the fused QKV weight takes no shard over dp:

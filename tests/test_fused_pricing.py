@@ -142,3 +142,20 @@ def test_a_compiled_cross_entropy_moves_its_bf16_logits_not_float32_copies():
     assert ops["aten._log_softmax.default"] == 0 and ops["aten.scatter.value"] == 0
     # backward's log-softmax gradient reads the bf16 logits it is recomputed from
     assert ops["aten._log_softmax_backward_data.default"] == bf16_logits
+
+
+def test_a_residual_stream_kept_for_backward_is_written_not_recomputed_from_every_layer():
+    # the residual adds are pointwise and their readers fuse, but backward (the recompute
+    # of full checkpointing) reads them: they are kept, so written, and each block's
+    # recomputed layer norm reads one block input, not the sources of every add before it
+    from torchalpa.frontends.block_remat import checkpointed_capture
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.models import gpt
+    torch.manual_seed(0)
+    config = gpt.GPTConfig.tiny(num_layers=6, dropout=0.0)
+    captured = capture(gpt.GPT(config), gpt.example_batch(config, 2), gpt.loss_fn)
+    graph = priced_as(checkpointed_capture(captured, "full").graph, "fused")
+    recomputed_norms = [n.bytes for n in graph if n.op == "aten.native_layer_norm.default"
+                        and n.phase == "backward"]
+    assert len(recomputed_norms) == 2 * 6
+    assert len(set(recomputed_norms)) <= 2         # ln_1 and ln_2, alike in every block

@@ -18,10 +18,12 @@ permute, expand) move no bytes and are looked through. Flops are unchanged, and 
 everything a sharding rule reads: only ``OpNode.bytes`` changes.
 
 A fused value read by an op of another phase (forward's value read in backward) is not in
-that op's kernel: the kernel computes it again from the written values it is made from (its
-*sources*, through other fused values), and with ``reread=True`` it is charged their bytes
-instead (a compiled cross-entropy's backward reads the 16-bit logits, not a float32
-log-softmax forward never wrote). XLA's StableHLO steps keep the default (off).
+that op's kernel. With ``reread=True`` such a value is written (kept for that phase)
+unless the written values it is made from (its *sources*, through other fused values) are
+no larger, as a compiler's partitioner saves the smaller; then the later reader is charged
+the sources' bytes instead (a compiled cross-entropy's backward reads the 16-bit logits,
+not a float32 log-softmax forward never wrote), and a residual stream kept for backward is
+written. XLA's StableHLO steps keep the default (off).
 """
 
 from __future__ import annotations
@@ -90,18 +92,20 @@ def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs,
 
     def is_fused(ref: ValueRef) -> bool:
         if ref not in fused:
-            reads = final_readers(ref)
-            fused[ref] = is_pointwise(by_name[ref.node]) and bool(reads) and all(
+            node, reads = by_name[ref.node], final_readers(ref)
+            fused[ref] = is_pointwise(node) and bool(reads) and all(
                 r != _OUTPUT and (is_pointwise(by_name[r]) or reduces(by_name[r].op))
                 for r in reads)
+            if fused[ref] and reread and any(by_name[r].phase != node.phase for r in reads):
+                # kept for a later phase: written, unless what it is computed from is no
+                # larger (the compiler saves that and computes it again where it is read)
+                fused[ref] = sum(size(s) for s in made_of(ref)) <= size(ref)
         return fused[ref]
 
     made_from: dict[ValueRef, tuple[ValueRef, ...]] = {}
 
-    def sources(ref: ValueRef) -> tuple[ValueRef, ...]:
-        """The written values (roots of views) a fused value is computed from."""
-        if not is_fused(ref):
-            return (ref,)
+    def made_of(ref: ValueRef) -> tuple[ValueRef, ...]:
+        """The written values (roots of views) ``ref``'s op computes it from."""
         if ref not in made_from:
             node = by_name[ref.node]
             found: dict[ValueRef, None] = {}
@@ -109,6 +113,10 @@ def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs,
                 found.update(dict.fromkeys(sources(root(operand))))
             made_from[ref] = tuple(found)
         return made_from[ref]
+
+    def sources(ref: ValueRef) -> tuple[ValueRef, ...]:
+        """The written values (roots of views) a value is computed from: itself if written."""
+        return made_of(ref) if is_fused(ref) else (ref,)
 
     def size(ref: ValueRef) -> int:
         return by_name[ref.node].outputs[ref.index].nbytes
