@@ -53,22 +53,10 @@ REDUCTIONS = frozenset({"aten.sum.dim_IntList", "aten.amax.default", "aten.amin.
 _OUTPUT = "<step result>"
 
 
-def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs,
-                           fusible: Callable[[str], bool] = FUSIBLE.__contains__,
-                           reduces: Callable[[str], bool] = REDUCTIONS.__contains__,
-                           *, pointwise: Callable[[OpNode], bool] | None = None,
-                           reads_nothing: Callable[[OpNode], bool] | None = None,
-                           reread: bool = False) -> list[OpNode]:
-    """``nodes`` with the bytes of fused values taken off their producers and readers.
-    ``fusible`` / ``reduces``: which ops are elementwise / reductions (StableHLO's
-    spellings by default; ``passes/pricing/fused_pricing.py`` passes ATen's);
-    ``pointwise``: which nodes fuse with their readers, where an op's name does not say
-    (default: ``fusible`` of the op); ``reads_nothing``: fusible nodes whose operands lend
-    a shape only (fills); ``reread``: a reader in another phase than a fused value's
-    producer reads its sources instead (module doc)."""
+def _walkers(nodes: list[OpNode], outputs: GraphOutputs):
+    """(nodes by name, the final readers of a value, the value a chain of views starts
+    from)."""
     by_name = {n.name: n for n in nodes}
-    is_pointwise = pointwise or (lambda n: fusible(n.op))
-    lends_shape = reads_nothing or (lambda n: False)
     readers: dict[ValueRef, list[str]] = {}
     for n in nodes:
         for ref in n.operands:
@@ -87,7 +75,25 @@ def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs,
         while by_name[ref.node].aliases and by_name[ref.node].operands:
             ref = by_name[ref.node].operands[0]
         return ref
+    return by_name, final_readers, root
 
+
+def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs,
+                           fusible: Callable[[str], bool] = FUSIBLE.__contains__,
+                           reduces: Callable[[str], bool] = REDUCTIONS.__contains__,
+                           *, pointwise: Callable[[OpNode], bool] | None = None,
+                           reads_nothing: Callable[[OpNode], bool] | None = None,
+                           reread: bool = False) -> list[OpNode]:
+    """``nodes`` with the bytes of fused values taken off their producers and readers.
+    ``fusible`` / ``reduces``: which ops are elementwise / reductions (StableHLO's
+    spellings by default; ``passes/pricing/fused_pricing.py`` passes ATen's);
+    ``pointwise``: which nodes fuse with their readers, where an op's name does not say
+    (default: ``fusible`` of the op); ``reads_nothing``: fusible nodes whose operands lend
+    a shape only (fills); ``reread``: a reader in another phase than a fused value's
+    producer reads its sources instead (module doc)."""
+    by_name, final_readers, root = _walkers(nodes, outputs)
+    is_pointwise = pointwise or (lambda n: fusible(n.op))
+    lends_shape = reads_nothing or (lambda n: False)
     fused: dict[ValueRef, bool] = {}
 
     def is_fused(ref: ValueRef) -> bool:
