@@ -114,8 +114,8 @@ def _dropout_parts(n: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
             or drop.args[2] is False or not isinstance(drop.args[0], fx.Node):
         return None
     masks = [u for u in drop.users if u.target is operator.getitem and u.args[1] == 1]
-    p = float(drop.args[1])
-    if not masks or p >= 1.0:
+    p = drop.args[1]
+    if not masks or not isinstance(p, (int, float)) or p >= 1.0:
         return None
     return drop.args[0], masks[0], 1.0 / (1.0 - p)
 

@@ -220,8 +220,8 @@ def _read_weights_where_stored(graph: OpGraph, strategies: dict[str, list[Strate
             if w is None or any(isinstance(s.outputs[0][axis], Replicate)
                                 for s in strategies[w.name]):
                 continue
-            kept = [s for s in strategies[node.name] if s.inputs[slot] is None
-                    or not isinstance(s.inputs[slot][axis], Replicate)]
+            kept = [s for s in strategies[node.name]
+                    if (read := s.inputs[slot]) is None or not isinstance(read[axis], Replicate)]
             if kept:
                 strategies[node.name] = kept
 
