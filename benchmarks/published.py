@@ -18,7 +18,11 @@ the published plan pinned:
   ``dp``, Megatron's column/row-parallel Linear layers on ``tp`` (``expert_plans.
   megatron_pins``) and, for the GPT, its vocabulary-parallel token embedding (split by
   vocabulary rows on ``tp``; the tied head with it); the rest, the loss included, as the
-  ILP likes;
+  ILP likes, except on rows that ran Megatron's plain tensor parallelism (``plain_tp``:
+  Megatron-LM and Megatron-DeepSpeed before sequence parallelism), where the norms stay
+  whole on every tp rank and each matmul reads its weight in its tp split
+  (``AutoShardingOption(plain_tensor_parallel=True)``), as those runs did; the Megatron
+  rows' models carry Megatron's default dropout (0.1, hidden and attention);
 - pipeline parallelism: the model cut into ``pp`` equal groups of blocks by
   pipeline-boundary markers (embedding with the first, head and loss with the last, as
   Megatron and DeepSpeed place them), one stage each on ``dp x tp`` devices (pp outermost
@@ -155,6 +159,8 @@ def stage_option(row: PublishedRow) -> tuple[tuple[int, ...], torchalpa.AutoShar
         common["rematerialize_parameters"] = row.zero == "fsdp"
     if row.zero == "zero1":     # gradients all-reduced whole, as Zero1Parallel
         common["allow_reduce_scatter"] = False
+    if row.plain_tp and row.tp > 1:     # norms whole on every tp rank (the last axis)
+        common["plain_tensor_parallel"] = True
     if row.family == "gpt":
         def pins(tp_axis: int, ndim: int, other: str = "R") -> dict:
             # a strided (by-head) shard of the fused QKV weight takes no shard over dp:

@@ -64,6 +64,11 @@ class PublishedRow:
     'zero2' (parameters, gradients, optimizer states sharded over dp, each parameter
     gathered once per step: ZeRO-2, Alpa's reduce-scatter) or 'fsdp' (gathered again in
     backward: FSDP / ZeRO-3)."""
+    plain_tp: bool = False
+    """Whether the run's tensor parallelism was Megatron's plain one (no sequence
+    parallelism: norms whole on every tp rank, each row-parallel product all-reduced), as
+    Megatron-LM until 2022 and Megatron-DeepSpeed ran it: pinned with
+    ``AutoShardingOption(plain_tensor_parallel=True)``. False: the ILP lays them out."""
     fused: bool = True
     """Whether the framework fuses elementwise chains (Megatron's fused kernels, XLA,
     torch.compile): priced with ``elementwise="fused"``."""
@@ -140,12 +145,13 @@ class PublishedRow:
 
 
 def _gpt(hidden: int, layers: int, heads: int, seq: int, vocab: int = 51200,
-         attention: str = "eager") -> dict:
+         attention: str = "eager", dropout: float = 0.0) -> dict:
     """A zoo GPT config. ``attention``: "eager" (scores kept: what Megatron-LM, Alpa and
     BLOOM's Megatron-DeepSpeed ran, fused softmax but no fused attention kernel) or
-    "sdpa" (a flash kernel: MPT)."""
+    "sdpa" (a flash kernel: MPT). ``dropout``: the run's hidden and attention dropout
+    (Megatron-LM's defaults, ``--hidden-dropout`` and ``--attention-dropout``, are 0.1)."""
     return dict(vocab_size=vocab, max_seq_len=seq, num_layers=layers, num_heads=heads,
-                hidden=hidden, dropout=0.0, attention=attention)
+                hidden=hidden, dropout=dropout, attention=attention)
 
 
 def _llama3(size: str, seq: int = 8192) -> dict:
@@ -202,14 +208,18 @@ def _mpt(key, size, gpus, machine, micro, accum, tokens, remat="none", pure=Fals
                              "not expressible yet",) if pure else ()))
 
 
-_MEG = dict(family="gpt", machine="dgx-a100", precision="fp16", remat="full", fused=True)
+_MEG = dict(family="gpt", machine="dgx-a100", precision="fp16", remat="full", fused=True,
+            plain_tp=True)
+MEGATRON_DROPOUT = 0.1
+"""Megatron-LM's default ``--hidden-dropout`` and ``--attention-dropout``: its GPT scripts
+of 2020-2022 and the papers' runs set neither."""
 _SC21_NOTES = ("micro-batch 1 [?]", "interleaved 1F1B in the paper, plain 1F1B here")
 
 
 def _sc21(key, params, heads, hidden, layers, tp, pp, gpus, batch, tflops) -> PublishedRow:
     return PublishedRow(key=key, label=f"Megatron-LM GPT {params} on {gpus} A100",
-                        source=SC21, short_source="Megatron SC'21", config=_gpt(hidden, layers,
-                                                                                 heads, 2048),
+                        source=SC21, short_source="Megatron SC'21",
+                        config=_gpt(hidden, layers, heads, 2048, dropout=MEGATRON_DROPOUT),
                         seq=2048, global_batch=batch, micro_batch=1, tp=tp, pp=pp,
                         dp=gpus // (tp * pp), num_nodes=gpus // 8, tflops_per_gpu=tflops,
                         notes=_SC21_NOTES if pp > 1 else _SC21_NOTES[:1], **_MEG)
@@ -220,10 +230,11 @@ def _meg20(key, gpu, hidden, heads, layers, tp, batch, ms) -> PublishedRow:
     return PublishedRow(key=key, label=f"Megatron-LM GPT-2 h{hidden} l{layers}, tp{tp} on "
                                        f"{gpu.upper()}",
                         source=MEG20, short_source="Megatron-LM 2020",
-                        config=_gpt(hidden, layers, heads, 1024), seq=1024, global_batch=batch,
+                        config=_gpt(hidden, layers, heads, 1024, dropout=MEGATRON_DROPOUT),
+                        seq=1024, global_batch=batch,
                         micro_batch=batch, tp=tp, num_nodes=1, devices_per_node=tp,
                         step_s=ms / 1e3, machine=machine, family="gpt", precision="fp16",
-                        remat="full", fused=True,
+                        remat="full", fused=True, plain_tp=True,
                         notes=("fp16, full recompute: the TFLOP/s match Eq. 3 [D]",
                                "DGX-A100 of 2020: 40 GB [?]") if gpu == "a100" else
                         ("fp16, full recompute: the TFLOP/s match Eq. 3 [D]",))
@@ -255,11 +266,13 @@ ROWS: tuple[PublishedRow, ...] = (
     _meg20("megatron20-a100-8b", "a100", 4096, 32, 42, 8, 16, 1343),
     PublishedRow(
         key="korthikanti-22b", label="GPT-22B, tp8 on 8 A100, full recompute", source=KORT,
-        short_source="Korthikanti 2022", config=_gpt(6144, 48, 64, 2048), seq=2048,
+        short_source="Korthikanti 2022",
+        config=_gpt(6144, 48, 64, 2048, dropout=MEGATRON_DROPOUT), seq=2048,
         global_batch=4, micro_batch=4, tp=8, num_nodes=1, step_s=1.42, **_MEG),
     PublishedRow(
         key="korthikanti-175b", label="GPT-3 175B, tp8 x pp8 on 64 A100, full recompute",
-        source=KORT, short_source="Korthikanti 2022", config=_gpt(12288, 96, 96, 2048),
+        source=KORT, short_source="Korthikanti 2022",
+        config=_gpt(12288, 96, 96, 2048, dropout=MEGATRON_DROPOUT),
         seq=2048, global_batch=64, micro_batch=1, tp=8, pp=8, num_nodes=8, step_s=18.13,
         notes=("interleaved 1F1B (3 chunks) in the paper, plain 1F1B here",), **_MEG),
     PublishedRow(
@@ -267,7 +280,7 @@ ROWS: tuple[PublishedRow, ...] = (
         short_source="BLOOM logbook", family="gpt",
         config=_gpt(14336, 70, 112, 2048, vocab=250880), seq=2048, global_batch=2048,
         micro_batch=2, tp=4, pp=12, dp=8, machine="jean-zay-a100", num_nodes=48,
-        precision="bf16", remat="full", zero="zero1", fused=True,
+        precision="bf16", remat="full", zero="zero1", fused=True, plain_tp=True,
         stage_blocks=(5,) + (6,) * 10 + (5,), step_s=104.70,
         notes=("149.77 TFLOP/s/GPU = Eq. 3 with V=250880 / 104.70 s",
                "ALiBi in BLOOM, learned positions here",

@@ -18,7 +18,10 @@ memory model's liveness sees the activations die early. No runtime code is invol
 What a block keeps from forward (never recomputed):
 - what comes from outside it (its input, parameters, values of other blocks);
 - its outputs (values later forward ops outside the block read: the next layer's input);
-- random ops' results (a dropout mask drawn again would differ) and their parts;
+- random ops' results (a dropout mask drawn again would differ) and their parts, but a
+  dropout's result: the recompute makes it again from its input and forward's mask
+  (``input * mask * scale``, as ATen's dropout does), so a block keeps a one-byte mask
+  per element where it kept the 16-bit result and the mask;
 - with ``keep_parameter_values`` (parameters sharded between steps, ZeRO-1/2), what is
   computed from parameters alone (``parameter_values``: a weight's cast to the compute
   dtype, its transpose): the parameters do not change within a step, so the recompute
@@ -45,6 +48,7 @@ import operator
 import warnings
 from dataclasses import dataclass, replace
 
+import torch
 import torch.fx as fx
 
 from torchalpa.core.opgraph import block_of
@@ -55,6 +59,8 @@ from torchalpa.frontends.provenance import module_of
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.torch_export import Capture, to_opgraph
 from torchalpa.ops.batched_matmul import BATCHED_MATMUL_OP
+
+aten = torch.ops.aten
 
 __all__ = ["checkpoint_blocks", "checkpoint_graph", "checkpointed_capture", "Recomputed", "POLICIES",
            "SELECTIVE_KEPT", "copied_codegen", "parameter_values", "lazy_graph_module"]
@@ -92,6 +98,26 @@ def _made_by(n: fx.Node, ops: frozenset) -> bool:
 
 def _is_random(n: fx.Node) -> bool:
     return _made_by(n, RANDOM_OPS)
+
+
+_DROPOUT = "aten.native_dropout.default"
+
+
+def _dropout_parts(n: fx.Node) -> tuple[fx.Node, fx.Node, float] | None:
+    """For the result part (``getitem 0``) of a training-mode ``native_dropout`` whose mask
+    part (``getitem 1``) is in the graph: (its input, the mask, the scale). The recompute
+    makes it again as ``input * mask * scale``, the mask kept from forward."""
+    if n.op != "call_function" or n.target is not operator.getitem or n.args[1] != 0:
+        return None
+    drop = n.args[0]
+    if not isinstance(drop, fx.Node) or str(drop.target) != _DROPOUT or len(drop.args) < 3 \
+            or drop.args[2] is False or not isinstance(drop.args[0], fx.Node):
+        return None
+    masks = [u for u in drop.users if u.target is operator.getitem and u.args[1] == 1]
+    p = drop.args[1]
+    if not masks or not isinstance(p, (int, float)) or p >= 1.0:
+        return None
+    return drop.args[0], masks[0], 1.0 / (1.0 - p)
 
 
 def _blocks(graph: fx.Graph, forward: set[str]) -> dict[tuple[str, int], list[fx.Node]]:
@@ -179,7 +205,8 @@ def checkpoint_graph(graph: fx.Graph, num_params: int, *, policy: str = "full",
             """Saved from forward: made outside, read by forward outside, random, or (by
             the selective policy) the result of a compute-heavy op, or computed from the
             parameters alone (a weight's cast)."""
-            return (n not in inside or _is_random(n) or n in of_parameters
+            return (n not in inside or (_is_random(n) and _dropout_parts(n) is None)
+                    or n in of_parameters
                     or (policy == "selective" and _made_by(n, SELECTIVE_KEPT))
                     or any(u.name in forward and u not in inside for u in n.users))
 
@@ -198,13 +225,14 @@ def checkpoint_graph(graph: fx.Graph, num_params: int, *, policy: str = "full",
             if n in needed or kept(n):
                 continue
             needed.add(n)
-            stack.extend(n.all_input_nodes)
+            parts = _dropout_parts(n)
+            stack.extend(parts[:2] if parts else n.all_input_nodes)
         if any(position[a] >= position[first] for n in needed for a in n.all_input_nodes):
             continue      # a kept input is made after backward starts: leave the block as is
         copies: dict[fx.Node, fx.Node] = {}
         for n in sorted(needed, key=position.__getitem__):
             with graph.inserting_before(first):
-                c = graph.node_copy(n, lambda a: copies.get(a, a))
+                c = _copy(graph, n, copies)
             c.meta = dict(n.meta)
             copies[n] = c
         for n in wanted:
@@ -227,6 +255,18 @@ def lazy_graph_module(root, graph: fx.Graph) -> fx.GraphModule:
     except ImportError:       # an older torch: the code is generated now
         return fx.GraphModule(root, graph)
     return _LazyGraphModule(root, graph)
+
+
+def _copy(graph: fx.Graph, n: fx.Node, copies: dict[fx.Node, fx.Node]) -> fx.Node:
+    """A recompute's copy of ``n``; a dropout's result made from its input and the mask
+    forward drew (as ATen's dropout makes it: ``input * mask * scale``)."""
+    parts = _dropout_parts(n)
+    if parts is None:
+        return graph.node_copy(n, lambda a: copies.get(a, a))
+    x, mask, scale = parts
+    kept = graph.call_function(aten.mul.Tensor, (copies.get(x, x), mask))
+    kept.meta = dict(n.meta)
+    return graph.call_function(aten.mul.Tensor, (kept, scale))
 
 
 def copied_codegen(codegen):

@@ -177,3 +177,36 @@ def test_checkpointed_pipeline_training_equals_one_device_on_four_ranks(tmp_path
     assert r["remat"] == "full"
     assert r["sent_bytes"] == r["planned_bytes"]
     _trains_like_one_device(r)
+
+
+def test_a_dropout_is_recomputed_from_the_mask_forward_drew():
+    # Megatron's full recompute holds no dropout result: the recompute makes each again
+    # from its input and forward's mask (one byte an element kept, not the 16-bit result
+    # too), computing the same numbers as the plain step
+    gpt = zoo.tiny("gpt", batch_size=4, dropout=0.1, num_layers=2)
+    torch.manual_seed(0)
+    model, batch = gpt.build(), gpt.example_inputs()
+    plain = capture(model, batch, gpt.loss_fn)
+    full = checkpointed_capture(plain)
+    params = [p for _, p in model.named_parameters()]
+    buffers = [b for _, b in model.named_buffers()]
+    torch.manual_seed(1)
+    want = plain.gm(params, buffers, *batch)
+    torch.manual_seed(1)
+    got = full.gm(params, buffers, *batch)
+    for a, b in zip(want, got):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+    graph = full.graph
+    drops = [n for n in graph if n.op == "aten.native_dropout.default"]
+    backward_reads = {ref.node: ref.index for n in graph if n.phase == "backward"
+                      for ref in n.operands}
+    assert drops and all(d.name not in backward_reads or backward_reads[d.name] == 1
+                         for d in drops if d.module.startswith("h."))
+    # the recompute multiplies the recomputed input by the mask of each dropout whose
+    # result backward reads (attention probabilities and attention output, per block;
+    # the MLP's feeds only the block's output, which is kept)
+    masks = {d.name for d in drops if d.module.startswith("h.")}
+    remade = [n for n in graph if n.phase == "backward" and n.op == "aten.mul.Tensor"
+              and any(ref.node in masks and ref.index == 1 for ref in n.operands)]
+    assert len(remade) == 2 * 2

@@ -115,3 +115,21 @@ def test_a_reduce_scatter_and_an_all_gather_cost_an_all_reduce_and_one_more_late
         pytest.approx(wire_bytes("all_reduce", n, whole))
     # on gloo a reduce-scatter is an all-reduce underneath, and priced as one
     assert alpha_beta_seconds("reduce_scatter", n, whole, a, b, "gloo") == pytest.approx(ar)
+
+
+def test_plain_tensor_parallel_keeps_every_norm_whole_as_megatron_ran_it(plans):
+    # Megatron-LM before sequence parallelism: norms whole on every tp rank. Where only
+    # norms split by sequence fit, the ILP splits them by itself; pinned plain it cannot,
+    # and says the step does not fit rather than plan what the run did not do
+    from torchalpa.core.placement import Replicate
+    from torchalpa.passes.sharding.ilp import InfeasibleError
+    budget = plans["sp"].estimates.memory_per_device_bytes
+    free = plan_for(memory_budget_per_device=budget)
+    assert any(p == (Shard(1),) for p in norm_layouts(free))
+    with pytest.raises(InfeasibleError, match="does not fit"):
+        plan_for(memory_budget_per_device=budget, plain_tensor_parallel=True)
+    plain = plan_for(plain_tensor_parallel=True)
+    assert norm_layouts(plain) and all(p == (Replicate(),) for p in norm_layouts(plain))
+    assert "all_reduce" in {c.kind for c in plain.collectives}
+    with pytest.raises(ValueError, match="set one of them"):
+        torchalpa.AutoShardingOption(sequence_parallel=True, plain_tensor_parallel=True)

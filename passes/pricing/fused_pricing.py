@@ -13,7 +13,12 @@ StableHLO frontend applies (``torchalpa/core/fusion.py``: a value made by an ele
 and read only by elementwise ops and reductions is never written), ATen's ops sorted by
 torch's own tags: ``Tag.pointwise`` ops are elementwise, ``Tag.reduction`` ops reductions,
 and so are the softmax / log-softmax / layer-norm kernels and their backwards, which the
-compiler lowers to reductions fused with their neighbours. Flops, shapes and everything a
+compiler lowers to reductions fused with their neighbours. The ops whose results a
+compiled step never holds (``recomputed``, below: softmaxes, indexed loads, a scatter into
+a fill) are written by none of the step's kernels either, and a reader in another phase
+(backward reading forward's log-softmax) reads what they are computed from instead
+(``fuse_elementwise_bytes(reread=True)``): a compiled cross-entropy moves its 16-bit
+logits, not the float32 copy, log-softmax and one-hot gradient eager PyTorch writes. Flops, shapes and everything a
 sharding rule reads stay as they are. A StableHLO program is priced as XLA fuses it
 already and is returned unchanged.
 
@@ -93,8 +98,23 @@ def priced_as(graph: OpGraph, elementwise: str) -> OpGraph:
         raise ValueError(f"elementwise must be one of {ELEMENTWISE_MODES}, got {elementwise!r}")
     if elementwise == "eager" or graph.meta.get("frontend") == "stablehlo":
         return graph
-    nodes = fuse_elementwise_bytes(list(graph), graph.outputs, is_elementwise, is_reduction)
+    by_name, _, root = _kernel_nodes(graph)
+    nodes = fuse_elementwise_bytes(list(graph), graph.outputs, is_elementwise, is_reduction,
+                                   pointwise=_pointwise(by_name, root),
+                                   reads_nothing=lambda n: n.op in _FILLS, reread=True)
     return OpGraph(nodes, graph.outputs, meta=dict(graph.meta, elementwise=elementwise))
+
+
+def _pointwise(by_name, root):
+    """Whether a node's result fuses into its readers' kernels once compiled: pointwise
+    ops, softmaxes (a row reduction with a pointwise epilogue), an indexed load, a scatter
+    into a fill (a select). The one rule for the step's bytes (``priced_as``) and what it
+    holds (``recomputed``)."""
+    def pointwise(n) -> bool:
+        return is_elementwise(n.op) or n.op in _SOFTMAXES or n.op in _INDEXED or (
+            n.op in _SCATTERS and bool(n.operands) and
+            by_name[root(n.operands[0]).node].op in _FILLS)
+    return pointwise
 
 
 def _kernel_nodes(graph: OpGraph):
@@ -131,9 +151,7 @@ def recomputed(graph: OpGraph) -> dict[str, tuple[ValueRef, ...]]:
     def is_fill(name: str) -> bool:
         return by_name[name].op in _FILLS
 
-    def pointwise(n) -> bool:
-        return is_elementwise(n.op) or n.op in _SOFTMAXES or n.op in _INDEXED or (
-            n.op in _SCATTERS and bool(n.operands) and is_fill(root(n.operands[0]).node))
+    pointwise = _pointwise(by_name, root)
 
     def fuses(name: str | None) -> bool:
         return name is not None and (pointwise(by_name[name]) or is_reduction(by_name[name].op))

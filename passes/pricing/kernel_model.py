@@ -249,7 +249,9 @@ def moved_bytes(node: OpNode, family: str) -> float:
     if family in _GATHERS:
         return min(node.bytes, 2.0 * written + _index_bytes(node))
     if family in _NORMALIZATIONS and _row_bytes(node) > SHARED_ROW_BYTES:
-        return node.bytes + 2.0 * written
+        # two more passes over what the kernel reads: at most its bytes once fused (a
+        # compiled log-softmax over a cast it computes itself reads the cast's source)
+        return node.bytes + 2.0 * min(written, node.bytes)
     return node.bytes
 
 

@@ -177,6 +177,55 @@ def _split_norms_by_sequence(graph: OpGraph, strategies: dict[str, list[Strategy
         strategies[node.name] = kept
 
 
+def _keep_norms_whole(graph: OpGraph, strategies: dict[str, list[Strategy]],
+                      mesh: LogicalMesh) -> None:
+    """``plain_tensor_parallel``: norms keep the layouts whole over the last axis."""
+    axis = mesh.ndim - 1
+    if mesh.shape[axis] == 1:
+        return
+    for node in graph.ops():
+        if is_norm_op(node):
+            kept = [s for s in strategies[node.name]
+                    if all(isinstance(out[axis], Replicate) for out in s.outputs
+                           if out is not None and len(out) > axis)]
+            if not kept:
+                raise ValueError(f"plain_tensor_parallel=True: {node.name} "
+                                 f"({node.module or 'a norm'}) has no layout whole over the "
+                                 "last mesh axis; use plain_tensor_parallel=False")
+            strategies[node.name] = kept
+
+
+_MATMULS = frozenset({"aten.mm.default", "aten.addmm.default", "aten.matmul.default"})
+_CAST = "aten._to_copy.default"
+
+
+def _read_weights_where_stored(graph: OpGraph, strategies: dict[str, list[Strategy]],
+                               mesh: LogicalMesh) -> None:
+    """``plain_tensor_parallel``: a matmul reads a weight split over the last axis (no
+    whole layout left there, as pinned) in its split, through casts and views: Megatron's
+    column- and row-parallel products, never a weight gathered over tp."""
+    axis = mesh.ndim - 1
+
+    def weight(ref):
+        node = graph.node(ref.node)
+        while not node.is_leaf and (node.aliases or node.op == _CAST) and node.operands:
+            node = graph.node(node.operands[0].node)
+        return node if node.is_param else None
+
+    for node in graph.ops():
+        if node.op not in _MATMULS:
+            continue
+        for slot, ref in enumerate(node.operands):
+            w = weight(ref)
+            if w is None or any(isinstance(s.outputs[0][axis], Replicate)
+                                for s in strategies[w.name]):
+                continue
+            kept = [s for s in strategies[node.name]
+                    if (read := s.inputs[slot]) is None or not isinstance(read[axis], Replicate)]
+            if kept:
+                strategies[node.name] = kept
+
+
 def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mesh: LogicalMesh,
                       option: AutoShardingOption) -> list[str]:
     """Filter strategies in place; returns notes for the plan."""
@@ -232,6 +281,9 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
     _reduce_before_cast_up(graph, strategies)
     if option.sequence_parallel:
         _split_norms_by_sequence(graph, strategies, mesh)
+    if option.plain_tensor_parallel and mesh.shape[-1] > 1:
+        _keep_norms_whole(graph, strategies, mesh)
+        _read_weights_where_stored(graph, strategies, mesh)
     if axis is not None:
         # Alpa's semantics: every op keeps the batch on that axis where it can
         carries = batch_dims(graph)

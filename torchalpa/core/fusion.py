@@ -16,6 +16,14 @@ step, and every op that reads it is elementwise or a reduction. A fused value's 
 dropped from its producer's bytes and its read from each reader's bytes. Views (reshape,
 permute, expand) move no bytes and are looked through. Flops are unchanged, and so is
 everything a sharding rule reads: only ``OpNode.bytes`` changes.
+
+A fused value read by an op of another phase (forward's value read in backward) is not in
+that op's kernel. With ``reread=True`` such a value is written (kept for that phase)
+unless the written values it is made from (its *sources*, through other fused values) are
+no larger, as a compiler's partitioner saves the smaller; then the later reader is charged
+the sources' bytes instead (a compiled cross-entropy's backward reads the 16-bit logits,
+not a float32 log-softmax forward never wrote), and a residual stream kept for backward is
+written. XLA's StableHLO steps keep the default (off).
 """
 
 from __future__ import annotations
@@ -45,13 +53,9 @@ REDUCTIONS = frozenset({"aten.sum.dim_IntList", "aten.amax.default", "aten.amin.
 _OUTPUT = "<step result>"
 
 
-def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs,
-                           fusible: Callable[[str], bool] = FUSIBLE.__contains__,
-                           reduces: Callable[[str], bool] = REDUCTIONS.__contains__
-                           ) -> list[OpNode]:
-    """``nodes`` with the bytes of fused values taken off their producers and readers.
-    ``fusible`` / ``reduces``: which ops are elementwise / reductions (StableHLO's
-    spellings by default; ``passes/pricing/fused_pricing.py`` passes ATen's)."""
+def _walkers(nodes: list[OpNode], outputs: GraphOutputs):
+    """(nodes by name, the final readers of a value, the value a chain of views starts
+    from)."""
     by_name = {n.name: n for n in nodes}
     readers: dict[ValueRef, list[str]] = {}
     for n in nodes:
@@ -71,25 +75,74 @@ def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs,
         while by_name[ref.node].aliases and by_name[ref.node].operands:
             ref = by_name[ref.node].operands[0]
         return ref
+    return by_name, final_readers, root
 
+
+def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs,
+                           fusible: Callable[[str], bool] = FUSIBLE.__contains__,
+                           reduces: Callable[[str], bool] = REDUCTIONS.__contains__,
+                           *, pointwise: Callable[[OpNode], bool] | None = None,
+                           reads_nothing: Callable[[OpNode], bool] | None = None,
+                           reread: bool = False) -> list[OpNode]:
+    """``nodes`` with the bytes of fused values taken off their producers and readers.
+    ``fusible`` / ``reduces``: which ops are elementwise / reductions (StableHLO's
+    spellings by default; ``passes/pricing/fused_pricing.py`` passes ATen's);
+    ``pointwise``: which nodes fuse with their readers, where an op's name does not say
+    (default: ``fusible`` of the op); ``reads_nothing``: fusible nodes whose operands lend
+    a shape only (fills); ``reread``: a reader in another phase than a fused value's
+    producer reads its sources instead (module doc)."""
+    by_name, final_readers, root = _walkers(nodes, outputs)
+    is_pointwise = pointwise or (lambda n: fusible(n.op))
+    lends_shape = reads_nothing or (lambda n: False)
     fused: dict[ValueRef, bool] = {}
 
     def is_fused(ref: ValueRef) -> bool:
         if ref not in fused:
-            reads = final_readers(ref)
-            fused[ref] = fusible(by_name[ref.node].op) and bool(reads) and all(
-                r != _OUTPUT and (fusible(by_name[r].op) or reduces(by_name[r].op))
+            node, reads = by_name[ref.node], final_readers(ref)
+            fused[ref] = is_pointwise(node) and bool(reads) and all(
+                r != _OUTPUT and (is_pointwise(by_name[r]) or reduces(by_name[r].op))
                 for r in reads)
+            if fused[ref] and reread and any(by_name[r].phase != node.phase for r in reads):
+                # kept for a later phase: written, unless what it is computed from is no
+                # larger (the compiler saves that and computes it again where it is read)
+                fused[ref] = sum(size(s) for s in made_of(ref)) <= size(ref)
         return fused[ref]
+
+    made_from: dict[ValueRef, tuple[ValueRef, ...]] = {}
+
+    def made_of(ref: ValueRef) -> tuple[ValueRef, ...]:
+        """The written values (roots of views) ``ref``'s op computes it from."""
+        if ref not in made_from:
+            node = by_name[ref.node]
+            found: dict[ValueRef, None] = {}
+            for operand in () if lends_shape(node) else node.operands:
+                found.update(dict.fromkeys(sources(root(operand))))
+            made_from[ref] = tuple(found)
+        return made_from[ref]
+
+    def sources(ref: ValueRef) -> tuple[ValueRef, ...]:
+        """The written values (roots of views) a value is computed from: itself if written."""
+        return made_of(ref) if is_fused(ref) else (ref,)
+
+    def size(ref: ValueRef) -> int:
+        return by_name[ref.node].outputs[ref.index].nbytes
+
+    def read_bytes(n: OpNode) -> int:
+        direct, again = 0, {}
+        for ref in () if lends_shape(n) else n.operands:
+            base = root(ref)
+            if not is_fused(base):
+                direct += size(ref)
+            elif reread and by_name[base.node].phase != n.phase:
+                again.update(dict.fromkeys(sources(base)))
+        return direct + sum(size(s) for s in again)
 
     out = []
     for n in nodes:
         if n.is_leaf or n.aliases:
             out.append(n)
             continue
-        reads = sum(0 if is_fused(root(ref)) else by_name[ref.node].outputs[ref.index].nbytes
-                    for ref in n.operands)
         writes = sum(0 if is_fused(ValueRef(n.name, i)) else spec.nbytes
                      for i, spec in enumerate(n.outputs))
-        out.append(replace(n, bytes=float(reads + writes)))
+        out.append(replace(n, bytes=float(read_bytes(n) + writes)))
     return out

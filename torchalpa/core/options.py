@@ -214,6 +214,14 @@ class AutoShardingOption:
     beside the norms split alike where that pays; an all-gather before each column-parallel
     product, a reduce-scatter after each row-parallel one). Off, the ILP still splits them
     by sequence where that is cheaper or needed to fit (``passes/sharding/constraints.py``)."""
+    plain_tensor_parallel: bool = False
+    """Megatron's tensor parallelism as it ran before sequence parallelism (Megatron-LM
+    2019-2021, Megatron-DeepSpeed): every normalization of the forward step whole over the
+    last mesh axis (the tensor-parallel one), so each row-parallel product's partial sums
+    are all-reduced into a whole activation and the norms run whole on every rank; and
+    a matmul reads a weight split over that axis (pinned so) in its split, never gathered
+    (column- and row-parallel products). Off, the ILP may split the norms by sequence
+    (sequence parallelism) and gather weights to split tokens where that is cheaper."""
 
     offload: bool = False
     """Optimizer states in host memory (DeepSpeed's ZeRO-Offload): devices hold parameters
@@ -238,6 +246,10 @@ class AutoShardingOption:
         if self.elementwise not in ("eager", "fused"):
             raise ValueError(f"AutoShardingOption.elementwise must be 'eager' or 'fused', "
                              f"got {self.elementwise!r}")
+        if self.plain_tensor_parallel and self.sequence_parallel:
+            raise ValueError("AutoShardingOption: sequence_parallel=True splits the norms by "
+                             "sequence and plain_tensor_parallel=True keeps them whole; set "
+                             "one of them")
         if self.offload_parameters and not (self.offload and self.rematerialize_parameters):
             raise ValueError("AutoShardingOption.offload_parameters needs offload=True (the "
                              "optimizer steps on the host) and rematerialize_parameters=True "
