@@ -408,8 +408,8 @@ class _Search:
                          offload_parameters=parameters,
                          **({"memory_budget_per_device": self.budget()} if parameters else {}))
         captured = self.capture(c.num_micro_batches, c.remat, c.regather)
-        if c.kind == "intra-op" and self.gap is not None:
-            option = replace(option, gap=self.gap)
+        if self.gap_for(c) is not None:
+            option = replace(option, gap=self.gap_for(c))
         if c.kind == "intra-op":
             from torchalpa.parallel.shard import blocks_of, plan_graph
             from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
@@ -509,15 +509,24 @@ class _Search:
         return self.result()
 
     def search_gap(self) -> float | None:
-        """The relative gap the candidates' intra-op ILPs stop at: the search's tolerance
-        (it already returns a plan that a candidate it did not solve may beat by that
-        much), where the option leaves the solver's gap unset and the tolerance is wider
-        than HiGHS' default (1e-4); None: the solver's own gap."""
+        """The relative gap tight candidates' intra-op ILPs stop at (``gap_for``): the
+        search's tolerance (it already returns a plan that a candidate it did not solve
+        may beat by that much), where the option leaves the solver's gap unset and the
+        tolerance is wider than HiGHS' default (1e-4); None: the solver's own gap."""
         tolerance = self.method.tolerance
         if not SEARCH_GAP or self.method.auto_sharding_option.gap is not None or \
                 tolerance <= 1e-4:
             return None
         return tolerance
+
+    def gap_for(self, c: Candidate) -> float | None:
+        """The gap ``c``'s ILPs stop at (None: the solver's own): the search's, for an
+        intra-op candidate whose memory is tight (its bound above half the budget, as
+        ``order`` has it). Elsewhere the ILPs are nearly integral and quick, and solving
+        the winner twice would cost more than the gap saves."""
+        if self.gap is None or c.kind != "intra-op" or c.memory_bound <= 0.5 * self.budget():
+            return None
+        return self.gap
 
     def polish(self, gap: float) -> None:
         """Re-solve at the solver's own gap each intra-op view whose plan, found within
@@ -654,7 +663,7 @@ class _Search:
         for i, found in sorted(outcomes.items()):
             if isinstance(found, Plan):
                 self.views.append((c, i, found.estimates.memory_per_device_bytes))
-                if self.gap is not None:
+                if self.gap_for(c) is not None:
                     self.steps[(c, i)] = known(found.estimates.step_time_s)
             elif not isinstance(found, SolverStopped):
                 self.views.append((c, i, None))
