@@ -19,7 +19,10 @@ search
    bounds, the solver's node limit ``AutoShardingOption.max_nodes``), not by seconds,
    so the same job gives the same plan on any machine at any load;
    ``time_budget_s`` is only a safety net, and when it fires the plan's notes say so
-   (``CLOCK_NOTE``) and nothing it cut short is cached.
+   (``CLOCK_NOTE``) and nothing it cut short is cached. Where a candidate's memory is
+   tight, its ILPs stop within the tolerance (HiGHS' relative gap: near a binding memory
+   row HiGHS may otherwise spend minutes proving a losing view optimal), and the views
+   that could win are solved again at the solver's own gap (``_Search.polish``).
    A candidate is also dominated, and skipped, by a plan of its kind that fits with room
    to spare (``ROOM``): more checkpointing, (intra-op) more micro-batches, or gathering
    parameters again in backward (ZeRO-3, FSDP's reshard after forward) only adds work to
