@@ -126,6 +126,52 @@ def test_auto_uses_checkpointing_or_micro_batches_when_the_step_does_not_fit(gpt
     assert any("refused, needs at least" in n for n in plan.notes)
 
 
+def test_candidates_are_solved_within_the_tolerance_and_the_winner_at_the_solvers_gap(
+        monkeypatch):
+    """Where memory is tight, the candidates' ILPs stop at the search's tolerance (HiGHS'
+    mip_rel_gap); the views that could win are solved again at the solver's own gap; the
+    plan is no worse than solving every view so. A gap the user sets is left alone."""
+    import torchalpa.passes.sharding.intra_op as intra_op
+    from torchalpa.passes.pipeline_search import stage_jobs
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")      # every view solved, in each run
+    monkeypatch.setattr(stage_jobs, "cpu_workers", lambda: 1)    # solved in this process
+    with torch.device("meta"):
+        model = MLP(64, 2)
+    batch = (torch.empty(8, 64, device="meta"), torch.empty(8, 64, device="meta"))
+    solve_ilp, gaps = intra_op.solve_ilp, []
+
+    def recorded(*args, **kwargs):
+        gaps.append(kwargs.get("gap"))
+        return solve_ilp(*args, **kwargs)
+
+    monkeypatch.setattr(intra_op, "solve_ilp", recorded)
+    method = torchalpa.AutoParallel(remat=("none",), num_micro_batches=1, pipeline=False)
+    # tight: the candidate's memory bound above half the budget
+    tight = _cluster(4, memory=1.5 * step_profile(capture(model, batch, F.mse_loss).graph,
+                                                  _cluster(4)).memory_bytes(4))
+    plan = torchalpa.plan(model, batch, F.mse_loss, cluster=tight, method=method)
+    assert 0.01 in gaps and None in gaps
+    assert any("re-solved at the solver's own gap the" in n for n in plan.notes)
+    monkeypatch.setattr(auto, "SEARCH_GAP", False)
+    gaps.clear()
+    every = torchalpa.plan(model, batch, F.mse_loss, cluster=tight, method=method)
+    assert set(gaps) == {None}
+    assert plan.estimates.step_time_s <= every.estimates.step_time_s * (1 + 1e-12)
+    monkeypatch.setattr(auto, "SEARCH_GAP", True)
+    gaps.clear()
+    given = replace_option(method, gap=1e-3)
+    torchalpa.plan(model, batch, F.mse_loss, cluster=tight, method=given)
+    assert set(gaps) == {1e-3}
+    gaps.clear()
+    torchalpa.plan(model, batch, F.mse_loss, cluster=_cluster(4), method=method)
+    assert set(gaps) == {None}        # memory not tight: the solver's own gap alone
+
+
+def replace_option(method, **changes):
+    return dataclasses.replace(method, auto_sharding_option=dataclasses.replace(
+        method.auto_sharding_option, **changes))
+
+
 def test_a_plan_estimated_over_the_budget_is_rejected_and_the_next_candidate_tried(monkeypatch):
     """The solvers fit their own memory models to the budget; where a plan's estimate says
     otherwise (seen on the tiny GPT with the host's per-op cost on: 329,608 B estimated

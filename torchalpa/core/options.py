@@ -90,7 +90,9 @@ class AutoShardingOption:
     CBC's ``maxNodes``); the best plan found by then is used. Work, not seconds: the same
     problem stops at the same plan however loaded the machine is. None: no limit."""
     gap: float | None = None
-    """Relative optimality gap at which the solver may stop (None: solver default)."""
+    """Relative optimality gap at which the solver may stop (None: solver default; under
+    ``AutoParallel`` the candidates' ILPs then stop at its ``tolerance`` and the views that
+    could win are solved again at the solver's default)."""
     memory_budget_per_device: float | None = None
     """Bytes per device the plan must fit in (None: the cluster's device memory)."""
     force_batch_dim_to_mesh_dim: int | None = None
@@ -606,7 +608,9 @@ class AutoParallel:
     notes say the clock stopped it (such a plan is not cached)."""
     tolerance: float = 0.01
     """Stop once no remaining candidate's lower bound is below the best plan's estimate
-    by more than this fraction."""
+    by more than this fraction. The candidates' intra-op ILPs stop within this relative
+    gap too (where ``auto_sharding_option.gap`` is None), and every view whose plan could
+    hide a better one is solved again at the solver's own gap, keeping the better plan."""
     optimizer: str = "adam"
     """Optimizer whose states the memory model counts (see OPTIMIZER_STATES)."""
     auto_sharding_option: AutoShardingOption = field(default_factory=AutoShardingOption)

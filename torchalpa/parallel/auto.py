@@ -19,7 +19,10 @@ search
    bounds, the solver's node limit ``AutoShardingOption.max_nodes``), not by seconds,
    so the same job gives the same plan on any machine at any load;
    ``time_budget_s`` is only a safety net, and when it fires the plan's notes say so
-   (``CLOCK_NOTE``) and nothing it cut short is cached.
+   (``CLOCK_NOTE``) and nothing it cut short is cached. Where a candidate's memory is
+   tight, its ILPs stop within the tolerance (HiGHS' relative gap: near a binding memory
+   row HiGHS may otherwise spend minutes proving a losing view optimal), and the views
+   that could win are solved again at the solver's own gap (``_Search.polish``).
    A candidate is also dominated, and skipped, by a plan of its kind that fits with room
    to spare (``ROOM``): more checkpointing, (intra-op) more micro-batches, or gathering
    parameters again in backward (ZeRO-3, FSDP's reshard after forward) only adds work to
@@ -86,6 +89,12 @@ log = logging.getLogger("torchalpa")
 
 ROOM = 0.9
 """A plan whose peak is below this fraction of the budget did not bend to fit it."""
+
+SEARCH_GAP = True
+"""Solve the intra-op candidates' ILPs to within the search's ``tolerance`` (HiGHS'
+``mip_rel_gap``) and re-solve, at the solver's own gap, only the views whose plan that
+gap could keep from winning (``_Search.polish``); False solves every view at the solver's
+own gap (what the search did before; benchmarks/near_budget_ab.py compares)."""
 
 SETTLED = "views settled by other candidates' answers: "
 """How an attempt's detail begins when its views were settled without an ILP."""
@@ -217,6 +226,10 @@ class _Search:
         # (intra-op candidate, view index, its plan's peak bytes; None: it does not fit)
         self.views: list[tuple[Candidate, int, float | None]] = []
         self.settled = 0                               # views settled that way
+        self.gap: float | None = None                  # mip_rel_gap of the candidates' ILPs
+        self.steps: dict[tuple[Candidate, int], float] = {}   # (candidate, view) -> its est
+        self.polished = 0                              # views re-solved at the solver's gap
+        self.polish_note = ""
 
     # -- captures ----------------------------------------------------------------------
     def capture(self, k: int, remat: str, regather: bool = False):
@@ -409,6 +422,8 @@ class _Search:
                          offload_parameters=parameters,
                          **({"memory_budget_per_device": self.budget()} if parameters else {}))
         captured = self.capture(c.num_micro_batches, c.remat, c.regather)
+        if self.gap_for(c) is not None:
+            option = replace(option, gap=self.gap_for(c))
         if c.kind == "intra-op":
             from torchalpa.parallel.shard import blocks_of, plan_graph
             from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
@@ -493,13 +508,77 @@ class _Search:
         candidates, self.attempts = self.candidates()
         single_node_fallback = self.nodes == 1 and self.method.pipeline is None
         first = [c for c in candidates if not (single_node_fallback and c.kind == "pipeline")]
-        self.solve_in_order(first)
-        if not self.plans and len(first) < len(candidates):
-            self.solve_in_order([c for c in candidates if c not in first])
-        elif len(first) < len(candidates):
-            self.attempts += [Attempt(c, "not needed", detail="an intra-op plan fits")
-                              for c in candidates if c not in first]
+        self.gap, self.steps, self.polished, self.polish_note = self.search_gap(), {}, 0, ""
+        try:
+            self.solve_in_order(first)
+            if not self.plans and len(first) < len(candidates):
+                self.solve_in_order([c for c in candidates if c not in first])
+            elif len(first) < len(candidates):
+                self.attempts += [Attempt(c, "not needed", detail="an intra-op plan fits")
+                                  for c in candidates if c not in first]
+            gap, self.gap = self.gap, None
+            if gap is not None:
+                self.polish(gap)
+        finally:
+            self.gap = None
         return self.result()
+
+    def search_gap(self) -> float | None:
+        """The relative gap tight candidates' intra-op ILPs stop at (``gap_for``): the
+        search's tolerance (it already returns a plan that a candidate it did not solve
+        may beat by that much), where the option leaves the solver's gap unset and the
+        tolerance is wider than HiGHS' default (1e-4); None: the solver's own gap."""
+        tolerance = self.method.tolerance
+        if not SEARCH_GAP or self.method.auto_sharding_option.gap is not None or \
+                tolerance <= 1e-4:
+            return None
+        return tolerance
+
+    def gap_for(self, c: Candidate) -> float | None:
+        """The gap ``c``'s ILPs stop at (None: the solver's own): the search's, for an
+        intra-op candidate whose memory is tight (its bound above half the budget, as
+        ``order`` has it). Elsewhere the ILPs are nearly integral and quick, and solving
+        the winner twice would cost more than the gap saves."""
+        if self.gap is None or c.kind != "intra-op" or c.memory_bound <= 0.5 * self.budget():
+            return None
+        return self.gap
+
+    def polish(self, gap: float) -> None:
+        """Re-solve at the solver's own gap each intra-op view whose plan, found within
+        ``gap``, could hide one better than the best plan re-solved so far (its estimate
+        times ``1 - gap`` below it), the likeliest first; a candidate keeps the better of
+        its two plans. The chosen plan is then the one the solver's own gap gives on its
+        view (the same as solving every view so, where that view wins there too), and the
+        views left unpolished lose by more than the gap: near the memory budget those are
+        the ILPs HiGHS spends minutes on (``benchmarks/near_budget_ab.py``)."""
+        from torchalpa.passes.sharding.ilp import InfeasibleError
+        views = sorted(((step_s, c, i) for (c, i), step_s in self.steps.items()),
+                       key=lambda v: v[0])
+        # the best estimate of a plan at the solver's gap (pipelines are solved so)
+        exact = min((p[0] for p in self.plans if p[2].kind != "intra-op"), default=math.inf)
+        for step_s, c, i in views:
+            if step_s * (1 - gap) >= exact:
+                break
+            at = next((n for n, p in enumerate(self.plans) if p[2] is c), None)
+            if at is None:          # rejected over the budget: not among the plans
+                continue
+            skip = {j: (f"solved to within {gap:.0%} (the search's tolerance): "
+                        f"{self.steps[(c, j)] * 1e3:.3g} ms" if (c, j) in self.steps
+                        else "not re-solved", True) for j in range(len(self.meshes)) if j != i}
+            try:
+                plan = self.solve(c, skip)
+            except InfeasibleError:       # cannot happen (the gap changes no feasibility)
+                continue
+            finally:
+                self.settled -= len(skip)
+            self.polished += 1
+            found = known(plan.estimates.step_time_s)
+            exact = min(exact, found)
+            if found < self.plans[at][0] and not self.over_budget(plan):
+                self.plans[at] = (found, plan, c)
+        self.polish_note = (f"AutoParallel solved the intra-op ILPs to within {gap:.0%} (its "
+                            f"tolerance) and re-solved at the solver's own gap the "
+                            f"{self.polished} of {len(views)} views that could win")
 
     def solve_in_order(self, candidates: list[Candidate]) -> None:
         """Solve ``candidates`` in order until none left can win (bounds, dominance) or the
@@ -599,6 +678,8 @@ class _Search:
         for i, found in sorted(outcomes.items()):
             if isinstance(found, Plan):
                 self.views.append((c, i, found.estimates.memory_per_device_bytes))
+                if self.gap_for(c) is not None:
+                    self.steps[(c, i)] = known(found.estimates.step_time_s)
             elif not isinstance(found, SolverStopped):
                 self.views.append((c, i, None))
 
@@ -663,6 +744,8 @@ class _Search:
         if len(ranked) > 1:
             notes.append(f"{RUNNER_UP}{ranked[1][2].describe()}: est {ranked[1][0]:.4g} s/step")
         notes += [TRIED + a.line() for a in self.attempts if a.candidate is not chosen]
+        if self.polish_note:
+            notes.append(self.polish_note)
         notes.append(self.time_note())
         if self.clock_fired:
             from torchalpa.passes.sharding.ilp import CLOCK_NOTE
