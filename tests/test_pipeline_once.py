@@ -255,3 +255,25 @@ def test_a_summed_gradient_part_is_not_held_by_the_micro_batches_in_flight():
     add, = sub.consumers(name)
     order = [n.name for n in sub]
     assert live.start[i] == order.index(add) > forward_end(sub)
+
+
+def test_a_gradient_received_per_micro_batch_arrives_when_its_backward_runs():
+    # a stage receives the gradient of what it sent right before that micro-batch's
+    # backward (StepRunner._backward): the micro-batches waiting for backward hold none.
+    # Counted from the step's start it was alive where forward ends, so once more for
+    # every micro-batch in flight
+    from torchalpa.core.opgraph import ValueRef
+    from torchalpa.passes.pipeline_search.subgraph import received_name, stage_subgraph
+    from torchalpa.passes.pricing.memory import forward_end, liveness
+    graph = _cast_tied_gpt()
+    plan = _plan(graph, torchalpa.Cluster.local_cpu(4), 8, True)
+    per_micro = [t for t in plan.transfers if t.phase == "backward" and not t.once_per_step]
+    assert per_micro
+    t = per_micro[0]
+    sub = stage_subgraph(graph, plan.node_stage, t.dst_stage).graph
+    name = received_name(ValueRef(t.producer, t.index))
+    live = liveness(sub)
+    i = live.names.index(name)
+    end = forward_end(sub)
+    assert live.start[i] == end + 1 and live.end[i] > end
+    assert i not in live.alive(end)
