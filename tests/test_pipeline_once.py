@@ -284,7 +284,8 @@ def test_a_stage_drops_a_micro_batchs_sends_once_its_gradient_comes_back(monkeyp
     # every micro-batch's sent activations stayed alive to it (all 128 on BLOOM-176B's
     # stages) where the memory model holds those of the micro-batches in flight. Once the
     # next stage sends back micro-batch m's gradient it has received m's activations: the
-    # sends up to m are waited for (without blocking) and dropped
+    # sends up to m are waited for (without blocking) and dropped; its gradients sent back
+    # are waited for two micro-batches later
     from types import SimpleNamespace
 
     import torch.distributed as dist
@@ -315,3 +316,9 @@ def test_a_stage_drops_a_micro_batchs_sends_once_its_gradient_comes_back(monkeyp
     assert len(ex._pending) == 4 and not waited
     ex.recv(("g", 0), 1)
     assert waited == [("send", 0), ("send", 1)] and len(ex._pending) == 2
+    # the earlier stage's side: its gradients wait two micro-batches
+    waited.clear()
+    back = StageExchange(pplan, 1, 1, {("h", 0): ((2,), torch.float32)}, torch.device("cpu"))
+    for m in range(5):
+        back.send(("g", 0), torch.ones(2), m)
+    assert waited == [("send", 0), ("send", 1), ("send", 2)] and len(back._pending) == 2
