@@ -125,13 +125,11 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
         for src in sources:
             use(src.node, src.index, last)
     grads = {(ref.node, ref.index) for _, ref in graph.outputs.grads}
-    ends_forward = forward_end(graph)
     names, results, start, end = [], [], [], []
     for n in graph:
         if n.kind not in ("op", "input") or n.name in storage or n.name in recompute:
             continue
-        first = 0 if state_at_start and _views_state(graph, n.name) else \
-            _arrival(graph, n, order, ends_forward)
+        first = _arrival(graph, n, order, state_at_start)
         ends = [last_use.get((n.name, k), order[n.name]) for k in range(len(n.outputs))]
         split = n.is_grad or len(set(ends)) > 1
         for k, last in (enumerate(ends) if split else [(None, max(ends))]):
@@ -153,8 +151,9 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
                     end_of_step + 1, results)
 
 
-def _arrival(graph: OpGraph, node, order: dict[str, int], ends_forward: int) -> int:
-    """Where ``node``'s value comes to be: at its place in the step, but a value another
+def _arrival(graph: OpGraph, node, order: dict[str, int], state_at_start: bool) -> int:
+    """Where ``node``'s value comes to be: at its place in the step; a forward view of a
+    parameter at the step's start where ``state_at_start`` (``liveness``); a value another
     stage sends in backward arrives when the runtime receives it
     (``runtime/execution/step.py``, ``StepRunner._backward``; ``runtime/execution/
     pipeline.py``, ``StageExchange``): a gradient sent per micro-batch right before that
@@ -162,10 +161,12 @@ def _arrival(graph: OpGraph, node, order: dict[str, int], ends_forward: int) -> 
     hold none), and a gradient part sent summed once per step (``stage_boundary.
     summed_part``) after the stage's last backward (``StageExchange.finish``): at its
     first reader, so no micro-batch in flight is counted holding it."""
+    if state_at_start and _views_state(graph, node.name):
+        return 0
     if node.kind == "input" and node.phase == "backward":
         if summed_part(graph, node.name):
             return min(order[c] for c in graph.consumers(node.name))
-        return ends_forward + 1
+        return forward_end(graph) + 1     # a few received values a stage: O(n) each
     return order[node.name]
 
 
