@@ -43,7 +43,9 @@ def main(key: str) -> None:
         print(f"stage {s.index}: one micro-batch + once {x.step_time_s:.3f} s, of which once "
               f"{x.once_per_step_s:.3f}; compute {x.compute_s:.3f} comm "
               f"{x.communication_s:.3f}; memory {x.memory_per_device_bytes / GIB:.2f} GiB "
-              f"(states {x.model_state_bytes_per_device / GIB:.2f})")
+              f"(states {x.model_state_bytes_per_device / GIB:.2f}, activation peak "
+              f"{x.activation_bytes_per_device / GIB:.2f}, saved per micro-batch "
+              f"{x.saved_activation_bytes_per_device / GIB:.2f})")
         mesh = submesh_cluster(row.cluster(), s.submesh).logical_mesh(tuple(s.plan.mesh_shape))
         seconds = collections.Counter()
         largest = []        # the reshards' collectives in the step, parameters' gathers too

@@ -255,3 +255,70 @@ def test_a_summed_gradient_part_is_not_held_by_the_micro_batches_in_flight():
     add, = sub.consumers(name)
     order = [n.name for n in sub]
     assert live.start[i] == order.index(add) > forward_end(sub)
+
+
+def test_a_gradient_received_per_micro_batch_arrives_when_its_backward_runs():
+    # a stage receives the gradient of what it sent right before that micro-batch's
+    # backward (StepRunner._backward): the micro-batches waiting for backward hold none.
+    # Counted from the step's start it was alive where forward ends, so once more for
+    # every micro-batch in flight
+    from torchalpa.core.opgraph import ValueRef
+    from torchalpa.passes.pipeline_search.subgraph import received_name, stage_subgraph
+    from torchalpa.passes.pricing.memory import forward_end, liveness
+    graph = _cast_tied_gpt()
+    plan = _plan(graph, torchalpa.Cluster.local_cpu(4), 8, True)
+    per_micro = [t for t in plan.transfers if t.phase == "backward" and not t.once_per_step]
+    assert per_micro
+    t = per_micro[0]
+    sub = stage_subgraph(graph, plan.node_stage, t.dst_stage).graph
+    name = received_name(ValueRef(t.producer, t.index))
+    live = liveness(sub)
+    i = live.names.index(name)
+    end = forward_end(sub)
+    assert live.start[i] == end + 1 and live.end[i] > end
+    assert i not in live.alive(end)
+
+
+def test_a_stage_drops_a_micro_batchs_sends_once_its_gradient_comes_back(monkeypatch):
+    # a pending send holds its tensor until waited for; waited for only at the step's end,
+    # every micro-batch's sent activations stayed alive to it (all 128 on BLOOM-176B's
+    # stages) where the memory model holds those of the micro-batches in flight. Once the
+    # next stage sends back micro-batch m's gradient it has received m's activations: the
+    # sends up to m are waited for (without blocking) and dropped; its gradients sent back
+    # are waited for two micro-batches later
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from torchalpa.runtime.execution.pipeline import StageExchange
+
+    class Work:
+        def __init__(self, log, what):
+            self.log, self.what = log, what
+
+        def wait(self):
+            self.log.append(self.what)
+            return True
+
+    waited: list = []
+    monkeypatch.setattr(dist, "isend", lambda t, peer, tag: Work(waited, ("send", tag % 100_003)))
+    monkeypatch.setattr(dist, "irecv", lambda t, peer, tag: Work([], None))
+    T = SimpleNamespace
+    transfers = [T(producer="h", index=0, src_stage=0, dst_stage=1, phase="forward",
+                   once_per_step=False, split=1, batch_split=1),
+                 T(producer="g", index=0, src_stage=1, dst_stage=0, phase="backward",
+                   once_per_step=False, split=1, batch_split=1)]
+    pplan = T(transfers=transfers, stages=[T(ranks=[0], plan=T(mesh_shape=(1,))),
+                                           T(ranks=[1], plan=T(mesh_shape=(1,)))])
+    ex = StageExchange(pplan, 0, 0, {("g", 0): ((2,), torch.float32)}, torch.device("cpu"))
+    for m in range(4):
+        ex.send(("h", 0), torch.ones(2), m)
+    assert len(ex._pending) == 4 and not waited
+    ex.recv(("g", 0), 1)
+    assert waited == [("send", 0), ("send", 1)] and len(ex._pending) == 2
+    # the earlier stage's side: its gradients wait two micro-batches
+    waited.clear()
+    back = StageExchange(pplan, 1, 1, {("h", 0): ((2,), torch.float32)}, torch.device("cpu"))
+    for m in range(5):
+        back.send(("g", 0), torch.ones(2), m)
+    assert waited == [("send", 0), ("send", 1), ("send", 2)] and len(back._pending) == 2

@@ -28,6 +28,7 @@ from torchalpa.core.placement import Placements, Replicate, is_shard
 from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.pricing.fused_pricing import recomputed
 from torchalpa.passes.sharding.reshard import local_bytes
+from torchalpa.passes.sharding.stage_boundary import summed_part
 
 __all__ = ["Liveness", "KeptCopy", "KeptTerm", "liveness", "model_state_bytes", "activation_peak_bytes",
            "state_copies", "gradients_from_backward", "forward_end", "in_flight_bytes", "value_bytes"]
@@ -128,7 +129,7 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
     for n in graph:
         if n.kind not in ("op", "input") or n.name in storage or n.name in recompute:
             continue
-        first = 0 if state_at_start and _views_state(graph, n.name) else _arrival(graph, n, order)
+        first = _arrival(graph, n, order, state_at_start)
         ends = [last_use.get((n.name, k), order[n.name]) for k in range(len(n.outputs))]
         split = n.is_grad or len(set(ends)) > 1
         for k, last in (enumerate(ends) if split else [(None, max(ends))]):
@@ -150,20 +151,23 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
                     end_of_step + 1, results)
 
 
-def _arrival(graph: OpGraph, node, order: dict[str, int]) -> int:
-    """Where ``node``'s value comes to be: at its place in the step, but a gradient part
-    another stage sends summed once per step (a received value only added into parameters'
-    gradients: ``pipeline_search.subgraph.once_per_step``) arrives after the stage's last
-    backward (``runtime/execution/pipeline.py``, ``StageExchange.finish``): at its first
-    reader, so no micro-batch in flight is counted holding it."""
-    name = node.name
+def _arrival(graph: OpGraph, node, order: dict[str, int], state_at_start: bool) -> int:
+    """Where ``node``'s value comes to be: at its place in the step; a forward view of a
+    parameter at the step's start where ``state_at_start`` (``liveness``); a value another
+    stage sends in backward arrives when the runtime receives it
+    (``runtime/execution/step.py``, ``StepRunner._backward``; ``runtime/execution/
+    pipeline.py``, ``StageExchange``): a gradient sent per micro-batch right before that
+    micro-batch's backward, where forward ends (so the micro-batches waiting for backward
+    hold none), and a gradient part sent summed once per step (``stage_boundary.
+    summed_part``) after the stage's last backward (``StageExchange.finish``): at its
+    first reader, so no micro-batch in flight is counted holding it."""
+    if state_at_start and _views_state(graph, node.name):
+        return 0
     if node.kind == "input" and node.phase == "backward":
-        readers = graph.consumers(name)
-        grads = {ref.node for _, ref in graph.outputs.grads}
-        if readers and all(graph.node(c).op == "aten.add.Tensor" and c in grads
-                           for c in readers):
-            return min(order[c] for c in readers)
-    return order[name]
+        if summed_part(graph, node.name):
+            return min(order[c] for c in graph.consumers(node.name))
+        return forward_end(graph) + 1     # a few received values a stage: O(n) each
+    return order[node.name]
 
 
 def _views_state(graph: OpGraph, name: str) -> bool:

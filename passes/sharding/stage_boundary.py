@@ -18,7 +18,7 @@ from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import OpGraph, TensorSpec
 from torchalpa.core.placement import Placements, Replicate, Shard
 
-__all__ = ["boundary_layout", "batch_split_of"]
+__all__ = ["boundary_layout", "batch_split_of", "summed_part"]
 
 
 def batch_split_of(spec: TensorSpec, mesh_shape) -> int:
@@ -35,3 +35,18 @@ def boundary_layout(graph: OpGraph, name: str, spec: TensorSpec, mesh: LogicalMe
     if name not in graph.meta.get("batch_split", ()) or batch_split_of(spec, mesh.shape) == 1:
         return None
     return (Shard(0),) + tuple(Replicate() for _ in mesh.shape[1:])
+
+
+def summed_part(graph: OpGraph, name: str) -> bool:
+    """Whether leaf ``name`` is a gradient part another stage sends summed once per step:
+    a received backward value only added into parameters' gradients
+    (``pipeline_search.subgraph.once_per_step``). The runtime receives it whole, after the
+    stage's last backward (``runtime/execution/pipeline.py``, ``StageExchange.finish``),
+    and lays it out as the add reads it."""
+    node = graph.node(name)
+    if node.kind != "input" or node.phase != "backward":
+        return False
+    readers = graph.consumers(name)
+    grads = {ref.node for _, ref in graph.outputs.grads}
+    return bool(readers) and all(graph.node(c).op == "aten.add.Tensor" and c in grads
+                                 for c in readers)

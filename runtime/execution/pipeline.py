@@ -128,6 +128,11 @@ def _summed_keys(pplan: PipelinePlan, stage: int) -> set:
             if t.src_stage == stage and t.once_per_step and t.phase != "forward"}
 
 
+_BACKWARD_SENDS_PENDING = 2
+"""Backward sends a stage leaves pending per earlier stage before waiting for the oldest
+(``StageExchange._release``)."""
+
+
 class StageExchange:
     """How one rank's stage trades values with the other stages during a step
     (``runtime.execution.step.StepRunner`` calls it around the stage's programs)."""
@@ -187,12 +192,14 @@ class StageExchange:
         value = value.contiguous()
         for t in self.pplan.transfers:
             if (t.producer, t.index) == key and t.src_stage == self.stage:
+                if t.phase != "forward":
+                    self._release(t.dst_stage, micro - _BACKWARD_SENDS_PENDING, "backward")
                 chunks = value.reshape(-1).chunk(t.split) if t.split > 1 else None
                 for peer, coordinate in self._peers_to(t.dst_stage):
                     sent = value if chunks is None else chunks[coordinate]
                     with point_to_point("send", sent, peer):
-                        self._pending.append(dist.isend(
-                            sent, peer, tag=self._tag(key, self.stage, t.dst_stage, micro)))
+                        self._pending.append((t.dst_stage, micro, t.phase, dist.isend(
+                            sent, peer, tag=self._tag(key, self.stage, t.dst_stage, micro))))
 
     def recv(self, key, micro: int) -> torch.Tensor:
         if key in self.once:
@@ -212,12 +219,37 @@ class StageExchange:
             work = dist.irecv(buf, peer, tag=self._tag(key, t.src_stage, self.stage, micro))
             assert work is not None, "irecv in a process group returns its work"
             work.wait()
+        if t.phase != "forward":
+            self._release(t.src_stage, micro)
         if t.split == 1:
             return whole
         assert self.gather_group is not None, "a split transfer needs the gather group"
         parts = list(whole.reshape(-1).chunk(t.split))     # views: gathered in place
         dist.all_gather(parts, buf, group=self.gather_group)
         return whole
+
+    def _release(self, stage: int, micro: int, phase: str = "forward") -> None:
+        """Wait for the sends of ``phase`` to ``stage`` of micro-batches up to ``micro``, and
+        drop them: a pending send holds its tensor (gloo's work keeps it) until waited for,
+        so held to ``finish`` every micro-batch's sent activations and gradients stayed
+        alive to the step's end (128 on BLOOM-176B's stages), where the memory model holds
+        those of the micro-batches in flight. Forward sends go once a gradient of
+        micro-batch ``micro`` came back from ``stage``: it ran that micro-batch's backward,
+        so its forward had received them, and the wait does not block. Backward sends go
+        ``_BACKWARD_SENDS_PENDING`` micro-batches later (nothing tells this stage the
+        earlier stage received them): that stage needs nothing more from this one to reach
+        their receive, so the wait cannot deadlock, and by then it has most likely passed
+        it."""
+        kept = []
+        for entry in self._pending:
+            dst, sent_micro, sent_phase, work = entry
+            if dst == stage and (sent_phase == "forward") == (phase == "forward") \
+                    and sent_micro <= micro:
+                with wait_label("sends"):
+                    work.wait()
+            else:
+                kept.append(entry)
+        self._pending = kept
 
     def finish(self, program: StageProgram, raw: list, backward: bool) -> None:
         """End of the step's actions: after a backward, send the summed gradient parts
@@ -230,7 +262,7 @@ class StageExchange:
                 part = addend(self._receive(k, 0))[0]
                 raw[position] = part if raw[position] is None else raw[position] + part
         with wait_label("sends"):
-            for work in self._pending:
+            for *_, work in self._pending:
                 work.wait()
         self._pending = []
 
