@@ -5,7 +5,8 @@ XLA fuses the StableHLO program's elementwise chains, so the ATen graph is plann
 ``torch.compile`` runs it (``AutoShardingOption(elementwise="fused")``,
 ``passes/pricing/fused_pricing.py``), and its attention is captured as PyTorch's math SDPA writes
 it (two batched matmuls around a softmax, ``attention_as_products``), as torch-mlir's export
-writes it and XLA on a CPU runs it. Estimates agree within 5% (issue #18) for all four. Priced op
+writes it and XLA on a CPU runs it. Estimates agree within 5% (issue #18) for mlp, llama, bert
+and not (yet) gpt, below. Priced op
 by op (eager, the runtime without ``compile``), LLaMA's ATen step is x1.08 of its
 StableHLO one, all of it elementwise bytes (mul, add, pow first: RMSNorm, SiLU, rotary,
 residuals), which eager PyTorch runs one kernel each (``EAGER_LLAMA``).
@@ -15,16 +16,31 @@ those is a real preference, not a tie broken the other way: planned again with e
 parameter pinned to the other frontend's placements, each frontend's objective is higher
 than with its own. Where they differ (see docs/stablehlo-jax.md):
 
-- gpt ``c_proj`` (attention output projection, both blocks) and the first block's
-  ``c_attn``: ATen splits ``c_attn`` in contiguous blocks and ``c_proj`` by input features
-  (Megatron's row-parallel layout), StableHLO splits the first ``c_attn`` by heads (a
-  strided shard) and ``c_proj`` by output features (+0.2% / +0.13%): op granularity at
+- gpt ``c_proj`` (attention output projection) and ``c_attn``'s bias, both blocks: ATen
+  splits ``c_proj`` by input features (Megatron's row-parallel layout) and keeps the
+  ``c_attn`` bias whole, StableHLO splits ``c_proj`` by output features and the bias by
+  rows; both split ``c_attn``'s weight alike (+9.3% / +0.55%): op granularity at
   kilobytes, where every collective costs its latency.
 - llama ``lm_head.weight``: ATen splits the head by vocab, all-gathers the logits, runs
   the loss whole and all-reduces the input gradient; StableHLO keeps the head whole and
-  splits the loss by batch, all-reducing the head's gradient. Pinned to ATen's
-  placements, the StableHLO plan gathers the weight instead of the logits (the same
-  bytes) and its layers re-plan (+1.1% / +5.7%).
+  splits the loss by batch, all-reducing the head's gradient. And ``v_proj.weight`` (both
+  layers): ATen splits it by output features, StableHLO keeps it whole. Pinned to the
+  other's placements (+0.60% / +15.0%).
+
+Measured on 2026-11-29 (``python benchmarks/stablehlo_crosscheck.py --models gpt llama
+--mesh 4 --why``): gpt's step ratio (StableHLO / ATen) is x1.092 (compute x1.08,
+communication x1.09), outside the 5% this test asks; it was x1.100 already at ef7e604,
+before the fused pricing of that day, which lowered it. The gap is communication: compute
+is 0.2 ms of StableHLO's 2.43 ms step (and the same with its forward values reread in
+backward as the ATen side prices them), and its plan runs 35 collectives where ATen's runs
+29 (4 more forward all-gathers, 4 more backward all-reduces, 2 fewer forward all-to-alls),
+each ~100 us on this mesh. It came with sequence parallelism's rule (c73c4fe, 11-28: no
+forward view that backward reads may gather its operand, ``costgraph._forbid_gathers``): the
+StableHLO program writes attention's output as a chain of transposes (views) that c_proj's
+weight gradient reads in backward, where ATen's graph clones it; so StableHLO's plan may not
+gather it there and gathers again at its readers. Without that rule gpt is x1.016, with it
+waived for transposes x1.012. This test fails for gpt until that rule or the StableHLO
+reading of a transpose read across phases is settled.
 
 At ``--size small`` (width 256, batch 8 x 128: layouts that move megabytes, not the
 tiny configs' kilobytes whose collectives cost their latency alone) the placements agree
@@ -69,9 +85,10 @@ def _attention_as_the_export_writes_it():
 
 REAL_PREFERENCES = {
     "mlp": set(),
-    "gpt": {"h.0.attn.c_attn.weight", "h.0.attn.c_attn.bias", "h.0.attn.c_proj.weight",
-            "h.0.attn.c_proj.bias", "h.1.attn.c_proj.weight", "h.1.attn.c_proj.bias"},
-    "llama": {"lm_head.weight"},
+    "gpt": {"h.0.attn.c_attn.bias", "h.0.attn.c_proj.weight", "h.0.attn.c_proj.bias",
+            "h.1.attn.c_attn.bias", "h.1.attn.c_proj.weight", "h.1.attn.c_proj.bias"},
+    "llama": {"lm_head.weight", "layers.0.self_attn.v_proj.weight",
+              "layers.1.self_attn.v_proj.weight"},
     "bert": set(),
 }
 EAGER_LLAMA = (0.90, 0.96)     # StableHLO / eager ATen step of the tiny LLaMA (x0.93 here)
