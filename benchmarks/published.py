@@ -248,10 +248,13 @@ def estimate(row: PublishedRow) -> Estimate:
 
 def auto_estimate(row: PublishedRow) -> float:
     """The step AutoParallel's plan estimates for the row's model, global batch and
-    cluster, no method given (it picks mesh, pipeline, micro-batches, checkpointing)."""
+    cluster, no method given (it picks mesh, pipeline, micro-batches, checkpointing).
+    Priced as the row's step runs (compiled: elementwise chains fused), as its pinned plan
+    is; that is how the step executes, not a choice of plan."""
     model, batch, loss_fn = build(row, batch=row.global_batch)
-    plan = torchalpa.plan(model, batch, loss_fn, method=torchalpa.AutoParallel(),
-                          cluster=row.cluster())
+    option = torchalpa.AutoShardingOption(elementwise="fused" if row.fused else "eager")
+    plan = torchalpa.plan(model, batch, loss_fn, cluster=row.cluster(),
+                          method=torchalpa.AutoParallel(auto_sharding_option=option))
     return plan.estimates.step_time_s
 
 
