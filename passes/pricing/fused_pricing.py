@@ -44,7 +44,13 @@ from functools import lru_cache
 
 import torch
 
-from torchalpa.core.fusion import FUSIBLE, REDUCTIONS, fuse_elementwise_bytes
+from torchalpa.core.fusion import (
+    FUSIBLE,
+    REDUCTIONS,
+    STEP_RESULT,
+    fuse_elementwise_bytes,
+    view_walkers,
+)
 from torchalpa.core.opgraph import OpGraph, ValueRef
 
 __all__ = ["priced_as", "ELEMENTWISE_MODES", "is_elementwise", "is_reduction", "recomputed"]
@@ -118,26 +124,14 @@ def _pointwise(by_name, root):
 
 
 def _kernel_nodes(graph: OpGraph):
-    """(by name, final readers of a node through views, the value a view starts from)."""
-    by_name = {n.name: n for n in graph}
-    readers: dict[str, list[str]] = {}
-    for n in graph:
-        for ref in n.operands:
-            readers.setdefault(ref.node, []).append(n.name)
-    results = {ref.node for ref in graph.outputs.refs()}
+    """(by name, final readers of every result of a node through views, the value a view
+    starts from): core.fusion's walkers over the whole graph."""
+    by_name, final_readers, root = view_walkers(list(graph), graph.outputs)
 
-    def final_readers(name: str) -> list[str | None]:
-        """Non-view ops reading ``name`` through views; None for a result of the step."""
-        found: list[str | None] = [None] if name in results else []
-        for r in readers.get(name, []):
-            found += final_readers(r) if by_name[r].aliases else [r]
-        return found
-
-    def root(ref: ValueRef) -> ValueRef:
-        while by_name[ref.node].aliases and by_name[ref.node].operands:
-            ref = by_name[ref.node].operands[0]
-        return ref
-    return by_name, final_readers, root
+    def node_readers(name: str) -> list[str]:
+        return [r for i in range(len(by_name[name].outputs))
+                for r in final_readers(ValueRef(name, i))]
+    return by_name, node_readers, root
 
 
 def recomputed(graph: OpGraph) -> dict[str, tuple[ValueRef, ...]]:
@@ -153,8 +147,8 @@ def recomputed(graph: OpGraph) -> dict[str, tuple[ValueRef, ...]]:
 
     pointwise = _pointwise(by_name, root)
 
-    def fuses(name: str | None) -> bool:
-        return name is not None and (pointwise(by_name[name]) or is_reduction(by_name[name].op))
+    def fuses(name: str) -> bool:
+        return name != STEP_RESULT and (pointwise(by_name[name]) or is_reduction(by_name[name].op))
 
     out: dict[str, tuple[ValueRef, ...]] = {}
     for n in graph:

@@ -33,7 +33,7 @@ from dataclasses import replace
 
 from torchalpa.core.opgraph import GraphOutputs, OpNode, ValueRef
 
-__all__ = ["fuse_elementwise_bytes", "FUSIBLE", "REDUCTIONS"]
+__all__ = ["fuse_elementwise_bytes", "view_walkers", "STEP_RESULT", "FUSIBLE", "REDUCTIONS"]
 
 FUSIBLE = frozenset({
     "aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor",
@@ -50,10 +50,10 @@ FUSIBLE = frozenset({
 })
 REDUCTIONS = frozenset({"aten.sum.dim_IntList", "aten.amax.default", "aten.amin.default",
                         "aten.all.dim", "aten.any.dims"})
-_OUTPUT = "<step result>"
+STEP_RESULT = "<step result>"
 
 
-def _walkers(nodes: list[OpNode], outputs: GraphOutputs):
+def view_walkers(nodes: list[OpNode], outputs: GraphOutputs):
     """(nodes by name, the final readers of a value, the value a chain of views starts
     from)."""
     by_name = {n.name: n for n in nodes}
@@ -64,8 +64,8 @@ def _walkers(nodes: list[OpNode], outputs: GraphOutputs):
     results = set(outputs.refs())
 
     def final_readers(ref: ValueRef) -> list[str]:
-        """The non-view ops that read ``ref``, through views; ``_OUTPUT`` for a result."""
-        found = [_OUTPUT] if ref in results else []
+        """The non-view ops that read ``ref``, through views; ``STEP_RESULT`` for a result."""
+        found = [STEP_RESULT] if ref in results else []
         for name in readers.get(ref, []):
             found += final_readers(ValueRef(name)) if by_name[name].aliases else [name]
         return found
@@ -91,7 +91,7 @@ def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs,
     (default: ``fusible`` of the op); ``reads_nothing``: fusible nodes whose operands lend
     a shape only (fills); ``reread``: a reader in another phase than a fused value's
     producer reads its sources instead (module doc)."""
-    by_name, final_readers, root = _walkers(nodes, outputs)
+    by_name, final_readers, root = view_walkers(nodes, outputs)
     is_pointwise = pointwise or (lambda n: fusible(n.op))
     lends_shape = reads_nothing or (lambda n: False)
     fused: dict[ValueRef, bool] = {}
@@ -100,7 +100,7 @@ def fuse_elementwise_bytes(nodes: list[OpNode], outputs: GraphOutputs,
         if ref not in fused:
             node, reads = by_name[ref.node], final_readers(ref)
             fused[ref] = is_pointwise(node) and bool(reads) and all(
-                r != _OUTPUT and (is_pointwise(by_name[r]) or reduces(by_name[r].op))
+                r != STEP_RESULT and (is_pointwise(by_name[r]) or reduces(by_name[r].op))
                 for r in reads)
             if fused[ref] and reread and any(by_name[r].phase != node.phase for r in reads):
                 # kept for a later phase: written, unless what it is computed from is no
