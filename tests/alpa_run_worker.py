@@ -116,28 +116,60 @@ def _record(pm, run, micro: int, compared: dict) -> dict:
             "losses": run["losses"], "ref_losses": run["ref_losses"], "params": compared}
 
 
+def _one_step(build, batch, loss_fn, mesh, method, optimizer, *, micro: int = 1,
+              tolerance: float = 5e-4, grads: bool = False, placements=None) -> dict:
+    """Build ``build()`` twice alike (seed 0), plan one under ``method`` on ``mesh``, train
+    one step beside the other on one device with ``optimizer`` (params -> optimizer), and
+    record what ran: planned and issued collectives, losses, parameters compared within
+    ``tolerance``; with ``grads`` the first step's gradients, with ``placements`` (a
+    placement -> text function) each parameter's layout. Returns the planned model too."""
+    torch.manual_seed(0)
+    model, ref = build(), build()
+    ref.load_state_dict(model.state_dict())
+    pm = torchalpa.auto_parallel(model, batch, loss_fn, cluster=mesh, method=method,
+                                 num_micro_batches=micro if micro > 1 else None,
+                                 optimizer=optimizer)
+    run = train_beside_one_device(pm, ref, optimizer(ref.parameters()), lambda step: batch,
+                                  loss_fn, steps=1, backward_steps=(0,) if grads else ())
+    out = _record(pm, run, micro, _compare(pm, ref, rtol=tolerance, atol=tolerance))
+    if grads:
+        out["grads"] = run["grads"][0]
+    if placements is not None:
+        out["placements"] = {p.name: [placements(x) for x in p.placements]
+                            for p in pm.plan.parameters}
+    return pm, out
+
+
+def _alpa_2d(**more) -> torchalpa.AutoShardingOption:
+    """Alpa's 2D space: the batch on mesh axis 0, no mixed mesh shapes, no reduce-scatter,
+    every gradient all-reduced apart."""
+    return torchalpa.AutoShardingOption(
+        force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False, allow_reduce_scatter=False,
+        all_reduce_threshold=1 << 60, **more)
+
+
+def _adam(ps):
+    return torch.optim.Adam(ps, lr=1e-2)
+
+
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=1e-2)
+
+
 def accumulation(shape: tuple[int, ...], reduce_scatter: bool, prefer: bool = False) -> dict:
     batch_size, hidden, micro = 256, 16, 2
     x = torch.ones(batch_size, hidden) * torch.arange(batch_size, dtype=torch.float32)[:, None]
     batch = (x, torch.ones(batch_size, hidden))
-    torch.manual_seed(0)
-    model = TwoDense(hidden)
-    ref = TwoDense(hidden)
-    ref.load_state_dict(model.state_dict())
     kind = torchalpa.Zero2Parallel if reduce_scatter else torchalpa.ShardParallel
     option = replace(kind().auto_sharding_option, allow_all_to_all=False)
     if not reduce_scatter:      # Alpa's default space has no reduce-scatter (as plan_of)
         option = replace(option, allow_reduce_scatter=False, prefer_reduce_scatter=prefer)
     mesh = torchalpa.LogicalMesh(shape=shape, alpha=(1.0,) * len(shape),
                                  beta=(1.0,) * len(shape))
-    pm = torchalpa.auto_parallel(
-        model, batch, mse, cluster=mesh, num_micro_batches=micro,
-        method=kind(logical_mesh_shape=shape, auto_sharding_option=option),
-        optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
-    run = train_beside_one_device(pm, ref, torch.optim.SGD(ref.parameters(), lr=1e-2,
-                                                           momentum=0.9),
-                                  lambda step: batch, mse, steps=1, backward_steps=())
-    return _record(pm, run, micro, _compare(pm, ref, rtol=1e-4, atol=1e-4))
+    return _one_step(lambda: TwoDense(hidden), batch, mse, mesh,
+                     kind(logical_mesh_shape=shape, auto_sharding_option=option),
+                     lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9), micro=micro,
+                     tolerance=1e-4)[1]
 
 
 def bert(shape: tuple[int, ...], alpa_2d: bool = False, reduce_scatter: bool = False,
@@ -147,28 +179,16 @@ def bert(shape: tuple[int, ...], alpa_2d: bool = False, reduce_scatter: bool = F
     batch = (torch.randn(batch_size, seq, hidden, generator=g),
              torch.ones(batch_size, seq, dtype=torch.int64),
              torch.randn(batch_size, seq, hidden, generator=g))
-    torch.manual_seed(0)
-    model = BertLayers(2, hidden, heads)
-    ref = BertLayers(2, hidden, heads)
-    ref.load_state_dict(model.state_dict())
     mesh = torchalpa.LogicalMesh(shape=shape, alpha=(2.0,) * len(shape), beta=(1.0, 0.1))
     if flattened:       # Alpa's default mesh flattened: (1, 1) latency, (0.1, 0.1) bandwidth
         mesh = torchalpa.LogicalMesh(shape=shape, alpha=(1.0, 1.0), beta=(0.1, 0.1))
-    option = torchalpa.AutoShardingOption(
-        force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False, allow_reduce_scatter=False,
-        all_reduce_threshold=1 << 60) if alpa_2d else torchalpa.AutoShardingOption()
+    option = _alpa_2d() if alpa_2d else torchalpa.AutoShardingOption()
     if reduce_scatter:      # Alpa's space exactly, and its rewrite after the ILP
         option = replace(option, slice_before_reduce=False, prefer_reduce_scatter=True)
-    pm = torchalpa.auto_parallel(
-        model, batch, mse, cluster=mesh,
-        method=torchalpa.ShardParallel(logical_mesh_shape=shape, auto_sharding_option=option),
-        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
-    run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=1e-2),
-                                  lambda step: batch, mse, steps=1, backward_steps=())
-    out = _record(pm, run, 1, _compare(pm, ref, rtol=5e-4, atol=5e-4))
-    out["placements"] = {p.name: [short_form(x) for x in p.placements]
-                        for p in pm.plan.parameters}
-    return out
+    return _one_step(lambda: BertLayers(2, hidden, heads), batch, mse, mesh,
+                     torchalpa.ShardParallel(logical_mesh_shape=shape,
+                                             auto_sharding_option=option),
+                     _adam, placements=short_form)[1]
 
 
 def mlp_rs_2d(shape: tuple[int, ...]) -> dict:
@@ -178,23 +198,12 @@ def mlp_rs_2d(shape: tuple[int, ...]) -> dict:
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(batch_size, hidden, generator=g),
              torch.randn(batch_size, hidden, generator=g))
-    torch.manual_seed(0)
-    model = MLP_SPELLINGS["modulelist"](6, hidden, hidden, hidden)
-    ref = MLP_SPELLINGS["modulelist"](6, hidden, hidden, hidden)
-    ref.load_state_dict(model.state_dict())
     mesh = torchalpa.LogicalMesh(shape=shape, beta=(1.0, 0.1))
-    option = torchalpa.AutoShardingOption(
-        force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False, slice_before_reduce=False,
-        allow_reduce_scatter=False, all_reduce_threshold=1 << 60, prefer_reduce_scatter=True)
-    pm = torchalpa.auto_parallel(
-        model, batch, mse, cluster=mesh,
-        method=torchalpa.ShardParallel(logical_mesh_shape=shape, auto_sharding_option=option),
-        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
-    run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=1e-2),
-                                  lambda step: batch, mse, steps=1, backward_steps=())
-    out = _record(pm, run, 1, _compare(pm, ref, rtol=5e-4, atol=5e-4))
-    out["placements"] = {p.name: [short_form(x) for x in p.placements]
-                        for p in pm.plan.parameters}
+    option = _alpa_2d(slice_before_reduce=False, prefer_reduce_scatter=True)
+    pm, out = _one_step(lambda: MLP_SPELLINGS["modulelist"](6, hidden, hidden, hidden), batch,
+                        mse, mesh, torchalpa.ShardParallel(logical_mesh_shape=shape,
+                                                           auto_sharding_option=option),
+                        _adam, placements=short_form)
     # each parameter's Adam moments: their layout, and the elements this rank holds
     out["states"] = {name: {k: [[short_form(x) for x in v.placements], v.to_local().numel()]
                             for k, v in pm.optimizer.state[p].items()
@@ -206,29 +215,17 @@ def mlp_rs_2d(shape: tuple[int, ...]) -> dict:
 def mlm_2d(shape: tuple[int, ...]) -> dict:
     """Alpa's test_bert_mlm_2d_mesh: its model, mesh costs and options (as
     ``_bert_mlm_2d_plan``), trained one SGD step beside one device."""
-    torch.manual_seed(0)
-    model = BertMLM(2, 512, 4, 4096, 4)
-    ref = BertMLM(2, 512, 4, 4096, 4)
-    ref.load_state_dict(model.state_dict())
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 4096, (4, 4), generator=g)
     batch = (ids, torch.ones(4, 4, dtype=torch.int64), torch.zeros(4, 4, dtype=torch.int64),
              torch.arange(4).repeat(4, 1), torch.randint(0, 4096, (4, 4), generator=g))
     mesh = torchalpa.LogicalMesh(shape=shape, alpha=(2.0,) * len(shape), beta=(1.0, 0.1))
-    option = torchalpa.AutoShardingOption(
-        force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False, slice_before_reduce=False,
-        allow_reduce_scatter=False, all_reduce_threshold=1 << 60,
-        allow_recompute_heavy_op=True, allow_all_gather=False)
-    pm = torchalpa.auto_parallel(
-        model, batch, mlm_loss, cluster=mesh,
-        method=torchalpa.ShardParallel(logical_mesh_shape=shape, auto_sharding_option=option),
-        optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-2))
-    run = train_beside_one_device(pm, ref, torch.optim.SGD(ref.parameters(), lr=1e-2),
-                                  lambda step: batch, mlm_loss, steps=1, backward_steps=(0,))
-    out = _record(pm, run, 1, _compare(pm, ref, rtol=5e-4, atol=5e-4))
-    out["grads"] = run["grads"][0]
-    out["placements"] = {p.name: [short_form(x) for x in p.placements]
-                        for p in pm.plan.parameters}
+    option = _alpa_2d(slice_before_reduce=False, allow_recompute_heavy_op=True,
+                      allow_all_gather=False)
+    pm, out = _one_step(lambda: BertMLM(2, 512, 4, 4096, 4), batch, mlm_loss, mesh,
+                        torchalpa.ShardParallel(logical_mesh_shape=shape,
+                                                auto_sharding_option=option),
+                        _sgd, grads=True, placements=short_form)
     out["all_to_all"] = [[c.tensor, c.source, c.axis] for c in pm.plan.collectives
                          if c.kind == "all_to_all"]
     return out
@@ -243,23 +240,14 @@ def conv_mixed_rs(shape: tuple[int, ...]) -> dict:
     out = image // 2 ** num_layers
     batch = (torch.randn(batch_size, channel, image, image, generator=g),
              torch.randn(batch_size, channel, out, out, generator=g))
-    torch.manual_seed(0)
-    model, ref = ConvNet(num_layers, channel), ConvNet(num_layers, channel)
-    ref.load_state_dict(model.state_dict())
     mesh = torchalpa.LogicalMesh(shape=shape, beta=(1.0, 0.1))
     option = torchalpa.AutoShardingOption(
         force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=True, slice_before_reduce=False,
         allow_reduce_scatter=False, all_reduce_threshold=1 << 60, prefer_reduce_scatter=True)
-    pm = torchalpa.auto_parallel(
-        model, batch, mse, cluster=mesh,
-        method=torchalpa.ShardParallel(logical_mesh_shape=shape, auto_sharding_option=option),
-        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
-    run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=1e-2),
-                                  lambda step: batch, mse, steps=1, backward_steps=(0,))
-    out = _record(pm, run, 1, _compare(pm, ref, rtol=5e-4, atol=5e-4))
-    out["grads"] = run["grads"][0]
-    out["placements"] = {p.name: [short_form(x) for x in p.placements]
-                        for p in pm.plan.parameters}
+    pm, out = _one_step(lambda: ConvNet(num_layers, channel), batch, mse, mesh,
+                        torchalpa.ShardParallel(logical_mesh_shape=shape,
+                                                auto_sharding_option=option),
+                        _adam, grads=True, placements=short_form)
     out["all_to_all"] = [[c.tensor, c.source, c.axis] for c in pm.plan.collectives
                          if c.kind == "all_to_all"]
     return out
@@ -273,10 +261,6 @@ def mlp_prefer_reduce_scatter(shape: tuple[int, ...], zero3: bool = False) -> di
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(batch_size, hidden, generator=g),
              torch.randn(batch_size, hidden, generator=g))
-    torch.manual_seed(0)
-    model = MLPModuleList(num_layers, hidden, hidden, hidden)
-    ref = MLPModuleList(num_layers, hidden, hidden, hidden)
-    ref.load_state_dict(model.state_dict())
     mesh = torchalpa.LogicalMesh(shape=shape, alpha=(1.0,) * len(shape),
                                  beta=(1.0,) * len(shape))
     option = torchalpa.AutoShardingOption(allow_reduce_scatter=False,
@@ -287,16 +271,10 @@ def mlp_prefer_reduce_scatter(shape: tuple[int, ...], zero3: bool = False) -> di
     elif len(shape) == 2 and min(shape) > 1:        # Alpa's 2D space
         option = replace(option, force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False,
                          slice_before_reduce=False)
-    pm = torchalpa.auto_parallel(
-        model, batch, mse, cluster=mesh,
-        method=torchalpa.ShardParallel(logical_mesh_shape=shape, auto_sharding_option=option),
-        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-2))
-    run = train_beside_one_device(pm, ref, torch.optim.Adam(ref.parameters(), lr=1e-2),
-                                  lambda step: batch, mse, steps=1, backward_steps=(0,))
-    out = _record(pm, run, 1, _compare(pm, ref, rtol=5e-4, atol=5e-4))
-    out["grads"] = run["grads"][0]
-    out["placements"] = {p.name: [str(x) for x in p.placements] for p in pm.plan.parameters}
-    return out
+    return _one_step(lambda: MLPModuleList(num_layers, hidden, hidden, hidden), batch, mse,
+                     mesh, torchalpa.ShardParallel(logical_mesh_shape=shape,
+                                                   auto_sharding_option=option),
+                     _adam, grads=True, placements=str)[1]
 
 
 SCENARIOS = {"mlm2d": mlm_2d, "accum": lambda s: accumulation(s, False),
