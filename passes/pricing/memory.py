@@ -339,6 +339,9 @@ class KeptTerm:
     pairs: tuple[tuple[str, np.ndarray, str, np.ndarray], ...]
     nbytes: float
     covered: tuple[tuple[str, np.ndarray], ...] = ()
+    key: tuple | None = None
+    """Alike at every point but for ``nbytes`` (a view's gathered copy,
+    ``MemoryModel.view_terms``): the ILP gives all of a key's terms one ``y``."""
 
     @property
     def nodes(self) -> set[str]:
@@ -560,15 +563,21 @@ class MemoryModel:
             for dst in dict.fromkeys(d for d in reads if d is not None):
                 whole = float(local_bytes(spec, dst, self.mesh_shape))
                 mask = np.array([d == dst for d in reads], dtype=bool)
-                for size in np.unique(src[src < whole]):
+                grows = src < whole
+                if self.steps_of is not None:       # only where the read can reshard
+                    grows &= [self.steps_of(spec, self.S[u][a].outputs[span.operand.index],
+                                            dst) is not None for a in self.g.index[u]]
+                for size in np.unique(src[grows]):
                     nbytes = copy_bytes(span, t, size, whole) + \
                         waiting * copy_bytes(span, fe, size, whole)
                     if nbytes:
-                        key = (self.g.rep[u], (src == size).tobytes(), self.g.rep[v],
+                        copy_from = grows & (src == size)
+                        key = (self.g.rep[u], copy_from.tobytes(), self.g.rep[v],
                                mask.tobytes())
-                        found = merged.setdefault(key, [src == size, mask, 0.0])
+                        found = merged.setdefault(key, [copy_from, mask, 0.0])
                         found[2] += nbytes
-        return [KeptTerm(key[0], copy_from, ((key[2], mask, key[2], mask),), nbytes)
+        return [KeptTerm(key[0], copy_from, ((key[2], mask, key[2], mask),), nbytes,
+                         key=("view",) + key)
                 for key, (copy_from, mask, nbytes) in merged.items()]
 
     def _kept_upper(self) -> np.ndarray:
