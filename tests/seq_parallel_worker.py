@@ -2,11 +2,14 @@
 (RMS norm written out) on a 1-D tensor-parallel mesh, Megatron's column / row styles
 pinned and ``sequence_parallel=True``, trained beside the same model on one device. Rank 0
 writes what it saw as JSON to argv[1]; argv[2] lists the scenarios (``gpt:4``,
-``llama:4``: model and number of ranks).
+``llama:4``: model and number of ranks; ``gpt-kept:4``: the GPT planned without
+Megatron's gathering again in backward, so forward views that backward reads may keep
+their gathered copies).
 
-Records: the layouts of the norms' outputs, the collective kinds of the plan, the losses
-of 3 Adam steps on both sides, the first step's gradients and the parameters after the
-last, and each step's collectives next to the plan's.
+Records: the layouts of the norms' outputs, the gathered copies forward views keep, the
+collective kinds of the plan, the losses of 3 Adam steps on both sides, the first step's
+gradients and the parameters after the last, and each step's collectives next to the
+plan's.
 """
 
 from __future__ import annotations
@@ -49,8 +52,39 @@ def batch_of(module, config, step: int):
     return module.example_batch(config, BATCH, seq_len=SEQ)
 
 
+def keeping_gathered_views():
+    """Plan with sequence-parallel norms but without Megatron's gathering again in
+    backward: the forward views backward reads (the column-parallel products' inputs) may
+    keep the gathered copy, priced by ``passes/pricing/gathered_views.py``."""
+    from torchalpa.passes.sharding import intra_op
+    from torchalpa.passes.sharding.costgraph import REGATHER_SAVED_VIEWS
+    os.environ["TORCHALPA_CACHE"] = "0"       # the cache's key does not see this
+    rule = intra_op.forbidden_collectives
+    intra_op.forbidden_collectives = lambda option: rule(option) - {REGATHER_SAVED_VIEWS}
+
+
+def gathered_saved_views(pm, model, batch, loss_fn) -> int:
+    """Operand reads of forward views that backward reads, in a larger layout than their
+    operand's: the gathered copies the plan keeps for backward."""
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.passes.pricing.gathered_views import saved_view_spans
+    from torchalpa.passes.sharding.reshard import local_bytes
+    graph = capture(model, batch, loss_fn).graph
+    plan, mesh = pm.plan, pm.plan.mesh_shape
+    views = {s.view for s in saved_view_spans(graph)}
+    return sum(1 for r in plan.reshards if r.consumer in views and r.slot == 0
+               and local_bytes(graph.node(r.producer).outputs[r.index],
+                               plan.strategy(r.consumer).inputs[0], mesh) >
+               local_bytes(graph.node(r.producer).outputs[r.index],
+                           plan.strategy(r.producer).outputs[r.index], mesh))
+
+
 def run(name: str, ranks: str) -> dict:
     tp = int(ranks)
+    kept = name.endswith("-kept")
+    if kept:
+        keeping_gathered_views()
+        name = name.removesuffix("-kept")
     config, build, module = make(name)
     torch.manual_seed(0)
     model = build()
@@ -72,7 +106,8 @@ def run(name: str, ranks: str) -> dict:
     norms = {s.node: str(s.outputs[0]) for s in pm.plan.strategies
              if s.node.split("_")[0] in ("native", "mean") and "backward" not in s.node
              and (s.node.startswith("native_layer_norm") or s.node.startswith("mean"))}
-    return {"norms": norms,
+    return {"norms": norms, "gathered_saved_views": gathered_saved_views(
+                pm, build(), batch_of(module, config, 0), module.loss_fn),
             "kinds": sorted({c.kind for c in pm.plan.collectives}),
             "executed": run["executed"], "planned_per_step": run["planned"],
             "losses": run["losses"], "ref_losses": run["ref_losses"],

@@ -3,8 +3,9 @@
 
 ``sequence_parallel=True`` splits every layer norm by sequence and the memory estimate
 drops below plain TP's; without it, a budget plain TP does not fit makes the ILP split
-norms by sequence by itself. Either way no forward view that backward reads holds a
-gathered copy (which the memory model would price at its operand's split size)."""
+norms by sequence by itself. With ``sequence_parallel=True`` no forward view that backward
+reads holds a gathered copy (Megatron's gathers again in backward); without that rule the
+ILP may keep one, and its memory is priced: a budget makes it gather again."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torchalpa
 from torchalpa.core.placement import Shard
 from torchalpa.frontends.torch_export import capture
 from torchalpa.models import gpt
+from torchalpa.passes.pricing.gathered_views import saved_view_spans
 from torchalpa.passes.sharding.costgraph import saved_views
 from torchalpa.passes.sharding.reshard import local_bytes
 
@@ -33,7 +35,8 @@ def model_and_batch():
 
 def plan_for(**option):
     model, batch = model_and_batch()
-    opt = torchalpa.AutoShardingOption(pin=STYLES, **option)
+    option.setdefault("pin", STYLES)
+    opt = torchalpa.AutoShardingOption(**option)
     return torchalpa.plan(model, batch, gpt.loss_fn, cluster=torchalpa.Cluster.h100(
         devices_per_node=TP), method=torchalpa.ShardParallel(logical_mesh_shape=(TP,),
                                                              auto_sharding_option=opt))
@@ -91,6 +94,40 @@ def test_no_saved_view_holds_a_gathered_copy(plans):
     for r in gathered:     # a gathered copy is not shared from forward to backward
         if r.same_as is not None:
             assert graph.node(r.consumer).phase == graph.node(by_read[r.same_as].consumer).phase
+
+
+def gathered_saved_views(plan) -> int:
+    """Operand reads of forward views backward reads, in a larger layout than made."""
+    model, batch = model_and_batch()
+    graph = capture(model, batch, gpt.loss_fn).graph
+    views = {s.view for s in saved_view_spans(graph)}
+
+    def nbytes(r, layout) -> int:
+        return local_bytes(graph.node(r.producer).outputs[r.index], layout, (TP,))
+    return sum(1 for r in plan.reshards if r.consumer in views and r.slot == 0 and
+               nbytes(r, plan.strategy(r.consumer).inputs[0]) >
+               nbytes(r, plan.strategy(r.producer).outputs[r.index]))
+
+
+def test_a_kept_gathered_copy_is_priced_and_a_budget_makes_the_ilp_gather_again(
+        plans, monkeypatch):
+    from torchalpa.passes.sharding import intra_op
+    from torchalpa.passes.sharding.costgraph import REGATHER_SAVED_VIEWS
+    rule = intra_op.forbidden_collectives
+    monkeypatch.setattr(intra_op, "forbidden_collectives",
+                        lambda option: rule(option) - {REGATHER_SAVED_VIEWS})
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")    # the cache's key does not see the patch
+    sp = plans["sp"]
+    assert gathered_saved_views(sp) == 0
+    kept = plan_for(sequence_parallel=True)
+    assert gathered_saved_views(kept) > 0
+    # the copies are in the estimate: more memory than gathering again, for less time
+    assert kept.estimates.memory_per_device_bytes > sp.estimates.memory_per_device_bytes
+    assert kept.estimates.step_time_s <= sp.estimates.step_time_s * (1 + 1e-9)
+    budget = sp.estimates.memory_per_device_bytes
+    tight = plan_for(sequence_parallel=True, memory_budget_per_device=budget)
+    assert tight.estimates.memory_per_device_bytes <= budget
+    assert gathered_saved_views(tight) < gathered_saved_views(kept)
 
 
 def test_sequence_parallel_names_a_sequence_that_does_not_divide():

@@ -5,9 +5,8 @@ XLA fuses the StableHLO program's elementwise chains, so the ATen graph is plann
 ``torch.compile`` runs it (``AutoShardingOption(elementwise="fused")``,
 ``passes/pricing/fused_pricing.py``), and its attention is captured as PyTorch's math SDPA writes
 it (two batched matmuls around a softmax, ``attention_as_products``), as torch-mlir's export
-writes it and XLA on a CPU runs it. Estimates agree within 5% (issue #18) for mlp, llama, bert
-and not (yet) gpt, below. Priced op
-by op (eager, the runtime without ``compile``), LLaMA's ATen step is x1.08 of its
+writes it and XLA on a CPU runs it. Estimates agree within 5% (issue #18) for all four. Priced
+op by op (eager, the runtime without ``compile``), LLaMA's ATen step is x1.08 of its
 StableHLO one, all of it elementwise bytes (mul, add, pow first: RMSNorm, SiLU, rotary,
 residuals), which eager PyTorch runs one kernel each (``EAGER_LLAMA``).
 
@@ -16,31 +15,27 @@ those is a real preference, not a tie broken the other way: planned again with e
 parameter pinned to the other frontend's placements, each frontend's objective is higher
 than with its own. Where they differ (see docs/stablehlo-jax.md):
 
-- gpt ``c_proj`` (attention output projection) and ``c_attn``'s bias, both blocks: ATen
-  splits ``c_proj`` by input features (Megatron's row-parallel layout) and keeps the
-  ``c_attn`` bias whole, StableHLO splits ``c_proj`` by output features and the bias by
-  rows; both split ``c_attn``'s weight alike (+9.3% / +0.55%): op granularity at
+- gpt ``c_attn`` and ``c_proj`` (attention's input and output projections), both blocks:
+  ATen splits ``c_attn``'s weight and bias by rows in one block (query, key and value rows
+  mixed) and ``c_proj`` by input features (Megatron's row-parallel layout, its bias
+  whole); StableHLO splits ``c_attn`` per query, key and value (a strided split) and
+  ``c_proj`` by output features, its bias too (+0.20% / +0.13%): op granularity at
   kilobytes, where every collective costs its latency.
 - llama ``lm_head.weight``: ATen splits the head by vocab, all-gathers the logits, runs
   the loss whole and all-reduces the input gradient; StableHLO keeps the head whole and
-  splits the loss by batch, all-reducing the head's gradient. And ``v_proj.weight`` (both
-  layers): ATen splits it by output features, StableHLO keeps it whole. Pinned to the
-  other's placements (+0.60% / +15.0%).
+  splits the loss by batch, all-reducing the head's gradient. Pinned to the other's
+  placements (+0.35% / +5.2%). (Both layers' ``v_proj.weight`` differed too while
+  gathered copies could not be kept for backward.)
 
-Measured on 2026-11-29 (``python benchmarks/stablehlo_crosscheck.py --models gpt llama
---mesh 4 --why``): gpt's step ratio (StableHLO / ATen) is x1.092 (compute x1.08,
-communication x1.09), outside the 5% this test asks; it was x1.100 already at ef7e604,
-before the fused pricing of that day, which lowered it. The gap is communication: compute
-is 0.2 ms of StableHLO's 2.43 ms step (and the same with its forward values reread in
-backward as the ATen side prices them), and its plan runs 35 collectives where ATen's runs
-29 (4 more forward all-gathers, 4 more backward all-reduces, 2 fewer forward all-to-alls),
-each ~100 us on this mesh. It came with sequence parallelism's rule (c73c4fe, 11-28: no
-forward view that backward reads may gather its operand, ``costgraph._forbid_gathers``): the
-StableHLO program writes attention's output as a chain of transposes (views) that c_proj's
-weight gradient reads in backward, where ATen's graph clones it; so StableHLO's plan may not
-gather it there and gathers again at its readers. Without that rule gpt is x1.016, with it
-waived for transposes x1.012. This test fails for gpt until that rule or the StableHLO
-reading of a transpose read across phases is settled.
+Measured on 2026-11-29 (``python benchmarks/stablehlo_crosscheck.py --models gpt --mesh 4
+--why``): gpt's step ratio (StableHLO / ATen) is x1.016. It was x1.092 while a forward view
+that backward reads could not gather its operand (sequence parallelism's rule, c73c4fe):
+the StableHLO program writes attention's output as a chain of transposes ending in a
+reshape (views) that c_proj's weight gradient reads in backward, where ATen's graph clones
+it, so only StableHLO's plan was barred from gathering there. Now such a view may keep
+the gathered copy, priced as the memory it holds until backward
+(``passes/pricing/gathered_views.py``), in both frontends alike; Megatron's
+``sequence_parallel=True`` still gathers again in backward.
 
 At ``--size small`` (width 256, batch 8 x 128: layouts that move megabytes, not the
 tiny configs' kilobytes whose collectives cost their latency alone) the placements agree
@@ -85,29 +80,16 @@ def _attention_as_the_export_writes_it():
 
 REAL_PREFERENCES = {
     "mlp": set(),
-    "gpt": {"h.0.attn.c_attn.bias", "h.0.attn.c_proj.weight", "h.0.attn.c_proj.bias",
-            "h.1.attn.c_attn.bias", "h.1.attn.c_proj.weight", "h.1.attn.c_proj.bias"},
-    "llama": {"lm_head.weight", "layers.0.self_attn.v_proj.weight",
-              "layers.1.self_attn.v_proj.weight"},
+    "gpt": {f"h.{i}.attn.{p}" for i in (0, 1) for p in (
+        "c_attn.weight", "c_attn.bias", "c_proj.weight", "c_proj.bias")},
+    "llama": {"lm_head.weight"},
     "bert": set(),
 }
 EAGER_LLAMA = (0.90, 0.96)     # StableHLO / eager ATen step of the tiny LLaMA (x0.93 here)
 
 
-GPT_SEQPAR_GATHERS = (
-    "StableHLO's gpt step is x1.092 of ATen's (35 collectives against 29), bisected to "
-    "costgraph._forbid_gathers (no forward view that backward reads may gather its operand, "
-    "merged with sequence parallelism): the exported program writes attention's output as "
-    "transposes ending in a reshape that c_proj's weight gradient reads, so only the "
-    "StableHLO plan is barred from gathering there (x1.004 before that merge; exempting "
-    "transposes gives x1.012). Fix: price a gathered copy a saved view keeps instead of "
-    "forbidding the gather (measured 2026-11-29)")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=GPT_SEQPAR_GATHERS))
-    if n == "gpt" else n for n in sorted(REAL_PREFERENCES)])
+@pytest.mark.parametrize("name", sorted(REAL_PREFERENCES))
 def test_both_frontends_place_parameters_alike(name):
     mesh = Cluster.local_cpu(4).logical_mesh((4,))
     model, batch, loss_fn = workload(name)

@@ -27,11 +27,13 @@ from torchalpa.core.opgraph import OpGraph, ValueRef
 from torchalpa.core.placement import Placements, Replicate, is_shard
 from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.pricing.fused_pricing import recomputed
+from torchalpa.passes.pricing.gathered_views import copy_bytes, held_copies, saved_view_spans
 from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.stage_boundary import summed_part
 
 __all__ = ["Liveness", "KeptCopy", "KeptTerm", "liveness", "model_state_bytes", "activation_peak_bytes",
-           "state_copies", "gradients_from_backward", "forward_end", "in_flight_bytes", "value_bytes"]
+           "state_copies", "gradients_from_backward", "forward_end", "in_flight_bytes", "value_bytes",
+           "view_copies"]
 
 
 @dataclass
@@ -257,6 +259,17 @@ class KeptCopy:
 
     readers: tuple[str, ...]
     nbytes: int
+    span: tuple[int, int] | None = None
+    """From, to: where no readers name it (a gathered copy a forward view keeps for
+    backward, ``gathered_views.held_copies``)."""
+
+
+def view_copies(graph: OpGraph, outputs: dict[str, tuple], inputs: dict[str, tuple],
+                mesh_shape) -> list[KeptCopy]:
+    """The gathered copies that forward views keep for backward in a plan whose nodes
+    write ``outputs`` and read ``inputs`` (``passes/pricing/gathered_views.py``)."""
+    return [KeptCopy((), int(nbytes), (lo, hi)) for lo, hi, nbytes in
+            held_copies(graph, saved_view_spans(graph), outputs, inputs, mesh_shape)]
 
 
 def _kept_timeline(graph: OpGraph, live: Liveness, sizes: np.ndarray,
@@ -269,6 +282,10 @@ def _kept_timeline(graph: OpGraph, live: Liveness, sizes: np.ndarray,
     position = {name: i for i, name in enumerate(live.names)}     # views: one entry each
     delta = np.zeros(live.length + 1)
     for copy in kept:
+        if copy.span is not None:
+            delta[copy.span[0]] += copy.nbytes
+            delta[copy.span[1] + 1] -= copy.nbytes
+            continue
         start = min(order[r] for r in copy.readers)
         end = max(order[r] for r in copy.readers)
         for r in copy.readers:
@@ -322,6 +339,9 @@ class KeptTerm:
     pairs: tuple[tuple[str, np.ndarray, str, np.ndarray], ...]
     nbytes: float
     covered: tuple[tuple[str, np.ndarray], ...] = ()
+    key: tuple | None = None
+    """Alike at every point but for ``nbytes`` (a view's gathered copy,
+    ``MemoryModel.view_terms``): the ILP gives all of a key's terms one ``y``."""
 
     @property
     def nodes(self) -> set[str]:
@@ -369,6 +389,9 @@ class MemoryModel:
         self._alike_bytes: dict[tuple, np.ndarray] = {}
         self._kept_alive: list = []
         self.live = liveness(graph, self.statistics, state_at_start, grads_from_backward)
+        self.view_spans = saved_view_spans(graph)
+        """Forward views that backward reads: a gathered copy one reads is kept
+        (``gathered_views``; ``view_terms``)."""
         self.forward_end = forward_end(graph)
         reps = grouping.representatives
         self.state = {r: np.zeros(len(strategies[r])) for r in reps}
@@ -419,16 +442,23 @@ class MemoryModel:
         sizes = np.array([value_bytes(graph, name, chosen_outputs[name], self.mesh_shape,
                                       self.statistics, k) for name, k in live.entries()],
                          dtype=float)
-        extra = _kept_timeline(graph, live, sizes, kept or [], self.state_at_start)
-        return self._with_waiting(live.total(sizes)) + extra + state_bytes
+        kept = kept or []
+        views = _kept_timeline(graph, live, sizes, [c for c in kept if c.span is not None],
+                               self.state_at_start)     # one per micro-batch in flight
+        extra = _kept_timeline(graph, live, sizes, [c for c in kept if c.span is None],
+                               self.state_at_start)
+        return self._with_waiting(live.total(sizes) + views) + extra + state_bytes
 
     def kept_copies(self, chosen: dict) -> list[KeptCopy]:
         """The copies ``chosen`` (node -> Strategy) keeps, as the plan's ``Reshard.same_as``
         makes them (``sharding_plan.kept_state_copies``): reads of a parameter or buffer in
-        one layout that needs a collective, two or more."""
+        one layout that needs a collective, two or more; and the gathered copies forward
+        views keep for backward (``view_copies``)."""
+        kept = [KeptCopy((), int(nbytes), (lo, hi)) for lo, hi, nbytes in held_copies(
+            self.graph, self.view_spans, {k: s.outputs for k, s in chosen.items()},
+            {k: s.inputs for k, s in chosen.items()}, self.mesh_shape)]
         if self.steps_of is None:
-            return []
-        kept = []
+            return kept
         for value in self.state_reads():
             node = self.graph.node(value.name)
             src = chosen[value.name].outputs[0]
@@ -483,10 +513,11 @@ class MemoryModel:
 
     def kept_at(self, t: int) -> list[KeptTerm]:
         """The kept copies that may be alive at point ``t``, one term per parameter and
-        target layout (empty without ``steps_of``)."""
+        target layout (empty without ``steps_of``), and those of gathered copies forward
+        views keep (``view_terms``)."""
+        terms = self.view_terms(t)
         if self.steps_of is None:
-            return []
-        terms = []
+            return terms
         for value in self.state_reads():
             node = self.graph.node(value.name)
             index = list(self.g.index[value.name])
@@ -514,6 +545,41 @@ class MemoryModel:
                                                             self.mesh_shape)), covered))
         return terms
 
+    def view_terms(self, t: int) -> list[KeptTerm]:
+        """The gathered copies forward views may keep at point ``t`` (``gathered_views``),
+        with those of the other micro-batches in flight where forward ends, as
+        ``KeptTerm``s: one per producer's representative, its strategies writing one size
+        of the operand, the view's representative and its strategies reading one larger
+        layout (``y >= x_copy_from + 2 x_view - 2``), alike views' bytes summed."""
+        fe, waiting = self.forward_end, self.in_flight - 1
+        merged: dict[tuple, list] = {}
+        for span in self.view_spans:
+            if not (span.start <= t <= span.end or waiting and span.start <= fe <= span.end):
+                continue
+            u, v, spec = span.operand.node, span.view, self.graph.spec(span.operand)
+            src = np.array([local_bytes(spec, self.S[u][a].outputs[span.operand.index],
+                                        self.mesh_shape) for a in self.g.index[u]], dtype=float)
+            reads = [self.S[v][b].inputs[0] for b in self.g.index[v]]
+            for dst in dict.fromkeys(d for d in reads if d is not None):
+                whole = float(local_bytes(spec, dst, self.mesh_shape))
+                mask = np.array([d == dst for d in reads], dtype=bool)
+                grows = src < whole
+                if self.steps_of is not None:       # only where the read can reshard
+                    grows &= [self.steps_of(spec, self.S[u][a].outputs[span.operand.index],
+                                            dst) is not None for a in self.g.index[u]]
+                for size in np.unique(src[grows]):
+                    nbytes = copy_bytes(span, t, size, whole) + \
+                        waiting * copy_bytes(span, fe, size, whole)
+                    if nbytes:
+                        copy_from = grows & (src == size)
+                        key = (self.g.rep[u], copy_from.tobytes(), self.g.rep[v],
+                               mask.tobytes())
+                        found = merged.setdefault(key, [copy_from, mask, 0.0])
+                        found[2] += nbytes
+        return [KeptTerm(key[0], copy_from, ((key[2], mask, key[2], mask),), nbytes,
+                         key=("view",) + key)
+                for key, (copy_from, mask, nbytes) in merged.items()]
+
     def _kept_upper(self) -> np.ndarray:
         """Bytes kept copies could hold at each point: per parameter, its largest read
         layout once per two readers, over the span of all its reads."""
@@ -540,7 +606,20 @@ class MemoryModel:
         """Bytes at each point if every value took its largest layout: memory can only be
         over the budget where this is."""
         state = sum(v.max() for v in self.state.values())
-        return state + self._with_waiting(self._timeline(np.max)) + self._kept_upper()
+        return state + self._with_waiting(self._timeline(np.max) + self._views_upper()) + \
+            self._kept_upper()
+
+    def _views_upper(self) -> np.ndarray:
+        """Bytes the gathered copies forward views keep could hold at each point: each
+        view's largest read layout over its span."""
+        delta = np.zeros(self.live.length + 1)
+        for span in self.view_spans:
+            spec = self.graph.spec(span.operand)
+            most = max((local_bytes(spec, s.inputs[0], self.mesh_shape)
+                        for s in self.S[span.view] if s.inputs[0] is not None), default=0)
+            delta[span.start] += most
+            delta[span.end + 1] -= most
+        return np.cumsum(delta)[:-1]
 
     def _timeline(self, pick) -> np.ndarray:
         """Activation bytes at each point with each value's layout chosen by ``pick``."""

@@ -44,7 +44,8 @@ from torchalpa.passes.sharding.stage_boundary import boundary_layout
 from torchalpa.passes.sharding.strategies import Strategy, sync_steps
 
 __all__ = ["ReshardCosts", "CostGraph", "build_cost_graph", "saved_views", "op_compute_seconds",
-           "solve_sharing_reads", "SLICE_PARTIAL", "RESLICE_REDUCTION"]
+           "solve_sharing_reads", "SLICE_PARTIAL", "RESLICE_REDUCTION",
+           "REGATHER_SAVED_VIEWS"]
 
 # Local steps ``ReshardCosts.forbidden`` may name besides collective kinds (both without
 # ``AutoShardingOption.slice_before_reduce``, Alpa's space):
@@ -53,6 +54,10 @@ SLICE_PARTIAL = "slice_partial"
 RESLICE_REDUCTION = "reslice_reduction"
 """An operand read of a reduction (``REDUCTIONS``) by local slices alone: the sum over a
 part of a whole value. Alpa's reductions read the layout their operand is made in."""
+REGATHER_SAVED_VIEWS = "regather_saved_views"
+"""No forward view that backward reads may gather its operand (``_forbid_gathers``):
+Megatron's sequence parallelism, asked for, gathers again in backward. Otherwise the
+copy such a view keeps is priced (``passes/pricing/gathered_views.py``)."""
 REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "prod", "var", "std", "logsumexp"})
 
 log = logging.getLogger("torchalpa.planner")
@@ -436,7 +441,8 @@ def _price_groups(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Groupi
         if RESLICE_REDUCTION in costs.forbidden and isinstance(how, int) \
                 and op_family(graph.node(v).op) in REDUCTIONS:
             _forbid_reslicing(e, costs, spec, rows, cols)
-        if v in saved and ru != rv and graph.node(u).kind not in ("param", "buffer"):
+        if REGATHER_SAVED_VIEWS in costs.forbidden and v in saved and ru != rv and \
+                graph.node(u).kind not in ("param", "buffer"):
             _forbid_gathers(e, spec, rows, cols, costs.mesh.shape)
         e.table = e.table * sum((weights.get((m[0], m[1]), 1.0) if isinstance(m[3], int) else 1.0)
                                 * repeats.of(m[0], m[2], m[3]) for m in members)

@@ -121,10 +121,11 @@ def build_model(costs: dict[str, np.ndarray], edges: list, shared: list[SharedRe
     mem_scale = 1.0 / max(1.0, max((float(np.max(m)) for g in memory_terms for m in g.values()),
                                    default=1.0))
     if memory_budget is not None or peak is not None:
+        shared_y: dict = {}      # KeptTerm.key -> its y, one column for every point
         for gidx, group in enumerate(memory_terms):
             terms, fixed = [], 0.0
             if kept and gidx < len(kept):
-                terms += [(_kept_column(model, s, term, f"k{gidx}_{tidx}"),
+                terms += [(_kept_column(model, s, term, f"k{gidx}_{tidx}", shared_y),
                            term.nbytes * mem_scale) for tidx, term in enumerate(kept[gidx])]
             for k, mem in group.items():
                 if k not in s:
@@ -145,13 +146,19 @@ def build_model(costs: dict[str, np.ndarray], edges: list, shared: list[SharedRe
     return BuiltModel(model, s, peak, mem_scale)
 
 
-def _kept_column(model: LinearModel, s: dict, term, tag: str) -> int:
+def _kept_column(model: LinearModel, s: dict, term, tag: str, shared_y: dict) -> int:
     """``y``, 1 when ``term``'s copy is alive and no view of it already counts there:
     ``y >= x_copy_from + x_first + x_second - 2 - x_covered`` per pair of readers (each
     ``x`` the sum of the marked strategies' columns, ``FIXED`` for a node's only
     strategy). Only the memory row holds ``y``, so a plan keeping no copy can set it to 0
-    and one keeping it pays its bytes once: the row stays exact."""
+    and one keeping it pays its bytes once: the row stays exact. Terms of one ``key`` (the
+    same copy at other points) share one ``y`` and its rows."""
+    key = getattr(term, "key", None)
+    if key is not None and key in shared_y:
+        return shared_y[key]
     y = model.column(tag, 0.0, 1.0, False)
+    if key is not None:
+        shared_y[key] = y
 
     def chosen(node: str, mask) -> list[tuple[int, float]]:
         return [(col, -1.0) for col, marked in zip(s[node], mask)

@@ -43,6 +43,7 @@ from torchalpa.passes.pricing.memory import (
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.sharding.constraints import apply_constraints
 from torchalpa.passes.sharding.costgraph import (
+    REGATHER_SAVED_VIEWS,
     RESLICE_REDUCTION,
     SLICE_PARTIAL,
     CostGraph,
@@ -568,11 +569,13 @@ def effective_option(option: AutoShardingOption, mesh: LogicalMesh
 def forbidden_collectives(option: AutoShardingOption) -> frozenset:
     """Collective kinds resharding may not use under ``option``, and (without
     ``slice_before_reduce``) the local steps ``ReshardCosts`` forbids: ``SLICE_PARTIAL``,
-    ``RESLICE_REDUCTION``."""
+    ``RESLICE_REDUCTION``; with ``sequence_parallel`` (Megatron's, which gathers a norm's
+    output again in backward) ``REGATHER_SAVED_VIEWS``."""
     return frozenset(k for k, allowed in (("all_gather", option.allow_all_gather),
                                           ("all_to_all", option.allow_all_to_all),
                                           (SLICE_PARTIAL, option.slice_before_reduce),
-                                          (RESLICE_REDUCTION, option.slice_before_reduce))
+                                          (RESLICE_REDUCTION, option.slice_before_reduce),
+                                          (REGATHER_SAVED_VIEWS, not option.sequence_parallel))
                      if not allowed)
 
 

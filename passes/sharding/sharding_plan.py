@@ -46,6 +46,7 @@ from torchalpa.passes.pricing.memory import (
     activation_peak_bytes,
     gradients_from_backward,
     model_state_bytes,
+    view_copies,
 )
 from torchalpa.passes.pricing.overlap_price import CommEvent, Device, overlapped_step, program_order
 from torchalpa.passes.sharding.costgraph import ReshardCosts, op_compute_seconds
@@ -99,7 +100,9 @@ def assemble_plan(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         estimates=_estimates(graph, mesh, method, chosen, traffic, leaf_placement, state_once,
                              gradients_from_backward(max(k, step_micro_batches),
                                                      method.optimizer_states),
-                             kept_state_copies(graph, chosen, reshards, mesh.shape),
+                             kept_state_copies(graph, chosen, reshards, mesh.shape) +
+                             view_copies(graph, {k: s.outputs for k, s in chosen.items()},
+                                         {k: s.inputs for k, s in chosen.items()}, mesh.shape),
                              # a parameter gathered once per step to be sent whole to
                              # another stage: the copy is held from the first forward
                              # to the last (runtime/rewrites/param_gather.py)

@@ -214,8 +214,11 @@ class AutoShardingOption:
     splits the sequence dim (dim 1 of ``(batch, seq, hidden)``) over the last mesh axis,
     the tensor-parallel one. The ILP places the rest (the residual adds and dropouts
     beside the norms split alike where that pays; an all-gather before each column-parallel
-    product, a reduce-scatter after each row-parallel one). Off, the ILP still splits them
-    by sequence where that is cheaper or needed to fit (``passes/sharding/constraints.py``)."""
+    product, a reduce-scatter after each row-parallel one), and each product's backward
+    gathers its input again rather than keep forward's gathered copy. Off, the ILP still
+    splits them by sequence where that is cheaper or needed to fit
+    (``passes/sharding/constraints.py``), and keeps a gathered copy for backward where its
+    memory is worth the gather it saves (``passes/pricing/gathered_views.py``)."""
     plain_tensor_parallel: bool = False
     """Megatron's tensor parallelism as it ran before sequence parallelism (Megatron-LM
     2019-2021, Megatron-DeepSpeed): every normalization of the forward step whole over the
