@@ -246,11 +246,28 @@ class _Repeats:
 def _fold(node_costs: dict[str, np.ndarray], grouping: Grouping, name: str,
           vec: np.ndarray) -> None:
     """Add ``name``'s cost per strategy onto its representative's."""
-    node_costs[grouping.rep[name]] += vec[list(grouping.index[name])]
+    index = grouping.index[name]
+    into = node_costs[grouping.rep[name]]
+    # a repeated layer's node reads its head's strategies in order: the vector as it is
+    into += vec if len(index) == len(vec) == len(into) and _is_identity(index) else \
+        vec[list(index)]
+
+
+_IDENTITIES: dict[int, tuple[int, ...]] = {}
+"""``tuple(range(n))`` per ``n`` seen, to tell an identity index by one comparison."""
+
+
+def _is_identity(index: tuple[int, ...]) -> bool:
+    """Whether ``index`` is ``(0, 1, ..., n - 1)``."""
+    n = len(index)
+    identity = _IDENTITIES.get(n)
+    if identity is None:
+        identity = _IDENTITIES[n] = tuple(range(n))
+    return index is identity or index == identity
 
 
 _OWN_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""graph -> (node name, mesh) -> (its strategy list, the node, its cost per strategy): the solves
+"""graph -> mesh -> node name -> (its strategy list, the node, its cost per strategy): the solves
 of one graph on one view (simplified, followers freed, re-solved, each memory round's
 cost graph) price each node's strategies once. The strategy list and the node are held
 and compared by identity, so another strategy space or a node replaced is priced anew."""
@@ -268,19 +285,62 @@ ALIKE_COSTS_MAX = 100_000
 
 
 def _alike_key(graph: OpGraph, mesh: LogicalMesh | None, node, strategies) -> tuple:
-    """Everything ``_own_costs`` reads of ``node`` but names: its op, arguments, results,
-    flops and bytes, flags, its operands' specs; and its strategies by identity."""
-    return (mesh, node.op, node.kind, node.args, node.kwargs, node.outputs, node.flops,
-            node.bytes, node.phase, node.aliases, node.is_param, node.is_grad,
-            node.is_optimizer_state, node.batched,
-            tuple(graph.spec(r) for r in node.operands), tuple(map(id, strategies)))
+    """Everything ``_own_costs`` reads of ``node`` but names (``_Alike``) with the mesh,
+    and its strategies by identity. TypeError for an unhashable argument."""
+    return (mesh, _alike(graph, node), tuple(map(id, strategies)))
 
 
-def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strategy]
-               ) -> np.ndarray:
-    """``node``'s compute and internal all-reduces per strategy, once per step."""
-    memo = _OWN_COSTS.setdefault(graph, {})
-    found = memo.get((node.name, mesh))
+class _Alike:
+    """What a node's price reads of it but its name: its op, arguments, results, flops and
+    bytes, flags, its operands' specs. Made once per node of a graph and hashed once
+    (a layer's nodes are priced per view, per solve and per plan), one object for the
+    nodes alike of one graph, so looking them up compares identities."""
+
+    __slots__ = ("key", "hash")
+
+    def __init__(self, key: tuple):
+        self.key, self.hash = key, hash(key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, _Alike) and self.hash == other.hash
+                                 and self.key == other.key)
+
+
+_ALIKE_NODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""graph -> node name -> (the node, its ``_Alike``), and ``_Alike`` -> itself (one object
+for the nodes alike)."""
+
+
+def _alike(graph: OpGraph, node) -> _Alike:
+    """``node``'s ``_Alike`` (TypeError for an unhashable argument)."""
+    memo = _ALIKE_NODES.setdefault(graph, {})
+    found = memo.get(node.name)
+    if found is not None and found[0] is node:
+        return found[1]
+    sig = _Alike((node.op, node.kind, node.args, node.kwargs, node.outputs, node.flops,
+                  node.bytes, node.phase, node.aliases, node.is_param, node.is_grad,
+                  node.is_optimizer_state, node.batched,
+                  tuple(graph.spec(r) for r in node.operands)))
+    sig = memo.setdefault(sig, sig)
+    memo[node.name] = (node, sig)
+    return sig
+
+
+def _own_costs_memo(graph: OpGraph, mesh: LogicalMesh) -> dict:
+    """``_OWN_COSTS``' entries of ``graph`` on ``mesh``: node name -> (strategies, node,
+    costs)."""
+    return _OWN_COSTS.setdefault(graph, {}).setdefault(mesh, {})
+
+
+def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strategy],
+               memo: dict | None = None) -> np.ndarray:
+    """``node``'s compute and internal all-reduces per strategy, once per step; ``memo``:
+    this graph's and mesh's entries of ``_OWN_COSTS`` (``_own_costs_memo``)."""
+    memo = _own_costs_memo(graph, mesh) if memo is None else memo
+    found = memo.get(node.name)
     if found is not None and found[0] is strategies and found[1] is node:
         return found[2]
     try:
@@ -302,7 +362,7 @@ def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strateg
             _ALIKE_COSTS[key] = (tuple(strategies), vec)
             while len(_ALIKE_COSTS) > ALIKE_COSTS_MAX:
                 _ALIKE_COSTS.popitem(last=False)
-    memo[(node.name, mesh)] = (strategies, node, vec)
+    memo[node.name] = (strategies, node, vec)
     return vec
 
 
@@ -344,10 +404,10 @@ def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
     parameter sent to another stage once, with ``state_once``: gathered once per step; a
     summed gradient part once)."""
     node_costs = {r: np.zeros(len(S[r])) for r in grouping.representatives}
-    for node in graph:
-        if not node.is_leaf:
-            _fold(node_costs, grouping, node.name, k * _own_costs(graph, mesh, node,
-                                                                  S[node.name]))
+    memo = _own_costs_memo(graph, mesh)
+    for node in graph.ops():
+        _fold(node_costs, grouping, node.name, k * _own_costs(graph, mesh, node, S[node.name],
+                                                              memo))
     # the loss is returned whole, and values for other pipeline stages are sent whole
     R = replicated(mesh.ndim)
     whole = ([graph.outputs.loss] if graph.outputs.loss is not None else []) + \
