@@ -60,6 +60,7 @@ def _forget_alike_work():
     """Empty the memos that outlive one graph (those keyed by a graph go with it)."""
     costgraph._ALIKE_COSTS.clear()
     costgraph._COMPUTE_BY_MESH.clear()
+    costgraph._LAST_COMPUTE_MESH.clear()
 
 
 def _plan_json(graph, elementwise="eager", memo=None):

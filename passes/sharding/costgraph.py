@@ -60,6 +60,8 @@ log = logging.getLogger("torchalpa.planner")
 STEPS_MEMO_MAX = 200_000
 """Entries ``ReshardCosts.steps`` keeps by identity before it starts again."""
 
+_NOT_PLANNED = object()
+
 
 class ReshardCosts:
     """Memoized resharding steps and their alpha-beta cost on one mesh."""
@@ -80,6 +82,7 @@ class ReshardCosts:
         # ask for the same objects' steps again and again (the rules' shared layouts, a
         # graph's specs); kept with the answer so their identities stay theirs
         self._steps: dict[tuple[int, int, int], tuple] = {}
+        self._steps_alike: dict[tuple, object] = {}     # (spec, src, dst) -> the steps
 
     def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
         """The resharding steps, or None if impossible or if they need a forbidden kind
@@ -90,9 +93,15 @@ class ReshardCosts:
         found = self._steps.get(key)
         if found is not None and found[0] is spec and found[1] is src and found[2] is dst:
             return found[3]
-        steps = self._plan_steps(spec, src, dst)
+        # the same value of another layer (its own spec and layout objects, equal):
+        # the steps read nothing of a spec but its value
+        alike = (spec, src, dst)
+        steps = self._steps_alike.get(alike, _NOT_PLANNED)
+        if steps is _NOT_PLANNED:
+            steps = self._steps_alike[alike] = self._plan_steps(spec, src, dst)
         if len(self._steps) >= STEPS_MEMO_MAX:
             self._steps.clear()
+            self._steps_alike.clear()
         self._steps[key] = (spec, src, dst, steps)
         return steps
 
@@ -331,7 +340,7 @@ def _alike(graph: OpGraph, node) -> _Alike:
 
 def _own_costs_memo(graph: OpGraph, mesh: LogicalMesh) -> dict:
     """``_OWN_COSTS``' entries of ``graph`` on ``mesh``: node name -> (strategies, node,
-    costs)."""
+    costs), and ``_alike_key`` less the mesh -> (strategies, costs) as ``_ALIKE_COSTS``."""
     return _OWN_COSTS.setdefault(graph, {}).setdefault(mesh, {})
 
 
@@ -345,11 +354,17 @@ def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strateg
         return found[2]
     try:
         key = _alike_key(graph, mesh, node, strategies)
-        alike = _ALIKE_COSTS.get(key)
     except TypeError:        # an unhashable argument: priced on its own
-        key, alike = None, None
+        key = None
+    # nodes alike in this graph (a transformer's layers) find it here, without hashing the
+    # mesh again; the first of them in ``_ALIKE_COSTS`` (other graphs: a search's captures)
+    alike = None if key is None else memo.get(key[1:])
+    if alike is None and key is not None:
+        alike = _ALIKE_COSTS.get(key)
+        if alike is not None:
+            _ALIKE_COSTS.move_to_end(key)
+            memo[key[1:]] = alike
     if alike is not None:
-        _ALIKE_COSTS.move_to_end(key)
         vec = alike[1]
     else:
         vec = np.array([compute_cost(mesh, node, s.shards, s.outputs,
@@ -359,7 +374,7 @@ def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strateg
                         + batch_sync_cost(mesh, s.batch_syncs) for s in strategies])
         vec.setflags(write=False)
         if key is not None:
-            _ALIKE_COSTS[key] = (tuple(strategies), vec)
+            _ALIKE_COSTS[key] = memo[key[1:]] = (tuple(strategies), vec)
             while len(_ALIKE_COSTS) > ALIKE_COSTS_MAX:
                 _ALIKE_COSTS.popitem(last=False)
     memo[node.name] = (strategies, node, vec)
@@ -371,15 +386,24 @@ _COMPUTE_BY_MESH: OrderedDict = OrderedDict()
 strategy, its compute seconds): ``op_compute_seconds``'s memo, as ``_ALIKE_COMPUTE``'s."""
 
 
+_LAST_COMPUTE_MESH: list = []
+"""[the mesh ``op_compute_seconds`` last priced on, its ``_COMPUTE_BY_MESH`` entry]."""
+
+
 def op_compute_seconds(graph: OpGraph, mesh: LogicalMesh, node, s: Strategy) -> float:
     """``compute_cost`` of ``node`` under strategy ``s`` on the bytes its blocks move
     (what a plan's estimate sums per op), priced once for nodes alike but for their
     names (``_alike_key``)."""
-    memo = _COMPUTE_BY_MESH.get(mesh)
-    if memo is None:
-        memo = _COMPUTE_BY_MESH[mesh] = {}
-        while len(_COMPUTE_BY_MESH) > 16:
-            _COMPUTE_BY_MESH.popitem(last=False)
+    last = _LAST_COMPUTE_MESH
+    if last and last[0] is mesh:     # a plan's ops ask on one mesh object: hashed once
+        memo = last[1]
+    else:
+        memo = _COMPUTE_BY_MESH.get(mesh)
+        if memo is None:
+            memo = _COMPUTE_BY_MESH[mesh] = {}
+            while len(_COMPUTE_BY_MESH) > 16:
+                _COMPUTE_BY_MESH.popitem(last=False)
+        _LAST_COMPUTE_MESH[:] = [mesh, memo]
     try:
         key = _alike_key(graph, None, node, (s,))
         found = memo.get(key)
@@ -454,8 +478,12 @@ def _group_links(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Groupin
     # (placements hash in Python), not once per link
     by_ids: dict[tuple, int] = {}
     numbers: dict[tuple, int] = {}
+    ids_of: dict[str, tuple] = {}       # a consumer's strategies' identities, once per node
     for u, idx, v, how in links:
-        ids = (tuple(map(id, S[v])), how)
+        strategy_ids = ids_of.get(v)
+        if strategy_ids is None:
+            strategy_ids = ids_of[v] = tuple(map(id, S[v]))
+        ids = (strategy_ids, how)
         read = by_ids.get(ids)
         if read is None:
             read = by_ids[ids] = numbers.setdefault(_read_layouts_key(S[v], how), len(numbers))
