@@ -60,8 +60,6 @@ log = logging.getLogger("torchalpa.planner")
 STEPS_MEMO_MAX = 200_000
 """Entries ``ReshardCosts.steps`` keeps by identity before it starts again."""
 
-_NOT_PLANNED = object()
-
 
 class ReshardCosts:
     """Memoized resharding steps and their alpha-beta cost on one mesh."""
@@ -82,7 +80,7 @@ class ReshardCosts:
         # ask for the same objects' steps again and again (the rules' shared layouts, a
         # graph's specs); kept with the answer so their identities stay theirs
         self._steps: dict[tuple[int, int, int], tuple] = {}
-        self._steps_alike: dict[tuple, object] = {}     # (spec, src, dst) -> the steps
+        self._steps_alike: dict[tuple, tuple] = {}     # (spec, src, dst) -> (the steps,)
 
     def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
         """The resharding steps, or None if impossible or if they need a forbidden kind
@@ -96,9 +94,10 @@ class ReshardCosts:
         # the same value of another layer (its own spec and layout objects, equal):
         # the steps read nothing of a spec but its value
         alike = (spec, src, dst)
-        steps = self._steps_alike.get(alike, _NOT_PLANNED)
-        if steps is _NOT_PLANNED:
-            steps = self._steps_alike[alike] = self._plan_steps(spec, src, dst)
+        planned = self._steps_alike.get(alike)     # (the steps,): None is an answer too
+        if planned is None:
+            planned = self._steps_alike[alike] = (self._plan_steps(spec, src, dst),)
+        steps = planned[0]
         if len(self._steps) >= STEPS_MEMO_MAX:
             self._steps.clear()
             self._steps_alike.clear()
