@@ -19,6 +19,7 @@ adding the actual peak of each solution until the plan fits (``passes/sharding/i
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,6 +101,25 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
     never hold (``fused_pricing.recomputed``) allocates nothing; what it is made from lives
     to its last reader instead."""
     fused = graph.meta.get("elementwise") == "fused" if fused is None else fused
+    key = (tuple(sorted((kept_for or {}).items())), state_at_start, grads_from_backward, fused,
+           graph.meta.get("frontend"))
+    memo = _LIVENESS.setdefault(graph, {})
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = _liveness(graph, kept_for, state_at_start, grads_from_backward, fused)
+    return found
+
+
+_LIVENESS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""graph -> (what ``liveness`` reads besides the graph's nodes) -> its answer: the memory
+model of each solve of a view, each plan's estimate and the bounds ask for the same
+intervals of one graph (9 times for one candidate on three views). ``Liveness`` is
+read-only to every caller."""
+
+
+def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: bool,
+              grads_from_backward: bool, fused: bool) -> Liveness:
+    """``liveness``, computed."""
     recompute = recomputed(graph) if fused else {}
     order = {n.name: i for i, n in enumerate(graph)}
     last_use: dict[tuple[str, int], int] = {}
@@ -149,8 +169,10 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
                 results.append(None)
                 start.append(order[ref.node])
                 end.append(end_of_step)
-    return Liveness(names, np.array(start, dtype=np.int64), np.array(end, dtype=np.int64),
-                    end_of_step + 1, results)
+    starts, ends = np.array(start, dtype=np.int64), np.array(end, dtype=np.int64)
+    starts.setflags(write=False)
+    ends.setflags(write=False)
+    return Liveness(names, starts, ends, end_of_step + 1, results)
 
 
 def _arrival(graph: OpGraph, node, order: dict[str, int], state_at_start: bool) -> int:
@@ -238,6 +260,26 @@ def value_bytes(graph: OpGraph, name: str, placements: tuple[Placements, ...], m
     return total
 
 
+def _entry_bytes(graph: OpGraph, live: Liveness, outputs: dict[str, tuple[Placements, ...]],
+                 mesh_shape, statistics: dict[str, str]) -> np.ndarray:
+    """``value_bytes`` of each entry of ``live`` in ``outputs``' layouts: once per result
+    specs, layouts (the rules' shared objects, by identity) and result, as a
+    transformer's layers repeat them."""
+    seen: dict[tuple, int] = {}
+    sizes = []
+    for name, k in live.entries():
+        placements = outputs[name]
+        if name in statistics:
+            sizes.append(value_bytes(graph, name, placements, mesh_shape, statistics, k))
+            continue
+        key = (graph.node(name).outputs, id(placements), k)   # placements held by outputs
+        found = seen.get(key)
+        if found is None:
+            found = seen[key] = value_bytes(graph, name, placements, mesh_shape, statistics, k)
+        sizes.append(found)
+    return np.array(sizes, dtype=float)
+
+
 def activation_timeline(graph: OpGraph, live: Liveness,
                         outputs: dict[str, tuple[Placements, ...]], mesh_shape,
                         statistics: frozenset[str] | dict = frozenset()) -> np.ndarray:
@@ -313,8 +355,7 @@ def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, .
     takes them (the gradients alive count with the activations)."""
     statistics = statistics or {}
     live = liveness(graph, statistics, state_at_start, grads_from_backward)
-    sizes = np.array([value_bytes(graph, name, outputs[name], mesh_shape, statistics, k)
-                      for name, k in live.entries()], dtype=float)
+    sizes = _entry_bytes(graph, live, outputs, mesh_shape, statistics)
     extra = _kept_timeline(graph, live, sizes, kept or [], state_at_start)
     timeline = live.total(sizes) + extra
     if not timeline.size:
@@ -439,9 +480,7 @@ class MemoryModel:
         saved ones) and the ``kept`` copies (``kept_copies``; a view reading one shares
         its storage, as ``activation_peak_bytes`` counts them)."""
         graph, live = self.graph, self.live
-        sizes = np.array([value_bytes(graph, name, chosen_outputs[name], self.mesh_shape,
-                                      self.statistics, k) for name, k in live.entries()],
-                         dtype=float)
+        sizes = _entry_bytes(graph, live, chosen_outputs, self.mesh_shape, self.statistics)
         kept = kept or []
         views = _kept_timeline(graph, live, sizes, [c for c in kept if c.span is not None],
                                self.state_at_start)     # one per micro-batch in flight
@@ -623,7 +662,15 @@ class MemoryModel:
 
     def _timeline(self, pick) -> np.ndarray:
         """Activation bytes at each point with each value's layout chosen by ``pick``."""
-        return self.live.total([pick(vec) for vec in self._act])
+        # nodes alike hold one array of bytes (``_bytes``): each picked once
+        picked: dict[int, float] = {}
+        values = []
+        for vec in self._act:
+            found = picked.get(id(vec))
+            if found is None:
+                found = picked[id(vec)] = pick(vec)
+            values.append(found)
+        return self.live.total(values)
 
     def likely_peaks(self) -> list[int]:
         """Points where activations peak if every value takes its largest / smallest layout."""

@@ -85,6 +85,7 @@ class ReshardCosts:
         # ask for the same objects' steps again and again (the rules' shared layouts, a
         # graph's specs); kept with the answer so their identities stay theirs
         self._steps: dict[tuple[int, int, int], tuple] = {}
+        self._steps_alike: dict[tuple, tuple] = {}     # (spec, src, dst) -> (the steps,)
 
     def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
         """The resharding steps, or None if impossible or if they need a forbidden kind
@@ -95,9 +96,16 @@ class ReshardCosts:
         found = self._steps.get(key)
         if found is not None and found[0] is spec and found[1] is src and found[2] is dst:
             return found[3]
-        steps = self._plan_steps(spec, src, dst)
+        # the same value of another layer (its own spec and layout objects, equal):
+        # the steps read nothing of a spec but its value
+        alike = (spec, src, dst)
+        planned = self._steps_alike.get(alike)     # (the steps,): None is an answer too
+        if planned is None:
+            planned = self._steps_alike[alike] = (self._plan_steps(spec, src, dst),)
+        steps = planned[0]
         if len(self._steps) >= STEPS_MEMO_MAX:
             self._steps.clear()
+            self._steps_alike.clear()
         self._steps[key] = (spec, src, dst, steps)
         return steps
 
@@ -251,11 +259,28 @@ class _Repeats:
 def _fold(node_costs: dict[str, np.ndarray], grouping: Grouping, name: str,
           vec: np.ndarray) -> None:
     """Add ``name``'s cost per strategy onto its representative's."""
-    node_costs[grouping.rep[name]] += vec[list(grouping.index[name])]
+    index = grouping.index[name]
+    into = node_costs[grouping.rep[name]]
+    # a repeated layer's node reads its head's strategies in order: the vector as it is
+    into += vec if len(index) == len(vec) == len(into) and _is_identity(index) else \
+        vec[list(index)]
+
+
+_IDENTITIES: dict[int, tuple[int, ...]] = {}
+"""``tuple(range(n))`` per ``n`` seen, to tell an identity index by one comparison."""
+
+
+def _is_identity(index: tuple[int, ...]) -> bool:
+    """Whether ``index`` is ``(0, 1, ..., n - 1)``."""
+    n = len(index)
+    identity = _IDENTITIES.get(n)
+    if identity is None:
+        identity = _IDENTITIES[n] = tuple(range(n))
+    return index is identity or index == identity
 
 
 _OWN_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""graph -> (node name, mesh) -> (its strategy list, the node, its cost per strategy): the solves
+"""graph -> mesh -> node name -> (its strategy list, the node, its cost per strategy): the solves
 of one graph on one view (simplified, followers freed, re-solved, each memory round's
 cost graph) price each node's strategies once. The strategy list and the node are held
 and compared by identity, so another strategy space or a node replaced is priced anew."""
@@ -273,28 +298,77 @@ ALIKE_COSTS_MAX = 100_000
 
 
 def _alike_key(graph: OpGraph, mesh: LogicalMesh | None, node, strategies) -> tuple:
-    """Everything ``_own_costs`` reads of ``node`` but names: its op, arguments, results,
-    flops and bytes, flags, its operands' specs; and its strategies by identity."""
-    return (mesh, node.op, node.kind, node.args, node.kwargs, node.outputs, node.flops,
-            node.bytes, node.phase, node.aliases, node.is_param, node.is_grad,
-            node.is_optimizer_state, node.batched,
-            tuple(graph.spec(r) for r in node.operands), tuple(map(id, strategies)))
+    """Everything ``_own_costs`` reads of ``node`` but names (``_Alike``) with the mesh,
+    and its strategies by identity. TypeError for an unhashable argument."""
+    return (mesh, _alike(graph, node), tuple(map(id, strategies)))
 
 
-def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strategy]
-               ) -> np.ndarray:
-    """``node``'s compute and internal all-reduces per strategy, once per step."""
-    memo = _OWN_COSTS.setdefault(graph, {})
-    found = memo.get((node.name, mesh))
+class _Alike:
+    """What a node's price reads of it but its name: its op, arguments, results, flops and
+    bytes, flags, its operands' specs. Made once per node of a graph and hashed once
+    (a layer's nodes are priced per view, per solve and per plan), one object for the
+    nodes alike of one graph, so looking them up compares identities."""
+
+    __slots__ = ("key", "hash")
+
+    def __init__(self, key: tuple):
+        self.key, self.hash = key, hash(key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other) -> bool:
+        return self is other or (isinstance(other, _Alike) and self.hash == other.hash
+                                 and self.key == other.key)
+
+
+_ALIKE_NODES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""graph -> node name -> (the node, its ``_Alike``), and ``_Alike`` -> itself (one object
+for the nodes alike)."""
+
+
+def _alike(graph: OpGraph, node) -> _Alike:
+    """``node``'s ``_Alike`` (TypeError for an unhashable argument)."""
+    memo = _ALIKE_NODES.setdefault(graph, {})
+    found = memo.get(node.name)
+    if found is not None and found[0] is node:
+        return found[1]
+    sig = _Alike((node.op, node.kind, node.args, node.kwargs, node.outputs, node.flops,
+                  node.bytes, node.phase, node.aliases, node.is_param, node.is_grad,
+                  node.is_optimizer_state, node.batched,
+                  tuple(graph.spec(r) for r in node.operands)))
+    sig = memo.setdefault(sig, sig)
+    memo[node.name] = (node, sig)
+    return sig
+
+
+def _own_costs_memo(graph: OpGraph, mesh: LogicalMesh) -> dict:
+    """``_OWN_COSTS``' entries of ``graph`` on ``mesh``: node name -> (strategies, node,
+    costs), and ``_alike_key`` less the mesh -> (strategies, costs) as ``_ALIKE_COSTS``."""
+    return _OWN_COSTS.setdefault(graph, {}).setdefault(mesh, {})
+
+
+def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strategy],
+               memo: dict | None = None) -> np.ndarray:
+    """``node``'s compute and internal all-reduces per strategy, once per step; ``memo``:
+    this graph's and mesh's entries of ``_OWN_COSTS`` (``_own_costs_memo``)."""
+    memo = _own_costs_memo(graph, mesh) if memo is None else memo
+    found = memo.get(node.name)
     if found is not None and found[0] is strategies and found[1] is node:
         return found[2]
     try:
         key = _alike_key(graph, mesh, node, strategies)
-        alike = _ALIKE_COSTS.get(key)
     except TypeError:        # an unhashable argument: priced on its own
-        key, alike = None, None
+        key = None
+    # nodes alike in this graph (a transformer's layers) find it here, without hashing the
+    # mesh again; the first of them in ``_ALIKE_COSTS`` (other graphs: a search's captures)
+    alike = None if key is None else memo.get(key[1:])
+    if alike is None and key is not None:
+        alike = _ALIKE_COSTS.get(key)
+        if alike is not None:
+            _ALIKE_COSTS.move_to_end(key)
+            memo[key[1:]] = alike
     if alike is not None:
-        _ALIKE_COSTS.move_to_end(key)
         vec = alike[1]
     else:
         vec = np.array([compute_cost(mesh, node, s.shards, s.outputs,
@@ -304,10 +378,10 @@ def _own_costs(graph: OpGraph, mesh: LogicalMesh, node, strategies: list[Strateg
                         + batch_sync_cost(mesh, s.batch_syncs) for s in strategies])
         vec.setflags(write=False)
         if key is not None:
-            _ALIKE_COSTS[key] = (tuple(strategies), vec)
+            _ALIKE_COSTS[key] = memo[key[1:]] = (tuple(strategies), vec)
             while len(_ALIKE_COSTS) > ALIKE_COSTS_MAX:
                 _ALIKE_COSTS.popitem(last=False)
-    memo[(node.name, mesh)] = (strategies, node, vec)
+    memo[node.name] = (strategies, node, vec)
     return vec
 
 
@@ -316,15 +390,24 @@ _COMPUTE_BY_MESH: OrderedDict = OrderedDict()
 strategy, its compute seconds): ``op_compute_seconds``'s memo, as ``_ALIKE_COMPUTE``'s."""
 
 
+_LAST_COMPUTE_MESH: list = []
+"""[the mesh ``op_compute_seconds`` last priced on, its ``_COMPUTE_BY_MESH`` entry]."""
+
+
 def op_compute_seconds(graph: OpGraph, mesh: LogicalMesh, node, s: Strategy) -> float:
     """``compute_cost`` of ``node`` under strategy ``s`` on the bytes its blocks move
     (what a plan's estimate sums per op), priced once for nodes alike but for their
     names (``_alike_key``)."""
-    memo = _COMPUTE_BY_MESH.get(mesh)
-    if memo is None:
-        memo = _COMPUTE_BY_MESH[mesh] = {}
-        while len(_COMPUTE_BY_MESH) > 16:
-            _COMPUTE_BY_MESH.popitem(last=False)
+    last = _LAST_COMPUTE_MESH
+    if last and last[0] is mesh:     # a plan's ops ask on one mesh object: hashed once
+        memo = last[1]
+    else:
+        memo = _COMPUTE_BY_MESH.get(mesh)
+        if memo is None:
+            memo = _COMPUTE_BY_MESH[mesh] = {}
+            while len(_COMPUTE_BY_MESH) > 16:
+                _COMPUTE_BY_MESH.popitem(last=False)
+        _LAST_COMPUTE_MESH[:] = [mesh, memo]
     try:
         key = _alike_key(graph, None, node, (s,))
         found = memo.get(key)
@@ -349,10 +432,10 @@ def _node_costs(graph: OpGraph, mesh: LogicalMesh, S: dict[str, list[Strategy]],
     parameter sent to another stage once, with ``state_once``: gathered once per step; a
     summed gradient part once)."""
     node_costs = {r: np.zeros(len(S[r])) for r in grouping.representatives}
-    for node in graph:
-        if not node.is_leaf:
-            _fold(node_costs, grouping, node.name, k * _own_costs(graph, mesh, node,
-                                                                  S[node.name]))
+    memo = _own_costs_memo(graph, mesh)
+    for node in graph.ops():
+        _fold(node_costs, grouping, node.name, k * _own_costs(graph, mesh, node, S[node.name],
+                                                              memo))
     # the loss is returned whole, and values for other pipeline stages are sent whole
     R = replicated(mesh.ndim)
     whole = ([graph.outputs.loss] if graph.outputs.loss is not None else []) + \
@@ -399,8 +482,12 @@ def _group_links(graph: OpGraph, S: dict[str, list[Strategy]], grouping: Groupin
     # (placements hash in Python), not once per link
     by_ids: dict[tuple, int] = {}
     numbers: dict[tuple, int] = {}
+    ids_of: dict[str, tuple] = {}       # a consumer's strategies' identities, once per node
     for u, idx, v, how in links:
-        ids = (tuple(map(id, S[v])), how)
+        strategy_ids = ids_of.get(v)
+        if strategy_ids is None:
+            strategy_ids = ids_of[v] = tuple(map(id, S[v]))
+        ids = (strategy_ids, how)
         read = by_ids.get(ids)
         if read is None:
             read = by_ids[ids] = numbers.setdefault(_read_layouts_key(S[v], how), len(numbers))

@@ -26,6 +26,7 @@ be missed.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -69,13 +70,39 @@ def duplicated_reads(graph: OpGraph, chosen: dict, steps_of, share_state: bool =
     two operand reads; ``steps_of(spec, src, dst)`` gives the steps; ``share_state``: as
     ``read_key``'s."""
     seen: dict[tuple, int] = defaultdict(int)
-    for node in graph.ops():
-        for slot, ref in enumerate(node.operands):
-            key = read_key(graph, chosen, steps_of, ref, chosen[node.name].inputs[slot],
-                           share_state=share_state, phase=node.phase)
-            if key is not None:
-                seen[key] += 1
+    for ref, spec, state, consumer, slot, forward in _operand_reads(graph):
+        if state and not share_state:
+            continue
+        key = _key(ref, state, forward, steps_of(spec, chosen[ref.node].outputs[ref.index],
+                                                 chosen[consumer].inputs[slot]))
+        if key is not None:
+            seen[key] += 1
     return {key[0] for key, count in seen.items() if count > 1}
+
+
+_READS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""graph -> ``_operand_reads``: each solve of each view looks its reads over again."""
+
+
+def _operand_reads(graph: OpGraph) -> list[tuple]:
+    """Each operand read of ``graph``, in order: (the value's ref, its spec, whether it
+    is a parameter or buffer, the consumer, the slot, whether the consumer is forward)."""
+    found = _READS.get(graph)
+    if found is None:
+        found = _READS[graph] = [
+            (ref, graph.spec(ref), graph.node(ref.node).kind in ("param", "buffer"),
+             node.name, slot, node.phase == "forward")
+            for node in graph.ops() for slot, ref in enumerate(node.operands)]
+    return found
+
+
+def _key(ref: ValueRef, state: bool, forward: bool, steps):
+    """``read_key`` of a read resharded by ``steps``."""
+    if not steps or not any(s.is_collective for s in steps):
+        return None
+    if not state and any(s.kind == "all_gather" for s in steps):
+        return (ref.node, ref.index), tuple(steps), forward
+    return (ref.node, ref.index), tuple(steps)
 
 
 def multi_read_values(graph: OpGraph) -> frozenset[ValueKey]:
@@ -102,12 +129,8 @@ def read_key(graph: OpGraph, chosen: dict, steps_of, ref: ValueRef, dst,
     state = graph.node(ref.node).kind in ("param", "buffer")
     if state and not share_state:
         return None
-    steps = steps_of(graph.spec(ref), chosen[ref.node].outputs[ref.index], dst)
-    if not steps or not any(s.is_collective for s in steps):
-        return None
-    if not state and any(s.kind == "all_gather" for s in steps):
-        return (ref.node, ref.index), tuple(steps), phase == "forward"
-    return (ref.node, ref.index), tuple(steps)
+    return _key(ref, state, phase == "forward",
+                steps_of(graph.spec(ref), chosen[ref.node].outputs[ref.index], dst))
 
 
 def shared_groups(graph: OpGraph, S: dict, grouping, costs, values: set[ValueKey]

@@ -161,8 +161,13 @@ def group_nodes(graph: OpGraph, strategies: dict[str, list[Strategy]],
                                   and not final)
             if mapping is not None:
                 g.compose(n.name, ref.node, mapping)
-        # block copies follow whatever their head now follows
+        # block copies follow whatever their head now follows (a copy reads its head's
+        # strategies in order: it takes the head's index as it is)
         for name, rep in list(g.rep.items()):
             if rep != name and g.rep.get(rep, rep) != rep:
-                g.compose(name, rep, g.index[name])
+                index = g.index[name]
+                if index is _identity(identity, len(index)):
+                    g.rep[name], g.index[name] = g.rep[rep], g.index[rep]
+                else:
+                    g.compose(name, rep, index)
     return g

@@ -199,6 +199,7 @@ class OpGraph:
         pickle)."""
         state = dict(self.__dict__)
         state.pop("_nodes_hash", None)
+        state.pop("_ops", None)
         return state
 
     # -- access -------------------------------------------------------------------------
@@ -244,7 +245,10 @@ class OpGraph:
         return dict(self.outputs.buffer_updates)
 
     def ops(self) -> Iterator[OpNode]:
-        return (n for n in self if not n.is_leaf)
+        ops = self.__dict__.get("_ops")
+        if ops is None:     # the nodes never change: listed once (planning walks them often)
+            ops = self.__dict__["_ops"] = tuple(n for n in self if not n.is_leaf)
+        return iter(ops)
 
     def replace_nodes(self, updates: dict[str, OpNode]) -> OpGraph:
         """A new graph with some nodes replaced (same names); the input is left untouched."""
