@@ -89,7 +89,7 @@ from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.restride import reshape_plain_restrides
 
 __all__ = ["Capture", "capture", "CaptureError", "split_inputs", "trace_ops", "ForwardCapture",
-           "capture_forward"]
+           "capture_forward", "unchanged_ops"]
 
 log = logging.getLogger("torchalpa.capture")
 
@@ -695,6 +695,52 @@ def to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
              for x in by_name.values()]
     return OpGraph(nodes, GraphOutputs(loss=refs[loss_node.name], grads=grads,
                                        buffer_updates=buffer_updates))
+
+
+def unchanged_ops(old: fx.Graph, graph: OpGraph, new: fx.Graph) -> dict[str, OpNode]:
+    """The OpNodes of ``graph`` (made from ``old``) that describe op nodes of ``new``, a
+    rewritten copy of ``old`` (``frontends/block_remat.py``), as well: the same name,
+    target, value (the same object), module and line, the same constant arguments, and
+    every input a value of the same name as before (the same object; a getitem of the same
+    index of a producer of the same name). For ``to_opgraph(known=)``: describing an op is
+    most of making an OpGraph, and a rewrite changes few ops."""
+    by_name = {n.name: n for n in old.nodes}
+    same: set[str] = set()                    # nodes whose reference and value are as before
+    known: dict[str, OpNode] = {}
+    for n in new.nodes:
+        o = by_name.get(n.name)
+        if o is None or o.op != n.op or o.target != n.target \
+                or n.meta.get("val") is not o.meta.get("val"):
+            continue
+        if n.op == "placeholder":
+            same.add(n.name)
+        elif n.op != "call_function":
+            continue
+        elif n.target is operator.getitem:
+            if _same_args(n.args, o.args, same):
+                same.add(n.name)
+        else:
+            same.add(n.name)                  # referred to by its name; its value is as before
+            if (n.name in graph and module_of(n) == module_of(o) and line_of(n) == line_of(o)
+                    and _same_args((n.args, n.kwargs), (o.args, o.kwargs), same)):
+                known[n.name] = graph.node(n.name)
+    return known
+
+
+def _same_args(a, b, same: set[str]) -> bool:
+    """Whether two nodes' arguments are alike: nodes of one name whose values are as
+    before (in ``same``), containers of alike items, constants equal and of one type."""
+    if isinstance(a, fx.Node):
+        return isinstance(b, fx.Node) and a.name == b.name and a.name in same
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_args(x, y, same) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_args(a[k], b[k], same) for k in a)
+    if isinstance(a, torch.Tensor):
+        return a is b
+    return bool(a == b)
 
 
 def _frozen(arg, mark: Callable[[fx.Node], Operand]):
