@@ -39,6 +39,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -743,7 +744,7 @@ def _same_args(a, b, same: set[str]) -> bool:
     return bool(a == b)
 
 
-def _frozen(arg, mark: Callable[[fx.Node], Operand]):
+def _frozen(arg: Any, mark: Callable[[Any], Any]) -> Any:
     """``_freeze(tree_map(mark, arg))`` without pytree's per-leaf bookkeeping (a third of
     building an OpGraph): nodes marked, lists and tuples as tuples; a dict or a named
     tuple (no ATen op takes one) the general way."""
@@ -756,7 +757,7 @@ def _frozen(arg, mark: Callable[[fx.Node], Operand]):
     return _freeze(arg)
 
 
-def _fake_values(arg):
+def _fake_values(arg: Any) -> Any:
     """``arg`` with each node replaced by its fake value (``meta["val"]``)."""
     if isinstance(arg, fx.Node):
         return arg.meta.get("val")
@@ -780,6 +781,7 @@ def _op_node(n: fx.Node, refs: dict[str, ValueRef], by_name: dict[str, OpNode],
         return _freeze(a)
 
     args = _frozen(n.args, mark)
+    assert isinstance(args, tuple), "a tuple of arguments freezes to a tuple"
     kwargs = tuple(sorted((k, _frozen(v, mark)) for k, v in n.kwargs.items()))
     val = n.meta.get("val")
     vals = list(val) if isinstance(val, (list, tuple)) else [val]
