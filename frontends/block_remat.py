@@ -57,7 +57,7 @@ from torchalpa.frontends.opset import RANDOM_OPS, SDPA_OP
 from torchalpa.frontends.param_remat import PARAMETER_VIEWS, rematerialize_graph_views
 from torchalpa.frontends.provenance import module_of
 from torchalpa.frontends.repeated import find_repeated_blocks
-from torchalpa.frontends.torch_export import Capture, to_opgraph
+from torchalpa.frontends.torch_export import Capture, to_opgraph, unchanged_ops
 from torchalpa.ops.batched_matmul import BATCHED_MATMUL_OP
 
 aten = torch.ops.aten
@@ -309,7 +309,8 @@ def checkpointed_capture(captured: Capture, policy: str = "full", *,
     kinds = ([("param", k) for k in captured.param_names]
              + [("buffer", k) for k in captured.buffer_names]
              + [("input", k) for k in captured.input_names])
-    opgraph = to_opgraph(gm, kinds, captured.buffer_updates)
+    opgraph = to_opgraph(gm, kinds, captured.buffer_updates,
+                         known=unchanged_ops(captured.gm.graph, captured.graph, graph))
     opgraph.meta.update(captured.graph.meta)
     opgraph.meta["repeated_blocks"] = find_repeated_blocks(opgraph)
     if policy != "none":

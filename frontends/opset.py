@@ -372,12 +372,21 @@ _EXTRA_FORMULAS = {
 }
 
 
+def flop_formula(target) -> Callable | None:
+    """The formula ``flop_count`` reads ``target``'s arguments with; None where it counts
+    the output's elements (or nothing) and the arguments are not read."""
+    packet = getattr(target, "overloadpacket", None)
+    if packet is None or packet.__name__ in NO_FLOP_OPS:
+        return None
+    return _EXTRA_FORMULAS.get(packet) or flop_registry.get(packet)
+
+
 def flop_count(target, args: tuple, kwargs: dict, out) -> float:
     """Flops of one call of ``target`` with fake-tensor ``args`` and output ``out``."""
     packet = getattr(target, "overloadpacket", None)
     if packet is None or packet.__name__ in NO_FLOP_OPS:
         return 0.0
-    formula = _EXTRA_FORMULAS.get(packet) or flop_registry.get(packet)
+    formula = flop_formula(target)
     if formula is not None:
         try:
             return float(formula(*args, **kwargs, out_val=out))

@@ -39,10 +39,12 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.graph import _PyTreeCodeGen
 from torch.nn.utils.stateless import _reparametrize_module
@@ -73,6 +75,7 @@ from torchalpa.frontends.opset import (
     decompositions,
     device_neutral_kernels,
     flop_count,
+    flop_formula,
     routed_matmul,
 )
 from torchalpa.frontends.piece_views import split_piece_views
@@ -87,7 +90,7 @@ from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.restride import reshape_plain_restrides
 
 __all__ = ["Capture", "capture", "CaptureError", "split_inputs", "trace_ops", "ForwardCapture",
-           "capture_forward"]
+           "capture_forward", "unchanged_ops"]
 
 log = logging.getLogger("torchalpa.capture")
 
@@ -186,7 +189,9 @@ def _trace(fn: Callable, args: tuple, provenance: Provenance, num_inputs: int) -
     with its provenance; a failure becomes a ``CaptureError`` saying what in the user's
     code stopped the trace (the original error is its ``__cause__``)."""
     try:
-        with provenance.tracing(), device_neutral_kernels():
+        # the graph module's Python code is made when first read or run (``.code``, a
+        # call), not after each pass that edits the graph (four times 0.3 s at 32 layers)
+        with provenance.tracing(), device_neutral_kernels(), _use_lazy_graph_module(True):
             return make_fx(fn, tracing_mode="fake", decomposition_table=decompositions(),
                            _allow_non_fake_inputs=True)(*args)
     except CaptureError:
@@ -693,6 +698,78 @@ def to_opgraph(gm: fx.GraphModule, kinds: list[tuple[str, str]],
                                        buffer_updates=buffer_updates))
 
 
+def unchanged_ops(old: fx.Graph, graph: OpGraph, new: fx.Graph) -> dict[str, OpNode]:
+    """The OpNodes of ``graph`` (made from ``old``) that describe op nodes of ``new``, a
+    rewritten copy of ``old`` (``frontends/block_remat.py``), as well: the same name,
+    target, value (the same object), module and line, the same constant arguments, and
+    every input a value of the same name as before (the same object; a getitem of the same
+    index of a producer of the same name). For ``to_opgraph(known=)``: describing an op is
+    most of making an OpGraph, and a rewrite changes few ops."""
+    by_name = {n.name: n for n in old.nodes}
+    same: set[str] = set()                    # nodes whose reference and value are as before
+    known: dict[str, OpNode] = {}
+    for n in new.nodes:
+        o = by_name.get(n.name)
+        if o is None or o.op != n.op or o.target != n.target \
+                or n.meta.get("val") is not o.meta.get("val"):
+            continue
+        if n.op == "placeholder":
+            same.add(n.name)
+        elif n.op != "call_function":
+            continue
+        elif n.target is operator.getitem:
+            if _same_args(n.args, o.args, same):
+                same.add(n.name)
+        else:
+            same.add(n.name)                  # referred to by its name; its value is as before
+            if (n.name in graph and module_of(n) == module_of(o) and line_of(n) == line_of(o)
+                    and _same_args((n.args, n.kwargs), (o.args, o.kwargs), same)):
+                known[n.name] = graph.node(n.name)
+    return known
+
+
+def _same_args(a, b, same: set[str]) -> bool:
+    """Whether two nodes' arguments are alike: nodes of one name whose values are as
+    before (in ``same``), containers of alike items, constants equal and of one type."""
+    if isinstance(a, fx.Node):
+        return isinstance(b, fx.Node) and a.name == b.name and a.name in same
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_args(x, y, same) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_args(a[k], b[k], same) for k in a)
+    if isinstance(a, torch.Tensor):
+        return a is b
+    return bool(a == b)
+
+
+def _frozen(arg: Any, mark: Callable[[Any], Any]) -> Any:
+    """``_freeze(tree_map(mark, arg))`` without pytree's per-leaf bookkeeping (a third of
+    building an OpGraph): nodes marked, lists and tuples as tuples; a dict or a named
+    tuple (no ATen op takes one) the general way."""
+    if isinstance(arg, fx.Node):
+        return mark(arg)
+    if isinstance(arg, (list, tuple)) and not hasattr(arg, "_fields"):
+        return tuple(_frozen(a, mark) for a in arg)
+    if isinstance(arg, (dict, tuple)):
+        return _freeze(tree_map(mark, arg))
+    return _freeze(arg)
+
+
+def _fake_values(arg: Any) -> Any:
+    """``arg`` with each node replaced by its fake value (``meta["val"]``)."""
+    if isinstance(arg, fx.Node):
+        return arg.meta.get("val")
+    if type(arg) is tuple:
+        return tuple(_fake_values(a) for a in arg)
+    if isinstance(arg, list):
+        return [_fake_values(a) for a in arg]
+    if isinstance(arg, dict) or isinstance(arg, tuple):
+        return tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, arg)
+    return arg
+
+
 def _op_node(n: fx.Node, refs: dict[str, ValueRef], by_name: dict[str, OpNode],
              phase: str) -> OpNode:
     operands: list[ValueRef] = []
@@ -703,9 +780,9 @@ def _op_node(n: fx.Node, refs: dict[str, ValueRef], by_name: dict[str, OpNode],
             return Operand(len(operands) - 1)
         return _freeze(a)
 
-    args = _freeze(tree_map(mark, list(n.args)))
-    assert isinstance(args, tuple), "a list of arguments freezes to a tuple"
-    kwargs = tuple(sorted((k, _freeze(tree_map(mark, v))) for k, v in n.kwargs.items()))
+    args = _frozen(n.args, mark)
+    assert isinstance(args, tuple), "a tuple of arguments freezes to a tuple"
+    kwargs = tuple(sorted((k, _frozen(v, mark)) for k, v in n.kwargs.items()))
     val = n.meta.get("val")
     vals = list(val) if isinstance(val, (list, tuple)) else [val]
     outputs = tuple(_spec(v) if isinstance(v, torch.Tensor) else _ABSENT for v in vals)
@@ -716,8 +793,9 @@ def _op_node(n: fx.Node, refs: dict[str, ValueRef], by_name: dict[str, OpNode],
     # a view reads and writes nothing: it is free on the roofline and owns no memory
     aliases = is_view_op(n.target)
     in_bytes = sum(by_name[r.node].outputs[r.index].nbytes for r in operands)
-    fake_args, fake_kwargs = tree_map(
-        lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, (n.args, n.kwargs))
+    # the fake values only where a flop formula reads them
+    fake_args, fake_kwargs = _fake_values((n.args, n.kwargs)) \
+        if flop_formula(n.target) is not None else ((), {})
     return OpNode(
         name=n.name, op=str(n.target), kind="op", operands=tuple(operands), args=args,
         kwargs=kwargs, outputs=outputs, flops=flop_count(n.target, fake_args, fake_kwargs, val),

@@ -210,3 +210,56 @@ def test_a_dropout_is_recomputed_from_the_mask_forward_drew():
     remade = [n for n in graph if n.phase == "backward" and n.op == "aten.mul.Tensor"
               and any(ref.node in masks and ref.index == 1 for ref in n.operands)]
     assert len(remade) == 2 * 2
+
+
+@pytest.mark.parametrize("mode,regather,hold", [("full", False, False), ("full:1", True, False),
+                                                ("selective", False, False),
+                                                ("none", True, False), ("full", False, True)])
+def test_a_variant_reuses_only_ops_the_rewrite_left_as_they_were(captures, mode, regather, hold):
+    """``checkpointed_capture`` describes again only the ops its rewrite changed
+    (``to_opgraph(known=unchanged_ops(...))``): its OpGraph is the one made from scratch,
+    node for node, and most ops are reused."""
+    from torchalpa.frontends.torch_export import to_opgraph, unchanged_ops
+    _, _, c = captures
+    plain = c["none"]
+    variant = checkpointed_capture(plain, mode, rematerialize_parameters=regather,
+                                   keep_parameter_values=hold)
+    kinds = ([("param", k) for k in plain.param_names]
+             + [("buffer", k) for k in plain.buffer_names]
+             + [("input", k) for k in plain.input_names])
+    fresh = to_opgraph(variant.gm, kinds, plain.buffer_updates)
+    assert list(variant.graph) == list(fresh) and variant.graph.outputs == fresh.outputs
+    known = unchanged_ops(plain.gm.graph, plain.graph, variant.gm.graph)
+    ops = sum(1 for _ in variant.graph.ops())
+    assert ops / 2 < len(known) < ops              # reused, and not everything
+
+
+def test_an_op_whose_argument_or_input_changed_is_described_again(captures):
+    """A constant argument changed, an input rewired: neither op is reused, nor is one
+    whose input kept its name but holds another value."""
+    from torchalpa.frontends.block_remat import copied_codegen
+    from torchalpa.frontends.torch_export import unchanged_ops
+    _, _, c = captures
+    plain = c["none"]
+    old = plain.gm.graph
+    graph = torch.fx.Graph()
+    graph._codegen = copied_codegen(old._codegen)
+    graph.output(graph.graph_copy(old, {}))
+    ops = [n for n in graph.nodes if n.op == "call_function" and n.name in plain.graph]
+    scaled, i = next((n, i) for n in ops for i, a in enumerate(n.args)
+                     if type(a) in (int, float))
+    scaled.args = tuple(a * 2 + 1 if j == i else a for j, a in enumerate(scaled.args))
+    two = [n for n in ops if len(n.all_input_nodes) == 2 and n is not scaled]
+    rewired = two[-1]
+    a, b = rewired.all_input_nodes
+    rewired.args = tuple(b if x is a else x for x in rewired.args)
+    revalued = two[0]
+    revalued.meta = dict(revalued.meta, val=revalued.meta["val"].clone())
+    known = unchanged_ops(old, plain.graph, graph)
+    assert scaled.name not in known and rewired.name not in known
+    assert revalued.name not in known        # its value is another object
+    readers = [u.name for u in revalued.users if u.name in plain.graph]
+    assert readers and not set(readers) & set(known)
+    untouched = {n.name for n in ops if n not in (scaled, rewired, revalued)
+                 and revalued not in n.all_input_nodes}
+    assert untouched <= set(known)

@@ -1,0 +1,156 @@
+"""What the search's capture costs, before and after a change, alternately in one run.
+
+Target a's capture work (``auto_targets.py``: LLaMA-3-8B bf16, batch 16 x 8192, meta, on
+1 x 8 H100): the whole batch traced (the trace itself, then what torchalpa does with it:
+functionalizing, the OpGraph, its code), 2 micro-batches traced and derived and the two
+compared (the search's check of the micro-batch derivation), 4 micro-batches derived, and
+four checkpointing / parameters-gathered-again variants derived, as the search derives
+them. Each side runs in a child process, alternately (before, after, before, ...), and
+reports its own CPU seconds (``time.process_time``) per stage; the ratios are after /
+before of the means. Every capture of both sides is hashed (OpGraph nodes, outputs, meta,
+generated code): the run fails (exit 1) unless the two sides made the same captures.
+
+    git archive <commit> | tar -x -C /tmp/base
+    OMP_NUM_THREADS=1 python benchmarks/capture_cpu_ab.py /tmp/base [--layers 32] [--rounds 2]
+
+``/tmp/base`` is imported in place of this tree (its ``torchalpa`` package with
+``frontends``, ``passes`` and ``runtime`` linked in, as ``setup.cfg`` maps them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ["trace", "after the trace", "check: trace", "check: derive + compare",
+          "micro-batch derivation", "variants", "total"]
+
+
+def child(layers: int) -> dict:
+    """Run in the child: every stage's CPU seconds and the captures' hash."""
+    import hashlib
+    import time
+
+    import torch
+
+    import torchalpa
+    import torchalpa.frontends.rebatch as rebatch
+    import torchalpa.frontends.torch_export as te
+    import torchalpa.models as zoo
+    from torchalpa.parallel.auto import derived_capture
+    from torchalpa.parallel.workflow import capture_examples, capture_step, with_precision
+
+    spent = dict.fromkeys(STAGES, 0.0)
+    inner = {"trace": 0.0}
+    trace_joint = te._trace_joint
+
+    def timed_trace(*args, **kwargs):
+        start = time.process_time()
+        try:
+            return trace_joint(*args, **kwargs)
+        finally:
+            inner["trace"] += time.process_time() - start
+    te._trace_joint = timed_trace
+    w = zoo.llama3_8b().replace(num_layers=layers)
+    with torch.device("meta"):
+        model = with_precision(w.build(), torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
+    batch = w.example_inputs(device="meta")
+    steps = rebatch.MicroBatchSteps(
+        lambda k: capture_step(model, capture_examples(model, batch, k), w.loss_fn))
+    digest = hashlib.sha256()
+
+    def kept(captured):
+        g = captured.graph
+        for n in g:
+            digest.update(repr(n).encode())
+        digest.update(repr((g.outputs, sorted(g.meta.items()), captured.gm.code)).encode())
+
+    def stage(name, fn):
+        before, start = inner["trace"], time.process_time()
+        out = fn()
+        cpu, traced = time.process_time() - start, inner["trace"] - before
+        if name == "whole":
+            spent["trace"] += traced
+            spent["after the trace"] += cpu - traced
+        elif name == "check":
+            spent["check: trace"] += traced
+            spent["check: derive + compare"] += cpu - traced
+        else:
+            spent[name] += cpu
+        spent["total"] += cpu
+        return out
+
+    stage("whole", lambda: steps(1))
+    stage("check", lambda: steps(2))
+    stage("micro-batch derivation", lambda: steps(4))
+    variants = [(1, "full", False), (2, "full:4", False), (2, "full:4", True), (4, "none", True)]
+    made = stage("variants", lambda: [derived_capture(steps(k), r, g) for k, r, g in variants])
+    for captured in [steps(1), steps(2), steps(4), *made]:
+        kept(captured)
+    return {"seconds": spent, "hash": digest.hexdigest()[:16], "checked": steps.checked,
+            "derived": sorted(steps.derived), "nodes": len(steps(1).graph)}
+
+
+def _linked_tree(base: str, into: str) -> str:
+    """A directory holding ``base``'s torchalpa package with its mapped sub-packages."""
+    root = os.path.join(into, "tree")
+    os.makedirs(os.path.join(root, "torchalpa"))
+    for name in os.listdir(os.path.join(base, "torchalpa")):
+        os.symlink(os.path.join(base, "torchalpa", name), os.path.join(root, "torchalpa", name))
+    for name in ("frontends", "passes", "runtime"):
+        os.symlink(os.path.join(base, name), os.path.join(root, "torchalpa", name))
+    return root
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("base", nargs="?", help="the tree before (a git archive)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.layers)))
+        return 0
+    if not args.base:
+        p.error("give the tree before (a git archive of the commit to compare with)")
+    with tempfile.TemporaryDirectory() as tmp:
+        sides = {"before": _linked_tree(os.path.abspath(args.base), tmp), "after": None}
+        cwd = os.path.join(tmp, "run")      # neither tree below it: nodes' lines name
+        os.makedirs(cwd)                      # files alike (provenance.short_path)
+        runs: dict[str, list[dict]] = {"before": [], "after": []}
+        print(f"LLaMA-3-8B bf16, {args.layers} layers, batch 16 x 8192; "
+              f"load {os.getloadavg()[0]:.1f}")
+        for r in range(args.rounds):
+            for side, tree in sides.items():
+                env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_CACHE="0")
+                if tree:
+                    env["PYTHONPATH"] = tree
+                # the script from this tree, run as a file: the child imports torchalpa
+                # from PYTHONPATH (the tree before) or the installed one (this tree)
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
+                                      "--layers", str(args.layers)], env=env, cwd=cwd,
+                                     capture_output=True, text=True, check=True)
+                got = json.loads(out.stdout.strip().splitlines()[-1])
+                runs[side].append(got)
+                print(f"  round {r + 1} {side:6s}: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in got["seconds"].items())
+                    + f" (CPU s; hash {got['hash']}, checked {got['checked']}, derived "
+                    f"{got['derived']}, load {os.getloadavg()[0]:.1f})")
+    print(f"{'stage':28s} {'before s':>9s} {'after s':>9s} {'after/before':>13s}")
+    for stage in STAGES:
+        b = sum(x["seconds"][stage] for x in runs["before"]) / args.rounds
+        a = sum(x["seconds"][stage] for x in runs["after"]) / args.rounds
+        print(f"{stage:28s} {b:9.2f} {a:9.2f} {a / b if b else float('nan'):13.2f}")
+    hashes = {x["hash"] for side in runs.values() for x in side}
+    print(f"the same captures on both sides: {len(hashes) == 1}")
+    return 0 if len(hashes) == 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
