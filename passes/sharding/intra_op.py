@@ -635,7 +635,7 @@ def _timeline(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, opt
               ) -> np.ndarray:
     state = model_state_bytes(graph, {k: s.outputs[0] for k, s in chosen.items()
                                       if graph.node(k).is_leaf}, mesh.shape, optimizer_states,
-                              memory.grads_from_backward)
+                              memory.grads_from_backward, {k: s.outputs for k, s in chosen.items()})
     return memory.timeline({k: s.outputs for k, s in chosen.items()}, state,
                            memory.kept_copies(chosen))
 

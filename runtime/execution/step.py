@@ -246,14 +246,31 @@ class StepRunner:
         if saved and isinstance(saved[0], Replay):
             saved = self._replay(step, state, saved[0])
         received = [exchange.recv(k, m) for k in stage.backward_recvs] if exchange else []
-        grads, sends, loss = step.pair.backward(saved, received, step.loss.part(m))
+        backward = step.pair.backward
+        summing = getattr(backward, "summing", None) is not None
+        if summing and step.raw and all(r is not None for r in step.raw):
+            # each gradient added into the step's sums as backward makes it, in place:
+            # the sums are the step's own tensors (below)
+            sends, loss = backward.add_into(saved, received, step.loss.part(m), step.raw)
+            grads = ()
+        else:
+            grads, sends, loss = backward(saved, received, step.loss.part(m))
         del saved
         if loss is not None:
             step.loss.parts[m] = loss
         # one gradient per parameter, None: unused
-        for i, g in enumerate(g for g in grads if g is not None):
-            # out of place: a raw gradient may alias a value the caller still holds
-            step.raw[i] = g if step.raw[i] is None else step.raw[i] + g
+        grads = [g for g in grads if g is not None]
+        for i, g in enumerate(grads):
+            grads[i] = None     # freed once summed
+            if step.raw[i] is None:
+                # the first micro-batch's gradient starts the sum, which later ones add
+                # into in place: a copy where it shares its storage with a value the
+                # caller may still hold (an input, a send, another gradient)
+                step.raw[i] = g if not summing or _owned(g, received, sends, grads) \
+                    else g.clone()
+            else:   # out of place: a raw gradient may alias a value the caller still holds
+                step.raw[i] = step.raw[i] + g
+            del g
         for k, v in zip(stage.backward_sends, sends):
             assert exchange is not None
             exchange.send(k, v, m)
@@ -281,6 +298,14 @@ class StepRunner:
                     g = g * factor
             out.append(g)
         return out
+
+
+def _owned(g: torch.Tensor, *others: Sequence) -> bool:
+    """Whether no tensor but ``g`` holds ``g``'s storage, and ``g`` is none of ``others``
+    (the storage object made to ask holds one more reference)."""
+    if any(g is t for group in others for t in group):
+        return False
+    return torch._C._storage_Use_Count(g.untyped_storage()._cdata) <= 2
 
 
 def _device_of(*groups: Sequence[torch.Tensor]) -> torch.device | None:

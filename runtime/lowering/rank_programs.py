@@ -14,6 +14,7 @@ runs the pair its step's mode picks; it builds nothing and chooses no variant.
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,8 @@ import torch
 import torch.fx as fx
 
 from torchalpa.runtime.rewrites.buckets import LossInBucket
-from torchalpa.runtime.rewrites.release_inputs import TAKES_LIST, call_releasing
+from torchalpa.runtime.rewrites.grad_sums import add_into_sums
+from torchalpa.runtime.rewrites.release_inputs import TAKES_LIST, call_releasing, release_inputs
 
 __all__ = ["StageProgram", "StepPrograms", "StepMode", "ProgramPair", "SummedBackward",
            "ReducingBackward", "LossInBucketBackward", "already_reduced", "EagerOrTraced",
@@ -188,16 +190,44 @@ class ProgramPair:
 @dataclass(frozen=True)
 class SummedBackward:
     """A backward whose raw gradients are summed over micro-batches and reduced once per
-    step (``reduce_grads``); sends to the stages before, if any."""
+    step (``reduce_grads``); sends to the stages before, if any. ``summing``: the program
+    adding each gradient into the step's running sums as it makes it (``add_into``;
+    ``runtime.rewrites.grad_sums``), so the micro-batch's gradients are never all alive
+    beside the sums; None (a program ``torch.compile`` made): summed after it returns."""
 
     program: Callable       # (*saved, *received) -> (*raw gradients, *sends)
     num_grads: int
+    summing: Callable | None = None     # (*saved, *received, *sums) -> (*sums, *sends)
 
     def __call__(self, saved: list, received: Sequence, loss: Any):
         inputs = [*saved, *received]
         saved.clear()
         out = call_releasing(self.program, inputs)
         return out[:self.num_grads], out[self.num_grads:], loss
+
+    def add_into(self, saved: list, received: Sequence, loss: Any, sums: list):
+        """Backward adding its gradients into ``sums`` (one per gradient that is not None,
+        each a tensor the step owns) in place: (sends, loss)."""
+        assert self.summing is not None
+        inputs = [*saved, *received, *sums]
+        saved.clear()
+        out = call_releasing(self.summing, inputs)
+        return out[self.num_grads:], loss
+
+
+def summed_backward(program: Callable, num_grads: int, eager=None) -> SummedBackward:
+    """``SummedBackward`` of ``program``, with its summing copy where it is an FX program.
+    ``eager``: makes the copies a step runs eagerly (an FX program -> a program, e.g.
+    ``release_inputs``, which frees each saved value at its last read), given a copy of
+    its own; None: the programs run as they are."""
+    if not isinstance(program, fx.GraphModule):
+        return SummedBackward(program, num_grads)
+    summing = add_into_sums(program, num_grads)
+    if eager is None:
+        return SummedBackward(program, num_grads, summing)
+    own = fx.GraphModule(program, copy.deepcopy(program.graph))
+    return SummedBackward(EagerOrTraced(program, eager(own)), num_grads,
+                          EagerOrTraced(summing, eager(add_into_sums(program, num_grads))))
 
 
 @dataclass(frozen=True)
@@ -258,8 +288,8 @@ class StepPrograms:
         """The stage's programs run as they are, in every mode (a stage of a longer
         pipeline, or programs compiled by ``torch.compile``, which the variants' FX
         rewrites cannot read)."""
-        plain = ProgramPair(stage.forward, SummedBackward(stage.backward, len(stage.grad_present)),
-                            stage.reduce_grads)
+        plain = ProgramPair(stage.forward, summed_backward(stage.backward, len(stage.grad_present),
+                                                           release_inputs), stage.reduce_grads)
         return cls(stage, plain, plain, stage.param_gathers)
 
     def compiled(self, **options) -> StepPrograms:
