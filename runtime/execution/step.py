@@ -46,6 +46,7 @@ from torchalpa.runtime.lowering.rank_programs import (
     StepPrograms,
     ValueKey,
 )
+from torchalpa.runtime.rewrites.release_inputs import call_releasing
 
 __all__ = ["StepRunner", "StepInFlight", "StepLoss", "StepMode", "Exchange",
            "split_micro_batches"]
@@ -246,31 +247,22 @@ class StepRunner:
         if saved and isinstance(saved[0], Replay):
             saved = self._replay(step, state, saved[0])
         received = [exchange.recv(k, m) for k in stage.backward_recvs] if exchange else []
-        backward = step.pair.backward
-        summing = getattr(backward, "summing", None) is not None
-        if summing and step.raw and all(r is not None for r in step.raw):
-            # each gradient added into the step's sums as backward makes it, in place:
-            # the sums are the step's own tensors (below)
-            sends, loss = backward.add_into(saved, received, step.loss.part(m), step.raw)
-            grads = ()
-        else:
-            grads, sends, loss = backward(saved, received, step.loss.part(m))
+        backward, part = step.pair.backward, step.loss.part(m)
+        grads: Sequence = ()
+        if getattr(backward, "summing", None) is None:
+            grads, sends, loss = backward(saved, received, part)
+        elif any(r is None for r in step.raw):    # the first: copies of its own start the sums
+            sums, sends, loss = backward.start(saved, received, part)
+            step.raw = [g for g in sums if g is not None]
+        else:       # each gradient added into the sums as backward makes it
+            sends, loss = backward.add_into(saved, received, part, step.raw)
         del saved
         if loss is not None:
             step.loss.parts[m] = loss
         # one gradient per parameter, None: unused
-        grads = [g for g in grads if g is not None]
-        for i, g in enumerate(grads):
-            grads[i] = None     # freed once summed
-            if step.raw[i] is None:
-                # the first micro-batch's gradient starts the sum, which later ones add
-                # into in place: a copy where it shares its storage with a value the
-                # caller may still hold (an input, a send, another gradient)
-                step.raw[i] = g if not summing or _owned(g, received, sends, grads) \
-                    else g.clone()
-            else:   # out of place: a raw gradient may alias a value the caller still holds
-                step.raw[i] = step.raw[i] + g
-            del g
+        for i, g in enumerate(g for g in grads if g is not None):
+            # out of place: a raw gradient may alias a value the caller still holds
+            step.raw[i] = g if step.raw[i] is None else step.raw[i] + g
         for k, v in zip(stage.backward_sends, sends):
             assert exchange is not None
             exchange.send(k, v, m)
@@ -285,7 +277,10 @@ class StepRunner:
                   ) -> list[torch.Tensor | None]:
         """Gradients of ``scale * mean loss`` in their parameters' layouts, one per
         parameter of the stage (None: unused): the plan's resharding runs once here."""
-        reduced = iter(step.pair.reduce_grads(*step.raw))
+        # the sums handed over as a list the program empties: each is freed once its
+        # bucket is packed (``release_inputs``), not held beside the reduced gradients
+        raw, step.raw = step.raw, []
+        reduced = iter(call_releasing(step.pair.reduce_grads, raw))
         grads = [next(reduced) if present else None
                  for present in self.program.stage.grad_present]
         factor = 1.0 / self.num_micro_batches
@@ -298,14 +293,6 @@ class StepRunner:
                     g = g * factor
             out.append(g)
         return out
-
-
-def _owned(g: torch.Tensor, *others: Sequence) -> bool:
-    """Whether no tensor but ``g`` holds ``g``'s storage, and ``g`` is none of ``others``
-    (the storage object made to ask holds one more reference)."""
-    if any(g is t for group in others for t in group):
-        return False
-    return torch._C._storage_Use_Count(g.untyped_storage()._cdata) <= 2
 
 
 def _device_of(*groups: Sequence[torch.Tensor]) -> torch.device | None:

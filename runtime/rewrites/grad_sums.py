@@ -22,11 +22,14 @@ import torch.fx as fx
 __all__ = ["add_into_sums"]
 
 
-def add_into_sums(gm: fx.GraphModule, num_grads: int) -> fx.GraphModule:
+def add_into_sums(gm: fx.GraphModule, num_grads: int, start: bool = False) -> fx.GraphModule:
     """A copy of backward program ``gm`` (``(*inputs) -> (*raw gradients, *sends)``, the
     first ``num_grads`` outputs gradients or None) as ``(*inputs, *sums) -> (*sums,
     *sends)``: one sum per gradient that is not None, in order, each added into in place
-    right after its gradient is made."""
+    right after its gradient is made. ``start``: the first micro-batch's, ``(*inputs) ->
+    (*sums, *sends)``, each sum a fresh copy of its gradient made right after it (the
+    step's own tensors, which the later micro-batches add into in place: a gradient the
+    program returns may share its storage with an input)."""
     graph = copy.deepcopy(gm.graph)
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
@@ -37,13 +40,17 @@ def add_into_sums(gm: fx.GraphModule, num_grads: int) -> fx.GraphModule:
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     sums = {}
     for i in range(num_grads):
-        if outs[i] is not None:
+        if outs[i] is not None and not start:
             with graph.inserting_after(last):
                 last = sums[i] = graph.placeholder(f"grad_sum_{i}")
-    for i, total in sums.items():
+    for i in range(num_grads):
         g = outs[i]
+        if g is None:
+            continue
         with graph.inserting_after(last if g.op == "placeholder" else g):
-            outs[i] = graph.call_function(torch.ops.aten.add_.Tensor, (total, g))
+            outs[i] = graph.call_function(torch.ops.aten.clone.default, (g,), {
+                "memory_format": torch.contiguous_format}) if start else \
+                graph.call_function(torch.ops.aten.add_.Tensor, (sums[i], g))
     output.args = (tuple(outs),)
     graph.lint()
     return fx.GraphModule(gm, graph)

@@ -121,8 +121,9 @@ def step_programs(stage: StageProgram, plan: Plan, *, num_micro_batches: int,
         loss_first = replace(loss_first, backward=summed_backward(
             stage.backward, len(stage.grad_present),
             lambda gm: release_inputs(cut_call_overhead(gm))))
-        reduce_grads = EagerOrTraced(stage.reduce_grads, keep_bucket_buffers(
-            cut_call_overhead(stage.reduce_grads)))     # into buckets kept between steps
+        # into buckets kept between steps; each sum freed once packed
+        reduce_grads = EagerOrTraced(stage.reduce_grads, release_inputs(keep_bucket_buffers(
+            cut_call_overhead(stage.reduce_grads))))
         loss_first = replace(loss_first, reduce_grads=reduce_grads)
         return replace(lowered, loss_first=loss_first, loss_last=loss_first)
     # one micro-batch: each gradient collective issued during backward
