@@ -113,7 +113,10 @@ class EagerOrTraced:
     eager: Callable
 
     def __call__(self, *args):
-        return self.traced(*args) if torch.compiler.is_compiling() else self.eager(*args)
+        if torch.compiler.is_compiling():
+            return self.traced(*args)
+        return self.eager(list(args)) if getattr(self.eager, TAKES_LIST, False) \
+            else self.eager(*args)
 
     def call_list(self, inputs: list):
         """The program on the list ``inputs``, emptied (``release_inputs.call_releasing``):
