@@ -28,6 +28,7 @@ from torchalpa.runtime.rewrites.grad_sums import add_into_sums
 from torchalpa.runtime.rewrites.release_inputs import TAKES_LIST, call_releasing, release_inputs
 
 __all__ = ["StageProgram", "StepPrograms", "StepMode", "ProgramPair", "SummedBackward",
+           "summed_backward",
            "ReducingBackward", "LossInBucketBackward", "already_reduced", "EagerOrTraced",
            "LossInBucketPrograms", "ValueKey", "PLAN_STEP"]
 
