@@ -33,6 +33,7 @@ from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.stage_boundary import summed_part
 
 __all__ = ["Liveness", "KeptCopy", "KeptTerm", "liveness", "model_state_bytes", "activation_peak_bytes",
+           "accumulated_gradients",
            "state_copies", "gradients_from_backward", "forward_end", "in_flight_bytes", "value_bytes",
            "view_copies"]
 
@@ -234,12 +235,35 @@ def state_copies(graph: OpGraph, node_name: str, optimizer_states: int,
 
 
 def model_state_bytes(graph: OpGraph, placements: dict[str, Placements], mesh_shape,
-                      optimizer_states: int, grads_from_backward: bool = False) -> int:
+                      optimizer_states: int, grads_from_backward: bool = False,
+                      outputs: dict[str, tuple[Placements, ...]] | None = None) -> int:
     """Params + grads (not with ``grads_from_backward``) + optimizer states held by one
-    device for the whole step."""
-    return sum(local_bytes(n.output, placements[n.name], mesh_shape)
-               * state_copies(graph, n.name, optimizer_states, grads_from_backward)
-               for n in graph if n.kind in ("param", "buffer"))
+    device for the whole step. ``outputs`` (node -> its results' layouts, the plan's):
+    the gradients summed over micro-batches are held as the ops that make them lay them
+    out (``accumulated_gradients``), else in their parameters' layouts."""
+    raw = accumulated_gradients(graph, outputs) if outputs is not None and \
+        not grads_from_backward else {}
+    total = sum(local_bytes(n.output, placements[n.name], mesh_shape)
+                * state_copies(graph, n.name, optimizer_states, grads_from_backward or
+                               n.name in raw)
+                for n in graph if n.kind in ("param", "buffer"))
+    return total + sum(local_bytes(graph.node(ref.node).outputs[ref.index],
+                                   outputs[ref.node][ref.index], mesh_shape)
+                       for ref in raw.values() if outputs is not None)
+
+
+def accumulated_gradients(graph: OpGraph, outputs=None) -> dict[str, ValueRef]:
+    """Parameter -> the op result that is its gradient, where the step sums it over
+    micro-batches as that op lays it out: the runtime adds each micro-batch's raw
+    gradient to the sum (``runtime/execution/step.py``, ``StepRunner._backward``) and
+    reshards the sum to the parameter's layout once, at the step's end (``reduce_grads``).
+    So with data parallelism the sum is a partial one, whole over the data-parallel axis,
+    even where the parameter (ZeRO) is split over it. Only op results the plan lays out
+    (in ``outputs`` where given)."""
+    params = {n.target: n.name for n in graph if n.kind == "param"}
+    return {params[target]: ref for target, ref in graph.outputs.grads
+            if target in params and graph.node(ref.node).kind == "op"
+            and (outputs is None or ref.node in outputs)}
 
 
 def value_bytes(graph: OpGraph, name: str, placements: tuple[Placements, ...], mesh_shape,
@@ -436,10 +460,14 @@ class MemoryModel:
         self.forward_end = forward_end(graph)
         reps = grouping.representatives
         self.state = {r: np.zeros(len(strategies[r])) for r in reps}
+        raw = {} if grads_from_backward else accumulated_gradients(graph)
         for n in graph:
-            copies = state_copies(graph, n.name, optimizer_states, grads_from_backward)
+            copies = state_copies(graph, n.name, optimizer_states,
+                                  grads_from_backward or n.name in raw)
             if copies:
                 self._fold(self.state, n.name, self._bytes(n.name) * copies)
+        for ref in raw.values():    # the sum over micro-batches, as its op lays it out
+            self._fold(self.state, ref.node, self._bytes(ref.node, ref.index))
         self._act = [self._bytes(name, k) for name, k in self.live.entries()]
 
     def _bytes(self, name: str, result: int | None = None) -> np.ndarray:

@@ -351,7 +351,7 @@ class _IntraOpILP:
             except SolverStopped as e:
                 log.warning("the ILP with free followers found no plan in time (%s); solving "
                             "the simplified one", e)
-        best = found if found is not None else self.solve(1)
+        best = found if found is not None else self._solve_merged_or_free()
         if frees and found is None and len(graph) <= option.exact_below:
             # re-solved unsimplified below: from the freed plan that solve is much shorter
             # (pipeline_vs_3d's pp4 dp4 tp4 grid, 4-layer GPT-39B stages: planned in
@@ -373,6 +373,23 @@ class _IntraOpILP:
             # solve the full problem too (from the plan found) so they never cost optimality
             best = self.resolve(best, "nothing simplified", exact=True)
         return best
+
+    def _solve_merged_or_free(self) -> _Solved:
+        """The simplified solve; where no plan of it fits the budget, the one with free
+        followers (a follower takes its operand's layout: a gradient's cast cannot split
+        the sum its matmul leaves partial, which a step summing micro-batches may need to
+        fit; MPT-13B on 8 A100 under FSDP)."""
+        try:
+            return self.solve(1)
+        except InfeasibleError:
+            graph, S, heavy = self.graph, self.space.strategies, self.space.heavy
+            if len(group_nodes(graph, S, self.blocks, heavy=heavy, merge_followers=False)
+                   .representatives) == len(group_nodes(graph, S, self.blocks, heavy=heavy)
+                                            .representatives):
+                raise
+            log.info("no plan of the simplified ILP fits the budget: solving with free "
+                     "followers")
+            return self.solve(1, followers=False)
 
     def timed_option(self) -> AutoShardingOption:
         """The option with the solver's time limit cut to what is left before the
@@ -638,7 +655,7 @@ def _timeline(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, opt
               ) -> np.ndarray:
     state = model_state_bytes(graph, {k: s.outputs[0] for k, s in chosen.items()
                                       if graph.node(k).is_leaf}, mesh.shape, optimizer_states,
-                              memory.grads_from_backward)
+                              memory.grads_from_backward, {k: s.outputs for k, s in chosen.items()})
     return memory.timeline({k: s.outputs for k, s in chosen.items()}, state,
                            memory.kept_copies(chosen))
 

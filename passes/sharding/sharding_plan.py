@@ -374,7 +374,7 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     per_op = [op_compute_seconds(graph, kernels, n, chosen[n.name]) for n in graph.ops()]
     compute_time = k * sum(per_op)
     state = model_state_bytes(graph, leaf_placement, mesh.shape, method.optimizer_states,
-                              grads_late)
+                              grads_late, {name: s.outputs for name, s in chosen.items()})
     optimizer_s = optimizer_cost(mesh, {
         n.name: local_bytes(n.output, leaf_placement[n.name], mesh.shape)
         for n in graph if n.kind == "param"}, method.optimizer_states)

@@ -46,6 +46,7 @@ from torchalpa.runtime.lowering.rank_programs import (
     StepPrograms,
     ValueKey,
 )
+from torchalpa.runtime.rewrites.release_inputs import call_releasing
 
 __all__ = ["StepRunner", "StepInFlight", "StepLoss", "StepMode", "Exchange",
            "split_micro_batches"]
@@ -246,7 +247,15 @@ class StepRunner:
         if saved and isinstance(saved[0], Replay):
             saved = self._replay(step, state, saved[0])
         received = [exchange.recv(k, m) for k in stage.backward_recvs] if exchange else []
-        grads, sends, loss = step.pair.backward(saved, received, step.loss.part(m))
+        backward, part = step.pair.backward, step.loss.part(m)
+        grads: Sequence = ()
+        if getattr(backward, "summing", None) is None:
+            grads, sends, loss = backward(saved, received, part)
+        elif any(r is None for r in step.raw):    # the first: copies of its own start the sums
+            sums, sends, loss = backward.start(saved, received, part)
+            step.raw = [g for g in sums if g is not None]
+        else:       # each gradient added into the sums as backward makes it
+            sends, loss = backward.add_into(saved, received, part, step.raw)
         del saved
         if loss is not None:
             step.loss.parts[m] = loss
@@ -268,7 +277,10 @@ class StepRunner:
                   ) -> list[torch.Tensor | None]:
         """Gradients of ``scale * mean loss`` in their parameters' layouts, one per
         parameter of the stage (None: unused): the plan's resharding runs once here."""
-        reduced = iter(step.pair.reduce_grads(*step.raw))
+        # the sums handed over as a list the program empties: each is freed once its
+        # bucket is packed (``release_inputs``), not held beside the reduced gradients
+        raw, step.raw = step.raw, []
+        reduced = iter(call_releasing(step.pair.reduce_grads, raw))
         grads = [next(reduced) if present else None
                  for present in self.program.stage.grad_present]
         factor = 1.0 / self.num_micro_batches

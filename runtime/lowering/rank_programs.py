@@ -14,6 +14,7 @@ runs the pair its step's mode picks; it builds nothing and chooses no variant.
 
 from __future__ import annotations
 
+import copy
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -23,9 +24,11 @@ import torch
 import torch.fx as fx
 
 from torchalpa.runtime.rewrites.buckets import LossInBucket
-from torchalpa.runtime.rewrites.release_inputs import TAKES_LIST, call_releasing
+from torchalpa.runtime.rewrites.grad_sums import add_into_sums
+from torchalpa.runtime.rewrites.release_inputs import TAKES_LIST, call_releasing, release_inputs
 
 __all__ = ["StageProgram", "StepPrograms", "StepMode", "ProgramPair", "SummedBackward",
+           "summed_backward",
            "ReducingBackward", "LossInBucketBackward", "already_reduced", "EagerOrTraced",
            "LossInBucketPrograms", "ValueKey", "PLAN_STEP"]
 
@@ -111,7 +114,10 @@ class EagerOrTraced:
     eager: Callable
 
     def __call__(self, *args):
-        return self.traced(*args) if torch.compiler.is_compiling() else self.eager(*args)
+        if torch.compiler.is_compiling():
+            return self.traced(*args)
+        return self.eager(list(args)) if getattr(self.eager, TAKES_LIST, False) \
+            else self.eager(*args)
 
     def call_list(self, inputs: list):
         """The program on the list ``inputs``, emptied (``release_inputs.call_releasing``):
@@ -188,16 +194,58 @@ class ProgramPair:
 @dataclass(frozen=True)
 class SummedBackward:
     """A backward whose raw gradients are summed over micro-batches and reduced once per
-    step (``reduce_grads``); sends to the stages before, if any."""
+    step (``reduce_grads``); sends to the stages before, if any. ``starting`` and
+    ``summing``: the program copying each gradient into a sum of the step's own as it
+    makes it (the first micro-batch's, ``start``) and adding each into the sums
+    (``add_into``; ``runtime.rewrites.grad_sums``), so the micro-batch's gradients are
+    never all alive beside the sums; None (a program ``torch.compile`` made): summed
+    after it returns."""
 
     program: Callable       # (*saved, *received) -> (*raw gradients, *sends)
     num_grads: int
+    summing: Callable | None = None     # (*saved, *received, *sums) -> (*sums, *sends)
+    starting: Callable | None = None    # (*saved, *received) -> (*new sums, *sends)
 
     def __call__(self, saved: list, received: Sequence, loss: Any):
         inputs = [*saved, *received]
         saved.clear()
         out = call_releasing(self.program, inputs)
         return out[:self.num_grads], out[self.num_grads:], loss
+
+    def start(self, saved: list, received: Sequence, loss: Any):
+        """The first micro-batch's backward: (the new sums, one per gradient or None,
+        sends, loss)."""
+        assert self.starting is not None
+        inputs = [*saved, *received]
+        saved.clear()
+        out = call_releasing(self.starting, inputs)
+        return out[:self.num_grads], out[self.num_grads:], loss
+
+    def add_into(self, saved: list, received: Sequence, loss: Any, sums: list):
+        """Backward adding its gradients into ``sums`` (one per gradient that is not None,
+        made by ``start``) in place: (sends, loss)."""
+        assert self.summing is not None
+        inputs = [*saved, *received, *sums]
+        saved.clear()
+        out = call_releasing(self.summing, inputs)
+        return out[self.num_grads:], loss
+
+
+def summed_backward(program: Callable, num_grads: int, eager=None) -> SummedBackward:
+    """``SummedBackward`` of ``program``, with its summing copies where it is an FX program.
+    ``eager``: makes the copies a step runs eagerly (an FX program -> a program, e.g.
+    ``release_inputs``, which frees each saved value at its last read), given a copy of
+    its own; None: the programs run as they are."""
+    if not isinstance(program, fx.GraphModule):
+        return SummedBackward(program, num_grads)
+
+    def variant(start: bool) -> Callable:
+        traced = add_into_sums(program, num_grads, start)
+        return traced if eager is None else \
+            EagerOrTraced(traced, eager(add_into_sums(program, num_grads, start)))
+    plain = program if eager is None else EagerOrTraced(
+        program, eager(fx.GraphModule(program, copy.deepcopy(program.graph))))
+    return SummedBackward(plain, num_grads, variant(False), variant(True))
 
 
 @dataclass(frozen=True)
@@ -258,8 +306,12 @@ class StepPrograms:
         """The stage's programs run as they are, in every mode (a stage of a longer
         pipeline, or programs compiled by ``torch.compile``, which the variants' FX
         rewrites cannot read)."""
-        plain = ProgramPair(stage.forward, SummedBackward(stage.backward, len(stage.grad_present)),
-                            stage.reduce_grads)
+        reduce_grads = stage.reduce_grads
+        if isinstance(reduce_grads, fx.GraphModule):    # frees each sum once packed
+            reduce_grads = EagerOrTraced(reduce_grads, release_inputs(
+                fx.GraphModule(reduce_grads, copy.deepcopy(reduce_grads.graph))))
+        plain = ProgramPair(stage.forward, summed_backward(stage.backward, len(stage.grad_present),
+                                                           release_inputs), reduce_grads)
         return cls(stage, plain, plain, stage.param_gathers)
 
     def compiled(self, **options) -> StepPrograms:

@@ -49,7 +49,7 @@ from torchalpa.runtime.execution import collectives as C
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "FIRST_BUCKET_BYTES", "GradientBucket", "BucketStage",
            "bucket_threshold", "gradient_buckets",
-           "fuse_gradient_buckets", "flatten_concat", "split_flat",
+           "fuse_gradient_buckets", "flatten_concat", "split_flat", "bucket_shapes",
            "interleave_chunks", "split_chunks", "BUCKET", "collective_position", "LossInBucket",
            "is_gradient"]
 
@@ -220,31 +220,51 @@ def flatten_concat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
-def split_flat(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``flat`` cut back into tensors shaped like ``like`` (views of ``flat``)."""
-    parts = torch.split(flat, [t.numel() for t in like])
-    return [p.view(t.shape) for p, t in zip(parts, like)]
+def bucket_shapes(tensors: Sequence[torch.Tensor]) -> list[tuple[int, ...]]:
+    """The shapes of a bucket's tensors, read where it is packed: the split after its
+    collective needs only them, so each gradient can be freed once packed."""
+    return [tuple(t.shape) for t in tensors]
+
+
+def _shape(t) -> tuple[int, ...]:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else tuple(t)
+
+
+def split_flat(flat: torch.Tensor, like: Sequence) -> list[torch.Tensor]:
+    """``flat`` cut back into tensors shaped like ``like`` (tensors or their shapes;
+    views of ``flat``)."""
+    shapes = [_shape(t) for t in like]
+    parts = torch.split(flat, [math.prod(s) for s in shapes])
+    return [p.view(s) for p, s in zip(parts, shapes)]
 
 
 def interleave_chunks(tensors: Sequence[torch.Tensor], dim: int, group_size: int
                       ) -> torch.Tensor:
     """One flat buffer whose ``i``-th of ``group_size`` equal parts holds block ``i`` (of
-    ``dim``) of every tensor: reduce-scattering it leaves each rank its blocks."""
-    rows = [torch.stack(torch.chunk(t, group_size, dim=dim)).reshape(group_size, -1)
-            for t in tensors]
-    flat_dtypes = {r.dtype for r in rows}
+    ``dim``) of every tensor: reduce-scattering it leaves each rank its blocks. Each block
+    is copied into its place once (no stacked copy of every tensor beside the buffer)."""
+    flat_dtypes = {t.dtype for t in tensors}
     if len(flat_dtypes) != 1:
         raise TypeError(f"a gradient bucket mixes dtypes {sorted(map(str, flat_dtypes))}; set "
                         "AutoShardingOption(all_reduce_threshold=0) to reduce each on its own")
-    return torch.cat(rows, dim=1).reshape(-1)
+    widths = [t.numel() // group_size for t in tensors]
+    first = tensors[0]
+    rows = torch.empty(group_size, sum(widths), dtype=first.dtype, device=first.device)
+    start = 0
+    for t, width in zip(tensors, widths):
+        for i, block in enumerate(torch.chunk(t, group_size, dim=dim)):
+            rows[i, start:start + width].view(block.shape).copy_(block)
+        start += width
+    return rows.reshape(-1)
 
 
-def split_chunks(flat: torch.Tensor, like: Sequence[torch.Tensor], dim: int, group_size: int
+def split_chunks(flat: torch.Tensor, like: Sequence, dim: int, group_size: int
                  ) -> list[torch.Tensor]:
-    """This rank's block of each tensor shaped like ``like`` from a reduce-scattered buffer."""
+    """This rank's block of each tensor shaped like ``like`` (tensors or their shapes)
+    from a reduce-scattered buffer."""
     shapes = []
     for t in like:
-        shape = list(t.shape)
+        shape = list(_shape(t))
         shape[dim] //= group_size
         shapes.append(shape)
     parts = torch.split(flat, [math.prod(s) for s in shapes])
@@ -305,6 +325,8 @@ def fuse_gradient_buckets(gm: fx.GraphModule, buckets: Sequence[GradientBucket],
         first = min(collectives, key=lambda n: list(graph.nodes).index(n))
         n = group_sizes[bucket.axis]
         with graph.inserting_before(first):
+            # the split reads the shapes, read here: the gradients die once packed
+            shapes = graph.call_function(bucket_shapes, (members,))
             if bucket.kind == "all_reduce":
                 flat = graph.call_function(flatten_concat, (members,))
                 flat.meta[BUCKET] = index     # a loss may travel in it (runtime.rewrites.loss_in_bucket)
@@ -320,9 +342,9 @@ def fuse_gradient_buckets(gm: fx.GraphModule, buckets: Sequence[GradientBucket],
                                               (reduced, stage.reduce_op, stage_group),
                                               {"in_place": True})
             if bucket.kind == "all_reduce":
-                parts = graph.call_function(split_flat, (reduced, members))
+                parts = graph.call_function(split_flat, (reduced, shapes))
             else:
-                parts = graph.call_function(split_chunks, (reduced, members, bucket.dim, n))
+                parts = graph.call_function(split_chunks, (reduced, shapes, bucket.dim, n))
             outs = [graph.call_function(operator.getitem, (parts, i))
                     for i in range(len(members))]
         for chain, out in zip(chains, outs):

@@ -37,8 +37,8 @@ from torchalpa.runtime.lowering.rank_programs import (
     ReducingBackward,
     StageProgram,
     StepPrograms,
-    SummedBackward,
     already_reduced,
+    summed_backward,
 )
 from torchalpa.runtime.rewrites.attention_statistics import save_attention_statistics
 from torchalpa.runtime.rewrites.buckets import (
@@ -118,11 +118,12 @@ def step_programs(stage: StageProgram, plan: Plan, *, num_micro_batches: int,
     loss_first = replace(lowered.loss_first, finish_loss=finish_loss, forward=EagerOrTraced(
         forward, cut_call_overhead(forward, stage.num_results)))
     if num_micro_batches != 1:      # gradients summed over micro-batches, reduced once
-        loss_first = replace(loss_first, backward=SummedBackward(EagerOrTraced(
-            stage.backward, release_inputs(cut_call_overhead(stage.backward))),
-            len(stage.grad_present)))
-        reduce_grads = EagerOrTraced(stage.reduce_grads, keep_bucket_buffers(
-            cut_call_overhead(stage.reduce_grads)))     # into buckets kept between steps
+        loss_first = replace(loss_first, backward=summed_backward(
+            stage.backward, len(stage.grad_present),
+            lambda gm: release_inputs(cut_call_overhead(gm))))
+        # into buckets kept between steps; each sum freed once packed
+        reduce_grads = EagerOrTraced(stage.reduce_grads, release_inputs(keep_bucket_buffers(
+            cut_call_overhead(stage.reduce_grads))))
         loss_first = replace(loss_first, reduce_grads=reduce_grads)
         return replace(lowered, loss_first=loss_first, loss_last=loss_first)
     # one micro-batch: each gradient collective issued during backward

@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch.fx as fx
 
 from torchalpa.runtime.execution import collectives as C
-from torchalpa.runtime.rewrites.buckets import flatten_concat, interleave_chunks
+from torchalpa.runtime.rewrites.buckets import bucket_shapes, flatten_concat, interleave_chunks
 
 __all__ = ["backward_with_reduce", "EARLY"]
 
 # what may run as soon as its inputs exist: packing and issuing, never a wait
-EARLY = frozenset({flatten_concat, interleave_chunks, C.issue_all_reduce,
+EARLY = frozenset({bucket_shapes, flatten_concat, interleave_chunks, C.issue_all_reduce,
                    C.issue_reduce_scatter, C.issue_reduce_scatter_strided, C.issue_all_gather,
                    C.issue_all_gather_strided, C.issue_all_to_all})
 
