@@ -17,5 +17,6 @@
 - ``call_overhead``: copies of the programs with less Python per op.
 - ``release_inputs``: programs that take their inputs as one list and free each after its
   last read (the backward's saved values, as autograd frees them).
+- ``grad_sums``: a micro-batch's gradients added into the step's sums inside backward.
 - ``kept_buckets``: gradient buckets packed into flat buffers kept between steps, as DDP's.
 """
