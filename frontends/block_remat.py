@@ -85,6 +85,10 @@ class Recomputed:
     ops: int
     total: int = 0
     """Blocks the step has (``blocks`` of them checkpointed)."""
+    checkpointed: tuple[tuple[str, int], ...] = ()
+    """The checkpointed blocks (``block_of`` keys): a pipeline stage boundary inside one
+    would leave its later part recomputing from its earlier part's recompute, made in an
+    earlier stage's backward (``passes/pipeline_search/layers.py`` cuts between them)."""
 
 
 def _made_by(n: fx.Node, ops: frozenset) -> bool:
@@ -191,14 +195,15 @@ def checkpoint_graph(graph: fx.Graph, num_params: int, *, policy: str = "full",
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
     forward = ancestor_names([outs[0], *[o for o in outs[1 + num_params:] if o is not None]])
-    num_blocks = num_ops = 0
-    found = list(_blocks(graph, forward).values())
+    num_ops = 0
+    checkpointed: list[tuple[str, int]] = []
+    found = list(_blocks(graph, forward).items())
     of_parameters = parameter_values(graph, num_params, forward) \
         if keep_parameter_values else set()
     if blocks is not None and blocks > len(found):
         raise ValueError(f"remat '{policy}:{blocks}' checkpoints {blocks} blocks, but the step "
                          f"has {len(found)}; use at most '{policy}:{len(found)}'")
-    for members in found[:blocks]:
+    for key, members in found[:blocks]:
         inside = set(members)
 
         def kept(n: fx.Node) -> bool:
@@ -238,10 +243,11 @@ def checkpoint_graph(graph: fx.Graph, num_params: int, *, policy: str = "full",
         for n in wanted:
             for u in backward_users(n):
                 u.replace_input_with(n, copies[n])
-        num_blocks += 1
+        checkpointed.append(key)
         num_ops += len(copies)
     graph.lint()
-    return Recomputed(blocks=num_blocks, ops=num_ops, total=len(found))
+    return Recomputed(blocks=len(checkpointed), ops=num_ops, total=len(found),
+                      checkpointed=tuple(checkpointed))
 
 
 def lazy_graph_module(root, graph: fx.Graph) -> fx.GraphModule:
@@ -316,6 +322,6 @@ def checkpointed_capture(captured: Capture, policy: str = "full", *,
     if policy != "none":
         opgraph.meta["remat"] = {"mode": policy, "blocks": done.blocks,
                                  "recomputed_ops": done.ops, "of": done.total,
-                                 "first": first}
+                                 "first": first, "checkpointed": done.checkpointed}
     opgraph.check()
     return replace(captured, graph=opgraph, gm=gm)

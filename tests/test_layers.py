@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import Counter
 
@@ -134,3 +135,39 @@ def test_a_pipeline_plan_that_no_schedule_can_run_is_refused():
     backwards = Transfer("g", 0, src_stage=0, dst_stage=1, phase="backward", bytes=4)
     with pytest.raises(PlanError, match="no schedule can run the plan"):
         dataclasses.replace(good, transfers=good.transfers + (backwards,))
+
+
+def test_layers_of_a_checkpointed_step_are_cut_between_its_blocks():
+    """LLaMA-2-13B cut to 2 blocks, checkpointed, in 2 layers: uncheckpointed, the cheapest
+    cut lies inside block 1 (after its attention, where the rotary tables are dead), and
+    the recompute of block 1's attention (layer 0) fed that of its MLP half (layer 1): a
+    value sent to a later stage in backward, which the 4 x 4 device pipeline plan refused.
+    Checkpointed blocks are cut between, so backward only flows to earlier layers."""
+    import torchalpa
+    import torchalpa.models as zoo
+    from torchalpa.core.opgraph import block_of as block
+    from torchalpa.parallel.workflow import capture_variants, micro_batch_examples
+    from torchalpa.passes.pipeline_search.layers import assign_layers
+    workload = zoo.llama2_13b(batch_size=8).replace(num_layers=2)
+    with torch.device("meta"):
+        model = workload.build()
+    method = torchalpa.PipeshardParallel(
+        num_micro_batches=4, layer_option=torchalpa.AutoLayerOption(layer_num=2),
+        auto_sharding_option=torchalpa.AutoShardingOption(remat="full"))
+    batch = micro_batch_examples(workload.example_inputs(device="meta"), 4)
+    variants = capture_variants(model, batch, workload.loss_fn, method.auto_sharding_option)
+    graph = variants["full"].graph
+    assert graph.meta["remat"]["checkpointed"] == (("layers", 0), ("layers", 1))
+    layers = assign_layers(graph, method, 16)
+    later = [(n.name, c) for n in graph.ops() if n.phase == "backward"
+             for c in graph.consumers(n.name) if layers[c] > layers[n.name]]
+    assert later == []
+    spans = {layers[n.name] for n in graph.ops()
+             if n.phase == "forward" and block(n.module) == ("layers", 1)}
+    assert spans == {1}
+    # the same graph told nothing is checkpointed: the cheapest cut splits block 1
+    bare = copy.copy(graph)
+    bare.meta = {**graph.meta, "remat": None}
+    plain = cluster_layers(bare, 2)
+    assert {plain[n.name] for n in graph.ops()
+            if n.phase == "forward" and block(n.module) == ("layers", 1)} == {0, 1}

@@ -72,10 +72,13 @@ def cluster_layers(graph: OpGraph, num_layers: int, eps: float = 0.6) -> dict[st
     cut = _live_bytes_at_cuts(graph, order)
     starts = _block_starts(graph, order)
     K = len(order)
+    closed = _inside_checkpointed(graph, order)
+    if K - 1 - int(closed[1:K].sum()) < num_layers - 1:
+        closed = None        # fewer checkpointed blocks than layers: some cut splits one
     while True:
         average = prefix[-1] / num_layers
         cuts = _segment(prefix, cut, K, num_layers, (1 + eps) * average,
-                        max(0.0, 1 - eps) * average, starts)
+                        max(0.0, 1 - eps) * average, starts, closed)
         if cuts is not None:
             break
         eps = eps * 2 if eps > 0 else 0.1  # ops too coarse for the bounds: relax them
@@ -99,9 +102,28 @@ def _block_starts(graph: OpGraph, order: list[str]) -> np.ndarray:
     return starts
 
 
-def _segment(prefix, cut, K, L, upper, lower=0.0, starts=None):
+def _inside_checkpointed(graph: OpGraph, order: list[str]) -> np.ndarray:
+    """True at the cut positions p inside a checkpointed block (between its first and its
+    last forward op; ``graph.meta["remat"]["checkpointed"]``). Backward recomputes such a
+    block's forward from its input: cut inside, the later layer's part would recompute
+    from values the earlier layer's part recomputes in its own backward, which runs after
+    the later stage's backward -- a value sent to a later stage in backward, which no
+    pipeline schedule can run."""
+    closed = np.zeros(len(order) + 1, dtype=bool)
+    checkpointed = set((graph.meta.get("remat") or {}).get("checkpointed", ()))
+    span: dict = {}
+    for p, name in enumerate(order):
+        block = block_of(graph.node(name).module)
+        if block in checkpointed:
+            span[block] = (span.get(block, (p, p))[0], p)
+    for first, last in span.values():
+        closed[first + 1:last + 1] = True
+    return closed
+
+
+def _segment(prefix, cut, K, L, upper, lower=0.0, starts=None, closed=None):
     """Cut positions 0 < c_1 < ... < c_{L-1} < K minimizing sum cut[c], each segment's
-    flops within [lower, upper]; None if impossible."""
+    flops within [lower, upper], none where ``closed``; None if impossible."""
     INF = float("inf")
     tie_weight = 0.1 / (max(prefix[K], 1.0) * L)
     f_prev = np.full(K + 1, INF)
@@ -124,7 +146,8 @@ def _segment(prefix, cut, K, L, upper, lower=0.0, starts=None):
                 q_lo += 1
             while window and window[0] < q_lo:
                 window.popleft()
-            if prefix[p] - prefix[p - 1] > upper or not window:
+            if prefix[p] - prefix[p - 1] > upper or not window or \
+                    (closed is not None and p < K and closed[p]):
                 continue
             q = window[0]
             # ties in bytes go to the start of a repeated block (a quarter byte), then to
