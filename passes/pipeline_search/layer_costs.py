@@ -31,7 +31,11 @@ from torchalpa.passes.pipeline_search.layer_cache import SolveCache
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.pipeline_search.search_problem import SearchProblem
 from torchalpa.passes.pipeline_search.stage_jobs import fork_map
-from torchalpa.passes.pipeline_search.submesh_views import searched_views, shardable_views
+from torchalpa.passes.pipeline_search.submesh_views import (
+    searched_views,
+    shardable_views,
+    tensor_dims,
+)
 from torchalpa.passes.pipeline_search.view_classes import reprice, view_class
 from torchalpa.passes.pricing.memory import in_flight_bytes
 from torchalpa.passes.sharding.ilp import InfeasibleError
@@ -40,6 +44,11 @@ from torchalpa.passes.sharding.intra_op import plan_intra_op
 __all__ = ["Estimate", "estimate_of", "micro_batch_seconds", "stage_memory", "LayerCosts"]
 
 Member = tuple[View, Submesh]        # a view of a submesh
+
+LAYER_CLASSES = True
+"""Group views into classes by each layer's own dims (``LayerCosts.view_class``), not
+every dim of the step: a decoder layer's views part only where its own values divide
+differently. False: by the step's dims (what the search did before; tests compare)."""
 
 
 @dataclass
@@ -98,6 +107,7 @@ class LayerCosts:
         self.repriced = 0
         self._layer_graphs: dict[int, OpGraph] = {}
         self._layer_rules: dict[int, dict] = {}     # per layer: node -> its sharding rule
+        self._layer_dims: dict[str, frozenset[int]] = {}   # layer signature -> its dims
 
     def views(self, submesh: Submesh) -> list[View]:
         """The logical views of ``submesh`` the search plans layers on: ``searched_views``
@@ -136,11 +146,12 @@ class LayerCosts:
     def _solve_classes(self, views: list[Member], workers: int) -> None:
         """Every distinct layer on ``views``: one job per (layer, class of views), the
         class's first view solved and its plan priced on the rest."""
-        classes: dict[object, list[Member]] = {}
-        for view, submesh in views:
-            classes.setdefault(self.view_class(view, submesh), []).append((view, submesh))
         requests = []
         for l in range(self.problem.num_layers):
+            classes: dict[object, list[Member]] = {}
+            for view, submesh in views:
+                classes.setdefault(self.view_class(view, submesh, l), []).append(
+                    (view, submesh))
             for members in classes.values():
                 todo = tuple((view, submesh) for view, submesh in members
                              if self._key(l, view, submesh, False) not in self.cache
@@ -149,9 +160,22 @@ class LayerCosts:
                     requests.append((l, todo, None))
         self._solve_all(requests, workers)
 
-    def view_class(self, view: View, submesh: Submesh):
-        """The ``view_class`` of ``view`` on ``submesh`` for this graph's dims."""
-        return view_class(self.problem.mesh(submesh, view), self.problem.dims)
+    def view_class(self, view: View, submesh: Submesh, l: int | None = None):
+        """The ``view_class`` of ``view`` on ``submesh`` for layer ``l``'s dims (every dim
+        of the step's values when None). A layer's strategies are its own values' splits,
+        so only the dims it holds decide which views offer it the same ones: the vocabulary
+        of the embedding does not part a decoder layer's views (LLaMA-3-70B on 16 x 8: 3, 5,
+        6, 7 ... nodes divide no dim of a decoder layer, and 3 divides the vocabulary)."""
+        dims = self.problem.dims if l is None or not LAYER_CLASSES else self.layer_dims(l)
+        return view_class(self.problem.mesh(submesh, view), dims)
+
+    def layer_dims(self, l: int) -> frozenset[int]:
+        """Every dim size of layer ``l``'s own graph (``layer_graph``), once per structure."""
+        signature = self.problem.signature[l]
+        dims = self._layer_dims.get(signature)
+        if dims is None:
+            dims = self._layer_dims[signature] = tensor_dims(self.layer_graph(l))
+        return dims
 
     def _solve_all(self, requests: list[tuple], workers: int) -> None:
         """Run ``solve_members`` jobs (layer, (view, submesh) members, lean) and store
