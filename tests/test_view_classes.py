@@ -244,3 +244,50 @@ def test_a_layers_views_are_classed_by_its_own_dims():
     own = costs._layer_plan(1, five[0], five[1], False)
     assert own is not None
     assert moved.estimates.step_time_s == pytest.approx(own.estimates.step_time_s)
+
+
+@pytest.mark.slow
+def test_views_replicating_alike_are_given_their_class_plans_estimates():
+    """Views of a layer's class that differ only in axes dividing none of its dims (3 and
+    5 nodes for the middle layer) get the solved view's estimates without pricing
+    (``COPY_REPLICATED``), and those are the estimates pricing them gives, both variants;
+    every other view is priced as before."""
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.passes.pipeline_search import layer_costs
+    from torchalpa.passes.pipeline_search.layer_cache import SolveCache
+    from torchalpa.passes.pipeline_search.layers import assign_layers
+    from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
+    from torchalpa.passes.pipeline_search.search_problem import SearchProblem
+    from torchalpa.passes.pipeline_search.stages import submesh_shapes
+    torch.manual_seed(0)
+    ids = torch.randint(0, 48, (8, 16))
+    graph = capture(_Vocab(), (ids, torch.randint(0, 48, (8, 16))),
+                    lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())).graph
+    cluster = _cluster(8)
+    method = torchalpa.PipeshardParallel(num_micro_batches=1)
+    problem = SearchProblem(graph, assign_layers(graph, method, cluster.num_devices), cluster,
+                            method, "global")
+
+    def estimates(copy: bool) -> tuple[dict, int]:
+        layer_costs.COPY_REPLICATED = copy
+        try:
+            costs = layer_costs.LayerCosts(problem, SolveCache(), PricingMemo())
+            costs.prefetch(submesh_shapes(8, 4), workers=1, max_in_flight=1)
+            views = [(v, s) for s in submesh_shapes(8, 4) for v in costs.views(s)]
+            return {(l, v, s, lean): costs.layer_estimate(l, v, s, lean)
+                    for l in range(problem.num_layers) for v, s in views
+                    for lean in (False, True)}, costs.copied
+        finally:
+            layer_costs.COPY_REPLICATED = True
+
+    copied, n = estimates(True)
+    priced, none = estimates(False)
+    assert n > 0 and none == 0
+    assert copied.keys() == priced.keys()
+    for key, found in copied.items():
+        want = priced[key]
+        assert (found is None) == (want is None), key
+        if found is not None:
+            for field in ("seconds", "state", "activations", "saved"):
+                assert getattr(found, field) == pytest.approx(getattr(want, field),
+                                                              rel=1e-9), (key, field)

@@ -45,6 +45,11 @@ __all__ = ["Estimate", "estimate_of", "micro_batch_seconds", "stage_memory", "La
 
 Member = tuple[View, Submesh]        # a view of a submesh
 
+COPY_REPLICATED = True
+"""Give a view the estimates of its class's solved view where the two differ only in axes
+that divide no dim of the layer (``LayerCosts.replicated_alike``); False prices each
+(tests compare)."""
+
 LAYER_CLASSES = True
 """Group views into classes by each layer's own dims (``LayerCosts.view_class``), not
 every dim of the step: a decoder layer's views part only where its own values divide
@@ -105,6 +110,7 @@ class LayerCosts:
         self.share_views = share_views
         self.solves = 0
         self.repriced = 0
+        self.copied = 0       # views given a replicated-alike view's estimates
         self._layer_graphs: dict[int, OpGraph] = {}
         self._layer_rules: dict[int, dict] = {}     # per layer: node -> its sharding rule
         self._layer_dims: dict[str, frozenset[int]] = {}   # layer signature -> its dims
@@ -187,14 +193,15 @@ class LayerCosts:
             self.layer_graph(l)  # made here, so that forked workers inherit them
         # largest meshes first so the workers stay busy to the end
         jobs = sorted(todo.values(), key=lambda args: -math.prod(args[1][0][0]))
-        solves, repriced = self.solves, self.repriced
+        solves, repriced, copied = self.solves, self.repriced, self.copied
         results = fork_map(self.solve_members, jobs, workers)
         for (l, _members, _), (estimates, counts) in zip(jobs, results):
             for (view, submesh, lean), estimate in estimates.items():
                 self.cache.put(self._key(l, view, submesh, lean), estimate)
             solves += counts[0]    # workers counted theirs in their own copies
             repriced += counts[1]
-        self.solves, self.repriced = solves, repriced
+            copied += counts[2]
+        self.solves, self.repriced, self.copied = solves, repriced, copied
 
     def solve_members(self, job: tuple[int, tuple[Member, ...], bool | None]
                       ) -> tuple[dict[tuple, Estimate | None], tuple[int, int]]:
@@ -204,18 +211,40 @@ class LayerCosts:
         both variants, the lean ones priced from the fastest plan. Returns the estimates
         by (view, submesh, lean) and (ILP solves, views priced without one)."""
         l, members, lean = job
-        solves, repriced = self.solves, self.repriced
+        solves, repriced, copied = self.solves, self.repriced, self.copied
         out: dict[tuple, Estimate | None] = {}
         (first_view, first_submesh) = members[0]
         first = self._layer_plan(l, first_view, first_submesh, bool(lean))
         variants = (False, True) if lean is None else (lean,)
         for view, submesh in members:
+            same = (view, submesh) != members[0] and \
+                self.replicated_alike(l, members[0], (view, submesh))
+            self.copied += same * len(variants)
             for variant in variants:
+                if same:
+                    out[(view, submesh, variant)] = out[(first_view, first_submesh, variant)]
+                    continue
                 plan = first if (view, submesh) == members[0] and variant == bool(lean) \
                     else self._priced(l, first, view, submesh, variant)
                 out[(view, submesh, variant)] = estimate_of(
                     plan, self.problem.method.num_micro_batches)
-        return out, (self.solves - solves, self.repriced - repriced)
+        return out, (self.solves - solves, self.repriced - repriced, self.copied - copied)
+
+    def replicated_alike(self, l: int, a: Member, b: Member) -> bool:
+        """Whether views ``a`` and ``b`` of one class differ only in the sizes of axes
+        that divide no dim of layer ``l``: every plan of the layer then replicates over
+        those axes (each device there repeats the same work, no collective runs on them),
+        so it costs the same on both, and ``a``'s estimates are ``b``'s without pricing
+        (``COPY_REPLICATED``). On 128 nodes most node counts are such (an odd factor
+        divides no dim of a LLaMA layer): their views are then not priced one by one."""
+        if not COPY_REPLICATED:
+            return False
+        ma, mb = self.problem.mesh(a[1], a[0]), self.problem.mesh(b[1], b[0])
+        if len(ma.shape) != len(mb.shape):
+            return False
+        cls = view_class(ma, self.layer_dims(l) if LAYER_CLASSES else self.problem.dims)
+        return all(x == y or not cls.axes[axis][2]
+                   for axis, (x, y) in enumerate(zip(ma.shape, mb.shape)))
 
     def _priced(self, l: int, plan: Plan | None, view: View, submesh: Submesh,
                 lean: bool) -> Plan | None:
