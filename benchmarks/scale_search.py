@@ -10,13 +10,16 @@ remat="none")``: one candidate, the one targets e and f try first. Prints the pl
 time, the search's own split (``plan.summary()``'s AutoParallel note), the layer ILPs, the
 views priced from their class's plan, the exact stage solves and the estimate.
 ``--step-classes`` groups views by every dim of the step (the search before), not each
-layer's own (``layer_costs.LAYER_CLASSES``).
+layer's own (``layer_costs.LAYER_CLASSES``); ``--price-all`` prices every view of a class
+(``layer_costs.COPY_REPLICATED`` off). The search logs one line per phase (layer ILPs,
+stage DP and exact stage solves, the stages' own plans) on the ``torchalpa`` logger.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import time
 
 import torch
@@ -33,11 +36,13 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=16)
     p.add_argument("--micro-batches", type=int, default=16)
     p.add_argument("--step-classes", action="store_true")
+    p.add_argument("--price-all", action="store_true",
+                   help="price every view, none given a replicated-alike view's estimates")
     args = p.parse_args()
     os.environ.setdefault("TORCHALPA_CACHE", "0")
-    if args.step_classes:
-        from torchalpa.passes.pipeline_search import layer_costs
-        layer_costs.LAYER_CLASSES = False
+    from torchalpa.passes.pipeline_search import layer_costs
+    layer_costs.LAYER_CLASSES = not args.step_classes
+    layer_costs.COPY_REPLICATED = not args.price_all
     workload = (zoo.llama3_70b() if args.model == "70b" else zoo.llama3_405b()
                 ).replace(num_layers=args.layers)
     with torch.device("meta"):
@@ -49,10 +54,13 @@ def main() -> None:
                           cluster=torchalpa.Cluster.h100(num_nodes=args.nodes), method=method,
                           mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
     seconds = time.perf_counter() - start
+    cpu = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+              for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     e = plan.estimates
     print(f"{args.model} {args.layers} layers on {args.nodes} x 8, {args.micro_batches} "
           f"micro-batches, {'step' if args.step_classes else 'layer'} classes: planned in "
-          f"{seconds:.1f} s (load {os.getloadavg()[0]:.1f}); layer ILPs {e.layer_solves}, "
+          f"{seconds:.1f} s (load {os.getloadavg()[0]:.1f}; CPU {cpu:.1f} s, its forked "
+          f"workers included); layer ILPs {e.layer_solves}, "
           f"views priced from their class's plan {e.layers_repriced}, exact stage solves "
           f"{e.stage_solves}, pipeline search {e.search_seconds:.1f} s; est "
           f"{e.step_time_s!r} s/step, {len(plan.stages)} stages "
