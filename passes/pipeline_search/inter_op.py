@@ -158,8 +158,9 @@ def _search(costs: StageCosts, exact: ExactStages, workers: int, start: float) -
     layers.prefetch(shapes, workers=workers,
                     max_in_flight=min(B, L) if schedule == "1f1b" else B)
     progress.info("pipeline search, %d micro-batches: %d layer ILPs, %d more views priced "
-                  "with their class's plan, %.1f s; stage DP and exact stage solves...", B,
-                  layers.solves, layers.repriced, time.perf_counter() - start)
+                  "with their class's plan, %d given a view's that replicates alike, %.1f s; "
+                  "stage DP and exact stage solves...", B, layers.solves, layers.repriced,
+                  layers.copied, time.perf_counter() - start)
     log.info("pipeline search: %d layer solves, %d more views priced with their "
              "class's plan, in %.1fs", layers.solves, layers.repriced,
              time.perf_counter() - start)
