@@ -246,7 +246,6 @@ def test_a_layers_views_are_classed_by_its_own_dims():
     assert moved.estimates.step_time_s == pytest.approx(own.estimates.step_time_s)
 
 
-@pytest.mark.slow
 def test_views_replicating_alike_are_given_their_class_plans_estimates():
     """Views of a layer's class that differ only in axes dividing none of its dims (3 and
     5 nodes for the middle layer) get the solved view's estimates without pricing
