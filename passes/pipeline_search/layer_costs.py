@@ -204,12 +204,13 @@ class LayerCosts:
         self.solves, self.repriced, self.copied = solves, repriced, copied
 
     def solve_members(self, job: tuple[int, tuple[Member, ...], bool | None]
-                      ) -> tuple[dict[tuple, Estimate | None], tuple[int, int]]:
+                      ) -> tuple[dict[tuple, Estimate | None], tuple[int, int, int]]:
         """Layer ``l`` on the first of ``members`` (views of one class) by the ILP, and
         on each other one by pricing that plan there; a member the plan does not carry
         over to (not expected within a class) is solved by its own ILP. ``lean`` None:
         both variants, the lean ones priced from the fastest plan. Returns the estimates
-        by (view, submesh, lean) and (ILP solves, views priced without one)."""
+        by (view, submesh, lean) and (ILP solves, views priced without one, views given a
+        replicated-alike view's estimates, ``replicated_alike``)."""
         l, members, lean = job
         solves, repriced, copied = self.solves, self.repriced, self.copied
         out: dict[tuple, Estimate | None] = {}
@@ -219,7 +220,7 @@ class LayerCosts:
         for view, submesh in members:
             same = (view, submesh) != members[0] and \
                 self.replicated_alike(l, members[0], (view, submesh))
-            self.copied += same * len(variants)
+            self.copied += len(variants) if same else 0
             for variant in variants:
                 if same:
                     out[(view, submesh, variant)] = out[(first_view, first_submesh, variant)]
