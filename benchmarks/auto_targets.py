@@ -54,11 +54,14 @@ GB = 1024 ** 3
 
 TARGET_S = {"a": 20, "b": 60, "c": 30, "d": 60, "e": 60, "f": 120, "g": 30}
 """Seconds each target should plan in on a 2-core machine (capture included)."""
-BEFORE = {"a": (613.4, 2.346), "b": (520.4, 71.99), "d": (1065.5, 5.058), "g": (861.0, 91.86)}
+BEFORE: dict[str, tuple[float, float | None]] = {
+    "a": (613.4, 2.346), "b": (520.4, 71.99), "d": (1065.5, 5.058), "g": (861.0, 91.86),
+    "e": (600.0, None)}
 """(planned-in seconds, estimated s/step) recorded before in RESULTS.md: a and g from
 "Targets after pricing alike nodes once" (2026-11-28 20:27-21:11, load 12-18, the 600-s
 safety net fired in both), b and d from "Real jobs with the default method" (2026-11-28);
-targets not listed had no figure."""
+e from "Planning at scale" (2026-11-29, no plan when ``timeout 600`` ended it: the
+estimate None); targets not listed had no figure."""
 
 
 def _meta(workload):
@@ -99,8 +102,11 @@ def _before(key: str, seconds: float, est: float | None) -> str:
     text = f" [target <= {TARGET_S[key]} s: {'met' if seconds <= TARGET_S[key] else 'NOT met'}"
     if key in BEFORE:
         then_s, then_est = BEFORE[key]
-        text += f"; before {then_s:.1f} s, est {then_est:.4g}"
-        if est is not None:
+        if then_est is None:            # stopped before any plan
+            text += f"; before no plan in {then_s:.0f} s"
+        else:
+            text += f"; before {then_s:.1f} s, est {then_est:.4g}"
+        if est is not None and then_est is not None:
             text += f" (est now/before {est / then_est:.3f})"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
     return text + f"; peak memory {peak:.2f} GiB]"

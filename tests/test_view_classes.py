@@ -181,3 +181,112 @@ def test_shared_views_plan_what_solving_every_view_plans(nodes):
     assert shared.estimates.memory_per_device_bytes == pytest.approx(
         every.estimates.memory_per_device_bytes)
     assert any("1D views of multi-node submeshes skipped" in n for n in shared.notes)
+
+
+class _Vocab(nn.Module):
+    """An embedding of 48 words, two linear layers, a head: the vocabulary divides by 3,
+    no dim of the middle layers does."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(48, 32)
+        self.mid = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 48)
+
+    def forward(self, ids):
+        from torchalpa.ops.markers import mark_pipeline_boundary
+        h = self.embed(ids)
+        h = mark_pipeline_boundary(h)
+        h = F.relu(self.mid(h))
+        h = mark_pipeline_boundary(h)
+        return self.head(h)
+
+
+def test_a_layers_views_are_classed_by_its_own_dims():
+    """The vocabulary parts 3 from 5 nodes for the step (3 divides 48, 5 does not), not for
+    the middle layer, which holds no dim either divides: its views on 3 and 5 nodes share
+    one solve, and that layer's plan solved on 3 nodes is priced on 5 as it is; the
+    embedding's layer keeps them apart, and so does the step's class (``LAYER_CLASSES``
+    off)."""
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.passes.pipeline_search import layer_costs
+    from torchalpa.passes.pipeline_search.layer_cache import SolveCache
+    from torchalpa.passes.pipeline_search.layers import assign_layers
+    from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
+    from torchalpa.passes.pipeline_search.search_problem import SearchProblem
+    from torchalpa.passes.pipeline_search.view_classes import reprice
+    torch.manual_seed(0)
+    ids = torch.randint(0, 48, (8, 16))
+    graph = capture(_Vocab(), (ids, torch.randint(0, 48, (8, 16))),
+                    lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())).graph
+    cluster = _cluster(8)
+    method = torchalpa.PipeshardParallel(num_micro_batches=1)
+    problem = SearchProblem(graph, assign_layers(graph, method, cluster.num_devices), cluster,
+                            method, "global")
+    assert problem.num_layers == 3
+    costs = layer_costs.LayerCosts(problem, SolveCache(), PricingMemo())
+    three, five = ((3, 4), (3, 4)), ((5, 4), (5, 4))
+    assert 48 in costs.layer_dims(0) and 48 not in costs.layer_dims(1)
+    assert costs.view_class(*three, 1) == costs.view_class(*five, 1)
+    assert costs.view_class(*three, 0) != costs.view_class(*five, 0)
+    assert costs.view_class(*three) != costs.view_class(*five)      # the step's dims
+    layer_costs.LAYER_CLASSES = False
+    try:
+        assert costs.view_class(*three, 1) != costs.view_class(*five, 1)
+    finally:
+        layer_costs.LAYER_CLASSES = True
+    solved = costs._layer_plan(1, three[0], three[1], False)
+    assert solved is not None
+    moved = reprice(costs.layer_graph(1), solved, costs._layer_mesh(*five),
+                    costs._layer_method(False))
+    assert moved is not None and moved.mesh_shape == (5, 4)
+    # nothing of the layer divides by 3 or 5: both views replicate over the nodes alike
+    own = costs._layer_plan(1, five[0], five[1], False)
+    assert own is not None
+    assert moved.estimates.step_time_s == pytest.approx(own.estimates.step_time_s)
+
+
+def test_views_replicating_alike_are_given_their_class_plans_estimates():
+    """Views of a layer's class that differ only in axes dividing none of its dims (3 and
+    5 nodes for the middle layer) get the solved view's estimates without pricing
+    (``COPY_REPLICATED``), and those are the estimates pricing them gives, both variants;
+    every other view is priced as before."""
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.passes.pipeline_search import layer_costs
+    from torchalpa.passes.pipeline_search.layer_cache import SolveCache
+    from torchalpa.passes.pipeline_search.layers import assign_layers
+    from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
+    from torchalpa.passes.pipeline_search.search_problem import SearchProblem
+    from torchalpa.passes.pipeline_search.stages import submesh_shapes
+    torch.manual_seed(0)
+    ids = torch.randint(0, 48, (8, 16))
+    graph = capture(_Vocab(), (ids, torch.randint(0, 48, (8, 16))),
+                    lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())).graph
+    cluster = _cluster(8)
+    method = torchalpa.PipeshardParallel(num_micro_batches=1)
+    problem = SearchProblem(graph, assign_layers(graph, method, cluster.num_devices), cluster,
+                            method, "global")
+
+    def estimates(copy: bool) -> tuple[dict, int]:
+        layer_costs.COPY_REPLICATED = copy
+        try:
+            costs = layer_costs.LayerCosts(problem, SolveCache(), PricingMemo())
+            costs.prefetch(submesh_shapes(8, 4), workers=1, max_in_flight=1)
+            views = [(v, s) for s in submesh_shapes(8, 4) for v in costs.views(s)]
+            return {(l, v, s, lean): costs.layer_estimate(l, v, s, lean)
+                    for l in range(problem.num_layers) for v, s in views
+                    for lean in (False, True)}, costs.copied
+        finally:
+            layer_costs.COPY_REPLICATED = True
+
+    copied, n = estimates(True)
+    priced, none = estimates(False)
+    assert n > 0 and none == 0
+    assert copied.keys() == priced.keys()
+    for key, found in copied.items():
+        want = priced[key]
+        assert (found is None) == (want is None), key
+        if found is not None:
+            for field in ("seconds", "state", "activations", "saved"):
+                assert getattr(found, field) == pytest.approx(getattr(want, field),
+                                                              rel=1e-9), (key, field)

@@ -61,6 +61,9 @@ __all__ = ["plan_pipeline", "assign_layers", "logical_views", "shardable_views",
            "searched_views", "layer_probes", "LayerProbe", "micro_batch_seconds"]
 
 log = logging.getLogger("torchalpa.planner")
+progress = logging.getLogger("torchalpa")
+"""One line per phase of a search (shown by default, ``TORCHALPA_LOG``): layer ILPs,
+stage DP with exact stage solves, the stages' own plans."""
 
 
 def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
@@ -148,8 +151,16 @@ def _search(costs: StageCosts, exact: ExactStages, workers: int, start: float) -
     method, cluster, L = problem.method, problem.cluster, problem.num_layers
     B, schedule = method.num_micro_batches, method.pipeline_schedule
     shapes = submesh_shapes(cluster.num_nodes, cluster.devices_per_node)
+    views = sum(len(layers.views(shape)) for shape in shapes)
+    progress.info("pipeline search, %d micro-batches: layer ILPs of %d layers (%d distinct) "
+                  "on %d views of %d submeshes...", B, L, len(set(problem.signature)), views,
+                  len(shapes))
     layers.prefetch(shapes, workers=workers,
                     max_in_flight=min(B, L) if schedule == "1f1b" else B)
+    progress.info("pipeline search, %d micro-batches: %d layer ILPs, %d more views priced "
+                  "with their class's plan, %d given a view's that replicates alike, %.1f s; "
+                  "stage DP and exact stage solves...", B, layers.solves, layers.repriced,
+                  layers.copied, time.perf_counter() - start)
     log.info("pipeline search: %d layer solves, %d more views priced with their "
              "class's plan, in %.1fs", layers.solves, layers.repriced,
              time.perf_counter() - start)
@@ -161,6 +172,10 @@ def _search(costs: StageCosts, exact: ExactStages, workers: int, start: float) -
                               f" {e}") from e
     log.info("pipeline search: %d stage candidates priced exactly (%d stage solves)",
              found.num_priced, exact.exact_solves)
+    progress.info("pipeline search, %d micro-batches: %d stages chosen, %d stage variants "
+                  "priced exactly (%d stage ILPs), %.1f s; the stages' own plans...", B,
+                  len(found.solution.stages), found.num_priced, exact.exact_solves,
+                  time.perf_counter() - start)
     stages = [(s.layers, s.submesh, chosen.view, chosen.option)
               for s, chosen in zip(found.solution.stages, found.stages)]
     notes = view_notes(shapes, problem.dims, layers.share_views and

@@ -31,7 +31,11 @@ from torchalpa.passes.pipeline_search.layer_cache import SolveCache
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.pipeline_search.search_problem import SearchProblem
 from torchalpa.passes.pipeline_search.stage_jobs import fork_map
-from torchalpa.passes.pipeline_search.submesh_views import searched_views, shardable_views
+from torchalpa.passes.pipeline_search.submesh_views import (
+    searched_views,
+    shardable_views,
+    tensor_dims,
+)
 from torchalpa.passes.pipeline_search.view_classes import reprice, view_class
 from torchalpa.passes.pricing.memory import in_flight_bytes
 from torchalpa.passes.sharding.ilp import InfeasibleError
@@ -40,6 +44,16 @@ from torchalpa.passes.sharding.intra_op import plan_intra_op
 __all__ = ["Estimate", "estimate_of", "micro_batch_seconds", "stage_memory", "LayerCosts"]
 
 Member = tuple[View, Submesh]        # a view of a submesh
+
+COPY_REPLICATED = True
+"""Give a view the estimates of its class's solved view where the two differ only in axes
+that divide no dim of the layer (``LayerCosts.replicated_alike``); False prices each
+(tests compare)."""
+
+LAYER_CLASSES = True
+"""Group views into classes by each layer's own dims (``LayerCosts.view_class``), not
+every dim of the step: a decoder layer's views part only where its own values divide
+differently. False: by the step's dims (what the search did before; tests compare)."""
 
 
 @dataclass
@@ -96,8 +110,10 @@ class LayerCosts:
         self.share_views = share_views
         self.solves = 0
         self.repriced = 0
+        self.copied = 0       # views given a replicated-alike view's estimates
         self._layer_graphs: dict[int, OpGraph] = {}
         self._layer_rules: dict[int, dict] = {}     # per layer: node -> its sharding rule
+        self._layer_dims: dict[str, frozenset[int]] = {}   # layer signature -> its dims
 
     def views(self, submesh: Submesh) -> list[View]:
         """The logical views of ``submesh`` the search plans layers on: ``searched_views``
@@ -136,11 +152,12 @@ class LayerCosts:
     def _solve_classes(self, views: list[Member], workers: int) -> None:
         """Every distinct layer on ``views``: one job per (layer, class of views), the
         class's first view solved and its plan priced on the rest."""
-        classes: dict[object, list[Member]] = {}
-        for view, submesh in views:
-            classes.setdefault(self.view_class(view, submesh), []).append((view, submesh))
         requests = []
         for l in range(self.problem.num_layers):
+            classes: dict[object, list[Member]] = {}
+            for view, submesh in views:
+                classes.setdefault(self.view_class(view, submesh, l), []).append(
+                    (view, submesh))
             for members in classes.values():
                 todo = tuple((view, submesh) for view, submesh in members
                              if self._key(l, view, submesh, False) not in self.cache
@@ -149,9 +166,22 @@ class LayerCosts:
                     requests.append((l, todo, None))
         self._solve_all(requests, workers)
 
-    def view_class(self, view: View, submesh: Submesh):
-        """The ``view_class`` of ``view`` on ``submesh`` for this graph's dims."""
-        return view_class(self.problem.mesh(submesh, view), self.problem.dims)
+    def view_class(self, view: View, submesh: Submesh, l: int | None = None):
+        """The ``view_class`` of ``view`` on ``submesh`` for layer ``l``'s dims (every dim
+        of the step's values when None). A layer's strategies are its own values' splits,
+        so only the dims it holds decide which views offer it the same ones: the vocabulary
+        of the embedding does not part a decoder layer's views (LLaMA-3-70B on 16 x 8: 3, 5,
+        6, 7 ... nodes divide no dim of a decoder layer, and 3 divides the vocabulary)."""
+        dims = self.problem.dims if l is None or not LAYER_CLASSES else self.layer_dims(l)
+        return view_class(self.problem.mesh(submesh, view), dims)
+
+    def layer_dims(self, l: int) -> frozenset[int]:
+        """Every dim size of layer ``l``'s own graph (``layer_graph``), once per structure."""
+        signature = self.problem.signature[l]
+        dims = self._layer_dims.get(signature)
+        if dims is None:
+            dims = self._layer_dims[signature] = tensor_dims(self.layer_graph(l))
+        return dims
 
     def _solve_all(self, requests: list[tuple], workers: int) -> None:
         """Run ``solve_members`` jobs (layer, (view, submesh) members, lean) and store
@@ -163,35 +193,59 @@ class LayerCosts:
             self.layer_graph(l)  # made here, so that forked workers inherit them
         # largest meshes first so the workers stay busy to the end
         jobs = sorted(todo.values(), key=lambda args: -math.prod(args[1][0][0]))
-        solves, repriced = self.solves, self.repriced
+        solves, repriced, copied = self.solves, self.repriced, self.copied
         results = fork_map(self.solve_members, jobs, workers)
         for (l, _members, _), (estimates, counts) in zip(jobs, results):
             for (view, submesh, lean), estimate in estimates.items():
                 self.cache.put(self._key(l, view, submesh, lean), estimate)
             solves += counts[0]    # workers counted theirs in their own copies
             repriced += counts[1]
-        self.solves, self.repriced = solves, repriced
+            copied += counts[2]
+        self.solves, self.repriced, self.copied = solves, repriced, copied
 
     def solve_members(self, job: tuple[int, tuple[Member, ...], bool | None]
-                      ) -> tuple[dict[tuple, Estimate | None], tuple[int, int]]:
+                      ) -> tuple[dict[tuple, Estimate | None], tuple[int, int, int]]:
         """Layer ``l`` on the first of ``members`` (views of one class) by the ILP, and
         on each other one by pricing that plan there; a member the plan does not carry
         over to (not expected within a class) is solved by its own ILP. ``lean`` None:
         both variants, the lean ones priced from the fastest plan. Returns the estimates
-        by (view, submesh, lean) and (ILP solves, views priced without one)."""
+        by (view, submesh, lean) and (ILP solves, views priced without one, views given a
+        replicated-alike view's estimates, ``replicated_alike``)."""
         l, members, lean = job
-        solves, repriced = self.solves, self.repriced
+        solves, repriced, copied = self.solves, self.repriced, self.copied
         out: dict[tuple, Estimate | None] = {}
         (first_view, first_submesh) = members[0]
         first = self._layer_plan(l, first_view, first_submesh, bool(lean))
         variants = (False, True) if lean is None else (lean,)
         for view, submesh in members:
+            same = (view, submesh) != members[0] and \
+                self.replicated_alike(l, members[0], (view, submesh))
+            self.copied += len(variants) if same else 0
             for variant in variants:
+                if same:
+                    out[(view, submesh, variant)] = out[(first_view, first_submesh, variant)]
+                    continue
                 plan = first if (view, submesh) == members[0] and variant == bool(lean) \
                     else self._priced(l, first, view, submesh, variant)
                 out[(view, submesh, variant)] = estimate_of(
                     plan, self.problem.method.num_micro_batches)
-        return out, (self.solves - solves, self.repriced - repriced)
+        return out, (self.solves - solves, self.repriced - repriced, self.copied - copied)
+
+    def replicated_alike(self, l: int, a: Member, b: Member) -> bool:
+        """Whether views ``a`` and ``b`` of one class differ only in the sizes of axes
+        that divide no dim of layer ``l``: every plan of the layer then replicates over
+        those axes (each device there repeats the same work, no collective runs on them),
+        so it costs the same on both, and ``a``'s estimates are ``b``'s without pricing
+        (``COPY_REPLICATED``). On 128 nodes most node counts are such (an odd factor
+        divides no dim of a LLaMA layer): their views are then not priced one by one."""
+        if not COPY_REPLICATED:
+            return False
+        ma, mb = self.problem.mesh(a[1], a[0]), self.problem.mesh(b[1], b[0])
+        if len(ma.shape) != len(mb.shape):
+            return False
+        cls = view_class(ma, self.layer_dims(l) if LAYER_CLASSES else self.problem.dims)
+        return all(x == y or not cls.axes[axis][2]
+                   for axis, (x, y) in enumerate(zip(ma.shape, mb.shape)))
 
     def _priced(self, l: int, plan: Plan | None, view: View, submesh: Submesh,
                 lean: bool) -> Plan | None:

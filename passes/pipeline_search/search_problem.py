@@ -31,6 +31,7 @@ class SearchProblem:
         self.num_layers = max(layer.values()) + 1
         self.signature = layer_signatures(graph, layer, self.num_layers)
         self.dims = tensor_dims(graph)
+        self._meshes: dict[tuple, LogicalMesh] = {}
         # everything besides the layers' structure and the view that decides a solve (the
         # micro-batches too: a stage's ILP weighs its gradients' reduction against them)
         self.context = (repr(cluster), repr(method.intra_op_method(None)), inputs,
@@ -42,8 +43,13 @@ class SearchProblem:
             self.cluster.memory_per_device
 
     def mesh(self, submesh: tuple[int, int], view: tuple[int, ...]) -> LogicalMesh:
-        """``submesh`` of the cluster as the logical mesh ``view``."""
-        return submesh_cluster(self.cluster, submesh).logical_mesh(view)
+        """``submesh`` of the cluster as the logical mesh ``view`` (made once per pair: the
+        stage DP asks for every range on every view)."""
+        key = (submesh, view)
+        found = self._meshes.get(key)
+        if found is None:
+            found = self._meshes[key] = submesh_cluster(self.cluster, submesh).logical_mesh(view)
+        return found
 
     def stage_graph(self, first: int, last: int) -> OpGraph:
         """Layers ``first..last`` as one stage's own graph."""

@@ -44,6 +44,7 @@ class StageCosts:
         self.stage_recompute = stage_recompute_allowed(problem.method, problem.graph)
         self.send_bytes = self._boundary_bytes()
         self._received: dict[tuple[int, int], float] = {}
+        self._sends: dict[tuple[int, int], tuple] = {}   # (cut, id(mesh)) -> (mesh, seconds)
 
     def received(self, k: int, i: int) -> float:
         """Forward bytes layers k..i receive from earlier layers per micro-batch."""
@@ -85,16 +86,31 @@ class StageCosts:
             (self.send_bytes[k - 1] if k > 0 else [])
         if mesh is None:
             return sum(spec.nbytes for spec, _ in values) / link
+        # each cut's values priced once per mesh, added up in the order above (the same
+        # float sum): the DP's cost table asks for every range, O(L^2) per view
         seconds = 0.0
-        for spec, batched in values:
+        for cut in ([i] if i < self.problem.num_layers - 1 else []) + ([k - 1] if k > 0 else []):
+            for t in self._cut_seconds(cut, mesh, link):
+                seconds += t
+        return seconds
+
+    def _cut_seconds(self, cut: int, mesh: LogicalMesh, link: float) -> tuple[float, ...]:
+        """Seconds of each value crossing ``cut`` (``send_bytes[cut]``'s order) on ``mesh``."""
+        key = (cut, id(mesh))
+        found = self._sends.get(key)
+        if found is not None and found[0] is mesh:
+            return found[1]
+        out = []
+        for spec, batched in self.send_bytes[cut]:
             split = batch_split_of(spec, mesh.shape) if batched else 1
             t = Transfer("", 0, 0, 0, "forward", spec.nbytes, batch_split=split)
             whole = transfer_seconds(t, [mesh], link)
             n = mesh.shape[mesh.ndim - 1]
             if n > 1 and (split == 1 or len(mesh.shape) > 1) and spec.numel // split % n == 0:
                 whole = min(whole, transfer_seconds(replace(t, split=n), [mesh], link))
-            seconds += whole
-        return seconds
+            out.append(whole)
+        self._sends[key] = (mesh, tuple(out))     # the mesh kept: its id stays its own
+        return self._sends[key][1]
 
     def candidates(self, k: int, i: int, submesh: Submesh, in_flight_batches: int
                    ) -> list[Candidate]:
