@@ -381,11 +381,10 @@ class _IntraOpILP:
         fit; MPT-13B on 8 A100 under FSDP)."""
         try:
             return self.solve(1)
+        except SolverStopped:   # the clock, not the budget: a retry would depend on load
+            raise
         except InfeasibleError:
-            graph, S, heavy = self.graph, self.space.strategies, self.space.heavy
-            if len(group_nodes(graph, S, self.blocks, heavy=heavy, merge_followers=False)
-                   .representatives) == len(group_nodes(graph, S, self.blocks, heavy=heavy)
-                                            .representatives):
+            if not self._followers_decide_more():
                 raise
             log.info("no plan of the simplified ILP fits the budget: solving with free "
                      "followers")
@@ -405,11 +404,16 @@ class _IntraOpILP:
     def _frees_followers(self) -> bool:
         """Whether letting followers decide on their own gives the ILP more decisions, on
         a graph small enough for it (``free_followers_below``)."""
+        return len(self.graph) <= self.option.free_followers_below and \
+            self._followers_decide_more()
+
+    def _followers_decide_more(self) -> bool:
+        """Whether letting followers decide on their own gives the ILP more decisions."""
         graph, S, blocks, heavy = self.graph, self.space.strategies, self.blocks, \
             self.space.heavy
-        return len(graph) <= self.option.free_followers_below and len(group_nodes(
-            graph, S, blocks, heavy=heavy, merge_followers=False).representatives) > \
-            len(group_nodes(graph, S, blocks, heavy=heavy).representatives)
+        return len(group_nodes(graph, S, blocks, heavy=heavy, merge_followers=False)
+                   .representatives) > len(group_nodes(graph, S, blocks, heavy=heavy)
+                                           .representatives)
 
     def solve(self, period: int, start: dict[str, Strategy] | None = None,
               exact: bool = False, shared: frozenset = frozenset(),
