@@ -202,19 +202,11 @@ class _Vocab(nn.Module):
         return self.head(h)
 
 
-def test_a_layers_views_are_classed_by_its_own_dims():
-    """The vocabulary parts 3 from 5 nodes for the step (3 divides 48, 5 does not), not for
-    the middle layer, which holds no dim either divides: its views on 3 and 5 nodes share
-    one solve, and that layer's plan solved on 3 nodes is priced on 5 as it is; the
-    embedding's layer keeps them apart, and so does the step's class (``LAYER_CLASSES``
-    off)."""
+def _vocab_problem():
+    """The pipeline search's problem of ``_Vocab`` (3 layers) on 8 nodes of 4 devices."""
     from torchalpa.frontends.torch_export import capture
-    from torchalpa.passes.pipeline_search import layer_costs
-    from torchalpa.passes.pipeline_search.layer_cache import SolveCache
     from torchalpa.passes.pipeline_search.layers import assign_layers
-    from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
     from torchalpa.passes.pipeline_search.search_problem import SearchProblem
-    from torchalpa.passes.pipeline_search.view_classes import reprice
     torch.manual_seed(0)
     ids = torch.randint(0, 48, (8, 16))
     graph = capture(_Vocab(), (ids, torch.randint(0, 48, (8, 16))),
@@ -223,6 +215,20 @@ def test_a_layers_views_are_classed_by_its_own_dims():
     method = torchalpa.PipeshardParallel(num_micro_batches=1)
     problem = SearchProblem(graph, assign_layers(graph, method, cluster.num_devices), cluster,
                             method, "global")
+    return problem
+
+
+def test_a_layers_views_are_classed_by_its_own_dims():
+    """The vocabulary parts 3 from 5 nodes for the step (3 divides 48, 5 does not), not for
+    the middle layer, which holds no dim either divides: its views on 3 and 5 nodes share
+    one solve, and that layer's plan solved on 3 nodes is priced on 5 as it is; the
+    embedding's layer keeps them apart, and so does the step's class (``LAYER_CLASSES``
+    off)."""
+    from torchalpa.passes.pipeline_search import layer_costs
+    from torchalpa.passes.pipeline_search.layer_cache import SolveCache
+    from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
+    from torchalpa.passes.pipeline_search.view_classes import reprice
+    problem = _vocab_problem()
     assert problem.num_layers == 3
     costs = layer_costs.LayerCosts(problem, SolveCache(), PricingMemo())
     three, five = ((3, 4), (3, 4)), ((5, 4), (5, 4))
@@ -251,21 +257,11 @@ def test_views_replicating_alike_are_given_their_class_plans_estimates():
     5 nodes for the middle layer) get the solved view's estimates without pricing
     (``COPY_REPLICATED``), and those are the estimates pricing them gives, both variants;
     every other view is priced as before."""
-    from torchalpa.frontends.torch_export import capture
     from torchalpa.passes.pipeline_search import layer_costs
     from torchalpa.passes.pipeline_search.layer_cache import SolveCache
-    from torchalpa.passes.pipeline_search.layers import assign_layers
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
-    from torchalpa.passes.pipeline_search.search_problem import SearchProblem
     from torchalpa.passes.pipeline_search.stages import submesh_shapes
-    torch.manual_seed(0)
-    ids = torch.randint(0, 48, (8, 16))
-    graph = capture(_Vocab(), (ids, torch.randint(0, 48, (8, 16))),
-                    lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())).graph
-    cluster = _cluster(8)
-    method = torchalpa.PipeshardParallel(num_micro_batches=1)
-    problem = SearchProblem(graph, assign_layers(graph, method, cluster.num_devices), cluster,
-                            method, "global")
+    problem = _vocab_problem()
 
     def estimates(copy: bool) -> tuple[dict, int]:
         layer_costs.COPY_REPLICATED = copy
