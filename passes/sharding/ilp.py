@@ -38,6 +38,7 @@ from torchalpa.passes.sharding.presolve import Presolved, presolve
 from torchalpa.passes.sharding.shared_reshard import SharedReads, shared_reads_cost
 
 __all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "lower_bound", "InfeasibleError",
+           "SolverStopped", "MemoryNotSettled",
            "clock_watch", "clock_stops_elsewhere", "CLOCK_NOTE"]
 
 CLOCK_NOTE = "the solver's time limit (a safety net) stopped"
@@ -84,6 +85,12 @@ class InfeasibleError(ValueError):
 class SolverStopped(InfeasibleError):
     """The solver stopped (its time limit) before it found any plan: not a proof that
     none exists."""
+
+
+class MemoryNotSettled(InfeasibleError):
+    """Rounds of memory rows ended with every plan found over the budget, without the
+    solver proving that none fits: not a proof either (a caller reusing "does not fit" as
+    a fact, like the pipeline search's stages, must not take it as one)."""
 
 
 @dataclass

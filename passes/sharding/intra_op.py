@@ -56,6 +56,7 @@ from torchalpa.passes.sharding.ilp import (
     ILPProblem,
     ILPSolution,
     InfeasibleError,
+    MemoryNotSettled,
     SolverStopped,
     clock_watch,
     solve_ilp,
@@ -727,7 +728,7 @@ def _solve_within_memory(graph: OpGraph, S: dict[str, list[Strategy]], grouping:
             break
         points += new_points
         problem = replace(problem, **_memory_rows(memory, points), memory_budget=budget)
-    raise InfeasibleError(f"could not fit the plan in {format_bytes(budget)} per device after "
+    raise MemoryNotSettled(f"could not fit the plan in {format_bytes(budget)} per device after "
                           f"{max_rounds} rounds of memory constraints")
 
 
