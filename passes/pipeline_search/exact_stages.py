@@ -8,7 +8,8 @@ identical layers are solved once, and a solve with fewer micro-batches in flight
 more where its plan still fits (``_reuse_fewer_in_flight``). ``solve_stages`` runs a
 round's solves in forked workers (``passes/pipeline_search/stage_jobs.py``), and keeps the plans made so
 that the final plan's assembly reuses them, or moves them onto identical layers elsewhere
-(``donated``, ``passes/pipeline_search/transplant.py``).
+(``donated``, ``passes/pipeline_search/transplant.py``). A stage the solver proves no plan fits
+is not solved again with sharded states (``_solve_stage``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torchalpa.passes.pipeline_search.stage_recompute import recompute_option, r
 from torchalpa.passes.pipeline_search.stage_solve import StageRequest, plan_stage, search_option
 from torchalpa.passes.pipeline_search.transplant import transplant
 from torchalpa.passes.pricing.memory import in_flight_bytes
-from torchalpa.passes.sharding.ilp import InfeasibleError
+from torchalpa.passes.sharding.ilp import InfeasibleError, MemoryNotSettled, SolverStopped
 
 __all__ = ["ExactStages"]
 
@@ -46,9 +47,10 @@ Solved = tuple[float | None, bool, Memory | None]
 class ExactStages:
     """Exact stage solves of ``problem``, cached in ``cache`` (see module doc).
     ``exact_solves`` counts the ILP solves, ``reused_in_flight`` the solves answered from
-    fewer micro-batches in flight, ``transplanted`` the plans moved onto identical layers;
-    ``exact_plans`` holds this graph's stage plans by ``PlanKey``. Pricing work is kept
-    in the layer estimates' ``memo``."""
+    fewer micro-batches in flight, ``transplanted`` the plans moved onto identical layers,
+    ``proved_unfit`` the stages whose sharded-states ILP was not run because the solver
+    proved that none fits; ``exact_plans`` holds this graph's stage plans by ``PlanKey``.
+    Pricing work is kept in the layer estimates' ``memo``."""
 
     def __init__(self, problem: SearchProblem, costs: StageCosts, cache: SolveCache):
         self.problem, self.costs, self.cache = problem, costs, cache
@@ -56,6 +58,7 @@ class ExactStages:
         self.exact_solves = 0
         self.reused_in_flight = 0
         self.transplanted = 0
+        self.proved_unfit = 0
         self.exact_plans: dict[PlanKey, Plan] = {}
 
     def exact(self, k: int, i: int, submesh: Submesh, view: View, in_flight_batches: int,
@@ -284,23 +287,25 @@ class ExactStages:
 
     def _store(self, key: tuple, value: tuple) -> None:
         """Keep what ``solve_in_worker`` returned for the stage cached under ``key``."""
-        result, plans, solves = value
+        result, plans, (solves, proved) = value
         self.cache.put(key, result)
         self.exact_plans.update(plans)
         self.exact_solves += solves
+        self.proved_unfit += proved
 
-    def solve_in_worker(self, job: tuple) -> tuple[Solved, dict[PlanKey, Plan], int]:
+    def solve_in_worker(self, job: tuple) -> tuple[Solved, dict[PlanKey, Plan],
+                                                   tuple[int, int]]:
         """``_solve_stage`` of ``job`` in a forked worker: its result, the stage plans it
-        made and its solve count (the worker's own copy of this object is dropped with
-        it)."""
-        had, solves = set(self.exact_plans), self.exact_solves
+        made and its counts (``exact_solves``, ``proved_unfit``; the worker's own copy of
+        this object is dropped with it)."""
+        had, counts = set(self.exact_plans), (self.exact_solves, self.proved_unfit)
         result = self._solve_stage(*job)
         made = {key: plan for key, plan in self.exact_plans.items() if key not in had}
-        counted = self.exact_solves - solves
+        counted = (self.exact_solves - counts[0], self.proved_unfit - counts[1])
         # the caller adds ``counted``: undo it here, where ``StageJobs`` ran this in the
         # searching process itself (one worker, or JAX loaded) and ``self`` is the
         # caller's own object, not a copy
-        self.exact_solves = solves
+        self.exact_solves, self.proved_unfit = counts
         return result, made, counted
 
     def _solve_stage(self, k: int, i: int, submesh: Submesh, view: View,
@@ -311,7 +316,16 @@ class ExactStages:
         ``budget``: branch-and-bound nodes each ILP solve may explore at most
         (``search_option``).
         Returns (latency, lean, (model states, activation peak, saved activations) per
-        device), latency None where nothing fits."""
+        device), latency None where nothing fits.
+
+        The sharded-states solve (``lean``) follows only where the first one ended without
+        a proof that no plan fits (its clock, ``SolverStopped``, or its memory rounds,
+        ``MemoryNotSettled``). A proof (the solver found its ILP, with memory rows at some
+        points, infeasible) holds for sharded states too: ``parameters="sharded"`` only
+        keeps a subset of each parameter's strategies (``apply_constraints``), every
+        other strategy, memory row and budget is the same, and the first solve's proof
+        is on its least restricted grouping (free followers, or the merged one where
+        that frees none), which the sharded solve's groupings restrict further."""
         method = self.problem.method
         sub = self.problem.stage_graph(k, i)
         mesh = self.problem.mesh(submesh, view)
@@ -330,8 +344,12 @@ class ExactStages:
                     sub, mesh, method.intra_op_method(option), self.problem.inputs,
                     1 if received is not None else in_flight_batches,
                     method.num_micro_batches), self.memo)
+            except (SolverStopped, MemoryNotSettled):
+                continue        # not a proof that none fits
             except InfeasibleError:
-                continue
+                if not lean:
+                    self.proved_unfit += 1
+                return None, False, None
             self.exact_plans[PlanKey(k, i, submesh, view, lean, in_flight_batches,
                                      received is not None)] = plan
             e = plan.estimates

@@ -107,9 +107,10 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
             "not cached")
     log.info("pipeline plan: %d layers, %d stages, %d layer solves for the DP (%.1fs), "
              "stage plans %.1fs (%d moved from identical layers, %d exact solves answered "
-             "from fewer in flight)", problem.num_layers, len(chosen.stages), layers.solves,
-             searched - start, time.perf_counter() - searched, exact.transplanted,
-             exact.reused_in_flight)
+             "from fewer in flight, %d proved not to fit without a sharded-states solve)",
+             problem.num_layers, len(chosen.stages), layers.solves, searched - start,
+             time.perf_counter() - searched, exact.transplanted, exact.reused_in_flight,
+             exact.proved_unfit)
     return replace(plan, notes=plan.notes + tuple(chosen.notes),
                    estimates=replace(
                        plan.estimates, search_seconds=searched - start,
