@@ -115,6 +115,12 @@ class VariantTable:
                 self.costs, k, i, self.shapes[j], flight, guess and not self.measured)
         return found
 
+    def guess(self, key: Key, view: View, recompute: bool) -> float:
+        """The estimate (additive, or optimistic where near fitting) the DP priced a
+        variant at before it is priced exactly (inf: none)."""
+        found = self._additive_of(key, True).get((view, recompute))
+        return math.inf if found is None else found[0]
+
     def record(self, key: Key, view: View, recompute: bool, latency: float,
                option: AutoShardingOption | None) -> None:
         """Replace a variant's estimate by its exact price (inf: no plan fits)."""
@@ -248,8 +254,13 @@ class StageSearch:
                                  for key, (view, _, recompute) in picks], jobs,
                                 budget, self._next_round)
         for key, (view, _, recompute) in picks:
+            guess = self.table.guess(key, view, recompute)
             latency, option = self.exact.exact(*self._stage(key, view, recompute), budget)
             self.table.record(key, view, recompute, latency, option)
+            log.info("pipeline search: layers %d..%d on %s as %s, %d in flight%s%s: "
+                     "estimated %.6g s, exact %.6g s", key[0], key[1], self.shapes[key[2]],
+                     view, key[3], ", recomputed" if recompute else "",
+                     f", budget {budget} nodes" if budget is not None else "", guess, latency)
 
     def _stage(self, key: Key, view: View, recompute: bool) -> Stage:
         k, i, j, flight = key
