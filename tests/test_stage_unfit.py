@@ -88,3 +88,12 @@ def test_a_stage_that_fits_is_solved_once(gpt_graph):
     latency, option = costs.exact(0, 1, (1, 2), (2,), 1)
     assert latency < float("inf") and option is None
     assert (costs.exact_solves, costs.proved_unfit) == (1, 0)
+
+
+def test_ignoring_the_proof_solves_sharded_states_for_the_same_answer(gpt_graph, monkeypatch):
+    """``TRUST_PROOFS`` off (the search before): the sharded-states ILP runs and fails, the
+    stage costs inf all the same."""
+    monkeypatch.setattr(exact_module, "TRUST_PROOFS", False)
+    costs = _costs(gpt_graph, 0.025)
+    assert costs.exact(0, 1, (1, 2), (2,), 1) == (float("inf"), None)
+    assert (costs.exact_solves, costs.proved_unfit) == (2, 0)

@@ -35,7 +35,12 @@ from torchalpa.passes.pipeline_search.transplant import transplant
 from torchalpa.passes.pricing.memory import in_flight_bytes
 from torchalpa.passes.sharding.ilp import InfeasibleError, MemoryNotSettled, SolverStopped
 
-__all__ = ["ExactStages"]
+__all__ = ["ExactStages", "TRUST_PROOFS"]
+
+TRUST_PROOFS = True
+"""A stage the solver proves no plan fits (with the method's parameters) is not solved again
+with sharded states (``_solve_stage``); False solves it all the same, as the search did
+before (``benchmarks/stage_unfit_ab.py`` compares)."""
 
 Memory = tuple[float, float, float]
 """A stage plan's model states, one micro-batch's activation peak and what it saves for
@@ -347,8 +352,9 @@ class ExactStages:
             except (SolverStopped, MemoryNotSettled):
                 continue        # not a proof that none fits
             except InfeasibleError:
-                if not lean:
-                    self.proved_unfit += 1
+                if lean or not TRUST_PROOFS:
+                    continue
+                self.proved_unfit += 1
                 return None, False, None
             self.exact_plans[PlanKey(k, i, submesh, view, lean, in_flight_batches,
                                      received is not None)] = plan
