@@ -14,6 +14,7 @@ from models import MLP
 import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core.options import AutoShardingOption, ShardParallel, method_of_plan
+from torchalpa.core.switches import SearchSwitches
 from torchalpa.frontends.block_remat import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel import auto, shard
@@ -152,12 +153,11 @@ def test_candidates_are_solved_within_the_tolerance_and_the_winner_at_the_solver
     plan = torchalpa.plan(model, batch, F.mse_loss, cluster=tight, method=method)
     assert 0.01 in gaps and None in gaps
     assert any("re-solved at the solver's own gap the" in n for n in plan.notes)
-    monkeypatch.setattr(auto, "SEARCH_GAP", False)
     gaps.clear()
-    every = torchalpa.plan(model, batch, F.mse_loss, cluster=tight, method=method)
+    with SearchSwitches.using(search_gap=False):
+        every = torchalpa.plan(model, batch, F.mse_loss, cluster=tight, method=method)
     assert set(gaps) == {None}
     assert plan.estimates.step_time_s <= every.estimates.step_time_s * (1 + 1e-12)
-    monkeypatch.setattr(auto, "SEARCH_GAP", True)
     gaps.clear()
     given = replace_option(method, gap=1e-3)
     torchalpa.plan(model, batch, F.mse_loss, cluster=tight, method=given)
@@ -332,10 +332,6 @@ def test_a_view_is_settled_by_the_rules_that_settle_whole_candidates():
     assert search.settled_views(cand("full")) == {}
     search.views = [(cand("none"), 0, None)]         # recomputes less than full: says nothing
     assert search.settled_views(cand("full")) == {}
-    auto_reuse = auto.REUSE_VIEWS
-    try:
-        auto.REUSE_VIEWS = False
+    with SearchSwitches.using(reuse_views=False):
         search.views = [(cand("full"), 0, None)]
         assert search.settled_views(cand("none")) == {}
-    finally:
-        auto.REUSE_VIEWS = auto_reuse
