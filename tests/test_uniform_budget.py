@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 import pytest
-from search_models import small_gpt_graph
+from search_models import small_cluster, small_gpt_graph, small_pipeline
 
 import torchalpa
 from torchalpa.core.plan import PipelinePlan
@@ -37,14 +37,7 @@ def gpt_graph():
 
 def _search(graph, cache: SolveCache | None = None):
     """The search of ``graph`` in this process (one worker), its solves kept in ``cache``."""
-    cluster = torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=0.05 * GB,
-                                peak_flops=112e12, memory_bandwidth=900e9,
-                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                                inter_node_bandwidth=10e9, inter_node_latency=1e-5)
-    method = torchalpa.PipeshardParallel(
-        num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4),
-        auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
-    return plan_pipeline(graph, cluster, method, solves=cache, workers=1)
+    return plan_pipeline(graph, small_cluster(), small_pipeline(), solves=cache, workers=1)
 
 
 def _record_stage_plans(monkeypatch, record) -> None:
