@@ -2,7 +2,8 @@
 
 The tiny GPT of tests/test_auto.py (2 layers, batch 8) on 4 H100 views with the host's
 per-op time left out, under a memory budget of 0.9 of its plain step's bound (what
-``test_auto_uses_checkpointing_or_micro_batches_when_the_step_does_not_fit`` plans): the
+``test_auto_uses_checkpointing_or_micro_batches_when_the_step_does_not_fit`` planned
+until 11-29; it now plans batch 64, where activations dominate and the search is short): the
 plain step cannot fit, and the candidates that can (per-layer and selective
 checkpointing) sit just under the budget, where HiGHS branches on nearly binding memory
 rows. The base tree (``git archive <base>``, default main) and this one each plan it in a

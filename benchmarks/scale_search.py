@@ -10,8 +10,8 @@ remat="none")``: one candidate, the one targets e and f try first. Prints the pl
 time, the search's own split (``plan.summary()``'s AutoParallel note), the layer ILPs, the
 views priced from their class's plan, the exact stage solves and the estimate.
 ``--step-classes`` groups views by every dim of the step (the search before), not each
-layer's own (``layer_costs.LAYER_CLASSES``); ``--price-all`` prices every view of a class
-(``layer_costs.COPY_REPLICATED`` off). The search logs one line per phase (layer ILPs,
+layer's own (``PassSwitches.layer_classes`` off); ``--price-all`` prices every view of a
+class (``PassSwitches.copy_replicated`` off). The search logs one line per phase (layer ILPs,
 stage DP and exact stage solves, the stages' own plans) on the ``torchalpa`` logger.
 """
 
@@ -27,6 +27,7 @@ import torch
 import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core.options import AutoParallel
+from torchalpa.core.switches import PassSwitches
 
 
 def main() -> None:
@@ -40,9 +41,6 @@ def main() -> None:
                    help="price every view, none given a replicated-alike view's estimates")
     args = p.parse_args()
     os.environ.setdefault("TORCHALPA_CACHE", "0")
-    from torchalpa.passes.pipeline_search import layer_costs
-    layer_costs.LAYER_CLASSES = not args.step_classes
-    layer_costs.COPY_REPLICATED = not args.price_all
     workload = (zoo.llama3_70b() if args.model == "70b" else zoo.llama3_405b()
                 ).replace(num_layers=args.layers)
     with torch.device("meta"):
@@ -50,9 +48,12 @@ def main() -> None:
     batch = workload.example_inputs(device="meta")
     method = AutoParallel(num_micro_batches=args.micro_batches, remat="none")
     start = time.perf_counter()
-    plan = torchalpa.plan(model, batch, workload.loss_fn,
-                          cluster=torchalpa.Cluster.h100(num_nodes=args.nodes), method=method,
-                          mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
+    with PassSwitches.using(layer_classes=not args.step_classes,
+                            copy_replicated=not args.price_all):
+        plan = torchalpa.plan(model, batch, workload.loss_fn,
+                              cluster=torchalpa.Cluster.h100(num_nodes=args.nodes),
+                              method=method,
+                              mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
     seconds = time.perf_counter() - start
     cpu = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))

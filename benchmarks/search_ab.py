@@ -6,7 +6,7 @@ Plans one row of ``weak_scaling.py`` automatically (``remat`` chosen between bot
 captures) in one process without a worker pool, and prints the plan, wall and CPU seconds.
 ``--before`` switches off what branch s4-search added, to measure it on the same machine
 under the same load: the ILP through PuLP instead of straight into HiGHS
-(``ilp.DIRECT_HIGHS``), resharding prices, rule strategies, reachability and layer
+(``PassSwitches.direct_highs``), resharding prices, rule strategies, reachability and layer
 subgraphs made again for every solve instead of kept, and every capture planned even when
 its compute bound cannot win. Both settings must print the same plan.
 """
@@ -21,16 +21,17 @@ import weak_scaling as ws
 
 import torchalpa
 from torchalpa.core.options import AutoLayerOption, PipeshardParallel
+from torchalpa.core.switches import PassSwitches
 from torchalpa.passes.pipeline_search import inter_op
 from torchalpa.passes.pipeline_search.layer_costs import LayerCosts
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
-from torchalpa.passes.sharding import costgraph, ilp, intra_op
+from torchalpa.passes.sharding import costgraph, intra_op
 from torchalpa.passes.sharding.remat_choice import compute_lower_bound, plan_with_remat
 
 
 def switch_off_fast_paths() -> None:
-    """Restore the per-solve behaviour of the search before branch s4-search."""
-    ilp.DIRECT_HIGHS = False
+    """Restore the per-solve behaviour of the search before branch s4-search (but the PuLP
+    path, which ``main`` switches by ``PassSwitches.direct_highs``)."""
     # no pricing work kept across solves: fresh reshard prices, strategies, reachability
     PricingMemo.reshard_costs = lambda self, mesh, rs=True, forbidden=frozenset(): \
         costgraph.ReshardCosts(mesh, rs, forbidden)
@@ -77,9 +78,11 @@ def main() -> None:
     bound = None if args.before else (lambda v: compute_lower_bound(v.graph, cluster, B))
     pricing = PricingMemo()     # shared by both captures' searches, as the solves repeat it
     wall, cpu = time.perf_counter(), _cpu()
-    plan = plan_with_remat(variants, lambda v: inter_op.plan_pipeline(
-                               v.graph, cluster, base, pricing=pricing, workers=args.workers),
-                           lambda v: v.graph, bound)
+    with PassSwitches.using(direct_highs=not args.before):
+        plan = plan_with_remat(variants, lambda v: inter_op.plan_pipeline(
+                                   v.graph, cluster, base, pricing=pricing,
+                                   workers=args.workers),
+                               lambda v: v.graph, bound)
     print(f"{'before' if args.before else 'after'} {args.row}: step "
           f"{ws._step(plan, cluster):.6g} s, stages {plan.forward_stage_layer_ids} on "
           f"{plan.submesh_shapes} as {plan.logical_shapes}, remat {plan.method['remat']}; "

@@ -15,8 +15,8 @@ seconds to the first solver's.
 
 ``--bound`` instead plans each model with HiGHS twice, without and then with skipping a
 view whose step-time bound (the linear relaxation of its ILP) is above the fastest plan
-found so far (``torchalpa.parallel.shard.SKIP_BY_BOUND``): seconds, view and estimate of each, and
-the ratio of seconds. The skip must not change the view or the estimate. ``zoo:gpt``,
+found so far (``SearchSwitches.skip_by_bound``, ``torchalpa/core/switches.py``): seconds,
+view and estimate of each, and the ratio of seconds. The skip must not change the view or the estimate. ``zoo:gpt``,
 ``zoo:llama``... name the zoo's transformers (256 wide, 4 layers, batch 8; e.g. with
 ``--devices 8``), whose views plan alike: there the bound costs time and skips nothing.
 """
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 import torchalpa
-from torchalpa.parallel import shard
+from torchalpa.core.switches import SearchSwitches
 from torchalpa.suite.cases import _torchvision
 
 MODELS = ["resnet18", "mobilenet_v3_small", "mnasnet0_5", "googlenet"]
@@ -52,16 +52,17 @@ def _bound_run(name: str, image: int, devices: int, skip: bool) -> tuple[float, 
     """Plan one model in this (fresh) process, skipping views by their bound or not."""
     os.environ["TORCHALPA_CACHE"] = "0"
     os.environ.setdefault("TORCHALPA_LOG", "warning")
-    shard.SKIP_BY_BOUND = skip
     if name.startswith("zoo:"):     # a transformer, where the views plan alike
         import torchalpa.models as zoo
         w = zoo.tiny(name[4:], batch_size=8, hidden=256, num_layers=4)
         with torch.device("meta"):
             model, batch = w.build(), w.example_inputs()
-        seconds, plan = plan_seconds(model, batch, "highs", devices, loss_fn=w.loss_fn)
+        loss_fn = w.loss_fn
     else:
         model, batch = _build(_torchvision(), name, image)
-        seconds, plan = plan_seconds(model, batch, "highs", devices)
+        loss_fn = F.cross_entropy
+    with SearchSwitches.using(skip_by_bound=skip):
+        seconds, plan = plan_seconds(model, batch, "highs", devices, loss_fn=loss_fn)
     return seconds, "x".join(map(str, plan.mesh_shape)), plan.estimates.step_time_s * 1e3
 
 

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import torch
 
+import torchalpa
 import torchalpa.models as zoo
 from torchalpa.frontends.torch_export import capture
+
+GB = 1024 ** 3
 
 
 def small_gpt_graph(num_layers: int = 4):
@@ -18,6 +21,23 @@ def small_gpt_graph(num_layers: int = 4):
     with torch.device("meta"):
         model, batch = workload.build(), workload.example_inputs()
     return capture(model, batch, workload.loss_fn).graph
+
+
+def small_cluster(memory_gb: float = 0.05) -> torchalpa.Cluster:
+    """2 nodes of 2 devices with ``memory_gb`` each (small, so that the search pipelines
+    the small GPT's layers over several stages), links between nodes 10x slower."""
+    return torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=memory_gb * GB,
+                             peak_flops=112e12, memory_bandwidth=900e9,
+                             intra_node_bandwidth=100e9, intra_node_latency=1e-6,
+                             inter_node_bandwidth=10e9, inter_node_latency=1e-5)
+
+
+def small_pipeline(num_layers: int = 4, **method) -> torchalpa.PipeshardParallel:
+    """The pipeline method these tests search with: 8 micro-batches, ``num_layers``
+    layers, HiGHS; ``method``: more PipeshardParallel fields."""
+    return torchalpa.PipeshardParallel(
+        num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=num_layers),
+        auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"), **method)
 
 
 def exact_stages(graph, layer, cluster, method, cache=None):

@@ -10,24 +10,19 @@ here on the small GPT's last two layers, where the merge costs 4 %."""
 from __future__ import annotations
 
 import pytest
-from search_models import small_gpt_graph
+from search_models import small_cluster, small_gpt_graph
 
 import torchalpa
 from torchalpa.passes.pipeline_search.layers import assign_layers
 from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
 from torchalpa.passes.sharding.intra_op import plan_intra_op
 
-GB = 1024 ** 3
-
 
 @pytest.fixture(scope="module")
 def stage():
     """Layers 2..3 of the 4-layer small GPT as one stage, on 4 devices viewed as (4,)."""
     graph = small_gpt_graph(4)
-    cluster = torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=0.05 * GB,
-                                peak_flops=112e12, memory_bandwidth=900e9,
-                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                                inter_node_bandwidth=10e9, inter_node_latency=1e-5)
+    cluster = small_cluster()
     method = torchalpa.PipeshardParallel(
         num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4))
     layer = assign_layers(graph, method, cluster.num_devices)

@@ -21,10 +21,9 @@ def gpt_graph():
 def _plan(graph, monkeypatch, direct: bool, budget: float | None, shape=(2, 2)):
     import torchalpa
     from torchalpa.core.options import ShardParallel
+    from torchalpa.core.switches import PassSwitches
     from torchalpa.passes.pricing import cost
-    from torchalpa.passes.sharding import ilp
     from torchalpa.passes.sharding.intra_op import plan_intra_op
-    monkeypatch.setattr(ilp, "DIRECT_HIGHS", direct)
     # no host issue cost and no kernel floor: on a GPU a tiny op costs the longer of its
     # kernel, the kernel floor and its issue, so the tiny GPT's small ops would cost the
     # floor or the issue whatever their layout, and the two solvers could break those ties
@@ -35,7 +34,8 @@ def _plan(graph, monkeypatch, direct: bool, budget: float | None, shape=(2, 2)):
     # no time limit: on a loaded machine a limit could stop either solve early
     option = torchalpa.AutoShardingOption(solver="highs", memory_budget_per_device=budget,
                                           time_limit=None)
-    return plan_intra_op(graph, mesh, ShardParallel(auto_sharding_option=option))
+    with PassSwitches.using(direct_highs=direct):
+        return plan_intra_op(graph, mesh, ShardParallel(auto_sharding_option=option))
 
 
 def _choices(plan):

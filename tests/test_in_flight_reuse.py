@@ -5,9 +5,8 @@ fits at, and anything else is solved."""
 from __future__ import annotations
 
 import pytest
-from search_models import exact_stages, small_gpt_graph
+from search_models import exact_stages, small_cluster, small_gpt_graph, small_pipeline
 
-import torchalpa
 from torchalpa.passes.pipeline_search.exact_stages import ExactStages
 from torchalpa.passes.pipeline_search.layer_cache import SolveCache
 from torchalpa.passes.pipeline_search.layers import assign_layers
@@ -21,13 +20,7 @@ def gpt_graph():
 
 
 def _costs(graph, memory_gb: float, cache: SolveCache | None = None) -> ExactStages:
-    cluster = torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=memory_gb * GB,
-                                peak_flops=112e12, memory_bandwidth=900e9,
-                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                                inter_node_bandwidth=10e9, inter_node_latency=1e-5)
-    method = torchalpa.PipeshardParallel(
-        num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4),
-        auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
+    cluster, method = small_cluster(memory_gb), small_pipeline()
     layer = assign_layers(graph, method, cluster.num_devices)
     return exact_stages(graph, layer, cluster, method, cache)
 

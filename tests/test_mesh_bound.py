@@ -14,8 +14,8 @@ import pytest
 
 import torchalpa
 import torchalpa.models as zoo
+from torchalpa.core.switches import SearchSwitches
 from torchalpa.frontends.torch_export import capture
-from torchalpa.parallel import shard
 from torchalpa.passes.sharding.intra_op import plan_intra_op, step_time_lower_bound
 
 FAMILIES = ["gpt", "llama", "bert", "resnet", "moe"]
@@ -82,9 +82,9 @@ def test_skipping_by_the_bound_keeps_the_plan(monkeypatch):
     monkeypatch.setenv("TORCHALPA_CACHE", "0")
     skipped = torchalpa.plan(model, batch, w.loss_fn, cluster=cluster,
                              method=torchalpa.ShardParallel())
-    monkeypatch.setattr(shard, "SKIP_BY_BOUND", False)
-    solved = torchalpa.plan(model, batch, w.loss_fn, cluster=cluster,
-                            method=torchalpa.ShardParallel())
+    with SearchSwitches.using(skip_by_bound=False):
+        solved = torchalpa.plan(model, batch, w.loss_fn, cluster=cluster,
+                                method=torchalpa.ShardParallel())
     tried = next(n for n in skipped.notes if n.startswith("logical meshes tried"))
     assert "(bound, not solved)" in tried, tried
     assert not any("(bound, not solved)" in n for n in solved.notes)

@@ -7,13 +7,10 @@ import sys
 import types
 
 import pytest
-from search_models import small_gpt_graph
+from search_models import small_cluster, small_gpt_graph, small_pipeline
 
-import torchalpa
 from torchalpa.passes.pipeline_search import inter_op
 from torchalpa.passes.pipeline_search.stage_jobs import StageJobs
-
-GB = 1024 ** 3
 
 
 @pytest.fixture(scope="module")
@@ -22,15 +19,7 @@ def gpt_graph():
 
 
 def _plan(graph, workers: int):
-    # small devices, so that the search pipelines the layers over several stages
-    cluster = torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=0.05 * GB,
-                                peak_flops=112e12, memory_bandwidth=900e9,
-                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                                inter_node_bandwidth=10e9, inter_node_latency=1e-5)
-    method = torchalpa.PipeshardParallel(
-        num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4),
-        auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
-    return inter_op.plan_pipeline(graph, cluster, method, workers=workers)
+    return inter_op.plan_pipeline(graph, small_cluster(), small_pipeline(), workers=workers)
 
 
 def test_stage_solves_in_workers_plan_the_same(gpt_graph, monkeypatch):

@@ -9,11 +9,13 @@ On GPT-15B the uniform partitions' unsimplified stage re-solves took most of the
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
-from search_models import small_gpt_graph
+from search_models import small_cluster, small_gpt_graph, small_pipeline
 
 import torchalpa
+from torchalpa.core.plan import PipelinePlan
 from torchalpa.passes.pipeline_search import (
     exact_stages,
     pipeline_assembly,
@@ -35,14 +37,7 @@ def gpt_graph():
 
 def _search(graph, cache: SolveCache | None = None):
     """The search of ``graph`` in this process (one worker), its solves kept in ``cache``."""
-    cluster = torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=0.05 * GB,
-                                peak_flops=112e12, memory_bandwidth=900e9,
-                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                                inter_node_bandwidth=10e9, inter_node_latency=1e-5)
-    method = torchalpa.PipeshardParallel(
-        num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4),
-        auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
-    return plan_pipeline(graph, cluster, method, solves=cache, workers=1)
+    return plan_pipeline(graph, small_cluster(), small_pipeline(), solves=cache, workers=1)
 
 
 def _record_stage_plans(monkeypatch, record) -> None:
@@ -57,15 +52,23 @@ def _record_stage_plans(monkeypatch, record) -> None:
     monkeypatch.setattr(pipeline_assembly, "plan_stage", recording_plan)
 
 
-def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(gpt_graph, monkeypatch):
-    """Every stage solve asked for with a budget plans with that node limit, every other
-    one with the method's 2000, all with the method's 60-s time limit; all re-solve
-    unsimplified below ``SEARCH_RESOLVE_BELOW`` nodes, not the method's 2000; with every
-    uniform partition priced, some are budgeted."""
-    monkeypatch.setattr(stage_search, "UNIFORM_MARGIN", math.inf)
-    monkeypatch.setattr(stage_search, "UNIFORM_MAX_NODES", BUDGET)
-    asked: list = []          # per stage solve: the budget it was given
-    limits: list = []         # per stage ILP plan: (budget asked, node and time limits)
+@dataclass(frozen=True)
+class _Budgeted:
+    """One search with every uniform partition priced under ``BUDGET`` nodes: its plan,
+    the budget each stage solve was asked with, each stage ILP plan's (budget asked, node
+    limit, time limit, exact_below), and the solves it cached."""
+
+    plan: PipelinePlan
+    asked: list
+    limits: list
+    cache: SolveCache
+
+
+@pytest.fixture(scope="module")
+def budgeted(gpt_graph) -> _Budgeted:
+    """The one search the two tests below read (the search is most of their time)."""
+    asked: list = []
+    limits: list = []
     solve_stage = ExactStages._solve_stage
 
     def recording_solve(self, k, i, submesh, view, flight, received, budget=None):
@@ -76,9 +79,22 @@ def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(gpt_graph,
         option = request.method.auto_sharding_option
         limits.append((asked[-1], option.max_nodes, option.time_limit, option.exact_below))
 
-    monkeypatch.setattr(ExactStages, "_solve_stage", recording_solve)
-    _record_stage_plans(monkeypatch, record)
-    plan = _search(gpt_graph)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(stage_search, "UNIFORM_MARGIN", math.inf)
+        monkeypatch.setattr(stage_search, "UNIFORM_MAX_NODES", BUDGET)
+        monkeypatch.setattr(ExactStages, "_solve_stage", recording_solve)
+        _record_stage_plans(monkeypatch, record)
+        cache = SolveCache()
+        plan = _search(gpt_graph, cache)
+    return _Budgeted(plan, asked, limits, cache)
+
+
+def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(budgeted):
+    """Every stage solve asked for with a budget plans with that node limit, every other
+    one with the method's 2000, all with the method's 60-s time limit; all re-solve
+    unsimplified below ``SEARCH_RESOLVE_BELOW`` nodes, not the method's 2000; with every
+    uniform partition priced, some are budgeted."""
+    plan, asked, limits = budgeted.plan, budgeted.asked, budgeted.limits
     assert plan.estimates.memory_per_device_bytes <= 0.05 * GB
     # the stages record the capped re-solve they were planned with; stage_options, what
     # a user would pass per stage, leaves how hard the ILP worked out
@@ -116,14 +132,10 @@ def test_a_budget_bounds_the_node_limit_it_never_raises_it(monkeypatch):
     assert stage_solve.search_option(small, 300).exact_below == 300
 
 
-def test_budgeted_and_full_stage_solves_are_cached_apart(gpt_graph, monkeypatch):
+def test_budgeted_and_full_stage_solves_are_cached_apart(budgeted):
     """A stage priced within a budget may stop short of what a full solve finds: the cache
     must not hand one for the other."""
-    monkeypatch.setattr(stage_search, "UNIFORM_MARGIN", math.inf)
-    monkeypatch.setattr(stage_search, "UNIFORM_MAX_NODES", BUDGET)
-    cache = SolveCache()
-    _search(gpt_graph, cache)
-    stages = [key for key in list(cache._items) if key[0] == "stage"]
+    stages = [key for key in list(budgeted.cache._items) if key[0] == "stage"]
     budgeted = [key for key in stages if key[-1] == ("budget", BUDGET)]
     assert budgeted and len(budgeted) < len(stages)
     assert all(("budget", BUDGET) not in key[:-1] for key in stages)

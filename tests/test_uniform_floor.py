@@ -12,7 +12,7 @@ import dataclasses
 import math
 
 import pytest
-from search_models import small_gpt_graph
+from search_models import small_cluster, small_gpt_graph, small_pipeline
 
 import torchalpa
 from torchalpa.passes.pipeline_search import stage_search
@@ -22,7 +22,6 @@ from torchalpa.passes.pipeline_search.stages import submesh_shapes
 from torchalpa.passes.pipeline_search.submesh_views import searched_views, tensor_dims
 from torchalpa.passes.sharding.ilp import InfeasibleError
 
-GB = 1024 ** 3
 LAYERS = 4
 
 
@@ -31,18 +30,8 @@ def gpt_graph():
     return small_gpt_graph(LAYERS)
 
 
-def _cluster():
-    return torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=0.05 * GB,
-                             peak_flops=112e12, memory_bandwidth=900e9,
-                             intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                             inter_node_bandwidth=10e9, inter_node_latency=1e-5)
-
-
 def _method(stage_option="auto"):
-    return torchalpa.PipeshardParallel(
-        num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=LAYERS),
-        stage_option=stage_option,
-        auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
+    return small_pipeline(LAYERS, stage_option=stage_option)
 
 
 def _uniform_plans(graph, cluster):
@@ -67,8 +56,16 @@ def _uniform_plans(graph, cluster):
                     yield (pp, (n, m), view), plan
 
 
+@pytest.fixture(scope="module")
+def uniform(gpt_graph):
+    """Every uniform partition that fits, planned once for every skew: each is planned by
+    hand (``ManualStageOption``), its stages by their own ILPs, which never read the
+    per-layer estimates the skew changes (those only rank the DP's candidates)."""
+    return dict(_uniform_plans(gpt_graph, small_cluster()))
+
+
 @pytest.mark.parametrize("skew", [1.0, 6.0])
-def test_search_is_no_slower_than_any_uniform_partition(gpt_graph, monkeypatch, skew):
+def test_search_is_no_slower_than_any_uniform_partition(gpt_graph, uniform, monkeypatch, skew):
     """``skew``: the per-layer estimates on the (2,) view of (1, 2) are made that many
     times dearer than their plans, the way GPT-15B's sums overrate the grid's stages; the
     exact stage solves are untouched. Before the uniform partitions were priced, the
@@ -83,9 +80,8 @@ def test_search_is_no_slower_than_any_uniform_partition(gpt_graph, monkeypatch, 
         return dataclasses.replace(found, seconds=found.seconds * skew)
 
     monkeypatch.setattr(LayerCosts, "layer_estimate", skewed)
-    cluster = _cluster()
+    cluster = small_cluster()
     auto = plan_pipeline(gpt_graph, cluster, _method())
-    uniform = dict(_uniform_plans(gpt_graph, cluster))
     assert len(uniform) >= 2, f"too few uniform partitions fit to compare: {list(uniform)}"
     found = auto.estimates.step_time_s
     for layout, plan in uniform.items():

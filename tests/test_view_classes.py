@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import torchalpa
+from torchalpa.core.switches import PassSwitches
 
 GB = 1024 ** 3
 
@@ -222,8 +223,8 @@ def test_a_layers_views_are_classed_by_its_own_dims():
     """The vocabulary parts 3 from 5 nodes for the step (3 divides 48, 5 does not), not for
     the middle layer, which holds no dim either divides: its views on 3 and 5 nodes share
     one solve, and that layer's plan solved on 3 nodes is priced on 5 as it is; the
-    embedding's layer keeps them apart, and so does the step's class (``LAYER_CLASSES``
-    off)."""
+    embedding's layer keeps them apart, and so does the step's class
+    (``PassSwitches.layer_classes`` off)."""
     from torchalpa.passes.pipeline_search import layer_costs
     from torchalpa.passes.pipeline_search.layer_cache import SolveCache
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
@@ -236,11 +237,8 @@ def test_a_layers_views_are_classed_by_its_own_dims():
     assert costs.view_class(*three, 1) == costs.view_class(*five, 1)
     assert costs.view_class(*three, 0) != costs.view_class(*five, 0)
     assert costs.view_class(*three) != costs.view_class(*five)      # the step's dims
-    layer_costs.LAYER_CLASSES = False
-    try:
+    with PassSwitches.using(layer_classes=False):
         assert costs.view_class(*three, 1) != costs.view_class(*five, 1)
-    finally:
-        layer_costs.LAYER_CLASSES = True
     solved = costs._layer_plan(1, three[0], three[1], False)
     assert solved is not None
     moved = reprice(costs.layer_graph(1), solved, costs._layer_mesh(*five),
@@ -255,7 +253,7 @@ def test_a_layers_views_are_classed_by_its_own_dims():
 def test_views_replicating_alike_are_given_their_class_plans_estimates():
     """Views of a layer's class that differ only in axes dividing none of its dims (3 and
     5 nodes for the middle layer) get the solved view's estimates without pricing
-    (``COPY_REPLICATED``), and those are the estimates pricing them gives, both variants;
+    (``PassSwitches.copy_replicated``), and those are the estimates pricing them gives, both variants;
     every other view is priced as before."""
     from torchalpa.passes.pipeline_search import layer_costs
     from torchalpa.passes.pipeline_search.layer_cache import SolveCache
@@ -264,16 +262,13 @@ def test_views_replicating_alike_are_given_their_class_plans_estimates():
     problem = _vocab_problem()
 
     def estimates(copy: bool) -> tuple[dict, int]:
-        layer_costs.COPY_REPLICATED = copy
-        try:
+        with PassSwitches.using(copy_replicated=copy):
             costs = layer_costs.LayerCosts(problem, SolveCache(), PricingMemo())
             costs.prefetch(submesh_shapes(8, 4), workers=1, max_in_flight=1)
             views = [(v, s) for s in submesh_shapes(8, 4) for v in costs.views(s)]
             return {(l, v, s, lean): costs.layer_estimate(l, v, s, lean)
                     for l in range(problem.num_layers) for v, s in views
                     for lean in (False, True)}, costs.copied
-        finally:
-            layer_costs.COPY_REPLICATED = True
 
     copied, n = estimates(True)
     priced, none = estimates(False)

@@ -27,6 +27,7 @@ from torchalpa.core.opgraph import GraphOutputs, OpGraph
 from torchalpa.core.options import ShardParallel
 from torchalpa.core.plan import Plan
 from torchalpa.core.plan_records import Estimates, known
+from torchalpa.core.switches import PassSwitches
 from torchalpa.passes.pipeline_search.layer_cache import SolveCache
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.pipeline_search.search_problem import SearchProblem
@@ -44,17 +45,6 @@ from torchalpa.passes.sharding.intra_op import plan_intra_op
 __all__ = ["Estimate", "estimate_of", "micro_batch_seconds", "stage_memory", "LayerCosts"]
 
 Member = tuple[View, Submesh]        # a view of a submesh
-
-COPY_REPLICATED = True
-"""Give a view the estimates of its class's solved view where the two differ only in axes
-that divide no dim of the layer (``LayerCosts.replicated_alike``); False prices each
-(tests compare)."""
-
-LAYER_CLASSES = True
-"""Group views into classes by each layer's own dims (``LayerCosts.view_class``), not
-every dim of the step: a decoder layer's views part only where its own values divide
-differently. False: by the step's dims (what the search did before; tests compare)."""
-
 
 @dataclass
 class Estimate:
@@ -172,8 +162,10 @@ class LayerCosts:
         so only the dims it holds decide which views offer it the same ones: the vocabulary
         of the embedding does not part a decoder layer's views (LLaMA-3-70B on 16 x 8: 3, 5,
         6, 7 ... nodes divide no dim of a decoder layer, and 3 divides the vocabulary)."""
-        dims = self.problem.dims if l is None or not LAYER_CLASSES else self.layer_dims(l)
-        return view_class(self.problem.mesh(submesh, view), dims)
+        mesh = self.problem.mesh(submesh, view)
+        if l is None or not PassSwitches.current().layer_classes:
+            return view_class(mesh, self.problem.dims)
+        return view_class(mesh, self.layer_dims(l))
 
     def layer_dims(self, l: int) -> frozenset[int]:
         """Every dim size of layer ``l``'s own graph (``layer_graph``), once per structure."""
@@ -236,14 +228,15 @@ class LayerCosts:
         that divide no dim of layer ``l``: every plan of the layer then replicates over
         those axes (each device there repeats the same work, no collective runs on them),
         so it costs the same on both, and ``a``'s estimates are ``b``'s without pricing
-        (``COPY_REPLICATED``). On 128 nodes most node counts are such (an odd factor
+        (``PassSwitches.copy_replicated``). On 128 nodes most node counts are such (an odd factor
         divides no dim of a LLaMA layer): their views are then not priced one by one."""
-        if not COPY_REPLICATED:
+        switches = PassSwitches.current()
+        if not switches.copy_replicated:
             return False
         ma, mb = self.problem.mesh(a[1], a[0]), self.problem.mesh(b[1], b[0])
         if len(ma.shape) != len(mb.shape):
             return False
-        cls = view_class(ma, self.layer_dims(l) if LAYER_CLASSES else self.problem.dims)
+        cls = view_class(ma, self.layer_dims(l) if switches.layer_classes else self.problem.dims)
         return all(x == y or not cls.axes[axis][2]
                    for axis, (x, y) in enumerate(zip(ma.shape, mb.shape)))
 

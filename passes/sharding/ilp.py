@@ -33,6 +33,7 @@ import numpy as np
 import pulp
 
 from torchalpa.core.progress import solver_verbose
+from torchalpa.core.switches import PassSwitches
 from torchalpa.passes.sharding.ilp_model import BuiltModel, LinearModel, build_model
 from torchalpa.passes.sharding.presolve import Presolved, presolve
 from torchalpa.passes.sharding.shared_reshard import SharedReads, shared_reads_cost
@@ -70,12 +71,6 @@ def clock_stops_elsewhere(stops: list[float]) -> None:
     here = _clock_stops.get()
     if here is not None:
         here.extend(stops)
-
-
-DIRECT_HIGHS = True
-"""Hand HiGHS the model's arrays (``passes/sharding/ilp_highs.py``) instead of writing them through
-PuLP: the same model and answer, loaded several times faster; False takes the PuLP path
-(tests compare)."""
 
 
 class InfeasibleError(ValueError):
@@ -251,7 +246,7 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "auto", time_limit: float | 
     start = time.perf_counter()
     solver = resolve_solver(solver)
     full_costs, full_edges, constant, reduced, built, _ = _prepare(problem, initial)
-    if solver == "highs" and DIRECT_HIGHS:
+    if solver == "highs" and PassSwitches.current().direct_highs:
         run = _solve_with_highs(built.model, time_limit, gap, max_nodes)
     else:
         run = _solve_with_pulp(built.model, _make_solver(solver, time_limit, gap,

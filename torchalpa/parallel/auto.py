@@ -33,8 +33,8 @@ search
    left are solved at once in forked processes, one per core (``plan_graph(workers=)``),
    each bounded by the same work, so the plan is the one solving them in turn gives.
    Each candidate's ILP on a view starts with the values the candidates before found
-   read twice alike there priced once per layout (``SEED_SHARING``), sparing the solve
-   that would find them again.
+   read twice alike there priced once per layout (``SearchSwitches.seed_sharing``),
+   sparing the solve that would find them again.
 
 On one node the candidates are intra-op plans; pipelines there are the fallback when no
 intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
@@ -75,6 +75,7 @@ from torchalpa.core.options import (
 from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.plan_records import known
 from torchalpa.core.progress import step
+from torchalpa.core.switches import SearchSwitches
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel.offload import host_memory_shortfall, with_offload
 from torchalpa.parallel.workflow import capture_examples, capture_step
@@ -90,23 +91,8 @@ log = logging.getLogger("torchalpa")
 ROOM = 0.9
 """A plan whose peak is below this fraction of the budget did not bend to fit it."""
 
-SEARCH_GAP = True
-"""Solve the intra-op candidates' ILPs to within the search's ``tolerance`` (HiGHS'
-``mip_rel_gap``) and re-solve, at the solver's own gap, only the views whose plan that
-gap could keep from winning (``_Search.polish``); False solves every view at the solver's
-own gap (what the search did before; benchmarks/near_budget_ab.py compares)."""
-
 SETTLED = "views settled by other candidates' answers: "
 """How an attempt's detail begins when its views were settled without an ILP."""
-
-SEED_SHARING = True
-"""Start each intra-op candidate's ILPs with the values the candidates before found read
-twice alike on the same view (``plan_intra_op(sharing=)``): the sharing round that would
-find them again is a whole solve; False starts every candidate afresh (tests compare)."""
-
-REUSE_VIEWS = True
-"""Settle an intra-op candidate's view (logical mesh) by another candidate's answer on it
-instead of solving it (``_Search.settled_views``); False solves every view (tests compare)."""
 
 
 @dataclass(frozen=True)
@@ -432,6 +418,7 @@ class _Search:
                                    optimizer=self.method.optimizer)
             outcomes: dict = {}
             settled = settled or {}
+            seed = SearchSwitches.current().seed_sharing
             self.settled += len(settled)
             try:
                 with self.timed("intra-op ILPs"):
@@ -441,7 +428,7 @@ class _Search:
                                       memo=self.pricing, workers=cpu_workers(),
                                       skip={i: why for i, (why, _) in settled.items()},
                                       outcomes=outcomes,
-                                      sharing=self.sharing if SEED_SHARING else None)
+                                      sharing=self.sharing if seed else None)
             finally:
                 self.record_views(c, outcomes)
         else:
@@ -529,8 +516,8 @@ class _Search:
         may beat by that much), where the option leaves the solver's gap unset and the
         tolerance is wider than HiGHS' default (1e-4); None: the solver's own gap."""
         tolerance = self.method.tolerance
-        if not SEARCH_GAP or self.method.auto_sharding_option.gap is not None or \
-                tolerance <= 1e-4:
+        if not SearchSwitches.current().search_gap or tolerance <= 1e-4 or \
+                self.method.auto_sharding_option.gap is not None:
             return None
         return tolerance
 
@@ -691,7 +678,8 @@ class _Search:
         and ``c`` only adds work where a candidate of no more micro-batches, regathering
         and recomputing fits with room to spare (that plan is among the search's)."""
         from torchalpa.passes.sharding.layer_remat import more_recompute
-        if not REUSE_VIEWS or c.kind != "intra-op" or self.method.offload:
+        if not SearchSwitches.current().reuse_views or c.kind != "intra-op" or \
+                self.method.offload:
             return {}
         budget, settled = self.budget(), {}
         for p, i, peak in self.views:

@@ -21,6 +21,7 @@ from torchalpa.core.plan import Plan
 from torchalpa.core.plan_check import check_plan
 from torchalpa.core.plan_records import known
 from torchalpa.core.progress import step
+from torchalpa.core.switches import SearchSwitches
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel import cache
 from torchalpa.parallel.steps import Placed, PlacedForward
@@ -34,11 +35,6 @@ from torchalpa.parallel.workflow import (
 __all__ = ["candidate_meshes", "plan_graph", "blocks_of", "IntraOpSteps", "IntraOpTarget"]
 
 log = logging.getLogger("torchalpa")
-
-SKIP_BY_BOUND = True
-"""Skip a logical mesh whose step-time bound is above a plan already found (``plan_graph``);
-False solves every mesh (benchmarks and tests compare)."""
-
 
 def candidate_meshes(cluster: Cluster | LogicalMesh, method: ShardParallel,
                      shape: tuple[int, ...] | None = None,
@@ -79,13 +75,13 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     refused with no ILP built. Once a plan is in hand, a mesh whose step-time bound (the LP
     relaxation) is above its estimate is skipped, noted; the first bound that skips nothing
     ends the bounding (an LP costs a third to a half of a solve on a transformer).
-    ``bound_views``: None follows ``SKIP_BY_BOUND``; AutoParallel sets False. Past
-    ``deadline`` (``time.perf_counter()``: a safety net) no further mesh is solved once a
-    plan is in hand; before it, each solve gets only the time left (a plan the clock cut
-    short is not cached). ``workers`` > 1, not bounding views: the ILPs solved at once in
-    processes (``_solve_apart``). ``skip``: mesh index -> why it is not solved (a caller's
-    reuse, noted); ``outcomes``: mesh index -> its plan or its solve's InfeasibleError;
-    ``sharing``: ``plan_intra_op``'s, kept by the caller across graphs."""
+    ``bound_views``: None follows ``SearchSwitches.skip_by_bound``; AutoParallel sets
+    False. Past ``deadline`` (``time.perf_counter()``: a safety net) no further mesh is
+    solved once a plan is in hand; before it, each solve gets only the time left (a plan
+    the clock cut short is not cached). ``workers`` > 1, not bounding views: the ILPs
+    solved at once in processes (``_solve_apart``). ``skip``: mesh index -> why it is not
+    solved (a caller's reuse, noted); ``outcomes``: mesh index -> its plan or its solve's
+    InfeasibleError; ``sharing``: ``plan_intra_op``'s, kept by the caller across graphs."""
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
     from torchalpa.passes.pricing.bounds import step_profile
     from torchalpa.passes.sharding.ilp import InfeasibleError
@@ -94,7 +90,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     memo = PricingMemo() if memo is None else memo     # the reshard prices, strategies
     plans, failures, skipped, refused, late = [], [], [], [], []
     skip, outcomes = skip or {}, {} if outcomes is None else outcomes
-    bounding = SKIP_BY_BOUND if bound_views is None else bound_views
+    bounding = SearchSwitches.current().skip_by_bound if bound_views is None else bound_views
     profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states,
                            eager=method.auto_sharding_option.elementwise != "fused")
     apart = {} if bounding or workers <= 1 else _solve_apart(
