@@ -60,7 +60,6 @@ from torchalpa.core.opgraph import (
     TensorSpec,
     ValueRef,
 )
-from torchalpa.frontends.collector import collector_paused
 from torchalpa.frontends.constants import LargeConstant, inline_constants
 from torchalpa.frontends.functionalize import (
     NeedsFunctionalization,
@@ -191,10 +190,8 @@ def _trace(fn: Callable, args: tuple, provenance: Provenance, num_inputs: int) -
     code stopped the trace (the original error is its ``__cause__``)."""
     try:
         # the graph module's Python code is made when first read or run (``.code``, a
-        # call), not after each pass that edits the graph (four times 0.3 s at 32 layers);
-        # the cycle collector waits: a trace makes no cycles (``frontends/collector.py``)
-        with provenance.tracing(), device_neutral_kernels(), _use_lazy_graph_module(True), \
-                collector_paused():
+        # call), not after each pass that edits the graph (four times 0.3 s at 32 layers)
+        with provenance.tracing(), device_neutral_kernels(), _use_lazy_graph_module(True):
             return make_fx(fn, tracing_mode="fake", decomposition_table=decompositions(),
                            _allow_non_fake_inputs=True)(*args)
     except CaptureError:
