@@ -11,7 +11,11 @@ before of the means. Every capture of both sides is hashed (OpGraph nodes, outpu
 generated code): the run fails (exit 1) unless the two sides made the same captures.
 
     git archive <commit> | tar -x -C /tmp/base
-    OMP_NUM_THREADS=1 python benchmarks/capture_cpu_ab.py /tmp/base [--layers 32] [--rounds 2]
+    OMP_NUM_THREADS=1 python benchmarks/capture_cpu_ab.py /tmp/base [--layers 32] [--rounds 2] \
+        [--model llama3_70b]
+
+``--model``: another LLaMA of the zoo (``llama3_70b``: target e's model, its batch 128 x 8192);
+the two traces are also shown per layer (CPU s / ``--layers``).
 
 ``/tmp/base`` is imported in place of this tree (its ``torchalpa`` package with
 ``frontends``, ``passes`` and ``runtime`` linked in, as ``setup.cfg`` maps them).
@@ -31,7 +35,7 @@ STAGES = ["trace", "after the trace", "check: trace", "check: derive + compare",
           "micro-batch derivation", "variants", "total"]
 
 
-def child(layers: int) -> dict:
+def child(layers: int, model_name: str = "llama3_8b") -> dict:
     """Run in the child: every stage's CPU seconds and the captures' hash."""
     import hashlib
     import time
@@ -56,7 +60,7 @@ def child(layers: int) -> dict:
         finally:
             inner["trace"] += time.process_time() - start
     te._trace_joint = timed_trace
-    w = zoo.llama3_8b().replace(num_layers=layers)
+    w = zoo.NAMED[model_name]().replace(num_layers=layers)
     with torch.device("meta"):
         model = with_precision(w.build(), torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
     batch = w.example_inputs(device="meta")
@@ -112,10 +116,11 @@ def main() -> int:
     p.add_argument("base", nargs="?", help="the tree before (a git archive)")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--model", default="llama3_8b", choices=("llama3_8b", "llama3_70b"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.layers)))
+        print(json.dumps(child(args.layers, args.model)))
         return 0
     if not args.base:
         p.error("give the tree before (a git archive of the commit to compare with)")
@@ -124,7 +129,8 @@ def main() -> int:
         cwd = os.path.join(tmp, "run")      # neither tree below it: nodes' lines name
         os.makedirs(cwd)                      # files alike (provenance.short_path)
         runs: dict[str, list[dict]] = {"before": [], "after": []}
-        print(f"LLaMA-3-8B bf16, {args.layers} layers, batch 16 x 8192; "
+        print(f"{args.model} bf16, {args.layers} layers, batch "
+              f"{'128' if args.model == 'llama3_70b' else '16'} x 8192; "
               f"load {os.getloadavg()[0]:.1f}")
         for r in range(args.rounds):
             for side, tree in sides.items():
@@ -134,7 +140,8 @@ def main() -> int:
                 # the script from this tree, run as a file: the child imports torchalpa
                 # from PYTHONPATH (the tree before) or the installed one (this tree)
                 out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                                      "--layers", str(args.layers)], env=env, cwd=cwd,
+                                      "--layers", str(args.layers), "--model", args.model],
+                                     env=env, cwd=cwd,
                                      capture_output=True, text=True, check=True)
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 runs[side].append(got)
@@ -147,6 +154,10 @@ def main() -> int:
         b = sum(x["seconds"][stage] for x in runs["before"]) / args.rounds
         a = sum(x["seconds"][stage] for x in runs["after"]) / args.rounds
         print(f"{stage:28s} {b:9.2f} {a:9.2f} {a / b if b else float('nan'):13.2f}")
+    for stage in ("trace", "check: trace"):
+        b, a = (sum(x["seconds"][stage] for x in runs[side]) / args.rounds / args.layers
+                for side in ("before", "after"))
+        print(f"{stage + ' per layer':28s} {b:9.3f} {a:9.3f} {a / b if b else float('nan'):13.2f}")
     hashes = {x["hash"] for side in runs.values() for x in side}
     print(f"the same captures on both sides: {len(hashes) == 1}")
     return 0 if len(hashes) == 1 else 1

@@ -32,6 +32,13 @@ count from the capture it has, and derives later counts only if the two are the 
 (every op, argument, shape and line of generated code; a number that depends on the
 batch differs between the two batch sizes). A number that takes the same value at both
 batch sizes is taken not to depend on the batch.
+
+Since that comparison decides, ``MicroBatchSteps`` derives with ``trust_numbers``: a number
+equal to a batch-carrying size by coincidence is kept as it is rather than refusing --
+RoPE's ``arange(0, 128, 2)`` (head dim 128) beside a batch of 128 made LLaMA-3-70B's
+target (batch 128) trace every micro-batch count. Were the number the batch, the derived
+step would keep it where the traced one halves it, and the comparison refuses the
+derivation as it refuses ``/ (batch * 3)``.
 """
 
 from __future__ import annotations
@@ -90,7 +97,7 @@ class MicroBatchSteps:
         base = next((j for j in sorted(self.captures) if k % j == 0), None)
         if base is None or self.checked is False:
             return self.trace(k)
-        derived = rebatched_capture(self.captures[base], k // base)
+        derived = rebatched_capture(self.captures[base], k // base, trust_numbers=True)
         if derived is None:
             return self.trace(k)
         if self.checked:
@@ -112,14 +119,19 @@ def same_step(a: Capture, b: Capture) -> bool:
             and a.gm.code == b.gm.code)
 
 
-def rebatched_capture(captured: Capture, k: int) -> Capture | None:
+def rebatched_capture(captured: Capture, k: int, *, trust_numbers: bool = False
+                      ) -> Capture | None:
     """``captured`` (the step at its batch) at ``1 / k`` of the batch, or None where the
-    derivation cannot be sure of the result (the reason is logged at debug level)."""
+    derivation cannot be sure of the result (the reason is logged at debug level).
+
+    ``trust_numbers``: a number an op is given (or an expand broadcasts to) that equals a
+    batch-carrying size is kept, not refused; only for a derivation that a trace at the
+    same count confirms before it is trusted (``MicroBatchSteps``)."""
     if k == 1:
         return captured
     start = time.perf_counter()
     try:
-        gm, kept = _rebatched_module(captured, k)
+        gm, kept = _rebatched_module(captured, k, trust_numbers)
     except CannotRebatch as e:
         log.debug("micro-batch capture not derived (1/%d of the batch): %s", k, e)
         return None
@@ -138,7 +150,8 @@ def rebatched_capture(captured: Capture, k: int) -> Capture | None:
     return replace(captured, graph=graph, gm=gm, seconds=seconds)
 
 
-def _rebatched_module(captured: Capture, k: int) -> tuple[fx.GraphModule, list[str]]:
+def _rebatched_module(captured: Capture, k: int, trust_numbers: bool = False
+                      ) -> tuple[fx.GraphModule, list[str]]:
     """The fx graph at the new batch, and its op nodes whose values did not change."""
     old = captured.gm.graph
     graph = fx.Graph()
@@ -146,7 +159,7 @@ def _rebatched_module(captured: Capture, k: int) -> tuple[fx.GraphModule, list[s
     graph.output(graph.graph_copy(old, {}))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     first_input = len(captured.param_names) + len(captured.buffer_names)
-    state = _Rebatch(k)
+    state = _Rebatch(k, trust_numbers)
     with torch.no_grad():
         for i, n in enumerate(placeholders):
             val = n.meta["val"]
@@ -186,8 +199,9 @@ class _Rebatch:
     A node none of whose inputs changed (a weight's cast or transpose, a constant) keeps
     its value without running the op, once its arguments are checked."""
 
-    def __init__(self, k: int):
+    def __init__(self, k: int, trust_numbers: bool = False):
         self.k = k
+        self.trust_numbers = trust_numbers        # keep numbers that equal a batch size
         self.values: dict[fx.Node, Any] = {}      # meta tensors, made when an op reads them
         self.old: dict[fx.Node, Any] = {}         # each node's value at the full batch
         self.changed: set[fx.Node] = set()        # nodes whose value changed
@@ -264,7 +278,9 @@ class _Rebatch:
         self.set(n, val)
 
     def check_numbers(self, n: fx.Node) -> None:
-        """Refuse an op told a number that may be a batch-carrying size."""
+        """Refuse an op told a number that may be a batch-carrying size (unless trusted)."""
+        if self.trust_numbers:
+            return
         sizes = self.scaled | self.numels
         for v in _leaves((n.args, n.kwargs)):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -315,7 +331,7 @@ class _Rebatch:
             d = p - offset
             if d >= 0 and a[d] != 1:
                 sizes.append(-1 if s == -1 else b[d])
-            elif s in self.scaled:
+            elif s in self.scaled and not self.trust_numbers:
                 raise CannotRebatch(f"expand {n.name} broadcasts to {s}, a size the batch "
                                     "runs through")
             else:
