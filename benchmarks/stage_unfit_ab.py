@@ -1,5 +1,5 @@
 """The pipeline search near the memory budget, with and without trusting the solver's proofs
-that a stage does not fit (``exact_stages.TRUST_PROOFS``), in one process, alternately.
+that a stage does not fit (``PassSwitches.trust_proofs``), in one process, alternately.
 
     python benchmarks/stage_unfit_ab.py [--memory-gb 0.035] [--repeats 1]
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from search_models import small_gpt_graph  # noqa: E402
 
 import torchalpa  # noqa: E402
-from torchalpa.passes.pipeline_search import exact_stages  # noqa: E402
+from torchalpa.core.switches import PassSwitches  # noqa: E402
 from torchalpa.passes.pipeline_search.inter_op import plan_pipeline  # noqa: E402
 from torchalpa.passes.sharding.ilp import CLOCK_NOTE  # noqa: E402
 
@@ -32,7 +32,6 @@ GB = 1024 ** 3
 
 
 def _search(graph, memory_gb: float, trust: bool) -> tuple[float, str]:
-    exact_stages.TRUST_PROOFS = trust
     cluster = torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=memory_gb * GB,
                                 peak_flops=112e12, memory_bandwidth=900e9,
                                 intra_node_bandwidth=100e9, intra_node_latency=1e-6,
@@ -41,7 +40,8 @@ def _search(graph, memory_gb: float, trust: bool) -> tuple[float, str]:
         num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4),
         auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
     start = time.perf_counter()
-    plan = plan_pipeline(graph, cluster, method, workers=1)
+    with PassSwitches.using(trust_proofs=trust):
+        plan = plan_pipeline(graph, cluster, method, workers=1)
     seconds = time.perf_counter() - start
     e = plan.estimates
     clock = any(note.startswith(CLOCK_NOTE) for note in plan.notes)

@@ -10,6 +10,7 @@ import pytest
 from search_models import exact_stages, small_gpt_graph
 
 import torchalpa
+from torchalpa.core.switches import PassSwitches
 from torchalpa.passes.pipeline_search import exact_stages as exact_module
 from torchalpa.passes.pipeline_search.layers import assign_layers
 from torchalpa.passes.pipeline_search.stage_recompute import recompute_option
@@ -90,10 +91,10 @@ def test_a_stage_that_fits_is_solved_once(gpt_graph):
     assert (costs.exact_solves, costs.proved_unfit) == (1, 0)
 
 
-def test_ignoring_the_proof_solves_sharded_states_for_the_same_answer(gpt_graph, monkeypatch):
-    """``TRUST_PROOFS`` off (the search before): the sharded-states ILP runs and fails, the
-    stage costs inf all the same."""
-    monkeypatch.setattr(exact_module, "TRUST_PROOFS", False)
+def test_ignoring_the_proof_solves_sharded_states_for_the_same_answer(gpt_graph):
+    """``PassSwitches.trust_proofs`` off (the search before): the sharded-states ILP runs
+    and fails, the stage costs inf all the same."""
     costs = _costs(gpt_graph, 0.025)
-    assert costs.exact(0, 1, (1, 2), (2,), 1) == (float("inf"), None)
+    with PassSwitches.using(trust_proofs=False):
+        assert costs.exact(0, 1, (1, 2), (2,), 1) == (float("inf"), None)
     assert (costs.exact_solves, costs.proved_unfit) == (2, 0)

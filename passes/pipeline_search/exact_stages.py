@@ -23,6 +23,7 @@ from torchalpa.core.cluster import Submesh, View
 from torchalpa.core.options import AutoShardingOption
 from torchalpa.core.plan import Plan
 from torchalpa.core.plan_records import known
+from torchalpa.core.switches import PassSwitches
 from torchalpa.passes.pipeline_search.layer_cache import SolveCache
 from torchalpa.passes.pipeline_search.layer_costs import micro_batch_seconds
 from torchalpa.passes.pipeline_search.search_keys import PlanKey, Stage
@@ -35,12 +36,7 @@ from torchalpa.passes.pipeline_search.transplant import transplant
 from torchalpa.passes.pricing.memory import in_flight_bytes
 from torchalpa.passes.sharding.ilp import InfeasibleError, MemoryNotSettled, SolverStopped
 
-__all__ = ["ExactStages", "TRUST_PROOFS"]
-
-TRUST_PROOFS = True
-"""A stage the solver proves no plan fits (with the method's parameters) is not solved again
-with sharded states (``_solve_stage``); False solves it all the same, as the search did
-before (``benchmarks/stage_unfit_ab.py`` compares)."""
+__all__ = ["ExactStages"]
 
 Memory = tuple[float, float, float]
 """A stage plan's model states, one micro-batch's activation peak and what it saves for
@@ -352,7 +348,7 @@ class ExactStages:
             except (SolverStopped, MemoryNotSettled):
                 continue        # not a proof that none fits
             except InfeasibleError:
-                if lean or not TRUST_PROOFS:
+                if lean or not PassSwitches.current().trust_proofs:
                     continue
                 self.proved_unfit += 1
                 return None, False, None

@@ -75,6 +75,11 @@ class PassSwitches(_Switches):
     axes that divide no dim of the layer (``LayerCosts.replicated_alike``); False prices
     each."""
 
+    trust_proofs: bool = True
+    """A pipeline stage the solver proves no plan fits (with the method's parameters) is
+    not solved again with sharded states (``ExactStages._solve_stage``); False solves it
+    all the same, as the search did before (``benchmarks/stage_unfit_ab.py`` compares)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SearchSwitches(_Switches):
