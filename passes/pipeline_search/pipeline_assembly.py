@@ -198,6 +198,9 @@ def pipeline_estimates(stages: list[StagePlan], transfers: list[Transfer],
                      stage_times="measured" if stage_seconds is not None else "cost model",
                      alpa_objective_s=sum(step) + (B - 1) * max(step),
                      memory_per_device_bytes=max(memory), stage_memory_bytes=memory,
+                     end_of_step_bytes_per_device=max(
+                         (s.plan.estimates.end_of_step_bytes_per_device or 0.0 for s in stages),
+                         default=None),
                      timeline=timeline,
                      # recorded for reports and pictures
                      memory_budget_per_device_bytes=float(budget) if budget else None)

@@ -58,6 +58,14 @@ class Liveness:
     end: np.ndarray
     length: int
     results: list[int | None] = field(default_factory=list)
+    raw_of: dict[int, int] = field(default_factory=dict)
+    """With ``grads_from_backward``: the entry of a parameter's reduced gradient (named by
+    the parameter) -> the entry of the raw gradient it is reduced from (the op's result,
+    as the op lays it out). The raw one lives to the end of backward: a gradient
+    reduce-scattered there is packed into its bucket, held by the collective in flight
+    until backward's last wait, beside the block it leaves (``runtime/rewrites/
+    reduce_in_backward.py``); one all-reduced in place, or not reduced, is the same
+    storage as its reduced self (``_entry_bytes`` then counts it once)."""
 
     def __post_init__(self):
         if len(self.results) != len(self.names):
@@ -172,10 +180,18 @@ def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: b
             results.append(k)
             start.append(first)
             end.append(last)
+    raw_of: dict[int, int] = {}
     if grads_from_backward:
         params = {n.target: n.name for n in graph if n.kind == "param"}
         for target, ref in graph.outputs.grads:
             if target in params:
+                raw = storage.get(ref.node, ref)
+                if graph.node(raw.node).kind == "op" and raw.node not in recompute:
+                    names.append(raw.node)
+                    results.append(raw.index)
+                    start.append(order[raw.node])
+                    end.append(end_of_step)
+                    raw_of[len(names)] = len(names) - 1
                 names.append(params[target])
                 results.append(None)
                 start.append(order[ref.node])
@@ -183,7 +199,7 @@ def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: b
     starts, ends = np.array(start, dtype=np.int64), np.array(end, dtype=np.int64)
     starts.setflags(write=False)
     ends.setflags(write=False)
-    return Liveness(names, starts, ends, end_of_step + 1, results)
+    return Liveness(names, starts, ends, end_of_step + 1, results, raw_of)
 
 
 def _arrival(graph: OpGraph, node, order: dict[str, int], state_at_start: bool) -> int:
@@ -311,7 +327,11 @@ def _entry_bytes(graph: OpGraph, live: Liveness, outputs: dict[str, tuple[Placem
         if found is None:
             found = seen[key] = value_bytes(graph, name, placements, mesh_shape, statistics, k)
         sizes.append(found)
-    return np.array(sizes, dtype=float)
+    sizes = np.array(sizes, dtype=float)
+    for reduced, raw in live.raw_of.items():    # the same storage, or bytes in place
+        if sizes[raw] <= sizes[reduced]:
+            sizes[reduced] = 0.0
+    return sizes
 
 
 def same_layout_views(graph: OpGraph, layouts: dict[str, Placements],
@@ -500,6 +520,9 @@ class MemoryModel:
         for ref in raw.values():    # the sum over micro-batches, as its op lays it out
             self._fold(self.state, ref.node, self._bytes(ref.node, ref.index))
         self._act = [self._bytes(name, k) for name, k in self.live.entries()]
+        # a gradient's raw and reduced entries both count in the ILP's rows (``raw_of``):
+        # whether they share storage depends on two choices; rows at or above the exact
+        # timeline keep the memory rounds converging
         self.end = self.live.length
         self.end_state = self._end_state() if optimizer is not None else {}
 
