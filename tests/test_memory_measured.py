@@ -242,7 +242,9 @@ def test_the_end_of_a_step_is_its_peak_where_the_model_outweighs_activations():
     the runtime's CPU choice for tensors this large, ``core/optimizer_step.py``), not the
     forward/backward peak. The plan's memory is that point, within 3 % of the measured
     peak (302.2 MB; within 0.01 % on this machine); the liveness peak alone (states and
-    activations) is below the measured one by the temporaries (33.6 MB, 11 %)."""
+    activations) is below the measured one by the temporaries (33.6 MB, 11 %). (The
+    parent commit's estimate, 335.7 MB, was 11 % above: each weight gradient, a view of a
+    matmul's result, counted twice, and no temporaries.)"""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     from quickstart import MLP
     g = torch.Generator().manual_seed(1)
@@ -279,9 +281,10 @@ def test_the_end_of_a_step_on_two_ranks_is_priced(tmp_path):
     temporaries), the estimate within 3 % of it; the liveness peak alone was 11 % under.
     ``Zero2Parallel``: the peak is at the end of backward, where each gradient's raw sum,
     whole over the two ranks, is held for its reduce-scatter (gloo copies it) beside the
-    block it leaves; priced in the parameter's layout alone the estimate was 0.53-0.64 of
-    the measured peak, with the raw sums 0.80-0.86. Not priced: the packing's and gloo's
-    transients around the gradient being reduced (the rest)."""
+    block it leaves, priced: 0.80-0.86 of the measured peak (the parent commit gave the
+    same figure by counting each matmul result a weight gradient views beside the
+    gradient; in the parameter's layout alone it is 0.53-0.64). Not priced: the packing's
+    and gloo's transients around the gradient being reduced (the rest)."""
     import worker_io
     r = worker_io.launch_checked("end_of_step_worker.py", tmp_path / "end_of_step.json",
                                  "dp:0,zero2:0", nproc=2)

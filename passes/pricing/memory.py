@@ -12,6 +12,11 @@ whose backward the lowering rewrites to read saved statistics (``saved_statistic
 ``passes/pricing/attention_price.py``) holds its output and its float32 log-sum-exp per query row
 until that backward.
 
+With one micro-batch a gradient's raw result (as its op lays it out) lives to backward's
+end too, beside the reduced one where a reduce-scatter shrinks it (``Liveness.raw_of``).
+The step's end, its optimizer step, is priced apart (``step_end.py``): with an optimizer
+``MemoryModel`` gives it one more point, ``end``.
+
 ``Liveness`` holds the intervals; the ILP adds one constraint per point it checks,
 ``model states + activations alive there <= budget``, starting from the likely peaks and
 adding the actual peak of each solution until the plan fits (``passes/sharding/intra_op.py``).
