@@ -51,7 +51,9 @@ def test_train_step_uses_foreach_on_small_tensors_and_restores_the_option(monkey
     assert calls == ["_multi_tensor_adam"]
     assert pm.optimizer.param_groups[0]["foreach"] is None
     assert "_torchalpa_foreach_set" not in pm.optimizer.state_dict()["param_groups"][0]
-    monkeypatch.setattr(lean, "FOREACH_MAX_NUMEL", 8)      # a tensor over the bound: the loop
+    # a tensor over the bound (the memory model's too: core/optimizer_step.py): the loop
+    from torchalpa.core import optimizer_step
+    monkeypatch.setattr(optimizer_step, "FOREACH_MAX_NUMEL", 8)
     pm.train_step(x, y)
     assert calls[-1] == "_single_tensor_adam"
 

@@ -127,5 +127,9 @@ def test_a_gradient_is_held_from_its_backward_op_with_one_micro_batch_only():
     whole = {n.name: ((Replicate(),),) * len(n.outputs) for n in g}
     activations = activation_peak_bytes(g, whole, (1,))[0]
     assert plans[1].memory_per_device_bytes < 4 * param_bytes + activations
-    assert plans[2].memory_per_device_bytes == 4 * param_bytes + \
-        plans[2].activation_bytes_per_device
+    # the step's end (its optimizer step, ``step_end.py``): parameters, states, the
+    # gradients and Adam's foreach temporaries (tensors this small: one copy of each)
+    assert plans[1].end_of_step_bytes_per_device == plans[2].end_of_step_bytes_per_device \
+        == 5 * param_bytes
+    assert plans[2].memory_per_device_bytes == max(
+        4 * param_bytes + plans[2].activation_bytes_per_device, 5 * param_bytes)

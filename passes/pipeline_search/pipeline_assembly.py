@@ -184,17 +184,23 @@ def pipeline_estimates(stages: list[StagePlan], transfers: list[Transfer],
     # after the last
     once = sum(t.bytes for t in transfers if t.once_per_step) / link
     total = max(max(e for _, _, _, e in stage) + o for stage, o in zip(timeline, once_s)) + once
-    memory = [(recompute_memory if s.recompute else in_flight_bytes)(
+    # a stage's peak: in its schedule (states, micro-batches in flight), or at its
+    # optimizer step after the last backward (``passes/pricing/step_end.py``)
+    memory = [max((recompute_memory if s.recompute else in_flight_bytes)(
         known(s.plan.estimates.model_state_bytes_per_device),
         known(s.plan.estimates.activation_bytes_per_device),
         (received or [0.0] * S)[n] if s.recompute else
         known(s.plan.estimates.saved_activation_bytes_per_device),
-        in_flight(schedule[n])) for n, s in enumerate(stages)]
+        in_flight(schedule[n])), s.plan.estimates.end_of_step_bytes_per_device or 0.0)
+        for n, s in enumerate(stages)]
     budget = method.auto_sharding_option.memory_budget_per_device or cluster.memory_per_device
     return Estimates(step_time_s=total, max_stage_s=max(step), stage_step_s=step,
                      stage_times="measured" if stage_seconds is not None else "cost model",
                      alpa_objective_s=sum(step) + (B - 1) * max(step),
                      memory_per_device_bytes=max(memory), stage_memory_bytes=memory,
+                     end_of_step_bytes_per_device=max(
+                         (s.plan.estimates.end_of_step_bytes_per_device or 0.0 for s in stages),
+                         default=None),
                      timeline=timeline,
                      # recorded for reports and pictures
                      memory_budget_per_device_bytes=float(budget) if budget else None)

@@ -37,8 +37,10 @@ import numpy as np
 
 from torchalpa.core.cluster import Cluster, LogicalMesh
 from torchalpa.core.opgraph import OpGraph
+from torchalpa.core.optimizer_step import FOREACH_TEMPORARIES, LOOP_TEMPORARIES
 from torchalpa.passes.pricing.cost import compute_cost, optimizer_cost
 from torchalpa.passes.pricing.memory import forward_end, liveness, state_copies
+from torchalpa.passes.pricing.step_end import trained_parameters, updates_on_device
 
 __all__ = ["StepProfile", "step_profile", "captured_batch"]
 
@@ -77,6 +79,10 @@ class StepProfile:
     """Activations alive at each point of the step (their peak: ``activation_peak_bytes``)."""
     gradients: np.ndarray | None = field(default=None, compare=False, repr=False)
     """Gradients alive at each point of a step of one micro-batch (made by then)."""
+    optimizer_temporary_bytes: float = 0.0
+    """The optimizer update's temporaries at the step's end, the parameters whole
+    (``passes/pricing/step_end.py``): the least of its two implementations', so that
+    split over ``n`` devices it stays a bound for each."""
 
     def _late(self, micro_batch: int | None) -> bool:
         """Whether a step of micro-batches of ``micro_batch`` holds its gradients only
@@ -101,14 +107,17 @@ class StepProfile:
         _check_devices(devices)
         scale = self._scale(micro_batch)
         spread = 1 if replicated_parameters else devices    # states' (and gradients') split
+        # the step's end: every state and gradient, and the update's temporaries
+        end = (self.state_bytes + self.optimizer_temporary_bytes) / spread
         if in_flight == 1 and self._late(micro_batch):
             # one micro-batch: its gradients alive from their backward ops on
             assert self.activations is not None and self.gradients is not None
             alive = self.activations / devices + self.gradients / spread
-            return (self.state_bytes - self.gradient_bytes) / spread + float(alive.max())
+            return max(end, (self.state_bytes - self.gradient_bytes) / spread +
+                       float(alive.max()))
         activations = (self.activation_peak_bytes
                        + (in_flight - 1) * self.activation_saved_bytes) * scale / devices
-        return self.state_bytes / spread + activations
+        return max(end, self.state_bytes / spread + activations)
 
     def pipeline_memory_bytes(self, devices: int, micro_batch: int | None = None) -> float:
         """Bytes each of ``devices`` must at least hold when they run the step as pipeline
@@ -154,10 +163,13 @@ def captured_batch(graph: OpGraph) -> int:
 
 
 def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int | None = None,
-                 optimizer_states: int = 2, eager: bool = True) -> StepProfile:
+                 optimizer_states: int = 2, eager: bool = True,
+                 optimizer: str | None = None) -> StepProfile:
     """The bounds of ``graph`` (one step captured for micro-batches of ``batch``, default
     ``captured_batch(graph)``) on the devices of ``hardware``; ``eager=False`` where the
-    plan prices fused kernels (``elementwise="fused"``: no host time). One pass over the
+    plan prices fused kernels (``elementwise="fused"``: no host time); ``optimizer``
+    (``ShardParallel.optimizer``): its update's temporaries count at the step's end. One
+    pass over the
     graph: about a tenth of a second on thousands of ops."""
     batch = captured_batch(graph) if batch is None else batch
     if batch < 1:
@@ -193,7 +205,21 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
         roofline_s=roofline, launch_s=launches, host_s=host, mesh=mesh,
         optimizer_states=optimizer_states, num_parameter_tensors=max(1, len(params)),
         gradient_bytes=float(grads) if optimizer_states >= 0 else 0.0,
-        activations=timeline, gradients=gradients if optimizer_states >= 0 else None)
+        activations=timeline, gradients=gradients if optimizer_states >= 0 else None,
+        optimizer_temporary_bytes=_least_temporaries(graph, optimizer, optimizer_states))
+
+
+def _least_temporaries(graph: OpGraph, optimizer: str | None, optimizer_states: int) -> float:
+    """The update's temporaries, the parameters whole, in the cheaper of its two
+    implementations (``core/optimizer_step.py``): 0 without an optimizer or off the
+    devices."""
+    if optimizer is None or not updates_on_device(optimizer, optimizer_states):
+        return 0.0
+    sizes = [graph.node(name).output.nbytes for name in trained_parameters(graph)]
+    if not sizes:
+        return 0.0
+    return float(min(FOREACH_TEMPORARIES.get(optimizer, 1) * sum(sizes),
+                     LOOP_TEMPORARIES.get(optimizer, 2) * max(sizes)))
 
 
 def _check_devices(devices: int) -> None:

@@ -12,6 +12,11 @@ whose backward the lowering rewrites to read saved statistics (``saved_statistic
 ``passes/pricing/attention_price.py``) holds its output and its float32 log-sum-exp per query row
 until that backward.
 
+With one micro-batch a gradient's raw result (as its op lays it out) lives to backward's
+end too, beside the reduced one where a reduce-scatter shrinks it (``Liveness.raw_of``).
+The step's end, its optimizer step, is priced apart (``step_end.py``): with an optimizer
+``MemoryModel`` gives it one more point, ``end``.
+
 ``Liveness`` holds the intervals; the ILP adds one constraint per point it checks,
 ``model states + activations alive there <= budget``, starting from the likely peaks and
 adding the actual peak of each solution until the plan fits (``passes/sharding/intra_op.py``).
@@ -25,15 +30,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from torchalpa.core.opgraph import OpGraph, ValueRef
+from torchalpa.core.optimizer_step import FOREACH_TEMPORARIES, LOOP_TEMPORARIES, steps_foreach
 from torchalpa.core.placement import Placements, Replicate, is_shard
 from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.pricing.fused_pricing import recomputed
 from torchalpa.passes.pricing.gathered_views import copy_bytes, held_copies, saved_view_spans
+from torchalpa.passes.pricing.step_end import (
+    end_of_step_bytes,
+    trained_parameters,
+    updates_on_device,
+)
 from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.stage_boundary import summed_part
 
 __all__ = ["Liveness", "KeptCopy", "KeptTerm", "liveness", "model_state_bytes", "activation_peak_bytes",
-           "accumulated_gradients",
+           "accumulated_gradients", "same_layout_views",
            "state_copies", "gradients_from_backward", "forward_end", "in_flight_bytes", "value_bytes",
            "view_copies"]
 
@@ -52,6 +63,14 @@ class Liveness:
     end: np.ndarray
     length: int
     results: list[int | None] = field(default_factory=list)
+    raw_of: dict[int, int] = field(default_factory=dict)
+    """With ``grads_from_backward``: the entry of a parameter's reduced gradient (named by
+    the parameter) -> the entry of the raw gradient it is reduced from (the op's result,
+    as the op lays it out). The raw one lives to the end of backward: a gradient
+    reduce-scattered there is packed into its bucket, held by the collective in flight
+    until backward's last wait, beside the block it leaves (``runtime/rewrites/
+    reduce_in_backward.py``); one all-reduced in place, or not reduced, is the same
+    storage as its reduced self (``_entry_bytes`` then counts it once)."""
 
     def __post_init__(self):
         if len(self.results) != len(self.names):
@@ -148,13 +167,17 @@ def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: b
         for src in sources:
             use(src.node, src.index, last)
     grads = {(ref.node, ref.index) for _, ref in graph.outputs.grads}
+    # a gradient that is a view (a linear layer's weight gradient, ``t`` of a matmul):
+    # the result it views is the gradient's storage, priced as the gradient, not again
+    grads |= {(storage[node].node, storage[node].index) for node, _ in grads if node in storage}
     names, results, start, end = [], [], [], []
     for n in graph:
         if n.kind not in ("op", "input") or n.name in storage or n.name in recompute:
             continue
         first = _arrival(graph, n, order, state_at_start)
         ends = [last_use.get((n.name, k), order[n.name]) for k in range(len(n.outputs))]
-        split = n.is_grad or len(set(ends)) > 1
+        split = n.is_grad or len(set(ends)) > 1 or \
+            any((n.name, k) in grads for k in range(len(n.outputs)))
         for k, last in (enumerate(ends) if split else [(None, max(ends))]):
             if (n.name, k) in grads:
                 continue        # a parameter's gradient: model state, or its own entry
@@ -162,10 +185,18 @@ def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: b
             results.append(k)
             start.append(first)
             end.append(last)
+    raw_of: dict[int, int] = {}
     if grads_from_backward:
         params = {n.target: n.name for n in graph if n.kind == "param"}
         for target, ref in graph.outputs.grads:
             if target in params:
+                raw = storage.get(ref.node, ref)
+                if graph.node(raw.node).kind == "op" and raw.node not in recompute:
+                    names.append(raw.node)
+                    results.append(raw.index)
+                    start.append(order[raw.node])
+                    end.append(end_of_step)
+                    raw_of[len(names)] = len(names) - 1
                 names.append(params[target])
                 results.append(None)
                 start.append(order[ref.node])
@@ -173,7 +204,7 @@ def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: b
     starts, ends = np.array(start, dtype=np.int64), np.array(end, dtype=np.int64)
     starts.setflags(write=False)
     ends.setflags(write=False)
-    return Liveness(names, starts, ends, end_of_step + 1, results)
+    return Liveness(names, starts, ends, end_of_step + 1, results, raw_of)
 
 
 def _arrival(graph: OpGraph, node, order: dict[str, int], state_at_start: bool) -> int:
@@ -301,7 +332,22 @@ def _entry_bytes(graph: OpGraph, live: Liveness, outputs: dict[str, tuple[Placem
         if found is None:
             found = seen[key] = value_bytes(graph, name, placements, mesh_shape, statistics, k)
         sizes.append(found)
-    return np.array(sizes, dtype=float)
+    sizes = np.array(sizes, dtype=float)
+    for reduced, raw in live.raw_of.items():    # the same storage, or bytes in place
+        if sizes[raw] <= sizes[reduced]:
+            sizes[reduced] = 0.0
+    return sizes
+
+
+def same_layout_views(graph: OpGraph, layouts: dict[str, Placements],
+                      reads: dict[str, tuple]) -> frozenset[str]:
+    """Views of a parameter or buffer (``liveness`` gives them intervals of their own, for
+    the copy a read in another layout makes) that read it in its own layout ``layouts``
+    (node -> layout; ``reads``: node -> its operands' layouts): a view of the tensor
+    itself, which allocates nothing."""
+    return frozenset(n.name for n in graph.ops() if n.aliases and n.operands
+                     and graph.node(n.operands[0].node).kind in ("param", "buffer")
+                     and reads.get(n.name, (None,))[0] == layouts.get(n.operands[0].node))
 
 
 def activation_timeline(graph: OpGraph, live: Liveness,
@@ -370,16 +416,22 @@ def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, .
                           mesh_shape, statistics: dict[str, str] | None = None,
                           state_at_start: bool = False,
                           kept: list[KeptCopy] | None = None,
-                          grads_from_backward: bool = False) -> tuple[int, int]:
+                          grads_from_backward: bool = False,
+                          free_views: frozenset[str] = frozenset()) -> tuple[int, int]:
     """(peak bytes of op results alive at once on one device, bytes alive where forward
     ends: what a micro-batch holds while it waits for backward). Inputs count too, and
     the resharded copies of parameters that several reads share (``kept``), from their
     first reader to their last. ``statistics``: attention forward -> the backward that
     reads what it saved; ``state_at_start``, ``grads_from_backward``: as ``liveness``
-    takes them (the gradients alive count with the activations)."""
+    takes them (the gradients alive count with the activations). ``free_views``: views
+    of parameters or buffers that read them in their own layout (``same_layout_views``):
+    no copy, nothing allocated."""
     statistics = statistics or {}
     live = liveness(graph, statistics, state_at_start, grads_from_backward)
     sizes = _entry_bytes(graph, live, outputs, mesh_shape, statistics)
+    for i, name in enumerate(live.names):
+        if name in free_views:
+            sizes[i] = 0.0
     extra = _kept_timeline(graph, live, sizes, kept or [], state_at_start)
     timeline = live.total(sizes) + extra
     if not timeline.size:
@@ -437,8 +489,12 @@ class MemoryModel:
     def __init__(self, graph: OpGraph, strategies, grouping, mesh_shape, optimizer_states: int,
                  in_flight: int = 1, statistics: dict[str, str] | None = None,
                  state_at_start: bool = False, steps_of=None,
-                 grads_from_backward: bool = False):
+                 grads_from_backward: bool = False, optimizer: str | None = None,
+                 device_type: str = "cpu"):
         self.graph, self.S, self.g, self.mesh_shape = graph, strategies, grouping, mesh_shape
+        self.optimizer, self.device_type = optimizer, device_type
+        """With an ``optimizer``, the step's end (its optimizer step, ``step_end.py``) is
+        one more point, ``end``, after the last of ``live``."""
         self.steps_of = steps_of
         self.state_at_start = state_at_start
         self._state_reads: list[_StateReads] | None = None
@@ -469,6 +525,39 @@ class MemoryModel:
         for ref in raw.values():    # the sum over micro-batches, as its op lays it out
             self._fold(self.state, ref.node, self._bytes(ref.node, ref.index))
         self._act = [self._bytes(name, k) for name, k in self.live.entries()]
+        # a gradient's raw and reduced entries both count in the ILP's rows (``raw_of``):
+        # whether they share storage depends on two choices; rows at or above the exact
+        # timeline keep the memory rounds converging
+        self.end = self.live.length
+        self.end_state = self._end_state() if optimizer is not None else {}
+
+    def _end_state(self) -> dict[str, np.ndarray]:
+        """Bytes at the optimizer step per representative strategy (``step_end.py``):
+        each leaf itself, a trained parameter's gradient and states in its layout, and the
+        update's temporaries, priced on the parameters' whole sizes: ``foreach`` (one
+        term per parameter) or tensor by tensor (the largest parameter's copies)."""
+        assert self.optimizer is not None
+        graph, states = self.graph, self.optimizer_states
+        end: dict[str, np.ndarray] = {}
+        if states < 0:
+            return end
+        trained = trained_parameters(graph)
+        trained_set = set(trained)
+        for n in graph:
+            if n.kind in ("param", "buffer"):
+                copies = 2 + states if n.name in trained_set else 1
+                self._fold(end, n.name, self._bytes(n.name) * copies)
+        if trained and updates_on_device(self.optimizer, states):
+            specs = [graph.node(name).output for name in trained]
+            if steps_foreach([s.numel for s in specs], self.device_type):
+                for name in trained:
+                    self._fold(end, name, self._bytes(name) *
+                               FOREACH_TEMPORARIES.get(self.optimizer, 1))
+            else:
+                largest = max(trained, key=lambda name: graph.node(name).output.nbytes)
+                self._fold(end, largest, self._bytes(largest) *
+                           LOOP_TEMPORARIES.get(self.optimizer, 2))
+        return end
 
     def _bytes(self, name: str, result: int | None = None) -> np.ndarray:
         strategies = self.S[name]
@@ -493,7 +582,10 @@ class MemoryModel:
         into[rep] = into.get(rep, np.zeros(len(self.S[rep]))) + vec[list(self.g.index[name])]
 
     def terms_at(self, t: int) -> dict[str, np.ndarray]:
-        """Bytes alive at point ``t`` for each representative strategy."""
+        """Bytes alive at point ``t`` for each representative strategy (``end``: at the
+        optimizer step)."""
+        if t == self.end:
+            return {k: v.copy() for k, v in self.end_state.items() if v.any()}
         terms = {k: v.copy() for k, v in self.state.items() if v.any()}
         for i in self.live.alive(t):
             self._fold(terms, self.live.names[i], self._act[i])
@@ -514,7 +606,14 @@ class MemoryModel:
                                self.state_at_start)     # one per micro-batch in flight
         extra = _kept_timeline(graph, live, sizes, [c for c in kept if c.span is None],
                                self.state_at_start)
-        return self._with_waiting(live.total(sizes) + views) + extra + state_bytes
+        timeline = self._with_waiting(live.total(sizes) + views) + extra + state_bytes
+        if self.optimizer is None:
+            return timeline
+        leaves = {n.name: chosen_outputs[n.name][0] for n in graph
+                  if n.kind in ("param", "buffer")}
+        return np.append(timeline, end_of_step_bytes(
+            graph, leaves, self.mesh_shape, self.optimizer, self.optimizer_states,
+            self.device_type))
 
     def kept_copies(self, chosen: dict) -> list[KeptCopy]:
         """The copies ``chosen`` (node -> Strategy) keeps, as the plan's ``Reshard.same_as``
@@ -581,7 +680,9 @@ class MemoryModel:
     def kept_at(self, t: int) -> list[KeptTerm]:
         """The kept copies that may be alive at point ``t``, one term per parameter and
         target layout (empty without ``steps_of``), and those of gathered copies forward
-        views keep (``view_terms``)."""
+        views keep (``view_terms``); none at ``end``."""
+        if t == self.end:
+            return []
         terms = self.view_terms(t)
         if self.steps_of is None:
             return terms
@@ -673,8 +774,11 @@ class MemoryModel:
         """Bytes at each point if every value took its largest layout: memory can only be
         over the budget where this is."""
         state = sum(v.max() for v in self.state.values())
-        return state + self._with_waiting(self._timeline(np.max) + self._views_upper()) + \
+        timeline = state + self._with_waiting(self._timeline(np.max) + self._views_upper()) + \
             self._kept_upper()
+        if self.optimizer is None:
+            return timeline
+        return np.append(timeline, sum(v.max() for v in self.end_state.values()))
 
     def _views_upper(self) -> np.ndarray:
         """Bytes the gathered copies forward views keep could hold at each point: each

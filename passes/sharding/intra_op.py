@@ -40,6 +40,7 @@ from torchalpa.passes.pricing.memory import (
     gradients_from_backward,
     model_state_bytes,
 )
+from torchalpa.passes.pricing.step_end import device_type_of
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.sharding.constraints import apply_constraints
 from torchalpa.passes.sharding.costgraph import (
@@ -430,7 +431,9 @@ class _IntraOpILP:
                              self.in_flight, saved_statistics(graph, mesh),
                              state_at_start=self.state_once,
                              steps_of=None if self.option.rematerialize_parameters
-                             else self.costs.steps, grads_from_backward=self.grads_late)
+                             else self.costs.steps, grads_from_backward=self.grads_late,
+                             optimizer=self.method.optimizer,
+                             device_type=device_type_of(mesh.backend))
         cg, solution, chosen, shared = solve_sharing_reads(
             graph, mesh, S, grouping, self.costs,
             lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory,

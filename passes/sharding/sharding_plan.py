@@ -46,9 +46,11 @@ from torchalpa.passes.pricing.memory import (
     activation_peak_bytes,
     gradients_from_backward,
     model_state_bytes,
+    same_layout_views,
     view_copies,
 )
 from torchalpa.passes.pricing.overlap_price import CommEvent, Device, overlapped_step, program_order
+from torchalpa.passes.pricing.step_end import device_type_of, end_of_step_bytes
 from torchalpa.passes.sharding.costgraph import ReshardCosts, op_compute_seconds
 from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.shared_reshard import read_key
@@ -382,8 +384,11 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     activations, saved = activation_peak_bytes(
         graph, {name: s.outputs for name, s in chosen.items()}, mesh.shape,
         saved_statistics(graph, mesh), state_at_start=state_once, kept=kept,
-        grads_from_backward=grads_late)
+        grads_from_backward=grads_late, free_views=same_layout_views(
+            graph, leaf_placement, {name: s.inputs for name, s in chosen.items()}))
     activations += held
+    end = end_of_step_bytes(graph, leaf_placement, mesh.shape, method.optimizer,
+                            method.optimizer_states, device_type_of(mesh.backend))
     step, once, hidden, hidden_grads = _step_seconds(graph, mesh, traffic, per_op, optimizer_s,
                                                      device)
     return Estimates(step_time_s=step, communication_s=traffic.seconds,
@@ -393,7 +398,8 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                      model_state_bytes_per_device=state,
                      activation_bytes_per_device=activations,
                      saved_activation_bytes_per_device=saved,
-                     memory_per_device_bytes=state + activations,
+                     end_of_step_bytes_per_device=end,
+                     memory_per_device_bytes=max(state + activations, end),
                      wire_bytes_per_step=traffic.wire)
 
 

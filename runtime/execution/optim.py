@@ -48,6 +48,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from torchalpa.core.optimizer_step import FOREACH_MAX_GROUP_NUMEL, FOREACH_MAX_NUMEL, steps_foreach
+
 __all__ = ["lean_optimizer_steps", "ELEMENTWISE_OPTIMIZERS", "FOREACH_IDENTICAL",
            "FOREACH_MAX_NUMEL", "FOREACH_MAX_GROUP_NUMEL"]
 
@@ -59,8 +61,6 @@ ELEMENTWISE_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
 # foreach update == per-parameter update, bit for bit, on CPU (tests/test_lean_optim.py)
 FOREACH_IDENTICAL = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                      torch.optim.RMSprop, torch.optim.Adamax)
-FOREACH_MAX_NUMEL = 2 ** 20      # larger tensors step faster one by one (module doc)
-FOREACH_MAX_GROUP_NUMEL = 2 ** 19   # larger groups too (module doc)
 _FOREACH_SET = "_torchalpa_foreach_set"   # on a param group whose foreach this module set
 
 # set on each marked parameter: an attribute, not a weak reference, since a weakly
@@ -191,9 +191,9 @@ def _foreach_pays(opt: torch.optim.Optimizer, group: dict) -> bool:
             or group["foreach"] is not None or group.get("fused"):
         return False
     params = group["params"]
-    return bool(params) and all(p.device.type == "cpu" and p.numel() <= FOREACH_MAX_NUMEL
-                                for p in params) \
-        and sum(p.numel() for p in params) <= FOREACH_MAX_GROUP_NUMEL
+    # the bounds are the memory model's too (``core/optimizer_step.py``)
+    return bool(params) and all(p.device.type == "cpu" for p in params) \
+        and steps_foreach([p.numel() for p in params], "cpu")
 
 
 def _to_dtensor(opt: torch.optim.Optimizer, args, kwargs) -> None:

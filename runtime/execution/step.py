@@ -284,13 +284,18 @@ class StepRunner:
         grads = [next(reduced) if present else None
                  for present in self.program.stage.grad_present]
         factor = 1.0 / self.num_micro_batches
+        # several micro-batches: every reduced gradient is made from the step's own sums
+        # (none aliases what the caller holds), so it is scaled in place; out of place,
+        # each scaled copy would be alive beside all the reduced gradients (``grads``
+        # holds them): twice the gradients at the step's end, which the plan does not price
+        in_place = factor != 1.0 and not torch.compiler.is_compiling()
         out = []
         for g in grads:
             if g is not None:
                 if scale is not None:
                     g = g * scale
                 if factor != 1.0:
-                    g = g * factor
+                    g = g.mul_(factor) if in_place else g * factor
             out.append(g)
         return out
 

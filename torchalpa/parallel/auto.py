@@ -279,7 +279,8 @@ class _Search:
                     self.profiles[remat] = step_profile(
                         captured.graph, self.meshes[0],
                         optimizer_states=self.method.optimizer_states,
-                        eager=self.method.auto_sharding_option.elementwise != "fused")
+                        eager=self.method.auto_sharding_option.elementwise != "fused",
+                        optimizer=self.method.optimizer)
                 progress.done = f"{len(captured.graph)} nodes"
         return self.profiles[remat]
 
@@ -770,7 +771,8 @@ class _Search:
                        key=lambda m: {"full": 0, "selective": 1}.get(m, 2))
         profile = step_profile(self.capture(1, lightest, self.regather_choices("intra-op")[0]
                                             ).graph, self.meshes[0],
-                               optimizer_states=self.method.optimizer_states)
+                               optimizer_states=self.method.optimizer_states,
+                               optimizer=self.method.optimizer)
         micro = 1 if self.method.num_micro_batches is None else \
             self.batch // self.method.num_micro_batches
         if budget <= 0:     # the offloaded copies in flight alone exceed each device

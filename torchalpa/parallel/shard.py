@@ -92,7 +92,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     skip, outcomes = skip or {}, {} if outcomes is None else outcomes
     bounding = SearchSwitches.current().skip_by_bound if bound_views is None else bound_views
     profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states,
-                           eager=method.auto_sharding_option.elementwise != "fused")
+                           eager=method.auto_sharding_option.elementwise != "fused",
+                           optimizer=method.optimizer)
     apart = {} if bounding or workers <= 1 else _solve_apart(
         graph, method, meshes, inputs, blocks, memo, deadline, workers, profile, fingerprint, skip, sharing)
     for i, mesh in enumerate(meshes):
@@ -287,13 +288,18 @@ def memory_refusal(profile, mesh: LogicalMesh, method: ShardParallel):
     need = profile.memory_bytes(devices, replicated_parameters=_replicated_state(method))
     if need <= budget:
         return None
-    states = profile.state_bytes if _replicated_state(method) else profile.state_bytes / devices
+    spread = 1 if _replicated_state(method) else devices
+    states = profile.state_bytes / spread
+    # the step's end binds (the optimizer's temporaries), or the activations' peak
+    at_end = need <= (profile.state_bytes + profile.optimizer_temporary_bytes) / spread
+    what = "of the optimizer update's temporaries at the step's end" if at_end else \
+        "of activations at the step's peak"
     shape = "x".join(map(str, mesh.shape))
     return InfeasibleError(
         f"the model does not fit in {format_bytes(budget)} per device on mesh {shape}: "
         f"every plan needs at least {format_bytes(need)} per device ({format_bytes(states)} "
         f"of parameters, gradients and optimizer states and "
-        f"{format_bytes(need - states)} of activations at the step's peak, split over "
+        f"{format_bytes(need - states)} {what}, split over "
         f"all {devices} devices; a lower bound, no solver run)")
 
 
