@@ -118,8 +118,9 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 late.append(mesh)
                 progress.done = "not solved: the time budget is spent"
                 continue
-            why = skip.get(i) or (_bound_above(graph, mesh, method, inputs, memo, fastest)
-                                  if fastest is not None and bounding else None)
+            why = skip.get(i) or (_bound_above(graph, mesh, method, inputs, memo, fastest,
+                                               blocks) if fastest is not None and bounding
+                                  else None)
             if why is not None:
                 skipped.append((mesh, why))
                 progress.done = f"skipped: {why}"
@@ -164,11 +165,13 @@ def _shape(mesh: LogicalMesh) -> str:
 
 
 def _bound_above(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str,
-                 memo, fastest: Plan) -> str | None:
-    """Why ``mesh`` is not solved: its step-time bound (the LP relaxation) is above the
-    plan ``fastest`` found; None where it is not."""
+                 memo, fastest: Plan, blocks: dict | None) -> str | None:
+    """Why ``mesh`` is not solved: its step-time bound (the LP relaxation of the problems
+    its ILP solves with ``blocks``) is above the plan ``fastest`` found; None where it is
+    not."""
     from torchalpa.passes.sharding.intra_op import step_time_lower_bound
-    bound = step_time_lower_bound(graph, mesh, method, inputs=inputs, memo=memo)
+    bound = step_time_lower_bound(graph, mesh, method, inputs=inputs, memo=memo,
+                                  blocks=blocks)
     if bound is not None and bound > known(fastest.estimates.step_time_s) * (1 + 1e-9):
         return f">= {bound * 1e3:.3g} ms (bound, not solved)"
     return None
