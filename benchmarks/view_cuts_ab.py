@@ -10,7 +10,8 @@ the editable install maps them), then in one importing this tree, ``--rounds`` t
 alternately. Prints per run the wall seconds, the estimate, the chosen method and a hash of
 the plan JSON (notes, timings and source paths left out: the same hash is the same plan),
 the search's time note and, where views were cut by their LP bounds, which; then new/old
-wall ratios. The machine may be shared: compare ratios within one run, not absolute times.
+ratios of wall seconds and of CPU seconds (the child's and its forked workers', which the
+load moves less). The machine may be shared: compare ratios within one run, not absolute times.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import hashlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -49,6 +51,8 @@ def child() -> None:
     text = json.dumps(d, sort_keys=True)
     root = os.path.dirname(os.path.dirname(os.path.abspath(torchalpa.__file__)))
     text = text.replace(root + "/", "").replace(root.lstrip("/") + "/", "")
+    with open(os.environ.get("VIEW_CUTS_AB_JSON", os.devnull), "w") as f:
+        f.write(text)
     print(json.dumps({
         "wall": wall, "est": plan.estimates.step_time_s, "tree": root,
         "method": f"remat={plan.method.get('remat')}, "
@@ -66,19 +70,27 @@ def _link(base: str) -> None:
             os.symlink(os.path.join("..", name), link)
 
 
-def run(tree: str | None) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_CACHE="0", TORCHALPA_LOG="warning")
+def run(tree: str | None, out_dir: str) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_CACHE="0", TORCHALPA_LOG="warning",
+               VIEW_CUTS_AB_JSON=os.path.join(out_dir, f"{'old' if tree else 'new'}.json"))
     if tree is not None:
         env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env,
                          capture_output=True, text=True, check=True, cwd=tree or None).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    found = json.loads(out.strip().splitlines()[-1])
+    # the child and the workers it forked and waited for: what the load moves less
+    found["cpu"] = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return found
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", help="a pristine copy of the commit to compare with")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--out", default=".", help="where old.json and new.json (the plans "
+                   "hashed, for diff) are written")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -88,17 +100,22 @@ def main() -> None:
         p.error("--base is needed")
     _link(args.base)
     walls: dict[str, list[float]] = {"old": [], "new": []}
+    cpus: dict[str, list[float]] = {"old": [], "new": []}
     for _ in range(args.rounds):
         for label, tree in (("old", args.base), ("new", None)):
-            found = run(tree)
+            found = run(tree, args.out)
             walls[label].append(found["wall"])
-            print(f"{label}: {found['wall']:7.1f} s (load {os.getloadavg()[0]:.1f}) est "
+            cpus[label].append(found["cpu"])
+            print(f"{label}: {found['wall']:7.1f} s wall, {found['cpu']:7.1f} s CPU (child and "
+                  f"its workers; load {os.getloadavg()[0]:.1f}) est "
                   f"{found['est']:.4g} s/step, {found['method']}, plan {found['hash']} "
                   f"[{found['tree']}]", flush=True)
             for note in found["notes"]:
                 print(f"    {note}", flush=True)
     ratios = [n / o for n, o in zip(walls["new"], walls["old"])]
     print("new/old wall: " + ", ".join(f"{r:.3f}" for r in ratios))
+    ratios = [n / o for n, o in zip(cpus["new"], cpus["old"])]
+    print("new/old CPU: " + ", ".join(f"{r:.3f}" for r in ratios))
 
 
 if __name__ == "__main__":
