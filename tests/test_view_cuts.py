@@ -84,8 +84,9 @@ def test_the_search_cut_by_lp_bounds_plans_as_the_uncut_search(gpt, monkeypatch)
     assert not any("LP bounds" in n for n in plans[False].notes)
 
 
-def test_views_cut_by_their_lp_bounds_are_named_in_the_notes(gpt):
+def test_views_cut_by_their_lp_bounds_are_named_in_the_notes(gpt, monkeypatch):
     model, batch, loss_fn = gpt
+    monkeypatch.setattr(auto, "VIEW_BOUNDS", True)
     cluster = _cluster()
     method = torchalpa.AutoParallel(pipeline=False, remat=("none",), num_micro_batches=1)
     meshes = shard.candidate_meshes(cluster, ShardParallel())

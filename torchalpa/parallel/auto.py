@@ -105,11 +105,13 @@ SEED_SHARING = True
 twice alike on the same view (``plan_intra_op(sharing=)``): the sharing round that would
 find them again is a whole solve; False starts every candidate afresh (tests compare)."""
 
-VIEW_BOUNDS = True
+VIEW_BOUNDS = False
 """Once a plan is in hand, bound each view of an intra-op candidate by its LP relaxation
-(memory rows included) before solving it, and leave unsolved the views that cannot beat
-that plan by more than the tolerance (``view_cuts.py``); False solves them (tests and
-``benchmarks/view_bounds.py`` compare)."""
+before solving it, and leave unsolved the views that cannot beat that plan by more than the
+tolerance (``view_cuts.py``). Off: on target a it cut 41 of 51 views bounded and planned the
+same, but its forked LPs cost more CPU than the solves they spared (each fork builds the
+view's strategies and prices again: ~7 s of CPU an LP there against 2.5 s in a warm
+process; ``benchmarks/view_cuts_ab.py``, RESULTS.md)."""
 
 LP_CUT_NOTE = "AutoParallel did not solve these views, their LP bounds above its plan: "
 """How the note naming the views cut by their LP bounds begins (``VIEW_BOUNDS``)."""
