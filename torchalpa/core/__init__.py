@@ -16,6 +16,8 @@ option records, schedules, progress. Imports nothing else of torchalpa's.
 - ``resize_ops``: the ATen resize ops and how many dims each resizes.
 - ``choice_notes``: how AutoParallel's choice is written in a plan's notes and read back.
 - ``view_registry``: where the layers above register how a plan is shown.
+- ``optimizer_step``: how the runtime's optimizer steps its tensors (all at once or one by
+  one) and the temporaries each way makes, read by the memory model too.
 - ``switches``: the planner's A/B switches (its fast paths), one frozen record per layer.
 - ``progress`` / ``units``: logging and progress lines, sizes as people read them.
 

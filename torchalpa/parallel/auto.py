@@ -78,6 +78,7 @@ from torchalpa.core.progress import step
 from torchalpa.core.switches import SearchSwitches
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel.offload import host_memory_shortfall, with_offload
+from torchalpa.parallel.view_cuts import LP_CUT
 from torchalpa.parallel.workflow import capture_examples, capture_step
 
 if TYPE_CHECKING:
@@ -91,8 +92,12 @@ log = logging.getLogger("torchalpa")
 ROOM = 0.9
 """A plan whose peak is below this fraction of the budget did not bend to fit it."""
 
-SETTLED = "views settled by other candidates' answers: "
+SETTLED = "views settled without an ILP: "
 """How an attempt's detail begins when its views were settled without an ILP."""
+
+LP_CUT_NOTE = "AutoParallel did not solve these views, their LP bounds above its plan: "
+"""How the note naming the views cut by their LP bounds begins
+(``SearchSwitches.view_bounds``)."""
 
 
 @dataclass(frozen=True)
@@ -212,6 +217,8 @@ class _Search:
         # (intra-op candidate, view index, its plan's peak bytes; None: it does not fit)
         self.views: list[tuple[Candidate, int, float | None]] = []
         self.settled = 0                               # views settled that way
+        self.cut: dict[Candidate, list[int]] = {}      # views cut by their LP bounds
+        self.bounded_views = 0                         # views whose LP bound was computed
         self.gap: float | None = None                  # mip_rel_gap of the candidates' ILPs
         self.steps: dict[tuple[Candidate, int], float] = {}   # (candidate, view) -> its est
         self.polished = 0                              # views re-solved at the solver's gap
@@ -400,23 +407,34 @@ class _Search:
                          high + kept * (low - high), pipe_high + kept * (pipe_low - pipe_high))
 
     # -- solving -----------------------------------------------------------------------
-    def solve(self, c: Candidate, settled: dict[int, tuple[str, bool]] | None = None):
-        """The plan of candidate ``c`` (an InfeasibleError when it does not fit);
-        ``settled``: its views not to solve (``settled_views``)."""
+    def sharding_option(self, c: Candidate):
+        """The ``AutoShardingOption`` ``c``'s ILPs are solved under: the search's, with
+        ``c``'s regathering, the offloading asked for and the gap ``gap_for`` gives (the
+        checkpointing is in ``c``'s capture already)."""
         parameters = self.method.offload == "parameters"
         option = replace(self.method.auto_sharding_option, remat="none",
                          rematerialize_parameters=c.regather, offload=bool(self.method.offload),
                          offload_parameters=parameters,
                          **({"memory_budget_per_device": self.budget()} if parameters else {}))
-        captured = self.capture(c.num_micro_batches, c.remat, c.regather)
         if self.gap_for(c) is not None:
             option = replace(option, gap=self.gap_for(c))
+        return option
+
+    def intra_op_method(self, c: Candidate) -> ShardParallel:
+        """The ShardParallel intra-op candidate ``c`` is planned as on each view."""
+        return ShardParallel(num_micro_batches=c.num_micro_batches,
+                             auto_sharding_option=self.sharding_option(c),
+                             optimizer=self.method.optimizer)
+
+    def solve(self, c: Candidate, settled: dict[int, tuple[str, bool]] | None = None):
+        """The plan of candidate ``c`` (an InfeasibleError when it does not fit);
+        ``settled``: its views not to solve (``settled_views``)."""
+        option = self.sharding_option(c)
+        captured = self.capture(c.num_micro_batches, c.remat, c.regather)
         if c.kind == "intra-op":
             from torchalpa.parallel.shard import blocks_of, plan_graph
             from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
-            method = ShardParallel(num_micro_batches=c.num_micro_batches,
-                                   auto_sharding_option=option,
-                                   optimizer=self.method.optimizer)
+            method = self.intra_op_method(c)
             outcomes: dict = {}
             settled = settled or {}
             seed = SearchSwitches.current().seed_sharing
@@ -497,6 +515,7 @@ class _Search:
         single_node_fallback = self.nodes == 1 and self.method.pipeline is None
         first = [c for c in candidates if not (single_node_fallback and c.kind == "pipeline")]
         self.gap, self.steps, self.polished, self.polish_note = self.search_gap(), {}, 0, ""
+        self.cut, self.bounded_views = {}, 0
         try:
             self.solve_in_order(first)
             if not self.plans and len(first) < len(candidates):
@@ -606,7 +625,7 @@ class _Search:
                                if self.order(r) > self.order(c)), len(rest))
                     candidates[i + 1:] = rest[:at] + [c] + rest[at:]
                 continue
-            settled = self.settled_views(c)
+            settled = self.views_not_solved(c, None if best is None else best[0])
             if len(settled) == len(self.meshes):
                 self.settled += len(settled)
                 self.attempts.append(Attempt(c, "not needed",
@@ -645,6 +664,20 @@ class _Search:
                 self.plans.append((step_s, plan, c))
                 progress.done = f"est {step_s:.4g} s/step"
 
+    def views_not_solved(self, c: Candidate, best_s: float | None
+                         ) -> dict[int, tuple[str, bool]]:
+        """The views of ``c`` left unsolved: those other candidates' answers settle
+        (``settled_views``) and, with a plan of ``best_s`` s/step in hand, those whose LP
+        bounds cannot beat it (``cut_by_bounds``, noted apart in ``time_note``)."""
+        settled = self.settled_views(c)
+        if best_s is not None and len(settled) < len(self.meshes):
+            cut = self.cut_by_bounds(c, settled, best_s)
+            if cut:
+                self.cut[c] = sorted(cut)
+            self.settled -= len(cut)      # counted apart (``time_note``)
+            settled = {**settled, **cut}
+        return settled
+
     def over_budget(self, plan) -> str:
         """Why ``plan`` cannot be returned: its estimated peak is above the memory budget
         (what the user set or the cluster has, the streamed copies of offloaded parameters
@@ -670,6 +703,28 @@ class _Search:
                     self.steps[(c, i)] = known(found.estimates.step_time_s)
             elif not isinstance(found, SolverStopped):
                 self.views.append((c, i, None))
+
+    def cut_by_bounds(self, c: Candidate, settled: dict[int, tuple[str, bool]],
+                      best_s: float) -> dict[int, tuple[str, bool]]:
+        """Views of intra-op candidate ``c`` (those not ``settled``) whose LP bounds cannot
+        beat ``best_s`` by more than the tolerance, view index -> (why, True), computed
+        at once in forked processes (``view_cuts.py``)."""
+        if not SearchSwitches.current().view_bounds or c.kind != "intra-op" or self.method.offload:
+            return {}
+        from torchalpa.parallel.shard import blocks_of
+        from torchalpa.parallel.view_cuts import cut_views, view_bounds
+        from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
+        graph = self.capture(c.num_micro_batches, c.remat, c.regather).graph
+        views = [i for i in range(len(self.meshes)) if i not in settled]
+        with self.timed("view LP bounds"), step(
+                f"AutoParallel: LP bounds of {len(views)} views of {c.describe()}") as progress:
+            bounds = view_bounds(graph, self.meshes, views, self.intra_op_method(c),
+                                 inputs=self.inputs, blocks=blocks_of(graph),
+                                 memo=self.pricing, workers=cpu_workers())
+            cut = cut_views(bounds, best_s, self.method.tolerance)
+            progress.done = f"{len(cut)} cut"
+        self.bounded_views += len(views)
+        return cut
 
     def settled_views(self, c: Candidate) -> dict[int, tuple[str, bool]]:
         """Views of intra-op candidate ``c`` that other candidates' answers settle, view
@@ -735,6 +790,8 @@ class _Search:
         notes += [TRIED + a.line() for a in self.attempts if a.candidate is not chosen]
         if self.polish_note:
             notes.append(self.polish_note)
+        if self.cut_note():
+            notes.append(self.cut_note())
         notes.append(self.time_note())
         if self.clock_fired:
             from torchalpa.passes.sharding.ilp import CLOCK_NOTE
@@ -749,6 +806,9 @@ class _Search:
         parts = [f"{phase} {seconds:.1f} s" for phase, seconds in self.seconds.items()]
         rest = total - sum(self.seconds.values())
         settled = sum(1 for a in self.attempts if a.detail.startswith(SETTLED))
+        cut = sum(1 for a in self.attempts if a.detail.startswith(SETTLED) and
+                  LP_CUT in a.detail)
+        cut_text = f", every view of {cut} candidates" if cut else ""
         from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
         steps = self.captures
         return (f"AutoParallel planned in {total:.1f} s: " + ", ".join(parts)
@@ -757,8 +817,21 @@ class _Search:
                   f"({_listed(steps.derived) or 'none'} derived, the rest traced)"
                 + (f"; intra-op views solved in up to {cpu_workers()} processes"
                    if "intra-op ILPs" in self.seconds and cpu_workers() > 1 else "")
-                + (f"; {self.settled} views and {settled} candidates settled by other "
-                   "candidates' answers (no ILP)" if self.settled else ""))
+                + (f"; {self.settled} views settled by other candidates' answers (no ILP)"
+                   if self.settled else "")
+                + (f"; {settled} candidates settled without an ILP" if settled else "")
+                + (f"; LP bounds: {self.bounded_views} views bounded, "
+                   f"{sum(map(len, self.cut.values()))} cut (no ILP){cut_text}"
+                   if self.bounded_views else ""))
+
+    def cut_note(self) -> str:
+        """The views cut by their LP bounds, by candidate ("" where none was)."""
+        if not self.cut:
+            return ""
+        return LP_CUT_NOTE + "; ".join(
+            f"{c.describe()} on " + ", ".join("x".join(map(str, self.meshes[i].shape))
+                                             for i in views)
+            for c, views in self.cut.items())
 
     def nothing_fits(self) -> str:
         """What was tried, and what would fit (by the bounds)."""

@@ -74,14 +74,13 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     A mesh whose memory lower bound (``passes/pricing/bounds.py``) exceeds the budget is
     refused with no ILP built. Once a plan is in hand, a mesh whose step-time bound (the LP
     relaxation) is above its estimate is skipped, noted; the first bound that skips nothing
-    ends the bounding (an LP costs a third to a half of a solve on a transformer).
-    ``bound_views``: None follows ``SearchSwitches.skip_by_bound``; AutoParallel sets
-    False. Past ``deadline`` (``time.perf_counter()``: a safety net) no further mesh is
-    solved once a plan is in hand; before it, each solve gets only the time left (a plan
-    the clock cut short is not cached). ``workers`` > 1, not bounding views: the ILPs
-    solved at once in processes (``_solve_apart``). ``skip``: mesh index -> why it is not
-    solved (a caller's reuse, noted); ``outcomes``: mesh index -> its plan or its solve's
-    InfeasibleError; ``sharing``: ``plan_intra_op``'s, kept by the caller across graphs."""
+    ends the bounding. ``bound_views``: None follows ``SearchSwitches.skip_by_bound``. Past ``deadline``
+    (``time.perf_counter()``: a safety net) no further mesh is solved once a plan is in
+    hand; before it, each solve gets only the time left (a plan cut short is not cached).
+    ``workers`` > 1, not bounding views: the ILPs solved at once in processes
+    (``_solve_apart``). ``skip``: mesh index -> why it is not solved (a caller's reuse);
+    ``outcomes``: mesh index -> its plan or its solve's InfeasibleError; ``sharing``:
+    ``plan_intra_op``'s, kept by the caller across graphs."""
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
     from torchalpa.passes.pricing.bounds import step_profile
     from torchalpa.passes.sharding.ilp import InfeasibleError
@@ -115,17 +114,17 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 late.append(mesh)
                 progress.done = "not solved: the time budget is spent"
                 continue
-            why = skip.get(i) or (_bound_above(graph, mesh, method, inputs, memo, fastest)
-                                  if fastest is not None and bounding else None)
+            why = skip.get(i) or (fastest is not None and bounding and _bound_above(
+                graph, mesh, method, inputs, memo, fastest, blocks)) or None
             if why is not None:
                 skipped.append((mesh, why))
                 progress.done = f"skipped: {why}"
                 continue
             bounding = bounding and fastest is None   # an LP for nothing: views plan alike
-            cut = deadline if fastest is not None else None
             try:
                 found = apart[i] if i in apart else plan_intra_op(
-                    graph, mesh, method, inputs=inputs, blocks=blocks, memo=memo, deadline=cut, sharing=sharing)
+                    graph, mesh, method, inputs=inputs, blocks=blocks, memo=memo,
+                    deadline=deadline if fastest is not None else None, sharing=sharing)
             except InfeasibleError as e:
                 found = e
             outcomes[i] = found
@@ -161,11 +160,13 @@ def _shape(mesh: LogicalMesh) -> str:
 
 
 def _bound_above(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str,
-                 memo, fastest: Plan) -> str | None:
-    """Why ``mesh`` is not solved: its step-time bound (the LP relaxation) is above the
-    plan ``fastest`` found; None where it is not."""
+                 memo, fastest: Plan, blocks: dict | None) -> str | None:
+    """Why ``mesh`` is not solved: its step-time bound (the LP relaxation of the problems
+    its ILP solves with ``blocks``) is above the plan ``fastest`` found; None where it is
+    not."""
     from torchalpa.passes.sharding.intra_op import step_time_lower_bound
-    bound = step_time_lower_bound(graph, mesh, method, inputs=inputs, memo=memo)
+    bound = step_time_lower_bound(graph, mesh, method, inputs=inputs, memo=memo,
+                                  blocks=blocks)
     if bound is not None and bound > known(fastest.estimates.step_time_s) * (1 + 1e-9):
         return f">= {bound * 1e3:.3g} ms (bound, not solved)"
     return None

@@ -1,0 +1,103 @@
+"""Views cut by their LP bounds (torchalpa/parallel/view_cuts.py, AutoParallel's
+``SearchSwitches.view_bounds``): the bound of the problems a view's ILP solves with the graph's blocks is
+below that view's plan and no lower than the unsimplified one; the cut rule is the one whole
+candidates are cut by; the search plans as it does without the cuts, and names the views
+it cut."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import torchalpa
+import torchalpa.models as zoo
+from torchalpa.core.options import AutoShardingOption, ShardParallel
+from torchalpa.core.switches import SearchSwitches
+from torchalpa.frontends.torch_export import capture
+from torchalpa.parallel import auto, shard
+from torchalpa.parallel.view_cuts import LP_CUT, ViewBound, cut_views
+from torchalpa.passes.sharding.intra_op import plan_intra_op, step_time_lower_bound
+
+BIG_PATH = AutoShardingOption(exact_below=0, free_followers_below=0)
+"""The path of a graph too big to solve unsimplified (target a's): blocks share decisions."""
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    workload = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=2)
+    with torch.device("meta"):
+        model = workload.build()
+    return model, workload.example_inputs(device="meta"), workload.loss_fn
+
+
+def _cluster(nodes: int = 1, devices: int = 4) -> torchalpa.Cluster:
+    # the host's time per op left out, as in test_auto.py
+    return dataclasses.replace(torchalpa.Cluster.h100(nodes, devices), host_op_s=0.0)
+
+
+def test_the_bound_with_blocks_is_between_the_unsimplified_bound_and_the_plan(gpt):
+    model, batch, loss_fn = gpt
+    graph = capture(model, batch, loss_fn).graph
+    blocks = shard.blocks_of(graph)
+    assert blocks
+    method = ShardParallel(num_micro_batches=2, auto_sharding_option=BIG_PATH)
+    for mesh in shard.candidate_meshes(_cluster(), method):
+        plan = plan_intra_op(graph, mesh, method, blocks=blocks)
+        grouped = step_time_lower_bound(graph, mesh, method, blocks=blocks)
+        plain = step_time_lower_bound(graph, mesh, method)
+        assert grouped is not None and plain is not None
+        assert plain <= grouped * (1 + 1e-9)
+        assert grouped <= plan.estimates.step_time_s * (1 + 1e-9), (mesh.shape, grouped)
+
+
+def test_a_view_is_cut_where_its_bound_cannot_beat_the_plan_by_the_tolerance():
+    bounds = [ViewBound(0, 1.0), ViewBound(1, 0.995), ViewBound(2, 0.98), ViewBound(3, None)]
+    cut = cut_views(bounds, best_s=1.0, tolerance=0.01)
+    assert set(cut) == {0, 1}          # 0.98 * 1.01 < 1: it could win by the tolerance
+    assert all(why.startswith(LP_CUT) and may_fit for why, may_fit in cut.values())
+    assert cut_views(bounds, best_s=1.0, tolerance=0.0) == {0: cut[0]}
+
+
+def test_the_search_cut_by_lp_bounds_plans_as_the_uncut_search(gpt, monkeypatch):
+    """Two candidates on 2 nodes x 2 (dominance off, so the second is solved): with a plan
+    in hand the second's views are bounded first; the plan is the one without bounds."""
+    model, batch, loss_fn = gpt
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")
+    monkeypatch.setattr(auto, "ROOM", 0.0)
+    method = torchalpa.AutoParallel(pipeline=False, remat=("none",), num_micro_batches=1)
+    plans = {}
+    for bounded in (True, False):
+        with SearchSwitches.using(view_bounds=bounded):
+            plans[bounded] = torchalpa.plan(model, batch, loss_fn, cluster=_cluster(2, 2),
+                                            method=method)
+
+    def data(plan) -> dict:
+        d = json.loads(plan.to_json())
+        d.pop("notes")
+        d["estimates"] = {k: v for k, v in d["estimates"].items() if "second" not in k}
+        return d
+
+    assert data(plans[True]) == data(plans[False])
+    assert any("LP bounds: 2 views bounded" in n for n in plans[True].notes)
+    assert not any("LP bounds" in n for n in plans[False].notes)
+
+
+def test_views_cut_by_their_lp_bounds_are_named_in_the_notes(gpt):
+    model, batch, loss_fn = gpt
+    with SearchSwitches.using(view_bounds=True):
+        cluster = _cluster()
+        method = torchalpa.AutoParallel(pipeline=False, remat=("none",), num_micro_batches=1)
+        meshes = shard.candidate_meshes(cluster, ShardParallel())
+        search = auto.SearchSession(model, batch, loss_fn, method=method, cluster=cluster,
+                                    meshes=meshes, allow_pipeline=False)._search
+        c = auto.Candidate("intra-op", "none", 1, 0.0, 0.0)
+        assert search.cut_by_bounds(c, {}, best_s=1e3) == {}        # a slow plan in hand
+        cut = search.cut_by_bounds(c, {0: ("settled", True)}, best_s=1e-9)
+        assert set(cut) == set(range(1, len(meshes)))        # the settled view is not bounded
+        assert search.bounded_views == 2 * len(meshes) - 1
+        search.cut[c] = sorted(cut)
+        shapes = ", ".join("x".join(map(str, m.shape)) for m in meshes[1:])
+        assert search.cut_note() == f"{auto.LP_CUT_NOTE}{c.describe()} on {shapes}"
