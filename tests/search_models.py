@@ -23,6 +23,15 @@ def small_gpt_graph(num_layers: int = 4):
     return capture(model, batch, workload.loss_fn).graph
 
 
+def meta_tiny_gpt():
+    """The zoo's tiny GPT (2 layers, batch 8) on the meta device: (model, batch, loss_fn)
+    for plan-only tests of AutoParallel and its bounds."""
+    workload = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=2)
+    with torch.device("meta"):
+        model = workload.build()
+    return model, workload.example_inputs(device="meta"), workload.loss_fn
+
+
 def small_cluster(memory_gb: float = 0.05) -> torchalpa.Cluster:
     """2 nodes of 2 devices with ``memory_gb`` each (small, so that the search pipelines
     the small GPT's layers over several stages), links between nodes 10x slower."""

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import MLP
+from search_models import meta_tiny_gpt
 
 import torchalpa
 import torchalpa.models as zoo
@@ -27,10 +28,7 @@ KiB = 1024
 
 @pytest.fixture(scope="module")
 def gpt():
-    workload = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=2)
-    with torch.device("meta"):
-        model = workload.build()
-    return model, workload.example_inputs(device="meta"), workload.loss_fn
+    return meta_tiny_gpt()
 
 
 def _cluster(devices: int = 4, memory: float | None = None) -> torchalpa.Cluster:

@@ -12,20 +12,16 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+from search_models import meta_tiny_gpt
 
 import torchalpa
-import torchalpa.models as zoo
 from torchalpa.core import progress
 from torchalpa.passes.sharding.ilp import CLOCK_NOTE
 
 
 @pytest.fixture(scope="module")
 def gpt():
-    workload = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=2)
-    with torch.device("meta"):
-        model = workload.build()
-    return model, workload.example_inputs(device="meta"), workload.loss_fn
+    return meta_tiny_gpt()
 
 
 def _decision(plan) -> dict:

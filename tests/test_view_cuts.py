@@ -10,10 +10,9 @@ import dataclasses
 import json
 
 import pytest
-import torch
+from search_models import meta_tiny_gpt
 
 import torchalpa
-import torchalpa.models as zoo
 from torchalpa.core.options import AutoShardingOption, ShardParallel
 from torchalpa.core.switches import SearchSwitches
 from torchalpa.frontends.torch_export import capture
@@ -27,10 +26,7 @@ BIG_PATH = AutoShardingOption(exact_below=0, free_followers_below=0)
 
 @pytest.fixture(scope="module")
 def gpt():
-    workload = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=2)
-    with torch.device("meta"):
-        model = workload.build()
-    return model, workload.example_inputs(device="meta"), workload.loss_fn
+    return meta_tiny_gpt()
 
 
 def _cluster(nodes: int = 1, devices: int = 4) -> torchalpa.Cluster:
