@@ -31,7 +31,12 @@ from torchalpa.passes.pipeline_search.search_problem import SearchProblem
 from torchalpa.passes.pipeline_search.stage_costs import StageCosts
 from torchalpa.passes.pipeline_search.stage_jobs import StageJobs
 from torchalpa.passes.pipeline_search.stage_recompute import recompute_option, recompute_seconds
-from torchalpa.passes.pipeline_search.stage_solve import StageRequest, plan_stage, search_option
+from torchalpa.passes.pipeline_search.stage_solve import (
+    StageRequest,
+    plan_stage,
+    search_option,
+    stage_time_lower_bound,
+)
 from torchalpa.passes.pipeline_search.transplant import transplant
 from torchalpa.passes.pricing.memory import in_flight_bytes
 from torchalpa.passes.sharding.ilp import InfeasibleError, MemoryNotSettled, SolverStopped
@@ -60,6 +65,7 @@ class ExactStages:
         self.reused_in_flight = 0
         self.transplanted = 0
         self.proved_unfit = 0
+        self.bounded = 0        # stage LP bounds computed (``lower_bound``)
         self.exact_plans: dict[PlanKey, Plan] = {}
 
     def exact(self, k: int, i: int, submesh: Submesh, view: View, in_flight_batches: int,
@@ -110,6 +116,42 @@ class ExactStages:
         seconds, lean, _ = self.cache.peek(
             self._stage_key(k, i, submesh, view, flight, recompute))
         return self._priced_stage(k, i, seconds, lean, recompute, submesh, view)
+
+    def knows(self, stage: Stage) -> bool:
+        """Whether ``exact`` answers ``stage`` (unbudgeted) without a solve: its solve, or
+        one with fewer micro-batches in flight that decides it, is known."""
+        return not self._is_open(self._stage_key(*stage), stage, None)
+
+    def lower_bound(self, k: int, i: int, submesh: Submesh, view: View,
+                    in_flight_batches: int, recompute: bool = False) -> float:
+        """A latency ``exact`` cannot return below for this stage (-inf: no bound): the LP
+        relaxation of the least simplified problem its solves may build
+        (``stage_time_lower_bound``), as ``_priced_stage`` turns a solve into latency.
+        Memory rows are not in it, so the micro-batches in flight, a recomputed stage's
+        lower budget and sharded states (a subset of the strategies) only restrict the
+        problems it bounds: one LP per range structure and view, cached beside the solves."""
+        del in_flight_batches    # the bound holds for every count (see above)
+        problem = self.problem
+        key = ("stage bound", *problem.range_shape(k, i), view, submesh, problem.context)
+        mesh = problem.mesh(submesh, view)
+
+        def bound() -> float | None:
+            self.bounded += 1
+            method = problem.method
+            try:
+                return stage_time_lower_bound(StageRequest(
+                    problem.stage_graph(k, i), mesh, method.intra_op_method(
+                        search_option(method.auto_sharding_option, None)), problem.inputs,
+                    1, method.num_micro_batches), self.memo)
+            except InfeasibleError:     # no plan of any problem it bounds, whatever fits
+                return math.inf
+
+        seconds = self.cache.get(key, bound)
+        if seconds is None:
+            return -math.inf
+        if recompute:
+            seconds = recompute_seconds(seconds)
+        return seconds + self.costs.send_seconds(k, i, mesh)
 
     def _priced_stage(self, k: int, i: int, seconds: float | None, lean: bool,
                       recompute: bool, submesh: Submesh, view: View

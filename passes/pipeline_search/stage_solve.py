@@ -19,10 +19,10 @@ from torchalpa.core.plan import Plan
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.pipeline_search.stage_recompute import recompute_option
 from torchalpa.passes.sharding.ilp import InfeasibleError
-from torchalpa.passes.sharding.intra_op import plan_intra_op
+from torchalpa.passes.sharding.intra_op import plan_intra_op, step_time_lower_bound
 
 __all__ = ["StageRequest", "stage_request", "plan_stage", "search_option",
-           "SEARCH_RESOLVE_BELOW"]
+           "stage_time_lower_bound", "SEARCH_RESOLVE_BELOW"]
 
 SEARCH_RESOLVE_BELOW = 600
 """A stage the search prices exactly (the DP's picks and the uniform partitions') is also
@@ -79,6 +79,22 @@ def plan_stage(request: StageRequest, memo: PricingMemo | None = None) -> Plan:
                          in_flight=request.in_flight,
                          blocks=graph.meta.get("repeated_blocks") or None, memo=memo,
                          step_micro_batches=request.micro_batches)
+
+
+def stage_time_lower_bound(request: StageRequest, memo: PricingMemo | None = None
+                           ) -> float | None:
+    """Seconds per micro-batch (``layer_costs.micro_batch_seconds``) that no plan
+    ``plan_stage`` returns for ``request`` has: the LP bound of ``step_time_lower_bound``
+    on the ILP's objective, which counts a micro-batch's work ``micro_batches`` times and
+    what is paid once per step once, divided by ``micro_batches`` (a plan's seconds per
+    micro-batch are its objective so divided; GPT stages of ``tests/search_models.py``:
+    equal to 1e-15). None where there is no bound; ``InfeasibleError`` where the
+    relaxation has no point (no plan fits whatever the memory)."""
+    found = step_time_lower_bound(request.graph, request.mesh, request.method,
+                                  inputs=request.inputs, memo=memo,
+                                  blocks=request.graph.meta.get("repeated_blocks") or None,
+                                  step_micro_batches=request.micro_batches)
+    return None if found is None else found / request.micro_batches
 
 
 def search_option(option: AutoShardingOption, budget: int | None) -> AutoShardingOption:

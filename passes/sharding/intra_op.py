@@ -523,7 +523,8 @@ def intra_op_problem(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, i
 
 def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | None = None,
                           *, inputs: str = "global", memo: PricingMemo | None = None,
-                          blocks: dict[str, tuple[str, int]] | None = None) -> float | None:
+                          blocks: dict[str, tuple[str, int]] | None = None,
+                          step_micro_batches: int = 1) -> float | None:
     """Seconds that no plan ``plan_intra_op`` could return for ``graph`` on ``mesh`` has an
     estimated step below: the linear relaxation of the least simplified problem it may
     solve (``_finest_grouping``: without ``blocks``, or on a graph it solves unsimplified,
@@ -539,7 +540,10 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
     None where there is no such bound: no ILP (the heuristics), no HiGHS, or a plan whose
     estimated step the all-reduce combiner lowers after the solve (Alpa's accounting on a
     hand-built mesh, where the step is below the objective). ``memo``: as in
-    ``plan_intra_op``."""
+    ``plan_intra_op``. ``step_micro_batches``: a pipeline stage's, as in ``plan_intra_op``:
+    the bound is then on the ILP's objective, which weighs a micro-batch's work that many
+    times against what is paid once per step (``stage_solve.stage_time_lower_bound`` turns
+    it into seconds per micro-batch)."""
     from torchalpa.passes.sharding.costgraph import build_cost_graph
     from torchalpa.passes.sharding.ilp import lower_bound
     method = method or ShardParallel()
@@ -550,6 +554,7 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
         return None                     # merge_gradient_all_reduces may subtract latencies
     S = space.strategies
     grouping = _finest_grouping(graph, space, option, blocks)
+    repeats = max(step_micro_batches, method.num_micro_batches)
     reads: dict[tuple[str, int], int] = defaultdict(int)
     for node in graph.ops():
         for ref in node.operands:
@@ -558,8 +563,8 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
         v: 1.0 / k for v, k in reads.items()
         if k > 1 and (graph.node(v[0]).kind not in ("param", "buffer")
                       or not option.rematerialize_parameters)},
-        micro_batches=method.num_micro_batches,
-        state_once=state_read_once(method.num_micro_batches, option.rematerialize_parameters))
+        micro_batches=repeats, state_once=state_read_once(repeats,
+                                                         option.rematerialize_parameters))
     return lower_bound(ILPProblem(node_costs=cg.node_costs, edges=cg.edges))
 
 
