@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from torchalpa.core.cluster import Cluster, Submesh, View
 from torchalpa.core.options import AutoShardingOption
+from torchalpa.core.switches import PassSwitches
 from torchalpa.passes.pipeline_search.exact_stages import ExactStages
 from torchalpa.passes.pipeline_search.search_keys import Chosen, GivenStage, Stage, Variant
 from torchalpa.passes.pipeline_search.stage_costs import StageCosts
@@ -32,7 +33,7 @@ from torchalpa.passes.pipeline_search.stage_jobs import StageJobs
 from torchalpa.passes.pipeline_search.stages import PipelineSolution, stage_dp
 
 __all__ = ["StageSearch", "SearchResult", "VariantTable", "uniform_layouts", "MEMORY_SLACK",
-           "UNIFORM_MAX_NODES", "MAX_EXACT_ROUNDS", "UNIFORM_MARGIN"]
+           "UNIFORM_MAX_NODES", "MAX_EXACT_ROUNDS", "UNIFORM_MARGIN", "BOUND_TOLERANCE"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -48,6 +49,12 @@ bound of its own. Those stages are priced only to offer the search an alternativ
 their solves stop early: any feasible plan's time is an upper bound of the stage's
 optimum. A bound by work, not seconds, so the same search prices them alike at any load
 (the method's ``time_limit`` stays the safety net, reported in the plan's notes)."""
+
+BOUND_TOLERANCE = 1e-9
+"""How far (relative) a variant's LP bound must be above its stage's exact price for the
+rounds to leave it unsolved (``StageSearch._cut_by_bounds``): the bound and a solve's
+price are sums of the same costs in another order (a GPT stage's bound can equal its
+price), so rounding must not cut a variant that ties or beats it."""
 
 MAX_EXACT_ROUNDS = 8
 """Rounds of (stage DP, exact pricing of the stages it chose that were not yet exact)."""
@@ -90,15 +97,18 @@ class VariantTable:
                                                     tuple[float, Variant]]] = {}
         # key -> (picked, exact?): an exact variant's Chosen, else the additive Variant
         self.choice: dict[Key, tuple[Variant | Chosen, bool] | None] = {}
+        # key -> (view, recompute) -> LP bound of a variant left unsolved: above the key's
+        # exact price (``StageSearch._cut_by_bounds``), so never the key's cheapest
+        self.cut: dict[Key, dict[tuple[View, bool], float]] = {}
 
     def cost(self, key: Key, guess: bool = True) -> float:
         """A stage's latency: its cheapest variant, exact where it was priced so, else the
         per-layer sum or, with ``guess``, the optimistic estimate (a stage the sum calls
         too big, to be priced exactly if the DP picks it). Records the variant taken."""
         best: tuple[float, tuple[Variant | Chosen, bool] | None] = (math.inf, None)
-        priced = self.priced.get(key, {})
+        priced, cut = self.priced.get(key, {}), self.cut.get(key, {})
         for variant, (latency, chosen) in self._additive_of(key, guess).items():
-            if variant not in priced and latency < best[0]:
+            if variant not in priced and variant not in cut and latency < best[0]:
                 best = (latency, (chosen, False))
         for latency, chosen in priced.values():
             if chosen is not None and latency < best[0]:
@@ -133,6 +143,16 @@ class VariantTable:
         assert picked is not None, "the DP chose a stage with no plan"
         return picked
 
+    def best_exact(self, key: Key) -> float:
+        """The cheapest exact price of ``key``'s variants priced so far (inf: none fits or
+        none was priced)."""
+        return min((latency for latency, chosen in self.priced.get(key, {}).values()
+                    if chosen is not None), default=math.inf)
+
+    def record_cut(self, key: Key, view: View, recompute: bool, bound: float) -> None:
+        """Leave a variant unsolved: its LP ``bound`` is above ``key``'s exact price."""
+        self.cut.setdefault(key, {})[view, recompute] = bound
+
     def snapshot(self) -> tuple[dict, dict]:
         return {key: dict(priced) for key, priced in self.priced.items()}, dict(self.choice)
 
@@ -148,9 +168,11 @@ class VariantTable:
     def view_best(self, key: Key, view: View) -> tuple[float, Variant, bool] | None:
         """The cheapest variant (kept or recomputed) of stage ``key`` on ``view``:
         (latency, (view, lean, recompute), exact?), exact where priced, else the additive
-        estimate (optimistic where near fitting); None if no variant on ``view`` may fit."""
+        estimate (optimistic where near fitting), or a variant's LP bound where the rounds
+        cut it (a uniform partition then prices it as any other unpriced stage of it);
+        None if no variant on ``view`` may fit."""
         k, i, j, flight = key
-        priced = self.priced.get(key, {})
+        priced, cut = self.priced.get(key, {}), self.cut.get(key, {})
         best = None
         for (v, recompute), (latency, chosen) in variants(self.costs, k, i, self.shapes[j],
                                                           flight, True).items():
@@ -162,7 +184,7 @@ class VariantTable:
                     continue
                 candidate = (latency, chosen, True)
             else:
-                candidate = (latency, chosen, False)
+                candidate = (cut.get((v, recompute), latency), chosen, False)
             if best is None or candidate[0] < best[0]:
                 best = candidate
         return best
@@ -188,6 +210,7 @@ class StageSearch:
         self.measured = costs.layers.measured is not None
         self.table = VariantTable(costs, shapes, self.measured)
         self._round_picks: list[Pick] = []     # the DP's picks priced this round
+        self.num_cut = 0        # variants the rounds left unsolved by their LP bounds
 
     def run(self) -> SearchResult:
         """The search's answer (``ValueError`` if no stage fits)."""
@@ -197,8 +220,9 @@ class StageSearch:
         finally:
             jobs.close()
             log.info("pipeline search: %d stage solves guessed while a worker was idle, %d "
-                     "of them asked for, %d stopped", jobs.guessed, jobs.guesses_used,
-                     jobs.guesses_stopped)
+                     "of them asked for, %d stopped; %d stage variants left unsolved by their"
+                     " LP bounds (%d bounds)", jobs.guessed, jobs.guesses_used,
+                     jobs.guesses_stopped, self.num_cut, self.exact.bounded)
         return SearchResult(solution, self._chosen(solution), self.table.num_priced(),
                             self._uniform_exact())
 
@@ -249,7 +273,9 @@ class StageSearch:
 
     def _price(self, picks: list[Pick], budget: int | None, jobs: StageJobs) -> None:
         """Price ``picks`` exactly (solves within ``budget`` branch-and-bound nodes each,
-        if given)."""
+        if given), but those a round may leave unsolved by their bounds."""
+        if budget is None:
+            picks = self._cut_by_bounds(picks)
         self.exact.solve_stages([self._stage(key, view, recompute)
                                  for key, (view, _, recompute) in picks], jobs,
                                 budget, self._next_round)
@@ -261,6 +287,36 @@ class StageSearch:
                      "estimated %.6g s, exact %.6g s", key[0], key[1], self.shapes[key[2]],
                      view, key[3], ", recomputed" if recompute else "",
                      f", budget {budget} nodes" if budget is not None else "", guess, latency)
+
+    def _cut_by_bounds(self, picks: list[Pick]) -> list[Pick]:
+        """``picks`` but the variants left unsolved: a variant not yet known whose stage
+        already has an exact price (another view's, or kept where this one recomputes) and
+        whose LP bound (``ExactStages.lower_bound``) is above that price. Its exact price
+        could only be higher, so the stage's price, its cheapest variant, is the same
+        either way, and the DP's answers too (a price equal to the one known would not
+        have replaced it). GPT-15B on 4 x 8 H100 (weak-scaling row 15b): the rounds
+        priced layers 0-3 and 4-7 on (2, 8) as (8, 2), then on (2, 8) and (4, 4), each
+        dearer (1,021 s of the 1,253 s of exact solves; RESULTS.md). A cut variant is
+        recorded with its bound (``VariantTable.record_cut``): the uniform partitions
+        rank it by that and price it, within their node budget, where they may win."""
+        if not PassSwitches.current().stage_bounds:
+            return picks
+        kept: list[Pick] = []
+        for key, variant in picks:
+            view, _, recompute = variant
+            best, stage = self.table.best_exact(key), self._stage(key, view, recompute)
+            if math.isfinite(best) and not self.exact.knows(stage):
+                bound = self.exact.lower_bound(*stage)
+                if bound > best * (1 + BOUND_TOLERANCE):
+                    self.table.record_cut(key, view, recompute, bound)
+                    self.num_cut += 1
+                    log.info("pipeline search: layers %d..%d on %s as %s, %d in flight%s: "
+                             "LP bound %.6g s above the stage's exact %.6g s: not solved",
+                             key[0], key[1], self.shapes[key[2]], view, key[3],
+                             ", recomputed" if recompute else "", bound, best)
+                    continue
+            kept.append((key, variant))
+        return kept
 
     def _stage(self, key: Key, view: View, recompute: bool) -> Stage:
         k, i, j, flight = key

@@ -81,6 +81,12 @@ class PassSwitches(_Switches):
     not solved again with sharded states (``ExactStages._solve_stage``); False solves it
     all the same, as the search did before (``benchmarks/stage_unfit_ab.py`` compares)."""
 
+    stage_bounds: bool = True
+    """The stage DP's rounds leave unsolved a stage variant (another logical view, or
+    recomputed) whose LP bound is above the stage's exact price found already: it could
+    not lower the stage's price (``StageSearch._cut_by_bounds``); False solves every
+    variant the DP picks, as the search did before."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SearchSwitches(_Switches):
