@@ -87,8 +87,8 @@ def stage_time_lower_bound(request: StageRequest, memo: PricingMemo | None = Non
     ``plan_stage`` returns for ``request`` has: the LP bound of ``step_time_lower_bound``
     on the ILP's objective, which counts a micro-batch's work ``micro_batches`` times and
     what is paid once per step once, divided by ``micro_batches`` (a plan's seconds per
-    micro-batch are its objective so divided; GPT stages of ``tests/search_models.py``:
-    equal to 1e-15). None where there is no bound; ``InfeasibleError`` where the
+    micro-batch are its objective so divided: equal to rounding on the stages of
+    ``tests/search_models.py``). None where there is no bound; ``InfeasibleError`` where the
     relaxation has no point (no plan fits whatever the memory)."""
     found = step_time_lower_bound(request.graph, request.mesh, request.method,
                                   inputs=request.inputs, memo=memo,
