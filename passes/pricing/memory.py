@@ -41,7 +41,7 @@ from torchalpa.passes.sharding.stage_boundary import summed_part
 __all__ = ["Liveness", "KeptCopy", "KeptTerm", "liveness", "model_state_bytes", "activation_peak_bytes",
            "accumulated_gradients", "same_layout_views",
            "state_copies", "gradients_from_backward", "forward_end", "in_flight_bytes", "value_bytes",
-           "view_copies", "viewed_leaf"]
+           "view_copies", "viewed_leaf", "scatter_copies"]
 
 
 @dataclass
@@ -66,6 +66,12 @@ class Liveness:
     until backward's last wait, beside the block it leaves (``runtime/rewrites/
     reduce_in_backward.py``); one all-reduced in place, or not reduced, is the same
     storage as its reduced self (``_entry_bytes`` then counts it once)."""
+
+    transient_of: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """With ``grads_from_backward``: an entry of one point, where a parameter's gradient is
+    made -> (its raw entry, its reduced entry): the copies the reduction makes of a
+    gradient a reduce-scatter shrinks, as the collective is issued (``scatter_copies``;
+    nothing where the raw and reduced gradients are one storage)."""
 
     def __post_init__(self):
         if len(self.results) != len(self.names):
@@ -196,10 +202,17 @@ def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: b
                 results.append(None)
                 start.append(order[ref.node])
                 end.append(end_of_step)
+    transient_of: dict[int, tuple[int, int]] = {}
+    for reduced, raw in list(raw_of.items()):     # the reduction's copies, where it is issued
+        transient_of[len(names)] = (raw, reduced)
+        names.append(names[raw])
+        results.append(results[raw])
+        start.append(start[reduced])
+        end.append(start[reduced])
     starts, ends = np.array(start, dtype=np.int64), np.array(end, dtype=np.int64)
     starts.setflags(write=False)
     ends.setflags(write=False)
-    return Liveness(names, starts, ends, end_of_step + 1, results, raw_of)
+    return Liveness(names, starts, ends, end_of_step + 1, results, raw_of, transient_of)
 
 
 def _arrival(graph: OpGraph, node, order: dict[str, int], state_at_start: bool) -> int:
@@ -320,10 +333,11 @@ def value_bytes(graph: OpGraph, name: str, placements: tuple[Placements, ...], m
 
 
 def _entry_bytes(graph: OpGraph, live: Liveness, outputs: dict[str, tuple[Placements, ...]],
-                 mesh_shape, statistics: dict[str, str]) -> np.ndarray:
+                 mesh_shape, statistics: dict[str, str], copies: int = 1) -> np.ndarray:
     """``value_bytes`` of each entry of ``live`` in ``outputs``' layouts: once per result
     specs, layouts (the rules' shared objects, by identity) and result, as a
-    transformer's layers repeat them."""
+    transformer's layers repeat them; a reduction's transient (``Liveness.transient_of``)
+    ``copies`` of its raw gradient (``scatter_copies``)."""
     seen: dict[tuple, int] = {}
     sizes = []
     for name, k in live.entries():
@@ -337,10 +351,25 @@ def _entry_bytes(graph: OpGraph, live: Liveness, outputs: dict[str, tuple[Placem
             found = seen[key] = value_bytes(graph, name, placements, mesh_shape, statistics, k)
         sizes.append(found)
     sizes = np.array(sizes, dtype=float)
+    for transient, (raw, reduced) in live.transient_of.items():
+        sizes[transient] = sizes[raw] * copies if sizes[raw] > sizes[reduced] else 0.0
     for reduced, raw in live.raw_of.items():    # the same storage, or bytes in place
         if sizes[raw] <= sizes[reduced]:
             sizes[reduced] = 0.0
     return sizes
+
+
+def scatter_copies(device_type: str) -> int:
+    """Copies of a gradient's bytes, beyond the raw gradient and its reduced block, that
+    a step of one micro-batch holds where it reduce-scatters the gradient in backward
+    (``runtime/rewrites/reduce_in_backward.py``; ``runtime/rewrites/buckets.py``): the
+    bucket packed beside its members (every backend: the members die once packed); on
+    CPU ranks, whose gloo copies a reduce-scatter's input and runs it on its own thread,
+    that copy too, beside the packed input it is made from, while the next bucket is
+    packed (measured on 2 gloo ranks: ``tests/test_memory_measured.py``). Priced on the
+    gradient being made, not its whole bucket: a bucket of several gradients packs more
+    (at most a bucket's 25 MiB, ``all_reduce_threshold``)."""
+    return 2 if device_type == "cpu" else 1
 
 
 def same_layout_views(graph: OpGraph, layouts: dict[str, Placements],
@@ -421,7 +450,8 @@ def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, .
                           state_at_start: bool = False,
                           kept: list[KeptCopy] | None = None,
                           grads_from_backward: bool = False,
-                          free_views: frozenset[str] = frozenset()) -> tuple[int, int]:
+                          free_views: frozenset[str] = frozenset(),
+                          reduce_copies: int = 1) -> tuple[int, int]:
     """(peak bytes of op results alive at once on one device, bytes alive where forward
     ends: what a micro-batch holds while it waits for backward). Inputs count too, and
     the resharded copies of parameters that several reads share (``kept``), from their
@@ -429,10 +459,11 @@ def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, .
     reads what it saved; ``state_at_start``, ``grads_from_backward``: as ``liveness``
     takes them (the gradients alive count with the activations). ``free_views``: views
     of parameters or buffers that read them in their own layout (``same_layout_views``):
-    no copy, nothing allocated."""
+    no copy, nothing allocated. ``reduce_copies``: the reduction's copies of a gradient
+    reduce-scattered in backward (``scatter_copies``), with ``grads_from_backward``."""
     statistics = statistics or {}
     live = liveness(graph, statistics, state_at_start, grads_from_backward)
-    sizes = _entry_bytes(graph, live, outputs, mesh_shape, statistics)
+    sizes = _entry_bytes(graph, live, outputs, mesh_shape, statistics, reduce_copies)
     for i, name in enumerate(live.names):
         if name in free_views:
             sizes[i] = 0.0
@@ -528,7 +559,10 @@ class MemoryModel:
                 self._fold(self.state, n.name, self._bytes(n.name) * copies)
         for ref in raw.values():    # the sum over micro-batches, as its op lays it out
             self._fold(self.state, ref.node, self._bytes(ref.node, ref.index))
+        self.reduce_copies = scatter_copies(device_type)
         self._act = [self._bytes(name, k) for name, k in self.live.entries()]
+        for transient in self.live.transient_of:
+            self._act[transient] = self._act[transient] * self.reduce_copies
         self._paired: dict[int, list[tuple]] | None = None
         self.end = self.live.length
         self.end_rows = self._end_rows() if optimizer is not None else []
@@ -647,7 +681,8 @@ class MemoryModel:
           reads the leaf in a layout other than the leaf's own (``same_layout_views``);
         - a parameter's reduced gradient (``Liveness.raw_of``) holds bytes of its own
           only where its raw gradient is larger (a reduce-scatter shrinks it), else the
-          two are one storage, counted with the raw one."""
+          two are one storage, counted with the raw one; and only there the reduction
+          makes its transient copies (``Liveness.transient_of``)."""
         if self._paired is not None:
             return self._paired
         graph, live, g = self.graph, self.live, self.g
@@ -674,6 +709,14 @@ class MemoryModel:
             paired[reduced] = [(param, held == size, made, raw_sizes > size, float(size))
                                for size in np.unique(held) if size > 0
                                and (raw_sizes > size).any()]
+        for transient, (raw, reduced) in live.transient_of.items():
+            param, made = live.names[reduced], live.names[raw]
+            held = self._act[reduced][list(g.index[param])]
+            raw_sizes = self._act[raw][list(g.index[made])]
+            paired[transient] = [(param, held == size, made, raw_sizes == whole,
+                                  float(whole) * self.reduce_copies)
+                                 for size in np.unique(held) for whole in np.unique(raw_sizes)
+                                 if whole > size]
         self._paired = paired
         return paired
 
@@ -705,7 +748,8 @@ class MemoryModel:
         its storage), as ``activation_peak_bytes`` counts them (``free_views``: views of
         leaves read in their own layout, nothing allocated)."""
         graph, live = self.graph, self.live
-        sizes = _entry_bytes(graph, live, chosen_outputs, self.mesh_shape, self.statistics)
+        sizes = _entry_bytes(graph, live, chosen_outputs, self.mesh_shape, self.statistics,
+                             self.reduce_copies)
         for i, name in enumerate(live.names):
             if name in free_views:
                 sizes[i] = 0.0

@@ -17,8 +17,10 @@ So the point costs ``parameters x (1 + states) + gradients + temporaries``. Wher
 activations are small beside the model (a big model, a small batch; ZeRO or DP plans)
 this is the step's peak, above anything in forward and backward: the planner's peak is
 the larger of the two (``MemoryModel``'s last point; ``Estimates.end_of_step_bytes_per_device``).
-Not priced: the reduction's own transients (one bucket being packed beside its members;
-gloo's reduce-scatter copying its input), bounded by a bucket's size (25 MiB).
+The reduction's own transients (a bucket packed beside its members; gloo's reduce-scatter
+copying its input) are priced where a step of one micro-batch reduces in backward
+(``memory.scatter_copies``); where the step sums micro-batches and reduces the sums after
+its last backward they are not (bounded by a bucket's size, 25 MiB).
 """
 
 from __future__ import annotations
