@@ -91,8 +91,13 @@ def _issue_early(graph: fx.Graph, nodes: list[fx.Node]) -> None:
         latest = max(inputs, key=position.__getitem__)
         if position[latest] + 1 < position[node]:
             latest.append(node)
-    packing = {tuple(n.args[0]): n for n in nodes
-               if n.target in (flatten_concat, interleave_chunks)}
+    packing = {_members(n): n for n in nodes if n.target in (flatten_concat, interleave_chunks)}
     for node in nodes:
-        if node.target is bucket_shapes and tuple(node.args[0]) in packing:
-            packing[tuple(node.args[0])].prepend(node)
+        if node.target is bucket_shapes and _members(node) in packing:
+            packing[_members(node)].prepend(node)
+
+
+def _members(node: fx.Node) -> tuple:
+    """The gradients a bucket's packing (or shapes reading) takes: its first argument."""
+    members = node.args[0]
+    return tuple(members) if isinstance(members, (list, tuple)) else (members,)
