@@ -20,6 +20,9 @@ The step's end, its optimizer step, is priced apart (``step_end.py``): with an o
 ``Liveness`` holds the intervals; the ILP adds one constraint per point it checks,
 ``model states + activations alive there <= budget``, starting from the likely peaks and
 adding the actual peak of each solution until the plan fits (``passes/sharding/intra_op.py``).
+Each row counts what the estimate counts for the plan the solver picks
+(``MemoryModel.rows_bytes``; ``tests/test_memory_rows.py``): bytes that depend on two
+nodes' choices (``MemoryModel.paired_entries``) enter as pair terms, not at their most.
 """
 
 from __future__ import annotations
