@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torchalpa.core.opgraph import GraphOutputs, OpGraph, OpNode, TensorSpec, ValueRef
 from torchalpa.core.placement import Replicate
-from torchalpa.passes.pricing.memory import activation_timeline, liveness
+from torchalpa.passes.pricing.memory import activation_timeline, liveness, same_layout_views
 
 SPEC = TensorSpec((4, 4))   # 64 bytes
 
@@ -68,9 +68,16 @@ def test_micro_batches_in_flight_hold_what_forward_saved():
     assert end == 5 and base[end] == 3 * 64           # x, a, w_t
     assert list(three.timeline(outputs, 0)) == list(base + 2 * base[end])
     assert list(one.timeline(outputs, 0)) == list(base)
-    # the ILP's memory rows say the same at every point, plus the model state (w: 64 bytes)
+    # the ILP's memory rows say the same at every point, plus the model state (w: 64
+    # bytes), w_t reading w in w's own layout: no copy, nothing allocated (as the estimate
+    # counts it: ``same_layout_views``)
+    free = same_layout_views(g, {"w": R}, {k: s[0].inputs for k, s in S.items()})
+    assert free == {"w_t"}
+    exact = three.timeline(outputs, 64, free_views=free)
+    assert exact[6] == 64 + base[6] + 2 * base[end] - 3 * 64     # w_t: here and waiting
     for t in range(len(base)):
-        assert sum(v[0] for v in three.terms_at(t).values()) == 64 + base[t] + 2 * base[end]
+        assert sum(v[0] for v in three.terms_at(t).values()) == exact[t]
+        assert three.rows_bytes(t, {k: s[0] for k, s in S.items()}) == [exact[t]]
 
 
 def test_a_parameter_gathered_once_per_step_holds_its_copy_from_the_start():

@@ -280,11 +280,12 @@ def test_the_end_of_a_step_on_two_ranks_is_priced(tmp_path):
     the peak is the optimizer step (gradients kept in the buckets' flat buffers, Adam's
     temporaries), the estimate within 3 % of it; the liveness peak alone was 11 % under.
     ``Zero2Parallel``: the peak is at the end of backward, where each gradient's raw sum,
-    whole over the two ranks, is held for its reduce-scatter (gloo copies it) beside the
-    block it leaves, priced: 0.80-0.86 of the measured peak (the parent commit gave the
-    same figure by counting each matmul result a weight gradient views beside the
-    gradient; in the parameter's layout alone it is 0.53-0.64). Not priced: the packing's
-    and gloo's transients around the gradient being reduced (the rest)."""
+    whole over the two ranks (gloo's copy of it, for the reduce-scatter in flight), is
+    held beside the block it leaves, and the last bucket is packed beside its members
+    while gloo copies the one before it (``memory.scatter_copies``): the estimate
+    0.9999 of the measured peak on both ranks (235.0 MB); 0.80-0.86 without the two
+    transient copies, and 0.923 where gloo's thread had copied the previous bucket
+    before the next was packed (218.2 MB on one rank of one run)."""
     import worker_io
     r = worker_io.launch_checked("end_of_step_worker.py", tmp_path / "end_of_step.json",
                                  "dp:0,zero2:0", nproc=2)
@@ -294,4 +295,4 @@ def test_the_end_of_a_step_on_two_ranks_is_priced(tmp_path):
         assert x["measured"] - x["liveness_peak"] >= 1.9 * x["largest"], x
     for x in r["zero2:0"]["ranks"]:
         assert x["end_of_step"] < x["estimate"], x        # backward's end is the peak
-        assert 0.75 <= x["estimate"] / x["measured"] <= 1.03, x
+        assert 0.90 <= x["estimate"] / x["measured"] <= 1.10, x

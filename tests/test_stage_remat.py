@@ -51,11 +51,6 @@ def test_received_bytes_are_the_forward_values_sent_to_the_stage(gpt_graph):
     assert received_bytes(gpt_graph, lambda n: True) == 0    # one stage receives nothing
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the ILP's end-of-step memory row is conservative beside the estimate (it counts a "
-    "gradient's whole and reduced copies, parameter views read in their own layout, and "
-    "the largest parameter's optimizer temporaries): at 90 % of the kept peak, where the "
-    "estimate of a recomputed stage fits, every stage ILP is infeasible"))
 def test_tight_budget_makes_the_dp_recompute_a_stage(gpt_graph):
     """Kept, stage 0 (two micro-batches in flight under 1F1B) needs more than 90 % of its
     own peak: the DP recomputes it instead of falling back to one slow stage, fits the

@@ -52,7 +52,7 @@ def _sharded_solve(costs, k: int, i: int, flight: int, recompute: bool) -> None:
 
 
 @pytest.mark.parametrize("memory_gb, flight, recompute", [
-    (0.025, 1, False), (0.015, 4, False), (0.025, 2, True)])
+    (0.02, 1, False), (0.015, 4, False), (0.02, 2, True)])
 def test_a_stage_proved_not_to_fit_skips_the_sharded_solve_that_could_not_fit(
         gpt_graph, memory_gb, flight, recompute):
     """Budgets below what layers 0-1 need on two devices: one ILP proves it, the stage
@@ -94,7 +94,7 @@ def test_a_stage_that_fits_is_solved_once(gpt_graph):
 def test_ignoring_the_proof_solves_sharded_states_for_the_same_answer(gpt_graph):
     """``PassSwitches.trust_proofs`` off (the search before): the sharded-states ILP runs
     and fails, the stage costs inf all the same."""
-    costs = _costs(gpt_graph, 0.025)
+    costs = _costs(gpt_graph, 0.02)
     with PassSwitches.using(trust_proofs=False):
         assert costs.exact(0, 1, (1, 2), (2,), 1) == (float("inf"), None)
     assert (costs.exact_solves, costs.proved_unfit) == (2, 0)

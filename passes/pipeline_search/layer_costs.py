@@ -82,7 +82,21 @@ def estimate_of(plan: Plan | None, num_micro_batches: int) -> Estimate | None:
 def stage_memory(parts: list[Estimate], in_flight_batches: int) -> float:
     """Bytes per device of layers run as one stage: each layer's saved activations, one
     layer's working set above that, and the saved activations of every micro-batch in
-    flight (summing per-layer peaks would count every layer's working set at once)."""
+    flight (summing per-layer peaks would count every layer's working set at once).
+
+    The step's end (the optimizer step, ``passes/pricing/step_end.py``), which the exact
+    stage solves count, is left out: this filter must stay at or below what they count,
+    or it refuses stages that fit, and the layers' own ends do not add up to a bound of
+    the stage's. Each layer's end holds its parameters, gradients and states (those add
+    up) and the update's temporaries, which add up only where the stage steps with
+    ``foreach``: tensor by tensor (on CPU ranks, for groups too large for ``foreach``:
+    ``core/optimizer_step.py``) the stage holds the copies of its one largest block, not
+    one per layer, and whether a stage's group is small enough depends on all its layers
+    at once. Without it the filter stays a bound; with gradient sums over micro-batches
+    (every pipeline step of more than one) a layer's states already hold its gradients,
+    so the end exceeds what is counted here only by the temporaries, less the
+    activations the stage holds in flight, and the exact solve catches a stage it
+    does not fit."""
     saved = sum(p.saved for p in parts)
     peak = saved + max(p.activations - p.saved for p in parts)
     return in_flight_bytes(sum(p.state for p in parts), peak, saved, in_flight_batches)

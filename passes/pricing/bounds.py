@@ -39,7 +39,7 @@ from torchalpa.core.cluster import Cluster, LogicalMesh
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.optimizer_step import FOREACH_TEMPORARIES, LOOP_TEMPORARIES
 from torchalpa.passes.pricing.cost import compute_cost, optimizer_cost
-from torchalpa.passes.pricing.memory import forward_end, liveness, state_copies
+from torchalpa.passes.pricing.memory import forward_end, liveness, state_copies, viewed_leaf
 from torchalpa.passes.pricing.step_end import trained_parameters, updates_on_device
 
 __all__ = ["StepProfile", "step_profile", "captured_batch"]
@@ -177,7 +177,10 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
     mesh = hardware if isinstance(hardware, LogicalMesh) else \
         hardware.logical_mesh((hardware.num_devices,))
     live = liveness(graph, fused=not eager)
-    sizes = np.array([sum(o.nbytes for i, o in enumerate(graph.node(v).outputs)
+    # a view of a parameter or buffer read in the leaf's own layout allocates nothing
+    # (``memory.same_layout_views``): a plan may read every one so
+    sizes = np.array([0.0 if viewed_leaf(graph, v) is not None else
+                      sum(o.nbytes for i, o in enumerate(graph.node(v).outputs)
                           if k in (None, i)) for v, k in live.entries()], dtype=float)
     timeline = live.total(sizes) if len(sizes) else np.zeros(1)
     leaves = [n for n in graph if n.kind in ("param", "buffer")]

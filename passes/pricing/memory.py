@@ -20,6 +20,9 @@ The step's end, its optimizer step, is priced apart (``step_end.py``): with an o
 ``Liveness`` holds the intervals; the ILP adds one constraint per point it checks,
 ``model states + activations alive there <= budget``, starting from the likely peaks and
 adding the actual peak of each solution until the plan fits (``passes/sharding/intra_op.py``).
+Each row counts what the estimate counts for the plan the solver picks
+(``MemoryModel.rows_bytes``; ``tests/test_memory_rows.py``): bytes that depend on two
+nodes' choices (``MemoryModel.paired_entries``) enter as pair terms, not at their most.
 """
 
 from __future__ import annotations
@@ -30,23 +33,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from torchalpa.core.opgraph import OpGraph, ValueRef
-from torchalpa.core.optimizer_step import FOREACH_TEMPORARIES, LOOP_TEMPORARIES, steps_foreach
 from torchalpa.core.placement import Placements, Replicate, is_shard
 from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.pricing.fused_pricing import recomputed
 from torchalpa.passes.pricing.gathered_views import copy_bytes, held_copies, saved_view_spans
-from torchalpa.passes.pricing.step_end import (
-    end_of_step_bytes,
-    trained_parameters,
-    updates_on_device,
-)
+from torchalpa.passes.pricing.step_end import end_of_step_bytes, step_end
 from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.stage_boundary import summed_part
 
 __all__ = ["Liveness", "KeptCopy", "KeptTerm", "liveness", "model_state_bytes", "activation_peak_bytes",
            "accumulated_gradients", "same_layout_views",
            "state_copies", "gradients_from_backward", "forward_end", "in_flight_bytes", "value_bytes",
-           "view_copies"]
+           "view_copies", "viewed_leaf", "scatter_copies"]
 
 
 @dataclass
@@ -71,6 +69,12 @@ class Liveness:
     until backward's last wait, beside the block it leaves (``runtime/rewrites/
     reduce_in_backward.py``); one all-reduced in place, or not reduced, is the same
     storage as its reduced self (``_entry_bytes`` then counts it once)."""
+
+    transient_of: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """With ``grads_from_backward``: an entry of one point, where a parameter's gradient is
+    made -> (its raw entry, its reduced entry): the copies the reduction makes of a
+    gradient a reduce-scatter shrinks, as the collective is issued (``scatter_copies``;
+    nothing where the raw and reduced gradients are one storage)."""
 
     def __post_init__(self):
         if len(self.results) != len(self.names):
@@ -201,10 +205,17 @@ def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: b
                 results.append(None)
                 start.append(order[ref.node])
                 end.append(end_of_step)
+    transient_of: dict[int, tuple[int, int]] = {}
+    for reduced, raw in list(raw_of.items()):     # the reduction's copies, where it is issued
+        transient_of[len(names)] = (raw, reduced)
+        names.append(names[raw])
+        results.append(results[raw])
+        start.append(start[reduced])
+        end.append(start[reduced])
     starts, ends = np.array(start, dtype=np.int64), np.array(end, dtype=np.int64)
     starts.setflags(write=False)
     ends.setflags(write=False)
-    return Liveness(names, starts, ends, end_of_step + 1, results, raw_of)
+    return Liveness(names, starts, ends, end_of_step + 1, results, raw_of, transient_of)
 
 
 def _arrival(graph: OpGraph, node, order: dict[str, int], state_at_start: bool) -> int:
@@ -231,6 +242,15 @@ def _views_state(graph: OpGraph, name: str) -> bool:
     node = graph.node(name)
     return node.aliases and node.phase == "forward" and bool(node.operands) and \
         graph.node(node.operands[0].node).kind in ("param", "buffer")
+
+
+def viewed_leaf(graph: OpGraph, name: str) -> str | None:
+    """The parameter or buffer op ``name`` is a view of (its first operand), else None."""
+    node = graph.node(name)
+    if node.kind != "op" or not node.aliases or not node.operands:
+        return None
+    leaf = node.operands[0].node
+    return leaf if graph.node(leaf).kind in ("param", "buffer") else None
 
 
 def _storage_roots(graph: OpGraph) -> dict[str, ValueRef]:
@@ -316,10 +336,11 @@ def value_bytes(graph: OpGraph, name: str, placements: tuple[Placements, ...], m
 
 
 def _entry_bytes(graph: OpGraph, live: Liveness, outputs: dict[str, tuple[Placements, ...]],
-                 mesh_shape, statistics: dict[str, str]) -> np.ndarray:
+                 mesh_shape, statistics: dict[str, str], copies: int = 1) -> np.ndarray:
     """``value_bytes`` of each entry of ``live`` in ``outputs``' layouts: once per result
     specs, layouts (the rules' shared objects, by identity) and result, as a
-    transformer's layers repeat them."""
+    transformer's layers repeat them; a reduction's transient (``Liveness.transient_of``)
+    ``copies`` of its raw gradient (``scatter_copies``)."""
     seen: dict[tuple, int] = {}
     sizes = []
     for name, k in live.entries():
@@ -333,10 +354,25 @@ def _entry_bytes(graph: OpGraph, live: Liveness, outputs: dict[str, tuple[Placem
             found = seen[key] = value_bytes(graph, name, placements, mesh_shape, statistics, k)
         sizes.append(found)
     sizes = np.array(sizes, dtype=float)
+    for transient, (raw, reduced) in live.transient_of.items():
+        sizes[transient] = sizes[raw] * copies if sizes[raw] > sizes[reduced] else 0.0
     for reduced, raw in live.raw_of.items():    # the same storage, or bytes in place
         if sizes[raw] <= sizes[reduced]:
             sizes[reduced] = 0.0
     return sizes
+
+
+def scatter_copies(device_type: str) -> int:
+    """Copies of a gradient's bytes, beyond the raw gradient and its reduced block, that
+    a step of one micro-batch holds where it reduce-scatters the gradient in backward
+    (``runtime/rewrites/reduce_in_backward.py``; ``runtime/rewrites/buckets.py``): the
+    bucket packed beside its members (every backend: the members die once packed); on
+    CPU ranks, whose gloo copies a reduce-scatter's input and runs it on its own thread,
+    that copy too, beside the packed input it is made from, while the next bucket is
+    packed (measured on 2 gloo ranks: ``tests/test_memory_measured.py``). Priced on the
+    gradient being made, not its whole bucket: a bucket of several gradients packs more
+    (at most a bucket's 25 MiB, ``all_reduce_threshold``)."""
+    return 2 if device_type == "cpu" else 1
 
 
 def same_layout_views(graph: OpGraph, layouts: dict[str, Placements],
@@ -417,7 +453,8 @@ def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, .
                           state_at_start: bool = False,
                           kept: list[KeptCopy] | None = None,
                           grads_from_backward: bool = False,
-                          free_views: frozenset[str] = frozenset()) -> tuple[int, int]:
+                          free_views: frozenset[str] = frozenset(),
+                          reduce_copies: int = 1) -> tuple[int, int]:
     """(peak bytes of op results alive at once on one device, bytes alive where forward
     ends: what a micro-batch holds while it waits for backward). Inputs count too, and
     the resharded copies of parameters that several reads share (``kept``), from their
@@ -425,10 +462,11 @@ def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, .
     reads what it saved; ``state_at_start``, ``grads_from_backward``: as ``liveness``
     takes them (the gradients alive count with the activations). ``free_views``: views
     of parameters or buffers that read them in their own layout (``same_layout_views``):
-    no copy, nothing allocated."""
+    no copy, nothing allocated. ``reduce_copies``: the reduction's copies of a gradient
+    reduce-scattered in backward (``scatter_copies``), with ``grads_from_backward``."""
     statistics = statistics or {}
     live = liveness(graph, statistics, state_at_start, grads_from_backward)
-    sizes = _entry_bytes(graph, live, outputs, mesh_shape, statistics)
+    sizes = _entry_bytes(graph, live, outputs, mesh_shape, statistics, reduce_copies)
     for i, name in enumerate(live.names):
         if name in free_views:
             sizes[i] = 0.0
@@ -524,40 +562,53 @@ class MemoryModel:
                 self._fold(self.state, n.name, self._bytes(n.name) * copies)
         for ref in raw.values():    # the sum over micro-batches, as its op lays it out
             self._fold(self.state, ref.node, self._bytes(ref.node, ref.index))
+        self.reduce_copies = scatter_copies(device_type)
         self._act = [self._bytes(name, k) for name, k in self.live.entries()]
-        # a gradient's raw and reduced entries both count in the ILP's rows (``raw_of``):
-        # whether they share storage depends on two choices; rows at or above the exact
-        # timeline keep the memory rounds converging
+        for transient in self.live.transient_of:
+            self._act[transient] = self._act[transient] * self.reduce_copies
+        self._paired: dict[int, list[tuple]] | None = None
         self.end = self.live.length
-        self.end_state = self._end_state() if optimizer is not None else {}
+        self.end_rows = self._end_rows() if optimizer is not None else []
+        """The rows at ``end`` (``_end_rows``): the point is at most their largest."""
 
-    def _end_state(self) -> dict[str, np.ndarray]:
-        """Bytes at the optimizer step per representative strategy (``step_end.py``):
-        each leaf itself, a trained parameter's gradient and states in its layout, and the
-        update's temporaries, priced on the parameters' whole sizes: ``foreach`` (one
-        term per parameter) or tensor by tensor (the largest parameter's copies)."""
+    def _end_rows(self) -> list[dict[str, np.ndarray]]:
+        """The ILP's rows at the optimizer step (``step_end.StepEnd``, which the estimate
+        reads too), bytes per representative strategy: each leaf's copies in its layout,
+        and the update's temporaries as the runtime allocates them. With ``foreach``: a
+        term per trained parameter, one row. Tensor by tensor: the largest local block's
+        copies, a maximum over the parameters, which is one row per trained parameter
+        (the row of the largest is the one that binds): exact. Where only the local
+        blocks' sizes decide between the two (``StepEnd.foreach`` None: a CPU group too
+        large whole for ``foreach``), the ILP cannot know which runs before it chooses
+        the layouts: the rows hold both, the ``foreach`` one with its temporaries at
+        their most (``StepEnd.foreach_cap``), a safe bound above the estimate's."""
         assert self.optimizer is not None
-        graph, states = self.graph, self.optimizer_states
-        end: dict[str, np.ndarray] = {}
-        if states < 0:
-            return end
-        trained = trained_parameters(graph)
-        trained_set = set(trained)
-        for n in graph:
-            if n.kind in ("param", "buffer"):
-                copies = 2 + states if n.name in trained_set else 1
-                self._fold(end, n.name, self._bytes(n.name) * copies)
-        if trained and updates_on_device(self.optimizer, states):
-            specs = [graph.node(name).output for name in trained]
-            if steps_foreach([s.numel for s in specs], self.device_type):
-                for name in trained:
-                    self._fold(end, name, self._bytes(name) *
-                               FOREACH_TEMPORARIES.get(self.optimizer, 1))
-            else:
-                largest = max(trained, key=lambda name: graph.node(name).output.nbytes)
-                self._fold(end, largest, self._bytes(largest) *
-                           LOOP_TEMPORARIES.get(self.optimizer, 2))
-        return end
+        end = step_end(self.graph, self.optimizer, self.optimizer_states, self.device_type)
+        if end is None:
+            return [{}]
+        base: dict[str, np.ndarray] = {}
+        for name, copies in end.copies.items():
+            self._fold(base, name, self._bytes(name) * copies)
+        if end.foreach is False:
+            return [base]
+        if end.foreach:
+            row = {k: v.copy() for k, v in base.items()}
+            for name in end.trained:
+                self._fold(row, name, self._bytes(name) * end.per_block)
+            return [row]
+        rows: dict[tuple, dict[str, np.ndarray]] = {}
+        for name in end.trained:      # alike parameters give one row
+            key = (self.g.rep[name], self._bytes(name)[list(self.g.index[name])].tobytes())
+            if key not in rows:
+                row = {k: v.copy() for k, v in base.items()}
+                self._fold(row, name, self._bytes(name) * end.per_largest)
+                rows[key] = row
+        itemsize = {name: self.graph.node(name).output.itemsize for name in end.trained}
+        capped = {k: v.copy() for k, v in base.items()}
+        first = next(iter(capped), None)
+        if first is not None:
+            capped[first] = capped[first] + end.foreach_cap(itemsize)
+        return list(rows.values()) + [capped]
 
     def _bytes(self, name: str, result: int | None = None) -> np.ndarray:
         strategies = self.S[name]
@@ -581,26 +632,130 @@ class MemoryModel:
         rep = self.g.rep[name]
         into[rep] = into.get(rep, np.zeros(len(self.S[rep]))) + vec[list(self.g.index[name])]
 
-    def terms_at(self, t: int) -> dict[str, np.ndarray]:
-        """Bytes alive at point ``t`` for each representative strategy (``end``: at the
-        optimizer step)."""
+    def rows_at(self, t: int) -> list[dict[str, np.ndarray]]:
+        """The ILP's memory rows at point ``t``: ``terms_at``, or at ``end`` one or more
+        (``end_rows``), each a bound the point's bytes must meet."""
         if t == self.end:
-            return {k: v.copy() for k, v in self.end_state.items() if v.any()}
+            return [{k: v.copy() for k, v in row.items() if v.any()} for row in self.end_rows]
+        return [self.terms_at(t)]
+
+    def terms_at(self, t: int) -> dict[str, np.ndarray]:
+        """Bytes alive at point ``t`` (not ``end``: ``rows_at``) for each representative
+        strategy."""
+        assert t != self.end, "the optimizer step has rows of its own: rows_at"
         terms = {k: v.copy() for k, v in self.state.items() if v.any()}
+        paired = self.paired_entries()
         for i in self.live.alive(t):
-            self._fold(terms, self.live.names[i], self._act[i])
+            if i not in paired:
+                self._fold(terms, self.live.names[i], self._act[i])
         if self.in_flight > 1:
             for i in self.live.alive(self.forward_end):
-                self._fold(terms, self.live.names[i], self._act[i] * (self.in_flight - 1))
+                if i not in paired:
+                    self._fold(terms, self.live.names[i], self._act[i] * (self.in_flight - 1))
         return terms
 
+    def rows_bytes(self, t: int, chosen: dict) -> list[float]:
+        """Bytes each of the ILP's rows at point ``t`` (``rows_at``, ``kept_at``) counts
+        for the plan ``chosen`` (node -> Strategy): what the solver sees of that plan."""
+        def picked(rep: str) -> int:
+            return next(b for b, a in enumerate(self.g.index[rep])
+                        if self.S[rep][a] is chosen[rep])
+
+        def marked(rep: str, mask) -> bool:
+            return bool(mask[picked(rep)])
+
+        kept = sum(term.nbytes for term in self.kept_at(t)
+                   if marked(term.producer, term.copy_from)
+                   and any(marked(a, ma) and marked(b, mb) for a, ma, b, mb in term.pairs)
+                   and not any(marked(v, mv) for v, mv in term.covered))
+        return [float(sum(vec[picked(rep)] for rep, vec in row.items()) + kept)
+                for row in self.rows_at(t)]
+
+    def paired_entries(self) -> dict[int, list[tuple]]:
+        """Entries of ``live`` whose bytes depend on two nodes' choices, as the plan's
+        estimate counts them (``activation_peak_bytes``; ``_entry_bytes``), each ->
+        (producer, its strategies' mask, reader, its strategies' mask, bytes): the entry
+        holds ``bytes`` where both choose a marked strategy, else nothing. The ILP gets
+        them as ``KeptTerm``s (``paired_terms``), exact where ``terms_at`` would count
+        the bytes whatever the other node chose:
+
+        - a view of a parameter or buffer (``liveness`` gives it an interval of its own,
+          for the copy a read in another layout makes) holds its bytes only where it
+          reads the leaf in a layout other than the leaf's own (``same_layout_views``);
+        - a parameter's reduced gradient (``Liveness.raw_of``) holds bytes of its own
+          only where its raw gradient is larger (a reduce-scatter shrinks it), else the
+          two are one storage, counted with the raw one; and only there the reduction
+          makes its transient copies (``Liveness.transient_of``)."""
+        if self._paired is not None:
+            return self._paired
+        graph, live, g = self.graph, self.live, self.g
+        paired: dict[int, list[tuple]] = {}
+        for i, name in enumerate(live.names):
+            leaf = viewed_leaf(graph, name)
+            if leaf is None:
+                continue
+            own = [self.S[leaf][a].outputs[0] for a in g.index[leaf]]
+            reads = [self.S[name][b].inputs[0] for b in g.index[name]]
+            sizes = self._act[i][list(g.index[name])]
+            paired[i] = []
+            for dst in dict.fromkeys(reads):
+                copy_from = np.array([o != dst for o in own], dtype=bool)
+                read = np.array([r == dst for r in reads], dtype=bool)
+                for size in np.unique(sizes[read]) if copy_from.any() else ():
+                    if size > 0:
+                        paired[i].append((leaf, copy_from, name, read & (sizes == size),
+                                          float(size)))
+        for reduced, raw in live.raw_of.items():
+            param, made = live.names[reduced], live.names[raw]
+            held = self._act[reduced][list(g.index[param])]
+            raw_sizes = self._act[raw][list(g.index[made])]
+            paired[reduced] = [(param, held == size, made, raw_sizes > size, float(size))
+                               for size in np.unique(held) if size > 0
+                               and (raw_sizes > size).any()]
+        for transient, (raw, reduced) in live.transient_of.items():
+            param, made = live.names[reduced], live.names[raw]
+            held = self._act[reduced][list(g.index[param])]
+            raw_sizes = self._act[raw][list(g.index[made])]
+            paired[transient] = [(param, held == size, made, raw_sizes == whole,
+                                  float(whole) * self.reduce_copies)
+                                 for size in np.unique(held) for whole in np.unique(raw_sizes)
+                                 if whole > size]
+        self._paired = paired
+        return paired
+
+    def paired_terms(self, t: int) -> list[KeptTerm]:
+        """``paired_entries`` alive at point ``t`` (and, for the other micro-batches in
+        flight, where forward ends) as ``KeptTerm``s, ``y >= x_producer + 2 x_reader - 2``:
+        alike entries (the same nodes' representatives and masks) summed into one term,
+        whose ``y`` every point shares."""
+        fe, waiting = self.forward_end, self.in_flight - 1
+        start, end = self.live.start, self.live.end
+        merged: dict[tuple, list] = {}
+        for i, pairs in self.paired_entries().items():
+            count = int(start[i] <= t <= end[i]) + waiting * int(start[i] <= fe <= end[i])
+            if not count:
+                continue
+            for producer, copy_from, reader, mask, nbytes in pairs:
+                key = ("paired", self.g.rep[producer], copy_from.tobytes(), self.g.rep[reader],
+                       mask.tobytes())
+                found = merged.setdefault(key, [copy_from, mask, 0.0])
+                found[2] += nbytes * count
+        return [KeptTerm(key[1], copy_from, ((key[3], mask, key[3], mask),), nbytes, key=key)
+                for key, (copy_from, mask, nbytes) in merged.items()]
+
     def timeline(self, chosen_outputs: dict, state_bytes: float,
-                 kept: list[KeptCopy] | None = None) -> np.ndarray:
+                 kept: list[KeptCopy] | None = None,
+                 free_views: frozenset[str] = frozenset()) -> np.ndarray:
         """Bytes at each point: model states, activations (with the other micro-batches'
         saved ones) and the ``kept`` copies (``kept_copies``; a view reading one shares
-        its storage, as ``activation_peak_bytes`` counts them)."""
+        its storage), as ``activation_peak_bytes`` counts them (``free_views``: views of
+        leaves read in their own layout, nothing allocated)."""
         graph, live = self.graph, self.live
-        sizes = _entry_bytes(graph, live, chosen_outputs, self.mesh_shape, self.statistics)
+        sizes = _entry_bytes(graph, live, chosen_outputs, self.mesh_shape, self.statistics,
+                             self.reduce_copies)
+        for i, name in enumerate(live.names):
+            if name in free_views:
+                sizes[i] = 0.0
         kept = kept or []
         views = _kept_timeline(graph, live, sizes, [c for c in kept if c.span is not None],
                                self.state_at_start)     # one per micro-batch in flight
@@ -683,7 +838,7 @@ class MemoryModel:
         views keep (``view_terms``); none at ``end``."""
         if t == self.end:
             return []
-        terms = self.view_terms(t)
+        terms = self.view_terms(t) + self.paired_terms(t)
         if self.steps_of is None:
             return terms
         for value in self.state_reads():
@@ -778,7 +933,7 @@ class MemoryModel:
             self._kept_upper()
         if self.optimizer is None:
             return timeline
-        return np.append(timeline, sum(v.max() for v in self.end_state.values()))
+        return np.append(timeline, max(sum(v.max() for v in row.values()) for row in self.end_rows))
 
     def _views_upper(self) -> np.ndarray:
         """Bytes the gathered copies forward views keep could hold at each point: each

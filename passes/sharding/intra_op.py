@@ -39,6 +39,7 @@ from torchalpa.passes.pricing.memory import (
     MemoryModel,
     gradients_from_backward,
     model_state_bytes,
+    same_layout_views,
 )
 from torchalpa.passes.pricing.step_end import device_type_of
 from torchalpa.passes.rules import rule_for
@@ -684,8 +685,10 @@ def _timeline(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, opt
     state = model_state_bytes(graph, {k: s.outputs[0] for k, s in chosen.items()
                                       if graph.node(k).is_leaf}, mesh.shape, optimizer_states,
                               memory.grads_from_backward, {k: s.outputs for k, s in chosen.items()})
+    leaves = {k: s.outputs[0] for k, s in chosen.items() if graph.node(k).is_leaf}
     return memory.timeline({k: s.outputs for k, s in chosen.items()}, state,
-                           memory.kept_copies(chosen))
+                           memory.kept_copies(chosen), same_layout_views(
+                               graph, leaves, {k: s.inputs for k, s in chosen.items()}))
 
 
 def _peak(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, optimizer_states
@@ -757,8 +760,9 @@ def _solve_within_memory(graph: OpGraph, S: dict[str, list[Strategy]], grouping:
 
 def _memory_rows(memory: MemoryModel, points: list[int]) -> dict:
     """The ILP's memory rows at ``points``: bytes per strategy and the kept copies."""
-    return {"memory_terms": [memory.terms_at(p) for p in points],
-            "memory_kept": [memory.kept_at(p) for p in points]}
+    rows = [(terms, memory.kept_at(p)) for p in points for terms in memory.rows_at(p)]
+    return {"memory_terms": [terms for terms, _ in rows],
+            "memory_kept": [kept for _, kept in rows]}
 
 
 def _solve(problem: ILPProblem, option: AutoShardingOption,

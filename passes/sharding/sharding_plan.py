@@ -47,6 +47,7 @@ from torchalpa.passes.pricing.memory import (
     gradients_from_backward,
     model_state_bytes,
     same_layout_views,
+    scatter_copies,
     view_copies,
 )
 from torchalpa.passes.pricing.overlap_price import CommEvent, Device, overlapped_step, program_order
@@ -385,7 +386,8 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         graph, {name: s.outputs for name, s in chosen.items()}, mesh.shape,
         saved_statistics(graph, mesh), state_at_start=state_once, kept=kept,
         grads_from_backward=grads_late, free_views=same_layout_views(
-            graph, leaf_placement, {name: s.inputs for name, s in chosen.items()}))
+            graph, leaf_placement, {name: s.inputs for name, s in chosen.items()}),
+        reduce_copies=scatter_copies(device_type_of(mesh.backend)))
     activations += held
     end = end_of_step_bytes(graph, leaf_placement, mesh.shape, method.optimizer,
                             method.optimizer_states, device_type_of(mesh.backend))

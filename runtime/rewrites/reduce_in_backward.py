@@ -76,7 +76,10 @@ def _hoist_views(graph: fx.Graph, node: fx.Node) -> None:
 def _issue_early(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     """Move each node of ``nodes`` that only packs or issues right after the latest of its
     inputs (in order, so a bucket's issue follows its packing), the views it reads moved
-    up first."""
+    up first; then each bucket's reading of its members' shapes right before its packing,
+    so the members are last read by the packing and freed before the collective is
+    issued: on gloo, which copies a reduce-scatter's input when it is issued, the
+    members, the packed buffer and gloo's copy are never alive at once."""
     for node in nodes:
         if node.target not in EARLY:
             continue
@@ -88,4 +91,13 @@ def _issue_early(graph: fx.Graph, nodes: list[fx.Node]) -> None:
         latest = max(inputs, key=position.__getitem__)
         if position[latest] + 1 < position[node]:
             latest.append(node)
+    packing = {_members(n): n for n in nodes if n.target in (flatten_concat, interleave_chunks)}
+    for node in nodes:
+        if node.target is bucket_shapes and _members(node) in packing:
+            packing[_members(node)].prepend(node)
 
+
+def _members(node: fx.Node) -> tuple:
+    """The gradients a bucket's packing (or shapes reading) takes: its first argument."""
+    members = node.args[0]
+    return tuple(members) if isinstance(members, (list, tuple)) else (members,)

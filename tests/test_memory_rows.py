@@ -1,0 +1,75 @@
+"""The ILP's memory rows against the plan's estimate (passes/pricing/memory.py,
+``MemoryModel``; passes/pricing/step_end.py): for a solved plan, what each row counts is
+what the estimate counts at that point -- the optimizer step's rows read the same
+``StepEnd`` as ``Estimates.end_of_step_bytes_per_device``, views of parameters read in
+their own layout are free in both, and a reduced gradient is one buffer with its raw sum
+where the two are the same memory. Rows above the estimate would refuse plans that fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchalpa
+import torchalpa.passes.sharding.intra_op as intra_op
+from torchalpa.passes.pricing.step_end import device_type_of, end_of_step_bytes
+
+
+def _mlp(width: int) -> tuple[nn.Module, tuple]:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(width, 4 * width), nn.ReLU(),
+                              nn.Linear(4 * width, width), nn.ReLU(), nn.Linear(width, width))
+        batch = (torch.empty(4, width), torch.empty(4, width))
+    return model, batch
+
+
+def _solves(monkeypatch, model, batch, method, devices: int):
+    """The plan, and every (memory model, chosen strategies) its ILP solves returned."""
+    seen = []
+    solve = intra_op._solve_within_memory
+
+    def recording(graph, S, grouping, cg, memory, budget, option, mesh, *args, **kwargs):
+        solution, chosen = solve(graph, S, grouping, cg, memory, budget, option, mesh,
+                                 *args, **kwargs)
+        seen.append((graph, memory, chosen, mesh))
+        return solution, chosen
+
+    monkeypatch.setattr(intra_op, "_solve_within_memory", recording)
+    plan = torchalpa.plan(model, batch, F.mse_loss, method=method,
+                          cluster=torchalpa.Cluster.local_cpu(devices))
+    return plan, seen
+
+
+METHODS = {
+    "dp": (torchalpa.DataParallel, 2),
+    "zero2": (torchalpa.Zero2Parallel, 2),
+    "zero3": (torchalpa.Zero3Parallel, 4),
+    "tp": (lambda: torchalpa.ShardParallel(auto_sharding_option=torchalpa.AutoShardingOption(
+        force_batch_dim_to_mesh_dim=None)), 4),
+}
+
+
+@pytest.mark.parametrize("width", [32, 512])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_the_rows_of_a_solved_plan_count_what_its_estimate_counts(monkeypatch, name, width):
+    """Width 32: Adam steps with ``foreach`` (one term per parameter); 512: tensor by
+    tensor on CPU (the largest block's copies, one row per parameter). At the optimizer
+    step the largest row is the estimate's end of step, and at every other point each
+    row is the exact timeline the estimate takes its peak from."""
+    method, devices = METHODS[name]
+    plan, seen = _solves(monkeypatch, *_mlp(width), method(), devices)
+    assert seen
+    ends = []
+    for graph, memory, chosen, mesh in seen:
+        timeline = intra_op._timeline(graph, memory, chosen, mesh, memory.optimizer_states)
+        for t in range(memory.end):
+            assert memory.rows_bytes(t, chosen) == [pytest.approx(timeline[t])], t
+        leaves = {k: s.outputs[0] for k, s in chosen.items() if graph.node(k).is_leaf}
+        end = end_of_step_bytes(graph, leaves, mesh.shape, memory.optimizer,
+                                memory.optimizer_states, device_type_of(mesh.backend))
+        assert end == timeline[-1] > 0
+        assert max(memory.rows_bytes(memory.end, chosen)) == pytest.approx(end)
+        ends.append(end)
+    assert plan.estimates.end_of_step_bytes_per_device in ends
