@@ -10,7 +10,8 @@ memory model and the ILP use -- that gives, in one pass over the graph:
   states; a step of one micro-batch holds each gradient from its backward op on) plus
   the largest set of activations alive at once, all split over every device;
 - a step-time lower bound: the roofline of every op split over every device, plus each
-  kernel's launch, plus the optimizer's step on the smallest possible shard; where the
+  kernel's launch (on GPUs, where a launch overlaps its kernel, the larger of the two
+  totals), plus the optimizer's step on the smallest possible shard; where the
   host issues the ops of an eager program on GPUs (``LogicalMesh.host_op_s``), at least
   the host's time for them (the device cannot start a kernel before it is issued).
   Each op's bytes are those the plans' estimates price (``elementwise="fused"``: a fused
@@ -88,6 +89,10 @@ class StepProfile:
     """The optimizer update's temporaries at the step's end, the parameters whole
     (``passes/pricing/step_end.py``): the least of its two implementations', so that
     split over ``n`` devices it stays a bound for each."""
+    launch_overlaps: bool = False
+    """Whether a kernel's launch overlaps its work (GPUs: ``compute_cost`` takes the
+    larger of the two, and ``roofline_s`` holds each op's whole price) rather than adding
+    to it (CPU ranks: ``roofline_s`` holds each op's price less its launch)."""
 
     def _late(self, micro_batch: int | None) -> bool:
         """Whether a step of micro-batches of ``micro_batch`` holds its gradients only
@@ -143,8 +148,12 @@ class StepProfile:
         _check_devices(devices)
         if micro_batch is None:
             micro_batch = max(1, self.batch // num_micro_batches)
-        per_micro = max(self.roofline_s * self._scale(micro_batch) / devices + self.launch_s,
-                        self.host_s)
+        work = self.roofline_s * self._scale(micro_batch) / devices
+        # launches overlapping work: each op pays the larger of the two, so the sum is at
+        # least each total (the ops split over the devices share the roofline, not the
+        # launches); adding to it: both
+        per_micro = max(max(work, self.launch_s) if self.launch_overlaps
+                        else work + self.launch_s, self.host_s)
         shard = {f"p{i}": self.parameter_bytes / self.num_parameter_tensors / devices
                  for i in range(self.num_parameter_tensors)}
         return num_micro_batches * per_micro + optimizer_cost(self.mesh, shard,
@@ -205,9 +214,10 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
     ops = list(graph.ops())
     host = len(ops) * mesh.host_op_s if eager and mesh.backend == "nccl" \
         and mesh.eager_kernels and mesh.peak_flops is not None else 0.0
+    overlaps = mesh.backend == "nccl" and not host    # compute_cost: max(work, launch)
     for node in ops:
         launch = mesh.kernel_launch_s if mesh.kernel_launch_s and not node.aliases else 0.0
-        roofline += compute_cost(mesh, node, 1) - launch
+        roofline += compute_cost(mesh, node, 1) - (0.0 if overlaps else launch)
         launches += launch if not host else 0.0      # the host's time stands for launches
     return StepProfile(
         batch=batch, state_bytes=float(state),
@@ -218,7 +228,8 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
         optimizer_states=optimizer_states, num_parameter_tensors=max(1, len(params)),
         gradient_bytes=float(grads) if optimizer_states >= 0 else 0.0,
         activations=timeline, gradients=gradients if optimizer_states >= 0 else None,
-        optimizer_temporary_bytes=_least_temporaries(graph, optimizer, optimizer_states))
+        optimizer_temporary_bytes=_least_temporaries(graph, optimizer, optimizer_states),
+        launch_overlaps=overlaps)
 
 
 def _least_temporaries(graph: OpGraph, optimizer: str | None, optimizer_states: int) -> float:
