@@ -52,8 +52,9 @@ beyond 1.3x either way, the memory within 10% where the source publishes a compa
 peak, and every published configuration within the planner's memory budget on the device
 it ran on (it ran there). ``--auto`` also plans each row with ``AutoParallel`` (no method:
 the row's model, global batch, precision and cluster) and prints its estimate beside the
-published configuration's: the planner should find a plan at least as fast (minutes per
-row).
+published configuration's, then the target it is held to (with ``--check`` or without):
+AutoParallel's plan at or below the published plan's estimate in every row run (minutes
+per row; hours for the largest clusters' pipeline searches).
 """
 
 from __future__ import annotations
@@ -291,9 +292,6 @@ def check(outcomes: list[Outcome]) -> list[tuple[str, bool]]:
     off = [f"{k} {q:.2f}" for k, q in memory if abs(q - 1) > 0.10]
     over = [f"{o.row.key} {o.estimate.memory_bytes / GIB:.1f} > {o.budget_bytes / GIB:.1f} GiB"
             for o in outcomes if o.estimate.memory_bytes > o.budget_bytes]
-    autos = [o for o in outcomes if o.auto_step_s is not None]
-    slower = [f"{o.row.key} {o.auto_step_s / o.estimate.step_s:.2f}x" for o in autos
-              if o.auto_step_s > o.estimate.step_s * (1 + 1e-6)]
     out = [(f"{within} of {len(ratios)} rows within 15% of the published step "
             f"(target: at least 80%)", within >= 0.8 * len(ratios)),
            (f"mean est/pub {mean:.3f} (target: within [0.95, 1.05])", 0.95 <= mean <= 1.05),
@@ -304,11 +302,23 @@ def check(outcomes: list[Outcome]) -> list[tuple[str, bool]]:
            (f"{len(outcomes) - len(over)} of {len(outcomes)} published configurations fit "
             f"the planner's memory budget on their device" +
             (f" (over: {', '.join(over)})" if over else ""), not over)]
-    if autos:
-        out.append((f"AutoParallel's plan at most the published configuration's estimate in "
-                    f"{len(autos) - len(slower)} of {len(autos)} rows" +
-                    (f" (slower: {', '.join(slower)})" if slower else ""), not slower))
-    return out
+    auto = auto_target(outcomes)
+    return out + ([auto] if auto else [])
+
+
+def auto_target(outcomes: list[Outcome]) -> tuple[str, bool] | None:
+    """The target ``--auto`` holds AutoParallel to: its plan at or below the published
+    configuration's estimate in every row it planned (None: no row was planned so)."""
+    autos = [o for o in outcomes if o.auto_step_s is not None]
+    if not autos:
+        return None
+    slower = [f"{o.row.key} {o.auto_step_s / o.estimate.step_s:.3f}x" for o in autos
+              if o.auto_step_s > o.estimate.step_s * (1 + 1e-6)]
+    worst = max(o.auto_step_s / o.estimate.step_s for o in autos)
+    return (f"AutoParallel's plan at or below the published plan's estimate in "
+            f"{len(autos) - len(slower)} of {len(autos)} rows run (auto / pinned at most "
+            f"{worst:.3f}; target: every row)" +
+            (f" (slower: {', '.join(slower)})" if slower else ""), not slower)
 
 
 def main() -> None:
@@ -350,10 +360,9 @@ def main() -> None:
     inside = sum(0.8 <= 1 / o.ratio <= 1.2 for o in outcomes)
     print(f"\n{inside} of {len(outcomes)} rows have an estimated throughput within 20% of "
           f"the published one (est/pub step between {1 / 1.2:.3f} and {1 / 0.8:.3f})")
-    if args.check:
-        results = check(outcomes)
-        for text, ok in results:
-            print(f"{'PASS' if ok else 'FAIL'}  {text}")
+    auto = auto_target(outcomes)
+    for text, ok in check(outcomes) if args.check else [auto] if auto else []:
+        print(f"{'PASS' if ok else 'FAIL'}  {text}")
     _print_refused(refused, len(rows), args.check)
 
 

@@ -99,6 +99,21 @@ def test_check_holds_the_table_to_its_targets():
     assert not any(results.values()), results
 
 
+def test_the_auto_target_counts_the_rows_at_or_below_the_published_plan():
+    """``--auto``'s line: rows whose AutoParallel plan is at or below the published plan's
+    estimate, of the rows it planned; the slower ones named with their ratio."""
+    pinned = [_outcome(k, 1.0) for k in ("megatron21-1.7b", "alpa-2.6b", "megatron20-v100-1b")]
+    assert published.auto_target(pinned) is None
+    runs = [replace(pinned[0], auto_step_s=pinned[0].estimate.step_s * 0.9),
+            replace(pinned[1], auto_step_s=pinned[1].estimate.step_s * 1.004), pinned[2]]
+    text, ok = published.auto_target(runs) or ("", True)
+    assert not ok and "in 1 of 2 rows run" in text and "alpa-2.6b 1.004x" in text
+    assert published.check(runs)[-1] == (text, ok)
+    runs[1] = replace(runs[1], auto_step_s=runs[1].estimate.step_s)
+    text, ok = published.auto_target(runs) or ("", False)
+    assert ok and "in 2 of 2 rows run" in text and "slower" not in text
+
+
 def test_a_row_the_planner_refuses_fails_the_check(capsys):
     published._print_refused(["romero-gpt2-124m-4090x2"], 3, check=True)
     assert capsys.readouterr().out.startswith("FAIL  1 of 3 rows could not be estimated")

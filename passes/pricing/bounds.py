@@ -10,9 +10,13 @@ memory model and the ILP use -- that gives, in one pass over the graph:
   states; a step of one micro-batch holds each gradient from its backward op on) plus
   the largest set of activations alive at once, all split over every device;
 - a step-time lower bound: the roofline of every op split over every device, plus each
-  kernel's launch, plus the optimizer's step on the smallest possible shard; where the
+  kernel's launch (on GPUs, where a launch overlaps its kernel, the larger of the two
+  totals), plus the optimizer's step on the smallest possible shard; where the
   host issues the ops of an eager program on GPUs (``LogicalMesh.host_op_s``), at least
   the host's time for them (the device cannot start a kernel before it is issued).
+  Each op's bytes are those the plans' estimates price (``elementwise="fused"``: a fused
+  chain's, at the fused kernels' bandwidth; an in-place write's entries), else the
+  bound would sit above the estimates it must stay below and prune plans that win.
 
 A mesh whose memory bound exceeds the budget cannot fit, whatever layout the ILP would
 choose, so it is refused in milliseconds instead of after building and solving the ILP;
@@ -31,7 +35,7 @@ the premise; it is priced exactly once captured at its own size).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -39,6 +43,8 @@ from torchalpa.core.cluster import Cluster, LogicalMesh
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.optimizer_step import FOREACH_TEMPORARIES, LOOP_TEMPORARIES
 from torchalpa.passes.pricing.cost import compute_cost, optimizer_cost
+from torchalpa.passes.pricing.fused_pricing import priced_as
+from torchalpa.passes.pricing.inplace_pricing import priced_in_place
 from torchalpa.passes.pricing.memory import forward_end, liveness, state_copies, viewed_leaf
 from torchalpa.passes.pricing.step_end import trained_parameters, updates_on_device
 
@@ -83,6 +89,10 @@ class StepProfile:
     """The optimizer update's temporaries at the step's end, the parameters whole
     (``passes/pricing/step_end.py``): the least of its two implementations', so that
     split over ``n`` devices it stays a bound for each."""
+    launch_overlaps: bool = False
+    """Whether a kernel's launch overlaps its work (GPUs: ``compute_cost`` takes the
+    larger of the two, and ``roofline_s`` holds each op's whole price) rather than adding
+    to it (CPU ranks: ``roofline_s`` holds each op's price less its launch)."""
 
     def _late(self, micro_batch: int | None) -> bool:
         """Whether a step of micro-batches of ``micro_batch`` holds its gradients only
@@ -138,8 +148,12 @@ class StepProfile:
         _check_devices(devices)
         if micro_batch is None:
             micro_batch = max(1, self.batch // num_micro_batches)
-        per_micro = max(self.roofline_s * self._scale(micro_batch) / devices + self.launch_s,
-                        self.host_s)
+        work = self.roofline_s * self._scale(micro_batch) / devices
+        # launches overlapping work: each op pays the larger of the two, so the sum is at
+        # least each total (the ops split over the devices share the roofline, not the
+        # launches); adding to it: both
+        per_micro = max(max(work, self.launch_s) if self.launch_overlaps
+                        else work + self.launch_s, self.host_s)
         shard = {f"p{i}": self.parameter_bytes / self.num_parameter_tensors / devices
                  for i in range(self.num_parameter_tensors)}
         return num_micro_batches * per_micro + optimizer_cost(self.mesh, shard,
@@ -177,6 +191,13 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
     mesh = hardware if isinstance(hardware, LogicalMesh) else \
         hardware.logical_mesh((hardware.num_devices,))
     live = liveness(graph, fused=not eager)
+    # the ops' bytes and kernels as the plans' estimates price them (``intra_op_problem``,
+    # ``effective_option``): fused chains move less, in-place writes only their entries,
+    # and fused kernels reach the full bandwidth; a roofline of the captured bytes is
+    # above a fused plan's estimate (GPT-2 124M on 2 RTX 4090: 1.97 s against 1.34)
+    graph = priced_in_place(graph if eager else priced_as(graph, "fused"))
+    if not eager and mesh.eager_kernels:
+        mesh = replace(mesh, eager_kernels=False)
     # a view of a parameter or buffer read in the leaf's own layout allocates nothing
     # (``memory.same_layout_views``): a plan may read every one so
     sizes = np.array([0.0 if viewed_leaf(graph, v) is not None else
@@ -196,9 +217,10 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
     ops = list(graph.ops())
     host = len(ops) * mesh.host_op_s if eager and mesh.backend == "nccl" \
         and mesh.eager_kernels and mesh.peak_flops is not None else 0.0
+    overlaps = mesh.backend == "nccl" and not host    # compute_cost: max(work, launch)
     for node in ops:
         launch = mesh.kernel_launch_s if mesh.kernel_launch_s and not node.aliases else 0.0
-        roofline += compute_cost(mesh, node, 1) - launch
+        roofline += compute_cost(mesh, node, 1) - (0.0 if overlaps else launch)
         launches += launch if not host else 0.0      # the host's time stands for launches
     return StepProfile(
         batch=batch, state_bytes=float(state),
@@ -209,7 +231,8 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
         optimizer_states=optimizer_states, num_parameter_tensors=max(1, len(params)),
         gradient_bytes=float(grads) if optimizer_states >= 0 else 0.0,
         activations=timeline, gradients=gradients if optimizer_states >= 0 else None,
-        optimizer_temporary_bytes=_least_temporaries(graph, optimizer, optimizer_states))
+        optimizer_temporary_bytes=_least_temporaries(graph, optimizer, optimizer_states),
+        launch_overlaps=overlaps)
 
 
 def _least_temporaries(graph: OpGraph, optimizer: str | None, optimizer_states: int) -> float:
