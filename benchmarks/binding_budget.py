@@ -6,9 +6,8 @@ push the plan to less memory (and a slower step) than the budget needs.
     python benchmarks/binding_budget.py 0.9 0.85 0.8
 
 To compare with another commit, run it against that commit's copy (``git archive <commit>
-| tar -x -C /tmp/base``) with the editable install's finder out of the way: an editable
-install maps ``torchalpa.passes``, ``.runtime`` and ``.frontends`` to its own checkout
-whatever ``PYTHONPATH`` says (see RESULTS.md, r10-endrow, for a runner).
+| tar -x -C /tmp/base``) through ``benchmarks/in_tree.py /tmp/base benchmarks/binding_budget.py
+...``: ``PYTHONPATH`` alone leaves the editable install's passes in place.
 """
 
 import os

@@ -25,32 +25,15 @@ import re
 import subprocess
 import sys
 
+from in_tree import import_tree
+
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = {"torchalpa": "torchalpa", "torchalpa.frontends": "frontends",
-            "torchalpa.passes": "passes", "torchalpa.runtime": "runtime"}
-"""setup.cfg's package_dir: where each top package of a source tree lies."""
-
-
-def _import_from(root: str) -> None:
-    """Make ``import torchalpa`` read the tree at ``root`` (before anything imports it)."""
-    import importlib.abc
-    import importlib.util
-
-    class Root(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name not in PACKAGES:
-                return None      # subpackages: found under the parent's path
-            where = os.path.join(root, PACKAGES[name])
-            return importlib.util.spec_from_file_location(
-                name, os.path.join(where, "__init__.py"), submodule_search_locations=[where])
-
-    sys.meta_path.insert(0, Root())
 
 
 def _one(root: str, layers: int, remat: str, k: int) -> dict:
     """Plan one candidate with the tree at ``root``; its figures."""
     os.environ["TORCHALPA_CACHE"] = "0"
-    _import_from(root)
+    import_tree(root)
     import hashlib
     import time
 

@@ -5,7 +5,7 @@ memory bound, 4 H100 views), planned once in this process with the views solved 
 another (no forked workers, so every solve is seen here):
 
     python benchmarks/near_budget_solves.py              # this tree
-    PYTHONPATH=<a layout of another tree> python benchmarks/near_budget_solves.py
+    python benchmarks/in_tree.py <another tree> benchmarks/near_budget_solves.py
 
 One line per candidate view (seconds), one per HiGHS run: the candidate, the view, the
 model's columns and rows (memory rows among them), whether a start was given, seconds,

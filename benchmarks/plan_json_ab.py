@@ -2,7 +2,7 @@
 its plan JSON, to compare two commits' plans (equal but for source paths) back to back:
 
     git archive <commit> | tar -x -C /tmp/base
-    PYTHONPATH=/tmp/base python benchmarks/plan_json_ab.py 2 /tmp/before.json
+    python benchmarks/in_tree.py /tmp/base benchmarks/plan_json_ab.py 2 /tmp/before.json
     python benchmarks/plan_json_ab.py 2 /tmp/after.json
     diff <(sed 's|tmp/base/||' /tmp/before.json) /tmp/after.json
 

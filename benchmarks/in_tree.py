@@ -1,0 +1,58 @@
+"""Run a benchmark script with ``import torchalpa`` reading another source tree, to compare
+two commits' plans or timings back to back:
+
+    git archive <commit> | tar -x -C /tmp/base
+    python benchmarks/in_tree.py /tmp/base benchmarks/plan_json_ab.py 2 /tmp/before.json
+    python benchmarks/plan_json_ab.py 2 /tmp/after.json
+
+``PYTHONPATH=/tmp/base`` alone is not enough: the editable install maps
+``torchalpa.passes``, ``.runtime`` and ``.frontends`` to its own checkout whatever the path
+says, so the other tree's ``torchalpa`` would run this checkout's passes. ``import_tree``
+puts a finder ahead of it for the four top packages (setup.cfg's ``package_dir``);
+subpackages are then found under their parent's path.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import runpy
+import sys
+
+PACKAGES = {"torchalpa": "torchalpa", "torchalpa.frontends": "frontends",
+            "torchalpa.passes": "passes", "torchalpa.runtime": "runtime"}
+"""setup.cfg's package_dir: where each top package of a source tree lies."""
+
+
+def import_tree(root: str) -> None:
+    """Make ``import torchalpa`` read the tree at ``root``; call it before anything
+    imports torchalpa."""
+    root = os.path.abspath(root)
+    if not os.path.isfile(os.path.join(root, "torchalpa", "__init__.py")):
+        raise SystemExit(f"{root} is not a torchalpa source tree (no torchalpa/__init__.py); "
+                         f"make one with `git archive <commit> | tar -x -C {root}`")
+
+    class Root(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name not in PACKAGES:
+                return None
+            where = os.path.join(root, PACKAGES[name])
+            return importlib.util.spec_from_file_location(
+                name, os.path.join(where, "__init__.py"), submodule_search_locations=[where])
+
+    sys.meta_path.insert(0, Root())
+
+
+def main() -> None:
+    if len(sys.argv) < 3:
+        raise SystemExit("usage: python benchmarks/in_tree.py TREE SCRIPT [ARGS...]")
+    import_tree(sys.argv[1])
+    script = sys.argv[2]
+    sys.argv = sys.argv[2:]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
