@@ -59,7 +59,7 @@ def child() -> None:
                   f"{plan.method.get('num_micro_batches', 1)} micro-batches, mesh "
                   f"{'x'.join(map(str, plan.mesh_shape))}",
         "hash": hashlib.sha256(text.encode()).hexdigest()[:16],
-        "notes": [n for n in plan.notes if n.startswith(("AutoParallel", "runner-up"))]}))
+        "notes": [n for n in plan.notes if n.startswith(("AutoParallel", "runner-up", "  tried"))]}))
 
 
 def _link(base: str) -> None:

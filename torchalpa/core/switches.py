@@ -102,7 +102,7 @@ class SearchSwitches(_Switches):
     """Settle an intra-op candidate's view (logical mesh) by another candidate's answer on
     it instead of solving it (``auto._Search.settled_views``); False solves every view."""
 
-    view_bounds: bool = False
+    view_bounds: bool = True
     """Once a plan is in hand, bound each view of an intra-op candidate by its LP
     relaxation before solving it, and leave unsolved the views that cannot beat that plan
     by more than the tolerance (``parallel/view_cuts.py``). The one switch off by default:
