@@ -5,9 +5,8 @@ two must give the same plan (or, for ``search_gap``, one no slower); tests and b
 keep checking that by running both. The switches are typed, frozen records, one per layer
 that reads them -- ``PassSwitches`` for ``passes/`` (the ILP and the pipeline search),
 ``SearchSwitches`` for ``torchalpa/parallel/`` (the method search) -- kept here in core so
-both layers can read theirs without importing each other. Every default but
-``view_bounds`` (its docstring says why) is the fast path: nothing outside a test or
-benchmark sets them.
+both layers can read theirs without importing each other. Every default is the fast path:
+nothing outside a test or benchmark sets them.
 
 Read one with ``PassSwitches.current().layer_classes``; turn one off for a block with
 ``with SearchSwitches.using(seed_sharing=False): ...`` (nested blocks change only the
@@ -104,11 +103,10 @@ class SearchSwitches(_Switches):
 
     view_bounds: bool = True
     """Once a plan is in hand, bound each view of an intra-op candidate by its LP
-    relaxation before solving it, and leave unsolved the views that cannot beat that plan
-    by more than the tolerance (``parallel/view_cuts.py``). The one switch off by default:
-    on LLaMA-3-8B (1 x 8 H100) it cut 41 of 51 views bounded and planned the same, but its
-    forked LPs cost more CPU than the solves they spared (each fork builds the view's
-    strategies and prices again; ``benchmarks/view_cuts_ab.py``, RESULTS.md)."""
+    relaxation where it would be solved (its worker, on the prices its solve reuses), and
+    leave unsolved the views that cannot beat that plan by more than the tolerance
+    (``parallel/view_cuts.py``); False solves every view (``benchmarks/view_cuts_ab.py``
+    compares, RESULTS.md)."""
 
     skip_by_bound: bool = True
     """Skip a logical mesh whose step-time bound is above a plan already found
