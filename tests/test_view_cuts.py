@@ -136,3 +136,13 @@ def test_views_cut_by_their_lp_bounds_are_named_in_the_notes(gpt, monkeypatch):
         assert search.cut[c] == list(range(1, len(meshes)))
         shapes = ", ".join("x".join(map(str, m.shape)) for m in meshes[1:])
         assert search.cut_note() == f"{auto.LP_CUT_NOTE}{c.describe()} on {shapes}"
+        # a candidate that only adds work to c is settled where c was cut, unbounded
+        more = auto.Candidate("intra-op", "full", 2, 0.0, 0.0, regather=True)
+        search.views = []             # (the plans solved above would settle it by room)
+        settled = search.settled_views(more)
+        assert set(settled) == set(range(1, len(meshes)))
+        assert all(LP_CUT in why and c.describe() in why for why, _ in settled.values())
+        assert search.settled_views(dataclasses.replace(c, remat="selective")) == settled
+        # ... and one that does less than a candidate cut is not
+        search.cut = {more: [0]}
+        assert search.settled_views(c) == {}

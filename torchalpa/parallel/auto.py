@@ -731,7 +731,10 @@ class _Search:
         candidates (``does_not_fit_either``, ``dominating``) applied to one view: it does
         not fit where a candidate alike but recomputing at least what ``c`` does did not,
         and ``c`` only adds work where a candidate of no more micro-batches, regathering
-        and recomputing fits with room to spare (that plan is among the search's)."""
+        and recomputing fits with room to spare (that plan is among the search's) or was
+        cut there by its LP bound (``self.cut``: that bound has no memory rows, so it is
+        below every plan of ``c`` there too, and the plan it could not beat is still in
+        hand -- the best only improves)."""
         from torchalpa.passes.sharding.layer_remat import more_recompute
         if not SearchSwitches.current().reuse_views or c.kind != "intra-op" or \
                 self.method.offload:
@@ -748,6 +751,12 @@ class _Search:
                     and p.num_micro_batches <= c.num_micro_batches and p.regather <= c.regather:
                 settled[i] = (f"only adds work to {p.describe()}, which fits here with room "
                               "to spare", True)
+        for p, views in self.cut.items():
+            if more_recompute(p.remat, c.remat) and p.num_micro_batches <= c.num_micro_batches \
+                    and p.regather <= c.regather:
+                for i in views:
+                    settled.setdefault(i, (f"only adds work to {p.describe()}, which "
+                                           f"{LP_CUT}cut here", True))
         return settled
 
     def does_not_fit_either(self, c: Candidate) -> Candidate | None:
