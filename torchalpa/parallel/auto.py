@@ -34,11 +34,12 @@ search
    each bounded by the same work, so the plan is the one solving them in turn gives.
    Each candidate's ILP on a view starts with the values the candidates before found
    read twice alike there priced once per layout (``SearchSwitches.seed_sharing``),
-   sparing the solve that would find them again. Once a plan is in hand, each view is
-   first bounded by its LP relaxation in the worker that would solve it, on the prices
-   the solve reuses, and not solved where the bound cannot beat that plan by more than
-   the tolerance (``view_cuts.py``); the plan in hand is the best of the candidates
-   before, fixed before the views are forked, so the cuts too are bounded by work.
+   sparing the solve that would find them again. With ``SearchSwitches.view_bounds``
+   (off by default), once a plan is in hand each view is first bounded by its LP
+   relaxation in the worker that would solve it, on the prices the solve reuses, and not
+   solved where the bound cannot beat that plan by more than the tolerance
+   (``view_cuts.py``); the plan in hand is the best of the candidates before, fixed
+   before the views are forked, so the cuts too are bounded by work.
 
 On one node the candidates are intra-op plans; pipelines there are the fallback when no
 intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
