@@ -74,9 +74,9 @@ def plan_view(graph, mesh, *args, **kwargs):
               f"{time.perf_counter() - start:.1f} s", flush=True)
 
 
-def candidate(self, c, settled=None):
+def candidate(self, c, settled=None, cutoff=None):
     TAG["candidate"] = c.describe()
-    return _candidate(self, c, settled)
+    return _candidate(self, c, settled, cutoff)
 
 
 def main() -> None:

@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 python benchmarks/view_bounds.py [--layers 32]
 
 Plans target a of ``auto_targets.py`` (LLaMA-3-8B bf16, batch 16 x 8192, 1 x 8 H100) with
-AutoParallel, its views uncut (``SearchSwitches.view_bounds`` off, the default: every view the search solved
-before LP bounds cut any), keeping every view (candidate x logical mesh) it solved; then, for
+AutoParallel, its views uncut (``SearchSwitches.view_bounds`` off: every view the search
+solved before LP bounds cut any), keeping every view (candidate x logical mesh) it solved; then, for
 each, computes ``passes/sharding/intra_op.step_time_lower_bound`` on the same capture and
 method with the graph's blocks (the LP relaxation of the least simplified problem its ILP may
 solve: what ``view_cuts.py`` cuts by). One row per view: the solved estimate, the bound,
@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
+from torchalpa.core.switches import SearchSwitches  # noqa: E402
 from torchalpa.parallel import auto  # noqa: E402
 
 
@@ -52,7 +53,9 @@ def main() -> None:
 
     auto._Search.record_views = keep
     start = time.perf_counter()
-    plan = torchalpa.plan(model, batch, workload.loss_fn, cluster=cluster, mixed_precision=bf16)
+    with SearchSwitches.using(view_bounds=False):
+        plan = torchalpa.plan(model, batch, workload.loss_fn, cluster=cluster,
+                              mixed_precision=bf16)
     print(f"planned in {time.perf_counter() - start:.1f} s (load {os.getloadavg()[0]:.1f}): "
           f"est {plan.estimates.step_time_s:.4g} s/step")
     for note in plan.notes:

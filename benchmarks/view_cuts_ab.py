@@ -2,6 +2,7 @@
 
     git -C <main> archive HEAD | tar -x -C /tmp/base
     OMP_NUM_THREADS=1 python benchmarks/view_cuts_ab.py --base /tmp/base [--rounds 1]
+        [--no-clock]
 
 Plans target a of ``auto_targets.py`` (LLaMA-3-8B bf16, batch 16 x 8192, 1 x 8 H100,
 AutoParallel with its defaults) in a child process importing ``--base`` (a pristine copy
@@ -12,6 +13,9 @@ the plan JSON (notes, timings and source paths left out: the same hash is the sa
 the search's time note and, where views were cut by their LP bounds, which; then new/old
 ratios of wall seconds and of CPU seconds (the child's and its forked workers', which the
 load moves less). The machine may be shared: compare ratios within one run, not absolute times.
+``--no-clock`` lifts AutoParallel's safety net (``time_budget_s``, 600 s) in both: on a
+loaded machine it may otherwise stop one tree's search and not the other's, and the two
+would not have done the same work.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ def child() -> None:
     batch = workload.example_inputs(device="meta")
     bf16 = torchalpa.MixedPrecision(param_dtype=torch.bfloat16)
     start = time.perf_counter()
+    budget = float(os.environ.get("VIEW_CUTS_AB_BUDGET", "0"))
+    method = torchalpa.AutoParallel(time_budget_s=budget) if budget else None
     plan = torchalpa.plan(model, batch, workload.loss_fn, cluster=torchalpa.Cluster.h100(1, 8),
-                          mixed_precision=bf16)
+                          mixed_precision=bf16, method=method)
     wall = time.perf_counter() - start
     d = json.loads(plan.to_json())
     d.pop("notes", None)
@@ -59,7 +65,8 @@ def child() -> None:
                   f"{plan.method.get('num_micro_batches', 1)} micro-batches, mesh "
                   f"{'x'.join(map(str, plan.mesh_shape))}",
         "hash": hashlib.sha256(text.encode()).hexdigest()[:16],
-        "notes": [n for n in plan.notes if n.startswith(("AutoParallel", "runner-up"))]}))
+        "notes": [n for n in plan.notes
+                  if n.startswith(("AutoParallel", "runner-up", "  tried"))]}))
 
 
 def _link(base: str) -> None:
@@ -70,9 +77,10 @@ def _link(base: str) -> None:
             os.symlink(os.path.join("..", name), link)
 
 
-def run(tree: str | None, out_dir: str) -> dict:
+def run(tree: str | None, out_dir: str, budget: float = 0.0) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCHALPA_CACHE="0", TORCHALPA_LOG="warning",
-               VIEW_CUTS_AB_JSON=os.path.join(out_dir, f"{'old' if tree else 'new'}.json"))
+               VIEW_CUTS_AB_JSON=os.path.join(out_dir, f"{'old' if tree else 'new'}.json"),
+               VIEW_CUTS_AB_BUDGET=str(budget))
     if tree is not None:
         env["PYTHONPATH"] = tree + os.pathsep + env.get("PYTHONPATH", "")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -91,6 +99,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out", default=".", help="where old.json and new.json (the plans "
                    "hashed, for diff) are written")
+    p.add_argument("--no-clock", action="store_true", help="lift the search's 600-s safety "
+                   "net (time_budget_s) in both trees")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -103,7 +113,7 @@ def main() -> None:
     cpus: dict[str, list[float]] = {"old": [], "new": []}
     for _ in range(args.rounds):
         for label, tree in (("old", args.base), ("new", None)):
-            found = run(tree, args.out)
+            found = run(tree, args.out, 1e6 if args.no_clock else 0.0)
             walls[label].append(found["wall"])
             cpus[label].append(found["cpu"])
             print(f"{label}: {found['wall']:7.1f} s wall, {found['cpu']:7.1f} s CPU (child and "

@@ -12,8 +12,8 @@ from torchalpa.passes.pipeline_search.stage_jobs import fork_map
 
 
 def test_every_default_is_the_fast_path():
-    """Every switch is on by default but ``view_bounds`` (its LPs cost more CPU than the
-    solves they spare, measured: its docstring)."""
+    """Every switch is on by default but ``view_bounds`` (its plan on LLaMA-3-8B was not
+    main's, measured: its docstring)."""
     off = {"view_bounds"}
     for record in (PassSwitches.current(), SearchSwitches.current()):
         fields = dataclasses.fields(record)

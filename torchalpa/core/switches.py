@@ -110,11 +110,13 @@ class SearchSwitches(_Switches):
 
     view_bounds: bool = False
     """Once a plan is in hand, bound each view of an intra-op candidate by its LP
-    relaxation before solving it, and leave unsolved the views that cannot beat that plan
-    by more than the tolerance (``parallel/view_cuts.py``). The one switch off by default:
-    on LLaMA-3-8B (1 x 8 H100) it cut 41 of 51 views bounded and planned the same, but its
-    forked LPs cost more CPU than the solves they spared (each fork builds the view's
-    strategies and prices again; ``benchmarks/view_cuts_ab.py``, RESULTS.md)."""
+    relaxation where it would be solved (its worker, on the prices its solve reuses), and
+    leave unsolved the views that cannot beat that plan by more than the tolerance
+    (``parallel/view_cuts.py``). The one switch off by default: on LLaMA-3-8B (1 x 8 H100)
+    it cut 22 of 32 views bounded (and 13 candidates whole) for 0.64x of main's CPU, but
+    its plan was not main's (est 2.559 against 2.550 s/step, the same candidate and view:
+    the views it does not solve seed no shared reads for the re-solves after;
+    ``benchmarks/view_cuts_ab.py --no-clock``, RESULTS.md)."""
 
     skip_by_bound: bool = True
     """Skip a logical mesh whose step-time bound is above a plan already found

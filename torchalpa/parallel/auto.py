@@ -34,7 +34,12 @@ search
    each bounded by the same work, so the plan is the one solving them in turn gives.
    Each candidate's ILP on a view starts with the values the candidates before found
    read twice alike there priced once per layout (``SearchSwitches.seed_sharing``),
-   sparing the solve that would find them again.
+   sparing the solve that would find them again. With ``SearchSwitches.view_bounds``
+   (off by default), once a plan is in hand each view is first bounded by its LP
+   relaxation in the worker that would solve it, on the prices the solve reuses, and not
+   solved where the bound cannot beat that plan by more than the tolerance
+   (``view_cuts.py``); the plan in hand is the best of the candidates before, fixed
+   before the views are forked, so the cuts too are bounded by work.
 
 On one node the candidates are intra-op plans; pipelines there are the fallback when no
 intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
@@ -78,7 +83,7 @@ from torchalpa.core.progress import step
 from torchalpa.core.switches import SearchSwitches
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel.offload import host_memory_shortfall, with_offload
-from torchalpa.parallel.view_cuts import LP_CUT
+from torchalpa.parallel.view_cuts import LP_CUT, Cutoff, ViewBound, ViewsCut, cut_views
 from torchalpa.parallel.workflow import capture_examples, capture_step
 
 if TYPE_CHECKING:
@@ -426,9 +431,12 @@ class _Search:
                              auto_sharding_option=self.sharding_option(c),
                              optimizer=self.method.optimizer)
 
-    def solve(self, c: Candidate, settled: dict[int, tuple[str, bool]] | None = None):
+    def solve(self, c: Candidate, settled: dict[int, tuple[str, bool]] | None = None,
+              cutoff: Cutoff | None = None):
         """The plan of candidate ``c`` (an InfeasibleError when it does not fit);
-        ``settled``: its views not to solve (``settled_views``)."""
+        ``settled``: its views not to solve (``settled_views``); ``cutoff``: the plan in
+        hand its views are bounded against where they are solved (``view_cuts.ViewsCut``
+        when no view is left that could beat it)."""
         option = self.sharding_option(c)
         captured = self.capture(c.num_micro_batches, c.remat, c.regather)
         if c.kind == "intra-op":
@@ -436,6 +444,7 @@ class _Search:
             from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
             method = self.intra_op_method(c)
             outcomes: dict = {}
+            bounds: dict[int, ViewBound] = {}
             settled = settled or {}
             seed = SearchSwitches.current().seed_sharing
             self.settled += len(settled)
@@ -447,9 +456,11 @@ class _Search:
                                       memo=self.pricing, workers=cpu_workers(),
                                       skip={i: why for i, (why, _) in settled.items()},
                                       outcomes=outcomes,
-                                      sharing=self.sharing if seed else None)
+                                      sharing=self.sharing if seed else None,
+                                      cutoff=cutoff, bounds=bounds)
             finally:
                 self.record_views(c, outcomes)
+                self.record_bounds(c, bounds, cutoff)
         else:
             from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
             method = PipeshardParallel(num_micro_batches=c.num_micro_batches,
@@ -625,7 +636,7 @@ class _Search:
                                if self.order(r) > self.order(c)), len(rest))
                     candidates[i + 1:] = rest[:at] + [c] + rest[at:]
                 continue
-            settled = self.views_not_solved(c, None if best is None else best[0])
+            settled = self.settled_views(c)
             if len(settled) == len(self.meshes):
                 self.settled += len(settled)
                 self.attempts.append(Attempt(c, "not needed",
@@ -637,7 +648,14 @@ class _Search:
                       f"(bound {c.bound_s:.4g} s/step; {left} more at most) solving"
                       ) as progress:
                 try:
-                    plan = self.solve(c, settled)
+                    plan = self.solve(c, settled, self.cutoff(c, best))
+                except ViewsCut as e:
+                    self.attempts.append(Attempt(
+                        c, "not needed", seconds=time.perf_counter() - start,
+                        detail=_settled_text({**settled, **cut_views(list(e.cut.values()),
+                                                                     e.cutoff)}, self.meshes)))
+                    progress.done = f"not needed: {e}"
+                    continue
                 except InfeasibleError as e:
                     # where a view was settled by dominance, c may fit there: not "does not fit"
                     dominated = any(by for _, by in settled.values())
@@ -664,19 +682,15 @@ class _Search:
                 self.plans.append((step_s, plan, c))
                 progress.done = f"est {step_s:.4g} s/step"
 
-    def views_not_solved(self, c: Candidate, best_s: float | None
-                         ) -> dict[int, tuple[str, bool]]:
-        """The views of ``c`` left unsolved: those other candidates' answers settle
-        (``settled_views``) and, with a plan of ``best_s`` s/step in hand, those whose LP
-        bounds cannot beat it (``cut_by_bounds``, noted apart in ``time_note``)."""
-        settled = self.settled_views(c)
-        if best_s is not None and len(settled) < len(self.meshes):
-            cut = self.cut_by_bounds(c, settled, best_s)
-            if cut:
-                self.cut[c] = sorted(cut)
-            self.settled -= len(cut)      # counted apart (``time_note``)
-            settled = {**settled, **cut}
-        return settled
+    def cutoff(self, c: Candidate, best: tuple | None) -> Cutoff | None:
+        """What ``c``'s views are bounded against where they are solved
+        (``SearchSwitches.view_bounds``): the best plan of the candidates before it
+        (``best``, fixed before its views are forked: the cut is bounded by work), for an
+        intra-op candidate whose states stay on the devices; None: no bound."""
+        if best is None or not SearchSwitches.current().view_bounds or \
+                c.kind != "intra-op" or self.method.offload:
+            return None
+        return Cutoff(best[0], self.method.tolerance)
 
     def over_budget(self, plan) -> str:
         """Why ``plan`` cannot be returned: its estimated peak is above the memory budget
@@ -704,27 +718,13 @@ class _Search:
             elif not isinstance(found, SolverStopped):
                 self.views.append((c, i, None))
 
-    def cut_by_bounds(self, c: Candidate, settled: dict[int, tuple[str, bool]],
-                      best_s: float) -> dict[int, tuple[str, bool]]:
-        """Views of intra-op candidate ``c`` (those not ``settled``) whose LP bounds cannot
-        beat ``best_s`` by more than the tolerance, view index -> (why, True), computed
-        at once in forked processes (``view_cuts.py``)."""
-        if not SearchSwitches.current().view_bounds or c.kind != "intra-op" or self.method.offload:
-            return {}
-        from torchalpa.parallel.shard import blocks_of
-        from torchalpa.parallel.view_cuts import cut_views, view_bounds
-        from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
-        graph = self.capture(c.num_micro_batches, c.remat, c.regather).graph
-        views = [i for i in range(len(self.meshes)) if i not in settled]
-        with self.timed("view LP bounds"), step(
-                f"AutoParallel: LP bounds of {len(views)} views of {c.describe()}") as progress:
-            bounds = view_bounds(graph, self.meshes, views, self.intra_op_method(c),
-                                 inputs=self.inputs, blocks=blocks_of(graph),
-                                 memo=self.pricing, workers=cpu_workers())
-            cut = cut_views(bounds, best_s, self.method.tolerance)
-            progress.done = f"{len(cut)} cut"
-        self.bounded_views += len(views)
-        return cut
+    def record_bounds(self, c: Candidate, bounds: dict[int, ViewBound],
+                      cutoff: Cutoff | None) -> None:
+        """Count the views of ``c`` bounded (``bounds``) and note those ``cutoff`` cut."""
+        self.bounded_views += len(bounds)
+        cut = sorted(i for i, b in bounds.items() if cutoff is not None and cutoff.cuts(b))
+        if cut:
+            self.cut[c] = cut
 
     def settled_views(self, c: Candidate) -> dict[int, tuple[str, bool]]:
         """Views of intra-op candidate ``c`` that other candidates' answers settle, view
@@ -732,7 +732,10 @@ class _Search:
         candidates (``does_not_fit_either``, ``dominating``) applied to one view: it does
         not fit where a candidate alike but recomputing at least what ``c`` does did not,
         and ``c`` only adds work where a candidate of no more micro-batches, regathering
-        and recomputing fits with room to spare (that plan is among the search's)."""
+        and recomputing fits with room to spare (that plan is among the search's) or was
+        cut there by its LP bound (``self.cut``: that bound has no memory rows, so it is
+        below every plan of ``c`` there too, and the plan it could not beat is still in
+        hand -- the best only improves)."""
         from torchalpa.passes.sharding.layer_remat import more_recompute
         if not SearchSwitches.current().reuse_views or c.kind != "intra-op" or \
                 self.method.offload:
@@ -749,6 +752,12 @@ class _Search:
                     and p.num_micro_batches <= c.num_micro_batches and p.regather <= c.regather:
                 settled[i] = (f"only adds work to {p.describe()}, which fits here with room "
                               "to spare", True)
+        for p, views in self.cut.items():
+            if more_recompute(p.remat, c.remat) and p.num_micro_batches <= c.num_micro_batches \
+                    and p.regather <= c.regather:
+                for i in views:
+                    settled.setdefault(i, (f"only adds work to {p.describe()}, which "
+                                           f"{LP_CUT}cut here", True))
         return settled
 
     def does_not_fit_either(self, c: Candidate) -> Candidate | None:
