@@ -627,14 +627,7 @@ class _Search:
                 self.attempts.append(Attempt(c, "dominated", detail=by.describe()))
                 continue
             if not c.exact:
-                c = self.exact_candidate(c)
-                if c.memory_bound > self.budget():
-                    self.attempts.append(Attempt(c, "refused by bound"))
-                else:      # back in line by its own bounds
-                    rest = candidates[i + 1:]
-                    at = next((j for j, r in enumerate(rest)
-                               if self.order(r) > self.order(c)), len(rest))
-                    candidates[i + 1:] = rest[:at] + [c] + rest[at:]
+                self.requeue_exact(candidates, i)
                 continue
             settled = self.settled_views(c)
             if len(settled) == len(self.meshes):
@@ -681,6 +674,17 @@ class _Search:
                                              time.perf_counter() - start))
                 self.plans.append((step_s, plan, c))
                 progress.done = f"est {step_s:.4g} s/step"
+
+    def requeue_exact(self, candidates: list[Candidate], i: int) -> None:
+        """Candidate ``i``, bounded by another mode's capture, with its own bounds: refused
+        by them, or put back in line after ``i`` by them (``order``)."""
+        c = self.exact_candidate(candidates[i])
+        if c.memory_bound > self.budget():
+            self.attempts.append(Attempt(c, "refused by bound"))
+            return
+        rest = candidates[i + 1:]
+        at = next((j for j, r in enumerate(rest) if self.order(r) > self.order(c)), len(rest))
+        candidates[i + 1:] = rest[:at] + [c] + rest[at:]
 
     def cutoff(self, c: Candidate, best: tuple | None) -> Cutoff | None:
         """What ``c``'s views are bounded against where they are solved

@@ -74,33 +74,27 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                ) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
-    A mesh whose memory lower bound (``passes/pricing/bounds.py``) exceeds the budget is
-    refused with no ILP built. Once a plan is in hand, a mesh whose step-time bound (the LP
-    relaxation) is above its estimate is skipped, noted; the first bound that skips nothing
-    ends the bounding. ``bound_views``: None follows ``SearchSwitches.skip_by_bound``. Past ``deadline``
-    (``time.perf_counter()``: a safety net) no further mesh is solved once a plan is in
-    hand; before it, each solve gets only the time left (a plan cut short is not cached).
-    ``workers`` > 1, not bounding views: the ILPs solved at once in processes
-    (``_solve_apart``). ``skip``: mesh index -> why it is not solved (a caller's reuse);
-    ``outcomes``: mesh index -> its plan or its solve's InfeasibleError; ``sharing``:
-    ``plan_intra_op``'s, kept by the caller across graphs. ``cutoff``: a plan in hand
-    (AutoParallel's, ``view_cuts.py``): each mesh is first bounded by its LP relaxation
-    where it would be solved (in its worker, on the prices its solve reuses) and not
-    solved where the bound cannot beat it (``bounds`` receives mesh index -> bound of each
-    mesh bounded); ``ViewsCut`` where that leaves no plan."""
+    A mesh whose memory lower bound exceeds the budget is refused with no ILP built. With a
+    plan in hand, a mesh whose LP step-time bound is above its estimate is skipped, noted,
+    until a bound skips nothing (``bound_views``; None: ``SearchSwitches.skip_by_bound``).
+    Past ``deadline`` (a safety net) no further mesh is solved once a plan is in hand;
+    before it each solve gets the time left (a plan cut short is not cached). ``workers`` >
+    1, not bounding: the ILPs solved at once in processes (``_solve_apart``). ``skip``: mesh
+    index -> why not solved (a caller's reuse); ``outcomes``: mesh index -> its plan or its
+    InfeasibleError; ``sharing``: ``plan_intra_op``'s, kept across graphs. ``cutoff``
+    (``view_cuts.py``): each mesh is bounded by its LP where it would be solved, not solved
+    where that cannot beat it (``bounds``: index -> bound); ``ViewsCut``: no plan left."""
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
     from torchalpa.passes.pricing.bounds import step_profile
     from torchalpa.passes.sharding.ilp import InfeasibleError
-    from torchalpa.passes.sharding.intra_op import plan_intra_op
-    fingerprint = graph.fingerprint()
-    memo = PricingMemo() if memo is None else memo     # the reshard prices, strategies
+    fingerprint, memo = graph.fingerprint(), PricingMemo() if memo is None else memo
     plans, failures, skipped, refused, late = [], [], [], [], []
     skip, outcomes = skip or {}, {} if outcomes is None else outcomes
+    bounds = {} if bounds is None else bounds
     bounding = SearchSwitches.current().skip_by_bound if bound_views is None else bound_views
     profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states,
                            eager=method.auto_sharding_option.elementwise != "fused",
                            optimizer=method.optimizer)
-    bounds = {} if bounds is None else bounds
     apart, apart_bounds = ({}, {}) if bounding or workers <= 1 else _solve_apart(
         graph, method, meshes, inputs, blocks, memo, deadline, workers, profile, fingerprint,
         skip, sharing, cutoff)
@@ -118,31 +112,24 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 progress.done = f"does not fit: {too_small}"
                 continue
             fastest = min(plans, key=lambda p: p.estimates.step_time_s, default=None)
-            if i not in apart and i not in apart_bounds and i not in skip and \
-                    fastest is not None and \
-                    deadline is not None and time.perf_counter() > deadline:
+            if i not in apart and i not in apart_bounds and i not in skip and fastest is not \
+                    None and deadline is not None and time.perf_counter() > deadline:
                 late.append(mesh)
                 progress.done = "not solved: the time budget is spent"
                 continue
             why = skip.get(i) or (fastest is not None and bounding and _bound_above(
                 graph, mesh, method, inputs, memo, fastest, blocks)) or None
             if why is None and cutoff is not None:
-                bound = apart_bounds[i] if i in apart_bounds else \
-                    bound_view(graph, mesh, i, method, inputs=inputs, blocks=blocks, memo=memo)
-                bounds[i] = bound
-                why = cutoff.why(bound) if cutoff.cuts(bound) else None
+                why = _cut_by_bound(cutoff, bounds, apart_bounds, graph, mesh, i, method,
+                                    inputs, blocks, memo)
             if why is not None:
                 skipped.append((mesh, why))
                 progress.done = f"skipped: {why}"
                 continue
             bounding = bounding and fastest is None   # an LP for nothing: views plan alike
-            try:
-                found = apart[i] if i in apart else plan_intra_op(
-                    graph, mesh, method, inputs=inputs, blocks=blocks, memo=memo,
-                    deadline=deadline if fastest is not None else None, sharing=sharing)
-            except InfeasibleError as e:
-                found = e
-            outcomes[i] = found
+            found = outcomes[i] = apart[i] if i in apart else _solved(
+                graph, mesh, method, inputs, blocks, memo, sharing,
+                deadline if fastest is not None else None)
             if isinstance(found, InfeasibleError):    # raised here or in a worker
                 failures.append(found)
                 progress.done = f"does not fit: {found}"
@@ -157,6 +144,34 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
         raise ViewsCut({i: b for i, b in bounds.items() if cutoff.cuts(b)}, cutoff)
     if not plans:
         raise _no_mesh_fits(failures, refused, meshes, profile, method)
+    return _chosen(plans, skipped, late, meshes)
+
+
+def _solved(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str,
+            blocks: dict | None, memo, sharing: dict | None, deadline: float | None):
+    """``plan_intra_op``'s plan of ``mesh``, or the InfeasibleError it raised."""
+    from torchalpa.passes.sharding.ilp import InfeasibleError
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
+    try:
+        return plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks, memo=memo,
+                             deadline=deadline, sharing=sharing)
+    except InfeasibleError as e:
+        return e
+
+
+def _cut_by_bound(cutoff: Cutoff, bounds: dict, apart_bounds: dict, graph: OpGraph,
+                  mesh: LogicalMesh, i: int, method: ShardParallel, inputs: str,
+                  blocks: dict | None, memo) -> str | None:
+    """Why mesh ``i`` is not solved against ``cutoff``: its LP bound (a worker's, from
+    ``apart_bounds``, or computed here; kept in ``bounds``) cannot beat it; None: solve."""
+    bound = apart_bounds[i] if i in apart_bounds else \
+        bound_view(graph, mesh, i, method, inputs=inputs, blocks=blocks, memo=memo)
+    bounds[i] = bound
+    return cutoff.why(bound) if cutoff.cuts(bound) else None
+
+
+def _chosen(plans: list, skipped: list, late: list, meshes: list[LogicalMesh]) -> Plan:
+    """The fastest of ``plans``, logged, with the meshes' notes."""
     best = min(plans, key=lambda p: p.estimates.step_time_s)
     log.info("chose mesh %s: %s", "x".join(map(str, best.mesh_shape)),
              _estimate_text(best, meshes[0]))
