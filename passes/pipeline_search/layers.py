@@ -96,23 +96,29 @@ def cluster_layers(graph: OpGraph, num_layers: int, eps: float = 0.6) -> dict[st
 
 
 def parameter_ops(graph: OpGraph) -> set[str]:
-    """Forward ops computed from parameters alone (mixed precision's casts of the float32
-    masters, a transposed weight), that some forward op reads.
+    """Forward ops computed from parameters alone, outside the modules that read them
+    (mixed precision's casts of the float32 masters).
 
-    ``CastForward`` casts every parameter where forward begins, so such ops come first
+    ``CastForward`` casts every parameter where forward begins, so its casts come first
     in forward's order wherever their readers are. Cut by that order, they would all sit
     in the first layer -- the first stage would cast every stage's weights and send them,
     and every cut would count the casts still to be read as bytes to send, pushing the
     cuts off balance (LLaMA-3-70B in bfloat16: 11 distinct layers of 16, 4 without the
     casts). A parameter joins the layer of its first reader; these ops do too
-    (``with_their_readers``)."""
+    (``with_their_readers``). An op of the module that reads it (a Linear's transposed
+    weight) already sits beside its reader and stays in the order."""
     found: set[str] = set()
     for node in graph.ops():
         if node.phase == "forward" and node.operands and all(
                 graph.node(r.node).kind == "param" or r.node in found for r in node.operands):
             found.add(node.name)
-    return {name for name in found
-            if any(graph.node(c).phase == "forward" for c in graph.consumers(name))}
+    out = set()
+    for name in found:
+        readers = [graph.node(c) for c in graph.consumers(name)]
+        modules = {r.module for r in readers if r.phase == "forward"}
+        if modules and graph.node(name).module not in modules:
+            out.add(name)
+    return out
 
 
 def with_their_readers(graph: OpGraph, forward: dict[str, int], following: set[str]
