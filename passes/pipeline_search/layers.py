@@ -13,8 +13,9 @@ Everything else follows the forward ops: parameters join the layer of their firs
 reader (so do forward ops computed from parameters alone, such as mixed precision's
 casts, which forward's order puts first), inputs the layer of theirs, and each backward
 op the layer of the forward ops of its module (autograd tags it with them); ops autograd
-adds without a module join their operands' layer. A backward op never sits in a later layer than a backward op it reads:
-gradients must flow from later stages to earlier ones for a pipeline to run.
+adds without a module join their operands' layer. A backward op never sits in a later
+layer than a backward op it reads: gradients must flow from later stages to earlier ones
+for a pipeline to run.
 """
 
 from __future__ import annotations
@@ -92,7 +93,6 @@ def cluster_layers(graph: OpGraph, num_layers: int, eps: float = 0.6) -> dict[st
         for name in order[a:b]:
             forward[name] = layer
     return assign_rest(graph, with_their_readers(graph, forward, following))
-
 
 
 def parameter_ops(graph: OpGraph) -> set[str]:
