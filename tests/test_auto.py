@@ -93,6 +93,35 @@ def test_the_step_bound_of_a_fused_step_is_below_its_fused_plans():
         assert profile.memory_bytes(2) <= plan.estimates.memory_per_device_bytes * (1 + 1e-9)
 
 
+def test_a_pipelines_bound_splits_the_hosts_time_among_its_stages(gpt, monkeypatch):
+    """Each stage's host issues only its own ops: a pipeline of host-bound stages beats
+    the intra-op bound (every op's host time on every device), never the pipeline's own,
+    which is what AutoParallel bounds pipeline candidates with."""
+    from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
+    model, batch, loss_fn = gpt
+    cluster = torchalpa.Cluster.h100(num_nodes=2, devices_per_node=1)   # host time modeled
+    assert cluster.host_op_s > 0
+    profile = step_profile(capture(model, batch, loss_fn).graph, cluster, optimizer="adam")
+    one = capture(model, tuple(x[:1] for x in batch), loss_fn)      # 8 micro-batches of 1
+    layers = torchalpa.AutoLayerOption(layer_num=2)
+    method = torchalpa.PipeshardParallel(
+        num_micro_batches=8, layer_option=layers, stage_option=torchalpa.ManualStageOption(
+            forward_stage_layer_ids=((0,), (1,)), submesh_shapes=((1, 1), (1, 1))))
+    est = plan_pipeline(one.graph, cluster, method).estimates.step_time_s
+    assert profile.step_seconds(2, 8, 1) > est * 1.2
+    bound = profile.pipeline_step_seconds(2, 8, 1, max_stages=2)
+    assert bound <= est * (1 + 1e-9)
+    assert profile.pipeline_step_seconds(2, 8, 1, max_stages=1) == profile.step_seconds(2, 8, 1)
+
+    seen = []     # the search's pipeline candidates, bounded so (no solve needed)
+    monkeypatch.setattr(auto._Search, "solve_in_order", lambda self, cands: seen.extend(cands))
+    with pytest.raises(NothingFitsError):
+        torchalpa.plan(model, batch, loss_fn, cluster=cluster, method=torchalpa.AutoParallel(
+            pipeline=True, num_micro_batches=8, remat=("none",), layer_option=layers))
+    assert [(c.kind, c.num_micro_batches) for c in seen] == [("pipeline", 8)]
+    assert seen[0].bound_s == pytest.approx(bound, rel=1e-12)
+
+
 def test_the_memory_bound_is_what_the_solver_finds_at_its_tightest(gpt):
     """On a budget just below the bound the ILP, run anyway, cannot fit either."""
     model, batch, loss_fn = gpt

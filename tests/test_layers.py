@@ -171,3 +171,32 @@ def test_layers_of_a_checkpointed_step_are_cut_between_its_blocks():
     plain = cluster_layers(bare, 2)
     assert {plain[n.name] for n in graph.ops()
             if n.phase == "forward" and block(n.module) == ("layers", 1)} == {0, 1}
+
+
+def test_mixed_precision_casts_sit_with_the_blocks_that_read_them():
+    """``CastForward`` casts every parameter where forward begins; cut by forward's order
+    the casts would all sit in the first layer (it would cast and send every layer's
+    weights, and the cuts would drift off balance to send fewer). Each cast joins its
+    reader's layer: the blocks are cut as without mixed precision, and the layers of
+    identical blocks are identical (one layer ILP serves them)."""
+    from torchalpa.passes.pipeline_search.layer_cache import layer_signatures
+    from torchalpa.passes.pipeline_search.layers import parameter_ops
+    from torchalpa.runtime.execution.precision import CastForward, MixedPrecision
+    with torch.device("meta"):
+        model = Residual(64, 8)
+        x, y = torch.empty(32, 64), torch.empty(32, 64)
+    graph = capture(CastForward(model, MixedPrecision(param_dtype=torch.bfloat16)), (x, y),
+                    F.mse_loss).graph
+    casts = parameter_ops(graph)
+    assert len(casts) >= len(graph.params)      # one cast (at least) per parameter
+    layer = cluster_layers(graph, 4)
+    for name in casts:
+        readers = [layer[c] for c in graph.consumers(name)
+                   if graph.node(c).phase == "forward"]
+        assert layer[name] == min(readers), name
+    for fqn, name in graph.params.items():
+        m = re.match(r"layers\.(\d+)", fqn)
+        if m:
+            assert layer[name] == int(m.group(1)) // 2, fqn
+    signatures = layer_signatures(graph, layer, 4)
+    assert signatures[1] == signatures[2]

@@ -17,6 +17,9 @@ memory model and the ILP use -- that gives, in one pass over the graph:
   Each op's bytes are those the plans' estimates price (``elementwise="fused"``: a fused
   chain's, at the fused kernels' bandwidth; an in-place write's entries), else the
   bound would sit above the estimates it must stay below and prune plans that win.
+  A pipeline's stages issue and launch only their own ops, so there the host's time and
+  the launches count split over the most stages it may have
+  (``StepProfile.pipeline_step_seconds``).
 
 A mesh whose memory bound exceeds the budget cannot fit, whatever layout the ILP would
 choose, so it is refused in milliseconds instead of after building and solving the ILP;
@@ -158,6 +161,40 @@ class StepProfile:
                  for i in range(self.num_parameter_tensors)}
         return num_micro_batches * per_micro + optimizer_cost(self.mesh, shard,
                                                               self.optimizer_states)
+
+    def pipeline_step_seconds(self, devices: int, num_micro_batches: int = 1,
+                              micro_batch: int | None = None, *, max_stages: int = 1
+                              ) -> float:
+        """Seconds a pipeline of at most ``max_stages`` stages on ``devices`` must at least
+        take for ``num_micro_batches`` micro-batches (``step_seconds`` with one stage).
+
+        Each stage's devices run only its own ops, so the host's issuing and the kernel
+        launches of a micro-batch are split among the stages: the stage that issues the
+        most still issues a ``1 / max_stages`` share (``step_seconds`` charges every
+        device all of them, more than a stage of many pays: a pipeline of host-bound
+        stages beat that figure). Each stage runs every micro-batch and then its
+        optimizer's step, so weighting the stages by their devices, the step takes at
+        least every op at its roofline over all devices, every launch paid by at least
+        one device, plus the optimizer's reads and writes of an even shard (its
+        per-tensor cost, paid by each stage for its own tensors, is left out)."""
+        if max_stages <= 1:
+            return self.step_seconds(devices, num_micro_batches, micro_batch)
+        _check_devices(devices)
+        if micro_batch is None:
+            micro_batch = max(1, self.batch // num_micro_batches)
+        shard = {f"p{i}": self.parameter_bytes / self.num_parameter_tensors / devices
+                 for i in range(self.num_parameter_tensors)}
+        # optimizer_cost is a per-tensor cost plus the bytes moved: keep the bytes
+        per_tensor = (self.mesh.optimizer_tensor_s or 0.0) * len(shard)
+        moved = optimizer_cost(self.mesh, shard, self.optimizer_states) - per_tensor
+        roofline = self.roofline_s * self._scale(micro_batch)
+        # where launches overlap their kernels (GPUs) a device's op costs the larger of the
+        # two, so the devices' time together is at least each total, not their sum
+        per_micro = max(roofline, self.launch_s) if self.launch_overlaps \
+            else roofline + self.launch_s
+        work = num_micro_batches * per_micro / devices
+        issued = num_micro_batches * max(self.launch_s, self.host_s) / max_stages
+        return max(work + moved, issued)
 
     def devices_to_fit(self, budget: float, micro_batch: int | None = None) -> int:
         """The fewest devices whose memory bound fits ``budget`` bytes each."""

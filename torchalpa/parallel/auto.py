@@ -9,7 +9,9 @@ search
 2. bounds every candidate without a solver (``passes/pricing/bounds.py``): memory per device
    (everything split over every device; a pipeline's first stage also holds its
    micro-batches in flight) and step time (every op at its roofline over every device;
-   a pipeline of S >= 2 stages also pays its fill and drain, ``(k + S - 1) / k``);
+   a pipeline's stages issue only their own ops, so its host time counts split over
+   as many stages as the step has layers; a pipeline of S >= 2 stages also pays its
+   fill and drain, ``(k + S - 1) / k``);
    candidates that cannot fit are refused there;
 3. solves the rest in the order of their time bounds -- each micro-batch size derived
    from that capture too (``frontends/rebatch.py``: the first one traced as well and the
@@ -124,6 +126,16 @@ class Candidate:
 
 
 @dataclass(frozen=True)
+class PipelineBounds:
+    """A pipeline candidate's step time without a solver: the bound no plan of it beats
+    (``StepProfile.pipeline_step_seconds`` with a stage per layer), and the same figure
+    for the stages the search's order assumes (``_pipeline_stages``)."""
+
+    bound_s: float
+    assumed_s: float
+
+
+@dataclass(frozen=True)
 class Attempt:
     """What became of a candidate: planned (with its estimate) or why not."""
 
@@ -217,6 +229,7 @@ class _Search:
         self.captures = MicroBatchSteps(lambda k: capture_step(
             self.model, capture_examples(self.model, self.tensors, k), self.loss_fn,
             signature=self.signature))
+        self._markers: int | None = None                # pipeline-boundary markers in forward
         self.attempts: list[Attempt] = []
         self.plans: list[tuple[float, Plan | PipelinePlan, Candidate]] = []
         # (intra-op candidate, view index, its plan's peak bytes; None: it does not fit)
@@ -340,11 +353,35 @@ class _Search:
             micro = self.batch // k
             out += self.kinds(remat, k, profile.step_seconds(devices, k, micro),
                               profile.memory_bytes(devices, micro),
-                              profile.pipeline_memory_bytes(devices, micro))
+                              profile.pipeline_memory_bytes(devices, micro),
+                              self.pipeline_bounds(profile, k))
         return out
 
+    def pipeline_bounds(self, profile, k: int) -> PipelineBounds:
+        """The step time of a pipeline of ``k`` micro-batches by ``profile``: the bound (as
+        many stages as the step has layers) and the order's (``_pipeline_stages``)."""
+        devices, micro = self.cluster.num_devices, self.batch // k
+        most = self.most_stages()
+        assumed = min(_pipeline_stages(self.nodes, self.method), most)
+        return PipelineBounds(
+            profile.pipeline_step_seconds(devices, k, micro, max_stages=most),
+            profile.pipeline_step_seconds(devices, k, micro, max_stages=assumed))
+
+    def most_stages(self) -> int:
+        """The most stages a pipeline candidate may cut the step into: one per layer
+        (``passes/pipeline_search/layers.py::assign_layers``), at most one per device."""
+        from torchalpa.passes.pipeline_search.layers import MARKER_OP
+        devices = self.cluster.num_devices
+        layers = self.method.layer_option.layer_num
+        if layers == "auto":
+            if self._markers is None:     # the same in every capture of the step
+                self._markers = sum(1 for n in self.captures(self.first_count()).graph.ops()
+                                    if n.op == MARKER_OP and n.phase == "forward")
+            layers = self._markers + 1 if self._markers else min(2 * devices, 16)
+        return max(1, min(int(layers), devices))
+
     def kinds(self, remat: str, k: int, bound: float, memory: float,
-              pipeline_memory: float) -> list[Candidate]:
+              pipeline_memory: float, pipeline: PipelineBounds) -> list[Candidate]:
         """The candidates of one checkpointing mode and micro-batch count ``k`` with these
         bounds: intra-op and pipeline, each with the regathering choices its kind has."""
         devices = self.cluster.num_devices
@@ -360,8 +397,9 @@ class _Search:
             # node the intra-op candidates are that case (S >= 2); the order
             # assumes ``stages`` stages, whose bubble many micro-batches shrink
             fill = 1.0 if multi_node else (k + 1) / k
-            kinds.append(Candidate("pipeline", remat, k, bound * fill, pipeline_memory,
-                                   bound * (k + stages - 1) / k))
+            kinds.append(Candidate("pipeline", remat, k, pipeline.bound_s * fill,
+                                   pipeline_memory,
+                                   pipeline.assumed_s * (k + stages - 1) / k))
         return [replace(c, regather=regather) for c in kinds
                 for regather in self.regather_choices(c.kind)]
 
@@ -382,10 +420,10 @@ class _Search:
         return self.method.num_micro_batches or 1
 
     def add(self, found: list, refused: list, remat: str, k: int, bound: float,
-            memory: float, pipeline_memory: float) -> None:
+            memory: float, pipeline_memory: float, pipeline: PipelineBounds) -> None:
         """The candidates of one checkpointing mode and micro-batch count ``k``, those that
         cannot fit apart."""
-        for c in self.kinds(remat, k, bound, memory, pipeline_memory):
+        for c in self.kinds(remat, k, bound, memory, pipeline_memory, pipeline):
             (refused if c.memory_bound > self.budget() else found).append(c)
 
     def add_layer_modes(self, found: list, refused: list, counts: list[int]) -> None:
@@ -406,10 +444,15 @@ class _Search:
             fast, slow = none.step_seconds(devices, k, micro), full.step_seconds(devices, k, micro)
             pipe_low = none.pipeline_memory_bytes(devices, micro)
             pipe_high = full.pipeline_memory_bytes(devices, micro)
+            pipe_fast, pipe_slow = self.pipeline_bounds(none, k), self.pipeline_bounds(full, k)
             for j in block_counts(total, low, high, self.budget()):
                 kept = (total - j) / total
                 self.add(found, refused, f"full:{j}", k, fast + (1 - kept) * (slow - fast),
-                         high + kept * (low - high), pipe_high + kept * (pipe_low - pipe_high))
+                         high + kept * (low - high), pipe_high + kept * (pipe_low - pipe_high),
+                         PipelineBounds(
+                             pipe_fast.bound_s + (1 - kept) * (pipe_slow.bound_s - pipe_fast.bound_s),
+                             pipe_fast.assumed_s + (1 - kept) * (pipe_slow.assumed_s
+                                                                 - pipe_fast.assumed_s)))
 
     # -- solving -----------------------------------------------------------------------
     def sharding_option(self, c: Candidate):
