@@ -6,6 +6,7 @@ when a round needs its worker, it is stopped; failed, it raises only when asked 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -109,3 +110,18 @@ def test_clock_stops_in_forked_workers_reach_the_callers_watch():
     finally:
         jobs.close()
     assert pid != os.getpid() and stops == [4.0]
+
+
+def _killed_at_two(x):
+    """A fork_map item whose worker is killed (as the kernel kills a process for memory)."""
+    if x == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def test_a_worker_killed_mid_item_raises_instead_of_hanging():
+    """``fork_map`` waits for a result or a worker's end: a worker killed before it sent
+    its item's result makes the call raise, naming the exit code, where waiting on the
+    results alone would wait forever."""
+    with pytest.raises(RuntimeError, match=r"exit code -9 \(killed"):
+        stage_jobs.fork_map(_killed_at_two, [1, 2, 3, 4], workers=2)

@@ -201,7 +201,7 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> li
     out: list[Any] = [None] * len(items)
     failed: dict[int, BaseException] = {}
     for _ in items:
-        n, ok, value = results.get()
+        n, ok, value = _next_result(results, processes)
         if ok:
             out[n], stops = value
             clock_stops_elsewhere(stops)
@@ -213,6 +213,25 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> li
     if failed:
         raise failed[min(failed)]
     return out
+
+
+def _next_result(results: Any, processes: list) -> tuple:
+    """The next ``(n, ok, value)`` a ``fork_map`` worker sent, waking when one arrives or a
+    worker ends: a worker that ended before all results came (killed for memory, crashed
+    in native code) raises here, naming its exit code, instead of leaving this process
+    waiting for a result that will never come."""
+    while results.empty():
+        ended = [p for p in processes if p.exitcode is not None]
+        failed = [p.exitcode for p in ended if p.exitcode != 0]
+        if failed or len(ended) == len(processes):
+            if not results.empty():     # sent just before it ended
+                break
+            why = f"exit code {failed[0]}" + (" (killed: out of memory?)" if failed[0] == -9
+                                              else "") if failed else "every worker ended"
+            raise RuntimeError(f"a planning worker process ended without its result ({why}); "
+                               f"plan again, or on a machine with more memory per core")
+        wait([p.sentinel for p in processes if p.exitcode is None], timeout=0.2)
+    return results.get()
 
 
 def _feed(tasks: Any, items: Sequence[Any], num_workers: int) -> None:
