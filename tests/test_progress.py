@@ -1,7 +1,11 @@
 """What a person sees while torchalpa works: progress lines, log levels, the plan cache."""
 
+import io
 import json
 import logging
+import multiprocessing
+import threading
+import time
 
 import pytest
 import torch
@@ -77,3 +81,43 @@ def test_cache_list_trim_clear(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHALPA_CACHE_MAX_MB", "lots")
     with pytest.raises(ValueError, match="TORCHALPA_CACHE_MAX_MB"):
         cache.max_bytes()
+
+
+class _SlowStream(io.TextIOBase):
+    """A stream whose writes hold its own lock a while, as a buffered file's do (a full
+    pipe, a slow terminal): a process forked mid-write inherits the lock held."""
+
+    lock = threading.Lock()
+
+    def write(self, s):
+        with self.lock:
+            time.sleep(0.002)
+        return len(s)
+
+
+def _child_logs():
+    progress.log.info("a forked solver says hello")
+
+
+def test_a_process_forked_while_a_heartbeat_writes_can_still_log(monkeypatch):
+    """The search forks solver processes inside a step whose heartbeat thread logs; a
+    child forked in the middle of a heartbeat's write used to wait forever on the
+    stream's lock at its first log line (24 of 30 children here before the fork guard)."""
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.0002)
+    handler = logging.StreamHandler(_SlowStream())
+    monkeypatch.setattr(progress.log, "level", logging.INFO)
+    progress.log.addHandler(handler)
+    hung = 0
+    try:
+        with progress.step("forking solvers"):
+            time.sleep(0.01)
+            for _ in range(12):
+                child = multiprocessing.get_context("fork").Process(target=_child_logs)
+                child.start()
+                child.join(10)
+                if child.is_alive():
+                    hung += 1
+                    child.kill()
+    finally:
+        progress.log.removeHandler(handler)
+    assert hung == 0

@@ -149,13 +149,23 @@ def step(what: str, *, level: int = logging.INFO):
     log.log(level, "%s: %.1f s%s", what, s.seconds, f", {s.done}" if s.done else "")
 
 
+_speaking = threading.Lock()
+"""Held by a heartbeat while it writes, and by a fork while it copies the process: the
+search forks solver processes while a step's heartbeat runs, and a child forked in the
+middle of a heartbeat's write would inherit the output stream's lock held by a thread it
+does not have, and wait on it forever at its first log line."""
+os.register_at_fork(before=_speaking.acquire, after_in_parent=_speaking.release,
+                    after_in_child=_speaking.release)
+
+
 def _heartbeat(s: _Step, level: int, spinner, stop: threading.Event) -> None:
     """Say every ``HEARTBEAT_S`` that step ``s`` is still working, until ``stop``."""
     while not stop.wait(HEARTBEAT_S):
-        if spinner is not None:
-            spinner.update(f"{s.what}... {s.seconds:.0f} s")
-        else:
-            log.log(level, "%s: still working, %.0f s", s.what, s.seconds)
+        with _speaking:
+            if spinner is not None:
+                spinner.update(f"{s.what}... {s.seconds:.0f} s")
+            else:
+                log.log(level, "%s: still working, %.0f s", s.what, s.seconds)
 
 
 @contextlib.contextmanager
