@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import json
 import os
+import re
 import runpy
 import sys
 
@@ -42,6 +44,21 @@ def import_tree(root: str) -> None:
                 name, os.path.join(where, "__init__.py"), submodule_search_locations=[where])
 
     sys.meta_path.insert(0, Root())
+
+
+def plan_text(plan, indent: int | None = None) -> str:
+    """``plan``'s JSON as two trees' plans compare: notes and timing figures left out (they
+    differ run to run), source paths by file name (each tree writes its own root)."""
+    d = json.loads(plan.to_json())
+    d.pop("notes", None)
+    est = d.get("estimates", {})
+    for key in [k for k in est if "second" in k and k != "step_time_s"]:
+        est.pop(key)
+    import torchalpa
+    root = os.path.dirname(os.path.dirname(os.path.abspath(torchalpa.__file__)))
+    text = json.dumps(d, sort_keys=True, indent=indent)
+    text = text.replace(root + "/", "").replace(root.lstrip("/") + "/", "")
+    return re.sub(r'"stack": "[^"]*?([^/"]+\.py:\d+)"', r'"stack": "\1"', text)
 
 
 def main() -> None:

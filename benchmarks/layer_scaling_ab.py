@@ -21,11 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 
-from in_tree import import_tree
+from in_tree import import_tree, plan_text
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -63,15 +62,7 @@ def _one(root: str, layers: int, remat: str, k: int) -> dict:
                       meshes=candidate_meshes(torchalpa.Cluster.h100(1, 8), method),
                       blocks=blocks_of(graph), bound_views=False)
     cpu = time.process_time() - cpu
-    d = json.loads(plan.to_json())
-    d.pop("notes", None)
-    est = d.get("estimates", {})
-    for key in list(est):
-        if "second" in key and key != "step_time_s":
-            est.pop(key)
-    # source lines by file name alone (each tree writes its own paths)
-    text = re.sub(r'"stack": "[^"]*?([^/"]+\.py:\d+)"', r'"stack": "\1"',
-                  json.dumps(d, sort_keys=True))
+    text = plan_text(plan)
     return {"cpu": cpu, "est": plan.estimates.step_time_s, "nodes": len(graph),
             "mesh": list(plan.mesh_shape),
             "plan": hashlib.sha256(text.encode()).hexdigest()[:16]}

@@ -19,29 +19,17 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import time
 
 os.environ["TORCHALPA_CACHE"] = "0"
 
 import torch  # noqa: E402
+from in_tree import plan_text  # noqa: E402
 
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
 from torchalpa.core.options import AutoParallel, AutoShardingOption, ShardParallel  # noqa: E402
-
-
-def _plan_text(plan) -> str:
-    d = json.loads(plan.to_json())
-    d.pop("notes", None)
-    est = d.get("estimates", {})
-    for k in list(est):
-        if "second" in k and k != "step_time_s":
-            est.pop(k)
-    text = json.dumps(d, sort_keys=True, indent=1)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(torchalpa.__file__)))
-    return text.replace(root + "/", "").replace(root.lstrip("/") + "/", "")
 
 
 def main() -> None:
@@ -83,7 +71,7 @@ def main() -> None:
         plan = plan_graph(graph, method=method, meshes=candidate_meshes(cluster, method),
                           blocks=blocks_of(graph), bound_views=False)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    text = _plan_text(plan)
+    text = plan_text(plan, indent=1)
     with open(args.out, "w") as f:
         f.write(text)
     print(f"planned in {wall:.1f} s wall, {cpu:.1f} s CPU (capture {capture_s:.1f} s apart; "

@@ -29,6 +29,8 @@ import subprocess
 import sys
 import time
 
+from in_tree import plan_text
+
 
 def child() -> None:
     """Plan target a here and print one JSON line of what came of it."""
@@ -48,15 +50,8 @@ def child() -> None:
     plan = torchalpa.plan(model, batch, workload.loss_fn, cluster=torchalpa.Cluster.h100(1, 8),
                           mixed_precision=bf16, method=method)
     wall = time.perf_counter() - start
-    d = json.loads(plan.to_json())
-    d.pop("notes", None)
-    est = d.get("estimates", {})
-    for k in list(est):
-        if "second" in k and k != "step_time_s":
-            est.pop(k)
-    text = json.dumps(d, sort_keys=True)
+    text = plan_text(plan)
     root = os.path.dirname(os.path.dirname(os.path.abspath(torchalpa.__file__)))
-    text = text.replace(root + "/", "").replace(root.lstrip("/") + "/", "")
     with open(os.environ.get("VIEW_CUTS_AB_JSON", os.devnull), "w") as f:
         f.write(text)
     print(json.dumps({
