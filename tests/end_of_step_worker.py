@@ -2,9 +2,12 @@
 optimizer step), measured on each rank beside the plan's estimate. Rank 0 writes JSON.
 
 Scenarios ``dp:0`` (``DataParallel``: parameters whole on each rank, gradients all-reduced
-in buckets) and ``zero2:0`` (``Zero2Parallel``: parameters, states and gradients split over
-the ranks, gradients reduce-scattered): a wide MLP (4 layers of width 1024 and 4096,
-16.8 M parameters) on a global batch of 2, Adam, the README's loop. Each rank records what
+in buckets), ``zero2:0`` (``Zero2Parallel``: parameters, states and gradients split over
+the ranks, gradients reduce-scattered) and ``zero3:0`` (``Zero3Parallel``): a wide MLP (4
+layers of width 1024 and 4096, 16.8 M parameters) on a global batch of 2, Adam, the
+README's loop. An argument other than ``0``, ``WIDTHxLAYERSmMICRO`` (``512x8m1``), sets the
+MLP's width and layers and the step's micro-batches (global batch 2 per micro-batch): a
+narrow MLP of 8 layers packs several gradients into one bucket. Each rank records what
 it holds before the step (its parameters' and optimizer states' local blocks, and the
 flat buffers its gradient buckets keep between steps) plus the step's allocation peak
 above that (``runtime/measurement/allocated.py``), and the plan's estimates."""
@@ -26,6 +29,7 @@ from worker_io import run_scenarios  # noqa: E402
 
 import torchalpa  # noqa: E402
 from torchalpa.runtime.measurement.allocated import peak_allocated  # noqa: E402
+from torchalpa.runtime.rewrites.buckets import gradient_buckets  # noqa: E402
 from torchalpa.runtime.rewrites.kept_buckets import KeptBucket  # noqa: E402
 
 DIM = 1024
@@ -51,13 +55,14 @@ def _held_bytes(pm, before: set[int]) -> int:
     return sum(seen.values())
 
 
-def measured_step(method) -> dict:
+def measured_step(method, dim: int = DIM, num_layers: int = 4) -> dict:
     from quickstart import MLP
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(2, DIM, generator=g), torch.randn(2, DIM, generator=g)
+    batch = 2 * method.num_micro_batches
+    x, y = torch.randn(batch, dim, generator=g), torch.randn(batch, dim, generator=g)
     torch.manual_seed(0)
     before = {id(o) for o in gc.get_objects() if isinstance(o, KeptBucket)}
-    pm = torchalpa.auto_parallel(MLP(DIM, 4), (x, y), F.mse_loss, method=method,
+    pm = torchalpa.auto_parallel(MLP(dim, num_layers), (x, y), F.mse_loss, method=method,
                                  cluster=torchalpa.Cluster.local_cpu(dist.get_world_size()),
                                  optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4))
 
@@ -79,6 +84,7 @@ def measured_step(method) -> dict:
            "estimate": est.memory_per_device_bytes,
            "end_of_step": est.end_of_step_bytes_per_device,
            "liveness_peak": est.model_state_bytes_per_device + est.activation_bytes_per_device,
+           "buckets": [(b.kind, len(b.params), b.bytes) for b in gradient_buckets(pm.plan)],
            "largest": max(_local(p).numel() * _local(p).element_size()
                           for p in pm.parameters())}
     gathered: list = [None] * dist.get_world_size()
@@ -87,9 +93,13 @@ def measured_step(method) -> dict:
 
 
 def run(name: str, arg: str) -> dict:
-    del arg
-    methods = {"dp": torchalpa.DataParallel, "zero2": torchalpa.Zero2Parallel}
-    return measured_step(methods[name]())
+    methods = {"dp": torchalpa.DataParallel, "zero2": torchalpa.Zero2Parallel,
+               "zero3": torchalpa.Zero3Parallel}
+    if arg == "0":
+        return measured_step(methods[name]())
+    shape, micro = arg.split("m")
+    dim, num_layers = (int(v) for v in shape.split("x"))
+    return measured_step(methods[name](num_micro_batches=int(micro)), dim, num_layers)
 
 
 def main() -> None:

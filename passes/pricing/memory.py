@@ -32,11 +32,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from torchalpa.core.cluster import GRADIENT_BUCKET_BYTES
 from torchalpa.core.opgraph import OpGraph, ValueRef
 from torchalpa.core.placement import Placements, Replicate, is_shard
 from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.pricing.fused_pricing import recomputed
 from torchalpa.passes.pricing.gathered_views import copy_bytes, held_copies, saved_view_spans
+from torchalpa.passes.pricing.grad_buckets import packing_points
 from torchalpa.passes.pricing.step_end import end_of_step_bytes, step_end
 from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.stage_boundary import summed_part
@@ -98,7 +100,8 @@ class Liveness:
 
 def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
              state_at_start: bool = False, grads_from_backward: bool = False,
-             fused: bool | None = None) -> Liveness:
+             fused: bool | None = None,
+             bucket_bytes: float = GRADIENT_BUCKET_BYTES) -> Liveness:
     """When each value is allocated and freed, in the step's order.
 
     Each result of an op is freed after its own last reader, as the runtime's programs
@@ -123,14 +126,18 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
     optimizer reads it; without it gradients are model state (``state_copies``).
     ``fused`` (default: ``graph`` priced ``elementwise="fused"``): a value compiled kernels
     never hold (``fused_pricing.recomputed``) allocates nothing; what it is made from lives
-    to its last reader instead."""
+    to its last reader instead. ``bucket_bytes``: the runtime's gradient bucket cap
+    (``grad_buckets.packing_points``), where ``grads_from_backward`` places each
+    reduction's transient copy."""
     fused = graph.meta.get("elementwise") == "fused" if fused is None else fused
+    bucket_bytes = bucket_bytes if grads_from_backward else GRADIENT_BUCKET_BYTES
     key = (tuple(sorted((kept_for or {}).items())), state_at_start, grads_from_backward, fused,
-           graph.meta.get("frontend"))
+           graph.meta.get("frontend"), bucket_bytes)
     memo = _LIVENESS.setdefault(graph, {})
     found = memo.get(key)
     if found is None:
-        found = memo[key] = _liveness(graph, kept_for, state_at_start, grads_from_backward, fused)
+        found = memo[key] = _liveness(graph, kept_for, state_at_start, grads_from_backward, fused,
+                                      bucket_bytes)
     return found
 
 
@@ -142,7 +149,7 @@ read-only to every caller."""
 
 
 def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: bool,
-              grads_from_backward: bool, fused: bool) -> Liveness:
+              grads_from_backward: bool, fused: bool, bucket_bytes: float) -> Liveness:
     """``liveness``, computed."""
     recompute = recomputed(graph) if fused else {}
     order = {n.name: i for i, n in enumerate(graph)}
@@ -190,28 +197,34 @@ def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: b
             start.append(first)
             end.append(last)
     raw_of: dict[int, int] = {}
+    made: list[tuple[int, int, int]] = []      # per gradient: where, bytes whole, item size
+    gradient_of: dict[int, int] = {}           # reduced entry -> its gradient in ``made``
     if grads_from_backward:
         params = {n.target: n.name for n in graph if n.kind == "param"}
         for target, ref in graph.outputs.grads:
             if target in params:
                 raw = storage.get(ref.node, ref)
+                spec = graph.spec(raw)
+                made.append((order[ref.node], spec.nbytes, spec.itemsize))
                 if graph.node(raw.node).kind == "op" and raw.node not in recompute:
                     names.append(raw.node)
                     results.append(raw.index)
                     start.append(order[raw.node])
                     end.append(end_of_step)
                     raw_of[len(names)] = len(names) - 1
+                    gradient_of[len(names)] = len(made) - 1
                 names.append(params[target])
                 results.append(None)
                 start.append(order[ref.node])
                 end.append(end_of_step)
+    packed = packing_points(made, bucket_bytes)
     transient_of: dict[int, tuple[int, int]] = {}
-    for reduced, raw in list(raw_of.items()):     # the reduction's copies, where it is issued
+    for reduced, raw in list(raw_of.items()):     # the packing's copy, where it is packed
         transient_of[len(names)] = (raw, reduced)
         names.append(names[raw])
         results.append(results[raw])
-        start.append(start[reduced])
-        end.append(start[reduced])
+        start.append(packed[gradient_of[reduced]])
+        end.append(packed[gradient_of[reduced]])
     starts, ends = np.array(start, dtype=np.int64), np.array(end, dtype=np.int64)
     starts.setflags(write=False)
     ends.setflags(write=False)
@@ -363,16 +376,22 @@ def _entry_bytes(graph: OpGraph, live: Liveness, outputs: dict[str, tuple[Placem
 
 
 def scatter_copies(device_type: str) -> int:
-    """Copies of a gradient's bytes, beyond the raw gradient and its reduced block, that
-    a step of one micro-batch holds where it reduce-scatters the gradient in backward
-    (``runtime/rewrites/reduce_in_backward.py``; ``runtime/rewrites/buckets.py``): the
-    bucket packed beside its members (every backend: the members die once packed); on
-    CPU ranks, whose gloo copies a reduce-scatter's input and runs it on its own thread,
-    that copy too, beside the packed input it is made from, while the next bucket is
-    packed (measured on 2 gloo ranks: ``tests/test_memory_measured.py``). Priced on the
-    gradient being made, not its whole bucket: a bucket of several gradients packs more
-    (at most a bucket's 25 MiB, ``all_reduce_threshold``)."""
-    return 2 if device_type == "cpu" else 1
+    """Copies of a bucket's bytes, beyond its members' raw gradients and reduced blocks,
+    that a step of one micro-batch holds where it reduce-scatters them in backward
+    (``runtime/rewrites/reduce_in_backward.py``; ``runtime/rewrites/buckets.py``), counted
+    at the bucket's packing (``grad_buckets.packing_points``): one on every backend. The
+    packed buffer is made beside its members, which die once it is made; on CPU ranks
+    gloo then copies the packed buffer as the collective is issued, and the buffer dies
+    once copied: the members' raw gradients, held to backward's end, stand for that copy
+    (NCCL: for the packed buffer itself). Measured on 2 gloo ranks
+    (``tests/end_of_step_worker.py``): an MLP whose 25 MiB bucket packs 12 gradients holds
+    the packed buffer, gloo's copy and the output block at once at its issue, which is
+    this. Not priced: gloo's thread, busy with the previous bucket's transfer, may copy
+    that bucket while the next is packed (a race: one more bucket, seen on the wide MLP's
+    buckets of 16.8 MB on some runs and ranks). ``device_type`` is kept for the backends'
+    difference, which this does not show."""
+    del device_type
+    return 1
 
 
 def same_layout_views(graph: OpGraph, layouts: dict[str, Placements],
@@ -454,7 +473,8 @@ def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, .
                           kept: list[KeptCopy] | None = None,
                           grads_from_backward: bool = False,
                           free_views: frozenset[str] = frozenset(),
-                          reduce_copies: int = 1) -> tuple[int, int]:
+                          reduce_copies: int = 1,
+                          bucket_bytes: float = GRADIENT_BUCKET_BYTES) -> tuple[int, int]:
     """(peak bytes of op results alive at once on one device, bytes alive where forward
     ends: what a micro-batch holds while it waits for backward). Inputs count too, and
     the resharded copies of parameters that several reads share (``kept``), from their
@@ -463,9 +483,11 @@ def activation_peak_bytes(graph: OpGraph, outputs: dict[str, tuple[Placements, .
     takes them (the gradients alive count with the activations). ``free_views``: views
     of parameters or buffers that read them in their own layout (``same_layout_views``):
     no copy, nothing allocated. ``reduce_copies``: the reduction's copies of a gradient
-    reduce-scattered in backward (``scatter_copies``), with ``grads_from_backward``."""
+    reduce-scattered in backward (``scatter_copies``), with ``grads_from_backward``, at its
+    bucket's packing (``bucket_bytes``: the runtime's cap, ``grad_buckets``)."""
     statistics = statistics or {}
-    live = liveness(graph, statistics, state_at_start, grads_from_backward)
+    live = liveness(graph, statistics, state_at_start, grads_from_backward,
+                    bucket_bytes=bucket_bytes)
     sizes = _entry_bytes(graph, live, outputs, mesh_shape, statistics, reduce_copies)
     for i, name in enumerate(live.names):
         if name in free_views:
@@ -528,7 +550,7 @@ class MemoryModel:
                  in_flight: int = 1, statistics: dict[str, str] | None = None,
                  state_at_start: bool = False, steps_of=None,
                  grads_from_backward: bool = False, optimizer: str | None = None,
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu", bucket_bytes: float = GRADIENT_BUCKET_BYTES):
         self.graph, self.S, self.g, self.mesh_shape = graph, strategies, grouping, mesh_shape
         self.optimizer, self.device_type = optimizer, device_type
         """With an ``optimizer``, the step's end (its optimizer step, ``step_end.py``) is
@@ -547,7 +569,10 @@ class MemoryModel:
         """Gradients held from their backward op on (``liveness``), not as model state."""
         self._alike_bytes: dict[tuple, np.ndarray] = {}
         self._kept_alive: list = []
-        self.live = liveness(graph, self.statistics, state_at_start, grads_from_backward)
+        self.live = liveness(graph, self.statistics, state_at_start, grads_from_backward,
+                             bucket_bytes=bucket_bytes)
+        """``bucket_bytes``: the runtime's gradient bucket cap (``grad_buckets``): where
+        each reduction's transient copy is counted."""
         self.view_spans = saved_view_spans(graph)
         """Forward views that backward reads: a gathered copy one reads is kept
         (``gathered_views``; ``view_terms``)."""

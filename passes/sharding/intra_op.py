@@ -434,7 +434,8 @@ class _IntraOpILP:
                              steps_of=None if self.option.rematerialize_parameters
                              else self.costs.steps, grads_from_backward=self.grads_late,
                              optimizer=self.method.optimizer,
-                             device_type=device_type_of(mesh.backend))
+                             device_type=device_type_of(mesh.backend),
+                             bucket_bytes=mesh.gradient_bucket_bytes)
         cg, solution, chosen, shared = solve_sharing_reads(
             graph, mesh, S, grouping, self.costs,
             lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory,

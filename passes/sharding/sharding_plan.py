@@ -387,7 +387,8 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
         saved_statistics(graph, mesh), state_at_start=state_once, kept=kept,
         grads_from_backward=grads_late, free_views=same_layout_views(
             graph, leaf_placement, {name: s.inputs for name, s in chosen.items()}),
-        reduce_copies=scatter_copies(device_type_of(mesh.backend)))
+        reduce_copies=scatter_copies(device_type_of(mesh.backend)),
+        bucket_bytes=mesh.gradient_bucket_bytes)
     activations += held
     end = end_of_step_bytes(graph, leaf_placement, mesh.shape, method.optimizer,
                             method.optimizer_states, device_type_of(mesh.backend))

@@ -1,0 +1,79 @@
+"""Where the pricing places each gradient bucket's packing (passes/pricing/grad_buckets.py):
+hand-made gradients against DDP's caps, and a planned MLP's buckets against the ones the
+runtime forms from its plan (runtime/rewrites/buckets.py, ``gradient_buckets``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchalpa
+import torchalpa.passes.sharding.intra_op as intra_op
+from torchalpa.passes.pricing.grad_buckets import packing_points
+from torchalpa.runtime.rewrites.buckets import gradient_buckets
+
+MIB = 2 ** 20
+
+
+def test_buckets_fill_in_backward_order_under_ddps_caps():
+    """Gradients made at points 10, 20, ... (parameters' order; backward makes the last
+    first): the last one alone fills the 1 MiB first bucket, then 25 MiB buckets; each
+    gradient's bucket is packed where its last-made member is made."""
+    made = [(60, 4 * MIB, 4), (50, 4 * MIB, 4), (40, 10 * MIB, 4), (30, 10 * MIB, 4),
+            (20, 4 * MIB, 4), (10, MIB, 4)]
+    # backward: 10 (1 MiB, first bucket full) | 20, 30, 40 (24 MiB) | 50, 60
+    assert packing_points(made) == [60, 60, 40, 40, 40, 10]
+
+
+def test_buckets_keep_element_sizes_apart_and_a_zero_cap_packs_nothing():
+    made = [(30, 8, 2), (20, 8, 4), (10, 8, 2)]
+    assert packing_points(made, bucket_bytes=100) == [30, 20, 30]
+    assert packing_points(made, bucket_bytes=0) == [30, 20, 10]
+    # a cap set by the plan caps the first bucket too
+    assert packing_points(made, bucket_bytes=8) == [30, 20, 10]
+
+
+def _narrow_mlp(width: int, num_layers: int):
+    with torch.device("meta"):
+        layers: list[nn.Module] = []
+        for i in range(num_layers):
+            layers += [nn.Linear(width, 4 * width) if i % 2 == 0 else
+                       nn.Linear(4 * width, width), nn.ReLU()]
+        return nn.Sequential(*layers), (torch.empty(2, width), torch.empty(2, width))
+
+
+@pytest.mark.parametrize("width", [256, 512])
+def test_the_priced_buckets_are_the_runtimes(monkeypatch, width):
+    """ZeRO-2 on 2 ranks, 8 layers: the gradients whose reduction copies are counted at
+    one point are exactly the members of one of the runtime's buckets (width 512: a
+    bucket of 12 gradients, one of 3 and the last bias alone; 256: 15 and one), and those
+    copies add up, for the solved plan, to the bucket's bytes there."""
+    seen = []
+    solve = intra_op._solve_within_memory
+
+    def recording(graph, S, grouping, cg, memory, *args, **kwargs):
+        solution, chosen = solve(graph, S, grouping, cg, memory, *args, **kwargs)
+        seen.append((graph, memory, chosen))
+        return solution, chosen
+
+    monkeypatch.setattr(intra_op, "_solve_within_memory", recording)
+    plan = torchalpa.plan(*_narrow_mlp(width, 8), F.mse_loss, method=torchalpa.Zero2Parallel(),
+                          cluster=torchalpa.Cluster.local_cpu(2))
+    runtime = {frozenset(b.params): b.bytes for b in gradient_buckets(plan)}
+    assert len(runtime) >= 1 and max(len(m) for m in runtime) >= 3
+    graph, memory, chosen = seen[-1]
+    live = memory.live
+    at: dict[int, set[str]] = {}
+    for transient, (_, reduced) in live.transient_of.items():
+        at.setdefault(int(live.start[transient]), set()).add(graph.node(live.names[reduced]).target)
+    priced = {frozenset(members) for members in at.values()}
+    assert set(runtime) <= priced
+    alone = priced - set(runtime)
+    assert all(len(m) == 1 for m in alone)      # the runtime reduces these on their own
+    for point, members in at.items():
+        if frozenset(members) in runtime:
+            sizes = [memory._act[t][memory.S[live.names[t]].index(chosen[live.names[t]])]
+                     for t in live.transient_of if live.start[t] == point]
+            assert sum(sizes) == pytest.approx(runtime[frozenset(members)])
