@@ -282,10 +282,10 @@ def test_the_end_of_a_step_on_two_ranks_is_priced(tmp_path):
     ``Zero2Parallel``: the peak is at the end of backward, where each gradient's raw sum,
     whole over the two ranks (gloo's copy of it, for the reduce-scatter in flight), is
     held beside the block it leaves, and the last bucket is packed beside its members
-    while gloo copies the one before it (``memory.scatter_copies``): the estimate
-    0.9999 of the measured peak on both ranks (235.0 MB); 0.80-0.86 without the two
-    transient copies, and 0.923 where gloo's thread had copied the previous bucket
-    before the next was packed (218.2 MB on one rank of one run)."""
+    (``memory.scatter_copies``, at the bucket's packing): the estimate 218.2 MB, the
+    measured peak 218.2 MB, or 235.0 where gloo's thread, still busy with a bucket's
+    transfer, copies it while the next is packed (a race, both seen: 0.93-1.00); 0.80-0.86
+    without the transient copy."""
     import worker_io
     r = worker_io.launch_checked("end_of_step_worker.py", tmp_path / "end_of_step.json",
                                  "dp:0,zero2:0", nproc=2)
@@ -296,3 +296,32 @@ def test_the_end_of_a_step_on_two_ranks_is_priced(tmp_path):
     for x in r["zero2:0"]["ranks"]:
         assert x["end_of_step"] < x["estimate"], x        # backward's end is the peak
         assert 0.90 <= x["estimate"] / x["measured"] <= 1.10, x
+
+
+@pytest.mark.slow
+def test_a_bucket_of_many_gradients_and_a_step_of_two_micro_batches_are_priced(tmp_path):
+    """8 layers of width 512 on 2 gloo ranks (tests/end_of_step_worker.py, ~30 s), Adam.
+    ``Zero2Parallel``, one micro-batch: 12 gradients share a 25 MiB bucket, whose packed
+    buffer, gloo's copy and output block are alive at once where it is issued: counted at
+    the bucket's packing (``passes/pricing/grad_buckets.py``), the estimate 117.60 MB
+    against 117.60 measured (121.80 on a rank where a gathered weight outlived the
+    issue); 109.17 where each gradient's own bytes were counted. Two micro-batches: the
+    sums reduced after the last backward (``passes/pricing/sum_reduction.py``):
+    ``DataParallel`` 167.98 MB against 172.22 measured (142.77 without: the kept buckets'
+    flat buffers beside the sums); ``Zero2Parallel`` 125.98 against 134.38 (117.56
+    without), the rest the parameters' gather at the step's start (its packed shards and
+    gloo's copy, not priced) -- or against 168.0 on runs where a rank still holds the
+    gathered parameters' buffers (50.4 MB) when the sums are reduced (a race not priced:
+    the ratio's floor is not asserted there)."""
+    import worker_io
+    r = worker_io.launch_checked("end_of_step_worker.py", tmp_path / "buckets.json",
+                                 "zero2:512x8m1,dp:512x8m2,zero2:512x8m2", nproc=2)
+    for x in r["zero2:512x8m1"]["ranks"]:
+        assert max(n for _, n, _ in x["buckets"]) >= 3, x
+        assert 0.95 <= x["estimate"] / x["measured"] <= 1.05, x
+    for x in r["dp:512x8m2"]["ranks"]:
+        assert x["end_of_step"] == x["estimate"] > x["liveness_peak"], x   # the reduction
+        assert 0.95 <= x["estimate"] / x["measured"] <= 1.05, x
+    for x in r["zero2:512x8m2"]["ranks"]:
+        assert x["end_of_step"] == x["estimate"] > x["liveness_peak"], x
+        assert x["estimate"] <= 1.10 * x["measured"], x

@@ -73,3 +73,36 @@ def test_the_rows_of_a_solved_plan_count_what_its_estimate_counts(monkeypatch, n
         assert max(memory.rows_bytes(memory.end, chosen)) == pytest.approx(end)
         ends.append(end)
     assert plan.estimates.end_of_step_bytes_per_device in ends
+
+
+@pytest.mark.parametrize("name", ["dp", "zero2"])
+def test_the_rows_of_a_step_summing_micro_batches_count_the_sums_reduction(monkeypatch, name):
+    """Two micro-batches: the gradients are summed and reduced after the last backward,
+    bucket by bucket (``passes/pricing/sum_reduction.py``). The point after backward is
+    the larger of that reduction (the sums beside the reduced gradients, and under ZeRO-2
+    the largest bucket packed beside its members) and the optimizer step, in the rows as in
+    the estimate; the 8-layer MLP's 3-member buckets make the reduction the larger under
+    both plans at width 512."""
+    from torchalpa.passes.pricing.sum_reduction import sum_reduction_bytes
+    method, devices = METHODS[name]
+    with torch.device("meta"):
+        layers: list[nn.Module] = []
+        for i in range(8):
+            layers += [nn.Linear(512, 2048) if i % 2 == 0 else nn.Linear(2048, 512), nn.ReLU()]
+        model, batch = nn.Sequential(*layers), (torch.empty(4, 512), torch.empty(4, 512))
+    plan, seen = _solves(monkeypatch, model, batch, method(num_micro_batches=2), devices)
+    assert seen
+    for graph, memory, chosen, mesh in seen:
+        assert not memory.grads_from_backward
+        timeline = intra_op._timeline(graph, memory, chosen, mesh, memory.optimizer_states)
+        for t in range(memory.end):
+            assert memory.rows_bytes(t, chosen) == [pytest.approx(timeline[t])], t
+        leaves = {k: s.outputs[0] for k, s in chosen.items() if graph.node(k).is_leaf}
+        update = end_of_step_bytes(graph, leaves, mesh.shape, memory.optimizer,
+                                   memory.optimizer_states, device_type_of(mesh.backend))
+        reduction = sum_reduction_bytes(graph, leaves, {k: s.outputs for k, s in chosen.items()},
+                                        mesh.shape, memory.optimizer_states)
+        assert reduction > update > 0
+        assert timeline[-1] == reduction
+        assert max(memory.rows_bytes(memory.end, chosen)) == pytest.approx(reduction)
+    assert plan.estimates.end_of_step_bytes_per_device == pytest.approx(reduction)

@@ -40,6 +40,7 @@ from torchalpa.passes.pricing.fused_pricing import recomputed
 from torchalpa.passes.pricing.gathered_views import copy_bytes, held_copies, saved_view_spans
 from torchalpa.passes.pricing.grad_buckets import packing_points
 from torchalpa.passes.pricing.step_end import end_of_step_bytes, step_end
+from torchalpa.passes.pricing.sum_reduction import sum_reduction, sum_reduction_bytes
 from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.stage_boundary import summed_part
 
@@ -73,10 +74,11 @@ class Liveness:
     storage as its reduced self (``_entry_bytes`` then counts it once)."""
 
     transient_of: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """With ``grads_from_backward``: an entry of one point, where a parameter's gradient is
-    made -> (its raw entry, its reduced entry): the copies the reduction makes of a
-    gradient a reduce-scatter shrinks, as the collective is issued (``scatter_copies``;
-    nothing where the raw and reduced gradients are one storage)."""
+    """With ``grads_from_backward``: an entry of one point, where the parameter's gradient
+    bucket is packed (its last member made: ``grad_buckets.packing_points``) -> (its raw
+    entry, its reduced entry): the copies the reduction makes of a gradient a
+    reduce-scatter shrinks, as its bucket is packed (``scatter_copies``; nothing where the
+    raw and reduced gradients are one storage). A bucket's members all count there."""
 
     def __post_init__(self):
         if len(self.results) != len(self.names):
@@ -218,17 +220,27 @@ def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: b
                 start.append(order[ref.node])
                 end.append(end_of_step)
     packed = packing_points(made, bucket_bytes)
-    transient_of: dict[int, tuple[int, int]] = {}
-    for reduced, raw in list(raw_of.items()):     # the packing's copy, where it is packed
-        transient_of[len(names)] = (raw, reduced)
-        names.append(names[raw])
-        results.append(results[raw])
-        start.append(packed[gradient_of[reduced]])
-        end.append(packed[gradient_of[reduced]])
+    transient_of = _add_transients(names, results, start, end, raw_of,
+                                   {r: packed[g] for r, g in gradient_of.items()})
     starts, ends = np.array(start, dtype=np.int64), np.array(end, dtype=np.int64)
     starts.setflags(write=False)
     ends.setflags(write=False)
     return Liveness(names, starts, ends, end_of_step + 1, results, raw_of, transient_of)
+
+
+def _add_transients(names: list, results: list, start: list, end: list,
+                    raw_of: dict[int, int], packed_at: dict[int, int]) -> dict[int, tuple[int, int]]:
+    """Append one entry per reduced gradient of ``raw_of`` for the reduction's transient
+    copy of its raw gradient, at the point its bucket is packed (``packed_at``: reduced
+    entry -> point); return them as ``Liveness.transient_of``."""
+    transient_of: dict[int, tuple[int, int]] = {}
+    for reduced, raw in list(raw_of.items()):
+        transient_of[len(names)] = (raw, reduced)
+        names.append(names[raw])
+        results.append(results[raw])
+        start.append(packed_at[reduced])
+        end.append(packed_at[reduced])
+    return transient_of
 
 
 def _arrival(graph: OpGraph, node, order: dict[str, int], state_at_start: bool) -> int:
@@ -569,6 +581,7 @@ class MemoryModel:
         """Gradients held from their backward op on (``liveness``), not as model state."""
         self._alike_bytes: dict[tuple, np.ndarray] = {}
         self._kept_alive: list = []
+        self.bucket_bytes = bucket_bytes
         self.live = liveness(graph, self.statistics, state_at_start, grads_from_backward,
                              bucket_bytes=bucket_bytes)
         """``bucket_bytes``: the runtime's gradient bucket cap (``grad_buckets``): where
@@ -606,11 +619,42 @@ class MemoryModel:
         blocks' sizes decide between the two (``StepEnd.foreach`` None: a CPU group too
         large whole for ``foreach``), the ILP cannot know which runs before it chooses
         the layouts: the rows hold both, the ``foreach`` one with its temporaries at
-        their most (``StepEnd.foreach_cap``), a safe bound above the estimate's."""
+        their most (``StepEnd.foreach_cap``), a safe bound above the estimate's. Where the
+        step sums micro-batches, the point also holds the sums' reduction before the update
+        (``sum_reduction``): ``_reduction_rows``."""
         assert self.optimizer is not None
         end = step_end(self.graph, self.optimizer, self.optimizer_states, self.device_type)
         if end is None:
             return [{}]
+        return self._update_rows(end) + self._reduction_rows()
+
+    def _reduction_rows(self) -> list[dict[str, np.ndarray]]:
+        """Rows where a step that sums micro-batches reduces the sums (``sum_reduction``):
+        the leaves' copies and the sums, and one row more per bucket with its packing
+        (each member's sum beyond its block, times ``spread``); the point is the largest."""
+        if self.grads_from_backward:
+            return []
+        found = sum_reduction(self.graph, self.optimizer_states, int(np.prod(self.mesh_shape)),
+                              self.bucket_bytes)
+        if found is None:
+            return []
+        base: dict[str, np.ndarray] = {}
+        for name, copies in found.copies.items():
+            self._fold(base, name, self._bytes(name) * copies)
+        for ref in found.sums.values():
+            self._fold(base, ref.node, self._bytes(ref.node, ref.index))
+        rows = [base]
+        for bucket in found.buckets:
+            row = {k: v.copy() for k, v in base.items()}
+            for param in bucket:
+                ref = found.sums[param]
+                self._fold(row, ref.node, self._bytes(ref.node, ref.index) * found.spread)
+                self._fold(row, param, -self._bytes(param) * found.spread)
+            rows.append(row)
+        return rows
+
+    def _update_rows(self, end) -> list[dict[str, np.ndarray]]:
+        """``_end_rows`` at the update itself (``step_end.StepEnd`` ``end``)."""
         base: dict[str, np.ndarray] = {}
         for name, copies in end.copies.items():
             self._fold(base, name, self._bytes(name) * copies)
@@ -791,9 +835,12 @@ class MemoryModel:
             return timeline
         leaves = {n.name: chosen_outputs[n.name][0] for n in graph
                   if n.kind in ("param", "buffer")}
-        return np.append(timeline, end_of_step_bytes(
-            graph, leaves, self.mesh_shape, self.optimizer, self.optimizer_states,
-            self.device_type))
+        end = end_of_step_bytes(graph, leaves, self.mesh_shape, self.optimizer,
+                                self.optimizer_states, self.device_type)
+        if not self.grads_from_backward:
+            end = max(end, sum_reduction_bytes(graph, leaves, chosen_outputs, self.mesh_shape,
+                                               self.optimizer_states, self.bucket_bytes))
+        return np.append(timeline, end)
 
     def kept_copies(self, chosen: dict) -> list[KeptCopy]:
         """The copies ``chosen`` (node -> Strategy) keeps, as the plan's ``Reshard.same_as``

@@ -19,8 +19,10 @@ this is the step's peak, above anything in forward and backward: the planner's p
 the larger of the two (``MemoryModel``'s last point; ``Estimates.end_of_step_bytes_per_device``).
 The reduction's own transients (a bucket packed beside its members; gloo's reduce-scatter
 copying its input) are priced where a step of one micro-batch reduces in backward
-(``memory.scatter_copies``); where the step sums micro-batches and reduces the sums after
-its last backward they are not (bounded by a bucket's size, 25 MiB).
+(``memory.scatter_copies``, at each bucket's packing: ``grad_buckets.py``); where the step
+sums micro-batches and reduces the sums after its last backward, that reduction is a point
+of its own just before this one (``sum_reduction.py``), and the plan's end of step is the
+larger of the two.
 """
 
 from __future__ import annotations

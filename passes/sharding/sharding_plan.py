@@ -52,6 +52,7 @@ from torchalpa.passes.pricing.memory import (
 )
 from torchalpa.passes.pricing.overlap_price import CommEvent, Device, overlapped_step, program_order
 from torchalpa.passes.pricing.step_end import device_type_of, end_of_step_bytes
+from torchalpa.passes.pricing.sum_reduction import sum_reduction_bytes
 from torchalpa.passes.sharding.costgraph import ReshardCosts, op_compute_seconds
 from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.shared_reshard import read_key
@@ -392,6 +393,11 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
     activations += held
     end = end_of_step_bytes(graph, leaf_placement, mesh.shape, method.optimizer,
                             method.optimizer_states, device_type_of(mesh.backend))
+    if not grads_late:          # the sums over micro-batches reduced before the update
+        end = max(end, sum_reduction_bytes(graph, leaf_placement,
+                                           {name: s.outputs for name, s in chosen.items()},
+                                           mesh.shape, method.optimizer_states,
+                                           mesh.gradient_bucket_bytes))
     step, once, hidden, hidden_grads = _step_seconds(graph, mesh, traffic, per_op, optimizer_s,
                                                      device)
     return Estimates(step_time_s=step, communication_s=traffic.seconds,
