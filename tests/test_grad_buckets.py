@@ -59,6 +59,7 @@ def test_the_priced_buckets_are_the_runtimes(monkeypatch, width):
         return solution, chosen
 
     monkeypatch.setattr(intra_op, "_solve_within_memory", recording)
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")         # solved, not read back
     plan = torchalpa.plan(*_narrow_mlp(width, 8), F.mse_loss, method=torchalpa.Zero2Parallel(),
                           cluster=torchalpa.Cluster.local_cpu(2))
     runtime = {frozenset(b.params): b.bytes for b in gradient_buckets(plan)}
@@ -77,3 +78,34 @@ def test_the_priced_buckets_are_the_runtimes(monkeypatch, width):
             sizes = [memory._act[t][memory.S[live.names[t]].index(chosen[live.names[t]])]
                      for t in live.transient_of if live.start[t] == point]
             assert sum(sizes) == pytest.approx(runtime[frozenset(members)])
+
+
+def test_data_parallel_buckets_are_held_from_the_steps_start_as_kept_buffers(monkeypatch):
+    """``DataParallel`` on 2 ranks, 8 layers of width 512: the runtime packs its buckets of
+    two or more gradients into flat buffers it keeps from step to step
+    (``runtime/rewrites/kept_buckets.py``). The estimate holds those gradients from the
+    step's start (``Liveness.kept_of``): at point 0, the bytes of every all-reduce bucket
+    the runtime forms; under ZeRO-2 (reduce-scatter, fresh buffers) none."""
+    from torchalpa.passes.pricing.memory import _entry_bytes
+    for method, expect_kept in ((torchalpa.DataParallel, True), (torchalpa.Zero2Parallel, False)):
+        seen = []
+        solve = intra_op._solve_within_memory
+
+        def recording(graph, S, grouping, cg, memory, *args, **kwargs):
+            solution, chosen = solve(graph, S, grouping, cg, memory, *args, **kwargs)
+            seen.append((graph, memory, chosen))
+            return solution, chosen
+
+        monkeypatch.setattr(intra_op, "_solve_within_memory", recording)
+        monkeypatch.setenv("TORCHALPA_CACHE", "0")     # solved, not read back
+        plan = torchalpa.plan(*_narrow_mlp(512, 8), F.mse_loss, method=method(),
+                              cluster=torchalpa.Cluster.local_cpu(2))
+        monkeypatch.undo()
+        graph, memory, chosen = seen[-1]
+        live = memory.live
+        sizes = _entry_bytes(graph, live, {k: s.outputs for k, s in chosen.items()},
+                             memory.mesh_shape, memory.statistics)
+        heads = [head for _, head in live.kept_of.values()]
+        at_start = sum(sizes[h] for h in heads if live.start[h] <= 0 <= live.end[h])
+        kept = sum(b.bytes for b in gradient_buckets(plan) if b.kind == "all_reduce")
+        assert at_start == (kept if expect_kept else 0) and (kept > 0) == expect_kept

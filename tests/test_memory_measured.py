@@ -278,7 +278,8 @@ def test_the_end_of_a_step_is_its_peak_where_the_model_outweighs_activations():
 def test_the_end_of_a_step_on_two_ranks_is_priced(tmp_path):
     """The wide MLP on 2 gloo ranks (tests/end_of_step_worker.py, ~40 s). ``DataParallel``:
     the peak is the optimizer step (gradients kept in the buckets' flat buffers, Adam's
-    temporaries), the estimate within 3 % of it; the liveness peak alone was 11 % under.
+    temporaries), the estimate within 3 % of it, above backward's peak (the kept buffers
+    beside the last bucket's raw gradients: 285.4 MB).
     ``Zero2Parallel``: the peak is at the end of backward, where each gradient's raw sum,
     whole over the two ranks (gloo's copy of it, for the reduce-scatter in flight), is
     held beside the block it leaves, and the last bucket is packed beside its members
@@ -290,9 +291,8 @@ def test_the_end_of_a_step_on_two_ranks_is_priced(tmp_path):
     r = worker_io.launch_checked("end_of_step_worker.py", tmp_path / "end_of_step.json",
                                  "dp:0,zero2:0", nproc=2)
     for x in r["dp:0"]["ranks"]:
-        assert x["estimate"] == x["end_of_step"], x
+        assert x["estimate"] == x["end_of_step"] > x["liveness_peak"], x
         assert 0.97 <= x["estimate"] / x["measured"] <= 1.03, x
-        assert x["measured"] - x["liveness_peak"] >= 1.9 * x["largest"], x
     for x in r["zero2:0"]["ranks"]:
         assert x["end_of_step"] < x["estimate"], x        # backward's end is the peak
         assert 0.90 <= x["estimate"] / x["measured"] <= 1.10, x
@@ -300,12 +300,16 @@ def test_the_end_of_a_step_on_two_ranks_is_priced(tmp_path):
 
 @pytest.mark.slow
 def test_a_bucket_of_many_gradients_and_a_step_of_two_micro_batches_are_priced(tmp_path):
-    """8 layers of width 512 on 2 gloo ranks (tests/end_of_step_worker.py, ~30 s), Adam.
+    """8 layers of width 512 on 2 gloo ranks (tests/end_of_step_worker.py, ~40 s), Adam.
     ``Zero2Parallel``, one micro-batch: 12 gradients share a 25 MiB bucket, whose packed
     buffer, gloo's copy and output block are alive at once where it is issued: counted at
     the bucket's packing (``passes/pricing/grad_buckets.py``), the estimate 117.60 MB
     against 117.60 measured (121.80 on a rank where a gathered weight outlived the
-    issue); 109.17 where each gradient's own bytes were counted. Two micro-batches: the
+    issue); 109.17 where each gradient's own bytes were counted. ``DataParallel``, one
+    micro-batch: the buckets' flat buffers, kept from step to step, beside the 12 raw
+    gradients until they are packed (``memory.Liveness.kept_of``): 163.79 MB against
+    163.79 (142.77, the optimizer step, where each gradient was counted from its op on,
+    one storage with its raw sum). Two micro-batches: the
     sums reduced after the last backward (``passes/pricing/sum_reduction.py``):
     ``DataParallel`` 167.98 MB against 172.22 measured (142.77 without: the kept buckets'
     flat buffers beside the sums); ``Zero2Parallel`` 125.98 against 134.38 (117.56
@@ -315,9 +319,10 @@ def test_a_bucket_of_many_gradients_and_a_step_of_two_micro_batches_are_priced(t
     the ratio's floor is not asserted there)."""
     import worker_io
     r = worker_io.launch_checked("end_of_step_worker.py", tmp_path / "buckets.json",
-                                 "zero2:512x8m1,dp:512x8m2,zero2:512x8m2", nproc=2)
-    for x in r["zero2:512x8m1"]["ranks"]:
+                                 "zero2:512x8m1,dp:512x8m1,dp:512x8m2,zero2:512x8m2", nproc=2)
+    for x in r["zero2:512x8m1"]["ranks"] + r["dp:512x8m1"]["ranks"]:
         assert max(n for _, n, _ in x["buckets"]) >= 3, x
+        assert x["end_of_step"] < x["estimate"], x        # backward's peak
         assert 0.95 <= x["estimate"] / x["measured"] <= 1.05, x
     for x in r["dp:512x8m2"]["ranks"]:
         assert x["end_of_step"] == x["estimate"] > x["liveness_peak"], x   # the reduction

@@ -247,8 +247,10 @@ def step_profile(graph: OpGraph, hardware: Cluster | LogicalMesh, *, batch: int 
                         for n in leaves)
     late = liveness(graph, grads_from_backward=True, fused=not eager)   # the gradients
     by_param = {n.name: n.output.nbytes for n in graph if n.kind == "param"}
-    gradients = late.total([by_param[name] if k is None and name in by_param else 0.0
-                            for name, k in late.entries()])
+    heads = {head for _, head in late.kept_of.values()}    # kept buffers: not every plan's
+    gradients = late.total([by_param[name] if k is None and name in by_param
+                            and i not in heads else 0.0
+                            for i, (name, k) in enumerate(late.entries())])
     params = [n for n in leaves if n.kind == "param"]
     roofline = launches = 0.0
     ops = list(graph.ops())

@@ -34,11 +34,11 @@ import numpy as np
 
 from torchalpa.core.cluster import GRADIENT_BUCKET_BYTES
 from torchalpa.core.opgraph import OpGraph, ValueRef
-from torchalpa.core.placement import Placements, Replicate, is_shard
+from torchalpa.core.placement import Partial, Placements, Replicate, is_shard
 from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_spec
 from torchalpa.passes.pricing.fused_pricing import recomputed
 from torchalpa.passes.pricing.gathered_views import copy_bytes, held_copies, saved_view_spans
-from torchalpa.passes.pricing.grad_buckets import packing_points
+from torchalpa.passes.pricing.grad_buckets import bucket_members, packing_points
 from torchalpa.passes.pricing.step_end import end_of_step_bytes, step_end
 from torchalpa.passes.pricing.sum_reduction import sum_reduction, sum_reduction_bytes
 from torchalpa.passes.sharding.reshard import local_bytes
@@ -79,6 +79,16 @@ class Liveness:
     entry, its reduced entry): the copies the reduction makes of a gradient a
     reduce-scatter shrinks, as its bucket is packed (``scatter_copies``; nothing where the
     raw and reduced gradients are one storage). A bucket's members all count there."""
+
+    kept_of: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """With ``grads_from_backward``, a gradient in a bucket of two or more: its reduced
+    entry -> (its raw gradient after the bucket's packing, its reduced gradient before the
+    op that makes it), each an entry of its own (the raw entry ends at the packing). An
+    all-reduced bucket (its members partial sums of their reduced size) is packed into a
+    flat buffer the runtime keeps from step to step (``runtime/rewrites/kept_buckets.py``),
+    whose views the reduced gradients are: held from the step's start, beside the raw
+    members until they are packed, which then die. Otherwise the raw gradient is held to
+    backward's end (the packed buffer, gloo's copy) and the head holds nothing."""
 
     def __post_init__(self):
         if len(self.results) != len(self.names):
@@ -222,10 +232,14 @@ def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: b
     packed = packing_points(made, bucket_bytes)
     transient_of = _add_transients(names, results, start, end, raw_of,
                                    {r: packed[g] for r, g in gradient_of.items()})
+    shared = {j for members in bucket_members([(b, i) for _, b, i in made], bucket_bytes)
+              if len(members) > 1 for j in members}
+    kept_of = _add_kept(names, results, start, end, raw_of,
+                        {r: packed[g] for r, g in gradient_of.items() if g in shared})
     starts, ends = np.array(start, dtype=np.int64), np.array(end, dtype=np.int64)
     starts.setflags(write=False)
     ends.setflags(write=False)
-    return Liveness(names, starts, ends, end_of_step + 1, results, raw_of, transient_of)
+    return Liveness(names, starts, ends, end_of_step + 1, results, raw_of, transient_of, kept_of)
 
 
 def _add_transients(names: list, results: list, start: list, end: list,
@@ -241,6 +255,27 @@ def _add_transients(names: list, results: list, start: list, end: list,
         start.append(packed_at[reduced])
         end.append(packed_at[reduced])
     return transient_of
+
+
+def _add_kept(names: list, results: list, start: list, end: list, raw_of: dict[int, int],
+              packed_at: dict[int, int]) -> dict[int, tuple[int, int]]:
+    """For each reduced gradient of ``packed_at`` (reduced entry -> where its bucket of
+    two or more is packed, an op's point, before the step's end): its raw entry ends
+    there, and two entries are appended, its raw gradient after the packing and its
+    reduced one before its op; return them as ``Liveness.kept_of``."""
+    kept_of: dict[int, tuple[int, int]] = {}
+    for reduced, at in packed_at.items():
+        raw = raw_of[reduced]
+        if start[reduced] < 1 or at >= end[raw]:
+            continue
+        tail, head = len(names), len(names) + 1
+        names += [names[raw], names[reduced]]
+        results += [results[raw], results[reduced]]
+        start += [at + 1, 0]
+        end += [end[raw], start[reduced] - 1]
+        end[raw] = at
+        kept_of[reduced] = (tail, head)
+    return kept_of
 
 
 def _arrival(graph: OpGraph, node, order: dict[str, int], state_at_start: bool) -> int:
@@ -382,9 +417,20 @@ def _entry_bytes(graph: OpGraph, live: Liveness, outputs: dict[str, tuple[Placem
     for transient, (raw, reduced) in live.transient_of.items():
         sizes[transient] = sizes[raw] * copies if sizes[raw] > sizes[reduced] else 0.0
     for reduced, raw in live.raw_of.items():    # the same storage, or bytes in place
-        if sizes[raw] <= sizes[reduced]:
+        kept = reduced in live.kept_of and sizes[raw] == sizes[reduced] and \
+            partial_sum(outputs[live.names[raw]][live.results[raw] or 0])
+        tail, head = live.kept_of.get(reduced, (None, None))
+        if tail is not None and head is not None:
+            sizes[tail if kept else head] = 0.0
+        if sizes[raw] <= sizes[reduced] and not kept:
             sizes[reduced] = 0.0
     return sizes
+
+
+def partial_sum(placements: Placements) -> bool:
+    """Whether a result laid out as ``placements`` is a partial sum over some mesh axis
+    (a gradient the plan then reduces)."""
+    return any(isinstance(p, Partial) for p in placements)
 
 
 def scatter_copies(device_type: str) -> int:
@@ -781,6 +827,8 @@ class MemoryModel:
             paired[reduced] = [(param, held == size, made, raw_sizes > size, float(size))
                                for size in np.unique(held) if size > 0
                                and (raw_sizes > size).any()]
+            if reduced in live.kept_of:
+                self._pair_kept(paired, reduced, raw, held, raw_sizes)
         for transient, (raw, reduced) in live.transient_of.items():
             param, made = live.names[reduced], live.names[raw]
             held = self._act[reduced][list(g.index[param])]
@@ -791,6 +839,29 @@ class MemoryModel:
                                  if whole > size]
         self._paired = paired
         return paired
+
+    def _pair_kept(self, paired: dict[int, list[tuple]], reduced: int, raw: int,
+                   held: np.ndarray, raw_sizes: np.ndarray) -> None:
+        """``paired_entries`` of a gradient in a bucket of two or more
+        (``Liveness.kept_of``): where its raw gradient is a partial sum of its reduced
+        one's size (an all-reduce into a kept buffer), the reduced gradient is held, from
+        the step's start (the head), and the raw one not after the packing (the tail)."""
+        live, g = self.live, self.g
+        param, made = live.names[reduced], live.names[raw]
+        k = live.results[raw] or 0
+        partial = np.array([partial_sum(self.S[made][a].outputs[k]) for a in g.index[made]],
+                           dtype=bool)
+        tail, head = live.kept_of[reduced]
+        paired[reduced] += [(param, held == size, made, partial & (raw_sizes == size),
+                             float(size)) for size in np.unique(held) if size > 0
+                            and (partial & (raw_sizes == size)).any()]
+        paired[head] = [(param, held == size, made, partial & (raw_sizes == size), float(size))
+                         for size in np.unique(held) if size > 0
+                         and (partial & (raw_sizes == size)).any()]
+        paired[tail] = [(param, held == size, made, (raw_sizes == whole) &
+                         ~(partial & (whole == size)), float(whole))
+                        for size in np.unique(held) for whole in np.unique(raw_sizes)
+                        if whole > 0 and ((raw_sizes == whole) & ~(partial & (whole == size))).any()]
 
     def paired_terms(self, t: int) -> list[KeptTerm]:
         """``paired_entries`` alive at point ``t`` (and, for the other micro-batches in
