@@ -65,7 +65,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -225,10 +225,16 @@ class _Search:
         self.sharing: dict = {}
         self.profiles: dict = {}                       # remat -> its bounds (StepProfile)
         from torchalpa.frontends.rebatch import MicroBatchSteps
+        from torchalpa.frontends.rebatch_check import RecordCheck
+        from torchalpa.frontends.torch_export import record_step
         # micro-batch count -> its step: traced, or derived once a derivation was checked
-        self.captures = MicroBatchSteps(lambda k: capture_step(
-            self.model, capture_examples(self.model, self.tensors, k), self.loss_fn,
-            signature=self.signature))
+        # (by records of the step's ops at two counts, else by a second trace)
+        self.captures = MicroBatchSteps(
+            lambda k: capture_step(self.model, capture_examples(self.model, self.tensors, k),
+                                   self.loss_fn, signature=self.signature),
+            RecordCheck(lambda k: record_step(
+                self.model, capture_examples(self.model, self.tensors, k),
+                cast(Any, self.loss_fn), signature=self.signature)))
         self._markers: int | None = None                # pipeline-boundary markers in forward
         self.attempts: list[Attempt] = []
         self.plans: list[tuple[float, Plan | PipelinePlan, Candidate]] = []
