@@ -137,7 +137,9 @@ def _same_numbers(name: str, whole: RecordedOp, part: RecordedOp) -> str | None:
             return f"{name} ({whole.target}) is given {list(part.args[1:1 + rank])} at the " \
                    f"smaller batch, not {want}"
         return None
-    for x, y in zip(whole.args, part.args, strict=True):
+    if len(whole.args) != len(part.args):
+        return f"{name} ({whole.target}) is given other arguments at the smaller batch"
+    for x, y in zip(whole.args, part.args):
         tensors = isinstance(x, tuple) and x[:1] == ("tensor",)
         if tensors != (isinstance(y, tuple) and y[:1] == ("tensor",)) or \
                 (not tensors and not _same(x, y)):
