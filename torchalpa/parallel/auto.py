@@ -14,8 +14,10 @@ search
    fill and drain, ``(k + S - 1) / k``);
    candidates that cannot fit are refused there;
 3. solves the rest in the order of their time bounds -- each micro-batch size derived
-   from that capture too (``frontends/rebatch.py``: the first one traced as well and the
-   two compared; traced where they differ or the derivation cannot be sure) -- until
+   from that capture too (``frontends/rebatch.py``: the first one checked by records of
+   the step's ops at both batch sizes, ``frontends/rebatch_check.py``, or where those
+   cannot vouch traced as well and the two compared; traced where they differ or the
+   derivation cannot be sure) -- until
    the next bound cannot beat the best plan by more than the tolerance (a plan is
    always found first when any fits). The search is bounded by work (the candidates'
    bounds, the solver's node limit ``AutoShardingOption.max_nodes``), not by seconds,
