@@ -2,8 +2,10 @@
 
 Target a's capture work (``auto_targets.py``: LLaMA-3-8B bf16, batch 16 x 8192, meta, on
 1 x 8 H100): the whole batch traced (the trace itself, then what torchalpa does with it:
-functionalizing, the OpGraph, its code), 2 micro-batches traced and derived and the two
-compared (the search's check of the micro-batch derivation), 4 micro-batches derived, and
+functionalizing, the OpGraph, its code), 2 micro-batches (``--first``) derived and checked
+(the search's check of the micro-batch derivation: a tree with ``rebatch_check`` records
+the step's ops at both counts, and traces only where they cannot vouch; an older tree
+traces that count and compares), 4 micro-batches (8 where ``--first`` is 4) derived, and
 four checkpointing / parameters-gathered-again variants derived, as the search derives
 them. Each side runs in a child process, alternately (before, after, before, ...), and
 reports its own CPU seconds (``time.process_time``) per stage; the ratios are after /
@@ -12,7 +14,7 @@ generated code): the run fails (exit 1) unless the two sides made the same captu
 
     git archive <commit> | tar -x -C /tmp/base
     OMP_NUM_THREADS=1 python benchmarks/capture_cpu_ab.py /tmp/base [--layers 32] [--rounds 2] \
-        [--model llama3_70b]
+        [--model llama3_70b] [--first 128]
 
 ``--model``: another LLaMA of the zoo (``llama3_70b``: target e's model, its batch 128 x 8192);
 the two traces are also shown per layer (CPU s / ``--layers``).
@@ -31,11 +33,11 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGES = ["trace", "after the trace", "check: trace", "check: derive + compare",
+STAGES = ["trace", "after the trace", "check: trace", "check: the rest",
           "micro-batch derivation", "variants", "total"]
 
 
-def child(layers: int, model_name: str = "llama3_8b") -> dict:
+def child(layers: int, model_name: str = "llama3_8b", first: int = 2) -> dict:
     """Run in the child: every stage's CPU seconds and the captures' hash."""
     import hashlib
     import time
@@ -64,8 +66,16 @@ def child(layers: int, model_name: str = "llama3_8b") -> dict:
     with torch.device("meta"):
         model = with_precision(w.build(), torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
     batch = w.example_inputs(device="meta")
+    try:     # a tree with records checking the derivation (r11-derive) uses them, as the search
+        from torchalpa.frontends.rebatch_check import RecordCheck
+        from torchalpa.frontends.torch_export import record_step
+        check = RecordCheck(
+            lambda k: record_step(model, capture_examples(model, batch, k), w.loss_fn))
+    except ImportError:
+        check = None
     steps = rebatch.MicroBatchSteps(
-        lambda k: capture_step(model, capture_examples(model, batch, k), w.loss_fn))
+        lambda k: capture_step(model, capture_examples(model, batch, k), w.loss_fn),
+        *([check] if check else []))
     digest = hashlib.sha256()
 
     def kept(captured):
@@ -83,21 +93,23 @@ def child(layers: int, model_name: str = "llama3_8b") -> dict:
             spent["after the trace"] += cpu - traced
         elif name == "check":
             spent["check: trace"] += traced
-            spent["check: derive + compare"] += cpu - traced
+            spent["check: the rest"] += cpu - traced
         else:
             spent[name] += cpu
         spent["total"] += cpu
         return out
 
+    second = 4 if first != 4 else 8
     stage("whole", lambda: steps(1))
-    stage("check", lambda: steps(2))
-    stage("micro-batch derivation", lambda: steps(4))
+    stage("check", lambda: steps(first))
+    stage("micro-batch derivation", lambda: steps(second))
     variants = [(1, "full", False), (2, "full:4", False), (2, "full:4", True), (4, "none", True)]
     made = stage("variants", lambda: [derived_capture(steps(k), r, g) for k, r, g in variants])
-    for captured in [steps(1), steps(2), steps(4), *made]:
+    for captured in [steps(1), steps(first), steps(second), *made]:
         kept(captured)
     return {"seconds": spent, "hash": digest.hexdigest()[:16], "checked": steps.checked,
-            "derived": sorted(steps.derived), "nodes": len(steps(1).graph)}
+            "derived": sorted(steps.derived), "nodes": len(steps(1).graph),
+            "vouched": getattr(steps, "vouched", False)}
 
 
 def _linked_tree(base: str, into: str) -> str:
@@ -117,10 +129,12 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--model", default="llama3_8b", choices=("llama3_8b", "llama3_70b"))
+    p.add_argument("--first", type=int, default=2,
+                   help="the micro-batch count checked (target e's search: 128)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.layers, args.model)))
+        print(json.dumps(child(args.layers, args.model, args.first)))
         return 0
     if not args.base:
         p.error("give the tree before (a git archive of the commit to compare with)")
@@ -140,7 +154,8 @@ def main() -> int:
                 # the script from this tree, run as a file: the child imports torchalpa
                 # from PYTHONPATH (the tree before) or the installed one (this tree)
                 out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                                      "--layers", str(args.layers), "--model", args.model],
+                                      "--layers", str(args.layers), "--model", args.model,
+                                      "--first", str(args.first)],
                                      env=env, cwd=cwd,
                                      capture_output=True, text=True, check=True)
                 got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -148,7 +163,7 @@ def main() -> int:
                 print(f"  round {r + 1} {side:6s}: " + ", ".join(
                     f"{k} {v:.2f}" for k, v in got["seconds"].items())
                     + f" (CPU s; hash {got['hash']}, checked {got['checked']}, derived "
-                    f"{got['derived']}, load {os.getloadavg()[0]:.1f})")
+                    f"{got['derived']}, vouched {got.get('vouched')}, load {os.getloadavg()[0]:.1f})")
     print(f"{'stage':28s} {'before s':>9s} {'after s':>9s} {'after/before':>13s}")
     for stage in STAGES:
         b = sum(x["seconds"][stage] for x in runs["before"]) / args.rounds

@@ -15,6 +15,8 @@ A torch model and its loss (``torch_export``, through torch.export's joint graph
 - ``opset``: which ATen ops a step is made of, and what each costs.
 - ``repeated``: the step's repeated layers, so passes can share one decision per kind.
 - ``rebatch``: the step at 1/k of the batch derived from its capture, not traced again.
+- ``op_record``: the ops a step dispatches, recorded on meta tensors without tracing.
+- ``rebatch_check``: two such records vouch that a derived micro-batch step is the traced one.
 - ``provenance`` / ``naming``: where each op came from (module path, source line) and
   names a person recognizes for its values.
 

@@ -26,19 +26,22 @@ by ``k``, a parameter's gradient or an updated buffer whose shape changed.
 
 Those checks look at numbers one by one and cannot see every way Python code turns the
 batch size into a number (``loss.sum() / (x.shape[0] * 3)``), nor a model whose Python
-branches on it. So a derivation is only trusted once it has been checked against a trace:
-``MicroBatchSteps`` traces the first micro-batch count it is asked for, derives the same
-count from the capture it has, and derives later counts only if the two are the same step
-(every op, argument, shape and line of generated code; a number that depends on the
-batch differs between the two batch sizes). A number that takes the same value at both
-batch sizes is taken not to depend on the batch.
+branches on it. So a derivation is only trusted once it has been checked: ``MicroBatchSteps``
+derives the first micro-batch count it is asked for and checks it -- by records of the
+step's ops at the two batch sizes where its caller gives a ``check``
+(``frontends/rebatch_check.py``: the step's Python run on ``meta`` tensors, a tenth of a
+trace), else, or where those cannot vouch, by tracing that count too and comparing
+(every op, argument, shape and line of generated code) -- and derives later counts only if
+the check found the derived step the traced one (a number that depends on the batch
+differs between the two batch sizes). A number that takes the same value at both batch
+sizes is taken not to depend on the batch.
 
-Since that comparison decides, ``MicroBatchSteps`` derives with ``trust_numbers``: a number
+Since that check decides, ``MicroBatchSteps`` derives with ``trust_numbers``: a number
 equal to a batch-carrying size by coincidence is kept as it is rather than refusing --
 RoPE's ``arange(0, 128, 2)`` (head dim 128) beside a batch of 128 made LLaMA-3-70B's
 target (batch 128) trace every micro-batch count. Were the number the batch, the derived
-step would keep it where the traced one halves it, and the comparison refuses the
-derivation as it refuses ``/ (batch * 3)``.
+step would keep it where the traced one halves it, and the check refuses the derivation
+as it refuses ``/ (batch * 3)``.
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ from torchalpa.frontends.block_remat import copied_codegen, lazy_graph_module
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.torch_export import Capture, to_opgraph
 
-__all__ = ["rebatched_capture", "CannotRebatch", "MicroBatchSteps", "same_step"]
+__all__ = ["rebatched_capture", "CannotRebatch", "MicroBatchSteps", "same_step", "view_rescaled",
+           "expand_rescaled"]
 
 log = logging.getLogger("torchalpa.capture")
 
@@ -77,16 +81,22 @@ class MicroBatchSteps:
     ``trace(k)``, or derived from a count already made (``rebatched_capture``) once a
     derivation has been found to give the traced step.
 
-    The first count that could be derived is traced *and* derived, and the two compared
-    (``same_step``): a number in the graph that depends on the batch (``mse_loss``'s
-    ``2 / numel``, a user's ``/ batch``) differs between them, and then every later count
-    is traced as well. ``derived``: the counts made without a trace."""
+    The first count that could be derived is derived and checked: by ``check(captured,
+    base, k)`` where one is given (``rebatch_check.RecordCheck``: records of the step's
+    ops at both counts vouch for it, or say why not -- a tenth of a trace), else, or where
+    it cannot vouch, by tracing that count too and comparing the two (``same_step``): a
+    number in the graph that depends on the batch (``mse_loss``'s ``2 / numel``, a user's
+    ``/ batch``) differs between them, and then every later count is traced as well.
+    ``derived``: the counts made without a trace."""
 
-    def __init__(self, trace: Callable[[int], Capture]):
+    def __init__(self, trace: Callable[[int], Capture],
+                 check: Callable[[Capture, int, int], str | None] | None = None):
         self.trace = trace
+        self.check = check
         self.captures: dict[int, Capture] = {}
         self.checked: bool | None = None    # None: no derivation compared with a trace yet
         self.derived: set[int] = set()
+        self.vouched = False                # the check (not a trace) found it the traced one
 
     def __call__(self, k: int) -> Capture:
         if k not in self.captures:
@@ -100,6 +110,17 @@ class MicroBatchSteps:
         derived = rebatched_capture(self.captures[base], k // base, trust_numbers=True)
         if derived is None:
             return self.trace(k)
+        if not self.checked and self.check is not None:
+            start = time.perf_counter()
+            reason = self.check(self.captures[base], base, k)
+            seconds = time.perf_counter() - start
+            if reason is None:
+                log.info("the step derived at %d micro-batches checked without a trace "
+                         "(%.2fs)", k, seconds)
+                self.checked = self.vouched = True
+            else:
+                log.info("the step derived at %d micro-batches is checked by a trace (%s; "
+                         "%.2fs)", k, reason, seconds)
         if self.checked:
             self.derived.add(k)
             return derived
@@ -291,52 +312,70 @@ class _Rebatch:
 
     def view_sizes(self, n: fx.Node, a: tuple, b: tuple) -> list[int]:
         """A view's sizes at the new batch (``a``, ``b``: its input's shape before, now)."""
-        old_sizes = list(cast(Sequence[int], n.args[1]))
-        old_out = tuple(n.meta["val"].shape)
-        if a == b:
-            return old_sizes
-        groups = _groups(a, old_out)
-        if groups is None:
-            raise CannotRebatch(f"view {n.name}: {a} -> {old_out} has no common refinement")
-        out = list(old_out)
-        for ins, outs in groups:
-            changed = [d for d in ins if a[d] != b[d]]
-            if not changed:
-                continue
-            if len(changed) > 1 or a[changed[0]] % max(b[changed[0]], 1) or b[changed[0]] == 0:
-                raise CannotRebatch(f"view {n.name}: several dims of one group shrank")
-            d = changed[0]
-            k = a[d] // b[d]
-            big_in = [x for x in ins if a[x] != 1]
-            big_out = [x for x in outs if old_out[x] != 1]
-            if not big_out:
-                raise CannotRebatch(f"view {n.name}: the batch lands in no dim")
-            if len(big_out) > 1 and (big_in[0] != d or n.args[0] in self.marked):
-                raise CannotRebatch(f"view {n.name} splits a dim whose leading factor may not "
-                                    "be the batch")
-            if len(big_in) > 1 and big_in[0] != d:
-                self.marked.add(n)
-            target = big_out[0]
-            if out[target] % k:
-                raise CannotRebatch(f"view {n.name}: dim {target} does not divide by {k}")
-            out[target] //= k
-        return [-1 if s == -1 else out[i] for i, s in enumerate(old_sizes)]
+        sizes, merged = view_rescaled(n.name, list(cast(Sequence[int], n.args[1])), a, b,
+                                      tuple(n.meta["val"].shape), n.args[0] in self.marked)
+        if merged:
+            self.marked.add(n)
+        return sizes
 
     def expand_sizes(self, n: fx.Node, a: tuple, b: tuple) -> list[int]:
         """An expand's sizes at the new batch (``a``, ``b``: its input's shape before, now)."""
-        old_sizes = list(cast(Sequence[int], n.args[1]))
-        offset = len(old_sizes) - len(a)
-        sizes = []
-        for p, s in enumerate(old_sizes):
-            d = p - offset
-            if d >= 0 and a[d] != 1:
-                sizes.append(-1 if s == -1 else b[d])
-            elif s in self.scaled and not self.trust_numbers:
-                raise CannotRebatch(f"expand {n.name} broadcasts to {s}, a size the batch "
-                                    "runs through")
-            else:
-                sizes.append(s)
-        return sizes
+        return expand_rescaled(n.name, list(cast(Sequence[int], n.args[1])), a, b,
+                               None if self.trust_numbers else self.scaled)
+
+
+def view_rescaled(name: str, old_sizes: list[int], a: tuple, b: tuple, old_out: tuple,
+                  marked: bool) -> tuple[list[int], bool]:
+    """A view's sizes where its input's shape went from ``a`` to ``b`` (``old_sizes``, its
+    sizes before, made ``old_out``; ``marked``: its input may not lead with the batch), and
+    whether the batch stops leading in its result (a merge where it was not first)."""
+    if a == b:
+        return old_sizes, False
+    groups = _groups(a, old_out)
+    if groups is None:
+        raise CannotRebatch(f"view {name}: {a} -> {old_out} has no common refinement")
+    out, merged = list(old_out), False
+    for ins, outs in groups:
+        changed = [d for d in ins if a[d] != b[d]]
+        if not changed:
+            continue
+        if len(changed) > 1 or a[changed[0]] % max(b[changed[0]], 1) or b[changed[0]] == 0:
+            raise CannotRebatch(f"view {name}: several dims of one group shrank")
+        d = changed[0]
+        k = a[d] // b[d]
+        big_in = [x for x in ins if a[x] != 1]
+        big_out = [x for x in outs if old_out[x] != 1]
+        if not big_out:
+            raise CannotRebatch(f"view {name}: the batch lands in no dim")
+        if len(big_out) > 1 and (big_in[0] != d or marked):
+            raise CannotRebatch(f"view {name} splits a dim whose leading factor may not "
+                                "be the batch")
+        if len(big_in) > 1 and big_in[0] != d:
+            merged = True
+        target = big_out[0]
+        if out[target] % k:
+            raise CannotRebatch(f"view {name}: dim {target} does not divide by {k}")
+        out[target] //= k
+    return [-1 if s == -1 else out[i] for i, s in enumerate(old_sizes)], merged
+
+
+def expand_rescaled(name: str, old_sizes: list[int], a: tuple, b: tuple,
+                    scaled: set[int] | None) -> list[int]:
+    """An expand's sizes where its input's shape went from ``a`` to ``b``: the input's
+    new sizes, the broadcast ones kept (refused where one is in ``scaled``, the sizes the
+    batch runs through; None: numbers trusted)."""
+    offset = len(old_sizes) - len(a)
+    sizes = []
+    for p, s in enumerate(old_sizes):
+        d = p - offset
+        if d >= 0 and a[d] != 1:
+            sizes.append(-1 if s == -1 else b[d])
+        elif scaled is not None and s in scaled:
+            raise CannotRebatch(f"expand {name} broadcasts to {s}, a size the batch "
+                                "runs through")
+        else:
+            sizes.append(s)
+    return sizes
 
 
 def _batch_number(v: float, sizes: set[int]) -> bool:

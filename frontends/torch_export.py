@@ -70,6 +70,7 @@ from torchalpa.frontends.functionalize import (
 from torchalpa.frontends.joint_graph import ancestor_names
 from torchalpa.frontends.merged_batch import lift_merged_batch_products
 from torchalpa.frontends.naming import argument_names
+from torchalpa.frontends.op_record import RecordedOp, record_ops
 from torchalpa.frontends.opset import (
     FusedCalls,
     decompositions,
@@ -89,8 +90,8 @@ from torchalpa.frontends.provenance import (
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.restride import reshape_plain_restrides
 
-__all__ = ["Capture", "capture", "CaptureError", "split_inputs", "trace_ops", "ForwardCapture",
-           "capture_forward", "unchanged_ops"]
+__all__ = ["Capture", "capture", "record_step", "CaptureError", "split_inputs", "trace_ops",
+           "ForwardCapture", "capture_forward", "unchanged_ops"]
 
 log = logging.getLogger("torchalpa.capture")
 
@@ -244,6 +245,67 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
     (``frontends/param_remat.py``: ZeRO-3 gathers them again instead of keeping forward's).
     Activation checkpointing rewrites a capture: ``frontends/block_remat.py``.
     """
+    joint = _joint_step(model, example_inputs, loss_fn, signature, capture.__code__)
+    param_names, buffer_names = joint.param_names, joint.buffer_names
+    start = time.perf_counter()
+    gm = _trace_joint(joint.make, joint.trainable, joint.frozen, joint.batch,
+                      joint.provenance, joint.num_inputs)
+    traced = time.perf_counter()
+    kinds = ([("param", k) for k in param_names] + [("buffer", k) for k in buffer_names]
+             + [("input", name) for name in joint.input_names])
+    gm, updates = _functional(gm, kinds, joint.provenance)
+    if rematerialize_parameters:
+        from torchalpa.frontends.param_remat import rematerialize_parameter_views
+        rematerialize_parameter_views(gm, len(param_names))
+    graph = _opgraph(gm, kinds, [k for k in buffer_names if k in updates])
+    graph.check()
+    seconds = time.perf_counter() - start
+    log.info("captured %s in %.2fs (trace %.2fs)", graph.summary(), seconds, traced - start)
+    return Capture(graph=graph, gm=gm, param_names=param_names, buffer_names=buffer_names,
+                   input_names=joint.input_names, seconds=seconds,
+                   buffer_updates=[k for k, _ in graph.outputs.buffer_updates],
+                   signature=joint.signature)
+
+
+def record_step(model: torch.nn.Module, example_inputs: Sequence | Mapping,
+                loss_fn: Callable | None = None, *, signature: CallSignature | None = None
+                ) -> list[RecordedOp]:
+    """The ops ``capture`` would trace for this step, run on ``meta`` copies of the
+    parameters, buffers and inputs instead of traced (``frontends/op_record.py``): the same
+    joint function under the same modes and decompositions, at a tenth of a trace's cost.
+    Raises what the run raises (a step ``capture`` traces through its backward is one)."""
+    joint = _joint_step(model, example_inputs, loss_fn, signature, record_step.__code__)
+
+    def on_meta(t: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        return torch.empty_strided(tuple(t.shape), t.stride(), dtype=t.dtype,
+                                   device="meta").requires_grad_(grad)
+    params = [on_meta(p, True) for _, p in joint.trainable]
+    buffers = [on_meta(b) for _, b in joint.frozen]
+    batch = [on_meta(x) if isinstance(x, torch.Tensor) else x for x in joint.batch]
+    with joint.provenance.tracing(), device_neutral_kernels():
+        return record_ops(joint.make(False), (params, buffers, *batch), decompositions())
+
+
+@dataclass
+class _Joint:
+    """The joint step ``capture`` traces, and what it needs around it."""
+
+    make: Callable[[bool], Callable]   # through_backward -> (params, buffers, *batch) -> outs
+    trainable: list
+    frozen: list
+    batch: tuple
+    provenance: Provenance
+    num_inputs: int
+    param_names: list[str]
+    buffer_names: list[str]
+    input_names: list[str]
+    signature: CallSignature
+
+
+def _joint_step(model: torch.nn.Module, example_inputs: Sequence | Mapping,
+                loss_fn: Callable | None, signature: CallSignature | None, caller) -> _Joint:
+    """``capture``'s joint function of ``model`` and ``loss_fn`` on ``example_inputs``;
+    ``caller``: the code object whose frame ends the search for the user's line."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if signature is None:
@@ -283,25 +345,9 @@ def capture(model: torch.nn.Module, example_inputs: Sequence | Mapping,
         return joint
 
     provenance = Provenance(model, stop=[make_joint(False).__code__, _loss_of.__code__,
-                                         capture.__code__])
-    start = time.perf_counter()
-    gm = _trace_joint(make_joint, trainable, frozen, (*inputs, *targets), provenance,
-                      num_inputs)
-    traced = time.perf_counter()
-    kinds = ([("param", k) for k in param_names] + [("buffer", k) for k in buffer_names]
-             + [("input", name) for name in input_names])
-    gm, updates = _functional(gm, kinds, provenance)
-    if rematerialize_parameters:
-        from torchalpa.frontends.param_remat import rematerialize_parameter_views
-        rematerialize_parameter_views(gm, len(param_names))
-    graph = _opgraph(gm, kinds, [k for k in buffer_names if k in updates])
-    graph.check()
-    seconds = time.perf_counter() - start
-    log.info("captured %s in %.2fs (trace %.2fs)", graph.summary(), seconds, traced - start)
-    return Capture(graph=graph, gm=gm, param_names=param_names, buffer_names=buffer_names,
-                   input_names=input_names, seconds=seconds,
-                   buffer_updates=[k for k, _ in graph.outputs.buffer_updates],
-                   signature=signature)
+                                         caller])
+    return _Joint(make_joint, trainable, frozen, (*inputs, *targets), provenance, num_inputs,
+                  param_names, buffer_names, input_names, signature)
 
 
 @dataclass

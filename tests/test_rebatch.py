@@ -4,8 +4,9 @@ generated code, and the same loss and gradients on real numbers, for the losses 
 write (mean and summed MSE and cross-entropy, ignored targets, masked means, divisions by
 the batch); what could hold the batch as a number is traced again instead, and a
 derivation is trusted only once it matched a trace. AutoParallel's search traces the
-model twice (the whole batch, then the first micro-batch count, to check the derivation)
-and plans as if it had traced each count."""
+model once (the whole batch; records of the step's ops at two counts, or else a trace of
+the first micro-batch count, check the derivation) and plans as if it had traced each
+count."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 import torchalpa
 import torchalpa.models as zoo
 from torchalpa.frontends import rebatch
-from torchalpa.frontends.torch_export import capture
+from torchalpa.frontends.rebatch_check import RecordCheck
+from torchalpa.frontends.torch_export import capture, record_step
 from torchalpa.parallel import auto
 
 
@@ -232,10 +234,10 @@ def test_the_search_traces_once_and_plans_as_if_it_traced_each_count(monkeypatch
                 for k in (1, 2, 3)]
 
     derived = plans()
-    assert len(traces) == 2          # the whole batch, and 2 micro-batches (the check)
+    assert len(traces) == 1          # the whole batch; records of the ops check the rest
     monkeypatch.setattr(rebatch, "rebatched_capture", lambda captured, k, **_: None)
     traced = plans()
-    assert len(traces) == 5          # without the derivation: one trace per count
+    assert len(traces) == 4          # without the derivation: one trace per count
     assert derived == traced
 
 
@@ -277,3 +279,87 @@ def test_every_step_the_search_hands_on_is_the_one_other_ranks_trace():
                                     option, k, None)
         assert captured.graph.fingerprint() == other_rank.graph.fingerprint(), (k, remat)
         assert captured.gm.code == other_rank.gm.code, (k, remat)
+
+
+def _checked_steps(model, batch, loss_fn):
+    """``MicroBatchSteps`` as the search makes them (records check the derivation), and
+    the counts it traced."""
+    traces = []
+
+    def part(k):
+        return tuple(x[: x.shape[0] // k] for x in batch)
+
+    def trace(k):
+        traces.append(k)
+        return capture(model, part(k), loss_fn)
+
+    return rebatch.MicroBatchSteps(trace, RecordCheck(
+        lambda k: record_step(model, part(k), loss_fn))), traces
+
+
+# losses where a number in the step depends on the batch (the records must not vouch):
+# a mean's scale, a division by the batch, or a sum's gradient broadcast to the batch
+FROM_THE_BATCH = ("mse_mean", "l1_mean", "mean", "over_the_batch", "over_numel",
+                  "over_three_batches", "masked_mean")
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_records_vouch_only_for_steps_that_are_the_traced_ones(loss):
+    """A derivation the records vouch for is the step traced at each count (op for op and
+    on real numbers), with the whole batch the only trace; where a number comes from the
+    batch they do not vouch, and the trace at the first count decides, as before."""
+    model, batch, loss_fn = _mlp_step(loss)
+    steps, traces = _checked_steps(model, batch, loss_fn)
+    for k in (1, 2, 3, 6):
+        part = tuple(x[: x.shape[0] // k] for x in batch)
+        traced = capture(model, part, loss_fn)
+        assert rebatch.same_step(steps(k), traced), (loss, k)
+        for got, want in zip(_run(steps(k), model, part), _run(traced, model, part),
+                             strict=True):
+            assert torch.equal(got, want), (loss, k)
+    assert steps.vouched == (loss not in FROM_THE_BATCH), loss
+    if steps.vouched:
+        assert traces == [1] and steps.derived == {2, 3, 6}, loss
+    if loss in ("over_three_batches", "mse_mean"):
+        assert traces == [1, 2, 3, 6] and steps.checked is False, loss
+
+
+class _BatchConstant(nn.Module):
+    """A tensor made from a Python number of the batch: a constant in one trace (inlined
+    after it, so no recorded op holds it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x) / torch.tensor(float(x.shape[0] * 3))
+
+
+@pytest.mark.parametrize("module", [_Token, _Zeros, _BatchConstant, _Rotary])
+def test_a_number_from_the_batch_never_slips_through_the_records(module):
+    """What the records say of steps holding the batch as a number in every way the
+    derivation keeps it (a broadcast to the batch, a constant's size, a constant's
+    value), and of RoPE's ``arange(0, 8, 2)`` beside a batch of 8 (no number of the
+    batch: vouched). Dropping the comparison of numbers would vouch for all four."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = module()
+    batch = (torch.empty(8, 8, device="meta"), torch.empty(8, 8, device="meta"))
+    whole = capture(model, batch, F.mse_loss)
+    check = RecordCheck(lambda k: record_step(
+        model, tuple(x[: x.shape[0] // k] for x in batch), F.mse_loss))
+    reason = check(whole, 1, 2)
+    # mse_loss's mean divides by the batch's numel: every module but RoPE's holds it too
+    assert reason is not None, module
+    sums = RecordCheck(lambda k: record_step(
+        model, tuple(x[: x.shape[0] // k] for x in batch), LOSSES["mse_sum"][0]))
+    whole = capture(model, batch, LOSSES["mse_sum"][0])
+    assert (sums(whole, 1, 2) is None) == (module is _Rotary), module
+    steps, traces = _checked_steps(model, batch, LOSSES["mse_sum"][0])
+    for k in (1, 2, 4):
+        assert rebatch.same_step(steps(k), capture(model, tuple(x[: 8 // k] for x in batch),
+                                                   LOSSES["mse_sum"][0])), (module, k)
+    assert steps.vouched == (module is _Rotary), module
+    if module is _Rotary:
+        assert traces == [1] and steps.derived == {2, 4}

@@ -14,8 +14,10 @@ search
    fill and drain, ``(k + S - 1) / k``);
    candidates that cannot fit are refused there;
 3. solves the rest in the order of their time bounds -- each micro-batch size derived
-   from that capture too (``frontends/rebatch.py``: the first one traced as well and the
-   two compared; traced where they differ or the derivation cannot be sure) -- until
+   from that capture too (``frontends/rebatch.py``: the first one checked by records of
+   the step's ops at both batch sizes, ``frontends/rebatch_check.py``, or where those
+   cannot vouch traced as well and the two compared; traced where they differ or the
+   derivation cannot be sure) -- until
    the next bound cannot beat the best plan by more than the tolerance (a plan is
    always found first when any fits). The search is bounded by work (the candidates'
    bounds, the solver's node limit ``AutoShardingOption.max_nodes``), not by seconds,
@@ -65,7 +67,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -225,10 +227,16 @@ class _Search:
         self.sharing: dict = {}
         self.profiles: dict = {}                       # remat -> its bounds (StepProfile)
         from torchalpa.frontends.rebatch import MicroBatchSteps
+        from torchalpa.frontends.rebatch_check import RecordCheck
+        from torchalpa.frontends.torch_export import record_step
         # micro-batch count -> its step: traced, or derived once a derivation was checked
-        self.captures = MicroBatchSteps(lambda k: capture_step(
-            self.model, capture_examples(self.model, self.tensors, k), self.loss_fn,
-            signature=self.signature))
+        # (by records of the step's ops at two counts, else by a second trace)
+        self.captures = MicroBatchSteps(
+            lambda k: capture_step(self.model, capture_examples(self.model, self.tensors, k),
+                                   self.loss_fn, signature=self.signature),
+            RecordCheck(lambda k: record_step(
+                self.model, capture_examples(self.model, self.tensors, k),
+                cast(Any, self.loss_fn), signature=self.signature)))
         self._markers: int | None = None                # pipeline-boundary markers in forward
         self.attempts: list[Attempt] = []
         self.plans: list[tuple[float, Plan | PipelinePlan, Candidate]] = []

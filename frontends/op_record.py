@@ -1,0 +1,103 @@
+"""The ops a step dispatches, recorded on ``meta`` tensors without tracing.
+
+``make_fx`` spends most of a capture recording proxies and fake tensors for each op; the
+same Python run eagerly on ``meta`` tensors costs about a tenth of it (LLaMA-3-70B's joint
+step at 8 layers: 0.18 s against 1.7 s CPU). ``record_ops`` runs a function that way under
+a dispatch mode that decomposes as the capture's trace does (the capture's decomposition
+table first, then an op's CompositeImplicit kernel) and keeps, per op that ran, what a
+traced graph's node would hold: the op, its arguments that are not tensors, and the shapes
+of its tensor arguments and results (``RecordedOp``).
+
+Two such records of one step at two batch sizes show every number the step computes from
+the batch (``frontends/rebatch_check.py`` compares them to vouch for a derived micro-batch
+step without a second trace).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["RecordedOp", "record_ops", "op_args", "DEVICE"]
+
+DEVICE = "<device>"
+"""What a device argument is recorded as: a step recorded on ``meta`` beside one traced on
+another device still reads alike, and no device depends on the batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedOp:
+    """One op a step ran: ``args``, its arguments with every tensor as its shape (a
+    ``tuple`` of ints) and every device as ``DEVICE``; ``out``, its results' shapes."""
+
+    target: Any
+    args: tuple
+    out: tuple
+
+
+def op_args(args: Any, shape_of: Callable[[Any], tuple | None]) -> tuple:
+    """The flattened arguments of an op as ``RecordedOp`` keeps them; ``shape_of`` gives a
+    tensor-like leaf's shape (None: not one)."""
+    flat, _ = tree_flatten(args)
+    kept = []
+    for a in flat:
+        shape = shape_of(a)
+        if shape is not None:
+            kept.append(("tensor", shape))
+        elif isinstance(a, torch.device):
+            kept.append(DEVICE)
+        else:
+            kept.append(a)
+    return tuple(kept)
+
+
+def _tensor_shape(a: Any) -> tuple | None:
+    return tuple(a.shape) if isinstance(a, torch.Tensor) else None
+
+
+_NOT_DECOMPOSED = (torch.ops.aten.size.default, torch.ops.aten.stride.default,
+                   torch.ops.aten.storage_offset.default)
+"""Ops ``make_fx`` never decomposes (as torch's ``proxy_call``)."""
+
+
+class _Recorder(TorchDispatchMode):
+    """Run each op on meta tensors, decomposed as ``make_fx`` decomposes it (the table,
+    then a CompositeImplicit kernel where autograd would have used it), and keep it."""
+
+    def __init__(self, table: Mapping):
+        super().__init__()
+        self.table = table
+        self.ops: list[RecordedOp] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        decomposition = self.table.get(func)
+        if decomposition is not None:
+            with self:
+                out = decomposition(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        if func not in _NOT_DECOMPOSED and autograd_would_have_decomposed(
+                func, tree_flatten((args, kwargs))[0]):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        self.ops.append(RecordedOp(func, op_args((args, kwargs), _tensor_shape),
+                                   op_args(out, _tensor_shape)))
+        return out
+
+
+def record_ops(fn: Callable, args: Sequence, table: Mapping) -> list[RecordedOp]:
+    """The ops ``fn(*args)`` runs (``args`` on ``meta``), decomposed by ``table`` as a
+    trace with that decomposition table decomposes them."""
+    recorder = _Recorder(table)
+    with recorder:
+        fn(*args)
+    return recorder.ops
