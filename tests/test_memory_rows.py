@@ -106,3 +106,64 @@ def test_the_rows_of_a_step_summing_micro_batches_count_the_sums_reduction(monke
         assert timeline[-1] == reduction
         assert max(memory.rows_bytes(memory.end, chosen)) == pytest.approx(reduction)
     assert plan.estimates.end_of_step_bytes_per_device == pytest.approx(reduction)
+
+
+def test_a_views_gathered_copies_are_the_same_whichever_points_were_asked_first(monkeypatch):
+    """``MemoryModel.view_terms`` prices each saved view's layouts once and reuses them at
+    every point (a stage ILP asks 8-9): the terms at each point, asked in step order with
+    one micro-batch in flight and then in reverse with three, are those a fresh model
+    gives when that point and count are asked first. The zoo GPT under tensor parallelism
+    with Megatron's styles pinned keeps gathered copies of views backward reads."""
+    import copy
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from torchalpa.models import gpt
+    from torchalpa.passes.sharding.costgraph import REGATHER_SAVED_VIEWS
+
+    rule = intra_op.forbidden_collectives
+    monkeypatch.setattr(intra_op, "forbidden_collectives",
+                        lambda option: rule(option) - {REGATHER_SAVED_VIEWS})
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")
+    config = gpt.GPTConfig(vocab_size=128, max_seq_len=64, num_layers=2, num_heads=4,
+                           hidden=64, dropout=0.0)
+    with torch.device("meta"):
+        model = gpt.GPT(config)
+    batch = gpt.example_batch(config, 2, seq_len=64, device="meta")
+    styles = {"h.*.attn.c_attn": ColwiseParallel(), "h.*.attn.c_proj": RowwiseParallel(),
+              "h.*.mlp.c_fc": ColwiseParallel(), "h.*.mlp.c_proj": RowwiseParallel()}
+    seen = []
+    solve = intra_op._solve_within_memory
+
+    def recording(graph, S, grouping, cg, memory, *args, **kwargs):
+        seen.append(memory)
+        return solve(graph, S, grouping, cg, memory, *args, **kwargs)
+
+    monkeypatch.setattr(intra_op, "_solve_within_memory", recording)
+    torchalpa.plan(model, batch, gpt.loss_fn, cluster=torchalpa.Cluster.h100(
+        devices_per_node=4), method=torchalpa.ShardParallel(
+        logical_mesh_shape=(4,), auto_sharding_option=torchalpa.AutoShardingOption(
+            sequence_parallel=True, pin=styles)))
+    assert seen
+
+    def terms(memory, t, in_flight):
+        fresh = copy.copy(memory)
+        fresh.in_flight, fresh._view_reads_of = in_flight, {}
+        return fresh.view_terms(t)
+
+    def same(a, b) -> bool:
+        return [(x.producer, x.copy_from.tolist(), x.pairs[0][0], x.pairs[0][1].tolist(),
+                 x.nbytes, x.key) for x in a] == \
+            [(x.producer, x.copy_from.tolist(), x.pairs[0][0], x.pairs[0][1].tolist(),
+              x.nbytes, x.key) for x in b]
+
+    found = 0
+    for memory in seen:
+        points = list(range(memory.end))
+        for in_flight, order in ((1, points), (3, points[::-1])):
+            memory.in_flight = in_flight
+            for t in order:
+                asked = memory.view_terms(t)
+                assert same(asked, terms(memory, t, in_flight)), (t, in_flight)
+                found += len(asked)
+    assert found > 0       # some point of some solve keeps a gathered copy

@@ -125,3 +125,26 @@ def test_a_worker_killed_mid_item_raises_instead_of_hanging():
     results alone would wait forever."""
     with pytest.raises(RuntimeError, match=r"exit code -9 \(killed"):
         stage_jobs.fork_map(_killed_at_two, [1, 2, 3, 4], workers=2)
+
+
+def _frozen(_):
+    """How many objects this process's collector has set apart (``gc.freeze``)."""
+    import gc
+    return gc.get_freeze_count()
+
+
+def test_a_worker_sets_what_it_inherited_apart_from_its_collector_and_the_caller_does_not():
+    """Both kinds of worker (``fork_map``'s and ``StageJobs``') freeze the objects the
+    fork gave them, so their collections scan only what their jobs make; the planning
+    process's own collector is left as it was."""
+    import gc
+    before = gc.get_freeze_count()
+    tracked = len(gc.get_objects())
+    assert stage_jobs.fork_map(_frozen, [1, 2], workers=2) == [pytest.approx(tracked, rel=0.5)] * 2
+    jobs = StageJobs(_frozen, workers=2)
+    try:
+        [inherited] = jobs.solve([("a", None)])
+    finally:
+        jobs.close()
+    assert inherited >= 0.5 * tracked
+    assert gc.get_freeze_count() == before

@@ -21,10 +21,16 @@ long the search takes, never what it finds. A guess still running when a round n
 worker is stopped (each job is its own forked process, so it can be). Without workers
 (one, or JAX loaded: ``can_fork``) the solves run here, in
 order, and nothing is guessed.
+
+A worker first sets what it inherited apart from its garbage collector (``_inherited``):
+its collections then scan only what its own jobs make, not the planning process's whole
+heap (the step's graphs, every candidate's strategies and cached solves), whose every
+object a full scan would also copy out of the pages the fork shares.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -241,8 +247,18 @@ def _feed(tasks: Any, items: Sequence[Any], num_workers: int) -> None:
         tasks.put(None)          # one stop sign per worker
 
 
+def _inherited() -> None:
+    """Set every object a forked worker inherited apart from its collector (``gc.freeze``:
+    one list move, no scan): the planning process made them and keeps them, so a
+    collection in the worker could only free cycles among them, which the worker's end
+    frees anyway; objects its jobs make are collected as before. When objects are
+    collected decides nothing a solve returns, so results do not change."""
+    gc.freeze()
+
+
 def _serve(fn: Callable[[Any], Any], tasks: Any, results: Any) -> None:
     """A ``fork_map`` worker: ``fn`` of each task until the stop sign."""
+    _inherited()
     while (task := tasks.get()) is not None:
         n, item = task
         try:
@@ -258,6 +274,7 @@ def _serve(fn: Callable[[Any], Any], tasks: Any, results: Any) -> None:
 
 
 def _child(run: Callable[[Any], Any], args: Any, conn: Connection) -> None:
+    _inherited()
     try:
         with clock_watch() as stops:
             value = run(args)

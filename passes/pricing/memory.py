@@ -617,6 +617,7 @@ class MemoryModel:
         self.state_at_start = state_at_start
         self._state_reads: list[_StateReads] | None = None
         self._copy_from: dict = {}       # (parameter, target layout) -> KeptTerm.copy_from
+        self._view_reads_of: dict[int, list] = {}   # view span -> ``_view_reads``
         self.statistics = statistics or {}
         """Attention forward -> the backward that reads the output and statistic it saved."""
         self.optimizer_states = optimizer_states
@@ -1019,32 +1020,49 @@ class MemoryModel:
         layout (``y >= x_copy_from + 2 x_view - 2``), alike views' bytes summed."""
         fe, waiting = self.forward_end, self.in_flight - 1
         merged: dict[tuple, list] = {}
-        for span in self.view_spans:
+        for n, span in enumerate(self.view_spans):
             if not (span.start <= t <= span.end or waiting and span.start <= fe <= span.end):
                 continue
-            u, v, spec = span.operand.node, span.view, self.graph.spec(span.operand)
-            src = np.array([local_bytes(spec, self.S[u][a].outputs[span.operand.index],
-                                        self.mesh_shape) for a in self.g.index[u]], dtype=float)
-            reads = [self.S[v][b].inputs[0] for b in self.g.index[v]]
-            for dst in dict.fromkeys(d for d in reads if d is not None):
-                whole = float(local_bytes(spec, dst, self.mesh_shape))
-                mask = np.array([d == dst for d in reads], dtype=bool)
-                grows = src < whole
-                if self.steps_of is not None:       # only where the read can reshard
-                    grows &= [self.steps_of(spec, self.S[u][a].outputs[span.operand.index],
-                                            dst) is not None for a in self.g.index[u]]
-                for size in np.unique(src[grows]):
-                    nbytes = copy_bytes(span, t, size, whole) + \
-                        waiting * copy_bytes(span, fe, size, whole)
-                    if nbytes:
-                        copy_from = grows & (src == size)
-                        key = (self.g.rep[u], copy_from.tobytes(), self.g.rep[v],
-                               mask.tobytes())
-                        found = merged.setdefault(key, [copy_from, mask, 0.0])
-                        found[2] += nbytes
+            for key, whole, copy_from, mask, size in self._view_reads(n):
+                nbytes = copy_bytes(span, t, size, whole) + \
+                    waiting * copy_bytes(span, fe, size, whole)
+                if nbytes:
+                    found = merged.setdefault(key, [copy_from, mask, 0.0])
+                    found[2] += nbytes
         return [KeptTerm(key[0], copy_from, ((key[2], mask, key[2], mask),), nbytes,
                          key=("view",) + key)
                 for key, (copy_from, mask, nbytes) in merged.items()]
+
+    def _view_reads(self, n: int) -> list[tuple[tuple, float, np.ndarray, np.ndarray, float]]:
+        """What ``view_terms`` reads of view span ``n`` at every point, made once per span:
+        (term key, the target layout's bytes, the producer's strategies writing ``size``
+        bytes that can reshard to it, the view's strategies reading it, ``size``), per
+        target layout and smaller size in ``view_terms``' order. Only the bytes at a point
+        depend on it: a stage ILP asks for 8-9 points, and pricing every strategy's
+        layouts again at each was a third of the CPU of GPT-39B's two-layer stage solves
+        (``benchmarks/stage_solve_ab.py``)."""
+        found = self._view_reads_of.get(n)
+        if found is not None:
+            return found
+        span = self.view_spans[n]
+        u, v, spec = span.operand.node, span.view, self.graph.spec(span.operand)
+        src = np.array([local_bytes(spec, self.S[u][a].outputs[span.operand.index],
+                                    self.mesh_shape) for a in self.g.index[u]], dtype=float)
+        reads = [self.S[v][b].inputs[0] for b in self.g.index[v]]
+        found = []
+        for dst in dict.fromkeys(d for d in reads if d is not None):
+            whole = float(local_bytes(spec, dst, self.mesh_shape))
+            mask = np.array([d == dst for d in reads], dtype=bool)
+            grows = src < whole
+            if self.steps_of is not None:       # only where the read can reshard
+                grows &= [self.steps_of(spec, self.S[u][a].outputs[span.operand.index],
+                                        dst) is not None for a in self.g.index[u]]
+            for size in np.unique(src[grows]):
+                copy_from = grows & (src == size)
+                found.append(((self.g.rep[u], copy_from.tobytes(), self.g.rep[v],
+                               mask.tobytes()), whole, copy_from, mask, size))
+        self._view_reads_of[n] = found
+        return found
 
     def _kept_upper(self) -> np.ndarray:
         """Bytes kept copies could hold at each point: per parameter, its largest read
