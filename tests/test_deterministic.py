@@ -58,6 +58,98 @@ def test_the_same_job_gives_the_same_plan_with_the_machine_slowed(gpt, monkeypat
     assert any(n.startswith("AutoParallel planned in") for n in first.notes)
 
 
+def _knapsack(n: int = 40, m: int = 6, seed: int = 0):
+    """A 0-1 multi-dimensional knapsack HiGHS does not close at its root (40 items, 6
+    capacities): a search its node limit stops short of the optimum."""
+    import numpy as np
+
+    from torchalpa.passes.sharding.ilp_model import LinearModel
+    rng = np.random.default_rng(seed)
+    weights = rng.integers(1, 1000, (m, n)).astype(float)
+    value = weights.sum(0) / m + rng.integers(0, 500, n)
+    model = LinearModel()
+    for i in range(n):
+        model.column(f"x{i:03d}", -float(value[i]), 1.0, True)
+    for row, capacity in zip(weights, np.floor(weights.sum(1) / 4)):
+        model.row([(j, float(w)) for j, w in enumerate(row)], -np.inf, float(capacity))
+    return model, weights, np.floor(weights.sum(1) / 4)
+
+
+def test_a_solve_stopped_by_its_node_limit_keeps_its_best_plan_at_any_load():
+    """The node limit is a stop by work: HiGHS ends with its incumbent (not a failure),
+    the same one with the machine slowed down, and the time limit (a safety net) is not
+    what stopped it."""
+    import numpy as np
+
+    from torchalpa.passes.sharding.ilp_highs import solve_with_highs
+    model, weights, capacity = _knapsack()
+    option = torchalpa.AutoShardingOption()
+
+    def solve(max_nodes):
+        return solve_with_highs(model, time_limit=option.time_limit, gap=None, verbose=False,
+                                max_nodes=max_nodes)
+
+    status, values, clock = solve(1)
+    hogs = _hogs(2)
+    try:
+        time.sleep(0.2)
+        slowed = solve(1)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    optimum = solve(None)
+    assert status == "Optimal" and not clock
+    assert (weights @ values <= capacity + 1e-6).all()
+    assert slowed[0] == status and np.array_equal(slowed[1], values) and not slowed[2]
+    # the limit bound: the search it stopped would have gone on to a better plan
+    cost = np.asarray(model.cost)
+    assert cost @ optimum[1] < cost @ values - 1.0
+
+
+@pytest.mark.slow       # a memory-bound ILP solved twice, once on a machine slowed down
+def test_a_node_limited_intra_op_plan_is_the_same_with_the_machine_slowed():
+    """A view whose ILP branches (a memory budget at half the free plan's peak) and whose
+    solves the node limit stops: the plan is the work's, the same with the machine
+    slowed."""
+    import highspy
+    from search_models import small_gpt_graph
+
+    from torchalpa.passes.sharding.intra_op import plan_intra_op
+    graph = small_gpt_graph(2)
+    mesh = torchalpa.Cluster.h100(1, 4).logical_mesh((4,))
+    free = plan_intra_op(graph, mesh, torchalpa.ShardParallel())
+    option = torchalpa.AutoShardingOption(
+        max_nodes=1, memory_budget_per_device=0.5 * free.estimates.memory_per_device_bytes)
+    stops: list[str] = []
+    run = highspy.Highs.run
+
+    def counted(h):
+        out = run(h)
+        stops.append(h.getModelStatus().name)
+        return out
+
+    def plan():
+        return plan_intra_op(graph, mesh, torchalpa.ShardParallel(auto_sharding_option=option))
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(highspy.Highs, "run", counted)
+        first = plan()
+        hogs = _hogs(2)
+        try:
+            time.sleep(0.2)
+            second = plan()
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
+    assert "kSolutionLimit" in stops        # the node limit ended solves of this job
+    assert _decision(first) == _decision(second)
+    assert first.estimates.step_time_s == second.estimates.step_time_s
+    assert first.estimates.memory_per_device_bytes <= option.memory_budget_per_device
+    assert not any(n.startswith(CLOCK_NOTE) for n in first.notes + second.notes)
+
+
 def test_the_safety_net_says_when_it_fired(gpt, monkeypatch):
     monkeypatch.setenv("TORCHALPA_CACHE", "0")
     model, batch, loss_fn = gpt

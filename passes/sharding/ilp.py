@@ -258,7 +258,8 @@ def solve_ilp(problem: ILPProblem, *, solver: str = "auto", time_limit: float | 
     if not run.solved:
         if run.status == "Not Solved":
             raise SolverStopped(f"the ILP solver stopped before it found a plan (time limit "
-                                f"{time_limit} s); a longer time_limit may find one")
+                                f"{time_limit} s, node limit {max_nodes}); a longer "
+                                f"time_limit or a larger max_nodes may find one")
         raise InfeasibleError(f"the ILP has no feasible solution (solver status: {run.status})")
     choice = reduced.complete(built.choice(run.values))
     # the objective of the problem as given, not of its reduced form

@@ -107,18 +107,25 @@ def _load(model: LinearModel, *, time_limit: float | None, gap: float | None, ve
 _STATUS = {
     "kOptimal": "Optimal", "kObjectiveBound": "Optimal", "kObjectiveTarget": "Optimal",
     "kInterrupt": "Optimal", "kTimeLimit": "Optimal", "kIterationLimit": "Optimal",
+    "kSolutionLimit": "Optimal",
     "kInfeasible": "Infeasible", "kUnboundedOrInfeasible": "Infeasible",
     "kUnbounded": "Unbounded",
 }
 """HiGHS model status -> PuLP's status name, as PuLP's HiGHS interface maps them (a time
-limit with a solution found counts as solved; anything else not listed as not solved)."""
+limit with a solution found counts as solved; anything else not listed as not solved),
+and the node limit too: HiGHS ends a search stopped by ``mip_max_nodes`` with
+``kSolutionLimit``, which PuLP's table lacks, and that stop by work keeps its incumbent
+(``max_nodes``: "the best plan found by then is used"), where it used to raise
+``SolverStopped`` as if no plan had been found."""
+_STOPPED = ("kTimeLimit", "kIterationLimit", "kInterrupt", "kSolutionLimit")
+"""Statuses of a run a limit ended: solved only where it holds an incumbent."""
 
 
 def _read(h: highspy.Highs) -> tuple[str, np.ndarray]:
     """(PuLP status name, column values in HiGHS's order); raises nothing."""
     status = h.getModelStatus()
     name = _STATUS.get(status.name, "Not Solved")
-    if name == "Optimal" and status.name in ("kTimeLimit", "kIterationLimit", "kInterrupt") \
+    if name == "Optimal" and status.name in _STOPPED \
             and not math.isfinite(h.getInfo().objective_function_value):
         name = "Not Solved"
     return name, np.asarray(h.getSolution().col_value, dtype=np.float64)

@@ -80,11 +80,14 @@ class AutoShardingOption:
     else CBC. On the convolutional nets of torchvision HiGHS is several times faster and
     CBC can stop without a plan on the unsimplified problem (benchmarks/RESULTS.md,
     "Intra-op solves")."""
-    time_limit: float | None = 60.0
+    time_limit: float | None = 3600.0
     """Seconds the solver may take: a safety net, not how the search is bounded (that is
     ``max_nodes``, which gives the same plan on any machine at any load). When it stops a
     solve, the plan's notes say so and the plan is not cached (a faster machine may find
-    a better one)."""
+    a better one). An hour: far above what any solve of the published targets takes on a
+    quiet machine (seconds to a minute), so that a loaded one (a 2-core VM at load 20 runs
+    a solve 10x slower) still stops by work; at 60 s the clock stopped LLaMA-3-8B's and
+    GPT-39B's solves at load 12-37 (benchmarks/RESULTS.md)."""
     max_nodes: int | None = 2000
     """Branch-and-bound nodes each solver run may explore (HiGHS' ``mip_max_nodes``,
     CBC's ``maxNodes``); the best plan found by then is used. Work, not seconds: the same
@@ -603,12 +606,14 @@ class AutoParallel:
     """Intra-op plans gather parameters again in backward (ZeRO-3, FSDP's reshard after
     forward; ``AutoShardingOption.rematerialize_parameters``): True or False fixes it,
     None weighs both."""
-    time_budget_s: float = 600.0
+    time_budget_s: float = 3600.0
     """A safety net, not how the search is bounded: the search stops by work (candidates'
     bounds, the solver's ``AutoShardingOption.max_nodes``), so it gives the same plan on
     any machine at any load. Past these seconds it starts no new candidate (the one being
     solved finishes with what is left; at least one is always solved), and the plan's
-    notes say the clock stopped it (such a plan is not cached)."""
+    notes say the clock stopped it (such a plan is not cached). An hour, as the solver's
+    ``time_limit``: at 600 s it fired on LLaMA-3-8B (1 x 8 H100, 286 s quiet) at load 18
+    and on GPT-39B (8 x 8) at load 12 on a 2-core VM, and the plan was then the clock's."""
     tolerance: float = 0.01
     """Stop once no remaining candidate's lower bound is below the best plan's estimate
     by more than this fraction. The candidates' intra-op ILPs stop within this relative
