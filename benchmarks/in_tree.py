@@ -47,11 +47,11 @@ def import_tree(root: str) -> None:
 
 
 def plan_text(plan, indent: int | None = None) -> str:
-    """``plan``'s JSON as two trees' plans compare: notes and timing figures left out (they
-    differ run to run), source paths by file name (each tree writes its own root), and the
-    solver's ``time_limit`` wherever an option records it: a safety net that shapes no
-    layout unless it fires (the notes say when), so two trees whose nets differ compare
-    alike."""
+    """``plan``'s JSON as two trees' plans compare: notes and timing figures left out, the
+    stages' own solve seconds too (they differ run to run), source paths by file name
+    (each tree writes its own root), and the solver's ``time_limit`` wherever an option
+    records it: a safety net that shapes no layout unless it fires (the notes say when),
+    so two trees whose nets differ compare alike."""
     d = json.loads(plan.to_json())
     d.pop("notes", None)
     _drop_time_limits(d)
@@ -61,6 +61,7 @@ def plan_text(plan, indent: int | None = None) -> str:
     import torchalpa
     root = os.path.dirname(os.path.dirname(os.path.abspath(torchalpa.__file__)))
     text = json.dumps(d, sort_keys=True, indent=indent)
+    text = re.sub(r'\n? *"(ilp|solve)_seconds": [^,\n}]*,?', "", text)   # stages' own
     text = text.replace(root + "/", "").replace(root.lstrip("/") + "/", "")
     return re.sub(r'"stack": "[^"]*?([^/"]+\.py:\d+)"', r'"stack": "\1"', text)
 
