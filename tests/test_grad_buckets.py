@@ -44,12 +44,10 @@ def _narrow_mlp(width: int, num_layers: int):
         return nn.Sequential(*layers), (torch.empty(2, width), torch.empty(2, width))
 
 
-@pytest.mark.parametrize("width", [256, 512])
-def test_the_priced_buckets_are_the_runtimes(monkeypatch, width):
-    """ZeRO-2 on 2 ranks, 8 layers: the gradients whose reduction copies are counted at
-    one point are exactly the members of one of the runtime's buckets (width 512: a
-    bucket of 12 gradients, one of 3 and the last bias alone; 256: 15 and one), and those
-    copies add up, for the solved plan, to the bucket's bytes there."""
+def _solved(monkeypatch, width: int, method):
+    """``method``'s plan of the 8-layer ``_narrow_mlp`` on 2 CPU ranks, solved (not read
+    from the cache), and the (graph, memory model, chosen strategies) of its last ILP
+    solve."""
     seen = []
     solve = intra_op._solve_within_memory
 
@@ -59,12 +57,24 @@ def test_the_priced_buckets_are_the_runtimes(monkeypatch, width):
         return solution, chosen
 
     monkeypatch.setattr(intra_op, "_solve_within_memory", recording)
-    monkeypatch.setenv("TORCHALPA_CACHE", "0")         # solved, not read back
-    plan = torchalpa.plan(*_narrow_mlp(width, 8), F.mse_loss, method=torchalpa.Zero2Parallel(),
-                          cluster=torchalpa.Cluster.local_cpu(2))
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")
+    try:
+        plan = torchalpa.plan(*_narrow_mlp(width, 8), F.mse_loss, method=method,
+                              cluster=torchalpa.Cluster.local_cpu(2))
+    finally:
+        monkeypatch.undo()
+    return plan, seen[-1]
+
+
+@pytest.mark.parametrize("width", [256, 512])
+def test_the_priced_buckets_are_the_runtimes(monkeypatch, width):
+    """ZeRO-2 on 2 ranks, 8 layers: the gradients whose reduction copies are counted at
+    one point are exactly the members of one of the runtime's buckets (width 512: a
+    bucket of 12 gradients, one of 3 and the last bias alone; 256: 15 and one), and those
+    copies add up, for the solved plan, to the bucket's bytes there."""
+    plan, (graph, memory, chosen) = _solved(monkeypatch, width, torchalpa.Zero2Parallel())
     runtime = {frozenset(b.params): b.bytes for b in gradient_buckets(plan)}
     assert len(runtime) >= 1 and max(len(m) for m in runtime) >= 3
-    graph, memory, chosen = seen[-1]
     live = memory.live
     at: dict[int, set[str]] = {}
     for transient, (_, reduced) in live.transient_of.items():
@@ -88,20 +98,7 @@ def test_data_parallel_buckets_are_held_from_the_steps_start_as_kept_buffers(mon
     the runtime forms; under ZeRO-2 (reduce-scatter, fresh buffers) none."""
     from torchalpa.passes.pricing.memory import _entry_bytes
     for method, expect_kept in ((torchalpa.DataParallel, True), (torchalpa.Zero2Parallel, False)):
-        seen = []
-        solve = intra_op._solve_within_memory
-
-        def recording(graph, S, grouping, cg, memory, *args, **kwargs):
-            solution, chosen = solve(graph, S, grouping, cg, memory, *args, **kwargs)
-            seen.append((graph, memory, chosen))
-            return solution, chosen
-
-        monkeypatch.setattr(intra_op, "_solve_within_memory", recording)
-        monkeypatch.setenv("TORCHALPA_CACHE", "0")     # solved, not read back
-        plan = torchalpa.plan(*_narrow_mlp(512, 8), F.mse_loss, method=method(),
-                              cluster=torchalpa.Cluster.local_cpu(2))
-        monkeypatch.undo()
-        graph, memory, chosen = seen[-1]
+        plan, (graph, memory, chosen) = _solved(monkeypatch, 512, method())
         live = memory.live
         sizes = _entry_bytes(graph, live, {k: s.outputs for k, s in chosen.items()},
                              memory.mesh_shape, memory.statistics)

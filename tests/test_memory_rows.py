@@ -42,6 +42,18 @@ def _solves(monkeypatch, model, batch, method, devices: int):
     return plan, seen
 
 
+
+def _rows_follow_the_timeline(graph, memory, chosen, mesh):
+    """Assert that each row before the optimizer step is the exact timeline's bytes there;
+    the timeline, the leaves' chosen layouts and the optimizer step's end-of-step bytes."""
+    timeline = intra_op._timeline(graph, memory, chosen, mesh, memory.optimizer_states)
+    for t in range(memory.end):
+        assert memory.rows_bytes(t, chosen) == [pytest.approx(timeline[t])], t
+    leaves = {k: s.outputs[0] for k, s in chosen.items() if graph.node(k).is_leaf}
+    end = end_of_step_bytes(graph, leaves, mesh.shape, memory.optimizer,
+                            memory.optimizer_states, device_type_of(mesh.backend))
+    return timeline, leaves, end
+
 METHODS = {
     "dp": (torchalpa.DataParallel, 2),
     "zero2": (torchalpa.Zero2Parallel, 2),
@@ -63,12 +75,7 @@ def test_the_rows_of_a_solved_plan_count_what_its_estimate_counts(monkeypatch, n
     assert seen
     ends = []
     for graph, memory, chosen, mesh in seen:
-        timeline = intra_op._timeline(graph, memory, chosen, mesh, memory.optimizer_states)
-        for t in range(memory.end):
-            assert memory.rows_bytes(t, chosen) == [pytest.approx(timeline[t])], t
-        leaves = {k: s.outputs[0] for k, s in chosen.items() if graph.node(k).is_leaf}
-        end = end_of_step_bytes(graph, leaves, mesh.shape, memory.optimizer,
-                                memory.optimizer_states, device_type_of(mesh.backend))
+        timeline, leaves, end = _rows_follow_the_timeline(graph, memory, chosen, mesh)
         assert end == timeline[-1] > 0
         assert max(memory.rows_bytes(memory.end, chosen)) == pytest.approx(end)
         ends.append(end)
@@ -94,12 +101,7 @@ def test_the_rows_of_a_step_summing_micro_batches_count_the_sums_reduction(monke
     assert seen
     for graph, memory, chosen, mesh in seen:
         assert not memory.grads_from_backward
-        timeline = intra_op._timeline(graph, memory, chosen, mesh, memory.optimizer_states)
-        for t in range(memory.end):
-            assert memory.rows_bytes(t, chosen) == [pytest.approx(timeline[t])], t
-        leaves = {k: s.outputs[0] for k, s in chosen.items() if graph.node(k).is_leaf}
-        update = end_of_step_bytes(graph, leaves, mesh.shape, memory.optimizer,
-                                   memory.optimizer_states, device_type_of(mesh.backend))
+        timeline, leaves, update = _rows_follow_the_timeline(graph, memory, chosen, mesh)
         reduction = sum_reduction_bytes(graph, leaves, {k: s.outputs for k, s in chosen.items()},
                                         mesh.shape, memory.optimizer_states)
         assert reduction > update > 0
