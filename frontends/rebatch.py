@@ -97,6 +97,7 @@ class MicroBatchSteps:
         self.checked: bool | None = None    # None: no derivation compared with a trace yet
         self.derived: set[int] = set()
         self.vouched = False                # the check (not a trace) found it the traced one
+        self.check_trace: int | None = None  # the count traced to compare a derivation with
 
     def __call__(self, k: int) -> Capture:
         if k not in self.captures:
@@ -125,11 +126,31 @@ class MicroBatchSteps:
             self.derived.add(k)
             return derived
         traced = self.trace(k)
+        self.check_trace = k
         self.checked = same_step(derived, traced)
         if not self.checked:
             log.info("the step derived at %d micro-batches is not the traced one (a number "
                      "in it depends on the batch): every count is traced", k)
         return traced
+
+
+    def how_made(self) -> str:
+        """Which counts were traced and which derived, and what vouched for the derivation
+        (records of the step's ops, or a trace it was compared with), for the plan's notes."""
+        traced = sorted(set(self.captures) - self.derived)
+        text = f"{_listed(traced) or 'none'} traced"
+        if self.derived:
+            by = ("records of the step's ops at two batch sizes" if self.vouched
+                  else f"the trace at {self.check_trace} micro-batches")
+            text += f", {_listed(self.derived)} derived (checked by {by})"
+        elif self.checked is False:
+            text += (f" (the derivation differed from the trace at {self.check_trace} "
+                     "micro-batches: a number in the step depends on the batch)")
+        return text
+
+
+def _listed(numbers) -> str:
+    return ", ".join(str(n) for n in sorted(numbers))
 
 
 def same_step(a: Capture, b: Capture) -> bool:

@@ -147,8 +147,12 @@ def test_micro_batch_steps_are_the_traced_ones_in_graph_and_numbers(loss):
         # nothing in these steps depends on the batch as a number: 1 traced, 2 traced and
         # checked, the rest derived
         assert traces == [1, 2] and steps.derived == {3, 6}, loss
+        assert steps.how_made() == ("1, 2 traced, 3, 6 derived (checked by the trace at 2 "
+                                    "micro-batches)"), loss
     if loss == "over_three_batches":      # the check finds 1 / 36 where 1 / 18 was traced
         assert steps.checked is False and steps.derived == set() and traces == [1, 2, 3, 6]
+        assert steps.how_made().startswith("1, 2, 3, 6 traced (the derivation differed "
+                                           "from the trace at 2 micro-batches"), loss
     if loss == "mse_mean":
         # the derivation trusts numbers (mse_loss's 2 / numel kept), the comparison with
         # the trace at 2 finds the number halved there, and nothing is derived
@@ -320,6 +324,8 @@ def test_records_vouch_only_for_steps_that_are_the_traced_ones(loss):
     assert steps.vouched == (loss not in FROM_THE_BATCH), loss
     if steps.vouched:
         assert traces == [1] and steps.derived == {2, 3, 6}, loss
+        assert steps.how_made() == ("1 traced, 2, 3, 6 derived (checked by records of the "
+                                    "step's ops at two batch sizes)"), loss
     if loss in ("over_three_batches", "mse_mean"):
         assert traces == [1, 2, 3, 6] and steps.checked is False, loss
 

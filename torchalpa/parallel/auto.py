@@ -877,8 +877,8 @@ class _Search:
         steps = self.captures
         return (f"AutoParallel planned in {total:.1f} s: " + ", ".join(parts)
                 + f", the rest {max(rest, 0.0):.1f} s"
-                + f"; the step made at micro-batch counts {_listed(steps.captures)} "
-                  f"({_listed(steps.derived) or 'none'} derived, the rest traced)"
+                + f"; the step at micro-batch counts {_listed(steps.captures)}: "
+                  f"{steps.how_made()}"
                 + (f"; intra-op views solved in up to {cpu_workers()} processes"
                    if "intra-op ILPs" in self.seconds and cpu_workers() > 1 else "")
                 + (f"; {self.settled} views settled by other candidates' answers (no ILP)"
