@@ -107,6 +107,26 @@ def test_a_solve_stopped_by_its_node_limit_keeps_its_best_plan_at_any_load():
     assert cost @ optimum[1] < cost @ values - 1.0
 
 
+def test_pulps_highs_stopped_by_its_node_limit_keeps_its_best_plan_too():
+    """The same stop through PuLP's HiGHS (the path when the ``direct_highs`` switch is
+    off): its status table lacked the node limit's status and raised ``KeyError``; now the
+    incumbent is kept, feasible, and the optimum is dearer to reach."""
+    import numpy as np
+
+    from torchalpa.passes.sharding import ilp
+    model, weights, capacity = _knapsack()
+    cost = np.asarray(model.cost)
+
+    def solve(max_nodes):
+        return ilp._solve_with_pulp(model, ilp._make_solver("highs", None, None,
+                                                            max_nodes=max_nodes))
+
+    stopped, optimum = solve(1), solve(None)
+    assert stopped.status == "Optimal" and stopped.solved and not stopped.clock_stopped
+    assert (weights @ stopped.values <= capacity + 1e-6).all()
+    assert cost @ optimum.values < cost @ stopped.values - 1.0
+
+
 @pytest.mark.slow       # a memory-bound ILP solved twice, once on a machine slowed down
 def test_a_node_limited_intra_op_plan_is_the_same_with_the_machine_slowed():
     """A view whose ILP branches (a memory budget at half the free plan's peak) and whose

@@ -163,9 +163,30 @@ def _make_solver(solver: str, time_limit: float | None, gap: float | None,
         if max_nodes is None:
             return pulp.HiGHS(msg=solver_verbose(), timeLimit=time_limit, gapRel=gap,
                               threads=1, random_seed=0, warmStart=warm)
-        return pulp.HiGHS(msg=solver_verbose(), timeLimit=time_limit, gapRel=gap, threads=1,
-                          random_seed=0, warmStart=warm, mip_max_nodes=int(max_nodes))
+        return _NodeLimitedHiGHS(msg=solver_verbose(), timeLimit=time_limit, gapRel=gap,
+                                 threads=1, random_seed=0, warmStart=warm,
+                                 mip_max_nodes=int(max_nodes))
     raise ValueError(f"solver must be 'cbc' or 'highs', got {solver!r}")
+
+
+class _NodeLimitedHiGHS(pulp.HiGHS):
+    """PuLP's HiGHS with a node limit: a search its limit stopped (HiGHS'
+    ``kSolutionLimit``, missing from PuLP's status table, where it raised ``KeyError``)
+    keeps its incumbent as the direct path does (``ilp_highs``) -- a stop by work, the same
+    plan at any load -- or reports no plan where it had none."""
+
+    def findSolutionValues(self, lp):
+        import highspy
+        model = lp.solverModel
+        if model.getModelStatus() != highspy.HighsModelStatus.kSolutionLimit:
+            return super().findSolutionValues(lp)
+        if not math.isfinite(model.getObjectiveValue()) or \
+                model.getInfo().primal_solution_status != 2:     # 2: a feasible point
+            return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+        values = model.getSolution().col_value
+        for var in lp.variables():
+            var.varValue = values[var.index]
+        return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
 
 
 def _fold_edges(costs: dict[str, np.ndarray], edges: list[Edge]) -> tuple[list[Edge], float]:
