@@ -58,8 +58,8 @@ def in_flight(actions: list[Action]) -> int:
 def check_schedule(schedule: list[list[Action]], num_micro_batches: int) -> None:
     """Raise if the schedule cannot run: an action waits on one that never comes first.
 
-    Simulates stages in lock step: an action runs when the data it needs exists (F m on
-    stage s needs F m of s-1; B m needs F m here and B m of s+1).
+    Runs it through ``simulate`` at no cost: an action runs when the data it needs exists
+    (F m on stage s needs F m of s-1; B m needs F m here and B m of s+1).
     """
     S = len(schedule)
     for s, actions in enumerate(schedule):
@@ -68,25 +68,7 @@ def check_schedule(schedule: list[list[Action]], num_micro_batches: int) -> None
                       [("B", m) for m in range(num_micro_batches)])
         if want != full:
             raise ValueError(f"stage {s} does not run each forward and backward exactly once")
-    done: set[tuple[int, str, int]] = set()
-    pos = [0] * S
-    while any(pos[s] < len(schedule[s]) for s in range(S)):
-        progressed = False
-        for s in range(S):
-            if pos[s] == len(schedule[s]):
-                continue
-            kind, m = schedule[s][pos[s]]
-            if kind == "F":
-                ready = s == 0 or (s - 1, "F", m) in done
-            else:
-                ready = (s, "F", m) in done and (s == S - 1 or (s + 1, "B", m) in done)
-            if ready:
-                done.add((s, kind, m))
-                pos[s] += 1
-                progressed = True
-        if not progressed:
-            stuck = {s: schedule[s][pos[s]] for s in range(S) if pos[s] < len(schedule[s])}
-            raise ValueError(f"the schedule deadlocks: stages wait on {stuck}")
+    simulate(schedule, [0.0] * S, [0.0] * S)
 
 
 def simulate(schedule: list[list[Action]], forward_s: list[float], backward_s: list[float],
@@ -119,5 +101,6 @@ def simulate(schedule: list[list[Action]], forward_s: list[float], backward_s: l
                 pos[s] += 1
                 progressed = True
         if not progressed:
-            raise ValueError("the schedule deadlocks")
+            stuck = {s: schedule[s][pos[s]] for s in range(S) if pos[s] < len(schedule[s])}
+            raise ValueError(f"the schedule deadlocks: stages wait on {stuck}")
     return out
