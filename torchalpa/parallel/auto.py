@@ -19,7 +19,12 @@ search
    cannot vouch traced as well and the two compared; traced where they differ or the
    derivation cannot be sure) -- until
    the next bound cannot beat the best plan by more than the tolerance (a plan is
-   always found first when any fits). The search is bounded by work (the candidates'
+   always found first when any fits). Once a plan is in hand, a pipeline candidate is
+   also bounded by its stages before its layer ILPs (``_Search.stage_bound``,
+   ``passes/pipeline_search/shape_bound.py``: the fill and drain of any cut of its
+   layers, each stage's launches, kernel floors and host time, its states on its
+   devices, from its own capture) and not solved where that cannot beat the plan by more
+   than the tolerance either. The search is bounded by work (the candidates'
    bounds, the solver's node limit ``AutoShardingOption.max_nodes``), not by seconds,
    so the same job gives the same plan on any machine at any load;
    ``time_budget_s`` is only a safety net, and when it fires the plan's notes say so
