@@ -19,7 +19,12 @@ search
    cannot vouch traced as well and the two compared; traced where they differ or the
    derivation cannot be sure) -- until
    the next bound cannot beat the best plan by more than the tolerance (a plan is
-   always found first when any fits). The search is bounded by work (the candidates'
+   always found first when any fits). Once a plan is in hand, a pipeline candidate is
+   also bounded by its stages before its layer ILPs (``_Search.stage_bound``,
+   ``passes/pipeline_search/shape_bound.py``: the fill and drain of any cut of its
+   layers, each stage's launches, kernel floors and host time, its states on its
+   devices, from its own capture) and not solved where that cannot beat the plan by more
+   than the tolerance either. The search is bounded by work (the candidates'
    bounds, the solver's node limit ``AutoShardingOption.max_nodes``), not by seconds,
    so the same job gives the same plan on any machine at any load;
    ``time_budget_s`` is only a safety net, and when it fires the plan's notes say so
@@ -107,6 +112,10 @@ SETTLED = "views settled without an ILP: "
 LP_CUT_NOTE = "AutoParallel did not solve these views, their LP bounds above its plan: "
 """How the note naming the views cut by their LP bounds begins
 (``SearchSwitches.view_bounds``)."""
+
+
+STAGE_BOUND = "cannot beat "
+"""How an attempt's detail begins when its stages' bound refused it (``stage_bound``)."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +235,7 @@ class _Search:
         # the candidates before found on that view (``plan_intra_op(sharing=)``)
         self.sharing: dict = {}
         self.profiles: dict = {}                       # remat -> its bounds (StepProfile)
+        self.stage_bounds: dict[tuple, float] = {}     # pipeline -> ``stage_bound``
         from torchalpa.frontends.rebatch import MicroBatchSteps
         from torchalpa.frontends.rebatch_check import RecordCheck
         from torchalpa.frontends.torch_export import record_step
@@ -462,6 +472,33 @@ class _Search:
                              pipe_fast.assumed_s + (1 - kept) * (pipe_slow.assumed_s
                                                                  - pipe_fast.assumed_s)))
 
+    def stage_bound(self, c: Candidate) -> float:
+        """Pipeline candidate ``c``'s step time no plan of it beats, by its stages
+        (``passes/pipeline_search/shape_bound.py``: the fill and drain of any cut of its
+        layers, each stage's launches, floors and host time, its states on its devices),
+        from ``c``'s own capture and the layers its search would cut; at least ``c.bound_s``.
+        Kept per candidate and what else it depends on (the budget, the options)."""
+        key = (c, self.budget(), self.method.optimizer_states, self.method.layer_option,
+               self.method.auto_sharding_option.elementwise)
+        if key not in self.stage_bounds:
+            from torchalpa.passes.pipeline_search.layers import assign_layers
+            from torchalpa.passes.pipeline_search.shape_bound import (
+                layer_floors,
+                pipeline_floor_s,
+            )
+            assert isinstance(self.cluster, Cluster), "pipelines are planned on a Cluster"
+            graph = self.capture(c.num_micro_batches, c.remat, c.regather).graph
+            with self.timed("bounds"):
+                method = PipeshardParallel(num_micro_batches=c.num_micro_batches,
+                                           layer_option=self.method.layer_option)
+                layer = assign_layers(graph, method, self.cluster.num_devices)
+                floors = layer_floors(
+                    graph, layer, self.cluster, optimizer_states=self.method.optimizer_states,
+                    eager=self.method.auto_sharding_option.elementwise != "fused")
+                self.stage_bounds[key] = max(c.bound_s, pipeline_floor_s(
+                    floors, self.cluster.num_devices, c.num_micro_batches, self.budget()))
+        return self.stage_bounds[key]
+
     # -- solving -----------------------------------------------------------------------
     def sharding_option(self, c: Candidate):
         """The ``AutoShardingOption`` ``c``'s ILPs are solved under: the search's, with
@@ -680,6 +717,12 @@ class _Search:
             if not c.exact:
                 self.requeue_exact(candidates, i)
                 continue
+            if best is not None and c.kind == "pipeline" and \
+                    self.stage_bound(c) * (1 + self.method.tolerance) >= best[0]:
+                self.attempts.append(Attempt(c, "not needed", detail=(
+                    f"{STAGE_BOUND}{self.stage_bound(c):.4g} s/step (its stages' fill and "
+                    "drain, launches and host time; a bound)")))
+                continue
             settled = self.settled_views(c)
             if len(settled) == len(self.meshes):
                 self.settled += len(settled)
@@ -873,6 +916,7 @@ class _Search:
         cut = sum(1 for a in self.attempts if a.detail.startswith(SETTLED) and
                   LP_CUT in a.detail)
         cut_text = f", every view of {cut} candidates" if cut else ""
+        staged = sum(1 for a in self.attempts if a.detail.startswith(STAGE_BOUND))
         from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
         steps = self.captures
         return (f"AutoParallel planned in {total:.1f} s: " + ", ".join(parts)
@@ -884,6 +928,8 @@ class _Search:
                 + (f"; {self.settled} views settled by other candidates' answers (no ILP)"
                    if self.settled else "")
                 + (f"; {settled} candidates settled without an ILP" if settled else "")
+                + (f"; {staged} pipeline candidates refused by their stages' bound, "
+                   "before their layer ILPs" if staged else "")
                 + (f"; LP bounds: {self.bounded_views} views bounded, "
                    f"{sum(map(len, self.cut.values()))} cut (no ILP){cut_text}"
                    if self.bounded_views else ""))
