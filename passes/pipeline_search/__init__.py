@@ -9,6 +9,7 @@ pipeline's plan.
 - ``stages``: the dynamic program itself, layers -> stages -> submeshes.
 - ``search_problem``: what the search plans, and what follows from it once.
 - ``search_keys``: the search's records (a stage candidate, how it is planned, its key).
+- ``shape_bound``: a pipeline shape's lower bound by its stages, before any layer is solved.
 - ``stage_costs``: additive stage estimates from the layers' plans.
 - ``exact_stages``: exact stage prices, a range of layers planned by its own ILP.
 - ``given_stages``: stages given instead of searched (by hand, or uniform).

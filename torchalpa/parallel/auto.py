@@ -705,14 +705,9 @@ class _Search:
                 self.attempts += [Attempt(r, "no time") for r in candidates[i:]]
                 self.clock_fired = True
                 break
-            tighter = self.does_not_fit_either(c)
-            if tighter is not None:
-                self.attempts.append(Attempt(c, "not needed", detail=(
-                    f"{tighter.describe()} does not fit, and this recomputes less")))
-                continue
-            by = self.dominating(c)
-            if by is not None:
-                self.attempts.append(Attempt(c, "dominated", detail=by.describe()))
+            refused = self.refusal(c)
+            if refused is not None:
+                self.attempts.append(refused)
                 continue
             if not c.exact:
                 self.requeue_exact(candidates, i)
@@ -768,6 +763,18 @@ class _Search:
                                              time.perf_counter() - start))
                 self.plans.append((step_s, plan, c))
                 progress.done = f"est {step_s:.4g} s/step"
+
+    def refusal(self, c: Candidate) -> Attempt | None:
+        """Why ``c`` need not be solved, from what the candidates before it found: a
+        candidate that recomputes more did not fit, or one solved dominates it."""
+        tighter = self.does_not_fit_either(c)
+        if tighter is not None:
+            return Attempt(c, "not needed", detail=(
+                f"{tighter.describe()} does not fit, and this recomputes less"))
+        by = self.dominating(c)
+        if by is not None:
+            return Attempt(c, "dominated", detail=by.describe())
+        return None
 
     def requeue_exact(self, candidates: list[Candidate], i: int) -> None:
         """Candidate ``i``, bounded by another mode's capture, with its own bounds: refused
