@@ -284,9 +284,9 @@ def test_the_end_of_a_step_on_two_ranks_is_priced(tmp_path):
     whole over the two ranks (gloo's copy of it, for the reduce-scatter in flight), is
     held beside the block it leaves, and the last bucket is packed beside its members
     (``memory.scatter_copies``, at the bucket's packing): the estimate 218.2 MB, the
-    measured peak 218.2 MB, or 235.0 where gloo's thread, still busy with a bucket's
-    transfer, copies it while the next is packed (a race, both seen: 0.93-1.00); 0.80-0.86
-    without the transient copy."""
+    measured peak 218.2 MB on both ranks (0.80-0.86 without the transient copy). Before
+    the measurement saw the frees gloo's thread makes (``runtime/measurement/settle.py``)
+    some ranks read 235.0 here."""
     import worker_io
     r = worker_io.launch_checked("end_of_step_worker.py", tmp_path / "end_of_step.json",
                                  "dp:0,zero2:0", nproc=2)
@@ -313,10 +313,9 @@ def test_a_bucket_of_many_gradients_and_a_step_of_two_micro_batches_are_priced(t
     sums reduced after the last backward (``passes/pricing/sum_reduction.py``):
     ``DataParallel`` 167.98 MB against 172.22 measured (142.77 without: the kept buckets'
     flat buffers beside the sums); ``Zero2Parallel`` 125.98 against 134.38 (117.56
-    without), the rest the parameters' gather at the step's start (its packed shards and
-    gloo's copy, not priced) -- or against 168.0 on runs where a rank still holds the
-    gathered parameters' buffers (50.4 MB) when the sums are reduced (a race not priced:
-    the ratio's floor is not asserted there)."""
+    without), the rest the parameters' gather at the step's start (its packed shards,
+    the gathered buffer and gloo's copy of it, not priced). The 168.0 some ranks read
+    before was the measurement's: gloo's thread freed the gathered buffers, unrecorded."""
     import worker_io
     r = worker_io.launch_checked("end_of_step_worker.py", tmp_path / "buckets.json",
                                  "zero2:512x8m1,dp:512x8m1,dp:512x8m2,zero2:512x8m2", nproc=2)
@@ -329,4 +328,22 @@ def test_a_bucket_of_many_gradients_and_a_step_of_two_micro_batches_are_priced(t
         assert 0.95 <= x["estimate"] / x["measured"] <= 1.05, x
     for x in r["zero2:512x8m2"]["ranks"]:
         assert x["end_of_step"] == x["estimate"] > x["liveness_peak"], x
-        assert x["estimate"] <= 1.10 * x["measured"], x
+        assert 0.90 <= x["estimate"] / x["measured"] <= 1.10, x
+
+
+@pytest.mark.slow
+def test_gathered_parameters_are_measured_as_freed_where_the_step_frees_them(tmp_path):
+    """ZeRO-3 gathers each parameter where forward reads it and again in backward; ZeRO-2
+    with micro-batches gathers them once at the step's start. A gathered weight read by
+    one matmul, or a bucket packed for one collective, is often last held by gloo's work,
+    on gloo's thread, whose frees the profiler does not see: measured that way, some
+    ranks and runs read 0.67-0.81 of the estimate (the gathered buffers seemingly held to
+    the step's end). With the frees made on the measuring thread
+    (``runtime/measurement/settle.py``) every rank reads 0.93-1.07 (2 gloo ranks, ~60 s)."""
+    import worker_io
+    scenarios = "zero3:512x8m1,zero3:512x8m4,zero3:1024x4m2,zero2:512x8m4,zero2:1024x4m2"
+    r = worker_io.launch_checked("end_of_step_worker.py", tmp_path / "gathered.json",
+                                 scenarios, nproc=2)
+    for name in scenarios.split(","):
+        for x in r[name]["ranks"]:
+            assert 0.90 <= x["estimate"] / x["measured"] <= 1.10, (name, x)

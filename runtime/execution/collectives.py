@@ -8,7 +8,9 @@ into its two halves so the wait moves to the first use. A local program is thus 
 ATen ops plus these calls: printable, traceable, and counted by ``runtime.measurement.comm_count``.
 Each issue half also reports to ``runtime.measurement.traffic`` (the bytes ``pm.last_step_stats()``
 measures, and the labels of a profiler's timeline).
-Inputs are made contiguous first, as the collectives require.
+Inputs are made contiguous first, as the collectives require. While memory is measured,
+each half also tells ``runtime.measurement.settle`` what it handed over and waited for, so
+that the collective's tensors are freed on this thread, where the profiler sees it.
 
 ``step_call`` maps one plan step (``plan.ReshardStep``) to its function and arguments,
 which the lowering emits into a graph (and tests call eagerly).
@@ -23,6 +25,7 @@ import torch
 
 from torchalpa.core.placement import is_shard, split_factor_of, stacked_strided
 from torchalpa.core.plan import ReshardStep
+from torchalpa.runtime.measurement.settle import settle, track, uses_before
 from torchalpa.runtime.measurement.traffic import issued, wait_label
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_chunk",
@@ -46,27 +49,33 @@ def issue_all_reduce(x: torch.Tensor, reduce_op: str, group_name: str, *,
     in-place collective: a pipeline stage's compiled ``reduce_grads`` failed on it)."""
     with issued("all_reduce", x, group_name):
         if in_place and x.is_contiguous() and not torch.compiler.is_compiling():
-            return _c10d.all_reduce_(x, reduce_op, group_name)
-        return _c10d.all_reduce(x.contiguous(), reduce_op, group_name)
+            return track(x, uses_before(x), _c10d.all_reduce_(x, reduce_op, group_name))
+        x = x.contiguous()
+        return track(x, uses_before(x), _c10d.all_reduce(x, reduce_op, group_name))
 
 
 def finish_all_reduce(handle: torch.Tensor) -> torch.Tensor:
     with wait_label("all_reduce"):
-        return _c10d.wait_tensor(handle)
+        out = _c10d.wait_tensor(handle)
+    settle(out)
+    return out
 
 
 def issue_all_gather(x: torch.Tensor, dim: int, group_size: int, group_name: str
                      ) -> torch.Tensor:
     """Start gathering every rank's block (stacked along dim 0 by the collective)."""
     del dim   # the blocks are moved to ``dim`` by the finish half
+    x = x.contiguous()
     with issued("all_gather", x, group_name, received_factor=group_size):
-        return _c10d.all_gather_into_tensor(x.contiguous(), group_size, group_name)
+        return track(x, uses_before(x),
+                     _c10d.all_gather_into_tensor(x, group_size, group_name))
 
 
 def finish_all_gather(handle: torch.Tensor, dim: int, group_size: int) -> torch.Tensor:
     """Wait, then concatenate the ranks' blocks along ``dim``."""
     with wait_label("all_gather"):
         out = _c10d.wait_tensor(handle)
+    settle(out)
     return out if dim == 0 else torch.cat(torch.chunk(out, group_size, dim=0), dim=dim)
 
 
@@ -75,13 +84,17 @@ def issue_reduce_scatter(x: torch.Tensor, dim: int, reduce_op: str, group_size: 
     """Start reducing across ranks, each keeping its block of ``dim``."""
     if dim != 0:
         x = torch.cat(torch.chunk(x, group_size, dim=dim), dim=0)
+    x = x.contiguous()
     with issued("reduce_scatter", x, group_name, received_factor=1 / group_size):
-        return _c10d.reduce_scatter_tensor(x.contiguous(), reduce_op, group_size, group_name)
+        return track(x, uses_before(x),
+                     _c10d.reduce_scatter_tensor(x, reduce_op, group_size, group_name))
 
 
 def finish_reduce_scatter(handle: torch.Tensor) -> torch.Tensor:
     with wait_label("reduce_scatter"):
-        return _c10d.wait_tensor(handle)
+        out = _c10d.wait_tensor(handle)
+    settle(out)
+    return out
 
 
 def issue_all_to_all(x: torch.Tensor, src_dim: int, dim: int, group_size: int,
@@ -91,13 +104,15 @@ def issue_all_to_all(x: torch.Tensor, src_dim: int, dim: int, group_size: int,
     send = torch.cat(torch.chunk(x, group_size, dim=dim), dim=0).contiguous()
     splits = [send.shape[0] // group_size] * group_size
     with issued("all_to_all", send, group_name):
-        return _c10d.all_to_all_single(send, splits, splits, group_name)
+        return track(send, uses_before(send),
+                     _c10d.all_to_all_single(send, splits, splits, group_name))
 
 
 def finish_all_to_all(handle: torch.Tensor, src_dim: int, group_size: int) -> torch.Tensor:
     """Wait, then join the received blocks along ``src_dim``."""
     with wait_label("all_to_all"):
         recv = _c10d.wait_tensor(handle)
+    settle(recv)
     return torch.cat(torch.chunk(recv, group_size, dim=0), dim=src_dim)
 
 

@@ -12,5 +12,7 @@
 - ``host_memory``: this process's resident set size and its high-water mark.
 - ``allocated``: the bytes a function allocates at its peak, on any device (the profiler's
   allocation records summed in order), and what held them there.
+- ``settle``: while ``allocated`` records, a collective's tensors freed on the caller's
+  thread, where the profiler sees the free (gloo's worker thread is out of its sight).
 - ``baselines``: DDP and FSDP2, the hand-written baselines benchmarks compare against.
 """

@@ -6,6 +6,11 @@ free of PyTorch's allocators (CPU and CUDA alike) with its size and time: summin
 order gives the bytes held at each point, and their maximum the peak that ``fn`` added
 on top of what was allocated before it began. ``alive_at_peak`` says what held them: the
 top-level op (or autograd node) under which each block still alive there was allocated.
+
+The profiler records the frees of the thread it runs on, not those of gloo's worker
+threads: while it records, each collective's tensors are left for this thread to free
+(``settle``); else a tensor whose last reference gloo's thread dropped would count as
+held to the end of ``fn``, on some ranks and runs (a race).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from torchalpa.runtime.measurement.settle import settling
 
 __all__ = ["Allocated", "peak_allocated"]
 
@@ -47,7 +54,7 @@ def _events(prof) -> list[tuple[int, int, int, str]]:
 def peak_allocated(fn: Callable[[], object]) -> Allocated:
     """Run ``fn()`` under the profiler and return its allocation peak (``Allocated``)."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with settling(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = fn()
     events = _events(prof)
     held = peak = last = 0
