@@ -44,10 +44,11 @@ proved within 1 % of the stage's optimum, the AutoParallel search's own toleranc
 the ``UNIFORM_MARGIN`` that decided to price it. GPT-39B at 128 micro-batches (8 x 8
 H100): the uniform partition 4 stages on (2, 8) as (8, 2) is priced (84.10 s by its sums
 against the answer's 83.14 s), and its memory-bound stages (layers 0-3 with 4
-micro-batches in flight, 4-7 with 3; ~61k columns, 10k rows) reach 0.96 % at HiGHS' root
-(its sub-MIP heuristic), then spent minutes per branch-and-bound node proving the last
-percent at its default gap (1e-4), within the 500-node budget: hours, where the 60-s
-safety net used to stop them by the clock."""
+micro-batches in flight, 4-7 with 3; ~61k columns, 10k rows) took 470 + 576 s and 890 s
+(load 13): layers 4-7 reached 0.96 % at HiGHS' root (its sub-MIP heuristic), then spent
+about 40 s per branch-and-bound node toward the 500-node budget at HiGHS' default gap
+(1e-4), where the 60-s safety net used to stop such solves by the clock. With the gap:
+the same plan of that candidate at half its CPU (benchmarks/RESULTS.md, r12-stagesolve)."""
 
 
 @dataclass(frozen=True)
