@@ -1,7 +1,8 @@
 """The uniform partitions' stage solves run within their own work budget, a node limit
-(``stage_search.UNIFORM_MAX_NODES``); the stages the DP picks keep the method's node
-limit; both keep the method's time limit (the safety net). Every stage solve of the
-search skips the unsimplified re-solve on large stages (``stage_solve.SEARCH_RESOLVE_BELOW``).
+(``stage_search.UNIFORM_MAX_NODES``) and a relative gap (``stage_solve.BUDGETED_GAP``);
+the stages the DP picks keep the method's node limit and gap; both keep the method's time
+limit (the safety net). Every stage solve of the search skips the unsimplified re-solve on
+large stages (``stage_solve.SEARCH_RESOLVE_BELOW``).
 
 On GPT-15B the uniform partitions' unsimplified stage re-solves took most of the search
 (20-85 s each, several at the 60 s limit) for stages at most 0.75 % faster."""
@@ -56,7 +57,7 @@ def _record_stage_plans(monkeypatch, record) -> None:
 class _Budgeted:
     """One search with every uniform partition priced under ``BUDGET`` nodes: its plan,
     the budget each stage solve was asked with, each stage ILP plan's (budget asked, node
-    limit, time limit, exact_below), and the solves it cached."""
+    limit, time limit, exact_below, gap), and the solves it cached."""
 
     plan: PipelinePlan
     asked: list
@@ -77,7 +78,8 @@ def budgeted(gpt_graph) -> _Budgeted:
 
     def record(request):
         option = request.method.auto_sharding_option
-        limits.append((asked[-1], option.max_nodes, option.time_limit, option.exact_below))
+        limits.append((asked[-1], option.max_nodes, option.time_limit, option.exact_below,
+                       option.gap))
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(stage_search, "UNIFORM_MARGIN", math.inf)
@@ -90,10 +92,11 @@ def budgeted(gpt_graph) -> _Budgeted:
 
 
 def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(budgeted):
-    """Every stage solve asked for with a budget plans with that node limit, every other
-    one with the method's 2000, all with the method's time limit (its safety net); all re-solve
-    unsimplified below ``SEARCH_RESOLVE_BELOW`` nodes, not the method's 2000; with every
-    uniform partition priced, some are budgeted."""
+    """Every stage solve asked for with a budget plans with that node limit and stops at
+    ``BUDGETED_GAP``, every other one with the method's 2000 nodes and the solver's own
+    gap, all with the method's time limit (its safety net); all re-solve unsimplified below
+    ``SEARCH_RESOLVE_BELOW`` nodes, not the method's 2000; with every uniform partition
+    priced, some are budgeted."""
     plan, asked, limits = budgeted.plan, budgeted.asked, budgeted.limits
     assert plan.estimates.memory_per_device_bytes <= 0.05 * GB
     # the stages record the capped re-solve they were planned with; stage_options, what
@@ -106,9 +109,12 @@ def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(budgeted):
     below = stage_solve.SEARCH_RESOLVE_BELOW
     assert below < 2000
     net = torchalpa.AutoShardingOption().time_limit     # the method's safety net
-    assert limits and all((nodes, limit, below) == ((BUDGET, net, below) if budget is not None
-                                                    else (2000, net, below))
-                          for budget, nodes, limit, below in limits), limits
+    gap = stage_solve.BUDGETED_GAP
+    assert 0 < gap < stage_search.UNIFORM_MARGIN
+    assert limits and all(
+        (nodes, limit, resolve, stop) == ((BUDGET, net, below, gap) if budget is not None
+                                          else (2000, net, below, None))
+        for budget, nodes, limit, resolve, stop in limits), limits
 
 
 def test_a_budget_bounds_the_node_limit_it_never_raises_it(monkeypatch):
@@ -121,6 +127,11 @@ def test_a_budget_bounds_the_node_limit_it_never_raises_it(monkeypatch):
     unlimited = torchalpa.AutoShardingOption(solver="highs", max_nodes=None)
     assert stage_solve.search_option(unlimited, 300).max_nodes == 300
     assert stage_solve.search_option(option, 300).solver == "highs"
+    assert option.gap is None and stage_solve.search_option(option, None).gap is None
+    assert stage_solve.search_option(option, 300).gap == stage_solve.BUDGETED_GAP
+    wide = torchalpa.AutoShardingOption(solver="highs", gap=0.05)    # a user's wider gap
+    assert stage_solve.search_option(wide, 300).gap == 0.05
+    assert stage_solve.search_option(wide, None).gap == 0.05
     assert option.exact_below == 2000
     monkeypatch.setattr(stage_solve, "SEARCH_RESOLVE_BELOW", 600)
     assert stage_solve.search_option(option, None).exact_below == 600

@@ -46,9 +46,11 @@ UNIFORM_MAX_NODES: int | None = 500
 """Branch-and-bound nodes each ILP solve of a uniform partition's stage may explore
 (``StageSearch``), in place of the method's ``max_nodes`` where that is larger; None: no
 bound of its own. Those stages are priced only to offer the search an alternative, so
-their solves stop early: any feasible plan's time is an upper bound of the stage's
-optimum. A bound by work, not seconds, so the same search prices them alike at any load
-(the method's ``time_limit`` stays the safety net, reported in the plan's notes)."""
+their solves stop early (here, and where their plan is proved within
+``stage_solve.BUDGETED_GAP`` of the optimum): any feasible plan's time is an upper bound
+of the stage's optimum. Bounds by work, not seconds, so the same search prices them alike
+at any load (the method's ``time_limit`` stays the safety net, reported in the plan's
+notes)."""
 
 BOUND_TOLERANCE = 1e-9
 """How far (relative) a variant's LP bound must be above its stage's exact price for the

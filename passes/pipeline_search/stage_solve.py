@@ -22,7 +22,7 @@ from torchalpa.passes.sharding.ilp import InfeasibleError
 from torchalpa.passes.sharding.intra_op import plan_intra_op, step_time_lower_bound
 
 __all__ = ["StageRequest", "stage_request", "plan_stage", "search_option",
-           "stage_time_lower_bound", "SEARCH_RESOLVE_BELOW"]
+           "stage_time_lower_bound", "SEARCH_RESOLVE_BELOW", "BUDGETED_GAP"]
 
 SEARCH_RESOLVE_BELOW = 600
 """A stage the search prices exactly (the DP's picks and the uniform partitions') is also
@@ -35,6 +35,20 @@ GPT-39B (8 x 8 H100) the unsimplified re-solves were most of the search: 11-62 s
 1-13 s and came within 0.27 % of them (``benchmarks/stage_resolve.py``; the small case is
 ``tests/test_free_followers.py``). The tests' small GPT stages (134-589 nodes) are still re-solved: there the
 re-solve is cheap and once found a 5 % faster stage."""
+
+BUDGETED_GAP = 0.01
+"""Relative optimality gap (HiGHS' ``mip_rel_gap``) at which a budgeted stage solve (a
+uniform partition's stage, priced only to offer the search an alternative) stops, at
+least: a bound by work beside its node limit. A budgeted solve stops where its plan is
+proved within 1 % of the stage's optimum, the AutoParallel search's own tolerance, half
+the ``UNIFORM_MARGIN`` that decided to price it. GPT-39B at 128 micro-batches (8 x 8
+H100): the uniform partition 4 stages on (2, 8) as (8, 2) is priced (84.10 s by its sums
+against the answer's 83.14 s), and its memory-bound stages (layers 0-3 with 4
+micro-batches in flight, 4-7 with 3; ~61k columns, 10k rows) took 470 + 576 s and 890 s
+(load 13): layers 4-7 reached 0.96 % at HiGHS' root (its sub-MIP heuristic), then spent
+about 40 s per branch-and-bound node toward the 500-node budget at HiGHS' default gap
+(1e-4), where the 60-s safety net used to stop such solves by the clock. With the gap:
+the same plan of that candidate at half its CPU (benchmarks/RESULTS.md, r12-stagesolve)."""
 
 
 @dataclass(frozen=True)
@@ -101,12 +115,15 @@ def search_option(option: AutoShardingOption, budget: int | None) -> AutoShardin
     """``option`` for a stage solve of the search: no unsimplified re-solve above
     ``SEARCH_RESOLVE_BELOW`` nodes and, with ``budget`` branch-and-bound nodes (a uniform
     partition's stage, an alternative to the answer), its solver's node limit at most
-    that and no alternating re-solve of repeated blocks (``AutoShardingOption.
-    alternate_blocks``: on GPT-39B's 64-device row the slowest such stage, layers 0-1 with
-    4 micro-batches in flight, took 18.8 s with it and 10.1 s without, at the same
-    latency). A bound by work: the method's ``time_limit`` stays the only clock."""
+    that, its gap at least ``BUDGETED_GAP`` and no alternating re-solve of repeated blocks
+    (``AutoShardingOption.alternate_blocks``: on GPT-39B's 64-device row the slowest such
+    stage, layers 0-1 with 4 micro-batches in flight, took 18.8 s with it and 10.1 s
+    without, at the same latency). Bounds by work: the method's ``time_limit`` stays the
+    only clock."""
     below = min(option.exact_below, SEARCH_RESOLVE_BELOW)
     if budget is None:
         return option if below == option.exact_below else replace(option, exact_below=below)
     nodes = budget if option.max_nodes is None else min(option.max_nodes, budget)
-    return replace(option, max_nodes=nodes, exact_below=below, alternate_blocks=False)
+    gap = BUDGETED_GAP if option.gap is None else max(option.gap, BUDGETED_GAP)
+    return replace(option, max_nodes=nodes, gap=gap, exact_below=below,
+                   alternate_blocks=False)
