@@ -89,7 +89,9 @@ def test_the_rows_of_a_step_summing_micro_batches_count_the_sums_reduction(monke
     the larger of that reduction (the sums beside the reduced gradients, and under ZeRO-2
     the largest bucket packed beside its members) and the optimizer step, in the rows as in
     the estimate; the 8-layer MLP's 3-member buckets make the reduction the larger under
-    both plans at width 512."""
+    both plans at width 512. Under ZeRO-2 the parameters' gather before the first
+    micro-batch is larger still (the next test); the step's end is the largest of the
+    three."""
     from torchalpa.passes.pricing.sum_reduction import sum_reduction_bytes
     method, devices = METHODS[name]
     plan, seen = _solves(monkeypatch, *_narrow_mlp(), method(num_micro_batches=2), devices)
