@@ -312,10 +312,12 @@ def test_a_bucket_of_many_gradients_and_a_step_of_two_micro_batches_are_priced(t
     one storage with its raw sum). Two micro-batches: the
     sums reduced after the last backward (``passes/pricing/sum_reduction.py``):
     ``DataParallel`` 167.98 MB against 172.22 measured (142.77 without: the kept buckets'
-    flat buffers beside the sums); ``Zero2Parallel`` 125.98 against 134.38 (117.56
-    without), the rest the parameters' gather at the step's start (its packed shards,
-    the gathered buffer and gloo's copy of it, not priced). The 168.0 some ranks read
-    before was the measurement's: gloo's thread freed the gathered buffers, unrecorded."""
+    flat buffers beside the sums); ``Zero2Parallel`` 134.38 against 134.38: its peak is
+    the parameters' gather at the step's start (``passes/pricing/state_gather.py``: the
+    packed blocks, the gathered buffer and gloo's copy of it beside the parameters and
+    states), above the sums' reduction (125.98, the estimate before it was priced). The
+    168.0 some ranks read before was the measurement's: gloo's thread freed the gathered
+    buffers, unrecorded."""
     import worker_io
     r = worker_io.launch_checked("end_of_step_worker.py", tmp_path / "buckets.json",
                                  "zero2:512x8m1,dp:512x8m1,dp:512x8m2,zero2:512x8m2", nproc=2)
@@ -328,7 +330,7 @@ def test_a_bucket_of_many_gradients_and_a_step_of_two_micro_batches_are_priced(t
         assert 0.95 <= x["estimate"] / x["measured"] <= 1.05, x
     for x in r["zero2:512x8m2"]["ranks"]:
         assert x["end_of_step"] == x["estimate"] > x["liveness_peak"], x
-        assert 0.90 <= x["estimate"] / x["measured"] <= 1.10, x
+        assert 0.97 <= x["estimate"] / x["measured"] <= 1.03, x
 
 
 @pytest.mark.slow

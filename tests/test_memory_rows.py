@@ -89,15 +89,12 @@ def test_the_rows_of_a_step_summing_micro_batches_count_the_sums_reduction(monke
     the larger of that reduction (the sums beside the reduced gradients, and under ZeRO-2
     the largest bucket packed beside its members) and the optimizer step, in the rows as in
     the estimate; the 8-layer MLP's 3-member buckets make the reduction the larger under
-    both plans at width 512."""
+    both plans at width 512. Under ZeRO-2 the parameters' gather before the first
+    micro-batch is larger still (the next test); the step's end is the largest of the
+    three."""
     from torchalpa.passes.pricing.sum_reduction import sum_reduction_bytes
     method, devices = METHODS[name]
-    with torch.device("meta"):
-        layers: list[nn.Module] = []
-        for i in range(8):
-            layers += [nn.Linear(512, 2048) if i % 2 == 0 else nn.Linear(2048, 512), nn.ReLU()]
-        model, batch = nn.Sequential(*layers), (torch.empty(4, 512), torch.empty(4, 512))
-    plan, seen = _solves(monkeypatch, model, batch, method(num_micro_batches=2), devices)
+    plan, seen = _solves(monkeypatch, *_narrow_mlp(), method(num_micro_batches=2), devices)
     assert seen
     for graph, memory, chosen, mesh in seen:
         assert not memory.grads_from_backward
@@ -105,9 +102,60 @@ def test_the_rows_of_a_step_summing_micro_batches_count_the_sums_reduction(monke
         reduction = sum_reduction_bytes(graph, leaves, {k: s.outputs for k, s in chosen.items()},
                                         mesh.shape, memory.optimizer_states)
         assert reduction > update > 0
-        assert timeline[-1] == reduction
-        assert max(memory.rows_bytes(memory.end, chosen)) == pytest.approx(reduction)
-    assert plan.estimates.end_of_step_bytes_per_device == pytest.approx(reduction)
+        end = max(reduction, _gather(graph, memory, chosen, mesh))
+        assert timeline[-1] == end
+        assert max(memory.rows_bytes(memory.end, chosen)) == pytest.approx(end)
+    assert plan.estimates.end_of_step_bytes_per_device == pytest.approx(end)
+
+
+def _narrow_mlp(batch: int = 4) -> tuple[nn.Module, tuple]:
+    """8 layers of width 512 (Linear 512 -> 2048, 2048 -> 512, a ReLU after each): 33.6 MB
+    of weights, one bucket of ZeRO-2's blocks on 2 devices; a global batch of ``batch``."""
+    with torch.device("meta"):
+        layers: list[nn.Module] = []
+        for i in range(8):
+            layers += [nn.Linear(512, 2048) if i % 2 == 0 else nn.Linear(2048, 512), nn.ReLU()]
+        return nn.Sequential(*layers), (torch.empty(batch, 512), torch.empty(batch, 512))
+
+
+def _gather(graph, memory, chosen, mesh, device_type: str | None = None) -> float:
+    """``state_gather_bytes`` of the plan ``chosen`` (``passes/pricing/state_gather.py``)."""
+    from torchalpa.passes.pricing.state_gather import state_gather_bytes
+    leaves = {k: s.outputs[0] for k, s in chosen.items() if graph.node(k).is_leaf}
+    return state_gather_bytes(graph, leaves, {k: s.inputs for k, s in chosen.items()},
+                              mesh.shape, memory.optimizer_states,
+                              device_type or memory.device_type, memory.bucket_bytes)
+
+
+@pytest.mark.parametrize("micro_batches", [2, 4])
+def test_the_rows_of_a_step_gathering_its_parameters_count_the_gather(monkeypatch,
+                                                                      micro_batches):
+    """ZeRO-2 with micro-batches gathers the parameters once, before the first micro-batch
+    (``runtime/rewrites/param_gather.py``): the narrow MLP's one bucket holds, beside the
+    parameters and Adam's states (50.4 MB a device), its packed blocks (16.8 MB), the
+    gathered flat buffer and gloo's copy of it (33.6 MB each): 134.4 MB, above the sums'
+    reduction (126.0 MB); measured 134.38 MB on 2 gloo ranks (tests/end_of_step_worker.py).
+    On NCCL (no copy) the split after the gather, the flat buffer beside the copies made
+    from it, is the larger: 117.6 MB. The rows at the step's end and the estimate read it."""
+    from torchalpa.passes.pricing.sum_reduction import sum_reduction_bytes
+    plan, seen = _solves(monkeypatch, *_narrow_mlp(4 * micro_batches),
+                         torchalpa.Zero2Parallel(num_micro_batches=micro_batches), 2)
+    assert seen
+    weights = sum(p.numel() * 4 for p in _narrow_mlp()[0].parameters())
+    for graph, memory, chosen, mesh in seen:
+        assert memory.state_at_start
+        timeline, leaves, _ = _rows_follow_the_timeline(graph, memory, chosen, mesh)
+        held = 3 * weights / 2          # parameters and Adam's two states, halved
+        gather = _gather(graph, memory, chosen, mesh)
+        assert gather == pytest.approx(held + weights / 2 + 2 * weights)
+        assert _gather(graph, memory, chosen, mesh, "cuda") == pytest.approx(held + 2 * weights)
+        reduction = sum_reduction_bytes(graph, leaves, {k: s.outputs for k, s in chosen.items()},
+                                        mesh.shape, memory.optimizer_states)
+        assert gather > reduction
+        assert timeline[-1] == gather
+        assert max(memory.rows_bytes(memory.end, chosen)) == pytest.approx(gather)
+    assert plan.estimates.end_of_step_bytes_per_device == pytest.approx(gather)
+    assert plan.estimates.memory_per_device_bytes == pytest.approx(gather)
 
 
 def test_a_views_gathered_copies_are_the_same_whichever_points_were_asked_first(monkeypatch):

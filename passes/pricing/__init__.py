@@ -9,6 +9,8 @@
 - ``memory``: per-device memory of a plan (model states plus live activations).
 - ``step_end``: what one device holds at the optimizer step, the end of a training step.
 - ``sum_reduction``: what one device holds where a step reduces its micro-batches' sums.
+- ``state_gather``: what one device holds where a step gathers its parameters before its
+  first micro-batch.
 - ``grad_buckets``: the runtime's gradient buckets, and where each is packed.
 - ``gathered_views``: gathered copies a forward view keeps alive until backward reads it.
 - ``offload_price``: what offloading optimizer states to host memory costs.

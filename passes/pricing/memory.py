@@ -39,6 +39,7 @@ from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_
 from torchalpa.passes.pricing.fused_pricing import recomputed
 from torchalpa.passes.pricing.gathered_views import copy_bytes, held_copies, saved_view_spans
 from torchalpa.passes.pricing.grad_buckets import bucket_members, packing_points
+from torchalpa.passes.pricing.state_gather import state_gather, state_gather_bytes
 from torchalpa.passes.pricing.step_end import end_of_step_bytes, step_end
 from torchalpa.passes.pricing.sum_reduction import sum_reduction, sum_reduction_bytes
 from torchalpa.passes.sharding.reshard import local_bytes
@@ -668,12 +669,64 @@ class MemoryModel:
         the layouts: the rows hold both, the ``foreach`` one with its temporaries at
         their most (``StepEnd.foreach_cap``), a safe bound above the estimate's. Where the
         step sums micro-batches, the point also holds the sums' reduction before the update
-        (``sum_reduction``): ``_reduction_rows``."""
+        (``sum_reduction``): ``_reduction_rows``; where it gathers its parameters once,
+        before its first micro-batch (``state_at_start``), that gather, which holds the
+        same leaves with no activations (``state_gather``): ``_gather_rows``."""
         assert self.optimizer is not None
         end = step_end(self.graph, self.optimizer, self.optimizer_states, self.device_type)
         if end is None:
             return [{}]
-        return self._update_rows(end) + self._reduction_rows()
+        return self._update_rows(end) + self._reduction_rows() + self._gather_rows()
+
+    def _gather_rows(self) -> list[dict[str, np.ndarray]]:
+        """Rows where a step of several micro-batches gathers its parameters before the
+        first (``state_gather``): the leaves' copies, and one row more per bucket with the
+        gathered copies of the buckets before it and its own gather's bytes (each
+        member's read bytes beyond its block, times ``spread`` and the bucket's
+        ``factor``). A member's gatherer is its first forward reader any of whose
+        strategies reads its data; where some of that reader's strategies read it for its
+        shape only, they count no read (the estimate: nothing gathered)."""
+        if not self.state_at_start:
+            return []
+        found = state_gather(self.graph, self.optimizer_states, int(np.prod(self.mesh_shape)),
+                             self.device_type, self.bucket_bytes)
+        if found is None:
+            return []
+        base: dict[str, np.ndarray] = {}
+        for name, copies in found.copies.items():
+            self._fold(base, name, self._bytes(name) * copies)
+        rows = [base]
+        held: dict[str, np.ndarray] = {}
+        for bucket in found.buckets:
+            row = {k: v.copy() for k, v in base.items()}
+            gathered: dict[str, np.ndarray] = {}
+            for leaf in bucket:
+                read = self._read_bytes(leaf, found.reads[leaf])
+                if read is None:
+                    continue
+                reader, vec = read
+                self._fold(gathered, reader, vec * found.spread)
+                self._fold(gathered, leaf, -self._bytes(leaf) * found.spread)
+            for k, v in held.items():
+                row[k] = row.get(k, 0.0) + v
+            for k, v in gathered.items():
+                row[k] = row.get(k, 0.0) + v * found.factor(bucket)
+                held[k] = held.get(k, 0.0) + v
+            rows.append(row)
+        return rows
+
+    def _read_bytes(self, leaf: str, readers) -> tuple[str, np.ndarray] | None:
+        """(reader, bytes per its strategy) of ``leaf``'s first read in ``readers`` any of
+        whose strategies takes the leaf's data (a layout; None: its shape only, 0 bytes);
+        None where none does."""
+        spec = self.graph.node(leaf).output
+        for reader, slot in readers:
+            layouts = [s.inputs[slot] for s in self.S[reader]]
+            if all(p is None for p in layouts):
+                continue
+            return reader, np.array([0.0 if p is None else float(
+                local_bytes(spec, p, self.mesh_shape)) for p in layouts])
+        return None
 
     def _reduction_rows(self) -> list[dict[str, np.ndarray]]:
         """Rows where a step that sums micro-batches reduces the sums (``sum_reduction``):
@@ -886,11 +939,14 @@ class MemoryModel:
 
     def timeline(self, chosen_outputs: dict, state_bytes: float,
                  kept: list[KeptCopy] | None = None,
-                 free_views: frozenset[str] = frozenset()) -> np.ndarray:
+                 free_views: frozenset[str] = frozenset(),
+                 chosen_inputs: dict | None = None) -> np.ndarray:
         """Bytes at each point: model states, activations (with the other micro-batches'
         saved ones) and the ``kept`` copies (``kept_copies``; a view reading one shares
         its storage), as ``activation_peak_bytes`` counts them (``free_views``: views of
-        leaves read in their own layout, nothing allocated)."""
+        leaves read in their own layout, nothing allocated). ``chosen_inputs`` (node ->
+        the layouts it reads its operands in): for the parameters' gather before the
+        first micro-batch (``state_gather``), priced at ``end`` where given."""
         graph, live = self.graph, self.live
         sizes = _entry_bytes(graph, live, chosen_outputs, self.mesh_shape, self.statistics,
                              self.reduce_copies)
@@ -912,6 +968,10 @@ class MemoryModel:
         if not self.grads_from_backward:
             end = max(end, sum_reduction_bytes(graph, leaves, chosen_outputs, self.mesh_shape,
                                                self.optimizer_states, self.bucket_bytes))
+        if self.state_at_start and chosen_inputs is not None:
+            end = max(end, state_gather_bytes(graph, leaves, chosen_inputs, self.mesh_shape,
+                                              self.optimizer_states, self.device_type,
+                                              self.bucket_bytes))
         return np.append(timeline, end)
 
     def kept_copies(self, chosen: dict) -> list[KeptCopy]:

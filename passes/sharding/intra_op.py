@@ -687,9 +687,10 @@ def _timeline(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, opt
                                       if graph.node(k).is_leaf}, mesh.shape, optimizer_states,
                               memory.grads_from_backward, {k: s.outputs for k, s in chosen.items()})
     leaves = {k: s.outputs[0] for k, s in chosen.items() if graph.node(k).is_leaf}
+    inputs = {k: s.inputs for k, s in chosen.items()}
     return memory.timeline({k: s.outputs for k, s in chosen.items()}, state,
-                           memory.kept_copies(chosen), same_layout_views(
-                               graph, leaves, {k: s.inputs for k, s in chosen.items()}))
+                           memory.kept_copies(chosen), same_layout_views(graph, leaves, inputs),
+                           inputs)
 
 
 def _peak(graph, memory: MemoryModel, chosen: dict[str, Strategy], mesh, optimizer_states

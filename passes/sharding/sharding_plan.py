@@ -51,6 +51,7 @@ from torchalpa.passes.pricing.memory import (
     view_copies,
 )
 from torchalpa.passes.pricing.overlap_price import CommEvent, Device, overlapped_step, program_order
+from torchalpa.passes.pricing.state_gather import state_gather_bytes
 from torchalpa.passes.pricing.step_end import device_type_of, end_of_step_bytes
 from torchalpa.passes.pricing.sum_reduction import sum_reduction_bytes
 from torchalpa.passes.sharding.costgraph import ReshardCosts, op_compute_seconds
@@ -398,6 +399,12 @@ def _estimates(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                                            {name: s.outputs for name, s in chosen.items()},
                                            mesh.shape, method.optimizer_states,
                                            mesh.gradient_bucket_bytes))
+    if state_once:              # the parameters gathered before the first micro-batch
+        end = max(end, state_gather_bytes(graph, leaf_placement,
+                                          {name: s.inputs for name, s in chosen.items()},
+                                          mesh.shape, method.optimizer_states,
+                                          device_type_of(mesh.backend),
+                                          mesh.gradient_bucket_bytes))
     step, once, hidden, hidden_grads = _step_seconds(graph, mesh, traffic, per_op, optimizer_s,
                                                      device)
     return Estimates(step_time_s=step, communication_s=traffic.seconds,

@@ -60,8 +60,10 @@ class Estimates:
     end_of_step_bytes_per_device: float | None = None
     """Bytes at the optimizer step: parameters, optimizer states, the reduced gradients and
     the update's temporaries (``passes/pricing/step_end.py``), or, where the step sums
-    micro-batches, where it reduces the sums just before, if more
-    (``passes/pricing/sum_reduction.py``); ``memory_per_device_bytes`` is at least this."""
+    micro-batches, where it reduces the sums just before, or where it gathers its
+    parameters once before its first micro-batch (the same leaves held between two steps),
+    if more (``passes/pricing/sum_reduction.py``, ``passes/pricing/state_gather.py``);
+    ``memory_per_device_bytes`` is at least this."""
     memory_per_device_bytes: float | None = None
     wire_bytes_per_step: float | None = None
     flops_per_step: float | None = None
