@@ -62,8 +62,8 @@ from torchalpa.frontends.block_remat import copied_codegen, lazy_graph_module
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.torch_export import Capture, to_opgraph
 
-__all__ = ["rebatched_capture", "CannotRebatch", "MicroBatchSteps", "same_step", "view_rescaled",
-           "expand_rescaled"]
+__all__ = ["rebatched_capture", "CannotRebatch", "MicroBatchSteps", "same_step", "listed",
+           "view_rescaled", "expand_rescaled"]
 
 log = logging.getLogger("torchalpa.capture")
 
@@ -138,18 +138,19 @@ class MicroBatchSteps:
         """Which counts were traced and which derived, and what vouched for the derivation
         (records of the step's ops, or a trace it was compared with), for the plan's notes."""
         traced = sorted(set(self.captures) - self.derived)
-        text = f"{_listed(traced) or 'none'} traced"
+        text = f"{listed(traced) or 'none'} traced"
         if self.derived:
             by = ("records of the step's ops at two batch sizes" if self.vouched
                   else f"the trace at {self.check_trace} micro-batches")
-            text += f", {_listed(self.derived)} derived (checked by {by})"
+            text += f", {listed(self.derived)} derived (checked by {by})"
         elif self.checked is False:
             text += (f" (the derivation differed from the trace at {self.check_trace} "
                      "micro-batches: a number in the step depends on the batch)")
         return text
 
 
-def _listed(numbers) -> str:
+def listed(numbers) -> str:
+    """``numbers`` sorted, comma-separated (micro-batch counts in notes)."""
     return ", ".join(str(n) for n in sorted(numbers))
 
 

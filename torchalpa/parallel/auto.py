@@ -91,6 +91,7 @@ from torchalpa.core.plan_records import known
 from torchalpa.core.progress import step
 from torchalpa.core.switches import SearchSwitches
 from torchalpa.core.units import format_bytes
+from torchalpa.frontends.rebatch import listed as _listed
 from torchalpa.parallel.offload import host_memory_shortfall, with_offload
 from torchalpa.parallel.view_cuts import LP_CUT, Cutoff, ViewBound, ViewsCut, cut_views
 from torchalpa.parallel.workflow import capture_examples, capture_step
@@ -975,10 +976,6 @@ class _Search:
                      f"{format_bytes(profile.memory_bytes(devices, micro))} each, or a "
                      "smaller model or sequence")
         return "\n".join(lines)
-
-
-def _listed(numbers) -> str:
-    return ", ".join(map(str, sorted(numbers)))
 
 
 def _settled_text(settled: dict[int, tuple[str, bool]], meshes: list[LogicalMesh]) -> str:
