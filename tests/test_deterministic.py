@@ -211,9 +211,9 @@ def test_meshes_solved_in_processes_give_the_plan_solved_one_after_another(gpt, 
     meshes = candidate_meshes(torchalpa.Cluster.h100(1, 4), method)
     forked = []
 
-    def fork_map(fn, items, workers):
+    def fork_map(fn, items, workers, **counting):
         forked.append(list(items))
-        return stage_jobs_fork_map(fn, items, workers)
+        return stage_jobs_fork_map(fn, items, workers, **counting)
 
     stage_jobs_fork_map = stage_jobs.fork_map
     monkeypatch.setattr(stage_jobs, "fork_map", fork_map)

@@ -183,15 +183,19 @@ def test_parameters_are_offloaded_when_offloading_states_does_not_fit(gpt):
                             "states to host memory: without it,") for n in plan.notes)
 
 
-def test_parameter_offload_without_host_memory_is_refused_in_one_line(gpt):
+def test_parameter_offload_without_host_memory_is_refused_before_tracing(gpt):
+    """``offload='parameters'`` on hosts that cannot hold the states: the states' floor
+    refuses it from the parameters alone (``states_floor``), saying what it needs."""
     small = dataclasses.replace(torchalpa.Cluster.local_cpu(2), host_memory_per_node=1e5)
     with pytest.raises(NothingFitsError) as e:
         _plan(gpt, small, remat=("none",), offload="parameters", pipeline=False,
               num_micro_batches=1)
     message = str(e.value)
-    assert "\n" not in message
-    assert "offloading the parameters, gradients and optimizer states to host memory needs " \
-        "at least" in message and "use hosts with" in message
+    assert "checked before tracing the step" in message
+    assert "  parameters, gradients and optimizer states in host memory: needs at least " \
+        in message and "on the devices" not in message
+    assert "what would fit: parameters, gradients and optimizer states in host memory: " \
+        "hosts with at least" in message
 
 
 def test_parameters_streamed_on_one_device_train_to_the_bit_through_autograd():

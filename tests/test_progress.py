@@ -121,3 +121,55 @@ def test_a_process_forked_while_a_heartbeat_writes_can_still_log(monkeypatch):
     finally:
         progress.log.removeHandler(handler)
     assert hung == 0
+
+
+def _sleep(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_step_waiting_on_a_worker_pool_still_speaks_and_counts(caplog, monkeypatch):
+    """The search waits on forked workers (``fork_map``, ``StageJobs``) inside a step:
+    its heartbeat, on a thread of its own, still logs, saying how many are done."""
+    from torchalpa.passes.pipeline_search.stage_jobs import StageJobs, can_fork, fork_map
+    if not can_fork():
+        pytest.skip("JAX is loaded: the pool runs its jobs here (no workers to wait on)")
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.05)
+    caplog.set_level(logging.INFO, logger="torchalpa")
+    with progress.step("waiting on the pool"):
+        assert fork_map(_sleep, [0.4, 0.4, 0.4], 2, unit="views") == [0.4, 0.4, 0.4]
+    text = caplog.text
+    assert text.count("waiting on the pool: still working") >= 2
+    assert "of 3 views done, in 2 processes" in text
+    caplog.clear()
+    jobs = StageJobs(_sleep, workers=2)
+    with progress.step("waiting on stage solves"):
+        assert jobs.solve([("a", 0.4), ("b", 0.4), ("c", 0.4)]) == [0.4, 0.4, 0.4]
+    jobs.close()
+    assert caplog.text.count("waiting on stage solves: still working") >= 2
+    assert "of 3 stage solves of this round done" in caplog.text
+
+
+def test_only_the_innermost_step_speaks_and_says_what_is_left(caplog, monkeypatch):
+    monkeypatch.setattr(progress, "HEARTBEAT_S", 0.05)
+    caplog.set_level(logging.INFO, logger="torchalpa")
+    with progress.step("outer"):
+        progress.left("phase 1/2")
+        with progress.step("inner"):
+            progress.left("3 of 4 done")
+            time.sleep(0.3)
+        time.sleep(0.3)
+    text = caplog.text
+    assert "inner: still working" in text and "; 3 of 4 done" in text
+    assert "outer: still working" in text and "; phase 1/2" in text
+    inner_end = text.index("inner: 0.")
+    assert "outer: still working" not in text[:inner_end]      # quiet while inner ran
+
+
+def test_a_failed_step_logs_the_first_line_of_its_error(caplog):
+    caplog.set_level(logging.INFO, logger="torchalpa")
+    with pytest.raises(ValueError):
+        with progress.step("planning"):
+            raise ValueError("nothing fits\n  tried: a\n  tried: b")
+    assert "planning: failed after" in caplog.text and "nothing fits (...)" in caplog.text
+    assert "tried: a" not in caplog.text

@@ -23,6 +23,11 @@ an executable one-layer stage to time (the runtime times it), and
 ``plan_pipeline(measured=...)`` takes the results.
 
 The graph must be captured for one micro-batch.
+
+Each phase (layer ILPs, stage DP with exact stage solves, the stages' own plans) is a
+``core.progress.step``: a line when it starts and ends (shown by default,
+``TORCHALPA_LOG``), and while it runs a line every ``HEARTBEAT_S`` with what is left of it
+(the worker pools count their results, ``stage_jobs``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from torchalpa.core.cluster import Cluster
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import ManualStageOption, PipeshardParallel, UniformStageOption
 from torchalpa.core.plan import PipelinePlan
+from torchalpa.core.progress import step
 from torchalpa.passes.pipeline_search.exact_stages import ExactStages
 from torchalpa.passes.pipeline_search.given_stages import manual_stages, uniform_stages
 from torchalpa.passes.pipeline_search.layer_cache import SolveCache, layer_signatures
@@ -61,9 +67,6 @@ __all__ = ["plan_pipeline", "assign_layers", "logical_views", "shardable_views",
            "searched_views", "layer_probes", "LayerProbe", "micro_batch_seconds"]
 
 log = logging.getLogger("torchalpa.planner")
-progress = logging.getLogger("torchalpa")
-"""One line per phase of a search (shown by default, ``TORCHALPA_LOG``): layer ILPs,
-stage DP with exact stage solves, the stages' own plans."""
 
 
 def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *,
@@ -99,7 +102,10 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
     with clock_watch() as stops:     # forked workers' stops too (``stage_jobs``)
         chosen = _choose_stages(costs, exact, workers, start)
         searched = time.perf_counter()
-        plan = _assemble(problem, chosen, layers, exact, workers)
+        with step(f"pipeline of {len(chosen.stages)} stages, {method.num_micro_batches} "
+                  "micro-batches: the stages' own plans") as phase:
+            plan = _assemble(problem, chosen, layers, exact, workers)
+            phase.done = f"est {plan.estimates.step_time_s:.4g} s/step"
     if stops:
         chosen.notes.append(
             f"{CLOCK_NOTE} {len(stops)} of the pipeline search's solver runs (at "
@@ -153,30 +159,29 @@ def _search(costs: StageCosts, exact: ExactStages, workers: int, start: float) -
     B, schedule = method.num_micro_batches, method.pipeline_schedule
     shapes = submesh_shapes(cluster.num_nodes, cluster.devices_per_node)
     views = sum(len(layers.views(shape)) for shape in shapes)
-    progress.info("pipeline search, %d micro-batches: layer ILPs of %d layers (%d distinct) "
-                  "on %d views of %d submeshes...", B, L, len(set(problem.signature)), views,
-                  len(shapes))
-    layers.prefetch(shapes, workers=workers,
-                    max_in_flight=min(B, L) if schedule == "1f1b" else B)
-    progress.info("pipeline search, %d micro-batches: %d layer ILPs, %d more views priced "
-                  "with their class's plan, %d given a view's that replicates alike, %.1f s; "
-                  "stage DP and exact stage solves...", B, layers.solves, layers.repriced,
-                  layers.copied, time.perf_counter() - start)
+    with step(f"pipeline search, {B} micro-batches: layer ILPs of {L} layers "
+              f"({len(set(problem.signature))} distinct) on {views} views of {len(shapes)} "
+              "submeshes") as phase:
+        layers.prefetch(shapes, workers=workers,
+                        max_in_flight=min(B, L) if schedule == "1f1b" else B)
+        phase.done = (f"{layers.solves} layer ILPs, {layers.repriced} more views priced with "
+                      f"their class's plan, {layers.copied} given a view's that replicates "
+                      "alike")
     log.info("pipeline search: %d layer solves, %d more views priced with their "
              "class's plan, in %.1fs", layers.solves, layers.repriced,
              time.perf_counter() - start)
-    try:
-        found = StageSearch(costs, exact, cluster, B, schedule, shapes, workers).run()
-    except ValueError as e:    # no stage fits: infeasible, like an ILP that finds none
-        raise InfeasibleError(f"pipeline search on {cluster.num_nodes}x"
-                              f"{cluster.devices_per_node} devices with {B} micro-batches:"
-                              f" {e}") from e
+    with step(f"pipeline search, {B} micro-batches: stage DP and exact stage solves"
+              ) as phase:
+        try:
+            found = StageSearch(costs, exact, cluster, B, schedule, shapes, workers).run()
+        except ValueError as e:    # no stage fits: infeasible, like an ILP that finds none
+            raise InfeasibleError(f"pipeline search on {cluster.num_nodes}x"
+                                  f"{cluster.devices_per_node} devices with {B} micro-batches:"
+                                  f" {e}") from e
+        phase.done = (f"{len(found.solution.stages)} stages chosen, {found.num_priced} stage "
+                      f"variants priced exactly ({exact.exact_solves} stage ILPs)")
     log.info("pipeline search: %d stage candidates priced exactly (%d stage solves)",
              found.num_priced, exact.exact_solves)
-    progress.info("pipeline search, %d micro-batches: %d stages chosen, %d stage variants "
-                  "priced exactly (%d stage ILPs), %.1f s; the stages' own plans...", B,
-                  len(found.solution.stages), found.num_priced, exact.exact_solves,
-                  time.perf_counter() - start)
     stages = [(s.layers, s.submesh, chosen.view, chosen.option)
               for s, chosen in zip(found.solution.stages, found.stages)]
     notes = view_notes(shapes, problem.dims, layers.share_views and

@@ -42,6 +42,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from torchalpa.core.progress import left
 from torchalpa.passes.sharding.ilp import clock_stops_elsewhere, clock_watch
 
 __all__ = ["StageJobs", "can_fork", "cpu_workers", "fork_map"]
@@ -75,6 +76,7 @@ class StageJobs:
         if self.workers <= 1:
             out = []
             for key, args in jobs:
+                left(f"{len(out)} of {len(jobs)} stage solves of this round done")
                 out.append(self.run(args))
                 self.on_result(key, out[-1])
             return out
@@ -92,6 +94,8 @@ class StageJobs:
             if key in self._done:
                 self._hand_over(key)
         while not all(key in self._done for key in wanted):
+            left(f"{sum(key in self._done for key in wanted)} of {len(wanted)} stage solves "
+                 f"of this round done")
             while queue and (len(self._running) < self.workers or self._stop_a_guess()):
                 self._start(*queue.pop(0), needed=True)
             if len(self._running) < self.workers:
@@ -184,17 +188,24 @@ def cpu_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> list[Any]:
+def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int, *,
+             unit: str = "solves") -> list[Any]:
     """``[fn(x) for x in items]``, in up to ``workers`` forked processes when there are
     several of each, each process taking the next item when done with one (so put the
     longest first). An item that raises makes this raise that exception (the first such
-    item's, in order) once all are done.
+    item's, in order) once all are done. As results come, the step running says how many
+    of the ``unit`` are done (``core.progress.left``): its heartbeat speaks while this
+    process waits on the workers.
 
     Forking a process that runs JAX (a JAX program planned through the StableHLO
     frontend) can deadlock the child on a lock one of XLA's threads held (``can_fork``):
     with JAX loaded the items run here, one after another (slower, same results)."""
     if workers <= 1 or len(items) < 2 or not can_fork():
-        return [fn(x) for x in items]
+        here = []
+        for x in items:
+            left(f"{len(here)} of {len(items)} {unit} done")
+            here.append(fn(x))
+        return here
     context = mp.get_context("fork")
     tasks, results = context.SimpleQueue(), context.SimpleQueue()
     processes = [context.Process(target=_serve, args=(fn, tasks, results), daemon=True)
@@ -206,7 +217,8 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence[Any], workers: int) -> li
     feeder.start()
     out: list[Any] = [None] * len(items)
     failed: dict[int, BaseException] = {}
-    for _ in items:
+    for done in range(len(items)):
+        left(f"{done} of {len(items)} {unit} done, in {len(processes)} processes")
         n, ok, value = _next_result(results, processes)
         if ok:
             out[n], stops = value

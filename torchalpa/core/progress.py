@@ -8,8 +8,12 @@ default --, ``warning``, ``error``), on rank 0 only (other ranks show warnings a
 with ``rich`` on a terminal (a spinner while a long step runs), plain lines otherwise.
 
 ``step("mesh 3/5 (8x8) solving")`` wraps a long step: a spinner on a terminal, a line
-before and after in a log; ``verbose(True)`` additionally streams the ILP solver's own
-log (``plan(..., verbose=True)``).
+before and after in a log, and every ``HEARTBEAT_S`` a line saying it still works and
+what is left (``left("layer ILPs 40/80")``, said by whatever does the work, e.g. a pool of
+worker processes counting its results: the heartbeat runs on a thread of its own, so it
+speaks while this process waits on them). Of steps inside steps only the innermost
+speaks. ``verbose(True)`` additionally streams the ILP solver's own log
+(``plan(..., verbose=True)``).
 """
 
 from __future__ import annotations
@@ -21,13 +25,16 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
-__all__ = ["log", "setup_logging", "step", "verbose", "solver_verbose", "LEVELS",
+__all__ = ["log", "setup_logging", "step", "left", "verbose", "solver_verbose", "LEVELS",
            "HEARTBEAT_S"]
 
-HEARTBEAT_S = 10.0
+HEARTBEAT_S = 8.0
 """A step that runs longer says it is still working this often (plain lines in a log; on
-a terminal the spinner shows the seconds)."""
+a terminal the spinner shows the seconds): under the 10 s a person should ever wait for
+a line, with room for a loaded machine's delays (at load 12 on 2 cores a 10-s beat came
+10.3 s after the line before it)."""
 
 log = logging.getLogger("torchalpa")
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
@@ -99,12 +106,15 @@ def setup_logging() -> None:
 
 
 class _Step:
-    """The result line of a step: set ``done`` to say how it ended."""
+    """The result line of a step: set ``done`` to say how it ended; ``left`` is what is
+    left of it (the heartbeat's lines say it)."""
 
     def __init__(self, what: str):
         self.what = what
         self.done = ""
+        self.left = ""
         self.start = time.perf_counter()
+        self.spinner: Any = None    # its spinner on a terminal (an outer step's, if inside one)
 
     @property
     def seconds(self) -> float:
@@ -117,35 +127,48 @@ def step(what: str, *, level: int = logging.INFO):
 
     Logs ``"<what>..."`` before (a spinner on a terminal instead) and
     ``"<what>: <seconds> s, <done>"`` after; a failure is logged with its reason. Every
-    ``HEARTBEAT_S`` in between it says it is still working (the spinner's text on a
-    terminal, a plain line in a log), so a long step is never silent.
+    ``HEARTBEAT_S`` in between it says it is still working and what is left of it
+    (``left``): the spinner's text on a terminal, a plain line in a log, so a long step is
+    never silent. A step inside another takes over its spinner (one live display on a
+    terminal) and its heartbeat (one line per beat, the innermost step's).
     """
     s = _Step(what)
-    spinner = None
-    if _handler is not None and log.isEnabledFor(level) and _fancy() and \
+    speaks = log.isEnabledFor(level)
+    outer = next((o for o in reversed(_open) if o.spinner is not None), None)
+    if speaks and outer is not None:
+        s.spinner = outer.spinner            # shown in the outer's spinner meanwhile
+        outer.spinner.update(f"{what}...")
+    elif _handler is not None and speaks and _fancy() and \
             not logging.getLogger().handlers and not _verbose.get():
         from rich.console import Console
-        spinner = Console(stderr=True).status(f"{what}...")
-        spinner.start()
+        s.spinner = Console(stderr=True).status(f"{what}...")
+        s.spinner.start()
     else:
         log.log(level, "%s...", what)
     stop = threading.Event()
     beat = None
-    if log.isEnabledFor(level):
-        beat = threading.Thread(target=_heartbeat, args=(s, level, spinner, stop),
+    if speaks:
+        _open.append(s)
+        beat = threading.Thread(target=_heartbeat, args=(s, level, stop),
                                 name="torchalpa-progress", daemon=True)
         beat.start()
     try:
         yield s
     except Exception as e:
-        log.log(level, "%s: failed after %.1f s: %s", what, s.seconds, e)
+        # the first line: the error itself, raised to the caller, says the rest
+        lines = str(e).splitlines() or [type(e).__name__]
+        log.log(level, "%s: failed after %.1f s: %s%s", what, s.seconds, lines[0],
+                " (...)" if len(lines) > 1 else "")
         raise
     finally:
         stop.set()
         if beat is not None:
             beat.join()
-        if spinner is not None:
-            spinner.stop()
+            _open.remove(s)
+        if s.spinner is not None and s.spinner is not getattr(outer, "spinner", None):
+            s.spinner.stop()
+        elif outer is not None and s.spinner is not None:
+            s.spinner.update(f"{outer.what}... {outer.seconds:.0f} s")
     log.log(level, "%s: %.1f s%s", what, s.seconds, f", {s.done}" if s.done else "")
 
 
@@ -158,14 +181,31 @@ os.register_at_fork(before=_speaking.acquire, after_in_parent=_speaking.release,
                     after_in_child=_speaking.release)
 
 
-def _heartbeat(s: _Step, level: int, spinner, stop: threading.Event) -> None:
-    """Say every ``HEARTBEAT_S`` that step ``s`` is still working, until ``stop``."""
+_open: list[_Step] = []
+"""The steps running now whose level is shown, outermost first (steps nest on the thread
+that plans)."""
+
+
+def left(text: str) -> None:
+    """Say what is left of the innermost step running (``"layer ILPs 40/80 solved"``):
+    its next heartbeat line, or its spinner, shows it. Nothing when no step runs (a
+    worker process, or a phase nobody wrapped)."""
+    if _open:
+        _open[-1].left = text
+
+
+def _heartbeat(s: _Step, level: int, stop: threading.Event) -> None:
+    """Say every ``HEARTBEAT_S`` that step ``s`` is still working, and what is left of it,
+    until ``stop``; quiet while a step inside it runs (that one speaks)."""
     while not stop.wait(HEARTBEAT_S):
+        if _open and _open[-1] is not s:
+            continue
+        left_text = f"; {s.left}" if s.left else ""
         with _speaking:
-            if spinner is not None:
-                spinner.update(f"{s.what}... {s.seconds:.0f} s")
+            if s.spinner is not None:
+                s.spinner.update(f"{s.what}... {s.seconds:.0f} s{left_text}")
             else:
-                log.log(level, "%s: still working, %.0f s", s.what, s.seconds)
+                log.log(level, "%s: still working, %.0f s%s", s.what, s.seconds, left_text)
 
 
 @contextlib.contextmanager

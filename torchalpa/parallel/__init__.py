@@ -12,6 +12,8 @@ orchestration every method goes through (capture, plan on rank 0, lower, distrib
 - ``auto``: ``AutoParallel``, the planner choosing method, checkpointing and micro-batches.
 - ``view_cuts``: an intra-op candidate's views bounded by their LP relaxations, and those cut.
 - ``offload``: offloaded optimizer states priced, and the hosts' memory checked.
+- ``states_floor``: a job whose model states alone fit neither the devices nor the hosts,
+  refused from its parameters before anything is traced.
 - ``tp_pins``: ``pin=`` in torch's tensor-parallel vocabulary.
 - ``generation`` / ``cached_step``: generation's pieces, the LM with its static KV cache.
 - ``cache``: plans cached on disk, keyed by everything that decides them.

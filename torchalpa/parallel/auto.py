@@ -88,7 +88,7 @@ from torchalpa.core.options import (
 )
 from torchalpa.core.plan import PipelinePlan, Plan
 from torchalpa.core.plan_records import known
-from torchalpa.core.progress import step
+from torchalpa.core.progress import left, step
 from torchalpa.core.switches import SearchSwitches
 from torchalpa.core.units import format_bytes
 from torchalpa.frontends.rebatch import listed as _listed
@@ -339,6 +339,8 @@ class _Search:
         (``exact_candidate``), so variants no search reaches are never derived."""
         modes = [m for m in self.method.remat if m != "layers"]
         lightest = min(modes, key=_remat_weight, default=None)
+        left(f"bounding the candidates of {len(self.method.remat)} checkpointing modes and "
+             f"{len(self.counts())} micro-batch counts")
         found, refused = [], []
         for remat in modes:
             for c in self.bounded(remat, self.profile(lightest or remat)):
@@ -569,7 +571,30 @@ class _Search:
     def run(self):
         """The best plan; with ``offload=None``, planned again with optimizer states in
         host memory when nothing fits on the devices, and with parameters and gradients
-        there too when that does not fit either."""
+        there too when that does not fit either. A job whose model states alone fit none
+        of these is refused first, before anything is traced (``states_floor``). The
+        search is one progress step: its heartbeat says which phase or candidate it is
+        in wherever no step inside it speaks (deriving captures, bounds, polishing)."""
+        from torchalpa.parallel.states_floor import states_refusal
+        refused = states_refusal(self.model, self.method, self.cluster)
+        if refused:
+            raise NothingFitsError(refused, [])
+        with step(f"AutoParallel: searching {self.cluster.num_devices} devices "
+                  f"({self.nodes} node(s))") as progress:
+            plan = self.run_offloading()
+            progress.done = self.plans_text()
+        return plan
+
+    def plans_text(self) -> str:
+        """The search's result line: the best estimate and how many candidates planned."""
+        planned = [a for a in self.attempts if a.outcome == "planned"]
+        best = min((a.step_s for a in planned if a.step_s is not None), default=None)
+        return (f"{len(planned)} candidates planned of {len(self.attempts)} weighed"
+                + (f", best est {best:.4g} s/step" if best is not None else ""))
+
+    def run_offloading(self):
+        """``run`` past its floor: the devices first, then offloading where the method
+        allows it (``run``'s docstring)."""
         try:
             return self.run_once()
         except NothingFitsError as e:
@@ -663,9 +688,10 @@ class _Search:
                        key=lambda v: v[0])
         # the best estimate of a plan at the solver's gap (pipelines are solved so)
         exact = min((p[0] for p in self.plans if p[2].kind != "intra-op"), default=math.inf)
-        for step_s, c, i in views:
+        for n, (step_s, c, i) in enumerate(views):
             if step_s * (1 - gap) >= exact:
                 break
+            left(f"re-solving view {n + 1}/{len(views)} at the solver's own gap")
             at = next((n for n, p in enumerate(self.plans) if p[2] is c), None)
             if at is None:          # rejected over the budget: not among the plans
                 continue
@@ -698,6 +724,7 @@ class _Search:
         while i + 1 < len(candidates):
             i += 1
             c = candidates[i]
+            left(f"candidate {i + 1}/{len(candidates)}, {c.describe()}")
             best = min(self.plans, key=lambda p: p[0], default=None)
             if best is not None and c.bound_s * (1 + self.method.tolerance) >= best[0]:
                 self.attempts.append(Attempt(c, "not needed"))
@@ -726,9 +753,9 @@ class _Search:
                                              detail=_settled_text(settled, self.meshes)))
                 continue
             start = time.perf_counter()
-            left = len(candidates) - i - 1
+            more = len(candidates) - i - 1
             with step(f"AutoParallel: candidate {i + 1}/{len(candidates)}, {c.describe()} "
-                      f"(bound {c.bound_s:.4g} s/step; {left} more at most) solving"
+                      f"(bound {c.bound_s:.4g} s/step; {more} more at most) solving"
                       ) as progress:
                 try:
                     plan = self.solve(c, settled, self.cutoff(c, best))

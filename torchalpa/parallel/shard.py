@@ -253,7 +253,7 @@ def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh
     order = sorted(todo, key=lambda i: (-len(meshes[i].shape), i))
     shapes = ", ".join("x".join(map(str, meshes[i].shape)) for i in order)
     with step(f"meshes {shapes} solving in {min(workers, len(order))} processes") as progress:
-        found = fork_map(solve, order, workers)
+        found = fork_map(solve, order, workers, unit="views")
         progress.done = "done"
     if sharing is not None:
         for i, (_, theirs, _) in sorted(zip(order, found)):
