@@ -46,6 +46,28 @@ def import_tree(root: str) -> None:
     sys.meta_path.insert(0, Root())
 
 
+def target_g_candidate(root: str, k: int):
+    """Target g's first pipeline candidate, with ``import torchalpa`` reading the tree at
+    ``root`` (``import_tree``, then checked): GPT-39B captured at one micro-batch of
+    1024 / ``k`` on the meta device, the 8 x 8 H100 cluster and ``PipeshardParallel`` with
+    ``k`` micro-batches, as (graph, cluster, method). What ``pipeline_cpu_ab.py`` plans
+    and ``stage_solve_ab.py`` solves stages of."""
+    import_tree(root)
+    import torch
+
+    import torchalpa
+    import torchalpa.models as zoo
+    from torchalpa.core.options import PipeshardParallel
+    from torchalpa.frontends.torch_export import capture
+
+    assert torchalpa.__file__.startswith(root), (torchalpa.__file__, root)
+    w = zoo.gpt_39b().replace(batch_size=1024 // k)
+    with torch.device("meta"):
+        model, batch = w.build(), w.example_inputs()
+    graph = capture(model, batch, w.loss_fn).graph
+    return graph, torchalpa.Cluster.h100(num_nodes=8), PipeshardParallel(num_micro_batches=k)
+
+
 def plan_text(plan, indent: int | None = None) -> str:
     """``plan``'s JSON as two trees' plans compare: notes and timing figures left out, the
     stages' own solve seconds too (they differ run to run), source paths by file name

@@ -44,19 +44,37 @@ def _layout(tree: str, into: str) -> str:
     return into
 
 
-def child(fraction: float, workers: int) -> dict:
-    """Plan the job in this process; what the parent prints."""
-    os.environ["TORCHALPA_CACHE"] = "0"
+def near_budget_job(fraction: float):
+    """The job these scripts plan, with the ``torchalpa`` imported here: the tiny GPT (2
+    layers, batch 8, on meta) and 1 x 4 H100 with the host's per-op time left out, whose
+    memory per device is ``fraction`` of the plain step's bound: (model, batch, loss_fn,
+    cluster)."""
     import dataclasses
 
     import torch
 
     import torchalpa
     import torchalpa.models as zoo
-    import torchalpa.passes.sharding.intra_op as intra_op
     from torchalpa.frontends.torch_export import capture
-    from torchalpa.passes.pipeline_search import stage_jobs
     from torchalpa.passes.pricing.bounds import step_profile
+
+    workload = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=2)
+    with torch.device("meta"):
+        model = workload.build()
+    batch = workload.example_inputs(device="meta")
+    cluster = dataclasses.replace(torchalpa.Cluster.h100(1, 4), host_op_s=0.0)
+    budget = step_profile(capture(model, batch, workload.loss_fn).graph,
+                          cluster).memory_bytes(4) * fraction
+    return (model, batch, workload.loss_fn,
+            dataclasses.replace(cluster, memory_per_device=budget))
+
+
+def child(fraction: float, workers: int) -> dict:
+    """Plan the job in this process; what the parent prints."""
+    os.environ["TORCHALPA_CACHE"] = "0"
+    import torchalpa
+    import torchalpa.passes.sharding.intra_op as intra_op
+    from torchalpa.passes.pipeline_search import stage_jobs
 
     if workers:
         stage_jobs.cpu_workers = lambda: workers
@@ -69,22 +87,16 @@ def child(fraction: float, workers: int) -> dict:
         return solution
 
     intra_op.solve_ilp = counted
-    workload = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=2)
-    with torch.device("meta"):
-        model = workload.build()
-    batch = workload.example_inputs(device="meta")
-    cluster = dataclasses.replace(torchalpa.Cluster.h100(1, 4), host_op_s=0.0)
-    budget = step_profile(capture(model, batch, workload.loss_fn).graph,
-                          cluster).memory_bytes(4) * fraction
+    model, batch, loss_fn, cluster = near_budget_job(fraction)
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = torchalpa.plan(model, batch, workload.loss_fn,
-                          cluster=dataclasses.replace(cluster, memory_per_device=budget))
+    plan = torchalpa.plan(model, batch, loss_fn, cluster=cluster)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     chosen = next((n for n in plan.notes if n.startswith("AutoParallel chose")), "")
     return {"wall": wall, "cpu": cpu, "solves": len(solves),
             "solve_s": sum(s for s, _ in solves), "slowest": max((s for s, _ in solves), default=0),
             "clock": sum(c for _, c in solves), "step": plan.estimates.step_time_s,
-            "peak": plan.estimates.memory_per_device_bytes, "budget": budget,
+            "peak": plan.estimates.memory_per_device_bytes,
+            "budget": cluster.memory_per_device,
             "chosen": chosen, "source": torchalpa.__file__}
 
 

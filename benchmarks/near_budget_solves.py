@@ -15,22 +15,19 @@ notes and the totals. No plan cache.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
 os.environ["TORCHALPA_CACHE"] = "0"
 
-import torch  # noqa: E402
+
+from near_budget_ab import near_budget_job  # noqa: E402
 
 import torchalpa  # noqa: E402
-import torchalpa.models as zoo  # noqa: E402
 import torchalpa.passes.sharding.ilp_highs as ilp_highs  # noqa: E402
 import torchalpa.passes.sharding.intra_op as intra_op  # noqa: E402
-from torchalpa.frontends.torch_export import capture  # noqa: E402
 from torchalpa.parallel import auto  # noqa: E402
 from torchalpa.passes.pipeline_search import stage_jobs  # noqa: E402
-from torchalpa.passes.pricing.bounds import step_profile  # noqa: E402
 
 TAG = {"candidate": "", "view": ""}
 RUNS: list[str] = []
@@ -74,25 +71,18 @@ def plan_view(graph, mesh, *args, **kwargs):
               f"{time.perf_counter() - start:.1f} s", flush=True)
 
 
-def candidate(self, c, settled=None, cutoff=None):
+def candidate(self, c, settled=None):
     TAG["candidate"] = c.describe()
-    return _candidate(self, c, settled, cutoff)
+    return _candidate(self, c, settled)
 
 
 def main() -> None:
     stage_jobs.cpu_workers = lambda: 1
     ilp_highs._load, ilp_highs.solve_with_highs = load, solve
     intra_op.plan_intra_op, auto._Search.solve = plan_view, candidate
-    workload = zoo.tiny("gpt", batch_size=8, dropout=0.0, num_layers=2)
-    with torch.device("meta"):
-        model = workload.build()
-    batch = workload.example_inputs(device="meta")
-    cluster = dataclasses.replace(torchalpa.Cluster.h100(1, 4), host_op_s=0.0)
-    budget = step_profile(capture(model, batch, workload.loss_fn).graph,
-                          cluster).memory_bytes(4) * 0.9
+    model, batch, loss_fn, cluster = near_budget_job(0.9)
     start = time.perf_counter()
-    plan = torchalpa.plan(model, batch, workload.loss_fn,
-                          cluster=dataclasses.replace(cluster, memory_per_device=budget))
+    plan = torchalpa.plan(model, batch, loss_fn, cluster=cluster)
     seconds = time.perf_counter() - start
     print("\n".join(RUNS))
     for note in plan.notes:
@@ -100,7 +90,7 @@ def main() -> None:
             print("  note:", note)
     print(f"planned in {seconds:.1f} s (load {os.getloadavg()[0]:.1f}); {len(RUNS)} HiGHS runs; "
           f"est {plan.estimates.step_time_s!r} s/step, {plan.estimates.memory_per_device_bytes} "
-          f"of {budget:.0f} B")
+          f"of {cluster.memory_per_device:.0f} B")
 
 
 if __name__ == "__main__":

@@ -26,34 +26,22 @@ import os
 import subprocess
 import sys
 
-from in_tree import import_tree, plan_text
+from in_tree import plan_text, target_g_candidate
 
 
 def _one(root: str, k: int, save: str | None) -> dict:
     """Plan the candidate with the tree at ``root``; its figures (its plan's JSON written
     to ``save``, if given)."""
     os.environ["TORCHALPA_CACHE"] = "0"
-    import_tree(root)
+    graph, cluster, method = target_g_candidate(root, k)
     import resource
     import time
 
-    import torch
-
-    import torchalpa
-    import torchalpa.models as zoo
-    from torchalpa.core.options import PipeshardParallel
-    from torchalpa.frontends.torch_export import capture
     from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
 
-    assert torchalpa.__file__.startswith(root), (torchalpa.__file__, root)
-    w = zoo.gpt_39b().replace(batch_size=1024 // k)
-    with torch.device("meta"):
-        model, batch = w.build(), w.example_inputs()
-    graph = capture(model, batch, w.loss_fn).graph
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = plan_pipeline(graph, torchalpa.Cluster.h100(num_nodes=8),
-                         PipeshardParallel(num_micro_batches=k))
+    plan = plan_pipeline(graph, cluster, method)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu += (after.ru_utime + after.ru_stime) - (children.ru_utime + children.ru_stime)

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import weak_scaling as ws  # noqa: E402
-from search_models import GB, exact_stages, small_gpt_graph, small_pipeline  # noqa: E402
+from search_models import exact_stages, small_cluster, small_gpt_graph, small_pipeline  # noqa: E402
 
 import torchalpa  # noqa: E402
 from torchalpa.core.options import AutoLayerOption, PipeshardParallel  # noqa: E402
@@ -30,10 +30,7 @@ from torchalpa.passes.pipeline_search.layers import assign_layers  # noqa: E402
 
 def _small() -> None:
     graph, method = small_gpt_graph(), small_pipeline()
-    cluster = torchalpa.Cluster(num_nodes=1, devices_per_node=4, memory_per_device=10 * GB,
-                                peak_flops=112e12, memory_bandwidth=900e9,
-                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                                inter_node_bandwidth=10e9, inter_node_latency=1e-5)
+    cluster = small_cluster(10, nodes=1, devices=4)
     exact = exact_stages(graph, assign_layers(graph, method, cluster.num_devices), cluster,
                          method)
     for k, i in [(0, 0), (0, 1), (2, 3), (0, 3)]:

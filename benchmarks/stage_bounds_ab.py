@@ -24,14 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from search_models import small_gpt_graph, small_pipeline  # noqa: E402
+from search_models import small_cluster, small_gpt_graph, small_pipeline  # noqa: E402
 
 import torchalpa  # noqa: E402
 from torchalpa.core.switches import PassSwitches  # noqa: E402
 from torchalpa.passes.pipeline_search.inter_op import plan_pipeline  # noqa: E402
 from torchalpa.passes.sharding.ilp import CLOCK_NOTE  # noqa: E402
 
-GB = 1024 ** 3
 CLOCKS = ("solve_seconds", "ilp_seconds", "total_seconds", "search_seconds")
 
 
@@ -71,11 +70,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     args = p.parse_args()
     graph = small_gpt_graph()
-    cluster = torchalpa.Cluster(num_nodes=args.nodes, devices_per_node=args.devices,
-                                memory_per_device=args.memory_gb * GB, peak_flops=112e12,
-                                memory_bandwidth=900e9, intra_node_bandwidth=100e9,
-                                intra_node_latency=1e-6, inter_node_bandwidth=10e9,
-                                inter_node_latency=1e-5)
+    cluster = small_cluster(args.memory_gb, nodes=args.nodes, devices=args.devices)
     for _ in range(args.repeats):
         times, plans = {}, {}
         for on in (False, True):

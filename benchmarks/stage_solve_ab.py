@@ -24,7 +24,7 @@ import os
 import subprocess
 import sys
 
-from in_tree import import_tree, plan_text
+from in_tree import plan_text, target_g_candidate
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,15 +32,9 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _one(root: str, k: int, stages: list[tuple[int, int, int]], view: tuple[int, ...]) -> dict:
     """Solve ``stages`` with the tree at ``root``; its figures."""
     os.environ["TORCHALPA_CACHE"] = "0"
-    import_tree(root)
+    graph, cluster, method = target_g_candidate(root, k)
     import time
 
-    import torch
-
-    import torchalpa
-    import torchalpa.models as zoo
-    from torchalpa.core.options import PipeshardParallel
-    from torchalpa.frontends.torch_export import capture
     from torchalpa.passes.pipeline_search.exact_stages import ExactStages
     from torchalpa.passes.pipeline_search.layer_cache import SolveCache
     from torchalpa.passes.pipeline_search.layer_costs import LayerCosts
@@ -49,13 +43,6 @@ def _one(root: str, k: int, stages: list[tuple[int, int, int]], view: tuple[int,
     from torchalpa.passes.pipeline_search.search_problem import SearchProblem
     from torchalpa.passes.pipeline_search.stage_costs import StageCosts
 
-    assert torchalpa.__file__.startswith(root), (torchalpa.__file__, root)
-    w = zoo.gpt_39b().replace(batch_size=1024 // k)
-    with torch.device("meta"):
-        model, batch = w.build(), w.example_inputs()
-    graph = capture(model, batch, w.loss_fn).graph
-    cluster = torchalpa.Cluster.h100(num_nodes=8)
-    method = PipeshardParallel(num_micro_batches=k)
     problem = SearchProblem(graph, assign_layers(graph, method, cluster.num_devices),
                             cluster, method, "global")
     layers = LayerCosts(problem, SolveCache(), PricingMemo(), None, True)

@@ -21,24 +21,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from search_models import small_gpt_graph  # noqa: E402
+from search_models import small_cluster, small_gpt_graph, small_pipeline  # noqa: E402
 
-import torchalpa  # noqa: E402
 from torchalpa.core.switches import PassSwitches  # noqa: E402
 from torchalpa.passes.pipeline_search.inter_op import plan_pipeline  # noqa: E402
 from torchalpa.passes.sharding.ilp import CLOCK_NOTE  # noqa: E402
 
-GB = 1024 ** 3
-
 
 def _search(graph, memory_gb: float, trust: bool) -> tuple[float, str]:
-    cluster = torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=memory_gb * GB,
-                                peak_flops=112e12, memory_bandwidth=900e9,
-                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                                inter_node_bandwidth=10e9, inter_node_latency=1e-5)
-    method = torchalpa.PipeshardParallel(
-        num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4),
-        auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
+    cluster = small_cluster(memory_gb)
+    method = small_pipeline()
     start = time.perf_counter()
     with PassSwitches.using(trust_proofs=trust):
         plan = plan_pipeline(graph, cluster, method, workers=1)

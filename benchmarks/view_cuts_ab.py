@@ -1,4 +1,5 @@
-"""Target a planned by two trees in turn, in child processes: ratios from one run.
+"""Target a planned by two trees in turn, in child processes: ratios from one run (named for
+the view cuts it first compared, since removed; it compares any two trees).
 
     git -C <main> archive HEAD | tar -x -C /tmp/base
     OMP_NUM_THREADS=1 python benchmarks/view_cuts_ab.py --base /tmp/base [--rounds 1]
@@ -9,10 +10,10 @@ AutoParallel with its defaults) in a child process importing ``--base`` (a prist
 of another commit; links for ``torchalpa/{passes,frontends,runtime}`` are made there, as
 the editable install maps them), then in one importing this tree, ``--rounds`` times
 alternately. Prints per run the wall seconds, the estimate, the chosen method and a hash of
-the plan JSON (notes, timings and source paths left out: the same hash is the same plan),
-the search's time note and, where views were cut by their LP bounds, which; then new/old
-ratios of wall seconds and of CPU seconds (the child's and its forked workers', which the
-load moves less). The machine may be shared: compare ratios within one run, not absolute times.
+the plan JSON (notes, timings and source paths left out: the same hash is the same plan)
+and the search's notes; then new/old ratios of wall seconds and of CPU seconds (the
+child's and its forked workers', which the load moves less). The machine may be shared:
+compare ratios within one run, not absolute times.
 ``--no-clock`` lifts AutoParallel's safety net (``time_budget_s``, 600 s) in both: on a
 loaded machine it may otherwise stop one tree's search and not the other's, and the two
 would not have done the same work.

@@ -32,10 +32,30 @@ def meta_tiny_gpt():
     return model, workload.example_inputs(device="meta"), workload.loss_fn
 
 
-def small_cluster(memory_gb: float = 0.05) -> torchalpa.Cluster:
-    """2 nodes of 2 devices with ``memory_gb`` each (small, so that the search pipelines
-    the small GPT's layers over several stages), links between nodes 10x slower."""
-    return torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=memory_gb * GB,
+def checkpointed_llama13b():
+    """LLaMA-2-13B cut to 2 blocks (hidden 5120, 40 heads, seq 4096), batch 8 in 4
+    micro-batches, fully checkpointed, as a 2-layer pipeline method plans it: (the
+    captured micro-batch step, the method)."""
+    from torchalpa.parallel.workflow import capture_variants, micro_batch_examples
+    workload = zoo.llama2_13b(batch_size=8).replace(num_layers=2)
+    with torch.device("meta"):
+        model = workload.build()
+    method = torchalpa.PipeshardParallel(
+        num_micro_batches=4, layer_option=torchalpa.AutoLayerOption(layer_num=2),
+        auto_sharding_option=torchalpa.AutoShardingOption(remat="full"))
+    batch = micro_batch_examples(workload.example_inputs(device="meta"), 4)
+    graph = capture_variants(model, batch, workload.loss_fn,
+                             method.auto_sharding_option)["full"].graph
+    return graph, method
+
+
+def small_cluster(memory_gb: float = 0.05, *, nodes: int = 2,
+                  devices: int = 2) -> torchalpa.Cluster:
+    """``nodes`` nodes of ``devices`` devices with ``memory_gb`` each (by default 2 x 2
+    with little memory, so that the search pipelines the small GPT's layers over several
+    stages), links between nodes 10x slower."""
+    return torchalpa.Cluster(num_nodes=nodes, devices_per_node=devices,
+                             memory_per_device=memory_gb * GB,
                              peak_flops=112e12, memory_bandwidth=900e9,
                              intra_node_bandwidth=100e9, intra_node_latency=1e-6,
                              inter_node_bandwidth=10e9, inter_node_latency=1e-5)

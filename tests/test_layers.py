@@ -143,20 +143,11 @@ def test_layers_of_a_checkpointed_step_are_cut_between_its_blocks():
     the recompute of block 1's attention (layer 0) fed that of its MLP half (layer 1): a
     value sent to a later stage in backward, which the 4 x 4 device pipeline plan refused.
     Checkpointed blocks are cut between, so backward only flows to earlier layers."""
-    import torchalpa
-    import torchalpa.models as zoo
+    from search_models import checkpointed_llama13b
+
     from torchalpa.core.opgraph import block_of as block
-    from torchalpa.parallel.workflow import capture_variants, micro_batch_examples
     from torchalpa.passes.pipeline_search.layers import assign_layers
-    workload = zoo.llama2_13b(batch_size=8).replace(num_layers=2)
-    with torch.device("meta"):
-        model = workload.build()
-    method = torchalpa.PipeshardParallel(
-        num_micro_batches=4, layer_option=torchalpa.AutoLayerOption(layer_num=2),
-        auto_sharding_option=torchalpa.AutoShardingOption(remat="full"))
-    batch = micro_batch_examples(workload.example_inputs(device="meta"), 4)
-    variants = capture_variants(model, batch, workload.loss_fn, method.auto_sharding_option)
-    graph = variants["full"].graph
+    graph, method = checkpointed_llama13b()
     assert graph.meta["remat"]["checkpointed"] == (("layers", 0), ("layers", 1))
     layers = assign_layers(graph, method, 16)
     later = [(n.name, c) for n in graph.ops() if n.phase == "backward"

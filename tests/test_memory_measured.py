@@ -245,24 +245,9 @@ def test_the_end_of_a_step_is_its_peak_where_the_model_outweighs_activations():
     activations) is below the measured one by the temporaries (33.6 MB, 11 %). (The
     parent commit's estimate, 335.7 MB, was 11 % above: each weight gradient, a view of a
     matmul's result, counted twice, and no temporaries.)"""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    from quickstart import MLP
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(2, 1024, generator=g), torch.randn(2, 1024, generator=g)
-    torch.manual_seed(0)
-    pm = torchalpa.auto_parallel(MLP(1024, 4), (x, y), F.mse_loss,
-                                 cluster=torchalpa.Cluster.local_cpu(1),
-                                 optimizer=lambda p: torch.optim.Adam(p, lr=1e-4))
-
-    def step():
-        pm.optimizer.zero_grad(set_to_none=True)
-        pm(x, y).backward()
-        pm.optimizer.step()
-
-    for _ in range(2):
-        step()
-    pm.optimizer.zero_grad(set_to_none=True)
-    gc.collect()
+    from end_of_step_worker import adam_mlp, warmed_step
+    pm, x, y = adam_mlp(1024, 4, 2, cluster=torchalpa.Cluster.local_cpu(1))
+    step = warmed_step(pm, x, y)
     measured = _held_bytes(pm) + peak_allocated(step).peak
     est = pm.plan.estimates
     assert est.end_of_step_bytes_per_device == est.memory_per_device_bytes

@@ -10,12 +10,17 @@ here on the zoo's models and both views of 4 devices.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from search_models import meta_tiny_gpt
 
 import torchalpa
 import torchalpa.models as zoo
+from torchalpa.core.options import AutoShardingOption, ShardParallel
 from torchalpa.core.switches import SearchSwitches
 from torchalpa.frontends.torch_export import capture
+from torchalpa.parallel import shard
 from torchalpa.passes.sharding.intra_op import plan_intra_op, step_time_lower_bound
 
 FAMILIES = ["gpt", "llama", "bert", "resnet", "moe"]
@@ -63,6 +68,27 @@ def test_the_bound_is_below_the_plan_the_ilp_finds(graphs, family, shape):
     plan = plan_intra_op(graph, mesh)
     assert bound is not None and bound > 0
     assert bound <= plan.estimates.step_time_s * (1 + 1e-9), (bound, plan.estimates)
+
+
+def test_the_bound_with_blocks_is_between_the_unsimplified_bound_and_the_plan():
+    """The bound ``plan_graph`` skips a mesh by, taken with the graph's repeated blocks (the
+    problems the big-graph path solves share decisions across them): no lower than the
+    unsimplified bound, and still below the plan of every view."""
+    model, batch, loss_fn = meta_tiny_gpt()
+    graph = capture(model, batch, loss_fn).graph
+    blocks = shard.blocks_of(graph)
+    assert blocks
+    # the path of a graph too big to solve unsimplified (target a's): blocks share decisions
+    method = ShardParallel(num_micro_batches=2, auto_sharding_option=AutoShardingOption(
+        exact_below=0, free_followers_below=0))
+    cluster = dataclasses.replace(torchalpa.Cluster.h100(1, 4), host_op_s=0.0)
+    for mesh in shard.candidate_meshes(cluster, method):
+        plan = plan_intra_op(graph, mesh, method, blocks=blocks)
+        grouped = step_time_lower_bound(graph, mesh, method, blocks=blocks)
+        plain = step_time_lower_bound(graph, mesh, method)
+        assert grouped is not None and plain is not None
+        assert plain <= grouped * (1 + 1e-9)
+        assert grouped <= plan.estimates.step_time_s * (1 + 1e-9), (mesh.shape, grouped)
 
 
 def test_no_bound_where_the_combiner_lowers_the_step_after_the_solve(graphs):

@@ -6,21 +6,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from search_models import small_gpt_graph
+from search_models import GB, small_cluster, small_gpt_graph
 
 import torchalpa
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.rules import rule_for
 from torchalpa.passes.sharding.intra_op import plan_intra_op
 
-GB = 1024 ** 3
-
 
 def _cluster():
-    return torchalpa.Cluster(num_nodes=1, devices_per_node=4, memory_per_device=1 * GB,
-                             peak_flops=112e12, memory_bandwidth=900e9,
-                             intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                             inter_node_bandwidth=10e9, inter_node_latency=1e-5)
+    return small_cluster(1, nodes=1, devices=4)
 
 
 def _choices(plan):

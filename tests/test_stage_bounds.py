@@ -6,7 +6,7 @@ and a variant that could win must still be solved."""
 from __future__ import annotations
 
 import pytest
-from search_models import GB, exact_stages, small_cluster, small_gpt_graph, small_pipeline
+from search_models import exact_stages, small_cluster, small_gpt_graph, small_pipeline
 
 import torchalpa
 from torchalpa.core.switches import PassSwitches
@@ -26,10 +26,7 @@ def gpt_graph():
 
 
 def _one_node(memory_gb: float) -> torchalpa.Cluster:
-    return torchalpa.Cluster(num_nodes=1, devices_per_node=4, memory_per_device=memory_gb * GB,
-                             peak_flops=112e12, memory_bandwidth=900e9,
-                             intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                             inter_node_bandwidth=10e9, inter_node_latency=1e-5)
+    return small_cluster(memory_gb, nodes=1, devices=4)
 
 
 def _search(graph, cluster: torchalpa.Cluster) -> StageSearch:

@@ -7,17 +7,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from search_models import exact_stages, small_gpt_graph
+from search_models import exact_stages, small_cluster, small_gpt_graph, small_pipeline
 
-import torchalpa
 from torchalpa.core.switches import PassSwitches
 from torchalpa.passes.pipeline_search import exact_stages as exact_module
 from torchalpa.passes.pipeline_search.layers import assign_layers
 from torchalpa.passes.pipeline_search.stage_recompute import recompute_option
 from torchalpa.passes.pipeline_search.stage_solve import StageRequest, plan_stage, search_option
 from torchalpa.passes.sharding.ilp import InfeasibleError, MemoryNotSettled, SolverStopped
-
-GB = 1024 ** 3
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +23,8 @@ def gpt_graph():
 
 
 def _costs(graph, memory_gb: float):
-    cluster = torchalpa.Cluster(num_nodes=2, devices_per_node=2, memory_per_device=memory_gb * GB,
-                                peak_flops=112e12, memory_bandwidth=900e9,
-                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                                inter_node_bandwidth=10e9, inter_node_latency=1e-5)
-    method = torchalpa.PipeshardParallel(
-        num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4),
-        auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"))
+    cluster = small_cluster(memory_gb)
+    method = small_pipeline()
     layer = assign_layers(graph, method, cluster.num_devices)
     return exact_stages(graph, layer, cluster, method)
 

@@ -5,7 +5,7 @@ another structure gets none."""
 from __future__ import annotations
 
 import pytest
-from search_models import exact_stages, small_gpt_graph
+from search_models import exact_stages, small_cluster, small_gpt_graph
 
 import torchalpa
 from torchalpa.passes.pipeline_search.layers import assign_layers
@@ -13,8 +13,6 @@ from torchalpa.passes.pipeline_search.stage_solve import plan_stage, stage_reque
 from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
 from torchalpa.passes.pipeline_search.transplant import transplant
 from torchalpa.passes.sharding.intra_op import plan_intra_op
-
-GB = 1024 ** 3
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +30,7 @@ def _stage(graph, layer, k, i):
 
 
 def _mesh():
-    cluster = torchalpa.Cluster(num_nodes=1, devices_per_node=4, memory_per_device=1 * GB,
-                                peak_flops=112e12, memory_bandwidth=900e9,
-                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                                inter_node_bandwidth=10e9, inter_node_latency=1e-5)
+    cluster = small_cluster(1, nodes=1, devices=4)
     return cluster.logical_mesh((2, 2))
 
 
@@ -73,10 +68,7 @@ def test_the_search_moves_a_solved_plan_to_identical_layers_at_assembly(gpt):
     1-2 with 2 (identical layers, the plan still fits): no ILP. The assembly then gets
     layers 3-4's plan moved from layers 1-2's, the plan the ILP makes for them."""
     graph, layer, method = gpt
-    cluster = torchalpa.Cluster(num_nodes=1, devices_per_node=4, memory_per_device=1 * GB,
-                                peak_flops=112e12, memory_bandwidth=900e9,
-                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                                inter_node_bandwidth=10e9, inter_node_latency=1e-5)
+    cluster = small_cluster(1, nodes=1, devices=4)
     costs = exact_stages(graph, layer, cluster, method)
     first = costs.exact(1, 2, (1, 4), (2, 2), 2)
     solves = costs.exact_solves

@@ -159,18 +159,10 @@ def test_shared_views_plan_what_solving_every_view_plans(nodes):
     solves one view per class (pricing the plan on the others, lean variants priced from
     the fastest plan) and skips 1D multi-node views chooses the same stages, submeshes and
     views, with the same estimates, as the search that solves every view by ILP."""
-    import torchalpa.models as zoo
-    from torchalpa.parallel.workflow import capture_variants, micro_batch_examples
+    from search_models import checkpointed_llama13b
+
     from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
-    workload = zoo.llama2_13b(batch_size=8).replace(num_layers=2)
-    with torch.device("meta"):
-        model = workload.build()
-    method = torchalpa.PipeshardParallel(
-        num_micro_batches=4, layer_option=torchalpa.AutoLayerOption(layer_num=2),
-        auto_sharding_option=torchalpa.AutoShardingOption(remat="full"))
-    batch = micro_batch_examples(workload.example_inputs(device="meta"), 4)
-    graph = capture_variants(model, batch, workload.loss_fn,
-                             method.auto_sharding_option)["full"].graph
+    graph, method = checkpointed_llama13b()
     shared = plan_pipeline(graph, _cluster(nodes), method)
     every = plan_pipeline(graph, _cluster(nodes), method, share_views=False)
     assert shared.estimates.layers_repriced > 0

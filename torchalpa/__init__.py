@@ -3,6 +3,18 @@
     pmodel = torchalpa.auto_parallel(model, example_inputs=(x, y), loss_fn=loss_fn)
     loss = pmodel(x, y); loss.backward(); opt.step()
 
+The public names are imported on first use (below). The packages, one floor down:
+
+- ``core``: the IR and records every layer shares (op graph, placements, plans, clusters).
+- ``ops``: custom torch ops (attention, batched matmul, the pipeline marker).
+- ``frontends`` / ``passes`` / ``runtime``: capture, planning and execution (installed
+  from the repository's top-level folders).
+- ``parallel``: the entry points and the one orchestration every method goes through.
+- ``interop``: StableHLO, XLA/JAX shardings and torch's tensor-parallel plans.
+- ``views``: plans for people (summaries, pictures, traces).
+- ``models``: the model zoo; ``suite``: models torchalpa was not written for, as fixtures.
+- ``cli``: the ``torchalpa`` command.
+
 See README.md for using it and docs/architecture.md for how it is built.
 """
 

@@ -45,12 +45,31 @@ Rules are registered per op name with ``@register``; ``rule_for`` looks one up. 
 without a rule gets ``None``, and the planner gives it a replicate-only strategy and
 lists it in the plan (never a wrong result).
 
-Modules: ``registry`` (``FactorRule``, ``@register``, ``rule_for``), ``common`` (helpers
-for reading an op's arguments), and one module per op family: ``elementwise``, ``matmul``,
-``reduce``, ``softmax``, ``norm``, ``loss``, ``embedding``, ``sdpa``, ``conv``, ``pool``,
-``resize``, ``view`` (shape ops), ``slicing`` (cut, join, reorder along a dim), ``index``
-(index- and order-driven ops), ``factory`` (ops that create tensors), ``random``,
-``complex_ops`` (complex views, FFTs) and ``boundaries`` (the pipeline marker).
+Modules:
+
+- ``registry``: ``FactorRule``, ``@register``, ``rule_for``, ``FactorNamer``.
+- ``common``: helpers for reading an op's arguments and placing operand dims.
+
+and one module per op family:
+
+- ``elementwise``: elementwise ops with broadcasting.
+- ``matmul``: matrix products (the contracted factor leaves a Partial sum).
+- ``reduce``: reductions and scans over some dims.
+- ``softmax``: softmax and log-softmax, and their backward.
+- ``norm``: layer norm and batch norm, forward and backward.
+- ``loss``: negative log-likelihood (cross-entropy after log_softmax).
+- ``embedding``: embedding lookup and its dense backward.
+- ``sdpa``: scaled dot-product attention as one op.
+- ``conv``: convolutions (1-, 2-, 3-d, grouped, transposed), forward and backward.
+- ``pool``: pooling over the trailing spatial dims.
+- ``resize``: upsampling the trailing spatial dims.
+- ``view``: shape ops (reshape, permute, expand, squeeze).
+- ``slicing``: ops that cut, join or reorder along one dim.
+- ``index``: index- and order-driven ops (gather, scatter, sort, advanced indexing).
+- ``factory``: ops that create tensors.
+- ``random``: random ops: each device draws its own block.
+- ``complex_ops``: complex views and FFTs.
+- ``boundaries``: the pipeline-boundary marker.
 """
 
 from torchalpa.passes.rules.registry import (

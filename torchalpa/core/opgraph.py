@@ -231,11 +231,6 @@ class OpGraph:
         return [n.name for n in self if n.kind == "input"]
 
     @property
-    def batch_inputs(self) -> list[str]:
-        """The inputs whose dim 0 is the batch (all but a stage's parameter-derived ones)."""
-        return [n.name for n in self if n.kind == "input" and n.batched]
-
-    @property
     def grads(self) -> dict[str, ValueRef]:
         return dict(self.outputs.grads)
 

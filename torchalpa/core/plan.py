@@ -455,13 +455,6 @@ class Plan(_PlanViews):
         return plan
 
     # -- reports ------------------------------------------------------------------------
-    def collective_counts(self) -> dict[tuple[str, str], int]:
-        """(phase, kind) -> count."""
-        counts: dict[tuple[str, str], int] = {}
-        for c in self.collectives:
-            counts[(c.phase, c.kind)] = counts.get((c.phase, c.kind), 0) + 1
-        return counts
-
     def summary(self, *, detail: str = "short", filter: str | None = None) -> str:
         """One screen: repeated layers folded, communication by module, the ten costliest
         collectives. ``detail="full"`` lists every row; ``filter`` is a glob over

@@ -5,9 +5,8 @@ two must give the same plan (or, for ``search_gap``, one no slower); tests and b
 keep checking that by running both. The switches are typed, frozen records, one per layer
 that reads them -- ``PassSwitches`` for ``passes/`` (the ILP and the pipeline search),
 ``SearchSwitches`` for ``torchalpa/parallel/`` (the method search) -- kept here in core so
-both layers can read theirs without importing each other. Every default but
-``view_bounds`` (its docstring says why) is the fast path: nothing outside a test or
-benchmark sets them.
+both layers can read theirs without importing each other. Every default is the fast
+path: nothing outside a test or benchmark sets them.
 
 Read one with ``PassSwitches.current().layer_classes``; turn one off for a block with
 ``with SearchSwitches.using(seed_sharing=False): ...`` (nested blocks change only the
@@ -107,16 +106,6 @@ class SearchSwitches(_Switches):
     reuse_views: bool = True
     """Settle an intra-op candidate's view (logical mesh) by another candidate's answer on
     it instead of solving it (``auto._Search.settled_views``); False solves every view."""
-
-    view_bounds: bool = False
-    """Once a plan is in hand, bound each view of an intra-op candidate by its LP
-    relaxation where it would be solved (its worker, on the prices its solve reuses), and
-    leave unsolved the views that cannot beat that plan by more than the tolerance
-    (``parallel/view_cuts.py``). The one switch off by default: on LLaMA-3-8B (1 x 8 H100)
-    it cut 22 of 32 views bounded (and 13 candidates whole) for 0.64x of main's CPU, but
-    its plan was not main's (est 2.559 against 2.550 s/step, the same candidate and view:
-    the views it does not solve seed no shared reads for the re-solves after;
-    ``benchmarks/view_cuts_ab.py --no-clock``, RESULTS.md)."""
 
     skip_by_bound: bool = True
     """Skip a logical mesh whose step-time bound is above a plan already found

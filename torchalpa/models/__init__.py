@@ -12,10 +12,14 @@ A ``Workload`` is a config plus the batch it trains on: everything ``capture`` /
         model, batch = w.build(), w.example_inputs()
     torchalpa.plan(model, batch, w.loss_fn, cluster=...)
 
-Modules: one per family (``gpt``, ``llama``, ``bert``, ``vit``, ``resnet``, ``moe``, and
-``hf`` for the HuggingFace ones); ``kv_cache`` (the static KV cache the decoders read and
-write in generation), ``losses`` (the zoo's ``loss_fn``s), ``sizes`` (the batch, sequence
-and vocabulary sizes the model suite shares) and ``_checks`` (config validation).
+Modules:
+
+- ``gpt`` / ``llama`` / ``bert`` / ``vit`` / ``resnet`` / ``moe``: one per family.
+- ``hf``: the HuggingFace models, built from ``transformers`` configs.
+- ``kv_cache``: the static KV cache the decoders read and write in generation.
+- ``losses``: the zoo's ``loss_fn``s.
+- ``sizes``: the batch, sequence and vocabulary sizes the model suite shares.
+- ``_checks``: config validation.
 """
 
 from __future__ import annotations

@@ -43,12 +43,7 @@ search
    each bounded by the same work, so the plan is the one solving them in turn gives.
    Each candidate's ILP on a view starts with the values the candidates before found
    read twice alike there priced once per layout (``SearchSwitches.seed_sharing``),
-   sparing the solve that would find them again. With ``SearchSwitches.view_bounds``
-   (off by default), once a plan is in hand each view is first bounded by its LP
-   relaxation in the worker that would solve it, on the prices the solve reuses, and not
-   solved where the bound cannot beat that plan by more than the tolerance
-   (``view_cuts.py``); the plan in hand is the best of the candidates before, fixed
-   before the views are forked, so the cuts too are bounded by work.
+   sparing the solve that would find them again.
 
 On one node the candidates are intra-op plans; pipelines there are the fallback when no
 intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
@@ -93,7 +88,6 @@ from torchalpa.core.switches import SearchSwitches
 from torchalpa.core.units import format_bytes
 from torchalpa.frontends.rebatch import listed as _listed
 from torchalpa.parallel.offload import host_memory_shortfall, with_offload
-from torchalpa.parallel.view_cuts import LP_CUT, Cutoff, ViewBound, ViewsCut, cut_views
 from torchalpa.parallel.workflow import capture_examples, capture_step
 
 if TYPE_CHECKING:
@@ -109,10 +103,6 @@ ROOM = 0.9
 
 SETTLED = "views settled without an ILP: "
 """How an attempt's detail begins when its views were settled without an ILP."""
-
-LP_CUT_NOTE = "AutoParallel did not solve these views, their LP bounds above its plan: "
-"""How the note naming the views cut by their LP bounds begins
-(``SearchSwitches.view_bounds``)."""
 
 
 STAGE_BOUND = "cannot beat "
@@ -254,8 +244,6 @@ class _Search:
         # (intra-op candidate, view index, its plan's peak bytes; None: it does not fit)
         self.views: list[tuple[Candidate, int, float | None]] = []
         self.settled = 0                               # views settled that way
-        self.cut: dict[Candidate, list[int]] = {}      # views cut by their LP bounds
-        self.bounded_views = 0                         # views whose LP bound was computed
         self.gap: float | None = None                  # mip_rel_gap of the candidates' ILPs
         self.steps: dict[tuple[Candidate, int], float] = {}   # (candidate, view) -> its est
         self.polished = 0                              # views re-solved at the solver's gap
@@ -522,12 +510,9 @@ class _Search:
                              auto_sharding_option=self.sharding_option(c),
                              optimizer=self.method.optimizer)
 
-    def solve(self, c: Candidate, settled: dict[int, tuple[str, bool]] | None = None,
-              cutoff: Cutoff | None = None):
+    def solve(self, c: Candidate, settled: dict[int, tuple[str, bool]] | None = None):
         """The plan of candidate ``c`` (an InfeasibleError when it does not fit);
-        ``settled``: its views not to solve (``settled_views``); ``cutoff``: the plan in
-        hand its views are bounded against where they are solved (``view_cuts.ViewsCut``
-        when no view is left that could beat it)."""
+        ``settled``: its views not to solve (``settled_views``)."""
         option = self.sharding_option(c)
         captured = self.capture(c.num_micro_batches, c.remat, c.regather)
         if c.kind == "intra-op":
@@ -535,7 +520,6 @@ class _Search:
             from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
             method = self.intra_op_method(c)
             outcomes: dict = {}
-            bounds: dict[int, ViewBound] = {}
             settled = settled or {}
             seed = SearchSwitches.current().seed_sharing
             self.settled += len(settled)
@@ -547,11 +531,9 @@ class _Search:
                                       memo=self.pricing, workers=cpu_workers(),
                                       skip={i: why for i, (why, _) in settled.items()},
                                       outcomes=outcomes,
-                                      sharing=self.sharing if seed else None,
-                                      cutoff=cutoff, bounds=bounds)
+                                      sharing=self.sharing if seed else None)
             finally:
                 self.record_views(c, outcomes)
-                self.record_bounds(c, bounds, cutoff)
         else:
             from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
             method = PipeshardParallel(num_micro_batches=c.num_micro_batches,
@@ -640,7 +622,6 @@ class _Search:
         single_node_fallback = self.nodes == 1 and self.method.pipeline is None
         first = [c for c in candidates if not (single_node_fallback and c.kind == "pipeline")]
         self.gap, self.steps, self.polished, self.polish_note = self.search_gap(), {}, 0, ""
-        self.cut, self.bounded_views = {}, 0
         try:
             self.solve_in_order(first)
             if not self.plans and len(first) < len(candidates):
@@ -758,14 +739,7 @@ class _Search:
                       f"(bound {c.bound_s:.4g} s/step; {more} more at most) solving"
                       ) as progress:
                 try:
-                    plan = self.solve(c, settled, self.cutoff(c, best))
-                except ViewsCut as e:
-                    self.attempts.append(Attempt(
-                        c, "not needed", seconds=time.perf_counter() - start,
-                        detail=_settled_text({**settled, **cut_views(list(e.cut.values()),
-                                                                     e.cutoff)}, self.meshes)))
-                    progress.done = f"not needed: {e}"
-                    continue
+                    plan = self.solve(c, settled)
                 except InfeasibleError as e:
                     # where a view was settled by dominance, c may fit there: not "does not fit"
                     dominated = any(by for _, by in settled.values())
@@ -815,16 +789,6 @@ class _Search:
         at = next((j for j, r in enumerate(rest) if self.order(r) > self.order(c)), len(rest))
         candidates[i + 1:] = rest[:at] + [c] + rest[at:]
 
-    def cutoff(self, c: Candidate, best: tuple | None) -> Cutoff | None:
-        """What ``c``'s views are bounded against where they are solved
-        (``SearchSwitches.view_bounds``): the best plan of the candidates before it
-        (``best``, fixed before its views are forked: the cut is bounded by work), for an
-        intra-op candidate whose states stay on the devices; None: no bound."""
-        if best is None or not SearchSwitches.current().view_bounds or \
-                c.kind != "intra-op" or self.method.offload:
-            return None
-        return Cutoff(best[0], self.method.tolerance)
-
     def over_budget(self, plan) -> str:
         """Why ``plan`` cannot be returned: its estimated peak is above the memory budget
         (what the user set or the cluster has, the streamed copies of offloaded parameters
@@ -851,24 +815,13 @@ class _Search:
             elif not isinstance(found, SolverStopped):
                 self.views.append((c, i, None))
 
-    def record_bounds(self, c: Candidate, bounds: dict[int, ViewBound],
-                      cutoff: Cutoff | None) -> None:
-        """Count the views of ``c`` bounded (``bounds``) and note those ``cutoff`` cut."""
-        self.bounded_views += len(bounds)
-        cut = sorted(i for i, b in bounds.items() if cutoff is not None and cutoff.cuts(b))
-        if cut:
-            self.cut[c] = cut
-
     def settled_views(self, c: Candidate) -> dict[int, tuple[str, bool]]:
         """Views of intra-op candidate ``c`` that other candidates' answers settle, view
         index -> (why, whether by dominance), by the rules the search applies to whole
         candidates (``does_not_fit_either``, ``dominating``) applied to one view: it does
         not fit where a candidate alike but recomputing at least what ``c`` does did not,
         and ``c`` only adds work where a candidate of no more micro-batches, regathering
-        and recomputing fits with room to spare (that plan is among the search's) or was
-        cut there by its LP bound (``self.cut``: that bound has no memory rows, so it is
-        below every plan of ``c`` there too, and the plan it could not beat is still in
-        hand -- the best only improves)."""
+        and recomputing fits with room to spare (that plan is among the search's)."""
         from torchalpa.passes.sharding.layer_remat import more_recompute
         if not SearchSwitches.current().reuse_views or c.kind != "intra-op" or \
                 self.method.offload:
@@ -885,12 +838,6 @@ class _Search:
                     and p.num_micro_batches <= c.num_micro_batches and p.regather <= c.regather:
                 settled[i] = (f"only adds work to {p.describe()}, which fits here with room "
                               "to spare", True)
-        for p, views in self.cut.items():
-            if more_recompute(p.remat, c.remat) and p.num_micro_batches <= c.num_micro_batches \
-                    and p.regather <= c.regather:
-                for i in views:
-                    settled.setdefault(i, (f"only adds work to {p.describe()}, which "
-                                           f"{LP_CUT}cut here", True))
         return settled
 
     def does_not_fit_either(self, c: Candidate) -> Candidate | None:
@@ -932,8 +879,6 @@ class _Search:
         notes += [TRIED + a.line() for a in self.attempts if a.candidate is not chosen]
         if self.polish_note:
             notes.append(self.polish_note)
-        if self.cut_note():
-            notes.append(self.cut_note())
         notes.append(self.time_note())
         if self.clock_fired:
             from torchalpa.passes.sharding.ilp import CLOCK_NOTE
@@ -948,9 +893,6 @@ class _Search:
         parts = [f"{phase} {seconds:.1f} s" for phase, seconds in self.seconds.items()]
         rest = total - sum(self.seconds.values())
         settled = sum(1 for a in self.attempts if a.detail.startswith(SETTLED))
-        cut = sum(1 for a in self.attempts if a.detail.startswith(SETTLED) and
-                  LP_CUT in a.detail)
-        cut_text = f", every view of {cut} candidates" if cut else ""
         staged = sum(1 for a in self.attempts if a.detail.startswith(STAGE_BOUND))
         from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
         steps = self.captures
@@ -964,19 +906,7 @@ class _Search:
                    if self.settled else "")
                 + (f"; {settled} candidates settled without an ILP" if settled else "")
                 + (f"; {staged} pipeline candidates refused by their stages' bound, "
-                   "before their layer ILPs" if staged else "")
-                + (f"; LP bounds: {self.bounded_views} views bounded, "
-                   f"{sum(map(len, self.cut.values()))} cut (no ILP){cut_text}"
-                   if self.bounded_views else ""))
-
-    def cut_note(self) -> str:
-        """The views cut by their LP bounds, by candidate ("" where none was)."""
-        if not self.cut:
-            return ""
-        return LP_CUT_NOTE + "; ".join(
-            f"{c.describe()} on " + ", ".join("x".join(map(str, self.meshes[i].shape))
-                                             for i in views)
-            for c, views in self.cut.items())
+                   "before their layer ILPs" if staged else ""))
 
     def nothing_fits(self) -> str:
         """What was tried, and what would fit (by the bounds)."""

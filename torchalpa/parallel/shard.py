@@ -25,7 +25,6 @@ from torchalpa.core.switches import SearchSwitches
 from torchalpa.core.units import format_bytes
 from torchalpa.parallel import cache
 from torchalpa.parallel.steps import Placed, PlacedForward
-from torchalpa.parallel.view_cuts import Cutoff, ViewBound, ViewsCut, bound_view
 from torchalpa.parallel.workflow import (
     default_cluster,
     plan_on_rank0,
@@ -69,9 +68,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                inputs: str = "global", blocks: dict | None = None,
                deadline: float | None = None, bound_views: bool | None = None,
                memo=None, workers: int = 1, skip: dict[int, str] | None = None,
-               outcomes: dict | None = None, sharing: dict | None = None,
-               cutoff: Cutoff | None = None, bounds: dict[int, ViewBound] | None = None
-               ) -> Plan:
+               outcomes: dict | None = None, sharing: dict | None = None) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
     A mesh whose memory lower bound exceeds the budget is refused with no ILP built. With a
@@ -81,23 +78,20 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     before it each solve gets the time left (a plan cut short is not cached). ``workers`` >
     1, not bounding: the ILPs solved at once in processes (``_solve_apart``). ``skip``: mesh
     index -> why not solved (a caller's reuse); ``outcomes``: mesh index -> its plan or its
-    InfeasibleError; ``sharing``: ``plan_intra_op``'s, kept across graphs. ``cutoff``
-    (``view_cuts.py``): each mesh is bounded by its LP where it would be solved, not solved
-    where that cannot beat it (``bounds``: index -> bound); ``ViewsCut``: no plan left."""
+    InfeasibleError; ``sharing``: ``plan_intra_op``'s, kept across graphs."""
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
     from torchalpa.passes.pricing.bounds import step_profile
     from torchalpa.passes.sharding.ilp import InfeasibleError
     fingerprint, memo = graph.fingerprint(), PricingMemo() if memo is None else memo
     plans, failures, skipped, refused, late = [], [], [], [], []
     skip, outcomes = skip or {}, {} if outcomes is None else outcomes
-    bounds = {} if bounds is None else bounds
     bounding = SearchSwitches.current().skip_by_bound if bound_views is None else bound_views
     profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states,
                            eager=method.auto_sharding_option.elementwise != "fused",
                            optimizer=method.optimizer)
-    apart, apart_bounds = ({}, {}) if bounding or workers <= 1 else _solve_apart(
+    apart = {} if bounding or workers <= 1 else _solve_apart(
         graph, method, meshes, inputs, blocks, memo, deadline, workers, profile, fingerprint,
-        skip, sharing, cutoff)
+        skip, sharing)
     for i, mesh in enumerate(meshes):
         key = cache.plan_key(fingerprint, mesh, method, inputs)
         with step(f"mesh {i + 1}/{len(meshes)} ({_shape(mesh)}) solving") as progress:
@@ -112,16 +106,13 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 progress.done = f"does not fit: {too_small}"
                 continue
             fastest = min(plans, key=lambda p: p.estimates.step_time_s, default=None)
-            if i not in apart and i not in apart_bounds and i not in skip and fastest is not \
-                    None and deadline is not None and time.perf_counter() > deadline:
+            if i not in apart and i not in skip and fastest is not None and \
+                    deadline is not None and time.perf_counter() > deadline:
                 late.append(mesh)
                 progress.done = "not solved: the time budget is spent"
                 continue
             why = skip.get(i) or (fastest is not None and bounding and _bound_above(
                 graph, mesh, method, inputs, memo, fastest, blocks)) or None
-            if why is None and cutoff is not None:
-                why = _cut_by_bound(cutoff, bounds, apart_bounds, graph, mesh, i, method,
-                                    inputs, blocks, memo)
             if why is not None:
                 skipped.append((mesh, why))
                 progress.done = f"skipped: {why}"
@@ -140,8 +131,6 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
             cache.store(key, found)
             cache.trim()
         plans.append(found)
-    if not plans and cutoff is not None and any(map(cutoff.cuts, bounds.values())):
-        raise ViewsCut({i: b for i, b in bounds.items() if cutoff.cuts(b)}, cutoff)
     if not plans:
         raise _no_mesh_fits(failures, refused, meshes, profile, method)
     return _chosen(plans, skipped, late, meshes)
@@ -157,17 +146,6 @@ def _solved(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: st
                              deadline=deadline, sharing=sharing)
     except InfeasibleError as e:
         return e
-
-
-def _cut_by_bound(cutoff: Cutoff, bounds: dict, apart_bounds: dict, graph: OpGraph,
-                  mesh: LogicalMesh, i: int, method: ShardParallel, inputs: str,
-                  blocks: dict | None, memo) -> str | None:
-    """Why mesh ``i`` is not solved against ``cutoff``: its LP bound (a worker's, from
-    ``apart_bounds``, or computed here; kept in ``bounds``) cannot beat it; None: solve."""
-    bound = apart_bounds[i] if i in apart_bounds else \
-        bound_view(graph, mesh, i, method, inputs=inputs, blocks=blocks, memo=memo)
-    bounds[i] = bound
-    return cutoff.why(bound) if cutoff.cuts(bound) else None
 
 
 def _chosen(plans: list, skipped: list, late: list, meshes: list[LogicalMesh]) -> Plan:
@@ -212,15 +190,12 @@ def _cached(key: str, graph: OpGraph, fingerprint: str, mesh: LogicalMesh):
 
 def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh], inputs: str,
                  blocks: dict | None, memo, deadline: float | None, workers: int, profile,
-                 fingerprint: str, skip: dict[int, str], sharing: dict | None = None,
-                 cutoff: Cutoff | None = None
-                 ) -> tuple[dict[int, Any], dict[int, ViewBound]]:
+                 fingerprint: str, skip: dict[int, str], sharing: dict | None = None
+                 ) -> dict[int, Any]:
     """mesh index -> its plan, or the InfeasibleError its ILP raised, for the meshes
     ``plan_graph`` would solve (not skipped, cached or refused by the memory bound), solved in
     up to ``workers`` forked processes (``stage_jobs.fork_map``), the 2D views (the longest
-    solves) first; and, with a ``cutoff``, mesh index -> its LP bound, taken in the
-    worker before the solve (on the prices the solve reuses), which is left out where the
-    bound cuts the mesh. Each solve is what ``plan_graph`` runs one after another, bounded
+    solves) first. Each solve is what ``plan_graph`` runs one after another, bounded
     by the same work, so the plans are the same; pricing memos filled in a worker stay there.
     The first mesh solves without a deadline (no plan is in hand before it), the others
     with it, as one after another. Empty where fewer than two meshes are left to solve.
@@ -235,20 +210,16 @@ def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh
                 Plan)]
     if len(todo) < 2 or not can_fork() or \
             (deadline is not None and time.perf_counter() > deadline):
-        return {}, {}
+        return {}
 
     def solve(i: int):
-        bound = None if cutoff is None else bound_view(
-            graph, meshes[i], i, method, inputs=inputs, blocks=blocks, memo=memo)
-        if bound is not None and cutoff is not None and cutoff.cuts(bound):
-            return bound, None, bound          # not solved: its sharing learnt nothing
         found = None if sharing is None else dict(sharing)
         try:
             return plan_intra_op(graph, meshes[i], method, inputs=inputs, blocks=blocks,
                                  memo=memo, deadline=None if i == todo[0] else deadline,
-                                 sharing=found), found, bound
+                                 sharing=found), found
         except InfeasibleError as e:       # an answer (does not fit), not a failure
-            return e, found, bound
+            return e, found
 
     order = sorted(todo, key=lambda i: (-len(meshes[i].shape), i))
     shapes = ", ".join("x".join(map(str, meshes[i].shape)) for i in order)
@@ -256,13 +227,11 @@ def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh
         found = fork_map(solve, order, workers, unit="views")
         progress.done = "done"
     if sharing is not None:
-        for i, (_, theirs, _) in sorted(zip(order, found)):
+        for i, (_, theirs) in sorted(zip(order, found)):
             key = sharing_key(meshes[i])
             if theirs is not None and key in theirs:
                 sharing[key] = sharing.get(key, frozenset()) | theirs[key]
-    bounds = {i: bound for i, (_, _, bound) in zip(order, found) if bound is not None}
-    return {i: plan for i, (plan, _, bound) in zip(order, found)
-            if bound is None or cutoff is None or not cutoff.cuts(bound)}, bounds
+    return {i: plan for i, (plan, _) in zip(order, found)}
 
 
 def _no_mesh_fits(failures: list, refused: list[LogicalMesh], meshes: list[LogicalMesh],
