@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 import published  # noqa: E402
-from published_rows import ROWS, megatron_eq3_flops  # noqa: E402
+from published_rows import HELD_OUT, ROWS, TUNED, megatron_eq3_flops  # noqa: E402
 
 from torchalpa.core.options import ManualStageOption, PipeshardParallel  # noqa: E402
 
@@ -120,3 +120,31 @@ def test_a_row_the_planner_refuses_fails_the_check(capsys):
     published._print_refused([], 3, check=True)
     published._print_refused(["x"], 3, check=False)
     assert capsys.readouterr().out == ""
+
+
+def _run(row) -> tuple:
+    """What makes two rows the same run: model, sequence, batch, machine and plan."""
+    return (row.family, tuple(sorted(row.config.items())), row.seq, row.global_batch,
+            row.micro_batch, row.machine, row.num_nodes, row.tp, row.pp, row.dp, row.remat,
+            row.zero, row.precision)
+
+
+def test_held_out_rows_are_runs_the_tuned_table_does_not_hold():
+    assert ROWS == TUNED + HELD_OUT and len(HELD_OUT) >= 6
+    keys = [r.key for r in ROWS]
+    assert len(set(keys)) == len(keys)
+    tuned = {_run(r) for r in TUNED}
+    assert not [r.key for r in HELD_OUT if _run(r) in tuned]
+    # their published figures become seconds by their sources' rules: llm-foundry's
+    # tokens/s per GPU over the global batch, a logged iteration time as it is
+    mpt = next(r for r in HELD_OUT if r.key == "mpt-30b-h100x8")
+    assert mpt.published_step_s() == pytest.approx(504 * 2048 / (8 * 2002))
+    tr1 = next(r for r in HELD_OUT if r.key == "bigscience-tr1-13b-v100x256")
+    assert tr1.cluster().devices_per_node == 4 and tr1.cluster().num_devices == 256
+    assert tr1.published_step_s() == pytest.approx(22.3066)
+
+
+def test_check_prints_the_held_out_rows_alone_when_both_sets_ran():
+    tuned, held = _outcome("megatron21-1.7b", 1.0), _outcome(HELD_OUT[0].key, 1.5)
+    assert published.held_out_outcomes([tuned, held]) == [held]
+    assert published.held_out_outcomes([tuned]) == []

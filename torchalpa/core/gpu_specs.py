@@ -203,6 +203,8 @@ NV1 = one link, NV2 = two; 0 = no NVLink, through PCIe and the CPUs): every GPU 
 25 GB/s links, to the three others of its quad and one or two of the other quad."""
 _FULL_MESH_8 = tuple(tuple(0 if i == j else 1 for j in range(8)) for i in range(8))
 """Every GPU linked once to each other one (AMD MI300X OAM platforms)."""
+_FULL_MESH_4_DOUBLE = tuple(tuple(0 if i == j else 2 for j in range(4)) for i in range(4))
+"""Four SXM2 GPUs, each pair joined by two NVLink 2 links (6 links per GPU, all to peers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +309,13 @@ NODE_PRESETS: dict[str, NodeSpec] = {
     "jean-zay-a100": NodeSpec("A100 80GB", 80 * GB, 4 * 100 * Gbit,
                               note="Jean Zay (BLOOM-176B): 8 x A100 80GB, NVSwitch, "
                                    "4 x 100 Gb/s Omni-Path"),
+    # Jean Zay's quad-V100 converged nodes (BigScience's tr1-13B, 2021): 4 x V100 SXM2 32GB,
+    # every pair joined by 2 of each GPU's 6 NVLink 2 links [assumed: the usual 4-GPU SXM2
+    # board], Intel Omni-Path 100 Gb/s (IDRIS; 4 adapters per converged node [assumed])
+    "jean-zay-v100": NodeSpec("V100", 32 * GB, 4 * 100 * Gbit, devices_per_node=4,
+                              links=_FULL_MESH_4_DOUBLE, link_bandwidth=25 * GB,
+                              note="Jean Zay (BigScience tr1-13B): 4 x V100 32GB, NVLink 2 "
+                                   "x 2 between each pair, 4 x 100 Gb/s Omni-Path [assumed]"),
     # Meta's Grand Teton H100 hosts of torchtitan's benchmarks: 96 GB HBM2e parts at 500 W
     # (2.4 TB/s; lower clocks), NVLink, 400 Gb/s RDMA per GPU
     "grand-teton-h100": NodeSpec("H100 96GB HBM2e", 96 * GB, 8 * 400 * Gbit,
