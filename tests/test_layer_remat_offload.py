@@ -14,6 +14,7 @@ import worker_io
 import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core.options import parse_remat
+from torchalpa.core.units import format_bytes
 from torchalpa.parallel.auto import NothingFitsError
 from torchalpa.passes.sharding.layer_remat import block_counts, checkpointing_line, more_recompute
 
@@ -178,9 +179,38 @@ def test_parameters_are_offloaded_when_offloading_states_does_not_fit(gpt):
     plan = _plan(gpt, remat=("none",), auto_sharding_option=_tight(0.8e6), pipeline=False,
                  num_micro_batches=1)
     assert plan.method["offload_parameters"], plan.notes
-    assert plan.estimates.memory_per_device_bytes <= 0.8e6
+    est = plan.estimates
+    assert est.memory_per_device_bytes <= 0.8e6
+    # the budget shown is the one asked for, the copies in flight counted in both it and
+    # the peak; the host's bytes are said apart, not in the device's figure
+    assert est.memory_budget_per_device_bytes == 0.8e6
+    assert 0 < est.streamed_bytes_per_device < est.memory_per_device_bytes
+    line = plan.summary().splitlines()[1]
+    assert "of 781.2 KiB (states 0 B" in line and "OVER" not in line
+    assert "copies in flight " + format_bytes(est.streamed_bytes_per_device) in line
+    assert line.endswith(f"; host memory per node {format_bytes(est.host_bytes_per_node)} "
+                         "(offloaded)")
     assert any(n.startswith("AutoParallel offloaded parameters, gradients and optimizer "
                             "states to host memory: without it,") for n in plan.notes)
+
+
+def test_a_budget_the_copies_in_flight_exhaust_is_said_without_a_negative_amount(gpt):
+    with pytest.raises(NothingFitsError) as e:
+        _plan(gpt, remat=("none",), offload="parameters", pipeline=False, num_micro_batches=1,
+              auto_sharding_option=torchalpa.AutoShardingOption(memory_budget_per_device=1e4))
+    first = str(e.value).splitlines()[0]
+    assert first.startswith("no way to run this step fits 9.8 KiB per device (") and \
+        "of it kept for the offloaded parameters' copies in flight)" in first
+    assert "-" not in first.split(" on ")[0]
+
+
+def test_a_summary_says_when_a_peak_is_over_its_budget(gpt):
+    plan = _plan(gpt, remat=("none",), offload=False, pipeline=False, num_micro_batches=1)
+    est = plan.estimates
+    over = dataclasses.replace(plan, estimates=dataclasses.replace(
+        est, memory_budget_per_device_bytes=est.memory_per_device_bytes - 2048))
+    assert "2.0 KiB OVER the device budget" in over.summary()
+    assert "OVER" not in plan.summary() and "host memory per node" not in plan.summary()
 
 
 def test_parameter_offload_without_host_memory_is_refused_before_tracing(gpt):

@@ -142,3 +142,31 @@ def test_a_gradient_is_held_from_its_backward_op_with_one_micro_batch_only():
         == 5 * param_bytes
     assert plans[2].memory_per_device_bytes == max(
         4 * param_bytes + plans[2].activation_bytes_per_device, 5 * param_bytes)
+
+
+def test_parameters_offloaded_hold_no_state_and_no_summed_gradient_on_the_devices():
+    """With parameters offloaded (``PARAMETERS_OFFLOADED``) a device holds neither the
+    parameters nor the gradients summed over micro-batches: the state is 0 bytes, never
+    less, whatever layout the ops making the gradients give them (here split, a quarter
+    of their parameters' replicated bytes, which once came out negative)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    from torchalpa.core.options import PARAMETERS_OFFLOADED
+    from torchalpa.core.placement import Shard
+    from torchalpa.frontends.torch_export import capture
+    from torchalpa.passes.pricing.memory import accumulated_gradients, model_state_bytes
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+        batch = (torch.empty(16, 64), torch.empty(16, 64))
+    g = capture(model, batch, F.mse_loss).graph
+    R = {n.name: (Replicate(),) for n in g if n.is_leaf}
+    raw = accumulated_gradients(g)
+    assert raw      # the case: gradients made by ops, summed as those ops lay them out
+    outputs = {ref.node: tuple((Shard(0),) for _ in g.node(ref.node).outputs)
+               for ref in raw.values()}
+    assert model_state_bytes(g, R, (4,), 2, False, outputs) > 0
+    buffers = sum(n.output.nbytes for n in g if n.kind == "buffer")
+    assert model_state_bytes(g, R, (4,), PARAMETERS_OFFLOADED, False, outputs) == buffers
+    assert model_state_bytes(g, R, (4,), PARAMETERS_OFFLOADED) == buffers

@@ -46,7 +46,7 @@ from torchalpa.passes.sharding.reshard import local_bytes
 from torchalpa.passes.sharding.stage_boundary import summed_part
 
 __all__ = ["Liveness", "KeptCopy", "KeptTerm", "liveness", "model_state_bytes", "activation_peak_bytes",
-           "accumulated_gradients", "same_layout_views",
+           "accumulated_gradients", "summed_gradients", "same_layout_views",
            "state_copies", "gradients_from_backward", "forward_end", "in_flight_bytes", "value_bytes",
            "view_copies", "viewed_leaf", "scatter_copies"]
 
@@ -339,9 +339,13 @@ def gradients_from_backward(micro_batches: int, optimizer_states: int) -> bool:
 def state_copies(graph: OpGraph, node_name: str, optimizer_states: int,
                  grads_from_backward: bool = False) -> int:
     """Tensors of a leaf's layout held for the whole step: itself, grad (not with
-    ``grads_from_backward``: ``liveness`` holds it from its op on), optimizer states."""
+    ``grads_from_backward``: ``liveness`` holds it from its op on), optimizer states; none
+    of a trained parameter whose parameter, gradient and states are offloaded (negative
+    ``optimizer_states``; the copies streamed per op are reserved apart)."""
     node = graph.node(node_name)
     if node.kind == "param" and node.target in dict(graph.outputs.grads):
+        if optimizer_states < 0:        # PARAMETERS_OFFLOADED: all of them on the host
+            return 0
         return 1 + optimizer_states + (not grads_from_backward)
     return 1 if node.kind in ("param", "buffer") else 0
 
@@ -353,8 +357,8 @@ def model_state_bytes(graph: OpGraph, placements: dict[str, Placements], mesh_sh
     device for the whole step. ``outputs`` (node -> its results' layouts, the plan's):
     the gradients summed over micro-batches are held as the ops that make them lay them
     out (``accumulated_gradients``), else in their parameters' layouts."""
-    raw = accumulated_gradients(graph, outputs) if outputs is not None and \
-        not grads_from_backward else {}
+    raw = summed_gradients(graph, optimizer_states, grads_from_backward, outputs) \
+        if outputs is not None else {}
     total = sum(local_bytes(n.output, placements[n.name], mesh_shape)
                 * state_copies(graph, n.name, optimizer_states, grads_from_backward or
                                n.name in raw)
@@ -362,6 +366,17 @@ def model_state_bytes(graph: OpGraph, placements: dict[str, Placements], mesh_sh
     return total + sum(local_bytes(graph.node(ref.node).outputs[ref.index],
                                    outputs[ref.node][ref.index], mesh_shape)
                        for ref in raw.values() if outputs is not None)
+
+
+def summed_gradients(graph: OpGraph, optimizer_states: int, grads_from_backward: bool,
+                     outputs=None) -> dict[str, ValueRef]:
+    """The gradients a device holds summed over micro-batches, as their ops lay them out
+    (``accumulated_gradients``): none with ``grads_from_backward``, nor with parameters
+    offloaded (negative ``optimizer_states``), whose gradients go to the host as backward
+    makes them. Counted both by plans' estimates and by the ILP's ``MemoryModel``."""
+    if grads_from_backward or optimizer_states < 0:
+        return {}
+    return accumulated_gradients(graph, outputs)
 
 
 def accumulated_gradients(graph: OpGraph, outputs=None) -> dict[str, ValueRef]:
@@ -640,7 +655,7 @@ class MemoryModel:
         self.forward_end = forward_end(graph)
         reps = grouping.representatives
         self.state = {r: np.zeros(len(strategies[r])) for r in reps}
-        raw = {} if grads_from_backward else accumulated_gradients(graph)
+        raw = summed_gradients(graph, optimizer_states, grads_from_backward)
         for n in graph:
             copies = state_copies(graph, n.name, optimizer_states,
                                   grads_from_backward or n.name in raw)

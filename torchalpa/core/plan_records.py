@@ -85,6 +85,9 @@ class Estimates:
     """The part of ``step_time_s`` the offload pays: the host link and the host's step."""
     host_bytes_per_node: float | None = None
     """Host memory the offloaded parameter copies and optimizer states take per node."""
+    streamed_bytes_per_device: float | None = None
+    """With parameters offloaded, the copies streamed to a device that it holds at once
+    (``passes/pricing/offload_price.py``), counted in ``memory_per_device_bytes``."""
     # a pipeline (PipelinePlan): per stage, the schedule's timeline, the stage search
     max_stage_s: float | None = None
     stage_step_s: list | None = None

@@ -912,7 +912,12 @@ class _Search:
         """What was tried, and what would fit (by the bounds)."""
         from torchalpa.passes.pricing.bounds import step_profile
         devices, budget = self.cluster.num_devices, self.budget()
-        lines = [f"no way to run this step fits {format_bytes(budget)} per device on "
+        whole = self.method.auto_sharding_option.memory_budget_per_device or \
+            self.cluster.memory_per_device
+        room = f"{format_bytes(budget)} per device" if not whole or budget == whole else \
+            (f"{format_bytes(whole)} per device ({format_bytes(whole - budget)} of it kept "
+             "for the offloaded parameters' copies in flight)")
+        lines = [f"no way to run this step fits {room} on "
                  f"{devices} devices ({self.nodes} node(s)); tried:"]
         lines += ["  " + a.line() for a in self.attempts]
         lightest = min((m for m in self.method.remat if m != "layers"), default="full",

@@ -22,8 +22,10 @@ __all__ = ["with_offload", "host_memory_shortfall", "offloads_parameters",
 def with_offload(plan, graph, cluster, method):
     """``plan`` (intra-op, made with optimizer states off the devices) with the offload's
     price added to its step and its host memory stated (``passes/pricing/offload_price.py``); an
-    InfeasibleError when the host cannot hold the states."""
-    from torchalpa.passes.pricing.offload_price import offload_cost
+    InfeasibleError when the host cannot hold the states. With parameters offloaded, its
+    device memory and budget both count the streamed copies in flight (the plan was solved
+    for the budget less the room ``with_streaming_room`` keeps for them)."""
+    from torchalpa.passes.pricing.offload_price import device_window_bytes, offload_cost
     from torchalpa.passes.sharding.ilp import InfeasibleError
     per_node = getattr(cluster, "devices_per_node", plan.num_devices)
     parameters = offloads_parameters(method)
@@ -39,13 +41,17 @@ def with_offload(plan, graph, cluster, method):
             f"host memory per node in this plan, the nodes have "
             f"{format_bytes(cost.host_memory_per_node)}: parameters split over more devices "
             "or hosts with more memory would fit")
-    memory = est.memory_per_device_bytes
+    memory, budget = est.memory_per_device_bytes, est.memory_budget_per_device_bytes
     if parameters and memory is not None:      # the streamed copies in flight
         memory += cost.device_window_bytes
+    if parameters and budget is not None:      # solved for the budget less the room kept
+        budget += device_window_bytes(graph)   # for those copies: the whole one again
     estimates = replace(est, step_time_s=est.step_time_s + cost.seconds,
                         once_per_step_s=(est.once_per_step_s or 0) + cost.seconds,
                         offload_s=cost.seconds, host_bytes_per_node=cost.host_bytes_per_node,
-                        memory_per_device_bytes=memory)
+                        memory_per_device_bytes=memory, memory_budget_per_device_bytes=budget,
+                        streamed_bytes_per_device=cost.device_window_bytes if parameters
+                        else None)
     flags = {"offload": True, **({"offload_parameters": True} if parameters else {})}
     return replace(plan, estimates=estimates, method={**plan.method, **flags},
                    notes=tuple(plan.notes) + (cost.note(),))

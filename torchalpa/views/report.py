@@ -74,16 +74,31 @@ def _header(plan) -> list[str]:
     lines = [f"torchalpa plan  mesh [{mesh}] ({plan.num_devices} devices)  "
              f"method {plan.method.get('name', '?')}"]
     if est:
-        budget = est.memory_budget_per_device_bytes
         lines.append(
             f"estimated step {(est.step_time_s or 0) * 1e3:.4g} ms "
             f"(compute {(est.compute_s or 0) * 1e3:.4g}, communication "
-            f"{(est.communication_s or 0) * 1e3:.4g}); memory per device "
-            f"{format_bytes(est.memory_per_device_bytes or 0)}"
-            + (f" of {format_bytes(budget)}" if budget else "")
-            + f" (states {format_bytes(est.model_state_bytes_per_device or 0)}, "
-            f"activations {format_bytes(est.activation_bytes_per_device or 0)})")
+            f"{(est.communication_s or 0) * 1e3:.4g}); " + memory_line(est))
     return lines
+
+
+def memory_line(est) -> str:
+    """Device memory per device against its budget, its parts, and apart from it the host
+    memory offloaded states take: device and host bytes never summed together. A peak
+    above the budget is said so (the search rejects such plans; a plan made otherwise, or
+    read from a file, may carry one)."""
+    budget, peak = est.memory_budget_per_device_bytes, est.memory_per_device_bytes or 0
+    parts = [f"states {format_bytes(est.model_state_bytes_per_device or 0)}",
+             f"activations {format_bytes(est.activation_bytes_per_device or 0)}"]
+    if est.streamed_bytes_per_device:
+        parts.append(f"offloaded parameters' copies in flight "
+                     f"{format_bytes(est.streamed_bytes_per_device)}")
+    text = f"memory per device {format_bytes(peak)}" + \
+        (f" of {format_bytes(budget)}" if budget else "") + f" ({', '.join(parts)})"
+    if budget and peak > budget * (1 + 1e-9):
+        text += f", {format_bytes(peak - budget)} OVER the device budget"
+    if est.host_bytes_per_node:
+        text += f"; host memory per node {format_bytes(est.host_bytes_per_node)} (offloaded)"
+    return text
 
 
 def _parameter_lines(params, detail: str, filter: str | None) -> list[str]:
