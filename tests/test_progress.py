@@ -4,6 +4,8 @@ import io
 import json
 import logging
 import multiprocessing
+import subprocess
+import sys
 import threading
 import time
 
@@ -128,12 +130,23 @@ def _sleep(seconds):
     return seconds
 
 
+def _in_a_fresh_interpreter(test: str) -> None:
+    """Run one test of this file in a new Python process (nothing else imported there),
+    failing here with its output if it fails there."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "no:xdist", f"{__file__}::{test}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + \
+        proc.stderr[-2000:]
+
+
 def test_a_step_waiting_on_a_worker_pool_still_speaks_and_counts(caplog, monkeypatch):
     """The search waits on forked workers (``fork_map``, ``StageJobs``) inside a step:
     its heartbeat, on a thread of its own, still logs, saying how many are done."""
     from torchalpa.passes.pipeline_search.stage_jobs import StageJobs, can_fork, fork_map
-    if not can_fork():
-        pytest.skip("JAX is loaded: the pool runs its jobs here (no workers to wait on)")
+    if not can_fork():      # JAX loaded by another test of this process: the pool would
+        _in_a_fresh_interpreter("test_a_step_waiting_on_a_worker_pool_still_speaks_and_counts")
+        return              # run its jobs here, so run this test where it forks
     monkeypatch.setattr(progress, "HEARTBEAT_S", 0.05)
     caplog.set_level(logging.INFO, logger="torchalpa")
     with progress.step("waiting on the pool"):
