@@ -17,7 +17,7 @@ def test_every_preset_builds_from_its_gpu_datasheet(name):
     spec = gpu_specs.lookup(node.gpu)
     c = Cluster.preset(name, num_nodes=2)
     assert spec is not None and c.num_devices == 2 * node.devices_per_node
-    assert c.memory_per_device == node.memory
+    assert c.memory_per_device == gpu_specs.usable_memory(node.memory)
     assert c.memory_bandwidth == pytest.approx(spec.memory_bandwidth
                                                * gpu_specs.MEMORY_EFFICIENCY)
     peaks = dict(c.peak_flops_by_dtype)
@@ -34,7 +34,21 @@ def test_the_named_presets_are_preset_clusters():
     assert Cluster.h100(2) == Cluster.preset("h100", 2)
     assert Cluster.h200() == Cluster.preset("h200")
     assert Cluster.a100(1, 4) == Cluster.preset("a100-40", 1, 4)
-    assert Cluster.preset("A100_80").memory_per_device == 80 * GB       # case and _ forgiven
+    assert Cluster.preset("A100_80").memory_per_device == \
+        gpu_specs.usable_memory(80 * GB)                                # case and _ forgiven
+
+
+def test_a_preset_plans_with_what_detect_would_find_on_the_card():
+    """An "80GB" card holds 80 GiB and reports about 79.2 of it; ``Cluster.detect`` plans
+    with what it reports less the context and its 1.5 GB reserve: about 77.3 GiB, so a
+    configuration that ran on the card (76.8 GiB: Llama 2 13B without checkpointing on A100
+    80GB) is not refused from the preset. Never more than the card reports."""
+    budget = Cluster.preset("a100-80").memory_per_device
+    assert 77.0 * 2**30 < budget < 79.2 * 2**30
+    assert Cluster.preset("a100-80", memory_per_device=70e9).memory_per_device == 70e9
+    for name in ("h100", "h200", "a100-40", "v100-16", "l4", "mi300x"):
+        sold = gpu_specs.node_preset(name).memory
+        assert Cluster.preset(name).memory_per_device < sold / GB * 2**30 * 0.995
 
 
 def test_fp16_runs_on_v100_tensor_cores_and_bf16_does_not():

@@ -362,8 +362,8 @@ class Cluster:
         network = node.network_bandwidth * gpu_specs.NETWORK_EFFICIENCY / node.devices_per_node
         peaks = gpu_specs.peaks_by_dtype(spec, allow_tf32=allow_tf32)
         return cls(num_nodes=num_nodes, devices_per_node=per_node,
-                   memory_per_device=node.memory if memory_per_device is None
-                   else memory_per_device,
+                   memory_per_device=gpu_specs.usable_memory(node.memory)
+                   if memory_per_device is None else memory_per_device,
                    peak_flops=dict(peaks)["bfloat16"], peak_flops_by_dtype=peaks,
                    memory_bandwidth=spec.memory_bandwidth * gpu_specs.MEMORY_EFFICIENCY,
                    intra_node_bandwidth=switch_bw if intra_node_bandwidth is None

@@ -47,12 +47,22 @@ __all__ = ["GpuSpec", "NodeSpec", "KNOWN_GPUS", "NODE_PRESETS", "lookup", "node_
            "MATMUL_EFFICIENCY", "FP32_MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY",
            "NVLINK_EFFICIENCY", "NETWORK_EFFICIENCY", "KERNEL_LAUNCH_S", "OPTIMIZER_TENSOR_S",
            "HOST_OP_S", "CONTENTION",
-           "CONVOLUTION_SHARE",
+           "CONVOLUTION_SHARE", "usable_memory", "DRIVER_VISIBLE", "CUDA_CONTEXT_BYTES",
+           "DETECT_RESERVE_BYTES",
            "HYBRID_CUBE_MESH", "peaks_by_dtype", "op_factors"]
 
 T = 1e12
 GB = 1e9
 Gbit = 1e9 / 8
+DRIVER_VISIBLE = 0.99
+"""Share of a card's sold memory that CUDA reports as its total: a card sold as "80GB"
+holds 80 GiB of HBM and reports 79.2-79.6 GiB (A100 80GB, H100 SXM); "16GB" V100s report
+15.8 GiB, the H200 ("141GB") 140.4 GiB."""
+CUDA_CONTEXT_BYTES = 0.5 * 2**30
+"""Device memory the CUDA context and the libraries' handles take before the first tensor."""
+DETECT_RESERVE_BYTES = 1.5 * GB
+"""What ``Cluster.detect`` leaves unplanned on a real card (its ``memory_reserve``: the
+context's growth, cuBLAS workspaces, NCCL buffers)."""
 MATMUL_EFFICIENCY = 0.75
 """Fraction of the datasheet peak a large tensor-core matmul (long K) reaches."""
 FP32_MATMUL_EFFICIENCY = 0.8
@@ -215,7 +225,8 @@ class NodeSpec:
     gpu: str
     """A name ``lookup`` finds ("H100 SXM", "V100 16GB")."""
     memory: float
-    """Bytes of device memory per GPU."""
+    """The device memory a GPU is sold with ("80GB": ``80 * GB``); the budget a preset plans
+    with is ``usable_memory`` of it."""
     network_bandwidth: float
     """Bytes/s per direction the node's NICs carry together (8 x 200 Gb/s HDR: 200 GB/s)."""
     devices_per_node: int = 8
@@ -367,3 +378,13 @@ def op_factors(spec: GpuSpec) -> tuple[tuple[str, float], ...]:
     attention (``spec.attention`` of the peak, a GEMM ``MATMUL_EFFICIENCY`` of it)."""
     return (("sdpa", min(1.0, spec.attention / MATMUL_EFFICIENCY)),
             ("convolution", CONVOLUTION_SHARE))
+
+
+def usable_memory(sold: float) -> float:
+    """Bytes a plan may use on a GPU sold with ``sold`` bytes (its "80GB" read as
+    ``80 * GB``): what ``Cluster.detect`` finds on an idle card of that kind -- the sold
+    figure is GiB of memory, of which CUDA reports ``DRIVER_VISIBLE``, less the CUDA
+    context and the reserve ``detect`` keeps. So a plan made from a preset is refused where
+    the same plan made on the card is, and not elsewhere: an "80GB" card plans with 77.3
+    GiB (80e9 bytes, 74.5 GiB, before), a "16GB" one with 13.9 GiB (14.9 before)."""
+    return sold / GB * 2**30 * DRIVER_VISIBLE - CUDA_CONTEXT_BYTES - DETECT_RESERVE_BYTES
