@@ -368,6 +368,23 @@ BLOOM_TR1 = ("bigscience-workshop/bigscience train/tr1-13B-base/chronicles.md (c
              "ZeRO-1, activation checkpointing (train/tr1-13B-base/README.md, commit 053adafe)")
 _TT_LLAMA2_NOTES = ("seq 4096: the Llama 2 default the source names [?]",
                     "A100 nodes' network not stated: DGX A100 [?]")
+
+
+def _tt_llama2(size: str, remat: str, tokens: float, notes: tuple[str, ...] = ()
+               ) -> PublishedRow:
+    """torchtitan's Llama 2 row of ``size`` (multi-head attention, seq 4096): FSDP on 8
+    DGX A100 nodes, global batch 128 of 2 per GPU, bf16, with ``remat``; ``tokens`` the
+    published tokens/s per GPU."""
+    ac = {"none": "no AC", "selective": "selective op AC", "full": "full AC"}[remat]
+    key = f"torchtitan-llama2-{size}" + ("-sel" if remat == "selective" else "") + "-a100x64"
+    return PublishedRow(
+        key=key, label=f"Llama 2 {size.upper()}, FSDP on 64 A100 80GB, {ac}",
+        source=TT_LLAMA2, short_source="torchtitan", family="llama", config=_llama2(size),
+        seq=4096, global_batch=128, micro_batch=2, dp=64, machine="dgx-a100", num_nodes=8,
+        precision="bf16", remat=remat, zero="fsdp", fused=False, tokens_per_gpu_s=tokens,
+        notes=_TT_LLAMA2_NOTES + notes)
+
+
 HELD_OUT: tuple[PublishedRow, ...] = (
     # llm-foundry's tables at sizes, sequence lengths and checkpointing the tuned rows
     # lack (30B and 70B with activation checkpointing, 125M and 760M, 8k and 32k tokens)
@@ -386,26 +403,11 @@ HELD_OUT: tuple[PublishedRow, ...] = (
         "are kept; log_softmax + nll here, 9.2 GiB each [not expressible]",)),
     _mpt("mpt-125m-a100x8", "125m", 8, "dgx-a100", 32, 2, 141737),
     # torchtitan's Llama 2 rows: multi-head attention, seq 4096, no / selective / full AC
-    PublishedRow(
-        key="torchtitan-llama2-13b-a100x64", label="Llama 2 13B, FSDP on 64 A100 80GB, no AC",
-        source=TT_LLAMA2, short_source="torchtitan", family="llama", config=_llama2("13b"),
-        seq=4096, global_batch=128, micro_batch=2, dp=64, machine="dgx-a100", num_nodes=8,
-        precision="bf16", remat="none", zero="fsdp", fused=False, tokens_per_gpu_s=2162,
-        notes=_TT_LLAMA2_NOTES),
-    PublishedRow(
-        key="torchtitan-llama2-13b-sel-a100x64",
-        label="Llama 2 13B, FSDP on 64 A100 80GB, selective op AC", source=TT_LLAMA2,
-        short_source="torchtitan", family="llama", config=_llama2("13b"), seq=4096,
-        global_batch=128, micro_batch=2, dp=64, machine="dgx-a100", num_nodes=8,
-        precision="bf16", remat="selective", zero="fsdp", fused=False, tokens_per_gpu_s=1904,
-        notes=_TT_LLAMA2_NOTES + ("selective op AC: torchtitan saves every other matmul's "
-                                  "result, here every one is kept",)),
-    PublishedRow(
-        key="torchtitan-llama2-70b-a100x64", label="Llama 2 70B, FSDP on 64 A100 80GB, full AC",
-        source=TT_LLAMA2, short_source="torchtitan", family="llama", config=_llama2("70b"),
-        seq=4096, global_batch=128, micro_batch=2, dp=64, machine="dgx-a100", num_nodes=8,
-        precision="bf16", remat="full", zero="fsdp", fused=False, tokens_per_gpu_s=353,
-        notes=_TT_LLAMA2_NOTES),
+    _tt_llama2("13b", "none", 2162),
+    _tt_llama2("13b", "selective", 1904, notes=(
+        "selective op AC: torchtitan saves every other matmul's result, here every one is "
+        "kept",)),
+    _tt_llama2("70b", "full", 353),
     # a V100 pipeline under ZeRO-1: BigScience's first 13B run (Megatron-DeepSpeed, 2021)
     PublishedRow(
         key="bigscience-tr1-13b-v100x256",
