@@ -343,6 +343,50 @@ def test_bad_auto_options_name_the_field():
         torchalpa.AutoParallel(auto_sharding_option=AutoShardingOption(remat="full"))
 
 
+def test_offload_with_pipeline_true_is_refused_at_the_option_check():
+    """Offloading is planned for intra-op plans only: forcing both is refused when the
+    option is made (before any tracing), naming the combination and what is accepted."""
+    for offload in (True, "parameters"):
+        with pytest.raises(ValueError, match=r"AutoParallel\(pipeline=True, offload=.*"
+                           r"intra-op plans only.*offload=None or False"):
+            torchalpa.AutoParallel(pipeline=True, offload=offload)
+    torchalpa.AutoParallel(pipeline=True, offload=False)
+    torchalpa.AutoParallel(pipeline=None, offload="parameters")
+
+
+def test_pipeline_true_that_does_not_fit_is_not_retried_with_offload(gpt, monkeypatch):
+    """``pipeline=True`` never offloads, so nothing that fits only offloaded is promised:
+    the states floor lists the devices alone and says host memory is not weighed (it was
+    an empty "tried:" list after a retry with offload that had no candidate)."""
+    from torchalpa.parallel import workflow
+
+    def traced(*args, **kwargs):
+        raise AssertionError("the step was traced before the floor refused it")
+    monkeypatch.setattr(workflow, "capture_step", traced)
+    model, batch, loss_fn = gpt
+    with pytest.raises(NothingFitsError) as error:
+        torchalpa.plan(model, batch, loss_fn, cluster=_cluster(4, memory=8 * KiB),
+                       method=torchalpa.AutoParallel(pipeline=True))
+    text = str(error.value)
+    assert "  on the devices: needs at least" in text and "in host memory: needs" not in text
+    assert "host memory: not weighed (AutoParallel(pipeline=True)" in text
+
+
+def test_offload_on_several_nodes_plans_intra_op(gpt):
+    """On several nodes the pipeline search weighs one stage over the whole cluster in
+    place of intra-op candidates; offload has no pipeline candidate, so the intra-op ones
+    are weighed there (it was no candidate at all: an empty "tried:" list)."""
+    model, batch, loss_fn = gpt
+    cluster = dataclasses.replace(torchalpa.Cluster.h100(2, 2), host_op_s=0.0)
+    for offload in (True, "parameters"):
+        plan = torchalpa.plan(model, batch, loss_fn, cluster=cluster,
+                              method=torchalpa.AutoParallel(offload=offload, remat=("none",),
+                                                            num_micro_batches=1))
+        option = plan.method["auto_sharding_option"]
+        assert option["offload"] and plan.num_devices == 4 and not hasattr(plan, "transfers")
+        assert option["offload_parameters"] == (offload == "parameters")
+
+
 def test_micro_batches_that_do_not_divide_the_batch_are_refused(gpt):
     model, batch, loss_fn = gpt
     with pytest.raises(ValueError, match="does not divide the batch of 8"):

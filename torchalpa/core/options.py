@@ -653,6 +653,12 @@ class AutoParallel:
         if self.pipeline not in (None, True, False):
             raise ValueError(f"AutoParallel.pipeline must be True, False or None, "
                              f"got {self.pipeline!r}")
+        if self.pipeline is True and self.offload:
+            raise ValueError(f"AutoParallel(pipeline=True, offload={self.offload!r}) cannot be "
+                             "planned: offloading to host memory is planned for intra-op plans "
+                             "only, not pipeline stages; use pipeline=True with offload=None "
+                             "or False, or offload=True / 'parameters' with pipeline=None or "
+                             "False")
         if self.time_budget_s <= 0:
             raise ValueError(f"AutoParallel.time_budget_s must be > 0 seconds, "
                              f"got {self.time_budget_s}")
@@ -676,6 +682,14 @@ class AutoParallel:
         ``PARAMETERS_OFFLOADED``: the parameter and its gradient are not there either)."""
         return PARAMETERS_OFFLOADED if self.offload == "parameters" else \
             0 if self.offload else OPTIMIZER_STATES[self.optimizer]
+
+    @property
+    def weighs_offload(self) -> bool:
+        """Whether the search tries host memory when no plan fits on the devices: offload
+        left None, an optimizer with states, and intra-op plans among the candidates
+        (offloading is planned for intra-op plans only: ``pipeline=True`` never offloads)."""
+        return self.offload is None and self.pipeline is not True and \
+            OPTIMIZER_STATES[self.optimizer] > 0
 
     def to_dict(self) -> dict:
         d = json.loads(json.dumps(asdict(self), default=str))

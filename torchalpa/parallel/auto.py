@@ -397,11 +397,14 @@ class _Search:
         stages = _pipeline_stages(self.nodes, self.method)
         multi_node = self.nodes > 1
         kinds = []
-        if self.method.pipeline is not True and not (multi_node and self.allow_pipeline):
+        # offload is priced for intra-op plans only: with it, no pipeline is weighed, and
+        # the intra-op candidates are weighed on several nodes too
+        pipelines = self.allow_pipeline and devices > 1 and self.method.pipeline is not False \
+            and not self.method.offload
+        if self.method.pipeline is not True and not (multi_node and pipelines):
             streamed = self.streamed_floor(k, bound)
             kinds.append(Candidate("intra-op", remat, k, streamed, memory, streamed))
-        if self.allow_pipeline and devices > 1 and self.method.pipeline is not False \
-                and not self.method.offload:     # offload is priced for intra-op plans
+        if pipelines:
             # sound: on several nodes one stage may span them all (S >= 1), on one
             # node the intra-op candidates are that case (S >= 2); the order
             # assumes ``stages`` stages, whose bubble many micro-batches shrink
@@ -580,7 +583,7 @@ class _Search:
         try:
             return self.run_once()
         except NothingFitsError as e:
-            if self.method.offload is not None or not self.method.optimizer_states:
+            if not self.method.weighs_offload:
                 raise
             why = str(e).splitlines()[0].removesuffix("; tried:")
             self.check_host_memory(replace(self.method, offload=True), why)

@@ -83,8 +83,8 @@ class Mode:
 
 def modes(states: ModelStates, method: AutoParallel, cluster, budget: float) -> list[Mode]:
     """The ways ``method`` may hold the states, as ``AutoParallel``'s search tries them
-    (``_Search.run``): on the devices; then, with ``offload=None`` and an optimizer with
-    states, the optimizer states in host memory (parameters and gradients stay on the
+    (``_Search.run``): on the devices; then, where it weighs offloading
+    (``AutoParallel.weighs_offload``), the optimizer states in host memory (parameters and gradients stay on the
     devices: the memory model's 2 copies); then parameters and gradients there too.
     ``offload=True`` / ``'parameters'`` fix one of the last two, ``False`` the first."""
     from torchalpa.passes.pricing.offload_price import DEFAULT_HOST
@@ -96,7 +96,7 @@ def modes(states: ModelStates, method: AutoParallel, cluster, budget: float) -> 
     if method.offload in (None, False):
         out.append(Mode("on the devices", (
             (per_device, states.on_devices / devices, budget),)))
-    weighed = method.offload is None and states.optimizer_states > 0
+    weighed = method.weighs_offload
     if weighed or method.offload is True:
         out.append(Mode("optimizer states in host memory", (
             (per_device + " (parameters and gradients)", 2 * states.bytes / devices, budget),
@@ -141,7 +141,10 @@ def _message(states: ModelStates, method: AutoParallel, cluster, budget: float,
         where, need, have = mode.short() or ("", 0.0, 0.0)
         lines.append(f"  {mode.name}: needs at least {format_bytes(need)} {where}, has "
                      f"{format_bytes(have)}")
-    if method.offload is False and states.optimizer_states:
+    if method.offload is None and method.pipeline is True and states.optimizer_states:
+        lines.append("  host memory: not weighed (AutoParallel(pipeline=True): offloading is "
+                     "planned for intra-op plans only)")
+    elif method.offload is False and states.optimizer_states:
         lines.append("  host memory: not weighed (AutoParallel(offload=False))")
     lines.append("  (each holds for every candidate: intra-op or pipeline, any activation "
                  "checkpointing, any micro-batch count; no candidate was traced or solved)")
