@@ -112,3 +112,35 @@ def test_an_auto_parallel_summary_shows_its_decision_as_one_table_of_families():
     assert len(every) == 2 + len(tried) and every[2:] == list(tried)
     assert all(t in plan.summary(detail="full") for t in tried)
     assert plan.to_dict()["notes"] == list(notes)                  # the file is unchanged
+
+
+def test_a_pipeline_summary_says_each_stages_states_and_the_device_peak():
+    """Each stage's model states and its peak over the pipelined step (micro-batches in
+    flight: the pipeline's ``stage_memory_bytes``, not one micro-batch's), and the device
+    peak -- the fullest stage's -- against the budget."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import torchalpa
+    from torchalpa.core.units import format_bytes
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])     # activations first
+    batch = (torch.randn(512, 16), torch.randn(512, 16))
+    plan = torchalpa.plan(model, batch, F.mse_loss, cluster=torchalpa.Cluster.local_cpu(2),
+                          method=torchalpa.PipeshardParallel(
+                              num_micro_batches=4, stage_option="uniform",
+                              layer_option=torchalpa.AutoLayerOption(layer_num=2)))
+    est, text = plan.estimates, plan.summary()
+    assert len(plan.stages) == 2 and est.memory_per_device_bytes == max(est.stage_memory_bytes)
+    assert f"memory per device {format_bytes(est.memory_per_device_bytes)} of " \
+        f"{format_bytes(est.memory_budget_per_device_bytes)} (the fullest stage" in text
+    first = plan.stages[0].plan.estimates.memory_per_device_bytes
+    assert first < est.stage_memory_bytes[0]     # 1F1B: two micro-batches in flight there
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line[:1].isdigit()}
+    for s in plan.stages:
+        states = s.plan.estimates.model_state_bytes_per_device
+        assert states > 0 and s.plan.estimates.memory_per_device_bytes <= \
+            est.stage_memory_bytes[s.index]
+        row = " ".join(rows[str(s.index)])
+        assert f"{format_bytes(states)} {format_bytes(est.stage_memory_bytes[s.index])}" in row

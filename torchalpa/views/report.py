@@ -334,6 +334,7 @@ def pipeline_summary(plan, detail: str = "short") -> str:
         lines.append(f"estimated step {est.step_time_s * 1e3:.3f} ms "
                      f"(slowest stage {(est.max_stage_s or 0) * 1e3:.3f} ms per micro-batch)"
                      + source)
+    lines += _pipeline_memory(plan)
     lines.append(f"forward_stage_layer_ids = {plan.forward_stage_layer_ids}")
     lines.append(f"submesh_shapes = {[list(s) for s in plan.submesh_shapes]}")
     lines.append(f"logical_mesh_shapes = {[list(s) for s in plan.logical_shapes]}")
@@ -342,15 +343,17 @@ def pipeline_summary(plan, detail: str = "short") -> str:
     rows = []
     stage_seconds = est.stage_step_s or [(s.plan.estimates.step_time_s or 0)
                                                  for s in plan.stages]
+    peaks = stage_peaks(plan)
     for s in plan.stages:
         e = s.plan.estimates
         rows.append([str(s.index), f"{s.layers[0]}-{s.layers[-1]}", "x".join(map(str, s.submesh)),
                      "x".join(map(str, s.plan.mesh_shape)), str(list(s.ranks)),
                      f"{stage_seconds[s.index] * 1e3:.3f}",
-                     format_bytes(e.memory_per_device_bytes or 0),
+                     format_bytes(e.model_state_bytes_per_device or 0),
+                     format_bytes(peaks[s.index]),
                      str(len(s.plan.collectives)), "recompute" if s.recompute else "keep"])
     lines += _table(rows, ["stage", "layers", "submesh", "logical", "ranks", "ms/micro-batch",
-                           "memory/device", "collectives", "activations"])
+                           "states", "memory/device", "collectives", "activations"])
     lines += _stage_checkpointing(plan)
     if plan.transfers:
         lines.append("")
@@ -372,6 +375,37 @@ def pipeline_summary(plan, detail: str = "short") -> str:
         lines += _gantt(timeline, (est.step_time_s or 0))
     lines += _note_lines(plan.notes, detail)
     return "\n".join(lines)
+
+
+def stage_peaks(plan) -> list[float]:
+    """Each stage's peak bytes per device over the whole pipelined step: the micro-batches
+    it holds at once in its schedule, or its optimizer step (the pipeline's
+    ``stage_memory_bytes``); a stage plan's own peak is one micro-batch's, used only where
+    the pipeline's figures are not recorded."""
+    recorded = plan.estimates.stage_memory_bytes
+    if recorded and len(recorded) == len(plan.stages):
+        return [float(b) for b in recorded]
+    return [float(s.plan.estimates.memory_per_device_bytes or 0) for s in plan.stages]
+
+
+def _pipeline_memory(plan) -> list[str]:
+    """The device peak -- the fullest stage's, in its schedule -- against the budget, with
+    that stage's model states (each stage's are in the table below). The peak, the
+    pipeline's ``memory_per_device_bytes``, is the largest of ``stage_peaks``."""
+    peaks = stage_peaks(plan)
+    if not peaks:
+        return []
+    top = max(range(len(peaks)), key=peaks.__getitem__)
+    budget = plan.estimates.memory_budget_per_device_bytes or \
+        plan.stages[top].plan.estimates.memory_budget_per_device_bytes
+    states = plan.stages[top].plan.estimates.model_state_bytes_per_device or 0
+    text = (f"memory per device {format_bytes(peaks[top])}"
+            + (f" of {format_bytes(budget)}" if budget else "")
+            + f" (the fullest stage, {top}: states {format_bytes(states)}, "
+              f"{format_bytes(max(peaks[top] - states, 0.0))} more at its peak in the schedule")
+    text += ")" if not budget or peaks[top] <= budget * (1 + 1e-9) else \
+        f"), {format_bytes(peaks[top] - budget)} OVER the device budget"
+    return [text]
 
 
 def _stage_checkpointing(plan) -> list[str]:
