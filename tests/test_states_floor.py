@@ -13,7 +13,7 @@ from torchalpa.core.options import AutoParallel
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel import workflow
 from torchalpa.parallel.auto import NothingFitsError
-from torchalpa.parallel.states_floor import ModelStates, states_refusal
+from torchalpa.parallel.states_floor import ModelStates, modes, states_refusal
 from torchalpa.passes.pricing.bounds import step_profile
 
 WIDTH = 256
@@ -144,3 +144,47 @@ def test_offloading_that_fits_the_hosts_is_left_to_the_search():
     assert refused is not None and "(parameters and gradients)" in refused
     assert states_refusal(model, AutoParallel(offload=True),
                           _cluster(states.bytes)) is None       # 2 x bytes over 2 devices
+
+
+_PRECISIONS = {
+    "float32": (torch.float32, None),
+    "bfloat16 parameters": (torch.bfloat16, None),
+    "bf16 compute": (torch.float32, torchalpa.MixedPrecision(param_dtype=torch.bfloat16)),
+    "bf16 compute, bf16 gradient sums": (torch.float32, torchalpa.MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+    "fp16 compute, fp16 gradient sums": (torch.float32, torchalpa.MixedPrecision(
+        param_dtype=torch.float16, reduce_dtype=torch.float16)),
+    "bfloat16 parameters, bf16 gradient sums": (torch.bfloat16, torchalpa.MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)),
+}
+
+
+@pytest.mark.parametrize("precision", list(_PRECISIONS))
+def test_the_floor_never_exceeds_what_a_plan_counts_whatever_the_dtypes(precision):
+    """Each way of holding the states (on the devices; optimizer states offloaded;
+    everything offloaded) needs no more, by the floor, than the plans made that way count
+    in their estimates -- on the devices and on the host -- whatever the parameters'
+    dtype and the gradients' (mixed precision narrowing the compute or the gradient sums;
+    the floor reads the stored parameters, the estimate the captured step)."""
+    dtype, policy = _PRECISIONS[precision]
+    model, batch = _mlp()
+    model = model.to(dtype)
+    batch = tuple(torch.cat([t, t]).to(dtype) for t in batch)     # 2 micro-batches of 2
+    cluster = _cluster(1e12)
+    precision_kw = {} if policy is None else {"mixed_precision": policy}
+    states = ModelStates.of(model, "adam")
+    methods = [(AutoParallel(offload=False), torchalpa.Zero3Parallel(num_micro_batches=k))
+               for k in (1, 2)]
+    methods += [(AutoParallel(offload=offload), AutoParallel(
+        offload=offload, pipeline=False, remat=("none",), num_micro_batches=k))
+        for offload in (True, "parameters") for k in (1, 2)]
+    for floor_method, method in methods:
+        (mode,) = modes(states, floor_method, cluster, 1e12)
+        plan = torchalpa.plan(model, batch, F.mse_loss, cluster=cluster, method=method,
+                              **precision_kw)
+        est = plan.estimates
+        counted = {"device": est.memory_per_device_bytes, "node": est.host_bytes_per_node,
+                   "host": est.host_bytes_per_node}
+        for where, need, _ in mode.needs:
+            kind = "device" if "device" in where else "node" if "node" in where else "host"
+            assert need <= counted[kind] * (1 + 1e-9), (precision, mode.name, where, method)
