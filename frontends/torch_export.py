@@ -182,6 +182,10 @@ def _batch(example_inputs: Sequence, loss_fn: Callable | None, signature: CallSi
     for i, x in enumerate(inputs + targets):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"example_inputs[{i}] must be a tensor, got {type(x).__name__}")
+        if x.dim() and x.shape[0] == 0:
+            raise ValueError(f"example_inputs[{i}] has an empty batch (shape "
+                             f"{tuple(x.shape)}): give at least one example, the batch the "
+                             "step is planned for")
     return inputs, targets
 
 

@@ -648,6 +648,10 @@ class ParallelModule(nn.Module):
         for i, x in enumerate(inputs):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
+            if x.device.type == "meta":
+                raise ValueError(f"input {i} is on the meta device, which holds no values to "
+                                 "run: pass real tensors (meta inputs are for torchalpa.plan, "
+                                 "which plans without running)")
         return [(tuple(x.shape), x.dtype) for x in inputs]
 
     def _check_inputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

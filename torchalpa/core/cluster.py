@@ -30,10 +30,13 @@ times the CPU machine a gloo process group runs on instead of guessing.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import warnings
 from dataclasses import dataclass
+
+from torchalpa.core.units import check_bytes
 
 __all__ = ["Cluster", "LogicalMesh", "Submesh", "View"]
 
@@ -292,8 +295,13 @@ class Cluster:
     def __post_init__(self):
         _check_links(self)
         for f in ("num_nodes", "devices_per_node"):
-            if int(getattr(self, f)) < 1:
-                raise ValueError(f"Cluster.{f} must be >= 1, got {getattr(self, f)}")
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"Cluster.{f} must be an int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"Cluster.{f} must be >= 1, got {value}")
+        check_bytes(self.memory_per_device, "Cluster.memory_per_device")
+        check_bytes(self.host_memory_per_node, "Cluster.host_memory_per_node", positive=False)
         for f in ("memory_per_device", "peak_flops", "memory_bandwidth", "intra_node_bandwidth",
                   "inter_node_bandwidth"):
             if getattr(self, f) <= 0:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 
+from torchalpa.core.units import check_bytes
+
 __all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataParallel",
            "Zero1Parallel", "Zero2Parallel", "Zero3Parallel", "PipeshardParallel", "AutoLayerOption",
            "ManualStageOption", "UniformStageOption", "OPTIMIZER_STATES", "is_style",
@@ -294,6 +296,9 @@ class AutoShardingOption:
                                            self.max_nodes < 1):
             raise ValueError(f"AutoShardingOption.max_nodes must be a positive int or None, "
                              f"got {self.max_nodes!r}")
+        if self.memory_budget_per_device is not None:
+            check_bytes(self.memory_budget_per_device,
+                        "AutoShardingOption.memory_budget_per_device")
         if self.time_limit is not None and self.time_limit <= 0:
             raise ValueError(f"AutoShardingOption.time_limit must be > 0 seconds, "
                              f"got {self.time_limit}")
@@ -555,6 +560,13 @@ class PipeshardParallel:
         if self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"PipeshardParallel.optimizer must be one of "
                              f"{sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        stage_options = getattr(self.stage_option, "options", None) or ()
+        if any(o.offload for o in (self.auto_sharding_option, *stage_options)):
+            raise ValueError("PipeshardParallel cannot offload (AutoShardingOption.offload): "
+                             "offloading to host memory is planned for intra-op plans only; "
+                             "use ShardParallel(auto_sharding_option=AutoShardingOption("
+                             "offload=True)) or AutoParallel(offload=True), or a pipeline "
+                             "without offload")
 
     @property
     def optimizer_states(self) -> int:

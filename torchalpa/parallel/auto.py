@@ -502,7 +502,10 @@ class _Search:
         option = replace(self.method.auto_sharding_option, remat="none",
                          rematerialize_parameters=c.regather, offload=bool(self.method.offload),
                          offload_parameters=parameters,
-                         **({"memory_budget_per_device": self.budget()} if parameters else {}))
+                         # at least a byte: the copies in flight may take a whole device,
+                         # and the option refuses a budget of no bytes
+                         **({"memory_budget_per_device": max(self.budget(), 1.0)}
+                            if parameters else {}))
         if self.gap_for(c) is not None:
             option = replace(option, gap=self.gap_for(c))
         return option
@@ -1091,6 +1094,12 @@ class AutoResolver:
         intra = IntraOpSteps().target(ShardParallel(), cluster=cluster, mesh=mesh, world=world,
                                       live=live)
         pipelines = isinstance(intra.cluster, Cluster) and method.pipeline is not False
+        if method.pipeline is True and not (pipelines and intra.cluster.num_devices > 1):
+            raise ValueError("AutoParallel(pipeline=True) needs a pipeline of 2 or more "
+                             "stages: " + ("a Cluster (a LogicalMesh has no nodes to cut "
+                                           "into submeshes)" if not pipelines else
+                                           "2 or more devices, the cluster has 1")
+                             + "; leave pipeline= unset to plan without stages")
         return AutoTarget(intra.cluster, intra.meshes, intra.device_mesh,
                           allow_pipeline=pipelines)
 

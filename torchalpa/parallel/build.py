@@ -61,8 +61,9 @@ def plan_model(model, example_inputs, loss_fn, *, method, cluster,
     from torchalpa.interop.programs import is_program
     if is_program(model):
         if loss_fn is not None:
-            raise ValueError("a JAX function or StableHLO program carries its own loss: "
-                             "pass no loss_fn")
+            raise ValueError(f"model is a {type(model).__name__}, not an nn.Module, so it is "
+                             "read as a JAX function or StableHLO program, which carries its "
+                             "own loss: pass no loss_fn, or give a torch nn.Module")
         if mixed_precision is not None:
             raise ValueError("mixed_precision= applies to torch models; a JAX function or "
                              "StableHLO program computes in the dtypes it is written in")

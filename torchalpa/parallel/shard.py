@@ -368,6 +368,17 @@ class IntraOpTarget:
     device_mesh: Any = None
 
 
+def check_device_mesh(mesh) -> None:
+    """A TypeError unless ``mesh`` (``auto_parallel``'s ``mesh=``) is a torch DeviceMesh;
+    a shape is the method's ``logical_mesh_shape``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch DeviceMesh over every rank (e.g. "
+                        f"init_device_mesh('cuda', (2, 4))), got {type(mesh).__name__} "
+                        f"{mesh!r}; to view the devices as a shape, pass "
+                        "ShardParallel(logical_mesh_shape=...) as method=")
+
+
 class IntraOpSteps:
     """``MethodSteps``, ``GenerationSteps`` and ``ProgramSteps`` of ShardParallel and its
     presets (``torchalpa.parallel.steps``)."""
@@ -382,6 +393,7 @@ class IntraOpSteps:
                live: bool) -> IntraOpTarget:
         shape = names = None
         if mesh is not None:
+            check_device_mesh(mesh)
             if mesh.size() != world:
                 raise ValueError(f"the mesh has {mesh.size()} devices but this job has {world} "
                                  "ranks; torchalpa needs a mesh over all ranks")
