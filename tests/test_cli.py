@@ -139,6 +139,22 @@ def test_plan_takes_every_preset_method_by_name(name, tmp_path, capsys, monkeypa
         assert "drop one of the two" in capsys.readouterr().err
 
 
+def test_plan_into_a_missing_folder_is_refused_before_planning(tmp_path, capsys, monkeypatch):
+    """It planned first (minutes on a large model), then failed writing the file."""
+    from torchalpa.cli import commands
+
+    def planned(*args, **kwargs):
+        raise AssertionError("the model was loaded before the output folder was checked")
+    monkeypatch.setattr(commands, "load_workload", planned)
+    for option in ("--out", "--html", "--trace"):
+        files = {"--out": str(tmp_path / "plan.json"), option: str(tmp_path / "no" / "f")}
+        argv = ["plan", "test_cli:mlp_step", "--cluster", "cpu:2"]
+        assert main(argv + [x for kv in files.items() for x in kv]) == 2
+        err = capsys.readouterr().err
+        assert f"{option} {tmp_path / 'no' / 'f'}: the folder {tmp_path / 'no'} does not " \
+            "exist" in err
+
+
 def test_estimate_fits_or_names_the_devices_needed(capsys):
     assert main(["estimate", "test_cli:mlp_step", "--cluster", "h100:1x8"]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("fits:")

@@ -34,6 +34,7 @@ import argparse
 import collections
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from torchalpa.cli.workloads import (
     MODEL_HELP,
@@ -123,6 +124,7 @@ def _plan(args) -> int:
         return plan_stablehlo(args)
     if not args.model or not args.out:
         raise ValueError("plan needs MODEL and --out PLAN.json (or --stablehlo FILE)")
+    check_output_folders(args, ("out", "html", "trace"))
     import torch
 
     import torchalpa
@@ -145,6 +147,16 @@ def _plan(args) -> int:
 
 
 METHODS = ("auto", "shard", "data", "zero1", "zero2", "zero3", "pipeshard")
+
+
+def check_output_folders(args, options: tuple[str, ...]) -> None:
+    """A ValueError naming the first file option whose folder does not exist: said before
+    planning (minutes on a large model), not after it when the file is written."""
+    for option in options:
+        path = getattr(args, option, None)
+        if path and not Path(path).resolve().parent.is_dir():
+            raise ValueError(f"--{option} {path}: the folder {Path(path).parent} does not "
+                             "exist; create it or write elsewhere (checked before planning)")
 
 
 def method_of(name: str, mesh: tuple[int, ...] | None):
