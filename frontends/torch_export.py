@@ -174,7 +174,11 @@ def _batch(example_inputs: Sequence, loss_fn: Callable | None, signature: CallSi
            with_targets: bool) -> tuple[tuple, tuple]:
     """(model inputs, loss targets) of a step's example inputs: keyword calls and forward
     steps (``with_targets=False``) have no targets. A TypeError names anything that is
-    not a tensor."""
+    not a tensor, or a ``loss_fn`` that is not callable."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function loss_fn(outputs, *targets) returning the "
+                        f"scalar loss (e.g. torch.nn.functional.mse_loss), or None when "
+                        f"forward returns the loss; got {type(loss_fn).__name__} {loss_fn!r}")
     if signature.by_keyword or not with_targets:
         inputs, targets = tuple(example_inputs), ()
     else:

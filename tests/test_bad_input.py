@@ -117,3 +117,22 @@ def test_meta_inputs_to_a_built_module_are_refused_by_the_input_check(single_pro
                        r"values to run: pass real tensors"):
         pm(x, y)
     assert pm(*_batch()).shape == ()
+
+
+def test_a_loss_fn_that_is_not_callable_is_named():
+    """It was a CaptureError "'str' object is not callable" with a hint about forward."""
+    with pytest.raises(TypeError, match=r"loss_fn must be a function loss_fn\(outputs, "
+                       r"\*targets\) .* got str 'mse'"):
+        torchalpa.plan(_mlp(), _batch(), "mse", cluster=Cluster.local_cpu(2))
+
+
+def test_integer_features_are_refused_by_the_default_method_too():
+    """The default method planned a Linear fed int64 features without a word (the step
+    fails on its first call); a concrete method refused it already. The search checks its
+    first capture, before any candidate is bounded or solved."""
+    x, y = torch.ones(8, 16, dtype=torch.long), torch.randn(8, 16)
+    for method in (None, torchalpa.ShardParallel()):
+        with pytest.raises(TypeError, match=r"multiplies operands of different dtypes .* "
+                           r"float features"):
+            torchalpa.plan(_mlp(), (x, y), F.mse_loss, cluster=Cluster.local_cpu(2),
+                           method=method)

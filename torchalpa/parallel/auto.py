@@ -82,6 +82,7 @@ from torchalpa.core.options import (
     parse_remat,
 )
 from torchalpa.core.plan import PipelinePlan, Plan
+from torchalpa.core.plan_check import check_step_dtypes
 from torchalpa.core.plan_records import known
 from torchalpa.core.progress import left, step
 from torchalpa.core.switches import SearchSwitches
@@ -255,9 +256,12 @@ class _Search:
         parameters gathered again in backward if ``regather``: one trace, the other
         micro-batch counts and the variants derived from it."""
         if (k, remat, regather) not in self.variants:
+            first = not self.variants
             with self.timed("capture"):
                 self.variants[(k, remat, regather)] = derived_capture(self.captures(k), remat,
                                                                       regather)
+            if first:      # a step that fails on its first call, said before any solve
+                check_step_dtypes(self.variants[(k, remat, regather)].graph)
         return self.variants[(k, remat, regather)]
 
     @contextlib.contextmanager
