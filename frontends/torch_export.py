@@ -30,6 +30,7 @@ The captured fx GraphModule is kept as the *source graph* the runtime lowers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -193,6 +194,23 @@ def _batch(example_inputs: Sequence, loss_fn: Callable | None, signature: CallSi
     return inputs, targets
 
 
+@contextlib.contextmanager
+def _fake_kernel_failures_unlogged():
+    """Torch logs a fake kernel's refusal as an ERROR with its traceback before raising it;
+    the ``CaptureError`` says it in the user's terms (with the original as its cause), so
+    the log is held back while tracing, unless torchalpa logs at DEBUG."""
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    if logging.getLogger("torchalpa").isEnabledFor(logging.DEBUG):
+        yield
+        return
+    before = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        fake_log.setLevel(before)
+
+
 def _trace(fn: Callable, args: tuple, provenance: Provenance, num_inputs: int) -> fx.GraphModule:
     """``fn(*args)`` traced on fake tensors in the capture's op vocabulary, each op tagged
     with its provenance; a failure becomes a ``CaptureError`` saying what in the user's
@@ -200,7 +218,8 @@ def _trace(fn: Callable, args: tuple, provenance: Provenance, num_inputs: int) -
     try:
         # the graph module's Python code is made when first read or run (``.code``, a
         # call), not after each pass that edits the graph (four times 0.3 s at 32 layers)
-        with provenance.tracing(), device_neutral_kernels(), _use_lazy_graph_module(True):
+        with provenance.tracing(), device_neutral_kernels(), _use_lazy_graph_module(True), \
+                _fake_kernel_failures_unlogged():
             return make_fx(fn, tracing_mode="fake", decomposition_table=decompositions(),
                            _allow_non_fake_inputs=True)(*args)
     except CaptureError:

@@ -136,3 +136,17 @@ def test_integer_features_are_refused_by_the_default_method_too():
                            r"float features"):
             torchalpa.plan(_mlp(), (x, y), F.mse_loss, cluster=Cluster.local_cpu(2),
                            method=method)
+
+
+def test_a_fake_kernels_refusal_is_one_capture_error_without_torchs_logged_traceback(
+        capfd, caplog):
+    """Torch logged the refusal as an ERROR with a traceback from inside its meta kernels
+    before the CaptureError that says it in the user's terms."""
+    from torchalpa.frontends.torch_export import CaptureError
+    x, y = torch.randn(8, 17), torch.randn(8, 16)          # 17 features into Linear(16, 32)
+    with pytest.raises(CaptureError, match=r"(?s)module '0' \(Linear\).*same reduction dim"):
+        torchalpa.plan(_mlp(), (x, y), F.mse_loss, cluster=Cluster.local_cpu(2),
+                       method=torchalpa.ShardParallel())
+    err = capfd.readouterr().err
+    assert "failed while attempting to run meta" not in err and "Traceback" not in err
+    assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
