@@ -337,11 +337,14 @@ NODE_PRESETS: dict[str, NodeSpec] = {
                                    "4 x 100 Gb/s Omni-Path"),
     # Jean Zay's quad-V100 converged nodes (BigScience's tr1-13B, 2021): 4 x V100 SXM2 32GB,
     # every pair joined by 2 of each GPU's 6 NVLink 2 links [assumed: the usual 4-GPU SXM2
-    # board], Intel Omni-Path 100 Gb/s (IDRIS; 4 adapters per converged node [assumed])
+    # board]; "Omni-Path interconnection network 100 Gb/s (1 link per scalar node and 4
+    # links per converged node)" (IDRIS, jean-zay-cpu-hw-eng.html, as quoted in
+    # PencilFFTs.jl's Jean-Zay benchmark notes, 2020): 4 x 100 Gb/s
     "jean-zay-v100": NodeSpec("V100", 32 * GB, 4 * 100 * Gbit, devices_per_node=4,
                               links=_FULL_MESH_4_DOUBLE, link_bandwidth=25 * GB,
                               note="Jean Zay (BigScience tr1-13B): 4 x V100 32GB, NVLink 2 "
-                                   "x 2 between each pair, 4 x 100 Gb/s Omni-Path [assumed]"),
+                                   "x 2 between each pair [assumed], 4 x 100 Gb/s Omni-Path "
+                                   "(IDRIS: 4 links per converged node)"),
     # Meta's Grand Teton H100 hosts of torchtitan's benchmarks: 96 GB HBM2e parts at 500 W
     # (2.4 TB/s; lower clocks), NVLink, 400 Gb/s RDMA per GPU
     "grand-teton-h100": NodeSpec("H100 96GB HBM2e", 96 * GB, 8 * 400 * Gbit,
