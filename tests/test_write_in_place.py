@@ -59,6 +59,19 @@ def test_the_runtime_writes_into_a_buffer_only_it_reads():
     assert torch.equal(x, before)               # the caller's tensor is never written
 
 
+def test_a_collective_s_buffer_is_never_written():
+    """A wait's result is the collective's buffer (its schema does not say so): a scatter
+    into it stays out of place."""
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the ops)
+    g = fx.Graph()
+    x, idx = g.placeholder("x"), g.placeholder("idx")
+    zeros = g.call_function(aten.zeros_like.default, (x,))
+    waited = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (zeros,))
+    g.output((g.call_function(aten.scatter.value, (waited, 1, idx, 1.0)),))
+    program = fx.GraphModule(nn.Module(), g)
+    assert write_in_place(program) == 0
+
+
 def test_every_form_has_its_in_place_op_with_the_same_values():
     """Each op of the table: its in-place op gives the out-of-place result, bit for bit."""
     g = torch.Generator().manual_seed(0)

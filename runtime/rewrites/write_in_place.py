@@ -34,10 +34,12 @@ _WRITES = frozenset(_FORMS.values())
 
 
 def _aliases(node: fx.Node) -> bool:
-    """Whether ``node``'s result may share another tensor's storage (its schema says so,
-    or it is no aten op: a placeholder, an output, a Python call)."""
+    """Whether ``node``'s result may share another tensor's storage: its schema says so,
+    or it is no ATen op (a placeholder, an output, a Python call, a collective's wait,
+    whose result is the collective's buffer though its schema does not say so)."""
     schema = getattr(node.target, "_schema", None)
-    if node.op != "call_function" or schema is None:
+    if node.op != "call_function" or schema is None or \
+            getattr(node.target, "namespace", None) != "aten":
         return True
     return any(r.alias_info is not None for r in schema.returns)
 
