@@ -421,7 +421,8 @@ HELD_OUT: tuple[PublishedRow, ...] = (
                "DeepSpeed's pipeline schedule priced as 1F1B",
                "the source calls the machine's step time unsteady (23-26 s between runs; "
                "the logged stretch 22.1-22.3 s is used)",
-               "Jean Zay's NVLink topology and Omni-Path adapters per node [?]")),
+               "Jean Zay's NVLink topology within a node [?]; its 4 Omni-Path links per "
+               "converged node from IDRIS's hardware page (gpu_specs, jean-zay-v100)")),
 )
 """Published runs added on 2026-11-30 that no cost-model change had been measured
 against: their est/pub as first measured is in RESULTS.md ("Held-out rows"), before any

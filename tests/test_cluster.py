@@ -54,12 +54,12 @@ def test_detect_reads_the_gpu_memory_and_launch_layout(fake_gpu, monkeypatch, fp
     # free + what this process already reserved, less the reserve for context and NCCL
     assert c.memory_per_device == pytest.approx(75 * GB - 1.5 * GB)
     peaks = dict(c.peak_flops_by_dtype)
-    assert peaks["bfloat16"] == pytest.approx(989e12 * gpu_specs.MATMUL_EFFICIENCY)
+    assert peaks["bfloat16"] == pytest.approx(989e12 * gpu_specs.HOPPER_MATMUL_EFFICIENCY)
     assert peaks["float32"] == pytest.approx(67e12 * gpu_specs.FP32_MATMUL_EFFICIENCY)
     assert c.kernel_launch_s > 0
     fp32_precision("high")                   # TF32 allowed: float32 matmuls on tensor cores
     assert dict(Cluster.detect().peak_flops_by_dtype)["float32"] == pytest.approx(
-        495e12 * gpu_specs.MATMUL_EFFICIENCY)
+        495e12 * gpu_specs.HOPPER_MATMUL_EFFICIENCY)
 
 
 def test_detect_caps_memory_at_the_card_and_the_process_fraction(fake_gpu, monkeypatch):

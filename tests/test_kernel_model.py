@@ -113,10 +113,10 @@ def test_float32_matmuls_on_cuda_cores_reach_more_of_their_peak_than_tensor_core
     spec = gpu_specs.lookup("NVIDIA H200")
     peaks = dict(gpu_specs.peaks_by_dtype(spec, allow_tf32=False))
     assert peaks["float32"] == pytest.approx(67e12 * gpu_specs.FP32_MATMUL_EFFICIENCY)
-    assert peaks["bfloat16"] == pytest.approx(989e12 * gpu_specs.MATMUL_EFFICIENCY)
+    assert peaks["bfloat16"] == pytest.approx(989e12 * gpu_specs.HOPPER_MATMUL_EFFICIENCY)
     assert gpu_specs.FP32_MATMUL_EFFICIENCY > gpu_specs.MATMUL_EFFICIENCY
     assert dict(gpu_specs.op_factors(spec))["sdpa"] == pytest.approx(
-        0.35 / gpu_specs.MATMUL_EFFICIENCY)
+        0.35 / gpu_specs.HOPPER_MATMUL_EFFICIENCY)
 
 
 def test_a_matmul_writes_its_result_after_its_k_loop_so_a_short_k_reaches_less_of_the_peak():

@@ -21,7 +21,7 @@ def test_every_preset_builds_from_its_gpu_datasheet(name):
     assert c.memory_bandwidth == pytest.approx(spec.memory_bandwidth
                                                * gpu_specs.MEMORY_EFFICIENCY)
     peaks = dict(c.peak_flops_by_dtype)
-    assert peaks["bfloat16"] == pytest.approx(spec.bf16 * gpu_specs.MATMUL_EFFICIENCY)
+    assert peaks["bfloat16"] == pytest.approx(spec.bf16 * spec.matmul_efficiency)
     assert peaks["float32"] == pytest.approx(spec.fp32 * gpu_specs.FP32_MATMUL_EFFICIENCY)
     # the node's NICs shared by its GPUs, as collectives reach them
     assert c.inter_node_bandwidth == pytest.approx(
@@ -62,7 +62,7 @@ def test_overrides_replace_the_preset_figures():
                        allow_tf32=True)
     assert (c.inter_node_bandwidth, c.memory_per_device) == (10 * GB, 70 * GB)
     assert dict(c.peak_flops_by_dtype)["float32"] == pytest.approx(
-        495e12 * gpu_specs.MATMUL_EFFICIENCY)
+        495e12 * gpu_specs.HOPPER_MATMUL_EFFICIENCY)
 
 
 def test_an_unknown_name_lists_the_known_ones():
@@ -111,3 +111,24 @@ def test_links_are_validated():
                 intra_node_link_bandwidth=1e9)
     with pytest.raises(ValueError, match="intra_node_link_bandwidth must be > 0"):
         Cluster(devices_per_node=2, intra_node_links=((0, 1), (1, 0)))
+
+
+def test_hopper_parts_price_the_sustained_rate_measured_on_a_gh100_and_others_keep_theirs():
+    """One rule: every GH100 part (H100 SXM, PCIe, NVL, 96GB; H200) prices its tensor-core
+    matmuls at ``HOPPER_MATMUL_EFFICIENCY`` of its datasheet peak (an H200's measured
+    sustained rate, ``gpu_specs`` module doc), every other GPU at ``MATMUL_EFFICIENCY``;
+    fused attention keeps its own share of the peak either way."""
+    hopper = {"H100 SXM", "H100 PCIe", "H100 NVL", "H100 96GB HBM2e", "H200"}
+    seen = set()
+    for _, spec in gpu_specs.KNOWN_GPUS:
+        expected = (gpu_specs.HOPPER_MATMUL_EFFICIENCY if spec.name in hopper
+                    else gpu_specs.MATMUL_EFFICIENCY)
+        assert spec.matmul_efficiency == expected, spec.name
+        peaks = dict(gpu_specs.peaks_by_dtype(spec, allow_tf32=True))
+        assert peaks["bfloat16"] == pytest.approx(spec.bf16 * expected)
+        sdpa = dict(gpu_specs.op_factors(spec))["sdpa"]
+        assert sdpa * peaks["bfloat16"] == pytest.approx(min(spec.bf16 * spec.attention,
+                                                             peaks["bfloat16"]))
+        seen.add(spec.name)
+    assert hopper <= seen
+    assert gpu_specs.HOPPER_MATMUL_EFFICIENCY < gpu_specs.MATMUL_EFFICIENCY

@@ -7,7 +7,8 @@ backward to the optimizer step, across the next micro-batches' forwards), else f
 op that makes it to the optimizer step (``grads_from_backward``: one interval named by
 the parameter in ``Liveness``). Activations are op results
 (and user inputs) held from the op that makes them to their last reader, in the step's
-order (forward then backward); a view of one shares its storage and keeps it alive. On CPU ranks an attention forward
+order (forward then backward); a view of one shares its storage and keeps it alive, and so
+does a write made in place into it (``buffer_reuse.py``). On CPU ranks an attention forward
 whose backward the lowering rewrites to read saved statistics (``saved_statistics``,
 ``passes/pricing/attention_price.py``) holds its output and its float32 log-sum-exp per query row
 until that backward.
@@ -36,6 +37,7 @@ from torchalpa.core.cluster import GRADIENT_BUCKET_BYTES
 from torchalpa.core.opgraph import OpGraph, ValueRef
 from torchalpa.core.placement import Partial, Placements, Replicate, is_shard
 from torchalpa.passes.pricing.attention_price import saves_statistic, statistic_spec
+from torchalpa.passes.pricing.buffer_reuse import in_place_root
 from torchalpa.passes.pricing.fused_pricing import recomputed
 from torchalpa.passes.pricing.gathered_views import copy_bytes, held_copies, saved_view_spans
 from torchalpa.passes.pricing.grad_buckets import bucket_members, packing_points
@@ -124,7 +126,9 @@ def liveness(graph: OpGraph, kept_for: dict[str, str] | None = None,
     other results of the op that makes one are activations (a convolution's backward
     makes its input's gradient beside its weight's). A view (``OpNode.aliases``)
     allocates nothing: it keeps the storage it views alive until its own last reader, so
-    it extends that tensor's interval instead of adding one. Views of parameters and
+    it extends that tensor's interval instead of adding one; so does a write into a
+    buffer nothing reads afterwards, which the runtime makes in place
+    (``buffer_reuse.in_place_root``: a scatter into its zeros). Views of parameters and
     buffers are the exception: a layer often reads a weight through a view (``permute``)
     in a layout other than the weight's own (gathered under ZeRO), and forward keeps
     that copy for backward, so such views keep intervals of their own. (A view that
@@ -180,7 +184,7 @@ def _liveness(graph: OpGraph, kept_for: dict[str, str] | None, state_at_start: b
     end_of_step = len(order)
     for ref in graph.outputs.refs():
         use(ref.node, ref.index, end_of_step)
-    storage = _storage_roots(graph)
+    storage = _storage_roots(graph, last_use, order, set(recompute))
     for view, root in storage.items():      # a view's results share its root's storage
         seen = [last_use.get((view, k), order[view])
                 for k in range(len(graph.node(view).outputs))]
@@ -314,15 +318,26 @@ def viewed_leaf(graph: OpGraph, name: str) -> str | None:
     return leaf if graph.node(leaf).kind in ("param", "buffer") else None
 
 
-def _storage_roots(graph: OpGraph) -> dict[str, ValueRef]:
-    """Each view of an activation -> the result whose storage it shares."""
+def _storage_roots(graph: OpGraph, last_use: dict[tuple[str, int], int],
+                   order: dict[str, int], never_held: set[str]) -> dict[str, ValueRef]:
+    """Each view of an activation, and each result written into an operand's buffer
+    (``buffer_reuse.in_place_root``: a scatter into zeros nothing else reads), -> the
+    result whose storage it shares. ``last_use``: the points that read each value."""
     roots: dict[str, ValueRef] = {}
+    sharing: dict[ValueRef, list[str]] = {}
     for node in graph.ops():
         if node.aliases:
             base = node.operands[0]
             root = roots.get(base.node, base)
-            if graph.node(root.node).kind not in ("param", "buffer"):
-                roots[node.name] = root
+            if graph.node(root.node).kind in ("param", "buffer"):
+                continue
+        else:
+            found = in_place_root(graph, node, roots, sharing, last_use, order, never_held)
+            if found is None:
+                continue
+            root = found
+        roots[node.name] = root
+        sharing.setdefault(root, []).append(node.name)
     return roots
 
 

@@ -8,7 +8,8 @@ one place that applies them, in three groups (a straight list each, read top to 
    attention's backward from the statistics its forward saved, ReLU's backward as one
    kernel, a linear layer's bias added inside its GEMM, the custom batched matmul inlined;
 2. ``rewrite_split_programs``: on the forward, backward and gradient-reduction programs:
-   parameters gathered once per step, gradients reduced in buckets, every collective waited
+   a write into a buffer nothing reads afterwards made in place (a scatter into its
+   zeros), parameters gathered once per step, gradients reduced in buckets, every collective waited
    for where its result is first used, parameter gathers prefetched;
 3. ``step_programs``: the forward/backward pair a one-stage step runs in each mode
    (``rank_programs.StepPrograms``, ``StepMode``): the loss's all-reduce left in flight,
@@ -58,6 +59,7 @@ from torchalpa.runtime.rewrites.param_gather import gather_parameters_once
 from torchalpa.runtime.rewrites.reduce_in_backward import backward_with_reduce
 from torchalpa.runtime.rewrites.release_inputs import release_inputs
 from torchalpa.runtime.rewrites.relu_backward import fold_relu_backward
+from torchalpa.runtime.rewrites.write_in_place import write_in_place
 
 __all__ = ["rewrite_joint_graph", "rewrite_split_programs", "step_programs"]
 
@@ -83,6 +85,8 @@ def rewrite_split_programs(forward: fx.GraphModule, backward: fx.GraphModule,
     ``num_state``: forward's leading placeholders that are parameters and buffers;
     ``bucketed`` / ``overlap``: whether to bucket the gradients' collectives and to
     overlap communication (both on outside of tests)."""
+    for program in (forward, backward):
+        write_in_place(program)                             # scatter into zeros: one buffer
     param_gathers = gather_parameters_once(forward, plan, num_micro_batches,
                                            num_state=num_state, bucketed=bucketed)
     if bucketed:

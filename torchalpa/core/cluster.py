@@ -392,7 +392,7 @@ class Cluster:
     @classmethod
     def h100(cls, num_nodes: int = 1, devices_per_node: int = 8) -> Cluster:
         """H100 SXM 80GB nodes (``preset("h100")``): bf16 dense 989 TF/s and fp32 67 TF/s
-        (``MATMUL_EFFICIENCY`` of them reachable), NVSwitch (450 GB/s per direction per
+        (``HOPPER_MATMUL_EFFICIENCY`` of them reachable, sustained), NVSwitch (450 GB/s per direction per
         GPU), 400 Gb/s InfiniBand per GPU between nodes, 5 us per kernel launch."""
         return cls.preset("h100", num_nodes, devices_per_node)
 

@@ -20,6 +20,17 @@ facts measured by public microbenchmarks, the same for every model:
   reaches ~0.69 on an H200, one of 768 ~0.6: the flat 0.6 the presets assumed before
   matched LLaMA 1B's step on an H200, issue 37, and not GPT-2's) and the idle SMs of a
   last partial wave of tiles.
+- ``HOPPER_MATMUL_EFFICIENCY``: Hopper (GH100) parts, ``GpuSpec.matmul_efficiency``, reach
+  less of their datasheet peak once they run matmuls for longer than a burst: the
+  datasheet rate is at the boost clock, which a GH100 does not hold under a long chain
+  of dense tensor-core work. Measured on this project's H200 (GH100 at 700 W, 2026-11-28,
+  ``benchmarks/gpu_logs/h200-2026-11-28/overlap.log``, ``benchmarks/gpu_overlap.py``): 24
+  bf16 8192^3 matmuls back to back, median of 5 chains after a warm-up, 38.1 ms: 692
+  TFLOP/s, 0.70 of 989; the same shape timed as a burst of 5 calls (``torchalpa
+  calibrate``, ``calib.log``) read 802 (0.81), a rate a training step's seconds of
+  matmuls do not keep. 0.70 for every tensor-core dtype of every GH100 part (H100 SXM,
+  PCIe, NVL, 96GB; H200), as the 0.75 is for the others; attention keeps its own share
+  of the peak (``op_factors``).
 - ``FP32_MATMUL_EFFICIENCY``: a float32 matmul on the CUDA cores (TF32 off) reaches 0.8-0.9
   of the fp32 peak (SGEMM is compute bound with room to spare: 14 of V100's 15.7 TF, ~18 of
   A100's 19.5); 0.8. LLaMA 1B in float32 on one H200 ran 1049 ms where 0.6 priced 1363.
@@ -44,7 +55,7 @@ import re
 from dataclasses import dataclass
 
 __all__ = ["GpuSpec", "NodeSpec", "KNOWN_GPUS", "NODE_PRESETS", "lookup", "node_preset",
-           "MATMUL_EFFICIENCY", "FP32_MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY",
+           "MATMUL_EFFICIENCY", "HOPPER_MATMUL_EFFICIENCY", "FP32_MATMUL_EFFICIENCY", "MEMORY_EFFICIENCY",
            "NVLINK_EFFICIENCY", "NETWORK_EFFICIENCY", "KERNEL_LAUNCH_S", "OPTIMIZER_TENSOR_S",
            "HOST_OP_S", "CONTENTION",
            "CONVOLUTION_SHARE", "usable_memory", "DRIVER_VISIBLE", "CUDA_CONTEXT_BYTES",
@@ -65,6 +76,8 @@ DETECT_RESERVE_BYTES = 1.5 * GB
 context's growth, cuBLAS workspaces, NCCL buffers)."""
 MATMUL_EFFICIENCY = 0.75
 """Fraction of the datasheet peak a large tensor-core matmul (long K) reaches."""
+HOPPER_MATMUL_EFFICIENCY = 0.70
+"""The same on a Hopper (GH100) part, sustained: measured on an H200 (module doc)."""
 FP32_MATMUL_EFFICIENCY = 0.8
 """Fraction of the fp32 (CUDA-core) peak a large float32 matmul reaches, TF32 off."""
 MEMORY_EFFICIENCY = 0.8
@@ -130,6 +143,7 @@ class GpuSpec:
     fp16: float | None = None   # flop/s of fp16 tensor cores where bf16 has none (V100, T4)
     multiprocessors: int = 0    # SMs (AMD: compute units): the waves a matmul's tiles fill
     attention: float = 0.5      # fused attention's flop/s as a fraction of the dense peak
+    matmul_efficiency: float = MATMUL_EFFICIENCY    # a large matmul's share of the peaks
 
 
 # (regex on the reported name, spec); variants first. Sources: NVIDIA's datasheets (H100
@@ -141,20 +155,21 @@ class GpuSpec:
 # 2023: 50-73 % / 45-63 % on A100; Shah et al. 2024, FlashAttention-3 paper: FA2 reaches
 # ~35 % of H100's peak), V100/T4 the memory-efficient kernel; 0.5 where nothing is published.
 _ = GpuSpec
+_GH100 = {"attention": 0.35, "matmul_efficiency": HOPPER_MATMUL_EFFICIENCY}
 KNOWN_GPUS: tuple[tuple[str, GpuSpec], ...] = (
     (r"H100.*PCIe", _("H100 PCIe", 51 * T, 378 * T, 756 * T, 2.0e12, 64 * GB, 80 * GB,
-                      multiprocessors=114, attention=0.35)),
+                      multiprocessors=114, **_GH100)),
     (r"H100.*NVL", _("H100 NVL", 60 * T, 418 * T, 835 * T, 3.9e12, 300 * GB, 94 * GB,
-                     multiprocessors=132, attention=0.35)),
+                     multiprocessors=132, **_GH100)),
     # torchtitan's Grand Teton H100s: 96 GB HBM2e at 2.4 TB/s, 500 W; "the actual peak
     # TFLOPs number is between SXM and NVL" (its benchmark file's footnote): the midpoint
     # of H100 SXM's 989 and H100 NVL's 835 TF, the other rates scaled alike
     (r"H100.*96GB|H100.*HBM2e", _("H100 96GB HBM2e", 63.5 * T, 456 * T, 912 * T, 2.4e12,
-                                  450 * GB, 96 * GB, multiprocessors=132, attention=0.35)),
+                                  450 * GB, 96 * GB, multiprocessors=132, **_GH100)),
     (r"H100|H800", _("H100 SXM", 67 * T, 495 * T, 989 * T, 3.35e12, 450 * GB, 80 * GB,
-                     multiprocessors=132, attention=0.35)),
+                     multiprocessors=132, **_GH100)),
     (r"H200|GH200", _("H200", 67 * T, 495 * T, 989 * T, 4.8e12, 450 * GB, 141 * GB,
-                      multiprocessors=132, attention=0.35)),
+                      multiprocessors=132, **_GH100)),
     (r"B200", _("B200", 80 * T, 1100 * T, 2250 * T, 8.0e12, 900 * GB, 192 * GB,
                 multiprocessors=148)),
     (r"A100.*80GB.*PCIe|A100.*PCIe.*80GB",
@@ -196,7 +211,7 @@ KNOWN_GPUS: tuple[tuple[str, GpuSpec], ...] = (
     (r"RTX 3090", _("RTX 3090", 35.6 * T, 35.6 * T, 71 * T, 0.94e12, 32 * GB, 24 * GB,
                     multiprocessors=82)),
 )
-del _
+del _, _GH100
 
 HYBRID_CUBE_MESH: tuple[tuple[int, ...], ...] = (
     (0, 1, 1, 2, 2, 0, 0, 0),
@@ -322,11 +337,14 @@ NODE_PRESETS: dict[str, NodeSpec] = {
                                    "4 x 100 Gb/s Omni-Path"),
     # Jean Zay's quad-V100 converged nodes (BigScience's tr1-13B, 2021): 4 x V100 SXM2 32GB,
     # every pair joined by 2 of each GPU's 6 NVLink 2 links [assumed: the usual 4-GPU SXM2
-    # board], Intel Omni-Path 100 Gb/s (IDRIS; 4 adapters per converged node [assumed])
+    # board]; "Omni-Path interconnection network 100 Gb/s (1 link per scalar node and 4
+    # links per converged node)" (IDRIS, jean-zay-cpu-hw-eng.html, as quoted in
+    # PencilFFTs.jl's Jean-Zay benchmark notes, 2020): 4 x 100 Gb/s
     "jean-zay-v100": NodeSpec("V100", 32 * GB, 4 * 100 * Gbit, devices_per_node=4,
                               links=_FULL_MESH_4_DOUBLE, link_bandwidth=25 * GB,
                               note="Jean Zay (BigScience tr1-13B): 4 x V100 32GB, NVLink 2 "
-                                   "x 2 between each pair, 4 x 100 Gb/s Omni-Path [assumed]"),
+                                   "x 2 between each pair [assumed], 4 x 100 Gb/s Omni-Path "
+                                   "(IDRIS: 4 links per converged node)"),
     # Meta's Grand Teton H100 hosts of torchtitan's benchmarks: 96 GB HBM2e parts at 500 W
     # (2.4 TB/s; lower clocks), NVLink, 400 Gb/s RDMA per GPU
     "grand-teton-h100": NodeSpec("H100 96GB HBM2e", 96 * GB, 8 * 400 * Gbit,
@@ -359,24 +377,25 @@ def lookup(device_name: str) -> GpuSpec | None:
 
 
 def peaks_by_dtype(spec: GpuSpec, *, allow_tf32: bool) -> tuple[tuple[str, float], ...]:
-    """Reachable matmul flop/s per dtype: ``MATMUL_EFFICIENCY`` of the tensor-core peaks,
+    """Reachable matmul flop/s per dtype: ``spec.matmul_efficiency`` of the tensor-core
+    peaks (``MATMUL_EFFICIENCY``, Hopper's ``HOPPER_MATMUL_EFFICIENCY``),
     ``FP32_MATMUL_EFFICIENCY`` of the CUDA cores' fp32 peak.
 
     float32 matmuls use tensor cores only when TF32 is allowed
     (``torch.set_float32_matmul_precision("high")``)."""
-    fp32 = spec.tf32 * MATMUL_EFFICIENCY if allow_tf32 else spec.fp32 * FP32_MATMUL_EFFICIENCY
+    tensor = spec.matmul_efficiency
+    fp32 = spec.tf32 * tensor if allow_tf32 else spec.fp32 * FP32_MATMUL_EFFICIENCY
     fp16 = spec.fp16 or spec.bf16
-    peaks = [("float32", fp32), ("bfloat16", spec.bf16 * MATMUL_EFFICIENCY),
-             ("float16", fp16 * MATMUL_EFFICIENCY)]
+    peaks = [("float32", fp32), ("bfloat16", spec.bf16 * tensor), ("float16", fp16 * tensor)]
     if spec.tf32 > spec.fp32:     # float32 convolutions: cuDNN allows TF32 by default
-        peaks.append(("tf32", spec.tf32 * MATMUL_EFFICIENCY))
+        peaks.append(("tf32", spec.tf32 * tensor))
     return tuple(peaks)
 
 
 def op_factors(spec: GpuSpec) -> tuple[tuple[str, float], ...]:
     """Op families whose kernels reach a fixed share of the dtype's matmul rate: fused
-    attention (``spec.attention`` of the peak, a GEMM ``MATMUL_EFFICIENCY`` of it)."""
-    return (("sdpa", min(1.0, spec.attention / MATMUL_EFFICIENCY)),
+    attention (``spec.attention`` of the peak, a GEMM ``spec.matmul_efficiency`` of it)."""
+    return (("sdpa", min(1.0, spec.attention / spec.matmul_efficiency)),
             ("convolution", CONVOLUTION_SHARE))
 
 
