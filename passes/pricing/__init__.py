@@ -4,6 +4,7 @@
 - ``kernel_model``: what a GPU kernel costs beyond flops and bytes (shape effects).
 - ``fused_pricing``: elementwise chains priced as a fusing compiler runs them.
 - ``inplace_pricing``: the writes into state the runtime does in place.
+- ``buffer_reuse``: op results written into an operand's buffer, with no storage of their own.
 - ``attention_price``: attention's backward, and what its forward keeps for it.
 - ``overlap_price``: the step's time with communication overlapped as the runtime does.
 - ``memory``: per-device memory of a plan (model states plus live activations).

@@ -14,6 +14,8 @@
 - ``inline_batched_matmul``: ``torchalpa::batched_matmul`` run as its body.
 - ``linear_bias``: ``add(mm(a, b), bias)`` run as ``addmm``.
 - ``relu_backward``: ReLU's backward as ``threshold_backward``, as eager autograd runs it.
+- ``write_in_place``: writes into a buffer nothing reads afterwards, made in place as eager
+  makes them.
 - ``call_overhead``: copies of the programs with less Python per op.
 - ``release_inputs``: programs that take their inputs as one list and free each after its
   last read (the backward's saved values, as autograd frees them).

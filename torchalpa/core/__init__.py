@@ -14,6 +14,8 @@ option records, schedules, progress. Imports nothing else of torchalpa's.
 - ``schedules``: pipeline schedules as data (1F1B, GPipe).
 - ``calls``: how a model is called (positional tensors or keywords).
 - ``resize_ops``: the ATen resize ops and how many dims each resizes.
+- ``inplace_forms``: the ATen ops whose functional form copies then writes, with their
+  in-place forms (read by the memory model and the runtime alike).
 - ``choice_notes``: how AutoParallel's choice is written in a plan's notes and read back.
 - ``view_registry``: where the layers above register how a plan is shown.
 - ``optimizer_step``: how the runtime's optimizer steps its tensors (all at once or one by
