@@ -2,10 +2,12 @@
 
 AutoParallel solves a tight candidate's ILPs to within its tolerance and then re-solves the
 views that could win at the solver's own gap (``parallel/auto.py``, ``_Search.polish``). The
-re-solve is the same problem -- graph, view, prices, memory budget -- but for the gap, so the
-plan the first solve found is a feasible point of it. Handed to HiGHS as its incumbent
-(``ilp_highs.solve_with_highs``' partial start) it lets the branch and bound prune from its
-first node instead of searching for a plan first. What the solver guarantees does not change:
+re-solve is the same problem -- graph, view, memory budget -- but for the gap (and the values
+read twice alike that later candidates found, priced once), so the plan the first solve
+found is a feasible point of it (a start that no longer fits is one HiGHS rejects).
+Handed to HiGHS as its incumbent (``ilp_highs.solve_with_highs``' partial start) it lets the
+solver stop once its bound meets that plan instead of running its heuristics to find one
+(target a's runs all end at the root node). What the solver guarantees does not change:
 it stops when its bound is within the gap of its best plan, wherever that plan came from, so
 the re-solve is still optimal to the solver's gap; where plans tie within that gap, which of
 them it returns may differ from a cold solve. Work decides, not a clock: the same start gives
