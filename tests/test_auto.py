@@ -207,13 +207,24 @@ def test_candidates_are_solved_within_the_tolerance_and_the_winner_at_the_solver
         return solve_ilp(*args, **kwargs)
 
     monkeypatch.setattr(intra_op, "solve_ilp", recorded)
+    plan_intra_op, started = intra_op.plan_intra_op, []
+
+    def noted(graph, mesh, method, **kwargs):     # (gap, whether it started from a plan)
+        started.append((method.auto_sharding_option.gap, kwargs.get("start_from") is not None))
+        return plan_intra_op(graph, mesh, method, **kwargs)
+
+    monkeypatch.setattr(intra_op, "plan_intra_op", noted)
     method = torchalpa.AutoParallel(remat=("none",), num_micro_batches=1, pipeline=False)
     # tight: the candidate's memory bound above half the budget
     tight = _cluster(4, memory=1.5 * step_profile(capture(model, batch, F.mse_loss).graph,
                                                   _cluster(4)).memory_bytes(4))
     plan = torchalpa.plan(model, batch, F.mse_loss, cluster=tight, method=method)
     assert 0.01 in gaps and None in gaps
-    assert any("re-solved at the solver's own gap the" in n for n in plan.notes)
+    note = next(n for n in plan.notes if "re-solved at the solver's own gap the" in n)
+    # each view re-solved at the solver's gap starts from the plan it found within 1 %
+    polished = int(note.split("re-solved at the solver's own gap the ")[1].split()[0])
+    assert polished >= 1 and started.count((None, True)) == polished
+    assert all(gap is None for gap, start in started if start)
     gaps.clear()
     with SearchSwitches.using(search_gap=False):
         every = torchalpa.plan(model, batch, F.mse_loss, cluster=tight, method=method)

@@ -63,6 +63,7 @@ from torchalpa.passes.sharding.ilp import (
     clock_watch,
     solve_ilp,
 )
+from torchalpa.passes.sharding.plan_start import start_choice
 from torchalpa.passes.sharding.reshard import local_bytes, plan_reshard
 from torchalpa.passes.sharding.sharding_plan import (
     assemble_plan,
@@ -222,7 +223,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
                   inputs: str = "global", blocks: dict[str, tuple[str, int]] | None = None,
                   in_flight: int = 1, memo: PricingMemo | None = None,
                   deadline: float | None = None, step_micro_batches: int = 1,
-                  sharing: dict | None = None) -> Plan:
+                  sharing: dict | None = None, start_from: Plan | None = None) -> Plan:
     """Solve Alpa's intra-op ILP for ``graph`` on ``mesh`` and return the Plan.
 
     ``blocks`` (node -> (block kind, index)) lets identical layers share one decision.
@@ -242,6 +243,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     is paid once per step. ``sharing``: values earlier solves of alike graphs on this view
     found read twice in one layout (``sharing_key`` -> values; AutoParallel's candidates):
     priced once per layout from the first solve, and what this solve found is added.
+    ``start_from``: a plan of this graph on this view found before (at a wider gap): the first
+    solve starts from its strategies (``plan_start.py``; optimal to the same gap).
     """
     method = method or ShardParallel()
     if step_micro_batches < 1 or (step_micro_batches > 1 and method.num_micro_batches > 1):
@@ -263,6 +266,8 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     key = sharing_key(mesh)
     if sharing is not None and key in sharing:
         ilp.seed = _sharing_seed(graph, sharing[key], option)
+    if start_from is not None:
+        ilp.start = start_choice(start_from, space.strategies)
     built = time.perf_counter()
     with clock_watch() as stops:
         best = ilp.best()
@@ -327,6 +332,7 @@ class _IntraOpILP:
         self.repeats = repeats      # micro-batches per gradient reduction
         self.space, self.costs, self.blocks, self.in_flight = space, costs, blocks, in_flight
         self.seed: frozenset = frozenset()  # values priced once per layout from the start
+        self.start: dict[str, Strategy] | None = None   # the first solve's starting plan
         self.budget = option.memory_budget_per_device or mesh.memory_per_device
         # a parameter's forward reshards run once per step (runtime/rewrites/param_gather.py),
         # in a pipeline stage too (its step runs ``repeats`` micro-batches)
@@ -350,7 +356,7 @@ class _IntraOpILP:
             # GPT-39B's memory-bound stages solving the simplified ILP first and this one
             # from its plan took 1.2-4x as long, for a plan no better
             try:
-                found = self.solve(1, followers=False)
+                found = self.solve(1, followers=False, start=self.start)
             except SolverStopped as e:
                 log.warning("the ILP with free followers found no plan in time (%s); solving "
                             "the simplified one", e)
@@ -383,7 +389,7 @@ class _IntraOpILP:
         the sum its matmul leaves partial, which a step summing micro-batches may need to
         fit; MPT-13B on 8 A100 under FSDP)."""
         try:
-            return self.solve(1)
+            return self.solve(1, start=self.start)
         except SolverStopped:   # the clock, not the budget: a retry would depend on load
             raise
         except InfeasibleError:
@@ -391,7 +397,7 @@ class _IntraOpILP:
                 raise
             log.info("no plan of the simplified ILP fits the budget: solving with free "
                      "followers")
-            return self.solve(1, followers=False)
+            return self.solve(1, followers=False, start=self.start)
 
     def timed_option(self) -> AutoShardingOption:
         """The option with the solver's time limit cut to what is left before the
@@ -464,14 +470,15 @@ class _IntraOpILP:
 
 def _initial_choice(S: dict[str, list[Strategy]], grouping: Grouping,
                     start: dict[str, Strategy] | None) -> dict[str, int] | None:
-    """``start`` (a plan of a coarser grouping, feasible here too) as a starting choice
-    per representative of ``grouping``."""
+    """``start`` (a plan of a coarser grouping, feasible here too, or of this problem found
+    before: ``plan_start.py``) as a starting choice per representative of ``grouping``;
+    representatives it gives no strategy of theirs are left to the solver."""
     if start is None:
         return None
     initial = {}
     for k in grouping.representatives:
         position = {id(S[k][i]): a for a, i in enumerate(grouping.index[k])}
-        if id(start[k]) in position:
+        if k in start and id(start[k]) in position:
             initial[k] = position[id(start[k])]
     return initial
 

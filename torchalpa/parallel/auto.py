@@ -247,6 +247,9 @@ class _Search:
         self.settled = 0                               # views settled that way
         self.gap: float | None = None                  # mip_rel_gap of the candidates' ILPs
         self.steps: dict[tuple[Candidate, int], float] = {}   # (candidate, view) -> its est
+        # (candidate, view) -> the plan found within the gap: where its view is re-solved at
+        # the solver's own gap, that solve starts from it (``plan_start.py``)
+        self.found: dict[tuple[Candidate, int], Plan] = {}
         self.polished = 0                              # views re-solved at the solver's gap
         self.polish_note = ""
 
@@ -520,9 +523,11 @@ class _Search:
                              auto_sharding_option=self.sharding_option(c),
                              optimizer=self.method.optimizer)
 
-    def solve(self, c: Candidate, settled: dict[int, tuple[str, bool]] | None = None):
+    def solve(self, c: Candidate, settled: dict[int, tuple[str, bool]] | None = None,
+              starts: dict[int, Plan] | None = None):
         """The plan of candidate ``c`` (an InfeasibleError when it does not fit);
-        ``settled``: its views not to solve (``settled_views``)."""
+        ``settled``: its views not to solve (``settled_views``); ``starts``: view -> a plan
+        of ``c`` there, its ILP's start (``plan_graph``'s)."""
         option = self.sharding_option(c)
         captured = self.capture(c.num_micro_batches, c.remat, c.regather)
         if c.kind == "intra-op":
@@ -540,7 +545,7 @@ class _Search:
                                       deadline=self.deadline, bound_views=False,
                                       memo=self.pricing, workers=cpu_workers(),
                                       skip={i: why for i, (why, _) in settled.items()},
-                                      outcomes=outcomes,
+                                      outcomes=outcomes, starts=starts,
                                       sharing=self.sharing if seed else None)
             finally:
                 self.record_views(c, outcomes)
@@ -632,6 +637,7 @@ class _Search:
         single_node_fallback = self.nodes == 1 and self.method.pipeline is None
         first = [c for c in candidates if not (single_node_fallback and c.kind == "pipeline")]
         self.gap, self.steps, self.polished, self.polish_note = self.search_gap(), {}, 0, ""
+        self.found = {}
         try:
             self.solve_in_order(first)
             if not self.plans and len(first) < len(candidates):
@@ -673,7 +679,9 @@ class _Search:
         its two plans. The chosen plan is then the one the solver's own gap gives on its
         view (the same as solving every view so, where that view wins there too), and the
         views left unpolished lose by more than the gap: near the memory budget those are
-        the ILPs HiGHS spends minutes on (``benchmarks/near_budget_ab.py``)."""
+        the ILPs HiGHS spends minutes on (``benchmarks/near_budget_ab.py``). Each re-solve
+        starts from the plan its view found within ``gap`` (``plan_start.py``): a feasible
+        point of the same problem, which spares HiGHS finding one and keeps its guarantee."""
         from torchalpa.passes.sharding.ilp import InfeasibleError
         views = sorted(((step_s, c, i) for (c, i), step_s in self.steps.items()),
                        key=lambda v: v[0])
@@ -689,8 +697,9 @@ class _Search:
             skip = {j: (f"solved to within {gap:.0%} (the search's tolerance): "
                         f"{self.steps[(c, j)] * 1e3:.3g} ms" if (c, j) in self.steps
                         else "not re-solved", True) for j in range(len(self.meshes)) if j != i}
+            start = {i: self.found[(c, i)]} if (c, i) in self.found else None
             try:
-                plan = self.solve(c, skip)
+                plan = self.solve(c, skip, start)
             except InfeasibleError:       # cannot happen (the gap changes no feasibility)
                 continue
             finally:
@@ -822,6 +831,7 @@ class _Search:
                 self.views.append((c, i, found.estimates.memory_per_device_bytes))
                 if self.gap_for(c) is not None:
                     self.steps[(c, i)] = known(found.estimates.step_time_s)
+                    self.found[(c, i)] = found
             elif not isinstance(found, SolverStopped):
                 self.views.append((c, i, None))
 

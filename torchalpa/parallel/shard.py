@@ -68,7 +68,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                inputs: str = "global", blocks: dict | None = None,
                deadline: float | None = None, bound_views: bool | None = None,
                memo=None, workers: int = 1, skip: dict[int, str] | None = None,
-               outcomes: dict | None = None, sharing: dict | None = None) -> Plan:
+               outcomes: dict | None = None, sharing: dict | None = None,
+               starts: dict[int, Plan] | None = None) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
     A mesh whose memory lower bound exceeds the budget is refused with no ILP built. With a
@@ -78,20 +79,22 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     before it each solve gets the time left (a plan cut short is not cached). ``workers`` >
     1, not bounding: the ILPs solved at once in processes (``_solve_apart``). ``skip``: mesh
     index -> why not solved (a caller's reuse); ``outcomes``: mesh index -> its plan or its
-    InfeasibleError; ``sharing``: ``plan_intra_op``'s, kept across graphs."""
+    InfeasibleError; ``sharing``: ``plan_intra_op``'s, kept across graphs; ``starts``: mesh
+    index -> a plan of ``graph`` there found before, the solver's start (``plan_intra_op``'s
+    ``start_from``)."""
     from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
     from torchalpa.passes.pricing.bounds import step_profile
     from torchalpa.passes.sharding.ilp import InfeasibleError
     fingerprint, memo = graph.fingerprint(), PricingMemo() if memo is None else memo
     plans, failures, skipped, refused, late = [], [], [], [], []
-    skip, outcomes = skip or {}, {} if outcomes is None else outcomes
+    skip, outcomes, starts = skip or {}, {} if outcomes is None else outcomes, starts or {}
     bounding = SearchSwitches.current().skip_by_bound if bound_views is None else bound_views
     profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states,
                            eager=method.auto_sharding_option.elementwise != "fused",
                            optimizer=method.optimizer)
     apart = {} if bounding or workers <= 1 else _solve_apart(
         graph, method, meshes, inputs, blocks, memo, deadline, workers, profile, fingerprint,
-        skip, sharing)
+        skip, sharing, starts)
     for i, mesh in enumerate(meshes):
         key = cache.plan_key(fingerprint, mesh, method, inputs)
         with step(f"mesh {i + 1}/{len(meshes)} ({_shape(mesh)}) solving") as progress:
@@ -120,7 +123,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
             bounding = bounding and fastest is None   # an LP for nothing: views plan alike
             found = outcomes[i] = apart[i] if i in apart else _solved(
                 graph, mesh, method, inputs, blocks, memo, sharing,
-                deadline if fastest is not None else None)
+                deadline if fastest is not None else None, starts.get(i))
             if isinstance(found, InfeasibleError):    # raised here or in a worker
                 failures.append(found)
                 progress.done = f"does not fit: {found}"
@@ -137,13 +140,14 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
 
 
 def _solved(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str,
-            blocks: dict | None, memo, sharing: dict | None, deadline: float | None):
+            blocks: dict | None, memo, sharing: dict | None, deadline: float | None,
+            start: Plan | None = None):
     """``plan_intra_op``'s plan of ``mesh``, or the InfeasibleError it raised."""
     from torchalpa.passes.sharding.ilp import InfeasibleError
     from torchalpa.passes.sharding.intra_op import plan_intra_op
     try:
         return plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks, memo=memo,
-                             deadline=deadline, sharing=sharing)
+                             deadline=deadline, sharing=sharing, start_from=start)
     except InfeasibleError as e:
         return e
 
@@ -190,8 +194,8 @@ def _cached(key: str, graph: OpGraph, fingerprint: str, mesh: LogicalMesh):
 
 def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh], inputs: str,
                  blocks: dict | None, memo, deadline: float | None, workers: int, profile,
-                 fingerprint: str, skip: dict[int, str], sharing: dict | None = None
-                 ) -> dict[int, Any]:
+                 fingerprint: str, skip: dict[int, str], sharing: dict | None = None,
+                 starts: dict[int, Plan] | None = None) -> dict[int, Any]:
     """mesh index -> its plan, or the InfeasibleError its ILP raised, for the meshes
     ``plan_graph`` would solve (not skipped, cached or refused by the memory bound), solved in
     up to ``workers`` forked processes (``stage_jobs.fork_map``), the 2D views (the longest
@@ -217,7 +221,7 @@ def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh
         try:
             return plan_intra_op(graph, meshes[i], method, inputs=inputs, blocks=blocks,
                                  memo=memo, deadline=None if i == todo[0] else deadline,
-                                 sharing=found), found
+                                 sharing=found, start_from=(starts or {}).get(i)), found
         except InfeasibleError as e:       # an answer (does not fit), not a failure
             return e, found
 
