@@ -13,6 +13,7 @@ the Plan assembled from its solution.
 - ``ilp_model``: the ILP as plain arrays, built once for either solver.
 - ``ilp``: Alpa's ILP, one strategy per node, solved by CBC (through PuLP) or HiGHS.
 - ``ilp_highs``: the same arrays handed to HiGHS directly.
+- ``plan_start``: a solved plan mapped back to its view's strategies, a solver's start.
 - ``gradient_scatter``: Alpa's prefer_reduce_scatter, applied to a solved plan (gradients
   reduce-scattered, parameters stored split and gathered where first read).
 - ``stage_boundary``: the batch-split layout two pipeline stages agree on for a value
