@@ -95,6 +95,6 @@ def test_a_searched_pipeline_is_polished_never_slower_and_says_so(monkeypatch):
             * (1 + 1e-12)
     assert known(plan.estimates.step_time_s) <= known(rough.estimates.step_time_s) * \
         (1 + 1e-12)
-    assert any(n.startswith(f"polished {len(plan.stages)} of the search's stage plans")
+    assert any(n.startswith("polished ") and "of the search's stage plans" in n
                for n in plan.notes), plan.notes
     assert not any("polished" in n for n in rough.notes)

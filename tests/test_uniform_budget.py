@@ -107,7 +107,7 @@ def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(budgeted):
     # stage_options, what a user would pass per stage, leaves how hard the ILP worked out
     assert all(s.plan.method["auto_sharding_option"]["exact_below"] in (below, 0)
                for s in plan.stages)
-    assert any(n.startswith(f"polished {len(plan.stages)} of the search's stage plans")
+    assert any(n.startswith("polished ") and "of the search's stage plans" in n
                for n in plan.notes), plan.notes
     assert not any("exact_below" in o or "max_nodes" in o for o in plan.stage_options)
     assert BUDGET in asked, "no uniform partition's stage was priced under the budget"
