@@ -4,7 +4,7 @@ operand's layout; solved instead with those followers deciding on their own, rep
 layers still sharing decisions, the plan gets what the merge forced it to give up.
 
 On GPT-39B's pipeline stages this recovered nearly all that the unsimplified re-solve
-found, at a tenth of its ILP size (``passes/pipeline_search/stage_solve.py``, ``SEARCH_RESOLVE_BELOW``);
+found, at a tenth of its ILP size (``passes/pipeline_search/stage_solve.py``, ``POLISH_BELOW``);
 here on the small GPT's last two layers, where the merge costs 4 %."""
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The uniform partitions' stage solves run within their own work budget, a node limit
 (``stage_search.UNIFORM_MAX_NODES``) and a relative gap (``stage_solve.BUDGETED_GAP``);
 the stages the DP picks keep the method's node limit and gap; both keep the method's time
-limit (the safety net). Every stage solve of the search skips the unsimplified re-solve on
-large stages (``stage_solve.SEARCH_RESOLVE_BELOW``).
+limit (the safety net). No stage solve of the search re-solves unsimplified; the stages of
+the pipeline assembled are polished so, up to ``stage_solve.POLISH_BELOW`` nodes.
 
 On GPT-15B the uniform partitions' unsimplified stage re-solves took most of the search
 (20-85 s each, several at the 60 s limit) for stages at most 0.75 % faster."""
@@ -57,7 +57,7 @@ def _record_stage_plans(monkeypatch, record) -> None:
 class _Budgeted:
     """One search with every uniform partition priced under ``BUDGET`` nodes: its plan,
     the budget each stage solve was asked with, each stage ILP plan's (budget asked, node
-    limit, time limit, exact_below, gap), and the solves it cached."""
+    limit, time limit, exact_below, gap, graph nodes), and the solves it cached."""
 
     plan: PipelinePlan
     asked: list
@@ -79,7 +79,7 @@ def budgeted(gpt_graph) -> _Budgeted:
     def record(request):
         option = request.method.auto_sharding_option
         limits.append((asked[-1], option.max_nodes, option.time_limit, option.exact_below,
-                       option.gap))
+                       option.gap, len(request.graph)))
 
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.setattr(stage_search, "UNIFORM_MARGIN", math.inf)
@@ -94,33 +94,38 @@ def budgeted(gpt_graph) -> _Budgeted:
 def test_uniform_stage_solves_use_the_budget_and_the_dp_stages_do_not(budgeted):
     """Every stage solve asked for with a budget plans with that node limit and stops at
     ``BUDGETED_GAP``, every other one with the method's 2000 nodes and the solver's own
-    gap, all with the method's time limit (its safety net); all re-solve unsimplified below
-    ``SEARCH_RESOLVE_BELOW`` nodes, not the method's 2000; with every uniform partition
+    gap, all with the method's time limit (its safety net); none re-solves unsimplified
+    where its graph is small enough to (``POLISH_BELOW`` nodes, not the method's 2000);
+    the stages assembled are polished (re-solved so) after; with every uniform partition
     priced, some are budgeted."""
     plan, asked, limits = budgeted.plan, budgeted.asked, budgeted.limits
     assert plan.estimates.memory_per_device_bytes <= 0.05 * GB
-    # the stages record the capped re-solve they were planned with; stage_options, what
-    # a user would pass per stage, leaves how hard the ILP worked out
-    assert {s.plan.method["auto_sharding_option"]["exact_below"] for s in plan.stages} == \
-        {stage_solve.SEARCH_RESOLVE_BELOW}
+    below = stage_solve.POLISH_BELOW
+    assert below < 2000
+    # the small GPT's stages are all small enough to polish: each records the polish's
+    # re-solve, or the search's solve (none) where the polish found nothing faster;
+    # stage_options, what a user would pass per stage, leaves how hard the ILP worked out
+    assert all(s.plan.method["auto_sharding_option"]["exact_below"] in (below, 0)
+               for s in plan.stages)
+    assert any(n.startswith("polished ") and "of the search's stage plans" in n
+               for n in plan.notes), plan.notes
     assert not any("exact_below" in o or "max_nodes" in o for o in plan.stage_options)
     assert BUDGET in asked, "no uniform partition's stage was priced under the budget"
     assert None in asked, "the DP priced no stage of its own"
-    below = stage_solve.SEARCH_RESOLVE_BELOW
-    assert below < 2000
     net = torchalpa.AutoShardingOption().time_limit     # the method's safety net
     gap = stage_solve.BUDGETED_GAP
     assert 0 < gap < stage_search.UNIFORM_MARGIN
     assert limits and all(
-        (nodes, limit, resolve, stop) == ((BUDGET, net, below, gap) if budget is not None
-                                          else (2000, net, below, None))
-        for budget, nodes, limit, resolve, stop in limits), limits
+        (nodes, limit, resolve, stop) == ((BUDGET, net, 0 if size <= below else below, gap)
+                                          if budget is not None else
+                                          (2000, net, 0 if size <= below else below, None))
+        for budget, nodes, limit, resolve, stop, size in limits), limits
 
 
 def test_a_budget_bounds_the_node_limit_it_never_raises_it(monkeypatch):
     option = torchalpa.AutoShardingOption(solver="highs")          # max_nodes 2000
-    monkeypatch.setattr(stage_solve, "SEARCH_RESOLVE_BELOW", 2000)
-    assert stage_solve.search_option(option, None) is option
+    monkeypatch.setattr(stage_solve, "POLISH_BELOW", 2000)
+    assert stage_solve.search_option(option, None, 3000) is option
     assert stage_solve.search_option(option, 300).max_nodes == 300
     assert stage_solve.search_option(option, 3000).max_nodes == 2000
     assert stage_solve.search_option(option, 300).time_limit == option.time_limit
@@ -133,15 +138,21 @@ def test_a_budget_bounds_the_node_limit_it_never_raises_it(monkeypatch):
     assert stage_solve.search_option(wide, 300).gap == 0.05
     assert stage_solve.search_option(wide, None).gap == 0.05
     assert option.exact_below == 2000
-    monkeypatch.setattr(stage_solve, "SEARCH_RESOLVE_BELOW", 600)
-    assert stage_solve.search_option(option, None).exact_below == 600
+    monkeypatch.setattr(stage_solve, "POLISH_BELOW", 600)
+    # a graph small enough to re-solve unsimplified is not (the polish does, if picked);
+    # a larger one gets the polish's option, the same solve
+    assert stage_solve.search_option(option, None, 600).exact_below == 0
+    assert stage_solve.search_option(option, None, 601).exact_below == 600
+    assert stage_solve.polish_option(option).exact_below == 600
     assert stage_solve.search_option(option, None).max_nodes == 2000
-    assert stage_solve.search_option(option, 300).exact_below == 600
-    monkeypatch.setattr(stage_solve, "SEARCH_RESOLVE_BELOW", 0)
-    assert stage_solve.search_option(option, 300).exact_below == 0
+    assert stage_solve.search_option(option, 300, 700).exact_below == 600
+    assert stage_solve.search_option(option, 300, 500).exact_below == 0
+    monkeypatch.setattr(stage_solve, "POLISH_BELOW", 0)
+    assert stage_solve.search_option(option, 300, 700).exact_below == 0
     small = torchalpa.AutoShardingOption(solver="highs", exact_below=300)
-    monkeypatch.setattr(stage_solve, "SEARCH_RESOLVE_BELOW", 1000)
-    assert stage_solve.search_option(small, 300).exact_below == 300
+    monkeypatch.setattr(stage_solve, "POLISH_BELOW", 1000)
+    assert stage_solve.search_option(small, 300, 700).exact_below == 300
+    assert stage_solve.polish_option(small) is small
 
 
 def test_budgeted_and_full_stage_solves_are_cached_apart(budgeted):

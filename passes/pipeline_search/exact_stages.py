@@ -34,6 +34,7 @@ from torchalpa.passes.pipeline_search.stage_recompute import recompute_option, r
 from torchalpa.passes.pipeline_search.stage_solve import (
     StageRequest,
     plan_stage,
+    polish_option,
     search_option,
     stage_time_lower_bound,
 )
@@ -125,7 +126,8 @@ class ExactStages:
     def lower_bound(self, k: int, i: int, submesh: Submesh, view: View,
                     in_flight_batches: int, recompute: bool = False) -> float:
         """A latency ``exact`` cannot return below for this stage (-inf: no bound): the LP
-        relaxation of the least simplified problem its solves may build
+        relaxation of the least simplified problem its solves or the polish of a picked
+        stage may build
         (``stage_time_lower_bound``), as ``_priced_stage`` turns a solve into latency.
         Memory rows are not in it, so the micro-batches in flight, a recomputed stage's
         lower budget and sharded states (a subset of the strategies) only restrict the
@@ -141,7 +143,7 @@ class ExactStages:
             try:
                 return stage_time_lower_bound(StageRequest(
                     problem.stage_graph(k, i), mesh, method.intra_op_method(
-                        search_option(method.auto_sharding_option, None)), problem.inputs,
+                        polish_option(method.auto_sharding_option)), problem.inputs,
                     1, method.num_micro_batches), self.memo)
             except InfeasibleError:     # no plan of any problem it bounds, whatever fits
                 return math.inf
@@ -380,7 +382,7 @@ class ExactStages:
                                           self.problem.budget(), received, in_flight_batches)
                 if option is None:
                     return None, False, None
-            option = search_option(option or method.auto_sharding_option, budget)
+            option = search_option(option or method.auto_sharding_option, budget, len(sub))
             self.exact_solves += 1
             try:
                 plan = plan_stage(StageRequest(

@@ -5,7 +5,10 @@ micro-batches its schedule keeps in flight counted in its memory; a recomputed s
 planned with one in flight, in the budget the others' kept inputs leave
 (``passes/pipeline_search/stage_recompute.py``). ``StageRequest`` is that problem as data (handed to forked
 workers); ``plan_stage`` solves it. The search's own stage solves cap how hard the ILP
-works (``search_option``); the final plan's stages are solved with the method's option.
+works (``search_option``): none is re-solved unsimplified. The stages of the pipeline the
+search picks are then polished (``polish_option``, ``polished``): re-solved as the search
+solved every stage before, unsimplified below ``POLISH_BELOW`` nodes, the better plan
+kept. Stages the search never solved are planned with the method's option.
 """
 
 from __future__ import annotations
@@ -16,19 +19,25 @@ from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import AutoShardingOption, PipeshardParallel, ShardParallel
 from torchalpa.core.plan import Plan
+from torchalpa.passes.pipeline_search.layer_costs import micro_batch_seconds
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.pipeline_search.stage_recompute import recompute_option
 from torchalpa.passes.sharding.ilp import InfeasibleError
 from torchalpa.passes.sharding.intra_op import plan_intra_op, step_time_lower_bound
 
-__all__ = ["StageRequest", "stage_request", "plan_stage", "search_option",
-           "stage_time_lower_bound", "SEARCH_RESOLVE_BELOW", "BUDGETED_GAP"]
+__all__ = ["StageRequest", "stage_request", "plan_stage", "search_option", "polish_option",
+           "polished", "polishes", "stage_seconds", "stage_time_lower_bound", "POLISH_BELOW",
+           "BUDGETED_GAP"]
 
-SEARCH_RESOLVE_BELOW = 600
-"""A stage the search prices exactly (the DP's picks and the uniform partitions') is also
-re-solved unsimplified (``AutoShardingOption.exact_below``) only when its graph has at
-most this many nodes (and at most the method's ``exact_below``); every stage solve still
-lets its followers decide on their own (``AutoShardingOption.free_followers_below``). On
+POLISH_BELOW = 600
+"""A stage of the pipeline the search picks is polished -- re-solved unsimplified
+(``AutoShardingOption.exact_below``), the better plan kept -- only when its graph has at
+most this many nodes (and at most the method's ``exact_below``); the search's own stage
+solves re-solve none unsimplified, and every stage solve still lets its followers decide
+on their own (``AutoShardingOption.free_followers_below``). Until 2026-11-30 every stage
+the search priced was so re-solved: on the origin job (LLaMA-2-13B, 50 x 4 devices, 200
+micro-batches) three re-solves of its 597-node first layer took 642 of its 805 s of stage
+solves and bettered those stages by 1.4-2.2 %; now only the picked stages pay it. On
 GPT-39B (8 x 8 H100) the unsimplified re-solves were most of the search: 11-62 s for a
 2-layer stage (794-843 nodes, ~205k columns), 23-102 s for a 4-layer one (1586-1598 nodes,
 ~380k columns, some stopped by the 60 s limit), where freeing the followers alone took
@@ -111,19 +120,59 @@ def stage_time_lower_bound(request: StageRequest, memo: PricingMemo | None = Non
     return None if found is None else found / request.micro_batches
 
 
-def search_option(option: AutoShardingOption, budget: int | None) -> AutoShardingOption:
-    """``option`` for a stage solve of the search: no unsimplified re-solve above
-    ``SEARCH_RESOLVE_BELOW`` nodes and, with ``budget`` branch-and-bound nodes (a uniform
-    partition's stage, an alternative to the answer), its solver's node limit at most
-    that, its gap at least ``BUDGETED_GAP`` and no alternating re-solve of repeated blocks
-    (``AutoShardingOption.alternate_blocks``: on GPT-39B's 64-device row the slowest such
-    stage, layers 0-1 with 4 micro-batches in flight, took 18.8 s with it and 10.1 s
-    without, at the same latency). Bounds by work: the method's ``time_limit`` stays the
-    only clock."""
-    below = min(option.exact_below, SEARCH_RESOLVE_BELOW)
+def search_option(option: AutoShardingOption, budget: int | None, nodes: int = 0
+                  ) -> AutoShardingOption:
+    """``option`` for a stage solve of the search on a graph of ``nodes`` nodes: no
+    unsimplified re-solve (``exact_below`` 0 where the graph is small enough for one, the
+    picked stages being polished after, ``polish_option``; above that the same solve as
+    the polish option's, and recorded as it) and, with ``budget`` branch-and-bound nodes
+    (a uniform partition's stage, an alternative to the answer), its solver's node limit
+    at most that, its gap at least ``BUDGETED_GAP`` and no alternating re-solve of
+    repeated blocks (``AutoShardingOption.alternate_blocks``: on GPT-39B's 64-device row
+    the slowest such stage, layers 0-1 with 4 micro-batches in flight, took 18.8 s with
+    it and 10.1 s without, at the same latency). Bounds by work: the method's
+    ``time_limit`` stays the only clock."""
+    below = polish_option(option).exact_below
+    if nodes <= below:
+        below = 0
     if budget is None:
         return option if below == option.exact_below else replace(option, exact_below=below)
-    nodes = budget if option.max_nodes is None else min(option.max_nodes, budget)
+    nodes_cap = budget if option.max_nodes is None else min(option.max_nodes, budget)
     gap = BUDGETED_GAP if option.gap is None else max(option.gap, BUDGETED_GAP)
-    return replace(option, max_nodes=nodes, gap=gap, exact_below=below,
+    return replace(option, max_nodes=nodes_cap, gap=gap, exact_below=below,
                    alternate_blocks=False)
+
+
+def polish_option(option: AutoShardingOption) -> AutoShardingOption:
+    """``option`` for polishing a picked stage: re-solved unsimplified at most up to
+    ``POLISH_BELOW`` nodes (the option every stage solve of the search had until
+    2026-11-30, so a polished stage is the plan that search made for it)."""
+    below = min(option.exact_below, POLISH_BELOW)
+    return option if below == option.exact_below else replace(option, exact_below=below)
+
+
+def stage_seconds(plan: Plan, request: StageRequest) -> float:
+    """What the stage DP compares a stage plan by: its seconds per micro-batch."""
+    return micro_batch_seconds(plan.estimates, request.micro_batches)
+
+
+def polishes(request: StageRequest) -> bool:
+    """Whether polishing ``request``'s stage re-solves anything the search's solve did
+    not: its graph is small enough to solve unsimplified (``polish_option``)."""
+    return 0 < len(request.graph) <= polish_option(
+        request.method.auto_sharding_option).exact_below
+
+
+def polished(request: StageRequest, found: Plan, memo: PricingMemo | None = None) -> Plan:
+    """The better of ``found`` (the search's plan of ``request``'s stage) and the stage
+    re-solved with ``polish_option`` (the plan kept on a tie: the polished one, as the
+    search made it before). Never slower than ``found`` by ``stage_seconds``; a re-solve
+    that finds nothing (``InfeasibleError``) keeps ``found``."""
+    method = request.method
+    again = replace(request, method=replace(
+        method, auto_sharding_option=polish_option(method.auto_sharding_option)))
+    try:
+        plan = plan_stage(again, memo)
+    except InfeasibleError:
+        return found
+    return plan if stage_seconds(plan, request) <= stage_seconds(found, request) else found
