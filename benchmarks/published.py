@@ -60,7 +60,10 @@ it ran on (it ran there). ``--auto`` also plans each row with ``AutoParallel`` (
 the row's model, global batch, precision and cluster) and prints its estimate beside the
 published configuration's, then the target it is held to (with ``--check`` or without):
 AutoParallel's plan at or below the published plan's estimate in every row run (minutes
-per row; hours for the largest clusters' pipeline searches).
+per row; hours for the largest clusters' pipeline searches). With ``--detail`` it also
+prints the plan AutoParallel chose (mesh or stages, micro-batches, parameter layouts), its
+choice notes and how long it planned; on a row whose published configuration is refused
+it still plans the row.
 """
 
 from __future__ import annotations
@@ -253,16 +256,55 @@ def estimate(row: PublishedRow) -> Estimate:
                     plan_seconds=time.perf_counter() - start)
 
 
-def auto_estimate(row: PublishedRow) -> float:
+@dataclass(frozen=True)
+class AutoEstimate:
+    """What AutoParallel planned for one row: its step estimate, the plan it chose (as
+    ``plan_layout`` writes it, then the plan's own choice notes) and how long it took."""
+
+    step_s: float
+    chosen: str
+    plan_seconds: float
+
+
+def auto_estimate(row: PublishedRow) -> AutoEstimate:
     """The step AutoParallel's plan estimates for the row's model, global batch and
     cluster, no method given (it picks mesh, pipeline, micro-batches, checkpointing).
     Priced as the row's step runs (compiled: elementwise chains fused), as its pinned plan
     is; that is how the step executes, not a choice of plan."""
+    start = time.perf_counter()
     model, batch, loss_fn = build(row, batch=row.global_batch)
     option = torchalpa.AutoShardingOption(elementwise="fused" if row.fused else "eager")
     plan = torchalpa.plan(model, batch, loss_fn, cluster=row.cluster(),
                           method=torchalpa.AutoParallel(auto_sharding_option=option))
-    return plan.estimates.step_time_s
+    seconds = time.perf_counter() - start
+    chosen = "\n".join([plan_layout(plan), plan.explain_choice()])
+    return AutoEstimate(step_s=plan.estimates.step_time_s, chosen=chosen,
+                        plan_seconds=seconds)
+
+
+def plan_layout(plan) -> str:
+    """One line on a plan's shape, to set beside the published configuration: its mesh
+    (a pipeline's stages and submeshes), micro-batches and how many parameters take each
+    layout (sharded over the batch axis: ZeRO / FSDP's layouts)."""
+    stages = getattr(plan, "num_micro_batches", None) is not None
+    plans = [s.plan for s in plan.stages] if stages else [plan]
+    layouts: dict[str, int] = {}
+    for p in plans:
+        for v in p.parameters:
+            key = "".join(str(x) for x in v.placements)
+            layouts[key] = layouts.get(key, 0) + 1
+    common = ", ".join(f"{k} x{n}" for k, n in sorted(layouts.items(), key=lambda kv: -kv[1]))
+    if stages:
+        shapes = ", ".join(f"{list(s.submesh)}->{list(s.plan.mesh_shape)}" for s in plan.stages)
+        return (f"pipeline of {len(plan.stages)} stages ({shapes}), "
+                f"{_micro_batches(plan.num_micro_batches)}, {plan.schedule}; "
+                f"parameter layouts {common}")
+    micro = _micro_batches(plan.method.get("num_micro_batches", 1))
+    return f"mesh {list(plan.mesh_shape)}, {micro}; parameter layouts {common}"
+
+
+def _micro_batches(n: int) -> str:
+    return f"{n} micro-batch{'es' if n > 1 else ''}"
 
 
 @dataclass(frozen=True)
@@ -272,6 +314,8 @@ class Outcome:
     row: PublishedRow
     estimate: Estimate
     auto_step_s: float | None = None
+    auto: AutoEstimate | None = None
+    """AutoParallel's plan of the row (``--auto``), whose step is ``auto_step_s``."""
 
     @property
     def ratio(self) -> float:
@@ -356,11 +400,15 @@ def main() -> None:
     outcomes, refused = [], []
     for r in rows:
         try:
-            o = Outcome(r, estimate(r), auto_estimate(r) if args.auto else None)
+            pinned = estimate(r)
         except (ValueError, NotImplementedError) as e:
             print(f"{r.key}: cannot estimate this row: {e}", flush=True)
             refused.append(r.key)
+            if args.auto:       # what AutoParallel makes of a job whose published plan
+                _print_auto_alone(r)    # the planner refuses
             continue
+        auto = auto_estimate(r) if args.auto else None
+        o = Outcome(r, pinned, auto.step_s if auto else None, auto)
         outcomes.append(o)
         _print_row(o, args.detail)
     if not outcomes:
@@ -411,6 +459,20 @@ def _print_row(o: Outcome, detail: bool) -> None:
               f"hidden {_s(e.hidden_s)}"
               + (f" stages {', '.join(f'{s:.3f}' for s in e.stage_s)} s"
                  if e.stage_s else ""), flush=True)
+        if o.auto is not None:
+            print(f"{'':<24}AutoParallel, planned in {o.auto.plan_seconds:.0f}s: "
+                  + o.auto.chosen.replace("\n", f"\n{'':<26}"), flush=True)
+
+
+def _print_auto_alone(row: PublishedRow) -> None:
+    try:
+        auto = auto_estimate(row)
+    except (ValueError, NotImplementedError) as e:
+        print(f"{'':<24}AutoParallel: cannot plan it either: {e}", flush=True)
+        return
+    print(f"{'':<24}AutoParallel: {auto.step_s:.3f} s ({auto.step_s / row.published_step_s():.2f}"
+          f" of the published step), planned in {auto.plan_seconds:.0f}s: "
+          + auto.chosen.replace("\n", f"\n{'':<26}"), flush=True)
 
 
 def _s(seconds: float | None) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 from dataclasses import replace
 
@@ -59,6 +60,27 @@ def test_a_pipelined_zero_row_builds_and_plans_with_its_layout_pinned():
     e = published.estimate(row)
     assert len(e.stage_s) == 2 and all(0 < s < math.inf for s in e.stage_s)
     assert 0 < e.step_s < math.inf and e.memory_bytes > 0
+
+
+def test_a_plan_is_described_by_its_mesh_micro_batches_and_parameter_layouts():
+    """What ``--auto --detail`` prints of AutoParallel's plan, read here off pinned plans
+    whose shape is known: Alpa's pipeline (2 stages of 2 x 2 on 4 of a node's 8 GPUs, 4
+    micro-batches, ZeRO over dp) and a tp2 row (one mesh of 2, parameters split or whole)."""
+    alpa = next(r for r in ROWS if r.key == "alpa-2.6b")
+    small = dict(hidden=64, num_layers=4, num_heads=4, vocab_size=256, max_seq_len=32)
+    row = replace(alpa, config=dict(alpa.config, **small), seq=32, global_batch=16,
+                  micro_batch=2)
+    text = published.plan_layout(published.pinned_plan(row))
+    assert text.startswith("pipeline of 2 stages ([1, 4]->[2, 2], [1, 4]->[2, 2]), "
+                           "4 micro-batches, 1f1b; parameter layouts ")
+    assert "S(0)" in text           # ZeRO: states split over dp
+    meg = next(r for r in ROWS if r.key == "megatron20-v100-2b")
+    row = replace(meg, config=dict(meg.config, **small), seq=32, global_batch=4,
+                  micro_batch=4)
+    text = published.plan_layout(published.pinned_plan(row))
+    assert text.startswith("mesh [2], 1 micro-batch; parameter layouts ")
+    counts = [int(n) for n in re.findall(r" x(\d+)", text)]
+    assert sum(counts) == sum(1 for _ in published.build(row)[0].parameters())
 
 
 @pytest.mark.slow
