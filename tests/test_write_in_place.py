@@ -118,3 +118,21 @@ def test_the_memory_model_shares_the_buffer_by_the_runtime_rule():
         end = max(e for name, e in zip(live.names, live.end) if name == zeros)
         readers = [i for i, n in enumerate(graph) if any(r.node == scatter for r in n.operands)]
         assert (end >= max(readers)) == (not keep_zeros)
+
+
+def test_zeros_written_in_place_stay_fresh_each_call_after_constant_folding():
+    """The program's zeros read no input, so ``fold_constants`` would compute them once and
+    keep them as a buffer; written in place, that buffer would carry the last call's
+    scatter into the next (a loss's backward on its second micro-batch). They stay
+    computed each call."""
+    from torchalpa.runtime.rewrites.call_overhead import cut_call_overhead
+    g = fx.Graph()
+    idx = g.placeholder("idx")
+    zeros = g.call_function(aten.full.default, ([4, 6], 0.0), {"dtype": torch.float32})
+    g.output((g.call_function(aten.scatter.value, (zeros, 1, idx, -1.0)),))
+    program = fx.GraphModule(nn.Module(), g)
+    assert write_in_place(program) == 1
+    fast = cut_call_overhead(program)
+    first, second = torch.tensor([[1], [3], [0], [5]]), torch.tensor([[0], [0], [2], [2]])
+    fast(first)
+    assert torch.equal(fast(second)[0], torch.zeros(4, 6).scatter(1, second, -1.0))

@@ -14,7 +14,7 @@ stay as lowered: printed by ``local_program()``, counted, profiled, traced by
   ``sub``, ``le``, ...; ``full``, ``scalar_tensor``) are computed once, when the program is
   built, and read as the program's buffers -- only deterministic, non-mutating ATen ops, up
   to ``MAX_CONSTANT_NUMEL`` elements, never a value the program returns (its caller may
-  write to it);
+  write to it) nor one an op of the program writes into (``write_in_place``'s zeros);
 - ``direct_calls``: each ATen call goes straight to the operator's C++ entry instead of
   through ``OpOverload.__call__``'s Python frame (about 1 us a call on this CPU).
 """
@@ -100,6 +100,21 @@ def _foldable(n: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded not in target.tags
 
 
+def _writes_into(user: fx.Node, value: fx.Node) -> bool:
+    """Whether ``user`` writes into ``value`` (an argument its schema marks written, as
+    ``scatter_``'s ``self``): such a value cannot be a buffer computed once."""
+    schema = getattr(user.target, "_schema", None)
+    if user.op != "call_function" or schema is None:
+        return False
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        given = user.args[i] if i < len(user.args) else user.kwargs.get(arg.name)
+        if given is value:
+            return True
+    return False
+
+
 def fold_constants(gm: fx.GraphModule, read_only_from: int | None = None) -> int:
     """Compute once the ops that read no program input, and read their results as buffers
     of ``gm`` where a computed op uses them; returns how many buffers were made. Outputs
@@ -119,6 +134,8 @@ def fold_constants(gm: fx.GraphModule, read_only_from: int | None = None) -> int
     for n, value in values.items():
         if n in returned or all(u in values for u in n.users):
             continue      # returned (kept computed), or only read by other constants
+        if any(_writes_into(u, n) for u in n.users):
+            continue      # written in place (``write_in_place``): a fresh buffer each call
         name = f"_constant_{made}"
         while hasattr(gm, name):
             name += "_"
