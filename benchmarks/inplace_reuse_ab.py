@@ -19,8 +19,6 @@ import os
 import sys
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(HERE, "..", "tests")]
@@ -41,34 +39,13 @@ def _switch(on: bool) -> None:
 
 
 def small_model(on: bool) -> tuple[int, int, float]:
-    """(eager peak, runtime peak, estimate less the inputs), bytes, for the top-two mask."""
-    from test_memory_measured import _adamw, _TopTwoWeights
-
-    import torchalpa
-    from torchalpa.runtime.measurement.allocated import peak_allocated
+    """(eager peak, runtime peak, estimate less the inputs), bytes, for the top-two mask
+    (``tests/test_memory_measured.top_two_peaks``)."""
+    from test_memory_measured import top_two_peaks
     _switch(on)
-    g = torch.Generator().manual_seed(2)
-    x, y = torch.randn(1024, 4096, generator=g), torch.randn(1024, 8, generator=g)
-
-    def eager():
-        model = _TopTwoWeights()
-        opt = _adamw(model.parameters())
-        for _ in range(3):
-            opt.zero_grad(set_to_none=True)
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-
-    def runtime():
-        pm = torchalpa.auto_parallel(_TopTwoWeights(), (x, y), F.mse_loss, optimizer=_adamw,
-                                     cluster=torchalpa.Cluster.local_cpu(1))
-        for _ in range(3):
-            pm.train_step(x, y)
-        return pm
-
-    reference = peak_allocated(eager).peak
-    measured = peak_allocated(runtime)
-    estimate = measured.result.plan.estimates.memory_per_device_bytes - x.nbytes - y.nbytes
-    return reference, measured.peak, estimate
+    reference, measured, inputs = top_two_peaks()
+    estimate = measured.result.plan.estimates.memory_per_device_bytes - inputs
+    return reference.peak, measured.peak, estimate
 
 
 def row_peak(key: str, on: bool) -> tuple[float, str]:

@@ -69,6 +69,21 @@ def small_pipeline(num_layers: int = 4, **method) -> torchalpa.PipeshardParallel
         auto_sharding_option=torchalpa.AutoShardingOption(solver="highs"), **method)
 
 
+def late_layers_stage():
+    """Layers 2..3 of the 4-layer small GPT as one stage's graph, with 4 devices of
+    ``small_cluster()`` viewed as (4,): (graph, logical mesh), a stage where the
+    simplified ILP's merge costs 4 % (``tests/test_free_followers.py``)."""
+    from torchalpa.passes.pipeline_search.layers import assign_layers
+    from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
+    graph = small_gpt_graph(4)
+    cluster = small_cluster()
+    method = torchalpa.PipeshardParallel(
+        num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4))
+    layer = assign_layers(graph, method, cluster.num_devices)
+    sub = stage_subgraph(graph, {n: (0 if l >= 2 else 1) for n, l in layer.items()}, 0).graph
+    return sub, cluster.logical_mesh((4,))
+
+
 def exact_stages(graph, layer, cluster, method, cache=None):
     """The pipeline search's exact stage pricing of ``graph`` cut into ``layer``, with its
     own ``SolveCache`` unless given one (``cache`` holds what it solves)."""

@@ -10,24 +10,16 @@ here on the small GPT's last two layers, where the merge costs 4 %."""
 from __future__ import annotations
 
 import pytest
-from search_models import small_cluster, small_gpt_graph
+from search_models import late_layers_stage
 
 import torchalpa
-from torchalpa.passes.pipeline_search.layers import assign_layers
-from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
 from torchalpa.passes.sharding.intra_op import plan_intra_op
 
 
 @pytest.fixture(scope="module")
 def stage():
     """Layers 2..3 of the 4-layer small GPT as one stage, on 4 devices viewed as (4,)."""
-    graph = small_gpt_graph(4)
-    cluster = small_cluster()
-    method = torchalpa.PipeshardParallel(
-        num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4))
-    layer = assign_layers(graph, method, cluster.num_devices)
-    sub = stage_subgraph(graph, {n: (0 if l >= 2 else 1) for n, l in layer.items()}, 0).graph
-    return sub, cluster.logical_mesh((4,))
+    return late_layers_stage()
 
 
 def _step(stage, **option) -> float:

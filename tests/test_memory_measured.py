@@ -351,15 +351,10 @@ class _TopTwoWeights(nn.Module):
         return self.lin(x * share)
 
 
-def test_a_scatter_into_zeros_is_run_and_priced_in_place_as_eager_runs_it():
-    """Eager scatters into the zeros it made (``scatter_``), one buffer; the captured step
-    has ``scatter(full_like(x), ...)``, out of place. The runtime makes it in place where
-    nothing reads the zeros after (``runtime/rewrites/write_in_place.py``) and the memory
-    model prices it so (``passes/pricing/buffer_reuse.py``): one device's peak is eager's,
-    and the plan's estimate (less the step's inputs, allocated before the measurement
-    begins) is within 10 % of it. Run and priced out of place, both were twice eager's
-    (the mask's zeros and the scatter's copy: 34.1 MB measured, 34.0 estimated, against
-    17.4 MB)."""
+def top_two_peaks():
+    """The top-two mask trained 3 steps on one CPU device, eager and by torchalpa's
+    runtime: (eager's ``peak_allocated`` record, the runtime's, the step's input bytes)
+    -- read by ``benchmarks/inplace_reuse_ab.py`` too."""
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(1024, 4096, generator=g), torch.randn(1024, 8, generator=g)
 
@@ -379,12 +374,22 @@ def test_a_scatter_into_zeros_is_run_and_priced_in_place_as_eager_runs_it():
             pm.train_step(x, y)
         return pm
 
-    reference = peak_allocated(eager)
-    measured = peak_allocated(runtime)
+    return peak_allocated(eager), peak_allocated(runtime), x.nbytes + y.nbytes
+
+
+def test_a_scatter_into_zeros_is_run_and_priced_in_place_as_eager_runs_it():
+    """Eager scatters into the zeros it made (``scatter_``), one buffer; the captured step
+    has ``scatter(full_like(x), ...)``, out of place. The runtime makes it in place where
+    nothing reads the zeros after (``runtime/rewrites/write_in_place.py``) and the memory
+    model prices it so (``passes/pricing/buffer_reuse.py``): one device's peak is eager's,
+    and the plan's estimate (less the step's inputs, allocated before the measurement
+    begins) is within 10 % of it. Run and priced out of place, both were twice eager's
+    (the mask's zeros and the scatter's copy: 34.1 MB measured, 34.0 estimated, against
+    17.4 MB)."""
+    reference, measured, inputs = top_two_peaks()
     grads = sum(p.numel() * p.element_size() for p in reference.result.parameters())
     assert measured.peak <= reference.peak + grads + 0.05 * reference.peak, \
         (measured.peak, reference.peak, measured.alive_at_peak)
-    inputs = x.nbytes + y.nbytes
     estimate = measured.result.plan.estimates.memory_per_device_bytes - inputs
     assert 0.9 <= estimate / reference.peak <= 1.1, (estimate, reference.peak)
     assert 0.9 <= estimate / measured.peak <= 1.1, (estimate, measured.peak)

@@ -8,13 +8,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from search_models import small_cluster, small_gpt_graph, small_pipeline
+from search_models import late_layers_stage, small_cluster, small_gpt_graph, small_pipeline
 
 import torchalpa
 from torchalpa.core.plan_records import known
 from torchalpa.passes.pipeline_search import stage_solve
 from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
-from torchalpa.passes.pipeline_search.layers import assign_layers
 from torchalpa.passes.pipeline_search.stage_solve import (
     StageRequest,
     plan_stage,
@@ -23,7 +22,6 @@ from torchalpa.passes.pipeline_search.stage_solve import (
     search_option,
     stage_seconds,
 )
-from torchalpa.passes.pipeline_search.subgraph import stage_subgraph
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +29,9 @@ def request_():
     """Layers 2..3 of the 4-layer small GPT as one stage on 4 devices viewed as (4,), two
     micro-batches in flight of 8 (where the simplified ILP's merge costs 4 %,
     ``tests/test_free_followers.py``)."""
-    graph = small_gpt_graph(4)
-    cluster = small_cluster()
-    method = torchalpa.PipeshardParallel(
-        num_micro_batches=8, layer_option=torchalpa.AutoLayerOption(layer_num=4))
-    layer = assign_layers(graph, method, cluster.num_devices)
-    sub = stage_subgraph(graph, {n: (0 if l >= 2 else 1) for n, l in layer.items()}, 0).graph
+    sub, mesh = late_layers_stage()
     option = torchalpa.AutoShardingOption(solver="highs")
-    return StageRequest(sub, cluster.logical_mesh((4,)),
+    return StageRequest(sub, mesh,
                         torchalpa.ShardParallel(auto_sharding_option=option), "global", 2, 8)
 
 
