@@ -55,6 +55,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from torchalpa.frontends.einsum_products import einsum_as_batched_matmul, parse_batched_product
 from torchalpa.ops import attention
 from torchalpa.ops import batched_matmul as bm
+from torchalpa.ops import cross_entropy as fused_ce
 
 __all__ = ["decompositions", "device_neutral_kernels", "FusedCalls", "routed_sdpa",
            "attention_as_products",
@@ -362,6 +363,14 @@ def _gqa(query, kv) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def _fused_ce_flops(logits, *args, out_val=None, **kwargs) -> int:
+    return fused_ce.forward_flops(*logits.shape)
+
+
+def _fused_ce_backward_flops(grad_losses, logits, *args, out_val=None, **kwargs) -> int:
+    return fused_ce.backward_flops(*logits.shape)
+
+
 _EXTRA_FORMULAS = {
     aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flops,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward_flops,
@@ -369,6 +378,8 @@ _EXTRA_FORMULAS = {
     torch.ops.torchalpa.sdpa_backward: _neutral_sdpa_backward_flops,
     torch.ops.torchalpa.sdpa_bias_backward: _neutral_sdpa_backward_flops,
     torch.ops.torchalpa.batched_matmul: bm.flops,
+    torch.ops.torchalpa.cross_entropy: _fused_ce_flops,
+    torch.ops.torchalpa.cross_entropy_backward: _fused_ce_backward_flops,
 }
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from torchalpa.frontends import constants  # noqa: F401  (registers torchalpa::constant)
+from torchalpa.ops.cross_entropy import cross_entropy
 from torchalpa.ops.markers import mark_pipeline_boundary
 
 aten = torch.ops.aten
@@ -298,6 +299,11 @@ CASES: dict[str, Case] = {
     # losses
     "cross_entropy": Case(fwd_bwd(lambda x, t: F.cross_entropy(x, t, ignore_index=-100), [0]),
                           lambda: (rnd(8, 6), torch.tensor([1, 2, -100, 3, 4, 5, 0, -100]))),
+    # the fused op (torchalpa::cross_entropy): tokens split, the vocabulary whole
+    "fused_cross_entropy": Case(lambda x, t: (
+        fwd_bwd(lambda x: cross_entropy(x, t), [0])(x),
+        fwd_bwd(lambda x: cross_entropy(x, t, reduction="none", label_smoothing=0.1), [0])(x)),
+        lambda: (rnd(8, 6), torch.tensor([1, 2, -100, 3, 4, 5, 0, -100]))),
     "nll_loss": Case(lambda x, t, w: (
         fwd_bwd(lambda x: F.nll_loss(x, t, ignore_index=2), [0])(x),
         fwd_bwd(lambda x: F.nll_loss(x, t, w, reduction="sum"), [0])(x),

@@ -307,6 +307,7 @@ def _unblocked(target):
     ("slice_select", "aten.slice.Tensor"),
     ("flash_attention", "aten._scaled_dot_product_flash_attention_for_cpu.default"),
     ("sdpa_causal_gqa", "torchalpa.sdpa.default"),
+    ("fused_cross_entropy", "torchalpa.cross_entropy_backward.default"),
     ("reductions", "aten.cumsum.default"),
     ("flip_pad", "aten.flip.default"),
     ("factories", "aten.arange.start_step"),

@@ -1,4 +1,5 @@
-"""Negative log-likelihood loss (what cross-entropy becomes after log_softmax).
+"""Losses: negative log-likelihood (what cross-entropy becomes after log_softmax), and the
+fused cross-entropy op (``torchalpa/ops/cross_entropy.py``).
 
 ``nll_loss_forward(self (N, C), target (N), weight (C)?, reduction, ignore_index)
 -> (output, total_weight)``. The class dim ``C`` is blocked: targets are global class
@@ -11,6 +12,14 @@ global one, so ``N`` is blocked.
 writes ``-weight[t] * grad / total_weight`` into each row's target column: rows are
 independent given the global ``total_weight``, so ``N`` shards for every reduction, and
 the op is linear in ``grad``.
+
+``torchalpa::cross_entropy(logits (N, V), targets (N), ignore_index, label_smoothing)
+-> (losses (N), lse (N))`` and its backward ``(grad (N), logits, targets, lse, ...) ->
+grad_logits (N, V)``: tokens are independent, so ``N`` shards freely (the mean over
+tokens is taken by ordinary ops after it). The vocabulary ``V`` is blocked: a device
+holding a block of it would need the row max and sum of exponentials reduced across the
+blocks and the target picked where its column lives (Megatron's vocab-parallel
+cross-entropy), which this op does not do. The backward is linear in ``grad``.
 """
 
 from __future__ import annotations
@@ -52,3 +61,26 @@ def nll_loss_backward(node, specs):
     table = {0: grad, 1: x, 2: target, 3: classes, 6: ()}
     operands = [table[key] for key in positions(node)]
     return f.rule(operands, [x], linear=(frozenset({0}),))
+
+
+def _token_dims(f: FactorNamer, shape):
+    """(logits dims, per-token dims) of logits (N, V): ``V`` blocked."""
+    n = (f.new(shape[0]),) if shape[0] != 1 else ()
+    v = (f.new(shape[1], blocked=True),) if shape[1] != 1 else ()
+    return (n, v), (n,)
+
+
+@register("torchalpa.cross_entropy.default")
+def fused_cross_entropy(node, specs):
+    # (logits, targets, ignore_index, label_smoothing) -> (losses, lse)
+    f = FactorNamer()
+    logits, token = _token_dims(f, specs[0].shape)
+    return f.rule([logits, token], [token, token])
+
+
+@register("torchalpa.cross_entropy_backward.default")
+def fused_cross_entropy_backward(node, specs):
+    # (grad_losses, logits, targets, lse, ignore_index, label_smoothing) -> grad_logits
+    f = FactorNamer()
+    logits, token = _token_dims(f, specs[1].shape)
+    return f.rule([token, logits, token, token], [logits], linear=(frozenset({0}),))

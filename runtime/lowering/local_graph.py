@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_map
 
 import torchalpa.ops.attention  # noqa: F401  (registers torchalpa::sdpa, which programs call)
+import torchalpa.ops.cross_entropy  # noqa: F401  (registers torchalpa::cross_entropy, likewise)
 from torchalpa.core.opgraph import ValueRef
 from torchalpa.core.plan import OutputSlot, Plan, ReshardStep
 from torchalpa.runtime.execution import collectives as C
