@@ -10,6 +10,16 @@ the row assumes. FLOP conventions (a multiply-add is 2 FLOPs):
   ``checkpoint_activations=True`` and BigScience's logged TFLOPs are the same formula);
 - torchtitan: tokens/s per GPU (no FLOP count needed: iteration time = local batch x seq
   / tokens per second per GPU).
+
+The loss as each source ran it (the zoo config's ``loss``, ``torchalpa/models/losses.py``):
+llm-foundry's MPT rows use flash-attn's fused cross-entropy (``ComposerMPTCausalLM``'s
+default ``loss_fn='fused_crossentropy'``: bf16 logits read, a float32 log-sum-exp per
+token kept), priced as ``loss="fused"`` with the logits left in bf16 (autocast casts
+``F.cross_entropy`` to float32, not flash-attn's kernel). Every other source computes
+log-softmax and NLL over float32 logits: torchtitan and nanogpt-speedrun
+``F.cross_entropy(logits.float())``, Megatron-LM, BLOOM and BigScience's
+``vocab_parallel_cross_entropy`` (which keeps the float32 softmax), Alpa's JAX
+log-softmax; those rows keep ``loss="eager"``.
 """
 
 from __future__ import annotations
@@ -202,7 +212,10 @@ _MPT_NOTES = ("MPT: GPT with no biases, tied embedding, learned positions (NumPa
               "FlashAttention (triton) in MPT, SDPA here",
               "FSDP mixed precision: DEFAULT gathers bf16 copies of fp32 parameters and "
               "reduces in fp32, PURE keeps bf16 parameters: both priced as fp32 parameters "
-              "gathered and reduced in fp32 [not expressible yet]")
+              "gathered and reduced in fp32 [not expressible yet]",
+              "loss: flash-attn's fused cross-entropy (llm-foundry's default "
+              "'fused_crossentropy'), torchalpa::cross_entropy here: the bf16 logits and a "
+              "float32 log-sum-exp per token kept, no float32 log-probabilities")
 
 
 def _mpt(key, size, gpus, machine, micro, accum, tokens, remat="none", pure=False,
@@ -214,11 +227,11 @@ def _mpt(key, size, gpus, machine, micro, accum, tokens, remat="none", pure=Fals
         (", activation checkpointing" if remat != "none" else ""), source=FOUNDRY,
         short_source="llm-foundry", family="gpt",
         config=dict(_gpt(hidden, layers, heads, seq, vocab=50368, attention="sdpa"),
-                    bias=False), seq=seq,
+                    bias=False, loss="fused"), seq=seq,
         global_batch=micro * accum * gpus, micro_batch=micro, dp=gpus, machine=machine,
         num_nodes=nodes, precision="bf16", remat=remat, zero="fsdp", fused=False,
-        tokens_per_gpu_s=tokens, float32_logits=not pure,
-        notes=_MPT_NOTES + (("mixed precision PURE: logits in bf16; parameters in bf16 "
+        tokens_per_gpu_s=tokens, float32_logits=False,
+        notes=_MPT_NOTES + (("mixed precision PURE: parameters in bf16 "
                              "not expressible yet",) if pure else ()) + notes)
 
 
@@ -397,10 +410,7 @@ HELD_OUT: tuple[PublishedRow, ...] = (
     _mpt("mpt-13b-a100-40x16", "13b", 16, "a100-40", 10, 1, 1993, remat="full", pure=True),
     _mpt("mpt-7b-a100x8-seq8k", "7b", 8, "dgx-a100", 8, 2, 3206, remat="full", seq=8192),
     _mpt("mpt-1b-a100x8-seq32k", "1b", 8, "dgx-a100", 1, 4, 6275, seq=32768),
-    _mpt("mpt-760m-h100x8", "760m", 8, "h100", 24, 2, 63147, notes=(
-        "llm-foundry's MPT loss is flash-attn's fused cross-entropy (its default "
-        "'fused_crossentropy'): no float32 log-probabilities of the 49152 x 50368 logits "
-        "are kept; log_softmax + nll here, 9.2 GiB each [not expressible]",)),
+    _mpt("mpt-760m-h100x8", "760m", 8, "h100", 24, 2, 63147),
     _mpt("mpt-125m-a100x8", "125m", 8, "dgx-a100", 32, 2, 141737),
     # torchtitan's Llama 2 rows: multi-head attention, seq 4096, no / selective / full AC
     _tt_llama2("13b", "none", 2162),

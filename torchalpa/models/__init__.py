@@ -38,7 +38,14 @@ from torchalpa.models.bert import BertClassifier, BertConfig
 from torchalpa.models.gpt import GPT, GPTConfig
 from torchalpa.models.hf import hf_model
 from torchalpa.models.llama import Llama, LlamaConfig
-from torchalpa.models.losses import classification_loss, lm_loss, moe_lm_loss, mse_loss
+from torchalpa.models.losses import (
+    classification_loss,
+    fused_lm_loss,
+    lm_loss,
+    lm_loss_for,
+    moe_lm_loss,
+    mse_loss,
+)
 from torchalpa.models.moe import MoEConfig, MoELayer, MoEModel
 from torchalpa.models.resnet import ResNet, ResNetConfig
 from torchalpa.models.vit import ViT, ViTConfig
@@ -48,7 +55,7 @@ __all__ = ["Family", "FAMILIES", "Workload", "tiny", "llama2_13b", "llama3_8b", 
            "NAMED", "named", "ALPA_GPT", "ALPA_MOE",
            "GPT", "GPTConfig", "Llama", "LlamaConfig", "BertClassifier", "BertConfig", "ViT",
            "ViTConfig", "ResNet", "ResNetConfig", "MoEModel", "MoELayer", "MoEConfig",
-           "hf_model", "lm_loss", "classification_loss", "moe_lm_loss", "mse_loss"]
+           "hf_model", "lm_loss", "fused_lm_loss", "classification_loss", "moe_lm_loss", "mse_loss"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +67,10 @@ class Family:
     example_batch: Callable[..., tuple]        # (config, batch_size, *, [seq_len,] device)
     loss_fn: Callable
     takes_seq_len: bool = True                 # token models; image models take none
+
+    def loss_for(self, config: Any) -> Callable:
+        """``loss_fn``, or the LM loss a config's ``loss`` field names (``lm_loss_for``)."""
+        return lm_loss_for(config) if self.loss_fn is lm_loss else self.loss_fn
 
 
 def _hf_family(name: str) -> Family:
@@ -115,7 +126,7 @@ class Workload:
 
     @property
     def loss_fn(self) -> Callable:
-        return FAMILIES[self.family].loss_fn
+        return FAMILIES[self.family].loss_for(self.config)
 
     def replace(self, **changes) -> Workload:
         """A copy with ``batch_size``/``seq_len`` or config fields changed."""

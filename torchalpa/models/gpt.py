@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from torchalpa.models._checks import check_divisible, check_positive, check_probability
 from torchalpa.models.kv_cache import KVCache
-from torchalpa.models.losses import lm_loss
+from torchalpa.models.losses import check_lm_loss, lm_loss
 
 __all__ = ["GPTConfig", "GPT", "example_batch", "loss_fn"]
 
@@ -48,11 +48,16 @@ class GPTConfig:
     """"sdpa": ``F.scaled_dot_product_attention`` (a fused kernel on GPUs); "eager": the
     product, mask, softmax and product written out, the ``T x T`` scores kept for backward
     (GPT-2's original code, and what Megatron-LM ran before fused attention kernels)."""
+    loss: str = "eager"
+    """How ``loss_fn`` computes the cross-entropy (``losses.lm_loss_for``): "eager"
+    (``F.cross_entropy``, as transformers' GPT-2 does) or "fused" (``torchalpa::cross_entropy``:
+    no float32 log-probabilities kept, as flash-attn's loss in llm-foundry's MPT)."""
 
     def __post_init__(self):
         if self.attention not in ("sdpa", "eager"):
             raise ValueError(f"GPTConfig.attention must be 'sdpa' or 'eager', "
                              f"got {self.attention!r}")
+        check_lm_loss(self)
         check_positive(self, "vocab_size", "max_seq_len", "num_layers", "num_heads", "hidden")
         check_divisible(self, "hidden", "num_heads")
         check_probability(self, "dropout")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torchalpa.models._checks import check_divisible, check_positive
 from torchalpa.models.gpt import token_batch
 from torchalpa.models.kv_cache import KVCache
-from torchalpa.models.losses import lm_loss
+from torchalpa.models.losses import check_lm_loss, lm_loss
 
 __all__ = ["LlamaConfig", "Llama", "example_batch", "loss_fn"]
 
@@ -45,8 +45,13 @@ class LlamaConfig:
     """Base of the rotary embedding frequencies."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
+    loss: str = "eager"
+    """How ``loss_fn`` computes the cross-entropy (``losses.lm_loss_for``): "eager"
+    (``F.cross_entropy``, as transformers' Llama and torchtitan do) or "fused"
+    (``torchalpa::cross_entropy``: no float32 log-probabilities kept)."""
 
     def __post_init__(self):
+        check_lm_loss(self)
         check_positive(self, "vocab_size", "max_seq_len", "num_layers", "hidden", "num_heads",
                        "num_kv_heads", "intermediate")
         check_divisible(self, "hidden", "num_heads")
