@@ -83,6 +83,28 @@ def test_backward_leaves_float32_logits_untouched():
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_call_holds_no_more_than_its_stated_transient(monkeypatch, dtype):
+    """Measured by the CPU allocator: beyond its result, a call allocates at most
+    ``transient_bytes`` (and a few per-token vectors); float32 logits' backward computes in
+    the gradient itself."""
+    from torchalpa.runtime.measurement.allocated import peak_allocated
+    monkeypatch.setattr(fused, "CHUNK_ELEMENTS", 64 * 1000)     # 64 rows: 4 chunks
+    torch.manual_seed(5)
+    logits, targets = torch.randn(256, 1000).to(dtype), torch.randint(0, 1000, (256,))
+    grad_losses = torch.ones(256)
+    losses, lse = torch.ops.torchalpa.cross_entropy(logits, targets, -100, 0.1)
+    rows = 256 * 64                                              # per-token vectors
+    forward = peak_allocated(lambda: torch.ops.torchalpa.cross_entropy(logits, targets, -100, 0.1))
+    backward = peak_allocated(lambda: torch.ops.torchalpa.cross_entropy_backward(
+        grad_losses, logits, targets, lse, -100, 0.1))
+    grad_bytes = logits.numel() * logits.element_size()
+    assert backward.peak - grad_bytes <= fused.transient_bytes(256, 1000, dtype, True) + rows
+    assert forward.peak <= fused.transient_bytes(256, 1000, dtype, False) + rows
+    assert fused.transient_bytes(256, 1000, dtype, True) == (0 if dtype == torch.float32
+                                                             else 64 * 1000 * 4)
+
+
 def test_what_the_op_does_not_take_falls_back_to_pytorch():
     torch.manual_seed(4)
     logits, targets = torch.randn(8, 5), torch.randint(0, 5, (8,))

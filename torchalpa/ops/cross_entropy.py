@@ -9,11 +9,12 @@ Liger's; a chunked loss) instead keep the logits they are given and one float32
 log-sum-exp per token, and write the logits' gradient in the logits' dtype.
 
 These ops do the same, chunked over tokens so that no float32 tokens x vocabulary tensor
-lives whole (at most ``chunk_rows(V)`` rows of float32 at a time):
+lives whole (``chunk_rows(V)`` rows at a time, 16 MiB of float32):
 
 - ``torchalpa::cross_entropy(logits (N, V), targets (N,), ignore_index, label_smoothing)
-  -> (losses (N,) float32, lse (N,) float32)``: each token's loss (0 where the target is
-  ``ignore_index``) and its log-sum-exp over the vocabulary, which backward reads;
+  -> (losses (N,), lse (N,))`` in float32 (float64 for float64 logits): each token's
+  loss (0 where the target is ``ignore_index``) and its log-sum-exp over the
+  vocabulary, which backward reads;
 - ``torchalpa::cross_entropy_backward(grad_losses (N,), logits, targets, lse,
   ignore_index, label_smoothing) -> grad_logits (N, V)`` in the logits' dtype:
   ``(softmax(x) - (1 - eps) onehot(t) - eps / V) * grad`` per row, rows of ignored
@@ -27,9 +28,11 @@ split across devices is summed whole. What these ops do not take (class weights,
 probability targets, other reductions than mean / sum / none, integer logits) falls back
 to ``F.cross_entropy``.
 
-The transient each call makes (``transient_bytes``): forward a float32 chunk of the logits
-and its exponentials; backward one float32 chunk, scaled in place then written into the
-gradient.
+The transient each call makes (``transient_bytes``): forward a chunk of exponentials (and
+of upcast logits, for bf16 / fp16 logits); backward nothing for float32 logits (each chunk
+is computed in the gradient's own rows), else one float32 chunk. The planner's memory
+model does not count it: at most 16 MiB in backward, 32 MiB in forward, beside the
+tokens x vocabulary values it does count.
 """
 
 from __future__ import annotations
@@ -38,16 +41,19 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["cross_entropy", "CROSS_ENTROPY_OP", "CROSS_ENTROPY_BACKWARD_OP", "CHUNK_ELEMENTS",
-           "chunk_rows", "transient_bytes", "forward_flops", "backward_flops"]
+           "accumulate_dtype", "chunk_rows", "transient_bytes", "forward_flops",
+           "backward_flops"]
 
 CROSS_ENTROPY_OP = "torchalpa.cross_entropy.default"
 CROSS_ENTROPY_BACKWARD_OP = "torchalpa.cross_entropy_backward.default"
 
-CHUNK_ELEMENTS = 1 << 24
-"""Float32 elements of one chunk (64 MiB): rows of the vocabulary computed at a time."""
+CHUNK_ELEMENTS = 1 << 22
+"""Float32 elements of one chunk (16 MiB): rows of the vocabulary computed at a time."""
 
-_FORWARD_CHUNKS = 2    # a chunk upcast to float32, and its exponentials (logsumexp)
-_BACKWARD_CHUNKS = 1   # a chunk upcast to float32, made the gradient in place
+
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the op computes in: float32, or float64 for float64 logits."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def chunk_rows(vocab: int) -> int:
@@ -55,10 +61,15 @@ def chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(1, vocab))
 
 
-def transient_bytes(tokens: int, vocab: int, backward: bool) -> int:
-    """Bytes one call holds beside its operands and results: float32 chunks of rows."""
-    rows = min(tokens, chunk_rows(vocab))
-    return rows * vocab * 4 * (_BACKWARD_CHUNKS if backward else _FORWARD_CHUNKS)
+def transient_bytes(tokens: int, vocab: int, dtype: torch.dtype, backward: bool) -> int:
+    """Bytes one call holds beside its operands and results, for logits of ``dtype``:
+    forward a chunk of exponentials (and the chunk upcast, for logits in a lower
+    precision); backward nothing for logits in the accumulating dtype (each chunk is
+    computed in the gradient's own rows), else one chunk upcast."""
+    acc = accumulate_dtype(dtype)
+    chunk = min(tokens, chunk_rows(vocab)) * vocab * acc.itemsize
+    upcast = chunk if dtype != acc else 0
+    return upcast if backward else chunk + upcast
 
 
 def forward_flops(tokens: int, vocab: int) -> int:
@@ -82,13 +93,13 @@ def _row_terms(x: torch.Tensor, targets: torch.Tensor, ignore_index: int
 def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
                    label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, vocab = logits.shape
-    losses = logits.new_empty((tokens,), dtype=torch.float32)
-    lse = logits.new_empty((tokens,), dtype=torch.float32)
+    losses = logits.new_empty((tokens,), dtype=accumulate_dtype(logits.dtype))
+    lse = torch.empty_like(losses)
     safe, kept = _row_terms(logits, targets, ignore_index)
     step = chunk_rows(vocab)
     for start in range(0, tokens, step):
         rows = slice(start, start + step)
-        x = logits[rows].float()                                   # (n, V) float32
+        x = logits[rows].to(lse.dtype)                             # (n, V) float32
         chunk_lse = torch.logsumexp(x, dim=-1)                     # (n,)
         picked = x.gather(1, safe[rows, None]).squeeze(1)          # (n,)
         loss = chunk_lse - picked
@@ -96,14 +107,14 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: in
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (chunk_lse - x.mean(-1))
         lse[rows] = chunk_lse
         losses[rows] = torch.where(kept[rows], loss, torch.zeros_like(loss))
+        del x                                 # freed before the next chunk is made
     return losses, lse
 
 
 @_cross_entropy.register_fake
 def _(logits, targets, ignore_index, label_smoothing):
-    tokens = logits.shape[0]
-    return (logits.new_empty((tokens,), dtype=torch.float32),
-            logits.new_empty((tokens,), dtype=torch.float32))
+    tokens, dtype = logits.shape[0], accumulate_dtype(logits.dtype)
+    return logits.new_empty((tokens,), dtype=dtype), logits.new_empty((tokens,), dtype=dtype)
 
 
 @torch.library.custom_op("torchalpa::cross_entropy_backward", mutates_args=())
@@ -112,18 +123,22 @@ def _cross_entropy_backward(grad_losses: torch.Tensor, logits: torch.Tensor,
                             label_smoothing: float) -> torch.Tensor:
     tokens, vocab = logits.shape
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    in_place = logits.dtype == lse.dtype         # computed in the gradient's own rows
     safe, kept = _row_terms(logits, targets, ignore_index)
-    scale = torch.where(kept, grad_losses.float(), torch.zeros_like(lse))   # (N,)
+    scale = torch.where(kept, grad_losses.to(lse.dtype), torch.zeros_like(lse))   # (N,)
     step = chunk_rows(vocab)
     for start in range(0, tokens, step):
         rows = slice(start, start + step)
-        p = logits[rows].to(torch.float32, copy=True)              # (n, V), never the logits
-        p.sub_(lse[rows, None]).exp_()                             # softmax
+        p = grad[rows].copy_(logits[rows]) if in_place else logits[rows].to(lse.dtype)
+        p.sub_(lse[rows, None]).exp_()                             # (n, V) softmax
         if label_smoothing:
             p.sub_(label_smoothing / vocab)
         p.scatter_add_(1, safe[rows, None],
                        torch.full_like(lse[rows, None], label_smoothing - 1.0))
-        grad[rows] = p.mul_(scale[rows, None])
+        p.mul_(scale[rows, None])
+        if not in_place:
+            grad[rows] = p                                         # in the logits' dtype
+        del p                                 # freed before the next chunk is made
     return grad
 
 
