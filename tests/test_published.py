@@ -170,3 +170,13 @@ def test_check_prints_the_held_out_rows_alone_when_both_sets_ran():
     tuned, held = _outcome("megatron21-1.7b", 1.0), _outcome(HELD_OUT[0].key, 1.5)
     assert published.held_out_outcomes([tuned, held]) == [held]
     assert published.held_out_outcomes([tuned]) == []
+
+
+def test_rows_price_the_loss_their_source_ran():
+    """llm-foundry's MPT rows ran flash-attn's fused cross-entropy on bf16 logits; every
+    other source computes log-softmax and NLL (``published_rows``' docstring)."""
+    from torchalpa.models.losses import fused_lm_loss, lm_loss
+    for row in ROWS:
+        fused = row.short_source == "llm-foundry"
+        assert published.workload(row).loss_fn is (fused_lm_loss if fused else lm_loss), row.key
+        assert not (fused and row.float32_logits), row.key
