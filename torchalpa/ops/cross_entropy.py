@@ -33,6 +33,14 @@ of upcast logits, for bf16 / fp16 logits); backward nothing for float32 logits (
 is computed in the gradient's own rows), else one float32 chunk. The planner's memory
 model does not count it: at most 16 MiB in backward, 32 MiB in forward, beside the
 tokens x vocabulary values it does count.
+
+Priced (flops: ``forward_flops`` / ``backward_flops`` in ``frontends/opset.py``; bytes as
+captured: the logits read once in forward, read once and their gradient written once in
+backward) as a fused kernel moves them: flash-attn's, which the published MPT runs ran.
+The bodies here are PyTorch ops per chunk, which on a GPU write and read the float32
+chunk at each step (about ten times those bytes): a GPU step running them spends more on
+the loss than priced, until a fused kernel (Triton, ``torch.compile`` of the chunk)
+replaces the bodies. On CPU ranks they are what runs.
 """
 
 from __future__ import annotations
