@@ -114,10 +114,11 @@ def test_what_the_op_does_not_take_falls_back_to_pytorch():
     torch.testing.assert_close(cross_entropy(logits, probs), F.cross_entropy(logits, probs))
 
 
-def test_captured_step_saves_a_log_sum_exp_per_token_not_log_probabilities():
-    w = zoo.tiny("gpt", loss="fused", vocab_size=96)
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_captured_step_saves_a_log_sum_exp_per_token_not_log_probabilities(family):
+    w = zoo.tiny(family, loss="fused", vocab_size=96)
     assert w.loss_fn is fused_lm_loss
-    assert zoo.tiny("gpt").loss_fn is lm_loss                 # transformers' loss by default
+    assert zoo.tiny(family).loss_fn is lm_loss                # transformers' loss by default
     graph = capture(w.build(), w.example_inputs(), w.loss_fn).graph
     ops = {n.op for n in graph if n.kind == "op"}
     assert not any("log_softmax" in op or "nll_loss" in op for op in ops), ops
