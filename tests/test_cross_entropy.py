@@ -112,6 +112,8 @@ def test_what_the_op_does_not_take_falls_back_to_pytorch():
     torch.testing.assert_close(cross_entropy(logits, targets, weight=weight),
                                F.cross_entropy(logits, targets, weight=weight))
     torch.testing.assert_close(cross_entropy(logits, probs), F.cross_entropy(logits, probs))
+    torch.testing.assert_close(cross_entropy(logits[None], probs[None], reduction="none"),
+                               F.cross_entropy(logits, probs, reduction="none")[None])
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])

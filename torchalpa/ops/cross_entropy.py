@@ -191,7 +191,7 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
                                else targets.reshape(flat.shape), weight=weight,
                                ignore_index=ignore_index, reduction=reduction,
                                label_smoothing=label_smoothing)
-        return loss.reshape(targets.shape) if reduction == "none" else loss
+        return loss.reshape(logits.shape[:-1]) if reduction == "none" else loss
     flat = logits.reshape(-1, logits.shape[-1])                      # (N, V)
     losses, _ = _cross_entropy(flat, targets.reshape(-1), int(ignore_index),
                                float(label_smoothing))               # (N,) float32
