@@ -533,13 +533,16 @@ class _Search:
         if c.kind == "intra-op":
             from torchalpa.parallel.shard import blocks_of, plan_graph
             from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
+            from torchalpa.passes.sharding.intra_op import least_memory_unsaid
             method = self.intra_op_method(c)
             outcomes: dict = {}
             settled = settled or {}
             seed = SearchSwitches.current().seed_sharing
             self.settled += len(settled)
             try:
-                with self.timed("intra-op ILPs"):
+                # a view that does not fit is an answer here, its least memory unsaid: the
+                # notes keep the first line of a candidate's error
+                with self.timed("intra-op ILPs"), least_memory_unsaid():
                     plan = plan_graph(captured.graph, method=method, meshes=self.meshes,
                                       inputs=self.inputs, blocks=blocks_of(captured.graph),
                                       deadline=self.deadline, bound_views=False,
