@@ -43,7 +43,9 @@ search
    each bounded by the same work, so the plan is the one solving them in turn gives.
    Each candidate's ILP on a view starts with the values the candidates before found
    read twice alike there priced once per layout (``SearchSwitches.seed_sharing``),
-   sparing the solve that would find them again.
+   sparing the solve that would find them again. A view with no plan within the budget
+   is an answer, its least memory unsaid (``intra_op.least_memory_unsaid``: near the
+   budget those ILPs cost more than the one that failed).
 
 On one node the candidates are intra-op plans; pipelines there are the fallback when no
 intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
