@@ -1,19 +1,19 @@
 """A near-budget view that does not fit, with its least memory said and unsaid, alternately:
 
     OMP_NUM_THREADS=1 python benchmarks/least_memory_ab.py [--layers 32] [--views 4x2]
-        [--candidate full:2:2] [--rounds 1]
+        [--remat full:2] [--micro-batches 2] [--regather] [--rounds 1]
 
 Target a's model (LLaMA-3-8B bf16, batch 16 x 8192, 1 x 8 H100) and one of its candidates
-(``remat:micro-batches``, ``:rg`` for parameters gathered again; default remat full:2, 2
-micro-batches, whose simplified ILP and free followers' ILP both find no plan within the
-budget on the 2-D views), as the search poses it: ``torchalpa.plan`` as
-``auto_targets.py --targets a`` calls it, its ``_Search.solve_in_order`` replaced by this
-script (the search's own capture, views and ``intra_op_method``). Each view is planned as
-``plan_intra_op`` plans it for a ShardParallel user (the error says the least memory a
-plan needs: ``_minimum_memory``'s ILPs) and as AutoParallel's search plans it
-(``least_memory_unsaid``: it does not), in turn in this process, ``--rounds`` times. Prints each solve's CPU seconds
-(``time.process_time``), HiGHS runs and their CPU seconds, the error's first line, and per
-view the CPU ratio unsaid / said.
+(default remat full:2, 2 micro-batches, parameters not gathered again, whose simplified
+ILP and free followers' ILP both find no plan within the budget on the 2-D views), as the
+search poses it: ``torchalpa.plan`` as ``auto_targets.py --targets a`` calls it, its
+``_Search.solve_in_order`` replaced by this script (the search's own capture, views and
+``intra_op_method``). Each view is planned as ``plan_intra_op`` plans it for a
+ShardParallel user (the error says the least memory a plan needs: ``_minimum_memory``'s
+ILPs) and as AutoParallel's search plans it (``least_memory_unsaid``: it does not), in
+turn in this process, ``--rounds`` times. Prints each solve's CPU seconds
+(``time.process_time``), HiGHS runs and their CPU seconds, the error's first line, and
+per view the CPU ratio unsaid / said.
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ def _counted(solve):
 
 def _measure(args):
     """``_Search.solve_in_order``'s stand-in: the A/B on the candidate's views."""
-    remat, k, *rest = args.candidate.split(":")
-    want = (remat, int(k), rest == ["rg"])
+    want = (args.remat, args.micro_batches, args.regather)
 
     def measure(search, candidates):
         c = next(c for c in candidates if (c.remat, c.num_micro_batches, c.regather) == want)
@@ -94,7 +93,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--views", nargs="+", default=["4x2"])
-    p.add_argument("--candidate", default="full:2:2")
+    p.add_argument("--remat", default="full:2")
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--regather", action="store_true")
     p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
     ilp_highs.solve_with_highs = _counted(ilp_highs.solve_with_highs)
