@@ -304,13 +304,14 @@ _LEAST_MEMORY: contextvars.ContextVar[bool] = contextvars.ContextVar(
 
 @contextlib.contextmanager
 def least_memory_unsaid() -> Iterator[None]:
-    """Within the block, a view whose ILP has no plan within the memory budget raises
-    ``NoPlanWithinBudget`` without the least memory a plan of it needs. That figure takes up
-    to 20 ILPs minimizing the peak (``_minimum_memory``), which near the budget cost more
-    than the ILP that failed (LLaMA-3-8B, remat full:2, 2 micro-batches, 8 H100, 4 x 2: 63.8 s
-    of CPU against 6.9), for a caller that keeps only that the view does not fit:
-    AutoParallel's search, whose notes keep the first line of a candidate's error. A forked
-    worker inherits it (a context variable)."""
+    """Within the block, ``plan_intra_op`` on a view whose ILP has no plan within the memory
+    budget raises a plain ``InfeasibleError`` without the least memory a plan of it needs
+    ("no plan of its ILP fits"). That figure takes up to 20 ILPs minimizing the peak
+    (``_minimum_memory``), which near the budget cost more than the ILP that failed
+    (LLaMA-3-8B, remat full:2, 2 micro-batches, 8 H100, 4 x 2: 63.8 s of CPU against 6.9),
+    for a caller that keeps only that the view does not fit: AutoParallel's search, whose
+    notes keep the first line of a candidate's error. A forked worker inherits it (a
+    context variable)."""
     token = _LEAST_MEMORY.set(False)
     try:
         yield
