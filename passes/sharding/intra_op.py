@@ -11,12 +11,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import math
 import time
 import warnings
 import weakref
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -83,6 +86,7 @@ from torchalpa.passes.sharding.strategies import (
 from torchalpa.passes.sharding.strides import strided_regions
 
 __all__ = ["plan_intra_op", "step_time_lower_bound", "UnsupportedOpWarning", "build_strategies",
+           "NoPlanWithinBudget", "least_memory_unsaid",
            "planned_for", "intra_op_problem", "sharing_key"]
 
 log = logging.getLogger("torchalpa.planner")
@@ -270,7 +274,10 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         ilp.start = start_choice(start_from, space.strategies)
     built = time.perf_counter()
     with clock_watch() as stops:
-        best = ilp.best()
+        try:
+            best = ilp.best()
+        except NoPlanWithinBudget as e:   # a plain error: it may cross to another process
+            raise (e.explained() if _LEAST_MEMORY.get() else InfeasibleError(str(e))) from None
     if sharing is not None:
         sharing[key] = sharing.get(key, frozenset()) | best.shared
     chosen = best.chosen
@@ -290,6 +297,51 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
 
 MIN_SOLVE_S = 10.0
 """The least time a solver run is given when a deadline cuts its limit."""
+
+_LEAST_MEMORY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "torchalpa_least_memory", default=True)
+
+
+@contextlib.contextmanager
+def least_memory_unsaid() -> Iterator[None]:
+    """Within the block, ``plan_intra_op`` on a view whose ILP has no plan within the memory
+    budget raises a plain ``InfeasibleError`` without the least memory a plan of it needs
+    ("no plan of its ILP fits"). That figure takes up to 20 ILPs minimizing the peak
+    (``_minimum_memory``), which near the budget cost more than the ILP that failed
+    (LLaMA-3-8B, remat full:2, 2 micro-batches, 8 H100, 4 x 2: 63.8 s of CPU against 6.9),
+    for a caller that keeps only that the view does not fit: AutoParallel's search, whose
+    notes keep the first line of a candidate's error. A forked worker inherits it (a
+    context variable)."""
+    token = _LEAST_MEMORY.set(False)
+    try:
+        yield
+    finally:
+        _LEAST_MEMORY.reset(token)
+
+
+class NoPlanWithinBudget(InfeasibleError):
+    """No plan of a view's ILP fits its memory budget. The least memory a plan needs is
+    computed only when asked (``explained``): where a less simplified ILP is solved next,
+    or the caller keeps only that the view does not fit (``least_memory_unsaid``), it is
+    never needed."""
+
+    def __init__(self, budget: float, mesh: LogicalMesh, least: Callable[[], float]):
+        super().__init__(_does_not_fit(budget, mesh, None))
+        self.budget, self.mesh, self.least = budget, mesh, least
+
+    def explained(self) -> InfeasibleError:
+        """The error with the least memory a plan needs (its ILPs solved now)."""
+        return InfeasibleError(_does_not_fit(self.budget, self.mesh, self.least()))
+
+
+def _does_not_fit(budget: float, mesh: LogicalMesh, need: float | None) -> str:
+    """Why a view has no plan: its budget, and the least memory a plan needs if known."""
+    least = "no plan of its ILP fits" if need is None else \
+        f"it needs at least {format_bytes(need)} per device"
+    return (f"the model does not fit in {format_bytes(budget)} per device on a "
+            f"{_describe(mesh)}: {least} (parameters, gradients, optimizer states and "
+            "activations); use more devices, a smaller batch, or a larger "
+            "memory_budget_per_device")
 
 
 def sharing_key(mesh: LogicalMesh) -> tuple:
@@ -393,6 +445,7 @@ class _IntraOpILP:
         except SolverStopped:   # the clock, not the budget: a retry would depend on load
             raise
         except InfeasibleError:
+            # the least memory of this problem is not said: the free followers' is
             if not self._followers_decide_more():
                 raise
             log.info("no plan of the simplified ILP fits the budget: solving with free "
@@ -744,12 +797,9 @@ def _solve_within_memory(graph: OpGraph, S: dict[str, list[Strategy]], grouping:
         except InfeasibleError:
             if not points:
                 raise
-            need = _minimum_memory(graph, S, grouping, cg, memory, points, option, mesh, states)
-            raise InfeasibleError(
-                f"the model does not fit in {format_bytes(budget)} per device on a "
-                f"{_describe(mesh)}: it needs at least {format_bytes(need)} "
-                "per device (parameters, gradients, optimizer states and activations); use "
-                "more devices, a smaller batch, or a larger memory_budget_per_device") from None
+            at = list(points)
+            raise NoPlanWithinBudget(budget, mesh, lambda: _minimum_memory(
+                graph, S, grouping, cg, memory, at, option, mesh, states)) from None
         chosen = _expand(graph, S, grouping, solution.choice)
         timeline = _timeline(graph, memory, chosen, mesh, states)
         peak = float(timeline.max(initial=0))

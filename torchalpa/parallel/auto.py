@@ -43,7 +43,9 @@ search
    each bounded by the same work, so the plan is the one solving them in turn gives.
    Each candidate's ILP on a view starts with the values the candidates before found
    read twice alike there priced once per layout (``SearchSwitches.seed_sharing``),
-   sparing the solve that would find them again.
+   sparing the solve that would find them again. A view with no plan within the budget
+   is an answer, its least memory unsaid (``intra_op.least_memory_unsaid``: near the
+   budget those ILPs cost more than the one that failed).
 
 On one node the candidates are intra-op plans; pipelines there are the fallback when no
 intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
@@ -533,13 +535,16 @@ class _Search:
         if c.kind == "intra-op":
             from torchalpa.parallel.shard import blocks_of, plan_graph
             from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
+            from torchalpa.passes.sharding.intra_op import least_memory_unsaid
             method = self.intra_op_method(c)
             outcomes: dict = {}
             settled = settled or {}
             seed = SearchSwitches.current().seed_sharing
             self.settled += len(settled)
             try:
-                with self.timed("intra-op ILPs"):
+                # a view that does not fit is an answer here, its least memory unsaid: the
+                # notes keep the first line of a candidate's error
+                with self.timed("intra-op ILPs"), least_memory_unsaid():
                     plan = plan_graph(captured.graph, method=method, meshes=self.meshes,
                                       inputs=self.inputs, blocks=blocks_of(captured.graph),
                                       deadline=self.deadline, bound_views=False,
