@@ -139,6 +139,17 @@ def test_plan_takes_every_preset_method_by_name(name, tmp_path, capsys, monkeypa
         assert "drop one of the two" in capsys.readouterr().err
 
 
+def test_a_batch_the_mesh_does_not_divide_is_refused_in_the_command_lines_terms(
+        tmp_path, capsys, monkeypatch):
+    """The planner's remedy names ``ShardParallel()``; the command line's names its flags."""
+    monkeypatch.setenv("TORCHALPA_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["plan", "test_cli:mlp_step", "--cluster", "cpu:3", "--method", "data",
+                 "--out", str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert "the batch dim (4) must divide by 3 devices" in err
+    assert "--method shard" in err and "--batch" in err and "ShardParallel" not in err
+
+
 def test_plan_into_a_missing_folder_is_refused_before_planning(tmp_path, capsys, monkeypatch):
     """It planned first (minutes on a large model), then failed writing the file."""
     from torchalpa.cli import commands
