@@ -174,6 +174,13 @@ def test_estimate_fits_or_names_the_devices_needed(capsys):
     assert "unknown cluster kind 'tpu'" in capsys.readouterr().err
 
 
+def test_more_gpus_per_node_than_the_machine_holds_is_refused_in_flags(capsys):
+    assert main(["estimate", "test_cli:mlp_step", "--cluster", "dgx-a100:2x16"]) == 2
+    err = capsys.readouterr().err
+    assert "--cluster dgx-a100:2x16: a dgx-a100 node holds 8 GPUs" in err
+    assert "dgx-a100:2xD with D from 1 to 8" in err and "Cluster.preset" not in err
+
+
 def test_version(capsys):
     with pytest.raises(SystemExit) as done:
         main(["--version"])
