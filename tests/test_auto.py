@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from models import MLP
 from search_models import meta_tiny_gpt
+from tracing_guard import forbid_capture
 
 import torchalpa
 import torchalpa.models as zoo
@@ -369,11 +370,7 @@ def test_pipeline_true_that_does_not_fit_is_not_retried_with_offload(gpt, monkey
     """``pipeline=True`` never offloads, so nothing that fits only offloaded is promised:
     the states floor lists the devices alone and says host memory is not weighed (it was
     an empty "tried:" list after a retry with offload that had no candidate)."""
-    from torchalpa.parallel import workflow
-
-    def traced(*args, **kwargs):
-        raise AssertionError("the step was traced before the floor refused it")
-    monkeypatch.setattr(workflow, "capture_step", traced)
+    forbid_capture(monkeypatch, "the step was traced before the floor refused it")
     model, batch, loss_fn = gpt
     with pytest.raises(NothingFitsError) as error:
         torchalpa.plan(model, batch, loss_fn, cluster=_cluster(4, memory=8 * KiB),

@@ -139,6 +139,17 @@ def test_plan_takes_every_preset_method_by_name(name, tmp_path, capsys, monkeypa
         assert "drop one of the two" in capsys.readouterr().err
 
 
+def test_a_batch_the_mesh_does_not_divide_is_refused_in_the_command_lines_terms(
+        tmp_path, capsys, monkeypatch):
+    """The planner's remedy names ``ShardParallel()``; the command line's names its flags."""
+    monkeypatch.setenv("TORCHALPA_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["plan", "test_cli:mlp_step", "--cluster", "cpu:3", "--method", "data",
+                 "--out", str(tmp_path / "plan.json")]) == 2
+    err = capsys.readouterr().err
+    assert "the batch dim (4) must divide by 3 devices" in err
+    assert "--method shard" in err and "--batch" in err and "ShardParallel" not in err
+
+
 def test_plan_into_a_missing_folder_is_refused_before_planning(tmp_path, capsys, monkeypatch):
     """It planned first (minutes on a large model), then failed writing the file."""
     from torchalpa.cli import commands
@@ -161,6 +172,13 @@ def test_estimate_fits_or_names_the_devices_needed(capsys):
     # an MLP of 2 layers of 8x8 cannot need more than one H100; a wrong cluster is named
     assert main(["estimate", "test_cli:mlp_step", "--cluster", "tpu:2x2"]) == 2
     assert "unknown cluster kind 'tpu'" in capsys.readouterr().err
+
+
+def test_more_gpus_per_node_than_the_machine_holds_is_refused_in_flags(capsys):
+    assert main(["estimate", "test_cli:mlp_step", "--cluster", "dgx-a100:2x16"]) == 2
+    err = capsys.readouterr().err
+    assert "--cluster dgx-a100:2x16: a dgx-a100 node holds 8 GPUs" in err
+    assert "dgx-a100:2xD with D from 1 to 8" in err and "Cluster.preset" not in err
 
 
 def test_version(capsys):

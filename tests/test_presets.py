@@ -68,8 +68,21 @@ def test_overrides_replace_the_preset_figures():
 def test_an_unknown_name_lists_the_known_ones():
     with pytest.raises(ValueError, match="unknown GPU or machine 'h900'.*a100-40.*p3.16xlarge"):
         Cluster.preset("h900")
-    with pytest.raises(ValueError, match="link 8 GPUs; devices_per_node=16"):
+    with pytest.raises(ValueError, match="hold 8 GPUs; devices_per_node=16"):
         Cluster.preset("p3.16xlarge", devices_per_node=16)
+
+
+@pytest.mark.parametrize("name, held", [("dgx-a100", 8), ("h100", 8), ("jean-zay-v100", 4),
+                                        ("dgx-2", 16)])
+def test_a_preset_holds_no_more_gpus_per_node_than_its_machine(name, held):
+    """A preset names a node: its switch and its NICs (shared by the node's GPUs) are for
+    that many GPUs; more per node were accepted on switched nodes and priced each device
+    the NIC share of the named node's GPUs (16 on an 8-GPU node: twice its NICs)."""
+    with pytest.raises(ValueError, match=rf"{name}'\): its nodes hold {held} GPUs; "
+                                         rf"devices_per_node={held + 1} .*1 to {held}"):
+        Cluster.preset(name, devices_per_node=held + 1)
+    whole, part = Cluster.preset(name), Cluster.preset(name, devices_per_node=held // 2)
+    assert (whole.devices_per_node, part.devices_per_node) == (held, held // 2)
 
 
 def _bandwidths(cluster: Cluster, shape) -> list[float]:

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from tracing_guard import forbid_capture
 
 import torchalpa
 from torchalpa.core.options import AutoParallel
@@ -34,9 +35,7 @@ def _cluster(memory: float, host: float = 1e12) -> torchalpa.Cluster:
 
 def _no_trace(monkeypatch):
     """Fail the test if anything traces the step (the floor must answer first)."""
-    def traced(*args, **kwargs):
-        raise AssertionError("the step was traced before the floor refused it")
-    monkeypatch.setattr(workflow, "capture_step", traced)
+    forbid_capture(monkeypatch, "the step was traced before the floor refused it")
 
 
 def test_the_floor_counts_the_states_the_capture_holds():

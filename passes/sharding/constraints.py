@@ -5,9 +5,10 @@ that axis to the ILP; a pin overrides the method's parameter preset). The ILP ch
 rest.
 
 Each restriction keeps the strategies that satisfy it; a request no layout satisfies is
-the user's mistake (a batch that does not divide, a pin that cannot be) and raises a
-ValueError naming the value, what was asked and what is possible. Parameters that cannot
-be split evenly stay whole under ``parameters='sharded'`` (as Alpa allows), with a note.
+the user's mistake (a batch that does not divide: ``BatchSplitError``; a pin that cannot
+be) and raises a ValueError naming the value, what was asked and what is possible.
+Parameters that cannot be split evenly stay whole under ``parameters='sharded'`` (as Alpa
+allows), with a note.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import re
 
 from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.input_errors import BatchSplitError
 from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import AutoShardingOption
 from torchalpa.core.placement import Partial, Replicate, Shard, is_shard, parse_placements, short
@@ -247,9 +249,7 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
             kept = [s for s in options if _batch_sharded(s, axis, mesh)]
             if not kept:
                 n = mesh.num_devices if axis == -1 else mesh.shape[axis]
-                raise ValueError(f"{name}: the batch dim ({node.output.shape[0]}) must divide "
-                                 f"by {n} devices to split the batch as asked (data parallel); "
-                                 "use a batch that divides, or ShardParallel()")
+                raise BatchSplitError(name, node.output.shape[0], n)
             options = kept
         if node.kind == "input" and not option.enable_auto_sharding and \
                 boundary_layout(graph, node.name, node.output, mesh) is None:

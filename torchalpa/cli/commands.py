@@ -136,9 +136,14 @@ def _plan(args) -> int:
     if args.mixed_precision:
         dtype = torch.bfloat16 if args.mixed_precision == "bf16" else torch.float16
         precision = torchalpa.MixedPrecision(param_dtype=dtype)
-    plan = torchalpa.plan(model, example_inputs, loss_fn, method=method,
-                          cluster=_cluster_of(args), verbose=args.verbose,
-                          mixed_precision=precision)
+    from torchalpa.core.input_errors import BatchSplitError
+    try:
+        plan = torchalpa.plan(model, example_inputs, loss_fn, method=method,
+                              cluster=_cluster_of(args), verbose=args.verbose,
+                              mixed_precision=precision)
+    except BatchSplitError as e:        # its remedy in this command line's flags
+        raise ValueError(e.describe(f"use a --batch that {e.num_devices} divides, or "
+                                    "--method shard")) from e
     plan.save(args.out)
     print(plan.summary(detail=args.detail))
     print(f"\nwrote {args.out}")

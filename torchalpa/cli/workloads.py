@@ -29,6 +29,7 @@ def parse_cluster(spec: str, *, inter_node_gbps: float | None = None,
     device) override the preset's."""
     import dataclasses
 
+    from torchalpa.core import gpu_specs
     from torchalpa.core.cluster import Cluster
     for name, value in (("--inter-node-bandwidth", inter_node_gbps), ("--memory", memory_gib)):
         if value is not None and not value > 0:
@@ -45,6 +46,11 @@ def parse_cluster(spec: str, *, inter_node_gbps: float | None = None,
     if shape is not None and len(shape) != 2:
         raise ValueError(f"the cluster size is NODESxDEVICES (e.g. h100:2x8), got {spec!r}")
     try:
+        if shape is not None:       # said in the flag's terms, not Cluster.preset's
+            held = gpu_specs.node_preset(kind).devices_per_node
+            if shape[1] > held:
+                raise ValueError(f"--cluster {spec}: a {kind} node holds {held} GPUs; use "
+                                 f"{kind}:{shape[0]}xD with D from 1 to {held}")
         return Cluster.preset(
             kind, *(shape or ()),
             inter_node_bandwidth=None if inter_node_gbps is None else inter_node_gbps * 1e9,

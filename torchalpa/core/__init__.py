@@ -17,6 +17,8 @@ option records, schedules, progress. Imports nothing else of torchalpa's.
 - ``inplace_forms``: the ATen ops whose functional form copies then writes, with their
   in-place forms (read by the memory model and the runtime alike).
 - ``choice_notes``: how AutoParallel's choice is written in a plan's notes and read back.
+- ``input_errors``: refusals of what the user gave that carry their figures, so the Python
+  API and the command line each word the remedy in their own terms.
 - ``view_registry``: where the layers above register how a plan is shown.
 - ``optimizer_step``: how the runtime's optimizer steps its tensors (all at once or one by
   one) and the temporaries each way makes, read by the memory model too.

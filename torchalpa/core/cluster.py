@@ -340,8 +340,10 @@ class Cluster:
         "mi300x", "mi325x", "rtx4090", "rtx3090"; its usual 8-GPU server and network) or
         a machine published benchmarks ran on ("p3.16xlarge", "p3dn.24xlarge", "dgx-1v",
         "dgx-2", "dgx-a100", "dgx-h100", "jean-zay-a100", "grand-teton-h100").
-        ``devices_per_node``: GPUs per node (default: the machine's, 8 but for DGX-2's 16;
-        fewer use the first ones' links). Rates: ``gpu_specs.peaks_by_dtype`` (float32 at
+        ``devices_per_node``: GPUs per node (default: the machine's, 8 but for DGX-2's 16
+        and Jean Zay's V100 nodes' 4; fewer use the first ones' links and each its own
+        share of the node's NICs; more are refused: a preset names a node, its switch and
+        NICs sized for its GPUs). Rates: ``gpu_specs.peaks_by_dtype`` (float32 at
         the TF32 rate when ``allow_tf32``), memory bandwidth at ``MEMORY_EFFICIENCY`` of
         the datasheet's, links at ``NVLINK_EFFICIENCY`` and the network at
         ``NETWORK_EFFICIENCY`` of theirs, fused attention at the GPU's share of its peak
@@ -358,10 +360,12 @@ class Cluster:
         spec = gpu_specs.lookup(node.gpu)
         assert spec is not None, f"NODE_PRESETS names an unknown GPU {node.gpu!r}"
         per_node = node.devices_per_node if devices_per_node is None else int(devices_per_node)
+        if per_node > node.devices_per_node:    # its NICs and links are for that many GPUs
+            raise ValueError(f"Cluster.preset({gpu!r}): its nodes hold {node.devices_per_node} "
+                             f"GPUs; devices_per_node={per_node} is more than a node holds "
+                             f"(1 to {node.devices_per_node}; a larger node is another "
+                             f"machine: build a Cluster(...) with its figures)")
         links = node.links
-        if links and per_node > len(links):
-            raise ValueError(f"Cluster.preset({gpu!r}): its nodes link {len(links)} GPUs; "
-                             f"devices_per_node={per_node} is more than a node holds")
         link_bw = node.link_bandwidth * gpu_specs.NVLINK_EFFICIENCY
         switch_bw = spec.link_bandwidth * gpu_specs.NVLINK_EFFICIENCY
         if links:      # a whole node's collective: every link of the worst-linked device
