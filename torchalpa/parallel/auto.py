@@ -112,9 +112,10 @@ SETTLED = "views settled without an ILP: "
 STAGE_BOUND = "cannot beat "
 """How an attempt's detail begins when its stages' bound refused it (``stage_bound``)."""
 
-LAYER_BOUND = "stopped after its layer ILPs: "
-"""How an attempt's detail begins when its layers' own plans bounded it above the best
-plan in hand (``passes/pipeline_search/layer_bound.py``)."""
+LAYER_BOUND = "bounded by its layers' own plans at "
+"""How an attempt's detail begins when its layers' own plans (or those of a candidate
+that recomputes less) bounded it above the best plan in hand
+(``passes/pipeline_search/layer_bound.py``)."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,8 @@ class _Search:
         self.sharing: dict = {}
         self.profiles: dict = {}                       # remat -> its bounds (StepProfile)
         self.stage_bounds: dict[tuple, float] = {}     # pipeline -> ``stage_bound``
+        # pipelines stopped after their layer ILPs -> the bound their layers' plans gave
+        self.layer_bounds: dict[Candidate, float] = {}
         from torchalpa.frontends.rebatch import MicroBatchSteps
         from torchalpa.frontends.rebatch_check import RecordCheck
         from torchalpa.frontends.torch_export import record_step
@@ -647,7 +650,7 @@ class _Search:
         single_node_fallback = self.nodes == 1 and self.method.pipeline is None
         first = [c for c in candidates if not (single_node_fallback and c.kind == "pipeline")]
         self.gap, self.steps, self.polished, self.polish_note = self.search_gap(), {}, 0, ""
-        self.found = {}
+        self.found, self.layer_bounds = {}, {}
         try:
             self.solve_in_order(first)
             if not self.plans and len(first) < len(candidates):
@@ -748,6 +751,13 @@ class _Search:
             if refused is not None:
                 self.attempts.append(refused)
                 continue
+            lighter = self.stopped_lighter(c)
+            if best is not None and lighter is not None and \
+                    self.layer_bounds[lighter] * (1 + self.method.tolerance) >= best[0]:
+                self.attempts.append(Attempt(c, "not needed", detail=(
+                    f"{LAYER_BOUND}{self.layer_bounds[lighter]:.4g} s/step, those of "
+                    f"{lighter.describe()}, which recomputes less (a bound)")))
+                continue
             if not c.exact:
                 self.requeue_exact(candidates, i)
                 continue
@@ -772,10 +782,11 @@ class _Search:
                     plan = self.solve(c, settled, refuse_above=None if best is None else
                                       best[0] / (1 + self.method.tolerance))
                 except CannotBeat as e:
+                    self.layer_bounds[c] = e.bound_s
                     self.attempts.append(Attempt(
                         c, "not needed", seconds=time.perf_counter() - start,
-                        detail=f"{LAYER_BOUND}its layers' own plans bound it at "
-                               f"{e.bound_s:.4g} s/step (a bound)"))
+                        detail=f"{LAYER_BOUND}{e.bound_s:.4g} s/step, stopped after its "
+                               "layer ILPs (a bound)"))
                     progress.done = f"cannot beat {best[0]:.4g} s/step" if best else ""
                     continue
                 except InfeasibleError as e:
@@ -803,6 +814,19 @@ class _Search:
                                              time.perf_counter() - start))
                 self.plans.append((step_s, plan, c))
                 progress.done = f"est {step_s:.4g} s/step"
+
+    def stopped_lighter(self, c: Candidate) -> Candidate | None:
+        """A pipeline candidate alike but for recomputing at most what ``c`` does whose
+        search its layers' own plans stopped (``layer_bounds``), the highest bound first:
+        recomputing only adds work to every layer's plan (as the candidates' time bounds
+        have it), so that bound is ``c``'s too, and ``c`` needs no layer ILP of its own."""
+        from torchalpa.passes.sharding.layer_remat import more_recompute
+        if c.kind != "pipeline":
+            return None
+        alike = [p for p in self.layer_bounds
+                 if (p.num_micro_batches, p.regather) == (c.num_micro_batches, c.regather)
+                 and more_recompute(p.remat, c.remat)]
+        return max(alike, key=lambda p: self.layer_bounds[p], default=None)
 
     def refusal(self, c: Candidate) -> Attempt | None:
         """Why ``c`` need not be solved, from what the candidates before it found: a
@@ -947,8 +971,8 @@ class _Search:
                 + (f"; {settled} candidates settled without an ILP" if settled else "")
                 + (f"; {staged} pipeline candidates refused by their stages' bound, "
                    "before their layer ILPs" if staged else "")
-                + (f"; {layered} stopped by their layers' own plans, before their "
-                   "stage ILPs" if layered else ""))
+                + (f"; {layered} pipeline candidates refused by their layers' own plans, "
+                   "before their stage ILPs" if layered else ""))
 
     def nothing_fits(self) -> str:
         """What was tried, and what would fit (by the bounds)."""
