@@ -14,9 +14,11 @@ from search_models import meta_tiny_gpt, small_cluster, small_gpt_graph, small_p
 import torchalpa
 from torchalpa.frontends.torch_export import capture
 from torchalpa.parallel.auto import LAYER_BOUND
+from torchalpa.passes.pipeline_search import layer_bound
 from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
 from torchalpa.passes.pipeline_search.layer_bound import (
     CannotBeat,
+    LayerSums,
     layers_floor_s,
     search_floor_s,
 )
@@ -30,6 +32,7 @@ from torchalpa.passes.pipeline_search.shape_bound import (
     layer_floors,
     pipeline_floor_s,
 )
+from torchalpa.passes.pipeline_search.stage_costs import StageCosts
 
 
 def _h100(devices_per_node: int) -> torchalpa.Cluster:
@@ -47,12 +50,12 @@ def _searched(graph, cluster, method):
     cache = SolveCache()
     est = plan_pipeline(graph, cluster, method, solves=cache).estimates.step_time_s
     layer = assign_layers(graph, method, cluster.num_devices)
-    layers = LayerCosts(SearchProblem(graph, layer, cluster, method, "global"), cache,
-                        PricingMemo())
+    problem = SearchProblem(graph, layer, cluster, method, "global")
+    costs = StageCosts(problem, LayerCosts(problem, cache, PricingMemo()))
     floors = layer_floors(graph, layer, cluster, optimizer_states=method.optimizer_states)
     ops = pipeline_floor_s(floors, cluster.num_devices, method.num_micro_batches,
                            cluster.memory_per_device or math.inf)
-    return est, search_floor_s(layers), search_floor_s(layers, slack=0.0), ops
+    return est, search_floor_s(costs), search_floor_s(costs, slack=0.0), ops
 
 
 CASES = {
@@ -89,11 +92,27 @@ def test_the_layers_bound_takes_the_dearer_of_a_layers_plan_and_its_floor():
     floors = LayerFloors((1, 2), np.array([[1.0, 0.5], [1.0, 0.5]]), np.zeros(2),
                          np.zeros(2))
     sums = np.array([[2.0, 1.0], [2.0, 1.0]])
+    plain = LayerSums(sums, sums)
     # one stage on both devices: 4 x (1 + 1); two stages of one device: 2 + 4 x 2
-    assert layers_floor_s(floors, sums, 2, 4, slack=0.0) == pytest.approx(8.0)
-    assert layers_floor_s(floors, sums, 2, 4, slack=0.5) == pytest.approx(4.0)
-    assert layers_floor_s(floors, np.zeros((2, 2)), 2, 4) == \
-        pytest.approx(pipeline_floor_s(floors, 2, 4))
+    assert layers_floor_s(floors, plain, 2, 4, slack=0.0) == pytest.approx(8.0)
+    assert layers_floor_s(floors, plain, 2, 4, slack=0.5) == pytest.approx(4.0)
+    none = LayerSums(np.zeros((2, 2)), np.zeros((2, 2)))
+    assert layers_floor_s(floors, none, 2, 4) == pytest.approx(pipeline_floor_s(floors, 2, 4))
+
+
+def test_the_once_per_step_share_counts_once_after_the_forwards_before():
+    """One layer per device, 4 micro-batches, each 1 s per micro-batch of which 0.25 s is
+    its share of once-per-step work (1 s in all): the second stage's 4 x 0.75 s after the
+    first's 0.75 s (both ways) is 3.75 s; with its once-per-step second, after the first's
+    forward only (a third of 0.75 s), 0.25 + 4 s = 4.25 s; one stage over both devices
+    (0.5 s per micro-batch, all of it once-per-step work) 2 s."""
+    floors = LayerFloors((1, 2), np.zeros((2, 2)), np.zeros(2), np.zeros(2))
+    sums = LayerSums(np.array([[0.75, 0.0], [0.75, 0.0]]),
+                     np.array([[1.0, 0.25], [1.0, 0.25]]))
+    assert layers_floor_s(floors, sums, 2, 4, slack=0.0) == pytest.approx(2.0)
+    one = LayerSums(sums.step_s[:, :1], sums.whole_s[:, :1])
+    single = LayerFloors((1,), np.zeros((2, 1)), np.zeros(2), np.zeros(2))
+    assert layers_floor_s(single, one, 2, 4, slack=0.0) == pytest.approx(4.25)
 
 
 def test_a_search_stops_before_its_stage_ilps_where_its_layers_cannot_beat():
@@ -104,8 +123,8 @@ def test_a_search_stops_before_its_stage_ilps_where_its_layers_cannot_beat():
     cache = SolveCache()
     plan = plan_pipeline(graph, cluster, method, solves=cache)
     layer = assign_layers(graph, method, cluster.num_devices)
-    bound = search_floor_s(LayerCosts(SearchProblem(graph, layer, cluster, method, "global"),
-                                      cache, PricingMemo()))
+    problem = SearchProblem(graph, layer, cluster, method, "global")
+    bound = search_floor_s(StageCosts(problem, LayerCosts(problem, cache, PricingMemo())))
     fresh = SolveCache()
     with pytest.raises(CannotBeat) as stopped:
         plan_pipeline(graph, cluster, method, solves=fresh, refuse_above=bound)
@@ -116,18 +135,38 @@ def test_a_search_stops_before_its_stage_ilps_where_its_layers_cannot_beat():
         again.estimates.step_time_s == plan.estimates.step_time_s
 
 
-def test_autoparallel_stops_pipelines_by_their_layers():
-    """The tiny GPT's pipelines of 1, 2, 4 and 8 micro-batches on 2 x 2 H100s (4 layers):
-    a candidate the stages' bound lets through but its layers' plans bound above the
-    first plan is stopped before its stage ILPs, the notes say so, and the plan is the
-    one found without that bound (the stopped candidates could not have won)."""
-    model, batch, loss_fn = meta_tiny_gpt()
-    method = torchalpa.AutoParallel(pipeline=True, remat=("none",),
+def _small_gpt_model():
+    """The small GPT of ``small_gpt_graph`` as a model on the meta device: (model, batch,
+    loss_fn)."""
+    import torch
+
+    import torchalpa.models as zoo
+    config = zoo.GPTConfig(vocab_size=512, max_seq_len=64, num_layers=4, num_heads=4,
+                           hidden=256, dropout=0.0)
+    workload = zoo.Workload("gpt", config, 8, 64)
+    with torch.device("meta"):
+        return workload.build(), workload.example_inputs(), workload.loss_fn
+
+
+def test_autoparallel_stops_pipelines_by_their_layers(monkeypatch):
+    """The small GPT's pipelines on ``small_cluster()`` (4 layers, 1-8 micro-batches,
+    remat none or selective), with the layers' bound made three times the layers' sums
+    (a negative slack: not a bound, but what makes AutoParallel's handling of one
+    visible here): the first plan found stands, each later candidate of remat none is
+    stopped after its layer ILPs with its bound in the notes, and each selective one
+    alike is not solved at all (it recomputes more)."""
+    monkeypatch.setattr(layer_bound, "SLACK", -2.0)
+    model, batch, loss_fn = _small_gpt_model()
+    method = torchalpa.AutoParallel(pipeline=True, remat=("none", "selective"),
                                     layer_option=torchalpa.AutoLayerOption(layer_num=4))
-    plan = torchalpa.plan(model, batch, loss_fn, cluster=_h100(2), method=method)
+    plan = torchalpa.plan(model, batch, loss_fn, cluster=small_cluster(), method=method)
     stopped = [n for n in plan.notes if LAYER_BOUND in n]
-    assert stopped, plan.notes
+    own = [n for n in stopped if "stopped after its layer ILPs" in n]
+    alike = [n for n in stopped if "which recomputes less" in n]
+    assert own and all("remat=none" in n for n in own), plan.notes
+    assert alike and all("remat=selective" in n for n in alike), plan.notes
     for note in stopped:
         bound = float(note.split(LAYER_BOUND)[1].split()[0])
         assert bound * (1 + method.tolerance) >= plan.estimates.step_time_s
-    assert any("refused by their layers' own plans" in n for n in plan.notes)
+    assert any(f"{len(stopped)} pipeline candidates refused by their layers' own plans" in n
+               for n in plan.notes)

@@ -178,7 +178,7 @@ def _search(costs: StageCosts, exact: ExactStages, workers: int, start: float,
              "class's plan, in %.1fs", layers.solves, layers.repriced,
              time.perf_counter() - start)
     if layers.measured is None:
-        bound = search_floor_s(layers)
+        bound = search_floor_s(costs)
         log.info("pipeline search, %d micro-batches: its layers' own plans bound it at "
                  "%.6g s/step%s", B, bound, "" if refuse_above is None else
                  f" (to beat: {refuse_above:.6g} s/step)")

@@ -4,18 +4,28 @@ The automatic search (``torchalpa.parallel.auto``) solves pipeline candidates on
 another; each costs a phase of layer ILPs (``layer_costs.py``) and then a far longer one
 of stage DP rounds and exact stage ILPs (``stage_search.py``). Once a plan is in hand, a
 candidate that cannot beat it should stop after its layer ILPs. This module bounds the
-pipeline from those ILPs' plans, as ``shape_bound.py`` bounds it from the ops' rooflines:
+pipeline from those ILPs' plans, as ``shape_bound.py`` bounds it from the ops' rooflines.
+The estimate it bounds is the assembly's (``pipeline_assembly.pipeline_estimates``): the
+schedule simulated on each stage's forward and backward seconds per micro-batch
+(``FORWARD_SHARE`` of its step time forward), each stage's forward sends as the latency of
+both directions, and what each stage runs once per step after its last backward.
 
 - **A stage's micro-batch.** A range of layers on a submesh costs at least the sum of
   its layers' cheapest estimates there (the least over the submesh's searched views and
-  over the fastest and the lean plan; ``LayerCosts.layer_estimate``), and at least its
-  layers' compute floors (``shape_bound.layer_floors``). The first is what the stage DP
-  itself adds up (``stage_costs.py``, less the sends between stages); the second is a
-  proof by the cost model.
-- **The schedule.** As in ``shape_bound.py``: a stage's ``B`` micro-batches one at a time,
-  after the fill and before the drain of the stages before it. The seconds per micro-batch
-  are taken without the share of what a stage runs once per step (``Estimate.once_share``:
-  it follows a stage's last backward, which the stages before it need not wait for).
+  over the fastest and the lean plan; ``LayerCosts.solved_estimate``), and at least its
+  layers' compute floors (``shape_bound.layer_floors``). A layer with no plan on a
+  submesh, or a submesh with no searched view, is never part of a stage there: the search
+  places none (``StageCosts.candidates``).
+- **Fill and drain** (``layers_floor_s``). As in ``shape_bound.py``, every stage runs its
+  ``B`` micro-batches one at a time after the stages before it filled and before they
+  drain: ``B * t_s + sum(t_j, j < s)`` with ``t`` without the once-per-step share
+  (``Estimate.once_share``: it follows a stage's last backward, which no stage before
+  waits for); and with that share, ``B * t_s`` after the forwards before it only.
+- **Round trips** (``round_trip_floor_s``, 1F1B only). The first of ``S`` stages starts
+  micro-batch ``m + S`` after ``m``'s backward, which comes back through every stage and
+  every cut both ways: at least ``ceil(B / S)`` round trips of ``sum_s t_s + 2 sum_cuts
+  send`` (each cut's forward values at their cheapest on any searched view,
+  ``StageCosts.forward_seconds``), against ``B`` times the slowest stage.
 - **Memory.** A stage holds its layers' model states split over its devices at best.
 
 The first point is the search's own premise, not a theorem: each layer's estimate is its
@@ -23,13 +33,15 @@ own intra-op ILP's plan (simplified: blocks sharing decisions, followers merged)
 stage's ILP may find a plan cheaper than the sum of its layers' where it saves across
 their boundary or unmerges a follower (``stage_search.UNIFORM_MARGIN``: GPT-15B's two-layer
 stages). ``SLACK`` takes that share off the sums before they are compared; the tests hold
-the bound below the estimate found on the small pipelines they plan. With
-``stage_option="profile"`` (layer times measured) no bound is made.
+the bound below the estimate found on the small pipelines they plan, without the slack
+too. With ``stage_option="profile"`` (layer times measured) no bound is made.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+
 import numpy as np
 
 from torchalpa.core.cluster import Submesh
@@ -39,9 +51,12 @@ from torchalpa.passes.pipeline_search.shape_bound import (
     layer_floors,
     pipeline_floor_s,
 )
+from torchalpa.passes.pipeline_search.stage_costs import StageCosts
+from torchalpa.passes.pipeline_search.stage_recompute import FORWARD_SHARE
 from torchalpa.passes.pipeline_search.stages import submesh_shapes
 
-__all__ = ["SLACK", "CannotBeat", "layer_sums", "layers_floor_s", "search_floor_s"]
+__all__ = ["SLACK", "CannotBeat", "LayerSums", "layer_sums", "layers_floor_s",
+           "cut_seconds", "round_trip_floor_s", "search_floor_s"]
 
 SLACK = 0.05
 """The share of a stage's layer sums a stage ILP is allowed to save across its layers
@@ -61,47 +76,142 @@ class CannotBeat(Exception):
         self.bound_s, self.above = bound_s, above
 
 
+@dataclass(frozen=True)
+class LayerSums:
+    """Per layer and submesh size (``LayerFloors.sizes``), its least seconds per
+    micro-batch by its own plans: ``step_s`` without its share of the once-per-step work,
+    ``whole_s`` with it (each the least over the plans, so not a sum of the two)."""
+
+    step_s: np.ndarray
+    whole_s: np.ndarray
+
+
 def layer_sums(layers: LayerCosts, shapes: list[Submesh], sizes: tuple[int, ...]
-               ) -> np.ndarray:
-    """(layers, len(sizes)): each layer's cheapest seconds per micro-batch on each
-    submesh size (the least over the submesh's searched views, fastest and lean, without
-    its once-per-step share); 0 where it has none there (no plan of it alone: the floors
-    decide, as where it was not solved)."""
+               ) -> LayerSums:
+    """Each layer's cheapest seconds per micro-batch on each submesh size (the least over
+    the submesh's searched views, fastest and lean). Where the submesh has no searched
+    view, or the layer no plan on any (solved, none fits), inf: the search places no stage
+    of it there (``StageCosts.candidates``); where a view was not solved, 0 (the floors
+    decide)."""
     by_size = {n * m: (n, m) for n, m in shapes}
     L = layers.problem.num_layers
-    out = np.zeros((L, len(sizes)))
+    step, whole = np.zeros((L, len(sizes))), np.zeros((L, len(sizes)))
     for j, size in enumerate(sizes):
         submesh = by_size.get(size)
         if submesh is None:
             continue
+        views = layers.views(submesh)
         for l in range(L):
-            found = [e for view in layers.views(submesh) for lean in (False, True)
-                     if (e := layers.solved_estimate(l, view, submesh, lean)) is not None]
-            if found:
-                out[l, j] = min(e.seconds - e.once_share for e in found)
-    return out
+            solved = [layers.solved_estimate(l, view, submesh, lean)
+                      for view in views for lean in (False, True)]
+            if not all(known for known, _ in solved):
+                continue
+            found = [e for _, e in solved if e is not None]
+            step[l, j] = min((e.seconds - e.once_share for e in found), default=math.inf)
+            whole[l, j] = min((e.seconds for e in found), default=math.inf)
+    return LayerSums(step, whole)
 
 
-def layers_floor_s(floors: LayerFloors, sums: np.ndarray, num_devices: int,
+def layers_floor_s(floors: LayerFloors, sums: LayerSums, num_devices: int,
                    num_micro_batches: int, budget: float = math.inf,
                    slack: float = SLACK) -> float:
     """Seconds a pipeline of ``num_micro_batches`` over ``num_devices`` devices takes at
-    least by its layers' own plans (``sums``, ``layer_sums``, scaled by ``1 - slack``) and
-    their compute floors (``floors``), whatever its stages (module doc)."""
-    device = np.maximum(floors.device_s, (1.0 - slack) * sums)
-    return pipeline_floor_s(LayerFloors(floors.sizes, device, floors.host_s, floors.state_bytes),
-                            num_devices, num_micro_batches, budget)
+    least by its layers' own plans (``sums``, scaled by ``1 - slack``) and their compute
+    floors (``floors``), whatever its stages (module doc)."""
+    keep = 1.0 - slack
+    step = np.maximum(floors.device_s, keep * sums.step_s)
+    whole = np.maximum(floors.device_s, keep * sums.whole_s)
+    drained = pipeline_floor_s(LayerFloors(floors.sizes, step, floors.host_s,
+                                           floors.state_bytes),
+                               num_devices, num_micro_batches, budget)
+    once = pipeline_floor_s(LayerFloors(floors.sizes, whole, floors.host_s, floors.state_bytes),
+                            num_devices, num_micro_batches, budget,
+                            fill_s=FORWARD_SHARE * step)
+    return max(drained, once)
 
 
-def search_floor_s(layers: LayerCosts, slack: float = SLACK) -> float:
-    """``layers_floor_s`` of the pipeline ``layers.problem`` searches, from the layer
-    plans solved so far (after ``LayerCosts.prefetch``: every searched view's)."""
-    problem = layers.problem
+def cut_seconds(costs: StageCosts) -> np.ndarray:
+    """(layers - 1,): per cut, the least seconds forward's values crossing it take to send
+    (``StageCosts.forward_seconds``, the least over the searched views of every submesh)."""
+    problem = costs.problem
+    shapes = submesh_shapes(problem.cluster.num_nodes, problem.cluster.devices_per_node)
+    meshes = [problem.mesh(submesh, view) for submesh in shapes
+              for view in costs.layers.views(submesh)]
+    return np.array([min((costs.forward_seconds(cut, mesh) for mesh in meshes), default=0.0)
+                     for cut in range(problem.num_layers - 1)])
+
+
+def round_trip_floor_s(floors: LayerFloors, step_s: np.ndarray, cuts: np.ndarray,
+                       num_devices: int, num_micro_batches: int,
+                       budget: float = math.inf) -> float:
+    """Seconds a 1F1B pipeline takes at least, by its round trips and its slowest stage.
+    Its first stage of ``S`` starts micro-batch ``m + S`` only after micro-batch ``m``'s
+    backward, which waits for ``m`` to go forward through every stage and back, sent
+    across every cut both ways; so the step is at least ``ceil(B / S)`` such round trips,
+    ``sum_s t_s + 2 sum_cuts send`` (``cuts``: per cut, ``cut_seconds``), and at least ``B
+    t`` of its slowest stage ``t``. For a pipeline whose slowest stage takes ``T``, the
+    first is at least its least over every cut of the layers into stages no slower than
+    ``T`` (``step_s``: per layer and size, inf where barred) on all devices, which falls
+    as ``T`` grows while ``B T`` rises: the bound is the least over ``T`` of the larger,
+    found by bisection over the stages' seconds (one dynamic program each)."""
+    L, B = step_s.shape[0], num_micro_batches
+    top = np.zeros((1, len(floors.sizes)))
+    barred = np.vstack([top, np.cumsum(~np.isfinite(step_s), axis=0)])
+    total = np.vstack([top, np.cumsum(np.where(np.isfinite(step_s), step_s, 0.0), axis=0)])
+    states = np.concatenate([[0.0], np.cumsum(floors.state_bytes)])
+    stages = [(k, i, size, float(total[i + 1, j] - total[k, j]))
+              for k in range(L) for i in range(k, L) for j, size in enumerate(floors.sizes)
+              if size <= num_devices and (states[i + 1] - states[k]) / size <= budget
+              and barred[i + 1, j] == barred[k, j]]
+    most = min(L, num_devices)
+
+    def trips(limit: float) -> float:
+        # trip[s, k, d]: the least sum of stage seconds and sends both ways at their cuts
+        # of layers k.. cut into s stages no slower than ``limit`` on d devices
+        trip = np.full((most + 1, L + 1, num_devices + 1), math.inf)
+        trip[0, L, 0] = 0.0
+        for k, i, size, t in sorted(stages, key=lambda st: -st[0]):
+            if t > limit:
+                continue
+            send = 2.0 * cuts[i] if i < L - 1 else 0.0
+            rest = trip[:-1, i + 1, :num_devices + 1 - size]
+            trip[1:, k, size:] = np.minimum(trip[1:, k, size:], t + send + rest)
+        return min((math.ceil(B / S) * float(trip[S, 0, num_devices])
+                    for S in range(1, most + 1)), default=math.inf)
+
+    limits = sorted({t for *_, t in stages})
+    if not limits:
+        return math.inf
+    low, high = 0, len(limits) - 1     # the first limit where B * limit >= trips(limit)
+    if B * limits[high] < trips(limits[high]):
+        return trips(limits[high])
+    while low < high:
+        mid = (low + high) // 2
+        if B * limits[mid] >= trips(limits[mid]):
+            high = mid
+        else:
+            low = mid + 1
+    return min(B * limits[low], trips(limits[low - 1]) if low > 0 else math.inf)
+
+
+def search_floor_s(costs: StageCosts, slack: float | None = None) -> float:
+    """The pipeline ``costs.problem`` searches bounded by its layers' plans solved so far
+    (after ``LayerCosts.prefetch``: every searched view's): ``layers_floor_s``, and for
+    1F1B the larger ``round_trip_floor_s``; ``slack``: default ``SLACK``."""
+    slack = SLACK if slack is None else slack
+    problem, layers = costs.problem, costs.layers
     cluster, method = problem.cluster, problem.method
     floors = layer_floors(problem.graph, problem.layer, cluster,
                           optimizer_states=method.optimizer_states,
                           eager=method.auto_sharding_option.elementwise != "fused")
     shapes = submesh_shapes(cluster.num_nodes, cluster.devices_per_node)
-    return layers_floor_s(floors, layer_sums(layers, shapes, floors.sizes),
-                          cluster.num_devices, method.num_micro_batches, problem.budget() or math.inf,
-                          slack)
+    sums = layer_sums(layers, shapes, floors.sizes)
+    budget = problem.budget() or math.inf
+    bound = layers_floor_s(floors, sums, cluster.num_devices, method.num_micro_batches,
+                           budget, slack)
+    if method.pipeline_schedule != "1f1b":
+        return bound
+    step = np.maximum(floors.device_s, (1.0 - slack) * sums.step_s)
+    return max(bound, round_trip_floor_s(floors, step, (1.0 - slack) * cut_seconds(costs),
+                                         cluster.num_devices, method.num_micro_batches,
+                                         budget))

@@ -290,11 +290,11 @@ class LayerCosts:
         return replace(estimate, seconds=timed + extra)
 
     def solved_estimate(self, l: int, view: View, submesh: Submesh, lean: bool
-                        ) -> Estimate | None:
-        """Layer ``l``'s ``Estimate`` on ``view`` where it was solved already, else None
-        (nothing is solved here: what ``layer_bound.py`` reads)."""
+                        ) -> tuple[bool, Estimate | None]:
+        """Whether layer ``l`` was solved on ``view`` already, and its ``Estimate`` there
+        (None: no plan fits); nothing is solved here (what ``layer_bound.py`` reads)."""
         key = self._key(l, view, submesh, lean)
-        return self.cache.peek(key) if key in self.cache else None
+        return (True, self.cache.peek(key)) if key in self.cache else (False, None)
 
     def range_seconds(self, k: int, i: int, view: View, submesh: Submesh) -> float | None:
         """Measured seconds of layers k..i on a view, if every one was timed."""
