@@ -143,55 +143,58 @@ def cut_seconds(costs: StageCosts) -> np.ndarray:
 
 def round_trip_floor_s(floors: LayerFloors, step_s: np.ndarray, cuts: np.ndarray,
                        num_devices: int, num_micro_batches: int,
-                       budget: float = math.inf) -> float:
+                       budget: float = math.inf, rounds: int = 40) -> float:
     """Seconds a 1F1B pipeline takes at least, by its round trips and its slowest stage.
-    Its first stage of ``S`` starts micro-batch ``m + S`` only after micro-batch ``m``'s
-    backward, which waits for ``m`` to go forward through every stage and back, sent
-    across every cut both ways; so the step is at least ``ceil(B / S)`` such round trips,
-    ``sum_s t_s + 2 sum_cuts send`` (``cuts``: per cut, ``cut_seconds``), and at least ``B
-    t`` of its slowest stage ``t``. For a pipeline whose slowest stage takes ``T``, the
-    first is at least its least over every cut of the layers into stages no slower than
-    ``T`` (``step_s``: per layer and size, inf where barred) on all devices, which falls
-    as ``T`` grows while ``B T`` rises: the bound is the least over ``T`` of the larger,
-    found by bisection over the stages' seconds (one dynamic program each)."""
+    A stage with ``n - 1`` stages after it starts micro-batch ``m + n`` only after
+    micro-batch ``m``'s backward there, which waits for ``m`` to go forward through those
+    stages and back, sent across each cut between them both ways; so the step is at least
+    ``ceil(B / n)`` such round trips, ``R = sum of the n stages' t + 2 sum of their cuts'
+    send`` (``cuts``: per cut, ``cut_seconds``), for every stage, and at least ``B t`` of
+    every stage. The bound is the least ``M`` for which some cut of the layers into
+    stages on all devices (``step_s``: per layer and size, inf where barred) keeps every
+    one of those terms at most ``M``: bisection on ``M`` (``rounds`` halvings), each
+    feasibility a dynamic program from the last layer keeping, per (first layer, stages,
+    devices), the least ``R`` whose terms all stay within ``M`` (a larger ``R`` is never
+    better for the stages before)."""
     L, B = step_s.shape[0], num_micro_batches
     top = np.zeros((1, len(floors.sizes)))
     barred = np.vstack([top, np.cumsum(~np.isfinite(step_s), axis=0)])
     total = np.vstack([top, np.cumsum(np.where(np.isfinite(step_s), step_s, 0.0), axis=0)])
     states = np.concatenate([[0.0], np.cumsum(floors.state_bytes)])
-    stages = [(k, i, size, float(total[i + 1, j] - total[k, j]))
-              for k in range(L) for i in range(k, L) for j, size in enumerate(floors.sizes)
-              if size <= num_devices and (states[i + 1] - states[k]) / size <= budget
-              and barred[i + 1, j] == barred[k, j]]
+    stages = sorted(((k, i, size, float(total[i + 1, j] - total[k, j]))
+                     for k in range(L) for i in range(k, L)
+                     for j, size in enumerate(floors.sizes)
+                     if size <= num_devices and (states[i + 1] - states[k]) / size <= budget
+                     and barred[i + 1, j] == barred[k, j]), key=lambda st: -st[0])
     most = min(L, num_devices)
+    trips = np.array([math.ceil(B / n) for n in range(1, most + 1)], dtype=float)[:, None]
 
-    def trips(limit: float) -> float:
-        # trip[s, k, d]: the least sum of stage seconds and sends both ways at their cuts
-        # of layers k.. cut into s stages no slower than ``limit`` on d devices
-        trip = np.full((most + 1, L + 1, num_devices + 1), math.inf)
-        trip[0, L, 0] = 0.0
-        for k, i, size, t in sorted(stages, key=lambda st: -st[0]):
-            if t > limit:
+    def fits(limit: float) -> bool:
+        # least[n, k, d]: the least round trip R of layers k.. cut into n stages on d
+        # devices whose every term stays within ``limit``
+        least = np.full((most + 1, L + 1, num_devices + 1), math.inf)
+        least[0, L, 0] = 0.0
+        for k, i, size, t in stages:
+            if B * t > limit:
                 continue
             send = 2.0 * cuts[i] if i < L - 1 else 0.0
-            rest = trip[:-1, i + 1, :num_devices + 1 - size]
-            trip[1:, k, size:] = np.minimum(trip[1:, k, size:], t + send + rest)
-        return min((math.ceil(B / S) * float(trip[S, 0, num_devices])
-                    for S in range(1, most + 1)), default=math.inf)
+            trip = t + send + least[:-1, i + 1, :num_devices + 1 - size]
+            trip[trips * trip > limit * (1 + 1e-12)] = math.inf
+            least[1:, k, size:] = np.minimum(least[1:, k, size:], trip)
+        return bool(np.isfinite(least[1:, 0, num_devices]).any())
 
-    limits = sorted({t for *_, t in stages})
-    if not limits:
+    if not stages:
         return math.inf
-    low, high = 0, len(limits) - 1     # the first limit where B * limit >= trips(limit)
-    if B * limits[high] < trips(limits[high]):
-        return trips(limits[high])
-    while low < high:
-        mid = (low + high) // 2
-        if B * limits[mid] >= trips(limits[mid]):
+    low, high = 0.0, B * sum(t for *_, t in stages)
+    if not fits(high):
+        return math.inf
+    for _ in range(rounds):
+        mid = (low + high) / 2
+        if fits(mid):
             high = mid
         else:
-            low = mid + 1
-    return min(B * limits[low], trips(limits[low - 1]) if low > 0 else math.inf)
+            low = mid
+    return low
 
 
 def search_floor_s(costs: StageCosts, slack: float | None = None) -> float:
