@@ -20,6 +20,7 @@ from torchalpa.passes.pipeline_search.layer_bound import (
     CannotBeat,
     LayerSums,
     layers_floor_s,
+    round_trip_floor_s,
     search_floor_s,
 )
 from torchalpa.passes.pipeline_search.layer_cache import SolveCache
@@ -113,6 +114,25 @@ def test_the_once_per_step_share_counts_once_after_the_forwards_before():
     one = LayerSums(sums.step_s[:, :1], sums.whole_s[:, :1])
     single = LayerFloors((1,), np.zeros((2, 1)), np.zeros(2), np.zeros(2))
     assert layers_floor_s(single, one, 2, 4, slack=0.0) == pytest.approx(4.25)
+
+
+def test_round_trips_bound_every_stage_and_its_tail():
+    """Two layers of 1 s per micro-batch on one device (0.4 s on two), forward's values
+    across the cut 0.5 s, 4 micro-batches on 2 devices. Two stages of one device: the
+    first starts micro-batch m + 2 after m's round trip, 1 + 1 + 2 x 0.5 = 3 s, so 2 x 3
+    s; the second runs 4 x 1 s. One stage on both: 4 x 0.8 s, no cut. The states decide
+    which fits."""
+    cuts = np.array([0.5])
+    step = np.array([[1.0, 0.4], [1.0, 0.4]])
+    floors = LayerFloors((1, 2), np.zeros((2, 2)), np.zeros(2), np.array([10.0, 10.0]))
+    assert round_trip_floor_s(floors, step, cuts, 2, 4) == pytest.approx(3.2)
+    apart = LayerFloors((1,), np.zeros((2, 1)), np.zeros(2), np.array([10.0, 10.0]))
+    assert round_trip_floor_s(apart, step[:, :1], cuts, 2, 4) == pytest.approx(6.0)
+    # one layer per device only (20 bytes do not fit 10 per device on one device's share)
+    assert round_trip_floor_s(floors, step, cuts, 2, 4, budget=9.0) == math.inf
+    # a layer barred from the two-device size: the two stages again
+    barred = np.array([[1.0, math.inf], [1.0, 0.4]])
+    assert round_trip_floor_s(floors, barred, cuts, 2, 4) == pytest.approx(6.0)
 
 
 def test_a_search_stops_before_its_stage_ilps_where_its_layers_cannot_beat():
