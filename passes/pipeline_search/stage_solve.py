@@ -94,16 +94,14 @@ def stage_request(graph: OpGraph, mesh: LogicalMesh, method: PipeshardParallel,
                         method.num_micro_batches)
 
 
-def plan_stage(request: StageRequest, memo: PricingMemo | None = None,
-               start_from: Plan | None = None) -> Plan:
-    """The stage's intra-op plan (``InfeasibleError`` if none fits); ``memo`` and
-    ``start_from`` (a plan of the stage found before, the solves' start): as in
+def plan_stage(request: StageRequest, memo: PricingMemo | None = None) -> Plan:
+    """The stage's intra-op plan (``InfeasibleError`` if none fits); ``memo``: as in
     ``plan_intra_op``."""
     graph = request.graph
     return plan_intra_op(graph, request.mesh, request.method, inputs=request.inputs,
                          in_flight=request.in_flight,
                          blocks=graph.meta.get("repeated_blocks") or None, memo=memo,
-                         step_micro_batches=request.micro_batches, start_from=start_from)
+                         step_micro_batches=request.micro_batches)
 
 
 def stage_time_lower_bound(request: StageRequest, memo: PricingMemo | None = None
@@ -169,14 +167,12 @@ def polished(request: StageRequest, found: Plan, memo: PricingMemo | None = None
     """The better of ``found`` (the search's plan of ``request``'s stage) and the stage
     re-solved with ``polish_option`` (the plan kept on a tie: the polished one, as the
     search made it before). Never slower than ``found`` by ``stage_seconds``; a re-solve
-    that finds nothing (``InfeasibleError``) keeps ``found``. The re-solve starts from
-    ``found`` (``plan_start.py``: a feasible point of the same problem, so HiGHS need not
-    search for one; optimal to the same gap)."""
+    that finds nothing (``InfeasibleError``) keeps ``found``."""
     method = request.method
     again = replace(request, method=replace(
         method, auto_sharding_option=polish_option(method.auto_sharding_option)))
     try:
-        plan = plan_stage(again, memo, start_from=found)
+        plan = plan_stage(again, memo)
     except InfeasibleError:
         return found
     return plan if stage_seconds(plan, request) <= stage_seconds(found, request) else found
