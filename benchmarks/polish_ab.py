@@ -18,7 +18,7 @@ timings left out); then each tree's CPU and HiGHS runs against the first tree's,
 whether the plans are the same. The plan's notes (what the polish did) are printed too.
 ``--small-gpt``: the tests' small GPT pipeline instead (``tests/search_models.py``: 4
 layers, 8 micro-batches on ``small_cluster()``) with every uniform partition priced
-(``stage_search.UNIFORM_MARGIN`` inf), the small case whose stages are all polished.
+(``stage_search.UNIFORM_MARGIN`` inf), a small case with a polished stage.
 """
 
 from __future__ import annotations
