@@ -3,7 +3,7 @@ in turn: CPU seconds, HiGHS runs, stage ILPs, the estimate and the plan.
 
     git -C /work/main archive HEAD | tar -x -C /tmp/base
     OMP_NUM_THREADS=1 python benchmarks/polish_ab.py /tmp/base . [--blocks 4]
-        [--micro-batches 200] [--rounds 1]
+        [--micro-batches 200] [--rounds 1] [--small-gpt]
 
 LLaMA-2-13B cut to ``--blocks`` decoder layers (batch 200 x 4096, one micro-batch of
 200 / k captured on the meta device) on target b's cluster (50 x 4 devices of 32 GB,
@@ -16,6 +16,9 @@ both see the same load. Prints per run the CPU seconds, HiGHS runs and their sec
 stage ILPs, the estimate and a hash of the plan JSON (``in_tree.plan_text``: notes and
 timings left out); then each tree's CPU and HiGHS runs against the first tree's, and
 whether the plans are the same. The plan's notes (what the polish did) are printed too.
+``--small-gpt``: the tests' small GPT pipeline instead (``tests/search_models.py``: 4
+layers, 8 micro-batches on ``small_cluster()``) with every uniform partition priced
+(``stage_search.UNIFORM_MARGIN`` inf), a small case with a polished stage.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from in_tree import import_tree, plan_text
 GB = 1024 ** 3
 
 
-def _one(root: str, blocks: int, k: int) -> dict:
-    """Plan the candidate with the tree at ``root``; its figures."""
+def _one(root: str, blocks: int, k: int, small_gpt: bool = False) -> dict:
+    """Plan the candidate with the tree at ``root`` (the small GPT's pipeline with
+    ``small_gpt``); its figures."""
     os.environ["TORCHALPA_CACHE"] = "0"
     import_tree(root)
     import torch
@@ -47,6 +51,8 @@ def _one(root: str, blocks: int, k: int) -> dict:
     from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
 
     assert torchalpa.__file__.startswith(root), (torchalpa.__file__, root)
+    if small_gpt:
+        return _small_gpt(root)
     w = zoo.llama2_13b(batch_size=200 // k).replace(num_layers=blocks)
     with torch.device("meta"):
         model, batch = w.build(), w.example_inputs()
@@ -78,16 +84,53 @@ def _one(root: str, blocks: int, k: int) -> dict:
             "plan": hashlib.sha256(text.encode()).hexdigest()[:16]}
 
 
+def _small_gpt(root: str) -> dict:
+    """The small GPT's pipeline, every uniform partition priced, planned by the tree at
+    ``root`` (imported already); its figures, as ``_one``'s."""
+    import math
+
+    sys.path.insert(0, os.path.join(root, "tests"))
+    from search_models import small_cluster, small_gpt_graph, small_pipeline
+
+    import torchalpa.passes.sharding.ilp_highs as ilp_highs
+    from torchalpa.passes.pipeline_search import stage_search
+    from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
+    stage_search.UNIFORM_MARGIN = math.inf
+    graph = small_gpt_graph(4)
+    runs = [0, 0.0]
+    solve = ilp_highs.solve_with_highs
+
+    def counted(*a, **kw):
+        start = time.process_time()
+        try:
+            return solve(*a, **kw)
+        finally:
+            runs[0] += 1
+            runs[1] += time.process_time() - start
+
+    ilp_highs.solve_with_highs = counted
+    cpu = time.process_time()
+    plan = plan_pipeline(graph, small_cluster(), small_pipeline(4), workers=1)
+    cpu = time.process_time() - cpu
+    text = plan_text(plan)
+    return {"cpu": cpu, "highs": runs[0], "highs_s": runs[1],
+            "stage_ilps": plan.estimates.stage_solves, "est": plan.estimates.step_time_s,
+            "stages": len(plan.stages), "notes": [n for n in plan.notes if "polish" in n],
+            "plan": hashlib.sha256(text.encode()).hexdigest()[:16]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("trees", nargs="+", help="source trees (git archives, or '.')")
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--micro-batches", type=int, default=200)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--small-gpt", action="store_true")
     p.add_argument("--one", metavar="ROOT", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(_one(os.path.abspath(args.one), args.blocks, args.micro_batches)))
+        print(json.dumps(_one(os.path.abspath(args.one), args.blocks, args.micro_batches,
+                              args.small_gpt)))
         return
     runs: dict[str, list[dict]] = {tree: [] for tree in args.trees}
     for _ in range(args.rounds):
@@ -95,7 +138,7 @@ def main() -> None:
             out = subprocess.run(
                 [sys.executable, os.path.abspath(__file__), "--one", os.path.abspath(tree),
                  "--blocks", str(args.blocks), "--micro-batches", str(args.micro_batches),
-                 *args.trees], capture_output=True, text=True, check=True)
+                 *(["--small-gpt"] if args.small_gpt else []), *args.trees], capture_output=True, text=True, check=True)
             run = json.loads(out.stdout.strip().splitlines()[-1])
             runs[tree].append(run)
             print(f"{tree}: {run['cpu']:7.1f} s CPU | {run['highs']} HiGHS runs "

@@ -255,8 +255,8 @@ def test_a_plan_estimated_over_the_budget_is_rejected_and_the_next_candidate_tri
     budget = 1e9
     solve, solved = auto._Search.solve, []
 
-    def first_over(self, c, settled=None):
-        plan = solve(self, c, settled)
+    def first_over(self, c, settled=None, **more):
+        plan = solve(self, c, settled, **more)
         solved.append(c)
         if len(solved) == 1:
             plan = dataclasses.replace(plan, estimates=dataclasses.replace(

@@ -43,6 +43,7 @@ from torchalpa.core.plan import PipelinePlan
 from torchalpa.core.progress import step
 from torchalpa.passes.pipeline_search.exact_stages import ExactStages
 from torchalpa.passes.pipeline_search.given_stages import manual_stages, uniform_stages
+from torchalpa.passes.pipeline_search.layer_bound import CannotBeat, search_floor_s
 from torchalpa.passes.pipeline_search.layer_cache import SolveCache, layer_signatures
 from torchalpa.passes.pipeline_search.layer_costs import LayerCosts, micro_batch_seconds
 from torchalpa.passes.pipeline_search.layers import assign_layers
@@ -73,7 +74,8 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
                   inputs: str = "global", measured: dict | None = None,
                   share_views: bool = True, solves: SolveCache | None = None,
                   pricing: PricingMemo | None = None,
-                  workers: int | None = None) -> PipelinePlan:
+                  workers: int | None = None,
+                  refuse_above: float | None = None) -> PipelinePlan:
     """Alpa's PipeshardParallel plan of ``graph`` (one micro-batch) on ``cluster``.
 
     ``measured``: seconds per micro-batch of each ``LayerProbe.key`` timed on the devices
@@ -85,7 +87,10 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
     what repeats exactly). ``pricing``: the pricing work its intra-op solves repeat
     (default: a new ``PricingMemo``; pass one to several searches on the same cluster,
     e.g. the remat captures, to price each resharding once). ``workers``: processes for
-    independent solves (default: one per core this process may use)."""
+    independent solves (default: one per core this process may use). ``refuse_above``: a
+    step time (seconds) the search need not beat (the best plan its caller holds): a
+    searched pipeline whose layers' own plans bound it at or above that stops after its
+    layer ILPs, before any stage ILP (``CannotBeat``, ``layer_bound.py``)."""
     start = time.perf_counter()
     if method.stage_option == "profile" and measured is None:
         raise ValueError("stage_option='profile' times layers on this job's devices: call "
@@ -100,7 +105,7 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
     costs = StageCosts(problem, layers)
     exact = ExactStages(problem, costs, cache)
     with clock_watch() as stops:     # forked workers' stops too (``stage_jobs``)
-        chosen = _choose_stages(costs, exact, workers, start)
+        chosen = _choose_stages(costs, exact, workers, start, refuse_above)
         searched = time.perf_counter()
         with step(f"pipeline of {len(chosen.stages)} stages, {method.num_micro_batches} "
                   "micro-batches: the stages' own plans") as phase:
@@ -138,7 +143,7 @@ class _Choice:
 
 
 def _choose_stages(costs: StageCosts, exact: ExactStages, workers: int,
-                   start: float) -> _Choice:
+                   start: float, refuse_above: float | None = None) -> _Choice:
     """The stages the method gives (by hand, uniform), or the search's."""
     problem = costs.problem
     method, cluster, L = problem.method, problem.cluster, problem.num_layers
@@ -149,11 +154,13 @@ def _choose_stages(costs: StageCosts, exact: ExactStages, workers: int,
     if isinstance(option, UniformStageOption):
         return _Choice(*uniform_stages(option, L, cluster, costs, method.num_micro_batches,
                                        method.pipeline_schedule))
-    return _search(costs, exact, workers, start)
+    return _search(costs, exact, workers, start, refuse_above)
 
 
-def _search(costs: StageCosts, exact: ExactStages, workers: int, start: float) -> _Choice:
-    """Every distinct layer priced on every searched view, then the stage search."""
+def _search(costs: StageCosts, exact: ExactStages, workers: int, start: float,
+            refuse_above: float | None = None) -> _Choice:
+    """Every distinct layer priced on every searched view, then the stage search (unless
+    the layers' plans bound the pipeline at ``refuse_above`` or more: ``CannotBeat``)."""
     problem, layers = costs.problem, costs.layers
     method, cluster, L = problem.method, problem.cluster, problem.num_layers
     B, schedule = method.num_micro_batches, method.pipeline_schedule
@@ -170,6 +177,13 @@ def _search(costs: StageCosts, exact: ExactStages, workers: int, start: float) -
     log.info("pipeline search: %d layer solves, %d more views priced with their "
              "class's plan, in %.1fs", layers.solves, layers.repriced,
              time.perf_counter() - start)
+    if layers.measured is None:
+        bound = search_floor_s(costs)
+        log.info("pipeline search, %d micro-batches: its layers' own plans bound it at "
+                 "%.6g s/step%s", B, bound, "" if refuse_above is None else
+                 f" (to beat: {refuse_above:.6g} s/step)")
+        if refuse_above is not None and bound >= refuse_above:
+            raise CannotBeat(bound, refuse_above)
     with step(f"pipeline search, {B} micro-batches: stage DP and exact stage solves"
               ) as phase:
         try:

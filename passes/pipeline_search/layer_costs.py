@@ -54,6 +54,7 @@ class Estimate:
     state: float
     activations: float     # peak of one micro-batch
     saved: float           # what one micro-batch holds between its forward and backward
+    once_share: float = 0.0   # of ``seconds``: its share of what runs once per step
 
 
 def micro_batch_seconds(estimates: Estimates, num_micro_batches: int) -> float:
@@ -74,9 +75,11 @@ def estimate_of(plan: Plan | None, num_micro_batches: int) -> Estimate | None:
     if plan is None:
         return None
     e = plan.estimates
-    return Estimate(micro_batch_seconds(e, num_micro_batches),
-                    known(e.model_state_bytes_per_device), known(e.activation_bytes_per_device),
-                    known(e.saved_activation_bytes_per_device))
+    seconds = micro_batch_seconds(e, num_micro_batches)
+    return Estimate(seconds, known(e.model_state_bytes_per_device),
+                    known(e.activation_bytes_per_device),
+                    known(e.saved_activation_bytes_per_device),
+                    seconds - (known(e.step_time_s) - (e.once_per_step_s or 0.0)))
 
 
 def stage_memory(parts: list[Estimate], in_flight_batches: int) -> float:
@@ -285,6 +288,13 @@ class LayerCosts:
             fastest = self.layer_estimate(l, view, submesh, False)
             extra = max(0.0, estimate.seconds - fastest.seconds) if fastest else 0.0
         return replace(estimate, seconds=timed + extra)
+
+    def solved_estimate(self, l: int, view: View, submesh: Submesh, lean: bool
+                        ) -> tuple[bool, Estimate | None]:
+        """Whether layer ``l`` was solved on ``view`` already, and its ``Estimate`` there
+        (None: no plan fits); nothing is solved here (what ``layer_bound.py`` reads)."""
+        key = self._key(l, view, submesh, lean)
+        return (True, self.cache.peek(key)) if key in self.cache else (False, None)
 
     def range_seconds(self, k: int, i: int, view: View, submesh: Submesh) -> float | None:
         """Measured seconds of layers k..i on a view, if every one was timed."""

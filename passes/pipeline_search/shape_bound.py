@@ -116,12 +116,23 @@ def layer_floors(graph: OpGraph, layer: dict[str, int], cluster: Cluster, *,
 
 
 def pipeline_floor_s(floors: LayerFloors, num_devices: int, num_micro_batches: int,
-                     budget: float = math.inf) -> float:
+                     budget: float = math.inf, fill_s: np.ndarray | None = None) -> float:
     """Seconds a pipeline of ``num_micro_batches`` micro-batches over ``num_devices``
     devices must at least take, whatever its stages (module doc); inf where no cut of the
-    layers fits ``budget`` bytes per device by its states alone."""
+    layers fits ``budget`` bytes per device by its states alone. A layer whose
+    ``device_s`` is inf at a size is never on a stage of that size. ``fill_s``: per layer
+    and size, what a stage holding it adds at least to the fill of the stages after it
+    where that is less than ``device_s`` (``layer_bound.py``: its forward only); default
+    ``device_s`` (forward and backward, the fill and the drain)."""
     L, B = len(floors.host_s), num_micro_batches
-    device = np.vstack([np.zeros((1, len(floors.sizes))), np.cumsum(floors.device_s, axis=0)])
+    top = np.zeros((1, len(floors.sizes)))
+    # a layer may be barred from a size (inf: ``layer_bound.py``): counted apart, so that
+    # the sums of the ranges without one stay finite
+    barred = np.vstack([top, np.cumsum(~np.isfinite(floors.device_s), axis=0)])
+    device = np.vstack([top, np.cumsum(np.where(np.isfinite(floors.device_s),
+                                                floors.device_s, 0.0), axis=0)])
+    fill = device if fill_s is None else \
+        np.vstack([top, np.cumsum(np.where(np.isfinite(fill_s), fill_s, 0.0), axis=0)])
     host = np.concatenate([[0.0], np.cumsum(floors.host_s)])
     states = np.concatenate([[0.0], np.cumsum(floors.state_bytes)])
     # best[k, d]: the least max over the stages of layers k.. on d devices of
@@ -132,10 +143,11 @@ def pipeline_floor_s(floors: LayerFloors, num_devices: int, num_micro_batches: i
         for i in range(k, L):
             held = states[i + 1] - states[k]
             for j, size in enumerate(floors.sizes):
-                if size > num_devices or held / size > budget:
+                if size > num_devices or held / size > budget or barred[i + 1, j] > barred[k, j]:
                     continue
                 t = max(device[i + 1, j] - device[k, j], host[i + 1] - host[k])
+                t_fill = t if fill_s is None else fill[i + 1, j] - fill[k, j]
                 rest = best[i + 1, :num_devices + 1 - size]
-                step = np.maximum(B * t, t + rest)
+                step = np.maximum(B * t, t_fill + rest)
                 best[k, size:] = np.minimum(best[k, size:], step)
     return float(best[0, num_devices])

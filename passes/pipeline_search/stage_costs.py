@@ -43,6 +43,9 @@ class StageCosts:
         # each stage also priced with its activations recomputed (passes/pipeline_search/stage_recompute.py)
         self.stage_recompute = stage_recompute_allowed(problem.method, problem.graph)
         self.send_bytes = self._boundary_bytes()
+        # of those, what forward sends on to a later layer (what a pipeline's schedule
+        # waits on in both directions: ``pipeline_assembly.pipeline_estimates``)
+        self.forward_bytes = self._boundary_bytes(forward=True)
         self._received: dict[tuple[int, int], float] = {}
         self._sends: dict[tuple[int, int], tuple] = {}   # (cut, id(mesh)) -> (mesh, seconds)
 
@@ -54,9 +57,10 @@ class StageCosts:
                 self.problem.graph, lambda name: k <= layer[name] <= i)
         return self._received[k, i]
 
-    def _boundary_bytes(self) -> list[list[tuple[TensorSpec, bool]]]:
-        """The values crossing the cut after layer l (both directions, one micro-batch),
-        each with whether its dim 0 is the batch."""
+    def _boundary_bytes(self, forward: bool = False) -> list[list[tuple[TensorSpec, bool]]]:
+        """The values crossing the cut after layer l (both directions, one micro-batch;
+        ``forward``: only forward's values sent on to a later layer), each with whether
+        its dim 0 is the batch."""
         graph, layer = self.problem.graph, self.problem.layer
         out: list[list[tuple[TensorSpec, bool]]] = [[] for _ in range(self.problem.num_layers)]
         batched = {ValueRef(n, i) for (n, i), dims in batch_dims(graph).items() if 0 in dims}
@@ -67,7 +71,8 @@ class StageCosts:
                 # the batch is on every stage; parameters (and gradient parts only summed
                 # into a parameter's gradient) cross once per step, not per micro-batch
                 if a != b and graph.node(ref.node).kind != "input" and (ref, b) not in seen \
-                        and not once_per_step(graph, ref, layer, b):
+                        and not once_per_step(graph, ref, layer, b) and \
+                        (not forward or (a < b and graph.node(ref.node).phase == "forward")):
                     seen.add((ref, b))
                     for cut in range(min(a, b), max(a, b)):
                         out[cut].append((graph.spec(ref), ref in batched))
@@ -94,14 +99,34 @@ class StageCosts:
                 seconds += t
         return seconds
 
+    def forward_seconds(self, cut: int, mesh: LogicalMesh) -> float:
+        """Seconds to send forward's values crossing ``cut`` on to the layers after it
+        (``forward_bytes``), priced as ``send_seconds`` prices each value on ``mesh``."""
+        return sum(self._value_seconds(self.forward_bytes[cut], mesh, self._link()))
+
+    def _link(self) -> float:
+        cluster = self.problem.cluster
+        return cluster.inter_node_bandwidth if cluster.num_nodes > 1 else \
+            cluster.intra_node_bandwidth
+
     def _cut_seconds(self, cut: int, mesh: LogicalMesh, link: float) -> tuple[float, ...]:
         """Seconds of each value crossing ``cut`` (``send_bytes[cut]``'s order) on ``mesh``."""
         key = (cut, id(mesh))
         found = self._sends.get(key)
         if found is not None and found[0] is mesh:
             return found[1]
+        out = self._value_seconds(self.send_bytes[cut], mesh, link)
+        self._sends[key] = (mesh, tuple(out))     # the mesh kept: its id stays its own
+        return self._sends[key][1]
+
+    @staticmethod
+    def _value_seconds(values: list[tuple[TensorSpec, bool]], mesh: LogicalMesh,
+                       link: float) -> list[float]:
+        """Seconds of each of ``values`` sent to a stage on ``mesh``: batch-first ones split
+        over its first axis, each then whole or in chunks re-gathered over its last axis,
+        whichever is cheaper."""
         out = []
-        for spec, batched in self.send_bytes[cut]:
+        for spec, batched in values:
             split = batch_split_of(spec, mesh.shape) if batched else 1
             t = Transfer("", 0, 0, 0, "forward", spec.nbytes, batch_split=split)
             whole = transfer_seconds(t, [mesh], link)
@@ -109,8 +134,7 @@ class StageCosts:
             if n > 1 and (split == 1 or len(mesh.shape) > 1) and spec.numel // split % n == 0:
                 whole = min(whole, transfer_seconds(replace(t, split=n), [mesh], link))
             out.append(whole)
-        self._sends[key] = (mesh, tuple(out))     # the mesh kept: its id stays its own
-        return self._sends[key][1]
+        return out
 
     def candidates(self, k: int, i: int, submesh: Submesh, in_flight_batches: int
                    ) -> list[Candidate]:

@@ -24,7 +24,10 @@ search
    ``passes/pipeline_search/shape_bound.py``: the fill and drain of any cut of its
    layers, each stage's launches, kernel floors and host time, its states on its
    devices, from its own capture) and not solved where that cannot beat the plan by more
-   than the tolerance either. The search is bounded by work (the candidates'
+   than the tolerance either; and where that bound lets it through, its search stops
+   after its layer ILPs, before any stage ILP, when its layers' own plans bound it
+   (``passes/pipeline_search/layer_bound.py``) at what cannot beat the plan by more than
+   the tolerance. The search is bounded by work (the candidates'
    bounds, the solver's node limit ``AutoShardingOption.max_nodes``), not by seconds,
    so the same job gives the same plan on any machine at any load;
    ``time_budget_s`` is only a safety net, and when it fires the plan's notes say so
@@ -110,6 +113,11 @@ SETTLED = "views settled without an ILP: "
 
 STAGE_BOUND = "cannot beat "
 """How an attempt's detail begins when its stages' bound refused it (``stage_bound``)."""
+
+LAYER_BOUND = "bounded by its layers' own plans at "
+"""How an attempt's detail begins when its layers' own plans (or those of a candidate
+that recomputes less) bounded it above the best plan in hand
+(``passes/pipeline_search/layer_bound.py``)."""
 
 
 @dataclass(frozen=True)
@@ -230,6 +238,8 @@ class _Search:
         self.sharing: dict = {}
         self.profiles: dict = {}                       # remat -> its bounds (StepProfile)
         self.stage_bounds: dict[tuple, float] = {}     # pipeline -> ``stage_bound``
+        # pipelines stopped after their layer ILPs -> the bound their layers' plans gave
+        self.layer_bounds: dict[Candidate, float] = {}
         from torchalpa.frontends.rebatch import MicroBatchSteps
         from torchalpa.frontends.rebatch_check import RecordCheck
         from torchalpa.frontends.torch_export import record_step
@@ -526,10 +536,12 @@ class _Search:
                              optimizer=self.method.optimizer)
 
     def solve(self, c: Candidate, settled: dict[int, tuple[str, bool]] | None = None,
-              starts: dict[int, Plan] | None = None):
+              starts: dict[int, Plan] | None = None, refuse_above: float | None = None):
         """The plan of candidate ``c`` (an InfeasibleError when it does not fit);
         ``settled``: its views not to solve (``settled_views``); ``starts``: view -> a plan
-        of ``c`` there, its ILP's start (``plan_graph``'s)."""
+        of ``c`` there, its ILP's start (``plan_graph``'s); ``refuse_above``: a pipeline's
+        search stops after its layer ILPs where they bound it at that or more
+        (``layer_bound.CannotBeat``)."""
         option = self.sharding_option(c)
         captured = self.capture(c.num_micro_batches, c.remat, c.regather)
         if c.kind == "intra-op":
@@ -563,7 +575,8 @@ class _Search:
             assert isinstance(self.cluster, Cluster), "pipelines are planned on a Cluster"
             with self.timed("pipeline searches (layer ILPs, stage DP)"):
                 plan = plan_pipeline(captured.graph, self.cluster, method, inputs=self.inputs,
-                                     solves=self.solves, pricing=self.pricing)
+                                     solves=self.solves, pricing=self.pricing,
+                                     refuse_above=refuse_above)
         from torchalpa.passes.sharding.remat_choice import remat_note
         plan = replace(plan, method={**plan.method, "remat": c.remat},
                        notes=tuple(plan.notes) + (remat_note(c.remat, captured.graph),))
@@ -642,7 +655,7 @@ class _Search:
         single_node_fallback = self.nodes == 1 and self.method.pipeline is None
         first = [c for c in candidates if not (single_node_fallback and c.kind == "pipeline")]
         self.gap, self.steps, self.polished, self.polish_note = self.search_gap(), {}, 0, ""
-        self.found = {}
+        self.found, self.layer_bounds = {}, {}
         try:
             self.solve_in_order(first)
             if not self.plans and len(first) < len(candidates):
@@ -723,6 +736,7 @@ class _Search:
         time budget is spent once a plan is in hand. A candidate bounded by another
         mode's capture gets its own bounds when reached, and goes back in line by them
         (or is refused by them): the order is the one exact bounds give."""
+        from torchalpa.passes.pipeline_search.layer_bound import CannotBeat
         from torchalpa.passes.sharding.ilp import InfeasibleError
         candidates = list(candidates)
         i = -1
@@ -741,6 +755,13 @@ class _Search:
             refused = self.refusal(c)
             if refused is not None:
                 self.attempts.append(refused)
+                continue
+            lighter = self.stopped_lighter(c)
+            if best is not None and lighter is not None and \
+                    self.layer_bounds[lighter] * (1 + self.method.tolerance) >= best[0]:
+                self.attempts.append(Attempt(c, "not needed", detail=(
+                    f"{LAYER_BOUND}{self.layer_bounds[lighter]:.4g} s/step, those of "
+                    f"{lighter.describe()}, which recomputes less (a bound)")))
                 continue
             if not c.exact:
                 self.requeue_exact(candidates, i)
@@ -763,7 +784,16 @@ class _Search:
                       f"(bound {c.bound_s:.4g} s/step; {more} more at most) solving"
                       ) as progress:
                 try:
-                    plan = self.solve(c, settled)
+                    plan = self.solve(c, settled, refuse_above=None if best is None else
+                                      best[0] / (1 + self.method.tolerance))
+                except CannotBeat as e:
+                    self.layer_bounds[c] = e.bound_s
+                    self.attempts.append(Attempt(
+                        c, "not needed", seconds=time.perf_counter() - start,
+                        detail=f"{LAYER_BOUND}{e.bound_s:.4g} s/step, stopped after its "
+                               "layer ILPs (a bound)"))
+                    progress.done = f"cannot beat {best[0]:.4g} s/step" if best else ""
+                    continue
                 except InfeasibleError as e:
                     # where a view was settled by dominance, c may fit there: not "does not fit"
                     dominated = any(by for _, by in settled.values())
@@ -789,6 +819,19 @@ class _Search:
                                              time.perf_counter() - start))
                 self.plans.append((step_s, plan, c))
                 progress.done = f"est {step_s:.4g} s/step"
+
+    def stopped_lighter(self, c: Candidate) -> Candidate | None:
+        """A pipeline candidate alike but for recomputing at most what ``c`` does whose
+        search its layers' own plans stopped (``layer_bounds``), the highest bound first:
+        recomputing only adds work to every layer's plan (as the candidates' time bounds
+        have it), so that bound is ``c``'s too, and ``c`` needs no layer ILP of its own."""
+        from torchalpa.passes.sharding.layer_remat import more_recompute
+        if c.kind != "pipeline":
+            return None
+        alike = [p for p in self.layer_bounds
+                 if (p.num_micro_batches, p.regather) == (c.num_micro_batches, c.regather)
+                 and more_recompute(p.remat, c.remat)]
+        return max(alike, key=lambda p: self.layer_bounds[p], default=None)
 
     def refusal(self, c: Candidate) -> Attempt | None:
         """Why ``c`` need not be solved, from what the candidates before it found: a
@@ -919,6 +962,7 @@ class _Search:
         rest = total - sum(self.seconds.values())
         settled = sum(1 for a in self.attempts if a.detail.startswith(SETTLED))
         staged = sum(1 for a in self.attempts if a.detail.startswith(STAGE_BOUND))
+        layered = sum(1 for a in self.attempts if a.detail.startswith(LAYER_BOUND))
         from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
         steps = self.captures
         return (f"AutoParallel planned in {total:.1f} s: " + ", ".join(parts)
@@ -931,7 +975,9 @@ class _Search:
                    if self.settled else "")
                 + (f"; {settled} candidates settled without an ILP" if settled else "")
                 + (f"; {staged} pipeline candidates refused by their stages' bound, "
-                   "before their layer ILPs" if staged else ""))
+                   "before their layer ILPs" if staged else "")
+                + (f"; {layered} pipeline candidates refused by their layers' own plans, "
+                   "before their stage ILPs" if layered else ""))
 
     def nothing_fits(self) -> str:
         """What was tried, and what would fit (by the bounds)."""
