@@ -69,6 +69,25 @@ def test_polish_never_makes_a_stage_slower(request_, monkeypatch):
     assert polished(request_, freed) is freed
 
 
+def test_a_polish_that_cannot_fit_keeps_the_plan_and_solves_no_least_memory(
+        request_, monkeypatch):
+    """A re-solve with no plan within the budget (here a budget of 10 kB) keeps the search's
+    plan; the least memory a plan would need, which nobody reads there, is not solved (up
+    to 20 ILPs, ``intra_op._minimum_memory``)."""
+    from torchalpa.passes.sharding import intra_op
+    found = plan_stage(_with(request_, exact_below=0))
+    calls: list[object] = []
+    real = intra_op._minimum_memory
+    monkeypatch.setattr(intra_op, "_minimum_memory",
+                        lambda *a, **k: calls.append(a) or real(*a, **k))
+    tight = _with(request_, memory_budget_per_device=10_000)
+    with pytest.raises(intra_op.InfeasibleError, match="needs at least"):
+        plan_stage(tight)   # said where a caller sees it
+    calls.clear()
+    assert polished(tight, found) is found
+    assert calls == []
+
+
 def test_a_searched_pipeline_is_polished_never_slower_and_says_so(monkeypatch):
     """The small GPT's pipeline search, polished and not (``POLISH_BELOW`` 0: the same
     search, the same stages picked): each stage's plan polished is at most as slow, the

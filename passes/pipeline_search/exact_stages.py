@@ -41,6 +41,7 @@ from torchalpa.passes.pipeline_search.stage_solve import (
 from torchalpa.passes.pipeline_search.transplant import transplant
 from torchalpa.passes.pricing.memory import in_flight_bytes
 from torchalpa.passes.sharding.ilp import InfeasibleError, MemoryNotSettled, SolverStopped
+from torchalpa.passes.sharding.intra_op import least_memory_unsaid
 
 __all__ = ["ExactStages"]
 
@@ -385,10 +386,12 @@ class ExactStages:
             option = search_option(option or method.auto_sharding_option, budget, len(sub))
             self.exact_solves += 1
             try:
-                plan = plan_stage(StageRequest(
-                    sub, mesh, method.intra_op_method(option), self.problem.inputs,
-                    1 if received is not None else in_flight_batches,
-                    method.num_micro_batches), self.memo)
+                # a stage that does not fit is only skipped: its least memory unsolved
+                with least_memory_unsaid():
+                    plan = plan_stage(StageRequest(
+                        sub, mesh, method.intra_op_method(option), self.problem.inputs,
+                        1 if received is not None else in_flight_batches,
+                        method.num_micro_batches), self.memo)
             except (SolverStopped, MemoryNotSettled):
                 continue        # not a proof that none fits
             except InfeasibleError:

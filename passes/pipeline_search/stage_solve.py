@@ -23,7 +23,11 @@ from torchalpa.passes.pipeline_search.layer_costs import micro_batch_seconds
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.pipeline_search.stage_recompute import recompute_option
 from torchalpa.passes.sharding.ilp import InfeasibleError
-from torchalpa.passes.sharding.intra_op import plan_intra_op, step_time_lower_bound
+from torchalpa.passes.sharding.intra_op import (
+    least_memory_unsaid,
+    plan_intra_op,
+    step_time_lower_bound,
+)
 
 __all__ = ["StageRequest", "stage_request", "plan_stage", "search_option", "polish_option",
            "polished", "polishes", "stage_seconds", "stage_time_lower_bound", "POLISH_BELOW",
@@ -167,12 +171,14 @@ def polished(request: StageRequest, found: Plan, memo: PricingMemo | None = None
     """The better of ``found`` (the search's plan of ``request``'s stage) and the stage
     re-solved with ``polish_option`` (the plan kept on a tie: the polished one, as the
     search made it before). Never slower than ``found`` by ``stage_seconds``; a re-solve
-    that finds nothing (``InfeasibleError``) keeps ``found``."""
+    that finds nothing (``InfeasibleError``) keeps ``found``, so the least memory such a
+    re-solve would need is never solved (``least_memory_unsaid``)."""
     method = request.method
     again = replace(request, method=replace(
         method, auto_sharding_option=polish_option(method.auto_sharding_option)))
     try:
-        plan = plan_stage(again, memo)
+        with least_memory_unsaid():
+            plan = plan_stage(again, memo)
     except InfeasibleError:
         return found
     return plan if stage_seconds(plan, request) <= stage_seconds(found, request) else found
