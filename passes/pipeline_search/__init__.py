@@ -3,6 +3,8 @@ pipeline's plan.
 
 - ``inter_op``: the pass's entry (PipeshardParallel): layers -> stages on submeshes -> plans.
 - ``layers``: layers, the contiguous groups of ops stages are made of.
+- ``layer_bound``: a searched pipeline's bound by its layers' own plans, read before any
+  stage ILP.
 - ``layer_costs``: per-layer estimates, each distinct layer planned on every searched view.
 - ``layer_cache``: structural keys of layers and stages, and a cache of their solves.
 - ``stage_search``: the search, Alpa's stage DP with the deciding stages priced exactly.

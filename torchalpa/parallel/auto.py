@@ -803,22 +803,23 @@ class _Search:
                         if dominated else str(e).splitlines()[0]))
                     progress.done = "does not fit"
                     continue
-                est = plan.estimates
-                over = self.over_budget(plan)
-                if over:        # the solver's memory model and the estimate's disagree:
-                    # its views' peaks settle no other candidate's views either
-                    self.views = [v for v in self.views if v[0] is not c]
-                    self.attempts.append(Attempt(c, "over the budget",
-                                                 seconds=time.perf_counter() - start,
-                                                 detail=over))
-                    progress.done = "over the budget"
-                    continue
-                step_s = known(est.step_time_s)
-                self.attempts.append(Attempt(c, "planned", step_s,
-                                             est.memory_per_device_bytes,
-                                             time.perf_counter() - start))
-                self.plans.append((step_s, plan, c))
-                progress.done = f"est {step_s:.4g} s/step"
+                progress.done = self.record(c, plan, time.perf_counter() - start)
+
+    def record(self, c: Candidate, plan: Plan | PipelinePlan, seconds: float) -> str:
+        """Keep ``c``'s ``plan`` (solved in ``seconds``) among the plans in hand, or refuse it
+        where its estimate is over the budget; what the progress line ends with."""
+        est = plan.estimates
+        over = self.over_budget(plan)
+        if over:        # the solver's memory model and the estimate's disagree:
+            # its views' peaks settle no other candidate's views either
+            self.views = [v for v in self.views if v[0] is not c]
+            self.attempts.append(Attempt(c, "over the budget", seconds=seconds, detail=over))
+            return "over the budget"
+        step_s = known(est.step_time_s)
+        self.attempts.append(Attempt(c, "planned", step_s, est.memory_per_device_bytes,
+                                     seconds))
+        self.plans.append((step_s, plan, c))
+        return f"est {step_s:.4g} s/step"
 
     def stopped_lighter(self, c: Candidate) -> Candidate | None:
         """A pipeline candidate alike but for recomputing at most what ``c`` does whose
