@@ -45,7 +45,6 @@ def _one(root: str, blocks: int, k: int, small_gpt: bool = False) -> dict:
 
     import torchalpa
     import torchalpa.models as zoo
-    import torchalpa.passes.sharding.ilp_highs as ilp_highs
     from torchalpa.core.options import PipeshardParallel
     from torchalpa.frontends.torch_export import capture
     from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
@@ -62,26 +61,8 @@ def _one(root: str, blocks: int, k: int, small_gpt: bool = False) -> dict:
                                 intra_node_bandwidth=100e9, intra_node_latency=1e-6,
                                 inter_node_bandwidth=1e9, inter_node_latency=1e-6,
                                 name="v100-like 32GB")
-    runs = [0, 0.0]
-    solve = ilp_highs.solve_with_highs
-
-    def counted(*a, **kw):
-        start = time.process_time()
-        try:
-            return solve(*a, **kw)
-        finally:
-            runs[0] += 1
-            runs[1] += time.process_time() - start
-
-    ilp_highs.solve_with_highs = counted
-    cpu = time.process_time()
-    plan = plan_pipeline(graph, cluster, PipeshardParallel(num_micro_batches=k), workers=1)
-    cpu = time.process_time() - cpu
-    text = plan_text(plan)
-    return {"cpu": cpu, "highs": runs[0], "highs_s": runs[1],
-            "stage_ilps": plan.estimates.stage_solves, "est": plan.estimates.step_time_s,
-            "stages": len(plan.stages), "notes": [n for n in plan.notes if "polish" in n],
-            "plan": hashlib.sha256(text.encode()).hexdigest()[:16]}
+    return _measured(lambda: plan_pipeline(graph, cluster, PipeshardParallel(num_micro_batches=k),
+                                           workers=1))
 
 
 def _small_gpt(root: str) -> dict:
@@ -92,11 +73,17 @@ def _small_gpt(root: str) -> dict:
     sys.path.insert(0, os.path.join(root, "tests"))
     from search_models import small_cluster, small_gpt_graph, small_pipeline
 
-    import torchalpa.passes.sharding.ilp_highs as ilp_highs
     from torchalpa.passes.pipeline_search import stage_search
     from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
     stage_search.UNIFORM_MARGIN = math.inf
     graph = small_gpt_graph(4)
+    return _measured(lambda: plan_pipeline(graph, small_cluster(), small_pipeline(4), workers=1))
+
+
+def _measured(plan_call) -> dict:
+    """Run ``plan_call`` (a pipeline plan) counting its HiGHS runs and their CPU: its CPU,
+    HiGHS runs and seconds, stage ILPs, estimate, stages, polish notes and plan hash."""
+    import torchalpa.passes.sharding.ilp_highs as ilp_highs
     runs = [0, 0.0]
     solve = ilp_highs.solve_with_highs
 
@@ -110,7 +97,7 @@ def _small_gpt(root: str) -> dict:
 
     ilp_highs.solve_with_highs = counted
     cpu = time.process_time()
-    plan = plan_pipeline(graph, small_cluster(), small_pipeline(4), workers=1)
+    plan = plan_call()
     cpu = time.process_time() - cpu
     text = plan_text(plan)
     return {"cpu": cpu, "highs": runs[0], "highs_s": runs[1],
