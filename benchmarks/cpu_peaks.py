@@ -73,14 +73,31 @@ def variants(w, batch, dtype: str):
             "loss.backward": runtime("loss.backward")}
 
 
-def run_one(name: str, label: str, dtype: str) -> dict:
-    """One variant in this process: its peak (and the plan's estimate)."""
-    config, batch_size = CONFIGS[name]
-    w = zoo.Workload(name, zoo.FAMILIES[name].tiny_config(**config), batch_size)
+def measure(w, label: str, dtype: str) -> dict:
+    """Workload ``w``'s variant ``label`` in this process: its peak and the plan's estimate
+    (None for eager)."""
     torch.manual_seed(0)
     batch = w.example_inputs()
     measured = peak_allocated(variants(w, batch, dtype)[label])
     return {"peak": measured.peak, "plan": measured.result}
+
+
+def in_own_process(script: str, *args: str) -> dict | str:
+    """Run ``script --one ARGS`` in a process of its own (its allocations are its own) and
+    return the JSON line it prints last, or the end of its error output."""
+    out = subprocess.run([sys.executable, os.path.abspath(script), "--one", *args],
+                         capture_output=True, text=True)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
+    if out.returncode or not lines:
+        return out.stderr.strip()[-300:]
+    return json.loads(lines[-1])
+
+
+def run_one(name: str, label: str, dtype: str) -> dict:
+    """One variant of zoo model ``name`` in this process."""
+    config, batch_size = CONFIGS[name]
+    return measure(zoo.Workload(name, zoo.FAMILIES[name].tiny_config(**config), batch_size),
+                   label, dtype)
 
 
 def main():
@@ -97,14 +114,10 @@ def main():
     for name in args.models:
         eager_peak = None
         for label in ("eager", "train_step", "loss.backward"):
-            # a process per variant: its allocations are its own
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", name,
-                                  label, "--dtype", args.dtype], capture_output=True, text=True)
-            lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
-            if out.returncode or not lines:
-                print(f"{name:<8}{label:<15}failed: {out.stderr.strip()[-200:]}")
+            r = in_own_process(__file__, name, label, "--dtype", args.dtype)
+            if isinstance(r, str):
+                print(f"{name:<8}{label:<15}failed: {r[-200:]}")
                 continue
-            r = json.loads(lines[-1])
             eager_peak = eager_peak or r["peak"]
             plan = r["plan"]
             cells = f"{plan / MiB:10.2f}{plan / r['peak']:10.2f}" if plan else " " * 20

@@ -16,15 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 
-import torch
-from cpu_peaks import MiB, variants
+from cpu_peaks import MiB, in_own_process, measure
 
 import torchalpa.models as zoo
-from torchalpa.runtime.measurement.allocated import peak_allocated
 
 CONFIG = dict(vocab_size=8192, max_seq_len=128, num_layers=2, num_heads=4, hidden=64,
               dropout=0.0)
@@ -34,12 +29,9 @@ LABELS = ("eager", "train_step")
 
 
 def run_one(loss: str, label: str, dtype: str) -> dict:
-    """One variant in this process: its peak (and the plan's estimate)."""
-    w = zoo.Workload("gpt", zoo.GPTConfig(**CONFIG, loss=loss), BATCH)
-    torch.manual_seed(0)
-    batch = w.example_inputs()
-    measured = peak_allocated(variants(w, batch, dtype)[label])
-    return {"peak": measured.peak, "plan": measured.result}
+    """One variant with loss ``loss`` in this process."""
+    return measure(zoo.Workload("gpt", zoo.GPTConfig(**CONFIG, loss=loss), BATCH), label,
+                   dtype)
 
 
 def main():
@@ -58,13 +50,10 @@ def main():
     for label in LABELS:
         peaks = {}
         for loss in LOSSES:
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", loss,
-                                  label, "--dtype", args.dtype], capture_output=True, text=True)
-            lines = [x for x in out.stdout.splitlines() if x.startswith("{")]
-            if out.returncode or not lines:
-                print(f"{label:<12}{loss:<7}failed: {out.stderr.strip()[-300:]}")
+            r = in_own_process(__file__, loss, label, "--dtype", args.dtype)
+            if isinstance(r, str):
+                print(f"{label:<12}{loss:<7}failed: {r}")
                 continue
-            r = json.loads(lines[-1])
             peaks[loss] = r["peak"]
             plan = r["plan"]
             cells = f"{plan / MiB:10.2f}{plan / r['peak']:10.2f}" if plan else " " * 20

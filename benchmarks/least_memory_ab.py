@@ -25,31 +25,17 @@ import time
 
 os.environ["TORCHALPA_CACHE"] = "0"
 
-import torch  # noqa: E402
+from _planning import HIGHS, count_highs, target_a  # noqa: E402
 
 import torchalpa  # noqa: E402
-import torchalpa.models as zoo  # noqa: E402
 from torchalpa.parallel import auto  # noqa: E402
 from torchalpa.parallel.shard import blocks_of  # noqa: E402
-from torchalpa.passes.sharding import ilp_highs, intra_op  # noqa: E402
+from torchalpa.passes.sharding import intra_op  # noqa: E402
 from torchalpa.passes.sharding.ilp import InfeasibleError  # noqa: E402
-
-HIGHS: list[float] = []
-"""CPU seconds of each HiGHS run since the list was last cleared."""
 
 
 class _Done(Exception):
     """Raised once the views are measured: the search goes no further."""
-
-
-def _counted(solve):
-    def run(model, **kwargs):
-        cpu = time.process_time()
-        try:
-            return solve(model, **kwargs)
-        finally:
-            HIGHS.append(time.process_time() - cpu)
-    return run
 
 
 def _measure(args):
@@ -98,15 +84,11 @@ def main() -> None:
     p.add_argument("--regather", action="store_true")
     p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
-    ilp_highs.solve_with_highs = _counted(ilp_highs.solve_with_highs)
+    count_highs()
     auto._Search.solve_in_order = _measure(args)
-    w = zoo.llama3_8b().replace(num_layers=args.layers)
-    with torch.device("meta"):
-        model = w.build()
-    batch = w.example_inputs(device="meta")
+    w, model, batch, cluster, precision = target_a(args.layers)
     with contextlib.suppress(_Done):
-        torchalpa.plan(model, batch, w.loss_fn, cluster=torchalpa.Cluster.h100(1, 8),
-                       mixed_precision=torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
+        torchalpa.plan(model, batch, w.loss_fn, cluster=cluster, mixed_precision=precision)
 
 
 if __name__ == "__main__":

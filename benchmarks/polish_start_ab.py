@@ -23,30 +23,15 @@ import time
 
 os.environ["TORCHALPA_CACHE"] = "0"
 
-import torch  # noqa: E402
+from _planning import HIGHS, count_highs, target_a  # noqa: E402
 from in_tree import plan_text  # noqa: E402
 
-import torchalpa  # noqa: E402
-import torchalpa.models as zoo  # noqa: E402
 from torchalpa.core.options import AutoShardingOption, ShardParallel  # noqa: E402
 from torchalpa.parallel.auto import derived_capture  # noqa: E402
 from torchalpa.parallel.shard import blocks_of  # noqa: E402
 from torchalpa.parallel.workflow import capture_examples, capture_step, with_precision  # noqa: E402
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo  # noqa: E402
-from torchalpa.passes.sharding import ilp_highs, intra_op  # noqa: E402
-
-HIGHS: list[float] = []
-"""CPU seconds of each HiGHS run since the list was last cleared."""
-
-
-def _counted(solve):
-    def run(model, **kwargs):
-        cpu = time.process_time()
-        try:
-            return solve(model, **kwargs)
-        finally:
-            HIGHS.append(time.process_time() - cpu)
-    return run
+from torchalpa.passes.sharding import intra_op  # noqa: E402
 
 
 def main() -> None:
@@ -56,13 +41,9 @@ def main() -> None:
     p.add_argument("--candidates", nargs="+", default=["none:4", "full:1:4"])
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
-    ilp_highs.solve_with_highs = _counted(ilp_highs.solve_with_highs)
-    w = zoo.llama3_8b().replace(num_layers=args.layers)
-    with torch.device("meta"):
-        model = w.build()
-    model = with_precision(model, torchalpa.MixedPrecision(param_dtype=torch.bfloat16))
-    batch = w.example_inputs(device="meta")
-    cluster = torchalpa.Cluster.h100(1, 8)
+    count_highs()
+    w, model, batch, cluster, precision = target_a(args.layers)
+    model = with_precision(model, precision)
     plain: dict[int, object] = {}
     ratios = []
     for spec in args.candidates:
