@@ -3,7 +3,13 @@
 2 x 2 mesh (the batch split on the first axis, so the loss's tokens are split) or as a
 two-stage pipeline of 2 ranks each, trained 3 Adam steps beside the same model on one
 device computing eager ``F.cross_entropy``. Rank 0 writes what it saw as JSON to argv[1];
-argv[2] lists the scenarios (``shard:4``, ``pipe:4``).
+argv[2] lists the scenarios (``shard:4``, ``pipe:4``, ``vocab:4``).
+
+``vocab:4``: a tied head whose table is pinned split by vocabulary on axis 1, planned on a
+2 x 2 mesh priced like the vocab-parallel test of ``dist_worker.py``, with the fused loss
+taking ignore_index and label smoothing: the loss keeps the logits split by vocabulary
+(its statistics all-reduced, ``runtime/lowering/synced.py``) and trains like one device's
+``F.cross_entropy``.
 
 Records: the loss op's layouts (operands and results, in every stage that has one), the
 losses on both sides, the first step's gradients (ShardParallel: a pipeline rank holds
@@ -27,8 +33,62 @@ from worker_io import max_rel, rel_to_scale, run_scenarios, train_beside_one_dev
 import torchalpa  # noqa: E402
 import torchalpa.models as zoo  # noqa: E402
 from torchalpa.models.losses import lm_loss  # noqa: E402
+from torchalpa.ops.cross_entropy import cross_entropy  # noqa: E402
 
 BATCH = 8
+SMOOTHING = 0.1
+
+
+class TiedLM(torch.nn.Module):
+    """(B, S) tokens -> logits (B, S, 64) through a tied embedding (a head split by
+    vocabulary where the table is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.mix = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.mix(self.embed(x))) @ self.embed.weight.T
+
+
+def smoothed_fused(logits, targets):
+    return cross_entropy(logits, targets, ignore_index=-100, label_smoothing=SMOOTHING)
+
+
+def smoothed_eager(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                             ignore_index=-100, label_smoothing=SMOOTHING)
+
+
+def run_vocab() -> dict:
+    """``vocab:4`` (module docstring)."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    torch.manual_seed(0)
+    ref = TiedLM()
+
+    def batch_of(step: int):
+        gen = torch.Generator().manual_seed(200 + step)   # the same batch on every rank
+        tokens, targets = (torch.randint(0, 64, (8, 6), generator=gen) for _ in range(2))
+        targets[::4, :2] = -100
+        return tokens, targets
+
+    option = torchalpa.AutoShardingOption(
+        pin=(("embed.weight", (torchalpa.Replicate(), torchalpa.Shard(0))),),
+        force_batch_dim_to_mesh_dim=0, allow_mixed_mesh_shape=False)
+    pm = torchalpa.auto_parallel(
+        model, batch_of(0), smoothed_fused,
+        method=torchalpa.ShardParallel(logical_mesh_shape=(2, 2), auto_sharding_option=option),
+        cluster=torchalpa.LogicalMesh(shape=(2, 2)),
+        optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    run = train_beside_one_device(pm, ref, ref_opt, batch_of, smoothed_eager, steps=3)
+    return {"layouts": loss_layouts(pm.plan),
+            "executed": run["executed"], "planned_per_step": run["planned"],
+            "losses": run["losses"], "ref_losses": run["ref_losses"],
+            "grad_rel_diff": max_rel(run["grads"][0]),
+            "param_diff_to_scale": rel_to_scale(run["params"])}
 
 
 def method_of(name: str):
@@ -51,6 +111,8 @@ def loss_layouts(plan) -> list[str]:
 
 
 def run(name: str, ranks: str) -> dict:
+    if name == "vocab":
+        return run_vocab()
     workload = zoo.tiny("gpt", batch_size=BATCH, dropout=0.0, loss="fused")
     torch.manual_seed(0)
     model = workload.build()

@@ -158,7 +158,8 @@ def test_fused_loss_is_priced_below_eager_by_the_log_probabilities():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fused_ce") / "fused_ce.json"
-    return worker_io.launch_checked("fused_ce_worker.py", out, "shard:4,pipe:4", nproc=4)
+    return worker_io.launch_checked("fused_ce_worker.py", out, "shard:4,pipe:4,vocab:4",
+                                    nproc=4)
 
 
 @pytest.mark.parametrize("scenario", ["shard:4", "pipe:4"])
@@ -173,3 +174,25 @@ def test_fused_loss_trains_like_one_device_eager_on_four_ranks(ranks, scenario):
         assert r["grad_rel_diff"] < 1e-4
         for executed, planned in zip(r["executed"], r["planned_per_step"], strict=True):
             assert executed == planned
+
+
+def test_fused_loss_split_by_vocabulary_trains_like_one_device_on_four_ranks(ranks):
+    """A tied head split by vocabulary on axis 1 of a 2 x 2 mesh: the fused loss (with
+    ignore_index and label smoothing) reads its logits split by tokens and vocabulary and
+    writes per-token results whole on the vocabulary axis (a max and two sums per token
+    all-reduced inside it); its backward writes its block of columns; losses, gradients
+    and parameters match one device's ``F.cross_entropy``; the collectives run are the
+    plan's."""
+    r = ranks["vocab:4"]
+    split, tokens_only = "'(Shard(dim=0), Shard(dim=1))'", "'(Shard(dim=0), Replicate())'"
+    forward, backward = r["layouts"]
+    assert forward == f"[{split}, {tokens_only}] -> [{tokens_only}, {tokens_only}]", r
+    assert backward.endswith(f"-> [{split}]"), r
+    tokens = 8 * 6 // 2                                   # the batch split over axis 0
+    for executed, planned in zip(r["executed"], r["planned_per_step"], strict=True):
+        assert executed == planned
+        assert executed.count(["all_reduce", 1, tokens * 4]) == 3      # the statistics
+    for ours, ref in zip(r["losses"], r["ref_losses"], strict=True):
+        assert ours == pytest.approx(ref, rel=1e-5)
+    assert r["grad_rel_diff"] < 1e-4
+    assert r["param_diff_to_scale"] < 1e-4
