@@ -105,6 +105,32 @@ def test_each_call_holds_no_more_than_its_stated_transient(monkeypatch, dtype):
                                                              else 64 * 1000 * 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_of_the_vocabulary_with_reduced_statistics_give_the_whole_op(dtype):
+    """The split form by hand on 4 blocks of columns: each statistic maxed or summed over
+    the blocks (what the all-reduces do), finished on each block, equals the whole op's
+    losses and lse; each block's backward is the whole gradient's columns."""
+    torch.manual_seed(6)
+    logits, targets = (torch.randn(10, 24) * 3).to(dtype), torch.randint(0, 24, (10,))
+    targets[3] = -100
+    whole_losses, whole_lse = torch.ops.torchalpa.cross_entropy(logits, targets, -100, 0.1)
+    grad_losses = torch.randn(10)
+    whole_grad = torch.ops.torchalpa.cross_entropy_backward(grad_losses, logits, targets,
+                                                            whole_lse, -100, 0.1)
+    blocks = [(logits[:, k:k + 6], targets, -100, 0.1, k, 24) for k in range(0, 24, 6)]
+    m = torch.stack([fused.block_max(*b) for b in blocks]).amax(0)
+    s = torch.stack([fused.block_sum_exp(*b, m) for b in blocks]).sum(0)
+    linear = torch.stack([fused.block_linear(*b, m, s) for b in blocks]).sum(0)
+    for b in blocks:
+        losses, lse = fused.block_finish(*b, m, s, linear)
+        torch.testing.assert_close(losses, whole_losses)
+        torch.testing.assert_close(lse, whole_lse)
+    grads = [fused.backward_block(grad_losses, b[0], targets, whole_lse, -100, 0.1, b[4], 24)
+             for b in blocks]
+    assert all(g.dtype == dtype for g in grads)
+    torch.testing.assert_close(torch.cat(grads, 1), whole_grad)
+
+
 def test_what_the_op_does_not_take_falls_back_to_pytorch():
     torch.manual_seed(4)
     logits, targets = torch.randn(8, 5), torch.randint(0, 5, (8,))
