@@ -184,7 +184,7 @@ def test_fused_loss_is_priced_below_eager_by_the_log_probabilities():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fused_ce") / "fused_ce.json"
-    return worker_io.launch_checked("fused_ce_worker.py", out, "shard:4,pipe:4,vocab:4",
+    return worker_io.launch_checked("fused_ce_worker.py", out, "shard:4,pipe:4,vocab:4,vocabpipe:4",
                                     nproc=4)
 
 
@@ -221,4 +221,19 @@ def test_fused_loss_split_by_vocabulary_trains_like_one_device_on_four_ranks(ran
     for ours, ref in zip(r["losses"], r["ref_losses"], strict=True):
         assert ours == pytest.approx(ref, rel=1e-5)
     assert r["grad_rel_diff"] < 1e-4
+    assert r["param_diff_to_scale"] < 1e-4
+
+
+def test_fused_loss_split_by_vocabulary_in_a_pipeline_stage_trains_like_one_device(ranks):
+    """A head pinned split by vocabulary in the second of two pipeline stages (2 ranks
+    each): the planner splits the fused loss by vocabulary there (the per-token results
+    whole), and training matches one device's ``F.cross_entropy`` with ignore_index and
+    label smoothing."""
+    r = ranks["vocabpipe:4"]
+    forward, backward = r["layouts"]
+    assert forward == ("['(Shard(dim=1),)', '(Replicate(),)'] -> "
+                       "['(Replicate(),)', '(Replicate(),)']"), r
+    assert backward.endswith("-> ['(Shard(dim=1),)']"), r
+    for ours, ref in zip(r["losses"], r["ref_losses"], strict=True):
+        assert ours == pytest.approx(ref, rel=1e-5)
     assert r["param_diff_to_scale"] < 1e-4

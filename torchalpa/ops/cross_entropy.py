@@ -40,10 +40,9 @@ every device of the split. Backward is ``backward_block`` on the block: local gi
 whole rows' ``lse`` (the target's term only where the block owns it, the smoothing over
 the whole ``V``). The split forward reads its block three times (one pass per statistic)
 where the whole op reads the logits once; priced as one read, as the fused kernel.
-What is missing: the three statistics are three all-reduces of one float per token,
-not one of three floats (``SyncedOp`` all-reduces each statistic as it is made); a
-pipeline stage boundary between the head and the loss sends the split logits as the
-plan lays them out (no check here beyond the ShardParallel case).
+What is missing: the three statistics are three all-reduces of one float per token
+where the last two could be one of two floats (``SyncedOp`` all-reduces each statistic
+as it is made), and the three passes over the block are priced as one.
 
 The transient each call makes (``transient_bytes``): forward a chunk of exponentials (and
 of upcast logits, for bf16 / fp16 logits); backward nothing for float32 logits (each chunk
