@@ -299,11 +299,12 @@ CASES: dict[str, Case] = {
     # losses
     "cross_entropy": Case(fwd_bwd(lambda x, t: F.cross_entropy(x, t, ignore_index=-100), [0]),
                           lambda: (rnd(8, 6), torch.tensor([1, 2, -100, 3, 4, 5, 0, -100]))),
-    # the fused op (torchalpa::cross_entropy): tokens split, the vocabulary whole
+    # the fused op (torchalpa::cross_entropy): tokens split, the vocabulary split with its
+    # statistics all-reduced (8 columns: split 2 and 4 ways, over one axis or both)
     "fused_cross_entropy": Case(lambda x, t: (
         fwd_bwd(lambda x: cross_entropy(x, t), [0])(x),
         fwd_bwd(lambda x: cross_entropy(x, t, reduction="none", label_smoothing=0.1), [0])(x)),
-        lambda: (rnd(8, 6), torch.tensor([1, 2, -100, 3, 4, 5, 0, -100]))),
+        lambda: (rnd(8, 8), torch.tensor([1, 2, -100, 3, 7, 5, 0, -100]))),
     "nll_loss": Case(lambda x, t, w: (
         fwd_bwd(lambda x: F.nll_loss(x, t, ignore_index=2), [0])(x),
         fwd_bwd(lambda x: F.nll_loss(x, t, w, reduction="sum"), [0])(x),

@@ -105,6 +105,32 @@ def test_each_call_holds_no_more_than_its_stated_transient(monkeypatch, dtype):
                                                              else 64 * 1000 * 4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_of_the_vocabulary_with_reduced_statistics_give_the_whole_op(dtype):
+    """The split form by hand on 4 blocks of columns: each statistic maxed or summed over
+    the blocks (what the all-reduces do), finished on each block, equals the whole op's
+    losses and lse; each block's backward is the whole gradient's columns."""
+    torch.manual_seed(6)
+    logits, targets = (torch.randn(10, 24) * 3).to(dtype), torch.randint(0, 24, (10,))
+    targets[3] = -100
+    whole_losses, whole_lse = torch.ops.torchalpa.cross_entropy(logits, targets, -100, 0.1)
+    grad_losses = torch.randn(10)
+    whole_grad = torch.ops.torchalpa.cross_entropy_backward(grad_losses, logits, targets,
+                                                            whole_lse, -100, 0.1)
+    blocks = [(logits[:, k:k + 6], targets, -100, 0.1, k, 24) for k in range(0, 24, 6)]
+    m = torch.stack([fused.block_max(*b) for b in blocks]).amax(0)
+    s = torch.stack([fused.block_sum_exp(*b, m) for b in blocks]).sum(0)
+    linear = torch.stack([fused.block_linear(*b, m, s) for b in blocks]).sum(0)
+    for b in blocks:
+        losses, lse = fused.block_finish(*b, m, s, linear)
+        torch.testing.assert_close(losses, whole_losses)
+        torch.testing.assert_close(lse, whole_lse)
+    grads = [fused.backward_block(grad_losses, b[0], targets, whole_lse, -100, 0.1, b[4], 24)
+             for b in blocks]
+    assert all(g.dtype == dtype for g in grads)
+    torch.testing.assert_close(torch.cat(grads, 1), whole_grad)
+
+
 def test_what_the_op_does_not_take_falls_back_to_pytorch():
     torch.manual_seed(4)
     logits, targets = torch.randn(8, 5), torch.randint(0, 5, (8,))
@@ -158,7 +184,8 @@ def test_fused_loss_is_priced_below_eager_by_the_log_probabilities():
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fused_ce") / "fused_ce.json"
-    return worker_io.launch_checked("fused_ce_worker.py", out, "shard:4,pipe:4", nproc=4)
+    return worker_io.launch_checked("fused_ce_worker.py", out, "shard:4,pipe:4,vocab:4,vocabpipe:4",
+                                    nproc=4)
 
 
 @pytest.mark.parametrize("scenario", ["shard:4", "pipe:4"])
@@ -173,3 +200,40 @@ def test_fused_loss_trains_like_one_device_eager_on_four_ranks(ranks, scenario):
         assert r["grad_rel_diff"] < 1e-4
         for executed, planned in zip(r["executed"], r["planned_per_step"], strict=True):
             assert executed == planned
+
+
+def test_fused_loss_split_by_vocabulary_trains_like_one_device_on_four_ranks(ranks):
+    """A tied head split by vocabulary on axis 1 of a 2 x 2 mesh: the fused loss (with
+    ignore_index and label smoothing) reads its logits split by tokens and vocabulary and
+    writes per-token results whole on the vocabulary axis (a max and two sums per token
+    all-reduced inside it); its backward writes its block of columns; losses, gradients
+    and parameters match one device's ``F.cross_entropy``; the collectives run are the
+    plan's."""
+    r = ranks["vocab:4"]
+    split, tokens_only = "'(Shard(dim=0), Shard(dim=1))'", "'(Shard(dim=0), Replicate())'"
+    forward, backward = r["layouts"]
+    assert forward == f"[{split}, {tokens_only}] -> [{tokens_only}, {tokens_only}]", r
+    assert backward.endswith(f"-> [{split}]"), r
+    tokens = 8 * 6 // 2                                   # the batch split over axis 0
+    for executed, planned in zip(r["executed"], r["planned_per_step"], strict=True):
+        assert executed == planned
+        assert executed.count(["all_reduce", 1, tokens * 4]) == 3      # the statistics
+    for ours, ref in zip(r["losses"], r["ref_losses"], strict=True):
+        assert ours == pytest.approx(ref, rel=1e-5)
+    assert r["grad_rel_diff"] < 1e-4
+    assert r["param_diff_to_scale"] < 1e-4
+
+
+def test_fused_loss_split_by_vocabulary_in_a_pipeline_stage_trains_like_one_device(ranks):
+    """A head pinned split by vocabulary in the second of two pipeline stages (2 ranks
+    each): the planner splits the fused loss by vocabulary there (the per-token results
+    whole), and training matches one device's ``F.cross_entropy`` with ignore_index and
+    label smoothing."""
+    r = ranks["vocabpipe:4"]
+    forward, backward = r["layouts"]
+    assert forward == ("['(Shard(dim=1),)', '(Replicate(),)'] -> "
+                       "['(Replicate(),)', '(Replicate(),)']"), r
+    assert backward.endswith("-> ['(Shard(dim=1),)']"), r
+    for ours, ref in zip(r["losses"], r["ref_losses"], strict=True):
+        assert ours == pytest.approx(ref, rel=1e-5)
+    assert r["param_diff_to_scale"] < 1e-4

@@ -41,7 +41,7 @@ from torchalpa.passes.sharding.strategies import enumerate_strategies
 from torchalpa.passes.sharding.strides import POSITION_FREE_OPS
 from torchalpa.runtime.lowering import sync_norm
 from torchalpa.runtime.lowering.localize import localize
-from torchalpa.runtime.lowering.synced import run_synced, synced_axes
+from torchalpa.runtime.lowering.synced import block_args, run_synced, synced_axes
 
 MESHES = [(2,), (4,), (2, 2)]
 SEED = 1234
@@ -114,8 +114,9 @@ def _run_synced(node_fx, strategy, mesh_shape, local_args, axes):
 
     def rank(coord):
         try:
-            outs[coord] = (run_synced(str(node_fx.target), local_args[coord], axes,
-                                      lambda t, op, axis: all_reduce(coord, t, op, axis)),)
+            out = run_synced(str(node_fx.target), local_args[coord], axes,
+                             lambda t, op, axis: all_reduce(coord, t, op, axis))
+            outs[coord] = tuple(out) if isinstance(out, tuple) else (out,)
         except Exception as e:   # noqa: BLE001  (re-raised in the caller's thread)
             errors.append(e)
             all_reduce.barrier.abort()
@@ -181,7 +182,7 @@ def _run_op_sharded(node_fx, op_node, values, strategy, mesh_shape):
         kwargs = {k: torch.utils._pytree.tree_map(local, v) for k, v in node_fx.kwargs.items()}
         axes = synced_axes(node_fx, args, strategy.inputs)
         if axes:
-            synced_args[coord] = tuple(args)
+            synced_args[coord] = block_args(node_fx, args, strategy.inputs, mesh_shape, coord)
             continue
         target, args, kwargs = localize(node_fx, args, kwargs, ns, mesh_shape, torch.device("cpu"),
                                         coord)
@@ -307,7 +308,6 @@ def _unblocked(target):
     ("slice_select", "aten.slice.Tensor"),
     ("flash_attention", "aten._scaled_dot_product_flash_attention_for_cpu.default"),
     ("sdpa_causal_gqa", "torchalpa.sdpa.default"),
-    ("fused_cross_entropy", "torchalpa.cross_entropy_backward.default"),
     ("reductions", "aten.cumsum.default"),
     ("flip_pad", "aten.flip.default"),
     ("factories", "aten.arange.start_step"),
@@ -322,13 +322,15 @@ def test_harness_catches_a_factor_that_must_stay_whole(name, op):
         check_all_strategies(gm, nodes, args, transform=_unblocked(op))
 
 
-@pytest.mark.parametrize("op", ["aten._log_softmax.default",
-                                "aten._log_softmax_backward_data.default"])
-def test_harness_catches_a_split_softmax_without_its_all_reduces(op):
-    """Log-softmax split along its dim is right only with its statistics all-reduced
-    (``runtime.lowering.synced``): run on blocks alone, it normalizes each block by itself."""
+@pytest.mark.parametrize("name, op", [("log_softmax", "aten._log_softmax.default"),
+                                      ("log_softmax", "aten._log_softmax_backward_data.default"),
+                                      ("fused_cross_entropy", "torchalpa.cross_entropy.default")])
+def test_harness_catches_a_split_softmax_without_its_all_reduces(name, op):
+    """Log-softmax (and the fused cross-entropy) split along its dim is right only with its
+    statistics all-reduced (``runtime.lowering.synced``): run on blocks alone, it normalizes
+    each block by itself."""
     from torchalpa.runtime.lowering import synced as S
-    (gm, nodes), args = traced("log_softmax")
+    (gm, nodes), args = traced(name)
     with mock.patch.dict(S.SYNCED):
         del S.SYNCED[op]
         with pytest.raises(AssertionError, match=op.replace(".", r"\.")):
@@ -338,15 +340,23 @@ def test_harness_catches_a_split_softmax_without_its_all_reduces(op):
 def test_synced_rules_and_runtime_agree():
     """The statistics a rule prices are those the runtime all-reduces, in order."""
     from torchalpa.runtime.lowering.synced import SYNCED
-    (gm, nodes), _ = traced("log_softmax")
+    seen = set()
+    for name in ("log_softmax", "fused_cross_entropy"):
+        seen |= _synced_ops_agree(name, SYNCED)
+    assert seen == set(SYNCED)
+
+
+def _synced_ops_agree(name: str, synced) -> set[str]:
+    """The synced ops of case ``name``, each checked to list the runtime's reduce ops."""
+    (gm, nodes), _ = traced(name)
     seen = set()
     for node in nodes.values():
-        if node.op in SYNCED:
+        if node.op in synced:
             specs = [nodes[r.node].outputs[r.index] for r in node.operands]
             (_, ops), = RULES[node.op](node, specs).synced
-            assert ops == SYNCED[node.op].reduce_ops, node.op
+            assert ops == synced[node.op].reduce_ops, node.op
             seen.add(node.op)
-    assert seen == set(SYNCED)
+    return seen
 
 
 def test_log_softmax_splits_its_dim_with_synced_statistics():
@@ -366,6 +376,38 @@ def test_log_softmax_splits_its_dim_with_synced_statistics():
     assert forward["(S(0)R) -> S(0)R"] == ()
     backward = found["aten._log_softmax_backward_data.default"]
     assert backward["(S(1)R, S(1)R) -> S(1)R syncing dim 1"] == (("sum", 0),)
+
+
+def test_fused_cross_entropy_splits_the_vocabulary_with_synced_statistics():
+    """Forward: a split vocabulary all-reduces a max then two sums per token and leaves the
+    per-token results whole; backward writes its block of columns without a collective."""
+    mesh = LogicalMesh(shape=(2, 2))
+    (gm, nodes), _ = traced("fused_cross_entropy")
+    found = {}
+    for node in nodes.values():
+        if node.op.startswith("torchalpa.cross_entropy"):
+            specs = [nodes[r.node].outputs[r.index] for r in node.operands]
+            for s in enumerate_strategies(RULES[node.op](node, specs), mesh):
+                found.setdefault(node.op, {})[s.name] = s.syncs
+    forward = found["torchalpa.cross_entropy.default"]
+    assert forward["(S(0)S(1), S(0)R) -> S(0)R, S(0)R syncing"] == (
+        ("max", 1), ("sum", 1), ("sum", 1))
+    assert forward["(S(0)R, S(0)R) -> S(0)R, S(0)R"] == ()
+    backward = found["torchalpa.cross_entropy_backward.default"]
+    assert backward["(S(0)R, S(0)S(1), S(0)R, S(0)R) -> S(0)S(1)"] == ()
+
+
+def test_harness_catches_a_split_vocabulary_backward_without_offsets():
+    """The fused cross-entropy's backward on a block of the vocabulary must subtract the
+    target where the block owns it (``runtime.lowering.localize``); run as the whole op
+    on a block it subtracts it at the wrong column and spreads the smoothing too thin."""
+    from torchalpa.runtime.lowering import localize as L
+    op = "torchalpa.cross_entropy_backward.default"
+    (gm, nodes), args = traced("fused_cross_entropy")
+    rewrites = {k: v for k, v in L._REWRITES.items() if k != op}
+    with mock.patch.object(L, "_REWRITES", rewrites), \
+            pytest.raises(AssertionError, match=op.replace(".", r"\.")):
+        check_all_strategies(gm, nodes, args)
 
 
 def test_harness_catches_a_split_gather_without_offsets():

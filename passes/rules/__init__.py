@@ -28,7 +28,9 @@ Optional refinements cover ops that are not pure einsums:
   each statistic, in order; a strategy splitting that factor over mesh axes lists those
   all-reduces (``Strategy.syncs``), the cost model prices them and the runtime issues them
   (``runtime/lowering/synced.py``). A statistic has the shape of the op's first result with that
-  factor's dim reduced to 1.
+  factor's dim reduced to 1; a synced factor that indexes no result (the fused
+  cross-entropy's vocabulary) has statistics of the first result's shape and leaves the
+  results whole (``Replicate``) on the axes that split it.
 - ``batch_synced``: factors the op may split only by summing statistics across the devices
   that split them, in one all-reduce before the op's single local pass (training batch
   norm: per-channel sums over a split batch). Unlike ``synced`` there are no phases and

@@ -16,10 +16,15 @@ the op is linear in ``grad``.
 ``torchalpa::cross_entropy(logits (N, V), targets (N), ignore_index, label_smoothing)
 -> (losses (N), lse (N))`` and its backward ``(grad (N), logits, targets, lse, ...) ->
 grad_logits (N, V)``: tokens are independent, so ``N`` shards freely (the mean over
-tokens is taken by ordinary ops after it). The vocabulary ``V`` is blocked: a device
-holding a block of it would need the row max and sum of exponentials reduced across the
-blocks and the target picked where its column lives (Megatron's vocab-parallel
-cross-entropy), which this op does not do. The backward is linear in ``grad``.
+tokens is taken by ordinary ops after it). The vocabulary ``V`` splits too, as
+Megatron's vocab-parallel cross-entropy splits it, so that a head whose logits are split
+by vocabulary never gathers them: forward ``V`` is a ``synced`` factor whose per-token
+statistics are all-reduced between local phases (``runtime/lowering/synced.py``): the
+row max (max), the row sum of ``exp(x - max)`` (sum) and the target's logit where the
+block owns it, with the smoothing's row sum (sum); the results (N,) are then whole on
+every device of the split. Backward is local given the whole rows' ``lse``: each block
+writes its own columns (``runtime/lowering/localize.py``). The backward is linear in
+``grad``.
 """
 
 from __future__ import annotations
@@ -63,24 +68,29 @@ def nll_loss_backward(node, specs):
     return f.rule(operands, [x], linear=(frozenset({0}),))
 
 
+FUSED_CROSS_ENTROPY_STATISTICS = ("max", "sum", "sum")
+"""Per token: the row max, the row sum of exponentials, the target's (and smoothing's) term."""
+
+
 def _token_dims(f: FactorNamer, shape):
-    """(logits dims, per-token dims) of logits (N, V): ``V`` blocked."""
+    """(logits dims, per-token dims, the vocabulary's factor or None) of logits (N, V)."""
     n = (f.new(shape[0]),) if shape[0] != 1 else ()
-    v = (f.new(shape[1], blocked=True),) if shape[1] != 1 else ()
-    return (n, v), (n,)
+    v = (f.new(shape[1]),) if shape[1] != 1 else ()
+    return (n, v), (n,), (v[0] if v else None)
 
 
 @register("torchalpa.cross_entropy.default")
 def fused_cross_entropy(node, specs):
     # (logits, targets, ignore_index, label_smoothing) -> (losses, lse)
     f = FactorNamer()
-    logits, token = _token_dims(f, specs[0].shape)
-    return f.rule([logits, token], [token, token])
+    logits, token, vocab = _token_dims(f, specs[0].shape)
+    synced = () if vocab is None else ((vocab, FUSED_CROSS_ENTROPY_STATISTICS),)
+    return f.rule([logits, token], [token, token], synced=synced)
 
 
 @register("torchalpa.cross_entropy_backward.default")
 def fused_cross_entropy_backward(node, specs):
     # (grad_losses, logits, targets, lse, ignore_index, label_smoothing) -> grad_logits
     f = FactorNamer()
-    logits, token = _token_dims(f, specs[1].shape)
+    logits, token, _ = _token_dims(f, specs[1].shape)
     return f.rule([token, logits, token, token], [logits], linear=(frozenset({0}),))

@@ -9,6 +9,8 @@ or shard a dim by a minor factor are illegal and dropped.
 A rule's ``synced`` factor (a softmax over a split vocabulary) may be split although the
 results depend on all of it: the strategy then lists the all-reduces of the op's per-row
 statistics (``Strategy.syncs``), which ``sync_steps`` turns into priced plan steps. A
+synced factor that indexes no result (the fused cross-entropy's vocabulary) leaves the
+results whole (``Replicate``) on the axes that split it. A
 rule's ``batch_synced`` factor (training batch norm's split batch) lists instead one sum
 all-reduce of the op's statistics per axis that splits it (``Strategy.batch_syncs``).
 """
@@ -47,13 +49,15 @@ class Strategy:
     shards: int = 1                          # ways the op's work is divided
     syncs: tuple[tuple[str, int], ...] = ()  # (reduce op, mesh axis) of each statistic's
     sync_dim: int | None = None              # all-reduce, in order; the result dim they span
+                                             # (None: no result has it)
     batch_syncs: tuple[tuple[int, int], ...] = ()  # (mesh axis, bytes): sum all-reduces of
                                                    # a batch-synced op's statistics
 
     @property
     def name(self) -> str:
         ins = ", ".join("*" if p is None else short(p) for p in self.inputs)
-        synced = f" syncing dim {self.sync_dim}" if self.syncs else ""
+        dim = "" if self.sync_dim is None else f" dim {self.sync_dim}"
+        synced = f" syncing{dim}" if self.syncs else ""
         return f"({ins}) -> {', '.join(short(p) for p in self.outputs)}{synced}"
 
 
@@ -72,13 +76,15 @@ class StrategySpace:
 
 def sync_steps(s: Strategy, result: TensorSpec, mesh_shape) -> tuple[ReshardStep, ...]:
     """The all-reduces of ``s``'s statistics (``()`` for most strategies): each statistic
-    has the shape of the first result (``result``) with the synced dim reduced to 1, laid
-    out like it, and is a partial max or sum over the axes that split that dim."""
+    has the shape of the first result (``result``) with the synced dim reduced to 1 (the
+    first result's own shape where the synced factor indexes no result: the fused
+    cross-entropy's per-token statistics), laid out like it, and is a partial max or sum
+    over the axes that split that dim."""
     if not s.syncs:
         return ()
-    assert s.sync_dim is not None
     shape = list(result.shape)
-    shape[s.sync_dim] = 1
+    if s.sync_dim is not None:
+        shape[s.sync_dim] = 1
     stat = TensorSpec(tuple(shape), result.dtype)
     layout = tuple(Replicate() if is_shard(p) and p.dim == s.sync_dim else p
                    for p in s.outputs[0])
@@ -191,7 +197,9 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
             if p is False:
                 return None
             if p is None and factor in synced:
-                return None  # a synced factor leaves the results it indexes whole
+                if _indexes_a_result(rule, factor):
+                    return None  # a synced factor leaves the results it indexes whole
+                p = Replicate()  # made whole by the statistics' all-reduces
             if p is None:
                 op = reduction_of.get(factor)
                 if factor in rule.batch_synced:
@@ -211,11 +219,16 @@ def _build(rule, mesh, assignment, size_of, reduction_of) -> Strategy | None:
         if len(sync_axes) > 1:
             return None  # one synced dim per op: its statistics are reduced in one pass
         (factor, axes), = sync_axes.items()
-        sync_dim = next(d for d, fs in enumerate(rule.results[0]) if factor in fs)
+        sync_dim = next((d for d, fs in enumerate(rule.results[0]) if factor in fs), None)
         syncs = tuple((op, axis) for op in synced[factor] for axis in axes)
     return Strategy(inputs=ins, outputs=tuple(tuple(p) for p in outputs), shards=shards,
                     syncs=syncs, sync_dim=sync_dim,
                     batch_syncs=_batch_sync_all_reduces(rule, batch_sync_axes, split, size_of))
+
+
+def _indexes_a_result(rule: FactorRule, factor: str) -> bool:
+    """Whether ``factor`` indexes a dim of some result of ``rule``."""
+    return any(factor in fs for dims in rule.results for fs in dims)
 
 
 def _strided_alone(layouts, mesh: LogicalMesh) -> bool:

@@ -31,7 +31,7 @@ from torchalpa.runtime.execution import collectives as C
 from torchalpa.runtime.lowering import sync_norm
 from torchalpa.runtime.lowering.localize import localize
 from torchalpa.runtime.lowering.rank_programs import PLAN_STEP, ValueKey
-from torchalpa.runtime.lowering.synced import run_synced, synced_axes
+from torchalpa.runtime.lowering.synced import block_args, run_synced, synced_axes
 
 __all__ = ["GraphSlice", "LocalGraph", "StepEmitter", "lower_slice", "lower_node", "producers",
            "received_name"]
@@ -270,7 +270,7 @@ def lower_node(n: fx.Node, graph: fx.Graph, lookup, read_operand, strategy, mesh
     if axes:   # a split softmax dim: local phases joined by all-reduces of statistics
         assert not kwargs, f"{n.name}: a synced op takes positional arguments only"
         return run_synced(
-            str(n.target), tuple(args), axes,
+            str(n.target), block_args(n, args, strategy.inputs, mesh_shape, coords), axes,
             lambda stat, op, axis: graph.call_function(
                 C.all_reduce, (stat, op, group_names[axis])),
             call=lambda fn, a: graph.call_function(fn, a))

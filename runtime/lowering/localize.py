@@ -20,7 +20,10 @@ maps each to a small function that puts in the local sizes:
 - an upsampling backward's ``input_size`` is the local shape of its result;
 - an embedding table split by rows (the vocabulary) looks up and accumulates gradients
   for its own rows only, at this rank's row offset (``runtime.lowering.vocab``), and so do a gather
-  or scatter along a split dim (positions are translated, others' positions skipped).
+  or scatter along a split dim (positions are translated, others' positions skipped);
+- the fused cross-entropy's backward on a split vocabulary computes its block's columns
+  (``ops.cross_entropy.backward_block``: the target's term where the block owns it, the
+  smoothing over the whole vocabulary).
 
 Device arguments point at this rank's device (the graph may have been captured on
 ``meta``). A random op whose result is sharded becomes a draw of this rank's block from
@@ -43,6 +46,7 @@ import torchalpa.ops.batched_matmul  # noqa: F401  (registers torchalpa::batched
 from torchalpa.core.placement import Shard, is_shard, local_shape
 from torchalpa.core.plan import NodeStrategy
 from torchalpa.core.resize_ops import UPSAMPLE_BACKWARDS
+from torchalpa.ops import cross_entropy as CE
 from torchalpa.runtime.lowering import random_draws as R
 from torchalpa.runtime.lowering import vocab as V
 from torchalpa.runtime.lowering.device_ops import check_op
@@ -213,6 +217,18 @@ def _addressed(c: _Call):
     return V.scatter_block, [op, c.args[0], dim, c.args[2], offset, *c.args[3:]], c.kwargs
 
 
+def _loss_block(c: _Call):
+    # the fused cross-entropy's backward on a block of the vocabulary: the target's term
+    # where this block owns it, the smoothing spread over the whole vocabulary
+    placements = c.strategy.inputs[1]
+    vocab = c.global_in_shape(1)[1]
+    if not any(isinstance(p, Shard) and p.dim == 1 for p in placements or ()):
+        return c.node.target, c.args, c.kwargs
+    assert c.coords is not None, f"localizing {c.node.name} on a split vocabulary needs coords"
+    offset, _ = V.row_offset(vocab, 1, placements, c.mesh_shape, c.coords)
+    return CE.backward_block, [*c.args, offset, vocab], {}
+
+
 def _reshape(c: _Call):
     """A view as a reshape of the local block: a view where the block's strides allow
     one, a copy where they do not. The source graph's view was valid for the strides one
@@ -251,6 +267,7 @@ _REWRITES: dict[str, Callable[[_Call], tuple]] = {
     "aten.split_with_sizes.default": _split_pieces,
     "aten.embedding.default": _vocab,
     "aten.embedding_dense_backward.default": _vocab,
+    "torchalpa.cross_entropy_backward.default": _loss_block,
     **{op: _addressed for op in (
         "aten.gather.default", "aten.scatter.src", "aten.scatter.value",
         "aten.scatter_add.default", "aten.scatter_reduce.two")},

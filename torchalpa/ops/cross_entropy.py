@@ -28,6 +28,22 @@ split across devices is summed whole. What these ops do not take (class weights,
 probability targets, other reductions than mean / sum / none, integer logits) falls back
 to ``F.cross_entropy``.
 
+Split by vocabulary (Megatron-LM's ``vocab_parallel_cross_entropy``, torch's
+``loss_parallel``): the planner may keep the logits split along ``V`` (a head split by
+vocabulary then never gathers them). Forward then runs as three per-token statistics of
+this device's block of columns, each all-reduced over the devices splitting ``V``
+(``runtime/lowering/synced.py``; the rule's ``synced`` factor prices them): ``block_max``
+(max), ``block_sum_exp`` (sum of ``exp(x - max)``), ``block_linear`` (sum of
+``(1 - eps) x_t``, zero where another block owns the target, plus ``eps sum(x) / V``);
+``block_finish`` makes ``lse = max + log(sum)`` and ``loss = lse - linear``, whole on
+every device of the split. Backward is ``backward_block`` on the block: local given the
+whole rows' ``lse`` (the target's term only where the block owns it, the smoothing over
+the whole ``V``). The split forward reads its block three times (one pass per statistic)
+where the whole op reads the logits once; priced as one read, as the fused kernel.
+What is missing: the three statistics are three all-reduces of one float per token
+where the last two could be one of two floats (``SyncedOp`` all-reduces each statistic
+as it is made), and the three passes over the block are priced as one.
+
 The transient each call makes (``transient_bytes``): forward a chunk of exponentials (and
 of upcast logits, for bf16 / fp16 logits); backward nothing for float32 logits (each chunk
 is computed in the gradient's own rows), else one float32 chunk. The planner's memory
@@ -50,7 +66,8 @@ import torch.nn.functional as F
 
 __all__ = ["cross_entropy", "CROSS_ENTROPY_OP", "CROSS_ENTROPY_BACKWARD_OP", "CHUNK_ELEMENTS",
            "accumulate_dtype", "chunk_rows", "transient_bytes", "forward_flops",
-           "backward_flops"]
+           "backward_flops", "backward_block", "block_max", "block_sum_exp", "block_linear",
+           "block_finish"]
 
 CROSS_ENTROPY_OP = "torchalpa.cross_entropy.default"
 CROSS_ENTROPY_BACKWARD_OP = "torchalpa.cross_entropy_backward.default"
@@ -129,20 +146,45 @@ def _(logits, targets, ignore_index, label_smoothing):
 def _cross_entropy_backward(grad_losses: torch.Tensor, logits: torch.Tensor,
                             targets: torch.Tensor, lse: torch.Tensor, ignore_index: int,
                             label_smoothing: float) -> torch.Tensor:
-    tokens, vocab = logits.shape
+    return backward_block(grad_losses, logits, targets, lse, ignore_index, label_smoothing,
+                          0, logits.shape[1])
+
+
+@_cross_entropy_backward.register_fake
+def _(grad_losses, logits, targets, lse, ignore_index, label_smoothing):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _owned(targets: torch.Tensor, ignore_index: int, offset: int, size: int
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(targets as columns of the block ``[offset, offset + size)``, 0 where the block
+    does not own them; whether it owns each; whether each row counts)."""
+    local = targets - offset
+    owned = (local >= 0) & (local < size) & (targets != ignore_index)
+    return torch.where(owned, local, torch.zeros_like(local)), owned, targets != ignore_index
+
+
+def backward_block(grad_losses: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor,
+                   lse: torch.Tensor, ignore_index: int, label_smoothing: float, offset: int,
+                   vocab: int) -> torch.Tensor:
+    """The logits' gradient for the columns ``[offset, offset + V_local)`` of a vocabulary
+    of ``vocab`` entries (the whole op: offset 0, ``vocab`` its width): local given the
+    whole rows' ``lse``; the target's ``-(1 - eps)`` only where this block owns it."""
+    tokens, size = logits.shape
     grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
     in_place = logits.dtype == lse.dtype         # computed in the gradient's own rows
-    safe, kept = _row_terms(logits, targets, ignore_index)
+    safe, owned, kept = _owned(targets, ignore_index, offset, size)
     scale = torch.where(kept, grad_losses.to(lse.dtype), torch.zeros_like(lse))   # (N,)
-    step = chunk_rows(vocab)
+    target_term = torch.where(owned, torch.full_like(lse, label_smoothing - 1.0),
+                              torch.zeros_like(lse))                               # (N,)
+    step = chunk_rows(size)
     for start in range(0, tokens, step):
         rows = slice(start, start + step)
         p = grad[rows].copy_(logits[rows]) if in_place else logits[rows].to(lse.dtype)
         p.sub_(lse[rows, None]).exp_()                             # (n, V) softmax
         if label_smoothing:
             p.sub_(label_smoothing / vocab)
-        p.scatter_add_(1, safe[rows, None],
-                       torch.full_like(lse[rows, None], label_smoothing - 1.0))
+        p.scatter_add_(1, safe[rows, None], target_term[rows, None])
         p.mul_(scale[rows, None])
         if not in_place:
             grad[rows] = p                                         # in the logits' dtype
@@ -150,9 +192,51 @@ def _cross_entropy_backward(grad_losses: torch.Tensor, logits: torch.Tensor,
     return grad
 
 
-@_cross_entropy_backward.register_fake
-def _(grad_losses, logits, targets, lse, ignore_index, label_smoothing):
-    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+def _per_row(logits: torch.Tensor, fn) -> torch.Tensor:
+    """``fn(rows of logits in the accumulating dtype, rows) -> (n,)`` over chunks of rows."""
+    tokens, size = logits.shape
+    out = logits.new_empty((tokens,), dtype=accumulate_dtype(logits.dtype))
+    step = chunk_rows(size)
+    for start in range(0, tokens, step):
+        rows = slice(start, start + step)
+        out[rows] = fn(logits[rows].to(out.dtype), rows)
+    return out
+
+
+def block_max(logits, targets, ignore_index, label_smoothing, offset, vocab) -> torch.Tensor:
+    """Split form, statistic 1: each row's max over this block (all-reduced with max)."""
+    return _per_row(logits, lambda x, rows: x.amax(-1))
+
+
+def block_sum_exp(logits, targets, ignore_index, label_smoothing, offset, vocab, m
+                  ) -> torch.Tensor:
+    """Split form, statistic 2: each row's sum of ``exp(x - m)`` over this block, ``m``
+    the whole row's max (all-reduced with sum)."""
+    return _per_row(logits, lambda x, rows: torch.exp(x - m[rows, None]).sum(-1))
+
+
+def block_linear(logits, targets, ignore_index, label_smoothing, offset, vocab, m, s
+                 ) -> torch.Tensor:
+    """Split form, statistic 3: each row's ``(1 - eps) x_t + eps sum(x) / V`` over this
+    block (``x_t`` only where it owns the target; all-reduced with sum): the loss is
+    ``lse`` minus it."""
+    safe, owned, _ = _owned(targets, ignore_index, offset, logits.shape[1])
+    eps = label_smoothing
+
+    def term(x, rows):
+        picked = x.gather(1, safe[rows, None]).squeeze(1)
+        out = torch.where(owned[rows], picked, torch.zeros_like(picked)) * (1.0 - eps)
+        return out + x.sum(-1) * (eps / vocab) if eps else out
+    return _per_row(logits, term)
+
+
+def block_finish(logits, targets, ignore_index, label_smoothing, offset, vocab, m, s, linear
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split form, the results from the whole rows' statistics: ``(losses, lse)``, as the
+    op's (every rank of the split holds them whole)."""
+    lse = m + torch.log(s)
+    losses = torch.where(targets != ignore_index, lse - linear, torch.zeros_like(lse))
+    return losses, lse
 
 
 def _setup_context(ctx, inputs, output):
