@@ -28,6 +28,16 @@ in full, as PyTorch's and Megatron's flop formulas do). Their rate is the GPU's 
 attention figure (``GpuSpec.attention``, FlashAttention-2's published flop/s counted the
 same way). The CPU kernel's blocking is priced as counted.
 
+The attention figure is a rate at head dim 128 (``REFERENCE_HEAD_DIM``). A fused kernel's
+softmax takes one exponential per score it computes, whatever the head dim, on the
+special-function units, while its products take ``4 x head dim`` flops per score on the
+tensor cores; FlashAttention-2-style kernels do not overlap the two (FlashAttention-3's
+point: on an H100, 989 TFLOP/s of matmul against 3.9 TFLOPS of exponentials, so at head
+dim 128 the exponentials can take half as long as the products). At head dim ``d`` the same
+flops take ``128 / d`` times as many exponentials: ``head_dim_seconds`` adds
+``exponentials x (1 - d / 128) / LogicalMesh.exp_rate`` to the figure's time (head dim 64:
+GPT-2 small, MPT-125M; a larger head dim runs faster per flop).
+
 ``attention_backward_flops`` prices the three cases from the shapes of the
 backward's results (``grad_query``, ``grad_key``, ``grad_value`` have the shapes of
 ``q``, ``k``, ``v``); ``saved_statistics`` pairs each forward with the backward the
@@ -39,13 +49,16 @@ such a call is priced as fused (rare: masks are bool or the query's dtype).
 
 from __future__ import annotations
 
+import math
+
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.core.opgraph import Operand, OpGraph, OpNode, TensorSpec
 from torchalpa.ops.attention import SDPA_BACKWARD_OP, SDPA_BIAS_BACKWARD_OP, SDPA_OP
 
 __all__ = ["runs_on_cpu", "attention_backward_flops", "saved_statistics", "saves_statistic",
            "statistic_spec", "ATTENTION_BACKWARDS", "attention_forward_flops", "causal_share",
-           "KERNEL_BLOCK", "attention_backward_share", "BACKWARD_RATE"]
+           "KERNEL_BLOCK", "attention_backward_share", "BACKWARD_RATE", "REFERENCE_HEAD_DIM",
+           "exponentials", "head_dim_seconds"]
 
 KERNEL_BLOCK = 128
 """Queries (and keys) per block of a fused CUDA attention kernel (FlashAttention-2's
@@ -57,6 +70,10 @@ block where the forward runs two, recomputes the probabilities, and sums ``d que
 the key blocks with atomic float32 adds (FlashAttention-2: 63 % of A100's peak backward
 against 73 % forward, Dao 2023; on the H200 of 2026-11-28 GPT-2's backward reached 0.70 of
 its forward's rate: ``benchmarks/gpu_logs/h200-2026-11-28/ops.log``)."""
+
+REFERENCE_HEAD_DIM = 128
+"""Head dim the GPU's fused-attention figure (``GpuSpec.attention``) stands for: the heads
+of the large models (LLaMA, GPT-3 6.7B and up, MPT 760M and up) it is priced against."""
 
 ATTENTION_BACKWARDS = frozenset({SDPA_BACKWARD_OP, SDPA_BIAS_BACKWARD_OP})
 _CPU_FUSED_DTYPES = frozenset({"float32", "float64", "bfloat16", "float16"})
@@ -138,6 +155,40 @@ def attention_backward_share(mesh: LogicalMesh, node: OpNode) -> float:
     scores, weighted = _products(query, key, value)
     forward, rest = scores + weighted, 2 * (scores + weighted) + scores
     return (forward + rest) / (forward + rest / BACKWARD_RATE)
+
+
+def exponentials(mesh: LogicalMesh, node: OpNode) -> float:
+    """Exponentials a fused CUDA attention op computes: one per score of the blocks it runs
+    (``causal_share`` of them when causal), twice for a backward, which runs the forward
+    again and recomputes the probabilities from the statistic; 0.0 for other ops and on
+    CPU ranks. A forward's keys are read from its recorded flops (two products of
+    ``2 x rows x queries x keys x head dim``; a causal call has as many keys as queries)."""
+    if runs_on_cpu(mesh) or not node.outputs or len(node.outputs[0].shape) < 2:
+        return 0.0
+    *batch, length, dim = node.outputs[0].shape
+    rows = math.prod(batch)
+    if node.op in ATTENTION_BACKWARDS and len(node.outputs) >= 3:
+        keys, causal, passes = node.outputs[1].shape[-2], _is_causal(node, 5), 2
+    elif node.op == SDPA_OP and rows and length and dim:
+        causal, passes = _is_causal(node, 4), 1
+        keys = length if causal else round(node.flops / (4.0 * rows * length * dim))
+    else:
+        return 0.0
+    share = causal_share(length, keys) if causal else 1.0
+    return float(passes * rows * length * keys * share)
+
+
+def head_dim_seconds(mesh: LogicalMesh, node: OpNode) -> float:
+    """Seconds a fused CUDA attention op takes beyond its flops at the attention figure, for
+    its head dim (module doc): ``exponentials x (1 - d / REFERENCE_HEAD_DIM) / exp_rate``,
+    ``d`` the last dim of its first result (a backward's ``grad_query``; a forward's output,
+    whose value head dim fused kernels take equal to the query's); negative above 128; 0.0
+    without ``mesh.exp_rate``."""
+    count = exponentials(mesh, node) if mesh.exp_rate else 0.0
+    if not count:
+        return 0.0
+    dim = node.outputs[0].shape[-1]
+    return count * (1.0 - dim / REFERENCE_HEAD_DIM) / mesh.exp_rate
 
 
 def statistic_spec(forward: OpNode) -> TensorSpec:

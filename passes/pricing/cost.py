@@ -18,7 +18,8 @@ times the share of the GPU a matmul's tiles keep busy (``kernel_model.matmul_eff
 from the strategy's local output shape), a matmul's result written after its K loop
 (``kernel_model.epilogue_seconds``), or a family's own rate: ``peak_flops_by_op``
 (convolutions on CPUs, several times slower per flop than matmuls) or ``op_rate_factors``
-(fused attention's share of the matmul rate). The bytes are what the kernel moves
+(fused attention's share of the matmul rate, plus the exponentials a head dim under 128
+takes beyond that figure: ``attention_price.head_dim_seconds``). The bytes are what the kernel moves
 (``kernel_model.moved_bytes``: fills read nothing, gathers only what they take, softmax
 over long rows once per pass) of the blocks this device reads and writes under the
 strategy (``strategy_bytes``): a matmul whose batch is split while its weight is whole
@@ -47,6 +48,7 @@ from torchalpa.passes.pricing.attention_price import (
     attention_backward_flops,
     attention_backward_share,
     attention_forward_flops,
+    head_dim_seconds,
 )
 from torchalpa.passes.pricing.kernel_model import (
     KERNEL_FLOOR_S,
@@ -114,8 +116,8 @@ def compute_cost(mesh: LogicalMesh, node: OpNode, shards: int,
     assert peak is not None  # peak_flops is set, so every dtype has a figure
     peak *= matmul_efficiency(mesh, node, family, outputs, shards) \
         * attention_backward_share(mesh, node)
-    t = op_flops(mesh, node) / shards / peak + epilogue_seconds(mesh, node, family, outputs,
-                                                                 shards)
+    t = (op_flops(mesh, node) / peak + head_dim_seconds(mesh, node)) / shards \
+        + epilogue_seconds(mesh, node, family, outputs, shards)
     if mesh.memory_bandwidth:
         # what the kernel moves of the op's bytes, applied to this device's blocks
         moved = moved_bytes(node, family) / shards if nbytes is None else \

@@ -124,6 +124,10 @@ class LogicalMesh:
     op_rate_factors: tuple[tuple[str, float], ...] = ()
     """Op families whose kernels reach this fraction of their dtype's matmul rate (("sdpa",
     0.47): fused attention on an H100); a family not listed runs at the dtype's rate."""
+    exp_rate: float = 0.0
+    """Exponentials per second per device (the special-function units): what a fused
+    attention's softmax takes per score whatever its head dim
+    (``passes/pricing/attention_price.head_dim_seconds``). 0: not modeled."""
     eager_kernels: bool = True
     """Elementwise ops and normalizations run as PyTorch's eager kernels, which on 16-bit
     data fall short of the bandwidth (``passes/pricing/kernel_model.bandwidth_share``);
@@ -144,7 +148,8 @@ class LogicalMesh:
         if self.backend not in ("nccl", "gloo"):
             raise ValueError(f"LogicalMesh.backend must be 'nccl' or 'gloo', got {self.backend!r}")
         _check_non_negative(self, "LogicalMesh", ("kernel_launch_s", "optimizer_tensor_s",
-                                               "gradient_bucket_bytes", "host_op_s"))
+                                               "gradient_bucket_bytes", "host_op_s",
+                                               "exp_rate"))
         _check_contention(self, "LogicalMesh")
         object.__setattr__(self, "peak_flops_by_dtype", _dtype_peaks(self.peak_flops_by_dtype,
                                                                      "LogicalMesh"))
@@ -275,6 +280,8 @@ class Cluster:
     """Streaming multiprocessors per device (matmul wave quantization; 0: not modeled)."""
     op_rate_factors: tuple[tuple[str, float], ...] = ()
     """Op families reaching a fraction of their dtype's matmul rate (("sdpa", 0.47))."""
+    exp_rate: float = 0.0
+    """Exponentials per second per device (``LogicalMesh.exp_rate``); 0: not modeled."""
     host_link_bandwidth: float = HOST_LINK_GEN4
     """Bytes/s per device, each way, between a device and its host's memory (PCIe Gen4
     x16 as copies reach it, ~25 GB/s; Gen5 ~55 GB/s): what offloaded optimizer states
@@ -308,7 +315,7 @@ class Cluster:
                 raise ValueError(f"Cluster.{f} must be > 0, got {getattr(self, f)}")
         _check_non_negative(self, "Cluster", ("kernel_launch_s", "optimizer_tensor_s",
                                                "gradient_bucket_bytes", "host_memory_per_node",
-                                               "host_op_s"))
+                                               "host_op_s", "exp_rate"))
         _check_contention(self, "Cluster")
         for f in ("host_link_bandwidth", "host_memory_bandwidth"):
             if getattr(self, f) <= 0:
@@ -387,6 +394,7 @@ class Cluster:
                    optimizer_tensor_s=gpu_specs.OPTIMIZER_TENSOR_S,
                    host_op_s=gpu_specs.HOST_OP_S, contention=gpu_specs.CONTENTION,
                    multiprocessors=spec.multiprocessors, op_rate_factors=gpu_specs.op_factors(spec),
+                   exp_rate=gpu_specs.exp_rate(spec),
                    intra_node_links=tuple(tuple(row[:per_node]) for row in links[:per_node]),
                    intra_node_link_bandwidth=link_bw if links else 0.0,
                    host_link_bandwidth=host_link_of(spec.name),
@@ -476,6 +484,7 @@ class Cluster:
                    optimizer_tensor_s=gpu_specs.OPTIMIZER_TENSOR_S,
                    host_op_s=gpu_specs.HOST_OP_S, contention=gpu_specs.CONTENTION,
                    multiprocessors=spec.multiprocessors, op_rate_factors=gpu_specs.op_factors(spec),
+                   exp_rate=gpu_specs.exp_rate(spec),
                    device_name=name)
 
     # -- logical meshes -----------------------------------------------------------------
@@ -503,7 +512,7 @@ class Cluster:
                            peak_flops_by_op=self.peak_flops_by_op,
                            optimizer_tensor_s=self.optimizer_tensor_s,
                            multiprocessors=self.multiprocessors,
-                           op_rate_factors=self.op_rate_factors,
+                           op_rate_factors=self.op_rate_factors, exp_rate=self.exp_rate,
                            kernel_launch_s=self.kernel_launch_s,
                            host_op_s=self.host_op_s, contention=self.contention,
                            device_name=self.device_name or self.name,

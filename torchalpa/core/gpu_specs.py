@@ -35,7 +35,12 @@ facts measured by public microbenchmarks, the same for every model:
   of the fp32 peak (SGEMM is compute bound with room to spare: 14 of V100's 15.7 TF, ~18 of
   A100's 19.5); 0.8. LLaMA 1B in float32 on one H200 ran 1049 ms where 0.6 priced 1363.
 - ``GpuSpec.attention``: fused attention (FlashAttention-2 and the like) reaches a smaller
-  share of the peak than a GEMM: it is priced at that fraction (``peaks``' "sdpa" factor).
+  share of the peak than a GEMM: it is priced at that fraction (``peaks``' "sdpa" factor),
+  a figure for head dim 128 (the large models' heads the papers time).
+- ``exp_rate``: the special-function units' exponentials per second (``SFU_PER_CLOCK``
+  per SM per clock at ``GpuSpec.boost_clock``): a fused attention's softmax takes one
+  exponential per score whatever the head dim, which the attention figure includes at
+  head dim 128 (``passes/pricing/attention_price.head_dim_seconds``).
 - ``MEMORY_EFFICIENCY``: a streaming kernel (copy, add, a normalization) moves about 0.8-0.9
   of the datasheet bandwidth (BabelStream / STREAM on V100, A100, H100 and MI250X: 80-93 %);
   PyTorch's eager elementwise kernels sit at the low end, so 0.8.
@@ -60,10 +65,11 @@ __all__ = ["GpuSpec", "NodeSpec", "KNOWN_GPUS", "NODE_PRESETS", "lookup", "node_
            "HOST_OP_S", "CONTENTION",
            "CONVOLUTION_SHARE", "usable_memory", "DRIVER_VISIBLE", "CUDA_CONTEXT_BYTES",
            "DETECT_RESERVE_BYTES",
-           "HYBRID_CUBE_MESH", "peaks_by_dtype", "op_factors"]
+           "HYBRID_CUBE_MESH", "peaks_by_dtype", "op_factors", "SFU_PER_CLOCK", "exp_rate"]
 
 T = 1e12
 GB = 1e9
+GHZ = 1e9
 Gbit = 1e9 / 8
 DRIVER_VISIBLE = 0.99
 """Share of a card's sold memory that CUDA reports as its total: a card sold as "80GB"
@@ -144,6 +150,7 @@ class GpuSpec:
     multiprocessors: int = 0    # SMs (AMD: compute units): the waves a matmul's tiles fill
     attention: float = 0.5      # fused attention's flop/s as a fraction of the dense peak
     matmul_efficiency: float = MATMUL_EFFICIENCY    # a large matmul's share of the peaks
+    boost_clock: float = 0.0    # Hz, the datasheet's maximum boost clock (0: not listed)
 
 
 # (regex on the reported name, spec); variants first. Sources: NVIDIA's datasheets (H100
@@ -154,52 +161,56 @@ class GpuSpec:
 # ``attention``: FlashAttention-2's flop/s over the dense peak, forward and backward (Dao
 # 2023: 50-73 % / 45-63 % on A100; Shah et al. 2024, FlashAttention-3 paper: FA2 reaches
 # ~35 % of H100's peak), V100/T4 the memory-efficient kernel; 0.5 where nothing is published.
+# ``boost_clock``: the datasheets' and whitepapers' maximum boost clock (GA100 1410 MHz,
+# GH100 SXM 1980, PCIe 1755, NVL 1785, GV100 SXM2 1530); not listed (0) for B200 and AMD.
 _ = GpuSpec
 _GH100 = {"attention": 0.35, "matmul_efficiency": HOPPER_MATMUL_EFFICIENCY}
 KNOWN_GPUS: tuple[tuple[str, GpuSpec], ...] = (
     (r"H100.*PCIe", _("H100 PCIe", 51 * T, 378 * T, 756 * T, 2.0e12, 64 * GB, 80 * GB,
-                      multiprocessors=114, **_GH100)),
+                      multiprocessors=114, boost_clock=1.755 * GHZ, **_GH100)),
     (r"H100.*NVL", _("H100 NVL", 60 * T, 418 * T, 835 * T, 3.9e12, 300 * GB, 94 * GB,
-                     multiprocessors=132, **_GH100)),
+                     multiprocessors=132, boost_clock=1.785 * GHZ, **_GH100)),
     # torchtitan's Grand Teton H100s: 96 GB HBM2e at 2.4 TB/s, 500 W; "the actual peak
     # TFLOPs number is between SXM and NVL" (its benchmark file's footnote): the midpoint
     # of H100 SXM's 989 and H100 NVL's 835 TF, the other rates scaled alike
     (r"H100.*96GB|H100.*HBM2e", _("H100 96GB HBM2e", 63.5 * T, 456 * T, 912 * T, 2.4e12,
-                                  450 * GB, 96 * GB, multiprocessors=132, **_GH100)),
+                                  450 * GB, 96 * GB, multiprocessors=132,
+                                  boost_clock=1.98 * GHZ, **_GH100)),
     (r"H100|H800", _("H100 SXM", 67 * T, 495 * T, 989 * T, 3.35e12, 450 * GB, 80 * GB,
-                     multiprocessors=132, **_GH100)),
+                     multiprocessors=132, boost_clock=1.98 * GHZ, **_GH100)),
     (r"H200|GH200", _("H200", 67 * T, 495 * T, 989 * T, 4.8e12, 450 * GB, 141 * GB,
-                      multiprocessors=132, **_GH100)),
+                      multiprocessors=132, boost_clock=1.98 * GHZ, **_GH100)),
     (r"B200", _("B200", 80 * T, 1100 * T, 2250 * T, 8.0e12, 900 * GB, 192 * GB,
                 multiprocessors=148)),
     (r"A100.*80GB.*PCIe|A100.*PCIe.*80GB",
      _("A100 80GB PCIe", 19.5 * T, 156 * T, 312 * T, 1.94e12, 32 * GB, 80 * GB,
-       multiprocessors=108, attention=0.55)),
+       multiprocessors=108, attention=0.55, boost_clock=1.41 * GHZ)),
     (r"A100.*80GB", _("A100 80GB", 19.5 * T, 156 * T, 312 * T, 2.04e12, 300 * GB, 80 * GB,
-                      multiprocessors=108, attention=0.55)),
+                      multiprocessors=108, attention=0.55, boost_clock=1.41 * GHZ)),
     (r"A100.*PCIE|A100.*PCIe",
      _("A100 40GB PCIe", 19.5 * T, 156 * T, 312 * T, 1.56e12, 32 * GB, 40 * GB,
-       multiprocessors=108, attention=0.55)),
+       multiprocessors=108, attention=0.55, boost_clock=1.41 * GHZ)),
     (r"A100|A800", _("A100 40GB", 19.5 * T, 156 * T, 312 * T, 1.56e12, 300 * GB, 40 * GB,
-                     multiprocessors=108, attention=0.55)),
+                     multiprocessors=108, attention=0.55, boost_clock=1.41 * GHZ)),
     (r"L40S", _("L40S", 91.6 * T, 183 * T, 362 * T, 0.864e12, 32 * GB, 48 * GB,
-                multiprocessors=142)),
+                multiprocessors=142, boost_clock=2.52 * GHZ)),
     (r"\bL40\b", _("L40", 90.5 * T, 90.5 * T, 181 * T, 0.864e12, 32 * GB, 48 * GB,
-                   multiprocessors=142)),
+                   multiprocessors=142, boost_clock=2.49 * GHZ)),
     (r"\bL4\b", _("L4", 30.3 * T, 60 * T, 121 * T, 0.3e12, 32 * GB, 24 * GB,
-                  multiprocessors=58)),
+                  multiprocessors=58, boost_clock=2.04 * GHZ)),
     (r"\bA10G\b", _("A10G", 31.2 * T, 35 * T, 70 * T, 0.6e12, 16 * GB, 24 * GB,
-                    multiprocessors=80)),
+                    multiprocessors=80, boost_clock=1.71 * GHZ)),
     (r"\bA10\b", _("A10", 31.2 * T, 62.5 * T, 125 * T, 0.6e12, 32 * GB, 24 * GB,
-                   multiprocessors=72)),
+                   multiprocessors=72, boost_clock=1.695 * GHZ)),
     # V100 and T4 have no tf32 and no bf16 tensor cores: bf16 runs at about the fp32 rate,
     # fp16 on tensor cores (V100 SXM2: 125 TF, 900 GB/s HBM2, 6 NVLink2 links of 25 GB/s)
     (r"V100.*16GB", _("V100 16GB", 15.7 * T, 15.7 * T, 15.7 * T, 0.9e12, 150 * GB, 16 * GB,
-                      fp16=125 * T, multiprocessors=80, attention=0.3)),
+                      fp16=125 * T, multiprocessors=80, attention=0.3,
+                      boost_clock=1.53 * GHZ)),
     (r"V100", _("V100", 15.7 * T, 15.7 * T, 15.7 * T, 0.9e12, 150 * GB, 32 * GB,
-                fp16=125 * T, multiprocessors=80, attention=0.3)),
+                fp16=125 * T, multiprocessors=80, attention=0.3, boost_clock=1.53 * GHZ)),
     (r"\bT4\b", _("T4", 8.1 * T, 8.1 * T, 8.1 * T, 0.32e12, 16 * GB, 16 * GB, fp16=65 * T,
-                  multiprocessors=40, attention=0.3)),
+                  multiprocessors=40, attention=0.3, boost_clock=1.59 * GHZ)),
     # AMD Instinct: fp32 matmuls run on the matrix cores (163.4 TF), 7 Infinity Fabric links
     # of 64 GB/s per direction to the other 7 GPUs of an OAM platform, 304 compute units
     (r"MI325X", _("MI325X", 163.4 * T, 653.7 * T, 1307.4 * T, 6.0e12, 448 * GB, 256 * GB,
@@ -207,9 +218,9 @@ KNOWN_GPUS: tuple[tuple[str, GpuSpec], ...] = (
     (r"MI300X", _("MI300X", 163.4 * T, 653.7 * T, 1307.4 * T, 5.3e12, 448 * GB, 192 * GB,
                   multiprocessors=304)),
     (r"RTX 4090", _("RTX 4090", 82.6 * T, 82.6 * T, 165 * T, 1.0e12, 32 * GB, 24 * GB,
-                    multiprocessors=128)),
+                    multiprocessors=128, boost_clock=2.52 * GHZ)),
     (r"RTX 3090", _("RTX 3090", 35.6 * T, 35.6 * T, 71 * T, 0.94e12, 32 * GB, 24 * GB,
-                    multiprocessors=82)),
+                    multiprocessors=82, boost_clock=1.695 * GHZ)),
 )
 del _, _GH100
 
@@ -390,6 +401,21 @@ def peaks_by_dtype(spec: GpuSpec, *, allow_tf32: bool) -> tuple[tuple[str, float
     if spec.tf32 > spec.fp32:     # float32 convolutions: cuDNN allows TF32 by default
         peaks.append(("tf32", spec.tf32 * tensor))
     return tuple(peaks)
+
+
+SFU_PER_CLOCK = 16
+"""Results per clock per SM of the special-function units (``exp2``, ``rsqrt``, ...): the
+CUDA C++ Programming Guide's throughput of native arithmetic instructions, 16 on compute
+capabilities 5.x to 9.0. H100 SXM: 132 SMs x 16 x 1.98 GHz = 4.2e12 exponentials/s, next to
+989 TFLOP/s of bf16 matmul (the FlashAttention-3 paper, Shah et al. 2024, quotes 3.9 TFLOPS
+of special functions: at head dim 128 a fused attention's exponentials can take half as
+long as its matmuls)."""
+
+
+def exp_rate(spec: GpuSpec) -> float:
+    """Exponentials per second one device computes (``SFU_PER_CLOCK`` per SM per clock at
+    ``spec.boost_clock``); 0.0 where the clock is not listed (not modeled)."""
+    return float(spec.multiprocessors * SFU_PER_CLOCK * spec.boost_clock)
 
 
 def op_factors(spec: GpuSpec) -> tuple[tuple[str, float], ...]:
