@@ -78,18 +78,29 @@ class UntiedLM(torch.nn.Module):
         return self.head(torch.tanh(self.mix2(torch.tanh(self.mix(self.embed(x))))))
 
 
-def run_vocab_pipe() -> dict:
-    """``vocabpipe:4`` (module docstring)."""
+def twins(cls):
+    """Two models of ``cls`` with the same initial weights: one to plan, one reference."""
     torch.manual_seed(0)
-    model = UntiedLM()
+    model = cls()
     torch.manual_seed(0)
-    ref = UntiedLM()
+    return model, cls()
 
+
+def token_batches(seed: int, vocab: int):
+    """``batch_of(step)``: the same tokens and targets on every rank (seeded by ``seed +
+    step``), the first two targets of every fourth row ignored (-100)."""
     def batch_of(step: int):
-        gen = torch.Generator().manual_seed(300 + step)   # the same batch on every rank
-        tokens, targets = (torch.randint(0, 4096, (8, 6), generator=gen) for _ in range(2))
+        gen = torch.Generator().manual_seed(seed + step)
+        tokens, targets = (torch.randint(0, vocab, (8, 6), generator=gen) for _ in range(2))
         targets[::4, :2] = -100
         return tokens, targets
+    return batch_of
+
+
+def run_vocab_pipe() -> dict:
+    """``vocabpipe:4`` (module docstring)."""
+    model, ref = twins(UntiedLM)
+    batch_of = token_batches(300, 4096)
 
     method = torchalpa.PipeshardParallel(
         num_micro_batches=2, layer_option=torchalpa.AutoLayerOption(layer_num=2),
@@ -107,16 +118,8 @@ def run_vocab_pipe() -> dict:
 
 def run_vocab() -> dict:
     """``vocab:4`` (module docstring)."""
-    torch.manual_seed(0)
-    model = TiedLM()
-    torch.manual_seed(0)
-    ref = TiedLM()
-
-    def batch_of(step: int):
-        gen = torch.Generator().manual_seed(200 + step)   # the same batch on every rank
-        tokens, targets = (torch.randint(0, 64, (8, 6), generator=gen) for _ in range(2))
-        targets[::4, :2] = -100
-        return tokens, targets
+    model, ref = twins(TiedLM)
+    batch_of = token_batches(200, 64)
 
     option = torchalpa.AutoShardingOption(
         pin=(("embed.weight", (torchalpa.Replicate(), torchalpa.Shard(0))),),
