@@ -20,6 +20,13 @@ log-softmax and NLL over float32 logits: torchtitan and nanogpt-speedrun
 ``F.cross_entropy(logits.float())``, Megatron-LM, BLOOM and BigScience's
 ``vocab_parallel_cross_entropy`` (which keeps the float32 softmax), Alpa's JAX
 log-softmax; those rows keep ``loss="eager"``.
+
+What the trainer computed beside the step (``trainer_metrics``, priced by
+``trainer_work``): llm-foundry's runs went through Composer, which updates the model's two
+training metrics (a float32 cross-entropy over the logits each) after every micro-batch;
+every other source's loop computes the loss alone (torchtitan, the nanogpt speedrun,
+Megatron-LM and Megatron-DeepSpeed log the loss they already have; Alpa's benchmark times
+its train step), so only the MPT rows carry them.
 """
 
 from __future__ import annotations
@@ -96,6 +103,11 @@ class PublishedRow:
     memory_comparable: bool = True
     """Whether ``memory_gib`` is a peak the estimate prices (False: e.g. an allocator's
     reserved pool with buffers of a compiler the model does not see)."""
+    trainer_metrics: tuple[str, ...] = ()
+    """Training metrics the run's trainer updated on every micro-batch beside forward,
+    backward and the optimizer (Composer's ``LanguageCrossEntropy``, ...: names of
+    ``trainer_work.TRAINER_METRICS``), priced as their ops (``trainer_work``); () for a
+    trainer that computes only the loss."""
     notes: tuple[str, ...] = field(default_factory=tuple)
     """Assumptions [?] and what the model leaves out."""
 
@@ -115,12 +127,23 @@ class PublishedRow:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"row {self.key}: {name}={getattr(self, name)!r}; one of "
                                  f"{', '.join(allowed)}")
+        self._check_trainer_metrics()
         if self.tp * self.pp * self.dp != self.num_nodes * self.devices_per_node:
             raise ValueError(f"{self.key}: tp x pp x dp = {self.tp * self.pp * self.dp} but "
                              f"{self.num_nodes} x {self.devices_per_node} devices")
         if self.global_batch % (self.micro_batch * self.dp):
             raise ValueError(f"{self.key}: global batch {self.global_batch} is not a whole "
                              f"number of micro-batches of {self.micro_batch} x dp {self.dp}")
+
+    def _check_trainer_metrics(self) -> None:
+        from trainer_work import check_trainer_metrics
+        try:
+            check_trainer_metrics(self.trainer_metrics)
+        except ValueError as e:
+            raise ValueError(f"row {self.key}: {e}") from None
+        if self.trainer_metrics and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"row {self.key}: trainer metrics are priced on data-parallel "
+                             f"rows only (tp {self.tp}, pp {self.pp})")
 
     def cluster(self) -> torchalpa.Cluster:
         return torchalpa.Cluster.preset(self.machine, self.num_nodes, self.devices_per_node)
@@ -218,6 +241,15 @@ _MPT_NOTES = ("MPT: GPT with no biases, tied embedding, learned positions (NumPa
               "float32 log-sum-exp per token kept, no float32 log-probabilities")
 
 
+COMPOSER_METRICS = ("LanguageCrossEntropy", "LanguagePerplexity")
+"""``ComposerMPTCausalLM``'s training metrics (llm-foundry llmfoundry/models/mpt/
+modeling_mpt.py at 061f2c7c lines 697-699: on unless the model config sets
+``use_train_metrics: false``, which neither the pretrain yamls nor the benchmarking
+scripts set; ``ComposerMosaicGPT`` of the April 2023 tables, examples/llm/src/models/
+mosaic_gpt/mosaic_gpt.py at 9fa3ceb9 lines 480-483, had the same two, with no switch),
+which Composer updates after every micro-batch's backward (``trainer_work``)."""
+
+
 def _mpt(key, size, gpus, machine, micro, accum, tokens, remat="none", pure=False,
          seq=2048, notes: tuple[str, ...] = ()) -> PublishedRow:
     hidden, heads, layers = _MPT_SHAPES[size]
@@ -230,7 +262,7 @@ def _mpt(key, size, gpus, machine, micro, accum, tokens, remat="none", pure=Fals
                     bias=False, loss="fused"), seq=seq,
         global_batch=micro * accum * gpus, micro_batch=micro, dp=gpus, machine=machine,
         num_nodes=nodes, precision="bf16", remat=remat, zero="fsdp", fused=False,
-        tokens_per_gpu_s=tokens, float32_logits=False,
+        tokens_per_gpu_s=tokens, float32_logits=False, trainer_metrics=COMPOSER_METRICS,
         notes=_MPT_NOTES + (("mixed precision PURE: parameters in bf16 "
                              "not expressible yet",) if pure else ()) + notes)
 
