@@ -6,8 +6,9 @@ to attention (which grows with the sequence) or to every token?
 
 Each case is a line of the same source's tables (``published_rows.FOUNDRY``: model,
 GPUs, micro-batch, accumulation, tokens/s/GPU) with the row builder of ``published_rows``;
-these are diagnostics beside the rows, not rows: nothing was tuned on them. Minutes per
-case on the CPU VM.
+these are diagnostics beside the rows, not rows: nothing was tuned on them. The estimate
+carries the trainer's per-micro-batch metrics as the rows do (``trainer_work``). Minutes
+per case on the CPU VM.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main(names: list[str]) -> None:
         pub = row.published_step_s()
         print(f"{name:<18} published {pub:.3f} s  estimate {e.step_s:.3f} s  est/pub "
               f"{e.step_s / pub:.2f}  (compute {e.compute_s:.3f}, comm "
-              f"{e.communication_s:.3f})", flush=True)
+              f"{e.communication_s:.3f}, trainer metrics {e.trainer_s:.3f})", flush=True)
 
 
 if __name__ == "__main__":
