@@ -10,6 +10,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 import published  # noqa: E402
@@ -45,7 +46,6 @@ def test_a_metric_costs_at_least_the_float32_bytes_it_moves_every_micro_batch():
     mesh = row.cluster().logical_mesh((row.dp,))
     entries = row.micro_batch * row.seq * row.config["vocab_size"]
     floor = entries * 14 / mesh.memory_bandwidth
-    import torch
     shape = (row.micro_batch * row.dp, row.seq, row.config["vocab_size"])
     one = trainer_work.metric_seconds_per_micro_batch("LanguageCrossEntropy", mesh, shape,
                                                       torch.bfloat16, row.dp)
