@@ -60,6 +60,10 @@ SETTINGS: dict[str, dict[str, object]] = {
 this tree's ``MIP_OPTIONS``; "tree": as it runs now)."""
 
 
+HIGHS_GAP = highspy.Highs().getOptionValue("mip_rel_gap")[1]
+"""The gap of a run saved without one (HiGHS' default, 1e-4)."""
+
+
 class Run(NamedTuple):
     cpu: float
     iterations: int
@@ -95,7 +99,7 @@ def _solve(path: str, setting: str) -> Run:
 def _line(name: str, setting: str, run: Run, base: Run, gap: float | None) -> str:
     same = run.chosen.shape == base.chosen.shape and bool((run.chosen == base.chosen).all())
     rel = abs(run.objective - base.objective) / max(abs(base.objective), 1e-9)
-    within = "" if gap is None or rel <= gap + 1e-12 else " OUTSIDE GAP"
+    within = "" if rel <= (HIGHS_GAP if gap is None else gap) + 1e-12 else " OUTSIDE GAP"
     return (f"{name:28s} {setting:10s} cpu {run.cpu:8.2f}  it {run.iterations:7d}  "
             f"nodes {run.nodes:4d}  obj {run.objective:.10g}  {run.status:12s} "
             f"{'same' if same else f'DIFFERENT (rel {rel:.2e})'}{within}")

@@ -19,8 +19,11 @@ from torchalpa.passes.sharding.ilp_model import LinearModel
 __all__ = ["solve_with_highs", "started_highs", "linear_optimum", "MIP_OPTIONS"]
 
 MIP_OPTIONS: dict[str, object] = {}
-"""HiGHS options of the planner's MIP runs that differ from HiGHS' defaults, chosen on a
-corpus of the planner's own ILPs (``benchmarks/highs_options_ab.py``)."""
+"""HiGHS options of the planner's MIP runs that differ from HiGHS' defaults: none. Weighed
+on a corpus of the planner's own ILPs (``benchmarks/highs_options_ab.py``;
+benchmarks/RESULTS.md, "HiGHS options on the planner's own ILPs"), the settings that cut
+work (presolve off, feasibility jump off) return another plan of the same objective where
+plans tie, and the others (restarts, symmetry, heuristic effort) cut none."""
 
 
 def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float | None,
