@@ -32,12 +32,12 @@ from highs_dump import load_model  # noqa: E402
 
 from torchalpa.passes.sharding import ilp_highs  # noqa: E402
 
-MAIN: dict[str, object] = {
+MAIN: dict[str, bool | int | float | str] = {
     name: highspy.Highs().getOptionValue(name)[1] for name in ilp_highs.MIP_OPTIONS}
 """HiGHS' defaults of the options ``ilp_highs.MIP_OPTIONS`` changes: every setting below is
 laid over them, so each is weighed against the planner as it ran before those changes."""
 
-SETTINGS: dict[str, dict[str, object]] = {
+SETTINGS: dict[str, dict[str, bool | int | float | str]] = {
     "base": {},
     "tree": {},     # this tree's ``MIP_OPTIONS`` as the planner sets them (see ``_solve``)
     "heur0": {"mip_heuristic_effort": 0.0},

@@ -18,12 +18,13 @@ from torchalpa.passes.sharding.ilp_model import LinearModel
 
 __all__ = ["solve_with_highs", "started_highs", "linear_optimum", "MIP_OPTIONS"]
 
-MIP_OPTIONS: dict[str, object] = {}
+MIP_OPTIONS: dict[str, bool | int | float | str] = {}
 """HiGHS options of the planner's MIP runs that differ from HiGHS' defaults: none. Weighed
 on a corpus of the planner's own ILPs (``benchmarks/highs_options_ab.py``;
 benchmarks/RESULTS.md, "HiGHS options on the planner's own ILPs"), the settings that cut
 work (presolve off, feasibility jump off) return another plan of the same objective where
-plans tie, and the others (restarts, symmetry, heuristic effort) cut none."""
+plans tie or end at another plan within the gap, and the others (restarts, symmetry,
+sub-MIP heuristics, heuristic effort) cut little more than the load's noise."""
 
 
 def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float | None,
@@ -48,7 +49,7 @@ def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float
 
 def started_highs(model: LinearModel, *, time_limit: float | None, gap: float | None,
                   verbose: bool, max_nodes: int | None = None,
-                  options: dict[str, object] | None = None
+                  options: dict[str, bool | int | float | str] | None = None
                   ) -> tuple[highspy.Highs, np.ndarray]:
     """A HiGHS instance holding ``model`` with its partial start set, ready to ``run``, and
     each model column's position there (``_load``), with ``MIP_OPTIONS`` set and then
