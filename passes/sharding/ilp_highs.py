@@ -16,7 +16,15 @@ import numpy as np
 
 from torchalpa.passes.sharding.ilp_model import LinearModel
 
-__all__ = ["solve_with_highs", "linear_optimum"]
+__all__ = ["solve_with_highs", "started_highs", "linear_optimum", "MIP_OPTIONS"]
+
+MIP_OPTIONS: dict[str, bool | int | float | str] = {}
+"""HiGHS options of the planner's MIP runs that differ from HiGHS' defaults: none. Weighed
+on a corpus of the planner's own ILPs (``benchmarks/highs_options_ab.py``;
+benchmarks/RESULTS.md, "HiGHS options on the planner's own ILPs"), the settings that cut
+work (presolve off, feasibility jump off) return another plan of the same objective where
+plans tie or end at another plan within the gap, and the others (restarts, symmetry,
+sub-MIP heuristics, heuristic effort) cut little more than the load's noise."""
 
 
 def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float | None,
@@ -30,18 +38,33 @@ def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float
     solve stopped by a limit returns at least that plan."""
     if not model.names:     # presolve decided every node (HiGHS calls an empty model an error)
         return ("Optimal" if _empty_feasible(model) else "Infeasible"), np.zeros(0), False
-    h, position = _load(model, time_limit=time_limit, gap=gap, verbose=verbose,
-                        max_nodes=max_nodes)
-    if model.initial:
-        columns = np.fromiter(model.initial.keys(), dtype=np.int64, count=len(model.initial))
-        h.setSolution(len(columns), position[columns].astype(np.int32),
-                      np.fromiter(model.initial.values(), dtype=np.float64,
-                                  count=len(columns)))
+    h, position = started_highs(model, time_limit=time_limit, gap=gap, verbose=verbose,
+                                max_nodes=max_nodes)
     h.run()
     clock = h.getModelStatus().name == "kTimeLimit"
     status, values = _read(h)
     n = len(model.names)
     return status, values[position] if values.size == n else np.zeros(n), clock
+
+
+def started_highs(model: LinearModel, *, time_limit: float | None, gap: float | None,
+                  verbose: bool, max_nodes: int | None = None,
+                  options: dict[str, bool | int | float | str] | None = None
+                  ) -> tuple[highspy.Highs, np.ndarray]:
+    """A HiGHS instance holding ``model`` with its partial start set, ready to ``run``, and
+    each model column's position there (``_load``), with ``MIP_OPTIONS`` set and then
+    ``options`` over them (``benchmarks/highs_options_ab.py`` weighs settings this way)."""
+    h, position = _load(model, time_limit=time_limit, gap=gap, verbose=verbose,
+                        max_nodes=max_nodes)
+    for name, value in {**MIP_OPTIONS, **(options or {})}.items():
+        if h.setOptionValue(name, value) == highspy.HighsStatus.kError:
+            raise ValueError(f"HiGHS refused option {name}={value!r}")
+    if model.initial:
+        columns = np.fromiter(model.initial.keys(), dtype=np.int64, count=len(model.initial))
+        h.setSolution(len(columns), position[columns].astype(np.int32),
+                      np.fromiter(model.initial.values(), dtype=np.float64,
+                                  count=len(columns)))
+    return h, position
 
 
 def linear_optimum(model: LinearModel, *, integral: bool = False) -> float | None:
