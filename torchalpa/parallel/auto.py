@@ -27,7 +27,10 @@ search
    than the tolerance either; and where that bound lets it through, its search stops
    after its layer ILPs, before any stage ILP, when its layers' own plans bound it
    (``passes/pipeline_search/layer_bound.py``) at what cannot beat the plan by more than
-   the tolerance. The search is bounded by work (the candidates'
+   the tolerance. A checkpointing intra-op candidate is bounded then by the linear
+   relaxations of its views' problems (``relaxed_bound.py``: they price the collectives
+   the roofline leaves out) and not solved where the least of them cannot beat the plan
+   by more than the tolerance either. The search is bounded by work (the candidates'
    bounds, the solver's node limit ``AutoShardingOption.max_nodes``), not by seconds,
    so the same job gives the same plan on any machine at any load;
    ``time_budget_s`` is only a safety net, and when it fires the plan's notes say so

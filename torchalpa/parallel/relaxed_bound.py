@@ -5,7 +5,7 @@ over all devices: it counts a checkpointed block's recompute (the capture holds 
 copies of the forward ops), but nothing a layout pays on top -- collectives, resharding,
 work no layout splits evenly. On target a (LLaMA-3-8B, 1 x 8 H100) that leaves the
 checkpointing candidates' bounds (2.3-2.5 s/step) under the plan in hand (2.632) by more
-than the tolerance, so each was solved, for tens of seconds to minutes, to lose by 2-20 %.
+than the tolerance, so each was solved, for tens of seconds to minutes, to lose by 1-20 %.
 The linear relaxation of each view's problem (``intra_op.step_time_lower_bound``, a few
 seconds a view) prices those too: on that step it sits about 1 % under the estimate the
 view's ILP finds where memory does not bind.
@@ -51,12 +51,13 @@ __all__ = ["views_bound"]
 
 def views_bound(graph: OpGraph, meshes: list[LogicalMesh], method: ShardParallel, *,
                 inputs: str = "global", memo=None, blocks: dict | None = None,
-                skip: Collection[int] = (), below: float = math.inf) -> float | None:
+                skip: Collection[int] = (), below: float = -math.inf) -> float | None:
     """The least ``step_time_lower_bound`` of ``graph`` over ``meshes`` but those whose
     index is in ``skip``: no plan ``plan_graph`` finds on those views has a lower estimate.
     None where a view has no bound or none is left. Stops at the first view whose bound is
     below ``below`` and returns that bound (the least is then at most it): the caller
-    compares the answer with ``below`` only. ``memo``, ``blocks``: ``plan_intra_op``'s."""
+    compares the answer with ``below`` only (default: every view bounded). ``memo``,
+    ``blocks``: ``plan_intra_op``'s."""
     from torchalpa.passes.sharding.intra_op import step_time_lower_bound
     views = sorted((i for i in range(len(meshes)) if i not in skip),
                    key=lambda i: (-len(meshes[i].shape), i))
