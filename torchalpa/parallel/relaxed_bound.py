@@ -54,20 +54,25 @@ def views_bound(graph: OpGraph, meshes: list[LogicalMesh], method: ShardParallel
                 skip: Collection[int] = (), below: float = -math.inf) -> float | None:
     """The least ``step_time_lower_bound`` of ``graph`` over ``meshes`` but those whose
     index is in ``skip``: no plan ``plan_graph`` finds on those views has a lower estimate.
-    None where a view has no bound or none is left. Stops at the first view whose bound is
-    below ``below`` and returns that bound (the least is then at most it): the caller
-    compares the answer with ``below`` only (default: every view bounded). ``memo``,
-    ``blocks``: ``plan_intra_op``'s."""
+    None where a view has no bound or none is left (a view whose relaxation has no
+    feasible point has no plan either: it is passed over). Stops at the first view whose
+    bound is below ``below`` and returns that bound (the least is then at most it): the
+    caller compares the answer with ``below`` only (default: every view bounded).
+    ``memo``, ``blocks``: ``plan_intra_op``'s."""
+    from torchalpa.passes.sharding.ilp import InfeasibleError
     from torchalpa.passes.sharding.intra_op import step_time_lower_bound
     views = sorted((i for i in range(len(meshes)) if i not in skip),
                    key=lambda i: (-len(meshes[i].shape), i))
     least = math.inf
     for i in views:
-        bound = step_time_lower_bound(graph, meshes[i], method, inputs=inputs, memo=memo,
-                                      blocks=blocks)
+        try:
+            bound = step_time_lower_bound(graph, meshes[i], method, inputs=inputs,
+                                          memo=memo, blocks=blocks)
+        except InfeasibleError:     # not even its relaxation has a plan: the view none
+            continue
         if bound is None:
             return None
         least = min(least, bound)
         if bound < below:
             break
-    return least if views else None
+    return least if math.isfinite(least) else None
