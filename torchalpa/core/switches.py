@@ -107,6 +107,12 @@ class SearchSwitches(_Switches):
     """Settle an intra-op candidate's view (logical mesh) by another candidate's answer on
     it instead of solving it (``auto._Search.settled_views``); False solves every view."""
 
+    relaxed_bounds: bool = True
+    """Refuse a checkpointing intra-op candidate, once a plan is in hand, where the linear
+    relaxations of its views bound it at what cannot beat that plan by more than the
+    tolerance (``auto._Search.relaxed_bound``, ``parallel/relaxed_bound.py``); False
+    refuses it by its roofline bound alone."""
+
     skip_by_bound: bool = True
     """Skip a logical mesh whose step-time bound is above a plan already found
     (``shard.plan_graph``, unless its caller says); False solves every mesh."""

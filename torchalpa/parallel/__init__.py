@@ -10,6 +10,8 @@ orchestration every method goes through (capture, plan on rank 0, lower, distrib
 - ``methods``: the tables of which implementation each method has for each kind of work.
 - ``shard`` / ``pipeshard``: ShardParallel's and PipeshardParallel's steps.
 - ``auto``: ``AutoParallel``, the planner choosing method, checkpointing and micro-batches.
+- ``relaxed_bound``: a checkpointing candidate of ``auto`` bounded by its views' linear
+  relaxations before its ILPs.
 - ``offload``: offloaded optimizer states priced, and the hosts' memory checked.
 - ``states_floor``: a job whose model states alone fit neither the devices nor the hosts,
   refused from its parameters before anything is traced.

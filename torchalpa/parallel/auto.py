@@ -27,7 +27,10 @@ search
    than the tolerance either; and where that bound lets it through, its search stops
    after its layer ILPs, before any stage ILP, when its layers' own plans bound it
    (``passes/pipeline_search/layer_bound.py``) at what cannot beat the plan by more than
-   the tolerance. The search is bounded by work (the candidates'
+   the tolerance. A checkpointing intra-op candidate is bounded then by the linear
+   relaxations of its views' problems (``relaxed_bound.py``: they price the collectives
+   the roofline leaves out) and not solved where the least of them cannot beat the plan
+   by more than the tolerance either. The search is bounded by work (the candidates'
    bounds, the solver's node limit ``AutoShardingOption.max_nodes``), not by seconds,
    so the same job gives the same plan on any machine at any load;
    ``time_budget_s`` is only a safety net, and when it fires the plan's notes say so
@@ -113,6 +116,10 @@ SETTLED = "views settled without an ILP: "
 
 STAGE_BOUND = "cannot beat "
 """How an attempt's detail begins when its stages' bound refused it (``stage_bound``)."""
+
+RELAXED_BOUND = "its views' linear relaxations bound it at "
+"""How an attempt's detail begins when its views' LP bounds refused it
+(``relaxed_bound.py``)."""
 
 LAYER_BOUND = "bounded by its layers' own plans at "
 """How an attempt's detail begins when its layers' own plans (or those of a candidate
@@ -766,17 +773,15 @@ class _Search:
             if not c.exact:
                 self.requeue_exact(candidates, i)
                 continue
-            if best is not None and c.kind == "pipeline" and \
-                    self.stage_bound(c) * (1 + self.method.tolerance) >= best[0]:
-                self.attempts.append(Attempt(c, "not needed", detail=(
-                    f"{STAGE_BOUND}{self.stage_bound(c):.4g} s/step (its stages' fill and "
-                    "drain, launches and host time; a bound)")))
-                continue
             settled = self.settled_views(c)
             if len(settled) == len(self.meshes):
                 self.settled += len(settled)
                 self.attempts.append(Attempt(c, "not needed",
                                              detail=_settled_text(settled, self.meshes)))
+                continue
+            beaten = None if best is None else self.cannot_beat(c, best[0], settled)
+            if beaten is not None:
+                self.attempts.append(beaten)
                 continue
             start = time.perf_counter()
             more = len(candidates) - i - 1
@@ -804,6 +809,40 @@ class _Search:
                     progress.done = "does not fit"
                     continue
                 progress.done = self.record(c, plan, time.perf_counter() - start)
+
+    def cannot_beat(self, c: Candidate, best_s: float,
+                    settled: dict[int, tuple[str, bool]]) -> Attempt | None:
+        """``c`` refused before its solves where a bound finer than ``c.bound_s`` says it
+        cannot beat the best plan in hand (``best_s``) by more than the tolerance: a
+        pipeline's by its stages (``stage_bound``), a checkpointing intra-op candidate's by
+        the linear relaxations of its views not ``settled`` (``relaxed_bound.py``)."""
+        if c.kind == "pipeline" and self.stage_bound(c) * (1 + self.method.tolerance) >= best_s:
+            return Attempt(c, "not needed", detail=(
+                f"{STAGE_BOUND}{self.stage_bound(c):.4g} s/step (its stages' fill and "
+                "drain, launches and host time; a bound)"))
+        beat = best_s / (1 + self.method.tolerance)
+        relaxed = self.relaxed_bound(c, settled, beat)
+        if relaxed is not None and relaxed >= beat:
+            return Attempt(c, "not needed", detail=(
+                f"{RELAXED_BOUND}{relaxed:.4g} s/step (a bound)"))
+        return None
+
+    def relaxed_bound(self, c: Candidate, settled: dict[int, tuple[str, bool]],
+                      beat: float) -> float | None:
+        """The least LP bound of checkpointing intra-op candidate ``c``'s views not
+        ``settled`` (``relaxed_bound.views_bound``, stopping at one under ``beat``); None
+        for other candidates, with offloading (priced after the solve) or where the
+        switch is off."""
+        if c.kind != "intra-op" or c.remat == "none" or self.method.offload or \
+                not SearchSwitches.current().relaxed_bounds:
+            return None
+        from torchalpa.parallel.relaxed_bound import views_bound
+        from torchalpa.parallel.shard import blocks_of
+        graph = self.capture(c.num_micro_batches, c.remat, c.regather).graph
+        with self.timed("bounds"):
+            return views_bound(graph, self.meshes, self.intra_op_method(c),
+                               inputs=self.inputs, memo=self.pricing,
+                               blocks=blocks_of(graph), skip=settled, below=beat)
 
     def record(self, c: Candidate, plan: Plan | PipelinePlan, seconds: float) -> str:
         """Keep ``c``'s ``plan`` (solved in ``seconds``) among the plans in hand, or refuse it
