@@ -28,7 +28,7 @@ from torchalpa.core.options import AutoShardingOption
 from torchalpa.core.switches import PassSwitches
 from torchalpa.passes.pipeline_search.exact_stages import ExactStages
 from torchalpa.passes.pipeline_search.search_keys import Chosen, GivenStage, Stage, Variant
-from torchalpa.passes.pipeline_search.stage_costs import StageCosts
+from torchalpa.passes.pipeline_search.stage_costs import Candidate, StageCosts
 from torchalpa.passes.pipeline_search.stage_jobs import StageJobs
 from torchalpa.passes.pipeline_search.stages import PipelineSolution, stage_dp
 
@@ -97,6 +97,10 @@ class VariantTable:
         # a variant's additive estimate does not change between rounds (only ``priced``)
         self._additive: dict[tuple[Key, bool], dict[tuple[View, bool],
                                                     tuple[float, Variant]]] = {}
+        # a stage's additive candidates, shared by both ``guess`` settings and the
+        # uniform partitions (target b: the rounds' last DP, ``guess`` off, priced every
+        # stage's candidates again, 113k of them)
+        self._candidates: dict[Key, list[Candidate]] = {}
         # key -> (picked, exact?): an exact variant's Chosen, else the additive Variant
         self.choice: dict[Key, tuple[Variant | Chosen, bool] | None] = {}
         # key -> (view, recompute) -> LP bound of a variant left unsolved: above the key's
@@ -122,9 +126,17 @@ class VariantTable:
                                                            tuple[float, Variant]]:
         found = self._additive.get((key, guess))
         if found is None:
-            k, i, j, flight = key
             found = self._additive[key, guess] = variants(
-                self.costs, k, i, self.shapes[j], flight, guess and not self.measured)
+                self.costs, self.candidates(key), guess and not self.measured)
+        return found
+
+    def candidates(self, key: Key) -> list[Candidate]:
+        """``StageCosts.candidates`` of stage ``key``, computed once."""
+        found = self._candidates.get(key)
+        if found is None:
+            k, i, j, flight = key
+            found = self._candidates[key] = self.costs.candidates(k, i, self.shapes[j],
+                                                                  flight)
         return found
 
     def guess(self, key: Key, view: View, recompute: bool) -> float:
@@ -173,11 +185,10 @@ class VariantTable:
         estimate (optimistic where near fitting), or a variant's LP bound where the rounds
         cut it (a uniform partition then prices it as any other unpriced stage of it);
         None if no variant on ``view`` may fit."""
-        k, i, j, flight = key
         priced, cut = self.priced.get(key, {}), self.cut.get(key, {})
         best = None
-        for (v, recompute), (latency, chosen) in variants(self.costs, k, i, self.shapes[j],
-                                                          flight, True).items():
+        for (v, recompute), (latency, chosen) in variants(self.costs, self.candidates(key),
+                                                          True).items():
             if v != view:
                 continue
             if (v, recompute) in priced:
@@ -414,14 +425,15 @@ def uniform_layouts(L: int, cluster: Cluster, shapes: list[Submesh]) -> list[tup
             for j, (n, m) in enumerate(shapes) if n * m * pp == cluster.num_devices]
 
 
-def variants(costs: StageCosts, k: int, i: int, submesh: Submesh, flight: int,
-             guess: bool) -> dict[tuple[View, bool], tuple[float, Variant]]:
-    """(view, recompute) -> (latency, (view, lean, recompute)) of the variants of layers
-    k..i on ``submesh`` that fit by the additive estimate, or, with ``guess``, are within
-    ``MEMORY_SLACK`` x the budget of fitting: the fastest such plan per variant."""
+def variants(costs: StageCosts, candidates: list[Candidate], guess: bool
+             ) -> dict[tuple[View, bool], tuple[float, Variant]]:
+    """(view, recompute) -> (latency, (view, lean, recompute)) of the variants among a
+    stage's ``candidates`` (``StageCosts.candidates``) that fit by the additive estimate,
+    or, with ``guess``, are within ``MEMORY_SLACK`` x the budget of fitting: the fastest
+    such plan per variant."""
     limit = (MEMORY_SLACK if guess else 1.0) * costs.problem.budget()
     out: dict[tuple[View, bool], tuple[float, Variant]] = {}
-    for c in costs.candidates(k, i, submesh, flight):
+    for c in candidates:
         if c.memory <= limit and ((c.view, c.recompute) not in out or
                                   c.latency < out[c.view, c.recompute][0]):
             out[c.view, c.recompute] = (c.latency, c.variant)
