@@ -224,6 +224,7 @@ class StageSearch:
         self.table = VariantTable(costs, shapes, self.measured)
         self._round_picks: list[Pick] = []     # the DP's picks priced this round
         self.num_cut = 0        # variants the rounds left unsolved by their LP bounds
+        self.dp_work = [0, 0, 0]    # stage DP runs, bounds they ran, candidates compared
 
     def run(self) -> SearchResult:
         """The search's answer (``ValueError`` if no stage fits)."""
@@ -236,6 +237,8 @@ class StageSearch:
                      "of them asked for, %d stopped; %d stage variants left unsolved by their"
                      " LP bounds (%d bounds)", jobs.guessed, jobs.guesses_used,
                      jobs.guesses_stopped, self.num_cut, self.exact.bounded)
+            log.info("pipeline search: %d stage DP runs over %d bounds, %d candidates "
+                     "compared", *self.dp_work)
         return SearchResult(solution, self._chosen(solution), self.table.num_priced(),
                             self._uniform_exact())
 
@@ -259,10 +262,13 @@ class StageSearch:
         return self._dp(guess=False)
 
     def _dp(self, guess: bool = True) -> PipelineSolution:
-        return stage_dp(self.num_layers, self.cluster.num_nodes, self.cluster.devices_per_node,
-                        self.num_micro_batches,
-                        lambda k, i, j, after: self.table.cost((k, i, j, self._flight(after)),
-                                                               guess))
+        found = stage_dp(self.num_layers, self.cluster.num_nodes,
+                         self.cluster.devices_per_node, self.num_micro_batches,
+                         lambda k, i, j, after: self.table.cost((k, i, j, self._flight(after)),
+                                                                guess))
+        work = (1, found.num_t_max_tried, found.num_candidates)
+        self.dp_work = [a + b for a, b in zip(self.dp_work, work)]
+        return found
 
     def _flight(self, after: int) -> int:
         """Micro-batches in flight on a stage with ``after`` stages after it."""

@@ -59,6 +59,7 @@ class PipelineSolution:
     total: float                     # sum(latencies) + (B - 1) * max(latency)
     t_max: float
     num_t_max_tried: int = 0
+    num_candidates: int = 0          # (i, j, d) entries the DP runs compared, all bounds
 
     @property
     def forward_stage_layer_ids(self) -> list[list[int]]:
@@ -98,10 +99,11 @@ def stage_dp(num_layers: int, num_nodes: int, devices_per_node: int, num_micro_b
     if best is None:
         raise ValueError("no pipeline fits: every assignment of layers to submeshes exceeds "
                          "memory or cannot run")
-    total, stages, runs = best
+    total, stages, runs, compared = best
     return PipelineSolution(
         stages=tuple(StageChoice((k, i), shapes[j], lat) for k, i, j, lat in stages),
-        total=float(total), t_max=float(max(st[3] for st in stages)), num_t_max_tried=runs)
+        total=float(total), t_max=float(max(st[3] for st in stages)), num_t_max_tried=runs,
+        num_candidates=compared)
 
 
 def _spaced_bounds(values: np.ndarray, epsilon: float) -> tuple[list[float], float]:
@@ -141,7 +143,7 @@ class _BoundSearch:
       total; unless m was left out as within epsilon of a smaller bound, so the bound
       uses ``min(a, smallest value left out)``.
 
-    ``run`` returns (total, stages, DP runs) of the answer, or None."""
+    ``run`` returns (total, stages, DP runs, candidates compared) of the answer, or None."""
 
     def __init__(self, C, sizes, D, S, B, bounds, dropped_low):
         self.C, self.sizes, self.D, self.S, self.B = C, sizes, D, S, B
@@ -149,17 +151,19 @@ class _BoundSearch:
         self.found: dict[int, tuple | None] = {}
         self.best: tuple[float, float, list] | None = None     # (total, sum, stages)
         self.stopped = False
+        self.compared = [0]      # (i, j, d) candidates the DP runs built
 
     def _dp(self, n: int):
         if n not in self.found:
-            self.found[n] = _dp_for_bound(self.C, self.sizes, self.D, self.S, self.bounds[n])
+            self.found[n] = _dp_for_bound(self.C, self.sizes, self.D, self.S, self.bounds[n],
+                                          self.compared)
         return self.found[n]
 
     def run(self):
         self._visit(0, len(self.bounds) - 1)
         if self.best is None:
             return None
-        return self.best[0], self.best[2], len(self.found)
+        return self.best[0], self.best[2], len(self.found), self.compared[0]
 
     def _visit(self, lo: int, hi: int) -> None:
         """Bounds lo..hi in the plain scan's order, skipping what cannot improve."""
@@ -185,7 +189,8 @@ class _BoundSearch:
         self._visit(mid + 1, hi)
 
 
-def _dp_for_bound(C: np.ndarray, sizes: np.ndarray, D: int, S: int, t_max: float):
+def _dp_for_bound(C: np.ndarray, sizes: np.ndarray, D: int, S: int, t_max: float,
+                  compared: list[int]):
     """Min total latency under the bound, with the stages that reach it (or None).
 
     ``F[s, k, d] = min over (i, j) of C[k, i, j, s-1] + F[s-1, i+1, d - size_j]``, for all
@@ -198,7 +203,7 @@ def _dp_for_bound(C: np.ndarray, sizes: np.ndarray, D: int, S: int, t_max: float
     ``L - s``). Every entry left out is inf, so the first least (i, j) is the one the
     full (L x L x J) candidate array gives, at about a fifth of its size for L = S (target
     b's 16 layers: 816 of 4096 (k, i) blocks; the DP was a third of that search's stage
-    phase)."""
+    phase). ``compared[0]`` counts the candidates built."""
     L, _, J, _ = C.shape
     F = np.full((S + 1, L + 1, D + 1), np.inf)
     choice = np.full((S + 1, L + 1, D + 1, 2), -1, dtype=np.int64)   # (i, j)
@@ -216,6 +221,7 @@ def _dp_for_bound(C: np.ndarray, sizes: np.ndarray, D: int, S: int, t_max: float
         for k in range(last + 1):
             cand = (allowed[k, k:last + 1, :, s - 1, None] + shifted[k:]).reshape(
                 (last + 1 - k) * J, D + 1)
+            compared[0] += cand.size
             arg = cand.argmin(axis=0)
             val = cand[arg, np.arange(D + 1)]
             ok = np.isfinite(val)
