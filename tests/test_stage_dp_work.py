@@ -37,25 +37,58 @@ def test_dp_compares_only_blocks_that_can_end(layers, nodes, devices, micro):
     assert per_run * 3 <= layers * layers * S * J * (D + 1)
 
 
-def test_each_stage_candidates_priced_once():
-    """A whole search on the small GPT (rounds, the uniform partitions, the last DP
-    without guesses where rounds run out): ``StageCosts.candidates`` once per stage."""
-    graph = small_gpt_graph()
+@pytest.fixture(scope="module")
+def gpt_graph():
+    return small_gpt_graph()
+
+
+def _search(graph) -> StageSearch:
+    """The small GPT's stage search on one node of four devices, one worker."""
     cluster = small_cluster(10.0, nodes=1, devices=4)
     method = small_pipeline()
     exact = exact_stages(graph, assign_layers(graph, method, cluster.num_devices), cluster,
                          method)
     shapes = submesh_shapes(cluster.num_nodes, cluster.devices_per_node)
-    search = StageSearch(exact.costs, exact, cluster, method.num_micro_batches,
-                         method.pipeline_schedule, shapes, workers=1)
+    return StageSearch(exact.costs, exact, cluster, method.num_micro_batches,
+                       method.pipeline_schedule, shapes, workers=1)
+
+
+def test_each_stage_candidates_priced_once(gpt_graph):
+    """A whole search on the small GPT (rounds, the uniform partitions, the last DP
+    without guesses where rounds run out): ``StageCosts.candidates`` once per stage."""
+    search = _search(gpt_graph)
     asked: Counter = Counter()
-    candidates = exact.costs.candidates
+    candidates = search.costs.candidates
 
     def counted(k, i, submesh, flight):
         asked[k, i, submesh, flight] += 1
         return candidates(k, i, submesh, flight)
-    exact.costs.candidates = counted       # type: ignore[method-assign]
+    search.costs.candidates = counted       # type: ignore[method-assign]
     search._dp(guess=False)           # the rounds' last DP, as when they run out
     result = search.run()
     assert math.isfinite(result.solution.total) and asked
     assert max(asked.values()) == 1, asked.most_common(3)
+
+
+def test_a_round_reprices_only_the_stages_it_priced(gpt_graph):
+    """After a stage is priced, the next DP works out the cheapest variant of that stage
+    alone again, and answers as a table that never kept any."""
+    search = _search(gpt_graph)
+    first = search._dp()
+    key = search._keys(first)[0]
+    picked, _ = search.table.picked(key)
+    view, _, recompute = picked
+    worked: Counter = Counter()
+    cheapest = search.table._cheapest
+
+    def counted(key, guess):
+        worked[key, guess] += 1
+        return cheapest(key, guess)
+    search.table._cheapest = counted         # type: ignore[method-assign]
+    search.table.record(key, view, recompute, first.stages[0].latency * 3, None)
+    again = search._dp()
+    assert list(worked) == [(key, True)] and worked[key, True] == 1
+
+    fresh = _search(gpt_graph)
+    fresh.table.record(key, view, recompute, first.stages[0].latency * 3, None)
+    assert fresh._dp() == again

@@ -101,6 +101,10 @@ class VariantTable:
         # uniform partitions (target b: the rounds' last DP, ``guess`` off, priced every
         # stage's candidates again, 113k of them)
         self._candidates: dict[Key, list[Candidate]] = {}
+        # (key, guess) -> ``cost``'s answer: (latency, variant taken), dropped when the
+        # key is priced or cut
+        self._costs: dict[tuple[Key, bool], tuple[float, tuple[Variant | Chosen, bool] |
+                                                         None]] = {}
         # key -> (picked, exact?): an exact variant's Chosen, else the additive Variant
         self.choice: dict[Key, tuple[Variant | Chosen, bool] | None] = {}
         # key -> (view, recompute) -> LP bound of a variant left unsolved: above the key's
@@ -110,7 +114,17 @@ class VariantTable:
     def cost(self, key: Key, guess: bool = True) -> float:
         """A stage's latency: its cheapest variant, exact where it was priced so, else the
         per-layer sum or, with ``guess``, the optimistic estimate (a stage the sum calls
-        too big, to be priced exactly if the DP picks it). Records the variant taken."""
+        too big, to be priced exactly if the DP picks it). Records the variant taken.
+        Kept until the stage is priced or cut again: each round's DP asks for every stage
+        (target b: 113k), and a round prices a few dozen."""
+        found = self._costs.get((key, guess))
+        if found is None:
+            found = self._costs[key, guess] = self._cheapest(key, guess)
+        self.choice[key] = found[1]
+        return found[0]
+
+    def _cheapest(self, key: Key, guess: bool
+                  ) -> tuple[float, tuple[Variant | Chosen, bool] | None]:
         best: tuple[float, tuple[Variant | Chosen, bool] | None] = (math.inf, None)
         priced, cut = self.priced.get(key, {}), self.cut.get(key, {})
         for variant, (latency, chosen) in self._additive_of(key, guess).items():
@@ -119,8 +133,7 @@ class VariantTable:
         for latency, chosen in priced.values():
             if chosen is not None and latency < best[0]:
                 best = (latency, (chosen, True))
-        self.choice[key] = best[1]
-        return best[0]
+        return best
 
     def _additive_of(self, key: Key, guess: bool) -> dict[tuple[View, bool],
                                                            tuple[float, Variant]]:
@@ -150,6 +163,12 @@ class VariantTable:
         """Replace a variant's estimate by its exact price (inf: no plan fits)."""
         self.priced.setdefault(key, {})[view, recompute] = (
             latency, Chosen(view, option, recompute) if math.isfinite(latency) else None)
+        self._forget(key)
+
+    def _forget(self, key: Key) -> None:
+        """Drop ``cost``'s kept answers for ``key`` (its prices or cuts changed)."""
+        self._costs.pop((key, True), None)
+        self._costs.pop((key, False), None)
 
     def picked(self, key: Key) -> tuple[Variant | Chosen, bool]:
         """The variant the DP took for ``key`` and whether it is exact."""
@@ -166,15 +185,18 @@ class VariantTable:
     def record_cut(self, key: Key, view: View, recompute: bool, bound: float) -> None:
         """Leave a variant unsolved: its LP ``bound`` is above ``key``'s exact price."""
         self.cut.setdefault(key, {})[view, recompute] = bound
+        self._forget(key)
 
-    def snapshot(self) -> tuple[dict, dict]:
-        return {key: dict(priced) for key, priced in self.priced.items()}, dict(self.choice)
+    def snapshot(self) -> tuple[dict, dict, dict]:
+        return {key: dict(priced) for key, priced in self.priced.items()}, \
+            dict(self.choice), dict(self._costs)
 
-    def restore(self, saved: tuple[dict, dict]) -> None:
+    def restore(self, saved: tuple[dict, dict, dict]) -> None:
         self.priced.clear()
         self.priced.update(saved[0])
         self.choice.clear()
         self.choice.update(saved[1])
+        self._costs = dict(saved[2])
 
     def num_priced(self) -> int:
         return sum(len(v) for v in self.priced.values())
