@@ -125,6 +125,7 @@ class VariantTable:
 
     def _cheapest(self, key: Key, guess: bool
                   ) -> tuple[float, tuple[Variant | Chosen, bool] | None]:
+        """``cost``'s answer worked out: (latency, (variant taken, exact?) or None)."""
         best: tuple[float, tuple[Variant | Chosen, bool] | None] = (math.inf, None)
         priced, cut = self.priced.get(key, {}), self.cut.get(key, {})
         for variant, (latency, chosen) in self._additive_of(key, guess).items():
