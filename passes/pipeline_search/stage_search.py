@@ -28,7 +28,7 @@ from torchalpa.core.options import AutoShardingOption
 from torchalpa.core.switches import PassSwitches
 from torchalpa.passes.pipeline_search.exact_stages import ExactStages
 from torchalpa.passes.pipeline_search.search_keys import Chosen, GivenStage, Stage, Variant
-from torchalpa.passes.pipeline_search.stage_costs import StageCosts
+from torchalpa.passes.pipeline_search.stage_costs import Candidate, StageCosts
 from torchalpa.passes.pipeline_search.stage_jobs import StageJobs
 from torchalpa.passes.pipeline_search.stages import PipelineSolution, stage_dp
 
@@ -97,6 +97,14 @@ class VariantTable:
         # a variant's additive estimate does not change between rounds (only ``priced``)
         self._additive: dict[tuple[Key, bool], dict[tuple[View, bool],
                                                     tuple[float, Variant]]] = {}
+        # a stage's additive candidates, shared by both ``guess`` settings and the
+        # uniform partitions (target b: the rounds' last DP, ``guess`` off, priced every
+        # stage's candidates again, 113k of them)
+        self._candidates: dict[Key, list[Candidate]] = {}
+        # (key, guess) -> ``cost``'s answer: (latency, variant taken), dropped when the
+        # key is priced or cut
+        self._costs: dict[tuple[Key, bool], tuple[float, tuple[Variant | Chosen, bool] |
+                                                         None]] = {}
         # key -> (picked, exact?): an exact variant's Chosen, else the additive Variant
         self.choice: dict[Key, tuple[Variant | Chosen, bool] | None] = {}
         # key -> (view, recompute) -> LP bound of a variant left unsolved: above the key's
@@ -106,7 +114,18 @@ class VariantTable:
     def cost(self, key: Key, guess: bool = True) -> float:
         """A stage's latency: its cheapest variant, exact where it was priced so, else the
         per-layer sum or, with ``guess``, the optimistic estimate (a stage the sum calls
-        too big, to be priced exactly if the DP picks it). Records the variant taken."""
+        too big, to be priced exactly if the DP picks it). Records the variant taken.
+        Kept until the stage is priced or cut again: each round's DP asks for every stage
+        (target b: 113k), and a round prices a few dozen."""
+        found = self._costs.get((key, guess))
+        if found is None:
+            found = self._costs[key, guess] = self._cheapest(key, guess)
+        self.choice[key] = found[1]
+        return found[0]
+
+    def _cheapest(self, key: Key, guess: bool
+                  ) -> tuple[float, tuple[Variant | Chosen, bool] | None]:
+        """``cost``'s answer worked out: (latency, (variant taken, exact?) or None)."""
         best: tuple[float, tuple[Variant | Chosen, bool] | None] = (math.inf, None)
         priced, cut = self.priced.get(key, {}), self.cut.get(key, {})
         for variant, (latency, chosen) in self._additive_of(key, guess).items():
@@ -115,16 +134,23 @@ class VariantTable:
         for latency, chosen in priced.values():
             if chosen is not None and latency < best[0]:
                 best = (latency, (chosen, True))
-        self.choice[key] = best[1]
-        return best[0]
+        return best
 
     def _additive_of(self, key: Key, guess: bool) -> dict[tuple[View, bool],
                                                            tuple[float, Variant]]:
         found = self._additive.get((key, guess))
         if found is None:
-            k, i, j, flight = key
             found = self._additive[key, guess] = variants(
-                self.costs, k, i, self.shapes[j], flight, guess and not self.measured)
+                self.costs, self.candidates(key), guess and not self.measured)
+        return found
+
+    def candidates(self, key: Key) -> list[Candidate]:
+        """``StageCosts.candidates`` of stage ``key``, computed once."""
+        found = self._candidates.get(key)
+        if found is None:
+            k, i, j, flight = key
+            found = self._candidates[key] = self.costs.candidates(k, i, self.shapes[j],
+                                                                  flight)
         return found
 
     def guess(self, key: Key, view: View, recompute: bool) -> float:
@@ -138,6 +164,12 @@ class VariantTable:
         """Replace a variant's estimate by its exact price (inf: no plan fits)."""
         self.priced.setdefault(key, {})[view, recompute] = (
             latency, Chosen(view, option, recompute) if math.isfinite(latency) else None)
+        self._forget(key)
+
+    def _forget(self, key: Key) -> None:
+        """Drop ``cost``'s kept answers for ``key`` (its prices or cuts changed)."""
+        self._costs.pop((key, True), None)
+        self._costs.pop((key, False), None)
 
     def picked(self, key: Key) -> tuple[Variant | Chosen, bool]:
         """The variant the DP took for ``key`` and whether it is exact."""
@@ -154,15 +186,18 @@ class VariantTable:
     def record_cut(self, key: Key, view: View, recompute: bool, bound: float) -> None:
         """Leave a variant unsolved: its LP ``bound`` is above ``key``'s exact price."""
         self.cut.setdefault(key, {})[view, recompute] = bound
+        self._forget(key)
 
-    def snapshot(self) -> tuple[dict, dict]:
-        return {key: dict(priced) for key, priced in self.priced.items()}, dict(self.choice)
+    def snapshot(self) -> tuple[dict, dict, dict]:
+        return {key: dict(priced) for key, priced in self.priced.items()}, \
+            dict(self.choice), dict(self._costs)
 
-    def restore(self, saved: tuple[dict, dict]) -> None:
+    def restore(self, saved: tuple[dict, dict, dict]) -> None:
         self.priced.clear()
         self.priced.update(saved[0])
         self.choice.clear()
         self.choice.update(saved[1])
+        self._costs = dict(saved[2])
 
     def num_priced(self) -> int:
         return sum(len(v) for v in self.priced.values())
@@ -173,11 +208,10 @@ class VariantTable:
         estimate (optimistic where near fitting), or a variant's LP bound where the rounds
         cut it (a uniform partition then prices it as any other unpriced stage of it);
         None if no variant on ``view`` may fit."""
-        k, i, j, flight = key
         priced, cut = self.priced.get(key, {}), self.cut.get(key, {})
         best = None
-        for (v, recompute), (latency, chosen) in variants(self.costs, k, i, self.shapes[j],
-                                                          flight, True).items():
+        for (v, recompute), (latency, chosen) in variants(self.costs, self.candidates(key),
+                                                          True).items():
             if v != view:
                 continue
             if (v, recompute) in priced:
@@ -213,6 +247,7 @@ class StageSearch:
         self.table = VariantTable(costs, shapes, self.measured)
         self._round_picks: list[Pick] = []     # the DP's picks priced this round
         self.num_cut = 0        # variants the rounds left unsolved by their LP bounds
+        self.dp_work = [0, 0, 0]    # stage DP runs, bounds they ran, candidates compared
 
     def run(self) -> SearchResult:
         """The search's answer (``ValueError`` if no stage fits)."""
@@ -225,6 +260,8 @@ class StageSearch:
                      "of them asked for, %d stopped; %d stage variants left unsolved by their"
                      " LP bounds (%d bounds)", jobs.guessed, jobs.guesses_used,
                      jobs.guesses_stopped, self.num_cut, self.exact.bounded)
+            log.info("pipeline search: %d stage DP runs over %d bounds, %d candidates "
+                     "compared", *self.dp_work)
         return SearchResult(solution, self._chosen(solution), self.table.num_priced(),
                             self._uniform_exact())
 
@@ -248,10 +285,13 @@ class StageSearch:
         return self._dp(guess=False)
 
     def _dp(self, guess: bool = True) -> PipelineSolution:
-        return stage_dp(self.num_layers, self.cluster.num_nodes, self.cluster.devices_per_node,
-                        self.num_micro_batches,
-                        lambda k, i, j, after: self.table.cost((k, i, j, self._flight(after)),
-                                                               guess))
+        found = stage_dp(self.num_layers, self.cluster.num_nodes,
+                         self.cluster.devices_per_node, self.num_micro_batches,
+                         lambda k, i, j, after: self.table.cost((k, i, j, self._flight(after)),
+                                                                guess))
+        work = (1, found.num_t_max_tried, found.num_candidates)
+        self.dp_work = [a + b for a, b in zip(self.dp_work, work)]
+        return found
 
     def _flight(self, after: int) -> int:
         """Micro-batches in flight on a stage with ``after`` stages after it."""
@@ -414,14 +454,15 @@ def uniform_layouts(L: int, cluster: Cluster, shapes: list[Submesh]) -> list[tup
             for j, (n, m) in enumerate(shapes) if n * m * pp == cluster.num_devices]
 
 
-def variants(costs: StageCosts, k: int, i: int, submesh: Submesh, flight: int,
-             guess: bool) -> dict[tuple[View, bool], tuple[float, Variant]]:
-    """(view, recompute) -> (latency, (view, lean, recompute)) of the variants of layers
-    k..i on ``submesh`` that fit by the additive estimate, or, with ``guess``, are within
-    ``MEMORY_SLACK`` x the budget of fitting: the fastest such plan per variant."""
+def variants(costs: StageCosts, candidates: list[Candidate], guess: bool
+             ) -> dict[tuple[View, bool], tuple[float, Variant]]:
+    """(view, recompute) -> (latency, (view, lean, recompute)) of the variants among a
+    stage's ``candidates`` (``StageCosts.candidates``) that fit by the additive estimate,
+    or, with ``guess``, are within ``MEMORY_SLACK`` x the budget of fitting: the fastest
+    such plan per variant."""
     limit = (MEMORY_SLACK if guess else 1.0) * costs.problem.budget()
     out: dict[tuple[View, bool], tuple[float, Variant]] = {}
-    for c in costs.candidates(k, i, submesh, flight):
+    for c in candidates:
         if c.memory <= limit and ((c.view, c.recompute) not in out or
                                   c.latency < out[c.view, c.recompute][0]):
             out[c.view, c.recompute] = (c.latency, c.variant)
