@@ -493,3 +493,14 @@ def test_the_data_parallel_layout_is_not_weighed_against_what_the_user_fixes():
         auto_sharding_option=AutoShardingOption(parameters="replicated")))
     assert not any("data-parallel layout" in n for n in plan.notes)
     assert all(isinstance(p, Replicate) for v in plan.parameters for p in v.placements)
+
+
+def test_on_several_nodes_the_data_parallel_layout_is_a_candidate_beside_the_pipelines():
+    """On several nodes intra-op candidates give way to pipelines; the layout published
+    multi-node FSDP runs use is weighed as a candidate of its own, a restricted ILP."""
+    model, batch = _mlp_job()
+    plan = torchalpa.plan(model, batch, F.mse_loss, cluster=dataclasses.replace(
+        torchalpa.Cluster.h100(2, 2), host_op_s=0.0), method=torchalpa.AutoParallel(
+        remat=("none",), num_micro_batches=1, rematerialize_parameters=False))
+    lines = [n for n in plan.notes if n.startswith(("AutoParallel chose", "runner-up", "  tried"))]
+    assert any(f"{dp_layout.KIND}, remat=none: est " in n for n in lines), lines
