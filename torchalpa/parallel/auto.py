@@ -786,6 +786,7 @@ class _Search:
                 layout = self.solve(replace(c, kind=dp_layout.KIND))
             except InfeasibleError:
                 continue
+            assert isinstance(layout, Plan), "a data-parallel layout is an intra-op plan"
             kept = dp_layout.better(plan, layout, mesh, c.regather)
             if kept is not plan and not self.over_budget(kept):
                 self.plans[at] = (known(kept.estimates.step_time_s), kept, c)
