@@ -504,3 +504,21 @@ def test_on_several_nodes_the_data_parallel_layout_is_a_candidate_beside_the_pip
         remat=("none",), num_micro_batches=1, rematerialize_parameters=False))
     lines = [n for n in plan.notes if n.startswith(("AutoParallel chose", "runner-up", "  tried"))]
     assert any(f"{dp_layout.KIND}, remat=none: est " in n for n in lines), lines
+
+
+def test_the_layouts_gradient_floor_is_below_its_plan_and_counts_every_gradient():
+    """``gradient_floor_s``: every trained parameter's reduce-scatter over the devices, in
+    the step's narrowest float (here float32): below the layout's estimate, and exactly
+    the formula's figure."""
+    model, batch = _mlp_job()
+    graph = capture(model, batch, F.mse_loss).graph
+    cluster = dataclasses.replace(torchalpa.Cluster.h100(2, 2), host_op_s=0.0)
+    mesh = dp_layout.view(shard.candidate_meshes(cluster, ShardParallel()))
+    assert mesh is not None and mesh.shape == (4,)
+    floor = dp_layout.gradient_floor_s(graph, mesh)
+    assert mesh.beta is not None
+    assert floor == pytest.approx(2 * 1024 * 1024 * 4 * mesh.beta[0] * 3 / 4)
+    plan = shard.plan_graph(graph, method=ShardParallel(
+        auto_sharding_option=dp_layout.option(AutoShardingOption())), meshes=[mesh],
+        bound_views=False)
+    assert 0 < floor < plan.estimates.step_time_s

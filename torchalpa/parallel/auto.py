@@ -266,6 +266,7 @@ class _Search:
         self.polished = 0                              # views re-solved at the solver's gap
         self.polish_note = ""
         self.layouts = [0, 0]          # data-parallel layouts weighed (weigh_layouts), won
+        self._layout_floor: float | None = None        # ``layout_floor``, once found
 
     # -- captures ----------------------------------------------------------------------
     def capture(self, k: int, remat: str, regather: bool = False):
@@ -427,7 +428,8 @@ class _Search:
             kinds.append(Candidate("intra-op", remat, k, streamed, memory, streamed))
         if multi_node and pipelines and self.layout_applies():
             # the experts' data-parallel layout, which the pipelines' one-stage plan may miss
-            kinds.append(Candidate(dp_layout.KIND, remat, k, bound, memory, bound))
+            floor = max(bound, self.layout_floor())
+            kinds.append(Candidate(dp_layout.KIND, remat, k, floor, memory, floor))
         if pipelines:
             # sound: on several nodes one stage may span them all (S >= 1), on one
             # node the intra-op candidates are that case (S >= 2); the order
@@ -742,6 +744,16 @@ class _Search:
     def layout_applies(self) -> bool:
         """Whether the search weighs the data-parallel layout (``dp_layout.applies``)."""
         return dp_layout.applies(self.method.auto_sharding_option, dp_layout.view(self.meshes))
+
+    def layout_floor(self) -> float:
+        """The data-parallel layout's gradient reductions (``dp_layout.gradient_floor_s``),
+        from the plain capture (every variant trains the same parameters); kept."""
+        if self._layout_floor is None:
+            mesh = dp_layout.view(self.meshes)
+            assert mesh is not None, "layout_floor needs a one-axis view (layout_applies)"
+            self._layout_floor = dp_layout.gradient_floor_s(
+                self.capture(self.first_count(), "none").graph, mesh)
+        return self._layout_floor
 
     def solve_layout(self, c: Candidate, graph):
         """Candidate ``c``'s plan in the data-parallel layout (``dp_layout``): the ILP

@@ -14,7 +14,9 @@ a restricted ILP on that one view, which is cheap next to the free search.
 AutoParallel (``parallel/auto.py``) weighs it where it could win: on one node, for the
 intra-op candidates planned within ``MARGIN`` of the best plan (``_Search.weigh_layouts``);
 on several nodes, where intra-op candidates give way to pipelines, as candidates of their
-own kind (``KIND``), so a multi-node FSDP run's plan is in the search. The plan keeps a
+own kind (``KIND``), so a multi-node FSDP run's plan is in the search; there its step
+is bounded by its gradients' reductions too (``gradient_floor_s``), which cross the nodes'
+links whatever the ILP does, so that it is not solved where it cannot win. The plan keeps a
 note (``NOTE``) when the layout won.
 """
 
@@ -23,12 +25,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import AutoShardingOption
 from torchalpa.core.plan import Plan
 from torchalpa.core.plan_records import known
 
 __all__ = ["KIND", "MARGIN", "NOTE", "view", "applies", "option", "divides", "describe",
-           "better"]
+           "better", "gradient_floor_s"]
 
 KIND = "data-parallel"
 """The candidate kind of the layout alone (AutoParallel on several nodes)."""
@@ -87,3 +90,26 @@ def better(free: Plan, layout: Plan, mesh: LogicalMesh, regather: bool) -> Plan:
     return replace(layout, notes=tuple(layout.notes) + (
         f"{NOTE}{describe(mesh, regather)}: est {layout_s:.6g} s/step, the free ILP's plan "
         f"{free_s:.6g} s/step",))
+
+
+def gradient_floor_s(graph: OpGraph, mesh: LogicalMesh) -> float:
+    """Seconds the layout's plans on ``mesh`` (its one axis over every device) take at
+    least: with the batch split over every device, each trained parameter's gradient is
+    a partial sum over all of them, reduced at least by a reduce-scatter on that axis,
+    and the step ends when the communication stream has done them all (overlap hides
+    them behind compute, never shortens them). Each reduction counted in the narrowest
+    floating dtype the step computes in (a gradient may be reduced in 16 bits before its
+    cast up to the master parameter's dtype), without its latency (buckets share it).
+    A floor under that premise, checked against the layout's plans, not proven: a
+    parameter whose gradient the ILP makes whole on every device (an embedding split by
+    rows whose ids are gathered) would need no reduction. Where it errs the search only
+    misses this layout's plan, which main's search did not weigh at all."""
+    from torchalpa.passes.pricing.cost import collective_cost
+    from torchalpa.passes.pricing.step_end import trained_parameters
+    floats = [v.itemsize for n in graph for v in n.outputs if "float" in v.dtype]
+    narrowest = min(floats, default=4)
+    flat = replace(mesh, alpha=(0.0,))
+    return sum(collective_cost(flat, "reduce_scatter", 0,
+                               graph.node(name).output.numel * min(
+                                   graph.node(name).output.itemsize, narrowest))
+               for name in trained_parameters(graph))
