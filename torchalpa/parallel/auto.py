@@ -426,7 +426,9 @@ class _Search:
         if self.method.pipeline is not True and not (multi_node and pipelines):
             streamed = self.streamed_floor(k, bound)
             kinds.append(Candidate("intra-op", remat, k, streamed, memory, streamed))
-        if multi_node and pipelines and self.layout_applies():
+        layout = dp_layout.view(self.meshes)
+        if multi_node and pipelines and self.layout_applies() and layout is not None and \
+                dp_layout.divides(self.batch, k, layout):
             # the experts' data-parallel layout, which the pipelines' one-stage plan may miss
             floor = max(bound, self.layout_floor())
             kinds.append(Candidate(dp_layout.KIND, remat, k, floor, memory, floor))
