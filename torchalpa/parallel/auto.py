@@ -427,7 +427,8 @@ class _Search:
             streamed = self.streamed_floor(k, bound)
             kinds.append(Candidate("intra-op", remat, k, streamed, memory, streamed))
         layout = dp_layout.view(self.meshes)
-        if multi_node and pipelines and self.layout_applies() and layout is not None and \
+        if multi_node and pipelines and self.method.pipeline is not True and \
+                self.layout_applies() and layout is not None and \
                 dp_layout.divides(self.batch, k, layout):
             # the experts' data-parallel layout, which the pipelines' one-stage plan may miss
             floor = max(bound, self.layout_floor())
