@@ -772,7 +772,9 @@ class _Search:
         method = self.intra_op_method(c)
         method = replace(method, auto_sharding_option=dp_layout.option(
             method.auto_sharding_option))
-        with self.timed("data-parallel layouts"):
+        from torchalpa.passes.sharding.intra_op import least_memory_unsaid
+        # a layout that does not fit is an answer: its least memory is not needed
+        with self.timed("data-parallel layouts"), least_memory_unsaid():
             return plan_graph(graph, method=method, meshes=[mesh], inputs=self.inputs,
                               blocks=blocks_of(graph), deadline=self.deadline,
                               bound_views=False, memo=self.pricing)
