@@ -59,6 +59,12 @@ over the whole cluster (an intra-op plan) against cuts at node boundaries, so pi
 are the candidates there, tried in the order of their bound times the bubble of a cut
 at every node boundary, ``(k + S - 1) / k``: enough micro-batches first.
 
+The ILP picks each view's plan by its objective, which does not price the overlap the
+step's estimate prices; so the layout published FSDP / ZeRO runs use (``dp_layout.py``:
+batch over every device, parameters sharded) is also solved, a restricted ILP, for the
+intra-op candidates planned within 1 % of the best (``weigh_layouts``), and on several
+nodes is a candidate kind of its own beside the pipelines; the lower estimate is kept.
+
 The plan it returns records the concrete method (``plan.method``: a ShardParallel or
 PipeshardParallel record, with ``remat`` and ``num_micro_batches``), and its notes say
 what was chosen, what came second and what was refused, with their estimates or bounds.
@@ -764,6 +770,7 @@ class _Search:
         it does not fit, or where a micro-batch does not split over the devices."""
         from torchalpa.parallel.shard import blocks_of, plan_graph
         from torchalpa.passes.sharding.ilp import InfeasibleError
+        from torchalpa.passes.sharding.intra_op import least_memory_unsaid
         mesh = dp_layout.view(self.meshes)
         assert mesh is not None, "solve_layout needs a one-axis view (layout_applies)"
         if not dp_layout.divides(self.batch, c.num_micro_batches, mesh):
@@ -772,7 +779,6 @@ class _Search:
         method = self.intra_op_method(c)
         method = replace(method, auto_sharding_option=dp_layout.option(
             method.auto_sharding_option))
-        from torchalpa.passes.sharding.intra_op import least_memory_unsaid
         # a layout that does not fit is an answer: its least memory is not needed
         with self.timed("data-parallel layouts"), least_memory_unsaid():
             return plan_graph(graph, method=method, meshes=[mesh], inputs=self.inputs,
