@@ -4,14 +4,16 @@ layout beside each intra-op candidate costs (``torchalpa/parallel/dp_layout.py``
     git -C /work/main archive main | tar -x -C /tmp/base
     taskset -c 0 python benchmarks/in_tree.py /tmp/base benchmarks/dp_layout_ab.py
     taskset -c 1 python benchmarks/dp_layout_ab.py
+    taskset -c 1 python benchmarks/dp_layout_ab.py 2        # the model cut to 2 layers
 
 LLaMA-3-8B bf16, batch 16 x 8192, 1 x 8 H100 (``auto_targets.py`` target a, AutoParallel's
-plan alone, the hand plan left out). Run on one core (``taskset``): the search then
-solves its views in this process (``cpu_workers`` is the cores it may use), so every
-HiGHS run is counted here and the CPU seconds are all this process's. Prints CPU
-seconds of the plan call (capture included), HiGHS runs and their CPU seconds, the
-candidates planned and weighed (from the plan's notes), the estimate, the plan JSON's
-hash (``in_tree.plan_text``) and the notes on the data-parallel layout.
+plan alone, the hand plan left out; an argument cuts the model to that many layers). Run
+on one core (``taskset``): the search then solves its views in this process
+(``cpu_workers`` is the cores it may use), so every HiGHS run is counted here and the CPU
+seconds are all this process's. Prints CPU seconds of the plan call (capture included),
+HiGHS runs and their CPU seconds, the candidates planned and weighed (from the plan's
+notes), the estimate, the plan JSON's hash (``in_tree.plan_text``) and the notes on the
+data-parallel layout.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 import time
 
 os.environ["TORCHALPA_CACHE"] = "0"
@@ -45,6 +48,8 @@ def main() -> None:
 
     ilp_highs.solve_with_highs = counted
     w = zoo.llama3_8b()
+    if len(sys.argv) > 1:
+        w = w.replace(num_layers=int(sys.argv[1]))
     with torch.device("meta"):
         model = w.build()
     batch = w.example_inputs(device="meta")
