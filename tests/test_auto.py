@@ -16,10 +16,11 @@ from tracing_guard import forbid_capture
 import torchalpa
 import torchalpa.models as zoo
 from torchalpa.core.options import AutoShardingOption, ShardParallel, method_of_plan
+from torchalpa.core.placement import Replicate
 from torchalpa.core.switches import SearchSwitches
 from torchalpa.frontends.block_remat import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
-from torchalpa.parallel import auto, shard
+from torchalpa.parallel import auto, dp_layout, shard
 from torchalpa.parallel.auto import NothingFitsError
 from torchalpa.passes.pricing.bounds import step_profile
 from torchalpa.passes.sharding.ilp import InfeasibleError
@@ -448,3 +449,76 @@ def test_a_view_is_settled_by_the_rules_that_settle_whole_candidates():
     with SearchSwitches.using(reuse_views=False):
         search.views = [(cand("full"), 0, None)]
         assert search.settled_views(cand("none")) == {}
+
+
+# -- the experts' data-parallel layout -----------------------------------------------------------
+
+def _mlp_job():
+    with torch.device("meta"):
+        model = MLP(1024, 2, bias=False)
+    return model, (torch.empty(512, 1024, device="meta"), torch.empty(512, 1024, device="meta"))
+
+
+def test_the_data_parallel_layout_wins_where_it_estimates_below_the_free_plan():
+    """A 2-layer MLP on 4 H100s: the free ILP picks its plan by its objective, which does not
+    price the overlap the step's estimate prices, and that plan estimates above the layout
+    published runs use (batch over the 4 devices, parameters sharded as ZeRO places them).
+    AutoParallel weighs that layout beside its candidate and returns it, saying so."""
+    model, batch = _mlp_job()
+    cluster = _cluster(4)
+    option = AutoShardingOption()
+    free_method = ShardParallel(auto_sharding_option=option)
+    meshes = shard.candidate_meshes(cluster, free_method)
+    graph = capture(model, batch, F.mse_loss).graph
+    free = shard.plan_graph(graph, method=free_method, meshes=meshes, bound_views=False)
+    layout = shard.plan_graph(graph, method=ShardParallel(
+        auto_sharding_option=dp_layout.option(option)), meshes=[dp_layout.view(meshes)],
+        bound_views=False)
+    assert layout.estimates.step_time_s < free.estimates.step_time_s     # the job's premise
+    plan = torchalpa.plan(model, batch, F.mse_loss, cluster=cluster, method=torchalpa.AutoParallel(
+        remat=("none",), num_micro_batches=1, rematerialize_parameters=False, pipeline=False))
+    assert plan.estimates.step_time_s == pytest.approx(layout.estimates.step_time_s, rel=1e-9)
+    assert plan.mesh_shape == (4,)
+    assert all(not isinstance(p, Replicate) for v in plan.parameters for p in v.placements)
+    assert any(n.startswith(dp_layout.NOTE) for n in plan.notes)
+    assert any("weighed the data-parallel layout" in n and "it won on 1" in n
+               for n in plan.notes)
+
+
+def test_the_data_parallel_layout_is_not_weighed_against_what_the_user_fixes():
+    """Options that fix the batch's or the parameters' layout leave the layout out."""
+    model, batch = _mlp_job()
+    plan = torchalpa.plan(model, batch, F.mse_loss, cluster=_cluster(4), method=torchalpa.AutoParallel(
+        remat=("none",), num_micro_batches=1, rematerialize_parameters=False, pipeline=False,
+        auto_sharding_option=AutoShardingOption(parameters="replicated")))
+    assert not any("data-parallel layout" in n for n in plan.notes)
+    assert all(isinstance(p, Replicate) for v in plan.parameters for p in v.placements)
+
+
+def test_on_several_nodes_the_data_parallel_layout_is_a_candidate_beside_the_pipelines():
+    """On several nodes intra-op candidates give way to pipelines; the layout published
+    multi-node FSDP runs use is weighed as a candidate of its own, a restricted ILP."""
+    model, batch = _mlp_job()
+    plan = torchalpa.plan(model, batch, F.mse_loss, cluster=dataclasses.replace(
+        torchalpa.Cluster.h100(2, 2), host_op_s=0.0), method=torchalpa.AutoParallel(
+        remat=("none",), num_micro_batches=1, rematerialize_parameters=False))
+    lines = [n for n in plan.notes if n.startswith(("AutoParallel chose", "runner-up", "  tried"))]
+    assert any(f"{dp_layout.KIND}, remat=none: est " in n for n in lines), lines
+
+
+def test_the_layouts_gradient_floor_is_below_its_plan_and_counts_every_gradient():
+    """``gradient_floor_s``: every trained parameter's reduce-scatter over the devices, in
+    the step's narrowest float (here float32): below the layout's estimate, and exactly
+    the formula's figure."""
+    model, batch = _mlp_job()
+    graph = capture(model, batch, F.mse_loss).graph
+    cluster = dataclasses.replace(torchalpa.Cluster.h100(2, 2), host_op_s=0.0)
+    mesh = dp_layout.view(shard.candidate_meshes(cluster, ShardParallel()))
+    assert mesh is not None and mesh.shape == (4,)
+    floor = dp_layout.gradient_floor_s(graph, mesh)
+    assert mesh.beta is not None
+    assert floor == pytest.approx(2 * 1024 * 1024 * 4 * mesh.beta[0] * 3 / 4)
+    plan = shard.plan_graph(graph, method=ShardParallel(
+        auto_sharding_option=dp_layout.option(AutoShardingOption())), meshes=[mesh],
+        bound_views=False)
+    assert 0 < floor < plan.estimates.step_time_s

@@ -12,6 +12,8 @@ orchestration every method goes through (capture, plan on rank 0, lower, distrib
 - ``auto``: ``AutoParallel``, the planner choosing method, checkpointing and micro-batches.
 - ``relaxed_bound``: a checkpointing candidate of ``auto`` bounded by its views' linear
   relaxations before its ILPs.
+- ``dp_layout``: the experts' data-parallel layout (batch over every device, parameters
+  sharded as ZeRO / FSDP place them), which ``auto`` weighs beside its intra-op plans.
 - ``offload``: offloaded optimizer states priced, and the hosts' memory checked.
 - ``states_floor``: a job whose model states alone fit neither the devices nor the hosts,
   refused from its parameters before anything is traced.

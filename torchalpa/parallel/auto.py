@@ -62,6 +62,12 @@ over the whole cluster (an intra-op plan) against cuts at node boundaries, so pi
 are the candidates there, tried in the order of their bound times the bubble of a cut
 at every node boundary, ``(k + S - 1) / k``: enough micro-batches first.
 
+The ILP picks each view's plan by its objective, which does not price the overlap the
+step's estimate prices; so the layout published FSDP / ZeRO runs use (``dp_layout.py``:
+batch over every device, parameters sharded) is also solved, a restricted ILP, for the
+intra-op candidates planned within 1 % of the best (``weigh_layouts``), and on several
+nodes is a candidate kind of its own beside the pipelines; the lower estimate is kept.
+
 The plan it returns records the concrete method (``plan.method``: a ShardParallel or
 PipeshardParallel record, with ``remat`` and ``num_micro_batches``), and its notes say
 what was chosen, what came second and what was refused, with their estimates or bounds.
@@ -96,6 +102,7 @@ from torchalpa.core.progress import left, step
 from torchalpa.core.switches import SearchSwitches
 from torchalpa.core.units import format_bytes
 from torchalpa.frontends.rebatch import listed as _listed
+from torchalpa.parallel import dp_layout
 from torchalpa.parallel.offload import host_memory_shortfall, with_offload
 from torchalpa.parallel.workflow import capture_examples, capture_step
 
@@ -271,6 +278,8 @@ class _Search:
         self.found: dict[tuple[Candidate, int], Plan] = {}
         self.polished = 0                              # views re-solved at the solver's gap
         self.polish_note = ""
+        self.layouts = [0, 0]          # data-parallel layouts weighed (weigh_layouts), won
+        self._layout_floor: float | None = None        # ``layout_floor``, once found
 
     # -- captures ----------------------------------------------------------------------
     def capture(self, k: int, remat: str, regather: bool = False):
@@ -311,8 +320,8 @@ class _Search:
             fixed = True
         if fixed is not None:
             return (fixed,)
-        return (False, True) if kind == "intra-op" and self.cluster.num_devices > 1 \
-            else (False,)
+        return (False, True) if kind in ("intra-op", dp_layout.KIND) and \
+            self.cluster.num_devices > 1 else (False,)
 
     # -- candidates --------------------------------------------------------------------
     def budget(self) -> float:
@@ -430,6 +439,13 @@ class _Search:
         if self.method.pipeline is not True and not (multi_node and pipelines):
             streamed = self.streamed_floor(k, bound)
             kinds.append(Candidate("intra-op", remat, k, streamed, memory, streamed))
+        layout = dp_layout.view(self.meshes)
+        if multi_node and pipelines and self.method.pipeline is not True and \
+                self.layout_applies() and layout is not None and \
+                dp_layout.divides(self.batch, k, layout):
+            # the experts' data-parallel layout, which the pipelines' one-stage plan may miss
+            floor = max(bound, self.layout_floor())
+            kinds.append(Candidate(dp_layout.KIND, remat, k, floor, memory, floor))
         if pipelines:
             # sound: on several nodes one stage may span them all (S >= 1), on one
             # node the intra-op candidates are that case (S >= 2); the order
@@ -551,7 +567,9 @@ class _Search:
         (``layer_bound.CannotBeat``)."""
         option = self.sharding_option(c)
         captured = self.capture(c.num_micro_batches, c.remat, c.regather)
-        if c.kind == "intra-op":
+        if c.kind == dp_layout.KIND:
+            plan = self.solve_layout(c, captured.graph)
+        elif c.kind == "intra-op":
             from torchalpa.parallel.shard import blocks_of, plan_graph
             from torchalpa.passes.pipeline_search.stage_jobs import cpu_workers
             from torchalpa.passes.sharding.intra_op import least_memory_unsaid
@@ -662,7 +680,7 @@ class _Search:
         single_node_fallback = self.nodes == 1 and self.method.pipeline is None
         first = [c for c in candidates if not (single_node_fallback and c.kind == "pipeline")]
         self.gap, self.steps, self.polished, self.polish_note = self.search_gap(), {}, 0, ""
-        self.found, self.layer_bounds = {}, {}
+        self.found, self.layer_bounds, self.layouts = {}, {}, [0, 0]
         try:
             self.solve_in_order(first)
             if not self.plans and len(first) < len(candidates):
@@ -673,6 +691,7 @@ class _Search:
             gap, self.gap = self.gap, None
             if gap is not None:
                 self.polish(gap)
+            self.weigh_layouts()
         finally:
             self.gap = None
         return self.result()
@@ -737,6 +756,71 @@ class _Search:
         self.polish_note = (f"AutoParallel solved the intra-op ILPs to within {gap:.0%} (its "
                             f"tolerance) and re-solved at the solver's own gap the "
                             f"{self.polished} of {len(views)} views that could win")
+
+    def layout_applies(self) -> bool:
+        """Whether the search weighs the data-parallel layout (``dp_layout.applies``)."""
+        return dp_layout.applies(self.method.auto_sharding_option, dp_layout.view(self.meshes))
+
+    def layout_floor(self) -> float:
+        """The data-parallel layout's gradient reductions (``dp_layout.gradient_floor_s``),
+        from the plain capture (every variant trains the same parameters); kept."""
+        if self._layout_floor is None:
+            mesh = dp_layout.view(self.meshes)
+            assert mesh is not None, "layout_floor needs a one-axis view (layout_applies)"
+            self._layout_floor = dp_layout.gradient_floor_s(
+                self.capture(self.first_count(), "none").graph, mesh)
+        return self._layout_floor
+
+    def solve_layout(self, c: Candidate, graph):
+        """Candidate ``c``'s plan in the data-parallel layout (``dp_layout``): the ILP
+        restricted to it on the one-axis view over every device. An InfeasibleError where
+        it does not fit, or where a micro-batch does not split over the devices."""
+        from torchalpa.parallel.shard import blocks_of, plan_graph
+        from torchalpa.passes.sharding.ilp import InfeasibleError
+        from torchalpa.passes.sharding.intra_op import least_memory_unsaid
+        mesh = dp_layout.view(self.meshes)
+        assert mesh is not None, "solve_layout needs a one-axis view (layout_applies)"
+        if not dp_layout.divides(self.batch, c.num_micro_batches, mesh):
+            raise InfeasibleError(f"a micro-batch of {self.batch // c.num_micro_batches} does "
+                                  f"not split over {mesh.num_devices} devices")
+        method = self.intra_op_method(c)
+        method = replace(method, auto_sharding_option=dp_layout.option(
+            method.auto_sharding_option))
+        # a layout that does not fit is an answer: its least memory is not needed
+        with self.timed("data-parallel layouts"), least_memory_unsaid():
+            return plan_graph(graph, method=method, meshes=[mesh], inputs=self.inputs,
+                              blocks=blocks_of(graph), deadline=self.deadline,
+                              bound_views=False, memo=self.pricing)
+
+    def weigh_layouts(self) -> None:
+        """Each intra-op candidate planned within ``dp_layout.MARGIN`` (or the tolerance)
+        of the best plan, best first, also planned in the data-parallel layout; it keeps
+        whichever plan the estimate prices lower (``dp_layout.better``). A layout that
+        wins lowers the best, and with it the candidates left to weigh."""
+        from torchalpa.passes.sharding.ilp import InfeasibleError
+        mesh = dp_layout.view(self.meshes)
+        if mesh is None or not self.layout_applies():
+            return
+        margin = 1 + max(dp_layout.MARGIN, self.method.tolerance)
+        for at in sorted(range(len(self.plans)), key=lambda n: self.plans[n][0]):
+            step_s, plan, c = self.plans[at]
+            best = min(p[0] for p in self.plans)
+            if step_s > best * margin:
+                break
+            if c.kind != "intra-op" or not isinstance(plan, Plan) or \
+                    not dp_layout.divides(self.batch, c.num_micro_batches, mesh):
+                continue
+            left(f"weighing the data-parallel layout of {c.describe()}")
+            self.layouts[0] += 1
+            try:
+                layout = self.solve(replace(c, kind=dp_layout.KIND))
+            except InfeasibleError:
+                continue
+            assert isinstance(layout, Plan), "a data-parallel layout is an intra-op plan"
+            kept = dp_layout.better(plan, layout, mesh, c.regather)
+            if kept is not plan and not self.over_budget(kept):
+                self.plans[at] = (known(kept.estimates.step_time_s), kept, c)
+                self.layouts[1] += 1
 
     def solve_in_order(self, candidates: list[Candidate]) -> None:
         """Solve ``candidates`` in order until none left can win (bounds, dominance) or the
@@ -969,7 +1053,8 @@ class _Search:
         for _, plan, p in self.plans:
             peak = plan.estimates.memory_per_device_bytes
             roomy = peak is not None and peak < ROOM * budget
-            fewer = p.num_micro_batches <= c.num_micro_batches if c.kind == "intra-op" \
+            fewer = p.num_micro_batches <= c.num_micro_batches \
+                if c.kind in ("intra-op", dp_layout.KIND) \
                 else p.num_micro_batches == c.num_micro_batches
             if roomy and p.kind == c.kind and fewer and p.regather <= c.regather and \
                     more_recompute(p.remat, c.remat):
@@ -987,6 +1072,11 @@ class _Search:
         notes += [TRIED + a.line() for a in self.attempts if a.candidate is not chosen]
         if self.polish_note:
             notes.append(self.polish_note)
+        if self.layouts[0]:
+            notes.append(f"AutoParallel weighed the data-parallel layout of the "
+                         f"{self.layouts[0]} intra-op candidate(s) planned within "
+                         f"{max(dp_layout.MARGIN, self.method.tolerance):.0%} of the best; "
+                         f"it won on {self.layouts[1]}")
         notes.append(self.time_note())
         if self.clock_fired:
             from torchalpa.passes.sharding.ilp import CLOCK_NOTE
