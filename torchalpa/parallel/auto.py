@@ -279,6 +279,7 @@ class _Search:
         self.polished = 0                              # views re-solved at the solver's gap
         self.polish_note = ""
         self.layouts = [0, 0]          # data-parallel layouts weighed (weigh_layouts), won
+        self.layouts_unweighed = False                 # the time budget spent before them
         self._layout_floor: float | None = None        # ``layout_floor``, once found
 
     # -- captures ----------------------------------------------------------------------
@@ -681,6 +682,7 @@ class _Search:
         first = [c for c in candidates if not (single_node_fallback and c.kind == "pipeline")]
         self.gap, self.steps, self.polished, self.polish_note = self.search_gap(), {}, 0, ""
         self.found, self.layer_bounds, self.layouts = {}, {}, [0, 0]
+        self.layouts_unweighed = False
         try:
             self.solve_in_order(first)
             if not self.plans and len(first) < len(candidates):
@@ -800,6 +802,9 @@ class _Search:
         from torchalpa.passes.sharding.ilp import InfeasibleError
         mesh = dp_layout.view(self.meshes)
         if mesh is None or not self.layout_applies():
+            return
+        if self.plans and time.perf_counter() > self.deadline:
+            self.layouts_unweighed = True      # the safety net: no more solves once it fired
             return
         margin = 1 + max(dp_layout.MARGIN, self.method.tolerance)
         for at in sorted(range(len(self.plans)), key=lambda n: self.plans[n][0]):
@@ -1078,6 +1083,11 @@ class _Search:
                          f"{max(dp_layout.MARGIN, self.method.tolerance):.0%} of the best; "
                          f"it won on {self.layouts[1]}")
         notes.append(self.time_note())
+        if self.layouts_unweighed:
+            from torchalpa.passes.sharding.ilp import CLOCK_NOTE
+            notes.append(f"{CLOCK_NOTE} AutoParallel's search (time_budget_s="
+                         f"{self.method.time_budget_s:g}): the data-parallel layout was not "
+                         "weighed")
         if self.clock_fired:
             from torchalpa.passes.sharding.ilp import CLOCK_NOTE
             notes.append(f"{CLOCK_NOTE} AutoParallel's search (time_budget_s="
