@@ -1,6 +1,6 @@
 """What the benchmarks that time target a's planning in this tree share
-(``least_memory_ab.py``, ``polish_start_ab.py``): HiGHS runs counted with their CPU
-seconds, and target a's model. (``polish_ab.py`` counts its own: it imports the tree it
+(``least_memory_ab.py``, ``polish_start_ab.py``, ``dp_layout_ab.py``): HiGHS runs counted
+with their CPU seconds, and target a's model. (``polish_ab.py`` counts its own: it imports the tree it
 measures at run time.)
 
 ``count_highs()`` wraps ``ilp_highs.solve_with_highs`` once per process (solvers look it up

@@ -26,43 +26,23 @@ import time
 
 os.environ["TORCHALPA_CACHE"] = "0"
 
-import torch  # noqa: E402
 from in_tree import plan_text  # noqa: E402
 
 import torchalpa  # noqa: E402
-import torchalpa.models as zoo  # noqa: E402
 
 
 def main() -> None:
-    import torchalpa.passes.sharding.ilp_highs as ilp_highs
-    runs = [0, 0.0]
-    solve = ilp_highs.solve_with_highs
-
-    def counted(*a, **kw):
-        start = time.process_time()
-        try:
-            return solve(*a, **kw)
-        finally:
-            runs[0] += 1
-            runs[1] += time.process_time() - start
-
-    ilp_highs.solve_with_highs = counted
-    w = zoo.llama3_8b()
-    if len(sys.argv) > 1:
-        w = w.replace(num_layers=int(sys.argv[1]))
-    with torch.device("meta"):
-        model = w.build()
-    batch = w.example_inputs(device="meta")
-    bf16 = torchalpa.MixedPrecision(param_dtype=torch.bfloat16)
+    from _planning import HIGHS, count_highs, target_a
+    count_highs()
+    w, model, batch, cluster, bf16 = target_a(int(sys.argv[1]) if len(sys.argv) > 1 else 32)
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = torchalpa.plan(model, batch, w.loss_fn, cluster=torchalpa.Cluster.h100(1, 8),
-                          mixed_precision=bf16)
+    plan = torchalpa.plan(model, batch, w.loss_fn, cluster=cluster, mixed_precision=bf16)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     text = plan_text(plan)
     tried = [n for n in plan.notes if n.startswith("  tried: ")]
     planned = 1 + sum(1 for n in tried if re.search(r": est [0-9.eE+-]+ s/step", n))
     print(f"{torchalpa.__file__}: {cpu:.1f} s CPU, {wall:.1f} s wall (load "
-          f"{os.getloadavg()[0]:.1f}) | {runs[0]} HiGHS runs ({runs[1]:.1f} s CPU) | "
+          f"{os.getloadavg()[0]:.1f}) | {len(HIGHS)} HiGHS runs ({sum(HIGHS):.1f} s CPU) | "
           f"{planned} candidates planned of {1 + len(tried)} weighed | est "
           f"{plan.estimates.step_time_s!r} s/step, mesh {'x'.join(map(str, plan.mesh_shape))} "
           f"| plan {hashlib.sha256(text.encode()).hexdigest()[:16]}", flush=True)

@@ -97,3 +97,17 @@ def exact_stages(graph, layer, cluster, method, cache=None):
     problem = SearchProblem(graph, layer, cluster, method, "global")
     layers = LayerCosts(problem, cache, PricingMemo())
     return ExactStages(problem, StageCosts(problem, layers), cache)
+
+
+def small_stage_search(graph, cluster):
+    """The stage search (``StageSearch``, one worker) of the small pipeline
+    (``small_pipeline``) of ``graph`` on ``cluster``, its stages priced exactly."""
+    from torchalpa.passes.pipeline_search.layers import assign_layers
+    from torchalpa.passes.pipeline_search.stage_search import StageSearch
+    from torchalpa.passes.pipeline_search.stages import submesh_shapes
+    method = small_pipeline()
+    exact = exact_stages(graph, assign_layers(graph, method, cluster.num_devices), cluster,
+                         method)
+    shapes = submesh_shapes(cluster.num_nodes, cluster.devices_per_node)
+    return StageSearch(exact.costs, exact, cluster, method.num_micro_batches,
+                       method.pipeline_schedule, shapes, workers=1)

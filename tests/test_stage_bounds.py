@@ -6,15 +6,18 @@ and a variant that could win must still be solved."""
 from __future__ import annotations
 
 import pytest
-from search_models import exact_stages, small_cluster, small_gpt_graph, small_pipeline
+from search_models import (
+    small_cluster,
+    small_gpt_graph,
+    small_pipeline,
+    small_stage_search,
+)
 
 import torchalpa
 from torchalpa.core.switches import PassSwitches
 from torchalpa.passes.pipeline_search.inter_op import plan_pipeline
-from torchalpa.passes.pipeline_search.layers import assign_layers
 from torchalpa.passes.pipeline_search.search_keys import Variant
 from torchalpa.passes.pipeline_search.stage_search import StageSearch
-from torchalpa.passes.pipeline_search.stages import submesh_shapes
 
 NODE = (1, 4)
 """The submesh of one node of four devices: views (4,) and (2, 2)."""
@@ -30,12 +33,7 @@ def _one_node(memory_gb: float) -> torchalpa.Cluster:
 
 
 def _search(graph, cluster: torchalpa.Cluster) -> StageSearch:
-    method = small_pipeline()
-    exact = exact_stages(graph, assign_layers(graph, method, cluster.num_devices), cluster,
-                         method)
-    shapes = submesh_shapes(cluster.num_nodes, cluster.devices_per_node)
-    return StageSearch(exact.costs, exact, cluster, method.num_micro_batches,
-                       method.pipeline_schedule, shapes, workers=1)
+    return small_stage_search(graph, cluster)
 
 
 @pytest.mark.parametrize("k, i, flight, recompute", [

@@ -8,10 +8,13 @@ import math
 from collections import Counter
 
 import pytest
-from search_models import exact_stages, small_cluster, small_gpt_graph, small_pipeline
+from search_models import (
+    small_cluster,
+    small_gpt_graph,
+    small_stage_search,
+)
 from test_stages import random_costs
 
-from torchalpa.passes.pipeline_search.layers import assign_layers
 from torchalpa.passes.pipeline_search.stage_search import StageSearch
 from torchalpa.passes.pipeline_search.stages import brute_force, stage_dp, submesh_shapes
 
@@ -44,13 +47,7 @@ def gpt_graph():
 
 def _search(graph) -> StageSearch:
     """The small GPT's stage search on one node of four devices, one worker."""
-    cluster = small_cluster(10.0, nodes=1, devices=4)
-    method = small_pipeline()
-    exact = exact_stages(graph, assign_layers(graph, method, cluster.num_devices), cluster,
-                         method)
-    shapes = submesh_shapes(cluster.num_nodes, cluster.devices_per_node)
-    return StageSearch(exact.costs, exact, cluster, method.num_micro_batches,
-                       method.pipeline_schedule, shapes, workers=1)
+    return small_stage_search(graph, small_cluster(10.0, nodes=1, devices=4))
 
 
 def test_each_stage_candidates_priced_once(gpt_graph):
