@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from _clusters import v100_like
 
 import torchalpa
 import torchalpa.models as zoo
@@ -144,19 +145,9 @@ def target_a(args) -> None:
     report("a LLaMA-3-8B bf16 1x8 H100", plan, seconds, hand, "FSDP + full AC")
 
 
-def _v100_like(nodes: int) -> torchalpa.Cluster:
-    """``llama13b_remat.py``'s cluster: 4 devices of 32 GB per node, 100 GB/s within a
-    node, 1 GB/s between nodes, V100-like compute."""
-    return torchalpa.Cluster(num_nodes=nodes, devices_per_node=4, memory_per_device=32 * GB,
-                             peak_flops=112e12, memory_bandwidth=900e9,
-                             intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                             inter_node_bandwidth=1e9, inter_node_latency=1e-6,
-                             name="v100-like 32GB")
-
-
 def target_b(args) -> None:
     model, batch, loss_fn = _meta(zoo.llama2_13b(batch_size=200))
-    cluster = _v100_like(50)
+    cluster = v100_like(torchalpa, 50)
     plan, seconds = _timed(lambda: torchalpa.plan(model, batch, loss_fn, cluster=cluster))
     hand = None
     if args.hand:

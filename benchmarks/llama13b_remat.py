@@ -21,6 +21,7 @@ import resource
 import time
 
 import torch
+from _clusters import v100_like
 
 import torchalpa
 import torchalpa.models as zoo
@@ -29,15 +30,6 @@ from torchalpa.core.plan import PipelinePlan
 
 GB = 1024 ** 3
 GLOBAL_BATCH = 200
-
-
-def v100_like(nodes: int) -> torchalpa.Cluster:
-    """4 devices of 32 GB per node, links of the origin simulation (see above)."""
-    return torchalpa.Cluster(num_nodes=nodes, devices_per_node=4, memory_per_device=32 * GB,
-                             peak_flops=112e12, memory_bandwidth=900e9,
-                             intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                             inter_node_bandwidth=1e9, inter_node_latency=1e-6,
-                             name="v100-like 32GB")
 
 
 def main() -> int:
@@ -62,7 +54,7 @@ def main() -> int:
     cpu_start = _cpu_seconds()
     try:
         plan = torchalpa.plan(model, batch, workload.loss_fn, method=method,
-                              cluster=v100_like(args.nodes))
+                              cluster=v100_like(torchalpa, args.nodes))
     except Exception as e:   # report, don't hide: the point is whether a plan exists
         print(f"no plan after {time.perf_counter() - start:.1f} s: {type(e).__name__}: {e}")
         return 1

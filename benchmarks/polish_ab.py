@@ -7,7 +7,7 @@ in turn: CPU seconds, HiGHS runs, stage ILPs, the estimate and the plan.
 
 LLaMA-2-13B cut to ``--blocks`` decoder layers (batch 200 x 4096, one micro-batch of
 200 / k captured on the meta device) on target b's cluster (50 x 4 devices of 32 GB,
-``auto_targets._v100_like``), planned by ``plan_pipeline`` with ``PipeshardParallel(
+``_clusters.v100_like``), planned by ``plan_pipeline`` with ``PipeshardParallel(
 num_micro_batches=k)`` (remat none): AutoParallel's first candidate on b. Everything runs
 in the planning process (``workers=1``), so its CPU seconds (``time.process_time``) are
 the whole search's and every HiGHS run is counted (``ilp_highs.solve_with_highs``
@@ -31,9 +31,8 @@ import subprocess
 import sys
 import time
 
+from _clusters import v100_like
 from in_tree import import_tree, plan_text
-
-GB = 1024 ** 3
 
 
 def _one(root: str, blocks: int, k: int, small_gpt: bool = False) -> dict:
@@ -56,11 +55,7 @@ def _one(root: str, blocks: int, k: int, small_gpt: bool = False) -> dict:
     with torch.device("meta"):
         model, batch = w.build(), w.example_inputs()
     graph = capture(model, batch, w.loss_fn).graph
-    cluster = torchalpa.Cluster(num_nodes=50, devices_per_node=4, memory_per_device=32 * GB,
-                                peak_flops=112e12, memory_bandwidth=900e9,
-                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                                inter_node_bandwidth=1e9, inter_node_latency=1e-6,
-                                name="v100-like 32GB")
+    cluster = v100_like(torchalpa, 50)
     return _measured(lambda: plan_pipeline(graph, cluster, PipeshardParallel(num_micro_batches=k),
                                            workers=1))
 

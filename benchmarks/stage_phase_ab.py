@@ -34,9 +34,8 @@ import subprocess
 import sys
 import time
 
+from _clusters import v100_like
 from in_tree import import_tree, plan_text
-
-GB = 1024 ** 3
 
 
 def _timed(owner, name: str, into: dict, key: str):
@@ -76,11 +75,7 @@ def _plan(root: str, blocks: int, tables: str | None) -> dict:
     with torch.device("meta"):
         model, batch = w.build(), w.example_inputs()
     graph = capture(model, batch, w.loss_fn).graph
-    cluster = torchalpa.Cluster(num_nodes=50, devices_per_node=4, memory_per_device=32 * GB,
-                                peak_flops=112e12, memory_bandwidth=900e9,
-                                intra_node_bandwidth=100e9, intra_node_latency=1e-6,
-                                inter_node_bandwidth=1e9, inter_node_latency=1e-6,
-                                name="v100-like 32GB")
+    cluster = v100_like(torchalpa, 50)
     phases: dict[str, list] = {}
     _timed(LayerCosts, "prefetch", phases, "layer ILPs")
     _timed(stage_search.StageSearch, "run", phases, "stage phase")
