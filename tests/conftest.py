@@ -18,18 +18,18 @@ os.environ.setdefault("TORCHALPA_DEVICE", "cpu")
 # Summed seconds of each file's tests in `make test` (setup included: a module fixture's
 # launch counts), from one run of the suite with `--junitxml` and benchmarks/test_times.py
 # (11-30, load 5-24, so up to twice a quiet machine's figures), less what r18-trim moved to
-# make test-all or shrank in test_auto.py, test_uniform_floor.py and test_ilp_highs.py;
-# files not listed took under 5 s. Only the order of files comes from these figures, never
-# a result: stale ones cost time, not correctness. Before, test_uniform_floor.py and
-# test_uniform_budget.py (125 and 89 s) were unlisted, so xdist handed them out near the
-# end, and one worker ran them while the other was idle.
+# make test-all or shrank (test_auto.py, test_uniform_floor.py, test_uniform_budget.py,
+# test_ilp_highs.py); files not listed took under 5 s. Only the order of files comes from
+# these figures, never a result: stale ones cost time, not correctness. Before,
+# test_uniform_floor.py and test_uniform_budget.py (125 and 89 s then) were unlisted, so
+# xdist handed them out near the end, one worker running them while the other was idle.
 FILE_SECONDS = {
-    "test_auto.py": 104, "test_uniform_budget.py": 89, "test_distributed.py": 88,
-    "test_faults_dist.py": 84, "test_pipeline.py": 82, "test_uniform_floor.py": 81,
-    "test_runtime_dist.py": 76, "test_rules.py": 63, "test_shutdown.py": 49,
-    "test_rebatch.py": 46, "test_zoo.py": 43, "test_spelling.py": 40, "test_suite.py": 39,
-    "test_seq_parallel_plan.py": 37, "test_alpa_runs.py": 35, "test_relaxed_bound.py": 32,
-    "test_mesh_bound.py": 31, "test_layer_remat_offload.py": 29, "test_cli.py": 26,
+    "test_auto.py": 104, "test_distributed.py": 88, "test_faults_dist.py": 84,
+    "test_pipeline.py": 82, "test_uniform_floor.py": 81, "test_runtime_dist.py": 76,
+    "test_rules.py": 63, "test_shutdown.py": 49, "test_rebatch.py": 46, "test_zoo.py": 43,
+    "test_spelling.py": 40, "test_suite.py": 39, "test_seq_parallel_plan.py": 37,
+    "test_alpa_runs.py": 35, "test_relaxed_bound.py": 32, "test_mesh_bound.py": 31,
+    "test_layer_remat_offload.py": 29, "test_uniform_budget.py": 27, "test_cli.py": 26,
     "test_published.py": 25, "test_layer_bound.py": 24, "test_stablehlo.py": 23,
     "test_deterministic.py": 22, "test_checkpoint.py": 21, "test_planner.py": 21,
     "test_stage_polish.py": 21, "test_alpa_shard_parallel.py": 20, "test_models.py": 20,
