@@ -55,11 +55,15 @@ def test_direct_highs_under_a_memory_budget_and_when_nothing_fits(gpt_graph, mon
     from torchalpa.passes.sharding.ilp import InfeasibleError
     free = _plan(gpt_graph, monkeypatch, True, None, (4,))
     peak = free.estimates.memory_per_device_bytes
-    # a budget under the fastest plan's peak: both paths add the same memory rows
-    slow = _plan(gpt_graph, monkeypatch, False, 0.8 * peak, (4,))
-    fast = _plan(gpt_graph, monkeypatch, True, 0.8 * peak, (4,))
-    assert fast.estimates.memory_per_device_bytes <= 0.8 * peak
-    assert slow.estimates.memory_per_device_bytes <= 0.8 * peak
+    # a budget under the fastest plan's peak: both paths add the same memory rows. 0.95 of
+    # it binds as 0.8 did (both plans dearer than the free one) in a tenth of the solver's
+    # time (0.8: about 11 s a path; 0.6: 20 s)
+    budget = 0.95 * peak
+    slow = _plan(gpt_graph, monkeypatch, False, budget, (4,))
+    fast = _plan(gpt_graph, monkeypatch, True, budget, (4,))
+    assert fast.estimates.memory_per_device_bytes <= budget
+    assert slow.estimates.memory_per_device_bytes <= budget
+    assert fast.estimates.objective > free.estimates.objective * (1 + 1e-9)
     # the same optimum; plans that tie may differ in a layout that costs nothing (a
     # view's), so the choices are not compared
     assert fast.estimates.objective == pytest.approx(slow.estimates.objective, rel=1e-12)

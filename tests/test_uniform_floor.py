@@ -64,12 +64,15 @@ def uniform(gpt_graph):
     return dict(_uniform_plans(gpt_graph, small_cluster()))
 
 
-@pytest.mark.parametrize("skew", [1.0, 6.0])
+@pytest.mark.parametrize("skew", [6.0, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_search_is_no_slower_than_any_uniform_partition(gpt_graph, uniform, monkeypatch, skew):
     """``skew``: the per-layer estimates on the (2,) view of (1, 2) are made that many
     times dearer than their plans, the way GPT-15B's sums overrate the grid's stages; the
     exact stage solves are untouched. Before the uniform partitions were priced, the
-    search then never priced the two (1, 2) stages and kept a slower plan."""
+    search then never priced the two (1, 2) stages and kept a slower plan. The skew only
+    changes the numbers the same search reads: make test runs the skewed case, the one
+    that failed before that fix (a search of 45-75 s at load 10); the unskewed one runs
+    in make test-all."""
     monkeypatch.setattr(stage_search, "UNIFORM_MARGIN", math.inf)
     real = LayerCosts.layer_estimate
 
