@@ -801,7 +801,7 @@ class _Search:
         holds for it too), best first, also planned in the data-parallel layout; it keeps
         whichever plan the estimate prices lower (``dp_layout.better``). A layout that
         wins lowers the best, and with it the candidates left to weigh. The free plan's
-        estimate does not say how far below it the layout's is (5.8 % on MPT-13B on 8 A100
+        estimate does not say how far below it the layout's is (5.5 % on MPT-13B on 8 A100
         40GB), so it does not decide which candidates are weighed."""
         from torchalpa.passes.sharding.ilp import InfeasibleError
         mesh = dp_layout.view(self.meshes)

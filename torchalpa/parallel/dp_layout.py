@@ -14,7 +14,7 @@ a restricted ILP on that one view, which is cheap next to the free search.
 AutoParallel (``parallel/auto.py``) weighs it where it could win: on one node, for the
 intra-op candidates planned whose bounds let a plan of theirs beat the best plan in hand
 (``_Search.weigh_layouts``; the free plan's estimate is no guide: near the memory budget
-the layout estimated 5.8 % below it on MPT-13B on 8 A100 40GB, 67.81 s against 71.76 s);
+the layout estimated 5.5 % below it on MPT-13B on 8 A100 40GB, 67.81 s against 71.76 s);
 on several nodes, where intra-op candidates give way to pipelines, as candidates of their
 own kind (``KIND``), so a multi-node FSDP run's plan is in the search; there its step
 is bounded by its gradients' reductions too (``gradient_floor_s``), which cross the nodes'
