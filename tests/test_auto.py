@@ -489,9 +489,9 @@ def test_the_data_parallel_layout_wins_where_it_estimates_below_the_free_plan():
 def test_a_layout_is_weighed_wherever_the_candidates_bound_lets_it_win(monkeypatch):
     """The free ILP's plan says little of how far below it the data-parallel layout
     estimates (MPT-13B on 8 A100 40GB, its published candidate: 71.76 s free, 67.81 s in
-    the layout, 5.5 % below): a planned candidate's layout is weighed wherever the candidate's own
-    bound lets a plan of it beat the best by more than the tolerance, however far its free
-    plan is from the best, and only there."""
+    the layout, 5.5 % below): a planned candidate's layout is weighed wherever the
+    candidate's own bound lets a plan of it beat the best by more than the tolerance,
+    however far its free plan is from the best, and only there."""
     model, batch = _mlp_job()
     cluster = _cluster(4)
     meshes = shard.candidate_meshes(cluster, ShardParallel())
