@@ -42,11 +42,8 @@ lint: $(STAMP)
 	@for d in frontends passes runtime; do ln -s ../../../$$d build/typecheck/torchalpa/$$d; done
 	$(BIN)/basedpyright
 
-# The test suite (must stay well under 15 minutes on 2 cores). CI measured 838 s on 11-29
-# before that day's cuts; `time make test` after them: 641 s (10m43s) at load about 6, on
-# this 2-core VM: see the CHANGELOG (11-29, "make test") for per-file figures. CI on
-# 11-30 (main 609f3ba): 891 s; the four searches cut after it took the tests' CPU from
-# 1531 to 1282 s (benchmarks/RESULTS.md, "make test trimmed").
+# The test suite (must stay well under 15 minutes on 2 cores; where its time goes, per
+# file, and what was cut: benchmarks/RESULTS.md, "make test trimmed").
 # Two pytest workers (pytest-xdist), a test file each at a time: most tests are one
 # single-threaded process (OMP_NUM_THREADS=1), so one worker alone leaves a core idle.
 test: $(STAMP)

@@ -17,12 +17,11 @@ os.environ.setdefault("TORCHALPA_DEVICE", "cpu")
 
 # Summed seconds of each file's tests in `make test` (setup included: a module fixture's
 # launch counts), from one run of the suite with `--junitxml` and benchmarks/test_times.py
-# (11-30, load 5-24, so up to twice a quiet machine's figures), less what r18-trim moved to
-# make test-all or shrank (test_auto.py, test_uniform_floor.py, test_uniform_budget.py,
+# (11-30, load 5-24, so up to twice a quiet machine's figures), less what was then moved to
+# make test-all or shrunk (test_auto.py, test_uniform_floor.py, test_uniform_budget.py,
 # test_ilp_highs.py); files not listed took under 5 s. Only the order of files comes from
-# these figures, never a result: stale ones cost time, not correctness. Before,
-# test_uniform_floor.py and test_uniform_budget.py (125 and 89 s then) were unlisted, so
-# xdist handed them out near the end, one worker running them while the other was idle.
+# these figures, never a result: stale ones cost time, not correctness; a long file left
+# unlisted is handed out last and keeps one worker busy while the other idles.
 FILE_SECONDS = {
     "test_auto.py": 104, "test_distributed.py": 88, "test_faults_dist.py": 84,
     "test_pipeline.py": 82, "test_uniform_floor.py": 81, "test_runtime_dist.py": 76,
