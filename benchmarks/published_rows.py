@@ -8,6 +8,9 @@ the row assumes. FLOP conventions (a multiply-add is 2 FLOPs):
 - Megatron-LM, Narayanan et al. 2021, Eq. (3): ``96 B s l h^2 (1 + s/6h + V/16lh)`` per
   iteration, full recomputation counted (Alpa's ``compute_gpt_tflops`` with
   ``checkpoint_activations=True`` and BigScience's logged TFLOPs are the same formula);
+- GPT-NeoX (the 20B run's own logging, ``megatron/logging.py`` ``get_flops`` at the
+  20B release, EleutherAI/gpt-neox c560814b): ``B s (6 P + 60 s h l)`` per iteration,
+  ``P`` the model's parameter count (no recomputation counted);
 - torchtitan: tokens/s per GPU (no FLOP count needed: iteration time = local batch x seq
   / tokens per second per GPU).
 
@@ -15,7 +18,10 @@ The loss as each source ran it (the zoo config's ``loss``, ``torchalpa/models/lo
 llm-foundry's MPT rows use flash-attn's fused cross-entropy (``ComposerMPTCausalLM``'s
 default ``loss_fn='fused_crossentropy'``: bf16 logits read, a float32 log-sum-exp per
 token kept), priced as ``loss="fused"`` with the logits left in bf16 (autocast casts
-``F.cross_entropy`` to float32, not flash-attn's kernel). Every other source computes
+``F.cross_entropy`` to float32, not flash-attn's kernel); llm.c's ``fused_classifier``
+kernel likewise reads the bf16 logits once and writes their gradient over them, keeping
+no float32 log-probabilities (its rows and modded-nanogpt's llm.c run: ``loss="fused"``,
+bf16 logits). Every other source computes
 log-softmax and NLL over float32 logits: torchtitan and nanogpt-speedrun
 ``F.cross_entropy(logits.float())``, Megatron-LM, BLOOM and BigScience's
 ``vocab_parallel_cross_entropy`` (which keeps the float32 softmax), Alpa's JAX
@@ -35,13 +41,24 @@ from dataclasses import dataclass, field
 
 import torchalpa
 
-__all__ = ["PublishedRow", "ROWS", "TUNED", "HELD_OUT", "megatron_eq3_flops"]
+__all__ = ["PublishedRow", "ROWS", "TUNED", "HELD_OUT", "FLOP_COUNTS", "megatron_eq3_flops",
+           "gpt_neox_flops"]
 
 
 def megatron_eq3_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
     """FLOPs of one iteration, Narayanan et al. 2021 Eq. (3) (recomputation counted)."""
     h, s, l = hidden, seq, layers
     return 96 * batch * s * l * h * h * (1 + s / (6 * h) + vocab / (16 * l * h))
+
+
+def gpt_neox_flops(batch: int, seq: int, layers: int, hidden: int, params: int) -> float:
+    """FLOPs of one iteration as GPT-NeoX logged them at the 20B release (``get_flops``:
+    ``6 P`` per token for the parameters, ``60 s h l`` for attention)."""
+    return batch * seq * (6 * params + 60 * seq * hidden * layers)
+
+
+FLOP_COUNTS = ("megatron-eq3", "gpt-neox")
+"""The FLOP counts a published TFLOP/s figure may be stated in (``PublishedRow.flop_count``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,7 +112,12 @@ class PublishedRow:
     step_s: float | None = None
     """Published seconds per iteration."""
     tflops_per_gpu: float | None = None
-    """Published TFLOP/s per GPU under Megatron's Eq. (3) (used when ``step_s`` is None)."""
+    """Published TFLOP/s per GPU under ``flop_count`` (used when ``step_s`` is None)."""
+    flop_count: str = "megatron-eq3"
+    """The FLOP count ``tflops_per_gpu`` is stated in (``FLOP_COUNTS``): Megatron's Eq. (3)
+    or GPT-NeoX's logged count (``gpt_neox_flops``, which needs ``flop_params``)."""
+    flop_params: int | None = None
+    """The parameter count the source's FLOP count multiplies (GPT-NeoX's ``6 P``)."""
     tokens_per_gpu_s: float | None = None
     """Published tokens/s per GPU (used when both above are None)."""
     memory_gib: float | None = None
@@ -128,6 +150,11 @@ class PublishedRow:
                 raise ValueError(f"row {self.key}: {name}={getattr(self, name)!r}; one of "
                                  f"{', '.join(allowed)}")
         self._check_trainer_metrics()
+        if self.flop_count not in FLOP_COUNTS:
+            raise ValueError(f"row {self.key}: flop_count={self.flop_count!r}; one of "
+                             f"{', '.join(FLOP_COUNTS)}")
+        if self.flop_count == "gpt-neox" and not self.flop_params:
+            raise ValueError(f"row {self.key}: the gpt-neox FLOP count needs flop_params")
         if self.tp * self.pp * self.dp != self.num_nodes * self.devices_per_node:
             raise ValueError(f"{self.key}: tp x pp x dp = {self.tp * self.pp * self.dp} but "
                              f"{self.num_nodes} x {self.devices_per_node} devices")
@@ -153,19 +180,28 @@ class PublishedRow:
         if self.step_s is not None:
             return self.step_s
         if self.tflops_per_gpu is not None:
-            c = self.config
-            flops = megatron_eq3_flops(self.global_batch, self.seq, c["num_layers"],
-                                       c["hidden"], c["vocab_size"])
-            return flops / (self.tflops_per_gpu * 1e12 * self.num_nodes * self.devices_per_node)
+            return self.iteration_flops() / (self.tflops_per_gpu * 1e12 * self.num_nodes
+                                             * self.devices_per_node)
         assert self.tokens_per_gpu_s is not None, f"{self.key} has no published figure"
         tokens = self.global_batch * self.seq / (self.num_nodes * self.devices_per_node)
         return tokens / self.tokens_per_gpu_s
+
+    def iteration_flops(self) -> float:
+        """FLOPs of one iteration under the count the source states its rate in."""
+        c = self.config
+        if self.flop_count == "gpt-neox":
+            assert self.flop_params is not None
+            return gpt_neox_flops(self.global_batch, self.seq, c["num_layers"], c["hidden"],
+                                  self.flop_params)
+        return megatron_eq3_flops(self.global_batch, self.seq, c["num_layers"], c["hidden"],
+                                  c["vocab_size"])
 
     def published_text(self) -> str:
         if self.step_s is not None:
             return f"{self.step_s:g} s/iter"
         if self.tflops_per_gpu is not None:
-            return f"{self.tflops_per_gpu:g} TFLOP/s/GPU Eq.3 -> s/iter [D]"
+            count = "Eq.3" if self.flop_count == "megatron-eq3" else self.flop_count
+            return f"{self.tflops_per_gpu:g} TFLOP/s/GPU {count} -> s/iter [D]"
         return f"{self.tokens_per_gpu_s:g} tokens/s/GPU -> s/iter [D]"
 
     def plan_text(self) -> str:
@@ -430,6 +466,51 @@ def _tt_llama2(size: str, remat: str, tokens: float, notes: tuple[str, ...] = ()
         notes=_TT_LLAMA2_NOTES + notes)
 
 
+LLMC = ("karpathy/llm.c scripts/run_gpt2_124M.sh and run_gpt2_350M.sh (commit a0d5dbb, "
+        "2024-05-30), run_gpt2_774M.sh (42dff87, 2024-06-12), run_gpt2_1558M.sh (c6efd90, "
+        "2024-07-02): each script's header states the step time on its node ('~300ms/iter', "
+        "'~820ms/iter', '~1.7s/iter' on 8X A100 80GB SXM; '2.80s/iter' on 8X H100 80GB SXM), "
+        "its flags the batch: -b (sequences per GPU per micro-step) -t 1024 -d (tokens a "
+        "step) -r 0 (no recompute) -z 1 (ZeRO-1), built with USE_CUDNN=1")
+MODDED_LLMC = ("KellerJordan/modded-nanogpt records/track_1_short/2024-10-13_llmc/README.md "
+               "(commit f411b3d3): llm.c as of 2024-10-13 on 8x H100 HBM3 'according to "
+               "the instructions' of llm.c discussion #481, 'The mean per-step time was "
+               "140ms', 10.26B tokens in 19560 steps (main.log): 2^19 tokens a step")
+_LLMC_SHAPES = {"124m": (768, 12, 12), "350m": (1024, 24, 16), "774m": (1280, 36, 20),
+                "1558m": (1600, 48, 25)}
+"""llm.c's GPT-2 depths (``-e "d12"`` ...): hidden, layers, heads (train_gpt2.cu)."""
+_LLMC_NOTES = ("llm.c: GPT-2 (learned positions, tied embedding, biases, GeLU) in C/CUDA, "
+               "vocabulary padded to 50304; bf16 with fp32 master weights; cuDNN flash "
+               "attention (SDPA here); hand-fused kernels (priced fused)",
+               "loss: llm.c's fused_classifier over bf16 logits (torchalpa::cross_entropy "
+               "here)",
+               "llm.c's ZeRO-1 reduce-scatters the gradients and all-gathers the updated "
+               "parameters once a step: ZeRO-2's traffic (zero2 here); it keeps the whole "
+               "gradient buffer, which zero2 shards [not expressible]")
+NEOX = ("Black et al. 2022, GPT-NeoX-20B (arXiv 2204.06745v1) sections 2.3 and 3: 96 "
+        "A100-SXM4-40GB in 12 Supermicro AS-4124GO-NART servers, four ConnectX-6 HCAs a "
+        "server, tensor parallel 2 x pipeline parallel 4, ZeRO, fp16, '117 teraFLOPS per "
+        "GPU'; EleutherAI/gpt-neox configs/20B.yml at the 20B release (c560814b, "
+        "2022-02-10): 44 layers, hidden 6144, 64 heads, seq 2048, micro-batch 4 x 32 "
+        "accumulation steps, ZeRO stage 1, activation checkpointing every layer, fp16")
+
+
+def _llmc(key: str, size: str, machine: str, micro: int, step_s: float, *, source: str = LLMC,
+          short: str = "llm.c", tokens: int = 2 ** 19, notes: tuple[str, ...] = ()
+          ) -> PublishedRow:
+    """llm.c's GPT-2 ``size`` on one node of 8 ``machine`` GPUs: ``micro`` sequences of 1024
+    per GPU per micro-step, ``tokens`` a step, ``step_s`` the published seconds a step."""
+    hidden, layers, heads = _LLMC_SHAPES[size]
+    return PublishedRow(
+        key=key, label=f"GPT-2 {size.upper()} (llm.c), ZeRO-1 on 8 {machine}, seq 1024",
+        source=source, short_source=short, family="gpt",
+        config=dict(_gpt(hidden, layers, heads, 1024, vocab=50304, attention="sdpa"),
+                    loss="fused"),
+        seq=1024, global_batch=tokens // 1024, micro_batch=micro, dp=8, machine=machine,
+        num_nodes=1, precision="bf16", remat="none", zero="zero2", fused=True,
+        float32_logits=False, step_s=step_s, notes=_LLMC_NOTES + notes)
+
+
 HELD_OUT: tuple[PublishedRow, ...] = (
     # llm-foundry's tables at sizes, sequence lengths and checkpointing the tuned rows
     # lack (30B and 70B with activation checkpointing, 125M and 760M, 8k and 32k tokens)
@@ -465,6 +546,40 @@ HELD_OUT: tuple[PublishedRow, ...] = (
                "the logged stretch 22.1-22.3 s is used)",
                "Jean Zay's NVLink topology within a node [?]; its 4 Omni-Path links per "
                "converged node from IDRIS's hardware page (gpu_specs, jean-zay-v100)")),
+    # added by the nineteenth session, before any cost change was measured against them:
+    # llm.c's GPT-2 scripts (a C/CUDA trainer, one node, 124M to 1.5B), the same 124M run
+    # on H100s as modded-nanogpt logged it, and GPT-NeoX-20B's pipeline on A100 40GB
+    _llmc("llmc-gpt2-124m-a100x8", "124m", "dgx-a100", 64, 0.300,
+          notes=("'~300ms/iter': the script's approximate figure",)),
+    _llmc("llmc-gpt2-350m-a100x8", "350m", "dgx-a100", 64, 0.820,
+          notes=("'~820ms/iter': the script's approximate figure",)),
+    _llmc("llmc-gpt2-774m-a100x8", "774m", "dgx-a100", 32, 1.7,
+          notes=("'~1.7s/iter': the script's approximate figure; 2 micro-steps of 32",)),
+    _llmc("llmc-gpt2-1558m-h100x8", "1558m", "h100", 16, 2.80, tokens=2 ** 20,
+          notes=("8 micro-steps of 16 per GPU (-b 16, -d 1048576)",)),
+    _llmc("modded-llmc-gpt2-124m-h100x8", "124m", "h100", 64, 0.140, source=MODDED_LLMC,
+          short="modded-nanogpt",
+          notes=("-b 64 per GPU [?]: the log gives 2^19 tokens a step, the flags are "
+                 "those of llm.c's 124M script",)),
+    PublishedRow(
+        key="gpt-neox-20b-a100-40x96",
+        label="GPT-NeoX-20B, tp2 x pp4 x dp12 on 96 A100 40GB", source=NEOX,
+        short_source="GPT-NeoX", family="gpt",
+        config=_gpt(6144, 44, 64, 2048, vocab=50432), seq=2048, global_batch=1536,
+        micro_batch=4, tp=2, pp=4, dp=12, machine="supermicro-a100-40", num_nodes=12,
+        precision="fp16", remat="full", zero="zero1", fused=True, plain_tp=True,
+        tflops_per_gpu=117, flop_count="gpt-neox", flop_params=20_556_201_984,
+        notes=("117 TFLOP/s/GPU under GPT-NeoX's own logged count (6 P + 60 s h l per "
+               "token, P = 20,556,201,984 of the model card) [?]: the paper does not say "
+               "which count; under Eq. 3 the step would be 47.66 s, not 43.85 s",
+               "rotary positions on a quarter of each head and GPT-J's parallel attention "
+               "and MLP in the run; learned positions and the sequential block here",
+               "untied input and output embeddings in the run (no_weight_tying), tied here "
+               "[not expressible]: 310M of 20.6B parameters",
+               "fused softmax and bias-GeLU (Megatron's kernels), eager attention",
+               "DeepSpeed's pipeline schedule priced as 1F1B; 11 layers a stage",
+               "the batch: 1536 sequences (4 x 32 x 12; the paper: 'approximately 3.15M "
+               "tokens')")),
 )
 """Published runs added on 2026-11-30 that no cost-model change had been measured
 against: their est/pub as first measured is in RESULTS.md ("Held-out rows"), before any

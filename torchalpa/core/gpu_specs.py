@@ -361,6 +361,12 @@ NODE_PRESETS: dict[str, NodeSpec] = {
     "grand-teton-h100": NodeSpec("H100 96GB HBM2e", 96 * GB, 8 * 400 * Gbit,
                                  note="torchtitan's H100 hosts: 96 GB HBM2e (2.4 TB/s), 500 W, "
                                       "NVLink, 400 Gb/s per GPU"),
+    # GPT-NeoX-20B's servers (Black et al. 2022, section 2.3): Supermicro AS-4124GO-NART,
+    # 8 x A100-SXM4-40GB (the HGX board's NVSwitch), "one of four ConnectX-6 HCAs" per GPU
+    # for GPUDirect RDMA: 4 x 200 Gb/s HDR per node [HDR rate assumed for ConnectX-6]
+    "supermicro-a100-40": NodeSpec("A100 40GB", 40 * GB, 4 * 200 * Gbit,
+                                   note="GPT-NeoX-20B's servers: 8 x A100 40GB SXM4, NVSwitch, "
+                                        "4 x 200 Gb/s HDR (ConnectX-6)"),
 }
 
 
