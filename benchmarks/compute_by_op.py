@@ -1,11 +1,15 @@
 """Where a one-stage published row's estimated compute goes, op by op, and its collectives.
 
     cd benchmarks && python compute_by_op.py megatron20-a100-8b
+    python compute_by_op.py llmc-gpt2-124m-a100x8 --by-producer
 
 Plans the row as ``published.py`` does (its plan pinned; rows with ``pp == 1``) and prints
 the estimate, then the compute the estimate sums (``op_compute_seconds`` of each op under
 its chosen strategy, times the micro-batches) by op and phase, and the plan's collectives
-by kind, phase and mesh axis (count, MiB). Minutes per row on the CPU VM.
+by kind, phase and mesh axis (count, MiB). ``--by-producer`` also splits each op by the op
+that made its first operand (views looked through): a bias ``add`` reading a matmul's
+result apart from a residual ``add``, which tells what a framework that runs some ops
+inside another's kernel (a GEMM's epilogue) would not pay. Minutes per row on the CPU VM.
 """
 
 from __future__ import annotations
@@ -19,7 +23,17 @@ from published_rows import ROWS
 import torchalpa.passes.sharding.sharding_plan as sharding_plan
 
 
-def main(key: str) -> None:
+def producer(graph, node) -> str:
+    """The op that made ``node``'s first operand, views looked through ("" for a leaf)."""
+    if not node.operands:
+        return ""
+    made = graph.node(node.operands[0].node)
+    while made.aliases and made.operands:
+        made = graph.node(made.operands[0].node)
+    return "" if made.is_leaf else made.op
+
+
+def main(key: str, by_producer: bool = False) -> None:
     known = {r.key: r for r in ROWS if r.pp == 1}
     if key not in known:
         sys.exit(f"unknown one-stage row {key!r}; they are: {', '.join(sorted(known))}")
@@ -29,7 +43,8 @@ def main(key: str) -> None:
 
     def recorded(graph, mesh, node, strategy):    # the last plan's price of each op
         seconds = price(graph, mesh, node, strategy)
-        priced[node.name] = (node.op, node.phase, seconds)
+        op = f"{node.op} <- {producer(graph, node) or 'leaf'}" if by_producer else node.op
+        priced[node.name] = (op, node.phase, seconds)
         return seconds
 
     sharding_plan.op_compute_seconds = recorded
@@ -44,7 +59,7 @@ def main(key: str) -> None:
         seconds[(op, phase)] += k * t
         count[(op, phase)] += 1
     print(f"ops' compute, summed: {sum(seconds.values()):.3f} s")
-    for (op, phase), t in seconds.most_common(30):
+    for (op, phase), t in seconds.most_common(40 if by_producer else 30):
         print(f"    {op:<45} {phase:<9} {count[op, phase]:>5} x {t * 1e3:9.2f} ms")
     calls, size = collections.Counter(), collections.Counter()
     for c in plan.collectives:
@@ -56,6 +71,7 @@ def main(key: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    args = [a for a in sys.argv[1:] if a != "--by-producer"]
+    if len(args) != 1:
         sys.exit(__doc__.splitlines()[2].strip())
-    main(sys.argv[1])
+    main(args[0], by_producer="--by-producer" in sys.argv[1:])

@@ -14,7 +14,13 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
 import published  # noqa: E402
-from published_rows import HELD_OUT, ROWS, TUNED, megatron_eq3_flops  # noqa: E402
+from published_rows import (  # noqa: E402
+    HELD_OUT,
+    ROWS,
+    TUNED,
+    gpt_neox_flops,
+    megatron_eq3_flops,
+)
 
 from torchalpa.core.options import ManualStageOption, PipeshardParallel  # noqa: E402
 
@@ -97,6 +103,10 @@ def test_a_row_on_an_unknown_machine_or_family_is_refused_in_one_line():
         replace(ROWS[0], key="x", family="opt")
     with pytest.raises(ValueError, match=r"^row x: remat='some'; one of none, selective, full"):
         replace(ROWS[0], key="x", remat="some")
+    with pytest.raises(ValueError, match=r"^row x: flop_count='6nd'; one of megatron-eq3, "):
+        replace(ROWS[0], key="x", flop_count="6nd")
+    with pytest.raises(ValueError, match=r"^row x: the gpt-neox FLOP count needs flop_params"):
+        replace(ROWS[0], key="x", flop_count="gpt-neox")
 
 
 def _outcome(key: str, ratio: float, memory_ratio: float | None = None,
@@ -166,6 +176,21 @@ def test_held_out_rows_are_runs_the_tuned_table_does_not_hold():
     assert tr1.published_step_s() == pytest.approx(22.3066)
 
 
+def test_gpt_neox_rate_becomes_seconds_by_its_own_flop_count():
+    """GPT-NeoX-20B's 117 TFLOP/s per GPU under the count its trainer logged (6 P + 60 s h l
+    a token): 43.85 s a step on 96 GPUs, where Megatron's Eq. (3) would make it 47.66 s."""
+    neox = next(r for r in HELD_OUT if r.key == "gpt-neox-20b-a100-40x96")
+    per_token = 6 * 20_556_201_984 + 60 * 2048 * 6144 * 44
+    assert gpt_neox_flops(1536, 2048, 44, 6144, 20_556_201_984) == 1536 * 2048 * per_token
+    assert neox.published_step_s() == pytest.approx(43.846, abs=1e-3)
+    assert megatron_eq3_flops(1536, 2048, 44, 6144, 50432) / 117e12 / 96 == \
+        pytest.approx(47.659, abs=1e-3)
+    assert "gpt-neox -> s/iter [D]" in neox.published_text()
+    # four ConnectX-6 HCAs a server: half a DGX A100's network
+    assert neox.cluster().inter_node_bandwidth < next(
+        r for r in ROWS if r.machine == "dgx-a100").cluster().inter_node_bandwidth
+
+
 def test_check_prints_the_held_out_rows_alone_when_both_sets_ran():
     tuned, held = _outcome("megatron21-1.7b", 1.0), _outcome(HELD_OUT[0].key, 1.5)
     assert published.held_out_outcomes([tuned, held]) == [held]
@@ -173,10 +198,12 @@ def test_check_prints_the_held_out_rows_alone_when_both_sets_ran():
 
 
 def test_rows_price_the_loss_their_source_ran():
-    """llm-foundry's MPT rows ran flash-attn's fused cross-entropy on bf16 logits; every
-    other source computes log-softmax and NLL (``published_rows``' docstring)."""
+    """llm-foundry's MPT rows ran flash-attn's fused cross-entropy on bf16 logits and
+    llm.c's rows its fused classifier; every other source computes log-softmax and NLL
+    (``published_rows``' docstring)."""
     from torchalpa.models.losses import fused_lm_loss, lm_loss
     for row in ROWS:
-        fused = row.short_source == "llm-foundry"
+        # llm.c's fused_classifier, whoever ran it, keeps no float32 log-probabilities either
+        fused = row.short_source in ("llm-foundry", "llm.c", "modded-nanogpt")
         assert published.workload(row).loss_fn is (fused_lm_loss if fused else lm_loss), row.key
         assert not (fused and row.float32_logits), row.key
