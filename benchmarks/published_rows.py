@@ -21,7 +21,7 @@ token kept), priced as ``loss="fused"`` with the logits left in bf16 (autocast c
 ``F.cross_entropy`` to float32, not flash-attn's kernel); llm.c's ``fused_classifier``
 kernel likewise reads the bf16 logits once and writes their gradient over them, keeping
 no float32 log-probabilities (its rows and modded-nanogpt's llm.c run: ``loss="fused"``,
-bf16 logits). Every other source computes
+bf16 logits), and TinyLlama ran flash-attn's loss as MPT did. Every other source computes
 log-softmax and NLL over float32 logits: torchtitan and nanogpt-speedrun
 ``F.cross_entropy(logits.float())``, Megatron-LM, BLOOM and BigScience's
 ``vocab_parallel_cross_entropy`` (which keeps the float32 softmax), Alpa's JAX
@@ -495,6 +495,16 @@ NEOX = ("Black et al. 2022, GPT-NeoX-20B (arXiv 2204.06745v1) sections 2.3 and 3
         "accumulation steps, ZeRO stage 1, activation checkpointing every layer, fp16")
 
 
+TINYLLAMA = ("jzhang38/TinyLlama README.md (commit 8148930, 2024-02-03), 'Training Details' "
+             "and 'Blazingly Fast': 16 A100-40G GPUs, 2 million tokens (2048 x 1024) a step, "
+             "'a throughput of 24k tokens per second per A100-40G GPU ... 56% model flops "
+             "utilization without activation checkpointing', 'a per-gpu batch size of 16k "
+             "tokens'; pretrain/tinyllama.py (the same commit): FSDPStrategy(auto_wrap_policy="
+             "{Block}, activation_checkpointing_policy=None), micro_batch_size 8, flash-attn's "
+             "FusedCrossEntropyLoss; lit_gpt/config.py 'tiny_LLaMA_1b': 22 layers, hidden "
+             "2048, 32 heads, 4 query groups, SwiGLU 5632, vocabulary 32000, FusedRMSNorm")
+
+
 def _llmc(key: str, size: str, machine: str, micro: int, step_s: float, *, source: str = LLMC,
           short: str = "llm.c", tokens: int = 2 ** 19, notes: tuple[str, ...] = ()
           ) -> PublishedRow:
@@ -548,7 +558,8 @@ HELD_OUT: tuple[PublishedRow, ...] = (
                "converged node from IDRIS's hardware page (gpu_specs, jean-zay-v100)")),
     # added by the nineteenth session, before any cost change was measured against them:
     # llm.c's GPT-2 scripts (a C/CUDA trainer, one node, 124M to 1.5B), the same 124M run
-    # on H100s as modded-nanogpt logged it, and GPT-NeoX-20B's pipeline on A100 40GB
+    # on H100s as modded-nanogpt logged it, TinyLlama's FSDP run on 16 A100 40GB, and
+    # GPT-NeoX-20B's pipeline on A100 40GB
     _llmc("llmc-gpt2-124m-a100x8", "124m", "dgx-a100", 64, 0.300,
           notes=("'~300ms/iter': the script's approximate figure",)),
     _llmc("llmc-gpt2-350m-a100x8", "350m", "dgx-a100", 64, 0.820,
@@ -561,6 +572,24 @@ HELD_OUT: tuple[PublishedRow, ...] = (
           short="modded-nanogpt",
           notes=("-b 64 per GPU [?]: the log gives 2^19 tokens a step, the flags are "
                  "those of llm.c's 124M script",)),
+    PublishedRow(
+        key="tinyllama-1.1b-a100-40x16", label="TinyLlama 1.1B, FSDP on 16 A100 40GB, seq 2048",
+        source=TINYLLAMA, short_source="TinyLlama", family="llama",
+        config=dict(vocab_size=32000, max_seq_len=2048, num_layers=22, hidden=2048,
+                    num_heads=32, num_kv_heads=4, intermediate=5632, rope_theta=10000.0,
+                    loss="fused"),
+        seq=2048, global_batch=1024, micro_batch=8, dp=16, machine="a100-40", num_nodes=2,
+        precision="bf16", remat="none", zero="fsdp", fused=True, float32_logits=False,
+        tokens_per_gpu_s=24000,
+        notes=("'24k' tokens/s/GPU: a rounded figure; 16 GPUs as the run trained [?] (the "
+               "README does not say on how many it was measured)",
+               "2 nodes of 8 A100 40GB; their network not stated: DGX A100 40GB [?]",
+               "flash-attn 2, fused RMSNorm, fused rotary, xformers' fused SwiGLU: priced "
+               "fused (no compiler); SDPA here",
+               "Lightning's bf16-mixed FSDP: priced as fp32 parameters gathered and reduced "
+               "in fp32, as the MPT rows [not expressible yet]",
+               "loss: flash-attn's fused cross-entropy over bf16 logits "
+               "(torchalpa::cross_entropy here)")),
     PublishedRow(
         key="gpt-neox-20b-a100-40x96",
         label="GPT-NeoX-20B, tp2 x pp4 x dp12 on 96 A100 40GB", source=NEOX,

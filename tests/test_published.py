@@ -198,12 +198,12 @@ def test_check_prints_the_held_out_rows_alone_when_both_sets_ran():
 
 
 def test_rows_price_the_loss_their_source_ran():
-    """llm-foundry's MPT rows ran flash-attn's fused cross-entropy on bf16 logits and
-    llm.c's rows its fused classifier; every other source computes log-softmax and NLL
-    (``published_rows``' docstring)."""
+    """llm-foundry's MPT rows and TinyLlama ran flash-attn's fused cross-entropy on bf16
+    logits and llm.c's rows its fused classifier; every other source computes log-softmax
+    and NLL (``published_rows``' docstring)."""
     from torchalpa.models.losses import fused_lm_loss, lm_loss
     for row in ROWS:
         # llm.c's fused_classifier, whoever ran it, keeps no float32 log-probabilities either
-        fused = row.short_source in ("llm-foundry", "llm.c", "modded-nanogpt")
+        fused = row.short_source in ("llm-foundry", "llm.c", "modded-nanogpt", "TinyLlama")
         assert published.workload(row).loss_fn is (fused_lm_loss if fused else lm_loss), row.key
         assert not (fused and row.float32_logits), row.key
