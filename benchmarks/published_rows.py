@@ -611,7 +611,8 @@ HELD_OUT: tuple[PublishedRow, ...] = (
                "tokens')")),
 )
 """Published runs added on 2026-11-30 that no cost-model change had been measured
-against: their est/pub as first measured is in RESULTS.md ("Held-out rows"), before any
+against: their est/pub as first measured is in RESULTS.md ("Held-out rows" for the first
+13, "Held-out rows from four new sources" for the nineteenth session's 7), before any
 change made after seeing them."""
 
 ROWS: tuple[PublishedRow, ...] = TUNED + HELD_OUT
@@ -619,6 +620,12 @@ ROWS: tuple[PublishedRow, ...] = TUNED + HELD_OUT
 one takes longer than this CPU allows in a run of the whole table); Korthikanti's 530B
 and 1T rows (pipelines of 35 and 64 stages, likewise); its sequence-parallel + selective
 recompute variants (neither is a plan torchalpa makes); Llama 3 405B (micro-batching and
-recompute not published); Megatron's H100 table (precision, micro-batch and recompute not
-published, and it used flash attention the zoo GPT does not); torchtitan's float8 rows
-(no float8 in the cost model)."""
+recompute not published; a 16-stage pipeline on 8192 GPUs, past this CPU too); Megatron's
+H100 table (precision, micro-batch and recompute not published; the README's newer weak
+and strong scaling figures are images only); torchtitan's float8 rows (no float8 in the
+cost model); Megatron-Turing NLG 530B (35-stage pipelines on 2240-3360 GPUs: planning
+time, as Korthikanti's 530B); OPT-175B (its logbook PDF is not in the repository
+snapshot, and the FLOP count behind its 147 TFLOP/s is not stated; 1024 sequences do not
+split over its 124 data-parallel replicas); MegaScale's 175B table (not found in the
+search corpora; its own rows also change the model: parallel blocks, sliding-window
+attention, LAMB); the PyTorch FSDP paper's runs (not found in the search corpora)."""
