@@ -487,10 +487,11 @@ _LLMC_NOTES = ("llm.c: GPT-2 (learned positions, tied embedding, biases, GeLU) i
                "llm.c's ZeRO-1 reduce-scatters the gradients and all-gathers the updated "
                "parameters once a step: ZeRO-2's traffic (zero2 here); it keeps the whole "
                "gradient buffer, which zero2 shards [not expressible]")
-NEOX = ("Black et al. 2022, GPT-NeoX-20B (arXiv 2204.06745v1) sections 2.3 and 3: 96 "
+NEOX = ("Black et al. 2022, GPT-NeoX-20B (arXiv 2204.06745) sections 2.3 and 3: 96 "
         "A100-SXM4-40GB in 12 Supermicro AS-4124GO-NART servers, four ConnectX-6 HCAs a "
         "server, tensor parallel 2 x pipeline parallel 4, ZeRO, fp16, '117 teraFLOPS per "
-        "GPU'; EleutherAI/gpt-neox configs/20B.yml at the 20B release (c560814b, "
+        "GPU' (the paper's text as quoted by summaries of it: its PDF is not in the search "
+        "corpora); EleutherAI/gpt-neox configs/20B.yml at the 20B release (c560814b, "
         "2022-02-10): 44 layers, hidden 6144, 64 heads, seq 2048, micro-batch 4 x 32 "
         "accumulation steps, ZeRO stage 1, activation checkpointing every layer, fp16")
 
@@ -602,7 +603,8 @@ HELD_OUT: tuple[PublishedRow, ...] = (
                "token, P = 20,556,201,984 of the model card) [?]: the paper does not say "
                "which count; under Eq. 3 the step would be 47.66 s, not 43.85 s",
                "rotary positions on a quarter of each head and GPT-J's parallel attention "
-               "and MLP in the run; learned positions and the sequential block here",
+               "and MLP in the run (one all-reduce a layer instead of two: '15% throughput "
+               "increase', the paper); learned positions and the sequential block here",
                "untied input and output embeddings in the run (no_weight_tying), tied here "
                "[not expressible]: 310M of 20.6B parameters",
                "fused softmax and bias-GeLU (Megatron's kernels), eager attention",
