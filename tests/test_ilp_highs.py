@@ -161,3 +161,73 @@ def test_highs_options_laid_over_the_planners(monkeypatch):
     with pytest.raises(ValueError, match="no_such_option"):
         ilp_highs.started_highs(_two_node_model(), time_limit=None, gap=None, verbose=False,
                                 options={"no_such_option": 1})
+
+
+def test_relaxations_solved_without_presolve_to_the_presolved_optimum(monkeypatch):
+    """``linear_optimum`` solves a relaxation under ``LP_OPTIONS`` (HiGHS' presolve off:
+    the search's LP bounds in a third of the CPU) and a model kept integral under HiGHS'
+    defaults; the relaxation's optimum is the one HiGHS finds with its presolve, on
+    random problems with edges and memory rows."""
+    import highspy
+    import numpy as np
+    from test_presolve import random_problem
+
+    from torchalpa.passes.sharding import ilp_highs
+    from torchalpa.passes.sharding.ilp import InfeasibleError, _prepare
+    seen: list[str] = []
+    run = highspy.Highs.run
+
+    def recorded(h):
+        seen.append(h.getOptionValue("presolve")[1])
+        return run(h)
+
+    monkeypatch.setattr(highspy.Highs, "run", recorded)
+    rng, compared = np.random.default_rng(3), 0
+    for _ in range(60):
+        try:
+            model = _prepare(random_problem(rng, bool(compared % 2)), None).built.model
+        except (InfeasibleError, ValueError):
+            continue
+        if not model.names:
+            continue
+        relaxed = ilp_highs.linear_optimum(model)
+        with monkeypatch.context() as m:
+            m.setattr(ilp_highs, "LP_OPTIONS", {})
+            presolved = ilp_highs.linear_optimum(model)
+        assert (relaxed is None) == (presolved is None)
+        if relaxed is not None:
+            assert relaxed == pytest.approx(presolved, rel=1e-9, abs=1e-6)
+        ilp_highs.linear_optimum(model, integral=True)
+        compared += 1
+    assert compared > 20
+    assert seen == ["off", "choose", "choose"] * compared
+
+
+def test_edge_columns_in_bulk_as_one_by_one():
+    """An edge's columns (``_add_edge`` through ``LinearModel.columns``): one per layout
+    pair both ends can take with a finite price, named ``e<edge>_<p>_<q>`` in that
+    order, continuous in [0, 1], priced at the table's scaled entry; a forbidden strategy's
+    layout and an impossible pair get none."""
+    import math
+
+    import numpy as np
+
+    from torchalpa.passes.sharding.ilp import Edge
+    from torchalpa.passes.sharding.ilp_model import build_model
+    table = np.array([[0.0, 2.0, math.inf], [1.0, 3.0, 4.0], [5.0, 6.0, 7.0]])
+    costs = {"a": np.array([1.0, 2.0, math.inf]), "b": np.array([0.0, 1.0, 2.0])}
+    edge = Edge("a", "b", np.arange(3), np.arange(3), table)
+    built = build_model(costs, [edge], [], None, [], None, False, 10.0)
+    model = built.model
+    edge_columns = [i for i, name in enumerate(model.names) if name.startswith("e0_")]
+    assert [model.names[i] for i in edge_columns] == ["e0_0_0", "e0_0_1", "e0_1_0",
+                                                       "e0_1_1", "e0_1_2"]
+    assert [model.cost[i] for i in edge_columns] == [0.0, 20.0, 10.0, 30.0, 40.0]
+    assert all(model.upper[i] == 1.0 and not model.integer[i] for i in edge_columns)
+    # each linking row: its edge columns at +1, the strategies writing or reading at -1
+    rows = [sorted(zip(index, value)) for _, _, index, value in model.rows()]
+    first = edge_columns[0]
+    assert sorted([(first + 2, 1.0), (first + 3, 1.0), (first + 4, 1.0),
+                   (built.strategy_columns["a"][1], -1.0)]) in rows
+    assert sorted([(first + 1, 1.0), (first + 3, 1.0),
+                   (built.strategy_columns["b"][1], -1.0)]) in rows

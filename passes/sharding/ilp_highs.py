@@ -16,7 +16,7 @@ import numpy as np
 
 from torchalpa.passes.sharding.ilp_model import LinearModel
 
-__all__ = ["solve_with_highs", "started_highs", "linear_optimum", "MIP_OPTIONS"]
+__all__ = ["solve_with_highs", "started_highs", "linear_optimum", "MIP_OPTIONS", "LP_OPTIONS"]
 
 MIP_OPTIONS: dict[str, bool | int | float | str] = {}
 """HiGHS options of the planner's MIP runs that differ from HiGHS' defaults: none. Weighed
@@ -25,6 +25,17 @@ benchmarks/RESULTS.md, "HiGHS options on the planner's own ILPs"), the settings 
 work (presolve off, feasibility jump off) return another plan of the same objective where
 plans tie or end at another plan within the gap, and the others (restarts, symmetry,
 sub-MIP heuristics, heuristic effort) cut little more than the load's noise."""
+
+
+LP_OPTIONS: dict[str, bool | int | float | str] = {"presolve": "off"}
+"""HiGHS options of the linear relaxations ``linear_optimum`` solves (the search's LP
+bounds) that differ from HiGHS' defaults. HiGHS' presolve spends more on these LPs than
+it saves: on target a's views (220-330 thousand columns) the dual simplex takes about as
+many iterations without it and a third to a quarter of the CPU seconds, to the same
+optimum (an LP's optimal value does not depend on the path; on the LPs measured it
+agreed to 15 digits or more: benchmarks/RESULTS.md, "Target a's bounds phase"). The
+MIPs keep the defaults (``MIP_OPTIONS``): there presolve shapes which of several tied
+plans is returned."""
 
 
 def solve_with_highs(model: LinearModel, *, time_limit: float | None, gap: float | None,
@@ -68,12 +79,15 @@ def started_highs(model: LinearModel, *, time_limit: float | None, gap: float | 
 
 
 def linear_optimum(model: LinearModel, *, integral: bool = False) -> float | None:
-    """The optimum of ``model`` with every column continuous (its linear relaxation; with
-    ``integral=True`` the model as it is), in the model's scaled units; None when it has
-    no feasible point."""
+    """The optimum of ``model`` with every column continuous (its linear relaxation, solved
+    under ``LP_OPTIONS``; with ``integral=True`` the model as it is, under HiGHS'
+    defaults), in the model's scaled units; None when it has no feasible point."""
     if not model.names:
         return 0.0 if _empty_feasible(model) else None
     h, _ = _load(model, time_limit=None, gap=None, verbose=False, integral=integral)
+    if not integral:
+        for name, value in LP_OPTIONS.items():
+            h.setOptionValue(name, value)
     h.run()
     if h.getModelStatus().name != "kOptimal":
         return None

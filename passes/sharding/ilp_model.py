@@ -56,6 +56,16 @@ class LinearModel:
         self.integer.append(integer)
         return len(self.names) - 1
 
+    def columns(self, names: list[str], costs: list[float]) -> int:
+        """Continuous columns in ``[0, 1]``, one per name, as ``column`` adds them one by
+        one (the edges' many columns in bulk); the first one's index."""
+        first = len(self.names)
+        self.names += names
+        self.cost += costs
+        self.upper += [1.0] * len(names)
+        self.integer += [False] * len(names)
+        return first
+
     def row(self, terms: list[tuple[int, float]], lower: float, upper: float) -> None:
         """``lower <= sum coefficient * column <= upper``; ``FIXED`` terms move to the bounds."""
         self.starts.append(len(self.index))
@@ -198,15 +208,15 @@ def _add_edge(model: LinearModel, s: dict, e, tag: str, scale: float) -> None:
     cols: list[list[int]] = [[] for _ in range(Q)]
     # the table scaled and tested once, as Python floats (the same products)
     scaled, finite = (e.table * scale).tolist(), np.isfinite(e.table).tolist()
+    readable = [q for q in range(Q) if col_sources[q]]
     for p in range(P):
         if not row_sources[p]:
             continue
         costs, usable = scaled[p], finite[p]
-        for q in range(Q):
-            if not col_sources[q] or not usable[q]:
-                continue
-            col = model.column(f"{tag}_{p}_{q}", costs[q], 1.0, False)
-            rows[p].append(col)
+        taken = [q for q in readable if usable[q]]
+        first = model.columns([f"{tag}_{p}_{q}" for q in taken], [costs[q] for q in taken])
+        rows[p] = list(range(first, first + len(taken)))
+        for col, q in enumerate(taken, first):
             cols[q].append(col)
     for sums, sources in ((rows, row_sources), (cols, col_sources)):
         for held, source in zip(sums, sources):
