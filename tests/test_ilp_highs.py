@@ -231,3 +231,75 @@ def test_edge_columns_in_bulk_as_one_by_one():
                    (built.strategy_columns["a"][1], -1.0)]) in rows
     assert sorted([(first + 1, 1.0), (first + 3, 1.0),
                    (built.strategy_columns["b"][1], -1.0)]) in rows
+
+
+def _edge_one_row_at_a_time(model, s, e, tag, scale):
+    """The reference ``_add_edge``: a column per finite pair by ``model.column`` in ``p``
+    then ``q`` order, and one ``model.row`` per linking row (main's code before the bulk
+    linking rows)."""
+    import math
+
+    from torchalpa.passes.sharding.ilp_model import layout_columns
+    P, Q = e.table.shape
+    row_sources = layout_columns(s[e.u], e.row_of, P)
+    col_sources = layout_columns(s[e.v], e.col_of, Q)
+    rows: list[list[int]] = [[] for _ in range(P)]
+    cols: list[list[int]] = [[] for _ in range(Q)]
+    for p in range(P):
+        for q in range(Q):
+            if row_sources[p] and col_sources[q] and math.isfinite(e.table[p, q]):
+                col = model.column(f"{tag}_{p}_{q}", float(e.table[p, q] * scale), 1.0, False)
+                rows[p].append(col)
+                cols[q].append(col)
+    for sums, sources in ((rows, row_sources), (cols, col_sources)):
+        for held, source in zip(sums, sources):
+            if source:
+                model.row([(c, 1.0) for c in held] + [(c, -1.0) for c in source], 0.0, 0.0)
+
+
+def _random_edge_problem(rng):
+    """Nodes with one strategy (``FIXED``), forbidden strategies and layouts no strategy
+    uses; edges (parallel ones too) with impossible pairs and zero prices."""
+    import numpy as np
+
+    from torchalpa.passes.sharding.ilp import Edge
+    costs, layouts = {}, {}
+    for n in range(int(rng.integers(2, 6))):
+        count = int(rng.integers(1, 7))
+        c = rng.integers(0, 4, count).astype(float)
+        c[rng.random(count) < 0.2] = np.inf
+        if not np.isfinite(c).any():
+            c[0] = 1.0
+        costs[f"n{n}"], layouts[f"n{n}"] = c, int(rng.integers(1, 5))
+    names, edges = list(costs), []
+    for _ in range(int(rng.integers(1, 7))):
+        u, v = (str(x) for x in rng.choice(names, 2))
+        P, Q = layouts[u] + int(rng.integers(0, 2)), layouts[v] + int(rng.integers(0, 2))
+        table = rng.integers(0, 5, (P, Q)).astype(float) * rng.random()
+        table[rng.random((P, Q)) < 0.3] = np.inf
+        edges.append(Edge(u, v, rng.integers(0, layouts[u], len(costs[u])),
+                          rng.integers(0, layouts[v], len(costs[v])), table))
+    return costs, edges
+
+
+def test_edge_linking_rows_in_bulk_as_one_row_at_a_time(monkeypatch):
+    """``build_model``'s arrays with the edges built in bulk (numpy masks, ``link_rows``)
+    equal, element for element and in order, those of the one-row-at-a-time reference on
+    random problems: columns, costs, bounds, integrality, CSR rows and their bounds."""
+    import numpy as np
+
+    from torchalpa.passes.sharding import ilp_model
+    rng = np.random.default_rng(0)
+    fields = ("names", "cost", "upper", "integer", "row_lower", "row_upper", "starts",
+              "index", "value")
+    fixed_rows = 0
+    for _ in range(300):
+        costs, edges = _random_edge_problem(rng)
+        bulk = ilp_model.build_model(costs, edges, [], None, [], None, False, 3.0).model
+        with monkeypatch.context() as m:
+            m.setattr(ilp_model, "_add_edge", _edge_one_row_at_a_time)
+            reference = ilp_model.build_model(costs, edges, [], None, [], None, False, 3.0).model
+        for name in fields:
+            assert getattr(bulk, name) == getattr(reference, name), name
+        fixed_rows += sum(lo == 1.0 for lo in bulk.row_lower)
+    assert fixed_rows > 50          # linking rows with a node's only strategy in the bounds

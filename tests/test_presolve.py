@@ -154,3 +154,36 @@ def test_dominated_strategies_go_and_warm_starts_follow_them():
     # memory keeps strategy 2 (more bytes, cheaper edge) and w in the problem
     problem = ILPProblem(node_costs=costs, edges=[e], memory_terms=memory, memory_budget=10)
     assert solve_ilp(problem, initial={"u": 1, "w": 0}).objective == brute_force(problem)
+
+
+def _dominators_one_row_at_a_time(profile):
+    """The reference: every row visited in order (main's loop before ``_dominators``)."""
+    from torchalpa.passes.sharding.presolve import _no_worse
+    n = len(profile)
+    keep, order, out = np.ones(n, dtype=bool), np.arange(n), []
+    no_worse_than = _no_worse(profile)
+    for i in range(n):
+        no_worse = no_worse_than[i]
+        equal = no_worse & no_worse_than[:, i]
+        by = np.flatnonzero(no_worse & keep & (order != i) & ((order < i) | ~equal))
+        if len(by):
+            keep[i] = False
+            out.append((i, int(by[0])))
+    return out
+
+
+def test_dominators_found_at_once_as_one_row_at_a_time():
+    """``_dominators`` (candidates found for all rows at once) removes the same rows and
+    maps each to the same row as a loop over every row, on random profiles full of ties
+    and of chains (a row dominated only by one that goes itself)."""
+    from torchalpa.passes.sharding.presolve import _dominators
+    rng = np.random.default_rng(0)
+    removed = 0
+    for _ in range(500):
+        n, width = int(rng.integers(1, 12)), int(rng.integers(1, 5))
+        profile = rng.integers(0, 3, (n, width)).astype(float)
+        profile[rng.random((n, width)) < 0.05] = np.inf
+        expected = _dominators_one_row_at_a_time(profile)
+        assert _dominators(profile) == expected
+        removed += len(expected)
+    assert removed > 1000

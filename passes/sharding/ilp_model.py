@@ -78,6 +78,27 @@ class LinearModel:
         self.row_lower.append(lower)
         self.row_upper.append(upper)
 
+    def link_rows(self, held: list[list[int]], sources: list[list[int]]) -> None:
+        """Per pair with a non-empty source, ``sum(held) - sum(source) == 0`` as ``row``
+        writes it (held at +1 then source at -1, ``FIXED`` moved into the bounds): the
+        linking rows of an edge in one call instead of one ``row`` call each."""
+        for plus, minus in zip(held, sources):
+            if not minus:
+                continue
+            bound = 0.0
+            if FIXED in minus:
+                for col in minus:
+                    if col == FIXED:
+                        bound -= -1.0
+                minus = [col for col in minus if col != FIXED]
+            self.starts.append(len(self.index))
+            self.index += plus
+            self.index += minus
+            self.value += [1.0] * len(plus)
+            self.value += [-1.0] * len(minus)
+            self.row_lower.append(bound)
+            self.row_upper.append(bound)
+
     def rows(self):
         """(lower, upper, columns, coefficients) per row, in order."""
         ends = self.starts[1:] + [len(self.index)]
@@ -200,28 +221,24 @@ def layout_columns(columns: list[int | None], layout_of: np.ndarray, size: int
 def _add_edge(model: LinearModel, s: dict, e, tag: str, scale: float) -> None:
     """Edge ``e``'s variables ``e[p, q]`` (one per finite layout pair both sides can take)
     and their linking rows: the sum over ``q`` equals the producer's strategies writing
-    ``p``, the sum over ``p`` the consumer's strategies reading ``q``."""
+    ``p``, the sum over ``p`` the consumer's strategies reading ``q``. Built per edge in
+    bulk (numpy masks, one ``link_rows`` per side), in the order, names and values a loop
+    over ``p`` then ``q`` with one ``row`` call per linking row gives."""
     P, Q = e.table.shape
     row_sources = layout_columns(s[e.u], e.row_of, P)
     col_sources = layout_columns(s[e.v], e.col_of, Q)
-    rows: list[list[int]] = [[] for _ in range(P)]
-    cols: list[list[int]] = [[] for _ in range(Q)]
-    # the table scaled and tested once, as Python floats (the same products)
-    scaled, finite = (e.table * scale).tolist(), np.isfinite(e.table).tolist()
-    readable = [q for q in range(Q) if col_sources[q]]
-    for p in range(P):
-        if not row_sources[p]:
-            continue
-        costs, usable = scaled[p], finite[p]
-        taken = [q for q in readable if usable[q]]
-        first = model.columns([f"{tag}_{p}_{q}" for q in taken], [costs[q] for q in taken])
-        rows[p] = list(range(first, first + len(taken)))
-        for col, q in enumerate(taken, first):
-            cols[q].append(col)
-    for sums, sources in ((rows, row_sources), (cols, col_sources)):
-        for held, source in zip(sums, sources):
-            if source:
-                model.row([(c, 1.0) for c in held] + [(c, -1.0) for c in source], 0.0, 0.0)
+    taken = (np.isfinite(e.table) & np.array([bool(x) for x in row_sources])[:, None]
+             & np.array([bool(x) for x in col_sources])[None, :])
+    ps, qs = np.nonzero(taken)            # row-major: p outer, q inner
+    names = [f"{tag}_{p}_{q}" for p, q in zip(ps.tolist(), qs.tolist())]
+    first = model.columns(names, (e.table * scale)[taken].tolist())
+    ends = (first + np.cumsum(taken.sum(axis=1))).tolist()
+    rows = [list(range(end - n, end)) for end, n in zip(ends, taken.sum(axis=1).tolist())]
+    by_q = (first + np.argsort(qs, kind="stable")).tolist()
+    col_ends = np.cumsum(taken.sum(axis=0)).tolist()
+    cols = [by_q[end - n:end] for end, n in zip(col_ends, taken.sum(axis=0).tolist())]
+    model.link_rows(rows, row_sources)
+    model.link_rows(cols, col_sources)
 
 
 def add_shared_reads(model: LinearModel, s: dict, group: SharedReads, tag: str,

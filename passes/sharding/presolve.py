@@ -128,23 +128,36 @@ def _remove_dominated(p: Presolved, memory: dict[str, list[np.ndarray]],
         profile = np.concatenate(
             [c[idx, None]] + [m[idx, None] for m in memory.get(k, ())] +
             [_as_seen_from(e, k, allowed)[1][:, idx].T for e in at.get(k, ())], axis=1)
-        # strategy i goes when a kept j is no worse everywhere and, where the two are
-        # equal, comes first: the first such j in order is the one it is mapped to
         keep = np.ones(len(idx), dtype=bool)
-        order = np.arange(len(idx))
-        no_worse_than = _no_worse(profile)
-        for i in range(len(idx)):
-            no_worse = no_worse_than[i]
-            equal = no_worse & no_worse_than[:, i]
-            by = np.flatnonzero(no_worse & keep & (order != i) & ((order < i) | ~equal))
-            if len(by):
-                keep[i] = False
-                p.dominated_by.setdefault(k, {})[int(idx[i])] = int(idx[by[0]])
+        for i, j in _dominators(profile):
+            keep[i] = False
+            p.dominated_by.setdefault(k, {})[int(idx[i])] = int(idx[j])
         if not keep.all():
             c[idx[~keep]] = np.inf
             allowed[k] = np.isfinite(c)
             removed += int((~keep).sum())
     return removed
+
+
+def _dominators(profile: np.ndarray) -> list[tuple[int, int]]:
+    """``(i, j)`` per row ``i`` of ``profile`` that goes, ``j`` the row it is mapped to:
+    ``i`` goes when a kept ``j`` is no worse everywhere and, where the two are equal, comes
+    first; the first such ``j`` in order. Rows in order, as a loop over every row would
+    decide them; the pairs that may dominate are found for all rows at once, so only rows
+    with a candidate are visited."""
+    n = len(profile)
+    no_worse = _no_worse(profile)
+    order = np.arange(n)
+    earlier_or_unequal = (order[None, :] < order[:, None]) | ~(no_worse & no_worse.T)
+    may = no_worse & earlier_or_unequal & (order[None, :] != order[:, None])
+    keep = np.ones(n, dtype=bool)
+    out = []
+    for i in np.flatnonzero(may.any(axis=1)).tolist():
+        by = np.flatnonzero(may[i] & keep)
+        if len(by):
+            keep[i] = False
+            out.append((i, int(by[0])))
+    return out
 
 
 NO_WORSE_CELLS = 1 << 22
