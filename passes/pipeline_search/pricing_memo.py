@@ -26,9 +26,10 @@ from collections import OrderedDict
 from dataclasses import replace
 
 from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import TensorSpec
 from torchalpa.passes.rules.registry import FactorRule
 from torchalpa.passes.sharding.costgraph import ReshardCosts
-from torchalpa.passes.sharding.strategies import Strategy, enumerate_strategies
+from torchalpa.passes.sharding.strategies import Strategy, enumerate_strategies, leaf_strategies
 
 __all__ = ["PricingMemo"]
 
@@ -42,6 +43,8 @@ class PricingMemo:
         self._reshard_costs: OrderedDict[tuple, ReshardCosts] = OrderedDict()
         self._strategies: dict[tuple, list[Strategy]] = {}
         self._reachable: dict[tuple, dict] = {}
+        self._by_rule_object: dict[tuple, tuple] = {}   # (id(rule), ...) -> (rule, strategies)
+        self._leaves: dict[tuple, list[Strategy]] = {}
 
     def reshard_costs(self, mesh: LogicalMesh, allow_reduce_scatter: bool = True,
                       forbidden: frozenset = frozenset()) -> ReshardCosts:
@@ -59,13 +62,36 @@ class PricingMemo:
     def rule_strategies(self, rule: FactorRule, mesh: LogicalMesh, recompute_heavy: bool,
                         strides: tuple[tuple[int, int], ...] = ()) -> list[Strategy]:
         """``enumerate_strategies`` of ``rule`` on ``mesh``'s shape, made once."""
+        # a graph's node keeps its rule object from view to view: found by identity, its
+        # fields (tuples of tuples, hashed in Python) are hashed once per rule object
+        by_id = (id(rule), mesh.shape, recompute_heavy, strides)
+        known = self._by_rule_object.get(by_id)
+        if known is not None and known[0] is rule:
+            return known[1]
         key = (rule, mesh.shape, recompute_heavy, strides)
         found = self._strategies.get(key)
         if found is None:
             if len(self._strategies) >= self.max_entries:
                 self._strategies.clear()
+                self._by_rule_object.clear()
             found = self._strategies[key] = enumerate_strategies(rule, mesh, recompute_heavy,
                                                                  strides)
+        if len(self._by_rule_object) >= self.max_entries:
+            self._by_rule_object.clear()
+        self._by_rule_object[by_id] = (rule, found)     # the rule held: its id stays its own
+        return found
+
+    def leaf_strategies(self, spec: TensorSpec, mesh: LogicalMesh,
+                        strides: tuple[tuple[int, int], ...] = ()) -> list[Strategy]:
+        """``strategies.leaf_strategies`` made once per shape (of the tensor and of the
+        mesh) and ``strides``: a leaf's layouts read nothing else of it. A list the
+        caller may not change (copy it to)."""
+        key = (spec.shape, mesh.shape, strides)
+        found = self._leaves.get(key)
+        if found is None:
+            if len(self._leaves) >= self.max_entries:
+                self._leaves.clear()
+            found = self._leaves[key] = leaf_strategies(spec, mesh, strides)
         return found
 
     def reachable(self, mesh_shape: tuple[int, ...]) -> dict:

@@ -79,7 +79,6 @@ from torchalpa.passes.sharding.stage_boundary import boundary_layout
 from torchalpa.passes.sharding.strategies import (
     Strategy,
     StrategySpace,
-    leaf_strategies,
     replicate_only,
     splits_over_both_axes,
 )
@@ -118,7 +117,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
     for node in graph:
         strides = regions.get(node.name, ())
         if node.is_leaf:
-            options = leaf_strategies(node.output, mesh, strides)
+            options = list(memo.leaf_strategies(node.output, mesh, strides))
             if node.kind == "input" and node.batched and inputs == "local":
                 options = [_batch_sharded(node.output, mesh)]
             crossing = boundary_layout(graph, node.name, node.output, mesh)
@@ -169,10 +168,14 @@ def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
     answers depend on the tensor, the layouts and the mesh's shape only: kept in
     ``shared`` ((spec, sources) -> {want: reachable?}, ``PricingMemo.reachable``)."""
     by_operand: dict = {}    # (producer, output index) -> (spec, its layouts, that dict)
-    # (the producer's strategies by identity, output index) -> their layouts: alike nodes
-    # hold the rules' shared strategies, whose layouts are hashed once (placements hash
-    # in Python)
-    layouts: dict = {}
+    # (the producer's strategies by identity, output index) -> (them, their layouts):
+    # alike nodes hold the rules' shared strategies, whose layouts are hashed once
+    # (placements hash in Python); kept across graphs and views of this mesh shape, so
+    # each set of layouts is one object and the answers' keys compare it by identity
+    # (the strategies are held with it: their identities stay theirs)
+    layouts: dict = shared.setdefault("operand layouts", {})
+    if len(layouts) > 50_000:
+        layouts.clear()
 
     def operand(ref) -> tuple:
         entry = by_operand.get((ref.node, ref.index))
@@ -180,9 +183,11 @@ def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
             spec = graph.spec(ref)
             made = strategies[ref.node]
             key = (tuple(map(id, made)), ref.index)
-            sources = layouts.get(key)
-            if sources is None:
-                sources = layouts[key] = frozenset(p.outputs[ref.index] for p in made)
+            found = layouts.get(key)
+            if found is None:
+                found = layouts[key] = (tuple(made),
+                                        frozenset(p.outputs[ref.index] for p in made))
+            sources = found[1]
             entry = by_operand[(ref.node, ref.index)] = (
                 spec, sources, shared.setdefault((spec, sources), {}))
         return entry
