@@ -1,7 +1,7 @@
 """Memos of pure pricing work, kept by whoever plans many graphs on the same views.
 
 The pipeline search plans every distinct layer on every view, then stages on the views
-the DP picks; a ShardParallel plan solves and bounds several meshes. Three pieces of each
+the DP picks; a ShardParallel plan solves and bounds several meshes. Four pieces of each
 intra-op solve's build depend only on things that repeat across those solves:
 
 - a resharding's price: the tensor, the two layouts and the mesh's links
@@ -11,13 +11,16 @@ intra-op solve's build depend only on things that repeat across those solves:
   strategies are frozen, so the lists' items may be shared). Enumerating them again was an
   eighth of GPT-1.3B's search (profiled);
 - whether a layout can be resharded into another: the tensor, the layouts and the mesh's
-  shape.
+  shape;
+- a leaf's strategies (a parameter's, an input's layouts): the tensor's and the mesh's
+  shapes and the strided splits allowed, made again per view before (a tenth of
+  ``build_strategies`` on target a's bounds).
 
 ``PricingMemo`` holds them for the planner that owns it and passes it to each solve
 (``plan_intra_op(memo=...)``); a solve given none makes its own. Each entry is a function
 of its key alone, so a memo changes how long planning takes, never a plan. Bounded: the
-reshard prices keep the most recently used ``max_meshes`` views, the other two are
-emptied when they reach ``max_entries``.
+reshard prices keep the most recently used ``max_meshes`` views, the others are emptied
+when they reach ``max_entries``.
 """
 
 from __future__ import annotations
