@@ -187,3 +187,101 @@ def test_dominators_found_at_once_as_one_row_at_a_time():
         assert _dominators(profile) == expected
         removed += len(expected)
     assert removed > 1000
+
+
+def _eliminate_rebuilding_the_list(p, memory, protected):
+    """The reference: main's ``_eliminate`` before this rewrite, ``p.edges`` filtered after
+    every node it removes."""
+    from dataclasses import replace
+
+    from torchalpa.passes.sharding.presolve import _Eliminated, _incident, _memory_free
+    count, at = 0, _incident(p.edges)
+    for k in list(p.costs):
+        c = p.costs[k]
+        if len(c) < 2 or k in protected or not _memory_free(k, c, memory):
+            continue
+        edges = at.get(k, [])
+        others = [e.u if e.v == k else e.v for e in edges]
+        if len(edges) > 2 or (len(others) == 2 and others[0] == others[1]):
+            continue
+        tables = [e.table[:, e.col_of] if e.v == k else e.table[e.row_of, :].T for e in edges]
+        maps = tuple(e.row_of if e.v == k else e.col_of for e in edges)
+        total = c if not tables else tables[0] + c if len(tables) == 1 else \
+            tables[0][:, None, :] + tables[1][None, :, :] + c
+        best = total.min(axis=-1)
+        p.eliminated.append(_Eliminated(k, tuple(others), maps, total))
+        p.left[k] = np.isfinite(c)
+        del p.costs[k]
+        for e in edges:
+            for n in (e.u, e.v):
+                at[n] = [x for x in at[n] if x is not e]
+        p.edges = [e for e in p.edges if e.u != k and e.v != k]
+        if not others:
+            p.constant += float(best)
+        elif len(others) == 1:
+            p.costs[others[0]] = p.costs[others[0]] + best[maps[0]]
+        else:
+            new = replace(edges[0], u=others[0], v=others[1], row_of=maps[0],
+                          col_of=maps[1], table=best)
+            p.edges.append(new)
+            at[others[0]].append(new)
+            at[others[1]].append(new)
+        count += 1
+    return count
+
+
+def _as_seen_from_whole_table(e, k, allowed, idx):
+    """The reference: main's ``_as_seen_from`` (the whole table per strategy, then the
+    live layouts by ``np.unique``, then ``idx``), as the profile's block."""
+    if e.v == k:
+        other, table, other_of = e.u, e.table[:, e.col_of], e.row_of
+    else:
+        other, table, other_of = e.v, e.table[e.row_of, :].T, e.col_of
+    return table[np.unique(other_of[allowed[other]])][:, idx].T
+
+
+def _presolved_arrays(p):
+    """Everything ``presolve`` returns, as comparable values."""
+    return ([(e.u, e.v, e.row_of.tolist(), e.col_of.tolist(), e.table.tolist())
+             for e in p.edges], {k: c.tolist() for k, c in p.costs.items()},
+            [(x.node, x.neighbours, [m.tolist() for m in x.maps], x.total.tolist())
+             for x in p.eliminated], p.dominated_by, p.constant,
+            {k: v.tolist() for k, v in p.left.items()})
+
+
+def test_eliminations_and_dominance_as_main_made_them(monkeypatch):
+    """``_eliminate`` (the edges dropped once at the end) and ``_as_seen_from`` (only the
+    cells compared, layouts counted) reduce random problems -- chains and pairs to
+    eliminate, parallel edges, self-loops, forbidden pairs, ties -- to the same edges in
+    the same order, the same costs, eliminations, dominance and constant as main's."""
+    from torchalpa.passes.sharding import presolve as module
+    rng = np.random.default_rng(1)
+    eliminated = dominated = 0
+    for trial in range(300):
+        problem = random_problem(rng, memory=trial % 3 == 0)
+        if trial % 4 == 0:            # a self-loop and a parallel edge
+            u, v = problem.edges[0].u, problem.edges[0].v
+            n = len(problem.node_costs[u])
+            problem.edges.append(Edge(u, u, np.arange(n), np.arange(n), np.ones((n, n))))
+            problem.edges.append(Edge(u, v, problem.edges[0].row_of, problem.edges[0].col_of,
+                                      problem.edges[0].table[::-1].copy()))
+        got = _presolved_or_error(problem)
+        with monkeypatch.context() as m:
+            m.setattr(module, "_eliminate", _eliminate_rebuilding_the_list)
+            m.setattr(module, "_as_seen_from", _as_seen_from_whole_table)
+            expected = _presolved_or_error(problem)
+        assert got == expected
+        if not isinstance(expected, str):
+            eliminated += len(expected[2])
+            dominated += sum(len(d) for d in expected[3].values())
+    assert eliminated > 300 and dominated > 300
+
+
+def _presolved_or_error(problem):
+    """``_presolved_arrays`` of the presolve, or the error it raises (a node left with
+    no finite strategy has no memory spread: both trees refuse it alike)."""
+    try:
+        return _presolved_arrays(presolve(problem.node_costs, problem.edges,
+                                          problem.memory_terms))
+    except ValueError as e:
+        return f"ValueError: {e}"

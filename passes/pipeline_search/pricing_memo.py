@@ -1,7 +1,7 @@
 """Memos of pure pricing work, kept by whoever plans many graphs on the same views.
 
 The pipeline search plans every distinct layer on every view, then stages on the views
-the DP picks; a ShardParallel plan solves and bounds several meshes. Three pieces of each
+the DP picks; a ShardParallel plan solves and bounds several meshes. Four pieces of each
 intra-op solve's build depend only on things that repeat across those solves:
 
 - a resharding's price: the tensor, the two layouts and the mesh's links
@@ -11,13 +11,16 @@ intra-op solve's build depend only on things that repeat across those solves:
   strategies are frozen, so the lists' items may be shared). Enumerating them again was an
   eighth of GPT-1.3B's search (profiled);
 - whether a layout can be resharded into another: the tensor, the layouts and the mesh's
-  shape.
+  shape;
+- a leaf's strategies (a parameter's, an input's layouts): the tensor's and the mesh's
+  shapes and the strided splits allowed, made again per view before (a tenth of
+  ``build_strategies`` on target a's bounds).
 
 ``PricingMemo`` holds them for the planner that owns it and passes it to each solve
 (``plan_intra_op(memo=...)``); a solve given none makes its own. Each entry is a function
 of its key alone, so a memo changes how long planning takes, never a plan. Bounded: the
-reshard prices keep the most recently used ``max_meshes`` views, the other two are
-emptied when they reach ``max_entries``.
+reshard prices keep the most recently used ``max_meshes`` views, the others are emptied
+when they reach ``max_entries``.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from collections import OrderedDict
 from dataclasses import replace
 
 from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.opgraph import TensorSpec
 from torchalpa.passes.rules.registry import FactorRule
 from torchalpa.passes.sharding.costgraph import ReshardCosts
-from torchalpa.passes.sharding.strategies import Strategy, enumerate_strategies
+from torchalpa.passes.sharding.strategies import Strategy, enumerate_strategies, leaf_strategies
 
 __all__ = ["PricingMemo"]
 
@@ -42,6 +46,8 @@ class PricingMemo:
         self._reshard_costs: OrderedDict[tuple, ReshardCosts] = OrderedDict()
         self._strategies: dict[tuple, list[Strategy]] = {}
         self._reachable: dict[tuple, dict] = {}
+        self._by_rule_object: dict[tuple, tuple] = {}   # (id(rule), ...) -> (rule, strategies)
+        self._leaves: dict[tuple, list[Strategy]] = {}
 
     def reshard_costs(self, mesh: LogicalMesh, allow_reduce_scatter: bool = True,
                       forbidden: frozenset = frozenset()) -> ReshardCosts:
@@ -59,13 +65,36 @@ class PricingMemo:
     def rule_strategies(self, rule: FactorRule, mesh: LogicalMesh, recompute_heavy: bool,
                         strides: tuple[tuple[int, int], ...] = ()) -> list[Strategy]:
         """``enumerate_strategies`` of ``rule`` on ``mesh``'s shape, made once."""
+        # a graph's node keeps its rule object from view to view: found by identity, its
+        # fields (tuples of tuples, hashed in Python) are hashed once per rule object
+        by_id = (id(rule), mesh.shape, recompute_heavy, strides)
+        known = self._by_rule_object.get(by_id)
+        if known is not None and known[0] is rule:
+            return known[1]
         key = (rule, mesh.shape, recompute_heavy, strides)
         found = self._strategies.get(key)
         if found is None:
             if len(self._strategies) >= self.max_entries:
                 self._strategies.clear()
+                self._by_rule_object.clear()
             found = self._strategies[key] = enumerate_strategies(rule, mesh, recompute_heavy,
                                                                  strides)
+        if len(self._by_rule_object) >= self.max_entries:
+            self._by_rule_object.clear()
+        self._by_rule_object[by_id] = (rule, found)     # the rule held: its id stays its own
+        return found
+
+    def leaf_strategies(self, spec: TensorSpec, mesh: LogicalMesh,
+                        strides: tuple[tuple[int, int], ...] = ()) -> list[Strategy]:
+        """``strategies.leaf_strategies`` made once per shape (of the tensor and of the
+        mesh) and ``strides``: a leaf's layouts read nothing else of it. A list the
+        caller may not change (copy it to)."""
+        key = (spec.shape, mesh.shape, strides)
+        found = self._leaves.get(key)
+        if found is None:
+            if len(self._leaves) >= self.max_entries:
+                self._leaves.clear()
+            found = self._leaves[key] = leaf_strategies(spec, mesh, strides)
         return found
 
     def reachable(self, mesh_shape: tuple[int, ...]) -> dict:

@@ -86,6 +86,7 @@ class ReshardCosts:
         # graph's specs); kept with the answer so their identities stay theirs
         self._steps: dict[tuple[int, int, int], tuple] = {}
         self._steps_alike: dict[tuple, tuple] = {}     # (spec, src, dst) -> (the steps,)
+        self._by_object: dict[int, tuple] = {}   # id(layout) -> (it, its ``_id``): ``_distinct``
 
     def steps(self, spec: TensorSpec, src: Placements, dst: Placements | None):
         """The resharding steps, or None if impossible or if they need a forbidden kind
@@ -141,10 +142,9 @@ class ReshardCosts:
              gradient: bool = False) -> Edge:
         """An ILP edge: the cost table over the distinct layouts on each side (tensors of
         as many bytes share it: ``plan_reshard``'s steps read nothing else of a spec)."""
-        urows, ri = _unique(rows)
-        ucols, ci = _unique(cols)
+        urows, ri, row_ids = self._distinct(rows)
+        ucols, ci, col_ids = self._distinct(cols)
         nbytes = spec.nbytes
-        row_ids, col_ids = tuple(map(self._id, urows)), tuple(map(self._id, ucols))
         key = (nbytes, row_ids, col_ids, gradient)
         table = self._tables.get(key)
         if table is None:
@@ -168,6 +168,32 @@ class ReshardCosts:
         if found is None:
             found = self._ids[item] = len(self._ids)
         return found
+
+    def _distinct(self, items: list) -> tuple[list, np.ndarray, tuple[int, ...]]:
+        """``_unique(items)`` and the distinct items' ``_id``s. Layouts repeat as the same
+        objects (the rules' shared strategies): an object's int is kept by identity, so a
+        layout is hashed (placements hash in Python) the first time this object meets it
+        and never again, where ``_unique`` and ``_id`` hashed it once each per edge."""
+        known = self._by_object
+        if len(known) >= STEPS_MEMO_MAX:
+            known.clear()
+        position: dict[int, int] = {}     # an item's id -> its position among the distinct
+        by_layout: dict[int, int] = {}    # a layout's int -> its position
+        first: list = []
+        idx = []
+        for x in items:
+            i = position.get(id(x))
+            if i is None:
+                found = known.get(id(x))
+                if found is None or found[0] is not x:
+                    found = known[id(x)] = (x, self._id(x))   # the object held: its id stays
+                i = by_layout.get(found[1])
+                if i is None:
+                    i = by_layout[found[1]] = len(first)
+                    first.append(x)
+                position[id(x)] = i
+            idx.append(i)
+        return first, np.array(idx, dtype=np.int64), tuple(by_layout)
 
 
 def _unique(items: list) -> tuple[list, np.ndarray]:

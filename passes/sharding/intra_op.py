@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 
 from torchalpa.core.cluster import LogicalMesh
+from torchalpa.core.collector import collector_paused
 from torchalpa.core.opgraph import OpGraph, TensorSpec
 from torchalpa.core.options import AutoShardingOption, ShardParallel
 from torchalpa.core.placement import Shard
@@ -79,7 +80,6 @@ from torchalpa.passes.sharding.stage_boundary import boundary_layout
 from torchalpa.passes.sharding.strategies import (
     Strategy,
     StrategySpace,
-    leaf_strategies,
     replicate_only,
     splits_over_both_axes,
 )
@@ -118,7 +118,7 @@ def build_strategies(graph: OpGraph, mesh: LogicalMesh, inputs: str = "global",
     for node in graph:
         strides = regions.get(node.name, ())
         if node.is_leaf:
-            options = leaf_strategies(node.output, mesh, strides)
+            options = list(memo.leaf_strategies(node.output, mesh, strides))
             if node.kind == "input" and node.batched and inputs == "local":
                 options = [_batch_sharded(node.output, mesh)]
             crossing = boundary_layout(graph, node.name, node.output, mesh)
@@ -169,10 +169,14 @@ def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
     answers depend on the tensor, the layouts and the mesh's shape only: kept in
     ``shared`` ((spec, sources) -> {want: reachable?}, ``PricingMemo.reachable``)."""
     by_operand: dict = {}    # (producer, output index) -> (spec, its layouts, that dict)
-    # (the producer's strategies by identity, output index) -> their layouts: alike nodes
-    # hold the rules' shared strategies, whose layouts are hashed once (placements hash
-    # in Python)
-    layouts: dict = {}
+    # (the producer's strategies by identity, output index) -> (them, their layouts):
+    # alike nodes hold the rules' shared strategies, whose layouts are hashed once
+    # (placements hash in Python); kept across graphs and views of this mesh shape, so
+    # each set of layouts is one object and the answers' keys compare it by identity
+    # (the strategies are held with it: their identities stay theirs)
+    layouts: dict = shared.setdefault("operand layouts", {})
+    if len(layouts) > 50_000:
+        layouts.clear()
 
     def operand(ref) -> tuple:
         entry = by_operand.get((ref.node, ref.index))
@@ -180,9 +184,11 @@ def _prune_unreachable(graph: OpGraph, strategies: dict[str, list[Strategy]],
             spec = graph.spec(ref)
             made = strategies[ref.node]
             key = (tuple(map(id, made)), ref.index)
-            sources = layouts.get(key)
-            if sources is None:
-                sources = layouts[key] = frozenset(p.outputs[ref.index] for p in made)
+            found = layouts.get(key)
+            if found is None:
+                found = layouts[key] = (tuple(made),
+                                        frozenset(p.outputs[ref.index] for p in made))
+            sources = found[1]
             entry = by_operand[(ref.node, ref.index)] = (
                 spec, sources, shared.setdefault((spec, sources), {}))
         return entry
@@ -605,29 +611,31 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
     ``plan_intra_op``. ``step_micro_batches``: a pipeline stage's, as in ``plan_intra_op``:
     the bound is then on the ILP's objective, which weighs a micro-batch's work that many
     times against what is paid once per step (``stage_solve.stage_time_lower_bound`` turns
-    it into seconds per micro-batch)."""
+    it into seconds per micro-batch). Built and solved with the garbage collector paused
+    (``collector_paused``): the same LP, a tenth less CPU."""
     from torchalpa.passes.sharding.costgraph import build_cost_graph
     from torchalpa.passes.sharding.ilp import lower_bound
-    method = method or ShardParallel()
-    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs, memo)
-    if option.force_simple_heuristic or not option.enable_auto_sharding:
-        return None
-    if option.all_reduce_threshold and mesh.gradient_bucket_bytes <= 0:
-        return None                     # merge_gradient_all_reduces may subtract latencies
-    S = space.strategies
-    grouping = _finest_grouping(graph, space, option, blocks)
-    repeats = max(step_micro_batches, method.num_micro_batches)
-    reads: dict[tuple[str, int], int] = defaultdict(int)
-    for node in graph.ops():
-        for ref in node.operands:
-            reads[(ref.node, ref.index)] += 1
-    cg = build_cost_graph(graph, mesh, S, grouping, costs, read_weights={
-        v: 1.0 / k for v, k in reads.items()
-        if k > 1 and (graph.node(v[0]).kind not in ("param", "buffer")
-                      or not option.rematerialize_parameters)},
-        micro_batches=repeats, state_once=state_read_once(repeats,
-                                                         option.rematerialize_parameters))
-    return lower_bound(ILPProblem(node_costs=cg.node_costs, edges=cg.edges))
+    with collector_paused():      # millions of objects freed by counting alone
+        method = method or ShardParallel()
+        option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs, memo)
+        if option.force_simple_heuristic or not option.enable_auto_sharding:
+            return None
+        if option.all_reduce_threshold and mesh.gradient_bucket_bytes <= 0:
+            return None                 # merge_gradient_all_reduces may subtract latencies
+        S = space.strategies
+        grouping = _finest_grouping(graph, space, option, blocks)
+        repeats = max(step_micro_batches, method.num_micro_batches)
+        reads: dict[tuple[str, int], int] = defaultdict(int)
+        for node in graph.ops():
+            for ref in node.operands:
+                reads[(ref.node, ref.index)] += 1
+        cg = build_cost_graph(graph, mesh, S, grouping, costs, read_weights={
+            v: 1.0 / k for v, k in reads.items()
+            if k > 1 and (graph.node(v[0]).kind not in ("param", "buffer")
+                          or not option.rematerialize_parameters)},
+            micro_batches=repeats, state_once=state_read_once(repeats,
+                                                             option.rematerialize_parameters))
+        return lower_bound(ILPProblem(node_costs=cg.node_costs, edges=cg.edges))
 
 
 def _finest_grouping(graph: OpGraph, space: StrategySpace, option: AutoShardingOption,

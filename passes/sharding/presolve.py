@@ -103,16 +103,22 @@ def _incident(edges: list) -> dict[str, list]:
     return at
 
 
-def _as_seen_from(e, k: str, allowed: dict[str, np.ndarray]
-                  ) -> tuple[str, np.ndarray, np.ndarray]:
-    """Edge ``e`` from node ``k``'s side: (other node, cost[other layout, k strategy],
-    other strategy -> layout), over the other node's allowed layouts only."""
+def _as_seen_from(e, k: str, allowed: dict[str, np.ndarray], idx: np.ndarray) -> np.ndarray:
+    """Edge ``e`` from node ``k``'s side: ``cost[k strategy, other layout]`` for ``k``'s
+    strategies ``idx`` and the layouts the other node's allowed strategies take, in
+    increasing order. Only those cells are taken from the table (not the whole table per
+    strategy first), and the layouts are counted rather than sorted: the same numbers."""
     if e.v == k:
-        other, table, other_of = e.u, e.table[:, e.col_of], e.row_of
-    else:
-        other, table, other_of = e.v, e.table[e.row_of, :].T, e.col_of
-    live = np.unique(other_of[allowed[other]])
-    return other, table[live], other_of
+        live = _layouts_taken(e.row_of, allowed[e.u], e.table.shape[0])
+        return e.table[live][:, e.col_of[idx]].T
+    live = _layouts_taken(e.col_of, allowed[e.v], e.table.shape[1])
+    return e.table[:, live][e.row_of[idx]]
+
+
+def _layouts_taken(layout_of: np.ndarray, allowed: np.ndarray, size: int) -> np.ndarray:
+    """The layouts (sorted, each once) that the allowed strategies take: ``np.unique`` of
+    them, by counting."""
+    return np.flatnonzero(np.bincount(layout_of[allowed], minlength=size))
 
 
 def _remove_dominated(p: Presolved, memory: dict[str, list[np.ndarray]],
@@ -127,7 +133,7 @@ def _remove_dominated(p: Presolved, memory: dict[str, list[np.ndarray]],
         # one row per allowed strategy: everything it adds to the objective or to memory
         profile = np.concatenate(
             [c[idx, None]] + [m[idx, None] for m in memory.get(k, ())] +
-            [_as_seen_from(e, k, allowed)[1][:, idx].T for e in at.get(k, ())], axis=1)
+            [_as_seen_from(e, k, allowed, idx) for e in at.get(k, ())], axis=1)
         keep = np.ones(len(idx), dtype=bool)
         for i, j in _dominators(profile):
             keep[i] = False
@@ -182,8 +188,13 @@ def _memory_free(k: str, c: np.ndarray, memory: dict[str, list[np.ndarray]]) -> 
 
 
 def _eliminate(p: Presolved, memory: dict[str, list[np.ndarray]], protected) -> int:
+    """Eliminate every node that can go (module doc), in ``p.costs``' order. The edges
+    that go are dropped from ``p.edges`` once at the end, the rest in their order (the
+    edges a node meets are those ``at`` lists: a filter per node rebuilt the whole list
+    thousands of times on a large model)."""
     count = 0
     at = _incident(p.edges)
+    gone: set[int] = set()        # ids of the edges dropped (all held in ``p.edges``)
     for k in list(p.costs):
         c = p.costs[k]
         if len(c) < 2 or k in protected or not _memory_free(k, c, memory):
@@ -208,9 +219,9 @@ def _eliminate(p: Presolved, memory: dict[str, list[np.ndarray]], protected) -> 
         p.left[k] = np.isfinite(c)
         del p.costs[k]
         for e in edges:
+            gone.add(id(e))
             for n in (e.u, e.v):
                 at[n] = [x for x in at[n] if x is not e]
-        p.edges = [e for e in p.edges if e.u != k and e.v != k]
         if not others:
             p.constant += float(best)
         elif len(others) == 1:
@@ -222,4 +233,6 @@ def _eliminate(p: Presolved, memory: dict[str, list[np.ndarray]], protected) -> 
             at[others[0]].append(new)
             at[others[1]].append(new)
         count += 1
+    if gone:
+        p.edges = [e for e in p.edges if id(e) not in gone]
     return count

@@ -24,6 +24,8 @@ option records, schedules, progress. Imports nothing else of torchalpa's.
   one) and the temporaries each way makes, read by the memory model too.
 - ``switches``: the planner's A/B switches (its fast paths), one frozen record per layer.
 - ``progress`` / ``units``: logging and progress lines, sizes as people read them.
+- ``collector``: the cyclic garbage collector paused over a burst of short-lived
+  allocations (an LP bound's build).
 
 Layers, data flow, and where to add things: docs/architecture.md.
 """
