@@ -24,12 +24,15 @@ from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.pipeline_search.stage_recompute import recompute_option
 from torchalpa.passes.sharding.ilp import InfeasibleError
 from torchalpa.passes.sharding.intra_op import (
+    FIT_TOLERANCE,
     least_memory_unsaid,
+    memory_floor,
     plan_intra_op,
     step_time_lower_bound,
 )
 
-__all__ = ["StageRequest", "stage_request", "plan_stage", "search_option", "polish_option",
+__all__ = ["StageRequest", "stage_request", "plan_stage", "cannot_fit", "search_option",
+           "polish_option",
            "polished", "polishes", "stage_seconds", "stage_time_lower_bound", "POLISH_BELOW",
            "BUDGETED_GAP"]
 
@@ -106,6 +109,19 @@ def plan_stage(request: StageRequest, memo: PricingMemo | None = None) -> Plan:
                          in_flight=request.in_flight,
                          blocks=graph.meta.get("repeated_blocks") or None, memo=memo,
                          step_micro_batches=request.micro_batches)
+
+
+def cannot_fit(request: StageRequest, memo: PricingMemo | None = None) -> bool:
+    """Whether no plan of ``request``'s stage fits its memory budget, proved without an ILP
+    (``intra_op.memory_floor``: what every plan holds at some point, each value at its
+    least, above the budget). Where it says so, ``plan_stage`` on ``request``, or on it
+    with sharded states (a subset of the strategies, the same budget), could only raise
+    ``InfeasibleError``, stop, or leave memory unsettled: every solve the search would
+    run for the stage ends without a plan. False says nothing: the ILP decides."""
+    floor, budget = memory_floor(request.graph, request.mesh, request.method,
+                                 inputs=request.inputs, in_flight=request.in_flight,
+                                 memo=memo, step_micro_batches=request.micro_batches)
+    return budget is not None and floor > budget * (1 + FIT_TOLERANCE)
 
 
 def stage_time_lower_bound(request: StageRequest, memo: PricingMemo | None = None
