@@ -61,8 +61,8 @@ class ExactStages:
     fewer micro-batches in flight, ``transplanted`` the plans moved onto identical layers,
     ``proved_unfit`` the stages whose sharded-states ILP was not run because the solver
     proved that none fits, ``floored`` the stages whose memory floor proved it before any
-    ILP (``stage_solve.cannot_fit``); ``exact_plans`` holds this graph's stage plans by ``PlanKey``.
-    Pricing work is kept in the layer estimates' ``memo``."""
+    ILP (``stage_solve.cannot_fit``); ``exact_plans`` holds this graph's stage plans by
+    ``PlanKey``. Pricing work is kept in the layer estimates' ``memo``."""
 
     def __init__(self, problem: SearchProblem, costs: StageCosts, cache: SolveCache):
         self.problem, self.costs, self.cache = problem, costs, cache

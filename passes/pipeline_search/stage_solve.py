@@ -4,11 +4,13 @@ A stage (a range of layers on a submesh view) is planned by the intra-op ILP wit
 micro-batches its schedule keeps in flight counted in its memory; a recomputed stage is
 planned with one in flight, in the budget the others' kept inputs leave
 (``passes/pipeline_search/stage_recompute.py``). ``StageRequest`` is that problem as data (handed to forked
-workers); ``plan_stage`` solves it. The search's own stage solves cap how hard the ILP
-works (``search_option``): none is re-solved unsimplified. The stages of the pipeline the
-search picks are then polished (``polish_option``, ``polished``): re-solved as the search
-solved every stage before, unsimplified below ``POLISH_BELOW`` nodes, the better plan
-kept. Stages the search never solved are planned with the method's option.
+workers); ``plan_stage`` solves it, and ``cannot_fit`` proves, without an ILP, that no
+plan of it fits where its memory floor is above the budget. The search's own stage
+solves cap how hard the ILP works (``search_option``): none is re-solved unsimplified.
+The stages of the pipeline the search picks are then polished (``polish_option``,
+``polished``): re-solved as the search solved every stage before, unsimplified below
+``POLISH_BELOW`` nodes, the better plan kept. Stages the search never solved are planned
+with the method's option.
 """
 
 from __future__ import annotations
@@ -32,9 +34,8 @@ from torchalpa.passes.sharding.intra_op import (
 )
 
 __all__ = ["StageRequest", "stage_request", "plan_stage", "cannot_fit", "search_option",
-           "polish_option",
-           "polished", "polishes", "stage_seconds", "stage_time_lower_bound", "POLISH_BELOW",
-           "BUDGETED_GAP"]
+           "polish_option", "polished", "polishes", "stage_seconds", "stage_time_lower_bound",
+           "POLISH_BELOW", "BUDGETED_GAP"]
 
 POLISH_BELOW = 600
 """A stage of the pipeline the search picks is polished -- re-solved unsimplified
