@@ -48,9 +48,11 @@ def _sharded_solve(costs, k: int, i: int, flight: int, recompute: bool) -> None:
 def test_a_stage_proved_not_to_fit_skips_the_sharded_solve_that_could_not_fit(
         gpt_graph, memory_gb, flight, recompute):
     """Budgets below what layers 0-1 need on two devices: one ILP proves it, the stage
-    costs inf, and the sharded-states ILP, solved here anyway, finds no plan either."""
+    costs inf, and the sharded-states ILP, solved here anyway, finds no plan either. (Its
+    memory floor proves it before any ILP, ``tests/test_stage_floor.py``: off here.)"""
     costs = _costs(gpt_graph, memory_gb)
-    latency, option = costs.exact(0, 1, (1, 2), (2,), flight, recompute=recompute)
+    with PassSwitches.using(stage_floor=False):
+        latency, option = costs.exact(0, 1, (1, 2), (2,), flight, recompute=recompute)
     assert latency == float("inf") and option is None
     assert (costs.exact_solves, costs.proved_unfit) == (1, 1)
     with pytest.raises(InfeasibleError):
@@ -87,6 +89,6 @@ def test_ignoring_the_proof_solves_sharded_states_for_the_same_answer(gpt_graph)
     """``PassSwitches.trust_proofs`` off (the search before): the sharded-states ILP runs
     and fails, the stage costs inf all the same."""
     costs = _costs(gpt_graph, 0.02)
-    with PassSwitches.using(trust_proofs=False):
+    with PassSwitches.using(trust_proofs=False, stage_floor=False):
         assert costs.exact(0, 1, (1, 2), (2,), 1) == (float("inf"), None)
     assert (costs.exact_solves, costs.proved_unfit) == (2, 0)

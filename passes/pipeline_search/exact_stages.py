@@ -9,7 +9,8 @@ more where its plan still fits (``_reuse_fewer_in_flight``). ``solve_stages`` ru
 round's solves in forked workers (``passes/pipeline_search/stage_jobs.py``), and keeps the plans made so
 that the final plan's assembly reuses them, or moves them onto identical layers elsewhere
 (``donated``, ``passes/pipeline_search/transplant.py``). A stage the solver proves no plan fits
-is not solved again with sharded states (``_solve_stage``).
+is not solved again with sharded states, and one whose memory floor is above its budget
+(``stage_solve.cannot_fit``) is not solved at all (``_solve_stage``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from torchalpa.core.cluster import Submesh, View
+from torchalpa.core.cluster import LogicalMesh, Submesh, View
+from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import AutoShardingOption
 from torchalpa.core.plan import Plan
 from torchalpa.core.plan_records import known
@@ -33,6 +35,7 @@ from torchalpa.passes.pipeline_search.stage_jobs import StageJobs
 from torchalpa.passes.pipeline_search.stage_recompute import recompute_option, recompute_seconds
 from torchalpa.passes.pipeline_search.stage_solve import (
     StageRequest,
+    cannot_fit,
     plan_stage,
     polish_option,
     search_option,
@@ -57,8 +60,9 @@ class ExactStages:
     ``exact_solves`` counts the ILP solves, ``reused_in_flight`` the solves answered from
     fewer micro-batches in flight, ``transplanted`` the plans moved onto identical layers,
     ``proved_unfit`` the stages whose sharded-states ILP was not run because the solver
-    proved that none fits; ``exact_plans`` holds this graph's stage plans by ``PlanKey``.
-    Pricing work is kept in the layer estimates' ``memo``."""
+    proved that none fits, ``floored`` the stages whose memory floor proved it before any
+    ILP (``stage_solve.cannot_fit``); ``exact_plans`` holds this graph's stage plans by
+    ``PlanKey``. Pricing work is kept in the layer estimates' ``memo``."""
 
     def __init__(self, problem: SearchProblem, costs: StageCosts, cache: SolveCache):
         self.problem, self.costs, self.cache = problem, costs, cache
@@ -67,6 +71,7 @@ class ExactStages:
         self.reused_in_flight = 0
         self.transplanted = 0
         self.proved_unfit = 0
+        self.floored = 0
         self.bounded = 0        # stage LP bounds computed (``lower_bound``)
         self.exact_plans: dict[PlanKey, Plan] = {}
 
@@ -333,26 +338,51 @@ class ExactStages:
 
     def _store(self, key: tuple, value: tuple) -> None:
         """Keep what ``solve_in_worker`` returned for the stage cached under ``key``."""
-        result, plans, (solves, proved) = value
+        result, plans, (solves, proved, floored) = value
         self.cache.put(key, result)
         self.exact_plans.update(plans)
         self.exact_solves += solves
         self.proved_unfit += proved
+        self.floored += floored
 
     def solve_in_worker(self, job: tuple) -> tuple[Solved, dict[PlanKey, Plan],
-                                                   tuple[int, int]]:
+                                                   tuple[int, int, int]]:
         """``_solve_stage`` of ``job`` in a forked worker: its result, the stage plans it
-        made and its counts (``exact_solves``, ``proved_unfit``; the worker's own copy of
-        this object is dropped with it)."""
-        had, counts = set(self.exact_plans), (self.exact_solves, self.proved_unfit)
+        made and its counts (``exact_solves``, ``proved_unfit``, ``floored``; the worker's
+        own copy of this object is dropped with it)."""
+        had = set(self.exact_plans)
+        counts = (self.exact_solves, self.proved_unfit, self.floored)
         result = self._solve_stage(*job)
         made = {key: plan for key, plan in self.exact_plans.items() if key not in had}
-        counted = (self.exact_solves - counts[0], self.proved_unfit - counts[1])
+        counted = (self.exact_solves - counts[0], self.proved_unfit - counts[1],
+                   self.floored - counts[2])
         # the caller adds ``counted``: undo it here, where ``StageJobs`` ran this in the
         # searching process itself (one worker, or JAX loaded) and ``self`` is the
         # caller's own object, not a copy
-        self.exact_solves, self.proved_unfit = counts
+        self.exact_solves, self.proved_unfit, self.floored = counts
         return result, made, counted
+
+    def _floored(self, sub: OpGraph, mesh: LogicalMesh, flight: int,
+                 received: float | None) -> bool:
+        """Whether the stage ``sub`` on ``mesh`` (``_solve_stage``'s) is proved not to fit
+        by its memory floor (``stage_solve.cannot_fit``), counted in ``floored``: its
+        first solve's request, whose strategies and budget hold for the sharded-states
+        one too (a subset of the strategies, the same budget)."""
+        if not PassSwitches.current().stage_floor:
+            return False
+        method = self.problem.method
+        option = method.auto_sharding_option
+        if received is not None:
+            lowered = recompute_option(option, self.problem.budget(), received, flight)
+            if lowered is None:
+                return False        # ``_solve_stage`` returns inf itself
+            option = lowered
+        request = StageRequest(sub, mesh, method.intra_op_method(option), self.problem.inputs,
+                               1 if received is not None else flight, method.num_micro_batches)
+        if not cannot_fit(request, self.memo):
+            return False
+        self.floored += 1
+        return True
 
     def _solve_stage(self, k: int, i: int, submesh: Submesh, view: View,
                      in_flight_batches: int, received: float | None,
@@ -375,6 +405,8 @@ class ExactStages:
         method = self.problem.method
         sub = self.problem.stage_graph(k, i)
         mesh = self.problem.mesh(submesh, view)
+        if self._floored(sub, mesh, in_flight_batches, received):
+            return None, False, None
         for lean in (False, True):
             option = replace(method.auto_sharding_option, parameters="sharded") \
                 if lean else None

@@ -118,10 +118,11 @@ def plan_pipeline(graph: OpGraph, cluster: Cluster, method: PipeshardParallel, *
             "not cached")
     log.info("pipeline plan: %d layers, %d stages, %d layer solves for the DP (%.1fs), "
              "stage plans %.1fs (%d moved from identical layers, %d exact solves answered "
-             "from fewer in flight, %d proved not to fit without a sharded-states solve)",
+             "from fewer in flight, %d proved not to fit without a sharded-states solve, "
+             "%d by their memory floor without an ILP)",
              problem.num_layers, len(chosen.stages), layers.solves, searched - start,
              time.perf_counter() - searched, exact.transplanted, exact.reused_in_flight,
-             exact.proved_unfit)
+             exact.proved_unfit, exact.floored)
     return replace(plan, notes=plan.notes + tuple(chosen.notes),
                    estimates=replace(
                        plan.estimates, search_seconds=searched - start,
@@ -193,9 +194,11 @@ def _search(costs: StageCosts, exact: ExactStages, workers: int, start: float,
                                   f"{cluster.devices_per_node} devices with {B} micro-batches:"
                                   f" {e}") from e
         phase.done = (f"{len(found.solution.stages)} stages chosen, {found.num_priced} stage "
-                      f"variants priced exactly ({exact.exact_solves} stage ILPs)")
-    log.info("pipeline search: %d stage candidates priced exactly (%d stage solves)",
-             found.num_priced, exact.exact_solves)
+                      f"variants priced exactly ({exact.exact_solves} stage ILPs, "
+                      f"{exact.floored} refused by their memory floor)")
+    log.info("pipeline search: %d stage candidates priced exactly (%d stage solves, %d stages "
+             "refused by their memory floor)", found.num_priced, exact.exact_solves,
+             exact.floored)
     stages = [(s.layers, s.submesh, chosen.view, chosen.option)
               for s, chosen in zip(found.solution.stages, found.stages)]
     notes = view_notes(shapes, problem.dims, layers.share_views and

@@ -4,11 +4,13 @@ A stage (a range of layers on a submesh view) is planned by the intra-op ILP wit
 micro-batches its schedule keeps in flight counted in its memory; a recomputed stage is
 planned with one in flight, in the budget the others' kept inputs leave
 (``passes/pipeline_search/stage_recompute.py``). ``StageRequest`` is that problem as data (handed to forked
-workers); ``plan_stage`` solves it. The search's own stage solves cap how hard the ILP
-works (``search_option``): none is re-solved unsimplified. The stages of the pipeline the
-search picks are then polished (``polish_option``, ``polished``): re-solved as the search
-solved every stage before, unsimplified below ``POLISH_BELOW`` nodes, the better plan
-kept. Stages the search never solved are planned with the method's option.
+workers); ``plan_stage`` solves it, and ``cannot_fit`` proves, without an ILP, that no
+plan of it fits where its memory floor is above the budget. The search's own stage
+solves cap how hard the ILP works (``search_option``): none is re-solved unsimplified.
+The stages of the pipeline the search picks are then polished (``polish_option``,
+``polished``): re-solved as the search solved every stage before, unsimplified below
+``POLISH_BELOW`` nodes, the better plan kept. Stages the search never solved are planned
+with the method's option.
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
 from torchalpa.passes.pipeline_search.stage_recompute import recompute_option
 from torchalpa.passes.sharding.ilp import InfeasibleError
 from torchalpa.passes.sharding.intra_op import (
+    FIT_TOLERANCE,
     least_memory_unsaid,
+    memory_floor,
     plan_intra_op,
     step_time_lower_bound,
 )
 
-__all__ = ["StageRequest", "stage_request", "plan_stage", "search_option", "polish_option",
-           "polished", "polishes", "stage_seconds", "stage_time_lower_bound", "POLISH_BELOW",
-           "BUDGETED_GAP"]
+__all__ = ["StageRequest", "stage_request", "plan_stage", "cannot_fit", "search_option",
+           "polish_option", "polished", "polishes", "stage_seconds", "stage_time_lower_bound",
+           "POLISH_BELOW", "BUDGETED_GAP"]
 
 POLISH_BELOW = 600
 """A stage of the pipeline the search picks is polished -- re-solved unsimplified
@@ -106,6 +110,19 @@ def plan_stage(request: StageRequest, memo: PricingMemo | None = None) -> Plan:
                          in_flight=request.in_flight,
                          blocks=graph.meta.get("repeated_blocks") or None, memo=memo,
                          step_micro_batches=request.micro_batches)
+
+
+def cannot_fit(request: StageRequest, memo: PricingMemo | None = None) -> bool:
+    """Whether no plan of ``request``'s stage fits its memory budget, proved without an ILP
+    (``intra_op.memory_floor``: what every plan holds at some point, each value at its
+    least, above the budget). Where it says so, ``plan_stage`` on ``request``, or on it
+    with sharded states (a subset of the strategies, the same budget), could only raise
+    ``InfeasibleError``, stop, or leave memory unsettled: every solve the search would
+    run for the stage ends without a plan. False says nothing: the ILP decides."""
+    floor, budget = memory_floor(request.graph, request.mesh, request.method,
+                                 inputs=request.inputs, in_flight=request.in_flight,
+                                 memo=memo, step_micro_batches=request.micro_batches)
+    return budget is not None and floor > budget * (1 + FIT_TOLERANCE)
 
 
 def stage_time_lower_bound(request: StageRequest, memo: PricingMemo | None = None

@@ -1186,6 +1186,28 @@ class MemoryModel:
             return timeline
         return np.append(timeline, max(sum(v.max() for v in row.values()) for row in self.end_rows))
 
+    def lower_timeline(self) -> np.ndarray:
+        """Bytes at each point but ``end`` that every plan holds at least, whatever its
+        layouts: ``timeline``'s count with each term at its least. Model states: each
+        representative's smallest bytes (its nodes decide together, so this is a floor for
+        plans of this grouping and of every coarser one). Activations: each entry's
+        smallest layout, its node alone; nothing for an entry ``timeline`` may count as
+        nothing (a view of a parameter read in its own layout, a reduction's transient, a
+        reduced gradient sharing its raw one's storage, either part of a kept bucket), and
+        for the kept copies it adds. ``timeline`` is a sum of these terms with the other
+        micro-batches' saved bytes taken where forward ends, each at least as large for
+        any plan, so at every point it is at least this; a point over the budget here is
+        over it in every plan."""
+        state = sum(float(v.min()) for v in self.state.values())
+        live = self.live
+        freed = set(live.transient_of) | set(live.raw_of) | \
+            {i for pair in live.kept_of.values() for i in pair}
+        leaf_views = {n.name for n in self.graph.ops() if n.aliases and n.operands
+                      and self.graph.node(n.operands[0].node).kind in ("param", "buffer")}
+        least = [0.0 if i in freed or name in leaf_views else float(vec.min())
+                 for i, (name, vec) in enumerate(zip(live.names, self._act))]
+        return state + self._with_waiting(live.total(least))
+
     def _views_upper(self) -> np.ndarray:
         """Bytes the gathered copies forward views keep could hold at each point: each
         view's largest read layout over its span."""

@@ -86,7 +86,7 @@ from torchalpa.passes.sharding.strategies import (
 from torchalpa.passes.sharding.strides import strided_regions
 
 __all__ = ["plan_intra_op", "step_time_lower_bound", "UnsupportedOpWarning", "build_strategies",
-           "NoPlanWithinBudget", "least_memory_unsaid",
+           "NoPlanWithinBudget", "least_memory_unsaid", "memory_floor", "FIT_TOLERANCE",
            "planned_for", "intra_op_problem", "sharing_key"]
 
 log = logging.getLogger("torchalpa.planner")
@@ -301,6 +301,10 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
     return plan
 
 
+FIT_TOLERANCE = 1e-9
+"""How far (relative) a plan's peak may be above the memory budget and still fit: the
+peak is a sum of floats in another order than the rows the ILP held it to."""
+
 MIN_SOLVE_S = 10.0
 """The least time a solver run is given when a deadline cuts its limit."""
 
@@ -493,14 +497,7 @@ class _IntraOpILP:
         shared = shared | self.seed
         grouping = group_nodes(graph, S, None if exact else self.blocks, heavy=self.space.heavy,
                                period=period, merge_followers=followers and not exact)
-        memory = MemoryModel(graph, S, grouping, mesh.shape, self.method.optimizer_states,
-                             self.in_flight, saved_statistics(graph, mesh),
-                             state_at_start=self.state_once,
-                             steps_of=None if self.option.rematerialize_parameters
-                             else self.costs.steps, grads_from_backward=self.grads_late,
-                             optimizer=self.method.optimizer,
-                             device_type=device_type_of(mesh.backend),
-                             bucket_bytes=mesh.gradient_bucket_bytes)
+        memory = self.memory_model(grouping)
         cg, solution, chosen, shared = solve_sharing_reads(
             graph, mesh, S, grouping, self.costs,
             lambda cg, initial: _solve_within_memory(graph, S, grouping, cg, memory,
@@ -510,6 +507,18 @@ class _IntraOpILP:
             micro_batches=self.repeats, state_once=self.state_once,
             share_state=not self.option.rematerialize_parameters)
         return _Solved(grouping, cg, solution, chosen, shared)
+
+    def memory_model(self, grouping: Grouping) -> MemoryModel:
+        """The memory rows and timeline of this ILP's plans on ``grouping``."""
+        graph, mesh = self.graph, self.mesh
+        return MemoryModel(graph, self.space.strategies, grouping, mesh.shape,
+                           self.method.optimizer_states, self.in_flight,
+                           saved_statistics(graph, mesh), state_at_start=self.state_once,
+                           steps_of=None if self.option.rematerialize_parameters
+                           else self.costs.steps, grads_from_backward=self.grads_late,
+                           optimizer=self.method.optimizer,
+                           device_type=device_type_of(mesh.backend),
+                           bucket_bytes=mesh.gradient_bucket_bytes)
 
     def resolve(self, best: _Solved, what: str, **less_simplified) -> _Solved:
         """Solve again, from ``best``'s plan, with ``less_simplified`` letting more nodes
@@ -636,6 +645,34 @@ def step_time_lower_bound(graph: OpGraph, mesh: LogicalMesh, method: ShardParall
             micro_batches=repeats, state_once=state_read_once(repeats,
                                                              option.rematerialize_parameters))
         return lower_bound(ILPProblem(node_costs=cg.node_costs, edges=cg.edges))
+
+
+def memory_floor(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | None = None, *,
+                 inputs: str = "global", in_flight: int = 1, memo: PricingMemo | None = None,
+                 step_micro_batches: int = 1) -> tuple[float, float | None]:
+    """(bytes, budget): bytes per device that every plan ``plan_intra_op`` could return
+    for these arguments holds at some point of its step, and the budget (None: none) its
+    memory rounds hold a plan's peak to (``_solve_within_memory``). Where ``bytes`` is
+    above the budget (``FIT_TOLERANCE``) no plan fits, and every solve of it would end
+    infeasible or without settling memory: a proof from one pass over the step's
+    liveness, without an ILP.
+
+    Sound: a plan is returned only where its timeline's peak is within the budget, and
+    ``MemoryModel.lower_timeline`` is below that timeline at every point for every plan of
+    the least simplified grouping any solve uses (``_finest_grouping`` without blocks:
+    every other grouping merges its nodes further, so its plans are plans of it); a
+    method that only restricts strategies (``parameters="sharded"``) only raises each
+    term's least. The heuristics (no ILP) check no budget: (0, None)."""
+    method = method or ShardParallel()
+    option, mesh, graph, space, costs = intra_op_problem(graph, mesh, method, inputs, memo)
+    if option.force_simple_heuristic or not option.enable_auto_sharding:
+        return 0.0, None
+    ilp = _IntraOpILP(graph, mesh, method, option, space, costs, None, in_flight,
+                      repeats=max(step_micro_batches, method.num_micro_batches))
+    if not ilp.budget:
+        return 0.0, None
+    floor = ilp.memory_model(_finest_grouping(graph, space, option, None)).lower_timeline()
+    return float(floor.max(initial=0.0)), float(ilp.budget)
 
 
 def _finest_grouping(graph: OpGraph, space: StrategySpace, option: AutoShardingOption,
@@ -813,7 +850,7 @@ def _solve_within_memory(graph: OpGraph, S: dict[str, list[Strategy]], grouping:
         peak = float(timeline.max(initial=0))
         log.info("memory: %d points constrained, ILP %.2fs, peak %s (budget %s)", len(points),
                  solution.seconds, format_bytes(peak), format_bytes(budget))
-        if peak <= budget * (1 + 1e-9):
+        if peak <= budget * (1 + FIT_TOLERANCE):
             return solution, chosen
         new_points = [p for p in memory.likely_peaks() + _violations(timeline, budget)
                       if p not in points]

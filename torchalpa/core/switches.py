@@ -80,6 +80,12 @@ class PassSwitches(_Switches):
     not solved again with sharded states (``ExactStages._solve_stage``); False solves it
     all the same, as the search did before (``benchmarks/stage_unfit_ab.py`` compares)."""
 
+    stage_floor: bool = True
+    """A pipeline stage whose memory floor is above its budget (every plan, each value
+    at its least, holds more at some point: ``stage_solve.cannot_fit``) costs inf
+    without an ILP (``ExactStages._solve_stage``); False leaves every such stage to its
+    ILPs, as the search did before."""
+
     stage_bounds: bool = True
     """The stage DP's rounds leave unsolved a stage variant (another logical view, or
     recomputed) whose LP bound is above the stage's exact price found already: it could
