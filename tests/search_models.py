@@ -99,6 +99,14 @@ def exact_stages(graph, layer, cluster, method, cache=None):
     return ExactStages(problem, StageCosts(problem, layers), cache)
 
 
+def small_exact_stages(graph, memory_gb: float, cache=None):
+    """``exact_stages`` of ``graph`` under ``small_pipeline()``'s layers on
+    ``small_cluster(memory_gb)``: the stage tests' usual pricing."""
+    from torchalpa.passes.pipeline_search.layers import assign_layers
+    cluster, method = small_cluster(memory_gb), small_pipeline()
+    layer = assign_layers(graph, method, cluster.num_devices)
+    return exact_stages(graph, layer, cluster, method, cache)
+
 def small_stage_search(graph, cluster):
     """The stage search (``StageSearch``, one worker) of the small pipeline
     (``small_pipeline``) of ``graph`` on ``cluster``, its stages priced exactly."""

@@ -5,12 +5,10 @@ fits at, and anything else is solved."""
 from __future__ import annotations
 
 import pytest
-from search_models import exact_stages, small_cluster, small_gpt_graph, small_pipeline
+from search_models import small_exact_stages, small_gpt_graph
 
 from torchalpa.core.switches import PassSwitches
-from torchalpa.passes.pipeline_search.exact_stages import ExactStages
 from torchalpa.passes.pipeline_search.layer_cache import SolveCache
-from torchalpa.passes.pipeline_search.layers import assign_layers
 
 GB = 1024 ** 3
 
@@ -20,10 +18,8 @@ def gpt_graph():
     return small_gpt_graph()
 
 
-def _costs(graph, memory_gb: float, cache: SolveCache | None = None) -> ExactStages:
-    cluster, method = small_cluster(memory_gb), small_pipeline()
-    layer = assign_layers(graph, method, cluster.num_devices)
-    return exact_stages(graph, layer, cluster, method, cache)
+def _costs(graph, memory_gb: float, cache=None):
+    return small_exact_stages(graph, memory_gb, cache)
 
 
 def _exact(costs, flight: int) -> tuple[float, object]:

@@ -6,11 +6,10 @@ stage the exact solve fits, and where it refuses, the exact solve finds nothing 
 from __future__ import annotations
 
 import pytest
-from search_models import exact_stages, small_cluster, small_gpt_graph, small_pipeline
+from search_models import small_exact_stages, small_gpt_graph
 
 from torchalpa.core.plan_records import known
 from torchalpa.core.switches import PassSwitches
-from torchalpa.passes.pipeline_search.layers import assign_layers
 from torchalpa.passes.pipeline_search.search_keys import PlanKey
 from torchalpa.passes.pipeline_search.stage_solve import StageRequest, cannot_fit
 from torchalpa.passes.pricing.memory import in_flight_bytes
@@ -25,10 +24,7 @@ def gpt_graph():
 
 
 def _costs(graph, memory_gb: float):
-    cluster = small_cluster(memory_gb)
-    method = small_pipeline()
-    return exact_stages(graph, assign_layers(graph, method, cluster.num_devices), cluster,
-                        method)
+    return small_exact_stages(graph, memory_gb)
 
 
 def _request(costs, k: int, i: int, submesh, view, flight: int) -> StageRequest:

@@ -7,11 +7,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from search_models import exact_stages, small_cluster, small_gpt_graph, small_pipeline
+from search_models import small_exact_stages, small_gpt_graph
 
 from torchalpa.core.switches import PassSwitches
 from torchalpa.passes.pipeline_search import exact_stages as exact_module
-from torchalpa.passes.pipeline_search.layers import assign_layers
 from torchalpa.passes.pipeline_search.stage_recompute import recompute_option
 from torchalpa.passes.pipeline_search.stage_solve import StageRequest, plan_stage, search_option
 from torchalpa.passes.sharding.ilp import InfeasibleError, MemoryNotSettled, SolverStopped
@@ -23,10 +22,7 @@ def gpt_graph():
 
 
 def _costs(graph, memory_gb: float):
-    cluster = small_cluster(memory_gb)
-    method = small_pipeline()
-    layer = assign_layers(graph, method, cluster.num_devices)
-    return exact_stages(graph, layer, cluster, method)
+    return small_exact_stages(graph, memory_gb)
 
 
 def _sharded_solve(costs, k: int, i: int, flight: int, recompute: bool) -> None:
