@@ -23,6 +23,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, autograd_would_have_decomposed
 from torch.utils._pytree import tree_flatten
 
+from torchalpa.frontends.meta_memo import MetaMemo
+
 __all__ = ["RecordedOp", "record_ops", "op_args", "DEVICE"]
 
 DEVICE = "<device>"
@@ -73,6 +75,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.table = table
         self.ops: list[RecordedOp] = []
+        self.memo = MetaMemo()     # identical layers: each distinct op call runs once
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -88,7 +91,7 @@ class _Recorder(TorchDispatchMode):
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
                 return out
-        out = func(*args, **kwargs)
+        out = self.memo(func, args, kwargs)
         self.ops.append(RecordedOp(func, op_args((args, kwargs), _tensor_shape),
                                    op_args(out, _tensor_shape)))
         return out

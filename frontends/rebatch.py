@@ -59,6 +59,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from torchalpa.frontends.block_remat import copied_codegen, lazy_graph_module
+from torchalpa.frontends.meta_memo import MetaMemo, meta_like
 from torchalpa.frontends.repeated import find_repeated_blocks
 from torchalpa.frontends.torch_export import Capture, to_opgraph
 
@@ -252,6 +253,7 @@ class _Rebatch:
         self.scaled: set[int] = set()      # sizes at the full batch of dims that shrank
         self.numels: set[int] = set()      # element counts at the full batch of values that did
         self.marked: set[fx.Node] = set()  # the batch is not leading in some dim
+        self.memo = MetaMemo()             # identical layers: each distinct op call runs once
 
     def shrunk(self, size: int, what: str) -> int:
         if size % self.k:
@@ -283,7 +285,7 @@ class _Rebatch:
 
     def value(self, n: fx.Node):
         if n not in self.values:
-            self.values[n] = _meta_like(self.old[n])
+            self.values[n] = meta_like(self.old[n])
         return self.values[n]
 
     def shape(self, n: fx.Node) -> tuple:
@@ -314,7 +316,7 @@ class _Rebatch:
         args = _on_meta(map_arg(n.args, self.value))
         kwargs = _on_meta(map_arg(n.kwargs, self.value))
         try:
-            val = cast(Callable[..., Any], n.target)(*args, **kwargs)
+            val = self.memo(n.target, args, kwargs)
         except Exception as e:   # the op refuses the new shapes: trace instead
             raise CannotRebatch(f"{n.target} ({n.name}) at the new shapes: "
                                 f"{type(e).__name__}: {str(e)[:200]}") from e
@@ -429,17 +431,6 @@ def _layouts(val):
     if isinstance(val, torch.Tensor):
         return (tuple(val.shape), val.stride(), val.storage_offset(), val.dtype)
     return val
-
-
-def _meta_like(old):
-    """A meta tensor laid out as ``old`` (a fake tensor, or a tuple of them)."""
-    if isinstance(old, (list, tuple)):
-        return type(old)(_meta_like(o) for o in old)
-    if not isinstance(old, torch.Tensor):
-        return old
-    numel = -(-old.untyped_storage().nbytes() // old.element_size())
-    base = torch.empty(numel, dtype=old.dtype, device="meta")
-    return base.as_strided(old.shape, old.stride(), old.storage_offset())
 
 
 def _on_meta(tree: Any) -> Any:
