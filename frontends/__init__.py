@@ -17,6 +17,8 @@ A torch model and its loss (``torch_export``, through torch.export's joint graph
 - ``rebatch``: the step at 1/k of the batch derived from its capture, not traced again.
 - ``op_record``: the ops a step dispatches, recorded on meta tensors without tracing.
 - ``rebatch_check``: two such records vouch that a derived micro-batch step is the traced one.
+- ``meta_memo``: meta-kernel results remembered by argument layout, so the derivation's run
+  and the records run each distinct op call once, not once per identical layer.
 - ``provenance`` / ``naming``: where each op came from (module path, source line) and
   names a person recognizes for its values.
 
