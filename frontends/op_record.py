@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 from torchalpa.frontends.meta_memo import MetaMemo
 
-__all__ = ["RecordedOp", "record_ops", "op_args", "DEVICE"]
+__all__ = ["RecordedOp", "record_ops", "op_args", "flat_leaves", "DEVICE"]
 
 DEVICE = "<device>"
 """What a device argument is recorded as: a step recorded on ``meta`` beside one traced on
@@ -45,9 +45,8 @@ class RecordedOp:
 def op_args(args: Any, shape_of: Callable[[Any], tuple | None]) -> tuple:
     """The flattened arguments of an op as ``RecordedOp`` keeps them; ``shape_of`` gives a
     tensor-like leaf's shape (None: not one)."""
-    flat, _ = tree_flatten(args)
     kept = []
-    for a in flat:
+    for a in flat_leaves(args):
         shape = shape_of(a)
         if shape is not None:
             kept.append(("tensor", shape))
@@ -56,6 +55,34 @@ def op_args(args: Any, shape_of: Callable[[Any], tuple | None]) -> tuple:
         else:
             kept.append(a)
     return tuple(kept)
+
+
+_LEAVES = (torch.Tensor, int, float, complex, str, type(None), torch.dtype, torch.device,
+           torch.layout, torch.memory_format)
+"""Leaves of an op's arguments that pytree would keep whole (no registered node type)."""
+
+
+def flat_leaves(tree: Any) -> list:
+    """``tree_flatten(tree)[0]`` for what op arguments are made of -- tuples, lists and dicts
+    of tensors, numbers, dtypes and devices -- without pytree's bookkeeping per node (two
+    thirds of a record's own work); anything else is flattened by pytree itself."""
+    leaves: list = []
+    _flatten_into(tree, leaves)
+    return leaves
+
+
+def _flatten_into(tree: Any, leaves: list) -> None:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for item in tree:
+            _flatten_into(item, leaves)
+    elif kind is dict:
+        for item in tree.values():
+            _flatten_into(item, leaves)
+    elif isinstance(tree, _LEAVES):
+        leaves.append(tree)
+    else:
+        leaves.extend(tree_flatten(tree)[0])
 
 
 def _tensor_shape(a: Any) -> tuple | None:
@@ -86,7 +113,7 @@ class _Recorder(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         if func not in _NOT_DECOMPOSED and autograd_would_have_decomposed(
-                func, tree_flatten((args, kwargs))[0]):
+                func, flat_leaves((args, kwargs))):
             with self:
                 out = func.decompose(*args, **kwargs)
             if out is not NotImplemented:
