@@ -103,25 +103,3 @@ def test_a_step_derived_or_recorded_with_the_memo_is_the_one_made_without_it(mon
     assert _fx_layouts(derived) == _fx_layouts(plain)
     assert recorded == record_step(model, batch, workload.loss_fn)
 
-
-def test_op_arguments_flatten_as_pytree_flattens_them():
-    import collections
-
-    import torch.fx as fx
-    from torch.utils._pytree import tree_flatten
-
-    from torchalpa.frontends.op_record import flat_leaves
-    graph = fx.Graph()
-    node = graph.placeholder("x")
-    pair = collections.namedtuple("pair", "a b")
-    t = torch.empty(2, 3, device="meta")
-    trees = [
-        ((t, [1, 2.5, None], {"dim": -1, "keepdim": True}), {"dtype": torch.bfloat16}),
-        (t.shape, [torch.Size([4, 5]), (torch.device("meta"), torch.strided)]),
-        (pair(t, 3), [pair([t, t], {"k": (1, 2)})], True, "mean", 2j),
-        (fx.immutable_collections.immutable_list([node, 1]),
-         fx.immutable_collections.immutable_dict({"out": node})),
-        ((), [], {}, torch.contiguous_format),
-    ]
-    for tree in trees:
-        assert flat_leaves(tree) == tree_flatten(tree)[0], tree
