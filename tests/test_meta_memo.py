@@ -5,7 +5,6 @@ step derived, or a step recorded, with the memo is the one made without it."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import torchalpa.models as zoo
