@@ -15,6 +15,8 @@ Levers:
   above a cutoff costs, for a stage whose price the search could not use.
 - ``no_memory``: the memory rows (the only rows without a lower bound) dropped: whether
   they bind (another plan, a lower objective) and what they cost the solver.
+- ``lp_bound``: the model's linear relaxation as the search's LP bounds solve it
+  (``ilp_highs.linear_optimum``): what refusing a stage by its bound, unsolved, costs.
 
 Per model and lever: HiGHS' CPU seconds, simplex iterations, nodes, objective, status,
 and whether the integer columns are the planner's (``same``); for the planner's own run
@@ -38,7 +40,7 @@ from highs_options_ab import Run  # noqa: E402
 from torchalpa.passes.sharding import ilp_highs  # noqa: E402
 from torchalpa.passes.sharding.ilp_model import LinearModel  # noqa: E402
 
-LEVERS = ("answer_start", "cutoff_above", "cutoff_below", "no_memory")
+LEVERS = ("answer_start", "cutoff_above", "cutoff_below", "no_memory", "lp_bound")
 
 
 def solve(model: LinearModel, limits: dict, options: dict | None = None) -> tuple[Run, np.ndarray]:
@@ -108,6 +110,11 @@ def lever_run(lever: str, model: LinearModel, limits: dict, base: Run) -> Run:
     if lever in ("cutoff_above", "cutoff_below"):
         factor = 1 + 1e-6 if lever == "cutoff_above" else 1 - 1e-3
         return solve(model, limits, {"objective_bound": base.objective * factor})[0]
+    if lever == "lp_bound":
+        start = time.process_time()
+        bound = ilp_highs.linear_optimum(model)
+        return Run(time.process_time() - start, 0, 0, math.nan if bound is None else bound,
+                   "LP", np.zeros(0))
     assert lever == "no_memory", lever
     return solve(without_memory_rows(model), limits)[0]
 
