@@ -480,7 +480,13 @@ class _IntraOpILP:
             return False
         peak, _ = _peak(self.graph, self.memory_model(solved.grouping), solved.chosen,
                         self.mesh, self.method.optimizer_states)
-        return peak >= fraction * self.budget and self._followers_decide_more()
+        if peak < fraction * self.budget or not self._followers_decide_more():
+            return False
+        # counted by tests and benchmarks (the re-solve's cost is where it fires)
+        log.info("near the budget: the simplified plan peaks at %s of %s (%.1f %%); "
+                 "re-solving with free followers", format_bytes(peak),
+                 format_bytes(self.budget), 100 * peak / self.budget)
+        return True
 
     def timed_option(self) -> AutoShardingOption:
         """The option with the solver's time limit cut to what is left before the
