@@ -330,6 +330,7 @@ class LayerCosts:
         # freed and layers alternating where that pays
         method = self.problem.method
         option = replace(method.auto_sharding_option, exact_below=0, free_followers_below=0,
+                         free_followers_near_budget=0,
                          alternate_blocks=False, **({"parameters": "sharded"} if lean else {}))
         return method.intra_op_method(option)
 

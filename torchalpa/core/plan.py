@@ -31,7 +31,8 @@ __all__ = ["bucketed_prefix", "BUCKETED_FIRST", "state_read_once",
            "COLLECTIVE_KINDS", "PlanError", "read_plan_file", "parse_plan", "register_view"]
 
 SOLVER_EFFORT = frozenset({"time_limit", "max_nodes", "gap", "exact_below",
-                           "free_followers_below", "alternate_blocks"})
+                           "free_followers_below", "free_followers_near_budget",
+                           "alternate_blocks"})
 """``AutoShardingOption`` fields that decide how long the ILP works on a plan, not which
 layouts it may choose."""
 
