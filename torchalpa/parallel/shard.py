@@ -74,8 +74,9 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
 
     A mesh whose memory lower bound exceeds the budget is refused with no ILP built, and so
     is one about to be solved whose memory floor does (``view_floor.floor_refusal``: every
-    plan holds more at some point; listed in the plan's notes). With a plan in hand, a mesh whose LP step-time bound is above its estimate is skipped, noted,
-    until a bound skips nothing (``bound_views``; None: ``SearchSwitches.skip_by_bound``).
+    plan holds more at some point; listed in the plan's notes). With a plan in hand, a mesh
+    whose LP step-time bound is above its estimate is skipped, noted, until a bound skips
+    nothing (``bound_views``; None: ``SearchSwitches.skip_by_bound``).
     Past ``deadline`` (a safety net) no further mesh is solved once a plan is in hand;
     before it each solve gets the time left (a plan cut short is not cached). ``workers`` >
     1, not bounding: the ILPs solved at once in processes (``_solve_apart``). ``skip``: mesh
