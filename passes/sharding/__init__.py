@@ -2,6 +2,8 @@
 the Plan assembled from its solution.
 
 - ``intra_op``: the pass's entry, OpGraph + logical mesh + options -> Plan.
+- ``view_floor``: a view's ILP refused by its memory floor (no plan fits), before it is
+  built.
 - ``strategies``: every legal placement of each op, derived from its factor rule.
 - ``strides``: where a strided shard may travel (a dim cut into equal pieces).
 - ``constraints``: layouts restricted as a method asks (batch dim, parameters, pins).

@@ -86,6 +86,12 @@ class PassSwitches(_Switches):
     without an ILP (``ExactStages._solve_stage``); False leaves every such stage to its
     ILPs, as the search did before."""
 
+    view_floor: bool = True
+    """A whole graph's intra-op solve on one logical view (``plan_graph``: ShardParallel,
+    AutoParallel's intra-op candidates and data-parallel layouts) whose memory floor is
+    above its budget ends "does not fit" without an ILP (``view_floor.floor_refusal``);
+    False leaves every such view to its ILPs, as the planner did before."""
+
     stage_bounds: bool = True
     """The stage DP's rounds leave unsolved a stage variant (another logical view, or
     recomputed) whose LP bound is above the stage's exact price found already: it could

@@ -51,7 +51,9 @@ search
    read twice alike there priced once per layout (``SearchSwitches.seed_sharing``),
    sparing the solve that would find them again. A view with no plan within the budget
    is an answer, its least memory unsaid (``intra_op.least_memory_unsaid``: near the
-   budget those ILPs cost more than the one that failed).
+   budget those ILPs cost more than the one that failed); a view whose memory floor is
+   above the budget (``passes/sharding/view_floor.py``: every plan holds more at some
+   point) gives that answer before any ILP, and the notes count such views.
 
 On one node the candidates are intra-op plans; pipelines there are the fallback when no
 intra-op plan fits (or what ``AutoParallel(pipeline=True)`` asks for): within a node the
@@ -272,6 +274,7 @@ class _Search:
         # (intra-op candidate, view index, its plan's peak bytes; None: it does not fit)
         self.views: list[tuple[Candidate, int, float | None]] = []
         self.settled = 0                               # views settled that way
+        self.floored = 0              # views refused by their memory floor (no ILP)
         self.gap: float | None = None                  # mip_rel_gap of the candidates' ILPs
         self.steps: dict[tuple[Candidate, int], float] = {}   # (candidate, view) -> its est
         # (candidate, view) -> the plan found within the gap: where its view is re-solved at
@@ -789,11 +792,15 @@ class _Search:
         method = self.intra_op_method(c)
         method = replace(method, auto_sharding_option=dp_layout.option(
             method.auto_sharding_option))
-        # a layout that does not fit is an answer: its least memory is not needed
-        with self.timed("data-parallel layouts"), least_memory_unsaid():
-            return plan_graph(graph, method=method, meshes=[mesh], inputs=self.inputs,
-                              blocks=blocks_of(graph), deadline=self.deadline,
-                              bound_views=False, memo=self.pricing)
+        outcomes: dict = {}
+        try:
+            # a layout that does not fit is an answer: its least memory is not needed
+            with self.timed("data-parallel layouts"), least_memory_unsaid():
+                return plan_graph(graph, method=method, meshes=[mesh], inputs=self.inputs,
+                                  blocks=blocks_of(graph), deadline=self.deadline,
+                                  bound_views=False, memo=self.pricing, outcomes=outcomes)
+        finally:
+            self.floored += _floored_views(outcomes)
 
     def weigh_layouts(self) -> None:
         """Each intra-op candidate planned whose own bound lets a plan of it beat the best
@@ -1006,6 +1013,7 @@ class _Search:
         """What each view solved for ``c`` gave (``plan_graph``'s outcomes): its plan's
         peak, or None where it proved not to fit (not where a time limit stopped it)."""
         from torchalpa.passes.sharding.ilp import SolverStopped
+        self.floored += _floored_views(outcomes)
         for i, found in sorted(outcomes.items()):
             if isinstance(found, Plan):
                 self.views.append((c, i, found.estimates.memory_per_device_bytes))
@@ -1116,6 +1124,8 @@ class _Search:
                 + (f"; {self.settled} views settled by other candidates' answers (no ILP)"
                    if self.settled else "")
                 + (f"; {settled} candidates settled without an ILP" if settled else "")
+                + (f"; {self.floored} views refused by their memory floor (no ILP)"
+                   if self.floored else "")
                 + (f"; {staged} pipeline candidates refused by their stages' bound, "
                    "before their layer ILPs" if staged else "")
                 + (f"; {layered} pipeline candidates refused by their layers' own plans, "
@@ -1151,6 +1161,13 @@ class _Search:
                      f"{format_bytes(profile.memory_bytes(devices, micro))} each, or a "
                      "smaller model or sequence")
         return "\n".join(lines)
+
+
+def _floored_views(outcomes: dict) -> int:
+    """How many of ``plan_graph``'s ``outcomes`` its views' memory floors refused
+    (``view_floor.FloorRefusal``: no ILP built)."""
+    from torchalpa.passes.sharding.view_floor import FloorRefusal
+    return sum(isinstance(found, FloorRefusal) for found in outcomes.values())
 
 
 def _settled_text(settled: dict[int, tuple[str, bool]], meshes: list[LogicalMesh]) -> str:

@@ -72,9 +72,11 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                starts: dict[int, Plan] | None = None) -> Plan:
     """The best plan over ``meshes`` (by estimated step time), reusing cached plans.
 
-    A mesh whose memory lower bound exceeds the budget is refused with no ILP built. With a
-    plan in hand, a mesh whose LP step-time bound is above its estimate is skipped, noted,
-    until a bound skips nothing (``bound_views``; None: ``SearchSwitches.skip_by_bound``).
+    A mesh whose memory lower bound exceeds the budget is refused with no ILP built, and so
+    is one about to be solved whose memory floor does (``view_floor.floor_refusal``: every
+    plan holds more at some point; listed in the plan's notes). With a plan in hand, a mesh
+    whose LP step-time bound is above its estimate is skipped, noted, until a bound skips
+    nothing (``bound_views``; None: ``SearchSwitches.skip_by_bound``).
     Past ``deadline`` (a safety net) no further mesh is solved once a plan is in hand;
     before it each solve gets the time left (a plan cut short is not cached). ``workers`` >
     1, not bounding: the ILPs solved at once in processes (``_solve_apart``). ``skip``: mesh
@@ -86,7 +88,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
     from torchalpa.passes.pricing.bounds import step_profile
     from torchalpa.passes.sharding.ilp import InfeasibleError
     fingerprint, memo = graph.fingerprint(), PricingMemo() if memo is None else memo
-    plans, failures, skipped, refused, late = [], [], [], [], []
+    plans, failures, skipped, refused, late, unfit = [], [], [], [], [], []
     skip, outcomes, starts = skip or {}, {} if outcomes is None else outcomes, starts or {}
     bounding = SearchSwitches.current().skip_by_bound if bound_views is None else bound_views
     profile = step_profile(graph, meshes[0], optimizer_states=method.optimizer_states,
@@ -126,6 +128,7 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
                 deadline if fastest is not None else None, starts.get(i))
             if isinstance(found, InfeasibleError):    # raised here or in a worker
                 failures.append(found)
+                unfit.append((mesh, found))
                 progress.done = f"does not fit: {found}"
                 continue
             found = _with_budget(found, method, mesh)
@@ -136,20 +139,33 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
         plans.append(found)
     if not plans:
         raise _no_mesh_fits(failures, refused, meshes, profile, method)
-    return _chosen(plans, skipped, late, meshes)
+    return _chosen(plans, skipped + [(m, _unfit_text(e)) for m, e in unfit], late, meshes)
 
 
 def _solved(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel, inputs: str,
             blocks: dict | None, memo, sharing: dict | None, deadline: float | None,
             start: Plan | None = None):
-    """``plan_intra_op``'s plan of ``mesh``, or the InfeasibleError it raised."""
+    """``plan_intra_op``'s plan of ``mesh``, or the InfeasibleError it raised; a
+    ``FloorRefusal`` without an ILP where the view's memory floor is above its budget
+    (``view_floor.floor_refusal``: every ILP of it would end without a plan)."""
     from torchalpa.passes.sharding.ilp import InfeasibleError
     from torchalpa.passes.sharding.intra_op import plan_intra_op
+    from torchalpa.passes.sharding.view_floor import floor_refusal
+    refused = floor_refusal(graph, mesh, method, inputs=inputs, memo=memo)
+    if refused is not None:
+        return refused
     try:
         return plan_intra_op(graph, mesh, method, inputs=inputs, blocks=blocks, memo=memo,
                              deadline=deadline, sharing=sharing, start_from=start)
     except InfeasibleError as e:
         return e
+
+
+def _unfit_text(error: Exception) -> str:
+    """How the notes list a view that does not fit: by its ILPs, or by its memory floor."""
+    from torchalpa.passes.sharding.view_floor import FloorRefusal
+    return "does not fit (its memory floor, no ILP)" if isinstance(error, FloorRefusal) \
+        else "does not fit"
 
 
 def _chosen(plans: list, skipped: list, late: list, meshes: list[LogicalMesh]) -> Plan:
@@ -196,18 +212,18 @@ def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh
                  blocks: dict | None, memo, deadline: float | None, workers: int, profile,
                  fingerprint: str, skip: dict[int, str], sharing: dict | None = None,
                  starts: dict[int, Plan] | None = None) -> dict[int, Any]:
-    """mesh index -> its plan, or the InfeasibleError its ILP raised, for the meshes
+    """mesh index -> its plan, or the InfeasibleError its ILP (or its memory floor, in the
+    worker) raised, for the meshes
     ``plan_graph`` would solve (not skipped, cached or refused by the memory bound), solved in
     up to ``workers`` forked processes (``stage_jobs.fork_map``), the 2D views (the longest
-    solves) first. Each solve is what ``plan_graph`` runs one after another, bounded
+    solves) first. Each solve is ``_solved``, what ``plan_graph`` runs one after another, bounded
     by the same work, so the plans are the same; pricing memos filled in a worker stay there.
     The first mesh solves without a deadline (no plan is in hand before it), the others
     with it, as one after another. Empty where fewer than two meshes are left to solve.
     ``sharing`` is updated with each worker's answer in ``meshes``' order (each mesh has
     its own entries, so the order of the answers does not matter)."""
     from torchalpa.passes.pipeline_search.stage_jobs import can_fork, fork_map
-    from torchalpa.passes.sharding.ilp import InfeasibleError
-    from torchalpa.passes.sharding.intra_op import plan_intra_op, sharing_key
+    from torchalpa.passes.sharding.intra_op import sharing_key
     todo = [i for i, mesh in enumerate(meshes)
             if i not in skip and memory_refusal(profile, mesh, method) is None and not isinstance(_cached(
                 cache.plan_key(fingerprint, mesh, method, inputs), graph, fingerprint, mesh),
@@ -218,12 +234,8 @@ def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh
 
     def solve(i: int):
         found = None if sharing is None else dict(sharing)
-        try:
-            return plan_intra_op(graph, meshes[i], method, inputs=inputs, blocks=blocks,
-                                 memo=memo, deadline=None if i == todo[0] else deadline,
-                                 sharing=found, start_from=(starts or {}).get(i)), found
-        except InfeasibleError as e:       # an answer (does not fit), not a failure
-            return e, found
+        return _solved(graph, meshes[i], method, inputs, blocks, memo, found,
+                       None if i == todo[0] else deadline, (starts or {}).get(i)), found
 
     order = sorted(todo, key=lambda i: (-len(meshes[i].shape), i))
     shapes = ", ".join("x".join(map(str, meshes[i].shape)) for i in order)
@@ -257,7 +269,8 @@ def _no_mesh_fits(failures: list, refused: list[LogicalMesh], meshes: list[Logic
 
 def _with_mesh_notes(best: Plan, plans: list[Plan], skipped: list, late: list,
                      num_meshes: int) -> Plan:
-    """``best`` with a note of every mesh tried (estimate, bound, or not solved in time)
+    """``best`` with a note of every mesh tried (estimate, bound, does not fit -- by its
+    ILPs or its memory floor -- or not solved in time)
     and, when the time budget left meshes unsolved, the safety net's note."""
     from torchalpa.passes.sharding.ilp import CLOCK_NOTE
     if num_meshes > 1:
