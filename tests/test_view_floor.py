@@ -54,7 +54,9 @@ def _mesh(cluster):
 
 @pytest.fixture
 def ilp_calls(monkeypatch):
-    """How many times ``plan_intra_op`` (a view's ILPs) ran since the test began."""
+    """How many times ``plan_intra_op`` (a view's ILPs) ran since the test began; the plan
+    cache off (its key does not see ``PassSwitches``: a second solve would be a hit)."""
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")
     calls = []
     solve = intra_op.plan_intra_op
 
