@@ -63,7 +63,12 @@ class Watch:
 
     def connect(self):
         if self.store is None:
-            # only now: until its rank falls silent, a watchdog costs a bare interpreter
+            # only now: until its rank falls silent, a watchdog costs a bare interpreter.
+            # c10d's own log quiet: a store gone with its job (a rank slow to tear down
+            # under load reads as silent) would print its client's retries and backtraces
+            # on the rank's stderr after the job ended; what this process has to say, it
+            # prints itself
+            os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
             import torch.distributed as dist
             self.store = dist.TCPStore(self.host, self.port, is_master=False,
                                        timeout=datetime.timedelta(seconds=5),
