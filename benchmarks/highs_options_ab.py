@@ -96,8 +96,13 @@ def _solve(path: str, setting: str) -> Run:
                float(info.objective_function_value), h.getModelStatus().name, chosen)
 
 
+def same_choice(run: Run, base: Run) -> bool:
+    """Whether ``run`` chose every column as ``base`` did (the same plan)."""
+    return run.chosen.shape == base.chosen.shape and bool((run.chosen == base.chosen).all())
+
+
 def _line(name: str, setting: str, run: Run, base: Run, gap: float | None) -> str:
-    same = run.chosen.shape == base.chosen.shape and bool((run.chosen == base.chosen).all())
+    same = same_choice(run, base)
     rel = abs(run.objective - base.objective) / max(abs(base.objective), 1e-9)
     within = "" if rel <= (HIGHS_GAP if gap is None else gap) + 1e-12 else " OUTSIDE GAP"
     return (f"{name:28s} {setting:10s} cpu {run.cpu:8.2f}  it {run.iterations:7d}  "
@@ -125,9 +130,7 @@ def main() -> None:
             for setting in settings:
                 run = _solve(path, setting)
                 print(_line(name, setting, run, base, gap), flush=True)
-                same = run.chosen.shape == base.chosen.shape and \
-                    bool((run.chosen == base.chosen).all())
-                _add(totals, cls, setting, run, same)
+                _add(totals, cls, setting, run, same_choice(run, base))
     _summary(totals, ["base", *settings])
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from highs_dump import load_model  # noqa: E402
-from highs_options_ab import Run  # noqa: E402
+from highs_options_ab import Run, same_choice  # noqa: E402
 
 from torchalpa.passes.sharding import ilp_highs  # noqa: E402
 from torchalpa.passes.sharding.ilp_model import LinearModel  # noqa: E402
@@ -120,7 +120,7 @@ def lever_run(lever: str, model: LinearModel, limits: dict, base: Run) -> Run:
 
 
 def line(name: str, lever: str, run: Run, base: Run, extra: str = "") -> str:
-    same = run.chosen.shape == base.chosen.shape and bool((run.chosen == base.chosen).all())
+    same = same_choice(run, base)
     rel = (run.objective - base.objective) / max(abs(base.objective), 1e-9)
     return (f"{name:40s} {lever:13s} cpu {run.cpu:7.2f}  it {run.iterations:7d}  "
             f"nodes {run.nodes:5d}  obj {run.objective:.10g} ({rel:+.2e})  {run.status:16s} "
