@@ -27,6 +27,7 @@ from worker_io import attempt, finish  # noqa: E402
 
 import torchalpa  # noqa: E402
 from torchalpa.runtime.execution.mesh import init_distributed  # noqa: E402
+from torchalpa.runtime.lowering.strided_dtensor import full_value  # noqa: E402
 from torchalpa.suite.cases import build_case  # noqa: E402
 
 STEPS = 3
@@ -73,7 +74,10 @@ def replicated_blocks_agree(pm) -> list[str]:
 
 
 def _full(t):
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """The whole of ``t``: DTensor's own ``full_tensor`` (PyTorch 2.13) mixes the pieces of
+    a stacked strided shard (a fused q/k/v split by heads on both axes of a 2D mesh), so
+    the runtime's gather is used, as a user's ``torchalpa.full_tensor`` is."""
+    return full_value(t)
 
 
 def compare_parameters(pm, ref, grads: dict, ref_grads: dict) -> dict:

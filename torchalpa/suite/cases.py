@@ -39,7 +39,7 @@ class SuiteCase:
     """One model of the suite: ``make()`` -> (model, example_inputs, loss_fn)."""
 
     name: str
-    family: str                     # decoder, encoder, encoder-decoder, vision, moe, idiom
+    family: str                     # decoder, encoder, encoder-decoder, vision, moe, idiom, audio, multimodal
     make: Callable[[], tuple[nn.Module, Any, Callable | None]]
     known_failure: str | None = None
     dtype: torch.dtype = torch.float32
@@ -112,6 +112,46 @@ def _vision(config_cls: str, model_cls: str, *, image: int = 32, **fields):
     return make
 
 
+_SEQ2SEQ_SIZES = dict(vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+                      encoder_attention_heads=4, decoder_attention_heads=4,
+                      encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64)
+
+
+def _whisper():
+    """Whisper on (B, mel bins, frames) features, trained on labels."""
+    sizes = {k: v for k, v in _SEQ2SEQ_SIZES.items() if k != "max_position_embeddings"}
+    model = _hf("WhisperConfig", "WhisperForConditionalGeneration", **sizes,
+                num_mel_bins=8, max_source_positions=16, max_target_positions=64,
+                decoder_start_token_id=1, pad_token_id=0)
+    return model, {"input_features": torch.randn(BATCH, 8, 32),
+                   "labels": _tokens(BATCH, SEQ)}, None
+
+
+def _clip():
+    """CLIP's text and vision towers under its contrastive loss (``return_loss=True``)."""
+    import transformers
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4)
+    config = transformers.CLIPConfig(
+        text_config=dict(vocab_size=VOCAB, max_position_embeddings=64, **tower),
+        vision_config=dict(image_size=32, patch_size=8, **tower), projection_dim=16)
+    no_randomness(config)
+    return transformers.CLIPModel(config), {
+        "input_ids": _tokens(BATCH, SEQ), "pixel_values": torch.randn(BATCH, 3, 32, 32),
+        "return_loss": True}, None
+
+
+def _wav2vec2():
+    """Wav2Vec2's convolutional feature extractor and encoder, classifying raw audio."""
+    model = _hf("Wav2Vec2Config", "Wav2Vec2ForSequenceClassification", hidden_size=32,
+                num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3),
+                num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
+                classifier_proj_size=16, num_labels=3)
+    return model, {"input_values": torch.randn(BATCH, 400),
+                   "labels": torch.randint(3, (BATCH,))}, None
+
+
 # -- plain PyTorch idioms ------------------------------------------------------------------
 
 class ConvBatchNorm(nn.Module):
@@ -174,6 +214,72 @@ class MaskedAttention(nn.Module):
         # is_causal=True: without it PyTorch compares the mask's values with a causal one
         h = self.encoder(x, mask=causal, src_key_padding_mask=padding, is_causal=True)
         return self.head(h.masked_fill(padding[..., None], 0.0).mean(1))
+
+
+class _ScaledGeluFn(torch.autograd.Function):
+    """x * sigmoid(1.702 x) with a hand-written backward: a user's custom autograd op."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * torch.sigmoid(1.702 * x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        s = torch.sigmoid(1.702 * x)
+        return grad * (s + 1.702 * x * s * (1 - s))
+
+
+class CustomFunctionMLP(nn.Module):
+    """An MLP whose activation is a ``torch.autograd.Function`` subclass."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):                                   # (B, 16)
+        return self.down(_ScaledGeluFn.apply(self.up(x)))   # (B, 16)
+
+
+class TiedLM(nn.Module):
+    """A language model whose output head is its embedding table (one parameter, two uses)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.mix = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):                                 # (B, T)
+        return self.head(torch.tanh(self.mix(self.embed(ids))))    # (B, T, V)
+
+
+class ReusedBlock(nn.Module):
+    """One block called twice in forward (its gradients are the sum of both calls)."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):                                   # (B, 16)
+        return self.head(self.block(self.block(x)))         # (B, 4)
+
+
+class BufferScaled(nn.Module):
+    """Buffers read in forward: a persistent per-feature scale and a non-persistent
+    positional table, neither trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 16))
+        self.register_buffer("positions", torch.randn(SEQ, 16), persistent=False)
+        self.proj = nn.Linear(16, 4)
+
+    def forward(self, x):                                   # (B, T, 16)
+        return self.proj((x + self.positions) * self.scale).mean(1)    # (B, 4)
 
 
 def _lm_loss(logits, targets):
@@ -516,6 +622,49 @@ _CASES = [
     SuiteCase("masked_attention", "idiom", _idiom(
         MaskedAttention, lambda: (torch.randn(BATCH, SEQ, 16), _padding(),
                                   torch.randint(4, (BATCH,))),
+        F.cross_entropy)),
+    # probed on the new user's tour (r22): architectures and idioms the cases above miss
+    SuiteCase("gpt_bigcode", "decoder", _causal_lm(
+        "GPTBigCodeConfig", "GPTBigCodeForCausalLM", n_embd=32, n_layer=2, n_head=4,
+        n_positions=64)),                                   # multi-query attention
+    SuiteCase("codegen", "decoder", _causal_lm(
+        "CodeGenConfig", "CodeGenForCausalLM", n_embd=32, n_layer=2, n_head=4,
+        n_positions=64, rotary_dim=4)),
+    SuiteCase("mpt", "decoder", _causal_lm("MptConfig", "MptForCausalLM", d_model=32,
+                                           n_layers=2, n_heads=4, max_seq_len=64)),  # ALiBi
+    SuiteCase("xglm", "decoder", _causal_lm(
+        "XGLMConfig", "XGLMForCausalLM", d_model=32, num_layers=2, attention_heads=4,
+        ffn_dim=64)),                                       # sinusoidal positions
+    SuiteCase("mbart", "encoder-decoder", _seq2seq(
+        "MBartConfig", "MBartForConditionalGeneration", **_SEQ2SEQ_SIZES)),
+    SuiteCase("pegasus", "encoder-decoder", _seq2seq(
+        "PegasusConfig", "PegasusForConditionalGeneration", **_SEQ2SEQ_SIZES)),
+    SuiteCase("whisper", "encoder-decoder", _whisper),      # conv1d over mel features
+    SuiteCase("mobilebert", "encoder", _encoder(
+        "MobileBertConfig", "MobileBertForSequenceClassification", embedding_size=16,
+        intra_bottleneck_size=16, true_hidden_size=16)),
+    SuiteCase("deit", "vision", _vision(
+        "DeiTConfig", "DeiTForImageClassification", image_size=32, patch_size=8,
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)),
+    SuiteCase("dinov2", "vision", _vision(
+        "Dinov2Config", "Dinov2ForImageClassification", image_size=32, patch_size=8,
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2)),
+    SuiteCase("segformer", "vision", _vision(
+        "SegformerConfig", "SegformerForImageClassification", num_encoder_blocks=2,
+        depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[8, 16], num_attention_heads=[1, 2],
+        patch_sizes=[7, 3], strides=[4, 2], decoder_hidden_size=16)),
+    SuiteCase("clip", "multimodal", _clip),                 # contrastive loss, two towers
+    SuiteCase("wav2vec2", "audio", _wav2vec2),
+    SuiteCase("custom_function", "idiom", _idiom(
+        CustomFunctionMLP, lambda: (torch.randn(BATCH, 16), torch.randn(BATCH, 16)),
+        F.mse_loss)),
+    SuiteCase("tied_weights", "idiom", _idiom(
+        TiedLM, lambda: (_tokens(BATCH, SEQ), _tokens(BATCH, SEQ)), _lm_loss)),
+    SuiteCase("reused_module", "idiom", _idiom(
+        ReusedBlock, lambda: (torch.randn(BATCH, 16), torch.randint(4, (BATCH,))),
+        F.cross_entropy)),
+    SuiteCase("buffers", "idiom", _idiom(
+        BufferScaled, lambda: (torch.randn(BATCH, SEQ, 16), torch.randint(4, (BATCH,))),
         F.cross_entropy)),
 ]
 
