@@ -153,3 +153,32 @@ def test_a_fused_gate_up_projection_splits_as_megatron_does():
     placements = {p.name: p.placements for p in plan.parameters}
     assert placements == {"gate_up.weight": (strided(0, 2),), "down.weight": (Shard(1),)}
     assert [(c.kind, c.phase) for c in plan.collectives] == [("all_reduce", "forward")]
+
+
+def _plan_holding(*placements):
+    from types import SimpleNamespace
+    return SimpleNamespace(parameters=[SimpleNamespace(name=f"p{i}", placements=p)
+                                       for i, p in enumerate(placements)])
+
+
+def test_parameters_split_by_heads_over_two_axes_are_named_and_warned_about():
+    """DTensor's own ``full_tensor`` (PyTorch 2.13) gathers a stacked strided shard with
+    its pieces mixed and no error (MPT's fused Wqkv on a 2 x 2 mesh), so the parameters
+    held so are named once, with ``torchalpa.full_tensor`` as the way to read them."""
+    from types import SimpleNamespace
+
+    import torchalpa
+    from torchalpa.runtime.execution.materialize import (
+        StridedGatherWarning,
+        _warn_stacked_strided,
+        stacked_strided_names,
+    )
+    plan = _plan_holding((strided(0, 3), strided(0, 3)),      # stacked: named
+                         (strided(0, 3), Replicate()),        # one axis: DTensor gathers it
+                         (Shard(0), Shard(1)))
+    assert stacked_strided_names(plan, (2, 2)) == ["p0"]
+    assert stacked_strided_names(plan, (4, 1)) == []          # one axis of one device
+    with pytest.warns(StridedGatherWarning, match=r"p0 .*torchalpa\.full_tensor\(p\)"):
+        _warn_stacked_strided([(plan, SimpleNamespace(shape=(2, 2)))])
+    whole = torch.ones(3)
+    assert torchalpa.full_tensor(whole) is whole              # a plain tensor as it is

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from torchalpa.parallel.meta_model import to_meta
     from torchalpa.runtime.execution.mesh import shutdown
     from torchalpa.runtime.execution.precision import MixedPrecision
+    from torchalpa.runtime.lowering.strided_dtensor import full_tensor
     from torchalpa.runtime.measurement.tensorboard import TensorBoardHook
     from torchalpa.runtime.resilience.rank_failure import RankFailedError
     from torchalpa.runtime.state.checkpoint import load_checkpoint, save_checkpoint
@@ -89,6 +90,7 @@ _LAZY = {
     "TensorBoardHook": "torchalpa.runtime.measurement.tensorboard",
     "to_meta": "torchalpa.parallel.meta_model",
     "shutdown": "torchalpa.runtime.execution.mesh",
+    "full_tensor": "torchalpa.runtime.lowering.strided_dtensor",
     # torch's own classes: torchalpa.Shard is torch.distributed.tensor.Shard
     "Shard": "torchalpa.core.placement", "Replicate": "torchalpa.core.placement",
     "Partial": "torchalpa.core.placement",
@@ -110,4 +112,5 @@ __all__ = [
     "UniformStageOption", "PipelinePlan", "load_plan", "MixedPrecision", "save_checkpoint",
     "load_checkpoint", "RankFailedError", "save_pretrained", "load_pretrained",
     "export_stablehlo", "TensorBoardHook", "to_meta", "shutdown", "Inference",
+    "full_tensor",
 ]

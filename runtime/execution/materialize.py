@@ -31,11 +31,17 @@ from torchalpa.core import placement as P
 from torchalpa.core.plan import Plan
 
 __all__ = ["to_dtensor_placements", "distribute_module_state", "distribute_stages", "local_zeros",
-           "reset_parameters", "MaterializeWarning"]
+           "reset_parameters", "MaterializeWarning", "StridedGatherWarning",
+           "stacked_strided_names"]
 
 
 class MaterializeWarning(UserWarning):
     """A meta parameter or buffer that ``init_weights`` left as zeros."""
+
+
+class StridedGatherWarning(UserWarning):
+    """Parameters held as stacked strided shards, which ``DTensor.full_tensor`` gathers
+    wrong (PyTorch 2.13): read them whole with ``torchalpa.full_tensor``."""
 
 
 def to_dtensor_placements(placements) -> tuple:
@@ -101,6 +107,7 @@ def distribute_stages(module: nn.Module, stages: Sequence[tuple[Plan, DeviceMesh
             new_by_id[id(old)] = nn.Parameter(dt, requires_grad=old.requires_grad) \
                 if isinstance(old, nn.Parameter) else dt
     _swap(module, new_by_id)
+    _warn_stacked_strided(stages)
     left = [n for n, t in list(module.named_parameters()) + list(module.named_buffers())
             if t.device.type == "meta"]
     if left:
@@ -126,6 +133,30 @@ def _swap(module: nn.Module, new_by_id: dict[int, torch.Tensor]) -> None:
         for key, b in list(mod._buffers.items()):
             if b is not None and id(b) in new_by_id:
                 mod._buffers[key] = new_by_id[id(b)]
+
+
+def stacked_strided_names(plan: Plan, mesh_shape: Sequence[int]) -> list[str]:
+    """The plan's parameters and buffers held as a stacked strided shard (a fused q/k/v
+    split by heads over two mesh axes: ``(S(0)/3, S(0)/3)``)."""
+    shape = tuple(mesh_shape)
+    return [v.name for v in plan.parameters
+            if any(P.stacked_strided(tuple(v.placements), axis, shape)
+                   for axis in range(len(v.placements)))]
+
+
+def _warn_stacked_strided(stages: Sequence[tuple[Plan, DeviceMesh]]) -> None:
+    """Say, once on the first rank, which tensors a user must not gather with DTensor's
+    own ``full_tensor()``: PyTorch 2.13 lays a stacked strided shard out right but gathers
+    it with the pieces mixed, silently (``runtime/lowering/strided_dtensor.py``)."""
+    names = [n for plan, mesh in stages for n in stacked_strided_names(plan, mesh.shape)]
+    if not names or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+        return
+    warnings.warn(f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''} are split by heads "
+                  "over two mesh axes (a stacked strided shard), which DTensor's own "
+                  "full_tensor() and redistribute() gather wrong without an error: read them "
+                  "whole with torchalpa.full_tensor(p), save them with "
+                  "torchalpa.save_checkpoint / save_pretrained", StridedGatherWarning,
+                  stacklevel=4)
 
 
 def _warn_uninitialized(module: nn.Module, materialized: set[str]) -> None:

@@ -34,7 +34,7 @@ from torchalpa.runtime.execution.collectives import (
     local_split_factor,
 )
 
-__all__ = ["redistribute", "full_value"]
+__all__ = ["redistribute", "full_value", "full_tensor"]
 
 
 def _strided(placements: Sequence) -> bool:
@@ -122,3 +122,8 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, DTensor):
         return t
     return redistribute(t, [Replicate()] * t.device_mesh.ndim).to_local()
+
+
+full_tensor = full_value
+"""``torchalpa.full_tensor``: the public name of ``full_value``, for a user's own gathers
+(logging, comparing, a hand-written checkpoint)."""
