@@ -11,6 +11,8 @@ option records, schedules, progress. Imports nothing else of torchalpa's.
 - ``collective_math``: what one collective costs and the bytes it puts on the wire.
 - ``fusion``: a StableHLO step's memory traffic as XLA's fusion moves it.
 - ``options``: the parallel methods and their options (frozen, validated).
+- ``option_keywords``: a method's unknown keyword answered with the option record that
+  holds it.
 - ``schedules``: pipeline schedules as data (1F1B, GPipe).
 - ``calls``: how a model is called (positional tensors or keywords).
 - ``resize_ops``: the ATen resize ops and how many dims each resizes.

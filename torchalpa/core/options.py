@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 
+from torchalpa.core.option_keywords import names_misplaced_keywords
 from torchalpa.core.units import check_bytes
 
 __all__ = ["AutoShardingOption", "ManualShardingOption", "ShardParallel", "DataParallel",
@@ -367,6 +368,14 @@ class ManualShardingOption:
         object.__setattr__(self, "pin", AutoShardingOption(pin=self.pin).pin)
 
 
+
+def _checked_keywords(cls):
+    """Unknown keywords of a method answered with the option record that holds them
+    (``option_keywords``): AutoShardingOption's and AutoLayerOption's fields."""
+    return names_misplaced_keywords(lambda: {"auto_sharding_option": AutoShardingOption,
+                                             "layer_option": AutoLayerOption})(cls)
+
+@_checked_keywords
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShardParallel:
     """Intra-operator parallelism chosen by Alpa's ILP over one logical mesh."""
@@ -433,6 +442,7 @@ def _option(**kw):
     return field(default_factory=lambda: AutoShardingOption(**kw))
 
 
+@_checked_keywords
 @dataclass(frozen=True, kw_only=True)
 class DataParallel(ShardParallel):
     """DDP: the batch split over every device (the mesh flattened to one axis),
@@ -443,6 +453,7 @@ class DataParallel(ShardParallel):
                                                        parameters="replicated")
 
 
+@_checked_keywords
 @dataclass(frozen=True, kw_only=True)
 class Zero1Parallel(ShardParallel):
     """ZeRO-1 (DeepSpeed stage 1): the batch split over every device; optimizer states
@@ -457,6 +468,7 @@ class Zero1Parallel(ShardParallel):
                                                        allow_reduce_scatter=False)
 
 
+@_checked_keywords
 @dataclass(frozen=True, kw_only=True)
 class Zero2Parallel(ShardParallel):
     """ZeRO-2 / FSDP SHARD_GRAD_OP: the batch split over every device; parameters,
@@ -467,6 +479,7 @@ class Zero2Parallel(ShardParallel):
                                                        parameters="sharded")
 
 
+@_checked_keywords
 @dataclass(frozen=True, kw_only=True)
 class Zero3Parallel(ShardParallel):
     """ZeRO-3 / FSDP FULL_SHARD: like Zero2Parallel, but parameters are gathered again in
@@ -540,6 +553,7 @@ class UniformStageOption:
     """Default: one stage per node, or 2 on a single node."""
 
 
+@_checked_keywords
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipeshardParallel:
     """Alpa's inter- and intra-operator parallelism: the training step is cut into layers,
@@ -599,6 +613,7 @@ class PipeshardParallel:
         return d
 
 
+@_checked_keywords
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AutoParallel:
     """The default method: the planner chooses among the others.
