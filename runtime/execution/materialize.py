@@ -152,10 +152,11 @@ def _warn_stacked_strided(stages: Sequence[tuple[Plan, DeviceMesh]]) -> None:
     if not names or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
         return
     warnings.warn(f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''} are split by heads "
-                  "over two mesh axes (a stacked strided shard), which DTensor's own "
-                  "full_tensor() and redistribute() gather wrong without an error: read them "
-                  "whole with torchalpa.full_tensor(p), save them with "
-                  "torchalpa.save_checkpoint / save_pretrained", StridedGatherWarning,
+                  "over two mesh axes (a stacked strided shard), which PyTorch's own gathers "
+                  "(DTensor.full_tensor(), get_model_state_dict(full_state_dict=True)) mix "
+                  "without an error and dcp.save refuses: read them whole with "
+                  "torchalpa.full_tensor(p), save them with torchalpa.save_checkpoint / "
+                  "save_pretrained", StridedGatherWarning,
                   stacklevel=4)
 
 
