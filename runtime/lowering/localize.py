@@ -24,6 +24,10 @@ maps each to a small function that puts in the local sizes:
 - the fused cross-entropy's backward on a split vocabulary computes its block's columns
   (``ops.cross_entropy.backward_block``: the target's term where the block owns it, the
   smoothing over the whole vocabulary).
+- weight norm's backward gets its operands contiguous: ATen's kernel reads them as if they
+  were (a transposed gradient gives wrong numbers, silently), and autograd's formula
+  passes ``grad.contiguous()``, a call the trace drops where the traced gradient was
+  already contiguous -- a rank's block, gathered by a collective, may not be.
 
 Device arguments point at this rank's device (the graph may have been captured on
 ``meta``). A random op whose result is sharded becomes a draw of this rank's block from
@@ -51,7 +55,7 @@ from torchalpa.runtime.lowering import random_draws as R
 from torchalpa.runtime.lowering import vocab as V
 from torchalpa.runtime.lowering.device_ops import check_op
 
-__all__ = ["localize"]
+__all__ = ["localize", "weight_norm_backward"]
 
 aten = torch.ops.aten
 
@@ -229,6 +233,18 @@ def _loss_block(c: _Call):
     return CE.backward_block, [*c.args, offset, vocab], {}
 
 
+def weight_norm_backward(grad_w, saved_v, saved_g, saved_norms, dim):
+    """``aten._weight_norm_interface_backward`` on contiguous operands, as autograd calls
+    it (``derivatives.yaml``: ``grad.contiguous()``); its CPU kernel ignores strides."""
+    return aten._weight_norm_interface_backward.default(
+        grad_w.contiguous(), saved_v.contiguous(), saved_g.contiguous(),
+        saved_norms.contiguous(), dim)
+
+
+def _contiguous_weight_norm(c: _Call):
+    return weight_norm_backward, c.args, c.kwargs
+
+
 def _reshape(c: _Call):
     """A view as a reshape of the local block: a view where the block's strides allow
     one, a copy where they do not. The source graph's view was valid for the strides one
@@ -268,6 +284,7 @@ _REWRITES: dict[str, Callable[[_Call], tuple]] = {
     "aten.embedding.default": _vocab,
     "aten.embedding_dense_backward.default": _vocab,
     "torchalpa.cross_entropy_backward.default": _loss_block,
+    "aten._weight_norm_interface_backward.default": _contiguous_weight_norm,
     **{op: _addressed for op in (
         "aten.gather.default", "aten.scatter.src", "aten.scatter.value",
         "aten.scatter_add.default", "aten.scatter_reduce.two")},

@@ -282,6 +282,59 @@ class BufferScaled(nn.Module):
         return self.proj((x + self.positions) * self.scale).mean(1)    # (B, 4)
 
 
+class WeightNormed(nn.Module):
+    """A layer under ``nn.utils.parametrizations.weight_norm`` (its weight recomputed from
+    two parameters, ``original0`` and ``original1``, on every read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.utils.parametrizations.weight_norm(nn.Linear(16, 32))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):                                   # (B, 16)
+        return self.head(torch.relu(self.norm(x)))          # (B, 4)
+
+
+class AttentionWeights(nn.Module):
+    """``nn.MultiheadAttention`` called with its defaults (``need_weights=True``), both
+    outputs used."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16 + SEQ, 4)
+
+    def forward(self, x):                                   # (B, T, 16)
+        out, weights = self.attn(x, x, x)                   # (B, T, 16), (B, T, T)
+        return self.head(torch.cat([out, weights], -1).mean(1))    # (B, 4)
+
+
+class FrozenEmbedding(nn.Module):
+    """A frozen (``requires_grad=False``) embedding table under a trained head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16, padding_idx=0)
+        self.embed.weight.requires_grad_(False)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, ids):                                 # (B, T)
+        return self.head(self.embed(ids))                   # (B, T, V)
+
+
+class Conv3dGroupNorm(nn.Module):
+    """A video block: Conv3d, GroupNorm, pooling over time and space."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(3, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):                                   # (B, 3, T, H, W)
+        return self.head(torch.relu(self.norm(self.conv(x))).mean((2, 3, 4)))   # (B, 4)
+
+
 def _lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
@@ -665,6 +718,17 @@ _CASES = [
         F.cross_entropy)),
     SuiteCase("buffers", "idiom", _idiom(
         BufferScaled, lambda: (torch.randn(BATCH, SEQ, 16), torch.randint(4, (BATCH,))),
+        F.cross_entropy)),
+    SuiteCase("weight_norm", "idiom", _idiom(
+        WeightNormed, lambda: (torch.randn(BATCH, 16), torch.randint(4, (BATCH,))),
+        F.cross_entropy)),
+    SuiteCase("attention_weights", "idiom", _idiom(
+        AttentionWeights, lambda: (torch.randn(BATCH, SEQ, 16), torch.randint(4, (BATCH,))),
+        F.cross_entropy)),
+    SuiteCase("frozen_embedding", "idiom", _idiom(
+        FrozenEmbedding, lambda: (_tokens(BATCH, SEQ), _tokens(BATCH, SEQ)), _lm_loss)),
+    SuiteCase("conv3d", "idiom", _idiom(
+        Conv3dGroupNorm, lambda: (torch.randn(BATCH, 3, 4, 8, 8), torch.randint(4, (BATCH,))),
         F.cross_entropy)),
 ]
 
