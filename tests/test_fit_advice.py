@@ -129,3 +129,17 @@ def test_the_advice_says_what_is_proved_and_what_is_a_bound():
         "more than 9 devices of 1.0 KiB (3-9 refused by every view's memory floor; larger "
         "counts not checked)")
     assert "at least 2.0 KiB each" in found.memory_text()
+    unsplit = dataclasses.replace(found, unsplit=(5,))
+    assert "4-5 refused by every view (its memory floor, or a batch 5 cannot split)" in \
+        unsplit.devices_text()
+
+
+def test_counts_that_cannot_split_the_batch_are_refused_not_raised(job):
+    """A view of 3 devices cannot split the batch of 8 where the method forces the batch
+    over the mesh (data parallel): no floor, no error, inf."""
+    graph, budget = job
+    mesh = _cluster(2, budget).logical_mesh()
+    forced = ShardParallel(auto_sharding_option=torchalpa.AutoShardingOption(
+        force_batch_dim_to_mesh_dim=0))
+    assert least_floor(graph, views_of(mesh, 3), forced)[0] == float("inf")
+    assert least_floor(graph, views_of(mesh, 4), forced)[0] < float("inf")

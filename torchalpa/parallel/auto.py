@@ -1154,13 +1154,14 @@ class _Search:
             lines.append("what would fit: devices with more memory than the copies in flight "
                          "to and from host memory take, or a smaller model or sequence")
             return "\n".join(lines)
-        lines.append(self.would_fit(budget))
+        lines.append(self.would_fit(budget, whole - budget if whole else 0.0))
         return "\n".join(lines)
 
-    def would_fit(self, budget: float) -> str:
+    def would_fit(self, budget: float, kept: float) -> str:
         """What would fit by the views' memory floors (``fit_advice``), for intra-op plans
         of the lightest checkpointing, the most micro-batches and, where the search may,
-        parameters gathered again in backward: the least of memory every one weighs."""
+        parameters gathered again in backward: the least of memory every one weighs;
+        ``kept``: bytes of each device kept for the offloaded parameters' copies."""
         from torchalpa.parallel.fit_advice import fit_advice
         lightest = max((m for m in self.method.remat if m != "layers"), default="full",
                        key=_remat_weight)
@@ -1171,7 +1172,7 @@ class _Search:
             candidate = Candidate("intra-op", lightest, k, 0.0, 0.0, regather=regather)
             advice = fit_advice(self.capture(k, lightest, regather).graph, self.meshes,
                                 self.intra_op_method(candidate), inputs=self.inputs,
-                                bound_devices=needed)
+                                bound_devices=needed, kept=kept)
         how = (f"intra-op plans with remat={lightest}, micro-batches of {micro}"
                + (", parameters gathered again in backward" if regather else ""))
         if advice is None:     # no budget the floors know of: the step's bound alone

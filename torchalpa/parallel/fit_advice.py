@@ -24,6 +24,7 @@ makes them, so ShardParallel's message and AutoParallel's agree for the same job
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -49,19 +50,28 @@ class FitAdvice:
     devices: int | None        # fewest devices some view's floor lets through; None: none
     checked_to: int            # the last count the floors checked
     devices_floor: float = 0.0  # that count's least floor over its views
+    kept: float = 0.0          # bytes of each device kept beside the budget (the offloaded
+    #                            parameters' copies in flight): told as part of its memory
+    unsplit: tuple[int, ...] = ()  # counts scanned none of whose views splits the batch
 
     def devices_text(self) -> str:
         """``at least 4 devices of 387.0 KiB (...)``: the count, and how it was found."""
         below = self._refused_below()
         if self.devices is None:
-            return (f"more than {self.checked_to} devices of {format_bytes(self.budget)} "
+            return (f"more than {self.checked_to} devices of {self._device()} "
                     f"({below}; larger counts not checked)")
-        return (f"at least {self.devices} devices of {format_bytes(self.budget)} ({below}; "
+        return (f"at least {self.devices} devices of {self._device()} ({below}; "
                 f"on {self.devices}, their floor, {format_bytes(self.devices_floor)}, is "
                 "within the budget: not a proof a plan fits)")
 
     def _refused_below(self) -> str:
         """Why the counts after the one tried and before the advice do not fit."""
+        kept = f"{format_bytes(self.kept)} of each kept for the copies in flight; " \
+            if self.kept else ""
+        return kept + self._refused_counts()
+
+    def _refused_counts(self) -> str:
+        """The counts the step's bound refused, and those every view's floor did."""
         last = self.checked_to if self.devices is None else self.devices - 1
         by_bound = f"{self.tried + 1}-{self.first_checked - 1}" \
             if self.first_checked - 1 > self.tried + 1 else str(self.tried + 1)
@@ -71,13 +81,25 @@ class FitAdvice:
         if last >= self.first_checked:
             counts = f"{self.first_checked}-{last}" if last > self.first_checked \
                 else str(last)
-            parts.append(f"{counts} refused by every view's memory floor")
+            by = "every view's memory floor" if not self.unsplit else \
+                f"every view (its memory floor, or a batch {_listed(self.unsplit)} cannot split)"
+            parts.append(f"{counts} refused by {by}")
         return ", ".join(parts) or f"{self.tried} tried"
+
+    def _device(self) -> str:
+        """The memory of a device the advice's counts are of."""
+        return format_bytes(self.budget + self.kept)
 
     def memory_text(self) -> str:
         """``2 devices with at least 387.3 KiB each (...)``: the memory per device."""
-        return (f"{self.tried} devices with at least {format_bytes(self.memory)} each (the "
-                "views' least memory floor: a bound, not a proof a plan fits)")
+        kept = f", and {format_bytes(self.kept)} for the copies in flight" if self.kept else ""
+        return (f"{self.tried} devices with at least {format_bytes(self.memory + self.kept)} "
+                f"each (the views' least memory floor{kept}: a bound, not a proof a plan "
+                "fits)")
+
+
+def _listed(counts: tuple[int, ...]) -> str:
+    return ", ".join(map(str, counts))
 
 
 def views_of(mesh: LogicalMesh, count: int) -> list[LogicalMesh]:
@@ -99,19 +121,30 @@ def least_floor(graph: OpGraph, meshes: list[LogicalMesh], method: ShardParallel
                 inputs: str = "global") -> tuple[float, float | None]:
     """(the least memory floor over ``meshes``, the budget the views' ILPs hold plans to;
     None: no budget)."""
-    from torchalpa.passes.sharding.intra_op import memory_floor
-    found = [memory_floor(graph, mesh, method, inputs=inputs) for mesh in meshes]
+    found = [_view_floor(graph, mesh, method, inputs) for mesh in meshes]
     budgets = [b for _, b in found if b is not None]
     return min(f for f, _ in found), (min(budgets) if budgets else None)
 
 
+def _view_floor(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
+                inputs: str) -> tuple[float, float | None]:
+    """``memory_floor`` of one view; (inf, None) for a view whose devices cannot split the
+    batch as the method asks (``BatchSplitError``: it has no plan at all)."""
+    from torchalpa.core.input_errors import BatchSplitError
+    from torchalpa.passes.sharding.intra_op import memory_floor
+    try:
+        return memory_floor(graph, mesh, method, inputs=inputs)
+    except BatchSplitError:
+        return math.inf, None
+
+
 def fit_advice(graph: OpGraph, meshes: list[LogicalMesh], method: ShardParallel, *,
-               inputs: str = "global", bound_devices: int = 1, scan: bool = True
-               ) -> FitAdvice | None:
+               inputs: str = "global", bound_devices: int = 1, scan: bool = True,
+               kept: float = 0.0) -> FitAdvice | None:
     """The advice for ``graph`` planned by ``method`` on the views ``meshes`` (all of one
     device count), the scan starting where the step's bound (``bound_devices``, its
-    ``devices_to_fit``) stops refusing (``scan=False``: no scan, the memory alone); None
-    where the views hold plans to no budget."""
+    ``devices_to_fit``) stops refusing (``scan=False``: no scan, the memory alone);
+    ``kept``: ``FitAdvice.kept``. None where the views hold plans to no budget."""
     from torchalpa.passes.sharding.intra_op import FIT_TOLERANCE
     meshes = [m for m in meshes if m.num_devices == meshes[0].num_devices]
     memory, budget = least_floor(graph, meshes, method, inputs=inputs)
@@ -121,12 +154,16 @@ def fit_advice(graph: OpGraph, meshes: list[LogicalMesh], method: ShardParallel,
     general = replace(method, logical_mesh_shape=None)
     first = count = max(tried + 1, bound_devices)
     if not scan:
-        return FitAdvice(tried, budget, memory, first, None, tried)
-    started = time.perf_counter()
+        return FitAdvice(tried, budget, memory, first, None, tried, kept=kept)
+    started, unsplit = time.perf_counter(), []
     while True:
         floor, _ = least_floor(graph, views_of(meshes[0], count), general, inputs=inputs)
         if floor <= budget * (1 + FIT_TOLERANCE):
-            return FitAdvice(tried, budget, memory, first, count, count, floor)
+            return FitAdvice(tried, budget, memory, first, count, count, floor, kept,
+                             tuple(unsplit))
+        if math.isinf(floor):
+            unsplit.append(count)
         if time.perf_counter() - started > SCAN_SECONDS:
-            return FitAdvice(tried, budget, memory, first, None, count)
+            return FitAdvice(tried, budget, memory, first, None, count, kept=kept,
+                             unsplit=tuple(unsplit))
         count += 1

@@ -255,9 +255,13 @@ def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh
 def _no_mesh_fits(failures: list, refused: list[LogicalMesh], meshes: list[LogicalMesh],
                   profile, method: ShardParallel, advise: Callable[[], str]) -> Exception:
     """The error when no mesh has a plan: each mesh's reason, and what would fit
-    (``advise``: asked where a view did not fit its memory, not where it was cut short)."""
+    (``advise``: asked where a view did not fit its memory, not where it was cut short,
+    and not for a caller that keeps only that none fits: ``least_memory_unsaid``, as
+    AutoParallel's candidates, which says what would fit itself)."""
     from torchalpa.passes.sharding.ilp import InfeasibleError
-    advice = advise() if refused or any(_over_memory(e) for e in failures) else ""
+    from torchalpa.passes.sharding.intra_op import least_memory_said
+    over = refused or any(_over_memory(e) for e in failures)
+    advice = advise() if over and least_memory_said() else ""
     if len(refused) == len(meshes) and len({m.num_devices for m in meshes}) == 1:
         views = ", ".join("x".join(map(str, m.shape)) for m in meshes)
         return InfeasibleError(f"{failures[0]} (every view of its {meshes[0].num_devices} "
