@@ -1159,21 +1159,22 @@ class _Search:
 
     def would_fit(self, budget: float, kept: float) -> str:
         """What would fit by the views' memory floors (``fit_advice``), for intra-op plans
-        of the lightest checkpointing, the most micro-batches and, where the search may,
-        parameters gathered again in backward: the least of memory every one weighs;
-        ``kept``: bytes of each device kept for the offloaded parameters' copies."""
+        of the checkpointing that recomputes most, the most micro-batches and, where the
+        search may, parameters gathered again in backward: of the ways it weighs, the one
+        that keeps least in memory; ``kept``: bytes of each device kept for the offloaded
+        parameters' copies."""
         from torchalpa.parallel.fit_advice import fit_advice
-        lightest = max((m for m in self.method.remat if m != "layers"), default="full",
-                       key=_remat_weight)
+        leanest = max((m for m in self.method.remat if m != "layers"), default="full",
+                      key=_remat_weight)
         k, regather = max(self.counts()), max(self.regather_choices("intra-op"))
         micro = self.batch // k
         with self.timed("what would fit (memory floors)"):
-            needed = self.profile(lightest).devices_to_fit(budget, micro)
-            candidate = Candidate("intra-op", lightest, k, 0.0, 0.0, regather=regather)
-            advice = fit_advice(self.capture(k, lightest, regather).graph, self.meshes,
+            needed = self.profile(leanest).devices_to_fit(budget, micro)
+            candidate = Candidate("intra-op", leanest, k, 0.0, 0.0, regather=regather)
+            advice = fit_advice(self.capture(k, leanest, regather).graph, self.meshes,
                                 self.intra_op_method(candidate), inputs=self.inputs,
                                 bound_devices=needed, kept=kept)
-        how = (f"intra-op plans with remat={lightest}, micro-batches of {micro}"
+        how = (f"intra-op plans with remat={leanest}, micro-batches of {micro}"
                + (", parameters gathered again in backward" if regather else ""))
         if advice is None:     # no budget the floors know of: the step's bound alone
             return (f"what would fit: at least {needed} devices of {format_bytes(budget)} "
