@@ -11,7 +11,8 @@ views by, so the advice reads it:
   every plan of these devices (a bound: at or above it a plan may still not fit);
 - devices: the fewest devices, more than were tried, where some view's floor is within
   the budget, found by scanning counts upward from where the step's bound stops refusing.
-  The counts scanned before it are refused by every view's floor (proved: none fits); at
+  The counts scanned before it are refused by every view's floor (proved: no intra-op
+  plan fits; pipelines are not covered); at
   the count found, the floor only lets plans through (not a proof one fits), so the
   advice says "at least". The scan stops after ``SCAN_SECONDS`` (a floor is one pass
   over the step's liveness per view, about 0.3 CPU s on an 8B model) and then says how
