@@ -12,11 +12,10 @@ views by, so the advice reads it:
 - devices: the fewest devices, more than were tried, where some view's floor is within
   the budget, found by scanning counts upward from where the step's bound stops refusing.
   The counts scanned before it are refused by every view's floor (proved: no intra-op
-  plan fits; pipelines are not covered); at
-  the count found, the floor only lets plans through (not a proof one fits), so the
-  advice says "at least". The scan stops after ``SCAN_SECONDS`` (a floor is one pass
-  over the step's liveness per view, about 0.3 CPU s on an 8B model) and then says how
-  far it checked.
+  plan fits; pipelines are not covered); at the count found, the floor only lets plans
+  through (not a proof one fits), so the advice says "at least". The scan stops after
+  ``SCAN_SECONDS`` (a floor is one pass over the step's liveness per view, about 0.3 CPU
+  s on an 8B model) and then says how far it checked.
 
 The hypothetical devices are views like the first one tried (its links, memory and
 compute) with another count, 1D and every 2D factorization, as ``Cluster.candidate_shapes``
