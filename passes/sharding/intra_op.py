@@ -86,8 +86,8 @@ from torchalpa.passes.sharding.strategies import (
 from torchalpa.passes.sharding.strides import strided_regions
 
 __all__ = ["plan_intra_op", "step_time_lower_bound", "UnsupportedOpWarning", "build_strategies",
-           "NoPlanWithinBudget", "least_memory_unsaid", "memory_floor", "FIT_TOLERANCE",
-           "planned_for", "intra_op_problem", "sharing_key"]
+           "NoPlanWithinBudget", "least_memory_unsaid", "least_memory_said", "memory_floor",
+           "FIT_TOLERANCE", "planned_for", "intra_op_problem", "sharing_key"]
 
 log = logging.getLogger("torchalpa.planner")
 
@@ -327,6 +327,12 @@ def least_memory_unsaid() -> Iterator[None]:
         yield
     finally:
         _LEAST_MEMORY.reset(token)
+
+
+def least_memory_said() -> bool:
+    """False within ``least_memory_unsaid``: the caller keeps only that a view does not
+    fit, so nothing more about it (its least memory, what would fit) is worth working out."""
+    return _LEAST_MEMORY.get()
 
 
 class NoPlanWithinBudget(InfeasibleError):

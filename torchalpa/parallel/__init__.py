@@ -17,6 +17,8 @@ orchestration every method goes through (capture, plan on rank 0, lower, distrib
 - ``offload``: offloaded optimizer states priced, and the hosts' memory checked.
 - ``states_floor``: a job whose model states alone fit neither the devices nor the hosts,
   refused from its parameters before anything is traced.
+- ``fit_advice``: what would fit a job no plan fits (devices, memory per device), from
+  the views' memory floors.
 - ``tp_pins``: ``pin=`` in torch's tensor-parallel vocabulary.
 - ``generation`` / ``cached_step``: generation's pieces, the LM with its static KV cache.
 - ``cache``: plans cached on disk, keyed by everything that decides them.

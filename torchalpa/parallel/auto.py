@@ -285,6 +285,7 @@ class _Search:
         self.layouts = [0, 0]          # data-parallel layouts weighed (weigh_layouts), won
         self.layouts_unweighed = False                 # the time budget spent before them
         self._layout_floor: float | None = None        # ``layout_floor``, once found
+        self.offload_next = False      # host memory tried next where nothing fits (``run``)
 
     # -- captures ----------------------------------------------------------------------
     def capture(self, k: int, remat: str, regather: bool = False):
@@ -621,6 +622,9 @@ class _Search:
         search is one progress step: its heartbeat says which phase or candidate it is
         in wherever no step inside it speaks (deriving captures, bounds, polishing)."""
         from torchalpa.parallel.states_floor import states_refusal
+        # where nothing fits on the devices, host memory is tried next (``run_offloading``):
+        # only the last try's error reaches the user, the others' first lines alone
+        self.offload_next = self.method.weighs_offload
         refused = states_refusal(self.model, self.method, self.cluster)
         if refused:
             raise NothingFitsError(refused, [])
@@ -1079,7 +1083,8 @@ class _Search:
 
     def result(self):
         if not self.plans:
-            raise NothingFitsError(self.nothing_fits(), self.attempts)
+            last = not self.offload_next or self.method.offload == "parameters"
+            raise NothingFitsError(self.nothing_fits(advise=last), self.attempts)
         ranked = sorted(self.plans, key=lambda p: p[0])
         step_s, plan, chosen = ranked[0]
         notes = [f"{CHOSEN}{chosen.describe()}: est {step_s:.4g} s/step"]
@@ -1131,9 +1136,9 @@ class _Search:
                 + (f"; {layered} pipeline candidates refused by their layers' own plans, "
                    "before their stage ILPs" if layered else ""))
 
-    def nothing_fits(self) -> str:
-        """What was tried, and what would fit (by the bounds)."""
-        from torchalpa.passes.pricing.bounds import step_profile
+    def nothing_fits(self, advise: bool = True) -> str:
+        """What was tried, and, with ``advise``, what would fit (by the views' memory
+        floors)."""
         devices, budget = self.cluster.num_devices, self.budget()
         whole = self.method.auto_sharding_option.memory_budget_per_device or \
             self.cluster.memory_per_device
@@ -1143,24 +1148,39 @@ class _Search:
         lines = [f"no way to run this step fits {room} on "
                  f"{devices} devices ({self.nodes} node(s)); tried:"]
         lines += ["  " + a.line() for a in self.attempts]
-        lightest = min((m for m in self.method.remat if m != "layers"), default="full",
-                       key=lambda m: {"full": 0, "selective": 1}.get(m, 2))
-        profile = step_profile(self.capture(1, lightest, self.regather_choices("intra-op")[0]
-                                            ).graph, self.meshes[0],
-                               optimizer_states=self.method.optimizer_states,
-                               optimizer=self.method.optimizer)
-        micro = 1 if self.method.num_micro_batches is None else \
-            self.batch // self.method.num_micro_batches
+        if not advise:
+            return "\n".join(lines)
         if budget <= 0:     # the offloaded copies in flight alone exceed each device
             lines.append("what would fit: devices with more memory than the copies in flight "
                          "to and from host memory take, or a smaller model or sequence")
             return "\n".join(lines)
-        need = profile.devices_to_fit(budget, micro)
-        lines.append(f"what would fit: at least {need} devices of {format_bytes(budget)} "
-                     f"(remat={lightest}, micro-batches of {micro}), or devices with at least "
-                     f"{format_bytes(profile.memory_bytes(devices, micro))} each, or a "
-                     "smaller model or sequence")
+        lines.append(self.would_fit(budget, whole - budget if whole else 0.0))
         return "\n".join(lines)
+
+    def would_fit(self, budget: float, kept: float) -> str:
+        """What would fit by the views' memory floors (``fit_advice``), for intra-op plans
+        of the checkpointing that recomputes most, the most micro-batches and, where the
+        search may, parameters gathered again in backward: of the ways it weighs, the one
+        that keeps least in memory; ``kept``: bytes of each device kept for the offloaded
+        parameters' copies."""
+        from torchalpa.parallel.fit_advice import fit_advice
+        leanest = max((m for m in self.method.remat if m != "layers"), default="full",
+                      key=_remat_weight)
+        k, regather = max(self.counts()), max(self.regather_choices("intra-op"))
+        micro = self.batch // k
+        with self.timed("what would fit (memory floors)"):
+            needed = self.profile(leanest).devices_to_fit(budget, micro)
+            candidate = Candidate("intra-op", leanest, k, 0.0, 0.0, regather=regather)
+            advice = fit_advice(self.capture(k, leanest, regather).graph, self.meshes,
+                                self.intra_op_method(candidate), inputs=self.inputs,
+                                bound_devices=needed, kept=kept)
+        how = (f"intra-op plans with remat={leanest}, micro-batches of {micro}"
+               + (", parameters gathered again in backward" if regather else ""))
+        if advice is None:     # no budget the floors know of: the step's bound alone
+            return (f"what would fit: at least {needed} devices of {format_bytes(budget)} "
+                    f"({how}; the step's memory bound), or a smaller model or sequence")
+        return (f"what would fit: {how} on {advice.devices_text()}; or on "
+                f"{advice.memory_text()}; or a smaller model or sequence")
 
 
 def _floored_views(outcomes: dict) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -138,7 +139,8 @@ def plan_graph(graph: OpGraph, *, method: ShardParallel, meshes: list[LogicalMes
             cache.trim()
         plans.append(found)
     if not plans:
-        raise _no_mesh_fits(failures, refused, meshes, profile, method)
+        raise _no_mesh_fits(failures, refused, meshes, profile, method,
+                            lambda: fitting_advice(profile, meshes, method, graph, inputs))
     return _chosen(plans, skipped + [(m, _unfit_text(e)) for m, e in unfit], late, meshes)
 
 
@@ -251,10 +253,15 @@ def _solve_apart(graph: OpGraph, method: ShardParallel, meshes: list[LogicalMesh
 
 
 def _no_mesh_fits(failures: list, refused: list[LogicalMesh], meshes: list[LogicalMesh],
-                  profile, method: ShardParallel) -> Exception:
-    """The error when no mesh has a plan: each mesh's reason, and what would fit."""
+                  profile, method: ShardParallel, advise: Callable[[], str]) -> Exception:
+    """The error when no mesh has a plan: each mesh's reason, and what would fit
+    (``advise``: asked where a view did not fit its memory, not where it was cut short,
+    and not for a caller that keeps only that none fits: ``least_memory_unsaid``, as
+    AutoParallel's candidates, which says what would fit itself)."""
     from torchalpa.passes.sharding.ilp import InfeasibleError
-    advice = fitting_advice(profile, meshes[0], method) if refused else ""
+    from torchalpa.passes.sharding.intra_op import least_memory_said
+    over = refused or any(_over_memory(e) for e in failures)
+    advice = advise() if over and least_memory_said() else ""
     if len(refused) == len(meshes) and len({m.num_devices for m in meshes}) == 1:
         views = ", ".join("x".join(map(str, m.shape)) for m in meshes)
         return InfeasibleError(f"{failures[0]} (every view of its {meshes[0].num_devices} "
@@ -331,13 +338,22 @@ def memory_refusal(profile, mesh: LogicalMesh, method: ShardParallel):
         f"all {devices} devices; a lower bound, no solver run)")
 
 
-def fitting_advice(profile, mesh: LogicalMesh, method: ShardParallel) -> str:
-    """What would fit, by the same bound: checkpointing, micro-batches, devices."""
-    budget = _budget(method, mesh)
+def _over_memory(error: Exception) -> bool:
+    """Whether a view's error says a plan does not fit its memory (its bound, its floor or
+    its ILPs), not that it had no answer in time or no strategy."""
+    return "does not fit in" in str(error)
+
+
+def fitting_advice(profile, meshes: list[LogicalMesh], method: ShardParallel, graph: OpGraph,
+                   inputs: str = "global") -> str:
+    """What would fit: checkpointing and micro-batches by the step's bound, devices and
+    memory by the views' memory floors (``fit_advice``)."""
+    from torchalpa.parallel.fit_advice import fit_advice
+    budget = _budget(method, meshes[0])
     if not budget:
         return ""
-    devices, replicated = mesh.num_devices, _replicated_state(method)
-    lines = ["\nwhat could fit (by the same bound):",
+    devices, replicated = meshes[0].num_devices, _replicated_state(method)
+    lines = ["\nwhat could fit:",
              "  activation checkpointing: AutoShardingOption(remat='full' or 'selective') "
              "keeps a fraction of the activations"]
     batch = profile.batch
@@ -345,11 +361,15 @@ def fitting_advice(profile, mesh: LogicalMesh, method: ShardParallel) -> str:
         need = profile.memory_bytes(devices, batch // k, replicated_parameters=replicated)
         if batch % k == 0 and need <= budget:
             lines.append(f"  gradient accumulation: num_micro_batches={k} (micro-batches of "
-                         f"{batch // k}) needs at least {format_bytes(need)}")
+                         f"{batch // k}) needs at least {format_bytes(need)} (the step's "
+                         "memory bound)")
             break
-    needed = profile.devices_to_fit(budget)
-    if not replicated and needed > devices:
-        lines.append(f"  at least {needed} devices of {format_bytes(budget)} as the step is")
+    advice = fit_advice(graph, meshes, method, inputs=inputs, scan=not replicated,
+                        bound_devices=profile.devices_to_fit(budget))
+    if advice is not None and not replicated:    # more devices: the same states on each
+        lines.append(f"  devices, the step as it is: {advice.devices_text()}")
+    if advice is not None:
+        lines.append(f"  memory: {advice.memory_text()}")
     lines.append("  or leave method= out: the default (torchalpa.AutoParallel) weighs "
                  "checkpointing, micro-batches and pipelines for you")
     return "\n".join(lines)
