@@ -1,13 +1,10 @@
 """Polishing the picked stages (``passes/pipeline_search/stage_solve.py``: ``polished``,
 ``POLISH_BELOW``): the search solves no stage unsimplified; the stages of the pipeline it
 assembles are re-solved so after, the better plan kept. A polished stage is never slower
-than the search's plan of it, and where the re-solve is slower the search's plan stays.
-A stage above ``free_followers_below`` near its budget gets the near-budget re-solve with
-free followers in its polish, not in the search's solve."""
+than the search's plan of it, and where the re-solve is slower the search's plan stays."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 
 import pytest
@@ -113,33 +110,3 @@ def test_a_searched_pipeline_is_polished_never_slower_and_says_so(monkeypatch):
     assert any(n.startswith("polished ") and "of the search's stage plans" in n
                for n in plan.notes), plan.notes
     assert not any("polished" in n for n in rough.notes)
-
-
-def _re_solves(caplog) -> int:
-    """How often the near-budget re-solve fired since ``caplog`` was last cleared (its
-    log line), then cleared."""
-    fired = sum("re-solving with free followers" in r.getMessage() for r in caplog.records)
-    caplog.clear()
-    return fired
-
-
-def test_a_large_stage_near_its_budget_is_re_solved_freed_in_its_polish_only(
-        request_, caplog):
-    """Above ``free_followers_below`` (0 here: every graph is large) the search's solve of
-    a stage at 95 % of its budget leaves out the re-solve with free followers
-    (``AutoShardingOption.free_followers_near_budget``); the stage's polish runs it and
-    keeps its faster plan."""
-    caplog.set_level(logging.INFO, logger="torchalpa.planner")
-    large = _with(request_, exact_below=0, free_followers_below=0)
-    near = _with(large, memory_budget_per_device=plan_stage(large).estimates
-                 .memory_per_device_bytes / 0.95)
-    option = near.method.auto_sharding_option
-    caplog.clear()
-    searched = plan_stage(replace(near, method=replace(
-        near.method, auto_sharding_option=search_option(option, None, len(near.graph)))))
-    assert _re_solves(caplog) == 0
-    assert plan_stage(near) and _re_solves(caplog) == 1    # the method's own option has it
-    assert polishes(near)
-    polish = polished(near, searched)
-    assert _re_solves(caplog) == 1
-    assert stage_seconds(polish, near) < stage_seconds(searched, near)

@@ -174,14 +174,12 @@ def _polish(rough: list[int], plans: list[Plan | None], requests: list[StageRequ
         old, new = stage_seconds(before, requests[s]), stage_seconds(after, requests[s])
         if new < old:
             better.append(f"{s} ({(old - new) / old:.2%})")
-    log.info("pipeline stages polished (re-solved unsimplified, or large ones with free "
-             "followers near the budget): %d, %d of them faster",
+    log.info("pipeline stages polished (re-solved unsimplified): %d, %d of them faster",
              len(rough), len(better))
     faster = f"; faster: stage {', '.join(better)}" if better else "; none faster"
     return [f"polished {len(rough)} of the search's stage plans (stages "
             f"{', '.join(str(s) for s in sorted(rough))}, within {POLISH_SPAN:.0%} of the "
-            f"slowest: re-solved unsimplified, or large ones with free followers near the "
-            f"budget, the better plan kept){faster}"]
+            f"slowest: re-solved unsimplified, the better plan kept){faster}"]
 
 
 def _polished(job: tuple[StageRequest, Plan, PricingMemo]) -> Plan:

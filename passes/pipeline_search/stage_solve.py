@@ -9,9 +9,8 @@ plan of it fits where its memory floor is above the budget. The search's own sta
 solves cap how hard the ILP works (``search_option``): none is re-solved unsimplified.
 The stages of the pipeline the search picks are then polished (``polish_option``,
 ``polished``): re-solved as the search solved every stage before, unsimplified below
-``POLISH_BELOW`` nodes, and above ``free_followers_below`` nodes with the near-budget
-re-solve with free followers the search's solves leave out, the better plan kept.
-Stages the search never solved are planned with the method's option.
+``POLISH_BELOW`` nodes, the better plan kept. Stages the search never solved are planned
+with the method's option.
 """
 
 from __future__ import annotations
@@ -147,40 +146,22 @@ def search_option(option: AutoShardingOption, budget: int | None, nodes: int = 0
     """``option`` for a stage solve of the search on a graph of ``nodes`` nodes: no
     unsimplified re-solve (``exact_below`` 0 where the graph is small enough for one, the
     picked stages being polished after, ``polish_option``; above that the same solve as
-    the polish option's, and recorded as it), no near-budget re-solve with free followers
-    on a graph above ``free_followers_below`` (``_near_budget_polished``: the picked
-    stages get it in their polish) and, with ``budget`` branch-and-bound nodes
+    the polish option's, and recorded as it) and, with ``budget`` branch-and-bound nodes
     (a uniform partition's stage, an alternative to the answer), its solver's node limit
     at most that, its gap at least ``BUDGETED_GAP`` and no alternating re-solve of
     repeated blocks (``AutoShardingOption.alternate_blocks``: on GPT-39B's 64-device row
     the slowest such stage, layers 0-1 with 4 micro-batches in flight, took 18.8 s with
     it and 10.1 s without, at the same latency). Bounds by work: the method's
     ``time_limit`` stays the only clock."""
-    changes: dict[str, object] = {}
     below = polish_option(option).exact_below
     if nodes <= below:
         below = 0
-    if below != option.exact_below:
-        changes["exact_below"] = below
-    if _near_budget_polished(option, nodes):
-        changes["free_followers_near_budget"] = 0.0
-    if budget is not None:
-        changes.update(max_nodes=budget if option.max_nodes is None else
-                       min(option.max_nodes, budget),
-                       gap=BUDGETED_GAP if option.gap is None else max(option.gap, BUDGETED_GAP),
-                       alternate_blocks=False)
-    return replace(option, **changes) if changes else option
-
-
-def _near_budget_polished(option: AutoShardingOption, nodes: int) -> bool:
-    """Whether a stage of ``nodes`` nodes gets the near-budget re-solve with free
-    followers (``AutoShardingOption.free_followers_near_budget``) in its polish only, not
-    in the search's solves. On the origin job (LLaMA-2-13B, 50 x 4 devices of 32 GB) the
-    stages above ``free_followers_below`` sit at their budget (the memory rows bind), so
-    the re-solve fired in each such solve of the search measured: 8..15 and 9..15 on
-    (20, 4) cost 1.76x and 1.49x their CPU for prices 0.10 % and 0.24 % lower
-    (benchmarks/RESULTS.md, r22-pipefree); the picked stages' polish keeps that gain."""
-    return bool(option.free_followers_near_budget) and nodes > option.free_followers_below
+    if budget is None:
+        return option if below == option.exact_below else replace(option, exact_below=below)
+    nodes_cap = budget if option.max_nodes is None else min(option.max_nodes, budget)
+    gap = BUDGETED_GAP if option.gap is None else max(option.gap, BUDGETED_GAP)
+    return replace(option, max_nodes=nodes_cap, gap=gap, exact_below=below,
+                   alternate_blocks=False)
 
 
 def polish_option(option: AutoShardingOption) -> AutoShardingOption:
@@ -198,11 +179,9 @@ def stage_seconds(plan: Plan, request: StageRequest) -> float:
 
 def polishes(request: StageRequest) -> bool:
     """Whether polishing ``request``'s stage re-solves anything the search's solve did
-    not: its graph is small enough to solve unsimplified (``polish_option``), or large
-    enough for the near-budget re-solve the search leaves out (``search_option``)."""
-    option, nodes = request.method.auto_sharding_option, len(request.graph)
-    return 0 < nodes <= polish_option(option).exact_below or \
-        _near_budget_polished(option, nodes)
+    not: its graph is small enough to solve unsimplified (``polish_option``)."""
+    return 0 < len(request.graph) <= polish_option(
+        request.method.auto_sharding_option).exact_below
 
 
 def polished(request: StageRequest, found: Plan, memo: PricingMemo | None = None) -> Plan:

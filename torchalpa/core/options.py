@@ -180,16 +180,14 @@ class AutoShardingOption:
     free_followers_near_budget: float = 0.9
     """A graph above ``free_followers_below`` whose simplified plan peaks at this fraction
     of the memory budget or above is re-solved with free followers from that plan, the
-    better plan kept (a pipeline's picked stages too, in their polish; not the search's
-    per-layer estimates nor its stage solves: on the origin job's two large stages
-    measured it cost 1.5-1.8x their CPU for prices 0.10-0.24 % lower). Near the budget
-    the merge of followers into their operands' decisions costs most. On LLaMA-3-8B on
-    1 x 8 H100 (batch 16 x 8192, ``AutoParallel``) every re-solved view got 0.5-25 %
-    faster and the plan 2.632 -> 2.482 s/step, for 1.0-1.2x the search's CPU; views at
-    62-68 % of the budget are left alone, and 0.8 or 0.95 pick the same plan there. A
-    pipeline whose picked stages are large and sit at the budget pays most (the small
-    GPT's stages solved as large ones: 1.1-9.9 % faster plans for 1.1-2.2x the CPU).
-    0 turns it off."""
+    better plan kept (a pipeline's picked stages too; not the search's per-layer
+    estimates): near the budget the merge of followers into their operands' decisions
+    costs most. On LLaMA-3-8B on 1 x 8 H100 (batch 16 x 8192, ``AutoParallel``) every
+    re-solved view got 0.5-25 % faster and the plan 2.632 -> 2.482 s/step, for 1.0-1.2x
+    the search's CPU; views at 62-68 % of the budget are left alone, and 0.8 or 0.95
+    pick the same plan there. A pipeline whose picked stages are large and sit at the
+    budget pays most (the small GPT's stages solved as large ones: 1.1-9.9 % faster
+    plans for 1.1-2.2x the CPU). 0 turns it off."""
     alternate_blocks: bool = True
     """Where repeated layers share decisions and the shared plan reshards values between
     them (more than 1 % of its step), solve once more letting every other layer decide
