@@ -368,12 +368,12 @@ class ManualShardingOption:
         object.__setattr__(self, "pin", AutoShardingOption(pin=self.pin).pin)
 
 
-
 def _checked_keywords(cls):
     """Unknown keywords of a method answered with the option record that holds them
     (``option_keywords``): AutoShardingOption's and AutoLayerOption's fields."""
     return names_misplaced_keywords(lambda: {"auto_sharding_option": AutoShardingOption,
                                              "layer_option": AutoLayerOption})(cls)
+
 
 @_checked_keywords
 @dataclass(frozen=True, kw_only=True, slots=True)
