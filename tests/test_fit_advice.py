@@ -130,7 +130,8 @@ def test_the_advice_says_what_is_proved_and_what_is_a_bound():
         "counts not checked)")
     assert "at least 2.0 KiB each" in found.memory_text()
     unsplit = dataclasses.replace(found, unsplit=(5,))
-    assert "4-5 refused by every view (its memory floor, or a batch 5 cannot split)" in \
+    assert ("4-5 refused by every view (its memory floor; on 5, the batch or the method's pins do "
+            "not split as asked)") in \
         unsplit.devices_text()
 
 

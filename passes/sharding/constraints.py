@@ -23,7 +23,14 @@ from torchalpa.core.placement import Partial, Replicate, Shard, is_shard, parse_
 from torchalpa.passes.sharding.stage_boundary import boundary_layout
 from torchalpa.passes.sharding.strategies import Strategy
 
-__all__ = ["apply_constraints"]
+__all__ = ["apply_constraints", "ViewConstraintError"]
+
+
+class ViewConstraintError(ValueError):
+    """The method's constraints (a pin, ``sequence_parallel``, ``plain_tensor_parallel``,
+    ``force_batch_dim_to_mesh_dim``) cannot hold on this view: it has no plan at all. A
+    ``ValueError``, as every refusal of what the user asked; callers that weigh views the
+    user did not ask for (``parallel.fit_advice``) count such a view as refused."""
 
 
 def _batch_sharded(s: Strategy, axis: int, mesh: LogicalMesh) -> bool:
@@ -172,7 +179,7 @@ def _split_norms_by_sequence(graph: OpGraph, strategies: dict[str, list[Strategy
         kept = [s for s in strategies[node.name] if s.outputs[0][axis] == Shard(1)]
         if not kept:
             shape = list(node.outputs[0].shape)
-            raise ValueError(f"sequence_parallel=True: {node.name} ({node.module or 'a norm'}) "
+            raise ViewConstraintError(f"sequence_parallel=True: {node.name} ({node.module or 'a norm'}) "
                              f"of shape {shape} cannot split its sequence dim over the last "
                              f"mesh axis ({mesh.shape[axis]} devices); use a sequence length "
                              "that divides by it, or sequence_parallel=False")
@@ -191,7 +198,7 @@ def _keep_norms_whole(graph: OpGraph, strategies: dict[str, list[Strategy]],
                     if all(isinstance(out[axis], Replicate) for out in s.outputs
                            if out is not None and len(out) > axis)]
             if not kept:
-                raise ValueError(f"plain_tensor_parallel=True: {node.name} "
+                raise ViewConstraintError(f"plain_tensor_parallel=True: {node.name} "
                                  f"({node.module or 'a norm'}) has no layout whole over the "
                                  "last mesh axis; use plain_tensor_parallel=False")
             strategies[node.name] = kept
@@ -235,7 +242,7 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
     pins = [(re.compile(p), _parse_pin(p, pl)) for p, pl in option.pin]
     axis = option.force_batch_dim_to_mesh_dim
     if axis is not None and not -1 <= axis < mesh.ndim:
-        raise ValueError(f"force_batch_dim_to_mesh_dim={axis} but the mesh has {mesh.ndim} "
+        raise ViewConstraintError(f"force_batch_dim_to_mesh_dim={axis} but the mesh has {mesh.ndim} "
                          f"axes (use -1 for all of them)")
     for node in graph:
         if not node.is_leaf:
@@ -274,7 +281,7 @@ def apply_constraints(graph: OpGraph, strategies: dict[str, list[Strategy]], mes
                     [s for s in strategies[node.name] if _pin_matches(s.outputs[0], layout)]
                 if not kept:
                     possible = ", ".join(short(s.outputs[0]) for s in strategies[node.name])
-                    raise ValueError(f"{name} {list(node.output.shape)} cannot be pinned to "
+                    raise ViewConstraintError(f"{name} {list(node.output.shape)} cannot be pinned to "
                                      f"{_show_pin(layout)} on mesh {mesh.shape}; possible: {possible}")
                 options = kept
         strategies[node.name] = options

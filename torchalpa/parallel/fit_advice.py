@@ -52,7 +52,8 @@ class FitAdvice:
     devices_floor: float = 0.0  # that count's least floor over its views
     kept: float = 0.0          # bytes of each device kept beside the budget (the offloaded
     #                            parameters' copies in flight): told as part of its memory
-    unsplit: tuple[int, ...] = ()  # counts scanned none of whose views splits the batch
+    unsplit: tuple[int, ...] = ()  # counts scanned none of whose views has a plan at all
+    #                                (the batch does not split, a pin cannot hold)
 
     def devices_text(self) -> str:
         """``at least 4 devices of 387.0 KiB (...)``: the count, and how it was found."""
@@ -82,7 +83,8 @@ class FitAdvice:
             counts = f"{self.first_checked}-{last}" if last > self.first_checked \
                 else str(last)
             by = "every view's memory floor" if not self.unsplit else \
-                f"every view (its memory floor, or a batch {_listed(self.unsplit)} cannot split)"
+                f"every view (its memory floor; on {_listed(self.unsplit)}, the batch or the " \
+                "method's pins do not split as asked)"
             parts.append(f"{counts} refused by {by}")
         return ", ".join(parts) or f"{self.tried} tried"
 
@@ -128,13 +130,16 @@ def least_floor(graph: OpGraph, meshes: list[LogicalMesh], method: ShardParallel
 
 def _view_floor(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel,
                 inputs: str) -> tuple[float, float | None]:
-    """``memory_floor`` of one view; (inf, None) for a view whose devices cannot split the
-    batch as the method asks (``BatchSplitError``: it has no plan at all)."""
+    """``memory_floor`` of one view; (inf, None) for a view that has no plan at all: its
+    devices cannot split the batch as the method asks (``BatchSplitError``), or the
+    method's pins and layout options cannot hold on it (``ViewConstraintError``: a weight
+    pinned split where this count does not divide it)."""
     from torchalpa.core.input_errors import BatchSplitError
+    from torchalpa.passes.sharding.constraints import ViewConstraintError
     from torchalpa.passes.sharding.intra_op import memory_floor
     try:
         return memory_floor(graph, mesh, method, inputs=inputs)
-    except BatchSplitError:
+    except (BatchSplitError, ViewConstraintError):
         return math.inf, None
 
 
