@@ -133,3 +133,20 @@ def one_rank_group():
     init_distributed()
     yield dist.group.WORLD.group_name
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def ilp_calls(monkeypatch):
+    """The mesh shapes of ``plan_intra_op``'s calls (a view's ILPs) since the test began;
+    the plan cache off (its key does not see ``PassSwitches``: a second solve would be a
+    hit and not counted)."""
+    import torchalpa.passes.sharding.intra_op as intra_op
+    monkeypatch.setenv("TORCHALPA_CACHE", "0")
+    calls = []
+    solve = intra_op.plan_intra_op
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].shape)
+        return solve(*args, **kwargs)
+    monkeypatch.setattr(intra_op, "plan_intra_op", counted)
+    return calls

@@ -20,8 +20,10 @@ from search_models import meta_tiny_gpt
 import torchalpa
 import torchalpa.passes.sharding.intra_op as intra_op
 from torchalpa.core.options import ShardParallel
+from torchalpa.core.units import format_bytes
 from torchalpa.frontends.block_remat import checkpointed_capture
 from torchalpa.frontends.torch_export import capture
+from torchalpa.parallel import fit_advice as advice
 from torchalpa.parallel import shard
 from torchalpa.parallel.auto import NothingFitsError
 from torchalpa.parallel.fit_advice import FitAdvice, least_floor, views_of
@@ -47,20 +49,6 @@ def job():
     floor, _ = intra_op.memory_floor(graph, mesh, ShardParallel())
     assert need < floor, "the budget must pass the step's bound for these tests to test it"
     return graph, (need + floor) / 2
-
-
-@pytest.fixture
-def ilp_calls(monkeypatch):
-    """``plan_intra_op``'s calls since the test began (the plan cache off)."""
-    monkeypatch.setenv("TORCHALPA_CACHE", "0")
-    calls = []
-    solve = intra_op.plan_intra_op
-
-    def counted(*args, **kwargs):
-        calls.append(args[1].shape)
-        return solve(*args, **kwargs)
-    monkeypatch.setattr(intra_op, "plan_intra_op", counted)
-    return calls
 
 
 def _auto_error(budget: float) -> str:
@@ -144,3 +132,18 @@ def test_counts_that_cannot_split_the_batch_are_refused_not_raised(job):
         force_batch_dim_to_mesh_dim=0))
     assert least_floor(graph, views_of(mesh, 3), forced)[0] == float("inf")
     assert least_floor(graph, views_of(mesh, 4), forced)[0] < float("inf")
+
+
+def test_the_scan_stops_by_work_not_by_the_clock(job, monkeypatch):
+    """The scan of device counts is bounded by graph nodes times views (``SCAN_WORK``),
+    so the advice is the same at any load: with work for count 3's views alone it stops
+    there, "more than 3" (3 is refused by every view's floor); with the default it reaches
+    4, where a floor lets plans through."""
+    graph, budget = job
+    mesh = _cluster(2, budget).logical_mesh()
+    found = advice.fit_advice(graph, [mesh], ShardParallel(), bound_devices=3)
+    assert found is not None and found.devices == 4
+    monkeypatch.setattr(advice, "SCAN_WORK", len(graph) * len(views_of(mesh, 3)))
+    stopped = advice.fit_advice(graph, [mesh], ShardParallel(), bound_devices=3)
+    assert stopped is not None and (stopped.devices, stopped.checked_to) == (None, 3)
+    assert stopped.devices_text().startswith(f"more than 3 devices of {format_bytes(budget)}")

@@ -52,21 +52,6 @@ def _mesh(cluster):
     return mesh
 
 
-@pytest.fixture
-def ilp_calls(monkeypatch):
-    """How many times ``plan_intra_op`` (a view's ILPs) ran since the test began; the plan
-    cache off (its key does not see ``PassSwitches``: a second solve would be a hit)."""
-    monkeypatch.setenv("TORCHALPA_CACHE", "0")
-    calls = []
-    solve = intra_op.plan_intra_op
-
-    def counted(*args, **kwargs):
-        calls.append(args[1].shape)
-        return solve(*args, **kwargs)
-    monkeypatch.setattr(intra_op, "plan_intra_op", counted)
-    return calls
-
-
 def test_a_view_over_its_floor_is_refused_without_an_ilp(step, ilp_calls):
     """A budget between the bound and the floor: no ILP with the floor on, the same answer
     (does not fit) from the view's ILP with it off."""

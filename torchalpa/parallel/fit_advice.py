@@ -13,9 +13,11 @@ views by, so the advice reads it:
   the budget, found by scanning counts upward from where the step's bound stops refusing.
   The counts scanned before it are refused by every view's floor (proved: no intra-op
   plan fits; pipelines are not covered); at the count found, the floor only lets plans
-  through (not a proof one fits), so the advice says "at least". The scan stops after
-  ``SCAN_SECONDS`` (a floor is one pass over the step's liveness per view, about 0.3 CPU
-  s on an 8B model) and then says how far it checked.
+  through (not a proof one fits), so the advice says "at least". The scan is bounded by
+  work, not by a clock, so the message is the same at any load: ``SCAN_WORK`` graph nodes
+  times views (a floor is one pass over the step's liveness per view, about 0.3 CPU s on
+  LLaMA-3-8B's 8,000 ops: some 30 views there, hundreds on a small model); past it the
+  advice says how far it checked.
 
 The hypothetical devices are views like the first one tried (its links, memory and
 compute) with another count, 1D and every 2D factorization, as ``Cluster.candidate_shapes``
@@ -25,7 +27,6 @@ makes them, so ShardParallel's message and AutoParallel's agree for the same job
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, replace
 
 from torchalpa.core.cluster import LogicalMesh
@@ -33,9 +34,10 @@ from torchalpa.core.opgraph import OpGraph
 from torchalpa.core.options import ShardParallel
 from torchalpa.core.units import format_bytes
 
-__all__ = ["FitAdvice", "fit_advice", "least_floor", "views_of", "SCAN_SECONDS"]
+__all__ = ["FitAdvice", "fit_advice", "least_floor", "views_of", "SCAN_WORK"]
 
-SCAN_SECONDS = 10.0
+SCAN_WORK = 250_000
+"""Graph nodes times views whose floors the scan of device counts may compute."""
 """How long the device-count scan may take at most (its message says where it stopped)."""
 
 
@@ -160,15 +162,17 @@ def fit_advice(graph: OpGraph, meshes: list[LogicalMesh], method: ShardParallel,
     first = count = max(tried + 1, bound_devices)
     if not scan:
         return FitAdvice(tried, budget, memory, first, None, tried, kept=kept)
-    started, unsplit = time.perf_counter(), []
+    views_left, unsplit = max(1, SCAN_WORK // max(1, len(graph))), []
     while True:
-        floor, _ = least_floor(graph, views_of(meshes[0], count), general, inputs=inputs)
+        views = views_of(meshes[0], count)
+        if len(views) > views_left and count > first:   # the first count is always checked
+            return FitAdvice(tried, budget, memory, first, None, count - 1, kept=kept,
+                             unsplit=tuple(unsplit))
+        views_left -= len(views)
+        floor, _ = least_floor(graph, views, general, inputs=inputs)
         if floor <= budget * (1 + FIT_TOLERANCE):
             return FitAdvice(tried, budget, memory, first, count, count, floor, kept,
                              tuple(unsplit))
         if math.isinf(floor):
             unsplit.append(count)
-        if time.perf_counter() - started > SCAN_SECONDS:
-            return FitAdvice(tried, budget, memory, first, None, count, kept=kept,
-                             unsplit=tuple(unsplit))
         count += 1
