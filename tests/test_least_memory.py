@@ -21,7 +21,7 @@ import torchalpa
 from torchalpa.core.cluster import LogicalMesh
 from torchalpa.frontends.torch_export import capture
 from torchalpa.passes.sharding import intra_op
-from torchalpa.passes.sharding.ilp import InfeasibleError
+from torchalpa.passes.sharding.ilp import InfeasibleError, OverMemoryBudget
 from torchalpa.passes.sharding.intra_op import least_memory_unsaid, plan_intra_op
 
 MESH = LogicalMesh(shape=(4,), alpha=(1.0,), beta=(1.0,))
@@ -65,9 +65,11 @@ def test_unsaid_the_error_says_no_plan_fits_and_solves_no_least_memory(graph, mi
         plan_intra_op(graph, MESH, _tight())
     assert minimum_calls == []
     assert "no plan of its ILP fits" in str(e.value) and "needs at least" not in str(e.value)
-    # a plain error: a forked search worker sends it back to the search
-    assert type(e.value) is InfeasibleError
-    assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)
+    # a message-only error (over the memory budget): a forked search worker sends it back
+    # to the search, its type kept
+    assert type(e.value) is OverMemoryBudget
+    back = pickle.loads(pickle.dumps(e.value))
+    assert type(back) is OverMemoryBudget and str(back) == str(e.value)
     # and said again once the block is left
     with pytest.raises(InfeasibleError, match="it needs at least"):
         plan_intra_op(graph, MESH, _tight())

@@ -40,7 +40,7 @@ from torchalpa.passes.sharding.shared_reshard import SharedReads, shared_reads_c
 
 __all__ = ["Edge", "ILPProblem", "ILPSolution", "solve_ilp", "lower_bound", "InfeasibleError",
            "SolverStopped", "MemoryNotSettled",
-           "clock_watch", "clock_stops_elsewhere", "CLOCK_NOTE"]
+           "clock_watch", "clock_stops_elsewhere", "CLOCK_NOTE", "OverMemoryBudget"]
 
 CLOCK_NOTE = "the solver's time limit (a safety net) stopped"
 """How a plan's note begins when a solver's time limit, not its node limit, ended one of
@@ -75,6 +75,13 @@ def clock_stops_elsewhere(stops: list[float]) -> None:
 
 class InfeasibleError(ValueError):
     """No choice of strategies satisfies the constraints."""
+
+
+class OverMemoryBudget(InfeasibleError):
+    """No plan of a view fits its memory budget (by the step's bound, the view's memory
+    floor or its ILPs), as opposed to no strategy at all or a solver stopped: what the
+    advice of what would fit answers. Its message only, so it crosses from forked
+    workers."""
 
 
 class SolverStopped(InfeasibleError):

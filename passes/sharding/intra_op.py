@@ -63,6 +63,7 @@ from torchalpa.passes.sharding.ilp import (
     ILPSolution,
     InfeasibleError,
     MemoryNotSettled,
+    OverMemoryBudget,
     SolverStopped,
     clock_watch,
     solve_ilp,
@@ -283,7 +284,7 @@ def plan_intra_op(graph: OpGraph, mesh: LogicalMesh, method: ShardParallel | Non
         try:
             best = ilp.best()
         except NoPlanWithinBudget as e:   # a plain error: it may cross to another process
-            raise (e.explained() if _LEAST_MEMORY.get() else InfeasibleError(str(e))) from None
+            raise (e.explained() if _LEAST_MEMORY.get() else OverMemoryBudget(str(e))) from None
     if sharing is not None:
         sharing[key] = sharing.get(key, frozenset()) | best.shared
     chosen = best.chosen
@@ -335,7 +336,7 @@ def least_memory_said() -> bool:
     return _LEAST_MEMORY.get()
 
 
-class NoPlanWithinBudget(InfeasibleError):
+class NoPlanWithinBudget(OverMemoryBudget):
     """No plan of a view's ILP fits its memory budget. The least memory a plan needs is
     computed only when asked (``explained``): where a less simplified ILP is solved next,
     or the caller keeps only that the view does not fit (``least_memory_unsaid``), it is
@@ -345,9 +346,9 @@ class NoPlanWithinBudget(InfeasibleError):
         super().__init__(_does_not_fit(budget, mesh, None))
         self.budget, self.mesh, self.least = budget, mesh, least
 
-    def explained(self) -> InfeasibleError:
+    def explained(self) -> OverMemoryBudget:
         """The error with the least memory a plan needs (its ILPs solved now)."""
-        return InfeasibleError(_does_not_fit(self.budget, self.mesh, self.least()))
+        return OverMemoryBudget(_does_not_fit(self.budget, self.mesh, self.least()))
 
 
 def _does_not_fit(budget: float, mesh: LogicalMesh, need: float | None) -> str:

@@ -22,13 +22,13 @@ from torchalpa.core.options import ShardParallel
 from torchalpa.core.switches import PassSwitches
 from torchalpa.core.units import format_bytes
 from torchalpa.passes.pipeline_search.pricing_memo import PricingMemo
-from torchalpa.passes.sharding.ilp import InfeasibleError
+from torchalpa.passes.sharding.ilp import OverMemoryBudget
 from torchalpa.passes.sharding.intra_op import FIT_TOLERANCE, memory_floor
 
 __all__ = ["FloorRefusal", "floor_refusal"]
 
 
-class FloorRefusal(InfeasibleError):
+class FloorRefusal(OverMemoryBudget):
     """A view whose memory floor is above its budget: no plan of its ILP fits, proved
     without one. Its message only (a plain error's arguments): it may cross from a forked
     worker to the searching process."""

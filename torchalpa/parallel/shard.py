@@ -312,10 +312,10 @@ def _replicated_state(method: ShardParallel) -> bool:
 
 
 def memory_refusal(profile, mesh: LogicalMesh, method: ShardParallel):
-    """An ``InfeasibleError`` when no plan of the step can fit ``mesh``'s memory budget by
-    the step's lower bound (``passes/pricing/bounds.py``), else None: the ILP is not worth
-    building."""
-    from torchalpa.passes.sharding.ilp import InfeasibleError
+    """An ``OverMemoryBudget`` error when no plan of the step can fit ``mesh``'s memory
+    budget by the step's lower bound (``passes/pricing/bounds.py``), else None: the ILP is
+    not worth building."""
+    from torchalpa.passes.sharding.ilp import OverMemoryBudget
     budget = _budget(method, mesh)
     if not budget:
         return None
@@ -330,7 +330,7 @@ def memory_refusal(profile, mesh: LogicalMesh, method: ShardParallel):
     what = "of the optimizer update's temporaries at the step's end" if at_end else \
         "of activations at the step's peak"
     shape = "x".join(map(str, mesh.shape))
-    return InfeasibleError(
+    return OverMemoryBudget(
         f"the model does not fit in {format_bytes(budget)} per device on mesh {shape}: "
         f"every plan needs at least {format_bytes(need)} per device ({format_bytes(states)} "
         f"of parameters, gradients and optimizer states and "
@@ -341,7 +341,8 @@ def memory_refusal(profile, mesh: LogicalMesh, method: ShardParallel):
 def _over_memory(error: Exception) -> bool:
     """Whether a view's error says a plan does not fit its memory (its bound, its floor or
     its ILPs), not that it had no answer in time or no strategy."""
-    return "does not fit in" in str(error)
+    from torchalpa.passes.sharding.ilp import OverMemoryBudget
+    return isinstance(error, OverMemoryBudget)
 
 
 def fitting_advice(profile, meshes: list[LogicalMesh], method: ShardParallel, graph: OpGraph,
